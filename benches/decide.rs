@@ -1,0 +1,83 @@
+//! One full decision: admission, fingerprint of a 1 KB message, consensus and scoring over three
+//! providers, breaker, contract check of the answer, budget settlement, decision assembly.
+
+use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
+use oam::core::health::Verdict;
+use oam::core::pipeline::{Config, Engine, State, Step};
+use oam::core::quorum::{Cluster, Observation};
+use oam::core::request::{Generation, Message, Policy, Priority, Request, Risk};
+use std::hint::black_box;
+
+const NOW: u64 = 1_764_460_800_000;
+
+fn engine() -> Engine {
+    let mut cluster = Cluster::new("n1", 3);
+    for node in ["n1", "n2", "n3"] {
+        cluster.heartbeat(node, NOW);
+        for provider in ["primary", "local", "secondary"] {
+            cluster.observe(Observation {
+                node: node.into(),
+                provider: provider.into(),
+                at_ms: NOW,
+                verdict: Verdict::Healthy,
+                availability: 1.0,
+                contract_failure_pct: 0.0,
+                p95_ms: 190,
+                samples: 15,
+            });
+        }
+    }
+    Engine::new(
+        Config::default(),
+        State {
+            cluster,
+            ..State::default()
+        },
+    )
+}
+
+fn request() -> Request {
+    Request {
+        id: "bench".into(),
+        agent: "agent".into(),
+        task: "summarise".into(),
+        model: Some("gpt".into()),
+        messages: vec![Message {
+            role: "user".into(),
+            content: "x".repeat(1024),
+        }],
+        risk: Risk::Low,
+        priority: Priority::Normal,
+        idempotent: true,
+        latency_budget_ms: None,
+        max_cost_usd: None,
+        max_tokens: None,
+        policy: Policy::default(),
+        contract: None,
+        response_format: None,
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let mut e = engine();
+    let answer = Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 180);
+    c.bench_function("decide/3-providers-1KB", |b| {
+        b.iter_batched(
+            || (request(), answer.clone()),
+            |(r, g)| {
+                let (mut s, step) = e.begin(r, NOW).expect("valid");
+                let Step::Dispatch(_) = step else {
+                    panic!("expected a dispatch")
+                };
+                match e.complete(&mut s, g, NOW + 180) {
+                    Step::Done(d) => black_box(d),
+                    other => panic!("expected a decision, got {other:?}"),
+                }
+            },
+            BatchSize::SmallInput,
+        )
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,30 @@
+//! The command line: the top-level parser and the dispatch to `cmd::*`.
+
+use crate::cmd;
+use crate::error::Result;
+use clap::{Parser, Subcommand};
+
+/// oam: reliability, liveness and attention control for AI agents.
+///
+/// Every decision oam makes carries machine-readable reason codes; `oam reasons` lists them.
+#[derive(Parser, Debug)]
+#[command(name = "oam", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// List every reason code with its phase and meaning.
+    Reasons(cmd::reasons::Args),
+    /// Run the decision pipeline on a recorded input and print the decision as JSON.
+    Decide(cmd::decide::Args),
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Reasons(args) => cmd::reasons::run(args),
+        Command::Decide(args) => cmd::decide::run(args),
+    }
+}

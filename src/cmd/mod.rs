@@ -1,0 +1,4 @@
+//! One module per subcommand: its clap `Args` and its `run`. Glue only; decisions live in `core`.
+
+pub mod decide;
+pub mod reasons;

@@ -1,0 +1,128 @@
+//! Budgets, per agent and global: cost is reserved before dispatch and settled with the actual
+//! cost afterwards, so concurrent requests cannot together overspend. No budget means no limit.
+
+use super::reason::ReasonCode;
+use super::request::round_usd;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Float slack for comparing dollar amounts.
+const EPSILON_USD: f64 = 1e-9;
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    pub limit_usd: f64,
+    #[serde(default)]
+    pub spent_usd: f64,
+    #[serde(default)]
+    pub reserved_usd: f64,
+}
+
+impl Budget {
+    pub fn new(limit_usd: f64) -> Self {
+        Budget {
+            limit_usd,
+            spent_usd: 0.0,
+            reserved_usd: 0.0,
+        }
+    }
+
+    pub fn remaining_usd(&self) -> f64 {
+        round_usd((self.limit_usd - self.spent_usd - self.reserved_usd).max(0.0))
+    }
+
+    pub fn covers(&self, cost_usd: f64) -> bool {
+        cost_usd <= self.remaining_usd() + EPSILON_USD
+    }
+
+    fn settle(&mut self, reserved_usd: f64, actual_usd: f64) {
+        self.reserved_usd = round_usd((self.reserved_usd - reserved_usd).max(0.0));
+        self.spent_usd = round_usd(self.spent_usd + actual_usd);
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Budgets {
+    pub global: Option<Budget>,
+    pub agents: BTreeMap<String, Budget>,
+}
+
+impl Budgets {
+    /// Can `agent` spend `cost_usd` now? Names the budget that refuses.
+    pub fn check(&self, agent: &str, cost_usd: f64) -> Result<(), ReasonCode> {
+        if cost_usd <= 0.0 {
+            return Ok(());
+        }
+        if self.agents.get(agent).is_some_and(|b| !b.covers(cost_usd)) {
+            return Err(ReasonCode::BudgetExhausted);
+        }
+        if self.global.is_some_and(|b| !b.covers(cost_usd)) {
+            return Err(ReasonCode::GlobalBudgetExhausted);
+        }
+        Ok(())
+    }
+
+    pub fn reserve(&mut self, agent: &str, cost_usd: f64) {
+        if let Some(b) = self.agents.get_mut(agent) {
+            b.reserved_usd = round_usd(b.reserved_usd + cost_usd);
+        }
+        if let Some(b) = self.global.as_mut() {
+            b.reserved_usd = round_usd(b.reserved_usd + cost_usd);
+        }
+    }
+
+    /// Release a reservation and charge what was really spent.
+    pub fn settle(&mut self, agent: &str, reserved_usd: f64, actual_usd: f64) {
+        if let Some(b) = self.agents.get_mut(agent) {
+            b.settle(reserved_usd, actual_usd);
+        }
+        if let Some(b) = self.global.as_mut() {
+            b.settle(reserved_usd, actual_usd);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_count_before_settlement() {
+        let mut b = Budgets::default();
+        b.agents.insert("a".into(), Budget::new(1.0));
+        assert_eq!(b.check("a", 0.6), Ok(()));
+        b.reserve("a", 0.6);
+        assert_eq!(
+            b.check("a", 0.6),
+            Err(ReasonCode::BudgetExhausted),
+            "reserved counts"
+        );
+        b.settle("a", 0.6, 0.2);
+        assert_eq!(b.check("a", 0.6), Ok(()), "actual was cheaper");
+        let a = b.agents["a"];
+        assert!((a.spent_usd - 0.2).abs() < 1e-12 && a.reserved_usd == 0.0);
+    }
+
+    #[test]
+    fn unknown_agents_and_zero_cost_are_unlimited() {
+        let mut b = Budgets::default();
+        assert_eq!(b.check("nobody", 1e9), Ok(()));
+        b.agents.insert("a".into(), Budget::new(0.0));
+        assert_eq!(b.check("a", 0.0), Ok(()), "zero cost always fits");
+        assert_eq!(b.check("a", 0.001), Err(ReasonCode::BudgetExhausted));
+    }
+
+    #[test]
+    fn global_budget_applies_to_everyone() {
+        let mut b = Budgets {
+            global: Some(Budget::new(0.5)),
+            ..Budgets::default()
+        };
+        b.reserve("x", 0.4);
+        assert_eq!(b.check("y", 0.2), Err(ReasonCode::GlobalBudgetExhausted));
+        b.settle("x", 0.4, 0.4);
+        assert_eq!(b.global.unwrap().remaining_usd(), 0.1);
+    }
+}

@@ -1,0 +1,460 @@
+//! Semantic contract validation: a provider's HTTP 200 is only a success if its content is a JSON
+//! object with the required fields, a confidence in [0, 1] above the contract's floor, a bounded
+//! length, and was not cut off.
+//!
+//! The default contract requires `answer` and `confidence`. A request may bring its own, either as
+//! oam's `contract` object or as OpenAI's `response_format` (`json_object`, or a `json_schema` whose
+//! subset `type: object`, `required`, `properties.*.type` is enforced).
+
+use super::reason::ReasonCode;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+pub const DEFAULT_MIN_CONFIDENCE: f64 = 0.3;
+pub const DEFAULT_MAX_CHARS: usize = 16_000;
+
+/// A JSON type a field must have.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "lowercase")]
+pub enum JsonType {
+    String,
+    Number,
+    Integer,
+    Boolean,
+    Object,
+    Array,
+    Null,
+}
+
+impl JsonType {
+    fn matches(self, v: &Value) -> bool {
+        match self {
+            JsonType::String => v.is_string(),
+            JsonType::Number => v.is_number(),
+            JsonType::Integer => v.is_i64() || v.is_u64(),
+            JsonType::Boolean => v.is_boolean(),
+            JsonType::Object => v.is_object(),
+            JsonType::Array => v.is_array(),
+            JsonType::Null => v.is_null(),
+        }
+    }
+
+    fn parse(s: &str) -> Option<JsonType> {
+        serde_json::from_value(Value::String(s.to_string())).ok()
+    }
+}
+
+/// A contract as a request states it; every field falls back to the default contract.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ContractSpec {
+    pub required: Option<Vec<String>>,
+    pub properties: BTreeMap<String, JsonType>,
+    /// The field holding the model's confidence; `""` turns the confidence checks off.
+    pub confidence_field: Option<String>,
+    pub min_confidence: Option<f64>,
+    pub max_chars: Option<usize>,
+}
+
+/// The contract an answer is checked against.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Contract {
+    pub required: Vec<String>,
+    pub properties: BTreeMap<String, JsonType>,
+    pub confidence_field: Option<String>,
+    pub min_confidence: f64,
+    pub max_chars: usize,
+}
+
+impl Default for Contract {
+    fn default() -> Self {
+        Contract {
+            required: vec!["answer".into(), "confidence".into()],
+            properties: BTreeMap::new(),
+            confidence_field: Some("confidence".into()),
+            min_confidence: DEFAULT_MIN_CONFIDENCE,
+            max_chars: DEFAULT_MAX_CHARS,
+        }
+    }
+}
+
+/// One thing wrong with an answer.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Defect {
+    pub code: ReasonCode,
+    pub detail: String,
+}
+
+fn defect(code: ReasonCode, detail: impl Into<String>) -> Defect {
+    Defect {
+        code,
+        detail: detail.into(),
+    }
+}
+
+impl Contract {
+    /// The contract for a request: `contract` wins over `response_format`, which wins over the
+    /// default. Errors describe what in the request is unusable.
+    pub fn for_request(
+        spec: Option<&ContractSpec>,
+        response_format: Option<&Value>,
+    ) -> Result<Contract, String> {
+        let base = match response_format {
+            Some(rf) => Contract::from_response_format(rf)?,
+            None => Contract::default(),
+        };
+        let Some(spec) = spec else { return Ok(base) };
+        let confidence_field = match spec.confidence_field.as_deref() {
+            Some("") => None,
+            Some(f) => Some(f.to_string()),
+            None => base.confidence_field,
+        };
+        let min_confidence = spec.min_confidence.unwrap_or(base.min_confidence);
+        if !(0.0..=1.0).contains(&min_confidence) {
+            return Err(format!(
+                "contract.min_confidence must be in [0, 1], got {min_confidence}"
+            ));
+        }
+        Ok(Contract {
+            required: spec.required.clone().unwrap_or(base.required),
+            properties: if spec.properties.is_empty() {
+                base.properties
+            } else {
+                spec.properties.clone()
+            },
+            confidence_field,
+            min_confidence,
+            max_chars: spec.max_chars.unwrap_or(base.max_chars),
+        })
+    }
+
+    fn from_response_format(rf: &Value) -> Result<Contract, String> {
+        let kind = rf.get("type").and_then(Value::as_str);
+        match kind {
+            Some("text") => Ok(Contract::default()),
+            Some("json_object") => Ok(Contract {
+                required: vec![],
+                confidence_field: None,
+                ..Contract::default()
+            }),
+            Some("json_schema") => {
+                let schema = rf
+                    .pointer("/json_schema/schema")
+                    .ok_or("response_format.json_schema.schema is missing")?;
+                if schema.get("type").and_then(Value::as_str) != Some("object") {
+                    return Err("response_format.json_schema.schema.type must be \"object\"".into());
+                }
+                let required = match schema.get("required") {
+                    None => vec![],
+                    Some(Value::Array(items)) => items
+                        .iter()
+                        .map(|v| v.as_str().map(str::to_string))
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or("response_format.json_schema.schema.required must list strings")?,
+                    Some(_) => {
+                        return Err(
+                            "response_format.json_schema.schema.required must be an array".into(),
+                        );
+                    }
+                };
+                let mut properties = BTreeMap::new();
+                if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+                    for (name, prop) in props {
+                        if let Some(t) = prop.get("type").and_then(Value::as_str) {
+                            let t = JsonType::parse(t).ok_or_else(|| {
+                                format!(
+                                    "response_format.json_schema.schema.properties.{name}.type: \
+                                     unsupported type {t:?}"
+                                )
+                            })?;
+                            properties.insert(name.clone(), t);
+                        }
+                    }
+                }
+                let has_confidence = properties.contains_key("confidence")
+                    || required.iter().any(|r| r == "confidence");
+                Ok(Contract {
+                    required,
+                    properties,
+                    confidence_field: has_confidence.then(|| "confidence".to_string()),
+                    ..Contract::default()
+                })
+            }
+            _ => Err(format!(
+                "response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {}",
+                rf.get("type")
+                    .map_or("nothing".to_string(), Value::to_string)
+            )),
+        }
+    }
+
+    /// Check an answer. `Ok` carries the confidence (if the contract has one); `Err` every defect.
+    pub fn check(
+        &self,
+        content: &str,
+        finish_reason: Option<&str>,
+    ) -> Result<Option<f64>, Vec<Defect>> {
+        if finish_reason == Some("length") {
+            return Err(vec![defect(
+                ReasonCode::ContractTruncated,
+                "finish_reason is \"length\": the answer was cut off",
+            )]);
+        }
+        let body = strip_code_fence(content.trim());
+        if body.is_empty() {
+            return Err(vec![defect(ReasonCode::ContractEmpty, "content is empty")]);
+        }
+        let chars = content.chars().count();
+        if chars > self.max_chars {
+            return Err(vec![defect(
+                ReasonCode::ContractTooLong,
+                format!(
+                    "content has {chars} characters, the limit is {}",
+                    self.max_chars
+                ),
+            )]);
+        }
+        let value: Value = match serde_json::from_str(body) {
+            Ok(v) => v,
+            Err(e) if e.is_eof() => {
+                return Err(vec![defect(
+                    ReasonCode::ContractTruncated,
+                    format!("JSON ends early: {e}"),
+                )]);
+            }
+            Err(e) => return Err(vec![defect(ReasonCode::ContractNotJson, e.to_string())]),
+        };
+        let Some(object) = value.as_object() else {
+            return Err(vec![defect(
+                ReasonCode::ContractNotObject,
+                format!("content is a JSON {}", type_name(&value)),
+            )]);
+        };
+        let mut defects = Vec::new();
+        for field in &self.required {
+            if !object.contains_key(field) {
+                defects.push(defect(
+                    ReasonCode::ContractMissingField,
+                    format!("missing field `{field}`"),
+                ));
+            }
+        }
+        for (field, t) in &self.properties {
+            if let Some(v) = object.get(field)
+                && !t.matches(v)
+                && Some(field) != self.confidence_field.as_ref()
+            {
+                defects.push(defect(
+                    ReasonCode::ContractFieldType,
+                    format!("`{field}` is a {}, the contract says {t:?}", type_name(v)),
+                ));
+            }
+        }
+        let mut confidence = None;
+        if let Some(field) = &self.confidence_field
+            && let Some(v) = object.get(field)
+        {
+            match v.as_f64() {
+                None => defects.push(defect(
+                    ReasonCode::ContractConfidenceType,
+                    format!("`{field}` is a {}, not a number", type_name(v)),
+                )),
+                Some(c) if !(0.0..=1.0).contains(&c) => defects.push(defect(
+                    ReasonCode::ContractConfidenceRange,
+                    format!("`{field}` is {c}, outside [0, 1]"),
+                )),
+                Some(c) if c < self.min_confidence => defects.push(defect(
+                    ReasonCode::ContractConfidenceTooLow,
+                    format!(
+                        "`{field}` is {c}, below the contract floor {}",
+                        self.min_confidence
+                    ),
+                )),
+                Some(c) => confidence = Some(c),
+            }
+        }
+        if defects.is_empty() {
+            Ok(confidence)
+        } else {
+            Err(defects)
+        }
+    }
+}
+
+/// Models often wrap JSON in a markdown fence; accept one fence around the whole answer.
+fn strip_code_fence(s: &str) -> &str {
+    let Some(rest) = s.strip_prefix("```") else {
+        return s;
+    };
+    let rest = rest.strip_prefix("json").unwrap_or(rest);
+    rest.strip_suffix("```").unwrap_or(rest).trim()
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn codes(r: Result<Option<f64>, Vec<Defect>>) -> Vec<ReasonCode> {
+        r.err()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|d| d.code)
+            .collect()
+    }
+
+    #[test]
+    fn default_contract_accepts_a_good_answer() {
+        let c = Contract::default();
+        assert_eq!(
+            c.check(r#"{"answer":"42","confidence":0.9}"#, Some("stop")),
+            Ok(Some(0.9))
+        );
+        assert_eq!(
+            c.check("```json\n{\"answer\":\"42\",\"confidence\":0.8}\n```", None),
+            Ok(Some(0.8)),
+            "a single markdown fence is tolerated"
+        );
+    }
+
+    #[test]
+    fn each_defect_has_its_code() {
+        use ReasonCode::*;
+        let c = Contract::default();
+        let cases: &[(&str, Option<&str>, ReasonCode)] = &[
+            ("", None, ContractEmpty),
+            ("   ", None, ContractEmpty),
+            ("the answer is 42", None, ContractNotJson),
+            ("[1,2]", None, ContractNotObject),
+            (r#"{"answer":"x"}"#, None, ContractMissingField),
+            (
+                r#"{"answer":"x","confidence":"high"}"#,
+                None,
+                ContractConfidenceType,
+            ),
+            (
+                r#"{"answer":"x","confidence":1.5}"#,
+                None,
+                ContractConfidenceRange,
+            ),
+            (
+                r#"{"answer":"x","confidence":-0.1}"#,
+                None,
+                ContractConfidenceRange,
+            ),
+            (
+                r#"{"answer":"x","confidence":0.1}"#,
+                None,
+                ContractConfidenceTooLow,
+            ),
+            (r#"{"answer":"x","confi"#, None, ContractTruncated),
+            (
+                r#"{"answer":"x","confidence":0.9}"#,
+                Some("length"),
+                ContractTruncated,
+            ),
+        ];
+        for (content, finish, want) in cases {
+            assert_eq!(
+                codes(c.check(content, *finish)),
+                vec![*want],
+                "content {content:?}"
+            );
+        }
+        let long = format!(
+            r#"{{"answer":"{}","confidence":0.9}}"#,
+            "x".repeat(DEFAULT_MAX_CHARS)
+        );
+        assert_eq!(codes(c.check(&long, None)), vec![ContractTooLong]);
+    }
+
+    #[test]
+    fn all_missing_fields_are_reported() {
+        let d = Contract::default().check("{}", None).unwrap_err();
+        assert_eq!(d.len(), 2);
+        assert!(d[0].detail.contains("answer") && d[1].detail.contains("confidence"));
+    }
+
+    #[test]
+    fn request_contract_overrides_default() {
+        let spec = ContractSpec {
+            required: Some(vec!["label".into()]),
+            properties: [("label".to_string(), JsonType::String)].into(),
+            confidence_field: Some(String::new()),
+            ..ContractSpec::default()
+        };
+        let c = Contract::for_request(Some(&spec), None).unwrap();
+        assert_eq!(c.check(r#"{"label":"spam"}"#, None), Ok(None));
+        assert_eq!(
+            codes(c.check(r#"{"label":3}"#, None)),
+            vec![ReasonCode::ContractFieldType]
+        );
+        let bad = ContractSpec {
+            min_confidence: Some(2.0),
+            ..ContractSpec::default()
+        };
+        assert!(
+            Contract::for_request(Some(&bad), None)
+                .unwrap_err()
+                .contains("min_confidence")
+        );
+    }
+
+    #[test]
+    fn json_schema_response_format_becomes_the_contract() {
+        let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "required": ["city", "confidence"],
+            "properties": {"city": {"type": "string"}, "confidence": {"type": "number"}}}}});
+        let c = Contract::for_request(None, Some(&rf)).unwrap();
+        assert_eq!(c.required, vec!["city", "confidence"]);
+        assert_eq!(
+            c.check(r#"{"city":"Oslo","confidence":0.7}"#, None),
+            Ok(Some(0.7))
+        );
+        assert_eq!(
+            codes(c.check(r#"{"city":1,"confidence":0.7}"#, None)),
+            vec![ReasonCode::ContractFieldType]
+        );
+        let json_mode = Contract::for_request(None, Some(&json!({"type": "json_object"}))).unwrap();
+        assert_eq!(json_mode.check(r#"{"anything": true}"#, None), Ok(None));
+        assert_eq!(
+            codes(json_mode.check("[]", None)),
+            vec![ReasonCode::ContractNotObject]
+        );
+    }
+
+    #[test]
+    fn unusable_response_formats_are_errors_that_name_the_field() {
+        for (rf, needle) in [
+            (json!({"type": "yaml"}), "response_format.type"),
+            (
+                json!({"type": "json_schema"}),
+                "json_schema.schema is missing",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {"type": "array"}}}),
+                "schema.type",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {"type": "object",
+                    "properties": {"a": {"type": "date"}}}}}),
+                "properties.a.type",
+            ),
+        ] {
+            let err = Contract::for_request(None, Some(&rf)).unwrap_err();
+            assert!(err.contains(needle), "{err}");
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! Escalation: when a failed (or refused) request needs a human, and how urgently.
+//!
+//! Rules, first match wins, applied to the final outcome of a request:
+//! 1. a new agent-loop episode            -> ESCALATED_AGENT_LOOP, block automatic action
+//! 2. high risk + budget refused it       -> ESCALATED_BUDGET_EXHAUSTED, block
+//! 3. non-idempotent timeout (no retry)   -> ESCALATED_UNSAFE_RETRY, review (block if high risk)
+//! 4. high risk, any other failure        -> ESCALATED_HIGH_RISK_FAILURE, block
+//! 5. critical-priority task failed       -> ESCALATED_CRITICAL_TASK_FAILURE, review
+//! 6. medium risk ended on low confidence -> ESCALATED_LOW_CONFIDENCE, review
+//!
+//! Capacity sheds (admission) and calls refused inside an already-escalated loop episode are not
+//! escalated again: the first is the caller's retry, the second already has its escalation.
+
+use super::reason::{Action, Phase, ReasonCode};
+use super::request::{Priority, Request, Risk};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Escalation {
+    pub id: String,
+    pub request_id: String,
+    pub agent: String,
+    pub task: String,
+    pub phase: Phase,
+    /// Everything the request collected, the escalation reason last.
+    pub reason_codes: Vec<ReasonCode>,
+    pub recommended_action: Action,
+    pub created_at_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub incident_id: Option<String>,
+}
+
+/// What the rules need to know about the finished request.
+pub struct Outcome<'a> {
+    pub request: &'a Request,
+    pub phase: Phase,
+    pub codes: &'a [ReasonCode],
+    pub new_loop_incident: Option<&'a str>,
+}
+
+/// The escalation reason and action for a failed request, if it needs one.
+pub fn rule(o: &Outcome<'_>) -> Option<(ReasonCode, Action)> {
+    use Action::*;
+    let risk = o.request.risk;
+    let has = |c: ReasonCode| o.codes.contains(&c);
+    if o.new_loop_incident.is_some() {
+        return Some((
+            ReasonCode::EscalatedAgentLoop,
+            HumanReviewBlockAutomaticAction,
+        ));
+    }
+    if matches!(o.phase, Phase::Admission | Phase::Loop) {
+        return None;
+    }
+    if risk == Risk::High && o.phase == Phase::Budget {
+        return Some((
+            ReasonCode::EscalatedBudgetExhausted,
+            HumanReviewBlockAutomaticAction,
+        ));
+    }
+    if has(ReasonCode::RetryNotSafe) {
+        let action = if risk == Risk::High {
+            HumanReviewBlockAutomaticAction
+        } else {
+            HumanReview
+        };
+        return Some((ReasonCode::EscalatedUnsafeRetry, action));
+    }
+    if risk == Risk::High {
+        return Some((
+            ReasonCode::EscalatedHighRiskFailure,
+            HumanReviewBlockAutomaticAction,
+        ));
+    }
+    if o.request.priority == Priority::Critical {
+        return Some((ReasonCode::EscalatedCriticalTaskFailure, HumanReview));
+    }
+    if risk == Risk::Medium && o.phase == Phase::Quality {
+        return Some((ReasonCode::EscalatedLowConfidence, HumanReview));
+    }
+    None
+}
+
+/// Build the escalation object for a request the rules picked.
+pub fn build(o: &Outcome<'_>, reason: ReasonCode, action: Action, now_ms: u64) -> Escalation {
+    let mut reason_codes = o.codes.to_vec();
+    for c in [ReasonCode::HumanAttentionRequired, reason] {
+        if !reason_codes.contains(&c) {
+            reason_codes.push(c);
+        }
+    }
+    Escalation {
+        id: match o.new_loop_incident {
+            Some(inc) => format!("esc-{inc}"),
+            None => format!("esc-{}", o.request.id),
+        },
+        request_id: o.request.id.clone(),
+        agent: o.request.agent.clone(),
+        task: o.request.task.clone(),
+        phase: o.phase,
+        reason_codes,
+        recommended_action: action,
+        created_at_ms: now_ms,
+        incident_id: o.new_loop_incident.map(str::to_string),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::request::{Message, Policy};
+
+    fn req(risk: Risk, priority: Priority) -> Request {
+        Request {
+            id: "r1".into(),
+            agent: "a".into(),
+            task: "t".into(),
+            model: None,
+            messages: vec![Message {
+                role: "user".into(),
+                content: "hi".into(),
+            }],
+            risk,
+            priority,
+            idempotent: true,
+            latency_budget_ms: None,
+            max_cost_usd: None,
+            max_tokens: None,
+            policy: Policy::default(),
+            contract: None,
+            response_format: None,
+        }
+    }
+
+    fn decide(
+        r: &Request,
+        phase: Phase,
+        codes: &[ReasonCode],
+        inc: Option<&str>,
+    ) -> Option<ReasonCode> {
+        rule(&Outcome {
+            request: r,
+            phase,
+            codes,
+            new_loop_incident: inc,
+        })
+        .map(|x| x.0)
+    }
+
+    #[test]
+    fn rules_by_risk_priority_phase_and_idempotency() {
+        use ReasonCode::*;
+        let low = req(Risk::Low, Priority::Normal);
+        let med = req(Risk::Medium, Priority::Normal);
+        let high = req(Risk::High, Priority::Normal);
+        let crit = req(Risk::Low, Priority::Critical);
+        assert_eq!(
+            decide(&low, Phase::Generation, &[], None),
+            None,
+            "low risk goes back to the caller"
+        );
+        assert_eq!(
+            decide(&low, Phase::Generation, &[], Some("inc")),
+            Some(EscalatedAgentLoop)
+        );
+        assert_eq!(
+            decide(&high, Phase::Admission, &[], None),
+            None,
+            "sheds are not escalated"
+        );
+        assert_eq!(
+            decide(&high, Phase::Loop, &[], None),
+            None,
+            "episode already escalated"
+        );
+        assert_eq!(
+            decide(&high, Phase::Budget, &[], None),
+            Some(EscalatedBudgetExhausted)
+        );
+        assert_eq!(decide(&low, Phase::Budget, &[], None), None);
+        assert_eq!(
+            decide(&low, Phase::Generation, &[RetryNotSafe], None),
+            Some(EscalatedUnsafeRetry)
+        );
+        assert_eq!(
+            decide(&high, Phase::Semantic, &[], None),
+            Some(EscalatedHighRiskFailure)
+        );
+        assert_eq!(
+            decide(&crit, Phase::Generation, &[], None),
+            Some(EscalatedCriticalTaskFailure)
+        );
+        assert_eq!(
+            decide(&med, Phase::Quality, &[], None),
+            Some(EscalatedLowConfidence)
+        );
+        assert_eq!(decide(&med, Phase::Semantic, &[], None), None);
+    }
+
+    #[test]
+    fn high_risk_blocks_automatic_action() {
+        let high = req(Risk::High, Priority::Normal);
+        let o = Outcome {
+            request: &high,
+            phase: Phase::Generation,
+            codes: &[ReasonCode::RetryNotSafe],
+            new_loop_incident: None,
+        };
+        let (reason, action) = rule(&o).unwrap();
+        assert_eq!(action, Action::HumanReviewBlockAutomaticAction);
+        let e = build(&o, reason, action, 7);
+        assert_eq!(e.id, "esc-r1");
+        assert_eq!(
+            e.reason_codes,
+            vec![
+                ReasonCode::RetryNotSafe,
+                ReasonCode::HumanAttentionRequired,
+                ReasonCode::EscalatedUnsafeRetry
+            ]
+        );
+    }
+}

@@ -1,0 +1,277 @@
+//! Provider health: a rolling window of outcomes and the verdict thresholds from DESIGN.md.
+//!
+//! Probes and live traffic both feed the window. Timeouts are recorded with the time they really
+//! took, so p95 reflects a hanging provider instead of hiding it. Pure: `now` is an argument.
+
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+
+/// Default rolling window.
+pub const DEFAULT_WINDOW_MS: u64 = 15_000;
+/// Memory bound for one window: at 1 probe/s plus heavy traffic this is still minutes of samples.
+pub const MAX_SAMPLES: usize = 4_096;
+
+/// How one call to a provider went.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Answered and the answer met the contract.
+    Success,
+    /// Answered (HTTP 200) but the content broke the contract.
+    ContractFailure,
+    /// 5xx, connection error, 429 or an unusable response.
+    Error,
+    /// No answer within the timeout.
+    Timeout,
+}
+
+/// The health verdict for one provider.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Verdict {
+    Healthy,
+    Degraded,
+    Unhealthy,
+    Unknown,
+}
+
+impl Verdict {
+    pub const ALL: [Verdict; 4] = [
+        Verdict::Healthy,
+        Verdict::Degraded,
+        Verdict::Unhealthy,
+        Verdict::Unknown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Healthy => "HEALTHY",
+            Verdict::Degraded => "DEGRADED",
+            Verdict::Unhealthy => "UNHEALTHY",
+            Verdict::Unknown => "UNKNOWN",
+        }
+    }
+}
+
+/// Numbers computed from one window.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug, Default)]
+pub struct Stats {
+    pub samples: u32,
+    /// Share of calls that got an answer (success or contract failure), in [0, 1].
+    pub availability: f64,
+    /// Share of answers that broke the contract, in percent [0, 100].
+    pub contract_failure_pct: f64,
+    /// Nearest-rank 95th percentile latency of all calls, timeouts included.
+    pub p95_ms: u64,
+}
+
+impl Stats {
+    /// The DESIGN.md verdict for these numbers.
+    pub fn verdict(&self) -> Verdict {
+        if self.samples == 0 {
+            Verdict::Unknown
+        } else if self.availability < 0.50 || self.contract_failure_pct > 20.0 {
+            Verdict::Unhealthy
+        } else if self.availability < 0.95 || self.contract_failure_pct > 2.0 || self.p95_ms > 1_500
+        {
+            Verdict::Degraded
+        } else {
+            Verdict::Healthy
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+struct Sample {
+    at_ms: u64,
+    outcome: Outcome,
+    latency_ms: u64,
+}
+
+/// A rolling window of outcomes for one provider, as one node sees it.
+#[derive(Clone, Debug)]
+pub struct Window {
+    window_ms: u64,
+    samples: VecDeque<Sample>,
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Window::new(DEFAULT_WINDOW_MS)
+    }
+}
+
+impl Window {
+    pub fn new(window_ms: u64) -> Self {
+        Window {
+            window_ms,
+            samples: VecDeque::new(),
+        }
+    }
+
+    /// Record an outcome that finished at `now_ms` after `latency_ms`.
+    pub fn record(&mut self, now_ms: u64, outcome: Outcome, latency_ms: u64) {
+        self.prune(now_ms);
+        if self.samples.len() == MAX_SAMPLES {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(Sample {
+            at_ms: now_ms,
+            outcome,
+            latency_ms,
+        });
+    }
+
+    fn prune(&mut self, now_ms: u64) {
+        while self
+            .samples
+            .front()
+            .is_some_and(|s| now_ms.saturating_sub(s.at_ms) >= self.window_ms)
+        {
+            self.samples.pop_front();
+        }
+    }
+
+    /// Stats over the samples no older than the window: `now - at < window`.
+    pub fn stats(&self, now_ms: u64) -> Stats {
+        let live = || {
+            self.samples
+                .iter()
+                .filter(move |s| s.at_ms <= now_ms && now_ms - s.at_ms < self.window_ms)
+        };
+        let total = live().count();
+        if total == 0 {
+            return Stats::default();
+        }
+        let count = |o: Outcome| live().filter(|s| s.outcome == o).count();
+        let successes = count(Outcome::Success);
+        let contract_failures = count(Outcome::ContractFailure);
+        let answered = successes + contract_failures;
+        let mut latencies: Vec<u64> = live().map(|s| s.latency_ms).collect();
+        latencies.sort_unstable();
+        Stats {
+            samples: total as u32,
+            availability: answered as f64 / total as f64,
+            contract_failure_pct: if answered == 0 {
+                0.0
+            } else {
+                100.0 * contract_failures as f64 / answered as f64
+            },
+            p95_ms: nearest_rank(&latencies, 95),
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted values (0 for none).
+pub fn nearest_rank(sorted: &[u64], pct: u32) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (pct as usize * sorted.len()).div_ceil(100).max(1);
+    sorted[rank - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn window_with(outcomes: &[(Outcome, u64)]) -> Window {
+        let mut w = Window::default();
+        for (i, &(o, l)) in outcomes.iter().enumerate() {
+            w.record(1_000 + i as u64, o, l);
+        }
+        w
+    }
+
+    #[test]
+    fn empty_window_is_unknown() {
+        let w = Window::default();
+        assert_eq!(w.stats(10_000).verdict(), Verdict::Unknown);
+    }
+
+    #[test]
+    fn all_success_fast_is_healthy() {
+        let w = window_with(&[(Outcome::Success, 150); 20]);
+        let s = w.stats(2_000);
+        assert_eq!(s.availability, 1.0);
+        assert_eq!(s.p95_ms, 150);
+        assert_eq!(s.verdict(), Verdict::Healthy);
+    }
+
+    #[test]
+    fn thresholds_follow_design() {
+        // 19/20 answered = 95% exactly: still healthy (the rule is "< 95%").
+        let mut v = vec![(Outcome::Success, 100); 19];
+        v.push((Outcome::Error, 100));
+        assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Healthy);
+        // 18/20 = 90% -> degraded.
+        v[0] = (Outcome::Error, 100);
+        assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Degraded);
+        // 9/20 = 45% -> unhealthy.
+        let mut v = vec![(Outcome::Timeout, 100); 11];
+        v.extend([(Outcome::Success, 100); 9]);
+        assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Unhealthy);
+        // contract failures: 1 of 40 answers = 2.5% -> degraded; 9 of 40 = 22.5% -> unhealthy.
+        let mut v = vec![(Outcome::Success, 100); 39];
+        v.push((Outcome::ContractFailure, 100));
+        assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Degraded);
+        for item in v.iter_mut().take(8) {
+            *item = (Outcome::ContractFailure, 100);
+        }
+        let s = window_with(&v).stats(2_000);
+        assert_eq!(s.contract_failure_pct, 22.5);
+        assert_eq!(s.verdict(), Verdict::Unhealthy);
+    }
+
+    #[test]
+    fn timeouts_count_with_their_real_latency() {
+        let mut v = vec![(Outcome::Success, 150); 19];
+        v.push((Outcome::Timeout, 30_000));
+        v.push((Outcome::Timeout, 30_000));
+        let s = window_with(&v).stats(2_000);
+        assert_eq!(
+            s.p95_ms, 30_000,
+            "two of 21 timeouts put p95 at the timeout"
+        );
+        assert_eq!(s.verdict(), Verdict::Degraded);
+    }
+
+    #[test]
+    fn slow_p95_alone_degrades() {
+        let w = window_with(&[(Outcome::Success, 1_600); 10]);
+        assert_eq!(w.stats(2_000).verdict(), Verdict::Degraded);
+    }
+
+    #[test]
+    fn samples_leave_the_window() {
+        let mut w = Window::new(15_000);
+        w.record(1_000, Outcome::Error, 10);
+        w.record(10_000, Outcome::Success, 10);
+        assert_eq!(w.stats(10_000).samples, 2);
+        assert_eq!(
+            w.stats(16_000).samples,
+            1,
+            "the sample at 1000 expired at 16000"
+        );
+        assert_eq!(w.stats(16_000).verdict(), Verdict::Healthy);
+        assert_eq!(w.stats(25_000).verdict(), Verdict::Unknown);
+    }
+
+    #[test]
+    fn memory_is_bounded() {
+        let mut w = Window::new(u64::MAX / 2);
+        for i in 0..(MAX_SAMPLES as u64 + 100) {
+            w.record(i, Outcome::Success, 1);
+        }
+        assert_eq!(w.samples.len(), MAX_SAMPLES);
+    }
+
+    #[test]
+    fn nearest_rank_matches_definition() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(nearest_rank(&v, 95), 95);
+        assert_eq!(nearest_rank(&v, 50), 50);
+        assert_eq!(nearest_rank(&[7], 95), 7);
+        assert_eq!(nearest_rank(&[1, 2], 95), 2);
+    }
+}

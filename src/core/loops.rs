@@ -1,0 +1,287 @@
+//! Agent-loop detection: the same call (agent, task, model, messages) failing again and again.
+//!
+//! N failures of one fingerprint inside the window open an *episode*: a force-tripped breaker
+//! keyed by the fingerprint, one incident and one escalation. While it is open, identical calls
+//! are refused before any provider is touched. When the cool-down ends one identical call is let
+//! through as a probe: success ends the episode, failure re-trips it (same episode, no new
+//! escalation). An episode nobody probes expires on its own.
+
+use super::breaker::{Breaker, BreakerConfig, Permit};
+use super::request::Message;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use xxhash_rust::xxh3::Xxh3;
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoopConfig {
+    /// Failures of one fingerprint that make a loop.
+    pub threshold: u32,
+    pub window_ms: u64,
+    /// How long identical calls are refused after a trip.
+    pub cooldown_ms: u64,
+}
+
+impl Default for LoopConfig {
+    fn default() -> Self {
+        LoopConfig {
+            threshold: 3,
+            window_ms: 60_000,
+            cooldown_ms: 120_000,
+        }
+    }
+}
+
+impl LoopConfig {
+    fn breaker(&self) -> BreakerConfig {
+        BreakerConfig {
+            failure_threshold: u32::MAX,
+            open_ms: self.cooldown_ms,
+            half_open_probes: 1,
+            half_open_successes: 1,
+        }
+    }
+}
+
+/// A stable 64-bit fingerprint of a call, as 16 hex digits. Fields are length-prefixed so
+/// ("ab", "c") and ("a", "bc") differ.
+pub fn fingerprint(agent: &str, task: &str, model: &str, messages: &[Message]) -> String {
+    let mut h = Xxh3::new();
+    let mut field = |s: &str| {
+        h.update(&(s.len() as u64).to_le_bytes());
+        h.update(s.as_bytes());
+    };
+    field(agent);
+    field(task);
+    field(model);
+    for m in messages {
+        field(&m.role);
+        field(&m.content);
+    }
+    format!("{:016x}", h.digest())
+}
+
+/// An open loop, as reported once per episode.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
+pub struct Incident {
+    pub id: String,
+    pub fingerprint: String,
+    pub agent: String,
+    pub task: String,
+    pub opened_at_ms: u64,
+    pub failures: u32,
+}
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Episode {
+    pub incident: Incident,
+    pub breaker: Breaker,
+    /// Dropped after this if nobody probed it.
+    pub expires_at_ms: u64,
+}
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LoopEntry {
+    #[serde(default)]
+    pub agent: String,
+    #[serde(default)]
+    pub task: String,
+    /// Failure times inside the window.
+    #[serde(default)]
+    pub failures: Vec<u64>,
+    #[serde(default)]
+    pub episode: Option<Episode>,
+}
+
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum LoopCheck {
+    Clear,
+    /// Let through once; report the result with `probe = true`.
+    Probe,
+    Blocked(Box<Incident>),
+}
+
+/// Loop state for every fingerprint, keyed by fingerprint.
+pub type Loops = BTreeMap<String, LoopEntry>;
+
+/// May a call with this fingerprint go ahead? Takes the probe slot when it answers `Probe`.
+pub fn check(loops: &mut Loops, fp: &str, now_ms: u64, cfg: &LoopConfig) -> LoopCheck {
+    let Some(ep) = loops.get_mut(fp).and_then(|e| e.episode.as_mut()) else {
+        return LoopCheck::Clear;
+    };
+    match ep.breaker.acquire(now_ms, &cfg.breaker()) {
+        Permit::Probe => LoopCheck::Probe,
+        Permit::Allowed => LoopCheck::Clear,
+        Permit::Open | Permit::ProbeQuotaFull => LoopCheck::Blocked(Box::new(ep.incident.clone())),
+    }
+}
+
+/// Record a failed call. Returns the incident when this failure opens a new episode.
+pub fn on_failure(
+    loops: &mut Loops,
+    fp: &str,
+    agent: &str,
+    task: &str,
+    now_ms: u64,
+    probe: bool,
+    cfg: &LoopConfig,
+) -> Option<Incident> {
+    let entry = loops.entry(fp.to_string()).or_insert_with(|| LoopEntry {
+        agent: agent.to_string(),
+        task: task.to_string(),
+        ..LoopEntry::default()
+    });
+    entry
+        .failures
+        .retain(|&t| now_ms.saturating_sub(t) < cfg.window_ms);
+    entry.failures.push(now_ms);
+    let expires_at_ms = now_ms + cfg.cooldown_ms + cfg.window_ms;
+    if let Some(ep) = entry.episode.as_mut() {
+        // Already a known loop: a failed probe re-trips it, nothing new to report.
+        if probe {
+            ep.breaker.on_failure(now_ms, true, &cfg.breaker());
+            ep.expires_at_ms = expires_at_ms;
+        }
+        return None;
+    }
+    if (entry.failures.len() as u32) < cfg.threshold {
+        return None;
+    }
+    let incident = Incident {
+        id: format!("inc-{fp}-{now_ms}"),
+        fingerprint: fp.to_string(),
+        agent: entry.agent.clone(),
+        task: entry.task.clone(),
+        opened_at_ms: now_ms,
+        failures: entry.failures.len() as u32,
+    };
+    let mut breaker = Breaker::default();
+    breaker.trip(now_ms, cfg.cooldown_ms);
+    entry.episode = Some(Episode {
+        incident: incident.clone(),
+        breaker,
+        expires_at_ms,
+    });
+    Some(incident)
+}
+
+/// A call with this fingerprint succeeded: any episode is over and the count starts again.
+pub fn on_success(loops: &mut Loops, fp: &str) {
+    loops.remove(fp);
+}
+
+/// Forget what is out of the window and episodes that expired unprobed. Drivers call this
+/// periodically; it is O(entries).
+pub fn prune(loops: &mut Loops, now_ms: u64, cfg: &LoopConfig) {
+    loops.retain(|_, e| {
+        e.failures
+            .retain(|&t| now_ms.saturating_sub(t) < cfg.window_ms);
+        if e.episode
+            .as_ref()
+            .is_some_and(|ep| now_ms >= ep.expires_at_ms)
+        {
+            e.episode = None;
+        }
+        e.episode.is_some() || !e.failures.is_empty()
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CFG: LoopConfig = LoopConfig {
+        threshold: 3,
+        window_ms: 1_000,
+        cooldown_ms: 5_000,
+    };
+
+    fn msg(s: &str) -> Vec<Message> {
+        vec![Message {
+            role: "user".into(),
+            content: s.into(),
+        }]
+    }
+
+    #[test]
+    fn fingerprint_is_stable_and_field_separated() {
+        let a = fingerprint("agent", "task", "m", &msg("hello"));
+        assert_eq!(a, fingerprint("agent", "task", "m", &msg("hello")));
+        assert_eq!(a.len(), 16);
+        assert_ne!(a, fingerprint("agen", "ttask", "m", &msg("hello")));
+        assert_ne!(a, fingerprint("agent", "task", "m", &msg("hello!")));
+        assert_ne!(a, fingerprint("agent", "task", "other", &msg("hello")));
+        // Pinned: the fingerprint is part of the wire (incidents, replay); it must not drift.
+        assert_eq!(fingerprint("", "", "", &[]), "743df94ee4c78a2a");
+    }
+
+    #[test]
+    fn third_failure_in_window_opens_one_episode() {
+        let mut l = Loops::new();
+        assert_eq!(on_failure(&mut l, "f", "a", "t", 0, false, &CFG), None);
+        assert_eq!(on_failure(&mut l, "f", "a", "t", 100, false, &CFG), None);
+        let inc = on_failure(&mut l, "f", "a", "t", 200, false, &CFG).expect("loop");
+        assert_eq!((inc.failures, inc.agent.as_str()), (3, "a"));
+        assert_eq!(
+            check(&mut l, "f", 300, &CFG),
+            LoopCheck::Blocked(Box::new(inc.clone()))
+        );
+        // More failures during the episode report nothing new.
+        assert_eq!(on_failure(&mut l, "f", "a", "t", 400, false, &CFG), None);
+        assert_eq!(check(&mut l, "other", 300, &CFG), LoopCheck::Clear);
+    }
+
+    #[test]
+    fn failures_outside_the_window_do_not_add_up() {
+        let mut l = Loops::new();
+        on_failure(&mut l, "f", "a", "t", 0, false, &CFG);
+        on_failure(&mut l, "f", "a", "t", 600, false, &CFG);
+        assert_eq!(on_failure(&mut l, "f", "a", "t", 1_200, false, &CFG), None);
+        assert_eq!(l["f"].failures, vec![600, 1_200]);
+    }
+
+    #[test]
+    fn probe_after_cooldown_then_success_or_retrip() {
+        let mut l = Loops::new();
+        for t in [0, 1, 2] {
+            on_failure(&mut l, "f", "a", "t", t, false, &CFG);
+        }
+        assert!(matches!(
+            check(&mut l, "f", 5_001, &CFG),
+            LoopCheck::Blocked(_)
+        ));
+        assert_eq!(check(&mut l, "f", 5_002, &CFG), LoopCheck::Probe);
+        assert!(
+            matches!(check(&mut l, "f", 5_002, &CFG), LoopCheck::Blocked(_)),
+            "one probe at a time"
+        );
+        assert_eq!(
+            on_failure(&mut l, "f", "a", "t", 5_003, true, &CFG),
+            None,
+            "same episode"
+        );
+        assert!(matches!(
+            check(&mut l, "f", 10_002, &CFG),
+            LoopCheck::Blocked(_)
+        ));
+        assert_eq!(check(&mut l, "f", 10_003, &CFG), LoopCheck::Probe);
+        on_success(&mut l, "f");
+        assert_eq!(check(&mut l, "f", 10_004, &CFG), LoopCheck::Clear);
+    }
+
+    #[test]
+    fn prune_forgets_old_failures_and_expired_episodes() {
+        let mut l = Loops::new();
+        on_failure(&mut l, "quiet", "a", "t", 0, false, &CFG);
+        for t in [0, 1, 2] {
+            on_failure(&mut l, "f", "a", "t", t, false, &CFG);
+        }
+        prune(&mut l, 2_000, &CFG);
+        assert!(!l.contains_key("quiet"));
+        assert!(l.contains_key("f"), "episode still running");
+        prune(&mut l, 2 + CFG.cooldown_ms + CFG.window_ms, &CFG);
+        assert!(l.is_empty());
+    }
+}

@@ -1,0 +1,18 @@
+//! The pure decision core that every runtime (node, bench, TUI, explain) shares.
+//!
+//! Nothing under `core` imports tokio, NATS, a terminal or a clock: time is always an argument
+//! (`now_ms`), iteration that reaches output goes through ordered maps, and the same inputs give
+//! the same outputs. Runtimes feed it events and execute the effects it returns.
+
+pub mod breaker;
+pub mod budget;
+pub mod bulkhead;
+pub mod contract;
+pub mod escalation;
+pub mod health;
+pub mod loops;
+pub mod pipeline;
+pub mod quorum;
+pub mod reason;
+pub mod request;
+pub mod score;

@@ -1,0 +1,912 @@
+//! The per-request pipeline, composed from the other core modules:
+//!
+//! admission -> loop check -> scored routing (exclusions, budget) -> circuit breaker ->
+//! generation (done by the driver) -> semantic contract -> quality gate -> cost gate ->
+//! retry or escalation.
+//!
+//! It is a small state machine over an `Engine` (configuration plus mutable state) and a
+//! `Session` (one request): `begin` returns a `Step`; on `Step::Dispatch` the driver performs the
+//! generation and hands the result to `complete`, which returns the next step, until
+//! `Step::Done(decision)`. Nothing here reads a clock or does I/O, so the same inputs give the same
+//! decision, byte for byte: `replay` drives a whole request from recorded generation results.
+
+use super::breaker::{Breaker, BreakerConfig, Permit, Transition};
+use super::budget::Budgets;
+use super::bulkhead::{Admission, BulkheadConfig, Bulkheads};
+use super::contract::{Contract, Defect};
+use super::escalation::{self, Escalation};
+use super::health::{Outcome, Verdict};
+use super::loops::{self, Incident, LoopCheck, LoopConfig, Loops};
+use super::quorum::{Cluster, ProviderView};
+use super::reason::{Phase, ReasonCode};
+use super::request::{Generation, GenerationStatus, Provider, Request, Risk, round_usd};
+use super::score::{self, ScoreInput, ScoreParts};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Confidence an answer needs, by risk level (the quality gate).
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+#[serde(deny_unknown_fields, default)]
+pub struct ByRisk<T> {
+    pub low: T,
+    pub medium: T,
+    pub high: T,
+}
+
+impl<T: Copy> ByRisk<T> {
+    pub fn get(&self, risk: Risk) -> T {
+        match risk {
+            Risk::Low => self.low,
+            Risk::Medium => self.medium,
+            Risk::High => self.high,
+        }
+    }
+}
+
+impl Default for ByRisk<f64> {
+    fn default() -> Self {
+        ByRisk {
+            low: 0.5,
+            medium: 0.7,
+            high: 0.85,
+        }
+    }
+}
+
+impl Default for ByRisk<u32> {
+    fn default() -> Self {
+        ByRisk {
+            low: 3,
+            medium: 2,
+            high: 2,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub breaker: BreakerConfig,
+    pub bulkheads: BulkheadConfig,
+    pub loops: LoopConfig,
+    /// Minimum confidence for the quality gate.
+    pub quality: ByRisk<f64>,
+    /// Total attempts (first try plus retries).
+    pub max_attempts: ByRisk<u32>,
+    pub default_latency_budget_ms: u64,
+    pub default_max_tokens: u32,
+    pub attempt_timeout_ms: u64,
+    /// Cool-down after a 429 that carried no Retry-After.
+    pub default_retry_after_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            breaker: BreakerConfig::default(),
+            bulkheads: BulkheadConfig::default(),
+            loops: LoopConfig::default(),
+            quality: ByRisk::default(),
+            max_attempts: ByRisk::default(),
+            default_latency_budget_ms: 1_500,
+            default_max_tokens: 256,
+            attempt_timeout_ms: 10_000,
+            default_retry_after_ms: 1_000,
+        }
+    }
+}
+
+/// Everything the pipeline reads and writes besides the request.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields, default)]
+pub struct State {
+    pub cluster: Cluster,
+    /// In preference order: ties go to the provider listed first.
+    pub providers: Vec<Provider>,
+    /// Per-provider breakers; a missing one is closed.
+    pub breakers: BTreeMap<String, Breaker>,
+    /// Provider -> time its Retry-After ends.
+    pub cooldowns: BTreeMap<String, u64>,
+    pub bulkheads: Bulkheads,
+    pub loops: Loops,
+    pub budgets: Budgets,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State {
+            cluster: Cluster::new("local", 1),
+            providers: default_providers(),
+            breakers: BTreeMap::new(),
+            cooldowns: BTreeMap::new(),
+            bulkheads: Bulkheads::default(),
+            loops: Loops::new(),
+            budgets: Budgets::default(),
+        }
+    }
+}
+
+/// The simulator's providers, in preference order: a paid primary, a zero-cost local fallback
+/// and a paid secondary (see `score` for why the fallback is listed second).
+pub fn default_providers() -> Vec<Provider> {
+    let p = |id: &str, model: &str, cost: f64, fallback: bool| Provider {
+        id: id.into(),
+        model: model.into(),
+        cost_per_1k_tokens_usd: cost,
+        fallback,
+    };
+    vec![
+        p("primary", "sim-large", 0.010, false),
+        p("local", "sim-small", 0.0, true),
+        p("secondary", "sim-medium", 0.004, false),
+    ]
+}
+
+/// How one candidate fared in routing.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Evaluation {
+    pub provider: String,
+    pub fallback: bool,
+    pub verdict: Verdict,
+    pub votes: usize,
+    pub voters: usize,
+    pub cluster_size: usize,
+    pub quorum: bool,
+    pub availability: f64,
+    pub contract_failure_pct: f64,
+    pub p95_ms: u64,
+    pub est_cost_usd: f64,
+    /// Why it could not be chosen, if it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub excluded: Option<ReasonCode>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub score: Option<ScoreParts>,
+    /// What choosing it would add to the decision (health, quorum, cost notes).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<ReasonCode>,
+}
+
+/// One try at one provider (or a routing round that found none).
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Attempt {
+    pub n: u32,
+    pub provider: Option<String>,
+    pub fallback: bool,
+    pub probe: bool,
+    pub candidates: Vec<Evaluation>,
+    pub codes: Vec<ReasonCode>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<GenerationStatus>,
+    pub latency_ms: u64,
+    pub cost_usd: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub confidence: Option<f64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub defects: Vec<Defect>,
+}
+
+/// Things the driver should do or publish because of this decision.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Effect {
+    /// Feed the local health window.
+    HealthSample {
+        provider: String,
+        outcome: Outcome,
+        latency_ms: u64,
+    },
+    Breaker {
+        provider: String,
+        transition: Transition,
+    },
+    Cooldown {
+        provider: String,
+        until_ms: u64,
+    },
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionOutcome {
+    Accepted,
+    Rejected,
+    Escalated,
+}
+
+/// The pipeline's answer for one request: what happened, where, and why.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Decision {
+    pub request_id: String,
+    pub agent: String,
+    pub task: String,
+    pub fingerprint: String,
+    pub outcome: DecisionOutcome,
+    /// Where it ended: `accepted`, or the phase that vetoed.
+    pub phase: Phase,
+    /// Every code collected, first occurrence first.
+    pub reason_codes: Vec<ReasonCode>,
+    pub provider: Option<String>,
+    pub fallback: bool,
+    pub confidence: Option<f64>,
+    pub cost_usd: f64,
+    pub attempts: Vec<Attempt>,
+    pub escalation: Option<Escalation>,
+    pub incident: Option<Incident>,
+    pub effects: Vec<Effect>,
+    pub decided_at_ms: u64,
+}
+
+/// What the driver should do next.
+#[derive(Clone, PartialEq, Debug)]
+pub enum Step {
+    /// Call this provider, then `complete` with what happened.
+    Dispatch(Dispatch),
+    /// The class queue holds the request; call `dequeue` once a slot is free.
+    Queued,
+    Done(Box<Decision>),
+}
+
+#[derive(Clone, PartialEq, Debug)]
+pub struct Dispatch {
+    pub attempt: u32,
+    pub provider: String,
+    pub model: String,
+    pub max_tokens: u32,
+    pub timeout_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    provider: usize,
+    probe: bool,
+    reserved_usd: f64,
+    est_tokens: u64,
+}
+
+/// One request on its way through the pipeline.
+#[derive(Clone, Debug)]
+pub struct Session {
+    request: Request,
+    contract: Contract,
+    fingerprint: String,
+    est_prompt_tokens: u64,
+    codes: Vec<ReasonCode>,
+    attempts: Vec<Attempt>,
+    effects: Vec<Effect>,
+    loop_probe: bool,
+    queued: bool,
+    holds_slot: bool,
+    pending: Option<Pending>,
+    cost_usd: f64,
+}
+
+impl Session {
+    pub fn request(&self) -> &Request {
+        &self.request
+    }
+}
+
+fn push(codes: &mut Vec<ReasonCode>, code: ReasonCode) {
+    if !codes.contains(&code) {
+        codes.push(code);
+    }
+}
+
+/// Reject requests the pipeline cannot judge, naming the field.
+pub fn validate(r: &Request) -> Result<Contract, String> {
+    if r.id.trim().is_empty() {
+        return Err("request.id must not be empty".into());
+    }
+    if r.agent.trim().is_empty() {
+        return Err("request.agent must not be empty".into());
+    }
+    if r.messages.is_empty() {
+        return Err("request.messages must hold at least one message".into());
+    }
+    if let Some(c) = r.max_cost_usd
+        && !(c.is_finite() && c >= 0.0)
+    {
+        return Err(format!(
+            "request.max_cost_usd must be a non-negative number, got {c}"
+        ));
+    }
+    if let Some(c) = r.policy.min_confidence
+        && !(0.0..=1.0).contains(&c)
+    {
+        return Err(format!(
+            "request.policy.min_confidence must be in [0, 1], got {c}"
+        ));
+    }
+    if r.policy.max_attempts == Some(0) {
+        return Err("request.policy.max_attempts must be at least 1".into());
+    }
+    Contract::for_request(r.contract.as_ref(), r.response_format.as_ref())
+        .map_err(|e| format!("request.{e}"))
+}
+
+pub struct Engine {
+    pub config: Config,
+    pub state: State,
+}
+
+impl Engine {
+    pub fn new(config: Config, state: State) -> Self {
+        Engine { config, state }
+    }
+
+    /// Start a request: admission, then (unless queued or refused) loop check and routing.
+    pub fn begin(&mut self, request: Request, now_ms: u64) -> Result<(Session, Step), String> {
+        let contract = validate(&request)?;
+        let fingerprint = loops::fingerprint(
+            &request.agent,
+            &request.task,
+            request.model.as_deref().unwrap_or(""),
+            &request.messages,
+        );
+        let chars: usize = request.messages.iter().map(|m| m.content.len()).sum();
+        let mut s = Session {
+            est_prompt_tokens: (chars as u64).div_ceil(4),
+            request,
+            contract,
+            fingerprint,
+            codes: Vec::new(),
+            attempts: Vec::new(),
+            effects: Vec::new(),
+            loop_probe: false,
+            queued: false,
+            holds_slot: false,
+            pending: None,
+            cost_usd: 0.0,
+        };
+        let class = s.request.priority;
+        let step = match self
+            .state
+            .bulkheads
+            .try_admit(class, &self.config.bulkheads)
+        {
+            Admission::Admitted => {
+                s.holds_slot = true;
+                self.proceed(&mut s, now_ms)
+            }
+            Admission::Queued => {
+                s.queued = true;
+                push(&mut s.codes, ReasonCode::AdmissionQueued);
+                Step::Queued
+            }
+            Admission::Rejected(code) => {
+                push(&mut s.codes, code);
+                self.finish_failure(&mut s, Phase::Admission, now_ms)
+            }
+        };
+        Ok((s, step))
+    }
+
+    /// A queued request got its slot (the driver saw one free up): continue.
+    pub fn dequeue(&mut self, s: &mut Session, now_ms: u64) -> Step {
+        if s.queued {
+            s.queued = false;
+            s.holds_slot = true;
+            self.state.bulkheads.start_queued(s.request.priority);
+        }
+        self.proceed(s, now_ms)
+    }
+
+    fn proceed(&mut self, s: &mut Session, now_ms: u64) -> Step {
+        match loops::check(
+            &mut self.state.loops,
+            &s.fingerprint,
+            now_ms,
+            &self.config.loops,
+        ) {
+            LoopCheck::Blocked(incident) => {
+                push(&mut s.codes, ReasonCode::RunawayRetryStopped);
+                let mut step = self.finish_failure(s, Phase::Loop, now_ms);
+                if let Step::Done(d) = &mut step {
+                    d.incident = Some(*incident);
+                }
+                step
+            }
+            LoopCheck::Probe => {
+                s.loop_probe = true;
+                push(&mut s.codes, ReasonCode::LoopProbe);
+                self.route(s, now_ms, None)
+            }
+            LoopCheck::Clear => self.route(s, now_ms, None),
+        }
+    }
+
+    /// Evaluate every provider for this session at `now_ms`.
+    fn evaluate(&self, s: &Session, now_ms: u64) -> Vec<Evaluation> {
+        let r = &s.request;
+        let max_tokens = r.max_tokens.unwrap_or(self.config.default_max_tokens) as u64;
+        let latency_budget_ms = r
+            .latency_budget_ms
+            .unwrap_or(self.config.default_latency_budget_ms);
+        let tried: Vec<&str> = s
+            .attempts
+            .iter()
+            .filter_map(|a| a.provider.as_deref())
+            .collect();
+        self.state
+            .providers
+            .iter()
+            .map(|p| {
+                let view: ProviderView = self.state.cluster.view(&p.id, now_ms);
+                let est_cost_usd = p.cost_of(s.est_prompt_tokens + max_tokens);
+                let within_cost_limit = r.max_cost_usd.is_none_or(|m| est_cost_usd <= m);
+                let breaker = self.state.breakers.get(&p.id).copied().unwrap_or_default();
+                let excluded = if tried.contains(&p.id.as_str()) {
+                    Some(ReasonCode::ProviderAlreadyTried)
+                } else if p.fallback && !r.policy.allow_fallback {
+                    Some(ReasonCode::FallbackNotAllowed)
+                } else {
+                    match breaker.peek(now_ms, &self.config.breaker) {
+                        Permit::Open => Some(ReasonCode::CircuitOpen),
+                        Permit::ProbeQuotaFull => Some(ReasonCode::CircuitNotAvailable),
+                        Permit::Allowed | Permit::Probe => None,
+                    }
+                }
+                .or_else(|| {
+                    let cooling = self.state.cooldowns.get(&p.id).is_some_and(|&t| now_ms < t);
+                    cooling.then_some(ReasonCode::ProviderCoolingDown)
+                })
+                .or_else(|| {
+                    (view.verdict == Verdict::Unhealthy).then_some(ReasonCode::ProviderUnhealthy)
+                });
+                // Budget exclusions are still scored: a high-risk request whose best provider is
+                // unaffordable must refuse rather than fall back to a cheaper guess.
+                let budget = self.state.budgets.check(&r.agent, est_cost_usd).err();
+                let score = excluded.is_none().then(|| {
+                    score::score(&ScoreInput {
+                        view: &view,
+                        latency_budget_ms,
+                        zero_cost: p.is_zero_cost(),
+                        within_cost_limit,
+                        fallback: p.fallback,
+                        high_risk: r.risk == Risk::High,
+                    })
+                });
+                let mut notes = score::health_codes(&view);
+                if !within_cost_limit {
+                    notes.push(ReasonCode::CostOverRequestLimit);
+                }
+                Evaluation {
+                    provider: p.id.clone(),
+                    fallback: p.fallback,
+                    verdict: view.verdict,
+                    votes: view.votes,
+                    voters: view.voters,
+                    cluster_size: view.cluster_size,
+                    quorum: view.quorum,
+                    availability: view.availability,
+                    contract_failure_pct: view.contract_failure_pct,
+                    p95_ms: view.p95_ms,
+                    est_cost_usd,
+                    excluded: excluded.or(budget),
+                    score,
+                    notes,
+                }
+            })
+            .collect()
+    }
+
+    /// Choose a provider and dispatch, or fail. `retry_of` is the phase of the failure that
+    /// caused this round, which stays the decision's phase if nothing is left to try.
+    fn route(&mut self, s: &mut Session, now_ms: u64, retry_of: Option<Phase>) -> Step {
+        let n = s.attempts.len() as u32 + 1;
+        let candidates = self.evaluate(s, now_ms);
+        let scored = |affordable_only: bool| -> Vec<(usize, f64)> {
+            candidates
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| !affordable_only || e.excluded.is_none())
+                .filter_map(|(i, e)| e.score.map(|sc| (i, sc.total)))
+                .collect()
+        };
+        let best_overall = score::select(&scored(false));
+        let refused_for_budget = best_overall.is_some_and(|i| candidates[i].excluded.is_some())
+            && s.request.risk == Risk::High;
+        let chosen = if refused_for_budget {
+            None
+        } else {
+            score::select(&scored(true))
+        };
+        let mut attempt = Attempt {
+            n,
+            provider: None,
+            fallback: false,
+            probe: false,
+            candidates,
+            codes: Vec::new(),
+            status: None,
+            latency_ms: 0,
+            cost_usd: 0.0,
+            confidence: None,
+            defects: Vec::new(),
+        };
+        let Some(i) = chosen else {
+            let exclusions: Vec<ReasonCode> = attempt
+                .candidates
+                .iter()
+                .filter_map(|e| e.excluded)
+                .collect();
+            let phase = if refused_for_budget {
+                Phase::Budget
+            } else {
+                match exclusions.first().map(|c| c.phase()) {
+                    Some(p) if exclusions.iter().all(|c| c.phase() == p) => p,
+                    _ => Phase::Routing,
+                }
+            };
+            for c in exclusions {
+                if !refused_for_budget || c.phase() == Phase::Budget {
+                    push(&mut attempt.codes, c);
+                }
+            }
+            if !refused_for_budget {
+                push(&mut attempt.codes, ReasonCode::NoProviderAvailable);
+            }
+            for &c in &attempt.codes {
+                push(&mut s.codes, c);
+            }
+            s.attempts.push(attempt);
+            return self.finish_failure(s, retry_of.unwrap_or(phase), now_ms);
+        };
+        let provider = self.state.providers[i].clone();
+        let breaker = self.state.breakers.entry(provider.id.clone()).or_default();
+        let permit = breaker.acquire(now_ms, &self.config.breaker);
+        let probe = permit == Permit::Probe;
+        let eval = &attempt.candidates[i];
+        let mut codes = vec![ReasonCode::RoutingSelected];
+        if provider.fallback {
+            codes.push(ReasonCode::FallbackUsed);
+        }
+        codes.extend(eval.notes.iter().copied());
+        if probe {
+            codes.push(ReasonCode::CircuitHalfOpenProbe);
+        }
+        let reserved_usd = eval.est_cost_usd;
+        let max_tokens = s
+            .request
+            .max_tokens
+            .unwrap_or(self.config.default_max_tokens);
+        self.state.budgets.reserve(&s.request.agent, reserved_usd);
+        s.pending = Some(Pending {
+            provider: i,
+            probe,
+            reserved_usd,
+            est_tokens: s.est_prompt_tokens + max_tokens as u64,
+        });
+        for &c in &codes {
+            push(&mut s.codes, c);
+        }
+        attempt.codes = codes;
+        attempt.provider = Some(provider.id.clone());
+        attempt.fallback = provider.fallback;
+        attempt.probe = probe;
+        s.attempts.push(attempt);
+        Step::Dispatch(Dispatch {
+            attempt: n,
+            provider: provider.id,
+            model: provider.model,
+            max_tokens,
+            timeout_ms: self.config.attempt_timeout_ms,
+        })
+    }
+
+    /// The driver's report on the dispatched attempt.
+    pub fn complete(&mut self, s: &mut Session, g: Generation, now_ms: u64) -> Step {
+        let Some(p) = s.pending.take() else {
+            // Nothing was dispatched: the driver called out of turn. Fail closed, visibly.
+            push(&mut s.codes, ReasonCode::GenerationError);
+            return self.finish_failure(s, Phase::Generation, now_ms);
+        };
+        let provider = self.state.providers[p.provider].clone();
+        let tokens = g
+            .usage
+            .map(|u| u.prompt_tokens + u.completion_tokens)
+            .unwrap_or(if g.status == GenerationStatus::Ok {
+                p.est_tokens
+            } else {
+                0
+            });
+        let cost_usd = provider.cost_of(tokens);
+        self.state
+            .budgets
+            .settle(&s.request.agent, p.reserved_usd, cost_usd);
+        s.cost_usd = round_usd(s.cost_usd + cost_usd);
+
+        let mut codes = Vec::new();
+        let mut defects = Vec::new();
+        let mut confidence = None;
+        let cfg = self.config.breaker;
+        let breaker = self.state.breakers.entry(provider.id.clone()).or_default();
+        let (outcome, phase, transition) = match g.status {
+            GenerationStatus::Error => {
+                codes.push(ReasonCode::GenerationError);
+                (
+                    Outcome::Error,
+                    Some(Phase::Generation),
+                    breaker.on_failure(now_ms, p.probe, &cfg),
+                )
+            }
+            GenerationStatus::Timeout => {
+                codes.push(ReasonCode::GenerationTimeout);
+                (
+                    Outcome::Timeout,
+                    Some(Phase::Generation),
+                    breaker.on_failure(now_ms, p.probe, &cfg),
+                )
+            }
+            GenerationStatus::RateLimited => {
+                codes.push(ReasonCode::RateLimited);
+                breaker.release_probe();
+                let until_ms = now_ms
+                    + g.retry_after_ms
+                        .unwrap_or(self.config.default_retry_after_ms);
+                self.state.cooldowns.insert(provider.id.clone(), until_ms);
+                s.effects.push(Effect::Cooldown {
+                    provider: provider.id.clone(),
+                    until_ms,
+                });
+                (Outcome::Error, Some(Phase::Generation), None)
+            }
+            GenerationStatus::Ok => {
+                match s.contract.check(&g.content, g.finish_reason.as_deref()) {
+                    Err(d) => {
+                        codes.push(ReasonCode::SemanticValidationFailed);
+                        for x in &d {
+                            push(&mut codes, x.code);
+                        }
+                        defects = d;
+                        let t = breaker.on_failure(now_ms, p.probe, &cfg);
+                        (Outcome::ContractFailure, Some(Phase::Semantic), t)
+                    }
+                    Ok(c) => {
+                        // The provider did its job: quality and cost verdicts are about this request,
+                        // not the provider, so they must not count against its breaker.
+                        confidence = c;
+                        let t = breaker.on_success(p.probe, &cfg);
+                        let threshold = s
+                            .request
+                            .policy
+                            .min_confidence
+                            .unwrap_or(self.config.quality.get(s.request.risk));
+                        let phase = if c.is_some_and(|c| c < threshold) {
+                            codes.push(ReasonCode::QualityBelowThreshold);
+                            Some(Phase::Quality)
+                        } else if s
+                            .request
+                            .max_cost_usd
+                            .is_some_and(|m| s.cost_usd > m + 1e-12)
+                        {
+                            codes.push(ReasonCode::CostLimitExceeded);
+                            Some(Phase::Cost)
+                        } else {
+                            None
+                        };
+                        (Outcome::Success, phase, t)
+                    }
+                }
+            }
+        };
+        match transition {
+            Some(Transition::Opened) => codes.push(ReasonCode::CircuitOpened),
+            Some(Transition::Closed) => codes.push(ReasonCode::CircuitClosed),
+            _ => {}
+        }
+        if let Some(t) = transition {
+            s.effects.push(Effect::Breaker {
+                provider: provider.id.clone(),
+                transition: t,
+            });
+        }
+        s.effects.push(Effect::HealthSample {
+            provider: provider.id.clone(),
+            outcome,
+            latency_ms: g.latency_ms,
+        });
+        for &c in &codes {
+            push(&mut s.codes, c);
+        }
+        if let Some(a) = s.attempts.last_mut() {
+            a.codes.extend(codes);
+            a.status = Some(g.status);
+            a.latency_ms = g.latency_ms;
+            a.cost_usd = cost_usd;
+            a.confidence = confidence;
+            a.defects = defects;
+        }
+
+        let Some(phase) = phase else {
+            return self.finish(s, DecisionOutcome::Accepted, Phase::Accepted, now_ms, None);
+        };
+        let max_attempts = s
+            .request
+            .policy
+            .max_attempts
+            .unwrap_or(self.config.max_attempts.get(s.request.risk));
+        let retry_block = if phase == Phase::Cost {
+            Some(None) // a retry would only spend more
+        } else if g.status == GenerationStatus::Timeout && !s.request.idempotent {
+            Some(Some(ReasonCode::RetryNotSafe))
+        } else if s.attempts.len() as u32 >= max_attempts {
+            Some(Some(ReasonCode::RetriesExhausted))
+        } else {
+            None
+        };
+        match retry_block {
+            Some(code) => {
+                if let Some(c) = code {
+                    push(&mut s.codes, c);
+                }
+                self.finish_failure(s, phase, now_ms)
+            }
+            None => {
+                push(&mut s.codes, ReasonCode::RetryScheduled);
+                self.route(s, now_ms, Some(phase))
+            }
+        }
+    }
+
+    fn finish_failure(&mut self, s: &mut Session, phase: Phase, now_ms: u64) -> Step {
+        let mut phase = phase;
+        let mut incident = None;
+        if !matches!(phase, Phase::Admission | Phase::Loop) {
+            incident = loops::on_failure(
+                &mut self.state.loops,
+                &s.fingerprint,
+                &s.request.agent,
+                &s.request.task,
+                now_ms,
+                s.loop_probe,
+                &self.config.loops,
+            );
+            if incident.is_some() {
+                push(&mut s.codes, ReasonCode::AgentLoopDetected);
+                phase = Phase::Loop;
+            }
+        }
+        let outcome = escalation::Outcome {
+            request: &s.request,
+            phase,
+            codes: &s.codes,
+            new_loop_incident: incident.as_ref().map(|i| i.id.as_str()),
+        };
+        let escalation = escalation::rule(&outcome)
+            .map(|(reason, action)| escalation::build(&outcome, reason, action, now_ms));
+        if let Some(e) = &escalation {
+            push(&mut s.codes, ReasonCode::HumanAttentionRequired);
+            push(
+                &mut s.codes,
+                *e.reason_codes
+                    .last()
+                    .unwrap_or(&ReasonCode::HumanAttentionRequired),
+            );
+        }
+        let verdict = if escalation.is_some() {
+            DecisionOutcome::Escalated
+        } else {
+            DecisionOutcome::Rejected
+        };
+        let step = self.finish(s, verdict, phase, now_ms, escalation);
+        match step {
+            Step::Done(mut d) => {
+                d.incident = incident;
+                Step::Done(d)
+            }
+            other => other,
+        }
+    }
+
+    fn finish(
+        &mut self,
+        s: &mut Session,
+        outcome: DecisionOutcome,
+        phase: Phase,
+        now_ms: u64,
+        escalation: Option<Escalation>,
+    ) -> Step {
+        if s.holds_slot {
+            s.holds_slot = false;
+            self.state.bulkheads.release(s.request.priority);
+        }
+        let accepted = outcome == DecisionOutcome::Accepted;
+        if accepted {
+            push(&mut s.codes, ReasonCode::Accepted);
+            loops::on_success(&mut self.state.loops, &s.fingerprint);
+        }
+        let last = s
+            .attempts
+            .last()
+            .filter(|a| accepted && a.provider.is_some());
+        Step::Done(Box::new(Decision {
+            request_id: s.request.id.clone(),
+            agent: s.request.agent.clone(),
+            task: s.request.task.clone(),
+            fingerprint: s.fingerprint.clone(),
+            outcome,
+            phase,
+            reason_codes: s.codes.clone(),
+            provider: last.and_then(|a| a.provider.clone()),
+            fallback: last.is_some_and(|a| a.fallback),
+            confidence: last.and_then(|a| a.confidence),
+            cost_usd: s.cost_usd,
+            attempts: std::mem::take(&mut s.attempts),
+            escalation,
+            incident: None,
+            effects: std::mem::take(&mut s.effects),
+            decided_at_ms: now_ms,
+        }))
+    }
+}
+
+/// A replayable input: `now`, the request, the state snapshot, and the generation results each
+/// provider returned (consumed in order per provider).
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct DecideInput {
+    pub now_ms: u64,
+    #[serde(default)]
+    pub config: Config,
+    pub request: Request,
+    #[serde(default)]
+    pub state: State,
+    #[serde(default)]
+    pub generations: BTreeMap<String, Vec<Generation>>,
+}
+
+/// Drive one request through the pipeline with recorded generation results. Time advances by
+/// each generation's latency. Errors name the input field that is missing or wrong.
+pub fn replay(input: DecideInput) -> Result<Decision, String> {
+    if input.state.providers.is_empty() {
+        return Err("state.providers must list at least one provider".into());
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for (i, p) in input.state.providers.iter().enumerate() {
+        if p.id.is_empty() || !ids.insert(p.id.as_str()) {
+            return Err(format!(
+                "state.providers[{i}].id must be a non-empty, unique name"
+            ));
+        }
+        if !(p.cost_per_1k_tokens_usd.is_finite() && p.cost_per_1k_tokens_usd >= 0.0) {
+            return Err(format!(
+                "state.providers[{i}].cost_per_1k_tokens_usd must be >= 0"
+            ));
+        }
+    }
+    for name in input.generations.keys() {
+        if !ids.contains(name.as_str()) {
+            return Err(format!(
+                "generations.{name}: no such provider in state.providers"
+            ));
+        }
+    }
+    let mut generations = input.generations;
+    let mut engine = Engine::new(input.config, input.state);
+    let mut now = input.now_ms;
+    let (mut session, mut step) = engine.begin(input.request, now)?;
+    loop {
+        step = match step {
+            Step::Done(d) => return Ok(*d),
+            Step::Queued => engine.dequeue(&mut session, now),
+            Step::Dispatch(d) => {
+                let queue = generations.entry(d.provider.clone()).or_default();
+                if queue.is_empty() {
+                    return Err(format!(
+                        "generations.{}: attempt {} was dispatched to {} but the input holds no \
+                         (further) result for it",
+                        d.provider, d.attempt, d.provider
+                    ));
+                }
+                let g = queue.remove(0);
+                now += g.latency_ms;
+                engine.complete(&mut session, g, now)
+            }
+        };
+    }
+}
+
+#[cfg(test)]
+#[path = "pipeline_tests.rs"]
+mod tests;

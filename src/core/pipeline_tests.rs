@@ -1,0 +1,770 @@
+//! Pipeline tests: every rule composed, the known traps, and every reason code reached.
+
+use super::*;
+use crate::core::breaker::Breaker;
+use crate::core::budget::Budget;
+use crate::core::contract::ContractSpec;
+use crate::core::contract::JsonType;
+use crate::core::escalation::Escalation;
+use crate::core::quorum::Observation;
+use crate::core::reason::Action;
+use crate::core::request::{Message, Policy, Priority};
+use std::collections::{BTreeSet, VecDeque};
+
+const T0: u64 = 1_000_000;
+
+fn observation(node: &str, provider: &str, verdict: Verdict, availability: f64) -> Observation {
+    Observation {
+        node: node.into(),
+        provider: provider.into(),
+        at_ms: T0,
+        verdict,
+        availability,
+        contract_failure_pct: 0.0,
+        p95_ms: 180,
+        samples: 15,
+    }
+}
+
+/// One node, three healthy providers.
+fn engine() -> Engine {
+    let mut state = State {
+        cluster: Cluster::new("n1", 1),
+        ..State::default()
+    };
+    for p in ["primary", "secondary", "local"] {
+        state
+            .cluster
+            .observe(observation("n1", p, Verdict::Healthy, 1.0));
+    }
+    Engine::new(Config::default(), state)
+}
+
+fn set_verdict(e: &mut Engine, provider: &str, verdict: Verdict, availability: f64) {
+    let mut o = observation("n1", provider, verdict, availability);
+    o.at_ms = T0 + 1; // newer than the healthy one
+    e.state.cluster.observe(o);
+}
+
+fn req(id: &str) -> Request {
+    Request {
+        id: id.into(),
+        agent: "agent-a".into(),
+        task: "summarise".into(),
+        model: None,
+        messages: vec![Message {
+            role: "user".into(),
+            content: format!("question {id}"),
+        }],
+        risk: Risk::Low,
+        priority: Priority::Normal,
+        idempotent: true,
+        latency_budget_ms: None,
+        max_cost_usd: None,
+        max_tokens: None,
+        policy: Policy::default(),
+        contract: None,
+        response_format: None,
+    }
+}
+
+fn good() -> Generation {
+    Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 180)
+}
+
+fn with_confidence(c: f64) -> Generation {
+    Generation::ok(format!(r#"{{"answer":"42","confidence":{c}}}"#), 180)
+}
+
+fn err() -> Generation {
+    Generation::failed(GenerationStatus::Error, 20)
+}
+
+/// Drive a request; `script` answers each dispatch to a provider in order. Panics if the
+/// pipeline dispatches to a provider the script has no answer for.
+fn run_at(e: &mut Engine, r: Request, now: u64, script: &[(&str, Generation)]) -> Decision {
+    let mut answers: BTreeMap<&str, VecDeque<Generation>> = BTreeMap::new();
+    for (p, g) in script {
+        answers.entry(p).or_default().push_back(g.clone());
+    }
+    let (mut s, mut step) = e.begin(r, now).expect("valid request");
+    let mut t = now;
+    for _ in 0..20 {
+        step = match step {
+            Step::Done(d) => return *d,
+            Step::Queued => e.dequeue(&mut s, t),
+            Step::Dispatch(d) => {
+                let g = answers
+                    .get_mut(d.provider.as_str())
+                    .and_then(VecDeque::pop_front)
+                    .unwrap_or_else(|| panic!("unscripted dispatch to {}", d.provider));
+                t += g.latency_ms;
+                e.complete(&mut s, g, t)
+            }
+        };
+    }
+    panic!("pipeline did not finish in 20 steps");
+}
+
+fn run(e: &mut Engine, r: Request, script: &[(&str, Generation)]) -> Decision {
+    run_at(e, r, T0, script)
+}
+
+fn has(d: &Decision, c: ReasonCode) -> bool {
+    d.reason_codes.contains(&c)
+}
+
+#[test]
+fn healthy_cluster_routes_to_primary_and_accepts() {
+    let mut e = engine();
+    let d = run(&mut e, req("r1"), &[("primary", good())]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert_eq!(d.phase, Phase::Accepted);
+    assert_eq!(d.provider.as_deref(), Some("primary"));
+    assert!(!d.fallback);
+    assert_eq!(
+        d.reason_codes,
+        vec![ReasonCode::RoutingSelected, ReasonCode::Accepted]
+    );
+    let c = &d.attempts[0].candidates;
+    assert_eq!(c.len(), 3);
+    assert_eq!(c[0].score.unwrap().total, 90.0);
+    assert_eq!(
+        c[2].score.unwrap().total,
+        90.0,
+        "zero-cost fallback ties the primary"
+    );
+    assert_eq!(d.confidence, Some(0.9));
+    // Cost: (ceil(len("question r1")/4) + 256) tokens at $0.01/1k.
+    assert!((d.cost_usd - (3.0 + 256.0) * 0.01 / 1000.0).abs() < 1e-12);
+}
+
+#[test]
+fn every_attempt_keeps_its_codes() {
+    let mut e = engine();
+    let d = run(
+        &mut e,
+        req("r1"),
+        &[
+            ("primary", err()),
+            ("local", Generation::ok("not json at all", 100)),
+            ("secondary", good()),
+        ],
+    );
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert_eq!(d.provider.as_deref(), Some("secondary"));
+    assert!(!d.fallback);
+    assert_eq!(d.attempts.len(), 3);
+    assert!(d.attempts[0].codes.contains(&ReasonCode::GenerationError));
+    assert!(d.attempts[1].codes.contains(&ReasonCode::ContractNotJson));
+    assert!(d.attempts[1].codes.contains(&ReasonCode::FallbackUsed));
+    for c in [
+        ReasonCode::GenerationError,
+        ReasonCode::RetryScheduled,
+        ReasonCode::SemanticValidationFailed,
+        ReasonCode::ContractNotJson,
+        ReasonCode::FallbackUsed,
+        ReasonCode::Accepted,
+    ] {
+        assert!(has(&d, c), "missing {c}");
+    }
+    assert_eq!(
+        d.attempts[1].candidates[0].excluded,
+        Some(ReasonCode::ProviderAlreadyTried)
+    );
+    assert_eq!(d.attempts[1].defects[0].code, ReasonCode::ContractNotJson);
+    // Health samples for every attempt, in order.
+    let samples: Vec<(&str, Outcome)> = d
+        .effects
+        .iter()
+        .filter_map(|x| match x {
+            Effect::HealthSample {
+                provider, outcome, ..
+            } => Some((provider.as_str(), *outcome)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        samples,
+        vec![
+            ("primary", Outcome::Error),
+            ("local", Outcome::ContractFailure),
+            ("secondary", Outcome::Success)
+        ]
+    );
+}
+
+#[test]
+fn medium_risk_quality_failures_on_the_fallback_do_not_open_its_breaker() {
+    let mut e = engine();
+    // The paid providers are down: only the zero-cost fallback is left.
+    set_verdict(&mut e, "primary", Verdict::Unhealthy, 0.0);
+    set_verdict(&mut e, "secondary", Verdict::Unhealthy, 0.0);
+    // Far more medium-risk quality failures than the breaker threshold (5).
+    for i in 0..12 {
+        let mut r = req(&format!("m{i}"));
+        r.risk = Risk::Medium;
+        let d = run(&mut e, r, &[("local", with_confidence(0.6))]);
+        assert_eq!(d.phase, Phase::Quality);
+        assert_eq!(d.outcome, DecisionOutcome::Escalated);
+        assert_eq!(
+            d.escalation.as_ref().unwrap().recommended_action,
+            Action::HumanReview
+        );
+    }
+    assert!(e.state.breakers["local"].is_closed());
+    // Low-risk traffic still gets its answer from the fallback.
+    let d = run(&mut e, req("low"), &[("local", with_confidence(0.6))]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert_eq!(d.provider.as_deref(), Some("local"));
+}
+
+#[test]
+fn provider_faults_do_open_the_breaker_and_traffic_moves() {
+    let mut e = engine();
+    e.config.max_attempts.low = 1;
+    for i in 0..5 {
+        let d = run(&mut e, req(&format!("r{i}")), &[("primary", err())]);
+        assert_eq!(d.outcome, DecisionOutcome::Rejected);
+        assert_eq!(d.phase, Phase::Generation);
+        assert_eq!(has(&d, ReasonCode::CircuitOpened), i == 4);
+    }
+    let d = run(&mut e, req("after"), &[("local", good())]);
+    assert_eq!(
+        d.attempts[0].candidates[0].excluded,
+        Some(ReasonCode::CircuitOpen)
+    );
+    assert_eq!(
+        d.provider.as_deref(),
+        Some("local"),
+        "the zero-cost fallback ties secondary and is listed first"
+    );
+    // After open_ms the breaker half-opens and one request probes it.
+    let later = T0 + e.config.breaker.open_ms + 1_000;
+    let d = run_at(&mut e, req("probe"), later, &[("primary", good())]);
+    assert!(has(&d, ReasonCode::CircuitHalfOpenProbe));
+    assert!(has(&d, ReasonCode::CircuitClosed));
+    assert!(e.state.breakers["primary"].is_closed());
+}
+
+#[test]
+fn a_loop_trips_once_escalates_once_and_refuses_fast() {
+    let mut e = engine();
+    e.config.max_attempts.low = 1;
+    let mut r = req("loop");
+    r.risk = Risk::High;
+    r.policy.max_attempts = Some(1);
+    let mut escalations = Vec::<Escalation>::new();
+    let mut incidents = BTreeSet::new();
+    let mut dispatched = 0;
+    for i in 0..10u64 {
+        let d = run_at(&mut e, r.clone(), T0 + i * 100, &[("primary", err())]);
+        dispatched += d.attempts.iter().filter(|a| a.status.is_some()).count();
+        escalations.extend(d.escalation.clone());
+        if let Some(inc) = &d.incident {
+            incidents.insert(inc.id.clone());
+        }
+        if i < 2 {
+            assert_eq!(
+                d.escalation.as_ref().unwrap().reason_codes.last(),
+                Some(&ReasonCode::EscalatedHighRiskFailure)
+            );
+        } else if i == 2 {
+            assert_eq!(d.phase, Phase::Loop);
+            assert!(has(&d, ReasonCode::AgentLoopDetected));
+            let esc = d.escalation.as_ref().unwrap();
+            assert!(esc.reason_codes.contains(&ReasonCode::EscalatedAgentLoop));
+            assert_eq!(
+                esc.recommended_action,
+                Action::HumanReviewBlockAutomaticAction
+            );
+        } else {
+            assert_eq!(d.phase, Phase::Loop);
+            assert_eq!(d.reason_codes, vec![ReasonCode::RunawayRetryStopped]);
+            assert!(
+                d.escalation.is_none(),
+                "one escalation per episode, not per request"
+            );
+            assert!(d.attempts.is_empty(), "refused before routing");
+        }
+    }
+    assert_eq!(dispatched, 3, "only the first three reached a provider");
+    assert_eq!(incidents.len(), 1, "one incident for the episode");
+    assert_eq!(
+        escalations
+            .iter()
+            .filter(|x| x.reason_codes.contains(&ReasonCode::EscalatedAgentLoop))
+            .count(),
+        1
+    );
+    // After the cool-down one identical call probes; success ends the episode.
+    let later = T0 + e.config.loops.cooldown_ms + 1_000;
+    let d = run_at(&mut e, r.clone(), later, &[("primary", good())]);
+    assert!(has(&d, ReasonCode::LoopProbe));
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert!(e.state.loops.is_empty());
+}
+
+#[test]
+fn a_failed_loop_probe_retrips_without_a_second_escalation() {
+    let mut e = engine();
+    let mut r = req("loop");
+    r.policy.max_attempts = Some(1);
+    for i in 0..3 {
+        run_at(&mut e, r.clone(), T0 + i, &[("primary", err())]);
+    }
+    let later = T0 + e.config.loops.cooldown_ms + 1_000;
+    let d = run_at(&mut e, r.clone(), later, &[("primary", err())]);
+    assert!(has(&d, ReasonCode::LoopProbe));
+    assert!(d.escalation.is_none());
+    assert!(!has(&d, ReasonCode::AgentLoopDetected));
+    let d = run_at(&mut e, r, later + 1, &[]);
+    assert_eq!(d.reason_codes, vec![ReasonCode::RunawayRetryStopped]);
+}
+
+#[test]
+fn critical_capacity_survives_a_background_spike() {
+    let mut e = engine();
+    let mut shed = 0;
+    let mut sessions = Vec::new();
+    // 100 background and 100 normal requests arrive and stay in flight.
+    for i in 0..200 {
+        let mut r = req(&format!("bg{i}"));
+        r.priority = if i % 2 == 0 {
+            Priority::Background
+        } else {
+            Priority::Normal
+        };
+        let (s, step) = e.begin(r, T0).unwrap();
+        match step {
+            Step::Dispatch(_) => sessions.push(s),
+            Step::Done(d) => {
+                assert_eq!(d.phase, Phase::Admission);
+                shed += 1;
+            }
+            Step::Queued => {}
+        }
+    }
+    assert!(shed > 100, "most of the spike is shed ({shed})");
+    // Every critical request still gets a slot and is served.
+    for i in 0..16 {
+        let mut r = req(&format!("crit{i}"));
+        r.priority = Priority::Critical;
+        let (_, step) = e.begin(r, T0).unwrap();
+        assert!(
+            matches!(step, Step::Dispatch(_)),
+            "critical {i} got {step:?}"
+        );
+    }
+    assert_eq!(e.state.bulkheads.critical.shed, 0);
+}
+
+#[test]
+fn slots_and_reservations_are_released_after_every_decision() {
+    let mut e = engine();
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(1.0));
+    run(&mut e, req("a"), &[("primary", good())]);
+    run(
+        &mut e,
+        req("b"),
+        &[("primary", err()), ("secondary", err()), ("local", err())],
+    );
+    let b = &e.state.bulkheads;
+    assert_eq!((b.normal.active, b.normal.queued), (0, 0));
+    let budget = e.state.budgets.agents["agent-a"];
+    assert_eq!(budget.reserved_usd, 0.0);
+    assert!(budget.spent_usd > 0.0, "the accepted request was charged");
+}
+
+#[test]
+fn budget_exhausted_low_risk_falls_back_high_risk_refuses() {
+    let mut e = engine();
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(0.0));
+    let d = run(&mut e, req("low"), &[("local", good())]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert!(d.fallback);
+    assert_eq!(
+        d.attempts[0].candidates[0].excluded,
+        Some(ReasonCode::BudgetExhausted)
+    );
+    let mut r = req("high");
+    r.risk = Risk::High;
+    let d = run(&mut e, r, &[]);
+    assert_eq!(d.outcome, DecisionOutcome::Escalated);
+    assert_eq!(d.phase, Phase::Budget);
+    assert!(has(&d, ReasonCode::BudgetExhausted));
+    assert!(!has(&d, ReasonCode::NoProviderAvailable));
+    let esc = d.escalation.unwrap();
+    assert_eq!(
+        esc.recommended_action,
+        Action::HumanReviewBlockAutomaticAction
+    );
+    assert_eq!(
+        esc.reason_codes.last(),
+        Some(&ReasonCode::EscalatedBudgetExhausted)
+    );
+}
+
+#[test]
+fn high_risk_is_served_when_only_a_worse_provider_is_unaffordable() {
+    let mut e = engine();
+    // Enough for the primary's estimate, not more: the cheaper secondary fits too.
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(0.003));
+    e.state.providers[2].cost_per_1k_tokens_usd = 1.0; // secondary now unaffordable
+    let mut r = req("high");
+    r.risk = Risk::High;
+    let d = run(&mut e, r, &[("primary", good())]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert_eq!(d.provider.as_deref(), Some("primary"));
+    assert_eq!(
+        d.attempts[0].candidates[2].excluded,
+        Some(ReasonCode::BudgetExhausted)
+    );
+}
+
+#[test]
+fn a_single_dissenting_node_does_not_move_traffic() {
+    let mut e = engine();
+    e.state.cluster.size = 3;
+    for n in ["n1", "n2", "n3"] {
+        e.state.cluster.heartbeat(n, T0);
+        for p in ["primary", "secondary", "local"] {
+            e.state
+                .cluster
+                .observe(observation(n, p, Verdict::Healthy, 1.0));
+        }
+    }
+    // This node had a bad probe and sees the primary as unhealthy; the majority does not.
+    set_verdict(&mut e, "primary", Verdict::Unhealthy, 0.0);
+    let d = run(&mut e, req("r"), &[("primary", good())]);
+    assert_eq!(d.provider.as_deref(), Some("primary"));
+    let c = &d.attempts[0].candidates[0];
+    assert!(c.quorum);
+    assert_eq!((c.votes, c.voters, c.availability), (2, 3, 1.0));
+    assert!(!has(&d, ReasonCode::NoQuorumLocalView));
+}
+
+#[test]
+fn without_quorum_the_node_routes_on_its_own_view_and_says_so() {
+    let mut e = engine();
+    e.state.cluster.size = 3; // two peers configured, none alive
+    let d = run(&mut e, req("r"), &[("primary", good())]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert!(has(&d, ReasonCode::NoQuorumLocalView));
+    assert!(!d.attempts[0].candidates[0].quorum);
+}
+
+#[test]
+fn retry_after_is_honoured() {
+    let mut e = engine();
+    let mut limited = Generation::failed(GenerationStatus::RateLimited, 5);
+    limited.retry_after_ms = Some(2_000);
+    let d = run(&mut e, req("a"), &[("primary", limited), ("local", good())]);
+    assert!(has(&d, ReasonCode::RateLimited));
+    assert_eq!(d.provider.as_deref(), Some("local"));
+    assert!(
+        e.state.breakers["primary"].is_closed(),
+        "a 429 is not a breaker failure"
+    );
+    let d = run_at(&mut e, req("b"), T0 + 1_000, &[("local", good())]);
+    assert_eq!(
+        d.attempts[0].candidates[0].excluded,
+        Some(ReasonCode::ProviderCoolingDown)
+    );
+    let d = run_at(&mut e, req("c"), T0 + 2_006, &[("primary", good())]);
+    assert_eq!(d.provider.as_deref(), Some("primary"));
+}
+
+#[test]
+fn non_idempotent_timeouts_are_not_retried() {
+    let mut e = engine();
+    let mut r = req("pay");
+    r.idempotent = false;
+    let d = run(
+        &mut e,
+        r,
+        &[(
+            "primary",
+            Generation::failed(GenerationStatus::Timeout, 10_000),
+        )],
+    );
+    assert_eq!(d.attempts.len(), 1);
+    assert!(has(&d, ReasonCode::RetryNotSafe));
+    assert_eq!(d.outcome, DecisionOutcome::Escalated);
+    assert!(has(&d, ReasonCode::EscalatedUnsafeRetry));
+    assert_eq!(
+        d.decided_at_ms,
+        T0 + 10_000,
+        "time advanced by the real elapsed time"
+    );
+}
+
+#[test]
+fn queued_requests_proceed_when_dequeued() {
+    let mut e = engine();
+    e.state.bulkheads.normal.active = e.config.bulkheads.normal.concurrency;
+    let (mut s, step) = e.begin(req("q"), T0).unwrap();
+    assert_eq!(step, Step::Queued);
+    assert_eq!(e.state.bulkheads.normal.queued, 1);
+    e.state.bulkheads.release(Priority::Normal);
+    let step = e.dequeue(&mut s, T0 + 5);
+    assert!(matches!(step, Step::Dispatch(_)));
+    assert_eq!(e.state.bulkheads.normal.queued, 0);
+}
+
+#[test]
+fn invalid_requests_are_refused_with_the_field_named() {
+    let mut e = engine();
+    let mut r = req("x");
+    r.messages.clear();
+    assert!(e.begin(r, T0).unwrap_err().contains("request.messages"));
+    let mut r = req("x");
+    r.policy.min_confidence = Some(3.0);
+    assert!(
+        e.begin(r, T0)
+            .unwrap_err()
+            .contains("policy.min_confidence")
+    );
+    let mut r = req("x");
+    r.response_format = Some(serde_json::json!({"type": "xml"}));
+    assert!(
+        e.begin(r, T0)
+            .unwrap_err()
+            .contains("request.response_format.type")
+    );
+}
+
+#[test]
+fn replay_is_byte_for_byte_deterministic_and_names_missing_results() {
+    let input = DecideInput {
+        now_ms: T0,
+        config: Config::default(),
+        request: req("r"),
+        state: engine().state,
+        generations: [
+            ("primary".to_string(), vec![err()]),
+            ("local".into(), vec![good()]),
+        ]
+        .into(),
+    };
+    let a = serde_json::to_string(&replay(input.clone()).unwrap()).unwrap();
+    let b = serde_json::to_string(&replay(input.clone()).unwrap()).unwrap();
+    assert_eq!(a, b);
+    let mut missing = input.clone();
+    missing.generations.remove("local");
+    let e = replay(missing).unwrap_err();
+    assert!(e.contains("generations.local"), "{e}");
+    let mut unknown = input;
+    unknown.generations.insert("nope".into(), vec![]);
+    assert!(replay(unknown).unwrap_err().contains("generations.nope"));
+}
+
+/// Every reason code in the enum is reachable: each scenario below drives the real pipeline and
+/// the union of what the decisions carry must be the whole enum.
+#[test]
+fn every_reason_code_is_reachable() {
+    let mut seen = BTreeSet::new();
+    let mut note = |d: &Decision| {
+        seen.extend(d.reason_codes.iter().copied());
+        for a in &d.attempts {
+            seen.extend(a.codes.iter().copied());
+            for c in &a.candidates {
+                seen.extend(c.excluded);
+                seen.extend(c.notes.iter().copied());
+            }
+        }
+        if let Some(esc) = &d.escalation {
+            seen.extend(esc.reason_codes.iter().copied());
+        }
+    };
+
+    // Admission.
+    let mut e = engine();
+    e.state.bulkheads.normal.active = 24;
+    note(&run(&mut e, req("queued"), &[("primary", good())]));
+    let mut e = engine();
+    e.state.bulkheads.normal.active = 24;
+    e.state.bulkheads.normal.queued = 48;
+    note(&run(&mut e, req("full"), &[]));
+    let mut e = engine();
+    e.state.bulkheads.background.active = 8;
+    let mut r = req("bg");
+    r.priority = Priority::Background;
+    note(&run(&mut e, r.clone(), &[]));
+    let mut e = engine();
+    e.state.bulkheads.normal.active = 24;
+    note(&run(&mut e, r, &[]));
+
+    // Loops (AGENT_LOOP_DETECTED, RUNAWAY_RETRY_STOPPED, LOOP_PROBE, ESCALATED_AGENT_LOOP).
+    let mut e = engine();
+    let mut r = req("loop");
+    r.policy.max_attempts = Some(1);
+    for i in 0..4 {
+        note(&run_at(&mut e, r.clone(), T0 + i, &[("primary", err())]));
+    }
+    let later = T0 + e.config.loops.cooldown_ms + 1_000;
+    note(&run_at(&mut e, r, later, &[("primary", good())]));
+
+    // Budgets.
+    let mut e = engine();
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(0.0));
+    note(&run(&mut e, req("b"), &[("local", good())]));
+    let mut r = req("hb");
+    r.risk = Risk::High;
+    note(&run(&mut e, r, &[]));
+    let mut e = engine();
+    e.state.budgets.global = Some(Budget::new(0.0));
+    note(&run(&mut e, req("g"), &[("local", good())]));
+
+    // Routing: health, quorum, policy, cool-down, nothing left.
+    let mut e = engine();
+    set_verdict(&mut e, "primary", Verdict::Unhealthy, 0.2);
+    set_verdict(&mut e, "secondary", Verdict::Degraded, 0.9);
+    e.state.breakers.insert(
+        "local".into(),
+        Breaker::HalfOpen {
+            probes_in_flight: 1,
+            successes: 0,
+        },
+    );
+    note(&run(&mut e, req("degraded"), &[("secondary", good())]));
+    let mut e = engine();
+    e.state.cluster = Cluster::new("n1", 3);
+    note(&run(&mut e, req("unknown"), &[("primary", good())]));
+    let mut e = engine();
+    e.state.breakers.insert(
+        "primary".into(),
+        Breaker::Open {
+            until_ms: T0 + 60_000,
+            forced: false,
+        },
+    );
+    e.state.cooldowns.insert("secondary".into(), T0 + 60_000);
+    let mut r = req("nofb");
+    r.policy.allow_fallback = false;
+    note(&run(&mut e, r, &[]));
+
+    // Breaker: half-open probe that closes, and a failure that opens.
+    let mut e = engine();
+    e.state.breakers.insert(
+        "primary".into(),
+        Breaker::Open {
+            until_ms: T0,
+            forced: false,
+        },
+    );
+    note(&run(&mut e, req("probe"), &[("primary", good())]));
+    let mut e = engine();
+    e.state
+        .breakers
+        .insert("primary".into(), Breaker::Closed { failures: 4 });
+    note(&run(
+        &mut e,
+        req("opens"),
+        &[("primary", err()), ("local", good())],
+    ));
+
+    // Generation failures, retries, and the unsafe retry.
+    let mut e = engine();
+    let mut limited = Generation::failed(GenerationStatus::RateLimited, 5);
+    limited.retry_after_ms = Some(100);
+    note(&run(
+        &mut e,
+        req("gen"),
+        &[
+            (
+                "primary",
+                Generation::failed(GenerationStatus::Timeout, 10_000),
+            ),
+            ("local", limited),
+            ("secondary", err()),
+        ],
+    ));
+    let mut r = req("unsafe");
+    r.idempotent = false;
+    note(&run(
+        &mut engine(),
+        r,
+        &[("primary", Generation::failed(GenerationStatus::Timeout, 9))],
+    ));
+
+    // Every contract defect.
+    let mut bad = vec![
+        Generation::ok("", 1),
+        Generation::ok("plain text", 1),
+        Generation::ok("[1]", 1),
+        Generation::ok(r#"{"answer":"x"}"#, 1),
+        Generation::ok(r#"{"answer":"x","confidence":"high"}"#, 1),
+        Generation::ok(r#"{"answer":"x","confidence":7}"#, 1),
+        Generation::ok(r#"{"answer":"x","confidence":0.01}"#, 1),
+        Generation::ok(
+            format!(r#"{{"answer":"{}","confidence":0.9}}"#, "x".repeat(20_000)),
+            1,
+        ),
+        Generation::ok(r#"{"answer":"x","conf"#, 1),
+    ];
+    let mut cut = good();
+    cut.finish_reason = Some("length".into());
+    bad.push(cut);
+    for (i, g) in bad.into_iter().enumerate() {
+        let mut r = req(&format!("c{i}"));
+        r.policy.max_attempts = Some(1);
+        note(&run(&mut engine(), r, &[("primary", g)]));
+    }
+    let mut r = req("typed");
+    r.contract = Some(ContractSpec {
+        properties: [("answer".to_string(), JsonType::Number)].into(),
+        ..ContractSpec::default()
+    });
+    r.policy.max_attempts = Some(1);
+    note(&run(&mut engine(), r, &[("primary", good())]));
+
+    // Quality (medium risk -> low-confidence escalation), cost gates.
+    let mut r = req("quality");
+    r.risk = Risk::Medium;
+    note(&run(
+        &mut engine(),
+        r,
+        &[
+            ("primary", with_confidence(0.6)),
+            ("local", with_confidence(0.6)),
+        ],
+    ));
+    let mut e = engine();
+    e.state.providers.truncate(1);
+    let mut r = req("cost");
+    r.max_cost_usd = Some(0.000_001);
+    note(&run(&mut e, r, &[("primary", good())]));
+
+    // Escalations by risk and by task criticality.
+    let mut r = req("high");
+    r.risk = Risk::High;
+    note(&run(
+        &mut engine(),
+        r,
+        &[("primary", err()), ("secondary", err())],
+    ));
+    let mut r = req("crit");
+    r.priority = Priority::Critical;
+    note(&run(
+        &mut engine(),
+        r,
+        &[("primary", err()), ("local", err()), ("secondary", err())],
+    ));
+
+    let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
+    let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();
+    assert!(missing.is_empty(), "unreached reason codes: {missing:?}");
+}

@@ -1,0 +1,458 @@
+//! Cluster membership and majority consensus on provider health.
+//!
+//! A provider verdict needs floor(n/2)+1 agreeing, fresh observations from nodes that are alive
+//! now. A node whose heartbeat expired or whose connection dropped stops counting at once. The
+//! routing inputs (availability, contract failures, p95) come from the agreeing majority too (their
+//! median), never from a mean over every node: one node's bad probe must not move everyone's
+//! traffic. Below quorum a node uses its own observation and says so.
+
+use super::health::Verdict;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+pub const DEFAULT_HEARTBEAT_TTL_MS: u64 = 3_000;
+pub const DEFAULT_OBSERVATION_TTL_MS: u64 = 5_000;
+
+/// One node's view of one provider, as gossiped.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Observation {
+    pub node: String,
+    pub provider: String,
+    pub at_ms: u64,
+    pub verdict: Verdict,
+    pub availability: f64,
+    pub contract_failure_pct: f64,
+    pub p95_ms: u64,
+    #[serde(default)]
+    pub samples: u32,
+}
+
+/// What the cluster knows about one member.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Member {
+    pub last_heartbeat_ms: u64,
+    /// False once the node's connection dropped (or it said goodbye); it counts again only after
+    /// a new heartbeat.
+    #[serde(default = "yes")]
+    pub connected: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Membership plus the latest observation per (node, provider).
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    /// This node's id; its own observations are its local view.
+    pub self_id: String,
+    /// Configured cluster size n. The quorum is floor(max(n, live)/2)+1.
+    #[serde(default = "one")]
+    pub size: usize,
+    #[serde(default = "heartbeat_ttl")]
+    pub heartbeat_ttl_ms: u64,
+    #[serde(default = "observation_ttl")]
+    pub observation_ttl_ms: u64,
+    #[serde(default)]
+    pub members: BTreeMap<String, Member>,
+    /// provider -> node -> latest observation.
+    #[serde(default, with = "observation_list")]
+    pub observations: BTreeMap<String, BTreeMap<String, Observation>>,
+}
+
+fn one() -> usize {
+    1
+}
+fn heartbeat_ttl() -> u64 {
+    DEFAULT_HEARTBEAT_TTL_MS
+}
+fn observation_ttl() -> u64 {
+    DEFAULT_OBSERVATION_TTL_MS
+}
+
+/// The consensus view of one provider that routing uses.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct ProviderView {
+    pub verdict: Verdict,
+    /// Observations agreeing with `verdict` (k in "k/n").
+    pub votes: usize,
+    /// Live nodes with a fresh observation.
+    pub voters: usize,
+    /// n in "k/n": the cluster size the quorum is computed from.
+    pub cluster_size: usize,
+    /// True when `votes` reached floor(n/2)+1; false means this is the node's local view.
+    pub quorum: bool,
+    pub availability: f64,
+    pub contract_failure_pct: f64,
+    pub p95_ms: u64,
+}
+
+impl Cluster {
+    pub fn new(self_id: impl Into<String>, size: usize) -> Self {
+        Cluster {
+            self_id: self_id.into(),
+            size,
+            heartbeat_ttl_ms: DEFAULT_HEARTBEAT_TTL_MS,
+            observation_ttl_ms: DEFAULT_OBSERVATION_TTL_MS,
+            members: BTreeMap::new(),
+            observations: BTreeMap::new(),
+        }
+    }
+
+    /// A heartbeat from `node` at `now_ms` (ignored if older than one already seen).
+    pub fn heartbeat(&mut self, node: &str, now_ms: u64) {
+        let m = self.members.entry(node.to_string()).or_insert(Member {
+            last_heartbeat_ms: now_ms,
+            connected: true,
+        });
+        if now_ms >= m.last_heartbeat_ms {
+            m.last_heartbeat_ms = now_ms;
+            m.connected = true;
+        }
+    }
+
+    /// The node's connection dropped or it left: its observations stop counting now.
+    pub fn disconnect(&mut self, node: &str) {
+        if let Some(m) = self.members.get_mut(node) {
+            m.connected = false;
+        }
+    }
+
+    /// Keep the newest observation per (node, provider); older or duplicate ones are ignored.
+    /// Returns whether it was applied.
+    pub fn observe(&mut self, obs: Observation) -> bool {
+        let per_node = self.observations.entry(obs.provider.clone()).or_default();
+        match per_node.get(&obs.node) {
+            Some(old) if old.at_ms >= obs.at_ms => false,
+            _ => {
+                per_node.insert(obs.node.clone(), obs);
+                true
+            }
+        }
+    }
+
+    /// Is `node` alive at `now_ms`? This node always is.
+    pub fn is_alive(&self, node: &str, now_ms: u64) -> bool {
+        if node == self.self_id {
+            return true;
+        }
+        self.members.get(node).is_some_and(|m| {
+            m.connected && now_ms.saturating_sub(m.last_heartbeat_ms) <= self.heartbeat_ttl_ms
+        })
+    }
+
+    /// Live nodes, this one included.
+    pub fn live_nodes(&self, now_ms: u64) -> Vec<&str> {
+        let mut nodes: Vec<&str> = self
+            .members
+            .keys()
+            .map(String::as_str)
+            .filter(|n| self.is_alive(n, now_ms))
+            .collect();
+        if !self.members.contains_key(&self.self_id) {
+            nodes.push(&self.self_id);
+            nodes.sort_unstable();
+        }
+        nodes
+    }
+
+    /// The n that the quorum is computed from: the configured size, or more if more are alive.
+    pub fn effective_size(&self, now_ms: u64) -> usize {
+        self.size.max(self.live_nodes(now_ms).len()).max(1)
+    }
+
+    pub fn quorum(&self, now_ms: u64) -> usize {
+        self.effective_size(now_ms) / 2 + 1
+    }
+
+    /// Fresh observations of `provider` from live nodes, in node order.
+    pub fn counted(&self, provider: &str, now_ms: u64) -> Vec<&Observation> {
+        self.observations
+            .get(provider)
+            .into_iter()
+            .flat_map(|m| m.values())
+            .filter(|o| {
+                // A stamp slightly ahead of our clock (skew between nodes) is fresh, not ignored.
+                self.is_alive(&o.node, now_ms)
+                    && now_ms.saturating_sub(o.at_ms) <= self.observation_ttl_ms
+            })
+            .collect()
+    }
+
+    /// The consensus (or, below quorum, local) view of `provider`.
+    pub fn view(&self, provider: &str, now_ms: u64) -> ProviderView {
+        let counted = self.counted(provider, now_ms);
+        let n = self.effective_size(now_ms);
+        let q = n / 2 + 1;
+        for verdict in Verdict::ALL {
+            let agreeing: Vec<&Observation> = counted
+                .iter()
+                .copied()
+                .filter(|o| o.verdict == verdict)
+                .collect();
+            if agreeing.len() >= q {
+                return from_group(verdict, &agreeing, counted.len(), n, true);
+            }
+        }
+        match counted.iter().find(|o| o.node == self.self_id) {
+            Some(own) => {
+                let votes = counted.iter().filter(|o| o.verdict == own.verdict).count();
+                let mut v = from_group(own.verdict, &[own], counted.len(), n, false);
+                v.votes = votes;
+                v
+            }
+            None => ProviderView {
+                verdict: Verdict::Unknown,
+                votes: 0,
+                voters: counted.len(),
+                cluster_size: n,
+                quorum: false,
+                availability: 0.0,
+                contract_failure_pct: 0.0,
+                p95_ms: 0,
+            },
+        }
+    }
+}
+
+fn from_group(
+    verdict: Verdict,
+    group: &[&Observation],
+    voters: usize,
+    n: usize,
+    quorum: bool,
+) -> ProviderView {
+    ProviderView {
+        verdict,
+        votes: group.len(),
+        voters,
+        cluster_size: n,
+        quorum,
+        availability: median_f64(group.iter().map(|o| o.availability)),
+        contract_failure_pct: median_f64(group.iter().map(|o| o.contract_failure_pct)),
+        p95_ms: median_u64(group.iter().map(|o| o.p95_ms)),
+    }
+}
+
+/// Lower median: deterministic and always one of the observed values.
+fn median_f64(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(0.0)
+}
+
+fn median_u64(values: impl Iterator<Item = u64>) -> u64 {
+    let mut v: Vec<u64> = values.collect();
+    v.sort_unstable();
+    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(0)
+}
+
+/// Observations travel as a flat list; in memory they are indexed by provider and node.
+mod observation_list {
+    use super::Observation;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::BTreeMap;
+
+    type Index = BTreeMap<String, BTreeMap<String, Observation>>;
+
+    pub fn serialize<S: Serializer>(index: &Index, s: S) -> Result<S::Ok, S::Error> {
+        let list: Vec<&Observation> = index.values().flat_map(|m| m.values()).collect();
+        list.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Index, D::Error> {
+        let mut index = Index::new();
+        for o in Vec::<Observation>::deserialize(d)? {
+            let slot = index.entry(o.provider.clone()).or_default();
+            if slot.get(&o.node).is_none_or(|old| old.at_ms < o.at_ms) {
+                slot.insert(o.node.clone(), o);
+            }
+        }
+        Ok(index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn obs(node: &str, verdict: Verdict, availability: f64, at_ms: u64) -> Observation {
+        Observation {
+            node: node.into(),
+            provider: "p".into(),
+            at_ms,
+            verdict,
+            availability,
+            contract_failure_pct: 0.0,
+            p95_ms: 150,
+            samples: 15,
+        }
+    }
+
+    fn three_nodes(now: u64) -> Cluster {
+        let mut c = Cluster::new("n1", 3);
+        for n in ["n1", "n2", "n3"] {
+            c.heartbeat(n, now);
+        }
+        c
+    }
+
+    #[test]
+    fn majority_decides_and_uses_majority_numbers() {
+        let mut c = three_nodes(1_000);
+        c.observe(obs("n1", Verdict::Healthy, 1.0, 1_000));
+        c.observe(obs("n2", Verdict::Healthy, 0.97, 1_000));
+        c.observe(obs("n3", Verdict::Unhealthy, 0.0, 1_000));
+        let v = c.view("p", 1_000);
+        assert_eq!(v.verdict, Verdict::Healthy);
+        assert!(v.quorum);
+        assert_eq!((v.votes, v.voters, v.cluster_size), (2, 3, 3));
+        // Median of the majority (lower median of [0.97, 1.0]); the outlier's 0.0 never enters.
+        assert_eq!(v.availability, 0.97);
+    }
+
+    #[test]
+    fn a_dead_node_stops_counting_the_moment_it_expires() {
+        let mut c = three_nodes(1_000);
+        c.observe(obs("n2", Verdict::Unhealthy, 0.0, 1_000));
+        c.observe(obs("n3", Verdict::Unhealthy, 0.0, 1_000));
+        c.observe(obs("n1", Verdict::Healthy, 1.0, 1_000));
+        assert_eq!(c.view("p", 1_000).verdict, Verdict::Unhealthy);
+        // n1 keeps heartbeating; n2 and n3 go silent.
+        c.heartbeat("n1", 4_001);
+        let at_ttl = c.view("p", 1_000 + DEFAULT_HEARTBEAT_TTL_MS);
+        assert_eq!(
+            at_ttl.verdict,
+            Verdict::Unhealthy,
+            "still alive exactly at the ttl"
+        );
+        let after = c.view("p", 1_001 + DEFAULT_HEARTBEAT_TTL_MS);
+        assert!(!after.quorum);
+        assert_eq!(
+            after.verdict,
+            Verdict::Healthy,
+            "falls back to the local view"
+        );
+        assert_eq!(after.voters, 1);
+    }
+
+    #[test]
+    fn a_dropped_connection_counts_at_once() {
+        let mut c = three_nodes(1_000);
+        c.observe(obs("n2", Verdict::Unhealthy, 0.0, 1_000));
+        c.observe(obs("n3", Verdict::Unhealthy, 0.0, 1_000));
+        c.disconnect("n3");
+        let v = c.view("p", 1_000);
+        assert!(!v.quorum);
+        assert_eq!(
+            v.verdict,
+            Verdict::Unknown,
+            "no own observation: unknown, not n2's claim"
+        );
+        c.heartbeat("n3", 1_100);
+        assert!(c.view("p", 1_100).quorum, "a new heartbeat brings it back");
+    }
+
+    #[test]
+    fn stale_and_out_of_order_observations_are_ignored() {
+        let mut c = three_nodes(10_000);
+        assert!(c.observe(obs("n2", Verdict::Healthy, 1.0, 9_000)));
+        assert!(
+            !c.observe(obs("n2", Verdict::Unhealthy, 0.0, 8_000)),
+            "older"
+        );
+        assert!(
+            !c.observe(obs("n2", Verdict::Unhealthy, 0.0, 9_000)),
+            "duplicate"
+        );
+        assert_eq!(c.counted("p", 10_000)[0].verdict, Verdict::Healthy);
+        assert!(
+            c.counted("p", 9_000 + DEFAULT_OBSERVATION_TTL_MS + 1)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn split_vote_without_majority_is_local_view() {
+        let mut c = Cluster::new("n1", 4);
+        for n in ["n1", "n2", "n3", "n4"] {
+            c.heartbeat(n, 0);
+        }
+        c.observe(obs("n1", Verdict::Degraded, 0.9, 0));
+        c.observe(obs("n2", Verdict::Degraded, 0.9, 0));
+        c.observe(obs("n3", Verdict::Healthy, 1.0, 0));
+        c.observe(obs("n4", Verdict::Healthy, 1.0, 0));
+        let v = c.view("p", 0);
+        assert!(!v.quorum, "2 of 4 is not floor(4/2)+1 = 3");
+        assert_eq!(v.verdict, Verdict::Degraded);
+        assert_eq!(v.votes, 2);
+    }
+
+    #[test]
+    fn more_live_nodes_than_configured_raise_the_quorum() {
+        let mut c = Cluster::new("n1", 3);
+        for n in ["n1", "n2", "n3", "n4", "n5"] {
+            c.heartbeat(n, 0);
+        }
+        c.observe(obs("n1", Verdict::Healthy, 1.0, 0));
+        c.observe(obs("n2", Verdict::Healthy, 1.0, 0));
+        c.observe(obs("n3", Verdict::Unhealthy, 0.0, 0));
+        c.observe(obs("n4", Verdict::Unhealthy, 0.0, 0));
+        assert_eq!(c.quorum(0), 3);
+        assert!(!c.view("p", 0).quorum, "two camps of 2 never both win");
+    }
+
+    #[test]
+    fn serde_round_trip_keeps_newest() {
+        let mut c = three_nodes(0);
+        c.observe(obs("n2", Verdict::Healthy, 1.0, 5));
+        let json = serde_json::to_string(&c).unwrap();
+        let back: Cluster = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, c);
+    }
+
+    fn arb_verdict() -> impl Strategy<Value = Verdict> {
+        prop::sample::select(Verdict::ALL.to_vec())
+    }
+
+    proptest! {
+        /// Quorum never counts a dead node: whatever a dead node says cannot change the view,
+        /// and the votes never exceed the live, fresh voters.
+        #[test]
+        fn dead_nodes_never_count(
+            nodes in prop::collection::vec((0u64..10_000, any::<bool>(), arb_verdict(), 0u64..10_000), 1..7),
+            size in 1usize..7,
+            now in 5_000u64..12_000,
+            flip in arb_verdict(),
+        ) {
+            let mut c = Cluster::new("n0", size);
+            for (i, (hb, connected, verdict, at)) in nodes.iter().enumerate() {
+                let id = format!("n{i}");
+                c.heartbeat(&id, *hb);
+                if !connected { c.disconnect(&id); }
+                c.observe(obs(&id, *verdict, 0.5, *at));
+            }
+            let view = c.view("p", now);
+            let live_fresh = c.counted("p", now).len();
+            prop_assert!(view.votes <= live_fresh);
+            prop_assert_eq!(view.voters, live_fresh);
+            if view.quorum {
+                prop_assert!(view.votes >= c.quorum(now));
+                prop_assert!(view.votes * 2 > view.cluster_size);
+            }
+            // Rewrite every dead node's observation: the view must not move.
+            let mut c2 = c.clone();
+            for i in 0..nodes.len() {
+                let id = format!("n{i}");
+                if !c.is_alive(&id, now) {
+                    c2.observe(obs(&id, flip, 0.1, now));
+                }
+            }
+            prop_assert_eq!(c2.view("p", now), view);
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! What a caller asks for (the request, its risk, priority and policy), the providers that can
+//! answer, and what a generation attempt returned. Plain data; no behaviour beyond defaults.
+
+use super::contract::ContractSpec;
+use serde::{Deserialize, Serialize};
+
+/// How bad a wrong answer would be.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Risk {
+    #[default]
+    Low,
+    Medium,
+    High,
+}
+
+/// The bulkhead class; `critical` also marks a critical task for escalation.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    Critical,
+    #[default]
+    Normal,
+    Background,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 3] = [Priority::Critical, Priority::Normal, Priority::Background];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Critical => "critical",
+            Priority::Normal => "normal",
+            Priority::Background => "background",
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Hash, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// Per-request overrides of the defaults.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields, default)]
+pub struct Policy {
+    /// May a fallback provider serve this request?
+    pub allow_fallback: bool,
+    /// Total attempts, overriding the risk level's default.
+    pub max_attempts: Option<u32>,
+    /// Quality threshold, overriding the risk level's default.
+    pub min_confidence: Option<f64>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            allow_fallback: true,
+            max_attempts: None,
+            min_confidence: None,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    pub id: String,
+    pub agent: String,
+    #[serde(default)]
+    pub task: String,
+    /// The model the caller asked for (part of the loop fingerprint; routing picks the provider).
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub risk: Risk,
+    #[serde(default)]
+    pub priority: Priority,
+    /// Safe to run twice? A non-idempotent request that timed out is never retried.
+    #[serde(default = "yes")]
+    pub idempotent: bool,
+    /// p95 a provider must meet to earn the latency bonus (default from config).
+    #[serde(default)]
+    pub latency_budget_ms: Option<u64>,
+    /// Hard cost limit for this request.
+    #[serde(default)]
+    pub max_cost_usd: Option<f64>,
+    /// Completion tokens to ask for (default from config); also the cost estimate's basis.
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub policy: Policy,
+    /// oam's own contract form.
+    #[serde(default)]
+    pub contract: Option<ContractSpec>,
+    /// OpenAI's `response_format`; a `json_schema` here becomes the contract.
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// An upstream that can generate.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Provider {
+    pub id: String,
+    #[serde(default)]
+    pub model: String,
+    /// Price per 1,000 tokens, prompt and completion alike. 0 makes it a zero-cost provider.
+    #[serde(default)]
+    pub cost_per_1k_tokens_usd: f64,
+    #[serde(default)]
+    pub fallback: bool,
+}
+
+impl Provider {
+    pub fn is_zero_cost(&self) -> bool {
+        self.cost_per_1k_tokens_usd <= 0.0
+    }
+
+    /// Cost of `tokens`, rounded to a nano-dollar so sums print cleanly and compare exactly.
+    pub fn cost_of(&self, tokens: u64) -> f64 {
+        round_usd(self.cost_per_1k_tokens_usd * tokens as f64 / 1_000.0)
+    }
+}
+
+/// Round a dollar amount to a nano-dollar.
+pub fn round_usd(usd: f64) -> f64 {
+    (usd * 1e9).round() / 1e9
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum GenerationStatus {
+    /// HTTP 200 with a completion (the contract is checked separately).
+    Ok,
+    /// 5xx, connection refused or reset, or an unreadable body.
+    Error,
+    Timeout,
+    /// 429.
+    RateLimited,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// What one generation attempt returned, as the driver observed it.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Generation {
+    pub status: GenerationStatus,
+    #[serde(default)]
+    pub content: String,
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+    #[serde(default)]
+    pub latency_ms: u64,
+    /// Token counts; when absent the reservation's estimate is charged.
+    #[serde(default)]
+    pub usage: Option<Usage>,
+    /// From a 429's Retry-After.
+    #[serde(default)]
+    pub retry_after_ms: Option<u64>,
+    /// What went wrong, for humans.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+impl Generation {
+    pub fn ok(content: impl Into<String>, latency_ms: u64) -> Self {
+        Generation {
+            status: GenerationStatus::Ok,
+            content: content.into(),
+            finish_reason: Some("stop".into()),
+            latency_ms,
+            usage: None,
+            retry_after_ms: None,
+            error: None,
+        }
+    }
+
+    pub fn failed(status: GenerationStatus, latency_ms: u64) -> Self {
+        Generation {
+            status,
+            content: String::new(),
+            finish_reason: None,
+            latency_ms,
+            usage: None,
+            retry_after_ms: None,
+            error: None,
+        }
+    }
+}

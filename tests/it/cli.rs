@@ -1,0 +1,272 @@
+//! `oam --help`, `oam reasons` and `oam decide` against the shipped examples and bad input.
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+fn oam() -> Command {
+    Command::cargo_bin("oam").expect("oam binary")
+}
+
+fn examples() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/decide");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("examples/decide")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    files
+}
+
+fn decide(path: &Path) -> Value {
+    let out = oam().arg("decide").arg(path).output().expect("run");
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("decision is JSON")
+}
+
+#[test]
+fn help_lists_the_working_subcommands() {
+    oam()
+        .arg("--help")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("reasons").and(predicate::str::contains("decide")));
+}
+
+#[test]
+fn unknown_flags_and_subcommands_exit_2() {
+    oam().arg("--bogus").assert().code(2);
+    oam().arg("frobnicate").assert().code(2);
+    oam().args(["decide", "--bogus"]).assert().code(2);
+}
+
+#[test]
+fn reasons_json_lists_every_code_with_phase_and_meaning() {
+    let out = oam().args(["reasons", "--json"]).output().unwrap();
+    assert!(out.status.success());
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let codes = doc["reason_codes"].as_array().unwrap();
+    assert_eq!(codes.len(), oam::core::reason::ReasonCode::ALL.len());
+    for c in codes {
+        assert!(!c["meaning"].as_str().unwrap().is_empty());
+    }
+    let actions: Vec<&str> = doc["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        actions,
+        ["HUMAN_REVIEW", "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"]
+    );
+    // The stable strings are a public contract: any rename shows up here.
+    let list: Vec<String> = codes
+        .iter()
+        .map(|c| {
+            format!(
+                "{} {}",
+                c["code"].as_str().unwrap(),
+                c["phase"].as_str().unwrap()
+            )
+        })
+        .collect();
+    insta::assert_snapshot!("reason_codes", list.join("\n"));
+}
+
+#[test]
+fn reasons_looks_up_one_code_and_rejects_unknown_ones() {
+    oam()
+        .args(["reasons", "circuit_not_available"])
+        .assert()
+        .success()
+        .stdout(
+            predicate::str::contains("CIRCUIT_NOT_AVAILABLE")
+                .and(predicate::str::contains("breaker")),
+        );
+    oam()
+        .args(["reasons", "CIRCUIT_NOPE"])
+        .assert()
+        .code(2)
+        .stderr(
+            predicate::str::contains("unknown reason code")
+                .and(predicate::str::contains("CIRCUIT_OPEN")),
+        );
+    oam()
+        .args(["reasons", "--phase", "semantic", "--json"])
+        .assert()
+        .success()
+        .stdout(
+            predicate::str::contains("CONTRACT_TRUNCATED")
+                .and(predicate::str::contains("ACCEPTED").not()),
+        );
+}
+
+#[test]
+fn every_example_decides_as_documented() {
+    // (file stem, outcome, phase, provider, a code the decision must carry)
+    let expected = [
+        (
+            "agent-loop",
+            "escalated",
+            "loop",
+            None,
+            "AGENT_LOOP_DETECTED",
+        ),
+        (
+            "broken-contract",
+            "accepted",
+            "accepted",
+            Some("local"),
+            "CONTRACT_MISSING_FIELD",
+        ),
+        (
+            "budget-high-risk",
+            "escalated",
+            "budget",
+            None,
+            "ESCALATED_BUDGET_EXHAUSTED",
+        ),
+        (
+            "dissenting-node",
+            "accepted",
+            "accepted",
+            Some("primary"),
+            "ROUTING_SELECTED",
+        ),
+        (
+            "healthy",
+            "accepted",
+            "accepted",
+            Some("primary"),
+            "ACCEPTED",
+        ),
+        (
+            "loop-blocked",
+            "rejected",
+            "loop",
+            None,
+            "RUNAWAY_RETRY_STOPPED",
+        ),
+        (
+            "no-quorum",
+            "accepted",
+            "accepted",
+            Some("primary"),
+            "NO_QUORUM_LOCAL_VIEW",
+        ),
+        (
+            "non-idempotent-timeout",
+            "escalated",
+            "generation",
+            None,
+            "RETRY_NOT_SAFE",
+        ),
+        (
+            "provider-outage",
+            "accepted",
+            "accepted",
+            Some("local"),
+            "FALLBACK_USED",
+        ),
+        (
+            "traffic-spike",
+            "rejected",
+            "admission",
+            None,
+            "LOAD_SHED_NON_CRITICAL",
+        ),
+    ];
+    let files = examples();
+    assert_eq!(
+        files.len(),
+        expected.len(),
+        "every example has an expectation here"
+    );
+    for (file, (stem, outcome, phase, provider, code)) in files.iter().zip(expected) {
+        assert_eq!(file.file_stem().unwrap(), stem);
+        let d = decide(file);
+        assert_eq!(d["outcome"], outcome, "{stem}");
+        assert_eq!(d["phase"], phase, "{stem}");
+        assert_eq!(d["provider"].as_str(), provider, "{stem}");
+        let codes: Vec<&str> = d["reason_codes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        assert!(codes.contains(&code), "{stem}: {codes:?}");
+    }
+}
+
+#[test]
+fn decide_is_byte_for_byte_repeatable_from_file_and_stdin() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/decide/broken-contract.json");
+    let a = oam().arg("decide").arg(&file).output().unwrap().stdout;
+    let b = oam().arg("decide").arg(&file).output().unwrap().stdout;
+    let c = oam()
+        .args(["decide", "-"])
+        .write_stdin(std::fs::read(&file).unwrap())
+        .output()
+        .unwrap()
+        .stdout;
+    assert!(!a.is_empty());
+    assert_eq!(a, b);
+    assert_eq!(a, c);
+    // The decision's JSON keys are a public contract too.
+    let d: Value = serde_json::from_slice(&a).unwrap();
+    insta::assert_json_snapshot!("broken_contract_decision", d);
+}
+
+#[test]
+fn bad_input_names_the_field_and_exits_2() {
+    let cases: &[(&str, &str)] = &[
+        ("", "is empty"),
+        ("{not json", "key must be a string"),
+        (r#"{"now_ms": 1}"#, "missing field `request`"),
+        (
+            r#"{"now_ms": 1, "request": {"id": "r", "agent": "a", "messages": [], "risk": "hgh"}}"#,
+            "request.risk: unknown variant `hgh`",
+        ),
+        (
+            r#"{"now_ms": 1, "request": {"id": "r", "agent": "a", "messages": [{"role": "user", "content": "x"}], "colour": 1}}"#,
+            "unknown field `colour`",
+        ),
+        (
+            r#"{"now_ms": 1, "request": {"id": "r", "agent": "a", "messages": []}}"#,
+            "request.messages must hold at least one message",
+        ),
+        (
+            r#"{"now_ms": 1, "request": {"id": "r", "agent": "a", "messages": [{"role": "user", "content": "x"}]}}"#,
+            "generations.primary",
+        ),
+        (
+            r#"{"now_ms": 1, "request": {"id": "r", "agent": "a", "messages": [{"role": "user", "content": "x"}]},
+               "state": {"breakers": {"primary": {"state": "ajar"}}}}"#,
+            "state.breakers.primary",
+        ),
+    ];
+    for (input, needle) in cases {
+        oam()
+            .args(["decide", "-"])
+            .write_stdin(*input)
+            .assert()
+            .code(2)
+            .stdout("")
+            .stderr(predicate::str::contains(*needle));
+    }
+    oam()
+        .args(["decide", "/nonexistent/input.json"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains(
+            "cannot read /nonexistent/input.json",
+        ));
+}

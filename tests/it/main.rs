@@ -1,0 +1,3 @@
+//! The one integration-test binary: the real `oam` binary, driven as a user would.
+
+mod cli;
