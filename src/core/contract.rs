@@ -7,9 +7,12 @@
 //! subset `type: object`, `required`, `properties.*.type` is enforced).
 
 use super::reason::ReasonCode;
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::fmt;
 
 pub const DEFAULT_MIN_CONFIDENCE: f64 = 0.3;
 pub const DEFAULT_MAX_CHARS: usize = 16_000;
@@ -28,18 +31,6 @@ pub enum JsonType {
 }
 
 impl JsonType {
-    fn matches(self, v: &Value) -> bool {
-        match self {
-            JsonType::String => v.is_string(),
-            JsonType::Number => v.is_number(),
-            JsonType::Integer => v.is_i64() || v.is_u64(),
-            JsonType::Boolean => v.is_boolean(),
-            JsonType::Object => v.is_object(),
-            JsonType::Array => v.is_array(),
-            JsonType::Null => v.is_null(),
-        }
-    }
-
     fn parse(s: &str) -> Option<JsonType> {
         serde_json::from_value(Value::String(s.to_string())).ok()
     }
@@ -215,7 +206,7 @@ impl Contract {
                 ),
             )]);
         }
-        let value: Value = match serde_json::from_str(body) {
+        let top: Top<'_> = match serde_json::from_str(body) {
             Ok(v) => v,
             Err(e) if e.is_eof() => {
                 return Err(vec![defect(
@@ -225,15 +216,20 @@ impl Contract {
             }
             Err(e) => return Err(vec![defect(ReasonCode::ContractNotJson, e.to_string())]),
         };
-        let Some(object) = value.as_object() else {
-            return Err(vec![defect(
-                ReasonCode::ContractNotObject,
-                format!("content is a JSON {}", type_name(&value)),
-            )]);
+        let fields = match top {
+            Top::Object(fields) => fields,
+            Top::Other(shape) => {
+                return Err(vec![defect(
+                    ReasonCode::ContractNotObject,
+                    format!("content is a JSON {}", shape.name()),
+                )]);
+            }
         };
+        // Last occurrence wins, as in serde_json's own maps.
+        let get = |name: &str| fields.iter().rev().find(|(k, _)| k.0 == name).map(|f| f.1);
         let mut defects = Vec::new();
         for field in &self.required {
-            if !object.contains_key(field) {
+            if get(field).is_none() {
                 defects.push(defect(
                     ReasonCode::ContractMissingField,
                     format!("missing field `{field}`"),
@@ -241,24 +237,24 @@ impl Contract {
             }
         }
         for (field, t) in &self.properties {
-            if let Some(v) = object.get(field)
-                && !t.matches(v)
+            if let Some(v) = get(field)
+                && !v.is(*t)
                 && Some(field) != self.confidence_field.as_ref()
             {
                 defects.push(defect(
                     ReasonCode::ContractFieldType,
-                    format!("`{field}` is a {}, the contract says {t:?}", type_name(v)),
+                    format!("`{field}` is a {}, the contract says {t:?}", v.name()),
                 ));
             }
         }
         let mut confidence = None;
         if let Some(field) = &self.confidence_field
-            && let Some(v) = object.get(field)
+            && let Some(v) = get(field)
         {
-            match v.as_f64() {
+            match v.number() {
                 None => defects.push(defect(
                     ReasonCode::ContractConfidenceType,
-                    format!("`{field}` is a {}, not a number", type_name(v)),
+                    format!("`{field}` is a {}, not a number", v.name()),
                 )),
                 Some(c) if !(0.0..=1.0).contains(&c) => defects.push(defect(
                     ReasonCode::ContractConfidenceRange,
@@ -291,14 +287,161 @@ fn strip_code_fence(s: &str) -> &str {
     rest.strip_suffix("```").unwrap_or(rest).trim()
 }
 
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
+/// What the contract needs to know of one JSON value: its type, and its number if it is one.
+/// Probing instead of building a `serde_json::Value` keeps the check nearly allocation-free.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Shape {
+    Null,
+    Boolean,
+    Integer(f64),
+    Number(f64),
+    String,
+    Array,
+    Object,
+}
+
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Null => "null",
+            Shape::Boolean => "boolean",
+            Shape::Integer(_) | Shape::Number(_) => "number",
+            Shape::String => "string",
+            Shape::Array => "array",
+            Shape::Object => "object",
+        }
+    }
+
+    fn number(self) -> Option<f64> {
+        match self {
+            Shape::Integer(n) | Shape::Number(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    fn is(self, t: JsonType) -> bool {
+        matches!(
+            (t, self),
+            (JsonType::String, Shape::String)
+                | (JsonType::Number, Shape::Integer(_) | Shape::Number(_))
+                | (JsonType::Integer, Shape::Integer(_))
+                | (JsonType::Boolean, Shape::Boolean)
+                | (JsonType::Object, Shape::Object)
+                | (JsonType::Array, Shape::Array)
+                | (JsonType::Null, Shape::Null)
+        )
+    }
+}
+
+/// The probe's visitor: records the shape, skips the contents.
+struct ShapeVisitor;
+
+impl<'de> Visitor<'de> for ShapeVisitor {
+    type Value = Shape;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_unit<E>(self) -> Result<Shape, E> {
+        Ok(Shape::Null)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Shape, E> {
+        Ok(Shape::Boolean)
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Shape, E> {
+        Ok(Shape::Integer(v as f64))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Shape, E> {
+        Ok(Shape::Integer(v as f64))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Shape, E> {
+        Ok(Shape::Number(v))
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Shape, E> {
+        Ok(Shape::String)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Shape, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Shape::Array)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Shape, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Shape::Object)
+    }
+}
+
+impl<'de> Deserialize<'de> for Shape {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Shape, D::Error> {
+        d.deserialize_any(ShapeVisitor)
+    }
+}
+
+/// An object key, borrowed from the content unless it had escapes.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key<'de>, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_string())))
+            }
+        }
+        d.deserialize_str(KeyVisitor)
+    }
+}
+
+/// The answer's top level: an object's fields, or the shape of anything else.
+enum Top<'a> {
+    Object(Vec<(Key<'a>, Shape)>),
+    Other(Shape),
+}
+
+impl<'de> Deserialize<'de> for Top<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Top<'de>, D::Error> {
+        struct TopVisitor;
+        impl<'de> Visitor<'de> for TopVisitor {
+            type Value = Top<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON document")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Top<'de>, A::Error> {
+                let mut fields = Vec::with_capacity(4);
+                while let Some(entry) = map.next_entry::<Key<'de>, Shape>()? {
+                    fields.push(entry);
+                }
+                Ok(Top::Object(fields))
+            }
+            fn visit_unit<E>(self) -> Result<Top<'de>, E> {
+                Ok(Top::Other(Shape::Null))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Top<'de>, E> {
+                Ok(Top::Other(Shape::Boolean))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Top<'de>, E> {
+                Ok(Top::Other(Shape::Integer(v as f64)))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Top<'de>, E> {
+                Ok(Top::Other(Shape::Integer(v as f64)))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Top<'de>, E> {
+                Ok(Top::Other(Shape::Number(v)))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Top<'de>, E> {
+                Ok(Top::Other(Shape::String))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Top<'de>, A::Error> {
+                ShapeVisitor.visit_seq(seq).map(Top::Other)
+            }
+        }
+        d.deserialize_any(TopVisitor)
     }
 }
 
@@ -378,6 +521,38 @@ mod tests {
             "x".repeat(DEFAULT_MAX_CHARS)
         );
         assert_eq!(codes(c.check(&long, None)), vec![ContractTooLong]);
+    }
+
+    #[test]
+    fn the_probe_reads_json_as_serde_json_does() {
+        let c = Contract::default();
+        // Escaped keys, nested values, integers, and duplicate keys (the last one wins).
+        assert_eq!(
+            c.check(r#"{"answ\u0065r":"x","confidence":0.9}"#, None),
+            Ok(Some(0.9))
+        );
+        assert_eq!(
+            c.check(r#"{"answer":{"a":[1,{"b":null}]},"confidence":1}"#, None),
+            Ok(Some(1.0))
+        );
+        assert_eq!(
+            codes(c.check(r#"{"answer":"x","confidence":0.9,"confidence":"no"}"#, None)),
+            vec![ReasonCode::ContractConfidenceType]
+        );
+        assert_eq!(
+            codes(c.check(r#"{"answer":"x","confidence":0.9} trailing"#, None)),
+            vec![ReasonCode::ContractNotJson]
+        );
+        for (doc, name) in [
+            ("null", "null"),
+            ("true", "boolean"),
+            ("3", "number"),
+            ("\"s\"", "string"),
+        ] {
+            let d = c.check(doc, None).unwrap_err();
+            assert_eq!(d[0].code, ReasonCode::ContractNotObject);
+            assert!(d[0].detail.ends_with(name), "{doc}: {}", d[0].detail);
+        }
     }
 
     #[test]

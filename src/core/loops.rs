@@ -8,9 +8,10 @@
 
 use super::breaker::{Breaker, BreakerConfig, Permit};
 use super::request::Message;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
 use std::collections::BTreeMap;
-use xxhash_rust::xxh3::Xxh3;
+use std::fmt;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(deny_unknown_fields, default)]
@@ -43,29 +44,53 @@ impl LoopConfig {
     }
 }
 
-/// A stable 64-bit fingerprint of a call, as 16 hex digits. Fields are length-prefixed so
-/// ("ab", "c") and ("a", "bc") differ.
-pub fn fingerprint(agent: &str, task: &str, model: &str, messages: &[Message]) -> String {
-    let mut h = Xxh3::new();
-    let mut field = |s: &str| {
-        h.update(&(s.len() as u64).to_le_bytes());
-        h.update(s.as_bytes());
-    };
-    field(agent);
-    field(task);
-    field(model);
-    for m in messages {
-        field(&m.role);
-        field(&m.content);
+/// A stable 64-bit fingerprint of a call; on the wire, 16 lower-case hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct Fingerprint(pub u64);
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
     }
-    format!("{:016x}", h.digest())
+}
+
+impl Serialize for Fingerprint {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Fingerprint {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        if text.len() != 16 {
+            return Err(de::Error::custom(format!(
+                "fingerprint {text:?} must be 16 hex digits"
+            )));
+        }
+        u64::from_str_radix(&text, 16)
+            .map(Fingerprint)
+            .map_err(|_| de::Error::custom(format!("fingerprint {text:?} must be 16 hex digits")))
+    }
+}
+
+/// The fingerprint of a call. Each field is hashed in one shot, seeded with the hash so far
+/// and the field's length, so ("ab", "c") and ("a", "bc") differ and order matters.
+pub fn fingerprint(agent: &str, task: &str, model: &str, messages: &[Message]) -> Fingerprint {
+    let field =
+        |h: u64, s: &str| xxh3_64_with_seed(s.as_bytes(), h ^ (s.len() as u64).rotate_left(32));
+    let mut h = field(field(field(0, agent), task), model);
+    for m in messages {
+        h = field(field(h, &m.role), &m.content);
+    }
+    Fingerprint(h)
 }
 
 /// An open loop, as reported once per episode.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
 pub struct Incident {
     pub id: String,
-    pub fingerprint: String,
+    pub fingerprint: Fingerprint,
     pub agent: String,
     pub task: String,
     pub opened_at_ms: u64,
@@ -104,11 +129,11 @@ pub enum LoopCheck {
 }
 
 /// Loop state for every fingerprint, keyed by fingerprint.
-pub type Loops = BTreeMap<String, LoopEntry>;
+pub type Loops = BTreeMap<Fingerprint, LoopEntry>;
 
 /// May a call with this fingerprint go ahead? Takes the probe slot when it answers `Probe`.
-pub fn check(loops: &mut Loops, fp: &str, now_ms: u64, cfg: &LoopConfig) -> LoopCheck {
-    let Some(ep) = loops.get_mut(fp).and_then(|e| e.episode.as_mut()) else {
+pub fn check(loops: &mut Loops, fp: Fingerprint, now_ms: u64, cfg: &LoopConfig) -> LoopCheck {
+    let Some(ep) = loops.get_mut(&fp).and_then(|e| e.episode.as_mut()) else {
         return LoopCheck::Clear;
     };
     match ep.breaker.acquire(now_ms, &cfg.breaker()) {
@@ -121,14 +146,14 @@ pub fn check(loops: &mut Loops, fp: &str, now_ms: u64, cfg: &LoopConfig) -> Loop
 /// Record a failed call. Returns the incident when this failure opens a new episode.
 pub fn on_failure(
     loops: &mut Loops,
-    fp: &str,
+    fp: Fingerprint,
     agent: &str,
     task: &str,
     now_ms: u64,
     probe: bool,
     cfg: &LoopConfig,
 ) -> Option<Incident> {
-    let entry = loops.entry(fp.to_string()).or_insert_with(|| LoopEntry {
+    let entry = loops.entry(fp).or_insert_with(|| LoopEntry {
         agent: agent.to_string(),
         task: task.to_string(),
         ..LoopEntry::default()
@@ -151,7 +176,7 @@ pub fn on_failure(
     }
     let incident = Incident {
         id: format!("inc-{fp}-{now_ms}"),
-        fingerprint: fp.to_string(),
+        fingerprint: fp,
         agent: entry.agent.clone(),
         task: entry.task.clone(),
         opened_at_ms: now_ms,
@@ -168,8 +193,8 @@ pub fn on_failure(
 }
 
 /// A call with this fingerprint succeeded: any episode is over and the count starts again.
-pub fn on_success(loops: &mut Loops, fp: &str) {
-    loops.remove(fp);
+pub fn on_success(loops: &mut Loops, fp: Fingerprint) {
+    loops.remove(&fp);
 }
 
 /// Forget what is out of the window and episodes that expired unprobed. Drivers call this
@@ -192,6 +217,10 @@ pub fn prune(loops: &mut Loops, now_ms: u64, cfg: &LoopConfig) {
 mod tests {
     use super::*;
 
+    const F: Fingerprint = Fingerprint(0xf);
+    const QUIET: Fingerprint = Fingerprint(0x9);
+    const OTHER: Fingerprint = Fingerprint(0x0);
+
     const CFG: LoopConfig = LoopConfig {
         threshold: 3,
         window_ms: 1_000,
@@ -209,78 +238,81 @@ mod tests {
     fn fingerprint_is_stable_and_field_separated() {
         let a = fingerprint("agent", "task", "m", &msg("hello"));
         assert_eq!(a, fingerprint("agent", "task", "m", &msg("hello")));
-        assert_eq!(a.len(), 16);
+        assert_eq!(a.to_string().len(), 16);
         assert_ne!(a, fingerprint("agen", "ttask", "m", &msg("hello")));
         assert_ne!(a, fingerprint("agent", "task", "m", &msg("hello!")));
         assert_ne!(a, fingerprint("agent", "task", "other", &msg("hello")));
         // Pinned: the fingerprint is part of the wire (incidents, replay); it must not drift.
-        assert_eq!(fingerprint("", "", "", &[]), "743df94ee4c78a2a");
+        assert_eq!(fingerprint("", "", "", &[]).to_string(), "4e92fbee4afd555f");
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(serde_json::from_str::<Fingerprint>(&json).unwrap(), a);
+        assert!(serde_json::from_str::<Fingerprint>("\"xyz\"").is_err());
     }
 
     #[test]
     fn third_failure_in_window_opens_one_episode() {
         let mut l = Loops::new();
-        assert_eq!(on_failure(&mut l, "f", "a", "t", 0, false, &CFG), None);
-        assert_eq!(on_failure(&mut l, "f", "a", "t", 100, false, &CFG), None);
-        let inc = on_failure(&mut l, "f", "a", "t", 200, false, &CFG).expect("loop");
+        assert_eq!(on_failure(&mut l, F, "a", "t", 0, false, &CFG), None);
+        assert_eq!(on_failure(&mut l, F, "a", "t", 100, false, &CFG), None);
+        let inc = on_failure(&mut l, F, "a", "t", 200, false, &CFG).expect("loop");
         assert_eq!((inc.failures, inc.agent.as_str()), (3, "a"));
         assert_eq!(
-            check(&mut l, "f", 300, &CFG),
+            check(&mut l, F, 300, &CFG),
             LoopCheck::Blocked(Box::new(inc.clone()))
         );
         // More failures during the episode report nothing new.
-        assert_eq!(on_failure(&mut l, "f", "a", "t", 400, false, &CFG), None);
-        assert_eq!(check(&mut l, "other", 300, &CFG), LoopCheck::Clear);
+        assert_eq!(on_failure(&mut l, F, "a", "t", 400, false, &CFG), None);
+        assert_eq!(check(&mut l, OTHER, 300, &CFG), LoopCheck::Clear);
     }
 
     #[test]
     fn failures_outside_the_window_do_not_add_up() {
         let mut l = Loops::new();
-        on_failure(&mut l, "f", "a", "t", 0, false, &CFG);
-        on_failure(&mut l, "f", "a", "t", 600, false, &CFG);
-        assert_eq!(on_failure(&mut l, "f", "a", "t", 1_200, false, &CFG), None);
-        assert_eq!(l["f"].failures, vec![600, 1_200]);
+        on_failure(&mut l, F, "a", "t", 0, false, &CFG);
+        on_failure(&mut l, F, "a", "t", 600, false, &CFG);
+        assert_eq!(on_failure(&mut l, F, "a", "t", 1_200, false, &CFG), None);
+        assert_eq!(l[&F].failures, vec![600, 1_200]);
     }
 
     #[test]
     fn probe_after_cooldown_then_success_or_retrip() {
         let mut l = Loops::new();
         for t in [0, 1, 2] {
-            on_failure(&mut l, "f", "a", "t", t, false, &CFG);
+            on_failure(&mut l, F, "a", "t", t, false, &CFG);
         }
         assert!(matches!(
-            check(&mut l, "f", 5_001, &CFG),
+            check(&mut l, F, 5_001, &CFG),
             LoopCheck::Blocked(_)
         ));
-        assert_eq!(check(&mut l, "f", 5_002, &CFG), LoopCheck::Probe);
+        assert_eq!(check(&mut l, F, 5_002, &CFG), LoopCheck::Probe);
         assert!(
-            matches!(check(&mut l, "f", 5_002, &CFG), LoopCheck::Blocked(_)),
+            matches!(check(&mut l, F, 5_002, &CFG), LoopCheck::Blocked(_)),
             "one probe at a time"
         );
         assert_eq!(
-            on_failure(&mut l, "f", "a", "t", 5_003, true, &CFG),
+            on_failure(&mut l, F, "a", "t", 5_003, true, &CFG),
             None,
             "same episode"
         );
         assert!(matches!(
-            check(&mut l, "f", 10_002, &CFG),
+            check(&mut l, F, 10_002, &CFG),
             LoopCheck::Blocked(_)
         ));
-        assert_eq!(check(&mut l, "f", 10_003, &CFG), LoopCheck::Probe);
-        on_success(&mut l, "f");
-        assert_eq!(check(&mut l, "f", 10_004, &CFG), LoopCheck::Clear);
+        assert_eq!(check(&mut l, F, 10_003, &CFG), LoopCheck::Probe);
+        on_success(&mut l, F);
+        assert_eq!(check(&mut l, F, 10_004, &CFG), LoopCheck::Clear);
     }
 
     #[test]
     fn prune_forgets_old_failures_and_expired_episodes() {
         let mut l = Loops::new();
-        on_failure(&mut l, "quiet", "a", "t", 0, false, &CFG);
+        on_failure(&mut l, QUIET, "a", "t", 0, false, &CFG);
         for t in [0, 1, 2] {
-            on_failure(&mut l, "f", "a", "t", t, false, &CFG);
+            on_failure(&mut l, F, "a", "t", t, false, &CFG);
         }
         prune(&mut l, 2_000, &CFG);
-        assert!(!l.contains_key("quiet"));
-        assert!(l.contains_key("f"), "episode still running");
+        assert!(!l.contains_key(&QUIET));
+        assert!(l.contains_key(&F), "episode still running");
         prune(&mut l, 2 + CFG.cooldown_ms + CFG.window_ms, &CFG);
         assert!(l.is_empty());
     }

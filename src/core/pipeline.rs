@@ -16,10 +16,12 @@ use super::bulkhead::{Admission, BulkheadConfig, Bulkheads};
 use super::contract::{Contract, Defect};
 use super::escalation::{self, Escalation};
 use super::health::{Outcome, Verdict};
-use super::loops::{self, Incident, LoopCheck, LoopConfig, Loops};
+use super::loops::{self, Fingerprint, Incident, LoopCheck, LoopConfig, Loops};
 use super::quorum::{Cluster, ProviderView};
 use super::reason::{Phase, ReasonCode};
-use super::request::{Generation, GenerationStatus, Provider, Request, Risk, round_usd};
+use super::request::{
+    Generation, GenerationStatus, Provider, ProviderId, Request, Risk, round_usd,
+};
 use super::score::{self, ScoreInput, ScoreParts};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -145,7 +147,7 @@ pub fn default_providers() -> Vec<Provider> {
 /// How one candidate fared in routing.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct Evaluation {
-    pub provider: String,
+    pub provider: ProviderId,
     pub fallback: bool,
     pub verdict: Verdict,
     pub votes: usize,
@@ -170,7 +172,7 @@ pub struct Evaluation {
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct Attempt {
     pub n: u32,
-    pub provider: Option<String>,
+    pub provider: Option<ProviderId>,
     pub fallback: bool,
     pub probe: bool,
     pub candidates: Vec<Evaluation>,
@@ -191,16 +193,16 @@ pub struct Attempt {
 pub enum Effect {
     /// Feed the local health window.
     HealthSample {
-        provider: String,
+        provider: ProviderId,
         outcome: Outcome,
         latency_ms: u64,
     },
     Breaker {
-        provider: String,
+        provider: ProviderId,
         transition: Transition,
     },
     Cooldown {
-        provider: String,
+        provider: ProviderId,
         until_ms: u64,
     },
 }
@@ -219,13 +221,13 @@ pub struct Decision {
     pub request_id: String,
     pub agent: String,
     pub task: String,
-    pub fingerprint: String,
+    pub fingerprint: Fingerprint,
     pub outcome: DecisionOutcome,
     /// Where it ended: `accepted`, or the phase that vetoed.
     pub phase: Phase,
     /// Every code collected, first occurrence first.
     pub reason_codes: Vec<ReasonCode>,
-    pub provider: Option<String>,
+    pub provider: Option<ProviderId>,
     pub fallback: bool,
     pub confidence: Option<f64>,
     pub cost_usd: f64,
@@ -249,8 +251,8 @@ pub enum Step {
 #[derive(Clone, PartialEq, Debug)]
 pub struct Dispatch {
     pub attempt: u32,
-    pub provider: String,
-    pub model: String,
+    pub provider: ProviderId,
+    pub model: ProviderId,
     pub max_tokens: u32,
     pub timeout_ms: u64,
 }
@@ -267,8 +269,9 @@ struct Pending {
 #[derive(Clone, Debug)]
 pub struct Session {
     request: Request,
-    contract: Contract,
-    fingerprint: String,
+    /// The request's own contract; `None` means the engine's default.
+    contract: Option<Contract>,
+    fingerprint: Fingerprint,
     est_prompt_tokens: u64,
     codes: Vec<ReasonCode>,
     attempts: Vec<Attempt>,
@@ -284,6 +287,19 @@ impl Session {
     pub fn request(&self) -> &Request {
         &self.request
     }
+
+    /// Give the request back (e.g. to re-send it, or to reuse its buffers).
+    pub fn into_request(self) -> Request {
+        self.request
+    }
+}
+
+/// The provider's breaker, created closed on first use (without allocating a key each call).
+fn breaker_mut<'a>(breakers: &'a mut BTreeMap<String, Breaker>, id: &str) -> &'a mut Breaker {
+    if !breakers.contains_key(id) {
+        breakers.insert(id.to_string(), Breaker::default());
+    }
+    breakers.get_mut(id).expect("inserted above")
 }
 
 fn push(codes: &mut Vec<ReasonCode>, code: ReasonCode) {
@@ -292,8 +308,9 @@ fn push(codes: &mut Vec<ReasonCode>, code: ReasonCode) {
     }
 }
 
-/// Reject requests the pipeline cannot judge, naming the field.
-pub fn validate(r: &Request) -> Result<Contract, String> {
+/// Reject requests the pipeline cannot judge, naming the field. Returns the request's own
+/// contract, if it brings one.
+pub fn validate(r: &Request) -> Result<Option<Contract>, String> {
     if r.id.trim().is_empty() {
         return Err("request.id must not be empty".into());
     }
@@ -320,18 +337,27 @@ pub fn validate(r: &Request) -> Result<Contract, String> {
     if r.policy.max_attempts == Some(0) {
         return Err("request.policy.max_attempts must be at least 1".into());
     }
+    if r.contract.is_none() && r.response_format.is_none() {
+        return Ok(None);
+    }
     Contract::for_request(r.contract.as_ref(), r.response_format.as_ref())
+        .map(Some)
         .map_err(|e| format!("request.{e}"))
 }
 
 pub struct Engine {
     pub config: Config,
     pub state: State,
+    default_contract: Contract,
 }
 
 impl Engine {
     pub fn new(config: Config, state: State) -> Self {
-        Engine { config, state }
+        Engine {
+            config,
+            state,
+            default_contract: Contract::default(),
+        }
     }
 
     /// Start a request: admission, then (unless queued or refused) loop check and routing.
@@ -394,7 +420,7 @@ impl Engine {
     fn proceed(&mut self, s: &mut Session, now_ms: u64) -> Step {
         match loops::check(
             &mut self.state.loops,
-            &s.fingerprint,
+            s.fingerprint,
             now_ms,
             &self.config.loops,
         ) {
@@ -422,11 +448,7 @@ impl Engine {
         let latency_budget_ms = r
             .latency_budget_ms
             .unwrap_or(self.config.default_latency_budget_ms);
-        let tried: Vec<&str> = s
-            .attempts
-            .iter()
-            .filter_map(|a| a.provider.as_deref())
-            .collect();
+        let tried = |id: &str| s.attempts.iter().any(|a| a.provider.as_deref() == Some(id));
         self.state
             .providers
             .iter()
@@ -434,8 +456,8 @@ impl Engine {
                 let view: ProviderView = self.state.cluster.view(&p.id, now_ms);
                 let est_cost_usd = p.cost_of(s.est_prompt_tokens + max_tokens);
                 let within_cost_limit = r.max_cost_usd.is_none_or(|m| est_cost_usd <= m);
-                let breaker = self.state.breakers.get(&p.id).copied().unwrap_or_default();
-                let excluded = if tried.contains(&p.id.as_str()) {
+                let breaker = self.state.breakers.get(&*p.id).copied().unwrap_or_default();
+                let excluded = if tried(&p.id) {
                     Some(ReasonCode::ProviderAlreadyTried)
                 } else if p.fallback && !r.policy.allow_fallback {
                     Some(ReasonCode::FallbackNotAllowed)
@@ -447,7 +469,11 @@ impl Engine {
                     }
                 }
                 .or_else(|| {
-                    let cooling = self.state.cooldowns.get(&p.id).is_some_and(|&t| now_ms < t);
+                    let cooling = self
+                        .state
+                        .cooldowns
+                        .get(&*p.id)
+                        .is_some_and(|&t| now_ms < t);
                     cooling.then_some(ReasonCode::ProviderCoolingDown)
                 })
                 .or_else(|| {
@@ -495,21 +521,20 @@ impl Engine {
     fn route(&mut self, s: &mut Session, now_ms: u64, retry_of: Option<Phase>) -> Step {
         let n = s.attempts.len() as u32 + 1;
         let candidates = self.evaluate(s, now_ms);
-        let scored = |affordable_only: bool| -> Vec<(usize, f64)> {
+        let scored = |affordable_only: bool| {
             candidates
                 .iter()
                 .enumerate()
-                .filter(|(_, e)| !affordable_only || e.excluded.is_none())
+                .filter(move |(_, e)| !affordable_only || e.excluded.is_none())
                 .filter_map(|(i, e)| e.score.map(|sc| (i, sc.total)))
-                .collect()
         };
-        let best_overall = score::select(&scored(false));
+        let best_overall = score::select(scored(false));
         let refused_for_budget = best_overall.is_some_and(|i| candidates[i].excluded.is_some())
             && s.request.risk == Risk::High;
         let chosen = if refused_for_budget {
             None
         } else {
-            score::select(&scored(true))
+            score::select(scored(true))
         };
         let mut attempt = Attempt {
             n,
@@ -552,9 +577,9 @@ impl Engine {
             s.attempts.push(attempt);
             return self.finish_failure(s, retry_of.unwrap_or(phase), now_ms);
         };
-        let provider = self.state.providers[i].clone();
-        let breaker = self.state.breakers.entry(provider.id.clone()).or_default();
-        let permit = breaker.acquire(now_ms, &self.config.breaker);
+        let provider = &self.state.providers[i];
+        let permit = breaker_mut(&mut self.state.breakers, &provider.id)
+            .acquire(now_ms, &self.config.breaker);
         let probe = permit == Permit::Probe;
         let eval = &attempt.candidates[i];
         let mut codes = vec![ReasonCode::RoutingSelected];
@@ -580,6 +605,7 @@ impl Engine {
         for &c in &codes {
             push(&mut s.codes, c);
         }
+        let provider = &self.state.providers[i];
         attempt.codes = codes;
         attempt.provider = Some(provider.id.clone());
         attempt.fallback = provider.fallback;
@@ -587,8 +613,8 @@ impl Engine {
         s.attempts.push(attempt);
         Step::Dispatch(Dispatch {
             attempt: n,
-            provider: provider.id,
-            model: provider.model,
+            provider: provider.id.clone(),
+            model: provider.model.clone(),
             max_tokens,
             timeout_ms: self.config.attempt_timeout_ms,
         })
@@ -601,7 +627,14 @@ impl Engine {
             push(&mut s.codes, ReasonCode::GenerationError);
             return self.finish_failure(s, Phase::Generation, now_ms);
         };
-        let provider = self.state.providers[p.provider].clone();
+        let State {
+            providers,
+            breakers,
+            cooldowns,
+            budgets,
+            ..
+        } = &mut self.state;
+        let provider = &providers[p.provider];
         let tokens = g
             .usage
             .map(|u| u.prompt_tokens + u.completion_tokens)
@@ -611,16 +644,14 @@ impl Engine {
                 0
             });
         let cost_usd = provider.cost_of(tokens);
-        self.state
-            .budgets
-            .settle(&s.request.agent, p.reserved_usd, cost_usd);
+        budgets.settle(&s.request.agent, p.reserved_usd, cost_usd);
         s.cost_usd = round_usd(s.cost_usd + cost_usd);
 
         let mut codes = Vec::new();
         let mut defects = Vec::new();
         let mut confidence = None;
         let cfg = self.config.breaker;
-        let breaker = self.state.breakers.entry(provider.id.clone()).or_default();
+        let breaker = breaker_mut(breakers, &provider.id);
         let (outcome, phase, transition) = match g.status {
             GenerationStatus::Error => {
                 codes.push(ReasonCode::GenerationError);
@@ -644,7 +675,7 @@ impl Engine {
                 let until_ms = now_ms
                     + g.retry_after_ms
                         .unwrap_or(self.config.default_retry_after_ms);
-                self.state.cooldowns.insert(provider.id.clone(), until_ms);
+                cooldowns.insert(provider.id.to_string(), until_ms);
                 s.effects.push(Effect::Cooldown {
                     provider: provider.id.clone(),
                     until_ms,
@@ -652,7 +683,8 @@ impl Engine {
                 (Outcome::Error, Some(Phase::Generation), None)
             }
             GenerationStatus::Ok => {
-                match s.contract.check(&g.content, g.finish_reason.as_deref()) {
+                let contract = s.contract.as_ref().unwrap_or(&self.default_contract);
+                match contract.check(&g.content, g.finish_reason.as_deref()) {
                     Err(d) => {
                         codes.push(ReasonCode::SemanticValidationFailed);
                         for x in &d {
@@ -755,7 +787,7 @@ impl Engine {
         if !matches!(phase, Phase::Admission | Phase::Loop) {
             incident = loops::on_failure(
                 &mut self.state.loops,
-                &s.fingerprint,
+                s.fingerprint,
                 &s.request.agent,
                 &s.request.task,
                 now_ms,
@@ -814,7 +846,7 @@ impl Engine {
         let accepted = outcome == DecisionOutcome::Accepted;
         if accepted {
             push(&mut s.codes, ReasonCode::Accepted);
-            loops::on_success(&mut self.state.loops, &s.fingerprint);
+            loops::on_success(&mut self.state.loops, s.fingerprint);
         }
         let last = s
             .attempts
@@ -824,10 +856,10 @@ impl Engine {
             request_id: s.request.id.clone(),
             agent: s.request.agent.clone(),
             task: s.request.task.clone(),
-            fingerprint: s.fingerprint.clone(),
+            fingerprint: s.fingerprint,
             outcome,
             phase,
-            reason_codes: s.codes.clone(),
+            reason_codes: std::mem::take(&mut s.codes),
             provider: last.and_then(|a| a.provider.clone()),
             fallback: last.is_some_and(|a| a.fallback),
             confidence: last.and_then(|a| a.confidence),
@@ -864,7 +896,7 @@ pub fn replay(input: DecideInput) -> Result<Decision, String> {
     }
     let mut ids = std::collections::BTreeSet::new();
     for (i, p) in input.state.providers.iter().enumerate() {
-        if p.id.is_empty() || !ids.insert(p.id.as_str()) {
+        if p.id.is_empty() || !ids.insert(&*p.id) {
             return Err(format!(
                 "state.providers[{i}].id must be a non-empty, unique name"
             ));
@@ -891,7 +923,7 @@ pub fn replay(input: DecideInput) -> Result<Decision, String> {
             Step::Done(d) => return Ok(*d),
             Step::Queued => engine.dequeue(&mut session, now),
             Step::Dispatch(d) => {
-                let queue = generations.entry(d.provider.clone()).or_default();
+                let queue = generations.entry(d.provider.to_string()).or_default();
                 if queue.is_empty() {
                     return Err(format!(
                         "generations.{}: attempt {} was dispatched to {} but the input holds no \

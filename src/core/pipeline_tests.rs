@@ -95,7 +95,7 @@ fn run_at(e: &mut Engine, r: Request, now: u64, script: &[(&str, Generation)]) -
             Step::Queued => e.dequeue(&mut s, t),
             Step::Dispatch(d) => {
                 let g = answers
-                    .get_mut(d.provider.as_str())
+                    .get_mut(&*d.provider)
                     .and_then(VecDeque::pop_front)
                     .unwrap_or_else(|| panic!("unscripted dispatch to {}", d.provider));
                 t += g.latency_ms;
@@ -180,7 +180,7 @@ fn every_attempt_keeps_its_codes() {
         .filter_map(|x| match x {
             Effect::HealthSample {
                 provider, outcome, ..
-            } => Some((provider.as_str(), *outcome)),
+            } => Some((&**provider, *outcome)),
             _ => None,
         })
         .collect();

@@ -139,9 +139,13 @@ impl Cluster {
         if node == self.self_id {
             return true;
         }
-        self.members.get(node).is_some_and(|m| {
-            m.connected && now_ms.saturating_sub(m.last_heartbeat_ms) <= self.heartbeat_ttl_ms
-        })
+        self.members
+            .get(node)
+            .is_some_and(|m| self.member_alive(m, now_ms))
+    }
+
+    fn member_alive(&self, m: &Member, now_ms: u64) -> bool {
+        m.connected && now_ms.saturating_sub(m.last_heartbeat_ms) <= self.heartbeat_ttl_ms
     }
 
     /// Live nodes, this one included.
@@ -159,55 +163,81 @@ impl Cluster {
         nodes
     }
 
+    fn live_count(&self, now_ms: u64) -> usize {
+        let alive = self
+            .members
+            .values()
+            .filter(|m| self.member_alive(m, now_ms))
+            .count();
+        match self.members.get(&self.self_id) {
+            Some(m) if self.member_alive(m, now_ms) => alive,
+            _ => alive + 1, // this node is always alive, heartbeat or not
+        }
+    }
+
     /// The n that the quorum is computed from: the configured size, or more if more are alive.
     pub fn effective_size(&self, now_ms: u64) -> usize {
-        self.size.max(self.live_nodes(now_ms).len()).max(1)
+        self.size.max(self.live_count(now_ms)).max(1)
     }
 
     pub fn quorum(&self, now_ms: u64) -> usize {
         self.effective_size(now_ms) / 2 + 1
     }
 
-    /// Fresh observations of `provider` from live nodes, in node order.
-    pub fn counted(&self, provider: &str, now_ms: u64) -> Vec<&Observation> {
+    /// Fresh observations of `provider` from live nodes, in node order. Observations and
+    /// members are both ordered by node, so this is a merge, not a lookup per observation.
+    pub fn counted<'a>(
+        &'a self,
+        provider: &str,
+        now_ms: u64,
+    ) -> impl Iterator<Item = &'a Observation> + 'a {
+        let mut members = self.members.iter().peekable();
         self.observations
             .get(provider)
             .into_iter()
-            .flat_map(|m| m.values())
-            .filter(|o| {
+            .flat_map(|m| m.iter())
+            .filter(move |(node, o)| {
                 // A stamp slightly ahead of our clock (skew between nodes) is fresh, not ignored.
-                self.is_alive(&o.node, now_ms)
-                    && now_ms.saturating_sub(o.at_ms) <= self.observation_ttl_ms
+                if now_ms.saturating_sub(o.at_ms) > self.observation_ttl_ms {
+                    return false;
+                }
+                while members.next_if(|(id, _)| *id < *node).is_some() {}
+                let live_member = members
+                    .peek()
+                    .is_some_and(|(id, m)| *id == *node && self.member_alive(m, now_ms));
+                live_member || **node == self.self_id
             })
-            .collect()
+            .map(|(_, o)| o)
     }
 
     /// The consensus (or, below quorum, local) view of `provider`.
     pub fn view(&self, provider: &str, now_ms: u64) -> ProviderView {
-        let counted = self.counted(provider, now_ms);
         let n = self.effective_size(now_ms);
+        with_items(self.counted(provider, now_ms), &NO_OBSERVATION, |counted| {
+            self.view_of(counted, n)
+        })
+    }
+
+    fn view_of(&self, counted: &[&Observation], n: usize) -> ProviderView {
         let q = n / 2 + 1;
-        for verdict in Verdict::ALL {
-            let agreeing: Vec<&Observation> = counted
-                .iter()
-                .copied()
-                .filter(|o| o.verdict == verdict)
-                .collect();
-            if agreeing.len() >= q {
-                return from_group(verdict, &agreeing, counted.len(), n, true);
-            }
+        let mut tally = [0usize; Verdict::ALL.len()];
+        for o in counted {
+            tally[o.verdict as usize] += 1;
+        }
+        let voters = counted.len();
+        if let Some(verdict) = Verdict::ALL.into_iter().find(|&v| tally[v as usize] >= q) {
+            return from_group(verdict, counted, voters, n, true);
         }
         match counted.iter().find(|o| o.node == self.self_id) {
             Some(own) => {
-                let votes = counted.iter().filter(|o| o.verdict == own.verdict).count();
-                let mut v = from_group(own.verdict, &[own], counted.len(), n, false);
-                v.votes = votes;
+                let mut v = from_group(own.verdict, &[own], voters, n, false);
+                v.votes = tally[own.verdict as usize];
                 v
             }
             None => ProviderView {
                 verdict: Verdict::Unknown,
                 votes: 0,
-                voters: counted.len(),
+                voters,
                 cluster_size: n,
                 quorum: false,
                 availability: 0.0,
@@ -218,37 +248,76 @@ impl Cluster {
     }
 }
 
+/// The view from the observations in `counted` that say `verdict`; their numbers are medians.
 fn from_group(
     verdict: Verdict,
-    group: &[&Observation],
+    counted: &[&Observation],
     voters: usize,
     n: usize,
     quorum: bool,
 ) -> ProviderView {
-    ProviderView {
+    let group = counted.iter().filter(|o| o.verdict == verdict).copied();
+    with_items(group, &NO_OBSERVATION, |group| ProviderView {
         verdict,
         votes: group.len(),
         voters,
         cluster_size: n,
         quorum,
-        availability: median_f64(group.iter().map(|o| o.availability)),
-        contract_failure_pct: median_f64(group.iter().map(|o| o.contract_failure_pct)),
-        p95_ms: median_u64(group.iter().map(|o| o.p95_ms)),
+        availability: lower_median(group, |o| o.availability),
+        contract_failure_pct: lower_median(group, |o| o.contract_failure_pct),
+        p95_ms: lower_median(group, |o| o.p95_ms as f64) as u64,
+    })
+}
+
+/// Lower median of `key` over `group`: deterministic and always one of the observed values
+/// (0 for none). Sorts the group in place by that key.
+fn lower_median(group: &mut [&Observation], key: impl Fn(&Observation) -> f64) -> f64 {
+    group.sort_unstable_by(|a, b| key(a).total_cmp(&key(b)));
+    group
+        .get((group.len().max(1) - 1) / 2)
+        .map_or(0.0, |o| key(o))
+}
+
+/// Run `f` on the items of `iter`. Groups are cluster-sized, so up to 16 items stay on the stack
+/// (`fill` pads the unused slots); more spill to the heap. Keeps the per-request path free of
+/// allocations.
+fn with_items<T: Copy, R>(
+    iter: impl Iterator<Item = T>,
+    fill: T,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> R {
+    let mut buf = [fill; 16];
+    let mut spill = Vec::new();
+    let mut len = 0;
+    for v in iter {
+        if len < buf.len() {
+            buf[len] = v;
+        } else {
+            if spill.is_empty() {
+                spill.extend_from_slice(&buf);
+            }
+            spill.push(v);
+        }
+        len += 1;
+    }
+    if spill.is_empty() {
+        f(&mut buf[..len])
+    } else {
+        f(&mut spill)
     }
 }
 
-/// Lower median: deterministic and always one of the observed values.
-fn median_f64(values: impl Iterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = values.collect();
-    v.sort_by(f64::total_cmp);
-    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(0.0)
-}
-
-fn median_u64(values: impl Iterator<Item = u64>) -> u64 {
-    let mut v: Vec<u64> = values.collect();
-    v.sort_unstable();
-    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(0)
-}
+/// Padding for `with_items` over observation references.
+static NO_OBSERVATION: Observation = Observation {
+    node: String::new(),
+    provider: String::new(),
+    at_ms: 0,
+    verdict: Verdict::Unknown,
+    availability: 0.0,
+    contract_failure_pct: 0.0,
+    p95_ms: 0,
+    samples: 0,
+};
 
 /// Observations travel as a flat list; in memory they are indexed by provider and node.
 mod observation_list {
@@ -369,10 +438,14 @@ mod tests {
             !c.observe(obs("n2", Verdict::Unhealthy, 0.0, 9_000)),
             "duplicate"
         );
-        assert_eq!(c.counted("p", 10_000)[0].verdict, Verdict::Healthy);
-        assert!(
+        assert_eq!(
+            c.counted("p", 10_000).next().unwrap().verdict,
+            Verdict::Healthy
+        );
+        assert_eq!(
             c.counted("p", 9_000 + DEFAULT_OBSERVATION_TTL_MS + 1)
-                .is_empty()
+                .count(),
+            0
         );
     }
 
@@ -415,6 +488,25 @@ mod tests {
         assert_eq!(back, c);
     }
 
+    #[test]
+    fn large_clusters_spill_past_the_stack_buffer() {
+        let mut c = Cluster::new("n00", 20);
+        for i in 0..20 {
+            let id = format!("n{i:02}");
+            c.heartbeat(&id, 0);
+            let verdict = if i < 11 {
+                Verdict::Healthy
+            } else {
+                Verdict::Degraded
+            };
+            c.observe(obs(&id, verdict, 0.5 + i as f64 / 100.0, 0));
+        }
+        let v = c.view("p", 0);
+        assert!(v.quorum);
+        assert_eq!((v.verdict, v.votes, v.voters), (Verdict::Healthy, 11, 20));
+        assert_eq!(v.availability, 0.55, "lower median of 0.50..=0.60");
+    }
+
     fn arb_verdict() -> impl Strategy<Value = Verdict> {
         prop::sample::select(Verdict::ALL.to_vec())
     }
@@ -437,7 +529,16 @@ mod tests {
                 c.observe(obs(&id, *verdict, 0.5, *at));
             }
             let view = c.view("p", now);
-            let live_fresh = c.counted("p", now).len();
+            let live_fresh = c.counted("p", now).count();
+            // The merge in `counted` agrees with a plain lookup per observation.
+            let by_lookup = c.observations["p"]
+                .values()
+                .filter(|o| {
+                    c.is_alive(&o.node, now)
+                        && now.saturating_sub(o.at_ms) <= c.observation_ttl_ms
+                })
+                .count();
+            prop_assert_eq!(live_fresh, by_lookup);
             prop_assert!(view.votes <= live_fresh);
             prop_assert_eq!(view.voters, live_fresh);
             if view.quorum {

@@ -110,13 +110,21 @@ fn yes() -> bool {
     true
 }
 
+fn no_model() -> ProviderId {
+    "".into()
+}
+
+/// A provider's id or model name: shared, so the many decisions and events that name a provider
+/// copy a pointer, not the string.
+pub type ProviderId = std::sync::Arc<str>;
+
 /// An upstream that can generate.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
 pub struct Provider {
-    pub id: String,
-    #[serde(default)]
-    pub model: String,
+    pub id: ProviderId,
+    #[serde(default = "no_model")]
+    pub model: ProviderId,
     /// Price per 1,000 tokens, prompt and completion alike. 0 makes it a zero-cost provider.
     #[serde(default)]
     pub cost_per_1k_tokens_usd: f64,

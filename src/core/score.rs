@@ -1,6 +1,8 @@
 //! Scored routing: the DESIGN.md score and the deliberate tie-break.
 //!
-//!     S(p) = 40*a + L + H - 0.4*c + K - F
+//! ```text
+//! S(p) = 40*a + L + H - 0.4*c + K - F
+//! ```
 //!
 //! a availability in [0,1]; c contract-failure %; L +20 if p95 <= the latency budget else -20;
 //! H 25 HEALTHY, 5 DEGRADED, 0 UNKNOWN; K +10 zero-cost, +5 within the request's cost limit;
@@ -99,10 +101,12 @@ pub fn health_codes(view: &ProviderView) -> Vec<ReasonCode> {
 
 /// Pick among scored candidates `(table_index, score)`: everything within `TIE_MARGIN` of the
 /// best score ties, and the tie goes to the lowest table index.
-pub fn select(scored: &[(usize, f64)]) -> Option<usize> {
-    let best = scored.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+pub fn select(scored: impl Iterator<Item = (usize, f64)> + Clone) -> Option<usize> {
+    let best = scored
+        .clone()
+        .map(|s| s.1)
+        .fold(f64::NEG_INFINITY, f64::max);
     scored
-        .iter()
         .filter(|s| s.1 >= best - TIE_MARGIN)
         .map(|s| s.0)
         .min()
@@ -173,7 +177,7 @@ mod tests {
             ))
             .total;
             assert!(primary < fallback);
-            assert_eq!(select(&[(0, primary), (1, fallback)]), Some(0));
+            assert_eq!(select([(0, primary), (1, fallback)].into_iter()), Some(0));
         }
         // A really sick primary does lose.
         let sick = score(&input(
@@ -183,15 +187,15 @@ mod tests {
             false,
         ))
         .total;
-        assert_eq!(select(&[(0, sick), (1, fallback)]), Some(1));
+        assert_eq!(select([(0, sick), (1, fallback)].into_iter()), Some(1));
     }
 
     #[test]
     fn ties_go_to_table_order_not_map_order() {
-        assert_eq!(select(&[(3, 80.0), (1, 80.0)]), Some(1));
-        assert_eq!(select(&[(1, 90.0), (0, 86.0)]), Some(0));
-        assert_eq!(select(&[(1, 90.0), (0, 84.9)]), Some(1));
-        assert_eq!(select(&[]), None);
+        assert_eq!(select([(3, 80.0), (1, 80.0)].into_iter()), Some(1));
+        assert_eq!(select([(1, 90.0), (0, 86.0)].into_iter()), Some(0));
+        assert_eq!(select([(1, 90.0), (0, 84.9)].into_iter()), Some(1));
+        assert_eq!(select([].into_iter()), None);
     }
 
     #[test]
