@@ -20,11 +20,14 @@ pub enum Command {
     Reasons(cmd::reasons::Args),
     /// Run the decision pipeline on a recorded input and print the decision as JSON.
     Decide(cmd::decide::Args),
+    /// Serve simulated model providers over an OpenAI-compatible HTTP API, with fault modes.
+    Sim(cmd::sim::Args),
 }
 
-pub fn run(cli: Cli) -> Result<()> {
+pub async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Reasons(args) => cmd::reasons::run(args),
         Command::Decide(args) => cmd::decide::run(args),
+        Command::Sim(args) => cmd::sim::run(args).await,
     }
 }

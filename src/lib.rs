@@ -1,9 +1,11 @@
 //! oam: a reliability, liveness and attention control plane for AI agents.
 //!
-//! `core` holds the pure decision logic; `cmd` holds one module per subcommand (argument parsing
+//! `core` holds the pure decision logic; `sim` the provider simulator; `cmd` holds one module per subcommand (argument parsing
 //! and glue, no decisions); `cli` is the top-level parser; `error` decides exit codes.
 
 pub mod cli;
 pub mod cmd;
 pub mod core;
 pub mod error;
+pub mod signal;
+pub mod sim;

@@ -1,12 +1,31 @@
-//! The `oam` binary: parse arguments, run, map the result to an exit code. Everything else lives
-//! in the library.
+//! The `oam` binary: parse arguments, set up logging and the runtime, run, map the result to an
+//! exit code. Everything else lives in the library.
 
 use clap::Parser;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let cli = oam::cli::Cli::parse();
-    match oam::cli::run(cli) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OAM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(color)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("oam: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(oam::cli::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => oam::error::report(&e),
     }

@@ -2,3 +2,4 @@
 
 pub mod decide;
 pub mod reasons;
+pub mod sim;

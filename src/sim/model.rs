@@ -1,0 +1,519 @@
+//! The simulator's pure model: providers, fault modes, and what a provider answers to its k-th
+//! request under a seed. No I/O and no clock (`now` is an argument), so the same seed, provider,
+//! request number and fault give the same answer.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One simulated upstream.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct SimProvider {
+    pub id: String,
+    pub model: String,
+    pub latency_ms: u64,
+    /// Uniform extra latency in [0, jitter_ms).
+    pub jitter_ms: u64,
+}
+
+/// The default providers: a paid `primary` and `secondary` at 150 ms + 0-49 ms (the reference
+/// numbers' latency) and a zero-cost `local` model that answers faster, at 40 ms + 0-19 ms.
+pub fn default_providers() -> Vec<SimProvider> {
+    let p = |id: &str, model: &str, latency_ms, jitter_ms| SimProvider {
+        id: id.into(),
+        model: model.into(),
+        latency_ms,
+        jitter_ms,
+    };
+    vec![
+        p("primary", "sim-large", 150, 50),
+        p("secondary", "sim-medium", 150, 50),
+        p("local", "sim-small", 40, 20),
+    ]
+}
+
+/// Parse `NAME=LATENCY+JITTER` (e.g. `primary=150+50`, `local=0`).
+pub fn parse_provider(spec: &str) -> Result<SimProvider, String> {
+    let (id, timing) = spec
+        .split_once('=')
+        .ok_or_else(|| format!("provider {spec:?} must look like NAME=LATENCY_MS+JITTER_MS"))?;
+    let (latency, jitter) = timing.split_once('+').unwrap_or((timing, "0"));
+    let num = |s: &str, what: &str| {
+        s.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("provider {spec:?}: {what} {s:?} is not a whole number of ms"))
+    };
+    if id.is_empty()
+        || !id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return Err(format!(
+            "provider {spec:?}: the name must be letters, digits, '-' or '_'"
+        ));
+    }
+    Ok(SimProvider {
+        id: id.to_string(),
+        model: format!("sim-{id}"),
+        latency_ms: num(latency, "latency")?,
+        jitter_ms: num(jitter, "jitter")?,
+    })
+}
+
+/// How a contract-breaking answer is broken.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ContractBreak {
+    #[default]
+    NotJson,
+    MissingField,
+    LowConfidence,
+    Truncated,
+}
+
+/// A fault mode, switchable at runtime per provider.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+#[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum FaultMode {
+    /// Hard 5xx.
+    Error {
+        #[serde(default = "status_500")]
+        status: u16,
+    },
+    /// HTTP 200 whose content breaks the contract.
+    Contract {
+        #[serde(default)]
+        kind: ContractBreak,
+    },
+    /// Latency inflation.
+    Slow { extra_ms: u64 },
+    /// Accept and never answer (until the fault ends).
+    Hang,
+    /// 429 with Retry-After.
+    RateLimit {
+        #[serde(default = "one_second")]
+        retry_after_ms: u64,
+    },
+    /// Drop the connection mid-response.
+    Reset,
+    /// A share of requests fail with 500.
+    Flaky { error_rate: f64 },
+}
+
+fn status_500() -> u16 {
+    500
+}
+fn one_second() -> u64 {
+    1_000
+}
+
+impl FaultMode {
+    pub fn name(&self) -> &'static str {
+        match self {
+            FaultMode::Error { .. } => "error",
+            FaultMode::Contract { .. } => "contract",
+            FaultMode::Slow { .. } => "slow",
+            FaultMode::Hang => "hang",
+            FaultMode::RateLimit { .. } => "rate-limit",
+            FaultMode::Reset => "reset",
+            FaultMode::Flaky { .. } => "flaky",
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        match *self {
+            FaultMode::Error { status } if !(500..=599).contains(&status) => {
+                Err(format!("status must be a 5xx, got {status}"))
+            }
+            FaultMode::Flaky { error_rate } if !(0.0..=1.0).contains(&error_rate) => {
+                Err(format!("error_rate must be in [0, 1], got {error_rate}"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// An active fault and when it ends (ms on the sim's clock).
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+pub struct Fault {
+    #[serde(flatten)]
+    pub mode: FaultMode,
+    pub until_ms: u64,
+}
+
+/// Active faults by provider. Expired faults are dropped on read, so a fault ends on time even
+/// if nobody ever clears it.
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    active: BTreeMap<String, Fault>,
+}
+
+impl Faults {
+    pub fn set(&mut self, provider: &str, mode: FaultMode, now_ms: u64, duration_ms: u64) -> Fault {
+        let fault = Fault {
+            mode,
+            until_ms: now_ms.saturating_add(duration_ms),
+        };
+        self.active.insert(provider.to_string(), fault);
+        fault
+    }
+
+    pub fn clear(&mut self, provider: &str) -> bool {
+        self.active.remove(provider).is_some()
+    }
+
+    pub fn clear_all(&mut self) -> usize {
+        let n = self.active.len();
+        self.active.clear();
+        n
+    }
+
+    /// The fault active for `provider` at `now_ms`, if any.
+    pub fn get(&mut self, provider: &str, now_ms: u64) -> Option<Fault> {
+        self.expire(now_ms);
+        self.active.get(provider).copied()
+    }
+
+    /// Every active fault at `now_ms`.
+    pub fn active(&mut self, now_ms: u64) -> &BTreeMap<String, Fault> {
+        self.expire(now_ms);
+        &self.active
+    }
+
+    fn expire(&mut self, now_ms: u64) {
+        self.active.retain(|_, f| now_ms < f.until_ms);
+    }
+}
+
+/// What the provider does with one request.
+#[derive(Clone, PartialEq, Debug)]
+pub enum Reply {
+    /// HTTP 200 after `delay_ms`.
+    Answer {
+        delay_ms: u64,
+        content: String,
+        finish_reason: &'static str,
+    },
+    /// An HTTP error status after `delay_ms`.
+    Fail {
+        delay_ms: u64,
+        status: u16,
+    },
+    RateLimited {
+        retry_after_ms: u64,
+    },
+    /// Hold the request until `until_ms`, then answer normally.
+    Hang {
+        until_ms: u64,
+    },
+    Reset,
+}
+
+/// splitmix64: a tiny, well-mixed deterministic generator step.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn provider_salt(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// The reply of `provider` to its `k`-th request (0-based), under `seed`, given the active fault.
+pub fn reply(
+    seed: u64,
+    provider: &SimProvider,
+    k: u64,
+    question: &str,
+    fault: Option<Fault>,
+    now_ms: u64,
+) -> Reply {
+    let r = mix(seed ^ mix(provider_salt(&provider.id) ^ mix(k)));
+    let jitter = if provider.jitter_ms == 0 {
+        0
+    } else {
+        r % provider.jitter_ms
+    };
+    let delay_ms = provider.latency_ms + jitter;
+    // Confidence in [0.86, 0.99]: a healthy answer passes every risk level's quality gate.
+    let confidence = 0.86 + ((r >> 16) % 14) as f64 / 100.0;
+    let snippet: String = question.chars().take(60).collect();
+    let answer = serde_json::json!({
+        "answer": format!("{} answer #{k} to: {snippet}", provider.id),
+        "confidence": confidence,
+    });
+    let good = Reply::Answer {
+        delay_ms,
+        content: answer.to_string(),
+        finish_reason: "stop",
+    };
+    let Some(fault) = fault else { return good };
+    match fault.mode {
+        FaultMode::Error { status } => Reply::Fail {
+            delay_ms: jitter,
+            status,
+        },
+        FaultMode::Contract { kind } => {
+            let content = match kind {
+                ContractBreak::NotJson => format!("Sure! The answer is: {snippet}"),
+                ContractBreak::MissingField => {
+                    serde_json::json!({ "answer": answer["answer"] }).to_string()
+                }
+                ContractBreak::LowConfidence => {
+                    serde_json::json!({ "answer": answer["answer"], "confidence": 0.05 })
+                        .to_string()
+                }
+                ContractBreak::Truncated => {
+                    let mut full = answer.to_string();
+                    let mut cut = full.len() / 2;
+                    while !full.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    full.truncate(cut);
+                    full
+                }
+            };
+            let finish_reason = if kind == ContractBreak::Truncated {
+                "length"
+            } else {
+                "stop"
+            };
+            Reply::Answer {
+                delay_ms,
+                content,
+                finish_reason,
+            }
+        }
+        FaultMode::Slow { extra_ms } => match good {
+            Reply::Answer {
+                content,
+                finish_reason,
+                ..
+            } => Reply::Answer {
+                delay_ms: delay_ms + extra_ms,
+                content,
+                finish_reason,
+            },
+            other => other,
+        },
+        FaultMode::Hang => Reply::Hang {
+            until_ms: fault.until_ms.max(now_ms),
+        },
+        FaultMode::RateLimit { retry_after_ms } => Reply::RateLimited { retry_after_ms },
+        FaultMode::Reset => Reply::Reset,
+        FaultMode::Flaky { error_rate } => {
+            // An independent draw from the same request number, in [0, 1).
+            let draw = (mix(r) >> 11) as f64 / (1u64 << 53) as f64;
+            if draw < error_rate {
+                Reply::Fail {
+                    delay_ms: jitter,
+                    status: 500,
+                }
+            } else {
+                good
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::contract::Contract;
+    use crate::core::reason::ReasonCode;
+
+    fn primary() -> SimProvider {
+        default_providers().remove(0)
+    }
+
+    fn fault(mode: FaultMode) -> Option<Fault> {
+        Some(Fault {
+            mode,
+            until_ms: 10_000,
+        })
+    }
+
+    #[test]
+    fn healthy_answers_meet_the_default_contract_and_latency() {
+        for k in 0..200 {
+            match reply(7, &primary(), k, "What is 2+2?", None, 0) {
+                Reply::Answer {
+                    delay_ms, content, ..
+                } => {
+                    assert!((150..200).contains(&delay_ms), "{delay_ms}");
+                    let c = Contract::default().check(&content, Some("stop")).unwrap();
+                    assert!(c.unwrap() >= 0.86);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn same_seed_same_answers_other_seed_other_answers() {
+        let a: Vec<Reply> = (0..20)
+            .map(|k| reply(1, &primary(), k, "q", None, 0))
+            .collect();
+        let b: Vec<Reply> = (0..20)
+            .map(|k| reply(1, &primary(), k, "q", None, 0))
+            .collect();
+        let c: Vec<Reply> = (0..20)
+            .map(|k| reply(2, &primary(), k, "q", None, 0))
+            .collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn every_contract_break_is_caught_by_the_core_with_its_code() {
+        for (kind, code) in [
+            (ContractBreak::NotJson, ReasonCode::ContractNotJson),
+            (
+                ContractBreak::MissingField,
+                ReasonCode::ContractMissingField,
+            ),
+            (
+                ContractBreak::LowConfidence,
+                ReasonCode::ContractConfidenceTooLow,
+            ),
+            (ContractBreak::Truncated, ReasonCode::ContractTruncated),
+        ] {
+            let Reply::Answer {
+                content,
+                finish_reason,
+                ..
+            } = reply(
+                3,
+                &primary(),
+                0,
+                "q",
+                fault(FaultMode::Contract { kind }),
+                0,
+            )
+            else {
+                panic!("contract faults answer 200")
+            };
+            let defects = Contract::default()
+                .check(&content, Some(finish_reason))
+                .unwrap_err();
+            assert_eq!(defects[0].code, code, "{kind:?}: {content}");
+            // Truncation is also detectable from the content alone, whatever the question's script.
+            let Reply::Answer { content, .. } = reply(
+                3,
+                &primary(),
+                0,
+                "ñandú ✓ 漢字",
+                fault(FaultMode::Contract { kind }),
+                0,
+            ) else {
+                panic!()
+            };
+            if kind == ContractBreak::Truncated {
+                let d = Contract::default().check(&content, None).unwrap_err();
+                assert_eq!(d[0].code, ReasonCode::ContractTruncated);
+            }
+        }
+    }
+
+    #[test]
+    fn fault_modes_map_to_replies() {
+        assert!(matches!(
+            reply(
+                0,
+                &primary(),
+                0,
+                "q",
+                fault(FaultMode::Error { status: 503 }),
+                0
+            ),
+            Reply::Fail { status: 503, .. }
+        ));
+        assert_eq!(
+            reply(
+                0,
+                &primary(),
+                0,
+                "q",
+                fault(FaultMode::RateLimit {
+                    retry_after_ms: 2_000
+                }),
+                0
+            ),
+            Reply::RateLimited {
+                retry_after_ms: 2_000
+            }
+        );
+        assert_eq!(
+            reply(0, &primary(), 0, "q", fault(FaultMode::Hang), 5),
+            Reply::Hang { until_ms: 10_000 }
+        );
+        let Reply::Answer { delay_ms, .. } = reply(
+            0,
+            &primary(),
+            0,
+            "q",
+            fault(FaultMode::Slow { extra_ms: 1_000 }),
+            0,
+        ) else {
+            panic!()
+        };
+        assert!(delay_ms >= 1_150);
+        assert_eq!(
+            reply(0, &primary(), 0, "q", fault(FaultMode::Reset), 0),
+            Reply::Reset
+        );
+    }
+
+    #[test]
+    fn flaky_fails_about_its_error_rate() {
+        let flaky = fault(FaultMode::Flaky { error_rate: 0.3 });
+        let failed = (0..2_000)
+            .filter(|&k| matches!(reply(9, &primary(), k, "q", flaky, 0), Reply::Fail { .. }))
+            .count();
+        assert!((500..700).contains(&failed), "{failed} of 2000 at rate 0.3");
+    }
+
+    #[test]
+    fn faults_expire_on_their_own() {
+        let mut f = Faults::default();
+        f.set("primary", FaultMode::Hang, 1_000, 500);
+        assert!(f.get("primary", 1_499).is_some());
+        assert!(f.get("primary", 1_500).is_none());
+        assert!(f.active(1_500).is_empty());
+        f.set("local", FaultMode::Reset, 0, 10);
+        assert!(f.clear("local"));
+        assert!(!f.clear("local"));
+    }
+
+    #[test]
+    fn provider_specs_parse_or_say_why_not() {
+        let p = parse_provider("edge=20+5").unwrap();
+        assert_eq!((p.id.as_str(), p.latency_ms, p.jitter_ms), ("edge", 20, 5));
+        assert_eq!(parse_provider("zero=0").unwrap().jitter_ms, 0);
+        assert!(
+            parse_provider("nope")
+                .unwrap_err()
+                .contains("NAME=LATENCY_MS+JITTER_MS")
+        );
+        assert!(parse_provider("x=fast").unwrap_err().contains("latency"));
+        assert!(parse_provider("a b=1").unwrap_err().contains("name"));
+    }
+
+    #[test]
+    fn fault_json_is_documented_shape() {
+        let f: FaultMode =
+            serde_json::from_str(r#"{"mode":"contract","kind":"missing-field"}"#).unwrap();
+        assert_eq!(
+            f,
+            FaultMode::Contract {
+                kind: ContractBreak::MissingField
+            }
+        );
+        assert!(serde_json::from_str::<FaultMode>(r#"{"mode":"melt"}"#).is_err());
+        assert!(FaultMode::Flaky { error_rate: 2.0 }.validate().is_err());
+        assert!(FaultMode::Error { status: 404 }.validate().is_err());
+    }
+}

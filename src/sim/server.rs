@@ -1,0 +1,386 @@
+//! The simulator's HTTP server: an OpenAI-compatible API per provider plus a small fault API.
+//!
+//! - `POST /{provider}/v1/chat/completions`, `GET /{provider}/v1/models`: one base URL per
+//!   provider (`http://HOST:PORT/{provider}/v1`), what an OpenAI client is pointed at.
+//! - `POST /v1/chat/completions`, `GET /v1/models`: all providers, chosen by `model` (the
+//!   provider id or its model name).
+//! - `GET /sim/faults`, `POST /sim/faults`, `DELETE /sim/faults[/{provider}]`: the fault API.
+//! - `GET /healthz`.
+
+use super::model::{self, FaultMode, Faults, Reply, SimProvider};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The running simulator's shared state.
+pub struct Sim {
+    seed: u64,
+    providers: BTreeMap<String, (SimProvider, AtomicU64)>,
+    faults: Mutex<Faults>,
+    started: Instant,
+}
+
+impl Sim {
+    pub fn new(seed: u64, providers: Vec<SimProvider>) -> Self {
+        Sim {
+            seed,
+            providers: providers
+                .into_iter()
+                .map(|p| (p.id.clone(), (p, AtomicU64::new(0))))
+                .collect(),
+            faults: Mutex::new(Faults::default()),
+            started: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since the sim started: the clock faults are timed on.
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    fn faults(&self) -> std::sync::MutexGuard<'_, Faults> {
+        // A poisoned lock only means a handler panicked mid-update; the map is still usable.
+        self.faults.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn find(&self, name: &str) -> Option<&(SimProvider, AtomicU64)> {
+        self.providers
+            .get(name)
+            .or_else(|| self.providers.values().find(|(p, _)| p.model == name))
+    }
+}
+
+pub fn router(sim: Arc<Sim>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/v1/models", get(all_models))
+        .route("/v1/chat/completions", post(chat_any))
+        .route("/{provider}/v1/models", get(provider_models))
+        .route("/{provider}/v1/chat/completions", post(chat_provider))
+        .route(
+            "/sim/faults",
+            get(list_faults).post(set_fault).delete(clear_all),
+        )
+        .route("/sim/faults/{provider}", axum::routing::delete(clear_one))
+        .fallback(|| async {
+            openai_error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no such endpoint; try POST /{provider}/v1/chat/completions or GET /sim/faults",
+            )
+        })
+        .with_state(sim)
+}
+
+/// An OpenAI-style error envelope.
+fn openai_error(status: StatusCode, code: &str, message: &str) -> Response {
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn model_entry(p: &SimProvider) -> Value {
+    json!({"id": p.model, "object": "model", "created": 0, "owned_by": format!("oam-sim/{}", p.id)})
+}
+
+async fn all_models(State(sim): State<Arc<Sim>>) -> Response {
+    let data: Vec<Value> = sim
+        .providers
+        .values()
+        .map(|(p, _)| model_entry(p))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn provider_models(State(sim): State<Arc<Sim>>, Path(name): Path<String>) -> Response {
+    match sim.providers.get(&name) {
+        Some((p, _)) => {
+            axum::Json(json!({"object": "list", "data": [model_entry(p)]})).into_response()
+        }
+        None => unknown_provider(&sim, &name),
+    }
+}
+
+fn unknown_provider(sim: &Sim, name: &str) -> Response {
+    let known: Vec<&str> = sim.providers.keys().map(String::as_str).collect();
+    openai_error(
+        StatusCode::NOT_FOUND,
+        "model_not_found",
+        &format!(
+            "no provider or model {name:?}; this sim has {}",
+            known.join(", ")
+        ),
+    )
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<ChatMessage>,
+    #[serde(default)]
+    stream: bool,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    #[serde(default)]
+    role: String,
+    #[serde(default)]
+    content: Value,
+}
+
+/// Why a chat request was refused: (code, message), always a 400.
+type BadRequest = (&'static str, String);
+
+fn parse_chat(body: &Bytes) -> Result<ChatRequest, BadRequest> {
+    let req: ChatRequest = serde_json::from_slice(body).map_err(|e| {
+        (
+            "invalid_json",
+            format!("the body is not a valid chat completion request: {e}"),
+        )
+    })?;
+    if req.messages.is_empty() {
+        return Err((
+            "invalid_request",
+            "messages must hold at least one message".into(),
+        ));
+    }
+    if req.stream {
+        return Err((
+            "unsupported",
+            "oam sim does not stream; send stream: false".into(),
+        ));
+    }
+    Ok(req)
+}
+
+fn bad_request((code, message): BadRequest) -> Response {
+    openai_error(StatusCode::BAD_REQUEST, code, &message)
+}
+
+async fn chat_any(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let req = match parse_chat(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(e),
+    };
+    let Some(name) = req.model.clone() else {
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "model is required here; or post to /{provider}/v1/chat/completions",
+        );
+    };
+    match sim.find(&name) {
+        Some((p, _)) => {
+            let id = p.id.clone();
+            answer(&sim, &id, req).await
+        }
+        None => unknown_provider(&sim, &name),
+    }
+}
+
+async fn chat_provider(
+    State(sim): State<Arc<Sim>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Response {
+    if !sim.providers.contains_key(&name) {
+        return unknown_provider(&sim, &name);
+    }
+    match parse_chat(&body) {
+        Ok(req) => answer(&sim, &name, req).await,
+        Err(e) => bad_request(e),
+    }
+}
+
+fn text_of(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        // The OpenAI "content parts" form: [{"type": "text", "text": "..."}].
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    }
+}
+
+async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
+    let Some((provider, counter)) = sim.providers.get(provider_id) else {
+        return unknown_provider(sim, provider_id);
+    };
+    let k = counter.fetch_add(1, Ordering::Relaxed);
+    let question = req
+        .messages
+        .iter()
+        .rev()
+        .find(|m| m.role == "user")
+        .map(|m| text_of(&m.content))
+        .unwrap_or_default();
+    let prompt_chars: usize = req.messages.iter().map(|m| text_of(&m.content).len()).sum();
+    let now = sim.now_ms();
+    let fault = sim.faults().get(provider_id, now);
+    let mut reply = model::reply(sim.seed, provider, k, &question, fault, now);
+    if let Reply::Hang { until_ms } = reply {
+        tokio::time::sleep(Duration::from_millis(until_ms.saturating_sub(now))).await;
+        reply = model::reply(sim.seed, provider, k, &question, None, sim.now_ms());
+    }
+    match reply {
+        Reply::Answer {
+            delay_ms,
+            content,
+            finish_reason,
+        } => {
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            let created = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let prompt_tokens = (prompt_chars as u64).div_ceil(4);
+            let completion_tokens = (content.len() as u64).div_ceil(4);
+            let model = req.model.unwrap_or_else(|| provider.model.clone());
+            axum::Json(json!({
+                "id": format!("chatcmpl-sim-{}-{k}", provider.id),
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": finish_reason,
+                }],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            }))
+            .into_response()
+        }
+        Reply::Fail { delay_ms, status } => {
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            openai_error(status, "upstream_error", "simulated provider outage")
+        }
+        Reply::RateLimited { retry_after_ms } => {
+            let mut resp = openai_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_exceeded",
+                "simulated rate limit",
+            );
+            let secs = retry_after_ms.div_ceil(1_000).to_string();
+            let headers = resp.headers_mut();
+            if let Ok(v) = HeaderValue::from_str(&secs) {
+                headers.insert(header::RETRY_AFTER, v);
+            }
+            if let Ok(v) = HeaderValue::from_str(&retry_after_ms.to_string()) {
+                headers.insert("retry-after-ms", v);
+            }
+            resp
+        }
+        Reply::Reset => {
+            // A body that fails after the headers: the server drops the connection mid-response,
+            // which the client sees as a reset / incomplete message.
+            let stream = futures_util::stream::once(async {
+                Err::<Bytes, std::io::Error>(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "simulated connection reset",
+                ))
+            });
+            Response::builder()
+                .status(StatusCode::OK)
+                .header(header::CONTENT_TYPE, "application/json")
+                .header(header::CONTENT_LENGTH, "1024")
+                .body(Body::from_stream(stream))
+                .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        }
+        Reply::Hang { .. } => openai_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "hang did not end",
+        ),
+    }
+}
+
+/// A fault request. Unknown keys are still refused: `FaultMode` denies whatever is left over.
+#[derive(Deserialize)]
+struct SetFault {
+    provider: String,
+    duration_ms: u64,
+    #[serde(flatten)]
+    mode: FaultMode,
+}
+
+fn faults_doc(sim: &Sim) -> Value {
+    let now = sim.now_ms();
+    let mut faults = sim.faults();
+    let list: Vec<Value> = faults
+        .active(now)
+        .iter()
+        .map(|(provider, f)| {
+            let mut v = serde_json::to_value(f.mode).unwrap_or(Value::Null);
+            v["provider"] = json!(provider);
+            v["remaining_ms"] = json!(f.until_ms.saturating_sub(now));
+            v
+        })
+        .collect();
+    json!({ "faults": list })
+}
+
+async fn list_faults(State(sim): State<Arc<Sim>>) -> Response {
+    axum::Json(faults_doc(&sim)).into_response()
+}
+
+async fn set_fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let req: SetFault = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_fault",
+                &format!(
+                    "expected {{\"provider\", \"duration_ms\", \"mode\": error|contract|slow|hang|\
+                     rate-limit|reset|flaky, ...}}: {e}"
+                ),
+            );
+        }
+    };
+    if !sim.providers.contains_key(&req.provider) {
+        return unknown_provider(&sim, &req.provider);
+    }
+    if let Err(e) = req.mode.validate() {
+        return openai_error(StatusCode::BAD_REQUEST, "invalid_fault", &e);
+    }
+    let now = sim.now_ms();
+    sim.faults()
+        .set(&req.provider, req.mode, now, req.duration_ms);
+    tracing::info!(provider = %req.provider, mode = req.mode.name(), duration_ms = req.duration_ms, "fault set");
+    (StatusCode::CREATED, axum::Json(faults_doc(&sim))).into_response()
+}
+
+async fn clear_one(State(sim): State<Arc<Sim>>, Path(provider): Path<String>) -> Response {
+    if !sim.providers.contains_key(&provider) {
+        return unknown_provider(&sim, &provider);
+    }
+    let cleared = sim.faults().clear(&provider);
+    axum::Json(json!({"cleared": u8::from(cleared)})).into_response()
+}
+
+async fn clear_all(State(sim): State<Arc<Sim>>) -> Response {
+    let cleared = sim.faults().clear_all();
+    axum::Json(json!({"cleared": cleared})).into_response()
+}

@@ -1,0 +1,328 @@
+//! `oam sim` over real HTTP: the OpenAI shape, every fault mode, expiry, bad input.
+
+use crate::support::{Proc, eventually};
+use oam::core::contract::Contract;
+use oam::core::reason::ReasonCode;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+fn sim(seed: &str) -> (Proc, String) {
+    let p = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json", "--seed", seed]);
+    let url = p.ready["url"].as_str().expect("url").to_string();
+    (p, url)
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+fn chat(question: &str) -> Value {
+    json!({"model": "ignored-by-provider-path", "messages": [{"role": "user", "content": question}]})
+}
+
+async fn ask(c: &reqwest::Client, url: &str, provider: &str) -> reqwest::Response {
+    c.post(format!("{url}/{provider}/v1/chat/completions"))
+        .json(&chat("What is the capital of Norway?"))
+        .send()
+        .await
+        .expect("send")
+}
+
+async fn set_fault(c: &reqwest::Client, url: &str, fault: Value) {
+    let r = c
+        .post(format!("{url}/sim/faults"))
+        .json(&fault)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201, "{:?}", r.text().await);
+}
+
+fn content(v: &Value) -> (&str, Option<&str>) {
+    let choice = &v["choices"][0];
+    (
+        choice["message"]["content"].as_str().expect("content"),
+        choice["finish_reason"].as_str(),
+    )
+}
+
+#[tokio::test]
+async fn answers_in_the_openai_shape_and_meet_the_contract() {
+    let (_p, url) = sim("1");
+    let c = client();
+    let r = ask(&c, &url, "primary").await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["usage"]["total_tokens"].as_u64().unwrap() > 0);
+    let (text, finish) = content(&v);
+    let confidence = Contract::default()
+        .check(text, finish)
+        .expect("healthy answers pass");
+    assert!(confidence.unwrap() >= 0.86);
+
+    let models: Value = c
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["sim-small", "sim-large", "sim-medium"]);
+
+    // The shared endpoint routes by model name.
+    let v: Value = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-sim-local-"));
+}
+
+#[tokio::test]
+async fn the_same_seed_gives_the_same_answers() {
+    let (_a, url_a) = sim("7");
+    let (_b, url_b) = sim("7");
+    let c = client();
+    for _ in 0..3 {
+        let a: Value = ask(&c, &url_a, "secondary").await.json().await.unwrap();
+        let b: Value = ask(&c, &url_b, "secondary").await.json().await.unwrap();
+        assert_eq!(content(&a), content(&b));
+    }
+}
+
+#[tokio::test]
+async fn contract_faults_are_caught_with_their_codes() {
+    let (_p, url) = sim("2");
+    let c = client();
+    for (kind, code) in [
+        ("not-json", ReasonCode::ContractNotJson),
+        ("missing-field", ReasonCode::ContractMissingField),
+        ("low-confidence", ReasonCode::ContractConfidenceTooLow),
+        ("truncated", ReasonCode::ContractTruncated),
+    ] {
+        set_fault(
+            &c,
+            &url,
+            json!({"provider": "primary", "mode": "contract", "kind": kind, "duration_ms": 60_000}),
+        )
+        .await;
+        let r = ask(&c, &url, "primary").await;
+        assert_eq!(r.status(), 200, "a broken contract still answers 200");
+        let v: Value = r.json().await.unwrap();
+        let (text, finish) = content(&v);
+        let defects = Contract::default().check(text, finish).unwrap_err();
+        assert_eq!(defects[0].code, code, "{kind}: {text}");
+    }
+}
+
+#[tokio::test]
+async fn error_rate_limit_reset_and_hang_behave_like_real_failures() {
+    let (_p, url) = sim("3");
+    let c = client();
+
+    set_fault(
+        &c,
+        &url,
+        json!({"provider": "primary", "mode": "error", "status": 503, "duration_ms": 60_000}),
+    )
+    .await;
+    let r = ask(&c, &url, "primary").await;
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "server_error");
+
+    set_fault(&c, &url, json!({"provider": "secondary", "mode": "rate-limit", "retry_after_ms": 1_500, "duration_ms": 60_000})).await;
+    let r = ask(&c, &url, "secondary").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "2");
+    assert_eq!(r.headers()["retry-after-ms"], "1500");
+
+    set_fault(
+        &c,
+        &url,
+        json!({"provider": "local", "mode": "reset", "duration_ms": 60_000}),
+    )
+    .await;
+    let outcome = match ask_result(&c, &url, "local").await {
+        Ok(r) => match r.bytes().await {
+            Ok(body) => format!("got a body of {} bytes", body.len()),
+            Err(e) => format!("error reading the body: {e}"),
+        },
+        Err(e) => format!("error: {e}"),
+    };
+    assert!(
+        outcome.starts_with("error"),
+        "a reset must not look like an answer: {outcome}"
+    );
+
+    // A hang holds the request: a client with a short timeout gives up.
+    set_fault(
+        &c,
+        &url,
+        json!({"provider": "local", "mode": "hang", "duration_ms": 60_000}),
+    )
+    .await;
+    let short = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let err = ask_result(&short, &url, "local").await.unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+
+    // The fault list shows all three with time left; clearing one restores it at once.
+    let faults: Value = c
+        .get(format!("{url}/sim/faults"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let listed: Vec<(&str, &str)> = faults["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["provider"].as_str().unwrap(), f["mode"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("local", "hang"),
+            ("primary", "error"),
+            ("secondary", "rate-limit")
+        ]
+    );
+    assert!(faults["faults"][0]["remaining_ms"].as_u64().unwrap() > 50_000);
+    let r = c
+        .delete(format!("{url}/sim/faults/primary"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(ask(&c, &url, "primary").await.status(), 200);
+}
+
+async fn ask_result(
+    c: &reqwest::Client,
+    url: &str,
+    provider: &str,
+) -> reqwest::Result<reqwest::Response> {
+    c.post(format!("{url}/{provider}/v1/chat/completions"))
+        .json(&chat("q"))
+        .send()
+        .await
+}
+
+#[tokio::test]
+async fn faults_end_on_their_own() {
+    let (_p, url) = sim("4");
+    let c = client();
+    set_fault(
+        &c,
+        &url,
+        json!({"provider": "primary", "mode": "error", "duration_ms": 300}),
+    )
+    .await;
+    assert_eq!(ask(&c, &url, "primary").await.status(), 500);
+    let cleared = eventually(Duration::from_secs(5), || {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            let v: Value = c
+                .get(format!("{url}/sim/faults"))
+                .send()
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            v["faults"].as_array()?.is_empty().then_some(())
+        }
+    })
+    .await;
+    assert!(cleared.is_some(), "the fault did not expire");
+    assert_eq!(ask(&c, &url, "primary").await.status(), 200);
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_openai_error() {
+    let (_p, url) = sim("5");
+    let c = client();
+    let r = c
+        .post(format!("{url}/primary/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not a valid chat completion request")
+    );
+
+    let r = ask(&c, &url, "nosuch").await;
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert!(v["error"]["message"].as_str().unwrap().contains("primary"));
+
+    for bad in [
+        json!({"provider": "primary", "mode": "melt", "duration_ms": 10}),
+        json!({"provider": "primary", "mode": "flaky", "error_rate": 3.0, "duration_ms": 10}),
+        json!({"provider": "primary", "mode": "error"}),
+        json!({"provider": "primary", "mode": "error", "duraton_ms": 10}),
+    ] {
+        let r = c
+            .post(format!("{url}/sim/faults"))
+            .json(&bad)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+    }
+    // Nothing bad was applied.
+    let v: Value = c
+        .get(format!("{url}/sim/faults"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["faults"], json!([]));
+}
+
+#[test]
+fn a_port_in_use_is_a_usage_error_that_says_what_to_do() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["sim", "--listen", &addr])
+        .timeout(Duration::from_secs(20))
+        .assert()
+        .code(2)
+        .stderr(
+            predicates::str::contains("cannot listen").and(predicates::str::contains("--listen")),
+        );
+}
+
+use predicates::prelude::PredicateBooleanExt as _;
