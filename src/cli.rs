@@ -22,6 +22,8 @@ pub enum Command {
     Decide(cmd::decide::Args),
     /// Serve simulated model providers over an OpenAI-compatible HTTP API, with fault modes.
     Sim(cmd::sim::Args),
+    /// Control-plane nodes: `oam node run --id n1`.
+    Node(cmd::node::Args),
 }
 
 pub async fn run(cli: Cli) -> Result<()> {
@@ -29,5 +31,6 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Reasons(args) => cmd::reasons::run(args),
         Command::Decide(args) => cmd::decide::run(args),
         Command::Sim(args) => cmd::sim::run(args).await,
+        Command::Node(args) => cmd::node::run(args).await,
     }
 }

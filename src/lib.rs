@@ -7,5 +7,8 @@ pub mod cli;
 pub mod cmd;
 pub mod core;
 pub mod error;
+pub mod natsd;
+pub mod node;
 pub mod signal;
 pub mod sim;
+pub mod transport;

@@ -16,3 +16,4 @@ pub mod quorum;
 pub mod reason;
 pub mod request;
 pub mod score;
+pub mod wire;

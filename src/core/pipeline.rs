@@ -417,6 +417,21 @@ impl Engine {
         self.proceed(s, now_ms)
     }
 
+    /// A queued request gave up waiting for a slot (its deadline passed): it leaves the queue
+    /// and is refused with QUEUE_TIMEOUT. Does nothing to a request that is not queued.
+    pub fn abandon(&mut self, s: &mut Session, now_ms: u64) -> Option<Decision> {
+        if !s.queued {
+            return None;
+        }
+        s.queued = false;
+        self.state.bulkheads.abandon(s.request.priority);
+        push(&mut s.codes, ReasonCode::QueueTimeout);
+        match self.finish_failure(s, Phase::Admission, now_ms) {
+            Step::Done(d) => Some(*d),
+            _ => None,
+        }
+    }
+
     fn proceed(&mut self, s: &mut Session, now_ms: u64) -> Step {
         match loops::check(
             &mut self.state.loops,

@@ -596,6 +596,18 @@ fn every_reason_code_is_reachable() {
     e.state.bulkheads.normal.queued = 48;
     note(&run(&mut e, req("full"), &[]));
     let mut e = engine();
+    e.state.bulkheads.normal.active = 24;
+    let (mut s, step) = e.begin(req("waits"), T0).unwrap();
+    assert_eq!(step, Step::Queued);
+    let d = e
+        .abandon(&mut s, T0 + 5_000)
+        .expect("a queued request can be abandoned");
+    assert_eq!(
+        (d.phase, e.state.bulkheads.normal.queued),
+        (Phase::Admission, 0)
+    );
+    note(&d);
+    let mut e = engine();
     e.state.bulkheads.background.active = 8;
     let mut r = req("bg");
     r.priority = Priority::Background;

@@ -114,6 +114,8 @@ macro_rules! reason_codes {
 reason_codes! {
     AdmissionQueued = "ADMISSION_QUEUED", Admission,
         "The request's class was at its concurrency limit; the request waited in the class queue.";
+    QueueTimeout = "QUEUE_TIMEOUT", Admission,
+        "The request waited in its class queue past the queue deadline without getting a slot; retry later.";
     QueueFull = "QUEUE_FULL", Admission,
         "The request's class was at its concurrency limit and its queue was full; rejected, retry later.";
     BulkheadShed = "BULKHEAD_SHED", Admission,

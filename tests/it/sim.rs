@@ -13,10 +13,7 @@ fn sim(seed: &str) -> (Proc, String) {
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap()
+    crate::support::http(Duration::from_secs(10))
 }
 
 fn chat(question: &str) -> Value {
@@ -177,10 +174,7 @@ async fn error_rate_limit_reset_and_hang_behave_like_real_failures() {
         json!({"provider": "local", "mode": "hang", "duration_ms": 60_000}),
     )
     .await;
-    let short = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let short = crate::support::http(Duration::from_millis(300));
     let err = ask_result(&short, &url, "local").await.unwrap_err();
     assert!(err.is_timeout(), "{err}");
 

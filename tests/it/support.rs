@@ -70,3 +70,83 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+impl Proc {
+    /// SIGKILL now (a crash, not a shutdown).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A real nats-server on a free 127.0.0.1 port with generated credentials, in its own folder;
+/// stopped and removed on drop.
+pub struct NatsServer {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    pub port: u16,
+    pub creds: oam::natsd::Credentials,
+}
+
+impl NatsServer {
+    pub fn start() -> NatsServer {
+        let (bin, _) = oam::natsd::find(None)
+            .expect("nats-server 2.10+ (scripts/test installs it and sets OAM_NATS_SERVER)");
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "oam-test-nats-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let creds = oam::natsd::Credentials::generate().unwrap();
+        for _ in 0..5 {
+            let layout = oam::natsd::Layout {
+                port: oam::natsd::free_port().unwrap(),
+                monitor_port: oam::natsd::free_port().unwrap(),
+                store_dir: dir.join("jetstream"),
+            };
+            let conf = dir.join("nats.conf");
+            std::fs::write(&conf, oam::natsd::config(&layout, &creds)).unwrap();
+            match oam::natsd::start(
+                &bin,
+                &conf,
+                &dir.join("nats.log"),
+                layout.port,
+                Duration::from_secs(10),
+            ) {
+                Ok(child) => {
+                    return NatsServer {
+                        child,
+                        dir,
+                        port: layout.port,
+                        creds,
+                    };
+                }
+                Err(e) => eprintln!("nats-server start failed, retrying on other ports: {e:#}"),
+            }
+        }
+        panic!("nats-server did not start; see {}", dir.display());
+    }
+
+    pub fn url(&self) -> String {
+        oam::natsd::app_url(self.port, &self.creds)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// An HTTP client (oam builds reqwest without a default TLS provider; tests use ring, as oam does).
+pub fn http(timeout: Duration) -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .expect("http client")
+}

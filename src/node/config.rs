@@ -1,0 +1,259 @@
+//! `oam.toml`: a node's providers, timings, pipeline and budgets. Every section is optional; the
+//! embedded default points at `oam sim` so nothing needs configuring. Errors name the file, the
+//! line and the field.
+//!
+//! ```toml
+//! [node]
+//! cluster_size = 3            # n for the quorum
+//! probe_interval_ms = 1000
+//! probe_timeout_ms = 2000
+//! heartbeat_interval_ms = 1000
+//! health_window_ms = 15000
+//! queue_timeout_ms = 5000     # longest wait in a bulkhead queue
+//! max_body_bytes = 1048576
+//!
+//! [[provider]]                # in preference order
+//! id = "primary"
+//! base_url = "http://127.0.0.1:8081/primary/v1"
+//! model = "sim-large"
+//! api_key_env = "OPENAI_API_KEY"   # optional: the key is read from this variable
+//! cost_per_1k_tokens_usd = 0.01
+//! fallback = false
+//!
+//! [pipeline]                  # overrides of the decision defaults (see docs/decide.md)
+//! max_attempts = { low = 3, medium = 2, high = 2 }
+//!
+//! [budgets.agents.support-bot]
+//! limit_usd = 5.0
+//! ```
+
+use crate::core::budget::Budgets;
+use crate::core::pipeline::Config as PipelineConfig;
+use serde::Deserialize;
+use std::path::Path;
+
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeSettings {
+    pub cluster_size: usize,
+    pub probe_interval_ms: u64,
+    pub probe_timeout_ms: u64,
+    pub heartbeat_interval_ms: u64,
+    pub health_window_ms: u64,
+    pub queue_timeout_ms: u64,
+    pub max_body_bytes: usize,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        NodeSettings {
+            cluster_size: 3,
+            probe_interval_ms: 1_000,
+            probe_timeout_ms: 2_000,
+            heartbeat_interval_ms: 1_000,
+            health_window_ms: 15_000,
+            queue_timeout_ms: 5_000,
+            max_body_bytes: 1 << 20,
+        }
+    }
+}
+
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderConfig {
+    pub id: String,
+    /// The OpenAI-compatible base URL (what `/chat/completions` is appended to).
+    pub base_url: String,
+    pub model: String,
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub cost_per_1k_tokens_usd: f64,
+    #[serde(default)]
+    pub fallback: bool,
+}
+
+#[derive(Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    #[serde(default)]
+    pub node: NodeSettings,
+    #[serde(default, rename = "provider")]
+    pub providers: Vec<ProviderConfig>,
+    #[serde(default)]
+    pub pipeline: PipelineConfig,
+    #[serde(default)]
+    pub budgets: Budgets,
+}
+
+/// The simulator's providers at `sim_url`, in the core's default preference order.
+pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
+    let sim_url = sim_url.trim_end_matches('/');
+    crate::core::pipeline::default_providers()
+        .into_iter()
+        .map(|p| ProviderConfig {
+            base_url: format!("{sim_url}/{}/v1", p.id),
+            id: p.id.to_string(),
+            model: p.model.to_string(),
+            api_key_env: None,
+            cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
+            fallback: p.fallback,
+        })
+        .collect()
+}
+
+impl NodeConfig {
+    /// Parse `text` (from `name`), fill in the simulator's providers if none are listed, and
+    /// check what serde cannot.
+    pub fn parse(name: &str, text: &str, sim_url: &str) -> Result<NodeConfig, String> {
+        let mut cfg: NodeConfig = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
+        if cfg.providers.is_empty() {
+            cfg.providers = default_providers(sim_url);
+        }
+        cfg.check().map_err(|e| format!("{name}: {e}"))?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: Option<&Path>, sim_url: &str) -> Result<NodeConfig, String> {
+        match path {
+            None => NodeConfig::parse("the default config", "", sim_url),
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+                NodeConfig::parse(&p.display().to_string(), &text, sim_url)
+            }
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, p) in self.providers.iter().enumerate() {
+            let at = format!("provider[{i}] ({})", p.id);
+            if !crate::transport::subjects::valid_token(&p.id) {
+                return Err(format!("{at}: id must be letters, digits, '-' or '_'"));
+            }
+            if !seen.insert(&p.id) {
+                return Err(format!("{at}: id is listed twice"));
+            }
+            if !(p.base_url.starts_with("http://") || p.base_url.starts_with("https://")) {
+                return Err(format!(
+                    "{at}: base_url must start with http:// or https://"
+                ));
+            }
+            if !(p.cost_per_1k_tokens_usd.is_finite() && p.cost_per_1k_tokens_usd >= 0.0) {
+                return Err(format!("{at}: cost_per_1k_tokens_usd must be >= 0"));
+            }
+            if let Some(var) = &p.api_key_env
+                && std::env::var_os(var).is_none()
+            {
+                return Err(format!(
+                    "{at}: api_key_env names {var}, which is not set in this environment"
+                ));
+            }
+        }
+        let n = &self.node;
+        if n.cluster_size == 0 {
+            return Err("node.cluster_size must be at least 1".into());
+        }
+        for (name, v) in [
+            ("node.probe_interval_ms", n.probe_interval_ms),
+            ("node.probe_timeout_ms", n.probe_timeout_ms),
+            ("node.heartbeat_interval_ms", n.heartbeat_interval_ms),
+            ("node.health_window_ms", n.health_window_ms),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} must be more than 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_needs_no_file_and_points_at_the_sim() {
+        let cfg = NodeConfig::load(None, "http://127.0.0.1:9999/").unwrap();
+        let ids: Vec<&str> = cfg.providers.iter().map(|p| p.id.as_str()).collect();
+        assert_eq!(ids, ["primary", "local", "secondary"]);
+        assert_eq!(
+            cfg.providers[0].base_url,
+            "http://127.0.0.1:9999/primary/v1"
+        );
+        assert!(cfg.providers[1].fallback);
+        assert_eq!(cfg.node.cluster_size, 3);
+    }
+
+    #[test]
+    fn a_full_file_parses() {
+        let text = r#"
+[node]
+cluster_size = 5
+
+[[provider]]
+id = "openai"
+base_url = "https://api.openai.com/v1"
+model = "gpt-4o-mini"
+cost_per_1k_tokens_usd = 0.0006
+
+[[provider]]
+id = "ollama"
+base_url = "http://127.0.0.1:11434/v1"
+model = "llama3.2"
+fallback = true
+
+[pipeline]
+max_attempts = { low = 2, medium = 2, high = 1 }
+
+[budgets.agents.support-bot]
+limit_usd = 5.0
+"#;
+        let cfg = NodeConfig::parse("oam.toml", text, "unused").unwrap();
+        assert_eq!(cfg.node.cluster_size, 5);
+        assert_eq!(
+            cfg.node.probe_interval_ms, 1_000,
+            "unset fields keep defaults"
+        );
+        assert_eq!(cfg.providers.len(), 2);
+        assert_eq!(cfg.pipeline.max_attempts.high, 1);
+        assert_eq!(cfg.budgets.agents["support-bot"].limit_usd, 5.0);
+    }
+
+    #[test]
+    fn errors_name_the_file_line_and_field() {
+        let cases = [
+            (
+                "[node]\nclustr_size = 3\n",
+                ["oam.toml", "line 2", "clustr_size"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\nmodel = 7\n",
+                ["oam.toml", "line 4", "model"],
+            ),
+            (
+                "[[provider]]\nid = \"a b\"\nbase_url = \"http://x\"\nmodel = \"m\"\n",
+                ["oam.toml", "provider[0]", "id must be"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"ftp://x\"\nmodel = \"m\"\n",
+                ["oam.toml", "provider[0]", "base_url"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\nmodel = \"m\"\napi_key_env = \"OAM_TEST_SURELY_UNSET\"\n",
+                ["oam.toml", "api_key_env", "OAM_TEST_SURELY_UNSET"],
+            ),
+            (
+                "[node]\ncluster_size = 0\n",
+                ["oam.toml", "node.cluster_size", "at least 1"],
+            ),
+        ];
+        for (text, needles) in cases {
+            let err = NodeConfig::parse("oam.toml", text, "http://sim").unwrap_err();
+            for n in needles {
+                assert!(err.contains(n), "{err:?} lacks {n:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! The provider connector: a real OpenAI-compatible HTTP client. The same code talks to
+//! `oam sim`, Ollama, vLLM or OpenAI. It turns whatever happened (an answer, a 5xx, a 429, a
+//! reset, a timeout) into a `Generation` for the pure pipeline, with the real elapsed time.
+
+use super::config::ProviderConfig;
+use crate::core::request::{Generation, GenerationStatus, Message, Usage};
+use reqwest::header::{HeaderMap, RETRY_AFTER};
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+pub struct Connector {
+    pub id: String,
+    url: String,
+    model: String,
+    api_key: Option<String>,
+    http: reqwest::Client,
+}
+
+impl Connector {
+    pub fn new(cfg: &ProviderConfig, http: reqwest::Client) -> Self {
+        Connector {
+            id: cfg.id.clone(),
+            url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
+            model: cfg.model.clone(),
+            api_key: cfg
+                .api_key_env
+                .as_ref()
+                .and_then(|var| std::env::var(var).ok()),
+            http,
+        }
+    }
+
+    /// One chat completion, bounded by `timeout`.
+    pub async fn generate(
+        &self,
+        messages: &[Message],
+        max_tokens: u32,
+        response_format: Option<&Value>,
+        timeout: Duration,
+    ) -> Generation {
+        let mut body = json!({
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+        });
+        if let Some(rf) = response_format {
+            body["response_format"] = rf.clone();
+        }
+        let started = Instant::now();
+        let mut req = self.http.post(&self.url).json(&body);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let call = async {
+            let resp = req.send().await?;
+            let status = resp.status();
+            let headers = resp.headers().clone();
+            let bytes = resp.bytes().await?;
+            Ok::<_, reqwest::Error>((status, headers, bytes))
+        };
+        let result = tokio::time::timeout(timeout, call).await;
+        let latency_ms = started.elapsed().as_millis() as u64;
+        let failed = |status, error: String| Generation {
+            error: Some(error),
+            ..Generation::failed(status, latency_ms)
+        };
+        let (status, headers, bytes) = match result {
+            Err(_) => {
+                return failed(
+                    GenerationStatus::Timeout,
+                    format!("no answer within {} ms", timeout.as_millis()),
+                );
+            }
+            Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&e)),
+            Ok(Ok(parts)) => parts,
+        };
+        if status.as_u16() == 429 {
+            return Generation {
+                retry_after_ms: retry_after_ms(&headers),
+                ..failed(GenerationStatus::RateLimited, "HTTP 429".into())
+            };
+        }
+        if !status.is_success() {
+            let detail = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| {
+                    v.pointer("/error/message")
+                        .and_then(Value::as_str)
+                        .map(String::from)
+                })
+                .unwrap_or_default();
+            return failed(GenerationStatus::Error, format!("HTTP {status} {detail}"));
+        }
+        let Ok(v) = serde_json::from_slice::<Value>(&bytes) else {
+            return failed(
+                GenerationStatus::Error,
+                "the response body is not a JSON chat completion".into(),
+            );
+        };
+        let choice = &v["choices"][0];
+        let usage = v.get("usage").map(|u| Usage {
+            prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
+            completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
+        });
+        Generation {
+            status: GenerationStatus::Ok,
+            content: choice["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            finish_reason: choice["finish_reason"].as_str().map(String::from),
+            latency_ms,
+            usage,
+            retry_after_ms: None,
+            error: None,
+        }
+    }
+}
+
+/// `retry-after-ms` (OpenAI's header) or `Retry-After` in seconds.
+fn retry_after_ms(h: &HeaderMap) -> Option<u64> {
+    let get = |name: &str| h.get(name)?.to_str().ok()?.trim().parse::<f64>().ok();
+    get("retry-after-ms")
+        .map(|ms| ms as u64)
+        .or_else(|| get(RETRY_AFTER.as_str()).map(|s| (s * 1_000.0) as u64))
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        parts.push(s.to_string());
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_prefers_milliseconds() {
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, "2".parse().unwrap());
+        assert_eq!(retry_after_ms(&h), Some(2_000));
+        h.insert("retry-after-ms", "1500".parse().unwrap());
+        assert_eq!(retry_after_ms(&h), Some(1_500));
+        assert_eq!(retry_after_ms(&HeaderMap::new()), None);
+    }
+}

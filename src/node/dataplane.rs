@@ -1,0 +1,552 @@
+//! The data plane: an OpenAI-compatible `POST /v1/chat/completions` over HTTP, and the same
+//! request over NATS (`oam.v1.request`, one queue group across nodes).
+//!
+//! oam's own fields come in an `oam` object in the body or in `X-OAM-*` headers. A success is an
+//! OpenAI chat completion plus an `oam` object; a failure is the OpenAI error envelope plus the
+//! same `oam` object, with an HTTP status that follows the phase. Every response carries
+//! `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Provider` and `X-Request-Id`.
+
+use super::{Node, now_ms};
+use crate::core::contract::ContractSpec;
+use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Step};
+use crate::core::reason::{Phase, ReasonCode};
+use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
+use crate::transport::subjects;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub fn router(node: Arc<Node>) -> Router {
+    let limit = node.cfg.node.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/v1/oam/state", get(state))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(node)
+}
+
+async fn state(State(node): State<Arc<Node>>) -> Response {
+    axum::Json(node.snapshot()).into_response()
+}
+
+async fn models(State(node): State<Arc<Node>>) -> Response {
+    let data: Vec<Value> = node
+        .cfg
+        .providers
+        .iter()
+        .map(|p| json!({"id": p.model, "object": "model", "created": 0, "owned_by": format!("oam/{}", p.id)}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// oam's extra fields, from the body's `oam` object (headers fill what it leaves out).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct OamFields {
+    #[serde(default)]
+    request_id: Option<String>,
+    #[serde(default)]
+    agent: Option<String>,
+    #[serde(default)]
+    task: Option<String>,
+    #[serde(default)]
+    risk: Option<Risk>,
+    #[serde(default)]
+    priority: Option<Priority>,
+    #[serde(default)]
+    idempotent: Option<bool>,
+    #[serde(default)]
+    latency_budget_ms: Option<u64>,
+    #[serde(default)]
+    max_cost_usd: Option<f64>,
+    #[serde(default)]
+    policy: Option<Policy>,
+    #[serde(default)]
+    contract: Option<ContractSpec>,
+}
+
+/// The OpenAI request shape; parameters oam does not use (temperature, ...) are accepted and
+/// ignored, as an OpenAI-compatible server must.
+#[derive(Deserialize)]
+struct ChatIn {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<MessageIn>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    oam: Option<OamFields>,
+}
+
+#[derive(Deserialize)]
+struct MessageIn {
+    role: String,
+    #[serde(default)]
+    content: Value,
+}
+
+fn text_of(content: &Value) -> Option<String> {
+    match content {
+        Value::String(s) => Some(s.clone()),
+        Value::Null => Some(String::new()),
+        Value::Array(parts) => Some(
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        _ => None,
+    }
+}
+
+/// A request the node refuses before the pipeline sees it (400).
+struct BadRequest(String);
+
+fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
+}
+
+fn parse_header<T: std::str::FromStr>(h: &HeaderMap, name: &str) -> Result<Option<T>, BadRequest> {
+    match header(h, name) {
+        None => Ok(None),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|_| BadRequest(format!("header {name}: cannot read {v:?}"))),
+    }
+}
+
+fn parse_enum_header<T: serde::de::DeserializeOwned>(
+    h: &HeaderMap,
+    name: &str,
+) -> Result<Option<T>, BadRequest> {
+    match header(h, name) {
+        None => Ok(None),
+        Some(v) => serde_json::from_value(Value::String(v.to_ascii_lowercase()))
+            .map(Some)
+            .map_err(|e| BadRequest(format!("header {name}: {e}"))),
+    }
+}
+
+/// Build the core request from the body and headers.
+fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<Request, BadRequest> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let chat: ChatIn = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let at = if path == "." {
+            String::new()
+        } else {
+            format!("{path}: ")
+        };
+        BadRequest(format!(
+            "invalid chat completion request: {at}{}",
+            e.into_inner()
+        ))
+    })?;
+    if chat.stream == Some(true) {
+        return Err(BadRequest(
+            "streaming is not supported yet; send stream: false".into(),
+        ));
+    }
+    if chat.messages.is_empty() {
+        return Err(BadRequest("messages must hold at least one message".into()));
+    }
+    let mut messages = Vec::with_capacity(chat.messages.len());
+    for (i, m) in chat.messages.into_iter().enumerate() {
+        let content = text_of(&m.content).ok_or_else(|| {
+            BadRequest(format!(
+                "messages[{i}].content must be a string or an array of parts"
+            ))
+        })?;
+        messages.push(Message {
+            role: m.role,
+            content,
+        });
+    }
+    if let Some(model) = &chat.model
+        && !model.is_empty()
+        && !node
+            .cfg
+            .providers
+            .iter()
+            .any(|p| &p.model == model || &p.id == model)
+        && model != "oam"
+        && model != "auto"
+    {
+        let known: Vec<&str> = node
+            .cfg
+            .providers
+            .iter()
+            .map(|p| p.model.as_str())
+            .collect();
+        return Err(BadRequest(format!(
+            "unknown model {model:?}; this node routes across {} (or send \"auto\")",
+            known.join(", ")
+        )));
+    }
+    let o = chat.oam.unwrap_or_default();
+    let id = o
+        .request_id
+        .or_else(|| header(h, "x-request-id").map(String::from))
+        .unwrap_or_else(|| node.next_request_id());
+    Ok(Request {
+        id,
+        agent: o
+            .agent
+            .or_else(|| header(h, "x-oam-agent").map(String::from))
+            .unwrap_or_else(|| "anonymous".into()),
+        task: o
+            .task
+            .or_else(|| header(h, "x-oam-task").map(String::from))
+            .unwrap_or_default(),
+        model: chat.model,
+        messages,
+        risk: match o.risk {
+            Some(r) => r,
+            None => parse_enum_header(h, "x-oam-risk")?.unwrap_or_default(),
+        },
+        priority: match o.priority {
+            Some(p) => p,
+            None => parse_enum_header(h, "x-oam-priority")?.unwrap_or_default(),
+        },
+        idempotent: match o.idempotent {
+            Some(b) => b,
+            None => parse_header(h, "x-oam-idempotent")?.unwrap_or(true),
+        },
+        latency_budget_ms: match o.latency_budget_ms {
+            Some(v) => Some(v),
+            None => parse_header(h, "x-oam-latency-budget-ms")?,
+        },
+        max_cost_usd: match o.max_cost_usd {
+            Some(v) => Some(v),
+            None => parse_header(h, "x-oam-max-cost-usd")?,
+        },
+        max_tokens: chat.max_completion_tokens.or(chat.max_tokens),
+        policy: o.policy.unwrap_or_default(),
+        contract: o.contract,
+        response_format: chat.response_format,
+    })
+}
+
+/// What the data plane answers, before it is turned into HTTP or a NATS reply.
+pub struct Answer {
+    pub status: StatusCode,
+    pub body: Value,
+    pub request_id: String,
+    pub phase: String,
+    pub reasons: String,
+    pub provider: String,
+}
+
+/// The HTTP status for a refused request, by the phase that refused it.
+pub fn status_for(d: &Decision) -> StatusCode {
+    let timed_out = d.reason_codes.contains(&ReasonCode::GenerationTimeout);
+    match d.phase {
+        Phase::Accepted => StatusCode::OK,
+        Phase::Admission => StatusCode::SERVICE_UNAVAILABLE,
+        Phase::Loop => StatusCode::TOO_MANY_REQUESTS,
+        Phase::Budget | Phase::Cost => StatusCode::PAYMENT_REQUIRED,
+        Phase::Semantic | Phase::Quality => StatusCode::UNPROCESSABLE_ENTITY,
+        Phase::Generation if timed_out => StatusCode::GATEWAY_TIMEOUT,
+        Phase::Generation => StatusCode::BAD_GATEWAY,
+        Phase::Routing | Phase::Breaker => StatusCode::SERVICE_UNAVAILABLE,
+        Phase::Retry | Phase::Escalation => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+fn oam_object(d: &Decision) -> Value {
+    json!({
+        "request_id": d.request_id,
+        "outcome": d.outcome,
+        "phase": d.phase,
+        "reason_codes": d.reason_codes,
+        "provider": d.provider,
+        "fallback": d.fallback,
+        "attempts": d.attempts.len(),
+        "cost_usd": d.cost_usd,
+        "confidence": d.confidence,
+        "escalation": d.escalation,
+        "incident": d.incident,
+    })
+}
+
+/// Run one request through the pipeline, calling providers as it directs.
+pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answer {
+    let request = match to_request(node, body, headers) {
+        Ok(r) => r,
+        Err(BadRequest(msg)) => return bad_request(node, headers, msg),
+    };
+    let response_format = request.response_format.clone();
+    let class = request.priority;
+    let begun = node.engine().begin(request, now_ms());
+    let (mut session, mut step) = match begun {
+        Ok(x) => x,
+        Err(msg) => return bad_request(node, headers, msg),
+    };
+    let mut last = None;
+    let queue_deadline =
+        tokio::time::Instant::now() + Duration::from_millis(node.cfg.node.queue_timeout_ms);
+    let decision = loop {
+        step = match step {
+            Step::Done(d) => break *d,
+            Step::Queued => {
+                let notified = node.slot_freed.notified();
+                let ready = {
+                    let mut e = node.engine();
+                    let bulkheads = e.config.bulkheads;
+                    if e.state.bulkheads.can_start_queued(class, &bulkheads) {
+                        Some(e.dequeue(&mut session, now_ms()))
+                    } else {
+                        None
+                    }
+                };
+                match ready {
+                    Some(next) => next,
+                    None => {
+                        if tokio::time::timeout_at(queue_deadline, notified)
+                            .await
+                            .is_err()
+                        {
+                            let abandoned = node.engine().abandon(&mut session, now_ms());
+                            match abandoned {
+                                Some(d) => break d,
+                                None => continue,
+                            }
+                        }
+                        Step::Queued
+                    }
+                }
+            }
+            Step::Dispatch(d) => {
+                let g = match node.connectors.get(&*d.provider) {
+                    Some(c) => {
+                        c.generate(
+                            &session.request().messages,
+                            d.max_tokens,
+                            response_format.as_ref(),
+                            Duration::from_millis(d.timeout_ms),
+                        )
+                        .await
+                    }
+                    None => crate::core::request::Generation {
+                        error: Some(format!("no connector for {}", d.provider)),
+                        ..crate::core::request::Generation::failed(GenerationStatus::Error, 0)
+                    },
+                };
+                last = Some(g.clone());
+                node.engine().complete(&mut session, g, now_ms())
+            }
+        };
+    };
+    node.slot_freed.notify_waiters();
+    for effect in &decision.effects {
+        if let Effect::HealthSample {
+            provider,
+            outcome,
+            latency_ms,
+        } = effect
+        {
+            node.record(provider, *outcome, *latency_ms);
+        }
+    }
+    publish_decision(node, &decision);
+    respond(node, decision, last)
+}
+
+fn bad_request(node: &Node, headers: &HeaderMap, msg: String) -> Answer {
+    let request_id = header(headers, "x-request-id")
+        .map(String::from)
+        .unwrap_or_else(|| node.next_request_id());
+    Answer {
+        status: StatusCode::BAD_REQUEST,
+        body: json!({"error": {"message": msg, "type": "invalid_request_error", "param": null, "code": "invalid_request"}}),
+        request_id,
+        phase: "invalid".into(),
+        reasons: String::new(),
+        provider: String::new(),
+    }
+}
+
+fn publish_decision(node: &Node, d: &Decision) {
+    node.publish(subjects::decision(&node.id), d);
+    if let Some(i) = &d.incident
+        && d.reason_codes.contains(&ReasonCode::AgentLoopDetected)
+    {
+        node.publish(subjects::incident(&node.id), i);
+    }
+    if let Some(e) = &d.escalation {
+        node.publish(subjects::escalation(&node.id), e);
+    }
+}
+
+fn respond(node: &Node, d: Decision, last: Option<crate::core::request::Generation>) -> Answer {
+    let status = status_for(&d);
+    let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+    let provider = d.provider.as_deref().unwrap_or("").to_string();
+    let oam = oam_object(&d);
+    let body = if d.outcome == DecisionOutcome::Accepted {
+        let g = last.unwrap_or_else(|| crate::core::request::Generation::ok("", 0));
+        let model = node
+            .cfg
+            .providers
+            .iter()
+            .find(|p| p.id == provider)
+            .map_or("", |p| p.model.as_str());
+        let usage = g.usage.unwrap_or_default();
+        json!({
+            "id": format!("chatcmpl-{}", d.request_id),
+            "object": "chat.completion",
+            "created": now_ms() / 1000,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": g.content},
+                "finish_reason": g.finish_reason.unwrap_or_else(|| "stop".into()),
+            }],
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            },
+            "oam": oam,
+        })
+    } else {
+        let last_code = d.reason_codes.last().map_or("", |c| c.as_str());
+        let message = format!(
+            "oam {} the request in phase {}: {}",
+            match d.outcome {
+                DecisionOutcome::Escalated => "escalated",
+                _ => "refused",
+            },
+            d.phase,
+            reasons.join(", ")
+        );
+        json!({
+            "error": {
+                "message": message,
+                "type": if status.is_server_error() { "server_error" } else { "invalid_request_error" },
+                "param": null,
+                "code": last_code,
+            },
+            "oam": oam,
+        })
+    };
+    Answer {
+        status,
+        body,
+        request_id: d.request_id,
+        phase: d.phase.to_string(),
+        reasons: reasons.join(","),
+        provider,
+    }
+}
+
+fn to_http(a: Answer) -> Response {
+    let mut resp = (a.status, axum::Json(a.body)).into_response();
+    let h = resp.headers_mut();
+    for (name, value) in [
+        ("x-oam-phase", a.phase),
+        ("x-oam-reasons", a.reasons),
+        ("x-oam-provider", a.provider),
+        ("x-request-id", a.request_id),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            h.insert(HeaderName::from_static(name), v);
+        }
+    }
+    resp
+}
+
+async fn chat(State(node): State<Arc<Node>>, headers: HeaderMap, body: Bytes) -> Response {
+    to_http(execute(&node, &body, &headers).await)
+}
+
+/// The same data plane on NATS: requests on `oam.v1.request` (queue group `oam-nodes`), the
+/// reply is the HTTP body with `status` and the `X-OAM-*` values added to its `oam` object.
+pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
+    let mut sub = node
+        .nats
+        .queue_subscribe(subjects::REQUEST, subjects::REQUEST_QUEUE.into())
+        .await?;
+    while let Some(msg) = sub.next().await {
+        let node = node.clone();
+        tokio::spawn(async move {
+            let Some(reply) = msg.reply.clone() else {
+                return; // a publish with no reply subject: nobody to answer
+            };
+            let mut headers = HeaderMap::new();
+            if let Some(h) = &msg.headers {
+                for (name, values) in h.iter() {
+                    let Ok(name) = HeaderName::from_bytes(name.to_string().as_bytes()) else {
+                        continue;
+                    };
+                    if let Some(v) = values.first()
+                        && let Ok(v) = HeaderValue::from_str(v.as_str())
+                    {
+                        headers.insert(name, v);
+                    }
+                }
+            }
+            let a = execute(&node, &msg.payload, &headers).await;
+            let mut body = a.body;
+            body["status"] = json!(a.status.as_u16());
+            match serde_json::to_vec(&body) {
+                Ok(bytes) => {
+                    if let Err(e) = node.nats.publish(reply, bytes.into()).await {
+                        tracing::debug!("cannot reply on NATS: {e}");
+                    }
+                }
+                Err(e) => tracing::warn!("cannot encode a reply: {e}"),
+            }
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_follow_the_phase() {
+        let mut d: Decision = serde_json::from_value(json!({
+            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
+            "outcome": "rejected", "phase": "admission", "reason_codes": [],
+            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
+            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
+        }))
+        .unwrap();
+        for (phase, status) in [
+            (Phase::Admission, 503),
+            (Phase::Loop, 429),
+            (Phase::Budget, 402),
+            (Phase::Semantic, 422),
+            (Phase::Quality, 422),
+            (Phase::Generation, 502),
+            (Phase::Accepted, 200),
+        ] {
+            d.phase = phase;
+            assert_eq!(status_for(&d).as_u16(), status, "{phase}");
+        }
+        d.phase = Phase::Generation;
+        d.reason_codes = vec![ReasonCode::GenerationTimeout];
+        assert_eq!(status_for(&d).as_u16(), 504);
+    }
+}

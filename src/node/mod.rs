@@ -1,0 +1,412 @@
+//! `oam node run`: the runtime that feeds the pure core and executes its effects.
+//!
+//! A node heartbeats on NATS, probes every provider, publishes its observations, keeps the
+//! cluster's consensus view, and serves requests over HTTP (OpenAI-compatible) and NATS. All
+//! decisions are the core pipeline's; this module only moves data in and out of it.
+
+pub mod config;
+pub mod connector;
+pub mod dataplane;
+
+use crate::core::contract::Contract;
+use crate::core::health::{Outcome, Window};
+use crate::core::pipeline::{Config as PipelineConfig, Engine, State};
+use crate::core::quorum::{Cluster, Observation};
+use crate::core::request::{GenerationStatus, Message, Provider};
+use crate::core::wire::{Envelope, Goodbye, Heartbeat, Observations, Sequencer, Stamper};
+use crate::transport::subjects;
+use config::NodeConfig;
+use connector::Connector;
+use futures_util::StreamExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Wall-clock milliseconds: nodes compare observation times across processes.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Counters of what the node refused to apply from the bus.
+#[derive(Default, Serialize)]
+pub struct BusCounters {
+    pub malformed: AtomicU64,
+    pub duplicate_or_stale: AtomicU64,
+    pub forged: AtomicU64,
+    /// Events not published because the outbox was full (NATS down for long).
+    pub dropped_events: AtomicU64,
+}
+
+/// Events wait here for the bus, so a slow or absent NATS never blocks a request.
+const OUTBOX_CAPACITY: usize = 4_096;
+
+pub struct Node {
+    pub id: String,
+    pub cfg: NodeConfig,
+    engine: Mutex<Engine>,
+    windows: Mutex<BTreeMap<String, Window>>,
+    connectors: BTreeMap<String, Connector>,
+    nats: async_nats::Client,
+    outbox: tokio::sync::mpsc::Sender<(String, bytes::Bytes)>,
+    outbox_rx: Mutex<Option<tokio::sync::mpsc::Receiver<(String, bytes::Bytes)>>>,
+    stamper: Mutex<Stamper>,
+    sequencer: Mutex<Sequencer>,
+    pub bus: BusCounters,
+    requests: AtomicU64,
+    /// Woken whenever a request finishes, so queued requests re-check for a free slot.
+    slot_freed: tokio::sync::Notify,
+    pub http_url: Mutex<Option<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock means a panic elsewhere mid-update; the data is still the best we have.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Node {
+    pub fn new(id: String, cfg: NodeConfig, nats: async_nats::Client) -> anyhow::Result<Arc<Node>> {
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()?;
+        let connectors = cfg
+            .providers
+            .iter()
+            .map(|p| (p.id.clone(), Connector::new(p, http.clone())))
+            .collect();
+        let providers: Vec<Provider> = cfg
+            .providers
+            .iter()
+            .map(|p| Provider {
+                id: p.id.as_str().into(),
+                model: p.model.as_str().into(),
+                cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
+                fallback: p.fallback,
+            })
+            .collect();
+        let state = State {
+            cluster: Cluster::new(id.clone(), cfg.node.cluster_size),
+            providers,
+            budgets: cfg.budgets.clone(),
+            ..State::default()
+        };
+        let windows = cfg
+            .providers
+            .iter()
+            .map(|p| (p.id.clone(), Window::new(cfg.node.health_window_ms)))
+            .collect();
+        let pipeline: PipelineConfig = cfg.pipeline.clone();
+        let (outbox, outbox_rx) = tokio::sync::mpsc::channel(OUTBOX_CAPACITY);
+        Ok(Arc::new(Node {
+            outbox,
+            outbox_rx: Mutex::new(Some(outbox_rx)),
+            stamper: Mutex::new(Stamper::new(id.clone(), now_ms())),
+            id,
+            engine: Mutex::new(Engine::new(pipeline, state)),
+            windows: Mutex::new(windows),
+            connectors,
+            nats,
+            sequencer: Mutex::new(Sequencer::default()),
+            bus: BusCounters::default(),
+            requests: AtomicU64::new(0),
+            slot_freed: tokio::sync::Notify::new(),
+            http_url: Mutex::new(None),
+            cfg,
+        }))
+    }
+
+    fn engine(&self) -> MutexGuard<'_, Engine> {
+        lock(&self.engine)
+    }
+
+    fn next_request_id(&self) -> String {
+        let n = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
+        format!("{}-{}", self.id, n)
+    }
+
+    /// Queue an event, in an envelope, for the bus. Never waits: when the outbox is full the
+    /// event is dropped and counted.
+    fn publish<T: Serialize>(&self, subject: String, body: T) {
+        let env = lock(&self.stamper).stamp(now_ms(), body);
+        match serde_json::to_vec(&env) {
+            Ok(bytes) => {
+                if self.outbox.try_send((subject, bytes.into())).is_err() {
+                    self.bus.dropped_events.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Err(e) => tracing::warn!("cannot encode an event: {e}"),
+        }
+    }
+
+    /// Move queued events to NATS, in order.
+    async fn publisher_loop(self: Arc<Self>) {
+        let Some(mut rx) = lock(&self.outbox_rx).take() else {
+            return;
+        };
+        while let Some((subject, payload)) = rx.recv().await {
+            if let Err(e) = self.nats.publish(subject, payload).await {
+                tracing::debug!("publish failed: {e}");
+            }
+        }
+    }
+
+    /// Record a call's outcome in the local health window.
+    pub fn record(&self, provider: &str, outcome: Outcome, latency_ms: u64) {
+        if let Some(w) = lock(&self.windows).get_mut(provider) {
+            w.record(now_ms(), outcome, latency_ms);
+        }
+    }
+
+    /// This node's observations of every provider, now.
+    fn observations(&self) -> Vec<Observation> {
+        let now = now_ms();
+        lock(&self.windows)
+            .iter()
+            .map(|(provider, w)| {
+                let s = w.stats(now);
+                Observation {
+                    node: self.id.clone(),
+                    provider: provider.clone(),
+                    at_ms: now,
+                    verdict: s.verdict(),
+                    availability: s.availability,
+                    contract_failure_pct: s.contract_failure_pct,
+                    p95_ms: s.p95_ms,
+                    samples: s.samples,
+                }
+            })
+            .collect()
+    }
+
+    async fn heartbeat_loop(self: Arc<Self>) {
+        let mut tick =
+            tokio::time::interval(Duration::from_millis(self.cfg.node.heartbeat_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let http = lock(&self.http_url).clone();
+            self.publish(
+                subjects::heartbeat(&self.id),
+                Heartbeat {
+                    node: self.id.clone(),
+                    http,
+                },
+            );
+        }
+    }
+
+    /// Probe every provider each interval, then publish and apply this node's observations.
+    async fn probe_loop(self: Arc<Self>) {
+        let mut tick =
+            tokio::time::interval(Duration::from_millis(self.cfg.node.probe_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let probe = [Message {
+            role: "user".into(),
+            content: "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}".into(),
+        }];
+        let timeout = Duration::from_millis(self.cfg.node.probe_timeout_ms);
+        let contract = Contract::default();
+        loop {
+            tick.tick().await;
+            let calls = self.connectors.values().map(|c| async {
+                let g = c.generate(&probe, 32, None, timeout).await;
+                let outcome = match g.status {
+                    GenerationStatus::Ok => {
+                        match contract.check(&g.content, g.finish_reason.as_deref()) {
+                            Ok(_) => Outcome::Success,
+                            Err(_) => Outcome::ContractFailure,
+                        }
+                    }
+                    GenerationStatus::Timeout => Outcome::Timeout,
+                    GenerationStatus::Error | GenerationStatus::RateLimited => Outcome::Error,
+                };
+                (c.id.clone(), outcome, g.latency_ms)
+            });
+            for (provider, outcome, latency) in futures_util::future::join_all(calls).await {
+                self.record(&provider, outcome, latency);
+            }
+            let observations = self.observations();
+            {
+                let mut e = self.engine();
+                for o in &observations {
+                    e.state.cluster.observe(o.clone());
+                }
+            }
+            self.publish(
+                subjects::observations(&self.id),
+                Observations {
+                    node: self.id.clone(),
+                    observations,
+                },
+            );
+        }
+    }
+
+    /// Decode an envelope, counting what cannot be applied.
+    fn decode<T: DeserializeOwned>(
+        &self,
+        stream: &'static str,
+        payload: &[u8],
+    ) -> Option<Envelope<T>> {
+        let env: Envelope<T> = match serde_json::from_slice(payload) {
+            Ok(e) => e,
+            Err(e) => {
+                self.bus.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("ignored a malformed {stream} message: {e}");
+                return None;
+            }
+        };
+        if !lock(&self.sequencer).accept(stream, &env) {
+            self.bus.duplicate_or_stale.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(env)
+    }
+
+    /// Apply heartbeats, goodbyes and observations from every node.
+    async fn gossip_loop(self: Arc<Self>) -> anyhow::Result<()> {
+        let mut hb = self.nats.subscribe(subjects::HEARTBEATS).await?;
+        let mut obs = self.nats.subscribe(subjects::ALL_OBSERVATIONS).await?;
+        let mut bye = self.nats.subscribe(subjects::GOODBYES).await?;
+        loop {
+            tokio::select! {
+                Some(m) = hb.next() => {
+                    if let Some(env) = self.decode::<Heartbeat>("heartbeat", &m.payload) {
+                        if env.body.node != env.sender {
+                            self.bus.forged.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                        // Liveness is judged on our clock, not the sender's.
+                        self.engine().state.cluster.heartbeat(&env.sender, now_ms());
+                    }
+                }
+                Some(m) = obs.next() => {
+                    if let Some(env) = self.decode::<Observations>("observations", &m.payload) {
+                        if env.sender == self.id {
+                            continue; // applied locally already
+                        }
+                        let mut e = self.engine();
+                        for o in env.body.observations {
+                            if o.node == env.sender {
+                                e.state.cluster.observe(o);
+                            } else {
+                                self.bus.forged.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+                Some(m) = bye.next() => {
+                    if let Some(env) = self.decode::<Goodbye>("goodbye", &m.payload)
+                        && env.body.node == env.sender
+                    {
+                        self.engine().state.cluster.disconnect(&env.sender);
+                    }
+                }
+                else => return Ok(()),
+            }
+        }
+    }
+
+    /// A JSON snapshot of what this node sees (`GET /v1/oam/state`).
+    pub fn snapshot(&self) -> serde_json::Value {
+        let now = now_ms();
+        let e = self.engine();
+        let c = &e.state.cluster;
+        let nodes: Vec<serde_json::Value> = c
+            .members
+            .iter()
+            .map(|(id, m)| {
+                serde_json::json!({
+                    "id": id,
+                    "alive": c.is_alive(id, now),
+                    "heartbeat_age_ms": now.saturating_sub(m.last_heartbeat_ms),
+                    "connected": m.connected,
+                })
+            })
+            .collect();
+        let windows = lock(&self.windows);
+        let providers: Vec<serde_json::Value> = e
+            .state
+            .providers
+            .iter()
+            .map(|p| {
+                let local = windows.get(&*p.id).map(|w| w.stats(now));
+                serde_json::json!({
+                    "id": p.id,
+                    "fallback": p.fallback,
+                    "consensus": c.view(&p.id, now),
+                    "local": local,
+                    "breaker": e.state.breakers.get(&*p.id).copied().unwrap_or_default(),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "node": self.id,
+            "now_ms": now,
+            "cluster_size": c.effective_size(now),
+            "quorum": c.quorum(now),
+            "live_nodes": c.live_nodes(now),
+            "nodes": nodes,
+            "providers": providers,
+            "bulkheads": e.state.bulkheads,
+            "budgets": e.state.budgets,
+            "bus": self.bus,
+        })
+    }
+}
+
+/// Run a node until SIGINT/SIGTERM: tasks, HTTP on `listener`, NATS service.
+pub async fn run(node: Arc<Node>, listener: tokio::net::TcpListener) -> anyhow::Result<()> {
+    let addr = listener.local_addr()?;
+    *lock(&node.http_url) = Some(format!("http://{addr}"));
+    node.engine().state.cluster.heartbeat(&node.id, now_ms());
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(node.clone().publisher_loop());
+    tasks.spawn(node.clone().heartbeat_loop());
+    tasks.spawn(node.clone().probe_loop());
+    {
+        let n = node.clone();
+        tasks.spawn(async move {
+            if let Err(e) = n.gossip_loop().await {
+                tracing::error!("gossip stopped: {e:#}");
+            }
+        });
+        let n = node.clone();
+        tasks.spawn(async move {
+            if let Err(e) = dataplane::serve_nats(n).await {
+                tracing::error!("NATS data plane stopped: {e:#}");
+            }
+        });
+    }
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server =
+        axum::serve(listener, dataplane::router(node.clone())).with_graceful_shutdown(async {
+            let _ = stop_rx.await;
+        });
+    let server = tokio::spawn(server.into_future());
+    crate::signal::terminated().await;
+    tracing::info!(node = %node.id, "leaving the cluster");
+    // Say goodbye if the bus is there; never wait on a bus that is gone.
+    node.publish(
+        subjects::goodbye(&node.id),
+        Goodbye {
+            node: node.id.clone(),
+        },
+    );
+    let goodbye = async {
+        // Let the publisher drain the outbox (goodbye included), then flush.
+        while node.outbox.capacity() < OUTBOX_CAPACITY {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = node.nats.flush().await;
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), goodbye).await;
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    tasks.abort_all();
+    Ok(())
+}

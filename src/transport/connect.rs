@@ -1,0 +1,106 @@
+//! Connecting to NATS the way every oam process does: named connection, fast reconnects,
+//! retry when the server is not up yet, and events logged instead of swallowed.
+
+use std::time::Duration;
+
+/// The environment variable holding the NATS URL (credentials may be in it:
+/// `nats://user:password@127.0.0.1:4222`).
+pub const ENV_URL: &str = "OAM_NATS_URL";
+pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
+
+/// Connect as `name`. With `wait_for_server`, a server that is not up yet is retried in the
+/// background and this returns at once; otherwise an unreachable server is an error.
+pub async fn connect(
+    url: &str,
+    name: &str,
+    wait_for_server: bool,
+) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let conn_name = name.to_string();
+    // async-nats ignores credentials embedded in the URL, so take them out and pass them on.
+    let (url, auth) = split_credentials(url);
+    let base = match auth {
+        Some((user, pass)) => async_nats::ConnectOptions::with_user_and_password(user, pass),
+        None => async_nats::ConnectOptions::new(),
+    };
+    let mut opts = base
+        .name(name)
+        .connection_timeout(Duration::from_secs(2))
+        .ping_interval(Duration::from_secs(2))
+        .max_reconnects(None)
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis((attempts as u64 * 100).min(1_000))
+        })
+        .event_callback(move |event| {
+            let conn_name = conn_name.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => {
+                        tracing::info!(conn = %conn_name, "NATS connected")
+                    }
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!(conn = %conn_name, "NATS disconnected; reconnecting")
+                    }
+                    async_nats::Event::ClientError(e) => {
+                        tracing::debug!(conn = %conn_name, "NATS client error: {e}")
+                    }
+                    other => tracing::warn!(conn = %conn_name, "NATS event: {other}"),
+                }
+            }
+        });
+    if wait_for_server {
+        opts = opts.retry_on_initial_connect();
+    }
+    opts.connect(url.as_str()).await
+}
+
+/// `nats://user:pass@host:port` -> (`nats://host:port`, Some((user, pass))).
+pub fn split_credentials(url: &str) -> (String, Option<(String, String)>) {
+    if let (Some(scheme), Some(at)) = (url.find("://"), url.rfind('@'))
+        && at > scheme
+    {
+        let userinfo = &url[scheme + 3..at];
+        let (user, pass) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+        let bare = format!("{}{}", &url[..scheme + 3], &url[at + 1..]);
+        return (bare, Some((user.to_string(), pass.to_string())));
+    }
+    (url.to_string(), None)
+}
+
+/// The URL without its password, for messages and logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn credentials_come_out_of_the_url() {
+        assert_eq!(
+            super::split_credentials("nats://oam:pw@127.0.0.1:4222"),
+            (
+                "nats://127.0.0.1:4222".to_string(),
+                Some(("oam".to_string(), "pw".to_string()))
+            )
+        );
+        assert_eq!(super::split_credentials("nats://127.0.0.1:1").1, None);
+    }
+
+    #[test]
+    fn passwords_never_reach_messages() {
+        assert_eq!(
+            super::redact("nats://oam:s3cret@127.0.0.1:4222"),
+            "nats://oam:***@127.0.0.1:4222"
+        );
+        assert_eq!(
+            super::redact("nats://127.0.0.1:4222"),
+            "nats://127.0.0.1:4222"
+        );
+    }
+}

@@ -1,0 +1,389 @@
+//! Three real nodes, a real nats-server and the simulator: consensus, faults, node deaths.
+
+use crate::support::{NatsServer, Proc, eventually};
+use futures_util::StreamExt as _;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+struct Cluster {
+    nodes: Vec<Proc>,
+    urls: Vec<String>,
+    sim_url: String,
+    nats: NatsServer,
+    _sim: Proc,
+}
+
+fn cluster(extra: &[&str]) -> Cluster {
+    let nats = NatsServer::start();
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let nats_url = nats.url();
+    let mut nodes = Vec::new();
+    let mut urls = Vec::new();
+    for i in 1..=3 {
+        let id = format!("n{i}");
+        let mut args = vec![
+            "node",
+            "run",
+            "--id",
+            &id,
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+            "--nats-url",
+            &nats_url,
+            "--sim-url",
+            &sim_url,
+        ];
+        args.extend_from_slice(extra);
+        let p = Proc::spawn(&args);
+        urls.push(p.ready["http"].as_str().unwrap().to_string());
+        nodes.push(p);
+    }
+    Cluster {
+        nodes,
+        urls,
+        sim_url,
+        nats,
+        _sim: sim,
+    }
+}
+
+fn client() -> reqwest::Client {
+    crate::support::http(Duration::from_secs(20))
+}
+
+async fn state(c: &reqwest::Client, url: &str) -> Option<Value> {
+    c.get(format!("{url}/v1/oam/state"))
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()
+}
+
+fn provider<'a>(state: &'a Value, id: &str) -> &'a Value {
+    state["providers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == id)
+        .unwrap()
+}
+
+async fn ask(
+    c: &reqwest::Client,
+    url: &str,
+    body: Value,
+) -> (u16, reqwest::header::HeaderMap, Value) {
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    (status, headers, r.json().await.unwrap())
+}
+
+fn question(q: &str) -> Value {
+    json!({"model": "auto", "messages": [{"role": "user", "content": q}]})
+}
+
+fn codes(v: &Value) -> Vec<String> {
+    v["oam"]["reason_codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Wait until every node sees all three providers with `verdict` by quorum (3 votes).
+async fn all_see(
+    c: &reqwest::Client,
+    urls: &[String],
+    id: &str,
+    verdict: &str,
+    limit: Duration,
+) -> bool {
+    eventually(limit, || async {
+        for url in urls {
+            let s = state(c, url).await?;
+            let v = &provider(&s, id)["consensus"];
+            (v["verdict"] == verdict && v["quorum"] == true).then_some(())?;
+        }
+        Some(())
+    })
+    .await
+    .is_some()
+}
+
+#[tokio::test]
+async fn consensus_drives_routing_through_outage_and_broken_contract() {
+    let cl = cluster(&[]);
+    let c = client();
+    for p in ["primary", "local", "secondary"] {
+        assert!(
+            all_see(&c, &cl.urls, p, "HEALTHY", Duration::from_secs(15)).await,
+            "{p} never HEALTHY by quorum"
+        );
+    }
+    let s = state(&c, &cl.urls[0]).await.unwrap();
+    assert_eq!(provider(&s, "primary")["consensus"]["votes"], 3);
+
+    // A healthy cluster answers from the primary, with the headers on the response.
+    let (status, h, v) = ask(&c, &cl.urls[0], question("hello")).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(h["x-oam-provider"], "primary");
+    assert_eq!(h["x-oam-phase"], "accepted");
+    assert!(h.contains_key("x-request-id"));
+    assert_eq!(v["object"], "chat.completion");
+
+    // HTTP 200 with a broken contract: a semantic failure, rerouted within the same request.
+    let set = |fault: Value| {
+        let c = c.clone();
+        let url = format!("{}/sim/faults", cl.sim_url);
+        async move { assert_eq!(c.post(url).json(&fault).send().await.unwrap().status(), 201) }
+    };
+    set(json!({"provider": "primary", "mode": "contract", "kind": "not-json", "duration_ms": 60_000})).await;
+    let (status, _, v) = ask(&c, &cl.urls[1], question("contract")).await;
+    assert_eq!(status, 200, "{v}");
+    let got = codes(&v);
+    assert!(
+        got.contains(&"SEMANTIC_VALIDATION_FAILED".into())
+            && got.contains(&"CONTRACT_NOT_JSON".into()),
+        "{got:?}"
+    );
+    assert_ne!(v["oam"]["provider"], "primary");
+
+    // A total outage of the primary: UNHEALTHY by quorum, traffic on the zero-cost fallback.
+    set(json!({"provider": "primary", "mode": "error", "duration_ms": 120_000})).await;
+    assert!(
+        all_see(
+            &c,
+            &cl.urls,
+            "primary",
+            "UNHEALTHY",
+            Duration::from_secs(25)
+        )
+        .await,
+        "primary never UNHEALTHY by quorum"
+    );
+    for (i, url) in cl.urls.iter().enumerate() {
+        let (status, h, v) = ask(&c, url, question(&format!("during outage {i}"))).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(h["x-oam-provider"], "local");
+        let got = codes(&v);
+        assert!(got.contains(&"FALLBACK_USED".into()), "{got:?}");
+        assert!(
+            !got.contains(&"GENERATION_ERROR".into()),
+            "the unhealthy primary is not even tried: {got:?}"
+        );
+        let primary = provider(&state(&c, url).await.unwrap(), "primary")["consensus"].clone();
+        assert_eq!(primary["quorum"], true, "{primary}");
+        assert!(primary["votes"].as_u64().unwrap() >= 2, "{primary}");
+    }
+}
+
+#[tokio::test]
+async fn node_deaths_age_out_and_below_quorum_a_node_says_so() {
+    let mut cl = cluster(&[]);
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+
+    cl.nodes[2].kill();
+    let two_live = eventually(Duration::from_secs(8), || async {
+        let s = state(&c, &cl.urls[0]).await?;
+        (s["live_nodes"].as_array()?.len() == 2).then_some(())
+    })
+    .await;
+    assert!(two_live.is_some(), "n3's death was not noticed");
+    for i in 0..5 {
+        let (status, _, v) = ask(
+            &c,
+            &cl.urls[i % 2],
+            question(&format!("after one death {i}")),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        assert!(
+            !codes(&v).contains(&"NO_QUORUM_LOCAL_VIEW".into()),
+            "2 of 3 is still a quorum"
+        );
+    }
+
+    cl.nodes[1].kill();
+    let alone = eventually(Duration::from_secs(8), || async {
+        let s = state(&c, &cl.urls[0]).await?;
+        (s["live_nodes"].as_array()?.len() == 1).then_some(())
+    })
+    .await;
+    assert!(alone.is_some());
+    let (status, _, v) = ask(&c, &cl.urls[0], question("alone")).await;
+    assert_eq!(status, 200, "the local view still serves: {v}");
+    assert!(
+        codes(&v).contains(&"NO_QUORUM_LOCAL_VIEW".into()),
+        "{:?}",
+        codes(&v)
+    );
+    let s = state(&c, &cl.urls[0]).await.unwrap();
+    assert_eq!(provider(&s, "primary")["consensus"]["quorum"], false);
+}
+
+#[tokio::test]
+async fn budgets_bad_input_and_the_nats_data_plane() {
+    let dir = std::env::temp_dir().join(format!("oam-test-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(&cfg, "[budgets.agents.broke]\nlimit_usd = 0.0\n").unwrap();
+    let cl = cluster(&["--config", cfg.to_str().unwrap()]);
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+
+    // High risk, budget exhausted: refuse to guess, 402, escalate with the blocking action.
+    let mut body = question("wire the refund");
+    body["oam"] = json!({"agent": "broke", "risk": "high"});
+    let (status, h, v) = ask(&c, &cl.urls[0], body).await;
+    assert_eq!(status, 402, "{v}");
+    assert_eq!(h["x-oam-phase"], "budget");
+    assert_eq!(
+        v["oam"]["escalation"]["recommended_action"],
+        "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("BUDGET_EXHAUSTED")
+    );
+
+    // The same fields as headers.
+    let r = c
+        .post(format!("{}/v1/chat/completions", cl.urls[1]))
+        .header("x-oam-agent", "broke")
+        .header("x-oam-risk", "HIGH")
+        .json(&question("via headers"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 402);
+
+    // Bad input: a clear 400 in the OpenAI envelope, headers included.
+    let r = c
+        .post(format!("{}/v1/chat/completions", cl.urls[0]))
+        .header("content-type", "application/json")
+        .body("{\"messages\": [{\"role\": \"user\", \"content\": 5}]}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.headers().contains_key("x-request-id"));
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("messages[0].content"),
+        "{v}"
+    );
+    let (status, _, v) = ask(
+        &c,
+        &cl.urls[0],
+        json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown model"),
+        "{v}"
+    );
+    let (status, _, _) = ask(
+        &c,
+        &cl.urls[0],
+        json!({"messages": [{"role": "user", "content": "x"}], "oam": {"risk": "extreme"}}),
+    )
+    .await;
+    assert_eq!(status, 400);
+
+    // Garbage on the control-plane subjects is counted, never applied, never a crash.
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+        .await
+        .unwrap();
+    for (subject, payload) in [
+        ("oam.v1.heartbeat.n9", "not json"),
+        ("oam.v1.observations.n9", "{\"id\": 1}"),
+        (
+            "oam.v1.heartbeat.n9",
+            "{\"id\":\"x\",\"sender\":\"n9\",\"at_ms\":0,\"incarnation\":0,\"seq\":1,\"body\":{\"node\":\"n1\"}}",
+        ),
+    ] {
+        nc.publish(subject, payload.into()).await.unwrap();
+    }
+    nc.flush().await.unwrap();
+    let counted = eventually(Duration::from_secs(5), || async {
+        let s = state(&c, &cl.urls[0]).await?;
+        let bus = &s["bus"];
+        (bus["malformed"].as_u64()? >= 2 && bus["forged"].as_u64()? >= 1).then_some(s)
+    })
+    .await;
+    let s = counted.expect("bad messages were not counted");
+    assert!(
+        !s["live_nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n == "n9")
+    );
+
+    // The NATS data plane: one service across the nodes.
+    let mut replies = Vec::new();
+    for i in 0..6 {
+        let reply = nc
+            .request(
+                "oam.v1.request",
+                serde_json::to_vec(&question(&format!("over nats {i}")))
+                    .unwrap()
+                    .into(),
+            )
+            .await
+            .unwrap();
+        replies.push(serde_json::from_slice::<Value>(&reply.payload).unwrap());
+    }
+    for v in &replies {
+        assert_eq!(v["status"], 200, "{v}");
+        assert_eq!(v["object"], "chat.completion");
+    }
+    let served_by: std::collections::BTreeSet<String> = replies
+        .iter()
+        .map(|v| {
+            v["oam"]["request_id"]
+                .as_str()
+                .unwrap()
+                .split('-')
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(!served_by.is_empty());
+
+    // Decisions are published as events.
+    let mut sub = nc.subscribe("oam.v1.decision.*").await.unwrap();
+    nc.flush().await.unwrap();
+    let (status, _, _) = ask(&c, &cl.urls[2], question("watched")).await;
+    assert_eq!(status, 200);
+    let msg = tokio::time::timeout(Duration::from_secs(5), sub.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let env: Value = serde_json::from_slice(&msg.payload).unwrap();
+    assert_eq!(env["sender"], "n3");
+    assert_eq!(env["body"]["outcome"], "accepted");
+    let _ = std::fs::remove_dir_all(&dir);
+}
