@@ -24,6 +24,8 @@ pub enum Command {
     Sim(cmd::sim::Args),
     /// Control-plane nodes: `oam node run --id n1`.
     Node(cmd::node::Args),
+    /// A local cluster in one command: `oam mesh up`, `oam mesh status`, `oam mesh down`.
+    Mesh(cmd::mesh::Args),
 }
 
 pub async fn run(cli: Cli) -> Result<()> {
@@ -32,5 +34,6 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Decide(args) => cmd::decide::run(args),
         Command::Sim(args) => cmd::sim::run(args).await,
         Command::Node(args) => cmd::node::run(args).await,
+        Command::Mesh(args) => cmd::mesh::run(args).await,
     }
 }

@@ -7,6 +7,7 @@ pub mod cli;
 pub mod cmd;
 pub mod core;
 pub mod error;
+pub mod localmesh;
 pub mod natsd;
 pub mod node;
 pub mod signal;

@@ -1,6 +1,7 @@
 //! One module per subcommand: its clap `Args` and its `run`. Glue only; decisions live in `core`.
 
 pub mod decide;
+pub mod mesh;
 pub mod node;
 pub mod reasons;
 pub mod sim;

@@ -37,6 +37,9 @@ pub struct RunArgs {
     /// Where `oam sim` listens, for the default providers.
     #[arg(long, default_value = "http://127.0.0.1:8081")]
     pub sim_url: String,
+    /// Cluster size n for the quorum (overrides the config's node.cluster_size).
+    #[arg(long)]
+    pub cluster_size: Option<usize>,
     /// Print the ready line as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -55,7 +58,13 @@ async fn run_node(a: RunArgs) -> Result<()> {
             a.id
         )));
     }
-    let cfg = NodeConfig::load(a.config.as_deref(), &a.sim_url).map_err(Error::usage)?;
+    let mut cfg = NodeConfig::load(a.config.as_deref(), &a.sim_url).map_err(Error::usage)?;
+    if let Some(n) = a.cluster_size {
+        if n == 0 {
+            return Err(Error::usage("--cluster-size must be at least 1"));
+        }
+        cfg.node.cluster_size = n;
+    }
     let url = a
         .nats_url
         .or_else(|| std::env::var(connect::ENV_URL).ok())
@@ -82,7 +91,6 @@ async fn run_node(a: RunArgs) -> Result<()> {
                 ),
             )
         })?;
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let node = Node::new(a.id.clone(), cfg, nats).map_err(|e| Error::new(Kind::Check, e))?;
     {
         let mut out = std::io::stdout().lock();

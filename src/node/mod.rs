@@ -70,9 +70,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Node {
     pub fn new(id: String, cfg: NodeConfig, nats: async_nats::Client) -> anyhow::Result<Arc<Node>> {
-        let http = reqwest::Client::builder()
-            .pool_max_idle_per_host(64)
-            .build()?;
+        let http = connector::http_client(None)?;
         let connectors = cfg
             .providers
             .iter()

@@ -2,5 +2,6 @@
 
 mod cli;
 mod cluster;
+mod mesh;
 mod sim;
 mod support;

@@ -1,0 +1,171 @@
+//! A local mesh's state folder: what `oam mesh up` started (PIDs, ports, URLs), how to tell
+//! whether each process is still the one we started, and how to stop exactly those.
+//!
+//! `mesh.json` records everything but secrets; `credentials.json` (mode 0600) holds the NATS
+//! passwords. Logs live beside them.
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub const RECORD: &str = "mesh.json";
+pub const CREDENTIALS: &str = "credentials.json";
+
+/// One process oam started.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Started {
+    /// `nats-server`, `sim`, or the node id.
+    pub name: String,
+    pub pid: u32,
+    /// What the operator connects to (no secrets).
+    pub endpoint: String,
+    pub log: PathBuf,
+    /// A word the process's command line must contain, so a reused PID is never signalled.
+    pub cmdline_marker: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Record {
+    pub started_at_ms: u64,
+    pub nats_port: u16,
+    pub nats_monitor_port: u16,
+    pub sim_url: String,
+    /// In start order; stopped newest first.
+    pub processes: Vec<Started>,
+}
+
+impl Record {
+    pub fn path(dir: &Path) -> PathBuf {
+        dir.join(RECORD)
+    }
+
+    pub fn load(dir: &Path) -> anyhow::Result<Option<Record>> {
+        let path = Record::path(dir);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map(Some)
+                .with_context(|| format!("{} is not a mesh record; remove it", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+        }
+    }
+
+    pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
+        let path = Record::path(dir);
+        let text = serde_json::to_string_pretty(self)?;
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = &Started> {
+        self.processes
+            .iter()
+            .filter(|p| p.name != "nats-server" && p.name != "sim")
+    }
+}
+
+/// Write a file only its owner can read.
+pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    f.write_all(contents.as_bytes())?;
+    Ok(())
+}
+
+/// Is `p` running and still the process we started (not a reused PID)?
+pub fn is_ours(p: &Started) -> bool {
+    match std::fs::read(format!("/proc/{}/cmdline", p.pid)) {
+        Ok(raw) => {
+            let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
+            cmdline.contains(&p.cmdline_marker) && !is_zombie(p.pid)
+        }
+        Err(_) => false,
+    }
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit(')')
+                .next()
+                .map(|rest| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+fn signal(pid: u32, sig: libc::c_int) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    unsafe { libc::kill(pid, sig) == 0 }
+}
+
+/// How a process was stopped.
+#[derive(Serialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum Stopped {
+    /// It exited after SIGTERM.
+    Terminated,
+    /// It ignored SIGTERM for the grace period and was killed.
+    Killed,
+    /// It was not running (or its PID now belongs to something else, which is left alone).
+    NotRunning,
+}
+
+/// SIGTERM, then SIGKILL after `grace` if it is still there.
+pub fn stop(p: &Started, grace: Duration) -> Stopped {
+    if !is_ours(p) {
+        return Stopped::NotRunning;
+    }
+    signal(p.pid, libc::SIGTERM);
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if !is_ours(p) {
+            return Stopped::Terminated;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(p.pid, libc::SIGKILL);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while is_ours(p) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Stopped::Killed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reused_pid_is_not_ours() {
+        let me = Started {
+            name: "x".into(),
+            pid: std::process::id(),
+            endpoint: String::new(),
+            log: PathBuf::new(),
+            cmdline_marker: "surely-not-in-this-test-binary-cmdline".into(),
+        };
+        assert!(!is_ours(&me));
+        assert_eq!(stop(&me, Duration::from_millis(10)), Stopped::NotRunning);
+    }
+
+    #[test]
+    fn private_files_are_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("oam-private-{}", std::process::id()));
+        write_private(&path, "secret").unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(mode, 0o600);
+    }
+}

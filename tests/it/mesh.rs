@@ -1,0 +1,197 @@
+//! `oam mesh up / status / down` as a user runs them: real processes, a real state folder.
+
+use assert_cmd::Command;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::time::Duration;
+
+fn oam() -> Command {
+    let mut c = Command::new(assert_cmd::cargo::cargo_bin!("oam"));
+    c.timeout(Duration::from_secs(60));
+    c
+}
+
+struct Dir(PathBuf);
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        // Whatever happened, leave nothing running.
+        let _ = oam()
+            .args(["mesh", "down", "--grace-ms", "500", "--dir"])
+            .arg(&self.0)
+            .output();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn json(out: &[u8]) -> Value {
+    serde_json::from_slice(out).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(out)))
+}
+
+#[tokio::test]
+async fn up_status_request_down() {
+    let dir = Dir(std::env::temp_dir().join(format!("oam-test-mesh-{}", std::process::id())));
+    let up = oam()
+        .args([
+            "mesh",
+            "up",
+            "--port",
+            "0",
+            "--sim-port",
+            "0",
+            "--http-port",
+            "0",
+            "--json",
+            "--dir",
+        ])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let up = json(&up.stdout);
+    let nodes = up["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 3);
+
+    // Credentials are private to the owner.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.0.join("credentials.json"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+
+    // Twice: already up, and where.
+    oam()
+        .args(["mesh", "up", "--dir"])
+        .arg(&dir.0)
+        .assert()
+        .success()
+        .stdout(predicates::str::contains("already up"));
+
+    let status = oam()
+        .args(["mesh", "status", "--json", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(status.status.success());
+    assert_eq!(json(&status.stdout)["healthy"], true);
+
+    // Any OpenAI-shaped client can use it.
+    let c = crate::support::http(Duration::from_secs(20));
+    let url = nodes[0]["http"].as_str().unwrap();
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(
+            &serde_json::json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    openai_python_client_works_unchanged(url);
+
+    let down = oam()
+        .args(["mesh", "down", "--json", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(down.status.success());
+    let stopped = json(&down.stdout)["stopped"].as_array().unwrap().clone();
+    let names: Vec<&str> = stopped
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["n3", "n2", "n1", "sim", "nats-server"],
+        "newest first"
+    );
+    assert!(
+        stopped.iter().all(|s| s["how"] == "terminated"),
+        "{stopped:?}"
+    );
+    for s in &stopped {
+        let pid = s["pid"].as_u64().unwrap();
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists() || {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                stat.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            },
+            "{pid} still running"
+        );
+    }
+    oam()
+        .args(["mesh", "status", "--dir"])
+        .arg(&dir.0)
+        .assert()
+        .code(3);
+}
+
+/// The official OpenAI Python client, pointed at a node, with oam's fields in `extra_body`.
+fn openai_python_client_works_unchanged(node_url: &str) {
+    let python =
+        std::env::var("OAM_TEST_PYTHON").unwrap_or_else(|_| ".tools/venv/bin/python".into());
+    let script = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed", max_retries=0)
+raw = c.chat.completions.with_raw_response.create(
+    model="auto",
+    messages=[{"role": "user", "content": "What is oam?"}],
+    extra_body={"oam": {"agent": "py-agent", "task": "faq", "risk": "low"}},
+)
+r = raw.parse()
+out = {
+    "content": r.choices[0].message.content,
+    "oam": (r.model_extra or {}).get("oam"),
+    "phase": raw.headers.get("x-oam-phase"),
+}
+try:
+    c.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    out["unknown_model"] = "accepted?!"
+except openai.BadRequestError as e:
+    out["unknown_model"] = e.status_code
+print(json.dumps(out))
+"#;
+    let out = std::process::Command::new(&python)
+        .args(["-c", script, node_url])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python} ({e}); run scripts/install-test-tools"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = json(&out.stdout);
+    assert!(v["content"].as_str().unwrap().contains("answer"), "{v}");
+    assert_eq!(v["phase"], "accepted");
+    assert_eq!(v["oam"]["outcome"], "accepted");
+    assert_eq!(v["unknown_model"], 400);
+}
+
+#[test]
+fn a_port_in_use_says_what_to_do() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let dir = Dir(std::env::temp_dir().join(format!("oam-test-mesh-port-{}", std::process::id())));
+    oam()
+        .args(["mesh", "up", "--port", &port, "--dir"])
+        .arg(&dir.0)
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains("in use").and(predicates::str::contains("--port 0")));
+    assert!(
+        !dir.0.join("mesh.json").exists(),
+        "nothing was started or recorded"
+    );
+}
+
+use predicates::prelude::PredicateBooleanExt as _;
