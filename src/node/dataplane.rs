@@ -30,6 +30,7 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
+        .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(node)
@@ -37,6 +38,17 @@ pub fn router(node: Arc<Node>) -> Router {
 
 async fn state(State(node): State<Arc<Node>>) -> Response {
     axum::Json(node.snapshot()).into_response()
+}
+
+async fn metrics(State(node): State<Arc<Node>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        node.prometheus(),
+    )
+        .into_response()
 }
 
 async fn models(State(node): State<Arc<Node>>) -> Response {
@@ -289,6 +301,7 @@ fn oam_object(d: &Decision) -> Value {
 
 /// Run one request through the pipeline, calling providers as it directs.
 pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answer {
+    let started = std::time::Instant::now();
     let request = match to_request(node, body, headers) {
         Ok(r) => r,
         Err(BadRequest(msg)) => return bad_request(node, headers, msg),
@@ -364,8 +377,11 @@ pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answ
         } = effect
         {
             node.record(provider, *outcome, *latency_ms);
+            node.metrics.provider_outcome(provider, "traffic", *outcome);
         }
     }
+    node.metrics
+        .decision(&decision, started.elapsed().as_secs_f64());
     publish_decision(node, &decision);
     respond(node, decision, last)
 }

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod connector;
 pub mod dataplane;
+pub mod metrics;
 
 use crate::core::contract::Contract;
 use crate::core::health::{Outcome, Window};
@@ -57,6 +58,7 @@ pub struct Node {
     stamper: Mutex<Stamper>,
     sequencer: Mutex<Sequencer>,
     pub bus: BusCounters,
+    pub metrics: metrics::Metrics,
     requests: AtomicU64,
     /// Woken whenever a request finishes, so queued requests re-check for a free slot.
     slot_freed: tokio::sync::Notify,
@@ -110,6 +112,7 @@ impl Node {
             nats,
             sequencer: Mutex::new(Sequencer::default()),
             bus: BusCounters::default(),
+            metrics: metrics::Metrics::default(),
             requests: AtomicU64::new(0),
             slot_freed: tokio::sync::Notify::new(),
             http_url: Mutex::new(None),
@@ -226,6 +229,7 @@ impl Node {
             });
             for (provider, outcome, latency) in futures_util::future::join_all(calls).await {
                 self.record(&provider, outcome, latency);
+                self.metrics.provider_outcome(&provider, "probe", outcome);
             }
             let observations = self.observations();
             {
@@ -307,6 +311,24 @@ impl Node {
                 else => return Ok(()),
             }
         }
+    }
+
+    /// The Prometheus exposition (`GET /metrics`).
+    pub fn prometheus(&self) -> String {
+        let bus = [
+            ("malformed", self.bus.malformed.load(Ordering::Relaxed)),
+            (
+                "duplicate_or_stale",
+                self.bus.duplicate_or_stale.load(Ordering::Relaxed),
+            ),
+            ("forged", self.bus.forged.load(Ordering::Relaxed)),
+            (
+                "dropped_outgoing",
+                self.bus.dropped_events.load(Ordering::Relaxed),
+            ),
+        ];
+        let engine = self.engine();
+        self.metrics.render(&self.id, &engine, now_ms(), &bus)
     }
 
     /// A JSON snapshot of what this node sees (`GET /v1/oam/state`).

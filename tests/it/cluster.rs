@@ -186,6 +186,64 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
         assert_eq!(primary["quorum"], true, "{primary}");
         assert!(primary["votes"].as_u64().unwrap() >= 2, "{primary}");
     }
+
+    // The metrics parse as valid Prometheus exposition and say what happened.
+    let text = c
+        .get(format!("{}/metrics", cl.urls[0]))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let samples = crate::support::prometheus_samples(&text);
+    let value = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
+        samples.iter().find_map(|s| {
+            let ok = s[0] == name && labels.iter().all(|(k, v)| s[1][*k] == *v);
+            ok.then(|| s[2].as_f64().unwrap())
+        })
+    };
+    assert!(
+        value(
+            "oam_requests_total",
+            &[("outcome", "accepted"), ("phase", "accepted")]
+        )
+        .unwrap()
+            >= 2.0
+    );
+    assert!(value("oam_reason_codes_total", &[("code", "FALLBACK_USED")]).unwrap() >= 1.0);
+    assert!(
+        value(
+            "oam_request_duration_seconds_count",
+            &[("outcome", "accepted")]
+        )
+        .unwrap()
+            >= 2.0
+    );
+    assert_eq!(value("oam_live_nodes", &[]), Some(3.0));
+    assert_eq!(
+        value(
+            "oam_provider_verdict",
+            &[("provider", "primary"), ("verdict", "UNHEALTHY")]
+        ),
+        Some(1.0)
+    );
+    assert!(
+        value(
+            "oam_provider_outcomes_total",
+            &[
+                ("provider", "primary"),
+                ("source", "probe"),
+                ("outcome", "error")
+            ]
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert_eq!(
+        value("oam_bulkhead_active", &[("class", "critical")]),
+        Some(0.0)
+    );
 }
 
 #[tokio::test]

@@ -150,3 +150,43 @@ pub fn http(timeout: Duration) -> reqwest::Client {
         .build()
         .expect("http client")
 }
+
+/// The project's test Python (a virtualenv with openai and prometheus-client).
+pub fn python() -> String {
+    std::env::var("OAM_TEST_PYTHON").unwrap_or_else(|_| ".tools/venv/bin/python".into())
+}
+
+/// Parse a Prometheus exposition with Prometheus' own Python parser; returns every sample as
+/// `[name, {labels}, value]`. Panics, with the parser's message, if the text is not valid.
+pub fn prometheus_samples(text: &str) -> Vec<Value> {
+    use std::io::Write as _;
+    let script = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = []
+for fam in text_string_to_metric_families(sys.stdin.read()):
+    for s in fam.samples:
+        out.append([s.name, s.labels, s.value])
+print(json.dumps(out))
+"#;
+    let mut child = Command::new(python())
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python; run scripts/install-test-tools");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "invalid exposition: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
