@@ -445,3 +445,89 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
     assert_eq!(env["body"]["outcome"], "accepted");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
+    let port = oam::natsd::free_port().unwrap();
+    let creds = oam::natsd::Credentials::generate().unwrap();
+    let url = oam::natsd::app_url(port, &creds);
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let node = |id: &str| {
+        Proc::spawn(&[
+            "node",
+            "run",
+            "--id",
+            id,
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+            "--nats-url",
+            &url,
+            "--sim-url",
+            &sim_url,
+            "--cluster-size",
+            "2",
+        ])
+    };
+    let c = client();
+    let live = |u: String| {
+        let c = c.clone();
+        async move {
+            state(&c, &u)
+                .await
+                .and_then(|s| s["live_nodes"].as_array().map(Vec::len))
+        }
+    };
+
+    // No NATS yet: the node starts anyway and serves on its own view.
+    let n1 = node("n1");
+    let u1 = n1.ready["http"].as_str().unwrap().to_string();
+    let served = eventually(Duration::from_secs(10), || async {
+        let (status, _, v) = ask(&c, &u1, question("before nats")).await;
+        (status == 200).then_some(v)
+    })
+    .await
+    .expect("a node without NATS still serves");
+    assert!(codes(&served).contains(&"NO_QUORUM_LOCAL_VIEW".into()));
+
+    // NATS comes up: the node joins; a second node finds it.
+    let nats = NatsServer::start_on(port, creds.clone()).unwrap();
+    let n2 = node("n2");
+    let u2 = n2.ready["http"].as_str().unwrap().to_string();
+    let joined = eventually(Duration::from_secs(15), || async {
+        (live(u1.clone()).await? == 2 && live(u2.clone()).await? == 2).then_some(())
+    })
+    .await;
+    assert!(joined.is_some(), "n1 never joined after NATS came up");
+
+    // NATS goes away: both keep serving, on their own views once the peer ages out.
+    drop(nats);
+    let alone = eventually(Duration::from_secs(10), || async {
+        (live(u1.clone()).await? == 1).then_some(())
+    })
+    .await;
+    assert!(alone.is_some());
+    let (status, _, v) = ask(&c, &u1, question("nats down")).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(codes(&v).contains(&"NO_QUORUM_LOCAL_VIEW".into()));
+
+    // NATS is back on the same port: they rejoin by themselves.
+    let _nats = NatsServer::start_on(port, creds).unwrap();
+    let rejoined = eventually(Duration::from_secs(20), || async {
+        (live(u1.clone()).await? == 2 && live(u2.clone()).await? == 2).then_some(())
+    })
+    .await;
+    assert!(
+        rejoined.is_some(),
+        "the nodes did not rejoin after NATS came back"
+    );
+    let (status, _, v) = ask(&c, &u2, question("nats back")).await;
+    assert_eq!(status, 200);
+    assert!(
+        !codes(&v).contains(&"NO_QUORUM_LOCAL_VIEW".into()),
+        "{:?}",
+        codes(&v)
+    );
+    drop((n1, n2));
+}

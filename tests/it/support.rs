@@ -90,43 +90,47 @@ pub struct NatsServer {
 
 impl NatsServer {
     pub fn start() -> NatsServer {
-        let (bin, _) = oam::natsd::find(None)
-            .expect("nats-server 2.10+ (scripts/test installs it and sets OAM_NATS_SERVER)");
+        let creds = oam::natsd::Credentials::generate().unwrap();
+        for _ in 0..5 {
+            let port = oam::natsd::free_port().unwrap();
+            match NatsServer::start_on(port, creds.clone()) {
+                Ok(s) => return s,
+                Err(e) => eprintln!("nats-server start failed, retrying on another port: {e:#}"),
+            }
+        }
+        panic!("nats-server did not start on any of 5 ports");
+    }
+
+    /// Start on a given port with given credentials (to restart "the same" server).
+    pub fn start_on(port: u16, creds: oam::natsd::Credentials) -> anyhow::Result<NatsServer> {
+        let (bin, _) = oam::natsd::find(None)?;
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "oam-test-nats-{}-{}",
             std::process::id(),
             N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let creds = oam::natsd::Credentials::generate().unwrap();
-        for _ in 0..5 {
-            let layout = oam::natsd::Layout {
-                port: oam::natsd::free_port().unwrap(),
-                monitor_port: oam::natsd::free_port().unwrap(),
-                store_dir: dir.join("jetstream"),
-            };
-            let conf = dir.join("nats.conf");
-            std::fs::write(&conf, oam::natsd::config(&layout, &creds)).unwrap();
-            match oam::natsd::start(
-                &bin,
-                &conf,
-                &dir.join("nats.log"),
-                layout.port,
-                Duration::from_secs(10),
-            ) {
-                Ok(child) => {
-                    return NatsServer {
-                        child,
-                        dir,
-                        port: layout.port,
-                        creds,
-                    };
-                }
-                Err(e) => eprintln!("nats-server start failed, retrying on other ports: {e:#}"),
-            }
-        }
-        panic!("nats-server did not start; see {}", dir.display());
+        std::fs::create_dir_all(&dir)?;
+        let layout = oam::natsd::Layout {
+            port,
+            monitor_port: oam::natsd::free_port()?,
+            store_dir: dir.join("jetstream"),
+        };
+        let conf = dir.join("nats.conf");
+        std::fs::write(&conf, oam::natsd::config(&layout, &creds))?;
+        let child = oam::natsd::start(
+            &bin,
+            &conf,
+            &dir.join("nats.log"),
+            port,
+            Duration::from_secs(10),
+        )?;
+        Ok(NatsServer {
+            child,
+            dir,
+            port,
+            creds,
+        })
     }
 
     pub fn url(&self) -> String {
