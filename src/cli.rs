@@ -26,6 +26,8 @@ pub enum Command {
     Node(cmd::node::Args),
     /// A local cluster in one command: `oam mesh up`, `oam mesh status`, `oam mesh down`.
     Mesh(cmd::mesh::Args),
+    /// Bounded load against the nodes, with latency percentiles and reason-code counts.
+    Bench(cmd::bench::Args),
 }
 
 pub async fn run(cli: Cli) -> Result<()> {
@@ -35,5 +37,6 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Sim(args) => cmd::sim::run(args).await,
         Command::Node(args) => cmd::node::run(args).await,
         Command::Mesh(args) => cmd::mesh::run(args).await,
+        Command::Bench(args) => cmd::bench::run(args).await,
     }
 }

@@ -3,6 +3,7 @@
 //! `core` holds the pure decision logic; `sim` the provider simulator; `cmd` holds one module per subcommand (argument parsing
 //! and glue, no decisions); `cli` is the top-level parser; `error` decides exit codes.
 
+pub mod bench;
 pub mod cli;
 pub mod cmd;
 pub mod core;

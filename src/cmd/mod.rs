@@ -1,5 +1,6 @@
 //! One module per subcommand: its clap `Args` and its `run`. Glue only; decisions live in `core`.
 
+pub mod bench;
 pub mod decide;
 pub mod mesh;
 pub mod node;

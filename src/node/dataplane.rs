@@ -13,7 +13,6 @@ use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
 use crate::transport::subjects;
 use axum::Router;
-use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -25,14 +24,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub fn router(node: Arc<Node>) -> Router {
-    let limit = node.cfg.node.max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
-        .layer(DefaultBodyLimit::max(limit))
+        // The chat handler enforces node.max_body_bytes itself, with an OpenAI-style error.
+        .layer(DefaultBodyLimit::disable())
         .with_state(node)
 }
 
@@ -490,8 +489,27 @@ fn to_http(a: Answer) -> Response {
     resp
 }
 
-async fn chat(State(node): State<Arc<Node>>, headers: HeaderMap, body: Bytes) -> Response {
-    to_http(execute(&node, &body, &headers).await)
+async fn chat(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let limit = node.cfg.node.max_body_bytes;
+    match axum::body::to_bytes(body, limit).await {
+        Ok(bytes) => to_http(execute(&node, &bytes, &headers).await),
+        Err(_) => {
+            let mut a = bad_request(
+                &node,
+                &headers,
+                format!(
+                    "the request body is larger than this node accepts ({limit} bytes; \
+                     node.max_body_bytes in oam.toml)"
+                ),
+            );
+            a.status = StatusCode::PAYLOAD_TOO_LARGE;
+            to_http(a)
+        }
+    }
 }
 
 /// The same data plane on NATS: requests on `oam.v1.request` (queue group `oam-nodes`), the

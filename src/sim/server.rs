@@ -126,6 +126,14 @@ fn unknown_provider(sim: &Sim, name: &str) -> Response {
     )
 }
 
+/// Sleep `ms`, or not at all for 0 (tokio rounds even a zero sleep up to a timer tick, ~1 ms,
+/// which would put a floor under a zero-latency provider).
+async fn pause(ms: u64) {
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
 #[derive(Deserialize)]
 struct ChatRequest {
     #[serde(default)]
@@ -246,7 +254,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
             content,
             finish_reason,
         } => {
-            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            pause(delay_ms).await;
             let created = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());
@@ -272,7 +280,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
             .into_response()
         }
         Reply::Fail { delay_ms, status } => {
-            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            pause(delay_ms).await;
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             openai_error(status, "upstream_error", "simulated provider outage")
         }

@@ -93,6 +93,27 @@ async fn up_status_request_down() {
         .unwrap();
     assert_eq!(r.status(), 200);
 
+    // Bounded load through all three nodes, the result as JSON.
+    let bench = oam()
+        .args(["bench", "-n", "60", "-c", "12", "--json", "-", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        bench.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let report = json(&bench.stdout);
+    assert_eq!(report["sent"], 60);
+    assert_eq!(report["success_rate"], 1.0, "{report}");
+    assert_eq!(report["plan"]["urls"].as_array().unwrap().len(), 3);
+    assert_eq!(report["providers"]["primary"], 60);
+    assert!(
+        report["latency_ms"]["p50"].as_f64().unwrap() >= 150.0,
+        "the simulated latency is in it"
+    );
+
     openai_python_client_works_unchanged(url);
 
     let down = oam()

@@ -1,0 +1,171 @@
+//! `oam bench`: bounded load against the nodes' HTTP data plane, with a summary table and a
+//! full JSON result.
+
+use crate::bench::{self, Plan, Report};
+use crate::error::{Error, Kind, Result};
+use crate::localmesh::Record;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A node's base URL (repeatable; requests go round-robin). Default: the nodes of the local
+    /// mesh in --dir.
+    #[arg(long = "url")]
+    pub urls: Vec<String>,
+    /// The local mesh's state folder, used when no --url is given.
+    #[arg(long, default_value = ".oam")]
+    pub dir: PathBuf,
+    /// Number of requests.
+    #[arg(short = 'n', long, default_value_t = 1_000)]
+    pub requests: usize,
+    /// Concurrent requests.
+    #[arg(short = 'c', long, default_value_t = 50)]
+    pub concurrency: usize,
+    /// Target requests per second across all workers (default: as fast as possible).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Stop starting requests after this many seconds, even if -n is not reached.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    #[arg(long, default_value = "bench")]
+    pub agent: String,
+    #[arg(long, default_value = "bench")]
+    pub task: String,
+    /// low, medium or high.
+    #[arg(long, default_value = "low")]
+    pub risk: String,
+    /// critical, normal or background.
+    #[arg(long, default_value = "normal")]
+    pub priority: String,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Per-request timeout in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub timeout_ms: u64,
+    /// Write the full result as JSON to FILE (`-` for stdout, which then holds only JSON).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    if !["low", "medium", "high"].contains(&a.risk.as_str()) {
+        return Err(Error::usage(format!(
+            "--risk {:?}: use low, medium or high",
+            a.risk
+        )));
+    }
+    if !["critical", "normal", "background"].contains(&a.priority.as_str()) {
+        return Err(Error::usage(format!(
+            "--priority {:?}: use critical, normal or background",
+            a.priority
+        )));
+    }
+    if a.requests == 0 || a.concurrency == 0 {
+        return Err(Error::usage("-n and -c must be at least 1"));
+    }
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    if a.rate.is_some_and(|r| !positive(r)) || a.duration.is_some_and(|d| !positive(d)) {
+        return Err(Error::usage("--rate and --duration must be positive"));
+    }
+    let urls = if a.urls.is_empty() {
+        let rec = Record::load(&a.dir)
+            .map_err(|e| Error::new(Kind::Usage, e))?
+            .ok_or_else(|| {
+                Error::new(
+                    Kind::Unreachable,
+                    anyhow::anyhow!(
+                        "no --url given and no mesh recorded in {}; start one with `oam mesh up` \
+                         or pass --url http://HOST:PORT",
+                        a.dir.display()
+                    ),
+                )
+            })?;
+        rec.nodes().map(|n| n.endpoint.clone()).collect()
+    } else {
+        a.urls.clone()
+    };
+    let plan = Plan {
+        urls,
+        requests: a.requests,
+        concurrency: a.concurrency,
+        rate_per_s: a.rate,
+        max_duration_ms: a.duration.map(|d| (d * 1_000.0) as u64),
+        agent: a.agent,
+        task: a.task,
+        risk: a.risk,
+        priority: a.priority,
+        seed: a.seed,
+        timeout_ms: a.timeout_ms,
+    };
+    let http = crate::node::connector::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
+    let bar = indicatif::ProgressBar::new(plan.requests as u64);
+    if std::io::stderr().is_terminal() {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {bar:40} {pos}/{len} requests  {per_sec}  eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let tick = bar.clone();
+    let report = bench::run(plan, http, move || tick.inc(1)).await;
+    bar.finish_and_clear();
+    let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
+    if let Some(path) = a.json.as_deref().filter(|_| !to_stdout) {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::new(Kind::Check, e))?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+    }
+    let mut out = std::io::stdout().lock();
+    if to_stdout {
+        serde_json::to_writer_pretty(&mut out, &report).map_err(|e| Error::new(Kind::Check, e))?;
+        writeln!(out)?;
+    } else {
+        writeln!(out, "{}", table(&report))?;
+    }
+    if report.sent == 0 {
+        return Err(Error::new(
+            Kind::Check,
+            anyhow::anyhow!("no request was sent"),
+        ));
+    }
+    Ok(())
+}
+
+fn table(r: &Report) -> String {
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(vec!["measure", "value"]);
+    let pct = |n: usize| format!("{n} ({:.1}%)", 100.0 * n as f64 / r.sent.max(1) as f64);
+    t.add_row(vec![
+        "requests".into(),
+        format!("{} in {:.2} s", r.sent, r.elapsed_s),
+    ]);
+    t.add_row(vec!["succeeded".into(), pct(r.succeeded)]);
+    t.add_row(vec![
+        "throughput".into(),
+        format!("{:.1} req/s", r.throughput_per_s),
+    ]);
+    let l = &r.latency_ms;
+    t.add_row(vec![
+        "latency p50 / p95 / p99 / max".into(),
+        format!(
+            "{:.1} / {:.1} / {:.1} / {:.1} ms",
+            l.p50, l.p95, l.p99, l.max
+        ),
+    ]);
+    for (k, v) in &r.phases {
+        t.add_row(vec![format!("phase {k}"), pct(*v)]);
+    }
+    for (k, v) in &r.providers {
+        t.add_row(vec![format!("served by {k}"), pct(*v)]);
+    }
+    for (k, v) in &r.reason_codes {
+        t.add_row(vec![format!("  {k}"), v.to_string()]);
+    }
+    t.to_string()
+}
