@@ -28,6 +28,10 @@ pub enum Command {
     Mesh(cmd::mesh::Args),
     /// Bounded load against the nodes, with latency percentiles and reason-code counts.
     Bench(cmd::bench::Args),
+    /// Agents on the mesh: `oam agent serve NAME --demo echo`, `oam agent call NAME`, `oam agent list`.
+    Agent(cmd::agent::Args),
+    /// Print what arrives on a NATS subject, e.g. `oam listen 'mesh.death.>'`.
+    Listen(cmd::listen::Args),
 }
 
 pub async fn run(cli: Cli) -> Result<()> {
@@ -38,5 +42,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Node(args) => cmd::node::run(args).await,
         Command::Mesh(args) => cmd::mesh::run(args).await,
         Command::Bench(args) => cmd::bench::run(args).await,
+        Command::Agent(args) => cmd::agent::run(args).await,
+        Command::Listen(args) => cmd::listen::run(args).await,
     }
 }

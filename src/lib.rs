@@ -9,6 +9,7 @@ pub mod cmd;
 pub mod core;
 pub mod error;
 pub mod localmesh;
+pub mod mesh;
 pub mod natsd;
 pub mod node;
 pub mod signal;

@@ -120,7 +120,8 @@ impl Credentials {
     }
 }
 
-fn random_hex(bytes: usize) -> anyhow::Result<String> {
+/// `bytes` random bytes from the OS, as hex.
+pub fn random_hex(bytes: usize) -> anyhow::Result<String> {
     let mut buf = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut buf))

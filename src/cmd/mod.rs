@@ -1,7 +1,9 @@
 //! One module per subcommand: its clap `Args` and its `run`. Glue only; decisions live in `core`.
 
+pub mod agent;
 pub mod bench;
 pub mod decide;
+pub mod listen;
 pub mod mesh;
 pub mod node;
 pub mod reasons;

@@ -27,6 +27,8 @@ pub async fn connect(
         .connection_timeout(Duration::from_secs(2))
         .ping_interval(Duration::from_secs(2))
         .max_reconnects(None)
+        // Callers bound their own requests; the client's 10 s default would cut them short.
+        .request_timeout(None)
         .reconnect_delay_callback(|attempts| {
             Duration::from_millis((attempts as u64 * 100).min(1_000))
         })

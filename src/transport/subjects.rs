@@ -1,5 +1,7 @@
 //! Every NATS subject oam uses, and only here. Control-plane events are
-//! `oam.v1.<kind>.<sender>`; wildcards subscribe to a kind from every sender.
+//! `oam.v1.<kind>.<sender>`; wildcards subscribe to a kind from every sender. The agent mesh
+//! uses the Open Agent Mesh names (`mesh.agent.{name}`, `q.{name}`, ...) so that other OAM
+//! clients interoperate.
 
 /// Prefix of every control-plane subject.
 pub const PREFIX: &str = "oam.v1";
@@ -35,6 +37,44 @@ pub fn escalation(node: &str) -> String {
 pub const REQUEST: &str = "oam.v1.request";
 pub const REQUEST_QUEUE: &str = "oam-nodes";
 
+// The agent mesh (Open Agent Mesh protocol; names must match other OAM clients exactly).
+
+/// Where agent `name` serves (request/reply).
+pub fn agent(name: &str) -> String {
+    format!("mesh.agent.{name}")
+}
+/// The queue group every instance of agent `name` joins.
+pub fn agent_queue(name: &str) -> String {
+    format!("q.{name}")
+}
+/// Stream chunks for one request.
+pub fn stream(request_id: &str) -> String {
+    format!("mesh.stream.{request_id}")
+}
+/// Death notices for agent `name`.
+pub fn death(name: &str) -> String {
+    format!("mesh.death.{name}")
+}
+pub const DEATHS: &str = "mesh.death.>";
+/// Heartbeats from instances serving agent `name`.
+pub fn health(name: &str) -> String {
+    format!("mesh.health.{name}")
+}
+pub const HEALTH: &str = "mesh.health.>";
+/// Every error reply of agent `name` is also published here.
+pub fn errors(name: &str) -> String {
+    format!("mesh.errors.{name}")
+}
+pub const CATALOG_BUCKET: &str = "mesh-catalog";
+/// The one key of the catalog bucket: a JSON array of entries.
+pub const CATALOG_KEY: &str = "catalog";
+pub const REGISTRY_BUCKET: &str = "mesh-registry";
+pub const INSTANCES_BUCKET: &str = "mesh-instances";
+/// The NATS connection name of a process that serves agents.
+pub fn host_connection(instance_id: &str) -> String {
+    format!("oam-host-{instance_id}")
+}
+
 /// A node id is one subject token: letters, digits, '-' and '_'.
 pub fn valid_token(s: &str) -> bool {
     !s.is_empty()
@@ -53,5 +93,8 @@ mod tests {
         assert_eq!(observations("n1"), "oam.v1.observations.n1");
         assert!(valid_token("node-1_a"));
         assert!(!valid_token("a.b") && !valid_token("*") && !valid_token(""));
+        assert_eq!(agent("demo.echo"), "mesh.agent.demo.echo");
+        assert_eq!(agent_queue("demo.echo"), "q.demo.echo");
+        assert_eq!(death("x"), "mesh.death.x");
     }
 }

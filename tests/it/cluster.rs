@@ -396,6 +396,19 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
             "oam.v1.heartbeat.n9",
             "{\"id\":\"x\",\"sender\":\"n9\",\"at_ms\":0,\"incarnation\":0,\"seq\":1,\"body\":{\"node\":\"n1\"}}",
         ),
+        // A goodbye from n8 applied once; its replay and an older one are ignored and counted.
+        (
+            "oam.v1.goodbye.n8",
+            "{\"id\":\"g5\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n8\"}}",
+        ),
+        (
+            "oam.v1.goodbye.n8",
+            "{\"id\":\"g5\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n8\"}}",
+        ),
+        (
+            "oam.v1.goodbye.n8",
+            "{\"id\":\"g4\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":4,\"body\":{\"node\":\"n8\"}}",
+        ),
     ] {
         nc.publish(subject, payload.into()).await.unwrap();
     }
@@ -403,7 +416,10 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
     let counted = eventually(Duration::from_secs(5), || async {
         let s = state(&c, &cl.urls[0]).await?;
         let bus = &s["bus"];
-        (bus["malformed"].as_u64()? >= 2 && bus["forged"].as_u64()? >= 1).then_some(s)
+        (bus["malformed"].as_u64()? >= 2
+            && bus["forged"].as_u64()? >= 1
+            && bus["duplicate_or_stale"].as_u64()? >= 2)
+            .then_some(s)
     })
     .await;
     let s = counted.expect("bad messages were not counted");

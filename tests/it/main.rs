@@ -1,5 +1,6 @@
 //! The one integration-test binary: the real `oam` binary, driven as a user would.
 
+mod agents;
 mod cli;
 mod cluster;
 mod mesh;

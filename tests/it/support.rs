@@ -72,6 +72,15 @@ where
 }
 
 impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Wait for the process to exit (after a signal sent by the test).
+    pub fn wait(&mut self) {
+        let _ = self.child.wait();
+    }
+
     /// SIGKILL now (a crash, not a shutdown).
     pub fn kill(&mut self) {
         let _ = self.child.kill();

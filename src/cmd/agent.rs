@@ -1,0 +1,248 @@
+//! `oam agent serve | call | list`: demo agents, calls by name, and the catalog.
+
+use crate::error::{Error, Kind, Result};
+use crate::mesh::host::{self, Demo, Instance};
+use crate::mesh::protocol::{self, CatalogEntry};
+use crate::mesh::{client, store};
+use crate::transport::connect;
+use std::io::{IsTerminal, Read, Write};
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then nats://127.0.0.1:4222.
+    #[arg(long, global = true)]
+    pub nats_url: Option<String>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Serve a demo agent until SIGINT/SIGTERM.
+    Serve(ServeArgs),
+    /// Call an agent by name and print its reply.
+    Call(CallArgs),
+    /// List the agents in the mesh catalog.
+    List(ListArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// The agent's name (dot-separated, e.g. demo.echo).
+    pub name: String,
+    /// What it does: echo, sleep:MS, hang or fail.
+    #[arg(long, default_value = "echo")]
+    pub demo: Demo,
+    /// Instances to run in this process (each its own connection and instance id).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Requests each instance handles at once; more wait (backpressure).
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    #[arg(long, default_value = "oam demo agent")]
+    pub description: String,
+    /// Print the ready line as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CallArgs {
+    pub name: String,
+    /// The JSON payload, or `-` to read it from standard input (default: {}).
+    pub payload: Option<String>,
+    /// Seconds to wait for the answer.
+    #[arg(long, default_value_t = 30.0)]
+    pub timeout: f64,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ListArgs {
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn url(flag: &Option<String>) -> String {
+    flag.clone()
+        .or_else(|| std::env::var(connect::ENV_URL).ok())
+        .unwrap_or_else(|| connect::DEFAULT_URL.to_string())
+}
+
+async fn nats(url: &str, name: &str) -> Result<async_nats::Client> {
+    connect::connect(url, name, false).await.map_err(|e| {
+        Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!(
+                "cannot reach NATS at {} ({e}). Start a local mesh with `oam mesh up`, or pass --nats-url",
+                connect::redact(url)
+            ),
+        )
+    })
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    let url = url(&a.nats_url);
+    match a.command {
+        Command::Serve(s) => serve(&url, s).await,
+        Command::Call(c) => call(&url, c).await,
+        Command::List(l) => list(&url, l).await,
+    }
+}
+
+async fn serve(url: &str, s: ServeArgs) -> Result<()> {
+    if !protocol::valid_agent_name(&s.name) {
+        return Err(Error::usage(format!(
+            "agent name {:?}: use dot-separated segments of letters, digits, '-' and '_'",
+            s.name
+        )));
+    }
+    if s.replicas == 0 || s.concurrency == 0 {
+        return Err(Error::usage(
+            "--replicas and --concurrency must be at least 1",
+        ));
+    }
+    let entry = CatalogEntry {
+        name: s.name.clone(),
+        description: s.description.clone(),
+        version: "0.1.0".into(),
+        tags: vec!["demo".into()],
+        invocable: true,
+        streaming: false,
+    };
+    let mut instances = Vec::new();
+    for _ in 0..s.replicas {
+        let (inst, sub) = Instance::start(url, entry.clone()).await.map_err(|e| {
+            Error::new(
+                Kind::Unreachable,
+                e.context(format!(
+                    "cannot serve {} via {}",
+                    s.name,
+                    connect::redact(url)
+                )),
+            )
+        })?;
+        instances.push((inst, sub));
+    }
+    {
+        let ids: Vec<&str> = instances.iter().map(|(i, _)| i.id.as_str()).collect();
+        let mut out = std::io::stdout().lock();
+        if s.json {
+            writeln!(
+                out,
+                "{}",
+                serde_json::json!({"agent": s.name, "instances": ids, "pid": std::process::id()})
+            )?;
+        } else {
+            writeln!(
+                out,
+                "serving {} ({:?}) as {}",
+                s.name,
+                s.demo,
+                ids.join(", ")
+            )?;
+        }
+        out.flush()?;
+    }
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (inst, sub) in instances {
+        let mut rx = stop_rx.clone();
+        let (demo, concurrency) = (s.demo, s.concurrency);
+        tasks.spawn(async move {
+            let stop = async move {
+                let _ = rx.wait_for(|v| *v).await;
+            };
+            host::serve(inst, sub, demo, concurrency, Duration::from_secs(1), stop).await
+        });
+    }
+    crate::signal::terminated().await;
+    let _ = stop_tx.send(true);
+    while let Some(r) = tasks.join_next().await {
+        if let Ok(Err(e)) = r {
+            tracing::warn!("an instance did not leave cleanly: {e:#}");
+        }
+    }
+    Ok(())
+}
+
+async fn call(url: &str, c: CallArgs) -> Result<()> {
+    let payload = match c.payload.as_deref() {
+        None => "{}".to_string(),
+        Some("-") => {
+            if std::io::stdin().is_terminal() {
+                return Err(Error::usage(
+                    "`-` reads the payload from standard input; pipe JSON into it",
+                ));
+            }
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .map_err(|e| Error::usage(format!("cannot read standard input: {e}")))?;
+            s
+        }
+        Some(p) => p.to_string(),
+    };
+    if let Err(e) = serde_json::from_str::<serde_json::Value>(&payload) {
+        return Err(Error::usage(format!("the payload is not JSON: {e}")));
+    }
+    if !(c.timeout.is_finite() && c.timeout > 0.0) {
+        return Err(Error::usage(
+            "--timeout must be a positive number of seconds",
+        ));
+    }
+    let nc = nats(url, "oam-agent-call").await?;
+    match client::call(
+        &nc,
+        &c.name,
+        payload.into_bytes().into(),
+        Duration::from_secs_f64(c.timeout),
+    )
+    .await
+    {
+        Ok(body) => {
+            let mut out = std::io::stdout().lock();
+            out.write_all(&body)?;
+            writeln!(out)?;
+            Ok(())
+        }
+        Err(e) => Err(Error::new(
+            Kind::Check,
+            anyhow::anyhow!("{}: {}", e.code.as_str(), e.message),
+        )),
+    }
+}
+
+async fn list(url: &str, l: ListArgs) -> Result<()> {
+    let nc = nats(url, "oam-agent-list").await?;
+    let entries = store::catalog(&nc)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))?;
+    let mut out = std::io::stdout().lock();
+    if l.json {
+        serde_json::to_writer_pretty(&mut out, &entries).map_err(|e| Error::new(Kind::Check, e))?;
+        writeln!(out)?;
+    } else if entries.is_empty() {
+        writeln!(out, "no agents in the catalog")?;
+    } else {
+        writeln!(
+            out,
+            "{:30} {:8} {:10} DESCRIPTION",
+            "NAME", "VERSION", "KIND"
+        )?;
+        for e in &entries {
+            let kind = match (e.invocable, e.streaming) {
+                (true, false) => "call",
+                (true, true) => "stream",
+                (false, true) => "publisher",
+                (false, false) => "watcher",
+            };
+            writeln!(
+                out,
+                "{:30} {:8} {:10} {}",
+                e.name, e.version, kind, e.description
+            )?;
+        }
+    }
+    Ok(())
+}

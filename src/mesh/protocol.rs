@@ -1,0 +1,209 @@
+//! Open Agent Mesh wire types: catalog and registry entries, error replies, heartbeats and death
+//! notices, and the header names. Field names and shapes match the `openagentmesh` Python SDK
+//! (0.2.0) so agents and callers of either side interoperate. Plain data, no I/O.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub const H_REQUEST_ID: &str = "X-Mesh-Request-Id";
+pub const H_STATUS: &str = "X-Mesh-Status";
+pub const H_SOURCE: &str = "X-Mesh-Source";
+pub const H_INSTANCE_ID: &str = "X-Mesh-Instance-Id";
+pub const H_STREAM: &str = "X-Mesh-Stream";
+pub const H_STREAM_SEQ: &str = "X-Mesh-Stream-Seq";
+pub const H_STREAM_END: &str = "X-Mesh-Stream-End";
+
+/// Agent names: dot-separated segments of letters, digits, '-' and '_'.
+pub fn valid_agent_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 200
+        && name.split('.').all(|seg| {
+            !seg.is_empty()
+                && seg
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        })
+}
+
+/// One entry of the `catalog` key's JSON array in the `mesh-catalog` bucket.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct CatalogEntry {
+    pub name: String,
+    pub description: String,
+    #[serde(default = "default_version")]
+    pub version: String,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(default = "yes")]
+    pub invocable: bool,
+    #[serde(default)]
+    pub streaming: bool,
+}
+
+fn default_version() -> String {
+    "0.1.0".into()
+}
+fn yes() -> bool {
+    true
+}
+
+/// The contract stored under the agent's name in `mesh-registry`.
+pub fn registry_entry(entry: &CatalogEntry, registered_at: &str) -> Value {
+    serde_json::json!({
+        "name": entry.name,
+        "description": entry.description,
+        "version": entry.version,
+        "capabilities": {"streaming": entry.streaming, "invocable": entry.invocable},
+        "skills": [{
+            "id": entry.name,
+            "name": entry.name,
+            "description": entry.description,
+            "tags": entry.tags,
+        }],
+        "x-agentmesh": {
+            "subject": crate::transport::subjects::agent(&entry.name),
+            "tags": entry.tags,
+            "registered_at": registered_at,
+        },
+    })
+}
+
+/// Error codes in error replies.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The instance holding the request died.
+    AgentDied,
+    Timeout,
+    /// Nobody serves this name and the catalog does not list it.
+    NotFound,
+    /// The catalog lists it but no instance answers.
+    NotAvailable,
+    InvalidInput,
+    HandlerError,
+    InvocationMismatch,
+    #[serde(other)]
+    Unknown,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::AgentDied => "agent_died",
+            ErrorCode::Timeout => "timeout",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::NotAvailable => "not_available",
+            ErrorCode::InvalidInput => "invalid_input",
+            ErrorCode::HandlerError => "handler_error",
+            ErrorCode::InvocationMismatch => "invocation_mismatch",
+            ErrorCode::Unknown => "unknown",
+        }
+    }
+}
+
+/// An error reply body: `{code, message, agent, request_id, details}`.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct MeshError {
+    pub code: ErrorCode,
+    pub message: String,
+    #[serde(default)]
+    pub agent: String,
+    #[serde(default)]
+    pub request_id: String,
+    #[serde(default)]
+    pub details: Value,
+}
+
+impl std::fmt::Display for MeshError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} from {}: {}",
+            self.code.as_str(),
+            self.agent,
+            self.message
+        )
+    }
+}
+
+impl std::error::Error for MeshError {}
+
+/// A serving instance's heartbeat on `mesh.health.{name}`.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct AgentHeartbeat {
+    pub agent: String,
+    pub instance_id: String,
+    pub in_flight: u64,
+    pub processed: u64,
+    pub at_ms: u64,
+}
+
+/// Why an agent is gone.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum DeathReason {
+    /// Its connection closed (crash, kill).
+    Disconnect,
+    /// It left on purpose.
+    GracefulShutdown,
+    /// It stopped heartbeating (frozen, partitioned).
+    MissedHeartbeats,
+    #[serde(other)]
+    Other,
+}
+
+/// `mesh.death.{name}`: `{agent, reason, detected_at, instance_id}`.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct DeathNotice {
+    pub agent: String,
+    pub reason: DeathReason,
+    /// RFC 3339, UTC.
+    pub detected_at: String,
+    pub instance_id: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_sdk_rule() {
+        assert!(valid_agent_name("demo.echo") && valid_agent_name("a-b_c.d9"));
+        for bad in ["", ".a", "a.", "a..b", "a b", "a/b", "a.*"] {
+            assert!(!valid_agent_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn wire_shapes_match_the_python_sdk() {
+        let e: MeshError = serde_json::from_str(
+            r#"{"code": "handler_error", "message": "kaboom", "agent": "demo.echo", "request_id": "ab", "details": {}}"#,
+        )
+        .unwrap();
+        assert_eq!(e.code, ErrorCode::HandlerError);
+        let odd: MeshError =
+            serde_json::from_str(r#"{"code": "chunk_sequence_error", "message": "x"}"#).unwrap();
+        assert_eq!(
+            odd.code,
+            ErrorCode::Unknown,
+            "codes we do not know still parse"
+        );
+        let c: CatalogEntry = serde_json::from_str(
+            r#"{"name": "echo", "description": "Echoes", "version": "0.1.0", "tags": [], "invocable": true, "streaming": false}"#,
+        )
+        .unwrap();
+        let reg = registry_entry(&c, "2026-11-30T00:00:00+00:00");
+        assert_eq!(reg["x-agentmesh"]["subject"], "mesh.agent.echo");
+        assert_eq!(reg["capabilities"]["invocable"], true);
+        let d = DeathNotice {
+            agent: "echo".into(),
+            reason: DeathReason::GracefulShutdown,
+            detected_at: "t".into(),
+            instance_id: "i".into(),
+        };
+        assert_eq!(
+            serde_json::to_value(&d).unwrap(),
+            serde_json::json!({"agent": "echo", "reason": "graceful_shutdown", "detected_at": "t", "instance_id": "i"})
+        );
+    }
+}

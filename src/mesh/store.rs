@@ -1,0 +1,219 @@
+//! The mesh's JetStream KV state: the catalog (one `catalog` key holding a JSON array, updated
+//! by compare-and-swap as the Python SDK does), the registry (a contract per agent name), and
+//! instance records (which instance serves which agents; leases that expire unless renewed).
+
+use super::protocol::{self, CatalogEntry};
+use crate::transport::subjects;
+use async_nats::jetstream::{self, kv};
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// An instance record lives this long without a renewal.
+pub const INSTANCE_LEASE: Duration = Duration::from_secs(15);
+
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct InstanceRecord {
+    pub instance_id: String,
+    pub agents: Vec<String>,
+    pub connection: String,
+    pub renewed_at_ms: u64,
+}
+
+async fn bucket(
+    nats: &async_nats::Client,
+    name: &str,
+    max_age: Duration,
+) -> anyhow::Result<kv::Store> {
+    let js = jetstream::new(nats.clone());
+    if let Ok(store) = js.get_key_value(name).await {
+        return Ok(store);
+    }
+    let created = js
+        .create_key_value(kv::Config {
+            bucket: name.to_string(),
+            history: 1,
+            max_age,
+            ..Default::default()
+        })
+        .await;
+    match created {
+        Ok(store) => Ok(store),
+        // Another process created it meanwhile.
+        Err(e) => js
+            .get_key_value(name)
+            .await
+            .map_err(|_| anyhow::anyhow!("cannot open or create the KV bucket {name}: {e}")),
+    }
+}
+
+/// RFC 3339 UTC timestamp, seconds precision, without a date library.
+pub fn rfc3339_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    rfc3339(secs)
+}
+
+fn rfc3339(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}+00:00",
+        rem / 3_600,
+        rem % 3_600 / 60,
+        rem % 60
+    )
+}
+
+/// The catalog's entries (empty if the bucket or key does not exist yet). Entries that do not
+/// parse are skipped, not fatal.
+pub async fn catalog(nats: &async_nats::Client) -> anyhow::Result<Vec<CatalogEntry>> {
+    let store = bucket(nats, subjects::CATALOG_BUCKET, Duration::ZERO).await?;
+    let Some(raw) = store.get(subjects::CATALOG_KEY).await? else {
+        return Ok(Vec::new());
+    };
+    let items: Vec<serde_json::Value> = serde_json::from_slice(&raw).unwrap_or_default();
+    Ok(items
+        .into_iter()
+        .filter_map(|v| serde_json::from_value(v).ok())
+        .collect())
+}
+
+/// Add or remove `entry` in the catalog array by compare-and-swap (10 tries).
+async fn update_catalog(
+    nats: &async_nats::Client,
+    entry: &CatalogEntry,
+    add: bool,
+) -> anyhow::Result<()> {
+    let store = bucket(nats, subjects::CATALOG_BUCKET, Duration::ZERO).await?;
+    for _ in 0..10 {
+        let current = store.entry(subjects::CATALOG_KEY).await?;
+        let mut items: Vec<serde_json::Value> = current
+            .as_ref()
+            .filter(|e| e.operation == kv::Operation::Put)
+            .and_then(|e| serde_json::from_slice(&e.value).ok())
+            .unwrap_or_default();
+        items.retain(|v| v["name"] != entry.name.as_str());
+        if add {
+            items.push(serde_json::to_value(entry)?);
+        }
+        let value: bytes::Bytes = serde_json::to_vec(&items)?.into();
+        let written = match &current {
+            Some(e) => store
+                .update(subjects::CATALOG_KEY, value, e.revision)
+                .await
+                .is_ok(),
+            None => store.create(subjects::CATALOG_KEY, value).await.is_ok(),
+        };
+        if written {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::bail!("the catalog kept changing under us; could not update it in 10 tries")
+}
+
+async fn put_instance(
+    nats: &async_nats::Client,
+    entry: &CatalogEntry,
+    instance_id: &str,
+) -> anyhow::Result<()> {
+    let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
+    let rec = InstanceRecord {
+        instance_id: instance_id.to_string(),
+        agents: vec![entry.name.clone()],
+        connection: subjects::host_connection(instance_id),
+        renewed_at_ms: crate::node::now_ms(),
+    };
+    store
+        .put(instance_id, serde_json::to_vec(&rec)?.into())
+        .await?;
+    Ok(())
+}
+
+/// Register an instance of `entry`: instance record, registry contract, catalog entry.
+pub async fn register(
+    nats: &async_nats::Client,
+    entry: &CatalogEntry,
+    instance_id: &str,
+) -> anyhow::Result<()> {
+    put_instance(nats, entry, instance_id).await?;
+    let registry = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await?;
+    let contract = protocol::registry_entry(entry, &rfc3339_now());
+    registry
+        .put(entry.name.as_str(), serde_json::to_vec(&contract)?.into())
+        .await?;
+    update_catalog(nats, entry, true).await
+}
+
+/// Renew the instance lease (called with every heartbeat); failures are retried next time.
+pub async fn renew(nats: &async_nats::Client, entry: &CatalogEntry, instance_id: &str) {
+    if let Err(e) = put_instance(nats, entry, instance_id).await {
+        tracing::debug!("instance lease renewal failed: {e:#}");
+    }
+}
+
+/// Instance records that serve `agent`.
+pub async fn instances_of(
+    nats: &async_nats::Client,
+    agent: &str,
+) -> anyhow::Result<Vec<InstanceRecord>> {
+    use futures_util::StreamExt;
+    let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
+    let mut keys = store.keys().await?;
+    let mut out = Vec::new();
+    while let Some(key) = keys.next().await {
+        let Ok(key) = key else { continue };
+        if let Ok(Some(raw)) = store.get(&key).await
+            && let Ok(rec) = serde_json::from_slice::<InstanceRecord>(&raw)
+            && rec.agents.iter().any(|a| a == agent)
+        {
+            out.push(rec);
+        }
+    }
+    Ok(out)
+}
+
+/// Remove this instance; if it was the last one serving the agent, remove the agent from the
+/// catalog and registry too. Returns whether it was the last.
+pub async fn deregister(
+    nats: &async_nats::Client,
+    entry: &CatalogEntry,
+    instance_id: &str,
+) -> bool {
+    if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
+        let _ = store.purge(instance_id).await;
+    }
+    let others = instances_of(nats, &entry.name).await.unwrap_or_default();
+    if others.iter().any(|r| r.instance_id != instance_id) {
+        return false;
+    }
+    let _ = update_catalog(nats, entry, false).await;
+    if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {
+        let _ = registry.delete(entry.name.as_str()).await;
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn timestamps_are_rfc3339() {
+        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00+00:00");
+        assert_eq!(super::rfc3339(1_764_460_800), "2025-11-30T00:00:00+00:00");
+        assert_eq!(
+            super::rfc3339(951_782_400 + 3_661),
+            "2000-02-29T01:01:01+00:00"
+        );
+    }
+}

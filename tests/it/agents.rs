@@ -1,0 +1,226 @@
+//! The agent mesh with real processes: demo agents served by `oam agent serve`, calls by name,
+//! the catalog, graceful exits, and interop with the Open Agent Mesh Python SDK.
+
+use crate::support::{NatsServer, Proc, python};
+use assert_cmd::Command;
+use futures_util::StreamExt as _;
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+fn oam(nats: &str) -> Command {
+    let mut c = Command::new(assert_cmd::cargo::cargo_bin!("oam"));
+    c.timeout(Duration::from_secs(30)).env("OAM_NATS_URL", nats);
+    c
+}
+
+fn serve(nats: &str, name: &str, demo: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "agent",
+        "serve",
+        name,
+        "--demo",
+        demo,
+        "--json",
+        "--nats-url",
+        nats,
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn(&args)
+}
+
+fn call(nats: &str, name: &str, payload: &str, timeout: &str) -> (bool, String, String) {
+    let out = oam(nats)
+        .args(["agent", "call", name, payload, "--timeout", timeout])
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    )
+}
+
+#[tokio::test]
+async fn serve_call_list_fail_hang_and_leave() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let mut echo = serve(&url, "demo.echo", "echo", &["--replicas", "2"]);
+    assert_eq!(echo.ready["instances"].as_array().unwrap().len(), 2);
+    let _fail = serve(&url, "demo.fail", "fail", &[]);
+    let _hang = serve(&url, "demo.hang", "hang", &[]);
+
+    // Registration is eager: listed as soon as `serve` said it is ready.
+    let list = oam(&url)
+        .args(["agent", "list", "--json"])
+        .output()
+        .unwrap();
+    let names: Vec<String> = serde_json::from_slice::<Vec<Value>>(&list.stdout)
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap().to_string())
+        .collect();
+    for n in ["demo.echo", "demo.fail", "demo.hang"] {
+        assert!(names.contains(&n.to_string()), "{names:?}");
+    }
+
+    let (ok, out, err) = call(&url, "demo.echo", r#"{"message": "hi"}"#, "5");
+    assert!(ok, "{err}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap(),
+        json!({"message": "hi"})
+    );
+
+    let (ok, _, err) = call(&url, "demo.fail", "{}", "5");
+    assert!(!ok && err.contains("handler_error"), "{err}");
+    let (ok, _, err) = call(&url, "nobody.here", "{}", "5");
+    assert!(!ok && err.contains("not_found"), "{err}");
+    let started = Instant::now();
+    let (ok, _, err) = call(&url, "demo.hang", "{}", "0.3");
+    assert!(!ok && err.contains("timeout"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let (ok, _, err) = call(&url, "demo.echo", "not json", "5");
+    assert!(!ok && err.contains("not JSON"), "{err}");
+
+    // A graceful exit: the host drains, deregisters, and as the last instance says so.
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
+    nc.flush().await.unwrap();
+    std::process::Command::new("kill")
+        .arg(echo.pid().to_string())
+        .status()
+        .unwrap();
+    let notice = tokio::time::timeout(Duration::from_secs(10), deaths.next())
+        .await
+        .expect("a death notice")
+        .unwrap();
+    let notice: Value = serde_json::from_slice(&notice.payload).unwrap();
+    assert_eq!(notice["agent"], "demo.echo");
+    assert_eq!(notice["reason"], "graceful_shutdown");
+    assert!(notice["detected_at"].as_str().unwrap().ends_with("+00:00"));
+    echo.wait();
+    let list = oam(&url)
+        .args(["agent", "list", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&list.stdout).contains("demo.echo"),
+        "the catalog forgot it"
+    );
+}
+
+#[tokio::test]
+async fn an_instance_handles_requests_concurrently() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let _slow = serve(&url, "demo.slow", "sleep:100", &["--concurrency", "20"]);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let calls = (0..20).map(|i| {
+        let nc = nc.clone();
+        async move {
+            oam::mesh::client::call(
+                &nc,
+                "demo.slow",
+                format!("{{\"i\": {i}}}").into(),
+                Duration::from_secs(10),
+            )
+            .await
+        }
+    });
+    let results = futures_util::future::join_all(calls).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    // One at a time this would take 20 x 100 ms; an order of magnitude less means concurrency.
+    assert!(
+        started.elapsed() < Duration::from_millis(1_000),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn interoperates_with_the_python_sdk() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let _ours = serve(&url, "demo.echo", "echo", &[]);
+    // An agent served by the Python SDK.
+    let sdk_agent = r#"
+import asyncio, sys
+from pydantic import BaseModel
+from openagentmesh import AgentMesh, AgentSpec
+
+class In(BaseModel):
+    message: str
+class Out(BaseModel):
+    reply: str
+
+mesh = AgentMesh(sys.argv[1])
+
+@mesh.agent(AgentSpec(name="sdk.echo", description="Echoes from Python", tags=[], version="0.1.0"))
+async def echo(req: In) -> Out:
+    return Out(reply="py:" + req.message)
+
+async def main():
+    async with mesh:
+        print('{"ready": true}', flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"#;
+    let mut child = std::process::Command::new(python())
+        .args(["-c", sdk_agent, &url])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("python with openagentmesh; run scripts/install-test-tools");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(
+        line.contains("ready"),
+        "the SDK agent did not start: {line:?}"
+    );
+
+    let list = oam(&url)
+        .args(["agent", "list", "--json"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&list.stdout).contains("sdk.echo"));
+    let (ok, out, err) = call(&url, "sdk.echo", r#"{"message": "hi"}"#, "10");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(ok, "{err}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap(),
+        json!({"reply": "py:hi"})
+    );
+
+    // The SDK calls an agent served by oam.
+    let sdk_call = r#"
+import asyncio, json, sys
+from openagentmesh import AgentMesh
+
+async def main():
+    async with AgentMesh(sys.argv[1]) as mesh:
+        print(json.dumps(await mesh.call("demo.echo", {"message": "from python"}, timeout=10.0)))
+
+asyncio.run(main())
+"#;
+    let out = std::process::Command::new(python())
+        .args(["-c", sdk_call, &url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v, json!({"message": "from python"}));
+}
