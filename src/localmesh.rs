@@ -60,7 +60,7 @@ impl Record {
     pub fn nodes(&self) -> impl Iterator<Item = &Started> {
         self.processes
             .iter()
-            .filter(|p| p.name != "nats-server" && p.name != "sim")
+            .filter(|p| !["nats-server", "sim", "monitor"].contains(&p.name.as_str()))
     }
 }
 

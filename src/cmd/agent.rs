@@ -144,22 +144,23 @@ async fn serve(url: &str, s: ServeArgs) -> Result<()> {
         }
         out.flush()?;
     }
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut tasks = tokio::task::JoinSet::new();
+    let mut running = Vec::new();
     for (inst, sub) in instances {
-        let mut rx = stop_rx.clone();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let (demo, concurrency) = (s.demo, s.concurrency);
-        tasks.spawn(async move {
+        let task = tokio::spawn(async move {
             let stop = async move {
-                let _ = rx.wait_for(|v| *v).await;
+                let _ = stop_rx.await;
             };
             host::serve(inst, sub, demo, concurrency, Duration::from_secs(1), stop).await
         });
+        running.push((stop_tx, task));
     }
     crate::signal::terminated().await;
-    let _ = stop_tx.send(true);
-    while let Some(r) = tasks.join_next().await {
-        if let Ok(Err(e)) = r {
+    // Leave one at a time, so the last replica out knows it is the last and says so.
+    for (stop_tx, task) in running {
+        let _ = stop_tx.send(());
+        if let Ok(Err(e)) = task.await {
             tracing::warn!("an instance did not leave cleanly: {e:#}");
         }
     }

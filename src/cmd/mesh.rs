@@ -24,6 +24,24 @@ pub enum Command {
     Down(DownArgs),
     /// Show what is running and healthy.
     Status(StatusArgs),
+    /// The liveness monitor: connection drops and missed heartbeats become death notices.
+    Monitor(MonitorArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct MonitorArgs {
+    /// Application-account NATS URL. Default: $OAM_NATS_URL, then the mesh in --dir.
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    /// System-account NATS URL (reads `$SYS` advisories). Default: $OAM_NATS_SYS_URL, then the
+    /// mesh in --dir.
+    #[arg(long)]
+    pub sys_url: Option<String>,
+    #[arg(long, default_value = ".oam")]
+    pub dir: PathBuf,
+    /// Print the ready line as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -75,6 +93,7 @@ pub async fn run(args: Args) -> Result<()> {
         Command::Up(a) => up(a).await,
         Command::Down(a) => down(a),
         Command::Status(a) => status(a).await,
+        Command::Monitor(a) => monitor(a).await,
     }
 }
 
@@ -367,6 +386,25 @@ async fn start_all(
     for (id, mut child, out, log) in pending {
         ready_line(&out, &mut child, &format!("node {id}"), &log)?;
     }
+    // The liveness monitor, with both accounts' credentials in its environment.
+    let monitor_args: Vec<String> = ["mesh", "monitor", "--json", "--dir"]
+        .map(String::from)
+        .into_iter()
+        .chain([dir.display().to_string()])
+        .collect();
+    let env = [
+        (crate::transport::connect::ENV_URL, app_url.clone()),
+        (ENV_SYS_URL, natsd::sys_url(port, &creds)),
+    ];
+    let (mut child, out, log) = spawn_oam(dir, "monitor", &monitor_args, &env)?;
+    started.push(Started {
+        name: "monitor".into(),
+        pid: child.id(),
+        endpoint: "death notices on mesh.death.>".into(),
+        log: log.clone(),
+        cmdline_marker: format!("mesh monitor --json --dir {}", dir.display()),
+    });
+    ready_line(&out, &mut child, "the monitor", &log)?;
     // Ready means: every node sees every node.
     let http = crate::node::connector::http_client(Some(Duration::from_secs(2)))
         .map_err(|e| check(e.into()))?;
@@ -480,6 +518,8 @@ async fn status(a: StatusArgs) -> Result<()> {
             } else {
                 "not accepting connections".into()
             }
+        } else if p.name == "monitor" {
+            "watching for deaths".into()
         } else if p.name == "sim" {
             match http.get(format!("{}/healthz", p.endpoint)).send().await {
                 Ok(r) if r.status().is_success() => "healthy".into(),
@@ -550,4 +590,65 @@ async fn status(a: StatusArgs) -> Result<()> {
             anyhow::anyhow!("part of the mesh is down"),
         ))
     }
+}
+
+/// The environment variable holding the system-account URL for the monitor.
+pub const ENV_SYS_URL: &str = "OAM_NATS_SYS_URL";
+
+async fn monitor(a: MonitorArgs) -> Result<()> {
+    use crate::transport::connect;
+    let recorded = std::fs::read_to_string(a.dir.join(localmesh::CREDENTIALS))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    let from_dir = |key: &str| {
+        recorded
+            .as_ref()
+            .and_then(|v| v[key].as_str())
+            .map(String::from)
+    };
+    let app_url = a
+        .nats_url
+        .or_else(|| std::env::var(connect::ENV_URL).ok())
+        .or_else(|| from_dir("app_url"))
+        .unwrap_or_else(|| connect::DEFAULT_URL.to_string());
+    let sys_url = a
+        .sys_url
+        .or_else(|| std::env::var(ENV_SYS_URL).ok())
+        .or_else(|| from_dir("sys_url"))
+        .ok_or_else(|| {
+            Error::usage(
+                "the monitor needs the system account to read $SYS advisories: pass --sys-url \
+                 (or set OAM_NATS_SYS_URL), or run it beside a mesh started by `oam mesh up`",
+            )
+        })?;
+    let unreachable = |url: &str, e: async_nats::ConnectError| {
+        Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!("cannot reach NATS at {} ({e})", connect::redact(url)),
+        )
+    };
+    let app = connect::connect(&app_url, "oam-monitor", false)
+        .await
+        .map_err(|e| unreachable(&app_url, e))?;
+    let sys = connect::connect(&sys_url, "oam-monitor-sys", false)
+        .await
+        .map_err(|e| unreachable(&sys_url, e))?;
+    {
+        let mut out = std::io::stdout().lock();
+        let ready =
+            serde_json::json!({"monitor": connect::redact(&app_url), "pid": std::process::id()});
+        if a.json {
+            writeln!(out, "{ready}")?;
+        } else {
+            writeln!(
+                out,
+                "oam mesh monitor watching {}",
+                connect::redact(&app_url)
+            )?;
+        }
+        out.flush()?;
+    }
+    crate::mesh::monitor::run(app, sys, crate::signal::terminated())
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))
 }

@@ -275,6 +275,7 @@ pub async fn serve(
             reason: DeathReason::GracefulShutdown,
             detected_at: store::rfc3339_now(),
             instance_id: instance.id.clone(),
+            detail: None,
         };
         if let Ok(b) = serde_json::to_vec(&notice) {
             let _ = instance

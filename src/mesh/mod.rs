@@ -3,5 +3,6 @@
 
 pub mod client;
 pub mod host;
+pub mod monitor;
 pub mod protocol;
 pub mod store;

@@ -160,6 +160,9 @@ pub struct DeathNotice {
     /// RFC 3339, UTC.
     pub detected_at: String,
     pub instance_id: String,
+    /// What the server said (e.g. "Client Closed", "Stale Connection", "Slow Consumer").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 #[cfg(test)]
@@ -200,6 +203,7 @@ mod tests {
             reason: DeathReason::GracefulShutdown,
             detected_at: "t".into(),
             instance_id: "i".into(),
+            detail: None,
         };
         assert_eq!(
             serde_json::to_value(&d).unwrap(),

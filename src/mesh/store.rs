@@ -163,11 +163,8 @@ pub async fn renew(nats: &async_nats::Client, entry: &CatalogEntry, instance_id:
     }
 }
 
-/// Instance records that serve `agent`.
-pub async fn instances_of(
-    nats: &async_nats::Client,
-    agent: &str,
-) -> anyhow::Result<Vec<InstanceRecord>> {
+/// Every instance record.
+pub async fn all_instances(nats: &async_nats::Client) -> anyhow::Result<Vec<InstanceRecord>> {
     use futures_util::StreamExt;
     let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
     let mut keys = store.keys().await?;
@@ -176,7 +173,6 @@ pub async fn instances_of(
         let Ok(key) = key else { continue };
         if let Ok(Some(raw)) = store.get(&key).await
             && let Ok(rec) = serde_json::from_slice::<InstanceRecord>(&raw)
-            && rec.agents.iter().any(|a| a == agent)
         {
             out.push(rec);
         }
@@ -184,25 +180,75 @@ pub async fn instances_of(
     Ok(out)
 }
 
-/// Remove this instance; if it was the last one serving the agent, remove the agent from the
-/// catalog and registry too. Returns whether it was the last.
+/// Instance records that serve `agent`.
+pub async fn instances_of(
+    nats: &async_nats::Client,
+    agent: &str,
+) -> anyhow::Result<Vec<InstanceRecord>> {
+    Ok(all_instances(nats)
+        .await?
+        .into_iter()
+        .filter(|r| r.agents.iter().any(|a| a == agent))
+        .collect())
+}
+
+/// One instance record.
+pub async fn instance(nats: &async_nats::Client, instance_id: &str) -> Option<InstanceRecord> {
+    let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE)
+        .await
+        .ok()?;
+    let raw = store.get(instance_id).await.ok()??;
+    serde_json::from_slice(&raw).ok()
+}
+
+/// Claim the right to announce `instance_id`'s death: true for exactly one caller cluster-wide
+/// (tombstones expire after two minutes).
+pub async fn claim_tombstone(nats: &async_nats::Client, instance_id: &str) -> bool {
+    match bucket(nats, subjects::TOMBSTONES_BUCKET, Duration::from_secs(120)).await {
+        Ok(store) => store.create(instance_id, bytes::Bytes::new()).await.is_ok(),
+        // Without the bucket we cannot deduplicate; announcing twice beats not announcing.
+        Err(_) => true,
+    }
+}
+
+/// Remove a dead instance's record, and each of its agents that no other instance serves from
+/// the catalog and the registry.
+pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, agents: &[String]) {
+    if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
+        let _ = store.purge(instance_id).await;
+    }
+    for agent in agents {
+        let others = instances_of(nats, agent).await.unwrap_or_default();
+        if others.iter().any(|r| r.instance_id != instance_id) {
+            continue;
+        }
+        let entry = CatalogEntry {
+            name: agent.clone(),
+            description: String::new(),
+            version: String::new(),
+            tags: Vec::new(),
+            invocable: true,
+            streaming: false,
+        };
+        let _ = update_catalog(nats, &entry, false).await;
+        if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {
+            let _ = registry.delete(agent.as_str()).await;
+        }
+    }
+}
+
+/// A graceful exit: claim the tombstone (so monitors do not announce this exit again), remove the
+/// record, and the agent too if this was its last instance. Returns whether it was the last.
 pub async fn deregister(
     nats: &async_nats::Client,
     entry: &CatalogEntry,
     instance_id: &str,
 ) -> bool {
-    if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
-        let _ = store.purge(instance_id).await;
-    }
+    claim_tombstone(nats, instance_id).await;
     let others = instances_of(nats, &entry.name).await.unwrap_or_default();
-    if others.iter().any(|r| r.instance_id != instance_id) {
-        return false;
-    }
-    let _ = update_catalog(nats, entry, false).await;
-    if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {
-        let _ = registry.delete(entry.name.as_str()).await;
-    }
-    true
+    let last = !others.iter().any(|r| r.instance_id != instance_id);
+    forget_instance(nats, instance_id, std::slice::from_ref(&entry.name)).await;
+    last
 }
 
 #[cfg(test)]

@@ -56,6 +56,12 @@ pub fn death(name: &str) -> String {
     format!("mesh.death.{name}")
 }
 pub const DEATHS: &str = "mesh.death.>";
+/// The death of one serving instance (a caller whose request it held fails at once, even
+/// while other replicas of the agent live).
+pub fn instance_death(instance_id: &str) -> String {
+    format!("mesh.instance-death.{instance_id}")
+}
+pub const INSTANCE_DEATHS: &str = "mesh.instance-death.*";
 /// Heartbeats from instances serving agent `name`.
 pub fn health(name: &str) -> String {
     format!("mesh.health.{name}")
@@ -70,6 +76,8 @@ pub const CATALOG_BUCKET: &str = "mesh-catalog";
 pub const CATALOG_KEY: &str = "catalog";
 pub const REGISTRY_BUCKET: &str = "mesh-registry";
 pub const INSTANCES_BUCKET: &str = "mesh-instances";
+/// One key per announced instance death, so each is announced once.
+pub const TOMBSTONES_BUCKET: &str = "mesh-tombstones";
 /// The NATS connection name of a process that serves agents.
 pub fn host_connection(instance_id: &str) -> String {
     format!("oam-host-{instance_id}")

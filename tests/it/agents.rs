@@ -224,3 +224,114 @@ asyncio.run(main())
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v, json!({"message": "from python"}));
 }
+
+/// A monitor beside a fresh server, with both accounts.
+fn monitor(server: &NatsServer) -> Proc {
+    let sys = oam::natsd::sys_url(server.port, &server.creds);
+    Proc::spawn(&[
+        "mesh",
+        "monitor",
+        "--json",
+        "--nats-url",
+        &server.url(),
+        "--sys-url",
+        &sys,
+    ])
+}
+
+async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option<Value> {
+    let msg = tokio::time::timeout(within, sub.next()).await.ok()??;
+    serde_json::from_slice(&msg.payload).ok()
+}
+
+#[tokio::test]
+async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
+    let server = NatsServer::start();
+    let url = server.url();
+    // Two monitors: each death must still be announced once.
+    let _m1 = monitor(&server);
+    let _m2 = monitor(&server);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
+    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    nc.flush().await.unwrap();
+
+    // Two replicas in two processes: the first SIGKILL is a replica's death, not the agent's.
+    let mut a = serve(&url, "demo.pair", "echo", &[]);
+    let mut b = serve(&url, "demo.pair", "echo", &[]);
+    a.kill();
+    let first = next_json(&mut instance_deaths, Duration::from_secs(10))
+        .await
+        .expect("instance death");
+    assert_eq!(first["instance_id"], a.ready["instances"][0]);
+    assert_eq!(first["reason"], "disconnect");
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "a replica still lives"
+    );
+    let (ok, _, err) = call(&url, "demo.pair", "{}", "5");
+    assert!(ok, "the surviving replica serves: {err}");
+
+    b.kill();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the agent's death");
+    assert_eq!(notice["agent"], "demo.pair");
+    assert_eq!(notice["reason"], "disconnect");
+    assert_eq!(notice["instance_id"], b.ready["instances"][0]);
+    assert!(
+        notice["detail"].as_str().is_some(),
+        "the server's reason is kept: {notice}"
+    );
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(700))
+            .await
+            .is_none(),
+        "announced once, not per monitor"
+    );
+    let list = oam(&url)
+        .args(["agent", "list", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&list.stdout).contains("demo.pair"),
+        "cleaned after the notice"
+    );
+
+    // A frozen process keeps its connection but stops heartbeating: dead in seconds.
+    let frozen = serve(&url, "demo.frozen", "echo", &[]);
+    tokio::time::sleep(Duration::from_millis(1_500)).await; // let the monitors see it beat
+    std::process::Command::new("kill")
+        .args(["-STOP", &frozen.pid().to_string()])
+        .status()
+        .unwrap();
+    let started = Instant::now();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("a frozen agent is declared dead");
+    std::process::Command::new("kill")
+        .args(["-CONT", &frozen.pid().to_string()])
+        .status()
+        .unwrap();
+    assert_eq!(notice["agent"], "demo.frozen");
+    assert_eq!(notice["reason"], "missed_heartbeats");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(frozen);
+
+    // Garbage on the advisory and health subjects does not bring the monitors down.
+    nc.publish("mesh.health.x", "not json".into())
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+    let _c = serve(&url, "demo.after", "echo", &[]);
+    let (ok, _, err) = call(&url, "demo.after", "{}", "5");
+    assert!(ok, "{err}");
+}

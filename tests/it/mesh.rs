@@ -129,7 +129,7 @@ async fn up_status_request_down() {
         .collect();
     assert_eq!(
         names,
-        ["n3", "n2", "n1", "sim", "nats-server"],
+        ["monitor", "n3", "n2", "n1", "sim", "nats-server"],
         "newest first"
     );
     assert!(

@@ -1,0 +1,224 @@
+//! The liveness monitor: turns connection drops (`$SYS.ACCOUNT.*.DISCONNECT` advisories) and
+//! missed heartbeats into death notices, then cleans the catalog, registry and instance records.
+//!
+//! Order matters: the notice goes out first (callers waiting on the agent fail at once), the
+//! clean-up after. One replica's death is not the agent's: `mesh.death.{name}` fires only when
+//! the last instance serving the name is gone, but every instance death is announced on
+//! `mesh.instance-death.{instance_id}` for callers whose request that instance held. Two monitors,
+//! or a restarted one, announce each death once: the first to create the instance's tombstone in
+//! the `mesh-tombstones` bucket announces it.
+
+use super::protocol::{AgentHeartbeat, DeathNotice, DeathReason};
+use super::store::{self, InstanceRecord};
+use crate::transport::subjects;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// How often heartbeats are expected, and how many may be missed before an instance is dead.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+pub const MISSED_BEATS: u32 = 3;
+
+#[derive(Deserialize, Debug)]
+struct Advisory {
+    #[serde(default)]
+    client: AdvisoryClient,
+    #[serde(default)]
+    reason: String,
+}
+
+#[derive(Deserialize, Debug, Default)]
+struct AdvisoryClient {
+    #[serde(default)]
+    name: String,
+}
+
+/// The instance id a connection name belongs to (`oam-host-{id}`), if any.
+fn instance_of(connection: &str) -> Option<&str> {
+    connection
+        .strip_prefix("oam-host-")
+        .filter(|id| !id.is_empty())
+}
+
+struct Seen {
+    agent: String,
+    last: Instant,
+}
+
+pub struct Monitor {
+    app: async_nats::Client,
+    /// instance id -> its latest heartbeat.
+    seen: BTreeMap<String, Seen>,
+    pub announced: u64,
+    pub malformed: u64,
+}
+
+impl Monitor {
+    pub fn new(app: async_nats::Client) -> Monitor {
+        Monitor {
+            app,
+            seen: BTreeMap::new(),
+            announced: 0,
+            malformed: 0,
+        }
+    }
+
+    /// Announce (once, cluster-wide) and clean up the death of `instance_id`.
+    pub async fn instance_died(
+        &mut self,
+        instance_id: &str,
+        agents_hint: &[String],
+        reason: DeathReason,
+        detail: &str,
+    ) {
+        self.seen.remove(instance_id);
+        if !store::claim_tombstone(&self.app, instance_id).await {
+            return; // another monitor (or an earlier run) announced it
+        }
+        let record = store::instance(&self.app, instance_id).await;
+        let agents: Vec<String> = match &record {
+            Some(InstanceRecord { agents, .. }) => agents.clone(),
+            None => agents_hint.to_vec(),
+        };
+        let detected_at = store::rfc3339_now();
+        for agent in &agents {
+            let notice = DeathNotice {
+                agent: agent.clone(),
+                reason,
+                detected_at: detected_at.clone(),
+                instance_id: instance_id.to_string(),
+                detail: (!detail.is_empty()).then(|| detail.to_string()),
+            };
+            let Ok(body) = serde_json::to_vec(&notice) else {
+                continue;
+            };
+            // Callers holding a request on this instance learn it at once...
+            let _ = self
+                .app
+                .publish(subjects::instance_death(instance_id), body.clone().into())
+                .await;
+            // ...and the agent is dead when no other live instance serves it.
+            let others = store::instances_of(&self.app, agent)
+                .await
+                .unwrap_or_default();
+            let alive_elsewhere = others.iter().any(|r| r.instance_id != instance_id);
+            if !alive_elsewhere {
+                let _ = self.app.publish(subjects::death(agent), body.into()).await;
+            }
+            let _ = self.app.flush().await;
+            self.announced += 1;
+            tracing::info!(
+                agent,
+                instance_id,
+                ?reason,
+                detail,
+                last = !alive_elsewhere,
+                "death"
+            );
+        }
+        // Clean-up after the notices.
+        store::forget_instance(&self.app, instance_id, &agents).await;
+    }
+
+    fn heartbeat(&mut self, payload: &[u8]) {
+        match serde_json::from_slice::<AgentHeartbeat>(payload) {
+            Ok(h) => {
+                self.seen.insert(
+                    h.instance_id,
+                    Seen {
+                        agent: h.agent,
+                        last: Instant::now(),
+                    },
+                );
+            }
+            Err(_) => self.malformed += 1,
+        }
+    }
+
+    /// Instances whose heartbeats stopped (a frozen or partitioned process keeps its TCP
+    /// connection for a while; its heartbeats stop at once).
+    fn silent(&self) -> Vec<(String, String)> {
+        let limit = HEARTBEAT_EVERY * MISSED_BEATS;
+        self.seen
+            .iter()
+            .filter(|(_, s)| s.last.elapsed() > limit)
+            .map(|(id, s)| (id.clone(), s.agent.clone()))
+            .collect()
+    }
+
+    /// Instance records present at start (left by a previous run, or by hosts whose monitor was
+    /// down) get the same chance as everyone else: heartbeat within the limit or be declared dead.
+    async fn adopt_records(&mut self) {
+        for rec in store::all_instances(&self.app).await.unwrap_or_default() {
+            let agent = rec.agents.first().cloned().unwrap_or_default();
+            self.seen.entry(rec.instance_id).or_insert(Seen {
+                agent,
+                last: Instant::now(),
+            });
+        }
+    }
+}
+
+/// Run until `stop`: `sys` reads `$SYS` advisories, `app` does everything else.
+pub async fn run(
+    app: async_nats::Client,
+    sys: async_nats::Client,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let mut advisories = sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT").await?;
+    let mut beats = app.subscribe(subjects::HEALTH).await?;
+    let mut m = Monitor::new(app);
+    m.adopt_records().await;
+    let mut sweep = tokio::time::interval(Duration::from_millis(250));
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut stop => return Ok(()),
+            Some(msg) = advisories.next() => {
+                let Ok(adv) = serde_json::from_slice::<Advisory>(&msg.payload) else {
+                    m.malformed += 1;
+                    continue;
+                };
+                if let Some(id) = instance_of(&adv.client.name) {
+                    let id = id.to_string();
+                    let hint: Vec<String> = m.seen.get(&id).map(|s| vec![s.agent.clone()]).unwrap_or_default();
+                    m.instance_died(&id, &hint, DeathReason::Disconnect, &adv.reason).await;
+                }
+            }
+            Some(msg) = beats.next() => m.heartbeat(&msg.payload),
+            _ = sweep.tick() => {
+                for (id, agent) in m.silent() {
+                    m.instance_died(&id, &[agent], DeathReason::MissedHeartbeats, "no heartbeat for 3 intervals").await;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_oam_hosts_map_to_instances() {
+        assert_eq!(instance_of("oam-host-ab12"), Some("ab12"));
+        assert_eq!(instance_of("oam-host-"), None);
+        assert_eq!(instance_of("oam-node-n1"), None);
+        assert_eq!(instance_of(""), None);
+    }
+
+    #[test]
+    fn advisories_parse_with_missing_fields() {
+        let a: Advisory = serde_json::from_str(
+            r#"{"type":"io.nats.server.advisory.v1.client_disconnect","client":{"name":"oam-host-x","acc":"APP"},"reason":"Client Closed"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (a.client.name.as_str(), a.reason.as_str()),
+            ("oam-host-x", "Client Closed")
+        );
+        let empty: Advisory = serde_json::from_str("{}").unwrap();
+        assert!(instance_of(&empty.client.name).is_none());
+    }
+}
