@@ -193,13 +193,16 @@ async fn call(url: &str, c: CallArgs) -> Result<()> {
         ));
     }
     let nc = nats(url, "oam-agent-call").await?;
-    match client::call(
-        &nc,
-        &c.name,
-        payload.into_bytes().into(),
-        Duration::from_secs_f64(c.timeout),
-    )
-    .await
+    let caller = client::Caller::new(nc)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))?;
+    match caller
+        .call(
+            &c.name,
+            payload.into_bytes().into(),
+            Duration::from_secs_f64(c.timeout),
+        )
+        .await
     {
         Ok(body) => {
             let mut out = std::io::stdout().lock();

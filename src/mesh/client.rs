@@ -20,7 +20,8 @@ fn error(code: ErrorCode, agent: &str, request_id: &str, message: String) -> Mes
     }
 }
 
-/// Call `agent` with `payload`; the reply body on success.
+/// Call `agent` with `payload`; the reply body on success. (For fail-fast calls that watch the
+/// serving instance's death, use `Caller`.)
 pub async fn call(
     nats: &async_nats::Client,
     agent: &str,
@@ -28,6 +29,18 @@ pub async fn call(
     timeout: Duration,
 ) -> Result<Bytes, MeshError> {
     let request_id = crate::natsd::random_hex(16).unwrap_or_else(|_| "0".repeat(32));
+    call_with(nats, agent, payload, timeout, &request_id, None).await
+}
+
+async fn call_with(
+    nats: &async_nats::Client,
+    agent: &str,
+    payload: Bytes,
+    timeout: Duration,
+    request_id: &str,
+    ack_to: Option<&str>,
+) -> Result<Bytes, MeshError> {
+    let request_id = request_id.to_string();
     if !protocol::valid_agent_name(agent) {
         return Err(error(
             ErrorCode::InvalidInput,
@@ -38,6 +51,9 @@ pub async fn call(
     }
     let mut h = HeaderMap::new();
     h.insert(protocol::H_REQUEST_ID, request_id.as_str());
+    if let Some(ack_to) = ack_to {
+        h.insert(protocol::H_ACK_TO, ack_to);
+    }
     let request = nats.request_with_headers(subjects::agent(agent), h, payload);
     let reply = match tokio::time::timeout(timeout, request).await {
         Err(_) => {
@@ -105,4 +121,123 @@ pub async fn call(
     } else {
         reply.payload
     })
+}
+
+/// A caller that fails fast: every call races against the death of the instance that
+/// acknowledged it (or, for agents that do not acknowledge, of the agent itself). One shared
+/// subscription each for acknowledgements and deaths per client, not one per call.
+pub struct Caller {
+    nats: async_nats::Client,
+    ack_prefix: String,
+    pending: Arc<Mutex<HashMap<String, Pending>>>,
+    _watch: tokio::task::JoinHandle<()>,
+}
+
+struct Pending {
+    agent: String,
+    instance: Option<String>,
+    died: Option<tokio::sync::oneshot::Sender<MeshError>>,
+}
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+fn pending_map(
+    m: &Mutex<HashMap<String, Pending>>,
+) -> std::sync::MutexGuard<'_, HashMap<String, Pending>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Caller {
+    pub async fn new(nats: async_nats::Client) -> anyhow::Result<Caller> {
+        use futures_util::StreamExt;
+        let ack_prefix = format!("_INBOX.oam-ack.{}", crate::natsd::random_hex(8)?);
+        let mut acks = nats.subscribe(format!("{ack_prefix}.*")).await?;
+        let mut instance_deaths = nats.subscribe(subjects::INSTANCE_DEATHS).await?;
+        let mut deaths = nats.subscribe(subjects::DEATHS).await?;
+        nats.flush().await?;
+        let pending: Arc<Mutex<HashMap<String, Pending>>> = Arc::default();
+        let p = pending.clone();
+        let prefix_len = ack_prefix.len() + 1;
+        let watch = tokio::spawn(async move {
+            let fail = |p: &Mutex<HashMap<String, Pending>>,
+                        pred: &dyn Fn(&Pending) -> bool,
+                        notice: &protocol::DeathNotice| {
+                for (rid, call) in pending_map(p).iter_mut().filter(|(_, c)| pred(c)) {
+                    if let Some(tx) = call.died.take() {
+                        let _ = tx.send(MeshError {
+                            code: ErrorCode::AgentDied,
+                            message: format!(
+                                "instance {} of {} died holding the request ({:?})",
+                                notice.instance_id, call.agent, notice.reason
+                            ),
+                            agent: call.agent.clone(),
+                            request_id: rid.clone(),
+                            details: serde_json::json!({"instance_id": notice.instance_id, "reason": notice.reason, "detail": notice.detail}),
+                        });
+                    }
+                }
+            };
+            loop {
+                tokio::select! {
+                    Some(m) = acks.next() => {
+                        let rid = m.subject.get(prefix_len..).unwrap_or("").to_string();
+                        let instance = String::from_utf8_lossy(&m.payload).into_owned();
+                        if let Some(call) = pending_map(&p).get_mut(&rid) {
+                            call.instance = Some(instance);
+                        }
+                    }
+                    Some(m) = instance_deaths.next() => {
+                        if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
+                            fail(&p, &|c: &Pending| c.instance.as_deref() == Some(n.instance_id.as_str()), &n);
+                        }
+                    }
+                    Some(m) = deaths.next() => {
+                        if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
+                            fail(&p, &|c: &Pending| c.agent == n.agent, &n);
+                        }
+                    }
+                    else => return,
+                }
+            }
+        });
+        Ok(Caller {
+            nats,
+            ack_prefix,
+            pending,
+            _watch: watch,
+        })
+    }
+
+    /// Call `agent`; fails with `agent_died` as soon as the instance holding the request dies.
+    pub async fn call(
+        &self,
+        agent: &str,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, MeshError> {
+        let request_id = crate::natsd::random_hex(16).unwrap_or_else(|_| "0".repeat(32));
+        let (tx, died) = tokio::sync::oneshot::channel();
+        pending_map(&self.pending).insert(
+            request_id.clone(),
+            Pending {
+                agent: agent.to_string(),
+                instance: None,
+                died: Some(tx),
+            },
+        );
+        let ack_to = format!("{}.{request_id}", self.ack_prefix);
+        let result = tokio::select! {
+            r = call_with(&self.nats, agent, payload, timeout, &request_id, Some(&ack_to)) => r,
+            Ok(e) = died => Err(e),
+        };
+        pending_map(&self.pending).remove(&request_id);
+        result
+    }
+}
+
+impl Drop for Caller {
+    fn drop(&mut self) {
+        self._watch.abort();
+    }
 }

@@ -167,6 +167,10 @@ impl Instance {
         let Some(reply) = msg.reply.clone() else {
             return; // a plain publish: nobody waits for an answer
         };
+        if let Some(ack_to) = header(protocol::H_ACK_TO) {
+            // "I have it": from now on the caller watches this instance's death.
+            let _ = self.nats.publish(ack_to, self.id.clone().into()).await;
+        }
         match demo {
             Demo::Echo => {}
             Demo::Sleep(d) => tokio::time::sleep(d).await,

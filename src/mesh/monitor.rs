@@ -76,37 +76,38 @@ impl Monitor {
         if !store::claim_tombstone(&self.app, instance_id).await {
             return; // another monitor (or an earlier run) announced it
         }
+        let detected_at = store::rfc3339_now();
+        let notice = |agent: &str| DeathNotice {
+            agent: agent.to_string(),
+            reason,
+            detected_at: detected_at.clone(),
+            instance_id: instance_id.to_string(),
+            detail: (!detail.is_empty()).then(|| detail.to_string()),
+        };
+        // Callers holding a request on this instance learn it first, before any look-up.
+        let hint = agents_hint.first().map_or("", String::as_str);
+        if let Ok(body) = serde_json::to_vec(&notice(hint)) {
+            let _ = self
+                .app
+                .publish(subjects::instance_death(instance_id), body.into())
+                .await;
+            let _ = self.app.flush().await;
+        }
         let record = store::instance(&self.app, instance_id).await;
         let agents: Vec<String> = match &record {
             Some(InstanceRecord { agents, .. }) => agents.clone(),
             None => agents_hint.to_vec(),
         };
-        let detected_at = store::rfc3339_now();
         for agent in &agents {
-            let notice = DeathNotice {
-                agent: agent.clone(),
-                reason,
-                detected_at: detected_at.clone(),
-                instance_id: instance_id.to_string(),
-                detail: (!detail.is_empty()).then(|| detail.to_string()),
-            };
-            let Ok(body) = serde_json::to_vec(&notice) else {
-                continue;
-            };
-            // Callers holding a request on this instance learn it at once...
-            let _ = self
-                .app
-                .publish(subjects::instance_death(instance_id), body.clone().into())
-                .await;
-            // ...and the agent is dead when no other live instance serves it.
+            // The agent is dead when no other instance serves it.
             let others = store::instances_of(&self.app, agent)
                 .await
                 .unwrap_or_default();
             let alive_elsewhere = others.iter().any(|r| r.instance_id != instance_id);
-            if !alive_elsewhere {
+            if !alive_elsewhere && let Ok(body) = serde_json::to_vec(&notice(agent)) {
                 let _ = self.app.publish(subjects::death(agent), body.into()).await;
+                let _ = self.app.flush().await;
             }
-            let _ = self.app.flush().await;
             self.announced += 1;
             tracing::info!(
                 agent,

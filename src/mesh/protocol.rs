@@ -12,6 +12,9 @@ pub const H_INSTANCE_ID: &str = "X-Mesh-Instance-Id";
 pub const H_STREAM: &str = "X-Mesh-Stream";
 pub const H_STREAM_SEQ: &str = "X-Mesh-Stream-Seq";
 pub const H_STREAM_END: &str = "X-Mesh-Stream-End";
+/// oam's extension: where the serving instance acknowledges receipt with its instance id, so the
+/// caller can race the request against that instance's death. Other clients simply omit it.
+pub const H_ACK_TO: &str = "X-Mesh-Ack-To";
 
 /// Agent names: dot-separated segments of letters, digits, '-' and '_'.
 pub fn valid_agent_name(name: &str) -> bool {

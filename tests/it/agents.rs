@@ -335,3 +335,35 @@ async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
     let (ok, _, err) = call(&url, "demo.after", "{}", "5");
     assert!(ok, "{err}");
 }
+
+#[tokio::test]
+async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let mut holder = serve(&url, "demo.hold", "sleep:20000", &[]);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(nc).await.unwrap());
+    let c = caller.clone();
+    let pending = tokio::spawn(async move {
+        c.call("demo.hold", "{}".into(), Duration::from_secs(30))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await; // the only replica has it now
+    // Another replica comes up: the agent as a whole stays alive.
+    let _other = serve(&url, "demo.hold", "sleep:20000", &[]);
+    let killed = Instant::now();
+    holder.kill();
+    let result = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .expect("the call ended")
+        .unwrap();
+    let waited = killed.elapsed();
+    let err = result.expect_err("the request died with its instance");
+    assert_eq!(err.code, oam::mesh::protocol::ErrorCode::AgentDied, "{err}");
+    assert_eq!(err.details["instance_id"], holder.ready["instances"][0]);
+    // Milliseconds, not the 30 s timeout (an order-of-magnitude check, not a benchmark).
+    assert!(waited < Duration::from_secs(2), "{waited:?}");
+}
