@@ -25,6 +25,8 @@ pub enum Command {
     Call(CallArgs),
     /// List the agents in the mesh catalog.
     List(ListArgs),
+    /// Measure liveness (SIGKILL/SIGSTOP to failure) and echo speed on a running mesh.
+    Bench(super::agent_bench::Args),
 }
 
 #[derive(clap::Args, Debug)]
@@ -87,6 +89,7 @@ pub async fn run(a: Args) -> Result<()> {
         Command::Serve(s) => serve(&url, s).await,
         Command::Call(c) => call(&url, c).await,
         Command::List(l) => list(&url, l).await,
+        Command::Bench(b) => super::agent_bench::run(&url, b).await,
     }
 }
 

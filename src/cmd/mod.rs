@@ -1,6 +1,7 @@
 //! One module per subcommand: its clap `Args` and its `run`. Glue only; decisions live in `core`.
 
 pub mod agent;
+pub mod agent_bench;
 pub mod bench;
 pub mod decide;
 pub mod listen;

@@ -28,8 +28,20 @@ pub async fn call(
     payload: Bytes,
     timeout: Duration,
 ) -> Result<Bytes, MeshError> {
-    let request_id = crate::natsd::random_hex(16).unwrap_or_else(|_| "0".repeat(32));
-    call_with(nats, agent, payload, timeout, &request_id, None).await
+    call_with(nats, agent, payload, timeout, &request_id(), None).await
+}
+
+/// A unique request id (32 hex digits): a per-process random prefix and a counter, so a call
+/// costs no system call for randomness.
+pub fn request_id() -> String {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static PREFIX: OnceLock<String> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let prefix = PREFIX.get_or_init(|| {
+        crate::natsd::random_hex(8).unwrap_or_else(|_| format!("{:016x}", std::process::id()))
+    });
+    format!("{prefix}{:016x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 async fn call_with(
@@ -216,7 +228,7 @@ impl Caller {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, MeshError> {
-        let request_id = crate::natsd::random_hex(16).unwrap_or_else(|_| "0".repeat(32));
+        let request_id = request_id();
         let (tx, died) = tokio::sync::oneshot::channel();
         pending_map(&self.pending).insert(
             request_id.clone(),

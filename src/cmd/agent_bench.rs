@@ -1,0 +1,308 @@
+//! `oam agent bench`: the agent mesh's liveness and speed, measured against real processes on a
+//! running mesh (start one with `oam mesh up`; its monitor must be running). Every loop is
+//! bounded in count and time, and every agent process it starts is stopped by PID.
+//!
+//! - kill: SIGKILL an agent while it holds a call; time until the caller gets `agent_died`.
+//! - replica: the same while another replica of the agent lives.
+//! - freeze: SIGSTOP an agent; time until its death notice.
+//! - echo: sequential call latency, and throughput with C concurrent callers next to raw
+//!   async-nats request/reply measured in the same run.
+
+use crate::error::{Error, Kind, Result};
+use crate::mesh::client::Caller;
+use crate::mesh::protocol::ErrorCode;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use futures_util::StreamExt;
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Kills to measure (each for the plain and the replica case).
+    #[arg(long, default_value_t = 20)]
+    pub kills: usize,
+    /// Freezes (SIGSTOP) to measure.
+    #[arg(long, default_value_t = 3)]
+    pub freezes: usize,
+    /// Sequential echo calls.
+    #[arg(long, default_value_t = 2_000)]
+    pub echoes: usize,
+    /// Concurrent callers for the throughput runs.
+    #[arg(short = 'c', long, default_value_t = 50)]
+    pub concurrency: usize,
+    /// Seconds per throughput run.
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Print the results as one JSON document.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Agent(Child);
+
+impl Agent {
+    fn start(url: &str, name: &str, demo: &str) -> Result<Agent> {
+        let exe = std::env::current_exe().map_err(|e| Error::new(Kind::Check, e))?;
+        let mut child = Command::new(exe)
+            .args([
+                "agent",
+                "serve",
+                name,
+                "--demo",
+                demo,
+                "--concurrency",
+                "64",
+                "--json",
+                "--nats-url",
+                url,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| Error::new(Kind::Check, e))?;
+        // The ready line means registered and subscribed.
+        let out = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::new(Kind::Check, anyhow::anyhow!("no stdout")))?;
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)
+            .map_err(|e| Error::new(Kind::Check, e))?;
+        if line.is_empty() {
+            return Err(Error::new(
+                Kind::Check,
+                anyhow::anyhow!("agent {name} did not start"),
+            ));
+        }
+        Ok(Agent(child))
+    }
+
+    fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([sig, &self.0.id().to_string()])
+            .status();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn percentiles(mut v: Vec<f64>) -> serde_json::Value {
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    serde_json::json!({"n": v.len(), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": v.last().copied().unwrap_or(0.0)})
+}
+
+async fn kill_case(
+    url: &str,
+    caller: &Caller,
+    kills: usize,
+    replica: bool,
+) -> Result<serde_json::Value> {
+    let mut times = Vec::new();
+    for i in 0..kills {
+        let name = format!("bench.hold{}.{i}", if replica { "r" } else { "" });
+        let holder = Agent::start(url, &name, "hang")?;
+        let call = caller.call(&name, "{}".into(), Duration::from_secs(30));
+        tokio::pin!(call);
+        // Let the only instance take the request.
+        if tokio::time::timeout(Duration::from_millis(200), &mut call)
+            .await
+            .is_ok()
+        {
+            return Err(Error::new(
+                Kind::Check,
+                anyhow::anyhow!("the hang agent answered"),
+            ));
+        }
+        let _other = if replica {
+            Some(Agent::start(url, &name, "hang")?)
+        } else {
+            None
+        };
+        let t0 = Instant::now();
+        holder.signal("-KILL");
+        match tokio::time::timeout(Duration::from_secs(35), call).await {
+            Ok(Err(e)) if e.code == ErrorCode::AgentDied => {
+                times.push(t0.elapsed().as_secs_f64() * 1e3)
+            }
+            other => tracing::warn!("kill {i}: expected agent_died, got {other:?}"),
+        }
+    }
+    Ok(percentiles(times))
+}
+
+async fn freeze_case(
+    url: &str,
+    nats: &async_nats::Client,
+    freezes: usize,
+) -> Result<serde_json::Value> {
+    let mut times = Vec::new();
+    for i in 0..freezes {
+        let name = format!("bench.frozen.{i}");
+        let agent = Agent::start(url, &name, "echo")?;
+        let mut deaths = nats
+            .subscribe(crate::transport::subjects::death(&name))
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e))?;
+        tokio::time::sleep(Duration::from_millis(1_500)).await; // the monitor has seen it beat
+        let t0 = Instant::now();
+        agent.signal("-STOP");
+        if tokio::time::timeout(Duration::from_secs(20), deaths.next())
+            .await
+            .is_ok()
+        {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(percentiles(times))
+}
+
+/// Requests per second with `c` concurrent requesters for `secs`, each doing `one`.
+async fn throughput<F, Fut>(c: usize, secs: f64, one: F) -> f64
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = bool> + Send,
+{
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..c {
+        let one = one.clone();
+        tasks.spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < deadline {
+                if one().await {
+                    n += 1;
+                }
+            }
+            n
+        });
+    }
+    let mut total = 0;
+    while let Some(Ok(n)) = tasks.join_next().await {
+        total += n;
+    }
+    total as f64 / secs
+}
+
+pub async fn run(url: &str, a: Args) -> Result<()> {
+    let nats = crate::transport::connect::connect(url, "oam-agent-bench", false)
+        .await
+        .map_err(|e| {
+            Error::new(
+                Kind::Unreachable,
+                anyhow::anyhow!("cannot reach NATS ({e}); start `oam mesh up` first"),
+            )
+        })?;
+    let caller = std::sync::Arc::new(
+        Caller::new(nats.clone())
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e))?,
+    );
+
+    let kill = kill_case(url, &caller, a.kills, false).await?;
+    let replica = kill_case(url, &caller, a.kills, true).await?;
+    let freeze = freeze_case(url, &nats, a.freezes).await?;
+
+    let _echo = Agent::start(url, "bench.echo", "echo")?;
+    let mut seq = Vec::with_capacity(a.echoes);
+    for _ in 0..a.echoes {
+        let t0 = Instant::now();
+        if caller
+            .call("bench.echo", "{}".into(), Duration::from_secs(5))
+            .await
+            .is_ok()
+        {
+            seq.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let echo_seq = percentiles(seq);
+    let c = caller.clone();
+    let mesh_rps = throughput(a.concurrency, a.seconds, move || {
+        let c = c.clone();
+        async move {
+            c.call("bench.echo", "{}".into(), Duration::from_secs(5))
+                .await
+                .is_ok()
+        }
+    })
+    .await;
+    // Raw async-nats request/reply, same machine, same run: the ceiling to compare against.
+    let mut raw = nats
+        .subscribe("bench.raw.echo")
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))?;
+    let responder_nats = nats.clone();
+    let responder = tokio::spawn(async move {
+        while let Some(m) = raw.next().await {
+            if let Some(reply) = m.reply {
+                let _ = responder_nats.publish(reply, m.payload).await;
+            }
+        }
+    });
+    let n = nats.clone();
+    let raw_rps = throughput(a.concurrency, a.seconds, move || {
+        let n = n.clone();
+        async move { n.request("bench.raw.echo", "{}".into()).await.is_ok() }
+    })
+    .await;
+    responder.abort();
+
+    let doc = serde_json::json!({
+        "sigkill_to_agent_died": kill,
+        "replica_sigkill_to_agent_died": replica,
+        "sigstop_to_death_notice": freeze,
+        "echo_sequential": echo_seq,
+        "echo_concurrent_rps": mesh_rps,
+        "raw_request_reply_rps": raw_rps,
+        "concurrency": a.concurrency,
+        "ratio_to_raw": if raw_rps > 0.0 { mesh_rps / raw_rps } else { 0.0 },
+    });
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(out, "{doc:#}")?;
+    } else {
+        let mut t = Table::new();
+        t.load_style(UTF8_FULL_CONDENSED);
+        t.set_header(vec!["measure", "n", "p50", "p99", "max"]);
+        for (label, key) in [
+            ("SIGKILL -> agent_died", "sigkill_to_agent_died"),
+            (
+                "replica SIGKILL -> agent_died",
+                "replica_sigkill_to_agent_died",
+            ),
+            ("SIGSTOP -> death notice", "sigstop_to_death_notice"),
+            ("echo, sequential", "echo_sequential"),
+        ] {
+            let v = &doc[key];
+            t.add_row(vec![
+                label.to_string(),
+                v["n"].to_string(),
+                format!("{:.2} ms", v["p50_ms"].as_f64().unwrap_or(0.0)),
+                format!("{:.2} ms", v["p99_ms"].as_f64().unwrap_or(0.0)),
+                format!("{:.2} ms", v["max_ms"].as_f64().unwrap_or(0.0)),
+            ]);
+        }
+        writeln!(out, "{t}")?;
+        writeln!(
+            out,
+            "echo with {} concurrent callers: {:.0} req/s through the mesh, {:.0} req/s raw request/reply ({:.0}%)",
+            a.concurrency,
+            mesh_rps,
+            raw_rps,
+            100.0 * doc["ratio_to_raw"].as_f64().unwrap_or(0.0)
+        )?;
+    }
+    Ok(())
+}
