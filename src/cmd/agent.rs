@@ -12,7 +12,8 @@ use std::time::Duration;
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
-    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then nats://127.0.0.1:4222.
+    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
+    /// .oam/, then nats://127.0.0.1:4222.
     #[arg(long, global = true)]
     pub nats_url: Option<String>,
 }
@@ -66,9 +67,7 @@ pub struct ListArgs {
 }
 
 fn url(flag: &Option<String>) -> String {
-    flag.clone()
-        .or_else(|| std::env::var(connect::ENV_URL).ok())
-        .unwrap_or_else(|| connect::DEFAULT_URL.to_string())
+    connect::resolve_url(flag.clone())
 }
 
 async fn nats(url: &str, name: &str) -> Result<async_nats::Client> {

@@ -20,11 +20,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let url = a
-        .nats_url
-        .clone()
-        .or_else(|| std::env::var(connect::ENV_URL).ok())
-        .unwrap_or_else(|| connect::DEFAULT_URL.to_string());
+    let url = connect::resolve_url(a.nats_url.clone());
     let nc = connect::connect(&url, "oam-listen", false)
         .await
         .map_err(|e| {

@@ -8,6 +8,18 @@ use std::time::Duration;
 pub const ENV_URL: &str = "OAM_NATS_URL";
 pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
 
+/// The NATS URL to use: the flag, then `$OAM_NATS_URL`, then the application URL of a local
+/// mesh recorded in `.oam/` (by `oam mesh up`), then `nats://127.0.0.1:4222`.
+pub fn resolve_url(flag: Option<String>) -> String {
+    flag.or_else(|| std::env::var(ENV_URL).ok())
+        .or_else(|| {
+            let text = std::fs::read_to_string(".oam/credentials.json").ok()?;
+            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            v["app_url"].as_str().map(String::from)
+        })
+        .unwrap_or_else(|| DEFAULT_URL.to_string())
+}
+
 /// Connect as `name`. With `wait_for_server`, a server that is not up yet is retried in the
 /// background and this returns at once; otherwise an unreachable server is an error.
 pub async fn connect(
@@ -42,6 +54,7 @@ pub async fn connect(
                     async_nats::Event::Disconnected => {
                         tracing::warn!(conn = %conn_name, "NATS disconnected; reconnecting")
                     }
+                    async_nats::Event::Closed => tracing::debug!(conn = %conn_name, "NATS closed"),
                     async_nats::Event::ClientError(e) => {
                         tracing::debug!(conn = %conn_name, "NATS client error: {e}")
                     }
