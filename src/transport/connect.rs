@@ -49,7 +49,7 @@ pub async fn connect(
             async move {
                 match event {
                     async_nats::Event::Connected => {
-                        tracing::info!(conn = %conn_name, "NATS connected")
+                        tracing::debug!(conn = %conn_name, "NATS connected")
                     }
                     async_nats::Event::Disconnected => {
                         tracing::warn!(conn = %conn_name, "NATS disconnected; reconnecting")
