@@ -367,3 +367,74 @@ async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
     // Milliseconds, not the 30 s timeout (an order-of-magnitude check, not a benchmark).
     assert!(waited < Duration::from_secs(2), "{waited:?}");
 }
+
+#[tokio::test]
+async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
+    nc.flush().await.unwrap();
+
+    // A record left behind while no monitor ran: an instance that registered and vanished.
+    let ghost = oam::mesh::protocol::CatalogEntry {
+        name: "demo.ghost".into(),
+        description: "left behind".into(),
+        version: "0.1.0".into(),
+        tags: vec![],
+        invocable: true,
+        streaming: false,
+    };
+    oam::mesh::store::register(&nc, &ghost, "deadbeef00000001")
+        .await
+        .unwrap();
+    let mut first = monitor(&server);
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the ghost is declared dead");
+    assert_eq!(notice["agent"], "demo.ghost");
+    assert_eq!(notice["reason"], "missed_heartbeats");
+    let list = oam(&url)
+        .args(["agent", "list", "--json"])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&list.stdout).contains("demo.ghost"));
+
+    // The monitor restarts while an agent lives; the agent's later death is announced once.
+    let mut agent = serve(&url, "demo.live", "echo", &[]);
+    first.kill();
+    let _second = monitor(&server);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    agent.kill();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("announced by the new monitor");
+    assert_eq!(notice["agent"], "demo.live");
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(800))
+            .await
+            .is_none(),
+        "once"
+    );
+
+    // Malformed advisories on the system account do not stop it.
+    let sys = oam::transport::connect::connect(
+        &oam::natsd::sys_url(server.port, &server.creds),
+        "test-sys",
+        false,
+    )
+    .await
+    .unwrap();
+    sys.publish("$SYS.ACCOUNT.APP.DISCONNECT", "garbage".into())
+        .await
+        .unwrap();
+    sys.flush().await.unwrap();
+    let mut again = serve(&url, "demo.after", "echo", &[]);
+    again.kill();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("still announcing");
+    assert_eq!(notice["agent"], "demo.after");
+}
