@@ -16,6 +16,10 @@ fn client() -> reqwest::Client {
     crate::support::http(Duration::from_secs(10))
 }
 
+async fn get_json(c: &reqwest::Client, url: String) -> Value {
+    c.get(url).send().await.unwrap().json().await.unwrap()
+}
+
 fn chat(question: &str) -> Value {
     json!({"model": "ignored-by-provider-path", "messages": [{"role": "user", "content": question}]})
 }
@@ -61,14 +65,7 @@ async fn answers_in_the_openai_shape_and_meet_the_contract() {
         .expect("healthy answers pass");
     assert!(confidence.unwrap() >= 0.86);
 
-    let models: Value = c
-        .get(format!("{url}/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = get_json(&c, format!("{url}/v1/models")).await;
     let ids: Vec<&str> = models["data"]
         .as_array()
         .unwrap()
@@ -179,14 +176,7 @@ async fn error_rate_limit_reset_and_hang_behave_like_real_failures() {
     assert!(err.is_timeout(), "{err}");
 
     // The fault list shows all three with time left; clearing one restores it at once.
-    let faults: Value = c
-        .get(format!("{url}/sim/faults"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let faults: Value = get_json(&c, format!("{url}/sim/faults")).await;
     let listed: Vec<(&str, &str)> = faults["faults"]
         .as_array()
         .unwrap()
@@ -294,14 +284,7 @@ async fn bad_input_gets_a_clear_openai_error() {
         assert_eq!(r.status(), 400, "{bad}");
     }
     // Nothing bad was applied.
-    let v: Value = c
-        .get(format!("{url}/sim/faults"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = get_json(&c, format!("{url}/sim/faults")).await;
     assert_eq!(v["faults"], json!([]));
 }
 
