@@ -248,8 +248,29 @@ pub async fn serve(
         let me = instance.clone();
         tokio::spawn(async move {
             let mut beat = tokio::time::interval(heartbeat_every);
+            let stats = me.nats.statistics();
+            let mut connects_seen = stats.connects.load(Ordering::Relaxed);
             loop {
                 beat.tick().await;
+                if me.nats.connection_state() != async_nats::connection::State::Connected {
+                    continue;
+                }
+                let connects = stats.connects.load(Ordering::Relaxed);
+                if connects != connects_seen {
+                    // Back after a network blip: the server (and its KV state) may be new, or a
+                    // monitor may have declared us dead meanwhile. Register again.
+                    store::clear_tombstone(&me.nats, &me.id).await;
+                    match store::register(&me.nats, &me.entry, &me.id).await {
+                        Ok(()) => {
+                            connects_seen = connects;
+                            tracing::info!(agent = %me.entry.name, instance = %me.id, "re-registered after reconnecting");
+                        }
+                        Err(e) => {
+                            tracing::warn!("re-registration failed, retrying: {e:#}");
+                            continue;
+                        }
+                    }
+                }
                 if let Ok(b) = serde_json::to_vec(&me.heartbeat()) {
                     let _ = me
                         .nats

@@ -211,6 +211,14 @@ pub async fn claim_tombstone(nats: &async_nats::Client, instance_id: &str) -> bo
     }
 }
 
+/// An instance declared dead that is back (after a network blip): its next death must be
+/// announced again.
+pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str) {
+    if let Ok(store) = bucket(nats, subjects::TOMBSTONES_BUCKET, Duration::from_secs(120)).await {
+        let _ = store.purge(instance_id).await;
+    }
+}
+
 /// Remove a dead instance's record, and each of its agents that no other instance serves from
 /// the catalog and the registry.
 pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, agents: &[String]) {

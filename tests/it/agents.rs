@@ -438,3 +438,30 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
         .expect("still announcing");
     assert_eq!(notice["agent"], "demo.after");
 }
+
+#[tokio::test]
+async fn hosts_reconnect_and_register_again_after_a_blip() {
+    let server = NatsServer::start();
+    let (port, creds, url) = (server.port, server.creds.clone(), server.url());
+    let _agent = serve(&url, "demo.blip", "echo", &[]);
+    let (ok, _, err) = call(&url, "demo.blip", "{}", "5");
+    assert!(ok, "{err}");
+
+    // The server goes away and a new one (with empty JetStream state) takes its place.
+    drop(server);
+    let _server = NatsServer::start_on(port, creds).unwrap();
+    let back = crate::support::eventually(Duration::from_secs(15), || {
+        let url = url.clone();
+        async move {
+            let list = oam(&url).args(["agent", "list", "--json"]).output().ok()?;
+            let listed = String::from_utf8_lossy(&list.stdout).contains("demo.blip");
+            let (ok, _, _) = call(&url, "demo.blip", "{}", "2");
+            (listed && ok).then_some(())
+        }
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "the host did not come back into the catalog and serve"
+    );
+}
