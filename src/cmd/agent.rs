@@ -45,6 +45,10 @@ pub struct ServeArgs {
     pub concurrency: usize,
     #[arg(long, default_value = "oam demo agent")]
     pub description: String,
+    /// Declare the longest a request may take; past it the caller gets `stuck` instead of
+    /// waiting out its own timeout.
+    #[arg(long)]
+    pub max_handling_ms: Option<u64>,
     /// Print the ready line as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -111,6 +115,7 @@ async fn serve(url: &str, s: ServeArgs) -> Result<()> {
         tags: vec!["demo".into()],
         invocable: true,
         streaming: false,
+        max_handling_ms: s.max_handling_ms,
     };
     let mut instances = Vec::new();
     for _ in 0..s.replicas {

@@ -178,18 +178,43 @@ impl Instance {
                 Demo::Hang => std::future::pending::<()>().await,
             }
         };
-        match header(protocol::H_ACK_TO) {
+        // A declared maximum handling time bounds the work: past it the caller hears `stuck`.
+        let max = self.entry.max_handling_ms.map(Duration::from_millis);
+        let bounded = async {
+            match max {
+                Some(limit) => tokio::time::timeout(limit, work).await.is_ok(),
+                None => {
+                    work.await;
+                    true
+                }
+            }
+        };
+        let finished = match header(protocol::H_ACK_TO) {
             // "I have it": a request still running after ACK_AFTER is acknowledged with this
             // instance's id, so the caller races it against this instance's death. Answers
             // faster than that need no acknowledgement (and cost no extra message).
             Some(ack_to) => {
-                tokio::pin!(work);
-                if tokio::time::timeout(ACK_AFTER, &mut work).await.is_err() {
-                    let _ = self.nats.publish(ack_to, self.id.clone().into()).await;
-                    work.await;
+                tokio::pin!(bounded);
+                match tokio::time::timeout(ACK_AFTER, &mut bounded).await {
+                    Ok(done) => done,
+                    Err(_) => {
+                        let _ = self.nats.publish(ack_to, self.id.clone().into()).await;
+                        bounded.await
+                    }
                 }
             }
-            None => work.await,
+            None => bounded.await,
+        };
+        if !finished {
+            let limit = self.entry.max_handling_ms.unwrap_or_default();
+            self.reply_error(
+                Some(reply),
+                &request_id,
+                ErrorCode::Stuck,
+                format!("the handler ran past its declared maximum handling time of {limit} ms"),
+            )
+            .await;
+            return;
         }
         match demo {
             Demo::Echo | Demo::Sleep(_) | Demo::Hang => {}

@@ -41,6 +41,10 @@ pub struct CatalogEntry {
     pub invocable: bool,
     #[serde(default)]
     pub streaming: bool,
+    /// oam's extension: the longest a handler may take; past it the caller hears `stuck`.
+    /// (Other clients ignore the field.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_handling_ms: Option<u64>,
 }
 
 fn default_version() -> String {
@@ -67,6 +71,7 @@ pub fn registry_entry(entry: &CatalogEntry, registered_at: &str) -> Value {
             "subject": crate::transport::subjects::agent(&entry.name),
             "tags": entry.tags,
             "registered_at": registered_at,
+            "max_handling_ms": entry.max_handling_ms,
         },
     })
 }
@@ -85,6 +90,8 @@ pub enum ErrorCode {
     InvalidInput,
     HandlerError,
     InvocationMismatch,
+    /// The handler ran past the maximum handling time its agent declared.
+    Stuck,
     #[serde(other)]
     Unknown,
 }
@@ -99,6 +106,7 @@ impl ErrorCode {
             ErrorCode::InvalidInput => "invalid_input",
             ErrorCode::HandlerError => "handler_error",
             ErrorCode::InvocationMismatch => "invocation_mismatch",
+            ErrorCode::Stuck => "stuck",
             ErrorCode::Unknown => "unknown",
         }
     }

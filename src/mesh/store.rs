@@ -237,6 +237,7 @@ pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, agent
             tags: Vec::new(),
             invocable: true,
             streaming: false,
+            max_handling_ms: None,
         };
         let _ = update_catalog(nats, &entry, false).await;
         if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {

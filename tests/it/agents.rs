@@ -386,6 +386,7 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
         tags: vec![],
         invocable: true,
         streaming: false,
+        max_handling_ms: None,
     };
     oam::mesh::store::register(&nc, &ghost, "deadbeef00000001")
         .await
@@ -464,4 +465,30 @@ async fn hosts_reconnect_and_register_again_after_a_blip() {
         back.is_some(),
         "the host did not come back into the catalog and serve"
     );
+}
+
+#[tokio::test]
+async fn a_stuck_handler_is_reported_as_stuck_not_as_a_timeout() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let _stuck = serve(&url, "demo.stuck", "hang", &["--max-handling-ms", "300"]);
+    let started = Instant::now();
+    let (ok, _, err) = call(&url, "demo.stuck", "{}", "20");
+    assert!(!ok && err.starts_with("oam: stuck"), "{err}");
+    assert!(err.contains("300 ms"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "not the caller's 20 s timeout"
+    );
+    // The declared limit is part of the agent's contract.
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let kv = async_nats::jetstream::new(nc)
+        .get_key_value("mesh-registry")
+        .await
+        .unwrap();
+    let contract: Value =
+        serde_json::from_slice(&kv.get("demo.stuck").await.unwrap().unwrap()).unwrap();
+    assert_eq!(contract["x-agentmesh"]["max_handling_ms"], 300);
 }
