@@ -34,7 +34,7 @@ pub enum Command {
 pub struct ServeArgs {
     /// The agent's name (dot-separated, e.g. demo.echo).
     pub name: String,
-    /// What it does: echo, sleep:MS, hang or fail.
+    /// What it does: echo, sleep:MS, hang, fail, or chat (answers chat requests like a model).
     #[arg(long, default_value = "echo")]
     pub demo: Demo,
     /// Instances to run in this process (each its own connection and instance id).

@@ -30,6 +30,8 @@ pub enum Demo {
     Hang,
     /// Reply with a `handler_error`.
     Fail,
+    /// Answer a chat request with a chat completion (a model provider on the mesh).
+    Chat,
 }
 
 impl std::str::FromStr for Demo {
@@ -39,10 +41,11 @@ impl std::str::FromStr for Demo {
             "echo" => Ok(Demo::Echo),
             "hang" => Ok(Demo::Hang),
             "fail" => Ok(Demo::Fail),
+            "chat" => Ok(Demo::Chat),
             _ => match s.strip_prefix("sleep:").map(str::parse::<u64>) {
                 Some(Ok(ms)) => Ok(Demo::Sleep(Duration::from_millis(ms))),
                 _ => Err(format!(
-                    "unknown demo {s:?}; use echo, sleep:MS (e.g. sleep:50), hang or fail"
+                    "unknown demo {s:?}; use echo, sleep:MS (e.g. sleep:50), hang, fail or chat"
                 )),
             },
         }
@@ -173,7 +176,7 @@ impl Instance {
         // The handler's own work. Demo handlers are trivial; a real one would run here.
         let work = async {
             match demo {
-                Demo::Echo | Demo::Fail => {}
+                Demo::Echo | Demo::Fail | Demo::Chat => {}
                 Demo::Sleep(d) => tokio::time::sleep(d).await,
                 Demo::Hang => std::future::pending::<()>().await,
             }
@@ -218,6 +221,21 @@ impl Instance {
         }
         match demo {
             Demo::Echo | Demo::Sleep(_) | Demo::Hang => {}
+            Demo::Chat => {
+                let content = serde_json::json!({
+                    "answer": format!("{} answers", self.entry.name),
+                    "confidence": 0.9,
+                })
+                .to_string();
+                let body = serde_json::json!({
+                    "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9},
+                });
+                let bytes = serde_json::to_vec(&body).unwrap_or_default();
+                self.reply_ok(reply, &request_id, bytes.into()).await;
+                return;
+            }
             Demo::Fail => {
                 self.reply_error(
                     Some(reply),

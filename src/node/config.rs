@@ -17,6 +17,7 @@
 //! base_url = "http://127.0.0.1:8081/primary/v1"
 //! model = "sim-large"
 //! api_key_env = "OPENAI_API_KEY"   # optional: the key is read from this variable
+//! # agent = "llm.local"            # instead of base_url: a mesh agent answering chat requests
 //! cost_per_1k_tokens_usd = 0.01
 //! fallback = false
 //!
@@ -63,7 +64,12 @@ impl Default for NodeSettings {
 pub struct ProviderConfig {
     pub id: String,
     /// The OpenAI-compatible base URL (what `/chat/completions` is appended to).
+    #[serde(default)]
     pub base_url: String,
+    /// Or: the provider is an agent on the mesh, called by this name with the chat request as
+    /// its payload and answering with a chat completion. Its death notice marks it down at once.
+    #[serde(default)]
+    pub agent: Option<String>,
     pub model: String,
     #[serde(default)]
     pub api_key_env: Option<String>,
@@ -93,6 +99,7 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
         .into_iter()
         .map(|p| ProviderConfig {
             base_url: format!("{sim_url}/{}/v1", p.id),
+            agent: None,
             id: p.id.to_string(),
             model: p.model.to_string(),
             api_key_env: None,
@@ -135,10 +142,22 @@ impl NodeConfig {
             if !seen.insert(&p.id) {
                 return Err(format!("{at}: id is listed twice"));
             }
-            if !(p.base_url.starts_with("http://") || p.base_url.starts_with("https://")) {
-                return Err(format!(
-                    "{at}: base_url must start with http:// or https://"
-                ));
+            match &p.agent {
+                Some(agent) => {
+                    if !crate::mesh::protocol::valid_agent_name(agent) || !p.base_url.is_empty() {
+                        return Err(format!(
+                            "{at}: agent must be a valid agent name, and a provider has either \
+                             an agent or a base_url, not both"
+                        ));
+                    }
+                }
+                None => {
+                    if !(p.base_url.starts_with("http://") || p.base_url.starts_with("https://")) {
+                        return Err(format!(
+                            "{at}: base_url must start with http:// or https://"
+                        ));
+                    }
+                }
             }
             if !(p.cost_per_1k_tokens_usd.is_finite() && p.cost_per_1k_tokens_usd >= 0.0) {
                 return Err(format!("{at}: cost_per_1k_tokens_usd must be >= 0"));
@@ -247,6 +266,10 @@ limit_usd = 5.0
             (
                 "[node]\ncluster_size = 0\n",
                 ["oam.toml", "node.cluster_size", "at least 1"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nagent = \"llm.x\"\nbase_url = \"http://x\"\nmodel = \"m\"\n",
+                ["oam.toml", "provider[0]", "not both"],
             ),
         ];
         for (text, needles) in cases {

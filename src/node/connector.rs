@@ -21,6 +21,9 @@ pub fn http_client(timeout: Option<Duration>) -> reqwest::Result<reqwest::Client
 
 pub struct Connector {
     pub id: String,
+    /// Set when the provider is a mesh agent: called over NATS instead of HTTP.
+    pub agent: Option<String>,
+    nats: Option<async_nats::Client>,
     url: String,
     model: String,
     api_key: Option<String>,
@@ -28,9 +31,15 @@ pub struct Connector {
 }
 
 impl Connector {
-    pub fn new(cfg: &ProviderConfig, http: reqwest::Client) -> Self {
+    pub fn new(
+        cfg: &ProviderConfig,
+        http: reqwest::Client,
+        nats: Option<async_nats::Client>,
+    ) -> Self {
         Connector {
             id: cfg.id.clone(),
+            agent: cfg.agent.clone(),
+            nats,
             url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
             model: cfg.model.clone(),
             api_key: cfg
@@ -58,6 +67,11 @@ impl Connector {
             body["response_format"] = rf.clone();
         }
         let started = Instant::now();
+        if let (Some(agent), Some(nats)) = (&self.agent, &self.nats) {
+            return self
+                .generate_on_mesh(nats, agent, &body, timeout, started)
+                .await;
+        }
         let mut req = self.http.post(&self.url).json(&body);
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
@@ -102,29 +116,66 @@ impl Connector {
                 .unwrap_or_default();
             return failed(GenerationStatus::Error, format!("HTTP {status} {detail}"));
         }
-        let Ok(v) = serde_json::from_slice::<Value>(&bytes) else {
-            return failed(
-                GenerationStatus::Error,
-                "the response body is not a JSON chat completion".into(),
-            );
-        };
-        let choice = &v["choices"][0];
-        let usage = v.get("usage").map(|u| Usage {
-            prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
-            completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
-        });
-        Generation {
-            status: GenerationStatus::Ok,
-            content: choice["message"]["content"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-            finish_reason: choice["finish_reason"].as_str().map(String::from),
-            latency_ms,
-            usage,
-            retry_after_ms: None,
-            error: None,
+        completion(&bytes, latency_ms)
+    }
+}
+
+impl Connector {
+    /// A provider that is a mesh agent: the chat request is its payload, a chat completion its
+    /// answer.
+    async fn generate_on_mesh(
+        &self,
+        nats: &async_nats::Client,
+        agent: &str,
+        body: &Value,
+        timeout: Duration,
+        started: Instant,
+    ) -> Generation {
+        use crate::mesh::protocol::ErrorCode;
+        let payload = serde_json::to_vec(body).unwrap_or_default();
+        let result = crate::mesh::client::call(nats, agent, payload.into(), timeout).await;
+        let latency_ms = started.elapsed().as_millis() as u64;
+        match result {
+            Ok(bytes) => completion(&bytes, latency_ms),
+            Err(e) => {
+                let status = if e.code == ErrorCode::Timeout {
+                    GenerationStatus::Timeout
+                } else {
+                    GenerationStatus::Error
+                };
+                Generation {
+                    error: Some(e.to_string()),
+                    ..Generation::failed(status, latency_ms)
+                }
+            }
         }
+    }
+}
+
+/// Read a chat completion body into a `Generation`.
+fn completion(bytes: &[u8], latency_ms: u64) -> Generation {
+    let Ok(v) = serde_json::from_slice::<Value>(bytes) else {
+        return Generation {
+            error: Some("the response body is not a JSON chat completion".into()),
+            ..Generation::failed(GenerationStatus::Error, latency_ms)
+        };
+    };
+    let choice = &v["choices"][0];
+    let usage = v.get("usage").map(|u| Usage {
+        prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
+        completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
+    });
+    Generation {
+        status: GenerationStatus::Ok,
+        content: choice["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        finish_reason: choice["finish_reason"].as_str().map(String::from),
+        latency_ms,
+        usage,
+        retry_after_ms: None,
+        error: None,
     }
 }
 

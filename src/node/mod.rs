@@ -63,6 +63,9 @@ pub struct Node {
     /// Woken whenever a request finishes, so queued requests re-check for a free slot.
     slot_freed: tokio::sync::Notify,
     pub http_url: Mutex<Option<String>>,
+    /// Providers that are mesh agents whose death notice arrived; UNHEALTHY until a probe
+    /// succeeds again.
+    down: Mutex<std::collections::BTreeSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -76,7 +79,12 @@ impl Node {
         let connectors = cfg
             .providers
             .iter()
-            .map(|p| (p.id.clone(), Connector::new(p, http.clone())))
+            .map(|p| {
+                (
+                    p.id.clone(),
+                    Connector::new(p, http.clone(), Some(nats.clone())),
+                )
+            })
             .collect();
         let providers: Vec<Provider> = cfg
             .providers
@@ -116,6 +124,7 @@ impl Node {
             requests: AtomicU64::new(0),
             slot_freed: tokio::sync::Notify::new(),
             http_url: Mutex::new(None),
+            down: Mutex::new(std::collections::BTreeSet::new()),
             cfg,
         }))
     }
@@ -165,10 +174,16 @@ impl Node {
     /// This node's observations of every provider, now.
     fn observations(&self) -> Vec<Observation> {
         let now = now_ms();
+        let down = lock(&self.down).clone();
         lock(&self.windows)
             .iter()
             .map(|(provider, w)| {
-                let s = w.stats(now);
+                let mut s = w.stats(now);
+                if down.contains(provider) {
+                    // Its death notice outranks the window: down now, not 15 s from now.
+                    s.availability = 0.0;
+                    s.samples = s.samples.max(1);
+                }
                 Observation {
                     node: self.id.clone(),
                     provider: provider.clone(),
@@ -228,6 +243,9 @@ impl Node {
                 (c.id.clone(), outcome, g.latency_ms)
             });
             for (provider, outcome, latency) in futures_util::future::join_all(calls).await {
+                if outcome == Outcome::Success {
+                    lock(&self.down).remove(&provider);
+                }
                 self.record(&provider, outcome, latency);
                 self.metrics.provider_outcome(&provider, "probe", outcome);
             }
@@ -269,8 +287,39 @@ impl Node {
         Some(env)
     }
 
-    /// Apply heartbeats, goodbyes and observations from every node.
+    /// A provider that is a mesh agent died: mark it down and tell the cluster now.
+    fn provider_died(&self, agent: &str) {
+        let providers: Vec<String> = self
+            .connectors
+            .values()
+            .filter(|c| c.agent.as_deref() == Some(agent))
+            .map(|c| c.id.clone())
+            .collect();
+        if providers.is_empty() {
+            return;
+        }
+        lock(&self.down).extend(providers.iter().cloned());
+        tracing::warn!(agent, ?providers, "provider agent died; marked down");
+        let observations = self.observations();
+        {
+            let mut e = self.engine();
+            for o in &observations {
+                e.state.cluster.observe(o.clone());
+            }
+        }
+        self.publish(
+            subjects::observations(&self.id),
+            Observations {
+                node: self.id.clone(),
+                observations,
+            },
+        );
+    }
+
+    /// Apply heartbeats, goodbyes and observations from every node, and death notices of
+    /// providers that are mesh agents.
     async fn gossip_loop(self: Arc<Self>) -> anyhow::Result<()> {
+        let mut deaths = self.nats.subscribe(subjects::DEATHS).await?;
         let mut hb = self.nats.subscribe(subjects::HEARTBEATS).await?;
         let mut obs = self.nats.subscribe(subjects::ALL_OBSERVATIONS).await?;
         let mut bye = self.nats.subscribe(subjects::GOODBYES).await?;
@@ -298,6 +347,14 @@ impl Node {
                             } else {
                                 self.bus.forged.fetch_add(1, Ordering::Relaxed);
                             }
+                        }
+                    }
+                }
+                Some(m) = deaths.next() => {
+                    match serde_json::from_slice::<crate::mesh::protocol::DeathNotice>(&m.payload) {
+                        Ok(n) => self.provider_died(&n.agent),
+                        Err(_) => {
+                            self.bus.malformed.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }

@@ -492,3 +492,89 @@ async fn a_stuck_handler_is_reported_as_stuck_not_as_a_timeout() {
         serde_json::from_slice(&kv.get("demo.stuck").await.unwrap().unwrap()).unwrap();
     assert_eq!(contract["x-agentmesh"]["max_handling_ms"], 300);
 }
+
+#[tokio::test]
+async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let mut llm = serve(&url, "llm.chat", "chat", &[]);
+    let dir = std::env::temp_dir().join(format!("oam-test-meshprov-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[node]\ncluster_size = 1\n\n[[provider]]\nid = \"meshllm\"\nagent = \"llm.chat\"\nmodel = \"m\"\n\
+             cost_per_1k_tokens_usd = 0.001\n\n[[provider]]\nid = \"local\"\nbase_url = \"{sim_url}/local/v1\"\n\
+             model = \"sim-small\"\nfallback = true\n"
+        ),
+    )
+    .unwrap();
+    let node = Proc::spawn(&[
+        "node",
+        "run",
+        "--id",
+        "n1",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--nats-url",
+        &url,
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    let http = node.ready["http"].as_str().unwrap().to_string();
+    let c = crate::support::http(Duration::from_secs(10));
+    let verdict = |c: reqwest::Client, http: String| async move {
+        let s: Value = c
+            .get(format!("{http}/v1/oam/state"))
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        let p = s["providers"]
+            .as_array()?
+            .iter()
+            .find(|p| p["id"] == "meshllm")?
+            .clone();
+        p["consensus"]["verdict"].as_str().map(String::from)
+    };
+    let healthy = crate::support::eventually(Duration::from_secs(10), || {
+        let (c, http) = (c.clone(), http.clone());
+        async move { (verdict(c, http).await? == "HEALTHY").then_some(()) }
+    })
+    .await;
+    assert!(healthy.is_some(), "the mesh provider never became HEALTHY");
+    tokio::time::sleep(Duration::from_secs(3)).await; // a few healthy samples in the window
+    let ask = || {
+        c.post(format!("{http}/v1/chat/completions"))
+            .json(&json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+    };
+    let r = ask().await.unwrap();
+    assert_eq!(r.headers()["x-oam-provider"], "meshllm");
+
+    llm.kill();
+    let killed = Instant::now();
+    let down = crate::support::eventually(Duration::from_secs(10), || {
+        let (c, http) = (c.clone(), http.clone());
+        async move { (verdict(c, http).await? == "UNHEALTHY").then_some(()) }
+    })
+    .await;
+    assert!(down.is_some(), "the dead provider was not marked down");
+    // Failed probes alone would need several seconds to outweigh the healthy samples.
+    assert!(
+        killed.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        killed.elapsed()
+    );
+    let r = ask().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-oam-provider"], "local");
+    let _ = std::fs::remove_dir_all(&dir);
+}
