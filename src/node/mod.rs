@@ -249,20 +249,7 @@ impl Node {
                 self.record(&provider, outcome, latency);
                 self.metrics.provider_outcome(&provider, "probe", outcome);
             }
-            let observations = self.observations();
-            {
-                let mut e = self.engine();
-                for o in &observations {
-                    e.state.cluster.observe(o.clone());
-                }
-            }
-            self.publish(
-                subjects::observations(&self.id),
-                Observations {
-                    node: self.id.clone(),
-                    observations,
-                },
-            );
+            self.share_observations();
         }
     }
 
@@ -287,19 +274,8 @@ impl Node {
         Some(env)
     }
 
-    /// A provider that is a mesh agent died: mark it down and tell the cluster now.
-    fn provider_died(&self, agent: &str) {
-        let providers: Vec<String> = self
-            .connectors
-            .values()
-            .filter(|c| c.agent.as_deref() == Some(agent))
-            .map(|c| c.id.clone())
-            .collect();
-        if providers.is_empty() {
-            return;
-        }
-        lock(&self.down).extend(providers.iter().cloned());
-        tracing::warn!(agent, ?providers, "provider agent died; marked down");
+    /// Apply this node's observations to its own view and publish them to the cluster.
+    fn share_observations(&self) {
         let observations = self.observations();
         {
             let mut e = self.engine();
@@ -314,6 +290,22 @@ impl Node {
                 observations,
             },
         );
+    }
+
+    /// A provider that is a mesh agent died: mark it down and tell the cluster now.
+    fn provider_died(&self, agent: &str) {
+        let providers: Vec<String> = self
+            .connectors
+            .values()
+            .filter(|c| c.agent.as_deref() == Some(agent))
+            .map(|c| c.id.clone())
+            .collect();
+        if providers.is_empty() {
+            return;
+        }
+        lock(&self.down).extend(providers.iter().cloned());
+        tracing::warn!(agent, ?providers, "provider agent died; marked down");
+        self.share_observations();
     }
 
     /// Apply heartbeats, goodbyes and observations from every node, and death notices of
