@@ -74,18 +74,6 @@ fn url(flag: &Option<String>) -> String {
     connect::resolve_url(flag.clone())
 }
 
-async fn nats(url: &str, name: &str) -> Result<async_nats::Client> {
-    connect::connect(url, name, false).await.map_err(|e| {
-        Error::new(
-            Kind::Unreachable,
-            anyhow::anyhow!(
-                "cannot reach NATS at {} ({e}). Start a local mesh with `oam mesh up`, or pass --nats-url",
-                connect::redact(url)
-            ),
-        )
-    })
-}
-
 pub async fn run(a: Args) -> Result<()> {
     let url = url(&a.nats_url);
     match a.command {
@@ -199,7 +187,7 @@ async fn call(url: &str, c: CallArgs) -> Result<()> {
             "--timeout must be a positive number of seconds",
         ));
     }
-    let nc = nats(url, "oam-agent-call").await?;
+    let nc = super::nats(url, "oam-agent-call", false).await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
@@ -225,7 +213,7 @@ async fn call(url: &str, c: CallArgs) -> Result<()> {
 }
 
 async fn list(url: &str, l: ListArgs) -> Result<()> {
-    let nc = nats(url, "oam-agent-list").await?;
+    let nc = super::nats(url, "oam-agent-list", false).await?;
     let entries = store::catalog(&nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;

@@ -197,14 +197,7 @@ where
 }
 
 pub async fn run(url: &str, a: Args) -> Result<()> {
-    let nats = crate::transport::connect::connect(url, "oam-agent-bench", false)
-        .await
-        .map_err(|e| {
-            Error::new(
-                Kind::Unreachable,
-                anyhow::anyhow!("cannot reach NATS ({e}); start `oam mesh up` first"),
-            )
-        })?;
+    let nats = super::nats(url, "oam-agent-bench", false).await?;
     let caller = std::sync::Arc::new(
         Caller::new(nats.clone())
             .await

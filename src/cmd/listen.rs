@@ -21,17 +21,7 @@ pub struct Args {
 
 pub async fn run(a: Args) -> Result<()> {
     let url = connect::resolve_url(a.nats_url.clone());
-    let nc = connect::connect(&url, "oam-listen", false)
-        .await
-        .map_err(|e| {
-            Error::new(
-                Kind::Unreachable,
-                anyhow::anyhow!(
-                    "cannot reach NATS at {} ({e}). Pass --nats-url or start `oam mesh up`",
-                    connect::redact(&url)
-                ),
-            )
-        })?;
+    let nc = super::nats(&url, "oam-listen", false).await?;
     let mut sub = nc
         .subscribe(a.subject.clone())
         .await

@@ -621,18 +621,8 @@ async fn monitor(a: MonitorArgs) -> Result<()> {
                  (or set OAM_NATS_SYS_URL), or run it beside a mesh started by `oam mesh up`",
             )
         })?;
-    let unreachable = |url: &str, e: async_nats::ConnectError| {
-        Error::new(
-            Kind::Unreachable,
-            anyhow::anyhow!("cannot reach NATS at {} ({e})", connect::redact(url)),
-        )
-    };
-    let app = connect::connect(&app_url, "oam-monitor", false)
-        .await
-        .map_err(|e| unreachable(&app_url, e))?;
-    let sys = connect::connect(&sys_url, "oam-monitor-sys", false)
-        .await
-        .map_err(|e| unreachable(&sys_url, e))?;
+    let app = super::nats(&app_url, "oam-monitor", false).await?;
+    let sys = super::nats(&sys_url, "oam-monitor-sys", false).await?;
     {
         let mut out = std::io::stdout().lock();
         let ready =

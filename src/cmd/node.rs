@@ -79,18 +79,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
         .local_addr()
         .map_err(|e| Error::new(Kind::Check, e))?;
     // A node started before nats-server keeps retrying in the background and joins when it can.
-    let nats = connect::connect(&url, &format!("oam-node-{}", a.id), true)
-        .await
-        .map_err(|e| {
-            Error::new(
-                Kind::Unreachable,
-                anyhow::anyhow!(
-                    "cannot reach NATS at {} ({e}). Start a local mesh with `oam mesh up`, \
-                     or pass --nats-url",
-                    connect::redact(&url)
-                ),
-            )
-        })?;
+    let nats = super::nats(&url, &format!("oam-node-{}", a.id), true).await?;
     let node = Node::new(a.id.clone(), cfg, nats).map_err(|e| Error::new(Kind::Check, e))?;
     {
         let mut out = std::io::stdout().lock();

@@ -270,3 +270,29 @@ fn bad_input_names_the_field_and_exits_2() {
             "cannot read /nonexistent/input.json",
         ));
 }
+
+#[test]
+fn an_unreachable_nats_exits_3_and_says_what_to_do() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("nats://127.0.0.1:{port}");
+    for args in [
+        vec!["agent", "list"],
+        vec!["listen", "x"],
+        vec!["agent", "call", "a.b", "{}"],
+    ] {
+        oam()
+            .args(&args)
+            .args(["--nats-url", &url])
+            .timeout(std::time::Duration::from_secs(20))
+            .assert()
+            .code(3)
+            .stderr(
+                predicate::str::contains("cannot reach NATS")
+                    .and(predicate::str::contains("oam mesh up")),
+            );
+    }
+}
