@@ -1,4 +1,5 @@
-//! `oam agent serve | call | list`: demo agents, calls by name, and the catalog.
+//! `oam agent serve | call | stream | list`: demo agents, calls and streams by name, and the
+//! catalog.
 
 use crate::error::{Error, Kind, Result};
 use crate::mesh::host::{self, Demo, Instance};
@@ -24,6 +25,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Call an agent by name and print its reply.
     Call(CallArgs),
+    /// Stream from an agent by name: one line per chunk as it arrives.
+    Stream(CallArgs),
     /// List the agents in the mesh catalog.
     List(ListArgs),
     /// Measure liveness (SIGKILL/SIGSTOP to failure) and echo speed on a running mesh.
@@ -34,7 +37,8 @@ pub enum Command {
 pub struct ServeArgs {
     /// The agent's name (dot-separated, e.g. demo.echo).
     pub name: String,
-    /// What it does: echo, sleep:MS, hang, fail, or chat (answers chat requests like a model).
+    /// What it does: echo, sleep:MS, hang, fail, chat (answers chat requests like a model), or
+    /// stream:N:MS (a streaming agent: N chunks, one every MS ms).
     #[arg(long, default_value = "echo")]
     pub demo: Demo,
     /// Instances to run in this process (each its own connection and instance id).
@@ -59,9 +63,50 @@ pub struct CallArgs {
     pub name: String,
     /// The JSON payload, or `-` to read it from standard input (default: {}).
     pub payload: Option<String>,
-    /// Seconds to wait for the answer.
+    /// Seconds to wait for the answer (for a stream: for all of it).
     #[arg(long, default_value_t = 30.0)]
     pub timeout: f64,
+}
+
+impl CallArgs {
+    /// The payload (validated as JSON) and the timeout, or a usage error.
+    fn checked(&self) -> Result<(bytes::Bytes, Duration)> {
+        let payload = match self.payload.as_deref() {
+            None => "{}".to_string(),
+            Some("-") => {
+                if std::io::stdin().is_terminal() {
+                    return Err(Error::usage(
+                        "`-` reads the payload from standard input; pipe JSON into it",
+                    ));
+                }
+                let mut s = String::new();
+                std::io::stdin()
+                    .read_to_string(&mut s)
+                    .map_err(|e| Error::usage(format!("cannot read standard input: {e}")))?;
+                s
+            }
+            Some(p) => p.to_string(),
+        };
+        if let Err(e) = serde_json::from_str::<serde_json::Value>(&payload) {
+            return Err(Error::usage(format!("the payload is not JSON: {e}")));
+        }
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return Err(Error::usage(
+                "--timeout must be a positive number of seconds",
+            ));
+        }
+        Ok((
+            payload.into_bytes().into(),
+            Duration::from_secs_f64(self.timeout),
+        ))
+    }
+}
+
+fn mesh_failure(e: protocol::MeshError) -> Error {
+    Error::new(
+        Kind::Check,
+        anyhow::anyhow!("{}: {}", e.code.as_str(), e.message),
+    )
 }
 
 #[derive(clap::Args, Debug)]
@@ -79,6 +124,7 @@ pub async fn run(a: Args) -> Result<()> {
     match a.command {
         Command::Serve(s) => serve(&url, s).await,
         Command::Call(c) => call(&url, c).await,
+        Command::Stream(c) => stream(&url, c).await,
         Command::List(l) => list(&url, l).await,
         Command::Bench(b) => super::agent_bench::run(&url, b).await,
     }
@@ -102,7 +148,7 @@ async fn serve(url: &str, s: ServeArgs) -> Result<()> {
         version: "0.1.0".into(),
         tags: vec!["demo".into()],
         invocable: true,
-        streaming: false,
+        streaming: s.demo.streams(),
         max_handling_ms: s.max_handling_ms,
     };
     let mut instances = Vec::new();
@@ -147,7 +193,15 @@ async fn serve(url: &str, s: ServeArgs) -> Result<()> {
             let stop = async move {
                 let _ = stop_rx.await;
             };
-            host::serve(inst, sub, demo, concurrency, Duration::from_secs(1), stop).await
+            host::serve(
+                inst,
+                sub,
+                demo.into(),
+                concurrency,
+                Duration::from_secs(1),
+                stop,
+            )
+            .await
         });
         running.push((stop_tx, task));
     }
@@ -163,53 +217,39 @@ async fn serve(url: &str, s: ServeArgs) -> Result<()> {
 }
 
 async fn call(url: &str, c: CallArgs) -> Result<()> {
-    let payload = match c.payload.as_deref() {
-        None => "{}".to_string(),
-        Some("-") => {
-            if std::io::stdin().is_terminal() {
-                return Err(Error::usage(
-                    "`-` reads the payload from standard input; pipe JSON into it",
-                ));
-            }
-            let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .map_err(|e| Error::usage(format!("cannot read standard input: {e}")))?;
-            s
-        }
-        Some(p) => p.to_string(),
-    };
-    if let Err(e) = serde_json::from_str::<serde_json::Value>(&payload) {
-        return Err(Error::usage(format!("the payload is not JSON: {e}")));
-    }
-    if !(c.timeout.is_finite() && c.timeout > 0.0) {
-        return Err(Error::usage(
-            "--timeout must be a positive number of seconds",
-        ));
-    }
+    let (payload, timeout) = c.checked()?;
     let nc = super::nats(url, "oam-agent-call", false).await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
-    match caller
-        .call(
-            &c.name,
-            payload.into_bytes().into(),
-            Duration::from_secs_f64(c.timeout),
-        )
+    let body = caller
+        .call(&c.name, payload, timeout)
         .await
-    {
-        Ok(body) => {
-            let mut out = std::io::stdout().lock();
-            out.write_all(&body)?;
-            writeln!(out)?;
-            Ok(())
-        }
-        Err(e) => Err(Error::new(
-            Kind::Check,
-            anyhow::anyhow!("{}: {}", e.code.as_str(), e.message),
-        )),
+        .map_err(mesh_failure)?;
+    let mut out = std::io::stdout().lock();
+    out.write_all(&body)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+async fn stream(url: &str, c: CallArgs) -> Result<()> {
+    let (payload, timeout) = c.checked()?;
+    let nc = super::nats(url, "oam-agent-stream", false).await?;
+    let caller = client::Caller::new(nc)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))?;
+    let mut chunks = caller
+        .stream(&c.name, payload, timeout)
+        .await
+        .map_err(mesh_failure)?;
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(mesh_failure)?;
+        let mut out = std::io::stdout().lock();
+        out.write_all(&chunk)?;
+        writeln!(out)?;
+        out.flush()?;
     }
+    Ok(())
 }
 
 async fn list(url: &str, l: ListArgs) -> Result<()> {

@@ -44,6 +44,38 @@ pub fn request_id() -> String {
     format!("{prefix}{:016x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
+/// Nobody answered: `not_available` when the catalog lists the agent, else `not_found`.
+async fn unanswered(nats: &async_nats::Client, agent: &str, request_id: &str) -> MeshError {
+    let listed = store::catalog(nats)
+        .await
+        .unwrap_or_default()
+        .iter()
+        .any(|c| c.name == agent);
+    let (code, message) = if listed {
+        (
+            ErrorCode::NotAvailable,
+            format!("{agent} is in the catalog but no instance answers"),
+        )
+    } else {
+        (
+            ErrorCode::NotFound,
+            format!("no agent named {agent} on the mesh"),
+        )
+    };
+    error(code, agent, request_id, message)
+}
+
+fn invalid_name(agent: &str, request_id: &str) -> Option<MeshError> {
+    (!protocol::valid_agent_name(agent)).then(|| {
+        error(
+            ErrorCode::InvalidInput,
+            agent,
+            request_id,
+            "agent names are dot-separated segments of letters, digits, '-' and '_'".into(),
+        )
+    })
+}
+
 async fn call_with(
     nats: &async_nats::Client,
     agent: &str,
@@ -53,13 +85,8 @@ async fn call_with(
     ack_to: Option<&str>,
 ) -> Result<Bytes, MeshError> {
     let request_id = request_id.to_string();
-    if !protocol::valid_agent_name(agent) {
-        return Err(error(
-            ErrorCode::InvalidInput,
-            agent,
-            &request_id,
-            "agent names are dot-separated segments of letters, digits, '-' and '_'".into(),
-        ));
+    if let Some(e) = invalid_name(agent, &request_id) {
+        return Err(e);
     }
     let mut h = HeaderMap::new();
     h.insert(protocol::H_REQUEST_ID, request_id.as_str());
@@ -77,23 +104,7 @@ async fn call_with(
             ));
         }
         Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {
-            let listed = store::catalog(nats)
-                .await
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.name == agent);
-            let (code, message) = if listed {
-                (
-                    ErrorCode::NotAvailable,
-                    format!("{agent} is in the catalog but no instance answers"),
-                )
-            } else {
-                (
-                    ErrorCode::NotFound,
-                    format!("no agent named {agent} on the mesh"),
-                )
-            };
-            return Err(error(code, agent, &request_id, message));
+            return Err(unanswered(nats, agent, &request_id).await);
         }
         Ok(Err(e)) if e.kind() == RequestErrorKind::TimedOut => {
             return Err(error(
@@ -148,7 +159,15 @@ pub struct Caller {
 struct Pending {
     agent: String,
     instance: Option<String>,
-    died: Option<tokio::sync::oneshot::Sender<MeshError>>,
+    fate: Option<tokio::sync::oneshot::Sender<Fate>>,
+}
+
+/// What ends a pending request early.
+enum Fate {
+    /// The instance holding it (or the agent) died.
+    Died(MeshError),
+    /// The server said nobody subscribes (a stream request's no-responders status).
+    NoResponders,
 }
 
 use std::collections::HashMap;
@@ -176,8 +195,8 @@ impl Caller {
                         pred: &dyn Fn(&Pending) -> bool,
                         notice: &protocol::DeathNotice| {
                 for (rid, call) in pending_map(p).iter_mut().filter(|(_, c)| pred(c)) {
-                    if let Some(tx) = call.died.take() {
-                        let _ = tx.send(MeshError {
+                    if let Some(tx) = call.fate.take() {
+                        let _ = tx.send(Fate::Died(MeshError {
                             code: ErrorCode::AgentDied,
                             message: format!(
                                 "instance {} of {} died holding the request ({:?})",
@@ -186,17 +205,22 @@ impl Caller {
                             agent: call.agent.clone(),
                             request_id: rid.clone(),
                             details: serde_json::json!({"instance_id": notice.instance_id, "reason": notice.reason, "detail": notice.detail}),
-                        });
+                        }));
                     }
                 }
             };
             loop {
                 tokio::select! {
                     Some(m) = acks.next() => {
-                        let rid = m.subject.get(prefix_len..).unwrap_or("").to_string();
-                        let instance = String::from_utf8_lossy(&m.payload).into_owned();
-                        if let Some(call) = pending_map(&p).get_mut(&rid) {
-                            call.instance = Some(instance);
+                        let rid = m.subject.get(prefix_len..).unwrap_or("");
+                        let mut pending = pending_map(&p);
+                        let Some(call) = pending.get_mut(rid) else { continue };
+                        if m.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                            if let Some(tx) = call.fate.take() {
+                                let _ = tx.send(Fate::NoResponders);
+                            }
+                        } else {
+                            call.instance = Some(String::from_utf8_lossy(&m.payload).into_owned());
                         }
                     }
                     Some(m) = instance_deaths.next() => {
@@ -221,6 +245,20 @@ impl Caller {
         })
     }
 
+    fn expect(&self, agent: &str) -> (String, tokio::sync::oneshot::Receiver<Fate>) {
+        let request_id = request_id();
+        let (tx, fate) = tokio::sync::oneshot::channel();
+        pending_map(&self.pending).insert(
+            request_id.clone(),
+            Pending {
+                agent: agent.to_string(),
+                instance: None,
+                fate: Some(tx),
+            },
+        );
+        (request_id, fate)
+    }
+
     /// Call `agent`; fails with `agent_died` as soon as the instance holding the request dies.
     pub async fn call(
         &self,
@@ -228,23 +266,155 @@ impl Caller {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, MeshError> {
-        let request_id = request_id();
-        let (tx, died) = tokio::sync::oneshot::channel();
-        pending_map(&self.pending).insert(
-            request_id.clone(),
-            Pending {
-                agent: agent.to_string(),
-                instance: None,
-                died: Some(tx),
-            },
-        );
+        let (request_id, fate) = self.expect(agent);
         let ack_to = format!("{}.{request_id}", self.ack_prefix);
         let result = tokio::select! {
             r = call_with(&self.nats, agent, payload, timeout, &request_id, Some(&ack_to)) => r,
-            Ok(e) = died => Err(e),
+            Ok(Fate::Died(e)) = fate => Err(e),
         };
         pending_map(&self.pending).remove(&request_id);
         result
+    }
+
+    /// Start a streaming request: chunks arrive on `mesh.stream.{request_id}` in sequence until
+    /// the end marker. Fails fast like `call`: no responders at once, `agent_died` as soon as the
+    /// instance serving the stream dies, `timeout` when the whole stream takes longer than
+    /// `timeout`.
+    pub async fn stream(
+        &self,
+        agent: &str,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<ChunkStream, MeshError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let (request_id, fate) = self.expect(agent);
+        let mut stream = ChunkStream {
+            nats: self.nats.clone(),
+            pending: self.pending.clone(),
+            sub: None,
+            fate,
+            agent: agent.to_string(),
+            request_id: request_id.clone(),
+            deadline,
+            next_seq: 0,
+            done: false,
+        };
+        if let Some(e) = invalid_name(agent, &request_id) {
+            return Err(e);
+        }
+        let broken = |e: &dyn std::fmt::Display| {
+            error(
+                ErrorCode::Unknown,
+                agent,
+                &request_id,
+                format!("cannot start the stream: {e}"),
+            )
+        };
+        let sub = self
+            .nats
+            .subscribe(subjects::stream(&request_id))
+            .await
+            .map_err(|e| broken(&e))?;
+        stream.sub = Some(sub);
+        let ack_to = format!("{}.{request_id}", self.ack_prefix);
+        let mut h = HeaderMap::new();
+        h.insert(protocol::H_REQUEST_ID, request_id.as_str());
+        h.insert(protocol::H_STREAM, "true");
+        h.insert(protocol::H_ACK_TO, ack_to.as_str());
+        // The reply subject is only there so the server reports "no responders" on it; chunks
+        // come on the stream subject (as other Open Agent Mesh clients expect).
+        self.nats
+            .publish_with_reply_and_headers(subjects::agent(agent), ack_to.clone(), h, payload)
+            .await
+            .map_err(|e| broken(&e))?;
+        Ok(stream)
+    }
+}
+
+/// The chunks of one streaming request, in order. Dropping it abandons the stream.
+pub struct ChunkStream {
+    nats: async_nats::Client,
+    pending: Arc<Mutex<HashMap<String, Pending>>>,
+    sub: Option<async_nats::Subscriber>,
+    fate: tokio::sync::oneshot::Receiver<Fate>,
+    agent: String,
+    request_id: String,
+    deadline: tokio::time::Instant,
+    next_seq: u64,
+    done: bool,
+}
+
+impl ChunkStream {
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
+    /// The next chunk; `None` after the end marker or after an error has been returned.
+    pub async fn next(&mut self) -> Option<Result<Bytes, MeshError>> {
+        use futures_util::StreamExt;
+        if self.done {
+            return None;
+        }
+        let sub = self.sub.as_mut()?;
+        let event = tokio::select! {
+            m = sub.next() => Ok(m),
+            fate = &mut self.fate => Err(Some(fate)),
+            _ = tokio::time::sleep_until(self.deadline) => Err(None),
+        };
+        let outcome = match event {
+            Ok(Some(m)) => {
+                let header = |k: &str| {
+                    m.headers
+                        .as_ref()
+                        .and_then(|h| h.get(k))
+                        .map(|v| v.as_str().to_string())
+                };
+                let seq = header(protocol::H_STREAM_SEQ).and_then(|s| s.parse::<u64>().ok());
+                if header(protocol::H_STATUS).as_deref() == Some("error") {
+                    Some(Err(serde_json::from_slice(&m.payload).unwrap_or_else(
+                        |_| {
+                            let text = String::from_utf8_lossy(&m.payload).into_owned();
+                            self.error(ErrorCode::Unknown, text)
+                        },
+                    )))
+                } else if header(protocol::H_STREAM_END).as_deref() == Some("true") {
+                    None
+                } else if seq != Some(self.next_seq) {
+                    let message = format!("expected chunk {}, got {seq:?}", self.next_seq);
+                    Some(Err(self.error(ErrorCode::ChunkSequenceError, message)))
+                } else {
+                    self.next_seq += 1;
+                    return Some(Ok(m.payload));
+                }
+            }
+            Ok(None) => Some(Err(
+                self.error(ErrorCode::Unknown, "the connection closed".into())
+            )),
+            Err(Some(Ok(Fate::Died(e)))) => Some(Err(e)),
+            Err(Some(Ok(Fate::NoResponders))) => {
+                Some(Err(
+                    unanswered(&self.nats, &self.agent, &self.request_id).await
+                ))
+            }
+            Err(Some(Err(_))) => Some(Err(
+                self.error(ErrorCode::Unknown, "the caller closed".into())
+            )),
+            Err(None) => Some(Err(
+                self.error(ErrorCode::Timeout, "the stream did not end in time".into())
+            )),
+        };
+        self.done = true;
+        outcome
+    }
+
+    fn error(&self, code: ErrorCode, message: String) -> MeshError {
+        error(code, &self.agent, &self.request_id, message)
+    }
+}
+
+impl Drop for ChunkStream {
+    fn drop(&mut self) {
+        pending_map(&self.pending).remove(&self.request_id);
     }
 }
 

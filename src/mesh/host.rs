@@ -32,6 +32,80 @@ pub enum Demo {
     Fail,
     /// Answer a chat request with a chat completion (a model provider on the mesh).
     Chat,
+    /// A streaming agent: `chunks` chunks, one every `every`, each echoing the request.
+    Stream { chunks: u32, every: Duration },
+}
+
+impl Demo {
+    /// Streaming agents answer `stream` requests only; the others answer calls only.
+    pub fn streams(self) -> bool {
+        matches!(self, Demo::Stream { .. })
+    }
+
+    /// The demo's answer to a call with (JSON) `payload`, as agent `agent`.
+    fn answer(self, agent: &str, payload: Bytes) -> HandlerFuture {
+        let agent = agent.to_string();
+        Box::pin(async move {
+            match self {
+                Demo::Echo | Demo::Stream { .. } => Ok(payload),
+                Demo::Sleep(d) => {
+                    tokio::time::sleep(d).await;
+                    Ok(payload)
+                }
+                Demo::Hang => std::future::pending().await,
+                Demo::Fail => Err((
+                    ErrorCode::HandlerError,
+                    "demo agent fails on purpose".into(),
+                )),
+                Demo::Chat => {
+                    let content = serde_json::json!({
+                        "answer": format!("{agent} answers"),
+                        "confidence": 0.9,
+                    })
+                    .to_string();
+                    let body = serde_json::json!({
+                        "object": "chat.completion",
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9},
+                    });
+                    Ok(serde_json::to_vec(&body).unwrap_or_default().into())
+                }
+            }
+        })
+    }
+}
+
+/// What a handler returns: the reply body, or an error code and message for the caller.
+pub type HandlerResult = Result<Bytes, (ErrorCode, String)>;
+pub type HandlerFuture = std::pin::Pin<Box<dyn std::future::Future<Output = HandlerResult> + Send>>;
+
+/// What an instance does with a request: a demo, or your own function of the (JSON) request
+/// body.
+#[derive(Clone)]
+pub enum Handler {
+    Demo(Demo),
+    Call(Arc<dyn Fn(Bytes) -> HandlerFuture + Send + Sync>),
+}
+
+impl Handler {
+    /// A handler from an async function of the request body.
+    pub fn call<F, Fut>(f: F) -> Handler
+    where
+        F: Fn(Bytes) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = HandlerResult> + Send + 'static,
+    {
+        Handler::Call(Arc::new(move |body| Box::pin(f(body))))
+    }
+
+    pub fn streams(&self) -> bool {
+        matches!(self, Handler::Demo(d) if d.streams())
+    }
+}
+
+impl From<Demo> for Handler {
+    fn from(d: Demo) -> Handler {
+        Handler::Demo(d)
+    }
 }
 
 impl std::str::FromStr for Demo {
@@ -42,12 +116,26 @@ impl std::str::FromStr for Demo {
             "hang" => Ok(Demo::Hang),
             "fail" => Ok(Demo::Fail),
             "chat" => Ok(Demo::Chat),
-            _ => match s.strip_prefix("sleep:").map(str::parse::<u64>) {
-                Some(Ok(ms)) => Ok(Demo::Sleep(Duration::from_millis(ms))),
-                _ => Err(format!(
-                    "unknown demo {s:?}; use echo, sleep:MS (e.g. sleep:50), hang, fail or chat"
-                )),
-            },
+            _ => {
+                let bad = || {
+                    format!(
+                        "unknown demo {s:?}; use echo, sleep:MS (e.g. sleep:50), hang, fail, chat \
+                         or stream:N:MS (N chunks, one every MS ms, e.g. stream:5:100)"
+                    )
+                };
+                if let Some(ms) = s.strip_prefix("sleep:") {
+                    let ms = ms.parse::<u64>().map_err(|_| bad())?;
+                    return Ok(Demo::Sleep(Duration::from_millis(ms)));
+                }
+                let (n, ms) = s
+                    .strip_prefix("stream:")
+                    .and_then(|r| r.split_once(':'))
+                    .ok_or_else(bad)?;
+                Ok(Demo::Stream {
+                    chunks: n.parse().map_err(|_| bad())?,
+                    every: Duration::from_millis(ms.parse().map_err(|_| bad())?),
+                })
+            }
         }
     }
 }
@@ -106,9 +194,12 @@ impl Instance {
         let _ = self.nats.publish_with_headers(reply, h, body).await;
     }
 
-    async fn reply_error(
+    /// An error for the caller, as the reply to a call or on the request's stream subject (with
+    /// the end marker) for a stream; every error also goes to `mesh.errors.{name}`.
+    async fn fail(
         &self,
         reply: Option<async_nats::Subject>,
+        stream: bool,
         request_id: &str,
         code: ErrorCode,
         message: String,
@@ -120,16 +211,22 @@ impl Instance {
             request_id: request_id.to_string(),
             details: serde_json::json!({"instance_id": self.id}),
         };
-        let body: Bytes = serde_json::to_vec(&err).unwrap_or_default().into();
-        let h = headers(&[
+        let mut h = headers(&[
             (protocol::H_STATUS, "error"),
             (protocol::H_REQUEST_ID, request_id),
             (protocol::H_INSTANCE_ID, &self.id),
         ]);
-        if let Some(reply) = reply {
+        let to = if stream {
+            h.insert(protocol::H_STREAM_END, "true");
+            Some(subjects::stream(request_id).into())
+        } else {
+            reply
+        };
+        let body: Bytes = serde_json::to_vec(&err).unwrap_or_default().into();
+        if let Some(to) = to {
             let _ = self
                 .nats
-                .publish_with_headers(reply, h.clone(), body.clone())
+                .publish_with_headers(to, h.clone(), body.clone())
                 .await;
         }
         let _ = self
@@ -138,7 +235,71 @@ impl Instance {
             .await;
     }
 
-    async fn handle(self: Arc<Self>, msg: async_nats::Message, demo: Demo) {
+    /// A streaming demo: acknowledge at once (streams are long), then `chunks` chunks echoing the
+    /// request, one every `every`, then the end marker. A declared maximum handling time bounds
+    /// the wait for each chunk.
+    async fn stream(
+        &self,
+        msg: &async_nats::Message,
+        request_id: &str,
+        ack_to: Option<String>,
+        chunks: u32,
+        every: Duration,
+    ) {
+        if let Some(ack_to) = ack_to {
+            let _ = self.nats.publish(ack_to, self.id.clone().into()).await;
+        }
+        let input: serde_json::Value = if msg.payload.is_empty() {
+            serde_json::json!({})
+        } else {
+            match serde_json::from_slice(&msg.payload) {
+                Ok(v) => v,
+                Err(_) => {
+                    let why = "the request body is not JSON".to_string();
+                    return self
+                        .fail(None, true, request_id, ErrorCode::InvalidInput, why)
+                        .await;
+                }
+            }
+        };
+        let subject = subjects::stream(request_id);
+        let chunk_headers = |seq: u32, end: bool| {
+            let seq = seq.to_string();
+            headers(&[
+                (protocol::H_STREAM_SEQ, &seq),
+                (protocol::H_STREAM_END, if end { "true" } else { "false" }),
+                (protocol::H_REQUEST_ID, request_id),
+                (protocol::H_INSTANCE_ID, &self.id),
+            ])
+        };
+        for seq in 0..chunks {
+            if let Some(limit) = self
+                .entry
+                .max_handling_ms
+                .filter(|l| every.as_millis() > u128::from(*l))
+            {
+                tokio::time::sleep(Duration::from_millis(limit)).await;
+                let why =
+                    format!("no chunk within the declared maximum handling time of {limit} ms");
+                return self
+                    .fail(None, true, request_id, ErrorCode::Stuck, why)
+                    .await;
+            }
+            tokio::time::sleep(every).await;
+            let body = serde_json::json!({"index": seq, "of": chunks, "input": input});
+            let body: Bytes = serde_json::to_vec(&body).unwrap_or_default().into();
+            let _ = self
+                .nats
+                .publish_with_headers(subject.clone(), chunk_headers(seq, false), body)
+                .await;
+        }
+        let _ = self
+            .nats
+            .publish_with_headers(subject, chunk_headers(chunks, true), Bytes::new())
+            .await;
+    }
+
+    async fn handle(self: Arc<Self>, msg: async_nats::Message, handler: Handler) {
         let header = |k: &str| {
             msg.headers
                 .as_ref()
@@ -146,53 +307,72 @@ impl Instance {
                 .map(|v| v.as_str().to_string())
         };
         let request_id = header(protocol::H_REQUEST_ID).unwrap_or_default();
-        if header(protocol::H_STREAM).as_deref() == Some("true") {
-            // Demo agents only answer calls; say so on the stream subject the caller listens on.
-            let err = MeshError {
-                code: ErrorCode::InvocationMismatch,
-                message: format!(
+        let wants_stream = header(protocol::H_STREAM).as_deref() == Some("true");
+        if wants_stream != handler.streams() {
+            let message = if wants_stream {
+                format!(
                     "Agent '{}' does not support streaming. Use call() instead",
                     self.entry.name
-                ),
-                agent: self.entry.name.clone(),
-                request_id: request_id.clone(),
-                details: serde_json::Value::Object(Default::default()),
+                )
+            } else {
+                format!(
+                    "Agent '{}' is streaming-only. Use stream() instead",
+                    self.entry.name
+                )
             };
-            let h = headers(&[
-                (protocol::H_STATUS, "error"),
-                (protocol::H_STREAM_END, "true"),
-                (protocol::H_REQUEST_ID, &request_id),
-            ]);
-            let body: Bytes = serde_json::to_vec(&err).unwrap_or_default().into();
-            let _ = self
-                .nats
-                .publish_with_headers(subjects::stream(&request_id), h, body)
+            let reply = if wants_stream {
+                None
+            } else {
+                msg.reply.clone()
+            };
+            self.fail(
+                reply,
+                wants_stream,
+                &request_id,
+                ErrorCode::InvocationMismatch,
+                message,
+            )
+            .await;
+            return;
+        }
+        if let Handler::Demo(Demo::Stream { chunks, every }) = handler {
+            self.stream(&msg, &request_id, header(protocol::H_ACK_TO), chunks, every)
                 .await;
             return;
         }
         let Some(reply) = msg.reply.clone() else {
             return; // a plain publish: nobody waits for an answer
         };
-        // The handler's own work. Demo handlers are trivial; a real one would run here.
-        let work = async {
-            match demo {
-                Demo::Echo | Demo::Fail | Demo::Chat => {}
-                Demo::Sleep(d) => tokio::time::sleep(d).await,
-                Demo::Hang => std::future::pending::<()>().await,
-            }
+        let payload = if msg.payload.is_empty() {
+            Bytes::from_static(b"{}")
+        } else {
+            msg.payload.clone()
+        };
+        if serde_json::from_slice::<serde::de::IgnoredAny>(&payload).is_err() {
+            let why = "the request body is not JSON".to_string();
+            return self
+                .fail(
+                    Some(reply),
+                    false,
+                    &request_id,
+                    ErrorCode::InvalidInput,
+                    why,
+                )
+                .await;
+        }
+        let work = match &handler {
+            Handler::Demo(demo) => demo.answer(&self.entry.name, payload),
+            Handler::Call(f) => f(payload),
         };
         // A declared maximum handling time bounds the work: past it the caller hears `stuck`.
         let max = self.entry.max_handling_ms.map(Duration::from_millis);
         let bounded = async {
             match max {
-                Some(limit) => tokio::time::timeout(limit, work).await.is_ok(),
-                None => {
-                    work.await;
-                    true
-                }
+                Some(limit) => tokio::time::timeout(limit, work).await.ok(),
+                None => Some(work.await),
             }
         };
-        let finished = match header(protocol::H_ACK_TO) {
+        let outcome = match header(protocol::H_ACK_TO) {
             // "I have it": a request still running after ACK_AFTER is acknowledged with this
             // instance's id, so the caller races it against this instance's death. Answers
             // faster than that need no acknowledgement (and cost no extra message).
@@ -208,61 +388,21 @@ impl Instance {
             }
             None => bounded.await,
         };
-        if !finished {
-            let limit = self.entry.max_handling_ms.unwrap_or_default();
-            self.reply_error(
-                Some(reply),
-                &request_id,
-                ErrorCode::Stuck,
-                format!("the handler ran past its declared maximum handling time of {limit} ms"),
-            )
-            .await;
-            return;
-        }
-        match demo {
-            Demo::Echo | Demo::Sleep(_) | Demo::Hang => {}
-            Demo::Chat => {
-                let content = serde_json::json!({
-                    "answer": format!("{} answers", self.entry.name),
-                    "confidence": 0.9,
-                })
-                .to_string();
-                let body = serde_json::json!({
-                    "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9},
-                });
-                let bytes = serde_json::to_vec(&body).unwrap_or_default();
-                self.reply_ok(reply, &request_id, bytes.into()).await;
-                return;
+        match outcome {
+            Some(Ok(body)) => self.reply_ok(reply, &request_id, body).await,
+            Some(Err((code, message))) => {
+                self.fail(Some(reply), false, &request_id, code, message)
+                    .await
             }
-            Demo::Fail => {
-                self.reply_error(
-                    Some(reply),
-                    &request_id,
-                    ErrorCode::HandlerError,
-                    "demo agent fails on purpose".into(),
-                )
-                .await;
-                return;
+            None => {
+                let limit = self.entry.max_handling_ms.unwrap_or_default();
+                let why = format!(
+                    "the handler ran past its declared maximum handling time of {limit} ms"
+                );
+                self.fail(Some(reply), false, &request_id, ErrorCode::Stuck, why)
+                    .await
             }
         }
-        let body = if msg.payload.is_empty() {
-            Bytes::from_static(b"{}")
-        } else {
-            msg.payload.clone()
-        };
-        if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_err() {
-            self.reply_error(
-                Some(reply),
-                &request_id,
-                ErrorCode::InvalidInput,
-                "the request body is not JSON".into(),
-            )
-            .await;
-            return;
-        }
-        self.reply_ok(reply, &request_id, body).await;
     }
 
     fn heartbeat(&self) -> AgentHeartbeat {
@@ -276,12 +416,12 @@ impl Instance {
     }
 }
 
-/// Serve `demo` as one instance until `stop` resolves, handling up to `concurrency` requests at
+/// Serve `handler` as one instance until `stop` resolves, handling up to `concurrency` requests at
 /// once (further requests wait in the subscription: backpressure, not rejection).
 pub async fn serve(
     instance: Arc<Instance>,
     mut sub: async_nats::Subscriber,
-    demo: Demo,
+    handler: Handler,
     concurrency: usize,
     heartbeat_every: Duration,
     stop: impl std::future::Future<Output = ()>,
@@ -289,7 +429,7 @@ pub async fn serve(
     let permits = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let beats = {
         let me = instance.clone();
-        tokio::spawn(async move {
+        AbortOnDrop(tokio::spawn(async move {
             let mut beat = tokio::time::interval(heartbeat_every);
             let stats = me.nats.statistics();
             let mut connects_seen = stats.connects.load(Ordering::Relaxed);
@@ -322,7 +462,7 @@ pub async fn serve(
                 }
                 store::renew(&me.nats, &me.entry, &me.id).await;
             }
-        })
+        }))
     };
     let mut tasks = tokio::task::JoinSet::new();
     tokio::pin!(stop);
@@ -339,14 +479,15 @@ pub async fn serve(
         };
         let me = instance.clone();
         me.in_flight.fetch_add(1, Ordering::Relaxed);
+        let handler = handler.clone();
         tasks.spawn(async move {
-            me.clone().handle(msg, demo).await;
+            me.clone().handle(msg, handler).await;
             me.in_flight.fetch_sub(1, Ordering::Relaxed);
             me.processed.fetch_add(1, Ordering::Relaxed);
             drop(permit);
         });
     }
-    beats.abort();
+    drop(beats);
     // Graceful exit: take no new requests, finish those in hand (bounded), then leave.
     let _ = sub.unsubscribe().await;
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
@@ -372,6 +513,16 @@ pub async fn serve(
     }
     let _ = instance.nats.flush().await;
     Ok(())
+}
+
+/// A task that ends when its handle is dropped (so aborting `serve` also stops its heartbeats and
+/// lets the instance's connection close, like a crash).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[cfg(test)]

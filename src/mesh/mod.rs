@@ -3,6 +3,7 @@
 
 pub mod client;
 pub mod host;
+pub mod local;
 pub mod monitor;
 pub mod protocol;
 pub mod store;

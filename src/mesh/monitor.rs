@@ -7,6 +7,12 @@
 //! `mesh.instance-death.{instance_id}` for callers whose request that instance held. Two monitors,
 //! or a restarted one, announce each death once: the first to create the instance's tombstone in
 //! the `mesh-tombstones` bucket announces it.
+//!
+//! Agents served by other Open Agent Mesh clients (the Python SDK) write no instance records and
+//! use unnamed connections. For those, the monitor asks the server which subscriptions the closed
+//! connection held (`CONNZ` on closed connections): queue subscriptions on `mesh.agent.{name}` in
+//! group `q.{name}` make it an instance of `name`, identified as `nats-{server}-{cid}`. Whether
+//! another instance still serves the name is asked the same way, of the open connections.
 
 use super::protocol::{AgentHeartbeat, DeathNotice, DeathReason};
 use super::store::{self, InstanceRecord};
@@ -25,6 +31,8 @@ struct Advisory {
     #[serde(default)]
     client: AdvisoryClient,
     #[serde(default)]
+    server: AdvisoryServer,
+    #[serde(default)]
     reason: String,
 }
 
@@ -32,6 +40,60 @@ struct Advisory {
 struct AdvisoryClient {
     #[serde(default)]
     name: String,
+    /// The connection id, unique per server run.
+    #[serde(default)]
+    id: u64,
+    #[serde(default)]
+    acc: String,
+}
+
+#[derive(Deserialize, Debug, Default)]
+struct AdvisoryServer {
+    #[serde(default)]
+    id: String,
+}
+
+/// The part of a `CONNZ` reply the monitor reads.
+#[derive(Deserialize, Debug, Default)]
+struct Connz {
+    #[serde(default)]
+    data: ConnzData,
+}
+
+#[derive(Deserialize, Debug, Default)]
+struct ConnzData {
+    #[serde(default)]
+    connections: Vec<ConnInfo>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+struct ConnInfo {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    subscriptions_list_detail: Vec<SubDetail>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+struct SubDetail {
+    #[serde(default)]
+    subject: String,
+    #[serde(default)]
+    qgroup: String,
+}
+
+/// The agents a connection served: queue subscriptions `mesh.agent.{name}` in group `q.{name}`.
+fn agents_served(subs: &[SubDetail]) -> Vec<String> {
+    let mut agents: Vec<String> = subs
+        .iter()
+        .filter_map(|s| {
+            let name = s.subject.strip_prefix("mesh.agent.")?;
+            (s.qgroup == subjects::agent_queue(name)).then(|| name.to_string())
+        })
+        .collect();
+    agents.sort();
+    agents.dedup();
+    agents
 }
 
 /// The instance id a connection name belongs to (`oam-host-{id}`), if any.
@@ -48,6 +110,8 @@ struct Seen {
 
 pub struct Monitor {
     app: async_nats::Client,
+    /// The system account's connection, for `CONNZ` requests.
+    sys: async_nats::Client,
     /// instance id -> its latest heartbeat.
     seen: BTreeMap<String, Seen>,
     pub announced: u64,
@@ -55,9 +119,10 @@ pub struct Monitor {
 }
 
 impl Monitor {
-    pub fn new(app: async_nats::Client) -> Monitor {
+    pub fn new(app: async_nats::Client, sys: async_nats::Client) -> Monitor {
         Monitor {
             app,
+            sys,
             seen: BTreeMap::new(),
             announced: 0,
             malformed: 0,
@@ -67,6 +132,20 @@ impl Monitor {
     /// Announce (once, cluster-wide) and clean up the death of `instance_id`.
     pub async fn instance_died(
         &mut self,
+        instance_id: &str,
+        agents_hint: &[String],
+        reason: DeathReason,
+        detail: &str,
+    ) {
+        self.instance_died_on(("", ""), instance_id, agents_hint, reason, detail)
+            .await
+    }
+
+    /// `instance_died`; for a connection without instance records, `(server, account)` say where
+    /// to ask whether other clients still serve its agents.
+    async fn instance_died_on(
+        &mut self,
+        (server, account): (&str, &str),
         instance_id: &str,
         agents_hint: &[String],
         reason: DeathReason,
@@ -98,12 +177,17 @@ impl Monitor {
             Some(InstanceRecord { agents, .. }) => agents.clone(),
             None => agents_hint.to_vec(),
         };
+        let mut dead = Vec::new();
         for agent in &agents {
             // The agent is dead when no other instance serves it.
             let others = store::instances_of(&self.app, agent)
                 .await
                 .unwrap_or_default();
-            let alive_elsewhere = others.iter().any(|r| r.instance_id != instance_id);
+            let alive_elsewhere = others.iter().any(|r| r.instance_id != instance_id)
+                || self.other_clients_serve(server, account, agent).await;
+            if !alive_elsewhere {
+                dead.push(agent.clone());
+            }
             if !alive_elsewhere && let Ok(body) = serde_json::to_vec(&notice(agent)) {
                 let _ = self.app.publish(subjects::death(agent), body.into()).await;
                 let _ = self.app.flush().await;
@@ -119,7 +203,81 @@ impl Monitor {
             );
         }
         // Clean-up after the notices.
-        store::forget_instance(&self.app, instance_id, &agents).await;
+        store::forget_instance(&self.app, instance_id, &dead).await;
+    }
+
+    /// Ask server `server` (any, if empty) for connections: open ones, or the closed one `cid`.
+    async fn connz(&self, server: &str, query: serde_json::Value) -> Option<Connz> {
+        let subject = if server.is_empty() {
+            "$SYS.REQ.SERVER.PING.CONNZ".to_string()
+        } else {
+            format!("$SYS.REQ.SERVER.{server}.CONNZ")
+        };
+        let body = serde_json::to_vec(&query).ok()?;
+        let reply = tokio::time::timeout(
+            Duration::from_secs(2),
+            self.sys.request(subject, body.into()),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        serde_json::from_slice(&reply.payload).ok()
+    }
+
+    /// Whether a connection that is not an oam host (those have instance records) still serves
+    /// `agent`: an Open Agent Mesh client such as the Python SDK.
+    async fn other_clients_serve(&self, server: &str, account: &str, agent: &str) -> bool {
+        if account.is_empty() {
+            return false; // an oam host's death: instance records say who else serves
+        }
+        let query = serde_json::json!({
+            "acc": account,
+            "filter_subject": subjects::agent(agent),
+            "subscriptions_detail": true,
+        });
+        let Some(connz) = self.connz(server, query).await else {
+            return false;
+        };
+        connz.data.connections.iter().any(|c| {
+            instance_of(&c.name).is_none()
+                && agents_served(&c.subscriptions_list_detail)
+                    .iter()
+                    .any(|a| a == agent)
+        })
+    }
+
+    /// A connection without an instance record closed: if it served agents (a Python SDK
+    /// process), that instance died.
+    async fn client_closed(&mut self, adv: &Advisory) {
+        let query = serde_json::json!({
+            "cid": adv.client.id,
+            "state": 1,
+            "acc": adv.client.acc,
+            "subscriptions_detail": true,
+        });
+        let Some(connz) = self.connz(&adv.server.id, query).await else {
+            return;
+        };
+        let agents: Vec<String> = connz
+            .data
+            .connections
+            .iter()
+            .flat_map(|c| agents_served(&c.subscriptions_list_detail))
+            .collect();
+        if agents.is_empty() {
+            return; // a caller, a node, a tool: not an agent
+        }
+        let server: String = adv.server.id.chars().take(8).collect();
+        let instance_id = format!("nats-{server}-{}", adv.client.id);
+        let at = (adv.server.id.as_str(), adv.client.acc.as_str());
+        self.instance_died_on(
+            at,
+            &instance_id,
+            &agents,
+            DeathReason::Disconnect,
+            &adv.reason,
+        )
+        .await;
     }
 
     fn heartbeat(&mut self, payload: &[u8]) {
@@ -169,7 +327,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let mut advisories = sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT").await?;
     let mut beats = app.subscribe(subjects::HEALTH).await?;
-    let mut m = Monitor::new(app);
+    let mut m = Monitor::new(app, sys.clone());
     m.adopt_records().await;
     let mut sweep = tokio::time::interval(Duration::from_millis(250));
     tokio::pin!(stop);
@@ -185,6 +343,8 @@ pub async fn run(
                     let id = id.to_string();
                     let hint: Vec<String> = m.seen.get(&id).map(|s| vec![s.agent.clone()]).unwrap_or_default();
                     m.instance_died(&id, &hint, DeathReason::Disconnect, &adv.reason).await;
+                } else {
+                    m.client_closed(&adv).await;
                 }
             }
             Some(msg) = beats.next() => m.heartbeat(&msg.payload),

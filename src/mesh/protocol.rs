@@ -92,6 +92,8 @@ pub enum ErrorCode {
     InvocationMismatch,
     /// The handler ran past the maximum handling time its agent declared.
     Stuck,
+    /// Stream chunks arrived out of order (or one was lost).
+    ChunkSequenceError,
     #[serde(other)]
     Unknown,
 }
@@ -107,6 +109,7 @@ impl ErrorCode {
             ErrorCode::HandlerError => "handler_error",
             ErrorCode::InvocationMismatch => "invocation_mismatch",
             ErrorCode::Stuck => "stuck",
+            ErrorCode::ChunkSequenceError => "chunk_sequence_error",
             ErrorCode::Unknown => "unknown",
         }
     }
@@ -196,7 +199,7 @@ mod tests {
         .unwrap();
         assert_eq!(e.code, ErrorCode::HandlerError);
         let odd: MeshError =
-            serde_json::from_str(r#"{"code": "chunk_sequence_error", "message": "x"}"#).unwrap();
+            serde_json::from_str(r#"{"code": "rate_limited", "message": "x"}"#).unwrap();
         assert_eq!(
             odd.code,
             ErrorCode::Unknown,

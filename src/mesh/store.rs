@@ -221,28 +221,31 @@ pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str) {
 
 /// Remove a dead instance's record, and each of its agents that no other instance serves from
 /// the catalog and the registry.
-pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, agents: &[String]) {
+/// Remove `instance_id`'s record, then the catalog entry and contract of each agent in `dead`
+/// (the agents no other instance serves).
+pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, dead: &[String]) {
     if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
         let _ = store.purge(instance_id).await;
     }
-    for agent in agents {
-        let others = instances_of(nats, agent).await.unwrap_or_default();
-        if others.iter().any(|r| r.instance_id != instance_id) {
-            continue;
-        }
-        let entry = CatalogEntry {
-            name: agent.clone(),
-            description: String::new(),
-            version: String::new(),
-            tags: Vec::new(),
-            invocable: true,
-            streaming: false,
-            max_handling_ms: None,
-        };
-        let _ = update_catalog(nats, &entry, false).await;
-        if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {
-            let _ = registry.delete(agent.as_str()).await;
-        }
+    for agent in dead {
+        forget_agent(nats, agent).await;
+    }
+}
+
+/// Remove `agent` from the catalog and the registry.
+pub async fn forget_agent(nats: &async_nats::Client, agent: &str) {
+    let entry = CatalogEntry {
+        name: agent.to_string(),
+        description: String::new(),
+        version: String::new(),
+        tags: Vec::new(),
+        invocable: true,
+        streaming: false,
+        max_handling_ms: None,
+    };
+    let _ = update_catalog(nats, &entry, false).await;
+    if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {
+        let _ = registry.delete(agent).await;
     }
 }
 
@@ -256,7 +259,12 @@ pub async fn deregister(
     claim_tombstone(nats, instance_id).await;
     let others = instances_of(nats, &entry.name).await.unwrap_or_default();
     let last = !others.iter().any(|r| r.instance_id != instance_id);
-    forget_instance(nats, instance_id, std::slice::from_ref(&entry.name)).await;
+    let dead = if last {
+        vec![entry.name.clone()]
+    } else {
+        Vec::new()
+    };
+    forget_instance(nats, instance_id, &dead).await;
     last
 }
 

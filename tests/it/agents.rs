@@ -146,6 +146,7 @@ async fn interoperates_with_the_python_sdk() {
     let server = NatsServer::start();
     let url = server.url();
     let _ours = serve(&url, "demo.echo", "echo", &[]);
+    let _stream = serve(&url, "demo.stream", "stream:3:10", &[]);
     // An agent served by the Python SDK.
     let sdk_agent = r#"
 import asyncio, sys
@@ -170,22 +171,34 @@ async def main():
 
 asyncio.run(main())
 "#;
-    let mut child = std::process::Command::new(python())
-        .args(["-c", sdk_agent, &url])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit())
-        .spawn()
-        .expect("python with openagentmesh; run scripts/install-test-tools");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(
-        line.contains("ready"),
-        "the SDK agent did not start: {line:?}"
-    );
+    let spawn_sdk_agent = || {
+        let mut child = std::process::Command::new(python())
+            .args(["-c", sdk_agent, &url])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("python with openagentmesh; run scripts/install-test-tools");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert!(
+            line.contains("ready"),
+            "the SDK agent did not start: {line:?}"
+        );
+        child
+    };
+    let _monitor = monitor(&server);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
+    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    nc.flush().await.unwrap();
+    let mut child = spawn_sdk_agent();
+    let mut replica = spawn_sdk_agent();
 
     let list = oam(&url)
         .args(["agent", "list", "--json"])
@@ -193,12 +206,46 @@ asyncio.run(main())
         .unwrap();
     assert!(String::from_utf8_lossy(&list.stdout).contains("sdk.echo"));
     let (ok, out, err) = call(&url, "sdk.echo", r#"{"message": "hi"}"#, "10");
-    let _ = child.kill();
-    let _ = child.wait();
     assert!(ok, "{err}");
     assert_eq!(
         serde_json::from_str::<Value>(&out).unwrap(),
         json!({"reply": "py:hi"})
+    );
+
+    // The SDK writes no instance records and names no connections; the monitor still sees its
+    // processes die, by the subscriptions the server says they held. One replica is not the agent.
+    let _ = replica.kill();
+    let _ = replica.wait();
+    let first = next_json(&mut instance_deaths, Duration::from_secs(10))
+        .await
+        .expect("an SDK instance's death");
+    assert_eq!(first["reason"], "disconnect", "{first}");
+    assert!(
+        first["instance_id"].as_str().unwrap().starts_with("nats-"),
+        "{first}"
+    );
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "the other SDK replica still serves"
+    );
+    let (ok, _, err) = call(&url, "sdk.echo", r#"{"message": "again"}"#, "10");
+    assert!(ok, "{err}");
+    let _ = child.kill();
+    let _ = child.wait();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the SDK agent's death");
+    assert_eq!(notice["agent"], "sdk.echo", "{notice}");
+    assert_eq!(notice["reason"], "disconnect");
+    let list = oam(&url)
+        .args(["agent", "list", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&list.stdout).contains("sdk.echo"),
+        "cleaned after the notice"
     );
 
     // The SDK calls an agent served by oam.
@@ -209,6 +256,7 @@ from openagentmesh import AgentMesh
 async def main():
     async with AgentMesh(sys.argv[1]) as mesh:
         print(json.dumps(await mesh.call("demo.echo", {"message": "from python"}, timeout=10.0)))
+        print(json.dumps([c async for c in mesh.stream("demo.stream", {"n": 1}, timeout=10.0)]))
 
 asyncio.run(main())
 "#;
@@ -221,8 +269,14 @@ asyncio.run(main())
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v, json!({"message": "from python"}));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut lines = stdout
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap());
+    assert_eq!(lines.next(), Some(json!({"message": "from python"})));
+    let chunks = lines.next().expect("the SDK's stream");
+    assert_eq!(chunks.as_array().map(Vec::len), Some(3), "{chunks}");
+    assert_eq!(chunks[2], json!({"index": 2, "of": 3, "input": {"n": 1}}));
 }
 
 /// A monitor beside a fresh server, with both accounts.
@@ -577,4 +631,187 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-oam-provider"], "local");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn streams_arrive_in_order_and_fail_fast() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let _stream = serve(&url, "demo.stream", "stream:3:20", &[]);
+    let _echo = serve(&url, "demo.echo", "echo", &[]);
+
+    let out = oam(&url)
+        .args(["agent", "stream", "demo.stream", r#"{"q": 1}"#])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let chunks: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 3, "{chunks:?}");
+    for (i, c) in chunks.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["input"], json!({"q": 1}));
+    }
+
+    // The wrong way round is refused by the agent, not waited out.
+    let (ok, _, err) = call(&url, "demo.stream", "{}", "5");
+    assert!(!ok && err.contains("invocation_mismatch"), "{err}");
+    let out = oam(&url)
+        .args(["agent", "stream", "demo.echo", "--timeout", "20"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("invocation_mismatch"),
+        "{err}"
+    );
+
+    // Nobody serves it: known at once, not after the timeout.
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let caller = oam::mesh::client::Caller::new(nc).await.unwrap();
+    let started = Instant::now();
+    let mut s = caller
+        .stream("nobody.streams", "{}".into(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let err = s.next().await.unwrap().unwrap_err();
+    assert_eq!(err.code, oam::mesh::protocol::ErrorCode::NotFound, "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(s.next().await.is_none(), "an error ends the stream");
+
+    // The instance serving the stream dies mid-way: the caller hears it in milliseconds.
+    let mut long = serve(&url, "demo.long", "stream:100:100", &[]);
+    let mut s = caller
+        .stream("demo.long", "{}".into(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let first = s.next().await.unwrap().unwrap();
+    assert_eq!(serde_json::from_slice::<Value>(&first).unwrap()["index"], 0);
+    let killed = Instant::now();
+    long.kill();
+    let err = loop {
+        match s.next().await.expect("an error, not a clean end") {
+            Ok(_) => continue, // a chunk already on its way
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.code, oam::mesh::protocol::ErrorCode::AgentDied, "{err}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        killed.elapsed()
+    );
+
+    // A stream whose next chunk takes longer than the agent declared is stuck.
+    let _slow = serve(
+        &url,
+        "demo.slowstream",
+        "stream:3:5000",
+        &["--max-handling-ms", "200"],
+    );
+    let started = Instant::now();
+    let out = oam(&url)
+        .args(["agent", "stream", "demo.slowstream", "--timeout", "20"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("stuck"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_local_mesh_in_one_call_with_full_liveness() {
+    use oam::mesh::host::Handler;
+    use oam::mesh::protocol::ErrorCode;
+    let mesh = oam::mesh::local::LocalMesh::start().await.unwrap();
+    let upper = mesh
+        .serve(
+            "text.upper",
+            Handler::call(|body| async move {
+                let text = String::from_utf8_lossy(&body).to_uppercase();
+                Ok(text.into_bytes().into())
+            }),
+        )
+        .await
+        .unwrap();
+    let slow = mesh
+        .serve(
+            "text.slow",
+            Handler::call(|body| async move {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                Ok(body)
+            }),
+        )
+        .await
+        .unwrap();
+    let caller = std::sync::Arc::new(mesh.caller().await.unwrap());
+    let reply = caller
+        .call("text.upper", r#"{"a": "b"}"#.into(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(&reply[..], br#"{"A": "B"}"#);
+
+    // A crash (the handle dropped without `stop`) while holding a call: the in-process monitor
+    // sees the connection close and the caller fails at once.
+    let c = caller.clone();
+    let pending = tokio::spawn(async move {
+        c.call("text.slow", "{}".into(), Duration::from_secs(30))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let crashed = Instant::now();
+    drop(slow);
+    let err = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .expect("the call ended")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::AgentDied, "{err}");
+    assert!(
+        crashed.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        crashed.elapsed()
+    );
+
+    // A graceful stop says so; then nothing answers.
+    let nc = mesh.connect("test").await.unwrap();
+    let mut deaths = nc.subscribe("mesh.death.text.upper").await.unwrap();
+    nc.flush().await.unwrap();
+    upper.stop().await.unwrap();
+    let notice = next_json(&mut deaths, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(notice["reason"], "graceful_shutdown");
+    let err = caller
+        .call("text.upper", "{}".into(), Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::NotFound, "{err}");
+
+    // Dropping the mesh stops its server.
+    let url = mesh.url();
+    drop(mesh);
+    assert!(
+        oam::transport::connect::connect(&url, "after", false)
+            .await
+            .is_err(),
+        "the private server is gone"
+    );
 }

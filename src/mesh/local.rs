@@ -1,0 +1,198 @@
+//! A whole mesh in one call, for tests, examples and notebooks: a private nats-server on a free
+//! 127.0.0.1 port (its own folder, generated credentials) with the liveness monitor running in
+//! this process, so agents served and called through it get the full liveness semantics (death
+//! notices, fail-fast callers) with no set-up. Dropping it stops everything it started.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! use oam::mesh::{host::Handler, local::LocalMesh};
+//! let mesh = LocalMesh::start().await?;
+//! let _agent = mesh
+//!     .serve("demo.echo", Handler::call(|body| async move { Ok(body) }))
+//!     .await?;
+//! let reply = mesh
+//!     .caller()
+//!     .await?
+//!     .call("demo.echo", "{}".into(), std::time::Duration::from_secs(5))
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+use super::client::Caller;
+use super::host::{self, Handler, Instance};
+use super::protocol::CatalogEntry;
+use crate::natsd;
+use anyhow::Context;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A running private mesh. Dropping it stops the monitor and the server and removes its folder.
+pub struct LocalMesh {
+    server: std::process::Child,
+    dir: PathBuf,
+    port: u16,
+    creds: natsd::Credentials,
+    monitor: tokio::task::JoinHandle<()>,
+}
+
+/// An agent served through `LocalMesh::serve`. `stop` leaves gracefully (drains, says so);
+/// dropping it without `stop` is a crash: the connection closes and the monitor announces it.
+pub struct ServedAgent {
+    pub instance_id: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl ServedAgent {
+    /// Leave gracefully: finish the requests in hand, deregister, and (as the last instance)
+    /// publish a `graceful_shutdown` death notice.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task).await?
+    }
+}
+
+impl Drop for ServedAgent {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl LocalMesh {
+    /// Start nats-server (found like `oam mesh up` finds it: `$OAM_NATS_SERVER`, the project's
+    /// `.tools`, PATH) and the monitor. Returns when both are ready.
+    pub async fn start() -> anyhow::Result<LocalMesh> {
+        let (bin, _) = natsd::find(None)?;
+        let creds = natsd::Credentials::generate()?;
+        let dir = std::env::temp_dir().join(format!(
+            "oam-local-mesh-{}-{}",
+            std::process::id(),
+            natsd::random_hex(4)?
+        ));
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        let mut last_error = None;
+        for _ in 0..5 {
+            // A free port can be taken between asking and binding: try a few.
+            let layout = natsd::Layout {
+                port: natsd::free_port()?,
+                monitor_port: natsd::free_port()?,
+                store_dir: dir.join("jetstream"),
+            };
+            let conf = dir.join("nats.conf");
+            std::fs::write(&conf, natsd::config(&layout, &creds))?;
+            let (bin, log) = (bin.clone(), dir.join("nats.log"));
+            let started = tokio::task::spawn_blocking(move || {
+                natsd::start(&bin, &conf, &log, layout.port, Duration::from_secs(10))
+            })
+            .await?;
+            match started {
+                Ok(server) => return LocalMesh::with_server(server, dir, layout.port, creds).await,
+                Err(e) => last_error = Some(e),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        Err(last_error.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
+    }
+
+    async fn with_server(
+        server: std::process::Child,
+        dir: PathBuf,
+        port: u16,
+        creds: natsd::Credentials,
+    ) -> anyhow::Result<LocalMesh> {
+        let mut mesh = LocalMesh {
+            server,
+            dir,
+            port,
+            creds,
+            monitor: tokio::spawn(async {}),
+        };
+        let app = mesh.connect("oam-monitor").await?;
+        let sys = crate::transport::connect::connect(
+            &natsd::sys_url(port, &mesh.creds),
+            "oam-monitor-sys",
+            false,
+        )
+        .await?;
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        mesh.monitor = tokio::spawn(async move {
+            let _ = ready_tx.send(());
+            if let Err(e) = super::monitor::run(app, sys, std::future::pending()).await {
+                tracing::warn!("the local mesh's monitor stopped: {e:#}");
+            }
+        });
+        let _ = ready_rx.await;
+        Ok(mesh)
+    }
+
+    /// The application account's URL (credentials included), for other processes or clients.
+    pub fn url(&self) -> String {
+        natsd::app_url(self.port, &self.creds)
+    }
+
+    /// A new client connection named `name`.
+    pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
+        crate::transport::connect::connect(&self.url(), name, false)
+            .await
+            .map_err(Into::into)
+    }
+
+    /// A fail-fast caller on its own connection.
+    pub async fn caller(&self) -> anyhow::Result<Caller> {
+        Caller::new(self.connect("oam-caller").await?).await
+    }
+
+    /// Serve `handler` as agent `name` (one instance, up to 16 requests at once), registered
+    /// when this returns.
+    pub async fn serve(&self, name: &str, handler: Handler) -> anyhow::Result<ServedAgent> {
+        let entry = CatalogEntry {
+            name: name.to_string(),
+            description: format!("{name} (local mesh)"),
+            version: "0.1.0".into(),
+            tags: Vec::new(),
+            invocable: true,
+            streaming: handler.streams(),
+            max_handling_ms: None,
+        };
+        self.serve_entry(entry, handler, 16).await
+    }
+
+    /// Serve `handler` under a full catalog entry, handling up to `concurrency` requests at once.
+    pub async fn serve_entry(
+        &self,
+        entry: CatalogEntry,
+        handler: Handler,
+        concurrency: usize,
+    ) -> anyhow::Result<ServedAgent> {
+        let (instance, sub) = Instance::start(&self.url(), entry).await?;
+        let instance_id = instance.id.clone();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(host::serve(
+            instance,
+            sub,
+            handler,
+            concurrency,
+            super::monitor::HEARTBEAT_EVERY,
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        Ok(ServedAgent {
+            instance_id,
+            stop: Some(stop_tx),
+            task,
+        })
+    }
+}
+
+impl Drop for LocalMesh {
+    fn drop(&mut self) {
+        self.monitor.abort();
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
