@@ -208,6 +208,27 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
     let replica = kill_case(url, &caller, a.kills, true).await?;
     let freeze = freeze_case(url, &nats, a.freezes).await?;
 
+    // Raw async-nats request/reply, same machine, same run: the ceiling to compare against.
+    let mut raw = nats
+        .subscribe("bench.raw.echo")
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))?;
+    let responder_nats = nats.clone();
+    let responder = tokio::spawn(async move {
+        while let Some(m) = raw.next().await {
+            if let Some(reply) = m.reply {
+                let _ = responder_nats.publish(reply, m.payload).await;
+            }
+        }
+    });
+    let mut raw_seq = Vec::with_capacity(a.echoes);
+    for _ in 0..a.echoes {
+        let t0 = Instant::now();
+        if nats.request("bench.raw.echo", "{}".into()).await.is_ok() {
+            raw_seq.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let raw_seq = percentiles(raw_seq);
     let _echo = Agent::start(url, "bench.echo", "echo")?;
     let mut seq = Vec::with_capacity(a.echoes);
     for _ in 0..a.echoes {
@@ -231,19 +252,6 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
         }
     })
     .await;
-    // Raw async-nats request/reply, same machine, same run: the ceiling to compare against.
-    let mut raw = nats
-        .subscribe("bench.raw.echo")
-        .await
-        .map_err(|e| Error::new(Kind::Unreachable, e))?;
-    let responder_nats = nats.clone();
-    let responder = tokio::spawn(async move {
-        while let Some(m) = raw.next().await {
-            if let Some(reply) = m.reply {
-                let _ = responder_nats.publish(reply, m.payload).await;
-            }
-        }
-    });
     let n = nats.clone();
     let raw_rps = throughput(a.concurrency, a.seconds, move || {
         let n = n.clone();
@@ -257,6 +265,7 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
         "replica_sigkill_to_agent_died": replica,
         "sigstop_to_death_notice": freeze,
         "echo_sequential": echo_seq,
+        "raw_request_reply_sequential": raw_seq,
         "echo_concurrent_rps": mesh_rps,
         "raw_request_reply_rps": raw_rps,
         "concurrency": a.concurrency,
@@ -277,6 +286,10 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
             ),
             ("SIGSTOP -> death notice", "sigstop_to_death_notice"),
             ("echo, sequential", "echo_sequential"),
+            (
+                "raw request/reply, sequential",
+                "raw_request_reply_sequential",
+            ),
         ] {
             let v = &doc[key];
             t.add_row(vec![

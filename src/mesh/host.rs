@@ -189,7 +189,6 @@ impl Instance {
             (protocol::H_STATUS, "ok"),
             (protocol::H_SOURCE, &self.entry.name),
             (protocol::H_REQUEST_ID, request_id),
-            (protocol::H_INSTANCE_ID, &self.id),
         ]);
         let _ = self.nats.publish_with_headers(reply, h, body).await;
     }
@@ -242,12 +241,15 @@ impl Instance {
         &self,
         msg: &async_nats::Message,
         request_id: &str,
-        ack_to: Option<String>,
+        ack_to: Option<&str>,
         chunks: u32,
         every: Duration,
     ) {
         if let Some(ack_to) = ack_to {
-            let _ = self.nats.publish(ack_to, self.id.clone().into()).await;
+            let _ = self
+                .nats
+                .publish(ack_to.to_string(), self.id.clone().into())
+                .await;
         }
         let input: serde_json::Value = if msg.payload.is_empty() {
             serde_json::json!({})
@@ -300,14 +302,12 @@ impl Instance {
     }
 
     async fn handle(self: Arc<Self>, msg: async_nats::Message, handler: Handler) {
-        let header = |k: &str| {
-            msg.headers
-                .as_ref()
-                .and_then(|h| h.get(k))
-                .map(|v| v.as_str().to_string())
-        };
+        fn value<'a>(msg: &'a async_nats::Message, key: &str) -> Option<&'a str> {
+            msg.headers.as_ref()?.get(key).map(|v| v.as_str())
+        }
+        let header = |k: &'static str| value(&msg, k);
         let request_id = header(protocol::H_REQUEST_ID).unwrap_or_default();
-        let wants_stream = header(protocol::H_STREAM).as_deref() == Some("true");
+        let wants_stream = header(protocol::H_STREAM) == Some("true");
         if wants_stream != handler.streams() {
             let message = if wants_stream {
                 format!(
@@ -328,7 +328,7 @@ impl Instance {
             self.fail(
                 reply,
                 wants_stream,
-                &request_id,
+                request_id,
                 ErrorCode::InvocationMismatch,
                 message,
             )
@@ -336,7 +336,7 @@ impl Instance {
             return;
         }
         if let Handler::Demo(Demo::Stream { chunks, every }) = handler {
-            self.stream(&msg, &request_id, header(protocol::H_ACK_TO), chunks, every)
+            self.stream(&msg, request_id, header(protocol::H_ACK_TO), chunks, every)
                 .await;
             return;
         }
@@ -351,13 +351,7 @@ impl Instance {
         if serde_json::from_slice::<serde::de::IgnoredAny>(&payload).is_err() {
             let why = "the request body is not JSON".to_string();
             return self
-                .fail(
-                    Some(reply),
-                    false,
-                    &request_id,
-                    ErrorCode::InvalidInput,
-                    why,
-                )
+                .fail(Some(reply), false, request_id, ErrorCode::InvalidInput, why)
                 .await;
         }
         let work = match &handler {
@@ -381,7 +375,10 @@ impl Instance {
                 match tokio::time::timeout(ACK_AFTER, &mut bounded).await {
                     Ok(done) => done,
                     Err(_) => {
-                        let _ = self.nats.publish(ack_to, self.id.clone().into()).await;
+                        let _ = self
+                            .nats
+                            .publish(ack_to.to_string(), self.id.clone().into())
+                            .await;
                         bounded.await
                     }
                 }
@@ -389,9 +386,9 @@ impl Instance {
             None => bounded.await,
         };
         match outcome {
-            Some(Ok(body)) => self.reply_ok(reply, &request_id, body).await,
+            Some(Ok(body)) => self.reply_ok(reply, request_id, body).await,
             Some(Err((code, message))) => {
-                self.fail(Some(reply), false, &request_id, code, message)
+                self.fail(Some(reply), false, request_id, code, message)
                     .await
             }
             None => {
@@ -399,7 +396,7 @@ impl Instance {
                 let why = format!(
                     "the handler ran past its declared maximum handling time of {limit} ms"
                 );
-                self.fail(Some(reply), false, &request_id, ErrorCode::Stuck, why)
+                self.fail(Some(reply), false, request_id, ErrorCode::Stuck, why)
                     .await
             }
         }
@@ -480,12 +477,18 @@ pub async fn serve(
         let me = instance.clone();
         me.in_flight.fetch_add(1, Ordering::Relaxed);
         let handler = handler.clone();
-        tasks.spawn(async move {
+        let mut work = Box::pin(async move {
             me.clone().handle(msg, handler).await;
             me.in_flight.fetch_sub(1, Ordering::Relaxed);
             me.processed.fetch_add(1, Ordering::Relaxed);
             drop(permit);
         });
+        // An answer ready at once (an echo, a cached result) is sent from here; only work that
+        // has to wait becomes a task of its own.
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(work.as_mut().poll(cx)));
+        if first.await.is_pending() {
+            tasks.spawn(work);
+        }
     }
     drop(beats);
     // Graceful exit: take no new requests, finish those in hand (bounded), then leave.

@@ -482,10 +482,22 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
     )
     .await
     .unwrap();
+    // A second system-account subscriber proves the server delivers the garbage to subscribers
+    // of the advisory subject (the monitor is one), so this exercises the parse-failure path.
+    let mut witness = sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT").await.unwrap();
+    sys.flush().await.unwrap();
     sys.publish("$SYS.ACCOUNT.APP.DISCONNECT", "garbage".into())
         .await
         .unwrap();
+    sys.publish("$SYS.ACCOUNT.APP.DISCONNECT", r#"{"client": 7}"#.into())
+        .await
+        .unwrap();
     sys.flush().await.unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(5), witness.next())
+        .await
+        .expect("the server delivers it")
+        .unwrap();
+    assert_eq!(&seen.payload[..], b"garbage");
     let mut again = serve(&url, "demo.after", "echo", &[]);
     again.kill();
     let notice = next_json(&mut deaths, Duration::from_secs(10))
