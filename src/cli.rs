@@ -32,6 +32,43 @@ pub enum Command {
     Agent(cmd::agent::Args),
     /// Print what arrives on a NATS subject, e.g. `oam listen 'mesh.death.>'`.
     Listen(cmd::listen::Args),
+    /// Inject a failure that restores itself: `oam chaos kill-provider primary --for 30s`.
+    Chaos(cmd::chaos::Args),
+}
+
+impl Cli {
+    /// Parse the command line; an unknown subcommand (e.g. a fault `oam chaos` does not know)
+    /// is answered with the valid ones, then exit 2.
+    pub fn parse_or_exit() -> Cli {
+        match Cli::try_parse() {
+            Ok(cli) => cli,
+            Err(e) if e.kind() == clap::error::ErrorKind::InvalidSubcommand => {
+                let _ = e.print();
+                let valid = valid_subcommands(std::env::args().skip(1));
+                eprintln!("\nvalid here: {}", valid.join(", "));
+                std::process::exit(2);
+            }
+            Err(e) => e.exit(),
+        }
+    }
+}
+
+/// The subcommands of the deepest command named in `args`.
+fn valid_subcommands(args: impl Iterator<Item = String>) -> Vec<String> {
+    use clap::CommandFactory;
+    let root = Cli::command();
+    let mut cur = &root;
+    for a in args {
+        match cur.find_subcommand(&a) {
+            Some(sub) => cur = sub,
+            None if a.starts_with('-') => continue,
+            None => break,
+        }
+    }
+    cur.get_subcommands()
+        .filter(|s| !s.is_hide_set())
+        .map(|s| s.get_name().to_string())
+        .collect()
 }
 
 pub async fn run(cli: Cli) -> Result<()> {
@@ -44,5 +81,6 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => cmd::bench::run(args).await,
         Command::Agent(args) => cmd::agent::run(args).await,
         Command::Listen(args) => cmd::listen::run(args).await,
+        Command::Chaos(args) => cmd::chaos::run(args).await,
     }
 }

@@ -4,6 +4,7 @@
 //! and glue, no decisions); `cli` is the top-level parser; `error` decides exit codes.
 
 pub mod bench;
+pub mod chaos;
 pub mod cli;
 pub mod cmd;
 pub mod core;

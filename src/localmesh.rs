@@ -23,6 +23,10 @@ pub struct Started {
     pub log: PathBuf,
     /// A word the process's command line must contain, so a reused PID is never signalled.
     pub cmdline_marker: String,
+    /// The `oam` arguments it was started with (empty for nats-server), so it can be started
+    /// again (`oam chaos kill-node` restores a node this way).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
@@ -60,8 +64,48 @@ impl Record {
     pub fn nodes(&self) -> impl Iterator<Item = &Started> {
         self.processes
             .iter()
-            .filter(|p| !["nats-server", "sim", "monitor"].contains(&p.name.as_str()))
+            .filter(|p| !["nats-server", "sim", "monitor", "chaos"].contains(&p.name.as_str()))
     }
+}
+
+/// Start `oam ARGS` detached (own process group), stdout to `NAME.out`, stderr to `NAME.log`
+/// (appended, so a restarted process keeps its history).
+pub fn spawn_oam(
+    dir: &Path,
+    name: &str,
+    args: &[String],
+    env: &[(&str, String)],
+) -> anyhow::Result<(std::process::Child, PathBuf, PathBuf)> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe()?;
+    // Rebuilt or upgraded while running: the kernel names our old image "... (deleted)"; start
+    // the file that is there now.
+    let exe = match exe.to_str().and_then(|p| p.strip_suffix(" (deleted)")) {
+        Some(p) => PathBuf::from(p),
+        None => exe,
+    };
+    let out = dir.join(format!("{name}.out"));
+    let log = dir.join(format!("{name}.log"));
+    let stdout =
+        std::fs::File::create(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .with_context(|| format!("cannot open {}", log.display()))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .process_group(0);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {name}"))?;
+    Ok((child, out, log))
 }
 
 /// Write a file only its owner can read.
@@ -101,7 +145,7 @@ fn is_zombie(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-fn signal(pid: u32, sig: libc::c_int) -> bool {
+pub fn signal(pid: u32, sig: libc::c_int) -> bool {
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return false;
     };
@@ -154,6 +198,7 @@ mod tests {
             endpoint: String::new(),
             log: PathBuf::new(),
             cmdline_marker: "surely-not-in-this-test-binary-cmdline".into(),
+            args: Vec::new(),
         };
         assert!(!is_ours(&me));
         assert_eq!(stop(&me, Duration::from_millis(10)), Stopped::NotRunning);

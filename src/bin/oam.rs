@@ -1,12 +1,11 @@
 //! The `oam` binary: parse arguments, set up logging and the runtime, run, map the result to an
 //! exit code. Everything else lives in the library.
 
-use clap::Parser;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = oam::cli::Cli::parse();
+    let cli = oam::cli::Cli::parse_or_exit();
     let filter = tracing_subscriber::EnvFilter::try_from_env("OAM_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
     let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();

@@ -5,9 +5,7 @@ use crate::error::{Error, Kind, Result};
 use crate::localmesh::{self, Record, Started, Stopped};
 use crate::natsd;
 use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command as Proc, Stdio};
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
@@ -148,31 +146,13 @@ fn ready_line(
     }
 }
 
-/// Start `oam ARGS` detached (own process group), stdout to `NAME.out`, stderr to `NAME.log`.
 fn spawn_oam(
     dir: &Path,
     name: &str,
     args: &[String],
     env: &[(&str, String)],
 ) -> Result<(std::process::Child, PathBuf, PathBuf)> {
-    let exe = std::env::current_exe().map_err(|e| Error::new(Kind::Check, e))?;
-    let out = dir.join(format!("{name}.out"));
-    let log = dir.join(format!("{name}.log"));
-    let stdout = std::fs::File::create(&out).map_err(|e| Error::new(Kind::Check, e))?;
-    let stderr = std::fs::File::create(&log).map_err(|e| Error::new(Kind::Check, e))?;
-    let mut cmd = Proc::new(exe);
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr)
-        .process_group(0);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let child = cmd
-        .spawn()
-        .map_err(|e| Error::new(Kind::Check, anyhow::anyhow!("cannot start {name}: {e}")))?;
-    Ok((child, out, log))
+    localmesh::spawn_oam(dir, name, args, env).map_err(|e| Error::new(Kind::Check, e))
 }
 
 async fn up(a: UpArgs) -> Result<()> {
@@ -324,6 +304,7 @@ async fn start_all(
         endpoint: format!("nats://127.0.0.1:{port} (monitor http://127.0.0.1:{monitor_port})"),
         log: nats_log,
         cmdline_marker: conf.display().to_string(),
+        args: Vec::new(),
     });
 
     // The simulator.
@@ -342,6 +323,7 @@ async fn start_all(
         endpoint: format!("http://127.0.0.1:{sim_port}"),
         log: log.clone(),
         cmdline_marker: format!("127.0.0.1:{sim_port}"),
+        args: sim_args.clone(),
     });
     let ready = ready_line(&out, &mut child, "the simulator", &log)?;
     let sim_url = ready["url"].as_str().unwrap_or_default().to_string();
@@ -379,6 +361,7 @@ async fn start_all(
             endpoint: format!("http://127.0.0.1:{p}"),
             log: log.clone(),
             cmdline_marker: format!("--id {id} --listen 127.0.0.1:{p}"),
+            args: args.clone(),
         });
         node_urls.push((id.clone(), format!("http://127.0.0.1:{p}"), log.clone()));
         pending.push((id, child, out, log));
@@ -403,8 +386,26 @@ async fn start_all(
         endpoint: "death notices on mesh.death.>".into(),
         log: log.clone(),
         cmdline_marker: format!("mesh monitor --json --dir {}", dir.display()),
+        args: monitor_args.clone(),
     });
     ready_line(&out, &mut child, "the monitor", &log)?;
+    // The chaos warden: applies `oam chaos` faults and undoes them on time.
+    let warden_args: Vec<String> = ["chaos", "warden", "--json", "--dir"]
+        .map(String::from)
+        .into_iter()
+        .chain([dir.display().to_string()])
+        .collect();
+    let env = [(crate::transport::connect::ENV_URL, app_url.clone())];
+    let (mut child, out, log) = spawn_oam(dir, "chaos", &warden_args, &env)?;
+    started.push(Started {
+        name: "chaos".into(),
+        pid: child.id(),
+        endpoint: "oam chaos (oam.v1.chaos.*)".into(),
+        log: log.clone(),
+        cmdline_marker: format!("chaos warden --json --dir {}", dir.display()),
+        args: warden_args.clone(),
+    });
+    ready_line(&out, &mut child, "the chaos warden", &log)?;
     // Ready means: every node sees every node.
     let http = crate::node::connector::http_client(Some(Duration::from_secs(2)))
         .map_err(|e| check(e.into()))?;
@@ -520,6 +521,8 @@ async fn status(a: StatusArgs) -> Result<()> {
             }
         } else if p.name == "monitor" {
             "watching for deaths".into()
+        } else if p.name == "chaos" {
+            "restores faults on time".into()
         } else if p.name == "sim" {
             match http.get(format!("{}/healthz", p.endpoint)).send().await {
                 Ok(r) if r.status().is_success() => "healthy".into(),

@@ -17,6 +17,18 @@ pub struct InstanceRecord {
     pub agents: Vec<String>,
     pub connection: String,
     pub renewed_at_ms: u64,
+    /// The serving process and its machine, so local tools (chaos) can find it.
+    #[serde(default)]
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub host: Option<String>,
+}
+
+/// This machine's host name (empty if unknown).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
 }
 
 async fn bucket(
@@ -134,6 +146,8 @@ async fn put_instance(
         agents: vec![entry.name.clone()],
         connection: subjects::host_connection(instance_id),
         renewed_at_ms: crate::node::now_ms(),
+        pid: Some(std::process::id()),
+        host: Some(hostname()),
     };
     store
         .put(instance_id, serde_json::to_vec(&rec)?.into())

@@ -28,11 +28,27 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
+        .route("/v1/oam/chaos", post(chaos))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         // The chat handler enforces node.max_body_bytes itself, with an OpenAI-style error.
         .layer(DefaultBodyLimit::disable())
         .with_state(node)
+}
+
+/// `POST /v1/oam/chaos`: a chaos command over HTTP (how an isolated node hears its restore).
+async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Response {
+    match serde_json::from_slice::<crate::chaos::NodeCommand>(&body) {
+        Ok(cmd) => {
+            node.chaos(cmd);
+            axum::Json(json!({"applied": true})).into_response()
+        }
+        Err(e) => (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({"error": format!("not a chaos command: {e}")})),
+        )
+            .into_response(),
+    }
 }
 
 async fn state(State(node): State<Arc<Node>>) -> Response {
@@ -515,43 +531,58 @@ async fn chat(
 /// The same data plane on NATS: requests on `oam.v1.request` (queue group `oam-nodes`), the
 /// reply is the HTTP body with `status` and the `X-OAM-*` values added to its `oam` object.
 pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
-    let mut sub = node
-        .nats
-        .queue_subscribe(subjects::REQUEST, subjects::REQUEST_QUEUE.into())
-        .await?;
-    while let Some(msg) = sub.next().await {
-        let node = node.clone();
-        tokio::spawn(async move {
-            let Some(reply) = msg.reply.clone() else {
-                return; // a publish with no reply subject: nobody to answer
+    loop {
+        // Isolated (chaos): not a member of the queue group until reconnected.
+        while node.isolated() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut sub = node
+            .nats
+            .queue_subscribe(subjects::REQUEST, subjects::REQUEST_QUEUE.into())
+            .await?;
+        while !node.isolated() {
+            let msg = tokio::select! {
+                m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
+                _ = node.isolation_changed.notified() => break,
             };
-            let mut headers = HeaderMap::new();
-            if let Some(h) = &msg.headers {
-                for (name, values) in h.iter() {
-                    let Ok(name) = HeaderName::from_bytes(name.to_string().as_bytes()) else {
-                        continue;
-                    };
-                    if let Some(v) = values.first()
-                        && let Ok(v) = HeaderValue::from_str(v.as_str())
-                    {
-                        headers.insert(name, v);
-                    }
-                }
-            }
-            let a = execute(&node, &msg.payload, &headers).await;
-            let mut body = a.body;
-            body["status"] = json!(a.status.as_u16());
-            match serde_json::to_vec(&body) {
-                Ok(bytes) => {
-                    if let Err(e) = node.nats.publish(reply, bytes.into()).await {
-                        tracing::debug!("cannot reply on NATS: {e}");
-                    }
-                }
-                Err(e) => tracing::warn!("cannot encode a reply: {e}"),
-            }
-        });
+            serve_one(&node, msg);
+        }
+        let _ = sub.unsubscribe().await;
     }
-    Ok(())
+}
+
+/// Answer one request from the NATS data plane, on its own task.
+fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
+    let node = node.clone();
+    tokio::spawn(async move {
+        let Some(reply) = msg.reply.clone() else {
+            return; // a publish with no reply subject: nobody to answer
+        };
+        let mut headers = HeaderMap::new();
+        if let Some(h) = &msg.headers {
+            for (name, values) in h.iter() {
+                let Ok(name) = HeaderName::from_bytes(name.to_string().as_bytes()) else {
+                    continue;
+                };
+                if let Some(v) = values.first()
+                    && let Ok(v) = HeaderValue::from_str(v.as_str())
+                {
+                    headers.insert(name, v);
+                }
+            }
+        }
+        let a = execute(&node, &msg.payload, &headers).await;
+        let mut body = a.body;
+        body["status"] = json!(a.status.as_u16());
+        match serde_json::to_vec(&body) {
+            Ok(bytes) => {
+                if let Err(e) = node.nats.publish(reply, bytes.into()).await {
+                    tracing::debug!("cannot reply on NATS: {e}");
+                }
+            }
+            Err(e) => tracing::warn!("cannot encode a reply: {e}"),
+        }
+    });
 }
 
 #[cfg(test)]

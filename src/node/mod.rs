@@ -66,6 +66,19 @@ pub struct Node {
     /// Providers that are mesh agents whose death notice arrived; UNHEALTHY until a probe
     /// succeeds again.
     down: Mutex<std::collections::BTreeSet<String>>,
+    /// Chaos done to this node, undone at expiry or on request.
+    chaos: Mutex<NodeChaos>,
+    /// Woken when the node is cut off from NATS or reconnected.
+    isolation_changed: tokio::sync::Notify,
+}
+
+/// Faults a node applies to itself (`oam chaos isolate-node`, `drain-budget`).
+#[derive(Default)]
+struct NodeChaos {
+    /// (fault id, until) while the node is cut off from NATS.
+    isolated: Option<(String, u64)>,
+    /// fault id -> (agent, the budget it had before).
+    drained: BTreeMap<String, (String, Option<crate::core::budget::Budget>)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -125,12 +138,104 @@ impl Node {
             slot_freed: tokio::sync::Notify::new(),
             http_url: Mutex::new(None),
             down: Mutex::new(std::collections::BTreeSet::new()),
+            chaos: Mutex::new(NodeChaos::default()),
+            isolation_changed: tokio::sync::Notify::new(),
             cfg,
         }))
     }
 
     fn engine(&self) -> MutexGuard<'_, Engine> {
         lock(&self.engine)
+    }
+
+    /// Cut off from NATS by `oam chaos isolate-node`: nothing goes out, nothing coming in is
+    /// applied, and the NATS data plane is unsubscribed.
+    pub fn isolated(&self) -> bool {
+        lock(&self.chaos)
+            .isolated
+            .as_ref()
+            .is_some_and(|(_, until)| now_ms() < *until)
+    }
+
+    /// Apply a chaos command to this node; the fault ends by itself at its expiry.
+    pub fn chaos(self: &Arc<Self>, cmd: crate::chaos::NodeCommand) {
+        use crate::chaos::NodeCommand;
+        let (id, until_ms) = match cmd {
+            NodeCommand::Restore { id } => return self.end_chaos(&id),
+            NodeCommand::Isolate { id, until_ms } => {
+                lock(&self.chaos).isolated = Some((id.clone(), until_ms));
+                self.isolation_changed.notify_waiters();
+                tracing::warn!(node = %self.id, fault = %id, "isolated from NATS (chaos)");
+                (id, until_ms)
+            }
+            NodeCommand::DrainBudget {
+                id,
+                agent,
+                until_ms,
+            } => {
+                let mut e = self.engine();
+                let before = e.state.budgets.agents.get(&agent).copied();
+                let limit = before.map_or(0.0, |b| b.limit_usd);
+                e.state.budgets.agents.insert(
+                    agent.clone(),
+                    crate::core::budget::Budget {
+                        limit_usd: limit,
+                        spent_usd: limit,
+                        reserved_usd: before.map_or(0.0, |b| b.reserved_usd),
+                    },
+                );
+                drop(e);
+                tracing::warn!(node = %self.id, fault = %id, agent, "budget drained (chaos)");
+                lock(&self.chaos)
+                    .drained
+                    .insert(id.clone(), (agent, before));
+                (id, until_ms)
+            }
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            let wait = until_ms.saturating_sub(now_ms());
+            tokio::time::sleep(Duration::from_millis(wait)).await;
+            me.end_chaos(&id);
+        });
+    }
+
+    fn end_chaos(&self, id: &str) {
+        let mut c = lock(&self.chaos);
+        if c.isolated.as_ref().is_some_and(|(i, _)| i == id) {
+            c.isolated = None;
+            self.isolation_changed.notify_waiters();
+            tracing::info!(node = %self.id, fault = id, "reconnected to NATS");
+        }
+        if let Some((agent, before)) = c.drained.remove(id) {
+            let mut e = self.engine();
+            match before {
+                Some(b) => e.state.budgets.agents.insert(agent, b),
+                None => e.state.budgets.agents.remove(&agent),
+            };
+        }
+    }
+
+    /// Chaos commands for this node and for every node.
+    async fn chaos_loop(self: Arc<Self>) -> anyhow::Result<()> {
+        let mut mine = self.nats.subscribe(subjects::chaos_node(&self.id)).await?;
+        let mut all = self.nats.subscribe(subjects::chaos_node("all")).await?;
+        loop {
+            let m = tokio::select! {
+                Some(m) = mine.next() => m,
+                Some(m) = all.next() => m,
+                else => return Ok(()),
+            };
+            if self.isolated() {
+                continue; // cut off: it cannot hear this
+            }
+            match serde_json::from_slice::<crate::chaos::NodeCommand>(&m.payload) {
+                Ok(cmd) => self.chaos(cmd),
+                Err(_) => {
+                    self.bus.malformed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
     }
 
     fn next_request_id(&self) -> String {
@@ -158,6 +263,9 @@ impl Node {
             return;
         };
         while let Some((subject, payload)) = rx.recv().await {
+            if self.isolated() {
+                continue; // a partition loses what it would have said
+            }
             if let Err(e) = self.nats.publish(subject, payload).await {
                 tracing::debug!("publish failed: {e}");
             }
@@ -316,6 +424,17 @@ impl Node {
         let mut obs = self.nats.subscribe(subjects::ALL_OBSERVATIONS).await?;
         let mut bye = self.nats.subscribe(subjects::GOODBYES).await?;
         loop {
+            if self.isolated() {
+                // Cut off: whatever the subscriptions still hold is not heard.
+                tokio::select! {
+                    Some(_) = hb.next() => {}
+                    Some(_) = obs.next() => {}
+                    Some(_) = deaths.next() => {}
+                    Some(_) = bye.next() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+                continue;
+            }
             tokio::select! {
                 Some(m) = hb.next() => {
                     if let Some(env) = self.decode::<Heartbeat>("heartbeat", &m.payload) {
@@ -442,6 +561,12 @@ pub async fn run(node: Arc<Node>, listener: tokio::net::TcpListener) -> anyhow::
         tasks.spawn(async move {
             if let Err(e) = n.gossip_loop().await {
                 tracing::error!("gossip stopped: {e:#}");
+            }
+        });
+        let n = node.clone();
+        tasks.spawn(async move {
+            if let Err(e) = n.chaos_loop().await {
+                tracing::error!("chaos commands stopped: {e:#}");
             }
         });
         let n = node.clone();

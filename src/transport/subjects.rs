@@ -33,6 +33,16 @@ pub fn escalation(node: &str) -> String {
     format!("{PREFIX}.escalation.{node}")
 }
 
+/// Chaos: requests to the warden (request/reply), its events, and commands to nodes
+/// (`oam.v1.chaos.node.{id}`, or `.all`).
+pub const CHAOS_INJECT: &str = "oam.v1.chaos.inject";
+pub const CHAOS_LIST: &str = "oam.v1.chaos.list";
+pub const CHAOS_RESTORE: &str = "oam.v1.chaos.restore";
+pub const CHAOS_EVENT: &str = "oam.v1.chaos.event";
+pub fn chaos_node(to: &str) -> String {
+    format!("{PREFIX}.chaos.node.{to}")
+}
+
 /// The data plane on NATS: one service across nodes (a queue group), request/reply.
 pub const REQUEST: &str = "oam.v1.request";
 pub const REQUEST_QUEUE: &str = "oam-nodes";

@@ -1,6 +1,7 @@
 //! The one integration-test binary: the real `oam` binary, driven as a user would.
 
 mod agents;
+mod chaos;
 mod cli;
 mod cluster;
 mod mesh;

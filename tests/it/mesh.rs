@@ -2,7 +2,6 @@
 
 use assert_cmd::Command;
 use serde_json::Value;
-use std::path::PathBuf;
 use std::time::Duration;
 
 fn oam() -> Command {
@@ -11,18 +10,7 @@ fn oam() -> Command {
     c
 }
 
-struct Dir(PathBuf);
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        // Whatever happened, leave nothing running.
-        let _ = oam()
-            .args(["mesh", "down", "--grace-ms", "500", "--dir"])
-            .arg(&self.0)
-            .output();
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use crate::support::MeshDir as Dir;
 
 fn json(out: &[u8]) -> Value {
     serde_json::from_slice(out).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(out)))
@@ -30,29 +18,8 @@ fn json(out: &[u8]) -> Value {
 
 #[tokio::test]
 async fn up_status_request_down() {
-    let dir = Dir(std::env::temp_dir().join(format!("oam-test-mesh-{}", std::process::id())));
-    let up = oam()
-        .args([
-            "mesh",
-            "up",
-            "--port",
-            "0",
-            "--sim-port",
-            "0",
-            "--http-port",
-            "0",
-            "--json",
-            "--dir",
-        ])
-        .arg(&dir.0)
-        .output()
-        .unwrap();
-    assert!(
-        up.status.success(),
-        "{}",
-        String::from_utf8_lossy(&up.stderr)
-    );
-    let up = json(&up.stdout);
+    let mesh = crate::support::LocalMesh::up("mesh");
+    let (dir, up) = (&mesh.dir, &mesh.up);
     let nodes = up["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 3);
 
@@ -129,7 +96,7 @@ async fn up_status_request_down() {
         .collect();
     assert_eq!(
         names,
-        ["monitor", "n3", "n2", "n1", "sim", "nats-server"],
+        ["chaos", "monitor", "n3", "n2", "n1", "sim", "nats-server"],
         "newest first"
     );
     assert!(
@@ -202,7 +169,7 @@ print(json.dumps(out))
 fn a_port_in_use_says_what_to_do() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
-    let dir = Dir(std::env::temp_dir().join(format!("oam-test-mesh-port-{}", std::process::id())));
+    let dir = Dir::new("mesh-port");
     oam()
         .args(["mesh", "up", "--port", &port, "--dir"])
         .arg(&dir.0)

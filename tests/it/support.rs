@@ -203,3 +203,96 @@ print(json.dumps(out))
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
+
+/// A mesh's state folder: whatever happened, `oam mesh down` and removal on drop.
+pub struct MeshDir(pub std::path::PathBuf);
+
+impl MeshDir {
+    pub fn new(tag: &str) -> MeshDir {
+        MeshDir(std::env::temp_dir().join(format!("oam-test-{tag}-{}", std::process::id())))
+    }
+}
+
+impl Drop for MeshDir {
+    fn drop(&mut self) {
+        let _ = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+            .args(["mesh", "down", "--grace-ms", "500", "--dir"])
+            .arg(&self.0)
+            .output();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A local mesh from `oam mesh up` on free ports, in its own folder.
+pub struct LocalMesh {
+    pub dir: MeshDir,
+    /// `oam mesh up --json`'s output.
+    pub up: Value,
+}
+
+impl LocalMesh {
+    pub fn up(tag: &str) -> LocalMesh {
+        let dir = MeshDir::new(tag);
+        let out = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+            .args([
+                "mesh",
+                "up",
+                "--port",
+                "0",
+                "--sim-port",
+                "0",
+                "--http-port",
+                "0",
+            ])
+            .args(["--json", "--dir"])
+            .arg(&dir.0)
+            .output()
+            .expect("oam mesh up");
+        assert!(
+            out.status.success(),
+            "oam mesh up: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let up = serde_json::from_slice(&out.stdout).expect("mesh up --json");
+        LocalMesh { dir, up }
+    }
+
+    /// The application account's URL, credentials included.
+    pub fn app_url(&self) -> String {
+        let text = std::fs::read_to_string(self.dir.0.join("credentials.json")).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["app_url"].as_str().unwrap().to_string()
+    }
+
+    /// `oam` pointed at this mesh.
+    pub fn oam(&self) -> assert_cmd::Command {
+        let mut c = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"));
+        c.timeout(Duration::from_secs(60))
+            .env("OAM_NATS_URL", self.app_url());
+        c
+    }
+
+    /// Node `i`'s HTTP base URL (0-based).
+    pub fn node(&self, i: usize) -> String {
+        self.up["nodes"][i]["http"].as_str().unwrap().to_string()
+    }
+
+    /// The recorded process named `name` (its pid may change when chaos restarts it).
+    pub fn pid(&self, name: &str) -> u32 {
+        let text = std::fs::read_to_string(self.dir.0.join("mesh.json")).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["pid"].as_u64())
+            .unwrap() as u32
+    }
+}
+
+/// A process's state letter from /proc (R, S, T for stopped, Z), or None when it is gone.
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.trim_start().chars().next()
+}

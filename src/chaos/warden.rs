@@ -1,0 +1,663 @@
+//! The chaos warden: the one process of a local mesh that applies faults and undoes them on
+//! time. It answers `oam.v1.chaos.{inject,list,restore}`, keeps what it must undo in
+//! `DIR/chaos.json` (so a restarted warden still restores), and checks expiries every 100 ms.
+
+use super::{Active, Aim, Event, Fault, Inject, NodeCommand, Reply, Restore};
+use crate::bench;
+use crate::localmesh::{self, Record, Started};
+use crate::mesh::store;
+use crate::node::now_ms;
+use crate::transport::subjects;
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The longest a fault may last.
+pub const MAX_FOR: Duration = Duration::from_secs(3_600);
+const STATE: &str = "chaos.json";
+
+/// How to undo a fault.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(tag = "undo", rename_all = "kebab-case")]
+enum Undo {
+    /// The simulator ends the fault by itself; an early restore clears it.
+    SimFault { sim_url: String, provider: String },
+    /// SIGCONT a stopped process (if it is still the one we stopped).
+    Resume { pid: u32, marker: String },
+    /// Start the recorded node again.
+    RestartNode { name: String },
+    /// Start a killed agent process again with its command line.
+    RestartAgent { agent: String, args: Vec<String> },
+    /// Nodes end it by themselves; an early restore tells them (over NATS, and over HTTP to a
+    /// node that cannot hear NATS because it is isolated).
+    Nodes { http: Option<String> },
+    /// A bounded load task; ends by itself, or is stopped.
+    Load,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug)]
+struct Entry {
+    active: Active,
+    undo: Undo,
+}
+
+pub struct Warden {
+    dir: PathBuf,
+    nats: async_nats::Client,
+    /// The application URL with credentials, for processes it starts again.
+    app_url: String,
+    http: reqwest::Client,
+    entries: Vec<Entry>,
+    loads: BTreeMap<String, tokio::task::JoinHandle<()>>,
+    /// Processes this warden started again, reaped as they exit.
+    children: Vec<std::process::Child>,
+    /// Agent processes it started again (not in the mesh record): stopped with the warden.
+    agents: Vec<std::process::Child>,
+}
+
+fn err(message: impl Into<String>) -> Reply {
+    Reply::Error(message.into())
+}
+
+impl Warden {
+    pub fn new(dir: PathBuf, nats: async_nats::Client, app_url: String) -> anyhow::Result<Warden> {
+        let entries = match std::fs::read_to_string(dir.join(STATE)) {
+            Ok(text) => serde_json::from_str(&text).unwrap_or_else(|e| {
+                tracing::warn!("ignoring an unreadable {STATE}: {e}");
+                Vec::new()
+            }),
+            Err(_) => Vec::new(),
+        };
+        Ok(Warden {
+            dir,
+            nats,
+            app_url,
+            http: crate::node::connector::http_client(Some(Duration::from_secs(5)))?,
+            entries,
+            loads: BTreeMap::new(),
+            children: Vec::new(),
+            agents: Vec::new(),
+        })
+    }
+
+    fn save(&self) {
+        let path = self.dir.join(STATE);
+        let tmp = self.dir.join(format!("{STATE}.tmp"));
+        let text = serde_json::to_string_pretty(&self.entries).unwrap_or_else(|_| "[]".into());
+        if std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .is_err()
+        {
+            tracing::warn!("cannot write {}", path.display());
+        }
+    }
+
+    async fn announce(&self, kind: &str, fault: &Active) {
+        let ev = Event {
+            kind: kind.into(),
+            fault: fault.clone(),
+            at_ms: now_ms(),
+        };
+        if let Ok(b) = serde_json::to_vec(&ev) {
+            let _ = self.nats.publish(subjects::CHAOS_EVENT, b.into()).await;
+        }
+    }
+
+    fn record(&self) -> Result<Record, Reply> {
+        match Record::load(&self.dir) {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(err(format!("no mesh recorded in {}", self.dir.display()))),
+            Err(e) => Err(err(format!("{e:#}"))),
+        }
+    }
+
+    fn node(&self, name: &str) -> Result<Started, Reply> {
+        let rec = self.record()?;
+        let names: Vec<String> = rec.nodes().map(|n| n.name.clone()).collect();
+        rec.nodes()
+            .find(|n| n.name == name)
+            .cloned()
+            .ok_or_else(|| {
+                err(format!(
+                    "no node {name:?} in this mesh; the nodes are {}",
+                    names.join(", ")
+                ))
+            })
+    }
+
+    /// One running instance of `agent` served by oam on this machine: (pid, its command line).
+    async fn agent_process(&self, agent: &str) -> Result<(u32, Vec<String>), Reply> {
+        let host = store::hostname();
+        let records = store::all_instances(&self.nats).await.unwrap_or_default();
+        let local: Vec<_> = records
+            .iter()
+            .filter(|r| r.host.as_deref() == Some(host.as_str()) && r.pid.is_some())
+            .collect();
+        for r in local.iter().filter(|r| r.agents.iter().any(|a| a == agent)) {
+            let pid = r.pid.unwrap_or_default();
+            if let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+                let argv: Vec<String> = raw
+                    .split(|b| *b == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                return Ok((pid, argv));
+            }
+        }
+        let mut names: Vec<&str> = local
+            .iter()
+            .flat_map(|r| r.agents.iter().map(String::as_str))
+            .collect();
+        names.sort();
+        names.dedup();
+        Err(err(if names.is_empty() {
+            format!(
+                "no agent {agent:?} served by oam on this machine (none is: start one with \
+                 `oam agent serve NAME --demo echo`)"
+            )
+        } else {
+            format!(
+                "no agent {agent:?} served by oam on this machine; these are: {}",
+                names.join(", ")
+            )
+        }))
+    }
+
+    async fn sim_fault(&self, provider: &str, body: serde_json::Value) -> Result<Undo, Reply> {
+        let sim_url = self.record()?.sim_url;
+        let resp = self
+            .http
+            .post(format!("{sim_url}/sim/faults"))
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| err(format!("the simulator at {sim_url} did not answer: {e}")))?;
+        if !resp.status().is_success() {
+            let v: serde_json::Value = resp.json().await.unwrap_or_default();
+            return Err(err(v["error"]["message"]
+                .as_str()
+                .unwrap_or("the simulator refused the fault")
+                .to_string()));
+        }
+        Ok(Undo::SimFault {
+            sim_url,
+            provider: provider.to_string(),
+        })
+    }
+
+    async fn node_command(&self, to: &str, cmd: &NodeCommand) {
+        if let Ok(b) = serde_json::to_vec(cmd) {
+            let _ = self.nats.publish(subjects::chaos_node(to), b.into()).await;
+            let _ = self.nats.flush().await;
+        }
+    }
+
+    /// Apply `req`; the active fault, or why not.
+    async fn inject(&mut self, req: Inject) -> Reply {
+        let for_ms = req.for_ms;
+        if for_ms == 0 || u128::from(for_ms) > MAX_FOR.as_millis() {
+            return err(format!(
+                "--for must be between 1 ms and {} s",
+                MAX_FOR.as_secs()
+            ));
+        }
+        let fault = req.fault;
+        let p = &req.params;
+        let target = match (fault.aim(), req.target.clone()) {
+            (Aim::Mesh, _) => "mesh".to_string(),
+            (Aim::Caller, None) if fault == Fault::AgentLoop => "loop-bot".to_string(),
+            (_, Some(t)) if !t.is_empty() => t,
+            (aim, _) => {
+                return err(format!(
+                    "{} needs a target: {}",
+                    fault.name(),
+                    match aim {
+                        Aim::Provider => "a provider (e.g. primary)",
+                        Aim::Node => "a node (e.g. n2)",
+                        Aim::Agent => "an agent name (e.g. demo.echo)",
+                        _ => "an agent name as callers send it (e.g. support-bot)",
+                    }
+                ));
+            }
+        };
+        let now = now_ms();
+        let id = format!("c{}", crate::natsd::random_hex(3).unwrap_or_default());
+        let provider = |mode: serde_json::Value| {
+            let mut body = json!({"provider": target, "duration_ms": for_ms});
+            if let (Some(b), Some(m)) = (body.as_object_mut(), mode.as_object()) {
+                b.extend(m.clone());
+            }
+            body
+        };
+        let applied: Result<(Undo, String), Reply> = match fault {
+            Fault::KillProvider => self
+                .sim_fault(&target, provider(json!({"mode": "error", "status": 500})))
+                .await
+                .map(|u| (u, "hard 500s".into())),
+            Fault::BreakContract => {
+                let kind = p.mode.clone().unwrap_or_else(|| "missing-field".into());
+                let valid = ["not-json", "missing-field", "low-confidence", "truncated"];
+                if !valid.contains(&kind.as_str()) {
+                    return err(format!("--mode {kind:?}: use {}", valid.join(", ")));
+                }
+                self.sim_fault(&target, provider(json!({"mode": "contract", "kind": kind})))
+                    .await
+                    .map(|u| (u, format!("200 with a broken contract ({kind})")))
+            }
+            Fault::SlowProvider => {
+                let ms = p.ms.unwrap_or(2_000);
+                self.sim_fault(&target, provider(json!({"mode": "slow", "extra_ms": ms})))
+                    .await
+                    .map(|u| (u, format!("+{ms} ms latency")))
+            }
+            Fault::HangProvider => self
+                .sim_fault(&target, provider(json!({"mode": "hang"})))
+                .await
+                .map(|u| (u, "accepts and never answers".into())),
+            Fault::FlakyProvider => {
+                let rate = p.error_rate.unwrap_or(0.3);
+                if !(0.0..=1.0).contains(&rate) {
+                    return err(format!("--error-rate {rate}: use a share between 0 and 1"));
+                }
+                self.sim_fault(
+                    &target,
+                    provider(json!({"mode": "flaky", "error_rate": rate})),
+                )
+                .await
+                .map(|u| (u, format!("{:.0}% of requests fail", rate * 100.0)))
+            }
+            Fault::RateLimitProvider => {
+                let ms = p.retry_after_ms.unwrap_or(1_000);
+                self.sim_fault(
+                    &target,
+                    provider(json!({"mode": "rate-limit", "retry_after_ms": ms})),
+                )
+                .await
+                .map(|u| (u, format!("429 with Retry-After {ms} ms")))
+            }
+            Fault::KillNode | Fault::StopNode => match self.node(&target) {
+                Err(e) => Err(e),
+                Ok(n) if !localmesh::is_ours(&n) => Err(err(format!(
+                    "node {target} (pid {}) is not running; `oam mesh status` shows the mesh",
+                    n.pid
+                ))),
+                Ok(n) if fault == Fault::KillNode => {
+                    localmesh::signal(n.pid, libc::SIGKILL);
+                    Ok((
+                        Undo::RestartNode {
+                            name: n.name.clone(),
+                        },
+                        format!("SIGKILL pid {}", n.pid),
+                    ))
+                }
+                Ok(n) => {
+                    localmesh::signal(n.pid, libc::SIGSTOP);
+                    Ok((
+                        Undo::Resume {
+                            pid: n.pid,
+                            marker: n.cmdline_marker.clone(),
+                        },
+                        format!("SIGSTOP pid {}", n.pid),
+                    ))
+                }
+            },
+            Fault::IsolateNode => match self.node(&target) {
+                Err(e) => Err(e),
+                Ok(n) => {
+                    let cmd = NodeCommand::Isolate {
+                        id: id.clone(),
+                        until_ms: now + for_ms,
+                    };
+                    self.node_command(&target, &cmd).await;
+                    Ok((
+                        Undo::Nodes {
+                            http: Some(n.endpoint.clone()),
+                        },
+                        "cut off from NATS".into(),
+                    ))
+                }
+            },
+            Fault::KillAgent | Fault::StopAgent => match self.agent_process(&target).await {
+                Err(e) => Err(e),
+                Ok((pid, argv)) if fault == Fault::KillAgent => {
+                    localmesh::signal(pid, libc::SIGKILL);
+                    Ok((
+                        Undo::RestartAgent {
+                            agent: target.clone(),
+                            args: argv.into_iter().skip(1).collect(),
+                        },
+                        format!("SIGKILL pid {pid}"),
+                    ))
+                }
+                Ok((pid, argv)) => {
+                    localmesh::signal(pid, libc::SIGSTOP);
+                    Ok((
+                        Undo::Resume {
+                            pid,
+                            marker: argv.get(1..).map(|a| a.join(" ")).unwrap_or_default(),
+                        },
+                        format!("SIGSTOP pid {pid}"),
+                    ))
+                }
+            },
+            Fault::DrainBudget => {
+                let cmd = NodeCommand::DrainBudget {
+                    id: id.clone(),
+                    agent: target.clone(),
+                    until_ms: now + for_ms,
+                };
+                self.node_command("all", &cmd).await;
+                Ok((
+                    Undo::Nodes { http: None },
+                    "budget spent on every node".into(),
+                ))
+            }
+            Fault::AgentLoop | Fault::TrafficSpike => {
+                match self.start_load(fault, &target, &id, req.params.clone(), for_ms) {
+                    Ok(detail) => Ok((Undo::Load, detail)),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let (undo, detail) = match applied {
+            Ok(x) => x,
+            Err(e) => return e,
+        };
+        let active = Active {
+            id,
+            fault,
+            target,
+            params: req.params,
+            injected_at_ms: now,
+            expires_at_ms: now + for_ms,
+            detail,
+        };
+        tracing::info!(id = %active.id, fault = fault.name(), target = %active.target, for_ms, detail = %active.detail, "injected");
+        self.entries.push(Entry {
+            active: active.clone(),
+            undo,
+        });
+        self.save();
+        self.announce("injected", &active).await;
+        Reply::Ok(vec![active])
+    }
+
+    /// Bounded load from the warden itself, so it goes on without the `oam chaos` process.
+    fn start_load(
+        &mut self,
+        fault: Fault,
+        target: &str,
+        id: &str,
+        p: super::Params,
+        for_ms: u64,
+    ) -> Result<String, Reply> {
+        let rec = self.record()?;
+        let urls: Vec<String> = rec.nodes().map(|n| n.endpoint.clone()).collect();
+        if urls.is_empty() {
+            return Err(err("this mesh has no nodes to send load to"));
+        }
+        let http = self.http.clone();
+        let (task, detail) = if fault == Fault::TrafficSpike {
+            let requests = p.requests.unwrap_or(600) as usize;
+            let concurrency = p.concurrency.unwrap_or(60).max(1) as usize;
+            let plan = bench::Plan {
+                urls,
+                requests,
+                concurrency,
+                rate_per_s: None,
+                max_duration_ms: Some(for_ms),
+                agent: "spike".into(),
+                task: "spike".into(),
+                risk: "low".into(),
+                priority: "background".into(),
+                seed: now_ms(),
+                timeout_ms: 10_000,
+            };
+            let task = tokio::spawn(async move {
+                let r = bench::run(plan, http, || {}).await;
+                tracing::info!(sent = r.sent, succeeded = r.succeeded, "traffic spike done");
+            });
+            (
+                task,
+                format!("{requests} background requests, {concurrency} at once"),
+            )
+        } else {
+            // The same failing high-risk call, again and again, to one node (loop detection is
+            // per node): it asks for a confidence no answer reaches.
+            let requests = p.requests.unwrap_or(8);
+            let url = format!("{}/v1/chat/completions", urls[0]);
+            let body = json!({
+                "model": "auto",
+                "messages": [{"role": "user", "content": format!("chaos {id}: approve refund 5531 with certainty")}],
+                "oam": {"agent": target, "task": "refund", "risk": "high",
+                        "policy": {"min_confidence": 0.999, "max_attempts": 1}},
+            });
+            let every =
+                Duration::from_millis((for_ms / u64::from(requests.max(1))).clamp(50, 1_000));
+            let task = tokio::spawn(async move {
+                for _ in 0..requests {
+                    let _ = http.post(&url).json(&body).send().await;
+                    tokio::time::sleep(every).await;
+                }
+            });
+            (
+                task,
+                format!(
+                    "{requests} identical failing high-risk calls to {}",
+                    rec.nodes().next().map_or("", |n| n.name.as_str())
+                ),
+            )
+        };
+        self.loads.insert(id.to_string(), task);
+        Ok(detail)
+    }
+
+    /// Undo one fault; `early` when asked before its expiry.
+    async fn undo(&mut self, e: &Entry, early: bool) {
+        match &e.undo {
+            Undo::SimFault { sim_url, provider } => {
+                if early {
+                    let _ = self
+                        .http
+                        .delete(format!("{sim_url}/sim/faults/{provider}"))
+                        .send()
+                        .await;
+                }
+            }
+            Undo::Resume { pid, marker } => {
+                let p = Started {
+                    name: String::new(),
+                    pid: *pid,
+                    endpoint: String::new(),
+                    log: PathBuf::new(),
+                    cmdline_marker: marker.clone(),
+                    args: Vec::new(),
+                };
+                if localmesh::is_ours(&p) {
+                    localmesh::signal(*pid, libc::SIGCONT);
+                }
+            }
+            Undo::RestartNode { name } => self.restart_node(name),
+            Undo::RestartAgent { agent, args } => {
+                let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
+                let log_name = format!("agent-{agent}");
+                match localmesh::spawn_oam(&self.dir, &log_name, args, &env) {
+                    Ok((child, _, _)) => self.agents.push(child),
+                    Err(e) => tracing::warn!("cannot start agent {agent} again: {e:#}"),
+                }
+            }
+            Undo::Nodes { http } => {
+                let cmd = NodeCommand::Restore {
+                    id: e.active.id.clone(),
+                };
+                self.node_command("all", &cmd).await;
+                if let Some(http) = http {
+                    let _ = self
+                        .http
+                        .post(format!("{http}/v1/oam/chaos"))
+                        .json(&cmd)
+                        .send()
+                        .await;
+                }
+            }
+            Undo::Load => {
+                if let Some(task) = self.loads.remove(&e.active.id) {
+                    task.abort();
+                }
+            }
+        }
+    }
+
+    fn restart_node(&mut self, name: &str) {
+        let Ok(mut rec) = self.record() else {
+            return;
+        };
+        let Some(n) = rec.processes.iter_mut().find(|p| p.name == name) else {
+            return;
+        };
+        if localmesh::is_ours(n) {
+            return; // someone started it already
+        }
+        let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
+        match localmesh::spawn_oam(&self.dir, name, &n.args, &env) {
+            Ok((child, _, _)) => {
+                n.pid = child.id();
+                self.children.push(child);
+                if let Err(e) = rec.save(&self.dir) {
+                    tracing::warn!("cannot record the new pid of {name}: {e:#}");
+                }
+                tracing::info!(node = name, "started again");
+            }
+            Err(e) => tracing::warn!("cannot start {name} again: {e:#}"),
+        }
+    }
+
+    /// End what is due; reap what exited.
+    async fn expire(&mut self) {
+        let now = now_ms();
+        let (due, keep): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut self.entries)
+            .into_iter()
+            .partition(|e| e.active.expires_at_ms <= now);
+        self.entries = keep;
+        for e in &due {
+            self.undo(e, false).await;
+            tracing::info!(id = %e.active.id, fault = e.active.fault.name(), "expired and restored");
+            self.announce("expired", &e.active).await;
+        }
+        if !due.is_empty() {
+            self.save();
+        }
+        self.children
+            .retain_mut(|c| matches!(c.try_wait(), Ok(None)));
+    }
+
+    async fn restore(&mut self, what: Option<String>) -> Reply {
+        let matches = |e: &Entry| match &what {
+            None => true,
+            Some(w) => e.active.id == *w || e.active.fault.name() == w,
+        };
+        let (hit, keep): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut self.entries)
+            .into_iter()
+            .partition(matches);
+        self.entries = keep;
+        if hit.is_empty() && what.is_some() {
+            let active: Vec<String> = self
+                .entries
+                .iter()
+                .map(|e| {
+                    format!(
+                        "{} ({} {})",
+                        e.active.id,
+                        e.active.fault.name(),
+                        e.active.target
+                    )
+                })
+                .collect();
+            return err(format!(
+                "no active fault {:?}; active: {}",
+                what.unwrap_or_default(),
+                if active.is_empty() {
+                    "none".into()
+                } else {
+                    active.join(", ")
+                }
+            ));
+        }
+        for e in &hit {
+            self.undo(e, true).await;
+            self.announce("restored", &e.active).await;
+        }
+        self.save();
+        Reply::Ok(hit.into_iter().map(|e| e.active).collect())
+    }
+
+    fn list(&self) -> Reply {
+        Reply::Ok(self.entries.iter().map(|e| e.active.clone()).collect())
+    }
+}
+
+async fn answer(nats: &async_nats::Client, msg: &async_nats::Message, reply: &Reply) {
+    if let (Some(to), Ok(body)) = (&msg.reply, serde_json::to_vec(reply)) {
+        let _ = nats.publish(to.clone(), body.into()).await;
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, Reply> {
+    serde_json::from_slice(payload).map_err(|e| err(format!("malformed chaos request: {e}")))
+}
+
+/// Run the warden for the mesh in `dir` until `stop`.
+pub async fn run(
+    dir: &Path,
+    nats: async_nats::Client,
+    app_url: String,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let mut w = Warden::new(dir.to_path_buf(), nats.clone(), app_url)?;
+    let mut inject = nats.subscribe(subjects::CHAOS_INJECT).await?;
+    let mut list = nats.subscribe(subjects::CHAOS_LIST).await?;
+    let mut restore = nats.subscribe(subjects::CHAOS_RESTORE).await?;
+    nats.flush().await?;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            Some(m) = inject.next() => {
+                let reply = match parse::<Inject>(&m.payload) {
+                    Ok(req) => w.inject(req).await,
+                    Err(e) => e,
+                };
+                answer(&nats, &m, &reply).await;
+            }
+            Some(m) = list.next() => answer(&nats, &m, &w.list()).await,
+            Some(m) = restore.next() => {
+                let reply = match parse::<Restore>(&m.payload) {
+                    Ok(r) => w.restore(r.what).await,
+                    Err(e) => e,
+                };
+                answer(&nats, &m, &reply).await;
+            }
+            _ = tick.tick() => w.expire().await,
+        }
+    }
+    // Leaving (usually `oam mesh down`): resume what is stopped and end the other faults, but
+    // start nothing again: the mesh is going away.
+    for e in std::mem::take(&mut w.entries) {
+        if !matches!(e.undo, Undo::RestartNode { .. } | Undo::RestartAgent { .. }) {
+            w.undo(&e, true).await;
+        }
+        w.announce("restored", &e.active).await;
+    }
+    w.save();
+    let _ = nats.flush().await;
+    // Agents it started again are not in the mesh record: they go with the warden.
+    for mut child in std::mem::take(&mut w.agents) {
+        localmesh::signal(child.id(), libc::SIGTERM);
+        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+    }
+    Ok(())
+}

@@ -1,0 +1,321 @@
+//! `oam chaos FAULT [TARGET] [--for 30s]`, `oam chaos list`, `oam chaos restore`: ask the mesh's
+//! chaos warden (over NATS) to inject, list or end faults; `oam chaos warden` is that warden.
+
+use crate::chaos::{self, Active, Fault, Inject, Params, Reply, Restore};
+use crate::error::{Error, Kind, Result};
+use crate::transport::{connect, subjects};
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
+    /// .oam/, then nats://127.0.0.1:4222.
+    #[arg(long, global = true)]
+    pub nats_url: Option<String>,
+    /// Print the result as JSON.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct For {
+    /// How long the fault lasts; the target restores itself after it (e.g. 30s, 500ms, 2m).
+    #[arg(long = "for", default_value = "30s", value_parser = chaos::parse_duration)]
+    pub duration: Duration,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct On {
+    /// The provider, node or agent to break.
+    pub target: String,
+    #[command(flatten)]
+    pub for_: For,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// PROVIDER answers hard 5xx (a total outage).
+    KillProvider(On),
+    /// PROVIDER answers 200 with content that breaks the contract.
+    BreakContract {
+        #[command(flatten)]
+        on: On,
+        /// How the answer is broken.
+        #[arg(long, default_value = "missing-field", value_parser = ["not-json", "missing-field", "low-confidence", "truncated"])]
+        mode: String,
+    },
+    /// PROVIDER answers late.
+    SlowProvider {
+        #[command(flatten)]
+        on: On,
+        /// Milliseconds added to every answer.
+        #[arg(long, default_value_t = 2_000)]
+        ms: u64,
+    },
+    /// PROVIDER accepts requests and never answers.
+    HangProvider(On),
+    /// A share of PROVIDER's requests fail.
+    FlakyProvider {
+        #[command(flatten)]
+        on: On,
+        #[arg(long, default_value_t = 0.3)]
+        error_rate: f64,
+    },
+    /// PROVIDER answers 429 with Retry-After.
+    RateLimitProvider {
+        #[command(flatten)]
+        on: On,
+        #[arg(long, default_value_t = 1_000)]
+        retry_after_ms: u64,
+    },
+    /// SIGKILL a node of the local mesh; it is started again at the end.
+    KillNode(On),
+    /// SIGSTOP a node (a hung process); SIGCONT at the end.
+    StopNode(On),
+    /// Cut a node off from NATS (a partition); it reconnects at the end.
+    IsolateNode(On),
+    /// SIGKILL a process serving AGENT on this machine; it is started again at the end.
+    KillAgent(On),
+    /// SIGSTOP a process serving AGENT; SIGCONT at the end.
+    StopAgent(On),
+    /// An agent retries an identical failing high-risk call (default agent: loop-bot).
+    AgentLoop {
+        /// The calling agent's name.
+        target: Option<String>,
+        #[command(flatten)]
+        for_: For,
+        /// How many identical calls.
+        #[arg(long, default_value_t = 8)]
+        requests: u32,
+    },
+    /// A bounded burst of background-class requests across the nodes.
+    TrafficSpike {
+        #[command(flatten)]
+        for_: For,
+        #[arg(long, default_value_t = 600)]
+        requests: u32,
+        #[arg(long, default_value_t = 60)]
+        concurrency: u32,
+    },
+    /// AGENT's budget is spent on every node (high-risk work is refused and escalated).
+    DrainBudget(On),
+    /// The active faults and the time they have left.
+    List,
+    /// End faults early: one by id, all of one kind by name, or --all.
+    Restore {
+        /// A fault id (from `oam chaos list`) or a fault name (e.g. kill-provider).
+        what: Option<String>,
+        #[arg(long, conflicts_with = "what")]
+        all: bool,
+    },
+    /// Run the chaos warden for a local mesh (`oam mesh up` starts it).
+    Warden {
+        /// The local mesh's state folder.
+        #[arg(long, default_value = ".oam")]
+        dir: PathBuf,
+    },
+}
+
+/// The injection a fault command asks for.
+fn injection(c: Command) -> std::result::Result<Inject, Command> {
+    let mut params = Params::default();
+    let (fault, target, d) = match c {
+        Command::KillProvider(on) => (Fault::KillProvider, Some(on.target), on.for_.duration),
+        Command::BreakContract { on, mode } => {
+            params.mode = Some(mode);
+            (Fault::BreakContract, Some(on.target), on.for_.duration)
+        }
+        Command::SlowProvider { on, ms } => {
+            params.ms = Some(ms);
+            (Fault::SlowProvider, Some(on.target), on.for_.duration)
+        }
+        Command::HangProvider(on) => (Fault::HangProvider, Some(on.target), on.for_.duration),
+        Command::FlakyProvider { on, error_rate } => {
+            params.error_rate = Some(error_rate);
+            (Fault::FlakyProvider, Some(on.target), on.for_.duration)
+        }
+        Command::RateLimitProvider { on, retry_after_ms } => {
+            params.retry_after_ms = Some(retry_after_ms);
+            (Fault::RateLimitProvider, Some(on.target), on.for_.duration)
+        }
+        Command::KillNode(on) => (Fault::KillNode, Some(on.target), on.for_.duration),
+        Command::StopNode(on) => (Fault::StopNode, Some(on.target), on.for_.duration),
+        Command::IsolateNode(on) => (Fault::IsolateNode, Some(on.target), on.for_.duration),
+        Command::KillAgent(on) => (Fault::KillAgent, Some(on.target), on.for_.duration),
+        Command::StopAgent(on) => (Fault::StopAgent, Some(on.target), on.for_.duration),
+        Command::AgentLoop {
+            target,
+            for_,
+            requests,
+        } => {
+            params.requests = Some(requests);
+            (Fault::AgentLoop, target, for_.duration)
+        }
+        Command::TrafficSpike {
+            for_,
+            requests,
+            concurrency,
+        } => {
+            params.requests = Some(requests);
+            params.concurrency = Some(concurrency);
+            (Fault::TrafficSpike, None, for_.duration)
+        }
+        Command::DrainBudget(on) => (Fault::DrainBudget, Some(on.target), on.for_.duration),
+        other => return Err(other),
+    };
+    Ok(Inject {
+        fault,
+        target,
+        for_ms: d.as_millis() as u64,
+        params,
+    })
+}
+
+/// Ask the warden; its reply, or exit 3 when there is none.
+async fn ask(url: &str, subject: &'static str, body: Vec<u8>) -> Result<Vec<Active>> {
+    let nc = super::nats(url, "oam-chaos", false).await?;
+    let request = nc.request(subject, body.into());
+    let msg = match tokio::time::timeout(Duration::from_secs(15), request).await {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
+            return Err(Error::new(
+                Kind::Unreachable,
+                anyhow::anyhow!(
+                    "no chaos warden answers on {}; `oam mesh up` starts one (or run \
+                     `oam chaos warden --dir DIR` beside your mesh)",
+                    connect::redact(url)
+                ),
+            ));
+        }
+        Ok(Err(e)) => return Err(Error::new(Kind::Unreachable, e)),
+        Err(_) => {
+            return Err(Error::new(
+                Kind::Unreachable,
+                anyhow::anyhow!("the chaos warden did not answer within 15 s"),
+            ));
+        }
+    };
+    match serde_json::from_slice::<Reply>(&msg.payload) {
+        Ok(Reply::Ok(faults)) => Ok(faults),
+        Ok(Reply::Error(why)) => Err(Error::usage(why)),
+        Err(e) => Err(Error::new(
+            Kind::Check,
+            anyhow::anyhow!("the chaos warden's reply is not understood: {e}"),
+        )),
+    }
+}
+
+fn secs(ms: u64) -> String {
+    format!("{:.1} s", ms as f64 / 1_000.0)
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    let url = connect::resolve_url(a.nats_url.clone());
+    let command = match injection(a.command) {
+        Ok(inject) => {
+            let body = serde_json::to_vec(&inject).map_err(|e| Error::new(Kind::Check, e))?;
+            let faults = ask(&url, subjects::CHAOS_INJECT, body).await?;
+            let mut out = std::io::stdout().lock();
+            for f in &faults {
+                if a.json {
+                    writeln!(out, "{}", serde_json::to_string(f).unwrap_or_default())?;
+                } else {
+                    writeln!(
+                        out,
+                        "{} {}: {} for {} (id {}); `oam chaos restore {}` ends it early",
+                        f.fault.name(),
+                        f.target,
+                        f.detail,
+                        secs(f.expires_at_ms - f.injected_at_ms),
+                        f.id,
+                        f.id
+                    )?;
+                }
+            }
+            return Ok(());
+        }
+        Err(other) => other,
+    };
+    match command {
+        Command::List => {
+            let faults = ask(&url, subjects::CHAOS_LIST, b"{}".to_vec()).await?;
+            let now = crate::node::now_ms();
+            let mut out = std::io::stdout().lock();
+            if a.json {
+                let doc: Vec<serde_json::Value> = faults
+                    .iter()
+                    .map(|f| {
+                        let mut v = serde_json::to_value(f).unwrap_or_default();
+                        v["left_ms"] = f.left_ms(now).into();
+                        v
+                    })
+                    .collect();
+                writeln!(out, "{}", serde_json::Value::Array(doc))?;
+            } else if faults.is_empty() {
+                writeln!(out, "no active faults")?;
+            } else {
+                let mut t = Table::new();
+                t.load_style(UTF8_FULL_CONDENSED);
+                t.set_header(vec!["id", "fault", "target", "left", "what"]);
+                for f in &faults {
+                    t.add_row(vec![
+                        f.id.clone(),
+                        f.fault.name().to_string(),
+                        f.target.clone(),
+                        secs(f.left_ms(now)),
+                        f.detail.clone(),
+                    ]);
+                }
+                writeln!(out, "{t}")?;
+            }
+            Ok(())
+        }
+        Command::Restore { what, all } => {
+            if what.is_none() && !all {
+                return Err(Error::usage(
+                    "name a fault id or fault kind to restore, or pass --all",
+                ));
+            }
+            let body =
+                serde_json::to_vec(&Restore { what }).map_err(|e| Error::new(Kind::Check, e))?;
+            let faults = ask(&url, subjects::CHAOS_RESTORE, body).await?;
+            let mut out = std::io::stdout().lock();
+            if a.json {
+                writeln!(
+                    out,
+                    "{}",
+                    serde_json::to_string(&faults).unwrap_or_default()
+                )?;
+            } else if faults.is_empty() {
+                writeln!(out, "no active faults; nothing to restore")?;
+            } else {
+                for f in &faults {
+                    writeln!(out, "restored {} ({} {})", f.id, f.fault.name(), f.target)?;
+                }
+            }
+            Ok(())
+        }
+        Command::Warden { dir } => {
+            let nc = super::nats(&url, "oam-chaos-warden", false).await?;
+            {
+                let mut out = std::io::stdout().lock();
+                let ready = serde_json::json!({"warden": dir, "pid": std::process::id()});
+                if a.json {
+                    writeln!(out, "{ready}")?;
+                } else {
+                    writeln!(out, "oam chaos warden for the mesh in {}", dir.display())?;
+                }
+                out.flush()?;
+            }
+            chaos::warden::run(&dir, nc, url, crate::signal::terminated())
+                .await
+                .map_err(|e| Error::new(Kind::Unreachable, e))
+        }
+        other => Err(Error::usage(format!("{other:?} is not a chaos command"))),
+    }
+}

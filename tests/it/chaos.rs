@@ -1,0 +1,278 @@
+//! `oam chaos` against a real local mesh: every fault is applied to real processes and undone on
+//! time by the warden, without the `oam chaos` process staying around.
+
+use crate::support::{LocalMesh, eventually, http, process_state};
+use futures_util::StreamExt as _;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+fn chaos(mesh: &LocalMesh, args: &[&str]) -> Value {
+    let out = mesh
+        .oam()
+        .arg("chaos")
+        .args(args)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "oam chaos {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().next().unwrap_or("null")).unwrap()
+}
+
+async fn get(url: &str) -> Value {
+    http(Duration::from_secs(5))
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn live_nodes(node: &str) -> Vec<String> {
+    let v = get(&format!("{node}/v1/oam/state")).await;
+    v["live_nodes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|n| n.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// One request; each has its own content, so repeated refusals are not an agent loop.
+async fn chat(node: &str, oam: Value) -> (u16, String) {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let content = format!("hi {n}");
+    let r = http(Duration::from_secs(20))
+        .post(format!("{node}/v1/chat/completions"))
+        .json(&json!({"model": "auto", "messages": [{"role": "user", "content": content}], "oam": oam}))
+        .send()
+        .await
+        .unwrap();
+    let reasons = r
+        .headers()
+        .get("x-oam-reasons")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    (r.status().as_u16(), reasons)
+}
+
+#[tokio::test]
+async fn faults_are_applied_listed_and_undone_on_time() {
+    let mesh = LocalMesh::up("chaos");
+    let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
+        .await
+        .unwrap();
+    let mut events = nc.subscribe("oam.v1.chaos.event").await.unwrap();
+    nc.flush().await.unwrap();
+    let sim = mesh.up["sim"].as_str().unwrap().to_string();
+
+    // A provider outage: the simulator fails, the warden lists it, and it ends by itself.
+    let f = chaos(&mesh, &["kill-provider", "primary", "--for", "2s"]);
+    assert_eq!(
+        (f["fault"].as_str(), f["target"].as_str()),
+        (Some("kill-provider"), Some("primary"))
+    );
+    let faults = get(&format!("{sim}/sim/faults")).await;
+    assert_eq!(faults["faults"][0]["provider"], "primary", "{faults}");
+    let listed = chaos(&mesh, &["list"]);
+    assert_eq!(listed[0]["id"], f["id"]);
+    assert!(listed[0]["left_ms"].as_u64().unwrap() > 0);
+    let ev: Value = serde_json::from_slice(&events.next().await.unwrap().payload).unwrap();
+    assert_eq!(
+        (ev["kind"].as_str(), &ev["fault"]["id"]),
+        (Some("injected"), &f["id"])
+    );
+
+    // A hung node and a killed node; the killed one is started again at the end.
+    let n2 = mesh.pid("n2");
+    let n3 = mesh.pid("n3");
+    chaos(&mesh, &["stop-node", "n2", "--for", "1500ms"]);
+    assert_eq!(process_state(n2), Some('T'), "SIGSTOPped");
+    chaos(&mesh, &["kill-node", "n3", "--for", "1s"]);
+    let gone = eventually(Duration::from_secs(5), || async {
+        (!matches!(process_state(n3), Some('R' | 'S' | 'D'))).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "n3 was killed");
+
+    // Everything ends on time, restored by the warden.
+    let expired = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut ended = Vec::new();
+        while ended.len() < 3 {
+            let m = events.next().await.unwrap();
+            let ev: Value = serde_json::from_slice(&m.payload).unwrap();
+            if ev["kind"] == "expired" {
+                ended.push(ev["fault"]["fault"].as_str().unwrap().to_string());
+            }
+        }
+        ended
+    })
+    .await
+    .expect("three faults expire");
+    assert!(expired.contains(&"kill-node".to_string()), "{expired:?}");
+    assert_ne!(process_state(n2), Some('T'), "SIGCONT at the end");
+    assert_eq!(get(&format!("{sim}/sim/faults")).await["faults"], json!([]));
+    let back = eventually(Duration::from_secs(15), || async {
+        let pid = mesh.pid("n3");
+        (pid != n3 && live_nodes(&mesh.node(0)).await.len() == 3).then_some(pid)
+    })
+    .await;
+    assert!(back.is_some(), "n3 was started again and rejoined");
+    assert_eq!(chaos(&mesh, &["list"]), json!([]));
+
+    // A partition: the others lose n1, n1 loses them; an early restore brings it back.
+    let f = chaos(&mesh, &["isolate-node", "n1", "--for", "60s"]);
+    let cut = eventually(Duration::from_secs(10), || async {
+        let n2_sees = live_nodes(&mesh.node(1)).await;
+        let n1_sees = live_nodes(&mesh.node(0)).await;
+        (!n2_sees.contains(&"n1".to_string()) && n1_sees == ["n1"]).then_some(())
+    })
+    .await;
+    assert!(cut.is_some(), "n1 is cut off both ways");
+    let (status, reasons) = chat(&mesh.node(0), json!({})).await;
+    assert_eq!(status, 200, "an isolated node still serves on its own view");
+    assert!(reasons.contains("NO_QUORUM_LOCAL_VIEW"), "{reasons}");
+    let id = f["id"].as_str().unwrap();
+    let restored = mesh.oam().args(["chaos", "restore", id]).output().unwrap();
+    assert!(String::from_utf8_lossy(&restored.stdout).contains(id));
+    let healed = eventually(Duration::from_secs(10), || async {
+        (live_nodes(&mesh.node(1)).await.len() == 3 && live_nodes(&mesh.node(0)).await.len() == 3)
+            .then_some(())
+    })
+    .await;
+    assert!(healed.is_some(), "n1 rejoined after the early restore");
+
+    // A drained budget: high-risk work for that agent is refused and escalated, then allowed.
+    chaos(&mesh, &["drain-budget", "support-bot", "--for", "2s"]);
+    let high = json!({"agent": "support-bot", "risk": "high", "task": "refund"});
+    let drained = eventually(Duration::from_secs(5), || async {
+        let (status, reasons) = chat(&mesh.node(0), high.clone()).await;
+        (status == 402).then_some(reasons)
+    })
+    .await
+    .expect("refused for budget");
+    assert!(drained.contains("BUDGET_EXHAUSTED"), "{drained}");
+    let last = std::sync::Mutex::new(String::new());
+    let refilled = eventually(Duration::from_secs(8), || async {
+        let (status, reasons) = chat(&mesh.node(0), high.clone()).await;
+        *last.lock().unwrap() = format!("{status} {reasons}");
+        (status == 200).then_some(())
+    })
+    .await;
+    assert!(
+        refilled.is_some(),
+        "the budget is back after the fault; last answer: {}",
+        last.lock().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn load_faults_agents_and_bad_input() {
+    let mesh = LocalMesh::up("chaos-load");
+
+    // Unknown faults and targets: exit 2 with the valid ones.
+    let out = mesh.oam().args(["chaos", "melt-cpu"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("kill-provider, break-contract"));
+    let out = mesh
+        .oam()
+        .args(["chaos", "kill-node", "n9", "--for", "1s"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("n1, n2, n3"));
+    let out = mesh
+        .oam()
+        .args(["chaos", "kill-provider", "primary", "--for", "soon"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+
+    // An agent process killed, and started again by the warden at the end.
+    let url = mesh.app_url();
+    let _agent = crate::support::Proc::spawn(&[
+        "agent",
+        "serve",
+        "demo.work",
+        "--demo",
+        "echo",
+        "--json",
+        "--nats-url",
+        &url,
+    ]);
+    chaos(&mesh, &["kill-agent", "demo.work", "--for", "1s"]);
+    let call = |payload: &'static str| {
+        let out = mesh
+            .oam()
+            .args(["agent", "call", "demo.work", payload, "--timeout", "2"])
+            .output()
+            .unwrap();
+        out.status.success()
+    };
+    let down = eventually(Duration::from_secs(5), || async {
+        (!call("{}")).then_some(())
+    })
+    .await;
+    assert!(down.is_some(), "the agent is gone");
+    let up = eventually(Duration::from_secs(15), || async {
+        call("{}").then_some(())
+    })
+    .await;
+    assert!(up.is_some(), "the agent is back");
+
+    // A loop: one detection, one escalation, then identical calls refused fast.
+    chaos(&mesh, &["agent-loop", "--for", "3s", "--requests", "6"]);
+    // A spike of background work: some of it shed.
+    chaos(
+        &mesh,
+        &[
+            "traffic-spike",
+            "--for",
+            "3s",
+            "--requests",
+            "240",
+            "--concurrency",
+            "48",
+        ],
+    );
+    let settled = eventually(Duration::from_secs(15), || async {
+        (chaos(&mesh, &["list"]) == json!([])).then_some(())
+    })
+    .await;
+    assert!(settled.is_some(), "both load faults end by themselves");
+    let mut counts = std::collections::BTreeMap::<String, f64>::new();
+    for i in 0..3 {
+        let text = http(Duration::from_secs(5))
+            .get(format!("{}/metrics", mesh.node(i)))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("oam_reason_codes_total{"))
+        {
+            let code = line.split('"').nth(1).unwrap_or("").to_string();
+            let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            *counts.entry(code).or_default() += n;
+        }
+    }
+    assert_eq!(counts.get("AGENT_LOOP_DETECTED"), Some(&1.0), "{counts:?}");
+    assert_eq!(counts.get("ESCALATED_AGENT_LOOP"), Some(&1.0), "{counts:?}");
+    assert!(
+        counts.get("BULKHEAD_SHED").is_some_and(|n| *n > 0.0),
+        "{counts:?}"
+    );
+}
