@@ -25,17 +25,63 @@ pub struct Plan {
     pub priority: String,
     pub seed: u64,
     pub timeout_ms: u64,
+    /// Request kinds chosen per request by weight; empty means the one kind above.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mix: Vec<crate::scenario::Mix>,
+}
+
+impl Plan {
+    /// The kind of request `i` (deterministic for a seed).
+    pub fn kind(&self, i: usize) -> crate::scenario::Mix {
+        let total: u64 = self.mix.iter().map(|m| u64::from(m.weight)).sum();
+        if total == 0 {
+            return crate::scenario::Mix {
+                weight: 1,
+                risk: self.risk.clone(),
+                priority: self.priority.clone(),
+                agent: self.agent.clone(),
+                task: self.task.clone(),
+            };
+        }
+        let mut x =
+            xxhash_rust::xxh3::xxh3_64_with_seed(&(i as u64).to_le_bytes(), self.seed) % total;
+        for m in &self.mix {
+            if x < u64::from(m.weight) {
+                return m.clone();
+            }
+            x -= u64::from(m.weight);
+        }
+        self.mix[0].clone()
+    }
+}
+
+/// Where the requests go.
+#[derive(Clone)]
+pub enum Target {
+    /// The nodes' HTTP data plane (`plan.urls`), round-robin; a node that refuses the connection
+    /// is skipped for the next one, as a load balancer would.
+    Http(reqwest::Client),
+    /// Mesh calls to an agent, with fail-fast semantics.
+    Agent {
+        caller: Arc<crate::mesh::client::Caller>,
+        agent: String,
+    },
 }
 
 /// One finished request.
 #[derive(Clone, Debug)]
 pub struct Sample {
+    /// When it started, since the run began.
+    pub started_us: u64,
     pub latency_us: u64,
     /// HTTP status, or 0 for a transport error.
     pub status: u16,
     pub phase: String,
     pub provider: String,
     pub reasons: Vec<String>,
+    pub priority: String,
+    /// A mesh call's error code (agent calls only).
+    pub error: Option<String>,
 }
 
 /// Everything measured, as written by `--json`.
@@ -66,33 +112,61 @@ pub struct Percentiles {
 
 /// The body of request `i`: distinct content per request so loop detection sees new calls.
 pub fn body(plan: &Plan, i: usize) -> Value {
+    let k = plan.kind(i);
     json!({
         "model": "auto",
         "messages": [{"role": "user", "content": format!("oam bench request {i} (seed {})", plan.seed)}],
         "oam": {
-            "agent": plan.agent,
-            "task": plan.task,
-            "risk": plan.risk,
-            "priority": plan.priority,
+            "agent": k.agent,
+            "task": k.task,
+            "risk": k.risk,
+            "priority": k.priority,
             "request_id": format!("bench-{}-{i}", plan.seed),
         },
     })
 }
 
-async fn one(http: &reqwest::Client, url: &str, body: &Value, timeout: Duration) -> Sample {
-    let started = Instant::now();
-    let result = http
-        .post(format!("{}/v1/chat/completions", url.trim_end_matches('/')))
-        .timeout(timeout)
-        .json(body)
-        .send()
-        .await;
-    let mut s = Sample {
+fn empty_sample() -> Sample {
+    Sample {
+        started_us: 0,
         latency_us: 0,
         status: 0,
         phase: "transport_error".into(),
         provider: String::new(),
         reasons: Vec::new(),
+        priority: String::new(),
+        error: None,
+    }
+}
+
+/// Request `i` over HTTP to `urls[i % n]`, moving on to the next node when one refuses the
+/// connection.
+async fn one_http(
+    http: &reqwest::Client,
+    urls: &[String],
+    i: usize,
+    body: &Value,
+    timeout: Duration,
+) -> Sample {
+    let started = Instant::now();
+    let mut result = None;
+    for k in 0..urls.len() {
+        let url = &urls[(i + k) % urls.len()];
+        let r = http
+            .post(format!("{}/v1/chat/completions", url.trim_end_matches('/')))
+            .timeout(timeout.saturating_sub(started.elapsed()))
+            .json(body)
+            .send()
+            .await;
+        let refused = matches!(&r, Err(e) if e.is_connect());
+        result = Some(r);
+        if !refused {
+            break;
+        }
+    }
+    let mut s = empty_sample();
+    let Some(result) = result else {
+        return s;
     };
     if let Ok(resp) = result {
         let h = resp.headers();
@@ -120,12 +194,48 @@ async fn one(http: &reqwest::Client, url: &str, body: &Value, timeout: Duration)
     s
 }
 
+/// Call `i` to an agent on the mesh: success, or the mesh error's code.
+async fn one_agent(
+    caller: &crate::mesh::client::Caller,
+    agent: &str,
+    i: usize,
+    timeout: Duration,
+) -> Sample {
+    let started = Instant::now();
+    let payload = format!("{{\"bench\": {i}}}");
+    let mut s = empty_sample();
+    match caller.call(agent, payload.into(), timeout).await {
+        Ok(_) => {
+            s.status = 200;
+            s.phase = "accepted".into();
+            s.provider = agent.to_string();
+        }
+        Err(e) => {
+            s.status = 503;
+            s.phase = "agent".into();
+            s.error = Some(e.code.as_str().to_string());
+        }
+    }
+    s.latency_us = started.elapsed().as_micros() as u64;
+    s
+}
+
 /// Run `plan`; `progress` is called once per finished request.
 pub async fn run(
     plan: Plan,
-    http: reqwest::Client,
+    target: Target,
     progress: impl Fn() + Send + Sync + 'static,
 ) -> Report {
+    let (samples, elapsed, plan) = run_samples(plan, target, progress).await;
+    summarize(plan, &samples, elapsed)
+}
+
+/// Run `plan` and return every sample (for scenarios, which look at them over time).
+pub async fn run_samples(
+    plan: Plan,
+    target: Target,
+    progress: impl Fn() + Send + Sync + 'static,
+) -> (Vec<Sample>, Duration, Plan) {
     let next = Arc::new(AtomicUsize::new(0));
     let samples = Arc::new(Mutex::new(Vec::with_capacity(plan.requests)));
     let progress = Arc::new(progress);
@@ -137,11 +247,11 @@ pub async fn run(
     let plan_arc = Arc::new(plan);
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..plan_arc.concurrency.max(1) {
-        let (next, samples, progress, http, plan) = (
+        let (next, samples, progress, target, plan) = (
             next.clone(),
             samples.clone(),
             progress.clone(),
-            http.clone(),
+            target.clone(),
             plan_arc.clone(),
         );
         workers.spawn(async move {
@@ -154,8 +264,15 @@ pub async fn run(
                     let at = started + Duration::from_secs_f64(i as f64 / rate);
                     tokio::time::sleep_until(at.into()).await;
                 }
-                let url = &plan.urls[i % plan.urls.len()];
-                let s = one(&http, url, &body(&plan, i), timeout).await;
+                let began = started.elapsed();
+                let mut s = match &target {
+                    Target::Http(http) => {
+                        one_http(http, &plan.urls, i, &body(&plan, i), timeout).await
+                    }
+                    Target::Agent { caller, agent } => one_agent(caller, agent, i, timeout).await,
+                };
+                s.started_us = began.as_micros() as u64;
+                s.priority = plan.kind(i).priority;
                 samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
                 progress();
             }
@@ -165,7 +282,7 @@ pub async fn run(
     let elapsed = started.elapsed();
     let plan = Arc::try_unwrap(plan_arc).unwrap_or_else(|a| (*a).clone());
     let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
-    summarize(plan, &samples, elapsed)
+    (samples, elapsed, plan)
 }
 
 pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
@@ -244,11 +361,15 @@ mod tests {
             priority: "normal".into(),
             seed: 1,
             timeout_ms: 1_000,
+            mix: Vec::new(),
         }
     }
 
     fn sample(ms: u64, status: u16, provider: &str) -> Sample {
         Sample {
+            started_us: 0,
+            priority: "normal".into(),
+            error: None,
             latency_us: ms * 1_000,
             status,
             phase: if status == 200 {

@@ -13,6 +13,7 @@ pub mod localmesh;
 pub mod mesh;
 pub mod natsd;
 pub mod node;
+pub mod scenario;
 pub mod signal;
 pub mod sim;
 pub mod transport;

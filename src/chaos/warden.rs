@@ -191,7 +191,7 @@ impl Warden {
     async fn node_command(&self, to: &str, cmd: &NodeCommand) {
         if let Ok(b) = serde_json::to_vec(cmd) {
             let _ = self.nats.publish(subjects::chaos_node(to), b.into()).await;
-            let _ = self.nats.flush().await;
+            let _ = tokio::time::timeout(Duration::from_secs(1), self.nats.flush()).await;
         }
     }
 
@@ -415,9 +415,10 @@ impl Warden {
                 priority: "background".into(),
                 seed: now_ms(),
                 timeout_ms: 10_000,
+                mix: Vec::new(),
             };
             let task = tokio::spawn(async move {
-                let r = bench::run(plan, http, || {}).await;
+                let r = bench::run(plan, bench::Target::Http(http), || {}).await;
                 tracing::info!(sent = r.sent, succeeded = r.succeeded, "traffic spike done");
             });
             (
@@ -653,7 +654,7 @@ pub async fn run(
         w.announce("restored", &e.active).await;
     }
     w.save();
-    let _ = nats.flush().await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), nats.flush()).await;
     // Agents it started again are not in the mesh record: they go with the warden.
     for mut child in std::mem::take(&mut w.agents) {
         localmesh::signal(child.id(), libc::SIGTERM);

@@ -47,9 +47,19 @@ pub struct Args {
     /// Write the full result as JSON to FILE (`-` for stdout, which then holds only JSON).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Run a scenario (`scenarios/*.toml`): its load, chaos timeline and expectations, against
+    /// the local mesh in --dir. Exits 1 naming each expectation that failed.
+    #[arg(long)]
+    pub scenario: Option<PathBuf>,
+    /// The scenario's short form (every time scaled down; what CI runs).
+    #[arg(long, requires = "scenario")]
+    pub short: bool,
 }
 
 pub async fn run(a: Args) -> Result<()> {
+    if let Some(path) = &a.scenario {
+        return scenario(&a, path).await;
+    }
     if !["low", "medium", "high"].contains(&a.risk.as_str()) {
         return Err(Error::usage(format!(
             "--risk {:?}: use low, medium or high",
@@ -98,21 +108,12 @@ pub async fn run(a: Args) -> Result<()> {
         priority: a.priority,
         seed: a.seed,
         timeout_ms: a.timeout_ms,
+        mix: Vec::new(),
     };
     let http = crate::node::connector::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
-    let bar = indicatif::ProgressBar::new(plan.requests as u64);
-    if std::io::stderr().is_terminal() {
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{spinner} {bar:40} {pos}/{len} requests  {per_sec}  eta {eta}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-    } else {
-        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-    }
+    let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
-    let report = bench::run(plan, http, move || tick.inc(1)).await;
+    let report = bench::run(plan, bench::Target::Http(http), move || tick.inc(1)).await;
     bar.finish_and_clear();
     let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
     if let Some(path) = a.json.as_deref().filter(|_| !to_stdout) {
@@ -134,6 +135,61 @@ pub async fn run(a: Args) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// A progress bar on a terminal's stderr (hidden otherwise).
+pub fn progress_bar(len: u64, prefix: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len);
+    if std::io::stderr().is_terminal() {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} {spinner} {bar:40} {pos}/{len} requests  {per_sec}  eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar.set_prefix(prefix.to_string());
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar
+}
+
+async fn scenario(a: &Args, path: &std::path::Path) -> Result<()> {
+    let s = super::bench_scenario::load(path, a.short)?;
+    let bar = progress_bar(1, &s.name);
+    let tick = bar.clone();
+    let outcome = super::bench_scenario::run(&a.dir, &s, a.short, a.seed, move |done, total| {
+        tick.set_length(total);
+        tick.set_position(done);
+    })
+    .await?;
+    bar.finish_and_clear();
+    let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
+    if let Some(path) = a.json.as_deref().filter(|_| !to_stdout) {
+        let text =
+            serde_json::to_string_pretty(&outcome).map_err(|e| Error::new(Kind::Check, e))?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+    }
+    let mut out = std::io::stdout().lock();
+    if to_stdout {
+        serde_json::to_writer_pretty(&mut out, &outcome).map_err(|e| Error::new(Kind::Check, e))?;
+        writeln!(out)?;
+    } else {
+        writeln!(
+            out,
+            "scenario {}{}: {}",
+            outcome.scenario,
+            if a.short { " (short)" } else { "" },
+            outcome.description
+        )?;
+        writeln!(out, "{}", table(&outcome.summary))?;
+        writeln!(out, "{}", super::bench_scenario::table(&outcome))?;
+    }
+    match super::bench_scenario::failures(&outcome) {
+        Some(why) => Err(Error::new(Kind::Check, anyhow::anyhow!(why))),
+        None => Ok(()),
+    }
 }
 
 fn table(r: &Report) -> String {

@@ -1,7 +1,7 @@
 //! `oam chaos FAULT [TARGET] [--for 30s]`, `oam chaos list`, `oam chaos restore`: ask the mesh's
 //! chaos warden (over NATS) to inject, list or end faults; `oam chaos warden` is that warden.
 
-use crate::chaos::{self, Active, Fault, Inject, Params, Reply, Restore};
+use crate::chaos::{self, Active, AskError, Fault, Inject, Params, Restore};
 use crate::error::{Error, Kind, Result};
 use crate::transport::{connect, subjects};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
@@ -179,35 +179,18 @@ fn injection(c: Command) -> std::result::Result<Inject, Command> {
 /// Ask the warden; its reply, or exit 3 when there is none.
 async fn ask(url: &str, subject: &'static str, body: Vec<u8>) -> Result<Vec<Active>> {
     let nc = super::nats(url, "oam-chaos", false).await?;
-    let request = nc.request(subject, body.into());
-    let msg = match tokio::time::timeout(Duration::from_secs(15), request).await {
-        Ok(Ok(m)) => m,
-        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
-            return Err(Error::new(
-                Kind::Unreachable,
-                anyhow::anyhow!(
-                    "no chaos warden answers on {}; `oam mesh up` starts one (or run \
-                     `oam chaos warden --dir DIR` beside your mesh)",
-                    connect::redact(url)
-                ),
-            ));
-        }
-        Ok(Err(e)) => return Err(Error::new(Kind::Unreachable, e)),
-        Err(_) => {
-            return Err(Error::new(
-                Kind::Unreachable,
-                anyhow::anyhow!("the chaos warden did not answer within 15 s"),
-            ));
-        }
-    };
-    match serde_json::from_slice::<Reply>(&msg.payload) {
-        Ok(Reply::Ok(faults)) => Ok(faults),
-        Ok(Reply::Error(why)) => Err(Error::usage(why)),
-        Err(e) => Err(Error::new(
-            Kind::Check,
-            anyhow::anyhow!("the chaos warden's reply is not understood: {e}"),
-        )),
-    }
+    chaos::ask(&nc, subject, body).await.map_err(|e| match e {
+        AskError::NoWarden => Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!(
+                "no chaos warden answers on {}; `oam mesh up` starts one (or run \
+                 `oam chaos warden --dir DIR` beside your mesh)",
+                connect::redact(url)
+            ),
+        ),
+        AskError::Refused(why) => Error::usage(why),
+        AskError::Failed(why) => Error::new(Kind::Unreachable, anyhow::anyhow!(why)),
+    })
 }
 
 fn secs(ms: u64) -> String {

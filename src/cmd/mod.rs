@@ -3,6 +3,7 @@
 pub mod agent;
 pub mod agent_bench;
 pub mod bench;
+pub mod bench_scenario;
 pub mod chaos;
 pub mod decide;
 pub mod listen;

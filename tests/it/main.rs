@@ -5,5 +5,6 @@ mod chaos;
 mod cli;
 mod cluster;
 mod mesh;
+mod scenarios;
 mod sim;
 mod support;

@@ -1,0 +1,394 @@
+//! `oam bench --scenario FILE`: run a scenario against the local mesh (its load, its chaos
+//! timeline through the warden, its agents), then check its expectations. Also what `oam demo`
+//! plays.
+
+use crate::bench::{self, Plan, Target};
+use crate::chaos::{self, AskError, Inject, Restore};
+use crate::error::{Error, Kind, Result};
+use crate::localmesh::{self, Record};
+use crate::scenario::{self, Recovery, Run, Scenario, Verdict};
+use crate::transport::subjects;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Everything a scenario run measured, as written by `--json`.
+#[derive(Serialize, Debug)]
+pub struct Outcome {
+    pub version: &'static str,
+    pub scenario: String,
+    pub description: String,
+    pub short: bool,
+    pub seed: u64,
+    pub summary: bench::Report,
+    /// (fault, injected at ms, expires at ms), since the load started.
+    pub chaos: Vec<(String, u64, u64)>,
+    pub recoveries: Vec<Recovery>,
+    pub cluster_reasons: BTreeMap<String, f64>,
+    pub verdicts: Vec<Verdict>,
+    pub passed: bool,
+}
+
+pub fn load(path: &Path, short: bool) -> Result<Scenario> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::usage(format!("cannot read scenario {}: {e}", path.display())))?;
+    let s = Scenario::parse(&text)
+        .map_err(|e| Error::usage(format!("scenario {}: {e}", path.display())))?;
+    Ok(if short { s.shortened() } else { s })
+}
+
+/// The reason-code counters of every node (`oam_reason_codes_total`), summed.
+async fn cluster_reasons(http: &reqwest::Client, urls: &[String]) -> BTreeMap<String, f64> {
+    let mut counts = BTreeMap::new();
+    for url in urls {
+        let get = http
+            .get(format!("{url}/metrics"))
+            .timeout(Duration::from_secs(5));
+        let Ok(r) = get.send().await else {
+            continue;
+        };
+        let text = r.text().await.unwrap_or_default();
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("oam_reason_codes_total{"))
+        {
+            let code = line.split('"').nth(1).unwrap_or("").to_string();
+            let n: f64 = line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0);
+            *counts.entry(code).or_insert(0.0) += n;
+        }
+    }
+    counts
+}
+
+/// Wait (at most `within`) until every node sees every node and agrees every provider is
+/// HEALTHY with its breaker closed, so one scenario's faults do not leak into the next.
+async fn settle(http: &reqwest::Client, urls: &[String], within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut why = None;
+        for url in urls {
+            let state = http
+                .get(format!("{url}/v1/oam/state"))
+                .timeout(Duration::from_secs(5));
+            let v: serde_json::Value = match state.send().await {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => serde_json::Value::Null,
+            };
+            let live = v["live_nodes"].as_array().map_or(0, Vec::len);
+            if live < urls.len() {
+                why = Some(format!("{url} sees {live} of {} nodes", urls.len()));
+                break;
+            }
+            for p in v["providers"].as_array().into_iter().flatten() {
+                let verdict = p["consensus"]["verdict"].as_str().unwrap_or("?");
+                let breaker = p["breaker"]["state"].as_str().unwrap_or("?");
+                if verdict != "HEALTHY" || breaker != "closed" {
+                    why = Some(format!(
+                        "{} is {verdict} (breaker {breaker}) on {url}",
+                        p["id"].as_str().unwrap_or("?")
+                    ));
+                }
+            }
+        }
+        let Some(why) = why else {
+            return Ok(());
+        };
+        if Instant::now() > deadline {
+            return Err(Error::new(
+                Kind::Check,
+                anyhow::anyhow!(
+                    "the mesh did not settle within {} s: {why}",
+                    within.as_secs()
+                ),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Agent processes a scenario needs, stopped (SIGTERM, then waited for) when dropped.
+struct Agents(Vec<std::process::Child>);
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            localmesh::signal(c.id(), libc::SIGTERM);
+        }
+        for c in &mut self.0 {
+            let _ = c.wait();
+        }
+    }
+}
+
+fn start_agents(dir: &Path, app_url: &str, s: &Scenario) -> Result<Agents> {
+    let mut agents = Agents(Vec::new());
+    for a in &s.agents {
+        let args: Vec<String> = [
+            "agent",
+            "serve",
+            &a.name,
+            "--demo",
+            &a.demo,
+            "--replicas",
+            &a.replicas.to_string(),
+            "--json",
+        ]
+        .map(String::from)
+        .to_vec();
+        let env = [(crate::transport::connect::ENV_URL, app_url.to_string())];
+        let name = format!("agent-{}", a.name);
+        let (child, out, log) = localmesh::spawn_oam(dir, &name, &args, &env)
+            .map_err(|e| Error::new(Kind::Check, e))?;
+        agents.0.push(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = std::fs::read_to_string(&out).unwrap_or_default();
+            if text.contains('\n') {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::new(
+                    Kind::Check,
+                    anyhow::anyhow!("agent {} did not start; see {}", a.name, log.display()),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok(agents)
+}
+
+/// Run scenario `s` on the mesh in `dir`; `progress` gets (done, total) as requests finish.
+pub async fn run(
+    dir: &Path,
+    s: &Scenario,
+    short: bool,
+    seed: u64,
+    progress: impl Fn(u64, u64) + Send + Sync + 'static,
+) -> Result<Outcome> {
+    let rec = Record::load(dir)
+        .map_err(|e| Error::new(Kind::Usage, e))?
+        .ok_or_else(|| {
+            Error::new(
+                Kind::Unreachable,
+                anyhow::anyhow!(
+                    "no mesh recorded in {}; start one with `oam mesh up` (a scenario needs its \
+                     nodes and its chaos warden)",
+                    dir.display()
+                ),
+            )
+        })?;
+    let app_url = std::fs::read_to_string(dir.join(localmesh::CREDENTIALS))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["app_url"].as_str().map(String::from))
+        .unwrap_or_else(|| crate::transport::connect::resolve_url(None));
+    let nats = super::nats(&app_url, "oam-bench-scenario", false).await?;
+    let all_nodes: Vec<(String, String)> = rec
+        .nodes()
+        .map(|n| (n.name.clone(), n.endpoint.clone()))
+        .collect();
+    let urls: Vec<String> = all_nodes
+        .iter()
+        .filter(|(name, _)| s.load.nodes.is_empty() || s.load.nodes.contains(name))
+        .map(|(_, url)| url.clone())
+        .collect();
+    if urls.is_empty() {
+        return Err(Error::usage(format!(
+            "load.nodes {:?} names no node of this mesh ({})",
+            s.load.nodes,
+            all_nodes
+                .iter()
+                .map(|n| n.0.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    let every: Vec<String> = all_nodes.iter().map(|n| n.1.clone()).collect();
+    let http = crate::node::connector::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
+    settle(&http, &every, Duration::from_secs(60)).await?;
+    let _agents = start_agents(dir, &app_url, s)?;
+    let before = cluster_reasons(&http, &every).await;
+
+    let duration = s.duration();
+    let requests = (s.load.rate * duration.as_secs_f64()).ceil().max(1.0) as usize;
+    let plan = Plan {
+        urls,
+        requests,
+        concurrency: s.load.concurrency.max(1),
+        rate_per_s: Some(s.load.rate),
+        max_duration_ms: Some(duration.as_millis() as u64 + 1_000),
+        agent: "bench".into(),
+        task: "bench".into(),
+        risk: "low".into(),
+        priority: "normal".into(),
+        seed,
+        timeout_ms: s.load.timeout_ms,
+        mix: s.load.mix.clone(),
+    };
+    let target = if s.load.kind == "agent" {
+        let caller = crate::mesh::client::Caller::new(nats.clone())
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e))?;
+        Target::Agent {
+            caller: std::sync::Arc::new(caller),
+            agent: s.load.agent.clone().unwrap_or_default(),
+        }
+    } else {
+        Target::Http(http.clone())
+    };
+
+    // The chaos timeline runs beside the load, on the load's clock.
+    let started = Instant::now();
+    let timeline = {
+        let nats = nats.clone();
+        let events = s.chaos.clone();
+        tokio::spawn(async move {
+            let mut done: Vec<(String, String, u64, u64)> = Vec::new();
+            let mut errors = Vec::new();
+            for c in events {
+                let (at, for_ms) = scenario::event_times(&c);
+                tokio::time::sleep_until((started + Duration::from_millis(at)).into()).await;
+                let req = Inject {
+                    fault: c.fault,
+                    target: c.target.clone(),
+                    for_ms,
+                    params: c.params.clone(),
+                };
+                let body = serde_json::to_vec(&req).unwrap_or_default();
+                let injected_at = started.elapsed().as_millis() as u64;
+                match chaos::ask(&nats, subjects::CHAOS_INJECT, body).await {
+                    Ok(faults) => {
+                        for f in faults {
+                            done.push((
+                                f.id,
+                                c.fault.name().to_string(),
+                                injected_at,
+                                injected_at + for_ms,
+                            ));
+                        }
+                    }
+                    Err(AskError::NoWarden) => errors.push(
+                        "no chaos warden answers; is the mesh up (`oam mesh status`)?".to_string(),
+                    ),
+                    Err(e) => errors.push(format!("{}: {e}", c.fault.name())),
+                }
+            }
+            (done, errors)
+        })
+    };
+    let total = requests as u64;
+    let counter = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let c = counter.clone();
+    let (samples, elapsed, plan) = bench::run_samples(plan, target, move || {
+        let n = c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        progress(n, total);
+    })
+    .await;
+    let (injected, errors) = timeline.await.map_err(|e| {
+        Error::new(
+            Kind::Check,
+            anyhow::anyhow!("the chaos timeline failed: {e}"),
+        )
+    })?;
+    // Leave nothing behind: end this scenario's faults that outlived the load.
+    for (id, ..) in &injected {
+        let body = serde_json::to_vec(&Restore {
+            what: Some(id.clone()),
+        })
+        .unwrap_or_default();
+        let _ = chaos::ask(&nats, subjects::CHAOS_RESTORE, body).await;
+    }
+    if let Some(why) = errors.first() {
+        return Err(Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!("scenario {}: could not inject chaos: {why}", s.name),
+        ));
+    }
+    let after = cluster_reasons(&http, &every).await;
+    let cluster: BTreeMap<String, f64> = after
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                (v - before.get(k).copied().unwrap_or(0.0)).max(0.0),
+            )
+        })
+        .filter(|(_, v)| *v > 0.0)
+        .collect();
+    let faults: Vec<(String, u64, u64)> = injected
+        .iter()
+        .map(|(_, f, a, b)| (f.clone(), *a, *b))
+        .collect();
+    let eval = Run {
+        samples: &samples,
+        faults: faults.clone(),
+        cluster_reasons: cluster.clone(),
+    };
+    let verdicts = eval.evaluate(&s.expect);
+    let recoveries = eval.recoveries();
+    let passed = verdicts.iter().all(|v| v.ok);
+    Ok(Outcome {
+        version: env!("CARGO_PKG_VERSION"),
+        scenario: s.name.clone(),
+        description: s.description.clone(),
+        short,
+        seed,
+        summary: bench::summarize(plan, &samples, elapsed),
+        chaos: faults,
+        recoveries,
+        cluster_reasons: cluster,
+        verdicts,
+        passed,
+    })
+}
+
+/// The expectations as a table, with what was measured.
+pub fn table(o: &Outcome) -> String {
+    use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(vec!["", "expectation", "measured"]);
+    for v in &o.verdicts {
+        t.add_row(vec![
+            if v.ok { "ok" } else { "FAIL" }.to_string(),
+            v.expectation.clone(),
+            format!("{:.4}", v.measured)
+                .trim_end_matches('0')
+                .trim_end_matches('.')
+                .to_string(),
+        ]);
+    }
+    for r in &o.recoveries {
+        t.add_row(vec![
+            String::new(),
+            format!("{}: from injection until requests stop failing", r.fault),
+            format!("{} ms, {} failed", r.recovery_ms, r.failed),
+        ]);
+    }
+    t.to_string()
+}
+
+/// The failed expectations in one message, for the exit.
+pub fn failures(o: &Outcome) -> Option<String> {
+    let failed: Vec<String> = o
+        .verdicts
+        .iter()
+        .filter(|v| !v.ok)
+        .map(|v| format!("{} (measured {})", v.expectation, v.measured))
+        .collect();
+    (!failed.is_empty()).then(|| {
+        format!(
+            "scenario {}: {} of {} expectations failed: {}",
+            o.scenario,
+            failed.len(),
+            o.verdicts.len(),
+            failed.join("; ")
+        )
+    })
+}

@@ -1,0 +1,611 @@
+//! Scenarios (`scenarios/*.toml`): a load, a timeline of chaos events, and expectations that
+//! `oam bench --scenario` checks against what it measured. Parsing, scaling (`--short`) and
+//! evaluation are pure: samples and timings in, verdicts out.
+//!
+//! ```toml
+//! name = "provider-outage"
+//! description = "primary fails; traffic moves to the zero-cost local path"
+//! [load]
+//! rate = 20            # requests per second
+//! duration = "12s"
+//! [[chaos]]
+//! at = "3s"
+//! fault = "kill-provider"
+//! target = "primary"
+//! for = "6s"
+//! [[expect]]
+//! metric = "success_rate"
+//! min = 0.99
+//! [[expect]]
+//! metric = "provider_share"
+//! provider = "local"
+//! during = "chaos"
+//! min = 0.95
+//! ```
+
+use crate::bench::Sample;
+use crate::chaos::{Fault, Params, parse_duration};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+#[derive(Deserialize, Serialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub load: Load,
+    /// Agents the bench serves for the scenario (stopped at its end).
+    #[serde(default)]
+    pub agents: Vec<AgentSpec>,
+    #[serde(default)]
+    pub chaos: Vec<ChaosEvent>,
+    #[serde(default)]
+    pub expect: Vec<Expect>,
+    /// How the short form (CI) differs: every time multiplied by `scale`.
+    #[serde(default)]
+    pub short: Short,
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Load {
+    /// Requests per second.
+    pub rate: f64,
+    pub duration: String,
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+    /// Where requests go: `http` (the nodes' data plane) or `agent` (mesh calls to `agent`).
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    /// Only these nodes (names, e.g. ["n1"]); default all.
+    #[serde(default)]
+    pub nodes: Vec<String>,
+    /// The request kinds, chosen per request by weight (default: one low-risk normal kind).
+    #[serde(default)]
+    pub mix: Vec<Mix>,
+    /// For `kind = "agent"`: the agent called and the per-call timeout.
+    #[serde(default)]
+    pub agent: Option<String>,
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_concurrency() -> usize {
+    50
+}
+fn default_kind() -> String {
+    "http".into()
+}
+fn default_timeout_ms() -> u64 {
+    30_000
+}
+
+#[derive(Deserialize, Serialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Mix {
+    #[serde(default = "one")]
+    pub weight: u32,
+    #[serde(default = "low")]
+    pub risk: String,
+    #[serde(default = "normal")]
+    pub priority: String,
+    #[serde(default = "bench")]
+    pub agent: String,
+    #[serde(default = "bench")]
+    pub task: String,
+}
+
+fn one() -> u32 {
+    1
+}
+fn low() -> String {
+    "low".into()
+}
+fn normal() -> String {
+    "normal".into()
+}
+fn bench() -> String {
+    "bench".into()
+}
+
+impl Default for Mix {
+    fn default() -> Mix {
+        Mix {
+            weight: 1,
+            risk: low(),
+            priority: normal(),
+            agent: bench(),
+            task: bench(),
+        }
+    }
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSpec {
+    pub name: String,
+    /// An `oam agent serve --demo` value, e.g. `sleep:300`.
+    pub demo: String,
+    #[serde(default = "one_usize")]
+    pub replicas: usize,
+}
+
+fn one_usize() -> usize {
+    1
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct ChaosEvent {
+    pub at: String,
+    pub fault: Fault,
+    #[serde(default)]
+    pub target: Option<String>,
+    #[serde(rename = "for")]
+    pub for_: String,
+    #[serde(default, flatten)]
+    pub params: Params,
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Short {
+    #[serde(default)]
+    pub scale: Option<f64>,
+}
+
+/// Which requests an expectation looks at, by start time.
+#[derive(Deserialize, Serialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Window {
+    #[default]
+    All,
+    /// Before the first fault.
+    Before,
+    /// From the first injection to the last expiry.
+    Chaos,
+    /// After the last expiry.
+    After,
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    pub metric: Metric,
+    #[serde(default)]
+    pub during: Window,
+    #[serde(default)]
+    pub provider: Option<String>,
+    #[serde(default)]
+    pub code: Option<String>,
+    #[serde(default)]
+    pub phase: Option<String>,
+    #[serde(default)]
+    pub priority: Option<String>,
+    #[serde(default)]
+    pub min: Option<f64>,
+    #[serde(default)]
+    pub max: Option<f64>,
+}
+
+/// What can be expected.
+#[derive(Deserialize, Serialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// Share of requests answered 200 (agent calls: answered without error).
+    SuccessRate,
+    /// Failed requests (count).
+    Failed,
+    /// Share of answered requests served by `provider`.
+    ProviderShare,
+    /// Requests whose reasons include `code` (count).
+    ReasonCount,
+    /// Requests that ended in `phase` (count), optionally only of `priority`.
+    PhaseCount,
+    /// Latency percentiles over the window, in ms.
+    P50Ms,
+    P95Ms,
+    P99Ms,
+    /// Across every node's `/metrics`: how much `code` grew during the run (includes requests
+    /// the bench did not send, e.g. chaos load).
+    ClusterReasonCount,
+    /// Agent calls that failed with error `code` (e.g. agent_died).
+    ErrorCount,
+    /// For calls that failed with `agent_died`: the time from the fault's injection to the
+    /// caller's error, worst case (ms).
+    DeathDetectMs,
+    /// Per fault: the time from injection until requests stop failing, worst case (ms).
+    RecoveryMs,
+}
+
+impl Scenario {
+    pub fn parse(text: &str) -> Result<Scenario, String> {
+        let s: Scenario = toml::from_str(text).map_err(|e| e.to_string())?;
+        s.check()?;
+        Ok(s)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        parse_duration(&self.load.duration).map_err(|e| format!("load.duration: {e}"))?;
+        if !(self.load.rate.is_finite() && self.load.rate > 0.0) {
+            return Err("load.rate must be a positive number of requests per second".into());
+        }
+        if !["http", "agent"].contains(&self.load.kind.as_str()) {
+            return Err(format!("load.kind {:?}: use http or agent", self.load.kind));
+        }
+        if self.load.kind == "agent" && self.load.agent.is_none() {
+            return Err("load.kind = \"agent\" needs load.agent (the agent to call)".into());
+        }
+        for m in &self.load.mix {
+            if !["low", "medium", "high"].contains(&m.risk.as_str()) {
+                return Err(format!(
+                    "load.mix risk {:?}: use low, medium or high",
+                    m.risk
+                ));
+            }
+            if !["critical", "normal", "background"].contains(&m.priority.as_str()) {
+                return Err(format!(
+                    "load.mix priority {:?}: use critical, normal or background",
+                    m.priority
+                ));
+            }
+        }
+        for (i, c) in self.chaos.iter().enumerate() {
+            parse_duration(&c.at)
+                .or_else(|e| {
+                    if c.at.trim() == "0s" || c.at.trim() == "0" {
+                        Ok(Duration::ZERO)
+                    } else {
+                        Err(e)
+                    }
+                })
+                .map_err(|e| format!("chaos[{i}].at: {e}"))?;
+            parse_duration(&c.for_).map_err(|e| format!("chaos[{i}].for: {e}"))?;
+        }
+        for (i, e) in self.expect.iter().enumerate() {
+            let needs = |field: &str, v: &Option<String>| {
+                v.is_none()
+                    .then(|| format!("expect[{i}] ({:?}) needs {field}", e.metric))
+            };
+            let missing = match e.metric {
+                Metric::ProviderShare => needs("provider", &e.provider),
+                Metric::ReasonCount | Metric::ClusterReasonCount | Metric::ErrorCount => {
+                    needs("code", &e.code)
+                }
+                Metric::PhaseCount => needs("phase", &e.phase),
+                _ => None,
+            };
+            if let Some(m) = missing {
+                return Err(m);
+            }
+            if e.min.is_none() && e.max.is_none() {
+                return Err(format!("expect[{i}] ({:?}) needs min or max", e.metric));
+            }
+        }
+        Ok(())
+    }
+
+    /// The short form: every time multiplied by `short.scale` (default 0.5).
+    pub fn shortened(&self) -> Scenario {
+        let k = self.short.scale.unwrap_or(0.5);
+        let scale = |d: &str| {
+            let ms = parse_duration(d).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+            format!("{}ms", (ms * k).round().max(1.0))
+        };
+        let mut s = self.clone();
+        s.load.duration = scale(&s.load.duration);
+        for c in &mut s.chaos {
+            c.at = scale(&c.at);
+            c.for_ = scale(&c.for_);
+        }
+        s
+    }
+
+    pub fn duration(&self) -> Duration {
+        parse_duration(&self.load.duration).unwrap_or_default()
+    }
+}
+
+/// A chaos event's offset and length in ms.
+pub fn event_times(c: &ChaosEvent) -> (u64, u64) {
+    let ms = |d: &str| parse_duration(d).map_or(0, |d| d.as_millis() as u64);
+    (ms(&c.at), ms(&c.for_))
+}
+
+/// What one expectation measured.
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub struct Verdict {
+    /// e.g. "provider_share(local) during chaos >= 0.95".
+    pub expectation: String,
+    pub measured: f64,
+    pub ok: bool,
+}
+
+/// Per fault: time from injection until requests stop failing, and how many failed meanwhile.
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub struct Recovery {
+    pub fault: String,
+    pub injected_at_ms: u64,
+    pub recovery_ms: u64,
+    pub failed: usize,
+}
+
+/// Everything the evaluation needs besides the samples.
+pub struct Run<'a> {
+    pub samples: &'a [Sample],
+    /// (injected at, expires at) per chaos event, ms since the load started.
+    pub faults: Vec<(String, u64, u64)>,
+    /// Growth of each reason code across the nodes' `/metrics` during the run.
+    pub cluster_reasons: BTreeMap<String, f64>,
+}
+
+fn failed(s: &Sample) -> bool {
+    s.status != 200
+}
+
+impl Run<'_> {
+    fn window(&self, w: Window) -> Vec<&Sample> {
+        let first = self.faults.iter().map(|f| f.1).min();
+        let last = self.faults.iter().map(|f| f.2).max();
+        self.samples
+            .iter()
+            .filter(|s| {
+                let t = s.started_us / 1_000;
+                match (w, first, last) {
+                    (Window::All, _, _) => true,
+                    (Window::Before, Some(a), _) => t < a,
+                    (Window::Chaos, Some(a), Some(b)) => t >= a && t < b,
+                    (Window::After, _, Some(b)) => t >= b,
+                    (_, _, _) => w == Window::Before || w == Window::After,
+                }
+            })
+            .collect()
+    }
+
+    pub fn recoveries(&self) -> Vec<Recovery> {
+        self.faults
+            .iter()
+            .map(|(fault, at, until)| {
+                let fails: Vec<&Sample> = self
+                    .samples
+                    .iter()
+                    .filter(|s| {
+                        let t = s.started_us / 1_000;
+                        failed(s) && t >= *at && t < *until
+                    })
+                    .collect();
+                let last_end = fails
+                    .iter()
+                    .map(|s| (s.started_us + s.latency_us) / 1_000)
+                    .max();
+                Recovery {
+                    fault: fault.clone(),
+                    injected_at_ms: *at,
+                    recovery_ms: last_end.map_or(0, |e| e.saturating_sub(*at)),
+                    failed: fails.len(),
+                }
+            })
+            .collect()
+    }
+
+    fn measure(&self, e: &Expect) -> f64 {
+        let w = self.window(e.during);
+        let count = |f: &dyn Fn(&Sample) -> bool| w.iter().filter(|s| f(s)).count() as f64;
+        let pct = |q: f64| {
+            let mut l: Vec<u64> = w.iter().map(|s| s.latency_us).collect();
+            l.sort_unstable();
+            if l.is_empty() {
+                return 0.0;
+            }
+            let i = ((q * l.len() as f64).ceil() as usize).clamp(1, l.len()) - 1;
+            l[i] as f64 / 1e3
+        };
+        let code = e.code.as_deref().unwrap_or("");
+        match e.metric {
+            Metric::SuccessRate => {
+                if w.is_empty() {
+                    0.0
+                } else {
+                    count(&|s| !failed(s)) / w.len() as f64
+                }
+            }
+            Metric::Failed => count(&failed),
+            Metric::ProviderShare => {
+                let answered = count(&|s| !s.provider.is_empty());
+                let p = e.provider.as_deref().unwrap_or("");
+                if answered == 0.0 {
+                    0.0
+                } else {
+                    count(&|s| s.provider == p) / answered
+                }
+            }
+            Metric::ReasonCount => count(&|s| s.reasons.iter().any(|r| r == code)),
+            Metric::PhaseCount => count(&|s| {
+                Some(s.phase.as_str()) == e.phase.as_deref()
+                    && e.priority.as_deref().is_none_or(|p| p == s.priority)
+            }),
+            Metric::P50Ms => pct(0.50),
+            Metric::P95Ms => pct(0.95),
+            Metric::P99Ms => pct(0.99),
+            Metric::ClusterReasonCount => self.cluster_reasons.get(code).copied().unwrap_or(0.0),
+            Metric::ErrorCount => count(&|s| s.error.as_deref() == Some(code)),
+            Metric::DeathDetectMs => {
+                let injected: Vec<u64> = self.faults.iter().map(|f| f.1).collect();
+                w.iter()
+                    .filter(|s| s.error.as_deref() == Some("agent_died"))
+                    .filter_map(|s| {
+                        let end = (s.started_us + s.latency_us) as f64 / 1e3;
+                        injected
+                            .iter()
+                            .map(|&t| t as f64)
+                            .filter(|&t| t <= end)
+                            .map(|t| end - t)
+                            .reduce(f64::min)
+                    })
+                    .fold(0.0, f64::max)
+            }
+            Metric::RecoveryMs => self
+                .recoveries()
+                .iter()
+                .map(|r| r.recovery_ms as f64)
+                .fold(0.0, f64::max),
+        }
+    }
+
+    pub fn evaluate(&self, expect: &[Expect]) -> Vec<Verdict> {
+        expect
+            .iter()
+            .map(|e| {
+                let measured = self.measure(e);
+                let ok = e.min.is_none_or(|m| measured >= m - 1e-12)
+                    && e.max.is_none_or(|m| measured <= m + 1e-12);
+                Verdict {
+                    expectation: describe(e),
+                    measured,
+                    ok,
+                }
+            })
+            .collect()
+    }
+}
+
+fn describe(e: &Expect) -> String {
+    let metric = serde_json::to_value(e.metric)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default();
+    let what = [&e.provider, &e.code, &e.phase, &e.priority]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut s = if what.is_empty() {
+        metric
+    } else {
+        format!("{metric}({what})")
+    };
+    if e.during != Window::All {
+        let w = serde_json::to_value(e.during).unwrap_or_default();
+        s.push_str(&format!(" during {}", w.as_str().unwrap_or("")));
+    }
+    match (e.min, e.max) {
+        (Some(a), Some(b)) if a == b => s.push_str(&format!(" == {a}")),
+        (Some(a), Some(b)) => s.push_str(&format!(" in [{a}, {b}]")),
+        (Some(a), None) => s.push_str(&format!(" >= {a}")),
+        (None, Some(b)) => s.push_str(&format!(" <= {b}")),
+        (None, None) => {}
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(start_ms: u64, ms: u64, status: u16, provider: &str, reasons: &[&str]) -> Sample {
+        Sample {
+            started_us: start_ms * 1_000,
+            latency_us: ms * 1_000,
+            status,
+            phase: if status == 200 {
+                "accepted"
+            } else {
+                "generation"
+            }
+            .into(),
+            provider: provider.into(),
+            reasons: reasons.iter().map(|r| r.to_string()).collect(),
+            priority: "normal".into(),
+            error: None,
+        }
+    }
+
+    const OUTAGE: &str = r#"
+name = "outage"
+[load]
+rate = 10
+duration = "10s"
+[[chaos]]
+at = "2s"
+fault = "kill-provider"
+target = "primary"
+for = "4s"
+[[expect]]
+metric = "success_rate"
+min = 0.99
+[[expect]]
+metric = "provider_share"
+provider = "local"
+during = "chaos"
+min = 0.9
+[[expect]]
+metric = "reason_count"
+code = "FALLBACK_USED"
+min = 1
+"#;
+
+    #[test]
+    fn scenarios_parse_shorten_and_refuse_mistakes_by_name() {
+        let s = Scenario::parse(OUTAGE).unwrap();
+        assert_eq!(s.chaos[0].fault, Fault::KillProvider);
+        let short = s.shortened();
+        assert_eq!(short.duration(), Duration::from_secs(5));
+        assert_eq!(event_times(&short.chaos[0]), (1_000, 2_000));
+        let bad = OUTAGE.replace("kill-provider", "melt-provider");
+        assert!(Scenario::parse(&bad).unwrap_err().contains("melt-provider"));
+        let bad = OUTAGE.replace("provider = \"local\"\n", "");
+        assert!(
+            Scenario::parse(&bad)
+                .unwrap_err()
+                .contains("needs provider")
+        );
+        let bad = OUTAGE.replace("duration = \"10s\"", "duration = \"ten\"");
+        assert!(Scenario::parse(&bad).unwrap_err().contains("load.duration"));
+        let bad = OUTAGE.replace("rate = 10", "rate = 10\nrat = 1");
+        assert!(Scenario::parse(&bad).unwrap_err().contains("rat"));
+    }
+
+    #[test]
+    fn the_shipped_scenarios_parse() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/scenarios");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap();
+            let s = Scenario::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(!s.expect.is_empty(), "{} expects nothing", path.display());
+            n += 1;
+        }
+        assert!(n >= 11, "one scenario per row of the failure model");
+    }
+
+    #[test]
+    fn expectations_are_measured_in_their_window() {
+        let s = Scenario::parse(OUTAGE).unwrap();
+        let mut samples = vec![sample(0, 150, 200, "primary", &[])];
+        samples.push(sample(2_000, 30, 502, "", &["PROVIDER_ERROR"]));
+        samples.push(sample(2_100, 40, 200, "local", &["FALLBACK_USED"]));
+        samples.push(sample(3_000, 40, 200, "local", &["FALLBACK_USED"]));
+        samples.push(sample(7_000, 150, 200, "primary", &[]));
+        let run = Run {
+            samples: &samples,
+            faults: vec![("kill-provider".into(), 2_000, 6_000)],
+            cluster_reasons: BTreeMap::new(),
+        };
+        let v = run.evaluate(&s.expect);
+        assert_eq!(v[0].measured, 0.8);
+        assert!(!v[0].ok, "one failure in five is below 0.99");
+        assert_eq!(v[0].expectation, "success_rate >= 0.99");
+        assert_eq!(v[1].measured, 1.0, "answered requests during the outage");
+        assert!(v[1].ok && v[2].ok);
+        assert_eq!(
+            v[1].expectation,
+            "provider_share(local) during chaos >= 0.9"
+        );
+        let r = run.recoveries();
+        assert_eq!((r[0].recovery_ms, r[0].failed), (30, 1));
+    }
+}
