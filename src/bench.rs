@@ -99,6 +99,9 @@ pub struct Report {
     pub phases: BTreeMap<String, usize>,
     pub providers: BTreeMap<String, usize>,
     pub reason_codes: BTreeMap<String, usize>,
+    /// Mesh error codes of failed agent calls (e.g. agent_died, not_found).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub errors: BTreeMap<String, usize>,
 }
 
 #[derive(Serialize, Debug, Default)]
@@ -292,6 +295,7 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
     let mut phases = BTreeMap::new();
     let mut providers = BTreeMap::new();
     let mut reasons = BTreeMap::new();
+    let mut errors = BTreeMap::new();
     let mut succeeded = 0;
     for s in samples {
         let _ = hist.record(s.latency_us.max(1));
@@ -302,6 +306,9 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
         }
         for r in &s.reasons {
             *reasons.entry(r.clone()).or_insert(0) += 1;
+        }
+        if let Some(e) = &s.error {
+            *errors.entry(e.clone()).or_insert(0) += 1;
         }
         if s.status == 200 {
             succeeded += 1;
@@ -340,6 +347,7 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
         phases,
         providers,
         reason_codes: reasons,
+        errors,
         plan,
     }
 }

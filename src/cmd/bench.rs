@@ -223,5 +223,8 @@ fn table(r: &Report) -> String {
     for (k, v) in &r.reason_codes {
         t.add_row(vec![format!("  {k}"), v.to_string()]);
     }
+    for (k, v) in &r.errors {
+        t.add_row(vec![format!("error {k}"), pct(*v)]);
+    }
     t.to_string()
 }

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod bench_scenario;
 pub mod chaos;
 pub mod decide;
+pub mod demo;
 pub mod listen;
 pub mod mesh;
 pub mod node;

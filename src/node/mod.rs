@@ -528,7 +528,7 @@ impl Node {
                     "fallback": p.fallback,
                     "consensus": c.view(&p.id, now),
                     "local": local,
-                    "breaker": e.state.breakers.get(&*p.id).copied().unwrap_or_default(),
+                    "breaker": breaker_now(e.state.breakers.get(&*p.id).copied(), now),
                 })
             })
             .collect();
@@ -545,6 +545,17 @@ impl Node {
             "bus": self.bus,
         })
     }
+}
+
+/// A breaker as a request arriving at `now_ms` would find it: an open one past its time is
+/// half-open, even if no request has touched it since.
+fn breaker_now(
+    b: Option<crate::core::breaker::Breaker>,
+    now_ms: u64,
+) -> crate::core::breaker::Breaker {
+    let mut b = b.unwrap_or_default();
+    b.tick(now_ms);
+    b
 }
 
 /// Run a node until SIGINT/SIGTERM: tasks, HTTP on `listener`, NATS service.

@@ -102,3 +102,32 @@ fn broken_scenario_files_and_a_missing_mesh_are_refused_clearly() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("oam mesh up"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_demo_plays_a_scenario_and_leaves_nothing_running() {
+    let out = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .timeout(std::time::Duration::from_secs(120))
+        .args(["demo", "--only", "provider-outage"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("✓ provider-outage"), "{stdout}");
+    assert!(
+        stdout.contains("FALLBACK_USED"),
+        "the summary shows reason codes: {stdout}"
+    );
+    assert!(stdout.contains("1 of 1 scenarios hold"), "{stdout}");
+    // Its mesh is gone: no process of ours still names a demo folder.
+    let leftover = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains("oam-demo-") && !c.contains("demo --only"))
+        .count();
+    assert_eq!(leftover, 0, "the demo's mesh is down");
+}

@@ -1,0 +1,275 @@
+//! `oam demo`: the whole story in one command. It brings up a private local mesh, plays the
+//! headline scenarios one after another (each with live progress and a one-line verdict),
+//! prints the summary with reason codes, and takes the mesh down again, on every exit path.
+
+use super::bench_scenario::{self, Outcome};
+use crate::error::{Error, Kind, Result};
+use crate::scenario::Scenario;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The scenarios it plays, in order (their files ship in `scenarios/`).
+const HEADLINE: &[(&str, &str)] = &[
+    ("baseline", include_str!("../../scenarios/baseline.toml")),
+    (
+        "provider-outage",
+        include_str!("../../scenarios/provider-outage.toml"),
+    ),
+    (
+        "broken-contract",
+        include_str!("../../scenarios/broken-contract.toml"),
+    ),
+    (
+        "node-death",
+        include_str!("../../scenarios/node-death.toml"),
+    ),
+    (
+        "agent-death",
+        include_str!("../../scenarios/agent-death.toml"),
+    ),
+    (
+        "agent-loop",
+        include_str!("../../scenarios/agent-loop.toml"),
+    ),
+    (
+        "traffic-spike",
+        include_str!("../../scenarios/traffic-spike.toml"),
+    ),
+    (
+        "budget-exhausted",
+        include_str!("../../scenarios/budget-exhausted.toml"),
+    ),
+];
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Play the full-length scenarios instead of the short forms (about 2.5 minutes more).
+    #[arg(long)]
+    pub full: bool,
+    /// Only these scenarios (repeatable), e.g. --only provider-outage.
+    #[arg(long)]
+    pub only: Vec<String>,
+    /// Write every scenario's full result as one JSON document to FILE.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// The demo's mesh: `oam mesh down` and its folder removed when dropped, however the demo ends.
+struct Mesh(PathBuf);
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        if let Ok(exe) = std::env::current_exe() {
+            let _ = std::process::Command::new(exe)
+                .args(["mesh", "down", "--grace-ms", "2000", "--dir"])
+                .arg(&self.0)
+                .stdout(std::process::Stdio::null())
+                .status();
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn up() -> Result<Mesh> {
+    let dir = std::env::temp_dir().join(format!(
+        "oam-demo-{}",
+        crate::natsd::random_hex(4).map_err(|e| Error::new(Kind::Check, e))?
+    ));
+    let mesh = Mesh(dir);
+    let exe = std::env::current_exe().map_err(|e| Error::new(Kind::Check, e))?;
+    let out = std::process::Command::new(exe)
+        .args([
+            "mesh",
+            "up",
+            "--port",
+            "0",
+            "--sim-port",
+            "0",
+            "--http-port",
+            "0",
+            "--dir",
+        ])
+        .arg(&mesh.0)
+        .output()
+        .map_err(|e| Error::new(Kind::Check, e))?;
+    if !out.status.success() {
+        return Err(Error::new(
+            Kind::Check,
+            anyhow::anyhow!(
+                "oam mesh up failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ));
+    }
+    Ok(mesh)
+}
+
+/// The reason codes worth showing (the routine ones left out), most frequent first.
+fn notable(o: &Outcome) -> String {
+    let mut codes: Vec<(&String, &usize)> = o
+        .summary
+        .reason_codes
+        .iter()
+        .filter(|(c, _)| !["ROUTING_SELECTED", "ACCEPTED"].contains(&c.as_str()))
+        .collect();
+    codes.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    let mut shown: Vec<String> = codes
+        .iter()
+        .take(3)
+        .map(|(c, n)| format!("{c} {n}"))
+        .collect();
+    shown.extend(o.summary.errors.iter().map(|(e, n)| format!("{e} {n}")));
+    for (c, n) in o.cluster_reasons.iter().filter(|(c, _)| {
+        [
+            "AGENT_LOOP_DETECTED",
+            "ESCALATED_AGENT_LOOP",
+            "BULKHEAD_SHED",
+        ]
+        .contains(&c.as_str())
+    }) {
+        shown.push(format!("{c} {n} (cluster)"));
+    }
+    if shown.is_empty() {
+        "-".into()
+    } else {
+        shown.join(", ")
+    }
+}
+
+fn verdict_line(o: &Outcome) -> String {
+    let s = &o.summary;
+    let mut line = format!(
+        "{} {}: {} requests, {:.1}% ok, p95 {:.0} ms; {}/{} expectations hold",
+        if o.passed { "✓" } else { "✗" },
+        o.scenario,
+        s.sent,
+        s.success_rate * 100.0,
+        s.latency_ms.p95,
+        o.verdicts.iter().filter(|v| v.ok).count(),
+        o.verdicts.len()
+    );
+    for r in &o.recoveries {
+        line.push_str(&format!(
+            "; {}: requests stop failing {} ms after injection ({} failed)",
+            r.fault, r.recovery_ms, r.failed
+        ));
+    }
+    line
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    let chosen: Vec<(&str, &str)> = HEADLINE
+        .iter()
+        .copied()
+        .filter(|(name, _)| a.only.is_empty() || a.only.iter().any(|o| o == name))
+        .collect();
+    if chosen.is_empty() {
+        let names: Vec<&str> = HEADLINE.iter().map(|(n, _)| *n).collect();
+        return Err(Error::usage(format!(
+            "--only names no scenario; the demo plays {}",
+            names.join(", ")
+        )));
+    }
+    let started = Instant::now();
+    let mut out = std::io::stdout();
+    writeln!(
+        out,
+        "oam demo: a local mesh (nats-server, the provider simulator, three nodes, the liveness monitor, the chaos warden)"
+    )?;
+    let mesh = up()?;
+    writeln!(
+        out,
+        "mesh up in {:.1} s; playing {} scenarios\n",
+        started.elapsed().as_secs_f64(),
+        chosen.len()
+    )?;
+    let play = async {
+        let mut outcomes = Vec::new();
+        for (name, text) in &chosen {
+            let s = Scenario::parse(text).map_err(|e| {
+                Error::new(
+                    Kind::Check,
+                    anyhow::anyhow!("built-in scenario {name}: {e}"),
+                )
+            })?;
+            let s = if a.full { s } else { s.shortened() };
+            writeln!(std::io::stdout(), "▶ {}: {}", s.name, s.description)?;
+            let bar = super::bench::progress_bar(1, &s.name);
+            let tick = bar.clone();
+            let o = bench_scenario::run(&mesh.0, &s, !a.full, 42, move |done, total| {
+                tick.set_length(total);
+                tick.set_position(done);
+            })
+            .await;
+            bar.finish_and_clear();
+            let o = o?;
+            writeln!(std::io::stdout(), "{}", verdict_line(&o))?;
+            for v in o.verdicts.iter().filter(|v| !v.ok) {
+                writeln!(
+                    std::io::stdout(),
+                    "    FAILED {} (measured {})",
+                    v.expectation,
+                    v.measured
+                )?;
+            }
+            outcomes.push(o);
+        }
+        Ok::<_, Error>(outcomes)
+    };
+    let outcomes = tokio::select! {
+        r = play => r?,
+        _ = crate::signal::terminated() => {
+            return Err(Error::new(Kind::Interrupted, anyhow::anyhow!("interrupted; the demo's mesh is being taken down")));
+        }
+    };
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "scenario",
+        "requests",
+        "ok",
+        "p95",
+        "reason codes",
+        "verdict",
+    ]);
+    for o in &outcomes {
+        t.add_row(vec![
+            o.scenario.clone(),
+            o.summary.sent.to_string(),
+            format!("{:.1}%", o.summary.success_rate * 100.0),
+            format!("{:.0} ms", o.summary.latency_ms.p95),
+            notable(o),
+            if o.passed { "holds" } else { "FAILED" }.to_string(),
+        ]);
+    }
+    writeln!(out, "\n{t}")?;
+    if let Some(path) = &a.json {
+        let text =
+            serde_json::to_string_pretty(&outcomes).map_err(|e| Error::new(Kind::Check, e))?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+    }
+    drop(mesh);
+    let failed: Vec<&str> = outcomes
+        .iter()
+        .filter(|o| !o.passed)
+        .map(|o| o.scenario.as_str())
+        .collect();
+    writeln!(
+        out,
+        "mesh down; nothing left running. {} of {} scenarios hold, in {:.0} s.",
+        outcomes.len() - failed.len(),
+        outcomes.len(),
+        started.elapsed().as_secs_f64()
+    )?;
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::new(
+            Kind::Check,
+            anyhow::anyhow!("these scenarios failed: {}", failed.join(", ")),
+        ))
+    }
+}
