@@ -61,6 +61,8 @@ pub enum Target {
     /// The nodes' HTTP data plane (`plan.urls`), round-robin; a node that refuses the connection
     /// is skipped for the next one, as a load balancer would.
     Http(reqwest::Client),
+    /// The nodes' NATS data plane (`oam.v1.request`, a queue group across nodes).
+    Nats(async_nats::Client),
     /// Mesh calls to an agent, with fail-fast semantics.
     Agent {
         caller: Arc<crate::mesh::client::Caller>,
@@ -197,6 +199,32 @@ async fn one_http(
     s
 }
 
+/// Request `i` on the NATS data plane; the reply carries the status and the `oam` object.
+async fn one_nats(nats: &async_nats::Client, body: &Value, timeout: Duration) -> Sample {
+    let started = Instant::now();
+    let mut s = empty_sample();
+    let payload = serde_json::to_vec(body).unwrap_or_default();
+    let request = nats.request(crate::transport::subjects::REQUEST, payload.into());
+    if let Ok(Ok(reply)) = tokio::time::timeout(timeout, request).await
+        && let Ok(v) = serde_json::from_slice::<Value>(&reply.payload)
+    {
+        let oam = &v["oam"];
+        s.status = v["status"].as_u64().unwrap_or(0) as u16;
+        s.phase = oam["phase"].as_str().unwrap_or("").to_string();
+        s.provider = oam["provider"].as_str().unwrap_or("").to_string();
+        s.reasons = oam["reason_codes"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|r| r.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+    }
+    s.latency_us = started.elapsed().as_micros() as u64;
+    s
+}
+
 /// Call `i` to an agent on the mesh: success, or the mesh error's code.
 async fn one_agent(
     caller: &crate::mesh::client::Caller,
@@ -272,6 +300,7 @@ pub async fn run_samples(
                     Target::Http(http) => {
                         one_http(http, &plan.urls, i, &body(&plan, i), timeout).await
                     }
+                    Target::Nats(nats) => one_nats(nats, &body(&plan, i), timeout).await,
                     Target::Agent { caller, agent } => one_agent(caller, agent, i, timeout).await,
                 };
                 s.started_us = began.as_micros() as u64;

@@ -54,6 +54,10 @@ pub struct Load {
     /// Requests per second.
     pub rate: f64,
     pub duration: String,
+    /// The load starts this long after the scenario (and its chaos clock) starts, e.g. to
+    /// measure requests sent into an outage the cluster already knows about.
+    #[serde(default)]
+    pub after: Option<String>,
     #[serde(default = "default_concurrency")]
     pub concurrency: usize,
     /// Where requests go: `http` (the nodes' data plane) or `agent` (mesh calls to `agent`).
@@ -229,6 +233,9 @@ impl Scenario {
 
     fn check(&self) -> Result<(), String> {
         parse_duration(&self.load.duration).map_err(|e| format!("load.duration: {e}"))?;
+        if let Some(after) = &self.load.after {
+            parse_duration(after).map_err(|e| format!("load.after: {e}"))?;
+        }
         if !(self.load.rate.is_finite() && self.load.rate > 0.0) {
             return Err("load.rate must be a positive number of requests per second".into());
         }
@@ -296,6 +303,7 @@ impl Scenario {
         };
         let mut s = self.clone();
         s.load.duration = scale(&s.load.duration);
+        s.load.after = s.load.after.as_deref().map(scale);
         for c in &mut s.chaos {
             c.at = scale(&c.at);
             c.for_ = scale(&c.for_);
@@ -305,6 +313,15 @@ impl Scenario {
 
     pub fn duration(&self) -> Duration {
         parse_duration(&self.load.duration).unwrap_or_default()
+    }
+
+    /// How long after the scenario's start the load begins.
+    pub fn load_after(&self) -> Duration {
+        self.load
+            .after
+            .as_deref()
+            .and_then(|a| parse_duration(a).ok())
+            .unwrap_or_default()
     }
 }
 

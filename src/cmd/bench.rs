@@ -39,6 +39,17 @@ pub struct Args {
     /// critical, normal or background.
     #[arg(long, default_value = "normal")]
     pub priority: String,
+    /// A request kind in the mix, repeatable, chosen per request by weight, e.g.
+    /// `--mix risk=high,priority=critical,agent=support-bot,weight=1 --mix weight=9`
+    /// (keys: risk, priority, agent, task, weight; unset keys take the flags above).
+    #[arg(long = "mix")]
+    pub mix: Vec<String>,
+    /// Send the requests on the NATS data plane (`oam.v1.request`) instead of HTTP.
+    #[arg(long)]
+    pub nats: bool,
+    /// NATS URL for --nats. Default: $OAM_NATS_URL, then the local mesh in --dir.
+    #[arg(long, requires = "nats")]
+    pub nats_url: Option<String>,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Per-request timeout in milliseconds.
@@ -54,6 +65,45 @@ pub struct Args {
     /// The scenario's short form (every time scaled down; what CI runs).
     #[arg(long, requires = "scenario")]
     pub short: bool,
+}
+
+/// One `--mix` value: `key=value` pairs separated by commas.
+fn parse_mix(spec: &str, a: &Args) -> Result<crate::scenario::Mix> {
+    let mut m = crate::scenario::Mix {
+        weight: 1,
+        risk: a.risk.clone(),
+        priority: a.priority.clone(),
+        agent: a.agent.clone(),
+        task: a.task.clone(),
+    };
+    for pair in spec.split(',').filter(|p| !p.trim().is_empty()) {
+        let (k, v) = pair.split_once('=').ok_or_else(|| {
+            Error::usage(format!(
+                "--mix {spec:?}: use key=value pairs, e.g. risk=high,weight=2"
+            ))
+        })?;
+        let v = v.trim().to_string();
+        match k.trim() {
+            "risk" if ["low", "medium", "high"].contains(&v.as_str()) => m.risk = v,
+            "priority" if ["critical", "normal", "background"].contains(&v.as_str()) => {
+                m.priority = v
+            }
+            "agent" => m.agent = v,
+            "task" => m.task = v,
+            "weight" => {
+                m.weight = v.parse().map_err(|_| {
+                    Error::usage(format!("--mix {spec:?}: weight must be a whole number"))
+                })?
+            }
+            k => {
+                return Err(Error::usage(format!(
+                    "--mix {spec:?}: {k}={v} is not valid; keys are risk (low|medium|high), \
+                     priority (critical|normal|background), agent, task, weight"
+                )));
+            }
+        }
+    }
+    Ok(m)
 }
 
 pub async fn run(a: Args) -> Result<()> {
@@ -79,6 +129,11 @@ pub async fn run(a: Args) -> Result<()> {
     if a.rate.is_some_and(|r| !positive(r)) || a.duration.is_some_and(|d| !positive(d)) {
         return Err(Error::usage("--rate and --duration must be positive"));
     }
+    let mix = a
+        .mix
+        .iter()
+        .map(|spec| parse_mix(spec, &a))
+        .collect::<Result<Vec<_>>>()?;
     let urls = if a.urls.is_empty() {
         let rec = Record::load(&a.dir)
             .map_err(|e| Error::new(Kind::Usage, e))?
@@ -102,18 +157,30 @@ pub async fn run(a: Args) -> Result<()> {
         concurrency: a.concurrency,
         rate_per_s: a.rate,
         max_duration_ms: a.duration.map(|d| (d * 1_000.0) as u64),
-        agent: a.agent,
-        task: a.task,
-        risk: a.risk,
-        priority: a.priority,
+        agent: a.agent.clone(),
+        task: a.task.clone(),
+        risk: a.risk.clone(),
+        priority: a.priority.clone(),
         seed: a.seed,
         timeout_ms: a.timeout_ms,
-        mix: Vec::new(),
+        mix,
     };
     let http = crate::node::connector::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
-    let report = bench::run(plan, bench::Target::Http(http), move || tick.inc(1)).await;
+    let target = if a.nats {
+        let url = a.nats_url.clone().unwrap_or_else(|| {
+            std::fs::read_to_string(a.dir.join(crate::localmesh::CREDENTIALS))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v["app_url"].as_str().map(String::from))
+                .unwrap_or_else(|| crate::transport::connect::resolve_url(None))
+        });
+        bench::Target::Nats(super::nats(&url, "oam-bench", false).await?)
+    } else {
+        bench::Target::Http(http)
+    };
+    let report = bench::run(plan, target, move || tick.inc(1)).await;
     bar.finish_and_clear();
     let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
     if let Some(path) = a.json.as_deref().filter(|_| !to_stdout) {

@@ -286,11 +286,17 @@ pub async fn run(
     let total = requests as u64;
     let counter = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let c = counter.clone();
-    let (samples, elapsed, plan) = bench::run_samples(plan, target, move || {
+    // Sample times are on the scenario's clock, like the chaos timeline.
+    let after = s.load_after();
+    tokio::time::sleep(after).await;
+    let (mut samples, elapsed, plan) = bench::run_samples(plan, target, move || {
         let n = c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         progress(n, total);
     })
     .await;
+    for sample in &mut samples {
+        sample.started_us += after.as_micros() as u64;
+    }
     let (injected, errors) = timeline.await.map_err(|e| {
         Error::new(
             Kind::Check,

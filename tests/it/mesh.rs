@@ -81,6 +81,40 @@ async fn up_status_request_down() {
         "the simulated latency is in it"
     );
 
+    // The same on the NATS data plane, with a request mix.
+    let bench = oam()
+        .args(["bench", "-n", "30", "-c", "6", "--nats", "--json", "-"])
+        .args([
+            "--mix",
+            "risk=high,priority=critical,agent=vip",
+            "--mix",
+            "weight=2",
+        ])
+        .arg("--dir")
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        bench.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let report = json(&bench.stdout);
+    assert_eq!(report["sent"], 30);
+    assert_eq!(report["success_rate"], 1.0, "{report}");
+    assert_eq!(report["plan"]["mix"].as_array().unwrap().len(), 2);
+    assert!(
+        report["reason_codes"]["ACCEPTED"].as_u64() == Some(30),
+        "{report}"
+    );
+    let bad = oam()
+        .args(["bench", "-n", "1", "--mix", "risk=extreme", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("risk (low|medium|high)"));
+
     openai_python_client_works_unchanged(url);
 
     let down = oam()

@@ -42,6 +42,7 @@ macro_rules! scenarios {
 scenarios! {
     baseline => "baseline",
     provider_outage => "provider-outage",
+    outage_fallback => "outage-fallback",
     broken_contract => "broken-contract",
     latency_spike => "latency-spike",
     node_death => "node-death",
