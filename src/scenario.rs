@@ -347,6 +347,10 @@ pub struct Recovery {
     pub injected_at_ms: u64,
     pub recovery_ms: u64,
     pub failed: usize,
+    /// From injection until requests stop paying a retry (they go straight to where they are
+    /// served): the reroute time; and how many paid one meanwhile.
+    pub reroute_ms: u64,
+    pub retried: usize,
 }
 
 /// Everything the evaluation needs besides the samples.
@@ -397,11 +401,22 @@ impl Run<'_> {
                     .iter()
                     .map(|s| (s.started_us + s.latency_us) / 1_000)
                     .max();
+                let retried: Vec<u64> = self
+                    .samples
+                    .iter()
+                    .filter(|s| {
+                        let t = s.started_us / 1_000;
+                        t >= *at && t < *until && s.reasons.iter().any(|r| r == "RETRY_SCHEDULED")
+                    })
+                    .map(|s| s.started_us / 1_000)
+                    .collect();
                 Recovery {
                     fault: fault.clone(),
                     injected_at_ms: *at,
                     recovery_ms: last_end.map_or(0, |e| e.saturating_sub(*at)),
                     failed: fails.len(),
+                    reroute_ms: retried.iter().max().map_or(0, |t| t.saturating_sub(*at)),
+                    retried: retried.len(),
                 }
             })
             .collect()
@@ -604,7 +619,13 @@ min = 1
         let s = Scenario::parse(OUTAGE).unwrap();
         let mut samples = vec![sample(0, 150, 200, "primary", &[])];
         samples.push(sample(2_000, 30, 502, "", &["PROVIDER_ERROR"]));
-        samples.push(sample(2_100, 40, 200, "local", &["FALLBACK_USED"]));
+        samples.push(sample(
+            2_100,
+            40,
+            200,
+            "local",
+            &["RETRY_SCHEDULED", "FALLBACK_USED"],
+        ));
         samples.push(sample(3_000, 40, 200, "local", &["FALLBACK_USED"]));
         samples.push(sample(7_000, 150, 200, "primary", &[]));
         let run = Run {
@@ -624,5 +645,6 @@ min = 1
         );
         let r = run.recoveries();
         assert_eq!((r[0].recovery_ms, r[0].failed), (30, 1));
+        assert_eq!((r[0].reroute_ms, r[0].retried), (100, 1));
     }
 }

@@ -375,7 +375,10 @@ pub fn table(o: &Outcome) -> String {
         t.add_row(vec![
             String::new(),
             format!("{}: from injection until requests stop failing", r.fault),
-            format!("{} ms, {} failed", r.recovery_ms, r.failed),
+            format!(
+                "{} ms, {} failed; rerouted after {} ms ({} retried)",
+                r.recovery_ms, r.failed, r.reroute_ms, r.retried
+            ),
         ]);
     }
     t.to_string()

@@ -152,8 +152,8 @@ fn verdict_line(o: &Outcome) -> String {
     );
     for r in &o.recoveries {
         line.push_str(&format!(
-            "; {}: requests stop failing {} ms after injection ({} failed)",
-            r.fault, r.recovery_ms, r.failed
+            "; {}: requests stop failing {} ms after injection ({} failed), rerouted after {} ms",
+            r.fault, r.recovery_ms, r.failed, r.reroute_ms
         ));
     }
     line
