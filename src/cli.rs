@@ -37,6 +37,9 @@ pub enum Command {
     /// The whole story in one command: a local mesh, the headline failure scenarios with
     /// verdicts, a summary, and everything stopped again.
     Demo(cmd::demo::Args),
+    /// A live terminal view of the whole mesh: quorum, breakers, bulkheads, agents and the
+    /// reason-code stream, with chaos at a key.
+    Watch(cmd::watch::Args),
 }
 
 impl Cli {
@@ -86,5 +89,6 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Listen(args) => cmd::listen::run(args).await,
         Command::Chaos(args) => cmd::chaos::run(args).await,
         Command::Demo(args) => cmd::demo::run(args).await,
+        Command::Watch(args) => cmd::watch::run(args).await,
     }
 }

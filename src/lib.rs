@@ -17,3 +17,4 @@ pub mod scenario;
 pub mod signal;
 pub mod sim;
 pub mod transport;
+pub mod watch;

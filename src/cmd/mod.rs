@@ -12,6 +12,7 @@ pub mod mesh;
 pub mod node;
 pub mod reasons;
 pub mod sim;
+pub mod watch;
 
 use crate::error::{Error, Kind, Result};
 use crate::transport::connect;

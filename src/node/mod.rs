@@ -320,6 +320,8 @@ impl Node {
                     http,
                 },
             );
+            // What this node sees, for `oam watch` and anyone else listening.
+            self.publish(subjects::state(&self.id), self.snapshot());
         }
     }
 
@@ -541,6 +543,7 @@ impl Node {
             "nodes": nodes,
             "providers": providers,
             "bulkheads": e.state.bulkheads,
+            "bulkhead_limits": e.config.bulkheads,
             "budgets": e.state.budgets,
             "bus": self.bus,
         })

@@ -26,6 +26,14 @@ pub fn decision(node: &str) -> String {
 }
 pub const DECISIONS: &str = "oam.v1.decision.*";
 
+/// A node's state snapshot (what `GET /v1/oam/state` returns), every heartbeat.
+pub fn state(node: &str) -> String {
+    format!("{PREFIX}.state.{node}")
+}
+pub const STATES: &str = "oam.v1.state.*";
+pub const INCIDENTS: &str = "oam.v1.incident.*";
+pub const ESCALATIONS: &str = "oam.v1.escalation.*";
+
 pub fn incident(node: &str) -> String {
     format!("{PREFIX}.incident.{node}")
 }

@@ -8,3 +8,4 @@ mod mesh;
 mod scenarios;
 mod sim;
 mod support;
+mod watch;

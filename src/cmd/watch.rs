@@ -1,0 +1,290 @@
+//! `oam watch`: the terminal and the bus around the pure model in `crate::watch`. Bus events reach
+//! the model over a bounded channel (what does not fit is counted and shown); keys come from a
+//! reader thread; a frame is drawn at a fixed rate. The terminal is restored on every exit path,
+//! panics included.
+
+use crate::chaos::{self, Fault, Inject, Params, Restore};
+use crate::core::wire::Envelope;
+use crate::error::{Error, Kind, Result};
+use crate::transport::{connect, subjects};
+use crate::watch::render::{self, CHAOS_MENU};
+use crate::watch::state::{App, Event};
+use futures_util::StreamExt;
+use ratatui::crossterm::event::{self as term, KeyCode, KeyEventKind, KeyModifiers};
+use serde_json::Value;
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Bus events waiting for the model; more are dropped and counted.
+pub const CHANNEL: usize = 10_000;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
+    /// .oam/, then nats://127.0.0.1:4222.
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    /// Frames per second.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=60))]
+    pub fps: u32,
+}
+
+/// Puts the terminal back however `run` ends.
+struct TerminalGuard;
+
+impl Drop for TerminalGuard {
+    fn drop(&mut self) {
+        ratatui::restore();
+    }
+}
+
+fn body(payload: &[u8]) -> Option<(String, Value)> {
+    let env: Envelope<Value> = serde_json::from_slice(payload).ok()?;
+    Some((env.sender, env.body))
+}
+
+/// Everything from the bus, as model events, into `tx` (never waiting on a full channel).
+async fn feed(
+    nats: async_nats::Client,
+    tx: tokio::sync::mpsc::Sender<Event>,
+    dropped: Arc<AtomicU64>,
+) {
+    let send = |ev: Event| {
+        if tx.try_send(ev).is_err() {
+            dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    };
+    let subs = async {
+        Ok::<_, async_nats::SubscribeError>((
+            nats.subscribe(subjects::STATES).await?,
+            nats.subscribe(subjects::DECISIONS).await?,
+            nats.subscribe(subjects::ESCALATIONS).await?,
+            nats.subscribe(subjects::INCIDENTS).await?,
+            nats.subscribe(subjects::DEATHS).await?,
+            nats.subscribe(subjects::HEALTH).await?,
+            nats.subscribe(subjects::CHAOS_EVENT).await?,
+        ))
+    };
+    let Ok((
+        mut states,
+        mut decisions,
+        mut escalations,
+        mut incidents,
+        mut deaths,
+        mut beats,
+        mut chaos_events,
+    )) = subs.await
+    else {
+        send(Event::Connection(false));
+        return;
+    };
+    let refresh_chaos = {
+        let nats = nats.clone();
+        let tx = tx.clone();
+        move || {
+            let nats = nats.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                if let Ok(active) = chaos::ask(&nats, subjects::CHAOS_LIST, b"{}".to_vec()).await {
+                    let _ = tx.try_send(Event::Chaos(active));
+                }
+            });
+        }
+    };
+    refresh_chaos();
+    let mut slow = tokio::time::interval(Duration::from_secs(2));
+    let mut connected = None;
+    loop {
+        tokio::select! {
+            Some(m) = states.next() => if let Some((node, state)) = body(&m.payload) {
+                send(Event::NodeState { node, state });
+            },
+            Some(m) = decisions.next() => if let Some((node, decision)) = body(&m.payload) {
+                send(Event::Decision { node, decision });
+            },
+            Some(m) = escalations.next() => if let Some((node, escalation)) = body(&m.payload) {
+                send(Event::Escalation { node, escalation });
+            },
+            Some(m) = incidents.next() => if let Some((node, incident)) = body(&m.payload) {
+                send(Event::Incident { node, incident });
+            },
+            Some(m) = deaths.next() => if let Ok(v) = serde_json::from_slice(&m.payload) {
+                send(Event::Death(v));
+            },
+            Some(m) = beats.next() => if let Ok(v) = serde_json::from_slice(&m.payload) {
+                send(Event::AgentBeat(v));
+            },
+            Some(_) = chaos_events.next() => refresh_chaos(),
+            _ = slow.tick() => {
+                let up = nats.connection_state() == async_nats::connection::State::Connected;
+                if connected != Some(up) {
+                    connected = Some(up);
+                    send(Event::Connection(up));
+                    if up {
+                        refresh_chaos();
+                    }
+                }
+                if up && let Ok(catalog) = crate::mesh::store::catalog(&nats).await {
+                    send(Event::Catalog(catalog.into_iter().map(|c| c.name).collect()));
+                }
+            }
+            else => return,
+        }
+    }
+}
+
+/// Keys from the terminal, on a thread of their own (crossterm reads block).
+fn keys(stop: Arc<AtomicBool>) -> tokio::sync::mpsc::Receiver<term::KeyEvent> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            if term::poll(Duration::from_millis(100)).unwrap_or(false)
+                && let Ok(term::Event::Key(k)) = term::read()
+                && k.kind != KeyEventKind::Release
+                && tx.blocking_send(k).is_err()
+            {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// What a key does; `true` means quit.
+fn on_key(app: &mut App, k: term::KeyEvent, chaos_tx: &tokio::sync::mpsc::Sender<usize>) -> bool {
+    if k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL) {
+        return true;
+    }
+    if app.editing_filter {
+        match k.code {
+            KeyCode::Enter => app.editing_filter = false,
+            KeyCode::Esc => {
+                app.editing_filter = false;
+                app.filter.clear();
+            }
+            KeyCode::Backspace => {
+                app.filter.pop();
+            }
+            KeyCode::Char(c) => app.filter.push(c),
+            _ => {}
+        }
+        app.scroll = 0;
+        return false;
+    }
+    if let Some(sel) = app.chaos_menu {
+        match k.code {
+            KeyCode::Esc | KeyCode::Char('c') => app.chaos_menu = None,
+            KeyCode::Up => app.chaos_menu = Some(sel.saturating_sub(1)),
+            KeyCode::Down => app.chaos_menu = Some((sel + 1).min(CHAOS_MENU.len() - 1)),
+            KeyCode::Enter => {
+                app.chaos_menu = None;
+                app.status = format!("chaos: {}…", CHAOS_MENU[sel].0);
+                let _ = chaos_tx.try_send(sel);
+            }
+            _ => {}
+        }
+        return false;
+    }
+    match k.code {
+        KeyCode::Char('q') => return true,
+        KeyCode::Esc => app.help = false,
+        KeyCode::Char('?') => app.help = !app.help,
+        KeyCode::Char('p') => app.paused = !app.paused,
+        KeyCode::Char('/') => {
+            app.editing_filter = true;
+            app.filter.clear();
+        }
+        KeyCode::Char('c') => app.chaos_menu = Some(0),
+        KeyCode::Tab => app.focus = app.focus.next(),
+        KeyCode::Up => app.scroll = (app.scroll + 1).min(app.stream.len()),
+        KeyCode::Down => app.scroll = app.scroll.saturating_sub(1),
+        KeyCode::PageUp => app.scroll = (app.scroll + 10).min(app.stream.len()),
+        KeyCode::PageDown => app.scroll = app.scroll.saturating_sub(10),
+        KeyCode::End => app.scroll = 0,
+        _ => {}
+    }
+    false
+}
+
+/// Inject (or restore) menu entry `sel`; the outcome in words.
+async fn chaos_action(nats: &async_nats::Client, sel: usize) -> String {
+    let (label, fault, target, secs) = CHAOS_MENU[sel];
+    let (subject, body) = if fault == "restore" {
+        (
+            subjects::CHAOS_RESTORE,
+            serde_json::to_vec(&Restore { what: None }),
+        )
+    } else {
+        let Ok(fault) = serde_json::from_value::<Fault>(Value::String(fault.into())) else {
+            return format!("unknown fault {fault}");
+        };
+        let req = Inject {
+            fault,
+            target: target.map(String::from),
+            for_ms: secs * 1_000,
+            params: Params::default(),
+        };
+        (subjects::CHAOS_INJECT, serde_json::to_vec(&req))
+    };
+    match chaos::ask(nats, subject, body.unwrap_or_default()).await {
+        Ok(done) => format!("chaos: {label}: {} fault(s)", done.len()),
+        Err(e) => format!("chaos: {label}: {e}"),
+    }
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    if !std::io::stdout().is_terminal() {
+        return Err(Error::usage(
+            "oam watch draws on a terminal and stdout is not one; for streams a program can \
+             read, use `oam listen 'oam.v1.decision.*' --json` (decisions) or \
+             `oam listen 'oam.v1.state.*' --json` (each node's view)",
+        ));
+    }
+    let url = connect::resolve_url(a.nats_url.clone());
+    let nats = super::nats(&url, "oam-watch", false).await?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(CHANNEL);
+    let dropped = Arc::new(AtomicU64::new(0));
+    let feeder = tokio::spawn(feed(nats.clone(), tx, dropped.clone()));
+    let (chaos_tx, mut chaos_rx) = tokio::sync::mpsc::channel::<usize>(4);
+    let (status_tx, mut status_rx) = tokio::sync::mpsc::channel::<String>(4);
+    {
+        let nats = nats.clone();
+        tokio::spawn(async move {
+            while let Some(sel) = chaos_rx.recv().await {
+                let _ = status_tx.send(chaos_action(&nats, sel).await).await;
+            }
+        });
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut key_rx = keys(stop.clone());
+
+    let mut terminal = ratatui::init();
+    let _guard = TerminalGuard;
+    let mut app = App::default();
+    let mut frame = tokio::time::interval(Duration::from_millis(1_000 / u64::from(a.fps)));
+    frame.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let result = loop {
+        tokio::select! {
+            _ = frame.tick() => {
+                let now = crate::node::now_ms();
+                while let Ok(ev) = rx.try_recv() {
+                    app.apply(ev, now);
+                }
+                app.dropped = dropped.load(Ordering::Relaxed);
+                if let Err(e) = terminal.draw(|f| render::render(f, &app, now)) {
+                    break Err(Error::new(Kind::Check, e));
+                }
+            }
+            Some(k) = key_rx.recv() => if on_key(&mut app, k, &chaos_tx) {
+                break Ok(());
+            },
+            Some(s) = status_rx.recv() => app.status = s,
+            _ = crate::signal::terminated() => break Ok(()),
+        }
+    };
+    stop.store(true, Ordering::Relaxed);
+    feeder.abort();
+    result
+}

@@ -1,0 +1,908 @@
+//! Drawing `oam watch`: a pure function of the app state and the clock. Wide terminals get
+//! every panel side by side; down to 80x24 the same panels stack and shrink without garbling.
+
+use super::state::{App, Focus, LineKind, Verdict};
+use ratatui::Frame;
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{
+    Block, Cell, Clear, Gauge, List, ListItem, Paragraph, Row, Sparkline, Table, Wrap,
+};
+
+/// The chaos menu: (label, fault, target, seconds).
+pub const CHAOS_MENU: &[(&str, &str, Option<&str>, u64)] = &[
+    (
+        "kill provider primary (30 s)",
+        "kill-provider",
+        Some("primary"),
+        30,
+    ),
+    (
+        "break primary's contract (30 s)",
+        "break-contract",
+        Some("primary"),
+        30,
+    ),
+    (
+        "slow provider primary (30 s)",
+        "slow-provider",
+        Some("primary"),
+        30,
+    ),
+    ("kill node n2 (20 s)", "kill-node", Some("n2"), 20),
+    ("isolate node n3 (20 s)", "isolate-node", Some("n3"), 20),
+    ("traffic spike (10 s)", "traffic-spike", None, 10),
+    ("agent loop (10 s)", "agent-loop", None, 10),
+    ("restore everything", "restore", None, 0),
+];
+
+fn block(title: &str, focused: bool) -> Block<'_> {
+    let b = Block::bordered().title(Span::styled(
+        format!(" {title} "),
+        Style::default().add_modifier(Modifier::BOLD),
+    ));
+    if focused {
+        b.border_style(Style::default().fg(Color::Cyan))
+    } else {
+        b
+    }
+}
+
+fn verdict_style(v: &str) -> Style {
+    match v {
+        "HEALTHY" => Style::default().fg(Color::Green),
+        "DEGRADED" => Style::default().fg(Color::Yellow),
+        "UNHEALTHY" => Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+        _ => Style::default().fg(Color::DarkGray),
+    }
+}
+
+fn kind_style(k: LineKind) -> (Style, &'static str) {
+    match k {
+        LineKind::Accepted => (Style::default().fg(Color::Green), "ok  "),
+        LineKind::Fallback => (Style::default().fg(Color::Yellow), "fall"),
+        LineKind::Shed => (Style::default().fg(Color::Magenta), "shed"),
+        LineKind::Escalated => (
+            Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+            "esc ",
+        ),
+        LineKind::Refused => (Style::default().fg(Color::Red), "no  "),
+    }
+}
+
+pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
+    let area = f.area();
+    let compact = area.height < 34 || area.width < 110;
+    let [banner, top, middle, bottom, footer] = Layout::vertical([
+        Constraint::Length(4),
+        Constraint::Length(if compact { 6 } else { 8 }),
+        Constraint::Length(if compact { 6 } else { 8 }),
+        Constraint::Min(5),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+    render_banner(f, banner, app, now_ms);
+    let [nodes, providers] =
+        Layout::horizontal([Constraint::Percentage(32), Constraint::Percentage(68)]).areas(top);
+    render_nodes(f, nodes, app, now_ms);
+    render_providers(f, providers, app, now_ms);
+    let [bulkheads, attention, agents] = Layout::horizontal([
+        Constraint::Percentage(30),
+        Constraint::Percentage(35),
+        Constraint::Percentage(35),
+    ])
+    .areas(middle);
+    render_bulkheads(f, bulkheads, app, now_ms);
+    render_attention(f, attention, app, now_ms);
+    render_agents(f, agents, app, now_ms);
+    let [stream, sparks] = Layout::horizontal([
+        Constraint::Min(40),
+        Constraint::Length(if compact { 22 } else { 34 }),
+    ])
+    .areas(bottom);
+    render_stream(f, stream, app);
+    render_sparks(f, sparks, app, now_ms);
+    let keys = if app.editing_filter {
+        format!(" filter: {}▏  Enter apply · Esc cancel", app.filter)
+    } else {
+        format!(
+            " q quit · Tab panel · ↑↓ scroll · / filter{} · p {} · c chaos · ? help{}",
+            if app.filter.is_empty() {
+                String::new()
+            } else {
+                format!(" [{}]", app.filter)
+            },
+            if app.paused { "resume" } else { "pause" },
+            if app.status.is_empty() {
+                String::new()
+            } else {
+                format!("  │ {}", app.status)
+            }
+        )
+    };
+    f.render_widget(
+        Paragraph::new(keys).style(Style::default().fg(Color::DarkGray)),
+        footer,
+    );
+    if app.help {
+        render_help(f, area);
+    }
+    if let Some(sel) = app.chaos_menu {
+        render_chaos_menu(f, area, sel);
+    }
+}
+
+fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let (verdict, why) = app.banner(now_ms);
+    let (style, label) = match verdict {
+        Verdict::Nominal => (
+            Style::default().fg(Color::Black).bg(Color::Green),
+            " ALL NOMINAL ",
+        ),
+        Verdict::Degraded => (
+            Style::default().fg(Color::Black).bg(Color::Yellow),
+            " DEGRADED ",
+        ),
+        Verdict::Rerouting => (
+            Style::default().fg(Color::White).bg(Color::Red),
+            " REROUTING ",
+        ),
+        Verdict::NoQuorum => (
+            Style::default().fg(Color::White).bg(Color::Magenta),
+            " NO QUORUM ",
+        ),
+    };
+    let mut chaos: Vec<Span> = vec![Span::styled(
+        "chaos: ",
+        Style::default().fg(Color::DarkGray),
+    )];
+    if app.chaos.is_empty() {
+        chaos.push(Span::raw("none"));
+    }
+    for a in &app.chaos {
+        chaos.push(Span::styled(
+            format!(
+                "{} {} ({} s left)  ",
+                a.fault.name(),
+                a.target,
+                a.left_ms(now_ms).div_ceil(1_000)
+            ),
+            Style::default().fg(Color::Red),
+        ));
+    }
+    let bus = if app.connected {
+        Span::styled("NATS connected", Style::default().fg(Color::Green))
+    } else {
+        Span::styled(
+            "NATS DOWN, reconnecting",
+            Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+        )
+    };
+    let mut status = vec![bus, Span::raw(format!("  events {}", app.applied))];
+    if app.dropped > 0 {
+        status.push(Span::styled(
+            format!("  dropped {} (falling behind)", app.dropped),
+            Style::default().fg(Color::Yellow),
+        ));
+    }
+    let text = vec![
+        Line::from(vec![
+            Span::styled(label, style.add_modifier(Modifier::BOLD)),
+            Span::raw(" "),
+            Span::raw(why),
+        ]),
+        Line::from(chaos),
+        Line::from(status),
+    ];
+    f.render_widget(Paragraph::new(text).block(Block::default()), area);
+}
+
+fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let live = app.live_nodes(now_ms);
+    let rows: Vec<Row> = app
+        .nodes
+        .iter()
+        .map(|(id, v)| {
+            let alive = live.contains(&id.as_str());
+            let age = now_ms.saturating_sub(v.seen_ms);
+            let sees = v.state["live_nodes"].as_array().map_or(0, Vec::len);
+            let n = v.state["cluster_size"].as_u64().unwrap_or(0);
+            Row::new(vec![
+                Cell::from(id.clone()),
+                Cell::from(if alive { "alive" } else { "DEAD" }).style(if alive {
+                    Style::default().fg(Color::Green)
+                } else {
+                    Style::default().fg(Color::Red).add_modifier(Modifier::BOLD)
+                }),
+                Cell::from(format!("{:.1}s", age as f64 / 1e3)),
+                Cell::from(format!("sees {sees}/{n}")),
+            ])
+        })
+        .collect();
+    let t = Table::new(
+        rows,
+        [
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Min(8),
+        ],
+    )
+    .header(
+        Row::new(vec!["node", "state", "beat", "view"]).style(Style::default().fg(Color::DarkGray)),
+    )
+    .block(block("Nodes", app.focus == Focus::Nodes));
+    f.render_widget(t, area);
+}
+
+fn share(app: &App, provider: &str) -> f64 {
+    let recent: Vec<_> = app.stream.iter().rev().take(500).collect();
+    let served = recent.iter().filter(|l| !l.provider.is_empty()).count();
+    if served == 0 {
+        return 0.0;
+    }
+    recent.iter().filter(|l| l.provider == provider).count() as f64 / served as f64
+}
+
+fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let Some(reference) = app.reference(now_ms) else {
+        f.render_widget(
+            Paragraph::new("waiting for node state snapshots…")
+                .block(block("Provider consensus", app.focus == Focus::Providers)),
+            area,
+        );
+        return;
+    };
+    let rows: Vec<Row> = reference["providers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let id = p["id"].as_str().unwrap_or("?");
+            let c = &p["consensus"];
+            let verdict = c["verdict"].as_str().unwrap_or("?");
+            let breakers: Vec<Span> = app
+                .nodes
+                .iter()
+                .filter_map(|(node, v)| {
+                    let b = v.state["providers"]
+                        .as_array()?
+                        .iter()
+                        .find(|q| q["id"] == p["id"])?["breaker"]["state"]
+                        .as_str()?
+                        .to_string();
+                    let style = match b.as_str() {
+                        "closed" => Style::default().fg(Color::Green),
+                        "open" => Style::default().fg(Color::Red),
+                        _ => Style::default().fg(Color::Yellow),
+                    };
+                    let mark = match b.as_str() {
+                        "closed" => "●",
+                        "open" => "○",
+                        _ => "◐",
+                    };
+                    Some(Span::styled(format!("{}{} ", node, mark), style))
+                })
+                .collect();
+            Row::new(vec![
+                Cell::from(id.to_string()),
+                Cell::from(verdict.to_string()).style(verdict_style(verdict)),
+                Cell::from(format!(
+                    "{}/{}{}",
+                    c["votes"].as_u64().unwrap_or(0),
+                    c["cluster_size"].as_u64().unwrap_or(0),
+                    if c["quorum"].as_bool() == Some(true) {
+                        " q"
+                    } else {
+                        " local"
+                    }
+                )),
+                Cell::from(format!(
+                    "{:.0}%",
+                    c["availability"].as_f64().unwrap_or(0.0) * 100.0
+                )),
+                Cell::from(format!(
+                    "{:.0}%",
+                    c["contract_failure_pct"].as_f64().unwrap_or(0.0)
+                )),
+                Cell::from(format!("{}ms", c["p95_ms"].as_u64().unwrap_or(0))),
+                Cell::from(Line::from(breakers)),
+                Cell::from(format!("{:.0}%", share(app, id) * 100.0)),
+            ])
+        })
+        .collect();
+    let t = Table::new(
+        rows,
+        [
+            Constraint::Length(9),
+            Constraint::Length(9),
+            Constraint::Length(9),
+            Constraint::Length(5),
+            Constraint::Length(5),
+            Constraint::Length(7),
+            Constraint::Min(12),
+            Constraint::Length(5),
+        ],
+    )
+    .header(
+        Row::new(vec![
+            "provider", "verdict", "votes", "avail", "ctr", "p95", "breakers", "share",
+        ])
+        .style(Style::default().fg(Color::DarkGray)),
+    )
+    .block(block("Provider consensus", app.focus == Focus::Providers));
+    f.render_widget(t, area);
+}
+
+fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let b = block("Bulkheads (all nodes)", false);
+    let inner = b.inner(area);
+    f.render_widget(b, area);
+    let sum = |class: &str, field: &str| -> u64 {
+        let live = app.live_nodes(now_ms);
+        app.nodes
+            .iter()
+            .filter(|(k, _)| live.contains(&k.as_str()))
+            .map(|(_, v)| v.state["bulkheads"][class][field].as_u64().unwrap_or(0))
+            .sum()
+    };
+    let limit = |class: &str| -> u64 {
+        let live = app.live_nodes(now_ms);
+        app.nodes
+            .iter()
+            .filter(|(k, _)| live.contains(&k.as_str()))
+            .map(|(_, v)| {
+                v.state["bulkhead_limits"][class]["concurrency"]
+                    .as_u64()
+                    .unwrap_or(0)
+            })
+            .sum()
+    };
+    let rows = Layout::vertical([Constraint::Length(1); 4]).split(inner);
+    for (i, class) in ["critical", "normal", "background"].iter().enumerate() {
+        if i >= rows.len() {
+            break;
+        }
+        let (active, lim) = (sum(class, "active"), limit(class).max(1));
+        let short = match *class {
+            "critical" => "crit",
+            "normal" => "norm",
+            _ => "bg",
+        };
+        let label = format!(
+            "{short:<4} {active}/{lim} q{} shed {}",
+            sum(class, "queued"),
+            sum(class, "shed")
+        );
+        let color = if *class == "critical" {
+            Color::Cyan
+        } else if *class == "normal" {
+            Color::Blue
+        } else {
+            Color::DarkGray
+        };
+        f.render_widget(
+            Gauge::default()
+                .gauge_style(Style::default().fg(color))
+                .ratio((active as f64 / lim as f64).clamp(0.0, 1.0))
+                .label(label),
+            rows[i],
+        );
+    }
+}
+
+fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let mut lines: Vec<Line> = Vec::new();
+    if let Some(state) = app.reference(now_ms)
+        && let Some(agents) = state["budgets"]["agents"].as_object()
+    {
+        for (agent, b) in agents {
+            let left = (b["limit_usd"].as_f64().unwrap_or(0.0)
+                - b["spent_usd"].as_f64().unwrap_or(0.0)
+                - b["reserved_usd"].as_f64().unwrap_or(0.0))
+            .max(0.0);
+            let style = if left <= 0.0 {
+                Style::default().fg(Color::Red)
+            } else {
+                Style::default()
+            };
+            lines.push(Line::styled(
+                format!("budget {agent}: ${left:.4} left"),
+                style,
+            ));
+        }
+    }
+    for (at, node, e) in app.escalations.iter().rev().take(4) {
+        lines.push(Line::styled(
+            format!(
+                "⚑ {}s ago {} {}: {}",
+                now_ms.saturating_sub(*at) / 1_000,
+                node,
+                e["agent"].as_str().unwrap_or("?"),
+                e["recommended_action"]
+                    .as_str()
+                    .or_else(|| e["action"].as_str())
+                    .unwrap_or("HUMAN_REVIEW")
+            ),
+            Style::default().fg(Color::Red),
+        ));
+    }
+    for (at, node, i) in app.incidents.iter().rev().take(2) {
+        lines.push(Line::styled(
+            format!(
+                "⟲ loop {}s ago {} {}/{}",
+                now_ms.saturating_sub(*at) / 1_000,
+                node,
+                i["agent"].as_str().unwrap_or("?"),
+                i["task"].as_str().unwrap_or("?")
+            ),
+            Style::default().fg(Color::Magenta),
+        ));
+    }
+    if lines.is_empty() {
+        lines.push(Line::styled(
+            "nothing needs a human",
+            Style::default().fg(Color::DarkGray),
+        ));
+    }
+    f.render_widget(
+        Paragraph::new(lines)
+            .wrap(Wrap { trim: true })
+            .block(block("Budgets & attention", false)),
+        area,
+    );
+}
+
+fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let mut lines: Vec<Line> = Vec::new();
+    for name in &app.catalog {
+        let inst: Vec<_> = app
+            .instances
+            .values()
+            .filter(|i| &i.agent == name)
+            .collect();
+        let fresh = inst
+            .iter()
+            .filter(|i| now_ms.saturating_sub(i.seen_ms) <= super::state::AGENT_STALE_MS)
+            .count();
+        let style = if fresh == 0 && !inst.is_empty() {
+            Style::default().fg(Color::Yellow)
+        } else {
+            Style::default()
+        };
+        lines.push(Line::styled(
+            format!(
+                "{name}: {} inst, {fresh} beating, {} in flight",
+                inst.len(),
+                inst.iter().map(|i| i.in_flight).sum::<u64>()
+            ),
+            style,
+        ));
+    }
+    for (at, n) in app.deaths.iter().rev().take(3) {
+        lines.push(Line::styled(
+            format!(
+                "✝ {} {} ({}s ago)",
+                n["agent"].as_str().unwrap_or("?"),
+                n["reason"].as_str().unwrap_or("?"),
+                now_ms.saturating_sub(*at) / 1_000
+            ),
+            Style::default().fg(Color::Red),
+        ));
+    }
+    if lines.is_empty() {
+        lines.push(Line::styled(
+            "no agents in the catalog",
+            Style::default().fg(Color::DarkGray),
+        ));
+    }
+    f.render_widget(
+        Paragraph::new(lines).block(block("Agents", app.focus == Focus::Agents)),
+        area,
+    );
+}
+
+fn render_stream(f: &mut Frame, area: Rect, app: &App) {
+    let visible = app.visible();
+    let height = area.height.saturating_sub(2) as usize;
+    let end = visible.len().saturating_sub(app.scroll);
+    let start = end.saturating_sub(height);
+    let items: Vec<ListItem> = visible[start..end]
+        .iter()
+        .map(|l| {
+            let (style, tag) = kind_style(l.kind);
+            let codes: Vec<&str> = l
+                .codes
+                .iter()
+                .map(String::as_str)
+                .filter(|c| !["ROUTING_SELECTED", "ACCEPTED"].contains(c))
+                .collect();
+            ListItem::new(Line::from(vec![
+                Span::styled(tag, style),
+                Span::raw(format!(
+                    " {} {:<12} {:<9} {:>5}ms ",
+                    l.node,
+                    truncate(&l.agent, 12),
+                    if l.provider.is_empty() {
+                        "-"
+                    } else {
+                        &l.provider
+                    },
+                    l.latency_ms
+                )),
+                Span::styled(codes.join(","), style),
+            ]))
+        })
+        .collect();
+    let title = format!(
+        "Reason-code stream{}{}",
+        if app.paused { " (paused)" } else { "" },
+        if app.scroll > 0 {
+            format!(" (↑{})", app.scroll)
+        } else {
+            String::new()
+        }
+    );
+    f.render_widget(
+        List::new(items).block(block(&title, app.focus == Focus::Stream)),
+        area,
+    );
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n.saturating_sub(1)).chain(['…']).collect()
+    }
+}
+
+fn render_sparks(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let (rate, p95) = app.history(now_ms);
+    let [top, bottom] =
+        Layout::vertical([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(area);
+    let width = top.width.saturating_sub(2) as usize;
+    let tail = |v: &[u64]| v[v.len().saturating_sub(width)..].to_vec();
+    let last = |v: &[u64]| v.iter().rev().nth(1).copied().unwrap_or(0);
+    f.render_widget(
+        Sparkline::default()
+            .block(Block::bordered().title(format!(" {}/s ", last(&rate))))
+            .data(tail(&rate))
+            .style(Style::default().fg(Color::Green)),
+        top,
+    );
+    f.render_widget(
+        Sparkline::default()
+            .block(Block::bordered().title(format!(" p95 {}ms ", last(&p95))))
+            .data(tail(&p95))
+            .style(Style::default().fg(Color::Yellow)),
+        bottom,
+    );
+}
+
+fn centered(area: Rect, w: u16, h: u16) -> Rect {
+    let w = w.min(area.width);
+    let h = h.min(area.height);
+    Rect::new(
+        area.x + (area.width - w) / 2,
+        area.y + (area.height - h) / 2,
+        w,
+        h,
+    )
+}
+
+fn render_help(f: &mut Frame, area: Rect) {
+    let r = centered(area, 60, 14);
+    let text = vec![
+        Line::from("q / Ctrl-C   quit (the terminal is restored)"),
+        Line::from("Tab          next panel"),
+        Line::from("↑ ↓ PgUp PgDn  scroll the reason-code stream; End = newest"),
+        Line::from("/            filter the stream by code, agent, provider or node"),
+        Line::from("p            pause / resume the stream (rates go on)"),
+        Line::from("c            chaos menu: inject a fault or restore everything"),
+        Line::from("?            this help"),
+        Line::from(""),
+        Line::from("Colours: green accepted · yellow fallback · magenta shed"),
+        Line::from("         red refused / escalated"),
+    ];
+    f.render_widget(Clear, r);
+    f.render_widget(Paragraph::new(text).block(block("Help", true)), r);
+}
+
+fn render_chaos_menu(f: &mut Frame, area: Rect, sel: usize) {
+    let r = centered(area, 44, CHAOS_MENU.len() as u16 + 4);
+    let items: Vec<ListItem> = CHAOS_MENU
+        .iter()
+        .enumerate()
+        .map(|(i, (label, ..))| {
+            let style = if i == sel {
+                Style::default().fg(Color::Black).bg(Color::Cyan)
+            } else {
+                Style::default()
+            };
+            ListItem::new(Line::styled(format!(" {label}"), style))
+        })
+        .collect();
+    f.render_widget(Clear, r);
+    f.render_widget(
+        List::new(items).block(block("Chaos: Enter inject · Esc close", true)),
+        r,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos::{Active, Fault, Params};
+    use crate::watch::state::Event;
+    use ratatui::Terminal;
+    use ratatui::backend::TestBackend;
+    use serde_json::{Value, json};
+
+    const NOW: u64 = 1_800_000_000_000;
+
+    fn provider(
+        id: &str,
+        verdict: &str,
+        votes: u64,
+        quorum: bool,
+        avail: f64,
+        p95: u64,
+        breaker: &str,
+    ) -> Value {
+        json!({
+            "id": id,
+            "consensus": {"verdict": verdict, "votes": votes, "voters": 3, "cluster_size": 3,
+                          "quorum": quorum, "availability": avail, "contract_failure_pct": 0.0, "p95_ms": p95},
+            "breaker": {"state": breaker},
+        })
+    }
+
+    fn node_state(quorum: bool, live: &[&str], providers: Vec<Value>, shed_bg: u64) -> Value {
+        json!({
+            "cluster_size": 3, "quorum": quorum, "live_nodes": live, "providers": providers,
+            "bulkheads": {"critical": {"active": 1, "queued": 0, "shed": 0},
+                          "normal": {"active": 6, "queued": 0, "shed": 0},
+                          "background": {"active": 8, "queued": 0, "shed": shed_bg}},
+            "bulkhead_limits": {"critical": {"concurrency": 16}, "normal": {"concurrency": 24},
+                                "background": {"concurrency": 8}},
+            "budgets": {"agents": {"support-bot": {"limit_usd": 5.0, "spent_usd": 1.25, "reserved_usd": 0.0}}, "global": null},
+        })
+    }
+
+    fn decision(
+        outcome: &str,
+        phase: &str,
+        provider: &str,
+        fallback: bool,
+        codes: &[&str],
+        agent: &str,
+    ) -> Value {
+        json!({"outcome": outcome, "phase": phase, "provider": if provider.is_empty() { Value::Null } else { json!(provider) },
+               "fallback": fallback, "agent": agent, "reason_codes": codes,
+               "attempts": [{"latency_ms": if fallback { 48 } else { 176 }}], "decided_at_ms": NOW})
+    }
+
+    fn healthy() -> App {
+        let mut app = App::default();
+        app.apply(Event::Connection(true), NOW);
+        let ps = || {
+            vec![
+                provider("primary", "HEALTHY", 3, true, 1.0, 198, "closed"),
+                provider("local", "HEALTHY", 3, true, 1.0, 59, "closed"),
+                provider("secondary", "HEALTHY", 3, true, 1.0, 197, "closed"),
+            ]
+        };
+        for n in ["n1", "n2", "n3"] {
+            app.apply(
+                Event::NodeState {
+                    node: n.into(),
+                    state: node_state(true, &["n1", "n2", "n3"], ps(), 0),
+                },
+                NOW - 400,
+            );
+        }
+        app.apply(
+            Event::Catalog(vec!["demo.echo".into(), "llm.chat".into()]),
+            NOW,
+        );
+        for (id, agent) in [("a1", "demo.echo"), ("a2", "demo.echo"), ("b1", "llm.chat")] {
+            app.apply(
+                Event::AgentBeat(
+                    json!({"agent": agent, "instance_id": id, "in_flight": 1, "processed": 40}),
+                ),
+                NOW - 500,
+            );
+        }
+        for i in 0..6 {
+            let node = ["n1", "n2", "n3"][i % 3];
+            app.apply(
+                Event::Decision {
+                    node: node.into(),
+                    decision: decision(
+                        "accepted",
+                        "accepted",
+                        "primary",
+                        false,
+                        &["ROUTING_SELECTED", "ACCEPTED"],
+                        "support-bot",
+                    ),
+                },
+                NOW - 1_000 + i as u64 * 100,
+            );
+        }
+        app
+    }
+
+    fn outage() -> App {
+        let mut app = healthy();
+        let ps = || {
+            vec![
+                provider("primary", "UNHEALTHY", 3, true, 0.12, 0, "open"),
+                provider("local", "HEALTHY", 3, true, 1.0, 61, "closed"),
+                provider("secondary", "HEALTHY", 3, true, 1.0, 199, "closed"),
+            ]
+        };
+        for n in ["n1", "n2", "n3"] {
+            app.apply(
+                Event::NodeState {
+                    node: n.into(),
+                    state: node_state(true, &["n1", "n2", "n3"], ps(), 0),
+                },
+                NOW - 300,
+            );
+        }
+        app.apply(
+            Event::Chaos(vec![Active {
+                id: "c1a2b3".into(),
+                fault: Fault::KillProvider,
+                target: "primary".into(),
+                params: Params::default(),
+                injected_at_ms: NOW - 10_000,
+                expires_at_ms: NOW + 20_000,
+                detail: "hard 500s".into(),
+            }]),
+            NOW,
+        );
+        for i in 0..8 {
+            app.apply(
+                Event::Decision {
+                    node: ["n1", "n2", "n3"][i % 3].into(),
+                    decision: decision(
+                        "accepted",
+                        "accepted",
+                        "local",
+                        true,
+                        &["ROUTING_SELECTED", "FALLBACK_USED", "ACCEPTED"],
+                        "support-bot",
+                    ),
+                },
+                NOW - 500 + i as u64 * 50,
+            );
+        }
+        app
+    }
+
+    fn draw(app: &App, w: u16, h: u16) -> String {
+        let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+        t.draw(|f| render(f, app, NOW)).unwrap();
+        t.backend().to_string()
+    }
+
+    #[test]
+    fn healthy_mesh() {
+        insta::assert_snapshot!(draw(&healthy(), 140, 40));
+    }
+
+    #[test]
+    fn outage_rerouting() {
+        let text = draw(&outage(), 140, 40);
+        assert!(text.contains("REROUTING") && text.contains("kill-provider primary (20 s left)"));
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn outage_at_80x24_keeps_every_panel() {
+        let text = draw(&outage(), 80, 24);
+        for panel in [
+            "Nodes",
+            "Provider consensus",
+            "Bulkheads",
+            "Agents",
+            "Reason-code stream",
+        ] {
+            assert!(text.contains(panel), "{panel} missing at 80x24:\n{text}");
+        }
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn no_quorum_with_dead_nodes() {
+        let mut app = healthy();
+        let ps = vec![
+            provider("primary", "HEALTHY", 1, false, 1.0, 199, "closed"),
+            provider("local", "HEALTHY", 1, false, 1.0, 60, "closed"),
+        ];
+        // n2 and n3 went silent 10 s ago; n1 is on its own.
+        app.nodes.get_mut("n2").unwrap().seen_ms = NOW - 10_000;
+        app.nodes.get_mut("n3").unwrap().seen_ms = NOW - 10_000;
+        app.apply(
+            Event::NodeState {
+                node: "n1".into(),
+                state: node_state(false, &["n1"], ps, 0),
+            },
+            NOW - 200,
+        );
+        app.apply(
+            Event::Decision {
+                node: "n1".into(),
+                decision: decision(
+                    "accepted",
+                    "accepted",
+                    "primary",
+                    false,
+                    &["NO_QUORUM_LOCAL_VIEW", "ACCEPTED"],
+                    "support-bot",
+                ),
+            },
+            NOW,
+        );
+        let text = draw(&app, 140, 40);
+        assert!(text.contains("NO QUORUM") && text.contains("DEAD"));
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn agent_death() {
+        let mut app = healthy();
+        app.apply(Event::Death(json!({"agent": "llm.chat", "reason": "disconnect", "instance_id": "b1", "detected_at": "t"})), NOW - 2_000);
+        let text = draw(&app, 140, 40);
+        assert!(text.contains("llm.chat disconnect"));
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn loop_escalation() {
+        let mut app = healthy();
+        app.apply(
+            Event::Incident {
+                node: "n1".into(),
+                incident: json!({"agent": "loop-bot", "task": "refund", "failures": 3}),
+            },
+            NOW - 3_000,
+        );
+        app.apply(Event::Escalation { node: "n1".into(), escalation: json!({"agent": "loop-bot", "recommended_action": "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"}) }, NOW - 3_000);
+        app.apply(
+            Event::Decision {
+                node: "n1".into(),
+                decision: decision(
+                    "escalated",
+                    "loop",
+                    "",
+                    false,
+                    &["AGENT_LOOP_DETECTED", "ESCALATED_AGENT_LOOP"],
+                    "loop-bot",
+                ),
+            },
+            NOW - 3_000,
+        );
+        app.apply(
+            Event::Decision {
+                node: "n1".into(),
+                decision: decision(
+                    "rejected",
+                    "loop",
+                    "",
+                    false,
+                    &["RUNAWAY_RETRY_STOPPED"],
+                    "loop-bot",
+                ),
+            },
+            NOW - 2_000,
+        );
+        let text = draw(&app, 140, 40);
+        assert!(text.contains("loop-bot") && text.contains("ESCALATED_AGENT_LOOP"));
+        insta::assert_snapshot!(text);
+    }
+}

@@ -1,0 +1,480 @@
+//! What `oam watch` knows: a pure model fed by bus events (`apply`) and the clock (`now_ms` is an
+//! argument), plus the operator's view settings. Rendering reads it and nothing else.
+
+use crate::chaos::Active;
+use serde_json::Value;
+use std::collections::{BTreeMap, VecDeque};
+
+/// Decisions kept for the stream.
+pub const STREAM_CAPACITY: usize = 2_000;
+/// Seconds of throughput and p95 history.
+pub const HISTORY_SECS: usize = 60;
+/// A node whose state snapshot is older than this is shown as silent.
+pub const NODE_SILENT_MS: u64 = 3_500;
+/// An agent instance whose heartbeat is older than this is shown as stale.
+pub const AGENT_STALE_MS: u64 = 3_000;
+
+/// Something that arrived from the bus (or the connection itself).
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A node's `/v1/oam/state` snapshot, published every second on `oam.v1.state.{node}`.
+    NodeState { node: String, state: Value },
+    /// A decision from `oam.v1.decision.{node}`.
+    Decision { node: String, decision: Value },
+    /// An escalation from `oam.v1.escalation.{node}`.
+    Escalation { node: String, escalation: Value },
+    /// An agent-loop incident from `oam.v1.incident.{node}`.
+    Incident { node: String, incident: Value },
+    /// A death notice from `mesh.death.{name}`.
+    Death(Value),
+    /// An agent instance's heartbeat from `mesh.health.{name}`.
+    AgentBeat(Value),
+    /// The catalog (names and whether they stream), read every few seconds.
+    Catalog(Vec<String>),
+    /// The chaos warden's active faults (on start and on every chaos event).
+    Chaos(Vec<Active>),
+    /// Connected to NATS, or not.
+    Connection(bool),
+}
+
+/// One decision as a line of the stream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Line {
+    pub at_ms: u64,
+    pub node: String,
+    pub agent: String,
+    pub kind: LineKind,
+    pub provider: String,
+    pub phase: String,
+    pub codes: Vec<String>,
+    pub latency_ms: u64,
+}
+
+/// How a decision is coloured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LineKind {
+    Accepted,
+    Fallback,
+    Shed,
+    Escalated,
+    Refused,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct NodeView {
+    pub state: Value,
+    pub seen_ms: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Instance {
+    pub agent: String,
+    pub in_flight: u64,
+    pub processed: u64,
+    pub seen_ms: u64,
+}
+
+/// Which panel has the keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Focus {
+    #[default]
+    Stream,
+    Nodes,
+    Providers,
+    Agents,
+}
+
+impl Focus {
+    pub fn next(self) -> Focus {
+        match self {
+            Focus::Stream => Focus::Nodes,
+            Focus::Nodes => Focus::Providers,
+            Focus::Providers => Focus::Agents,
+            Focus::Agents => Focus::Stream,
+        }
+    }
+}
+
+/// The whole picture.
+#[derive(Clone, Debug, Default)]
+pub struct App {
+    pub nodes: BTreeMap<String, NodeView>,
+    pub stream: VecDeque<Line>,
+    /// Per second (ms of the second's start -> (decisions, latencies)).
+    pub seconds: BTreeMap<u64, (u64, Vec<u64>)>,
+    pub escalations: VecDeque<(u64, String, Value)>,
+    pub incidents: VecDeque<(u64, String, Value)>,
+    pub deaths: VecDeque<(u64, Value)>,
+    pub instances: BTreeMap<String, Instance>,
+    pub catalog: Vec<String>,
+    pub chaos: Vec<Active>,
+    pub connected: bool,
+    /// Events the bounded channel had to drop (the watcher fell behind).
+    pub dropped: u64,
+    pub applied: u64,
+    // The operator's view.
+    pub focus: Focus,
+    pub scroll: usize,
+    pub paused: bool,
+    pub filter: String,
+    pub editing_filter: bool,
+    pub help: bool,
+    pub chaos_menu: Option<usize>,
+    /// The last thing the operator did, and how it went.
+    pub status: String,
+}
+
+fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
+    if q.len() == cap {
+        q.pop_front();
+    }
+    q.push_back(item);
+}
+
+fn line_of(node: &str, d: &Value, now_ms: u64) -> Line {
+    let s = |k: &str| d[k].as_str().unwrap_or("").to_string();
+    let codes: Vec<String> = d["reason_codes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|c| c.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    let outcome = s("outcome");
+    let phase = s("phase");
+    let kind = if outcome == "escalated" {
+        LineKind::Escalated
+    } else if phase == "admission" {
+        LineKind::Shed
+    } else if outcome == "accepted" && d["fallback"].as_bool() == Some(true) {
+        LineKind::Fallback
+    } else if outcome == "accepted" {
+        LineKind::Accepted
+    } else {
+        LineKind::Refused
+    };
+    let latency_ms = d["attempts"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x["latency_ms"].as_u64()).sum())
+        .unwrap_or(0);
+    Line {
+        at_ms: d["decided_at_ms"].as_u64().unwrap_or(now_ms),
+        node: node.to_string(),
+        agent: s("agent"),
+        kind,
+        provider: s("provider"),
+        phase,
+        codes,
+        latency_ms,
+    }
+}
+
+impl App {
+    pub fn apply(&mut self, ev: Event, now_ms: u64) {
+        self.applied += 1;
+        match ev {
+            Event::NodeState { node, state } => {
+                self.nodes.insert(
+                    node,
+                    NodeView {
+                        state,
+                        seen_ms: now_ms,
+                    },
+                );
+            }
+            Event::Decision { node, decision } => {
+                let line = line_of(&node, &decision, now_ms);
+                let second = now_ms / 1_000 * 1_000;
+                let slot = self.seconds.entry(second).or_default();
+                slot.0 += 1;
+                slot.1.push(line.latency_ms);
+                let oldest = second.saturating_sub(HISTORY_SECS as u64 * 1_000);
+                self.seconds.retain(|&s, _| s > oldest);
+                if !self.paused {
+                    push_bounded(&mut self.stream, line, STREAM_CAPACITY);
+                }
+            }
+            Event::Escalation { node, escalation } => {
+                push_bounded(&mut self.escalations, (now_ms, node, escalation), 50);
+            }
+            Event::Incident { node, incident } => {
+                push_bounded(&mut self.incidents, (now_ms, node, incident), 50);
+            }
+            Event::Death(notice) => {
+                if let Some(id) = notice["instance_id"].as_str() {
+                    self.instances.remove(id);
+                }
+                push_bounded(&mut self.deaths, (now_ms, notice), 50);
+            }
+            Event::AgentBeat(b) => {
+                if let Some(id) = b["instance_id"].as_str() {
+                    self.instances.insert(
+                        id.to_string(),
+                        Instance {
+                            agent: b["agent"].as_str().unwrap_or("").to_string(),
+                            in_flight: b["in_flight"].as_u64().unwrap_or(0),
+                            processed: b["processed"].as_u64().unwrap_or(0),
+                            seen_ms: now_ms,
+                        },
+                    );
+                }
+            }
+            Event::Catalog(names) => self.catalog = names,
+            Event::Chaos(active) => self.chaos = active,
+            Event::Connection(up) => self.connected = up,
+        }
+    }
+
+    /// Nodes whose snapshot is fresh.
+    pub fn live_nodes(&self, now_ms: u64) -> Vec<&str> {
+        self.nodes
+            .iter()
+            .filter(|(_, v)| now_ms.saturating_sub(v.seen_ms) <= NODE_SILENT_MS)
+            .map(|(k, _)| k.as_str())
+            .collect()
+    }
+
+    /// The freshest snapshot among live nodes (for cluster-wide figures).
+    pub fn reference(&self, now_ms: u64) -> Option<&Value> {
+        let live = self.live_nodes(now_ms);
+        self.nodes
+            .iter()
+            .filter(|(k, _)| live.contains(&k.as_str()))
+            .max_by_key(|(_, v)| v.seen_ms)
+            .map(|(_, v)| &v.state)
+    }
+
+    /// One verdict for the mesh, and what drives it.
+    pub fn banner(&self, now_ms: u64) -> (Verdict, String) {
+        if !self.connected {
+            return (
+                Verdict::NoQuorum,
+                "NATS unreachable: showing the last known picture, reconnecting".into(),
+            );
+        }
+        let Some(state) = self.reference(now_ms) else {
+            return (
+                Verdict::NoQuorum,
+                "no node heard from: is the mesh up (`oam mesh status`)?".into(),
+            );
+        };
+        let expected = state["cluster_size"].as_u64().unwrap_or(0) as usize;
+        let live = self.live_nodes(now_ms).len();
+        if state["quorum"].as_bool() == Some(false) {
+            return (
+                Verdict::NoQuorum,
+                format!("no quorum: {live} of {expected} nodes; each node decides on its own view"),
+            );
+        }
+        let mut unhealthy = Vec::new();
+        let mut degraded = Vec::new();
+        for p in state["providers"].as_array().into_iter().flatten() {
+            let id = p["id"].as_str().unwrap_or("?").to_string();
+            match p["consensus"]["verdict"].as_str() {
+                Some("UNHEALTHY") => unhealthy.push(id),
+                Some("DEGRADED") => degraded.push(id),
+                _ => {}
+            }
+        }
+        if !unhealthy.is_empty() {
+            return (
+                Verdict::Rerouting,
+                format!("provider unhealthy ({}), rerouting", unhealthy.join(", ")),
+            );
+        }
+        let dead = self.nodes.len().saturating_sub(live);
+        if !degraded.is_empty() || dead > 0 || !self.chaos.is_empty() {
+            let mut why = Vec::new();
+            if dead > 0 {
+                why.push(format!("{dead} node(s) silent"));
+            }
+            if !degraded.is_empty() {
+                why.push(format!("{} degraded", degraded.join(", ")));
+            }
+            if !self.chaos.is_empty() {
+                why.push(format!("{} chaos fault(s) active", self.chaos.len()));
+            }
+            return (
+                Verdict::Degraded,
+                format!("degraded, absorbing failure: {}", why.join("; ")),
+            );
+        }
+        (
+            Verdict::Nominal,
+            format!("all nominal: {live} nodes, quorum held, every provider healthy"),
+        )
+    }
+
+    /// Decisions per second over the history (oldest first), and p95 latency per second.
+    pub fn history(&self, now_ms: u64) -> (Vec<u64>, Vec<u64>) {
+        let now_s = now_ms / 1_000 * 1_000;
+        let mut rate = Vec::with_capacity(HISTORY_SECS);
+        let mut p95 = Vec::with_capacity(HISTORY_SECS);
+        for i in (0..HISTORY_SECS as u64).rev() {
+            let s = now_s.saturating_sub(i * 1_000);
+            match self.seconds.get(&s) {
+                Some((n, lat)) => {
+                    rate.push(*n);
+                    let mut l = lat.clone();
+                    l.sort_unstable();
+                    let idx = ((l.len() as f64 * 0.95).ceil() as usize).clamp(1, l.len()) - 1;
+                    p95.push(l[idx]);
+                }
+                None => {
+                    rate.push(0);
+                    p95.push(0);
+                }
+            }
+        }
+        (rate, p95)
+    }
+
+    /// The stream as filtered by the operator (a code, an agent, a provider or a node).
+    pub fn visible(&self) -> Vec<&Line> {
+        let f = self.filter.trim().to_ascii_lowercase();
+        self.stream
+            .iter()
+            .filter(|l| {
+                f.is_empty()
+                    || l.agent.to_ascii_lowercase().contains(&f)
+                    || l.provider.to_ascii_lowercase().contains(&f)
+                    || l.node.to_ascii_lowercase() == f
+                    || l.codes.iter().any(|c| c.to_ascii_lowercase().contains(&f))
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Nominal,
+    Degraded,
+    Rerouting,
+    NoQuorum,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn state(quorum: bool, verdicts: &[(&str, &str)]) -> Value {
+        json!({
+            "cluster_size": 3, "quorum": quorum, "live_nodes": ["n1", "n2", "n3"],
+            "providers": verdicts.iter().map(|(id, v)| json!({"id": id, "consensus": {"verdict": v}})).collect::<Vec<_>>(),
+        })
+    }
+
+    #[test]
+    fn the_banner_says_what_drives_it() {
+        let mut app = App::default();
+        app.apply(Event::Connection(true), 0);
+        assert_eq!(app.banner(0).0, Verdict::NoQuorum, "nothing heard yet");
+        for n in ["n1", "n2", "n3"] {
+            let s = state(true, &[("primary", "HEALTHY")]);
+            app.apply(
+                Event::NodeState {
+                    node: n.into(),
+                    state: s,
+                },
+                1_000,
+            );
+        }
+        assert_eq!(app.banner(1_000).0, Verdict::Nominal);
+        app.apply(
+            Event::NodeState {
+                node: "n1".into(),
+                state: state(true, &[("primary", "UNHEALTHY")]),
+            },
+            2_000,
+        );
+        let (v, why) = app.banner(2_000);
+        assert_eq!(v, Verdict::Rerouting);
+        assert!(why.contains("primary"), "{why}");
+        // n2 and n3 fall silent; the freshest (n1) still says quorum: degraded by silence.
+        app.apply(
+            Event::NodeState {
+                node: "n1".into(),
+                state: state(true, &[("primary", "HEALTHY")]),
+            },
+            6_000,
+        );
+        let (v, why) = app.banner(6_000);
+        assert_eq!(v, Verdict::Degraded);
+        assert!(why.contains("2 node(s) silent"), "{why}");
+        app.apply(Event::Connection(false), 6_000);
+        assert!(app.banner(6_000).1.contains("NATS unreachable"));
+    }
+
+    #[test]
+    fn decisions_become_coloured_lines_rates_and_a_filtered_stream() {
+        let mut app = App::default();
+        let d = |outcome: &str, phase: &str, fallback: bool, agent: &str| {
+            json!({"outcome": outcome, "phase": phase, "fallback": fallback, "agent": agent,
+                   "provider": if fallback { "local" } else { "primary" },
+                   "reason_codes": if fallback { vec!["FALLBACK_USED"] } else { vec!["ACCEPTED"] },
+                   "attempts": [{"latency_ms": 100}, {"latency_ms": 50}], "decided_at_ms": 10})
+        };
+        app.apply(
+            Event::Decision {
+                node: "n1".into(),
+                decision: d("accepted", "accepted", false, "a"),
+            },
+            10_100,
+        );
+        app.apply(
+            Event::Decision {
+                node: "n1".into(),
+                decision: d("accepted", "accepted", true, "b"),
+            },
+            10_200,
+        );
+        app.apply(
+            Event::Decision {
+                node: "n2".into(),
+                decision: d("rejected", "admission", false, "c"),
+            },
+            10_300,
+        );
+        app.apply(
+            Event::Decision {
+                node: "n2".into(),
+                decision: d("escalated", "budget", false, "d"),
+            },
+            11_000,
+        );
+        let kinds: Vec<LineKind> = app.stream.iter().map(|l| l.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                LineKind::Accepted,
+                LineKind::Fallback,
+                LineKind::Shed,
+                LineKind::Escalated
+            ]
+        );
+        assert_eq!(app.stream[0].latency_ms, 150);
+        let (rate, p95) = app.history(11_500);
+        assert_eq!(&rate[HISTORY_SECS - 2..], &[3, 1]);
+        assert_eq!(p95[HISTORY_SECS - 1], 150);
+        app.filter = "fallback".into();
+        assert_eq!(app.visible().len(), 1);
+        app.filter = "n2".into();
+        assert_eq!(app.visible().len(), 2);
+        app.paused = true;
+        app.apply(
+            Event::Decision {
+                node: "n1".into(),
+                decision: d("accepted", "accepted", false, "e"),
+            },
+            12_000,
+        );
+        assert_eq!(app.stream.len(), 4, "paused: the stream holds still");
+        assert_eq!(
+            app.history(12_000).0[HISTORY_SECS - 1],
+            1,
+            "but the rates go on"
+        );
+    }
+}

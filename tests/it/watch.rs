@@ -1,0 +1,119 @@
+//! `oam watch` for real: in a tmux pseudo-terminal beside a running mesh, it shows the panels,
+//! sees a node die, and quits on `q`; without a terminal it refuses and points to `--json`
+//! streams.
+
+use crate::support::{LocalMesh, eventually};
+use std::process::Command;
+use std::time::Duration;
+
+/// A tmux session, killed when the test ends.
+struct Tmux(String);
+
+impl Tmux {
+    fn capture(&self) -> String {
+        let out = Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", &self.0])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn alive(&self) -> bool {
+        Command::new("tmux")
+            .args(["has-session", "-t", &self.0])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["kill-session", "-t", &self.0])
+            .status();
+    }
+}
+
+#[tokio::test]
+async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
+    let mesh = LocalMesh::up("watch");
+    let bin = assert_cmd::cargo::cargo_bin!("oam");
+    let session = Tmux(format!("oam-watch-{}", std::process::id()));
+    let status = Command::new("tmux")
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            &session.0,
+            "-x",
+            "140",
+            "-y",
+            "40",
+        ])
+        .arg(format!(
+            "OAM_NATS_URL='{}' {} watch",
+            mesh.app_url(),
+            bin.display()
+        ))
+        .status()
+        .expect("tmux; scripts/install-test-tools installs it");
+    assert!(status.success());
+
+    let panels = eventually(Duration::from_secs(15), || async {
+        let screen = session.capture();
+        (screen.contains("Provider consensus")
+            && screen.contains("ALL NOMINAL")
+            && ["n1", "n2", "n3"]
+                .iter()
+                .all(|n| screen.contains(&format!("│{n}     alive"))))
+        .then_some(screen)
+    })
+    .await;
+    assert!(
+        panels.is_some(),
+        "panels and three live nodes:\n{}",
+        session.capture()
+    );
+
+    let out = mesh
+        .oam()
+        .args(["chaos", "kill-node", "n2", "--for", "60s"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dead = eventually(Duration::from_secs(15), || async {
+        let screen = session.capture();
+        (screen.contains("│n2     DEAD") && screen.contains("kill-node n2")).then_some(())
+    })
+    .await;
+    assert!(
+        dead.is_some(),
+        "n2 shown dead, the fault in the banner:\n{}",
+        session.capture()
+    );
+
+    Command::new("tmux")
+        .args(["send-keys", "-t", &session.0, "q"])
+        .status()
+        .unwrap();
+    let quit = eventually(Duration::from_secs(10), || async {
+        (!session.alive()).then_some(())
+    })
+    .await;
+    assert!(quit.is_some(), "q quits:\n{}", session.capture());
+}
+
+#[test]
+fn without_a_terminal_it_points_to_json_streams() {
+    let out = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .arg("watch")
+        .timeout(Duration::from_secs(10))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("oam listen"));
+}
