@@ -208,6 +208,9 @@ impl App {
                 push_bounded(&mut self.deaths, (now_ms, notice), 50);
             }
             Event::AgentBeat(b) => {
+                // Instances that stopped beating a minute ago without a death notice are gone.
+                self.instances
+                    .retain(|_, i| now_ms.saturating_sub(i.seen_ms) < 60_000);
                 if let Some(id) = b["instance_id"].as_str() {
                     self.instances.insert(
                         id.to_string(),

@@ -96,6 +96,28 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
         session.capture()
     );
 
+    // Chaos from inside: the menu's first entry kills the primary provider.
+    Command::new("tmux")
+        .args(["send-keys", "-t", &session.0, "c"])
+        .status()
+        .unwrap();
+    Command::new("tmux")
+        .args(["send-keys", "-t", &session.0, "Enter"])
+        .status()
+        .unwrap();
+    let injected = eventually(Duration::from_secs(10), || async {
+        session
+            .capture()
+            .contains("kill-provider primary")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        injected.is_some(),
+        "the menu injected the fault:\n{}",
+        session.capture()
+    );
+
     Command::new("tmux")
         .args(["send-keys", "-t", &session.0, "q"])
         .status()
