@@ -6,8 +6,14 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let cli = oam::cli::Cli::parse_or_exit();
+    // `oam watch` owns the terminal: log lines would land on its screen, so it logs nothing
+    // unless asked (OAM_LOG=... oam watch 2>file).
+    let default = match cli.command {
+        oam::cli::Command::Watch(_) => "off",
+        _ => "info,async_nats=warn",
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_env("OAM_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt()
         .with_env_filter(filter)
