@@ -97,7 +97,11 @@ async fn faults_are_applied_listed_and_undone_on_time() {
     let n2 = mesh.pid("n2");
     let n3 = mesh.pid("n3");
     chaos(&mesh, &["stop-node", "n2", "--for", "1500ms"]);
-    assert_eq!(process_state(n2), Some('T'), "SIGSTOPped");
+    let stopped = eventually(Duration::from_secs(2), || async {
+        (process_state(n2) == Some('T')).then_some(())
+    })
+    .await;
+    assert!(stopped.is_some(), "SIGSTOPped");
     chaos(&mesh, &["kill-node", "n3", "--for", "1s"]);
     let gone = eventually(Duration::from_secs(5), || async {
         (!matches!(process_state(n3), Some('R' | 'S' | 'D'))).then_some(())
