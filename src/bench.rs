@@ -268,7 +268,7 @@ pub async fn run_samples(
     progress: impl Fn() + Send + Sync + 'static,
 ) -> (Vec<Sample>, Duration, Plan) {
     let next = Arc::new(AtomicUsize::new(0));
-    let samples = Arc::new(Mutex::new(Vec::with_capacity(plan.requests)));
+    let samples = Arc::new(Mutex::new(Vec::with_capacity(plan.requests.min(100_000))));
     let progress = Arc::new(progress);
     let started = Instant::now();
     let deadline = plan

@@ -234,7 +234,7 @@ impl Scenario {
     fn check(&self) -> Result<(), String> {
         parse_duration(&self.load.duration).map_err(|e| format!("load.duration: {e}"))?;
         if let Some(after) = &self.load.after {
-            parse_duration(after).map_err(|e| format!("load.after: {e}"))?;
+            offset(after).map_err(|e| format!("load.after: {e}"))?;
         }
         if !(self.load.rate.is_finite() && self.load.rate > 0.0) {
             return Err("load.rate must be a positive number of requests per second".into());
@@ -259,17 +259,28 @@ impl Scenario {
                 ));
             }
         }
+        let requests = self.load.rate * self.duration().as_secs_f64();
+        if requests > MAX_REQUESTS {
+            return Err(format!(
+                "load: rate x duration is {requests:.0} requests; at most {MAX_REQUESTS:.0}"
+            ));
+        }
         for (i, c) in self.chaos.iter().enumerate() {
-            parse_duration(&c.at)
-                .or_else(|e| {
-                    if c.at.trim() == "0s" || c.at.trim() == "0" {
-                        Ok(Duration::ZERO)
-                    } else {
-                        Err(e)
-                    }
-                })
-                .map_err(|e| format!("chaos[{i}].at: {e}"))?;
-            parse_duration(&c.for_).map_err(|e| format!("chaos[{i}].for: {e}"))?;
+            offset(&c.at).map_err(|e| format!("chaos[{i}].at: {e}"))?;
+            let d = parse_duration(&c.for_).map_err(|e| format!("chaos[{i}].for: {e}"))?;
+            if d > crate::chaos::warden::MAX_FOR {
+                return Err(format!(
+                    "chaos[{i}].for: at most {} s",
+                    crate::chaos::warden::MAX_FOR.as_secs()
+                ));
+            }
+            let needs_target = !matches!(
+                c.fault.aim(),
+                crate::chaos::Aim::Mesh | crate::chaos::Aim::Caller
+            ) || c.fault == Fault::DrainBudget;
+            if needs_target && c.target.is_none() {
+                return Err(format!("chaos[{i}] ({}) needs a target", c.fault.name()));
+            }
         }
         for (i, e) in self.expect.iter().enumerate() {
             let needs = |field: &str, v: &Option<String>| {
@@ -320,14 +331,25 @@ impl Scenario {
         self.load
             .after
             .as_deref()
-            .and_then(|a| parse_duration(a).ok())
+            .and_then(|a| offset(a).ok())
             .unwrap_or_default()
+    }
+}
+
+/// The most requests one scenario may send.
+const MAX_REQUESTS: f64 = 1_000_000.0;
+
+/// An offset from the scenario's start: a duration, or zero.
+fn offset(s: &str) -> Result<Duration, String> {
+    match s.trim() {
+        "0" | "0s" | "0ms" => Ok(Duration::ZERO),
+        _ => parse_duration(s),
     }
 }
 
 /// A chaos event's offset and length in ms.
 pub fn event_times(c: &ChaosEvent) -> (u64, u64) {
-    let ms = |d: &str| parse_duration(d).map_or(0, |d| d.as_millis() as u64);
+    let ms = |d: &str| offset(d).map_or(0, |d| d.as_millis() as u64);
     (ms(&c.at), ms(&c.for_))
 }
 
@@ -598,6 +620,25 @@ min = 1
         assert!(Scenario::parse(&bad).unwrap_err().contains("load.duration"));
         let bad = OUTAGE.replace("rate = 10", "rate = 10\nrat = 1");
         assert!(Scenario::parse(&bad).unwrap_err().contains("rat"));
+        let bad = OUTAGE.replace("target = \"primary\"\n", "");
+        assert!(
+            Scenario::parse(&bad)
+                .unwrap_err()
+                .contains("needs a target")
+        );
+        let bad = OUTAGE.replace("rate = 10", "rate = 1e6");
+        assert!(Scenario::parse(&bad).unwrap_err().contains("at most"));
+        let bad = OUTAGE.replace("for = \"4s\"", "for = \"90m\"");
+        assert!(
+            Scenario::parse(&bad)
+                .unwrap_err()
+                .contains("at most 3600 s")
+        );
+        let at_zero = OUTAGE.replace("at = \"2s\"", "at = \"0s\"");
+        assert_eq!(
+            event_times(&Scenario::parse(&at_zero).unwrap().chaos[0]).0,
+            0
+        );
     }
 
     #[test]

@@ -17,6 +17,9 @@ use std::time::Duration;
 
 /// The longest a fault may last.
 pub const MAX_FOR: Duration = Duration::from_secs(3_600);
+/// Bounds on the load faults.
+pub const MAX_REQUESTS: u32 = 100_000;
+pub const MAX_CONCURRENCY: u32 = 1_000;
 const STATE: &str = "chaos.json";
 
 /// How to undo a fault.
@@ -206,6 +209,24 @@ impl Warden {
         }
         let fault = req.fault;
         let p = &req.params;
+        if p.requests.is_some_and(|n| n == 0 || n > MAX_REQUESTS)
+            || p.concurrency.is_some_and(|n| n == 0 || n > MAX_CONCURRENCY)
+        {
+            return err(format!(
+                "--requests must be 1 to {MAX_REQUESTS} and --concurrency 1 to {MAX_CONCURRENCY}"
+            ));
+        }
+        if fault == Fault::IsolateNode
+            && let Some(active) = self
+                .entries
+                .iter()
+                .find(|e| e.active.fault == fault && Some(&e.active.target) == req.target.as_ref())
+        {
+            return err(format!(
+                "{} is already isolated ({}); `oam chaos restore {}` first",
+                active.active.target, active.active.id, active.active.id
+            ));
+        }
         let target = match (fault.aim(), req.target.clone()) {
             (Aim::Mesh, _) => "mesh".to_string(),
             (Aim::Caller, None) if fault == Fault::AgentLoop => "loop-bot".to_string(),
@@ -610,11 +631,12 @@ fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, Reply> {
     serde_json::from_slice(payload).map_err(|e| err(format!("malformed chaos request: {e}")))
 }
 
-/// Run the warden for the mesh in `dir` until `stop`.
+/// Run the warden for the mesh in `dir` until `stop`; `ready` is called once it answers.
 pub async fn run(
     dir: &Path,
     nats: async_nats::Client,
     app_url: String,
+    ready: impl FnOnce(),
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let mut w = Warden::new(dir.to_path_buf(), nats.clone(), app_url)?;
@@ -622,6 +644,7 @@ pub async fn run(
     let mut list = nats.subscribe(subjects::CHAOS_LIST).await?;
     let mut restore = nats.subscribe(subjects::CHAOS_RESTORE).await?;
     nats.flush().await?;
+    ready();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tokio::pin!(stop);
     loop {

@@ -285,17 +285,23 @@ pub async fn run(a: Args) -> Result<()> {
         }
         Command::Warden { dir } => {
             let nc = super::nats(&url, "oam-chaos-warden", false).await?;
-            {
+            let json = a.json;
+            let ready_dir = dir.clone();
+            let ready = move || {
                 let mut out = std::io::stdout().lock();
-                let ready = serde_json::json!({"warden": dir, "pid": std::process::id()});
-                if a.json {
-                    writeln!(out, "{ready}")?;
+                let line = serde_json::json!({"warden": ready_dir, "pid": std::process::id()});
+                let _ = if json {
+                    writeln!(out, "{line}")
                 } else {
-                    writeln!(out, "oam chaos warden for the mesh in {}", dir.display())?;
-                }
-                out.flush()?;
-            }
-            chaos::warden::run(&dir, nc, url, crate::signal::terminated())
+                    writeln!(
+                        out,
+                        "oam chaos warden for the mesh in {}",
+                        ready_dir.display()
+                    )
+                };
+                let _ = out.flush();
+            };
+            chaos::warden::run(&dir, nc, url, ready, crate::signal::terminated())
                 .await
                 .map_err(|e| Error::new(Kind::Unreachable, e))
         }

@@ -160,6 +160,17 @@ fn verdict_line(o: &Outcome) -> String {
 }
 
 pub async fn run(a: Args) -> Result<()> {
+    if let Some(unknown) = a
+        .only
+        .iter()
+        .find(|o| !HEADLINE.iter().any(|(n, _)| n == o))
+    {
+        let names: Vec<&str> = HEADLINE.iter().map(|(n, _)| *n).collect();
+        return Err(Error::usage(format!(
+            "--only {unknown}: the demo plays {}",
+            names.join(", ")
+        )));
+    }
     let chosen: Vec<(&str, &str)> = HEADLINE
         .iter()
         .copied()

@@ -626,22 +626,19 @@ async fn monitor(a: MonitorArgs) -> Result<()> {
         })?;
     let app = super::nats(&app_url, "oam-monitor", false).await?;
     let sys = super::nats(&sys_url, "oam-monitor-sys", false).await?;
-    {
+    let json = a.json;
+    let shown = connect::redact(&app_url);
+    let ready = move || {
         let mut out = std::io::stdout().lock();
-        let ready =
-            serde_json::json!({"monitor": connect::redact(&app_url), "pid": std::process::id()});
-        if a.json {
-            writeln!(out, "{ready}")?;
+        let line = serde_json::json!({"monitor": shown, "pid": std::process::id()});
+        let _ = if json {
+            writeln!(out, "{line}")
         } else {
-            writeln!(
-                out,
-                "oam mesh monitor watching {}",
-                connect::redact(&app_url)
-            )?;
-        }
-        out.flush()?;
-    }
-    crate::mesh::monitor::run(app, sys, crate::signal::terminated())
+            writeln!(out, "oam mesh monitor watching {shown}")
+        };
+        let _ = out.flush();
+    };
+    crate::mesh::monitor::run(app, sys, ready, crate::signal::terminated())
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))
 }

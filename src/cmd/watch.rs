@@ -265,6 +265,8 @@ pub async fn run(a: Args) -> Result<()> {
     let mut app = App::default();
     let mut frame = tokio::time::interval(Duration::from_millis(1_000 / u64::from(a.fps)));
     frame.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let terminated = crate::signal::terminated();
+    tokio::pin!(terminated);
     let result = loop {
         tokio::select! {
             _ = frame.tick() => {
@@ -281,7 +283,7 @@ pub async fn run(a: Args) -> Result<()> {
                 break Ok(());
             },
             Some(s) = status_rx.recv() => app.status = s,
-            _ = crate::signal::terminated() => break Ok(()),
+            _ = &mut terminated => break Ok(()),
         }
     };
     stop.store(true, Ordering::Relaxed);

@@ -158,6 +158,8 @@ pub struct Caller {
 
 struct Pending {
     agent: String,
+    /// When the call was made (wall clock, ms), to tell deaths before it from deaths after.
+    started_ms: u64,
     instance: Option<String>,
     fate: Option<tokio::sync::oneshot::Sender<Fate>>,
 }
@@ -230,7 +232,10 @@ impl Caller {
                     }
                     Some(m) = deaths.next() => {
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
-                            fail(&p, &|c: &Pending| c.agent == n.agent, &n);
+                            // The agent's death fails the calls made before it; one made after
+                            // it either finds nobody (not_found at once) or a new instance.
+                            let before = |c: &Pending| n.detected_at_ms.is_none_or(|t| c.started_ms <= t);
+                            fail(&p, &|c: &Pending| c.agent == n.agent && before(c), &n);
                         }
                     }
                     else => return,
@@ -252,6 +257,7 @@ impl Caller {
             request_id.clone(),
             Pending {
                 agent: agent.to_string(),
+                started_ms: crate::node::now_ms(),
                 instance: None,
                 fate: Some(tx),
             },

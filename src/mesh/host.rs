@@ -506,6 +506,7 @@ pub async fn serve(
             detected_at: store::rfc3339_now(),
             instance_id: instance.id.clone(),
             detail: None,
+            detected_at_ms: Some(crate::node::now_ms()),
         };
         if let Ok(b) = serde_json::to_vec(&notice) {
             let _ = instance

@@ -119,8 +119,10 @@ impl LocalMesh {
         .await?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         mesh.monitor = tokio::spawn(async move {
-            let _ = ready_tx.send(());
-            if let Err(e) = super::monitor::run(app, sys, std::future::pending()).await {
+            let ready = move || {
+                let _ = ready_tx.send(());
+            };
+            if let Err(e) = super::monitor::run(app, sys, ready, std::future::pending()).await {
                 tracing::warn!("the local mesh's monitor stopped: {e:#}");
             }
         });

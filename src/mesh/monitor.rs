@@ -156,12 +156,14 @@ impl Monitor {
             return; // another monitor (or an earlier run) announced it
         }
         let detected_at = store::rfc3339_now();
+        let detected_at_ms = crate::node::now_ms();
         let notice = |agent: &str| DeathNotice {
             agent: agent.to_string(),
             reason,
             detected_at: detected_at.clone(),
             instance_id: instance_id.to_string(),
             detail: (!detail.is_empty()).then(|| detail.to_string()),
+            detected_at_ms: Some(detected_at_ms),
         };
         // Callers holding a request on this instance learn it first, before any look-up.
         let hint = agents_hint.first().map_or("", String::as_str);
@@ -236,7 +238,8 @@ impl Monitor {
             "subscriptions_detail": true,
         });
         let Some(connz) = self.connz(server, query).await else {
-            return false;
+            // Unknown is not dead: a false death notice would fail every caller of the agent.
+            return true;
         };
         connz.data.connections.iter().any(|c| {
             instance_of(&c.name).is_none()
@@ -319,14 +322,19 @@ impl Monitor {
     }
 }
 
-/// Run until `stop`: `sys` reads `$SYS` advisories, `app` does everything else.
+/// Run until `stop`: `sys` reads `$SYS` advisories, `app` does everything else. `ready` is
+/// called once both subscriptions are in place at the server.
 pub async fn run(
     app: async_nats::Client,
     sys: async_nats::Client,
+    ready: impl FnOnce(),
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let mut advisories = sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT").await?;
     let mut beats = app.subscribe(subjects::HEALTH).await?;
+    sys.flush().await?;
+    app.flush().await?;
+    ready();
     let mut m = Monitor::new(app, sys.clone());
     m.adopt_records().await;
     let mut sweep = tokio::time::interval(Duration::from_millis(250));

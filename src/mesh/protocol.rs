@@ -177,6 +177,11 @@ pub struct DeathNotice {
     /// What the server said (e.g. "Client Closed", "Stale Connection", "Slow Consumer").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// oam's extension: `detected_at` in milliseconds since the epoch, so a caller fails only
+    /// the calls it made before the death (a call made after it finds nobody, or a new
+    /// instance). Other clients omit it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detected_at_ms: Option<u64>,
 }
 
 #[cfg(test)]
@@ -218,6 +223,7 @@ mod tests {
             detected_at: "t".into(),
             instance_id: "i".into(),
             detail: None,
+            detected_at_ms: None,
         };
         assert_eq!(
             serde_json::to_value(&d).unwrap(),

@@ -36,13 +36,19 @@ pub fn router(node: Arc<Node>) -> Router {
         .with_state(node)
 }
 
-/// `POST /v1/oam/chaos`: a chaos command over HTTP (how an isolated node hears its restore).
+/// `POST /v1/oam/chaos`: how an isolated node hears that its fault ended early. Only a
+/// restore is accepted here; faults themselves come from the warden over NATS.
 async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Response {
     match serde_json::from_slice::<crate::chaos::NodeCommand>(&body) {
-        Ok(cmd) => {
+        Ok(cmd @ crate::chaos::NodeCommand::Restore { .. }) => {
             node.chaos(cmd);
             axum::Json(json!({"applied": true})).into_response()
         }
+        Ok(_) => (
+            StatusCode::FORBIDDEN,
+            axum::Json(json!({"error": "only a restore is accepted over HTTP; inject faults with `oam chaos`"})),
+        )
+            .into_response(),
         Err(e) => (
             StatusCode::BAD_REQUEST,
             axum::Json(json!({"error": format!("not a chaos command: {e}")})),
@@ -540,10 +546,17 @@ pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
             .nats
             .queue_subscribe(subjects::REQUEST, subjects::REQUEST_QUEUE.into())
             .await?;
-        while !node.isolated() {
+        loop {
+            // Registered before the check, so an isolation between the two is not missed.
+            let changed = node.isolation_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if node.isolated() {
+                break;
+            }
             let msg = tokio::select! {
                 m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
-                _ = node.isolation_changed.notified() => break,
+                _ = changed => break,
             };
             serve_one(&node, msg);
         }

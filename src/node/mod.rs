@@ -43,6 +43,9 @@ pub struct BusCounters {
     pub dropped_events: AtomicU64,
 }
 
+/// How long a starting node waits to hear a majority before it serves anyway.
+const JOIN_WAIT: Duration = Duration::from_millis(2_500);
+
 /// Events wait here for the bus, so a slow or absent NATS never blocks a request.
 const OUTBOX_CAPACITY: usize = 4_096;
 
@@ -77,8 +80,9 @@ pub struct Node {
 struct NodeChaos {
     /// (fault id, until) while the node is cut off from NATS.
     isolated: Option<(String, u64)>,
-    /// fault id -> (agent, the budget it had before).
-    drained: BTreeMap<String, (String, Option<crate::core::budget::Budget>)>,
+    /// agent -> (its limit before the first drain, or none when it had no budget; the drain
+    /// faults holding it). Only the limit changes, so spending in flight is still accounted.
+    drained: BTreeMap<String, (Option<f64>, std::collections::BTreeSet<String>)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -173,22 +177,24 @@ impl Node {
                 agent,
                 until_ms,
             } => {
+                let mut c = lock(&self.chaos);
                 let mut e = self.engine();
-                let before = e.state.budgets.agents.get(&agent).copied();
-                let limit = before.map_or(0.0, |b| b.limit_usd);
+                let budget = e.state.budgets.agents.get(&agent).copied();
+                let held = c
+                    .drained
+                    .entry(agent.clone())
+                    .or_insert_with(|| (budget.map(|b| b.limit_usd), Default::default()));
+                held.1.insert(id.clone());
+                // Nothing left: the limit drops to what is already spent or reserved.
+                let b = budget.unwrap_or(crate::core::budget::Budget::new(0.0));
                 e.state.budgets.agents.insert(
                     agent.clone(),
                     crate::core::budget::Budget {
-                        limit_usd: limit,
-                        spent_usd: limit,
-                        reserved_usd: before.map_or(0.0, |b| b.reserved_usd),
+                        limit_usd: b.spent_usd + b.reserved_usd,
+                        ..b
                     },
                 );
-                drop(e);
                 tracing::warn!(node = %self.id, fault = %id, agent, "budget drained (chaos)");
-                lock(&self.chaos)
-                    .drained
-                    .insert(id.clone(), (agent, before));
                 (id, until_ms)
             }
         };
@@ -207,12 +213,57 @@ impl Node {
             self.isolation_changed.notify_waiters();
             tracing::info!(node = %self.id, fault = id, "reconnected to NATS");
         }
-        if let Some((agent, before)) = c.drained.remove(id) {
-            let mut e = self.engine();
-            match before {
-                Some(b) => e.state.budgets.agents.insert(agent, b),
-                None => e.state.budgets.agents.remove(&agent),
+        let ended: Vec<String> = c
+            .drained
+            .iter_mut()
+            .filter_map(|(agent, (_, ids))| {
+                (ids.remove(id) && ids.is_empty()).then(|| agent.clone())
+            })
+            .collect();
+        for agent in ended {
+            let Some((limit, _)) = c.drained.remove(&agent) else {
+                continue;
             };
+            let mut e = self.engine();
+            match limit {
+                Some(limit_usd) => {
+                    if let Some(b) = e.state.budgets.agents.get_mut(&agent) {
+                        b.limit_usd = limit_usd;
+                    }
+                }
+                None => {
+                    e.state.budgets.agents.remove(&agent);
+                }
+            }
+        }
+    }
+
+    /// Wait (at most `JOIN_WAIT`) until this node hears a majority of the cluster, so a node
+    /// that has just started or restarted does not decide its first requests on a view of one.
+    /// Without a majority in time it serves anyway, on its local view, and says so.
+    async fn join(&self) {
+        let deadline = tokio::time::Instant::now() + JOIN_WAIT;
+        loop {
+            let now = now_ms();
+            let (live, needed) = {
+                let e = self.engine();
+                let c = &e.state.cluster;
+                (c.live_nodes(now).len(), c.quorum(now))
+            };
+            if live >= needed {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    node = %self.id,
+                    live,
+                    needed,
+                    "no majority heard within {} ms; serving on this node's own view",
+                    JOIN_WAIT.as_millis()
+                );
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
 
@@ -583,6 +634,9 @@ pub async fn run(node: Arc<Node>, listener: tokio::net::TcpListener) -> anyhow::
                 tracing::error!("chaos commands stopped: {e:#}");
             }
         });
+    }
+    node.join().await;
+    {
         let n = node.clone();
         tasks.spawn(async move {
             if let Err(e) = dataplane::serve_nats(n).await {

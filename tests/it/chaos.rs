@@ -126,6 +126,41 @@ async fn faults_are_applied_listed_and_undone_on_time() {
     assert!(expired.contains(&"kill-node".to_string()), "{expired:?}");
     assert_ne!(process_state(n2), Some('T'), "SIGCONT at the end");
     assert_eq!(get(&format!("{sim}/sim/faults")).await["faults"], json!([]));
+    // The restarted n3's answers are cluster decisions from the first one: it hears a majority
+    // before it serves, instead of deciding on a view of one. (Requests sent while it starts
+    // wait for it; the window that matters is its first second, before others' heartbeats.)
+    let restarted = eventually(Duration::from_secs(15), || async {
+        (mesh.pid("n3") != n3).then_some(())
+    })
+    .await;
+    assert!(restarted.is_some(), "the warden started n3 again");
+    let client = http(Duration::from_secs(10));
+    let mut answers = Vec::new();
+    let until = std::time::Instant::now() + Duration::from_millis(1_500);
+    while std::time::Instant::now() < until {
+        let sent = client
+            .post(format!("{}/v1/chat/completions", mesh.node(2)))
+            .json(&json!({"model": "auto", "messages": [{"role": "user", "content": format!("early {}", answers.len())}]}))
+            .send()
+            .await;
+        if let Ok(r) = sent {
+            let reasons = r
+                .headers()
+                .get("x-oam-reasons")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            answers.push((r.status().as_u16(), reasons));
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert!(!answers.is_empty(), "n3 answered while starting");
+    assert!(
+        answers
+            .iter()
+            .all(|(s, r)| *s == 200 && !r.contains("NO_QUORUM_LOCAL_VIEW")),
+        "{answers:?}"
+    );
     let back = eventually(Duration::from_secs(15), || async {
         let pid = mesh.pid("n3");
         (pid != n3 && live_nodes(&mesh.node(0)).await.len() == 3).then_some(pid)
