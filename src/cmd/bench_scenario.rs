@@ -126,6 +126,35 @@ impl Drop for Agents {
     }
 }
 
+/// Agents of this scenario that the warden started again after a `kill-agent` are not this
+/// process's children; stop them too (by pid from their instance record, only if their command
+/// line is that agent's `oam agent serve`), so a scenario leaves no agent behind.
+async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
+    let host = crate::mesh::store::hostname();
+    let records = crate::mesh::store::all_instances(nats)
+        .await
+        .unwrap_or_default();
+    for a in &s.agents {
+        for r in records
+            .iter()
+            .filter(|r| r.agents.contains(&a.name) && r.host.as_deref() == Some(host.as_str()))
+        {
+            let Some(pid) = r.pid else { continue };
+            let p = localmesh::Started {
+                name: a.name.clone(),
+                pid,
+                endpoint: String::new(),
+                log: Default::default(),
+                cmdline_marker: format!("agent serve {}", a.name),
+                args: Vec::new(),
+            };
+            if localmesh::is_ours(&p) {
+                localmesh::signal(pid, libc::SIGTERM);
+            }
+        }
+    }
+}
+
 fn start_agents(dir: &Path, app_url: &str, s: &Scenario) -> Result<Agents> {
     let mut agents = Agents(Vec::new());
     for a in &s.agents {
@@ -317,6 +346,7 @@ pub async fn run(
             anyhow::anyhow!("scenario {}: could not inject chaos: {why}", s.name),
         ));
     }
+    stop_restarted_agents(&nats, s).await;
     let after = cluster_reasons(&http, &every).await;
     let cluster: BTreeMap<String, f64> = after
         .iter()
