@@ -118,6 +118,40 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
         session.capture()
     );
 
+    // NATS goes away: the watch says so and keeps the last picture; when the server is back (the
+    // same config, so the same port and accounts) the picture comes back.
+    let nats_pid = mesh.pid("nats-server");
+    assert!(oam::localmesh::signal(nats_pid, libc::SIGKILL));
+    let said = eventually(Duration::from_secs(10), || async {
+        session.capture().contains("NATS DOWN").then_some(())
+    })
+    .await;
+    assert!(said.is_some(), "NATS down is shown:\n{}", session.capture());
+    let conf = mesh.dir.0.join("nats.conf");
+    let log = mesh.dir.0.join("nats-again.log");
+    let bin = oam::natsd::find(None).unwrap().0;
+    let port = mesh.up["nats"]
+        .as_str()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut again = oam::natsd::start(&bin, &conf, &log, port, Duration::from_secs(10)).unwrap();
+    let back = eventually(Duration::from_secs(20), || async {
+        let screen = session.capture();
+        (screen.contains("NATS connected") && screen.contains("│n1     alive")).then_some(())
+    })
+    .await;
+    let _ = again.kill();
+    let _ = again.wait();
+    assert!(
+        back.is_some(),
+        "the picture comes back:\n{}",
+        session.capture()
+    );
+
     Command::new("tmux")
         .args(["send-keys", "-t", &session.0, "q"])
         .status()
