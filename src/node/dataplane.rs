@@ -122,8 +122,6 @@ struct ChatIn {
     #[serde(default)]
     response_format: Option<Value>,
     #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
     oam: Option<OamFields>,
 }
 
@@ -193,11 +191,6 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<Request, BadReq
             e.into_inner()
         ))
     })?;
-    if chat.stream == Some(true) {
-        return Err(BadRequest(
-            "streaming is not supported yet; send stream: false".into(),
-        ));
-    }
     if chat.messages.is_empty() {
         return Err(BadRequest("messages must hold at least one message".into()));
     }
@@ -496,19 +489,77 @@ fn respond(node: &Node, d: Decision, last: Option<crate::core::request::Generati
 }
 
 fn to_http(a: Answer) -> Response {
-    let mut resp = (a.status, axum::Json(a.body)).into_response();
+    let Answer {
+        status,
+        body,
+        request_id,
+        phase,
+        reasons,
+        provider,
+    } = a;
+    let resp = (status, axum::Json(body)).into_response();
+    with_oam_headers(resp, [phase, reasons, provider, request_id])
+}
+
+/// `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Provider` and `X-Request-Id` on a response.
+fn with_oam_headers(
+    mut resp: Response,
+    [phase, reasons, provider, request_id]: [String; 4],
+) -> Response {
     let h = resp.headers_mut();
     for (name, value) in [
-        ("x-oam-phase", a.phase),
-        ("x-oam-reasons", a.reasons),
-        ("x-oam-provider", a.provider),
-        ("x-request-id", a.request_id),
+        ("x-oam-phase", phase),
+        ("x-oam-reasons", reasons),
+        ("x-oam-provider", provider),
+        ("x-request-id", request_id),
     ] {
         if let Ok(v) = HeaderValue::from_str(&value) {
             h.insert(HeaderName::from_static(name), v);
         }
     }
     resp
+}
+
+/// `"stream": true` in a chat request.
+fn wants_stream(body: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Stream {
+        #[serde(default)]
+        stream: Option<bool>,
+    }
+    serde_json::from_slice::<Stream>(body).is_ok_and(|s| s.stream == Some(true))
+}
+
+/// An accepted answer as OpenAI server-sent events. oam checks the whole answer (contract,
+/// quality, cost) before releasing any of it, so the stream is the checked answer in one content
+/// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
+fn to_sse(a: Answer) -> Response {
+    let b = &a.body;
+    let choice = &b["choices"][0];
+    let head = |choices: Value| {
+        json!({
+            "id": b["id"], "object": "chat.completion.chunk", "created": b["created"],
+            "model": b["model"], "choices": choices,
+        })
+    };
+    let first = head(
+        json!([{"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}, "finish_reason": null}]),
+    );
+    let mut last =
+        head(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]));
+    last["usage"] = b["usage"].clone();
+    last["oam"] = b["oam"].clone();
+    let text = format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n");
+    let resp = (
+        StatusCode::OK,
+        [
+            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        text,
+    )
+        .into_response();
+    with_oam_headers(resp, [a.phase, a.reasons, a.provider, a.request_id])
 }
 
 async fn chat(
@@ -518,7 +569,14 @@ async fn chat(
 ) -> Response {
     let limit = node.cfg.node.max_body_bytes;
     match axum::body::to_bytes(body, limit).await {
-        Ok(bytes) => to_http(execute(&node, &bytes, &headers).await),
+        Ok(bytes) => {
+            let answer = execute(&node, &bytes, &headers).await;
+            if answer.status == StatusCode::OK && wants_stream(&bytes) {
+                to_sse(answer)
+            } else {
+                to_http(answer)
+            }
+        }
         Err(_) => {
             let mut a = bad_request(
                 &node,

@@ -176,6 +176,13 @@ out = {
     "oam": (r.model_extra or {}).get("oam"),
     "phase": raw.headers.get("x-oam-phase"),
 }
+# Streaming: the checked answer arrives as server-sent events the client reassembles.
+chunks = list(c.chat.completions.create(
+    model="auto", messages=[{"role": "user", "content": "Stream it"}], stream=True,
+))
+out["streamed"] = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+out["stream_finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+out["stream_oam"] = (chunks[-1].model_extra or {}).get("oam", {}).get("outcome")
 try:
     c.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     out["unknown_model"] = "accepted?!"
@@ -195,6 +202,9 @@ print(json.dumps(out))
     let v = json(&out.stdout);
     assert!(v["content"].as_str().unwrap().contains("answer"), "{v}");
     assert_eq!(v["phase"], "accepted");
+    assert!(v["streamed"].as_str().unwrap().contains("answer"), "{v}");
+    assert_eq!(v["stream_finish"], "stop", "{v}");
+    assert_eq!(v["stream_oam"], "accepted", "{v}");
     assert_eq!(v["oam"]["outcome"], "accepted");
     assert_eq!(v["unknown_model"], 400);
 }
