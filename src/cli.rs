@@ -26,7 +26,7 @@ pub enum Command {
     Node(cmd::node::Args),
     /// A local cluster in one command: `oam mesh up`, `oam mesh status`, `oam mesh down`.
     Mesh(cmd::mesh::Args),
-    /// Bounded load against the nodes, with latency percentiles and reason-code counts.
+    /// Bounded load against the nodes (HTTP or NATS), or a scenario: load, chaos and expectations.
     Bench(cmd::bench::Args),
     /// Agents on the mesh: `oam agent serve NAME --demo echo`, `oam agent call NAME`, `oam agent list`.
     Agent(cmd::agent::Args),
