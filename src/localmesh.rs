@@ -68,6 +68,13 @@ impl Record {
     }
 }
 
+/// A URL recorded in the state folder's `credentials.json` (`app_url` or `sys_url`), if any.
+pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join(CREDENTIALS)).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v[key].as_str().map(String::from)
+}
+
 /// Start `oam ARGS` detached (own process group), stdout to `NAME.out`, stderr to `NAME.log`
 /// (appended, so a restarted process keeps its history).
 pub fn spawn_oam(

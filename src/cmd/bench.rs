@@ -170,10 +170,7 @@ pub async fn run(a: Args) -> Result<()> {
     let tick = bar.clone();
     let target = if a.nats {
         let url = a.nats_url.clone().unwrap_or_else(|| {
-            std::fs::read_to_string(a.dir.join(crate::localmesh::CREDENTIALS))
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| v["app_url"].as_str().map(String::from))
+            crate::localmesh::recorded_url(&a.dir, "app_url")
                 .unwrap_or_else(|| crate::transport::connect::resolve_url(None))
         });
         bench::Target::Nats(super::nats(&url, "oam-bench", false).await?)

@@ -213,10 +213,7 @@ pub async fn run(
                 ),
             )
         })?;
-    let app_url = std::fs::read_to_string(dir.join(localmesh::CREDENTIALS))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| v["app_url"].as_str().map(String::from))
+    let app_url = localmesh::recorded_url(dir, "app_url")
         .unwrap_or_else(|| crate::transport::connect::resolve_url(None));
     let nats = super::nats(&app_url, "oam-bench-scenario", false).await?;
     let all_nodes: Vec<(String, String)> = rec

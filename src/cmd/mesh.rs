@@ -600,15 +600,7 @@ pub const ENV_SYS_URL: &str = "OAM_NATS_SYS_URL";
 
 async fn monitor(a: MonitorArgs) -> Result<()> {
     use crate::transport::connect;
-    let recorded = std::fs::read_to_string(a.dir.join(localmesh::CREDENTIALS))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-    let from_dir = |key: &str| {
-        recorded
-            .as_ref()
-            .and_then(|v| v[key].as_str())
-            .map(String::from)
-    };
+    let from_dir = |key: &str| localmesh::recorded_url(&a.dir, key);
     let app_url = a
         .nats_url
         .or_else(|| std::env::var(connect::ENV_URL).ok())

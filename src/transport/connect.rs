@@ -12,11 +12,7 @@ pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
 /// mesh recorded in `.oam/` (by `oam mesh up`), then `nats://127.0.0.1:4222`.
 pub fn resolve_url(flag: Option<String>) -> String {
     flag.or_else(|| std::env::var(ENV_URL).ok())
-        .or_else(|| {
-            let text = std::fs::read_to_string(".oam/credentials.json").ok()?;
-            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-            v["app_url"].as_str().map(String::from)
-        })
+        .or_else(|| crate::localmesh::recorded_url(std::path::Path::new(".oam"), "app_url"))
         .unwrap_or_else(|| DEFAULT_URL.to_string())
 }
 
