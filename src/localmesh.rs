@@ -132,10 +132,15 @@ pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
 
 /// Is `p` running and still the process we started (not a reused PID)?
 pub fn is_ours(p: &Started) -> bool {
-    match std::fs::read(format!("/proc/{}/cmdline", p.pid)) {
+    is_running(p.pid, &p.cmdline_marker)
+}
+
+/// Whether `pid` is alive and its command line contains `marker` (so a reused PID is not it).
+pub fn is_running(pid: u32, marker: &str) -> bool {
+    match std::fs::read(format!("/proc/{pid}/cmdline")) {
         Ok(raw) => {
             let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-            cmdline.contains(&p.cmdline_marker) && !is_zombie(p.pid)
+            cmdline.contains(marker) && !is_zombie(pid)
         }
         Err(_) => false,
     }

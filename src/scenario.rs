@@ -274,11 +274,7 @@ impl Scenario {
                     crate::chaos::warden::MAX_FOR.as_secs()
                 ));
             }
-            let needs_target = !matches!(
-                c.fault.aim(),
-                crate::chaos::Aim::Mesh | crate::chaos::Aim::Caller
-            ) || c.fault == Fault::DrainBudget;
-            if needs_target && c.target.is_none() {
+            if c.fault.default_target().is_none() && c.target.is_none() {
                 return Err(format!("chaos[{i}] ({}) needs a target", c.fault.name()));
             }
         }

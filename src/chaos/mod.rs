@@ -65,6 +65,15 @@ impl Fault {
         }
     }
 
+    /// The target a fault takes when none is given (`None`: it needs one).
+    pub fn default_target(self) -> Option<&'static str> {
+        match self {
+            Fault::TrafficSpike => Some("mesh"),
+            Fault::AgentLoop => Some("loop-bot"),
+            _ => None,
+        }
+    }
+
     pub fn aim(self) -> Aim {
         match self {
             Fault::KillProvider

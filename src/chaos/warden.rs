@@ -227,11 +227,14 @@ impl Warden {
                 active.active.target, active.active.id, active.active.id
             ));
         }
-        let target = match (fault.aim(), req.target.clone()) {
+        let given = req.target.clone().filter(|t| !t.is_empty());
+        let target = match (
+            fault.aim(),
+            given.or(fault.default_target().map(String::from)),
+        ) {
             (Aim::Mesh, _) => "mesh".to_string(),
-            (Aim::Caller, None) if fault == Fault::AgentLoop => "loop-bot".to_string(),
-            (_, Some(t)) if !t.is_empty() => t,
-            (aim, _) => {
+            (_, Some(t)) => t,
+            (aim, None) => {
                 return err(format!(
                     "{} needs a target: {}",
                     fault.name(),
@@ -490,15 +493,7 @@ impl Warden {
                 }
             }
             Undo::Resume { pid, marker } => {
-                let p = Started {
-                    name: String::new(),
-                    pid: *pid,
-                    endpoint: String::new(),
-                    log: PathBuf::new(),
-                    cmdline_marker: marker.clone(),
-                    args: Vec::new(),
-                };
-                if localmesh::is_ours(&p) {
+                if localmesh::is_running(*pid, marker) {
                     localmesh::signal(*pid, libc::SIGCONT);
                 }
             }

@@ -140,15 +140,7 @@ async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
             .filter(|r| r.agents.contains(&a.name) && r.host.as_deref() == Some(host.as_str()))
         {
             let Some(pid) = r.pid else { continue };
-            let p = localmesh::Started {
-                name: a.name.clone(),
-                pid,
-                endpoint: String::new(),
-                log: Default::default(),
-                cmdline_marker: format!("agent serve {}", a.name),
-                args: Vec::new(),
-            };
-            if localmesh::is_ours(&p) {
+            if localmesh::is_running(pid, &format!("agent serve {}", a.name)) {
                 localmesh::signal(pid, libc::SIGTERM);
             }
         }
