@@ -117,7 +117,10 @@ pub struct Percentiles {
 
 /// The body of request `i`: distinct content per request so loop detection sees new calls.
 pub fn body(plan: &Plan, i: usize) -> Value {
-    let k = plan.kind(i);
+    body_of(plan, i, &plan.kind(i))
+}
+
+fn body_of(plan: &Plan, i: usize, k: &crate::scenario::Mix) -> Value {
     json!({
         "model": "auto",
         "messages": [{"role": "user", "content": format!("oam bench request {i} (seed {})", plan.seed)}],
@@ -296,15 +299,16 @@ pub async fn run_samples(
                     tokio::time::sleep_until(at.into()).await;
                 }
                 let began = started.elapsed();
+                let kind = plan.kind(i);
                 let mut s = match &target {
                     Target::Http(http) => {
-                        one_http(http, &plan.urls, i, &body(&plan, i), timeout).await
+                        one_http(http, &plan.urls, i, &body_of(&plan, i, &kind), timeout).await
                     }
-                    Target::Nats(nats) => one_nats(nats, &body(&plan, i), timeout).await,
+                    Target::Nats(nats) => one_nats(nats, &body_of(&plan, i, &kind), timeout).await,
                     Target::Agent { caller, agent } => one_agent(caller, agent, i, timeout).await,
                 };
                 s.started_us = began.as_micros() as u64;
-                s.priority = plan.kind(i).priority;
+                s.priority = kind.priority;
                 samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
                 progress();
             }

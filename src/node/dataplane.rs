@@ -122,6 +122,8 @@ struct ChatIn {
     #[serde(default)]
     response_format: Option<Value>,
     #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
     oam: Option<OamFields>,
 }
 
@@ -177,7 +179,8 @@ fn parse_enum_header<T: serde::de::DeserializeOwned>(
 }
 
 /// Build the core request from the body and headers.
-fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<Request, BadRequest> {
+/// The request, and whether it asked for server-sent events (`"stream": true`).
+fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool), BadRequest> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     let chat: ChatIn = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -227,12 +230,13 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<Request, BadReq
             known.join(", ")
         )));
     }
+    let stream = chat.stream == Some(true);
     let o = chat.oam.unwrap_or_default();
     let id = o
         .request_id
         .or_else(|| header(h, "x-request-id").map(String::from))
         .unwrap_or_else(|| node.next_request_id());
-    Ok(Request {
+    let request = Request {
         id,
         agent: o
             .agent
@@ -268,11 +272,14 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<Request, BadReq
         policy: o.policy.unwrap_or_default(),
         contract: o.contract,
         response_format: chat.response_format,
-    })
+    };
+    Ok((request, stream))
 }
 
 /// What the data plane answers, before it is turned into HTTP or a NATS reply.
 pub struct Answer {
+    /// The request asked for server-sent events (HTTP only; the NATS reply is always JSON).
+    pub stream: bool,
     pub status: StatusCode,
     pub body: Value,
     pub request_id: String,
@@ -316,7 +323,7 @@ fn oam_object(d: &Decision) -> Value {
 /// Run one request through the pipeline, calling providers as it directs.
 pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answer {
     let started = std::time::Instant::now();
-    let request = match to_request(node, body, headers) {
+    let (request, stream) = match to_request(node, body, headers) {
         Ok(r) => r,
         Err(BadRequest(msg)) => return bad_request(node, headers, msg),
     };
@@ -397,7 +404,10 @@ pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answ
     node.metrics
         .decision(&decision, started.elapsed().as_secs_f64());
     publish_decision(node, &decision);
-    respond(node, decision, last)
+    Answer {
+        stream,
+        ..respond(node, decision, last)
+    }
 }
 
 fn bad_request(node: &Node, headers: &HeaderMap, msg: String) -> Answer {
@@ -405,6 +415,7 @@ fn bad_request(node: &Node, headers: &HeaderMap, msg: String) -> Answer {
         .map(String::from)
         .unwrap_or_else(|| node.next_request_id());
     Answer {
+        stream: false,
         status: StatusCode::BAD_REQUEST,
         body: json!({"error": {"message": msg, "type": "invalid_request_error", "param": null, "code": "invalid_request"}}),
         request_id,
@@ -479,6 +490,7 @@ fn respond(node: &Node, d: Decision, last: Option<crate::core::request::Generati
         })
     };
     Answer {
+        stream: false,
         status,
         body,
         request_id: d.request_id,
@@ -490,6 +502,7 @@ fn respond(node: &Node, d: Decision, last: Option<crate::core::request::Generati
 
 fn to_http(a: Answer) -> Response {
     let Answer {
+        stream: _,
         status,
         body,
         request_id,
@@ -518,16 +531,6 @@ fn with_oam_headers(
         }
     }
     resp
-}
-
-/// `"stream": true` in a chat request.
-fn wants_stream(body: &[u8]) -> bool {
-    #[derive(Deserialize)]
-    struct Stream {
-        #[serde(default)]
-        stream: Option<bool>,
-    }
-    serde_json::from_slice::<Stream>(body).is_ok_and(|s| s.stream == Some(true))
 }
 
 /// An accepted answer as OpenAI server-sent events. oam checks the whole answer (contract,
@@ -571,7 +574,7 @@ async fn chat(
     match axum::body::to_bytes(body, limit).await {
         Ok(bytes) => {
             let answer = execute(&node, &bytes, &headers).await;
-            if answer.status == StatusCode::OK && wants_stream(&bytes) {
+            if answer.status == StatusCode::OK && answer.stream {
                 to_sse(answer)
             } else {
                 to_http(answer)
