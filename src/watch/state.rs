@@ -74,6 +74,30 @@ pub struct Instance {
     pub seen_ms: u64,
 }
 
+/// One second of decisions: how many, and their latencies until the second is over, when they
+/// are reduced to their p95 (so a frame does not sort them again).
+#[derive(Clone, Debug, Default)]
+pub struct Second {
+    pub count: u64,
+    latencies: Vec<u64>,
+    p95: Option<u64>,
+}
+
+impl Second {
+    fn p95(&self) -> u64 {
+        self.p95.unwrap_or_else(|| p95_of(&self.latencies))
+    }
+}
+
+fn p95_of(latencies: &[u64]) -> u64 {
+    if latencies.is_empty() {
+        return 0;
+    }
+    let mut l = latencies.to_vec();
+    l.sort_unstable();
+    l[((l.len() as f64 * 0.95).ceil() as usize).clamp(1, l.len()) - 1]
+}
+
 /// Which panel has the keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Focus {
@@ -101,7 +125,7 @@ pub struct App {
     pub nodes: BTreeMap<String, NodeView>,
     pub stream: VecDeque<Line>,
     /// Per second (ms of the second's start -> (decisions, latencies)).
-    pub seconds: BTreeMap<u64, (u64, Vec<u64>)>,
+    pub seconds: BTreeMap<u64, Second>,
     pub escalations: VecDeque<(u64, String, Value)>,
     pub incidents: VecDeque<(u64, String, Value)>,
     pub deaths: VecDeque<(u64, Value)>,
@@ -186,11 +210,20 @@ impl App {
             Event::Decision { node, decision } => {
                 let line = line_of(&node, &decision, now_ms);
                 let second = now_ms / 1_000 * 1_000;
+                if !self.seconds.contains_key(&second) {
+                    // A new second: the earlier ones are complete.
+                    for s in self.seconds.values_mut().filter(|s| s.p95.is_none()) {
+                        s.p95 = Some(p95_of(&s.latencies));
+                        s.latencies = Vec::new();
+                    }
+                    let oldest = second.saturating_sub(HISTORY_SECS as u64 * 1_000);
+                    self.seconds.retain(|&s, _| s > oldest);
+                }
                 let slot = self.seconds.entry(second).or_default();
-                slot.0 += 1;
-                slot.1.push(line.latency_ms);
-                let oldest = second.saturating_sub(HISTORY_SECS as u64 * 1_000);
-                self.seconds.retain(|&s, _| s > oldest);
+                slot.count += 1;
+                if slot.p95.is_none() {
+                    slot.latencies.push(line.latency_ms);
+                }
                 if !self.paused {
                     push_bounded(&mut self.stream, line, STREAM_CAPACITY);
                 }
@@ -317,12 +350,9 @@ impl App {
         for i in (0..HISTORY_SECS as u64).rev() {
             let s = now_s.saturating_sub(i * 1_000);
             match self.seconds.get(&s) {
-                Some((n, lat)) => {
-                    rate.push(*n);
-                    let mut l = lat.clone();
-                    l.sort_unstable();
-                    let idx = ((l.len() as f64 * 0.95).ceil() as usize).clamp(1, l.len()) - 1;
-                    p95.push(l[idx]);
+                Some(second) => {
+                    rate.push(second.count);
+                    p95.push(second.p95());
                 }
                 None => {
                     rate.push(0);
