@@ -95,17 +95,30 @@ pub async fn run(args: Args) -> Result<()> {
     }
 }
 
+/// Check that a port asked for is free; 0 stays 0: the process binds any free port itself and
+/// says which (asking for a free port first would race with everything else on the machine).
 fn pick_port(wanted: u16, what: &str, flag: &str) -> Result<u16> {
-    if wanted == 0 {
-        return natsd::free_port().map_err(|e| Error::new(Kind::Check, e));
-    }
-    if natsd::port_in_use(wanted) {
+    if wanted != 0 && natsd::port_in_use(wanted) {
         return Err(Error::usage(format!(
             "port {wanted} for {what} is in use on 127.0.0.1; stop what holds it, or pass \
              {flag} 0 for any free port (or another number)"
         )));
     }
     Ok(wanted)
+}
+
+/// Record where a process that was told `--listen 127.0.0.1:PORT` (perhaps port 0) listens:
+/// its endpoint, and its arguments with the real port, so a restart comes back at the same
+/// address.
+fn settle_address(p: Option<&mut Started>, url: &str) {
+    let Some(p) = p else { return };
+    p.endpoint = url.to_string();
+    let addr = url.trim_start_matches("http://");
+    if let Some(at) = p.args.iter().position(|a| a == "--listen")
+        && let Some(value) = p.args.get_mut(at + 1)
+    {
+        *value = addr.to_string();
+    }
 }
 
 /// Wait for the first line of `path` (a child's stdout), parsed as JSON.
@@ -187,7 +200,6 @@ async fn up(a: UpArgs) -> Result<()> {
     let (bin, version) =
         natsd::find(a.nats_server.as_deref()).map_err(|e| Error::new(Kind::Usage, e))?;
     let port = pick_port(a.port, "nats-server", "--port")?;
-    let monitor_port = natsd::free_port().map_err(|e| Error::new(Kind::Check, e))?;
     let sim_port = pick_port(a.sim_port, "the simulator", "--sim-port")?;
     let mut node_ports = Vec::new();
     for i in 0..a.nodes {
@@ -196,17 +208,7 @@ async fn up(a: UpArgs) -> Result<()> {
     }
 
     let mut started: Vec<Started> = Vec::new();
-    let result = start_all(
-        &a,
-        &dir,
-        &bin,
-        port,
-        monitor_port,
-        sim_port,
-        &node_ports,
-        &mut started,
-    )
-    .await;
+    let result = start_all(&a, &dir, &bin, port, sim_port, &node_ports, &mut started).await;
     let rec = match result {
         Ok(rec) => rec,
         Err(e) => {
@@ -221,7 +223,7 @@ async fn up(a: UpArgs) -> Result<()> {
     if a.json {
         let doc = serde_json::json!({
             "dir": dir,
-            "nats": format!("nats://127.0.0.1:{port}"),
+            "nats": format!("nats://127.0.0.1:{}", rec.nats_port),
             "nats_server_version": version.to_string(),
             "credentials": dir.join(localmesh::CREDENTIALS),
             "sim": rec.sim_url,
@@ -264,13 +266,11 @@ async fn up(a: UpArgs) -> Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn start_all(
     a: &UpArgs,
     dir: &Path,
     bin: &Path,
     port: u16,
-    monitor_port: u16,
     sim_port: u16,
     node_ports: &[u16],
     started: &mut Vec<Started>,
@@ -278,6 +278,23 @@ async fn start_all(
     let check = |e: anyhow::Error| Error::new(Kind::Check, e);
     // nats-server from a generated config, credentials beside it (0600).
     let creds = natsd::Credentials::generate().map_err(check)?;
+    let layout = natsd::Layout {
+        port,
+        monitor_port: 0,
+        dir: dir.to_path_buf(),
+    };
+    let nats_log = dir.join("nats.log");
+    let server =
+        natsd::start(bin, &layout, &creds, &nats_log, Duration::from_secs(15)).map_err(check)?;
+    let (port, monitor_port) = (server.port, server.monitor_port);
+    started.push(Started {
+        name: "nats-server".into(),
+        pid: server.child.id(),
+        endpoint: format!("nats://127.0.0.1:{port} (monitor http://127.0.0.1:{monitor_port})"),
+        log: nats_log,
+        cmdline_marker: layout.config_path().display().to_string(),
+        args: Vec::new(),
+    });
     let creds_doc = serde_json::json!({
         "app_url": natsd::app_url(port, &creds),
         "sys_url": natsd::sys_url(port, &creds),
@@ -288,24 +305,6 @@ async fn start_all(
         &format!("{creds_doc:#}\n"),
     )
     .map_err(check)?;
-    let layout = natsd::Layout {
-        port,
-        monitor_port,
-        store_dir: dir.join("jetstream"),
-    };
-    let conf = dir.join("nats.conf");
-    localmesh::write_private(&conf, &natsd::config(&layout, &creds)).map_err(check)?;
-    let nats_log = dir.join("nats.log");
-    let child =
-        natsd::start(bin, &conf, &nats_log, port, Duration::from_secs(15)).map_err(check)?;
-    started.push(Started {
-        name: "nats-server".into(),
-        pid: child.id(),
-        endpoint: format!("nats://127.0.0.1:{port} (monitor http://127.0.0.1:{monitor_port})"),
-        log: nats_log,
-        cmdline_marker: conf.display().to_string(),
-        args: Vec::new(),
-    });
 
     // The simulator.
     let sim_args: Vec<String> = [
@@ -320,18 +319,19 @@ async fn start_all(
     started.push(Started {
         name: "sim".into(),
         pid: child.id(),
-        endpoint: format!("http://127.0.0.1:{sim_port}"),
+        endpoint: String::new(),
         log: log.clone(),
-        cmdline_marker: format!("127.0.0.1:{sim_port}"),
-        args: sim_args.clone(),
+        cmdline_marker: "sim --listen 127.0.0.1:".into(),
+        args: sim_args,
     });
     let ready = ready_line(&out, &mut child, "the simulator", &log)?;
     let sim_url = ready["url"].as_str().unwrap_or_default().to_string();
+    settle_address(started.last_mut(), &sim_url);
 
-    // The nodes; the NATS URL with credentials travels in the environment, not argv.
+    // The nodes; the NATS URL with credentials travels in the environment, not argv. A node's
+    // marker (`--id n1 --sim-url URL`) names this mesh and survives a restart on its new port.
     let app_url = natsd::app_url(port, &creds);
     let mut pending = Vec::new();
-    let mut node_urls = Vec::new();
     for (i, &p) in node_ports.iter().enumerate() {
         let id = format!("n{}", i + 1);
         let args: Vec<String> = [
@@ -339,16 +339,16 @@ async fn start_all(
             "run",
             "--id",
             &id,
-            "--listen",
-            &format!("127.0.0.1:{p}"),
             "--sim-url",
             &sim_url,
+            "--listen",
+            &format!("127.0.0.1:{p}"),
             "--json",
+            "--cluster-size",
+            &a.nodes.to_string(),
         ]
         .map(String::from)
         .to_vec();
-        let mut args = args;
-        args.extend(["--cluster-size".to_string(), a.nodes.to_string()]);
         let (child, out, log) = spawn_oam(
             dir,
             &id,
@@ -358,16 +358,19 @@ async fn start_all(
         started.push(Started {
             name: id.clone(),
             pid: child.id(),
-            endpoint: format!("http://127.0.0.1:{p}"),
+            endpoint: String::new(),
             log: log.clone(),
-            cmdline_marker: format!("--id {id} --listen 127.0.0.1:{p}"),
-            args: args.clone(),
+            cmdline_marker: format!("--id {id} --sim-url {sim_url}"),
+            args,
         });
-        node_urls.push((id.clone(), format!("http://127.0.0.1:{p}"), log.clone()));
-        pending.push((id, child, out, log));
+        pending.push((started.len() - 1, id, child, out, log));
     }
-    for (id, mut child, out, log) in pending {
-        ready_line(&out, &mut child, &format!("node {id}"), &log)?;
+    let mut node_urls = Vec::new();
+    for (at, id, mut child, out, log) in pending {
+        let ready = ready_line(&out, &mut child, &format!("node {id}"), &log)?;
+        let url = ready["http"].as_str().unwrap_or_default().to_string();
+        settle_address(started.get_mut(at), &url);
+        node_urls.push((id, url, log));
     }
     // The liveness monitor, with both accounts' credentials in its environment.
     let monitor_args: Vec<String> = ["mesh", "monitor", "--json", "--dir"]

@@ -73,28 +73,25 @@ impl LocalMesh {
         ));
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create {}", dir.display()))?;
-        let mut last_error = None;
-        for _ in 0..5 {
-            // A free port can be taken between asking and binding: try a few.
-            let layout = natsd::Layout {
-                port: natsd::free_port()?,
-                monitor_port: natsd::free_port()?,
-                store_dir: dir.join("jetstream"),
-            };
-            let conf = dir.join("nats.conf");
-            std::fs::write(&conf, natsd::config(&layout, &creds))?;
-            let (bin, log) = (bin.clone(), dir.join("nats.log"));
-            let started = tokio::task::spawn_blocking(move || {
-                natsd::start(&bin, &conf, &log, layout.port, Duration::from_secs(10))
-            })
-            .await?;
-            match started {
-                Ok(server) => return LocalMesh::with_server(server, dir, layout.port, creds).await,
-                Err(e) => last_error = Some(e),
+        let layout = natsd::Layout {
+            port: 0,
+            monitor_port: 0,
+            dir: dir.clone(),
+        };
+        let log = dir.join("nats.log");
+        let started = tokio::task::spawn_blocking(move || {
+            natsd::start(&bin, &layout, &creds, &log, Duration::from_secs(10)).map(|s| (s, creds))
+        })
+        .await?;
+        match started {
+            Ok((server, creds)) => {
+                LocalMesh::with_server(server.child, dir, server.port, creds).await
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
             }
         }
-        let _ = std::fs::remove_dir_all(&dir);
-        Err(last_error.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
     }
 
     async fn with_server(

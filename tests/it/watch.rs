@@ -130,15 +130,9 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     let conf = mesh.dir.0.join("nats.conf");
     let log = mesh.dir.0.join("nats-again.log");
     let bin = oam::natsd::find(None).unwrap().0;
-    let port = mesh.up["nats"]
-        .as_str()
+    let mut again = oam::natsd::start_from(&bin, &conf, &mesh.dir.0, &log, Duration::from_secs(10))
         .unwrap()
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let mut again = oam::natsd::start(&bin, &conf, &log, port, Duration::from_secs(10)).unwrap();
+        .child;
     let back = eventually(Duration::from_secs(20), || async {
         let screen = session.capture();
         (screen.contains("NATS connected") && screen.contains("│n1     alive")).then_some(())
