@@ -34,6 +34,8 @@ pub enum Command {
     Listen(cmd::listen::Args),
     /// Inject a failure that restores itself: `oam chaos kill-provider primary --for 30s`.
     Chaos(cmd::chaos::Args),
+    /// What waits for a human: `oam escalation list`, `oam escalation resolve ID --note ...`.
+    Escalation(cmd::escalation::Args),
     /// The whole story in one command: a local mesh, the headline failure scenarios with
     /// verdicts, a summary, and everything stopped again.
     Demo(cmd::demo::Args),
@@ -88,6 +90,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Agent(args) => cmd::agent::run(args).await,
         Command::Listen(args) => cmd::listen::run(args).await,
         Command::Chaos(args) => cmd::chaos::run(args).await,
+        Command::Escalation(args) => cmd::escalation::run(args).await,
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await,
     }

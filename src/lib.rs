@@ -9,6 +9,7 @@ pub mod cli;
 pub mod cmd;
 pub mod core;
 pub mod error;
+pub mod escalations;
 pub mod localmesh;
 pub mod mesh;
 pub mod natsd;

@@ -7,6 +7,7 @@ pub mod bench_scenario;
 pub mod chaos;
 pub mod decide;
 pub mod demo;
+pub mod escalation;
 pub mod listen;
 pub mod mesh;
 pub mod node;

@@ -6,9 +6,11 @@
 use crate::chaos::{self, Fault, Inject, Params, Restore};
 use crate::core::wire::Envelope;
 use crate::error::{Error, Kind, Result};
+use crate::escalations;
 use crate::transport::{connect, subjects};
 use crate::watch::render::{self, CHAOS_MENU};
 use crate::watch::state::{App, Event};
+use async_nats::jetstream::kv;
 use futures_util::StreamExt;
 use ratatui::crossterm::event::{self as term, KeyCode, KeyEventKind, KeyModifiers};
 use serde_json::Value;
@@ -60,22 +62,14 @@ async fn feed(
         Ok::<_, async_nats::SubscribeError>((
             nats.subscribe(subjects::STATES).await?,
             nats.subscribe(subjects::DECISIONS).await?,
-            nats.subscribe(subjects::ESCALATIONS).await?,
             nats.subscribe(subjects::INCIDENTS).await?,
             nats.subscribe(subjects::DEATHS).await?,
             nats.subscribe(subjects::HEALTH).await?,
             nats.subscribe(subjects::CHAOS_EVENT).await?,
         ))
     };
-    let Ok((
-        mut states,
-        mut decisions,
-        mut escalations,
-        mut incidents,
-        mut deaths,
-        mut beats,
-        mut chaos_events,
-    )) = subs.await
+    let Ok((mut states, mut decisions, mut incidents, mut deaths, mut beats, mut chaos_events)) =
+        subs.await
     else {
         send(Event::Connection(false));
         return;
@@ -94,6 +88,7 @@ async fn feed(
         }
     };
     refresh_chaos();
+    tokio::spawn(feed_escalations(nats.clone(), tx.clone(), dropped.clone()));
     let mut slow = tokio::time::interval(Duration::from_secs(2));
     let mut connected = None;
     loop {
@@ -103,9 +98,6 @@ async fn feed(
             },
             Some(m) = decisions.next() => if let Some((node, decision)) = body(&m.payload) {
                 send(Event::Decision { node, decision });
-            },
-            Some(m) = escalations.next() => if let Some((node, escalation)) = body(&m.payload) {
-                send(Event::Escalation { node, escalation });
             },
             Some(m) = incidents.next() => if let Some((node, incident)) = body(&m.payload) {
                 send(Event::Incident { node, incident });
@@ -132,6 +124,35 @@ async fn feed(
             }
             else => return,
         }
+    }
+}
+
+/// The escalation store, every record and then every change, as model events; watched again
+/// whenever the watch breaks (NATS gone and back).
+async fn feed_escalations(
+    nats: async_nats::Client,
+    tx: tokio::sync::mpsc::Sender<Event>,
+    dropped: Arc<AtomicU64>,
+) {
+    loop {
+        if tx.is_closed() {
+            return;
+        }
+        if let Ok(store) = escalations::store(&nats).await
+            && let Ok(mut changes) = store.watch_with_history(">").await
+        {
+            while let Some(Ok(entry)) = changes.next().await {
+                if entry.operation != kv::Operation::Put {
+                    continue;
+                }
+                if let Ok(r) = serde_json::from_slice::<escalations::Record>(&entry.value)
+                    && tx.try_send(Event::Escalation(Box::new(r))).is_err()
+                {
+                    dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }
 

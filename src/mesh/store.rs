@@ -31,7 +31,8 @@ pub fn hostname() -> String {
         .unwrap_or_default()
 }
 
-async fn bucket(
+/// Open the KV bucket `name`, creating it (history 1, `max_age`) if it does not exist.
+pub async fn bucket(
     nats: &async_nats::Client,
     name: &str,
     max_age: Duration,

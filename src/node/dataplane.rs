@@ -434,6 +434,7 @@ fn publish_decision(node: &Node, d: &Decision) {
     }
     if let Some(e) = &d.escalation {
         node.publish(subjects::escalation(&node.id), e);
+        node.record_escalation(e);
     }
 }
 

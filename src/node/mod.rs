@@ -10,6 +10,7 @@ pub mod dataplane;
 pub mod metrics;
 
 use crate::core::contract::Contract;
+use crate::core::escalation::Escalation;
 use crate::core::health::{Outcome, Window};
 use crate::core::pipeline::{Config as PipelineConfig, Engine, State};
 use crate::core::quorum::{Cluster, Observation};
@@ -58,6 +59,9 @@ pub struct Node {
     nats: async_nats::Client,
     outbox: tokio::sync::mpsc::Sender<(String, bytes::Bytes)>,
     outbox_rx: Mutex<Option<tokio::sync::mpsc::Receiver<(String, bytes::Bytes)>>>,
+    /// Escalations waiting to be recorded as open in the escalation store.
+    escalations: tokio::sync::mpsc::Sender<Escalation>,
+    escalations_rx: Mutex<Option<tokio::sync::mpsc::Receiver<Escalation>>>,
     stamper: Mutex<Stamper>,
     sequencer: Mutex<Sequencer>,
     pub bus: BusCounters,
@@ -126,9 +130,12 @@ impl Node {
             .collect();
         let pipeline: PipelineConfig = cfg.pipeline.clone();
         let (outbox, outbox_rx) = tokio::sync::mpsc::channel(OUTBOX_CAPACITY);
+        let (escalations, escalations_rx) = tokio::sync::mpsc::channel(OUTBOX_CAPACITY);
         Ok(Arc::new(Node {
             outbox,
             outbox_rx: Mutex::new(Some(outbox_rx)),
+            escalations,
+            escalations_rx: Mutex::new(Some(escalations_rx)),
             stamper: Mutex::new(Stamper::new(id.clone(), now_ms())),
             id,
             engine: Mutex::new(Engine::new(pipeline, state)),
@@ -319,6 +326,37 @@ impl Node {
             }
             if let Err(e) = self.nats.publish(subject, payload).await {
                 tracing::debug!("publish failed: {e}");
+            }
+        }
+    }
+
+    /// Queue an escalation to be recorded as open (never waits; dropped and counted when full).
+    fn record_escalation(&self, e: &Escalation) {
+        if self.escalations.try_send(e.clone()).is_err() {
+            self.bus.dropped_events.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Record queued escalations in the escalation store, in order.
+    async fn escalation_loop(self: Arc<Self>) {
+        let Some(mut rx) = lock(&self.escalations_rx).take() else {
+            return;
+        };
+        let mut store = None;
+        while let Some(e) = rx.recv().await {
+            if self.isolated() {
+                continue; // a partition loses what it would have said
+            }
+            if store.is_none() {
+                match crate::escalations::store(&self.nats).await {
+                    Ok(s) => store = Some(s),
+                    Err(err) => tracing::warn!("escalation {} not recorded: {err:#}", e.id),
+                }
+            }
+            if let Some(s) = &store
+                && let Err(err) = crate::escalations::open(s, &self.id, &e).await
+            {
+                tracing::warn!("escalation {} not recorded: {err:#}", e.id);
             }
         }
     }
@@ -619,6 +657,7 @@ pub async fn run(node: Arc<Node>, listener: tokio::net::TcpListener) -> anyhow::
     node.engine().state.cluster.heartbeat(&node.id, now_ms());
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(node.clone().publisher_loop());
+    tasks.spawn(node.clone().escalation_loop());
     tasks.spawn(node.clone().heartbeat_loop());
     tasks.spawn(node.clone().probe_loop());
     {

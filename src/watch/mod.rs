@@ -1,5 +1,5 @@
 //! `oam watch`: a live terminal view of the whole mesh, fed by NATS only (node state snapshots,
-//! decisions, escalations, incidents, agent heartbeats and deaths, chaos events). `state` is the
+//! decisions, the escalation store, incidents, agent heartbeats and deaths, chaos events). `state` is the
 //! pure model, `render` draws it, `cmd::watch` runs the terminal and the bus.
 
 pub mod render;

@@ -2,6 +2,7 @@
 //! every panel side by side; down to 80x24 the same panels stack and shrink without garbling.
 
 use super::state::{App, Focus, LineKind, Verdict};
+use crate::core::reason::Action;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
@@ -413,17 +414,27 @@ fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             ));
         }
     }
-    for (at, node, e) in app.escalations.iter().rev().take(4) {
+    let open = app.open_escalations();
+    if open.len() > 4 {
+        lines.push(Line::styled(
+            format!("⚑ {} open escalations (oam escalation list)", open.len()),
+            Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+        ));
+    }
+    for r in open.iter().take(4) {
+        let e = &r.escalation;
+        let why = e.reason_codes.last().map_or("", |c| c.as_str());
+        let action = match e.recommended_action {
+            Action::HumanReview => "review",
+            Action::HumanReviewBlockAutomaticAction => "review+block",
+        };
         lines.push(Line::styled(
             format!(
-                "⚑ {}s ago {} {}: {}",
-                now_ms.saturating_sub(*at) / 1_000,
-                node,
-                e["agent"].as_str().unwrap_or("?"),
-                e["recommended_action"]
-                    .as_str()
-                    .or_else(|| e["action"].as_str())
-                    .unwrap_or("HUMAN_REVIEW")
+                "⚑ {} {} → {action} {}s {}",
+                e.agent,
+                why.trim_start_matches("ESCALATED_"),
+                now_ms.saturating_sub(e.created_at_ms) / 1_000,
+                r.node,
             ),
             Style::default().fg(Color::Red),
         ));
@@ -635,6 +646,7 @@ fn render_chaos_menu(f: &mut Frame, area: Rect, sel: usize) {
 mod tests {
     use super::*;
     use crate::chaos::{Active, Fault, Params};
+    use crate::escalations::Status;
     use crate::watch::state::Event;
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
@@ -872,7 +884,8 @@ mod tests {
             },
             NOW - 3_000,
         );
-        app.apply(Event::Escalation { node: "n1".into(), escalation: json!({"agent": "loop-bot", "recommended_action": "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"}) }, NOW - 3_000);
+        let open = crate::escalations::example("esc-inc-1", "loop-bot", NOW - 3_000, Status::Open);
+        app.apply(Event::Escalation(Box::new(open)), NOW - 3_000);
         app.apply(
             Event::Decision {
                 node: "n1".into(),

@@ -2,6 +2,7 @@
 //! argument), plus the operator's view settings. Rendering reads it and nothing else.
 
 use crate::chaos::Active;
+use crate::escalations::{Record, Status};
 use serde_json::Value;
 use std::collections::{BTreeMap, VecDeque};
 
@@ -11,6 +12,8 @@ pub const STREAM_CAPACITY: usize = 2_000;
 pub const HISTORY_SECS: usize = 60;
 /// A node whose state snapshot is older than this is shown as silent.
 pub const NODE_SILENT_MS: u64 = 3_500;
+/// Open escalations kept (the oldest go first beyond this).
+pub const OPEN_ESCALATIONS_KEPT: usize = 1_000;
 /// An agent instance whose heartbeat is older than this is shown as stale.
 pub const AGENT_STALE_MS: u64 = 3_000;
 
@@ -21,8 +24,8 @@ pub enum Event {
     NodeState { node: String, state: Value },
     /// A decision from `oam.v1.decision.{node}`.
     Decision { node: String, decision: Value },
-    /// An escalation from `oam.v1.escalation.{node}`.
-    Escalation { node: String, escalation: Value },
+    /// An escalation record from the escalation store, open or resolved.
+    Escalation(Box<Record>),
     /// An agent-loop incident from `oam.v1.incident.{node}`.
     Incident { node: String, incident: Value },
     /// A death notice from `mesh.death.{name}`.
@@ -126,7 +129,8 @@ pub struct App {
     pub stream: VecDeque<Line>,
     /// Per second (ms of the second's start -> (decisions, latencies)).
     pub seconds: BTreeMap<u64, Second>,
-    pub escalations: VecDeque<(u64, String, Value)>,
+    /// Open escalations by id.
+    pub escalations: BTreeMap<String, Record>,
     pub incidents: VecDeque<(u64, String, Value)>,
     pub deaths: VecDeque<(u64, Value)>,
     pub instances: BTreeMap<String, Instance>,
@@ -228,8 +232,18 @@ impl App {
                     push_bounded(&mut self.stream, line, STREAM_CAPACITY);
                 }
             }
-            Event::Escalation { node, escalation } => {
-                push_bounded(&mut self.escalations, (now_ms, node, escalation), 50);
+            Event::Escalation(record) => {
+                let id = record.escalation.id.clone();
+                if record.status == Status::Resolved {
+                    self.escalations.remove(&id);
+                } else {
+                    self.escalations.insert(id, *record);
+                    if self.escalations.len() > OPEN_ESCALATIONS_KEPT
+                        && let Some(oldest) = self.oldest_escalation()
+                    {
+                        self.escalations.remove(&oldest);
+                    }
+                }
             }
             Event::Incident { node, incident } => {
                 push_bounded(&mut self.incidents, (now_ms, node, incident), 50);
@@ -269,6 +283,23 @@ impl App {
             .filter(|(_, v)| now_ms.saturating_sub(v.seen_ms) <= NODE_SILENT_MS)
             .map(|(k, _)| k.as_str())
             .collect()
+    }
+
+    /// Open escalations, newest first.
+    pub fn open_escalations(&self) -> Vec<&Record> {
+        let mut open: Vec<&Record> = self.escalations.values().collect();
+        open.sort_by(|a, b| {
+            (b.escalation.created_at_ms, &b.escalation.id)
+                .cmp(&(a.escalation.created_at_ms, &a.escalation.id))
+        });
+        open
+    }
+
+    fn oldest_escalation(&self) -> Option<String> {
+        self.escalations
+            .values()
+            .min_by_key(|r| (r.escalation.created_at_ms, &r.escalation.id))
+            .map(|r| r.escalation.id.clone())
     }
 
     /// The freshest snapshot among live nodes (for cluster-wide figures).
@@ -397,6 +428,52 @@ mod tests {
             "cluster_size": 3, "quorum": quorum, "live_nodes": ["n1", "n2", "n3"],
             "providers": verdicts.iter().map(|(id, v)| json!({"id": id, "consensus": {"verdict": v}})).collect::<Vec<_>>(),
         })
+    }
+
+    #[test]
+    fn escalations_stay_open_until_resolved_and_stay_bounded() {
+        use crate::escalations::example;
+        let mut app = App::default();
+        for (i, id) in ["esc-a", "esc-b", "esc-c"].iter().enumerate() {
+            let r = example(id, "bot", 1_000 * i as u64, Status::Open);
+            app.apply(Event::Escalation(Box::new(r)), 5_000);
+        }
+        // The same record again (a replayed store) changes nothing.
+        app.apply(
+            Event::Escalation(Box::new(example("esc-b", "bot", 1_000, Status::Open))),
+            6_000,
+        );
+        let ids = |app: &App| -> Vec<String> {
+            app.open_escalations()
+                .iter()
+                .map(|r| r.escalation.id.clone())
+                .collect()
+        };
+        assert_eq!(ids(&app), ["esc-c", "esc-b", "esc-a"], "newest first");
+        app.apply(
+            Event::Escalation(Box::new(example("esc-b", "bot", 1_000, Status::Resolved))),
+            7_000,
+        );
+        assert_eq!(ids(&app), ["esc-c", "esc-a"]);
+        // Resolving one the view never saw open is harmless.
+        app.apply(
+            Event::Escalation(Box::new(example("esc-z", "bot", 9, Status::Resolved))),
+            7_000,
+        );
+        assert_eq!(app.escalations.len(), 2);
+        for i in 0..OPEN_ESCALATIONS_KEPT as u64 + 5 {
+            let r = example(&format!("esc-n{i}"), "bot", 10_000 + i, Status::Open);
+            app.apply(Event::Escalation(Box::new(r)), 8_000);
+        }
+        assert_eq!(app.escalations.len(), OPEN_ESCALATIONS_KEPT);
+        assert!(
+            !app.escalations.contains_key("esc-a"),
+            "the oldest went first"
+        );
+        assert!(
+            app.escalations
+                .contains_key(&format!("esc-n{}", OPEN_ESCALATIONS_KEPT + 4))
+        );
     }
 
     #[test]

@@ -201,6 +201,76 @@ async fn faults_are_applied_listed_and_undone_on_time() {
     .await
     .expect("refused for budget");
     assert!(drained.contains("BUDGET_EXHAUSTED"), "{drained}");
+    // The escalation waits, open, in the store until somebody resolves it.
+    let escalations = |args: &[&str]| {
+        let out = mesh.oam().arg("escalation").args(args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let open = eventually(Duration::from_secs(5), || async {
+        let (_, out, _) = escalations(&["list", "--agent", "support-bot", "--json"]);
+        let v: Vec<Value> = serde_json::from_str(&out).ok()?;
+        (!v.is_empty()).then_some(v)
+    })
+    .await
+    .expect("the refusal's escalation is listed as open");
+    let first = &open[0];
+    assert_eq!(first["status"], "open", "{first}");
+    assert_eq!(
+        first["escalation"]["recommended_action"],
+        "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"
+    );
+    assert_eq!(
+        first["escalation"]["reason_codes"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap(),
+        "ESCALATED_BUDGET_EXHAUSTED"
+    );
+    let id = first["escalation"]["id"].as_str().unwrap().to_string();
+    let (code, out, err) = escalations(&[
+        "resolve",
+        &id,
+        "--by",
+        "tester",
+        "--note",
+        "topped up",
+        "--json",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["resolved"], json!([id]));
+    let (_, out, _) = escalations(&["resolve", &id, "--json"]);
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["already"],
+        json!([id])
+    );
+    let (_, out, _) = escalations(&["list", "--all", "--json"]);
+    let all: Vec<Value> = serde_json::from_str(&out).unwrap();
+    let record = all
+        .iter()
+        .find(|r| r["escalation"]["id"] == id.as_str())
+        .unwrap();
+    assert_eq!(
+        (
+            record["status"].as_str(),
+            record["resolved_by"].as_str(),
+            record["note"].as_str()
+        ),
+        (Some("resolved"), Some("tester"), Some("topped up"))
+    );
+    let (code, _, err) = escalations(&["resolve", "esc-never-raised"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("no escalation esc-never-raised") && err.contains("oam escalation list --all"),
+        "{err}"
+    );
+    let (code, _, err) = escalations(&["resolve"]);
+    assert_eq!(code, Some(2), "resolve needs ids, --agent or --all: {err}");
     let last = std::sync::Mutex::new(String::new());
     let refilled = eventually(Duration::from_secs(8), || async {
         let (status, reasons) = chat(&mesh.node(0), high.clone()).await;
@@ -212,6 +282,15 @@ async fn faults_are_applied_listed_and_undone_on_time() {
         refilled.is_some(),
         "the budget is back after the fault; last answer: {}",
         last.lock().unwrap()
+    );
+    // Every open one of an agent at once.
+    let (code, out, err) = escalations(&["resolve", "--agent", "support-bot", "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (_, left, _) = escalations(&["list", "--agent", "support-bot", "--json"]);
+    assert_eq!(
+        serde_json::from_str::<Value>(&left).unwrap(),
+        json!([]),
+        "after {out}"
     );
 }
 

@@ -75,6 +75,61 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
         session.capture()
     );
 
+    // An escalation is shown until somebody resolves it.
+    let drain = mesh
+        .oam()
+        .args(["chaos", "drain-budget", "support-bot", "--for", "60s"])
+        .output()
+        .unwrap();
+    assert!(
+        drain.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drain.stderr)
+    );
+    let refused = crate::support::http(Duration::from_secs(10))
+        .post(format!("{}/v1/chat/completions", mesh.node(0)))
+        .json(&serde_json::json!({"model": "auto", "messages": [{"role": "user", "content": "refund"}],
+            "oam": {"agent": "support-bot", "risk": "high", "task": "refund"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status().as_u16(), 402);
+    let flagged = eventually(Duration::from_secs(10), || async {
+        session
+            .capture()
+            .contains("⚑ support-bot BUDGET_EXHAUSTED → review+block")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        flagged.is_some(),
+        "the open escalation is shown:\n{}",
+        session.capture()
+    );
+    let resolve = mesh
+        .oam()
+        .args(["escalation", "resolve", "--agent", "support-bot"])
+        .output()
+        .unwrap();
+    assert!(
+        resolve.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resolve.stderr)
+    );
+    let cleared = eventually(Duration::from_secs(10), || async {
+        (!session.capture().contains("⚑ support-bot")).then_some(())
+    })
+    .await;
+    assert!(
+        cleared.is_some(),
+        "a resolved escalation leaves the panel:\n{}",
+        session.capture()
+    );
+    mesh.oam()
+        .args(["chaos", "restore", "drain-budget"])
+        .output()
+        .unwrap();
+
     let out = mesh
         .oam()
         .args(["chaos", "kill-node", "n2", "--for", "60s"])

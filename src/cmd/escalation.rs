@@ -1,0 +1,210 @@
+//! `oam escalation list|resolve`: what waits for a human, and saying it has been seen to.
+
+use crate::error::{Error, Kind, Result};
+use crate::escalations::{self, Record, Resolved, Status};
+use crate::transport::connect;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use std::io::Write;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// The open escalations, oldest first (`--all`: resolved ones too).
+    List(ListArgs),
+    /// Mark escalations resolved: by id, every open one of an agent, or all open ones.
+    Resolve(ResolveArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ListArgs {
+    /// Resolved escalations too.
+    #[arg(long)]
+    pub all: bool,
+    /// Only this agent's.
+    #[arg(long)]
+    pub agent: Option<String>,
+    /// One JSON array of records.
+    #[arg(long)]
+    pub json: bool,
+    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
+    /// .oam/, then nats://127.0.0.1:4222.
+    #[arg(long)]
+    pub nats_url: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ResolveArgs {
+    /// Escalation ids (`oam escalation list` shows them).
+    #[arg(required_unless_present_any = ["all", "agent"])]
+    pub ids: Vec<String>,
+    /// Every open escalation.
+    #[arg(long, conflicts_with = "ids")]
+    pub all: bool,
+    /// Every open escalation of this agent.
+    #[arg(long, conflicts_with = "ids")]
+    pub agent: Option<String>,
+    /// Who resolved it. Default: $USER.
+    #[arg(long)]
+    pub by: Option<String>,
+    /// What was done about it.
+    #[arg(long)]
+    pub note: Option<String>,
+    /// One JSON object: {resolved, already, unknown}.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long)]
+    pub nats_url: Option<String>,
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    match args.command {
+        Command::List(a) => list(a).await,
+        Command::Resolve(a) => resolve(a).await,
+    }
+}
+
+async fn open_store(
+    nats_url: Option<String>,
+    name: &str,
+) -> Result<async_nats::jetstream::kv::Store> {
+    let url = connect::resolve_url(nats_url);
+    let nats = super::nats(&url, name, false).await?;
+    escalations::store(&nats)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))
+}
+
+async fn list(a: ListArgs) -> Result<()> {
+    let store = open_store(a.nats_url, "oam-escalation-list").await?;
+    let records: Vec<Record> = escalations::all(&store)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))?
+        .into_iter()
+        .filter(|r| a.all || r.status == Status::Open)
+        .filter(|r| a.agent.as_ref().is_none_or(|x| *x == r.escalation.agent))
+        .collect();
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&records).map_err(|e| Error::new(Kind::Check, e))?
+        )?;
+        return Ok(());
+    }
+    if records.is_empty() {
+        let what = if a.all {
+            "no escalations"
+        } else {
+            "no open escalations: nothing needs a human"
+        };
+        writeln!(out, "{what}")?;
+        return Ok(());
+    }
+    let now = crate::node::now_ms();
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    let mut header = vec!["id", "age", "node", "agent", "task", "reason", "action"];
+    if a.all {
+        header.push("status");
+    }
+    t.set_header(header);
+    for r in &records {
+        let e = &r.escalation;
+        let mut row = vec![
+            e.id.clone(),
+            age(now.saturating_sub(e.created_at_ms)),
+            r.node.clone(),
+            e.agent.clone(),
+            e.task.clone(),
+            e.reason_codes.last().map_or("", |c| c.as_str()).to_string(),
+            e.recommended_action.as_str().to_string(),
+        ];
+        if a.all {
+            row.push(match (&r.status, &r.resolved_by) {
+                (Status::Open, _) => "open".to_string(),
+                (Status::Resolved, Some(by)) => format!("resolved by {by}"),
+                (Status::Resolved, None) => "resolved".to_string(),
+            });
+        }
+        t.add_row(row);
+    }
+    writeln!(out, "{t}")?;
+    let open = records.iter().filter(|r| r.status == Status::Open).count();
+    writeln!(
+        out,
+        "{open} open; `oam escalation resolve ID --note ...` once seen to"
+    )?;
+    Ok(())
+}
+
+fn age(ms: u64) -> String {
+    match ms / 1_000 {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7_200 => format!("{}m", s / 60),
+        s => format!("{}h", s / 3_600),
+    }
+}
+
+async fn resolve(a: ResolveArgs) -> Result<()> {
+    let store = open_store(a.nats_url, "oam-escalation-resolve").await?;
+    let ids: Vec<String> = if a.ids.is_empty() {
+        escalations::all(&store)
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e))?
+            .into_iter()
+            .filter(|r| r.status == Status::Open)
+            .filter(|r| a.agent.as_ref().is_none_or(|x| *x == r.escalation.agent))
+            .map(|r| r.escalation.id)
+            .collect()
+    } else {
+        a.ids.clone()
+    };
+    let by =
+        a.by.clone()
+            .or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "operator".into());
+    let (mut resolved, mut already, mut unknown) = (Vec::new(), Vec::new(), Vec::new());
+    for id in &ids {
+        let now = crate::node::now_ms();
+        match escalations::resolve(&store, id, &by, a.note.as_deref(), now)
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e))?
+        {
+            Resolved::Now(_) => resolved.push(id.clone()),
+            Resolved::Already(_) => already.push(id.clone()),
+            Resolved::Unknown => unknown.push(id.clone()),
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let doc = serde_json::json!({"resolved": resolved, "already": already, "unknown": unknown});
+        writeln!(out, "{doc}")?;
+    } else {
+        for id in &resolved {
+            writeln!(out, "resolved {id} (by {by})")?;
+        }
+        for id in &already {
+            writeln!(out, "{id} was already resolved")?;
+        }
+        if ids.is_empty() {
+            writeln!(out, "no open escalations to resolve")?;
+        }
+    }
+    if !unknown.is_empty() {
+        return Err(Error::new(
+            Kind::Usage,
+            anyhow::anyhow!(
+                "no escalation {} (they expire after {} h); `oam escalation list --all` shows what there is",
+                unknown.join(", "),
+                escalations::MAX_AGE.as_secs() / 3_600
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! Open escalations: every escalation a node raises is recorded in the JetStream KV bucket
+//! `oam-escalations` as open, and stays open until someone resolves it (`oam escalation
+//! resolve`). `oam watch` and `oam escalation list` read the bucket, so a view started later
+//! still sees what waits for a human. Records expire after [`MAX_AGE`].
+
+use crate::core::escalation::Escalation;
+use async_nats::jetstream::kv;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+pub const BUCKET: &str = "oam-escalations";
+/// Open or resolved, a record is gone after this long.
+pub const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Open,
+    Resolved,
+}
+
+/// One escalation and what became of it.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Record {
+    pub escalation: Escalation,
+    /// The node that raised it.
+    pub node: String,
+    pub status: Status,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved_by: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// The bucket key for an escalation id. Ids carry request ids, which callers choose; ids that
+/// are not a short plain KV token are hex-encoded behind `h-` (real ids start with `esc-`, so the
+/// two never collide), long ones shortened to their first 100 bytes and a hash of the whole.
+pub fn key(id: &str) -> String {
+    let plain = !id.is_empty()
+        && id.len() <= 200
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if plain {
+        return id.to_string();
+    }
+    let hex = |bytes: &[u8]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
+    if id.len() <= 100 {
+        return format!("h-{}", hex(id.as_bytes()));
+    }
+    // FNV-1a, 64 bits.
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("h-{}-{hash:016x}", hex(&id.as_bytes()[..100]))
+}
+
+/// Open (or create) the bucket.
+pub async fn store(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
+    crate::mesh::store::bucket(nats, BUCKET, MAX_AGE).await
+}
+
+/// Record `escalation`, raised by `node`, as open.
+pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> anyhow::Result<()> {
+    let record = Record {
+        escalation: escalation.clone(),
+        node: node.to_string(),
+        status: Status::Open,
+        resolved_by: None,
+        resolved_at_ms: None,
+        note: None,
+    };
+    store
+        .put(key(&escalation.id), serde_json::to_vec(&record)?.into())
+        .await?;
+    Ok(())
+}
+
+/// Every record in the bucket, oldest first; entries that are not records are skipped.
+pub async fn all(store: &kv::Store) -> anyhow::Result<Vec<Record>> {
+    use futures_util::TryStreamExt;
+    let keys: Vec<String> = store.keys().await?.try_collect().await?;
+    let mut out = Vec::with_capacity(keys.len());
+    for k in keys {
+        if let Some(bytes) = store.get(k).await?
+            && let Ok(r) = serde_json::from_slice::<Record>(&bytes)
+        {
+            out.push(r);
+        }
+    }
+    out.sort_by(|a, b| {
+        (a.escalation.created_at_ms, &a.escalation.id)
+            .cmp(&(b.escalation.created_at_ms, &b.escalation.id))
+    });
+    Ok(out)
+}
+
+/// What resolving one escalation did.
+#[derive(Debug, PartialEq)]
+pub enum Resolved {
+    Now(Box<Record>),
+    Already(Box<Record>),
+    Unknown,
+}
+
+/// Mark escalation `id` resolved by `by` (compare-and-swap, so two resolvers cannot both win).
+pub async fn resolve(
+    store: &kv::Store,
+    id: &str,
+    by: &str,
+    note: Option<&str>,
+    now_ms: u64,
+) -> anyhow::Result<Resolved> {
+    let k = key(id);
+    for _ in 0..5 {
+        let Some(entry) = store.entry(k.clone()).await? else {
+            return Ok(Resolved::Unknown);
+        };
+        if entry.operation != kv::Operation::Put {
+            return Ok(Resolved::Unknown);
+        }
+        let mut record: Record = serde_json::from_slice(&entry.value)
+            .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
+        if record.status == Status::Resolved {
+            return Ok(Resolved::Already(Box::new(record)));
+        }
+        record.status = Status::Resolved;
+        record.resolved_by = Some(by.to_string());
+        record.resolved_at_ms = Some(now_ms);
+        record.note = note.map(String::from);
+        let bytes = serde_json::to_vec(&record)?;
+        match store.update(&k, bytes.into(), entry.revision).await {
+            Ok(_) => return Ok(Resolved::Now(Box::new(record))),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    anyhow::bail!("{id} kept changing while it was being resolved; try again")
+}
+
+/// A loop escalation for tests of the views.
+#[cfg(test)]
+pub(crate) fn example(id: &str, agent: &str, created_at_ms: u64, status: Status) -> Record {
+    use crate::core::reason::{Action, Phase, ReasonCode};
+    Record {
+        escalation: Escalation {
+            id: id.to_string(),
+            request_id: format!("r-{id}"),
+            agent: agent.to_string(),
+            task: "refund".into(),
+            phase: Phase::Loop,
+            reason_codes: vec![
+                ReasonCode::AgentLoopDetected,
+                ReasonCode::HumanAttentionRequired,
+                ReasonCode::EscalatedAgentLoop,
+            ],
+            recommended_action: Action::HumanReviewBlockAutomaticAction,
+            created_at_ms,
+            incident_id: None,
+        },
+        node: "n1".into(),
+        status,
+        resolved_by: None,
+        resolved_at_ms: None,
+        note: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_kv_tokens_and_distinct() {
+        assert_eq!(key("esc-r1"), "esc-r1");
+        assert_eq!(key("esc-a.b"), "h-6573632d612e62");
+        assert_eq!(key("esc-a b"), "h-6573632d612062");
+        assert_ne!(key("esc-a.b"), key("esc-a b"));
+        let long = format!("esc-{}", "x".repeat(300));
+        let other = format!("esc-{}y", "x".repeat(299));
+        assert!(key(&long).starts_with("h-") && key(&long).len() < 240);
+        assert_ne!(key(&long), key(&other));
+    }
+}
