@@ -20,6 +20,7 @@ use crate::transport::subjects;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How often heartbeats are expected, and how many may be missed before an instance is dead.
@@ -208,24 +209,6 @@ impl Monitor {
         store::forget_instance(&self.app, instance_id, &dead).await;
     }
 
-    /// Ask server `server` (any, if empty) for connections: open ones, or the closed one `cid`.
-    async fn connz(&self, server: &str, query: serde_json::Value) -> Option<Connz> {
-        let subject = if server.is_empty() {
-            "$SYS.REQ.SERVER.PING.CONNZ".to_string()
-        } else {
-            format!("$SYS.REQ.SERVER.{server}.CONNZ")
-        };
-        let body = serde_json::to_vec(&query).ok()?;
-        let reply = tokio::time::timeout(
-            Duration::from_secs(2),
-            self.sys.request(subject, body.into()),
-        )
-        .await
-        .ok()?
-        .ok()?;
-        serde_json::from_slice(&reply.payload).ok()
-    }
-
     /// Whether a connection that is not an oam host (those have instance records) still serves
     /// `agent`: an Open Agent Mesh client such as the Python SDK.
     async fn other_clients_serve(&self, server: &str, account: &str, agent: &str) -> bool {
@@ -237,7 +220,7 @@ impl Monitor {
             "filter_subject": subjects::agent(agent),
             "subscriptions_detail": true,
         });
-        let Some(connz) = self.connz(server, query).await else {
+        let Some(connz) = connz(&self.sys, server, query).await else {
             // Unknown is not dead: a false death notice would fail every caller of the agent.
             return true;
         };
@@ -249,34 +232,16 @@ impl Monitor {
         })
     }
 
-    /// A connection without an instance record closed: if it served agents (a Python SDK
-    /// process), that instance died.
-    async fn client_closed(&mut self, adv: &Advisory) {
-        let query = serde_json::json!({
-            "cid": adv.client.id,
-            "state": 1,
-            "acc": adv.client.acc,
-            "subscriptions_detail": true,
-        });
-        let Some(connz) = self.connz(&adv.server.id, query).await else {
-            return;
-        };
-        let agents: Vec<String> = connz
-            .data
-            .connections
-            .iter()
-            .flat_map(|c| agents_served(&c.subscriptions_list_detail))
-            .collect();
-        if agents.is_empty() {
-            return; // a caller, a node, a tool: not an agent
-        }
+    /// A connection without an instance record that served `agents` (a Python SDK process)
+    /// closed: that instance died.
+    async fn client_died(&mut self, adv: &Advisory, agents: &[String]) {
         let server: String = adv.server.id.chars().take(8).collect();
         let instance_id = format!("nats-{server}-{}", adv.client.id);
         let at = (adv.server.id.as_str(), adv.client.acc.as_str());
         self.instance_died_on(
             at,
             &instance_id,
-            &agents,
+            agents,
             DeathReason::Disconnect,
             &adv.reason,
         )
@@ -322,6 +287,45 @@ impl Monitor {
     }
 }
 
+/// Ask server `server` (any, if empty) for connections: open ones, or the closed one `cid`.
+async fn connz(sys: &async_nats::Client, server: &str, query: serde_json::Value) -> Option<Connz> {
+    let subject = if server.is_empty() {
+        "$SYS.REQ.SERVER.PING.CONNZ".to_string()
+    } else {
+        format!("$SYS.REQ.SERVER.{server}.CONNZ")
+    };
+    let body = serde_json::to_vec(&query).ok()?;
+    let reply = tokio::time::timeout(Duration::from_secs(2), sys.request(subject, body.into()))
+        .await
+        .ok()?
+        .ok()?;
+    serde_json::from_slice(&reply.payload).ok()
+}
+
+/// The agents a closed connection served (none for callers, nodes and tools), from the server
+/// that held it.
+async fn agents_of_closed(sys: &async_nats::Client, adv: &Advisory) -> Vec<String> {
+    let query = serde_json::json!({
+        "cid": adv.client.id,
+        "state": 1,
+        "acc": adv.client.acc,
+        "subscriptions_detail": true,
+    });
+    connz(sys, &adv.server.id, query)
+        .await
+        .map(|c| {
+            c.data
+                .connections
+                .iter()
+                .flat_map(|c| agents_served(&c.subscriptions_list_detail))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Look-ups of closed connections running at once; more wait their turn.
+const LOOKUPS: usize = 16;
+
 /// Run until `stop`: `sys` reads `$SYS` advisories, `app` does everything else. `ready` is
 /// called once both subscriptions are in place at the server.
 pub async fn run(
@@ -338,6 +342,10 @@ pub async fn run(
     let mut m = Monitor::new(app, sys.clone());
     m.adopt_records().await;
     let mut sweep = tokio::time::interval(Duration::from_millis(250));
+    // Closed connections without instance records are looked up off the loop, so an oam host's
+    // death is never announced late because the server was slow to answer about other clients.
+    let (served_tx, mut served) = tokio::sync::mpsc::unbounded_channel::<(Advisory, Vec<String>)>();
+    let lookups = Arc::new(tokio::sync::Semaphore::new(LOOKUPS));
     tokio::pin!(stop);
     loop {
         tokio::select! {
@@ -352,9 +360,17 @@ pub async fn run(
                     let hint: Vec<String> = m.seen.get(&id).map(|s| vec![s.agent.clone()]).unwrap_or_default();
                     m.instance_died(&id, &hint, DeathReason::Disconnect, &adv.reason).await;
                 } else {
-                    m.client_closed(&adv).await;
+                    let (sys, tx, lookups) = (sys.clone(), served_tx.clone(), lookups.clone());
+                    tokio::spawn(async move {
+                        let Ok(_turn) = lookups.acquire().await else { return };
+                        let agents = agents_of_closed(&sys, &adv).await;
+                        if !agents.is_empty() {
+                            let _ = tx.send((adv, agents));
+                        }
+                    });
                 }
             }
+            Some((adv, agents)) = served.recv() => m.client_died(&adv, &agents).await,
             Some(msg) = beats.next() => m.heartbeat(&msg.payload),
             _ = sweep.tick() => {
                 for (id, agent) in m.silent() {
