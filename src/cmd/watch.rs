@@ -9,7 +9,7 @@ use crate::error::{Error, Kind, Result};
 use crate::escalations;
 use crate::transport::{connect, subjects};
 use crate::watch::render::{self, CHAOS_MENU};
-use crate::watch::state::{App, Event};
+use crate::watch::state::{App, Event, Focus};
 use async_nats::jetstream::kv;
 use futures_util::StreamExt;
 use ratatui::crossterm::event::{self as term, KeyCode, KeyEventKind, KeyModifiers};
@@ -219,11 +219,23 @@ fn on_key(app: &mut App, k: term::KeyEvent, chaos_tx: &tokio::sync::mpsc::Sender
         }
         KeyCode::Char('c') => app.chaos_menu = Some(0),
         KeyCode::Tab => app.focus = app.focus.next(),
-        KeyCode::Up => app.scroll = (app.scroll + 1).min(app.stream.len()),
-        KeyCode::Down => app.scroll = app.scroll.saturating_sub(1),
-        KeyCode::PageUp => app.scroll = (app.scroll + 10).min(app.stream.len()),
-        KeyCode::PageDown => app.scroll = app.scroll.saturating_sub(10),
-        KeyCode::End => app.scroll = 0,
+        KeyCode::Up | KeyCode::Down | KeyCode::PageUp | KeyCode::PageDown => {
+            let rows = match k.code {
+                KeyCode::Up => -1,
+                KeyCode::Down => 1,
+                KeyCode::PageUp => -10,
+                _ => 10,
+            };
+            // The stream counts back from the newest line: up is further back.
+            let rows = if app.focus == Focus::Stream {
+                -rows
+            } else {
+                rows
+            };
+            let len = render::panel_len(app, app.focus, crate::node::now_ms());
+            app.scroll_by(rows, len);
+        }
+        KeyCode::Home | KeyCode::End => app.scroll_home(),
         _ => {}
     }
     false

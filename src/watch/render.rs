@@ -38,7 +38,30 @@ pub const CHAOS_MENU: &[(&str, &str, Option<&str>, u64)] = &[
     ("restore everything", "restore", None, 0),
 ];
 
-fn block(title: &str, focused: bool) -> Block<'_> {
+/// A panel's title, with how many rows are scrolled out of view above.
+fn titled(title: &str, offset: usize) -> String {
+    if offset > 0 {
+        format!("{title} (↓{offset})")
+    } else {
+        title.to_string()
+    }
+}
+
+/// How many rows `panel` has now (what scrolling moves through).
+pub fn panel_len(app: &App, panel: Focus, now_ms: u64) -> usize {
+    match panel {
+        Focus::Stream => app.visible().len(),
+        Focus::Nodes => app.nodes.len(),
+        Focus::Providers => app
+            .reference(now_ms)
+            .and_then(|r| r["providers"].as_array())
+            .map_or(0, Vec::len),
+        Focus::Attention => attention_lines(app, now_ms).len(),
+        Focus::Agents => agent_lines(app, now_ms).len(),
+    }
+}
+
+fn block(title: &str, focused: bool) -> Block<'static> {
     let b = Block::bordered().title(Span::styled(
         format!(" {title} "),
         Style::default().add_modifier(Modifier::BOLD),
@@ -201,9 +224,11 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
 
 fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let live = app.live_nodes(now_ms);
+    let offset = app.offset(Focus::Nodes, app.nodes.len());
     let rows: Vec<Row> = app
         .nodes
         .iter()
+        .skip(offset)
         .map(|(id, v)| {
             let alive = live.contains(&id.as_str());
             let age = now_ms.saturating_sub(v.seen_ms);
@@ -233,7 +258,7 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     .header(
         Row::new(vec!["node", "state", "beat", "view"]).style(Style::default().fg(Color::DarkGray)),
     )
-    .block(block("Nodes", app.focus == Focus::Nodes));
+    .block(block(&titled("Nodes", offset), app.focus == Focus::Nodes));
     f.render_widget(t, area);
 }
 
@@ -255,10 +280,12 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         );
         return;
     };
+    let offset = app.offset(Focus::Providers, panel_len(app, Focus::Providers, now_ms));
     let rows: Vec<Row> = reference["providers"]
         .as_array()
         .into_iter()
         .flatten()
+        .skip(offset)
         .map(|p| {
             let id = p["id"].as_str().unwrap_or("?");
             let c = &p["consensus"];
@@ -332,7 +359,10 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         ])
         .style(Style::default().fg(Color::DarkGray)),
     )
-    .block(block("Provider consensus", app.focus == Focus::Providers));
+    .block(block(
+        &titled("Provider consensus", offset),
+        app.focus == Focus::Providers,
+    ));
     f.render_widget(t, area);
 }
 
@@ -393,7 +423,8 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     }
 }
 
-fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+/// Budgets, open escalations (newest first) and loop incidents, a line each.
+fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
     let mut lines: Vec<Line> = Vec::new();
     if let Some(state) = app.reference(now_ms)
         && let Some(agents) = state["budgets"]["agents"].as_object()
@@ -415,13 +446,13 @@ fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         }
     }
     let open = app.open_escalations();
-    if open.len() > 4 {
+    if open.len() > 1 {
         lines.push(Line::styled(
-            format!("⚑ {} open escalations (oam escalation list)", open.len()),
+            format!("⚑ {} open escalations", open.len()),
             Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
         ));
     }
-    for r in open.iter().take(4) {
+    for r in &open {
         let e = &r.escalation;
         let why = e.reason_codes.last().map_or("", |c| c.as_str());
         let action = match e.recommended_action {
@@ -457,15 +488,25 @@ fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             Style::default().fg(Color::DarkGray),
         ));
     }
+    lines
+}
+
+fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let lines = attention_lines(app, now_ms);
+    let offset = app.offset(Focus::Attention, lines.len());
     f.render_widget(
-        Paragraph::new(lines)
+        Paragraph::new(lines.into_iter().skip(offset).collect::<Vec<_>>())
             .wrap(Wrap { trim: true })
-            .block(block("Budgets & attention", false)),
+            .block(block(
+                &titled("Budgets & attention", offset),
+                app.focus == Focus::Attention,
+            )),
         area,
     );
 }
 
-fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+/// The catalog with instance counts, then recent deaths, a line each.
+fn agent_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
     let mut lines: Vec<Line> = Vec::new();
     for name in &app.catalog {
         let inst: Vec<_> = app
@@ -508,8 +549,15 @@ fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             Style::default().fg(Color::DarkGray),
         ));
     }
+    lines
+}
+
+fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
+    let lines = agent_lines(app, now_ms);
+    let offset = app.offset(Focus::Agents, lines.len());
     f.render_widget(
-        Paragraph::new(lines).block(block("Agents", app.focus == Focus::Agents)),
+        Paragraph::new(lines.into_iter().skip(offset).collect::<Vec<_>>())
+            .block(block(&titled("Agents", offset), app.focus == Focus::Agents)),
         area,
     );
 }
@@ -607,8 +655,9 @@ fn render_help(f: &mut Frame, area: Rect) {
     let r = centered(area, 60, 14);
     let text = vec![
         Line::from("q / Ctrl-C   quit (the terminal is restored)"),
-        Line::from("Tab          next panel"),
-        Line::from("↑ ↓ PgUp PgDn  scroll the reason-code stream; End = newest"),
+        Line::from("Tab          next panel (its border turns cyan)"),
+        Line::from("↑ ↓ PgUp PgDn  scroll that panel; Home/End back to the top"),
+        Line::from("             (the stream: back in history; End = newest)"),
         Line::from("/            filter the stream by code, agent, provider or node"),
         Line::from("p            pause / resume the stream (rates go on)"),
         Line::from("c            chaos menu: inject a fault or restore everything"),
@@ -812,6 +861,46 @@ mod tests {
         let text = draw(&outage(), 140, 40);
         assert!(text.contains("REROUTING") && text.contains("kill-provider primary (20 s left)"));
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn a_focused_panel_scrolls_what_does_not_fit_at_80x24() {
+        let mut app = healthy();
+        let names: Vec<String> = (0..12).map(|i| format!("agent.n{i:02}")).collect();
+        app.apply(Event::Catalog(names), NOW);
+        for i in 0..6 {
+            let open = crate::escalations::example(
+                &format!("esc-{i}"),
+                &format!("bot{i}"),
+                NOW - 1_000 * i,
+                Status::Open,
+            );
+            app.apply(Event::Escalation(Box::new(open)), NOW);
+        }
+        let before = draw(&app, 80, 24);
+        assert!(
+            before.contains("agent.n00") && !before.contains("agent.n11"),
+            "{before}"
+        );
+        assert!(before.contains("⚑ 6 open escalations"), "{before}");
+        app.focus = Focus::Agents;
+        let len = panel_len(&app, Focus::Agents, NOW);
+        assert_eq!(len, 12);
+        app.scroll_by(100, len);
+        app.focus = Focus::Attention;
+        app.scroll_by(3, panel_len(&app, Focus::Attention, NOW));
+        let after = draw(&app, 80, 24);
+        assert!(
+            after.contains("Agents (↓11)")
+                && after.contains("agent.n11")
+                && !after.contains("agent.n00"),
+            "{after}"
+        );
+        assert!(
+            after.contains("attention (↓3)") && !after.contains("⚑ 6 open"),
+            "{after}"
+        );
+        insta::assert_snapshot!(after);
     }
 
     #[test]

@@ -102,12 +102,13 @@ fn p95_of(latencies: &[u64]) -> u64 {
 }
 
 /// Which panel has the keys.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub enum Focus {
     #[default]
     Stream,
     Nodes,
     Providers,
+    Attention,
     Agents,
 }
 
@@ -116,7 +117,8 @@ impl Focus {
         match self {
             Focus::Stream => Focus::Nodes,
             Focus::Nodes => Focus::Providers,
-            Focus::Providers => Focus::Agents,
+            Focus::Providers => Focus::Attention,
+            Focus::Attention => Focus::Agents,
             Focus::Agents => Focus::Stream,
         }
     }
@@ -142,7 +144,10 @@ pub struct App {
     pub applied: u64,
     // The operator's view.
     pub focus: Focus,
+    /// How far the stream is scrolled back from the newest line.
     pub scroll: usize,
+    /// The first row shown in the nodes, providers, attention and agents panels.
+    pub offsets: BTreeMap<Focus, usize>,
     pub paused: bool,
     pub filter: String,
     pub editing_filter: bool,
@@ -283,6 +288,37 @@ impl App {
             .filter(|(_, v)| now_ms.saturating_sub(v.seen_ms) <= NODE_SILENT_MS)
             .map(|(k, _)| k.as_str())
             .collect()
+    }
+
+    /// Scroll the focused panel by `rows` (positive: further down a panel, further back in the
+    /// stream), keeping at least one of its `len` rows in view.
+    pub fn scroll_by(&mut self, rows: isize, len: usize) {
+        let last = len.saturating_sub(1);
+        let moved = |at: usize| at.saturating_add_signed(rows).min(last);
+        if self.focus == Focus::Stream {
+            self.scroll = moved(self.scroll);
+        } else {
+            let at = self.offsets.entry(self.focus).or_default();
+            *at = moved(*at);
+        }
+    }
+
+    /// Back to the top of the focused panel (the newest line of the stream).
+    pub fn scroll_home(&mut self) {
+        if self.focus == Focus::Stream {
+            self.scroll = 0;
+        } else {
+            self.offsets.remove(&self.focus);
+        }
+    }
+
+    /// The first row shown in `panel`, within its `len` rows.
+    pub fn offset(&self, panel: Focus, len: usize) -> usize {
+        self.offsets
+            .get(&panel)
+            .copied()
+            .unwrap_or(0)
+            .min(len.saturating_sub(1))
     }
 
     /// Open escalations, newest first.
@@ -428,6 +464,39 @@ mod tests {
             "cluster_size": 3, "quorum": quorum, "live_nodes": ["n1", "n2", "n3"],
             "providers": verdicts.iter().map(|(id, v)| json!({"id": id, "consensus": {"verdict": v}})).collect::<Vec<_>>(),
         })
+    }
+
+    #[test]
+    fn each_panel_scrolls_on_its_own_within_its_rows() {
+        let mut app = App::default();
+        app.scroll_by(5, 100);
+        assert_eq!(app.scroll, 5, "the stream goes back in history");
+        app.focus = Focus::Stream.next().next().next(); // attention
+        assert_eq!(app.focus, Focus::Attention);
+        app.scroll_by(3, 10);
+        app.scroll_by(-1, 10);
+        assert_eq!(app.offset(Focus::Attention, 10), 2);
+        app.scroll_by(50, 10);
+        assert_eq!(
+            app.offset(Focus::Attention, 10),
+            9,
+            "the last row stays in view"
+        );
+        assert_eq!(
+            app.offset(Focus::Attention, 4),
+            3,
+            "a panel that shrank shows its last row"
+        );
+        app.scroll_by(-50, 10);
+        assert_eq!(app.offset(Focus::Attention, 10), 0);
+        assert_eq!(app.scroll, 5, "the stream did not move");
+        app.scroll_by(2, 10);
+        app.scroll_home();
+        assert_eq!(app.offset(Focus::Attention, 10), 0);
+        app.focus = app.focus.next().next();
+        assert_eq!(app.focus, Focus::Stream, "Tab goes round");
+        app.scroll_home();
+        assert_eq!(app.scroll, 0);
     }
 
     #[test]
