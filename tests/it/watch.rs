@@ -193,11 +193,39 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
         (screen.contains("NATS connected") && screen.contains("│n1     alive")).then_some(())
     })
     .await;
+    // The escalation store is watched again too: a record written now reaches the panel.
+    let escalated = async {
+        back?;
+        let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
+            .await
+            .ok()?;
+        let store = oam::escalations::store(&nc).await.ok()?;
+        let e: oam::core::escalation::Escalation = serde_json::from_value(serde_json::json!({
+            "id": "esc-after-restart", "request_id": "r-after", "agent": "after-bot", "task": "t",
+            "phase": "budget", "reason_codes": ["ESCALATED_BUDGET_EXHAUSTED"],
+            "recommended_action": "HUMAN_REVIEW", "created_at_ms": oam::node::now_ms()
+        }))
+        .ok()?;
+        oam::escalations::open(&store, "n1", &e).await.ok()?;
+        eventually(Duration::from_secs(15), || async {
+            session
+                .capture()
+                .contains("⚑ after-bot BUDGET_EXHAUSTED → review ")
+                .then_some(())
+        })
+        .await
+    }
+    .await;
     let _ = again.kill();
     let _ = again.wait();
     assert!(
         back.is_some(),
         "the picture comes back:\n{}",
+        session.capture()
+    );
+    assert!(
+        escalated.is_some(),
+        "an escalation after the restart is shown:\n{}",
         session.capture()
     );
 
