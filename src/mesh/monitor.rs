@@ -20,7 +20,6 @@ use crate::transport::subjects;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How often heartbeats are expected, and how many may be missed before an instance is dead.
@@ -111,22 +110,22 @@ struct Seen {
 
 pub struct Monitor {
     app: async_nats::Client,
-    /// The system account's connection, for `CONNZ` requests.
-    sys: async_nats::Client,
     /// instance id -> its latest heartbeat.
     seen: BTreeMap<String, Seen>,
     pub announced: u64,
     pub malformed: u64,
+    /// Closed connections not looked up because the queue was full.
+    pub skipped_lookups: u64,
 }
 
 impl Monitor {
-    pub fn new(app: async_nats::Client, sys: async_nats::Client) -> Monitor {
+    pub fn new(app: async_nats::Client) -> Monitor {
         Monitor {
             app,
-            sys,
             seen: BTreeMap::new(),
             announced: 0,
             malformed: 0,
+            skipped_lookups: 0,
         }
     }
 
@@ -138,19 +137,19 @@ impl Monitor {
         reason: DeathReason,
         detail: &str,
     ) {
-        self.instance_died_on(("", ""), instance_id, agents_hint, reason, detail)
+        self.instance_died_on(instance_id, agents_hint, reason, detail, &[])
             .await
     }
 
-    /// `instance_died`; for a connection without instance records, `(server, account)` say where
-    /// to ask whether other clients still serve its agents.
+    /// `instance_died`, where `served_elsewhere` names agents other clients (without instance
+    /// records) were found still serving.
     async fn instance_died_on(
         &mut self,
-        (server, account): (&str, &str),
         instance_id: &str,
         agents_hint: &[String],
         reason: DeathReason,
         detail: &str,
+        served_elsewhere: &[String],
     ) {
         self.seen.remove(instance_id);
         if !store::claim_tombstone(&self.app, instance_id).await {
@@ -187,7 +186,7 @@ impl Monitor {
                 .await
                 .unwrap_or_default();
             let alive_elsewhere = others.iter().any(|r| r.instance_id != instance_id)
-                || self.other_clients_serve(server, account, agent).await;
+                || served_elsewhere.contains(agent);
             if !alive_elsewhere {
                 dead.push(agent.clone());
             }
@@ -209,41 +208,17 @@ impl Monitor {
         store::forget_instance(&self.app, instance_id, &dead).await;
     }
 
-    /// Whether a connection that is not an oam host (those have instance records) still serves
-    /// `agent`: an Open Agent Mesh client such as the Python SDK.
-    async fn other_clients_serve(&self, server: &str, account: &str, agent: &str) -> bool {
-        if account.is_empty() {
-            return false; // an oam host's death: instance records say who else serves
-        }
-        let query = serde_json::json!({
-            "acc": account,
-            "filter_subject": subjects::agent(agent),
-            "subscriptions_detail": true,
-        });
-        let Some(connz) = connz(&self.sys, server, query).await else {
-            // Unknown is not dead: a false death notice would fail every caller of the agent.
-            return true;
-        };
-        connz.data.connections.iter().any(|c| {
-            instance_of(&c.name).is_none()
-                && agents_served(&c.subscriptions_list_detail)
-                    .iter()
-                    .any(|a| a == agent)
-        })
-    }
-
-    /// A connection without an instance record that served `agents` (a Python SDK process)
+    /// A connection without an instance record that served agents (a Python SDK process)
     /// closed: that instance died.
-    async fn client_died(&mut self, adv: &Advisory, agents: &[String]) {
-        let server: String = adv.server.id.chars().take(8).collect();
-        let instance_id = format!("nats-{server}-{}", adv.client.id);
-        let at = (adv.server.id.as_str(), adv.client.acc.as_str());
+    async fn client_died(&mut self, c: &ClosedClient) {
+        let server: String = c.adv.server.id.chars().take(8).collect();
+        let instance_id = format!("nats-{server}-{}", c.adv.client.id);
         self.instance_died_on(
-            at,
             &instance_id,
-            agents,
+            &c.agents,
             DeathReason::Disconnect,
-            &adv.reason,
+            &c.adv.reason,
+            &c.served_elsewhere,
         )
         .await;
     }
@@ -323,8 +298,63 @@ async fn agents_of_closed(sys: &async_nats::Client, adv: &Advisory) -> Vec<Strin
         .unwrap_or_default()
 }
 
-/// Look-ups of closed connections running at once; more wait their turn.
+/// A closed connection without instance records that served agents, and which of those other
+/// clients still serve.
+struct ClosedClient {
+    adv: Advisory,
+    agents: Vec<String>,
+    served_elsewhere: Vec<String>,
+}
+
+/// Whether a connection that is not an oam host (those have instance records) still serves
+/// `agent`: an Open Agent Mesh client such as the Python SDK.
+async fn other_clients_serve(
+    sys: &async_nats::Client,
+    server: &str,
+    account: &str,
+    agent: &str,
+) -> bool {
+    let query = serde_json::json!({
+        "acc": account,
+        "filter_subject": subjects::agent(agent),
+        "subscriptions_detail": true,
+    });
+    let Some(connz) = connz(sys, server, query).await else {
+        // Unknown is not dead: a false death notice would fail every caller of the agent.
+        return true;
+    };
+    connz.data.connections.iter().any(|c| {
+        instance_of(&c.name).is_none()
+            && agents_served(&c.subscriptions_list_detail)
+                .iter()
+                .any(|a| a == agent)
+    })
+}
+
+/// Everything the monitor needs to know about a closed connection, asked of the server; `None`
+/// when it served no agents (a caller, a node, a tool).
+async fn look_up(sys: &async_nats::Client, adv: Advisory) -> Option<ClosedClient> {
+    let agents = agents_of_closed(sys, &adv).await;
+    if agents.is_empty() {
+        return None;
+    }
+    let mut served_elsewhere = Vec::new();
+    for agent in &agents {
+        if other_clients_serve(sys, &adv.server.id, &adv.client.acc, agent).await {
+            served_elsewhere.push(agent.clone());
+        }
+    }
+    Some(ClosedClient {
+        adv,
+        agents,
+        served_elsewhere,
+    })
+}
+
+/// Look-ups of closed connections running at once.
 const LOOKUPS: usize = 16;
+/// Closed connections waiting for a look-up; beyond this they are counted and skipped.
+const LOOKUP_QUEUE: usize = 4_096;
 
 /// Run until `stop`: `sys` reads `$SYS` advisories, `app` does everything else. `ready` is
 /// called once both subscriptions are in place at the server.
@@ -339,17 +369,30 @@ pub async fn run(
     sys.flush().await?;
     app.flush().await?;
     ready();
-    let mut m = Monitor::new(app, sys.clone());
+    let mut m = Monitor::new(app);
     m.adopt_records().await;
     let mut sweep = tokio::time::interval(Duration::from_millis(250));
-    // Closed connections without instance records are looked up off the loop, so an oam host's
-    // death is never announced late because the server was slow to answer about other clients.
-    let (served_tx, mut served) = tokio::sync::mpsc::unbounded_channel::<(Advisory, Vec<String>)>();
-    let lookups = Arc::new(tokio::sync::Semaphore::new(LOOKUPS));
+    // Closed connections without instance records are looked up off the loop (a bounded queue,
+    // LOOKUPS at once), so neither deaths nor heartbeats wait on the server's answers.
+    let (lookup_tx, lookup_rx) = tokio::sync::mpsc::channel::<Advisory>(LOOKUP_QUEUE);
+    let (found_tx, mut found) = tokio::sync::mpsc::channel::<ClosedClient>(LOOKUP_QUEUE);
+    let queue = futures_util::stream::unfold(lookup_rx, |mut rx| async move {
+        rx.recv().await.map(|adv| (adv, rx))
+    });
+    tokio::spawn(queue.for_each_concurrent(LOOKUPS, move |adv| {
+        let (sys, found_tx) = (sys.clone(), found_tx.clone());
+        async move {
+            if let Some(c) = look_up(&sys, adv).await {
+                let _ = found_tx.send(c).await;
+            }
+        }
+    }));
     tokio::pin!(stop);
     loop {
         tokio::select! {
+            biased;
             _ = &mut stop => return Ok(()),
+            Some(msg) = beats.next() => m.heartbeat(&msg.payload),
             Some(msg) = advisories.next() => {
                 let Ok(adv) = serde_json::from_slice::<Advisory>(&msg.payload) else {
                     m.malformed += 1;
@@ -359,19 +402,12 @@ pub async fn run(
                     let id = id.to_string();
                     let hint: Vec<String> = m.seen.get(&id).map(|s| vec![s.agent.clone()]).unwrap_or_default();
                     m.instance_died(&id, &hint, DeathReason::Disconnect, &adv.reason).await;
-                } else {
-                    let (sys, tx, lookups) = (sys.clone(), served_tx.clone(), lookups.clone());
-                    tokio::spawn(async move {
-                        let Ok(_turn) = lookups.acquire().await else { return };
-                        let agents = agents_of_closed(&sys, &adv).await;
-                        if !agents.is_empty() {
-                            let _ = tx.send((adv, agents));
-                        }
-                    });
+                } else if lookup_tx.try_send(adv).is_err() {
+                    m.skipped_lookups += 1;
+                    tracing::warn!("{} closed connections not looked up: too many at once", m.skipped_lookups);
                 }
             }
-            Some((adv, agents)) = served.recv() => m.client_died(&adv, &agents).await,
-            Some(msg) = beats.next() => m.heartbeat(&msg.payload),
+            Some(c) = found.recv() => m.client_died(&c).await,
             _ = sweep.tick() => {
                 for (id, agent) in m.silent() {
                     m.instance_died(&id, &[agent], DeathReason::MissedHeartbeats, "no heartbeat for 3 intervals").await;
