@@ -29,6 +29,47 @@ pub struct Started {
     pub args: Vec<String>,
 }
 
+impl Started {
+    /// Record where a process told `--listen 127.0.0.1:PORT` (perhaps port 0) listens: its
+    /// endpoint, and its arguments with the real port, so a restart comes back at the same
+    /// address.
+    pub fn settle_address(&mut self, url: &str) {
+        self.endpoint = url.to_string();
+        self.set_listen(url.trim_start_matches("http://"));
+    }
+
+    /// Change the `--listen` argument.
+    pub fn set_listen(&mut self, addr: &str) {
+        if let Some(at) = self.args.iter().position(|a| a == "--listen")
+            && let Some(value) = self.args.get_mut(at + 1)
+        {
+            *value = addr.to_string();
+        }
+    }
+}
+
+/// The first line `child` printed to `out` (its ready line), parsed as JSON; `None` when it
+/// exits first or prints nothing within `within`.
+pub async fn ready_json(
+    child: &mut std::process::Child,
+    out: &Path,
+    within: Duration,
+) -> Option<serde_json::Value> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Ok(text) = std::fs::read_to_string(out)
+            && let Some((line, _)) = text.split_once('\n')
+        {
+            return serde_json::from_str(line).ok();
+        }
+        if !matches!(child.try_wait(), Ok(None)) {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct Record {
     pub started_at_ms: u64,

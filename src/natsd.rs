@@ -239,13 +239,17 @@ pub fn start(
 ) -> anyhow::Result<Server> {
     let conf = layout.config_path();
     crate::localmesh::write_private(&conf, &config(layout, creds))?;
-    let server = start_from(bin, &conf, &layout.dir, log_path, ready_within)?;
+    let mut server = start_from(bin, &conf, &layout.dir, log_path, ready_within)?;
     let taken = Layout {
         port: server.port,
         monitor_port: server.monitor_port,
         dir: layout.dir.clone(),
     };
-    crate::localmesh::write_private(&conf, &config(&taken, creds))?;
+    if let Err(e) = crate::localmesh::write_private(&conf, &config(&taken, creds)) {
+        let _ = server.child.kill();
+        let _ = server.child.wait();
+        return Err(e);
+    }
     Ok(server)
 }
 
@@ -260,6 +264,10 @@ pub fn start_from(
 ) -> anyhow::Result<Server> {
     let log = std::fs::File::create(log_path)
         .with_context(|| format!("cannot create {}", log_path.display()))?;
+    // A server killed earlier leaves its ports file behind; a reused PID must not read it.
+    for old in ports_files(ports_dir, "") {
+        let _ = std::fs::remove_file(old);
+    }
     let mut child = Command::new(bin)
         .arg("-c")
         .arg(config_path)
@@ -269,13 +277,8 @@ pub fn start_from(
         .spawn()
         .with_context(|| format!("cannot start {}", bin.display()))?;
     let deadline = Instant::now() + ready_within;
-    let ports_file = ports_dir.join(format!(
-        "{}_{}.ports",
-        bin.file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("nats-server"),
-        child.id()
-    ));
+    // The server names it after its executable: `{name}_{pid}.ports`.
+    let suffix = format!("_{}.ports", child.id());
     loop {
         if let Some(status) = child.try_wait()? {
             let tail = std::fs::read_to_string(log_path).unwrap_or_default();
@@ -286,7 +289,10 @@ pub fn start_from(
                 log_path.display()
             );
         }
-        if let Some((port, monitor_port)) = read_ports(&ports_file) {
+        if let Some((port, monitor_port)) = ports_files(ports_dir, &suffix)
+            .first()
+            .and_then(|f| read_ports(f))
+        {
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
             if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
                 return Ok(Server {
@@ -300,13 +306,29 @@ pub fn start_from(
             let _ = child.kill();
             let _ = child.wait();
             bail!(
-                "nats-server did not listen within {ready_within:?} (no ports in {}); see {}",
-                ports_file.display(),
+                "nats-server did not listen within {ready_within:?} (no *{suffix} file in {}); \
+                 see {}",
+                ports_dir.display(),
                 log_path.display()
             );
         }
         std::thread::sleep(Duration::from_millis(25));
     }
+}
+
+/// The ports files in `dir` whose names end with `suffix` (and `.ports`).
+fn ports_files(dir: &Path, suffix: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(suffix) && n.ends_with(".ports"))
+        })
+        .collect()
 }
 
 /// The client and monitoring ports from a ports file

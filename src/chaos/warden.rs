@@ -497,7 +497,7 @@ impl Warden {
                     localmesh::signal(*pid, libc::SIGCONT);
                 }
             }
-            Undo::RestartNode { name } => self.restart_node(name),
+            Undo::RestartNode { name } => self.restart_node(name).await,
             Undo::RestartAgent { agent, args } => {
                 let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
                 let log_name = format!("agent-{agent}");
@@ -528,7 +528,7 @@ impl Warden {
         }
     }
 
-    fn restart_node(&mut self, name: &str) {
+    async fn restart_node(&mut self, name: &str) {
         let Ok(mut rec) = self.record() else {
             return;
         };
@@ -539,17 +539,39 @@ impl Warden {
             return; // someone started it already
         }
         let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
-        match localmesh::spawn_oam(&self.dir, name, &n.args, &env) {
-            Ok((child, _, _)) => {
-                n.pid = child.id();
-                self.children.push(child);
-                if let Err(e) = rec.save(&self.dir) {
-                    tracing::warn!("cannot record the new pid of {name}: {e:#}");
-                }
-                tracing::info!(node = name, "started again");
+        // Its old port came from the kernel's pool; if something took it meanwhile, the node
+        // comes back on any free port (and the record says which).
+        for attempt in 0..2 {
+            if attempt == 1 {
+                tracing::warn!(
+                    node = name,
+                    "its old address is taken; starting it on a free port"
+                );
+                n.set_listen("127.0.0.1:0");
             }
-            Err(e) => tracing::warn!("cannot start {name} again: {e:#}"),
+            let (mut child, out, _) = match localmesh::spawn_oam(&self.dir, name, &n.args, &env) {
+                Ok(started) => started,
+                Err(e) => {
+                    tracing::warn!("cannot start {name} again: {e:#}");
+                    return;
+                }
+            };
+            let ready = localmesh::ready_json(&mut child, &out, Duration::from_secs(10)).await;
+            let exited = !matches!(child.try_wait(), Ok(None));
+            n.pid = child.id();
+            self.children.push(child);
+            if let Some(url) = ready.as_ref().and_then(|r| r["http"].as_str()) {
+                n.settle_address(url);
+                break;
+            }
+            if !exited {
+                break; // slow, not failed: leave it be
+            }
         }
+        if let Err(e) = rec.save(&self.dir) {
+            tracing::warn!("cannot record the new pid of {name}: {e:#}");
+        }
+        tracing::info!(node = name, "started again");
     }
 
     /// End what is due; reap what exited.

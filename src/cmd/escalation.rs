@@ -54,7 +54,7 @@ pub struct ResolveArgs {
     /// What was done about it.
     #[arg(long)]
     pub note: Option<String>,
-    /// One JSON object: {resolved, already, unknown}.
+    /// One JSON object: {resolved, already, unknown, failed}.
     #[arg(long)]
     pub json: bool,
     #[arg(long)]
@@ -74,9 +74,16 @@ async fn open_store(
 ) -> Result<async_nats::jetstream::kv::Store> {
     let url = connect::resolve_url(nats_url);
     let nats = super::nats(&url, name, false).await?;
-    escalations::store(&nats)
-        .await
-        .map_err(|e| Error::new(Kind::Unreachable, e))
+    escalations::store(&nats).await.map_err(|e| {
+        Error::new(
+            Kind::Unreachable,
+            e.context(format!(
+                "cannot open the escalation store ({}); it needs JetStream on the NATS server, \
+                 which `oam mesh up` starts with it",
+                escalations::BUCKET
+            )),
+        )
+    })
 }
 
 async fn list(a: ListArgs) -> Result<()> {
@@ -170,20 +177,21 @@ async fn resolve(a: ResolveArgs) -> Result<()> {
             .or_else(|| std::env::var("USER").ok())
             .unwrap_or_else(|| "operator".into());
     let (mut resolved, mut already, mut unknown) = (Vec::new(), Vec::new(), Vec::new());
+    let mut failed = Vec::new();
     for id in &ids {
         let now = crate::node::now_ms();
-        match escalations::resolve(&store, id, &by, a.note.as_deref(), now)
-            .await
-            .map_err(|e| Error::new(Kind::Unreachable, e))?
-        {
-            Resolved::Now(_) => resolved.push(id.clone()),
-            Resolved::Already(_) => already.push(id.clone()),
-            Resolved::Unknown => unknown.push(id.clone()),
+        match escalations::resolve(&store, id, &by, a.note.as_deref(), now).await {
+            Ok(Resolved::Now(_)) => resolved.push(id.clone()),
+            Ok(Resolved::Already(_)) => already.push(id.clone()),
+            Ok(Resolved::Unknown) => unknown.push(id.clone()),
+            Err(e) => failed.push(format!("{id}: {e:#}")),
         }
     }
     let mut out = std::io::stdout().lock();
     if a.json {
-        let doc = serde_json::json!({"resolved": resolved, "already": already, "unknown": unknown});
+        let doc = serde_json::json!({
+            "resolved": resolved, "already": already, "unknown": unknown, "failed": failed,
+        });
         writeln!(out, "{doc}")?;
     } else {
         for id in &resolved {
@@ -195,6 +203,15 @@ async fn resolve(a: ResolveArgs) -> Result<()> {
         if ids.is_empty() {
             writeln!(out, "no open escalations to resolve")?;
         }
+    }
+    if !failed.is_empty() {
+        return Err(Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!(
+                "not resolved (the others were): {}; run the command again",
+                failed.join("; ")
+            ),
+        ));
     }
     if !unknown.is_empty() {
         return Err(Error::new(

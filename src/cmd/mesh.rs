@@ -107,20 +107,6 @@ fn pick_port(wanted: u16, what: &str, flag: &str) -> Result<u16> {
     Ok(wanted)
 }
 
-/// Record where a process that was told `--listen 127.0.0.1:PORT` (perhaps port 0) listens:
-/// its endpoint, and its arguments with the real port, so a restart comes back at the same
-/// address.
-fn settle_address(p: Option<&mut Started>, url: &str) {
-    let Some(p) = p else { return };
-    p.endpoint = url.to_string();
-    let addr = url.trim_start_matches("http://");
-    if let Some(at) = p.args.iter().position(|a| a == "--listen")
-        && let Some(value) = p.args.get_mut(at + 1)
-    {
-        *value = addr.to_string();
-    }
-}
-
 /// Wait for the first line of `path` (a child's stdout), parsed as JSON.
 fn ready_line(
     path: &Path,
@@ -203,7 +189,16 @@ async fn up(a: UpArgs) -> Result<()> {
     let sim_port = pick_port(a.sim_port, "the simulator", "--sim-port")?;
     let mut node_ports = Vec::new();
     for i in 0..a.nodes {
-        let wanted = if a.http_port == 0 { 0 } else { a.http_port + i };
+        let wanted = match a.http_port {
+            0 => 0,
+            first => first.checked_add(i).ok_or_else(|| {
+                Error::usage(format!(
+                    "--http-port {first} leaves no room for {} nodes below 65536; pick a lower \
+                     first port, or 0 for any free ports",
+                    a.nodes
+                ))
+            })?,
+        };
         node_ports.push(pick_port(wanted, "a node", "--http-port")?);
     }
 
@@ -326,7 +321,9 @@ async fn start_all(
     });
     let ready = ready_line(&out, &mut child, "the simulator", &log)?;
     let sim_url = ready["url"].as_str().unwrap_or_default().to_string();
-    settle_address(started.last_mut(), &sim_url);
+    if let Some(p) = started.last_mut() {
+        p.settle_address(&sim_url);
+    }
 
     // The nodes; the NATS URL with credentials travels in the environment, not argv. A node's
     // marker (`--id n1 --sim-url URL`) names this mesh and survives a restart on its new port.
@@ -369,7 +366,9 @@ async fn start_all(
     for (at, id, mut child, out, log) in pending {
         let ready = ready_line(&out, &mut child, &format!("node {id}"), &log)?;
         let url = ready["http"].as_str().unwrap_or_default().to_string();
-        settle_address(started.get_mut(at), &url);
+        if let Some(p) = started.get_mut(at) {
+            p.settle_address(&url);
+        }
         node_urls.push((id, url, log));
     }
     // The liveness monitor, with both accounts' credentials in its environment.

@@ -88,7 +88,7 @@ async fn feed(
         }
     };
     refresh_chaos();
-    tokio::spawn(feed_escalations(nats.clone(), tx.clone(), dropped.clone()));
+    tokio::spawn(feed_escalations(nats.clone(), tx.clone()));
     let mut slow = tokio::time::interval(Duration::from_secs(2));
     let mut connected = None;
     loop {
@@ -127,30 +127,36 @@ async fn feed(
     }
 }
 
-/// The escalation store, every record and then every change, as model events; watched again
-/// whenever the watch breaks (NATS gone and back).
-async fn feed_escalations(
-    nats: async_nats::Client,
-    tx: tokio::sync::mpsc::Sender<Event>,
-    dropped: Arc<AtomicU64>,
-) {
+/// The escalation store, every record and then every change, as model events; read again from
+/// the start whenever the watch breaks (NATS gone and back). These are state, not a stream: this
+/// task waits for room in the channel rather than drop a resolution.
+async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sender<Event>) {
     loop {
-        if tx.is_closed() {
-            return;
-        }
         if let Ok(store) = escalations::store(&nats).await
             && let Ok(mut changes) = store.watch_with_history(">").await
         {
+            if tx.send(Event::EscalationsReread).await.is_err() {
+                return;
+            }
             while let Some(Ok(entry)) = changes.next().await {
-                if entry.operation != kv::Operation::Put {
-                    continue;
-                }
-                if let Ok(r) = serde_json::from_slice::<escalations::Record>(&entry.value)
-                    && tx.try_send(Event::Escalation(Box::new(r))).is_err()
-                {
-                    dropped.fetch_add(1, Ordering::Relaxed);
+                let ev = match entry.operation {
+                    kv::Operation::Put => {
+                        match serde_json::from_slice::<escalations::Record>(&entry.value) {
+                            Ok(r) => Event::Escalation(Box::new(r)),
+                            Err(_) => continue,
+                        }
+                    }
+                    kv::Operation::Delete | kv::Operation::Purge => {
+                        Event::EscalationGone(entry.key)
+                    }
+                };
+                if tx.send(ev).await.is_err() {
+                    return;
                 }
             }
+        }
+        if tx.is_closed() {
+            return;
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }

@@ -357,6 +357,7 @@ impl Node {
                 && let Err(err) = crate::escalations::open(s, &self.id, &e).await
             {
                 tracing::warn!("escalation {} not recorded: {err:#}", e.id);
+                store = None; // the bucket may be gone (a new server): open it afresh next time
             }
         }
     }

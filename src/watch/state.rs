@@ -26,6 +26,10 @@ pub enum Event {
     Decision { node: String, decision: Value },
     /// An escalation record from the escalation store, open or resolved.
     Escalation(Box<Record>),
+    /// A record deleted from the store (by its key).
+    EscalationGone(String),
+    /// The store is about to be read again from the start: forget what it said.
+    EscalationsReread,
     /// An agent-loop incident from `oam.v1.incident.{node}`.
     Incident { node: String, incident: Value },
     /// A death notice from `mesh.death.{name}`.
@@ -131,7 +135,7 @@ pub struct App {
     pub stream: VecDeque<Line>,
     /// Per second (ms of the second's start -> (decisions, latencies)).
     pub seconds: BTreeMap<u64, Second>,
-    /// Open escalations by id.
+    /// Open escalations by store key.
     pub escalations: BTreeMap<String, Record>,
     pub incidents: VecDeque<(u64, String, Value)>,
     pub deaths: VecDeque<(u64, Value)>,
@@ -238,11 +242,11 @@ impl App {
                 }
             }
             Event::Escalation(record) => {
-                let id = record.escalation.id.clone();
+                let key = crate::escalations::key(&record.escalation.id);
                 if record.status == Status::Resolved {
-                    self.escalations.remove(&id);
+                    self.escalations.remove(&key);
                 } else {
-                    self.escalations.insert(id, *record);
+                    self.escalations.insert(key, *record);
                     if self.escalations.len() > OPEN_ESCALATIONS_KEPT
                         && let Some(oldest) = self.oldest_escalation()
                     {
@@ -250,6 +254,10 @@ impl App {
                     }
                 }
             }
+            Event::EscalationGone(key) => {
+                self.escalations.remove(&key);
+            }
+            Event::EscalationsReread => self.escalations.clear(),
             Event::Incident { node, incident } => {
                 push_bounded(&mut self.incidents, (now_ms, node, incident), 50);
             }
@@ -294,7 +302,7 @@ impl App {
     /// stream), keeping at least one of its `len` rows in view.
     pub fn scroll_by(&mut self, rows: isize, len: usize) {
         let last = len.saturating_sub(1);
-        let moved = |at: usize| at.saturating_add_signed(rows).min(last);
+        let moved = |at: usize| at.min(last).saturating_add_signed(rows).min(last);
         if self.focus == Focus::Stream {
             self.scroll = moved(self.scroll);
         } else {
@@ -333,9 +341,9 @@ impl App {
 
     fn oldest_escalation(&self) -> Option<String> {
         self.escalations
-            .values()
-            .min_by_key(|r| (r.escalation.created_at_ms, &r.escalation.id))
-            .map(|r| r.escalation.id.clone())
+            .iter()
+            .min_by_key(|(_, r)| (r.escalation.created_at_ms, &r.escalation.id))
+            .map(|(key, _)| key.clone())
     }
 
     /// The freshest snapshot among live nodes (for cluster-wide figures).
@@ -487,6 +495,13 @@ mod tests {
             3,
             "a panel that shrank shows its last row"
         );
+        app.scroll_by(-1, 4);
+        assert_eq!(
+            app.offset(Focus::Attention, 4),
+            2,
+            "and the first step up moves"
+        );
+        app.scroll_by(7, 10);
         app.scroll_by(-50, 10);
         assert_eq!(app.offset(Focus::Attention, 10), 0);
         assert_eq!(app.scroll, 5, "the stream did not move");
@@ -530,6 +545,10 @@ mod tests {
             7_000,
         );
         assert_eq!(app.escalations.len(), 2);
+        app.apply(Event::EscalationGone("esc-c".into()), 7_000);
+        assert_eq!(ids(&app), ["esc-a"], "a deleted record leaves");
+        app.apply(Event::EscalationsReread, 7_000);
+        assert!(app.escalations.is_empty(), "a re-read starts afresh");
         for i in 0..OPEN_ESCALATIONS_KEPT as u64 + 5 {
             let r = example(&format!("esc-n{i}"), "bot", 10_000 + i, Status::Open);
             app.apply(Event::Escalation(Box::new(r)), 8_000);

@@ -269,6 +269,20 @@ impl LocalMesh {
         self.up["nodes"][i]["http"].as_str().unwrap().to_string()
     }
 
+    /// The recorded endpoint of the process named `name` (a restarted node's may change).
+    pub fn endpoint(&self, name: &str) -> String {
+        let text = std::fs::read_to_string(self.dir.0.join("mesh.json")).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["endpoint"].as_str())
+            .unwrap()
+            .to_string()
+    }
+
     /// The recorded process named `name` (its pid may change when chaos restarts it).
     pub fn pid(&self, name: &str) -> u32 {
         let text = std::fs::read_to_string(self.dir.0.join("mesh.json")).unwrap();
