@@ -269,8 +269,9 @@ impl LocalMesh {
         self.up["nodes"][i]["http"].as_str().unwrap().to_string()
     }
 
-    /// The recorded endpoint of the process named `name` (a restarted node's may change).
-    pub fn endpoint(&self, name: &str) -> String {
+    /// The record of the process named `name` in mesh.json (chaos may restart it: a new pid,
+    /// perhaps a new endpoint).
+    fn recorded(&self, name: &str) -> Value {
         let text = std::fs::read_to_string(self.dir.0.join("mesh.json")).unwrap();
         let v: Value = serde_json::from_str(&text).unwrap();
         v["processes"]
@@ -278,22 +279,19 @@ impl LocalMesh {
             .unwrap()
             .iter()
             .find(|p| p["name"] == name)
-            .and_then(|p| p["endpoint"].as_str())
+            .cloned()
+            .unwrap_or_else(|| panic!("no process {name} in mesh.json"))
+    }
+
+    pub fn endpoint(&self, name: &str) -> String {
+        self.recorded(name)["endpoint"]
+            .as_str()
             .unwrap()
             .to_string()
     }
 
-    /// The recorded process named `name` (its pid may change when chaos restarts it).
     pub fn pid(&self, name: &str) -> u32 {
-        let text = std::fs::read_to_string(self.dir.0.join("mesh.json")).unwrap();
-        let v: Value = serde_json::from_str(&text).unwrap();
-        v["processes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["name"] == name)
-            .and_then(|p| p["pid"].as_u64())
-            .unwrap() as u32
+        self.recorded(name)["pid"].as_u64().unwrap() as u32
     }
 }
 
