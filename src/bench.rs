@@ -260,20 +260,22 @@ pub async fn run(
     target: Target,
     progress: impl Fn() + Send + Sync + 'static,
 ) -> Report {
-    let (samples, elapsed, plan) = run_samples(plan, target, progress).await;
+    let (samples, elapsed, plan) = run_samples(plan, target, Instant::now(), progress).await;
     summarize(plan, &samples, elapsed)
 }
 
-/// Run `plan` and return every sample (for scenarios, which look at them over time).
+/// Run `plan` from `started` (now, or a moment just past on the caller's clock: sample times
+/// and the rate schedule count from it) and return every sample (for scenarios, which look at
+/// them over time).
 pub async fn run_samples(
     plan: Plan,
     target: Target,
+    started: Instant,
     progress: impl Fn() + Send + Sync + 'static,
 ) -> (Vec<Sample>, Duration, Plan) {
     let next = Arc::new(AtomicUsize::new(0));
     let samples = Arc::new(Mutex::new(Vec::with_capacity(plan.requests.min(100_000))));
     let progress = Arc::new(progress);
-    let started = Instant::now();
     let deadline = plan
         .max_duration_ms
         .map(|ms| started + Duration::from_millis(ms));

@@ -166,7 +166,7 @@ pub struct Short {
 pub enum Window {
     #[default]
     All,
-    /// Before the first fault.
+    /// Requests that finished before the first fault.
     Before,
     /// From the first injection to the last expiry.
     Chaos,
@@ -394,7 +394,8 @@ impl Run<'_> {
                 let t = s.started_us / 1_000;
                 match (w, first, last) {
                     (Window::All, _, _) => true,
-                    (Window::Before, Some(a), _) => t < a,
+                    // Finished before: a request under way at the injection saw either state.
+                    (Window::Before, Some(a), _) => (s.started_us + s.latency_us) / 1_000 < a,
                     (Window::Chaos, Some(a), Some(b)) => t >= a && t < b,
                     (Window::After, _, Some(b)) => t >= b,
                     (_, _, _) => w == Window::Before || w == Window::After,
@@ -683,5 +684,32 @@ min = 1
         let r = run.recoveries();
         assert_eq!((r[0].recovery_ms, r[0].failed), (30, 1));
         assert_eq!((r[0].reroute_ms, r[0].retried), (100, 1));
+    }
+
+    #[test]
+    fn before_means_finished_before_the_first_fault() {
+        // Started 1 ms before the injection and refused by it: neither before nor chaos.
+        let samples = vec![
+            sample(1_000, 150, 200, "primary", &[]),
+            sample(1_999, 5, 402, "", &["BUDGET_EXHAUSTED"]),
+            sample(2_000, 5, 402, "", &["BUDGET_EXHAUSTED"]),
+        ];
+        let run = Run {
+            samples: &samples,
+            faults: vec![("drain-budget".into(), 2_000, 6_000)],
+            cluster_reasons: BTreeMap::new(),
+        };
+        let before: Vec<u64> = run
+            .window(Window::Before)
+            .iter()
+            .map(|s| s.started_us / 1_000)
+            .collect();
+        assert_eq!(before, [1_000]);
+        let chaos: Vec<u64> = run
+            .window(Window::Chaos)
+            .iter()
+            .map(|s| s.started_us / 1_000)
+            .collect();
+        assert_eq!(chaos, [2_000]);
     }
 }

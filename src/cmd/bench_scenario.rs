@@ -307,11 +307,14 @@ pub async fn run(
     // Sample times are on the scenario's clock, like the chaos timeline.
     let after = s.load_after();
     tokio::time::sleep(after).await;
-    let (mut samples, elapsed, plan) = bench::run_samples(plan, target, move || {
-        let n = c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        progress(n, total);
-    })
-    .await;
+    // The load's clock is the timeline's, shifted by `after` exactly (not by however long the
+    // sleep took), so a sample and a fault compare on one clock.
+    let (mut samples, elapsed, plan) =
+        bench::run_samples(plan, target, started + after, move || {
+            let n = c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            progress(n, total);
+        })
+        .await;
     for sample in &mut samples {
         sample.started_us += after.as_micros() as u64;
     }
