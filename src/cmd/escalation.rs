@@ -57,6 +57,7 @@ pub struct ResolveArgs {
     /// One JSON object: {resolved, already, unknown, failed}.
     #[arg(long)]
     pub json: bool,
+    /// NATS URL, as for `oam escalation list`.
     #[arg(long)]
     pub nats_url: Option<String>,
 }
