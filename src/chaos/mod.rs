@@ -13,6 +13,9 @@ pub mod warden;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
+/// `break-contract` modes (the simulator's fault modes of the same names).
+pub const CONTRACT_MODES: [&str; 4] = ["not-json", "missing-field", "low-confidence", "truncated"];
+
 /// The faults, by their command names.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]

@@ -137,7 +137,7 @@ impl Warden {
         let records = store::all_instances(&self.nats).await.unwrap_or_default();
         let local: Vec<_> = records
             .iter()
-            .filter(|r| r.host.as_deref() == Some(host.as_str()) && r.pid.is_some())
+            .filter(|r| r.host.as_deref() == Some(host) && r.pid.is_some())
             .collect();
         for r in local.iter().filter(|r| r.agents.iter().any(|a| a == agent)) {
             let pid = r.pid.unwrap_or_default();
@@ -263,7 +263,7 @@ impl Warden {
                 .map(|u| (u, "hard 500s".into())),
             Fault::BreakContract => {
                 let kind = p.mode.clone().unwrap_or_else(|| "missing-field".into());
-                let valid = ["not-json", "missing-field", "low-confidence", "truncated"];
+                let valid = super::CONTRACT_MODES;
                 if !valid.contains(&kind.as_str()) {
                     return err(format!("--mode {kind:?}: use {}", valid.join(", ")));
                 }

@@ -106,6 +106,21 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::scenario::Mix> {
     Ok(m)
 }
 
+/// `--json FILE` writes `v` to FILE; `--json -` prints it instead of the table (returns true).
+fn emit_json<T: serde::Serialize>(json: Option<&std::path::Path>, v: &T) -> Result<bool> {
+    let Some(path) = json else {
+        return Ok(false);
+    };
+    let text = serde_json::to_string_pretty(v).map_err(|e| Error::new(Kind::Check, e))? + "\n";
+    if path.as_os_str() == "-" {
+        std::io::stdout().lock().write_all(text.as_bytes())?;
+        return Ok(true);
+    }
+    std::fs::write(path, text)
+        .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+    Ok(false)
+}
+
 pub async fn run(a: Args) -> Result<()> {
     if let Some(path) = &a.scenario {
         return scenario(&a, path).await;
@@ -179,18 +194,8 @@ pub async fn run(a: Args) -> Result<()> {
     };
     let report = bench::run(plan, target, move || tick.inc(1)).await;
     bar.finish_and_clear();
-    let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
-    if let Some(path) = a.json.as_deref().filter(|_| !to_stdout) {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::new(Kind::Check, e))?;
-        std::fs::write(path, text + "\n")
-            .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
-    }
-    let mut out = std::io::stdout().lock();
-    if to_stdout {
-        serde_json::to_writer_pretty(&mut out, &report).map_err(|e| Error::new(Kind::Check, e))?;
-        writeln!(out)?;
-    } else {
-        writeln!(out, "{}", table(&report))?;
+    if !emit_json(a.json.as_deref(), &report)? {
+        writeln!(std::io::stdout().lock(), "{}", table(&report))?;
     }
     if report.sent == 0 {
         return Err(Error::new(
@@ -228,18 +233,8 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<()> {
     })
     .await?;
     bar.finish_and_clear();
-    let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
-    if let Some(path) = a.json.as_deref().filter(|_| !to_stdout) {
-        let text =
-            serde_json::to_string_pretty(&outcome).map_err(|e| Error::new(Kind::Check, e))?;
-        std::fs::write(path, text + "\n")
-            .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
-    }
-    let mut out = std::io::stdout().lock();
-    if to_stdout {
-        serde_json::to_writer_pretty(&mut out, &outcome).map_err(|e| Error::new(Kind::Check, e))?;
-        writeln!(out)?;
-    } else {
+    if !emit_json(a.json.as_deref(), &outcome)? {
+        let mut out = std::io::stdout().lock();
         writeln!(
             out,
             "scenario {}{}: {}",

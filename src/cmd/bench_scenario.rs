@@ -137,7 +137,7 @@ async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
     for a in &s.agents {
         for r in records
             .iter()
-            .filter(|r| r.agents.contains(&a.name) && r.host.as_deref() == Some(host.as_str()))
+            .filter(|r| r.agents.contains(&a.name) && r.host.as_deref() == Some(host))
         {
             let Some(pid) = r.pid else { continue };
             if localmesh::is_running(pid, &format!("agent serve {}", a.name)) {
@@ -147,7 +147,7 @@ async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
     }
 }
 
-fn start_agents(dir: &Path, app_url: &str, s: &Scenario) -> Result<Agents> {
+async fn start_agents(dir: &Path, app_url: &str, s: &Scenario) -> Result<Agents> {
     let mut agents = Agents(Vec::new());
     for a in &s.agents {
         let args: Vec<String> = [
@@ -164,22 +164,15 @@ fn start_agents(dir: &Path, app_url: &str, s: &Scenario) -> Result<Agents> {
         .to_vec();
         let env = [(crate::transport::connect::ENV_URL, app_url.to_string())];
         let name = format!("agent-{}", a.name);
-        let (child, out, log) = localmesh::spawn_oam(dir, &name, &args, &env)
+        let (mut child, out, log) = localmesh::spawn_oam(dir, &name, &args, &env)
             .map_err(|e| Error::new(Kind::Check, e))?;
+        let ready = localmesh::ready_json(&mut child, &out, Duration::from_secs(20)).await;
         agents.0.push(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let text = std::fs::read_to_string(&out).unwrap_or_default();
-            if text.contains('\n') {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(Error::new(
-                    Kind::Check,
-                    anyhow::anyhow!("agent {} did not start; see {}", a.name, log.display()),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if ready.is_none() {
+            return Err(Error::new(
+                Kind::Check,
+                anyhow::anyhow!("agent {} did not start; see {}", a.name, log.display()),
+            ));
         }
     }
     Ok(agents)
@@ -231,7 +224,7 @@ pub async fn run(
     let every: Vec<String> = all_nodes.iter().map(|n| n.1.clone()).collect();
     let http = crate::node::connector::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
     settle(&http, &every, Duration::from_secs(60)).await?;
-    let _agents = start_agents(dir, &app_url, s)?;
+    let _agents = start_agents(dir, &app_url, s).await?;
     let before = cluster_reasons(&http, &every).await;
 
     let duration = s.duration();

@@ -46,7 +46,7 @@ pub enum Command {
         #[command(flatten)]
         on: On,
         /// How the answer is broken.
-        #[arg(long, default_value = "missing-field", value_parser = ["not-json", "missing-field", "low-confidence", "truncated"])]
+        #[arg(long, default_value = "missing-field", value_parser = crate::chaos::CONTRACT_MODES)]
         mode: String,
     },
     /// PROVIDER answers late.

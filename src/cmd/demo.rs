@@ -176,13 +176,6 @@ pub async fn run(a: Args) -> Result<()> {
         .copied()
         .filter(|(name, _)| a.only.is_empty() || a.only.iter().any(|o| o == name))
         .collect();
-    if chosen.is_empty() {
-        let names: Vec<&str> = HEADLINE.iter().map(|(n, _)| *n).collect();
-        return Err(Error::usage(format!(
-            "--only names no scenario; the demo plays {}",
-            names.join(", ")
-        )));
-    }
     let started = Instant::now();
     let mut out = std::io::stdout();
     writeln!(

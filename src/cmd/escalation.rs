@@ -93,8 +93,7 @@ async fn list(a: ListArgs) -> Result<()> {
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?
         .into_iter()
-        .filter(|r| a.all || r.status == Status::Open)
-        .filter(|r| a.agent.as_ref().is_none_or(|x| *x == r.escalation.agent))
+        .filter(|r| (a.all || r.status == Status::Open) && of_agent(r, a.agent.as_deref()))
         .collect();
     let mut out = std::io::stdout().lock();
     if a.json {
@@ -151,6 +150,11 @@ async fn list(a: ListArgs) -> Result<()> {
     Ok(())
 }
 
+/// Whether `r` is `agent`'s (every record is, without an agent).
+fn of_agent(r: &Record, agent: Option<&str>) -> bool {
+    agent.is_none_or(|x| x == r.escalation.agent)
+}
+
 fn age(ms: u64) -> String {
     match ms / 1_000 {
         s if s < 120 => format!("{s}s"),
@@ -166,8 +170,7 @@ async fn resolve(a: ResolveArgs) -> Result<()> {
             .await
             .map_err(|e| Error::new(Kind::Unreachable, e))?
             .into_iter()
-            .filter(|r| r.status == Status::Open)
-            .filter(|r| a.agent.as_ref().is_none_or(|x| *x == r.escalation.agent))
+            .filter(|r| r.status == Status::Open && of_agent(r, a.agent.as_deref()))
             .map(|r| r.escalation.id)
             .collect()
     } else {

@@ -3,7 +3,7 @@
 //! reader thread; a frame is drawn at a fixed rate. The terminal is restored on every exit path,
 //! panics included.
 
-use crate::chaos::{self, Fault, Inject, Params, Restore};
+use crate::chaos::{self, Inject, Params, Restore};
 use crate::core::wire::Envelope;
 use crate::error::{Error, Kind, Result};
 use crate::escalations;
@@ -250,15 +250,7 @@ fn on_key(app: &mut App, k: term::KeyEvent, chaos_tx: &tokio::sync::mpsc::Sender
 /// Inject (or restore) menu entry `sel`; the outcome in words.
 async fn chaos_action(nats: &async_nats::Client, sel: usize) -> String {
     let (label, fault, target, secs) = CHAOS_MENU[sel];
-    let (subject, body) = if fault == "restore" {
-        (
-            subjects::CHAOS_RESTORE,
-            serde_json::to_vec(&Restore { what: None }),
-        )
-    } else {
-        let Ok(fault) = serde_json::from_value::<Fault>(Value::String(fault.into())) else {
-            return format!("unknown fault {fault}");
-        };
+    let (subject, body) = if let Some(fault) = fault {
         let req = Inject {
             fault,
             target: target.map(String::from),
@@ -266,6 +258,11 @@ async fn chaos_action(nats: &async_nats::Client, sel: usize) -> String {
             params: Params::default(),
         };
         (subjects::CHAOS_INJECT, serde_json::to_vec(&req))
+    } else {
+        (
+            subjects::CHAOS_RESTORE,
+            serde_json::to_vec(&Restore { what: None }),
+        )
     };
     match chaos::ask(nats, subject, body.unwrap_or_default()).await {
         Ok(done) => format!("chaos: {label}: {} fault(s)", done.len()),

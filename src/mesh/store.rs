@@ -25,10 +25,13 @@ pub struct InstanceRecord {
 }
 
 /// This machine's host name (empty if unknown).
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default()
+pub fn hostname() -> &'static str {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default()
+    })
 }
 
 /// Open the KV bucket `name`, creating it (history 1, `max_age`) if it does not exist.
@@ -148,7 +151,7 @@ async fn put_instance(
         connection: subjects::host_connection(instance_id),
         renewed_at_ms: crate::node::now_ms(),
         pid: Some(std::process::id()),
-        host: Some(hostname()),
+        host: Some(hostname().to_string()),
     };
     store
         .put(instance_id, serde_json::to_vec(&rec)?.into())

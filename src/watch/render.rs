@@ -2,6 +2,7 @@
 //! every panel side by side; down to 80x24 the same panels stack and shrink without garbling.
 
 use super::state::{App, Focus, LineKind, Verdict};
+use crate::chaos::Fault;
 use crate::core::reason::Action;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -11,31 +12,36 @@ use ratatui::widgets::{
     Block, Cell, Clear, Gauge, List, ListItem, Paragraph, Row, Sparkline, Table, Wrap,
 };
 
-/// The chaos menu: (label, fault, target, seconds).
-pub const CHAOS_MENU: &[(&str, &str, Option<&str>, u64)] = &[
+/// The chaos menu: (label, fault or `None` to restore everything, target, seconds).
+pub const CHAOS_MENU: &[(&str, Option<Fault>, Option<&str>, u64)] = &[
     (
         "kill provider primary (30 s)",
-        "kill-provider",
+        Some(Fault::KillProvider),
         Some("primary"),
         30,
     ),
     (
         "break primary's contract (30 s)",
-        "break-contract",
+        Some(Fault::BreakContract),
         Some("primary"),
         30,
     ),
     (
         "slow provider primary (30 s)",
-        "slow-provider",
+        Some(Fault::SlowProvider),
         Some("primary"),
         30,
     ),
-    ("kill node n2 (20 s)", "kill-node", Some("n2"), 20),
-    ("isolate node n3 (20 s)", "isolate-node", Some("n3"), 20),
-    ("traffic spike (10 s)", "traffic-spike", None, 10),
-    ("agent loop (10 s)", "agent-loop", None, 10),
-    ("restore everything", "restore", None, 0),
+    ("kill node n2 (20 s)", Some(Fault::KillNode), Some("n2"), 20),
+    (
+        "isolate node n3 (20 s)",
+        Some(Fault::IsolateNode),
+        Some("n3"),
+        20,
+    ),
+    ("traffic spike (10 s)", Some(Fault::TrafficSpike), None, 10),
+    ("agent loop (10 s)", Some(Fault::AgentLoop), None, 10),
+    ("restore everything", None, None, 0),
 ];
 
 /// A panel's title, with how many rows are scrolled out of view above.

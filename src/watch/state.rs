@@ -77,7 +77,6 @@ pub struct NodeView {
 pub struct Instance {
     pub agent: String,
     pub in_flight: u64,
-    pub processed: u64,
     pub seen_ms: u64,
 }
 
@@ -97,12 +96,9 @@ impl Second {
 }
 
 fn p95_of(latencies: &[u64]) -> u64 {
-    if latencies.is_empty() {
-        return 0;
-    }
     let mut l = latencies.to_vec();
     l.sort_unstable();
-    l[((l.len() as f64 * 0.95).ceil() as usize).clamp(1, l.len()) - 1]
+    crate::core::health::nearest_rank(&l, 95)
 }
 
 /// Which panel has the keys.
@@ -277,7 +273,6 @@ impl App {
                         Instance {
                             agent: b["agent"].as_str().unwrap_or("").to_string(),
                             in_flight: b["in_flight"].as_u64().unwrap_or(0),
-                            processed: b["processed"].as_u64().unwrap_or(0),
                             seen_ms: now_ms,
                         },
                     );
