@@ -98,7 +98,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
         }
         out.flush()?;
     }
-    node::run(node, listener)
+    node::run(node, listener, crate::signal::terminated())
         .await
         .map_err(|e| Error::new(Kind::Check, e))
 }

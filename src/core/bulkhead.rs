@@ -10,6 +10,7 @@
 use super::reason::ReasonCode;
 use super::request::Priority;
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, VecDeque};
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(deny_unknown_fields)]
@@ -171,6 +172,104 @@ impl Bulkheads {
     }
 }
 
+/// The order of the class queues: first in, first out per class, and one hand-over per freed
+/// slot. A freed slot goes to the head of the highest-priority queue that may take it, at the
+/// moment it is freed, so a request arriving later cannot overtake one that waits, and nobody
+/// is woken only to find the slot gone.
+///
+/// A queued request holds a ticket. `promote` moves free slots to queue heads (counts included)
+/// and records their tickets as granted; the driver wakes exactly those waiters
+/// (`take_granted`), and each claims its slot with `claim`.
+#[derive(Clone, Debug, Default)]
+pub struct Queues {
+    next_ticket: u64,
+    waiting: [VecDeque<u64>; 3],
+    /// Granted a slot, not yet claimed by the waiter.
+    granted: BTreeSet<u64>,
+    /// Granted since the driver last looked.
+    to_wake: Vec<u64>,
+}
+
+/// Where a ticket was when its request left the queue.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Left {
+    /// Still waiting: the queue count is decremented.
+    Waiting,
+    /// A slot had already been handed to it: the caller must release that slot.
+    Granted,
+    /// Not in any queue (already left or claimed).
+    Unknown,
+}
+
+fn index(class: Priority) -> usize {
+    match class {
+        Priority::Critical => 0,
+        Priority::Normal => 1,
+        Priority::Background => 2,
+    }
+}
+
+impl Queues {
+    /// A request joins its class queue (`try_admit` answered `Queued`): its ticket.
+    pub fn enqueue(&mut self, class: Priority) -> u64 {
+        self.next_ticket += 1;
+        self.waiting[index(class)].push_back(self.next_ticket);
+        self.next_ticket
+    }
+
+    /// Hand every free slot to the head of a queue, critical first.
+    pub fn promote(&mut self, b: &mut Bulkheads, cfg: &BulkheadConfig) {
+        for class in Priority::ALL {
+            while b.can_start_queued(class, cfg) {
+                let Some(ticket) = self.waiting[index(class)].pop_front() else {
+                    break;
+                };
+                b.start_queued(class);
+                self.granted.insert(ticket);
+                self.to_wake.push(ticket);
+            }
+        }
+    }
+
+    /// Tickets granted a slot since the last call, in grant order: wake exactly these.
+    pub fn take_granted(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.to_wake)
+    }
+
+    /// The waiter takes the slot it was granted; false if it was not granted one.
+    pub fn claim(&mut self, ticket: u64) -> bool {
+        self.granted.remove(&ticket)
+    }
+
+    /// A request leaves the queue without claiming a slot (deadline, caller gone).
+    pub fn leave(&mut self, class: Priority, ticket: u64, b: &mut Bulkheads) -> Left {
+        if self.granted.remove(&ticket) {
+            return Left::Granted;
+        }
+        if self.remove(class, ticket) {
+            b.abandon(class);
+            Left::Waiting
+        } else {
+            Left::Unknown
+        }
+    }
+
+    /// Take a waiting ticket out of its queue without touching the counts (the caller moves
+    /// it to a slot itself); false if it was not waiting.
+    pub fn remove(&mut self, class: Priority, ticket: u64) -> bool {
+        let q = &mut self.waiting[index(class)];
+        match q.iter().position(|&t| t == ticket) {
+            Some(i) => q.remove(i).is_some(),
+            None => false,
+        }
+    }
+
+    /// How many wait in `class`'s queue.
+    pub fn waiting(&self, class: Priority) -> usize {
+        self.waiting[index(class)].len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,5 +348,130 @@ mod tests {
         b.release(Priority::Critical);
         b.abandon(Priority::Critical);
         assert_eq!(b.critical, Usage::default());
+    }
+
+    fn queued(q: &mut Queues, b: &mut Bulkheads, cfg: &BulkheadConfig, n: u32) -> Vec<u64> {
+        (0..n)
+            .map(|_| {
+                assert_eq!(b.try_admit(Priority::Normal, cfg), Admission::Queued);
+                q.enqueue(Priority::Normal)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn freed_slots_go_to_the_queue_in_arrival_order_one_each() {
+        let cfg = BulkheadConfig {
+            normal: ClassLimits {
+                concurrency: 2,
+                queue: 8,
+            },
+            ..BulkheadConfig::default()
+        };
+        let mut b = Bulkheads::default();
+        let mut q = Queues::default();
+        fill(&mut b, Priority::Normal, 2, &cfg);
+        let tickets = queued(&mut q, &mut b, &cfg, 5);
+        q.promote(&mut b, &cfg);
+        assert!(q.take_granted().is_empty(), "no slot is free yet");
+        let mut woken = Vec::new();
+        for _ in 0..5 {
+            b.release(Priority::Normal);
+            q.promote(&mut b, &cfg);
+            let granted = q.take_granted();
+            assert_eq!(granted.len(), 1, "one wake-up per freed slot");
+            assert!(q.claim(granted[0]));
+            woken.extend(granted);
+            assert_eq!(
+                b.normal.active, 2,
+                "the slot moved, it was not lost or doubled"
+            );
+        }
+        assert_eq!(woken, tickets, "first in, first out");
+        assert_eq!(b.normal.queued, 0);
+        // A newcomer takes a free slot only when nobody waits.
+        b.release(Priority::Normal);
+        q.promote(&mut b, &cfg);
+        assert_eq!(b.try_admit(Priority::Normal, &cfg), Admission::Admitted);
+    }
+
+    #[test]
+    fn leaving_the_queue_gives_back_what_was_held() {
+        let cfg = BulkheadConfig {
+            normal: ClassLimits {
+                concurrency: 1,
+                queue: 8,
+            },
+            ..BulkheadConfig::default()
+        };
+        let mut b = Bulkheads::default();
+        let mut q = Queues::default();
+        fill(&mut b, Priority::Normal, 1, &cfg);
+        let t = queued(&mut q, &mut b, &cfg, 3);
+        // The middle one gives up while waiting: only the queue count changes.
+        assert_eq!(q.leave(Priority::Normal, t[1], &mut b), Left::Waiting);
+        assert_eq!((b.normal.active, b.normal.queued), (1, 2));
+        assert_eq!(q.leave(Priority::Normal, t[1], &mut b), Left::Unknown);
+        // The head is granted the freed slot but gives up before claiming it: the caller must
+        // release the slot, and the next in line gets it.
+        b.release(Priority::Normal);
+        q.promote(&mut b, &cfg);
+        assert_eq!(q.take_granted(), vec![t[0]]);
+        assert_eq!(q.leave(Priority::Normal, t[0], &mut b), Left::Granted);
+        b.release(Priority::Normal);
+        q.promote(&mut b, &cfg);
+        assert_eq!(q.take_granted(), vec![t[2]]);
+        assert!(q.claim(t[2]));
+        assert_eq!((b.normal.active, b.normal.queued), (1, 0));
+        assert_eq!(q.waiting(Priority::Normal), 0);
+    }
+
+    proptest::proptest! {
+        /// Whatever arrives, finishes or gives up, in any order: active never exceeds a limit,
+        /// the queue count is the queue's length, and every waiter is eventually served.
+        #[test]
+        fn queues_and_counts_never_disagree(ops in proptest::collection::vec(0u8..4, 1..200)) {
+            let cfg = BulkheadConfig {
+                normal: ClassLimits { concurrency: 3, queue: 5 },
+                ..BulkheadConfig::default()
+            };
+            let mut b = Bulkheads::default();
+            let mut q = Queues::default();
+            let mut active = 0u32;
+            let mut waiting: Vec<u64> = Vec::new();
+            for op in ops {
+                match op {
+                    0 => match b.try_admit(Priority::Normal, &cfg) {
+                        Admission::Admitted => active += 1,
+                        Admission::Queued => waiting.push(q.enqueue(Priority::Normal)),
+                        Admission::Rejected(_) => {}
+                    },
+                    1 if active > 0 => {
+                        active -= 1;
+                        b.release(Priority::Normal);
+                        q.promote(&mut b, &cfg);
+                    }
+                    2 if !waiting.is_empty() => {
+                        let t = waiting.remove(waiting.len() / 2);
+                        if q.leave(Priority::Normal, t, &mut b) == Left::Granted {
+                            b.release(Priority::Normal);
+                            q.promote(&mut b, &cfg);
+                        }
+                    }
+                    _ => {}
+                }
+                for t in q.take_granted() {
+                    proptest::prop_assert!(q.claim(t));
+                    waiting.retain(|&w| w != t);
+                    active += 1;
+                }
+                proptest::prop_assert_eq!(b.normal.active, active);
+                proptest::prop_assert!(active <= cfg.normal.concurrency);
+                proptest::prop_assert_eq!(b.normal.queued as usize, q.waiting(Priority::Normal));
+                proptest::prop_assert_eq!(waiting.len(), q.waiting(Priority::Normal));
+                // Nobody waits while a slot is free.
+                proptest::prop_assert!(waiting.is_empty() || active == cfg.normal.concurrency);
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@
 
 use super::breaker::{Breaker, BreakerConfig, Permit, Transition};
 use super::budget::Budgets;
-use super::bulkhead::{Admission, BulkheadConfig, Bulkheads};
+use super::bulkhead::{Admission, BulkheadConfig, Bulkheads, Left, Queues};
 use super::contract::{Contract, Defect};
 use super::escalation::{self, Escalation};
 use super::health::{Outcome, Verdict};
@@ -277,8 +277,11 @@ pub struct Session {
     attempts: Vec<Attempt>,
     effects: Vec<Effect>,
     loop_probe: bool,
-    queued: bool,
+    /// The request's place in its class queue while it waits for a slot.
+    ticket: Option<u64>,
     holds_slot: bool,
+    /// The caller went away: no further attempt is made for it.
+    caller_gone: bool,
     pending: Option<Pending>,
     cost_usd: f64,
 }
@@ -286,6 +289,12 @@ pub struct Session {
 impl Session {
     pub fn request(&self) -> &Request {
         &self.request
+    }
+
+    /// The queue ticket while the request waits for a slot (`Step::Queued`); the driver wakes
+    /// it when `Engine::take_granted` names it.
+    pub fn ticket(&self) -> Option<u64> {
+        self.ticket
     }
 
     /// Give the request back (e.g. to re-send it, or to reuse its buffers).
@@ -349,6 +358,9 @@ pub struct Engine {
     pub config: Config,
     pub state: State,
     default_contract: Contract,
+    /// Who waits for a slot, in order (not part of the replayable state: a recorded input is
+    /// one request).
+    queues: Queues,
 }
 
 impl Engine {
@@ -357,6 +369,7 @@ impl Engine {
             config,
             state,
             default_contract: Contract::default(),
+            queues: Queues::default(),
         }
     }
 
@@ -379,8 +392,9 @@ impl Engine {
             attempts: Vec::new(),
             effects: Vec::new(),
             loop_probe: false,
-            queued: false,
+            ticket: None,
             holds_slot: false,
+            caller_gone: false,
             pending: None,
             cost_usd: 0.0,
         };
@@ -395,7 +409,7 @@ impl Engine {
                 self.proceed(&mut s, now_ms)
             }
             Admission::Queued => {
-                s.queued = true;
+                s.ticket = Some(self.queues.enqueue(class));
                 push(&mut s.codes, ReasonCode::AdmissionQueued);
                 Step::Queued
             }
@@ -407,28 +421,91 @@ impl Engine {
         Ok((s, step))
     }
 
-    /// A queued request got its slot (the driver saw one free up): continue.
+    /// Queue tickets granted a slot since the last call, in order: the driver wakes exactly
+    /// these requests, and each continues with `dequeue`.
+    pub fn take_granted(&mut self) -> Vec<u64> {
+        self.queues.take_granted()
+    }
+
+    /// A queued request continues with the slot it was granted. A driver that runs one request
+    /// at a time (`replay`) may call it without a grant: the request then takes a slot at once.
     pub fn dequeue(&mut self, s: &mut Session, now_ms: u64) -> Step {
-        if s.queued {
-            s.queued = false;
+        if let Some(ticket) = s.ticket.take() {
+            let class = s.request.priority;
+            if !self.queues.claim(ticket) {
+                self.queues.remove(class, ticket);
+                self.state.bulkheads.start_queued(class);
+            }
             s.holds_slot = true;
-            self.state.bulkheads.start_queued(s.request.priority);
         }
         self.proceed(s, now_ms)
+    }
+
+    /// A queued request leaves its queue (a slot it was granted meanwhile goes to the next).
+    fn leave_queue(&mut self, s: &mut Session) -> bool {
+        let Some(ticket) = s.ticket.take() else {
+            return false;
+        };
+        let class = s.request.priority;
+        if self.queues.leave(class, ticket, &mut self.state.bulkheads) == Left::Granted {
+            self.release_slot(class);
+        }
+        true
+    }
+
+    fn release_slot(&mut self, class: crate::core::request::Priority) {
+        self.state.bulkheads.release(class);
+        self.queues
+            .promote(&mut self.state.bulkheads, &self.config.bulkheads);
     }
 
     /// A queued request gave up waiting for a slot (its deadline passed): it leaves the queue
     /// and is refused with QUEUE_TIMEOUT. Does nothing to a request that is not queued.
     pub fn abandon(&mut self, s: &mut Session, now_ms: u64) -> Option<Decision> {
-        if !s.queued {
+        self.leave_queue_with(s, ReasonCode::QueueTimeout, now_ms)
+    }
+
+    /// The caller went away. A queued request leaves the queue at once, refused with
+    /// CLIENT_DISCONNECTED, and no provider is called for it. A request with an attempt under
+    /// way lets that attempt finish (its outcome is still a health sample, and it is paid for),
+    /// but no further attempt is made: `None` here, and the decision comes from `complete`.
+    pub fn caller_gone(&mut self, s: &mut Session, now_ms: u64) -> Option<Decision> {
+        s.caller_gone = true;
+        self.leave_queue_with(s, ReasonCode::ClientDisconnected, now_ms)
+    }
+
+    fn leave_queue_with(
+        &mut self,
+        s: &mut Session,
+        code: ReasonCode,
+        now_ms: u64,
+    ) -> Option<Decision> {
+        if !self.leave_queue(s) {
             return None;
         }
-        s.queued = false;
-        self.state.bulkheads.abandon(s.request.priority);
-        push(&mut s.codes, ReasonCode::QueueTimeout);
+        push(&mut s.codes, code);
         match self.finish_failure(s, Phase::Admission, now_ms) {
             Step::Done(d) => Some(*d),
             _ => None,
+        }
+    }
+
+    /// Give back everything a session holds that it will never finish (its driver is gone):
+    /// its queue place or slot, and the budget reserved for an attempt under way. No decision.
+    pub fn drop_session(&mut self, s: &mut Session) {
+        self.leave_queue(s);
+        if let Some(p) = s.pending.take() {
+            self.state
+                .budgets
+                .settle(&s.request.agent, p.reserved_usd, 0.0);
+            if p.probe {
+                let id = self.state.providers[p.provider].id.clone();
+                breaker_mut(&mut self.state.breakers, &id).release_probe();
+            }
+        }
+        if s.holds_slot {
+            s.holds_slot = false;
+            self.release_slot(s.request.priority);
         }
     }
 
@@ -775,6 +852,8 @@ impl Engine {
             .unwrap_or(self.config.max_attempts.get(s.request.risk));
         let retry_block = if phase == Phase::Cost {
             Some(None) // a retry would only spend more
+        } else if s.caller_gone {
+            Some(Some(ReasonCode::ClientDisconnected)) // nobody would read the answer
         } else if g.status == GenerationStatus::Timeout && !s.request.idempotent {
             Some(Some(ReasonCode::RetryNotSafe))
         } else if s.attempts.len() as u32 >= max_attempts {
@@ -856,7 +935,7 @@ impl Engine {
     ) -> Step {
         if s.holds_slot {
             s.holds_slot = false;
-            self.state.bulkheads.release(s.request.priority);
+            self.release_slot(s.request.priority);
         }
         let accepted = outcome == DecisionOutcome::Accepted;
         if accepted {

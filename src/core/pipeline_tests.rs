@@ -522,6 +522,121 @@ fn queued_requests_proceed_when_dequeued() {
 }
 
 #[test]
+fn a_freed_slot_goes_to_the_oldest_waiter_and_wakes_only_it() {
+    let mut e = engine();
+    let limit = e.config.bulkheads.normal.concurrency;
+    let running: Vec<Session> = (0..limit)
+        .map(|i| {
+            let (s, step) = e.begin(req(&format!("run{i}")), T0).unwrap();
+            assert!(matches!(step, Step::Dispatch(_)));
+            s
+        })
+        .collect();
+    let mut waiting: Vec<Session> = (0..3)
+        .map(|i| {
+            let (s, step) = e.begin(req(&format!("wait{i}")), T0).unwrap();
+            assert_eq!(step, Step::Queued);
+            s
+        })
+        .collect();
+    assert!(e.take_granted().is_empty());
+    // The first running request finishes: exactly the oldest waiter is granted its slot.
+    let mut first = running.into_iter().next().unwrap();
+    assert!(matches!(
+        e.complete(&mut first, good(), T0 + 180),
+        Step::Done(_)
+    ));
+    assert_eq!(e.take_granted(), vec![waiting[0].ticket().unwrap()]);
+    assert_eq!(
+        (
+            e.state.bulkheads.normal.active,
+            e.state.bulkheads.normal.queued
+        ),
+        (limit, 2),
+        "the slot moved to the waiter, it was not freed for anyone"
+    );
+    // A newcomer queues behind the others instead of taking the slot.
+    let (_, step) = e.begin(req("late"), T0 + 181).unwrap();
+    assert_eq!(step, Step::Queued);
+    let step = e.dequeue(&mut waiting[0], T0 + 181);
+    assert!(matches!(step, Step::Dispatch(_)));
+    assert_eq!(e.state.bulkheads.normal.active, limit);
+}
+
+#[test]
+fn a_caller_that_leaves_the_queue_costs_nothing_and_frees_its_place() {
+    let mut e = engine();
+    e.state.bulkheads.normal.active = e.config.bulkheads.normal.concurrency;
+    let (mut s, step) = e.begin(req("gone"), T0).unwrap();
+    assert_eq!(step, Step::Queued);
+    let d = e
+        .caller_gone(&mut s, T0 + 50)
+        .expect("a queued request ends at once");
+    assert_eq!(d.phase, Phase::Admission);
+    assert!(
+        has(&d, ReasonCode::ClientDisconnected),
+        "{:?}",
+        d.reason_codes
+    );
+    assert!(d.attempts.is_empty(), "no provider was called");
+    assert_eq!(e.state.bulkheads.normal.queued, 0);
+}
+
+#[test]
+fn a_caller_that_leaves_mid_attempt_gets_no_retry() {
+    let mut e = engine();
+    let (mut s, step) = e.begin(req("mid"), T0).unwrap();
+    assert!(matches!(step, Step::Dispatch(_)));
+    assert_eq!(
+        e.caller_gone(&mut s, T0 + 5),
+        None,
+        "the attempt under way finishes"
+    );
+    let Step::Done(d) = e.complete(&mut s, err(), T0 + 20) else {
+        panic!("a failed attempt of a caller that left is not retried");
+    };
+    assert_eq!(d.attempts.len(), 1);
+    assert!(
+        has(&d, ReasonCode::ClientDisconnected),
+        "{:?}",
+        d.reason_codes
+    );
+    assert!(
+        d.effects
+            .iter()
+            .any(|x| matches!(x, Effect::HealthSample { .. }))
+    );
+    assert_eq!(e.state.bulkheads.normal.active, 0);
+}
+
+#[test]
+fn a_dropped_session_gives_back_its_slot_reservation_and_place() {
+    let mut e = engine();
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(1.0));
+    let limit = e.config.bulkheads.normal.concurrency;
+    e.state.bulkheads.normal.active = limit - 1;
+    let (mut holder, step) = e.begin(req("holder"), T0).unwrap();
+    assert!(matches!(step, Step::Dispatch(_)));
+    let (mut waiter, step) = e.begin(req("waiter"), T0).unwrap();
+    assert_eq!(step, Step::Queued);
+    e.drop_session(&mut holder);
+    assert_eq!(e.take_granted(), vec![waiter.ticket().unwrap()]);
+    assert_eq!(e.state.budgets.agents["agent-a"].reserved_usd, 0.0);
+    // The waiter's driver is gone too, after its grant: the slot is free again.
+    e.drop_session(&mut waiter);
+    assert_eq!(
+        (
+            e.state.bulkheads.normal.active,
+            e.state.bulkheads.normal.queued
+        ),
+        (limit - 1, 0)
+    );
+}
+
+#[test]
 fn invalid_requests_are_refused_with_the_field_named() {
     let mut e = engine();
     let mut r = req("x");
@@ -607,6 +722,10 @@ fn every_reason_code_is_reachable() {
         (Phase::Admission, 0)
     );
     note(&d);
+    let mut e = engine();
+    e.state.bulkheads.normal.active = 24;
+    let (mut s, _) = e.begin(req("leaves"), T0).unwrap();
+    note(&e.caller_gone(&mut s, T0 + 10).expect("queued"));
     let mut e = engine();
     e.state.bulkheads.background.active = 8;
     let mut r = req("bg");

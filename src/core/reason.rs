@@ -116,6 +116,8 @@ reason_codes! {
         "The request's class was at its concurrency limit; the request waited in the class queue.";
     QueueTimeout = "QUEUE_TIMEOUT", Admission,
         "The request waited in its class queue past the queue deadline without getting a slot; retry later.";
+    ClientDisconnected = "CLIENT_DISCONNECTED", Admission,
+        "The caller went away before the answer: a queued request left the queue without calling a provider, or no further attempt was made after the one under way.";
     QueueFull = "QUEUE_FULL", Admission,
         "The request's class was at its concurrency limit and its queue was full; rejected, retry later.";
     BulkheadShed = "BULKHEAD_SHED", Admission,

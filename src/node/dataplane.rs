@@ -8,7 +8,7 @@
 
 use super::{Node, now_ms};
 use crate::core::contract::ContractSpec;
-use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Step};
+use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Session, Step};
 use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
 use crate::transport::subjects;
@@ -22,6 +22,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 pub fn router(node: Arc<Node>) -> Router {
     Router::new()
@@ -320,19 +321,51 @@ fn oam_object(d: &Decision) -> Value {
     })
 }
 
-/// Run one request through the pipeline, calling providers as it directs.
-pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answer {
+/// A request on its way through the engine. Whatever way its driver ends (finished, or the
+/// task dropped), the guard gives back what the session still holds: its queue place or slot,
+/// and budget reserved for an attempt under way.
+struct Flight<'a> {
+    node: &'a Node,
+    session: Session,
+}
+
+impl Drop for Flight<'_> {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.session.ticket() {
+            self.node.forget_waiter(ticket);
+        }
+        self.node.with_engine(|e| e.drop_session(&mut self.session));
+    }
+}
+
+/// Run one request through the pipeline, calling providers as it directs. `caller` is
+/// cancelled when whoever asked went away: a queued request then leaves the queue at once, and
+/// one with an attempt under way lets it finish but makes no further attempt.
+pub async fn execute(
+    node: &Arc<Node>,
+    body: &[u8],
+    headers: &HeaderMap,
+    caller: CancellationToken,
+) -> Answer {
     let started = std::time::Instant::now();
     let (request, stream) = match to_request(node, body, headers) {
         Ok(r) => r,
         Err(BadRequest(msg)) => return bad_request(node, headers, msg),
     };
     let response_format = request.response_format.clone();
-    let class = request.priority;
-    let begun = node.engine().begin(request, now_ms());
-    let (mut session, mut step) = match begun {
+    let begun = node.with_engine(|e| {
+        e.begin(request, now_ms()).map(|(session, step)| {
+            let granted = session.ticket().map(|t| node.wait_for_slot(t));
+            (session, step, granted)
+        })
+    });
+    let (session, mut step, mut granted) = match begun {
         Ok(x) => x,
         Err(msg) => return bad_request(node, headers, msg),
+    };
+    let mut flight = Flight {
+        node: node.as_ref(),
+        session,
     };
     let mut last = None;
     let queue_deadline =
@@ -341,38 +374,37 @@ pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answ
         step = match step {
             Step::Done(d) => break *d,
             Step::Queued => {
-                let notified = node.slot_freed.notified();
-                let ready = {
-                    let mut e = node.engine();
-                    let bulkheads = e.config.bulkheads;
-                    if e.state.bulkheads.can_start_queued(class, &bulkheads) {
-                        Some(e.dequeue(&mut session, now_ms()))
-                    } else {
-                        None
+                let Some(rx) = granted.take() else {
+                    // Only `begin` queues, and it registered the waiter; fail closed.
+                    let left = node.with_engine(|e| e.abandon(&mut flight.session, now_ms()));
+                    match left {
+                        Some(d) => break d,
+                        None => continue,
                     }
                 };
-                match ready {
-                    Some(next) => next,
-                    None => {
-                        if tokio::time::timeout_at(queue_deadline, notified)
-                            .await
-                            .is_err()
-                        {
-                            let abandoned = node.engine().abandon(&mut session, now_ms());
-                            match abandoned {
-                                Some(d) => break d,
-                                None => continue,
-                            }
-                        }
-                        Step::Queued
-                    }
+                let ended = tokio::select! {
+                    // A slot was handed to this request (or its waker is gone: let the engine
+                    // decide; an unclaimed grant falls back to taking a slot).
+                    _ = rx => None,
+                    () = tokio::time::sleep_until(queue_deadline) => Some(
+                        node.with_engine(|e| e.abandon(&mut flight.session, now_ms())),
+                    ),
+                    () = caller.cancelled() => Some(
+                        node.with_engine(|e| e.caller_gone(&mut flight.session, now_ms())),
+                    ),
+                };
+                match ended {
+                    None => node.with_engine(|e| e.dequeue(&mut flight.session, now_ms())),
+                    Some(Some(d)) => break d,
+                    // Granted just as it gave up: it holds the slot, so it goes on.
+                    Some(None) => node.with_engine(|e| e.dequeue(&mut flight.session, now_ms())),
                 }
             }
             Step::Dispatch(d) => {
                 let g = match node.connectors.get(&*d.provider) {
                     Some(c) => {
                         c.generate(
-                            &session.request().messages,
+                            &flight.session.request().messages,
                             d.max_tokens,
                             response_format.as_ref(),
                             Duration::from_millis(d.timeout_ms),
@@ -385,11 +417,16 @@ pub async fn execute(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Answ
                     },
                 };
                 last = Some(g.clone());
-                node.engine().complete(&mut session, g, now_ms())
+                node.with_engine(|e| {
+                    if caller.is_cancelled() {
+                        e.caller_gone(&mut flight.session, now_ms());
+                    }
+                    e.complete(&mut flight.session, g, now_ms())
+                })
             }
         };
     };
-    node.slot_freed.notify_waiters();
+    drop(flight);
     for effect in &decision.effects {
         if let Effect::HealthSample {
             provider,
@@ -574,7 +611,26 @@ async fn chat(
     let limit = node.cfg.node.max_body_bytes;
     match axum::body::to_bytes(body, limit).await {
         Ok(bytes) => {
-            let answer = execute(&node, &bytes, &headers).await;
+            // The pipeline runs on a task of its own, so a caller that hangs up cancels nothing
+            // half-way: the guard below tells it the caller is gone, and it ends cleanly (slot
+            // released, health sample and decision kept).
+            let caller = CancellationToken::new();
+            let _hung_up = caller.clone().drop_guard();
+            let n = node.clone();
+            let run = node
+                .tasks
+                .spawn(async move { execute(&n, &bytes, &headers, caller).await });
+            let answer = match run.await {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::error!("a request's task failed: {e}");
+                    return (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        axum::Json(json!({"error": {"message": "oam failed internally while serving this request; see the node's log", "type": "server_error", "param": null, "code": "internal_error"}})),
+                    )
+                        .into_response();
+                }
+            };
             if answer.status == StatusCode::OK && answer.stream {
                 to_sse(answer)
             } else {
@@ -598,11 +654,16 @@ async fn chat(
 
 /// The same data plane on NATS: requests on `oam.v1.request` (queue group `oam-nodes`), the
 /// reply is the HTTP body with `status` and the `X-OAM-*` values added to its `oam` object.
+/// When the node stops it leaves the queue group, answers what the server had already sent it,
+/// and returns.
 pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
     loop {
         // Isolated (chaos): not a member of the queue group until reconnected.
         while node.isolated() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                () = node.stop.cancelled() => return Ok(()),
+            }
         }
         let mut sub = node
             .nats
@@ -619,6 +680,16 @@ pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
             let msg = tokio::select! {
                 m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
                 _ = changed => break,
+                () = node.stop.cancelled() => {
+                    // Leave the group; what was already delivered is still answered.
+                    let _ = sub.drain().await;
+                    while let Ok(Some(m)) =
+                        tokio::time::timeout(Duration::from_secs(1), sub.next()).await
+                    {
+                        serve_one(&node, m);
+                    }
+                    return Ok(());
+                }
             };
             serve_one(&node, msg);
         }
@@ -629,7 +700,7 @@ pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
 /// Answer one request from the NATS data plane, on its own task.
 fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
     let node = node.clone();
-    tokio::spawn(async move {
+    node.clone().tasks.spawn(async move {
         let Some(reply) = msg.reply.clone() else {
             return; // a publish with no reply subject: nobody to answer
         };
@@ -646,7 +717,8 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
                 }
             }
         }
-        let a = execute(&node, &msg.payload, &headers).await;
+        // A NATS requester that gives up cannot be seen; its request runs to the end.
+        let a = execute(&node, &msg.payload, &headers, CancellationToken::new()).await;
         let mut body = a.body;
         body["status"] = json!(a.status.as_u16());
         match serde_json::to_vec(&body) {

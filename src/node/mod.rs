@@ -67,8 +67,12 @@ pub struct Node {
     pub bus: BusCounters,
     pub metrics: metrics::Metrics,
     requests: AtomicU64,
-    /// Woken whenever a request finishes, so queued requests re-check for a free slot.
-    slot_freed: tokio::sync::Notify,
+    /// Queued requests by ticket, woken one each when the engine grants them a slot.
+    waiters: Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<()>>>,
+    /// Every task that serves a request or ends a fault: drained, with a deadline, on stop.
+    pub(crate) tasks: tokio_util::task::TaskTracker,
+    /// Cancelled when the node stops: the data planes stop taking work, timers end.
+    pub(crate) stop: tokio_util::sync::CancellationToken,
     pub http_url: Mutex<Option<String>>,
     /// Providers that are mesh agents whose death notice arrived; UNHEALTHY until a probe
     /// succeeds again.
@@ -146,7 +150,9 @@ impl Node {
             bus: BusCounters::default(),
             metrics: metrics::Metrics::default(),
             requests: AtomicU64::new(0),
-            slot_freed: tokio::sync::Notify::new(),
+            waiters: Mutex::new(std::collections::HashMap::new()),
+            tasks: tokio_util::task::TaskTracker::new(),
+            stop: tokio_util::sync::CancellationToken::new(),
             http_url: Mutex::new(None),
             down: Mutex::new(std::collections::BTreeSet::new()),
             chaos: Mutex::new(NodeChaos::default()),
@@ -157,6 +163,37 @@ impl Node {
 
     fn engine(&self) -> MutexGuard<'_, Engine> {
         lock(&self.engine)
+    }
+
+    /// Run `f` on the engine, then wake exactly the queued requests it granted a slot (a slot
+    /// freed by `f` goes to the oldest waiter of its class, and only that one is woken).
+    pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
+        let mut e = self.engine();
+        let out = f(&mut e);
+        let granted = e.take_granted();
+        if !granted.is_empty() {
+            let mut waiters = lock(&self.waiters);
+            for ticket in granted {
+                if let Some(tx) = waiters.remove(&ticket) {
+                    // A waiter that is gone is not lost: its guard hands the slot on.
+                    let _ = tx.send(());
+                }
+            }
+        }
+        out
+    }
+
+    /// Be woken when `ticket` is granted a slot. Called under the same engine lock that queued
+    /// it, so no grant can come before the waiter is there.
+    pub(crate) fn wait_for_slot(&self, ticket: u64) -> tokio::sync::oneshot::Receiver<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        lock(&self.waiters).insert(ticket, tx);
+        rx
+    }
+
+    /// Forget a waiter that left its queue.
+    pub(crate) fn forget_waiter(&self, ticket: u64) {
+        lock(&self.waiters).remove(&ticket);
     }
 
     /// Cut off from NATS by `oam chaos isolate-node`: nothing goes out, nothing coming in is
@@ -206,10 +243,13 @@ impl Node {
             }
         };
         let me = self.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let wait = until_ms.saturating_sub(now_ms());
-            tokio::time::sleep(Duration::from_millis(wait)).await;
-            me.end_chaos(&id);
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(wait)) => me.end_chaos(&id),
+                // A stopping node ends its timers; the faults end with the process.
+                () = me.stop.cancelled() => {}
+            }
         });
     }
 
@@ -651,46 +691,77 @@ fn breaker_now(
     b
 }
 
-/// Run a node until SIGINT/SIGTERM: tasks, HTTP on `listener`, NATS service.
-pub async fn run(node: Arc<Node>, listener: tokio::net::TcpListener) -> anyhow::Result<()> {
+/// How long a stopping node waits for the requests in hand to finish.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Run a node until `stop` resolves: background loops, HTTP on `listener`, the NATS data plane.
+///
+/// Stopping leaves the NATS queue group first (new work goes to the other nodes) and stops
+/// accepting HTTP connections, then finishes every request in hand (HTTP and NATS, at most
+/// `DRAIN_DEADLINE`), then says goodbye to the cluster.
+pub async fn run(
+    node: Arc<Node>,
+    listener: tokio::net::TcpListener,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     *lock(&node.http_url) = Some(format!("http://{addr}"));
     node.engine().state.cluster.heartbeat(&node.id, now_ms());
-    let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(node.clone().publisher_loop());
-    tasks.spawn(node.clone().escalation_loop());
-    tasks.spawn(node.clone().heartbeat_loop());
-    tasks.spawn(node.clone().probe_loop());
+    let mut loops = tokio::task::JoinSet::new();
+    loops.spawn(node.clone().publisher_loop());
+    loops.spawn(node.clone().escalation_loop());
+    loops.spawn(node.clone().heartbeat_loop());
+    loops.spawn(node.clone().probe_loop());
     {
         let n = node.clone();
-        tasks.spawn(async move {
+        loops.spawn(async move {
             if let Err(e) = n.gossip_loop().await {
                 tracing::error!("gossip stopped: {e:#}");
             }
         });
         let n = node.clone();
-        tasks.spawn(async move {
+        loops.spawn(async move {
             if let Err(e) = n.chaos_loop().await {
                 tracing::error!("chaos commands stopped: {e:#}");
             }
         });
     }
-    node.join().await;
-    {
+    tokio::pin!(stop);
+    tokio::select! {
+        () = node.join() => {}
+        () = &mut stop => node.stop.cancel(),
+    }
+    let nats_plane = {
         let n = node.clone();
-        tasks.spawn(async move {
+        tokio::spawn(async move {
             if let Err(e) = dataplane::serve_nats(n).await {
                 tracing::error!("NATS data plane stopped: {e:#}");
             }
-        });
-    }
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server =
-        axum::serve(listener, dataplane::router(node.clone())).with_graceful_shutdown(async {
-            let _ = stop_rx.await;
-        });
+        })
+    };
+    let server = axum::serve(listener, dataplane::router(node.clone()))
+        .with_graceful_shutdown(node.stop.clone().cancelled_owned());
     let server = tokio::spawn(server.into_future());
-    crate::signal::terminated().await;
+    if !node.stop.is_cancelled() {
+        stop.await;
+    }
+    tracing::info!(node = %node.id, "stopping: leaving the queue group, finishing requests in hand");
+    node.stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), nats_plane).await;
+    node.tasks.close();
+    let drained = tokio::time::timeout(DRAIN_DEADLINE, async {
+        let _ = server.await;
+        node.tasks.wait().await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            node = %node.id,
+            left = node.tasks.len(),
+            "requests still in hand after {} s; stopping anyway",
+            DRAIN_DEADLINE.as_secs()
+        );
+    }
     tracing::info!(node = %node.id, "leaving the cluster");
     // Say goodbye if the bus is there; never wait on a bus that is gone.
     node.publish(
@@ -700,15 +771,13 @@ pub async fn run(node: Arc<Node>, listener: tokio::net::TcpListener) -> anyhow::
         },
     );
     let goodbye = async {
-        // Let the publisher drain the outbox (goodbye included), then flush.
+        // Let the publisher drain the outbox (decisions and goodbye), then flush.
         while node.outbox.capacity() < OUTBOX_CAPACITY {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let _ = node.nats.flush().await;
     };
     let _ = tokio::time::timeout(Duration::from_secs(1), goodbye).await;
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    tasks.abort_all();
+    loops.abort_all();
     Ok(())
 }

@@ -37,9 +37,7 @@ pub async fn connect(
         .max_reconnects(None)
         // Callers bound their own requests; the client's 10 s default would cut them short.
         .request_timeout(None)
-        .reconnect_delay_callback(|attempts| {
-            Duration::from_millis((attempts as u64 * 100).min(1_000))
-        })
+        .reconnect_delay_callback(reconnect_delay)
         .event_callback(move |event| {
             let conn_name = conn_name.clone();
             async move {
@@ -62,6 +60,15 @@ pub async fn connect(
         opts = opts.retry_on_initial_connect();
     }
     opts.connect(url.as_str()).await
+}
+
+/// How long to wait before connection attempt `attempt` (counted from 1, and again from 1 after
+/// every successful connection): the first at once, then 100 ms more each time, at most 1 s.
+/// (async-nats applies this to the very first connect too; a delay there would be paid by every
+/// short-lived command.)
+fn reconnect_delay(attempt: usize) -> Duration {
+    let waited = u64::try_from(attempt.saturating_sub(1)).unwrap_or(u64::MAX);
+    Duration::from_millis(waited.saturating_mul(100).min(1_000))
 }
 
 /// `nats://user:pass@host:port` -> (`nats://host:port`, Some((user, pass))).
@@ -91,6 +98,14 @@ pub fn redact(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_first_attempt_does_not_wait() {
+        let delays: Vec<u128> = [1, 2, 3, 11, 12, usize::MAX]
+            .map(|a| super::reconnect_delay(a).as_millis())
+            .to_vec();
+        assert_eq!(delays, vec![0, 100, 200, 1_000, 1_000, 1_000]);
+    }
+
     #[test]
     fn credentials_come_out_of_the_url() {
         assert_eq!(

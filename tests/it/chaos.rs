@@ -399,20 +399,7 @@ async fn load_faults_agents_and_bad_input() {
     assert!(settled.is_some(), "both load faults end by themselves");
     let mut counts = std::collections::BTreeMap::<String, f64>::new();
     for i in 0..3 {
-        let text = http(Duration::from_secs(5))
-            .get(format!("{}/metrics", mesh.node(i)))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        for line in text
-            .lines()
-            .filter(|l| l.starts_with("oam_reason_codes_total{"))
-        {
-            let code = line.split('"').nth(1).unwrap_or("").to_string();
-            let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        for (code, n) in crate::support::reason_counts(&mesh.node(i)).await {
             *counts.entry(code).or_default() += n;
         }
     }

@@ -21,22 +21,7 @@ fn cluster(extra: &[&str]) -> Cluster {
     let mut nodes = Vec::new();
     let mut urls = Vec::new();
     for i in 1..=3 {
-        let id = format!("n{i}");
-        let mut args = vec![
-            "node",
-            "run",
-            "--id",
-            &id,
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--nats-url",
-            &nats_url,
-            "--sim-url",
-            &sim_url,
-        ];
-        args.extend_from_slice(extra);
-        let p = Proc::spawn(&args);
+        let p = node(&format!("n{i}"), &nats_url, &sim_url, extra);
         urls.push(p.ready["http"].as_str().unwrap().to_string());
         nodes.push(p);
     }
@@ -47,6 +32,25 @@ fn cluster(extra: &[&str]) -> Cluster {
         nats,
         _sim: sim,
     }
+}
+
+/// `oam node run --id ID` on any free port, against this NATS and simulator.
+fn node(id: &str, nats_url: &str, sim_url: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "node",
+        "run",
+        "--id",
+        id,
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--nats-url",
+        nats_url,
+        "--sim-url",
+        sim_url,
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn(&args)
 }
 
 fn client() -> reqwest::Client {
@@ -573,4 +577,83 @@ async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
         "requests never regained the quorum view"
     );
     drop((n1, n2));
+}
+
+/// Regression: callers that hang up before the answer (a client timeout shorter than the
+/// upstream) used to keep their bulkhead slots for good, and every later request of the class
+/// waited out the queue and got 503 QUEUE_TIMEOUT until the node restarted.
+#[tokio::test]
+async fn callers_that_hang_up_leak_no_slot() {
+    let nats = NatsServer::start();
+    let sim = Proc::spawn(&[
+        "sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--provider",
+        "primary=150+0",
+        "--provider",
+        "secondary=150+0",
+        "--provider",
+        "local=150+0",
+    ]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let nats_url = nats.url();
+    let node = node("n1", &nats_url, &sim_url, &["--cluster-size", "1"]);
+    let url = node.ready["http"].as_str().unwrap().to_string();
+    let c = client();
+    // 30 normal requests whose callers give up after 50 ms: 24 take every normal slot, 6 queue.
+    let impatient = crate::support::http(Duration::from_millis(50));
+    let calls = (0..30).map(|i| {
+        let impatient = impatient.clone();
+        let url = url.clone();
+        async move {
+            impatient
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&question(&format!("impatient {i}")))
+                .send()
+                .await
+        }
+    });
+    let results = futures_util::future::join_all(calls).await;
+    assert!(
+        results
+            .iter()
+            .all(|r| r.as_ref().is_err_and(|e| e.is_timeout())),
+        "every impatient caller timed out before the 150 ms provider answered"
+    );
+    // Every slot and queue place comes back: the attempts under way finish, the queued
+    // requests leave at once without calling a provider.
+    let normal = eventually(Duration::from_secs(10), || async {
+        let s = state(&c, &url).await?;
+        let n = s["bulkheads"]["normal"].clone();
+        (n["active"] == 0 && n["queued"] == 0).then_some(n)
+    })
+    .await;
+    assert!(normal.is_some(), "the normal bulkhead drained");
+    assert!(
+        crate::support::reason_counts(&url)
+            .await
+            .get("CLIENT_DISCONNECTED")
+            .is_some_and(|n| *n >= 6.0),
+        "at least the six queued requests ended as CLIENT_DISCONNECTED"
+    );
+    // And the class serves again: 100 normal requests, 20 at a time, all answered.
+    let calls = (0..100).map(|i| {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            c.post(format!("{url}/v1/chat/completions"))
+                .json(&question(&format!("patient {i}")))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }
+    });
+    let statuses: Vec<_> = futures_util::stream::iter(calls)
+        .buffer_unordered(20)
+        .collect()
+        .await;
+    let ok = statuses.iter().filter(|s| matches!(s, Ok(200))).count();
+    assert_eq!(ok, 100, "{statuses:?}");
 }

@@ -156,6 +156,28 @@ pub fn http(timeout: Duration) -> reqwest::Client {
         .expect("http client")
 }
 
+/// A node's reason-code counters from its `/metrics` (codes that never occurred are absent).
+pub async fn reason_counts(node_url: &str) -> std::collections::BTreeMap<String, f64> {
+    let text = http(Duration::from_secs(5))
+        .get(format!("{node_url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut counts = std::collections::BTreeMap::new();
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("oam_reason_codes_total{"))
+    {
+        let code = line.split('"').nth(1).unwrap_or("").to_string();
+        let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        *counts.entry(code).or_default() += n;
+    }
+    counts
+}
+
 /// The project's test Python (a virtualenv with openai and prometheus-client).
 pub fn python() -> String {
     std::env::var("OAM_TEST_PYTHON").unwrap_or_else(|_| ".tools/venv/bin/python".into())
