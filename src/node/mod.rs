@@ -691,8 +691,9 @@ fn breaker_now(
     b
 }
 
-/// How long a stopping node waits for the requests in hand to finish.
-const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a stopping node waits for the requests in hand to finish (inside `oam mesh down`'s
+/// default grace of 5 s, with the goodbye after it).
+const DRAIN_DEADLINE: Duration = Duration::from_secs(4);
 
 /// Run a node until `stop` resolves: background loops, HTTP on `listener`, the NATS data plane.
 ///
@@ -747,9 +748,10 @@ pub async fn run(
     }
     tracing::info!(node = %node.id, "stopping: leaving the queue group, finishing requests in hand");
     node.stop.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(2), nats_plane).await;
-    node.tasks.close();
     let drained = tokio::time::timeout(DRAIN_DEADLINE, async {
+        // The NATS data plane first: once it has left the queue group, no new task can come.
+        let _ = nats_plane.await;
+        node.tasks.close();
         let _ = server.await;
         node.tasks.wait().await;
     })
@@ -777,7 +779,7 @@ pub async fn run(
         }
         let _ = node.nats.flush().await;
     };
-    let _ = tokio::time::timeout(Duration::from_secs(1), goodbye).await;
+    let _ = tokio::time::timeout(Duration::from_millis(500), goodbye).await;
     loops.abort_all();
     Ok(())
 }

@@ -657,3 +657,70 @@ async fn callers_that_hang_up_leak_no_slot() {
     let ok = statuses.iter().filter(|s| matches!(s, Ok(200))).count();
     assert_eq!(ok, 100, "{statuses:?}");
 }
+
+/// A node told to stop leaves the NATS queue group, answers the requests it holds and only then
+/// exits; a NATS request in hand used to die unanswered. (HTTP requests in hand are drained by
+/// the server's graceful shutdown, as before.)
+#[tokio::test]
+async fn a_stopping_node_answers_the_requests_in_hand() {
+    let nats = NatsServer::start();
+    let sim = Proc::spawn(&[
+        "sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--provider",
+        "primary=1200+0",
+        "--provider",
+        "secondary=1200+0",
+        "--provider",
+        "local=1200+0",
+    ]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let mut n1 = node("n1", &nats.url(), &sim_url, &["--cluster-size", "1"]);
+    let url = n1.ready["http"].as_str().unwrap().to_string();
+    let nc = oam::transport::connect::connect(&nats.url(), "test", false)
+        .await
+        .unwrap();
+    let body = serde_json::to_vec(&question("held over NATS")).unwrap();
+    // The node has joined the queue group once a request is answered.
+    let joined = eventually(Duration::from_secs(10), || {
+        let (nc, body) = (nc.clone(), body.clone());
+        async move { nc.request("oam.v1.request", body.into()).await.ok() }
+    })
+    .await;
+    assert!(joined.is_some(), "the node serves NATS requests");
+    let over_nats = tokio::spawn({
+        let nc = nc.clone();
+        async move {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                nc.request("oam.v1.request", body.into()),
+            )
+            .await
+        }
+    });
+    // The request is in hand (the providers take 1.2 s) when the node is told to stop.
+    let c = client();
+    let held = eventually(Duration::from_secs(5), || async {
+        let s = state(&c, &url).await?;
+        (s["bulkheads"]["normal"]["active"] == 1).then_some(())
+    })
+    .await;
+    assert!(held.is_some(), "the request reached the node");
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &n1.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let reply = over_nats
+        .await
+        .unwrap()
+        .expect("the NATS request was answered");
+    let reply: Value = serde_json::from_slice(&reply.unwrap().payload).unwrap();
+    assert_eq!(reply["status"], 200, "{reply}");
+    n1.wait();
+    // It left the queue group: a new NATS request finds nobody.
+    let after = nc.request("oam.v1.request", "{}".into()).await;
+    assert!(after.is_err(), "no node serves after the stop");
+}
