@@ -1,6 +1,11 @@
 //! One full decision: admission, fingerprint of a 1 KB message, consensus and scoring over three
 //! providers, breaker, contract check of the answer, budget settlement, decision assembly.
 
+#![expect(
+    clippy::expect_used,
+    reason = "a benchmark's fixed inputs are valid, or it should stop"
+)]
+
 use criterion::{Criterion, criterion_group, criterion_main};
 use oam::core::health::Verdict;
 use oam::core::pipeline::{Config, Engine, State, Step};

@@ -45,19 +45,18 @@ pub enum Command {
 }
 
 impl Cli {
-    /// Parse the command line; an unknown subcommand (e.g. a fault `oam chaos` does not know)
-    /// is answered with the valid ones, then exit 2.
-    pub fn parse_or_exit() -> Cli {
-        match Cli::try_parse() {
-            Ok(cli) => cli,
-            Err(e) if e.kind() == clap::error::ErrorKind::InvalidSubcommand => {
-                let _ = e.print();
+    /// Parse the command line, or the exit code after clap printed why not (help and version
+    /// exit 0). An unknown subcommand (e.g. a fault `oam chaos` does not know) is answered with
+    /// the valid ones.
+    pub fn parse_args() -> Result<Cli, std::process::ExitCode> {
+        Cli::try_parse().map_err(|e| {
+            let _ = e.print();
+            if e.kind() == clap::error::ErrorKind::InvalidSubcommand {
                 let valid = valid_subcommands(std::env::args().skip(1));
                 eprintln!("\nvalid here: {}", valid.join(", "));
-                std::process::exit(2);
             }
-            Err(e) => e.exit(),
-        }
+            std::process::ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2))
+        })
     }
 }
 
@@ -93,5 +92,14 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Escalation(args) => cmd::escalation::run(args).await,
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
     }
 }

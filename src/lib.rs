@@ -1,20 +1,36 @@
 //! oam: a reliability, liveness and attention control plane for AI agents.
 //!
-//! `core` holds the pure decision logic; `sim` the provider simulator; `cmd` holds one module per subcommand (argument parsing
-//! and glue, no decisions); `cli` is the top-level parser; `error` decides exit codes.
+//! The layering, checked by `tests/it/architecture.rs` (a module uses only modules to its left;
+//! modules of one rank do not use each other):
+//!
+//! ```text
+//! core <- {clock, ids, http, error, signal} <- transport <- local <- {mesh, sim} <- node
+//!      <- bench <- chaos <- watch <- cmd <- cli
+//! ```
+//!
+//! - `core`: the pure decision logic and the wire types (no runtime, bus, file or clock).
+//! - `clock`, `ids`, `http`, `error`, `signal`: small shared helpers (wall clock, random ids,
+//!   the HTTP client, exit kinds, the stop signals).
+//! - `transport`: NATS (connecting, subject names, KV stores, the chaos warden's client).
+//! - `local`: a cluster on this machine (state folder, nats-server, starting and stopping).
+//! - `mesh`: the agent mesh (Open Agent Mesh hosts, callers, the liveness monitor).
+//! - `sim`: the provider simulator. `node`: the gateway runtime around `core`.
+//! - `bench`: load, scenarios and their runner. `chaos`: the chaos warden.
+//! - `watch`: the live view's model and rendering. `cmd`: one module per subcommand (arguments
+//!   and glue, no decisions); `cli`: the top-level parser.
 
 pub mod bench;
 pub mod chaos;
 pub mod cli;
+pub mod clock;
 pub mod cmd;
 pub mod core;
 pub mod error;
-pub mod escalations;
-pub mod localmesh;
+pub mod http;
+pub mod ids;
+pub mod local;
 pub mod mesh;
-pub mod natsd;
 pub mod node;
-pub mod scenario;
 pub mod signal;
 pub mod sim;
 pub mod transport;

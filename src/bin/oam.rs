@@ -5,7 +5,10 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = oam::cli::Cli::parse_or_exit();
+    let cli = match oam::cli::Cli::parse_args() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     // `oam watch` owns the terminal: log lines would land on its screen, so it logs nothing
     // unless asked (OAM_LOG=... oam watch 2>file).
     let default = match cli.command {

@@ -2,11 +2,14 @@
 //! time. It answers `oam.v1.chaos.{inject,list,restore}`, keeps what it must undo in
 //! `DIR/chaos.json` (so a restarted warden still restores), and checks expiries every 100 ms.
 
-use super::{Active, Aim, Event, Fault, Inject, NodeCommand, Reply, Restore};
-use crate::bench;
-use crate::localmesh::{self, Record, Started};
+use crate::bench::load as bench;
+use crate::clock::now_ms;
+use crate::core::chaos::{
+    Active, Aim, ContractBreak, Event, Fault, Inject, MAX_FOR, NodeCommand, Params, Reply, Restore,
+};
+use crate::local::{self, Record, Started};
 use crate::mesh::store;
-use crate::node::now_ms;
+use crate::sim::model::{FaultMode, SetFault};
 use crate::transport::subjects;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -15,8 +18,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// The longest a fault may last.
-pub const MAX_FOR: Duration = Duration::from_secs(3_600);
 /// Bounds on the load faults.
 pub const MAX_REQUESTS: u32 = 100_000;
 pub const MAX_CONCURRENCY: u32 = 1_000;
@@ -78,7 +79,7 @@ impl Warden {
             dir,
             nats,
             app_url,
-            http: crate::node::connector::http_client(Some(Duration::from_secs(5)))?,
+            http: crate::http::http_client(Some(Duration::from_secs(5)))?,
             entries,
             loads: BTreeMap::new(),
             children: Vec::new(),
@@ -169,7 +170,7 @@ impl Warden {
         }))
     }
 
-    async fn sim_fault(&self, provider: &str, body: serde_json::Value) -> Result<Undo, Reply> {
+    async fn sim_fault(&self, body: SetFault) -> Result<Undo, Reply> {
         let sim_url = self.record()?.sim_url;
         let resp = self
             .http
@@ -187,7 +188,7 @@ impl Warden {
         }
         Ok(Undo::SimFault {
             sim_url,
-            provider: provider.to_string(),
+            provider: body.provider,
         })
     }
 
@@ -248,37 +249,31 @@ impl Warden {
             }
         };
         let now = now_ms();
-        let id = format!("c{}", crate::natsd::random_hex(3).unwrap_or_default());
-        let provider = |mode: serde_json::Value| {
-            let mut body = json!({"provider": target, "duration_ms": for_ms});
-            if let (Some(b), Some(m)) = (body.as_object_mut(), mode.as_object()) {
-                b.extend(m.clone());
-            }
-            body
+        let id = format!("c{}", crate::ids::random_hex(3).unwrap_or_default());
+        let provider = |mode: FaultMode| SetFault {
+            provider: target.clone(),
+            duration_ms: for_ms,
+            mode,
         };
         let applied: Result<(Undo, String), Reply> = match fault {
             Fault::KillProvider => self
-                .sim_fault(&target, provider(json!({"mode": "error", "status": 500})))
+                .sim_fault(provider(FaultMode::Error { status: 500 }))
                 .await
                 .map(|u| (u, "hard 500s".into())),
             Fault::BreakContract => {
-                let kind = p.mode.clone().unwrap_or_else(|| "missing-field".into());
-                let valid = super::CONTRACT_MODES;
-                if !valid.contains(&kind.as_str()) {
-                    return err(format!("--mode {kind:?}: use {}", valid.join(", ")));
-                }
-                self.sim_fault(&target, provider(json!({"mode": "contract", "kind": kind})))
+                let kind = p.mode.unwrap_or(ContractBreak::MissingField);
+                self.sim_fault(provider(FaultMode::Contract { kind }))
                     .await
-                    .map(|u| (u, format!("200 with a broken contract ({kind})")))
+                    .map(|u| (u, format!("200 with a broken contract ({})", kind.as_str())))
             }
             Fault::SlowProvider => {
                 let ms = p.ms.unwrap_or(2_000);
-                self.sim_fault(&target, provider(json!({"mode": "slow", "extra_ms": ms})))
+                self.sim_fault(provider(FaultMode::Slow { extra_ms: ms }))
                     .await
                     .map(|u| (u, format!("+{ms} ms latency")))
             }
             Fault::HangProvider => self
-                .sim_fault(&target, provider(json!({"mode": "hang"})))
+                .sim_fault(provider(FaultMode::Hang))
                 .await
                 .map(|u| (u, "accepts and never answers".into())),
             Fault::FlakyProvider => {
@@ -286,30 +281,24 @@ impl Warden {
                 if !(0.0..=1.0).contains(&rate) {
                     return err(format!("--error-rate {rate}: use a share between 0 and 1"));
                 }
-                self.sim_fault(
-                    &target,
-                    provider(json!({"mode": "flaky", "error_rate": rate})),
-                )
-                .await
-                .map(|u| (u, format!("{:.0}% of requests fail", rate * 100.0)))
+                self.sim_fault(provider(FaultMode::Flaky { error_rate: rate }))
+                    .await
+                    .map(|u| (u, format!("{:.0}% of requests fail", rate * 100.0)))
             }
             Fault::RateLimitProvider => {
                 let ms = p.retry_after_ms.unwrap_or(1_000);
-                self.sim_fault(
-                    &target,
-                    provider(json!({"mode": "rate-limit", "retry_after_ms": ms})),
-                )
-                .await
-                .map(|u| (u, format!("429 with Retry-After {ms} ms")))
+                self.sim_fault(provider(FaultMode::RateLimit { retry_after_ms: ms }))
+                    .await
+                    .map(|u| (u, format!("429 with Retry-After {ms} ms")))
             }
             Fault::KillNode | Fault::StopNode => match self.node(&target) {
                 Err(e) => Err(e),
-                Ok(n) if !localmesh::is_ours(&n) => Err(err(format!(
+                Ok(n) if !local::is_ours(&n) => Err(err(format!(
                     "node {target} (pid {}) is not running; `oam mesh status` shows the mesh",
                     n.pid
                 ))),
                 Ok(n) if fault == Fault::KillNode => {
-                    localmesh::signal(n.pid, libc::SIGKILL);
+                    local::signal(n.pid, libc::SIGKILL);
                     Ok((
                         Undo::RestartNode {
                             name: n.name.clone(),
@@ -318,7 +307,7 @@ impl Warden {
                     ))
                 }
                 Ok(n) => {
-                    localmesh::signal(n.pid, libc::SIGSTOP);
+                    local::signal(n.pid, libc::SIGSTOP);
                     Ok((
                         Undo::Resume {
                             pid: n.pid,
@@ -347,7 +336,7 @@ impl Warden {
             Fault::KillAgent | Fault::StopAgent => match self.agent_process(&target).await {
                 Err(e) => Err(e),
                 Ok((pid, argv)) if fault == Fault::KillAgent => {
-                    localmesh::signal(pid, libc::SIGKILL);
+                    local::signal(pid, libc::SIGKILL);
                     Ok((
                         Undo::RestartAgent {
                             agent: target.clone(),
@@ -357,7 +346,7 @@ impl Warden {
                     ))
                 }
                 Ok((pid, argv)) => {
-                    localmesh::signal(pid, libc::SIGSTOP);
+                    local::signal(pid, libc::SIGSTOP);
                     Ok((
                         Undo::Resume {
                             pid,
@@ -415,7 +404,7 @@ impl Warden {
         fault: Fault,
         target: &str,
         id: &str,
-        p: super::Params,
+        p: Params,
         for_ms: u64,
     ) -> Result<String, Reply> {
         let rec = self.record()?;
@@ -493,15 +482,16 @@ impl Warden {
                 }
             }
             Undo::Resume { pid, marker } => {
-                if localmesh::is_running(*pid, marker) {
-                    localmesh::signal(*pid, libc::SIGCONT);
+                if local::is_running(*pid, marker) {
+                    local::signal(*pid, libc::SIGCONT);
                 }
             }
             Undo::RestartNode { name } => self.restart_node(name).await,
             Undo::RestartAgent { agent, args } => {
                 let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
                 let log_name = format!("agent-{agent}");
-                match localmesh::spawn_oam(&self.dir, &log_name, args, &env) {
+                let exe = local::oam_exe();
+                match exe.and_then(|exe| local::spawn_oam(&exe, &self.dir, &log_name, args, &env)) {
                     Ok((child, _, _)) => self.agents.push(child),
                     Err(e) => tracing::warn!("cannot start agent {agent} again: {e:#}"),
                 }
@@ -535,7 +525,7 @@ impl Warden {
         let Some(n) = rec.processes.iter_mut().find(|p| p.name == name) else {
             return;
         };
-        if localmesh::is_ours(n) {
+        if local::is_ours(n) {
             return; // someone started it already
         }
         let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
@@ -549,14 +539,18 @@ impl Warden {
                 );
                 n.set_listen("127.0.0.1:0");
             }
-            let (mut child, out, _) = match localmesh::spawn_oam(&self.dir, name, &n.args, &env) {
+            let spawned = local::oam_exe()
+                .and_then(|exe| local::spawn_oam(&exe, &self.dir, name, &n.args, &env));
+            let (mut child, out, log) = match spawned {
                 Ok(started) => started,
                 Err(e) => {
                     tracing::warn!("cannot start {name} again: {e:#}");
                     return;
                 }
             };
-            let ready = localmesh::ready_json(&mut child, &out, Duration::from_secs(10)).await;
+            let ready = local::ready_line(&mut child, &out, &log, name, Duration::from_secs(10))
+                .await
+                .ok();
             let exited = !matches!(child.try_wait(), Ok(None));
             n.pid = child.id();
             self.children.push(child);
@@ -697,7 +691,7 @@ pub async fn run(
     let _ = tokio::time::timeout(Duration::from_secs(1), nats.flush()).await;
     // Agents it started again are not in the mesh record: they go with the warden.
     for mut child in std::mem::take(&mut w.agents) {
-        localmesh::signal(child.id(), libc::SIGTERM);
+        local::signal(child.id(), libc::SIGTERM);
         let _ = tokio::task::spawn_blocking(move || child.wait()).await;
     }
     Ok(())

@@ -90,17 +90,22 @@ impl CallArgs {
         if let Err(e) = serde_json::from_str::<serde_json::Value>(&payload) {
             return Err(Error::usage(format!("the payload is not JSON: {e}")));
         }
-        if !(self.timeout.is_finite() && self.timeout > 0.0) {
-            return Err(Error::usage(
-                "--timeout must be a positive number of seconds",
-            ));
-        }
-        Ok((
-            payload.into_bytes().into(),
-            Duration::from_secs_f64(self.timeout),
-        ))
+        let timeout = Duration::try_from_secs_f64(self.timeout)
+            .ok()
+            .filter(|t| !t.is_zero() && *t <= MAX_TIMEOUT)
+            .ok_or_else(|| {
+                Error::usage(format!(
+                    "--timeout {}: use a number of seconds above 0 and at most {}",
+                    self.timeout,
+                    MAX_TIMEOUT.as_secs()
+                ))
+            })?;
+        Ok((payload.into_bytes().into(), timeout))
     }
 }
+
+/// The longest a caller may wait for an agent: a day.
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 fn mesh_failure(e: protocol::MeshError) -> Error {
     Error::new(
@@ -116,7 +121,7 @@ pub struct ListArgs {
 }
 
 fn url(flag: &Option<String>) -> String {
-    connect::resolve_url(flag.clone())
+    crate::local::resolve_url(flag.clone())
 }
 
 pub async fn run(a: Args) -> Result<()> {
@@ -218,7 +223,7 @@ async fn serve(url: &str, s: ServeArgs) -> Result<()> {
 
 async fn call(url: &str, c: CallArgs) -> Result<()> {
     let (payload, timeout) = c.checked()?;
-    let nc = super::nats(url, "oam-agent-call", false).await?;
+    let nc = crate::transport::connect::reach(url, "oam-agent-call", false).await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
@@ -234,7 +239,7 @@ async fn call(url: &str, c: CallArgs) -> Result<()> {
 
 async fn stream(url: &str, c: CallArgs) -> Result<()> {
     let (payload, timeout) = c.checked()?;
-    let nc = super::nats(url, "oam-agent-stream", false).await?;
+    let nc = crate::transport::connect::reach(url, "oam-agent-stream", false).await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
@@ -253,7 +258,7 @@ async fn stream(url: &str, c: CallArgs) -> Result<()> {
 }
 
 async fn list(url: &str, l: ListArgs) -> Result<()> {
-    let nc = super::nats(url, "oam-agent-list", false).await?;
+    let nc = crate::transport::connect::reach(url, "oam-agent-list", false).await?;
     let entries = store::catalog(&nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;

@@ -171,12 +171,12 @@ async fn freeze_case(
 }
 
 /// Requests per second with `c` concurrent requesters for `secs`, each doing `one`.
-async fn throughput<F, Fut>(c: usize, secs: f64, one: F) -> f64
+async fn throughput<F, Fut>(c: usize, secs: Duration, one: F) -> f64
 where
     F: Fn() -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = bool> + Send,
 {
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let deadline = Instant::now() + secs;
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..c {
         let one = one.clone();
@@ -194,11 +194,19 @@ where
     while let Some(Ok(n)) = tasks.join_next().await {
         total += n;
     }
-    total as f64 / secs
+    total as f64 / secs.as_secs_f64()
 }
 
+/// Throughput is measured in this many alternating rounds of mesh and raw request/reply.
+const ROUNDS: u32 = 3;
+
 pub async fn run(url: &str, a: Args) -> Result<()> {
-    let nats = super::nats(url, "oam-agent-bench", false).await?;
+    // Mesh and raw alternate in rounds, so a noisy neighbour on a shared machine weighs on both.
+    let round_secs = Duration::try_from_secs_f64(a.seconds / f64::from(ROUNDS))
+        .ok()
+        .filter(|d| !d.is_zero() && a.seconds <= 3_600.0)
+        .ok_or_else(|| Error::usage("--seconds must be a number of seconds in (0, 3600]"))?;
+    let nats = crate::transport::connect::reach(url, "oam-agent-bench", false).await?;
     let caller = std::sync::Arc::new(
         Caller::new(nats.clone())
             .await
@@ -243,9 +251,6 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
         }
     }
     let echo_seq = percentiles(seq);
-    // Mesh and raw alternate in rounds, so a noisy neighbour on a shared machine weighs on both.
-    const ROUNDS: u32 = 3;
-    let round_secs = a.seconds / f64::from(ROUNDS);
     let (mut mesh_rps, mut raw_rps) = (0.0, 0.0);
     for _ in 0..ROUNDS {
         let c = caller.clone();

@@ -1,9 +1,10 @@
 //! `oam bench`: bounded load against the nodes' HTTP data plane, with a summary table and a
 //! full JSON result.
 
-use crate::bench::{self, Plan, Report};
+use crate::bench::load::{self as bench, Plan, Report};
+use crate::bench::runner as bench_scenario;
 use crate::error::{Error, Kind, Result};
-use crate::localmesh::Record;
+use crate::local::Record;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -68,8 +69,8 @@ pub struct Args {
 }
 
 /// One `--mix` value: `key=value` pairs separated by commas.
-fn parse_mix(spec: &str, a: &Args) -> Result<crate::scenario::Mix> {
-    let mut m = crate::scenario::Mix {
+fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
+    let mut m = crate::bench::scenario::Mix {
         weight: 1,
         risk: a.risk.clone(),
         priority: a.priority.clone(),
@@ -144,6 +145,20 @@ pub async fn run(a: Args) -> Result<()> {
     if a.rate.is_some_and(|r| !positive(r)) || a.duration.is_some_and(|d| !positive(d)) {
         return Err(Error::usage("--rate and --duration must be positive"));
     }
+    // Every run stops by itself within a day: the schedule must fit.
+    const DAY_S: f64 = 86_400.0;
+    if let Some(rate) = a.rate
+        && a.duration.is_none()
+        && (a.requests as f64 / rate) > DAY_S
+    {
+        return Err(Error::usage(format!(
+            "--rate {rate}: {} requests would take more than a day; raise --rate or lower -n",
+            a.requests
+        )));
+    }
+    if a.duration.is_some_and(|d| d > DAY_S) {
+        return Err(Error::usage("--duration must be at most 86400 seconds"));
+    }
     let mix = a
         .mix
         .iter()
@@ -180,15 +195,15 @@ pub async fn run(a: Args) -> Result<()> {
         timeout_ms: a.timeout_ms,
         mix,
     };
-    let http = crate::node::connector::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
+    let http = crate::http::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
         let url = a.nats_url.clone().unwrap_or_else(|| {
-            crate::localmesh::recorded_url(&a.dir, "app_url")
-                .unwrap_or_else(|| crate::transport::connect::resolve_url(None))
+            crate::local::recorded_url(&a.dir, "app_url")
+                .unwrap_or_else(|| crate::local::resolve_url(None))
         });
-        bench::Target::Nats(super::nats(&url, "oam-bench", false).await?)
+        bench::Target::Nats(crate::transport::connect::reach(&url, "oam-bench", false).await?)
     } else {
         bench::Target::Http(http)
     };
@@ -224,10 +239,10 @@ pub fn progress_bar(len: u64, prefix: &str) -> indicatif::ProgressBar {
 }
 
 async fn scenario(a: &Args, path: &std::path::Path) -> Result<()> {
-    let s = super::bench_scenario::load(path, a.short)?;
+    let s = bench_scenario::load(path, a.short)?;
     let bar = progress_bar(1, &s.name);
     let tick = bar.clone();
-    let outcome = super::bench_scenario::run(&a.dir, &s, a.short, a.seed, move |done, total| {
+    let outcome = bench_scenario::run(&a.dir, &s, a.short, a.seed, move |done, total| {
         tick.set_length(total);
         tick.set_position(done);
     })
@@ -243,9 +258,9 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<()> {
             outcome.description
         )?;
         writeln!(out, "{}", table(&outcome.summary))?;
-        writeln!(out, "{}", super::bench_scenario::table(&outcome))?;
+        writeln!(out, "{}", bench_scenario::table(&outcome))?;
     }
-    match super::bench_scenario::failures(&outcome) {
+    match bench_scenario::failures(&outcome) {
         Some(why) => Err(Error::new(Kind::Check, anyhow::anyhow!(why))),
         None => Ok(()),
     }

@@ -1,8 +1,9 @@
 //! `oam chaos FAULT [TARGET] [--for 30s]`, `oam chaos list`, `oam chaos restore`: ask the mesh's
 //! chaos warden (over NATS) to inject, list or end faults; `oam chaos warden` is that warden.
 
-use crate::chaos::{self, Active, AskError, Fault, Inject, Params, Restore};
+use crate::core::chaos::{self, Active, ContractBreak, Fault, Inject, Params, Restore};
 use crate::error::{Error, Kind, Result};
+use crate::transport::chaos::{self as warden, AskError};
 use crate::transport::{connect, subjects};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
@@ -46,8 +47,8 @@ pub enum Command {
         #[command(flatten)]
         on: On,
         /// How the answer is broken.
-        #[arg(long, default_value = "missing-field", value_parser = crate::chaos::CONTRACT_MODES)]
-        mode: String,
+        #[arg(long, default_value = "missing-field", value_parser = contract_modes())]
+        mode: ContractBreak,
     },
     /// PROVIDER answers late.
     SlowProvider {
@@ -178,8 +179,8 @@ fn injection(c: Command) -> std::result::Result<Inject, Command> {
 
 /// Ask the warden; its reply, or exit 3 when there is none.
 async fn ask(url: &str, subject: &'static str, body: Vec<u8>) -> Result<Vec<Active>> {
-    let nc = super::nats(url, "oam-chaos", false).await?;
-    chaos::ask(&nc, subject, body).await.map_err(|e| match e {
+    let nc = crate::transport::connect::reach(url, "oam-chaos", false).await?;
+    warden::ask(&nc, subject, body).await.map_err(|e| match e {
         AskError::NoWarden => Error::new(
             Kind::Unreachable,
             anyhow::anyhow!(
@@ -198,7 +199,7 @@ fn secs(ms: u64) -> String {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let url = connect::resolve_url(a.nats_url.clone());
+    let url = crate::local::resolve_url(a.nats_url.clone());
     let command = match injection(a.command) {
         Ok(inject) => {
             let body = serde_json::to_vec(&inject).map_err(|e| Error::new(Kind::Check, e))?;
@@ -227,7 +228,7 @@ pub async fn run(a: Args) -> Result<()> {
     match command {
         Command::List => {
             let faults = ask(&url, subjects::CHAOS_LIST, b"{}".to_vec()).await?;
-            let now = crate::node::now_ms();
+            let now = crate::clock::now_ms();
             let mut out = std::io::stdout().lock();
             if a.json {
                 let doc: Vec<serde_json::Value> = faults
@@ -284,7 +285,7 @@ pub async fn run(a: Args) -> Result<()> {
             Ok(())
         }
         Command::Warden { dir } => {
-            let nc = super::nats(&url, "oam-chaos-warden", false).await?;
+            let nc = crate::transport::connect::reach(&url, "oam-chaos-warden", false).await?;
             let json = a.json;
             let ready_dir = dir.clone();
             let ready = move || {
@@ -301,10 +302,17 @@ pub async fn run(a: Args) -> Result<()> {
                 };
                 let _ = out.flush();
             };
-            chaos::warden::run(&dir, nc, url, ready, crate::signal::terminated())
+            crate::chaos::warden::run(&dir, nc, url, ready, crate::signal::terminated())
                 .await
                 .map_err(|e| Error::new(Kind::Unreachable, e))
         }
         other => Err(Error::usage(format!("{other:?} is not a chaos command"))),
     }
+}
+
+/// `--mode`: the contract-breaking modes, by name.
+fn contract_modes() -> impl clap::builder::TypedValueParser<Value = ContractBreak> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(ContractBreak::ALL.map(ContractBreak::as_str))
+        .map(|name: String| ContractBreak::from_name(&name).unwrap_or_default())
 }

@@ -2,13 +2,14 @@
 //! headline scenarios one after another (each with live progress and a one-line verdict),
 //! prints the summary with reason codes, and takes the mesh down again, on every exit path.
 
-use super::bench_scenario::{self, Outcome};
+use crate::bench::runner::{self as bench_scenario, Outcome};
+use crate::bench::scenario::Scenario;
 use crate::error::{Error, Kind, Result};
-use crate::scenario::Scenario;
+use crate::local::{self, cluster};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The scenarios it plays, in order (their files ship in `scenarios/`).
 const HEADLINE: &[(&str, &str)] = &[
@@ -57,53 +58,53 @@ pub struct Args {
 }
 
 /// The demo's mesh: `oam mesh down` and its folder removed when dropped, however the demo ends.
-struct Mesh(PathBuf);
+/// The demo's private cluster. `down` stops it and removes its folder; a guard dropped without
+/// `down` (a panic) still sends every recorded process SIGTERM.
+struct Mesh {
+    dir: PathBuf,
+    down: bool,
+}
 
-impl Drop for Mesh {
-    fn drop(&mut self) {
-        if let Ok(exe) = std::env::current_exe() {
-            let _ = std::process::Command::new(exe)
-                .args(["mesh", "down", "--grace-ms", "2000", "--dir"])
-                .arg(&self.0)
-                .stdout(std::process::Stdio::null())
-                .status();
+impl Mesh {
+    async fn up() -> Result<Mesh> {
+        let dir = std::env::temp_dir().join(format!(
+            "oam-demo-{}",
+            crate::ids::random_hex(4).map_err(|e| Error::new(Kind::Check, e))?
+        ));
+        let exe = local::oam_exe().map_err(|e| Error::new(Kind::Check, e))?;
+        let mut mesh = Mesh { dir, down: false };
+        let plan = cluster::Plan::any_ports(mesh.dir.clone(), 3, exe);
+        match cluster::up(&plan).await {
+            Ok(_) => Ok(mesh),
+            Err(e) => {
+                mesh.down = true;
+                let _ = std::fs::remove_dir_all(&mesh.dir);
+                Err(match e {
+                    cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
+                    cluster::UpError::Start(e) => Error::new(Kind::Check, e),
+                })
+            }
         }
-        let _ = std::fs::remove_dir_all(&self.0);
+    }
+
+    async fn down(mut self) {
+        let _ = cluster::down(&self.dir, Duration::from_secs(2)).await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        self.down = true;
     }
 }
 
-fn up() -> Result<Mesh> {
-    let dir = std::env::temp_dir().join(format!(
-        "oam-demo-{}",
-        crate::natsd::random_hex(4).map_err(|e| Error::new(Kind::Check, e))?
-    ));
-    let mesh = Mesh(dir);
-    let exe = std::env::current_exe().map_err(|e| Error::new(Kind::Check, e))?;
-    let out = std::process::Command::new(exe)
-        .args([
-            "mesh",
-            "up",
-            "--port",
-            "0",
-            "--sim-port",
-            "0",
-            "--http-port",
-            "0",
-            "--dir",
-        ])
-        .arg(&mesh.0)
-        .output()
-        .map_err(|e| Error::new(Kind::Check, e))?;
-    if !out.status.success() {
-        return Err(Error::new(
-            Kind::Check,
-            anyhow::anyhow!(
-                "oam mesh up failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        ));
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        if self.down {
+            return;
+        }
+        if let Ok(Some(rec)) = local::Record::load(&self.dir) {
+            for p in rec.processes.iter().filter(|p| local::is_ours(p)) {
+                local::signal(p.pid, libc::SIGTERM);
+            }
+        }
     }
-    Ok(mesh)
 }
 
 /// The reason codes worth showing (the routine ones left out), most frequent first.
@@ -182,7 +183,40 @@ pub async fn run(a: Args) -> Result<()> {
         out,
         "oam demo: a local mesh (nats-server, the provider simulator, three nodes, the liveness monitor, the chaos warden)"
     )?;
-    let mesh = up()?;
+    let mesh = Mesh::up().await?;
+    let played = play_all(&a, &chosen, &mesh, started).await;
+    mesh.down().await;
+    let outcomes = played?;
+    let failed: Vec<&str> = outcomes
+        .iter()
+        .filter(|o| !o.passed)
+        .map(|o| o.scenario.as_str())
+        .collect();
+    writeln!(
+        out,
+        "mesh down; nothing left running. {} of {} scenarios hold, in {:.0} s.",
+        outcomes.len() - failed.len(),
+        outcomes.len(),
+        started.elapsed().as_secs_f64()
+    )?;
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::new(
+            Kind::Check,
+            anyhow::anyhow!("these scenarios failed: {}", failed.join(", ")),
+        ))
+    }
+}
+
+/// Play the chosen scenarios on `mesh`, print the table, write `--json`.
+async fn play_all(
+    a: &Args,
+    chosen: &[(&str, &str)],
+    mesh: &Mesh,
+    started: Instant,
+) -> Result<Vec<Outcome>> {
+    let mut out = std::io::stdout();
     writeln!(
         out,
         "mesh up in {:.1} s; playing {} scenarios\n",
@@ -191,7 +225,7 @@ pub async fn run(a: Args) -> Result<()> {
     )?;
     let play = async {
         let mut outcomes = Vec::new();
-        for (name, text) in &chosen {
+        for (name, text) in chosen {
             let s = Scenario::parse(text).map_err(|e| {
                 Error::new(
                     Kind::Check,
@@ -202,7 +236,7 @@ pub async fn run(a: Args) -> Result<()> {
             writeln!(std::io::stdout(), "▶ {}: {}", s.name, s.description)?;
             let bar = super::bench::progress_bar(1, &s.name);
             let tick = bar.clone();
-            let o = bench_scenario::run(&mesh.0, &s, !a.full, 42, move |done, total| {
+            let o = bench_scenario::run(&mesh.dir, &s, !a.full, 42, move |done, total| {
                 tick.set_length(total);
                 tick.set_position(done);
             })
@@ -255,25 +289,5 @@ pub async fn run(a: Args) -> Result<()> {
         std::fs::write(path, text + "\n")
             .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
     }
-    drop(mesh);
-    let failed: Vec<&str> = outcomes
-        .iter()
-        .filter(|o| !o.passed)
-        .map(|o| o.scenario.as_str())
-        .collect();
-    writeln!(
-        out,
-        "mesh down; nothing left running. {} of {} scenarios hold, in {:.0} s.",
-        outcomes.len() - failed.len(),
-        outcomes.len(),
-        started.elapsed().as_secs_f64()
-    )?;
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::new(
-            Kind::Check,
-            anyhow::anyhow!("these scenarios failed: {}", failed.join(", ")),
-        ))
-    }
+    Ok(outcomes)
 }

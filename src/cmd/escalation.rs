@@ -1,8 +1,7 @@
 //! `oam escalation list|resolve`: what waits for a human, and saying it has been seen to.
 
 use crate::error::{Error, Kind, Result};
-use crate::escalations::{self, Record, Resolved, Status};
-use crate::transport::connect;
+use crate::transport::escalations::{self, Record, Resolved, Status};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
 
@@ -73,8 +72,8 @@ async fn open_store(
     nats_url: Option<String>,
     name: &str,
 ) -> Result<async_nats::jetstream::kv::Store> {
-    let url = connect::resolve_url(nats_url);
-    let nats = super::nats(&url, name, false).await?;
+    let url = crate::local::resolve_url(nats_url);
+    let nats = crate::transport::connect::reach(&url, name, false).await?;
     escalations::store(&nats).await.map_err(|e| {
         Error::new(
             Kind::Unreachable,
@@ -113,7 +112,7 @@ async fn list(a: ListArgs) -> Result<()> {
         writeln!(out, "{what}")?;
         return Ok(());
     }
-    let now = crate::node::now_ms();
+    let now = crate::clock::now_ms();
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
     let mut header = vec!["id", "age", "node", "agent", "task", "reason", "action"];
@@ -183,7 +182,7 @@ async fn resolve(a: ResolveArgs) -> Result<()> {
     let (mut resolved, mut already, mut unknown) = (Vec::new(), Vec::new(), Vec::new());
     let mut failed = Vec::new();
     for id in &ids {
-        let now = crate::node::now_ms();
+        let now = crate::clock::now_ms();
         match escalations::resolve(&store, id, &by, a.note.as_deref(), now).await {
             Ok(Resolved::Now(_)) => resolved.push(id.clone()),
             Ok(Resolved::Already(_)) => already.push(id.clone()),

@@ -1,7 +1,6 @@
 //! `oam listen SUBJECT`: print what arrives on a NATS subject (e.g. `mesh.death.>`).
 
 use crate::error::{Error, Kind, Result};
-use crate::transport::connect;
 use futures_util::StreamExt;
 use std::io::Write;
 
@@ -20,8 +19,8 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let url = connect::resolve_url(a.nats_url.clone());
-    let nc = super::nats(&url, "oam-listen", false).await?;
+    let url = crate::local::resolve_url(a.nats_url.clone());
+    let nc = crate::transport::connect::reach(&url, "oam-listen", false).await?;
     let mut sub = nc
         .subscribe(a.subject.clone())
         .await

@@ -66,7 +66,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
         }
         cfg.node.cluster_size = n;
     }
-    let url = connect::resolve_url(a.nats_url);
+    let url = crate::local::resolve_url(a.nats_url);
     let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
         Error::usage(format!(
             "cannot listen on {}: {e}. Pick another address with --listen, or 127.0.0.1:0",
@@ -77,7 +77,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
         .local_addr()
         .map_err(|e| Error::new(Kind::Check, e))?;
     // A node started before nats-server keeps retrying in the background and joins when it can.
-    let nats = super::nats(&url, &format!("oam-node-{}", a.id), true).await?;
+    let nats = crate::transport::connect::reach(&url, &format!("oam-node-{}", a.id), true).await?;
     let node = Node::new(a.id.clone(), cfg, nats).map_err(|e| Error::new(Kind::Check, e))?;
     {
         let mut out = std::io::stdout().lock();

@@ -3,11 +3,12 @@
 //! reader thread; a frame is drawn at a fixed rate. The terminal is restored on every exit path,
 //! panics included.
 
-use crate::chaos::{self, Inject, Params, Restore};
+use crate::core::chaos::{Inject, Params, Restore};
 use crate::core::wire::Envelope;
 use crate::error::{Error, Kind, Result};
-use crate::escalations;
-use crate::transport::{connect, subjects};
+use crate::transport::chaos;
+use crate::transport::escalations;
+use crate::transport::subjects;
 use crate::watch::render::{self, CHAOS_MENU};
 use crate::watch::state::{App, Event, Focus};
 use async_nats::jetstream::kv;
@@ -238,7 +239,7 @@ fn on_key(app: &mut App, k: term::KeyEvent, chaos_tx: &tokio::sync::mpsc::Sender
             } else {
                 rows
             };
-            let len = render::panel_len(app, app.focus, crate::node::now_ms());
+            let len = render::panel_len(app, app.focus, crate::clock::now_ms());
             app.scroll_by(rows, len);
         }
         KeyCode::Home | KeyCode::End => app.scroll_home(),
@@ -278,8 +279,8 @@ pub async fn run(a: Args) -> Result<()> {
              `oam listen 'oam.v1.state.*' --json` (each node's view)",
         ));
     }
-    let url = connect::resolve_url(a.nats_url.clone());
-    let nats = super::nats(&url, "oam-watch", false).await?;
+    let url = crate::local::resolve_url(a.nats_url.clone());
+    let nats = crate::transport::connect::reach(&url, "oam-watch", false).await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(CHANNEL);
     let dropped = Arc::new(AtomicU64::new(0));
     let feeder = tokio::spawn(feed(nats.clone(), tx, dropped.clone()));
@@ -306,7 +307,7 @@ pub async fn run(a: Args) -> Result<()> {
     let result = loop {
         tokio::select! {
             _ = frame.tick() => {
-                let now = crate::node::now_ms();
+                let now = crate::clock::now_ms();
                 while let Ok(ev) = rx.try_recv() {
                     app.apply(ev, now);
                 }

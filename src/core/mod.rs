@@ -7,6 +7,7 @@
 pub mod breaker;
 pub mod budget;
 pub mod bulkhead;
+pub mod chaos;
 pub mod contract;
 pub mod escalation;
 pub mod health;

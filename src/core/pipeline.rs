@@ -303,12 +303,9 @@ impl Session {
     }
 }
 
-/// The provider's breaker, created closed on first use (without allocating a key each call).
+/// The provider's breaker, created closed on first use.
 fn breaker_mut<'a>(breakers: &'a mut BTreeMap<String, Breaker>, id: &str) -> &'a mut Breaker {
-    if !breakers.contains_key(id) {
-        breakers.insert(id.to_string(), Breaker::default());
-    }
-    breakers.get_mut(id).expect("inserted above")
+    breakers.entry(id.to_string()).or_default()
 }
 
 fn push(codes: &mut Vec<ReasonCode>, code: ReasonCode) {

@@ -39,7 +39,7 @@ pub fn request_id() -> String {
     static PREFIX: OnceLock<String> = OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let prefix = PREFIX.get_or_init(|| {
-        crate::natsd::random_hex(8).unwrap_or_else(|_| format!("{:016x}", std::process::id()))
+        crate::ids::random_hex(8).unwrap_or_else(|_| format!("{:016x}", std::process::id()))
     });
     format!("{prefix}{:016x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
@@ -184,7 +184,7 @@ fn pending_map(
 impl Caller {
     pub async fn new(nats: async_nats::Client) -> anyhow::Result<Caller> {
         use futures_util::StreamExt;
-        let ack_prefix = format!("_INBOX.oam-ack.{}", crate::natsd::random_hex(8)?);
+        let ack_prefix = subjects::ack_inbox(&crate::ids::random_hex(8)?);
         let mut acks = nats.subscribe(format!("{ack_prefix}.*")).await?;
         let mut instance_deaths = nats.subscribe(subjects::INSTANCE_DEATHS).await?;
         let mut deaths = nats.subscribe(subjects::DEATHS).await?;
@@ -257,7 +257,7 @@ impl Caller {
             request_id.clone(),
             Pending {
                 agent: agent.to_string(),
-                started_ms: crate::node::now_ms(),
+                started_ms: crate::clock::now_ms(),
                 instance: None,
                 fate: Some(tx),
             },

@@ -164,7 +164,7 @@ impl Instance {
         url: &str,
         entry: CatalogEntry,
     ) -> anyhow::Result<(Arc<Instance>, async_nats::Subscriber)> {
-        let id = crate::natsd::random_hex(8)?;
+        let id = crate::ids::random_hex(8)?;
         let nats =
             crate::transport::connect::connect(url, &subjects::host_connection(&id), false).await?;
         let sub = nats
@@ -408,7 +408,7 @@ impl Instance {
             instance_id: self.id.clone(),
             in_flight: self.in_flight.load(Ordering::Relaxed),
             processed: self.processed.load(Ordering::Relaxed),
-            at_ms: crate::node::now_ms(),
+            at_ms: crate::clock::now_ms(),
         }
     }
 }
@@ -506,7 +506,7 @@ pub async fn serve(
             detected_at: store::rfc3339_now(),
             instance_id: instance.id.clone(),
             detail: None,
-            detected_at_ms: Some(crate::node::now_ms()),
+            detected_at_ms: Some(crate::clock::now_ms()),
         };
         if let Ok(b) = serde_json::to_vec(&notice) {
             let _ = instance

@@ -21,7 +21,7 @@
 use super::client::Caller;
 use super::host::{self, Handler, Instance};
 use super::protocol::CatalogEntry;
-use crate::natsd;
+use crate::local::natsd;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -69,7 +69,7 @@ impl LocalMesh {
         let dir = std::env::temp_dir().join(format!(
             "oam-local-mesh-{}-{}",
             std::process::id(),
-            natsd::random_hex(4)?
+            crate::ids::random_hex(4)?
         ));
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create {}", dir.display()))?;
@@ -79,14 +79,9 @@ impl LocalMesh {
             dir: dir.clone(),
         };
         let log = dir.join("nats.log");
-        let started = tokio::task::spawn_blocking(move || {
-            natsd::start(&bin, &layout, &creds, &log, Duration::from_secs(10)).map(|s| (s, creds))
-        })
-        .await?;
+        let started = natsd::start(&bin, &layout, &creds, &log, Duration::from_secs(10)).await;
         match started {
-            Ok((server, creds)) => {
-                LocalMesh::with_server(server.child, dir, server.port, creds).await
-            }
+            Ok(server) => LocalMesh::with_server(server.child, dir, server.port, creds).await,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
                 Err(e)

@@ -87,7 +87,7 @@ fn agents_served(subs: &[SubDetail]) -> Vec<String> {
     let mut agents: Vec<String> = subs
         .iter()
         .filter_map(|s| {
-            let name = s.subject.strip_prefix("mesh.agent.")?;
+            let name = subjects::agent_of(&s.subject)?;
             (s.qgroup == subjects::agent_queue(name)).then(|| name.to_string())
         })
         .collect();
@@ -156,7 +156,7 @@ impl Monitor {
             return; // another monitor (or an earlier run) announced it
         }
         let detected_at = store::rfc3339_now();
-        let detected_at_ms = crate::node::now_ms();
+        let detected_at_ms = crate::clock::now_ms();
         let notice = |agent: &str| DeathNotice {
             agent: agent.to_string(),
             reason,
@@ -264,11 +264,7 @@ impl Monitor {
 
 /// Ask server `server` (any, if empty) for connections: open ones, or the closed one `cid`.
 async fn connz(sys: &async_nats::Client, server: &str, query: serde_json::Value) -> Option<Connz> {
-    let subject = if server.is_empty() {
-        "$SYS.REQ.SERVER.PING.CONNZ".to_string()
-    } else {
-        format!("$SYS.REQ.SERVER.{server}.CONNZ")
-    };
+    let subject = subjects::sys_connz(server);
     let body = serde_json::to_vec(&query).ok()?;
     let reply = tokio::time::timeout(Duration::from_secs(2), sys.request(subject, body.into()))
         .await
@@ -364,7 +360,7 @@ pub async fn run(
     ready: impl FnOnce(),
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let mut advisories = sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT").await?;
+    let mut advisories = sys.subscribe(subjects::SYS_DISCONNECTS).await?;
     let mut beats = app.subscribe(subjects::HEALTH).await?;
     sys.flush().await?;
     app.flush().await?;

@@ -215,7 +215,10 @@ mod tests {
         )
         .unwrap();
         let reg = registry_entry(&c, "2026-11-30T00:00:00+00:00");
-        assert_eq!(reg["x-agentmesh"]["subject"], "mesh.agent.echo");
+        assert_eq!(
+            reg["x-agentmesh"]["subject"],
+            crate::transport::subjects::agent("echo")
+        );
         assert_eq!(reg["capabilities"]["invocable"], true);
         let d = DeathNotice {
             agent: "echo".into(),

@@ -3,8 +3,9 @@
 //! instance records (which instance serves which agents; leases that expire unless renewed).
 
 use super::protocol::{self, CatalogEntry};
+use crate::transport::kv::bucket;
 use crate::transport::subjects;
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -32,34 +33,6 @@ pub fn hostname() -> &'static str {
             .map(|h| h.trim().to_string())
             .unwrap_or_default()
     })
-}
-
-/// Open the KV bucket `name`, creating it (history 1, `max_age`) if it does not exist.
-pub async fn bucket(
-    nats: &async_nats::Client,
-    name: &str,
-    max_age: Duration,
-) -> anyhow::Result<kv::Store> {
-    let js = jetstream::new(nats.clone());
-    if let Ok(store) = js.get_key_value(name).await {
-        return Ok(store);
-    }
-    let created = js
-        .create_key_value(kv::Config {
-            bucket: name.to_string(),
-            history: 1,
-            max_age,
-            ..Default::default()
-        })
-        .await;
-    match created {
-        Ok(store) => Ok(store),
-        // Another process created it meanwhile.
-        Err(e) => js
-            .get_key_value(name)
-            .await
-            .map_err(|_| anyhow::anyhow!("cannot open or create the KV bucket {name}: {e}")),
-    }
 }
 
 /// RFC 3339 UTC timestamp, seconds precision, without a date library.
@@ -149,7 +122,7 @@ async fn put_instance(
         instance_id: instance_id.to_string(),
         agents: vec![entry.name.clone()],
         connection: subjects::host_connection(instance_id),
-        renewed_at_ms: crate::node::now_ms(),
+        renewed_at_ms: crate::clock::now_ms(),
         pid: Some(std::process::id()),
         host: Some(hostname().to_string()),
     };

@@ -6,7 +6,8 @@
 //! same `oam` object, with an HTTP status that follows the phase. Every response carries
 //! `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Provider` and `X-Request-Id`.
 
-use super::{Node, now_ms};
+use super::Node;
+use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
 use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Session, Step};
 use crate::core::reason::{Phase, ReasonCode};
@@ -40,8 +41,8 @@ pub fn router(node: Arc<Node>) -> Router {
 /// `POST /v1/oam/chaos`: how an isolated node hears that its fault ended early. Only a
 /// restore is accepted here; faults themselves come from the warden over NATS.
 async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Response {
-    match serde_json::from_slice::<crate::chaos::NodeCommand>(&body) {
-        Ok(cmd @ crate::chaos::NodeCommand::Restore { .. }) => {
+    match serde_json::from_slice::<crate::core::chaos::NodeCommand>(&body) {
+        Ok(cmd @ crate::core::chaos::NodeCommand::Restore { .. }) => {
             node.chaos(cmd);
             axum::Json(json!({"applied": true})).into_response()
         }

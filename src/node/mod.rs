@@ -9,6 +9,7 @@ pub mod connector;
 pub mod dataplane;
 pub mod metrics;
 
+use crate::clock::now_ms;
 use crate::core::contract::Contract;
 use crate::core::escalation::Escalation;
 use crate::core::health::{Outcome, Window};
@@ -25,14 +26,7 @@ use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-/// Wall-clock milliseconds: nodes compare observation times across processes.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+use std::time::Duration;
 
 /// Counters of what the node refused to apply from the bus.
 #[derive(Default, Serialize)]
@@ -100,7 +94,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Node {
     pub fn new(id: String, cfg: NodeConfig, nats: async_nats::Client) -> anyhow::Result<Arc<Node>> {
-        let http = connector::http_client(None)?;
+        let http = crate::http::http_client(None)?;
         let connectors = cfg
             .providers
             .iter()
@@ -206,8 +200,8 @@ impl Node {
     }
 
     /// Apply a chaos command to this node; the fault ends by itself at its expiry.
-    pub fn chaos(self: &Arc<Self>, cmd: crate::chaos::NodeCommand) {
-        use crate::chaos::NodeCommand;
+    pub fn chaos(self: &Arc<Self>, cmd: crate::core::chaos::NodeCommand) {
+        use crate::core::chaos::NodeCommand;
         let (id, until_ms) = match cmd {
             NodeCommand::Restore { id } => return self.end_chaos(&id),
             NodeCommand::Isolate { id, until_ms } => {
@@ -327,7 +321,7 @@ impl Node {
             if self.isolated() {
                 continue; // cut off: it cannot hear this
             }
-            match serde_json::from_slice::<crate::chaos::NodeCommand>(&m.payload) {
+            match serde_json::from_slice::<crate::core::chaos::NodeCommand>(&m.payload) {
                 Ok(cmd) => self.chaos(cmd),
                 Err(_) => {
                     self.bus.malformed.fetch_add(1, Ordering::Relaxed);
@@ -388,13 +382,13 @@ impl Node {
                 continue; // a partition loses what it would have said
             }
             if store.is_none() {
-                match crate::escalations::store(&self.nats).await {
+                match crate::transport::escalations::store(&self.nats).await {
                     Ok(s) => store = Some(s),
                     Err(err) => tracing::warn!("escalation {} not recorded: {err:#}", e.id),
                 }
             }
             if let Some(s) = &store
-                && let Err(err) = crate::escalations::open(s, &self.id, &e).await
+                && let Err(err) = crate::transport::escalations::open(s, &self.id, &e).await
             {
                 tracing::warn!("escalation {} not recorded: {err:#}", e.id);
                 store = None; // the bucket may be gone (a new server): open it afresh next time

@@ -2,6 +2,7 @@
 //! request under a seed. No I/O and no clock (`now` is an argument), so the same seed, provider,
 //! request number and fault give the same answer.
 
+use crate::core::chaos::ContractBreak;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -59,15 +60,14 @@ pub fn parse_provider(spec: &str) -> Result<SimProvider, String> {
     })
 }
 
-/// How a contract-breaking answer is broken.
-#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
-#[serde(rename_all = "kebab-case")]
-pub enum ContractBreak {
-    #[default]
-    NotJson,
-    MissingField,
-    LowConfidence,
-    Truncated,
+/// `POST /sim/faults`: set a fault on a provider for a while. Unknown keys are refused:
+/// `FaultMode` denies whatever is left over.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct SetFault {
+    pub provider: String,
+    pub duration_ms: u64,
+    #[serde(flatten)]
+    pub mode: FaultMode,
 }
 
 /// A fault mode, switchable at runtime per provider.

@@ -7,7 +7,7 @@
 //! - `GET /sim/faults`, `POST /sim/faults`, `DELETE /sim/faults[/{provider}]`: the fault API.
 //! - `GET /healthz`.
 
-use super::model::{self, FaultMode, Faults, Reply, SimProvider};
+use super::model::{self, Faults, Reply, SimProvider};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -324,15 +324,6 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
     }
 }
 
-/// A fault request. Unknown keys are still refused: `FaultMode` denies whatever is left over.
-#[derive(Deserialize)]
-struct SetFault {
-    provider: String,
-    duration_ms: u64,
-    #[serde(flatten)]
-    mode: FaultMode,
-}
-
 fn faults_doc(sim: &Sim) -> Value {
     let now = sim.now_ms();
     let mut faults = sim.faults();
@@ -354,7 +345,7 @@ async fn list_faults(State(sim): State<Arc<Sim>>) -> Response {
 }
 
 async fn set_fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
-    let req: SetFault = match serde_json::from_slice(&body) {
+    let req: super::model::SetFault = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
             return openai_error(

@@ -8,12 +8,24 @@ use std::time::Duration;
 pub const ENV_URL: &str = "OAM_NATS_URL";
 pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
 
-/// The NATS URL to use: the flag, then `$OAM_NATS_URL`, then the application URL of a local
-/// mesh recorded in `.oam/` (by `oam mesh up`), then `nats://127.0.0.1:4222`.
-pub fn resolve_url(flag: Option<String>) -> String {
-    flag.or_else(|| std::env::var(ENV_URL).ok())
-        .or_else(|| crate::localmesh::recorded_url(std::path::Path::new(".oam"), "app_url"))
-        .unwrap_or_else(|| DEFAULT_URL.to_string())
+/// Connect for a command, or say what to do: the one place that message is written. With
+/// `wait_for_server`, a server that is not up yet is retried in the background.
+pub async fn reach(
+    url: &str,
+    name: &str,
+    wait_for_server: bool,
+) -> crate::error::Result<async_nats::Client> {
+    use crate::error::{Error, Kind};
+    connect(url, name, wait_for_server).await.map_err(|e| {
+        Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!(
+                "cannot reach NATS at {} ({e}). Start a local mesh with `oam mesh up`, or pass \
+                 --nats-url",
+                redact(url)
+            ),
+        )
+    })
 }
 
 /// Connect as `name`. With `wait_for_server`, a server that is not up yet is retried in the

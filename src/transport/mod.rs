@@ -1,4 +1,8 @@
-//! NATS: connecting, and the one place subject names are spelled.
+//! NATS: connecting, the one place subject names are spelled, the KV stores, and the clients
+//! of the services on the bus (the chaos warden). Reads no files and no `.oam` folder.
 
+pub mod chaos;
 pub mod connect;
+pub mod escalations;
+pub mod kv;
 pub mod subjects;

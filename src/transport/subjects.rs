@@ -57,9 +57,15 @@ pub const REQUEST_QUEUE: &str = "oam-nodes";
 
 // The agent mesh (Open Agent Mesh protocol; names must match other OAM clients exactly).
 
+/// The prefix of every agent's serving subject.
+pub const AGENT_PREFIX: &str = "mesh.agent.";
 /// Where agent `name` serves (request/reply).
 pub fn agent(name: &str) -> String {
-    format!("mesh.agent.{name}")
+    format!("{AGENT_PREFIX}{name}")
+}
+/// The agent name a serving subject is for (`mesh.agent.{name}`).
+pub fn agent_of(subject: &str) -> Option<&str> {
+    subject.strip_prefix(AGENT_PREFIX)
 }
 /// The queue group every instance of agent `name` joins.
 pub fn agent_queue(name: &str) -> String {
@@ -101,6 +107,24 @@ pub fn host_connection(instance_id: &str) -> String {
     format!("oam-host-{instance_id}")
 }
 
+/// A fresh inbox prefix for acknowledgements of one caller (`_INBOX.oam-ack.{id}`).
+pub fn ack_inbox(id: &str) -> String {
+    format!("_INBOX.oam-ack.{id}")
+}
+
+// The system account (nats-server's own subjects).
+
+/// Connection disconnects of every account: the monitor's first signal of a death.
+pub const SYS_DISCONNECTS: &str = "$SYS.ACCOUNT.*.DISCONNECT";
+/// Ask server `server` for its connections (CONNZ); an empty name asks every server.
+pub fn sys_connz(server: &str) -> String {
+    if server.is_empty() {
+        "$SYS.REQ.SERVER.PING.CONNZ".to_string()
+    } else {
+        format!("$SYS.REQ.SERVER.{server}.CONNZ")
+    }
+}
+
 /// A node id is one subject token: letters, digits, '-' and '_'.
 pub fn valid_token(s: &str) -> bool {
     !s.is_empty()
@@ -122,5 +146,9 @@ mod tests {
         assert_eq!(agent("demo.echo"), "mesh.agent.demo.echo");
         assert_eq!(agent_queue("demo.echo"), "q.demo.echo");
         assert_eq!(death("x"), "mesh.death.x");
+        assert_eq!(agent_of("mesh.agent.demo.echo"), Some("demo.echo"));
+        assert_eq!(agent_of("mesh.death.x"), None);
+        assert_eq!(sys_connz(""), "$SYS.REQ.SERVER.PING.CONNZ");
+        assert_eq!(sys_connz("S1"), "$SYS.REQ.SERVER.S1.CONNZ");
     }
 }

@@ -2,7 +2,7 @@
 //! every panel side by side; down to 80x24 the same panels stack and shrink without garbling.
 
 use super::state::{App, Focus, LineKind, Verdict};
-use crate::chaos::Fault;
+use crate::core::chaos::Fault;
 use crate::core::reason::Action;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -700,8 +700,8 @@ fn render_chaos_menu(f: &mut Frame, area: Rect, sel: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chaos::{Active, Fault, Params};
-    use crate::escalations::Status;
+    use crate::core::chaos::{Active, Fault, Params};
+    use crate::transport::escalations::Status;
     use crate::watch::state::Event;
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
@@ -875,7 +875,7 @@ mod tests {
         let names: Vec<String> = (0..12).map(|i| format!("agent.n{i:02}")).collect();
         app.apply(Event::Catalog(names), NOW);
         for i in 0..6 {
-            let open = crate::escalations::example(
+            let open = crate::transport::escalations::example(
                 &format!("esc-{i}"),
                 &format!("bot{i}"),
                 NOW - 1_000 * i,
@@ -979,7 +979,12 @@ mod tests {
             },
             NOW - 3_000,
         );
-        let open = crate::escalations::example("esc-inc-1", "loop-bot", NOW - 3_000, Status::Open);
+        let open = crate::transport::escalations::example(
+            "esc-inc-1",
+            "loop-bot",
+            NOW - 3_000,
+            Status::Open,
+        );
         app.apply(Event::Escalation(Box::new(open)), NOW - 3_000);
         app.apply(
             Event::Decision {

@@ -1,8 +1,8 @@
 //! What `oam watch` knows: a pure model fed by bus events (`apply`) and the clock (`now_ms` is an
 //! argument), plus the operator's view settings. Rendering reads it and nothing else.
 
-use crate::chaos::Active;
-use crate::escalations::{Record, Status};
+use crate::core::chaos::Active;
+use crate::transport::escalations::{Record, Status};
 use serde_json::Value;
 use std::collections::{BTreeMap, VecDeque};
 
@@ -238,7 +238,7 @@ impl App {
                 }
             }
             Event::Escalation(record) => {
-                let key = crate::escalations::key(&record.escalation.id);
+                let key = crate::transport::escalations::key(&record.escalation.id);
                 if record.status == Status::Resolved {
                     self.escalations.remove(&key);
                 } else {
@@ -511,7 +511,7 @@ mod tests {
 
     #[test]
     fn escalations_stay_open_until_resolved_and_stay_bounded() {
-        use crate::escalations::example;
+        use crate::transport::escalations::example;
         let mut app = App::default();
         for (i, id) in ["esc-a", "esc-b", "esc-c"].iter().enumerate() {
             let r = example(id, "bot", 1_000 * i as u64, Status::Open);

@@ -42,7 +42,7 @@ fn call(nats: &str, name: &str, payload: &str, timeout: &str) -> (bool, String, 
 
 #[tokio::test]
 async fn serve_call_list_fail_hang_and_leave() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let mut echo = serve(&url, "demo.echo", "echo", &["--replicas", "2"]);
     assert_eq!(echo.ready["instances"].as_array().unwrap().len(), 2);
@@ -112,7 +112,7 @@ async fn serve_call_list_fail_hang_and_leave() {
 
 #[tokio::test]
 async fn an_instance_handles_requests_concurrently() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let _slow = serve(&url, "demo.slow", "sleep:100", &["--concurrency", "20"]);
     let nc = oam::transport::connect::connect(&url, "test", false)
@@ -143,7 +143,7 @@ async fn an_instance_handles_requests_concurrently() {
 
 #[tokio::test]
 async fn interoperates_with_the_python_sdk() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let _ours = serve(&url, "demo.echo", "echo", &[]);
     let _stream = serve(&url, "demo.stream", "stream:3:10", &[]);
@@ -281,7 +281,7 @@ asyncio.run(main())
 
 /// A monitor beside a fresh server, with both accounts.
 fn monitor(server: &NatsServer) -> Proc {
-    let sys = oam::natsd::sys_url(server.port, &server.creds);
+    let sys = oam::local::natsd::sys_url(server.port, &server.creds);
     Proc::spawn(&[
         "mesh",
         "monitor",
@@ -300,7 +300,7 @@ async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option
 
 #[tokio::test]
 async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     // Two monitors: each death must still be announced once.
     let _m1 = monitor(&server);
@@ -392,7 +392,7 @@ async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
 
 #[tokio::test]
 async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let _monitor = monitor(&server);
     let mut holder = serve(&url, "demo.hold", "sleep:20000", &[]);
@@ -424,7 +424,7 @@ async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
 
 #[tokio::test]
 async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let nc = oam::transport::connect::connect(&url, "test", false)
         .await
@@ -476,7 +476,7 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
 
     // Malformed advisories on the system account do not stop it.
     let sys = oam::transport::connect::connect(
-        &oam::natsd::sys_url(server.port, &server.creds),
+        &oam::local::natsd::sys_url(server.port, &server.creds),
         "test-sys",
         false,
     )
@@ -508,7 +508,7 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
 
 #[tokio::test]
 async fn hosts_reconnect_and_register_again_after_a_blip() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let (port, creds, url) = (server.port, server.creds.clone(), server.url());
     let _agent = serve(&url, "demo.blip", "echo", &[]);
     let (ok, _, err) = call(&url, "demo.blip", "{}", "5");
@@ -516,7 +516,7 @@ async fn hosts_reconnect_and_register_again_after_a_blip() {
 
     // The server goes away and a new one (with empty JetStream state) takes its place.
     drop(server);
-    let _server = NatsServer::start_on(port, creds).unwrap();
+    let _server = NatsServer::start_on(port, creds).await.unwrap();
     let back = crate::support::eventually(Duration::from_secs(15), || {
         let url = url.clone();
         async move {
@@ -535,7 +535,7 @@ async fn hosts_reconnect_and_register_again_after_a_blip() {
 
 #[tokio::test]
 async fn a_stuck_handler_is_reported_as_stuck_not_as_a_timeout() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let _stuck = serve(&url, "demo.stuck", "hang", &["--max-handling-ms", "300"]);
     let started = Instant::now();
@@ -561,7 +561,7 @@ async fn a_stuck_handler_is_reported_as_stuck_not_as_a_timeout() {
 
 #[tokio::test]
 async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let _monitor = monitor(&server);
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
@@ -647,7 +647,7 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
 
 #[tokio::test]
 async fn streams_arrive_in_order_and_fail_fast() {
-    let server = NatsServer::start();
+    let server = NatsServer::start().await;
     let url = server.url();
     let _monitor = monitor(&server);
     let _stream = serve(&url, "demo.stream", "stream:3:20", &[]);

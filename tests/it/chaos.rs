@@ -68,13 +68,13 @@ async fn chat(node: &str, oam: Value) -> (u16, String) {
 
 #[tokio::test]
 async fn faults_are_applied_listed_and_undone_on_time() {
-    let mesh = LocalMesh::up("chaos");
+    let mesh = LocalMesh::up("chaos").await;
     let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
         .await
         .unwrap();
     let mut events = nc.subscribe("oam.v1.chaos.event").await.unwrap();
     nc.flush().await.unwrap();
-    let sim = mesh.up["sim"].as_str().unwrap().to_string();
+    let sim = mesh.record.sim_url.clone();
 
     // A provider outage: the simulator fails, the warden lists it, and it ends by itself.
     let f = chaos(&mesh, &["kill-provider", "primary", "--for", "2s"]);
@@ -325,7 +325,7 @@ async fn faults_are_applied_listed_and_undone_on_time() {
 
 #[tokio::test]
 async fn load_faults_agents_and_bad_input() {
-    let mesh = LocalMesh::up("chaos-load");
+    let mesh = LocalMesh::up("chaos-load").await;
 
     // Unknown faults and targets: exit 2 with the valid ones.
     let out = mesh.oam().args(["chaos", "melt-cpu"]).output().unwrap();

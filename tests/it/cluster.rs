@@ -13,8 +13,8 @@ struct Cluster {
     _sim: Proc,
 }
 
-fn cluster(extra: &[&str]) -> Cluster {
-    let nats = NatsServer::start();
+async fn cluster(extra: &[&str]) -> Cluster {
+    let nats = NatsServer::start().await;
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let nats_url = nats.url();
@@ -127,7 +127,7 @@ async fn all_see(
 
 #[tokio::test]
 async fn consensus_drives_routing_through_outage_and_broken_contract() {
-    let cl = cluster(&[]);
+    let cl = cluster(&[]).await;
     let c = client();
     for p in ["primary", "local", "secondary"] {
         assert!(
@@ -252,7 +252,7 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
 
 #[tokio::test]
 async fn node_deaths_age_out_and_below_quorum_a_node_says_so() {
-    let mut cl = cluster(&[]);
+    let mut cl = cluster(&[]).await;
     let c = client();
     assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
 
@@ -301,7 +301,7 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("oam.toml");
     std::fs::write(&cfg, "[budgets.agents.broke]\nlimit_usd = 0.0\n").unwrap();
-    let cl = cluster(&["--config", cfg.to_str().unwrap()]);
+    let cl = cluster(&["--config", cfg.to_str().unwrap()]).await;
     let c = client();
     assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
 
@@ -492,9 +492,9 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
 
 #[tokio::test]
 async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
-    let port = oam::natsd::free_port().unwrap();
-    let creds = oam::natsd::Credentials::generate().unwrap();
-    let url = oam::natsd::app_url(port, &creds);
+    let port = oam::local::natsd::free_port().unwrap();
+    let creds = oam::local::natsd::Credentials::generate().unwrap();
+    let url = oam::local::natsd::app_url(port, &creds);
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let node = |id: &str| {
@@ -536,7 +536,7 @@ async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
     assert!(codes(&served).contains(&"NO_QUORUM_LOCAL_VIEW".into()));
 
     // NATS comes up: the node joins; a second node finds it.
-    let nats = NatsServer::start_on(port, creds.clone()).unwrap();
+    let nats = NatsServer::start_on(port, creds.clone()).await.unwrap();
     let n2 = node("n2");
     let u2 = n2.ready["http"].as_str().unwrap().to_string();
     let joined = eventually(Duration::from_secs(15), || async {
@@ -557,7 +557,7 @@ async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
     assert!(codes(&v).contains(&"NO_QUORUM_LOCAL_VIEW".into()));
 
     // NATS is back on the same port: they rejoin by themselves.
-    let _nats = NatsServer::start_on(port, creds).unwrap();
+    let _nats = NatsServer::start_on(port, creds).await.unwrap();
     let rejoined = eventually(Duration::from_secs(20), || async {
         (live(u1.clone()).await? == 2 && live(u2.clone()).await? == 2).then_some(())
     })
@@ -584,7 +584,7 @@ async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
 /// waited out the queue and got 503 QUEUE_TIMEOUT until the node restarted.
 #[tokio::test]
 async fn callers_that_hang_up_leak_no_slot() {
-    let nats = NatsServer::start();
+    let nats = NatsServer::start().await;
     let sim = Proc::spawn(&[
         "sim",
         "--listen",
@@ -663,7 +663,7 @@ async fn callers_that_hang_up_leak_no_slot() {
 /// the server's graceful shutdown, as before.)
 #[tokio::test]
 async fn a_stopping_node_answers_the_requests_in_hand() {
-    let nats = NatsServer::start();
+    let nats = NatsServer::start().await;
     let sim = Proc::spawn(&[
         "sim",
         "--listen",

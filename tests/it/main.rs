@@ -1,6 +1,12 @@
 //! The one integration-test binary: the real `oam` binary, driven as a user would.
+#![expect(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test that cannot go on should fail loudly, where it stands"
+)]
 
 mod agents;
+mod architecture;
 mod chaos;
 mod cli;
 mod cluster;

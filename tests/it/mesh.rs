@@ -18,8 +18,53 @@ fn json(out: &[u8]) -> Value {
 
 #[tokio::test]
 async fn up_status_request_down() {
-    let mesh = crate::support::LocalMesh::up("mesh");
-    let (dir, up) = (&mesh.dir, &mesh.up);
+    // `oam mesh up` itself, as an operator runs it, from a shell holding a file open (a lock
+    // file, say) that is not close-on-exec: `oam mesh up` inherits it, the mesh must not.
+    let dir = crate::support::MeshDir::new("mesh");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let held_path = dir.0.join("held.lock");
+    let held = std::fs::File::create(&held_path).unwrap();
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: plain integer arguments on a descriptor this test owns.
+        let cleared = unsafe { libc::fcntl(held.as_raw_fd(), libc::F_SETFD, 0) };
+        assert_eq!(cleared, 0);
+    }
+    let out = oam()
+        .args([
+            "mesh",
+            "up",
+            "--port",
+            "0",
+            "--sim-port",
+            "0",
+            "--http-port",
+            "0",
+        ])
+        .args(["--json", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let up = &json(&out.stdout);
+    drop(held);
+    let mesh = crate::support::LocalMesh::recorded_in(dir);
+    let dir = &mesh.dir;
+    for p in &mesh.record.processes {
+        let fds = std::fs::read_dir(format!("/proc/{}/fd", p.pid)).unwrap();
+        for fd in fds {
+            let target = std::fs::read_link(fd.unwrap().path()).unwrap_or_default();
+            assert_ne!(
+                target, held_path,
+                "{} inherited the caller's open file",
+                p.name
+            );
+        }
+    }
     let nodes = up["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 3);
 

@@ -3,8 +3,8 @@
 
 use crate::support::LocalMesh;
 
-fn run(name: &str) {
-    let mesh = LocalMesh::up(&format!("scenario-{name}"));
+async fn run(name: &str) {
+    let mesh = LocalMesh::up(&format!("scenario-{name}")).await;
     let file = format!("{}/scenarios/{name}.toml", env!("CARGO_MANIFEST_DIR"));
     let json = mesh.dir.0.join("result.json");
     let out = mesh
@@ -32,9 +32,9 @@ fn run(name: &str) {
 
 macro_rules! scenarios {
     ($($test:ident => $file:literal),* $(,)?) => {
-        $(#[test]
-        fn $test() {
-            run($file);
+        $(#[tokio::test]
+        async fn $test() {
+            run($file).await;
         })*
     };
 }

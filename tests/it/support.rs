@@ -94,19 +94,24 @@ pub struct NatsServer {
     child: std::process::Child,
     dir: std::path::PathBuf,
     pub port: u16,
-    pub creds: oam::natsd::Credentials,
+    pub creds: oam::local::natsd::Credentials,
 }
 
 impl NatsServer {
     /// A server on any free port (the server picks it: no race with other tests).
-    pub fn start() -> NatsServer {
-        let creds = oam::natsd::Credentials::generate().unwrap();
-        NatsServer::start_on(0, creds).expect("nats-server starts")
+    pub async fn start() -> NatsServer {
+        let creds = oam::local::natsd::Credentials::generate().unwrap();
+        NatsServer::start_on(0, creds)
+            .await
+            .expect("nats-server starts")
     }
 
     /// Start on a given port with given credentials (to restart "the same" server).
-    pub fn start_on(port: u16, creds: oam::natsd::Credentials) -> anyhow::Result<NatsServer> {
-        let (bin, _) = oam::natsd::find(None)?;
+    pub async fn start_on(
+        port: u16,
+        creds: oam::local::natsd::Credentials,
+    ) -> anyhow::Result<NatsServer> {
+        let (bin, _) = oam::local::natsd::find(None)?;
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "oam-test-nats-{}-{}",
@@ -114,18 +119,19 @@ impl NatsServer {
             N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir)?;
-        let layout = oam::natsd::Layout {
+        let layout = oam::local::natsd::Layout {
             port,
             monitor_port: 0,
             dir: dir.clone(),
         };
-        let server = oam::natsd::start(
+        let server = oam::local::natsd::start(
             &bin,
             &layout,
             &creds,
             &dir.join("nats.log"),
             Duration::from_secs(10),
-        )?;
+        )
+        .await?;
         Ok(NatsServer {
             child: server.child,
             dir,
@@ -135,7 +141,7 @@ impl NatsServer {
     }
 
     pub fn url(&self) -> String {
-        oam::natsd::app_url(self.port, &self.creds)
+        oam::local::natsd::app_url(self.port, &self.creds)
     }
 }
 
@@ -237,38 +243,32 @@ impl Drop for MeshDir {
     }
 }
 
-/// A local mesh from `oam mesh up` on free ports, in its own folder.
+/// A local cluster on free ports, in its own folder, started by a function call (the same one
+/// `oam mesh up` makes).
 pub struct LocalMesh {
     pub dir: MeshDir,
-    /// `oam mesh up --json`'s output.
-    pub up: Value,
+    /// What was started (as recorded in mesh.json when it came up).
+    pub record: oam::local::Record,
 }
 
 impl LocalMesh {
-    pub fn up(tag: &str) -> LocalMesh {
+    pub async fn up(tag: &str) -> LocalMesh {
         let dir = MeshDir::new(tag);
-        let out = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
-            .args([
-                "mesh",
-                "up",
-                "--port",
-                "0",
-                "--sim-port",
-                "0",
-                "--http-port",
-                "0",
-            ])
-            .args(["--json", "--dir"])
-            .arg(&dir.0)
-            .output()
-            .expect("oam mesh up");
-        assert!(
-            out.status.success(),
-            "oam mesh up: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let up = serde_json::from_slice(&out.stdout).expect("mesh up --json");
-        LocalMesh { dir, up }
+        let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
+        let plan = oam::local::cluster::Plan::any_ports(dir.0.clone(), 3, exe);
+        match oam::local::cluster::up(&plan).await {
+            Ok(oam::local::cluster::Up::Started { record, .. }) => LocalMesh { dir, record },
+            Ok(other) => panic!("a fresh folder holds a running mesh: {other:?}"),
+            Err(e) => panic!("the local cluster did not start: {e}"),
+        }
+    }
+
+    /// A mesh `oam mesh up` started in `dir`.
+    pub fn recorded_in(dir: MeshDir) -> LocalMesh {
+        let record = oam::local::Record::load(&dir.0)
+            .unwrap()
+            .expect("a mesh recorded");
+        LocalMesh { dir, record }
     }
 
     /// The application account's URL, credentials included.
@@ -288,7 +288,7 @@ impl LocalMesh {
 
     /// Node `i`'s HTTP base URL (0-based).
     pub fn node(&self, i: usize) -> String {
-        self.up["nodes"][i]["http"].as_str().unwrap().to_string()
+        self.record.nodes().nth(i).unwrap().endpoint.clone()
     }
 
     /// The record of the process named `name` in mesh.json (chaos may restart it: a new pid,

@@ -36,7 +36,7 @@ impl Drop for Tmux {
 
 #[tokio::test]
 async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
-    let mesh = LocalMesh::up("watch");
+    let mesh = LocalMesh::up("watch").await;
     let bin = assert_cmd::cargo::cargo_bin!("oam");
     let session = Tmux(format!("oam-watch-{}", std::process::id()));
     let status = Command::new("tmux")
@@ -176,7 +176,7 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     // NATS goes away: the watch says so and keeps the last picture; when the server is back (the
     // same config, so the same port and accounts) the picture comes back.
     let nats_pid = mesh.pid("nats-server");
-    assert!(oam::localmesh::signal(nats_pid, libc::SIGKILL));
+    assert!(oam::local::signal(nats_pid, libc::SIGKILL));
     let said = eventually(Duration::from_secs(10), || async {
         session.capture().contains("NATS DOWN").then_some(())
     })
@@ -184,10 +184,12 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     assert!(said.is_some(), "NATS down is shown:\n{}", session.capture());
     let conf = mesh.dir.0.join("nats.conf");
     let log = mesh.dir.0.join("nats-again.log");
-    let bin = oam::natsd::find(None).unwrap().0;
-    let mut again = oam::natsd::start_from(&bin, &conf, &mesh.dir.0, &log, Duration::from_secs(10))
-        .unwrap()
-        .child;
+    let bin = oam::local::natsd::find(None).unwrap().0;
+    let mut again =
+        oam::local::natsd::start_from(&bin, &conf, &mesh.dir.0, &log, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .child;
     let back = eventually(Duration::from_secs(20), || async {
         let screen = session.capture();
         (screen.contains("NATS connected") && screen.contains("│n1     alive")).then_some(())
@@ -199,14 +201,16 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
         let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
             .await
             .ok()?;
-        let store = oam::escalations::store(&nc).await.ok()?;
+        let store = oam::transport::escalations::store(&nc).await.ok()?;
         let e: oam::core::escalation::Escalation = serde_json::from_value(serde_json::json!({
             "id": "esc-after-restart", "request_id": "r-after", "agent": "after-bot", "task": "t",
             "phase": "budget", "reason_codes": ["ESCALATED_BUDGET_EXHAUSTED"],
-            "recommended_action": "HUMAN_REVIEW", "created_at_ms": oam::node::now_ms()
+            "recommended_action": "HUMAN_REVIEW", "created_at_ms": oam::clock::now_ms()
         }))
         .ok()?;
-        oam::escalations::open(&store, "n1", &e).await.ok()?;
+        oam::transport::escalations::open(&store, "n1", &e)
+            .await
+            .ok()?;
         eventually(Duration::from_secs(15), || async {
             session
                 .capture()

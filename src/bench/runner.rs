@@ -1,12 +1,12 @@
-//! `oam bench --scenario FILE`: run a scenario against the local mesh (its load, its chaos
-//! timeline through the warden, its agents), then check its expectations. Also what `oam demo`
-//! plays.
+//! Play a scenario against a local cluster (its load, its chaos timeline through the warden,
+//! its agents), then check its expectations: what `oam bench --scenario` and `oam demo` run.
 
-use crate::bench::{self, Plan, Target};
-use crate::chaos::{self, AskError, Inject, Restore};
+use super::load::{self as bench, Plan, Target};
+use super::scenario::{self, Recovery, Run, Scenario, Verdict};
+use crate::core::chaos::{Inject, Restore};
 use crate::error::{Error, Kind, Result};
-use crate::localmesh::{self, Record};
-use crate::scenario::{self, Recovery, Run, Scenario, Verdict};
+use crate::local::{self, Record};
+use crate::transport::chaos::{self, AskError};
 use crate::transport::subjects;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -30,6 +30,7 @@ pub struct Outcome {
     pub passed: bool,
 }
 
+/// Read and check a scenario file (`short`: its `--short` form).
 pub fn load(path: &Path, short: bool) -> Result<Scenario> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::usage(format!("cannot read scenario {}: {e}", path.display())))?;
@@ -112,20 +113,6 @@ async fn settle(http: &reqwest::Client, urls: &[String], within: Duration) -> Re
     }
 }
 
-/// Agent processes a scenario needs, stopped (SIGTERM, then waited for) when dropped.
-struct Agents(Vec<std::process::Child>);
-
-impl Drop for Agents {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            localmesh::signal(c.id(), libc::SIGTERM);
-        }
-        for c in &mut self.0 {
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Agents of this scenario that the warden started again after a `kill-agent` are not this
 /// process's children; stop them too (by pid from their instance record, only if their command
 /// line is that agent's `oam agent serve`), so a scenario leaves no agent behind.
@@ -140,42 +127,11 @@ async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
             .filter(|r| r.agents.contains(&a.name) && r.host.as_deref() == Some(host))
         {
             let Some(pid) = r.pid else { continue };
-            if localmesh::is_running(pid, &format!("agent serve {}", a.name)) {
-                localmesh::signal(pid, libc::SIGTERM);
+            if local::is_running(pid, &format!("agent serve {}", a.name)) {
+                local::signal(pid, libc::SIGTERM);
             }
         }
     }
-}
-
-async fn start_agents(dir: &Path, app_url: &str, s: &Scenario) -> Result<Agents> {
-    let mut agents = Agents(Vec::new());
-    for a in &s.agents {
-        let args: Vec<String> = [
-            "agent",
-            "serve",
-            &a.name,
-            "--demo",
-            &a.demo,
-            "--replicas",
-            &a.replicas.to_string(),
-            "--json",
-        ]
-        .map(String::from)
-        .to_vec();
-        let env = [(crate::transport::connect::ENV_URL, app_url.to_string())];
-        let name = format!("agent-{}", a.name);
-        let (mut child, out, log) = localmesh::spawn_oam(dir, &name, &args, &env)
-            .map_err(|e| Error::new(Kind::Check, e))?;
-        let ready = localmesh::ready_json(&mut child, &out, Duration::from_secs(20)).await;
-        agents.0.push(child);
-        if ready.is_none() {
-            return Err(Error::new(
-                Kind::Check,
-                anyhow::anyhow!("agent {} did not start; see {}", a.name, log.display()),
-            ));
-        }
-    }
-    Ok(agents)
 }
 
 /// Run scenario `s` on the mesh in `dir`; `progress` gets (done, total) as requests finish.
@@ -198,9 +154,8 @@ pub async fn run(
                 ),
             )
         })?;
-    let app_url = localmesh::recorded_url(dir, "app_url")
-        .unwrap_or_else(|| crate::transport::connect::resolve_url(None));
-    let nats = super::nats(&app_url, "oam-bench-scenario", false).await?;
+    let app_url = local::recorded_url(dir, "app_url").unwrap_or_else(|| local::resolve_url(None));
+    let nats = crate::transport::connect::reach(&app_url, "oam-bench-scenario", false).await?;
     let all_nodes: Vec<(String, String)> = rec
         .nodes()
         .map(|n| (n.name.clone(), n.endpoint.clone()))
@@ -222,9 +177,12 @@ pub async fn run(
         )));
     }
     let every: Vec<String> = all_nodes.iter().map(|n| n.1.clone()).collect();
-    let http = crate::node::connector::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
+    let http = crate::http::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
     settle(&http, &every, Duration::from_secs(60)).await?;
-    let _agents = start_agents(dir, &app_url, s).await?;
+    let exe = local::oam_exe().map_err(|e| Error::new(Kind::Check, e))?;
+    let agents = local::agents::Agents::start(&exe, dir, &app_url, &s.agents)
+        .await
+        .map_err(|e| Error::new(Kind::Check, e))?;
     let before = cluster_reasons(&http, &every).await;
 
     let duration = s.duration();
@@ -331,6 +289,7 @@ pub async fn run(
             anyhow::anyhow!("scenario {}: could not inject chaos: {why}", s.name),
         ));
     }
+    agents.stop().await;
     stop_restarted_agents(&nats, s).await;
     let after = cluster_reasons(&http, &every).await;
     let cluster: BTreeMap<String, f64> = after

@@ -1,8 +1,14 @@
-//! A local mesh's state folder: what `oam mesh up` started (PIDs, ports, URLs), how to tell
-//! whether each process is still the one we started, and how to stop exactly those.
+//! A local cluster on this machine: its state folder (what `oam mesh up` started: PIDs, ports,
+//! URLs), how to tell whether each process is still the one we started, how to start `oam`
+//! processes and stop exactly those. `natsd` supervises nats-server, `cluster` starts and
+//! probes a whole cluster with one call, `agents` starts demo agents for scenarios.
 //!
 //! `mesh.json` records everything but secrets; `credentials.json` (mode 0600) holds the NATS
-//! passwords. Logs live beside them.
+//! passwords. Logs live beside them. Nothing here decides anything about requests.
+
+pub mod agents;
+pub mod cluster;
+pub mod natsd;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
@@ -48,26 +54,41 @@ impl Started {
     }
 }
 
-/// The first line `child` printed to `out` (its ready line), parsed as JSON; `None` when it
-/// exits first or prints nothing within `within`.
-pub async fn ready_json(
+/// The first line `child` printed to `out` (its ready line), parsed as JSON. An error says why
+/// not: it exited first (with the last line of its `log`), printed something else, or said
+/// nothing within `within`.
+pub async fn ready_line(
     child: &mut std::process::Child,
     out: &Path,
+    log: &Path,
+    what: &str,
     within: Duration,
-) -> Option<serde_json::Value> {
+) -> anyhow::Result<serde_json::Value> {
     let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
+    loop {
         if let Ok(text) = std::fs::read_to_string(out)
             && let Some((line, _)) = text.split_once('\n')
         {
-            return serde_json::from_str(line).ok();
+            return serde_json::from_str(line)
+                .with_context(|| format!("{what} printed {line:?}, not its ready line"));
         }
-        if !matches!(child.try_wait(), Ok(None)) {
-            return None;
+        if let Ok(Some(status)) = child.try_wait() {
+            let tail = std::fs::read_to_string(log).unwrap_or_default();
+            let last = tail.lines().last().unwrap_or("").to_string();
+            anyhow::bail!(
+                "{what} exited ({status}) before it was ready: {last} (see {})",
+                log.display()
+            );
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "{what} was not ready within {} s; see {}",
+                within.as_secs(),
+                log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    None
 }
 
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
@@ -116,22 +137,62 @@ pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
     v[key].as_str().map(String::from)
 }
 
+/// The NATS URL to use: the flag, then `$OAM_NATS_URL`, then the application URL of a local
+/// mesh recorded in `.oam/` (by `oam mesh up`), then `nats://127.0.0.1:4222`.
+pub fn resolve_url(flag: Option<String>) -> String {
+    use crate::transport::connect::{DEFAULT_URL, ENV_URL};
+    flag.or_else(|| std::env::var(ENV_URL).ok())
+        .or_else(|| recorded_url(Path::new(".oam"), "app_url"))
+        .unwrap_or_else(|| DEFAULT_URL.to_string())
+}
+
+/// The `oam` binary to start processes from: this one, as it is on disk now.
+pub fn oam_exe() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot tell where the oam binary is")?;
+    // Rebuilt or upgraded while running: the kernel names our old image "... (deleted)"; start
+    // the file that is there now.
+    Ok(
+        match exe.to_str().and_then(|p| p.strip_suffix(" (deleted)")) {
+            Some(p) => PathBuf::from(p),
+            None => exe,
+        },
+    )
+}
+
+/// Mark every descriptor above stdio close-on-exec, so the processes we start inherit only
+/// stdio: not, say, a lock file that the shell running `oam mesh up` held open (the whole mesh
+/// would hold it for its lifetime). Rust opens its own descriptors close-on-exec already; this
+/// catches what this process inherited.
+pub fn close_inherited_fds() {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<i32> = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: fcntl on a descriptor number touches no memory of ours; on a number that
+        // is not open (the directory's own, closed by now) it fails with EBADF, harmlessly.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 && flags & libc::FD_CLOEXEC == 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+}
+
 /// Start `oam ARGS` detached (own process group), stdout to `NAME.out`, stderr to `NAME.log`
 /// (appended, so a restarted process keeps its history).
 pub fn spawn_oam(
+    exe: &Path,
     dir: &Path,
     name: &str,
     args: &[String],
     env: &[(&str, String)],
 ) -> anyhow::Result<(std::process::Child, PathBuf, PathBuf)> {
     use std::os::unix::process::CommandExt;
-    let exe = std::env::current_exe()?;
-    // Rebuilt or upgraded while running: the kernel names our old image "... (deleted)"; start
-    // the file that is there now.
-    let exe = match exe.to_str().and_then(|p| p.strip_suffix(" (deleted)")) {
-        Some(p) => PathBuf::from(p),
-        None => exe,
-    };
     let out = dir.join(format!("{name}.out"));
     let log = dir.join(format!("{name}.log"));
     let stdout =
@@ -141,6 +202,7 @@ pub fn spawn_oam(
         .append(true)
         .open(&log)
         .with_context(|| format!("cannot open {}", log.display()))?;
+    close_inherited_fds();
     let mut cmd = std::process::Command::new(exe);
     cmd.args(args)
         .stdin(std::process::Stdio::null())
@@ -219,24 +281,28 @@ pub enum Stopped {
 }
 
 /// SIGTERM, then SIGKILL after `grace` if it is still there.
-pub fn stop(p: &Started, grace: Duration) -> Stopped {
+pub async fn stop(p: &Started, grace: Duration) -> Stopped {
     if !is_ours(p) {
         return Stopped::NotRunning;
     }
     signal(p.pid, libc::SIGTERM);
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline {
-        if !is_ours(p) {
-            return Stopped::Terminated;
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if gone_within(p, grace).await {
+        return Stopped::Terminated;
     }
     signal(p.pid, libc::SIGKILL);
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while is_ours(p) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    gone_within(p, Duration::from_secs(2)).await;
     Stopped::Killed
+}
+
+async fn gone_within(p: &Started, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while is_ours(p) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
 }
 
 #[cfg(test)]
@@ -254,7 +320,8 @@ mod tests {
             args: Vec::new(),
         };
         assert!(!is_ours(&me));
-        assert_eq!(stop(&me, Duration::from_millis(10)), Stopped::NotRunning);
+        let stopped = futures_util::FutureExt::now_or_never(stop(&me, Duration::from_millis(10)));
+        assert_eq!(stopped, Some(Stopped::NotRunning));
     }
 
     #[test]

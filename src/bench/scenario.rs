@@ -23,8 +23,8 @@
 //! min = 0.95
 //! ```
 
-use crate::bench::Sample;
-use crate::chaos::{Fault, Params, parse_duration};
+use super::load::Sample;
+use crate::core::chaos::{Fault, Params, parse_duration};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -38,7 +38,7 @@ pub struct Scenario {
     pub load: Load,
     /// Agents the bench serves for the scenario (stopped at its end).
     #[serde(default)]
-    pub agents: Vec<AgentSpec>,
+    pub agents: Vec<crate::local::agents::AgentSpec>,
     #[serde(default)]
     pub chaos: Vec<ChaosEvent>,
     #[serde(default)]
@@ -124,20 +124,6 @@ impl Default for Mix {
             task: bench(),
         }
     }
-}
-
-#[derive(Deserialize, Serialize, Clone, Debug)]
-#[serde(deny_unknown_fields)]
-pub struct AgentSpec {
-    pub name: String,
-    /// An `oam agent serve --demo` value, e.g. `sleep:300`.
-    pub demo: String,
-    #[serde(default = "one_usize")]
-    pub replicas: usize,
-}
-
-fn one_usize() -> usize {
-    1
 }
 
 #[derive(Deserialize, Serialize, Clone, Debug)]
@@ -268,10 +254,10 @@ impl Scenario {
         for (i, c) in self.chaos.iter().enumerate() {
             offset(&c.at).map_err(|e| format!("chaos[{i}].at: {e}"))?;
             let d = parse_duration(&c.for_).map_err(|e| format!("chaos[{i}].for: {e}"))?;
-            if d > crate::chaos::warden::MAX_FOR {
+            if d > crate::core::chaos::MAX_FOR {
                 return Err(format!(
                     "chaos[{i}].for: at most {} s",
-                    crate::chaos::warden::MAX_FOR.as_secs()
+                    crate::core::chaos::MAX_FOR.as_secs()
                 ));
             }
             if c.fault.default_target().is_none() && c.target.is_none() {

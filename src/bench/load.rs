@@ -1,4 +1,4 @@
-//! `oam bench`: bounded, scripted load against nodes' HTTP data plane, measured with an HDR
+//! The load engine: bounded, scripted load against nodes' HTTP data plane, measured with an HDR
 //! histogram. Every run stops by itself: a fixed request count, and optionally a deadline.
 
 use hdrhistogram::Histogram;
@@ -27,15 +27,15 @@ pub struct Plan {
     pub timeout_ms: u64,
     /// Request kinds chosen per request by weight; empty means the one kind above.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub mix: Vec<crate::scenario::Mix>,
+    pub mix: Vec<super::scenario::Mix>,
 }
 
 impl Plan {
     /// The kind of request `i` (deterministic for a seed).
-    pub fn kind(&self, i: usize) -> crate::scenario::Mix {
+    pub fn kind(&self, i: usize) -> super::scenario::Mix {
         let total: u64 = self.mix.iter().map(|m| u64::from(m.weight)).sum();
         if total == 0 {
-            return crate::scenario::Mix {
+            return super::scenario::Mix {
                 weight: 1,
                 risk: self.risk.clone(),
                 priority: self.priority.clone(),
@@ -120,7 +120,7 @@ pub fn body(plan: &Plan, i: usize) -> Value {
     body_of(plan, i, &plan.kind(i))
 }
 
-fn body_of(plan: &Plan, i: usize, k: &crate::scenario::Mix) -> Value {
+fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
     json!({
         "model": "auto",
         "messages": [{"role": "user", "content": format!("oam bench request {i} (seed {})", plan.seed)}],
@@ -297,7 +297,17 @@ pub async fn run_samples(
                     return;
                 }
                 if let Some(rate) = plan.rate_per_s {
-                    let at = started + Duration::from_secs_f64(i as f64 / rate);
+                    // A schedule beyond any clock (a rate of 1e-300) sends nothing more; the
+                    // command checks rates first, so this is a last guard, not a path.
+                    let Some(at) = Duration::try_from_secs_f64(i as f64 / rate)
+                        .ok()
+                        .and_then(|d| started.checked_add(d))
+                    else {
+                        return;
+                    };
+                    if deadline.is_some_and(|d| at >= d) {
+                        return; // due after the run's deadline: never sent
+                    }
                     tokio::time::sleep_until(at.into()).await;
                 }
                 let began = started.elapsed();
@@ -324,6 +334,10 @@ pub async fn run_samples(
 }
 
 pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
+    #[expect(
+        clippy::expect_used,
+        reason = "constant bounds, exercised by every test that summarizes"
+    )]
     let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)
         .expect("static histogram bounds are valid");
     let mut statuses = BTreeMap::new();

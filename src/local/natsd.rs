@@ -4,7 +4,6 @@
 
 use anyhow::{Context, anyhow, bail};
 use std::fmt;
-use std::io::Read;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -113,20 +112,11 @@ impl Credentials {
     pub fn generate() -> anyhow::Result<Self> {
         Ok(Credentials {
             app_user: "oam".into(),
-            app_password: random_hex(16)?,
+            app_password: crate::ids::random_hex(16)?,
             sys_user: "oam-sys".into(),
-            sys_password: random_hex(16)?,
+            sys_password: crate::ids::random_hex(16)?,
         })
     }
-}
-
-/// `bytes` random bytes from the OS, as hex.
-pub fn random_hex(bytes: usize) -> anyhow::Result<String> {
-    let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .context("cannot read /dev/urandom for a password")?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Ports and folders for one server. A port of 0 lets the server pick a free one itself (no
@@ -230,7 +220,7 @@ pub struct Server {
 /// Write the config for `layout` (mode 0600: it holds passwords), start nats-server from it and
 /// wait until it listens (at most `ready_within`). The config is then rewritten with the ports
 /// the server took, so starting from it again brings the server back at the same address.
-pub fn start(
+pub async fn start(
     bin: &Path,
     layout: &Layout,
     creds: &Credentials,
@@ -238,14 +228,14 @@ pub fn start(
     ready_within: Duration,
 ) -> anyhow::Result<Server> {
     let conf = layout.config_path();
-    crate::localmesh::write_private(&conf, &config(layout, creds))?;
-    let mut server = start_from(bin, &conf, &layout.dir, log_path, ready_within)?;
+    crate::local::write_private(&conf, &config(layout, creds))?;
+    let mut server = start_from(bin, &conf, &layout.dir, log_path, ready_within).await?;
     let taken = Layout {
         port: server.port,
         monitor_port: server.monitor_port,
         dir: layout.dir.clone(),
     };
-    if let Err(e) = crate::localmesh::write_private(&conf, &config(&taken, creds)) {
+    if let Err(e) = crate::local::write_private(&conf, &config(&taken, creds)) {
         let _ = server.child.kill();
         let _ = server.child.wait();
         return Err(e);
@@ -255,7 +245,7 @@ pub fn start(
 
 /// Start nats-server from an existing `config_path` whose ports file goes to `ports_dir`,
 /// logging to `log_path`, and wait until its client port accepts connections.
-pub fn start_from(
+pub async fn start_from(
     bin: &Path,
     config_path: &Path,
     ports_dir: &Path,
@@ -268,6 +258,7 @@ pub fn start_from(
     for old in ports_files(ports_dir, "") {
         let _ = std::fs::remove_file(old);
     }
+    super::close_inherited_fds();
     let mut child = Command::new(bin)
         .arg("-c")
         .arg(config_path)
@@ -312,7 +303,7 @@ pub fn start_from(
                 log_path.display()
             );
         }
-        std::thread::sleep(Duration::from_millis(25));
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
 

@@ -59,7 +59,7 @@ pub fn key(id: &str) -> String {
 
 /// Open (or create) the bucket.
 pub async fn store(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
-    crate::mesh::store::bucket(nats, BUCKET, MAX_AGE).await
+    crate::transport::kv::bucket(nats, BUCKET, MAX_AGE).await
 }
 
 /// Record `escalation`, raised by `node`, as open.

@@ -1,0 +1,8 @@
+//! Scripted load and scenarios: `load` is the load engine (HTTP, NATS or agent calls, HDR
+//! percentiles), `scenario` the scenario files (schema, `--short` scaling, pure evaluation of
+//! expectations), `runner` plays a scenario on a local cluster (load, chaos timeline through
+//! the warden, agents) and returns what it measured. Presentation is the caller's.
+
+pub mod load;
+pub mod runner;
+pub mod scenario;

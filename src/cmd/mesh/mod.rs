@@ -1,0 +1,35 @@
+//! `oam mesh up | down | status | monitor`: a whole local cluster in one command (nats-server,
+//! the simulator, N nodes, the monitor, the chaos warden), recorded in one state folder, stopped
+//! by exactly the recorded PIDs. The work is `crate::local::cluster`'s; these are its commands.
+
+mod down;
+mod monitor;
+mod status;
+mod up;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Start nats-server, the provider simulator and N nodes on 127.0.0.1.
+    Up(up::Args),
+    /// Stop exactly what `oam mesh up` started (newest first, SIGTERM then SIGKILL).
+    Down(down::Args),
+    /// Show what is running and healthy.
+    Status(status::Args),
+    /// The liveness monitor: connection drops and missed heartbeats become death notices.
+    Monitor(monitor::Args),
+}
+
+pub async fn run(args: Args) -> crate::error::Result<()> {
+    match args.command {
+        Command::Up(a) => up::run(a).await,
+        Command::Down(a) => down::run(a).await,
+        Command::Status(a) => status::run(a).await,
+        Command::Monitor(a) => monitor::run(a).await,
+    }
+}

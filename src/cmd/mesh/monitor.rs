@@ -1,0 +1,59 @@
+//! `oam mesh monitor`: the liveness monitor (started by `oam mesh up`, or by hand).
+
+use crate::error::{Error, Kind, Result};
+use crate::local::{self, cluster::ENV_SYS_URL};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Application-account NATS URL. Default: $OAM_NATS_URL, then the mesh in --dir.
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    /// System-account NATS URL (reads `$SYS` advisories). Default: $OAM_NATS_SYS_URL, then the
+    /// mesh in --dir.
+    #[arg(long)]
+    pub sys_url: Option<String>,
+    #[arg(long, default_value = ".oam")]
+    pub dir: PathBuf,
+    /// Print the ready line as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    use crate::transport::connect;
+    let from_dir = |key: &str| local::recorded_url(&a.dir, key);
+    let app_url = a
+        .nats_url
+        .or_else(|| std::env::var(connect::ENV_URL).ok())
+        .or_else(|| from_dir("app_url"))
+        .unwrap_or_else(|| connect::DEFAULT_URL.to_string());
+    let sys_url = a
+        .sys_url
+        .or_else(|| std::env::var(ENV_SYS_URL).ok())
+        .or_else(|| from_dir("sys_url"))
+        .ok_or_else(|| {
+            Error::usage(
+                "the monitor needs the system account to read $SYS advisories: pass --sys-url \
+                 (or set OAM_NATS_SYS_URL), or run it beside a mesh started by `oam mesh up`",
+            )
+        })?;
+    let app = connect::reach(&app_url, "oam-monitor", false).await?;
+    let sys = connect::reach(&sys_url, "oam-monitor-sys", false).await?;
+    let json = a.json;
+    let shown = connect::redact(&app_url);
+    let ready = move || {
+        let mut out = std::io::stdout().lock();
+        let line = serde_json::json!({"monitor": shown, "pid": std::process::id()});
+        let _ = if json {
+            writeln!(out, "{line}")
+        } else {
+            writeln!(out, "oam mesh monitor watching {shown}")
+        };
+        let _ = out.flush();
+    };
+    crate::mesh::monitor::run(app, sys, ready, crate::signal::terminated())
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))
+}

@@ -1,0 +1,59 @@
+//! `oam mesh status`: what is running and healthy (exit 1 if anything is not).
+
+use crate::error::{Error, Kind, Result};
+use crate::local::{Record, cluster};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[arg(long, default_value = ".oam")]
+    pub dir: PathBuf,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    let Some(rec) = Record::load(&a.dir).map_err(|e| Error::new(Kind::Usage, e))? else {
+        return Err(Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!(
+                "no mesh recorded in {}; start one with `oam mesh up`",
+                a.dir.display()
+            ),
+        ));
+    };
+    let rows = cluster::status(&rec)
+        .await
+        .map_err(|e| Error::new(Kind::Check, e))?;
+    let all_healthy = rows.iter().all(|r| r.healthy);
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({"healthy": all_healthy, "processes": rows})
+        )?;
+    } else {
+        writeln!(
+            out,
+            "  {:12} {:>7}  {:32} STATUS",
+            "PROCESS", "PID", "ENDPOINT"
+        )?;
+        for r in &rows {
+            writeln!(
+                out,
+                "  {:12} {:>7}  {:32} {}",
+                r.name, r.pid, r.endpoint, r.detail
+            )?;
+        }
+    }
+    if all_healthy {
+        Ok(())
+    } else {
+        Err(Error::new(
+            Kind::Check,
+            anyhow::anyhow!("part of the mesh is down"),
+        ))
+    }
+}

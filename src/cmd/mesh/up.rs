@@ -1,0 +1,112 @@
+//! `oam mesh up`: start a local cluster (`crate::local::cluster::up`) and say where it is.
+
+use crate::error::{Error, Kind, Result};
+use crate::local::{self, cluster};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Number of nodes.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=9))]
+    pub nodes: u16,
+    /// The state folder: PIDs, ports, config, logs, credentials.
+    #[arg(long, default_value = ".oam")]
+    pub dir: PathBuf,
+    /// NATS client port (0: any free port).
+    #[arg(long, default_value_t = 4222)]
+    pub port: u16,
+    /// The simulator's HTTP port (0: any free port).
+    #[arg(long, default_value_t = 8081)]
+    pub sim_port: u16,
+    /// The first node's HTTP port; the others follow it (0: any free ports).
+    #[arg(long, default_value_t = 8091)]
+    pub http_port: u16,
+    /// The nats-server binary (default: $OAM_NATS_SERVER, the project's .tools, then PATH).
+    #[arg(long)]
+    pub nats_server: Option<PathBuf>,
+    /// Print the endpoints as one JSON document.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    let exe = local::oam_exe().map_err(|e| Error::new(Kind::Check, e))?;
+    let plan = cluster::Plan {
+        dir: a.dir.clone(),
+        nodes: a.nodes,
+        port: a.port,
+        sim_port: a.sim_port,
+        http_port: a.http_port,
+        nats_server: a.nats_server.clone(),
+        exe,
+    };
+    let up = cluster::up(&plan).await.map_err(|e| match e {
+        cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
+        cluster::UpError::Start(e) => Error::new(Kind::Check, e),
+    })?;
+    let (rec, dir, version) = match up {
+        cluster::Up::Started {
+            record,
+            dir,
+            nats_server_version,
+        } => (record, dir, nats_server_version),
+        cluster::Up::AlreadyRunning { dir, alive, total } => {
+            let mut out = std::io::stdout().lock();
+            writeln!(
+                out,
+                "the mesh in {} is already up ({alive} of {total} processes running); \
+                 `oam mesh status --dir {}` shows it, `oam mesh down --dir {}` stops it",
+                dir.display(),
+                a.dir.display(),
+                a.dir.display()
+            )?;
+            return Ok(());
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let doc = serde_json::json!({
+            "dir": dir,
+            "nats": format!("nats://127.0.0.1:{}", rec.nats_port),
+            "nats_server_version": version,
+            "credentials": dir.join(local::CREDENTIALS),
+            "sim": rec.sim_url,
+            "nodes": rec.nodes().map(|n| serde_json::json!({"id": n.name, "http": n.endpoint, "pid": n.pid})).collect::<Vec<_>>(),
+            "processes": rec.processes,
+        });
+        writeln!(out, "{doc}")?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "oam mesh up: {} processes, state in {}",
+        rec.processes.len(),
+        dir.display()
+    )?;
+    writeln!(out, "  {:12} {:>7}  ENDPOINT", "PROCESS", "PID")?;
+    for p in &rec.processes {
+        writeln!(out, "  {:12} {:>7}  {}", p.name, p.pid, p.endpoint)?;
+    }
+    let first = rec
+        .nodes()
+        .next()
+        .map(|n| n.endpoint.clone())
+        .unwrap_or_default();
+    writeln!(
+        out,
+        "\nTry:\n  curl -s {first}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"auto\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'"
+    )?;
+    writeln!(
+        out,
+        "  curl -s -X POST {}/sim/faults -d '{{\"provider\": \"primary\", \"mode\": \"error\", \"duration_ms\": 30000}}'",
+        rec.sim_url
+    )?;
+    writeln!(
+        out,
+        "  oam mesh status --dir {}    oam mesh down --dir {}",
+        a.dir.display(),
+        a.dir.display()
+    )?;
+    Ok(())
+}

@@ -1,0 +1,279 @@
+//! Chaos as data: the faults, their parameters, and the messages between `oam chaos`, the
+//! chaos warden and the nodes. Pure types and parsing; the warden (`crate::chaos`) applies them
+//! and `transport::chaos` asks it.
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// The longest a fault may last.
+pub const MAX_FOR: Duration = Duration::from_secs(3_600);
+
+/// How a contract-breaking answer is broken (`break-contract --mode`, and the simulator's
+/// `contract` fault mode).
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ContractBreak {
+    #[default]
+    NotJson,
+    MissingField,
+    LowConfidence,
+    Truncated,
+}
+
+impl ContractBreak {
+    pub const ALL: [ContractBreak; 4] = [
+        ContractBreak::NotJson,
+        ContractBreak::MissingField,
+        ContractBreak::LowConfidence,
+        ContractBreak::Truncated,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContractBreak::NotJson => "not-json",
+            ContractBreak::MissingField => "missing-field",
+            ContractBreak::LowConfidence => "low-confidence",
+            ContractBreak::Truncated => "truncated",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<ContractBreak> {
+        ContractBreak::ALL.into_iter().find(|m| m.as_str() == name)
+    }
+}
+
+/// The faults, by their command names.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    KillProvider,
+    BreakContract,
+    SlowProvider,
+    HangProvider,
+    FlakyProvider,
+    RateLimitProvider,
+    KillNode,
+    StopNode,
+    IsolateNode,
+    KillAgent,
+    StopAgent,
+    AgentLoop,
+    TrafficSpike,
+    DrainBudget,
+}
+
+/// What a fault is aimed at, which decides how its target is checked.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Aim {
+    Provider,
+    Node,
+    Agent,
+    /// An agent name on the nodes' data plane (budgets, loops); any name is valid.
+    Caller,
+    /// No target.
+    Mesh,
+}
+
+impl Fault {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::KillProvider => "kill-provider",
+            Fault::BreakContract => "break-contract",
+            Fault::SlowProvider => "slow-provider",
+            Fault::HangProvider => "hang-provider",
+            Fault::FlakyProvider => "flaky-provider",
+            Fault::RateLimitProvider => "rate-limit-provider",
+            Fault::KillNode => "kill-node",
+            Fault::StopNode => "stop-node",
+            Fault::IsolateNode => "isolate-node",
+            Fault::KillAgent => "kill-agent",
+            Fault::StopAgent => "stop-agent",
+            Fault::AgentLoop => "agent-loop",
+            Fault::TrafficSpike => "traffic-spike",
+            Fault::DrainBudget => "drain-budget",
+        }
+    }
+
+    /// The target a fault takes when none is given (`None`: it needs one).
+    pub fn default_target(self) -> Option<&'static str> {
+        match self {
+            Fault::TrafficSpike => Some("mesh"),
+            Fault::AgentLoop => Some("loop-bot"),
+            _ => None,
+        }
+    }
+
+    pub fn aim(self) -> Aim {
+        match self {
+            Fault::KillProvider
+            | Fault::BreakContract
+            | Fault::SlowProvider
+            | Fault::HangProvider
+            | Fault::FlakyProvider
+            | Fault::RateLimitProvider => Aim::Provider,
+            Fault::KillNode | Fault::StopNode | Fault::IsolateNode => Aim::Node,
+            Fault::KillAgent | Fault::StopAgent => Aim::Agent,
+            Fault::DrainBudget | Fault::AgentLoop => Aim::Caller,
+            Fault::TrafficSpike => Aim::Mesh,
+        }
+    }
+}
+
+/// Fault-specific settings; each fault reads the ones it uses.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Params {
+    /// `break-contract`: how the answers are broken.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<ContractBreak>,
+    /// `slow-provider`: added latency.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ms: Option<u64>,
+    /// `flaky-provider`: the share of requests that fail.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_rate: Option<f64>,
+    /// `rate-limit-provider`: the Retry-After sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+    /// `traffic-spike`, `agent-loop`: how many requests.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requests: Option<u32>,
+    /// `traffic-spike`: how many at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+}
+
+/// `oam.v1.chaos.inject`: what `oam chaos FAULT` sends the warden.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Inject {
+    pub fault: Fault,
+    #[serde(default)]
+    pub target: Option<String>,
+    pub for_ms: u64,
+    #[serde(default)]
+    pub params: Params,
+}
+
+/// An active fault, as listed and announced.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Active {
+    pub id: String,
+    pub fault: Fault,
+    pub target: String,
+    pub params: Params,
+    pub injected_at_ms: u64,
+    pub expires_at_ms: u64,
+    /// What was done, in words (e.g. "SIGKILL pid 4711").
+    pub detail: String,
+}
+
+impl Active {
+    pub fn left_ms(&self, now_ms: u64) -> u64 {
+        self.expires_at_ms.saturating_sub(now_ms)
+    }
+}
+
+/// `oam.v1.chaos.restore`: end faults early.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Restore {
+    /// A fault id, or a fault name (every active fault of that kind); `None` is all of them.
+    #[serde(default)]
+    pub what: Option<String>,
+}
+
+/// The warden's answer to any request.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum Reply {
+    /// Faults injected, listed or restored.
+    Ok(Vec<Active>),
+    /// Refused, with what to do instead.
+    Error(String),
+}
+
+/// `oam.v1.chaos.event`: a fault began or ended.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct Event {
+    /// `injected`, `restored` (early) or `expired`.
+    pub kind: String,
+    pub fault: Active,
+    pub at_ms: u64,
+}
+
+/// `oam.v1.chaos.node.{id|all}`: what a node does to itself until `until_ms`.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(tag = "action", rename_all = "kebab-case")]
+pub enum NodeCommand {
+    /// Stop exchanging anything with NATS (a partition) until `until_ms`.
+    Isolate { id: String, until_ms: u64 },
+    /// Treat `agent`'s budget as spent until `until_ms`.
+    DrainBudget {
+        id: String,
+        agent: String,
+        until_ms: u64,
+    },
+    /// End the fault `id` now.
+    Restore { id: String },
+}
+
+/// Parse a duration like `30s`, `500ms`, `2m` or `1.5s` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let (num, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => t.split_at(i),
+        None => (t, "s"),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration; use e.g. 30s, 500ms or 2m"))?;
+    let secs = match unit {
+        "ms" => n / 1_000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("{s:?}: the unit must be ms, s or m")),
+    };
+    if !(secs.is_finite() && secs > 0.0 && secs <= 24.0 * 3_600.0) {
+        return Err(format!("{s:?}: use a duration between 1 ms and 24 h"));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units_or_refuse_clearly() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1_500)));
+        assert!(
+            parse_duration("soon")
+                .unwrap_err()
+                .contains("not a duration")
+        );
+        assert!(parse_duration("3h").unwrap_err().contains("unit"));
+        assert!(parse_duration("0s").is_err() && parse_duration("-1s").is_err());
+    }
+
+    #[test]
+    fn wire_names_are_the_command_names() {
+        for f in [
+            Fault::KillProvider,
+            Fault::RateLimitProvider,
+            Fault::DrainBudget,
+        ] {
+            assert_eq!(serde_json::to_value(f).unwrap(), f.name());
+        }
+        let cmd: NodeCommand = serde_json::from_str(
+            r#"{"action": "drain-budget", "id": "c1", "agent": "a", "until_ms": 5}"#,
+        )
+        .unwrap();
+        assert!(matches!(cmd, NodeCommand::DrainBudget { .. }));
+        assert!(serde_json::from_str::<Inject>(r#"{"fault": "melt-cpu", "for_ms": 1}"#).is_err());
+    }
+}

@@ -1,0 +1,462 @@
+//! A whole local cluster with one call: nats-server (generated config and credentials), the
+//! provider simulator, N nodes, the liveness monitor and the chaos warden, all on 127.0.0.1,
+//! recorded in one state folder; and what `oam mesh status` reports of it. `oam mesh up`,
+//! `oam demo` and the tests start a cluster through `up`.
+
+use super::natsd;
+use super::{Record, Started, Stopped};
+use crate::transport::connect::ENV_URL;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The environment variable holding the system-account URL for the monitor.
+pub const ENV_SYS_URL: &str = "OAM_NATS_SYS_URL";
+
+/// How long each process may take to say it is ready, and the nodes to see each other.
+const READY_WITHIN: Duration = Duration::from_secs(20);
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The state folder (created if missing).
+    pub dir: PathBuf,
+    pub nodes: u16,
+    /// NATS client port; 0 lets the server take any free port (and say which).
+    pub port: u16,
+    /// The simulator's HTTP port (0: any).
+    pub sim_port: u16,
+    /// The first node's HTTP port; the others follow it (0: any free ports).
+    pub http_port: u16,
+    /// The nats-server binary; `None` looks in $OAM_NATS_SERVER, the project's .tools, PATH.
+    pub nats_server: Option<PathBuf>,
+    /// The `oam` binary the processes run (`super::oam_exe()` for this one).
+    pub exe: PathBuf,
+}
+
+impl Plan {
+    /// Every port chosen by the kernel, `nodes` nodes, in `dir`, running this `oam`.
+    pub fn any_ports(dir: PathBuf, nodes: u16, exe: PathBuf) -> Plan {
+        Plan {
+            dir,
+            nodes,
+            port: 0,
+            sim_port: 0,
+            http_port: 0,
+            nats_server: None,
+            exe,
+        }
+    }
+}
+
+/// Why a cluster did not start.
+#[derive(Debug)]
+pub enum UpError {
+    /// The plan cannot work as asked (a port in use, a bad folder, no nats-server).
+    Plan(anyhow::Error),
+    /// A process failed to start or the nodes did not find each other; what was started has
+    /// been stopped again.
+    Start(anyhow::Error),
+}
+
+impl std::fmt::Display for UpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UpError::Plan(e) | UpError::Start(e) => write!(f, "{e:#}"),
+        }
+    }
+}
+
+impl std::error::Error for UpError {}
+
+/// What `up` found or did.
+#[derive(Debug)]
+pub enum Up {
+    Started {
+        record: Record,
+        dir: PathBuf,
+        nats_server_version: String,
+    },
+    /// The folder's cluster is running already (`alive` of `total` processes); nothing started.
+    AlreadyRunning {
+        dir: PathBuf,
+        alive: usize,
+        total: usize,
+    },
+}
+
+/// Start the cluster `plan` describes and wait until every node sees every node. On failure,
+/// everything started is stopped again.
+pub async fn up(plan: &Plan) -> Result<Up, UpError> {
+    let plan_err = |e: anyhow::Error| UpError::Plan(e);
+    std::fs::create_dir_all(&plan.dir)
+        .map_err(|e| plan_err(anyhow::anyhow!("cannot create {}: {e}", plan.dir.display())))?;
+    let dir = plan
+        .dir
+        .canonicalize()
+        .map_err(|e| plan_err(anyhow::anyhow!("cannot open {}: {e}", plan.dir.display())))?;
+    if let Some(rec) = Record::load(&dir).map_err(plan_err)? {
+        let alive = rec.processes.iter().filter(|p| super::is_ours(p)).count();
+        if alive > 0 {
+            return Ok(Up::AlreadyRunning {
+                dir,
+                alive,
+                total: rec.processes.len(),
+            });
+        }
+        tracing::info!(
+            "{} records a mesh that is no longer running; starting afresh",
+            dir.display()
+        );
+    }
+    let (bin, version) = natsd::find(plan.nats_server.as_deref()).map_err(plan_err)?;
+    let port = free_or_any(plan.port, "nats-server", "--port").map_err(plan_err)?;
+    let sim_port = free_or_any(plan.sim_port, "the simulator", "--sim-port").map_err(plan_err)?;
+    let mut node_ports = Vec::new();
+    for i in 0..plan.nodes {
+        let wanted = match plan.http_port {
+            0 => 0,
+            first => first.checked_add(i).ok_or_else(|| {
+                plan_err(anyhow::anyhow!(
+                    "--http-port {first} leaves no room for {} nodes below 65536; pick a lower \
+                     first port, or 0 for any free ports",
+                    plan.nodes
+                ))
+            })?,
+        };
+        node_ports.push(free_or_any(wanted, "a node", "--http-port").map_err(plan_err)?);
+    }
+    let mut started = Vec::new();
+    let ports = Ports {
+        nats: port,
+        sim: sim_port,
+        nodes: &node_ports,
+    };
+    match start_all(plan, &dir, &bin, &ports, &mut started).await {
+        Ok(record) => {
+            record.save(&dir).map_err(UpError::Start)?;
+            Ok(Up::Started {
+                record,
+                dir,
+                nats_server_version: version.to_string(),
+            })
+        }
+        Err(e) => {
+            for p in started.iter().rev() {
+                super::stop(p, Duration::from_secs(2)).await;
+            }
+            Err(UpError::Start(e))
+        }
+    }
+}
+
+/// Check that a port asked for is free; 0 stays 0: the process binds any free port itself and
+/// says which (asking for a free port first would race with everything else on the machine).
+fn free_or_any(wanted: u16, what: &str, flag: &str) -> anyhow::Result<u16> {
+    if wanted != 0 && natsd::port_in_use(wanted) {
+        anyhow::bail!(
+            "port {wanted} for {what} is in use on 127.0.0.1; stop what holds it, or pass {flag} \
+             0 for any free port (or another number)"
+        );
+    }
+    Ok(wanted)
+}
+
+struct Ports<'a> {
+    nats: u16,
+    sim: u16,
+    nodes: &'a [u16],
+}
+
+/// One `oam` process to start: its name in the record, arguments, environment, what the
+/// operator connects to, and the marker its command line must contain.
+struct Spec<'a> {
+    name: &'a str,
+    args: Vec<String>,
+    env: &'a [(&'a str, String)],
+    endpoint: &'a str,
+    marker: String,
+}
+
+/// Start one `oam` process, record it in `started`, and wait for its ready line.
+async fn start_oam(
+    plan: &Plan,
+    dir: &Path,
+    started: &mut Vec<Started>,
+    spec: Spec<'_>,
+) -> anyhow::Result<serde_json::Value> {
+    let (mut child, out, log) = super::spawn_oam(&plan.exe, dir, spec.name, &spec.args, spec.env)?;
+    started.push(Started {
+        name: spec.name.to_string(),
+        pid: child.id(),
+        endpoint: spec.endpoint.to_string(),
+        log: log.clone(),
+        cmdline_marker: spec.marker,
+        args: spec.args,
+    });
+    super::ready_line(&mut child, &out, &log, spec.name, READY_WITHIN).await
+}
+
+async fn start_all(
+    plan: &Plan,
+    dir: &Path,
+    bin: &Path,
+    ports: &Ports<'_>,
+    started: &mut Vec<Started>,
+) -> anyhow::Result<Record> {
+    // nats-server from a generated config, credentials beside it (0600).
+    let creds = natsd::Credentials::generate()?;
+    let layout = natsd::Layout {
+        port: ports.nats,
+        monitor_port: 0,
+        dir: dir.to_path_buf(),
+    };
+    let nats_log = dir.join("nats.log");
+    let server = natsd::start(bin, &layout, &creds, &nats_log, Duration::from_secs(15)).await?;
+    let (port, monitor_port) = (server.port, server.monitor_port);
+    started.push(Started {
+        name: "nats-server".into(),
+        pid: server.child.id(),
+        endpoint: format!("nats://127.0.0.1:{port} (monitor http://127.0.0.1:{monitor_port})"),
+        log: nats_log,
+        cmdline_marker: layout.config_path().display().to_string(),
+        args: Vec::new(),
+    });
+    let creds_doc = serde_json::json!({
+        "app_url": natsd::app_url(port, &creds),
+        "sys_url": natsd::sys_url(port, &creds),
+        "credentials": creds,
+    });
+    super::write_private(&dir.join(super::CREDENTIALS), &format!("{creds_doc:#}\n"))?;
+
+    let strings = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
+    let sim = Spec {
+        name: "sim",
+        args: strings(&[
+            "sim",
+            "--listen",
+            &format!("127.0.0.1:{}", ports.sim),
+            "--json",
+        ]),
+        env: &[],
+        endpoint: "",
+        marker: "sim --listen 127.0.0.1:".into(),
+    };
+    let ready = start_oam(plan, dir, started, sim).await?;
+    let sim_url = ready["url"].as_str().unwrap_or_default().to_string();
+    if let Some(p) = started.last_mut() {
+        p.settle_address(&sim_url);
+    }
+
+    // The nodes; the NATS URL with credentials travels in the environment, not argv. A node's
+    // marker (`--id n1 --sim-url URL`) names this mesh and survives a restart on its new port.
+    // They start together, then each is waited for.
+    let app_url = natsd::app_url(port, &creds);
+    let env = [(ENV_URL, app_url.clone())];
+    let mut pending = Vec::new();
+    for (i, &p) in ports.nodes.iter().enumerate() {
+        let id = format!("n{}", i + 1);
+        let args = strings(&[
+            "node",
+            "run",
+            "--id",
+            &id,
+            "--sim-url",
+            &sim_url,
+            "--listen",
+            &format!("127.0.0.1:{p}"),
+            "--json",
+            "--cluster-size",
+            &plan.nodes.to_string(),
+        ]);
+        let (child, out, log) = super::spawn_oam(&plan.exe, dir, &id, &args, &env)?;
+        started.push(Started {
+            name: id.clone(),
+            pid: child.id(),
+            endpoint: String::new(),
+            log: log.clone(),
+            cmdline_marker: format!("--id {id} --sim-url {sim_url}"),
+            args,
+        });
+        pending.push((started.len() - 1, id, child, out, log));
+    }
+    let mut node_urls = Vec::new();
+    for (at, id, mut child, out, log) in pending {
+        let what = format!("node {id}");
+        let ready = super::ready_line(&mut child, &out, &log, &what, READY_WITHIN).await?;
+        let url = ready["http"].as_str().unwrap_or_default().to_string();
+        if let Some(p) = started.get_mut(at) {
+            p.settle_address(&url);
+        }
+        node_urls.push((id, url, log));
+    }
+    // The liveness monitor, with both accounts' credentials in its environment.
+    let shown_dir = dir.display().to_string();
+    let env = [
+        (ENV_URL, app_url.clone()),
+        (ENV_SYS_URL, natsd::sys_url(port, &creds)),
+    ];
+    let monitor = Spec {
+        name: "monitor",
+        args: strings(&["mesh", "monitor", "--json", "--dir", &shown_dir]),
+        env: &env,
+        endpoint: "death notices on mesh.death.>",
+        marker: format!("mesh monitor --json --dir {shown_dir}"),
+    };
+    start_oam(plan, dir, started, monitor).await?;
+    // The chaos warden: applies `oam chaos` faults and undoes them on time.
+    let env = [(ENV_URL, app_url.clone())];
+    let warden = Spec {
+        name: "chaos",
+        args: strings(&["chaos", "warden", "--json", "--dir", &shown_dir]),
+        env: &env,
+        endpoint: "oam chaos (oam.v1.chaos.*)",
+        marker: format!("chaos warden --json --dir {shown_dir}"),
+    };
+    start_oam(plan, dir, started, warden).await?;
+    // Ready means: every node sees every node.
+    let http = crate::http::http_client(Some(Duration::from_secs(2)))?;
+    let deadline = Instant::now() + READY_WITHIN;
+    for (id, url, log) in &node_urls {
+        loop {
+            let live = live_nodes(&http, url).await;
+            if live == Some(ports.nodes.len()) {
+                break;
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "node {id} did not see all {} nodes within {} s; see {}",
+                    ports.nodes.len(),
+                    READY_WITHIN.as_secs(),
+                    log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(Record {
+        started_at_ms: crate::clock::now_ms(),
+        nats_port: port,
+        nats_monitor_port: monitor_port,
+        sim_url,
+        processes: std::mem::take(started),
+    })
+}
+
+/// How many nodes the node at `url` sees alive (`None`: it does not answer).
+async fn live_nodes(http: &reqwest::Client, url: &str) -> Option<usize> {
+    let v: serde_json::Value = http
+        .get(format!("{url}/v1/oam/state"))
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
+    Some(v["live_nodes"].as_array()?.len())
+}
+
+/// Stop every recorded process, newest first (SIGTERM, then SIGKILL after `grace`), and forget
+/// the record; how each one stopped, or `None` when the folder records no cluster.
+pub async fn down(dir: &Path, grace: Duration) -> anyhow::Result<Option<Vec<(Started, Stopped)>>> {
+    let Some(rec) = Record::load(dir)? else {
+        return Ok(None);
+    };
+    let mut report = Vec::new();
+    for p in rec.processes.into_iter().rev() {
+        let how = super::stop(&p, grace).await;
+        report.push((p, how));
+    }
+    std::fs::remove_file(Record::path(dir))?;
+    Ok(Some(report))
+}
+
+/// One process of a cluster, as `oam mesh status` reports it.
+#[derive(serde::Serialize, Clone, PartialEq, Debug)]
+pub struct ProcessStatus {
+    pub name: String,
+    pub pid: u32,
+    pub endpoint: String,
+    pub running: bool,
+    pub healthy: bool,
+    pub detail: String,
+}
+
+/// Probe every process the record lists: running (the same process we started), and healthy
+/// (it answers as it should).
+pub async fn status(rec: &Record) -> anyhow::Result<Vec<ProcessStatus>> {
+    let http = crate::http::http_client(Some(Duration::from_secs(2)))?;
+    let mut rows = Vec::new();
+    for p in &rec.processes {
+        let running = super::is_ours(p);
+        let (healthy, detail) = if !running {
+            (false, "not running".to_string())
+        } else {
+            probe(&http, rec, p).await
+        };
+        rows.push(ProcessStatus {
+            name: p.name.clone(),
+            pid: p.pid,
+            endpoint: p.endpoint.clone(),
+            running,
+            healthy,
+            detail,
+        });
+    }
+    Ok(rows)
+}
+
+/// Whether a running process answers as it should, and what it says.
+async fn probe(http: &reqwest::Client, rec: &Record, p: &Started) -> (bool, String) {
+    match p.name.as_str() {
+        "nats-server" => {
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], rec.nats_port));
+            let ok = tokio::time::timeout(
+                Duration::from_millis(500),
+                tokio::net::TcpStream::connect(addr),
+            )
+            .await
+            .is_ok_and(|c| c.is_ok());
+            if ok {
+                (true, "accepting connections".into())
+            } else {
+                (false, "not accepting connections".into())
+            }
+        }
+        "monitor" => (true, "watching for deaths".into()),
+        "chaos" => (true, "restores faults on time".into()),
+        "sim" => match http.get(format!("{}/healthz", p.endpoint)).send().await {
+            Ok(r) if r.status().is_success() => (true, "healthy".into()),
+            _ => (false, "not answering".into()),
+        },
+        _ => {
+            let state = async {
+                http.get(format!("{}/v1/oam/state", p.endpoint))
+                    .send()
+                    .await
+                    .ok()?
+                    .json::<serde_json::Value>()
+                    .await
+                    .ok()
+            };
+            match state.await {
+                Some(v) => {
+                    let live = v["live_nodes"].as_array().map_or(0, Vec::len);
+                    let verdicts: Vec<String> = v["providers"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|p| {
+                            format!(
+                                "{}={}",
+                                p["id"].as_str().unwrap_or("?"),
+                                p["consensus"]["verdict"].as_str().unwrap_or("?")
+                            )
+                        })
+                        .collect();
+                    (true, format!("{live} live nodes; {}", verdicts.join(" ")))
+                }
+                None => (false, "not answering".into()),
+            }
+        }
+    }
+}
