@@ -1,7 +1,7 @@
 //! The command line: the top-level parser and the dispatch to `cmd::*`.
 
 use crate::cmd;
-use crate::error::Result;
+use crate::error::{Outcome, Result};
 use clap::{Parser, Subcommand};
 
 /// oam: reliability, liveness and attention control for AI agents.
@@ -78,20 +78,22 @@ fn valid_subcommands(args: impl Iterator<Item = String>) -> Vec<String> {
         .collect()
 }
 
-pub async fn run(cli: Cli) -> Result<()> {
+/// Run the command; commands that check something say what failed in their `Outcome`.
+pub async fn run(cli: Cli) -> Result<Outcome> {
+    let done = |()| Outcome::Ok;
     match cli.command {
-        Command::Reasons(args) => cmd::reasons::run(args),
-        Command::Decide(args) => cmd::decide::run(args),
-        Command::Sim(args) => cmd::sim::run(args).await,
-        Command::Node(args) => cmd::node::run(args).await,
+        Command::Reasons(args) => cmd::reasons::run(args).map(done),
+        Command::Decide(args) => cmd::decide::run(args).map(done),
+        Command::Sim(args) => cmd::sim::run(args).await.map(done),
+        Command::Node(args) => cmd::node::run(args).await.map(done),
         Command::Mesh(args) => cmd::mesh::run(args).await,
         Command::Bench(args) => cmd::bench::run(args).await,
         Command::Agent(args) => cmd::agent::run(args).await,
-        Command::Listen(args) => cmd::listen::run(args).await,
-        Command::Chaos(args) => cmd::chaos::run(args).await,
-        Command::Escalation(args) => cmd::escalation::run(args).await,
+        Command::Listen(args) => cmd::listen::run(args).await.map(done),
+        Command::Chaos(args) => cmd::chaos::run(args).await.map(done),
+        Command::Escalation(args) => cmd::escalation::run(args).await.map(done),
         Command::Demo(args) => cmd::demo::run(args).await,
-        Command::Watch(args) => cmd::watch::run(args).await,
+        Command::Watch(args) => cmd::watch::run(args).await.map(done),
     }
 }
 

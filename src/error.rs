@@ -1,20 +1,25 @@
-//! Errors that reach the user, and the one place exit codes are decided.
+//! Errors that reach the user, the outcome of a command that checks something, and the one
+//! place exit codes are decided.
 //!
-//! Exit codes: 0 ok, 1 a checked condition failed, 2 usage, config or input error, 3 NATS or the
-//! mesh unreachable, 130 interrupted. A closed stdout (broken pipe) exits 0 quietly.
+//! Exit codes: 0 ok; 1 a checked condition failed (a bench expectation or scenario, an
+//! unhealthy mesh, an agent call answered with an error); 2 usage, config or input error; 3
+//! NATS or the mesh unreachable; 4 oam could not do what was asked for another reason (a
+//! process did not start, a file could not be written, an internal failure); 130 interrupted.
+//! A closed stdout (broken pipe) exits 0 quietly.
 
 use std::io;
 use std::process::ExitCode;
 
-/// What kind of failure, which decides the exit code.
+/// What kind of failure, which decides the exit code. A checked condition that did not hold
+/// is not an error: it is an [`Outcome`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Kind {
-    /// A checked condition did not hold (bench expectation, unhealthy verdict).
-    Check,
     /// Bad arguments, configuration or input.
     Usage,
     /// NATS or the mesh could not be reached.
     Unreachable,
+    /// The work could not be done (a process did not start, a file could not be written).
+    Failed,
     Interrupted,
 }
 
@@ -38,30 +43,59 @@ impl Error {
     pub fn usage(msg: impl std::fmt::Display) -> Self {
         Error::new(Kind::Usage, anyhow::anyhow!("{msg}"))
     }
-}
 
-/// Anything not classified otherwise is treated as a failed check (exit 1).
-impl From<anyhow::Error> for Error {
-    fn from(source: anyhow::Error) -> Self {
-        Error {
-            kind: Kind::Check,
-            source,
-        }
+    /// The work could not be done (exit 4).
+    pub fn failed(source: impl Into<anyhow::Error>) -> Self {
+        Error::new(Kind::Failed, source)
     }
 }
 
+/// Writing the output failed (a broken pipe exits 0 all the same).
 impl From<io::Error> for Error {
     fn from(e: io::Error) -> Self {
-        Error::new(Kind::Check, e)
+        Error::new(Kind::Failed, e)
+    }
+}
+
+/// What a command found: everything held, or the checks that failed (exit 1), each in words.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Outcome {
+    Ok,
+    Failed(Vec<String>),
+}
+
+impl Outcome {
+    /// `Ok` when nothing failed.
+    pub fn from_failures(failed: Vec<String>) -> Outcome {
+        if failed.is_empty() {
+            Outcome::Ok
+        } else {
+            Outcome::Failed(failed)
+        }
     }
 }
 
 pub fn exit_code(kind: Kind) -> u8 {
     match kind {
-        Kind::Check => 1,
         Kind::Usage => 2,
         Kind::Unreachable => 3,
+        Kind::Failed => 4,
         Kind::Interrupted => 130,
+    }
+}
+
+/// The exit code of a command's result, after printing what failed to stderr.
+pub fn exit(result: Result<Outcome>) -> ExitCode {
+    match result {
+        Ok(Outcome::Ok) => ExitCode::SUCCESS,
+        Ok(Outcome::Failed(failed)) => {
+            for f in &failed {
+                eprintln!("oam: {f}");
+            }
+            ExitCode::from(1)
+        }
+        Err(e) => report(&e),
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 /// Everything a scenario run measured, as written by `--json`.
 #[derive(Serialize, Debug)]
-pub struct Outcome {
+pub struct ScenarioReport {
     pub version: &'static str,
     pub scenario: String,
     pub description: String,
@@ -102,7 +102,7 @@ async fn settle(http: &reqwest::Client, urls: &[String], within: Duration) -> Re
         };
         if Instant::now() > deadline {
             return Err(Error::new(
-                Kind::Check,
+                Kind::Failed,
                 anyhow::anyhow!(
                     "the mesh did not settle within {} s: {why}",
                     within.as_secs()
@@ -141,7 +141,7 @@ pub async fn run(
     short: bool,
     seed: u64,
     progress: impl Fn(u64, u64) + Send + Sync + 'static,
-) -> Result<Outcome> {
+) -> Result<ScenarioReport> {
     let rec = Record::load(dir)
         .map_err(|e| Error::new(Kind::Usage, e))?
         .ok_or_else(|| {
@@ -177,12 +177,12 @@ pub async fn run(
         )));
     }
     let every: Vec<String> = all_nodes.iter().map(|n| n.1.clone()).collect();
-    let http = crate::http::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
+    let http = crate::http::http_client(None).map_err(Error::failed)?;
     settle(&http, &every, Duration::from_secs(60)).await?;
-    let exe = local::oam_exe().map_err(|e| Error::new(Kind::Check, e))?;
+    let exe = local::oam_exe().map_err(Error::failed)?;
     let agents = local::agents::Agents::start(&exe, dir, &app_url, &s.agents)
         .await
-        .map_err(|e| Error::new(Kind::Check, e))?;
+        .map_err(Error::failed)?;
     let before = cluster_reasons(&http, &every).await;
 
     let duration = s.duration();
@@ -271,7 +271,7 @@ pub async fn run(
     }
     let (injected, errors) = timeline.await.map_err(|e| {
         Error::new(
-            Kind::Check,
+            Kind::Failed,
             anyhow::anyhow!("the chaos timeline failed: {e}"),
         )
     })?;
@@ -314,7 +314,7 @@ pub async fn run(
     let verdicts = eval.evaluate(&s.expect);
     let recoveries = eval.recoveries();
     let passed = verdicts.iter().all(|v| v.ok);
-    Ok(Outcome {
+    Ok(ScenarioReport {
         version: env!("CARGO_PKG_VERSION"),
         scenario: s.name.clone(),
         description: s.description.clone(),
@@ -330,7 +330,7 @@ pub async fn run(
 }
 
 /// The expectations as a table, with what was measured.
-pub fn table(o: &Outcome) -> String {
+pub fn table(o: &ScenarioReport) -> String {
     use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
@@ -358,21 +358,16 @@ pub fn table(o: &Outcome) -> String {
     t.to_string()
 }
 
-/// The failed expectations in one message, for the exit.
-pub fn failures(o: &Outcome) -> Option<String> {
-    let failed: Vec<String> = o
-        .verdicts
+/// The failed expectations, each in words with what was measured.
+pub fn failures(o: &ScenarioReport) -> Vec<String> {
+    o.verdicts
         .iter()
         .filter(|v| !v.ok)
-        .map(|v| format!("{} (measured {})", v.expectation, v.measured))
-        .collect();
-    (!failed.is_empty()).then(|| {
-        format!(
-            "scenario {}: {} of {} expectations failed: {}",
-            o.scenario,
-            failed.len(),
-            o.verdicts.len(),
-            failed.join("; ")
-        )
-    })
+        .map(|v| {
+            format!(
+                "scenario {}: expectation failed: {} (measured {})",
+                o.scenario, v.expectation, v.measured
+            )
+        })
+        .collect()
 }

@@ -30,11 +30,8 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("oam: cannot start the async runtime: {e}");
-            return ExitCode::from(1);
+            return ExitCode::from(oam::error::exit_code(oam::error::Kind::Failed));
         }
     };
-    match runtime.block_on(oam::cli::run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => oam::error::report(&e),
-    }
+    oam::error::exit(runtime.block_on(oam::cli::run(cli)))
 }

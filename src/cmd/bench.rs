@@ -3,7 +3,7 @@
 
 use crate::bench::load::{self as bench, Plan, Report};
 use crate::bench::runner as bench_scenario;
-use crate::error::{Error, Kind, Result};
+use crate::error::{Error, Kind, Outcome, Result};
 use crate::local::Record;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::{IsTerminal, Write};
@@ -112,7 +112,7 @@ fn emit_json<T: serde::Serialize>(json: Option<&std::path::Path>, v: &T) -> Resu
     let Some(path) = json else {
         return Ok(false);
     };
-    let text = serde_json::to_string_pretty(v).map_err(|e| Error::new(Kind::Check, e))? + "\n";
+    let text = serde_json::to_string_pretty(v).map_err(Error::failed)? + "\n";
     if path.as_os_str() == "-" {
         std::io::stdout().lock().write_all(text.as_bytes())?;
         return Ok(true);
@@ -122,7 +122,7 @@ fn emit_json<T: serde::Serialize>(json: Option<&std::path::Path>, v: &T) -> Resu
     Ok(false)
 }
 
-pub async fn run(a: Args) -> Result<()> {
+pub async fn run(a: Args) -> Result<Outcome> {
     if let Some(path) = &a.scenario {
         return scenario(&a, path).await;
     }
@@ -195,7 +195,7 @@ pub async fn run(a: Args) -> Result<()> {
         timeout_ms: a.timeout_ms,
         mix,
     };
-    let http = crate::http::http_client(None).map_err(|e| Error::new(Kind::Check, e))?;
+    let http = crate::http::http_client(None).map_err(Error::failed)?;
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
@@ -213,12 +213,9 @@ pub async fn run(a: Args) -> Result<()> {
         writeln!(std::io::stdout().lock(), "{}", table(&report))?;
     }
     if report.sent == 0 {
-        return Err(Error::new(
-            Kind::Check,
-            anyhow::anyhow!("no request was sent"),
-        ));
+        return Ok(Outcome::Failed(vec!["no request was sent".into()]));
     }
-    Ok(())
+    Ok(Outcome::Ok)
 }
 
 /// A progress bar on a terminal's stderr (hidden otherwise).
@@ -238,7 +235,7 @@ pub fn progress_bar(len: u64, prefix: &str) -> indicatif::ProgressBar {
     bar
 }
 
-async fn scenario(a: &Args, path: &std::path::Path) -> Result<()> {
+async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
     let s = bench_scenario::load(path, a.short)?;
     let bar = progress_bar(1, &s.name);
     let tick = bar.clone();
@@ -260,10 +257,7 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<()> {
         writeln!(out, "{}", table(&outcome.summary))?;
         writeln!(out, "{}", bench_scenario::table(&outcome))?;
     }
-    match bench_scenario::failures(&outcome) {
-        Some(why) => Err(Error::new(Kind::Check, anyhow::anyhow!(why))),
-        None => Ok(()),
-    }
+    Ok(Outcome::from_failures(bench_scenario::failures(&outcome)))
 }
 
 fn table(r: &Report) -> String {

@@ -202,7 +202,7 @@ pub async fn run(a: Args) -> Result<()> {
     let url = crate::local::resolve_url(a.nats_url.clone());
     let command = match injection(a.command) {
         Ok(inject) => {
-            let body = serde_json::to_vec(&inject).map_err(|e| Error::new(Kind::Check, e))?;
+            let body = serde_json::to_vec(&inject).map_err(Error::failed)?;
             let faults = ask(&url, subjects::CHAOS_INJECT, body).await?;
             let mut out = std::io::stdout().lock();
             for f in &faults {
@@ -265,8 +265,7 @@ pub async fn run(a: Args) -> Result<()> {
                     "name a fault id or fault kind to restore, or pass --all",
                 ));
             }
-            let body =
-                serde_json::to_vec(&Restore { what }).map_err(|e| Error::new(Kind::Check, e))?;
+            let body = serde_json::to_vec(&Restore { what }).map_err(Error::failed)?;
             let faults = ask(&url, subjects::CHAOS_RESTORE, body).await?;
             let mut out = std::io::stdout().lock();
             if a.json {

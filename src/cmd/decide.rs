@@ -22,9 +22,9 @@ pub fn run(args: Args) -> Result<()> {
     let decision = pipeline::replay(input).map_err(|e| Error::usage(format!("{name}: {e}")))?;
     let mut out = std::io::stdout().lock();
     if args.compact {
-        serde_json::to_writer(&mut out, &decision).map_err(anyhow::Error::from)?;
+        serde_json::to_writer(&mut out, &decision).map_err(Error::failed)?;
     } else {
-        serde_json::to_writer_pretty(&mut out, &decision).map_err(anyhow::Error::from)?;
+        serde_json::to_writer_pretty(&mut out, &decision).map_err(Error::failed)?;
     }
     writeln!(out)?;
     Ok(())

@@ -2,9 +2,9 @@
 //! headline scenarios one after another (each with live progress and a one-line verdict),
 //! prints the summary with reason codes, and takes the mesh down again, on every exit path.
 
-use crate::bench::runner::{self as bench_scenario, Outcome};
+use crate::bench::runner::{self as bench_scenario, ScenarioReport};
 use crate::bench::scenario::Scenario;
-use crate::error::{Error, Kind, Result};
+use crate::error::{Error, Kind, Outcome, Result};
 use crate::local::{self, cluster};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
@@ -69,9 +69,9 @@ impl Mesh {
     async fn up() -> Result<Mesh> {
         let dir = std::env::temp_dir().join(format!(
             "oam-demo-{}",
-            crate::ids::random_hex(4).map_err(|e| Error::new(Kind::Check, e))?
+            crate::ids::random_hex(4).map_err(Error::failed)?
         ));
-        let exe = local::oam_exe().map_err(|e| Error::new(Kind::Check, e))?;
+        let exe = local::oam_exe().map_err(Error::failed)?;
         let mut mesh = Mesh { dir, down: false };
         let plan = cluster::Plan::any_ports(mesh.dir.clone(), 3, exe);
         match cluster::up(&plan).await {
@@ -81,7 +81,7 @@ impl Mesh {
                 let _ = std::fs::remove_dir_all(&mesh.dir);
                 Err(match e {
                     cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
-                    cluster::UpError::Start(e) => Error::new(Kind::Check, e),
+                    cluster::UpError::Start(e) => Error::failed(e),
                 })
             }
         }
@@ -108,7 +108,7 @@ impl Drop for Mesh {
 }
 
 /// The reason codes worth showing (the routine ones left out), most frequent first.
-fn notable(o: &Outcome) -> String {
+fn notable(o: &ScenarioReport) -> String {
     let mut codes: Vec<(&String, &usize)> = o
         .summary
         .reason_codes
@@ -139,7 +139,7 @@ fn notable(o: &Outcome) -> String {
     }
 }
 
-fn verdict_line(o: &Outcome) -> String {
+fn verdict_line(o: &ScenarioReport) -> String {
     let s = &o.summary;
     let mut line = format!(
         "{} {}: {} requests, {:.1}% ok, p95 {:.0} ms; {}/{} expectations hold",
@@ -160,7 +160,7 @@ fn verdict_line(o: &Outcome) -> String {
     line
 }
 
-pub async fn run(a: Args) -> Result<()> {
+pub async fn run(a: Args) -> Result<Outcome> {
     if let Some(unknown) = a
         .only
         .iter()
@@ -199,14 +199,9 @@ pub async fn run(a: Args) -> Result<()> {
         outcomes.len(),
         started.elapsed().as_secs_f64()
     )?;
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::new(
-            Kind::Check,
-            anyhow::anyhow!("these scenarios failed: {}", failed.join(", ")),
-        ))
-    }
+    Ok(Outcome::from_failures(
+        outcomes.iter().flat_map(bench_scenario::failures).collect(),
+    ))
 }
 
 /// Play the chosen scenarios on `mesh`, print the table, write `--json`.
@@ -215,7 +210,7 @@ async fn play_all(
     chosen: &[(&str, &str)],
     mesh: &Mesh,
     started: Instant,
-) -> Result<Vec<Outcome>> {
+) -> Result<Vec<ScenarioReport>> {
     let mut out = std::io::stdout();
     writeln!(
         out,
@@ -228,7 +223,7 @@ async fn play_all(
         for (name, text) in chosen {
             let s = Scenario::parse(text).map_err(|e| {
                 Error::new(
-                    Kind::Check,
+                    Kind::Failed,
                     anyhow::anyhow!("built-in scenario {name}: {e}"),
                 )
             })?;
@@ -284,8 +279,7 @@ async fn play_all(
     }
     writeln!(out, "\n{t}")?;
     if let Some(path) = &a.json {
-        let text =
-            serde_json::to_string_pretty(&outcomes).map_err(|e| Error::new(Kind::Check, e))?;
+        let text = serde_json::to_string_pretty(&outcomes).map_err(Error::failed)?;
         std::fs::write(path, text + "\n")
             .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
     }

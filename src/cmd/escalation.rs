@@ -99,7 +99,7 @@ async fn list(a: ListArgs) -> Result<()> {
         writeln!(
             out,
             "{}",
-            serde_json::to_string_pretty(&records).map_err(|e| Error::new(Kind::Check, e))?
+            serde_json::to_string_pretty(&records).map_err(Error::failed)?
         )?;
         return Ok(());
     }

@@ -1,7 +1,6 @@
 //! One module per subcommand: its clap `Args` and its `run`. Glue only; decisions live in `core`.
 
 pub mod agent;
-pub mod agent_bench;
 pub mod bench;
 pub mod chaos;
 pub mod decide;

@@ -1,6 +1,6 @@
 //! `oam node run`: one control-plane node.
 
-use crate::error::{Error, Kind, Result};
+use crate::error::{Error, Result};
 use crate::node::{self, Node, config::NodeConfig};
 use crate::transport::{connect, subjects};
 use std::io::Write;
@@ -73,12 +73,10 @@ async fn run_node(a: RunArgs) -> Result<()> {
             a.listen
         ))
     })?;
-    let http = listener
-        .local_addr()
-        .map_err(|e| Error::new(Kind::Check, e))?;
+    let http = listener.local_addr().map_err(Error::failed)?;
     // A node started before nats-server keeps retrying in the background and joins when it can.
     let nats = crate::transport::connect::reach(&url, &format!("oam-node-{}", a.id), true).await?;
-    let node = Node::new(a.id.clone(), cfg, nats).map_err(|e| Error::new(Kind::Check, e))?;
+    let node = Node::new(a.id.clone(), cfg, nats).map_err(Error::failed)?;
     {
         let mut out = std::io::stdout().lock();
         let ready = serde_json::json!({
@@ -100,5 +98,5 @@ async fn run_node(a: RunArgs) -> Result<()> {
     }
     node::run(node, listener, crate::signal::terminated())
         .await
-        .map_err(|e| Error::new(Kind::Check, e))
+        .map_err(Error::failed)
 }

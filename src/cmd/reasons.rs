@@ -99,7 +99,7 @@ pub fn run(args: Args) -> Result<()> {
                 })
                 .collect(),
         };
-        serde_json::to_writer_pretty(&mut out, &doc).map_err(anyhow::Error::from)?;
+        serde_json::to_writer_pretty(&mut out, &doc).map_err(Error::failed)?;
         writeln!(out)?;
         return Ok(());
     }

@@ -1,6 +1,6 @@
 //! `oam sim`: serve simulated providers over HTTP until SIGINT/SIGTERM.
 
-use crate::error::{Error, Kind, Result};
+use crate::error::{Error, Result};
 use crate::sim::model::{self, SimProvider};
 use crate::sim::server::{Sim, router};
 use std::io::Write;
@@ -43,9 +43,7 @@ pub async fn run(args: Args) -> Result<()> {
                 args.listen
             ))
         })?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| Error::new(Kind::Check, e))?;
+    let addr = listener.local_addr().map_err(Error::failed)?;
     let url = format!("http://{addr}");
     let names: Vec<&str> = providers.iter().map(|p| p.id.as_str()).collect();
     {

@@ -5,7 +5,7 @@
 
 use crate::core::chaos::{Inject, Params, Restore};
 use crate::core::wire::Envelope;
-use crate::error::{Error, Kind, Result};
+use crate::error::{Error, Result};
 use crate::transport::chaos;
 use crate::transport::escalations;
 use crate::transport::subjects;
@@ -313,7 +313,7 @@ pub async fn run(a: Args) -> Result<()> {
                 }
                 app.dropped = dropped.load(Ordering::Relaxed);
                 if let Err(e) = terminal.draw(|f| render::render(f, &app, now)) {
-                    break Err(Error::new(Kind::Check, e));
+                    break Err(Error::failed(e));
                 }
             }
             Some(k) = key_rx.recv() => if on_key(&mut app, k, &chaos_tx) {

@@ -314,41 +314,76 @@ fn push(codes: &mut Vec<ReasonCode>, code: ReasonCode) {
     }
 }
 
+/// A request the pipeline cannot judge: the field at fault (as named in [`Request`]) and why.
+#[derive(Clone, PartialEq, Debug)]
+pub struct InvalidRequest {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl std::fmt::Display for InvalidRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+fn invalid(field: &'static str, message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest {
+        field,
+        message: message.into(),
+    }
+}
+
 /// Reject requests the pipeline cannot judge, naming the field. Returns the request's own
 /// contract, if it brings one.
-pub fn validate(r: &Request) -> Result<Option<Contract>, String> {
+pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
     if r.id.trim().is_empty() {
-        return Err("request.id must not be empty".into());
+        return Err(invalid("id", "request.id must not be empty"));
     }
     if r.agent.trim().is_empty() {
-        return Err("request.agent must not be empty".into());
+        return Err(invalid("agent", "request.agent must not be empty"));
     }
     if r.messages.is_empty() {
-        return Err("request.messages must hold at least one message".into());
+        return Err(invalid(
+            "messages",
+            "request.messages must hold at least one message",
+        ));
     }
     if let Some(c) = r.max_cost_usd
         && !(c.is_finite() && c >= 0.0)
     {
-        return Err(format!(
-            "request.max_cost_usd must be a non-negative number, got {c}"
+        return Err(invalid(
+            "max_cost_usd",
+            format!("request.max_cost_usd must be a non-negative number, got {c}"),
         ));
     }
     if let Some(c) = r.policy.min_confidence
         && !(0.0..=1.0).contains(&c)
     {
-        return Err(format!(
-            "request.policy.min_confidence must be in [0, 1], got {c}"
+        return Err(invalid(
+            "policy.min_confidence",
+            format!("request.policy.min_confidence must be in [0, 1], got {c}"),
         ));
     }
     if r.policy.max_attempts == Some(0) {
-        return Err("request.policy.max_attempts must be at least 1".into());
+        return Err(invalid(
+            "policy.max_attempts",
+            "request.policy.max_attempts must be at least 1",
+        ));
     }
     if r.contract.is_none() && r.response_format.is_none() {
         return Ok(None);
     }
     Contract::for_request(r.contract.as_ref(), r.response_format.as_ref())
         .map(Some)
-        .map_err(|e| format!("request.{e}"))
+        .map_err(|e| {
+            let field = if e.starts_with("response_format") {
+                "response_format"
+            } else {
+                "contract"
+            };
+            invalid(field, format!("request.{e}"))
+        })
 }
 
 pub struct Engine {
@@ -371,7 +406,11 @@ impl Engine {
     }
 
     /// Start a request: admission, then (unless queued or refused) loop check and routing.
-    pub fn begin(&mut self, request: Request, now_ms: u64) -> Result<(Session, Step), String> {
+    pub fn begin(
+        &mut self,
+        request: Request,
+        now_ms: u64,
+    ) -> Result<(Session, Step), InvalidRequest> {
         let contract = validate(&request)?;
         let fingerprint = loops::fingerprint(
             &request.agent,
@@ -1008,7 +1047,7 @@ pub fn replay(input: DecideInput) -> Result<Decision, String> {
     let mut generations = input.generations;
     let mut engine = Engine::new(input.config, input.state);
     let mut now = input.now_ms;
-    let (mut session, mut step) = engine.begin(input.request, now)?;
+    let (mut session, mut step) = engine.begin(input.request, now).map_err(|e| e.message)?;
     loop {
         step = match step {
             Step::Done(d) => return Ok(*d),

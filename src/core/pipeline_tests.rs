@@ -641,21 +641,25 @@ fn invalid_requests_are_refused_with_the_field_named() {
     let mut e = engine();
     let mut r = req("x");
     r.messages.clear();
-    assert!(e.begin(r, T0).unwrap_err().contains("request.messages"));
+    let err = e.begin(r, T0).unwrap_err();
+    assert_eq!(err.field, "messages");
+    assert!(err.message.contains("request.messages"), "{err}");
     let mut r = req("x");
     r.policy.min_confidence = Some(3.0);
-    assert!(
-        e.begin(r, T0)
-            .unwrap_err()
-            .contains("policy.min_confidence")
-    );
+    let err = e.begin(r, T0).unwrap_err();
+    assert_eq!(err.field, "policy.min_confidence");
+    assert!(err.message.contains("policy.min_confidence"), "{err}");
     let mut r = req("x");
     r.response_format = Some(serde_json::json!({"type": "xml"}));
+    let err = e.begin(r, T0).unwrap_err();
+    assert_eq!(err.field, "response_format");
     assert!(
-        e.begin(r, T0)
-            .unwrap_err()
-            .contains("request.response_format.type")
+        err.message.contains("request.response_format.type"),
+        "{err}"
     );
+    let mut r = req("x");
+    r.max_cost_usd = Some(-1.0);
+    assert_eq!(e.begin(r, T0).unwrap_err().field, "max_cost_usd");
 }
 
 #[test]

@@ -117,10 +117,15 @@ impl Record {
         }
     }
 
+    /// Write the record whole or not at all (a temporary file renamed over it), so a reader
+    /// never sees half of it.
     pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
         let path = Record::path(dir);
+        let tmp = dir.join(format!("{RECORD}.tmp"));
         let text = serde_json::to_string_pretty(self)?;
-        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .with_context(|| format!("cannot write {}", path.display()))
     }
 
     pub fn nodes(&self) -> impl Iterator<Item = &Started> {

@@ -151,8 +151,28 @@ fn text_of(content: &Value) -> Option<String> {
     }
 }
 
-/// A request the node refuses before the pipeline sees it (400).
-struct BadRequest(String);
+/// A request the node refuses before the pipeline runs (400): the parameter at fault (for the
+/// OpenAI error envelope's `param`), and why.
+struct BadRequest {
+    param: Option<String>,
+    message: String,
+}
+
+fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
+    BadRequest {
+        param: Some(param.into()),
+        message: message.into(),
+    }
+}
+
+/// The body parameter of a core request field: OpenAI's own names stay, oam's live in `oam`.
+fn param_of(field: &str) -> String {
+    match field {
+        "messages" | "response_format" | "model" => field.to_string(),
+        "id" => "oam.request_id".to_string(),
+        other => format!("oam.{other}"),
+    }
+}
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
@@ -164,7 +184,7 @@ fn parse_header<T: std::str::FromStr>(h: &HeaderMap, name: &str) -> Result<Optio
         Some(v) => v
             .parse()
             .map(Some)
-            .map_err(|_| BadRequest(format!("header {name}: cannot read {v:?}"))),
+            .map_err(|_| bad(name, format!("header {name}: cannot read {v:?}"))),
     }
 }
 
@@ -176,7 +196,7 @@ fn parse_enum_header<T: serde::de::DeserializeOwned>(
         None => Ok(None),
         Some(v) => serde_json::from_value(Value::String(v.to_ascii_lowercase()))
             .map(Some)
-            .map_err(|e| BadRequest(format!("header {name}: {e}"))),
+            .map_err(|e| bad(name, format!("header {name}: {e}"))),
     }
 }
 
@@ -186,25 +206,26 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool)
     let de = &mut serde_json::Deserializer::from_slice(body);
     let chat: ChatIn = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
-        let at = if path == "." {
-            String::new()
+        let (param, at) = if path == "." {
+            (None, String::new())
         } else {
-            format!("{path}: ")
+            (Some(path.clone()), format!("{path}: "))
         };
-        BadRequest(format!(
-            "invalid chat completion request: {at}{}",
-            e.into_inner()
-        ))
+        BadRequest {
+            param,
+            message: format!("invalid chat completion request: {at}{}", e.into_inner()),
+        }
     })?;
     if chat.messages.is_empty() {
-        return Err(BadRequest("messages must hold at least one message".into()));
+        return Err(bad("messages", "messages must hold at least one message"));
     }
     let mut messages = Vec::with_capacity(chat.messages.len());
     for (i, m) in chat.messages.into_iter().enumerate() {
         let content = text_of(&m.content).ok_or_else(|| {
-            BadRequest(format!(
-                "messages[{i}].content must be a string or an array of parts"
-            ))
+            bad(
+                format!("messages[{i}].content"),
+                format!("messages[{i}].content must be a string or an array of parts"),
+            )
         })?;
         messages.push(Message {
             role: m.role,
@@ -227,10 +248,13 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool)
             .iter()
             .map(|p| p.model.as_str())
             .collect();
-        return Err(BadRequest(format!(
-            "unknown model {model:?}; this node routes across {} (or send \"auto\")",
-            known.join(", ")
-        )));
+        return Err(bad(
+            "model",
+            format!(
+                "unknown model {model:?}; this node routes across {} (or send \"auto\")",
+                known.join(", ")
+            ),
+        ));
     }
     let stream = chat.stream == Some(true);
     let o = chat.oam.unwrap_or_default();
@@ -351,7 +375,7 @@ pub async fn execute(
     let started = std::time::Instant::now();
     let (request, stream) = match to_request(node, body, headers) {
         Ok(r) => r,
-        Err(BadRequest(msg)) => return bad_request(node, headers, msg),
+        Err(e) => return bad_request(node, headers, e),
     };
     let response_format = request.response_format.clone();
     let begun = node.with_engine(|e| {
@@ -362,7 +386,10 @@ pub async fn execute(
     });
     let (session, mut step, mut granted) = match begun {
         Ok(x) => x,
-        Err(msg) => return bad_request(node, headers, msg),
+        Err(e) => {
+            let param = param_of(e.field);
+            return bad_request(node, headers, bad(param, e.message));
+        }
     };
     let mut flight = Flight {
         node: node.as_ref(),
@@ -448,14 +475,14 @@ pub async fn execute(
     }
 }
 
-fn bad_request(node: &Node, headers: &HeaderMap, msg: String) -> Answer {
+fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
     let request_id = header(headers, "x-request-id")
         .map(String::from)
         .unwrap_or_else(|| node.next_request_id());
     Answer {
         stream: false,
         status: StatusCode::BAD_REQUEST,
-        body: json!({"error": {"message": msg, "type": "invalid_request_error", "param": null, "code": "invalid_request"}}),
+        body: json!({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param, "code": "invalid_request"}}),
         request_id,
         phase: "invalid".into(),
         reasons: String::new(),
@@ -642,10 +669,13 @@ async fn chat(
             let mut a = bad_request(
                 &node,
                 &headers,
-                format!(
-                    "the request body is larger than this node accepts ({limit} bytes; \
-                     node.max_body_bytes in oam.toml)"
-                ),
+                BadRequest {
+                    param: None,
+                    message: format!(
+                        "the request body is larger than this node accepts ({limit} bytes; \
+                         node.max_body_bytes in oam.toml)"
+                    ),
+                },
             );
             a.status = StatusCode::PAYLOAD_TOO_LARGE;
             to_http(a)

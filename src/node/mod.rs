@@ -279,19 +279,28 @@ impl Node {
         }
     }
 
-    /// Wait (at most `JOIN_WAIT`) until this node hears a majority of the cluster, so a node
+    /// Wait (at most `JOIN_WAIT`) until this node hears a majority of the cluster (heartbeats,
+    /// and observations of every provider), so a node
     /// that has just started or restarted does not decide its first requests on a view of one.
     /// Without a majority in time it serves anyway, on its local view, and says so.
     async fn join(&self) {
         let deadline = tokio::time::Instant::now() + JOIN_WAIT;
         loop {
             let now = now_ms();
-            let (live, needed) = {
+            let (live, needed, heard) = {
                 let e = self.engine();
                 let c = &e.state.cluster;
-                (c.live_nodes(now).len(), c.quorum(now))
+                let needed = c.quorum(now);
+                // A majority's heartbeats are not enough: routing needs a majority's
+                // observations of every provider, or the first requests see a view of one.
+                let heard = e
+                    .state
+                    .providers
+                    .iter()
+                    .all(|p| c.view(&p.id, now).voters >= needed);
+                (c.live_nodes(now).len(), needed, heard)
             };
-            if live >= needed {
+            if live >= needed && heard {
                 return;
             }
             if tokio::time::Instant::now() >= deadline {

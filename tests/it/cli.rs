@@ -45,6 +45,43 @@ fn unknown_flags_and_subcommands_exit_2() {
     oam().arg("--bogus").assert().code(2);
     oam().arg("frobnicate").assert().code(2);
     oam().args(["decide", "--bogus"]).assert().code(2);
+    oam().arg("--help").assert().code(0);
+}
+
+/// Numbers a user can type but no clock can hold are usage errors, not panics (exit 101) or a
+/// worker that dies and a report that looks fine.
+#[test]
+fn absurd_durations_and_rates_are_refused_clearly() {
+    oam()
+        .args(["agent", "call", "demo.echo", "{}", "--timeout", "1e30"])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains("--timeout 1e30"));
+    oam()
+        .args(["agent", "call", "demo.echo", "{}", "--timeout", "-1"])
+        .assert()
+        .code(2);
+    oam()
+        .args([
+            "bench",
+            "--url",
+            "http://127.0.0.1:9",
+            "-n",
+            "2",
+            "--rate",
+            "1e-300",
+        ])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains("more than a day"));
+    oam()
+        .args(["agent", "bench", "--seconds", "1e300"])
+        .assert()
+        .code(2);
+    oam()
+        .args(["chaos", "kill-provider", "primary", "--for", "1e300s"])
+        .assert()
+        .code(2);
 }
 
 #[test]

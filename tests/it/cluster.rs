@@ -351,6 +351,7 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
             .contains("messages[0].content"),
         "{v}"
     );
+    assert_eq!(v["error"]["param"], "messages[0].content", "{v}");
     let (status, _, v) = ask(
         &c,
         &cl.urls[0],
@@ -365,6 +366,16 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
             .contains("unknown model"),
         "{v}"
     );
+    assert_eq!(v["error"]["param"], "model", "{v}");
+    // A value only the pipeline can judge names its field too.
+    let (status, _, v) = ask(
+        &c,
+        &cl.urls[0],
+        json!({"messages": [{"role": "user", "content": "x"}], "oam": {"max_cost_usd": -1}}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(v["error"]["param"], "oam.max_cost_usd", "{v}");
     let (status, _, _) = ask(
         &c,
         &cl.urls[0],
@@ -602,6 +613,9 @@ async fn callers_that_hang_up_leak_no_slot() {
     let node = node("n1", &nats_url, &sim_url, &["--cluster-size", "1"]);
     let url = node.ready["http"].as_str().unwrap().to_string();
     let c = client();
+    // The node serves HTTP once it has joined (heard its own probes, here).
+    let serving = eventually(Duration::from_secs(10), || state(&c, &url)).await;
+    assert!(serving.is_some(), "the node serves");
     // 30 normal requests whose callers give up after 50 ms: 24 take every normal slot, 6 queue.
     let impatient = crate::support::http(Duration::from_millis(50));
     let calls = (0..30).map(|i| {

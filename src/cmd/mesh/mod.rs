@@ -2,6 +2,8 @@
 //! the simulator, N nodes, the monitor, the chaos warden), recorded in one state folder, stopped
 //! by exactly the recorded PIDs. The work is `crate::local::cluster`'s; these are its commands.
 
+use crate::error::Outcome;
+
 mod down;
 mod monitor;
 mod status;
@@ -25,11 +27,12 @@ pub enum Command {
     Monitor(monitor::Args),
 }
 
-pub async fn run(args: Args) -> crate::error::Result<()> {
+pub async fn run(args: Args) -> crate::error::Result<Outcome> {
+    let done = |()| Outcome::Ok;
     match args.command {
-        Command::Up(a) => up::run(a).await,
-        Command::Down(a) => down::run(a).await,
+        Command::Up(a) => up::run(a).await.map(done),
+        Command::Down(a) => down::run(a).await.map(done),
         Command::Status(a) => status::run(a).await,
-        Command::Monitor(a) => monitor::run(a).await,
+        Command::Monitor(a) => monitor::run(a).await.map(done),
     }
 }

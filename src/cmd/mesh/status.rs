@@ -1,6 +1,6 @@
 //! `oam mesh status`: what is running and healthy (exit 1 if anything is not).
 
-use crate::error::{Error, Kind, Result};
+use crate::error::{Error, Kind, Outcome, Result};
 use crate::local::{Record, cluster};
 use std::io::Write;
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ pub struct Args {
     pub json: bool,
 }
 
-pub async fn run(a: Args) -> Result<()> {
+pub async fn run(a: Args) -> Result<Outcome> {
     let Some(rec) = Record::load(&a.dir).map_err(|e| Error::new(Kind::Usage, e))? else {
         return Err(Error::new(
             Kind::Unreachable,
@@ -23,9 +23,7 @@ pub async fn run(a: Args) -> Result<()> {
             ),
         ));
     };
-    let rows = cluster::status(&rec)
-        .await
-        .map_err(|e| Error::new(Kind::Check, e))?;
+    let rows = cluster::status(&rec).await.map_err(Error::failed)?;
     let all_healthy = rows.iter().all(|r| r.healthy);
     let mut out = std::io::stdout().lock();
     if a.json {
@@ -48,12 +46,10 @@ pub async fn run(a: Args) -> Result<()> {
             )?;
         }
     }
-    if all_healthy {
-        Ok(())
-    } else {
-        Err(Error::new(
-            Kind::Check,
-            anyhow::anyhow!("part of the mesh is down"),
-        ))
-    }
+    Ok(Outcome::from_failures(
+        rows.iter()
+            .filter(|r| !r.healthy)
+            .map(|r| format!("{} (pid {}): {}", r.name, r.pid, r.detail))
+            .collect(),
+    ))
 }

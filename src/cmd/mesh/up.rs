@@ -31,7 +31,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let exe = local::oam_exe().map_err(|e| Error::new(Kind::Check, e))?;
+    let exe = local::oam_exe().map_err(Error::failed)?;
     let plan = cluster::Plan {
         dir: a.dir.clone(),
         nodes: a.nodes,
@@ -43,7 +43,7 @@ pub async fn run(a: Args) -> Result<()> {
     };
     let up = cluster::up(&plan).await.map_err(|e| match e {
         cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
-        cluster::UpError::Start(e) => Error::new(Kind::Check, e),
+        cluster::UpError::Start(e) => Error::failed(e),
     })?;
     let (rec, dir, version) = match up {
         cluster::Up::Started {

@@ -8,7 +8,7 @@
 //! - echo: sequential call latency, and throughput with C concurrent callers next to raw
 //!   async-nats request/reply measured in the same run.
 
-use crate::error::{Error, Kind, Result};
+use crate::error::{Error, Kind, Outcome, Result};
 use crate::mesh::client::Caller;
 use crate::mesh::protocol::ErrorCode;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
@@ -44,7 +44,7 @@ struct Agent(Child);
 
 impl Agent {
     fn start(url: &str, name: &str, demo: &str) -> Result<Agent> {
-        let exe = std::env::current_exe().map_err(|e| Error::new(Kind::Check, e))?;
+        let exe = std::env::current_exe().map_err(Error::failed)?;
         let mut child = Command::new(exe)
             .args([
                 "agent",
@@ -62,18 +62,18 @@ impl Agent {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| Error::new(Kind::Check, e))?;
+            .map_err(Error::failed)?;
         // The ready line means registered and subscribed.
         let out = child
             .stdout
             .take()
-            .ok_or_else(|| Error::new(Kind::Check, anyhow::anyhow!("no stdout")))?;
+            .ok_or_else(|| Error::failed(anyhow::anyhow!("no stdout")))?;
         let mut line = String::new();
         std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)
-            .map_err(|e| Error::new(Kind::Check, e))?;
+            .map_err(Error::failed)?;
         if line.is_empty() {
             return Err(Error::new(
-                Kind::Check,
+                Kind::Failed,
                 anyhow::anyhow!("agent {name} did not start"),
             ));
         }
@@ -95,14 +95,41 @@ impl Drop for Agent {
     }
 }
 
-fn percentiles(mut v: Vec<f64>) -> serde_json::Value {
-    v.sort_by(f64::total_cmp);
-    let at = |q: f64| {
-        v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1))
-            .copied()
-            .unwrap_or(0.0)
-    };
-    serde_json::json!({"n": v.len(), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": v.last().copied().unwrap_or(0.0)})
+/// The trials of one measure: the times of those that did what was measured, and why each
+/// other one did not. A failed trial is reported, never just left out of the percentiles.
+#[derive(Default)]
+struct Trials {
+    ms: Vec<f64>,
+    failed: Vec<String>,
+}
+
+impl Trials {
+    fn ok(&mut self, t0: Instant) {
+        self.ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+
+    fn fail(&mut self, why: String) {
+        self.failed.push(why);
+    }
+
+    /// `{n, failed, failures, p50_ms, p99_ms, max_ms}` over the trials that succeeded.
+    fn summary(mut self) -> serde_json::Value {
+        self.ms.sort_by(f64::total_cmp);
+        let v = &self.ms;
+        let at = |q: f64| {
+            v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        serde_json::json!({
+            "n": v.len() + self.failed.len(),
+            "failed": self.failed.len(),
+            "failures": self.failed,
+            "p50_ms": at(0.5),
+            "p99_ms": at(0.99),
+            "max_ms": v.last().copied().unwrap_or(0.0),
+        })
+    }
 }
 
 async fn kill_case(
@@ -111,7 +138,7 @@ async fn kill_case(
     kills: usize,
     replica: bool,
 ) -> Result<serde_json::Value> {
-    let mut times = Vec::new();
+    let mut times = Trials::default();
     for i in 0..kills {
         let name = format!("bench.hold{}.{i}", if replica { "r" } else { "" });
         let holder = Agent::start(url, &name, "hang")?;
@@ -123,7 +150,7 @@ async fn kill_case(
             .is_ok()
         {
             return Err(Error::new(
-                Kind::Check,
+                Kind::Failed,
                 anyhow::anyhow!("the hang agent answered"),
             ));
         }
@@ -135,13 +162,16 @@ async fn kill_case(
         let t0 = Instant::now();
         holder.signal("-KILL");
         match tokio::time::timeout(Duration::from_secs(35), call).await {
-            Ok(Err(e)) if e.code == ErrorCode::AgentDied => {
-                times.push(t0.elapsed().as_secs_f64() * 1e3)
-            }
-            other => tracing::warn!("kill {i}: expected agent_died, got {other:?}"),
+            Ok(Err(e)) if e.code == ErrorCode::AgentDied => times.ok(t0),
+            Ok(Err(e)) => times.fail(format!(
+                "kill {i}: {} instead of agent_died",
+                e.code.as_str()
+            )),
+            Ok(Ok(_)) => times.fail(format!("kill {i}: answered instead of agent_died")),
+            Err(_) => times.fail(format!("kill {i}: no answer within 35 s")),
         }
     }
-    Ok(percentiles(times))
+    Ok(times.summary())
 }
 
 async fn freeze_case(
@@ -149,7 +179,7 @@ async fn freeze_case(
     nats: &async_nats::Client,
     freezes: usize,
 ) -> Result<serde_json::Value> {
-    let mut times = Vec::new();
+    let mut times = Trials::default();
     for i in 0..freezes {
         let name = format!("bench.frozen.{i}");
         let agent = Agent::start(url, &name, "echo")?;
@@ -164,10 +194,12 @@ async fn freeze_case(
             .await
             .is_ok()
         {
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            times.ok(t0);
+        } else {
+            times.fail(format!("freeze {i}: no death notice within 20 s"));
         }
     }
-    Ok(percentiles(times))
+    Ok(times.summary())
 }
 
 /// Requests per second with `c` concurrent requesters for `secs`, each doing `one`.
@@ -200,7 +232,7 @@ where
 /// Throughput is measured in this many alternating rounds of mesh and raw request/reply.
 const ROUNDS: u32 = 3;
 
-pub async fn run(url: &str, a: Args) -> Result<()> {
+pub async fn run(url: &str, a: Args) -> Result<Outcome> {
     // Mesh and raw alternate in rounds, so a noisy neighbour on a shared machine weighs on both.
     let round_secs = Duration::try_from_secs_f64(a.seconds / f64::from(ROUNDS))
         .ok()
@@ -230,27 +262,28 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
             }
         }
     });
-    let mut raw_seq = Vec::with_capacity(a.echoes);
-    for _ in 0..a.echoes {
+    let mut raw_seq = Trials::default();
+    for i in 0..a.echoes {
         let t0 = Instant::now();
-        if nats.request("bench.raw.echo", "{}".into()).await.is_ok() {
-            raw_seq.push(t0.elapsed().as_secs_f64() * 1e3);
+        match nats.request("bench.raw.echo", "{}".into()).await {
+            Ok(_) => raw_seq.ok(t0),
+            Err(e) => raw_seq.fail(format!("raw echo {i}: {e}")),
         }
     }
-    let raw_seq = percentiles(raw_seq);
+    let raw_seq = raw_seq.summary();
     let _echo = Agent::start(url, "bench.echo", "echo")?;
-    let mut seq = Vec::with_capacity(a.echoes);
-    for _ in 0..a.echoes {
+    let mut seq = Trials::default();
+    for i in 0..a.echoes {
         let t0 = Instant::now();
-        if caller
+        match caller
             .call("bench.echo", "{}".into(), Duration::from_secs(5))
             .await
-            .is_ok()
         {
-            seq.push(t0.elapsed().as_secs_f64() * 1e3);
+            Ok(_) => seq.ok(t0),
+            Err(e) => seq.fail(format!("echo {i}: {}", e.code.as_str())),
         }
     }
-    let echo_seq = percentiles(seq);
+    let echo_seq = seq.summary();
     let (mut mesh_rps, mut raw_rps) = (0.0, 0.0);
     for _ in 0..ROUNDS {
         let c = caller.clone();
@@ -291,7 +324,7 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
     } else {
         let mut t = Table::new();
         t.load_style(UTF8_FULL_CONDENSED);
-        t.set_header(vec!["measure", "n", "p50", "p99", "max"]);
+        t.set_header(vec!["measure", "n", "failed", "p50", "p99", "max"]);
         for (label, key) in [
             ("SIGKILL -> agent_died", "sigkill_to_agent_died"),
             (
@@ -309,6 +342,7 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
             t.add_row(vec![
                 label.to_string(),
                 v["n"].to_string(),
+                v["failed"].to_string(),
                 format!("{:.2} ms", v["p50_ms"].as_f64().unwrap_or(0.0)),
                 format!("{:.2} ms", v["p99_ms"].as_f64().unwrap_or(0.0)),
                 format!("{:.2} ms", v["max_ms"].as_f64().unwrap_or(0.0)),
@@ -324,5 +358,16 @@ pub async fn run(url: &str, a: Args) -> Result<()> {
             100.0 * doc["ratio_to_raw"].as_f64().unwrap_or(0.0)
         )?;
     }
-    Ok(())
+    let failures: Vec<String> = [
+        "sigkill_to_agent_died",
+        "replica_sigkill_to_agent_died",
+        "sigstop_to_death_notice",
+        "echo_sequential",
+        "raw_request_reply_sequential",
+    ]
+    .iter()
+    .flat_map(|k| doc[*k]["failures"].as_array().cloned().unwrap_or_default())
+    .filter_map(|f| f.as_str().map(String::from))
+    .collect();
+    Ok(Outcome::from_failures(failures))
 }

@@ -1,0 +1,119 @@
+//! `oam agent serve`: a demo agent on the mesh until SIGINT/SIGTERM.
+
+use crate::error::{Error, Kind, Result};
+use crate::mesh::host::{self, Demo, Instance};
+use crate::mesh::protocol::{self, CatalogEntry};
+use crate::transport::connect;
+use std::io::Write;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The agent's name (dot-separated, e.g. demo.echo).
+    pub name: String,
+    /// What it does: echo, sleep:MS, hang, fail, chat (answers chat requests like a model), or
+    /// stream:N:MS (a streaming agent: N chunks, one every MS ms).
+    #[arg(long, default_value = "echo")]
+    pub demo: Demo,
+    /// Instances to run in this process (each its own connection and instance id).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Requests each instance handles at once; more wait (backpressure).
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    #[arg(long, default_value = "oam demo agent")]
+    pub description: String,
+    /// Declare the longest a request may take; past it the caller gets `stuck` instead of
+    /// waiting out its own timeout.
+    #[arg(long)]
+    pub max_handling_ms: Option<u64>,
+    /// Print the ready line as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(url: &str, s: Args) -> Result<()> {
+    if !protocol::valid_agent_name(&s.name) {
+        return Err(Error::usage(format!(
+            "agent name {:?}: use dot-separated segments of letters, digits, '-' and '_'",
+            s.name
+        )));
+    }
+    if s.replicas == 0 || s.concurrency == 0 {
+        return Err(Error::usage(
+            "--replicas and --concurrency must be at least 1",
+        ));
+    }
+    let entry = CatalogEntry {
+        name: s.name.clone(),
+        description: s.description.clone(),
+        version: "0.1.0".into(),
+        tags: vec!["demo".into()],
+        invocable: true,
+        streaming: s.demo.streams(),
+        max_handling_ms: s.max_handling_ms,
+    };
+    let mut instances = Vec::new();
+    for _ in 0..s.replicas {
+        let (inst, sub) = Instance::start(url, entry.clone()).await.map_err(|e| {
+            Error::new(
+                Kind::Unreachable,
+                e.context(format!(
+                    "cannot serve {} via {}",
+                    s.name,
+                    connect::redact(url)
+                )),
+            )
+        })?;
+        instances.push((inst, sub));
+    }
+    {
+        let ids: Vec<&str> = instances.iter().map(|(i, _)| i.id.as_str()).collect();
+        let mut out = std::io::stdout().lock();
+        if s.json {
+            writeln!(
+                out,
+                "{}",
+                serde_json::json!({"agent": s.name, "instances": ids, "pid": std::process::id()})
+            )?;
+        } else {
+            writeln!(
+                out,
+                "serving {} ({:?}) as {}",
+                s.name,
+                s.demo,
+                ids.join(", ")
+            )?;
+        }
+        out.flush()?;
+    }
+    let mut running = Vec::new();
+    for (inst, sub) in instances {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (demo, concurrency) = (s.demo, s.concurrency);
+        let task = tokio::spawn(async move {
+            let stop = async move {
+                let _ = stop_rx.await;
+            };
+            host::serve(
+                inst,
+                sub,
+                demo.into(),
+                concurrency,
+                Duration::from_secs(1),
+                stop,
+            )
+            .await
+        });
+        running.push((stop_tx, task));
+    }
+    crate::signal::terminated().await;
+    // Leave one at a time, so the last replica out knows it is the last and says so.
+    for (stop_tx, task) in running {
+        let _ = stop_tx.send(());
+        if let Ok(Err(e)) = task.await {
+            tracing::warn!("an instance did not leave cleanly: {e:#}");
+        }
+    }
+    Ok(())
+}
