@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 /// What to send, how much, how fast.
 #[derive(Clone, Debug, Serialize)]
@@ -104,6 +105,8 @@ pub struct Report {
     /// Mesh error codes of failed agent calls (e.g. agent_died, not_found).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub errors: BTreeMap<String, usize>,
+    /// The run was stopped early (Ctrl-C, SIGTERM): this covers the requests that finished.
+    pub interrupted: bool,
 }
 
 #[derive(Serialize, Debug, Default)]
@@ -254,14 +257,19 @@ async fn one_agent(
     s
 }
 
-/// Run `plan`; `progress` is called once per finished request.
+/// Run `plan`; `progress` is called once per finished request. Cancelling `stop` ends the run
+/// early: nothing new starts, requests under way are abandoned, and the report (marked
+/// `interrupted`) holds what finished.
 pub async fn run(
     plan: Plan,
     target: Target,
+    stop: &CancellationToken,
     progress: impl Fn() + Send + Sync + 'static,
 ) -> Report {
-    let (samples, elapsed, plan) = run_samples(plan, target, Instant::now(), progress).await;
-    summarize(plan, &samples, elapsed)
+    let (samples, elapsed, plan) = run_samples(plan, target, Instant::now(), stop, progress).await;
+    let mut report = summarize(plan, &samples, elapsed);
+    report.interrupted = stop.is_cancelled();
+    report
 }
 
 /// Run `plan` from `started` (now, or a moment just past on the caller's clock: sample times
@@ -271,6 +279,7 @@ pub async fn run_samples(
     plan: Plan,
     target: Target,
     started: Instant,
+    stop: &CancellationToken,
     progress: impl Fn() + Send + Sync + 'static,
 ) -> (Vec<Sample>, Duration, Plan) {
     let next = Arc::new(AtomicUsize::new(0));
@@ -283,17 +292,21 @@ pub async fn run_samples(
     let plan_arc = Arc::new(plan);
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..plan_arc.concurrency.max(1) {
-        let (next, samples, progress, target, plan) = (
+        let (next, samples, progress, target, plan, stop) = (
             next.clone(),
             samples.clone(),
             progress.clone(),
             target.clone(),
             plan_arc.clone(),
+            stop.clone(),
         );
         workers.spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= plan.requests || deadline.is_some_and(|d| Instant::now() >= d) {
+                if i >= plan.requests
+                    || deadline.is_some_and(|d| Instant::now() >= d)
+                    || stop.is_cancelled()
+                {
                     return;
                 }
                 if let Some(rate) = plan.rate_per_s {
@@ -308,16 +321,29 @@ pub async fn run_samples(
                     if deadline.is_some_and(|d| at >= d) {
                         return; // due after the run's deadline: never sent
                     }
-                    tokio::time::sleep_until(at.into()).await;
+                    tokio::select! {
+                        () = tokio::time::sleep_until(at.into()) => {}
+                        () = stop.cancelled() => return,
+                    }
                 }
                 let began = started.elapsed();
                 let kind = plan.kind(i);
-                let mut s = match &target {
-                    Target::Http(http) => {
-                        one_http(http, &plan.urls, i, &body_of(&plan, i, &kind), timeout).await
+                let one = async {
+                    match &target {
+                        Target::Http(http) => {
+                            one_http(http, &plan.urls, i, &body_of(&plan, i, &kind), timeout).await
+                        }
+                        Target::Nats(nats) => {
+                            one_nats(nats, &body_of(&plan, i, &kind), timeout).await
+                        }
+                        Target::Agent { caller, agent } => {
+                            one_agent(caller, agent, i, timeout).await
+                        }
                     }
-                    Target::Nats(nats) => one_nats(nats, &body_of(&plan, i, &kind), timeout).await,
-                    Target::Agent { caller, agent } => one_agent(caller, agent, i, timeout).await,
+                };
+                let mut s = tokio::select! {
+                    s = one => s,
+                    () = stop.cancelled() => return,
                 };
                 s.started_us = began.as_micros() as u64;
                 s.priority = kind.priority;
@@ -397,6 +423,7 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
         providers,
         reason_codes: reasons,
         errors,
+        interrupted: false,
         plan,
     }
 }

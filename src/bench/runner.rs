@@ -12,6 +12,7 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 /// Everything a scenario run measured, as written by `--json`.
 #[derive(Serialize, Debug)]
@@ -28,6 +29,9 @@ pub struct ScenarioReport {
     pub cluster_reasons: BTreeMap<String, f64>,
     pub verdicts: Vec<Verdict>,
     pub passed: bool,
+    /// Stopped early (Ctrl-C, SIGTERM): the load and the timeline stopped, faults were ended,
+    /// agents stopped; the expectations were judged on what finished, and `passed` is false.
+    pub interrupted: bool,
 }
 
 /// Read and check a scenario file (`short`: its `--short` form).
@@ -140,6 +144,7 @@ pub async fn run(
     s: &Scenario,
     short: bool,
     seed: u64,
+    stop: &CancellationToken,
     progress: impl Fn(u64, u64) + Send + Sync + 'static,
 ) -> Result<ScenarioReport> {
     let rec = Record::load(dir)
@@ -178,7 +183,16 @@ pub async fn run(
     }
     let every: Vec<String> = all_nodes.iter().map(|n| n.1.clone()).collect();
     let http = crate::http::http_client(None).map_err(Error::failed)?;
-    settle(&http, &every, Duration::from_secs(60)).await?;
+    tokio::select! {
+        r = settle(&http, &every, Duration::from_secs(60)) => r?,
+        () = stop.cancelled() => {}
+    }
+    if stop.is_cancelled() {
+        return Err(Error::new(
+            Kind::Interrupted,
+            anyhow::anyhow!("interrupted before scenario {} began", s.name),
+        ));
+    }
     let exe = local::oam_exe().map_err(Error::failed)?;
     let agents = local::agents::Agents::start(&exe, dir, &app_url, &s.agents)
         .await
@@ -218,12 +232,17 @@ pub async fn run(
     let timeline = {
         let nats = nats.clone();
         let events = s.chaos.clone();
+        let stop = stop.clone();
         tokio::spawn(async move {
             let mut done: Vec<(String, String, u64, u64)> = Vec::new();
             let mut errors = Vec::new();
             for c in events {
                 let (at, for_ms) = scenario::event_times(&c);
-                tokio::time::sleep_until((started + Duration::from_millis(at)).into()).await;
+                let due = tokio::time::sleep_until((started + Duration::from_millis(at)).into());
+                tokio::select! {
+                    () = due => {}
+                    () = stop.cancelled() => break,
+                }
                 let req = Inject {
                     fault: c.fault,
                     target: c.target.clone(),
@@ -257,11 +276,14 @@ pub async fn run(
     let c = counter.clone();
     // Sample times are on the scenario's clock, like the chaos timeline.
     let after = s.load_after();
-    tokio::time::sleep(after).await;
+    tokio::select! {
+        () = tokio::time::sleep(after) => {}
+        () = stop.cancelled() => {}
+    }
     // The load's clock is the timeline's, shifted by `after` exactly (not by however long the
     // sleep took), so a sample and a fault compare on one clock.
     let (mut samples, elapsed, plan) =
-        bench::run_samples(plan, target, started + after, move || {
+        bench::run_samples(plan, target, started + after, stop, move || {
             let n = c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             progress(n, total);
         })
@@ -313,7 +335,8 @@ pub async fn run(
     };
     let verdicts = eval.evaluate(&s.expect);
     let recoveries = eval.recoveries();
-    let passed = verdicts.iter().all(|v| v.ok);
+    let interrupted = stop.is_cancelled();
+    let passed = !interrupted && verdicts.iter().all(|v| v.ok);
     Ok(ScenarioReport {
         version: env!("CARGO_PKG_VERSION"),
         scenario: s.name.clone(),
@@ -326,6 +349,7 @@ pub async fn run(
         cluster_reasons: cluster,
         verdicts,
         passed,
+        interrupted,
     })
 }
 

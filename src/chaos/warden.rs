@@ -431,7 +431,9 @@ impl Warden {
                 mix: Vec::new(),
             };
             let task = tokio::spawn(async move {
-                let r = bench::run(plan, bench::Target::Http(http), || {}).await;
+                // Ended early by aborting this task (restore), or at its deadline.
+                let never = tokio_util::sync::CancellationToken::new();
+                let r = bench::run(plan, bench::Target::Http(http), &never, || {}).await;
                 tracing::info!(sent = r.sent, succeeded = r.succeeded, "traffic spike done");
             });
             (

@@ -8,6 +8,7 @@ use crate::local::Record;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
+use tokio_util::sync::CancellationToken;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -207,15 +208,40 @@ pub async fn run(a: Args) -> Result<Outcome> {
     } else {
         bench::Target::Http(http)
     };
-    let report = bench::run(plan, target, move || tick.inc(1)).await;
+    let stop = stop_on_signal();
+    let report = bench::run(plan, target, &stop, move || tick.inc(1)).await;
     bar.finish_and_clear();
     if !emit_json(a.json.as_deref(), &report)? {
         writeln!(std::io::stdout().lock(), "{}", table(&report))?;
+    }
+    if report.interrupted {
+        return Err(interrupted(report.sent, report.plan.requests));
     }
     if report.sent == 0 {
         return Ok(Outcome::Failed(vec!["no request was sent".into()]));
     }
     Ok(Outcome::Ok)
+}
+
+/// A token cancelled by Ctrl-C or SIGTERM: the load stops and the report of what finished is
+/// still written.
+pub fn stop_on_signal() -> CancellationToken {
+    let stop = CancellationToken::new();
+    let on_signal = stop.clone();
+    tokio::spawn(async move {
+        crate::signal::terminated().await;
+        on_signal.cancel();
+    });
+    stop
+}
+
+fn interrupted(sent: usize, planned: usize) -> Error {
+    Error::new(
+        Kind::Interrupted,
+        anyhow::anyhow!(
+            "interrupted after {sent} of {planned} requests; the report above covers those"
+        ),
+    )
 }
 
 /// A progress bar on a terminal's stderr (hidden otherwise).
@@ -239,7 +265,8 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
     let s = bench_scenario::load(path, a.short)?;
     let bar = progress_bar(1, &s.name);
     let tick = bar.clone();
-    let outcome = bench_scenario::run(&a.dir, &s, a.short, a.seed, move |done, total| {
+    let stop = stop_on_signal();
+    let outcome = bench_scenario::run(&a.dir, &s, a.short, a.seed, &stop, move |done, total| {
         tick.set_length(total);
         tick.set_position(done);
     })
@@ -256,6 +283,12 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
         )?;
         writeln!(out, "{}", table(&outcome.summary))?;
         writeln!(out, "{}", bench_scenario::table(&outcome))?;
+    }
+    if outcome.interrupted {
+        return Err(interrupted(
+            outcome.summary.sent,
+            outcome.summary.plan.requests,
+        ));
     }
     Ok(Outcome::from_failures(bench_scenario::failures(&outcome)))
 }

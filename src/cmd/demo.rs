@@ -218,6 +218,9 @@ async fn play_all(
         started.elapsed().as_secs_f64(),
         chosen.len()
     )?;
+    // Ctrl-C or SIGTERM stops the scenario under way (its faults ended, its agents stopped);
+    // the mesh is taken down by the caller.
+    let stop = super::bench::stop_on_signal();
     let play = async {
         let mut outcomes = Vec::new();
         for (name, text) in chosen {
@@ -231,13 +234,22 @@ async fn play_all(
             writeln!(std::io::stdout(), "▶ {}: {}", s.name, s.description)?;
             let bar = super::bench::progress_bar(1, &s.name);
             let tick = bar.clone();
-            let o = bench_scenario::run(&mesh.dir, &s, !a.full, 42, move |done, total| {
+            let o = bench_scenario::run(&mesh.dir, &s, !a.full, 42, &stop, move |done, total| {
                 tick.set_length(total);
                 tick.set_position(done);
             })
             .await;
             bar.finish_and_clear();
             let o = o?;
+            if o.interrupted {
+                return Err(Error::new(
+                    Kind::Interrupted,
+                    anyhow::anyhow!(
+                        "interrupted during {}; the demo's mesh is taken down",
+                        o.scenario
+                    ),
+                ));
+            }
             writeln!(std::io::stdout(), "{}", verdict_line(&o))?;
             for v in o.verdicts.iter().filter(|v| !v.ok) {
                 writeln!(
@@ -251,12 +263,7 @@ async fn play_all(
         }
         Ok::<_, Error>(outcomes)
     };
-    let outcomes = tokio::select! {
-        r = play => r?,
-        _ = crate::signal::terminated() => {
-            return Err(Error::new(Kind::Interrupted, anyhow::anyhow!("interrupted; the demo's mesh is being taken down")));
-        }
-    };
+    let outcomes = play.await?;
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
     t.set_header(vec![

@@ -738,3 +738,64 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
     let after = nc.request("oam.v1.request", "{}".into()).await;
     assert!(after.is_err(), "no node serves after the stop");
 }
+
+/// `oam bench` stopped by SIGTERM stops its load, still writes the report of what finished
+/// (marked interrupted), and exits 130.
+#[tokio::test]
+async fn a_bench_stopped_by_sigterm_writes_its_partial_report() {
+    let nats = NatsServer::start().await;
+    let sim = Proc::spawn(&[
+        "sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--provider",
+        "primary=800+0",
+        "--provider",
+        "secondary=800+0",
+        "--provider",
+        "local=800+0",
+    ]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let n1 = node("n1", &nats.url(), &sim_url, &["--cluster-size", "1"]);
+    let url = n1.ready["http"].as_str().unwrap().to_string();
+    let c = client();
+    assert!(
+        eventually(Duration::from_secs(10), || state(&c, &url))
+            .await
+            .is_some()
+    );
+    let report = std::env::temp_dir().join(format!("oam-bench-term-{}.json", std::process::id()));
+    let bench = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["bench", "--url", &url, "-n", "200", "-c", "4", "--json"])
+        .arg(&report)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The load is under way once the node holds its requests.
+    let busy = eventually(Duration::from_secs(10), || async {
+        let s = state(&c, &url).await?;
+        (s["bulkheads"]["normal"]["active"].as_u64()? > 0).then_some(())
+    })
+    .await;
+    assert!(busy.is_some(), "the bench's requests reached the node");
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &bench.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let out = bench.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("interrupted after"));
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&report);
+    assert_eq!(doc["interrupted"], true, "{doc}");
+    assert_eq!(doc["plan"]["requests"], 200);
+    assert!(doc["sent"].as_u64().unwrap() < 200, "{doc}");
+}
