@@ -1,6 +1,7 @@
 //! The load engine: bounded, scripted load against nodes' HTTP data plane, measured with an HDR
 //! histogram. Every run stops by itself: a fixed request count, and optionally a deadline.
 
+use crate::core::request::{Priority, Risk};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -22,8 +23,8 @@ pub struct Plan {
     pub max_duration_ms: Option<u64>,
     pub agent: String,
     pub task: String,
-    pub risk: String,
-    pub priority: String,
+    pub risk: Risk,
+    pub priority: Priority,
     pub seed: u64,
     pub timeout_ms: u64,
     /// Request kinds chosen per request by weight; empty means the one kind above.
@@ -38,8 +39,8 @@ impl Plan {
         if total == 0 {
             return super::scenario::Mix {
                 weight: 1,
-                risk: self.risk.clone(),
-                priority: self.priority.clone(),
+                risk: self.risk,
+                priority: self.priority,
                 agent: self.agent.clone(),
                 task: self.task.clone(),
             };
@@ -82,7 +83,7 @@ pub struct Sample {
     pub phase: String,
     pub provider: String,
     pub reasons: Vec<String>,
-    pub priority: String,
+    pub priority: Priority,
     /// A mesh call's error code (agent calls only).
     pub error: Option<String>,
 }
@@ -145,7 +146,7 @@ fn empty_sample() -> Sample {
         phase: "transport_error".into(),
         provider: String::new(),
         reasons: Vec::new(),
-        priority: String::new(),
+        priority: Priority::Normal,
         error: None,
     }
 }
@@ -441,8 +442,8 @@ mod tests {
             max_duration_ms: None,
             agent: "a".into(),
             task: "t".into(),
-            risk: "low".into(),
-            priority: "normal".into(),
+            risk: Risk::Low,
+            priority: Priority::Normal,
             seed: 1,
             timeout_ms: 1_000,
             mix: Vec::new(),
@@ -452,7 +453,7 @@ mod tests {
     fn sample(ms: u64, status: u16, provider: &str) -> Sample {
         Sample {
             started_us: 0,
-            priority: "normal".into(),
+            priority: Priority::Normal,
             error: None,
             latency_us: ms * 1_000,
             status,

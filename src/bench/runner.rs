@@ -4,6 +4,7 @@
 use super::load::{self as bench, Plan, Target};
 use super::scenario::{self, Recovery, Run, Scenario, Verdict};
 use crate::core::chaos::{Inject, Restore};
+use crate::core::health::Verdict as Health;
 use crate::error::{Error, Kind, Result};
 use crate::local::{self, Record};
 use crate::transport::chaos::{self, AskError};
@@ -78,25 +79,22 @@ async fn settle(http: &reqwest::Client, urls: &[String], within: Duration) -> Re
     loop {
         let mut why = None;
         for url in urls {
-            let state = http
-                .get(format!("{url}/v1/oam/state"))
-                .timeout(Duration::from_secs(5));
-            let v: serde_json::Value = match state.send().await {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(_) => serde_json::Value::Null,
+            let Some(v) = crate::local::cluster::snapshot(http, url).await else {
+                why = Some(format!("{url} does not answer"));
+                break;
             };
-            let live = v["live_nodes"].as_array().map_or(0, Vec::len);
+            let live = v.live_nodes.len();
             if live < urls.len() {
                 why = Some(format!("{url} sees {live} of {} nodes", urls.len()));
                 break;
             }
-            for p in v["providers"].as_array().into_iter().flatten() {
-                let verdict = p["consensus"]["verdict"].as_str().unwrap_or("?");
-                let breaker = p["breaker"]["state"].as_str().unwrap_or("?");
-                if verdict != "HEALTHY" || breaker == "open" {
+            for p in &v.providers {
+                let verdict = p.consensus.verdict;
+                if verdict != Health::Healthy || p.breaker.is_open() {
                     why = Some(format!(
-                        "{} is {verdict} (breaker {breaker}) on {url}",
-                        p["id"].as_str().unwrap_or("?")
+                        "{} is {verdict} (breaker {}) on {url}",
+                        p.id,
+                        p.breaker.name()
                     ));
                 }
             }
@@ -209,8 +207,8 @@ pub async fn run(
         max_duration_ms: Some(duration.as_millis() as u64 + 1_000),
         agent: "bench".into(),
         task: "bench".into(),
-        risk: "low".into(),
-        priority: "normal".into(),
+        risk: crate::core::request::Risk::Low,
+        priority: crate::core::request::Priority::Normal,
         seed,
         timeout_ms: s.load.timeout_ms,
         mix: s.load.mix.clone(),

@@ -25,6 +25,9 @@
 
 use super::load::Sample;
 use crate::core::chaos::{Fault, Params, parse_duration};
+use crate::core::reason::{Phase, ReasonCode};
+use crate::core::request::{Priority, Risk};
+use crate::mesh::protocol::ErrorCode;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -91,10 +94,10 @@ fn default_timeout_ms() -> u64 {
 pub struct Mix {
     #[serde(default = "one")]
     pub weight: u32,
-    #[serde(default = "low")]
-    pub risk: String,
-    #[serde(default = "normal")]
-    pub priority: String,
+    #[serde(default)]
+    pub risk: Risk,
+    #[serde(default)]
+    pub priority: Priority,
     #[serde(default = "bench")]
     pub agent: String,
     #[serde(default = "bench")]
@@ -104,12 +107,6 @@ pub struct Mix {
 fn one() -> u32 {
     1
 }
-fn low() -> String {
-    "low".into()
-}
-fn normal() -> String {
-    "normal".into()
-}
 fn bench() -> String {
     "bench".into()
 }
@@ -118,8 +115,8 @@ impl Default for Mix {
     fn default() -> Mix {
         Mix {
             weight: 1,
-            risk: low(),
-            priority: normal(),
+            risk: Risk::Low,
+            priority: Priority::Normal,
             agent: bench(),
             task: bench(),
         }
@@ -168,12 +165,14 @@ pub struct Expect {
     pub during: Window,
     #[serde(default)]
     pub provider: Option<String>,
+    /// A reason code (`reason_count`, `cluster_reason_count`) or a mesh error code
+    /// (`error_count`), checked against the valid ones when the file is read.
     #[serde(default)]
     pub code: Option<String>,
     #[serde(default)]
-    pub phase: Option<String>,
+    pub phase: Option<Phase>,
     #[serde(default)]
-    pub priority: Option<String>,
+    pub priority: Option<Priority>,
     #[serde(default)]
     pub min: Option<f64>,
     #[serde(default)]
@@ -274,9 +273,28 @@ impl Scenario {
                 Metric::ReasonCount | Metric::ClusterReasonCount | Metric::ErrorCount => {
                     needs("code", &e.code)
                 }
-                Metric::PhaseCount => needs("phase", &e.phase),
+                Metric::PhaseCount => e
+                    .phase
+                    .is_none()
+                    .then(|| format!("expect[{i}] ({:?}) needs phase", e.metric)),
                 _ => None,
             };
+            if let Some(code) = &e.code {
+                let known = match e.metric {
+                    Metric::ErrorCount => ErrorCode::ALL.iter().any(|c| c.as_str() == code),
+                    _ => ReasonCode::ALL.iter().any(|c| c.as_str() == code),
+                };
+                if !known {
+                    return Err(format!(
+                        "expect[{i}].code {code:?} is not a {} (`oam reasons` lists them)",
+                        if e.metric == Metric::ErrorCount {
+                            "mesh error code"
+                        } else {
+                            "reason code"
+                        }
+                    ));
+                }
+            }
             if let Some(m) = missing {
                 return Err(m);
             }
@@ -460,8 +478,8 @@ impl Run<'_> {
             }
             Metric::ReasonCount => count(&|s| s.reasons.iter().any(|r| r == code)),
             Metric::PhaseCount => count(&|s| {
-                Some(s.phase.as_str()) == e.phase.as_deref()
-                    && e.priority.as_deref().is_none_or(|p| p == s.priority)
+                e.phase.is_some_and(|p| s.phase == p.as_str())
+                    && e.priority.is_none_or(|p| p == s.priority)
             }),
             Metric::P50Ms => pct(0.50),
             Metric::P95Ms => pct(0.95),
@@ -513,12 +531,16 @@ fn describe(e: &Expect) -> String {
         .ok()
         .and_then(|v| v.as_str().map(String::from))
         .unwrap_or_default();
-    let what = [&e.provider, &e.code, &e.phase, &e.priority]
-        .into_iter()
-        .flatten()
-        .cloned()
-        .collect::<Vec<_>>()
-        .join(", ");
+    let what = [
+        e.provider.clone(),
+        e.code.clone(),
+        e.phase.map(|p| p.as_str().to_string()),
+        e.priority.map(|p| p.as_str().to_string()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect::<Vec<_>>()
+    .join(", ");
     let mut s = if what.is_empty() {
         metric
     } else {
@@ -555,7 +577,7 @@ mod tests {
             .into(),
             provider: provider.into(),
             reasons: reasons.iter().map(|r| r.to_string()).collect(),
-            priority: "normal".into(),
+            priority: Priority::Normal,
             error: None,
         }
     }

@@ -3,6 +3,7 @@
 
 use crate::bench::load::{self as bench, Plan, Report};
 use crate::bench::runner as bench_scenario;
+use crate::core::request::{Priority, Risk};
 use crate::error::{Error, Kind, Outcome, Result};
 use crate::local::Record;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
@@ -35,12 +36,10 @@ pub struct Args {
     pub agent: String,
     #[arg(long, default_value = "bench")]
     pub task: String,
-    /// low, medium or high.
-    #[arg(long, default_value = "low")]
-    pub risk: String,
-    /// critical, normal or background.
-    #[arg(long, default_value = "normal")]
-    pub priority: String,
+    #[arg(long, default_value = "low", value_parser = risks())]
+    pub risk: Risk,
+    #[arg(long, default_value = "normal", value_parser = priorities())]
+    pub priority: Priority,
     /// A request kind in the mix, repeatable, chosen per request by weight, e.g.
     /// `--mix risk=high,priority=critical,agent=support-bot,weight=1 --mix weight=9`
     /// (keys: risk, priority, agent, task, weight; unset keys take the flags above).
@@ -69,12 +68,26 @@ pub struct Args {
     pub short: bool,
 }
 
+/// `--risk`: low, medium or high.
+fn risks() -> impl clap::builder::TypedValueParser<Value = Risk> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(Risk::ALL.map(Risk::as_str))
+        .map(|name: String| Risk::from_name(&name).unwrap_or_default())
+}
+
+/// `--priority`: critical, normal or background.
+fn priorities() -> impl clap::builder::TypedValueParser<Value = Priority> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(Priority::ALL.map(Priority::as_str))
+        .map(|name: String| Priority::from_name(&name).unwrap_or_default())
+}
+
 /// One `--mix` value: `key=value` pairs separated by commas.
 fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
     let mut m = crate::bench::scenario::Mix {
         weight: 1,
-        risk: a.risk.clone(),
-        priority: a.priority.clone(),
+        risk: a.risk,
+        priority: a.priority,
         agent: a.agent.clone(),
         task: a.task.clone(),
     };
@@ -84,12 +97,16 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
                 "--mix {spec:?}: use key=value pairs, e.g. risk=high,weight=2"
             ))
         })?;
-        let v = v.trim().to_string();
-        match k.trim() {
-            "risk" if ["low", "medium", "high"].contains(&v.as_str()) => m.risk = v,
-            "priority" if ["critical", "normal", "background"].contains(&v.as_str()) => {
-                m.priority = v
-            }
+        let (k, v) = (k.trim(), v.trim().to_string());
+        let invalid = || {
+            Error::usage(format!(
+                "--mix {spec:?}: {k}={v} is not valid; keys are risk (low|medium|high), \
+                 priority (critical|normal|background), agent, task, weight"
+            ))
+        };
+        match k {
+            "risk" => m.risk = Risk::from_name(&v).ok_or_else(invalid)?,
+            "priority" => m.priority = Priority::from_name(&v).ok_or_else(invalid)?,
             "agent" => m.agent = v,
             "task" => m.task = v,
             "weight" => {
@@ -97,12 +114,7 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
                     Error::usage(format!("--mix {spec:?}: weight must be a whole number"))
                 })?
             }
-            k => {
-                return Err(Error::usage(format!(
-                    "--mix {spec:?}: {k}={v} is not valid; keys are risk (low|medium|high), \
-                     priority (critical|normal|background), agent, task, weight"
-                )));
-            }
+            _ => return Err(invalid()),
         }
     }
     Ok(m)
@@ -126,18 +138,6 @@ fn emit_json<T: serde::Serialize>(json: Option<&std::path::Path>, v: &T) -> Resu
 pub async fn run(a: Args) -> Result<Outcome> {
     if let Some(path) = &a.scenario {
         return scenario(&a, path).await;
-    }
-    if !["low", "medium", "high"].contains(&a.risk.as_str()) {
-        return Err(Error::usage(format!(
-            "--risk {:?}: use low, medium or high",
-            a.risk
-        )));
-    }
-    if !["critical", "normal", "background"].contains(&a.priority.as_str()) {
-        return Err(Error::usage(format!(
-            "--priority {:?}: use critical, normal or background",
-            a.priority
-        )));
     }
     if a.requests == 0 || a.concurrency == 0 {
         return Err(Error::usage("-n and -c must be at least 1"));
@@ -190,8 +190,8 @@ pub async fn run(a: Args) -> Result<Outcome> {
         max_duration_ms: a.duration.map(|d| (d * 1_000.0) as u64),
         agent: a.agent.clone(),
         task: a.task.clone(),
-        risk: a.risk.clone(),
-        priority: a.priority.clone(),
+        risk: a.risk,
+        priority: a.priority,
         seed: a.seed,
         timeout_ms: a.timeout_ms,
         mix,

@@ -14,7 +14,6 @@ use crate::watch::state::{App, Event, Focus};
 use async_nats::jetstream::kv;
 use futures_util::StreamExt;
 use ratatui::crossterm::event::{self as term, KeyCode, KeyEventKind, KeyModifiers};
-use serde_json::Value;
 use std::io::IsTerminal;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,8 +42,9 @@ impl Drop for TerminalGuard {
     }
 }
 
-fn body(payload: &[u8]) -> Option<(String, Value)> {
-    let env: Envelope<Value> = serde_json::from_slice(payload).ok()?;
+/// An event's sender and body, or `None` for what does not parse as one (never applied).
+fn body<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Option<(String, T)> {
+    let env: Envelope<T> = serde_json::from_slice(payload).ok()?;
     Some((env.sender, env.body))
 }
 
@@ -95,10 +95,10 @@ async fn feed(
     loop {
         tokio::select! {
             Some(m) = states.next() => if let Some((node, state)) = body(&m.payload) {
-                send(Event::NodeState { node, state });
+                send(Event::NodeState { node, state: Box::new(state) });
             },
             Some(m) = decisions.next() => if let Some((node, decision)) = body(&m.payload) {
-                send(Event::Decision { node, decision });
+                send(Event::Decision { node, decision: Box::new(decision) });
             },
             Some(m) = incidents.next() => if let Some((node, incident)) = body(&m.payload) {
                 send(Event::Incident { node, incident });

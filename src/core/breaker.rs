@@ -84,6 +84,19 @@ impl Breaker {
         matches!(self, Breaker::Closed { .. })
     }
 
+    pub fn is_open(&self) -> bool {
+        matches!(self, Breaker::Open { .. })
+    }
+
+    /// The state's name as it travels: `closed`, `open` or `half_open`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Breaker::Closed { .. } => "closed",
+            Breaker::Open { .. } => "open",
+            Breaker::HalfOpen { .. } => "half_open",
+        }
+    }
+
     /// Move an expired open breaker to half-open. Returns the transition if one happened.
     pub fn tick(&mut self, now_ms: u64) -> Option<Transition> {
         if let Breaker::Open { until_ms, .. } = *self

@@ -26,12 +26,15 @@ pub enum Outcome {
 }
 
 /// The health verdict for one provider.
-#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default,
+)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Verdict {
     Healthy,
     Degraded,
     Unhealthy,
+    #[default]
     Unknown,
 }
 
@@ -50,6 +53,12 @@ impl Verdict {
             Verdict::Unhealthy => "UNHEALTHY",
             Verdict::Unknown => "UNKNOWN",
         }
+    }
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -74,7 +74,8 @@ fn observation_ttl() -> u64 {
 }
 
 /// The consensus view of one provider that routing uses.
-#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(default)]
 pub struct ProviderView {
     pub verdict: Verdict,
     /// Observations agreeing with `verdict` (k in "k/n").

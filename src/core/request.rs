@@ -28,8 +28,28 @@ pub enum Priority {
     Background,
 }
 
+impl Risk {
+    pub const ALL: [Risk; 3] = [Risk::Low, Risk::Medium, Risk::High];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Risk::Low => "low",
+            Risk::Medium => "medium",
+            Risk::High => "high",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Risk> {
+        Risk::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+}
+
 impl Priority {
     pub const ALL: [Priority; 3] = [Priority::Critical, Priority::Normal, Priority::Background];
+
+    pub fn from_name(name: &str) -> Option<Priority> {
+        Priority::ALL.into_iter().find(|p| p.as_str() == name)
+    }
 
     pub fn as_str(self) -> &'static str {
         match self {

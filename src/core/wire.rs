@@ -5,7 +5,11 @@
 //! mistaken for an old one) and a sequence number. A receiver applies an event only if its
 //! (incarnation, sequence) is newer than the last one it applied from that sender.
 
-use super::quorum::Observation;
+use super::breaker::Breaker;
+use super::budget::Budgets;
+use super::bulkhead::{BulkheadConfig, Bulkheads};
+use super::health::{Stats, Verdict};
+use super::quorum::{Observation, ProviderView};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -138,4 +142,78 @@ mod tests {
             "the old incarnation is over"
         );
     }
+}
+
+/// What one node sees, now: `GET /v1/oam/state`, and `oam.v1.state.{node}` every heartbeat.
+/// `oam watch`, `oam mesh status`, `oam mesh up`'s readiness wait and the scenario runner read
+/// it. Fields a reader does not know are ignored and missing ones take their defaults, so a
+/// reader and a node of neighbouring versions still understand each other.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(default)]
+pub struct NodeSnapshot {
+    pub node: String,
+    pub now_ms: u64,
+    /// n: the configured cluster size (or more, when more nodes are alive).
+    pub cluster_size: usize,
+    /// Nodes needed for a majority: floor(n/2)+1.
+    pub quorum: usize,
+    /// Nodes whose heartbeat this node heard within the TTL (itself included).
+    pub live_nodes: Vec<String>,
+    pub nodes: Vec<MemberSnapshot>,
+    pub providers: Vec<ProviderSnapshot>,
+    pub bulkheads: Bulkheads,
+    pub bulkhead_limits: BulkheadConfig,
+    pub budgets: Budgets,
+    pub bus: BusCounts,
+}
+
+impl NodeSnapshot {
+    /// Does this node hear a majority of the cluster?
+    pub fn has_quorum(&self) -> bool {
+        self.live_nodes.len() >= self.quorum
+    }
+
+    pub fn provider(&self, id: &str) -> Option<&ProviderSnapshot> {
+        self.providers.iter().find(|p| p.id == id)
+    }
+
+    /// Providers whose consensus verdict is `v`.
+    pub fn providers_with(&self, v: Verdict) -> impl Iterator<Item = &ProviderSnapshot> {
+        self.providers
+            .iter()
+            .filter(move |p| p.consensus.verdict == v)
+    }
+}
+
+/// One cluster member as a node sees it.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Debug, Default)]
+#[serde(default)]
+pub struct MemberSnapshot {
+    pub id: String,
+    pub alive: bool,
+    pub heartbeat_age_ms: u64,
+    pub connected: bool,
+}
+
+/// One provider as a node sees it: the cluster's verdict, its own window, its breaker.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(default)]
+pub struct ProviderSnapshot {
+    pub id: String,
+    pub fallback: bool,
+    pub consensus: ProviderView,
+    /// This node's own window (`None` when it keeps none).
+    pub local: Option<Stats>,
+    pub breaker: Breaker,
+}
+
+/// Messages from the bus a node refused to apply, by why.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(default)]
+pub struct BusCounts {
+    pub malformed: u64,
+    pub duplicate_or_stale: u64,
+    pub forged: u64,
+    /// Events not published because the outbox was full (NATS down for long).
+    pub dropped_events: u64,
 }

@@ -5,6 +5,7 @@
 
 use super::natsd;
 use super::{Record, Started, Stopped};
+use crate::core::wire::NodeSnapshot;
 use crate::transport::connect::ENV_URL;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -342,17 +343,20 @@ async fn start_all(
     })
 }
 
-/// How many nodes the node at `url` sees alive (`None`: it does not answer).
-async fn live_nodes(http: &reqwest::Client, url: &str) -> Option<usize> {
-    let v: serde_json::Value = http
-        .get(format!("{url}/v1/oam/state"))
+/// What the node at `url` sees (`None`: it does not answer, or not with a snapshot).
+pub async fn snapshot(http: &reqwest::Client, url: &str) -> Option<NodeSnapshot> {
+    http.get(format!("{url}/v1/oam/state"))
         .send()
         .await
         .ok()?
         .json()
         .await
-        .ok()?;
-    Some(v["live_nodes"].as_array()?.len())
+        .ok()
+}
+
+/// How many nodes the node at `url` sees alive (`None`: it does not answer).
+async fn live_nodes(http: &reqwest::Client, url: &str) -> Option<usize> {
+    snapshot(http, url).await.map(|s| s.live_nodes.len())
 }
 
 /// Stop every recorded process, newest first (SIGTERM, then SIGKILL after `grace`), and forget
@@ -428,35 +432,17 @@ async fn probe(http: &reqwest::Client, rec: &Record, p: &Started) -> (bool, Stri
             Ok(r) if r.status().is_success() => (true, "healthy".into()),
             _ => (false, "not answering".into()),
         },
-        _ => {
-            let state = async {
-                http.get(format!("{}/v1/oam/state", p.endpoint))
-                    .send()
-                    .await
-                    .ok()?
-                    .json::<serde_json::Value>()
-                    .await
-                    .ok()
-            };
-            match state.await {
-                Some(v) => {
-                    let live = v["live_nodes"].as_array().map_or(0, Vec::len);
-                    let verdicts: Vec<String> = v["providers"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .map(|p| {
-                            format!(
-                                "{}={}",
-                                p["id"].as_str().unwrap_or("?"),
-                                p["consensus"]["verdict"].as_str().unwrap_or("?")
-                            )
-                        })
-                        .collect();
-                    (true, format!("{live} live nodes; {}", verdicts.join(" ")))
-                }
-                None => (false, "not answering".into()),
+        _ => match snapshot(http, &p.endpoint).await {
+            Some(s) => {
+                let verdicts: Vec<String> = s
+                    .providers
+                    .iter()
+                    .map(|p| format!("{}={}", p.id, p.consensus.verdict))
+                    .collect();
+                let live = s.live_nodes.len();
+                (true, format!("{live} live nodes; {}", verdicts.join(" ")))
             }
-        }
+            None => (false, "not answering".into()),
+        },
     }
 }

@@ -99,6 +99,20 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// Every code a peer can send (not `Unknown`, which stands for what this version does not
+    /// know).
+    pub const ALL: [ErrorCode; 9] = [
+        ErrorCode::AgentDied,
+        ErrorCode::Timeout,
+        ErrorCode::NotFound,
+        ErrorCode::NotAvailable,
+        ErrorCode::InvalidInput,
+        ErrorCode::HandlerError,
+        ErrorCode::InvocationMismatch,
+        ErrorCode::Stuck,
+        ErrorCode::ChunkSequenceError,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::AgentDied => "agent_died",
@@ -164,6 +178,18 @@ pub enum DeathReason {
     MissedHeartbeats,
     #[serde(other)]
     Other,
+}
+
+impl DeathReason {
+    /// The reason as it travels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeathReason::Disconnect => "disconnect",
+            DeathReason::GracefulShutdown => "graceful_shutdown",
+            DeathReason::MissedHeartbeats => "missed_heartbeats",
+            DeathReason::Other => "other",
+        }
+    }
 }
 
 /// `mesh.death.{name}`: `{agent, reason, detected_at, instance_id}`.

@@ -16,7 +16,10 @@ use crate::core::health::{Outcome, Window};
 use crate::core::pipeline::{Config as PipelineConfig, Engine, State};
 use crate::core::quorum::{Cluster, Observation};
 use crate::core::request::{GenerationStatus, Message, Provider};
-use crate::core::wire::{Envelope, Goodbye, Heartbeat, Observations, Sequencer, Stamper};
+use crate::core::wire::{
+    BusCounts, Envelope, Goodbye, Heartbeat, MemberSnapshot, NodeSnapshot, Observations,
+    ProviderSnapshot, Sequencer, Stamper,
+};
 use crate::transport::subjects;
 use config::NodeConfig;
 use connector::Connector;
@@ -29,7 +32,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Counters of what the node refused to apply from the bus.
-#[derive(Default, Serialize)]
+#[derive(Default)]
 pub struct BusCounters {
     pub malformed: AtomicU64,
     pub duplicate_or_stale: AtomicU64,
@@ -634,52 +637,53 @@ impl Node {
         self.metrics.render(&self.id, &engine, now_ms(), &bus)
     }
 
-    /// A JSON snapshot of what this node sees (`GET /v1/oam/state`).
-    pub fn snapshot(&self) -> serde_json::Value {
+    /// What this node sees, now (`GET /v1/oam/state`, and `oam.v1.state.{node}`).
+    pub fn snapshot(&self) -> NodeSnapshot {
         let now = now_ms();
         let e = self.engine();
         let c = &e.state.cluster;
-        let nodes: Vec<serde_json::Value> = c
+        let nodes = c
             .members
             .iter()
-            .map(|(id, m)| {
-                serde_json::json!({
-                    "id": id,
-                    "alive": c.is_alive(id, now),
-                    "heartbeat_age_ms": now.saturating_sub(m.last_heartbeat_ms),
-                    "connected": m.connected,
-                })
+            .map(|(id, m)| MemberSnapshot {
+                id: id.clone(),
+                alive: c.is_alive(id, now),
+                heartbeat_age_ms: now.saturating_sub(m.last_heartbeat_ms),
+                connected: m.connected,
             })
             .collect();
         let windows = lock(&self.windows);
-        let providers: Vec<serde_json::Value> = e
+        let providers = e
             .state
             .providers
             .iter()
-            .map(|p| {
-                let local = windows.get(&*p.id).map(|w| w.stats(now));
-                serde_json::json!({
-                    "id": p.id,
-                    "fallback": p.fallback,
-                    "consensus": c.view(&p.id, now),
-                    "local": local,
-                    "breaker": breaker_now(e.state.breakers.get(&*p.id).copied(), now),
-                })
+            .map(|p| ProviderSnapshot {
+                id: p.id.to_string(),
+                fallback: p.fallback,
+                consensus: c.view(&p.id, now),
+                local: windows.get(&*p.id).map(|w| w.stats(now)),
+                breaker: breaker_now(e.state.breakers.get(&*p.id).copied(), now),
             })
             .collect();
-        serde_json::json!({
-            "node": self.id,
-            "now_ms": now,
-            "cluster_size": c.effective_size(now),
-            "quorum": c.quorum(now),
-            "live_nodes": c.live_nodes(now),
-            "nodes": nodes,
-            "providers": providers,
-            "bulkheads": e.state.bulkheads,
-            "bulkhead_limits": e.config.bulkheads,
-            "budgets": e.state.budgets,
-            "bus": self.bus,
-        })
+        let count = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        NodeSnapshot {
+            node: self.id.clone(),
+            now_ms: now,
+            cluster_size: c.effective_size(now),
+            quorum: c.quorum(now),
+            live_nodes: c.live_nodes(now).into_iter().map(String::from).collect(),
+            nodes,
+            providers,
+            bulkheads: e.state.bulkheads,
+            bulkhead_limits: e.config.bulkheads,
+            budgets: e.state.budgets.clone(),
+            bus: BusCounts {
+                malformed: count(&self.bus.malformed),
+                duplicate_or_stale: count(&self.bus.duplicate_or_stale),
+                forged: count(&self.bus.forged),
+                dropped_events: count(&self.bus.dropped_events),
+            },
+        }
     }
 }
 

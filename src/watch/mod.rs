@@ -2,5 +2,7 @@
 //! decisions, the escalation store, incidents, agent heartbeats and deaths, chaos events). `state` is the
 //! pure model, `render` draws it, `cmd::watch` runs the terminal and the bus.
 
+#[cfg(test)]
+pub(crate) mod fixtures;
 pub mod render;
 pub mod state;

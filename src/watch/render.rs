@@ -2,8 +2,12 @@
 //! every panel side by side; down to 80x24 the same panels stack and shrink without garbling.
 
 use super::state::{App, Focus, LineKind, Verdict};
+use crate::core::breaker::Breaker;
+use crate::core::bulkhead::Usage;
 use crate::core::chaos::Fault;
+use crate::core::health::Verdict as Health;
 use crate::core::reason::Action;
+use crate::core::request::Priority;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
@@ -58,10 +62,7 @@ pub fn panel_len(app: &App, panel: Focus, now_ms: u64) -> usize {
     match panel {
         Focus::Stream => app.visible().len(),
         Focus::Nodes => app.nodes.len(),
-        Focus::Providers => app
-            .reference(now_ms)
-            .and_then(|r| r["providers"].as_array())
-            .map_or(0, Vec::len),
+        Focus::Providers => app.reference(now_ms).map_or(0, |r| r.providers.len()),
         Focus::Attention => attention_lines(app, now_ms).len(),
         Focus::Agents => agent_lines(app, now_ms).len(),
     }
@@ -79,12 +80,12 @@ fn block(title: &str, focused: bool) -> Block<'static> {
     }
 }
 
-fn verdict_style(v: &str) -> Style {
+fn verdict_style(v: Health) -> Style {
     match v {
-        "HEALTHY" => Style::default().fg(Color::Green),
-        "DEGRADED" => Style::default().fg(Color::Yellow),
-        "UNHEALTHY" => Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
-        _ => Style::default().fg(Color::DarkGray),
+        Health::Healthy => Style::default().fg(Color::Green),
+        Health::Degraded => Style::default().fg(Color::Yellow),
+        Health::Unhealthy => Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+        Health::Unknown => Style::default().fg(Color::DarkGray),
     }
 }
 
@@ -238,8 +239,8 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         .map(|(id, v)| {
             let alive = live.contains(&id.as_str());
             let age = now_ms.saturating_sub(v.seen_ms);
-            let sees = v.state["live_nodes"].as_array().map_or(0, Vec::len);
-            let n = v.state["cluster_size"].as_u64().unwrap_or(0);
+            let sees = v.state.live_nodes.len();
+            let n = v.state.cluster_size;
             Row::new(vec![
                 Cell::from(id.clone()),
                 Cell::from(if alive { "alive" } else { "DEAD" }).style(if alive {
@@ -287,62 +288,39 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         return;
     };
     let offset = app.offset(Focus::Providers, panel_len(app, Focus::Providers, now_ms));
-    let rows: Vec<Row> = reference["providers"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let rows: Vec<Row> = reference
+        .providers
+        .iter()
         .skip(offset)
         .map(|p| {
-            let id = p["id"].as_str().unwrap_or("?");
-            let c = &p["consensus"];
-            let verdict = c["verdict"].as_str().unwrap_or("?");
+            let c = &p.consensus;
             let breakers: Vec<Span> = app
                 .nodes
                 .iter()
                 .filter_map(|(node, v)| {
-                    let b = v.state["providers"]
-                        .as_array()?
-                        .iter()
-                        .find(|q| q["id"] == p["id"])?["breaker"]["state"]
-                        .as_str()?
-                        .to_string();
-                    let style = match b.as_str() {
-                        "closed" => Style::default().fg(Color::Green),
-                        "open" => Style::default().fg(Color::Red),
-                        _ => Style::default().fg(Color::Yellow),
+                    let b = v.state.provider(&p.id)?.breaker;
+                    let (style, mark) = match b {
+                        Breaker::Closed { .. } => (Style::default().fg(Color::Green), "●"),
+                        Breaker::Open { .. } => (Style::default().fg(Color::Red), "○"),
+                        Breaker::HalfOpen { .. } => (Style::default().fg(Color::Yellow), "◐"),
                     };
-                    let mark = match b.as_str() {
-                        "closed" => "●",
-                        "open" => "○",
-                        _ => "◐",
-                    };
-                    Some(Span::styled(format!("{}{} ", node, mark), style))
+                    Some(Span::styled(format!("{node}{mark} "), style))
                 })
                 .collect();
             Row::new(vec![
-                Cell::from(id.to_string()),
-                Cell::from(verdict.to_string()).style(verdict_style(verdict)),
+                Cell::from(p.id.clone()),
+                Cell::from(c.verdict.as_str()).style(verdict_style(c.verdict)),
                 Cell::from(format!(
                     "{}/{}{}",
-                    c["votes"].as_u64().unwrap_or(0),
-                    c["cluster_size"].as_u64().unwrap_or(0),
-                    if c["quorum"].as_bool() == Some(true) {
-                        " q"
-                    } else {
-                        " local"
-                    }
+                    c.votes,
+                    c.cluster_size,
+                    if c.quorum { " q" } else { " local" }
                 )),
-                Cell::from(format!(
-                    "{:.0}%",
-                    c["availability"].as_f64().unwrap_or(0.0) * 100.0
-                )),
-                Cell::from(format!(
-                    "{:.0}%",
-                    c["contract_failure_pct"].as_f64().unwrap_or(0.0)
-                )),
-                Cell::from(format!("{}ms", c["p95_ms"].as_u64().unwrap_or(0))),
+                Cell::from(format!("{:.0}%", c.availability * 100.0)),
+                Cell::from(format!("{:.0}%", c.contract_failure_pct)),
+                Cell::from(format!("{}ms", c.p95_ms)),
                 Cell::from(Line::from(breakers)),
-                Cell::from(format!("{:.0}%", share(app, id) * 100.0)),
+                Cell::from(format!("{:.0}%", share(app, &p.id) * 100.0)),
             ])
         })
         .collect();
@@ -376,49 +354,38 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let b = block("Bulkheads (all nodes)", false);
     let inner = b.inner(area);
     f.render_widget(b, area);
-    let sum = |class: &str, field: &str| -> u64 {
-        let live = app.live_nodes(now_ms);
+    let live = app.live_nodes(now_ms);
+    let live_states = || {
         app.nodes
             .iter()
             .filter(|(k, _)| live.contains(&k.as_str()))
-            .map(|(_, v)| v.state["bulkheads"][class][field].as_u64().unwrap_or(0))
-            .sum()
+            .map(|(_, v)| &v.state)
     };
-    let limit = |class: &str| -> u64 {
-        let live = app.live_nodes(now_ms);
-        app.nodes
-            .iter()
-            .filter(|(k, _)| live.contains(&k.as_str()))
-            .map(|(_, v)| {
-                v.state["bulkhead_limits"][class]["concurrency"]
-                    .as_u64()
-                    .unwrap_or(0)
-            })
+    let sum = |class: Priority, field: fn(&Usage) -> u64| -> u64 {
+        live_states().map(|s| field(s.bulkheads.usage(class))).sum()
+    };
+    let limit = |class: Priority| -> u64 {
+        live_states()
+            .map(|s| u64::from(s.bulkhead_limits.limits(class).concurrency))
             .sum()
     };
     let rows = Layout::vertical([Constraint::Length(1); 4]).split(inner);
-    for (i, class) in ["critical", "normal", "background"].iter().enumerate() {
+    for (i, class) in Priority::ALL.into_iter().enumerate() {
         if i >= rows.len() {
             break;
         }
-        let (active, lim) = (sum(class, "active"), limit(class).max(1));
-        let short = match *class {
-            "critical" => "crit",
-            "normal" => "norm",
-            _ => "bg",
+        let active = sum(class, |u| u64::from(u.active));
+        let lim = limit(class).max(1);
+        let (short, color) = match class {
+            Priority::Critical => ("crit", Color::Cyan),
+            Priority::Normal => ("norm", Color::Blue),
+            Priority::Background => ("bg", Color::DarkGray),
         };
         let label = format!(
             "{short:<4} {active}/{lim} q{} shed {}",
-            sum(class, "queued"),
-            sum(class, "shed")
+            sum(class, |u| u64::from(u.queued)),
+            sum(class, |u| u.shed)
         );
-        let color = if *class == "critical" {
-            Color::Cyan
-        } else if *class == "normal" {
-            Color::Blue
-        } else {
-            Color::DarkGray
-        };
         f.render_widget(
             Gauge::default()
                 .gauge_style(Style::default().fg(color))
@@ -432,14 +399,9 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
 /// Budgets, open escalations (newest first) and loop incidents, a line each.
 fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
     let mut lines: Vec<Line> = Vec::new();
-    if let Some(state) = app.reference(now_ms)
-        && let Some(agents) = state["budgets"]["agents"].as_object()
-    {
-        for (agent, b) in agents {
-            let left = (b["limit_usd"].as_f64().unwrap_or(0.0)
-                - b["spent_usd"].as_f64().unwrap_or(0.0)
-                - b["reserved_usd"].as_f64().unwrap_or(0.0))
-            .max(0.0);
+    if let Some(state) = app.reference(now_ms) {
+        for (agent, b) in &state.budgets.agents {
+            let left = (b.limit_usd - b.spent_usd - b.reserved_usd).max(0.0);
             let style = if left <= 0.0 {
                 Style::default().fg(Color::Red)
             } else {
@@ -482,8 +444,8 @@ fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
                 "⟲ loop {}s ago {} {}/{}",
                 now_ms.saturating_sub(*at) / 1_000,
                 node,
-                i["agent"].as_str().unwrap_or("?"),
-                i["task"].as_str().unwrap_or("?")
+                i.agent,
+                i.task
             ),
             Style::default().fg(Color::Magenta),
         ));
@@ -542,8 +504,8 @@ fn agent_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
         lines.push(Line::styled(
             format!(
                 "✝ {} {} ({}s ago)",
-                n["agent"].as_str().unwrap_or("?"),
-                n["reason"].as_str().unwrap_or("?"),
+                n.agent,
+                n.reason.as_str(),
                 now_ms.saturating_sub(*at) / 1_000
             ),
             Style::default().fg(Color::Red),
@@ -700,55 +662,52 @@ fn render_chaos_menu(f: &mut Frame, area: Rect, sel: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::breaker::Breaker;
     use crate::core::chaos::{Active, Fault, Params};
+    use crate::core::pipeline::DecisionOutcome;
+    use crate::core::reason::{Phase, ReasonCode};
+    use crate::core::wire::{NodeSnapshot, ProviderSnapshot};
+    use crate::mesh::protocol::DeathReason;
     use crate::transport::escalations::Status;
+    use crate::watch::fixtures;
     use crate::watch::state::Event;
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
-    use serde_json::{Value, json};
 
     const NOW: u64 = 1_800_000_000_000;
 
     fn provider(
         id: &str,
-        verdict: &str,
-        votes: u64,
+        verdict: Health,
+        votes: usize,
         quorum: bool,
         avail: f64,
         p95: u64,
-        breaker: &str,
-    ) -> Value {
-        json!({
-            "id": id,
-            "consensus": {"verdict": verdict, "votes": votes, "voters": 3, "cluster_size": 3,
-                          "quorum": quorum, "availability": avail, "contract_failure_pct": 0.0, "p95_ms": p95},
-            "breaker": {"state": breaker},
-        })
+        breaker: Breaker,
+    ) -> ProviderSnapshot {
+        fixtures::provider(id, verdict, votes, quorum, avail, p95, breaker)
     }
 
-    fn node_state(quorum: bool, live: &[&str], providers: Vec<Value>, shed_bg: u64) -> Value {
-        json!({
-            "cluster_size": 3, "quorum": quorum, "live_nodes": live, "providers": providers,
-            "bulkheads": {"critical": {"active": 1, "queued": 0, "shed": 0},
-                          "normal": {"active": 6, "queued": 0, "shed": 0},
-                          "background": {"active": 8, "queued": 0, "shed": shed_bg}},
-            "bulkhead_limits": {"critical": {"concurrency": 16}, "normal": {"concurrency": 24},
-                                "background": {"concurrency": 8}},
-            "budgets": {"agents": {"support-bot": {"limit_usd": 5.0, "spent_usd": 1.25, "reserved_usd": 0.0}}, "global": null},
-        })
+    fn node_state(
+        live: &[&str],
+        providers: Vec<ProviderSnapshot>,
+        shed_bg: u64,
+    ) -> Box<NodeSnapshot> {
+        fixtures::node_state(live, providers, shed_bg)
     }
 
     fn decision(
-        outcome: &str,
-        phase: &str,
+        outcome: DecisionOutcome,
+        phase: Phase,
         provider: &str,
         fallback: bool,
-        codes: &[&str],
+        codes: &[ReasonCode],
         agent: &str,
-    ) -> Value {
-        json!({"outcome": outcome, "phase": phase, "provider": if provider.is_empty() { Value::Null } else { json!(provider) },
-               "fallback": fallback, "agent": agent, "reason_codes": codes,
-               "attempts": [{"latency_ms": if fallback { 48 } else { 176 }}], "decided_at_ms": NOW})
+    ) -> Box<crate::core::pipeline::Decision> {
+        let latency = if fallback { 48 } else { 176 };
+        fixtures::decision(
+            outcome, phase, provider, fallback, codes, agent, latency, NOW,
+        )
     }
 
     fn healthy() -> App {
@@ -756,16 +715,40 @@ mod tests {
         app.apply(Event::Connection(true), NOW);
         let ps = || {
             vec![
-                provider("primary", "HEALTHY", 3, true, 1.0, 198, "closed"),
-                provider("local", "HEALTHY", 3, true, 1.0, 59, "closed"),
-                provider("secondary", "HEALTHY", 3, true, 1.0, 197, "closed"),
+                provider(
+                    "primary",
+                    Health::Healthy,
+                    3,
+                    true,
+                    1.0,
+                    198,
+                    Breaker::default(),
+                ),
+                provider(
+                    "local",
+                    Health::Healthy,
+                    3,
+                    true,
+                    1.0,
+                    59,
+                    Breaker::default(),
+                ),
+                provider(
+                    "secondary",
+                    Health::Healthy,
+                    3,
+                    true,
+                    1.0,
+                    197,
+                    Breaker::default(),
+                ),
             ]
         };
         for n in ["n1", "n2", "n3"] {
             app.apply(
                 Event::NodeState {
                     node: n.into(),
-                    state: node_state(true, &["n1", "n2", "n3"], ps(), 0),
+                    state: node_state(&["n1", "n2", "n3"], ps(), 0),
                 },
                 NOW - 400,
             );
@@ -775,12 +758,7 @@ mod tests {
             NOW,
         );
         for (id, agent) in [("a1", "demo.echo"), ("a2", "demo.echo"), ("b1", "llm.chat")] {
-            app.apply(
-                Event::AgentBeat(
-                    json!({"agent": agent, "instance_id": id, "in_flight": 1, "processed": 40}),
-                ),
-                NOW - 500,
-            );
+            app.apply(Event::AgentBeat(fixtures::beat(agent, id)), NOW - 500);
         }
         for i in 0..6 {
             let node = ["n1", "n2", "n3"][i % 3];
@@ -788,11 +766,11 @@ mod tests {
                 Event::Decision {
                     node: node.into(),
                     decision: decision(
-                        "accepted",
-                        "accepted",
+                        DecisionOutcome::Accepted,
+                        Phase::Accepted,
                         "primary",
                         false,
-                        &["ROUTING_SELECTED", "ACCEPTED"],
+                        &[ReasonCode::RoutingSelected, ReasonCode::Accepted],
                         "support-bot",
                     ),
                 },
@@ -806,16 +784,40 @@ mod tests {
         let mut app = healthy();
         let ps = || {
             vec![
-                provider("primary", "UNHEALTHY", 3, true, 0.12, 0, "open"),
-                provider("local", "HEALTHY", 3, true, 1.0, 61, "closed"),
-                provider("secondary", "HEALTHY", 3, true, 1.0, 199, "closed"),
+                provider(
+                    "primary",
+                    Health::Unhealthy,
+                    3,
+                    true,
+                    0.12,
+                    0,
+                    fixtures::open(),
+                ),
+                provider(
+                    "local",
+                    Health::Healthy,
+                    3,
+                    true,
+                    1.0,
+                    61,
+                    Breaker::default(),
+                ),
+                provider(
+                    "secondary",
+                    Health::Healthy,
+                    3,
+                    true,
+                    1.0,
+                    199,
+                    Breaker::default(),
+                ),
             ]
         };
         for n in ["n1", "n2", "n3"] {
             app.apply(
                 Event::NodeState {
                     node: n.into(),
-                    state: node_state(true, &["n1", "n2", "n3"], ps(), 0),
+                    state: node_state(&["n1", "n2", "n3"], ps(), 0),
                 },
                 NOW - 300,
             );
@@ -837,11 +839,15 @@ mod tests {
                 Event::Decision {
                     node: ["n1", "n2", "n3"][i % 3].into(),
                     decision: decision(
-                        "accepted",
-                        "accepted",
+                        DecisionOutcome::Accepted,
+                        Phase::Accepted,
                         "local",
                         true,
-                        &["ROUTING_SELECTED", "FALLBACK_USED", "ACCEPTED"],
+                        &[
+                            ReasonCode::RoutingSelected,
+                            ReasonCode::FallbackUsed,
+                            ReasonCode::Accepted,
+                        ],
                         "support-bot",
                     ),
                 },
@@ -928,8 +934,24 @@ mod tests {
     fn no_quorum_with_dead_nodes() {
         let mut app = healthy();
         let ps = vec![
-            provider("primary", "HEALTHY", 1, false, 1.0, 199, "closed"),
-            provider("local", "HEALTHY", 1, false, 1.0, 60, "closed"),
+            provider(
+                "primary",
+                Health::Healthy,
+                1,
+                false,
+                1.0,
+                199,
+                Breaker::default(),
+            ),
+            provider(
+                "local",
+                Health::Healthy,
+                1,
+                false,
+                1.0,
+                60,
+                Breaker::default(),
+            ),
         ];
         // n2 and n3 went silent 10 s ago; n1 is on its own.
         app.nodes.get_mut("n2").unwrap().seen_ms = NOW - 10_000;
@@ -937,7 +959,7 @@ mod tests {
         app.apply(
             Event::NodeState {
                 node: "n1".into(),
-                state: node_state(false, &["n1"], ps, 0),
+                state: node_state(&["n1"], ps, 0),
             },
             NOW - 200,
         );
@@ -945,11 +967,11 @@ mod tests {
             Event::Decision {
                 node: "n1".into(),
                 decision: decision(
-                    "accepted",
-                    "accepted",
+                    DecisionOutcome::Accepted,
+                    Phase::Accepted,
                     "primary",
                     false,
-                    &["NO_QUORUM_LOCAL_VIEW", "ACCEPTED"],
+                    &[ReasonCode::NoQuorumLocalView, ReasonCode::Accepted],
                     "support-bot",
                 ),
             },
@@ -963,7 +985,10 @@ mod tests {
     #[test]
     fn agent_death() {
         let mut app = healthy();
-        app.apply(Event::Death(json!({"agent": "llm.chat", "reason": "disconnect", "instance_id": "b1", "detected_at": "t"})), NOW - 2_000);
+        app.apply(
+            Event::Death(fixtures::death("llm.chat", DeathReason::Disconnect, "b1")),
+            NOW - 2_000,
+        );
         let text = draw(&app, 140, 40);
         assert!(text.contains("llm.chat disconnect"));
         insta::assert_snapshot!(text);
@@ -975,7 +1000,7 @@ mod tests {
         app.apply(
             Event::Incident {
                 node: "n1".into(),
-                incident: json!({"agent": "loop-bot", "task": "refund", "failures": 3}),
+                incident: fixtures::incident("loop-bot", "refund"),
             },
             NOW - 3_000,
         );
@@ -990,11 +1015,14 @@ mod tests {
             Event::Decision {
                 node: "n1".into(),
                 decision: decision(
-                    "escalated",
-                    "loop",
+                    DecisionOutcome::Escalated,
+                    Phase::Loop,
                     "",
                     false,
-                    &["AGENT_LOOP_DETECTED", "ESCALATED_AGENT_LOOP"],
+                    &[
+                        ReasonCode::AgentLoopDetected,
+                        ReasonCode::EscalatedAgentLoop,
+                    ],
                     "loop-bot",
                 ),
             },
@@ -1004,11 +1032,11 @@ mod tests {
             Event::Decision {
                 node: "n1".into(),
                 decision: decision(
-                    "rejected",
-                    "loop",
+                    DecisionOutcome::Rejected,
+                    Phase::Loop,
                     "",
                     false,
-                    &["RUNAWAY_RETRY_STOPPED"],
+                    &[ReasonCode::RunawayRetryStopped],
                     "loop-bot",
                 ),
             },

@@ -2,8 +2,13 @@
 //! argument), plus the operator's view settings. Rendering reads it and nothing else.
 
 use crate::core::chaos::Active;
+use crate::core::health::Verdict as Health;
+use crate::core::loops::Incident;
+use crate::core::pipeline::{Decision, DecisionOutcome};
+use crate::core::reason::Phase;
+use crate::core::wire::NodeSnapshot;
+use crate::mesh::protocol::{AgentHeartbeat, DeathNotice};
 use crate::transport::escalations::{Record, Status};
-use serde_json::Value;
 use std::collections::{BTreeMap, VecDeque};
 
 /// Decisions kept for the stream.
@@ -21,9 +26,15 @@ pub const AGENT_STALE_MS: u64 = 3_000;
 #[derive(Clone, Debug)]
 pub enum Event {
     /// A node's `/v1/oam/state` snapshot, published every second on `oam.v1.state.{node}`.
-    NodeState { node: String, state: Value },
+    NodeState {
+        node: String,
+        state: Box<NodeSnapshot>,
+    },
     /// A decision from `oam.v1.decision.{node}`.
-    Decision { node: String, decision: Value },
+    Decision {
+        node: String,
+        decision: Box<Decision>,
+    },
     /// An escalation record from the escalation store, open or resolved.
     Escalation(Box<Record>),
     /// A record deleted from the store (by its key).
@@ -31,11 +42,11 @@ pub enum Event {
     /// The store is about to be read again from the start: forget what it said.
     EscalationsReread,
     /// An agent-loop incident from `oam.v1.incident.{node}`.
-    Incident { node: String, incident: Value },
+    Incident { node: String, incident: Incident },
     /// A death notice from `mesh.death.{name}`.
-    Death(Value),
+    Death(DeathNotice),
     /// An agent instance's heartbeat from `mesh.health.{name}`.
-    AgentBeat(Value),
+    AgentBeat(AgentHeartbeat),
     /// The catalog (names and whether they stream), read every few seconds.
     Catalog(Vec<String>),
     /// The chaos warden's active faults (on start and on every chaos event).
@@ -69,7 +80,7 @@ pub enum LineKind {
 
 #[derive(Clone, Debug, Default)]
 pub struct NodeView {
-    pub state: Value,
+    pub state: NodeSnapshot,
     pub seen_ms: u64,
 }
 
@@ -133,8 +144,8 @@ pub struct App {
     pub seconds: BTreeMap<u64, Second>,
     /// Open escalations by store key.
     pub escalations: BTreeMap<String, Record>,
-    pub incidents: VecDeque<(u64, String, Value)>,
-    pub deaths: VecDeque<(u64, Value)>,
+    pub incidents: VecDeque<(u64, String, Incident)>,
+    pub deaths: VecDeque<(u64, DeathNotice)>,
     pub instances: BTreeMap<String, Instance>,
     pub catalog: Vec<String>,
     pub chaos: Vec<Active>,
@@ -164,42 +175,32 @@ fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
     q.push_back(item);
 }
 
-fn line_of(node: &str, d: &Value, now_ms: u64) -> Line {
-    let s = |k: &str| d[k].as_str().unwrap_or("").to_string();
-    let codes: Vec<String> = d["reason_codes"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|c| c.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
-    let outcome = s("outcome");
-    let phase = s("phase");
-    let kind = if outcome == "escalated" {
+fn line_of(node: &str, d: &Decision) -> Line {
+    let accepted = d.outcome == DecisionOutcome::Accepted;
+    let kind = if d.outcome == DecisionOutcome::Escalated {
         LineKind::Escalated
-    } else if phase == "admission" {
+    } else if d.phase == Phase::Admission {
         LineKind::Shed
-    } else if outcome == "accepted" && d["fallback"].as_bool() == Some(true) {
+    } else if accepted && d.fallback {
         LineKind::Fallback
-    } else if outcome == "accepted" {
+    } else if accepted {
         LineKind::Accepted
     } else {
         LineKind::Refused
     };
-    let latency_ms = d["attempts"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|x| x["latency_ms"].as_u64()).sum())
-        .unwrap_or(0);
     Line {
-        at_ms: d["decided_at_ms"].as_u64().unwrap_or(now_ms),
+        at_ms: d.decided_at_ms,
         node: node.to_string(),
-        agent: s("agent"),
+        agent: d.agent.clone(),
         kind,
-        provider: s("provider"),
-        phase,
-        codes,
-        latency_ms,
+        provider: d.provider.as_deref().unwrap_or("").to_string(),
+        phase: d.phase.to_string(),
+        codes: d
+            .reason_codes
+            .iter()
+            .map(|c| c.as_str().to_string())
+            .collect(),
+        latency_ms: d.attempts.iter().map(|a| a.latency_ms).sum(),
     }
 }
 
@@ -211,13 +212,13 @@ impl App {
                 self.nodes.insert(
                     node,
                     NodeView {
-                        state,
+                        state: *state,
                         seen_ms: now_ms,
                     },
                 );
             }
             Event::Decision { node, decision } => {
-                let line = line_of(&node, &decision, now_ms);
+                let line = line_of(&node, &decision);
                 let second = now_ms / 1_000 * 1_000;
                 if !self.seconds.contains_key(&second) {
                     // A new second: the earlier ones are complete.
@@ -258,25 +259,21 @@ impl App {
                 push_bounded(&mut self.incidents, (now_ms, node, incident), 50);
             }
             Event::Death(notice) => {
-                if let Some(id) = notice["instance_id"].as_str() {
-                    self.instances.remove(id);
-                }
+                self.instances.remove(&notice.instance_id);
                 push_bounded(&mut self.deaths, (now_ms, notice), 50);
             }
             Event::AgentBeat(b) => {
                 // Instances that stopped beating a minute ago without a death notice are gone.
                 self.instances
                     .retain(|_, i| now_ms.saturating_sub(i.seen_ms) < 60_000);
-                if let Some(id) = b["instance_id"].as_str() {
-                    self.instances.insert(
-                        id.to_string(),
-                        Instance {
-                            agent: b["agent"].as_str().unwrap_or("").to_string(),
-                            in_flight: b["in_flight"].as_u64().unwrap_or(0),
-                            seen_ms: now_ms,
-                        },
-                    );
-                }
+                self.instances.insert(
+                    b.instance_id,
+                    Instance {
+                        agent: b.agent,
+                        in_flight: b.in_flight,
+                        seen_ms: now_ms,
+                    },
+                );
             }
             Event::Catalog(names) => self.catalog = names,
             Event::Chaos(active) => self.chaos = active,
@@ -342,7 +339,7 @@ impl App {
     }
 
     /// The freshest snapshot among live nodes (for cluster-wide figures).
-    pub fn reference(&self, now_ms: u64) -> Option<&Value> {
+    pub fn reference(&self, now_ms: u64) -> Option<&NodeSnapshot> {
         let live = self.live_nodes(now_ms);
         self.nodes
             .iter()
@@ -365,24 +362,21 @@ impl App {
                 "no node heard from: is the mesh up (`oam mesh status`)?".into(),
             );
         };
-        let expected = state["cluster_size"].as_u64().unwrap_or(0) as usize;
+        let expected = state.cluster_size;
         let live = self.live_nodes(now_ms).len();
-        if state["quorum"].as_bool() == Some(false) {
+        if !state.has_quorum() {
             return (
                 Verdict::NoQuorum,
                 format!("no quorum: {live} of {expected} nodes; each node decides on its own view"),
             );
         }
-        let mut unhealthy = Vec::new();
-        let mut degraded = Vec::new();
-        for p in state["providers"].as_array().into_iter().flatten() {
-            let id = p["id"].as_str().unwrap_or("?").to_string();
-            match p["consensus"]["verdict"].as_str() {
-                Some("UNHEALTHY") => unhealthy.push(id),
-                Some("DEGRADED") => degraded.push(id),
-                _ => {}
-            }
-        }
+        let ids = |v| {
+            state
+                .providers_with(v)
+                .map(|p| p.id.clone())
+                .collect::<Vec<_>>()
+        };
+        let (unhealthy, degraded) = (ids(Health::Unhealthy), ids(Health::Degraded));
         if !unhealthy.is_empty() {
             return (
                 Verdict::Rerouting,
@@ -460,13 +454,18 @@ pub enum Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use crate::core::breaker::Breaker;
+    use crate::core::reason::ReasonCode;
+    use crate::watch::fixtures;
 
-    fn state(quorum: bool, verdicts: &[(&str, &str)]) -> Value {
-        json!({
-            "cluster_size": 3, "quorum": quorum, "live_nodes": ["n1", "n2", "n3"],
-            "providers": verdicts.iter().map(|(id, v)| json!({"id": id, "consensus": {"verdict": v}})).collect::<Vec<_>>(),
-        })
+    /// A node's snapshot: every node live (quorum) or only itself, with these verdicts.
+    fn state(quorum: bool, verdicts: &[(&str, Health)]) -> Box<NodeSnapshot> {
+        let live: &[&str] = if quorum { &["n1", "n2", "n3"] } else { &["n1"] };
+        let providers = verdicts
+            .iter()
+            .map(|(id, v)| fixtures::provider(id, *v, 3, quorum, 1.0, 100, Breaker::default()))
+            .collect();
+        fixtures::node_state(live, providers, 0)
     }
 
     #[test]
@@ -565,7 +564,7 @@ mod tests {
         app.apply(Event::Connection(true), 0);
         assert_eq!(app.banner(0).0, Verdict::NoQuorum, "nothing heard yet");
         for n in ["n1", "n2", "n3"] {
-            let s = state(true, &[("primary", "HEALTHY")]);
+            let s = state(true, &[("primary", Health::Healthy)]);
             app.apply(
                 Event::NodeState {
                     node: n.into(),
@@ -578,7 +577,7 @@ mod tests {
         app.apply(
             Event::NodeState {
                 node: "n1".into(),
-                state: state(true, &[("primary", "UNHEALTHY")]),
+                state: state(true, &[("primary", Health::Unhealthy)]),
             },
             2_000,
         );
@@ -589,51 +588,63 @@ mod tests {
         app.apply(
             Event::NodeState {
                 node: "n1".into(),
-                state: state(true, &[("primary", "HEALTHY")]),
+                state: state(true, &[("primary", Health::Healthy)]),
             },
             6_000,
         );
         let (v, why) = app.banner(6_000);
         assert_eq!(v, Verdict::Degraded);
         assert!(why.contains("2 node(s) silent"), "{why}");
-        app.apply(Event::Connection(false), 6_000);
-        assert!(app.banner(6_000).1.contains("NATS unreachable"));
+        // n1 itself hears only itself: no quorum, whatever the verdicts say.
+        app.apply(
+            Event::NodeState {
+                node: "n1".into(),
+                state: state(false, &[("primary", Health::Healthy)]),
+            },
+            7_000,
+        );
+        let (v, why) = app.banner(7_000);
+        assert_eq!(v, Verdict::NoQuorum, "{why}");
+        app.apply(Event::Connection(false), 7_000);
+        assert!(app.banner(7_000).1.contains("NATS unreachable"));
     }
 
     #[test]
     fn decisions_become_coloured_lines_rates_and_a_filtered_stream() {
         let mut app = App::default();
-        let d = |outcome: &str, phase: &str, fallback: bool, agent: &str| {
-            json!({"outcome": outcome, "phase": phase, "fallback": fallback, "agent": agent,
-                   "provider": if fallback { "local" } else { "primary" },
-                   "reason_codes": if fallback { vec!["FALLBACK_USED"] } else { vec!["ACCEPTED"] },
-                   "attempts": [{"latency_ms": 100}, {"latency_ms": 50}], "decided_at_ms": 10})
+        let d = |outcome: DecisionOutcome, phase: Phase, fallback: bool, agent: &str| {
+            let (provider, code) = if fallback {
+                ("local", ReasonCode::FallbackUsed)
+            } else {
+                ("primary", ReasonCode::Accepted)
+            };
+            fixtures::decision(outcome, phase, provider, fallback, &[code], agent, 150, 10)
         };
         app.apply(
             Event::Decision {
                 node: "n1".into(),
-                decision: d("accepted", "accepted", false, "a"),
+                decision: d(DecisionOutcome::Accepted, Phase::Accepted, false, "a"),
             },
             10_100,
         );
         app.apply(
             Event::Decision {
                 node: "n1".into(),
-                decision: d("accepted", "accepted", true, "b"),
+                decision: d(DecisionOutcome::Accepted, Phase::Accepted, true, "b"),
             },
             10_200,
         );
         app.apply(
             Event::Decision {
                 node: "n2".into(),
-                decision: d("rejected", "admission", false, "c"),
+                decision: d(DecisionOutcome::Rejected, Phase::Admission, false, "c"),
             },
             10_300,
         );
         app.apply(
             Event::Decision {
                 node: "n2".into(),
-                decision: d("escalated", "budget", false, "d"),
+                decision: d(DecisionOutcome::Escalated, Phase::Budget, false, "d"),
             },
             11_000,
         );
@@ -659,7 +670,7 @@ mod tests {
         app.apply(
             Event::Decision {
                 node: "n1".into(),
-                decision: d("accepted", "accepted", false, "e"),
+                decision: d(DecisionOutcome::Accepted, Phase::Accepted, false, "e"),
             },
             12_000,
         );

@@ -77,6 +77,14 @@ fn broken_scenario_files_and_a_missing_mesh_are_refused_clearly() {
             "name = \"x\"\n[load]\nrate = 5\nduration = \"2s\"\n[[expect]]\nmetric = \"success_rate\"\n",
             "needs min or max",
         ),
+        (
+            "name = \"x\"\n[load]\nrate = 5\nduration = \"2s\"\n[[expect]]\nmetric = \"reason_count\"\ncode = \"NOT_A_CODE\"\nmin = 1\n",
+            "not a reason code",
+        ),
+        (
+            "name = \"x\"\n[load]\nrate = 5\nduration = \"2s\"\n[[expect]]\nmetric = \"phase_count\"\nphase = \"nowhere\"\nmin = 1\n",
+            "nowhere",
+        ),
         ("name = \"x\"\n[load\n", "bad.toml"),
     ];
     for (text, says) in cases {
