@@ -9,8 +9,9 @@ use crate::error::{Error, Result};
 use crate::transport::chaos;
 use crate::transport::escalations;
 use crate::transport::subjects;
-use crate::watch::render::{self, CHAOS_MENU};
-use crate::watch::state::{App, Event, Focus};
+use crate::watch::render;
+use crate::watch::state::{App, Event};
+use crate::watch::state::{CHAOS_MENU, Key, KeyEffect};
 use async_nats::jetstream::kv;
 use futures_util::StreamExt;
 use ratatui::crossterm::event::{self as term, KeyCode, KeyEventKind, KeyModifiers};
@@ -180,72 +181,23 @@ fn keys(stop: Arc<AtomicBool>) -> tokio::sync::mpsc::Receiver<term::KeyEvent> {
     rx
 }
 
-/// What a key does; `true` means quit.
-fn on_key(app: &mut App, k: term::KeyEvent, chaos_tx: &tokio::sync::mpsc::Sender<usize>) -> bool {
-    if k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL) {
-        return true;
-    }
-    if app.editing_filter {
-        match k.code {
-            KeyCode::Enter => app.editing_filter = false,
-            KeyCode::Esc => {
-                app.editing_filter = false;
-                app.filter.clear();
-            }
-            KeyCode::Backspace => {
-                app.filter.pop();
-            }
-            KeyCode::Char(c) => app.filter.push(c),
-            _ => {}
-        }
-        app.scroll = 0;
-        return false;
-    }
-    if let Some(sel) = app.chaos_menu {
-        match k.code {
-            KeyCode::Esc | KeyCode::Char('c') => app.chaos_menu = None,
-            KeyCode::Up => app.chaos_menu = Some(sel.saturating_sub(1)),
-            KeyCode::Down => app.chaos_menu = Some((sel + 1).min(CHAOS_MENU.len() - 1)),
-            KeyCode::Enter => {
-                app.chaos_menu = None;
-                app.status = format!("chaos: {}…", CHAOS_MENU[sel].0);
-                let _ = chaos_tx.try_send(sel);
-            }
-            _ => {}
-        }
-        return false;
-    }
+/// The terminal's key as the model's.
+fn key_of(k: term::KeyEvent) -> Key {
     match k.code {
-        KeyCode::Char('q') => return true,
-        KeyCode::Esc => app.help = false,
-        KeyCode::Char('?') => app.help = !app.help,
-        KeyCode::Char('p') => app.paused = !app.paused,
-        KeyCode::Char('/') => {
-            app.editing_filter = true;
-            app.filter.clear();
-        }
-        KeyCode::Char('c') => app.chaos_menu = Some(0),
-        KeyCode::Tab => app.focus = app.focus.next(),
-        KeyCode::Up | KeyCode::Down | KeyCode::PageUp | KeyCode::PageDown => {
-            let rows = match k.code {
-                KeyCode::Up => -1,
-                KeyCode::Down => 1,
-                KeyCode::PageUp => -10,
-                _ => 10,
-            };
-            // The stream counts back from the newest line: up is further back.
-            let rows = if app.focus == Focus::Stream {
-                -rows
-            } else {
-                rows
-            };
-            let len = render::panel_len(app, app.focus, crate::clock::now_ms());
-            app.scroll_by(rows, len);
-        }
-        KeyCode::Home | KeyCode::End => app.scroll_home(),
-        _ => {}
+        KeyCode::Char(c) if k.modifiers.contains(KeyModifiers::CONTROL) => Key::Ctrl(c),
+        KeyCode::Char(c) => Key::Char(c),
+        KeyCode::Enter => Key::Enter,
+        KeyCode::Esc => Key::Esc,
+        KeyCode::Backspace => Key::Backspace,
+        KeyCode::Tab => Key::Tab,
+        KeyCode::Up => Key::Up,
+        KeyCode::Down => Key::Down,
+        KeyCode::PageUp => Key::PageUp,
+        KeyCode::PageDown => Key::PageDown,
+        KeyCode::Home => Key::Home,
+        KeyCode::End => Key::End,
+        _ => Key::Other,
     }
-    false
 }
 
 /// Inject (or restore) menu entry `sel`; the outcome in words.
@@ -316,8 +268,15 @@ pub async fn run(a: Args) -> Result<()> {
                     break Err(Error::failed(e));
                 }
             }
-            Some(k) = key_rx.recv() => if on_key(&mut app, k, &chaos_tx) {
-                break Ok(());
+            Some(k) = key_rx.recv() => {
+                let len = render::panel_len(&app, app.focus, crate::clock::now_ms());
+                match app.on_key(key_of(k), len) {
+                    KeyEffect::Quit => break Ok(()),
+                    KeyEffect::Chaos(sel) => {
+                        let _ = chaos_tx.try_send(sel);
+                    }
+                    KeyEffect::None => {}
+                }
             },
             Some(s) = status_rx.recv() => app.status = s,
             _ = &mut terminated => break Ok(()),

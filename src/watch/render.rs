@@ -1,10 +1,9 @@
 //! Drawing `oam watch`: a pure function of the app state and the clock. Wide terminals get
 //! every panel side by side; down to 80x24 the same panels stack and shrink without garbling.
 
-use super::state::{App, Focus, LineKind, Verdict};
+use super::state::{App, CHAOS_MENU, Focus, LineKind, Verdict};
 use crate::core::breaker::Breaker;
 use crate::core::bulkhead::Usage;
-use crate::core::chaos::Fault;
 use crate::core::health::Verdict as Health;
 use crate::core::reason::Action;
 use crate::core::request::Priority;
@@ -15,38 +14,6 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{
     Block, Cell, Clear, Gauge, List, ListItem, Paragraph, Row, Sparkline, Table, Wrap,
 };
-
-/// The chaos menu: (label, fault or `None` to restore everything, target, seconds).
-pub const CHAOS_MENU: &[(&str, Option<Fault>, Option<&str>, u64)] = &[
-    (
-        "kill provider primary (30 s)",
-        Some(Fault::KillProvider),
-        Some("primary"),
-        30,
-    ),
-    (
-        "break primary's contract (30 s)",
-        Some(Fault::BreakContract),
-        Some("primary"),
-        30,
-    ),
-    (
-        "slow provider primary (30 s)",
-        Some(Fault::SlowProvider),
-        Some("primary"),
-        30,
-    ),
-    ("kill node n2 (20 s)", Some(Fault::KillNode), Some("n2"), 20),
-    (
-        "isolate node n3 (20 s)",
-        Some(Fault::IsolateNode),
-        Some("n3"),
-        20,
-    ),
-    ("traffic spike (10 s)", Some(Fault::TrafficSpike), None, 10),
-    ("agent loop (10 s)", Some(Fault::AgentLoop), None, 10),
-    ("restore everything", None, None, 0),
-];
 
 /// A panel's title, with how many rows are scrolled out of view above.
 fn titled(title: &str, offset: usize) -> String {

@@ -1,7 +1,7 @@
 //! What `oam watch` knows: a pure model fed by bus events (`apply`) and the clock (`now_ms` is an
 //! argument), plus the operator's view settings. Rendering reads it and nothing else.
 
-use crate::core::chaos::Active;
+use crate::core::chaos::{Active, Fault};
 use crate::core::health::Verdict as Health;
 use crate::core::loops::Incident;
 use crate::core::pipeline::{Decision, DecisionOutcome};
@@ -21,6 +21,66 @@ pub const NODE_SILENT_MS: u64 = 3_500;
 pub const OPEN_ESCALATIONS_KEPT: usize = 1_000;
 /// An agent instance whose heartbeat is older than this is shown as stale.
 pub const AGENT_STALE_MS: u64 = 3_000;
+
+/// The chaos menu: (label, fault or `None` to restore everything, target, seconds).
+pub const CHAOS_MENU: &[(&str, Option<Fault>, Option<&str>, u64)] = &[
+    (
+        "kill provider primary (30 s)",
+        Some(Fault::KillProvider),
+        Some("primary"),
+        30,
+    ),
+    (
+        "break primary's contract (30 s)",
+        Some(Fault::BreakContract),
+        Some("primary"),
+        30,
+    ),
+    (
+        "slow provider primary (30 s)",
+        Some(Fault::SlowProvider),
+        Some("primary"),
+        30,
+    ),
+    ("kill node n2 (20 s)", Some(Fault::KillNode), Some("n2"), 20),
+    (
+        "isolate node n3 (20 s)",
+        Some(Fault::IsolateNode),
+        Some("n3"),
+        20,
+    ),
+    ("traffic spike (10 s)", Some(Fault::TrafficSpike), None, 10),
+    ("agent loop (10 s)", Some(Fault::AgentLoop), None, 10),
+    ("restore everything", None, None, 0),
+];
+
+/// A key, as the model sees it (the driver translates the terminal's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Key {
+    Char(char),
+    /// Ctrl and a letter.
+    Ctrl(char),
+    Enter,
+    Esc,
+    Backspace,
+    Tab,
+    Up,
+    Down,
+    PageUp,
+    PageDown,
+    Home,
+    End,
+    Other,
+}
+
+/// What a key asks of the driver, beyond changing the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyEffect {
+    None,
+    Quit,
+    /// Apply chaos menu entry `n`.
+    Chaos(usize),
+}
 
 /// Something that arrived from the bus (or the connection itself).
 #[derive(Clone, Debug)]
@@ -281,6 +341,74 @@ impl App {
         }
     }
 
+    /// What `key` does. `panel_len` is how many rows the focused panel has now (what the
+    /// arrow keys scroll through).
+    pub fn on_key(&mut self, key: Key, panel_len: usize) -> KeyEffect {
+        if key == Key::Ctrl('c') {
+            return KeyEffect::Quit;
+        }
+        if self.editing_filter {
+            match key {
+                Key::Enter => self.editing_filter = false,
+                Key::Esc => {
+                    self.editing_filter = false;
+                    self.filter.clear();
+                }
+                Key::Backspace => {
+                    self.filter.pop();
+                }
+                Key::Char(c) => self.filter.push(c),
+                _ => {}
+            }
+            self.scroll = 0;
+            return KeyEffect::None;
+        }
+        if let Some(sel) = self.chaos_menu {
+            match key {
+                Key::Esc | Key::Char('c') => self.chaos_menu = None,
+                Key::Up => self.chaos_menu = Some(sel.saturating_sub(1)),
+                Key::Down => self.chaos_menu = Some((sel + 1).min(CHAOS_MENU.len() - 1)),
+                Key::Enter => {
+                    self.chaos_menu = None;
+                    self.status = format!("chaos: {}…", CHAOS_MENU[sel].0);
+                    return KeyEffect::Chaos(sel);
+                }
+                _ => {}
+            }
+            return KeyEffect::None;
+        }
+        match key {
+            Key::Char('q') => return KeyEffect::Quit,
+            Key::Esc => self.help = false,
+            Key::Char('?') => self.help = !self.help,
+            Key::Char('p') => self.paused = !self.paused,
+            Key::Char('/') => {
+                self.editing_filter = true;
+                self.filter.clear();
+            }
+            Key::Char('c') => self.chaos_menu = Some(0),
+            Key::Tab => self.focus = self.focus.next(),
+            Key::Up | Key::Down | Key::PageUp | Key::PageDown => {
+                let rows = match key {
+                    Key::Up => -1,
+                    Key::Down => 1,
+                    Key::PageUp => -10,
+                    _ => 10,
+                };
+                // The stream counts back from the newest line: up is further back.
+                let rows = if self.focus == Focus::Stream {
+                    -rows
+                } else {
+                    rows
+                };
+                self.scroll_by(rows, panel_len);
+            }
+            Key::Home | Key::End => self.scroll_home(),
+            _ => {}
+        }
+        KeyEffect::None
+    }
+
     /// Nodes whose snapshot is fresh.
     pub fn live_nodes(&self, now_ms: u64) -> Vec<&str> {
         self.nodes
@@ -466,6 +594,53 @@ mod tests {
             .map(|(id, v)| fixtures::provider(id, *v, 3, quorum, 1.0, 100, Breaker::default()))
             .collect();
         fixtures::node_state(live, providers, 0)
+    }
+
+    #[test]
+    fn keys_edit_the_filter_drive_the_chaos_menu_and_quit() {
+        let mut app = App::default();
+        let type_in = |app: &mut App, keys: &[Key]| {
+            keys.iter().map(|k| app.on_key(*k, 10)).collect::<Vec<_>>()
+        };
+        // '/' starts a filter; typed keys go into it (even 'q'), Enter keeps it.
+        type_in(&mut app, &[Key::Char('/'), Key::Char('q'), Key::Char('x')]);
+        assert_eq!((app.filter.as_str(), app.editing_filter), ("qx", true));
+        type_in(&mut app, &[Key::Backspace, Key::Enter]);
+        assert_eq!((app.filter.as_str(), app.editing_filter), ("q", false));
+        // Esc while editing drops the filter.
+        type_in(&mut app, &[Key::Char('/'), Key::Char('z'), Key::Esc]);
+        assert_eq!(app.filter, "");
+        // The chaos menu: down twice, up once, Enter picks entry 1 and closes.
+        let effects = type_in(
+            &mut app,
+            &[Key::Char('c'), Key::Down, Key::Down, Key::Up, Key::Enter],
+        );
+        assert_eq!(effects.last(), Some(&KeyEffect::Chaos(1)));
+        assert_eq!(app.chaos_menu, None);
+        assert!(app.status.contains(CHAOS_MENU[1].0), "{}", app.status);
+        // Down past the last entry stays on it; Esc closes without an effect.
+        app.on_key(Key::Char('c'), 10);
+        for _ in 0..50 {
+            app.on_key(Key::Down, 10);
+        }
+        assert_eq!(app.chaos_menu, Some(CHAOS_MENU.len() - 1));
+        assert_eq!(app.on_key(Key::Esc, 10), KeyEffect::None);
+        assert_eq!(app.chaos_menu, None);
+        // Help, pause, focus, scrolling (the stream: up is further back).
+        type_in(&mut app, &[Key::Char('?'), Key::Char('p')]);
+        assert!(app.help && app.paused);
+        app.on_key(Key::Up, 100);
+        assert_eq!(app.scroll, 1);
+        app.on_key(Key::PageUp, 100);
+        assert_eq!(app.scroll, 11);
+        app.on_key(Key::Home, 100);
+        assert_eq!(app.scroll, 0);
+        app.on_key(Key::Tab, 100);
+        assert_eq!(app.focus, Focus::Nodes);
+        app.on_key(Key::Down, 5);
+        assert_eq!(app.offset(Focus::Nodes, 5), 1);
+        assert_eq!(app.on_key(Key::Char('q'), 10), KeyEffect::Quit);
+        assert_eq!(app.on_key(Key::Ctrl('c'), 10), KeyEffect::Quit);
     }
 
     #[test]

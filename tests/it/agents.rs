@@ -293,6 +293,22 @@ fn monitor(server: &NatsServer) -> Proc {
     ])
 }
 
+/// Wait (at most 10 s) for a heartbeat of agent `name` that satisfies `pred`: what the monitors
+/// and the test see the agent report, instead of a sleep.
+async fn beat_of(nc: &async_nats::Client, name: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let mut beats = nc.subscribe(format!("mesh.health.{name}")).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let beat = next_json(&mut beats, left)
+            .await
+            .unwrap_or_else(|| panic!("no heartbeat of {name} as expected within 10 s"));
+        if pred(&beat) {
+            return beat;
+        }
+    }
+}
+
 async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option<Value> {
     let msg = tokio::time::timeout(within, sub.next()).await.ok()??;
     serde_json::from_slice(&msg.payload).ok()
@@ -358,7 +374,7 @@ async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
 
     // A frozen process keeps its connection but stops heartbeating: dead in seconds.
     let frozen = serve(&url, "demo.frozen", "echo", &[]);
-    tokio::time::sleep(Duration::from_millis(1_500)).await; // let the monitors see it beat
+    beat_of(&nc, "demo.frozen", |_| true).await; // the monitors heard it beat
     std::process::Command::new("kill")
         .args(["-STOP", &frozen.pid().to_string()])
         .status()
@@ -399,13 +415,14 @@ async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
     let nc = oam::transport::connect::connect(&url, "test", false)
         .await
         .unwrap();
-    let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(nc).await.unwrap());
+    let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(nc.clone()).await.unwrap());
     let c = caller.clone();
     let pending = tokio::spawn(async move {
         c.call("demo.hold", "{}".into(), Duration::from_secs(30))
             .await
     });
-    tokio::time::sleep(Duration::from_millis(500)).await; // the only replica has it now
+    // The only replica has it now: it says so in its heartbeat.
+    beat_of(&nc, "demo.hold", |b| b["in_flight"].as_u64() >= Some(1)).await;
     // Another replica comes up: the agent as a whole stays alive.
     let _other = serve(&url, "demo.hold", "sleep:20000", &[]);
     let killed = Instant::now();
@@ -461,7 +478,7 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
     let mut agent = serve(&url, "demo.live", "echo", &[]);
     first.kill();
     let _second = monitor(&server);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    beat_of(&nc, "demo.live", |_| true).await; // the new monitor heard it beat
     agent.kill();
     let notice = next_json(&mut deaths, Duration::from_secs(10))
         .await
@@ -594,7 +611,8 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
     ]);
     let http = node.ready["http"].as_str().unwrap().to_string();
     let c = crate::support::http(Duration::from_secs(10));
-    let verdict = |c: reqwest::Client, http: String| async move {
+    // (verdict, samples in the node's own window) of the mesh provider.
+    let view = |c: reqwest::Client, http: String| async move {
         let s: Value = c
             .get(format!("{http}/v1/oam/state"))
             .send()
@@ -608,15 +626,21 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
             .iter()
             .find(|p| p["id"] == "meshllm")?
             .clone();
-        p["consensus"]["verdict"].as_str().map(String::from)
+        let samples = p["local"]["samples"].as_u64().unwrap_or(0);
+        Some((p["consensus"]["verdict"].as_str()?.to_string(), samples))
     };
-    let healthy = crate::support::eventually(Duration::from_secs(10), || {
+    let verdict =
+        |c: reqwest::Client, http: String| async move { view(c, http).await.map(|v| v.0) };
+    // HEALTHY on a few samples, so one request's outcome does not swing the verdict.
+    let healthy = crate::support::eventually(Duration::from_secs(15), || {
         let (c, http) = (c.clone(), http.clone());
-        async move { (verdict(c, http).await? == "HEALTHY").then_some(()) }
+        async move {
+            let (v, samples) = view(c, http).await?;
+            (v == "HEALTHY" && samples >= 3).then_some(())
+        }
     })
     .await;
     assert!(healthy.is_some(), "the mesh provider never became HEALTHY");
-    tokio::time::sleep(Duration::from_secs(3)).await; // a few healthy samples in the window
     let ask = || {
         c.post(format!("{http}/v1/chat/completions"))
             .json(&json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}]}))
@@ -763,12 +787,18 @@ async fn a_local_mesh_in_one_call_with_full_liveness() {
         )
         .await
         .unwrap();
+    // The slow agent says when it holds a call, so the test knows without a sleep.
+    let (holding_tx, mut holding) = tokio::sync::mpsc::channel::<()>(4);
     let slow = mesh
         .serve(
             "text.slow",
-            Handler::call(|body| async move {
-                tokio::time::sleep(Duration::from_secs(20)).await;
-                Ok(body)
+            Handler::call(move |body| {
+                let holding_tx = holding_tx.clone();
+                async move {
+                    let _ = holding_tx.send(()).await;
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                    Ok(body)
+                }
             }),
         )
         .await
@@ -787,7 +817,9 @@ async fn a_local_mesh_in_one_call_with_full_liveness() {
         c.call("text.slow", "{}".into(), Duration::from_secs(30))
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(Duration::from_secs(10), holding.recv())
+        .await
+        .expect("the slow agent took the call");
     let crashed = Instant::now();
     drop(slow);
     let err = tokio::time::timeout(Duration::from_secs(10), pending)
