@@ -83,7 +83,7 @@ fn bench(c: &mut Criterion) {
             };
             spare = Some(s.into_request());
             black_box(d)
-        })
+        });
     });
 }
 

@@ -348,7 +348,10 @@ pub async fn run_samples(
                 };
                 s.started_us = began.as_micros() as u64;
                 s.priority = kind.priority;
-                samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+                samples
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(s);
                 progress();
             }
         });
@@ -356,7 +359,11 @@ pub async fn run_samples(
     while workers.join_next().await.is_some() {}
     let elapsed = started.elapsed();
     let plan = Arc::try_unwrap(plan_arc).unwrap_or_else(|a| (*a).clone());
-    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
+    let samples = std::mem::take(
+        &mut *samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
     (samples, elapsed, plan)
 }
 

@@ -576,7 +576,10 @@ mod tests {
             }
             .into(),
             provider: provider.into(),
-            reasons: reasons.iter().map(|r| r.to_string()).collect(),
+            reasons: reasons
+                .iter()
+                .map(std::string::ToString::to_string)
+                .collect(),
             priority: Priority::Normal,
             error: None,
         }

@@ -112,7 +112,7 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
             "weight" => {
                 m.weight = v.parse().map_err(|_| {
                     Error::usage(format!("--mix {spec:?}: weight must be a whole number"))
-                })?
+                })?;
             }
             _ => return Err(invalid()),
         }

@@ -51,7 +51,7 @@ pub async fn run(a: Args) -> Result<()> {
                 .map(|(k, v)| {
                     (
                         k.to_string(),
-                        serde_json::json!(v.first().map(|x| x.as_str())),
+                        serde_json::json!(v.first().map(async_nats::HeaderValue::as_str)),
                     )
                 })
                 .collect();

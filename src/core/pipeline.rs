@@ -763,14 +763,14 @@ impl Engine {
             ..
         } = &mut self.state;
         let provider = &providers[p.provider];
-        let tokens = g
-            .usage
-            .map(|u| u.prompt_tokens + u.completion_tokens)
-            .unwrap_or(if g.status == GenerationStatus::Ok {
+        let tokens = g.usage.map_or(
+            if g.status == GenerationStatus::Ok {
                 p.est_tokens
             } else {
                 0
-            });
+            },
+            |u| u.prompt_tokens + u.completion_tokens,
+        );
         let cost_usd = provider.cost_of(tokens);
         budgets.settle(&s.request.agent, p.reserved_usd, cost_usd);
         s.cost_usd = round_usd(s.cost_usd + cost_usd);

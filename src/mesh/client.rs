@@ -178,7 +178,7 @@ use std::sync::{Arc, Mutex};
 fn pending_map(
     m: &Mutex<HashMap<String, Pending>>,
 ) -> std::sync::MutexGuard<'_, HashMap<String, Pending>> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Caller {

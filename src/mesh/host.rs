@@ -303,7 +303,10 @@ impl Instance {
 
     async fn handle(self: Arc<Self>, msg: async_nats::Message, handler: Handler) {
         fn value<'a>(msg: &'a async_nats::Message, key: &str) -> Option<&'a str> {
-            msg.headers.as_ref()?.get(key).map(|v| v.as_str())
+            msg.headers
+                .as_ref()?
+                .get(key)
+                .map(async_nats::HeaderValue::as_str)
         }
         let header = |k: &'static str| value(&msg, k);
         let request_id = header(protocol::H_REQUEST_ID).unwrap_or_default();
@@ -389,7 +392,7 @@ impl Instance {
             Some(Ok(body)) => self.reply_ok(reply, request_id, body).await,
             Some(Err((code, message))) => {
                 self.fail(Some(reply), false, request_id, code, message)
-                    .await
+                    .await;
             }
             None => {
                 let limit = self.entry.max_handling_ms.unwrap_or_default();
@@ -397,7 +400,7 @@ impl Instance {
                     "the handler ran past its declared maximum handling time of {limit} ms"
                 );
                 self.fail(Some(reply), false, request_id, ErrorCode::Stuck, why)
-                    .await
+                    .await;
             }
         }
     }

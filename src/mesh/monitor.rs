@@ -138,7 +138,7 @@ impl Monitor {
         detail: &str,
     ) {
         self.instance_died_on(instance_id, agents_hint, reason, detail, &[])
-            .await
+            .await;
     }
 
     /// `instance_died`, where `served_elsewhere` names agents other clients (without instance

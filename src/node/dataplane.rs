@@ -476,9 +476,8 @@ pub async fn execute(
 }
 
 fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
-    let request_id = header(headers, "x-request-id")
-        .map(String::from)
-        .unwrap_or_else(|| node.next_request_id());
+    let request_id =
+        header(headers, "x-request-id").map_or_else(|| node.next_request_id(), String::from);
     Answer {
         stream: false,
         status: StatusCode::BAD_REQUEST,

@@ -66,7 +66,9 @@ fn label(v: &str) -> String {
 
 impl Metrics {
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A request finished after `seconds`.

@@ -49,7 +49,9 @@ impl Sim {
 
     fn faults(&self) -> std::sync::MutexGuard<'_, Faults> {
         // A poisoned lock only means a handler panicked mid-update; the map is still usable.
-        self.faults.lock().unwrap_or_else(|e| e.into_inner())
+        self.faults
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn find(&self, name: &str) -> Option<&(SimProvider, AtomicU64)> {

@@ -55,14 +55,14 @@ pub async fn connect(
             async move {
                 match event {
                     async_nats::Event::Connected => {
-                        tracing::debug!(conn = %conn_name, "NATS connected")
+                        tracing::debug!(conn = %conn_name, "NATS connected");
                     }
                     async_nats::Event::Disconnected => {
-                        tracing::warn!(conn = %conn_name, "NATS disconnected; reconnecting")
+                        tracing::warn!(conn = %conn_name, "NATS disconnected; reconnecting");
                     }
                     async_nats::Event::Closed => tracing::debug!(conn = %conn_name, "NATS closed"),
                     async_nats::Event::ClientError(e) => {
-                        tracing::debug!(conn = %conn_name, "NATS client error: {e}")
+                        tracing::debug!(conn = %conn_name, "NATS client error: {e}");
                     }
                     other => tracing::warn!(conn = %conn_name, "NATS event: {other}"),
                 }

@@ -1,12 +1,12 @@
 //! `oam chaos` against a real local mesh: every fault is applied to real processes and undone on
 //! time by the warden, without the `oam chaos` process staying around.
 
-use crate::support::{LocalMesh, eventually, http, process_state};
+use crate::support::{LocalCluster, eventually, http, process_state};
 use futures_util::StreamExt as _;
 use serde_json::{Value, json};
 use std::time::Duration;
 
-fn chaos(mesh: &LocalMesh, args: &[&str]) -> Value {
+fn chaos(mesh: &LocalCluster, args: &[&str]) -> Value {
     let out = mesh
         .oam()
         .arg("chaos")
@@ -68,7 +68,7 @@ async fn chat(node: &str, oam: Value) -> (u16, String) {
 
 #[tokio::test]
 async fn faults_are_applied_listed_and_undone_on_time() {
-    let mesh = LocalMesh::up("chaos").await;
+    let mesh = LocalCluster::up("chaos").await;
     let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
         .await
         .unwrap();
@@ -340,7 +340,7 @@ async fn faults_are_applied_listed_and_undone_on_time() {
 
 #[tokio::test]
 async fn load_faults_agents_and_bad_input() {
-    let mesh = LocalMesh::up("chaos-load").await;
+    let mesh = LocalCluster::up("chaos-load").await;
 
     // Unknown faults and targets: exit 2 with the valid ones.
     let out = mesh.oam().args(["chaos", "melt-cpu"]).output().unwrap();

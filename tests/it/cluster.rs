@@ -633,7 +633,7 @@ async fn callers_that_hang_up_leak_no_slot() {
     assert!(
         results
             .iter()
-            .all(|r| r.as_ref().is_err_and(|e| e.is_timeout())),
+            .all(|r| r.as_ref().is_err_and(reqwest::Error::is_timeout)),
         "every impatient caller timed out before the 150 ms provider answered"
     );
     // Every slot and queue place comes back: the attempts under way finish, the queued

@@ -52,7 +52,7 @@ async fn up_status_request_down() {
     );
     let up = &json(&out.stdout);
     drop(held);
-    let mesh = crate::support::LocalMesh::recorded_in(dir);
+    let mesh = crate::support::LocalCluster::recorded_in(dir);
     let dir = &mesh.dir;
     for p in &mesh.record.processes {
         let fds = std::fs::read_dir(format!("/proc/{}/fd", p.pid)).unwrap();

@@ -1,10 +1,10 @@
 //! Every shipped scenario, in its short form, on a fresh local mesh: `oam bench --scenario`
 //! must exit 0, i.e. every expectation of the failure model holds.
 
-use crate::support::LocalMesh;
+use crate::support::LocalCluster;
 
 async fn run(name: &str) {
-    let mesh = LocalMesh::up(&format!("scenario-{name}")).await;
+    let mesh = LocalCluster::up(&format!("scenario-{name}")).await;
     let file = format!("{}/scenarios/{name}.toml", env!("CARGO_MANIFEST_DIR"));
     let json = mesh.dir.0.join("result.json");
     let out = mesh

@@ -33,12 +33,9 @@ impl Proc {
             // Keep draining so the child never blocks on a full pipe.
             for _ in lines {}
         });
-        let line = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(line) => line,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("oam {args:?} printed no ready line within 20 s");
-            }
+        let Ok(line) = rx.recv_timeout(Duration::from_secs(20)) else {
+            let _ = child.kill();
+            panic!("oam {args:?} printed no ready line within 20 s");
         };
         let ready =
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("ready line {line:?}: {e}"));
@@ -245,30 +242,30 @@ impl Drop for MeshDir {
 
 /// A local cluster on free ports, in its own folder, started by a function call (the same one
 /// `oam mesh up` makes).
-pub struct LocalMesh {
+pub struct LocalCluster {
     pub dir: MeshDir,
     /// What was started (as recorded in mesh.json when it came up).
     pub record: oam::local::Record,
 }
 
-impl LocalMesh {
-    pub async fn up(tag: &str) -> LocalMesh {
+impl LocalCluster {
+    pub async fn up(tag: &str) -> LocalCluster {
         let dir = MeshDir::new(tag);
         let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
         let plan = oam::local::cluster::Plan::any_ports(dir.0.clone(), 3, exe);
         match oam::local::cluster::up(&plan).await {
-            Ok(oam::local::cluster::Up::Started { record, .. }) => LocalMesh { dir, record },
+            Ok(oam::local::cluster::Up::Started { record, .. }) => LocalCluster { dir, record },
             Ok(other) => panic!("a fresh folder holds a running mesh: {other:?}"),
             Err(e) => panic!("the local cluster did not start: {e}"),
         }
     }
 
     /// A mesh `oam mesh up` started in `dir`.
-    pub fn recorded_in(dir: MeshDir) -> LocalMesh {
+    pub fn recorded_in(dir: MeshDir) -> LocalCluster {
         let record = oam::local::Record::load(&dir.0)
             .unwrap()
             .expect("a mesh recorded");
-        LocalMesh { dir, record }
+        LocalCluster { dir, record }
     }
 
     /// The application account's URL, credentials included.

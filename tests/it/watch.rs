@@ -2,7 +2,7 @@
 //! sees a node die, and quits on `q`; without a terminal it refuses and points to `--json`
 //! streams.
 
-use crate::support::{LocalMesh, eventually};
+use crate::support::{LocalCluster, eventually};
 use std::process::Command;
 use std::time::Duration;
 
@@ -36,7 +36,7 @@ impl Drop for Tmux {
 
 #[tokio::test]
 async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
-    let mesh = LocalMesh::up("watch").await;
+    let mesh = LocalCluster::up("watch").await;
     let bin = assert_cmd::cargo::cargo_bin!("oam");
     let session = Tmux(format!("oam-watch-{}", std::process::id()));
     let status = Command::new("tmux")
