@@ -66,6 +66,125 @@ fn err(message: impl Into<String>) -> Reply {
     Reply::Error(message.into())
 }
 
+/// What an injection does, decided before anything is touched.
+#[derive(Clone, PartialEq, Debug)]
+enum Action {
+    /// Set this fault on the simulator (which ends it on time by itself).
+    Sim { fault: SetFault, detail: String },
+    /// SIGKILL (restarted at expiry) or SIGSTOP (resumed) the target node.
+    SignalNode { kill: bool },
+    /// Cut the target node off from NATS.
+    Isolate,
+    /// SIGKILL (restarted at expiry) or SIGSTOP (resumed) a process serving the target agent.
+    SignalAgent { kill: bool },
+    /// Treat the target agent's budget as spent on every node.
+    DrainBudget,
+    /// Load from the warden itself (`traffic-spike`, `agent-loop`).
+    Load(Fault),
+}
+
+/// An injection, planned: the resolved target and the action.
+#[derive(Clone, PartialEq, Debug)]
+struct Plan {
+    target: String,
+    action: Action,
+}
+
+/// Check `req` against the bounds and what is `active`, resolve its target and settings: pure,
+/// so every refusal and default is tested without a mesh. An error says what to do instead.
+fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
+    let for_ms = req.for_ms;
+    if for_ms == 0 || u128::from(for_ms) > MAX_FOR.as_millis() {
+        return Err(format!(
+            "--for must be between 1 ms and {} s",
+            MAX_FOR.as_secs()
+        ));
+    }
+    let (fault, p) = (req.fault, &req.params);
+    if p.requests.is_some_and(|n| n == 0 || n > MAX_REQUESTS)
+        || p.concurrency.is_some_and(|n| n == 0 || n > MAX_CONCURRENCY)
+    {
+        return Err(format!(
+            "--requests must be 1 to {MAX_REQUESTS} and --concurrency 1 to {MAX_CONCURRENCY}"
+        ));
+    }
+    let given = req.target.clone().filter(|t| !t.is_empty());
+    let target = match (
+        fault.aim(),
+        given.or(fault.default_target().map(String::from)),
+    ) {
+        (Aim::Mesh, _) => "mesh".to_string(),
+        (_, Some(t)) => t,
+        (aim, None) => {
+            return Err(format!(
+                "{} needs a target: {}",
+                fault.name(),
+                match aim {
+                    Aim::Provider => "a provider (e.g. primary)",
+                    Aim::Node => "a node (e.g. n2)",
+                    Aim::Agent => "an agent name (e.g. demo.echo)",
+                    _ => "an agent name as callers send it (e.g. support-bot)",
+                }
+            ));
+        }
+    };
+    if fault == Fault::IsolateNode
+        && let Some(a) = active
+            .iter()
+            .find(|a| a.fault == fault && a.target == target)
+    {
+        return Err(format!(
+            "{} is already isolated ({}); `oam chaos restore {}` first",
+            a.target, a.id, a.id
+        ));
+    }
+    let sim = |mode: FaultMode, detail: String| Action::Sim {
+        fault: SetFault {
+            provider: target.clone(),
+            duration_ms: for_ms,
+            mode,
+        },
+        detail,
+    };
+    let action = match fault {
+        Fault::KillProvider => sim(FaultMode::Error { status: 500 }, "hard 500s".into()),
+        Fault::BreakContract => {
+            let kind = p.mode.unwrap_or(ContractBreak::MissingField);
+            let detail = format!("200 with a broken contract ({})", kind.as_str());
+            sim(FaultMode::Contract { kind }, detail)
+        }
+        Fault::SlowProvider => {
+            let ms = p.ms.unwrap_or(2_000);
+            sim(
+                FaultMode::Slow { extra_ms: ms },
+                format!("+{ms} ms latency"),
+            )
+        }
+        Fault::HangProvider => sim(FaultMode::Hang, "accepts and never answers".into()),
+        Fault::FlakyProvider => {
+            let rate = p.error_rate.unwrap_or(0.3);
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(format!("--error-rate {rate}: use a share between 0 and 1"));
+            }
+            let detail = format!("{:.0}% of requests fail", rate * 100.0);
+            sim(FaultMode::Flaky { error_rate: rate }, detail)
+        }
+        Fault::RateLimitProvider => {
+            let ms = p.retry_after_ms.unwrap_or(1_000);
+            let detail = format!("429 with Retry-After {ms} ms");
+            sim(FaultMode::RateLimit { retry_after_ms: ms }, detail)
+        }
+        Fault::KillNode => Action::SignalNode { kill: true },
+        Fault::StopNode => Action::SignalNode { kill: false },
+        Fault::IsolateNode => Action::Isolate,
+        Fault::KillAgent => Action::SignalAgent { kill: true },
+        Fault::StopAgent => Action::SignalAgent { kill: false },
+        Fault::DrainBudget => Action::DrainBudget,
+        Fault::AgentLoop | Fault::TrafficSpike => Action::Load(fault),
+    };
+    Ok(Plan { target, action })
+}
+
 impl Warden {
     pub fn new(dir: PathBuf, nats: async_nats::Client, app_url: String) -> anyhow::Result<Warden> {
         let entries = match std::fs::read_to_string(dir.join(STATE)) {
@@ -199,183 +318,20 @@ impl Warden {
         }
     }
 
-    /// Apply `req`; the active fault, or why not.
+    /// Apply `req`: plan it (pure), then do it; the active fault, or why not.
     async fn inject(&mut self, req: Inject) -> Reply {
-        let for_ms = req.for_ms;
-        if for_ms == 0 || u128::from(for_ms) > MAX_FOR.as_millis() {
-            return err(format!(
-                "--for must be between 1 ms and {} s",
-                MAX_FOR.as_secs()
-            ));
-        }
-        let fault = req.fault;
-        let p = &req.params;
-        if p.requests.is_some_and(|n| n == 0 || n > MAX_REQUESTS)
-            || p.concurrency.is_some_and(|n| n == 0 || n > MAX_CONCURRENCY)
-        {
-            return err(format!(
-                "--requests must be 1 to {MAX_REQUESTS} and --concurrency 1 to {MAX_CONCURRENCY}"
-            ));
-        }
-        if fault == Fault::IsolateNode
-            && let Some(active) = self
-                .entries
-                .iter()
-                .find(|e| e.active.fault == fault && Some(&e.active.target) == req.target.as_ref())
-        {
-            return err(format!(
-                "{} is already isolated ({}); `oam chaos restore {}` first",
-                active.active.target, active.active.id, active.active.id
-            ));
-        }
-        let given = req.target.clone().filter(|t| !t.is_empty());
-        let target = match (
-            fault.aim(),
-            given.or(fault.default_target().map(String::from)),
-        ) {
-            (Aim::Mesh, _) => "mesh".to_string(),
-            (_, Some(t)) => t,
-            (aim, None) => {
-                return err(format!(
-                    "{} needs a target: {}",
-                    fault.name(),
-                    match aim {
-                        Aim::Provider => "a provider (e.g. primary)",
-                        Aim::Node => "a node (e.g. n2)",
-                        Aim::Agent => "an agent name (e.g. demo.echo)",
-                        _ => "an agent name as callers send it (e.g. support-bot)",
-                    }
-                ));
-            }
+        let active: Vec<&Active> = self.entries.iter().map(|e| &e.active).collect();
+        let Plan { target, action } = match plan(&req, &active) {
+            Ok(p) => p,
+            Err(why) => return err(why),
         };
+        let (fault, for_ms) = (req.fault, req.for_ms);
         let now = now_ms();
         let id = format!("c{}", crate::ids::random_hex(3).unwrap_or_default());
-        let provider = |mode: FaultMode| SetFault {
-            provider: target.clone(),
-            duration_ms: for_ms,
-            mode,
-        };
-        let applied: Result<(Undo, String), Reply> = match fault {
-            Fault::KillProvider => self
-                .sim_fault(provider(FaultMode::Error { status: 500 }))
-                .await
-                .map(|u| (u, "hard 500s".into())),
-            Fault::BreakContract => {
-                let kind = p.mode.unwrap_or(ContractBreak::MissingField);
-                self.sim_fault(provider(FaultMode::Contract { kind }))
-                    .await
-                    .map(|u| (u, format!("200 with a broken contract ({})", kind.as_str())))
-            }
-            Fault::SlowProvider => {
-                let ms = p.ms.unwrap_or(2_000);
-                self.sim_fault(provider(FaultMode::Slow { extra_ms: ms }))
-                    .await
-                    .map(|u| (u, format!("+{ms} ms latency")))
-            }
-            Fault::HangProvider => self
-                .sim_fault(provider(FaultMode::Hang))
-                .await
-                .map(|u| (u, "accepts and never answers".into())),
-            Fault::FlakyProvider => {
-                let rate = p.error_rate.unwrap_or(0.3);
-                if !(0.0..=1.0).contains(&rate) {
-                    return err(format!("--error-rate {rate}: use a share between 0 and 1"));
-                }
-                self.sim_fault(provider(FaultMode::Flaky { error_rate: rate }))
-                    .await
-                    .map(|u| (u, format!("{:.0}% of requests fail", rate * 100.0)))
-            }
-            Fault::RateLimitProvider => {
-                let ms = p.retry_after_ms.unwrap_or(1_000);
-                self.sim_fault(provider(FaultMode::RateLimit { retry_after_ms: ms }))
-                    .await
-                    .map(|u| (u, format!("429 with Retry-After {ms} ms")))
-            }
-            Fault::KillNode | Fault::StopNode => match self.node(&target) {
-                Err(e) => Err(e),
-                Ok(n) if !local::is_ours(&n) => Err(err(format!(
-                    "node {target} (pid {}) is not running; `oam mesh status` shows the mesh",
-                    n.pid
-                ))),
-                Ok(n) if fault == Fault::KillNode => {
-                    local::signal(n.pid, libc::SIGKILL);
-                    Ok((
-                        Undo::RestartNode {
-                            name: n.name.clone(),
-                        },
-                        format!("SIGKILL pid {}", n.pid),
-                    ))
-                }
-                Ok(n) => {
-                    local::signal(n.pid, libc::SIGSTOP);
-                    Ok((
-                        Undo::Resume {
-                            pid: n.pid,
-                            marker: n.cmdline_marker.clone(),
-                        },
-                        format!("SIGSTOP pid {}", n.pid),
-                    ))
-                }
-            },
-            Fault::IsolateNode => match self.node(&target) {
-                Err(e) => Err(e),
-                Ok(n) => {
-                    let cmd = NodeCommand::Isolate {
-                        id: id.clone(),
-                        until_ms: now + for_ms,
-                    };
-                    self.node_command(&target, &cmd).await;
-                    Ok((
-                        Undo::Nodes {
-                            http: Some(n.endpoint.clone()),
-                        },
-                        "cut off from NATS".into(),
-                    ))
-                }
-            },
-            Fault::KillAgent | Fault::StopAgent => match self.agent_process(&target).await {
-                Err(e) => Err(e),
-                Ok((pid, argv)) if fault == Fault::KillAgent => {
-                    local::signal(pid, libc::SIGKILL);
-                    Ok((
-                        Undo::RestartAgent {
-                            agent: target.clone(),
-                            args: argv.into_iter().skip(1).collect(),
-                        },
-                        format!("SIGKILL pid {pid}"),
-                    ))
-                }
-                Ok((pid, argv)) => {
-                    local::signal(pid, libc::SIGSTOP);
-                    Ok((
-                        Undo::Resume {
-                            pid,
-                            marker: argv.get(1..).map(|a| a.join(" ")).unwrap_or_default(),
-                        },
-                        format!("SIGSTOP pid {pid}"),
-                    ))
-                }
-            },
-            Fault::DrainBudget => {
-                let cmd = NodeCommand::DrainBudget {
-                    id: id.clone(),
-                    agent: target.clone(),
-                    until_ms: now + for_ms,
-                };
-                self.node_command("all", &cmd).await;
-                Ok((
-                    Undo::Nodes { http: None },
-                    "budget spent on every node".into(),
-                ))
-            }
-            Fault::AgentLoop | Fault::TrafficSpike => {
-                match self.start_load(fault, &target, &id, req.params.clone(), for_ms) {
-                    Ok(detail) => Ok((Undo::Load, detail)),
-                    Err(e) => Err(e),
-                }
-            }
-        };
-        let (undo, detail) = match applied {
+        let (undo, detail) = match self
+            .apply(action, &target, &id, &req.params, now, for_ms)
+            .await
+        {
             Ok(x) => x,
             Err(e) => return e,
         };
@@ -396,6 +352,89 @@ impl Warden {
         self.save();
         self.announce("injected", &active).await;
         Reply::Ok(vec![active])
+    }
+
+    /// Do what `plan` decided: the undo to record and what was done, in words.
+    async fn apply(
+        &mut self,
+        action: Action,
+        target: &str,
+        id: &str,
+        params: &Params,
+        now: u64,
+        for_ms: u64,
+    ) -> Result<(Undo, String), Reply> {
+        match action {
+            Action::Sim { fault, detail } => self.sim_fault(fault).await.map(|u| (u, detail)),
+            Action::SignalNode { kill } => {
+                let n = self.node(target)?;
+                if !local::is_ours(&n) {
+                    return Err(err(format!(
+                        "node {target} (pid {}) is not running; `oam mesh status` shows the mesh",
+                        n.pid
+                    )));
+                }
+                if kill {
+                    local::signal(n.pid, libc::SIGKILL);
+                    let undo = Undo::RestartNode {
+                        name: n.name.clone(),
+                    };
+                    Ok((undo, format!("SIGKILL pid {}", n.pid)))
+                } else {
+                    local::signal(n.pid, libc::SIGSTOP);
+                    let undo = Undo::Resume {
+                        pid: n.pid,
+                        marker: n.cmdline_marker.clone(),
+                    };
+                    Ok((undo, format!("SIGSTOP pid {}", n.pid)))
+                }
+            }
+            Action::Isolate => {
+                let n = self.node(target)?;
+                let cmd = NodeCommand::Isolate {
+                    id: id.to_string(),
+                    until_ms: now + for_ms,
+                };
+                self.node_command(target, &cmd).await;
+                let undo = Undo::Nodes {
+                    http: Some(n.endpoint.clone()),
+                };
+                Ok((undo, "cut off from NATS".into()))
+            }
+            Action::SignalAgent { kill } => {
+                let (pid, argv) = self.agent_process(target).await?;
+                if kill {
+                    local::signal(pid, libc::SIGKILL);
+                    let undo = Undo::RestartAgent {
+                        agent: target.to_string(),
+                        args: argv.into_iter().skip(1).collect(),
+                    };
+                    Ok((undo, format!("SIGKILL pid {pid}")))
+                } else {
+                    local::signal(pid, libc::SIGSTOP);
+                    let undo = Undo::Resume {
+                        pid,
+                        marker: argv.get(1..).map(|a| a.join(" ")).unwrap_or_default(),
+                    };
+                    Ok((undo, format!("SIGSTOP pid {pid}")))
+                }
+            }
+            Action::DrainBudget => {
+                let cmd = NodeCommand::DrainBudget {
+                    id: id.to_string(),
+                    agent: target.to_string(),
+                    until_ms: now + for_ms,
+                };
+                self.node_command("all", &cmd).await;
+                Ok((
+                    Undo::Nodes { http: None },
+                    "budget spent on every node".into(),
+                ))
+            }
+            Action::Load(fault) => self
+                .start_load(fault, target, id, params.clone(), for_ms)
+                .map(|detail| (Undo::Load, detail)),
+        }
     }
 
     /// Bounded load from the warden itself, so it goes on without the `oam chaos` process.
@@ -697,4 +736,106 @@ pub async fn run(
         let _ = tokio::task::spawn_blocking(move || child.wait()).await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inject(fault: Fault, target: Option<&str>, for_ms: u64) -> Inject {
+        Inject {
+            fault,
+            target: target.map(String::from),
+            for_ms,
+            params: Params::default(),
+        }
+    }
+
+    #[test]
+    fn provider_faults_become_the_simulators_own_fault_for_as_long_as_asked() {
+        let p = plan(&inject(Fault::BreakContract, Some("primary"), 5_000), &[]).unwrap();
+        assert_eq!(p.target, "primary");
+        let Action::Sim { fault, detail } = p.action else {
+            panic!("a provider fault goes to the simulator: {:?}", p.action);
+        };
+        assert_eq!(
+            fault,
+            SetFault {
+                provider: "primary".into(),
+                duration_ms: 5_000,
+                mode: FaultMode::Contract {
+                    kind: ContractBreak::MissingField
+                },
+            },
+            "missing-field by default"
+        );
+        assert!(detail.contains("missing-field"), "{detail}");
+        let mut slow = inject(Fault::SlowProvider, Some("local"), 1_000);
+        slow.params.ms = Some(750);
+        let Action::Sim { fault, .. } = plan(&slow, &[]).unwrap().action else {
+            panic!("sim");
+        };
+        assert_eq!(fault.mode, FaultMode::Slow { extra_ms: 750 });
+    }
+
+    #[test]
+    fn targets_are_resolved_or_asked_for_by_kind() {
+        let spike = plan(&inject(Fault::TrafficSpike, Some("ignored"), 1_000), &[]).unwrap();
+        assert_eq!(spike.target, "mesh");
+        assert_eq!(spike.action, Action::Load(Fault::TrafficSpike));
+        assert_eq!(
+            plan(&inject(Fault::AgentLoop, None, 1_000), &[])
+                .unwrap()
+                .target,
+            "loop-bot"
+        );
+        for (fault, says) in [
+            (Fault::KillProvider, "a provider"),
+            (Fault::StopNode, "a node"),
+            (Fault::KillAgent, "an agent name (e.g. demo.echo)"),
+            (Fault::DrainBudget, "as callers send it"),
+        ] {
+            let why = plan(&inject(fault, Some(""), 1_000), &[]).unwrap_err();
+            assert!(
+                why.contains("needs a target") && why.contains(says),
+                "{why}"
+            );
+        }
+        assert_eq!(
+            plan(&inject(Fault::KillNode, Some("n2"), 1_000), &[])
+                .unwrap()
+                .action,
+            Action::SignalNode { kill: true }
+        );
+    }
+
+    #[test]
+    fn bounds_and_a_second_isolation_are_refused_with_what_to_do() {
+        let too_long = u64::try_from(MAX_FOR.as_millis()).unwrap() + 1;
+        assert!(
+            plan(&inject(Fault::KillProvider, Some("p"), too_long), &[])
+                .unwrap_err()
+                .contains("--for")
+        );
+        assert!(plan(&inject(Fault::KillProvider, Some("p"), 0), &[]).is_err());
+        let mut spike = inject(Fault::TrafficSpike, None, 1_000);
+        spike.params.requests = Some(MAX_REQUESTS + 1);
+        assert!(plan(&spike, &[]).unwrap_err().contains("--requests"));
+        let mut flaky = inject(Fault::FlakyProvider, Some("p"), 1_000);
+        flaky.params.error_rate = Some(1.5);
+        assert!(plan(&flaky, &[]).unwrap_err().contains("--error-rate"));
+        let isolated = Active {
+            id: "c1".into(),
+            fault: Fault::IsolateNode,
+            target: "n2".into(),
+            params: Params::default(),
+            injected_at_ms: 0,
+            expires_at_ms: 1,
+            detail: String::new(),
+        };
+        let again = plan(&inject(Fault::IsolateNode, Some("n2"), 1_000), &[&isolated]);
+        assert!(again.unwrap_err().contains("oam chaos restore c1"));
+        let other = plan(&inject(Fault::IsolateNode, Some("n3"), 1_000), &[&isolated]);
+        assert_eq!(other.unwrap().action, Action::Isolate);
+    }
 }
