@@ -43,8 +43,8 @@ pub struct Args {
 struct Agent(Child);
 
 impl Agent {
-    fn start(url: &str, name: &str, demo: &str) -> Result<Agent> {
-        let exe = std::env::current_exe().map_err(Error::failed)?;
+    async fn start(url: &str, name: &str, demo: &str) -> Result<Agent> {
+        let exe = crate::local::oam_exe().map_err(Error::failed)?;
         let mut child = Command::new(exe)
             .args([
                 "agent",
@@ -68,8 +68,15 @@ impl Agent {
             .stdout
             .take()
             .ok_or_else(|| Error::failed(anyhow::anyhow!("no stdout")))?;
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)
+        // Read off the runtime's workers: a pipe read blocks.
+        let read = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).map(|_| line)
+        });
+        let line = tokio::time::timeout(Duration::from_secs(20), read)
+            .await
+            .map_err(|_| Error::failed(anyhow::anyhow!("agent {name} did not start within 20 s")))?
+            .map_err(Error::failed)?
             .map_err(Error::failed)?;
         if line.is_empty() {
             return Err(Error::new(
@@ -80,16 +87,14 @@ impl Agent {
         Ok(Agent(child))
     }
 
-    fn signal(&self, sig: &str) {
-        let _ = Command::new("kill")
-            .args([sig, &self.0.id().to_string()])
-            .status();
+    fn signal(&self, sig: libc::c_int) {
+        crate::local::signal(self.0.id(), sig);
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        self.signal("-CONT");
+        self.signal(libc::SIGCONT);
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -141,7 +146,7 @@ async fn kill_case(
     let mut times = Trials::default();
     for i in 0..kills {
         let name = format!("bench.hold{}.{i}", if replica { "r" } else { "" });
-        let holder = Agent::start(url, &name, "hang")?;
+        let holder = Agent::start(url, &name, "hang").await?;
         let call = caller.call(&name, "{}".into(), Duration::from_secs(30));
         tokio::pin!(call);
         // Let the only instance take the request.
@@ -155,12 +160,12 @@ async fn kill_case(
             ));
         }
         let _other = if replica {
-            Some(Agent::start(url, &name, "hang")?)
+            Some(Agent::start(url, &name, "hang").await?)
         } else {
             None
         };
         let t0 = Instant::now();
-        holder.signal("-KILL");
+        holder.signal(libc::SIGKILL);
         match tokio::time::timeout(Duration::from_secs(35), call).await {
             Ok(Err(e)) if e.code == ErrorCode::AgentDied => times.ok(t0),
             Ok(Err(e)) => times.fail(format!(
@@ -182,14 +187,14 @@ async fn freeze_case(
     let mut times = Trials::default();
     for i in 0..freezes {
         let name = format!("bench.frozen.{i}");
-        let agent = Agent::start(url, &name, "echo")?;
+        let agent = Agent::start(url, &name, "echo").await?;
         let mut deaths = nats
             .subscribe(crate::transport::subjects::death(&name))
             .await
             .map_err(|e| Error::new(Kind::Unreachable, e))?;
         tokio::time::sleep(Duration::from_millis(1_500)).await; // the monitor has seen it beat
         let t0 = Instant::now();
-        agent.signal("-STOP");
+        agent.signal(libc::SIGSTOP);
         if tokio::time::timeout(Duration::from_secs(20), deaths.next())
             .await
             .is_ok()
@@ -271,7 +276,7 @@ pub async fn run(url: &str, a: Args) -> Result<Outcome> {
         }
     }
     let raw_seq = raw_seq.summary();
-    let _echo = Agent::start(url, "bench.echo", "echo")?;
+    let _echo = Agent::start(url, "bench.echo", "echo").await?;
     let mut seq = Trials::default();
     for i in 0..a.echoes {
         let t0 = Instant::now();
