@@ -613,7 +613,7 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
     let c = crate::support::http(Duration::from_secs(10));
     // (verdict, samples in the node's own window) of the mesh provider.
     let view = |c: reqwest::Client, http: String| async move {
-        let s: Value = c
+        let s: oam::core::wire::NodeSnapshot = c
             .get(format!("{http}/v1/oam/state"))
             .send()
             .await
@@ -621,13 +621,9 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
             .json()
             .await
             .ok()?;
-        let p = s["providers"]
-            .as_array()?
-            .iter()
-            .find(|p| p["id"] == "meshllm")?
-            .clone();
-        let samples = p["local"]["samples"].as_u64().unwrap_or(0);
-        Some((p["consensus"]["verdict"].as_str()?.to_string(), samples))
+        let p = s.provider("meshllm")?;
+        let samples = p.local.map_or(0, |l| l.samples);
+        Some((p.consensus.verdict.as_str().to_string(), samples))
     };
     let verdict =
         |c: reqwest::Client, http: String| async move { view(c, http).await.map(|v| v.0) };

@@ -36,14 +36,9 @@ async fn get(url: &str) -> Value {
 
 async fn live_nodes(node: &str) -> Vec<String> {
     let v = get(&format!("{node}/v1/oam/state")).await;
-    v["live_nodes"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|n| n.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
+    serde_json::from_value::<oam::core::wire::NodeSnapshot>(v)
+        .unwrap()
+        .live_nodes
 }
 
 /// One request; each has its own content, so repeated refusals are not an agent loop.

@@ -2,6 +2,7 @@
 
 use crate::support::{NatsServer, Proc, eventually};
 use futures_util::StreamExt as _;
+use oam::core::wire::{NodeSnapshot, ProviderSnapshot};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -57,7 +58,8 @@ fn client() -> reqwest::Client {
     crate::support::http(Duration::from_secs(20))
 }
 
-async fn state(c: &reqwest::Client, url: &str) -> Option<Value> {
+/// What the node at `url` sees, read as the typed snapshot it publishes.
+async fn state(c: &reqwest::Client, url: &str) -> Option<NodeSnapshot> {
     c.get(format!("{url}/v1/oam/state"))
         .send()
         .await
@@ -67,13 +69,8 @@ async fn state(c: &reqwest::Client, url: &str) -> Option<Value> {
         .ok()
 }
 
-fn provider<'a>(state: &'a Value, id: &str) -> &'a Value {
-    state["providers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["id"] == id)
-        .unwrap()
+fn provider<'a>(state: &'a NodeSnapshot, id: &str) -> &'a ProviderSnapshot {
+    state.provider(id).unwrap()
 }
 
 async fn ask(
@@ -116,8 +113,8 @@ async fn all_see(
     eventually(limit, || async {
         for url in urls {
             let s = state(c, url).await?;
-            let v = &provider(&s, id)["consensus"];
-            (v["verdict"] == verdict && v["quorum"] == true).then_some(())?;
+            let v = &provider(&s, id).consensus;
+            (v.verdict.as_str() == verdict && v.quorum).then_some(())?;
         }
         Some(())
     })
@@ -136,7 +133,7 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
         );
     }
     let s = state(&c, &cl.urls[0]).await.unwrap();
-    assert_eq!(provider(&s, "primary")["consensus"]["votes"], 3);
+    assert_eq!(provider(&s, "primary").consensus.votes, 3);
 
     // A healthy cluster answers from the primary, with the headers on the response.
     let (status, h, v) = ask(&c, &cl.urls[0], question("hello")).await;
@@ -186,9 +183,11 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
             !got.contains(&"GENERATION_ERROR".into()),
             "the unhealthy primary is not even tried: {got:?}"
         );
-        let primary = provider(&state(&c, url).await.unwrap(), "primary")["consensus"].clone();
-        assert_eq!(primary["quorum"], true, "{primary}");
-        assert!(primary["votes"].as_u64().unwrap() >= 2, "{primary}");
+        let primary = provider(&state(&c, url).await.unwrap(), "primary")
+            .consensus
+            .clone();
+        assert!(primary.quorum, "{primary:?}");
+        assert!(primary.votes >= 2, "{primary:?}");
     }
 
     // The metrics parse as valid Prometheus exposition and say what happened.
@@ -259,7 +258,7 @@ async fn node_deaths_age_out_and_below_quorum_a_node_says_so() {
     cl.nodes[2].kill();
     let two_live = eventually(Duration::from_secs(8), || async {
         let s = state(&c, &cl.urls[0]).await?;
-        (s["live_nodes"].as_array()?.len() == 2).then_some(())
+        (s.live_nodes.len() == 2).then_some(())
     })
     .await;
     assert!(two_live.is_some(), "n3's death was not noticed");
@@ -280,7 +279,7 @@ async fn node_deaths_age_out_and_below_quorum_a_node_says_so() {
     cl.nodes[1].kill();
     let alone = eventually(Duration::from_secs(8), || async {
         let s = state(&c, &cl.urls[0]).await?;
-        (s["live_nodes"].as_array()?.len() == 1).then_some(())
+        (s.live_nodes.len() == 1).then_some(())
     })
     .await;
     assert!(alone.is_some());
@@ -292,7 +291,7 @@ async fn node_deaths_age_out_and_below_quorum_a_node_says_so() {
         codes(&v)
     );
     let s = state(&c, &cl.urls[0]).await.unwrap();
-    assert_eq!(provider(&s, "primary")["consensus"]["quorum"], false);
+    assert!(!provider(&s, "primary").consensus.quorum);
 }
 
 #[tokio::test]
@@ -430,21 +429,12 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
     nc.flush().await.unwrap();
     let counted = eventually(Duration::from_secs(5), || async {
         let s = state(&c, &cl.urls[0]).await?;
-        let bus = &s["bus"];
-        (bus["malformed"].as_u64()? >= 2
-            && bus["forged"].as_u64()? >= 1
-            && bus["duplicate_or_stale"].as_u64()? >= 2)
-            .then_some(s)
+        let bus = s.bus;
+        (bus.malformed >= 2 && bus.forged >= 1 && bus.duplicate_or_stale >= 2).then_some(s)
     })
     .await;
     let s = counted.expect("bad messages were not counted");
-    assert!(
-        !s["live_nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|n| n == "n9")
-    );
+    assert!(!s.live_nodes.iter().any(|n| n == "n9"));
 
     // The NATS data plane: one service across the nodes.
     let mut replies = Vec::new();
@@ -528,11 +518,7 @@ async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
     let c = client();
     let live = |u: String| {
         let c = c.clone();
-        async move {
-            state(&c, &u)
-                .await
-                .and_then(|s| s["live_nodes"].as_array().map(Vec::len))
-        }
+        async move { state(&c, &u).await.map(|s| s.live_nodes.len()) }
     };
 
     // No NATS yet: the node starts anyway and serves on its own view.
@@ -640,8 +626,8 @@ async fn callers_that_hang_up_leak_no_slot() {
     // requests leave at once without calling a provider.
     let normal = eventually(Duration::from_secs(10), || async {
         let s = state(&c, &url).await?;
-        let n = s["bulkheads"]["normal"].clone();
-        (n["active"] == 0 && n["queued"] == 0).then_some(n)
+        let n = s.bulkheads.normal;
+        (n.active == 0 && n.queued == 0).then_some(n)
     })
     .await;
     assert!(normal.is_some(), "the normal bulkhead drained");
@@ -718,7 +704,7 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
     let c = client();
     let held = eventually(Duration::from_secs(5), || async {
         let s = state(&c, &url).await?;
-        (s["bulkheads"]["normal"]["active"] == 1).then_some(())
+        (s.bulkheads.normal.active == 1).then_some(())
     })
     .await;
     assert!(held.is_some(), "the request reached the node");
@@ -776,7 +762,7 @@ async fn a_bench_stopped_by_sigterm_writes_its_partial_report() {
     // The load is under way once the node holds its requests.
     let busy = eventually(Duration::from_secs(10), || async {
         let s = state(&c, &url).await?;
-        (s["bulkheads"]["normal"]["active"].as_u64()? > 0).then_some(())
+        (s.bulkheads.normal.active > 0).then_some(())
     })
     .await;
     assert!(busy.is_some(), "the bench's requests reached the node");
