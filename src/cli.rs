@@ -42,6 +42,10 @@ pub enum Command {
     /// A live terminal view of the whole mesh: quorum, breakers, bulkheads, agents and the
     /// reason-code stream, with chaos at a key.
     Watch(cmd::watch::Args),
+    /// A shell completion script on stdout: `oam completions bash|zsh|fish|elvish|powershell`.
+    Completions(cmd::completions::Args),
+    /// The manual page on stdout (`oam man | man -l -`), or every page into a folder.
+    Man(cmd::man::Args),
 }
 
 impl Cli {
@@ -94,6 +98,14 @@ pub async fn run(cli: Cli) -> Result<Outcome> {
         Command::Escalation(args) => cmd::escalation::run(args).await.map(done),
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await.map(done),
+        Command::Completions(args) => {
+            use clap::CommandFactory;
+            cmd::completions::run(args, Cli::command()).map(done)
+        }
+        Command::Man(args) => {
+            use clap::CommandFactory;
+            cmd::man::run(args, Cli::command()).map(done)
+        }
     }
 }
 

@@ -3,10 +3,12 @@
 pub mod agent;
 pub mod bench;
 pub mod chaos;
+pub mod completions;
 pub mod decide;
 pub mod demo;
 pub mod escalation;
 pub mod listen;
+pub mod man;
 pub mod mesh;
 pub mod node;
 pub mod reasons;

@@ -333,3 +333,31 @@ fn an_unreachable_nats_exits_3_and_says_what_to_do() {
             );
     }
 }
+
+#[test]
+fn completions_and_the_manual_cover_every_command() {
+    let bash = oam().args(["completions", "bash"]).output().unwrap();
+    assert!(bash.status.success());
+    let bash = String::from_utf8(bash.stdout).unwrap();
+    for word in ["mesh", "chaos", "kill-provider", "escalation", "--json"] {
+        assert!(bash.contains(word), "bash completion lacks {word}");
+    }
+    let zsh = oam().args(["completions", "zsh"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&zsh.stdout).starts_with("#compdef oam"));
+    oam().args(["completions", "tcsh"]).assert().code(2);
+
+    let man = oam().arg("man").output().unwrap();
+    assert!(man.status.success());
+    let man = String::from_utf8(man.stdout).unwrap();
+    assert!(man.contains(".TH oam") && man.contains("mesh"), "{man}");
+    let dir = std::env::temp_dir().join(format!("oam-test-man-{}", std::process::id()));
+    oam()
+        .args(["man", "--out-dir"])
+        .arg(&dir)
+        .assert()
+        .success();
+    for page in ["oam.1", "oam-mesh-up.1", "oam-chaos-kill-provider.1"] {
+        assert!(dir.join(page).exists(), "{page} missing");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
