@@ -32,6 +32,9 @@ pub struct Plan {
     pub nats_server: Option<PathBuf>,
     /// The `oam` binary the processes run (`super::oam_exe()` for this one).
     pub exe: PathBuf,
+    /// Generate new NATS passwords even if the folder holds some. By default a folder keeps its
+    /// credentials across `down` and `up`, so agents and views connected to it reconnect.
+    pub new_credentials: bool,
 }
 
 impl Plan {
@@ -45,6 +48,7 @@ impl Plan {
             http_port: 0,
             nats_server: None,
             exe,
+            new_credentials: false,
         }
     }
 }
@@ -204,8 +208,15 @@ async fn start_all(
     ports: &Ports<'_>,
     started: &mut Vec<Started>,
 ) -> anyhow::Result<Record> {
-    // nats-server from a generated config, credentials beside it (0600).
-    let creds = natsd::Credentials::generate()?;
+    // nats-server from a generated config, credentials beside it (0600): the folder's own, kept
+    // across down and up, unless new ones are asked for (or it has none).
+    let kept = (!plan.new_credentials)
+        .then(|| kept_credentials(dir))
+        .flatten();
+    let creds = match kept {
+        Some(c) => c,
+        None => natsd::Credentials::generate()?,
+    };
     let layout = natsd::Layout {
         port: ports.nats,
         monitor_port: 0,
@@ -352,6 +363,13 @@ pub async fn snapshot(http: &reqwest::Client, url: &str) -> Option<NodeSnapshot>
         .json()
         .await
         .ok()
+}
+
+/// The credentials a folder's earlier cluster used, if it recorded readable ones.
+fn kept_credentials(dir: &Path) -> Option<natsd::Credentials> {
+    let text = std::fs::read_to_string(dir.join(super::CREDENTIALS)).ok()?;
+    let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
+    serde_json::from_value(doc.get("credentials")?.clone()).ok()
 }
 
 /// How many nodes the node at `url` sees alive (`None`: it does not answer).

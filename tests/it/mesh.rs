@@ -272,3 +272,54 @@ fn a_port_in_use_says_what_to_do() {
 }
 
 use predicates::prelude::PredicateBooleanExt as _;
+
+/// A folder keeps its NATS credentials across `mesh down` and `mesh up` (running agents and
+/// watches reconnect by themselves); `--new-credentials` replaces them.
+#[tokio::test]
+async fn credentials_survive_down_and_up_unless_renewed() {
+    let dir = crate::support::MeshDir::new("creds");
+    let creds = || -> Value {
+        json(&std::fs::read(dir.0.join("credentials.json")).unwrap())["credentials"].clone()
+    };
+    let up = |extra: &[&str]| {
+        oam()
+            .args([
+                "mesh",
+                "up",
+                "--nodes",
+                "1",
+                "--port",
+                "0",
+                "--sim-port",
+                "0",
+            ])
+            .args(["--http-port", "0", "--json", "--dir"])
+            .arg(&dir.0)
+            .args(extra)
+            .assert()
+            .success();
+    };
+    let down = || {
+        oam()
+            .args(["mesh", "down", "--dir"])
+            .arg(&dir.0)
+            .assert()
+            .success();
+    };
+    up(&[]);
+    let first = creds();
+    assert!(
+        first["app_password"]
+            .as_str()
+            .is_some_and(|p| p.len() >= 32)
+    );
+    down();
+    up(&[]);
+    assert_eq!(creds(), first, "the same passwords after down and up");
+    down();
+    up(&["--new-credentials"]);
+    let renewed = creds();
+    assert_ne!(renewed["app_password"], first["app_password"]);
+    assert_ne!(renewed["sys_password"], first["sys_password"]);
+    down();
+}

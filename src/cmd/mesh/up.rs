@@ -25,6 +25,10 @@ pub struct Args {
     /// The nats-server binary (default: $OAM_NATS_SERVER, the project's .tools, then PATH).
     #[arg(long)]
     pub nats_server: Option<PathBuf>,
+    /// Generate new NATS passwords. By default the folder keeps its credentials across `oam
+    /// mesh down` and `oam mesh up`, so running agents and watches reconnect by themselves.
+    #[arg(long)]
+    pub new_credentials: bool,
     /// Print the endpoints as one JSON document.
     #[arg(long)]
     pub json: bool,
@@ -40,6 +44,7 @@ pub async fn run(a: Args) -> Result<()> {
         http_port: a.http_port,
         nats_server: a.nats_server.clone(),
         exe,
+        new_credentials: a.new_credentials,
     };
     let up = cluster::up(&plan).await.map_err(|e| match e {
         cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
