@@ -82,8 +82,21 @@ fn valid_subcommands(args: impl Iterator<Item = String>) -> Vec<String> {
         .collect()
 }
 
-/// Run the command; commands that check something say what failed in their `Outcome`.
+/// Run the command; commands that check something say what failed in their `Outcome`. A
+/// command stopped because the bus refused this process (`signal::stop_for`) exits as
+/// unreachable, saying why.
 pub async fn run(cli: Cli) -> Result<Outcome> {
+    let result = dispatch(cli).await;
+    match crate::signal::stop_reason() {
+        Some(why) => Err(crate::error::Error::new(
+            crate::error::Kind::Unreachable,
+            anyhow::anyhow!("{why}"),
+        )),
+        None => result,
+    }
+}
+
+async fn dispatch(cli: Cli) -> Result<Outcome> {
     let done = |()| Outcome::Ok;
     match cli.command {
         Command::Reasons(args) => cmd::reasons::run(args).map(done),

@@ -1,6 +1,36 @@
-//! Waiting for the signals that end a long-running command (Ctrl-C, SIGTERM).
+//! Waiting for what ends a long-running command: Ctrl-C, SIGTERM, or a condition of this
+//! process that makes going on pointless (NATS refusing its credentials), said once with why.
 
-/// Resolves on SIGINT or SIGTERM.
+use std::sync::OnceLock;
+use tokio::sync::Notify;
+
+static REASON: OnceLock<String> = OnceLock::new();
+static STOPPED: Notify = Notify::const_new();
+
+/// Ask every long-running command of this process to stop, because of `reason` (the first
+/// reason given is kept).
+pub fn stop_for(reason: String) {
+    if REASON.set(reason).is_ok() {
+        STOPPED.notify_waiters();
+    }
+}
+
+/// Why this process was asked to stop, if it was (not by a signal).
+pub fn stop_reason() -> Option<&'static str> {
+    REASON.get().map(String::as_str)
+}
+
+async fn stopped() {
+    let notified = STOPPED.notified();
+    tokio::pin!(notified);
+    notified.as_mut().enable();
+    if REASON.get().is_some() {
+        return;
+    }
+    notified.await;
+}
+
+/// Resolves on SIGINT or SIGTERM, or when `stop_for` is called.
 pub async fn terminated() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
@@ -11,15 +41,22 @@ pub async fn terminated() {
                 tokio::select! {
                     _ = ctrl_c => {}
                     _ = term.recv() => {}
+                    () = stopped() => {}
                 }
             }
             Err(_) => {
-                let _ = ctrl_c.await;
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    () = stopped() => {}
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        tokio::select! {
+            _ = ctrl_c => {}
+            () = stopped() => {}
+        }
     }
 }

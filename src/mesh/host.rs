@@ -495,32 +495,46 @@ pub async fn serve(
     }
     drop(beats);
     // Graceful exit: take no new requests, finish those in hand (bounded), then leave.
+    // Without NATS nothing in hand can be answered and nothing can be said: leave at once.
+    let connected = instance.nats.connection_state() == async_nats::connection::State::Connected;
     let _ = sub.unsubscribe().await;
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
-    tasks.abort_all();
-    let last = store::deregister(&instance.nats, &instance.entry, &instance.id).await;
-    if last {
-        let notice = DeathNotice {
-            agent: instance.entry.name.clone(),
-            reason: DeathReason::GracefulShutdown,
-            detected_at: store::rfc3339_now(),
-            instance_id: instance.id.clone(),
-            detail: None,
-            detected_at_ms: Some(crate::clock::now_ms()),
-        };
-        if let Ok(b) = serde_json::to_vec(&notice) {
-            let _ = instance
-                .nats
-                .publish(subjects::death(&instance.entry.name), b.into())
-                .await;
-        }
+    if connected {
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
     }
-    let _ = instance.nats.flush().await;
+    tasks.abort_all();
+    let leave = async {
+        let last = store::deregister(&instance.nats, &instance.entry, &instance.id).await;
+        if last {
+            let notice = DeathNotice {
+                agent: instance.entry.name.clone(),
+                reason: DeathReason::GracefulShutdown,
+                detected_at: store::rfc3339_now(),
+                instance_id: instance.id.clone(),
+                detail: None,
+                detected_at_ms: Some(crate::clock::now_ms()),
+            };
+            if let Ok(b) = serde_json::to_vec(&notice) {
+                let _ = instance
+                    .nats
+                    .publish(subjects::death(&instance.entry.name), b.into())
+                    .await;
+            }
+        }
+        let _ = instance.nats.flush().await;
+    };
+    // Bounded: a bus that went away mid-goodbye must not hold the process (the monitor
+    // announces the death from the disconnect instead).
+    if connected && tokio::time::timeout(LEAVE_WITHIN, leave).await.is_err() {
+        tracing::warn!(instance = %instance.id, "could not say goodbye within {} s", LEAVE_WITHIN.as_secs());
+    }
     Ok(())
 }
+
+/// How long a leaving instance may take to deregister and announce its exit.
+const LEAVE_WITHIN: Duration = Duration::from_secs(2);
 
 /// A task that ends when its handle is dropped (so aborting `serve` also stops its heartbeats and
 /// lets the instance's connection close, like a crash).

@@ -36,6 +36,7 @@ pub async fn connect(
     wait_for_server: bool,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     let conn_name = name.to_string();
+    let shown = redact(url);
     // async-nats ignores credentials embedded in the URL, so take them out and pass them on.
     let (url, auth) = split_credentials(url);
     let base = match auth {
@@ -51,7 +52,7 @@ pub async fn connect(
         .request_timeout(None)
         .reconnect_delay_callback(reconnect_delay)
         .event_callback(move |event| {
-            let conn_name = conn_name.clone();
+            let (conn_name, shown) = (conn_name.clone(), shown.clone());
             async move {
                 match event {
                     async_nats::Event::Connected => {
@@ -61,6 +62,12 @@ pub async fn connect(
                         tracing::warn!(conn = %conn_name, "NATS disconnected; reconnecting");
                     }
                     async_nats::Event::Closed => tracing::debug!(conn = %conn_name, "NATS closed"),
+                    async_nats::Event::ClientError(e) if refused(&e.to_string()) => {
+                        credentials_refused(&conn_name, &shown);
+                    }
+                    async_nats::Event::ServerError(e) if refused(&e.to_string()) => {
+                        credentials_refused(&conn_name, &shown);
+                    }
                     async_nats::Event::ClientError(e) => {
                         tracing::debug!(conn = %conn_name, "NATS client error: {e}");
                     }
@@ -72,6 +79,27 @@ pub async fn connect(
         opts = opts.retry_on_initial_connect();
     }
     opts.connect(url.as_str()).await
+}
+
+/// Does this client or server error say the credentials were refused?
+fn refused(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("authorization violation") || e.contains("authentication")
+}
+
+/// The server no longer takes this process's credentials (say, the mesh was started again with
+/// new ones): retrying cannot help. Say so once and stop the process's long-running command,
+/// which then exits as unreachable (3).
+fn credentials_refused(conn: &str, url: &str) {
+    let reason = format!(
+        "NATS at {url} refused the credentials of {conn} (was the mesh started again with \
+         `--new-credentials`?); start this command again with the current URL from the mesh \
+         folder's credentials.json, or pass --nats-url"
+    );
+    if crate::signal::stop_reason().is_none() {
+        tracing::error!("{reason}");
+    }
+    crate::signal::stop_for(reason);
 }
 
 /// How long to wait before connection attempt `attempt` (counted from 1, and again from 1 after

@@ -855,3 +855,34 @@ async fn a_local_mesh_in_one_call_with_full_liveness() {
         "the private server is gone"
     );
 }
+
+/// An agent whose NATS is gone still stops on SIGTERM at once (it used to take 40 s and more),
+/// and one whose credentials the server no longer takes says so and exits 3 instead of
+/// retrying forever.
+#[tokio::test]
+async fn agents_stop_without_nats_and_give_up_on_refused_credentials() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let mut agent = serve(&url, "demo.orphan", "echo", &[]);
+    drop(server);
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &agent.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = agent.exited_within(Duration::from_secs(10)).await;
+    assert!(status.is_some(), "SIGTERM without NATS ended the agent");
+
+    // The server comes back on its port with other credentials (`mesh up --new-credentials`).
+    let server = NatsServer::start().await;
+    let port = server.port;
+    let mut agent = serve(&server.url(), "demo.refused", "echo", &[]);
+    drop(server);
+    let renewed = oam::local::natsd::Credentials::generate().unwrap();
+    let _again = NatsServer::start_on(port, renewed).await.unwrap();
+    let status = agent
+        .exited_within(Duration::from_secs(20))
+        .await
+        .expect("the refused agent gave up by itself");
+    assert_eq!(status.code(), Some(3), "unreachable: {status:?}");
+}

@@ -78,6 +78,21 @@ impl Proc {
         let _ = self.child.wait();
     }
 
+    /// How the process exited, if it did within `limit`.
+    pub async fn exited_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let child = &mut self.child;
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// SIGKILL now (a crash, not a shutdown).
     pub fn kill(&mut self) {
         let _ = self.child.kill();
