@@ -106,6 +106,11 @@ pub struct Report {
     /// Mesh error codes of failed agent calls (e.g. agent_died, not_found).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub errors: BTreeMap<String, usize>,
+    /// Requests that did not get a 200.
+    pub failed: usize,
+    /// Why they failed: `refused`, `timeout`, `transport`, `cut` (the answer broke off), a mesh
+    /// error code, or `http STATUS REASON` (the last reason code the answer carried).
+    pub failures: BTreeMap<String, usize>,
     /// The run was stopped early (Ctrl-C, SIGTERM): this covers the requests that finished.
     pub interrupted: bool,
 }
@@ -151,6 +156,29 @@ fn empty_sample() -> Sample {
     }
 }
 
+/// Why a request that did not get a 200 failed, in a word or two.
+fn failure_of(s: &Sample) -> String {
+    match (&s.error, s.status) {
+        (Some(e), _) => e.clone(),
+        (None, 0) => "transport".into(),
+        (None, status) => match s.reasons.last() {
+            Some(code) => format!("http {status} {code}"),
+            None => format!("http {status}"),
+        },
+    }
+}
+
+/// What kind of transport failure a request error is.
+fn transport_failure(e: &reqwest::Error) -> &'static str {
+    if e.is_connect() {
+        "refused"
+    } else if e.is_timeout() {
+        "timeout"
+    } else {
+        "transport"
+    }
+}
+
 /// Request `i` over HTTP to `urls[i % n]`, moving on to the next node when one refuses the
 /// connection.
 async fn one_http(
@@ -180,26 +208,30 @@ async fn one_http(
     let Some(result) = result else {
         return s;
     };
-    if let Ok(resp) = result {
-        let h = resp.headers();
-        let get = |n: &str| {
-            h.get(n)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_string()
-        };
-        s.status = resp.status().as_u16();
-        s.phase = get("x-oam-phase");
-        s.provider = get("x-oam-provider");
-        s.reasons = get("x-oam-reasons")
-            .split(',')
-            .filter(|r| !r.is_empty())
-            .map(String::from)
-            .collect();
-        // Read the body: the request is done when the answer has arrived, not the headers.
-        if resp.bytes().await.is_err() {
-            s.status = 0;
-            s.phase = "transport_error".into();
+    match result {
+        Err(e) => s.error = Some(transport_failure(&e).into()),
+        Ok(resp) => {
+            let h = resp.headers();
+            let get = |n: &str| {
+                h.get(n)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_string()
+            };
+            s.status = resp.status().as_u16();
+            s.phase = get("x-oam-phase");
+            s.provider = get("x-oam-provider");
+            s.reasons = get("x-oam-reasons")
+                .split(',')
+                .filter(|r| !r.is_empty())
+                .map(String::from)
+                .collect();
+            // Read the body: the request is done when the answer has arrived, not the headers.
+            if let Err(e) = resp.bytes().await {
+                s.status = 0;
+                s.phase = "transport_error".into();
+                s.error = Some(if e.is_timeout() { "timeout" } else { "cut" }.into());
+            }
         }
     }
     s.latency_us = started.elapsed().as_micros() as u64;
@@ -212,9 +244,24 @@ async fn one_nats(nats: &async_nats::Client, body: &Value, timeout: Duration) ->
     let mut s = empty_sample();
     let payload = serde_json::to_vec(body).unwrap_or_default();
     let request = nats.request(crate::transport::subjects::REQUEST, payload.into());
-    if let Ok(Ok(reply)) = tokio::time::timeout(timeout, request).await
-        && let Ok(v) = serde_json::from_slice::<Value>(&reply.payload)
-    {
+    let reply = match tokio::time::timeout(timeout, request).await {
+        Err(_) => Err("timeout"),
+        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
+            Err("no_responders")
+        }
+        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::TimedOut => Err("timeout"),
+        Ok(Err(_)) => Err("transport"),
+        Ok(Ok(reply)) => Ok(reply),
+    };
+    let reply = match reply {
+        Ok(r) => r,
+        Err(kind) => {
+            s.error = Some(kind.into());
+            s.latency_us = started.elapsed().as_micros() as u64;
+            return s;
+        }
+    };
+    if let Ok(v) = serde_json::from_slice::<Value>(&reply.payload) {
         let oam = &v["oam"];
         s.status = v["status"].as_u64().unwrap_or(0) as u16;
         s.phase = oam["phase"].as_str().unwrap_or("").to_string();
@@ -379,6 +426,7 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
     let mut providers = BTreeMap::new();
     let mut reasons = BTreeMap::new();
     let mut errors = BTreeMap::new();
+    let mut failures = BTreeMap::new();
     let mut succeeded = 0;
     for s in samples {
         let _ = hist.record(s.latency_us.max(1));
@@ -395,6 +443,8 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
         }
         if s.status == 200 {
             succeeded += 1;
+        } else {
+            *failures.entry(failure_of(s)).or_insert(0) += 1;
         }
     }
     let ms = |us: u64| us as f64 / 1_000.0;
@@ -431,6 +481,8 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
         providers,
         reason_codes: reasons,
         errors,
+        failed: samples.len() - succeeded,
+        failures,
         interrupted: false,
         plan,
     }

@@ -56,9 +56,15 @@ pub struct Args {
     /// Per-request timeout in milliseconds.
     #[arg(long, default_value_t = 30_000)]
     pub timeout_ms: u64,
-    /// Write the full result as JSON to FILE (`-` for stdout, which then holds only JSON).
+    /// Print the full result as one JSON document on stdout (and nothing else there).
     #[arg(long)]
-    pub json: Option<PathBuf>,
+    pub json: bool,
+    /// Also write the full result as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// The share of requests that may fail (no 200) before the run exits 1, e.g. 0.05.
+    #[arg(long, value_name = "RATE", default_value_t = 0.0)]
+    pub allow_failures: f64,
     /// Run a scenario (`scenarios/*.toml`): its load, chaos timeline and expectations, against
     /// the local mesh in --dir. Exits 1 naming each expectation that failed.
     #[arg(long)]
@@ -120,24 +126,31 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
     Ok(m)
 }
 
-/// `--json FILE` writes `v` to FILE; `--json -` prints it instead of the table (returns true).
-fn emit_json<T: serde::Serialize>(json: Option<&std::path::Path>, v: &T) -> Result<bool> {
-    let Some(path) = json else {
+/// `--output FILE` writes `v` to FILE; `--json` prints it on stdout instead of the table
+/// (returns true then).
+fn emit_json<T: serde::Serialize>(a: &Args, v: &T) -> Result<bool> {
+    if !a.json && a.output.is_none() {
         return Ok(false);
-    };
-    let text = serde_json::to_string_pretty(v).map_err(Error::failed)? + "\n";
-    if path.as_os_str() == "-" {
-        std::io::stdout().lock().write_all(text.as_bytes())?;
-        return Ok(true);
     }
-    std::fs::write(path, text)
-        .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
-    Ok(false)
+    let text = serde_json::to_string_pretty(v).map_err(Error::failed)? + "\n";
+    if let Some(path) = &a.output {
+        std::fs::write(path, &text)
+            .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+    }
+    if a.json {
+        std::io::stdout().lock().write_all(text.as_bytes())?;
+    }
+    Ok(a.json)
 }
 
 pub async fn run(a: Args) -> Result<Outcome> {
     if let Some(path) = &a.scenario {
         return scenario(&a, path).await;
+    }
+    if !(0.0..=1.0).contains(&a.allow_failures) {
+        return Err(Error::usage(
+            "--allow-failures is a share between 0 and 1, e.g. 0.05",
+        ));
     }
     if a.requests == 0 || a.concurrency == 0 {
         return Err(Error::usage("-n and -c must be at least 1"));
@@ -211,7 +224,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let stop = stop_on_signal();
     let report = bench::run(plan, target, &stop, move || tick.inc(1)).await;
     bar.finish_and_clear();
-    if !emit_json(a.json.as_deref(), &report)? {
+    if !emit_json(&a, &report)? {
         writeln!(std::io::stdout().lock(), "{}", table(&report))?;
     }
     if report.interrupted {
@@ -219,6 +232,22 @@ pub async fn run(a: Args) -> Result<Outcome> {
     }
     if report.sent == 0 {
         return Ok(Outcome::Failed(vec!["no request was sent".into()]));
+    }
+    let share = report.failed as f64 / report.sent as f64;
+    if share > a.allow_failures {
+        let why: Vec<String> = report
+            .failures
+            .iter()
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect();
+        return Ok(Outcome::Failed(vec![format!(
+            "{} of {} requests failed ({:.1}%: {}); --allow-failures {:.2} would accept that share",
+            report.failed,
+            report.sent,
+            share * 100.0,
+            why.join(", "),
+            share
+        )]));
     }
     Ok(Outcome::Ok)
 }
@@ -272,7 +301,7 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
     })
     .await?;
     bar.finish_and_clear();
-    if !emit_json(a.json.as_deref(), &outcome)? {
+    if !emit_json(a, &outcome)? {
         let mut out = std::io::stdout().lock();
         writeln!(
             out,
@@ -324,8 +353,11 @@ fn table(r: &Report) -> String {
     for (k, v) in &r.reason_codes {
         t.add_row(vec![format!("  {k}"), v.to_string()]);
     }
-    for (k, v) in &r.errors {
-        t.add_row(vec![format!("error {k}"), pct(*v)]);
+    if r.failed > 0 {
+        t.add_row(vec!["failed".into(), pct(r.failed)]);
+        for (k, v) in &r.failures {
+            t.add_row(vec![format!("  {k}"), v.to_string()]);
+        }
     }
     t.to_string()
 }

@@ -52,9 +52,13 @@ pub struct Args {
     /// Only these scenarios (repeatable), e.g. --only provider-outage.
     #[arg(long)]
     pub only: Vec<String>,
-    /// Write every scenario's full result as one JSON document to FILE.
+    /// Print every scenario's full result as one JSON document on stdout (the progress goes
+    /// to stderr then).
     #[arg(long)]
-    pub json: Option<PathBuf>,
+    pub json: bool,
+    /// Also write that JSON document to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
 }
 
 /// The demo's mesh: `oam mesh down` and its folder removed when dropped, however the demo ends.
@@ -104,6 +108,15 @@ impl Drop for Mesh {
                 local::signal(p.pid, libc::SIGTERM);
             }
         }
+    }
+}
+
+/// Where the words go: stdout, or stderr when stdout holds the JSON.
+fn say(a: &Args) -> Box<dyn Write> {
+    if a.json {
+        Box::new(std::io::stderr())
+    } else {
+        Box::new(std::io::stdout())
     }
 }
 
@@ -178,7 +191,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         .filter(|(name, _)| a.only.is_empty() || a.only.iter().any(|o| o == name))
         .collect();
     let started = Instant::now();
-    let mut out = std::io::stdout();
+    let mut out = say(&a);
     writeln!(
         out,
         "oam demo: a local mesh (nats-server, the provider simulator, three nodes, the liveness monitor, the chaos warden)"
@@ -211,7 +224,7 @@ async fn play_all(
     mesh: &Mesh,
     started: Instant,
 ) -> Result<Vec<ScenarioReport>> {
-    let mut out = std::io::stdout();
+    let mut out = say(a);
     writeln!(
         out,
         "mesh up in {:.1} s; playing {} scenarios\n",
@@ -231,7 +244,7 @@ async fn play_all(
                 )
             })?;
             let s = if a.full { s } else { s.shortened() };
-            writeln!(std::io::stdout(), "▶ {}: {}", s.name, s.description)?;
+            writeln!(say(a), "▶ {}: {}", s.name, s.description)?;
             let bar = super::bench::progress_bar(1, &s.name);
             let tick = bar.clone();
             let o = bench_scenario::run(&mesh.dir, &s, !a.full, 42, &stop, move |done, total| {
@@ -250,10 +263,10 @@ async fn play_all(
                     ),
                 ));
             }
-            writeln!(std::io::stdout(), "{}", verdict_line(&o))?;
+            writeln!(say(a), "{}", verdict_line(&o))?;
             for v in o.verdicts.iter().filter(|v| !v.ok) {
                 writeln!(
-                    std::io::stdout(),
+                    say(a),
                     "    FAILED {} (measured {})",
                     v.expectation,
                     v.measured
@@ -285,10 +298,15 @@ async fn play_all(
         ]);
     }
     writeln!(out, "\n{t}")?;
-    if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&outcomes).map_err(Error::failed)?;
-        std::fs::write(path, text + "\n")
-            .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+    if a.json || a.output.is_some() {
+        let text = serde_json::to_string_pretty(&outcomes).map_err(Error::failed)? + "\n";
+        if let Some(path) = &a.output {
+            std::fs::write(path, &text)
+                .map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+        }
+        if a.json {
+            std::io::stdout().lock().write_all(text.as_bytes())?;
+        }
     }
     Ok(outcomes)
 }

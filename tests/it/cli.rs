@@ -361,3 +361,39 @@ fn completions_and_the_manual_cover_every_command() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A bench whose requests fail says so and exits 1 (unless the share is allowed), with the
+/// failures broken down; `--json` leaves nothing but the JSON on stdout.
+#[test]
+fn a_bench_against_a_refusing_url_fails_and_says_why() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let out = oam()
+        .args(["bench", "--url", &url, "-n", "5", "-c", "2", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("only JSON on stdout");
+    assert_eq!(report["failed"], 5);
+    assert_eq!(report["failures"]["refused"], 5, "{report}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("5 of 5 requests failed") && stderr.contains("refused 5"),
+        "{stderr}"
+    );
+    oam()
+        .args(["bench", "--url", &url, "-n", "3", "--allow-failures", "1"])
+        .assert()
+        .success()
+        .stdout(predicates::str::contains("refused"));
+    oam()
+        .args(["bench", "--url", &url, "-n", "3", "--allow-failures", "2"])
+        .assert()
+        .code(2);
+}

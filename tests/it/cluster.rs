@@ -753,7 +753,7 @@ async fn a_bench_stopped_by_sigterm_writes_its_partial_report() {
     );
     let report = std::env::temp_dir().join(format!("oam-bench-term-{}.json", std::process::id()));
     let bench = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
-        .args(["bench", "--url", &url, "-n", "200", "-c", "4", "--json"])
+        .args(["bench", "--url", &url, "-n", "200", "-c", "4", "--output"])
         .arg(&report)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())

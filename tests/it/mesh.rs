@@ -107,7 +107,7 @@ async fn up_status_request_down() {
 
     // Bounded load through all three nodes, the result as JSON.
     let bench = oam()
-        .args(["bench", "-n", "60", "-c", "12", "--json", "-", "--dir"])
+        .args(["bench", "-n", "60", "-c", "12", "--json", "--dir"])
         .arg(&dir.0)
         .output()
         .unwrap();
@@ -128,7 +128,7 @@ async fn up_status_request_down() {
 
     // The same on the NATS data plane, with a request mix.
     let bench = oam()
-        .args(["bench", "-n", "30", "-c", "6", "--nats", "--json", "-"])
+        .args(["bench", "-n", "30", "-c", "6", "--nats", "--json"])
         .args([
             "--mix",
             "risk=high,priority=critical,agent=vip",

@@ -9,7 +9,7 @@ async fn run(name: &str) {
     let json = mesh.dir.0.join("result.json");
     let out = mesh
         .oam()
-        .args(["bench", "--scenario", &file, "--short", "--json"])
+        .args(["bench", "--scenario", &file, "--short", "--output"])
         .arg(&json)
         .arg("--dir")
         .arg(&mesh.dir.0)
