@@ -83,6 +83,15 @@ async fn up_status_request_down() {
         .assert()
         .success()
         .stdout(predicates::str::contains("already up"));
+    let again = oam()
+        .args(["mesh", "up", "--json", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(again.status.success());
+    let doc = json(&again.stdout);
+    assert_eq!(doc["already_up"], true, "{doc}");
+    assert_eq!(doc["running"], doc["processes"]);
 
     let status = oam()
         .args(["mesh", "status", "--json", "--dir"])

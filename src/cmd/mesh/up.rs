@@ -58,6 +58,13 @@ pub async fn run(a: Args) -> Result<()> {
         } => (record, dir, nats_server_version),
         cluster::Up::AlreadyRunning { dir, alive, total } => {
             let mut out = std::io::stdout().lock();
+            if a.json {
+                let doc = serde_json::json!({
+                    "dir": dir, "already_up": true, "running": alive, "processes": total,
+                });
+                writeln!(out, "{doc}")?;
+                return Ok(());
+            }
             writeln!(
                 out,
                 "the mesh in {} is already up ({alive} of {total} processes running); \
