@@ -27,6 +27,9 @@ pub struct ListArgs {
     /// Only this agent's.
     #[arg(long)]
     pub agent: Option<String>,
+    /// Whole lines, however wide (by default the table wraps to the terminal).
+    #[arg(long)]
+    pub wide: bool,
     /// One JSON array of records.
     #[arg(long)]
     pub json: bool,
@@ -129,7 +132,11 @@ async fn list(a: ListArgs) -> Result<()> {
             e.agent.clone(),
             e.task.clone(),
             e.reason_codes.last().map_or("", |c| c.as_str()).to_string(),
-            e.recommended_action.as_str().to_string(),
+            if a.wide {
+                e.recommended_action.as_str().to_string()
+            } else {
+                action_word(e.recommended_action).to_string()
+            },
         ];
         if a.all {
             row.push(match (&r.status, &r.resolved_by) {
@@ -140,6 +147,7 @@ async fn list(a: ListArgs) -> Result<()> {
         }
         t.add_row(row);
     }
+    super::fit(&mut t, a.wide);
     writeln!(out, "{t}")?;
     let open = records.iter().filter(|r| r.status == Status::Open).count();
     writeln!(
@@ -152,6 +160,15 @@ async fn list(a: ListArgs) -> Result<()> {
 /// Whether `r` is `agent`'s (every record is, without an agent).
 fn of_agent(r: &Record, agent: Option<&str>) -> bool {
     agent.is_none_or(|x| x == r.escalation.agent)
+}
+
+/// The recommended action in a word or two, as `oam watch` shows it (`--wide` and `--json`
+/// give the full name).
+fn action_word(a: crate::core::reason::Action) -> &'static str {
+    match a {
+        crate::core::reason::Action::HumanReview => "review",
+        crate::core::reason::Action::HumanReviewBlockAutomaticAction => "review+block",
+    }
 }
 
 fn age(ms: u64) -> String {

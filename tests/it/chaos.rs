@@ -229,6 +229,25 @@ async fn faults_are_applied_listed_and_undone_on_time() {
     .expect("the refusal's escalation is listed as open");
     let first = &open[0];
     assert_eq!(first["status"], "open", "{first}");
+    // The table fits an 80-column terminal; --wide keeps whole lines.
+    let out = mesh
+        .oam()
+        .env("COLUMNS", "80")
+        .args(["escalation", "list"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        table.lines().all(|l| l.chars().count() <= 80) && table.contains("review+block"),
+        "{table}"
+    );
+    let out = mesh
+        .oam()
+        .env("COLUMNS", "80")
+        .args(["escalation", "list", "--wide"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"));
     assert_eq!(
         first["escalation"]["recommended_action"],
         "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"
