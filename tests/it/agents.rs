@@ -54,14 +54,18 @@ async fn serve_call_list_fail_hang_and_leave() {
         .args(["agent", "list", "--json"])
         .output()
         .unwrap();
-    let names: Vec<String> = serde_json::from_slice::<Vec<Value>>(&list.stdout)
-        .unwrap()
+    let listed = serde_json::from_slice::<Vec<Value>>(&list.stdout).unwrap();
+    let names: Vec<String> = listed
         .iter()
         .map(|e| e["name"].as_str().unwrap().to_string())
         .collect();
     for n in ["demo.echo", "demo.fail", "demo.hang"] {
         assert!(names.contains(&n.to_string()), "{names:?}");
     }
+    // And what is behind each entry: both echo replicas alive, beating just now.
+    let echo_entry = listed.iter().find(|e| e["name"] == "demo.echo").unwrap();
+    assert_eq!(echo_entry["instances_alive"], 2, "{echo_entry}");
+    assert!(echo_entry["last_heartbeat_ms_ago"].as_u64().unwrap() < 3_000);
 
     let (ok, out, err) = call(&url, "demo.echo", r#"{"message": "hi"}"#, "5");
     assert!(ok, "{err}");
