@@ -157,7 +157,9 @@ pub async fn run(
                 ),
             )
         })?;
-    let app_url = local::recorded_url(dir, "app_url").unwrap_or_else(|| local::resolve_url(None));
+    let app_url = local::find_mesh(None, dir)
+        .map(|(url, _)| url)
+        .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
     let nats = crate::transport::connect::reach(&app_url, "oam-bench-scenario", false).await?;
     let all_nodes: Vec<(String, String)> = rec
         .nodes()

@@ -18,7 +18,7 @@ pub struct Args {
     #[arg(long = "url")]
     pub urls: Vec<String>,
     /// The local mesh's state folder, used when no --url is given.
-    #[arg(long, default_value = ".oam")]
+    #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
     /// Number of requests.
     #[arg(short = 'n', long, default_value_t = 1_000)]
@@ -213,10 +213,9 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
-        let url = a.nats_url.clone().unwrap_or_else(|| {
-            crate::local::recorded_url(&a.dir, "app_url")
-                .unwrap_or_else(|| crate::local::resolve_url(None))
-        });
+        let url = crate::local::find_mesh(a.nats_url.clone(), &a.dir)
+            .map(|(url, _)| url)
+            .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
         bench::Target::Nats(crate::transport::connect::reach(&url, "oam-bench", false).await?)
     } else {
         bench::Target::Http(http)

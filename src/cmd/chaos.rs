@@ -7,17 +7,14 @@ use crate::transport::chaos::{self as warden, AskError};
 use crate::transport::{connect, subjects};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
-    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
-    /// .oam/, then nats://127.0.0.1:4222.
-    #[arg(long, global = true)]
-    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
     /// Print the result as JSON.
     #[arg(long, global = true)]
     pub json: bool,
@@ -114,12 +111,8 @@ pub enum Command {
         #[arg(long, conflicts_with = "what")]
         all: bool,
     },
-    /// Run the chaos warden for a local mesh (`oam mesh up` starts it).
-    Warden {
-        /// The local mesh's state folder.
-        #[arg(long, default_value = ".oam")]
-        dir: PathBuf,
-    },
+    /// Run the chaos warden for the local mesh in --dir (`oam mesh up` starts it).
+    Warden,
 }
 
 /// The injection a fault command asks for.
@@ -199,7 +192,7 @@ fn secs(ms: u64) -> String {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let url = crate::local::resolve_url(a.nats_url.clone());
+    let url = a.mesh.url()?;
     let command = match injection(a.command) {
         Ok(inject) => {
             let body = serde_json::to_vec(&inject).map_err(Error::failed)?;
@@ -283,7 +276,8 @@ pub async fn run(a: Args) -> Result<()> {
             }
             Ok(())
         }
-        Command::Warden { dir } => {
+        Command::Warden => {
+            let dir = a.mesh.dir.clone();
             let nc = crate::transport::connect::reach(&url, "oam-chaos-warden", false).await?;
             let json = a.json;
             let ready_dir = dir.clone();

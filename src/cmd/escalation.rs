@@ -33,10 +33,8 @@ pub struct ListArgs {
     /// One JSON array of records.
     #[arg(long)]
     pub json: bool,
-    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
-    /// .oam/, then nats://127.0.0.1:4222.
-    #[arg(long)]
-    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -59,9 +57,8 @@ pub struct ResolveArgs {
     /// One JSON object: {resolved, already, unknown, failed}.
     #[arg(long)]
     pub json: bool,
-    /// NATS URL, as for `oam escalation list`.
-    #[arg(long)]
-    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
 }
 
 pub async fn run(args: Args) -> Result<()> {
@@ -72,10 +69,10 @@ pub async fn run(args: Args) -> Result<()> {
 }
 
 async fn open_store(
-    nats_url: Option<String>,
+    mesh: &super::MeshArgs,
     name: &str,
 ) -> Result<async_nats::jetstream::kv::Store> {
-    let url = crate::local::resolve_url(nats_url);
+    let url = mesh.url()?;
     let nats = crate::transport::connect::reach(&url, name, false).await?;
     escalations::store(&nats).await.map_err(|e| {
         Error::new(
@@ -90,7 +87,7 @@ async fn open_store(
 }
 
 async fn list(a: ListArgs) -> Result<()> {
-    let store = open_store(a.nats_url, "oam-escalation-list").await?;
+    let store = open_store(&a.mesh, "oam-escalation-list").await?;
     let records: Vec<Record> = escalations::all(&store)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?
@@ -180,7 +177,7 @@ fn age(ms: u64) -> String {
 }
 
 async fn resolve(a: ResolveArgs) -> Result<()> {
-    let store = open_store(a.nats_url, "oam-escalation-resolve").await?;
+    let store = open_store(&a.mesh, "oam-escalation-resolve").await?;
     let ids: Vec<String> = if a.ids.is_empty() {
         escalations::all(&store)
             .await

@@ -14,12 +14,12 @@ pub struct Args {
     /// One JSON object per message: {subject, headers, payload}.
     #[arg(long)]
     pub json: bool,
-    #[arg(long)]
-    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let url = crate::local::resolve_url(a.nats_url.clone());
+    let url = a.mesh.url()?;
     let nc = crate::transport::connect::reach(&url, "oam-listen", false).await?;
     let mut sub = nc
         .subscribe(a.subject.clone())

@@ -15,6 +15,30 @@ pub mod reasons;
 pub mod sim;
 pub mod watch;
 
+/// Which mesh a command talks to: the same flags, resolved the same way, everywhere.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MeshArgs {
+    /// The mesh's state folder (as given to `oam mesh up --dir`).
+    #[arg(long, env = "OAM_DIR", default_value = ".oam", global = true)]
+    pub dir: std::path::PathBuf,
+    /// NATS URL of a mesh elsewhere (credentials may be in it); overrides --dir. Default:
+    /// $OAM_NATS_URL, then the mesh in --dir.
+    #[arg(long, global = true)]
+    pub nats_url: Option<String>,
+}
+
+impl MeshArgs {
+    /// The NATS URL to use, saying where it came from; a usage error when there is none.
+    pub fn url(&self) -> crate::error::Result<String> {
+        let (url, from) =
+            crate::local::find_mesh(self.nats_url.clone(), &self.dir).map_err(|why| {
+                crate::error::Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why))
+            })?;
+        tracing::debug!("NATS {} ({from})", crate::transport::connect::redact(&url));
+        Ok(url)
+    }
+}
+
 /// Fit a table to the terminal: cells wrap to its width (`$COLUMNS`, or the terminal's when
 /// stdout is one), unless `wide`. Piped output without `$COLUMNS` keeps whole lines.
 pub(crate) fn fit(t: &mut comfy_table::Table, wide: bool) {

@@ -27,10 +27,8 @@ pub struct RunArgs {
     /// HTTP data-plane address; port 0 picks a free one (printed when ready).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
-    /// .oam/, then nats://127.0.0.1:4222.
-    #[arg(long)]
-    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
     /// Providers, timings, pipeline and budgets (see `src/node/config.rs` for the format).
     /// Without it the node routes across `oam sim`'s providers at --sim-url.
     #[arg(long)]
@@ -66,7 +64,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
         }
         cfg.node.cluster_size = n;
     }
-    let url = crate::local::resolve_url(a.nats_url);
+    let url = a.mesh.url()?;
     let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
         Error::usage(format!(
             "cannot listen on {}: {e}. Pick another address with --listen, or 127.0.0.1:0",

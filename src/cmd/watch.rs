@@ -25,10 +25,8 @@ pub const CHANNEL: usize = 10_000;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
-    /// .oam/, then nats://127.0.0.1:4222.
-    #[arg(long)]
-    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub mesh: crate::cmd::MeshArgs,
     /// Frames per second.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=60))]
     pub fps: u32,
@@ -231,7 +229,7 @@ pub async fn run(a: Args) -> Result<()> {
              `oam listen 'oam.v1.state.*' --json` (each node's view)",
         ));
     }
-    let url = crate::local::resolve_url(a.nats_url.clone());
+    let url = a.mesh.url()?;
     let nats = crate::transport::connect::reach(&url, "oam-watch", false).await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(CHANNEL);
     let dropped = Arc::new(AtomicU64::new(0));

@@ -142,13 +142,28 @@ pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
     v[key].as_str().map(String::from)
 }
 
-/// The NATS URL to use: the flag, then `$OAM_NATS_URL`, then the application URL of a local
-/// mesh recorded in `.oam/` (by `oam mesh up`), then `nats://127.0.0.1:4222`.
-pub fn resolve_url(flag: Option<String>) -> String {
-    use crate::transport::connect::{DEFAULT_URL, ENV_URL};
-    flag.or_else(|| std::env::var(ENV_URL).ok())
-        .or_else(|| recorded_url(Path::new(".oam"), "app_url"))
-        .unwrap_or_else(|| DEFAULT_URL.to_string())
+/// The NATS URL of the mesh a command talks to, and where it came from: `--nats-url`, then
+/// `$OAM_NATS_URL`, then the application URL recorded in the mesh folder `dir` (`--dir`,
+/// `$OAM_DIR`, `./.oam`). No silent default: without any of them the error says what to do.
+pub fn find_mesh(flag: Option<String>, dir: &Path) -> Result<(String, String), String> {
+    use crate::transport::connect::ENV_URL;
+    if let Some(url) = flag {
+        return Ok((url, "--nats-url".into()));
+    }
+    if let Ok(url) = std::env::var(ENV_URL)
+        && !url.is_empty()
+    {
+        return Ok((url, format!("${ENV_URL}")));
+    }
+    match recorded_url(dir, "app_url") {
+        Some(url) => Ok((url, format!("the mesh in {}", dir.display()))),
+        None => Err(format!(
+            "no mesh found: no --nats-url, no ${ENV_URL}, and no mesh recorded in {} \
+             (credentials.json). Start one with `oam mesh up`, or pass --dir DIR (or set \
+             OAM_DIR) for a mesh started elsewhere, or --nats-url URL",
+            dir.display()
+        )),
+    }
 }
 
 /// The `oam` binary to start processes from: this one, as it is on disk now.

@@ -6,7 +6,6 @@ use std::time::Duration;
 /// The environment variable holding the NATS URL (credentials may be in it:
 /// `nats://user:password@127.0.0.1:4222`).
 pub const ENV_URL: &str = "OAM_NATS_URL";
-pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
 
 /// Connect for a command, or say what to do: the one place that message is written. With
 /// `wait_for_server`, a server that is not up yet is retried in the background.

@@ -397,3 +397,32 @@ fn a_bench_against_a_refusing_url_fails_and_says_why() {
         .assert()
         .code(2);
 }
+
+/// With no --nats-url, no OAM_NATS_URL and no mesh in the folder, a command says so and what to
+/// do (exit 3), instead of trying somebody else's nats://127.0.0.1:4222.
+#[test]
+fn no_mesh_found_is_said_not_guessed() {
+    let empty = std::env::temp_dir().join(format!("oam-test-no-mesh-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    for args in [
+        &["agent", "list"][..],
+        &["chaos", "list"],
+        &["escalation", "list"],
+        &["listen", "oam.v1.>"],
+    ] {
+        let out = oam()
+            .current_dir(&empty)
+            .env_remove("OAM_NATS_URL")
+            .env_remove("OAM_DIR")
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(3), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("no mesh found") && err.contains("oam mesh up"),
+            "{args:?}: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&empty);
+}

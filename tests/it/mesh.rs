@@ -83,6 +83,19 @@ async fn up_status_request_down() {
         .assert()
         .success()
         .stdout(predicates::str::contains("already up"));
+    // Every command names the mesh the same way: --dir, or OAM_DIR, with no URL given.
+    oam()
+        .env_remove("OAM_NATS_URL")
+        .args(["agent", "list", "--json", "--dir"])
+        .arg(&dir.0)
+        .assert()
+        .success();
+    oam()
+        .env_remove("OAM_NATS_URL")
+        .env("OAM_DIR", &dir.0)
+        .args(["chaos", "list", "--json"])
+        .assert()
+        .success();
     let again = oam()
         .args(["mesh", "up", "--json", "--dir"])
         .arg(&dir.0)

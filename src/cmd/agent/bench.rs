@@ -237,12 +237,13 @@ where
 /// Throughput is measured in this many alternating rounds of mesh and raw request/reply.
 const ROUNDS: u32 = 3;
 
-pub async fn run(url: &str, a: Args) -> Result<Outcome> {
+pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
     // Mesh and raw alternate in rounds, so a noisy neighbour on a shared machine weighs on both.
     let round_secs = Duration::try_from_secs_f64(a.seconds / f64::from(ROUNDS))
         .ok()
         .filter(|d| !d.is_zero() && a.seconds <= 3_600.0)
         .ok_or_else(|| Error::usage("--seconds must be a number of seconds in (0, 3600]"))?;
+    let url = &mesh.url()?;
     let nats = crate::transport::connect::reach(url, "oam-agent-bench", false).await?;
     let caller = std::sync::Arc::new(
         Caller::new(nats.clone())

@@ -60,8 +60,9 @@ fn failed(e: &protocol::MeshError) -> Outcome {
 }
 
 /// Call agent `c.name`; its error reply is a failed check (exit 1) naming the code.
-pub async fn call(url: &str, c: Args) -> Result<Outcome> {
+pub async fn call(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
+    let url = &mesh.url()?;
     let nc = crate::transport::connect::reach(url, "oam-agent-call", false).await?;
     let caller = client::Caller::new(nc)
         .await
@@ -78,8 +79,9 @@ pub async fn call(url: &str, c: Args) -> Result<Outcome> {
 
 /// Stream from agent `c.name`, a chunk a line; an error (before or mid-stream) is a failed
 /// check naming the code.
-pub async fn stream(url: &str, c: Args) -> Result<Outcome> {
+pub async fn stream(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
+    let url = &mesh.url()?;
     let nc = crate::transport::connect::reach(url, "oam-agent-stream", false).await?;
     let caller = client::Caller::new(nc)
         .await

@@ -41,8 +41,8 @@ fn listed<'a>(entry: &'a CatalogEntry, records: &[InstanceRecord], now: u64) -> 
     }
 }
 
-pub async fn run(url: &str, l: Args) -> Result<()> {
-    let nc = crate::transport::connect::reach(url, "oam-agent-list", false).await?;
+pub async fn run(mesh: &super::super::MeshArgs, l: Args) -> Result<()> {
+    let nc = crate::transport::connect::reach(&mesh.url()?, "oam-agent-list", false).await?;
     let entries = store::catalog(&nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;

@@ -12,10 +12,8 @@ use crate::error::{Outcome, Result};
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
-    /// NATS URL (credentials may be in it). Default: $OAM_NATS_URL, then the local mesh in
-    /// .oam/, then nats://127.0.0.1:4222.
-    #[arg(long, global = true)]
-    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -33,12 +31,13 @@ pub enum Command {
 }
 
 pub async fn run(a: Args) -> Result<Outcome> {
-    let url = crate::local::resolve_url(a.nats_url.clone());
+    // Each checks its own arguments before it looks for the mesh.
+    let mesh = &a.mesh;
     match a.command {
-        Command::Serve(s) => serve::run(&url, s).await.map(|()| Outcome::Ok),
-        Command::Call(c) => call::call(&url, c).await,
-        Command::Stream(c) => call::stream(&url, c).await,
-        Command::List(l) => list::run(&url, l).await.map(|()| Outcome::Ok),
-        Command::Bench(b) => bench::run(&url, b).await,
+        Command::Serve(s) => serve::run(mesh, s).await.map(|()| Outcome::Ok),
+        Command::Call(c) => call::call(mesh, c).await,
+        Command::Stream(c) => call::stream(mesh, c).await,
+        Command::List(l) => list::run(mesh, l).await.map(|()| Outcome::Ok),
+        Command::Bench(b) => bench::run(mesh, b).await,
     }
 }

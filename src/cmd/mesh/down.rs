@@ -8,7 +8,7 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    #[arg(long, default_value = ".oam")]
+    #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
     /// How long each process gets to exit after SIGTERM before SIGKILL.
     #[arg(long, default_value_t = 5_000)]

@@ -14,7 +14,7 @@ pub struct Args {
     /// mesh in --dir.
     #[arg(long)]
     pub sys_url: Option<String>,
-    #[arg(long, default_value = ".oam")]
+    #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
     /// Print the ready line as one JSON object.
     #[arg(long)]
@@ -24,11 +24,8 @@ pub struct Args {
 pub async fn run(a: Args) -> Result<()> {
     use crate::transport::connect;
     let from_dir = |key: &str| local::recorded_url(&a.dir, key);
-    let app_url = a
-        .nats_url
-        .or_else(|| std::env::var(connect::ENV_URL).ok())
-        .or_else(|| from_dir("app_url"))
-        .unwrap_or_else(|| connect::DEFAULT_URL.to_string());
+    let (app_url, _) = local::find_mesh(a.nats_url.clone(), &a.dir)
+        .map_err(|why| Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why)))?;
     let sys_url = a
         .sys_url
         .or_else(|| std::env::var(ENV_SYS_URL).ok())

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    #[arg(long, default_value = ".oam")]
+    #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
     #[arg(long)]
     pub json: bool,

@@ -11,7 +11,7 @@ pub struct Args {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=9))]
     pub nodes: u16,
     /// The state folder: PIDs, ports, config, logs, credentials.
-    #[arg(long, default_value = ".oam")]
+    #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
     /// NATS client port (0: any free port).
     #[arg(long, default_value_t = 4222)]
