@@ -157,7 +157,7 @@ pub async fn run(
                 ),
             )
         })?;
-    let app_url = local::find_mesh(None, dir)
+    let app_url = local::find_mesh(None, Some(dir))
         .map(|(url, _)| url)
         .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
     let nats = crate::transport::connect::reach(&app_url, "oam-bench-scenario", false).await?;

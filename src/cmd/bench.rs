@@ -213,7 +213,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
-        let url = crate::local::find_mesh(a.nats_url.clone(), &a.dir)
+        let url = crate::local::find_mesh(a.nats_url.clone(), Some(&a.dir))
             .map(|(url, _)| url)
             .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
         bench::Target::Nats(crate::transport::connect::reach(&url, "oam-bench", false).await?)

@@ -277,7 +277,7 @@ pub async fn run(a: Args) -> Result<()> {
             Ok(())
         }
         Command::Warden => {
-            let dir = a.mesh.dir.clone();
+            let dir = a.mesh.dir();
             let nc = crate::transport::connect::reach(&url, "oam-chaos-warden", false).await?;
             let json = a.json;
             let ready_dir = dir.clone();

@@ -15,27 +15,33 @@ pub mod reasons;
 pub mod sim;
 pub mod watch;
 
-/// Which mesh a command talks to: the same flags, resolved the same way, everywhere.
+/// Which mesh a command talks to: the same flags, resolved the same way, everywhere
+/// (`local::find_mesh`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct MeshArgs {
-    /// The mesh's state folder (as given to `oam mesh up --dir`).
-    #[arg(long, env = "OAM_DIR", default_value = ".oam", global = true)]
-    pub dir: std::path::PathBuf,
-    /// NATS URL of a mesh elsewhere (credentials may be in it); overrides --dir. Default:
-    /// $OAM_NATS_URL, then the mesh in --dir.
+    /// The mesh's state folder (as given to `oam mesh up --dir`). Default: $OAM_DIR, then
+    /// ./.oam (after $OAM_NATS_URL).
+    #[arg(long, global = true)]
+    pub dir: Option<std::path::PathBuf>,
+    /// NATS URL of a mesh elsewhere (credentials may be in it).
     #[arg(long, global = true)]
     pub nats_url: Option<String>,
 }
 
 impl MeshArgs {
-    /// The NATS URL to use, saying where it came from; a usage error when there is none.
+    /// The NATS URL to use; exit 3 saying what to do when there is none.
     pub fn url(&self) -> crate::error::Result<String> {
-        let (url, from) =
-            crate::local::find_mesh(self.nats_url.clone(), &self.dir).map_err(|why| {
+        let (url, from) = crate::local::find_mesh(self.nats_url.clone(), self.dir.as_deref())
+            .map_err(|why| {
                 crate::error::Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why))
             })?;
         tracing::debug!("NATS {} ({from})", crate::transport::connect::redact(&url));
         Ok(url)
+    }
+
+    /// The state folder meant: --dir, $OAM_DIR, ./.oam.
+    pub fn dir(&self) -> std::path::PathBuf {
+        crate::local::mesh_dir(self.dir.as_deref())
     }
 }
 

@@ -142,28 +142,57 @@ pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
     v[key].as_str().map(String::from)
 }
 
-/// The NATS URL of the mesh a command talks to, and where it came from: `--nats-url`, then
-/// `$OAM_NATS_URL`, then the application URL recorded in the mesh folder `dir` (`--dir`,
-/// `$OAM_DIR`, `./.oam`). No silent default: without any of them the error says what to do.
-pub fn find_mesh(flag: Option<String>, dir: &Path) -> Result<(String, String), String> {
+/// The NATS URL of the mesh a command talks to, and where it came from. Flags before the
+/// environment before the default: `--nats-url`, `--dir`, `$OAM_NATS_URL`, `$OAM_DIR`, then
+/// `./.oam`; a folder means the application URL recorded in its `credentials.json`. No silent
+/// default port: without any of them the error says what to do.
+pub fn find_mesh(
+    url_flag: Option<String>,
+    dir_flag: Option<&Path>,
+) -> Result<(String, String), String> {
     use crate::transport::connect::ENV_URL;
-    if let Some(url) = flag {
+    let in_dir = |dir: &Path, how: &str| {
+        recorded_url(dir, "app_url")
+            .map(|url| (url, format!("the mesh in {} ({how})", dir.display())))
+            .ok_or_else(|| {
+                format!(
+                    "no mesh found: nothing recorded in {} ({how}). Start one with `oam mesh \
+                     up --dir {}`, or pass --dir for the folder of a mesh started elsewhere, or \
+                     --nats-url URL",
+                    dir.display(),
+                    dir.display()
+                )
+            })
+    };
+    if let Some(url) = url_flag {
         return Ok((url, "--nats-url".into()));
+    }
+    if let Some(dir) = dir_flag {
+        return in_dir(dir, "--dir");
     }
     if let Ok(url) = std::env::var(ENV_URL)
         && !url.is_empty()
     {
         return Ok((url, format!("${ENV_URL}")));
     }
-    match recorded_url(dir, "app_url") {
-        Some(url) => Ok((url, format!("the mesh in {}", dir.display()))),
-        None => Err(format!(
-            "no mesh found: no --nats-url, no ${ENV_URL}, and no mesh recorded in {} \
-             (credentials.json). Start one with `oam mesh up`, or pass --dir DIR (or set \
-             OAM_DIR) for a mesh started elsewhere, or --nats-url URL",
-            dir.display()
-        )),
+    match std::env::var_os(ENV_DIR).filter(|d| !d.is_empty()) {
+        Some(dir) => in_dir(Path::new(&dir), "$OAM_DIR"),
+        None => in_dir(Path::new(".oam"), "the default folder"),
     }
+}
+
+/// The environment variable naming a mesh's state folder.
+pub const ENV_DIR: &str = "OAM_DIR";
+
+/// The state folder a command means: the flag, then `$OAM_DIR`, then `./.oam`.
+pub fn mesh_dir(flag: Option<&Path>) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .or_else(|| {
+            std::env::var_os(ENV_DIR)
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from(".oam"))
 }
 
 /// The `oam` binary to start processes from: this one, as it is on disk now.

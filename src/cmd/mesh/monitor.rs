@@ -24,7 +24,7 @@ pub struct Args {
 pub async fn run(a: Args) -> Result<()> {
     use crate::transport::connect;
     let from_dir = |key: &str| local::recorded_url(&a.dir, key);
-    let (app_url, _) = local::find_mesh(a.nats_url.clone(), &a.dir)
+    let (app_url, _) = local::find_mesh(a.nats_url.clone(), Some(&a.dir))
         .map_err(|why| Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why)))?;
     let sys_url = a
         .sys_url
