@@ -236,15 +236,6 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     f.render_widget(t, area);
 }
 
-fn share(app: &App, provider: &str) -> f64 {
-    let recent: Vec<_> = app.stream.iter().rev().take(500).collect();
-    let served = recent.iter().filter(|l| !l.provider.is_empty()).count();
-    if served == 0 {
-        return 0.0;
-    }
-    recent.iter().filter(|l| l.provider == provider).count() as f64 / served as f64
-}
-
 fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let Some(reference) = app.reference(now_ms) else {
         f.render_widget(
@@ -287,7 +278,7 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                 Cell::from(format!("{:.0}%", c.contract_failure_pct)),
                 Cell::from(format!("{}ms", c.p95_ms)),
                 Cell::from(Line::from(breakers)),
-                Cell::from(format!("{:.0}%", share(app, &p.id) * 100.0)),
+                Cell::from(format!("{:.0}%", app.share(&p.id, now_ms) * 100.0)),
             ])
         })
         .collect();

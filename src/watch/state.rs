@@ -21,6 +21,23 @@ pub const NODE_SILENT_MS: u64 = 3_500;
 pub const OPEN_ESCALATIONS_KEPT: usize = 1_000;
 /// An agent instance whose heartbeat is older than this is shown as stale.
 pub const AGENT_STALE_MS: u64 = 3_000;
+/// The banner follows what requests experienced this recently (rerouted, failed).
+pub const BANNER_WINDOW_MS: u64 = 2_000;
+/// Traffic shares are computed over decisions this recent.
+pub const SHARE_WINDOW_MS: u64 = 10_000;
+
+/// What one recent decision means for the banner and the shares (kept whatever the stream's
+/// pause and filter).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recent {
+    /// When the view received it (its own clock: nodes' clocks may differ).
+    pub seen_ms: u64,
+    /// Served by another provider than first chosen, or by a fallback.
+    pub rerouted: bool,
+    /// Not answered (refused, shed, escalated).
+    pub failed: bool,
+    pub provider: String,
+}
 
 /// The chaos menu: (label, fault or `None` to restore everything, target, seconds).
 pub const CHAOS_MENU: &[(&str, Option<Fault>, Option<&str>, u64)] = &[
@@ -207,6 +224,8 @@ pub struct App {
     pub incidents: VecDeque<(u64, String, Incident)>,
     pub deaths: VecDeque<(u64, DeathNotice)>,
     pub instances: BTreeMap<String, Instance>,
+    /// Decisions of the last `SHARE_WINDOW_MS`, oldest first.
+    pub recent: VecDeque<Recent>,
     pub catalog: Vec<String>,
     pub chaos: Vec<Active>,
     pub connected: bool,
@@ -279,6 +298,16 @@ impl App {
             }
             Event::Decision { node, decision } => {
                 let line = line_of(&node, &decision);
+                let oldest = now_ms.saturating_sub(SHARE_WINDOW_MS);
+                while self.recent.front().is_some_and(|r| r.seen_ms < oldest) {
+                    self.recent.pop_front();
+                }
+                self.recent.push_back(Recent {
+                    seen_ms: now_ms,
+                    rerouted: decision.fallback || decision.attempts.len() > 1,
+                    failed: decision.outcome != DecisionOutcome::Accepted,
+                    provider: line.provider.clone(),
+                });
                 let second = now_ms / 1_000 * 1_000;
                 if !self.seconds.contains_key(&second) {
                     // A new second: the earlier ones are complete.
@@ -505,15 +534,31 @@ impl App {
                 .collect::<Vec<_>>()
         };
         let (unhealthy, degraded) = (ids(Health::Unhealthy), ids(Health::Degraded));
-        if !unhealthy.is_empty() {
-            return (
-                Verdict::Rerouting,
-                format!("provider unhealthy ({}), rerouting", unhealthy.join(", ")),
-            );
+        // What requests experienced just now outranks the health windows, which lag by design.
+        let since = now_ms.saturating_sub(BANNER_WINDOW_MS);
+        let just_now = || self.recent.iter().filter(|r| r.seen_ms >= since);
+        let rerouted = just_now().filter(|r| r.rerouted).count();
+        let failed = just_now().filter(|r| r.failed).count();
+        if rerouted > 0 || !unhealthy.is_empty() {
+            let mut why = Vec::new();
+            let w = BANNER_WINDOW_MS / 1_000;
+            if rerouted > 0 {
+                why.push(format!("{rerouted} rerouted in {w} s"));
+            }
+            if !unhealthy.is_empty() {
+                why.push(format!("{} unhealthy", unhealthy.join(", ")));
+            }
+            if failed > 0 {
+                why.push(format!("{failed} failed in {w} s"));
+            }
+            return (Verdict::Rerouting, format!("rerouting: {}", why.join("; ")));
         }
         let dead = self.nodes.len().saturating_sub(live);
-        if !degraded.is_empty() || dead > 0 || !self.chaos.is_empty() {
+        if failed > 0 || !degraded.is_empty() || dead > 0 || !self.chaos.is_empty() {
             let mut why = Vec::new();
+            if failed > 0 {
+                why.push(format!("{failed} failed in {} s", BANNER_WINDOW_MS / 1_000));
+            }
             if dead > 0 {
                 why.push(format!("{dead} node(s) silent"));
             }
@@ -532,6 +577,20 @@ impl App {
             Verdict::Nominal,
             format!("all nominal: {live} nodes, quorum held, every provider healthy"),
         )
+    }
+
+    /// `provider`'s share of the decisions of the last `SHARE_WINDOW_MS` that a provider served.
+    pub fn share(&self, provider: &str, now_ms: u64) -> f64 {
+        let since = now_ms.saturating_sub(SHARE_WINDOW_MS);
+        let served: Vec<&Recent> = self
+            .recent
+            .iter()
+            .filter(|r| r.seen_ms >= since && !r.provider.is_empty())
+            .collect();
+        if served.is_empty() {
+            return 0.0;
+        }
+        served.iter().filter(|r| r.provider == provider).count() as f64 / served.len() as f64
     }
 
     /// Decisions per second over the history (oldest first), and p95 latency per second.
@@ -782,6 +841,84 @@ mod tests {
         assert_eq!(v, Verdict::NoQuorum, "{why}");
         app.apply(Event::Connection(false), 7_000);
         assert!(app.banner(7_000).1.contains("NATS unreachable"));
+    }
+
+    #[test]
+    fn the_banner_follows_what_requests_experience_within_two_seconds() {
+        let mut app = App::default();
+        app.apply(Event::Connection(true), 0);
+        let healthy = |app: &mut App, at: u64| {
+            for n in ["n1", "n2", "n3"] {
+                let state = state(
+                    true,
+                    &[("primary", Health::Healthy), ("local", Health::Healthy)],
+                );
+                app.apply(
+                    Event::NodeState {
+                        node: n.into(),
+                        state,
+                    },
+                    at,
+                );
+            }
+        };
+        let decide = |app: &mut App, at: u64, outcome, provider: &str, fallback: bool| {
+            let d = fixtures::decision(
+                outcome,
+                if outcome == DecisionOutcome::Accepted {
+                    Phase::Accepted
+                } else {
+                    Phase::Admission
+                },
+                provider,
+                fallback,
+                &[ReasonCode::Accepted],
+                "a",
+                100,
+                at,
+            );
+            app.apply(
+                Event::Decision {
+                    node: "n1".into(),
+                    decision: d,
+                },
+                at,
+            );
+        };
+        healthy(&mut app, 10_000);
+        assert_eq!(app.banner(10_000).0, Verdict::Nominal);
+        // The health windows still say HEALTHY: the first rerouted request turns the banner.
+        decide(&mut app, 10_100, DecisionOutcome::Accepted, "local", true);
+        let (v, why) = app.banner(10_100);
+        assert_eq!(v, Verdict::Rerouting, "{why}");
+        assert!(why.contains("1 rerouted"), "{why}");
+        healthy(&mut app, 11_000);
+        assert_eq!(
+            app.banner(12_000).0,
+            Verdict::Rerouting,
+            "within 2 s of the last"
+        );
+        healthy(&mut app, 12_000);
+        assert_eq!(
+            app.banner(12_200).0,
+            Verdict::Nominal,
+            "cleared 2 s after the last"
+        );
+        // A failing request, any phase, can never sit beside ALL NOMINAL.
+        decide(&mut app, 12_300, DecisionOutcome::Rejected, "", false);
+        let (v, why) = app.banner(12_300);
+        assert_eq!(v, Verdict::Degraded, "{why}");
+        assert!(why.contains("1 failed"), "{why}");
+        healthy(&mut app, 14_000);
+        assert_eq!(app.banner(14_400).0, Verdict::Nominal);
+        // Shares count the last 10 s only.
+        for at in [20_000, 20_100, 20_200] {
+            decide(&mut app, at, DecisionOutcome::Accepted, "primary", false);
+        }
+        assert!((app.share("primary", 20_300) - 1.0).abs() < 1e-9);
+        decide(&mut app, 31_000, DecisionOutcome::Accepted, "local", false);
+        assert!((app.share("local", 31_000) - 1.0).abs() < 1e-9);
+        assert_eq!(app.share("primary", 31_000), 0.0);
     }
 
     #[test]
