@@ -206,17 +206,21 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         .map(|(id, v)| {
             let alive = live.contains(&id.as_str());
             let age = now_ms.saturating_sub(v.seen_ms);
-            let sees = v.state.live_nodes.len();
-            let n = v.state.cluster_size;
+            // A down node's last view is stale: it is not shown as if it still held.
+            let view = if alive {
+                format!("sees {}/{}", v.state.live_nodes.len(), v.state.cluster_size)
+            } else {
+                "-".to_string()
+            };
             Row::new(vec![
                 Cell::from(id.clone()),
-                Cell::from(if alive { "alive" } else { "DEAD" }).style(if alive {
+                Cell::from(if alive { "alive" } else { "down" }).style(if alive {
                     Style::default().fg(Color::Green)
                 } else {
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD)
                 }),
                 Cell::from(format!("{:.1}s", age as f64 / 1e3)),
-                Cell::from(format!("sees {sees}/{n}")),
+                Cell::from(view),
             ])
         })
         .collect();
@@ -936,7 +940,7 @@ mod tests {
             NOW,
         );
         let text = draw(&app, 140, 40);
-        assert!(text.contains("NO QUORUM") && text.contains("DEAD"));
+        assert!(text.contains("NO QUORUM") && text.contains("down"));
         insta::assert_snapshot!(text);
     }
 

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 pub const STREAM_CAPACITY: usize = 2_000;
 /// Seconds of throughput and p95 history.
 pub const HISTORY_SECS: usize = 60;
-/// A node whose state snapshot is older than this is shown as silent.
+/// A node whose state snapshot is older than this is shown as down.
 pub const NODE_SILENT_MS: u64 = 3_500;
 /// Open escalations kept (the oldest go first beyond this).
 pub const OPEN_ESCALATIONS_KEPT: usize = 1_000;
@@ -560,7 +560,7 @@ impl App {
                 why.push(format!("{failed} failed in {} s", BANNER_WINDOW_MS / 1_000));
             }
             if dead > 0 {
-                why.push(format!("{dead} node(s) silent"));
+                why.push(format!("{dead} node(s) down"));
             }
             if !degraded.is_empty() {
                 why.push(format!("{} degraded", degraded.join(", ")));
@@ -828,7 +828,7 @@ mod tests {
         );
         let (v, why) = app.banner(6_000);
         assert_eq!(v, Verdict::Degraded);
-        assert!(why.contains("2 node(s) silent"), "{why}");
+        assert!(why.contains("2 node(s) down"), "{why}");
         // n1 itself hears only itself: no quorum, whatever the verdicts say.
         app.apply(
             Event::NodeState {

@@ -142,7 +142,7 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     );
     let dead = eventually(Duration::from_secs(15), || async {
         let screen = session.capture();
-        (screen.contains("│n2     DEAD") && screen.contains("kill-node n2")).then_some(())
+        (screen.contains("│n2     down") && screen.contains("kill-node n2")).then_some(())
     })
     .await;
     assert!(
