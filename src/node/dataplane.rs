@@ -402,6 +402,7 @@ pub async fn execute(
         step = match step {
             Step::Done(d) => break *d,
             Step::Queued => {
+                let ticket = flight.session.ticket();
                 let Some(rx) = granted.take() else {
                     // Only `begin` queues, and it registered the waiter; fail closed.
                     let left = node.with_engine(|e| e.abandon(&mut flight.session, now_ms()));
@@ -410,22 +411,33 @@ pub async fn execute(
                         None => continue,
                     }
                 };
-                let ended = tokio::select! {
-                    // A slot was handed to this request (or its waker is gone: let the engine
-                    // decide; an unclaimed grant falls back to taking a slot).
+                let gave_up = tokio::select! {
+                    // A slot was handed to this request.
                     _ = rx => None,
-                    () = tokio::time::sleep_until(queue_deadline) => Some(
-                        node.with_engine(|e| e.abandon(&mut flight.session, now_ms())),
-                    ),
-                    () = caller.cancelled() => Some(
-                        node.with_engine(|e| e.caller_gone(&mut flight.session, now_ms())),
-                    ),
+                    () = tokio::time::sleep_until(queue_deadline) => Some(false),
+                    () = caller.cancelled() => Some(true),
                 };
-                match ended {
+                let Some(caller_left) = gave_up else {
+                    step = node.with_engine(|e| e.dequeue(&mut flight.session, now_ms()));
+                    continue;
+                };
+                // Leaving the queue: its waker goes too (a grant that raced with this is handed
+                // on by the engine).
+                if let Some(t) = ticket {
+                    node.forget_waiter(t);
+                }
+                let left = node.with_engine(|e| {
+                    if caller_left {
+                        e.caller_gone(&mut flight.session, now_ms())
+                    } else {
+                        e.abandon(&mut flight.session, now_ms())
+                    }
+                });
+                match left {
+                    Some(d) => break d,
+                    // Not queued any more (cannot happen after `begin` queued it): go on as the
+                    // engine says.
                     None => node.with_engine(|e| e.dequeue(&mut flight.session, now_ms())),
-                    Some(Some(d)) => break d,
-                    // Granted just as it gave up: it holds the slot, so it goes on.
-                    Some(None) => node.with_engine(|e| e.dequeue(&mut flight.session, now_ms())),
                 }
             }
             Step::Dispatch(d) => {
