@@ -303,9 +303,14 @@ impl Session {
     }
 }
 
-/// The provider's breaker, created closed on first use.
+/// The provider's breaker, created closed on first use (without allocating a key each call:
+/// this runs for every routed request).
 fn breaker_mut<'a>(breakers: &'a mut BTreeMap<String, Breaker>, id: &str) -> &'a mut Breaker {
-    breakers.entry(id.to_string()).or_default()
+    if !breakers.contains_key(id) {
+        breakers.insert(id.to_string(), Breaker::default());
+    }
+    #[expect(clippy::expect_used, reason = "inserted just above")]
+    breakers.get_mut(id).expect("inserted above")
 }
 
 fn push(codes: &mut Vec<ReasonCode>, code: ReasonCode) {

@@ -582,15 +582,19 @@ impl App {
     /// `provider`'s share of the decisions of the last `SHARE_WINDOW_MS` that a provider served.
     pub fn share(&self, provider: &str, now_ms: u64) -> f64 {
         let since = now_ms.saturating_sub(SHARE_WINDOW_MS);
-        let served: Vec<&Recent> = self
+        let (mut served, mut by) = (0usize, 0usize);
+        for r in self
             .recent
             .iter()
             .filter(|r| r.seen_ms >= since && !r.provider.is_empty())
-            .collect();
-        if served.is_empty() {
+        {
+            served += 1;
+            by += usize::from(r.provider == provider);
+        }
+        if served == 0 {
             return 0.0;
         }
-        served.iter().filter(|r| r.provider == provider).count() as f64 / served.len() as f64
+        by as f64 / served as f64
     }
 
     /// Decisions per second over the history (oldest first), and p95 latency per second.
