@@ -35,9 +35,9 @@ async fn get(url: &str) -> Value {
 }
 
 async fn live_nodes(node: &str) -> Vec<String> {
-    let v = get(&format!("{node}/v1/oam/state")).await;
-    serde_json::from_value::<oam::core::wire::NodeSnapshot>(v)
-        .unwrap()
+    oam::local::cluster::snapshot(&http(Duration::from_secs(5)), node)
+        .await
+        .expect("a node state snapshot")
         .live_nodes
 }
 

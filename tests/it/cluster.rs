@@ -60,13 +60,7 @@ fn client() -> reqwest::Client {
 
 /// What the node at `url` sees, read as the typed snapshot it publishes.
 async fn state(c: &reqwest::Client, url: &str) -> Option<NodeSnapshot> {
-    c.get(format!("{url}/v1/oam/state"))
-        .send()
-        .await
-        .ok()?
-        .json()
-        .await
-        .ok()
+    oam::local::cluster::snapshot(c, url).await
 }
 
 fn provider<'a>(state: &'a NodeSnapshot, id: &str) -> &'a ProviderSnapshot {
@@ -576,32 +570,51 @@ async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
     drop((n1, n2));
 }
 
+/// One node (a cluster of one) in front of a simulator whose providers all take `latency_ms`,
+/// serving once `new` returns.
+struct OneNode {
+    nats: NatsServer,
+    _sim: Proc,
+    node: Proc,
+    url: String,
+}
+
+impl OneNode {
+    async fn new(latency_ms: u64) -> OneNode {
+        let nats = NatsServer::start().await;
+        let providers: Vec<String> = ["primary", "secondary", "local"]
+            .iter()
+            .map(|p| format!("{p}={latency_ms}+0"))
+            .collect();
+        let mut args = vec!["sim", "--listen", "127.0.0.1:0", "--json"];
+        for p in &providers {
+            args.extend(["--provider", p.as_str()]);
+        }
+        let sim = Proc::spawn(&args);
+        let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+        let node = node("n1", &nats.url(), &sim_url, &["--cluster-size", "1"]);
+        let url = node.ready["http"].as_str().unwrap().to_string();
+        // The node serves HTTP once it has joined (heard its own probes, here).
+        let c = client();
+        let serving = eventually(Duration::from_secs(10), || state(&c, &url)).await;
+        assert!(serving.is_some(), "the node serves");
+        OneNode {
+            nats,
+            _sim: sim,
+            node,
+            url,
+        }
+    }
+}
+
 /// Regression: callers that hang up before the answer (a client timeout shorter than the
 /// upstream) used to keep their bulkhead slots for good, and every later request of the class
 /// waited out the queue and got 503 QUEUE_TIMEOUT until the node restarted.
 #[tokio::test]
 async fn callers_that_hang_up_leak_no_slot() {
-    let nats = NatsServer::start().await;
-    let sim = Proc::spawn(&[
-        "sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--json",
-        "--provider",
-        "primary=150+0",
-        "--provider",
-        "secondary=150+0",
-        "--provider",
-        "local=150+0",
-    ]);
-    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
-    let nats_url = nats.url();
-    let node = node("n1", &nats_url, &sim_url, &["--cluster-size", "1"]);
-    let url = node.ready["http"].as_str().unwrap().to_string();
+    let one = OneNode::new(150).await;
+    let url = one.url.clone();
     let c = client();
-    // The node serves HTTP once it has joined (heard its own probes, here).
-    let serving = eventually(Duration::from_secs(10), || state(&c, &url)).await;
-    assert!(serving.is_some(), "the node serves");
     // 30 normal requests whose callers give up after 50 ms: 24 take every normal slot, 6 queue.
     let impatient = crate::support::http(Duration::from_millis(50));
     let calls = (0..30).map(|i| {
@@ -663,22 +676,12 @@ async fn callers_that_hang_up_leak_no_slot() {
 /// the server's graceful shutdown, as before.)
 #[tokio::test]
 async fn a_stopping_node_answers_the_requests_in_hand() {
-    let nats = NatsServer::start().await;
-    let sim = Proc::spawn(&[
-        "sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--json",
-        "--provider",
-        "primary=1200+0",
-        "--provider",
-        "secondary=1200+0",
-        "--provider",
-        "local=1200+0",
-    ]);
-    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
-    let mut n1 = node("n1", &nats.url(), &sim_url, &["--cluster-size", "1"]);
-    let url = n1.ready["http"].as_str().unwrap().to_string();
+    let OneNode {
+        nats,
+        _sim,
+        node: mut n1,
+        url,
+    } = OneNode::new(1200).await;
     let nc = oam::transport::connect::connect(&nats.url(), "test", false)
         .await
         .unwrap();
@@ -729,28 +732,9 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
 /// (marked interrupted), and exits 130.
 #[tokio::test]
 async fn a_bench_stopped_by_sigterm_writes_its_partial_report() {
-    let nats = NatsServer::start().await;
-    let sim = Proc::spawn(&[
-        "sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--json",
-        "--provider",
-        "primary=800+0",
-        "--provider",
-        "secondary=800+0",
-        "--provider",
-        "local=800+0",
-    ]);
-    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
-    let n1 = node("n1", &nats.url(), &sim_url, &["--cluster-size", "1"]);
-    let url = n1.ready["http"].as_str().unwrap().to_string();
+    let one = OneNode::new(800).await;
+    let url = one.url.clone();
     let c = client();
-    assert!(
-        eventually(Duration::from_secs(10), || state(&c, &url))
-            .await
-            .is_some()
-    );
     let report = std::env::temp_dir().join(format!("oam-bench-term-{}.json", std::process::id()));
     let bench = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
         .args(["bench", "--url", &url, "-n", "200", "-c", "4", "--output"])
