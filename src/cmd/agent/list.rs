@@ -12,6 +12,7 @@ const ALIVE_WITHIN_MS: u64 = 3_000;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// One JSON array: the catalog entries with `instances_alive` and `last_heartbeat_ms_ago`.
     #[arg(long)]
     pub json: bool,
 }
