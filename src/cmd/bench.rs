@@ -64,7 +64,12 @@ pub struct Args {
     pub output: Option<PathBuf>,
     /// The share of requests that may fail (no 200) before the run exits 1, e.g. 0.05.
     /// (Scenarios judge failures by their own expectations.)
-    #[arg(long, value_name = "RATE", default_value_t = 0.0, conflicts_with = "scenario")]
+    #[arg(
+        long,
+        value_name = "RATE",
+        default_value_t = 0.0,
+        conflicts_with = "scenario"
+    )]
     pub allow_failures: f64,
     /// Run a scenario (`scenarios/*.toml`): its load, chaos timeline and expectations, against
     /// the local mesh in --dir. Exits 1 naming each expectation that failed.
