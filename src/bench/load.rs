@@ -104,7 +104,7 @@ pub struct Report {
     pub providers: BTreeMap<String, usize>,
     pub reason_codes: BTreeMap<String, usize>,
     /// Mesh error codes of failed agent calls (e.g. agent_died, not_found).
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub errors: BTreeMap<String, usize>,
     /// Requests that did not get a 200.
     pub failed: usize,

@@ -47,6 +47,11 @@ fn body<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Option<(String, T)> {
     Some((env.sender, env.body))
 }
 
+/// A message the watch could not read: counted and shown, never silently dropped.
+fn unreadable(m: &async_nats::Message) -> Event {
+    Event::Unreadable(m.subject.to_string())
+}
+
 /// Everything from the bus, as model events, into `tx` (never waiting on a full channel).
 async fn feed(
     nats: async_nats::Client,
@@ -93,20 +98,25 @@ async fn feed(
     let mut connected = None;
     loop {
         tokio::select! {
-            Some(m) = states.next() => if let Some((node, state)) = body(&m.payload) {
-                send(Event::NodeState { node, state: Box::new(state) });
+            Some(m) = states.next() => match body(&m.payload) {
+                Some((node, state)) => send(Event::NodeState { node, state: Box::new(state) }),
+                None => send(unreadable(&m)),
             },
-            Some(m) = decisions.next() => if let Some((node, decision)) = body(&m.payload) {
-                send(Event::Decision { node, decision: Box::new(decision) });
+            Some(m) = decisions.next() => match body(&m.payload) {
+                Some((node, decision)) => send(Event::Decision { node, decision: Box::new(decision) }),
+                None => send(unreadable(&m)),
             },
-            Some(m) = incidents.next() => if let Some((node, incident)) = body(&m.payload) {
-                send(Event::Incident { node, incident });
+            Some(m) = incidents.next() => match body(&m.payload) {
+                Some((node, incident)) => send(Event::Incident { node, incident }),
+                None => send(unreadable(&m)),
             },
-            Some(m) = deaths.next() => if let Ok(v) = serde_json::from_slice(&m.payload) {
-                send(Event::Death(v));
+            Some(m) = deaths.next() => match serde_json::from_slice(&m.payload) {
+                Ok(v) => send(Event::Death(v)),
+                Err(_) => send(unreadable(&m)),
             },
-            Some(m) = beats.next() => if let Ok(v) = serde_json::from_slice(&m.payload) {
-                send(Event::AgentBeat(v));
+            Some(m) = beats.next() => match serde_json::from_slice(&m.payload) {
+                Ok(v) => send(Event::AgentBeat(v)),
+                Err(_) => send(unreadable(&m)),
             },
             Some(_) = chaos_events.next() => refresh_chaos(),
             _ = slow.tick() => {

@@ -164,7 +164,7 @@ pub struct Evaluation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub score: Option<ScoreParts>,
     /// What choosing it would add to the decision (health, quorum, cost notes).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<ReasonCode>,
 }
 
@@ -183,7 +183,7 @@ pub struct Attempt {
     pub cost_usd: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub confidence: Option<f64>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub defects: Vec<Defect>,
 }
 

@@ -140,6 +140,22 @@ fn healthy_cluster_routes_to_primary_and_accepts() {
 }
 
 #[test]
+fn a_published_decision_reads_back_as_it_was() {
+    // What nodes publish (empty lists left out) is what the watch and listeners read: a field
+    // left out on the wire must read back, or every such decision is dropped by its readers.
+    let mut e = engine();
+    for d in [
+        run(&mut e, req("r1"), &[("primary", good())]),
+        run(&mut e, req("r2"), &[("primary", err()), ("local", good())]),
+    ] {
+        let wire = serde_json::to_string(&d).unwrap();
+        assert!(!wire.contains("\"defects\""), "{wire}");
+        let back: Decision = serde_json::from_str(&wire).unwrap();
+        assert_eq!(back, d);
+    }
+}
+
+#[test]
 fn every_attempt_keeps_its_codes() {
     let mut e = engine();
     let d = run(

@@ -31,7 +31,7 @@ pub fn panel_len(app: &App, panel: Focus, now_ms: u64) -> usize {
         Focus::Nodes => app.nodes.len(),
         Focus::Providers => app.reference(now_ms).map_or(0, |r| r.providers.len()),
         Focus::Attention => attention_lines(app, now_ms).len(),
-        Focus::Agents => agent_lines(app, now_ms).len(),
+        Focus::Agents => agent_lines(app, now_ms, false).len(),
     }
 }
 
@@ -69,20 +69,115 @@ fn kind_style(k: LineKind) -> (Style, &'static str) {
     }
 }
 
+/// The smallest terminal the watch draws in; below it says so instead of garbling.
+pub const MIN_WIDTH: u16 = 80;
+pub const MIN_HEIGHT: u16 = 24;
+
+/// What every symbol and short header means (the help popup; a line of its own when there is
+/// room).
+const LEGEND: &[&str] = &[
+    "breakers  ● closed · ◐ half-open, one probe · ○ open, no traffic · - down",
+    "votes     nodes that agree / cluster size; own = no quorum, local view",
+    "avail     answers that succeeded · p95 latency · share: traffic, last 10 s",
+    "broken    % of answers that broke the JSON contract",
+    "beat      age of a node's last snapshot; silent for 3.5 s = down",
+    "bulkheads active/limit per class, q queued, shed refused by admission",
+    "attention ⚑ open escalation · ⟲ agent loop · ✝ agent death",
+    "stream    ok accepted · fall rerouted · shed · esc escalated · no refused",
+];
+
+/// Wide and tall enough for the legend in two columns under the panels.
+fn legend_fits(area: Rect) -> bool {
+    area.width >= 156 && area.height >= 40
+}
+
+/// A table column: header, width (the least for the flexible one), and rank: when the panel is
+/// too narrow, the highest ranks are dropped first; rank 0 is always kept.
+struct Col {
+    head: &'static str,
+    width: u16,
+    rank: u8,
+    flex: bool,
+}
+
+const fn col(head: &'static str, width: u16, rank: u8) -> Col {
+    Col {
+        head,
+        width,
+        rank,
+        flex: false,
+    }
+}
+
+/// The columns of `cols` that fit in `width` (one space between columns), in display order.
+fn fitting(cols: &[Col], width: u16) -> Vec<usize> {
+    let mut by_rank: Vec<usize> = (0..cols.len()).collect();
+    by_rank.sort_by_key(|&i| cols[i].rank);
+    let mut used = 0u16;
+    let mut keep = Vec::new();
+    for i in by_rank {
+        let need = cols[i].width + u16::from(!keep.is_empty());
+        if cols[i].rank == 0 || used + need <= width {
+            used += need;
+            keep.push(i);
+        }
+    }
+    keep.sort_unstable();
+    keep
+}
+
+/// A table of the columns that fit in `area` (inside its border); `rows` hold a cell per column.
+fn fitted_table<'a>(cols: &[Col], rows: Vec<Vec<Cell<'a>>>, area: Rect) -> Table<'a> {
+    let keep = fitting(cols, area.width.saturating_sub(2));
+    let widths: Vec<Constraint> = keep
+        .iter()
+        .map(|&i| {
+            if cols[i].flex {
+                Constraint::Min(cols[i].width)
+            } else {
+                Constraint::Length(cols[i].width)
+            }
+        })
+        .collect();
+    let rows = rows.into_iter().map(|cells| {
+        let mut cells: Vec<Option<Cell>> = cells.into_iter().map(Some).collect();
+        Row::new(
+            keep.iter()
+                .filter_map(|&i| cells.get_mut(i).and_then(Option::take))
+                .collect::<Vec<_>>(),
+        )
+    });
+    Table::new(rows, widths).header(
+        Row::new(keep.iter().map(|&i| cols[i].head)).style(Style::default().fg(Color::DarkGray)),
+    )
+}
+
 pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
     let area = f.area();
+    if area.width < MIN_WIDTH || area.height < MIN_HEIGHT {
+        render_too_small(f, area);
+        return;
+    }
     let compact = area.height < 34 || area.width < 110;
-    let [banner, top, middle, bottom, footer] = Layout::vertical([
+    let [banner, top, middle, bottom, legend, footer] = Layout::vertical([
         Constraint::Length(4),
         Constraint::Length(if compact { 6 } else { 8 }),
         Constraint::Length(if compact { 6 } else { 8 }),
         Constraint::Min(5),
+        Constraint::Length(if legend_fits(area) { 4 } else { 0 }),
         Constraint::Length(1),
     ])
     .areas(area);
     render_banner(f, banner, app, now_ms);
-    let [nodes, providers] =
-        Layout::horizontal([Constraint::Percentage(32), Constraint::Percentage(68)]).areas(top);
+    let [nodes, providers] = Layout::horizontal([
+        if compact {
+            Constraint::Length(27)
+        } else {
+            Constraint::Percentage(28)
+        },
+        Constraint::Min(40),
+    ])
+    .areas(top);
     render_nodes(f, nodes, app, now_ms);
     render_providers(f, providers, app, now_ms);
     let [bulkheads, attention, agents] = Layout::horizontal([
@@ -101,11 +196,26 @@ pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
     .areas(bottom);
     render_stream(f, stream, app);
     render_sparks(f, sparks, app, now_ms);
+    if legend_fits(area) {
+        let halves = Layout::horizontal([Constraint::Percentage(50); 2]).split(legend);
+        for (half, lines) in halves.iter().zip(LEGEND.chunks(LEGEND.len().div_ceil(2))) {
+            f.render_widget(
+                Paragraph::new(
+                    lines
+                        .iter()
+                        .map(|l| Line::from(format!(" {l}")))
+                        .collect::<Vec<_>>(),
+                )
+                .style(Style::default().fg(Color::DarkGray)),
+                *half,
+            );
+        }
+    }
     let keys = if app.editing_filter {
         format!(" filter: {}▏  Enter apply · Esc cancel", app.filter)
     } else {
         format!(
-            " q quit · Tab panel · ↑↓ scroll · / filter{} · p {} · c chaos · ? help{}",
+            " q quit · Tab panel · ↑↓ scroll · / filter{} · p {} · c chaos · ? help & legend{}",
             if app.filter.is_empty() {
                 String::new()
             } else {
@@ -131,6 +241,33 @@ pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
     }
 }
 
+fn render_too_small(f: &mut Frame, area: Rect) {
+    let text = vec![
+        Line::styled(
+            "terminal too small",
+            Style::default().add_modifier(Modifier::BOLD),
+        ),
+        Line::from(format!(
+            "{}x{} here; oam watch needs {MIN_WIDTH}x{MIN_HEIGHT}",
+            area.width, area.height
+        )),
+        Line::from("enlarge the window, or q to quit"),
+        Line::from("(oam listen --json streams the same events)"),
+    ];
+    let [_, middle, _] = Layout::vertical([
+        Constraint::Fill(1),
+        Constraint::Length(text.len() as u16),
+        Constraint::Fill(1),
+    ])
+    .areas(area);
+    f.render_widget(
+        Paragraph::new(text)
+            .alignment(ratatui::layout::Alignment::Center)
+            .wrap(Wrap { trim: true }),
+        middle,
+    );
+}
+
 fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let (verdict, why) = app.banner(now_ms);
     let (style, label) = match verdict {
@@ -151,6 +288,26 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             " NO QUORUM ",
         ),
     };
+    // The health verdicts, as the nodes agree on them, beside what requests experience.
+    let mut health: Vec<Span> = vec![Span::styled(
+        "health: ",
+        Style::default().fg(Color::DarkGray),
+    )];
+    match app.reference(now_ms) {
+        Some(state) if !state.providers.is_empty() => {
+            for (i, p) in state.providers.iter().enumerate() {
+                if i > 0 {
+                    health.push(Span::raw(" · "));
+                }
+                health.push(Span::raw(format!("{} ", p.id)));
+                health.push(Span::styled(
+                    p.consensus.verdict.as_str().to_ascii_lowercase(),
+                    verdict_style(p.consensus.verdict),
+                ));
+            }
+        }
+        _ => health.push(Span::raw("no provider verdicts yet")),
+    }
     let mut chaos: Vec<Span> = vec![Span::styled(
         "chaos: ",
         Style::default().fg(Color::DarkGray),
@@ -184,22 +341,44 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             Style::default().fg(Color::Yellow),
         ));
     }
+    if app.unreadable > 0 {
+        status.push(Span::styled(
+            format!(
+                "  unreadable {} (last on {})",
+                app.unreadable, app.unreadable_subject
+            ),
+            Style::default().fg(Color::Yellow),
+        ));
+    }
     let text = vec![
         Line::from(vec![
             Span::styled(label, style.add_modifier(Modifier::BOLD)),
             Span::raw(" "),
             Span::raw(why),
         ]),
+        Line::from(health),
         Line::from(chaos),
         Line::from(status),
     ];
-    f.render_widget(Paragraph::new(text).block(Block::default()), area);
+    f.render_widget(Paragraph::new(text), area);
 }
 
 fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let live = app.live_nodes(now_ms);
     let offset = app.offset(Focus::Nodes, app.nodes.len());
-    let rows: Vec<Row> = app
+    let id_width = app
+        .nodes
+        .keys()
+        .map(|k| k.chars().count())
+        .max()
+        .unwrap_or(0);
+    let cols = [
+        col("node", id_width.clamp(4, 12) as u16, 0),
+        col("state", 5, 0),
+        col("view", 8, 1),
+        col("beat", 5, 2),
+    ];
+    let rows: Vec<Vec<Cell>> = app
         .nodes
         .iter()
         .skip(offset)
@@ -212,31 +391,20 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             } else {
                 "-".to_string()
             };
-            Row::new(vec![
-                Cell::from(id.clone()),
+            vec![
+                Cell::from(truncate(id, 12)),
                 Cell::from(if alive { "alive" } else { "down" }).style(if alive {
                     Style::default().fg(Color::Green)
                 } else {
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD)
                 }),
-                Cell::from(format!("{:.1}s", age as f64 / 1e3)),
                 Cell::from(view),
-            ])
+                Cell::from(format!("{:.1}s", age as f64 / 1e3)),
+            ]
         })
         .collect();
-    let t = Table::new(
-        rows,
-        [
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Min(8),
-        ],
-    )
-    .header(
-        Row::new(vec!["node", "state", "beat", "view"]).style(Style::default().fg(Color::DarkGray)),
-    )
-    .block(block(&titled("Nodes", offset), app.focus == Focus::Nodes));
+    let t = fitted_table(&cols, rows, area)
+        .block(block(&titled("Nodes", offset), app.focus == Focus::Nodes));
     f.render_widget(t, area);
 }
 
@@ -250,7 +418,31 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         return;
     };
     let offset = app.offset(Focus::Providers, panel_len(app, Focus::Providers, now_ms));
-    let rows: Vec<Row> = reference
+    let live = app.live_nodes(now_ms);
+    let id_width = reference
+        .providers
+        .iter()
+        .map(|p| p.id.chars().count())
+        .max()
+        .unwrap_or(0);
+    // "n1● n2● n3●": a node id, its mark and a space each.
+    let breakers_width = app
+        .nodes
+        .keys()
+        .map(|k| k.chars().count() as u16 + 2)
+        .sum::<u16>()
+        .saturating_sub(1);
+    let cols = [
+        col("provider", id_width.clamp(8, 14) as u16, 0),
+        col("verdict", 9, 0),
+        col("votes", 7, 2),
+        col("avail", 5, 3),
+        col("broken", 6, 5),
+        col("p95", 7, 4),
+        col("breakers", breakers_width.max(8), 1),
+        col("share", 5, 1),
+    ];
+    let rows: Vec<Vec<Cell>> = reference
         .providers
         .iter()
         .skip(offset)
@@ -261,6 +453,13 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                 .iter()
                 .filter_map(|(node, v)| {
                     let b = v.state.provider(&p.id)?.breaker;
+                    if !live.contains(&node.as_str()) {
+                        // A down node's breaker is as stale as its view.
+                        return Some(Span::styled(
+                            format!("{node}- "),
+                            Style::default().fg(Color::DarkGray),
+                        ));
+                    }
                     let (style, mark) = match b {
                         Breaker::Closed { .. } => (Style::default().fg(Color::Green), "●"),
                         Breaker::Open { .. } => (Style::default().fg(Color::Red), "○"),
@@ -269,43 +468,24 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                     Some(Span::styled(format!("{node}{mark} "), style))
                 })
                 .collect();
-            Row::new(vec![
-                Cell::from(p.id.clone()),
-                Cell::from(c.verdict.as_str()).style(verdict_style(c.verdict)),
+            vec![
+                Cell::from(truncate(&p.id, 14)),
+                Cell::from(c.verdict.as_str().to_ascii_lowercase()).style(verdict_style(c.verdict)),
                 Cell::from(format!(
                     "{}/{}{}",
                     c.votes,
                     c.cluster_size,
-                    if c.quorum { " q" } else { " local" }
+                    if c.quorum { "" } else { " own" }
                 )),
                 Cell::from(format!("{:.0}%", c.availability * 100.0)),
                 Cell::from(format!("{:.0}%", c.contract_failure_pct)),
                 Cell::from(format!("{}ms", c.p95_ms)),
                 Cell::from(Line::from(breakers)),
                 Cell::from(format!("{:.0}%", app.share(&p.id, now_ms) * 100.0)),
-            ])
+            ]
         })
         .collect();
-    let t = Table::new(
-        rows,
-        [
-            Constraint::Length(9),
-            Constraint::Length(9),
-            Constraint::Length(9),
-            Constraint::Length(5),
-            Constraint::Length(5),
-            Constraint::Length(7),
-            Constraint::Min(12),
-            Constraint::Length(5),
-        ],
-    )
-    .header(
-        Row::new(vec![
-            "provider", "verdict", "votes", "avail", "ctr", "p95", "breakers", "share",
-        ])
-        .style(Style::default().fg(Color::DarkGray)),
-    )
-    .block(block(
+    let t = fitted_table(&cols, rows, area).block(block(
         &titled("Provider consensus", offset),
         app.focus == Focus::Providers,
     ));
@@ -343,11 +523,12 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             Priority::Normal => ("norm", Color::Blue),
             Priority::Background => ("bg", Color::DarkGray),
         };
-        let label = format!(
-            "{short:<4} {active}/{lim} q{} shed {}",
-            sum(class, |u| u64::from(u.queued)),
-            sum(class, |u| u.shed)
-        );
+        let (queued, shed) = (sum(class, |u| u64::from(u.queued)), sum(class, |u| u.shed));
+        let label = if inner.width >= 34 {
+            format!("{short:<4} {active}/{lim} active, {queued} queued, {shed} shed")
+        } else {
+            format!("{short:<4} {active}/{lim} q{queued} shed {shed}")
+        };
         f.render_widget(
             Gauge::default()
                 .gauge_style(Style::default().fg(color))
@@ -435,8 +616,8 @@ fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     );
 }
 
-/// The catalog with instance counts, then recent deaths, a line each.
-fn agent_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
+/// The catalog with instance counts, then recent deaths, a line each; `wide` spells it out.
+fn agent_lines(app: &App, now_ms: u64, wide: bool) -> Vec<Line<'static>> {
     let mut lines: Vec<Line> = Vec::new();
     for name in &app.catalog {
         let inst: Vec<_> = app
@@ -453,14 +634,20 @@ fn agent_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
         } else {
             Style::default()
         };
-        lines.push(Line::styled(
+        let busy: u64 = inst.iter().map(|i| i.in_flight).sum();
+        let text = if wide {
             format!(
-                "{name}: {} inst, {fresh} beating, {} in flight",
-                inst.len(),
-                inst.iter().map(|i| i.in_flight).sum::<u64>()
-            ),
-            style,
-        ));
+                "{name}: {fresh} of {} instances beating, {busy} in flight",
+                inst.len()
+            )
+        } else {
+            format!(
+                "{} {fresh}/{} up, {busy} busy",
+                truncate(name, 12),
+                inst.len()
+            )
+        };
+        lines.push(Line::styled(text, style));
     }
     for (at, n) in app.deaths.iter().rev().take(3) {
         lines.push(Line::styled(
@@ -482,8 +669,13 @@ fn agent_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
     lines
 }
 
+/// Whether the agents panel has room for the long form of its lines.
+fn agents_wide(area: Rect) -> bool {
+    area.width >= 50
+}
+
 fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
-    let lines = agent_lines(app, now_ms);
+    let lines = agent_lines(app, now_ms, agents_wide(area));
     let offset = app.offset(Focus::Agents, lines.len());
     f.render_widget(
         Paragraph::new(lines.into_iter().skip(offset).collect::<Vec<_>>())
@@ -494,10 +686,32 @@ fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
 
 fn render_stream(f: &mut Frame, area: Rect, app: &App) {
     let visible = app.visible();
-    let height = area.height.saturating_sub(2) as usize;
+    let height = area.height.saturating_sub(3) as usize;
     let end = visible.len().saturating_sub(app.scroll);
     let start = end.saturating_sub(height);
-    let items: Vec<ListItem> = visible[start..end]
+    let node_width = app
+        .nodes
+        .keys()
+        .map(|k| k.chars().count())
+        .max()
+        .unwrap_or(2);
+    let cols = [
+        col("time UTC", 12, 3),
+        col("", 4, 0),
+        col("request", 14, 5),
+        col("node", node_width.clamp(4, 8) as u16, 2),
+        col("agent", 12, 1),
+        col("provider", 9, 1),
+        col("latency", 7, 2),
+        col("phase", 10, 4),
+        Col {
+            head: "reasons",
+            width: 14,
+            rank: 0,
+            flex: true,
+        },
+    ];
+    let rows: Vec<Vec<Cell>> = visible[start..end]
         .iter()
         .map(|l| {
             let (style, tag) = kind_style(l.kind);
@@ -507,21 +721,33 @@ fn render_stream(f: &mut Frame, area: Rect, app: &App) {
                 .map(String::as_str)
                 .filter(|c| !["ROUTING_SELECTED", "ACCEPTED"].contains(c))
                 .collect();
-            ListItem::new(Line::from(vec![
-                Span::styled(tag, style),
-                Span::raw(format!(
-                    " {} {:<12} {:<9} {:>5}ms ",
-                    l.node,
-                    truncate(&l.agent, 12),
-                    if l.provider.is_empty() {
-                        "-"
-                    } else {
-                        &l.provider
-                    },
-                    l.latency_ms
+            let ms = l.at_ms % 86_400_000;
+            vec![
+                Cell::from(format!(
+                    "{:02}:{:02}:{:02}.{:03}",
+                    ms / 3_600_000,
+                    ms / 60_000 % 60,
+                    ms / 1_000 % 60,
+                    ms % 1_000
                 )),
-                Span::styled(codes.join(","), style),
-            ]))
+                Cell::from(tag).style(style),
+                Cell::from(tail(&l.request_id, 14)),
+                Cell::from(truncate(&l.node, 8)),
+                Cell::from(truncate(&l.agent, 12)),
+                Cell::from(if l.provider.is_empty() {
+                    "-".to_string()
+                } else {
+                    truncate(&l.provider, 9)
+                }),
+                Cell::from(format!("{:>5}ms", l.latency_ms)),
+                Cell::from(l.phase.clone()),
+                Cell::from(if codes.is_empty() {
+                    "ACCEPTED".to_string()
+                } else {
+                    codes.join(",")
+                })
+                .style(style),
+            ]
         })
         .collect();
     let title = format!(
@@ -534,16 +760,30 @@ fn render_stream(f: &mut Frame, area: Rect, app: &App) {
         }
     );
     f.render_widget(
-        List::new(items).block(block(&title, app.focus == Focus::Stream)),
+        fitted_table(&cols, rows, area).block(block(&title, app.focus == Focus::Stream)),
         area,
     );
 }
 
+/// The first `n` characters of `s`, the last one an ellipsis when it is cut.
 fn truncate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
     } else {
         s.chars().take(n.saturating_sub(1)).chain(['…']).collect()
+    }
+}
+
+/// The last `n` characters of `s` (where ids differ), the first an ellipsis when it is cut.
+fn tail(s: &str, n: usize) -> String {
+    let len = s.chars().count();
+    if len <= n {
+        s.to_string()
+    } else {
+        ['…']
+            .into_iter()
+            .chain(s.chars().skip(len + 1 - n))
+            .collect()
     }
 }
 
@@ -581,23 +821,36 @@ fn centered(area: Rect, w: u16, h: u16) -> Rect {
     )
 }
 
+const KEYS: &[&str] = &[
+    "q / Ctrl-C     quit (the terminal is restored)",
+    "Tab            next panel (its border turns cyan)",
+    "↑ ↓ PgUp PgDn  scroll that panel; Home back to the top",
+    "               (the stream: back in history; End = newest)",
+    "/              filter the stream: code, agent, provider, node",
+    "p              pause / resume the stream (rates go on)",
+    "c              chaos menu: inject a fault or restore everything",
+    "?              this help (any key closes it)",
+];
+
 fn render_help(f: &mut Frame, area: Rect) {
-    let r = centered(area, 60, 14);
-    let text = vec![
-        Line::from("q / Ctrl-C   quit (the terminal is restored)"),
-        Line::from("Tab          next panel (its border turns cyan)"),
-        Line::from("↑ ↓ PgUp PgDn  scroll that panel; Home/End back to the top"),
-        Line::from("             (the stream: back in history; End = newest)"),
-        Line::from("/            filter the stream by code, agent, provider or node"),
-        Line::from("p            pause / resume the stream (rates go on)"),
-        Line::from("c            chaos menu: inject a fault or restore everything"),
-        Line::from("?            this help"),
-        Line::from(""),
-        Line::from("Colours: green accepted · yellow fallback · magenta shed"),
-        Line::from("         red refused / escalated"),
-    ];
+    let mut text: Vec<Line> = KEYS.iter().map(|k| Line::from(*k)).collect();
+    text.push(Line::from(""));
+    text.extend(LEGEND.iter().map(|l| Line::from(*l)));
+    let width = KEYS
+        .iter()
+        .chain(LEGEND)
+        .map(|l| l.chars().count())
+        .max()
+        .unwrap_or(0) as u16
+        + 2;
+    let r = centered(area, width, text.len() as u16 + 2);
     f.render_widget(Clear, r);
-    f.render_widget(Paragraph::new(text).block(block("Help", true)), r);
+    f.render_widget(
+        Paragraph::new(text)
+            .wrap(Wrap { trim: false })
+            .block(block("Help & legend", true)),
+        r,
+    );
 }
 
 fn render_chaos_menu(f: &mut Frame, area: Rect, sel: usize) {
@@ -827,13 +1080,74 @@ mod tests {
 
     #[test]
     fn healthy_mesh() {
-        insta::assert_snapshot!(draw(&healthy(), 140, 40));
+        insta::assert_snapshot!(draw(&healthy(), 160, 48));
+    }
+
+    #[test]
+    fn healthy_mesh_at_80x24() {
+        insta::assert_snapshot!(draw(&healthy(), 80, 24));
     }
 
     #[test]
     fn outage_rerouting() {
-        let text = draw(&outage(), 140, 40);
+        let text = draw(&outage(), 160, 48);
         assert!(text.contains("REROUTING") && text.contains("kill-provider primary (20 s left)"));
+        // Everything the stream knows, and the legend, when there is room.
+        for column in ["time UTC", "request", "phase", "reasons", "FALLBACK_USED"] {
+            assert!(text.contains(column), "{column} missing at 160x48:\n{text}");
+        }
+        for entry in LEGEND {
+            assert!(
+                text.contains(entry),
+                "legend line missing at 160x48:\n{text}"
+            );
+        }
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn unreadable_messages_are_counted_on_screen() {
+        let mut app = healthy();
+        assert!(!draw(&app, 80, 24).contains("unreadable"));
+        for _ in 0..2 {
+            app.apply(Event::Unreadable("oam.v1.decision.n9".into()), NOW);
+        }
+        let text = draw(&app, 80, 24);
+        assert!(
+            text.contains("unreadable 2 (last on oam.v1.decision.n9)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn below_80x24_it_says_the_terminal_is_too_small() {
+        for (w, h) in [(79, 24), (80, 23), (40, 10)] {
+            let text = draw(&outage(), w, h);
+            assert!(
+                text.contains("terminal too small") && text.contains(&format!("{w}x{h} here")),
+                "{w}x{h}:\n{text}"
+            );
+            assert!(!text.contains("Provider consensus"), "{w}x{h}:\n{text}");
+        }
+        assert!(!draw(&outage(), 80, 24).contains("too small"));
+    }
+
+    #[test]
+    fn the_help_popup_fits_at_80x24_with_a_legend_for_every_symbol() {
+        let mut app = outage();
+        app.help = true;
+        let text = draw(&app, 80, 24);
+        for line in KEYS.iter().chain(LEGEND) {
+            assert!(text.contains(line), "cut: {line}\n{text}");
+        }
+        // Every symbol and short header the panels use is explained.
+        let legend = LEGEND.join(" ");
+        for symbol in [
+            "●", "◐", "○", "- down", "votes", "own", "avail", "broken", "p95", "share", "beat",
+            "q ", "⚑", "⟲", "✝", "ok ", "fall", "shed", "esc", "no ",
+        ] {
+            assert!(legend.contains(symbol), "{symbol} not explained");
+        }
         insta::assert_snapshot!(text);
     }
 
@@ -880,6 +1194,16 @@ mod tests {
     #[test]
     fn outage_at_80x24_keeps_every_panel() {
         let text = draw(&outage(), 80, 24);
+        // Names and verdicts stay words; a dead node is "down" and shows no stale view.
+        for word in [
+            "primary",
+            "secondary",
+            "unhealthy",
+            "healthy",
+            "demo.echo 2/2 up",
+        ] {
+            assert!(text.contains(word), "{word} cut at 80x24:\n{text}");
+        }
         for panel in [
             "Nodes",
             "Provider consensus",
@@ -939,7 +1263,7 @@ mod tests {
             },
             NOW,
         );
-        let text = draw(&app, 140, 40);
+        let text = draw(&app, 160, 48);
         assert!(text.contains("NO QUORUM") && text.contains("down"));
         insta::assert_snapshot!(text);
     }
@@ -951,7 +1275,7 @@ mod tests {
             Event::Death(fixtures::death("llm.chat", DeathReason::Disconnect, "b1")),
             NOW - 2_000,
         );
-        let text = draw(&app, 140, 40);
+        let text = draw(&app, 160, 48);
         assert!(text.contains("llm.chat disconnect"));
         insta::assert_snapshot!(text);
     }
@@ -1004,7 +1328,7 @@ mod tests {
             },
             NOW - 2_000,
         );
-        let text = draw(&app, 140, 40);
+        let text = draw(&app, 160, 48);
         assert!(text.contains("loop-bot") && text.contains("ESCALATED_AGENT_LOOP"));
         insta::assert_snapshot!(text);
     }

@@ -130,12 +130,15 @@ pub enum Event {
     Chaos(Vec<Active>),
     /// Connected to NATS, or not.
     Connection(bool),
+    /// A message on this subject that did not parse (another version, or a hostile sender).
+    Unreadable(String),
 }
 
 /// One decision as a line of the stream.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Line {
     pub at_ms: u64,
+    pub request_id: String,
     pub node: String,
     pub agent: String,
     pub kind: LineKind,
@@ -231,6 +234,9 @@ pub struct App {
     pub connected: bool,
     /// Events the bounded channel had to drop (the watcher fell behind).
     pub dropped: u64,
+    /// Messages that did not parse, and the subject of the last one.
+    pub unreadable: u64,
+    pub unreadable_subject: String,
     pub applied: u64,
     // The operator's view.
     pub focus: Focus,
@@ -269,6 +275,7 @@ fn line_of(node: &str, d: &Decision) -> Line {
     };
     Line {
         at_ms: d.decided_at_ms,
+        request_id: d.request_id.clone(),
         node: node.to_string(),
         agent: d.agent.clone(),
         kind,
@@ -367,6 +374,10 @@ impl App {
             Event::Catalog(names) => self.catalog = names,
             Event::Chaos(active) => self.chaos = active,
             Event::Connection(up) => self.connected = up,
+            Event::Unreadable(subject) => {
+                self.unreadable += 1;
+                self.unreadable_subject = subject;
+            }
         }
     }
 
@@ -539,28 +550,28 @@ impl App {
         let just_now = || self.recent.iter().filter(|r| r.seen_ms >= since);
         let rerouted = just_now().filter(|r| r.rerouted).count();
         let failed = just_now().filter(|r| r.failed).count();
-        if rerouted > 0 || !unhealthy.is_empty() {
-            let mut why = Vec::new();
-            let w = BANNER_WINDOW_MS / 1_000;
-            if rerouted > 0 {
-                why.push(format!("{rerouted} rerouted in {w} s"));
-            }
-            if !unhealthy.is_empty() {
-                why.push(format!("{} unhealthy", unhealthy.join(", ")));
-            }
+        // REROUTING is what requests experienced; the health verdicts (which lag by design) are
+        // shown beside the banner (`health_line`) and can only make it DEGRADED.
+        let w = BANNER_WINDOW_MS / 1_000;
+        if rerouted > 0 {
+            let mut why = vec![format!("{rerouted} rerouted in {w} s")];
             if failed > 0 {
                 why.push(format!("{failed} failed in {w} s"));
             }
             return (Verdict::Rerouting, format!("rerouting: {}", why.join("; ")));
         }
         let dead = self.nodes.len().saturating_sub(live);
-        if failed > 0 || !degraded.is_empty() || dead > 0 || !self.chaos.is_empty() {
+        let sick = !unhealthy.is_empty() || !degraded.is_empty();
+        if failed > 0 || sick || dead > 0 || !self.chaos.is_empty() {
             let mut why = Vec::new();
             if failed > 0 {
-                why.push(format!("{failed} failed in {} s", BANNER_WINDOW_MS / 1_000));
+                why.push(format!("{failed} failed in {w} s"));
             }
             if dead > 0 {
                 why.push(format!("{dead} node(s) down"));
+            }
+            if !unhealthy.is_empty() {
+                why.push(format!("{} unhealthy", unhealthy.join(", ")));
             }
             if !degraded.is_empty() {
                 why.push(format!("{} degraded", degraded.join(", ")));
@@ -819,9 +830,10 @@ mod tests {
             },
             2_000,
         );
+        // Unhealthy by the health windows, but no request rerouted (yet): degraded.
         let (v, why) = app.banner(2_000);
-        assert_eq!(v, Verdict::Rerouting);
-        assert!(why.contains("primary"), "{why}");
+        assert_eq!(v, Verdict::Degraded);
+        assert!(why.contains("primary unhealthy"), "{why}");
         // n2 and n3 fall silent; the freshest (n1) still says quorum: degraded by silence.
         app.apply(
             Event::NodeState {
@@ -923,6 +935,23 @@ mod tests {
         decide(&mut app, 31_000, DecisionOutcome::Accepted, "local", false);
         assert!((app.share("local", 31_000) - 1.0).abs() < 1e-9);
         assert_eq!(app.share("primary", 31_000), 0.0);
+        // The health windows alone (no request rerouted) make it DEGRADED, never REROUTING.
+        for n in ["n1", "n2", "n3"] {
+            let state = state(
+                true,
+                &[("primary", Health::Unhealthy), ("local", Health::Healthy)],
+            );
+            app.apply(
+                Event::NodeState {
+                    node: n.into(),
+                    state,
+                },
+                40_000,
+            );
+        }
+        let (v, why) = app.banner(40_000);
+        assert_eq!(v, Verdict::Degraded, "{why}");
+        assert!(why.contains("primary unhealthy"), "{why}");
     }
 
     #[test]

@@ -26,6 +26,38 @@ impl Tmux {
     }
 }
 
+impl Tmux {
+    /// `oam watch` on `mesh` in a detached tmux session of `width`x`height`.
+    fn watch(mesh: &LocalCluster, tag: &str, width: u16, height: u16) -> Tmux {
+        let bin = assert_cmd::cargo::cargo_bin!("oam");
+        let session = Tmux(format!("oam-{tag}-{}", std::process::id()));
+        let status = Command::new("tmux")
+            .args(["new-session", "-d", "-s", &session.0, "-x"])
+            .arg(width.to_string())
+            .arg("-y")
+            .arg(height.to_string())
+            .arg(format!(
+                "OAM_NATS_URL='{}' {} watch",
+                mesh.app_url(),
+                bin.display()
+            ))
+            .status()
+            .expect("tmux; scripts/install-test-tools installs it");
+        assert!(status.success());
+        session
+    }
+}
+
+/// Whether the nodes panel on `screen` shows `node` in `state` (whatever the column widths).
+fn node_shown(screen: &str, node: &str, state: &str) -> bool {
+    screen.lines().any(|l| {
+        l.split('│').any(|cell| {
+            let mut words = cell.split_whitespace();
+            words.next() == Some(node) && words.next() == Some(state)
+        })
+    })
+}
+
 impl Drop for Tmux {
     fn drop(&mut self) {
         let _ = Command::new("tmux")
@@ -37,27 +69,7 @@ impl Drop for Tmux {
 #[tokio::test]
 async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     let mesh = LocalCluster::up("watch").await;
-    let bin = assert_cmd::cargo::cargo_bin!("oam");
-    let session = Tmux(format!("oam-watch-{}", std::process::id()));
-    let status = Command::new("tmux")
-        .args([
-            "new-session",
-            "-d",
-            "-s",
-            &session.0,
-            "-x",
-            "140",
-            "-y",
-            "40",
-        ])
-        .arg(format!(
-            "OAM_NATS_URL='{}' {} watch",
-            mesh.app_url(),
-            bin.display()
-        ))
-        .status()
-        .expect("tmux; scripts/install-test-tools installs it");
-    assert!(status.success());
+    let session = Tmux::watch(&mesh, "watch", 140, 40);
 
     let panels = eventually(Duration::from_secs(15), || async {
         let screen = session.capture();
@@ -65,7 +77,7 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
             && screen.contains("ALL NOMINAL")
             && ["n1", "n2", "n3"]
                 .iter()
-                .all(|n| screen.contains(&format!("│{n}     alive"))))
+                .all(|n| node_shown(&screen, n, "alive")))
         .then_some(screen)
     })
     .await;
@@ -142,7 +154,7 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     );
     let dead = eventually(Duration::from_secs(15), || async {
         let screen = session.capture();
-        (screen.contains("│n2     down") && screen.contains("kill-node n2")).then_some(())
+        (node_shown(&screen, "n2", "down") && screen.contains("kill-node n2")).then_some(())
     })
     .await;
     assert!(
@@ -192,7 +204,7 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
             .child;
     let back = eventually(Duration::from_secs(20), || async {
         let screen = session.capture();
-        (screen.contains("NATS connected") && screen.contains("│n1     alive")).then_some(())
+        (screen.contains("NATS connected") && node_shown(&screen, "n1", "alive")).then_some(())
     })
     .await;
     // The escalation store is watched again too: a record written now reaches the panel.
@@ -242,6 +254,146 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     })
     .await;
     assert!(quit.is_some(), "q quits:\n{}", session.capture());
+}
+
+/// The banner follows what requests experience, with a real outage: traffic flows, the primary
+/// is killed, and REROUTING appears within 2 s of the first rerouted decision on the bus; when
+/// the traffic stops (the fault still on) it leaves within 2 s of the last one (plus a frame and
+/// a capture), for DEGRADED, never ALL NOMINAL, with the health verdict beside it.
+#[tokio::test]
+async fn the_banner_follows_a_real_outage_within_two_seconds() {
+    use futures_util::StreamExt;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+
+    let mesh = LocalCluster::up("watch-outage").await;
+    let session = Tmux::watch(&mesh, "outage", 160, 48);
+    let nominal = eventually(Duration::from_secs(15), || async {
+        session.capture().contains("ALL NOMINAL").then_some(())
+    })
+    .await;
+    assert!(nominal.is_some(), "nominal first:\n{}", session.capture());
+
+    // Decisions as the watch receives them: when, and whether rerouted.
+    let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
+        .await
+        .unwrap();
+    let mut sub = nc
+        .subscribe(oam::transport::subjects::DECISIONS)
+        .await
+        .unwrap();
+    let seen: Arc<Mutex<Vec<(Instant, bool)>>> = Arc::default();
+    let recorder = {
+        let seen = seen.clone();
+        tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                let env: oam::core::wire::Envelope<oam::core::pipeline::Decision> =
+                    serde_json::from_slice(&m.payload).unwrap();
+                let d = env.body;
+                let rerouted = d.fallback || d.attempts.len() > 1;
+                seen.lock().unwrap().push((Instant::now(), rerouted));
+            }
+        })
+    };
+    // Traffic: one request after another until told to stop (at most 1,000 of them).
+    let stop = Arc::new(AtomicBool::new(false));
+    let traffic = {
+        let (stop, url) = (
+            stop.clone(),
+            format!("{}/v1/chat/completions", mesh.node(0)),
+        );
+        tokio::spawn(async move {
+            let client = crate::support::http(Duration::from_secs(10));
+            for _ in 0..1_000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let _ = client
+                    .post(&url)
+                    .json(&serde_json::json!({"model": "auto",
+                        "messages": [{"role": "user", "content": "hello"}],
+                        "oam": {"agent": "outage-bot"}}))
+                    .send()
+                    .await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let poll = |want: bool| {
+        let session = &session;
+        async move {
+            eventually(Duration::from_secs(15), || async {
+                let screen = session.capture();
+                (screen.contains("REROUTING") == want).then(|| (Instant::now(), screen))
+            })
+            .await
+        }
+    };
+    let kill = mesh
+        .oam()
+        .args(["chaos", "kill-provider", "primary", "--for", "60s"])
+        .output()
+        .unwrap();
+    assert!(
+        kill.status.success(),
+        "{}",
+        String::from_utf8_lossy(&kill.stderr)
+    );
+    let shown = poll(true).await;
+    let first = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(_, rerouted)| *rerouted)
+        .map(|(at, _)| *at);
+    let (Some((shown_at, _)), Some(first)) = (shown, first) else {
+        panic!(
+            "REROUTING shown after rerouted decisions:\n{}",
+            session.capture()
+        );
+    };
+    let on = shown_at.saturating_duration_since(first);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    traffic.await.unwrap();
+    let cleared = poll(false).await;
+    let last = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|(_, rerouted)| *rerouted)
+        .map(|(at, _)| *at);
+    recorder.abort();
+    mesh.oam()
+        .args(["chaos", "restore", "kill-provider"])
+        .output()
+        .unwrap();
+    let (Some((cleared_at, screen)), Some(last)) = (cleared, last) else {
+        panic!(
+            "REROUTING cleared after the traffic stopped:\n{}",
+            session.capture()
+        );
+    };
+    let off = cleared_at.saturating_duration_since(last);
+    eprintln!(
+        "REROUTING shown {on:?} after the first rerouted decision, cleared {off:?} after the last"
+    );
+    assert!(on <= Duration::from_secs(2), "shown {on:?} after the first");
+    // The window is 2 s; a frame (100 ms at the default rate) and the capture poll come on top.
+    assert!(
+        off <= Duration::from_millis(3_000),
+        "cleared {off:?} after the last"
+    );
+    assert!(
+        screen.contains("DEGRADED") && !screen.contains("ALL NOMINAL"),
+        "the fault is still on:\n{screen}"
+    );
+    assert!(screen.contains("primary unhealthy"), "{screen}");
+    // The stream showed the rerouted requests, and every message on the bus was read.
+    assert!(screen.contains("FALLBACK_USED"), "{screen}");
+    assert!(!screen.contains("unreadable"), "{screen}");
 }
 
 #[test]
