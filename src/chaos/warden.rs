@@ -10,6 +10,7 @@ use crate::core::chaos::{
 use crate::local::{self, Record, Started};
 use crate::mesh::store;
 use crate::sim::model::{FaultMode, SetFault};
+use crate::transport::connect::flush_within;
 use crate::transport::subjects;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -314,7 +315,7 @@ impl Warden {
     async fn node_command(&self, to: &str, cmd: &NodeCommand) {
         if let Ok(b) = serde_json::to_vec(cmd) {
             let _ = self.nats.publish(subjects::chaos_node(to), b.into()).await;
-            let _ = tokio::time::timeout(Duration::from_secs(1), self.nats.flush()).await;
+            flush_within(&self.nats, Duration::from_secs(1)).await;
         }
     }
 
@@ -729,7 +730,7 @@ pub async fn run(
         w.announce("restored", &e.active).await;
     }
     w.save();
-    let _ = tokio::time::timeout(Duration::from_secs(1), nats.flush()).await;
+    flush_within(&nats, Duration::from_secs(1)).await;
     // Agents it started again are not in the mesh record: they go with the warden.
     for mut child in std::mem::take(&mut w.agents) {
         local::signal(child.id(), libc::SIGTERM);

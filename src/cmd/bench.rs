@@ -46,7 +46,7 @@ pub struct Args {
     #[arg(long = "mix")]
     pub mix: Vec<String>,
     /// Send the requests on the NATS data plane (`oam.v1.request`) instead of HTTP.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "urls")]
     pub nats: bool,
     /// NATS URL for --nats. Default: $OAM_NATS_URL, then the local mesh in --dir.
     #[arg(long, requires = "nats")]
@@ -184,7 +184,10 @@ pub async fn run(a: Args) -> Result<Outcome> {
         .iter()
         .map(|spec| parse_mix(spec, &a))
         .collect::<Result<Vec<_>>>()?;
-    let urls = if a.urls.is_empty() {
+    // Over NATS the requests go to `oam.v1.request` (any node of the queue group): no URLs.
+    let urls = if a.nats {
+        Vec::new()
+    } else if a.urls.is_empty() {
         let rec = Record::load(&a.dir)
             .map_err(|e| Error::new(Kind::Usage, e))?
             .ok_or_else(|| {

@@ -34,9 +34,13 @@ pub async fn run(a: Args) -> Result<()> {
         let _ = writeln!(err, "listening on {}", a.subject);
     }
     let mut seen = 0u64;
+    // One signal listener for the whole run: a signal that lands while a line is written is
+    // not lost.
+    let terminated = crate::signal::terminated();
+    tokio::pin!(terminated);
     loop {
         let msg = tokio::select! {
-            _ = crate::signal::terminated() => return Ok(()),
+            () = &mut terminated => return Ok(()),
             m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
         };
         let mut out = std::io::stdout().lock();

@@ -16,6 +16,7 @@
 
 use super::protocol::{AgentHeartbeat, DeathNotice, DeathReason};
 use super::store::{self, InstanceRecord};
+use crate::transport::connect::flush_within;
 use crate::transport::subjects;
 use futures_util::StreamExt;
 use serde::Deserialize;
@@ -25,6 +26,8 @@ use std::time::{Duration, Instant};
 /// How often heartbeats are expected, and how many may be missed before an instance is dead.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub const MISSED_BEATS: u32 = 3;
+/// A death notice is flushed at once, but never waits long on a bus that is struggling.
+const FLUSH_WITHIN: Duration = Duration::from_secs(1);
 
 #[derive(Deserialize, Debug)]
 struct Advisory {
@@ -172,7 +175,7 @@ impl Monitor {
                 .app
                 .publish(subjects::instance_death(instance_id), body.into())
                 .await;
-            let _ = self.app.flush().await;
+            flush_within(&self.app, FLUSH_WITHIN).await;
         }
         let record = store::instance(&self.app, instance_id).await;
         let agents: Vec<String> = match &record {
@@ -192,7 +195,7 @@ impl Monitor {
             }
             if !alive_elsewhere && let Ok(body) = serde_json::to_vec(&notice(agent)) {
                 let _ = self.app.publish(subjects::death(agent), body.into()).await;
-                let _ = self.app.flush().await;
+                flush_within(&self.app, FLUSH_WITHIN).await;
             }
             self.announced += 1;
             tracing::info!(

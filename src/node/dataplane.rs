@@ -723,6 +723,10 @@ pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
                 m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
                 _ = changed => break,
                 () = node.stop.cancelled() => {
+                    // Without a bus there is nothing to leave and nothing more will arrive.
+                    if node.nats.connection_state() != async_nats::connection::State::Connected {
+                        return Ok(());
+                    }
                     // Leave the group; what was already delivered is still answered.
                     let _ = sub.drain().await;
                     while let Ok(Some(m)) =

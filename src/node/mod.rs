@@ -784,9 +784,11 @@ pub async fn run(
         while node.outbox.capacity() < OUTBOX_CAPACITY {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let _ = node.nats.flush().await;
+        crate::transport::connect::flush_within(&node.nats, Duration::from_millis(500)).await;
     };
-    let _ = tokio::time::timeout(Duration::from_millis(500), goodbye).await;
+    if node.nats.connection_state() == async_nats::connection::State::Connected {
+        let _ = tokio::time::timeout(Duration::from_millis(500), goodbye).await;
+    }
     loops.abort_all();
     Ok(())
 }

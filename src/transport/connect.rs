@@ -27,6 +27,14 @@ pub async fn reach(
     })
 }
 
+/// Flush what `nats` has buffered, waiting at most `limit`, and not at all when the bus is gone:
+/// a process that is stopping (or handling an event) never waits on a server that is not there.
+pub async fn flush_within(nats: &async_nats::Client, limit: Duration) {
+    if nats.connection_state() == async_nats::connection::State::Connected {
+        let _ = tokio::time::timeout(limit, nats.flush()).await;
+    }
+}
+
 /// Connect as `name`. With `wait_for_server`, a server that is not up yet is retried in the
 /// background and this returns at once; otherwise an unreachable server is an error.
 pub async fn connect(

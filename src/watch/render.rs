@@ -126,8 +126,9 @@ fn fitting(cols: &[Col], width: u16) -> Vec<usize> {
     keep
 }
 
-/// A table of the columns that fit in `area` (inside its border); `rows` hold a cell per column.
-fn fitted_table<'a>(cols: &[Col], rows: Vec<Vec<Cell<'a>>>, area: Rect) -> Table<'a> {
+/// A table of the columns that fit in `area` (inside its border); `rows` hold a cell per column
+/// and their height in lines.
+fn fitted_table<'a>(cols: &[Col], rows: Vec<(Vec<Cell<'a>>, u16)>, area: Rect) -> Table<'a> {
     let keep = fitting(cols, area.width.saturating_sub(2));
     let widths: Vec<Constraint> = keep
         .iter()
@@ -139,17 +140,50 @@ fn fitted_table<'a>(cols: &[Col], rows: Vec<Vec<Cell<'a>>>, area: Rect) -> Table
             }
         })
         .collect();
-    let rows = rows.into_iter().map(|cells| {
+    let rows = rows.into_iter().map(|(cells, height)| {
         let mut cells: Vec<Option<Cell>> = cells.into_iter().map(Some).collect();
         Row::new(
             keep.iter()
                 .filter_map(|&i| cells.get_mut(i).and_then(Option::take))
                 .collect::<Vec<_>>(),
         )
+        .height(height.max(1))
     });
     Table::new(rows, widths).header(
         Row::new(keep.iter().map(|&i| cols[i].head)).style(Style::default().fg(Color::DarkGray)),
     )
+}
+
+/// The width the flexible column gets in `area` beside the other columns that fit.
+fn flex_width(cols: &[Col], area: Rect) -> u16 {
+    let inner = area.width.saturating_sub(2);
+    let keep = fitting(cols, inner);
+    let fixed: u16 = keep
+        .iter()
+        .filter(|&&i| !cols[i].flex)
+        .map(|&i| cols[i].width + 1)
+        .sum();
+    inner.saturating_sub(fixed)
+}
+
+/// `words` packed into lines of at most `width` characters, joined by `sep` within a line; a
+/// word longer than a line is split across lines rather than cut.
+fn pack(words: &[&str], sep: &str, width: usize) -> Vec<String> {
+    let width = width.max(1);
+    let mut lines: Vec<String> = Vec::new();
+    for w in words {
+        match lines.last_mut() {
+            Some(line) if line.chars().count() + sep.len() + w.chars().count() <= width => {
+                line.push_str(sep);
+                line.push_str(w);
+            }
+            _ => {
+                let chars: Vec<char> = w.chars().collect();
+                lines.extend(chars.chunks(width).map(|c| c.iter().collect::<String>()));
+            }
+        }
+    }
+    lines
 }
 
 pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
@@ -191,7 +225,7 @@ pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
     render_agents(f, agents, app, now_ms);
     let [stream, sparks] = Layout::horizontal([
         Constraint::Min(40),
-        Constraint::Length(if compact { 22 } else { 34 }),
+        Constraint::Length(if compact { 18 } else { 30 }),
     ])
     .areas(bottom);
     render_stream(f, stream, app);
@@ -378,7 +412,7 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         col("view", 8, 1),
         col("beat", 5, 2),
     ];
-    let rows: Vec<Vec<Cell>> = app
+    let rows: Vec<(Vec<Cell>, u16)> = app
         .nodes
         .iter()
         .skip(offset)
@@ -391,7 +425,7 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             } else {
                 "-".to_string()
             };
-            vec![
+            let cells = vec![
                 Cell::from(truncate(id, 12)),
                 Cell::from(if alive { "alive" } else { "down" }).style(if alive {
                     Style::default().fg(Color::Green)
@@ -400,7 +434,8 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                 }),
                 Cell::from(view),
                 Cell::from(format!("{:.1}s", age as f64 / 1e3)),
-            ]
+            ];
+            (cells, 1)
         })
         .collect();
     let t = fitted_table(&cols, rows, area)
@@ -442,7 +477,7 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         col("breakers", breakers_width.max(8), 1),
         col("share", 5, 1),
     ];
-    let rows: Vec<Vec<Cell>> = reference
+    let rows: Vec<(Vec<Cell>, u16)> = reference
         .providers
         .iter()
         .skip(offset)
@@ -468,7 +503,7 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                     Some(Span::styled(format!("{node}{mark} "), style))
                 })
                 .collect();
-            vec![
+            let cells = vec![
                 Cell::from(truncate(&p.id, 14)),
                 Cell::from(c.verdict.as_str().to_ascii_lowercase()).style(verdict_style(c.verdict)),
                 Cell::from(format!(
@@ -482,7 +517,8 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                 Cell::from(format!("{}ms", c.p95_ms)),
                 Cell::from(Line::from(breakers)),
                 Cell::from(format!("{:.0}%", app.share(&p.id, now_ms) * 100.0)),
-            ]
+            ];
+            (cells, 1)
         })
         .collect();
     let t = fitted_table(&cols, rows, area).block(block(
@@ -686,9 +722,6 @@ fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
 
 fn render_stream(f: &mut Frame, area: Rect, app: &App) {
     let visible = app.visible();
-    let height = area.height.saturating_sub(3) as usize;
-    let end = visible.len().saturating_sub(app.scroll);
-    let start = end.saturating_sub(height);
     let node_width = app
         .nodes
         .keys()
@@ -696,60 +729,77 @@ fn render_stream(f: &mut Frame, area: Rect, app: &App) {
         .max()
         .unwrap_or(2);
     let cols = [
-        col("time UTC", 12, 3),
+        col("time UTC", 12, 4),
         col("", 4, 0),
-        col("request", 14, 5),
-        col("node", node_width.clamp(4, 8) as u16, 2),
+        col("request", 14, 6),
+        col("node", node_width.clamp(4, 8) as u16, 3),
         col("agent", 12, 1),
         col("provider", 9, 1),
         col("latency", 7, 2),
-        col("phase", 10, 4),
+        col("phase", 10, 5),
         Col {
             head: "reasons",
-            width: 14,
+            width: 20,
             rank: 0,
             flex: true,
         },
     ];
-    let rows: Vec<Vec<Cell>> = visible[start..end]
-        .iter()
-        .map(|l| {
-            let (style, tag) = kind_style(l.kind);
-            let codes: Vec<&str> = l
-                .codes
-                .iter()
-                .map(String::as_str)
-                .filter(|c| !["ROUTING_SELECTED", "ACCEPTED"].contains(c))
-                .collect();
-            let ms = l.at_ms % 86_400_000;
-            vec![
-                Cell::from(format!(
-                    "{:02}:{:02}:{:02}.{:03}",
-                    ms / 3_600_000,
-                    ms / 60_000 % 60,
-                    ms / 1_000 % 60,
-                    ms % 1_000
-                )),
-                Cell::from(tag).style(style),
-                Cell::from(tail(&l.request_id, 14)),
-                Cell::from(truncate(&l.node, 8)),
-                Cell::from(truncate(&l.agent, 12)),
-                Cell::from(if l.provider.is_empty() {
-                    "-".to_string()
-                } else {
-                    truncate(&l.provider, 9)
-                }),
-                Cell::from(format!("{:>5}ms", l.latency_ms)),
-                Cell::from(l.phase.clone()),
-                Cell::from(if codes.is_empty() {
-                    "ACCEPTED".to_string()
-                } else {
-                    codes.join(",")
-                })
-                .style(style),
-            ]
-        })
-        .collect();
+    let reasons_width = usize::from(flex_width(&cols, area));
+    // Newest at the bottom; the reasons wrap (at commas) rather than being cut, so a line may
+    // take more than one row: fill the panel from the newest line up.
+    let mut room = usize::from(area.height.saturating_sub(3));
+    let end = visible.len().saturating_sub(app.scroll);
+    let mut rows: Vec<(Vec<Cell>, u16)> = Vec::new();
+    for l in visible[..end].iter().rev() {
+        let (style, tag) = kind_style(l.kind);
+        let codes: Vec<&str> = l
+            .codes
+            .iter()
+            .map(String::as_str)
+            .filter(|c| !["ROUTING_SELECTED", "ACCEPTED"].contains(c))
+            .collect();
+        let codes = if codes.is_empty() {
+            vec!["ACCEPTED"]
+        } else {
+            codes
+        };
+        let reasons = pack(&codes, ",", reasons_width);
+        let height = reasons.len().min(room.max(1));
+        if height > room {
+            break;
+        }
+        room -= height;
+        let ms = l.at_ms % 86_400_000;
+        let cells = vec![
+            Cell::from(format!(
+                "{:02}:{:02}:{:02}.{:03}",
+                ms / 3_600_000,
+                ms / 60_000 % 60,
+                ms / 1_000 % 60,
+                ms % 1_000
+            )),
+            Cell::from(tag).style(style),
+            Cell::from(tail(&l.request_id, 14)),
+            Cell::from(truncate(&l.node, 8)),
+            Cell::from(truncate(&l.agent, 12)),
+            Cell::from(if l.provider.is_empty() {
+                "-".to_string()
+            } else {
+                truncate(&l.provider, 9)
+            }),
+            Cell::from(format!("{:>5}ms", l.latency_ms)),
+            Cell::from(l.phase.clone()),
+            Cell::from(ratatui::text::Text::from(
+                reasons.into_iter().map(Line::from).collect::<Vec<_>>(),
+            ))
+            .style(style),
+        ];
+        rows.push((cells, height as u16));
+        if room == 0 {
+            break;
+        }
+    }
+    rows.reverse();
     let title = format!(
         "Reason-code stream{}{}",
         if app.paused { " (paused)" } else { "" },
@@ -1109,14 +1159,46 @@ mod tests {
     fn unreadable_messages_are_counted_on_screen() {
         let mut app = healthy();
         assert!(!draw(&app, 80, 24).contains("unreadable"));
+        let subject = crate::transport::subjects::decision("n9");
         for _ in 0..2 {
-            app.apply(Event::Unreadable("oam.v1.decision.n9".into()), NOW);
+            app.apply(Event::Unreadable(subject.clone()), NOW);
         }
         let text = draw(&app, 80, 24);
         assert!(
-            text.contains("unreadable 2 (last on oam.v1.decision.n9)"),
+            text.contains(&format!("unreadable 2 (last on {subject})")),
             "{text}"
         );
+    }
+
+    #[test]
+    fn reasons_wrap_at_commas_instead_of_being_cut() {
+        let mut app = healthy();
+        let codes = [
+            ReasonCode::GenerationError,
+            ReasonCode::CircuitOpened,
+            ReasonCode::RetryScheduled,
+            ReasonCode::FallbackUsed,
+        ];
+        app.apply(
+            Event::Decision {
+                node: "n1".into(),
+                decision: decision(
+                    DecisionOutcome::Accepted,
+                    Phase::Accepted,
+                    "local",
+                    true,
+                    &codes,
+                    "support-bot",
+                ),
+            },
+            NOW,
+        );
+        for (w, h) in [(80, 24), (160, 48)] {
+            let text = draw(&app, w, h);
+            for c in codes {
+                assert!(text.contains(c.as_str()), "{c:?} cut at {w}x{h}:\n{text}");
+            }
+        }
     }
 
     #[test]

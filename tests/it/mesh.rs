@@ -345,3 +345,91 @@ async fn credentials_survive_down_and_up_unless_renewed() {
     assert_ne!(renewed["sys_password"], first["sys_password"]);
     down();
 }
+
+/// Every long-running process of a mesh (nodes, simulator, monitor, chaos warden, an agent, a
+/// listener) stops within 2 s of SIGTERM or SIGINT after NATS has died under it, a fault active
+/// (the warden ends it on the way out).
+#[tokio::test]
+async fn every_long_running_process_stops_within_two_seconds_without_nats() {
+    use crate::support::{LocalCluster, Proc, eventually, process_state};
+    let mesh = LocalCluster::up("stop-bound").await;
+    let url = mesh.app_url();
+    let agent = Proc::spawn(&[
+        "agent",
+        "serve",
+        "demo.stop",
+        "--demo",
+        "echo",
+        "--json",
+        "--nats-url",
+        &url,
+    ]);
+    let mut listener = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["listen", "stop.>", "--nats-url", &url])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The listener is subscribed once a message published now reaches its output.
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = listener.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let heard = eventually(Duration::from_secs(10), || async {
+        nc.publish("stop.ping", "x".into()).await.ok()?;
+        nc.flush().await.ok()?;
+        rx.recv_timeout(Duration::from_millis(200)).ok()
+    })
+    .await;
+    assert!(heard.is_some(), "the listener hears the bus");
+    let fault = mesh
+        .oam()
+        .args(["chaos", "kill-provider", "primary", "--for", "60s"])
+        .output()
+        .unwrap();
+    assert!(
+        fault.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fault.stderr)
+    );
+
+    assert!(oam::local::signal(mesh.pid("nats-server"), libc::SIGKILL));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut pids: Vec<(String, u32)> = ["sim", "n1", "n2", "n3", "monitor", "chaos"]
+        .iter()
+        .map(|n| ((*n).to_string(), mesh.pid(n)))
+        .collect();
+    pids.push(("agent serve".into(), agent.pid()));
+    pids.push(("listen".into(), listener.id()));
+    for (i, (name, pid)) in pids.iter().enumerate() {
+        let sig = if i % 2 == 0 {
+            libc::SIGTERM
+        } else {
+            libc::SIGINT
+        };
+        let sent = std::time::Instant::now();
+        assert!(oam::local::signal(*pid, sig), "{name} was running");
+        let gone = eventually(Duration::from_secs(2), || async {
+            // Exited: gone, or a zombie waiting for this test (its parent) to reap it.
+            matches!(process_state(*pid), None | Some('Z')).then_some(())
+        })
+        .await;
+        assert!(
+            gone.is_some(),
+            "{name} (pid {pid}) still running 2 s after signal {sig}"
+        );
+        eprintln!("{name}: stopped {:?} after signal {sig}", sent.elapsed());
+    }
+    let _ = listener.wait();
+}
