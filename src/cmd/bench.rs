@@ -17,9 +17,6 @@ pub struct Args {
     /// mesh in --dir.
     #[arg(long = "url")]
     pub urls: Vec<String>,
-    /// The local mesh's state folder, used when no --url is given.
-    #[arg(long, env = "OAM_DIR", default_value = ".oam")]
-    pub dir: PathBuf,
     /// Number of requests.
     #[arg(short = 'n', long, default_value_t = 1_000)]
     pub requests: usize,
@@ -48,9 +45,6 @@ pub struct Args {
     /// Send the requests on the NATS data plane (`oam.v1.request`) instead of HTTP.
     #[arg(long, conflicts_with = "urls")]
     pub nats: bool,
-    /// NATS URL for --nats. Default: $OAM_NATS_URL, then the local mesh in --dir.
-    #[arg(long, requires = "nats")]
-    pub nats_url: Option<String>,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Per-request timeout in milliseconds.
@@ -78,6 +72,10 @@ pub struct Args {
     /// The scenario's short form (every time scaled down; what CI runs).
     #[arg(long, requires = "scenario")]
     pub short: bool,
+    /// The mesh: its folder (the nodes' URLs when no --url is given, and where a scenario
+    /// runs), or its NATS URL for --nats.
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
 }
 
 /// `--risk`: low, medium or high.
@@ -188,7 +186,8 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let urls = if a.nats {
         Vec::new()
     } else if a.urls.is_empty() {
-        let rec = Record::load(&a.dir)
+        let dir = a.mesh.dir();
+        let rec = Record::load(&dir)
             .map_err(|e| Error::new(Kind::Usage, e))?
             .ok_or_else(|| {
                 Error::new(
@@ -196,7 +195,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
                     anyhow::anyhow!(
                         "no --url given and no mesh recorded in {}; start one with `oam mesh up` \
                          or pass --url http://HOST:PORT",
-                        a.dir.display()
+                        dir.display()
                     ),
                 )
             })?;
@@ -222,9 +221,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
-        let url = crate::local::find_mesh(a.nats_url.clone(), Some(&a.dir))
-            .map(|(url, _)| url)
-            .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
+        let url = a.mesh.url()?;
         bench::Target::Nats(crate::transport::connect::reach(&url, "oam-bench", false).await?)
     } else {
         bench::Target::Http(http)
@@ -303,10 +300,17 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
     let bar = progress_bar(1, &s.name);
     let tick = bar.clone();
     let stop = stop_on_signal();
-    let outcome = bench_scenario::run(&a.dir, &s, a.short, a.seed, &stop, move |done, total| {
-        tick.set_length(total);
-        tick.set_position(done);
-    })
+    let outcome = bench_scenario::run(
+        &a.mesh.dir(),
+        &s,
+        a.short,
+        a.seed,
+        &stop,
+        move |done, total| {
+            tick.set_length(total);
+            tick.set_position(done);
+        },
+    )
     .await?;
     bar.finish_and_clear();
     if !emit_json(a, &outcome)? {

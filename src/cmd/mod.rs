@@ -26,6 +26,10 @@ pub struct MeshArgs {
     /// NATS URL of a mesh elsewhere (credentials may be in it).
     #[arg(long, global = true)]
     pub nats_url: Option<String>,
+    /// NATS credentials file for a mesh elsewhere (user JWT and NKey seed, as `nsc generate
+    /// creds` writes it); used by every connection of this command.
+    #[arg(long, global = true, env = "OAM_NATS_CREDS", value_name = "FILE")]
+    pub creds: Option<std::path::PathBuf>,
 }
 
 impl MeshArgs {
@@ -36,6 +40,19 @@ impl MeshArgs {
                 crate::error::Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why))
             })?;
         tracing::debug!("NATS {} ({from})", crate::transport::connect::redact(&url));
+        if let Some(path) = &self.creds {
+            if crate::transport::connect::split_credentials(&url)
+                .1
+                .is_some()
+            {
+                return Err(crate::error::Error::usage(format!(
+                    "--creds {} and a user:password in the NATS URL ({from}): give one of them",
+                    path.display()
+                )));
+            }
+            crate::transport::connect::use_credentials_file(path)
+                .map_err(crate::error::Error::usage)?;
+        }
         Ok(url)
     }
 

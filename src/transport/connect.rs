@@ -27,6 +27,29 @@ pub async fn reach(
     })
 }
 
+/// The NATS credentials file (user JWT and NKey seed) every connection of this process uses,
+/// read once from `--creds` / `$OAM_NATS_CREDS`.
+static CREDENTIALS_FILE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Use the NATS credentials file at `path` for every connection from now on; the error says
+/// what is wrong with the file.
+pub fn use_credentials_file(path: &std::path::Path) -> Result<(), String> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--creds {shown}: cannot read it ({e})"))?;
+    if !text.contains("BEGIN NATS USER JWT") || !text.contains("NKEY SEED") {
+        return Err(format!(
+            "--creds {shown}: not a NATS credentials file (it holds a user JWT and an NKey \
+             seed, as `nsc generate creds` writes them)"
+        ));
+    }
+    // Parsed now, so a damaged file is refused here rather than at every connection.
+    async_nats::ConnectOptions::with_credentials(&text)
+        .map_err(|e| format!("--creds {shown}: {e}"))?;
+    let _ = CREDENTIALS_FILE.set(text);
+    Ok(())
+}
+
 /// Flush what `nats` has buffered, waiting at most `limit`, and not at all when the bus is gone:
 /// a process that is stopping (or handling an event) never waits on a server that is not there.
 pub async fn flush_within(nats: &async_nats::Client, limit: Duration) {
@@ -46,9 +69,10 @@ pub async fn connect(
     let shown = redact(url);
     // async-nats ignores credentials embedded in the URL, so take them out and pass them on.
     let (url, auth) = split_credentials(url);
-    let base = match auth {
-        Some((user, pass)) => async_nats::ConnectOptions::with_user_and_password(user, pass),
-        None => async_nats::ConnectOptions::new(),
+    let base = match (auth, CREDENTIALS_FILE.get()) {
+        (Some((user, pass)), _) => async_nats::ConnectOptions::with_user_and_password(user, pass),
+        (None, Some(creds)) => async_nats::ConnectOptions::with_credentials(creds)?,
+        (None, None) => async_nats::ConnectOptions::new(),
     };
     let mut opts = base
         .name(name)

@@ -890,3 +890,105 @@ async fn agents_stop_without_nats_and_give_up_on_refused_credentials() {
         .expect("the refused agent gave up by itself");
     assert_eq!(status.code(), Some(3), "unreachable: {status:?}");
 }
+
+/// A mesh elsewhere behind JWT auth (operator mode, as `nsc` sets it up): `--creds FILE`, or
+/// `$OAM_NATS_CREDS`, connects with the user's JWT and NKey seed; without it the server refuses
+/// (exit 3, naming the URL); a file that is not credentials, or credentials beside a password in
+/// the URL, are usage errors (exit 2) that say what is wrong.
+#[tokio::test]
+async fn creds_files_reach_a_mesh_behind_jwt_auth() {
+    let server = crate::support::JwtServer::start().await;
+    let url = server.url();
+    let creds = server.creds.to_str().unwrap().to_string();
+    let publisher = async_nats::ConnectOptions::with_credentials_file(&server.creds)
+        .await
+        .unwrap()
+        .connect(url.as_str())
+        .await
+        .unwrap();
+    for by_env in [false, true] {
+        let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"));
+        cmd.args([
+            "listen",
+            "remote.>",
+            "--count",
+            "1",
+            "--json",
+            "--nats-url",
+            &url,
+        ])
+        .env_remove("OAM_NATS_CREDS")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        if by_env {
+            cmd.env("OAM_NATS_CREDS", &creds);
+        } else {
+            cmd.args(["--creds", &creds]);
+        }
+        let mut listener = cmd.spawn().unwrap();
+        // Published until the listener (subscribed once connected) has its one message.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let done = loop {
+            let _ = publisher
+                .publish("remote.hello", "{\"from\": \"afar\"}".into())
+                .await;
+            let _ = publisher.flush().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if let Ok(Some(status)) = listener.try_wait() {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = listener.kill();
+                break None;
+            }
+        };
+        let out = listener.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            done.is_some_and(|s| s.success()),
+            "by_env {by_env}: {stderr}"
+        );
+        let line: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(line["subject"], "remote.hello");
+        assert_eq!(line["payload"]["from"], "afar");
+    }
+
+    let refused = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["listen", "remote.>", "--count", "1", "--nats-url", &url])
+        .env_remove("OAM_NATS_CREDS")
+        .timeout(Duration::from_secs(20))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains(&url), "{stderr}");
+
+    let bogus = server.creds.with_file_name("bogus.creds");
+    std::fs::write(&bogus, "not a credentials file").unwrap();
+    let with_password = format!("nats://someone:secret@127.0.0.1:{}", server.port);
+    for (nats_url, file, says) in [
+        (
+            url.as_str(),
+            bogus.to_str().unwrap(),
+            "not a NATS credentials file",
+        ),
+        (url.as_str(), "/nonexistent/user.creds", "cannot read it"),
+        (with_password.as_str(), creds.as_str(), "give one of them"),
+    ] {
+        let out = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+            .args([
+                "listen",
+                "remote.>",
+                "--nats-url",
+                nats_url,
+                "--creds",
+                file,
+            ])
+            .timeout(Duration::from_secs(20))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{file}: {stderr}");
+        assert!(stderr.contains(says), "{file}: {stderr}");
+    }
+}

@@ -334,3 +334,119 @@ pub fn process_state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit(')').next()?.trim_start().chars().next()
 }
+
+/// A nats-server in operator mode (decentralized JWT auth, as `nsc` sets one up) with one
+/// account and one user of it, whose credentials file is what `oam --creds` reads. The JWTs are
+/// minted here, signed with the same NKeys an operator's tools use.
+pub struct JwtServer {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    pub port: u16,
+    /// The user's credentials file (user JWT and NKey seed).
+    pub creds: std::path::PathBuf,
+}
+
+/// A JWT with `claims`, issued (and signed) by `issuer`.
+fn jwt(issuer: &nkeys::KeyPair, mut claims: Value) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    claims["iss"] = issuer.public_key().into();
+    claims["iat"] = (oam::clock::now_ms() / 1_000).into();
+    claims["jti"] = format!("OAMTEST{}{n}", std::process::id()).into();
+    let signed = format!(
+        "{}.{}",
+        b64.encode(r#"{"typ":"JWT","alg":"ed25519-nkey"}"#),
+        b64.encode(claims.to_string())
+    );
+    let signature = issuer.sign(signed.as_bytes()).unwrap();
+    format!("{signed}.{}", b64.encode(signature))
+}
+
+impl JwtServer {
+    pub async fn start() -> JwtServer {
+        use serde_json::json;
+        let operator = nkeys::KeyPair::new_operator();
+        let account = nkeys::KeyPair::new_account();
+        let user = nkeys::KeyPair::new_user();
+        let operator_jwt = jwt(
+            &operator,
+            json!({"sub": operator.public_key(), "name": "oam-test",
+                   "nats": {"type": "operator", "version": 2}}),
+        );
+        let unlimited = json!({"subs": -1, "data": -1, "payload": -1, "imports": -1,
+                               "exports": -1, "wildcards": true, "conn": -1, "leaf": -1});
+        let account_jwt = jwt(
+            &operator,
+            json!({"sub": account.public_key(), "name": "APP",
+                   "nats": {"limits": unlimited, "default_permissions": {"pub": {}, "sub": {}},
+                            "type": "account", "version": 2}}),
+        );
+        let user_jwt = jwt(
+            &account,
+            json!({"sub": user.public_key(), "name": "remote-user",
+                   "nats": {"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+                            "type": "user", "version": 2}}),
+        );
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "oam-test-jwt-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let creds = dir.join("remote-user.creds");
+        std::fs::write(
+            &creds,
+            format!(
+                "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+                 ************************* IMPORTANT *************************\n\
+                 NKEY Seed printed below can be used to sign and prove identity.\n\n\
+                 -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+                user.seed().unwrap()
+            ),
+        )
+        .unwrap();
+        let conf = dir.join("nats.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: 127.0.0.1:-1\nports_file_dir: {:?}\noperator: {operator_jwt}\n\
+                 resolver: MEMORY\nresolver_preload: {{ {}: {account_jwt} }}\n",
+                dir.display().to_string(),
+                account.public_key()
+            ),
+        )
+        .unwrap();
+        let (bin, _) = oam::local::natsd::find(None).unwrap();
+        let server = oam::local::natsd::start_from(
+            &bin,
+            &conf,
+            &dir,
+            &dir.join("nats.log"),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("operator-mode nats-server: {e:#}"));
+        JwtServer {
+            child: server.child,
+            dir,
+            port: server.port,
+            creds,
+        }
+    }
+
+    /// The server's URL, with no credentials in it.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for JwtServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

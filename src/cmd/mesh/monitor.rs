@@ -3,19 +3,16 @@
 use crate::error::{Error, Kind, Result};
 use crate::local::{self, cluster::ENV_SYS_URL};
 use std::io::Write;
-use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Application-account NATS URL. Default: $OAM_NATS_URL, then the mesh in --dir.
-    #[arg(long)]
-    pub nats_url: Option<String>,
     /// System-account NATS URL (reads `$SYS` advisories). Default: $OAM_NATS_SYS_URL, then the
     /// mesh in --dir.
     #[arg(long)]
     pub sys_url: Option<String>,
-    #[arg(long, env = "OAM_DIR", default_value = ".oam")]
-    pub dir: PathBuf,
+    /// The mesh (its application account).
+    #[command(flatten)]
+    pub mesh: crate::cmd::MeshArgs,
     /// Print the ready line as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -23,9 +20,9 @@ pub struct Args {
 
 pub async fn run(a: Args) -> Result<()> {
     use crate::transport::connect;
-    let from_dir = |key: &str| local::recorded_url(&a.dir, key);
-    let (app_url, _) = local::find_mesh(a.nats_url.clone(), Some(&a.dir))
-        .map_err(|why| Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why)))?;
+    let dir = a.mesh.dir();
+    let from_dir = |key: &str| local::recorded_url(&dir, key);
+    let app_url = a.mesh.url()?;
     let sys_url = a
         .sys_url
         .or_else(|| std::env::var(ENV_SYS_URL).ok())
