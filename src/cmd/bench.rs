@@ -371,5 +371,6 @@ fn table(r: &Report) -> String {
             t.add_row(vec![format!("  {k}"), v.to_string()]);
         }
     }
+    super::fit(&mut t, false);
     t.to_string()
 }

@@ -5,7 +5,6 @@ use crate::core::chaos::{self, Active, ContractBreak, Fault, Inject, Params, Res
 use crate::error::{Error, Kind, Result};
 use crate::transport::chaos::{self as warden, AskError};
 use crate::transport::{connect, subjects};
-use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
 use std::time::Duration;
 
@@ -103,7 +102,11 @@ pub enum Command {
     /// AGENT's budget is spent on every node (high-risk work is refused and escalated).
     DrainBudget(On),
     /// The active faults and the time they have left.
-    List,
+    List {
+        /// Whole lines, however wide (by default the table wraps to the terminal).
+        #[arg(long)]
+        wide: bool,
+    },
     /// End faults early: one by id, all of one kind by name, or --all.
     Restore {
         /// A fault id (from `oam chaos list`) or a fault name (e.g. kill-provider).
@@ -219,7 +222,7 @@ pub async fn run(a: Args) -> Result<()> {
         Err(other) => other,
     };
     match command {
-        Command::List => {
+        Command::List { wide } => {
             let faults = ask(&url, subjects::CHAOS_LIST, b"{}".to_vec()).await?;
             let now = crate::clock::now_ms();
             let mut out = std::io::stdout().lock();
@@ -236,19 +239,17 @@ pub async fn run(a: Args) -> Result<()> {
             } else if faults.is_empty() {
                 writeln!(out, "no active faults")?;
             } else {
-                let mut t = Table::new();
-                t.load_style(UTF8_FULL_CONDENSED);
-                t.set_header(vec!["id", "fault", "target", "left", "what"]);
-                for f in &faults {
-                    t.add_row(vec![
+                let lines = faults.iter().map(|f| {
+                    vec![
                         f.id.clone(),
                         f.fault.name().to_string(),
                         f.target.clone(),
                         secs(f.left_ms(now)),
                         f.detail.clone(),
-                    ]);
-                }
-                writeln!(out, "{t}")?;
+                    ]
+                });
+                let header = ["id", "fault", "target", "left", "what"];
+                writeln!(out, "{}", super::table(&header, lines, wide))?;
             }
             Ok(())
         }

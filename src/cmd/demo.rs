@@ -297,6 +297,7 @@ async fn play_all(
             if o.passed { "holds" } else { "FAILED" }.to_string(),
         ]);
     }
+    super::fit(&mut t, false);
     writeln!(out, "\n{t}")?;
     if a.json || a.output.is_some() {
         let text = serde_json::to_string_pretty(&outcomes).map_err(Error::failed)? + "\n";

@@ -2,7 +2,6 @@
 
 use crate::error::{Error, Kind, Result};
 use crate::transport::escalations::{self, Record, Resolved, Status};
-use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
@@ -113,13 +112,11 @@ async fn list(a: ListArgs) -> Result<()> {
         return Ok(());
     }
     let now = crate::clock::now_ms();
-    let mut t = Table::new();
-    t.load_style(UTF8_FULL_CONDENSED);
     let mut header = vec!["id", "age", "node", "agent", "task", "reason", "action"];
     if a.all {
         header.push("status");
     }
-    t.set_header(header);
+    let mut rows = Vec::new();
     for r in &records {
         let e = &r.escalation;
         let mut row = vec![
@@ -142,10 +139,9 @@ async fn list(a: ListArgs) -> Result<()> {
                 (Status::Resolved, None) => "resolved".to_string(),
             });
         }
-        t.add_row(row);
+        rows.push(row);
     }
-    super::fit(&mut t, a.wide);
-    writeln!(out, "{t}")?;
+    writeln!(out, "{}", super::table(&header, rows, a.wide))?;
     let open = records.iter().filter(|r| r.status == Status::Open).count();
     writeln!(
         out,

@@ -62,6 +62,26 @@ impl MeshArgs {
     }
 }
 
+/// A table for the terminal: `header`, then `rows`, fitted to its width unless `wide` (`fit`).
+pub(crate) fn table<R: Into<comfy_table::Row>>(
+    header: &[&str],
+    rows: impl IntoIterator<Item = R>,
+    wide: bool,
+) -> comfy_table::Table {
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
+    t.set_header(header.to_vec());
+    for r in rows {
+        t.add_row(r);
+    }
+    // The first column names the row (a code, an id, a name): it is never split.
+    if let Some(c) = t.column_mut(0) {
+        c.set_constraint(comfy_table::ColumnConstraint::ContentWidth);
+    }
+    fit(&mut t, wide);
+    t
+}
+
 /// Fit a table to the terminal: cells wrap to its width (`$COLUMNS`, or the terminal's when
 /// stdout is one), unless `wide`. Piped output without `$COLUMNS` keeps whole lines.
 pub(crate) fn fit(t: &mut comfy_table::Table, wide: bool) {

@@ -15,6 +15,9 @@ pub struct Args {
     /// Print one JSON document instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Whole lines, however wide (by default the table wraps to the terminal).
+    #[arg(long)]
+    pub wide: bool,
 }
 
 #[derive(Serialize)]
@@ -103,22 +106,16 @@ pub fn run(args: Args) -> Result<()> {
         writeln!(out)?;
         return Ok(());
     }
-    let width = codes.iter().map(|c| c.as_str().len()).max().unwrap_or(4);
-    writeln!(out, "{:width$}  {:10}  MEANING", "CODE", "PHASE")?;
-    for c in &codes {
-        writeln!(
-            out,
-            "{:width$}  {:10}  {}",
-            c.as_str(),
-            c.phase().as_str(),
-            c.meaning()
-        )?;
-    }
+    let lines = codes
+        .iter()
+        .map(|c| vec![c.as_str(), c.phase().as_str(), c.meaning()]);
+    let header = ["code", "phase", "meaning"];
+    writeln!(out, "{}", crate::cmd::table(&header, lines, args.wide))?;
     if args.code.is_none() && args.phase.is_none() {
         writeln!(out, "\nRecommended actions on escalations:")?;
-        for a in actions {
-            writeln!(out, "  {:36}  {}", a.as_str(), action_meaning(a))?;
-        }
+        let lines = actions.iter().map(|&a| vec![a.as_str(), action_meaning(a)]);
+        let header = ["action", "meaning"];
+        writeln!(out, "{}", crate::cmd::table(&header, lines, args.wide))?;
     }
     Ok(())
 }

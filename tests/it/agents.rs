@@ -66,6 +66,19 @@ async fn serve_call_list_fail_hang_and_leave() {
     let echo_entry = listed.iter().find(|e| e["name"] == "demo.echo").unwrap();
     assert_eq!(echo_entry["instances_alive"], 2, "{echo_entry}");
     assert!(echo_entry["last_heartbeat_ms_ago"].as_u64().unwrap() < 3_000);
+    // The table says the same, fitted to an 80-column terminal.
+    let table = oam(&url)
+        .env("COLUMNS", "80")
+        .args(["agent", "list"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.lines().all(|l| l.chars().count() <= 80), "{text}");
+    let echo_row = text.lines().find(|l| l.contains("demo.echo")).unwrap();
+    assert!(
+        echo_row.split('┆').nth(3).is_some_and(|c| c.trim() == "2"),
+        "two alive: {text}"
+    );
 
     let (ok, out, err) = call(&url, "demo.echo", r#"{"message": "hi"}"#, "5");
     assert!(ok, "{err}");

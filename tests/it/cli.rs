@@ -119,6 +119,24 @@ fn reasons_json_lists_every_code_with_phase_and_meaning() {
 }
 
 #[test]
+fn reasons_fit_the_terminal_with_codes_whole_unless_wide() {
+    let out = oam().env("COLUMNS", "60").arg("reasons").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().all(|l| l.chars().count() <= 60), "{text}");
+    // Every code is on one line of its own, never split.
+    for code in ["ESCALATED_CRITICAL_TASK_FAILURE", "PROVIDER_HEALTH_UNKNOWN"] {
+        assert!(text.contains(code), "{code} split:\n{text}");
+    }
+    let wide = oam()
+        .env("COLUMNS", "60")
+        .args(["reasons", "--wide"])
+        .output()
+        .unwrap();
+    let wide = String::from_utf8_lossy(&wide.stdout);
+    assert!(wide.lines().any(|l| l.chars().count() > 100), "{wide}");
+}
+
+#[test]
 fn reasons_looks_up_one_code_and_rejects_unknown_ones() {
     oam()
         .args(["reasons", "circuit_not_available"])

@@ -113,6 +113,27 @@ async fn up_status_request_down() {
         .unwrap();
     assert!(status.status.success());
     assert_eq!(json(&status.stdout)["healthy"], true);
+    // The table fits a 60-column terminal, names whole; --wide keeps each row on one line.
+    let table = oam()
+        .env("COLUMNS", "60")
+        .args(["mesh", "status", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        text.lines().all(|l| l.chars().count() <= 60) && text.contains("nats-server"),
+        "{text}"
+    );
+    let wide = oam()
+        .env("COLUMNS", "60")
+        .args(["mesh", "status", "--wide", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    let wide = String::from_utf8_lossy(&wide.stdout);
+    assert!(wide.lines().any(|l| l.chars().count() > 60), "{wide}");
+    assert!(wide.lines().count() < text.lines().count(), "{wide}");
 
     // Any OpenAI-shaped client can use it.
     let c = crate::support::http(Duration::from_secs(20));

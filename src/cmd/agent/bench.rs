@@ -354,6 +354,7 @@ pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
                 format!("{:.2} ms", v["max_ms"].as_f64().unwrap_or(0.0)),
             ]);
         }
+        crate::cmd::fit(&mut t, false);
         writeln!(out, "{t}")?;
         writeln!(
             out,

@@ -15,6 +15,9 @@ pub struct Args {
     /// One JSON array: the catalog entries with `instances_alive` and `last_heartbeat_ms_ago`.
     #[arg(long)]
     pub json: bool,
+    /// Whole lines, however wide (by default the table wraps to the terminal).
+    #[arg(long)]
+    pub wide: bool,
 }
 
 /// One catalog entry and what serves it now.
@@ -57,12 +60,7 @@ pub async fn run(mesh: &super::super::MeshArgs, l: Args) -> Result<()> {
     } else if rows.is_empty() {
         writeln!(out, "no agents in the catalog")?;
     } else {
-        writeln!(
-            out,
-            "{:30} {:8} {:9} {:5} {:9} DESCRIPTION",
-            "NAME", "VERSION", "KIND", "ALIVE", "LAST BEAT"
-        )?;
-        for r in &rows {
+        let lines = rows.iter().map(|r| {
             let e = r.entry;
             let kind = match (e.invocable, e.streaming) {
                 (true, false) => "call",
@@ -74,12 +72,24 @@ pub async fn run(mesh: &super::super::MeshArgs, l: Args) -> Result<()> {
                 || "-".to_string(),
                 |ms| format!("{:.1}s ago", ms as f64 / 1e3),
             );
-            writeln!(
-                out,
-                "{:30} {:8} {:9} {:5} {:9} {}",
-                e.name, e.version, kind, r.instances_alive, beat, e.description
-            )?;
-        }
+            vec![
+                e.name.clone(),
+                e.version.clone(),
+                kind.to_string(),
+                r.instances_alive.to_string(),
+                beat,
+                e.description.clone(),
+            ]
+        });
+        let header = [
+            "name",
+            "version",
+            "kind",
+            "alive",
+            "last beat",
+            "description",
+        ];
+        writeln!(out, "{}", crate::cmd::table(&header, lines, l.wide))?;
     }
     Ok(())
 }

@@ -11,6 +11,9 @@ pub struct Args {
     pub dir: PathBuf,
     #[arg(long)]
     pub json: bool,
+    /// Whole lines, however wide (by default the table wraps to the terminal).
+    #[arg(long)]
+    pub wide: bool,
 }
 
 pub async fn run(a: Args) -> Result<Outcome> {
@@ -33,18 +36,16 @@ pub async fn run(a: Args) -> Result<Outcome> {
             serde_json::json!({"healthy": all_healthy, "processes": rows})
         )?;
     } else {
-        writeln!(
-            out,
-            "  {:12} {:>7}  {:32} STATUS",
-            "PROCESS", "PID", "ENDPOINT"
-        )?;
-        for r in &rows {
-            writeln!(
-                out,
-                "  {:12} {:>7}  {:32} {}",
-                r.name, r.pid, r.endpoint, r.detail
-            )?;
-        }
+        let lines = rows.iter().map(|r| {
+            vec![
+                r.name.clone(),
+                r.pid.to_string(),
+                r.endpoint.clone(),
+                r.detail.clone(),
+            ]
+        });
+        let header = ["process", "pid", "endpoint", "status"];
+        writeln!(out, "{}", crate::cmd::table(&header, lines, a.wide))?;
     }
     Ok(Outcome::from_failures(
         rows.iter()
