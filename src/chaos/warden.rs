@@ -371,7 +371,7 @@ impl Warden {
                 let n = self.node(target)?;
                 if !local::is_ours(&n) {
                     return Err(err(format!(
-                        "node {target} (pid {}) is not running; `oam mesh status` shows the mesh",
+                        "node {target} (pid {}) is down already; `oam mesh status` shows the mesh",
                         n.pid
                     )));
                 }

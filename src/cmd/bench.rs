@@ -221,8 +221,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
-        let url = a.mesh.url()?;
-        bench::Target::Nats(crate::transport::connect::reach(&url, "oam-bench", false).await?)
+        bench::Target::Nats(a.mesh.connect("oam-bench").await?)
     } else {
         bench::Target::Http(http)
     };

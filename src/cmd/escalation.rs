@@ -71,8 +71,7 @@ async fn open_store(
     mesh: &super::MeshArgs,
     name: &str,
 ) -> Result<async_nats::jetstream::kv::Store> {
-    let url = mesh.url()?;
-    let nats = crate::transport::connect::reach(&url, name, false).await?;
+    let nats = mesh.connect(name).await?;
     escalations::store(&nats).await.map_err(|e| {
         Error::new(
             Kind::Unreachable,

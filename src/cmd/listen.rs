@@ -19,8 +19,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let url = a.mesh.url()?;
-    let nc = crate::transport::connect::reach(&url, "oam-listen", false).await?;
+    let nc = a.mesh.connect("oam-listen").await?;
     let mut sub = nc
         .subscribe(a.subject.clone())
         .await

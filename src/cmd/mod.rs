@@ -35,6 +35,18 @@ pub struct MeshArgs {
 impl MeshArgs {
     /// The NATS URL to use; exit 3 saying what to do when there is none.
     pub fn url(&self) -> crate::error::Result<String> {
+        self.resolve().map(|(url, _)| url)
+    }
+
+    /// Connect to the mesh as `name`; exit 3 naming the URL and where it came from when it
+    /// cannot be reached.
+    pub async fn connect(&self, name: &str) -> crate::error::Result<async_nats::Client> {
+        let (url, from) = self.resolve()?;
+        crate::transport::connect::reach_from(&url, Some(&from), name, false).await
+    }
+
+    /// The NATS URL and where it came from; the credentials file taken in on the way.
+    fn resolve(&self) -> crate::error::Result<(String, String)> {
         let (url, from) = crate::local::find_mesh(self.nats_url.clone(), self.dir.as_deref())
             .map_err(|why| {
                 crate::error::Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why))
@@ -53,7 +65,7 @@ impl MeshArgs {
             crate::transport::connect::use_credentials_file(path)
                 .map_err(crate::error::Error::usage)?;
         }
-        Ok(url)
+        Ok((url, from))
     }
 
     /// The state folder meant: --dir, $OAM_DIR, ./.oam.

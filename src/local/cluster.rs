@@ -411,7 +411,7 @@ pub async fn status(rec: &Record) -> anyhow::Result<Vec<ProcessStatus>> {
     for p in &rec.processes {
         let running = super::is_ours(p);
         let (healthy, detail) = if !running {
-            (false, "not running".to_string())
+            (false, "down (the process is gone)".to_string())
         } else {
             probe(&http, rec, p).await
         };

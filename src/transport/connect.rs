@@ -14,13 +14,25 @@ pub async fn reach(
     name: &str,
     wait_for_server: bool,
 ) -> crate::error::Result<async_nats::Client> {
+    reach_from(url, None, name, wait_for_server).await
+}
+
+/// `reach`, saying where the URL came from (`--nats-url`, `$OAM_NATS_URL`, a mesh folder) when
+/// it cannot be reached.
+pub async fn reach_from(
+    url: &str,
+    from: Option<&str>,
+    name: &str,
+    wait_for_server: bool,
+) -> crate::error::Result<async_nats::Client> {
     use crate::error::{Error, Kind};
     connect(url, name, wait_for_server).await.map_err(|e| {
+        let from = from.map(|f| format!(", from {f}")).unwrap_or_default();
         Error::new(
             Kind::Unreachable,
             anyhow::anyhow!(
-                "cannot reach NATS at {} ({e}). Start a local mesh with `oam mesh up`, or pass \
-                 --nats-url",
+                "cannot reach NATS at {}{from} ({e}). Start a local mesh with `oam mesh up`, or \
+                 pass --nats-url (and --creds for a mesh behind JWT auth)",
                 redact(url)
             ),
         )

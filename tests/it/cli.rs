@@ -346,10 +346,20 @@ fn an_unreachable_nats_exits_3_and_says_what_to_do() {
             .assert()
             .code(3)
             .stderr(
-                predicate::str::contains("cannot reach NATS")
+                predicate::str::contains(format!("cannot reach NATS at {url}, from --nats-url"))
                     .and(predicate::str::contains("oam mesh up")),
             );
     }
+    // Where the URL came from is said whichever way it came.
+    oam()
+        .args(["escalation", "list"])
+        .env("OAM_NATS_URL", &url)
+        .timeout(std::time::Duration::from_secs(20))
+        .assert()
+        .code(3)
+        .stderr(predicate::str::contains(format!(
+            "cannot reach NATS at {url}, from $OAM_NATS_URL"
+        )));
 }
 
 #[test]

@@ -62,8 +62,7 @@ fn failed(e: &protocol::MeshError) -> Outcome {
 /// Call agent `c.name`; its error reply is a failed check (exit 1) naming the code.
 pub async fn call(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
-    let url = &mesh.url()?;
-    let nc = crate::transport::connect::reach(url, "oam-agent-call", false).await?;
+    let nc = mesh.connect("oam-agent-call").await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
@@ -81,8 +80,7 @@ pub async fn call(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
 /// check naming the code.
 pub async fn stream(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
-    let url = &mesh.url()?;
-    let nc = crate::transport::connect::reach(url, "oam-agent-stream", false).await?;
+    let nc = mesh.connect("oam-agent-stream").await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;

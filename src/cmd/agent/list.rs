@@ -46,7 +46,7 @@ fn listed<'a>(entry: &'a CatalogEntry, records: &[InstanceRecord], now: u64) -> 
 }
 
 pub async fn run(mesh: &super::super::MeshArgs, l: Args) -> Result<()> {
-    let nc = crate::transport::connect::reach(&mesh.url()?, "oam-agent-list", false).await?;
+    let nc = mesh.connect("oam-agent-list").await?;
     let entries = store::catalog(&nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
