@@ -39,6 +39,10 @@ pub struct RunArgs {
     /// Cluster size n for the quorum (overrides the config's node.cluster_size).
     #[arg(long)]
     pub cluster_size: Option<usize>,
+    /// Exactly the nodes of the cluster, this one included (`n1,n2,n3`; overrides the config's
+    /// node.members): no other id is heard. Without it, the first n ids heard.
+    #[arg(long, value_delimiter = ',', conflicts_with = "cluster_size")]
+    pub members: Vec<String>,
     /// Print the ready line as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -63,6 +67,23 @@ async fn run_node(a: RunArgs) -> Result<()> {
             return Err(Error::usage("--cluster-size must be at least 1"));
         }
         cfg.node.cluster_size = n;
+    }
+    if !a.members.is_empty() {
+        cfg.node.members = a.members.clone();
+    }
+    if !cfg.node.members.is_empty() {
+        if let Some(bad) = cfg.node.members.iter().find(|m| !subjects::valid_token(m)) {
+            return Err(Error::usage(format!(
+                "--members: {bad:?} is not a node id (letters, digits, '-' or '_')"
+            )));
+        }
+        if !cfg.node.members.contains(&a.id) {
+            return Err(Error::usage(format!(
+                "--members {} does not name this node ({}); list every node, this one included",
+                cfg.node.members.join(","),
+                a.id
+            )));
+        }
     }
     let url = a.mesh.url()?;
     let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {

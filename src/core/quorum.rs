@@ -5,10 +5,15 @@
 //! routing inputs (availability, contract failures, p95) come from the agreeing majority too (their
 //! median), never from a mean over every node: one node's bad probe must not move everyone's
 //! traffic. Below quorum a node uses its own observation and says so.
+//!
+//! Who may speak is fixed, not taken from whoever speaks: the configured roster, or without one
+//! the first n ids heard (this node included). An invented id is refused, so it can neither grow
+//! the cluster (and its quorum), nor vote, nor take memory; n is the configured size, always.
 
 use super::health::Verdict;
+use super::wire::{Arrival, MAX_SKEW_MS};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 pub const DEFAULT_HEARTBEAT_TTL_MS: u64 = 3_000;
 pub const DEFAULT_OBSERVATION_TTL_MS: u64 = 5_000;
@@ -49,9 +54,12 @@ fn yes() -> bool {
 pub struct Cluster {
     /// This node's id; its own observations are its local view.
     pub self_id: String,
-    /// Configured cluster size n. The quorum is floor(max(n, live)/2)+1.
+    /// Configured cluster size n. The quorum is floor(n/2)+1.
     #[serde(default = "one")]
     pub size: usize,
+    /// The members that may speak, when configured (`node.members`); `size` is then its length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub roster: Option<BTreeSet<String>>,
     #[serde(default = "heartbeat_ttl")]
     pub heartbeat_ttl_ms: u64,
     #[serde(default = "observation_ttl")]
@@ -96,6 +104,7 @@ impl Cluster {
         Cluster {
             self_id: self_id.into(),
             size,
+            roster: None,
             heartbeat_ttl_ms: DEFAULT_HEARTBEAT_TTL_MS,
             observation_ttl_ms: DEFAULT_OBSERVATION_TTL_MS,
             members: BTreeMap::new(),
@@ -103,8 +112,49 @@ impl Cluster {
         }
     }
 
-    /// A heartbeat from `node` at `now_ms` (ignored if older than one already seen).
-    pub fn heartbeat(&mut self, node: &str, now_ms: u64) {
+    /// A cluster of exactly `roster` (which includes `self_id`).
+    pub fn with_roster(self_id: impl Into<String>, roster: BTreeSet<String>) -> Self {
+        let mut c = Cluster::new(self_id, roster.len().max(1));
+        c.roster = Some(roster);
+        c
+    }
+
+    /// May `node` speak here? With a roster, only its members; without one, the first `size`
+    /// ids heard (this node included) and no others. Admitting a node makes it a member (not
+    /// alive until it beats).
+    pub fn admit(&mut self, node: &str) -> bool {
+        if node == self.self_id || self.members.contains_key(node) {
+            return true;
+        }
+        let room = match &self.roster {
+            Some(roster) => roster.contains(node),
+            None => {
+                let others = self
+                    .members
+                    .keys()
+                    .filter(|id| **id != self.self_id)
+                    .count();
+                others + 1 < self.size
+            }
+        };
+        if room {
+            self.members.insert(
+                node.to_string(),
+                Member {
+                    last_heartbeat_ms: 0,
+                    connected: false,
+                },
+            );
+        }
+        room
+    }
+
+    /// A heartbeat from `node` at `now_ms` (ignored if older than one already seen). False when
+    /// `node` is not admitted (see `admit`).
+    pub fn heartbeat(&mut self, node: &str, now_ms: u64) -> bool {
+        if !self.admit(node) {
+            return false;
+        }
         let m = self.members.entry(node.to_string()).or_insert(Member {
             last_heartbeat_ms: now_ms,
             connected: true,
@@ -112,6 +162,24 @@ impl Cluster {
         if now_ms >= m.last_heartbeat_ms {
             m.last_heartbeat_ms = now_ms;
             m.connected = true;
+        }
+        true
+    }
+
+    /// An observation gossiped by a peer, arriving at `now_ms`: forged when its node is not
+    /// admitted or it is stamped beyond the clock skew (a future stamp would count as fresh
+    /// for good), stale when not newer than the one kept.
+    pub fn gossiped(&mut self, obs: Observation, now_ms: u64) -> Arrival {
+        if obs.at_ms > now_ms.saturating_add(MAX_SKEW_MS) {
+            return Arrival::Forged("observation stamped in the future");
+        }
+        if !self.admit(&obs.node) {
+            return Arrival::Forged("observation from a node outside the cluster");
+        }
+        if self.observe(obs) {
+            Arrival::Fresh
+        } else {
+            Arrival::Stale
         }
     }
 
@@ -122,9 +190,12 @@ impl Cluster {
         }
     }
 
-    /// Keep the newest observation per (node, provider); older or duplicate ones are ignored.
-    /// Returns whether it was applied.
+    /// Keep the newest observation per (node, provider); older or duplicate ones, and those of
+    /// nodes not admitted, are ignored. Returns whether it was applied.
     pub fn observe(&mut self, obs: Observation) -> bool {
+        if !self.admit(&obs.node) {
+            return false;
+        }
         let per_node = self.observations.entry(obs.provider.clone()).or_default();
         match per_node.get(&obs.node) {
             Some(old) if old.at_ms >= obs.at_ms => false,
@@ -164,21 +235,9 @@ impl Cluster {
         nodes
     }
 
-    fn live_count(&self, now_ms: u64) -> usize {
-        let alive = self
-            .members
-            .values()
-            .filter(|m| self.member_alive(m, now_ms))
-            .count();
-        match self.members.get(&self.self_id) {
-            Some(m) if self.member_alive(m, now_ms) => alive,
-            _ => alive + 1, // this node is always alive, heartbeat or not
-        }
-    }
-
-    /// The n that the quorum is computed from: the configured size, or more if more are alive.
-    pub fn effective_size(&self, now_ms: u64) -> usize {
-        self.size.max(self.live_count(now_ms)).max(1)
+    /// The n that the quorum is computed from: the configured size (nobody else is admitted).
+    pub fn effective_size(&self, _now_ms: u64) -> usize {
+        self.size.max(1)
     }
 
     pub fn quorum(&self, now_ms: u64) -> usize {
@@ -467,17 +526,63 @@ mod tests {
     }
 
     #[test]
-    fn more_live_nodes_than_configured_raise_the_quorum() {
+    fn invented_ids_are_not_admitted_and_cannot_grow_the_cluster_or_vote() {
         let mut c = Cluster::new("n1", 3);
-        for n in ["n1", "n2", "n3", "n4", "n5"] {
-            c.heartbeat(n, 0);
+        for n in ["n1", "n2", "n3"] {
+            assert!(c.heartbeat(n, 0));
+        }
+        // The attack: six more ids, and their votes for UNHEALTHY.
+        for i in 4..10 {
+            let id = format!("n{i}");
+            assert!(!c.heartbeat(&id, 0), "{id} admitted");
+            assert!(!c.observe(obs(&id, Verdict::Unhealthy, 0.0, 0)));
+            assert!(matches!(
+                c.gossiped(obs(&id, Verdict::Unhealthy, 0.0, 0), 0),
+                Arrival::Forged(_)
+            ));
         }
         c.observe(obs("n1", Verdict::Healthy, 1.0, 0));
         c.observe(obs("n2", Verdict::Healthy, 1.0, 0));
-        c.observe(obs("n3", Verdict::Unhealthy, 0.0, 0));
-        c.observe(obs("n4", Verdict::Unhealthy, 0.0, 0));
-        assert_eq!(c.quorum(0), 3);
-        assert!(!c.view("p", 0).quorum, "two camps of 2 never both win");
+        assert_eq!((c.effective_size(0), c.quorum(0)), (3, 2));
+        assert_eq!(c.members.len(), 3, "no memory for invented ids");
+        let v = c.view("p", 0);
+        assert!(v.quorum && v.verdict == Verdict::Healthy, "{v:?}");
+    }
+
+    #[test]
+    fn a_roster_admits_exactly_its_members_whoever_speaks_first() {
+        let roster: BTreeSet<String> = ["n1", "n2", "n3"].map(String::from).into();
+        let mut c = Cluster::with_roster("n1", roster);
+        assert!(!c.heartbeat("evil", 0), "not on the roster");
+        assert!(c.heartbeat("n3", 0) && c.heartbeat("n2", 0));
+        assert_eq!(c.live_nodes(0), ["n1", "n2", "n3"]);
+        assert_eq!(c.effective_size(0), 3);
+    }
+
+    #[test]
+    fn a_future_stamp_is_forged_not_fresh_forever() {
+        let mut c = three_nodes(0);
+        let now = 10_000;
+        assert!(matches!(
+            c.gossiped(obs("n2", Verdict::Unhealthy, 0.0, u64::MAX), now),
+            Arrival::Forged(_)
+        ));
+        assert!(matches!(
+            c.gossiped(
+                obs("n2", Verdict::Unhealthy, 0.0, now + MAX_SKEW_MS + 1),
+                now
+            ),
+            Arrival::Forged(_)
+        ));
+        // Slightly ahead (skew between honest clocks) is fine, and later ones replace it.
+        assert_eq!(
+            c.gossiped(obs("n2", Verdict::Healthy, 1.0, now + 100), now),
+            Arrival::Fresh
+        );
+        assert_eq!(
+            c.gossiped(obs("n2", Verdict::Healthy, 1.0, now + 100), now),
+            Arrival::Stale
+        );
     }
 
     #[test]

@@ -3,7 +3,11 @@
 //!
 //! A sender stamps each event with its incarnation (its start time, so a restarted node is not
 //! mistaken for an old one) and a sequence number. A receiver applies an event only if its
-//! (incarnation, sequence) is newer than the last one it applied from that sender.
+//! (incarnation, sequence) is newer than the last one it applied from that sender, and refuses as
+//! forged what no honest sender can send: a stamp or incarnation from beyond `MAX_SKEW_MS` in the
+//! future, or a sequence that jumped further than a sender can publish in the time since its last
+//! event (one a millisecond, plus `SEQ_SLACK`). One forged message can therefore not shut a real
+//! sender out for good.
 
 use super::breaker::Breaker;
 use super::budget::Budgets;
@@ -60,26 +64,80 @@ impl Stamper {
     }
 }
 
-/// Remembers the newest (incarnation, seq) applied per sender and stream.
+/// How far ahead of this node's clock a peer's clock may run.
+pub const MAX_SKEW_MS: u64 = 5_000;
+/// Sequence numbers a sender may skip beyond one per millisecond since its last event (events
+/// it dropped while cut off, say).
+pub const SEQ_SLACK: u64 = 10_000;
+
+/// What a receiver does with an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// Newer than anything applied from its sender: apply it.
+    Fresh,
+    /// A duplicate, or older than something applied: ignore it.
+    Stale,
+    /// Nothing an honest sender sends: ignore it and count it.
+    Forged(&'static str),
+}
+
+/// Incarnations remembered per sender and stream: the live one, plus room for a restart and
+/// for whatever a forger claims, which therefore cannot shut the real one out.
+pub const INCARNATIONS_KEPT: usize = 4;
+
+/// Remembers, per sender and stream, the newest seq applied in each recent incarnation, and when.
 #[derive(Clone, Debug, Default)]
 pub struct Sequencer {
-    last: BTreeMap<(String, &'static str), (u64, u64)>,
+    last: BTreeMap<(String, &'static str), Vec<Last>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Last {
+    incarnation: u64,
+    seq: u64,
+    at_ms: u64,
 }
 
 impl Sequencer {
-    /// Should this event be applied? `stream` separates kinds (heartbeats and observations from
-    /// one sender have their own orders only if stamped separately; passing the kind keeps a
-    /// shared stamper correct too).
-    pub fn accept<T>(&mut self, stream: &'static str, e: &Envelope<T>) -> bool {
-        let key = (e.sender.clone(), stream);
-        let next = (e.incarnation, e.seq);
-        match self.last.get(&key) {
-            Some(&last) if last >= next => false,
-            _ => {
-                self.last.insert(key, next);
-                true
+    /// What to do with event `e` arriving at `now_ms` (this node's clock). `stream` separates
+    /// kinds (heartbeats and observations from one sender have their own orders only if stamped
+    /// separately; passing the kind keeps a shared stamper correct too). Order is kept within an
+    /// incarnation; a new incarnation (a restart) is always accepted and never silences another.
+    pub fn accept<T>(&mut self, stream: &'static str, e: &Envelope<T>, now_ms: u64) -> Arrival {
+        let horizon = now_ms.saturating_add(MAX_SKEW_MS);
+        if e.incarnation > horizon {
+            return Arrival::Forged("incarnation in the future");
+        }
+        if e.at_ms > horizon {
+            return Arrival::Forged("stamped in the future");
+        }
+        let kept = self.last.entry((e.sender.clone(), stream)).or_default();
+        match kept.iter_mut().find(|l| l.incarnation == e.incarnation) {
+            Some(last) => {
+                if last.seq >= e.seq {
+                    return Arrival::Stale;
+                }
+                let may_skip = now_ms.saturating_sub(last.at_ms).saturating_add(SEQ_SLACK);
+                if e.seq - last.seq > may_skip {
+                    return Arrival::Forged("sequence jumped ahead");
+                }
+                last.seq = e.seq;
+                last.at_ms = now_ms;
+            }
+            None => {
+                if kept.len() == INCARNATIONS_KEPT
+                    && let Some(oldest) = (0..kept.len()).min_by_key(|&i| kept[i].at_ms)
+                {
+                    kept.swap_remove(oldest);
+                }
+                kept.push(Last {
+                    incarnation: e.incarnation,
+                    seq: e.seq,
+                    at_ms: now_ms,
+                });
             }
         }
+        Arrival::Fresh
     }
 }
 
@@ -112,34 +170,110 @@ pub struct Observations {
 mod tests {
     use super::*;
 
+    const NOW: u64 = 1_000_000;
+
     #[test]
     fn duplicates_and_reordering_are_refused() {
         let mut a = Stamper::new("n1", 100);
         let mut seq = Sequencer::default();
         let e1 = a.stamp(1, ());
         let e2 = a.stamp(2, ());
-        assert!(seq.accept("hb", &e2));
-        assert!(!seq.accept("hb", &e1), "older than one already applied");
-        assert!(!seq.accept("hb", &e2), "duplicate");
-        assert!(seq.accept("obs", &e1), "streams are separate");
+        assert_eq!(seq.accept("hb", &e2, NOW), Arrival::Fresh);
+        assert_eq!(
+            seq.accept("hb", &e1, NOW),
+            Arrival::Stale,
+            "older than one already applied"
+        );
+        assert_eq!(seq.accept("hb", &e2, NOW), Arrival::Stale, "duplicate");
+        assert_eq!(
+            seq.accept("obs", &e1, NOW),
+            Arrival::Fresh,
+            "streams are separate"
+        );
         assert_ne!(e1.id, e2.id);
     }
 
     #[test]
-    fn a_restarted_sender_is_new_not_old() {
+    fn a_restarted_sender_is_heard_at_once() {
         let mut seq = Sequencer::default();
         let mut old = Stamper::new("n1", 100);
         for _ in 0..50 {
-            assert!(seq.accept("hb", &old.stamp(0, ())));
+            assert_eq!(seq.accept("hb", &old.stamp(0, ()), NOW), Arrival::Fresh);
         }
         let mut restarted = Stamper::new("n1", 200);
-        assert!(
-            seq.accept("hb", &restarted.stamp(0, ())),
+        assert_eq!(
+            seq.accept("hb", &restarted.stamp(0, ()), NOW),
+            Arrival::Fresh,
             "seq 1 of a newer incarnation"
         );
-        assert!(
-            !seq.accept("hb", &old.stamp(0, ())),
-            "the old incarnation is over"
+        assert_eq!(
+            seq.accept("hb", &restarted.stamp(0, ()), NOW),
+            Arrival::Fresh
+        );
+    }
+
+    /// A different number each call (the stamper's next seq): fresh forged incarnations.
+    fn rand_ish(s: &Stamper) -> u64 {
+        s.seq % 1_000
+    }
+
+    fn forged(incarnation: u64, seq: u64, at_ms: u64) -> Envelope<()> {
+        Envelope {
+            id: "x".into(),
+            sender: "n2".into(),
+            at_ms,
+            incarnation,
+            seq,
+            body: (),
+        }
+    }
+
+    #[test]
+    fn one_forged_message_cannot_shut_a_real_sender_out() {
+        let mut seq = Sequencer::default();
+        let mut real = Stamper::new("n2", NOW - 60_000);
+        assert_eq!(seq.accept("hb", &real.stamp(NOW, ()), NOW), Arrival::Fresh);
+        // The attack that split the cluster: the highest possible stamp.
+        for e in [
+            forged(u64::MAX, u64::MAX, NOW),
+            forged(NOW + 1_000 + MAX_SKEW_MS + 1, 1, NOW),
+            forged(NOW - 60_000, 2, u64::MAX),
+            forged(NOW - 60_000, u64::MAX, NOW),
+            forged(NOW - 60_000, 2 + SEQ_SLACK + 1_000, NOW + 999),
+        ] {
+            assert!(
+                matches!(seq.accept("hb", &e, NOW + 1_000), Arrival::Forged(_)),
+                "{e:?}"
+            );
+        }
+        // The real sender goes on being heard, even beside a plausible forged incarnation
+        // (one that claims a restart just now): order is kept per incarnation.
+        assert_eq!(
+            seq.accept("hb", &forged(NOW + 1_000, 1, NOW + 1_000), NOW + 1_000),
+            Arrival::Fresh
+        );
+        for _ in 0..2 * INCARNATIONS_KEPT {
+            let e = forged(NOW + 1_000 + rand_ish(&real), 1, NOW + 1_000);
+            let _ = seq.accept("hb", &e, NOW + 1_000);
+            assert_eq!(
+                seq.accept("hb", &real.stamp(NOW + 1_000, ()), NOW + 1_000),
+                Arrival::Fresh,
+                "the real incarnation is still heard"
+            );
+        }
+        // A sender that was cut off for a minute and dropped what it could not send is fine.
+        for _ in 0..30_000 {
+            real.stamp(0, ());
+        }
+        assert_eq!(
+            seq.accept("hb", &real.stamp(NOW + 61_000, ()), NOW + 61_000),
+            Arrival::Fresh
+        );
+        // A restart a little ahead of our clock (skew) is a restart.
+        let mut restarted = Stamper::new("n2", NOW + 61_000 + MAX_SKEW_MS);
+        assert_eq!(
+            seq.accept("hb", &restarted.stamp(NOW + 61_000, ()), NOW + 61_000),
+            Arrival::Fresh
         );
     }
 }

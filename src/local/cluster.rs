@@ -264,6 +264,11 @@ async fn start_all(
     // They start together, then each is waited for.
     let app_url = natsd::app_url(port, &creds);
     let env = [(ENV_URL, app_url.clone())];
+    // Exactly these nodes make up the cluster: no other id is heard.
+    let members = (1..=ports.nodes.len())
+        .map(|i| format!("n{i}"))
+        .collect::<Vec<_>>()
+        .join(",");
     let mut pending = Vec::new();
     for (i, &p) in ports.nodes.iter().enumerate() {
         let id = format!("n{}", i + 1);
@@ -277,8 +282,8 @@ async fn start_all(
             "--listen",
             &format!("127.0.0.1:{p}"),
             "--json",
-            "--cluster-size",
-            &plan.nodes.to_string(),
+            "--members",
+            &members,
         ]);
         let (child, out, log) = super::spawn_oam(&plan.exe, dir, &id, &args, &env)?;
         started.push(Started {

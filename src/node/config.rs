@@ -5,6 +5,7 @@
 //! ```toml
 //! [node]
 //! cluster_size = 3            # n for the quorum
+//! members = ["n1", "n2", "n3"] # optional: exactly who may speak (cluster_size is then its length)
 //! probe_interval_ms = 1000
 //! probe_timeout_ms = 2000
 //! heartbeat_interval_ms = 1000
@@ -37,6 +38,8 @@ use std::path::Path;
 #[serde(deny_unknown_fields, default)]
 pub struct NodeSettings {
     pub cluster_size: usize,
+    /// The node ids that make up the cluster; without it, the first `cluster_size` ids heard.
+    pub members: Vec<String>,
     pub probe_interval_ms: u64,
     pub probe_timeout_ms: u64,
     pub heartbeat_interval_ms: u64,
@@ -49,6 +52,7 @@ impl Default for NodeSettings {
     fn default() -> Self {
         NodeSettings {
             cluster_size: 3,
+            members: Vec::new(),
             probe_interval_ms: 1_000,
             probe_timeout_ms: 2_000,
             heartbeat_interval_ms: 1_000,
@@ -174,6 +178,15 @@ impl NodeConfig {
         if n.cluster_size == 0 {
             return Err("node.cluster_size must be at least 1".into());
         }
+        if let Some(bad) = n
+            .members
+            .iter()
+            .find(|m| !crate::transport::subjects::valid_token(m))
+        {
+            return Err(format!(
+                "node.members: {bad:?} is not a node id (letters, digits, '-' or '_')"
+            ));
+        }
         for (name, v) in [
             ("node.probe_interval_ms", n.probe_interval_ms),
             ("node.probe_timeout_ms", n.probe_timeout_ms),
@@ -266,6 +279,10 @@ limit_usd = 5.0
             (
                 "[node]\ncluster_size = 0\n",
                 ["oam.toml", "node.cluster_size", "at least 1"],
+            ),
+            (
+                "[node]\nmembers = [\"n1\", \"n 2\"]\n",
+                ["oam.toml", "node.members", "\"n 2\""],
             ),
             (
                 "[[provider]]\nid = \"a\"\nagent = \"llm.x\"\nbase_url = \"http://x\"\nmodel = \"m\"\n",

@@ -17,7 +17,7 @@ use crate::core::pipeline::{Config as PipelineConfig, Engine, State};
 use crate::core::quorum::{Cluster, Observation};
 use crate::core::request::{GenerationStatus, Message, Provider};
 use crate::core::wire::{
-    BusCounts, Envelope, Goodbye, Heartbeat, MemberSnapshot, NodeSnapshot, Observations,
+    Arrival, BusCounts, Envelope, Goodbye, Heartbeat, MemberSnapshot, NodeSnapshot, Observations,
     ProviderSnapshot, Sequencer, Stamper,
 };
 use crate::transport::subjects;
@@ -119,7 +119,11 @@ impl Node {
             })
             .collect();
         let state = State {
-            cluster: Cluster::new(id.clone(), cfg.node.cluster_size),
+            cluster: if cfg.node.members.is_empty() {
+                Cluster::new(id.clone(), cfg.node.cluster_size)
+            } else {
+                Cluster::with_roster(id.clone(), cfg.node.members.iter().cloned().collect())
+            },
             providers,
             budgets: cfg.budgets.clone(),
             ..State::default()
@@ -500,12 +504,18 @@ impl Node {
     }
 
     /// Decode an envelope, counting what cannot be applied.
+    /// A peer's gossip event, if it is one to apply: it parses, it came on its sender's own
+    /// subject (`oam.v1.{kind}.{sender}`, which only that node may publish on once the server
+    /// enforces roles), its sender is admitted to the cluster, and it is newer than what was
+    /// applied from that sender without being forged (see `Sequencer`). Everything else is
+    /// counted: malformed, duplicate or stale, forged.
     fn decode<T: DeserializeOwned>(
         &self,
         stream: &'static str,
-        payload: &[u8],
+        m: &async_nats::Message,
+        now_ms: u64,
     ) -> Option<Envelope<T>> {
-        let env: Envelope<T> = match serde_json::from_slice(payload) {
+        let env: Envelope<T> = match serde_json::from_slice(&m.payload) {
             Ok(e) => e,
             Err(e) => {
                 self.bus.malformed.fetch_add(1, Ordering::Relaxed);
@@ -513,11 +523,29 @@ impl Node {
                 return None;
             }
         };
-        if !lock(&self.sequencer).accept(stream, &env) {
-            self.bus.duplicate_or_stale.fetch_add(1, Ordering::Relaxed);
-            return None;
+        if m.subject.rsplit('.').next() != Some(env.sender.as_str()) {
+            return self.forged(stream, &env.sender, "sent on another node's subject");
         }
-        Some(env)
+        if env.sender != self.id && !self.engine().state.cluster.admit(&env.sender) {
+            return self.forged(stream, &env.sender, "not a member of this cluster");
+        }
+        match lock(&self.sequencer).accept(stream, &env, now_ms) {
+            Arrival::Fresh => Some(env),
+            Arrival::Stale => {
+                self.bus.duplicate_or_stale.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Arrival::Forged(why) => self.forged(stream, &env.sender, why),
+        }
+    }
+
+    /// Count a forged gossip event, and say so (the first few times).
+    fn forged<T>(&self, stream: &str, sender: &str, why: &str) -> Option<T> {
+        let n = self.bus.forged.fetch_add(1, Ordering::Relaxed);
+        if n < FORGED_LOGGED {
+            tracing::warn!(node = %self.id, stream, sender, "refused a forged event: {why}");
+        }
+        None
     }
 
     /// Apply this node's observations to its own view and publish them to the cluster.
@@ -575,26 +603,36 @@ impl Node {
             }
             tokio::select! {
                 Some(m) = hb.next() => {
-                    if let Some(env) = self.decode::<Heartbeat>("heartbeat", &m.payload) {
+                    let now = now_ms();
+                    if let Some(env) = self.decode::<Heartbeat>("heartbeat", &m, now) {
                         if env.body.node != env.sender {
-                            self.bus.forged.fetch_add(1, Ordering::Relaxed);
+                            self.forged::<()>("heartbeat", &env.sender, "speaks for another node");
                             continue;
                         }
                         // Liveness is judged on our clock, not the sender's.
-                        self.engine().state.cluster.heartbeat(&env.sender, now_ms());
+                        self.engine().state.cluster.heartbeat(&env.sender, now);
                     }
                 }
                 Some(m) = obs.next() => {
-                    if let Some(env) = self.decode::<Observations>("observations", &m.payload) {
+                    let now = now_ms();
+                    if let Some(env) = self.decode::<Observations>("observations", &m, now) {
                         if env.sender == self.id {
                             continue; // applied locally already
                         }
                         let mut e = self.engine();
                         for o in env.body.observations {
-                            if o.node == env.sender {
-                                e.state.cluster.observe(o);
+                            let why = if o.node != env.sender {
+                                Some("an observation for another node")
+                            } else if !e.state.providers.iter().any(|p| *p.id == *o.provider) {
+                                Some("an observation of a provider this node does not route to")
                             } else {
-                                self.bus.forged.fetch_add(1, Ordering::Relaxed);
+                                match e.state.cluster.gossiped(o, now) {
+                                    Arrival::Forged(why) => Some(why),
+                                    Arrival::Fresh | Arrival::Stale => None,
+                                }
+                            };
+                            if let Some(why) = why {
+                                self.forged::<()>("observations", &env.sender, why);
                             }
                         }
                     }
@@ -608,7 +646,7 @@ impl Node {
                     }
                 }
                 Some(m) = bye.next() => {
-                    if let Some(env) = self.decode::<Goodbye>("goodbye", &m.payload)
+                    if let Some(env) = self.decode::<Goodbye>("goodbye", &m, now_ms())
                         && env.body.node == env.sender
                     {
                         self.engine().state.cluster.disconnect(&env.sender);
@@ -697,6 +735,9 @@ fn breaker_now(
     b.tick(now_ms);
     b
 }
+
+/// Forged gossip events logged (at warn) before only the counter says more.
+const FORGED_LOGGED: u64 = 8;
 
 /// How long a stopping node waits for the requests in hand to finish (inside `oam mesh down`'s
 /// default grace of 5 s, with the goodbye after it).

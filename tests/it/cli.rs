@@ -46,6 +46,18 @@ fn unknown_flags_and_subcommands_exit_2() {
     oam().arg("frobnicate").assert().code(2);
     oam().args(["decide", "--bogus"]).assert().code(2);
     oam().arg("--help").assert().code(0);
+    // A roster that leaves this node out, or holds what cannot be a node id.
+    for (members, says) in [
+        ("n2,n3", "does not name this node (n1)"),
+        ("n1,n 2", "\"n 2\" is not a node id"),
+    ] {
+        oam()
+            .args(["node", "run", "--id", "n1", "--members", members])
+            .args(["--nats-url", "nats://127.0.0.1:9"])
+            .assert()
+            .code(2)
+            .stderr(predicates::str::contains(says));
+    }
 }
 
 /// Numbers a user can type but no clock can hold are usage errors, not panics (exit 101) or a

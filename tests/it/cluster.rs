@@ -404,18 +404,23 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
             "oam.v1.heartbeat.n9",
             "{\"id\":\"x\",\"sender\":\"n9\",\"at_ms\":0,\"incarnation\":0,\"seq\":1,\"body\":{\"node\":\"n1\"}}",
         ),
-        // A goodbye from n8 applied once; its replay and an older one are ignored and counted.
+        // A goodbye from n8, which is no member: refused as forged.
         (
             "oam.v1.goodbye.n8",
             "{\"id\":\"g5\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n8\"}}",
         ),
+        // A heartbeat of n3's applied once; its replay and an older one are ignored and counted.
         (
-            "oam.v1.goodbye.n8",
-            "{\"id\":\"g5\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n8\"}}",
+            "oam.v1.heartbeat.n3",
+            "{\"id\":\"h5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
         ),
         (
-            "oam.v1.goodbye.n8",
-            "{\"id\":\"g4\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":4,\"body\":{\"node\":\"n8\"}}",
+            "oam.v1.heartbeat.n3",
+            "{\"id\":\"h5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
+        ),
+        (
+            "oam.v1.heartbeat.n3",
+            "{\"id\":\"h4\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":4,\"body\":{\"node\":\"n3\"}}",
         ),
     ] {
         nc.publish(subject, payload.into()).await.unwrap();
@@ -424,11 +429,11 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
     let counted = eventually(Duration::from_secs(5), || async {
         let s = state(&c, &cl.urls[0]).await?;
         let bus = s.bus;
-        (bus.malformed >= 2 && bus.forged >= 1 && bus.duplicate_or_stale >= 2).then_some(s)
+        (bus.malformed >= 2 && bus.forged >= 2 && bus.duplicate_or_stale >= 2).then_some(s)
     })
     .await;
     let s = counted.expect("bad messages were not counted");
-    assert!(!s.live_nodes.iter().any(|n| n == "n9"));
+    assert!(!s.live_nodes.iter().any(|n| n == "n9" || n == "n8"));
 
     // The NATS data plane: one service across the nodes.
     let mut replies = Vec::new();
@@ -768,4 +773,117 @@ async fn a_bench_stopped_by_sigterm_writes_its_partial_report() {
     assert_eq!(doc["interrupted"], true, "{doc}");
     assert_eq!(doc["plan"]["requests"], 200);
     assert!(doc["sent"].as_u64().unwrap() < 200, "{doc}");
+}
+
+/// Forged gossip from any client of the bus (the attacks of issue 13) is refused and counted:
+/// the cluster keeps exactly its members, its size and its verdicts, and a real node is never
+/// shut out by a stamp it did not send.
+#[tokio::test]
+async fn forged_gossip_cannot_split_grow_or_outvote_the_cluster() {
+    use oam::core::health::Verdict;
+    use oam::core::quorum::Observation;
+    use oam::transport::subjects;
+    let cl = cluster(&[]).await;
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(20)).await);
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "attacker", false)
+        .await
+        .unwrap();
+    let now = oam::clock::now_ms();
+    let envelope = |sender: &str, incarnation: u64, seq: u64, body: Value| {
+        json!({"id": format!("{sender}-{incarnation}-{seq}"), "sender": sender, "at_ms": now,
+               "incarnation": incarnation, "seq": seq, "body": body})
+        .to_string()
+    };
+    let unhealthy = |node: &str, at_ms: u64| {
+        serde_json::to_value(vec![Observation {
+            node: node.into(),
+            provider: "primary".into(),
+            at_ms,
+            verdict: Verdict::Unhealthy,
+            availability: 0.0,
+            contract_failure_pct: 100.0,
+            p95_ms: 0,
+            samples: 15,
+        }])
+        .unwrap()
+    };
+    let mut attack: Vec<(String, String)> = vec![
+        // The split: a heartbeat "from n2" at the highest stamp there is.
+        (
+            subjects::heartbeat("n2"),
+            envelope("n2", u64::MAX, u64::MAX, json!({"node": "n2"})),
+        ),
+        // A future stamp, which used to count as fresh for good.
+        (
+            subjects::observations("n3"),
+            envelope(
+                "n3",
+                now,
+                1,
+                json!({"node": "n3", "observations": unhealthy("n3", u64::MAX)}),
+            ),
+        ),
+        // Speaking for another node, on its subject.
+        (
+            subjects::heartbeat("n3"),
+            envelope("n2", now, 1, json!({"node": "n2"})),
+        ),
+    ];
+    // Six invented voters, beating and voting the primary down.
+    for i in 4..10 {
+        let id = format!("n{i}");
+        attack.push((
+            subjects::heartbeat(&id),
+            envelope(&id, now, 1, json!({"node": id})),
+        ));
+        attack.push((
+            subjects::observations(&id),
+            envelope(
+                &id,
+                now,
+                1,
+                json!({"node": id, "observations": unhealthy(&id, now)}),
+            ),
+        ));
+    }
+    for (subject, body) in attack {
+        nc.publish(subject, body.into()).await.unwrap();
+    }
+    nc.flush().await.unwrap();
+
+    // Every node refuses and counts them (n3 does not read its own observations back).
+    let counted = eventually(Duration::from_secs(10), || async {
+        for url in &cl.urls {
+            if state(&c, url).await?.bus.forged < 14 {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    assert!(counted.is_some(), "every node counted the forged events");
+    // For longer than a heartbeat's lifetime (3 s), every node keeps exactly n1..n3, all alive,
+    // n = 3, and the primary HEALTHY by quorum.
+    let until = std::time::Instant::now() + Duration::from_secs(4);
+    while std::time::Instant::now() < until {
+        for url in &cl.urls {
+            let s = state(&c, url).await.unwrap();
+            assert_eq!(s.live_nodes, ["n1", "n2", "n3"], "{url}: {s:?}");
+            assert!(
+                s.nodes
+                    .iter()
+                    .all(|m| ["n1", "n2", "n3"].contains(&m.id.as_str())),
+                "{url}: an invented member {:?}",
+                s.nodes
+            );
+            assert_eq!((s.cluster_size, s.quorum), (3, 2), "{url}");
+            let v = &provider(&s, "primary").consensus;
+            assert!(
+                v.quorum && v.verdict == Verdict::Healthy,
+                "{url}: primary {v:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
