@@ -86,9 +86,18 @@ async fn open_store(
 
 async fn list(a: ListArgs) -> Result<()> {
     let store = open_store(&a.mesh, "oam-escalation-list").await?;
-    let records: Vec<Record> = escalations::all(&store)
+    let (records, unreadable) = escalations::all_checked(&store)
         .await
-        .map_err(|e| Error::new(Kind::Unreachable, e))?
+        .map_err(|e| Error::new(Kind::Unreachable, e))?;
+    if !unreadable.is_empty() {
+        eprintln!(
+            "oam: {} entries of {} are not escalation records and are not listed: {}",
+            unreadable.len(),
+            escalations::BUCKET,
+            unreadable.join(", ")
+        );
+    }
+    let records: Vec<Record> = records
         .into_iter()
         .filter(|r| (a.all || r.status == Status::Open) && of_agent(r, a.agent.as_deref()))
         .collect();
@@ -111,26 +120,39 @@ async fn list(a: ListArgs) -> Result<()> {
         return Ok(());
     }
     let now = crate::clock::now_ms();
-    let mut header = vec!["id", "age", "node", "agent", "task", "reason", "action"];
+    // On a narrow terminal the node and task columns go (the id names both) and the reason
+    // loses its `ESCALATED_` prefix; --wide shows everything whole.
+    let full = a.wide || super::width().is_none_or(|w| w >= 110);
+    let mut header = vec!["id", "age"];
+    if full {
+        header.extend(["node", "agent", "task"]);
+    } else {
+        header.push("agent");
+    }
+    header.extend(["reason", "action"]);
     if a.all {
         header.push("status");
     }
     let mut rows = Vec::new();
     for r in &records {
         let e = &r.escalation;
-        let mut row = vec![
-            e.id.clone(),
-            age(now.saturating_sub(e.created_at_ms)),
-            r.node.clone(),
-            e.agent.clone(),
-            e.task.clone(),
-            e.reason_codes.last().map_or("", |c| c.as_str()).to_string(),
-            if a.wide {
-                e.recommended_action.as_str().to_string()
-            } else {
-                action_word(e.recommended_action).to_string()
-            },
-        ];
+        let reason = e.reason_codes.last().map_or("", |c| c.as_str());
+        let mut row = vec![e.id.clone(), age(now.saturating_sub(e.created_at_ms))];
+        if full {
+            row.extend([r.node.clone(), e.agent.clone(), e.task.clone()]);
+        } else {
+            row.push(e.agent.clone());
+        }
+        row.push(if full {
+            reason.to_string()
+        } else {
+            reason.trim_start_matches("ESCALATED_").to_string()
+        });
+        row.push(if a.wide {
+            e.recommended_action.as_str().to_string()
+        } else {
+            action_word(e.recommended_action).to_string()
+        });
         if a.all {
             row.push(match (&r.status, &r.resolved_by) {
                 (Status::Open, _) => "open".to_string(),

@@ -94,14 +94,10 @@ pub(crate) fn table<R: Into<comfy_table::Row>>(
     t
 }
 
-/// Fit a table to the terminal: cells wrap to its width (`$COLUMNS`, or the terminal's when
-/// stdout is one), unless `wide`. Piped output without `$COLUMNS` keeps whole lines.
-pub(crate) fn fit(t: &mut comfy_table::Table, wide: bool) {
+/// The terminal's width: `$COLUMNS`, or the terminal's when stdout is one; none when piped.
+pub(crate) fn width() -> Option<u16> {
     use std::io::IsTerminal;
-    if wide {
-        return;
-    }
-    let width = std::env::var("COLUMNS")
+    std::env::var("COLUMNS")
         .ok()
         .and_then(|c| c.trim().parse::<u16>().ok())
         .or_else(|| {
@@ -109,8 +105,16 @@ pub(crate) fn fit(t: &mut comfy_table::Table, wide: bool) {
                 .is_terminal()
                 .then(|| ratatui::crossterm::terminal::size().ok().map(|(w, _)| w))
                 .flatten()
-        });
-    if let Some(w) = width {
+        })
+}
+
+/// Fit a table to the terminal: cells wrap to its width (`$COLUMNS`, or the terminal's when
+/// stdout is one), unless `wide`. Piped output without `$COLUMNS` keeps whole lines.
+pub(crate) fn fit(t: &mut comfy_table::Table, wide: bool) {
+    if wide {
+        return;
+    }
+    if let Some(w) = width() {
         t.set_content_arrangement(comfy_table::ContentArrangement::Dynamic);
         t.set_width(w);
     }

@@ -36,6 +36,10 @@ pub struct Outcome<'a> {
     pub phase: Phase,
     pub codes: &'a [ReasonCode],
     pub new_loop_incident: Option<&'a str>,
+    /// The node raising it, and how many it raised before: with the time, the escalation's id
+    /// (oam's own, never the caller's request id, which a caller may reuse).
+    pub node: &'a str,
+    pub serial: u64,
 }
 
 /// The escalation reason and action for a failed request, if it needs one.
@@ -81,6 +85,19 @@ pub fn rule(o: &Outcome<'_>) -> Option<(ReasonCode, Action)> {
     None
 }
 
+/// `n` in base 36 (lowercase): a millisecond timestamp in 8 characters.
+fn base36(mut n: u64) -> String {
+    let mut digits = Vec::new();
+    loop {
+        digits.push(b"0123456789abcdefghijklmnopqrstuvwxyz"[(n % 36) as usize]);
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    digits.iter().rev().map(|&d| char::from(d)).collect()
+}
+
 /// Build the escalation object for a request the rules picked.
 pub fn build(o: &Outcome<'_>, reason: ReasonCode, action: Action, now_ms: u64) -> Escalation {
     let mut reason_codes = o.codes.to_vec();
@@ -92,7 +109,7 @@ pub fn build(o: &Outcome<'_>, reason: ReasonCode, action: Action, now_ms: u64) -
     Escalation {
         id: match o.new_loop_incident {
             Some(inc) => format!("esc-{inc}"),
-            None => format!("esc-{}", o.request.id),
+            None => format!("esc-{}-{}-{}", o.node, base36(now_ms), o.serial),
         },
         request_id: o.request.id.clone(),
         agent: o.request.agent.clone(),
@@ -143,6 +160,8 @@ mod tests {
             phase,
             codes,
             new_loop_incident: inc,
+            node: "n1",
+            serial: 0,
         })
         .map(|x| x.0)
     }
@@ -205,11 +224,17 @@ mod tests {
             phase: Phase::Generation,
             codes: &[ReasonCode::RetryNotSafe],
             new_loop_incident: None,
+            node: "n1",
+            serial: 4,
         };
         let (reason, action) = rule(&o).unwrap();
         assert_eq!(action, Action::HumanReviewBlockAutomaticAction);
-        let e = build(&o, reason, action, 7);
-        assert_eq!(e.id, "esc-r1");
+        let e = build(&o, reason, action, 7_000);
+        assert_eq!(
+            e.id, "esc-n1-5eg-4",
+            "oam's own id: node, time (base 36), serial"
+        );
+        assert_eq!(e.request_id, "r1", "the request id is a field");
         assert_eq!(
             e.reason_codes,
             vec![

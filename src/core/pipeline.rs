@@ -398,6 +398,8 @@ pub struct Engine {
     /// Who waits for a slot, in order (not part of the replayable state: a recorded input is
     /// one request).
     queues: Queues,
+    /// Escalations raised so far (part of each one's id).
+    escalations: u64,
 }
 
 impl Engine {
@@ -407,6 +409,7 @@ impl Engine {
             state,
             default_contract: Contract::default(),
             queues: Queues::default(),
+            escalations: 0,
         }
     }
 
@@ -802,6 +805,12 @@ impl Engine {
                     breaker.on_failure(now_ms, p.probe, &cfg),
                 )
             }
+            GenerationStatus::Rejected => {
+                // The caller's doing: no breaker failure and (below) no health sample.
+                codes.push(ReasonCode::ProviderRejectedRequest);
+                breaker.release_probe();
+                (Outcome::Error, Some(Phase::Generation), None)
+            }
             GenerationStatus::RateLimited => {
                 codes.push(ReasonCode::RateLimited);
                 breaker.release_probe();
@@ -866,11 +875,13 @@ impl Engine {
                 transition: t,
             });
         }
-        s.effects.push(Effect::HealthSample {
-            provider: provider.id.clone(),
-            outcome,
-            latency_ms: g.latency_ms,
-        });
+        if g.status != GenerationStatus::Rejected {
+            s.effects.push(Effect::HealthSample {
+                provider: provider.id.clone(),
+                outcome,
+                latency_ms: g.latency_ms,
+            });
+        }
         for &c in &codes {
             push(&mut s.codes, c);
         }
@@ -891,8 +902,9 @@ impl Engine {
             .policy
             .max_attempts
             .unwrap_or(self.config.max_attempts.get(s.request.risk));
-        let retry_block = if phase == Phase::Cost {
-            Some(None) // a retry would only spend more
+        let retry_block = if phase == Phase::Cost || g.status == GenerationStatus::Rejected {
+            // A retry would only spend more: the request itself was refused.
+            Some(None)
         } else if s.caller_gone {
             Some(Some(ReasonCode::ClientDisconnected)) // nobody would read the answer
         } else if g.status == GenerationStatus::Timeout && !s.request.idempotent {
@@ -939,9 +951,12 @@ impl Engine {
             phase,
             codes: &s.codes,
             new_loop_incident: incident.as_ref().map(|i| i.id.as_str()),
+            node: &self.state.cluster.self_id,
+            serial: self.escalations,
         };
         let escalation = escalation::rule(&outcome)
             .map(|(reason, action)| escalation::build(&outcome, reason, action, now_ms));
+        self.escalations += u64::from(escalation.is_some());
         if let Some(e) = &escalation {
             push(&mut s.codes, ReasonCode::HumanAttentionRequired);
             push(

@@ -264,6 +264,59 @@ fn provider_faults_do_open_the_breaker_and_traffic_moves() {
 }
 
 #[test]
+fn requests_a_provider_refuses_as_invalid_never_count_against_it() {
+    // The attack: a dozen requests the provider refuses (too large, invalid) used to open its
+    // breaker on every node and mark it unhealthy.
+    let mut e = engine();
+    for i in 0..12 {
+        let d = run(
+            &mut e,
+            req(&format!("big{i}")),
+            &[("primary", Generation::failed(GenerationStatus::Rejected, 3))],
+        );
+        assert_eq!(d.outcome, DecisionOutcome::Rejected);
+        assert_eq!(d.phase, Phase::Generation);
+        assert!(has(&d, ReasonCode::ProviderRejectedRequest), "{d:?}");
+        assert_eq!(
+            d.attempts.len(),
+            1,
+            "not retried elsewhere: it would only spend more"
+        );
+        assert!(
+            !d.effects
+                .iter()
+                .any(|f| matches!(f, Effect::HealthSample { .. } | Effect::Breaker { .. })),
+            "{:?}",
+            d.effects
+        );
+    }
+    assert!(
+        e.state
+            .breakers
+            .get("primary")
+            .is_none_or(Breaker::is_closed)
+    );
+    let d = run(&mut e, req("after"), &[("primary", good())]);
+    assert_eq!(d.provider.as_deref(), Some("primary"));
+}
+
+#[test]
+fn escalation_ids_are_oams_own_so_a_reused_request_id_gets_a_new_one() {
+    let mut e = engine();
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let mut r = req("same");
+        r.risk = Risk::High;
+        let d = run(&mut e, r, &[("primary", err()), ("secondary", err())]);
+        let esc = d.escalation.expect("a high-risk failure escalates");
+        assert_eq!(esc.request_id, "same");
+        ids.push(esc.id);
+    }
+    assert_ne!(ids[0], ids[1], "{ids:?}");
+    assert!(ids.iter().all(|id| id.starts_with("esc-n1-")), "{ids:?}");
+}
+
+#[test]
 fn a_loop_trips_once_escalates_once_and_refuses_fast() {
     let mut e = engine();
     e.config.max_attempts.low = 1;
@@ -898,6 +951,13 @@ fn every_reason_code_is_reachable() {
     let mut r = req("cost");
     r.max_cost_usd = Some(0.000_001);
     note(&run(&mut e, r, &[("primary", good())]));
+
+    // A request the provider refuses as invalid.
+    note(&run(
+        &mut engine(),
+        req("invalid"),
+        &[("primary", Generation::failed(GenerationStatus::Rejected, 2))],
+    ));
 
     // Escalations by risk and by task criticality.
     let mut r = req("high");

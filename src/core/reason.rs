@@ -166,6 +166,8 @@ reason_codes! {
         "This request's success as a half-open probe closed the provider's circuit breaker.";
     GenerationError = "GENERATION_ERROR", Generation,
         "The provider failed: a 5xx, a connection error or an unusable response.";
+    ProviderRejectedRequest = "PROVIDER_REJECTED_REQUEST", Generation,
+        "The provider refused the request itself (HTTP 400, 413 or 422: invalid, or too large for it); the caller's doing, so it counts against neither the provider's health nor its breaker.";
     GenerationTimeout = "GENERATION_TIMEOUT", Generation,
         "The provider did not answer within the attempt's timeout.";
     RateLimited = "RATE_LIMITED", Generation,

@@ -178,6 +178,9 @@ pub enum GenerationStatus {
     Timeout,
     /// 429.
     RateLimited,
+    /// The provider refused the request itself (HTTP 400, 413, 422: invalid, or too large for
+    /// it): the caller's doing, not the provider's failure.
+    Rejected,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]

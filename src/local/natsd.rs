@@ -138,6 +138,9 @@ impl Layout {
 /// The server config: 127.0.0.1 only, JetStream in `store_dir`, an APP account (JetStream on)
 /// and a SYS account that can read `$SYS` advisories, and fast client pings so a vanished
 /// client is noticed in seconds.
+///
+/// `max_payload` is the largest body any oam surface takes (a node's `max_body_bytes`, 1 MiB by
+/// default) with room for headers and the envelope: bigger messages are refused by the server.
 pub fn config(layout: &Layout, creds: &Credentials) -> String {
     let quote = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
     format!(
@@ -149,7 +152,7 @@ server_name: oam-local
 ping_interval: "2s"
 ping_max: 2
 write_deadline: "2s"
-max_payload: 8MB
+max_payload: 2MB
 jetstream {{
   store_dir: {store}
   max_memory_store: 256MB

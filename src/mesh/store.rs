@@ -67,15 +67,34 @@ fn rfc3339(secs: u64) -> String {
 /// The catalog's entries (empty if the bucket or key does not exist yet). Entries that do not
 /// parse are skipped, not fatal.
 pub async fn catalog(nats: &async_nats::Client) -> anyhow::Result<Vec<CatalogEntry>> {
+    Ok(catalog_checked(nats).await?.0)
+}
+
+/// The catalog, and its items that are not entries (shown as they are, shortened), so a reader
+/// can say so. A catalog that is not a JSON array at all is an error, not an empty catalog.
+pub async fn catalog_checked(
+    nats: &async_nats::Client,
+) -> anyhow::Result<(Vec<CatalogEntry>, Vec<String>)> {
     let store = bucket(nats, subjects::CATALOG_BUCKET, Duration::ZERO).await?;
     let Some(raw) = store.get(subjects::CATALOG_KEY).await? else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     };
-    let items: Vec<serde_json::Value> = serde_json::from_slice(&raw).unwrap_or_default();
-    Ok(items
-        .into_iter()
-        .filter_map(|v| serde_json::from_value(v).ok())
-        .collect())
+    let items: Vec<serde_json::Value> = serde_json::from_slice(&raw).map_err(|e| {
+        anyhow::anyhow!(
+            "the agent catalog (KV {} key {}) is not a JSON array of entries: {e}",
+            subjects::CATALOG_BUCKET,
+            subjects::CATALOG_KEY
+        )
+    })?;
+    let mut entries = Vec::with_capacity(items.len());
+    let mut unreadable = Vec::new();
+    for v in items {
+        match serde_json::from_value::<CatalogEntry>(v.clone()) {
+            Ok(e) => entries.push(e),
+            Err(_) => unreadable.push(v.to_string().chars().take(80).collect()),
+        }
+    }
+    Ok((entries, unreadable))
 }
 
 /// Add or remove `entry` in the catalog array by compare-and-swap (10 tries).

@@ -103,7 +103,13 @@ impl Connector {
                         .map(String::from)
                 })
                 .unwrap_or_default();
-            return failed(GenerationStatus::Error, format!("HTTP {status} {detail}"));
+            // Invalid, or too large for this provider: the request's fault, not the provider's.
+            let kind = if matches!(status.as_u16(), 400 | 413 | 422) {
+                GenerationStatus::Rejected
+            } else {
+                GenerationStatus::Error
+            };
+            return failed(kind, format!("HTTP {status} {detail}"));
         }
         completion(&bytes, latency_ms)
     }

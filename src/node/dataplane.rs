@@ -317,6 +317,10 @@ pub struct Answer {
 /// The HTTP status for a refused request, by the phase that refused it.
 pub fn status_for(d: &Decision) -> StatusCode {
     let timed_out = d.reason_codes.contains(&ReasonCode::GenerationTimeout);
+    let rejected = d
+        .attempts
+        .last()
+        .is_some_and(|a| a.status == Some(GenerationStatus::Rejected));
     match d.phase {
         Phase::Accepted => StatusCode::OK,
         Phase::Admission => StatusCode::SERVICE_UNAVAILABLE,
@@ -324,6 +328,8 @@ pub fn status_for(d: &Decision) -> StatusCode {
         Phase::Budget | Phase::Cost => StatusCode::PAYMENT_REQUIRED,
         Phase::Semantic | Phase::Quality => StatusCode::UNPROCESSABLE_ENTITY,
         Phase::Generation if timed_out => StatusCode::GATEWAY_TIMEOUT,
+        // The provider refused the request itself: the caller should fix it.
+        Phase::Generation if rejected => StatusCode::BAD_REQUEST,
         Phase::Generation => StatusCode::BAD_GATEWAY,
         Phase::Routing | Phase::Breaker => StatusCode::SERVICE_UNAVAILABLE,
         Phase::Retry | Phase::Escalation => StatusCode::SERVICE_UNAVAILABLE,
@@ -676,22 +682,27 @@ async fn chat(
                 to_http(answer)
             }
         }
-        Err(_) => {
-            let mut a = bad_request(
-                &node,
-                &headers,
-                BadRequest {
-                    param: None,
-                    message: format!(
-                        "the request body is larger than this node accepts ({limit} bytes; \
-                         node.max_body_bytes in oam.toml)"
-                    ),
-                },
-            );
-            a.status = StatusCode::PAYLOAD_TOO_LARGE;
-            to_http(a)
-        }
+        Err(_) => to_http(too_large(&node, &headers)),
     }
+}
+
+/// The answer to a body over `node.max_body_bytes` (HTTP and NATS alike): 413, no provider
+/// called.
+fn too_large(node: &Arc<Node>, headers: &HeaderMap) -> Answer {
+    let limit = node.cfg.node.max_body_bytes;
+    let mut a = bad_request(
+        node,
+        headers,
+        BadRequest {
+            param: None,
+            message: format!(
+                "the request body is larger than this node accepts ({limit} bytes; \
+                 node.max_body_bytes in oam.toml)"
+            ),
+        },
+    );
+    a.status = StatusCode::PAYLOAD_TOO_LARGE;
+    a
 }
 
 /// The same data plane on NATS: requests on `oam.v1.request` (queue group `oam-nodes`), the
@@ -763,8 +774,13 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
                 }
             }
         }
-        // A NATS requester that gives up cannot be seen; its request runs to the end.
-        let a = execute(&node, &msg.payload, &headers, CancellationToken::new()).await;
+        // The same body limit as HTTP. A NATS requester that gives up cannot be seen; its
+        // request runs to the end.
+        let a = if msg.payload.len() > node.cfg.node.max_body_bytes {
+            too_large(&node, &headers)
+        } else {
+            execute(&node, &msg.payload, &headers, CancellationToken::new()).await
+        };
         let mut body = a.body;
         body["status"] = json!(a.status.as_u16());
         match serde_json::to_vec(&body) {

@@ -488,7 +488,10 @@ impl Node {
                         }
                     }
                     GenerationStatus::Timeout => Outcome::Timeout,
-                    GenerationStatus::Error | GenerationStatus::RateLimited => Outcome::Error,
+                    // A probe refused as invalid is this node's misconfiguration: unusable.
+                    GenerationStatus::Error
+                    | GenerationStatus::RateLimited
+                    | GenerationStatus::Rejected => Outcome::Error,
                 };
                 (c.id.clone(), outcome, g.latency_ms)
             });

@@ -72,29 +72,40 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> any
         resolved_at_ms: None,
         note: None,
     };
+    // Created, never put: a record already there (resolved, say) is never overwritten.
     store
-        .put(key(&escalation.id), serde_json::to_vec(&record)?.into())
-        .await?;
+        .create(key(&escalation.id), serde_json::to_vec(&record)?.into())
+        .await
+        .map_err(|e| anyhow::anyhow!("escalation {} not recorded: {e}", escalation.id))?;
     Ok(())
 }
 
-/// Every record in the bucket, oldest first; entries that are not records are skipped.
+/// Every record in the bucket, oldest first; entries that are not records are skipped (see
+/// `all_checked` to hear about them).
 pub async fn all(store: &kv::Store) -> anyhow::Result<Vec<Record>> {
+    Ok(all_checked(store).await?.0)
+}
+
+/// Every record in the bucket, oldest first, and the keys of entries that are not records
+/// (corrupt, or written by something else), so a reader can say so instead of hiding them.
+pub async fn all_checked(store: &kv::Store) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
     use futures_util::TryStreamExt;
     let keys: Vec<String> = store.keys().await?.try_collect().await?;
     let mut out = Vec::with_capacity(keys.len());
+    let mut unreadable = Vec::new();
     for k in keys {
-        if let Some(bytes) = store.get(k).await?
-            && let Ok(r) = serde_json::from_slice::<Record>(&bytes)
-        {
-            out.push(r);
+        if let Some(bytes) = store.get(&k).await? {
+            match serde_json::from_slice::<Record>(&bytes) {
+                Ok(r) => out.push(r),
+                Err(_) => unreadable.push(k),
+            }
         }
     }
     out.sort_by(|a, b| {
         (a.escalation.created_at_ms, &a.escalation.id)
             .cmp(&(b.escalation.created_at_ms, &b.escalation.id))
     });
-    Ok(out)
+    Ok((out, unreadable))
 }
 
 /// What resolving one escalation did.

@@ -1005,3 +1005,47 @@ async fn creds_files_reach_a_mesh_behind_jwt_auth() {
         assert!(stderr.contains(says), "{file}: {stderr}");
     }
 }
+
+/// A corrupt catalog is said to be corrupt, never shown as an empty one; items in it that are
+/// not entries are named.
+#[tokio::test]
+async fn a_corrupt_catalog_is_reported_not_shown_empty() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _echo = serve(&url, "demo.echo", "echo", &[]);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let store = oam::transport::kv::bucket(
+        &nc,
+        oam::transport::subjects::CATALOG_BUCKET,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    let key = oam::transport::subjects::CATALOG_KEY;
+    let current = store.get(key).await.unwrap().unwrap();
+    let mut items: Vec<Value> = serde_json::from_slice(&current).unwrap();
+    items.push(json!({"bogus": true}));
+    store
+        .put(key, serde_json::to_vec(&items).unwrap().into())
+        .await
+        .unwrap();
+    let out = oam(&url).args(["agent", "list"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("1 catalog items are not agent entries") && stderr.contains("bogus"),
+        "{stderr}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("demo.echo"));
+
+    store.put(key, "{not json".into()).await.unwrap();
+    let out = oam(&url).args(["agent", "list"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("is not a JSON array of entries"),
+        "{stderr}"
+    );
+}

@@ -439,3 +439,51 @@ async fn load_faults_agents_and_bad_input() {
         "{counts:?}"
     );
 }
+
+/// A record in the escalation store is never overwritten: recording an escalation whose id is
+/// already there (resolved, say) fails and leaves the record as it was.
+#[tokio::test]
+async fn an_escalation_record_is_never_overwritten() {
+    use oam::transport::escalations;
+    let server = crate::support::NatsServer::start().await;
+    let nc = oam::transport::connect::connect(&server.url(), "test", false)
+        .await
+        .unwrap();
+    let store = escalations::store(&nc).await.unwrap();
+    let now = oam::clock::now_ms();
+    let first: oam::core::escalation::Escalation = serde_json::from_value(json!({
+        "id": "esc-n1-1-0", "request_id": "r-1", "agent": "bot", "task": "t",
+        "phase": "budget", "reason_codes": ["ESCALATED_BUDGET_EXHAUSTED"],
+        "recommended_action": "HUMAN_REVIEW", "created_at_ms": now
+    }))
+    .unwrap();
+    escalations::open(&store, "n1", &first).await.unwrap();
+    let resolved = escalations::resolve(&store, "esc-n1-1-0", "tester", Some("done"), now)
+        .await
+        .unwrap();
+    assert!(matches!(resolved, escalations::Resolved::Now(_)));
+    let mut again = first.clone();
+    again.agent = "intruder".into();
+    let err = escalations::open(&store, "n2", &again).await.unwrap_err();
+    assert!(err.to_string().contains("esc-n1-1-0"), "{err}");
+    let all = escalations::all(&store).await.unwrap();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].escalation.agent, "bot");
+    assert_eq!(all[0].status, escalations::Status::Resolved);
+
+    // Something that is not a record is reported, not hidden.
+    store.put("junk", "not a record".into()).await.unwrap();
+    let out = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["escalation", "list", "--all", "--nats-url", &server.url()])
+        .timeout(Duration::from_secs(20))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("1 entries of oam-escalations are not escalation records")
+            && stderr.contains("junk"),
+        "{stderr}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("esc-n1-1-0"));
+}

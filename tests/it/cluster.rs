@@ -466,6 +466,33 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
         })
         .collect();
     assert!(!served_by.is_empty());
+    // The same body limit as HTTP: a body over it is refused (413) with no provider called; one
+    // over the server's max_payload never reaches a node at all.
+    let big = |bytes: usize| {
+        serde_json::to_vec(&json!({"model": "auto",
+            "messages": [{"role": "user", "content": "x".repeat(bytes)}]}))
+        .unwrap()
+    };
+    let reply = nc
+        .request("oam.v1.request", big(1_500_000).into())
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(v["status"], 413, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_body_bytes"),
+        "{v}"
+    );
+    assert!(v["oam"]["provider"].is_null(), "no provider called: {v}");
+    assert!(
+        nc.request("oam.v1.request", big(3 << 20).into())
+            .await
+            .is_err(),
+        "3 MiB is refused by the server"
+    );
 
     // Decisions are published as events.
     let mut sub = nc.subscribe("oam.v1.decision.*").await.unwrap();

@@ -47,9 +47,16 @@ fn listed<'a>(entry: &'a CatalogEntry, records: &[InstanceRecord], now: u64) -> 
 
 pub async fn run(mesh: &super::super::MeshArgs, l: Args) -> Result<()> {
     let nc = mesh.connect("oam-agent-list").await?;
-    let entries = store::catalog(&nc)
+    let (entries, unreadable) = store::catalog_checked(&nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
+    if !unreadable.is_empty() {
+        eprintln!(
+            "oam: {} catalog items are not agent entries and are not listed: {}",
+            unreadable.len(),
+            unreadable.join("; ")
+        );
+    }
     let records = store::all_instances(&nc).await.unwrap_or_default();
     let now = crate::clock::now_ms();
     let rows: Vec<Listed> = entries.iter().map(|e| listed(e, &records, now)).collect();
