@@ -12,6 +12,8 @@
 //! health_window_ms = 15000
 //! queue_timeout_ms = 5000     # longest wait in a bulkhead queue
 //! max_body_bytes = 1048576
+//! max_connections = 512       # open HTTP connections; more wait until one closes
+//! header_timeout_ms = 10000   # a request's headers within this (and idle keep-alive this long)
 //!
 //! [[provider]]                # in preference order
 //! id = "primary"
@@ -46,6 +48,12 @@ pub struct NodeSettings {
     pub health_window_ms: u64,
     pub queue_timeout_ms: u64,
     pub max_body_bytes: usize,
+    /// Open HTTP connections at most (keep it under the open-file limit); more wait, unaccepted,
+    /// until one closes.
+    pub max_connections: usize,
+    /// A request's headers must arrive within this, counted from when the node is ready to read
+    /// them; a kept-alive connection idle this long is closed.
+    pub header_timeout_ms: u64,
 }
 
 impl Default for NodeSettings {
@@ -59,6 +67,8 @@ impl Default for NodeSettings {
             health_window_ms: 15_000,
             queue_timeout_ms: 5_000,
             max_body_bytes: 1 << 20,
+            max_connections: 512,
+            header_timeout_ms: 10_000,
         }
     }
 }
@@ -178,6 +188,9 @@ impl NodeConfig {
         if n.cluster_size == 0 {
             return Err("node.cluster_size must be at least 1".into());
         }
+        if n.max_connections == 0 {
+            return Err("node.max_connections must be at least 1".into());
+        }
         if let Some(bad) = n
             .members
             .iter()
@@ -192,6 +205,7 @@ impl NodeConfig {
             ("node.probe_timeout_ms", n.probe_timeout_ms),
             ("node.heartbeat_interval_ms", n.heartbeat_interval_ms),
             ("node.health_window_ms", n.health_window_ms),
+            ("node.header_timeout_ms", n.header_timeout_ms),
         ] {
             if v == 0 {
                 return Err(format!("{name} must be more than 0"));

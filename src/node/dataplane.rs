@@ -654,8 +654,12 @@ async fn chat(
     body: axum::body::Body,
 ) -> Response {
     let limit = node.cfg.node.max_body_bytes;
-    match axum::body::to_bytes(body, limit).await {
-        Ok(bytes) => {
+    let read = tokio::time::timeout(
+        super::server::BODY_TIMEOUT,
+        axum::body::to_bytes(body, limit),
+    );
+    match read.await {
+        Ok(Ok(bytes)) => {
             // The pipeline runs on a task of its own, so a caller that hangs up cancels nothing
             // half-way: the guard below tells it the caller is gone, and it ends cleanly (slot
             // released, health sample and decision kept).
@@ -682,7 +686,22 @@ async fn chat(
                 to_http(answer)
             }
         }
-        Err(_) => to_http(too_large(&node, &headers)),
+        Ok(Err(_)) => to_http(too_large(&node, &headers)),
+        Err(_) => {
+            let mut a = bad_request(
+                &node,
+                &headers,
+                BadRequest {
+                    param: None,
+                    message: format!(
+                        "the request body did not arrive within {} s",
+                        super::server::BODY_TIMEOUT.as_secs()
+                    ),
+                },
+            );
+            a.status = StatusCode::REQUEST_TIMEOUT;
+            to_http(a)
+        }
     }
 }
 

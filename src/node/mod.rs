@@ -8,6 +8,7 @@ pub mod config;
 pub mod connector;
 pub mod dataplane;
 pub mod metrics;
+pub mod server;
 
 use crate::clock::now_ms;
 use crate::core::contract::Contract;
@@ -62,6 +63,8 @@ pub struct Node {
     stamper: Mutex<Stamper>,
     sequencer: Mutex<Sequencer>,
     pub bus: BusCounters,
+    /// Times every HTTP connection slot (`node.max_connections`) was taken.
+    pub http_saturated: Arc<AtomicU64>,
     pub metrics: metrics::Metrics,
     requests: AtomicU64,
     /// Queued requests by ticket, woken one each when the engine grants them a slot.
@@ -149,6 +152,7 @@ impl Node {
             nats,
             sequencer: Mutex::new(Sequencer::default()),
             bus: BusCounters::default(),
+            http_saturated: Arc::default(),
             metrics: metrics::Metrics::default(),
             requests: AtomicU64::new(0),
             waiters: Mutex::new(std::collections::HashMap::new()),
@@ -675,7 +679,15 @@ impl Node {
             ),
         ];
         let engine = self.engine();
-        self.metrics.render(&self.id, &engine, now_ms(), &bus)
+        let mut text = self.metrics.render(&self.id, &engine, now_ms(), &bus);
+        text.push_str(&format!(
+            "# HELP oam_http_connection_limit_reached_total Times every HTTP connection slot \
+             (node.max_connections) was taken; new connections waited.\n\
+             # TYPE oam_http_connection_limit_reached_total counter\n\
+             oam_http_connection_limit_reached_total {}\n",
+            self.http_saturated.load(Ordering::Relaxed)
+        ));
+        text
     }
 
     /// What this node sees, now (`GET /v1/oam/state`, and `oam.v1.state.{node}`).
@@ -791,9 +803,14 @@ pub async fn run(
             }
         })
     };
-    let server = axum::serve(listener, dataplane::router(node.clone()))
-        .with_graceful_shutdown(node.stop.clone().cancelled_owned());
-    let server = tokio::spawn(server.into_future());
+    let server = tokio::spawn(server::serve(
+        listener,
+        dataplane::router(node.clone()),
+        node.cfg.node.max_connections,
+        Duration::from_millis(node.cfg.node.header_timeout_ms),
+        node.http_saturated.clone(),
+        node.stop.clone(),
+    ));
     if !node.stop.is_cancelled() {
         stop.await;
     }

@@ -914,3 +914,110 @@ async fn forged_gossip_cannot_split_grow_or_outvote_the_cluster() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
+
+/// 1,100 idle HTTP connections against a node that may open 1,024 files (the attack that made a
+/// node unreachable): the node holds at most `node.max_connections` (the others wait in the
+/// kernel's queue), closes each when its headers do not come within `node.header_timeout_ms`,
+/// keeps serving a client that uses its connection throughout, and serves a new one as soon as
+/// the idle ones ahead of it are gone.
+#[tokio::test]
+async fn idle_connections_cannot_make_a_node_unreachable() {
+    let nats = NatsServer::start().await;
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let dir = std::env::temp_dir().join(format!("oam-test-idle-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("oam.toml");
+    std::fs::write(
+        &config,
+        "[node]\ncluster_size = 1\nmax_connections = 300\nheader_timeout_ms = 1000\n",
+    )
+    .unwrap();
+    let nats_url = nats.url();
+    let node = Proc::spawn_with_file_limit(
+        1_024,
+        &[
+            "node",
+            "run",
+            "--id",
+            "n1",
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+            "--nats-url",
+            &nats_url,
+            "--sim-url",
+            &sim_url,
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let url = node.ready["http"].as_str().unwrap().to_string();
+    let addr = url.trim_start_matches("http://").to_string();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let kept = reqwest::Client::builder()
+        .pool_max_idle_per_host(1)
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let served = eventually(Duration::from_secs(10), || async {
+        let r = kept.get(format!("{url}/v1/oam/state")).send().await.ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await;
+    assert!(served.is_some(), "the node serves");
+
+    // A client that keeps using its connection, every 200 ms, while the attack goes on.
+    let busy = {
+        let (kept, url) = (kept.clone(), url.clone());
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for _ in 0..25 {
+                let r = kept.get(format!("{url}/v1/oam/state")).send().await;
+                statuses.push(r.map(|r| r.status().as_u16()).map_err(|e| e.to_string()));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            statuses
+        })
+    };
+    let mut idle = Vec::new();
+    for _ in 0..1_100 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let statuses = busy.await.unwrap();
+    assert!(
+        statuses.iter().all(|s| s.as_ref().is_ok_and(|&c| c == 200)),
+        "the connected client was served throughout: {statuses:?}"
+    );
+    // Every idle connection is closed by the node (300 at a time, each after 1 s) ...
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        for s in &mut idle {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 64];
+            let n = s.read(&mut buf).await.unwrap_or(0);
+            assert_eq!(n, 0, "an idle connection got bytes");
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "idle connections were closed by the node");
+    drop(idle);
+    // ... and a new client is served.
+    let fresh = client();
+    let (status, _, _) = ask(&fresh, &url, question("after the attack")).await;
+    assert_eq!(status, 200);
+    let metrics = fresh
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let saturated: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("oam_http_connection_limit_reached_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap();
+    assert!(saturated >= 1, "the limit was reached and counted");
+    let _ = std::fs::remove_dir_all(&dir);
+}

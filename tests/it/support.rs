@@ -16,8 +16,24 @@ pub struct Proc {
 impl Proc {
     /// Start `oam ARGS...` and wait (at most 20 s) for its JSON ready line on stdout.
     pub fn spawn(args: &[&str]) -> Proc {
-        let mut child = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
-            .args(args)
+        let mut cmd = Command::new(assert_cmd::cargo::cargo_bin!("oam"));
+        cmd.args(args);
+        Proc::spawn_command(cmd, args)
+    }
+
+    /// Start `oam ARGS...` with at most `files` open files (`ulimit -n`), as a constrained host
+    /// would run it.
+    pub fn spawn_with_file_limit(files: u32, args: &[&str]) -> Proc {
+        let mut cmd = Command::new("bash");
+        cmd.arg("-c")
+            .arg(format!("ulimit -n {files} && exec \"$0\" \"$@\""))
+            .arg(assert_cmd::cargo::cargo_bin!("oam"))
+            .args(args);
+        Proc::spawn_command(cmd, args)
+    }
+
+    fn spawn_command(mut cmd: Command, args: &[&str]) -> Proc {
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
