@@ -91,6 +91,22 @@ struct Plan {
     action: Action,
 }
 
+/// Whether the command line `argv` is `oam agent serve AGENT ...` (whatever the executable is
+/// called; `runs_this_executable` checks which it is): the only kind of process the warden
+/// signals for an agent fault.
+fn serves_agent(argv: &[String], agent: &str) -> bool {
+    argv.get(1).is_some_and(|a| a == "agent")
+        && argv.get(2).is_some_and(|a| a == "serve")
+        && argv.get(3).is_some_and(|a| a == agent)
+}
+
+/// Whether process `pid` runs the executable this warden runs (its `/proc/PID/exe`).
+fn runs_this_executable(pid: u32) -> bool {
+    let theirs = std::fs::canonicalize(format!("/proc/{pid}/exe"));
+    let ours = std::env::current_exe().and_then(std::fs::canonicalize);
+    matches!((theirs, ours), (Ok(a), Ok(b)) if a == b)
+}
+
 /// Check `req` against the bounds and what is `active`, resolve its target and settings: pure,
 /// so every refusal and default is tested without a mesh. An error says what to do instead.
 fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
@@ -268,7 +284,18 @@ impl Warden {
                     .filter(|a| !a.is_empty())
                     .map(|a| String::from_utf8_lossy(a).into_owned())
                     .collect();
-                return Ok((pid, argv));
+                // A record is a claim anyone on the bus can write: the process must be this
+                // very oam serving that agent, or it is not touched.
+                if serves_agent(&argv, agent) && runs_this_executable(pid) {
+                    return Ok((pid, argv));
+                }
+                tracing::warn!(
+                    agent,
+                    pid,
+                    instance = %r.instance_id,
+                    "an instance record names a process that is not this oam serving the agent; \
+                     it is left alone"
+                );
             }
         }
         let mut names: Vec<&str> = local
@@ -750,6 +777,27 @@ mod tests {
             for_ms,
             params: Params::default(),
         }
+    }
+
+    #[test]
+    fn only_oam_agent_serve_of_that_agent_is_a_target() {
+        let argv = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
+        assert!(serves_agent(
+            &argv(&["/x/oam", "agent", "serve", "demo.echo", "--demo", "echo"]),
+            "demo.echo"
+        ));
+        for other in [
+            argv(&["/usr/sbin/sshd", "-D"]),
+            argv(&["/x/oam", "agent", "serve", "demo.other"]),
+            argv(&["/x/oam", "node", "run", "--id", "n1"]),
+            argv(&["bash", "-c", "oam agent serve demo.echo"]),
+            argv(&[]),
+        ] {
+            assert!(!serves_agent(&other, "demo.echo"), "{other:?}");
+        }
+        // A process runs its own executable; pid 1 (init) does not run this one.
+        assert!(runs_this_executable(std::process::id()));
+        assert!(!runs_this_executable(1), "pid 1 runs something else");
     }
 
     #[test]

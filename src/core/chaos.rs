@@ -218,6 +218,27 @@ pub enum NodeCommand {
     Restore { id: String },
 }
 
+impl NodeCommand {
+    /// Whether a node should act on this command at `now_ms`: a fault that would last beyond
+    /// `MAX_FOR` (plus clock skew) is none the warden sent, and `oam chaos restore` could never
+    /// end it.
+    pub fn check(&self, now_ms: u64) -> Result<(), &'static str> {
+        let until_ms = match self {
+            NodeCommand::Isolate { until_ms, .. } | NodeCommand::DrainBudget { until_ms, .. } => {
+                *until_ms
+            }
+            NodeCommand::Restore { .. } => return Ok(()),
+        };
+        let latest = now_ms
+            .saturating_add(MAX_FOR.as_millis() as u64)
+            .saturating_add(super::wire::MAX_SKEW_MS);
+        if until_ms > latest {
+            return Err("a fault lasting beyond the warden's maximum (1 h)");
+        }
+        Ok(())
+    }
+}
+
 /// Parse a duration like `30s`, `500ms`, `2m` or `1.5s` (a bare number is seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
@@ -244,6 +265,29 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_refuse_faults_no_warden_sent() {
+        let now = 1_000_000;
+        let isolate = |until_ms| NodeCommand::Isolate {
+            id: "c1".into(),
+            until_ms,
+        };
+        assert!(isolate(u64::MAX).check(now).is_err(), "forever");
+        assert!(
+            isolate(now + MAX_FOR.as_millis() as u64 + 60_000)
+                .check(now)
+                .is_err()
+        );
+        assert_eq!(isolate(now + 30_000).check(now), Ok(()));
+        let drain = NodeCommand::DrainBudget {
+            id: "c2".into(),
+            agent: "a".into(),
+            until_ms: u64::MAX,
+        };
+        assert!(drain.check(now).is_err());
+        assert_eq!(NodeCommand::Restore { id: "c1".into() }.check(now), Ok(()));
+    }
 
     #[test]
     fn durations_parse_with_units_or_refuse_clearly() {

@@ -342,7 +342,12 @@ impl Node {
                 continue; // cut off: it cannot hear this
             }
             match serde_json::from_slice::<crate::core::chaos::NodeCommand>(&m.payload) {
-                Ok(cmd) => self.chaos(cmd),
+                Ok(cmd) => match cmd.check(now_ms()) {
+                    Ok(()) => self.chaos(cmd),
+                    Err(why) => {
+                        self.forged::<()>("chaos", "?", why);
+                    }
+                },
                 Err(_) => {
                     self.bus.malformed.fetch_add(1, Ordering::Relaxed);
                 }

@@ -487,3 +487,87 @@ async fn an_escalation_record_is_never_overwritten() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("esc-n1-1-0"));
 }
+
+/// Chaos the warden did not send, or would not: a forged instance record naming any process
+/// does not get that process signalled (only `oam agent serve AGENT` of this very oam is), and a
+/// node fault lasting forever published straight to a node is refused and counted.
+#[tokio::test]
+async fn forged_chaos_signals_nothing_and_cannot_last_forever() {
+    let mesh = LocalCluster::up("chaos-forged").await;
+    let nc = oam::transport::connect::connect(&mesh.app_url(), "attacker", false)
+        .await
+        .unwrap();
+    // The victim: any process of this user.
+    let mut victim = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let store = oam::transport::kv::bucket(
+        &nc,
+        oam::transport::subjects::INSTANCES_BUCKET,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let record = json!({"instance_id": "forged1", "agents": ["victim.x"],
+        "connection": "oam-host-forged1", "renewed_at_ms": oam::clock::now_ms(),
+        "pid": victim.id(), "host": oam::mesh::store::hostname()});
+    store
+        .put("forged1", record.to_string().into())
+        .await
+        .unwrap();
+    let out = mesh
+        .oam()
+        .args(["chaos", "kill-agent", "victim.x", "--for", "5s"])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    for sig in ["stop-agent", "kill-agent"] {
+        let _ = mesh
+            .oam()
+            .args(["chaos", sig, "victim.x", "--for", "5s"])
+            .output()
+            .unwrap();
+    }
+    assert!(
+        matches!(process_state(victim.id()), Some('S' | 'R')),
+        "the victim was signalled: {:?}",
+        process_state(victim.id())
+    );
+    let _ = victim.kill();
+    let _ = victim.wait();
+
+    // A partition "until the end of time", straight to n1.
+    let forever = oam::core::chaos::NodeCommand::Isolate {
+        id: "forever".into(),
+        until_ms: u64::MAX,
+    };
+    nc.publish(
+        oam::transport::subjects::chaos_node("n1"),
+        serde_json::to_vec(&forever).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    nc.flush().await.unwrap();
+    let c = http(Duration::from_secs(5));
+    let counted = eventually(Duration::from_secs(10), || async {
+        let s = oam::local::cluster::snapshot(&c, &mesh.node(0)).await?;
+        (s.bus.forged >= 1).then_some(s)
+    })
+    .await
+    .expect("the command was refused and counted");
+    assert_eq!(counted.live_nodes.len(), 3, "{counted:?}");
+    // For longer than a heartbeat lives (3 s), n2 goes on hearing n1: it was never cut off.
+    let until = std::time::Instant::now() + Duration::from_secs(4);
+    while std::time::Instant::now() < until {
+        let s = oam::local::cluster::snapshot(&c, &mesh.node(1))
+            .await
+            .unwrap();
+        assert!(s.live_nodes.iter().any(|n| n == "n1"), "n1 cut off: {s:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
