@@ -723,4 +723,37 @@ min = 1
             .collect();
         assert_eq!(chaos, [2_000]);
     }
+
+    proptest::proptest! {
+        /// Any text as a scenario file is a scenario or an error, never a panic.
+        #[test]
+        fn any_text_is_a_scenario_or_an_error(text in "\\PC{0,400}") {
+            let _ = Scenario::parse(&text);
+        }
+
+        /// The real sections with random values: checked, never a panic.
+        #[test]
+        fn any_values_in_a_scenario_are_checked(
+            rate in proptest::num::f64::ANY,
+            duration in "[0-9a-z.]{0,8}",
+            at in "[0-9a-z.-]{0,8}",
+        ) {
+            let _ = Scenario::parse(&template(rate, &duration, &at));
+        }
+    }
+
+    /// A scenario with these load and chaos values (the rest as in the shipped ones).
+    fn template(rate: f64, duration: &str, at: &str) -> String {
+        format!(
+            "name = \"p\"\ndescription = \"d\"\n[load]\nrate = {rate:?}\nduration = {duration:?}\n\n\
+             [[chaos]]\nat = {at:?}\nfault = \"kill-provider\"\ntarget = \"primary\"\nfor = \"1s\"\n\n\
+             [[expect]]\nmetric = \"success_rate\"\nmin = 0.9\n"
+        )
+    }
+
+    #[test]
+    fn the_fuzzing_template_is_a_scenario_with_sane_values() {
+        let s = Scenario::parse(&template(25.0, "12s", "3s"));
+        assert!(s.is_ok(), "{s:?}");
+    }
 }

@@ -320,4 +320,14 @@ mod tests {
         assert!(matches!(cmd, NodeCommand::DrainBudget { .. }));
         assert!(serde_json::from_str::<Inject>(r#"{"fault": "melt-cpu", "for_ms": 1}"#).is_err());
     }
+
+    proptest::proptest! {
+        /// Any text as a duration is one of at most 24 h, or an error; never a panic.
+        #[test]
+        fn any_text_is_a_bounded_duration_or_an_error(text in "\\PC{0,24}") {
+            if let Ok(d) = parse_duration(&text) {
+                proptest::prop_assert!(d <= Duration::from_secs(24 * 3_600));
+            }
+        }
+    }
 }

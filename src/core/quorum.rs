@@ -618,6 +618,41 @@ mod tests {
     }
 
     proptest! {
+        /// Any gossip (invented ids, extreme stamps and numbers) leaves the cluster its size:
+        /// no more members than n, n unchanged, and a view that never panics.
+        #[test]
+        fn any_gossip_keeps_the_cluster_its_size(
+            size in 1usize..6,
+            gossip in prop::collection::vec(
+                (0u8..20, any::<u64>(), arb_verdict(), -1e300f64..1e300, any::<u64>(), any::<bool>()),
+                1..100,
+            ),
+            now in 0u64..u64::MAX / 2,
+        ) {
+            let mut c = Cluster::new("n0", size);
+            for (node, at_ms, verdict, availability, p95_ms, beat) in gossip {
+                let id = format!("n{node}");
+                if beat {
+                    c.heartbeat(&id, now);
+                }
+                let o = Observation {
+                    node: id,
+                    provider: "p".into(),
+                    at_ms,
+                    verdict,
+                    availability,
+                    contract_failure_pct: availability,
+                    p95_ms,
+                    samples: 1,
+                };
+                let _ = c.gossiped(o, now);
+                prop_assert!(c.members.keys().filter(|k| **k != c.self_id).count() < size.max(1));
+            }
+            let v = c.view("p", now);
+            prop_assert_eq!(c.effective_size(now), size);
+            prop_assert!(v.votes <= size && v.voters <= size);
+        }
+
         /// Quorum never counts a dead node: whatever a dead node says cannot change the view,
         /// and the votes never exceed the live, fresh voters.
         #[test]

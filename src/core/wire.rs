@@ -276,6 +276,40 @@ mod tests {
             Arrival::Fresh
         );
     }
+
+    proptest::proptest! {
+        /// Whatever arrives (any stamps, any senders, in any order), the sequencer neither
+        /// panics nor keeps more than `INCARNATIONS_KEPT` incarnations per sender and stream,
+        /// and never takes a stamp from beyond the skew.
+        #[test]
+        fn any_arrivals_stay_bounded_and_never_panic(
+            events in proptest::collection::vec(
+                (0u8..4, proptest::num::u64::ANY, proptest::num::u64::ANY, proptest::num::u64::ANY),
+                1..200,
+            ),
+            start in 0u64..u64::MAX / 2,
+        ) {
+            let mut seq = Sequencer::default();
+            for (i, (sender, incarnation, n, at_ms)) in events.into_iter().enumerate() {
+                let now = start + i as u64 * 10;
+                let e = Envelope {
+                    id: String::new(),
+                    sender: format!("n{sender}"),
+                    at_ms,
+                    incarnation,
+                    seq: n,
+                    body: (),
+                };
+                let arrival = seq.accept("hb", &e, now);
+                if incarnation > now + MAX_SKEW_MS || at_ms > now + MAX_SKEW_MS {
+                    proptest::prop_assert!(matches!(arrival, Arrival::Forged(_)));
+                }
+            }
+            for kept in seq.last.values() {
+                proptest::prop_assert!(kept.len() <= INCARNATIONS_KEPT);
+            }
+        }
+    }
 }
 
 /// What one node sees, now: `GET /v1/oam/state`, and `oam.v1.state.{node}` every heartbeat.

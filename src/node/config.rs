@@ -310,4 +310,37 @@ limit_usd = 5.0
             }
         }
     }
+
+    proptest::proptest! {
+        /// Any text as `oam.toml` is a config or an error naming the file, never a panic.
+        #[test]
+        fn any_text_is_a_config_or_an_error(text in "\\PC{0,400}") {
+            if let Err(e) = NodeConfig::parse("oam.toml", &text, "http://sim") {
+                proptest::prop_assert!(e.contains("oam.toml"), "{e}");
+            }
+        }
+
+        /// TOML-shaped input with the real sections and keys, and random values.
+        #[test]
+        fn any_values_in_real_keys_are_checked(
+            size in proptest::num::i64::ANY,
+            members in "[a-z0-9 .*>]{0,12}",
+            timeout in proptest::num::i64::ANY,
+        ) {
+            let _ = NodeConfig::parse("oam.toml", &template(size, &members, timeout), "http://sim");
+        }
+    }
+
+    fn template(size: i64, member: &str, timeout: i64) -> String {
+        format!(
+            "[node]\ncluster_size = {size}\nmembers = [{member:?}]\nheader_timeout_ms = {timeout}\n"
+        )
+    }
+
+    #[test]
+    fn the_fuzzing_template_is_a_config_with_sane_values() {
+        let cfg = NodeConfig::parse("oam.toml", &template(3, "n1", 1_000), "http://sim").unwrap();
+        assert_eq!(cfg.node.members, ["n1"]);
+        assert_eq!(cfg.node.header_timeout_ms, 1_000);
+    }
 }
