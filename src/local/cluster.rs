@@ -233,12 +233,18 @@ async fn start_all(
         cmdline_marker: layout.config_path().display().to_string(),
         args: Vec::new(),
     });
-    let creds_doc = serde_json::json!({
+    // What agents and tools are given (the application account) and what only the monitor
+    // needs (the system account, which can kick any connection) live in separate files.
+    let app_doc = serde_json::json!({
         "app_url": natsd::app_url(port, &creds),
+        "credentials": {"app_user": creds.app_user, "app_password": creds.app_password},
+    });
+    super::write_private(&dir.join(super::CREDENTIALS), &format!("{app_doc:#}\n"))?;
+    let sys_doc = serde_json::json!({
         "sys_url": natsd::sys_url(port, &creds),
         "credentials": creds,
     });
-    super::write_private(&dir.join(super::CREDENTIALS), &format!("{creds_doc:#}\n"))?;
+    super::write_private(&dir.join(super::SYSTEM), &format!("{sys_doc:#}\n"))?;
 
     let strings = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
     let sim = Spec {
@@ -370,11 +376,14 @@ pub async fn snapshot(http: &reqwest::Client, url: &str) -> Option<NodeSnapshot>
         .ok()
 }
 
-/// The credentials a folder's earlier cluster used, if it recorded readable ones.
+/// The credentials a folder's earlier cluster used, if it recorded readable ones (all of them
+/// are in `system.json`; a folder from before it had them in `credentials.json`).
 fn kept_credentials(dir: &Path) -> Option<natsd::Credentials> {
-    let text = std::fs::read_to_string(dir.join(super::CREDENTIALS)).ok()?;
-    let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
-    serde_json::from_value(doc.get("credentials")?.clone()).ok()
+    [super::SYSTEM, super::CREDENTIALS].iter().find_map(|file| {
+        let text = std::fs::read_to_string(dir.join(file)).ok()?;
+        let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
+        serde_json::from_value(doc.get("credentials")?.clone()).ok()
+    })
 }
 
 /// How many nodes the node at `url` sees alive (`None`: it does not answer).

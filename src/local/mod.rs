@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 pub const RECORD: &str = "mesh.json";
 pub const CREDENTIALS: &str = "credentials.json";
+/// The system account's URL and every password (mode 0600): for the monitor and `oam mesh up`
+/// only, never handed to agents or tools.
+pub const SYSTEM: &str = "system.json";
 
 /// One process oam started.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
@@ -135,11 +138,14 @@ impl Record {
     }
 }
 
-/// A URL recorded in the state folder's `credentials.json` (`app_url` or `sys_url`), if any.
+/// A URL recorded in the state folder: `app_url` (in `credentials.json`) or `sys_url` (in
+/// `system.json`), if any.
 pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
-    let text = std::fs::read_to_string(dir.join(CREDENTIALS)).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    v[key].as_str().map(String::from)
+    [CREDENTIALS, SYSTEM].iter().find_map(|file| {
+        let text = std::fs::read_to_string(dir.join(file)).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        v[key].as_str().map(String::from)
+    })
 }
 
 /// The NATS URL of the mesh a command talks to, and where it came from. Flags before the

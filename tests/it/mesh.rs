@@ -68,13 +68,23 @@ async fn up_status_request_down() {
     let nodes = up["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 3);
 
-    // Credentials are private to the owner.
+    // Credentials are private to the owner, and the system account's (which can kick any
+    // connection) is not in the file agents and tools are given.
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(dir.0.join("credentials.json"))
-        .unwrap()
-        .permissions()
-        .mode();
-    assert_eq!(mode & 0o777, 0o600);
+    for file in ["credentials.json", "system.json"] {
+        let mode = std::fs::metadata(dir.0.join(file))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{file}");
+    }
+    let given = std::fs::read_to_string(dir.0.join("credentials.json")).unwrap();
+    let system = json(&std::fs::read(dir.0.join("system.json")).unwrap());
+    let sys_password = system["credentials"]["sys_password"].as_str().unwrap();
+    assert!(
+        !given.contains(sys_password) && !given.contains("sys_url"),
+        "{given}"
+    );
 
     // Twice: already up, and where.
     oam()
@@ -321,8 +331,9 @@ use predicates::prelude::PredicateBooleanExt as _;
 #[tokio::test]
 async fn credentials_survive_down_and_up_unless_renewed() {
     let dir = crate::support::MeshDir::new("creds");
+    // Every password is in system.json (agents get credentials.json, application only).
     let creds = || -> Value {
-        json(&std::fs::read(dir.0.join("credentials.json")).unwrap())["credentials"].clone()
+        json(&std::fs::read(dir.0.join("system.json")).unwrap())["credentials"].clone()
     };
     let up = |extra: &[&str]| {
         oam()
@@ -359,6 +370,8 @@ async fn credentials_survive_down_and_up_unless_renewed() {
     down();
     up(&[]);
     assert_eq!(creds(), first, "the same passwords after down and up");
+    let given = json(&std::fs::read(dir.0.join("credentials.json")).unwrap());
+    assert_eq!(given["credentials"]["app_password"], first["app_password"]);
     down();
     up(&["--new-credentials"]);
     let renewed = creds();
