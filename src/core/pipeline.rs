@@ -554,6 +554,9 @@ impl Engine {
     }
 
     fn proceed(&mut self, s: &mut Session, now_ms: u64) -> Step {
+        if s.request.agent == crate::core::request::ANONYMOUS {
+            return self.route(s, now_ms, None);
+        }
         match loops::check(
             &mut self.state.loops,
             s.fingerprint,
@@ -931,7 +934,8 @@ impl Engine {
     fn finish_failure(&mut self, s: &mut Session, phase: Phase, now_ms: u64) -> Step {
         let mut phase = phase;
         let mut incident = None;
-        if !matches!(phase, Phase::Admission | Phase::Loop) {
+        let anonymous = s.request.agent == crate::core::request::ANONYMOUS;
+        if !anonymous && !matches!(phase, Phase::Admission | Phase::Loop) {
             incident = loops::on_failure(
                 &mut self.state.loops,
                 s.fingerprint,

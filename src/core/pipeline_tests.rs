@@ -317,6 +317,23 @@ fn escalation_ids_are_oams_own_so_a_reused_request_id_gets_a_new_one() {
 }
 
 #[test]
+fn callers_who_do_not_say_who_they_are_are_never_one_looping_agent() {
+    // Independent clients repeating the same failing request, none naming an agent: each gets
+    // its own answer, never RUNAWAY_RETRY_STOPPED for what the others did.
+    let mut e = engine();
+    e.config.max_attempts.low = 1;
+    // Four: the fifth failure would open the primary's breaker, which is another story.
+    for i in 0..4u64 {
+        let mut r = req("same");
+        r.agent = crate::core::request::ANONYMOUS.into();
+        let d = run_at(&mut e, r, T0 + i * 100, &[("primary", err())]);
+        assert_eq!(d.phase, Phase::Generation, "{:?}", d.reason_codes);
+        assert!(!has(&d, ReasonCode::AgentLoopDetected));
+        assert!(!has(&d, ReasonCode::RunawayRetryStopped));
+    }
+}
+
+#[test]
 fn a_loop_trips_once_escalates_once_and_refuses_fast() {
     let mut e = engine();
     e.config.max_attempts.low = 1;

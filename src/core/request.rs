@@ -89,6 +89,11 @@ impl Default for Policy {
     }
 }
 
+/// The agent name of a caller that did not say who it is (`oam.agent`, `X-OAM-Agent`). Such
+/// callers are not one agent: loop detection, which counts one caller's identical failing calls,
+/// never lumps them together.
+pub const ANONYMOUS: &str = "anonymous";
+
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
 pub struct Request {

