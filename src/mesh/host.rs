@@ -433,20 +433,41 @@ pub async fn serve(
             let mut beat = tokio::time::interval(heartbeat_every);
             let stats = me.nats.statistics();
             let mut connects_seen = stats.connects.load(Ordering::Relaxed);
+            // A monitor that declares this instance dead (it was frozen past the heartbeat
+            // verdict, say) says so here; alive after all, it registers again at once, so the
+            // catalog has it back and a later death is announced again.
+            let mut declared_dead = me
+                .nats
+                .subscribe(subjects::instance_death(&me.id))
+                .await
+                .ok();
+            let mut revived = false;
             loop {
-                beat.tick().await;
+                tokio::select! {
+                    _ = beat.tick() => {}
+                    Some(_) = async {
+                        match declared_dead.as_mut() {
+                            Some(s) => s.next().await,
+                            None => std::future::pending().await,
+                        }
+                    } => {
+                        revived = true;
+                        tracing::warn!(agent = %me.entry.name, instance = %me.id, "declared dead while alive (frozen?); registering again");
+                    }
+                }
                 if me.nats.connection_state() != async_nats::connection::State::Connected {
                     continue;
                 }
                 let connects = stats.connects.load(Ordering::Relaxed);
-                if connects != connects_seen {
-                    // Back after a network blip: the server (and its KV state) may be new, or a
-                    // monitor may have declared us dead meanwhile. Register again.
+                if connects != connects_seen || revived {
+                    // Back after a network blip or a freeze: the server (and its KV state) may
+                    // be new, or a monitor declared us dead meanwhile. Register again.
                     store::clear_tombstone(&me.nats, &me.id).await;
                     match store::register(&me.nats, &me.entry, &me.id).await {
                         Ok(()) => {
                             connects_seen = connects;
-                            tracing::info!(agent = %me.entry.name, instance = %me.id, "re-registered after reconnecting");
+                            revived = false;
+                            tracing::info!(agent = %me.entry.name, instance = %me.id, "registered again");
                         }
                         Err(e) => {
                             tracing::warn!("re-registration failed, retrying: {e:#}");

@@ -156,7 +156,13 @@ impl Monitor {
     ) {
         self.seen.remove(instance_id);
         if !store::claim_tombstone(&self.app, instance_id).await {
-            return; // another monitor (or an earlier run) announced it
+            // Another monitor (or an earlier run) announced it; said, not skipped silently.
+            tracing::info!(
+                instance_id,
+                reason = reason.as_str(),
+                "death already announced (its tombstone exists); not announced again"
+            );
+            return;
         }
         let detected_at = store::rfc3339_now();
         let detected_at_ms = crate::clock::now_ms();

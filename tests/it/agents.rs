@@ -1049,3 +1049,68 @@ async fn a_corrupt_catalog_is_reported_not_shown_empty() {
         "{stderr}"
     );
 }
+
+/// An instance frozen past the heartbeat verdict and then revived registers again at once (it
+/// hears its own death notice), so it is back in the catalog and its later death is announced:
+/// a caller holding a request on it fails with `agent_died` in milliseconds, not at its timeout.
+#[tokio::test]
+async fn a_revived_instance_registers_again_and_its_next_death_is_announced() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.demo.revived").await.unwrap();
+    nc.flush().await.unwrap();
+    let mut agent = serve(&url, "demo.revived", "sleep:20000", &[]);
+    beat_of(&nc, "demo.revived", |_| true).await;
+    let signal = |sig: &str, pid: u32| {
+        std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap();
+    };
+    signal("-STOP", agent.pid());
+    let notice = next_json(&mut deaths, Duration::from_secs(10)).await;
+    signal("-CONT", agent.pid());
+    assert_eq!(
+        notice.expect("declared dead while frozen")["reason"],
+        "missed_heartbeats"
+    );
+    // Back in the catalog, alive.
+    let listed = crate::support::eventually(Duration::from_secs(10), || async {
+        let out = oam(&url).args(["agent", "list", "--json"]).output().ok()?;
+        let v: Vec<Value> = serde_json::from_slice(&out.stdout).ok()?;
+        v.iter()
+            .any(|e| e["name"] == "demo.revived" && e["instances_alive"] == 1)
+            .then_some(())
+    })
+    .await;
+    assert!(listed.is_some(), "the revived instance is listed again");
+    // Its next death, mid-call, is announced at once.
+    let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(nc.clone()).await.unwrap());
+    let c = caller.clone();
+    let pending = tokio::spawn(async move {
+        c.call("demo.revived", "{}".into(), Duration::from_secs(30))
+            .await
+    });
+    beat_of(&nc, "demo.revived", |b| b["in_flight"].as_u64() >= Some(1)).await;
+    let killed = Instant::now();
+    agent.kill();
+    let result = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .expect("the call ended")
+        .unwrap();
+    let err = result.expect_err("the request died with its instance");
+    assert_eq!(err.code, oam::mesh::protocol::ErrorCode::AgentDied, "{err}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        killed.elapsed()
+    );
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the second death is announced");
+    assert_eq!(notice["reason"], "disconnect");
+}
