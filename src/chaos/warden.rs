@@ -91,20 +91,41 @@ struct Plan {
     action: Action,
 }
 
-/// Whether the command line `argv` is `oam agent serve AGENT ...` (whatever the executable is
-/// called; `runs_this_executable` checks which it is): the only kind of process the warden
-/// signals for an agent fault.
+/// Whether the command line `argv` is `oam agent [FLAGS] serve [FLAGS] AGENT ...` (whatever
+/// the executable is called; `runs_this_executable` checks which it is): the only kind of
+/// process the warden signals for an agent fault. AGENT is the one argument after `serve` that
+/// is neither a flag nor a flag's value.
 fn serves_agent(argv: &[String], agent: &str) -> bool {
-    argv.get(1).is_some_and(|a| a == "agent")
-        && argv.get(2).is_some_and(|a| a == "serve")
-        && argv.get(3).is_some_and(|a| a == agent)
+    if argv.get(1).is_none_or(|a| a != "agent") {
+        return false;
+    }
+    let Some(serve) = argv.iter().skip(2).position(|a| a == "serve") else {
+        return false;
+    };
+    let rest = &argv[serve + 3..];
+    // `agent serve` flags that take no value; every other `--flag` takes the next argument.
+    let switch = |a: &str| a == "--json" || a.starts_with("--") && a.contains('=');
+    let mut positional = Vec::new();
+    let mut i = 0;
+    while i < rest.len() {
+        let a = rest[i].as_str();
+        if a.starts_with('-') {
+            i += if switch(a) { 1 } else { 2 };
+        } else {
+            positional.push(a);
+            i += 1;
+        }
+    }
+    positional.first() == Some(&agent)
 }
 
-/// Whether process `pid` runs the executable this warden runs (its `/proc/PID/exe`).
+/// Whether process `pid` runs the executable this warden runs: the same file (device and
+/// inode of `/proc/PID/exe`), even when the binary was replaced on disk since.
 fn runs_this_executable(pid: u32) -> bool {
-    let theirs = std::fs::canonicalize(format!("/proc/{pid}/exe"));
-    let ours = std::env::current_exe().and_then(std::fs::canonicalize);
-    matches!((theirs, ours), (Ok(a), Ok(b)) if a == b)
+    use std::os::unix::fs::MetadataExt;
+    let theirs = std::fs::metadata(format!("/proc/{pid}/exe"));
+    let ours = std::fs::metadata("/proc/self/exe");
+    matches!((theirs, ours), (Ok(a), Ok(b)) if (a.dev(), a.ino()) == (b.dev(), b.ino()))
 }
 
 /// Check `req` against the bounds and what is `active`, resolve its target and settings: pure,
@@ -782,15 +803,28 @@ mod tests {
     #[test]
     fn only_oam_agent_serve_of_that_agent_is_a_target() {
         let argv = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
-        assert!(serves_agent(
-            &argv(&["/x/oam", "agent", "serve", "demo.echo", "--demo", "echo"]),
-            "demo.echo"
-        ));
+        for ok in [
+            argv(&["/x/oam", "agent", "serve", "demo.echo", "--demo", "echo"]),
+            argv(&["oam", "agent", "--dir", "/m", "serve", "demo.echo"]),
+            argv(&[
+                "oam",
+                "agent",
+                "serve",
+                "--demo",
+                "echo",
+                "--json",
+                "demo.echo",
+            ]),
+            argv(&["oam", "agent", "serve", "--replicas=2", "demo.echo"]),
+        ] {
+            assert!(serves_agent(&ok, "demo.echo"), "{ok:?}");
+        }
         for other in [
             argv(&["/usr/sbin/sshd", "-D"]),
             argv(&["/x/oam", "agent", "serve", "demo.other"]),
             argv(&["/x/oam", "node", "run", "--id", "n1"]),
             argv(&["bash", "-c", "oam agent serve demo.echo"]),
+            argv(&["oam", "agent", "serve", "--demo", "demo.echo", "other"]),
             argv(&[]),
         ] {
             assert!(!serves_agent(&other, "demo.echo"), "{other:?}");

@@ -811,12 +811,16 @@ impl Engine {
             GenerationStatus::Rejected => {
                 // The caller's doing: no breaker failure and (below) no health sample.
                 codes.push(ReasonCode::ProviderRejectedRequest);
-                breaker.release_probe();
+                if p.probe {
+                    breaker.release_probe();
+                }
                 (Outcome::Error, Some(Phase::Generation), None)
             }
             GenerationStatus::RateLimited => {
                 codes.push(ReasonCode::RateLimited);
-                breaker.release_probe();
+                if p.probe {
+                    breaker.release_probe();
+                }
                 let until_ms = now_ms
                     + g.retry_after_ms
                         .unwrap_or(self.config.default_retry_after_ms);

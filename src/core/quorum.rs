@@ -17,6 +17,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 pub const DEFAULT_HEARTBEAT_TTL_MS: u64 = 3_000;
 pub const DEFAULT_OBSERVATION_TTL_MS: u64 = 5_000;
+/// Without a roster, a member silent this long gives up its seat to a new id (a node replaced
+/// under another name); long enough that no outage of a real member lets others take it.
+pub const SEAT_KEPT_MS: u64 = 60_000;
 
 /// One node's view of one provider, as gossiped.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
@@ -119,10 +122,11 @@ impl Cluster {
         c
     }
 
-    /// May `node` speak here? With a roster, only its members; without one, the first `size`
-    /// ids heard (this node included) and no others. Admitting a node makes it a member (not
-    /// alive until it beats).
-    pub fn admit(&mut self, node: &str) -> bool {
+    /// May `node` speak here at `now_ms`? With a roster, only its members; without one, the
+    /// first `size` ids heard (this node included): a seat is given up only by a member silent
+    /// for `SEAT_KEPT_MS` (a node replaced under a new id), never to whoever speaks most.
+    /// Admitting a node makes it a member (not alive until it beats).
+    pub fn admit(&mut self, node: &str, now_ms: u64) -> bool {
         if node == self.self_id || self.members.contains_key(node) {
             return true;
         }
@@ -134,7 +138,7 @@ impl Cluster {
                     .keys()
                     .filter(|id| **id != self.self_id)
                     .count();
-                others + 1 < self.size
+                others + 1 < self.size || self.free_a_seat(now_ms)
             }
         };
         if room {
@@ -149,10 +153,30 @@ impl Cluster {
         room
     }
 
+    /// Give up the seat of the member silent longest, if it has been silent `SEAT_KEPT_MS`.
+    fn free_a_seat(&mut self, now_ms: u64) -> bool {
+        let gone = self
+            .members
+            .iter()
+            .filter(|(id, m)| {
+                **id != self.self_id && now_ms.saturating_sub(m.last_heartbeat_ms) > SEAT_KEPT_MS
+            })
+            .min_by_key(|(_, m)| m.last_heartbeat_ms)
+            .map(|(id, _)| id.clone());
+        let Some(id) = gone else {
+            return false;
+        };
+        self.members.remove(&id);
+        for per_node in self.observations.values_mut() {
+            per_node.remove(&id);
+        }
+        true
+    }
+
     /// A heartbeat from `node` at `now_ms` (ignored if older than one already seen). False when
     /// `node` is not admitted (see `admit`).
     pub fn heartbeat(&mut self, node: &str, now_ms: u64) -> bool {
-        if !self.admit(node) {
+        if !self.admit(node, now_ms) {
             return false;
         }
         let m = self.members.entry(node.to_string()).or_insert(Member {
@@ -173,7 +197,7 @@ impl Cluster {
         if obs.at_ms > now_ms.saturating_add(MAX_SKEW_MS) {
             return Arrival::Forged("observation stamped in the future");
         }
-        if !self.admit(&obs.node) {
+        if !self.admit(&obs.node, now_ms) {
             return Arrival::Forged("observation from a node outside the cluster");
         }
         if self.observe(obs) {
@@ -193,7 +217,8 @@ impl Cluster {
     /// Keep the newest observation per (node, provider); older or duplicate ones, and those of
     /// nodes not admitted, are ignored. Returns whether it was applied.
     pub fn observe(&mut self, obs: Observation) -> bool {
-        if !self.admit(&obs.node) {
+        // No clock here: a seat is not freed for an observation alone.
+        if !self.admit(&obs.node, 0) {
             return false;
         }
         let per_node = self.observations.entry(obs.provider.clone()).or_default();
@@ -547,6 +572,24 @@ mod tests {
         assert_eq!(c.members.len(), 3, "no memory for invented ids");
         let v = c.view("p", 0);
         assert!(v.quorum && v.verdict == Verdict::Healthy, "{v:?}");
+    }
+
+    #[test]
+    fn a_seat_is_given_up_only_by_a_member_long_silent() {
+        let mut c = Cluster::new("n1", 3);
+        assert!(c.heartbeat("n2", 0) && c.heartbeat("n3", 0));
+        assert!(
+            !c.heartbeat("n4", SEAT_KEPT_MS),
+            "n2 and n3 were heard just now"
+        );
+        assert!(c.heartbeat("n2", SEAT_KEPT_MS));
+        // n3 silent past the limit: a replacement under a new id takes its seat, not n2's.
+        assert!(c.heartbeat("n4", SEAT_KEPT_MS + 1));
+        assert_eq!(
+            c.members.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["n2", "n4"]
+        );
+        assert_eq!(c.effective_size(SEAT_KEPT_MS + 1), 3);
     }
 
     #[test]

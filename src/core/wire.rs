@@ -98,18 +98,27 @@ struct Last {
     at_ms: u64,
 }
 
+/// Whether `e`, arriving at `now_ms`, carries stamps an honest sender can send: neither its
+/// incarnation (a start time) nor its time beyond `MAX_SKEW_MS` in the future.
+pub fn plausible<T>(e: &Envelope<T>, now_ms: u64) -> Result<(), &'static str> {
+    let horizon = now_ms.saturating_add(MAX_SKEW_MS);
+    if e.incarnation > horizon {
+        return Err("incarnation in the future");
+    }
+    if e.at_ms > horizon {
+        return Err("stamped in the future");
+    }
+    Ok(())
+}
+
 impl Sequencer {
     /// What to do with event `e` arriving at `now_ms` (this node's clock). `stream` separates
     /// kinds (heartbeats and observations from one sender have their own orders only if stamped
     /// separately; passing the kind keeps a shared stamper correct too). Order is kept within an
     /// incarnation; a new incarnation (a restart) is always accepted and never silences another.
     pub fn accept<T>(&mut self, stream: &'static str, e: &Envelope<T>, now_ms: u64) -> Arrival {
-        let horizon = now_ms.saturating_add(MAX_SKEW_MS);
-        if e.incarnation > horizon {
-            return Arrival::Forged("incarnation in the future");
-        }
-        if e.at_ms > horizon {
-            return Arrival::Forged("stamped in the future");
+        if let Err(why) = plausible(e, now_ms) {
+            return Arrival::Forged(why);
         }
         let kept = self.last.entry((e.sender.clone(), stream)).or_default();
         match kept.iter_mut().find(|l| l.incarnation == e.incarnation) {

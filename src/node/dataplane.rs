@@ -327,9 +327,9 @@ pub fn status_for(d: &Decision) -> StatusCode {
         Phase::Loop => StatusCode::TOO_MANY_REQUESTS,
         Phase::Budget | Phase::Cost => StatusCode::PAYMENT_REQUIRED,
         Phase::Semantic | Phase::Quality => StatusCode::UNPROCESSABLE_ENTITY,
-        Phase::Generation if timed_out => StatusCode::GATEWAY_TIMEOUT,
-        // The provider refused the request itself: the caller should fix it.
+        // The provider refused the request itself (its last attempt): the caller should fix it.
         Phase::Generation if rejected => StatusCode::BAD_REQUEST,
+        Phase::Generation if timed_out => StatusCode::GATEWAY_TIMEOUT,
         Phase::Generation => StatusCode::BAD_GATEWAY,
         Phase::Routing | Phase::Breaker => StatusCode::SERVICE_UNAVAILABLE,
         Phase::Retry | Phase::Escalation => StatusCode::SERVICE_UNAVAILABLE,

@@ -515,17 +515,17 @@ impl Node {
         }
     }
 
-    /// Decode an envelope, counting what cannot be applied.
     /// A peer's gossip event, if it is one to apply: it parses, it came on its sender's own
     /// subject (`oam.v1.{kind}.{sender}`, which only that node may publish on once the server
-    /// enforces roles), its sender is admitted to the cluster, and it is newer than what was
-    /// applied from that sender without being forged (see `Sequencer`). Everything else is
-    /// counted: malformed, duplicate or stale, forged.
+    /// enforces roles), its stamps are plausible, its sender is admitted to the cluster, and
+    /// (when `ordered`) it is newer than what was applied from that sender (see `Sequencer`).
+    /// Everything else is counted: malformed, duplicate or stale, forged.
     fn decode<T: DeserializeOwned>(
         &self,
         stream: &'static str,
         m: &async_nats::Message,
         now_ms: u64,
+        ordered: bool,
     ) -> Option<Envelope<T>> {
         let env: Envelope<T> = match serde_json::from_slice(&m.payload) {
             Ok(e) => e,
@@ -538,8 +538,15 @@ impl Node {
         if m.subject.rsplit('.').next() != Some(env.sender.as_str()) {
             return self.forged(stream, &env.sender, "sent on another node's subject");
         }
-        if env.sender != self.id && !self.engine().state.cluster.admit(&env.sender) {
+        if let Err(why) = crate::core::wire::plausible(&env, now_ms) {
+            return self.forged(stream, &env.sender, why);
+        }
+        // Only what passed every other check may take one of the cluster's seats.
+        if env.sender != self.id && !self.engine().state.cluster.admit(&env.sender, now_ms) {
             return self.forged(stream, &env.sender, "not a member of this cluster");
+        }
+        if !ordered {
+            return Some(env);
         }
         match lock(&self.sequencer).accept(stream, &env, now_ms) {
             Arrival::Fresh => Some(env),
@@ -616,7 +623,10 @@ impl Node {
             tokio::select! {
                 Some(m) = hb.next() => {
                     let now = now_ms();
-                    if let Some(env) = self.decode::<Heartbeat>("heartbeat", &m, now) {
+                    // Heartbeats and observations are not sequenced: a heartbeat only says "alive
+                    // now" and observations are ordered by their own stamps, so no forged
+                    // sequence number can shut a real node out of either.
+                    if let Some(env) = self.decode::<Heartbeat>("heartbeat", &m, now, false) {
                         if env.body.node != env.sender {
                             self.forged::<()>("heartbeat", &env.sender, "speaks for another node");
                             continue;
@@ -627,7 +637,7 @@ impl Node {
                 }
                 Some(m) = obs.next() => {
                     let now = now_ms();
-                    if let Some(env) = self.decode::<Observations>("observations", &m, now) {
+                    if let Some(env) = self.decode::<Observations>("observations", &m, now, false) {
                         if env.sender == self.id {
                             continue; // applied locally already
                         }
@@ -658,7 +668,7 @@ impl Node {
                     }
                 }
                 Some(m) = bye.next() => {
-                    if let Some(env) = self.decode::<Goodbye>("goodbye", &m, now_ms())
+                    if let Some(env) = self.decode::<Goodbye>("goodbye", &m, now_ms(), true)
                         && env.body.node == env.sender
                     {
                         self.engine().state.cluster.disconnect(&env.sender);

@@ -464,8 +464,10 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let breakers_width = app
         .nodes
         .keys()
-        .map(|k| k.chars().count() as u16 + 2)
-        .sum::<u16>()
+        .fold(0u16, |w, k| {
+            w.saturating_add(u16::try_from(k.chars().count()).unwrap_or(u16::MAX))
+                .saturating_add(2)
+        })
         .saturating_sub(1);
     let cols = [
         col("provider", id_width.clamp(8, 14) as u16, 0),

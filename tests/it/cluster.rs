@@ -409,18 +409,19 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
             "oam.v1.goodbye.n8",
             "{\"id\":\"g5\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n8\"}}",
         ),
-        // A heartbeat of n3's applied once; its replay and an older one are ignored and counted.
+        // A goodbye of n3's applied once (n3 counts again at its next heartbeat); its replay and
+        // an older one are ignored and counted.
         (
-            "oam.v1.heartbeat.n3",
-            "{\"id\":\"h5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
+            "oam.v1.goodbye.n3",
+            "{\"id\":\"g5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
         ),
         (
-            "oam.v1.heartbeat.n3",
-            "{\"id\":\"h5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
+            "oam.v1.goodbye.n3",
+            "{\"id\":\"g5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
         ),
         (
-            "oam.v1.heartbeat.n3",
-            "{\"id\":\"h4\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":4,\"body\":{\"node\":\"n3\"}}",
+            "oam.v1.goodbye.n3",
+            "{\"id\":\"g4\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":4,\"body\":{\"node\":\"n3\"}}",
         ),
     ] {
         nc.publish(subject, payload.into()).await.unwrap();
