@@ -923,6 +923,7 @@ async fn forged_gossip_cannot_split_grow_or_outvote_the_cluster() {
 /// the idle ones ahead of it are gone.
 #[tokio::test]
 async fn idle_connections_cannot_make_a_node_unreachable() {
+    crate::support::allow_open_files(4_096);
     let nats = NatsServer::start().await;
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();

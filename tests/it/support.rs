@@ -21,12 +21,14 @@ impl Proc {
         Proc::spawn_command(cmd, args)
     }
 
-    /// Start `oam ARGS...` with at most `files` open files (`ulimit -n`), as a constrained host
-    /// would run it.
+    /// Start `oam ARGS...` with at most `files` open files (the soft `ulimit -n`, lower still if
+    /// the hard limit is), as a constrained host would run it.
     pub fn spawn_with_file_limit(files: u32, args: &[&str]) -> Proc {
         let mut cmd = Command::new("bash");
         cmd.arg("-c")
-            .arg(format!("ulimit -n {files} && exec \"$0\" \"$@\""))
+            .arg(format!(
+                "ulimit -S -n {files} 2>/dev/null || ulimit -S -n \"$(ulimit -H -n)\"; exec \"$0\" \"$@\""
+            ))
             .arg(assert_cmd::cargo::cargo_bin!("oam"))
             .args(args);
         Proc::spawn_command(cmd, args)
@@ -63,6 +65,22 @@ impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Let this test process open up to `files` files (the soft limit raised towards the hard one):
+/// a test that opens many sockets must not fail for a default soft limit of 1,024.
+pub fn allow_open_files(files: u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct we pass, nothing else.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < files {
+            lim.rlim_cur = files.min(lim.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
     }
 }
 
