@@ -34,6 +34,8 @@ pub enum Command {
     Listen(cmd::listen::Args),
     /// Inject a failure that restores itself: `oam chaos kill-provider primary --for 30s`.
     Chaos(cmd::chaos::Args),
+    /// The mesh's NATS users, one per role: `oam creds issue --role agent --name X`.
+    Creds(cmd::creds::Args),
     /// What waits for a human: `oam escalation list`, `oam escalation resolve ID --note ...`.
     Escalation(cmd::escalation::Args),
     /// The whole story in one command: a local mesh, the headline failure scenarios with
@@ -108,6 +110,7 @@ async fn dispatch(cli: Cli) -> Result<Outcome> {
         Command::Agent(args) => cmd::agent::run(args).await,
         Command::Listen(args) => cmd::listen::run(args).await.map(done),
         Command::Chaos(args) => cmd::chaos::run(args).await.map(done),
+        Command::Creds(args) => cmd::creds::run(args).await.map(done),
         Command::Escalation(args) => cmd::escalation::run(args).await.map(done),
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await.map(done),

@@ -157,7 +157,8 @@ pub async fn run(
                 ),
             )
         })?;
-    let app_url = local::find_mesh(None, Some(dir))
+    // A scenario is the mesh owner's: it starts agents, injects chaos and reads every record.
+    let app_url = local::find_mesh(None, Some(dir), &local::roles::Role::Admin)
         .map(|(url, _)| url)
         .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
     let nats = crate::transport::connect::reach(&app_url, "oam-bench-scenario", false).await?;

@@ -578,7 +578,8 @@ impl Warden {
             }
             Undo::RestartNode { name } => self.restart_node(name).await,
             Undo::RestartAgent { agent, args } => {
-                let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
+                let url = self.url_for(&local::roles::Role::Agent(agent.clone()));
+                let env = [(crate::transport::connect::ENV_URL, url)];
                 let log_name = format!("agent-{agent}");
                 let exe = local::oam_exe();
                 match exe.and_then(|exe| local::spawn_oam(&exe, &self.dir, &log_name, args, &env)) {
@@ -608,6 +609,13 @@ impl Warden {
         }
     }
 
+    /// The NATS URL a process of `role` is started with again: its credentials file in the
+    /// mesh folder, else the URL the warden itself was given.
+    fn url_for(&self, role: &local::roles::Role) -> String {
+        local::read_role_file(&local::role_path(&self.dir, &role.user()))
+            .map_or_else(|_| self.app_url.clone(), |f| f.url)
+    }
+
     async fn restart_node(&mut self, name: &str) {
         let Ok(mut rec) = self.record() else {
             return;
@@ -618,7 +626,8 @@ impl Warden {
         if local::is_ours(n) {
             return; // someone started it already
         }
-        let env = [(crate::transport::connect::ENV_URL, self.app_url.clone())];
+        let url = self.url_for(&local::roles::Role::Node(name.to_string()));
+        let env = [(crate::transport::connect::ENV_URL, url)];
         // Its old port came from the kernel's pool; if something took it meanwhile, the node
         // comes back on any free port (and the record says which).
         for attempt in 0..2 {

@@ -221,7 +221,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
-        bench::Target::Nats(a.mesh.connect("oam-bench").await?)
+        bench::Target::Nats(a.mesh.connect(&super::Role::Caller, "oam-bench").await?)
     } else {
         bench::Target::Http(http)
     };

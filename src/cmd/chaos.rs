@@ -195,7 +195,12 @@ fn secs(ms: u64) -> String {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let url = a.mesh.url()?;
+    let role = if matches!(a.command, Command::Warden) {
+        super::Role::Warden
+    } else {
+        super::Role::Operator
+    };
+    let url = a.mesh.url(&role)?;
     let command = match injection(a.command) {
         Ok(inject) => {
             let body = serde_json::to_vec(&inject).map_err(Error::failed)?;

@@ -47,7 +47,8 @@ pub struct ResolveArgs {
     /// Every open escalation of this agent.
     #[arg(long, conflicts_with = "ids")]
     pub agent: Option<String>,
-    /// Who resolved it. Default: $USER.
+    /// A name to record beside the NATS user the command connects as (the record always names
+    /// that user: the server vouches for it, not for this flag).
     #[arg(long)]
     pub by: Option<String>,
     /// What was done about it.
@@ -69,9 +70,10 @@ pub async fn run(args: Args) -> Result<()> {
 
 async fn open_store(
     mesh: &super::MeshArgs,
+    role: &super::Role,
     name: &str,
 ) -> Result<async_nats::jetstream::kv::Store> {
-    let nats = mesh.connect(name).await?;
+    let nats = mesh.connect(role, name).await?;
     escalations::store(&nats).await.map_err(|e| {
         Error::new(
             Kind::Unreachable,
@@ -84,8 +86,22 @@ async fn open_store(
     })
 }
 
+/// Who resolves: the NATS user this command connects as (what the server authenticated), and
+/// the `--by` name beside it when one is given.
+fn resolver(mesh: &super::MeshArgs, by: Option<&str>) -> String {
+    let user = mesh
+        .url(&super::Role::Operator)
+        .ok()
+        .and_then(|url| crate::transport::connect::split_credentials(&url).1)
+        .map_or_else(|| "a NATS credentials file's user".into(), |(user, _)| user);
+    match by {
+        Some(name) if name != user => format!("{user} ({name})"),
+        _ => user,
+    }
+}
+
 async fn list(a: ListArgs) -> Result<()> {
-    let store = open_store(&a.mesh, "oam-escalation-list").await?;
+    let store = open_store(&a.mesh, &super::Role::Viewer, "oam-escalation-list").await?;
     let (records, unreadable) = escalations::all_checked(&store)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
@@ -194,7 +210,7 @@ fn age(ms: u64) -> String {
 }
 
 async fn resolve(a: ResolveArgs) -> Result<()> {
-    let store = open_store(&a.mesh, "oam-escalation-resolve").await?;
+    let store = open_store(&a.mesh, &super::Role::Operator, "oam-escalation-resolve").await?;
     let ids: Vec<String> = if a.ids.is_empty() {
         escalations::all(&store)
             .await
@@ -206,10 +222,7 @@ async fn resolve(a: ResolveArgs) -> Result<()> {
     } else {
         a.ids.clone()
     };
-    let by =
-        a.by.clone()
-            .or_else(|| std::env::var("USER").ok())
-            .unwrap_or_else(|| "operator".into());
+    let by = resolver(&a.mesh, a.by.as_deref());
     let (mut resolved, mut already, mut unknown) = (Vec::new(), Vec::new(), Vec::new());
     let mut failed = Vec::new();
     for id in &ids {

@@ -19,7 +19,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let nc = a.mesh.connect("oam-listen").await?;
+    let nc = a.mesh.connect(&super::Role::Viewer, "oam-listen").await?;
     let mut sub = nc
         .subscribe(a.subject.clone())
         .await

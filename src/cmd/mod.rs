@@ -4,6 +4,7 @@ pub mod agent;
 pub mod bench;
 pub mod chaos;
 pub mod completions;
+pub mod creds;
 pub mod decide;
 pub mod demo;
 pub mod escalation;
@@ -15,8 +16,9 @@ pub mod reasons;
 pub mod sim;
 pub mod watch;
 
-/// Which mesh a command talks to: the same flags, resolved the same way, everywhere
-/// (`local::find_mesh`).
+/// Which mesh a command talks to, and as whom: the same flags, resolved the same way,
+/// everywhere (`local::find_mesh`). In a mesh folder each command uses the credentials of its
+/// role (`creds/{user}.json`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct MeshArgs {
     /// The mesh's state folder (as given to `oam mesh up --dir`). Default: $OAM_DIR, then
@@ -26,44 +28,62 @@ pub struct MeshArgs {
     /// NATS URL of a mesh elsewhere (credentials may be in it).
     #[arg(long, global = true)]
     pub nats_url: Option<String>,
-    /// NATS credentials file for a mesh elsewhere (user JWT and NKey seed, as `nsc generate
-    /// creds` writes it); used by every connection of this command.
+    /// Credentials file: one `oam creds issue` wrote (it names the mesh and the role), or a
+    /// NATS credentials file (user JWT and NKey seed, as `nsc generate creds` writes it) for a
+    /// mesh elsewhere; used by every connection of this command.
     #[arg(long, global = true, env = "OAM_NATS_CREDS", value_name = "FILE")]
     pub creds: Option<std::path::PathBuf>,
 }
 
 impl MeshArgs {
-    /// The NATS URL to use; exit 3 saying what to do when there is none.
-    pub fn url(&self) -> crate::error::Result<String> {
-        self.resolve().map(|(url, _)| url)
+    /// The NATS URL to use as `role`; exit 3 saying what to do when there is none.
+    pub fn url(&self, role: &Role) -> crate::error::Result<String> {
+        self.resolve(role).map(|(url, _)| url)
     }
 
-    /// Connect to the mesh as `name`; exit 3 naming the URL and where it came from when it
-    /// cannot be reached.
-    pub async fn connect(&self, name: &str) -> crate::error::Result<async_nats::Client> {
-        let (url, from) = self.resolve()?;
+    /// Connect to the mesh as `role`, naming the connection `name`; exit 3 naming the URL and
+    /// where it came from when it cannot be reached.
+    pub async fn connect(
+        &self,
+        role: &Role,
+        name: &str,
+    ) -> crate::error::Result<async_nats::Client> {
+        let (url, from) = self.resolve(role)?;
         crate::transport::connect::reach_from(&url, Some(&from), name, false).await
     }
 
     /// The NATS URL and where it came from; the credentials file taken in on the way.
-    fn resolve(&self) -> crate::error::Result<(String, String)> {
-        let (url, from) = crate::local::find_mesh(self.nats_url.clone(), self.dir.as_deref())
-            .map_err(|why| {
-                crate::error::Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why))
-            })?;
+    pub fn resolve(&self, role: &Role) -> crate::error::Result<(String, String)> {
+        use crate::error::Error;
+        if let Some(path) = &self.creds
+            && crate::local::is_role_file(path)
+        {
+            if self.nats_url.is_some() {
+                return Err(Error::usage(format!(
+                    "--creds {} names its mesh already: drop --nats-url",
+                    path.display()
+                )));
+            }
+            let file = crate::local::read_role_file(path).map_err(Error::usage)?;
+            return Ok((
+                file.url,
+                format!("--creds {} as {}", path.display(), file.user),
+            ));
+        }
+        let (url, from) = crate::local::find_mesh(self.nats_url.clone(), self.dir.as_deref(), role)
+            .map_err(|why| Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why)))?;
         tracing::debug!("NATS {} ({from})", crate::transport::connect::redact(&url));
         if let Some(path) = &self.creds {
             if crate::transport::connect::split_credentials(&url)
                 .1
                 .is_some()
             {
-                return Err(crate::error::Error::usage(format!(
+                return Err(Error::usage(format!(
                     "--creds {} and a user:password in the NATS URL ({from}): give one of them",
                     path.display()
                 )));
             }
-            crate::transport::connect::use_credentials_file(path)
-                .map_err(crate::error::Error::usage)?;
+            crate::transport::connect::use_credentials_file(path).map_err(Error::usage)?;
         }
         Ok((url, from))
     }
@@ -73,6 +93,8 @@ impl MeshArgs {
         crate::local::mesh_dir(self.dir.as_deref())
     }
 }
+
+pub use crate::local::roles::Role;
 
 /// A table for the terminal: `header`, then `rows`, fitted to its width unless `wide` (`fit`).
 pub(crate) fn table<R: Into<comfy_table::Row>>(

@@ -85,7 +85,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
             )));
         }
     }
-    let url = a.mesh.url()?;
+    let url = a.mesh.url(&super::Role::Node(a.id.clone()))?;
     let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
         Error::usage(format!(
             "cannot listen on {}: {e}. Pick another address with --listen, or 127.0.0.1:0",

@@ -239,7 +239,10 @@ pub async fn run(a: Args) -> Result<()> {
              `oam listen 'oam.v1.state.*' --json` (each node's view)",
         ));
     }
-    let nats = a.mesh.connect("oam-watch").await?;
+    let nats = a
+        .mesh
+        .connect(&crate::cmd::Role::Viewer, "oam-watch")
+        .await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(CHANNEL);
     let dropped = Arc::new(AtomicU64::new(0));
     let feeder = tokio::spawn(feed(nats.clone(), tx, dropped.clone()));

@@ -4,6 +4,7 @@
 //! `oam demo` and the tests start a cluster through `up`.
 
 use super::natsd;
+use super::roles::Role;
 use super::{Record, Started, Stopped};
 use crate::core::wire::NodeSnapshot;
 use crate::transport::connect::ENV_URL;
@@ -209,14 +210,30 @@ async fn start_all(
     started: &mut Vec<Started>,
 ) -> anyhow::Result<Record> {
     // nats-server from a generated config, credentials beside it (0600): the folder's own, kept
-    // across down and up, unless new ones are asked for (or it has none).
-    let kept = (!plan.new_credentials)
+    // across down and up, unless new ones are asked for (or it has none). A folder from before
+    // roles gave every process one password: that one is not kept.
+    let legacy = dir.join(super::CREDENTIALS);
+    let kept = (!plan.new_credentials && !legacy.exists())
         .then(|| kept_credentials(dir))
         .flatten();
-    let creds = match kept {
+    let _ = std::fs::remove_file(&legacy);
+    let mut creds = match kept {
         Some(c) => c,
         None => natsd::Credentials::generate()?,
     };
+    // The roles of what this mesh runs, and of the people who use it.
+    let node_ids: Vec<String> = (1..=ports.nodes.len()).map(|i| format!("n{i}")).collect();
+    let mut roles: Vec<Role> = node_ids.iter().map(|id| Role::Node(id.clone())).collect();
+    roles.extend([
+        Role::Monitor,
+        Role::Warden,
+        Role::Operator,
+        Role::Caller,
+        Role::Viewer,
+    ]);
+    for role in &roles {
+        creds.add(role)?;
+    }
     let layout = natsd::Layout {
         port: ports.nats,
         monitor_port: 0,
@@ -233,18 +250,16 @@ async fn start_all(
         cmdline_marker: layout.config_path().display().to_string(),
         args: Vec::new(),
     });
-    // What agents and tools are given (the application account) and what only the monitor
-    // needs (the system account, which can kick any connection) live in separate files.
-    let app_doc = serde_json::json!({
-        "app_url": natsd::app_url(port, &creds),
-        "credentials": {"app_user": creds.app_user, "app_password": creds.app_password},
-    });
-    super::write_private(&dir.join(super::CREDENTIALS), &format!("{app_doc:#}\n"))?;
-    let sys_doc = serde_json::json!({
-        "sys_url": natsd::sys_url(port, &creds),
-        "credentials": creds,
-    });
-    super::write_private(&dir.join(super::SYSTEM), &format!("{sys_doc:#}\n"))?;
+    // Every password in one file for `oam mesh up` and `oam creds`; each role's in its own
+    // (agents issued earlier keep theirs, with the port as it is now).
+    save_system(dir, port, &creds)?;
+    for user in creds.users.keys() {
+        if let Some(role) = Role::of_user(user) {
+            super::write_role_file(dir, port, &creds, &role)?;
+        }
+    }
+    let url_of = |role: &Role| creds.url(port, &role.user()).unwrap_or_default();
+    create_buckets(&natsd::app_url(port, &creds)).await?;
 
     let strings = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
     let sim = Spec {
@@ -268,16 +283,12 @@ async fn start_all(
     // The nodes; the NATS URL with credentials travels in the environment, not argv. A node's
     // marker (`--id n1 --sim-url URL`) names this mesh and survives a restart on its new port.
     // They start together, then each is waited for.
-    let app_url = natsd::app_url(port, &creds);
-    let env = [(ENV_URL, app_url.clone())];
     // Exactly these nodes make up the cluster: no other id is heard.
-    let members = (1..=ports.nodes.len())
-        .map(|i| format!("n{i}"))
-        .collect::<Vec<_>>()
-        .join(",");
+    let members = node_ids.join(",");
     let mut pending = Vec::new();
-    for (i, &p) in ports.nodes.iter().enumerate() {
-        let id = format!("n{}", i + 1);
+    for (id, &p) in node_ids.iter().zip(ports.nodes) {
+        let id = id.clone();
+        let env = [(ENV_URL, url_of(&Role::Node(id.clone())))];
         let args = strings(&[
             "node",
             "run",
@@ -312,11 +323,11 @@ async fn start_all(
         }
         node_urls.push((id, url, log));
     }
-    // The liveness monitor, with both accounts' credentials in its environment.
+    // The liveness monitor, with its own users of both accounts in its environment.
     let shown_dir = dir.display().to_string();
     let env = [
-        (ENV_URL, app_url.clone()),
-        (ENV_SYS_URL, natsd::sys_url(port, &creds)),
+        (ENV_URL, url_of(&Role::Monitor)),
+        (ENV_SYS_URL, creds.observer_url(port)),
     ];
     let monitor = Spec {
         name: "monitor",
@@ -327,7 +338,7 @@ async fn start_all(
     };
     start_oam(plan, dir, started, monitor).await?;
     // The chaos warden: applies `oam chaos` faults and undoes them on time.
-    let env = [(ENV_URL, app_url.clone())];
+    let env = [(ENV_URL, url_of(&Role::Warden))];
     let warden = Spec {
         name: "chaos",
         args: strings(&["chaos", "warden", "--json", "--dir", &shown_dir]),
@@ -360,6 +371,7 @@ async fn start_all(
         started_at_ms: crate::clock::now_ms(),
         nats_port: port,
         nats_monitor_port: monitor_port,
+        nats_asked_port: ports.nats,
         sim_url,
         processes: std::mem::take(started),
     })
@@ -377,13 +389,48 @@ pub async fn snapshot(http: &reqwest::Client, url: &str) -> Option<NodeSnapshot>
 }
 
 /// The credentials a folder's earlier cluster used, if it recorded readable ones (all of them
-/// are in `system.json`; a folder from before it had them in `credentials.json`).
-fn kept_credentials(dir: &Path) -> Option<natsd::Credentials> {
-    [super::SYSTEM, super::CREDENTIALS].iter().find_map(|file| {
-        let text = std::fs::read_to_string(dir.join(file)).ok()?;
-        let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
-        serde_json::from_value(doc.get("credentials")?.clone()).ok()
-    })
+/// are in `system.json`).
+pub fn kept_credentials(dir: &Path) -> Option<natsd::Credentials> {
+    let text = std::fs::read_to_string(dir.join(super::SYSTEM)).ok()?;
+    let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
+    serde_json::from_value(doc.get("credentials")?.clone()).ok()
+}
+
+/// Write `system.json`: the admin's and the system account's URLs and every password (0600).
+pub fn save_system(dir: &Path, port: u16, creds: &natsd::Credentials) -> anyhow::Result<()> {
+    let doc = serde_json::json!({
+        "app_url": natsd::app_url(port, creds),
+        "sys_url": natsd::sys_url(port, creds),
+        "credentials": creds,
+    });
+    super::write_private(&dir.join(super::SYSTEM), &format!("{doc:#}\n"))
+}
+
+/// Create every bucket the mesh and the Open Agent Mesh SDK use, as the admin, so that no
+/// other role needs to create (or may delete) a stream.
+async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
+    use crate::transport::{escalations, kv};
+    let nats = crate::transport::connect::connect(admin_url, "oam-mesh-up", false).await?;
+    escalations::store(&nats).await?;
+    for (name, max_age) in kv::MESH_BUCKETS {
+        kv::bucket(&nats, name, max_age).await?;
+    }
+    kv::bucket(&nats, super::roles::SDK_CONTEXT_BUCKET, Duration::ZERO).await?;
+    // The SDK's artifact store is an object store: a stream laid out as its clients expect.
+    let b = super::roles::SDK_ARTIFACTS_BUCKET;
+    async_nats::jetstream::new(nats.clone())
+        .get_or_create_stream(async_nats::jetstream::stream::Config {
+            name: format!("OBJ_{b}"),
+            subjects: vec![format!("$O.{b}.C.>"), format!("$O.{b}.M.>")],
+            allow_rollup: true,
+            allow_direct: true,
+            discard: async_nats::jetstream::stream::DiscardPolicy::New,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot create the stream OBJ_{b}: {e}"))?;
+    crate::transport::connect::flush_within(&nats, Duration::from_secs(2)).await;
+    Ok(())
 }
 
 /// How many nodes the node at `url` sees alive (`None`: it does not answer).

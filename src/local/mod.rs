@@ -3,12 +3,15 @@
 //! processes and stop exactly those. `natsd` supervises nats-server, `cluster` starts and
 //! probes a whole cluster with one call, `agents` starts demo agents for scenarios.
 //!
-//! `mesh.json` records everything but secrets; `credentials.json` (mode 0600) holds the NATS
-//! passwords. Logs live beside them. Nothing here decides anything about requests.
+//! `mesh.json` records everything but secrets; `system.json` (mode 0600) holds every NATS
+//! password, for `oam mesh up` and `oam creds` only; `creds/{user}.json` (mode 0600, one per
+//! role user) is what a process of that role is given. Logs live beside them. Nothing here
+//! decides anything about requests.
 
 pub mod agents;
 pub mod cluster;
 pub mod natsd;
+pub mod roles;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
@@ -16,10 +19,78 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub const RECORD: &str = "mesh.json";
+/// Where a folder from before roles kept the application password every process shared.
 pub const CREDENTIALS: &str = "credentials.json";
-/// The system account's URL and every password (mode 0600): for the monitor and `oam mesh up`
-/// only, never handed to agents or tools.
+/// The admin and system-account URLs and every password (mode 0600): for `oam mesh up` and
+/// `oam creds` only, never handed to agents or tools.
 pub const SYSTEM: &str = "system.json";
+/// The folder of role credentials (mode 0700), one `{user}.json` per role user.
+pub const CREDS_DIR: &str = "creds";
+
+/// What a process of one role is given: its user and URL (and, for the monitor and warden,
+/// the system account's limited `observer`).
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct RoleFile {
+    pub user: String,
+    pub role: String,
+    pub url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sys_url: Option<String>,
+}
+
+/// The credentials file of `user` in the state folder `dir`.
+pub fn role_path(dir: &Path, user: &str) -> PathBuf {
+    dir.join(CREDS_DIR).join(format!("{user}.json"))
+}
+
+/// Write the credentials file of `role` (0600, in a 0700 folder); its path.
+pub fn write_role_file(
+    dir: &Path,
+    port: u16,
+    creds: &natsd::Credentials,
+    role: &roles::Role,
+) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let user = role.user();
+    let url = creds
+        .url(port, &user)
+        .with_context(|| format!("no NATS user {user} in {}", dir.join(SYSTEM).display()))?;
+    let folder = dir.join(CREDS_DIR);
+    std::fs::create_dir_all(&folder)
+        .and_then(|()| std::fs::set_permissions(&folder, std::fs::Permissions::from_mode(0o700)))
+        .with_context(|| format!("cannot create {}", folder.display()))?;
+    let sys_url = matches!(role, roles::Role::Monitor | roles::Role::Warden)
+        .then(|| creds.observer_url(port));
+    let file = RoleFile {
+        user: user.clone(),
+        role: role.kind().into(),
+        url,
+        sys_url,
+    };
+    let path = role_path(dir, &user);
+    write_private(
+        &path,
+        &format!("{}\n", serde_json::to_string_pretty(&file)?),
+    )?;
+    Ok(path)
+}
+
+/// Does `path` hold an oam credentials file (JSON), rather than a NATS one?
+pub fn is_role_file(path: &Path) -> bool {
+    std::fs::read(path).is_ok_and(|b| b.trim_ascii_start().starts_with(b"{"))
+}
+
+/// The credentials file at `path`, if it is one.
+pub fn read_role_file(path: &Path) -> anyhow::Result<RoleFile> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not an oam credentials file (`oam creds issue` writes them)",
+            path.display()
+        )
+    })
+}
 
 /// One process oam started.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
@@ -99,6 +170,11 @@ pub struct Record {
     pub started_at_ms: u64,
     pub nats_port: u16,
     pub nats_monitor_port: u16,
+    /// The client port nats-server was started with in its config (0: any free one). A
+    /// config reload must name the ports as the running server was started, or the server
+    /// refuses it.
+    #[serde(default)]
+    pub nats_asked_port: u16,
     pub sim_url: String,
     /// In start order; stopped newest first.
     pub processes: Vec<Started>,
@@ -138,10 +214,10 @@ impl Record {
     }
 }
 
-/// A URL recorded in the state folder: `app_url` (in `credentials.json`) or `sys_url` (in
-/// `system.json`), if any.
+/// A URL recorded in the state folder's `system.json` (`app_url`: the admin, `sys_url`: the
+/// system account's admin), if any.
 pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
-    [CREDENTIALS, SYSTEM].iter().find_map(|file| {
+    [SYSTEM].iter().find_map(|file| {
         let text = std::fs::read_to_string(dir.join(file)).ok()?;
         let v: serde_json::Value = serde_json::from_str(&text).ok()?;
         v[key].as_str().map(String::from)
@@ -150,25 +226,47 @@ pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
 
 /// The NATS URL of the mesh a command talks to, and where it came from. Flags before the
 /// environment before the default: `--nats-url`, `--dir`, `$OAM_NATS_URL`, `$OAM_DIR`, then
-/// `./.oam`; a folder means the application URL recorded in its `credentials.json`. No silent
-/// default port: without any of them the error says what to do.
+/// `./.oam`; a folder means the URL in its credentials file for `role` (`creds/{user}.json`).
+/// No silent default port: without any of them the error says what to do.
 pub fn find_mesh(
     url_flag: Option<String>,
     dir_flag: Option<&Path>,
+    role: &roles::Role,
 ) -> Result<(String, String), String> {
     use crate::transport::connect::ENV_URL;
     let in_dir = |dir: &Path, how: &str| {
-        recorded_url(dir, "app_url")
-            .map(|url| (url, format!("the mesh in {} ({how})", dir.display())))
-            .ok_or_else(|| {
-                format!(
-                    "no mesh found: nothing recorded in {} ({how}). Start one with `oam mesh \
-                     up --dir {}`, or pass --dir for the folder of a mesh started elsewhere, or \
-                     --nats-url URL",
-                    dir.display(),
-                    dir.display()
-                )
-            })
+        let user = role.user();
+        let path = role_path(dir, &user);
+        if *role == roles::Role::Admin
+            && let Some(url) = recorded_url(dir, "app_url")
+        {
+            return Ok((url, format!("the mesh in {} ({how})", dir.display())));
+        }
+        if let Ok(file) = read_role_file(&path) {
+            return Ok((
+                file.url,
+                format!("the mesh in {} ({how}) as {user}", dir.display()),
+            ));
+        }
+        if Record::path(dir).exists() {
+            let issue = match role {
+                roles::Role::Agent(name) => format!("--role agent --name {name}"),
+                roles::Role::Node(id) => format!("--role node --name {id}"),
+                other => format!("--role {}", other.kind()),
+            };
+            return Err(format!(
+                "no credentials for {user} in {} ({how}): issue them with `oam creds issue \
+                 {issue} --dir {}` (as the user who started the mesh), or pass --creds FILE",
+                path.display(),
+                dir.display()
+            ));
+        }
+        Err(format!(
+            "no mesh found: nothing recorded in {} ({how}). Start one with `oam mesh up --dir \
+             {}`, or pass --dir for the folder of a mesh started elsewhere, or --nats-url URL",
+            dir.display(),
+            dir.display()
+        ))
     };
     if let Some(url) = url_flag {
         return Ok((url, "--nats-url".into()));

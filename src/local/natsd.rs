@@ -2,6 +2,7 @@
 //! binds to 127.0.0.1 only with an application and a system account, starting it and waiting
 //! until it is ready. Used by `oam mesh up`, by tests, and by the one-call local mesh.
 
+use super::roles::{self, Role};
 use anyhow::{Context, anyhow, bail};
 use std::fmt;
 use std::net::{SocketAddr, TcpListener};
@@ -98,24 +99,69 @@ pub fn find(flag: Option<&Path>) -> anyhow::Result<(PathBuf, Version)> {
     Ok((bin, version))
 }
 
-/// Generated, distinct credentials for the application and the system account.
+/// Generated, distinct credentials: the application account's admin, the system account's
+/// admin and its limited `observer`, and one user per role (`roles`), each with its own
+/// password.
 #[derive(Clone, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Credentials {
+    /// The application account's admin (every permission): `oam mesh up` and tests only.
     pub app_user: String,
     pub app_password: String,
     pub sys_user: String,
     pub sys_password: String,
+    /// The system account's `observer` (disconnect advisories, connection lists).
+    #[serde(default)]
+    pub observer_password: String,
+    /// Role users (`node-n1`, `agent-demo.echo`, `viewer`, ...) and their passwords.
+    #[serde(default)]
+    pub users: std::collections::BTreeMap<String, String>,
 }
 
 impl Credentials {
-    /// Fresh random passwords from the OS.
+    /// Fresh random passwords from the OS (no role users yet).
     pub fn generate() -> anyhow::Result<Self> {
         Ok(Credentials {
-            app_user: "oam".into(),
+            app_user: roles::ADMIN_USER.into(),
             app_password: crate::ids::random_hex(16)?,
             sys_user: "oam-sys".into(),
             sys_password: crate::ids::random_hex(16)?,
+            observer_password: crate::ids::random_hex(16)?,
+            users: Default::default(),
         })
+    }
+
+    /// Make sure `role` has a user (a new password if it had none); its user name.
+    pub fn add(&mut self, role: &Role) -> anyhow::Result<String> {
+        let user = role.user();
+        if *role == Role::Admin {
+            return Ok(user);
+        }
+        if !self.users.contains_key(&user) {
+            self.users.insert(user.clone(), crate::ids::random_hex(16)?);
+        }
+        if self.observer_password.is_empty() {
+            self.observer_password = crate::ids::random_hex(16)?;
+        }
+        Ok(user)
+    }
+
+    /// The client URL of `user` (`None`: no such user).
+    pub fn url(&self, port: u16, user: &str) -> Option<String> {
+        let password = if user == self.app_user {
+            &self.app_password
+        } else {
+            self.users.get(user)?
+        };
+        Some(format!("nats://{user}:{password}@127.0.0.1:{port}"))
+    }
+
+    /// The system account's `observer` URL.
+    pub fn observer_url(&self, port: u16) -> String {
+        format!(
+            "nats://{}:{}@127.0.0.1:{port}",
+            roles::OBSERVER_USER,
+            self.observer_password
+        )
     }
 }
 
@@ -136,8 +182,9 @@ impl Layout {
 }
 
 /// The server config: 127.0.0.1 only, JetStream in `store_dir`, an APP account (JetStream on)
-/// and a SYS account that can read `$SYS` advisories, and fast client pings so a vanished
-/// client is noticed in seconds.
+/// with the admin and one user per role (each with its permissions, `roles`), a SYS account
+/// with its admin and the limited `observer`, and fast client pings so a vanished client is
+/// noticed in seconds. `oam creds issue` rewrites it and asks the server to reload it.
 ///
 /// `max_payload` is the largest body any oam surface takes (a node's `max_body_bytes`, 1 MiB by
 /// default) with room for headers and the envelope: bigger messages are refused by the server.
@@ -161,10 +208,14 @@ jetstream {{
 accounts {{
   APP {{
     jetstream: enabled
-    users: [ {{ user: {app_user}, password: {app_password} }} ]
+    users: [
+      {{ user: {app_user}, password: {app_password} }}{app_roles}
+    ]
   }}
   SYS {{
-    users: [ {{ user: {sys_user}, password: {sys_password} }} ]
+    users: [
+      {{ user: {sys_user}, password: {sys_password} }}{observer}
+    ]
   }}
 }}
 system_account: SYS
@@ -177,7 +228,37 @@ system_account: SYS
         app_password = quote(&creds.app_password),
         sys_user = quote(&creds.sys_user),
         sys_password = quote(&creds.sys_password),
+        app_roles = role_users(creds),
+        observer = if creds.observer_password.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ",\n      {{ user: {}, password: {}, {} }}",
+                quote(roles::OBSERVER_USER),
+                quote(&creds.observer_password),
+                roles::config_block(&roles::observer_permissions())
+            )
+        },
     )
+}
+
+/// The APP account's role users, each with its permissions (names that are no role of ours
+/// are left out).
+fn role_users(creds: &Credentials) -> String {
+    let quote = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
+    creds
+        .users
+        .iter()
+        .filter_map(|(user, password)| {
+            let perms = Role::of_user(user)?.permissions()?;
+            Some(format!(
+                ",\n      {{ user: {}, password: {}, {} }}",
+                quote(user),
+                quote(password),
+                roles::config_block(&perms)
+            ))
+        })
+        .collect()
 }
 
 /// nats-server's "any free port" is -1.

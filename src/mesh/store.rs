@@ -9,8 +9,7 @@ use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// An instance record lives this long without a renewal.
-pub const INSTANCE_LEASE: Duration = Duration::from_secs(15);
+pub use crate::transport::kv::INSTANCE_LEASE;
 
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct InstanceRecord {
@@ -214,7 +213,13 @@ pub async fn instance(nats: &async_nats::Client, instance_id: &str) -> Option<In
 /// Claim the right to announce `instance_id`'s death: true for exactly one caller cluster-wide
 /// (tombstones expire after two minutes).
 pub async fn claim_tombstone(nats: &async_nats::Client, instance_id: &str) -> bool {
-    match bucket(nats, subjects::TOMBSTONES_BUCKET, Duration::from_secs(120)).await {
+    match bucket(
+        nats,
+        subjects::TOMBSTONES_BUCKET,
+        crate::transport::kv::TOMBSTONE_AGE,
+    )
+    .await
+    {
         Ok(store) => store.create(instance_id, bytes::Bytes::new()).await.is_ok(),
         // Without the bucket we cannot deduplicate; announcing twice beats not announcing.
         Err(_) => true,
@@ -224,7 +229,13 @@ pub async fn claim_tombstone(nats: &async_nats::Client, instance_id: &str) -> bo
 /// An instance declared dead that is back (after a network blip): its next death must be
 /// announced again.
 pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str) {
-    if let Ok(store) = bucket(nats, subjects::TOMBSTONES_BUCKET, Duration::from_secs(120)).await {
+    if let Ok(store) = bucket(
+        nats,
+        subjects::TOMBSTONES_BUCKET,
+        crate::transport::kv::TOMBSTONE_AGE,
+    )
+    .await
+    {
         let _ = store.purge(instance_id).await;
     }
 }

@@ -136,8 +136,8 @@ fn refused(error: &str) -> bool {
 fn credentials_refused(conn: &str, url: &str) {
     let reason = format!(
         "NATS at {url} refused the credentials of {conn} (was the mesh started again with \
-         `--new-credentials`?); start this command again with the current URL from the mesh \
-         folder's credentials.json, or pass --nats-url"
+         `--new-credentials`?); start this command again with the mesh folder's current \
+         credentials (`--dir`, or a file from `oam creds issue` with --creds), or pass --nats-url"
     );
     if crate::signal::stop_reason().is_none() {
         tracing::error!("{reason}");

@@ -57,6 +57,25 @@ pub const REQUEST_QUEUE: &str = "oam-nodes";
 
 // The agent mesh (Open Agent Mesh protocol; names must match other OAM clients exactly).
 
+/// Every control-plane subject.
+pub const CONTROL_PLANE: &str = "oam.v1.>";
+/// Every agent's serving subject.
+pub const ALL_AGENTS: &str = "mesh.agent.>";
+/// Where agent `name` publishes events (Open Agent Mesh SDK).
+pub fn agent_events(name: &str) -> String {
+    format!("{AGENT_PREFIX}{name}.events")
+}
+/// Every request's stream chunks and results (Open Agent Mesh SDK callbacks).
+pub const ALL_STREAMS: &str = "mesh.stream.>";
+pub const ALL_RESULTS: &str = "mesh.results.>";
+/// Every agent's error replies.
+pub const ALL_ERRORS: &str = "mesh.errors.>";
+/// Every reply inbox, and the acknowledgement inboxes of callers.
+pub const INBOXES: &str = "_INBOX.>";
+pub const ACK_INBOXES: &str = "_INBOX.oam-ack.>";
+/// `oam agent bench`'s raw request/reply baseline.
+pub const BENCH_RAW: &str = "bench.raw.>";
+
 /// The prefix of every agent's serving subject.
 pub const AGENT_PREFIX: &str = "mesh.agent.";
 /// Where agent `name` serves (request/reply).

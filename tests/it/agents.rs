@@ -165,48 +165,7 @@ async fn interoperates_with_the_python_sdk() {
     let _ours = serve(&url, "demo.echo", "echo", &[]);
     let _stream = serve(&url, "demo.stream", "stream:3:10", &[]);
     // An agent served by the Python SDK.
-    let sdk_agent = r#"
-import asyncio, sys
-from pydantic import BaseModel
-from openagentmesh import AgentMesh, AgentSpec
-
-class In(BaseModel):
-    message: str
-class Out(BaseModel):
-    reply: str
-
-mesh = AgentMesh(sys.argv[1])
-
-@mesh.agent(AgentSpec(name="sdk.echo", description="Echoes from Python", tags=[], version="0.1.0"))
-async def echo(req: In) -> Out:
-    return Out(reply="py:" + req.message)
-
-async def main():
-    async with mesh:
-        print('{"ready": true}', flush=True)
-        await asyncio.Event().wait()
-
-asyncio.run(main())
-"#;
-    let spawn_sdk_agent = || {
-        let mut child = std::process::Command::new(python())
-            .args(["-c", sdk_agent, &url])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .spawn()
-            .expect("python with openagentmesh; run scripts/install-test-tools");
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        assert!(
-            line.contains("ready"),
-            "the SDK agent did not start: {line:?}"
-        );
-        child
-    };
+    let spawn_sdk_agent = || crate::support::spawn_sdk_echo(&url);
     let _monitor = monitor(&server);
     let nc = oam::transport::connect::connect(&url, "test", false)
         .await

@@ -814,6 +814,18 @@ async fn forged_gossip_cannot_split_grow_or_outvote_the_cluster() {
     let cl = cluster(&[]).await;
     let c = client();
     assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(20)).await);
+    // Without --members the first three ids heard take the seats: the attack starts once every
+    // node has seated the real three.
+    let seated = eventually(Duration::from_secs(10), || async {
+        for url in &cl.urls {
+            if state(&c, url).await?.live_nodes != ["n1", "n2", "n3"] {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    assert!(seated.is_some(), "every node sees n1..n3");
     let nc = oam::transport::connect::connect(&cl.nats.url(), "attacker", false)
         .await
         .unwrap();

@@ -11,6 +11,7 @@ mod chaos;
 mod cli;
 mod cluster;
 mod mesh;
+mod roles;
 mod scenarios;
 mod sim;
 mod support;

@@ -68,22 +68,34 @@ async fn up_status_request_down() {
     let nodes = up["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 3);
 
-    // Credentials are private to the owner, and the system account's (which can kick any
-    // connection) is not in the file agents and tools are given.
+    // Credentials are private to the owner: every password in system.json, each role's own in
+    // its file (0600, in a 0700 folder), and no role file holds the admin's or the system
+    // account's password (which can kick any connection).
     use std::os::unix::fs::PermissionsExt;
-    for file in ["credentials.json", "system.json"] {
-        let mode = std::fs::metadata(dir.0.join(file))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o600, "{file}");
-    }
-    let given = std::fs::read_to_string(dir.0.join("credentials.json")).unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir.0.join("system.json")), 0o600);
+    assert_eq!(mode(&dir.0.join("creds")), 0o700);
+    assert!(!dir.0.join("credentials.json").exists());
     let system = json(&std::fs::read(dir.0.join("system.json")).unwrap());
-    let sys_password = system["credentials"]["sys_password"].as_str().unwrap();
-    assert!(
-        !given.contains(sys_password) && !given.contains("sys_url"),
-        "{given}"
+    let secrets = ["sys_password", "app_password"]
+        .map(|k| system["credentials"][k].as_str().unwrap().to_string());
+    let mut users = Vec::new();
+    for file in std::fs::read_dir(dir.0.join("creds")).unwrap() {
+        let path = file.unwrap().path();
+        assert_eq!(mode(&path), 0o600, "{}", path.display());
+        let given = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            secrets.iter().all(|s| !given.contains(s.as_str())),
+            "{given}"
+        );
+        users.push(json(given.as_bytes())["user"].as_str().unwrap().to_string());
+    }
+    users.sort();
+    assert_eq!(
+        users,
+        [
+            "caller", "monitor", "node-n1", "node-n2", "node-n3", "operator", "viewer", "warden"
+        ]
     );
 
     // Twice: already up, and where.
@@ -331,7 +343,7 @@ use predicates::prelude::PredicateBooleanExt as _;
 #[tokio::test]
 async fn credentials_survive_down_and_up_unless_renewed() {
     let dir = crate::support::MeshDir::new("creds");
-    // Every password is in system.json (agents get credentials.json, application only).
+    // Every password is in system.json (each role gets its own file in creds/).
     let creds = || -> Value {
         json(&std::fs::read(dir.0.join("system.json")).unwrap())["credentials"].clone()
     };
@@ -370,8 +382,9 @@ async fn credentials_survive_down_and_up_unless_renewed() {
     down();
     up(&[]);
     assert_eq!(creds(), first, "the same passwords after down and up");
-    let given = json(&std::fs::read(dir.0.join("credentials.json")).unwrap());
-    assert_eq!(given["credentials"]["app_password"], first["app_password"]);
+    let given = json(&std::fs::read(dir.0.join("creds/viewer.json")).unwrap());
+    let viewer = first["users"]["viewer"].as_str().unwrap();
+    assert!(given["url"].as_str().unwrap().contains(viewer), "{given}");
     down();
     up(&["--new-credentials"]);
     let renewed = creds();

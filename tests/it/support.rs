@@ -235,6 +235,50 @@ pub fn python() -> String {
     std::env::var("OAM_TEST_PYTHON").unwrap_or_else(|_| ".tools/venv/bin/python".into())
 }
 
+/// An echo agent served by the Open Agent Mesh Python SDK (`sdk.echo`, replies `py:` + the
+/// message), connected to `url`; started once it says it is ready.
+pub fn spawn_sdk_echo(url: &str) -> Child {
+    const AGENT: &str = r#"
+import asyncio, sys
+from pydantic import BaseModel
+from openagentmesh import AgentMesh, AgentSpec
+
+class In(BaseModel):
+    message: str
+class Out(BaseModel):
+    reply: str
+
+mesh = AgentMesh(sys.argv[1])
+
+@mesh.agent(AgentSpec(name="sdk.echo", description="Echoes from Python", tags=[], version="0.1.0"))
+async def echo(req: In) -> Out:
+    return Out(reply="py:" + req.message)
+
+async def main():
+    async with mesh:
+        print('{"ready": true}', flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"#;
+    let mut child = Command::new(python())
+        .args(["-c", AGENT, url])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python with openagentmesh; run scripts/install-test-tools");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    if !line.contains("ready") {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the SDK agent did not start: {line:?} (its stderr is above)");
+    }
+    child
+}
+
 /// Parse a Prometheus exposition with Prometheus' own Python parser; returns every sample as
 /// `[name, {labels}, value]`. Panics, with the parser's message, if the text is not valid.
 pub fn prometheus_samples(text: &str) -> Vec<Value> {
@@ -317,11 +361,20 @@ impl LocalCluster {
         LocalCluster { dir, record }
     }
 
-    /// The application account's URL, credentials included.
+    /// The application account's admin URL, credentials included (may do everything).
     pub fn app_url(&self) -> String {
-        let text = std::fs::read_to_string(self.dir.0.join("credentials.json")).unwrap();
+        let text = std::fs::read_to_string(self.dir.0.join("system.json")).unwrap();
         let v: Value = serde_json::from_str(&text).unwrap();
         v["app_url"].as_str().unwrap().to_string()
+    }
+
+    /// The URL in the credentials file of role user `user` (`creds/{user}.json`).
+    pub fn role_url(&self, user: &str) -> String {
+        let path = self.dir.0.join("creds").join(format!("{user}.json"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["url"].as_str().unwrap().to_string()
     }
 
     /// `oam` pointed at this mesh.

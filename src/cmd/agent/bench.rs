@@ -243,7 +243,7 @@ pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
         .ok()
         .filter(|d| !d.is_zero() && a.seconds <= 3_600.0)
         .ok_or_else(|| Error::usage("--seconds must be a number of seconds in (0, 3600]"))?;
-    let url = &mesh.url()?;
+    let url = &mesh.url(&crate::cmd::Role::Caller)?;
     let nats = crate::transport::connect::reach(url, "oam-agent-bench", false).await?;
     let caller = std::sync::Arc::new(
         Caller::new(nats.clone())

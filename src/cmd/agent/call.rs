@@ -62,7 +62,9 @@ fn failed(e: &protocol::MeshError) -> Outcome {
 /// Call agent `c.name`; its error reply is a failed check (exit 1) naming the code.
 pub async fn call(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
-    let nc = mesh.connect("oam-agent-call").await?;
+    let nc = mesh
+        .connect(&crate::cmd::Role::Caller, "oam-agent-call")
+        .await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
@@ -80,7 +82,9 @@ pub async fn call(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
 /// check naming the code.
 pub async fn stream(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
-    let nc = mesh.connect("oam-agent-stream").await?;
+    let nc = mesh
+        .connect(&crate::cmd::Role::Caller, "oam-agent-stream")
+        .await?;
     let caller = client::Caller::new(nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;

@@ -46,7 +46,9 @@ fn listed<'a>(entry: &'a CatalogEntry, records: &[InstanceRecord], now: u64) -> 
 }
 
 pub async fn run(mesh: &super::super::MeshArgs, l: Args) -> Result<()> {
-    let nc = mesh.connect("oam-agent-list").await?;
+    let nc = mesh
+        .connect(&crate::cmd::Role::Caller, "oam-agent-list")
+        .await?;
     let (entries, unreadable) = store::catalog_checked(&nc)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;

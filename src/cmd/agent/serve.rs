@@ -44,7 +44,7 @@ pub async fn run(mesh: &super::super::MeshArgs, s: Args) -> Result<()> {
             "--replicas and --concurrency must be at least 1",
         ));
     }
-    let url = &mesh.url()?;
+    let url = &mesh.url(&crate::cmd::Role::Agent(s.name.clone()))?;
     let entry = CatalogEntry {
         name: s.name.clone(),
         description: s.description.clone(),

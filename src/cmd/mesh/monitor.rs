@@ -21,12 +21,18 @@ pub struct Args {
 pub async fn run(a: Args) -> Result<()> {
     use crate::transport::connect;
     let dir = a.mesh.dir();
-    let from_dir = |key: &str| local::recorded_url(&dir, key);
-    let app_url = a.mesh.url()?;
+    let role = crate::cmd::Role::Monitor;
+    let app_url = a.mesh.url(&role)?;
+    // The system account's limited observer, from the monitor's credentials file.
+    let from_dir = || {
+        let path = a.mesh.creds.clone().filter(|p| local::is_role_file(p));
+        let path = path.unwrap_or_else(|| local::role_path(&dir, &role.user()));
+        local::read_role_file(&path).ok()?.sys_url
+    };
     let sys_url = a
         .sys_url
         .or_else(|| std::env::var(ENV_SYS_URL).ok())
-        .or_else(|| from_dir("sys_url"))
+        .or_else(from_dir)
         .ok_or_else(|| {
             Error::usage(
                 "the monitor needs the system account to read $SYS advisories: pass --sys-url \

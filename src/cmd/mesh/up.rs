@@ -82,7 +82,7 @@ pub async fn run(a: Args) -> Result<()> {
             "dir": dir,
             "nats": format!("nats://127.0.0.1:{}", rec.nats_port),
             "nats_server_version": version,
-            "credentials": dir.join(local::CREDENTIALS),
+            "credentials": dir.join(local::CREDS_DIR),
             "sim": rec.sim_url,
             "nodes": rec.nodes().map(|n| serde_json::json!({"id": n.name, "http": n.endpoint, "pid": n.pid})).collect::<Vec<_>>(),
             "processes": rec.processes,
@@ -119,6 +119,13 @@ pub async fn run(a: Args) -> Result<()> {
         "  oam mesh status --dir {}    oam mesh down --dir {}",
         a.dir.display(),
         a.dir.display()
+    )?;
+    writeln!(
+        out,
+        "  oam creds issue --role agent --name NAME --dir {}    (each role has its own \
+         NATS user: {})",
+        a.dir.display(),
+        dir.join(local::CREDS_DIR).display()
     )?;
     Ok(())
 }

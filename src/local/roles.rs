@@ -1,0 +1,459 @@
+//! Who may do what on a mesh's NATS: one user per role, and the subjects each may publish and
+//! subscribe to, enforced by nats-server (the `permissions` of each user in the generated
+//! config). A process gets the credentials of its role only, so a hostile agent cannot speak
+//! for a node, the monitor or the warden: the server refuses it.
+//!
+//! | role            | may publish                                             | may read           |
+//! |-----------------|---------------------------------------------------------|--------------------|
+//! | `node-{id}`     | its own gossip, state, decisions, incidents, escalations | gossip, its chaos, requests |
+//! | `monitor`       | death notices; the mesh's liveness records              | heartbeats         |
+//! | `warden`        | chaos commands to nodes, chaos events                    | chaos requests     |
+//! | `operator`      | chaos requests, escalation resolutions                   | everything a viewer reads |
+//! | `agent-{name}`  | its own heartbeats, errors, graceful death; calls        | its own requests   |
+//! | `caller`        | calls to agents, data-plane requests                     | deaths, streams, the catalog |
+//! | `viewer`        | nothing (JetStream reads only)                           | `oam.v1.>`, mesh events |
+//! | admin (`oam`)   | everything, including stream and bucket delete          | everything         |
+//!
+//! Every role may subscribe to `_INBOX.>` (replies, JetStream reads) and answer a request it
+//! received (`allow_responses`). The system account has one limited user, `observer`, that may
+//! read disconnect advisories and ask for connection lists (never kick).
+
+use crate::transport::{escalations, subjects};
+
+/// One role, with the name it is for where it has one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Everything: `oam mesh up` itself, bucket creation, stream deletion.
+    Admin,
+    Node(String),
+    Agent(String),
+    Monitor,
+    Warden,
+    Operator,
+    Caller,
+    Viewer,
+}
+
+/// The admin's user name (the application account's first user).
+pub const ADMIN_USER: &str = "oam";
+/// The system account's limited user (monitor and warden).
+pub const OBSERVER_USER: &str = "observer";
+
+/// The role names `oam creds issue --role` takes.
+pub const KINDS: &[&str] = &[
+    "agent", "caller", "viewer", "operator", "node", "monitor", "warden",
+];
+
+/// Subject and KV-key rules for every name given to a role: dot-separated tokens of letters,
+/// digits, '-' and '_' (no wildcards, no spaces), at most 128 characters.
+pub fn valid_name(name: &str) -> bool {
+    name.len() <= 128 && name.split('.').all(subjects::valid_token)
+}
+
+impl Role {
+    /// The role `kind` for `name` (agents and nodes need one; the others take none).
+    pub fn parse(kind: &str, name: Option<&str>) -> Result<Role, String> {
+        let named = |make: fn(String) -> Role| match name {
+            Some(n) if valid_name(n) => Ok(make(n.to_string())),
+            Some(n) => Err(format!(
+                "--name {n:?}: use dot-separated words of letters, digits, '-' and '_'"
+            )),
+            None => Err(format!("--role {kind} needs --name (the {kind}'s name)")),
+        };
+        let bare = |role: Role| match name {
+            None => Ok(role),
+            Some(_) => Err(format!("--role {kind} takes no --name")),
+        };
+        match kind {
+            "agent" => named(Role::Agent),
+            "node" => named(Role::Node).and_then(|r| match &r {
+                Role::Node(id) if !subjects::valid_token(id) => Err(format!(
+                    "--name {id:?}: a node id is one word of letters, digits, '-' and '_'"
+                )),
+                _ => Ok(r),
+            }),
+            "caller" => bare(Role::Caller),
+            "viewer" => bare(Role::Viewer),
+            "operator" => bare(Role::Operator),
+            "monitor" => bare(Role::Monitor),
+            "warden" => bare(Role::Warden),
+            other => Err(format!(
+                "unknown role {other:?}; one of: {}",
+                KINDS.join(", ")
+            )),
+        }
+    }
+
+    /// The NATS user name of this role.
+    pub fn user(&self) -> String {
+        match self {
+            Role::Admin => ADMIN_USER.into(),
+            Role::Node(id) => format!("node-{id}"),
+            Role::Agent(name) => format!("agent-{name}"),
+            Role::Monitor => "monitor".into(),
+            Role::Warden => "warden".into(),
+            Role::Operator => "operator".into(),
+            Role::Caller => "caller".into(),
+            Role::Viewer => "viewer".into(),
+        }
+    }
+
+    /// The role a user name stands for (`None`: not one of ours).
+    pub fn of_user(user: &str) -> Option<Role> {
+        let role = if let Some(id) = user.strip_prefix("node-") {
+            Role::Node(id.to_string())
+        } else if let Some(name) = user.strip_prefix("agent-") {
+            Role::Agent(name.to_string())
+        } else {
+            match user {
+                ADMIN_USER => Role::Admin,
+                "monitor" => Role::Monitor,
+                "warden" => Role::Warden,
+                "operator" => Role::Operator,
+                "caller" => Role::Caller,
+                "viewer" => Role::Viewer,
+                _ => return None,
+            }
+        };
+        let ok = match &role {
+            Role::Node(id) => subjects::valid_token(id),
+            Role::Agent(name) => valid_name(name),
+            _ => true,
+        };
+        ok.then_some(role)
+    }
+
+    /// The role's kind, as `--role` takes it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::Node(_) => "node",
+            Role::Agent(_) => "agent",
+            Role::Monitor => "monitor",
+            Role::Warden => "warden",
+            Role::Operator => "operator",
+            Role::Caller => "caller",
+            Role::Viewer => "viewer",
+        }
+    }
+
+    /// What the role may do; `None` for the admin, who may do everything.
+    pub fn permissions(&self) -> Option<Permissions> {
+        let mut p = Permissions::base();
+        match self {
+            Role::Admin => return None,
+            Role::Viewer => p.viewer(),
+            Role::Operator => {
+                p.viewer();
+                p.publish([
+                    subjects::CHAOS_INJECT,
+                    subjects::CHAOS_LIST,
+                    subjects::CHAOS_RESTORE,
+                ]);
+                p.kv_write(escalations::BUCKET, ">");
+            }
+            Role::Caller => p.caller(),
+            Role::Agent(name) => {
+                p.caller();
+                p.publish([
+                    subjects::health(name),
+                    subjects::death(name),
+                    subjects::errors(name),
+                    subjects::agent_events(name),
+                    subjects::ALL_STREAMS.into(),
+                    subjects::ALL_RESULTS.into(),
+                    subjects::ACK_INBOXES.into(),
+                ]);
+                p.subscribe([subjects::agent(name)]);
+                p.kv_write(subjects::CATALOG_BUCKET, subjects::CATALOG_KEY);
+                p.kv_write(subjects::REGISTRY_BUCKET, name);
+                // Instance ids are random and a re-registered instance clears its own
+                // tombstone: any key (the warden checks a record against the server and the
+                // process before it acts on it).
+                p.kv_write(subjects::INSTANCES_BUCKET, ">");
+                p.kv_write(subjects::TOMBSTONES_BUCKET, ">");
+                // The Open Agent Mesh SDK's shared context and artifacts.
+                p.kv_write(SDK_CONTEXT_BUCKET, ">");
+                p.publish([format!("$O.{SDK_ARTIFACTS_BUCKET}.>")]);
+                p.read_stream(&format!("OBJ_{SDK_ARTIFACTS_BUCKET}"));
+            }
+            Role::Node(id) => {
+                p.publish([
+                    subjects::heartbeat(id),
+                    subjects::goodbye(id),
+                    subjects::observations(id),
+                    subjects::decision(id),
+                    subjects::state(id),
+                    subjects::incident(id),
+                    subjects::escalation(id),
+                ]);
+                p.subscribe([
+                    subjects::HEARTBEATS,
+                    subjects::GOODBYES,
+                    subjects::ALL_OBSERVATIONS,
+                    subjects::DEATHS,
+                    subjects::REQUEST,
+                ]);
+                p.subscribe([subjects::chaos_node(id), subjects::chaos_node("all")]);
+                p.kv_write(escalations::BUCKET, ">");
+            }
+            Role::Monitor => {
+                p.publish([subjects::DEATHS, subjects::INSTANCE_DEATHS]);
+                p.subscribe([
+                    subjects::HEALTH,
+                    subjects::DEATHS,
+                    subjects::INSTANCE_DEATHS,
+                ]);
+                for b in MESH_BUCKETS {
+                    p.kv_write(b, ">");
+                }
+            }
+            Role::Warden => {
+                p.publish([subjects::chaos_node("*"), subjects::CHAOS_EVENT.to_string()]);
+                p.subscribe([
+                    subjects::CHAOS_INJECT,
+                    subjects::CHAOS_LIST,
+                    subjects::CHAOS_RESTORE,
+                ]);
+                for b in MESH_BUCKETS {
+                    p.kv_read(b);
+                }
+            }
+        }
+        Some(p)
+    }
+}
+
+/// The Open Agent Mesh SDK's context bucket and artifact store (created by `oam mesh up`, so
+/// agents need not create streams).
+pub const SDK_CONTEXT_BUCKET: &str = "mesh-context";
+pub const SDK_ARTIFACTS_BUCKET: &str = "mesh-artifacts";
+
+/// The agent mesh's buckets.
+const MESH_BUCKETS: [&str; 4] = [
+    subjects::CATALOG_BUCKET,
+    subjects::REGISTRY_BUCKET,
+    subjects::INSTANCES_BUCKET,
+    subjects::TOMBSTONES_BUCKET,
+];
+
+/// Allow-lists for one user.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Permissions {
+    pub publish: Vec<String>,
+    pub subscribe: Vec<String>,
+}
+
+impl Permissions {
+    /// What every role needs: replies and JetStream reads come to `_INBOX.>`; JetStream's flow
+    /// control and acknowledgements.
+    fn base() -> Permissions {
+        let mut p = Permissions::default();
+        p.publish(["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"]);
+        p.subscribe([subjects::INBOXES]);
+        p
+    }
+
+    fn publish<S: Into<String>>(&mut self, subjects: impl IntoIterator<Item = S>) {
+        for s in subjects {
+            let s = s.into();
+            if !self.publish.contains(&s) {
+                self.publish.push(s);
+            }
+        }
+    }
+
+    fn subscribe<S: Into<String>>(&mut self, subjects: impl IntoIterator<Item = S>) {
+        for s in subjects {
+            let s = s.into();
+            if !self.subscribe.contains(&s) {
+                self.subscribe.push(s);
+            }
+        }
+    }
+
+    /// Read the stream `stream`: its info, single messages, and consumers (watches, key lists).
+    fn read_stream(&mut self, stream: &str) {
+        self.publish([
+            format!("$JS.API.STREAM.INFO.{stream}"),
+            format!("$JS.API.STREAM.MSG.GET.{stream}"),
+            format!("$JS.API.DIRECT.GET.{stream}"),
+            format!("$JS.API.DIRECT.GET.{stream}.>"),
+            format!("$JS.API.CONSUMER.CREATE.{stream}"),
+            format!("$JS.API.CONSUMER.CREATE.{stream}.>"),
+            format!("$JS.API.CONSUMER.INFO.{stream}.>"),
+            format!("$JS.API.CONSUMER.DELETE.{stream}.>"),
+            format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.>"),
+        ]);
+    }
+
+    fn kv_read(&mut self, bucket: &str) {
+        self.read_stream(&format!("KV_{bucket}"));
+    }
+
+    /// Read bucket `bucket` and write the keys `keys` (a key or a wildcard) of it.
+    fn kv_write(&mut self, bucket: &str, keys: &str) {
+        self.kv_read(bucket);
+        self.publish([format!("$KV.{bucket}.{keys}")]);
+    }
+
+    fn viewer(&mut self) {
+        self.subscribe([
+            subjects::CONTROL_PLANE,
+            subjects::DEATHS,
+            subjects::INSTANCE_DEATHS,
+            subjects::HEALTH,
+            subjects::ALL_ERRORS,
+        ]);
+        for b in MESH_BUCKETS.iter().chain([&escalations::BUCKET]) {
+            self.kv_read(b);
+        }
+    }
+
+    fn caller(&mut self) {
+        self.publish([subjects::ALL_AGENTS, subjects::REQUEST, subjects::BENCH_RAW]);
+        self.subscribe([
+            subjects::DEATHS,
+            subjects::INSTANCE_DEATHS,
+            subjects::HEALTH,
+            subjects::ALL_STREAMS,
+            subjects::ALL_RESULTS,
+            subjects::BENCH_RAW,
+        ]);
+        for b in [
+            subjects::CATALOG_BUCKET,
+            subjects::REGISTRY_BUCKET,
+            subjects::INSTANCES_BUCKET,
+        ] {
+            self.kv_read(b);
+        }
+    }
+}
+
+/// The SYS account's `observer`: disconnect advisories and connection lists, nothing else.
+pub fn observer_permissions() -> Permissions {
+    let mut p = Permissions::default();
+    p.publish([subjects::sys_connz(""), subjects::sys_connz("*")]);
+    p.subscribe([subjects::SYS_DISCONNECTS, subjects::INBOXES]);
+    p
+}
+
+/// The `permissions` block of a user in nats-server's config.
+pub fn config_block(p: &Permissions) -> String {
+    let list = |v: &[String]| {
+        v.iter()
+            .map(|s| serde_json::to_string(s).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}] }}, \
+         allow_responses: true }}",
+        list(&p.publish),
+        list(&p.subscribe)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn may_publish(role: &Role, subject: &str) -> bool {
+        let Some(p) = role.permissions() else {
+            return true;
+        };
+        p.publish.iter().any(|pat| matches(pat, subject))
+    }
+
+    /// NATS subject matching: `*` one token, `>` the rest.
+    fn matches(pattern: &str, subject: &str) -> bool {
+        let (mut p, mut s) = (pattern.split('.'), subject.split('.'));
+        loop {
+            match (p.next(), s.next()) {
+                (Some(">"), Some(_)) => return true,
+                (Some("*"), Some(_)) => {}
+                (Some(a), Some(b)) if a == b => {}
+                (None, None) => return true,
+                _ => return false,
+            }
+        }
+    }
+
+    #[test]
+    fn users_and_roles_round_trip() {
+        for role in [
+            Role::Admin,
+            Role::Node("n1".into()),
+            Role::Agent("demo.echo".into()),
+            Role::Monitor,
+            Role::Warden,
+            Role::Operator,
+            Role::Caller,
+            Role::Viewer,
+        ] {
+            assert_eq!(Role::of_user(&role.user()), Some(role));
+        }
+        assert_eq!(Role::of_user("stranger"), None);
+        assert_eq!(Role::of_user("agent-a.*"), None);
+        assert_eq!(Role::of_user("node-a.b"), None);
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(Role::parse("agent", Some("demo.echo")).is_ok());
+        assert!(Role::parse("agent", Some("a.>")).is_err());
+        assert!(Role::parse("agent", Some("a b")).is_err());
+        assert!(Role::parse("agent", None).is_err());
+        assert!(Role::parse("node", Some("n.1")).is_err());
+        assert!(Role::parse("viewer", Some("x")).is_err());
+        assert!(
+            Role::parse("root", None)
+                .unwrap_err()
+                .contains("one of: agent")
+        );
+    }
+
+    #[test]
+    fn only_the_right_role_speaks_for_a_subject() {
+        let agent = Role::Agent("demo.echo".into());
+        let caller = Role::Caller;
+        let viewer = Role::Viewer;
+        let n1 = Role::Node("n1".into());
+        let node_fault = subjects::chaos_node("n1");
+        for r in [&agent, &caller, &viewer, &n1] {
+            assert!(!may_publish(r, &node_fault), "{r:?}");
+            assert!(!may_publish(r, subjects::CHAOS_INJECT), "{r:?}");
+            assert!(!may_publish(r, &subjects::death("other")), "{r:?}");
+            assert!(!may_publish(r, &subjects::instance_death("abc")), "{r:?}");
+            assert!(!may_publish(r, "$JS.API.STREAM.DELETE.KV_mesh-catalog"));
+            assert!(!may_publish(r, "$KV.oam-escalations.esc-n1-1-1") || r == &n1);
+            assert!(!may_publish(r, &subjects::heartbeat("n2")), "{r:?}");
+        }
+        assert!(may_publish(&n1, &subjects::heartbeat("n1")));
+        assert!(may_publish(&agent, &subjects::health("demo.echo")));
+        assert!(!may_publish(&agent, &subjects::health("other")));
+        assert!(may_publish(&agent, &subjects::death("demo.echo")));
+        assert!(may_publish(&Role::Monitor, &subjects::death("other")));
+        assert!(may_publish(&Role::Warden, &node_fault));
+        assert!(may_publish(&Role::Operator, subjects::CHAOS_INJECT));
+        assert!(!may_publish(&Role::Operator, &node_fault));
+        assert!(may_publish(
+            &Role::Admin,
+            "$JS.API.STREAM.DELETE.KV_mesh-catalog"
+        ));
+        // A viewer publishes nothing but JetStream reads.
+        let v = viewer.permissions().unwrap();
+        assert!(
+            v.publish.iter().all(|s| s.starts_with("$JS.")),
+            "{:?}",
+            v.publish
+        );
+    }
+
+    #[test]
+    fn the_config_block_quotes_every_subject() {
+        let block = config_block(&Role::Viewer.permissions().unwrap());
+        assert!(block.contains("\"$JS.API.INFO\""), "{block}");
+        assert!(block.contains("allow_responses: true"));
+    }
+}
