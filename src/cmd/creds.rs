@@ -203,17 +203,15 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> Result
             .map_err(|e| Error::new(Kind::Failed, e))
     };
     // The server reloads only a config that names its ports as it was started ("any free
-    // port"); once it has, the file names the ports taken again, so a restart from it comes
-    // back at the same address.
-    let as_started = layout(record.nats_asked_port, 0);
-    write(&as_started)?;
-    let signalled = local::signal(server.pid, libc::SIGHUP);
-    let port = record.nats_port;
-    let target = creds
-        .url(port, changed)
-        .unwrap_or_else(|| format!("nats://{changed}:revoked@127.0.0.1:{port}"));
-    let done = if signalled {
-        took(&target, creds.users.contains_key(changed)).await
+    // port"); once it has read it, the file names the ports taken again, so a restart from it
+    // comes back at the same address.
+    let http = crate::http::http_client(Some(Duration::from_secs(1)))
+        .map_err(|e| Error::new(Kind::Failed, e))?;
+    let varz = format!("http://127.0.0.1:{}/varz", record.nats_monitor_port);
+    let before = loaded_at(&http, &varz).await;
+    write(&layout(record.nats_asked_port, 0))?;
+    let done = if local::signal(server.pid, libc::SIGHUP) {
+        reloaded(&http, &varz, before).await
     } else {
         Err(format!(
             "cannot signal nats-server (pid {}) to reload",
@@ -221,6 +219,14 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> Result
         ))
     };
     write(&layout(record.nats_port, record.nats_monitor_port))?;
+    let port = record.nats_port;
+    let target = creds
+        .url(port, changed)
+        .unwrap_or_else(|| format!("nats://{changed}:revoked@127.0.0.1:{port}"));
+    let done = match done {
+        Ok(()) => took(&target, creds.users.contains_key(changed)).await,
+        Err(e) => Err(e),
+    };
     done.map(|()| true).map_err(|why| {
         Error::new(
             Kind::Unreachable,
@@ -229,26 +235,56 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> Result
     })
 }
 
-/// Wait (at most 5 s) until the server, reloading, takes the credentials in `url` (`admit`) or
-/// refuses them (a revoked user).
+/// When the server last loaded its config (its monitoring endpoint's `config_load_time`).
+async fn loaded_at(http: &reqwest::Client, varz: &str) -> Option<String> {
+    let v: serde_json::Value = http.get(varz).send().await.ok()?.json().await.ok()?;
+    v["config_load_time"].as_str().map(String::from)
+}
+
+/// Wait (at most 5 s) until the server has loaded its config again since `before`.
+async fn reloaded(
+    http: &reqwest::Client,
+    varz: &str,
+    before: Option<String>,
+) -> std::result::Result<(), String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = loaded_at(http, varz).await;
+        if now.is_some() && now != before {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err("nats-server did not reload its config within 5 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Check that the server admits the credentials in `url` (`admit`) or refuses them as
+/// unauthorized (a revoked user): a few tries within 5 s, for a busy server.
 async fn took(url: &str, admit: bool) -> std::result::Result<(), String> {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let (bare, auth) = crate::transport::connect::split_credentials(url);
     let (name, password) = auth.unwrap_or_default();
     loop {
-        // A plain connection: a refusal before the reload must not stop this command.
+        // A plain connection: a refusal must not stop this command.
         let tried =
             async_nats::ConnectOptions::with_user_and_password(name.clone(), password.clone())
-                .connection_timeout(Duration::from_secs(1))
+                .connection_timeout(Duration::from_secs(2))
                 .connect(bare.as_str())
                 .await;
-        if tried.is_ok() == admit {
+        let as_wanted = match &tried {
+            Ok(_) => admit,
+            Err(e) => !admit && e.to_string().to_ascii_lowercase().contains("authoriz"),
+        };
+        if as_wanted {
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
-            let what = if admit { "take" } else { "drop" };
+            let what = if admit { "admit" } else { "refuse" };
             return Err(format!(
-                "nats-server did not {what} the credentials of {name} within 5 s"
+                "nats-server reloaded but does not {what} {name} (last try: {})",
+                tried.map_or_else(|e| e.to_string(), |_| "admitted".into())
             ));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
