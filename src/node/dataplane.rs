@@ -200,9 +200,20 @@ fn parse_enum_header<T: serde::de::DeserializeOwned>(
     }
 }
 
-/// Build the core request from the body and headers.
-/// The request, and whether it asked for server-sent events (`"stream": true`).
+/// Build the core request from the body and headers: the request, and whether it asked for
+/// server-sent events (`"stream": true`). Bytes from outside: property-tested below.
 fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool), BadRequest> {
+    decode_request(&node.cfg.providers, body, h, || node.next_request_id())
+}
+
+/// `to_request` against the providers a node routes to; `new_id` names a request that names
+/// itself nowhere.
+fn decode_request(
+    providers: &[super::config::ProviderConfig],
+    body: &[u8],
+    h: &HeaderMap,
+    new_id: impl FnOnce() -> String,
+) -> Result<(Request, bool), BadRequest> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     let chat: ChatIn = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -234,20 +245,13 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool)
     }
     if let Some(model) = &chat.model
         && !model.is_empty()
-        && !node
-            .cfg
-            .providers
+        && !providers
             .iter()
             .any(|p| &p.model == model || &p.id == model)
         && model != "oam"
         && model != "auto"
     {
-        let known: Vec<&str> = node
-            .cfg
-            .providers
-            .iter()
-            .map(|p| p.model.as_str())
-            .collect();
+        let known: Vec<&str> = providers.iter().map(|p| p.model.as_str()).collect();
         return Err(bad(
             "model",
             format!(
@@ -261,7 +265,7 @@ fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool)
     let id = o
         .request_id
         .or_else(|| header(h, "x-request-id").map(String::from))
-        .unwrap_or_else(|| node.next_request_id());
+        .unwrap_or_else(new_id);
     let request = Request {
         id,
         agent: o
@@ -841,5 +845,56 @@ mod tests {
         d.phase = Phase::Generation;
         d.reason_codes = vec![ReasonCode::GenerationTimeout];
         assert_eq!(status_for(&d).as_u16(), 504);
+    }
+
+    /// JSON-ish text from the pieces a chat request is made of, so that the decoder gets far
+    /// past the first byte.
+    fn chat_like() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let piece = prop_oneof![
+            Just("{".to_string()),
+            Just("}".to_string()),
+            Just("[".to_string()),
+            Just("]".to_string()),
+            Just(",".to_string()),
+            Just(":".to_string()),
+            Just("\"messages\"".to_string()),
+            Just("\"role\"".to_string()),
+            Just("\"content\"".to_string()),
+            Just("\"model\"".to_string()),
+            Just("\"oam\"".to_string()),
+            Just("\"stream\"".to_string()),
+            Just("\"type\"".to_string()),
+            Just("\"text\"".to_string()),
+            Just("\"risk\"".to_string()),
+            Just("\"max_tokens\"".to_string()),
+            Just("\"latency_budget_ms\"".to_string()),
+            Just("\"contract\"".to_string()),
+            Just("\"user\"".to_string()),
+            Just("null".to_string()),
+            Just("true".to_string()),
+            Just("-1".to_string()),
+            Just("1e999".to_string()),
+            Just("18446744073709551616".to_string()),
+            any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap_or_default()),
+        ];
+        proptest::collection::vec(piece, 0..40).prop_map(|v| v.concat())
+    }
+
+    proptest::proptest! {
+        /// Whatever a client sends, the decoder answers with a request or a 400 naming why;
+        /// it never panics.
+        #[test]
+        fn any_body_decodes_or_is_refused(body in chat_like(), raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
+            let providers = crate::node::config::default_providers("http://127.0.0.1:1");
+            let mut h = HeaderMap::new();
+            h.insert("x-oam-risk", HeaderValue::from_static("high"));
+            for bytes in [body.as_bytes(), raw.as_slice()] {
+                match decode_request(&providers, bytes, &h, || "r".into()) {
+                    Ok((r, _)) => proptest::prop_assert!(!r.messages.is_empty()),
+                    Err(e) => proptest::prop_assert!(!e.message.is_empty()),
+                }
+            }
+        }
     }
 }

@@ -157,6 +157,16 @@ async fn every_role_may_do_its_own_work_and_nothing_else() {
         );
     }
 
+    // The monitor's system-account user reads advisories and connection lists; it cannot kick.
+    let monitor_file: Value =
+        serde_json::from_slice(&std::fs::read(mesh.dir.0.join("creds/monitor.json")).unwrap())
+            .unwrap();
+    let (observer, observer_errors) = client(monitor_file["sys_url"].as_str().unwrap()).await;
+    let kick = "$SYS.REQ.SERVER.oam-local.KICK";
+    observer.publish(kick, "{}".into()).await.unwrap();
+    observer.flush().await.unwrap();
+    refused(&observer_errors, "publish", kick).await;
+
     // A viewer publishes nothing.
     let (viewer, viewer_errors) = client(&mesh.role_url("viewer")).await;
     for subject in ["oam.v1.decision.n1", "mesh.agent.evil", "oam.v1.request"] {
