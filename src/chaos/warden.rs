@@ -8,7 +8,7 @@ use crate::core::chaos::{
     Active, Aim, ContractBreak, Event, Fault, Inject, MAX_FOR, NodeCommand, Params, Reply, Restore,
 };
 use crate::local::{self, Record, Started};
-use crate::mesh::store;
+use crate::mesh::{monitor, store};
 use crate::sim::model::{FaultMode, SetFault};
 use crate::transport::connect::flush_within;
 use crate::transport::subjects;
@@ -61,6 +61,8 @@ pub struct Warden {
     children: Vec<std::process::Child>,
     /// Agent processes it started again (not in the mesh record): stopped with the warden.
     agents: Vec<std::process::Child>,
+    /// The system account's observer: which process holds an instance's connection.
+    sys: Option<async_nats::Client>,
 }
 
 fn err(message: impl Into<String>) -> Reply {
@@ -126,6 +128,32 @@ fn runs_this_executable(pid: u32) -> bool {
     let theirs = std::fs::metadata(format!("/proc/{pid}/exe"));
     let ours = std::fs::metadata("/proc/self/exe");
     matches!((theirs, ours), (Ok(a), Ok(b)) if (a.dev(), a.ino()) == (b.dev(), b.ino()))
+}
+
+/// Does process `pid` hold the TCP socket whose local end is 127.0.0.1:`port` (its inode in
+/// `/proc/net/tcp`, among the process's open files)?
+fn holds_local_port(pid: u32, port: u16) -> bool {
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
+        return false;
+    };
+    // `sl local_address rem_address st ... inode`: local 127.0.0.1:port is `0100007F:PPPP`.
+    let local = format!("0100007F:{port:04X}");
+    let inodes: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(1) == Some(&local.as_str())).then(|| f.get(9).map(|s| (*s).to_string()))?
+        })
+        .collect();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .any(|target| {
+            let t = target.to_string_lossy();
+            inodes.iter().any(|i| t == format!("socket:[{i}]"))
+        })
 }
 
 /// Check `req` against the bounds and what is `active`, resolve its target and settings: pure,
@@ -241,6 +269,7 @@ impl Warden {
             loads: BTreeMap::new(),
             children: Vec::new(),
             agents: Vec::new(),
+            sys: None,
         })
     }
 
@@ -289,6 +318,20 @@ impl Warden {
             })
     }
 
+    /// Does process `pid` hold the NATS connection the server knows as instance `id`
+    /// (`oam-host-{id}`)? Asked of the server through the system account; without it, nothing
+    /// can be verified and the answer is no.
+    async fn holds_instance(&self, pid: u32, id: &str) -> bool {
+        let Some(sys) = &self.sys else {
+            tracing::warn!("no system-account access: an instance's process cannot be verified");
+            return false;
+        };
+        match monitor::connection_port(sys, &subjects::host_connection(id)).await {
+            Some(port) => holds_local_port(pid, port),
+            None => false,
+        }
+    }
+
     /// One running instance of `agent` served by oam on this machine: (pid, its command line).
     async fn agent_process(&self, agent: &str) -> Result<(u32, Vec<String>), Reply> {
         let host = store::hostname();
@@ -306,8 +349,12 @@ impl Warden {
                     .map(|a| String::from_utf8_lossy(a).into_owned())
                     .collect();
                 // A record is a claim anyone on the bus can write: the process must be this
-                // very oam serving that agent, or it is not touched.
-                if serves_agent(&argv, agent) && runs_this_executable(pid) {
+                // very oam serving that agent, and hold the connection the server knows as
+                // that instance, or it is not touched.
+                if serves_agent(&argv, agent)
+                    && runs_this_executable(pid)
+                    && self.holds_instance(pid, &r.instance_id).await
+                {
                     return Ok((pid, argv));
                 }
                 tracing::warn!(
@@ -742,14 +789,18 @@ fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, Reply> {
 }
 
 /// Run the warden for the mesh in `dir` until `stop`; `ready` is called once it answers.
+/// `sys` (the system account's observer) lets it verify which process holds an instance's
+/// connection; without it, no agent process is signalled.
 pub async fn run(
     dir: &Path,
     nats: async_nats::Client,
+    sys: Option<async_nats::Client>,
     app_url: String,
     ready: impl FnOnce(),
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let mut w = Warden::new(dir.to_path_buf(), nats.clone(), app_url)?;
+    w.sys = sys;
     let mut inject = nats.subscribe(subjects::CHAOS_INJECT).await?;
     let mut list = nats.subscribe(subjects::CHAOS_LIST).await?;
     let mut restore = nats.subscribe(subjects::CHAOS_RESTORE).await?;
@@ -840,6 +891,12 @@ mod tests {
         }
         // A process runs its own executable; pid 1 (init) does not run this one.
         assert!(runs_this_executable(std::process::id()));
+        // The process that holds a connection's local end is found; another is not.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let conn = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let port = conn.local_addr().unwrap().port();
+        assert!(holds_local_port(std::process::id(), port));
+        assert!(!holds_local_port(1, port));
         assert!(!runs_this_executable(1), "pid 1 runs something else");
     }
 

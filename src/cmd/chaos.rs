@@ -285,6 +285,27 @@ pub async fn run(a: Args) -> Result<()> {
         Command::Warden => {
             let dir = a.mesh.dir();
             let nc = crate::transport::connect::reach(&url, "oam-chaos-warden", false).await?;
+            // The system account's observer, from the warden's credentials file.
+            let file = a
+                .mesh
+                .creds
+                .clone()
+                .filter(|p| crate::local::is_role_file(p))
+                .unwrap_or_else(|| crate::local::role_path(&dir, &role.user()));
+            let sys_url = std::env::var(crate::local::cluster::ENV_SYS_URL)
+                .ok()
+                .or_else(|| crate::local::read_role_file(&file).ok()?.sys_url);
+            let sys = match sys_url {
+                Some(u) => Some(connect::reach(&u, "oam-chaos-warden-sys", false).await?),
+                None => {
+                    tracing::warn!(
+                        "no system-account access ({} names none): kill-agent and stop-agent \
+                         will be refused, as no process can be verified",
+                        file.display()
+                    );
+                    None
+                }
+            };
             let json = a.json;
             let ready_dir = dir.clone();
             let ready = move || {
@@ -301,7 +322,7 @@ pub async fn run(a: Args) -> Result<()> {
                 };
                 let _ = out.flush();
             };
-            crate::chaos::warden::run(&dir, nc, url, ready, crate::signal::terminated())
+            crate::chaos::warden::run(&dir, nc, sys, url, ready, crate::signal::terminated())
                 .await
                 .map_err(|e| Error::new(Kind::Unreachable, e))
         }

@@ -73,6 +73,9 @@ struct ConnzData {
 struct ConnInfo {
     #[serde(default)]
     name: String,
+    /// The client's end of the connection (its local port, as the server sees it).
+    #[serde(default)]
+    port: u16,
     #[serde(default)]
     subscriptions_list_detail: Vec<SubDetail>,
 }
@@ -280,6 +283,19 @@ async fn connz(sys: &async_nats::Client, server: &str, query: serde_json::Value)
         .ok()?
         .ok()?;
     serde_json::from_slice(&reply.payload).ok()
+}
+
+/// The client port of the open connection named `name` (what `oam-host-{id}` connections
+/// are called), if the server knows one: how the warden ties an instance to a process.
+pub async fn connection_port(sys: &async_nats::Client, name: &str) -> Option<u16> {
+    let query = serde_json::json!({"state": 0, "limit": 100_000});
+    connz(sys, "", query)
+        .await?
+        .data
+        .connections
+        .into_iter()
+        .find(|c| c.name == name)
+        .map(|c| c.port)
 }
 
 /// The agents a closed connection served (none for callers, nodes and tools), from the server
