@@ -28,8 +28,10 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 pub struct Agents(Vec<std::process::Child>);
 
 impl Agents {
-    /// Start each agent (running `exe`, NATS at `app_url`) and wait until it says it is ready.
-    /// On failure the ones already started are stopped when the error drops the handle.
+    /// Start each agent (running `exe`) and wait until it says it is ready. In a mesh folder
+    /// each agent runs as its own role (credentials issued for it); elsewhere it is given
+    /// `app_url`. On failure the ones already started are stopped when the error drops the
+    /// handle.
     pub async fn start(
         exe: &Path,
         dir: &Path,
@@ -50,7 +52,13 @@ impl Agents {
             ]
             .map(String::from)
             .to_vec();
-            let env = [(crate::transport::connect::ENV_URL, app_url.to_string())];
+            let url = if super::creds::load(dir).is_some() {
+                let role = super::roles::Role::Agent(a.name.clone());
+                super::creds::issue(dir, &role).await?.url
+            } else {
+                app_url.to_string()
+            };
+            let env = [(crate::transport::connect::ENV_URL, url)];
             let name = format!("agent-{}", a.name);
             let (mut child, out, log) = super::spawn_oam(exe, dir, &name, &args, &env)?;
             let ready =

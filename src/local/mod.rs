@@ -10,6 +10,7 @@
 
 pub mod agents;
 pub mod cluster;
+pub mod creds;
 pub mod natsd;
 pub mod roles;
 

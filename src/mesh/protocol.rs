@@ -259,4 +259,31 @@ mod tests {
             serde_json::json!({"agent": "echo", "reason": "graceful_shutdown", "detected_at": "t", "instance_id": "i"})
         );
     }
+
+    proptest::proptest! {
+        /// Every record read from the bus or a bucket (death notices, heartbeats, catalog
+        /// entries, instance and escalation records) is decoded or refused from any bytes,
+        /// without a panic; a name that decodes is checked before use.
+        #[test]
+        fn any_bytes_decode_or_are_refused(
+            raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+            name in ".{0,40}",
+        ) {
+            let json = serde_json::json!({
+                "agent": name, "name": name, "reason": name, "detected_at": name,
+                "instance_id": name, "agents": [name], "ts": name,
+            })
+            .to_string();
+            for bytes in [raw.as_slice(), json.as_bytes()] {
+                let _ = serde_json::from_slice::<DeathNotice>(bytes);
+                let _ = serde_json::from_slice::<AgentHeartbeat>(bytes);
+                let _ = serde_json::from_slice::<Vec<CatalogEntry>>(bytes);
+                let _ = serde_json::from_slice::<crate::mesh::store::InstanceRecord>(bytes);
+                let _ = serde_json::from_slice::<crate::transport::escalations::Record>(bytes);
+                if let Ok(n) = serde_json::from_slice::<DeathNotice>(bytes) {
+                    let _ = valid_agent_name(&n.agent);
+                }
+            }
+        }
+    }
 }
