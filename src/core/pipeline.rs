@@ -833,7 +833,14 @@ impl Engine {
             }
             GenerationStatus::Ok => {
                 let contract = s.contract.as_ref().unwrap_or(&self.default_contract);
-                match contract.check(&g.content, g.finish_reason.as_deref()) {
+                // A tool-call turn carries no text to hold to a contract: it is judged by its
+                // status and completeness (its arguments are the agent's to check, for now).
+                let checked = if g.finish_reason.as_deref() == Some("tool_calls") {
+                    Ok(None)
+                } else {
+                    contract.check(&g.content, g.finish_reason.as_deref())
+                };
+                match checked {
                     Err(d) => {
                         codes.push(ReasonCode::SemanticValidationFailed);
                         for x in &d {

@@ -115,6 +115,36 @@ fn has(d: &Decision, c: ReasonCode) -> bool {
 }
 
 #[test]
+fn a_tool_call_turn_is_not_held_to_a_text_contract_but_a_cut_answer_is() {
+    let mut e = engine();
+    let tool_turn = Generation {
+        finish_reason: Some("tool_calls".into()),
+        ..Generation::ok("", 120)
+    };
+    let d = run(&mut e, req("t1"), &[("primary", tool_turn)]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted, "{:?}", d.reason_codes);
+    assert_eq!(d.confidence, None);
+    let cut = Generation {
+        finish_reason: Some("length".into()),
+        ..Generation::ok("", 120)
+    };
+    let d = run(
+        &mut e,
+        req("t2"),
+        &[
+            ("primary", cut.clone()),
+            ("secondary", cut.clone()),
+            ("local", cut),
+        ],
+    );
+    assert!(
+        has(&d, ReasonCode::ContractTruncated),
+        "{:?}",
+        d.reason_codes
+    );
+}
+
+#[test]
 fn healthy_cluster_routes_to_primary_and_accepts() {
     let mut e = engine();
     let d = run(&mut e, req("r1"), &[("primary", good())]);

@@ -8,6 +8,15 @@ use reqwest::header::{HeaderMap, RETRY_AFTER};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
+/// What a client sent that oam does not interpret, for the upstream as it was: the messages
+/// in their own shape (tool calls, tool results, image parts, names) and every other field
+/// (tools, tool choice, sampling parameters, `user`, `metadata`, unknown future fields).
+#[derive(Clone, Debug, Default)]
+pub struct Passthrough {
+    pub messages: Vec<Value>,
+    pub extra: serde_json::Map<String, Value>,
+}
+
 pub struct Connector {
     pub id: String,
     /// Set when the provider is a mesh agent: called over NATS instead of HTTP.
@@ -39,19 +48,24 @@ impl Connector {
         }
     }
 
-    /// One chat completion, bounded by `timeout`.
+    /// One chat completion, bounded by `timeout`: the client's request as it came (`pass`),
+    /// with this provider's model and oam's token limit, or just `messages` (probes); the
+    /// upstream's chat completion is kept as it came (the answer passes it on).
     pub async fn generate(
         &self,
         messages: &[Message],
+        pass: Option<&Passthrough>,
         max_tokens: u32,
         response_format: Option<&Value>,
         timeout: Duration,
-    ) -> Generation {
-        let mut body = json!({
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-        });
+    ) -> Attempt {
+        let mut body = Value::Object(pass.map(|p| p.extra.clone()).unwrap_or_default());
+        body["model"] = json!(self.model);
+        body["messages"] = match pass {
+            Some(p) => Value::Array(p.messages.clone()),
+            None => json!(messages),
+        };
+        body["max_tokens"] = json!(max_tokens);
         if let Some(rf) = response_format {
             body["response_format"] = rf.clone();
         }
@@ -83,16 +97,18 @@ impl Connector {
                 return failed(
                     GenerationStatus::Timeout,
                     format!("no answer within {} ms", timeout.as_millis()),
-                );
+                )
+                .into();
             }
-            Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&e)),
+            Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&e)).into(),
             Ok(Ok(parts)) => parts,
         };
         if status.as_u16() == 429 {
             return Generation {
                 retry_after_ms: retry_after_ms(&headers),
                 ..failed(GenerationStatus::RateLimited, "HTTP 429".into())
-            };
+            }
+            .into();
         }
         if !status.is_success() {
             let detail = serde_json::from_slice::<Value>(&bytes)
@@ -109,7 +125,7 @@ impl Connector {
             } else {
                 GenerationStatus::Error
             };
-            return failed(kind, format!("HTTP {status} {detail}"));
+            return failed(kind, format!("HTTP {status} {detail}")).into();
         }
         completion(&bytes, latency_ms)
     }
@@ -125,7 +141,7 @@ impl Connector {
         body: &Value,
         timeout: Duration,
         started: Instant,
-    ) -> Generation {
+    ) -> Attempt {
         use crate::mesh::protocol::ErrorCode;
         let payload = serde_json::to_vec(body).unwrap_or_default();
         let result = crate::mesh::client::call(nats, agent, payload.into(), timeout).await;
@@ -142,25 +158,43 @@ impl Connector {
                     error: Some(e.to_string()),
                     ..Generation::failed(status, latency_ms)
                 }
+                .into()
             }
         }
     }
 }
 
-/// Read a chat completion body into a `Generation`.
-fn completion(bytes: &[u8], latency_ms: u64) -> Generation {
+/// One attempt's outcome: the generation the pipeline judges, and the upstream's chat
+/// completion as it came (an accepted answer passes it on with oam's object added).
+pub struct Attempt {
+    pub generation: Generation,
+    pub body: Option<Value>,
+}
+
+impl From<Generation> for Attempt {
+    fn from(generation: Generation) -> Self {
+        Attempt {
+            generation,
+            body: None,
+        }
+    }
+}
+
+/// Read a chat completion body into a `Generation`, keeping the body.
+fn completion(bytes: &[u8], latency_ms: u64) -> Attempt {
     let Ok(v) = serde_json::from_slice::<Value>(bytes) else {
         return Generation {
             error: Some("the response body is not a JSON chat completion".into()),
             ..Generation::failed(GenerationStatus::Error, latency_ms)
-        };
+        }
+        .into();
     };
     let choice = &v["choices"][0];
     let usage = v.get("usage").map(|u| Usage {
         prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
         completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
     });
-    Generation {
+    let generation = Generation {
         status: GenerationStatus::Ok,
         content: choice["message"]["content"]
             .as_str()
@@ -171,6 +205,10 @@ fn completion(bytes: &[u8], latency_ms: u64) -> Generation {
         usage,
         retry_after_ms: None,
         error: None,
+    };
+    Attempt {
+        generation,
+        body: Some(v),
     }
 }
 

@@ -7,6 +7,7 @@
 //! `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Provider` and `X-Request-Id`.
 
 use super::Node;
+use super::connector::Passthrough;
 use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
 use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Session, Step};
@@ -110,13 +111,13 @@ struct OamFields {
     contract: Option<ContractSpec>,
 }
 
-/// The OpenAI request shape; parameters oam does not use (temperature, ...) are accepted and
-/// ignored, as an OpenAI-compatible server must.
+/// The OpenAI request shape: what oam reads; everything else (tools, sampling parameters,
+/// unknown future fields) is kept in `rest` and the messages as sent, for the upstream.
 #[derive(Deserialize)]
 struct ChatIn {
     #[serde(default)]
     model: Option<String>,
-    messages: Vec<MessageIn>,
+    messages: Vec<Value>,
     #[serde(default)]
     max_tokens: Option<u32>,
     #[serde(default)]
@@ -127,6 +128,8 @@ struct ChatIn {
     stream: Option<bool>,
     #[serde(default)]
     oam: Option<OamFields>,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
 }
 
 #[derive(Deserialize)]
@@ -202,7 +205,11 @@ fn parse_enum_header<T: serde::de::DeserializeOwned>(
 
 /// Build the core request from the body and headers: the request, and whether it asked for
 /// server-sent events (`"stream": true`). Bytes from outside: property-tested below.
-fn to_request(node: &Node, body: &[u8], h: &HeaderMap) -> Result<(Request, bool), BadRequest> {
+fn to_request(
+    node: &Node,
+    body: &[u8],
+    h: &HeaderMap,
+) -> Result<(Request, bool, Passthrough), BadRequest> {
     decode_request(&node.cfg.providers, body, h, || node.next_request_id())
 }
 
@@ -213,7 +220,7 @@ fn decode_request(
     body: &[u8],
     h: &HeaderMap,
     new_id: impl FnOnce() -> String,
-) -> Result<(Request, bool), BadRequest> {
+) -> Result<(Request, bool, Passthrough), BadRequest> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     let chat: ChatIn = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -231,7 +238,15 @@ fn decode_request(
         return Err(bad("messages", "messages must hold at least one message"));
     }
     let mut messages = Vec::with_capacity(chat.messages.len());
-    for (i, m) in chat.messages.into_iter().enumerate() {
+    for (i, raw) in chat.messages.iter().enumerate() {
+        let m: MessageIn = serde_path_to_error::deserialize(raw).map_err(|e| {
+            let at = match e.path().to_string() {
+                p if p == "." => format!("messages[{i}]"),
+                p => format!("messages[{i}].{p}"),
+            };
+            let message = format!("invalid chat completion request: {at}: {}", e.inner());
+            bad(at, message)
+        })?;
         let content = text_of(&m.content).ok_or_else(|| {
             bad(
                 format!("messages[{i}].content"),
@@ -303,7 +318,14 @@ fn decode_request(
         contract: o.contract,
         response_format: chat.response_format,
     };
-    Ok((request, stream))
+    let mut extra = chat.rest;
+    // oam calls the upstream without streaming (for now): its stream options do not apply.
+    extra.remove("stream_options");
+    let pass = Passthrough {
+        messages: chat.messages,
+        extra,
+    };
+    Ok((request, stream, pass))
 }
 
 /// What the data plane answers, before it is turned into HTTP or a NATS reply.
@@ -383,7 +405,7 @@ pub async fn execute(
     caller: CancellationToken,
 ) -> Answer {
     let started = std::time::Instant::now();
-    let (request, stream) = match to_request(node, body, headers) {
+    let (request, stream, pass) = match to_request(node, body, headers) {
         Ok(r) => r,
         Err(e) => return bad_request(node, headers, e),
     };
@@ -451,10 +473,11 @@ pub async fn execute(
                 }
             }
             Step::Dispatch(d) => {
-                let g = match node.connectors.get(&*d.provider) {
+                let attempt = match node.connectors.get(&*d.provider) {
                     Some(c) => {
                         c.generate(
                             &flight.session.request().messages,
+                            Some(&pass),
                             d.max_tokens,
                             response_format.as_ref(),
                             Duration::from_millis(d.timeout_ms),
@@ -464,9 +487,11 @@ pub async fn execute(
                     None => crate::core::request::Generation {
                         error: Some(format!("no connector for {}", d.provider)),
                         ..crate::core::request::Generation::failed(GenerationStatus::Error, 0)
-                    },
+                    }
+                    .into(),
                 };
-                last = Some(g.clone());
+                let g = attempt.generation.clone();
+                last = Some(attempt);
                 node.with_engine(|e| {
                     if caller.is_cancelled() {
                         e.caller_gone(&mut flight.session, now_ms());
@@ -524,13 +549,24 @@ fn publish_decision(node: &Node, d: &Decision) {
     }
 }
 
-fn respond(node: &Node, d: Decision, last: Option<crate::core::request::Generation>) -> Answer {
+fn respond(node: &Node, d: Decision, last: Option<super::connector::Attempt>) -> Answer {
     let status = status_for(&d);
     let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
     let provider = d.provider.as_deref().unwrap_or("").to_string();
     let oam = oam_object(&d);
-    let body = if d.outcome == DecisionOutcome::Accepted {
-        let g = last.unwrap_or_else(|| crate::core::request::Generation::ok("", 0));
+    let accepted = d.outcome == DecisionOutcome::Accepted;
+    let (g, upstream) = match last {
+        Some(a) => (a.generation, a.body),
+        None => (crate::core::request::Generation::ok("", 0), None),
+    };
+    let body = if let (true, Some(Value::Object(mut answer))) = (accepted, upstream)
+        && answer.get("choices").is_some_and(Value::is_array)
+    {
+        // The upstream's chat completion as it came (choices, tool calls, finish reason,
+        // logprobs, usage, system fingerprint, its model), with oam's object added.
+        answer.insert("oam".into(), oam);
+        Value::Object(answer)
+    } else if accepted {
         let model = node
             .cfg
             .providers
@@ -632,9 +668,21 @@ fn to_sse(a: Answer) -> Response {
             "model": b["model"], "choices": choices,
         })
     };
-    let first = head(
-        json!([{"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}, "finish_reason": null}]),
-    );
+    let mut delta = json!({"role": "assistant", "content": choice["message"]["content"]});
+    // Tool calls stream as deltas that carry their position.
+    if let Some(calls) = choice["message"]["tool_calls"].as_array() {
+        let indexed: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut c = c.clone();
+                c["index"] = json!(i);
+                c
+            })
+            .collect();
+        delta["tool_calls"] = Value::Array(indexed);
+    }
+    let first = head(json!([{"index": 0, "delta": delta, "finish_reason": null}]));
     let mut last =
         head(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]));
     last["usage"] = b["usage"].clone();
@@ -891,7 +939,7 @@ mod tests {
             h.insert("x-oam-risk", HeaderValue::from_static("high"));
             for bytes in [body.as_bytes(), raw.as_slice()] {
                 match decode_request(&providers, bytes, &h, || "r".into()) {
-                    Ok((r, _)) => proptest::prop_assert!(!r.messages.is_empty()),
+                    Ok((r, _, pass)) => proptest::prop_assert_eq!(r.messages.len(), pass.messages.len()),
                     Err(e) => proptest::prop_assert!(!e.message.is_empty()),
                 }
             }

@@ -488,7 +488,7 @@ impl Node {
         loop {
             tick.tick().await;
             let calls = self.connectors.values().map(|c| async {
-                let g = c.generate(&probe, 32, None, timeout).await;
+                let g = c.generate(&probe, None, 32, None, timeout).await.generation;
                 let outcome = match g.status {
                     GenerationStatus::Ok => {
                         match contract.check(&g.content, g.finish_reason.as_deref()) {

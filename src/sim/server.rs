@@ -27,6 +27,9 @@ pub struct Sim {
     providers: BTreeMap<String, (SimProvider, AtomicU64)>,
     faults: Mutex<Faults>,
     started: Instant,
+    /// The last chat request each provider received, as sent (`GET /sim/requests/{provider}`),
+    /// so a test can check what a gateway passed through.
+    last: Mutex<BTreeMap<String, Value>>,
 }
 
 impl Sim {
@@ -39,6 +42,7 @@ impl Sim {
                 .collect(),
             faults: Mutex::new(Faults::default()),
             started: Instant::now(),
+            last: Mutex::default(),
         }
     }
 
@@ -52,6 +56,16 @@ impl Sim {
         self.faults
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Remember `body` as the last request `provider` received.
+    fn received(&self, provider: &str, body: &Bytes) {
+        if let Ok(v) = serde_json::from_slice::<Value>(body) {
+            self.last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(provider.to_string(), v);
+        }
     }
 
     fn find(&self, name: &str) -> Option<&(SimProvider, AtomicU64)> {
@@ -73,6 +87,7 @@ pub fn router(sim: Arc<Sim>) -> Router {
             get(list_faults).post(set_fault).delete(clear_all),
         )
         .route("/sim/faults/{provider}", axum::routing::delete(clear_one))
+        .route("/sim/requests/{provider}", get(last_request))
         .fallback(|| async {
             openai_error(
                 StatusCode::NOT_FOUND,
@@ -143,6 +158,9 @@ struct ChatRequest {
     messages: Vec<ChatMessage>,
     #[serde(default)]
     stream: bool,
+    /// Tools the caller declared: a user turn is answered with a call to the first.
+    #[serde(default)]
+    tools: Vec<Value>,
 }
 
 #[derive(Deserialize)]
@@ -182,6 +200,24 @@ fn bad_request((code, message): BadRequest) -> Response {
     openai_error(StatusCode::BAD_REQUEST, code, &message)
 }
 
+/// The last chat request `provider` received, as it was sent (404 before the first).
+async fn last_request(State(sim): State<Arc<Sim>>, Path(name): Path<String>) -> Response {
+    let last = sim
+        .last
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&name)
+        .cloned();
+    match last {
+        Some(v) => axum::Json(v).into_response(),
+        None => openai_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            &format!("{name} has received no chat request yet"),
+        ),
+    }
+}
+
 async fn chat_any(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     let req = match parse_chat(&body) {
         Ok(r) => r,
@@ -197,6 +233,7 @@ async fn chat_any(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     match sim.find(&name) {
         Some((p, _)) => {
             let id = p.id.clone();
+            sim.received(&id, &body);
             answer(&sim, &id, req).await
         }
         None => unknown_provider(&sim, &name),
@@ -211,6 +248,7 @@ async fn chat_provider(
     if !sim.providers.contains_key(&name) {
         return unknown_provider(&sim, &name);
     }
+    sim.received(&name, &body);
     match parse_chat(&body) {
         Ok(req) => answer(&sim, &name, req).await,
         Err(e) => bad_request(e),
@@ -228,6 +266,26 @@ fn text_of(content: &Value) -> String {
             .join(" "),
         _ => String::new(),
     }
+}
+
+/// A user's turn with tools declared is answered with a call to the first tool, each required
+/// argument set to the question; after the tool's result, with an answer.
+fn tool_call(messages: &[ChatMessage], tools: &[Value], question: &str) -> Option<Value> {
+    let function = &tools.first()?["function"];
+    if messages.last()?.role != "user" {
+        return None;
+    }
+    let args: serde_json::Map<String, Value> = function["parameters"]["required"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|name| Some((name.as_str()?.to_string(), json!(question))))
+        .collect();
+    Some(json!({
+        "id": format!("call_{:08x}", question.len()),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": Value::Object(args).to_string()},
+    }))
 }
 
 async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
@@ -263,14 +321,25 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
             let prompt_tokens = (prompt_chars as u64).div_ceil(4);
             let completion_tokens = (content.len() as u64).div_ceil(4);
             let model = req.model.unwrap_or_else(|| provider.model.clone());
+            let (message, finish_reason) = match tool_call(&req.messages, &req.tools, &question) {
+                Some(call) if finish_reason == "stop" => (
+                    json!({"role": "assistant", "content": null, "tool_calls": [call]}),
+                    "tool_calls".to_string(),
+                ),
+                _ => (
+                    json!({"role": "assistant", "content": content}),
+                    finish_reason.to_string(),
+                ),
+            };
             axum::Json(json!({
                 "id": format!("chatcmpl-sim-{}-{k}", provider.id),
                 "object": "chat.completion",
                 "created": created,
                 "model": model,
+                "system_fingerprint": format!("oam-sim-{}", provider.id),
                 "choices": [{
                     "index": 0,
-                    "message": {"role": "assistant", "content": content},
+                    "message": message,
                     "finish_reason": finish_reason,
                 }],
                 "usage": {

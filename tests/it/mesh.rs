@@ -1,7 +1,7 @@
 //! `oam mesh up / status / down` as a user runs them: real processes, a real state folder.
 
 use assert_cmd::Command;
-use serde_json::Value;
+use serde_json::{Value, json};
 use std::time::Duration;
 
 fn oam() -> Command {
@@ -225,7 +225,7 @@ async fn up_status_request_down() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("risk (low|medium|high)"));
 
-    openai_python_client_works_unchanged(url);
+    openai_python_client_works_unchanged(url, up["sim"].as_str().unwrap());
 
     let down = oam()
         .args(["mesh", "down", "--json", "--dir"])
@@ -268,8 +268,9 @@ async fn up_status_request_down() {
         .code(3);
 }
 
-/// The official OpenAI Python client, pointed at a node, with oam's fields in `extra_body`.
-fn openai_python_client_works_unchanged(node_url: &str) {
+/// The official OpenAI Python client, pointed at a node, with oam's fields in `extra_body`; a
+/// tool-calling request reaches the upstream (the simulator at `sim_url`) as it was sent.
+fn openai_python_client_works_unchanged(node_url: &str, sim_url: &str) {
     let python =
         std::env::var("OAM_TEST_PYTHON").unwrap_or_else(|_| ".tools/venv/bin/python".into());
     let script = r#"
@@ -298,10 +299,53 @@ try:
     out["unknown_model"] = "accepted?!"
 except openai.BadRequestError as e:
     out["unknown_model"] = e.status_code
+# A tool-calling agent's turn: everything oam does not interpret reaches the upstream as sent.
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}}]
+messages = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": [
+        {"type": "text", "text": "Weather in Paris?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"c\": 21}"},
+]
+r = c.chat.completions.create(
+    model="auto", messages=messages, tools=tools, tool_choice="auto", temperature=0.2, top_p=0.9,
+    stop=["END"], seed=7, n=1, user="u-42", metadata={"trace": "t-1"}, logprobs=False,
+    extra_body={"oam": {"agent": "py-tools", "request_id": "pass-through-1"},
+                "future_field": {"kept": True}},
+)
+served = (r.model_extra or {}).get("oam", {}).get("provider")
+import urllib.request
+with urllib.request.urlopen(sys.argv[2] + "/sim/requests/" + served) as resp:
+    out["upstream"] = json.load(resp)
+out["sent_messages"] = messages
+out["sent_tools"] = tools
+# The round trip: tools in, tool_calls out (the upstream's answer as it came), the tool's
+# result back, a final answer; and the same call streamed, as tool-call deltas.
+turn = [{"role": "user", "content": "Weather in Paris?"}]
+r1 = c.chat.completions.create(model="auto", messages=turn, tools=tools)
+call = r1.choices[0].message.tool_calls[0]
+out["tool_finish"] = r1.choices[0].finish_reason
+out["tool_call"] = {"name": call.function.name, "arguments": json.loads(call.function.arguments)}
+out["fingerprint"] = r1.system_fingerprint
+out["tool_oam"] = (r1.model_extra or {}).get("oam", {}).get("outcome")
+turn.append(r1.choices[0].message.model_dump(exclude_none=True))
+turn.append({"role": "tool", "tool_call_id": call.id, "content": "{\"celsius\": 21}"})
+r2 = c.chat.completions.create(model="auto", messages=turn, tools=tools)
+out["final_finish"] = r2.choices[0].finish_reason
+out["final_content"] = r2.choices[0].message.content
+streamed = list(c.chat.completions.create(
+    model="auto", messages=turn[:1], tools=tools, stream=True))
+out["streamed_tool"] = [tc.function.name for ch in streamed if ch.choices
+                        for tc in (ch.choices[0].delta.tool_calls or [])]
 print(json.dumps(out))
 "#;
     let out = std::process::Command::new(&python)
-        .args(["-c", script, node_url])
+        .args(["-c", script, node_url, sim_url])
         .output()
         .unwrap_or_else(|e| panic!("cannot run {python} ({e}); run scripts/install-test-tools"));
     assert!(
@@ -317,6 +361,44 @@ print(json.dumps(out))
     assert_eq!(v["stream_oam"], "accepted", "{v}");
     assert_eq!(v["oam"]["outcome"], "accepted");
     assert_eq!(v["unknown_model"], 400);
+    // Passed through unchanged: every message shape, the tools, every parameter, unknown
+    // fields; oam's own object stays with oam; the model is the upstream's.
+    let up = &v["upstream"];
+    assert_eq!(up["messages"], v["sent_messages"], "{up}");
+    assert_eq!(up["tools"], v["sent_tools"]);
+    for (field, value) in [
+        ("tool_choice", json!("auto")),
+        ("temperature", json!(0.2)),
+        ("top_p", json!(0.9)),
+        ("stop", json!(["END"])),
+        ("seed", json!(7)),
+        ("n", json!(1)),
+        ("user", json!("u-42")),
+        ("metadata", json!({"trace": "t-1"})),
+        ("logprobs", json!(false)),
+        ("future_field", json!({"kept": true})),
+    ] {
+        assert_eq!(up[field], value, "{field}: {up}");
+    }
+    assert!(up.get("oam").is_none(), "{up}");
+    assert!(up["model"].as_str().is_some_and(|m| m != "auto"), "{up}");
+    // A tool-calling agent works through oam: the tool call comes back as the upstream sent it
+    // (its fingerprint too), the tool's result gets the final answer, streaming carries deltas.
+    assert_eq!(v["tool_finish"], "tool_calls", "{v}");
+    assert_eq!(
+        v["tool_call"],
+        json!({"name": "get_weather", "arguments": {"city": "Weather in Paris?"}})
+    );
+    assert!(
+        v["fingerprint"]
+            .as_str()
+            .is_some_and(|f| f.starts_with("oam-sim-")),
+        "{v}"
+    );
+    assert_eq!(v["tool_oam"], "accepted");
+    assert_eq!(v["final_finish"], "stop", "{v}");
+    assert!(v["final_content"].as_str().is_some_and(|c| !c.is_empty()));
+    assert_eq!(v["streamed_tool"], json!(["get_weather"]), "{v}");
 }
 
 #[test]
