@@ -23,6 +23,8 @@
 //! # agent = "llm.local"            # instead of base_url: a mesh agent answering chat requests
 //! cost_per_1k_tokens_usd = 0.01
 //! fallback = false
+//! probe = "chat"                   # when idle: "chat" (a short completion, judged like
+//!                                  # traffic), "models" (GET /models: free), or "off"
 //!
 //! [pipeline]                  # overrides of the decision defaults (see docs/decide.md)
 //! max_attempts = { low = 3, medium = 2, high = 2 }
@@ -91,6 +93,23 @@ pub struct ProviderConfig {
     pub cost_per_1k_tokens_usd: f64,
     #[serde(default)]
     pub fallback: bool,
+    /// How the node checks the provider while no traffic does (traffic outcomes are the
+    /// health samples otherwise).
+    #[serde(default)]
+    pub probe: Probe,
+}
+
+/// An active health check of an idle provider.
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Probe {
+    /// A short chat completion, judged as traffic is (billed by a paid provider).
+    #[default]
+    Chat,
+    /// `GET {base_url}/models`: reachable and answering, at no token cost.
+    Models,
+    /// None: health comes from traffic alone.
+    Off,
 }
 
 #[derive(Deserialize, Clone, Debug, PartialEq, Default)]
@@ -119,6 +138,7 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             api_key_env: None,
             cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
             fallback: p.fallback,
+            probe: Probe::Chat,
         })
         .collect()
 }

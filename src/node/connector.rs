@@ -19,6 +19,9 @@ pub struct Passthrough {
 
 pub struct Connector {
     pub id: String,
+    /// How it is checked while idle.
+    pub probe: super::config::Probe,
+    models_url: String,
     /// Set when the provider is a mesh agent: called over NATS instead of HTTP.
     pub agent: Option<String>,
     nats: Option<async_nats::Client>,
@@ -36,6 +39,8 @@ impl Connector {
     ) -> Self {
         Connector {
             id: cfg.id.clone(),
+            probe: cfg.probe,
+            models_url: format!("{}/models", cfg.base_url.trim_end_matches('/')),
             agent: cfg.agent.clone(),
             nats,
             url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
@@ -132,6 +137,28 @@ impl Connector {
 }
 
 impl Connector {
+    /// `GET /models`, bounded by `timeout`: a free check that the provider answers.
+    pub async fn list_models(&self, timeout: Duration) -> Generation {
+        let started = Instant::now();
+        let mut req = self.http.get(&self.models_url);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let result = tokio::time::timeout(timeout, req.send()).await;
+        let latency_ms = started.elapsed().as_millis() as u64;
+        let status = match result {
+            Err(_) => GenerationStatus::Timeout,
+            Ok(Err(_)) => GenerationStatus::Error,
+            Ok(Ok(r)) if r.status().is_success() => GenerationStatus::Ok,
+            Ok(Ok(_)) => GenerationStatus::Error,
+        };
+        Generation {
+            status,
+            finish_reason: None,
+            ..Generation::failed(status, latency_ms)
+        }
+    }
+
     /// A provider that is a mesh agent: the chat request is its payload, a chat completion its
     /// answer.
     async fn generate_on_mesh(

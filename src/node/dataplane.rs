@@ -509,7 +509,7 @@ pub async fn execute(
             latency_ms,
         } = effect
         {
-            node.record(provider, *outcome, *latency_ms);
+            node.record_traffic(provider, *outcome, *latency_ms);
             node.metrics.provider_outcome(provider, "traffic", *outcome);
         }
     }

@@ -53,6 +53,9 @@ pub struct Node {
     pub cfg: NodeConfig,
     engine: Mutex<Engine>,
     windows: Mutex<BTreeMap<String, Window>>,
+    /// When real traffic last gave each provider a health sample: a provider in use is not
+    /// probed (its traffic is the probe).
+    last_traffic: Mutex<BTreeMap<String, u64>>,
     connectors: BTreeMap<String, Connector>,
     nats: async_nats::Client,
     outbox: tokio::sync::mpsc::Sender<(String, bytes::Bytes)>,
@@ -148,6 +151,7 @@ impl Node {
             id,
             engine: Mutex::new(Engine::new(pipeline, state)),
             windows: Mutex::new(windows),
+            last_traffic: Mutex::default(),
             connectors,
             nats,
             sequencer: Mutex::new(Sequencer::default()),
@@ -422,6 +426,19 @@ impl Node {
     }
 
     /// Record a call's outcome in the local health window.
+    /// A health sample from real traffic (see `record`).
+    pub fn record_traffic(&self, provider: &str, outcome: Outcome, latency_ms: u64) {
+        lock(&self.last_traffic).insert(provider.to_string(), now_ms());
+        self.record(provider, outcome, latency_ms);
+    }
+
+    /// Is `provider` idle: no traffic sample within the last probe interval?
+    fn idle(&self, provider: &str, now: u64) -> bool {
+        lock(&self.last_traffic)
+            .get(provider)
+            .is_none_or(|&at| now.saturating_sub(at) >= self.cfg.node.probe_interval_ms)
+    }
+
     pub fn record(&self, provider: &str, outcome: Outcome, latency_ms: u64) {
         if let Some(w) = lock(&self.windows).get_mut(provider) {
             w.record(now_ms(), outcome, latency_ms);
@@ -474,7 +491,8 @@ impl Node {
         }
     }
 
-    /// Probe every provider each interval, then publish and apply this node's observations.
+    /// Each interval, probe every idle provider (one no traffic gave a sample to within the
+    /// interval) as its configuration says, then publish and apply this node's observations.
     async fn probe_loop(self: Arc<Self>) {
         let mut tick =
             tokio::time::interval(Duration::from_millis(self.cfg.node.probe_interval_ms));
@@ -487,9 +505,19 @@ impl Node {
         let contract = Contract::default();
         loop {
             tick.tick().await;
-            let calls = self.connectors.values().map(|c| async {
-                let g = c.generate(&probe, None, 32, None, timeout).await.generation;
+            let now = now_ms();
+            let idle = self
+                .connectors
+                .values()
+                .filter(|c| c.probe != config::Probe::Off && self.idle(&c.id, now));
+            let calls = idle.map(|c| async {
+                let g = match c.probe {
+                    config::Probe::Models => c.list_models(timeout).await,
+                    _ => c.generate(&probe, None, 32, None, timeout).await.generation,
+                };
                 let outcome = match g.status {
+                    // The model list says nothing of answers: only that the provider answers.
+                    GenerationStatus::Ok if c.probe == config::Probe::Models => Outcome::Success,
                     GenerationStatus::Ok => {
                         match contract.check(&g.content, g.finish_reason.as_deref()) {
                             Ok(_) => Outcome::Success,

@@ -1030,14 +1030,7 @@ async fn idle_connections_cannot_make_a_node_unreachable() {
     let fresh = client();
     let (status, _, _) = ask(&fresh, &url, question("after the attack")).await;
     assert_eq!(status, 200);
-    let metrics = fresh
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = crate::support::metrics(&url).await;
     // The counter is exposed (how often the limit was reached depends on how fast this machine
     // connected 1,100 sockets against a 1 s header timeout).
     assert!(
@@ -1047,4 +1040,88 @@ async fn idle_connections_cannot_make_a_node_unreachable() {
         "{metrics}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `oam_provider_outcomes_total` of `provider` from `source` (probe or traffic), all outcomes.
+async fn outcomes(node_url: &str, provider: &str, source: &str) -> f64 {
+    let text = crate::support::metrics(node_url).await;
+    let prefix =
+        format!("oam_provider_outcomes_total{{provider=\"{provider}\",source=\"{source}\"");
+    text.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Health costs nothing while traffic flows: a provider that real requests reached within the
+/// probe interval is not probed; and `probe = "models"` checks an idle provider with its model
+/// list, never with a (billed) completion.
+#[tokio::test]
+async fn providers_in_use_are_not_probed_and_model_list_probes_cost_no_completion() {
+    let one = OneNode::new(0).await;
+    let c = client();
+    // Traffic to the primary every 200 ms for 3 s: its probes stop, the idle ones' go on.
+    let (probes, local_probes) = (
+        outcomes(&one.url, "primary", "probe").await,
+        outcomes(&one.url, "local", "probe").await,
+    );
+    for i in 0..15 {
+        let (status, _, v) = ask(&c, &one.url, question(&format!("busy {i}"))).await;
+        assert_eq!(status, 200, "{v}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let primary_probes = outcomes(&one.url, "primary", "probe").await - probes;
+    assert!(
+        primary_probes <= 1.0,
+        "{primary_probes} probes of a provider in use"
+    );
+    assert!(outcomes(&one.url, "primary", "traffic").await >= 15.0);
+    assert!(
+        outcomes(&one.url, "local", "probe").await - local_probes >= 2.0,
+        "an idle provider is still probed"
+    );
+
+    // A node whose providers are probed by their model list: healthy, and the simulator never
+    // received a chat request.
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let dir = std::env::temp_dir().join(format!("oam-probe-models-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("oam.toml");
+    let providers: String = ["primary", "secondary", "local"]
+        .iter()
+        .map(|p| {
+            format!(
+                "[[provider]]\nid = \"{p}\"\nbase_url = \"{sim_url}/{p}/v1\"\nmodel = \"m-{p}\"\n\
+                 probe = \"models\"\n\n"
+            )
+        })
+        .collect();
+    std::fs::write(&config, providers).unwrap();
+    let n = node(
+        "n1",
+        &one.nats.url(),
+        &sim_url,
+        &["--cluster-size", "1", "--config", config.to_str().unwrap()],
+    );
+    let url = n.ready["http"].as_str().unwrap().to_string();
+    let healthy = eventually(Duration::from_secs(10), || async {
+        let s = state(&c, &url).await?;
+        let all = s
+            .providers
+            .iter()
+            .all(|p| p.local.is_some_and(|l| l.samples >= 2));
+        all.then_some(())
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(healthy.is_some(), "model-list probes give samples");
+    for p in ["primary", "secondary", "local"] {
+        let r = c
+            .get(format!("{sim_url}/sim/requests/{p}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 404, "{p} received a chat request");
+    }
 }

@@ -208,16 +208,21 @@ pub fn http(timeout: Duration) -> reqwest::Client {
         .expect("http client")
 }
 
-/// A node's reason-code counters from its `/metrics` (codes that never occurred are absent).
-pub async fn reason_counts(node_url: &str) -> std::collections::BTreeMap<String, f64> {
-    let text = http(Duration::from_secs(5))
+/// A node's `/metrics` exposition.
+pub async fn metrics(node_url: &str) -> String {
+    http(Duration::from_secs(5))
         .get(format!("{node_url}/metrics"))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// A node's reason-code counters from its `/metrics` (codes that never occurred are absent).
+pub async fn reason_counts(node_url: &str) -> std::collections::BTreeMap<String, f64> {
+    let text = metrics(node_url).await;
     let mut counts = std::collections::BTreeMap::new();
     for line in text
         .lines()
