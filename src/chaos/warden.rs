@@ -387,6 +387,12 @@ impl Warden {
 
     async fn sim_fault(&self, body: SetFault) -> Result<Undo, Reply> {
         let sim_url = self.record()?.sim_url;
+        if sim_url.is_empty() {
+            return Err(err(
+                "this mesh's nodes run on your configuration (`oam mesh up --config`), with no \
+                 simulator: provider faults need a mesh started without --config",
+            ));
+        }
         let resp = self
             .http
             .post(format!("{sim_url}/sim/faults"))

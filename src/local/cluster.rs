@@ -36,6 +36,9 @@ pub struct Plan {
     /// Generate new NATS passwords even if the folder holds some. By default a folder keeps its
     /// credentials across `down` and `up`, so agents and views connected to it reconnect.
     pub new_credentials: bool,
+    /// The nodes' configuration (`oam.toml`); without one they route across a simulator this
+    /// mesh starts.
+    pub config: Option<PathBuf>,
 }
 
 impl Plan {
@@ -50,6 +53,7 @@ impl Plan {
             nats_server: None,
             exe,
             new_credentials: false,
+            config: None,
         }
     }
 }
@@ -114,6 +118,18 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
             dir.display()
         );
     }
+    // The nodes are started elsewhere than here: the configuration by its whole path.
+    let config = match &plan.config {
+        Some(path) => Some(
+            path.canonicalize()
+                .map_err(|e| plan_err(anyhow::anyhow!("--config {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let plan = &Plan {
+        config,
+        ..plan.clone()
+    };
     let (bin, version) = natsd::find(plan.nats_server.as_deref()).map_err(plan_err)?;
     let port = free_or_any(plan.port, "nats-server", "--port").map_err(plan_err)?;
     let sim_port = free_or_any(plan.sim_port, "the simulator", "--sim-port").map_err(plan_err)?;
@@ -202,6 +218,34 @@ async fn start_oam(
     super::ready_line(&mut child, &out, &log, spec.name, READY_WITHIN).await
 }
 
+/// Start the provider simulator; its URL.
+async fn start_sim(
+    plan: &Plan,
+    dir: &Path,
+    ports: &Ports<'_>,
+    started: &mut Vec<Started>,
+) -> anyhow::Result<String> {
+    let args = [
+        "sim",
+        "--listen",
+        &format!("127.0.0.1:{}", ports.sim),
+        "--json",
+    ];
+    let sim = Spec {
+        name: "sim",
+        args: args.iter().map(|s| (*s).to_string()).collect(),
+        env: &[],
+        endpoint: "",
+        marker: "sim --listen 127.0.0.1:".into(),
+    };
+    let ready = start_oam(plan, dir, started, sim).await?;
+    let sim_url = ready["url"].as_str().unwrap_or_default().to_string();
+    if let Some(p) = started.last_mut() {
+        p.settle_address(&sim_url);
+    }
+    Ok(sim_url)
+}
+
 async fn start_all(
     plan: &Plan,
     dir: &Path,
@@ -262,53 +306,44 @@ async fn start_all(
     create_buckets(&natsd::app_url(port, &creds)).await?;
 
     let strings = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
-    let sim = Spec {
-        name: "sim",
-        args: strings(&[
-            "sim",
-            "--listen",
-            &format!("127.0.0.1:{}", ports.sim),
-            "--json",
-        ]),
-        env: &[],
-        endpoint: "",
-        marker: "sim --listen 127.0.0.1:".into(),
+    // The nodes route by the user's configuration, or across a simulator started here.
+    let (sim_url, routing) = match &plan.config {
+        Some(path) => {
+            let shown = path.display().to_string();
+            (String::new(), vec!["--config".to_string(), shown])
+        }
+        None => {
+            let url = start_sim(plan, dir, ports, started).await?;
+            (url.clone(), vec!["--sim-url".to_string(), url])
+        }
     };
-    let ready = start_oam(plan, dir, started, sim).await?;
-    let sim_url = ready["url"].as_str().unwrap_or_default().to_string();
-    if let Some(p) = started.last_mut() {
-        p.settle_address(&sim_url);
-    }
+    let marker_of = |id: &str| format!("--id {id} {}", routing.join(" "));
 
     // The nodes; the NATS URL with credentials travels in the environment, not argv. A node's
-    // marker (`--id n1 --sim-url URL`) names this mesh and survives a restart on its new port.
-    // They start together, then each is waited for.
+    // marker (`--id n1 --sim-url URL` or `--id n1 --config FILE`) names this mesh and survives
+    // a restart on its new port. They start together, then each is waited for.
     // Exactly these nodes make up the cluster: no other id is heard.
     let members = node_ids.join(",");
     let mut pending = Vec::new();
     for (id, &p) in node_ids.iter().zip(ports.nodes) {
         let id = id.clone();
         let env = [(ENV_URL, url_of(&Role::Node(id.clone())))];
-        let args = strings(&[
-            "node",
-            "run",
-            "--id",
-            &id,
-            "--sim-url",
-            &sim_url,
+        let mut args = strings(&["node", "run", "--id", &id]);
+        args.extend(routing.iter().cloned());
+        args.extend(strings(&[
             "--listen",
             &format!("127.0.0.1:{p}"),
             "--json",
             "--members",
             &members,
-        ]);
+        ]));
         let (child, out, log) = super::spawn_oam(&plan.exe, dir, &id, &args, &env)?;
         started.push(Started {
             name: id.clone(),
             pid: child.id(),
             endpoint: String::new(),
             log: log.clone(),
-            cmdline_marker: format!("--id {id} --sim-url {sim_url}"),
+            cmdline_marker: marker_of(&id),
             args,
         });
         pending.push((started.len() - 1, id, child, out, log));

@@ -307,16 +307,24 @@ async fn agents_of_closed(sys: &async_nats::Client, adv: &Advisory) -> Vec<Strin
         "acc": adv.client.acc,
         "subscriptions_detail": true,
     });
-    connz(sys, &adv.server.id, query)
-        .await
-        .map(|c| {
-            c.data
+    // A busy server may not answer in time: asked again (a death missed here is never
+    // announced, as such clients send no heartbeats of their own to miss).
+    for attempt in 0..3 {
+        if let Some(c) = connz(sys, &adv.server.id, query.clone()).await {
+            return c
+                .data
                 .connections
                 .iter()
                 .flat_map(|c| agents_served(&c.subscriptions_list_detail))
-                .collect()
-        })
-        .unwrap_or_default()
+                .collect();
+        }
+        tracing::warn!(
+            cid = adv.client.id,
+            attempt,
+            "the server did not say what a closed connection served; asking again"
+        );
+    }
+    Vec::new()
 }
 
 /// A closed connection without instance records that served agents, and which of those other

@@ -562,3 +562,114 @@ async fn every_long_running_process_stops_within_two_seconds_without_nats() {
     }
     let _ = listener.wait();
 }
+
+/// `oam mesh up --config FILE` runs the nodes on the user's configuration (here an upstream
+/// with its own model names, standing in for a real provider), starting no simulator; a broken
+/// configuration is refused before anything starts, naming the line.
+#[tokio::test]
+async fn a_mesh_runs_on_the_users_configuration() {
+    let upstream = crate::support::Proc::spawn(&[
+        "sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--provider",
+        "gpt=0+0",
+        "--provider",
+        "llama=0+0",
+    ]);
+    let upstream_url = upstream.ready["url"].as_str().unwrap().to_string();
+    let dir = Dir::new("mesh-config");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let config = dir.0.join("oam.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[provider]]\nid = \"gpt\"\nbase_url = \"{upstream_url}/gpt/v1\"\nmodel = \"gpt-4o-mini\"\n\
+             probe = \"models\"\n\n[[provider]]\nid = \"llama\"\nbase_url = \"{upstream_url}/llama/v1\"\n\
+             model = \"llama3.2\"\nprobe = \"models\"\nfallback = true\n"
+        ),
+    )
+    .unwrap();
+    let broken = dir.0.join("broken.toml");
+    std::fs::write(&broken, "[[provider]]\nid = \"gpt\"\nmodle = \"x\"\n").unwrap();
+    let up = |config: &std::path::Path| {
+        let args = [
+            "mesh",
+            "up",
+            "--nodes",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--json",
+        ];
+        oam()
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .arg("--dir")
+            .arg(&dir.0)
+            .output()
+            .unwrap()
+    };
+    let out = up(&broken);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("broken.toml") && stderr.contains("line 3") && stderr.contains("modle"),
+        "{stderr}"
+    );
+    assert!(!dir.0.join("mesh.json").exists(), "nothing started");
+
+    let out = up(&config);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let up = json(&out.stdout);
+    assert_eq!(up["sim"], Value::Null, "{up}");
+    let names: Vec<&str> = up["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert!(!names.contains(&"sim"), "{names:?}");
+    let node = up["nodes"][0]["http"].as_str().unwrap().to_string();
+    let c = crate::support::http(Duration::from_secs(10));
+    let answered = crate::support::eventually(Duration::from_secs(10), || async {
+        let r = c
+            .post(format!("{node}/v1/chat/completions"))
+            .json(&json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .ok()?;
+        (r.status().as_u16() == 200).then_some(())?;
+        r.json::<Value>().await.ok()
+    })
+    .await
+    .expect("the node answers on the user's providers");
+    assert_eq!(answered["oam"]["provider"], "gpt", "{answered}");
+    assert_eq!(answered["model"], "gpt-4o-mini");
+    let seen: Value = c
+        .get(format!("{upstream_url}/sim/requests/gpt"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(seen["model"], "gpt-4o-mini");
+    // Faults of a simulator this mesh does not have are refused with the reason.
+    let chaos = oam()
+        .env_remove("OAM_NATS_URL")
+        .args(["chaos", "kill-provider", "gpt", "--for", "1s", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert_eq!(chaos.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&chaos.stderr).contains("no simulator"));
+}

@@ -29,6 +29,10 @@ pub struct Args {
     /// mesh down` and `oam mesh up`, so running agents and watches reconnect by themselves.
     #[arg(long)]
     pub new_credentials: bool,
+    /// The nodes' configuration (providers, timings, pipeline, budgets; see
+    /// `src/node/config.rs`). Without it they route across a simulator this mesh starts.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Print the endpoints as one JSON document.
     #[arg(long)]
     pub json: bool,
@@ -36,6 +40,10 @@ pub struct Args {
 
 pub async fn run(a: Args) -> Result<()> {
     let exe = local::oam_exe().map_err(Error::failed)?;
+    // A configuration is checked before anything starts (errors name the file, line and field).
+    if let Some(path) = &a.config {
+        crate::node::config::NodeConfig::load(Some(path), "").map_err(Error::usage)?;
+    }
     let plan = cluster::Plan {
         dir: a.dir.clone(),
         nodes: a.nodes,
@@ -45,6 +53,7 @@ pub async fn run(a: Args) -> Result<()> {
         nats_server: a.nats_server.clone(),
         exe,
         new_credentials: a.new_credentials,
+        config: a.config.clone(),
     };
     let up = cluster::up(&plan).await.map_err(|e| match e {
         cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
@@ -83,7 +92,7 @@ pub async fn run(a: Args) -> Result<()> {
             "nats": format!("nats://127.0.0.1:{}", rec.nats_port),
             "nats_server_version": version,
             "credentials": dir.join(local::CREDS_DIR),
-            "sim": rec.sim_url,
+            "sim": (!rec.sim_url.is_empty()).then_some(&rec.sim_url),
             "nodes": rec.nodes().map(|n| serde_json::json!({"id": n.name, "http": n.endpoint, "pid": n.pid})).collect::<Vec<_>>(),
             "processes": rec.processes,
         });
@@ -109,11 +118,13 @@ pub async fn run(a: Args) -> Result<()> {
         out,
         "\nTry:\n  curl -s {first}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"auto\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'"
     )?;
-    writeln!(
-        out,
-        "  curl -s -X POST {}/sim/faults -d '{{\"provider\": \"primary\", \"mode\": \"error\", \"duration_ms\": 30000}}'",
-        rec.sim_url
-    )?;
+    if !rec.sim_url.is_empty() {
+        writeln!(
+            out,
+            "  curl -s -X POST {}/sim/faults -d '{{\"provider\": \"primary\", \"mode\": \"error\", \"duration_ms\": 30000}}'",
+            rec.sim_url
+        )?;
+    }
     writeln!(
         out,
         "  oam mesh status --dir {}    oam mesh down --dir {}",
