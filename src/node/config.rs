@@ -31,6 +31,11 @@
 //!
 //! [budgets.agents.support-bot]
 //! limit_usd = 5.0
+//!
+//! [escalations]               # where a human hears of an escalation
+//! webhook_url = "https://hooks.example.com/oam"   # POSTed {"node", "escalation"} as JSON
+//! webhook_attempts = 5        # retried with backoff (250 ms doubling, at most 5 s) until 2xx
+//! webhook_timeout_ms = 2000
 //! ```
 
 use crate::core::budget::Budgets;
@@ -123,6 +128,29 @@ pub struct NodeConfig {
     pub pipeline: PipelineConfig,
     #[serde(default)]
     pub budgets: Budgets,
+    #[serde(default)]
+    pub escalations: EscalationSinks,
+}
+
+/// Where escalations go besides the record (`[escalations]`): a webhook that gets each one as
+/// JSON (`{"node", "escalation"}`), retried with backoff until it answers 2xx.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EscalationSinks {
+    pub webhook_url: Option<String>,
+    /// Attempts per escalation at most (backoff 250 ms, doubling, at most 5 s apart).
+    pub webhook_attempts: u32,
+    pub webhook_timeout_ms: u64,
+}
+
+impl Default for EscalationSinks {
+    fn default() -> Self {
+        EscalationSinks {
+            webhook_url: None,
+            webhook_attempts: 5,
+            webhook_timeout_ms: 2_000,
+        }
+    }
 }
 
 /// The simulator's providers at `sim_url`, in the core's default preference order.

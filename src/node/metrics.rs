@@ -41,6 +41,7 @@ struct Inner {
     reasons: BTreeMap<&'static str, u64>,
     duration: BTreeMap<String, Histogram>,
     provider_outcomes: BTreeMap<(String, &'static str, &'static str), u64>,
+    escalation_deliveries: BTreeMap<&'static str, u64>,
 }
 
 #[derive(Default)]
@@ -93,6 +94,15 @@ impl Metrics {
             .inner()
             .provider_outcomes
             .entry((provider.to_string(), source, outcome_name(o)))
+            .or_default() += 1;
+    }
+
+    /// An escalation sent to a sink (`delivered`) or given up on (`failed`).
+    pub fn escalation_delivery(&self, outcome: &'static str) {
+        *self
+            .inner()
+            .escalation_deliveries
+            .entry(outcome)
             .or_default() += 1;
     }
 
@@ -152,6 +162,17 @@ impl Metrics {
             w,
             "# HELP oam_provider_outcomes_total Calls to providers, by source (probe or traffic) and outcome."
         );
+        let _ = writeln!(
+            w,
+            "# HELP oam_escalation_deliveries_total Escalations sent to the webhook, by outcome."
+        );
+        let _ = writeln!(w, "# TYPE oam_escalation_deliveries_total counter");
+        for (outcome, n) in &m.escalation_deliveries {
+            let _ = writeln!(
+                w,
+                "oam_escalation_deliveries_total{{outcome=\"{outcome}\"}} {n}"
+            );
+        }
         let _ = writeln!(w, "# TYPE oam_provider_outcomes_total counter");
         for ((p, source, outcome), n) in &m.provider_outcomes {
             let _ = writeln!(

@@ -422,6 +422,71 @@ impl Node {
                 tracing::warn!("escalation {} not recorded: {err:#}", e.id);
                 store = None; // the bucket may be gone (a new server): open it afresh next time
             }
+            if let Some(url) = self.cfg.escalations.webhook_url.clone() {
+                let (node, store) = (self.clone(), store.clone());
+                self.tasks
+                    .spawn(async move { node.deliver(&url, &e, store.as_ref()).await });
+            }
+        }
+    }
+
+    /// Send escalation `e` to the webhook at `url` (retried with backoff until a 2xx, at most
+    /// `webhook_attempts` times), then record how it went on its record and in the metrics.
+    async fn deliver(
+        &self,
+        url: &str,
+        e: &Escalation,
+        store: Option<&async_nats::jetstream::kv::Store>,
+    ) {
+        use crate::transport::escalations::{Delivery, delivered};
+        let sinks = &self.cfg.escalations;
+        let timeout = Duration::from_millis(sinks.webhook_timeout_ms);
+        let body = serde_json::json!({"node": self.id, "escalation": e});
+        let mut delivery = Delivery {
+            sink: url.to_string(),
+            attempts: 0,
+            delivered_at_ms: None,
+            error: None,
+        };
+        let Ok(http) = crate::http::http_client(Some(timeout)) else {
+            return;
+        };
+        let mut backoff = Duration::from_millis(250);
+        while delivery.attempts < sinks.webhook_attempts.max(1) {
+            delivery.attempts += 1;
+            match http.post(url).json(&body).send().await {
+                Ok(r) if r.status().is_success() => {
+                    delivery.delivered_at_ms = Some(now_ms());
+                    delivery.error = None;
+                    break;
+                }
+                Ok(r) => delivery.error = Some(format!("HTTP {}", r.status())),
+                Err(err) => delivery.error = Some(err.to_string()),
+            }
+            if delivery.attempts < sinks.webhook_attempts {
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = self.stop.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+        let outcome = if delivery.delivered_at_ms.is_some() {
+            "delivered"
+        } else {
+            tracing::warn!(
+                "escalation {} not delivered to {url} after {} attempts: {}",
+                e.id,
+                delivery.attempts,
+                delivery.error.as_deref().unwrap_or("")
+            );
+            "failed"
+        };
+        self.metrics.escalation_delivery(outcome);
+        if let Some(s) = store
+            && let Err(err) = delivered(s, &e.id, delivery).await
+        {
+            tracing::warn!("the delivery of escalation {} not recorded: {err:#}", e.id);
         }
     }
 

@@ -32,6 +32,24 @@ pub struct Record {
     pub resolved_at_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// How telling a human went (a configured webhook), once it is over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Delivery>,
+}
+
+/// What became of sending an escalation to a sink.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
+pub struct Delivery {
+    /// Where it went (the webhook's URL).
+    pub sink: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// When it was taken (a 2xx), if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivered_at_ms: Option<u64>,
+    /// Why the last attempt failed, if the last one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The bucket key for an escalation id. Ids carry request ids, which callers choose; ids that
@@ -71,6 +89,7 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> any
         resolved_by: None,
         resolved_at_ms: None,
         note: None,
+        delivery: None,
     };
     // Created, never put: a record already there (resolved, say) is never overwritten.
     store
@@ -151,6 +170,27 @@ pub async fn resolve(
     anyhow::bail!("{id} kept changing while it was being resolved; try again")
 }
 
+/// Record on escalation `id` how its delivery went (whatever else changed in the record
+/// meanwhile stays).
+pub async fn delivered(store: &kv::Store, id: &str, delivery: Delivery) -> anyhow::Result<()> {
+    let k = key(id);
+    for _ in 0..5 {
+        let Some(entry) = store.entry(k.clone()).await? else {
+            anyhow::bail!("no record of {id}");
+        };
+        let mut record: Record = serde_json::from_slice(&entry.value)
+            .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
+        record.delivery = Some(delivery.clone());
+        let bytes = serde_json::to_vec(&record)?;
+        match store.update(&k, bytes.into(), entry.revision).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    anyhow::bail!("{id} kept changing while its delivery was recorded")
+}
+
 /// A loop escalation for tests of the views.
 #[cfg(test)]
 pub(crate) fn example(id: &str, agent: &str, created_at_ms: u64, status: Status) -> Record {
@@ -176,6 +216,7 @@ pub(crate) fn example(id: &str, agent: &str, created_at_ms: u64, status: Status)
         resolved_by: None,
         resolved_at_ms: None,
         note: None,
+        delivery: None,
     }
 }
 

@@ -1125,3 +1125,92 @@ async fn providers_in_use_are_not_probed_and_model_list_probes_cost_no_completio
         assert_eq!(r.status().as_u16(), 404, "{p} received a chat request");
     }
 }
+
+/// An escalation reaches a human: the node POSTs it to the configured webhook, retried with
+/// backoff past a failure, and records on the escalation how the delivery went.
+#[tokio::test]
+async fn escalations_are_sent_to_the_webhook_until_it_takes_them() {
+    use std::sync::{Arc, Mutex};
+    // The webhook: refuses the first delivery (500), takes the next.
+    let got: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let seen = got.clone();
+    let hook = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |axum::Json(body): axum::Json<Value>| {
+            let seen = seen.clone();
+            async move {
+                let mut all = seen.lock().unwrap();
+                all.push(body);
+                if all.len() == 1 {
+                    axum::http::StatusCode::INTERNAL_SERVER_ERROR
+                } else {
+                    axum::http::StatusCode::OK
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook_url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, hook).await });
+
+    let nats = NatsServer::start().await;
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let dir = std::env::temp_dir().join(format!("oam-test-hook-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[budgets.agents.broke]\nlimit_usd = 0.0\n\n[escalations]\nwebhook_url = \
+             \"{hook_url}\"\nwebhook_attempts = 3\n"
+        ),
+    )
+    .unwrap();
+    let n = node(
+        "n1",
+        &nats.url(),
+        &sim_url,
+        &["--cluster-size", "1", "--config", cfg.to_str().unwrap()],
+    );
+    let url = n.ready["http"].as_str().unwrap().to_string();
+    let c = client();
+    let mut body = question("wire the refund");
+    body["oam"] = json!({"agent": "broke", "risk": "high"});
+    let (status, _, v) = ask(&c, &url, body).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status, 402, "{v}");
+    let id = v["oam"]["escalation"]["id"].as_str().unwrap().to_string();
+
+    // Delivered on the second attempt, with the escalation itself.
+    let delivered = eventually(Duration::from_secs(10), || async {
+        let text = crate::support::metrics(&url).await;
+        text.lines()
+            .any(|l| l == "oam_escalation_deliveries_total{outcome=\"delivered\"} 1")
+            .then_some(())
+    })
+    .await;
+    assert!(delivered.is_some(), "{:?}", got.lock().unwrap());
+    {
+        let all = got.lock().unwrap();
+        assert_eq!(all.len(), 2, "{all:?}");
+        assert_eq!(all[1]["escalation"]["id"], id.as_str());
+        assert_eq!(all[1]["node"], "n1");
+    }
+    // The record says so.
+    let record = eventually(Duration::from_secs(5), || async {
+        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+            .args(["escalation", "list", "--json", "--nats-url", &nats.url()])
+            .output()
+            .ok()?;
+        let all: Vec<Value> = serde_json::from_slice(&out.stdout).ok()?;
+        let r = all
+            .into_iter()
+            .find(|r| r["escalation"]["id"] == id.as_str())?;
+        r["delivery"]["delivered_at_ms"].is_u64().then_some(r)
+    })
+    .await
+    .expect("the delivery is recorded on the escalation");
+    assert_eq!(record["delivery"]["attempts"], 2, "{record}");
+    assert_eq!(record["delivery"]["sink"], hook_url.as_str());
+}
