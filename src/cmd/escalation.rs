@@ -1,7 +1,7 @@
 //! `oam escalation list|resolve`: what waits for a human, and saying it has been seen to.
 
 use crate::error::{Error, Kind, Result};
-use crate::transport::escalations::{self, Record, Resolved, Status};
+use crate::transport::escalations::{self, Mark, Record, Resolved, Status};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
@@ -16,6 +16,8 @@ pub enum Command {
     List(ListArgs),
     /// Mark escalations resolved: by id, every open one of an agent, or all open ones.
     Resolve(ResolveArgs),
+    /// Say someone is on it (it stays open, and `list` says who): by id, agent, or all.
+    Ack(ResolveArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -64,7 +66,8 @@ pub struct ResolveArgs {
 pub async fn run(args: Args) -> Result<()> {
     match args.command {
         Command::List(a) => list(a).await,
-        Command::Resolve(a) => resolve(a).await,
+        Command::Resolve(a) => resolve(a, Mark::Resolved).await,
+        Command::Ack(a) => resolve(a, Mark::Acknowledged).await,
     }
 }
 
@@ -171,7 +174,10 @@ async fn list(a: ListArgs) -> Result<()> {
         });
         if a.all {
             row.push(match (&r.status, &r.resolved_by) {
-                (Status::Open, _) => "open".to_string(),
+                (Status::Open, _) => match &r.acknowledged_by {
+                    Some(by) => format!("open, {by} on it"),
+                    None => "open".to_string(),
+                },
                 (Status::Resolved, Some(by)) => format!("resolved by {by}"),
                 (Status::Resolved, None) => "resolved".to_string(),
             });
@@ -209,7 +215,11 @@ fn age(ms: u64) -> String {
     }
 }
 
-async fn resolve(a: ResolveArgs) -> Result<()> {
+async fn resolve(a: ResolveArgs, how: Mark) -> Result<()> {
+    let verb = match how {
+        Mark::Resolved => "resolved",
+        Mark::Acknowledged => "acknowledged",
+    };
     let store = open_store(&a.mesh, &super::Role::Operator, "oam-escalation-resolve").await?;
     let ids: Vec<String> = if a.ids.is_empty() {
         escalations::all(&store)
@@ -227,7 +237,7 @@ async fn resolve(a: ResolveArgs) -> Result<()> {
     let mut failed = Vec::new();
     for id in &ids {
         let now = crate::clock::now_ms();
-        match escalations::resolve(&store, id, &by, a.note.as_deref(), now).await {
+        match escalations::mark(&store, id, how, &by, a.note.as_deref(), now).await {
             Ok(Resolved::Now(_)) => resolved.push(id.clone()),
             Ok(Resolved::Already(_)) => already.push(id.clone()),
             Ok(Resolved::Unknown) => unknown.push(id.clone()),
@@ -237,25 +247,25 @@ async fn resolve(a: ResolveArgs) -> Result<()> {
     let mut out = std::io::stdout().lock();
     if a.json {
         let doc = serde_json::json!({
-            "resolved": resolved, "already": already, "unknown": unknown, "failed": failed,
+            verb: resolved, "already": already, "unknown": unknown, "failed": failed,
         });
         writeln!(out, "{doc}")?;
     } else {
         for id in &resolved {
-            writeln!(out, "resolved {id} (by {by})")?;
+            writeln!(out, "{verb} {id} (by {by})")?;
         }
         for id in &already {
-            writeln!(out, "{id} was already resolved")?;
+            writeln!(out, "{id} was already {verb}")?;
         }
         if ids.is_empty() {
-            writeln!(out, "no open escalations to resolve")?;
+            writeln!(out, "no open escalations to mark {verb}")?;
         }
     }
     if !failed.is_empty() {
         return Err(Error::new(
             Kind::Unreachable,
             anyhow::anyhow!(
-                "not resolved (the others were): {}; run the command again",
+                "not {verb} (the others were): {}; run the command again",
                 failed.join("; ")
             ),
         ));

@@ -32,6 +32,11 @@ pub struct Record {
     pub resolved_at_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// Who said they are on it (still open until resolved), and when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acknowledged_by: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acknowledged_at_ms: Option<u64>,
     /// How telling a human went (a configured webhook), once it is over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery: Option<Delivery>,
@@ -89,6 +94,8 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> any
         resolved_by: None,
         resolved_at_ms: None,
         note: None,
+        acknowledged_by: None,
+        acknowledged_at_ms: None,
         delivery: None,
     };
     // Created, never put: a record already there (resolved, say) is never overwritten.
@@ -135,10 +142,32 @@ pub enum Resolved {
     Unknown,
 }
 
+/// What a person says of an escalation.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Mark {
+    /// Seen, and someone is on it (it stays open).
+    Acknowledged,
+    /// Seen to.
+    Resolved,
+}
+
 /// Mark escalation `id` resolved by `by` (compare-and-swap, so two resolvers cannot both win).
 pub async fn resolve(
     store: &kv::Store,
     id: &str,
+    by: &str,
+    note: Option<&str>,
+    now_ms: u64,
+) -> anyhow::Result<Resolved> {
+    mark(store, id, Mark::Resolved, by, note, now_ms).await
+}
+
+/// Mark escalation `id` as `how` by `by` (compare-and-swap); a resolved one, or one already
+/// acknowledged when acknowledging, is `Already`.
+pub async fn mark(
+    store: &kv::Store,
+    id: &str,
+    how: Mark,
     by: &str,
     note: Option<&str>,
     now_ms: u64,
@@ -153,13 +182,25 @@ pub async fn resolve(
         }
         let mut record: Record = serde_json::from_slice(&entry.value)
             .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
-        if record.status == Status::Resolved {
+        let done = record.status == Status::Resolved
+            || (how == Mark::Acknowledged && record.acknowledged_by.is_some());
+        if done {
             return Ok(Resolved::Already(Box::new(record)));
         }
-        record.status = Status::Resolved;
-        record.resolved_by = Some(by.to_string());
-        record.resolved_at_ms = Some(now_ms);
-        record.note = note.map(String::from);
+        match how {
+            Mark::Resolved => {
+                record.status = Status::Resolved;
+                record.resolved_by = Some(by.to_string());
+                record.resolved_at_ms = Some(now_ms);
+            }
+            Mark::Acknowledged => {
+                record.acknowledged_by = Some(by.to_string());
+                record.acknowledged_at_ms = Some(now_ms);
+            }
+        }
+        if note.is_some() {
+            record.note = note.map(String::from);
+        }
         let bytes = serde_json::to_vec(&record)?;
         match store.update(&k, bytes.into(), entry.revision).await {
             Ok(_) => return Ok(Resolved::Now(Box::new(record))),
@@ -216,6 +257,8 @@ pub(crate) fn example(id: &str, agent: &str, created_at_ms: u64, status: Status)
         resolved_by: None,
         resolved_at_ms: None,
         note: None,
+        acknowledged_by: None,
+        acknowledged_at_ms: None,
         delivery: None,
     }
 }

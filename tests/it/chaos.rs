@@ -270,6 +270,28 @@ async fn faults_are_applied_listed_and_undone_on_time() {
         "ESCALATED_BUDGET_EXHAUSTED"
     );
     let id = first["escalation"]["id"].as_str().unwrap().to_string();
+    // Acknowledged first: still open, and it says who is on it.
+    let (code, out, err) = escalations(&["ack", &id, "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["acknowledged"],
+        json!([id])
+    );
+    let (_, out, _) = escalations(&["list", "--json"]);
+    let open: Vec<Value> = serde_json::from_str(&out).unwrap();
+    let acked = open
+        .iter()
+        .find(|r| r["escalation"]["id"] == id.as_str())
+        .unwrap();
+    assert_eq!(
+        (acked["status"].as_str(), acked["acknowledged_by"].as_str()),
+        (Some("open"), Some("operator"))
+    );
+    let (_, out, _) = escalations(&["ack", &id, "--json"]);
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["already"],
+        json!([id])
+    );
     let (code, out, err) = escalations(&[
         "resolve",
         &id,
