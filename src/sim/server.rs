@@ -27,9 +27,9 @@ pub struct Sim {
     providers: BTreeMap<String, (SimProvider, AtomicU64)>,
     faults: Mutex<Faults>,
     started: Instant,
-    /// The last chat request each provider received, as sent (`GET /sim/requests/{provider}`),
-    /// so a test can check what a gateway passed through.
-    last: Mutex<BTreeMap<String, Value>>,
+    /// The last chat requests each provider received (at most `REQUESTS_KEPT`), as sent
+    /// (`GET /sim/requests/{provider}`), so a test can check what a gateway passed through.
+    last: Mutex<BTreeMap<String, std::collections::VecDeque<Value>>>,
 }
 
 impl Sim {
@@ -58,13 +58,18 @@ impl Sim {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Remember `body` as the last request `provider` received.
+    /// Remember `body` among the last requests `provider` received.
     fn received(&self, provider: &str, body: &Bytes) {
         if let Ok(v) = serde_json::from_slice::<Value>(body) {
-            self.last
+            let mut last = self
+                .last
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(provider.to_string(), v);
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let kept = last.entry(provider.to_string()).or_default();
+            if kept.len() == REQUESTS_KEPT {
+                kept.pop_front();
+            }
+            kept.push_back(v);
         }
     }
 
@@ -200,7 +205,11 @@ fn bad_request((code, message): BadRequest) -> Response {
     openai_error(StatusCode::BAD_REQUEST, code, &message)
 }
 
-/// The last chat request `provider` received, as it was sent (404 before the first).
+/// How many of the last chat requests the simulator keeps per provider.
+const REQUESTS_KEPT: usize = 64;
+
+/// The last chat requests `provider` received, oldest first, as they were sent (404 before the
+/// first).
 async fn last_request(State(sim): State<Arc<Sim>>, Path(name): Path<String>) -> Response {
     let last = sim
         .last
@@ -209,7 +218,7 @@ async fn last_request(State(sim): State<Arc<Sim>>, Path(name): Path<String>) -> 
         .get(&name)
         .cloned();
     match last {
-        Some(v) => axum::Json(v).into_response(),
+        Some(v) => axum::Json(Value::Array(v.into())).into_response(),
         None => openai_error(
             StatusCode::NOT_FOUND,
             "not_found",
