@@ -249,6 +249,13 @@ pub fn find_mesh(
                 format!("the mesh in {} ({how}) as {user}", dir.display()),
             ));
         }
+        if *role == roles::Role::Admin && Record::path(dir).exists() {
+            return Err(format!(
+                "this command runs as the mesh's admin, whose URL is in {} ({how}), readable only \
+                 by the user who started the mesh; run it as that user, or pass --nats-url",
+                dir.join(SYSTEM).display()
+            ));
+        }
         if Record::path(dir).exists() {
             let issue = match role {
                 roles::Role::Agent(name) => format!("--role agent --name {name}"),

@@ -5,7 +5,7 @@
 //!
 //! | role            | may publish                                             | may read           |
 //! |-----------------|---------------------------------------------------------|--------------------|
-//! | `node-{id}`     | its own gossip, state, decisions, incidents, escalations | gossip, its chaos, requests |
+//! | `node-{id}`     | its own gossip, state, decisions, incidents, escalations; calls | gossip, its chaos, requests |
 //! | `monitor`       | death notices; the mesh's liveness records              | heartbeats         |
 //! | `warden`        | chaos commands to nodes, chaos events                    | chaos requests     |
 //! | `operator`      | chaos requests, escalation resolutions                   | everything a viewer reads |
@@ -178,6 +178,8 @@ impl Role {
                 p.read_stream(&format!("OBJ_{SDK_ARTIFACTS_BUCKET}"));
             }
             Role::Node(id) => {
+                // A provider may be an agent on the mesh: a node calls it as a caller does.
+                p.caller();
                 p.publish([
                     subjects::heartbeat(id),
                     subjects::goodbye(id),
@@ -430,6 +432,8 @@ mod tests {
             assert!(!may_publish(r, &subjects::heartbeat("n2")), "{r:?}");
         }
         assert!(may_publish(&n1, &subjects::heartbeat("n1")));
+        // A node calls a provider that is an agent on the mesh.
+        assert!(may_publish(&n1, &subjects::agent("llm.chat")));
         assert!(may_publish(&agent, &subjects::health("demo.echo")));
         assert!(!may_publish(&agent, &subjects::health("other")));
         assert!(may_publish(&agent, &subjects::death("demo.echo")));

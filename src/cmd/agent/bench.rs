@@ -243,7 +243,9 @@ pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
         .ok()
         .filter(|d| !d.is_zero() && a.seconds <= 3_600.0)
         .ok_or_else(|| Error::usage("--seconds must be a number of seconds in (0, 3600]"))?;
-    let url = &mesh.url(&crate::cmd::Role::Caller)?;
+    // It starts, calls, freezes and kills agents of its own: the mesh owner's tool, run as the
+    // admin (in a mesh folder, from its system.json).
+    let url = &mesh.url(&crate::cmd::Role::Admin)?;
     let nats = crate::transport::connect::reach(url, "oam-agent-bench", false).await?;
     let caller = std::sync::Arc::new(
         Caller::new(nats.clone())
