@@ -167,11 +167,9 @@ impl Role {
                 p.subscribe([subjects::agent(name)]);
                 p.kv_write(subjects::CATALOG_BUCKET, subjects::CATALOG_KEY);
                 p.kv_write(subjects::REGISTRY_BUCKET, name);
-                // Instance ids are random and a re-registered instance clears its own
-                // tombstone: any key (the warden checks a record against the server and the
-                // process before it acts on it).
-                p.kv_write(subjects::INSTANCES_BUCKET, ">");
-                p.kv_write(subjects::TOMBSTONES_BUCKET, ">");
+                // Its own instances' records and tombstones (`{instance_id}.{name}`).
+                p.kv_write(subjects::INSTANCES_BUCKET, &format!("*.{name}"));
+                p.kv_write(subjects::TOMBSTONES_BUCKET, &format!("*.{name}"));
                 // The Open Agent Mesh SDK's shared context and artifacts.
                 p.kv_write(SDK_CONTEXT_BUCKET, ">");
                 p.publish([format!("$O.{SDK_ARTIFACTS_BUCKET}.>")]);
@@ -437,6 +435,11 @@ mod tests {
         assert!(may_publish(&agent, &subjects::health("demo.echo")));
         assert!(!may_publish(&agent, &subjects::health("other")));
         assert!(may_publish(&agent, &subjects::death("demo.echo")));
+        // Its own instances' records and tombstones, nobody else's.
+        assert!(may_publish(&agent, "$KV.mesh-tombstones.abc.demo.echo"));
+        assert!(!may_publish(&agent, "$KV.mesh-tombstones.abc.demo.other"));
+        assert!(!may_publish(&agent, "$KV.mesh-tombstones.abc"));
+        assert!(!may_publish(&agent, "$KV.mesh-instances.abc.demo.echo.x"));
         assert!(may_publish(&Role::Monitor, &subjects::death("other")));
         assert!(may_publish(&Role::Warden, &node_fault));
         assert!(may_publish(&Role::Operator, subjects::CHAOS_INJECT));

@@ -462,7 +462,7 @@ pub async fn serve(
                 if connects != connects_seen || revived {
                     // Back after a network blip or a freeze: the server (and its KV state) may
                     // be new, or a monitor declared us dead meanwhile. Register again.
-                    store::clear_tombstone(&me.nats, &me.id).await;
+                    store::clear_tombstone(&me.nats, &me.id, &me.entry.name).await;
                     match store::register(&me.nats, &me.entry, &me.id).await {
                         Ok(()) => {
                             connects_seen = connects;

@@ -158,7 +158,17 @@ impl Monitor {
         served_elsewhere: &[String],
     ) {
         self.seen.remove(instance_id);
-        if !store::claim_tombstone(&self.app, instance_id).await {
+        // The tombstone is the agent's (`{id}.{agent}`, where only that agent and the monitor
+        // may write): the agent is found first, from the hint or the instance's record.
+        let record = match agents_hint.first() {
+            Some(_) => None,
+            None => store::instance(&self.app, instance_id).await,
+        };
+        let first = agents_hint
+            .first()
+            .or_else(|| record.as_ref().and_then(|r| r.agents.first()))
+            .cloned();
+        if !store::claim_tombstone(&self.app, instance_id, first.as_deref()).await {
             // Another monitor (or an earlier run) announced it; said, not skipped silently.
             tracing::info!(
                 instance_id,
@@ -177,8 +187,8 @@ impl Monitor {
             detail: (!detail.is_empty()).then(|| detail.to_string()),
             detected_at_ms: Some(detected_at_ms),
         };
-        // Callers holding a request on this instance learn it first, before any look-up.
-        let hint = agents_hint.first().map_or("", String::as_str);
+        // Callers holding a request on this instance learn it first, before more look-ups.
+        let hint = first.as_deref().unwrap_or("");
         if let Ok(body) = serde_json::to_vec(&notice(hint)) {
             let _ = self
                 .app
@@ -186,7 +196,10 @@ impl Monitor {
                 .await;
             flush_within(&self.app, FLUSH_WITHIN).await;
         }
-        let record = store::instance(&self.app, instance_id).await;
+        let record = match record {
+            Some(r) => Some(r),
+            None => store::instance(&self.app, instance_id).await,
+        };
         let agents: Vec<String> = match &record {
             Some(InstanceRecord { agents, .. }) => agents.clone(),
             None => agents_hint.to_vec(),
@@ -217,7 +230,7 @@ impl Monitor {
             );
         }
         // Clean-up after the notices.
-        store::forget_instance(&self.app, instance_id, &dead).await;
+        store::forget_instance(&self.app, instance_id, &agents, &dead).await;
     }
 
     /// A connection without an instance record that served agents (a Python SDK process)

@@ -145,9 +145,22 @@ async fn put_instance(
         host: Some(hostname().to_string()),
     };
     store
-        .put(instance_id, serde_json::to_vec(&rec)?.into())
+        .put(
+            record_key(instance_id, Some(&entry.name)),
+            serde_json::to_vec(&rec)?.into(),
+        )
         .await?;
     Ok(())
+}
+
+/// The key of an instance's record or tombstone: `{instance_id}.{agent}`, so that an agent's
+/// NATS user may write its own instances' keys only (`*.{agent}`); just the id when the agent
+/// is not known (only the monitor writes those).
+pub fn record_key(instance_id: &str, agent: Option<&str>) -> String {
+    match agent {
+        Some(a) if !a.is_empty() => format!("{instance_id}.{a}"),
+        _ => instance_id.to_string(),
+    }
 }
 
 /// Register an instance of `entry`: instance record, registry contract, catalog entry.
@@ -203,16 +216,20 @@ pub async fn instances_of(
 
 /// One instance record.
 pub async fn instance(nats: &async_nats::Client, instance_id: &str) -> Option<InstanceRecord> {
-    let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE)
+    all_instances(nats)
         .await
-        .ok()?;
-    let raw = store.get(instance_id).await.ok()??;
-    serde_json::from_slice(&raw).ok()
+        .ok()?
+        .into_iter()
+        .find(|r| r.instance_id == instance_id)
 }
 
-/// Claim the right to announce `instance_id`'s death: true for exactly one caller cluster-wide
-/// (tombstones expire after two minutes).
-pub async fn claim_tombstone(nats: &async_nats::Client, instance_id: &str) -> bool {
+/// Claim the right to announce the death of instance `instance_id` of `agent`: true for exactly
+/// one caller cluster-wide (tombstones expire after two minutes).
+pub async fn claim_tombstone(
+    nats: &async_nats::Client,
+    instance_id: &str,
+    agent: Option<&str>,
+) -> bool {
     match bucket(
         nats,
         subjects::TOMBSTONES_BUCKET,
@@ -220,7 +237,10 @@ pub async fn claim_tombstone(nats: &async_nats::Client, instance_id: &str) -> bo
     )
     .await
     {
-        Ok(store) => store.create(instance_id, bytes::Bytes::new()).await.is_ok(),
+        Ok(store) => store
+            .create(record_key(instance_id, agent), bytes::Bytes::new())
+            .await
+            .is_ok(),
         // Without the bucket we cannot deduplicate; announcing twice beats not announcing.
         Err(_) => true,
     }
@@ -228,7 +248,7 @@ pub async fn claim_tombstone(nats: &async_nats::Client, instance_id: &str) -> bo
 
 /// An instance declared dead that is back (after a network blip): its next death must be
 /// announced again.
-pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str) {
+pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str, agent: &str) {
     if let Ok(store) = bucket(
         nats,
         subjects::TOMBSTONES_BUCKET,
@@ -236,7 +256,7 @@ pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str) {
     )
     .await
     {
-        let _ = store.purge(instance_id).await;
+        let _ = store.purge(record_key(instance_id, Some(agent))).await;
     }
 }
 
@@ -244,9 +264,17 @@ pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str) {
 /// the catalog and the registry.
 /// Remove `instance_id`'s record, then the catalog entry and contract of each agent in `dead`
 /// (the agents no other instance serves).
-pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, dead: &[String]) {
+pub async fn forget_instance(
+    nats: &async_nats::Client,
+    instance_id: &str,
+    agents: &[String],
+    dead: &[String],
+) {
     if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
-        let _ = store.purge(instance_id).await;
+        let _ = store.purge(record_key(instance_id, None)).await;
+        for agent in agents {
+            let _ = store.purge(record_key(instance_id, Some(agent))).await;
+        }
     }
     for agent in dead {
         forget_agent(nats, agent).await;
@@ -277,7 +305,7 @@ pub async fn deregister(
     entry: &CatalogEntry,
     instance_id: &str,
 ) -> bool {
-    claim_tombstone(nats, instance_id).await;
+    claim_tombstone(nats, instance_id, Some(&entry.name)).await;
     let others = instances_of(nats, &entry.name).await.unwrap_or_default();
     let last = !others.iter().any(|r| r.instance_id != instance_id);
     let dead = if last {
@@ -285,7 +313,7 @@ pub async fn deregister(
     } else {
         Vec::new()
     };
-    forget_instance(nats, instance_id, &dead).await;
+    forget_instance(nats, instance_id, std::slice::from_ref(&entry.name), &dead).await;
     last
 }
 

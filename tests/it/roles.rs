@@ -106,6 +106,10 @@ async fn every_role_may_do_its_own_work_and_nothing_else() {
         "$KV.oam-escalations.esc-n1-1-1", // resolving an escalation
         "$JS.API.STREAM.DELETE.KV_oam-escalations", // deleting every escalation
         "$JS.API.STREAM.PURGE.KV_mesh-catalog",
+        // Another agent's instance record, and its tombstone (which would keep the monitor
+        // from announcing that instance's death).
+        "$KV.mesh-instances.abc123.demo.echo",
+        "$KV.mesh-tombstones.abc123.demo.echo",
     ];
     for subject in forbidden {
         evil.publish(subject, r#"{"forged":true}"#.into())
