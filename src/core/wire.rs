@@ -342,6 +342,8 @@ pub struct NodeSnapshot {
     pub bulkhead_limits: BulkheadConfig,
     pub budgets: Budgets,
     pub bus: BusCounts,
+    /// Escalations this node could not deliver to its webhook (after every attempt).
+    pub escalations_undelivered: u64,
 }
 
 impl NodeSnapshot {

@@ -56,6 +56,8 @@ pub struct Node {
     /// When real traffic last gave each provider a health sample: a provider in use is not
     /// probed (its traffic is the probe).
     last_traffic: Mutex<BTreeMap<String, u64>>,
+    /// Escalations not delivered to the webhook after every attempt.
+    undelivered: AtomicU64,
     connectors: BTreeMap<String, Connector>,
     nats: async_nats::Client,
     outbox: tokio::sync::mpsc::Sender<(String, bytes::Bytes)>,
@@ -152,6 +154,7 @@ impl Node {
             engine: Mutex::new(Engine::new(pipeline, state)),
             windows: Mutex::new(windows),
             last_traffic: Mutex::default(),
+            undelivered: AtomicU64::new(0),
             connectors,
             nats,
             sequencer: Mutex::new(Sequencer::default()),
@@ -480,6 +483,7 @@ impl Node {
                 delivery.attempts,
                 delivery.error.as_deref().unwrap_or("")
             );
+            self.undelivered.fetch_add(1, Ordering::Relaxed);
             "failed"
         };
         self.metrics.escalation_delivery(outcome);
@@ -844,6 +848,7 @@ impl Node {
                 forged: count(&self.bus.forged),
                 dropped_events: count(&self.bus.dropped_events),
             },
+            escalations_undelivered: count(&self.undelivered),
         }
     }
 }

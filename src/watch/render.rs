@@ -375,6 +375,17 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             Style::default().fg(Color::Yellow),
         ));
     }
+    let undelivered: u64 = app
+        .nodes
+        .values()
+        .map(|n| n.state.escalations_undelivered)
+        .sum();
+    if undelivered > 0 {
+        status.push(Span::styled(
+            format!("  escalations undelivered {undelivered} (webhook failing)"),
+            Style::default().fg(Color::Red),
+        ));
+    }
     if app.unreadable > 0 {
         status.push(Span::styled(
             format!(
@@ -1155,6 +1166,23 @@ mod tests {
             );
         }
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn escalations_the_webhook_did_not_take_are_shown() {
+        let mut app = healthy();
+        assert!(!draw(&app, 100, 30).contains("undelivered"));
+        let mut state = app.nodes["n2"].state.clone();
+        state.escalations_undelivered = 2;
+        app.apply(
+            Event::NodeState {
+                node: "n2".into(),
+                state: Box::new(state),
+            },
+            NOW,
+        );
+        let text = draw(&app, 100, 30);
+        assert!(text.contains("escalations undelivered 2"), "{text}");
     }
 
     #[test]
