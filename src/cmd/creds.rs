@@ -58,14 +58,9 @@ pub async fn run(args: Args) -> Result<()> {
 
 /// The mesh folder's credentials, or what to do.
 fn load(dir: &Path) -> Result<natsd::Credentials> {
-    creds::load(dir).map(|(c, _)| c).ok_or_else(|| {
-        Error::usage(format!(
-            "no mesh credentials in {} (its system.json): start a mesh there with `oam mesh up \
-             --dir {}`, or pass --dir for the folder of yours (as the user who started it)",
-            dir.display(),
-            dir.display()
-        ))
-    })
+    creds::load(dir)
+        .map(|(c, _)| c)
+        .ok_or_else(|| Error::usage(creds::no_mesh(dir)))
 }
 
 async fn issue(w: Which) -> Result<()> {

@@ -57,7 +57,8 @@ pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
     reload(dir, &creds, &user).await
 }
 
-fn no_mesh(dir: &Path) -> String {
+/// What to do when `dir` holds no mesh's credentials.
+pub fn no_mesh(dir: &Path) -> String {
     format!(
         "no mesh credentials in {} (its system.json): start a mesh there with `oam mesh up --dir \
          {}`, or pass --dir for the folder of yours (as the user who started it)",

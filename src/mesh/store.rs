@@ -271,7 +271,10 @@ pub async fn forget_instance(
     dead: &[String],
 ) {
     if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
-        let _ = store.purge(record_key(instance_id, None)).await;
+        // The keys it was recorded under (an agent's user may purge only its own).
+        if agents.is_empty() {
+            let _ = store.purge(record_key(instance_id, None)).await;
+        }
         for agent in agents {
             let _ = store.purge(record_key(instance_id, Some(agent))).await;
         }

@@ -212,6 +212,12 @@ impl NodeConfig {
                              an agent or a base_url, not both"
                         ));
                     }
+                    if p.probe == Probe::Models {
+                        return Err(format!(
+                            "{at}: probe = \"models\" needs a base_url (an agent has no model \
+                             list); use \"chat\" or \"off\""
+                        ));
+                    }
                 }
                 None => {
                     if !(p.base_url.starts_with("http://") || p.base_url.starts_with("https://")) {
@@ -349,6 +355,10 @@ limit_usd = 5.0
             (
                 "[[provider]]\nid = \"a\"\nagent = \"llm.x\"\nbase_url = \"http://x\"\nmodel = \"m\"\n",
                 ["oam.toml", "provider[0]", "not both"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nagent = \"llm.x\"\nmodel = \"m\"\nprobe = \"models\"\n",
+                ["oam.toml", "provider[0]", "needs a base_url"],
             ),
         ];
         for (text, needles) in cases {

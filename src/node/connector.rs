@@ -5,7 +5,7 @@
 use super::config::ProviderConfig;
 use crate::core::request::{Generation, GenerationStatus, Message, Usage};
 use reqwest::header::{HeaderMap, RETRY_AFTER};
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::time::{Duration, Instant};
 
 /// What a client sent that oam does not interpret, for the upstream as it was: the messages
@@ -17,10 +17,33 @@ pub struct Passthrough {
     pub extra: serde_json::Map<String, Value>,
 }
 
+/// The upstream request: the client's own fields (which never include the ones below: oam
+/// reads those), then what oam sets.
+#[derive(serde::Serialize)]
+struct Body<'a> {
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    extra: Option<&'a serde_json::Map<String, Value>>,
+    model: &'a str,
+    messages: Messages<'a>,
+    max_tokens: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_format: Option<&'a Value>,
+}
+
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum Messages<'a> {
+    AsSent(&'a [Value]),
+    Core(&'a [Message]),
+}
+
 pub struct Connector {
     pub id: String,
     /// How it is checked while idle.
     pub probe: super::config::Probe,
+    /// When real traffic last gave it a health sample (ms; 0: never): a provider in use is not
+    /// probed (its traffic is the probe).
+    pub last_traffic: std::sync::atomic::AtomicU64,
     models_url: String,
     /// Set when the provider is a mesh agent: called over NATS instead of HTTP.
     pub agent: Option<String>,
@@ -40,6 +63,7 @@ impl Connector {
         Connector {
             id: cfg.id.clone(),
             probe: cfg.probe,
+            last_traffic: std::sync::atomic::AtomicU64::new(0),
             models_url: format!("{}/models", cfg.base_url.trim_end_matches('/')),
             agent: cfg.agent.clone(),
             nats,
@@ -64,16 +88,17 @@ impl Connector {
         response_format: Option<&Value>,
         timeout: Duration,
     ) -> Attempt {
-        let mut body = Value::Object(pass.map(|p| p.extra.clone()).unwrap_or_default());
-        body["model"] = json!(self.model);
-        body["messages"] = match pass {
-            Some(p) => Value::Array(p.messages.clone()),
-            None => json!(messages),
+        // Serialised from borrows: the client's request is not copied for each attempt.
+        let body = Body {
+            extra: pass.map(|p| &p.extra),
+            model: &self.model,
+            messages: match pass {
+                Some(p) => Messages::AsSent(&p.messages),
+                None => Messages::Core(messages),
+            },
+            max_tokens,
+            response_format,
         };
-        body["max_tokens"] = json!(max_tokens);
-        if let Some(rf) = response_format {
-            body["response_format"] = rf.clone();
-        }
         let started = Instant::now();
         if let (Some(agent), Some(nats)) = (&self.agent, &self.nats) {
             return self
@@ -152,11 +177,7 @@ impl Connector {
             Ok(Ok(r)) if r.status().is_success() => GenerationStatus::Ok,
             Ok(Ok(_)) => GenerationStatus::Error,
         };
-        Generation {
-            status,
-            finish_reason: None,
-            ..Generation::failed(status, latency_ms)
-        }
+        Generation::failed(status, latency_ms)
     }
 
     /// A provider that is a mesh agent: the chat request is its payload, a chat completion its
@@ -165,7 +186,7 @@ impl Connector {
         &self,
         nats: &async_nats::Client,
         agent: &str,
-        body: &Value,
+        body: &Body<'_>,
         timeout: Duration,
         started: Instant,
     ) -> Attempt {

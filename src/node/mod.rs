@@ -53,9 +53,6 @@ pub struct Node {
     pub cfg: NodeConfig,
     engine: Mutex<Engine>,
     windows: Mutex<BTreeMap<String, Window>>,
-    /// When real traffic last gave each provider a health sample: a provider in use is not
-    /// probed (its traffic is the probe).
-    last_traffic: Mutex<BTreeMap<String, u64>>,
     /// Escalations not delivered to the webhook after every attempt.
     undelivered: AtomicU64,
     connectors: BTreeMap<String, Connector>,
@@ -153,7 +150,6 @@ impl Node {
             id,
             engine: Mutex::new(Engine::new(pipeline, state)),
             windows: Mutex::new(windows),
-            last_traffic: Mutex::default(),
             undelivered: AtomicU64::new(0),
             connectors,
             nats,
@@ -497,15 +493,16 @@ impl Node {
     /// Record a call's outcome in the local health window.
     /// A health sample from real traffic (see `record`).
     pub fn record_traffic(&self, provider: &str, outcome: Outcome, latency_ms: u64) {
-        lock(&self.last_traffic).insert(provider.to_string(), now_ms());
+        if let Some(c) = self.connectors.get(provider) {
+            c.last_traffic.store(now_ms(), Ordering::Relaxed);
+        }
         self.record(provider, outcome, latency_ms);
     }
 
-    /// Is `provider` idle: no traffic sample within the last probe interval?
-    fn idle(&self, provider: &str, now: u64) -> bool {
-        lock(&self.last_traffic)
-            .get(provider)
-            .is_none_or(|&at| now.saturating_sub(at) >= self.cfg.node.probe_interval_ms)
+    /// Is `c` idle: no traffic sample within the last probe interval?
+    fn idle(&self, c: &connector::Connector, now: u64) -> bool {
+        let at = c.last_traffic.load(Ordering::Relaxed);
+        now.saturating_sub(at) >= self.cfg.node.probe_interval_ms
     }
 
     pub fn record(&self, provider: &str, outcome: Outcome, latency_ms: u64) {
@@ -578,7 +575,7 @@ impl Node {
             let idle = self
                 .connectors
                 .values()
-                .filter(|c| c.probe != config::Probe::Off && self.idle(&c.id, now));
+                .filter(|c| c.probe != config::Probe::Off && self.idle(c, now));
             let calls = idle.map(|c| async {
                 let g = match c.probe {
                     config::Probe::Models => c.list_models(timeout).await,
