@@ -13,7 +13,7 @@
 use super::breaker::{Breaker, BreakerConfig, Permit, Transition};
 use super::budget::Budgets;
 use super::bulkhead::{Admission, BulkheadConfig, Bulkheads, Left, Queues};
-use super::contract::{Contract, Defect};
+use super::contract::{Contract, ContractSpec, Defect};
 use super::escalation::{self, Escalation};
 use super::health::{Outcome, Verdict};
 use super::loops::{self, Fingerprint, Incident, LoopCheck, LoopConfig, Loops};
@@ -80,6 +80,11 @@ pub struct Config {
     pub attempt_timeout_ms: u64,
     /// Cool-down after a 429 that carried no Retry-After.
     pub default_retry_after_ms: u64,
+    /// The contract every answer is held to unless its route or the request brings one. None
+    /// (the default): an answer is judged by transport, status and completeness only. `{}` is
+    /// the JSON contract (`answer` and `confidence`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_contract: Option<ContractSpec>,
 }
 
 impl Default for Config {
@@ -94,6 +99,7 @@ impl Default for Config {
             default_max_tokens: 256,
             attempt_timeout_ms: 10_000,
             default_retry_after_ms: 1_000,
+            default_contract: None,
         }
     }
 }
@@ -112,6 +118,22 @@ pub struct State {
     pub bulkheads: Bulkheads,
     pub loops: Loops,
     pub budgets: Budgets,
+    /// Model routes: what a client asks for -> the targets that may serve it, in preference
+    /// order. A request for any other model (or `auto`) is routed by score across every target.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub routes: BTreeMap<String, Route>,
+}
+
+/// A model name clients ask for, and who serves it.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    /// Target ids, first preferred: the first one that passes every exclusion and is not
+    /// degraded serves; the rest are its fallback chain.
+    pub targets: Vec<ProviderId>,
+    /// The contract answers on this route are held to (a request's own wins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub contract: Option<ContractSpec>,
 }
 
 impl Default for State {
@@ -124,6 +146,7 @@ impl Default for State {
             bulkheads: Bulkheads::default(),
             loops: Loops::new(),
             budgets: Budgets::default(),
+            routes: BTreeMap::new(),
         }
     }
 }
@@ -135,7 +158,10 @@ pub fn default_providers() -> Vec<Provider> {
         id: id.into(),
         model: model.into(),
         cost_per_1k_tokens_usd: cost,
+        output_cost_per_1k_usd: None,
         fallback,
+        context_window: None,
+        prefill: false,
     };
     vec![
         p("primary", "sim-large", 0.010, false),
@@ -222,6 +248,9 @@ pub struct Decision {
     pub agent: String,
     pub task: String,
     pub fingerprint: Fingerprint,
+    /// The model route the request asked for, if it named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
     pub outcome: DecisionOutcome,
     /// Where it ended: `accepted`, or the phase that vetoed.
     pub phase: Phase,
@@ -262,14 +291,18 @@ struct Pending {
     provider: usize,
     probe: bool,
     reserved_usd: f64,
-    est_tokens: u64,
+    /// Prompt and completion tokens estimated.
+    est_tokens: (u64, u64),
 }
 
 /// One request on its way through the pipeline.
 #[derive(Clone, Debug)]
 pub struct Session {
     request: Request,
-    /// The request's own contract; `None` means the engine's default.
+    /// The model route the request asked for, if its `model` names one.
+    route: Option<String>,
+    /// What answers are held to: the request's own contract, else its route's, else the
+    /// engine's default; none: transport, status and completeness only.
     contract: Option<Contract>,
     fingerprint: Fingerprint,
     est_prompt_tokens: u64,
@@ -376,10 +409,15 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
             "request.policy.max_attempts must be at least 1",
         ));
     }
-    if r.contract.is_none() && r.response_format.is_none() {
+    // Plain text asks for no contract.
+    let response_format = r
+        .response_format
+        .as_ref()
+        .filter(|rf| rf.get("type").and_then(serde_json::Value::as_str) != Some("text"));
+    if r.contract.is_none() && response_format.is_none() {
         return Ok(None);
     }
-    Contract::for_request(r.contract.as_ref(), r.response_format.as_ref())
+    Contract::for_request(r.contract.as_ref(), response_format)
         .map(Some)
         .map_err(|e| {
             let field = if e.starts_with("response_format") {
@@ -394,7 +432,6 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
 pub struct Engine {
     pub config: Config,
     pub state: State,
-    default_contract: Contract,
     /// Who waits for a slot, in order (not part of the replayable state: a recorded input is
     /// one request).
     queues: Queues,
@@ -407,7 +444,6 @@ impl Engine {
         Engine {
             config,
             state,
-            default_contract: Contract::default(),
             queues: Queues::default(),
             escalations: 0,
         }
@@ -419,7 +455,25 @@ impl Engine {
         request: Request,
         now_ms: u64,
     ) -> Result<(Session, Step), InvalidRequest> {
-        let contract = validate(&request)?;
+        let own = validate(&request)?;
+        let route = request
+            .model
+            .as_deref()
+            .filter(|m| self.state.routes.contains_key(*m))
+            .map(String::from);
+        let contract = match own {
+            Some(c) => Some(c),
+            None => {
+                let (field, spec) = match &route {
+                    Some(r) => ("model", self.state.routes[r].contract.as_ref()),
+                    None => ("config.default_contract", None),
+                };
+                let spec = spec.or(self.config.default_contract.as_ref());
+                spec.map(|spec| Contract::for_request(Some(spec), None))
+                    .transpose()
+                    .map_err(|e| invalid(field, format!("the configured {e}")))?
+            }
+        };
         let fingerprint = loops::fingerprint(
             &request.agent,
             &request.task,
@@ -430,6 +484,7 @@ impl Engine {
         let mut s = Session {
             est_prompt_tokens: (chars as u64).div_ceil(4),
             request,
+            route,
             contract,
             fingerprint,
             codes: Vec::new(),
@@ -580,20 +635,34 @@ impl Engine {
         }
     }
 
-    /// Evaluate every provider for this session at `now_ms`.
-    fn evaluate(&self, s: &Session, now_ms: u64) -> Vec<Evaluation> {
+    /// The targets this session may use, as indices into `state.providers`: its route's in
+    /// route order, or every one.
+    fn eligible(&self, s: &Session) -> Vec<usize> {
+        let providers = &self.state.providers;
+        match s.route.as_ref().and_then(|r| self.state.routes.get(r)) {
+            Some(route) => route
+                .targets
+                .iter()
+                .filter_map(|t| providers.iter().position(|p| p.id == *t))
+                .collect(),
+            None => (0..providers.len()).collect(),
+        }
+    }
+
+    /// Evaluate every target in `order` for this session at `now_ms`.
+    fn evaluate(&self, s: &Session, order: &[usize], now_ms: u64) -> Vec<Evaluation> {
         let r = &s.request;
         let max_tokens = r.max_tokens.unwrap_or(self.config.default_max_tokens) as u64;
         let latency_budget_ms = r
             .latency_budget_ms
             .unwrap_or(self.config.default_latency_budget_ms);
         let tried = |id: &str| s.attempts.iter().any(|a| a.provider.as_deref() == Some(id));
-        self.state
-            .providers
+        order
             .iter()
-            .map(|p| {
+            .map(|&i| {
+                let p = &self.state.providers[i];
                 let view: ProviderView = self.state.cluster.view(&p.id, now_ms);
-                let est_cost_usd = p.cost_of(s.est_prompt_tokens + max_tokens);
+                let est_cost_usd = p.cost_of(s.est_prompt_tokens, max_tokens);
                 let within_cost_limit = r.max_cost_usd.is_none_or(|m| est_cost_usd <= m);
                 let breaker = self.state.breakers.get(&*p.id).copied().unwrap_or_default();
                 let excluded = if tried(&p.id) {
@@ -659,7 +728,8 @@ impl Engine {
     /// caused this round, which stays the decision's phase if nothing is left to try.
     fn route(&mut self, s: &mut Session, now_ms: u64, retry_of: Option<Phase>) -> Step {
         let n = s.attempts.len() as u32 + 1;
-        let candidates = self.evaluate(s, now_ms);
+        let order = self.eligible(s);
+        let candidates = self.evaluate(s, &order, now_ms);
         let scored = |affordable_only: bool| {
             candidates
                 .iter()
@@ -667,14 +737,22 @@ impl Engine {
                 .filter(move |(_, e)| !affordable_only || e.excluded.is_none())
                 .filter_map(|(i, e)| e.score.map(|sc| (i, sc.total)))
         };
-        let best_overall = score::select(scored(false));
+        // On a route, its order decides: the first usable target that is not degraded, else
+        // the first usable one. Otherwise the best score.
+        let pick = |affordable_only: bool| {
+            if s.route.is_none() {
+                return score::select(scored(affordable_only));
+            }
+            let mut usable = scored(affordable_only).map(|(i, _)| i);
+            let first = usable.clone().next();
+            usable
+                .find(|&i| candidates[i].verdict != Verdict::Degraded)
+                .or(first)
+        };
+        let best_overall = pick(false);
         let refused_for_budget = best_overall.is_some_and(|i| candidates[i].excluded.is_some())
             && s.request.risk == Risk::High;
-        let chosen = if refused_for_budget {
-            None
-        } else {
-            score::select(scored(true))
-        };
+        let chosen = if refused_for_budget { None } else { pick(true) };
         let mut attempt = Attempt {
             n,
             provider: None,
@@ -716,11 +794,13 @@ impl Engine {
             s.attempts.push(attempt);
             return self.finish_failure(s, retry_of.unwrap_or(phase), now_ms);
         };
+        let eval_at = i;
+        let i = order[i];
         let provider = &self.state.providers[i];
         let permit = breaker_mut(&mut self.state.breakers, &provider.id)
             .acquire(now_ms, &self.config.breaker);
         let probe = permit == Permit::Probe;
-        let eval = &attempt.candidates[i];
+        let eval = &attempt.candidates[eval_at];
         let mut codes = vec![ReasonCode::RoutingSelected];
         if provider.fallback {
             codes.push(ReasonCode::FallbackUsed);
@@ -739,7 +819,7 @@ impl Engine {
             provider: i,
             probe,
             reserved_usd,
-            est_tokens: s.est_prompt_tokens + max_tokens as u64,
+            est_tokens: (s.est_prompt_tokens, max_tokens as u64),
         });
         for &c in &codes {
             push(&mut s.codes, c);
@@ -774,15 +854,14 @@ impl Engine {
             ..
         } = &mut self.state;
         let provider = &providers[p.provider];
-        let tokens = g.usage.map_or(
-            if g.status == GenerationStatus::Ok {
-                p.est_tokens
-            } else {
-                0
-            },
-            |u| u.prompt_tokens + u.completion_tokens,
-        );
-        let cost_usd = provider.cost_of(tokens);
+        // Without the upstream's count, an answer is charged the estimate; a failure nothing.
+        let cost_usd = match g.usage {
+            Some(u) => provider.cost_of(u.prompt_tokens, u.completion_tokens),
+            None if g.status == GenerationStatus::Ok => {
+                provider.cost_of(p.est_tokens.0, p.est_tokens.1)
+            }
+            None => 0.0,
+        };
         budgets.settle(&s.request.agent, p.reserved_usd, cost_usd);
         s.cost_usd = round_usd(s.cost_usd + cost_usd);
 
@@ -832,13 +911,13 @@ impl Engine {
                 (Outcome::Error, Some(Phase::Generation), None)
             }
             GenerationStatus::Ok => {
-                let contract = s.contract.as_ref().unwrap_or(&self.default_contract);
                 // A tool-call turn carries no text to hold to a contract: it is judged by its
                 // status and completeness (its arguments are the agent's to check, for now).
-                let checked = if g.finish_reason.as_deref() == Some("tool_calls") {
-                    Ok(None)
-                } else {
-                    contract.check(&g.content, g.finish_reason.as_deref())
+                let checked = match &s.contract {
+                    Some(c) if g.finish_reason.as_deref() != Some("tool_calls") => {
+                        c.check(&g.content, g.finish_reason.as_deref())
+                    }
+                    _ => Ok(None),
                 };
                 match checked {
                     Err(d) => {
@@ -1022,6 +1101,7 @@ impl Engine {
             agent: s.request.agent.clone(),
             task: s.request.task.clone(),
             fingerprint: s.fingerprint,
+            route: s.route.clone(),
             outcome,
             phase,
             reason_codes: std::mem::take(&mut s.codes),

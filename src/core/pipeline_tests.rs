@@ -37,7 +37,15 @@ fn engine() -> Engine {
             .cluster
             .observe(observation("n1", p, Verdict::Healthy, 1.0));
     }
-    Engine::new(Config::default(), state)
+    Engine::new(json_contract(), state)
+}
+
+/// The defaults, with answers held to the JSON contract (as the simulator's are).
+fn json_contract() -> Config {
+    Config {
+        default_contract: Some(ContractSpec::default()),
+        ..Config::default()
+    }
 }
 
 fn set_verdict(e: &mut Engine, provider: &str, verdict: Verdict, availability: f64) {
@@ -782,7 +790,7 @@ fn invalid_requests_are_refused_with_the_field_named() {
 fn replay_is_byte_for_byte_deterministic_and_names_missing_results() {
     let input = DecideInput {
         now_ms: T0,
-        config: Config::default(),
+        config: json_contract(),
         request: req("r"),
         state: engine().state,
         generations: [
@@ -1025,4 +1033,164 @@ fn every_reason_code_is_reachable() {
     let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
     let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();
     assert!(missing.is_empty(), "unreached reason codes: {missing:?}");
+}
+
+/// Two models on one host (`h/big`, `h/small`) and one elsewhere (`o/big`), all healthy; a route
+/// `big` -> h/big then o/big, and a route `small` (held to the JSON contract) -> h/small.
+fn routed() -> Engine {
+    let target = |id: &str, model: &str, cost: f64| Provider {
+        id: id.into(),
+        model: model.into(),
+        cost_per_1k_tokens_usd: cost,
+        output_cost_per_1k_usd: None,
+        fallback: false,
+        context_window: None,
+        prefill: false,
+    };
+    let mut state = State {
+        cluster: Cluster::new("n1", 1),
+        // o/big is cheaper: scored routing would prefer it; the route's order must win.
+        providers: vec![
+            target("h/big", "big", 0.01),
+            target("h/small", "small", 0.001),
+            target("o/big", "big-2", 0.0),
+        ],
+        ..State::default()
+    };
+    for p in ["h/big", "h/small", "o/big"] {
+        state
+            .cluster
+            .observe(observation("n1", p, Verdict::Healthy, 1.0));
+    }
+    let route = |targets: &[&str], contract| Route {
+        targets: targets.iter().map(|&t| t.into()).collect(),
+        contract,
+    };
+    state
+        .routes
+        .insert("big".into(), route(&["h/big", "o/big"], None));
+    state.routes.insert(
+        "small".into(),
+        route(&["h/small"], Some(ContractSpec::default())),
+    );
+    Engine::new(Config::default(), state)
+}
+
+fn asking(model: &str, id: &str) -> Request {
+    Request {
+        model: Some(model.into()),
+        ..req(id)
+    }
+}
+
+#[test]
+fn without_a_contract_a_prose_answer_is_a_good_answer() {
+    let mut e = routed();
+    let prose = Generation::ok("Paris is the capital of France.", 90);
+    let d = run(&mut e, asking("big", "p1"), &[("h/big", prose.clone())]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted, "{:?}", d.reason_codes);
+    assert_eq!(d.confidence, None);
+    // Cut off by its token limit is the caller's choice without a contract.
+    let cut = Generation {
+        finish_reason: Some("length".into()),
+        ..prose.clone()
+    };
+    let d = run(&mut e, asking("big", "p2"), &[("h/big", cut.clone())]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    // The same prose on a route held to the JSON contract fails it ...
+    let d = run(&mut e, asking("small", "p3"), &[("h/small", prose.clone())]);
+    assert!(has(&d, ReasonCode::ContractNotJson), "{:?}", d.reason_codes);
+    // ... and a request's own contract wins over its route's (plain text asks for none).
+    let text = Request {
+        response_format: Some(serde_json::json!({"type": "text"})),
+        ..asking("big", "p4")
+    };
+    assert_eq!(
+        run(&mut e, text, &[("h/big", cut)]).outcome,
+        DecisionOutcome::Accepted
+    );
+    let own = Request {
+        contract: Some(ContractSpec::default()),
+        ..asking("big", "p5")
+    };
+    let d = run(&mut e, own, &[("h/big", prose.clone()), ("o/big", prose)]);
+    assert!(has(&d, ReasonCode::ContractNotJson), "{:?}", d.reason_codes);
+}
+
+#[test]
+fn a_route_serves_in_its_order_and_falls_back_along_its_chain() {
+    let mut e = routed();
+    let d = run(&mut e, asking("big", "r1"), &[("h/big", good())]);
+    assert_eq!(
+        d.provider.as_deref(),
+        Some("h/big"),
+        "route order beats cost"
+    );
+    assert_eq!(d.route.as_deref(), Some("big"));
+    let ids: Vec<&str> = d.attempts[0]
+        .candidates
+        .iter()
+        .map(|c| &*c.provider)
+        .collect();
+    assert_eq!(
+        ids,
+        ["h/big", "o/big"],
+        "only the route's targets, in order"
+    );
+    // A failure moves along the chain, never off it.
+    let d = run(
+        &mut e,
+        asking("big", "r2"),
+        &[("h/big", err()), ("o/big", good())],
+    );
+    assert_eq!(d.provider.as_deref(), Some("o/big"));
+    // A degraded first target yields to a healthy second one.
+    set_verdict(&mut e, "h/big", Verdict::Degraded, 0.8);
+    let d = run(&mut e, asking("big", "r3"), &[("o/big", good())]);
+    assert_eq!(d.provider.as_deref(), Some("o/big"));
+    // With no route named (or `auto`), scoring picks across every target, as before.
+    let all = [("h/big", good()), ("h/small", good()), ("o/big", good())];
+    let d = run(&mut e, asking("auto", "r4"), &all);
+    assert_eq!(d.route, None);
+    assert_eq!(d.attempts[0].candidates.len(), 3);
+}
+
+#[test]
+fn a_failing_model_does_not_open_the_breaker_of_another_model_on_its_host() {
+    let mut e = routed();
+    for i in 0..12 {
+        let r = asking("big", &format!("b{i}"));
+        let _ = run_at(
+            &mut e,
+            r,
+            T0 + i * 10,
+            &[("h/big", err()), ("o/big", good())],
+        );
+    }
+    let open = |e: &Engine, id: &str| {
+        e.state
+            .breakers
+            .get(id)
+            .is_some_and(|b| b.peek(T0 + 200, &e.config.breaker) == Permit::Open)
+    };
+    assert!(open(&e, "h/big"), "the failing model's breaker opened");
+    assert!(!open(&e, "h/small"), "its sibling on the same host did not");
+    let d = run_at(
+        &mut e,
+        asking("small", "s1"),
+        T0 + 200,
+        &[("h/small", good())],
+    );
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+}
+
+#[test]
+fn prompt_and_completion_tokens_are_priced_apart() {
+    let p = Provider {
+        output_cost_per_1k_usd: Some(0.004),
+        ..default_providers()[0].clone()
+    };
+    // 1,000 prompt tokens at $0.01/1k and 500 completion tokens at $0.004/1k.
+    assert!((p.cost_of(1_000, 500) - 0.012).abs() < 1e-12);
+    assert!(!p.is_zero_cost());
 }

@@ -143,28 +143,46 @@ fn no_model() -> ProviderId {
 /// copy a pointer, not the string.
 pub type ProviderId = std::sync::Arc<str>;
 
-/// An upstream that can generate.
+/// A target: one model on one upstream, the unit that is routed to, and whose health, breaker
+/// and cool-down are kept. (Named `Provider` for history: with one model per upstream the two
+/// are the same thing, and the target is then named by the upstream's id.)
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
 pub struct Provider {
     pub id: ProviderId,
+    /// The upstream's name for the model (what the request's `model` becomes).
     #[serde(default = "no_model")]
     pub model: ProviderId,
-    /// Price per 1,000 tokens, prompt and completion alike. 0 makes it a zero-cost provider.
+    /// Price per 1,000 prompt tokens, and completion tokens too unless `output_cost_per_1k_usd`
+    /// says otherwise. 0 (with no output price) makes it a zero-cost target.
     #[serde(default)]
     pub cost_per_1k_tokens_usd: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_cost_per_1k_usd: Option<f64>,
     #[serde(default)]
     pub fallback: bool,
+    /// Prompt plus completion tokens the model takes at most (unknown: no limit assumed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window: Option<u64>,
+    /// Does it continue an assistant message given as the last one (a prefill)?
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prefill: bool,
 }
 
 impl Provider {
     pub fn is_zero_cost(&self) -> bool {
-        self.cost_per_1k_tokens_usd <= 0.0
+        self.cost_per_1k_tokens_usd <= 0.0 && self.output_cost_per_1k_usd.unwrap_or(0.0) <= 0.0
     }
 
-    /// Cost of `tokens`, rounded to a nano-dollar so sums print cleanly and compare exactly.
-    pub fn cost_of(&self, tokens: u64) -> f64 {
-        round_usd(self.cost_per_1k_tokens_usd * tokens as f64 / 1_000.0)
+    /// Cost of `prompt` and `completion` tokens, rounded to a nano-dollar so sums print cleanly
+    /// and compare exactly.
+    pub fn cost_of(&self, prompt: u64, completion: u64) -> f64 {
+        let output = self
+            .output_cost_per_1k_usd
+            .unwrap_or(self.cost_per_1k_tokens_usd);
+        round_usd(
+            (self.cost_per_1k_tokens_usd * prompt as f64 + output * completion as f64) / 1_000.0,
+        )
     }
 }
 

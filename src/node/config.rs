@@ -91,17 +91,97 @@ pub struct ProviderConfig {
     /// its payload and answering with a chat completion. Its death notice marks it down at once.
     #[serde(default)]
     pub agent: Option<String>,
+    /// Its one model (the target is then named by the provider's id) ...
+    #[serde(default)]
     pub model: String,
+    /// ... or several, each a target named `{id}/{model}`: names, or tables with the target
+    /// attributes below for that model alone.
+    #[serde(default)]
+    pub models: Vec<ModelEntry>,
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// Target attributes, for every model of the provider unless a model says otherwise:
+    /// price per 1,000 prompt tokens (and completion tokens, unless `output_cost_per_1k_usd`).
     #[serde(default)]
     pub cost_per_1k_tokens_usd: f64,
+    #[serde(default)]
+    pub output_cost_per_1k_usd: Option<f64>,
+    /// Prompt plus completion tokens at most.
+    #[serde(default)]
+    pub context_window: Option<u64>,
+    /// Does it continue a trailing assistant message (a prefill)?
+    #[serde(default)]
+    pub prefill: bool,
     #[serde(default)]
     pub fallback: bool,
     /// How the node checks the provider while no traffic does (traffic outcomes are the
     /// health samples otherwise).
     #[serde(default)]
     pub probe: Probe,
+}
+
+/// One model of a provider: its name, or its name with its own target attributes.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(untagged)]
+pub enum ModelEntry {
+    Name(String),
+    Full(ModelConfig),
+}
+
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    #[serde(default)]
+    pub cost_per_1k_tokens_usd: Option<f64>,
+    #[serde(default)]
+    pub output_cost_per_1k_usd: Option<f64>,
+    #[serde(default)]
+    pub context_window: Option<u64>,
+    #[serde(default)]
+    pub prefill: Option<bool>,
+    #[serde(default)]
+    pub fallback: Option<bool>,
+}
+
+/// `[[route]]`: a model name clients ask for, served by targets in preference order.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub model: String,
+    /// `provider/model`, or a one-model provider's id.
+    pub targets: Vec<String>,
+    /// Answers on this route are held to this contract (`{}`: the JSON contract).
+    #[serde(default)]
+    pub contract: Option<crate::core::contract::ContractSpec>,
+}
+
+/// One model on one provider, resolved from the configuration: what is routed to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Target {
+    /// `{provider}/{model}`, or the provider's id when it has one model.
+    pub id: String,
+    pub provider: String,
+    pub model: String,
+    pub cost_per_1k_tokens_usd: f64,
+    pub output_cost_per_1k_usd: Option<f64>,
+    pub context_window: Option<u64>,
+    pub prefill: bool,
+    pub fallback: bool,
+}
+
+impl Target {
+    pub fn core(&self) -> crate::core::request::Provider {
+        crate::core::request::Provider {
+            id: self.id.as_str().into(),
+            model: self.model.as_str().into(),
+            cost_per_1k_tokens_usd: self.cost_per_1k_tokens_usd,
+            output_cost_per_1k_usd: self.output_cost_per_1k_usd,
+            fallback: self.fallback,
+            context_window: self.context_window,
+            prefill: self.prefill,
+        }
+    }
 }
 
 /// An active health check of an idle provider.
@@ -130,6 +210,11 @@ pub struct NodeConfig {
     pub budgets: Budgets,
     #[serde(default)]
     pub escalations: EscalationSinks,
+    #[serde(default, rename = "route")]
+    pub routes: Vec<RouteConfig>,
+    /// Every provider's models, resolved (filled in by `parse`).
+    #[serde(skip)]
+    pub targets: Vec<Target>,
 }
 
 /// Where escalations go besides the record (`[escalations]`): a webhook that gets each one as
@@ -163,8 +248,12 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             agent: None,
             id: p.id.to_string(),
             model: p.model.to_string(),
+            models: Vec::new(),
             api_key_env: None,
             cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
+            output_cost_per_1k_usd: None,
+            context_window: None,
+            prefill: false,
             fallback: p.fallback,
             probe: Probe::Chat,
         })
@@ -178,8 +267,12 @@ impl NodeConfig {
         let mut cfg: NodeConfig = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
         if cfg.providers.is_empty() {
             cfg.providers = default_providers(sim_url);
+            // The simulator's models answer in oam's JSON contract; hold them to it.
+            cfg.pipeline.default_contract.get_or_insert_default();
         }
         cfg.check().map_err(|e| format!("{name}: {e}"))?;
+        cfg.targets = cfg.resolve_targets();
+        cfg.check_routes().map_err(|e| format!("{name}: {e}"))?;
         Ok(cfg)
     }
 
@@ -192,6 +285,127 @@ impl NodeConfig {
                 NodeConfig::parse(&p.display().to_string(), &text, sim_url)
             }
         }
+    }
+
+    /// Every provider's models as targets, in the providers' order.
+    fn resolve_targets(&self) -> Vec<Target> {
+        let mut out = Vec::new();
+        for p in &self.providers {
+            let base = Target {
+                id: p.id.clone(),
+                provider: p.id.clone(),
+                model: p.model.clone(),
+                cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
+                output_cost_per_1k_usd: p.output_cost_per_1k_usd,
+                context_window: p.context_window,
+                prefill: p.prefill,
+                fallback: p.fallback,
+            };
+            if p.models.is_empty() {
+                out.push(base);
+                continue;
+            }
+            for m in &p.models {
+                let t = match m {
+                    ModelEntry::Name(name) => Target {
+                        model: name.clone(),
+                        ..base.clone()
+                    },
+                    ModelEntry::Full(m) => Target {
+                        model: m.name.clone(),
+                        cost_per_1k_tokens_usd: m
+                            .cost_per_1k_tokens_usd
+                            .unwrap_or(base.cost_per_1k_tokens_usd),
+                        output_cost_per_1k_usd: m
+                            .output_cost_per_1k_usd
+                            .or(base.output_cost_per_1k_usd),
+                        context_window: m.context_window.or(base.context_window),
+                        prefill: m.prefill.unwrap_or(base.prefill),
+                        fallback: m.fallback.unwrap_or(base.fallback),
+                        ..base.clone()
+                    },
+                };
+                out.push(Target {
+                    id: format!("{}/{}", p.id, t.model),
+                    ..t
+                });
+            }
+        }
+        out
+    }
+
+    /// The target a route names: `provider/model`, or a one-model provider's id.
+    pub fn target(&self, name: &str) -> Option<&Target> {
+        self.targets.iter().find(|t| {
+            t.id == name || name.split_once('/') == Some((t.provider.as_str(), t.model.as_str()))
+        })
+    }
+
+    /// The route serving `model`, if one does.
+    pub fn route(&self, model: &str) -> Option<&RouteConfig> {
+        self.routes.iter().find(|r| r.model == model)
+    }
+
+    fn check_routes(&self) -> Result<(), String> {
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let at = format!("route[{i}] ({})", r.model);
+            if r.model.trim().is_empty() || matches!(r.model.as_str(), "auto" | "oam") {
+                return Err(format!(
+                    "{at}: model must be a name clients ask for (not empty, \"auto\" or \"oam\")"
+                ));
+            }
+            if !seen.insert(&r.model) {
+                return Err(format!("{at}: model is routed twice"));
+            }
+            if r.targets.is_empty() {
+                return Err(format!(
+                    "{at}: targets must name at least one provider/model"
+                ));
+            }
+            for t in &r.targets {
+                if self.target(t).is_none() {
+                    let known: Vec<String> = self
+                        .targets
+                        .iter()
+                        .map(|t| format!("{}/{}", t.provider, t.model))
+                        .collect();
+                    return Err(format!(
+                        "{at}: target {t:?} is no provider's model; targets are {}",
+                        known.join(", ")
+                    ));
+                }
+            }
+            if let Some(spec) = &r.contract {
+                crate::core::contract::Contract::for_request(Some(spec), None)
+                    .map_err(|e| format!("{at}: {e}"))?;
+            }
+        }
+        if let Some(spec) = &self.pipeline.default_contract {
+            crate::core::contract::Contract::for_request(Some(spec), None)
+                .map_err(|e| format!("pipeline.default_contract: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// The model routes as the core keeps them (target ids resolved).
+    pub fn core_routes(&self) -> std::collections::BTreeMap<String, crate::core::pipeline::Route> {
+        self.routes
+            .iter()
+            .map(|r| {
+                let targets = r
+                    .targets
+                    .iter()
+                    .filter_map(|t| self.target(t))
+                    .map(|t| t.id.as_str().into())
+                    .collect();
+                let route = crate::core::pipeline::Route {
+                    targets,
+                    contract: r.contract.clone(),
+                };
+                (r.model.clone(), route)
+            })
+            .collect()
     }
 
     fn check(&self) -> Result<(), String> {
@@ -227,8 +441,41 @@ impl NodeConfig {
                     }
                 }
             }
-            if !(p.cost_per_1k_tokens_usd.is_finite() && p.cost_per_1k_tokens_usd >= 0.0) {
-                return Err(format!("{at}: cost_per_1k_tokens_usd must be >= 0"));
+            if p.model.is_empty() == p.models.is_empty() {
+                return Err(format!(
+                    "{at}: give its one model (model = \"...\") or its models (models = [...]), \
+                     not both"
+                ));
+            }
+            let mut names = std::collections::BTreeSet::new();
+            for m in &p.models {
+                let (name, costs) = match m {
+                    ModelEntry::Name(n) => (n, [None, None]),
+                    ModelEntry::Full(m) => (
+                        &m.name,
+                        [m.cost_per_1k_tokens_usd, m.output_cost_per_1k_usd],
+                    ),
+                };
+                if name.trim().is_empty() || !names.insert(name) {
+                    return Err(format!("{at}: models: {name:?} is empty or listed twice"));
+                }
+                if costs
+                    .into_iter()
+                    .flatten()
+                    .any(|c| !(c.is_finite() && c >= 0.0))
+                {
+                    return Err(format!("{at}: models: {name}: costs must be >= 0"));
+                }
+            }
+            let costs = [Some(p.cost_per_1k_tokens_usd), p.output_cost_per_1k_usd];
+            if costs
+                .into_iter()
+                .flatten()
+                .any(|c| !(c.is_finite() && c >= 0.0))
+            {
+                return Err(format!(
+                    "{at}: cost_per_1k_tokens_usd and output_cost_per_1k_usd must be >= 0"
+                ));
             }
             if let Some(var) = &p.api_key_env
                 && std::env::var_os(var).is_none()
@@ -322,6 +569,63 @@ limit_usd = 5.0
     }
 
     #[test]
+    fn providers_serve_many_models_and_routes_name_them() {
+        let text = r#"
+[[provider]]
+id = "openai"
+base_url = "https://api.openai.com/v1"
+cost_per_1k_tokens_usd = 0.00015
+output_cost_per_1k_usd = 0.0006
+context_window = 128000
+models = ["gpt-4o-mini", { name = "gpt-4o", cost_per_1k_tokens_usd = 0.0025, output_cost_per_1k_usd = 0.01 }]
+
+[[provider]]
+id = "local"
+base_url = "http://127.0.0.1:11434/v1"
+model = "llama3.2"
+prefill = true
+
+[[route]]
+model = "fast"
+targets = ["openai/gpt-4o-mini", "local/llama3.2"]
+
+[[route]]
+model = "smart"
+targets = ["openai/gpt-4o", "local"]
+contract = {}
+"#;
+        let cfg = NodeConfig::parse("oam.toml", text, "unused").unwrap();
+        let ids: Vec<&str> = cfg.targets.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(ids, ["openai/gpt-4o-mini", "openai/gpt-4o", "local"]);
+        let big = cfg.target("openai/gpt-4o").unwrap();
+        assert_eq!(
+            big.cost_per_1k_tokens_usd, 0.0025,
+            "a model's own price wins"
+        );
+        assert_eq!(
+            big.context_window,
+            Some(128_000),
+            "the provider's is the default"
+        );
+        assert!(cfg.target("local/llama3.2").unwrap().prefill);
+        let routes = cfg.core_routes();
+        assert_eq!(
+            &*routes["fast"].targets[1], "local",
+            "resolved to the target's id"
+        );
+        assert!(routes["smart"].contract.is_some());
+        assert_eq!(
+            cfg.pipeline.default_contract, None,
+            "a user's providers: no contract"
+        );
+        let sim = NodeConfig::load(None, "http://sim").unwrap();
+        assert!(
+            sim.pipeline.default_contract.is_some(),
+            "the simulator's: JSON"
+        );
+    }
+
+    #[test]
     fn errors_name_the_file_line_and_field() {
         let cases = [
             (
@@ -359,6 +663,26 @@ limit_usd = 5.0
             (
                 "[[provider]]\nid = \"a\"\nagent = \"llm.x\"\nmodel = \"m\"\nprobe = \"models\"\n",
                 ["oam.toml", "provider[0]", "needs a base_url"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\nmodel = \"m\"\nmodels = [\"n\"]\n",
+                ["oam.toml", "provider[0]", "not both"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\nmodels = [\"n\", \"n\"]\n",
+                ["oam.toml", "provider[0]", "listed twice"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\nmodels = [\"n\"]\n[[route]]\nmodel = \"m\"\ntargets = [\"a/x\"]\n",
+                ["route[0] (m)", "\"a/x\"", "a/n"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\nmodel = \"n\"\n[[route]]\nmodel = \"auto\"\ntargets = [\"a\"]\n",
+                ["oam.toml", "route[0]", "not empty"],
+            ),
+            (
+                "[[route]]\nmodel = \"m\"\ntargets = [\"primary\"]\ncontract = { min_confidence = 2.0 }\n",
+                ["oam.toml", "route[0] (m)", "min_confidence"],
             ),
         ];
         for (text, needles) in cases {

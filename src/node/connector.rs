@@ -39,17 +39,13 @@ enum Messages<'a> {
 
 pub struct Connector {
     pub id: String,
-    /// How it is checked while idle.
+    /// How its targets are checked while idle.
     pub probe: super::config::Probe,
-    /// When real traffic last gave it a health sample (ms; 0: never): a provider in use is not
-    /// probed (its traffic is the probe).
-    pub last_traffic: std::sync::atomic::AtomicU64,
     models_url: String,
     /// Set when the provider is a mesh agent: called over NATS instead of HTTP.
     pub agent: Option<String>,
     nats: Option<async_nats::Client>,
     url: String,
-    model: String,
     api_key: Option<String>,
     http: reqwest::Client,
 }
@@ -63,12 +59,10 @@ impl Connector {
         Connector {
             id: cfg.id.clone(),
             probe: cfg.probe,
-            last_traffic: std::sync::atomic::AtomicU64::new(0),
             models_url: format!("{}/models", cfg.base_url.trim_end_matches('/')),
             agent: cfg.agent.clone(),
             nats,
             url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
-            model: cfg.model.clone(),
             api_key: cfg
                 .api_key_env
                 .as_ref()
@@ -77,11 +71,12 @@ impl Connector {
         }
     }
 
-    /// One chat completion, bounded by `timeout`: the client's request as it came (`pass`),
-    /// with this provider's model and oam's token limit, or just `messages` (probes); the
+    /// One chat completion from `model`, bounded by `timeout`: the client's request as it came
+    /// (`pass`), with the target's model and oam's token limit, or just `messages` (probes); the
     /// upstream's chat completion is kept as it came (the answer passes it on).
     pub async fn generate(
         &self,
+        model: &str,
         messages: &[Message],
         pass: Option<&Passthrough>,
         max_tokens: u32,
@@ -91,7 +86,7 @@ impl Connector {
         // Serialised from borrows: the client's request is not copied for each attempt.
         let body = Body {
             extra: pass.map(|p| &p.extra),
-            model: &self.model,
+            model,
             messages: match pass {
                 Some(p) => Messages::AsSent(&p.messages),
                 None => Messages::Core(messages),

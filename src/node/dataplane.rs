@@ -75,13 +75,28 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
         .into_response()
 }
 
+/// `GET /v1/models`: the model routes with their targets, or (with no routes) every target's
+/// model; and `auto`, scored routing across every target.
 async fn models(State(node): State<Arc<Node>>) -> Response {
-    let data: Vec<Value> = node
-        .cfg
-        .providers
-        .iter()
-        .map(|p| json!({"id": p.model, "object": "model", "created": 0, "owned_by": format!("oam/{}", p.id)}))
-        .collect();
+    let entry = |id: &str, owned_by: &str, targets: Vec<&str>| json!({"id": id, "object": "model", "created": 0, "owned_by": owned_by, "oam": {"targets": targets}});
+    let all: Vec<&str> = node.cfg.targets.iter().map(|t| t.id.as_str()).collect();
+    let mut data: Vec<Value> = if node.cfg.routes.is_empty() {
+        node.cfg
+            .targets
+            .iter()
+            .map(|t| entry(&t.model, &format!("oam/{}", t.provider), vec![&t.id]))
+            .collect()
+    } else {
+        node.cfg
+            .routes
+            .iter()
+            .map(|r| {
+                let targets = r.targets.iter().filter_map(|t| node.cfg.target(t));
+                entry(&r.model, "oam", targets.map(|t| t.id.as_str()).collect())
+            })
+            .collect()
+    };
+    data.push(entry("auto", "oam", all));
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
@@ -154,6 +169,21 @@ fn text_of(content: &Value) -> Option<String> {
     }
 }
 
+/// May a client ask for `model`? A route's name when routes are configured; without routes (every
+/// target scored), any target's model or id; `auto` (or `oam`, or nothing) always.
+fn known_model(cfg: &super::config::NodeConfig, model: &str) -> bool {
+    if model.is_empty() || model == "auto" || model == "oam" {
+        return true;
+    }
+    if cfg.routes.is_empty() {
+        cfg.targets
+            .iter()
+            .any(|t| t.model == model || t.id == model)
+    } else {
+        cfg.route(model).is_some()
+    }
+}
+
 /// A request the node refuses before the pipeline runs (400): the parameter at fault (for the
 /// OpenAI error envelope's `param`), and why.
 struct BadRequest {
@@ -210,13 +240,13 @@ fn to_request(
     body: &[u8],
     h: &HeaderMap,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    decode_request(&node.cfg.providers, body, h, || node.next_request_id())
+    decode_request(&node.cfg, body, h, || node.next_request_id())
 }
 
 /// `to_request` against the providers a node routes to; `new_id` names a request that names
 /// itself nowhere.
 fn decode_request(
-    providers: &[super::config::ProviderConfig],
+    cfg: &super::config::NodeConfig,
     body: &[u8],
     h: &HeaderMap,
     new_id: impl FnOnce() -> String,
@@ -259,18 +289,17 @@ fn decode_request(
         });
     }
     if let Some(model) = &chat.model
-        && !model.is_empty()
-        && !providers
-            .iter()
-            .any(|p| &p.model == model || &p.id == model)
-        && model != "oam"
-        && model != "auto"
+        && !known_model(cfg, model)
     {
-        let known: Vec<&str> = providers.iter().map(|p| p.model.as_str()).collect();
+        let known: Vec<&str> = if cfg.routes.is_empty() {
+            cfg.targets.iter().map(|t| t.model.as_str()).collect()
+        } else {
+            cfg.routes.iter().map(|r| r.model.as_str()).collect()
+        };
         return Err(bad(
             "model",
             format!(
-                "unknown model {model:?}; this node routes across {} (or send \"auto\")",
+                "unknown model {model:?}; this node serves {} (or send \"auto\")",
                 known.join(", ")
             ),
         ));
@@ -369,8 +398,14 @@ fn oam_object(d: &Decision) -> Value {
         "phase": d.phase,
         "reason_codes": d.reason_codes,
         "provider": d.provider,
+        "route": d.route,
+        "target": d.provider,
         "fallback": d.fallback,
         "attempts": d.attempts.len(),
+        "tried": d.attempts.iter().filter_map(|a| {
+            let target = a.provider.as_ref()?;
+            Some(json!({"target": target, "status": a.status, "latency_ms": a.latency_ms, "reason_codes": a.codes}))
+        }).collect::<Vec<_>>(),
         "cost_usd": d.cost_usd,
         "confidence": d.confidence,
         "escalation": d.escalation,
@@ -473,9 +508,10 @@ pub async fn execute(
                 }
             }
             Step::Dispatch(d) => {
-                let attempt = match node.connectors.get(&*d.provider) {
-                    Some(c) => {
+                let attempt = match node.target(&d.provider) {
+                    Some((c, model)) => {
                         c.generate(
+                            model,
                             &flight.session.request().messages,
                             Some(&pass),
                             d.max_tokens,
@@ -569,10 +605,10 @@ fn respond(node: &Node, d: Decision, last: Option<super::connector::Attempt>) ->
     } else if accepted {
         let model = node
             .cfg
-            .providers
+            .targets
             .iter()
-            .find(|p| p.id == provider)
-            .map_or("", |p| p.model.as_str());
+            .find(|t| t.id == provider)
+            .map_or("", |t| t.model.as_str());
         let usage = g.usage.unwrap_or_default();
         json!({
             "id": format!("chatcmpl-{}", d.request_id),
@@ -934,11 +970,11 @@ mod tests {
         /// it never panics.
         #[test]
         fn any_body_decodes_or_is_refused(body in chat_like(), raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
-            let providers = crate::node::config::default_providers("http://127.0.0.1:1");
+            let cfg = crate::node::config::NodeConfig::load(None, "http://127.0.0.1:1").unwrap_or_default();
             let mut h = HeaderMap::new();
             h.insert("x-oam-risk", HeaderValue::from_static("high"));
             for bytes in [body.as_bytes(), raw.as_slice()] {
-                match decode_request(&providers, bytes, &h, || "r".into()) {
+                match decode_request(&cfg, bytes, &h, || "r".into()) {
                     Ok((r, _, pass)) => proptest::prop_assert_eq!(r.messages.len(), pass.messages.len()),
                     Err(e) => proptest::prop_assert!(!e.message.is_empty()),
                 }

@@ -55,7 +55,10 @@ pub struct Node {
     windows: Mutex<BTreeMap<String, Window>>,
     /// Escalations not delivered to the webhook after every attempt.
     undelivered: AtomicU64,
+    /// One per provider (host).
     connectors: BTreeMap<String, Connector>,
+    /// One per target (a model on a provider), by target id.
+    targets: BTreeMap<String, TargetRt>,
     nats: async_nats::Client,
     outbox: tokio::sync::mpsc::Sender<(String, bytes::Bytes)>,
     outbox_rx: Mutex<Option<tokio::sync::mpsc::Receiver<(String, bytes::Bytes)>>>,
@@ -95,6 +98,15 @@ struct NodeChaos {
     drained: BTreeMap<String, (Option<f64>, std::collections::BTreeSet<String>)>,
 }
 
+/// A target's place at run time: the provider that serves it, the model it asks for, and when
+/// real traffic last gave it a health sample (ms; 0: never): a target in use is not probed (its
+/// traffic is the probe).
+pub(crate) struct TargetRt {
+    pub provider: String,
+    pub model: String,
+    last_traffic: AtomicU64,
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A poisoned lock means a panic elsewhere mid-update; the data is still the best we have.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -113,14 +125,17 @@ impl Node {
                 )
             })
             .collect();
-        let providers: Vec<Provider> = cfg
-            .providers
+        let providers: Vec<Provider> = cfg.targets.iter().map(config::Target::core).collect();
+        let targets = cfg
+            .targets
             .iter()
-            .map(|p| Provider {
-                id: p.id.as_str().into(),
-                model: p.model.as_str().into(),
-                cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
-                fallback: p.fallback,
+            .map(|t| {
+                let rt = TargetRt {
+                    provider: t.provider.clone(),
+                    model: t.model.clone(),
+                    last_traffic: AtomicU64::new(0),
+                };
+                (t.id.clone(), rt)
             })
             .collect();
         let state = State {
@@ -131,10 +146,11 @@ impl Node {
             },
             providers,
             budgets: cfg.budgets.clone(),
+            routes: cfg.core_routes(),
             ..State::default()
         };
         let windows = cfg
-            .providers
+            .targets
             .iter()
             .map(|p| (p.id.clone(), Window::new(cfg.node.health_window_ms)))
             .collect();
@@ -152,6 +168,7 @@ impl Node {
             windows: Mutex::new(windows),
             undelivered: AtomicU64::new(0),
             connectors,
+            targets,
             nats,
             sequencer: Mutex::new(Sequencer::default()),
             bus: BusCounters::default(),
@@ -492,17 +509,23 @@ impl Node {
 
     /// Record a call's outcome in the local health window.
     /// A health sample from real traffic (see `record`).
-    pub fn record_traffic(&self, provider: &str, outcome: Outcome, latency_ms: u64) {
-        if let Some(c) = self.connectors.get(provider) {
-            c.last_traffic.store(now_ms(), Ordering::Relaxed);
+    pub fn record_traffic(&self, target: &str, outcome: Outcome, latency_ms: u64) {
+        if let Some(t) = self.targets.get(target) {
+            t.last_traffic.store(now_ms(), Ordering::Relaxed);
         }
-        self.record(provider, outcome, latency_ms);
+        self.record(target, outcome, latency_ms);
     }
 
-    /// Is `c` idle: no traffic sample within the last probe interval?
-    fn idle(&self, c: &connector::Connector, now: u64) -> bool {
-        let at = c.last_traffic.load(Ordering::Relaxed);
+    /// Is `t` idle: no traffic sample within the last probe interval?
+    fn idle(&self, t: &TargetRt, now: u64) -> bool {
+        let at = t.last_traffic.load(Ordering::Relaxed);
         now.saturating_sub(at) >= self.cfg.node.probe_interval_ms
+    }
+
+    /// The connector and model that serve a target.
+    pub(crate) fn target(&self, id: &str) -> Option<(&Connector, &str)> {
+        let t = self.targets.get(id)?;
+        Some((self.connectors.get(&t.provider)?, &t.model))
     }
 
     pub fn record(&self, provider: &str, outcome: Outcome, latency_ms: u64) {
@@ -568,35 +591,44 @@ impl Node {
             content: "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}".into(),
         }];
         let timeout = Duration::from_millis(self.cfg.node.probe_timeout_ms);
-        let contract = Contract::default();
+        // Judged by what traffic that names no route is held to (checked at load), no more.
+        let contract = self
+            .cfg
+            .pipeline
+            .default_contract
+            .as_ref()
+            .and_then(|spec| Contract::for_request(Some(spec), None).ok());
         loop {
             tick.tick().await;
             let now = now_ms();
-            let idle = self
-                .connectors
-                .values()
-                .filter(|c| c.probe != config::Probe::Off && self.idle(c, now));
-            let calls = idle.map(|c| async {
+            let idle = self.targets.iter().filter_map(|(id, t)| {
+                let c = self.connectors.get(&t.provider)?;
+                (c.probe != config::Probe::Off && self.idle(t, now)).then_some((id, t, c))
+            });
+            let calls = idle.map(|(id, t, c)| async {
                 let g = match c.probe {
                     config::Probe::Models => c.list_models(timeout).await,
-                    _ => c.generate(&probe, None, 32, None, timeout).await.generation,
+                    _ => {
+                        let a = c.generate(&t.model, &probe, None, 32, None, timeout).await;
+                        a.generation
+                    }
                 };
                 let outcome = match g.status {
                     // The model list says nothing of answers: only that the provider answers.
                     GenerationStatus::Ok if c.probe == config::Probe::Models => Outcome::Success,
-                    GenerationStatus::Ok => {
-                        match contract.check(&g.content, g.finish_reason.as_deref()) {
-                            Ok(_) => Outcome::Success,
-                            Err(_) => Outcome::ContractFailure,
+                    GenerationStatus::Ok => match &contract {
+                        Some(k) if k.check(&g.content, g.finish_reason.as_deref()).is_err() => {
+                            Outcome::ContractFailure
                         }
-                    }
+                        _ => Outcome::Success,
+                    },
                     GenerationStatus::Timeout => Outcome::Timeout,
                     // A probe refused as invalid is this node's misconfiguration: unusable.
                     GenerationStatus::Error
                     | GenerationStatus::RateLimited
                     | GenerationStatus::Rejected => Outcome::Error,
                 };
-                (c.id.clone(), outcome, g.latency_ms)
+                (id.clone(), outcome, g.latency_ms)
             });
             for (provider, outcome, latency) in futures_util::future::join_all(calls).await {
                 if outcome == Outcome::Success {
@@ -682,10 +714,13 @@ impl Node {
     /// A provider that is a mesh agent died: mark it down and tell the cluster now.
     fn provider_died(&self, agent: &str) {
         let providers: Vec<String> = self
-            .connectors
-            .values()
-            .filter(|c| c.agent.as_deref() == Some(agent))
-            .map(|c| c.id.clone())
+            .targets
+            .iter()
+            .filter(|(_, t)| {
+                let c = self.connectors.get(&t.provider);
+                c.is_some_and(|c| c.agent.as_deref() == Some(agent))
+            })
+            .map(|(id, _)| id.clone())
             .collect();
         if providers.is_empty() {
             return;

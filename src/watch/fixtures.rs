@@ -102,6 +102,7 @@ pub fn decision(
         agent: agent.into(),
         task: String::new(),
         fingerprint: Fingerprint(0),
+        route: None,
         outcome,
         phase,
         reason_codes: codes.to_vec(),
