@@ -208,6 +208,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
         fault: SetFault {
             provider: target.clone(),
             duration_ms: for_ms,
+            times: None,
             mode,
         },
         detail,
@@ -918,6 +919,7 @@ mod tests {
             SetFault {
                 provider: "primary".into(),
                 duration_ms: 5_000,
+                times: None,
                 mode: FaultMode::Contract {
                     kind: ContractBreak::MissingField
                 },

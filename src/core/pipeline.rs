@@ -18,7 +18,7 @@ use super::escalation::{self, Escalation};
 use super::health::{Outcome, Verdict};
 use super::loops::{self, Fingerprint, Incident, LoopCheck, LoopConfig, Loops};
 use super::quorum::{Cluster, ProviderView};
-use super::reason::{Phase, ReasonCode};
+use super::reason::{Action, Phase, ReasonCode};
 use super::request::{
     Generation, GenerationStatus, Provider, ProviderId, Request, Risk, round_usd,
 };
@@ -80,6 +80,14 @@ pub struct Config {
     pub attempt_timeout_ms: u64,
     /// Cool-down after a 429 that carried no Retry-After.
     pub default_retry_after_ms: u64,
+    /// Retries of a transient failure (5xx, refused or reset connection, 429) on the same
+    /// target before the next target is tried; they do not count in `max_attempts`, and each
+    /// must start within the request's latency budget.
+    pub same_target_retries: u32,
+    /// The first backoff before a same-target retry (doubling, with jitter in [50%, 100%]).
+    pub retry_backoff_ms: u64,
+    /// A 429's Retry-After longer than this goes to the next target instead of waiting.
+    pub max_retry_after_ms: u64,
     /// The contract every answer is held to unless its route or the request brings one. None
     /// (the default): an answer is judged by transport, status and completeness only. `{}` is
     /// the JSON contract (`answer` and `confidence`).
@@ -99,6 +107,9 @@ impl Default for Config {
             default_max_tokens: 256,
             attempt_timeout_ms: 10_000,
             default_retry_after_ms: 1_000,
+            same_target_retries: 1,
+            retry_backoff_ms: 100,
+            max_retry_after_ms: 2_000,
             default_contract: None,
         }
     }
@@ -122,7 +133,13 @@ pub struct State {
     /// order. A request for any other model (or `auto`) is routed by score across every target.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub routes: BTreeMap<String, Route>,
+    /// Target -> until when its refused credentials need no new escalation.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub misconfigured: BTreeMap<String, u64>,
 }
+
+/// How long one escalation covers a target that refuses oam's credentials.
+pub const MISCONFIGURED_ESCALATION_MS: u64 = 600_000;
 
 /// A model name clients ask for, and who serves it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
@@ -147,6 +164,7 @@ impl Default for State {
             loops: Loops::new(),
             budgets: Budgets::default(),
             routes: BTreeMap::new(),
+            misconfigured: BTreeMap::new(),
         }
     }
 }
@@ -201,6 +219,9 @@ pub struct Attempt {
     pub provider: Option<ProviderId>,
     pub fallback: bool,
     pub probe: bool,
+    /// A retry on the target of the attempt before (not counted in `max_attempts`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub same_target: bool,
     pub candidates: Vec<Evaluation>,
     pub codes: Vec<ReasonCode>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -284,6 +305,8 @@ pub struct Dispatch {
     pub model: ProviderId,
     pub max_tokens: u32,
     pub timeout_ms: u64,
+    /// Wait this long before calling (a same-target retry's backoff or Retry-After).
+    pub delay_ms: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -317,6 +340,13 @@ pub struct Session {
     caller_gone: bool,
     pending: Option<Pending>,
     cost_usd: f64,
+    /// When the request began (same-target retries must start within its latency budget).
+    began_ms: u64,
+    /// A target with this context window refused the request as too long: no target whose
+    /// window is as small is tried. `Some(None)`: one of unknown size did.
+    context_over: Option<Option<u64>>,
+    /// A target that refused oam's credentials during this request.
+    misconfigured: Option<ProviderId>,
 }
 
 impl Session {
@@ -496,6 +526,9 @@ impl Engine {
             caller_gone: false,
             pending: None,
             cost_usd: 0.0,
+            began_ms: now_ms,
+            context_over: None,
+            misconfigured: None,
         };
         let class = s.request.priority;
         let step = match self
@@ -589,6 +622,27 @@ impl Engine {
         }
     }
 
+    /// The caller went away while a dispatched attempt waited to start (a retry's backoff): the
+    /// attempt is not made (its reservation and any probe permit go back) and the request ends,
+    /// refused with CLIENT_DISCONNECTED. `None` if no attempt was waiting.
+    pub fn withdraw(&mut self, s: &mut Session, now_ms: u64) -> Option<Decision> {
+        let p = s.pending.take()?;
+        self.state
+            .budgets
+            .settle(&s.request.agent, p.reserved_usd, 0.0);
+        if p.probe {
+            let id = self.state.providers[p.provider].id.clone();
+            breaker_mut(&mut self.state.breakers, &id).release_probe();
+        }
+        s.attempts.pop();
+        s.caller_gone = true;
+        push(&mut s.codes, ReasonCode::ClientDisconnected);
+        match self.finish_failure(s, Phase::Admission, now_ms) {
+            Step::Done(d) => Some(*d),
+            _ => None,
+        }
+    }
+
     /// Give back everything a session holds that it will never finish (its driver is gone):
     /// its queue place or slot, and the budget reserved for an attempt under way. No decision.
     pub fn drop_session(&mut self, s: &mut Session) {
@@ -649,14 +703,22 @@ impl Engine {
         }
     }
 
-    /// Evaluate every target in `order` for this session at `now_ms`.
-    fn evaluate(&self, s: &Session, order: &[usize], now_ms: u64) -> Vec<Evaluation> {
+    /// Evaluate every target in `order` for this session at `now_ms`; `again` when the one
+    /// target in `order` is to be retried (so its earlier attempt does not exclude it).
+    fn evaluate(&self, s: &Session, order: &[usize], now_ms: u64, again: bool) -> Vec<Evaluation> {
         let r = &s.request;
         let max_tokens = r.max_tokens.unwrap_or(self.config.default_max_tokens) as u64;
         let latency_budget_ms = r
             .latency_budget_ms
             .unwrap_or(self.config.default_latency_budget_ms);
-        let tried = |id: &str| s.attempts.iter().any(|a| a.provider.as_deref() == Some(id));
+        let tried =
+            |id: &str| !again && s.attempts.iter().any(|a| a.provider.as_deref() == Some(id));
+        let needs = s.est_prompt_tokens + max_tokens;
+        let too_small = |p: &Provider| match (p.context_window, s.context_over) {
+            (Some(w), Some(Some(over))) => w <= over,
+            (Some(w), _) => w < needs,
+            (None, _) => false,
+        };
         order
             .iter()
             .map(|&i| {
@@ -667,6 +729,8 @@ impl Engine {
                 let breaker = self.state.breakers.get(&*p.id).copied().unwrap_or_default();
                 let excluded = if tried(&p.id) {
                     Some(ReasonCode::ProviderAlreadyTried)
+                } else if too_small(p) {
+                    Some(ReasonCode::ContextWindowTooSmall)
                 } else if p.fallback && !r.policy.allow_fallback {
                     Some(ReasonCode::FallbackNotAllowed)
                 } else {
@@ -729,7 +793,7 @@ impl Engine {
     fn route(&mut self, s: &mut Session, now_ms: u64, retry_of: Option<Phase>) -> Step {
         let n = s.attempts.len() as u32 + 1;
         let order = self.eligible(s);
-        let candidates = self.evaluate(s, &order, now_ms);
+        let candidates = self.evaluate(s, &order, now_ms, false);
         let scored = |affordable_only: bool| {
             candidates
                 .iter()
@@ -758,6 +822,7 @@ impl Engine {
             provider: None,
             fallback: false,
             probe: false,
+            same_target: false,
             candidates,
             codes: Vec::new(),
             status: None,
@@ -794,14 +859,63 @@ impl Engine {
             s.attempts.push(attempt);
             return self.finish_failure(s, retry_of.unwrap_or(phase), now_ms);
         };
-        let eval_at = i;
-        let i = order[i];
+        self.dispatch(s, attempt, i, order[i], now_ms, 0)
+    }
+
+    /// Retry target `i` after `delay_ms` (a transient failure), unless by then it is excluded:
+    /// then route as usual.
+    fn retry_same(
+        &mut self,
+        s: &mut Session,
+        i: usize,
+        now_ms: u64,
+        delay_ms: u64,
+        phase: Phase,
+    ) -> Step {
+        let at = now_ms + delay_ms;
+        let candidates = self.evaluate(s, &[i], at, true);
+        if candidates[0].excluded.is_some() {
+            return self.route(s, now_ms, Some(phase));
+        }
+        let attempt = Attempt {
+            n: s.attempts.len() as u32 + 1,
+            provider: None,
+            fallback: false,
+            probe: false,
+            same_target: true,
+            candidates,
+            codes: vec![ReasonCode::RetrySameTarget],
+            status: None,
+            latency_ms: 0,
+            cost_usd: 0.0,
+            confidence: None,
+            defects: Vec::new(),
+        };
+        push(&mut s.codes, ReasonCode::RetrySameTarget);
+        self.dispatch(s, attempt, 0, i, at, delay_ms)
+    }
+
+    /// Dispatch `attempt` to target `i` (`candidates[eval_at]` in it) at `now_ms`, after
+    /// `delay_ms`.
+    fn dispatch(
+        &mut self,
+        s: &mut Session,
+        mut attempt: Attempt,
+        eval_at: usize,
+        i: usize,
+        now_ms: u64,
+        delay_ms: u64,
+    ) -> Step {
+        let n = attempt.n;
         let provider = &self.state.providers[i];
         let permit = breaker_mut(&mut self.state.breakers, &provider.id)
             .acquire(now_ms, &self.config.breaker);
         let probe = permit == Permit::Probe;
         let eval = &attempt.candidates[eval_at];
-        let mut codes = vec![ReasonCode::RoutingSelected];
+        let mut codes = std::mem::take(&mut attempt.codes);
+        if !attempt.same_target {
+            codes.push(ReasonCode::RoutingSelected);
+        }
         if provider.fallback {
             codes.push(ReasonCode::FallbackUsed);
         }
@@ -836,6 +950,7 @@ impl Engine {
             model: provider.model.clone(),
             max_tokens,
             timeout_ms: self.config.attempt_timeout_ms,
+            delay_ms,
         })
     }
 
@@ -894,6 +1009,36 @@ impl Engine {
                     breaker.release_probe();
                 }
                 (Outcome::Error, Some(Phase::Generation), None)
+            }
+            GenerationStatus::ContextLength => {
+                // Too long for this model, not its failure: a larger window may take it.
+                codes.push(ReasonCode::ContextLengthExceeded);
+                if p.probe {
+                    breaker.release_probe();
+                }
+                let window = provider.context_window;
+                s.context_over = Some(match s.context_over {
+                    Some(Some(w)) => window.map(|x| x.max(w)),
+                    Some(None) => window,
+                    None => window,
+                });
+                (Outcome::Error, Some(Phase::Generation), None)
+            }
+            GenerationStatus::ContentPolicy => {
+                codes.push(ReasonCode::ContentPolicyRefusal);
+                if p.probe {
+                    breaker.release_probe();
+                }
+                (Outcome::Error, Some(Phase::Generation), None)
+            }
+            GenerationStatus::Unauthorized => {
+                codes.push(ReasonCode::UpstreamAuthFailed);
+                s.misconfigured = Some(provider.id.clone());
+                (
+                    Outcome::Error,
+                    Some(Phase::Generation),
+                    breaker.on_failure(now_ms, p.probe, &cfg),
+                )
             }
             GenerationStatus::RateLimited => {
                 codes.push(ReasonCode::RateLimited);
@@ -968,7 +1113,14 @@ impl Engine {
                 transition: t,
             });
         }
-        if g.status != GenerationStatus::Rejected {
+        // Refusals of the request itself say nothing of the target's health.
+        let refusal = matches!(
+            g.status,
+            GenerationStatus::Rejected
+                | GenerationStatus::ContextLength
+                | GenerationStatus::ContentPolicy
+        );
+        if !refusal {
             s.effects.push(Effect::HealthSample {
                 provider: provider.id.clone(),
                 outcome,
@@ -995,14 +1147,22 @@ impl Engine {
             .policy
             .max_attempts
             .unwrap_or(self.config.max_attempts.get(s.request.risk));
-        let retry_block = if phase == Phase::Cost || g.status == GenerationStatus::Rejected {
+        let tries = s.attempts.iter().filter(|a| !a.same_target).count() as u32;
+        let retry_block = if phase == Phase::Cost
+            || matches!(
+                g.status,
+                GenerationStatus::Rejected | GenerationStatus::ContentPolicy
+            ) {
             // A retry would only spend more: the request itself was refused.
             Some(None)
         } else if s.caller_gone {
             Some(Some(ReasonCode::ClientDisconnected)) // nobody would read the answer
         } else if g.status == GenerationStatus::Timeout && !s.request.idempotent {
             Some(Some(ReasonCode::RetryNotSafe))
-        } else if s.attempts.len() as u32 >= max_attempts {
+        } else if let Some(delay) = self.same_target_delay(s, &g, transition, now_ms) {
+            push(&mut s.codes, ReasonCode::RetryScheduled);
+            return self.retry_same(s, p.provider, now_ms, delay, phase);
+        } else if tries >= max_attempts {
             Some(Some(ReasonCode::RetriesExhausted))
         } else {
             None
@@ -1019,6 +1179,55 @@ impl Engine {
                 self.route(s, now_ms, Some(phase))
             }
         }
+    }
+
+    /// How long to wait before retrying a transient failure on the same target, if it is to be
+    /// retried there: a 5xx or a connection refused or reset (nothing was answered, so resending
+    /// is safe) after a backoff with jitter, or a 429 after its Retry-After when that is within
+    /// the cap. Not after a timeout (a silent target is left for the next), not once its breaker
+    /// opened, not past the retries allowed, and not past the request's latency budget.
+    fn same_target_delay(
+        &self,
+        s: &Session,
+        g: &Generation,
+        transition: Option<Transition>,
+        now_ms: u64,
+    ) -> Option<u64> {
+        let cfg = &self.config;
+        let last = s.attempts.last()?;
+        let retried = s
+            .attempts
+            .iter()
+            .rev()
+            .take_while(|a| a.same_target)
+            .count() as u32;
+        if retried >= cfg.same_target_retries || transition == Some(Transition::Opened) {
+            return None;
+        }
+        let delay = match g.status {
+            GenerationStatus::Error => {
+                // Deterministic jitter in [50%, 100%] of the doubled backoff, from the request
+                // and the attempt (the same inputs give the same decision).
+                let base = cfg.retry_backoff_ms.saturating_mul(1 << retried.min(10));
+                let h = xxhash_rust::xxh3::xxh3_64(
+                    format!("{}:{}", s.fingerprint.0, last.n).as_bytes(),
+                );
+                base / 2 + h % (base / 2 + 1)
+            }
+            GenerationStatus::RateLimited => {
+                let wait = g.retry_after_ms.unwrap_or(cfg.default_retry_after_ms);
+                if wait > cfg.max_retry_after_ms {
+                    return None;
+                }
+                wait
+            }
+            _ => return None,
+        };
+        let budget = s
+            .request
+            .latency_budget_ms
+            .unwrap_or(cfg.default_latency_budget_ms);
+        ((now_ms + delay).saturating_sub(s.began_ms) <= budget).then_some(delay)
     }
 
     fn finish_failure(&mut self, s: &mut Session, phase: Phase, now_ms: u64) -> Step {
@@ -1075,6 +1284,44 @@ impl Engine {
         }
     }
 
+    /// An operator's escalation when a target refused oam's credentials during this request,
+    /// once per target per `MISCONFIGURED_ESCALATION_MS`, whether or not the request was served.
+    fn misconfigured(&mut self, s: &mut Session, phase: Phase, now_ms: u64) -> Option<Escalation> {
+        let target = s.misconfigured.take()?;
+        if self
+            .state
+            .misconfigured
+            .get(&*target)
+            .is_some_and(|&until| now_ms < until)
+        {
+            return None;
+        }
+        self.state
+            .misconfigured
+            .insert(target.to_string(), now_ms + MISCONFIGURED_ESCALATION_MS);
+        for c in [
+            ReasonCode::HumanAttentionRequired,
+            ReasonCode::EscalatedUpstreamMisconfigured,
+        ] {
+            push(&mut s.codes, c);
+        }
+        let outcome = escalation::Outcome {
+            request: &s.request,
+            phase,
+            codes: &s.codes,
+            new_loop_incident: None,
+            node: &self.state.cluster.self_id,
+            serial: self.escalations,
+        };
+        self.escalations += 1;
+        Some(escalation::build(
+            &outcome,
+            ReasonCode::EscalatedUpstreamMisconfigured,
+            Action::HumanReview,
+            now_ms,
+        ))
+    }
+
     fn finish(
         &mut self,
         s: &mut Session,
@@ -1087,6 +1334,7 @@ impl Engine {
             s.holds_slot = false;
             self.release_slot(s.request.priority);
         }
+        let escalation = escalation.or_else(|| self.misconfigured(s, phase, now_ms));
         let accepted = outcome == DecisionOutcome::Accepted;
         if accepted {
             push(&mut s.codes, ReasonCode::Accepted);

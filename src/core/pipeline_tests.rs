@@ -40,12 +40,22 @@ fn engine() -> Engine {
     Engine::new(json_contract(), state)
 }
 
-/// The defaults, with answers held to the JSON contract (as the simulator's are).
+/// The defaults, with answers held to the JSON contract (as the simulator's are) and no
+/// same-target retries: the tests here script one attempt per target, except those of the
+/// same-target retry itself (`retrying`).
 fn json_contract() -> Config {
     Config {
         default_contract: Some(ContractSpec::default()),
+        same_target_retries: 0,
         ..Config::default()
     }
+}
+
+/// `engine()` with the default same-target retries.
+fn retrying() -> Engine {
+    let mut e = engine();
+    e.config.same_target_retries = Config::default().same_target_retries;
+    e
 }
 
 fn set_verdict(e: &mut Engine, provider: &str, verdict: Verdict, availability: f64) {
@@ -951,6 +961,24 @@ fn every_reason_code_is_reachable() {
             ("secondary", err()),
         ],
     ));
+    // Same-target retries, refusals of the request, refused credentials, context windows.
+    note(&drive(&mut retrying(), req("again"), vec![err(), good()]).1);
+    for status in [
+        GenerationStatus::ContentPolicy,
+        GenerationStatus::Unauthorized,
+    ] {
+        let g = Generation::failed(status, 5);
+        note(&drive(&mut retrying(), req("refused"), vec![g, good()]).1);
+    }
+    let too_long = Generation::failed(GenerationStatus::ContextLength, 5);
+    note(
+        &drive(
+            &mut windows(),
+            asking("long", "ctx"),
+            vec![too_long, good()],
+        )
+        .1,
+    );
     let mut r = req("unsafe");
     r.idempotent = false;
     note(&run(
@@ -1073,7 +1101,11 @@ fn routed() -> Engine {
         "small".into(),
         route(&["h/small"], Some(ContractSpec::default())),
     );
-    Engine::new(Config::default(), state)
+    let config = Config {
+        same_target_retries: 0,
+        ..Config::default()
+    };
+    Engine::new(config, state)
 }
 
 fn asking(model: &str, id: &str) -> Request {
@@ -1193,4 +1225,214 @@ fn prompt_and_completion_tokens_are_priced_apart() {
     // 1,000 prompt tokens at $0.01/1k and 500 completion tokens at $0.004/1k.
     assert!((p.cost_of(1_000, 500) - 0.012).abs() < 1e-12);
     assert!(!p.is_zero_cost());
+}
+
+/// Begin `r` and answer each dispatch from `script` in order (whatever the target), returning
+/// every dispatch made and the decision.
+fn drive(e: &mut Engine, r: Request, script: Vec<Generation>) -> (Vec<Dispatch>, Decision) {
+    let (mut s, mut step) = e.begin(r, T0).expect("valid request");
+    let mut t = T0;
+    let mut sent = Vec::new();
+    let mut script = VecDeque::from(script);
+    loop {
+        step = match step {
+            Step::Done(d) => return (sent, *d),
+            Step::Queued => e.dequeue(&mut s, t),
+            Step::Dispatch(d) => {
+                let g = script
+                    .pop_front()
+                    .expect("a scripted answer for every dispatch");
+                t += d.delay_ms + g.latency_ms;
+                sent.push(d);
+                e.complete(&mut s, g, t)
+            }
+        };
+    }
+}
+
+fn targets(sent: &[Dispatch]) -> Vec<&str> {
+    sent.iter().map(|d| &*d.provider).collect()
+}
+
+#[test]
+fn transient_failures_retry_the_same_target_first_then_the_next() {
+    // A 5xx: the same target again after a backoff in [50, 100] ms, and it answers.
+    let (sent, d) = drive(&mut retrying(), req("t1"), vec![err(), good()]);
+    assert_eq!(targets(&sent), ["primary", "primary"]);
+    assert!(
+        (50..=100).contains(&sent[1].delay_ms),
+        "{}",
+        sent[1].delay_ms
+    );
+    assert_eq!(sent[0].delay_ms, 0);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert!(has(&d, ReasonCode::RetrySameTarget));
+    assert!(d.attempts[1].same_target && !d.attempts[0].same_target);
+    // The same inputs wait the same time (the jitter is the request's, not a dice roll).
+    let (again, _) = drive(&mut retrying(), req("t1"), vec![err(), good()]);
+    assert_eq!(again[1].delay_ms, sent[1].delay_ms);
+    // Twice: then the next target (with its own retry); retries do not use up the three
+    // attempts a low-risk request has.
+    let (sent, d) = drive(
+        &mut retrying(),
+        req("t2"),
+        vec![err(), err(), err(), good()],
+    );
+    let t = targets(&sent);
+    assert_eq!(t.len(), 4, "{t:?}");
+    assert_eq!(&t[..2], ["primary", "primary"]);
+    assert!(t[2] != "primary" && t[2] == t[3], "{t:?}");
+    assert_eq!(d.attempts.iter().filter(|a| !a.same_target).count(), 2);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+
+    // A 429 within the cap: the same target once its Retry-After has passed.
+    let limited = |ms| Generation {
+        retry_after_ms: Some(ms),
+        ..Generation::failed(GenerationStatus::RateLimited, 5)
+    };
+    let (sent, _) = drive(&mut retrying(), req("t3"), vec![limited(400), good()]);
+    assert_eq!(targets(&sent), ["primary", "primary"]);
+    assert_eq!(sent[1].delay_ms, 400);
+    // Past the cap: the next target at once.
+    let (sent, _) = drive(&mut retrying(), req("t4"), vec![limited(30_000), good()]);
+    assert_ne!(sent[1].provider, sent[0].provider);
+    assert_eq!(sent[1].delay_ms, 0);
+
+    // A silent target is not waited on twice.
+    let silent = Generation::failed(GenerationStatus::Timeout, 900);
+    let (sent, _) = drive(&mut retrying(), req("t5"), vec![silent, good()]);
+    assert_ne!(sent[1].provider, sent[0].provider);
+
+    // No retry that would start past the request's latency budget.
+    let tight = Request {
+        latency_budget_ms: Some(60),
+        ..req("t6")
+    };
+    let (sent, _) = drive(&mut retrying(), tight, vec![err(), good()]);
+    assert_ne!(sent[1].provider, sent[0].provider);
+}
+
+#[test]
+fn a_caller_gone_during_a_retry_backoff_costs_nothing_more() {
+    let mut e = retrying();
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(10.0));
+    let (mut s, step) = e.begin(req("w1"), T0).unwrap();
+    assert!(matches!(step, Step::Dispatch(_)));
+    let step = e.complete(&mut s, err(), T0 + 20);
+    let Step::Dispatch(d) = step else {
+        panic!("a retry is dispatched: {step:?}")
+    };
+    assert!(d.delay_ms > 0);
+    let d = e.withdraw(&mut s, T0 + 30).expect("an attempt was waiting");
+    assert!(has(&d, ReasonCode::ClientDisconnected));
+    assert_eq!(d.attempts.len(), 1, "the withdrawn attempt was never made");
+    assert_eq!(e.state.bulkheads.normal.active, 0, "its slot is back");
+    let budget = e.state.budgets.agents["agent-a"];
+    assert_eq!(
+        (budget.reserved_usd, budget.spent_usd),
+        (0.0, 0.0),
+        "and its reservation"
+    );
+}
+
+/// Targets a (8k tokens), b (4k) and c (32k) on one route, in that order.
+fn windows() -> Engine {
+    let mut e = routed();
+    let t = |id: &str, w| Provider {
+        id: id.into(),
+        model: id.into(),
+        cost_per_1k_tokens_usd: 0.0,
+        output_cost_per_1k_usd: None,
+        fallback: false,
+        context_window: Some(w),
+        prefill: false,
+    };
+    e.state.providers = vec![t("a", 8_000), t("b", 4_000), t("c", 32_000)];
+    e.state.routes.insert(
+        "long".into(),
+        Route {
+            targets: vec!["a".into(), "b".into(), "c".into()],
+            contract: None,
+        },
+    );
+    e
+}
+
+#[test]
+fn too_long_for_a_context_window_goes_to_a_larger_one_never_the_same() {
+    let refused = Generation::failed(GenerationStatus::ContextLength, 15);
+    let (sent, d) = drive(&mut windows(), asking("long", "l1"), vec![refused, good()]);
+    assert_eq!(targets(&sent), ["a", "c"], "b's window is smaller than a's");
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert!(has(&d, ReasonCode::ContextLengthExceeded));
+    let b = &d.attempts[1].candidates[1];
+    assert_eq!(b.excluded, Some(ReasonCode::ContextWindowTooSmall));
+    // Not the target's failure: no breaker count, no health sample.
+    assert!(
+        !d.effects
+            .iter()
+            .any(|f| matches!(f, Effect::HealthSample { provider, .. } if &**provider == "a"))
+    );
+    // Known too long by estimate (~6k tokens): the small windows are skipped up front.
+    let long = Request {
+        messages: vec![Message {
+            role: "user".into(),
+            content: "x".repeat(24_000),
+        }],
+        ..asking("long", "l2")
+    };
+    let (sent, _) = drive(&mut windows(), long, vec![good()]);
+    assert_eq!(targets(&sent), ["a"]);
+    let longer = Request {
+        messages: vec![Message {
+            role: "user".into(),
+            content: "x".repeat(40_000),
+        }],
+        ..asking("long", "l3")
+    };
+    let (sent, _) = drive(&mut windows(), longer, vec![good()]);
+    assert_eq!(targets(&sent), ["c"]);
+}
+
+#[test]
+fn a_content_policy_refusal_is_final() {
+    let refused = Generation::failed(GenerationStatus::ContentPolicy, 15);
+    let (sent, d) = drive(&mut retrying(), req("cp"), vec![refused]);
+    assert_eq!(sent.len(), 1, "no retry, no fallback");
+    assert_eq!(d.outcome, DecisionOutcome::Rejected);
+    assert!(has(&d, ReasonCode::ContentPolicyRefusal));
+    assert!(
+        d.effects
+            .iter()
+            .all(|f| !matches!(f, Effect::HealthSample { .. }))
+    );
+}
+
+#[test]
+fn refused_credentials_move_on_and_tell_an_operator_once() {
+    let mut e = retrying();
+    let denied = Generation::failed(GenerationStatus::Unauthorized, 10);
+    let (sent, d) = drive(&mut e, req("u1"), vec![denied.clone(), good()]);
+    assert_ne!(
+        sent[1].provider, sent[0].provider,
+        "no retry of a refused key"
+    );
+    assert_eq!(
+        d.outcome,
+        DecisionOutcome::Accepted,
+        "another target served it"
+    );
+    let esc = d.escalation.as_ref().expect("an operator is told");
+    assert_eq!(
+        esc.reason_codes.last(),
+        Some(&ReasonCode::EscalatedUpstreamMisconfigured)
+    );
+    assert_eq!(esc.recommended_action, Action::HumanReview);
+    // The next request that meets it raises nothing new.
+    let (_, d) = drive(&mut e, req("u2"), vec![denied, good()]);
+    assert!(has(&d, ReasonCode::UpstreamAuthFailed));
+    assert!(d.escalation.is_none());
 }

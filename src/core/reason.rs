@@ -152,6 +152,8 @@ reason_codes! {
         "The provider already failed an earlier attempt of this request; excluded from the retry.";
     ProviderCoolingDown = "PROVIDER_COOLING_DOWN", Routing,
         "The provider rate-limited us and its Retry-After has not passed; excluded until then.";
+    ContextWindowTooSmall = "CONTEXT_WINDOW_TOO_SMALL", Routing,
+        "The target's context window is too small for the request (by estimate, or because a target with a window as large refused it as too long); excluded.";
     NoProviderAvailable = "NO_PROVIDER_AVAILABLE", Routing,
         "Every provider was excluded; nothing could serve the request.";
     CircuitOpen = "CIRCUIT_OPEN", Breaker,
@@ -172,6 +174,12 @@ reason_codes! {
         "The provider did not answer within the attempt's timeout.";
     RateLimited = "RATE_LIMITED", Generation,
         "The provider answered 429; its Retry-After is honoured before it is used again.";
+    ContextLengthExceeded = "CONTEXT_LENGTH_EXCEEDED", Generation,
+        "The target refused the request as longer than its context window; only targets with a larger window are tried next, this one never again.";
+    ContentPolicyRefusal = "CONTENT_POLICY_REFUSAL", Generation,
+        "The upstream refused on content policy (an error, or an answer cut by its content filter); returned to the caller as it came, with no retry and no fallback.";
+    UpstreamAuthFailed = "UPSTREAM_AUTH_FAILED", Generation,
+        "The upstream refused oam's credentials (HTTP 401 or 403): the target is misconfigured; the next target is tried and an operator is told.";
     SemanticValidationFailed = "SEMANTIC_VALIDATION_FAILED", Semantic,
         "The provider answered, but the content broke the response contract (see the CONTRACT_* codes).";
     ContractEmpty = "CONTRACT_EMPTY", Semantic,
@@ -200,8 +208,10 @@ reason_codes! {
         "The provider's estimated cost is above the request's max_cost_usd; excluded.";
     CostLimitExceeded = "COST_LIMIT_EXCEEDED", Cost,
         "The attempt's actual cost exceeded the request's max_cost_usd; the answer is withheld and not retried.";
+    RetrySameTarget = "RETRY_SAME_TARGET", Retry,
+        "A transient failure (a 5xx, a refused or reset connection, or a 429 whose Retry-After is within the cap) was retried on the same target, after a backoff with jitter or the Retry-After.";
     RetryScheduled = "RETRY_SCHEDULED", Retry,
-        "An attempt failed and another attempt was scheduled on a different provider.";
+        "An attempt failed and another was scheduled: on a different target, or on the same one (RETRY_SAME_TARGET).";
     RetriesExhausted = "RETRIES_EXHAUSTED", Retry,
         "The request used every attempt its risk level and policy allow.";
     RetryNotSafe = "RETRY_NOT_SAFE", Retry,
@@ -218,6 +228,8 @@ reason_codes! {
         "A non-idempotent request timed out and could not be retried safely.";
     EscalatedAgentLoop = "ESCALATED_AGENT_LOOP", Escalation,
         "An agent loop was detected; one escalation for the whole episode.";
+    EscalatedUpstreamMisconfigured = "ESCALATED_UPSTREAM_MISCONFIGURED", Escalation,
+        "A target refused oam's credentials; an operator must fix its key or permissions (one escalation per target per 10 minutes, whether or not another target served the request).";
     EscalatedBudgetExhausted = "ESCALATED_BUDGET_EXHAUSTED", Escalation,
         "A high-risk request met an exhausted budget; oam refuses to fall back to a cheaper guess.";
     Accepted = "ACCEPTED", Accepted,

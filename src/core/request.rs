@@ -204,6 +204,12 @@ pub enum GenerationStatus {
     /// The provider refused the request itself (HTTP 400, 413, 422: invalid, or too large for
     /// it): the caller's doing, not the provider's failure.
     Rejected,
+    /// Refused as longer than the model's context window.
+    ContextLength,
+    /// Refused on content policy (an error, or an answer its content filter cut).
+    ContentPolicy,
+    /// HTTP 401 or 403: the upstream does not accept oam's credentials.
+    Unauthorized,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]

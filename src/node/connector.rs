@@ -136,21 +136,17 @@ impl Connector {
             .into();
         }
         if !status.is_success() {
-            let detail = serde_json::from_slice::<Value>(&bytes)
-                .ok()
-                .and_then(|v| {
-                    v.pointer("/error/message")
-                        .and_then(Value::as_str)
-                        .map(String::from)
-                })
+            let body = serde_json::from_slice::<Value>(&bytes).ok();
+            let error = body.as_ref().map(|v| &v["error"]);
+            let detail = error
+                .and_then(|e| e["message"].as_str())
                 .unwrap_or_default();
-            // Invalid, or too large for this provider: the request's fault, not the provider's.
-            let kind = if matches!(status.as_u16(), 400 | 413 | 422) {
-                GenerationStatus::Rejected
-            } else {
-                GenerationStatus::Error
+            let kind = refusal(status.as_u16(), error);
+            return Attempt {
+                generation: failed(kind, format!("HTTP {status} {detail}")),
+                body,
+                http_status: status.as_u16(),
             };
-            return failed(kind, format!("HTTP {status} {detail}")).into();
         }
         completion(&bytes, latency_ms)
     }
@@ -207,11 +203,14 @@ impl Connector {
     }
 }
 
-/// One attempt's outcome: the generation the pipeline judges, and the upstream's chat
-/// completion as it came (an accepted answer passes it on with oam's object added).
+/// One attempt's outcome: the generation the pipeline judges, and the upstream's body as it
+/// came with its HTTP status (an accepted answer, or a content-policy refusal, passes it on with
+/// oam's object added).
 pub struct Attempt {
     pub generation: Generation,
     pub body: Option<Value>,
+    /// 0 when nothing was answered.
+    pub http_status: u16,
 }
 
 impl From<Generation> for Attempt {
@@ -219,7 +218,41 @@ impl From<Generation> for Attempt {
         Attempt {
             generation,
             body: None,
+            http_status: 0,
         }
+    }
+}
+
+/// What an upstream's non-2xx answer (other than 429) says of the request: its credentials
+/// refused (401, 403), too long for the model's context window, refused on content policy, or
+/// otherwise invalid (400, 413, 422: the request's fault, not the upstream's); anything else is
+/// the upstream failing. `error` is the body's OpenAI error object, if it has one.
+fn refusal(status: u16, error: Option<&Value>) -> GenerationStatus {
+    let field = |k: &str| {
+        error
+            .and_then(|e| e[k].as_str())
+            .unwrap_or_default()
+            .to_ascii_lowercase()
+    };
+    let (code, kind, message) = (field("code"), field("type"), field("message"));
+    match status {
+        401 | 403 => GenerationStatus::Unauthorized,
+        400 | 413 | 422 => {
+            if code == "context_length_exceeded"
+                || message.contains("context length")
+                || message.contains("context window")
+            {
+                GenerationStatus::ContextLength
+            } else if ["content_policy_violation", "content_filter"]
+                .iter()
+                .any(|c| code == *c || kind == *c)
+            {
+                GenerationStatus::ContentPolicy
+            } else {
+                GenerationStatus::Rejected
+            }
+        }
+        _ => GenerationStatus::Error,
     }
 }
 
@@ -237,13 +270,19 @@ fn completion(bytes: &[u8], latency_ms: u64) -> Attempt {
         prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
         completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
     });
+    let finish_reason = choice["finish_reason"].as_str();
     let generation = Generation {
-        status: GenerationStatus::Ok,
+        // Cut by the upstream's content filter: its refusal, passed on as it came.
+        status: if finish_reason == Some("content_filter") {
+            GenerationStatus::ContentPolicy
+        } else {
+            GenerationStatus::Ok
+        },
         content: choice["message"]["content"]
             .as_str()
             .unwrap_or_default()
             .to_string(),
-        finish_reason: choice["finish_reason"].as_str().map(String::from),
+        finish_reason: finish_reason.map(String::from),
         latency_ms,
         usage,
         retry_after_ms: None,
@@ -252,6 +291,7 @@ fn completion(bytes: &[u8], latency_ms: u64) -> Attempt {
     Attempt {
         generation,
         body: Some(v),
+        http_status: 200,
     }
 }
 
@@ -276,6 +316,31 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refusals_are_told_apart_by_status_and_error_code() {
+        use GenerationStatus::*;
+        let e = |code: &str, message: &str| serde_json::json!({"code": code, "message": message});
+        let cases = [
+            (401, None, Unauthorized),
+            (403, Some(e("", "")), Unauthorized),
+            (400, Some(e("context_length_exceeded", "")), ContextLength),
+            (
+                400,
+                Some(e("", "This model's maximum context length is 8192 tokens")),
+                ContextLength,
+            ),
+            (400, Some(e("content_policy_violation", "")), ContentPolicy),
+            (400, Some(e("content_filter", "")), ContentPolicy),
+            (400, Some(e("invalid_value", "bad temperature")), Rejected),
+            (422, None, Rejected),
+            (500, Some(e("context_length_exceeded", "")), Error),
+            (502, None, Error),
+        ];
+        for (status, error, want) in cases {
+            assert_eq!(refusal(status, error.as_ref()), want, "{status} {error:?}");
+        }
+    }
 
     #[test]
     fn retry_after_prefers_milliseconds() {

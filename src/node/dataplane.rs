@@ -372,10 +372,21 @@ pub struct Answer {
 /// The HTTP status for a refused request, by the phase that refused it.
 pub fn status_for(d: &Decision) -> StatusCode {
     let timed_out = d.reason_codes.contains(&ReasonCode::GenerationTimeout);
+    // The last call made refused the request itself (invalid, too long for any target's
+    // context window, or against content policy): the caller should change it.
     let rejected = d
         .attempts
-        .last()
-        .is_some_and(|a| a.status == Some(GenerationStatus::Rejected));
+        .iter()
+        .rev()
+        .find_map(|a| a.status)
+        .is_some_and(|s| {
+            matches!(
+                s,
+                GenerationStatus::Rejected
+                    | GenerationStatus::ContextLength
+                    | GenerationStatus::ContentPolicy
+            )
+        });
     match d.phase {
         Phase::Accepted => StatusCode::OK,
         Phase::Admission => StatusCode::SERVICE_UNAVAILABLE,
@@ -508,6 +519,20 @@ pub async fn execute(
                 }
             }
             Step::Dispatch(d) => {
+                if d.delay_ms > 0 {
+                    let waited = tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(d.delay_ms)) => true,
+                        () = caller.cancelled() => false,
+                    };
+                    // The caller left during the wait: the attempt is not made (with nothing
+                    // waiting to start there is nothing to withdraw, and the call goes ahead).
+                    if !waited
+                        && let Some(d) =
+                            node.with_engine(|e| e.withdraw(&mut flight.session, now_ms()))
+                    {
+                        break d;
+                    }
+                }
                 let attempt = match node.target(&d.provider) {
                     Some((c, model)) => {
                         c.generate(
@@ -591,11 +616,25 @@ fn respond(node: &Node, d: Decision, last: Option<super::connector::Attempt>) ->
     let provider = d.provider.as_deref().unwrap_or("").to_string();
     let oam = oam_object(&d);
     let accepted = d.outcome == DecisionOutcome::Accepted;
-    let (g, upstream) = match last {
-        Some(a) => (a.generation, a.body),
-        None => (crate::core::request::Generation::ok("", 0), None),
+    let (g, upstream, upstream_status) = match last {
+        Some(a) => (a.generation, a.body, a.http_status),
+        None => (crate::core::request::Generation::ok("", 0), None, 0),
     };
-    let body = if let (true, Some(Value::Object(mut answer))) = (accepted, upstream)
+    let policy = g.status == GenerationStatus::ContentPolicy
+        && d.reason_codes.contains(&ReasonCode::ContentPolicyRefusal);
+    let (status, body) =
+        if let (true, Some(Value::Object(mut refusal))) = (policy, upstream.clone()) {
+            // The upstream's content-policy refusal as it came (an error, or a filtered answer),
+            // with its status, and oam's object.
+            refusal.insert("oam".into(), oam.clone());
+            let status = StatusCode::from_u16(upstream_status).unwrap_or(status);
+            (status, Value::Object(refusal))
+        } else {
+            (status, Value::Null)
+        };
+    let body = if !body.is_null() {
+        body
+    } else if let (true, Some(Value::Object(mut answer))) = (accepted, upstream)
         && answer.get("choices").is_some_and(Value::is_array)
     {
         // The upstream's chat completion as it came (choices, tool calls, finish reason,

@@ -626,7 +626,10 @@ impl Node {
                     // A probe refused as invalid is this node's misconfiguration: unusable.
                     GenerationStatus::Error
                     | GenerationStatus::RateLimited
-                    | GenerationStatus::Rejected => Outcome::Error,
+                    | GenerationStatus::Rejected
+                    | GenerationStatus::ContextLength
+                    | GenerationStatus::ContentPolicy
+                    | GenerationStatus::Unauthorized => Outcome::Error,
                 };
                 (id.clone(), outcome, g.latency_ms)
             });

@@ -64,8 +64,12 @@ pub fn parse_provider(spec: &str) -> Result<SimProvider, String> {
 /// `FaultMode` denies whatever is left over.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct SetFault {
+    /// A provider, or one model of it (`provider/model`).
     pub provider: String,
     pub duration_ms: u64,
+    /// Only the next this many requests (within the duration) meet the fault.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub times: Option<u64>,
     #[serde(flatten)]
     pub mode: FaultMode,
 }
@@ -97,6 +101,20 @@ pub enum FaultMode {
     Reset,
     /// A share of requests fail with 500.
     Flaky { error_rate: f64 },
+    /// The request is refused as a real upstream refuses it.
+    Refuse { reason: Refusal },
+}
+
+/// How an upstream refuses a request.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "kebab-case")]
+pub enum Refusal {
+    /// 400 `context_length_exceeded`.
+    ContextLength,
+    /// 400 `content_policy_violation`.
+    ContentPolicy,
+    /// 401 `invalid_api_key`.
+    Auth,
 }
 
 fn status_500() -> u16 {
@@ -116,6 +134,7 @@ impl FaultMode {
             FaultMode::RateLimit { .. } => "rate-limit",
             FaultMode::Reset => "reset",
             FaultMode::Flaky { .. } => "flaky",
+            FaultMode::Refuse { .. } => "refuse",
         }
     }
 
@@ -138,6 +157,9 @@ pub struct Fault {
     #[serde(flatten)]
     pub mode: FaultMode,
     pub until_ms: u64,
+    /// Requests left that meet it (none: every request until `until_ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub times: Option<u64>,
 }
 
 /// Active faults by provider. Expired faults are dropped on read, so a fault ends on time even
@@ -148,10 +170,18 @@ pub struct Faults {
 }
 
 impl Faults {
-    pub fn set(&mut self, provider: &str, mode: FaultMode, now_ms: u64, duration_ms: u64) -> Fault {
+    pub fn set(
+        &mut self,
+        provider: &str,
+        mode: FaultMode,
+        now_ms: u64,
+        duration_ms: u64,
+        times: Option<u64>,
+    ) -> Fault {
         let fault = Fault {
             mode,
             until_ms: now_ms.saturating_add(duration_ms),
+            times,
         };
         self.active.insert(provider.to_string(), fault);
         fault
@@ -167,10 +197,19 @@ impl Faults {
         n
     }
 
-    /// The fault active for `provider` at `now_ms`, if any.
+    /// The fault a request to `provider` (a provider, or `provider/model`) meets at `now_ms`,
+    /// if any; one with a count of requests is used up by it.
     pub fn get(&mut self, provider: &str, now_ms: u64) -> Option<Fault> {
         self.expire(now_ms);
-        self.active.get(provider).copied()
+        let f = self.active.get_mut(provider)?;
+        let met = *f;
+        if let Some(left) = f.times.as_mut() {
+            *left = left.saturating_sub(1);
+            if *left == 0 {
+                self.active.remove(provider);
+            }
+        }
+        Some(met)
     }
 
     /// Every active fault at `now_ms`.
@@ -206,6 +245,7 @@ pub enum Reply {
         until_ms: u64,
     },
     Reset,
+    Refuse(Refusal),
 }
 
 /// splitmix64: a tiny, well-mixed deterministic generator step.
@@ -304,6 +344,7 @@ pub fn reply(
         },
         FaultMode::RateLimit { retry_after_ms } => Reply::RateLimited { retry_after_ms },
         FaultMode::Reset => Reply::Reset,
+        FaultMode::Refuse { reason } => Reply::Refuse(reason),
         FaultMode::Flaky { error_rate } => {
             // An independent draw from the same request number, in [0, 1).
             let draw = (mix(r) >> 11) as f64 / (1u64 << 53) as f64;
@@ -333,6 +374,7 @@ mod tests {
         Some(Fault {
             mode,
             until_ms: 10_000,
+            times: None,
         })
     }
 
@@ -479,13 +521,26 @@ mod tests {
     #[test]
     fn faults_expire_on_their_own() {
         let mut f = Faults::default();
-        f.set("primary", FaultMode::Hang, 1_000, 500);
+        f.set("primary", FaultMode::Hang, 1_000, 500, None);
         assert!(f.get("primary", 1_499).is_some());
         assert!(f.get("primary", 1_500).is_none());
         assert!(f.active(1_500).is_empty());
-        f.set("local", FaultMode::Reset, 0, 10);
+        f.set("local", FaultMode::Reset, 0, 10, None);
         assert!(f.clear("local"));
         assert!(!f.clear("local"));
+    }
+
+    #[test]
+    fn a_counted_fault_meets_that_many_requests_then_ends() {
+        let mut f = Faults::default();
+        f.set("primary/big", FaultMode::Reset, 0, 60_000, Some(2));
+        assert!(
+            f.get("primary", 1).is_none(),
+            "another model is not affected"
+        );
+        assert!(f.get("primary/big", 1).is_some());
+        assert_eq!(f.get("primary/big", 2).and_then(|x| x.times), Some(1));
+        assert!(f.get("primary/big", 3).is_none(), "used up");
     }
 
     #[test]

@@ -311,7 +311,14 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
         .unwrap_or_default();
     let prompt_chars: usize = req.messages.iter().map(|m| text_of(&m.content).len()).sum();
     let now = sim.now_ms();
-    let fault = sim.faults().get(provider_id, now);
+    // A fault on this model of the provider, else on the provider.
+    let fault = {
+        let mut faults = sim.faults();
+        let model = req.model.as_deref().unwrap_or(&provider.model);
+        faults
+            .get(&format!("{provider_id}/{model}"), now)
+            .or_else(|| faults.get(provider_id, now))
+    };
     let mut reply = model::reply(sim.seed, provider, k, &question, fault, now);
     if let Reply::Hang { until_ms } = reply {
         tokio::time::sleep(Duration::from_millis(until_ms.saturating_sub(now))).await;
@@ -380,6 +387,27 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
             }
             resp
         }
+        Reply::Refuse(reason) => {
+            use model::Refusal;
+            let (status, code, message) = match reason {
+                Refusal::ContextLength => (
+                    StatusCode::BAD_REQUEST,
+                    "context_length_exceeded",
+                    "This model's maximum context length is 4096 tokens; your messages are longer.",
+                ),
+                Refusal::ContentPolicy => (
+                    StatusCode::BAD_REQUEST,
+                    "content_policy_violation",
+                    "Your request was rejected as a result of our safety system.",
+                ),
+                Refusal::Auth => (
+                    StatusCode::UNAUTHORIZED,
+                    "invalid_api_key",
+                    "Incorrect API key provided.",
+                ),
+            };
+            openai_error(status, code, message)
+        }
         Reply::Reset => {
             // A body that fails after the headers: the server drops the connection mid-response,
             // which the client sees as a reset / incomplete message.
@@ -438,15 +466,26 @@ async fn set_fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             );
         }
     };
-    if !sim.providers.contains_key(&req.provider) {
-        return unknown_provider(&sim, &req.provider);
+    let host = req
+        .provider
+        .split_once('/')
+        .map_or(&*req.provider, |(p, _)| p);
+    if !sim.providers.contains_key(host) {
+        return unknown_provider(&sim, host);
+    }
+    if req.times == Some(0) {
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_fault",
+            "times must be at least 1 (or left out: every request)",
+        );
     }
     if let Err(e) = req.mode.validate() {
         return openai_error(StatusCode::BAD_REQUEST, "invalid_fault", &e);
     }
     let now = sim.now_ms();
     sim.faults()
-        .set(&req.provider, req.mode, now, req.duration_ms);
+        .set(&req.provider, req.mode, now, req.duration_ms, req.times);
     tracing::info!(provider = %req.provider, mode = req.mode.name(), duration_ms = req.duration_ms, "fault set");
     (StatusCode::CREATED, axum::Json(faults_doc(&sim))).into_response()
 }

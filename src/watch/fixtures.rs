@@ -114,6 +114,7 @@ pub fn decision(
             provider: provider.clone(),
             fallback,
             probe: false,
+            same_target: false,
             candidates: Vec::new(),
             codes: Vec::new(),
             status: None,

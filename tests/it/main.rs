@@ -10,6 +10,7 @@ mod architecture;
 mod chaos;
 mod cli;
 mod cluster;
+mod gateway;
 mod mesh;
 mod roles;
 mod scenarios;

@@ -1,0 +1,318 @@
+//! oam as a gateway in front of a real upstream (the simulator over HTTP): model routes with
+//! fallback chains, per-model health, contracts by choice, and errors handled by their class.
+
+use crate::support::{NatsServer, Proc};
+use oam::core::breaker::Breaker;
+use oam::core::health::Verdict;
+use oam::core::wire::ProviderSnapshot;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+struct Gateway {
+    url: String,
+    sim_url: String,
+    _node: Proc,
+    _sim: Proc,
+    _nats: NatsServer,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One node on a configuration with two models on the simulator's `primary` (routes `big`, with
+/// `secondary` as its fallback, and `small`), and no contract.
+async fn gateway(tag: &str) -> Gateway {
+    let nats = NatsServer::start().await;
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let dir = std::env::temp_dir().join(format!("oam-gw-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"[node]
+cluster_size = 1
+
+[[provider]]
+id = "primary"
+base_url = "{sim_url}/primary/v1"
+models = ["big", "small"]
+cost_per_1k_tokens_usd = 0.01
+probe = "off"
+
+[[provider]]
+id = "secondary"
+base_url = "{sim_url}/secondary/v1"
+model = "medium"
+probe = "off"
+
+[[route]]
+model = "big"
+targets = ["primary/big", "secondary/medium"]
+
+[[route]]
+model = "small"
+targets = ["primary/small"]
+"#
+        ),
+    )
+    .unwrap();
+    let node = Proc::spawn(&[
+        "node",
+        "run",
+        "--id",
+        "n1",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--nats-url",
+        &nats.url(),
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    let url = node.ready["http"].as_str().unwrap().to_string();
+    Gateway {
+        url,
+        sim_url,
+        _node: node,
+        _sim: sim,
+        _nats: nats,
+        dir,
+    }
+}
+
+fn client() -> reqwest::Client {
+    crate::support::http(Duration::from_secs(20))
+}
+
+impl Gateway {
+    async fn ask(&self, model: &str, q: &str) -> (u16, Value) {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": q}]});
+        let r = client()
+            .post(format!("{}/v1/chat/completions", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    async fn fault(&self, on: &str, mode: Value) {
+        let mut body = mode;
+        body["provider"] = json!(on);
+        body["duration_ms"] = json!(60_000);
+        let r = client()
+            .post(format!("{}/sim/faults", self.sim_url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201, "{:?}", r.text().await);
+    }
+
+    async fn clear(&self) {
+        client()
+            .delete(format!("{}/sim/faults", self.sim_url))
+            .send()
+            .await
+            .unwrap();
+    }
+
+    async fn received(&self, provider: &str) -> Vec<Value> {
+        let r = client()
+            .get(format!("{}/sim/requests/{provider}", self.sim_url))
+            .send()
+            .await
+            .unwrap();
+        r.json::<Vec<Value>>().await.unwrap_or_default()
+    }
+
+    async fn target(&self, id: &str) -> ProviderSnapshot {
+        let s = oam::local::cluster::snapshot(&client(), &self.url)
+            .await
+            .unwrap();
+        s.provider(id).unwrap().clone()
+    }
+}
+
+fn codes(v: &Value) -> Vec<String> {
+    v["oam"]["reason_codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect()
+}
+
+fn tried(v: &Value) -> Vec<String> {
+    v["oam"]["tried"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["target"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Routes serve their targets in order; one model's failures leave its sibling on the same host
+/// alone; a prose answer is a good answer without a contract.
+#[tokio::test]
+async fn routes_fall_back_along_their_chain_and_keep_health_per_model() {
+    let g = gateway("routes").await;
+    let models: Value = client()
+        .get(format!("{}/v1/models", g.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let listed: Vec<(&str, Vec<&str>)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let targets = m["oam"]["targets"].as_array().unwrap();
+            (
+                m["id"].as_str().unwrap(),
+                targets.iter().map(|t| t.as_str().unwrap()).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("big", vec!["primary/big", "secondary"]),
+            ("small", vec!["primary/small"]),
+            ("auto", vec!["primary/big", "primary/small", "secondary"]),
+        ]
+    );
+
+    // The route's first target, with the upstream's model name.
+    let (status, v) = g.ask("big", "first").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["oam"]["route"], "big");
+    assert_eq!(v["oam"]["target"], "primary/big");
+    assert_eq!(v["model"], "big", "the upstream's own answer, its model");
+    let sent = g.received("primary").await;
+    assert_eq!(sent.last().unwrap()["model"], "big");
+
+    // An unknown model is refused, naming what is served.
+    let (status, v) = g.ask("gpt-5", "who?").await;
+    assert_eq!(status, 400);
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("big, small"), "{msg}");
+
+    // Prose is a good answer when no contract is asked for.
+    g.fault(
+        "primary/small",
+        json!({"mode": "contract", "kind": "not-json"}),
+    )
+    .await;
+    let (status, v) = g.ask("small", "say it in words").await;
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.starts_with("Sure!"), "{content}");
+    g.clear().await;
+
+    // primary/big fails hard: `big` moves to secondary, and primary/small stays in use, its
+    // breaker closed.
+    g.fault("primary/big", json!({"mode": "error"})).await;
+    for i in 0..6 {
+        let (status, v) = g.ask("big", &format!("outage {i}")).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["oam"]["target"], "secondary", "{v}");
+    }
+    // Its own window and breaker took it out of use; its sibling's are untouched.
+    let (big, small) = (
+        g.target("primary/big").await,
+        g.target("primary/small").await,
+    );
+    assert!(
+        big.consensus.verdict == Verdict::Unhealthy || matches!(big.breaker, Breaker::Open { .. }),
+        "{big:?}"
+    );
+    assert_eq!(small.breaker, Breaker::default());
+    assert_ne!(small.consensus.verdict, Verdict::Unhealthy, "{small:?}");
+    let (status, v) = g.ask("small", "still fine").await;
+    assert_eq!(
+        (status, v["oam"]["target"].as_str()),
+        (200, Some("primary/small"))
+    );
+    // Out of use: straight to the fallback, no call to the failing model.
+    let before = g.received("primary").await.len();
+    let (_, v) = g.ask("big", "excluded").await;
+    assert_eq!(tried(&v), ["secondary"], "{v}");
+    assert_eq!(g.received("primary").await.len(), before);
+}
+
+/// Each error class handled as its own: a 5xx and a short 429 retried on the same target, a
+/// context-length refusal moved on, a content-policy refusal returned as it came, refused
+/// credentials moved on with an operator told.
+#[tokio::test]
+async fn upstream_errors_are_handled_by_their_class() {
+    let g = gateway("errors").await;
+
+    // One 500: the same target again, and it answers.
+    g.fault("primary/small", json!({"mode": "error", "times": 1}))
+        .await;
+    let (status, v) = g.ask("small", "one 500").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(tried(&v), ["primary/small", "primary/small"]);
+    assert!(codes(&v).contains(&"RETRY_SAME_TARGET".to_string()));
+
+    // A 429 whose Retry-After is short: waited for, on the same target.
+    g.fault(
+        "primary/small",
+        json!({"mode": "rate-limit", "retry_after_ms": 300, "times": 1}),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let (status, v) = g.ask("small", "one 429").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(tried(&v), ["primary/small", "primary/small"]);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+
+    // Too long for primary/big: the next target, never the same one again.
+    g.fault(
+        "primary/big",
+        json!({"mode": "refuse", "reason": "context-length"}),
+    )
+    .await;
+    let (status, v) = g.ask("big", "a long story").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(tried(&v), ["primary/big", "secondary"]);
+    assert!(codes(&v).contains(&"CONTEXT_LENGTH_EXCEEDED".to_string()));
+    g.clear().await;
+
+    // A content-policy refusal: the upstream's own error, no retry, no fallback.
+    g.fault(
+        "primary/big",
+        json!({"mode": "refuse", "reason": "content-policy", "times": 1}),
+    )
+    .await;
+    let before = g.received("secondary").await.len();
+    let (status, v) = g.ask("big", "something forbidden").await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "content_policy_violation", "{v}");
+    assert!(codes(&v).contains(&"CONTENT_POLICY_REFUSAL".to_string()));
+    assert_eq!(tried(&v), ["primary/big"]);
+    assert_eq!(g.received("secondary").await.len(), before);
+
+    // Refused credentials: the next target serves, and an operator hears of it.
+    g.fault("primary/big", json!({"mode": "refuse", "reason": "auth"}))
+        .await;
+    let (status, v) = g.ask("big", "key rotated").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(tried(&v), ["primary/big", "secondary"]);
+    let esc = &v["oam"]["escalation"];
+    let last = esc["reason_codes"].as_array().unwrap().last().unwrap();
+    assert_eq!(last, "ESCALATED_UPSTREAM_MISCONFIGURED", "{v}");
+    // One escalation per target, not one per request.
+    let (_, v) = g.ask("big", "key still rotated").await;
+    assert!(v["oam"]["escalation"].is_null(), "{v}");
+}
