@@ -307,6 +307,8 @@ pub struct Dispatch {
     pub timeout_ms: u64,
     /// Wait this long before calling (a same-target retry's backoff or Retry-After).
     pub delay_ms: u64,
+    /// Continue the interrupted answer (send what was delivered as an assistant prefill).
+    pub continuation: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -347,6 +349,10 @@ pub struct Session {
     context_over: Option<Option<u64>>,
     /// A target that refused oam's credentials during this request.
     misconfigured: Option<ProviderId>,
+    /// Part of the answer reached the caller, then the stream broke: only a target that takes
+    /// a prefill may go on, once.
+    interrupted: bool,
+    continued: bool,
 }
 
 impl Session {
@@ -358,6 +364,16 @@ impl Session {
     /// it when `Engine::take_granted` names it.
     pub fn ticket(&self) -> Option<u64> {
         self.ticket
+    }
+
+    /// Is the answer held to a contract (and so checked whole before any of it is released)?
+    pub fn contracted(&self) -> bool {
+        self.contract.is_some()
+    }
+
+    /// Add a code the driver observed (e.g. a skipped stream event).
+    pub fn note(&mut self, code: ReasonCode) {
+        push(&mut self.codes, code);
     }
 
     /// Give the request back (e.g. to re-send it, or to reuse its buffers).
@@ -529,6 +545,8 @@ impl Engine {
             began_ms: now_ms,
             context_over: None,
             misconfigured: None,
+            interrupted: false,
+            continued: false,
         };
         let class = s.request.priority;
         let step = match self
@@ -620,6 +638,14 @@ impl Engine {
             Step::Done(d) => Some(*d),
             _ => None,
         }
+    }
+
+    /// The attempt under way was streaming to the caller and broke after part of the answer was
+    /// delivered: its failure (given next to `complete`) may only be continued on a target that
+    /// takes a prefill, once, and never retried from scratch.
+    pub fn interrupted(&mut self, s: &mut Session) {
+        s.interrupted = true;
+        push(&mut s.codes, ReasonCode::StreamInterrupted);
     }
 
     /// The caller went away while a dispatched attempt waited to start (a retry's backoff): the
@@ -731,6 +757,8 @@ impl Engine {
                     Some(ReasonCode::ProviderAlreadyTried)
                 } else if too_small(p) {
                     Some(ReasonCode::ContextWindowTooSmall)
+                } else if s.interrupted && !p.prefill {
+                    Some(ReasonCode::PrefillNotSupported)
                 } else if p.fallback && !r.policy.allow_fallback {
                     Some(ReasonCode::FallbackNotAllowed)
                 } else {
@@ -916,6 +944,10 @@ impl Engine {
         if !attempt.same_target {
             codes.push(ReasonCode::RoutingSelected);
         }
+        if s.interrupted {
+            s.continued = true;
+            codes.push(ReasonCode::StreamContinuedWithPrefill);
+        }
         if provider.fallback {
             codes.push(ReasonCode::FallbackUsed);
         }
@@ -951,6 +983,7 @@ impl Engine {
             max_tokens,
             timeout_ms: self.config.attempt_timeout_ms,
             delay_ms,
+            continuation: s.interrupted,
         })
     }
 
@@ -1159,6 +1192,9 @@ impl Engine {
             Some(Some(ReasonCode::ClientDisconnected)) // nobody would read the answer
         } else if g.status == GenerationStatus::Timeout && !s.request.idempotent {
             Some(Some(ReasonCode::RetryNotSafe))
+        } else if s.continued {
+            // A continuation broke too: it is not continued again.
+            Some(None)
         } else if let Some(delay) = self.same_target_delay(s, &g, transition, now_ms) {
             push(&mut s.codes, ReasonCode::RetryScheduled);
             return self.retry_same(s, p.provider, now_ms, delay, phase);
@@ -1194,6 +1230,9 @@ impl Engine {
         now_ms: u64,
     ) -> Option<u64> {
         let cfg = &self.config;
+        if s.interrupted {
+            return None; // never restarted from scratch
+        }
         let last = s.attempts.last()?;
         let retried = s
             .attempts
@@ -1231,6 +1270,9 @@ impl Engine {
     }
 
     fn finish_failure(&mut self, s: &mut Session, phase: Phase, now_ms: u64) -> Step {
+        if s.interrupted {
+            push(&mut s.codes, ReasonCode::StreamEndedWithError);
+        }
         let mut phase = phase;
         let mut incident = None;
         let anonymous = s.request.agent == crate::core::request::ANONYMOUS;

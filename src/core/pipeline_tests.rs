@@ -979,6 +979,18 @@ fn every_reason_code_is_reachable() {
         )
         .1,
     );
+    // Streams: a skipped event (the driver's note), interrupted, continued where a prefill is
+    // taken, interrupted again and ended with an error.
+    let mut e = windows();
+    e.state.providers[2].prefill = true;
+    let (mut s, _) = e.begin(asking("long", "st"), T0).unwrap();
+    s.note(ReasonCode::StreamChunkSkipped);
+    e.interrupted(&mut s);
+    let _ = e.complete(&mut s, err(), T0 + 10);
+    e.interrupted(&mut s);
+    if let Step::Done(d) = e.complete(&mut s, err(), T0 + 20) {
+        note(&d);
+    }
     let mut r = req("unsafe");
     r.idempotent = false;
     note(&run(
@@ -1435,4 +1447,40 @@ fn refused_credentials_move_on_and_tell_an_operator_once() {
     let (_, d) = drive(&mut e, req("u2"), vec![denied, good()]);
     assert!(has(&d, ReasonCode::UpstreamAuthFailed));
     assert!(d.escalation.is_none());
+}
+
+#[test]
+fn an_interrupted_stream_goes_on_once_and_only_where_a_prefill_is_taken() {
+    let mut e = windows();
+    e.config.same_target_retries = 1;
+    // a and c take a prefill; b does not.
+    e.state.providers[0].prefill = true;
+    e.state.providers[2].prefill = true;
+    let (mut s, step) = e.begin(asking("long", "s1"), T0).unwrap();
+    assert!(matches!(step, Step::Dispatch(ref d) if &*d.provider == "a" && !d.continuation));
+    e.interrupted(&mut s);
+    let Step::Dispatch(d) = e.complete(&mut s, err(), T0 + 50) else {
+        panic!("continued")
+    };
+    assert_eq!(
+        &*d.provider, "c",
+        "not a again (no restart), not b (no prefill)"
+    );
+    assert!(d.continuation && d.delay_ms == 0);
+    let b = &s.attempts[1].candidates;
+    assert_eq!(b[1].excluded, Some(ReasonCode::PrefillNotSupported));
+    // The continuation breaks too: not continued again.
+    e.interrupted(&mut s);
+    let Step::Done(d) = e.complete(&mut s, err(), T0 + 90) else {
+        panic!("ended")
+    };
+    assert_eq!(d.outcome, DecisionOutcome::Rejected);
+    assert_eq!(d.attempts.len(), 2);
+    for c in [
+        ReasonCode::StreamInterrupted,
+        ReasonCode::StreamContinuedWithPrefill,
+        ReasonCode::StreamEndedWithError,
+    ] {
+        assert!(has(&d, c), "{:?}", d.reason_codes);
+    }
 }

@@ -154,6 +154,8 @@ reason_codes! {
         "The provider rate-limited us and its Retry-After has not passed; excluded until then.";
     ContextWindowTooSmall = "CONTEXT_WINDOW_TOO_SMALL", Routing,
         "The target's context window is too small for the request (by estimate, or because a target with a window as large refused it as too long); excluded.";
+    PrefillNotSupported = "PREFILL_NOT_SUPPORTED", Routing,
+        "The target cannot continue a partial answer (it takes no assistant prefill); excluded from continuing an interrupted stream.";
     NoProviderAvailable = "NO_PROVIDER_AVAILABLE", Routing,
         "Every provider was excluded; nothing could serve the request.";
     CircuitOpen = "CIRCUIT_OPEN", Breaker,
@@ -174,6 +176,10 @@ reason_codes! {
         "The provider did not answer within the attempt's timeout.";
     RateLimited = "RATE_LIMITED", Generation,
         "The provider answered 429; its Retry-After is honoured before it is used again.";
+    StreamInterrupted = "STREAM_INTERRUPTED", Generation,
+        "The upstream's stream stalled past its idle deadline, ran past its total deadline or was cut, after part of the answer had reached the caller.";
+    StreamChunkSkipped = "STREAM_CHUNK_SKIPPED", Generation,
+        "An unreadable event in the upstream's stream was skipped (counted) after the answer had started reaching the caller.";
     ContextLengthExceeded = "CONTEXT_LENGTH_EXCEEDED", Generation,
         "The target refused the request as longer than its context window; only targets with a larger window are tried next, this one never again.";
     ContentPolicyRefusal = "CONTENT_POLICY_REFUSAL", Generation,
@@ -208,6 +214,10 @@ reason_codes! {
         "The provider's estimated cost is above the request's max_cost_usd; excluded.";
     CostLimitExceeded = "COST_LIMIT_EXCEEDED", Cost,
         "The attempt's actual cost exceeded the request's max_cost_usd; the answer is withheld and not retried.";
+    StreamContinuedWithPrefill = "STREAM_CONTINUED_WITH_PREFILL", Retry,
+        "An interrupted stream was continued on a target that accepts an assistant prefill, given the text already delivered (once; never restarted from scratch).";
+    StreamEndedWithError = "STREAM_ENDED_WITH_ERROR", Retry,
+        "An interrupted stream could not be continued; it ended with an in-band error event naming the reason, never with [DONE].";
     RetrySameTarget = "RETRY_SAME_TARGET", Retry,
         "A transient failure (a 5xx, a refused or reset connection, or a 429 whose Retry-After is within the cap) was retried on the same target, after a backoff with jitter or the Retry-After.";
     RetryScheduled = "RETRY_SCHEDULED", Retry,

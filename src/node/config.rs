@@ -154,6 +154,39 @@ pub struct RouteConfig {
     /// Answers on this route are held to this contract (`{}`: the JSON contract).
     #[serde(default)]
     pub contract: Option<crate::core::contract::ContractSpec>,
+    /// Stream deadlines on this route (else `[streaming]`'s).
+    #[serde(default)]
+    pub first_token_ms: Option<u64>,
+    #[serde(default)]
+    pub idle_ms: Option<u64>,
+    #[serde(default)]
+    pub total_ms: Option<u64>,
+}
+
+/// `[streaming]`: deadlines of a streamed answer relayed live (each a failure of the target).
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Streaming {
+    /// From the call to the upstream's first event.
+    pub first_token_ms: u64,
+    /// Between two events.
+    pub idle_ms: u64,
+    /// From the call to the last event.
+    pub total_ms: u64,
+    /// After the finish chunk, how long `[DONE]` is waited for before the stream is closed
+    /// (complete) by oam.
+    pub done_grace_ms: u64,
+}
+
+impl Default for Streaming {
+    fn default() -> Self {
+        Streaming {
+            first_token_ms: 10_000,
+            idle_ms: 5_000,
+            total_ms: 300_000,
+            done_grace_ms: 1_000,
+        }
+    }
 }
 
 /// One model on one provider, resolved from the configuration: what is routed to.
@@ -212,6 +245,8 @@ pub struct NodeConfig {
     pub escalations: EscalationSinks,
     #[serde(default, rename = "route")]
     pub routes: Vec<RouteConfig>,
+    #[serde(default)]
+    pub streaming: Streaming,
     /// Every provider's models, resolved (filled in by `parse`).
     #[serde(skip)]
     pub targets: Vec<Target>,
@@ -346,6 +381,20 @@ impl NodeConfig {
         self.routes.iter().find(|r| r.model == model)
     }
 
+    /// The stream deadlines for a request for `model`: its route's, else `[streaming]`'s.
+    pub fn deadlines(&self, model: Option<&str>) -> Streaming {
+        let d = self.streaming;
+        match model.and_then(|m| self.route(m)) {
+            Some(r) => Streaming {
+                first_token_ms: r.first_token_ms.unwrap_or(d.first_token_ms),
+                idle_ms: r.idle_ms.unwrap_or(d.idle_ms),
+                total_ms: r.total_ms.unwrap_or(d.total_ms),
+                ..d
+            },
+            None => d,
+        }
+    }
+
     fn check_routes(&self) -> Result<(), String> {
         let mut seen = std::collections::BTreeSet::new();
         for (i, r) in self.routes.iter().enumerate() {
@@ -380,6 +429,20 @@ impl NodeConfig {
                 crate::core::contract::Contract::for_request(Some(spec), None)
                     .map_err(|e| format!("{at}: {e}"))?;
             }
+        }
+        let s = &self.streaming;
+        let deadlines = self
+            .routes
+            .iter()
+            .flat_map(|r| [r.first_token_ms, r.idle_ms, r.total_ms]);
+        if [s.first_token_ms, s.idle_ms, s.total_ms]
+            .into_iter()
+            .chain(deadlines.flatten())
+            .any(|v| v == 0)
+        {
+            return Err(
+                "stream deadlines (first_token_ms, idle_ms, total_ms) must be more than 0".into(),
+            );
         }
         if let Some(spec) = &self.pipeline.default_contract {
             crate::core::contract::Contract::for_request(Some(spec), None)

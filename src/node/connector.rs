@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 pub struct Passthrough {
     pub messages: Vec<Value>,
     pub extra: serde_json::Map<String, Value>,
+    /// The client asked for the usage chunk of a stream (`stream_options.include_usage`).
+    pub include_usage: bool,
 }
 
 /// The upstream request: the client's own fields (which never include the ones below: oam
@@ -28,13 +30,27 @@ struct Body<'a> {
     max_tokens: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     response_format: Option<&'a Value>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<Value>,
 }
 
-#[derive(serde::Serialize)]
-#[serde(untagged)]
 enum Messages<'a> {
     AsSent(&'a [Value]),
     Core(&'a [Message]),
+    /// As sent, and the answer so far as an assistant message to continue (a prefill).
+    Prefilled(&'a [Value], Value),
+}
+
+impl serde::Serialize for Messages<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Messages::AsSent(m) => s.collect_seq(m.iter()),
+            Messages::Core(m) => s.collect_seq(m.iter()),
+            Messages::Prefilled(m, last) => s.collect_seq(m.iter().chain(std::iter::once(last))),
+        }
+    }
 }
 
 pub struct Connector {
@@ -93,6 +109,8 @@ impl Connector {
             },
             max_tokens,
             response_format,
+            stream: false,
+            stream_options: None,
         };
         let started = Instant::now();
         if let (Some(agent), Some(nats)) = (&self.agent, &self.nats) {
@@ -128,15 +146,31 @@ impl Connector {
             Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&e)).into(),
             Ok(Ok(parts)) => parts,
         };
+        judge(status, &headers, &bytes, latency_ms)
+    }
+}
+
+/// A whole upstream answer (status, headers, body) as an attempt.
+fn judge(
+    status: reqwest::StatusCode,
+    headers: &HeaderMap,
+    bytes: &[u8],
+    latency_ms: u64,
+) -> Attempt {
+    let failed = |status, error: String| Generation {
+        error: Some(error),
+        ..Generation::failed(status, latency_ms)
+    };
+    {
         if status.as_u16() == 429 {
             return Generation {
-                retry_after_ms: retry_after_ms(&headers),
+                retry_after_ms: retry_after_ms(headers),
                 ..failed(GenerationStatus::RateLimited, "HTTP 429".into())
             }
             .into();
         }
         if !status.is_success() {
-            let body = serde_json::from_slice::<Value>(&bytes).ok();
+            let body = serde_json::from_slice::<Value>(bytes).ok();
             let error = body.as_ref().map(|v| &v["error"]);
             let detail = error
                 .and_then(|e| e["message"].as_str())
@@ -148,7 +182,224 @@ impl Connector {
                 http_status: status.as_u16(),
             };
         }
-        completion(&bytes, latency_ms)
+        completion(bytes, latency_ms)
+    }
+}
+
+/// A streamed answer under way: the upstream's events as they arrive.
+pub struct Upstream {
+    source: Source,
+    parser: super::sse::Parser,
+    ready: std::collections::VecDeque<String>,
+}
+
+enum Source {
+    Http(reqwest::Response),
+    /// A provider that cannot stream (a mesh agent): its whole answer, as events.
+    Replay,
+    Ended,
+}
+
+/// Why a stream broke off.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Broken {
+    /// Nothing arrived within the deadline.
+    Silent,
+    /// The connection failed (cut, reset) or the stream was unreadable.
+    Failed(String),
+}
+
+/// Opening a stream: it answered 200 and streams, or the attempt failed before any event.
+pub enum Opened {
+    Streaming(Upstream, Instant),
+    Failed(Attempt),
+}
+
+impl Upstream {
+    /// The next event's data, waiting at most `wait`; `None` when the body ended.
+    pub async fn next(&mut self, wait: Duration) -> Result<Option<String>, Broken> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if let Some(e) = self.ready.pop_front() {
+                return Ok(Some(e));
+            }
+            let Source::Http(resp) = &mut self.source else {
+                return Ok(None);
+            };
+            let chunk = tokio::time::timeout_at(deadline, resp.chunk()).await;
+            match chunk {
+                Err(_) => return Err(Broken::Silent),
+                Ok(Err(e)) => {
+                    self.source = Source::Ended;
+                    return Err(Broken::Failed(error_chain(&e)));
+                }
+                Ok(Ok(None)) => {
+                    self.source = Source::Ended;
+                    return Ok(None);
+                }
+                Ok(Ok(Some(bytes))) => match self.parser.feed(&bytes) {
+                    Ok(events) => self.ready.extend(events),
+                    Err(_) => {
+                        self.source = Source::Ended;
+                        return Err(Broken::Failed("an event line over 1 MiB".into()));
+                    }
+                },
+            }
+        }
+    }
+}
+
+impl Connector {
+    /// Open a streamed chat completion from `model` (`stream: true`, usage asked for), the
+    /// client's request as it came, continuing `prefill` (the answer so far) when given. The
+    /// response headers must come within `first_event`. A provider that cannot stream (a mesh
+    /// agent) answers whole, replayed as events.
+    pub async fn open_stream(
+        &self,
+        model: &str,
+        pass: &Passthrough,
+        prefill: Option<&str>,
+        max_tokens: u32,
+        first_event: Duration,
+    ) -> Opened {
+        let started = Instant::now();
+        if self.agent.is_some() {
+            let a = self
+                .generate(model, &[], Some(pass), max_tokens, None, first_event)
+                .await;
+            return match (&a.generation.status, &a.body) {
+                (GenerationStatus::Ok, Some(body)) => {
+                    Opened::Streaming(Upstream::replay(body, pass.include_usage), started)
+                }
+                _ => Opened::Failed(a),
+            };
+        }
+        let messages = match prefill {
+            Some(text) => Messages::Prefilled(
+                &pass.messages,
+                serde_json::json!({"role": "assistant", "content": text}),
+            ),
+            None => Messages::AsSent(&pass.messages),
+        };
+        let body = Body {
+            extra: Some(&pass.extra),
+            model,
+            messages,
+            max_tokens,
+            response_format: None,
+            stream: true,
+            stream_options: Some(serde_json::json!({"include_usage": true})),
+        };
+        let mut req = self.http.post(&self.url).json(&body);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let resp = match tokio::time::timeout(first_event, req.send()).await {
+            Err(_) => {
+                let g = Generation {
+                    error: Some(format!("no response within {} ms", first_event.as_millis())),
+                    ..Generation::failed(
+                        GenerationStatus::Timeout,
+                        started.elapsed().as_millis() as u64,
+                    )
+                };
+                return Opened::Failed(g.into());
+            }
+            Ok(Err(e)) => {
+                let g = Generation {
+                    error: Some(error_chain(&e)),
+                    ..Generation::failed(
+                        GenerationStatus::Error,
+                        started.elapsed().as_millis() as u64,
+                    )
+                };
+                return Opened::Failed(g.into());
+            }
+            Ok(Ok(r)) => r,
+        };
+        let status = resp.status();
+        let is_sse = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if status.is_success() && is_sse {
+            return Opened::Streaming(
+                Upstream {
+                    source: Source::Http(resp),
+                    parser: super::sse::Parser::default(),
+                    ready: std::collections::VecDeque::new(),
+                },
+                started,
+            );
+        }
+        // Not a stream: an error answer (judged as a whole one is), or a whole answer from an
+        // upstream that ignored `stream` (replayed as events).
+        let headers = resp.headers().clone();
+        let left = first_event.saturating_sub(started.elapsed());
+        let Ok(Ok(bytes)) = tokio::time::timeout(left, resp.bytes()).await else {
+            let ms = started.elapsed().as_millis() as u64;
+            return Opened::Failed(Generation::failed(GenerationStatus::Error, ms).into());
+        };
+        let a = judge(
+            status,
+            &headers,
+            &bytes,
+            started.elapsed().as_millis() as u64,
+        );
+        match (&a.generation.status, &a.body) {
+            (GenerationStatus::Ok, Some(body)) => {
+                Opened::Streaming(Upstream::replay(body, pass.include_usage), started)
+            }
+            _ => Opened::Failed(a),
+        }
+    }
+}
+
+impl Upstream {
+    /// A whole chat completion as the events a stream of it would carry.
+    fn replay(answer: &Value, include_usage: bool) -> Upstream {
+        let head = |choices: Value| {
+            serde_json::json!({
+                "id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
+                "model": answer["model"], "choices": choices,
+            })
+        };
+        let choice = &answer["choices"][0];
+        let mut delta =
+            serde_json::json!({"role": "assistant", "content": choice["message"]["content"]});
+        if let Some(calls) = choice["message"]["tool_calls"].as_array() {
+            let indexed: Vec<Value> = calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let mut c = c.clone();
+                    c["index"] = serde_json::json!(i);
+                    c
+                })
+                .collect();
+            delta["tool_calls"] = Value::Array(indexed);
+        }
+        let mut ready = std::collections::VecDeque::new();
+        ready.push_back(
+            head(serde_json::json!([{"index": 0, "delta": delta, "finish_reason": null}]))
+                .to_string(),
+        );
+        ready.push_back(
+            head(serde_json::json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]))
+                .to_string(),
+        );
+        if include_usage {
+            let mut u = head(serde_json::json!([]));
+            u["usage"] = answer["usage"].clone();
+            ready.push_back(u.to_string());
+        }
+        ready.push_back("[DONE]".into());
+        Upstream {
+            source: Source::Replay,
+            parser: super::sse::Parser::default(),
+            ready,
+        }
     }
 }
 

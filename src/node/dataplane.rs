@@ -348,11 +348,15 @@ fn decode_request(
         response_format: chat.response_format,
     };
     let mut extra = chat.rest;
-    // oam calls the upstream without streaming (for now): its stream options do not apply.
-    extra.remove("stream_options");
+    // oam sets the upstream's stream options itself (it always asks a stream for its usage);
+    // whether the client wants the usage chunk is kept.
+    let include_usage = extra
+        .remove("stream_options")
+        .is_some_and(|o| o["include_usage"] == Value::Bool(true));
     let pass = Passthrough {
         messages: chat.messages,
         extra,
+        include_usage,
     };
     Ok((request, stream, pass))
 }
@@ -367,6 +371,8 @@ pub struct Answer {
     pub phase: String,
     pub reasons: String,
     pub provider: String,
+    /// A stream relayed live: the response is already under way (HTTP only).
+    pub live: Option<Response>,
 }
 
 /// The HTTP status for a refused request, by the phase that refused it.
@@ -402,7 +408,7 @@ pub fn status_for(d: &Decision) -> StatusCode {
     }
 }
 
-fn oam_object(d: &Decision) -> Value {
+pub(crate) fn oam_object(d: &Decision) -> Value {
     json!({
         "request_id": d.request_id,
         "outcome": d.outcome,
@@ -427,12 +433,12 @@ fn oam_object(d: &Decision) -> Value {
 /// A request on its way through the engine. Whatever way its driver ends (finished, or the
 /// task dropped), the guard gives back what the session still holds: its queue place or slot,
 /// and budget reserved for an attempt under way.
-struct Flight<'a> {
-    node: &'a Node,
-    session: Session,
+pub(crate) struct Flight {
+    pub node: Arc<Node>,
+    pub session: Session,
 }
 
-impl Drop for Flight<'_> {
+impl Drop for Flight {
     fn drop(&mut self) {
         if let Some(ticket) = self.session.ticket() {
             self.node.forget_waiter(ticket);
@@ -449,6 +455,7 @@ pub async fn execute(
     body: &[u8],
     headers: &HeaderMap,
     caller: CancellationToken,
+    live_ok: bool,
 ) -> Answer {
     let started = std::time::Instant::now();
     let (request, stream, pass) = match to_request(node, body, headers) {
@@ -470,9 +477,15 @@ pub async fn execute(
         }
     };
     let mut flight = Flight {
-        node: node.as_ref(),
+        node: node.clone(),
         session,
     };
+    // A streaming request held to no contract is relayed as it arrives; one under a contract is
+    // checked whole first, then released.
+    let live = live_ok && stream && !flight.session.contracted();
+    let limits = node
+        .cfg
+        .deadlines(flight.session.request().model.as_deref());
     let mut last = None;
     let queue_deadline =
         tokio::time::Instant::now() + Duration::from_millis(node.cfg.node.queue_timeout_ms);
@@ -533,6 +546,30 @@ pub async fn execute(
                         break d;
                     }
                 }
+                if live {
+                    match super::live::open(node, &d, &pass, None, limits).await {
+                        super::live::Open::Started(first) => {
+                            let target = d.provider.to_string();
+                            let resp =
+                                super::live::respond(flight, first, pass, limits, target, started);
+                            return Answer {
+                                live: Some(resp),
+                                ..bad_request(node, headers, bad("", ""))
+                            };
+                        }
+                        super::live::Open::Failed(a) => {
+                            let g = a.generation.clone();
+                            last = Some(a);
+                            step = node.with_engine(|e| {
+                                if caller.is_cancelled() {
+                                    e.caller_gone(&mut flight.session, now_ms());
+                                }
+                                e.complete(&mut flight.session, g, now_ms())
+                            });
+                            continue;
+                        }
+                    }
+                }
                 let attempt = match node.target(&d.provider) {
                     Some((c, model)) => {
                         c.generate(
@@ -563,6 +600,16 @@ pub async fn execute(
         };
     };
     drop(flight);
+    conclude(node, &decision, started);
+    Answer {
+        stream,
+        ..respond(node, decision, last)
+    }
+}
+
+/// What every decided request leaves behind: health samples from its traffic, metrics, and the
+/// decision (with any incident and escalation) on the bus.
+pub(crate) fn conclude(node: &Node, decision: &Decision, started: std::time::Instant) {
     for effect in &decision.effects {
         if let Effect::HealthSample {
             provider,
@@ -575,12 +622,8 @@ pub async fn execute(
         }
     }
     node.metrics
-        .decision(&decision, started.elapsed().as_secs_f64());
-    publish_decision(node, &decision);
-    Answer {
-        stream,
-        ..respond(node, decision, last)
-    }
+        .decision(decision, started.elapsed().as_secs_f64());
+    publish_decision(node, decision);
 }
 
 fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
@@ -594,6 +637,7 @@ fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
         phase: "invalid".into(),
         reasons: String::new(),
         provider: String::new(),
+        live: None,
     }
 }
 
@@ -695,12 +739,14 @@ fn respond(node: &Node, d: Decision, last: Option<super::connector::Attempt>) ->
         phase: d.phase.to_string(),
         reasons: reasons.join(","),
         provider,
+        live: None,
     }
 }
 
 fn to_http(a: Answer) -> Response {
     let Answer {
         stream: _,
+        live: _,
         status,
         body,
         request_id,
@@ -713,7 +759,7 @@ fn to_http(a: Answer) -> Response {
 }
 
 /// `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Provider` and `X-Request-Id` on a response.
-fn with_oam_headers(
+pub(crate) fn with_oam_headers(
     mut resp: Response,
     [phase, reasons, provider, request_id]: [String; 4],
 ) -> Response {
@@ -795,7 +841,7 @@ async fn chat(
             let n = node.clone();
             let run = node
                 .tasks
-                .spawn(async move { execute(&n, &bytes, &headers, caller).await });
+                .spawn(async move { execute(&n, &bytes, &headers, caller, true).await });
             let answer = match run.await {
                 Ok(a) => a,
                 Err(e) => {
@@ -807,7 +853,9 @@ async fn chat(
                         .into_response();
                 }
             };
-            if answer.status == StatusCode::OK && answer.stream {
+            if let Some(live) = answer.live {
+                live
+            } else if answer.status == StatusCode::OK && answer.stream {
                 to_sse(answer)
             } else {
                 to_http(answer)
@@ -925,7 +973,14 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
         let a = if msg.payload.len() > node.cfg.node.max_body_bytes {
             too_large(&node, &headers)
         } else {
-            execute(&node, &msg.payload, &headers, CancellationToken::new()).await
+            execute(
+                &node,
+                &msg.payload,
+                &headers,
+                CancellationToken::new(),
+                false,
+            )
+            .await
         };
         let mut body = a.body;
         body["status"] = json!(a.status.as_u16());

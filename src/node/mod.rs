@@ -7,8 +7,10 @@
 pub mod config;
 pub mod connector;
 pub mod dataplane;
+pub mod live;
 pub mod metrics;
 pub mod server;
+pub mod sse;
 
 use crate::clock::now_ms;
 use crate::core::contract::Contract;

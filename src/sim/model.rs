@@ -103,6 +103,31 @@ pub enum FaultMode {
     Flaky { error_rate: f64 },
     /// The request is refused as a real upstream refuses it.
     Refuse { reason: Refusal },
+    /// A streamed answer breaks after `after_chunks` events (a request that does not stream is
+    /// answered normally).
+    Stream {
+        kind: StreamBreak,
+        #[serde(default = "two")]
+        after_chunks: u32,
+    },
+}
+
+fn two() -> u32 {
+    2
+}
+
+/// How a streamed answer breaks.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "kebab-case")]
+pub enum StreamBreak {
+    /// Falls silent (the connection open) until the fault ends, then goes on.
+    Stall,
+    /// The connection drops.
+    Cut,
+    /// One event that is not JSON, then the rest.
+    Malformed,
+    /// Everything but the final `[DONE]`, and the connection held open until the fault ends.
+    NoDone,
 }
 
 /// How an upstream refuses a request.
@@ -135,6 +160,7 @@ impl FaultMode {
             FaultMode::Reset => "reset",
             FaultMode::Flaky { .. } => "flaky",
             FaultMode::Refuse { .. } => "refuse",
+            FaultMode::Stream { .. } => "stream",
         }
     }
 
@@ -345,6 +371,8 @@ pub fn reply(
         FaultMode::RateLimit { retry_after_ms } => Reply::RateLimited { retry_after_ms },
         FaultMode::Reset => Reply::Reset,
         FaultMode::Refuse { reason } => Reply::Refuse(reason),
+        // Applied by the server as it streams.
+        FaultMode::Stream { .. } => good,
         FaultMode::Flaky { error_rate } => {
             // An independent draw from the same request number, in [0, 1).
             let draw = (mix(r) >> 11) as f64 / (1u64 << 53) as f64;

@@ -166,6 +166,14 @@ struct ChatRequest {
     /// Tools the caller declared: a user turn is answered with a call to the first.
     #[serde(default)]
     tools: Vec<Value>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
 }
 
 #[derive(Deserialize)]
@@ -190,12 +198,6 @@ fn parse_chat(body: &Bytes) -> Result<ChatRequest, BadRequest> {
         return Err((
             "invalid_request",
             "messages must hold at least one message".into(),
-        ));
-    }
-    if req.stream {
-        return Err((
-            "unsupported",
-            "oam sim does not stream; send stream: false".into(),
         ));
     }
     Ok(req)
@@ -347,6 +349,39 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                     finish_reason.to_string(),
                 ),
             };
+            let usage = json!({
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            });
+            if req.stream {
+                let head = json!({
+                    "id": format!("chatcmpl-sim-{}-{k}", provider.id),
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "system_fingerprint": format!("oam-sim-{}", provider.id),
+                });
+                let usage = req
+                    .stream_options
+                    .is_some_and(|o| o.include_usage)
+                    .then_some(usage);
+                let brk = fault.and_then(|f| match f.mode {
+                    model::FaultMode::Stream { kind, after_chunks } => {
+                        Some((kind, after_chunks as usize, f.until_ms.saturating_sub(now)))
+                    }
+                    _ => None,
+                });
+                let plan = Streamed {
+                    head,
+                    message,
+                    finish_reason,
+                    usage,
+                    chunk_ms: provider.latency_ms / 10,
+                    brk,
+                };
+                return plan.into_response();
+            }
             axum::Json(json!({
                 "id": format!("chatcmpl-sim-{}-{k}", provider.id),
                 "object": "chat.completion",
@@ -358,11 +393,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                     "message": message,
                     "finish_reason": finish_reason,
                 }],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
+                "usage": usage,
             }))
             .into_response()
         }
@@ -429,6 +460,124 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
             "internal",
             "hang did not end",
         ),
+    }
+}
+
+/// A streamed answer: OpenAI's chunks (the role, the content or tool-call arguments in eight
+/// pieces `chunk_ms` apart, the finish reason, the usage when asked for, `[DONE]`), broken as
+/// the fault says.
+struct Streamed {
+    head: Value,
+    message: Value,
+    finish_reason: String,
+    usage: Option<Value>,
+    chunk_ms: u64,
+    /// How it breaks, after how many events, and how long the fault has left.
+    brk: Option<(model::StreamBreak, usize, u64)>,
+}
+
+/// One thing the body does: wait, then send bytes or fail.
+type Piece = (u64, Result<Bytes, std::io::Error>);
+
+impl Streamed {
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
+        let mut c = self.head.clone();
+        c["choices"] = json!([{"index": 0, "delta": delta, "finish_reason": finish}]);
+        format!("data: {c}\n\n")
+    }
+
+    fn events(&self) -> Vec<String> {
+        let mut out = vec![self.chunk(json!({"role": "assistant", "content": ""}), None)];
+        let call = self.message["tool_calls"].get(0);
+        let text = match call {
+            Some(c) => c["function"]["arguments"].as_str().unwrap_or_default(),
+            None => self.message["content"].as_str().unwrap_or_default(),
+        };
+        if let Some(c) = call {
+            let mut first = c.clone();
+            first["index"] = json!(0);
+            first["function"]["arguments"] = json!("");
+            out.push(self.chunk(json!({"tool_calls": [first]}), None));
+        }
+        for piece in pieces(text, 8) {
+            let delta = match call {
+                Some(_) => json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}),
+                None => json!({"content": piece}),
+            };
+            out.push(self.chunk(delta, None));
+        }
+        out.push(self.chunk(json!({}), Some(&self.finish_reason)));
+        if let Some(u) = &self.usage {
+            let mut c = self.head.clone();
+            c["choices"] = json!([]);
+            c["usage"] = u.clone();
+            out.push(format!("data: {c}\n\n"));
+        }
+        out.push("data: [DONE]\n\n".into());
+        out
+    }
+
+    fn pieces(&self) -> Vec<Piece> {
+        use model::StreamBreak;
+        let mut plan: Vec<Piece> = Vec::new();
+        let events = self.events();
+        let last = events.len() - 1;
+        for (i, e) in events.into_iter().enumerate() {
+            let wait = if i == 0 { 0 } else { self.chunk_ms };
+            if let Some((kind, at, hold)) = self.brk
+                && at == i
+            {
+                match kind {
+                    StreamBreak::Stall => {
+                        plan.push((hold, Ok(Bytes::new())));
+                    }
+                    StreamBreak::Cut => {
+                        let cut = std::io::Error::new(
+                            std::io::ErrorKind::ConnectionReset,
+                            "simulated stream cut",
+                        );
+                        plan.push((wait, Err(cut)));
+                        return plan;
+                    }
+                    StreamBreak::Malformed => {
+                        plan.push((wait, Ok(Bytes::from_static(b"data: {\"choices\": [\n\n"))));
+                    }
+                    StreamBreak::NoDone => {}
+                }
+            }
+            if i == last
+                && let Some((model::StreamBreak::NoDone, _, hold)) = self.brk
+            {
+                plan.push((hold, Ok(Bytes::new())));
+                return plan;
+            }
+            plan.push((wait, Ok(Bytes::from(e))));
+        }
+        plan
+    }
+}
+
+/// `text` in `n` pieces of about equal length (on character boundaries).
+fn pieces(text: &str, n: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let size = chars.len().div_ceil(n).max(1);
+    chars.chunks(size).map(|c| c.iter().collect()).collect()
+}
+
+impl IntoResponse for Streamed {
+    fn into_response(self) -> Response {
+        let plan = std::collections::VecDeque::from(self.pieces());
+        let body = futures_util::stream::unfold(plan, |mut plan| async move {
+            let (wait, piece) = plan.pop_front()?;
+            pause(wait).await;
+            Some((piece, plan))
+        });
+        Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(body))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
     }
 }
 

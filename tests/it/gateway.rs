@@ -24,8 +24,12 @@ impl Drop for Gateway {
 }
 
 /// One node on a configuration with two models on the simulator's `primary` (routes `big`, with
-/// `secondary` as its fallback, and `small`), and no contract.
+/// `secondary` as its fallback, and `small`), and no contract; `extra` adds to it.
 async fn gateway(tag: &str) -> Gateway {
+    gateway_with(tag, "").await
+}
+
+async fn gateway_with(tag: &str, extra: &str) -> Gateway {
     let nats = NatsServer::start().await;
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
@@ -58,7 +62,8 @@ targets = ["primary/big", "secondary/medium"]
 [[route]]
 model = "small"
 targets = ["primary/small"]
-"#
+{}"#,
+            extra.replace("SIM", &sim_url)
         ),
     )
     .unwrap();
@@ -315,4 +320,290 @@ async fn upstream_errors_are_handled_by_their_class() {
     // One escalation per target, not one per request.
     let (_, v) = g.ask("big", "key still rotated").await;
     assert!(v["oam"]["escalation"].is_null(), "{v}");
+}
+
+/// A streamed answer as the caller saw it: each event's data, and when it arrived (ms after
+/// the request was sent); and the time the body ended.
+struct Seen {
+    events: Vec<(u64, String)>,
+    ended_ms: u64,
+}
+
+impl Seen {
+    fn data(&self) -> Vec<&str> {
+        self.events.iter().map(|(_, d)| d.as_str()).collect()
+    }
+
+    fn text(&self) -> String {
+        self.events
+            .iter()
+            .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .collect()
+    }
+
+    /// The `oam` object of the last chunk or of the error event.
+    fn oam(&self) -> Value {
+        self.events
+            .iter()
+            .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+            .find_map(|v| v.get("oam").cloned())
+            .unwrap_or(Value::Null)
+    }
+
+    fn ended_cleanly(&self) -> bool {
+        self.data().last() == Some(&"[DONE]")
+    }
+
+    fn error(&self) -> Option<Value> {
+        self.events
+            .iter()
+            .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+            .find_map(|v| v.get("error").cloned())
+    }
+}
+
+impl Gateway {
+    async fn stream(&self, model: &str, q: &str) -> (u16, Seen) {
+        let body = json!({"model": model, "stream": true,
+            "messages": [{"role": "user", "content": q}]});
+        let sent = std::time::Instant::now();
+        let mut r = client()
+            .post(format!("{}/v1/chat/completions", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let mut parser = oam::node::sse::Parser::default();
+        let mut events = Vec::new();
+        while let Ok(Some(bytes)) = r.chunk().await {
+            let at = sent.elapsed().as_millis() as u64;
+            for e in parser.feed(&bytes).unwrap() {
+                events.push((at, e));
+            }
+        }
+        let ended_ms = sent.elapsed().as_millis() as u64;
+        (status, Seen { events, ended_ms })
+    }
+}
+
+const STREAMING: &str = r#"
+[[provider]]
+id = "local"
+base_url = "SIM/local/v1"
+model = "small-local"
+prefill = true
+probe = "off"
+
+[[route]]
+model = "prefill"
+targets = ["primary/small", "local"]
+first_token_ms = 1000
+idle_ms = 400
+
+[[route]]
+model = "chain"
+targets = ["primary/big", "secondary"]
+first_token_ms = 1000
+idle_ms = 400
+"#;
+
+async fn streaming(tag: &str) -> Gateway {
+    gateway_with(tag, STREAMING).await
+}
+
+/// A streamed answer is relayed as it arrives: the first chunk reaches the caller well before the
+/// upstream has finished, and the stream ends with oam's object and `[DONE]`.
+#[tokio::test]
+async fn a_stream_is_relayed_live_and_ends_cleanly() {
+    let g = streaming("live").await;
+    let (status, seen) = g.stream("prefill", "tell me slowly").await;
+    assert_eq!(status, 200);
+    assert!(seen.ended_cleanly(), "{:?}", seen.data());
+    let first_ms = seen.events[0].0;
+    // The simulator spreads its answer over ~10 events 15 ms apart (150 ms latency / 10).
+    assert!(
+        first_ms + 60 < seen.ended_ms,
+        "first event at {first_ms} ms, end at {} ms: not live",
+        seen.ended_ms
+    );
+    assert!(seen.events.len() >= 10, "{:?}", seen.data());
+    let oam = seen.oam();
+    assert_eq!(oam["outcome"], "accepted", "{oam}");
+    assert_eq!(oam["target"], "primary/small");
+    // Asked upstream as a stream, with usage (which this caller did not ask for: not relayed).
+    let sent = g.received("primary").await;
+    let last = sent.last().unwrap();
+    assert_eq!(last["stream"], true);
+    assert_eq!(last["stream_options"]["include_usage"], true);
+    assert!(!seen.data().iter().any(|d| d.contains("\"usage\":{")));
+}
+
+/// Before the first byte, a failure is invisible: a slow first token, a silent start or an
+/// unreadable first event move to the next target.
+#[tokio::test]
+async fn a_stream_that_fails_before_its_first_byte_moves_on_invisibly() {
+    let g = streaming("before").await;
+    for (i, mode) in [
+        json!({"mode": "slow", "extra_ms": 3_000}),
+        json!({"mode": "stream", "kind": "malformed", "after_chunks": 0}),
+        json!({"mode": "error", "status": 503}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        g.clear().await;
+        g.fault("primary/small", mode.clone()).await;
+        let (status, seen) = g.stream("prefill", &format!("before {i}")).await;
+        assert_eq!(status, 200, "{mode}");
+        assert!(seen.ended_cleanly(), "{mode}: {:?}", seen.data());
+        assert_eq!(seen.oam()["target"], "local", "{mode}: {}", seen.oam());
+        assert!(seen.text().contains("local answer"), "{mode}");
+        assert!(
+            !seen.text().contains("primary"),
+            "{mode}: nothing of the failed target"
+        );
+    }
+}
+
+/// After the first byte: a cut stream is continued once on a target that takes a prefill, given
+/// what was delivered; with no such target it ends with an in-band error and never `[DONE]`.
+#[tokio::test]
+async fn a_stream_cut_mid_answer_is_continued_or_ends_with_an_error() {
+    let g = streaming("cut").await;
+    g.fault(
+        "primary/small",
+        json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
+    )
+    .await;
+    let (status, seen) = g.stream("prefill", "cut and continue").await;
+    assert_eq!(status, 200);
+    assert!(seen.ended_cleanly(), "{:?}", seen.data());
+    let oam = seen.oam();
+    let codes: Vec<&str> = oam["reason_codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert!(codes.contains(&"STREAM_INTERRUPTED"), "{codes:?}");
+    assert!(
+        codes.contains(&"STREAM_CONTINUED_WITH_PREFILL"),
+        "{codes:?}"
+    );
+    assert_eq!(oam["target"], "local");
+    // The continuation was asked with what the caller already had, as an assistant prefill.
+    let sent = g.received("local").await;
+    let messages = sent.last().unwrap()["messages"].as_array().unwrap().clone();
+    let prefill = messages.last().unwrap();
+    assert_eq!(prefill["role"], "assistant");
+    let delivered = prefill["content"].as_str().unwrap();
+    assert!(!delivered.is_empty() && seen.text().starts_with(delivered));
+
+    // `chain` has no target that takes a prefill: an error event, no [DONE].
+    g.fault(
+        "primary/big",
+        json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
+    )
+    .await;
+    let (status, seen) = g.stream("chain", "cut for good").await;
+    assert_eq!(status, 200);
+    assert!(
+        !seen.ended_cleanly(),
+        "a truncated stream never ends cleanly"
+    );
+    let err = seen.error().expect("an in-band error event");
+    assert_eq!(err["code"], "STREAM_ENDED_WITH_ERROR", "{err}");
+    assert!(!seen.text().is_empty(), "part of the answer had arrived");
+}
+
+/// A stall past the idle deadline is a failure of the target; a malformed event after the first
+/// byte is skipped and said; a finish chunk whose `[DONE]` never comes is closed by oam.
+#[tokio::test]
+async fn stalls_malformed_events_and_a_missing_done_are_bounded() {
+    let g = streaming("stall").await;
+    g.fault(
+        "primary/big",
+        json!({"mode": "stream", "kind": "stall", "after_chunks": 3}),
+    )
+    .await;
+    let (_, seen) = g.stream("chain", "stall").await;
+    assert!(!seen.ended_cleanly());
+    assert!(
+        seen.ended_ms < 3_000,
+        "ended after the 400 ms idle deadline, at {}",
+        seen.ended_ms
+    );
+    let codes = seen.oam()["reason_codes"].to_string();
+    assert!(
+        codes.contains("GENERATION_TIMEOUT") && codes.contains("STREAM_INTERRUPTED"),
+        "{codes}"
+    );
+    g.clear().await;
+
+    g.fault(
+        "primary/small",
+        json!({"mode": "stream", "kind": "malformed", "after_chunks": 3}),
+    )
+    .await;
+    let (_, seen) = g.stream("prefill", "malformed").await;
+    assert!(seen.ended_cleanly(), "{:?}", seen.data());
+    assert!(
+        seen.oam()["reason_codes"]
+            .to_string()
+            .contains("STREAM_CHUNK_SKIPPED")
+    );
+    assert_eq!(seen.oam()["target"], "primary/small");
+    g.clear().await;
+
+    g.fault(
+        "primary/small",
+        json!({"mode": "stream", "kind": "no-done"}),
+    )
+    .await;
+    let (_, seen) = g.stream("prefill", "no done").await;
+    assert!(seen.ended_cleanly(), "complete, so closed cleanly by oam");
+    assert!(
+        seen.ended_ms < 5_000,
+        "within the grace time, at {} ms",
+        seen.ended_ms
+    );
+    assert_eq!(seen.oam()["outcome"], "accepted");
+}
+
+/// Under a contract the answer is checked whole before any of it is released.
+#[tokio::test]
+async fn a_stream_under_a_contract_is_checked_then_released() {
+    let g = streaming("contract").await;
+    let body = json!({"model": "prefill", "stream": true,
+        "messages": [{"role": "user", "content": "json please"}],
+        "response_format": {"type": "json_object"}});
+    let text = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut p = oam::node::sse::Parser::default();
+    let events = p.feed(text.as_bytes()).unwrap();
+    let content: Vec<String> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(content.len(), 1, "one checked chunk: {events:?}");
+    assert!(serde_json::from_str::<Value>(&content[0]).is_ok());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
 }

@@ -1,0 +1,366 @@
+//! Live streaming: an upstream's server-sent events relayed to the caller as they arrive, under
+//! deadlines (first event, idle gap, total). Until the first event reaches the caller, a failure
+//! is an ordinary failed attempt, retried or moved on invisibly. After it, the answer is continued
+//! once on a target that takes an assistant prefill, given the text delivered so far, or the
+//! stream ends with an in-band error event and never `[DONE]`: a truncated stream never ends
+//! cleanly. A finish chunk whose `[DONE]` never comes is complete, and closed by oam.
+
+use super::Node;
+use super::config::Streaming;
+use super::connector::{Attempt, Broken, Opened, Passthrough, Upstream};
+use super::dataplane::{Flight, conclude, oam_object, with_oam_headers};
+use crate::clock::now_ms;
+use crate::core::pipeline::{Decision, DecisionOutcome, Dispatch, Step};
+use crate::core::reason::ReasonCode;
+use crate::core::request::{Generation, GenerationStatus, Usage};
+use axum::body::{Body, Bytes};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A stream whose first event arrived and can be relayed.
+pub(crate) struct Started {
+    upstream: Upstream,
+    first: String,
+    /// When the attempt began (its deadlines and latency count from here).
+    began: Instant,
+}
+
+pub(crate) enum Open {
+    Started(Started),
+    Failed(Attempt),
+}
+
+fn ms_since(t: Instant) -> u64 {
+    t.elapsed().as_millis() as u64
+}
+
+fn failed(status: GenerationStatus, began: Instant, why: impl Into<String>) -> Generation {
+    Generation {
+        error: Some(why.into()),
+        ..Generation::failed(status, ms_since(began))
+    }
+}
+
+/// Open `d` on its target (continuing `prefill` when given) and wait for its first readable
+/// event: every failure until then is an ordinary failed attempt.
+pub(crate) async fn open(
+    node: &Node,
+    d: &Dispatch,
+    pass: &Passthrough,
+    prefill: Option<&str>,
+    limits: Streaming,
+) -> Open {
+    let Some((c, model)) = node.target(&d.provider) else {
+        let g = failed(GenerationStatus::Error, Instant::now(), "no connector");
+        return Open::Failed(g.into());
+    };
+    let first = Duration::from_millis(limits.first_token_ms);
+    let (mut upstream, began) = match c
+        .open_stream(model, pass, prefill, d.max_tokens, first)
+        .await
+    {
+        Opened::Streaming(u, t) => (u, t),
+        Opened::Failed(a) => return Open::Failed(a),
+    };
+    let g = match upstream.next(first.saturating_sub(began.elapsed())).await {
+        Ok(Some(e)) if e == "[DONE]" => failed(
+            GenerationStatus::Error,
+            began,
+            "the stream ended before any answer",
+        ),
+        Ok(Some(e)) => match serde_json::from_str::<Value>(&e) {
+            Ok(v) if v.get("error").is_none() => {
+                return Open::Started(Started {
+                    upstream,
+                    first: e,
+                    began,
+                });
+            }
+            Ok(v) => failed(
+                GenerationStatus::Error,
+                began,
+                format!("the stream says: {}", v["error"]),
+            ),
+            Err(_) => failed(
+                GenerationStatus::Error,
+                began,
+                "the stream's first event is not JSON",
+            ),
+        },
+        Ok(None) => failed(
+            GenerationStatus::Error,
+            began,
+            "the stream ended before any event",
+        ),
+        Err(Broken::Silent) => failed(
+            GenerationStatus::Timeout,
+            began,
+            format!("no event within {} ms", limits.first_token_ms),
+        ),
+        Err(Broken::Failed(why)) => failed(GenerationStatus::Error, began, why),
+    };
+    Open::Failed(g.into())
+}
+
+/// Answer the caller with the stream `first` began: headers and first event now, the rest as it
+/// comes, relayed by a task of the node's own.
+pub(crate) fn respond(
+    flight: Flight,
+    first: Started,
+    pass: Passthrough,
+    limits: Streaming,
+    target: String,
+    request_started: Instant,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let node = flight.node.clone();
+    let request_id = flight.session.request().id.clone();
+    let relay = Relay {
+        flight,
+        pass,
+        limits,
+        tx,
+        request_started,
+        head: Value::Null,
+        delivered: String::new(),
+    };
+    node.tasks.spawn(relay.run(first));
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        let b = rx.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    let resp = (
+        StatusCode::OK,
+        [
+            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(body),
+    )
+        .into_response();
+    with_oam_headers(
+        resp,
+        ["streaming".into(), String::new(), target, request_id],
+    )
+}
+
+/// What one attempt's stream carried.
+#[derive(Default)]
+struct Accum {
+    text: String,
+    finish: Option<String>,
+    usage: Option<Usage>,
+}
+
+/// How one attempt's stream ended.
+enum End {
+    /// Its finish chunk came (then `[DONE]`, the end of the body, or the grace time).
+    Finished,
+    /// It broke before its finish chunk.
+    Broken(Generation),
+    /// Nobody reads it any more.
+    CallerGone,
+}
+
+struct Relay {
+    flight: Flight,
+    pass: Passthrough,
+    limits: Streaming,
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+    request_started: Instant,
+    /// `id`, `created` and `model` of the first chunk, for oam's own last chunk.
+    head: Value,
+    /// The answer's text the caller has, across a continuation.
+    delivered: String,
+}
+
+impl Relay {
+    fn node(&self) -> Arc<Node> {
+        self.flight.node.clone()
+    }
+
+    async fn run(mut self, mut cur: Started) {
+        loop {
+            let mut acc = Accum::default();
+            let end = self.pump(&mut cur, &mut acc).await;
+            let node = self.node();
+            let latency_ms = ms_since(cur.began);
+            let mut step = match end {
+                End::Finished => {
+                    let g = Generation {
+                        status: GenerationStatus::Ok,
+                        content: acc.text,
+                        finish_reason: acc.finish,
+                        latency_ms,
+                        usage: acc.usage,
+                        retry_after_ms: None,
+                        error: None,
+                    };
+                    node.with_engine(|e| e.complete(&mut self.flight.session, g, now_ms()))
+                }
+                End::CallerGone => {
+                    // Its answer so far is paid for and was good: no retry, nobody to read one.
+                    let g = Generation {
+                        content: acc.text,
+                        finish_reason: None,
+                        usage: acc.usage,
+                        ..Generation::ok("", latency_ms)
+                    };
+                    self.flight.session.note(ReasonCode::ClientDisconnected);
+                    node.with_engine(|e| {
+                        e.caller_gone(&mut self.flight.session, now_ms());
+                        e.complete(&mut self.flight.session, g, now_ms())
+                    })
+                }
+                End::Broken(g) => node.with_engine(|e| {
+                    e.interrupted(&mut self.flight.session);
+                    e.complete(&mut self.flight.session, g, now_ms())
+                }),
+            };
+            // Done, or continue on a prefill target (each open that fails is one more attempt).
+            let next = loop {
+                match step {
+                    Step::Done(d) => return self.close(*d).await,
+                    Step::Queued => {
+                        step = node.with_engine(|e| e.dequeue(&mut self.flight.session, now_ms()));
+                    }
+                    Step::Dispatch(d) => {
+                        let prefill = d.continuation.then_some(self.delivered.as_str());
+                        match open(&node, &d, &self.pass, prefill, self.limits).await {
+                            Open::Started(s) => break s,
+                            Open::Failed(a) => {
+                                step = node.with_engine(|e| {
+                                    e.complete(&mut self.flight.session, a.generation, now_ms())
+                                });
+                            }
+                        }
+                    }
+                }
+            };
+            cur = next;
+        }
+    }
+
+    /// Relay one attempt's events until its stream ends, under the deadlines.
+    async fn pump(&mut self, cur: &mut Started, acc: &mut Accum) -> End {
+        let limits = self.limits;
+        let total = cur.began + Duration::from_millis(limits.total_ms);
+        let mut event = Some(std::mem::take(&mut cur.first));
+        loop {
+            let data = match event.take() {
+                Some(e) => e,
+                None => {
+                    let finished = acc.finish.is_some();
+                    let idle = if finished {
+                        limits.done_grace_ms
+                    } else {
+                        limits.idle_ms
+                    };
+                    let wait = Duration::from_millis(idle)
+                        .min(total.saturating_duration_since(Instant::now()));
+                    let next = tokio::select! {
+                        r = cur.upstream.next(wait) => r,
+                        () = self.tx.closed() => return End::CallerGone,
+                    };
+                    match next {
+                        Ok(Some(e)) => e,
+                        _ if finished => return End::Finished,
+                        Ok(None) => {
+                            let why = "the stream ended before its finish chunk (cut)";
+                            return End::Broken(failed(GenerationStatus::Error, cur.began, why));
+                        }
+                        Err(Broken::Failed(why)) => {
+                            return End::Broken(failed(GenerationStatus::Error, cur.began, why));
+                        }
+                        Err(Broken::Silent) => {
+                            let why = if Instant::now() >= total {
+                                format!("the stream ran past its {} ms total", limits.total_ms)
+                            } else {
+                                format!("the stream stalled: no event for {idle} ms")
+                            };
+                            return End::Broken(failed(GenerationStatus::Timeout, cur.began, why));
+                        }
+                    }
+                }
+            };
+            if data == "[DONE]" {
+                if acc.finish.is_some() {
+                    return End::Finished;
+                }
+                let why = "[DONE] came without a finish reason";
+                return End::Broken(failed(GenerationStatus::Error, cur.began, why));
+            }
+            let Ok(chunk) = serde_json::from_str::<Value>(&data) else {
+                // Unreadable, after the caller has part of the answer: skipped, and said.
+                self.flight.session.note(ReasonCode::StreamChunkSkipped);
+                continue;
+            };
+            if let Some(err) = chunk.get("error") {
+                let why = format!("the stream says: {err}");
+                return End::Broken(failed(GenerationStatus::Error, cur.began, why));
+            }
+            if self.head.is_null() {
+                self.head = json!({"id": chunk["id"], "created": chunk["created"], "model": chunk["model"]});
+            }
+            let choice = &chunk["choices"][0];
+            if let Some(text) = choice["delta"]["content"].as_str() {
+                acc.text.push_str(text);
+                self.delivered.push_str(text);
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                acc.finish = Some(f.to_string());
+            }
+            let usage_only = chunk["choices"].as_array().is_some_and(Vec::is_empty);
+            if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
+                acc.usage = Some(Usage {
+                    prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
+                    completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
+                });
+            }
+            if usage_only && !self.pass.include_usage {
+                continue;
+            }
+            if self.send(format!("data: {data}\n\n")).await.is_err() {
+                return End::CallerGone;
+            }
+        }
+    }
+
+    async fn send(&self, text: String) -> Result<(), ()> {
+        self.tx.send(Bytes::from(text)).await.map_err(|_| ())
+    }
+
+    /// The request is decided: oam's last chunk and `[DONE]` for an accepted answer, else an
+    /// in-band error event (and no `[DONE]`). Then what every decided request leaves behind.
+    async fn close(self, d: Decision) {
+        let oam = oam_object(&d);
+        let text = if d.outcome == DecisionOutcome::Accepted {
+            let mut last = self.head.clone();
+            last["object"] = json!("chat.completion.chunk");
+            last["choices"] = json!([]);
+            last["oam"] = oam;
+            format!("data: {last}\n\ndata: [DONE]\n\n")
+        } else {
+            let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+            let code = d.reason_codes.last().map_or("", |c| c.as_str());
+            let error = json!({
+                "error": {
+                    "message": format!("oam ended the stream in phase {}: {}", d.phase, reasons.join(", ")),
+                    "type": "server_error",
+                    "param": null,
+                    "code": code,
+                },
+                "oam": oam,
+            });
+            format!("data: {error}\n\n")
+        };
+        let _ = self.send(text).await;
+        let node = self.node();
+        let started = self.request_started;
+        drop(self);
+        conclude(&node, &d, started);
+    }
+}
