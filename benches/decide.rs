@@ -60,6 +60,7 @@ fn request() -> Request {
         policy: Policy::default(),
         contract: None,
         response_format: None,
+        tools: Default::default(),
     }
 }
 

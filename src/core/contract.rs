@@ -3,8 +3,10 @@
 //! length, and was not cut off.
 //!
 //! The default contract requires `answer` and `confidence`. A request may bring its own, either as
-//! oam's `contract` object or as OpenAI's `response_format` (`json_object`, or a `json_schema` whose
-//! subset `type: object`, `required`, `properties.*.type` is enforced).
+//! oam's `contract` object or as OpenAI's `response_format` (`json_object`, or a `json_schema`,
+//! validated in full by the `jsonschema` crate, its `required` and `properties.*.type` also
+//! reported as the specific codes below). A request that declares tools has every tool call's
+//! arguments checked: JSON, a declared tool, and fitting that tool's parameter schema.
 
 use super::reason::ReasonCode;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -56,6 +58,9 @@ pub struct Contract {
     pub confidence_field: Option<String>,
     pub min_confidence: f64,
     pub max_chars: usize,
+    /// A `json_schema` response format's schema, which the whole answer must fit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<Value>,
 }
 
 impl Default for Contract {
@@ -66,6 +71,7 @@ impl Default for Contract {
             confidence_field: Some("confidence".into()),
             min_confidence: DEFAULT_MIN_CONFIDENCE,
             max_chars: DEFAULT_MAX_CHARS,
+            schema: None,
         }
     }
 }
@@ -117,6 +123,7 @@ impl Contract {
             confidence_field,
             min_confidence,
             max_chars: spec.max_chars.unwrap_or(base.max_chars),
+            schema: base.schema,
         })
     }
 
@@ -163,12 +170,15 @@ impl Contract {
                         }
                     }
                 }
+                jsonschema::validator_for(schema)
+                    .map_err(|e| format!("response_format.json_schema.schema: {e}"))?;
                 let has_confidence = properties.contains_key("confidence")
                     || required.iter().any(|r| r == "confidence");
                 Ok(Contract {
                     required,
                     properties,
                     confidence_field: has_confidence.then(|| "confidence".to_string()),
+                    schema: Some(schema.clone()),
                     ..Contract::default()
                 })
             }
@@ -270,12 +280,88 @@ impl Contract {
                 Some(c) => confidence = Some(c),
             }
         }
+        if defects.is_empty()
+            && let Some(schema) = &self.schema
+        {
+            defects.extend(schema_defects(
+                schema,
+                body,
+                ReasonCode::ContractSchemaViolation,
+            ));
+        }
         if defects.is_empty() {
             Ok(confidence)
         } else {
             Err(defects)
         }
     }
+}
+
+/// Where `text` (JSON) breaks `schema`: the first few places, each as a defect with `code`.
+fn schema_defects(schema: &Value, text: &str, code: ReasonCode) -> Vec<Defect> {
+    let instance = match serde_json::from_str::<Value>(text) {
+        Ok(v) => v,
+        Err(e) => return vec![defect(code, format!("not JSON: {e}"))],
+    };
+    let validator = match jsonschema::validator_for(schema) {
+        Ok(v) => v,
+        Err(e) => return vec![defect(code, format!("the schema itself is invalid: {e}"))],
+    };
+    validator
+        .iter_errors(&instance)
+        .take(3)
+        .map(|e| {
+            let at = e.instance_path().to_string();
+            let at = if at.is_empty() { "/".to_string() } else { at };
+            defect(code, format!("{at}: {e}"))
+        })
+        .collect()
+}
+
+/// A tool call an answer made: the tool's name and its arguments (JSON text, as sent).
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCall {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: String,
+}
+
+/// Check an answer's tool calls against the tools the request declared (name -> parameter
+/// schema; `null` when a tool declares none): each must name a declared tool, and its arguments
+/// must be JSON that fits the schema.
+pub fn check_tool_calls(tools: &BTreeMap<String, Value>, calls: &[ToolCall]) -> Vec<Defect> {
+    let code = ReasonCode::ToolArgumentsInvalid;
+    let mut defects = Vec::new();
+    for call in calls {
+        let Some(schema) = tools.get(&call.name) else {
+            defects.push(defect(
+                code,
+                format!("`{}` is no tool the request declared", call.name),
+            ));
+            continue;
+        };
+        let found = if schema.is_null() {
+            match serde_json::from_str::<Value>(&call.arguments) {
+                Ok(_) => Vec::new(),
+                Err(e) => vec![defect(code, format!("not JSON: {e}"))],
+            }
+        } else {
+            schema_defects(schema, &call.arguments, code)
+        };
+        defects.extend(found.into_iter().map(|d| Defect {
+            detail: format!("tool `{}`: {}", call.name, d.detail),
+            ..d
+        }));
+    }
+    defects
+}
+
+/// A tool's parameter schema, checked when the request arrives.
+pub fn check_tool_schema(schema: &Value) -> Result<(), String> {
+    jsonschema::validator_for(schema)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// Models often wrap JSON in a markdown fence; accept one fence around the whole answer.
@@ -448,6 +534,72 @@ impl<'de> Deserialize<'de> for Top<'de> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_calls_must_be_json_name_a_declared_tool_and_fit_its_schema() {
+        let schema = serde_json::json!({"type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+            "required": ["city"], "additionalProperties": false});
+        let tools: BTreeMap<String, Value> = [
+            ("weather".to_string(), schema),
+            ("ping".to_string(), Value::Null),
+        ]
+        .into();
+        let call = |name: &str, args: &str| ToolCall {
+            name: name.into(),
+            arguments: args.into(),
+        };
+        assert!(
+            check_tool_calls(
+                &tools,
+                &[call("weather", r#"{"city": "Paris", "days": 2}"#)]
+            )
+            .is_empty()
+        );
+        assert!(
+            check_tool_calls(&tools, &[call("ping", "{}")]).is_empty(),
+            "no schema: JSON is enough"
+        );
+        for (c, needle) in [
+            (call("weather", r#"{"city": "Par"#), "not JSON"),
+            (call("weather", r#"{"days": 2}"#), "city"),
+            (call("weather", r#"{"city": "Paris", "days": 0}"#), "/days"),
+            (call("weather", r#"{"city": "Paris", "unit": "F"}"#), "unit"),
+            (call("ping", "nope"), "not JSON"),
+            (call("launch", "{}"), "no tool the request declared"),
+        ] {
+            let d = check_tool_calls(&tools, std::slice::from_ref(&c));
+            assert_eq!(d.len(), 1, "{c:?}: {d:?}");
+            assert_eq!(d[0].code, ReasonCode::ToolArgumentsInvalid);
+            assert!(d[0].detail.contains(needle), "{c:?}: {}", d[0].detail);
+        }
+    }
+
+    #[test]
+    fn a_json_schema_response_format_is_validated_in_full() {
+        let rf = serde_json::json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "required": ["label"],
+            "properties": {"label": {"type": "string", "enum": ["spam", "ham"]},
+                           "score": {"type": "number", "maximum": 1}}}}});
+        let c = Contract::for_request(None, Some(&rf)).unwrap();
+        assert_eq!(
+            c.check(r#"{"label": "spam", "score": 0.5}"#, Some("stop")),
+            Ok(None)
+        );
+        let d = c
+            .check(r#"{"label": "eggs", "score": 3}"#, Some("stop"))
+            .unwrap_err();
+        assert!(
+            d.iter()
+                .all(|d| d.code == ReasonCode::ContractSchemaViolation),
+            "{d:?}"
+        );
+        assert_eq!(d.len(), 2, "{d:?}");
+        let bad = serde_json::json!({"type": "json_schema", "json_schema": {"schema": {
+            "type": "object", "properties": {"a": {"type": "object", "minProperties": "two"}}}}});
+        let e = Contract::for_request(None, Some(&bad)).unwrap_err();
+        assert!(e.starts_with("response_format.json_schema.schema:"), "{e}");
+    }
     use serde_json::json;
 
     fn codes(r: Result<Option<f64>, Vec<Defect>>) -> Vec<ReasonCode> {

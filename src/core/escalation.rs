@@ -146,6 +146,7 @@ mod tests {
             policy: Policy::default(),
             contract: None,
             response_format: None,
+            tools: Default::default(),
         }
     }
 

@@ -449,6 +449,16 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
             format!("request.policy.min_confidence must be in [0, 1], got {c}"),
         ));
     }
+    for (name, schema) in &r.tools {
+        if !schema.is_null() {
+            super::contract::check_tool_schema(schema).map_err(|e| {
+                invalid(
+                    "tools",
+                    format!("tools: {name}: its parameters are no JSON Schema: {e}"),
+                )
+            })?;
+        }
+    }
     if r.policy.max_attempts == Some(0) {
         return Err(invalid(
             "policy.max_attempts",
@@ -1089,13 +1099,26 @@ impl Engine {
                 (Outcome::Error, Some(Phase::Generation), None)
             }
             GenerationStatus::Ok => {
-                // A tool-call turn carries no text to hold to a contract: it is judged by its
-                // status and completeness (its arguments are the agent's to check, for now).
-                let checked = match &s.contract {
-                    Some(c) if g.finish_reason.as_deref() != Some("tool_calls") => {
-                        c.check(&g.content, g.finish_reason.as_deref())
+                // A tool-call turn is held to the tools the request declared (its arguments JSON
+                // that fits the tool's schema), not to a text contract.
+                let tool_turn =
+                    g.finish_reason.as_deref() == Some("tool_calls") || !g.tool_calls.is_empty();
+                let checked = if tool_turn {
+                    let defects = if s.request.tools.is_empty() {
+                        Vec::new()
+                    } else {
+                        super::contract::check_tool_calls(&s.request.tools, &g.tool_calls)
+                    };
+                    if defects.is_empty() {
+                        Ok(None)
+                    } else {
+                        Err(defects)
                     }
-                    _ => Ok(None),
+                } else {
+                    match &s.contract {
+                        Some(c) => c.check(&g.content, g.finish_reason.as_deref()),
+                        None => Ok(None),
+                    }
                 };
                 match checked {
                     Err(d) => {

@@ -83,6 +83,7 @@ fn req(id: &str) -> Request {
         policy: Policy::default(),
         contract: None,
         response_format: None,
+        tools: Default::default(),
     }
 }
 
@@ -991,6 +992,34 @@ fn every_reason_code_is_reachable() {
     if let Step::Done(d) = e.complete(&mut s, err(), T0 + 20) {
         note(&d);
     }
+    // A json_schema answer that breaks its schema; tool arguments that break theirs.
+    let mut r = req("schema");
+    r.response_format = Some(
+        serde_json::json!({"type": "json_schema", "json_schema": {"schema":
+        {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}}}),
+    );
+    r.policy.max_attempts = Some(1);
+    note(&run(
+        &mut engine(),
+        r,
+        &[("primary", Generation::ok(r#"{"n": 9}"#, 1))],
+    ));
+    let mut r = req("tool");
+    r.tools = [(
+        "f".to_string(),
+        serde_json::json!({"type": "object", "required": ["x"]}),
+    )]
+    .into();
+    r.policy.max_attempts = Some(1);
+    let call = Generation {
+        finish_reason: Some("tool_calls".into()),
+        tool_calls: vec![crate::core::contract::ToolCall {
+            name: "f".into(),
+            arguments: "{}".into(),
+        }],
+        ..Generation::ok("", 1)
+    };
+    note(&run(&mut engine(), r, &[("primary", call)]));
     let mut r = req("unsafe");
     r.idempotent = false;
     note(&run(

@@ -208,6 +208,10 @@ reason_codes! {
         "The response content was longer than the contract allows.";
     ContractTruncated = "CONTRACT_TRUNCATED", Semantic,
         "The response was cut off (finish_reason \"length\" or JSON that ends early).";
+    ContractSchemaViolation = "CONTRACT_SCHEMA_VIOLATION", Semantic,
+        "The answer does not fit the JSON Schema of the request's json_schema response format.";
+    ToolArgumentsInvalid = "TOOL_ARGUMENTS_INVALID", Semantic,
+        "A tool call's arguments are not JSON or do not fit the parameter schema of the tool the request declared (or it names no declared tool).";
     QualityBelowThreshold = "QUALITY_BELOW_THRESHOLD", Quality,
         "A valid answer whose confidence is below what this request's risk level requires.";
     CostOverRequestLimit = "COST_OVER_REQUEST_LIMIT", Cost,

@@ -129,6 +129,10 @@ pub struct Request {
     /// OpenAI's `response_format`; a `json_schema` here becomes the contract.
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
+    /// The tools the request declared: name -> parameter schema (`null` if it gives none). Tool
+    /// calls in the answer are checked against them.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub tools: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 fn yes() -> bool {
@@ -239,6 +243,9 @@ pub struct Generation {
     /// What went wrong, for humans.
     #[serde(default)]
     pub error: Option<String>,
+    /// The tool calls the answer made.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<super::contract::ToolCall>,
 }
 
 impl Generation {
@@ -251,6 +258,7 @@ impl Generation {
             usage: None,
             retry_after_ms: None,
             error: None,
+            tool_calls: Vec::new(),
         }
     }
 
@@ -263,6 +271,7 @@ impl Generation {
             usage: None,
             retry_after_ms: None,
             error: None,
+            tool_calls: Vec::new(),
         }
     }
 }

@@ -538,12 +538,32 @@ fn completion(bytes: &[u8], latency_ms: u64) -> Attempt {
         usage,
         retry_after_ms: None,
         error: None,
+        tool_calls: tool_calls(&choice["message"]["tool_calls"]),
     };
     Attempt {
         generation,
         body: Some(v),
         http_status: 200,
     }
+}
+
+/// The tool calls of an answer's message (`[{function: {name, arguments}}]`).
+pub fn tool_calls(calls: &Value) -> Vec<crate::core::contract::ToolCall> {
+    calls
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| crate::core::contract::ToolCall {
+            name: c["function"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            arguments: c["function"]["arguments"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        })
+        .collect()
 }
 
 /// `retry-after-ms` (OpenAI's header) or `Retry-After` in seconds.

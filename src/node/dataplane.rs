@@ -169,6 +169,37 @@ fn text_of(content: &Value) -> Option<String> {
     }
 }
 
+/// The tools a request declares (`[{type, function: {name, parameters}}]`): name -> parameter
+/// schema (`null` when a tool gives none). The list itself goes to the upstream as sent.
+fn declared_tools(
+    tools: Option<&Value>,
+) -> Result<std::collections::BTreeMap<String, Value>, BadRequest> {
+    let Some(tools) = tools else {
+        return Ok(Default::default());
+    };
+    let list = tools.as_array().ok_or_else(|| {
+        bad(
+            "tools",
+            "tools must be an array of {\"type\": \"function\", \"function\": {...}}",
+        )
+    })?;
+    let mut out = std::collections::BTreeMap::new();
+    for (i, t) in list.iter().enumerate() {
+        let f = &t["function"];
+        let Some(name) = f["name"].as_str().filter(|n| !n.is_empty()) else {
+            return Err(bad(
+                format!("tools[{i}].function.name"),
+                format!("tools[{i}].function.name must be a non-empty string"),
+            ));
+        };
+        out.insert(
+            name.to_string(),
+            f.get("parameters").cloned().unwrap_or(Value::Null),
+        );
+    }
+    Ok(out)
+}
+
 /// May a client ask for `model`? A route's name when routes are configured; without routes (every
 /// target scored), any target's model or id; `auto` (or `oam`, or nothing) always.
 fn known_model(cfg: &super::config::NodeConfig, model: &str) -> bool {
@@ -201,7 +232,7 @@ fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
 /// The body parameter of a core request field: OpenAI's own names stay, oam's live in `oam`.
 fn param_of(field: &str) -> String {
     match field {
-        "messages" | "response_format" | "model" => field.to_string(),
+        "messages" | "response_format" | "model" | "tools" => field.to_string(),
         "id" => "oam.request_id".to_string(),
         other => format!("oam.{other}"),
     }
@@ -305,6 +336,7 @@ fn decode_request(
         ));
     }
     let stream = chat.stream == Some(true);
+    let tools = declared_tools(chat.rest.get("tools"))?;
     let o = chat.oam.unwrap_or_default();
     let id = o
         .request_id
@@ -346,6 +378,7 @@ fn decode_request(
         policy: o.policy.unwrap_or_default(),
         contract: o.contract,
         response_format: chat.response_format,
+        tools,
     };
     let mut extra = chat.rest;
     // oam sets the upstream's stream options itself (it always asks a stream for its usage);

@@ -10,6 +10,7 @@ use super::config::Streaming;
 use super::connector::{Attempt, Broken, Opened, Passthrough, Upstream};
 use super::dataplane::{Flight, conclude, oam_object, with_oam_headers};
 use crate::clock::now_ms;
+use crate::core::contract::ToolCall;
 use crate::core::pipeline::{Decision, DecisionOutcome, Dispatch, Step};
 use crate::core::reason::ReasonCode;
 use crate::core::request::{Generation, GenerationStatus, Usage};
@@ -153,6 +154,32 @@ struct Accum {
     text: String,
     finish: Option<String>,
     usage: Option<Usage>,
+    /// Tool calls by their index, their arguments gathered from the deltas.
+    calls: Vec<ToolCall>,
+}
+
+impl Accum {
+    fn tool_deltas(&mut self, deltas: &Value) {
+        for d in deltas.as_array().into_iter().flatten() {
+            let i = d["index"].as_u64().unwrap_or(0) as usize;
+            if i > 1_024 {
+                continue; // no answer calls that many tools; not worth a huge allocation
+            }
+            if self.calls.len() <= i {
+                self.calls.resize_with(i + 1, || ToolCall {
+                    name: String::new(),
+                    arguments: String::new(),
+                });
+            }
+            let f = &d["function"];
+            if let Some(name) = f["name"].as_str() {
+                self.calls[i].name.push_str(name);
+            }
+            if let Some(args) = f["arguments"].as_str() {
+                self.calls[i].arguments.push_str(args);
+            }
+        }
+    }
 }
 
 /// How one attempt's stream ended.
@@ -198,6 +225,7 @@ impl Relay {
                         usage: acc.usage,
                         retry_after_ms: None,
                         error: None,
+                        tool_calls: acc.calls,
                     };
                     node.with_engine(|e| e.complete(&mut self.flight.session, g, now_ms()))
                 }
@@ -310,6 +338,7 @@ impl Relay {
                 acc.text.push_str(text);
                 self.delivered.push_str(text);
             }
+            acc.tool_deltas(&choice["delta"]["tool_calls"]);
             if let Some(f) = choice["finish_reason"].as_str() {
                 acc.finish = Some(f.to_string());
             }

@@ -280,8 +280,15 @@ fn text_of(content: &Value) -> String {
 }
 
 /// A user's turn with tools declared is answered with a call to the first tool, each required
-/// argument set to the question; after the tool's result, with an answer.
-fn tool_call(messages: &[ChatMessage], tools: &[Value], question: &str) -> Option<Value> {
+/// argument set to the question; after the tool's result, with an answer. Under a contract
+/// fault the arguments break: cut short (not JSON), missing every field, or of the wrong type.
+fn tool_call(
+    messages: &[ChatMessage],
+    tools: &[Value],
+    question: &str,
+    brk: Option<crate::core::chaos::ContractBreak>,
+) -> Option<Value> {
+    use crate::core::chaos::ContractBreak;
     let function = &tools.first()?["function"];
     if messages.last()?.role != "user" {
         return None;
@@ -290,12 +297,30 @@ fn tool_call(messages: &[ChatMessage], tools: &[Value], question: &str) -> Optio
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|name| Some((name.as_str()?.to_string(), json!(question))))
+        .filter_map(|name| {
+            let value = match brk {
+                Some(ContractBreak::LowConfidence) => json!(42),
+                _ => json!(question),
+            };
+            Some((name.as_str()?.to_string(), value))
+        })
         .collect();
+    let mut arguments = Value::Object(args).to_string();
+    match brk {
+        Some(ContractBreak::NotJson | ContractBreak::Truncated) => {
+            let mut cut = arguments.len() / 2;
+            while !arguments.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            arguments.truncate(cut);
+        }
+        Some(ContractBreak::MissingField) => arguments = "{}".into(),
+        _ => {}
+    }
     Some(json!({
         "id": format!("call_{:08x}", question.len()),
         "type": "function",
-        "function": {"name": function["name"], "arguments": Value::Object(args).to_string()},
+        "function": {"name": function["name"], "arguments": arguments},
     }))
 }
 
@@ -339,8 +364,13 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
             let prompt_tokens = (prompt_chars as u64).div_ceil(4);
             let completion_tokens = (content.len() as u64).div_ceil(4);
             let model = req.model.unwrap_or_else(|| provider.model.clone());
-            let (message, finish_reason) = match tool_call(&req.messages, &req.tools, &question) {
-                Some(call) if finish_reason == "stop" => (
+            let brk = fault.and_then(|f| match f.mode {
+                model::FaultMode::Contract { kind } => Some(kind),
+                _ => None,
+            });
+            let call = tool_call(&req.messages, &req.tools, &question, brk);
+            let (message, finish_reason) = match call {
+                Some(call) if finish_reason == "stop" || brk.is_some() => (
                     json!({"role": "assistant", "content": null, "tool_calls": [call]}),
                     "tool_calls".to_string(),
                 ),

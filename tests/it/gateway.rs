@@ -607,3 +607,139 @@ async fn a_stream_under_a_contract_is_checked_then_released() {
     assert!(serde_json::from_str::<Value>(&content[0]).is_ok());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
 }
+
+/// Tool calls are held to the tools the request declared: arguments that are not JSON or break
+/// the tool's schema are a contract failure, moved to the next target; a tool whose parameters
+/// are no JSON Schema is refused up front.
+#[tokio::test]
+async fn tool_arguments_must_fit_the_declared_schema() {
+    let g = streaming("tools").await;
+    let tools = json!([{"type": "function", "function": {"name": "lookup",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string", "minLength": 1}},
+                       "required": ["q"], "additionalProperties": false}}}]);
+    let ask = |q: &str| {
+        json!({"model": "prefill", "tools": tools.clone(),
+               "messages": [{"role": "user", "content": q}]})
+    };
+    let post = |body: Value| {
+        let url = format!("{}/v1/chat/completions", g.url);
+        async move {
+            let r = client().post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, v) = post(ask("find oam")).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    // Broken as a model breaks them: fields left out, cut short, of the wrong type.
+    for kind in ["missing-field", "not-json", "low-confidence"] {
+        g.fault(
+            "primary/small",
+            json!({"mode": "contract", "kind": kind, "times": 1}),
+        )
+        .await;
+        let (status, v) = post(ask(&format!("broken {kind}"))).await;
+        assert_eq!(status, 200, "{kind}: {v}");
+        assert_eq!(tried(&v), ["primary/small", "local"], "{kind}: {v}");
+        assert!(
+            codes(&v).contains(&"TOOL_ARGUMENTS_INVALID".to_string()),
+            "{v}"
+        );
+        let args = v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap();
+        assert!(serde_json::from_str::<Value>(args).unwrap()["q"].is_string());
+    }
+    let mut bad = ask("bad schema");
+    bad["tools"][0]["function"]["parameters"] = json!({"type": "no-such-type"});
+    let (status, v) = post(bad).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tools", "{v}");
+}
+
+/// The official OpenAI Python client through a route relayed live: a streamed tool call arrives
+/// as deltas it reassembles, the round trip completes, and a stream that cannot be finished
+/// raises in the client instead of ending as if complete.
+#[tokio::test]
+async fn the_openai_client_streams_tools_live_and_sees_a_broken_stream_fail() {
+    let g = streaming("py").await;
+    let script = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed", max_retries=0)
+tools = [{"type": "function", "function": {"name": "get_weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}}]
+turn = [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"},
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]
+out = {}
+chunks = list(c.chat.completions.create(model="prefill", messages=turn, tools=tools,
+                                        stream=True, stream_options={"include_usage": True}))
+calls = {}
+for ch in chunks:
+    for tc in ((ch.choices[0].delta.tool_calls or []) if ch.choices else []):
+        e = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+        e["id"] = tc.id or e["id"]
+        e["name"] += tc.function.name or "" if tc.function else ""
+        e["arguments"] += (tc.function.arguments or "") if tc.function else ""
+out["deltas"] = sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls)
+out["call"] = calls[0]
+out["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+out["usage"] = [ch.usage.total_tokens for ch in chunks if ch.usage]
+turn.append({"role": "assistant", "content": None, "tool_calls": [{"id": calls[0]["id"],
+             "type": "function", "function": {"name": calls[0]["name"],
+             "arguments": calls[0]["arguments"]}}]})
+turn.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": "{\"celsius\": 21}"})
+final = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+    model="prefill", messages=turn, tools=tools, stream=True) if ch.choices)
+out["final"] = final
+try:
+    got = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="chain", messages=[{"role": "user", "content": "break"}], stream=True) if ch.choices)
+    out["broken"] = "ended as if complete: " + got
+except openai.APIError as e:
+    out["broken"] = str(e)
+print(json.dumps(out))
+"#;
+    // The second stream on `chain` is cut after its fourth event, with no prefill target.
+    g.fault(
+        "primary/big",
+        json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
+    )
+    .await;
+    let out = std::process::Command::new(crate::support::python())
+        .args(["-c", script, &g.url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["deltas"].as_u64().unwrap() >= 2,
+        "arguments in pieces: {v}"
+    );
+    assert_eq!(v["call"]["name"], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(v["call"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string(), "{v}");
+    assert_eq!(v["finish"], "tool_calls");
+    assert_eq!(
+        v["usage"].as_array().unwrap().len(),
+        1,
+        "usage relayed once, as asked: {v}"
+    );
+    assert!(v["final"].as_str().unwrap().contains("answer"), "{v}");
+    let broken = v["broken"].as_str().unwrap();
+    assert!(broken.contains("STREAM_ENDED_WITH_ERROR"), "{broken}");
+    // The image part reached the upstream as sent.
+    let sent = g.received("primary").await;
+    let first = sent
+        .iter()
+        .find(|r| r["messages"][0]["content"].is_array())
+        .expect("the request with the image");
+    assert_eq!(
+        first["messages"][0]["content"][1]["image_url"]["url"],
+        "data:image/png;base64,iVBORw0KGgo="
+    );
+}
