@@ -4,6 +4,7 @@
 //! panics included.
 
 use crate::core::chaos::{Inject, Params, Restore};
+use crate::core::pipeline::Decision;
 use crate::core::wire::Envelope;
 use crate::error::{Error, Result};
 use crate::transport::chaos;
@@ -102,8 +103,13 @@ async fn feed(
                 Some((node, state)) => send(Event::NodeState { node, state: Box::new(state) }),
                 None => send(unreadable(&m)),
             },
-            Some(m) = decisions.next() => match body(&m.payload) {
-                Some((node, decision)) => send(Event::Decision { node, decision: Box::new(decision) }),
+            // A batch of a node's decisions.
+            Some(m) = decisions.next() => match body::<Vec<Decision>>(&m.payload) {
+                Some((node, batch)) => {
+                    for decision in batch {
+                        send(Event::Decision { node: node.clone(), decision: Box::new(decision) });
+                    }
+                }
                 None => send(unreadable(&m)),
             },
             Some(m) = incidents.next() => match body(&m.payload) {

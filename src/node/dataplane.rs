@@ -633,16 +633,14 @@ pub async fn execute(
         };
     };
     drop(flight);
-    conclude(node, &decision, started);
-    Answer {
-        stream,
-        ..respond(node, decision, last)
-    }
+    let answer = respond(node, &decision, last);
+    conclude(node, decision, started);
+    Answer { stream, ..answer }
 }
 
 /// What every decided request leaves behind: health samples from its traffic, metrics, and the
 /// decision (with any incident and escalation) on the bus.
-pub(crate) fn conclude(node: &Node, decision: &Decision, started: std::time::Instant) {
+pub(crate) fn conclude(node: &Node, decision: Decision, started: std::time::Instant) {
     for effect in &decision.effects {
         if let Effect::HealthSample {
             provider,
@@ -655,7 +653,7 @@ pub(crate) fn conclude(node: &Node, decision: &Decision, started: std::time::Ins
         }
     }
     node.metrics
-        .decision(decision, started.elapsed().as_secs_f64());
+        .decision(&decision, started.elapsed().as_secs_f64());
     publish_decision(node, decision);
 }
 
@@ -674,8 +672,7 @@ fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
     }
 }
 
-fn publish_decision(node: &Node, d: &Decision) {
-    node.publish(subjects::decision(&node.id), d);
+fn publish_decision(node: &Node, d: Decision) {
     if let Some(i) = &d.incident
         && d.reason_codes.contains(&ReasonCode::AgentLoopDetected)
     {
@@ -685,13 +682,14 @@ fn publish_decision(node: &Node, d: &Decision) {
         node.publish(subjects::escalation(&node.id), e);
         node.record_escalation(e);
     }
+    node.log_decision(d);
 }
 
-fn respond(node: &Node, d: Decision, last: Option<super::connector::Attempt>) -> Answer {
-    let status = status_for(&d);
+fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -> Answer {
+    let status = status_for(d);
     let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
     let provider = d.provider.as_deref().unwrap_or("").to_string();
-    let oam = oam_object(&d);
+    let oam = oam_object(d);
     let accepted = d.outcome == DecisionOutcome::Accepted;
     let (g, upstream, upstream_status) = match last {
         Some(a) => (a.generation, a.body, a.http_status),
@@ -768,7 +766,7 @@ fn respond(node: &Node, d: Decision, last: Option<super::connector::Attempt>) ->
         stream: false,
         status,
         body,
-        request_id: d.request_id,
+        request_id: d.request_id.clone(),
         phase: d.phase.to_string(),
         reasons: reasons.join(","),
         provider,

@@ -390,6 +390,6 @@ impl Relay {
         let node = self.node();
         let started = self.request_started;
         drop(self);
-        conclude(&node, &d, started);
+        conclude(&node, d, started);
     }
 }

@@ -16,7 +16,7 @@ use crate::clock::now_ms;
 use crate::core::contract::Contract;
 use crate::core::escalation::Escalation;
 use crate::core::health::{Outcome, Window};
-use crate::core::pipeline::{Config as PipelineConfig, Engine, State};
+use crate::core::pipeline::{Config as PipelineConfig, Decision, Engine, State};
 use crate::core::quorum::{Cluster, Observation};
 use crate::core::request::{GenerationStatus, Message, Provider};
 use crate::core::wire::{
@@ -50,6 +50,13 @@ const JOIN_WAIT: Duration = Duration::from_millis(2_500);
 /// Events wait here for the bus, so a slow or absent NATS never blocks a request.
 const OUTBOX_CAPACITY: usize = 4_096;
 
+/// Decisions go out in batches: every this many ms ...
+pub const DECISION_BATCH_MS: u64 = 50;
+/// ... or as soon as this many wait.
+pub const DECISION_BATCH_MAX: usize = 256;
+/// Decisions kept at most while the bus is slower than the node (the oldest go first, counted).
+const DECISIONS_KEPT: usize = 8 * DECISION_BATCH_MAX;
+
 pub struct Node {
     pub id: String,
     pub cfg: NodeConfig,
@@ -74,6 +81,9 @@ pub struct Node {
     pub http_saturated: Arc<AtomicU64>,
     pub metrics: metrics::Metrics,
     requests: AtomicU64,
+    /// Decisions waiting for the next batch.
+    decisions: Mutex<Vec<Decision>>,
+    decisions_full: tokio::sync::Notify,
     /// Queued requests by ticket, woken one each when the engine grants them a slot.
     waiters: Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<()>>>,
     /// Every task that serves a request or ends a fault: drained, with a deadline, on stop.
@@ -177,6 +187,8 @@ impl Node {
             http_saturated: Arc::default(),
             metrics: metrics::Metrics::default(),
             requests: AtomicU64::new(0),
+            decisions: Mutex::new(Vec::new()),
+            decisions_full: tokio::sync::Notify::new(),
             waiters: Mutex::new(std::collections::HashMap::new()),
             tasks: tokio_util::task::TaskTracker::new(),
             stop: tokio_util::sync::CancellationToken::new(),
@@ -393,6 +405,47 @@ impl Node {
                 }
             }
             Err(e) => tracing::warn!("cannot encode an event: {e}"),
+        }
+    }
+
+    /// Keep a decision for the next batch (never waits).
+    pub(crate) fn log_decision(&self, d: Decision) {
+        let mut waiting = lock(&self.decisions);
+        if waiting.len() >= DECISIONS_KEPT {
+            waiting.remove(0);
+            self.bus.dropped_events.fetch_add(1, Ordering::Relaxed);
+        }
+        waiting.push(d);
+        if waiting.len() >= DECISION_BATCH_MAX {
+            self.decisions_full.notify_one();
+        }
+    }
+
+    /// Publish waiting decisions as one message, every `DECISION_BATCH_MS` or when a batch is
+    /// full; what waits when the node stops goes out then.
+    async fn decision_loop(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(DECISION_BATCH_MS));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let stopping = tokio::select! {
+                _ = tick.tick() => false,
+                () = self.decisions_full.notified() => false,
+                () = self.stop.cancelled() => true,
+            };
+            loop {
+                let batch: Vec<Decision> = {
+                    let mut waiting = lock(&self.decisions);
+                    let n = waiting.len().min(DECISION_BATCH_MAX);
+                    waiting.drain(..n).collect()
+                };
+                if batch.is_empty() {
+                    break;
+                }
+                self.publish(subjects::decision(&self.id), &batch);
+            }
+            if stopping {
+                return;
+            }
         }
     }
 
@@ -923,6 +976,7 @@ pub async fn run(
     node.engine().state.cluster.heartbeat(&node.id, now_ms());
     let mut loops = tokio::task::JoinSet::new();
     loops.spawn(node.clone().publisher_loop());
+    loops.spawn(node.clone().decision_loop());
     loops.spawn(node.clone().escalation_loop());
     loops.spawn(node.clone().heartbeat_loop());
     loops.spawn(node.clone().probe_loop());

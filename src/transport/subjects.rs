@@ -21,6 +21,9 @@ pub fn observations(node: &str) -> String {
 }
 pub const ALL_OBSERVATIONS: &str = "oam.v1.observations.*";
 
+/// A node's decisions, in batches: the envelope's body is a JSON array of decisions, sent every
+/// `DECISION_BATCH_MS` or once `DECISION_BATCH_MAX` are waiting, whichever comes first (one
+/// message per batch, not per request: the bus costs the gateway nearly nothing per decision).
 pub fn decision(node: &str) -> String {
     format!("{PREFIX}.decision.{node}")
 }

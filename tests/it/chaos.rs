@@ -158,18 +158,19 @@ async fn faults_are_applied_listed_and_undone_on_time() {
             .expect("n3 published the decision of every early request")
             .unwrap();
         let env: Value = serde_json::from_slice(&m.payload).unwrap();
-        let d = &env["body"];
-        let id = d["request_id"].as_str().unwrap().to_string();
-        if !answered.contains(&id) {
-            continue;
+        for d in env["body"].as_array().expect("a batch of decisions") {
+            let id = d["request_id"].as_str().unwrap().to_string();
+            if !answered.contains(&id) {
+                continue;
+            }
+            for c in d["attempts"][0]["candidates"].as_array().unwrap() {
+                assert!(
+                    c["voters"].as_u64().unwrap() >= 2,
+                    "{id} was decided on fewer than a majority's observations: {c}"
+                );
+            }
+            seen.push(id);
         }
-        for c in d["attempts"][0]["candidates"].as_array().unwrap() {
-            assert!(
-                c["voters"].as_u64().unwrap() >= 2,
-                "{id} was decided on fewer than a majority's observations: {c}"
-            );
-        }
-        seen.push(id);
     }
     let back = eventually(Duration::from_secs(15), || async {
         let pid = mesh.pid("n3");

@@ -495,26 +495,27 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
         "3 MiB is refused by the server"
     );
 
-    // Decisions are published as events.
+    // Decisions are published as events, in batches.
     let mut sub = nc.subscribe("oam.v1.decision.*").await.unwrap();
     nc.flush().await.unwrap();
     let (status, _, answer) = ask(&c, &cl.urls[2], question("watched")).await;
     assert_eq!(status, 200);
     // Events of the data-plane requests above may still be on their way; find this one's.
     let id = answer["oam"]["request_id"].clone();
-    let env = tokio::time::timeout(Duration::from_secs(5), async {
+    let (env, decision) = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             let msg = sub.next().await.unwrap();
             let env: Value = serde_json::from_slice(&msg.payload).unwrap();
-            if env["body"]["request_id"] == id {
-                return env;
+            let batch = env["body"].as_array().expect("a batch").clone();
+            if let Some(d) = batch.into_iter().find(|d| d["request_id"] == id) {
+                return (env, d);
             }
         }
     })
     .await
     .expect("the decision's event");
     assert_eq!(env["sender"], "n3");
-    assert_eq!(env["body"]["outcome"], "accepted");
+    assert_eq!(decision["outcome"], "accepted");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

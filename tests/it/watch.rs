@@ -288,11 +288,12 @@ async fn the_banner_follows_a_real_outage_within_two_seconds() {
         let seen = seen.clone();
         tokio::spawn(async move {
             while let Some(m) = sub.next().await {
-                let env: oam::core::wire::Envelope<oam::core::pipeline::Decision> =
+                let env: oam::core::wire::Envelope<Vec<oam::core::pipeline::Decision>> =
                     serde_json::from_slice(&m.payload).unwrap();
-                let d = env.body;
-                let rerouted = d.fallback || d.attempts.len() > 1;
-                seen.lock().unwrap().push((Instant::now(), rerouted));
+                for d in env.body {
+                    let rerouted = d.fallback || d.attempts.len() > 1;
+                    seen.lock().unwrap().push((Instant::now(), rerouted));
+                }
             }
         })
     };
