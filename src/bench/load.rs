@@ -30,6 +30,9 @@ pub struct Plan {
     /// Request kinds chosen per request by weight; empty means the one kind above.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mix: Vec<super::scenario::Mix>,
+    /// Streamed answers, as plain text (no contract holds them back).
+    #[serde(default)]
+    pub stream: bool,
 }
 
 impl Plan {
@@ -130,7 +133,7 @@ pub fn body(plan: &Plan, i: usize) -> Value {
 }
 
 fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
-    json!({
+    let mut body = json!({
         "model": "auto",
         "messages": [{"role": "user", "content": format!("oam bench request {i} (seed {})", plan.seed)}],
         "oam": {
@@ -140,7 +143,12 @@ fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
             "priority": k.priority,
             "request_id": format!("bench-{}-{i}", plan.seed),
         },
-    })
+    });
+    if plan.stream {
+        body["stream"] = json!(true);
+        body["response_format"] = json!({"type": "text"});
+    }
+    body
 }
 
 fn empty_sample() -> Sample {
@@ -226,16 +234,55 @@ async fn one_http(
                 .filter(|r| !r.is_empty())
                 .map(String::from)
                 .collect();
+            let streamed = get("content-type").starts_with("text/event-stream");
             // Read the body: the request is done when the answer has arrived, not the headers.
-            if let Err(e) = resp.bytes().await {
-                s.status = 0;
-                s.phase = "transport_error".into();
-                s.error = Some(if e.is_timeout() { "timeout" } else { "cut" }.into());
+            match resp.bytes().await {
+                Err(e) => {
+                    s.status = 0;
+                    s.phase = "transport_error".into();
+                    s.error = Some(if e.is_timeout() { "timeout" } else { "cut" }.into());
+                }
+                Ok(body) if streamed => read_stream(&mut s, &body),
+                Ok(_) => {}
             }
         }
     }
     s.latency_us = started.elapsed().as_micros() as u64;
     s
+}
+
+/// A streamed answer's verdict: answered only if it ended with `[DONE]`; its `oam` object (on
+/// the last chunk, or on an in-band error event) says how it was decided.
+fn read_stream(s: &mut Sample, body: &[u8]) {
+    let mut parser = crate::node::sse::Parser::default();
+    let events = parser.feed(body).unwrap_or_default();
+    let oam = events
+        .iter()
+        .rev()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find_map(|v| {
+            let error = v["error"]["code"].as_str().map(String::from);
+            v.get("oam").cloned().map(|o| (o, error))
+        });
+    if let Some((oam, error)) = oam {
+        s.phase = oam["phase"].as_str().unwrap_or("").to_string();
+        s.provider = oam["provider"].as_str().unwrap_or("").to_string();
+        s.reasons = oam["reason_codes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r.as_str().map(String::from))
+            .collect();
+        if let Some(code) = error {
+            s.status = 0;
+            s.error = Some(format!("stream error {code}"));
+            return;
+        }
+    }
+    if events.last().map(String::as_str) != Some("[DONE]") {
+        s.status = 0;
+        s.error = Some("cut".into());
+    }
 }
 
 /// Request `i` on the NATS data plane; the reply carries the status and the `oam` object.
@@ -506,6 +553,7 @@ mod tests {
             seed: 1,
             timeout_ms: 1_000,
             mix: Vec::new(),
+            stream: false,
         }
     }
 

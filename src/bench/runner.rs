@@ -215,6 +215,7 @@ pub async fn run(
         seed,
         timeout_ms: s.load.timeout_ms,
         mix: s.load.mix.clone(),
+        stream: s.load.stream,
     };
     let target = if s.load.kind == "agent" {
         let caller = crate::mesh::client::Caller::new(nats.clone())

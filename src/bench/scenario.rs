@@ -77,6 +77,9 @@ pub struct Load {
     pub agent: Option<String>,
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
+    /// Ask for streamed answers (HTTP; see `oam bench --stream`).
+    #[serde(default)]
+    pub stream: bool,
 }
 
 fn default_concurrency() -> usize {

@@ -241,6 +241,18 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
             let detail = format!("429 with Retry-After {ms} ms");
             sim(FaultMode::RateLimit { retry_after_ms: ms }, detail)
         }
+        Fault::BreakStream => {
+            let kind = p.stream.unwrap_or_default();
+            let after = p.after_chunks.unwrap_or(4);
+            let detail = format!("streams {} after {after} events", kind.as_str());
+            sim(
+                FaultMode::Stream {
+                    kind,
+                    after_chunks: after,
+                },
+                detail,
+            )
+        }
         Fault::KillNode => Action::SignalNode { kill: true },
         Fault::StopNode => Action::SignalNode { kill: false },
         Fault::IsolateNode => Action::Isolate,
@@ -571,6 +583,7 @@ impl Warden {
                 seed: now_ms(),
                 timeout_ms: 10_000,
                 mix: Vec::new(),
+                stream: false,
             };
             let task = tokio::spawn(async move {
                 // Ended early by aborting this task (restore), or at its deadline.

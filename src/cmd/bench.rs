@@ -45,6 +45,11 @@ pub struct Args {
     /// Send the requests on the NATS data plane (`oam.v1.request`) instead of HTTP.
     #[arg(long, conflicts_with = "urls")]
     pub nats: bool,
+    /// Ask for streamed answers (`"stream": true`, plain text so no contract holds them back):
+    /// a stream counts as answered only if it ends with `[DONE]`; an in-band error or a cut
+    /// stream is a failure.
+    #[arg(long, conflicts_with = "nats")]
+    pub stream: bool,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Per-request timeout in milliseconds.
@@ -216,6 +221,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         seed: a.seed,
         timeout_ms: a.timeout_ms,
         mix,
+        stream: a.stream,
     };
     let http = crate::http::http_client(None).map_err(Error::failed)?;
     let bar = progress_bar(plan.requests as u64, "");

@@ -1,7 +1,9 @@
 //! `oam chaos FAULT [TARGET] [--for 30s]`, `oam chaos list`, `oam chaos restore`: ask the mesh's
 //! chaos warden (over NATS) to inject, list or end faults; `oam chaos warden` is that warden.
 
-use crate::core::chaos::{self, Active, ContractBreak, Fault, Inject, Params, Restore};
+use crate::core::chaos::{
+    self, Active, ContractBreak, Fault, Inject, Params, Restore, StreamBreak,
+};
 use crate::error::{Error, Kind, Result};
 use crate::transport::chaos::{self as warden, AskError};
 use crate::transport::{connect, subjects};
@@ -69,6 +71,18 @@ pub enum Command {
         on: On,
         #[arg(long, default_value_t = 1_000)]
         retry_after_ms: u64,
+    },
+    /// PROVIDER's streamed answers break after a few events: cut, stall, a malformed event, or
+    /// no [DONE] (answers that do not stream are unaffected).
+    BreakStream {
+        #[command(flatten)]
+        on: On,
+        /// How the streams break.
+        #[arg(long, default_value = "cut", value_parser = stream_breaks())]
+        kind: StreamBreak,
+        /// Events sent before the break.
+        #[arg(long, default_value_t = 4)]
+        after: u32,
     },
     /// SIGKILL a node of the local mesh; it is started again at the end.
     KillNode(On),
@@ -139,6 +153,11 @@ fn injection(c: Command) -> std::result::Result<Inject, Command> {
         Command::RateLimitProvider { on, retry_after_ms } => {
             params.retry_after_ms = Some(retry_after_ms);
             (Fault::RateLimitProvider, Some(on.target), on.for_.duration)
+        }
+        Command::BreakStream { on, kind, after } => {
+            params.stream = Some(kind);
+            params.after_chunks = Some(after);
+            (Fault::BreakStream, Some(on.target), on.for_.duration)
         }
         Command::KillNode(on) => (Fault::KillNode, Some(on.target), on.for_.duration),
         Command::StopNode(on) => (Fault::StopNode, Some(on.target), on.for_.duration),
@@ -331,6 +350,12 @@ pub async fn run(a: Args) -> Result<()> {
 }
 
 /// `--mode`: the contract-breaking modes, by name.
+fn stream_breaks() -> impl clap::builder::TypedValueParser<Value = StreamBreak> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(StreamBreak::ALL.map(StreamBreak::as_str))
+        .map(|name: String| StreamBreak::from_name(&name).unwrap_or_default())
+}
+
 fn contract_modes() -> impl clap::builder::TypedValueParser<Value = ContractBreak> {
     use clap::builder::TypedValueParser as _;
     clap::builder::PossibleValuesParser::new(ContractBreak::ALL.map(ContractBreak::as_str))

@@ -42,6 +42,44 @@ impl ContractBreak {
     }
 }
 
+/// How a streamed answer breaks (`break-stream --kind`, and the simulator's `stream` fault
+/// mode).
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum StreamBreak {
+    /// Falls silent (the connection open) until the fault ends, then goes on.
+    Stall,
+    /// The connection drops.
+    #[default]
+    Cut,
+    /// One event that is not JSON, then the rest.
+    Malformed,
+    /// Everything but the final `[DONE]`, and the connection held open until the fault ends.
+    NoDone,
+}
+
+impl StreamBreak {
+    pub const ALL: [StreamBreak; 4] = [
+        StreamBreak::Stall,
+        StreamBreak::Cut,
+        StreamBreak::Malformed,
+        StreamBreak::NoDone,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StreamBreak::Stall => "stall",
+            StreamBreak::Cut => "cut",
+            StreamBreak::Malformed => "malformed",
+            StreamBreak::NoDone => "no-done",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<StreamBreak> {
+        StreamBreak::ALL.into_iter().find(|m| m.as_str() == name)
+    }
+}
+
 /// The faults, by their command names.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(rename_all = "kebab-case")]
@@ -52,6 +90,7 @@ pub enum Fault {
     HangProvider,
     FlakyProvider,
     RateLimitProvider,
+    BreakStream,
     KillNode,
     StopNode,
     IsolateNode,
@@ -83,6 +122,7 @@ impl Fault {
             Fault::HangProvider => "hang-provider",
             Fault::FlakyProvider => "flaky-provider",
             Fault::RateLimitProvider => "rate-limit-provider",
+            Fault::BreakStream => "break-stream",
             Fault::KillNode => "kill-node",
             Fault::StopNode => "stop-node",
             Fault::IsolateNode => "isolate-node",
@@ -110,7 +150,8 @@ impl Fault {
             | Fault::SlowProvider
             | Fault::HangProvider
             | Fault::FlakyProvider
-            | Fault::RateLimitProvider => Aim::Provider,
+            | Fault::RateLimitProvider
+            | Fault::BreakStream => Aim::Provider,
             Fault::KillNode | Fault::StopNode | Fault::IsolateNode => Aim::Node,
             Fault::KillAgent | Fault::StopAgent => Aim::Agent,
             Fault::DrainBudget | Fault::AgentLoop => Aim::Caller,
@@ -141,6 +182,11 @@ pub struct Params {
     /// `traffic-spike`: how many at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<u32>,
+    /// `break-stream`: how streams break, and after how many events.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamBreak>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_chunks: Option<u32>,
 }
 
 /// `oam.v1.chaos.inject`: what `oam chaos FAULT` sends the warden.

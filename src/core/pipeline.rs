@@ -517,8 +517,15 @@ impl Engine {
             .as_deref()
             .filter(|m| self.state.routes.contains_key(*m))
             .map(String::from);
+        // `response_format: {"type": "text"}` with no contract of its own asks for none.
+        let plain = request.contract.is_none()
+            && request
+                .response_format
+                .as_ref()
+                .is_some_and(|rf| rf["type"] == "text");
         let contract = match own {
             Some(c) => Some(c),
+            None if plain => None,
             None => {
                 let (field, spec) = match &route {
                     Some(r) => ("model", self.state.routes[r].contract.as_ref()),

@@ -1173,7 +1173,16 @@ fn without_a_contract_a_prose_answer_is_a_good_answer() {
     // The same prose on a route held to the JSON contract fails it ...
     let d = run(&mut e, asking("small", "p3"), &[("h/small", prose.clone())]);
     assert!(has(&d, ReasonCode::ContractNotJson), "{:?}", d.reason_codes);
-    // ... and a request's own contract wins over its route's (plain text asks for none).
+    // ... and a request's own contract wins over its route's (plain text asks for none, even
+    // on a route that has one).
+    let plain = Request {
+        response_format: Some(serde_json::json!({"type": "text"})),
+        ..asking("small", "p3b")
+    };
+    assert_eq!(
+        run(&mut e, plain, &[("h/small", prose.clone())]).outcome,
+        DecisionOutcome::Accepted
+    );
     let text = Request {
         response_format: Some(serde_json::json!({"type": "text"})),
         ..asking("big", "p4")

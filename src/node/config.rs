@@ -15,19 +15,37 @@
 //! max_connections = 512       # open HTTP connections; more wait until one closes
 //! header_timeout_ms = 10000   # a request's headers within this (and idle keep-alive this long)
 //!
-//! [[provider]]                # in preference order
+//! [[provider]]                # a host, in preference order
 //! id = "primary"
 //! base_url = "http://127.0.0.1:8081/primary/v1"
-//! model = "sim-large"
+//! model = "sim-large"              # its one model: the target is named "primary" ...
+//! # models = ["a", { name = "b", cost_per_1k_tokens_usd = 0.002 }]  # ... or several: "primary/a"
 //! api_key_env = "OPENAI_API_KEY"   # optional: the key is read from this variable
 //! # agent = "llm.local"            # instead of base_url: a mesh agent answering chat requests
-//! cost_per_1k_tokens_usd = 0.01
-//! fallback = false
+//! cost_per_1k_tokens_usd = 0.01    # target attributes, for each of its models unless the
+//! output_cost_per_1k_usd = 0.03    # model says otherwise: prices (prompt; completion),
+//! context_window = 128000          # prompt + completion tokens at most,
+//! prefill = false                  # whether it continues a trailing assistant message,
+//! fallback = false                 # and whether it is a fallback (scored routing)
 //! probe = "chat"                   # when idle: "chat" (a short completion, judged like
 //!                                  # traffic), "models" (GET /models: free), or "off"
 //!
+//! [[route]]                   # a model name clients ask for, and who serves it, in order
+//! model = "fast"
+//! targets = ["primary", "secondary/m"]   # provider/model, or a one-model provider's id
+//! contract = {}               # optional: answers held to the JSON contract
+//! first_token_ms = 5000       # optional: this route's stream deadlines
+//!
+//! [streaming]                 # deadlines of a stream relayed live
+//! first_token_ms = 10000
+//! idle_ms = 5000
+//! total_ms = 300000
+//! done_grace_ms = 1000        # after the finish chunk, how long [DONE] is waited for
+//!
 //! [pipeline]                  # overrides of the decision defaults (see docs/decide.md)
 //! max_attempts = { low = 3, medium = 2, high = 2 }
+//! same_target_retries = 1     # a 5xx or 429 is retried on its target first
+//! default_contract = {}       # hold every answer to the JSON contract (none by default)
 //!
 //! [budgets.agents.support-bot]
 //! limit_usd = 5.0
@@ -288,7 +306,9 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
             output_cost_per_1k_usd: None,
             context_window: None,
-            prefill: false,
+            // The simulator takes any message list: its zero-cost model stands in for a local
+            // model that continues an interrupted stream (it answers afresh, as a sim does).
+            prefill: p.fallback,
             fallback: p.fallback,
             probe: Probe::Chat,
         })
@@ -302,8 +322,16 @@ impl NodeConfig {
         let mut cfg: NodeConfig = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
         if cfg.providers.is_empty() {
             cfg.providers = default_providers(sim_url);
-            // The simulator's models answer in oam's JSON contract; hold them to it.
+            // The simulator's models answer in oam's JSON contract; hold them to it. They answer
+            // within ~200 ms, so a stream silent for a second is broken.
             cfg.pipeline.default_contract.get_or_insert_default();
+            if cfg.streaming == Streaming::default() {
+                cfg.streaming = Streaming {
+                    first_token_ms: 2_000,
+                    idle_ms: 1_000,
+                    ..Streaming::default()
+                };
+            }
         }
         cfg.check().map_err(|e| format!("{name}: {e}"))?;
         cfg.targets = cfg.resolve_targets();
@@ -501,6 +529,9 @@ impl NodeConfig {
                         return Err(format!(
                             "{at}: base_url must start with http:// or https://"
                         ));
+                    }
+                    if let Err(e) = reqwest::Url::parse(&p.base_url) {
+                        return Err(format!("{at}: base_url {:?} is no URL: {e}", p.base_url));
                     }
                 }
             }

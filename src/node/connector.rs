@@ -57,11 +57,13 @@ pub struct Connector {
     pub id: String,
     /// How its targets are checked while idle.
     pub probe: super::config::Probe,
-    models_url: String,
+    /// Parsed once (a URL parse per request is measurable at thousands a second); `None` for
+    /// a provider that is a mesh agent.
+    models_url: Option<reqwest::Url>,
     /// Set when the provider is a mesh agent: called over NATS instead of HTTP.
     pub agent: Option<String>,
     nats: Option<async_nats::Client>,
-    url: String,
+    url: Option<reqwest::Url>,
     api_key: Option<String>,
     http: reqwest::Client,
 }
@@ -75,10 +77,10 @@ impl Connector {
         Connector {
             id: cfg.id.clone(),
             probe: cfg.probe,
-            models_url: format!("{}/models", cfg.base_url.trim_end_matches('/')),
+            models_url: endpoint(&cfg.base_url, "models"),
             agent: cfg.agent.clone(),
             nats,
-            url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
+            url: endpoint(&cfg.base_url, "chat/completions"),
             api_key: cfg
                 .api_key_env
                 .as_ref()
@@ -118,7 +120,10 @@ impl Connector {
                 .generate_on_mesh(nats, agent, &body, timeout, started)
                 .await;
         }
-        let mut req = self.http.post(&self.url).json(&body);
+        let Some(url) = &self.url else {
+            return no_url(started);
+        };
+        let mut req = self.http.post(url.clone()).json(&body);
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
         }
@@ -148,6 +153,22 @@ impl Connector {
         };
         judge(status, &headers, &bytes, latency_ms)
     }
+}
+
+/// `{base_url}/{path}`, parsed (`None` without a usable base URL: a mesh agent).
+fn endpoint(base_url: &str, path: &str) -> Option<reqwest::Url> {
+    reqwest::Url::parse(&format!("{}/{path}", base_url.trim_end_matches('/'))).ok()
+}
+
+fn no_url(started: Instant) -> Attempt {
+    Generation {
+        error: Some("the provider has no usable base_url".into()),
+        ..Generation::failed(
+            GenerationStatus::Error,
+            started.elapsed().as_millis() as u64,
+        )
+    }
+    .into()
 }
 
 /// A whole upstream answer (status, headers, body) as an attempt.
@@ -290,7 +311,10 @@ impl Connector {
             stream: true,
             stream_options: Some(serde_json::json!({"include_usage": true})),
         };
-        let mut req = self.http.post(&self.url).json(&body);
+        let Some(url) = &self.url else {
+            return Opened::Failed(no_url(started));
+        };
+        let mut req = self.http.post(url.clone()).json(&body);
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
         }
@@ -407,7 +431,10 @@ impl Connector {
     /// `GET /models`, bounded by `timeout`: a free check that the provider answers.
     pub async fn list_models(&self, timeout: Duration) -> Generation {
         let started = Instant::now();
-        let mut req = self.http.get(&self.models_url);
+        let Some(url) = &self.models_url else {
+            return no_url(started).generation;
+        };
+        let mut req = self.http.get(url.clone());
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
         }

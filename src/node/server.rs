@@ -52,6 +52,11 @@ pub async fn serve(
             },
             () = stop.cancelled() => break,
         };
+        // A streamed answer is many small writes: without this, each waits for the caller's
+        // (delayed) ACK of the one before, ~40 ms per event.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let stop = stop.clone();
         connections.spawn(async move {

@@ -116,19 +116,7 @@ fn two() -> u32 {
     2
 }
 
-/// How a streamed answer breaks.
-#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
-#[serde(rename_all = "kebab-case")]
-pub enum StreamBreak {
-    /// Falls silent (the connection open) until the fault ends, then goes on.
-    Stall,
-    /// The connection drops.
-    Cut,
-    /// One event that is not JSON, then the rest.
-    Malformed,
-    /// Everything but the final `[DONE]`, and the connection held open until the fault ends.
-    NoDone,
-}
+pub use crate::core::chaos::StreamBreak;
 
 /// How an upstream refuses a request.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]

@@ -52,6 +52,8 @@ scenarios! {
     budget_exhausted => "budget-exhausted",
     agent_death => "agent-death",
     rate_limit => "rate-limit",
+    stream_cut => "stream-cut",
+    stream_stall => "stream-stall",
 }
 
 #[test]
