@@ -349,8 +349,9 @@ pub struct Session {
     context_over: Option<Option<u64>>,
     /// A target that refused oam's credentials during this request.
     misconfigured: Option<ProviderId>,
-    /// Part of the answer reached the caller, then the stream broke: only a target that takes
-    /// a prefill may go on, once.
+    /// Part of the answer has reached the caller (a live stream): no attempt starts afresh.
+    delivering: bool,
+    /// ... and then the stream broke: only a target that takes a prefill may go on, once.
     interrupted: bool,
     continued: bool,
 }
@@ -562,6 +563,7 @@ impl Engine {
             began_ms: now_ms,
             context_over: None,
             misconfigured: None,
+            delivering: false,
             interrupted: false,
             continued: false,
         };
@@ -657,10 +659,17 @@ impl Engine {
         }
     }
 
+    /// The attempt under way has started reaching the caller (a live stream): whatever its
+    /// verdict, no attempt may start afresh after it (a broken stream is `interrupted`).
+    pub fn delivering(&mut self, s: &mut Session) {
+        s.delivering = true;
+    }
+
     /// The attempt under way was streaming to the caller and broke after part of the answer was
     /// delivered: its failure (given next to `complete`) may only be continued on a target that
     /// takes a prefill, once, and never retried from scratch.
     pub fn interrupted(&mut self, s: &mut Session) {
+        s.delivering = true;
         s.interrupted = true;
         push(&mut s.codes, ReasonCode::StreamInterrupted);
     }
@@ -1222,8 +1231,9 @@ impl Engine {
             Some(Some(ReasonCode::ClientDisconnected)) // nobody would read the answer
         } else if g.status == GenerationStatus::Timeout && !s.request.idempotent {
             Some(Some(ReasonCode::RetryNotSafe))
-        } else if s.continued {
-            // A continuation broke too: it is not continued again.
+        } else if s.continued || (s.delivering && !s.interrupted) {
+            // Part of this answer is with the caller: a whole new one cannot follow it (and a
+            // continuation that broke too is not continued again).
             Some(None)
         } else if let Some(delay) = self.same_target_delay(s, &g, transition, now_ms) {
             push(&mut s.codes, ReasonCode::RetryScheduled);

@@ -1522,3 +1522,37 @@ fn an_interrupted_stream_goes_on_once_and_only_where_a_prefill_is_taken() {
         assert!(has(&d, c), "{:?}", d.reason_codes);
     }
 }
+
+#[test]
+fn an_answer_that_already_reached_the_caller_is_never_followed_by_a_fresh_one() {
+    // A live stream's tool call turns out invalid at its end: refused, not retried elsewhere
+    // (the caller has the first answer's bytes; a second whole answer cannot follow them).
+    let mut e = retrying();
+    let mut r = req("live");
+    r.tools = [(
+        "f".to_string(),
+        serde_json::json!({"type": "object", "required": ["x"]}),
+    )]
+    .into();
+    let (mut s, _) = e.begin(r, T0).unwrap();
+    e.delivering(&mut s);
+    let call = Generation {
+        finish_reason: Some("tool_calls".into()),
+        tool_calls: vec![crate::core::contract::ToolCall {
+            name: "f".into(),
+            arguments: "{}".into(),
+        }],
+        ..Generation::ok("", 40)
+    };
+    let Step::Done(d) = e.complete(&mut s, call, T0 + 40) else {
+        panic!("decided, not retried")
+    };
+    assert_eq!(d.outcome, DecisionOutcome::Rejected);
+    assert!(has(&d, ReasonCode::ToolArgumentsInvalid));
+    assert_eq!(d.attempts.len(), 1);
+    // A 5xx after the first bytes is no same-target restart either (only an interruption,
+    // continued where a prefill is taken).
+    let (mut s, _) = e.begin(req("live2"), T0).unwrap();
+    e.delivering(&mut s);
+    assert!(matches!(e.complete(&mut s, err(), T0 + 10), Step::Done(_)));
+}

@@ -117,7 +117,9 @@ pub(crate) fn respond(
     request_started: Instant,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let mut flight = flight;
     let node = flight.node.clone();
+    node.with_engine(|e| e.delivering(&mut flight.session));
     let request_id = flight.session.request().id.clone();
     let relay = Relay {
         flight,

@@ -650,6 +650,42 @@ async fn tool_arguments_must_fit_the_declared_schema() {
             .unwrap();
         assert!(serde_json::from_str::<Value>(args).unwrap()["q"].is_string());
     }
+    // Streamed live, a broken tool call is known only at its end, after its bytes reached the
+    // caller: the stream ends with an error event naming it, and no second answer follows.
+    // (On `big`: `primary/small` is out of use by now, after three broken answers.)
+    g.fault(
+        "primary/big",
+        json!({"mode": "contract", "kind": "missing-field", "times": 1}),
+    )
+    .await;
+    let mut live = ask("broken live");
+    live["model"] = json!("big");
+    live["stream"] = json!(true);
+    let text = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .json(&live)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = oam::node::sse::Parser::default()
+        .feed(text.as_bytes())
+        .unwrap();
+    assert_ne!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "TOOL_ARGUMENTS_INVALID", "{last}");
+    let sources: std::collections::BTreeSet<String> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v["system_fingerprint"].as_str().map(String::from))
+        .collect();
+    assert_eq!(sources.len(), 1, "one upstream's answer only: {sources:?}");
     let mut bad = ask("bad schema");
     bad["tools"][0]["function"]["parameters"] = json!({"type": "no-such-type"});
     let (status, v) = post(bad).await;
