@@ -367,6 +367,12 @@ impl Session {
         self.ticket
     }
 
+    /// Does it still hold a queue place, a slot, or an attempt's reservation (which
+    /// `Engine::drop_session` gives back)?
+    pub fn holds_anything(&self) -> bool {
+        self.ticket.is_some() || self.holds_slot || self.pending.is_some()
+    }
+
     /// Is the answer held to a contract (and so checked whole before any of it is released)?
     pub fn contracted(&self) -> bool {
         self.contract.is_some()

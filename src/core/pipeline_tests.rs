@@ -1556,3 +1556,19 @@ fn an_answer_that_already_reached_the_caller_is_never_followed_by_a_fresh_one() 
     e.delivering(&mut s);
     assert!(matches!(e.complete(&mut s, err(), T0 + 10), Step::Done(_)));
 }
+
+#[test]
+fn a_decided_session_holds_nothing_a_live_one_does() {
+    let mut e = engine();
+    let (mut s, step) = e.begin(req("h1"), T0).unwrap();
+    assert!(matches!(step, Step::Dispatch(_)) && s.holds_anything());
+    assert!(matches!(e.complete(&mut s, good(), T0 + 5), Step::Done(_)));
+    assert!(
+        !s.holds_anything(),
+        "nothing left for drop_session to give back"
+    );
+    e.state.bulkheads.normal.active = 24;
+    let (s, step) = e.begin(req("h2"), T0).unwrap();
+    assert_eq!(step, Step::Queued);
+    assert!(s.holds_anything(), "a queue place");
+}

@@ -476,7 +476,10 @@ impl Drop for Flight {
         if let Some(ticket) = self.session.ticket() {
             self.node.forget_waiter(ticket);
         }
-        self.node.with_engine(|e| e.drop_session(&mut self.session));
+        // A decided request holds nothing: no lock taken for it.
+        if self.session.holds_anything() {
+            self.node.with_engine(|e| e.drop_session(&mut self.session));
+        }
     }
 }
 
