@@ -89,6 +89,8 @@ pub struct Sample {
     pub priority: Priority,
     /// A mesh call's error code (agent calls only).
     pub error: Option<String>,
+    /// A streamed answer: when its first bytes arrived, since it was sent.
+    pub first_byte_us: Option<u64>,
 }
 
 /// Everything measured, as written by `--json`.
@@ -102,6 +104,9 @@ pub struct Report {
     pub elapsed_s: f64,
     pub throughput_per_s: f64,
     pub latency_ms: Percentiles,
+    /// Streamed answers: time to the first bytes of the answer (the first token).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<Percentiles>,
     pub statuses: BTreeMap<String, usize>,
     pub phases: BTreeMap<String, usize>,
     pub providers: BTreeMap<String, usize>,
@@ -161,6 +166,7 @@ fn empty_sample() -> Sample {
         reasons: Vec::new(),
         priority: Priority::Normal,
         error: None,
+        first_byte_us: None,
     }
 }
 
@@ -236,7 +242,12 @@ async fn one_http(
                 .collect();
             let streamed = get("content-type").starts_with("text/event-stream");
             // Read the body: the request is done when the answer has arrived, not the headers.
-            match resp.bytes().await {
+            let body = if streamed {
+                read_chunks(resp, started, &mut s).await
+            } else {
+                resp.bytes().await.map(|b| b.to_vec())
+            };
+            match body {
                 Err(e) => {
                     s.status = 0;
                     s.phase = "transport_error".into();
@@ -249,6 +260,22 @@ async fn one_http(
     }
     s.latency_us = started.elapsed().as_micros() as u64;
     s
+}
+
+/// A streamed body as it arrives, noting when its first bytes came.
+async fn read_chunks(
+    mut resp: reqwest::Response,
+    started: Instant,
+    s: &mut Sample,
+) -> Result<Vec<u8>, reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if s.first_byte_us.is_none() && !chunk.is_empty() {
+            s.first_byte_us = Some(started.elapsed().as_micros() as u64);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 /// A streamed answer's verdict: answered only if it ended with `[DONE]`; its `oam` object (on
@@ -461,6 +488,17 @@ pub async fn run_samples(
     (samples, elapsed, plan)
 }
 
+fn percentiles(h: &Histogram<u64>) -> Percentiles {
+    let ms = |us: u64| us as f64 / 1_000.0;
+    Percentiles {
+        p50: ms(h.value_at_quantile(0.50)),
+        p95: ms(h.value_at_quantile(0.95)),
+        p99: ms(h.value_at_quantile(0.99)),
+        max: ms(h.max()),
+        mean: h.mean() / 1_000.0,
+    }
+}
+
 pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
     #[expect(
         clippy::expect_used,
@@ -494,18 +532,20 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
             *failures.entry(failure_of(s)).or_insert(0) += 1;
         }
     }
-    let ms = |us: u64| us as f64 / 1_000.0;
     let latency_ms = if samples.is_empty() {
         Percentiles::default()
     } else {
-        Percentiles {
-            p50: ms(hist.value_at_quantile(0.50)),
-            p95: ms(hist.value_at_quantile(0.95)),
-            p99: ms(hist.value_at_quantile(0.99)),
-            max: ms(hist.max()),
-            mean: hist.mean() / 1_000.0,
-        }
+        percentiles(&hist)
     };
+    let firsts = samples.iter().filter_map(|s| s.first_byte_us);
+    let ttft_ms = (firsts.clone().count() > 0).then(|| {
+        let mut h = hist.clone();
+        h.reset();
+        for us in firsts {
+            let _ = h.record(us.max(1));
+        }
+        percentiles(&h)
+    });
     let secs = elapsed.as_secs_f64();
     Report {
         version: env!("CARGO_PKG_VERSION"),
@@ -523,6 +563,7 @@ pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
             0.0
         },
         latency_ms,
+        ttft_ms,
         statuses,
         phases,
         providers,
@@ -563,6 +604,7 @@ mod tests {
             priority: Priority::Normal,
             error: None,
             latency_us: ms * 1_000,
+            first_byte_us: None,
             status,
             phase: if status == 200 {
                 "accepted"
@@ -595,6 +637,47 @@ mod tests {
         assert_eq!(r.statuses["503"], 10);
         assert_eq!(r.providers["local"], 50);
         assert_eq!(r.reason_codes["ROUTING_SELECTED"], 100);
+    }
+
+    #[test]
+    fn streams_report_their_first_token_and_only_a_done_stream_is_answered() {
+        let mut samples: Vec<Sample> = (1..=10)
+            .map(|i| Sample {
+                first_byte_us: Some(i * 1_000),
+                ..sample(100, 200, "local")
+            })
+            .collect();
+        let r = summarize(plan(), &samples, Duration::from_secs(1));
+        let f = r.ttft_ms.expect("streams give a first-token figure");
+        assert!(
+            (f.p50 - 5.0).abs() < 0.1 && (f.max - 10.0).abs() < 0.1,
+            "{f:?}"
+        );
+        samples.iter_mut().for_each(|s| s.first_byte_us = None);
+        assert!(
+            summarize(plan(), &samples, Duration::from_secs(1))
+                .ttft_ms
+                .is_none()
+        );
+
+        let oam = r#"{"choices":[],"oam":{"phase":"accepted","provider":"local","reason_codes":["ACCEPTED"]}}"#;
+        let done = format!("data: {{\"choices\":[]}}\n\ndata: {oam}\n\ndata: [DONE]\n\n");
+        let mut s = sample(1, 200, "");
+        read_stream(&mut s, done.as_bytes());
+        assert_eq!((s.status, s.provider.as_str()), (200, "local"));
+        let mut s = sample(1, 200, "");
+        read_stream(&mut s, b"data: {\"choices\":[]}\n\n");
+        assert_eq!((s.status, s.error.as_deref()), (0, Some("cut")));
+        let error =
+            r#"data: {"error":{"code":"STREAM_ENDED_WITH_ERROR"},"oam":{"phase":"generation"}}"#;
+        let mut s = sample(1, 200, "");
+        read_stream(&mut s, format!("{error}\n\n").as_bytes());
+        assert_eq!(s.status, 0);
+        assert_eq!(
+            s.error.as_deref(),
+            Some("stream error STREAM_ENDED_WITH_ERROR")
+        );
+        assert_eq!(s.phase, "generation");
     }
 
     #[test]

@@ -571,6 +571,7 @@ mod tests {
         Sample {
             started_us: start_ms * 1_000,
             latency_us: ms * 1_000,
+            first_byte_us: None,
             status,
             phase: if status == 200 {
                 "accepted"

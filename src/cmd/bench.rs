@@ -361,6 +361,15 @@ fn table(r: &Report) -> String {
             l.p50, l.p95, l.p99, l.max
         ),
     ]);
+    if let Some(f) = &r.ttft_ms {
+        t.add_row(vec![
+            "first token p50 / p95 / p99 / max".into(),
+            format!(
+                "{:.1} / {:.1} / {:.1} / {:.1} ms",
+                f.p50, f.p95, f.p99, f.max
+            ),
+        ]);
+    }
     for (k, v) in &r.phases {
         t.add_row(vec![format!("phase {k}"), pct(*v)]);
     }

@@ -416,6 +416,9 @@ impl Instance {
     }
 }
 
+/// After a death notice about itself, an instance registers again on this many beats.
+const REREGISTER_BEATS: u32 = 3;
+
 /// Serve `handler` as one instance until `stop` resolves, handling up to `concurrency` requests at
 /// once (further requests wait in the subscription: backpressure, not rejection).
 pub async fn serve(
@@ -441,7 +444,10 @@ pub async fn serve(
                 .subscribe(subjects::instance_death(&me.id))
                 .await
                 .ok();
-            let mut revived = false;
+            // Beats left on which to register again after being declared dead: the monitor's
+            // clean-up (it removes a dead agent from the catalog) follows its notice, and may
+            // land after the first re-registration; registering on the next beats too undoes it.
+            let mut revived = 0u32;
             loop {
                 tokio::select! {
                     _ = beat.tick() => {}
@@ -451,7 +457,7 @@ pub async fn serve(
                             None => std::future::pending().await,
                         }
                     } => {
-                        revived = true;
+                        revived = REREGISTER_BEATS;
                         tracing::warn!(agent = %me.entry.name, instance = %me.id, "declared dead while alive (frozen?); registering again");
                     }
                 }
@@ -459,14 +465,14 @@ pub async fn serve(
                     continue;
                 }
                 let connects = stats.connects.load(Ordering::Relaxed);
-                if connects != connects_seen || revived {
+                if connects != connects_seen || revived > 0 {
                     // Back after a network blip or a freeze: the server (and its KV state) may
                     // be new, or a monitor declared us dead meanwhile. Register again.
                     store::clear_tombstone(&me.nats, &me.id, &me.entry.name).await;
                     match store::register(&me.nats, &me.entry, &me.id).await {
                         Ok(()) => {
                             connects_seen = connects;
-                            revived = false;
+                            revived = revived.saturating_sub(1);
                             tracing::info!(agent = %me.entry.name, instance = %me.id, "registered again");
                         }
                         Err(e) => {

@@ -779,3 +779,28 @@ print(json.dumps(out))
         "data:image/png;base64,iVBORw0KGgo="
     );
 }
+
+/// `oam bench --stream` counts streams that end with `[DONE]` and reports time to first token.
+#[tokio::test]
+async fn bench_streams_and_reports_the_first_token() {
+    let g = streaming("bench").await;
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args([
+            "bench", "--url", &g.url, "--stream", "-n", "40", "-c", "4", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["succeeded"], 40, "{r}");
+    let ttft = r["ttft_ms"]["p50"].as_f64().expect("a first-token figure");
+    let whole = r["latency_ms"]["p50"].as_f64().unwrap();
+    assert!(
+        ttft > 0.0 && ttft < whole,
+        "first token {ttft} ms, whole {whole} ms"
+    );
+}
