@@ -344,9 +344,9 @@ pub struct Session {
     cost_usd: f64,
     /// When the request began (same-target retries must start within its latency budget).
     began_ms: u64,
-    /// A target with this context window refused the request as too long: no target whose
-    /// window is as small is tried. `Some(None)`: one of unknown size did.
-    context_over: Option<Option<u64>>,
+    /// The largest context window that refused the request as too long: no target whose
+    /// window is as small is tried (a refusing target of unknown size is only never retried).
+    context_over: Option<u64>,
     /// A target that refused oam's credentials during this request.
     misconfigured: Option<ProviderId>,
     /// Part of the answer has reached the caller (a live stream): no attempt starts afresh.
@@ -772,10 +772,9 @@ impl Engine {
         let tried =
             |id: &str| !again && s.attempts.iter().any(|a| a.provider.as_deref() == Some(id));
         let needs = s.est_prompt_tokens + max_tokens;
-        let too_small = |p: &Provider| match (p.context_window, s.context_over) {
-            (Some(w), Some(Some(over))) => w <= over,
-            (Some(w), _) => w < needs,
-            (None, _) => false,
+        let too_small = |p: &Provider| {
+            p.context_window
+                .is_some_and(|w| w < needs || s.context_over.is_some_and(|over| w <= over))
         };
         order
             .iter()
@@ -1067,30 +1066,19 @@ impl Engine {
                     breaker.on_failure(now_ms, p.probe, &cfg),
                 )
             }
-            GenerationStatus::Rejected => {
-                // The caller's doing: no breaker failure and (below) no health sample.
-                codes.push(ReasonCode::ProviderRejectedRequest);
-                if p.probe {
-                    breaker.release_probe();
-                }
-                (Outcome::Error, Some(Phase::Generation), None)
-            }
-            GenerationStatus::ContextLength => {
-                // Too long for this model, not its failure: a larger window may take it.
-                codes.push(ReasonCode::ContextLengthExceeded);
-                if p.probe {
-                    breaker.release_probe();
-                }
-                let window = provider.context_window;
-                s.context_over = Some(match s.context_over {
-                    Some(Some(w)) => window.map(|x| x.max(w)),
-                    Some(None) => window,
-                    None => window,
+            status @ (GenerationStatus::Rejected
+            | GenerationStatus::ContextLength
+            | GenerationStatus::ContentPolicy) => {
+                // The request's own doing: no breaker failure and (below) no health sample.
+                codes.push(match status {
+                    GenerationStatus::Rejected => ReasonCode::ProviderRejectedRequest,
+                    GenerationStatus::ContextLength => ReasonCode::ContextLengthExceeded,
+                    _ => ReasonCode::ContentPolicyRefusal,
                 });
-                (Outcome::Error, Some(Phase::Generation), None)
-            }
-            GenerationStatus::ContentPolicy => {
-                codes.push(ReasonCode::ContentPolicyRefusal);
+                if status == GenerationStatus::ContextLength {
+                    // Too long for this model: only a larger window may take it.
+                    s.context_over = s.context_over.max(provider.context_window);
+                }
                 if p.probe {
                     breaker.release_probe();
                 }
@@ -1191,14 +1179,7 @@ impl Engine {
                 transition: t,
             });
         }
-        // Refusals of the request itself say nothing of the target's health.
-        let refusal = matches!(
-            g.status,
-            GenerationStatus::Rejected
-                | GenerationStatus::ContextLength
-                | GenerationStatus::ContentPolicy
-        );
-        if !refusal {
+        if !g.status.is_refusal() {
             s.effects.push(Effect::HealthSample {
                 provider: provider.id.clone(),
                 outcome,

@@ -248,6 +248,19 @@ pub struct Generation {
     pub tool_calls: Vec<super::contract::ToolCall>,
 }
 
+impl GenerationStatus {
+    /// The upstream refused the request itself (invalid, too long for the model, against its
+    /// content policy): the caller's doing, saying nothing of the target's health.
+    pub fn is_refusal(self) -> bool {
+        matches!(
+            self,
+            GenerationStatus::Rejected
+                | GenerationStatus::ContextLength
+                | GenerationStatus::ContentPolicy
+        )
+    }
+}
+
 impl Generation {
     pub fn ok(content: impl Into<String>, latency_ms: u64) -> Self {
         Generation {

@@ -418,14 +418,7 @@ pub fn status_for(d: &Decision) -> StatusCode {
         .iter()
         .rev()
         .find_map(|a| a.status)
-        .is_some_and(|s| {
-            matches!(
-                s,
-                GenerationStatus::Rejected
-                    | GenerationStatus::ContextLength
-                    | GenerationStatus::ContentPolicy
-            )
-        });
+        .is_some_and(GenerationStatus::is_refusal);
     match d.phase {
         Phase::Accepted => StatusCode::OK,
         Phase::Admission => StatusCode::SERVICE_UNAVAILABLE,
