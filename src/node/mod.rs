@@ -656,11 +656,25 @@ impl Node {
         loop {
             tick.tick().await;
             let now = now_ms();
-            let idle = self.targets.iter().filter_map(|(id, t)| {
-                let c = self.connectors.get(&t.provider)?;
-                (c.probe != config::Probe::Off && self.idle(t, now)).then_some((id, t, c))
-            });
-            let calls = idle.map(|(id, t, c)| async {
+            // Idle targets, each checked on its own; but one model list answers for every idle
+            // model of its provider, so it is asked for once.
+            let mut checks: Vec<(Vec<&String>, &TargetRt, &Connector)> = Vec::new();
+            for (id, t) in &self.targets {
+                let Some(c) = self.connectors.get(&t.provider) else {
+                    continue;
+                };
+                if c.probe == config::Probe::Off || !self.idle(t, now) {
+                    continue;
+                }
+                let same_list = checks.iter_mut().find(|(_, other, _)| {
+                    c.probe == config::Probe::Models && other.provider == t.provider
+                });
+                match same_list {
+                    Some(check) => check.0.push(id),
+                    None => checks.push((vec![id], t, c)),
+                }
+            }
+            let calls = checks.into_iter().map(|(ids, t, c)| async {
                 let g = match c.probe {
                     config::Probe::Models => c.list_models(timeout).await,
                     _ => {
@@ -686,14 +700,16 @@ impl Node {
                     | GenerationStatus::ContentPolicy
                     | GenerationStatus::Unauthorized => Outcome::Error,
                 };
-                (id.clone(), outcome, g.latency_ms)
+                (ids, outcome, g.latency_ms)
             });
-            for (provider, outcome, latency) in futures_util::future::join_all(calls).await {
-                if outcome == Outcome::Success {
-                    lock(&self.down).remove(&provider);
+            for (ids, outcome, latency) in futures_util::future::join_all(calls).await {
+                for target in ids {
+                    if outcome == Outcome::Success {
+                        lock(&self.down).remove(target);
+                    }
+                    self.record(target, outcome, latency);
+                    self.metrics.provider_outcome(target, "probe", outcome);
                 }
-                self.record(&provider, outcome, latency);
-                self.metrics.provider_outcome(&provider, "probe", outcome);
             }
             self.share_observations();
         }
