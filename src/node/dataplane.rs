@@ -408,6 +408,22 @@ pub struct Answer {
     pub live: Option<Response>,
 }
 
+impl Answer {
+    /// A stream relayed live: its response is already under way.
+    fn live(resp: Response) -> Answer {
+        Answer {
+            stream: true,
+            status: StatusCode::OK,
+            body: Value::Null,
+            request_id: String::new(),
+            phase: String::new(),
+            reasons: String::new(),
+            provider: String::new(),
+            live: Some(resp),
+        }
+    }
+}
+
 /// The HTTP status for a refused request, by the phase that refused it.
 pub fn status_for(d: &Decision) -> StatusCode {
     let timed_out = d.reason_codes.contains(&ReasonCode::GenerationTimeout);
@@ -576,15 +592,37 @@ pub async fn execute(
                     }
                 }
                 if live {
-                    match super::live::open(node, &d, &pass, None, limits).await {
+                    let opened = tokio::select! {
+                        o = super::live::open(node, &d, &pass, None, limits) => Some(o),
+                        () = caller.cancelled() => None,
+                    };
+                    // The caller left before the first event: the upstream call is dropped (no
+                    // more is generated, and paid for, for nobody) and the request ends.
+                    let Some(opened) = opened else {
+                        let left = node.with_engine(|e| {
+                            match e.withdraw(&mut flight.session, now_ms()) {
+                                Some(d) => Step::Done(Box::new(d)),
+                                // Nothing was waiting (cannot be, after a dispatch): the engine
+                                // ends an out-of-turn report closed.
+                                None => e.complete(
+                                    &mut flight.session,
+                                    crate::core::request::Generation::failed(
+                                        GenerationStatus::Error,
+                                        0,
+                                    ),
+                                    now_ms(),
+                                ),
+                            }
+                        });
+                        step = left;
+                        continue;
+                    };
+                    match opened {
                         super::live::Open::Started(first) => {
                             let target = d.provider.to_string();
                             let resp =
                                 super::live::respond(flight, first, pass, limits, target, started);
-                            return Answer {
-                                live: Some(resp),
-                                ..bad_request(node, headers, bad("", ""))
-                            };
+                            return Answer::live(resp);
                         }
                         super::live::Open::Failed(a) => {
                             let g = a.generation.clone();

@@ -804,3 +804,42 @@ async fn bench_streams_and_reports_the_first_token() {
         "first token {ttft} ms, whole {whole} ms"
     );
 }
+
+/// A caller that gives up while a live stream waits for its first event costs nothing more:
+/// the upstream call is dropped at once (not held until the first-event deadline), no other
+/// target is tried, and the request ends as `CLIENT_DISCONNECTED`.
+#[tokio::test]
+async fn a_caller_gone_before_the_first_event_ends_the_upstream_call() {
+    let g = streaming("gone").await;
+    // Silent for 3 s: past the route's 1 s first-event deadline.
+    g.fault("primary/small", json!({"mode": "slow", "extra_ms": 3_000}))
+        .await;
+    let before = g.received("local").await.len();
+    let body = json!({"model": "prefill", "stream": true,
+        "messages": [{"role": "user", "content": "too slow for me"}]});
+    let sent = std::time::Instant::now();
+    let gave_up = crate::support::http(Duration::from_millis(200))
+        .post(format!("{}/v1/chat/completions", g.url))
+        .json(&body)
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the caller's own timeout");
+    let ended = crate::support::eventually(Duration::from_secs(5), || async {
+        let counts = crate::support::reason_counts(&g.url).await;
+        (counts.get("CLIENT_DISCONNECTED").copied().unwrap_or(0.0) >= 1.0).then_some(())
+    })
+    .await;
+    assert!(ended.is_some(), "decided as the caller leaving");
+    // Decided when the caller left, not when the 1 s first-event deadline would have ended
+    // the call.
+    assert!(
+        sent.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert_eq!(
+        g.received("local").await.len(),
+        before,
+        "no other target tried"
+    );
+}
