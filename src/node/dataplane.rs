@@ -847,30 +847,7 @@ pub(crate) fn with_oam_headers(
 /// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
 fn to_sse(a: Answer) -> Response {
     let b = &a.body;
-    let choice = &b["choices"][0];
-    let head = |choices: Value| {
-        json!({
-            "id": b["id"], "object": "chat.completion.chunk", "created": b["created"],
-            "model": b["model"], "choices": choices,
-        })
-    };
-    let mut delta = json!({"role": "assistant", "content": choice["message"]["content"]});
-    // Tool calls stream as deltas that carry their position.
-    if let Some(calls) = choice["message"]["tool_calls"].as_array() {
-        let indexed: Vec<Value> = calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut c = c.clone();
-                c["index"] = json!(i);
-                c
-            })
-            .collect();
-        delta["tool_calls"] = Value::Array(indexed);
-    }
-    let first = head(json!([{"index": 0, "delta": delta, "finish_reason": null}]));
-    let mut last =
-        head(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]));
+    let [first, mut last] = super::connector::chunks_of(b);
     last["usage"] = b["usage"].clone();
     last["oam"] = b["oam"].clone();
     let text = format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n");
