@@ -38,6 +38,8 @@ pub enum Command {
     Creds(cmd::creds::Args),
     /// What waits for a human: `oam escalation list`, `oam escalation resolve ID --note ...`.
     Escalation(cmd::escalation::Args),
+    /// The cluster's shared budgets: `oam budget list`, `oam budget set AGENT --limit 5`.
+    Budget(cmd::budget::Args),
     /// The whole story in one command: a local mesh, the headline failure scenarios with
     /// verdicts, a summary, and everything stopped again.
     Demo(cmd::demo::Args),
@@ -112,6 +114,7 @@ async fn dispatch(cli: Cli) -> Result<Outcome> {
         Command::Chaos(args) => cmd::chaos::run(args).await.map(done),
         Command::Creds(args) => cmd::creds::run(args).await.map(done),
         Command::Escalation(args) => cmd::escalation::run(args).await.map(done),
+        Command::Budget(args) => cmd::budget::run(args).await.map(done),
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await.map(done),
         Command::Completions(args) => {

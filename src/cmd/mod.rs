@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod bench;
+pub mod budget;
 pub mod chaos;
 pub mod completions;
 pub mod creds;

@@ -64,6 +64,11 @@ impl Budgets {
         Ok(())
     }
 
+    /// Does any budget (the agent's, or the global one) limit `agent`?
+    pub fn applies(&self, agent: &str) -> bool {
+        self.global.is_some() || self.agents.contains_key(agent)
+    }
+
     pub fn reserve(&mut self, agent: &str, cost_usd: f64) {
         if let Some(b) = self.agents.get_mut(agent) {
             b.reserved_usd = round_usd(b.reserved_usd + cost_usd);

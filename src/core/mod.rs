@@ -11,6 +11,7 @@ pub mod chaos;
 pub mod contract;
 pub mod escalation;
 pub mod health;
+pub mod ledger;
 pub mod loops;
 pub mod pipeline;
 pub mod quorum;

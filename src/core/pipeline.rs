@@ -309,6 +309,11 @@ pub struct Dispatch {
     pub delay_ms: u64,
     /// Continue the interrupted answer (send what was delivered as an assistant prefill).
     pub continuation: bool,
+    /// What a budget must hold for the attempt (its estimated cost) before it is made; zero
+    /// when no budget applies to the request or the target costs nothing. A driver sharing
+    /// budgets with other nodes reserves it in the ledger first and, if the ledger refuses,
+    /// reports so with `Engine::refuse_reservation` instead of calling.
+    pub hold_usd: f64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -376,6 +381,16 @@ impl Session {
     /// Is the answer held to a contract (and so checked whole before any of it is released)?
     pub fn contracted(&self) -> bool {
         self.contract.is_some()
+    }
+
+    /// Is an attempt dispatched and not yet reported?
+    pub fn dispatched(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// What its attempts have cost so far.
+    pub fn cost_usd(&self) -> f64 {
+        self.cost_usd
     }
 
     /// Add a code the driver observed (e.g. a skipped stream event).
@@ -684,14 +699,7 @@ impl Engine {
     /// attempt is not made (its reservation and any probe permit go back) and the request ends,
     /// refused with CLIENT_DISCONNECTED. `None` if no attempt was waiting.
     pub fn withdraw(&mut self, s: &mut Session, now_ms: u64) -> Option<Decision> {
-        let p = s.pending.take()?;
-        self.state
-            .budgets
-            .settle(&s.request.agent, p.reserved_usd, 0.0);
-        if p.probe {
-            let id = self.state.providers[p.provider].id.clone();
-            breaker_mut(&mut self.state.breakers, &id).release_probe();
-        }
+        self.release_pending(s)?;
         s.attempts.pop();
         s.caller_gone = true;
         push(&mut s.codes, ReasonCode::ClientDisconnected);
@@ -705,19 +713,24 @@ impl Engine {
     /// its queue place or slot, and the budget reserved for an attempt under way. No decision.
     pub fn drop_session(&mut self, s: &mut Session) {
         self.leave_queue(s);
-        if let Some(p) = s.pending.take() {
-            self.state
-                .budgets
-                .settle(&s.request.agent, p.reserved_usd, 0.0);
-            if p.probe {
-                let id = self.state.providers[p.provider].id.clone();
-                breaker_mut(&mut self.state.breakers, &id).release_probe();
-            }
-        }
+        self.release_pending(s);
         if s.holds_slot {
             s.holds_slot = false;
             self.release_slot(s.request.priority);
         }
+    }
+
+    /// The attempt dispatched and never made: its reservation and any probe permit go back.
+    fn release_pending(&mut self, s: &mut Session) -> Option<()> {
+        let p = s.pending.take()?;
+        self.state
+            .budgets
+            .settle(&s.request.agent, p.reserved_usd, 0.0);
+        if p.probe {
+            let id = self.state.providers[p.provider].id.clone();
+            breaker_mut(&mut self.state.breakers, &id).release_probe();
+        }
+        Some(())
     }
 
     fn proceed(&mut self, s: &mut Session, now_ms: u64) -> Step {
@@ -992,6 +1005,11 @@ impl Engine {
             .max_tokens
             .unwrap_or(self.config.default_max_tokens);
         self.state.budgets.reserve(&s.request.agent, reserved_usd);
+        let hold_usd = if self.state.budgets.applies(&s.request.agent) {
+            reserved_usd
+        } else {
+            0.0
+        };
         s.pending = Some(Pending {
             provider: i,
             probe,
@@ -1015,6 +1033,30 @@ impl Engine {
             timeout_ms: self.config.attempt_timeout_ms,
             delay_ms,
             continuation: s.interrupted,
+            hold_usd,
+        })
+    }
+
+    /// The shared ledger would not hold the dispatched attempt's cost (`code`: the budget that
+    /// refused, or BUDGET_STORE_UNREACHABLE when the ledger could not be asked and the request
+    /// may not spend on a local share). The attempt is not made. A high-risk request is refused
+    /// (and escalated), as a budget refusal in routing would; any other goes on to the next
+    /// target (one that costs nothing needs no budget). `None` if no attempt was waiting.
+    pub fn refuse_reservation(
+        &mut self,
+        s: &mut Session,
+        code: ReasonCode,
+        now_ms: u64,
+    ) -> Option<Step> {
+        self.release_pending(s)?;
+        if let Some(a) = s.attempts.last_mut() {
+            a.codes.push(code);
+        }
+        push(&mut s.codes, code);
+        Some(if s.request.risk == Risk::High {
+            self.finish_failure(s, Phase::Budget, now_ms)
+        } else {
+            self.route(s, now_ms, Some(Phase::Budget))
         })
     }
 

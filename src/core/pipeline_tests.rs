@@ -1099,6 +1099,23 @@ fn every_reason_code_is_reachable() {
         &[("primary", err()), ("local", err()), ("secondary", err())],
     ));
 
+    // The shared ledger refuses, or cannot be asked: refused (high risk), or spent on the
+    // node's local share (noted by the driver).
+    let mut e = budgeted(1.0);
+    let mut r = req("store");
+    r.risk = Risk::High;
+    let (mut s, _) = e.begin(r, T0).expect("valid");
+    let step = e.refuse_reservation(&mut s, ReasonCode::BudgetStoreUnreachable, T0);
+    if let Some(Step::Done(d)) = step {
+        note(&d);
+    }
+    let (mut s, step) = e.begin(req("share"), T0).expect("valid");
+    assert!(matches!(step, Step::Dispatch(_)));
+    s.note(ReasonCode::BudgetLocalShare);
+    if let Step::Done(d) = e.complete(&mut s, good(), T0 + 5) {
+        note(&d);
+    }
+
     let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
     let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();
     assert!(missing.is_empty(), "unreached reason codes: {missing:?}");
@@ -1571,4 +1588,84 @@ fn a_decided_session_holds_nothing_a_live_one_does() {
     let (s, step) = e.begin(req("h2"), T0).unwrap();
     assert_eq!(step, Step::Queued);
     assert!(s.holds_anything(), "a queue place");
+}
+
+/// `engine()` with a budget of `limit_usd` for `agent-a`.
+fn budgeted(limit_usd: f64) -> Engine {
+    let mut e = engine();
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(limit_usd));
+    e
+}
+
+#[test]
+fn a_dispatch_under_a_budget_names_what_the_ledger_must_hold() {
+    let mut e = budgeted(1.0);
+    let (_, step) = e.begin(req("a"), T0).expect("valid");
+    let Step::Dispatch(d) = step else {
+        panic!("dispatched: {step:?}")
+    };
+    assert_eq!(&*d.provider, "primary");
+    assert!(
+        d.hold_usd > 0.0,
+        "a paid target under a budget holds its estimate"
+    );
+    let reserved = e.state.budgets.agents["agent-a"].reserved_usd;
+    assert!((d.hold_usd - reserved).abs() < 1e-9);
+
+    // Without a budget nothing needs holding.
+    let mut free = engine();
+    let (_, step) = free.begin(req("b"), T0).expect("valid");
+    let Step::Dispatch(d) = step else {
+        panic!("dispatched: {step:?}")
+    };
+    assert_eq!(d.hold_usd, 0.0);
+}
+
+#[test]
+fn a_refused_reservation_refuses_high_risk_and_moves_lower_risk_on() {
+    // High risk: refused in the budget phase and escalated, its reservation given back.
+    let mut e = budgeted(1.0);
+    let mut r = req("high");
+    r.risk = Risk::High;
+    let (mut s, _) = e.begin(r, T0).expect("valid");
+    let Some(Step::Done(d)) = e.refuse_reservation(&mut s, ReasonCode::BudgetExhausted, T0) else {
+        panic!("a refused high-risk request ends")
+    };
+    assert_eq!(d.phase, Phase::Budget);
+    assert!(d.reason_codes.contains(&ReasonCode::BudgetExhausted));
+    assert!(
+        d.reason_codes
+            .contains(&ReasonCode::EscalatedBudgetExhausted)
+    );
+    assert!(d.escalation.is_some());
+    assert_eq!(e.state.budgets.agents["agent-a"].reserved_usd, 0.0);
+
+    // Low risk: the refused target counts as tried; the next (a zero-cost fallback needs no
+    // hold) serves.
+    let (mut s, _) = e.begin(req("low"), T0).expect("valid");
+    let Some(Step::Dispatch(d)) =
+        e.refuse_reservation(&mut s, ReasonCode::GlobalBudgetExhausted, T0)
+    else {
+        panic!("a lower-risk request goes on")
+    };
+    assert_ne!(&*d.provider, "primary");
+    let Step::Done(done) = e.complete(&mut s, good(), T0 + 10) else {
+        panic!("answered")
+    };
+    assert_eq!(done.outcome, DecisionOutcome::Accepted);
+    assert!(
+        done.reason_codes
+            .contains(&ReasonCode::GlobalBudgetExhausted)
+    );
+    assert_eq!(e.state.budgets.agents["agent-a"].reserved_usd, 0.0);
+
+    // Out of turn (nothing dispatched): nothing to refuse.
+    let mut s2 = s.clone();
+    assert!(
+        e.refuse_reservation(&mut s2, ReasonCode::BudgetExhausted, T0)
+            .is_none()
+    );
 }

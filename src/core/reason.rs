@@ -134,6 +134,10 @@ reason_codes! {
         "The agent's remaining budget cannot cover this request on the provider.";
     GlobalBudgetExhausted = "GLOBAL_BUDGET_EXHAUSTED", Budget,
         "The cluster-wide budget cannot cover this request on the provider.";
+    BudgetStoreUnreachable = "BUDGET_STORE_UNREACHABLE", Budget,
+        "The shared budget ledger could not be reached and the request may not spend on this node's local share (high risk, or the share is spent); refused.";
+    BudgetLocalShare = "BUDGET_LOCAL_SHARE", Budget,
+        "The shared budget ledger could not be reached; this lower-risk request spent from the node's local share (limit / cluster size), settled in the ledger once it is back.";
     RoutingSelected = "ROUTING_SELECTED", Routing,
         "A provider was chosen by score among the candidates that passed every exclusion.";
     FallbackUsed = "FALLBACK_USED", Routing,

@@ -447,6 +447,12 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
     use crate::transport::{escalations, kv};
     let nats = crate::transport::connect::connect(admin_url, "oam-mesh-up", false).await?;
     escalations::store(&nats).await?;
+    kv::bucket(
+        &nats,
+        crate::transport::subjects::BUDGETS_BUCKET,
+        Duration::ZERO,
+    )
+    .await?;
     for (name, max_age) in kv::MESH_BUCKETS {
         kv::bucket(&nats, name, max_age).await?;
     }

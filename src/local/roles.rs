@@ -151,6 +151,7 @@ impl Role {
                     subjects::CHAOS_RESTORE,
                 ]);
                 p.kv_write(escalations::BUCKET, ">");
+                p.kv_write(subjects::BUDGETS_BUCKET, ">");
             }
             Role::Caller => p.caller(),
             Role::Agent(name) => {
@@ -196,6 +197,7 @@ impl Role {
                 ]);
                 p.subscribe([subjects::chaos_node(id), subjects::chaos_node("all")]);
                 p.kv_write(escalations::BUCKET, ">");
+                p.kv_write(subjects::BUDGETS_BUCKET, ">");
             }
             Role::Monitor => {
                 p.publish([subjects::DEATHS, subjects::INSTANCE_DEATHS]);
@@ -305,7 +307,10 @@ impl Permissions {
             subjects::HEALTH,
             subjects::ALL_ERRORS,
         ]);
-        for b in MESH_BUCKETS.iter().chain([&escalations::BUCKET]) {
+        for b in MESH_BUCKETS
+            .iter()
+            .chain([&escalations::BUCKET, &subjects::BUDGETS_BUCKET])
+        {
             self.kv_read(b);
         }
     }

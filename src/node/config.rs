@@ -47,8 +47,8 @@
 //! same_target_retries = 1     # a 5xx or 429 is retried on its target first
 //! default_contract = {}       # hold every answer to the JSON contract (none by default)
 //!
-//! [budgets.agents.support-bot]
-//! limit_usd = 5.0
+//! [budgets.agents.support-bot]  # seeds the cluster's shared ledger if it has no such budget;
+//! limit_usd = 5.0                # after that `oam budget set/reset` manage it
 //!
 //! [escalations]               # where a human hears of an escalation
 //! webhook_url = "https://hooks.example.com/oam"   # POSTed {"node", "escalation"} as JSON

@@ -10,7 +10,7 @@ use super::Node;
 use super::connector::Passthrough;
 use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
-use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Session, Step};
+use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Engine, Session, Step};
 use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
 use crate::transport::subjects;
@@ -478,6 +478,27 @@ pub(crate) fn oam_object(d: &Decision) -> Value {
 pub(crate) struct Flight {
     pub node: Arc<Node>,
     pub session: Session,
+    /// What the shared budget ledger holds for the attempt under way.
+    pub hold: Option<super::ledger::Hold>,
+}
+
+impl Flight {
+    pub(crate) fn new(node: Arc<Node>, session: Session) -> Flight {
+        Flight {
+            node,
+            session,
+            hold: None,
+        }
+    }
+
+    /// Run `f` on the engine with this request; if it ended the attempt under way, the
+    /// attempt's ledger hold settles with what it cost.
+    pub(crate) fn step<R>(&mut self, f: impl FnOnce(&mut Engine, &mut Session) -> R) -> R {
+        let before = self.session.cost_usd();
+        let out = self.node.with_engine(|e| f(e, &mut self.session));
+        super::ledger::settle_after(&self.node, &mut self.hold, &self.session, before);
+        out
+    }
 }
 
 impl Drop for Flight {
@@ -488,6 +509,9 @@ impl Drop for Flight {
         // A decided request holds nothing: no lock taken for it.
         if self.session.holds_anything() {
             self.node.with_engine(|e| e.drop_session(&mut self.session));
+        }
+        if let Some(h) = self.hold.take() {
+            self.node.settle(h, 0.0);
         }
     }
 }
@@ -521,10 +545,7 @@ pub async fn execute(
             return bad_request(node, headers, bad(param, e.message));
         }
     };
-    let mut flight = Flight {
-        node: node.clone(),
-        session,
-    };
+    let mut flight = Flight::new(node.clone(), session);
     // A streaming request held to no contract is relayed as it arrives; one under a contract is
     // checked whole first, then released.
     let live = live_ok && stream && !flight.session.contracted();
@@ -584,12 +605,16 @@ pub async fn execute(
                     };
                     // The caller left during the wait: the attempt is not made (with nothing
                     // waiting to start there is nothing to withdraw, and the call goes ahead).
-                    if !waited
-                        && let Some(d) =
-                            node.with_engine(|e| e.withdraw(&mut flight.session, now_ms()))
-                    {
+                    if !waited && let Some(d) = flight.step(|e, s| e.withdraw(s, now_ms())) {
                         break d;
                     }
+                }
+                // A shared budget holds the attempt's cost first (or the ledger says what next).
+                if d.hold_usd > 0.0
+                    && let Some(next) = node.reserve(&mut flight, d.hold_usd).await
+                {
+                    step = next;
+                    continue;
                 }
                 if live {
                     let opened = tokio::select! {
@@ -599,13 +624,13 @@ pub async fn execute(
                     // The caller left before the first event: the upstream call is dropped (no
                     // more is generated, and paid for, for nobody) and the request ends.
                     let Some(opened) = opened else {
-                        let left = node.with_engine(|e| {
-                            match e.withdraw(&mut flight.session, now_ms()) {
+                        let left = flight.step(|e, s| {
+                            match e.withdraw(s, now_ms()) {
                                 Some(d) => Step::Done(Box::new(d)),
                                 // Nothing was waiting (cannot be, after a dispatch): the engine
                                 // ends an out-of-turn report closed.
                                 None => e.complete(
-                                    &mut flight.session,
+                                    s,
                                     crate::core::request::Generation::failed(
                                         GenerationStatus::Error,
                                         0,
@@ -627,11 +652,11 @@ pub async fn execute(
                         super::live::Open::Failed(a) => {
                             let g = a.generation.clone();
                             last = Some(a);
-                            step = node.with_engine(|e| {
+                            step = flight.step(|e, s| {
                                 if caller.is_cancelled() {
-                                    e.caller_gone(&mut flight.session, now_ms());
+                                    e.caller_gone(s, now_ms());
                                 }
-                                e.complete(&mut flight.session, g, now_ms())
+                                e.complete(s, g, now_ms())
                             });
                             continue;
                         }
@@ -657,11 +682,11 @@ pub async fn execute(
                 };
                 let g = attempt.generation.clone();
                 last = Some(attempt);
-                node.with_engine(|e| {
+                flight.step(|e, s| {
                     if caller.is_cancelled() {
-                        e.caller_gone(&mut flight.session, now_ms());
+                        e.caller_gone(s, now_ms());
                     }
-                    e.complete(&mut flight.session, g, now_ms())
+                    e.complete(s, g, now_ms())
                 })
             }
         };

@@ -229,7 +229,7 @@ impl Relay {
                         error: None,
                         tool_calls: acc.calls,
                     };
-                    node.with_engine(|e| e.complete(&mut self.flight.session, g, now_ms()))
+                    self.flight.step(|e, s| e.complete(s, g, now_ms()))
                 }
                 End::CallerGone => {
                     // Its answer so far is paid for and was good: no retry, nobody to read one.
@@ -240,14 +240,14 @@ impl Relay {
                         ..Generation::ok("", latency_ms)
                     };
                     self.flight.session.note(ReasonCode::ClientDisconnected);
-                    node.with_engine(|e| {
-                        e.caller_gone(&mut self.flight.session, now_ms());
-                        e.complete(&mut self.flight.session, g, now_ms())
+                    self.flight.step(|e, s| {
+                        e.caller_gone(s, now_ms());
+                        e.complete(s, g, now_ms())
                     })
                 }
-                End::Broken(g) => node.with_engine(|e| {
-                    e.interrupted(&mut self.flight.session);
-                    e.complete(&mut self.flight.session, g, now_ms())
+                End::Broken(g) => self.flight.step(|e, s| {
+                    e.interrupted(s);
+                    e.complete(s, g, now_ms())
                 }),
             };
             // Done, or continue on a prefill target (each open that fails is one more attempt).
@@ -258,13 +258,19 @@ impl Relay {
                         step = node.with_engine(|e| e.dequeue(&mut self.flight.session, now_ms()));
                     }
                     Step::Dispatch(d) => {
+                        if d.hold_usd > 0.0
+                            && let Some(next) = node.reserve(&mut self.flight, d.hold_usd).await
+                        {
+                            step = next;
+                            continue;
+                        }
                         let prefill = d.continuation.then_some(self.delivered.as_str());
                         match open(&node, &d, &self.pass, prefill, self.limits).await {
                             Open::Started(s) => break s,
                             Open::Failed(a) => {
-                                step = node.with_engine(|e| {
-                                    e.complete(&mut self.flight.session, a.generation, now_ms())
-                                });
+                                step = self
+                                    .flight
+                                    .step(|e, s| e.complete(s, a.generation, now_ms()));
                             }
                         }
                     }

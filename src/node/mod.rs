@@ -7,6 +7,7 @@
 pub mod config;
 pub mod connector;
 pub mod dataplane;
+pub mod ledger;
 pub mod live;
 pub mod metrics;
 pub mod server;
@@ -94,6 +95,8 @@ pub struct Node {
     /// Providers that are mesh agents whose death notice arrived; UNHEALTHY until a probe
     /// succeeds again.
     down: Mutex<std::collections::BTreeSet<String>>,
+    /// The node's side of the shared budget ledger.
+    pub(crate) ledger: ledger::Ledgers,
     /// Chaos done to this node, undone at expiry or on request.
     chaos: Mutex<NodeChaos>,
     /// Woken when the node is cut off from NATS or reconnected.
@@ -195,6 +198,7 @@ impl Node {
             http_url: Mutex::new(None),
             down: Mutex::new(std::collections::BTreeSet::new()),
             chaos: Mutex::new(NodeChaos::default()),
+            ledger: ledger::Ledgers::default(),
             isolation_changed: tokio::sync::Notify::new(),
             cfg,
         }))
@@ -996,6 +1000,7 @@ pub async fn run(
     loops.spawn(node.clone().escalation_loop());
     loops.spawn(node.clone().heartbeat_loop());
     loops.spawn(node.clone().probe_loop());
+    loops.spawn(node.clone().ledger_loop());
     {
         let n = node.clone();
         loops.spawn(async move {

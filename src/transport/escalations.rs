@@ -57,27 +57,9 @@ pub struct Delivery {
     pub error: Option<String>,
 }
 
-/// The bucket key for an escalation id. Ids carry request ids, which callers choose; ids that
-/// are not a short plain KV token are hex-encoded behind `h-` (real ids start with `esc-`, so the
-/// two never collide), long ones shortened to their first 100 bytes and a hash of the whole.
+/// The bucket key for an escalation id (ids carry request ids, which callers choose).
 pub fn key(id: &str) -> String {
-    let plain = !id.is_empty()
-        && id.len() <= 200
-        && id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-    if plain {
-        return id.to_string();
-    }
-    let hex = |bytes: &[u8]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
-    if id.len() <= 100 {
-        return format!("h-{}", hex(id.as_bytes()));
-    }
-    // FNV-1a, 64 bits.
-    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    format!("h-{}-{hash:016x}", hex(&id.as_bytes()[..100]))
+    super::kv::token(id)
 }
 
 /// Open (or create) the bucket.
@@ -260,22 +242,5 @@ pub(crate) fn example(id: &str, agent: &str, created_at_ms: u64, status: Status)
         acknowledged_by: None,
         acknowledged_at_ms: None,
         delivery: None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_are_kv_tokens_and_distinct() {
-        assert_eq!(key("esc-r1"), "esc-r1");
-        assert_eq!(key("esc-a.b"), "h-6573632d612e62");
-        assert_eq!(key("esc-a b"), "h-6573632d612062");
-        assert_ne!(key("esc-a.b"), key("esc-a b"));
-        let long = format!("esc-{}", "x".repeat(300));
-        let other = format!("esc-{}y", "x".repeat(299));
-        assert!(key(&long).starts_with("h-") && key(&long).len() < 240);
-        assert_ne!(key(&long), key(&other));
     }
 }

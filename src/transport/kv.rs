@@ -16,6 +16,31 @@ pub const MESH_BUCKETS: [(&str, Duration); 4] = [
     (crate::transport::subjects::TOMBSTONES_BUCKET, TOMBSTONE_AGE),
 ];
 
+/// A KV key token for a name anyone may choose (an agent, an escalation id carrying a request
+/// id): a short plain name as it is; anything else (and a name that itself starts `h-`)
+/// hex-encoded behind `h-`, long ones shortened to their first 100 bytes and a hash of the
+/// whole, so two names never share a token.
+pub fn token(id: &str) -> String {
+    let plain = !id.is_empty()
+        && id.len() <= 200
+        && !id.starts_with("h-")
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if plain {
+        return id.to_string();
+    }
+    let hex = |bytes: &[u8]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
+    if id.len() <= 100 {
+        return format!("h-{}", hex(id.as_bytes()));
+    }
+    // FNV-1a, 64 bits.
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("h-{}-{hash:016x}", hex(&id.as_bytes()[..100]))
+}
+
 /// Open the KV bucket `name`, creating it (history 1, `max_age`) if it does not exist.
 pub async fn bucket(
     nats: &async_nats::Client,
@@ -41,5 +66,27 @@ pub async fn bucket(
             .get_key_value(name)
             .await
             .map_err(|_| anyhow::anyhow!("cannot open or create the KV bucket {name}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token;
+
+    #[test]
+    fn tokens_are_kv_tokens_and_distinct() {
+        assert_eq!(token("esc-r1"), "esc-r1");
+        assert_eq!(token("esc-a.b"), "h-6573632d612e62");
+        assert_eq!(token("esc-a b"), "h-6573632d612062");
+        assert_ne!(token("esc-a.b"), token("esc-a b"));
+        assert_ne!(
+            token("h-6573632d612e62"),
+            token("esc-a.b"),
+            "a name like a token is encoded"
+        );
+        let long = format!("esc-{}", "x".repeat(300));
+        let other = format!("esc-{}y", "x".repeat(299));
+        assert!(token(&long).starts_with("h-") && token(&long).len() < 240);
+        assert_ne!(token(&long), token(&other));
     }
 }

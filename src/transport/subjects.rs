@@ -117,6 +117,8 @@ pub const HEALTH: &str = "mesh.health.>";
 pub fn errors(name: &str) -> String {
     format!("mesh.errors.{name}")
 }
+/// The cluster's shared budget ledger (`node::ledger`): `global` and `agent.{name}`.
+pub const BUDGETS_BUCKET: &str = "oam-budgets";
 pub const CATALOG_BUCKET: &str = "mesh-catalog";
 /// The one key of the catalog bucket: a JSON array of entries.
 pub const CATALOG_KEY: &str = "catalog";

@@ -1215,3 +1215,210 @@ async fn escalations_are_sent_to_the_webhook_until_it_takes_them() {
     assert_eq!(record["delivery"]["attempts"], 2, "{record}");
     assert_eq!(record["delivery"]["sink"], hook_url.as_str());
 }
+
+/// `oam budget ...` against this cluster's NATS; its stdout as JSON.
+fn budget(nats_url: &str, args: &[&str]) -> Value {
+    let out = assert_cmd::Command::cargo_bin("oam")
+        .unwrap()
+        .arg("budget")
+        .args(args)
+        .args(["--json", "--nats-url", nats_url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "oam budget {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The agent `spender`'s row of `oam budget list`.
+fn spender_ledger(nats_url: &str) -> Option<Value> {
+    let list = budget(nats_url, &["list"]);
+    list.as_array()?
+        .iter()
+        .find(|r| r["agent"] == "spender")
+        .cloned()
+}
+
+fn spender(q: &str, risk: &str) -> Value {
+    let mut body = question(q);
+    body["oam"] = json!({"agent": "spender", "risk": risk});
+    body["max_tokens"] = json!(32);
+    body
+}
+
+#[tokio::test]
+async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
+    let dir = std::env::temp_dir().join(format!("oam-test-ledger-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    const LIMIT: f64 = 0.01;
+    std::fs::write(
+        &cfg,
+        format!("[budgets.agents.spender]\nlimit_usd = {LIMIT}\n"),
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap().to_string();
+    let mut cl = cluster(&["--config", &cfg]).await;
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+
+    // Five waves of 60 requests at once, spread over the three nodes: enough to spend the
+    // limit several times over; each node alone would let the agent spend all of it (3x
+    // together); shared, the cluster spends it once.
+    let mut spent = 0.0;
+    for wave in 0..5 {
+        let asks = (0..60).map(|i| {
+            let c = c.clone();
+            let url = cl.urls[i % 3].clone();
+            async move { ask(&c, &url, spender(&format!("spend {wave}.{i}"), "low")).await }
+        });
+        for (status, _, v) in futures_util::future::join_all(asks).await {
+            assert_eq!(
+                status, 200,
+                "low risk falls back to what costs nothing: {v}"
+            );
+            spent += v["oam"]["cost_usd"].as_f64().unwrap();
+        }
+    }
+    // High-risk work refuses rather than fall back: one at a time until the budget refuses,
+    // with nothing held.
+    let mut refused = None;
+    for i in 0..60 {
+        let (status, h, v) = ask(&c, &cl.urls[i % 3], spender(&format!("drain {i}"), "high")).await;
+        spent += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
+        if status == 402 && h["x-oam-phase"] == "budget" {
+            refused = Some(v);
+            break;
+        }
+    }
+    let refused = refused.expect("the budget ran out");
+    assert!(
+        codes(&refused).contains(&"BUDGET_EXHAUSTED".into()),
+        "{refused}"
+    );
+    // One reservation is at most 32 completion tokens and the prompt at $0.01/1k.
+    let largest_hold = 0.001;
+    assert!(
+        spent <= LIMIT + largest_hold,
+        "spent {spent} across the cluster, limit {LIMIT}"
+    );
+    assert!(spent > LIMIT / 2.0, "the budget was used: {spent}");
+    // The ledger charged exactly what the answers cost.
+    let ledger = eventually(Duration::from_secs(5), || async {
+        let row = spender_ledger(&cl.nats.url())?;
+        (row["held_usd"].as_f64()? == 0.0).then_some(row)
+    })
+    .await
+    .expect("every hold settled");
+    let mut charged = ledger["spent_usd"].as_f64().unwrap();
+    assert!(
+        (charged - spent).abs() < 1e-6,
+        "ledger {charged} vs answers {spent}"
+    );
+
+    // A restarted node remembers: the same high-risk work is refused at once.
+    cl.nodes[0].kill();
+    let n1 = node("n1", &cl.nats.url(), &cl.sim_url, &["--config", &cfg]);
+    cl.urls[0] = n1.ready["http"].as_str().unwrap().to_string();
+    cl.nodes[0] = n1;
+    let seen = eventually(Duration::from_secs(5), || async {
+        let s = state(&c, &cl.urls[0]).await?;
+        let b = s.budgets.agents.get("spender")?;
+        (b.spent_usd > 0.0).then_some(b.spent_usd)
+    })
+    .await
+    .expect("the restarted node mirrors the ledger");
+    assert!((seen - charged).abs() < 1e-6, "{seen} vs {charged}");
+    // What is left covers no more than it did: refused, or (if a cheaper target now scores
+    // best) within the limit.
+    let (status, h, v) = ask(&c, &cl.urls[0], spender("after restart", "high")).await;
+    if status == 200 {
+        let cost = v["oam"]["cost_usd"].as_f64().unwrap();
+        assert!(charged + cost <= LIMIT + 1e-9, "{charged} + {cost}: {v}");
+        charged += cost;
+    } else {
+        assert_eq!(status, 402, "{v}");
+        assert_eq!(h["x-oam-phase"], "budget");
+    }
+
+    // Raised for the whole cluster with one command; reset likewise.
+    let set = eventually(Duration::from_secs(5), || async {
+        // (once the last answer's settlement is in)
+        let row = spender_ledger(&cl.nats.url())?;
+        ((row["spent_usd"].as_f64()? - charged).abs() < 1e-6).then_some(())
+    });
+    assert!(
+        set.await.is_some(),
+        "{:?} vs {charged}",
+        spender_ledger(&cl.nats.url())
+    );
+    let set = budget(&cl.nats.url(), &["set", "spender", "--limit", "1"]);
+    assert_eq!(set["limit_usd"], 1.0);
+    assert!((set["spent_usd"].as_f64().unwrap() - charged).abs() < 1e-6);
+    for url in &cl.urls {
+        let raised = eventually(Duration::from_secs(5), || async {
+            let (status, _, _) = ask(&c, url, spender("raised", "high")).await;
+            (status == 200).then_some(())
+        })
+        .await;
+        assert!(raised.is_some(), "{url} never saw the new limit");
+    }
+    let reset = budget(&cl.nats.url(), &["reset", "spender"]);
+    assert_eq!(reset["spent_usd"], 0.0);
+
+    // Cut off from the ledger: high risk refuses (fail closed, escalated), lower risk spends
+    // the node's local share, settled in the ledger once it is back.
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+        .await
+        .unwrap();
+    let isolate = oam::core::chaos::NodeCommand::Isolate {
+        id: "cut".into(),
+        until_ms: oam::clock::now_ms() + 2_000,
+    };
+    nc.publish(
+        oam::transport::subjects::chaos_node("n3"),
+        serde_json::to_vec(&isolate).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    nc.flush().await.unwrap();
+    // Everything answered since the reset is charged (an answer before the cut took effect,
+    // in the ledger; the local share's, once the ledger is back).
+    let mut since_reset = 0.0;
+    let mut cut_off = None;
+    for _ in 0..30 {
+        let (status, _, v) = ask(&c, &cl.urls[2], spender("cut off", "high")).await;
+        since_reset += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
+        if status == 402 {
+            cut_off = Some(v);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let got = codes(&cut_off.expect("high risk refused while the ledger is out of reach"));
+    assert!(got.contains(&"BUDGET_STORE_UNREACHABLE".into()), "{got:?}");
+    assert!(
+        got.contains(&"ESCALATED_BUDGET_EXHAUSTED".into()),
+        "{got:?}"
+    );
+    let (status, _, v) = ask(&c, &cl.urls[2], spender("local share", "low")).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(codes(&v).contains(&"BUDGET_LOCAL_SHARE".into()), "{v}");
+    let local = v["oam"]["cost_usd"].as_f64().unwrap();
+    assert!(local > 0.0, "{v}");
+    since_reset += local;
+    let settled = eventually(Duration::from_secs(10), || async {
+        let row = spender_ledger(&cl.nats.url())?;
+        let spent = row["spent_usd"].as_f64()?;
+        ((spent - since_reset).abs() < 1e-6 && row["held_usd"].as_f64()? == 0.0).then_some(spent)
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "the local share's spend reached the ledger: {:?} vs {since_reset}",
+        spender_ledger(&cl.nats.url())
+    );
+}

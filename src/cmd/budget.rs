@@ -1,0 +1,294 @@
+//! `oam budget list|set|reset|remove`: the cluster's shared budgets, as every node enforces
+//! them (the `oam-budgets` ledger, see `node::ledger`).
+
+use crate::core::ledger::Ledger;
+use crate::error::{Error, Kind, Result};
+use crate::node::ledger::key;
+use crate::transport::subjects::BUDGETS_BUCKET;
+use async_nats::jetstream::kv;
+use std::io::Write;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Every budget: limit, spent, held by attempts under way (per node), remaining.
+    List(ListArgs),
+    /// Set a budget's limit (creating it): `oam budget set support-bot 5`, `--global`.
+    Set(SetArgs),
+    /// Forget what a budget has spent (holds of attempts under way stay).
+    Reset(Which),
+    /// Remove a budget: the agent (or everyone, `--global`) is no longer limited. A node
+    /// whose `oam.toml` names it puts it back when it starts.
+    Remove(Which),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ListArgs {
+    /// One JSON array: {agent (null: global), limit_usd, spent_usd, held_usd, remaining_usd,
+    /// holds}.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Which {
+    /// The agent whose budget it is.
+    #[arg(required_unless_present = "global")]
+    pub agent: Option<String>,
+    /// The global budget (every agent's spend together).
+    #[arg(long, conflicts_with = "agent")]
+    pub global: bool,
+    /// The budget as it is afterwards, as JSON.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SetArgs {
+    #[command(flatten)]
+    pub which: Which,
+    /// The limit in US dollars.
+    #[arg(long, value_parser = parse_usd)]
+    pub limit: f64,
+}
+
+fn parse_usd(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s
+        .trim_start_matches('$')
+        .parse()
+        .map_err(|_| format!("{s:?} is not an amount in dollars (e.g. 5 or 0.25)"))?;
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{s:?}: a limit is a finite amount, zero or more"))
+    }
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    match args.command {
+        Command::List(a) => list(a).await,
+        Command::Set(a) => {
+            let limit = a.limit;
+            change(a.which, true, move |l| l.limit_usd = limit).await
+        }
+        Command::Reset(w) => change(w, false, |l| l.spent_usd = 0.0).await,
+        Command::Remove(w) => remove(w).await,
+    }
+}
+
+async fn open(mesh: &super::MeshArgs, role: &super::Role, name: &str) -> Result<kv::Store> {
+    let nats = mesh.connect(role, name).await?;
+    crate::transport::kv::bucket(&nats, BUDGETS_BUCKET, std::time::Duration::ZERO)
+        .await
+        .map_err(|e| {
+            Error::new(
+                Kind::Unreachable,
+                e.context(format!(
+                    "cannot open the budget ledger ({BUDGETS_BUCKET}); it needs JetStream on the \
+                     NATS server, which `oam mesh up` starts with it"
+                )),
+            )
+        })
+}
+
+fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
+    serde_json::json!({
+        "agent": l.agent,
+        "limit_usd": l.limit_usd,
+        "spent_usd": l.spent_usd,
+        "held_usd": l.held_usd(now, None),
+        "remaining_usd": l.remaining_usd(now),
+        "holds": l.holds.iter().filter(|(_, h)| h.until_ms > now).map(|(n, h)| (n.clone(), h.usd)).collect::<std::collections::BTreeMap<_, _>>(),
+    })
+}
+
+async fn list(a: ListArgs) -> Result<()> {
+    use futures_util::StreamExt;
+    let store = open(&a.mesh, &super::Role::Viewer, "oam-budget-list").await?;
+    let mut keys = store.keys().await.map_err(|e| {
+        Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!("cannot list budgets: {e}"),
+        )
+    })?;
+    let mut ledgers = Vec::new();
+    while let Some(k) = keys.next().await {
+        let k = k.map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{e}")))?;
+        let Some(bytes) = store
+            .get(&k)
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{e}")))?
+        else {
+            continue;
+        };
+        match serde_json::from_slice::<Ledger>(&bytes) {
+            Ok(l) => ledgers.push(l),
+            Err(e) => eprintln!("oam: {BUDGETS_BUCKET} key {k} is not a budget ({e}); not listed"),
+        }
+    }
+    // The global budget first, then agents by name.
+    ledgers.sort_by(|x, y| x.agent.cmp(&y.agent));
+    let now = crate::clock::now_ms();
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let rows: Vec<_> = ledgers.iter().map(|l| row_json(l, now)).collect();
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(Error::failed)?
+        )?;
+        return Ok(());
+    }
+    if ledgers.is_empty() {
+        writeln!(
+            out,
+            "no budgets: nobody is limited (`oam budget set AGENT --limit 5` sets one)"
+        )?;
+        return Ok(());
+    }
+    let usd = |v: f64| format!("${v:.4}");
+    let rows: Vec<Vec<String>> = ledgers
+        .iter()
+        .map(|l| {
+            let holds: Vec<String> = l
+                .holds
+                .iter()
+                .filter(|(_, h)| h.until_ms > now)
+                .map(|(n, h)| format!("{n} {}", usd(h.usd)))
+                .collect();
+            vec![
+                l.agent.clone().unwrap_or_else(|| "(global)".into()),
+                usd(l.limit_usd),
+                usd(l.spent_usd),
+                usd(l.held_usd(now, None)),
+                usd(l.remaining_usd(now)),
+                holds.join(", "),
+            ]
+        })
+        .collect();
+    writeln!(
+        out,
+        "{}",
+        super::table(
+            &["budget", "limit", "spent", "held", "remaining", "held by"],
+            rows,
+            false
+        )
+    )?;
+    Ok(())
+}
+
+/// Read, change and write one budget with compare-and-swap (nodes write it concurrently).
+async fn change(w: Which, create: bool, f: impl Fn(&mut Ledger)) -> Result<()> {
+    let store = open(&w.mesh, &super::Role::Operator, "oam-budget").await?;
+    let agent = if w.global { None } else { w.agent.clone() };
+    let k = key(agent.as_deref());
+    let failed = |e: String| Error::new(Kind::Unreachable, anyhow::anyhow!("{k}: {e}"));
+    for _ in 0..32 {
+        let entry = store.entry(&k).await.map_err(|e| failed(e.to_string()))?;
+        let (mut ledger, revision) = match entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let l: Ledger = serde_json::from_slice(&e.value).map_err(|err| {
+                    failed(format!(
+                        "not a budget record ({err}); `oam budget remove` clears it"
+                    ))
+                })?;
+                (l, Some(e.revision))
+            }
+            Some(e) => (Ledger::default(), Some(e.revision)),
+            None => (Ledger::default(), None),
+        };
+        if revision.is_none() || ledger == Ledger::default() {
+            // No budget yet: only `set` makes one.
+            if !create {
+                return Err(Error::new(
+                    Kind::Usage,
+                    anyhow::anyhow!(
+                        "there is no budget {}; `oam budget set` makes one",
+                        agent.as_deref().unwrap_or("(global)")
+                    ),
+                ));
+            }
+            ledger.agent.clone_from(&agent);
+        }
+        f(&mut ledger);
+        let bytes = serde_json::to_vec(&ledger).map_err(Error::failed)?;
+        let written = match revision {
+            Some(r) => store
+                .update(&k, bytes.into(), r)
+                .await
+                .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
+            None => store
+                .create(&k, bytes.into())
+                .await
+                .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
+        };
+        match written {
+            Ok(_) => return print_one(&ledger, w.json),
+            Err(true) => continue,
+            Err(false) => return Err(failed("the write was not taken".into())),
+        }
+    }
+    Err(failed("32 conflicting writes in a row; try again".into()))
+}
+
+async fn remove(w: Which) -> Result<()> {
+    let store = open(&w.mesh, &super::Role::Operator, "oam-budget").await?;
+    let agent = if w.global { None } else { w.agent.clone() };
+    let k = key(agent.as_deref());
+    let exists = store
+        .get(&k)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{k}: {e}")))?
+        .is_some();
+    let name = agent.as_deref().unwrap_or("(global)");
+    if !exists {
+        return Err(Error::new(
+            Kind::Usage,
+            anyhow::anyhow!("there is no budget {name}"),
+        ));
+    }
+    store
+        .delete(&k)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{k}: {e}")))?;
+    let mut out = std::io::stdout().lock();
+    if w.json {
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({"removed": agent, "global": w.global})
+        )?;
+    } else {
+        writeln!(out, "removed the budget {name}: no longer limited")?;
+    }
+    Ok(())
+}
+
+fn print_one(l: &Ledger, json: bool) -> Result<()> {
+    let now = crate::clock::now_ms();
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", row_json(l, now))?;
+    } else {
+        writeln!(
+            out,
+            "{}: limit ${:.4}, spent ${:.4}, held ${:.4}, remaining ${:.4}",
+            l.agent.as_deref().unwrap_or("(global)"),
+            l.limit_usd,
+            l.spent_usd,
+            l.held_usd(now, None),
+            l.remaining_usd(now)
+        )?;
+    }
+    Ok(())
+}

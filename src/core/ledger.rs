@@ -1,0 +1,203 @@
+//! The cluster's shared budget ledger: one record per budget (an agent's, or the global one),
+//! kept in a store every node writes with compare-and-swap. A node *holds* the cost of the
+//! attempts it has under way (reserved before dispatch, settled with the actual cost after);
+//! a hold carries a lease, so the holds of a node that died stop counting once it ends.
+//!
+//! Spend across the cluster stays within the limit plus what one settlement can exceed its
+//! reservation by: a reservation is granted only if the limit covers everything spent and
+//! everything held by live leases.
+
+use super::budget::Budget;
+use super::request::round_usd;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Float slack for comparing dollar amounts (as in `budget`).
+const EPSILON_USD: f64 = 1e-9;
+
+/// One budget as the cluster shares it.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Ledger {
+    /// Whose budget it is; none for the global one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    pub limit_usd: f64,
+    #[serde(default)]
+    pub spent_usd: f64,
+    /// Node id -> what it holds for attempts under way.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub holds: BTreeMap<String, Hold>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Hold {
+    pub usd: f64,
+    /// The hold stops counting after this (its node renews it while it lives).
+    pub until_ms: u64,
+}
+
+impl Ledger {
+    pub fn new(limit_usd: f64) -> Self {
+        Ledger {
+            limit_usd,
+            ..Ledger::default()
+        }
+    }
+
+    /// What live holds (other than `except`'s) hold at `now_ms`.
+    pub fn held_usd(&self, now_ms: u64, except: Option<&str>) -> f64 {
+        let sum: f64 = self
+            .holds
+            .iter()
+            .filter(|(node, h)| h.until_ms > now_ms && Some(node.as_str()) != except)
+            .map(|(_, h)| h.usd)
+            .sum();
+        round_usd(sum)
+    }
+
+    pub fn remaining_usd(&self, now_ms: u64) -> f64 {
+        round_usd((self.limit_usd - self.spent_usd - self.held_usd(now_ms, None)).max(0.0))
+    }
+
+    /// Hold `usd` for `node` if the limit covers it beside everything spent and held; renews the
+    /// node's lease either way it is granted. Expired holds are dropped first.
+    pub fn reserve(&mut self, node: &str, usd: f64, now_ms: u64, lease_ms: u64) -> bool {
+        self.expire(now_ms);
+        if usd > self.remaining_usd(now_ms) + EPSILON_USD {
+            return false;
+        }
+        let hold = self.holds.entry(node.to_string()).or_insert(Hold {
+            usd: 0.0,
+            until_ms: 0,
+        });
+        hold.usd = round_usd(hold.usd + usd);
+        hold.until_ms = now_ms + lease_ms;
+        true
+    }
+
+    /// Release `reserved_usd` of `node`'s hold and charge `actual_usd` (which may have been
+    /// spent without a hold: a node that could not reach the ledger spends its local share and
+    /// settles later).
+    pub fn settle(&mut self, node: &str, reserved_usd: f64, actual_usd: f64, now_ms: u64) {
+        self.expire(now_ms);
+        if let Some(h) = self.holds.get_mut(node) {
+            h.usd = round_usd((h.usd - reserved_usd).max(0.0));
+            if h.usd <= EPSILON_USD {
+                self.holds.remove(node);
+            }
+        }
+        self.spent_usd = round_usd(self.spent_usd + actual_usd);
+    }
+
+    /// Extend `node`'s lease (it is alive and still holds what it held). False if it holds
+    /// nothing here.
+    pub fn renew(&mut self, node: &str, now_ms: u64, lease_ms: u64) -> bool {
+        self.expire(now_ms);
+        match self.holds.get_mut(node) {
+            Some(h) => {
+                h.until_ms = now_ms + lease_ms;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drop the holds whose lease ended.
+    pub fn expire(&mut self, now_ms: u64) {
+        self.holds.retain(|_, h| h.until_ms > now_ms);
+    }
+
+    /// The budget as `node`'s engine sees it: everyone else's live holds count as spent (its
+    /// own reservations it keeps itself, as `reserved`).
+    pub fn view_for(&self, node: &str, now_ms: u64, reserved_usd: f64) -> Budget {
+        Budget {
+            limit_usd: self.limit_usd,
+            spent_usd: round_usd(self.spent_usd + self.held_usd(now_ms, Some(node))),
+            reserved_usd,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_reservation_needs_the_limit_to_cover_spend_and_every_live_hold() {
+        let mut l = Ledger::new(1.0);
+        assert!(l.reserve("n1", 0.6, 0, 1_000));
+        assert!(!l.reserve("n2", 0.5, 10, 1_000), "0.6 held, 0.4 left");
+        assert!(l.reserve("n2", 0.4, 10, 1_000));
+        assert_eq!(l.remaining_usd(10), 0.0);
+        l.settle("n1", 0.6, 0.1, 20);
+        assert_eq!(l.spent_usd, 0.1);
+        assert!(
+            !l.holds.contains_key("n1"),
+            "a hold settled to zero is gone"
+        );
+        assert!((l.remaining_usd(20) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_dead_nodes_hold_stops_counting_when_its_lease_ends() {
+        let mut l = Ledger::new(1.0);
+        assert!(l.reserve("dead", 1.0, 0, 1_000));
+        assert!(!l.reserve("n2", 0.1, 999, 1_000));
+        assert!(l.reserve("n2", 0.1, 1_000, 1_000), "lease ended at 1000");
+        assert!(!l.holds.contains_key("dead"));
+    }
+
+    #[test]
+    fn renewing_keeps_a_live_nodes_hold() {
+        let mut l = Ledger::new(1.0);
+        assert!(l.reserve("n1", 1.0, 0, 1_000));
+        assert!(l.renew("n1", 900, 1_000));
+        assert!(!l.reserve("n2", 0.1, 1_500, 1_000));
+        assert!(!l.renew("n2", 1_500, 1_000), "n2 holds nothing");
+    }
+
+    #[test]
+    fn spend_without_a_hold_is_charged() {
+        let mut l = Ledger::new(1.0);
+        l.settle("n1", 0.0, 0.3, 0);
+        assert_eq!(l.spent_usd, 0.3);
+        assert!(l.holds.is_empty());
+    }
+
+    #[test]
+    fn a_node_sees_the_others_holds_as_spent() {
+        let mut l = Ledger::new(1.0);
+        assert!(l.reserve("n1", 0.2, 0, 1_000));
+        assert!(l.reserve("n2", 0.3, 0, 1_000));
+        l.settle("n2", 0.0, 0.1, 0);
+        let v = l.view_for("n1", 10, 0.2);
+        assert_eq!(v.limit_usd, 1.0);
+        assert!((v.spent_usd - 0.4).abs() < 1e-9, "0.1 spent + n2's 0.3");
+        assert!((v.remaining_usd() - 0.4).abs() < 1e-9);
+    }
+
+    proptest! {
+        /// However reservations and settlements interleave across nodes, what is spent never
+        /// passes the limit when no settlement exceeds its reservation.
+        #[test]
+        fn spend_never_passes_the_limit(ops in proptest::collection::vec((0usize..3, 1u32..50, 0u32..=100), 1..200)) {
+            let mut l = Ledger::new(1.0);
+            let mut open: Vec<(usize, f64)> = Vec::new();
+            for (t, (node, cents, pct)) in ops.into_iter().enumerate() {
+                let name = format!("n{node}");
+                let usd = f64::from(cents) / 100.0;
+                if l.reserve(&name, usd, t as u64, 1_000_000) {
+                    open.push((node, usd));
+                }
+                if pct % 2 == 0 && !open.is_empty() {
+                    let (n, r) = open.remove(0);
+                    l.settle(&format!("n{n}"), r, r * f64::from(pct) / 100.0, t as u64);
+                }
+                prop_assert!(l.spent_usd + l.held_usd(t as u64, None) <= 1.0 + 1e-6);
+            }
+        }
+    }
+}

@@ -1,0 +1,738 @@
+//! The node's side of the shared budget ledger (`core::ledger`), kept in the JetStream KV bucket
+//! `oam-budgets`: one key per budget (`global`, `agent.{name}`).
+//!
+//! Before an attempt a budget applies to, the driver asks [`Ledgers::reserve`]; one task per
+//! node takes every request waiting at that moment and applies them to each key in a single
+//! compare-and-swap (retried on a conflict with another node), so a burst costs one round trip
+//! per key, not one per request. Settlements go the same way, off the request's path; one that
+//! cannot be written waits for the next batch, never dropped. Every node watches the bucket and
+//! mirrors each budget into its engine (others' holds count as spent), so routing already sees
+//! what the cluster spent.
+//!
+//! When the ledger cannot be reached (no answer within `STORE_TIMEOUT`, or the node is cut
+//! off) the request's risk decides: high risk is refused (BUDGET_STORE_UNREACHABLE, escalated);
+//! lower risk may spend this node's local share, the limit divided by the cluster size
+//! (BUDGET_LOCAL_SHARE), settled in the ledger once it answers again.
+
+use super::Node;
+use crate::clock::now_ms;
+use crate::core::budget::Budget;
+use crate::core::ledger::Ledger;
+use crate::core::pipeline::{Engine, Session, Step};
+use crate::core::reason::ReasonCode;
+use crate::core::request::{Risk, round_usd};
+use crate::transport::subjects::BUDGETS_BUCKET;
+use async_nats::jetstream::kv;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// How long a node's hold counts without renewal (renewed every third of it while held).
+pub const LEASE_MS: u64 = 30_000;
+/// How long one ledger round trip may take before the ledger counts as unreachable.
+pub const STORE_TIMEOUT: Duration = Duration::from_millis(750);
+/// Compare-and-swap attempts per key and batch before the batch counts as failed.
+const CAS_TRIES: usize = 32;
+/// How soon settlements the ledger did not take are tried again.
+const RETRY: Duration = Duration::from_millis(200);
+/// Requests applied in one batch at most.
+const BATCH_MAX: usize = 512;
+
+/// The key of the global budget (`None`) or of `agent`'s.
+pub fn key(agent: Option<&str>) -> String {
+    match agent {
+        None => "global".into(),
+        Some(a) => format!("agent.{}", crate::transport::kv::token(a)),
+    }
+}
+
+/// What the ledger said to a reservation.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Answer {
+    Held,
+    Refused(ReasonCode),
+    Unreachable,
+}
+
+/// A granted hold an attempt carries until it settles.
+#[derive(Clone, Debug)]
+pub struct Hold {
+    /// Which budgets hold it (the agent's, the global one); none when spent on the local share.
+    agent_key: Option<String>,
+    global: bool,
+    usd: f64,
+    /// Spent on the node's local share, not held in the ledger.
+    local: bool,
+}
+
+enum Op {
+    Reserve {
+        agent_key: Option<String>,
+        global: bool,
+        usd: f64,
+        reply: oneshot::Sender<Answer>,
+    },
+    Settle {
+        key: String,
+        reserved_usd: f64,
+        actual_usd: f64,
+    },
+}
+
+/// A reservation in a batch and, once applied, its answer.
+struct Ask {
+    agent_key: Option<String>,
+    global: bool,
+    usd: f64,
+    reply: oneshot::Sender<Answer>,
+    answer: Answer,
+}
+
+#[derive(Clone, Copy)]
+enum Change {
+    Reserve(f64),
+    Settle(f64, f64),
+    Renew,
+}
+
+/// Counters for `/metrics` and the state snapshot.
+#[derive(Default)]
+pub struct LedgerCounters {
+    pub held: AtomicU64,
+    pub refused: AtomicU64,
+    pub unreachable: AtomicU64,
+    pub local_share: AtomicU64,
+    /// Settlements waiting for the ledger to answer.
+    pub unsettled: AtomicU64,
+}
+
+pub struct Ledgers {
+    tx: mpsc::UnboundedSender<Op>,
+    rx: std::sync::Mutex<Option<mpsc::UnboundedReceiver<Op>>>,
+    store: tokio::sync::Mutex<Option<kv::Store>>,
+    /// What this node spent (or holds) on local shares while the ledger was unreachable, by key.
+    share: std::sync::Mutex<BTreeMap<String, f64>>,
+    /// The newest revision of each key mirrored into the engine.
+    revisions: std::sync::Mutex<BTreeMap<String, u64>>,
+    pub counters: LedgerCounters,
+}
+
+impl Default for Ledgers {
+    fn default() -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Ledgers {
+            tx,
+            rx: std::sync::Mutex::new(Some(rx)),
+            store: tokio::sync::Mutex::new(None),
+            share: std::sync::Mutex::default(),
+            revisions: std::sync::Mutex::default(),
+            counters: LedgerCounters::default(),
+        }
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Mirror a ledger into the engine's budgets as `node` sees it (its own reservations it keeps).
+fn mirror(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now: u64) {
+    let slot = match agent {
+        Some(a) => e
+            .state
+            .budgets
+            .agents
+            .entry(a.to_string())
+            .or_insert_with(|| Budget::new(l.limit_usd)),
+        None => e
+            .state
+            .budgets
+            .global
+            .get_or_insert_with(|| Budget::new(l.limit_usd)),
+    };
+    *slot = l.view_for(node, now, slot.reserved_usd);
+}
+
+impl Node {
+    /// Reserve the attempt's cost in the shared ledger before it is made. `None`: go ahead (the
+    /// flight carries the hold until it settles); `Some(step)`: the engine's next step after a
+    /// refusal.
+    pub(crate) async fn reserve(
+        self: &Arc<Self>,
+        flight: &mut super::dataplane::Flight,
+        usd: f64,
+    ) -> Option<Step> {
+        let agent = flight.session.request().agent.clone();
+        let risk = flight.session.request().risk;
+        let (agent_key, global) = self.with_engine(|e| {
+            let b = &e.state.budgets;
+            (
+                b.agents.contains_key(&agent).then(|| key(Some(&agent))),
+                b.global.is_some(),
+            )
+        });
+        let answer = if self.isolated() {
+            Answer::Unreachable
+        } else {
+            let (reply, rx) = oneshot::channel();
+            let op = Op::Reserve {
+                agent_key: agent_key.clone(),
+                global,
+                usd,
+                reply,
+            };
+            match self.ledger.tx.send(op) {
+                Ok(()) => rx.await.unwrap_or(Answer::Unreachable),
+                Err(_) => Answer::Unreachable,
+            }
+        };
+        let c = &self.ledger.counters;
+        let code = match answer {
+            Answer::Held => {
+                c.held.fetch_add(1, Ordering::Relaxed);
+                flight.hold = Some(Hold {
+                    agent_key,
+                    global,
+                    usd,
+                    local: false,
+                });
+                return None;
+            }
+            Answer::Refused(code) => {
+                c.refused.fetch_add(1, Ordering::Relaxed);
+                code
+            }
+            Answer::Unreachable => {
+                c.unreachable.fetch_add(1, Ordering::Relaxed);
+                if risk != Risk::High
+                    && self.take_local_share(&agent, agent_key.as_deref(), global, usd)
+                {
+                    c.local_share.fetch_add(1, Ordering::Relaxed);
+                    flight.session.note(ReasonCode::BudgetLocalShare);
+                    flight.hold = Some(Hold {
+                        agent_key,
+                        global,
+                        usd,
+                        local: true,
+                    });
+                    return None;
+                }
+                ReasonCode::BudgetStoreUnreachable
+            }
+        };
+        self.with_engine(|e| e.refuse_reservation(&mut flight.session, code, now_ms()))
+    }
+
+    /// Take `usd` from this node's local share of each budget that applies, if every one
+    /// covers it.
+    fn take_local_share(
+        &self,
+        agent: &str,
+        agent_key: Option<&str>,
+        global: bool,
+        usd: f64,
+    ) -> bool {
+        let (cluster, limits) = self.with_engine(|e| {
+            let b = &e.state.budgets;
+            let limits: Vec<(String, f64)> = agent_key
+                .map(|k| {
+                    (
+                        k.to_string(),
+                        b.agents.get(agent).map_or(0.0, |x| x.limit_usd),
+                    )
+                })
+                .into_iter()
+                .chain(global.then(|| (key(None), b.global.map_or(0.0, |x| x.limit_usd))))
+                .collect();
+            (e.state.cluster.effective_size(now_ms()).max(1), limits)
+        });
+        let mut share = lock(&self.ledger.share);
+        let fits = limits.iter().all(|(k, limit)| {
+            let used = share.get(k).copied().unwrap_or(0.0);
+            used + usd <= limit / cluster as f64 + 1e-9
+        });
+        if fits {
+            for (k, _) in limits {
+                let used = share.entry(k).or_insert(0.0);
+                *used = round_usd(*used + usd);
+            }
+        }
+        fits
+    }
+
+    /// Settle a hold with what the attempt really cost (off the request's path).
+    pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) {
+        let reserved_usd = if hold.local { 0.0 } else { hold.usd };
+        if hold.local {
+            // The share keeps what was spent, not what was estimated.
+            let mut share = lock(&self.ledger.share);
+            for k in hold
+                .agent_key
+                .iter()
+                .cloned()
+                .chain(hold.global.then(|| key(None)))
+            {
+                if let Some(used) = share.get_mut(&k) {
+                    *used = round_usd((*used - hold.usd + actual_usd).max(0.0));
+                }
+            }
+        }
+        let keys = hold
+            .agent_key
+            .into_iter()
+            .chain(hold.global.then(|| key(None)));
+        for k in keys {
+            let _ = self.ledger.tx.send(Op::Settle {
+                key: k,
+                reserved_usd,
+                actual_usd,
+            });
+        }
+    }
+
+    /// The bucket, opened (or created) on first use; `None` while it cannot be.
+    async fn ledger_store(&self) -> Option<kv::Store> {
+        let mut store = self.ledger.store.lock().await;
+        if store.is_none() {
+            let open = crate::transport::kv::bucket(&self.nats, BUDGETS_BUCKET, Duration::ZERO);
+            match tokio::time::timeout(STORE_TIMEOUT * 2, open).await {
+                Ok(Ok(s)) => *store = Some(s),
+                Ok(Err(e)) => tracing::warn!(node = %self.id, "budget ledger: {e:#}"),
+                Err(_) => {
+                    tracing::warn!(node = %self.id, "budget ledger: no answer opening {BUDGETS_BUCKET}");
+                }
+            }
+        }
+        store.clone()
+    }
+
+    /// Put the configured budgets in the ledger unless they are there already (the ledger is
+    /// the truth once they are: limits changed by `oam budget set` and what was spent survive a
+    /// restart), and mirror what the ledger holds.
+    async fn seed_ledger(&self, store: &kv::Store) {
+        let configured: Vec<(Option<String>, f64)> = self
+            .cfg
+            .budgets
+            .agents
+            .iter()
+            .map(|(a, b)| (Some(a.clone()), b.limit_usd))
+            .chain(self.cfg.budgets.global.map(|b| (None, b.limit_usd)))
+            .collect();
+        for (agent, limit) in configured {
+            let k = key(agent.as_deref());
+            let record = Ledger {
+                agent: agent.clone(),
+                ..Ledger::new(limit)
+            };
+            let Ok(bytes) = serde_json::to_vec(&record) else {
+                continue;
+            };
+            let _ = tokio::time::timeout(STORE_TIMEOUT, store.create(&k, bytes.into())).await;
+        }
+    }
+
+    /// Apply ledger changes in batches until the node stops; renew this node's holds.
+    pub(crate) async fn ledger_loop(self: Arc<Self>) {
+        let Some(mut rx) = lock(&self.ledger.rx).take() else {
+            return;
+        };
+        if let Some(store) = self.ledger_store().await {
+            self.seed_ledger(&store).await;
+            let n = self.clone();
+            tokio::spawn(async move { n.watch_ledger(store).await });
+        }
+        let mut renew = tokio::time::interval(Duration::from_millis(LEASE_MS / 3));
+        renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Settlements the ledger has not taken yet (it did not answer).
+        let mut unsettled: Vec<Op> = Vec::new();
+        let mut held: BTreeMap<String, f64> = BTreeMap::new();
+        loop {
+            let mut batch = std::mem::take(&mut unsettled);
+            let retrying = !batch.is_empty();
+            let renewing = tokio::select! {
+                op = rx.recv() => match op {
+                    Some(op) => { batch.push(op); false }
+                    None => return,
+                },
+                _ = renew.tick() => true,
+                // Settlements the ledger did not take are tried again soon, new work or not.
+                () = tokio::time::sleep(RETRY), if retrying => false,
+            };
+            while batch.len() < BATCH_MAX {
+                match rx.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(_) => break,
+                }
+            }
+            let renew_keys: Vec<String> = if renewing {
+                held.iter()
+                    .filter(|(_, v)| **v > 0.0)
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            if batch.is_empty() && renew_keys.is_empty() {
+                continue;
+            }
+            unsettled = self.apply_batch(batch, &renew_keys, &mut held).await;
+            self.ledger
+                .counters
+                .unsettled
+                .store(unsettled.len() as u64, Ordering::Relaxed);
+            if unsettled.is_empty() {
+                // The ledger has everything: local shares start afresh.
+                lock(&self.ledger.share).clear();
+            }
+        }
+    }
+
+    /// Apply one batch; returns the settlements that could not be written.
+    async fn apply_batch(
+        &self,
+        batch: Vec<Op>,
+        renew_keys: &[String],
+        held: &mut BTreeMap<String, f64>,
+    ) -> Vec<Op> {
+        let store = if self.isolated() {
+            None
+        } else {
+            self.ledger_store().await
+        };
+        let mut replies: Vec<(oneshot::Sender<Answer>, Answer)> = Vec::new();
+        let Some(store) = store else {
+            let mut keep = Vec::new();
+            for op in batch {
+                match op {
+                    Op::Reserve { reply, .. } => replies.push((reply, Answer::Unreachable)),
+                    settle @ Op::Settle { .. } => keep.push(settle),
+                }
+            }
+            for (tx, a) in replies {
+                let _ = tx.send(a);
+            }
+            return keep;
+        };
+        // Phase 1: agents' reservations and every settlement; phase 2: the global budget for
+        // the reservations phase 1 granted; phase 3: give back the agent holds of those the
+        // global budget refused.
+        let mut reserves: Vec<Ask> = Vec::new();
+        let mut phase1: BTreeMap<String, Vec<(Option<usize>, Change)>> = BTreeMap::new();
+        let mut settles: Vec<Op> = Vec::new();
+        for op in batch {
+            match op {
+                Op::Reserve {
+                    agent_key,
+                    global,
+                    usd,
+                    reply,
+                } => {
+                    let i = reserves.len();
+                    if let Some(k) = &agent_key {
+                        phase1
+                            .entry(k.clone())
+                            .or_default()
+                            .push((Some(i), Change::Reserve(usd)));
+                    }
+                    reserves.push(Ask {
+                        agent_key,
+                        global,
+                        usd,
+                        reply,
+                        answer: Answer::Held,
+                    });
+                }
+                Op::Settle {
+                    ref key,
+                    reserved_usd,
+                    actual_usd,
+                } => {
+                    phase1
+                        .entry(key.clone())
+                        .or_default()
+                        .push((None, Change::Settle(reserved_usd, actual_usd)));
+                    settles.push(op);
+                }
+            }
+        }
+        for k in renew_keys {
+            phase1
+                .entry(k.clone())
+                .or_default()
+                .push((None, Change::Renew));
+        }
+        let mut failed: Vec<String> = Vec::new();
+        self.apply_keys(
+            &store,
+            phase1,
+            &mut reserves,
+            &mut failed,
+            held,
+            ReasonCode::BudgetExhausted,
+        )
+        .await;
+        let mut phase2: BTreeMap<String, Vec<(Option<usize>, Change)>> = BTreeMap::new();
+        for (i, r) in reserves.iter().enumerate() {
+            if r.global && r.answer == Answer::Held {
+                phase2
+                    .entry(key(None))
+                    .or_default()
+                    .push((Some(i), Change::Reserve(r.usd)));
+            }
+        }
+        if !phase2.is_empty() {
+            let before: Vec<Answer> = reserves.iter().map(|r| r.answer).collect();
+            self.apply_keys(
+                &store,
+                phase2,
+                &mut reserves,
+                &mut failed,
+                held,
+                ReasonCode::GlobalBudgetExhausted,
+            )
+            .await;
+            let mut phase3: BTreeMap<String, Vec<(Option<usize>, Change)>> = BTreeMap::new();
+            for (r, was) in reserves.iter().zip(before) {
+                if was == Answer::Held
+                    && r.answer != Answer::Held
+                    && let Some(k) = &r.agent_key
+                {
+                    phase3
+                        .entry(k.clone())
+                        .or_default()
+                        .push((None, Change::Settle(r.usd, 0.0)));
+                }
+            }
+            if !phase3.is_empty() {
+                let mut none = Vec::new();
+                let mut undo_failed = Vec::new();
+                self.apply_keys(
+                    &store,
+                    phase3,
+                    &mut none,
+                    &mut undo_failed,
+                    held,
+                    ReasonCode::BudgetExhausted,
+                )
+                .await;
+                // A give-back that could not be written lapses with the lease.
+            }
+        }
+        for r in reserves {
+            let _ = r.reply.send(r.answer);
+        }
+        // Settlements on keys whose write failed wait for the next batch.
+        settles
+            .into_iter()
+            .filter(|op| matches!(op, Op::Settle { key, .. } if failed.contains(key)))
+            .collect()
+    }
+
+    /// Apply each key's changes in one compare-and-swap. Reservations answer in `reserves`
+    /// (refused with `refusal`, or unreachable if the key could not be written); keys that
+    /// could not be written are added to `failed`.
+    async fn apply_keys(
+        &self,
+        store: &kv::Store,
+        by_key: BTreeMap<String, Vec<(Option<usize>, Change)>>,
+        reserves: &mut [Ask],
+        failed: &mut Vec<String>,
+        held: &mut BTreeMap<String, f64>,
+        refusal: ReasonCode,
+    ) {
+        for (k, changes) in by_key {
+            match self.cas(store, &k, &changes).await {
+                Some((ledger, granted, revision)) => {
+                    for ((i, _), ok) in changes.iter().zip(granted) {
+                        if let Some(i) = i
+                            && !ok
+                        {
+                            reserves[*i].answer = Answer::Refused(refusal);
+                        }
+                    }
+                    let mine = ledger.holds.get(&self.id).map_or(0.0, |h| h.usd);
+                    held.insert(k.clone(), mine);
+                    self.mirror(&k, revision, &ledger);
+                }
+                None => {
+                    for (i, _) in &changes {
+                        if let Some(i) = i {
+                            reserves[*i].answer = Answer::Unreachable;
+                        }
+                    }
+                    failed.push(k);
+                }
+            }
+        }
+    }
+
+    /// One key's read-modify-write, retried on conflicts: the ledger written, and for each
+    /// change whether it was granted. `None` if the ledger did not answer or kept conflicting.
+    async fn cas(
+        &self,
+        store: &kv::Store,
+        k: &str,
+        changes: &[(Option<usize>, Change)],
+    ) -> Option<(Ledger, Vec<bool>, u64)> {
+        for _ in 0..CAS_TRIES {
+            let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
+                .await
+                .ok()?
+                .ok()?;
+            let (mut ledger, revision) = match entry {
+                Some(e) if e.operation == kv::Operation::Put => {
+                    match serde_json::from_slice::<Ledger>(&e.value) {
+                        Ok(l) => (l, Some(e.revision)),
+                        Err(err) => {
+                            tracing::error!(node = %self.id, key = k, "budget ledger record unreadable: {err}");
+                            return None;
+                        }
+                    }
+                }
+                other => {
+                    // No record (yet, or removed): the engine's limit starts one.
+                    let agent = self.agent_of(k);
+                    let limit = self.with_engine(|e| match &agent {
+                        Some(a) => e.state.budgets.agents.get(a).map(|b| b.limit_usd),
+                        None => e.state.budgets.global.map(|b| b.limit_usd),
+                    });
+                    let limit = limit?;
+                    (
+                        Ledger {
+                            agent,
+                            ..Ledger::new(limit)
+                        },
+                        other.map(|e| e.revision),
+                    )
+                }
+            };
+            let now = now_ms();
+            let granted: Vec<bool> = changes
+                .iter()
+                .map(|(_, c)| match *c {
+                    Change::Reserve(usd) => ledger.reserve(&self.id, usd, now, LEASE_MS),
+                    Change::Settle(r, a) => {
+                        ledger.settle(&self.id, r, a, now);
+                        true
+                    }
+                    Change::Renew => ledger.renew(&self.id, now, LEASE_MS),
+                })
+                .collect();
+            let bytes: bytes::Bytes = serde_json::to_vec(&ledger).ok()?.into();
+            let written = match revision {
+                Some(r) => tokio::time::timeout(STORE_TIMEOUT, store.update(k, bytes, r))
+                    .await
+                    .ok()?
+                    .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
+                None => tokio::time::timeout(STORE_TIMEOUT, store.create(k, bytes))
+                    .await
+                    .ok()?
+                    .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
+            };
+            match written {
+                Ok(revision) => return Some((ledger, granted, revision)),
+                // Another node wrote first: read again.
+                Err(true) => continue,
+                Err(false) => return None,
+            }
+        }
+        tracing::warn!(node = %self.id, key = k, "budget ledger: {CAS_TRIES} conflicting writes in a row");
+        None
+    }
+
+    /// The agent a key names, as the engine knows it (the global key names none).
+    fn agent_of(&self, k: &str) -> Option<String> {
+        let token = k.strip_prefix("agent.")?;
+        self.with_engine(|e| {
+            e.state
+                .budgets
+                .agents
+                .keys()
+                .find(|a| crate::transport::kv::token(a) == token)
+                .cloned()
+        })
+    }
+
+    /// Mirror every budget (its last record first, then every change, this node's and the
+    /// others') into the engine.
+    async fn watch_ledger(self: Arc<Self>, store: kv::Store) {
+        use futures_util::StreamExt;
+        loop {
+            let watch =
+                tokio::time::timeout(STORE_TIMEOUT * 2, store.watch_with_history(">")).await;
+            let Ok(Ok(mut watch)) = watch else {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            };
+            loop {
+                let next = tokio::select! {
+                    n = watch.next() => n,
+                    () = self.stop.cancelled() => return,
+                };
+                let Some(Ok(entry)) = next else {
+                    break;
+                };
+                match entry.operation {
+                    kv::Operation::Put => {
+                        let Ok(l) = serde_json::from_slice::<Ledger>(&entry.value) else {
+                            tracing::warn!(node = %self.id, key = %entry.key, "budget ledger record unreadable; ignored");
+                            continue;
+                        };
+                        self.mirror(&entry.key, entry.revision, &l);
+                    }
+                    kv::Operation::Delete | kv::Operation::Purge => {
+                        let agent = self.agent_of(&entry.key);
+                        self.with_engine(|e| match agent {
+                            Some(a) => {
+                                e.state.budgets.agents.remove(&a);
+                            }
+                            None if entry.key == key(None) => e.state.budgets.global = None,
+                            None => {}
+                        });
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Mirror revision `revision` of key `k` into the engine unless a newer one is there already
+    /// (this node's own write and the watch race), or chaos drained the budget here.
+    fn mirror(&self, k: &str, revision: u64, l: &Ledger) {
+        {
+            let mut seen = lock(&self.ledger.revisions);
+            let last = seen.entry(k.to_string()).or_insert(0);
+            if revision <= *last {
+                return;
+            }
+            *last = revision;
+        }
+        if !self.drained(l.agent.as_deref()) {
+            let now = now_ms();
+            self.with_engine(|e| mirror(e, &self.id, l.agent.as_deref(), l, now));
+        }
+    }
+
+    /// Is `agent`'s budget drained by chaos on this node (its limit is not the ledger's now)?
+    fn drained(&self, agent: Option<&str>) -> bool {
+        agent.is_some_and(|a| super::lock(&self.chaos).drained.contains_key(a))
+    }
+}
+
+/// The hold an attempt carries goes back when it settles; the engine gives back its own
+/// reservation at the same time.
+pub(crate) fn settle_after(
+    node: &Node,
+    hold: &mut Option<Hold>,
+    session: &Session,
+    cost_before: f64,
+) {
+    if session.dispatched() {
+        return;
+    }
+    if let Some(h) = hold.take() {
+        node.settle(h, round_usd((session.cost_usd() - cost_before).max(0.0)));
+    }
+}
