@@ -108,6 +108,37 @@ pub struct LedgerCounters {
     pub unsettled: AtomicU64,
 }
 
+impl LedgerCounters {
+    /// The Prometheus lines for the ledger.
+    pub fn render(&self) -> String {
+        use std::fmt::Write;
+        let mut w = String::from(
+            "# HELP oam_budget_reservations_total Attempts a shared budget was asked to hold, by \
+             what the ledger answered (local_share: unreachable, spent on this node's share).\n\
+             # TYPE oam_budget_reservations_total counter\n",
+        );
+        for (answer, n) in [
+            ("held", &self.held),
+            ("refused", &self.refused),
+            ("unreachable", &self.unreachable),
+            ("local_share", &self.local_share),
+        ] {
+            let _ = writeln!(
+                w,
+                "oam_budget_reservations_total{{answer=\"{answer}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+        let _ = write!(
+            w,
+            "# HELP oam_budget_unsettled Settlements waiting for the ledger to answer.\n\
+             # TYPE oam_budget_unsettled gauge\noam_budget_unsettled {}\n",
+            self.unsettled.load(Ordering::Relaxed)
+        );
+        w
+    }
+}
+
 pub struct Ledgers {
     tx: mpsc::UnboundedSender<Op>,
     rx: std::sync::Mutex<Option<mpsc::UnboundedReceiver<Op>>>,

@@ -909,6 +909,7 @@ impl Node {
              oam_http_connection_limit_reached_total {}\n",
             self.http_saturated.load(Ordering::Relaxed)
         ));
+        text.push_str(&self.ledger.counters.render());
         text
     }
 

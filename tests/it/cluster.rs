@@ -1421,4 +1421,11 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
         "the local share's spend reached the ledger: {:?} vs {since_reset}",
         spender_ledger(&cl.nats.url())
     );
+    let text = crate::support::metrics(&cl.urls[2]).await;
+    for line in [
+        "oam_budget_reservations_total{answer=\"local_share\"} 1",
+        "oam_budget_unsettled 0",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
 }
