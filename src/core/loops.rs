@@ -193,8 +193,9 @@ pub fn on_failure(
 }
 
 /// A call with this fingerprint succeeded: any episode is over and the count starts again.
-pub fn on_success(loops: &mut Loops, fp: Fingerprint) {
-    loops.remove(&fp);
+/// The call worked: its count and any episode end. Whether there was anything to end.
+pub fn on_success(loops: &mut Loops, fp: Fingerprint) -> bool {
+    loops.remove(&fp).is_some()
 }
 
 /// Forget what is out of the window and episodes that expired unprobed. Drivers call this

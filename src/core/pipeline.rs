@@ -252,6 +252,18 @@ pub enum Effect {
         provider: ProviderId,
         until_ms: u64,
     },
+    /// The call failed and counts toward a loop: other nodes should count it too.
+    LoopFailure {
+        fingerprint: Fingerprint,
+        agent: String,
+        task: String,
+        /// It was the episode's probe.
+        probe: bool,
+    },
+    /// The call worked after failures: its count (and any episode) ends on every node.
+    LoopCleared {
+        fingerprint: Fingerprint,
+    },
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
@@ -1037,6 +1049,34 @@ impl Engine {
         })
     }
 
+    /// Another node counted a failure of call `fp` at `at_ms` (its `Effect::LoopFailure`): count
+    /// it here too, so a loop spread over the cluster trips at the same count as one on a
+    /// single node. An episode it opens blocks identical calls here; its incident and escalation
+    /// are the node's whose own failure opened it.
+    pub fn remote_loop_failure(
+        &mut self,
+        fp: Fingerprint,
+        agent: &str,
+        task: &str,
+        at_ms: u64,
+        probe: bool,
+    ) {
+        loops::on_failure(
+            &mut self.state.loops,
+            fp,
+            agent,
+            task,
+            at_ms,
+            probe,
+            &self.config.loops,
+        );
+    }
+
+    /// Another node's call `fp` worked: its count and any episode end here too.
+    pub fn remote_loop_cleared(&mut self, fp: Fingerprint) {
+        loops::on_success(&mut self.state.loops, fp);
+    }
+
     /// The shared ledger would not hold the dispatched attempt's cost (`code`: the budget that
     /// refused, or BUDGET_STORE_UNREACHABLE when the ledger could not be asked and the request
     /// may not spend on a local share). The attempt is not made. A high-risk request is refused
@@ -1355,6 +1395,12 @@ impl Engine {
                 s.loop_probe,
                 &self.config.loops,
             );
+            s.effects.push(Effect::LoopFailure {
+                fingerprint: s.fingerprint,
+                agent: s.request.agent.clone(),
+                task: s.request.task.clone(),
+                probe: s.loop_probe,
+            });
             if incident.is_some() {
                 push(&mut s.codes, ReasonCode::AgentLoopDetected);
                 phase = Phase::Loop;
@@ -1449,7 +1495,11 @@ impl Engine {
         let accepted = outcome == DecisionOutcome::Accepted;
         if accepted {
             push(&mut s.codes, ReasonCode::Accepted);
-            loops::on_success(&mut self.state.loops, s.fingerprint);
+            if loops::on_success(&mut self.state.loops, s.fingerprint) {
+                s.effects.push(Effect::LoopCleared {
+                    fingerprint: s.fingerprint,
+                });
+            }
         }
         let last = s
             .attempts

@@ -13,6 +13,7 @@ use super::breaker::Breaker;
 use super::budget::Budgets;
 use super::bulkhead::{BulkheadConfig, Bulkheads};
 use super::health::{Stats, Verdict};
+use super::loops::{Fingerprint, Loops};
 use super::quorum::{Observation, ProviderView};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -173,6 +174,24 @@ pub struct Goodbye {
 pub struct Observations {
     pub node: String,
     pub observations: Vec<Observation>,
+}
+
+/// `oam.v1.loop.{node}`: a failure one node counted toward an agent loop, or a call that worked
+/// after failures. Every node applies the others', so a loop spread over the cluster trips at
+/// the same count as one on a single node.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(tag = "event", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LoopEvent {
+    Failure {
+        fingerprint: Fingerprint,
+        agent: String,
+        task: String,
+        at_ms: u64,
+        probe: bool,
+    },
+    Cleared {
+        fingerprint: Fingerprint,
+    },
 }
 
 #[cfg(test)]
@@ -341,6 +360,8 @@ pub struct NodeSnapshot {
     pub bulkheads: Bulkheads,
     pub bulkhead_limits: BulkheadConfig,
     pub budgets: Budgets,
+    /// Calls failing again and again (counted across the cluster), and open loop episodes.
+    pub loops: Loops,
     pub bus: BusCounts,
     /// Escalations this node could not deliver to its webhook (after every attempt).
     pub escalations_undelivered: u64,

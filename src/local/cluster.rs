@@ -453,6 +453,12 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
         Duration::ZERO,
     )
     .await?;
+    kv::bucket(
+        &nats,
+        crate::transport::subjects::LOOP_EPISODES_BUCKET,
+        kv::LOOP_EPISODES_AGE,
+    )
+    .await?;
     for (name, max_age) in kv::MESH_BUCKETS {
         kv::bucket(&nats, name, max_age).await?;
     }

@@ -187,6 +187,7 @@ impl Role {
                     subjects::state(id),
                     subjects::incident(id),
                     subjects::escalation(id),
+                    subjects::loop_event(id),
                 ]);
                 p.subscribe([
                     subjects::HEARTBEATS,
@@ -194,10 +195,12 @@ impl Role {
                     subjects::ALL_OBSERVATIONS,
                     subjects::DEATHS,
                     subjects::REQUEST,
+                    subjects::LOOP_EVENTS,
                 ]);
                 p.subscribe([subjects::chaos_node(id), subjects::chaos_node("all")]);
                 p.kv_write(escalations::BUCKET, ">");
                 p.kv_write(subjects::BUDGETS_BUCKET, ">");
+                p.kv_write(subjects::LOOP_EPISODES_BUCKET, ">");
             }
             Role::Monitor => {
                 p.publish([subjects::DEATHS, subjects::INSTANCE_DEATHS]);

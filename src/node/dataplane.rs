@@ -732,12 +732,13 @@ fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
 }
 
 fn publish_decision(node: &Node, d: Decision) {
+    node.share_loop_effects(&d);
     if let Some(i) = &d.incident
         && d.reason_codes.contains(&ReasonCode::AgentLoopDetected)
     {
-        node.publish(subjects::incident(&node.id), i);
-    }
-    if let Some(e) = &d.escalation {
+        // A new loop episode: raised once for the cluster (see `node::loops`).
+        node.raise_loop_incident(i.clone(), d.escalation.clone());
+    } else if let Some(e) = &d.escalation {
         node.publish(subjects::escalation(&node.id), e);
         node.record_escalation(e);
     }

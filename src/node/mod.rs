@@ -9,6 +9,7 @@ pub mod connector;
 pub mod dataplane;
 pub mod ledger;
 pub mod live;
+pub mod loops;
 pub mod metrics;
 pub mod server;
 pub mod sse;
@@ -21,8 +22,8 @@ use crate::core::pipeline::{Config as PipelineConfig, Decision, Engine, State};
 use crate::core::quorum::{Cluster, Observation};
 use crate::core::request::{GenerationStatus, Message, Provider};
 use crate::core::wire::{
-    Arrival, BusCounts, Envelope, Goodbye, Heartbeat, MemberSnapshot, NodeSnapshot, Observations,
-    ProviderSnapshot, Sequencer, Stamper,
+    Arrival, BusCounts, Envelope, Goodbye, Heartbeat, LoopEvent, MemberSnapshot, NodeSnapshot,
+    Observations, ProviderSnapshot, Sequencer, Stamper,
 };
 use crate::transport::subjects;
 use config::NodeConfig;
@@ -95,6 +96,11 @@ pub struct Node {
     /// Providers that are mesh agents whose death notice arrived; UNHEALTHY until a probe
     /// succeeds again.
     down: Mutex<std::collections::BTreeSet<String>>,
+    /// Loop episodes to claim (and claims to release), in order.
+    loop_claims: tokio::sync::mpsc::UnboundedSender<loops::ClaimOp>,
+    loop_claims_rx: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<loops::ClaimOp>>>,
+    /// Loop episodes this node opened that another node had raised already.
+    pub loops_joined: AtomicU64,
     /// The node's side of the shared budget ledger.
     pub(crate) ledger: ledger::Ledgers,
     /// Chaos done to this node, undone at expiry or on request.
@@ -172,6 +178,7 @@ impl Node {
         let pipeline: PipelineConfig = cfg.pipeline.clone();
         let (outbox, outbox_rx) = tokio::sync::mpsc::channel(OUTBOX_CAPACITY);
         let (escalations, escalations_rx) = tokio::sync::mpsc::channel(OUTBOX_CAPACITY);
+        let (loop_claims, loop_claims_rx) = tokio::sync::mpsc::unbounded_channel();
         Ok(Arc::new(Node {
             outbox,
             outbox_rx: Mutex::new(Some(outbox_rx)),
@@ -199,6 +206,9 @@ impl Node {
             down: Mutex::new(std::collections::BTreeSet::new()),
             chaos: Mutex::new(NodeChaos::default()),
             ledger: ledger::Ledgers::default(),
+            loop_claims,
+            loop_claims_rx: Mutex::new(Some(loop_claims_rx)),
+            loops_joined: AtomicU64::new(0),
             isolation_changed: tokio::sync::Notify::new(),
             cfg,
         }))
@@ -815,6 +825,7 @@ impl Node {
         let mut hb = self.nats.subscribe(subjects::HEARTBEATS).await?;
         let mut obs = self.nats.subscribe(subjects::ALL_OBSERVATIONS).await?;
         let mut bye = self.nats.subscribe(subjects::GOODBYES).await?;
+        let mut loop_events = self.nats.subscribe(subjects::LOOP_EVENTS).await?;
         loop {
             if self.isolated() {
                 // Cut off: whatever the subscriptions still hold is not heard.
@@ -823,6 +834,7 @@ impl Node {
                     Some(_) = obs.next() => {}
                     Some(_) = deaths.next() => {}
                     Some(_) = bye.next() => {}
+                    Some(_) = loop_events.next() => {}
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
                 continue;
@@ -872,6 +884,11 @@ impl Node {
                         Err(_) => {
                             self.bus.malformed.fetch_add(1, Ordering::Relaxed);
                         }
+                    }
+                }
+                Some(m) = loop_events.next() => {
+                    if let Some(env) = self.decode::<LoopEvent>("loop", &m, now_ms(), true) {
+                        self.apply_loop_event(&env.sender, env.body);
                     }
                 }
                 Some(m) = bye.next() => {
@@ -953,6 +970,7 @@ impl Node {
             bulkheads: e.state.bulkheads,
             bulkhead_limits: e.config.bulkheads,
             budgets: e.state.budgets.clone(),
+            loops: e.state.loops.clone(),
             bus: BusCounts {
                 malformed: count(&self.bus.malformed),
                 duplicate_or_stale: count(&self.bus.duplicate_or_stale),
@@ -1002,6 +1020,7 @@ pub async fn run(
     loops.spawn(node.clone().heartbeat_loop());
     loops.spawn(node.clone().probe_loop());
     loops.spawn(node.clone().ledger_loop());
+    loops.spawn(node.clone().loop_claim_loop());
     {
         let n = node.clone();
         loops.spawn(async move {

@@ -8,6 +8,10 @@ pub const INSTANCE_LEASE: Duration = Duration::from_secs(15);
 /// How long an announced death is remembered (so it is announced once).
 pub const TOMBSTONE_AGE: Duration = Duration::from_secs(120);
 
+/// How long a loop episode's claim (`oam-loop-episodes`) outlives its episode at most; the
+/// episode's own end frees it sooner.
+pub const LOOP_EPISODES_AGE: Duration = Duration::from_secs(3_600);
+
 /// The agent mesh's buckets and how long an entry lives in each (zero: for good).
 pub const MESH_BUCKETS: [(&str, Duration); 4] = [
     (crate::transport::subjects::CATALOG_BUCKET, Duration::ZERO),

@@ -29,6 +29,15 @@ pub fn decision(node: &str) -> String {
 }
 pub const DECISIONS: &str = "oam.v1.decision.*";
 
+/// Failures a node counted toward an agent loop, and calls that worked after some
+/// (`core::wire::LoopEvent`).
+pub fn loop_event(node: &str) -> String {
+    format!("{PREFIX}.loop.{node}")
+}
+pub const LOOP_EVENTS: &str = "oam.v1.loop.*";
+/// Who raised the incident of each open loop episode (one per episode for the cluster).
+pub const LOOP_EPISODES_BUCKET: &str = "oam-loop-episodes";
+
 /// A node's state snapshot (what `GET /v1/oam/state` returns), every heartbeat.
 pub fn state(node: &str) -> String {
     format!("{PREFIX}.state.{node}")

@@ -1429,3 +1429,97 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
         assert!(text.contains(line), "{line} in\n{text}");
     }
 }
+
+/// The same call every time, failing on every target (no answer has the field its contract
+/// requires).
+fn looping() -> Value {
+    let mut body = question("the same thing again");
+    body["oam"] = json!({
+        "agent": "looper", "task": "retry-forever",
+        "contract": {"required": ["never_there"]},
+    });
+    body
+}
+
+/// How many failures of `looper`'s call node `url` has counted, and whether its episode is open.
+async fn loop_count(c: &reqwest::Client, url: &str) -> Option<(usize, bool)> {
+    let s = state(c, url).await?;
+    let e = s.loops.values().find(|e| e.agent == "looper")?;
+    Some((e.failures.len(), e.episode.is_some()))
+}
+
+#[tokio::test]
+async fn a_loop_spread_over_the_cluster_trips_at_the_same_count_once() {
+    let cl = cluster(&[]).await;
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+        .await
+        .unwrap();
+    let mut incidents = nc
+        .subscribe(oam::transport::subjects::INCIDENTS)
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+
+    // Two failures, on two nodes: every node counts both.
+    for (i, url) in cl.urls[..2].iter().enumerate() {
+        let (status, _, v) = ask(&c, url, looping()).await;
+        assert_ne!(status, 200, "{v}");
+        assert!(!codes(&v).contains(&"AGENT_LOOP_DETECTED".into()), "{v}");
+        for other in &cl.urls {
+            let counted = eventually(Duration::from_secs(5), || async {
+                let (n, _) = loop_count(&c, other).await?;
+                (n == i + 1).then_some(())
+            })
+            .await;
+            assert!(counted.is_some(), "{other} counted {} failures", i + 1);
+        }
+    }
+    // The third, on the third node, trips it (threshold 3), as on a single node; the next
+    // identical call on any node is refused without calling a provider.
+    let (_, _, v) = ask(&c, &cl.urls[2], looping()).await;
+    assert!(codes(&v).contains(&"AGENT_LOOP_DETECTED".into()), "{v}");
+    assert_eq!(v["oam"]["phase"], "loop", "{v}");
+    for url in &cl.urls[..2] {
+        let open = eventually(Duration::from_secs(5), || async {
+            loop_count(&c, url).await?.1.then_some(())
+        })
+        .await;
+        assert!(open.is_some(), "{url} never saw the episode");
+        let (status, _, v) = ask(&c, url, looping()).await;
+        assert_eq!(status, 429, "{v}");
+        assert!(codes(&v).contains(&"RUNAWAY_RETRY_STOPPED".into()), "{v}");
+        assert!(v["oam"]["tried"].as_array().unwrap().is_empty(), "{v}");
+    }
+
+    // One incident and one escalation for the whole cluster.
+    let first = tokio::time::timeout(Duration::from_secs(5), incidents.next())
+        .await
+        .expect("an incident")
+        .unwrap();
+    let more = tokio::time::timeout(Duration::from_millis(500), incidents.next()).await;
+    assert!(more.is_err(), "a second incident: {more:?} after {first:?}");
+    let loops = eventually(Duration::from_secs(5), || async {
+        let out = assert_cmd::Command::cargo_bin("oam")
+            .unwrap()
+            .args(["escalation", "list", "--json", "--agent", "looper"])
+            .args(["--nats-url", &cl.nats.url()])
+            .output()
+            .ok()?;
+        let list: Value = serde_json::from_slice(&out.stdout).ok()?;
+        let n = list.as_array()?.len();
+        (n > 0).then_some(list)
+    })
+    .await
+    .expect("the loop was escalated");
+    assert_eq!(loops.as_array().unwrap().len(), 1, "{loops}");
+    assert_eq!(
+        loops[0]["escalation"]["reason_codes"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap(),
+        "ESCALATED_AGENT_LOOP"
+    );
+}

@@ -1,0 +1,211 @@
+//! Agent loops across the cluster: every failure a node counts toward a loop (and every call
+//! that worked after failures) goes to the other nodes on `oam.v1.loop.{node}`, which count it
+//! too, so a loop spread over three nodes trips at the same count as one on a single node.
+//!
+//! The node whose own failure opens an episode raises its incident and escalation, after
+//! claiming the episode in the KV bucket `oam-loop-episodes`: when two nodes open one at the
+//! same moment, the second finds the claim and stays quiet, so the cluster raises one incident
+//! and one escalation per episode. A call that works ends the episode and its claim.
+
+use super::Node;
+use crate::clock::now_ms;
+use crate::core::escalation::Escalation;
+use crate::core::loops::{Fingerprint, Incident};
+use crate::core::pipeline::{Decision, Effect};
+use crate::core::wire::LoopEvent;
+use crate::transport::subjects;
+use async_nats::jetstream::kv;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::transport::kv::LOOP_EPISODES_AGE;
+/// How long claiming may take before the incident is raised anyway (better twice than never).
+const CLAIM_TIMEOUT: Duration = Duration::from_millis(750);
+
+/// Who raised an episode's incident, and until when the episode stands.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+struct Claim {
+    incident: String,
+    node: String,
+    until_ms: u64,
+}
+
+impl Node {
+    /// Tell the other nodes what this decision counted toward a loop.
+    pub(crate) fn share_loop_effects(&self, d: &Decision) {
+        for effect in &d.effects {
+            match effect {
+                Effect::LoopFailure {
+                    fingerprint,
+                    agent,
+                    task,
+                    probe,
+                } => self.publish(
+                    subjects::loop_event(&self.id),
+                    LoopEvent::Failure {
+                        fingerprint: *fingerprint,
+                        agent: agent.clone(),
+                        task: task.clone(),
+                        at_ms: now_ms(),
+                        probe: *probe,
+                    },
+                ),
+                Effect::LoopCleared { fingerprint } => {
+                    self.publish(
+                        subjects::loop_event(&self.id),
+                        LoopEvent::Cleared {
+                            fingerprint: *fingerprint,
+                        },
+                    );
+                    let _ = self.loop_claims.send(ClaimOp::Release(*fingerprint));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Count another node's loop event here.
+    pub(crate) fn apply_loop_event(&self, sender: &str, event: LoopEvent) {
+        if sender == self.id {
+            return; // counted when it happened
+        }
+        let mut e = self.engine();
+        match event {
+            LoopEvent::Failure {
+                fingerprint,
+                agent,
+                task,
+                at_ms,
+                probe,
+            } => {
+                // Stamped by the sender's clock: never later than ours (a forged future stamp
+                // would keep an episode open).
+                let at = at_ms.min(now_ms());
+                e.remote_loop_failure(fingerprint, &agent, &task, at, probe);
+            }
+            LoopEvent::Cleared { fingerprint } => e.remote_loop_cleared(fingerprint),
+        }
+    }
+
+    /// Raise a new loop episode's incident and escalation unless another node claimed the
+    /// episode first.
+    pub(crate) fn raise_loop_incident(&self, incident: Incident, escalation: Option<Escalation>) {
+        if self
+            .loop_claims
+            .send(ClaimOp::Raise(Box::new((incident, escalation))))
+            .is_err()
+        {
+            self.bus.dropped_events.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Claim episodes and release their claims, in order, until the node stops.
+    pub(crate) async fn loop_claim_loop(self: std::sync::Arc<Self>) {
+        let Some(mut rx) = super::lock(&self.loop_claims_rx).take() else {
+            return;
+        };
+        let mut store: Option<kv::Store> = None;
+        while let Some(op) = rx.recv().await {
+            if store.is_none() {
+                let open = crate::transport::kv::bucket(
+                    &self.nats,
+                    subjects::LOOP_EPISODES_BUCKET,
+                    LOOP_EPISODES_AGE,
+                );
+                store = tokio::time::timeout(CLAIM_TIMEOUT, open)
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
+            }
+            match op {
+                ClaimOp::Raise(raise) => {
+                    if self.isolated() {
+                        continue; // a partition loses what it would have said
+                    }
+                    let (incident, escalation) = *raise;
+                    let won = match &store {
+                        Some(s) => self.claim(s, &incident).await,
+                        None => None,
+                    };
+                    match won {
+                        Some(false) => {
+                            self.loops_joined.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(node = %self.id, incident = %incident.id, "loop episode already raised by another node");
+                            continue;
+                        }
+                        Some(true) => {}
+                        None => {
+                            tracing::warn!(node = %self.id, incident = %incident.id, "cannot claim the loop episode; raising it anyway");
+                            store = None;
+                        }
+                    }
+                    self.publish(subjects::incident(&self.id), &incident);
+                    if let Some(e) = escalation {
+                        self.publish(subjects::escalation(&self.id), &e);
+                        self.record_escalation(&e);
+                    }
+                }
+                ClaimOp::Release(fp) => {
+                    if let Some(s) = &store {
+                        let _ = tokio::time::timeout(CLAIM_TIMEOUT, s.delete(fp.to_string())).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claim the episode of `incident`: `Some(true)` won, `Some(false)` another node holds a
+    /// claim that stands, `None` the bucket did not answer.
+    async fn claim(&self, store: &kv::Store, incident: &Incident) -> Option<bool> {
+        let key = incident.fingerprint.to_string();
+        let cfg = self.engine().config.loops;
+        let now = now_ms();
+        let claim = Claim {
+            incident: incident.id.clone(),
+            node: self.id.clone(),
+            until_ms: now + cfg.cooldown_ms + cfg.window_ms,
+        };
+        let bytes: bytes::Bytes = serde_json::to_vec(&claim).ok()?.into();
+        for _ in 0..8 {
+            let entry = tokio::time::timeout(CLAIM_TIMEOUT, store.entry(&key))
+                .await
+                .ok()?
+                .ok()?;
+            let written = match entry {
+                Some(e) if e.operation == kv::Operation::Put => {
+                    let standing =
+                        serde_json::from_slice::<Claim>(&e.value).is_ok_and(|c| c.until_ms > now);
+                    if standing {
+                        return Some(false);
+                    }
+                    tokio::time::timeout(
+                        CLAIM_TIMEOUT,
+                        store.update(&key, bytes.clone(), e.revision),
+                    )
+                    .await
+                    .ok()?
+                    .map(|_| ())
+                    .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision)
+                }
+                _ => tokio::time::timeout(CLAIM_TIMEOUT, store.create(&key, bytes.clone()))
+                    .await
+                    .ok()?
+                    .map(|_| ())
+                    .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
+            };
+            match written {
+                Ok(()) => return Some(true),
+                Err(true) => continue, // someone wrote meanwhile: look again
+                Err(false) => return None,
+            }
+        }
+        None
+    }
+}
+
+/// Work for the claim task.
+pub(crate) enum ClaimOp {
+    Raise(Box<(Incident, Option<Escalation>)>),
+    Release(Fingerprint),
+}
