@@ -464,30 +464,47 @@ pub async fn serve(
                 if me.nats.connection_state() != async_nats::connection::State::Connected {
                     continue;
                 }
+                // The heartbeat first: it is the liveness signal, and nothing the KV store does
+                // may hold it up. Every step below is bounded by the beat interval, so a call the
+                // server never answers (seen after a reconnect) cannot stop the beats.
+                let bound = heartbeat_every.max(Duration::from_millis(500));
+                if let Ok(b) = serde_json::to_vec(&me.heartbeat()) {
+                    let sent = me.nats.publish(subjects::health(&me.entry.name), b.into());
+                    if tokio::time::timeout(bound, sent).await.is_err() {
+                        tracing::warn!(agent = %me.entry.name, "heartbeat not sent within {bound:?}");
+                    }
+                }
                 let connects = stats.connects.load(Ordering::Relaxed);
                 if connects != connects_seen || revived > 0 {
                     // Back after a network blip or a freeze: the server (and its KV state) may
                     // be new, or a monitor declared us dead meanwhile. Register again.
-                    store::clear_tombstone(&me.nats, &me.id, &me.entry.name).await;
-                    match store::register(&me.nats, &me.entry, &me.id).await {
-                        Ok(()) => {
+                    let again = async {
+                        store::clear_tombstone(&me.nats, &me.id, &me.entry.name).await;
+                        store::register(&me.nats, &me.entry, &me.id).await
+                    };
+                    match tokio::time::timeout(bound * 4, again).await {
+                        Ok(Ok(())) => {
                             connects_seen = connects;
                             revived = revived.saturating_sub(1);
                             tracing::info!(agent = %me.entry.name, instance = %me.id, "registered again");
                         }
-                        Err(e) => {
+                        Ok(Err(e)) => {
                             tracing::warn!("re-registration failed, retrying: {e:#}");
+                            continue;
+                        }
+                        Err(_) => {
+                            tracing::warn!(
+                                "re-registration took longer than {:?}, retrying",
+                                bound * 4
+                            );
                             continue;
                         }
                     }
                 }
-                if let Ok(b) = serde_json::to_vec(&me.heartbeat()) {
-                    let _ = me
-                        .nats
-                        .publish(subjects::health(&me.entry.name), b.into())
-                        .await;
+                let renewed = store::renew(&me.nats, &me.entry, &me.id);
+                if tokio::time::timeout(bound, renewed).await.is_err() {
+                    tracing::warn!(agent = %me.entry.name, "instance lease not renewed within {bound:?}");
                 }
-                store::renew(&me.nats, &me.entry, &me.id).await;
             }
         }))
     };

@@ -1073,3 +1073,95 @@ async fn a_revived_instance_registers_again_and_its_next_death_is_announced() {
         .expect("the second death is announced");
     assert_eq!(notice["reason"], "disconnect");
 }
+
+/// Ten instances frozen for 9 s (three times the heartbeat verdict) at once: every one is
+/// declared dead, every one registers again when it wakes, and every one's next freeze is
+/// announced again (a revived instance has no blind spot).
+#[tokio::test]
+async fn every_instance_frozen_for_nine_seconds_registers_again() {
+    const N: usize = 10;
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.demo.frozen.>").await.unwrap();
+    nc.flush().await.unwrap();
+    let names: Vec<String> = (0..N).map(|i| format!("demo.frozen.a{i}")).collect();
+    let mut agents: Vec<Proc> = names.iter().map(|n| serve(&url, n, "echo", &[])).collect();
+    for n in &names {
+        beat_of(&nc, n, |_| true).await;
+    }
+    let signal_all = |sig: &str, agents: &[Proc]| {
+        for a in agents {
+            std::process::Command::new("kill")
+                .args([sig, &a.pid().to_string()])
+                .status()
+                .unwrap();
+        }
+    };
+    let alive = |url: String| async move {
+        let out = oam(&url).args(["agent", "list", "--json"]).output().ok()?;
+        let v: Vec<Value> = serde_json::from_slice(&out.stdout).ok()?;
+        let n = v
+            .iter()
+            .filter(|e| {
+                e["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("demo.frozen."))
+                    && e["instances_alive"] == 1
+            })
+            .count();
+        Some(n)
+    };
+    signal_all("-STOP", &agents);
+    let frozen_at = Instant::now();
+    assert_eq!(
+        frozen_announced(&mut deaths, N).await,
+        N,
+        "every frozen instance declared dead"
+    );
+    let listed = crate::support::eventually(Duration::from_secs(5), || alive(url.clone())).await;
+    assert_eq!(listed, Some(0), "the dead are out of the catalog");
+    tokio::time::sleep(Duration::from_secs(9).saturating_sub(frozen_at.elapsed())).await;
+    signal_all("-CONT", &agents);
+    let back = crate::support::eventually(Duration::from_secs(10), || async {
+        (alive(url.clone()).await? == N).then_some(())
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "all {N} registered again: {:?}",
+        alive(url.clone()).await
+    );
+
+    // Frozen again: announced again, every one.
+    signal_all("-STOP", &agents);
+    assert_eq!(
+        frozen_announced(&mut deaths, N).await,
+        N,
+        "every second freeze announced"
+    );
+    signal_all("-CONT", &agents);
+    for a in &mut agents {
+        a.kill();
+    }
+}
+
+/// Death notices of `n` frozen instances, each once and for missed heartbeats (at most 15 s):
+/// how many distinct instances were announced.
+async fn frozen_announced(deaths: &mut async_nats::Subscriber, n: usize) -> usize {
+    let mut seen = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while seen.len() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Some(notice) = next_json(deaths, left).await else {
+            break;
+        };
+        assert_eq!(notice["reason"], "missed_heartbeats", "{notice}");
+        let name = notice["agent"].as_str().unwrap().to_string();
+        assert!(seen.insert(name.clone()), "{name} announced twice");
+    }
+    seen.len()
+}
