@@ -210,6 +210,9 @@ pub enum Metric {
     DeathDetectMs,
     /// Per fault: the time from injection until requests stop failing, worst case (ms).
     RecoveryMs,
+    /// Per fault: the time from its end until a request is served by `provider` again, worst
+    /// case (ms); the rest of the run when none is.
+    RecoveryToPrimaryMs,
 }
 
 impl Scenario {
@@ -272,7 +275,9 @@ impl Scenario {
                     .then(|| format!("expect[{i}] ({:?}) needs {field}", e.metric))
             };
             let missing = match e.metric {
-                Metric::ProviderShare => needs("provider", &e.provider),
+                Metric::ProviderShare | Metric::RecoveryToPrimaryMs => {
+                    needs("provider", &e.provider)
+                }
                 Metric::ReasonCount | Metric::ClusterReasonCount | Metric::ErrorCount => {
                     needs("code", &e.code)
                 }
@@ -509,6 +514,28 @@ impl Run<'_> {
                 .iter()
                 .map(|r| r.recovery_ms as f64)
                 .fold(0.0, f64::max),
+            Metric::RecoveryToPrimaryMs => {
+                let p = e.provider.as_deref().unwrap_or("");
+                let end = self
+                    .samples
+                    .iter()
+                    .map(|s| (s.started_us + s.latency_us) / 1_000)
+                    .max()
+                    .unwrap_or(0);
+                self.faults
+                    .iter()
+                    .map(|&(_, _, until)| {
+                        let back = self
+                            .samples
+                            .iter()
+                            .filter(|s| s.provider == p && s.started_us / 1_000 >= until)
+                            .map(|s| s.started_us / 1_000)
+                            .min()
+                            .unwrap_or(end);
+                        back.saturating_sub(until) as f64
+                    })
+                    .fold(0.0, f64::max)
+            }
         }
     }
 
@@ -699,6 +726,46 @@ min = 1
         let r = run.recoveries();
         assert_eq!((r[0].recovery_ms, r[0].failed), (30, 1));
         assert_eq!((r[0].reroute_ms, r[0].retried), (100, 1));
+    }
+
+    #[test]
+    fn recovery_to_primary_is_the_first_primary_answer_after_each_fault() {
+        let expect = |provider: &str| Expect {
+            metric: Metric::RecoveryToPrimaryMs,
+            during: Window::All,
+            provider: Some(provider.into()),
+            code: None,
+            phase: None,
+            priority: None,
+            min: None,
+            max: Some(3_000.0),
+        };
+        let samples = vec![
+            sample(0, 150, 200, "primary", &[]),
+            sample(3_000, 40, 200, "local", &[]),
+            sample(6_500, 40, 200, "local", &[]),
+            sample(7_200, 150, 200, "primary", &[]),
+            sample(9_000, 150, 200, "primary", &[]),
+        ];
+        let run = Run {
+            samples: &samples,
+            faults: vec![("kill-provider".into(), 2_000, 6_000)],
+            cluster_reasons: BTreeMap::new(),
+        };
+        let v = run.evaluate(&[expect("primary"), expect("secondary")]);
+        assert_eq!(v[0].measured, 1_200.0);
+        assert!(v[0].ok);
+        // Never back: the rest of the run (to the last answer's end, 9.15 s).
+        assert_eq!(v[1].measured, 3_150.0);
+        assert!(!v[1].ok);
+        assert!(
+            Scenario::parse(&format!(
+                "{}\n[[expect]]\nmetric = \"recovery_to_primary_ms\"\nmax = 3000\n",
+                template(10.0, "5s", "1s")
+            ))
+            .unwrap_err()
+            .contains("needs provider")
+        );
     }
 
     #[test]

@@ -10,6 +10,8 @@ use std::collections::VecDeque;
 pub const DEFAULT_WINDOW_MS: u64 = 15_000;
 /// Memory bound for one window: at 1 probe/s plus heavy traffic this is still minutes of samples.
 pub const MAX_SAMPLES: usize = 4_096;
+/// Failures in a row that make an outage, and successes in a row that end it (see `Window`).
+pub const RECOVERY_STREAK: usize = 3;
 
 /// How one call to a provider went.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
@@ -98,10 +100,19 @@ struct Sample {
 }
 
 /// A rolling window of outcomes for one provider, as one node sees it.
+///
+/// Fast recovery, with hysteresis: when a provider that failed `RECOVERY_STREAK` times in a row
+/// (an outage: no answer at all, not a flaky one) answers `RECOVERY_STREAK` times in a row, the
+/// window forgets the outage (every sample before the streak) and judges it on what it does
+/// now, instead of waiting for the outage to age out of the window. At most once per window
+/// length: a provider that fails again soon after is judged on its whole window, so one that
+/// flaps cannot flip back and forth faster than that.
 #[derive(Clone, Debug)]
 pub struct Window {
     window_ms: u64,
     samples: VecDeque<Sample>,
+    /// When the window last forgot an outage.
+    recovered_at_ms: Option<u64>,
 }
 
 impl Default for Window {
@@ -115,6 +126,7 @@ impl Window {
         Window {
             window_ms,
             samples: VecDeque::new(),
+            recovered_at_ms: None,
         }
     }
 
@@ -129,6 +141,42 @@ impl Window {
             outcome,
             latency_ms,
         });
+        if outcome == Outcome::Success {
+            self.recover(now_ms);
+        }
+    }
+
+    /// Forget an outage the last `RECOVERY_STREAK` successes ended (see the type's docs).
+    fn recover(&mut self, now_ms: u64) {
+        let n = self.samples.len();
+        if n < 2 * RECOVERY_STREAK
+            || self
+                .recovered_at_ms
+                .is_some_and(|t| now_ms.saturating_sub(t) < self.window_ms)
+        {
+            return;
+        }
+        let mut newest = self.samples.iter().rev();
+        let answered = newest
+            .by_ref()
+            .take(RECOVERY_STREAK)
+            .all(|s| s.outcome == Outcome::Success);
+        let outage = newest
+            .take(RECOVERY_STREAK)
+            .all(|s| matches!(s.outcome, Outcome::Error | Outcome::Timeout));
+        if answered && outage {
+            self.samples.drain(..n - RECOVERY_STREAK);
+            self.recovered_at_ms = Some(now_ms);
+        }
+    }
+
+    /// Answering again after failing: the newest sample is a success and the window still
+    /// holds failures (a prober checks such a provider again sooner, to see it recover).
+    pub fn recovering(&self) -> bool {
+        self.samples
+            .back()
+            .is_some_and(|s| s.outcome == Outcome::Success)
+            && self.samples.iter().any(|s| s.outcome != Outcome::Success)
     }
 
     fn prune(&mut self, now_ms: u64) {
@@ -193,6 +241,80 @@ mod tests {
     }
 
     #[test]
+    fn a_down_provider_that_answers_three_times_in_a_row_is_judged_on_that() {
+        let mut w = Window::default();
+        for t in 0..10 {
+            w.record(1_000 + t * 100, Outcome::Error, 10);
+        }
+        assert_eq!(w.stats(2_000).verdict(), Verdict::Unhealthy);
+        w.record(2_000, Outcome::Success, 10);
+        w.record(2_100, Outcome::Success, 10);
+        assert!(w.recovering());
+        assert_eq!(
+            w.stats(2_100).verdict(),
+            Verdict::Unhealthy,
+            "two are not enough"
+        );
+        w.record(2_200, Outcome::Success, 10);
+        let s = w.stats(2_200);
+        assert_eq!((s.verdict(), s.samples), (Verdict::Healthy, 3), "{s:?}");
+        assert!(!w.recovering());
+
+        // Failing again inside the window: judged on the whole window until it ages out, even
+        // after another streak.
+        for t in 0..6 {
+            w.record(2_300 + t * 100, Outcome::Error, 10);
+        }
+        for t in 0..3 {
+            w.record(3_000 + t * 100, Outcome::Success, 10);
+        }
+        assert_eq!(
+            w.stats(3_200).verdict(),
+            Verdict::Degraded,
+            "no second cut: 6 of 12"
+        );
+        assert_eq!(w.stats(3_200).samples, 12);
+        // A window later, it may recover fast again.
+        for t in 0..20 {
+            w.record(17_300 + t * 100, Outcome::Error, 10);
+        }
+        for t in 0..3 {
+            w.record(19_500 + t * 100, Outcome::Success, 10);
+        }
+        assert_eq!(w.stats(19_700).verdict(), Verdict::Healthy);
+    }
+
+    #[test]
+    fn a_flaky_provider_is_not_forgiven_by_a_streak() {
+        // Errors one or two at a time are flakiness, not an outage: successes in a row change
+        // nothing.
+        let mut w = Window::default();
+        for (t, o) in [
+            Outcome::Error,
+            Outcome::Success,
+            Outcome::Error,
+            Outcome::Error,
+        ]
+        .into_iter()
+        .chain([Outcome::Success; 8])
+        .enumerate()
+        {
+            w.record(1_000 + t as u64 * 100, o, 10);
+        }
+        let s = w.stats(2_200);
+        assert_eq!((s.verdict(), s.samples), (Verdict::Degraded, 12));
+        // Answers that break the contract are answers: no outage either.
+        let mut w = Window::default();
+        for t in 0..5 {
+            w.record(1_000 + t * 100, Outcome::ContractFailure, 10);
+        }
+        for t in 5..8 {
+            w.record(1_000 + t * 100, Outcome::Success, 10);
+        }
+        assert_eq!(w.stats(1_800).samples, 8);
+    }
+
+    #[test]
     fn empty_window_is_unknown() {
         let w = Window::default();
         assert_eq!(w.stats(10_000).verdict(), Verdict::Unknown);
@@ -216,15 +338,18 @@ mod tests {
         // 18/20 = 90% -> degraded.
         v[0] = (Outcome::Error, 100);
         assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Degraded);
-        // 9/20 = 45% -> unhealthy.
-        let mut v = vec![(Outcome::Timeout, 100); 11];
-        v.extend([(Outcome::Success, 100); 9]);
+        // 9/20 = 45% -> unhealthy (interleaved: three successes in a row would be a recovery).
+        let mut v: Vec<(Outcome, u64)> = (0..9)
+            .flat_map(|_| [(Outcome::Timeout, 100), (Outcome::Success, 100)])
+            .collect();
+        v.extend([(Outcome::Timeout, 100); 2]);
         assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Unhealthy);
         // contract failures: 1 of 40 answers = 2.5% -> degraded; 9 of 40 = 22.5% -> unhealthy.
         let mut v = vec![(Outcome::Success, 100); 39];
         v.push((Outcome::ContractFailure, 100));
         assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Degraded);
-        for item in v.iter_mut().take(8) {
+        // (the failures last: successes after them would be a recovery)
+        for item in v.iter_mut().skip(31) {
             *item = (Outcome::ContractFailure, 100);
         }
         let s = window_with(&v).stats(2_000);

@@ -1049,6 +1049,21 @@ impl Engine {
         })
     }
 
+    /// Health probes say `target` answers again (its window judged the outage over): an open
+    /// breaker (not one tripped on purpose) half-opens now, instead of when its `open_ms` ends,
+    /// so the next request probes it. The transition, if one happened.
+    pub fn answering_again(&mut self, target: &str) -> Option<Transition> {
+        let b = self.state.breakers.get_mut(target)?;
+        let Breaker::Open { forced: false, .. } = *b else {
+            return None;
+        };
+        *b = Breaker::HalfOpen {
+            probes_in_flight: 0,
+            successes: 0,
+        };
+        Some(Transition::HalfOpened)
+    }
+
     /// Another node counted a failure of call `fp` at `at_ms` (its `Effect::LoopFailure`): count
     /// it here too, so a loop spread over the cluster trips at the same count as one on a
     /// single node. An episode it opens blocks identical calls here; its incident and escalation

@@ -1669,3 +1669,31 @@ fn a_refused_reservation_refuses_high_risk_and_moves_lower_risk_on() {
             .is_none()
     );
 }
+
+#[test]
+fn a_provider_answering_again_half_opens_its_breaker_unless_tripped_on_purpose() {
+    let mut e = engine();
+    assert_eq!(e.answering_again("primary"), None, "no breaker yet");
+    e.state.breakers.insert(
+        "primary".into(),
+        Breaker::Open {
+            until_ms: T0 + 10_000,
+            forced: false,
+        },
+    );
+    assert_eq!(e.answering_again("primary"), Some(Transition::HalfOpened));
+    // The next request is its probe.
+    let (_, step) = e.begin(req("probe"), T0).expect("valid");
+    let Step::Dispatch(d) = step else {
+        panic!("dispatched: {step:?}")
+    };
+    assert_eq!(&*d.provider, "primary");
+    assert_eq!(e.answering_again("primary"), None, "half-open already");
+    let forced = Breaker::Open {
+        until_ms: T0 + 10_000,
+        forced: true,
+    };
+    e.state.breakers.insert("secondary".into(), forced);
+    assert_eq!(e.answering_again("secondary"), None);
+    assert_eq!(e.state.breakers["secondary"], forced);
+}

@@ -126,6 +126,8 @@ pub(crate) struct TargetRt {
     pub provider: String,
     pub model: String,
     last_traffic: AtomicU64,
+    /// When it was last probed (ms; 0: never).
+    last_probe: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -155,6 +157,7 @@ impl Node {
                     provider: t.provider.clone(),
                     model: t.model.clone(),
                     last_traffic: AtomicU64::new(0),
+                    last_probe: AtomicU64::new(0),
                 };
                 (t.id.clone(), rt)
             })
@@ -651,9 +654,14 @@ impl Node {
 
     /// Each interval, probe every idle provider (one no traffic gave a sample to within the
     /// interval) as its configuration says, then publish and apply this node's observations.
+    /// A provider answering again after failing (`Window::recovering`) is probed four times as
+    /// often until its window has judged the recovery: traffic returns within about a second
+    /// of an outage's end, for at most `RECOVERY_STREAK - 1` extra probes.
     async fn probe_loop(self: Arc<Self>) {
-        let mut tick =
-            tokio::time::interval(Duration::from_millis(self.cfg.node.probe_interval_ms));
+        let every = self.cfg.node.probe_interval_ms;
+        let quick = (every / 4).max(50);
+        let mut tick = tokio::time::interval(Duration::from_millis(quick));
+        let mut shared_at = 0u64;
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let probe = [Message {
             role: "user".into(),
@@ -680,6 +688,12 @@ impl Node {
                 if c.probe == config::Probe::Off || !self.idle(t, now) {
                     continue;
                 }
+                let since = now.saturating_sub(t.last_probe.load(Ordering::Relaxed));
+                let recovering = || lock(&self.windows).get(id).is_some_and(Window::recovering);
+                if since < every && !(since >= quick && recovering()) {
+                    continue;
+                }
+                t.last_probe.store(now, Ordering::Relaxed);
                 let same_list = checks.iter_mut().find(|(_, other, _)| {
                     c.probe == config::Probe::Models && other.provider == t.provider
                 });
@@ -716,6 +730,7 @@ impl Node {
                 };
                 (ids, outcome, g.latency_ms)
             });
+            let probed = calls.len() > 0;
             for (ids, outcome, latency) in futures_util::future::join_all(calls).await {
                 for target in ids {
                     if outcome == Outcome::Success {
@@ -723,9 +738,23 @@ impl Node {
                     }
                     self.record(target, outcome, latency);
                     self.metrics.provider_outcome(target, "probe", outcome);
+                    // Judged healthy again by its probes: its breaker need not wait out its
+                    // open time (one request probes it, as half-open allows).
+                    let now = now_ms();
+                    let healthy = outcome == Outcome::Success
+                        && lock(&self.windows).get(target).is_some_and(|w| {
+                            w.stats(now).verdict() == crate::core::health::Verdict::Healthy
+                        });
+                    if healthy && self.with_engine(|e| e.answering_again(target)).is_some() {
+                        tracing::info!(node = %self.id, target = %target, "answering again: breaker half-open");
+                    }
                 }
             }
-            self.share_observations();
+            let now = now_ms();
+            if probed || now.saturating_sub(shared_at) >= every {
+                shared_at = now;
+                self.share_observations();
+            }
         }
     }
 
