@@ -54,6 +54,9 @@
 //! webhook_url = "https://hooks.example.com/oam"   # POSTed {"node", "escalation"} as JSON
 //! webhook_attempts = 5        # retried with backoff (250 ms doubling, at most 5 s) until 2xx
 //! webhook_timeout_ms = 2000
+//! command = ["/usr/local/bin/page-oncall", "--team", "ai"]  # the same JSON on stdin; exit 0
+//! command_attempts = 3        # retried with the same backoff; each killed after the timeout
+//! command_timeout_ms = 5000
 //! ```
 
 use crate::core::budget::Budgets;
@@ -271,7 +274,9 @@ pub struct NodeConfig {
 }
 
 /// Where escalations go besides the record (`[escalations]`): a webhook that gets each one as
-/// JSON (`{"node", "escalation"}`), retried with backoff until it answers 2xx.
+/// JSON (`{"node", "escalation"}`), retried with backoff until it answers 2xx; and a command
+/// (a pager's CLI, a script) that gets the same JSON on its standard input, retried until it
+/// exits 0.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EscalationSinks {
@@ -279,6 +284,11 @@ pub struct EscalationSinks {
     /// Attempts per escalation at most (backoff 250 ms, doubling, at most 5 s apart).
     pub webhook_attempts: u32,
     pub webhook_timeout_ms: u64,
+    /// The program and its arguments (run directly, no shell).
+    pub command: Option<Vec<String>>,
+    /// Attempts per escalation at most (the same backoff); each is killed after the timeout.
+    pub command_attempts: u32,
+    pub command_timeout_ms: u64,
 }
 
 impl Default for EscalationSinks {
@@ -287,6 +297,9 @@ impl Default for EscalationSinks {
             webhook_url: None,
             webhook_attempts: 5,
             webhook_timeout_ms: 2_000,
+            command: None,
+            command_attempts: 3,
+            command_timeout_ms: 5_000,
         }
     }
 }
@@ -606,6 +619,17 @@ impl NodeConfig {
                 return Err(format!("{name} must be more than 0"));
             }
         }
+        if self
+            .escalations
+            .command
+            .as_ref()
+            .is_some_and(|c| c.first().is_none_or(|p| p.trim().is_empty()))
+        {
+            return Err(
+                "escalations.command must name a program (e.g. [\"/usr/local/bin/page\", \"--team\", \"ai\"])"
+                    .into(),
+            );
+        }
         Ok(())
     }
 }
@@ -749,6 +773,10 @@ contract = {}
             (
                 "[node]\nmembers = [\"n1\", \"n 2\"]\n",
                 ["oam.toml", "node.members", "\"n 2\""],
+            ),
+            (
+                "[escalations]\ncommand = []\n",
+                ["oam.toml", "escalations.command", "name a program"],
             ),
             (
                 "[[provider]]\nid = \"a\"\nagent = \"llm.x\"\nbase_url = \"http://x\"\nmodel = \"m\"\n",

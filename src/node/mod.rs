@@ -25,6 +25,7 @@ use crate::core::wire::{
     Arrival, BusCounts, Envelope, Goodbye, Heartbeat, LoopEvent, MemberSnapshot, NodeSnapshot,
     Observations, ProviderSnapshot, Sequencer, Stamper,
 };
+use crate::transport::escalations::Sink;
 use crate::transport::subjects;
 use config::NodeConfig;
 use connector::Connector;
@@ -117,6 +118,55 @@ struct NodeChaos {
     /// agent -> (its limit before the first drain, or none when it had no budget; the drain
     /// faults holding it). Only the limit changes, so spending in flight is still accounted.
     drained: BTreeMap<String, (Option<f64>, std::collections::BTreeSet<String>)>,
+}
+
+/// Run an escalation command sink once: `body` as JSON on its standard input; taken when it
+/// exits 0 within `timeout` (it is killed otherwise). Its output is discarded.
+async fn run_sink_command(
+    argv: &[String],
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> Result<(), String> {
+    use tokio::io::AsyncWriteExt;
+    let Some((program, args)) = argv.split_first() else {
+        return Err("the command is empty".into());
+    };
+    let mut child = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    let input = body.to_string();
+    let run = async {
+        if let Some(mut stdin) = child.stdin.take() {
+            // A command that does not read its input still gets to decide by its exit.
+            let _ = stdin.write_all(input.as_bytes()).await;
+        }
+        child.wait_with_output().await
+    };
+    match tokio::time::timeout(timeout, run).await {
+        Err(_) => Err(format!(
+            "{program} did not finish within {timeout:?}; killed"
+        )),
+        Ok(Err(e)) => Err(format!("{program}: {e}")),
+        Ok(Ok(out)) if out.status.success() => Ok(()),
+        Ok(Ok(out)) => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let err = err.trim();
+            Err(format!(
+                "{program} exited with {}{}",
+                out.status,
+                if err.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", err.chars().take(200).collect::<String>())
+                }
+            ))
+        }
+    }
 }
 
 /// A target's place at run time: the provider that serves it, the model it asks for, and when
@@ -510,28 +560,35 @@ impl Node {
                 tracing::warn!("escalation {} not recorded: {err:#}", e.id);
                 store = None; // the bucket may be gone (a new server): open it afresh next time
             }
-            if let Some(url) = self.cfg.escalations.webhook_url.clone() {
-                let (node, store) = (self.clone(), store.clone());
+            let sinks = &self.cfg.escalations;
+            let webhook = sinks.webhook_url.clone().map(Sink::Webhook);
+            let command = sinks.command.clone().map(Sink::Command);
+            for sink in webhook.into_iter().chain(command) {
+                let (node, store, e) = (self.clone(), store.clone(), e.clone());
                 self.tasks
-                    .spawn(async move { node.deliver(&url, &e, store.as_ref()).await });
+                    .spawn(async move { node.deliver(sink, &e, store.as_ref()).await });
             }
         }
     }
 
-    /// Send escalation `e` to the webhook at `url` (retried with backoff until a 2xx, at most
-    /// `webhook_attempts` times), then record how it went on its record and in the metrics.
+    /// Send escalation `e` to `sink` (retried with backoff until it takes it, at most the
+    /// sink's attempts), then record how it went on its record and in the metrics.
     async fn deliver(
         &self,
-        url: &str,
+        sink: Sink,
         e: &Escalation,
         store: Option<&async_nats::jetstream::kv::Store>,
     ) {
         use crate::transport::escalations::{Delivery, delivered};
         let sinks = &self.cfg.escalations;
-        let timeout = Duration::from_millis(sinks.webhook_timeout_ms);
+        let (attempts, timeout) = match sink {
+            Sink::Webhook(_) => (sinks.webhook_attempts, sinks.webhook_timeout_ms),
+            Sink::Command(_) => (sinks.command_attempts, sinks.command_timeout_ms),
+        };
+        let timeout = Duration::from_millis(timeout);
         let body = serde_json::json!({"node": self.id, "escalation": e});
         let mut delivery = Delivery {
-            sink: url.to_string(),
+            sink: sink.name(),
             attempts: 0,
             delivered_at_ms: None,
             error: None,
@@ -540,18 +597,25 @@ impl Node {
             return;
         };
         let mut backoff = Duration::from_millis(250);
-        while delivery.attempts < sinks.webhook_attempts.max(1) {
+        while delivery.attempts < attempts.max(1) {
             delivery.attempts += 1;
-            match http.post(url).json(&body).send().await {
-                Ok(r) if r.status().is_success() => {
+            let taken = match &sink {
+                Sink::Webhook(url) => match http.post(url).json(&body).send().await {
+                    Ok(r) if r.status().is_success() => Ok(()),
+                    Ok(r) => Err(format!("HTTP {}", r.status())),
+                    Err(err) => Err(err.to_string()),
+                },
+                Sink::Command(argv) => run_sink_command(argv, &body, timeout).await,
+            };
+            match taken {
+                Ok(()) => {
                     delivery.delivered_at_ms = Some(now_ms());
                     delivery.error = None;
                     break;
                 }
-                Ok(r) => delivery.error = Some(format!("HTTP {}", r.status())),
-                Err(err) => delivery.error = Some(err.to_string()),
+                Err(why) => delivery.error = Some(why),
             }
-            if delivery.attempts < sinks.webhook_attempts {
+            if delivery.attempts < attempts {
                 tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
                     () = self.stop.cancelled() => break,
@@ -563,8 +627,9 @@ impl Node {
             "delivered"
         } else {
             tracing::warn!(
-                "escalation {} not delivered to {url} after {} attempts: {}",
+                "escalation {} not delivered to {} after {} attempts: {}",
                 e.id,
+                delivery.sink,
                 delivery.attempts,
                 delivery.error.as_deref().unwrap_or("")
             );
@@ -573,7 +638,7 @@ impl Node {
         };
         self.metrics.escalation_delivery(outcome);
         if let Some(s) = store
-            && let Err(err) = delivered(s, &e.id, delivery).await
+            && let Err(err) = delivered(s, &e.id, &sink, delivery).await
         {
             tracing::warn!("the delivery of escalation {} not recorded: {err:#}", e.id);
         }

@@ -40,6 +40,9 @@ pub struct Record {
     /// How telling a human went (a configured webhook), once it is over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery: Option<Delivery>,
+    /// How the configured command sink took it, once it is over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_delivery: Option<Delivery>,
 }
 
 /// What became of sending an escalation to a sink.
@@ -79,6 +82,7 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> any
         acknowledged_by: None,
         acknowledged_at_ms: None,
         delivery: None,
+        command_delivery: None,
     };
     // Created, never put: a record already there (resolved, say) is never overwritten.
     store
@@ -195,7 +199,31 @@ pub async fn mark(
 
 /// Record on escalation `id` how its delivery went (whatever else changed in the record
 /// meanwhile stays).
-pub async fn delivered(store: &kv::Store, id: &str, delivery: Delivery) -> anyhow::Result<()> {
+/// A sink an escalation is sent to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Sink {
+    Webhook(String),
+    /// A program and its arguments.
+    Command(Vec<String>),
+}
+
+impl Sink {
+    /// How it is named in a delivery record.
+    pub fn name(&self) -> String {
+        match self {
+            Sink::Webhook(url) => url.clone(),
+            Sink::Command(argv) => format!("command: {}", argv.join(" ")),
+        }
+    }
+}
+
+/// Record how `sink` took escalation `id`.
+pub async fn delivered(
+    store: &kv::Store,
+    id: &str,
+    sink: &Sink,
+    delivery: Delivery,
+) -> anyhow::Result<()> {
     let k = key(id);
     for _ in 0..5 {
         let Some(entry) = store.entry(k.clone()).await? else {
@@ -203,7 +231,10 @@ pub async fn delivered(store: &kv::Store, id: &str, delivery: Delivery) -> anyho
         };
         let mut record: Record = serde_json::from_slice(&entry.value)
             .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
-        record.delivery = Some(delivery.clone());
+        match sink {
+            Sink::Webhook(_) => record.delivery = Some(delivery.clone()),
+            Sink::Command(_) => record.command_delivery = Some(delivery.clone()),
+        }
         let bytes = serde_json::to_vec(&record)?;
         match store.update(&k, bytes.into(), entry.revision).await {
             Ok(_) => return Ok(()),
@@ -242,5 +273,6 @@ pub(crate) fn example(id: &str, agent: &str, created_at_ms: u64, status: Status)
         acknowledged_by: None,
         acknowledged_at_ms: None,
         delivery: None,
+        command_delivery: None,
     }
 }

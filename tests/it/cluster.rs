@@ -1130,7 +1130,7 @@ async fn providers_in_use_are_not_probed_and_model_list_probes_cost_no_completio
 /// An escalation reaches a human: the node POSTs it to the configured webhook, retried with
 /// backoff past a failure, and records on the escalation how the delivery went.
 #[tokio::test]
-async fn escalations_are_sent_to_the_webhook_until_it_takes_them() {
+async fn escalations_are_sent_to_the_webhook_and_the_command_until_they_take_them() {
     use std::sync::{Arc, Mutex};
     // The webhook: refuses the first delivery (500), takes the next.
     let got: Arc<Mutex<Vec<Value>>> = Arc::default();
@@ -1160,11 +1160,18 @@ async fn escalations_are_sent_to_the_webhook_until_it_takes_them() {
     let dir = std::env::temp_dir().join(format!("oam-test-hook-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("oam.toml");
+    // A command sink that fails its first run, then keeps what it is given.
+    let (marker, paged) = (dir.join("failed-once"), dir.join("paged.json"));
+    let script = format!(
+        "if [ -e '{m}' ]; then cat > '{p}'; else touch '{m}'; echo 'pager down' >&2; exit 3; fi",
+        m = marker.display(),
+        p = paged.display()
+    );
     std::fs::write(
         &cfg,
         format!(
             "[budgets.agents.broke]\nlimit_usd = 0.0\n\n[escalations]\nwebhook_url = \
-             \"{hook_url}\"\nwebhook_attempts = 3\n"
+             \"{hook_url}\"\nwebhook_attempts = 3\ncommand = [\"/bin/sh\", \"-c\", {script:?}]\n"
         ),
     )
     .unwrap();
@@ -1179,7 +1186,6 @@ async fn escalations_are_sent_to_the_webhook_until_it_takes_them() {
     let mut body = question("wire the refund");
     body["oam"] = json!({"agent": "broke", "risk": "high"});
     let (status, _, v) = ask(&c, &url, body).await;
-    let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(status, 402, "{v}");
     let id = v["oam"]["escalation"]["id"].as_str().unwrap().to_string();
 
@@ -1187,7 +1193,7 @@ async fn escalations_are_sent_to_the_webhook_until_it_takes_them() {
     let delivered = eventually(Duration::from_secs(10), || async {
         let text = crate::support::metrics(&url).await;
         text.lines()
-            .any(|l| l == "oam_escalation_deliveries_total{outcome=\"delivered\"} 1")
+            .any(|l| l == "oam_escalation_deliveries_total{outcome=\"delivered\"} 2")
             .then_some(())
     })
     .await;
@@ -1208,12 +1214,26 @@ async fn escalations_are_sent_to_the_webhook_until_it_takes_them() {
         let r = all
             .into_iter()
             .find(|r| r["escalation"]["id"] == id.as_str())?;
-        r["delivery"]["delivered_at_ms"].is_u64().then_some(r)
+        (r["delivery"]["delivered_at_ms"].is_u64()
+            && r["command_delivery"]["delivered_at_ms"].is_u64())
+        .then_some(r)
     })
     .await
-    .expect("the delivery is recorded on the escalation");
+    .expect("the deliveries are recorded on the escalation");
     assert_eq!(record["delivery"]["attempts"], 2, "{record}");
     assert_eq!(record["delivery"]["sink"], hook_url.as_str());
+    // The command got the same JSON on its standard input, on its second run.
+    assert_eq!(record["command_delivery"]["attempts"], 2, "{record}");
+    assert!(
+        record["command_delivery"]["sink"]
+            .as_str()
+            .unwrap()
+            .starts_with("command: /bin/sh")
+    );
+    let paged: Value = serde_json::from_str(&std::fs::read_to_string(&paged).unwrap()).unwrap();
+    assert_eq!(paged["escalation"]["id"], id.as_str());
+    assert_eq!(paged["node"], "n1");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `oam budget ...` against this cluster's NATS; its stdout as JSON.
