@@ -14,6 +14,7 @@
 //! max_body_bytes = 1048576
 //! max_connections = 512       # open HTTP connections; more wait until one closes
 //! header_timeout_ms = 10000   # a request's headers within this (and idle keep-alive this long)
+//! budget_lease_ms = 30000     # a dead node's holds in the shared budget ledger lapse after this
 //!
 //! [[provider]]                # a host, in preference order
 //! id = "primary"
@@ -82,6 +83,9 @@ pub struct NodeSettings {
     /// A request's headers must arrive within this, counted from when the node is ready to read
     /// them; a kept-alive connection idle this long is closed.
     pub header_timeout_ms: u64,
+    /// How long this node's holds in the shared budget ledger count without renewal (renewed
+    /// every third of it while the node lives): how soon a dead node's holds lapse.
+    pub budget_lease_ms: u64,
 }
 
 impl Default for NodeSettings {
@@ -97,6 +101,7 @@ impl Default for NodeSettings {
             max_body_bytes: 1 << 20,
             max_connections: 512,
             header_timeout_ms: 10_000,
+            budget_lease_ms: 30_000,
         }
     }
 }
@@ -614,6 +619,7 @@ impl NodeConfig {
             ("node.heartbeat_interval_ms", n.heartbeat_interval_ms),
             ("node.health_window_ms", n.health_window_ms),
             ("node.header_timeout_ms", n.header_timeout_ms),
+            ("node.budget_lease_ms", n.budget_lease_ms),
         ] {
             if v == 0 {
                 return Err(format!("{name} must be more than 0"));

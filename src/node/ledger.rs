@@ -29,8 +29,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
-/// How long a node's hold counts without renewal (renewed every third of it while held).
-pub const LEASE_MS: u64 = 30_000;
 /// How long one ledger round trip may take before the ledger counts as unreachable.
 pub const STORE_TIMEOUT: Duration = Duration::from_millis(750);
 /// Compare-and-swap attempts per key and batch before the batch counts as failed.
@@ -145,8 +143,8 @@ pub struct Ledgers {
     store: tokio::sync::Mutex<Option<kv::Store>>,
     /// What this node spent (or holds) on local shares while the ledger was unreachable, by key.
     share: std::sync::Mutex<BTreeMap<String, f64>>,
-    /// The newest revision of each key mirrored into the engine.
-    revisions: std::sync::Mutex<BTreeMap<String, u64>>,
+    /// The newest record (and its revision) of each key this node has seen.
+    latest: std::sync::Mutex<BTreeMap<String, (Ledger, u64)>>,
     pub counters: LedgerCounters,
 }
 
@@ -158,7 +156,7 @@ impl Default for Ledgers {
             rx: std::sync::Mutex::new(Some(rx)),
             store: tokio::sync::Mutex::new(None),
             share: std::sync::Mutex::default(),
-            revisions: std::sync::Mutex::default(),
+            latest: std::sync::Mutex::default(),
             counters: LedgerCounters::default(),
         }
     }
@@ -374,7 +372,8 @@ impl Node {
             let n = self.clone();
             tokio::spawn(async move { n.watch_ledger(store).await });
         }
-        let mut renew = tokio::time::interval(Duration::from_millis(LEASE_MS / 3));
+        let lease_ms = self.cfg.node.budget_lease_ms;
+        let mut renew = tokio::time::interval(Duration::from_millis((lease_ms / 3).max(1)));
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Settlements the ledger has not taken yet (it did not answer).
         let mut unsettled: Vec<Op> = Vec::new();
@@ -607,48 +606,58 @@ impl Node {
         k: &str,
         changes: &[(Option<usize>, Change)],
     ) -> Option<(Ledger, Vec<bool>, u64)> {
+        // The newest record this node knows (its own last write, or the watch's) is tried
+        // first: one round trip when no other node wrote since; a conflict reads afresh.
+        let mut known = lock(&self.ledger.latest).get(k).cloned();
         for _ in 0..CAS_TRIES {
-            let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
-                .await
-                .ok()?
-                .ok()?;
+            let entry = match known.take() {
+                Some((l, revision)) => Ok((l, Some(revision))),
+                None => Err(tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
+                    .await
+                    .ok()?
+                    .ok()?),
+            };
             let (mut ledger, revision) = match entry {
-                Some(e) if e.operation == kv::Operation::Put => {
-                    match serde_json::from_slice::<Ledger>(&e.value) {
-                        Ok(l) => (l, Some(e.revision)),
-                        Err(err) => {
-                            tracing::error!(node = %self.id, key = k, "budget ledger record unreadable: {err}");
-                            return None;
+                Ok(cached) => cached,
+                Err(entry) => match entry {
+                    Some(e) if e.operation == kv::Operation::Put => {
+                        match serde_json::from_slice::<Ledger>(&e.value) {
+                            Ok(l) => (l, Some(e.revision)),
+                            Err(err) => {
+                                tracing::error!(node = %self.id, key = k, "budget ledger record unreadable: {err}");
+                                return None;
+                            }
                         }
                     }
-                }
-                other => {
-                    // No record (yet, or removed): the engine's limit starts one.
-                    let agent = self.agent_of(k);
-                    let limit = self.with_engine(|e| match &agent {
-                        Some(a) => e.state.budgets.agents.get(a).map(|b| b.limit_usd),
-                        None => e.state.budgets.global.map(|b| b.limit_usd),
-                    });
-                    let limit = limit?;
-                    (
-                        Ledger {
-                            agent,
-                            ..Ledger::new(limit)
-                        },
-                        other.map(|e| e.revision),
-                    )
-                }
+                    other => {
+                        // No record (yet, or removed): the engine's limit starts one.
+                        let agent = self.agent_of(k);
+                        let limit = self.with_engine(|e| match &agent {
+                            Some(a) => e.state.budgets.agents.get(a).map(|b| b.limit_usd),
+                            None => e.state.budgets.global.map(|b| b.limit_usd),
+                        });
+                        let limit = limit?;
+                        (
+                            Ledger {
+                                agent,
+                                ..Ledger::new(limit)
+                            },
+                            other.map(|e| e.revision),
+                        )
+                    }
+                },
             };
             let now = now_ms();
+            let lease = self.cfg.node.budget_lease_ms;
             let granted: Vec<bool> = changes
                 .iter()
                 .map(|(_, c)| match *c {
-                    Change::Reserve(usd) => ledger.reserve(&self.id, usd, now, LEASE_MS),
+                    Change::Reserve(usd) => ledger.reserve(&self.id, usd, now, lease),
                     Change::Settle(r, a) => {
                         ledger.settle(&self.id, r, a, now);
                         true
                     }
-                    Change::Renew => ledger.renew(&self.id, now, LEASE_MS),
+                    Change::Renew => ledger.renew(&self.id, now, lease),
                 })
                 .collect();
             let bytes: bytes::Bytes = serde_json::to_vec(&ledger).ok()?.into();
@@ -733,12 +742,11 @@ impl Node {
     /// (this node's own write and the watch race), or chaos drained the budget here.
     fn mirror(&self, k: &str, revision: u64, l: &Ledger) {
         {
-            let mut seen = lock(&self.ledger.revisions);
-            let last = seen.entry(k.to_string()).or_insert(0);
-            if revision <= *last {
+            let mut latest = lock(&self.ledger.latest);
+            if latest.get(k).is_some_and(|(_, r)| revision <= *r) {
                 return;
             }
-            *last = revision;
+            latest.insert(k.to_string(), (l.clone(), revision));
         }
         if !self.drained(l.agent.as_deref()) {
             let now = now_ms();

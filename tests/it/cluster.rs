@@ -1543,3 +1543,91 @@ async fn a_loop_spread_over_the_cluster_trips_at_the_same_count_once() {
         "ESCALATED_AGENT_LOOP"
     );
 }
+
+#[tokio::test]
+async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
+    let dir = std::env::temp_dir().join(format!("oam-test-ledger-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    const LIMIT: f64 = 0.01;
+    std::fs::write(
+        &cfg,
+        format!("[node]\nbudget_lease_ms = 2000\n[budgets.agents.spender]\nlimit_usd = {LIMIT}\n"),
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap().to_string();
+    let mut cl = cluster(&["--config", &cfg]).await;
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+
+    // 90 requests at once over the three nodes; n1 is killed while it holds some.
+    let asks: Vec<_> = (0..90)
+        .map(|i| {
+            let c = c.clone();
+            let url = cl.urls[i % 3].clone();
+            tokio::spawn(async move {
+                let r = c
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&spender(&format!("kill {i}"), "low"))
+                    .send()
+                    .await
+                    .ok()?;
+                let v: Value = r.json().await.ok()?;
+                Some((i % 3, v["oam"]["cost_usd"].as_f64()?))
+            })
+        })
+        .collect();
+    let held = eventually(Duration::from_secs(5), || async {
+        let row = spender_ledger(&cl.nats.url())?;
+        row["holds"]["n1"].as_f64().filter(|h| *h > 0.0)
+    })
+    .await
+    .expect("n1 holds part of the budget");
+    cl.nodes[0].kill();
+    let mut answered = 0.0;
+    let mut answered_by_n1 = 0.0;
+    for a in asks {
+        if let Some((node, cost)) = a.await.unwrap() {
+            answered += cost;
+            if node == 0 {
+                answered_by_n1 += cost;
+            }
+        }
+    }
+    // What the dead node held stays held until its lease ends, then lapses.
+    let lapsed = eventually(Duration::from_secs(6), || async {
+        let row = spender_ledger(&cl.nats.url())?;
+        row["holds"].get("n1").is_none().then_some(row)
+    })
+    .await;
+    assert!(lapsed.is_some(), "n1's hold ({held}) never lapsed");
+
+    // The others spend the rest, and no more.
+    for i in 0..200 {
+        let (status, h, v) = ask(
+            &c,
+            &cl.urls[1 + i % 2],
+            spender(&format!("rest {i}"), "high"),
+        )
+        .await;
+        answered += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
+        if status == 402 && h["x-oam-phase"] == "budget" {
+            break;
+        }
+    }
+    // A dead node cannot settle: what it answered but never settled is the most that can be
+    // spent beyond the limit (one reservation's worth of slack besides).
+    let largest_hold = 0.001;
+    assert!(
+        answered <= LIMIT + largest_hold + answered_by_n1,
+        "answered {answered} (n1: {answered_by_n1}), limit {LIMIT}"
+    );
+    let spent = spender_ledger(&cl.nats.url()).unwrap()["spent_usd"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        spent <= answered + 1e-9,
+        "the ledger charged {spent}, answers cost {answered}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
