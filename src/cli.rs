@@ -40,6 +40,12 @@ pub enum Command {
     Escalation(cmd::escalation::Args),
     /// The cluster's shared budgets: `oam budget list`, `oam budget set AGENT --limit 5`.
     Budget(cmd::budget::Args),
+    /// Why was request X decided so? Its record from the decision log, replayed through the
+    /// core and told step by step (exit 1 if the replay differs).
+    Explain(cmd::explain::Args),
+    /// The decision log: list and filter decisions (agent, reason code, outcome, time range);
+    /// `--verify` replays each.
+    Audit(cmd::audit::Args),
     /// The whole story in one command: a local mesh, the headline failure scenarios with
     /// verdicts, a summary, and everything stopped again.
     Demo(cmd::demo::Args),
@@ -115,6 +121,8 @@ async fn dispatch(cli: Cli) -> Result<Outcome> {
         Command::Creds(args) => cmd::creds::run(args).await.map(done),
         Command::Escalation(args) => cmd::escalation::run(args).await.map(done),
         Command::Budget(args) => cmd::budget::run(args).await.map(done),
+        Command::Explain(args) => cmd::explain::run(args).await,
+        Command::Audit(args) => cmd::audit::run(args).await,
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await.map(done),
         Command::Completions(args) => {

@@ -1,6 +1,7 @@
 //! One module per subcommand: its clap `Args` and its `run`. Glue only; decisions live in `core`.
 
 pub mod agent;
+pub mod audit;
 pub mod bench;
 pub mod budget;
 pub mod chaos;
@@ -9,6 +10,7 @@ pub mod creds;
 pub mod decide;
 pub mod demo;
 pub mod escalation;
+pub mod explain;
 pub mod listen;
 pub mod man;
 pub mod mesh;

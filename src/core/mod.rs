@@ -16,6 +16,7 @@ pub mod loops;
 pub mod pipeline;
 pub mod quorum;
 pub mod reason;
+pub mod record;
 pub mod request;
 pub mod score;
 pub mod wire;

@@ -539,6 +539,16 @@ impl Engine {
         }
     }
 
+    /// Escalations raised so far (the next one's serial, part of its id).
+    pub fn escalations_raised(&self) -> u64 {
+        self.escalations
+    }
+
+    /// Continue an earlier engine's escalation serials (a replay).
+    pub fn set_escalations_raised(&mut self, n: u64) {
+        self.escalations = n;
+    }
+
     /// Start a request: admission, then (unless queued or refused) loop check and routing.
     pub fn begin(
         &mut self,
@@ -1610,4 +1620,4 @@ pub fn replay(input: DecideInput) -> Result<Decision, String> {
 
 #[cfg(test)]
 #[path = "pipeline_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -11,7 +11,7 @@ use crate::core::reason::Action;
 use crate::core::request::{Message, Policy, Priority};
 use std::collections::{BTreeSet, VecDeque};
 
-const T0: u64 = 1_000_000;
+pub(crate) const T0: u64 = 1_000_000;
 
 fn observation(node: &str, provider: &str, verdict: Verdict, availability: f64) -> Observation {
     Observation {
@@ -27,7 +27,7 @@ fn observation(node: &str, provider: &str, verdict: Verdict, availability: f64) 
 }
 
 /// One node, three healthy providers.
-fn engine() -> Engine {
+pub(crate) fn engine() -> Engine {
     let mut state = State {
         cluster: Cluster::new("n1", 1),
         ..State::default()
@@ -64,7 +64,7 @@ fn set_verdict(e: &mut Engine, provider: &str, verdict: Verdict, availability: f
     e.state.cluster.observe(o);
 }
 
-fn req(id: &str) -> Request {
+pub(crate) fn req(id: &str) -> Request {
     Request {
         id: id.into(),
         agent: "agent-a".into(),

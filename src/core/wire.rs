@@ -365,6 +365,8 @@ pub struct NodeSnapshot {
     pub bus: BusCounts,
     /// Escalations this node could not deliver to its webhook (after every attempt).
     pub escalations_undelivered: u64,
+    /// Decision records the decision log did not take (buffer full, no stream, no ack).
+    pub decisions_unlogged: u64,
 }
 
 impl NodeSnapshot {

@@ -463,6 +463,14 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
         kv::bucket(&nats, name, max_age).await?;
     }
     kv::bucket(&nats, super::roles::SDK_CONTEXT_BUCKET, Duration::ZERO).await?;
+    // The decision log, with the nodes' default retention (a week, 256 MiB).
+    async_nats::jetstream::new(nats.clone())
+        .get_or_create_stream(kv::decision_log_stream(
+            Duration::from_secs(7 * 24 * 3600),
+            256 << 20,
+        ))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot create the decision log stream: {e}"))?;
     // The SDK's artifact store is an object store: a stream laid out as its clients expect.
     let b = super::roles::SDK_ARTIFACTS_BUCKET;
     async_nats::jetstream::new(nats.clone())

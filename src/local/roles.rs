@@ -188,7 +188,9 @@ impl Role {
                     subjects::incident(id),
                     subjects::escalation(id),
                     subjects::loop_event(id),
+                    subjects::decision_log(id),
                 ]);
+                p.read_stream(subjects::DECISION_LOG_STREAM);
                 p.subscribe([
                     subjects::HEARTBEATS,
                     subjects::GOODBYES,
@@ -316,6 +318,7 @@ impl Permissions {
         {
             self.kv_read(b);
         }
+        self.read_stream(subjects::DECISION_LOG_STREAM);
     }
 
     fn caller(&mut self) {

@@ -58,6 +58,11 @@
 //! command = ["/usr/local/bin/page-oncall", "--team", "ai"]  # the same JSON on stdin; exit 0
 //! command_attempts = 3        # retried with the same backoff; each killed after the timeout
 //! command_timeout_ms = 5000
+//!
+//! [decision_log]              # every decision's record, for `oam explain` and `oam audit`
+//! max_age_hours = 168
+//! max_bytes = 268435456       # the stream's size at most (JetStream sets it aside)
+//! content = "full"            # or "hash": messages kept as hashes (not replayable)
 //! ```
 
 use crate::core::budget::Budgets;
@@ -269,6 +274,8 @@ pub struct NodeConfig {
     pub budgets: Budgets,
     #[serde(default)]
     pub escalations: EscalationSinks,
+    #[serde(default)]
+    pub decision_log: super::decisionlog::LogSettings,
     #[serde(default, rename = "route")]
     pub routes: Vec<RouteConfig>,
     #[serde(default)]

@@ -10,8 +10,9 @@ use super::Node;
 use super::connector::Passthrough;
 use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
-use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Engine, Session, Step};
+use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Session, Step};
 use crate::core::reason::{Phase, ReasonCode};
+use crate::core::record::{Call, Record, Recorder};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
 use crate::transport::subjects;
 use axum::Router;
@@ -480,24 +481,61 @@ pub(crate) struct Flight {
     pub session: Session,
     /// What the shared budget ledger holds for the attempt under way.
     pub hold: Option<super::ledger::Hold>,
+    /// The request's record for the decision log, as it goes (none when the log is off).
+    pub recorder: Option<Recorder>,
 }
 
 impl Flight {
-    pub(crate) fn new(node: Arc<Node>, session: Session) -> Flight {
+    pub(crate) fn new(node: Arc<Node>, session: Session, recorder: Option<Recorder>) -> Flight {
         Flight {
             node,
             session,
             hold: None,
+            recorder,
         }
     }
 
-    /// Run `f` on the engine with this request; if it ended the attempt under way, the
-    /// attempt's ledger hold settles with what it cost.
-    pub(crate) fn step<R>(&mut self, f: impl FnOnce(&mut Engine, &mut Session) -> R) -> R {
+    /// Tell the engine `call` about this request (recorded with the state it saw); if it ended
+    /// the attempt under way, the attempt's ledger hold settles with what it cost.
+    pub(crate) fn call(&mut self, call: Call) -> Option<Step> {
         let before = self.session.cost_usd();
-        let out = self.node.with_engine(|e| f(e, &mut self.session));
+        let now = now_ms();
+        let Flight {
+            node,
+            session,
+            recorder,
+            ..
+        } = self;
+        let out = node.with_engine(|e| {
+            if let Some(r) = recorder.as_mut() {
+                r.call(e, &call, now);
+            }
+            e.apply(session, call, now)
+        });
         super::ledger::settle_after(&self.node, &mut self.hold, &self.session, before);
         out
+    }
+
+    /// A call that always gives the next step (`Dequeue`, `Complete`).
+    pub(crate) fn next(&mut self, call: Call) -> Step {
+        // `apply` gives a step for these; were it not to, the request would wait in vain:
+        // end it closed instead.
+        match self.call(call) {
+            Some(step) => step,
+            None => self
+                .call(Call::Complete {
+                    generation: crate::core::request::Generation::failed(
+                        GenerationStatus::Error,
+                        0,
+                    ),
+                })
+                .unwrap_or(Step::Queued),
+        }
+    }
+
+    /// The decided request's record, for the decision log.
+    pub(crate) fn record(&mut self, d: &Decision) -> Option<Record> {
+        self.recorder.take().map(|r| r.finish(d))
     }
 }
 
@@ -532,20 +570,23 @@ pub async fn execute(
         Err(e) => return bad_request(node, headers, e),
     };
     let response_format = request.response_format.clone();
+    let logging = node.logs_decisions();
     let begun = node.with_engine(|e| {
-        e.begin(request, now_ms()).map(|(session, step)| {
+        let now = now_ms();
+        let recorder = logging.then(|| Recorder::begin(e, &request, now));
+        e.begin(request, now).map(|(session, step)| {
             let granted = session.ticket().map(|t| node.wait_for_slot(t));
-            (session, step, granted)
+            (session, step, granted, recorder)
         })
     });
-    let (session, mut step, mut granted) = match begun {
+    let (session, mut step, mut granted, recorder) = match begun {
         Ok(x) => x,
         Err(e) => {
             let param = param_of(e.field);
             return bad_request(node, headers, bad(param, e.message));
         }
     };
-    let mut flight = Flight::new(node.clone(), session);
+    let mut flight = Flight::new(node.clone(), session, recorder);
     // A streaming request held to no contract is relayed as it arrives; one under a contract is
     // checked whole first, then released.
     let live = live_ok && stream && !flight.session.contracted();
@@ -562,10 +603,9 @@ pub async fn execute(
                 let ticket = flight.session.ticket();
                 let Some(rx) = granted.take() else {
                     // Only `begin` queues, and it registered the waiter; fail closed.
-                    let left = node.with_engine(|e| e.abandon(&mut flight.session, now_ms()));
-                    match left {
-                        Some(d) => break d,
-                        None => continue,
+                    match flight.call(Call::Abandon) {
+                        Some(Step::Done(d)) => break *d,
+                        _ => continue,
                     }
                 };
                 let gave_up = tokio::select! {
@@ -575,7 +615,7 @@ pub async fn execute(
                     () = caller.cancelled() => Some(true),
                 };
                 let Some(caller_left) = gave_up else {
-                    step = node.with_engine(|e| e.dequeue(&mut flight.session, now_ms()));
+                    step = flight.next(Call::Dequeue);
                     continue;
                 };
                 // Leaving the queue: its waker goes too (a grant that raced with this is handed
@@ -583,18 +623,17 @@ pub async fn execute(
                 if let Some(t) = ticket {
                     node.forget_waiter(t);
                 }
-                let left = node.with_engine(|e| {
-                    if caller_left {
-                        e.caller_gone(&mut flight.session, now_ms())
-                    } else {
-                        e.abandon(&mut flight.session, now_ms())
-                    }
+                let left = flight.call(if caller_left {
+                    Call::CallerGone
+                } else {
+                    Call::Abandon
                 });
                 match left {
-                    Some(d) => break d,
+                    Some(Step::Done(d)) => break *d,
+                    Some(other) => other,
                     // Not queued any more (cannot happen after `begin` queued it): go on as the
                     // engine says.
-                    None => node.with_engine(|e| e.dequeue(&mut flight.session, now_ms())),
+                    None => flight.next(Call::Dequeue),
                 }
             }
             Step::Dispatch(d) => {
@@ -605,8 +644,8 @@ pub async fn execute(
                     };
                     // The caller left during the wait: the attempt is not made (with nothing
                     // waiting to start there is nothing to withdraw, and the call goes ahead).
-                    if !waited && let Some(d) = flight.step(|e, s| e.withdraw(s, now_ms())) {
-                        break d;
+                    if !waited && let Some(Step::Done(d)) = flight.call(Call::Withdraw) {
+                        break *d;
                     }
                 }
                 // A shared budget holds the attempt's cost first (or the ledger says what next).
@@ -624,21 +663,11 @@ pub async fn execute(
                     // The caller left before the first event: the upstream call is dropped (no
                     // more is generated, and paid for, for nobody) and the request ends.
                     let Some(opened) = opened else {
-                        let left = flight.step(|e, s| {
-                            match e.withdraw(s, now_ms()) {
-                                Some(d) => Step::Done(Box::new(d)),
-                                // Nothing was waiting (cannot be, after a dispatch): the engine
-                                // ends an out-of-turn report closed.
-                                None => e.complete(
-                                    s,
-                                    crate::core::request::Generation::failed(
-                                        GenerationStatus::Error,
-                                        0,
-                                    ),
-                                    now_ms(),
-                                ),
-                            }
-                        });
+                        // Nothing waiting (cannot be, after a dispatch): `next` ends it closed.
+                        let left = match flight.call(Call::Withdraw) {
+                            Some(step) => step,
+                            None => flight.next(Call::Abandon),
+                        };
                         step = left;
                         continue;
                     };
@@ -652,12 +681,10 @@ pub async fn execute(
                         super::live::Open::Failed(a) => {
                             let g = a.generation.clone();
                             last = Some(a);
-                            step = flight.step(|e, s| {
-                                if caller.is_cancelled() {
-                                    e.caller_gone(s, now_ms());
-                                }
-                                e.complete(s, g, now_ms())
-                            });
+                            if caller.is_cancelled() {
+                                flight.call(Call::CallerGone);
+                            }
+                            step = flight.next(Call::Complete { generation: g });
                             continue;
                         }
                     }
@@ -682,24 +709,28 @@ pub async fn execute(
                 };
                 let g = attempt.generation.clone();
                 last = Some(attempt);
-                flight.step(|e, s| {
-                    if caller.is_cancelled() {
-                        e.caller_gone(s, now_ms());
-                    }
-                    e.complete(s, g, now_ms())
-                })
+                if caller.is_cancelled() {
+                    flight.call(Call::CallerGone);
+                }
+                flight.next(Call::Complete { generation: g })
             }
         };
     };
+    let record = flight.record(&decision);
     drop(flight);
     let answer = respond(node, &decision, last);
-    conclude(node, decision, started);
+    conclude(node, decision, record, started);
     Answer { stream, ..answer }
 }
 
 /// What every decided request leaves behind: health samples from its traffic, metrics, and the
 /// decision (with any incident and escalation) on the bus.
-pub(crate) fn conclude(node: &Node, decision: Decision, started: std::time::Instant) {
+pub(crate) fn conclude(
+    node: &Node,
+    decision: Decision,
+    record: Option<Record>,
+    started: std::time::Instant,
+) {
     for effect in &decision.effects {
         if let Effect::HealthSample {
             provider,
@@ -713,6 +744,9 @@ pub(crate) fn conclude(node: &Node, decision: Decision, started: std::time::Inst
     }
     node.metrics
         .decision(&decision, started.elapsed().as_secs_f64());
+    if let Some(r) = record {
+        node.log_record(r);
+    }
     publish_decision(node, decision);
 }
 

@@ -239,7 +239,9 @@ impl Node {
                     && self.take_local_share(&agent, agent_key.as_deref(), global, usd)
                 {
                     c.local_share.fetch_add(1, Ordering::Relaxed);
-                    flight.session.note(ReasonCode::BudgetLocalShare);
+                    flight.call(crate::core::record::Call::Note {
+                        code: ReasonCode::BudgetLocalShare,
+                    });
                     flight.hold = Some(Hold {
                         agent_key,
                         global,
@@ -251,7 +253,7 @@ impl Node {
                 ReasonCode::BudgetStoreUnreachable
             }
         };
-        self.with_engine(|e| e.refuse_reservation(&mut flight.session, code, now_ms()))
+        flight.call(crate::core::record::Call::RefuseReservation { code })
     }
 
     /// Take `usd` from this node's local share of each budget that applies, if every one

@@ -9,10 +9,10 @@ use super::Node;
 use super::config::Streaming;
 use super::connector::{Attempt, Broken, Opened, Passthrough, Upstream};
 use super::dataplane::{Flight, conclude, oam_object, with_oam_headers};
-use crate::clock::now_ms;
 use crate::core::contract::ToolCall;
 use crate::core::pipeline::{Decision, DecisionOutcome, Dispatch, Step};
 use crate::core::reason::ReasonCode;
+use crate::core::record::Call;
 use crate::core::request::{Generation, GenerationStatus, Usage};
 use axum::body::{Body, Bytes};
 use axum::http::StatusCode;
@@ -119,7 +119,7 @@ pub(crate) fn respond(
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let mut flight = flight;
     let node = flight.node.clone();
-    node.with_engine(|e| e.delivering(&mut flight.session));
+    flight.call(Call::Delivering);
     let request_id = flight.session.request().id.clone();
     let relay = Relay {
         flight,
@@ -229,7 +229,7 @@ impl Relay {
                         error: None,
                         tool_calls: acc.calls,
                     };
-                    self.flight.step(|e, s| e.complete(s, g, now_ms()))
+                    self.flight.next(Call::Complete { generation: g })
                 }
                 End::CallerGone => {
                     // Its answer so far is paid for and was good: no retry, nobody to read one.
@@ -239,23 +239,23 @@ impl Relay {
                         usage: acc.usage,
                         ..Generation::ok("", latency_ms)
                     };
-                    self.flight.session.note(ReasonCode::ClientDisconnected);
-                    self.flight.step(|e, s| {
-                        e.caller_gone(s, now_ms());
-                        e.complete(s, g, now_ms())
-                    })
+                    self.flight.call(Call::Note {
+                        code: ReasonCode::ClientDisconnected,
+                    });
+                    self.flight.call(Call::CallerGone);
+                    self.flight.next(Call::Complete { generation: g })
                 }
-                End::Broken(g) => self.flight.step(|e, s| {
-                    e.interrupted(s);
-                    e.complete(s, g, now_ms())
-                }),
+                End::Broken(g) => {
+                    self.flight.call(Call::Interrupted);
+                    self.flight.next(Call::Complete { generation: g })
+                }
             };
             // Done, or continue on a prefill target (each open that fails is one more attempt).
             let next = loop {
                 match step {
                     Step::Done(d) => return self.close(*d).await,
                     Step::Queued => {
-                        step = node.with_engine(|e| e.dequeue(&mut self.flight.session, now_ms()));
+                        step = self.flight.next(Call::Dequeue);
                     }
                     Step::Dispatch(d) => {
                         if d.hold_usd > 0.0
@@ -268,9 +268,9 @@ impl Relay {
                         match open(&node, &d, &self.pass, prefill, self.limits).await {
                             Open::Started(s) => break s,
                             Open::Failed(a) => {
-                                step = self
-                                    .flight
-                                    .step(|e, s| e.complete(s, a.generation, now_ms()));
+                                step = self.flight.next(Call::Complete {
+                                    generation: a.generation,
+                                });
                             }
                         }
                     }
@@ -372,7 +372,7 @@ impl Relay {
 
     /// The request is decided: oam's last chunk and `[DONE]` for an accepted answer, else an
     /// in-band error event (and no `[DONE]`). Then what every decided request leaves behind.
-    async fn close(self, d: Decision) {
+    async fn close(mut self, d: Decision) {
         let oam = oam_object(&d);
         let text = if d.outcome == DecisionOutcome::Accepted {
             let mut last = self.head.clone();
@@ -397,7 +397,8 @@ impl Relay {
         let _ = self.send(text).await;
         let node = self.node();
         let started = self.request_started;
+        let record = self.flight.record(&d);
         drop(self);
-        conclude(&node, d, started);
+        conclude(&node, d, record, started);
     }
 }

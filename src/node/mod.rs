@@ -7,6 +7,7 @@
 pub mod config;
 pub mod connector;
 pub mod dataplane;
+pub mod decisionlog;
 pub mod ledger;
 pub mod live;
 pub mod loops;
@@ -102,6 +103,10 @@ pub struct Node {
     loop_claims_rx: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<loops::ClaimOp>>>,
     /// Loop episodes this node opened that another node had raised already.
     pub loops_joined: AtomicU64,
+    /// Decision records waiting for the decision log, and what became of them.
+    records: Mutex<Vec<crate::core::record::Record>>,
+    records_full: tokio::sync::Notify,
+    pub log_counters: decisionlog::LogCounters,
     /// The node's side of the shared budget ledger.
     pub(crate) ledger: ledger::Ledgers,
     /// Chaos done to this node, undone at expiry or on request.
@@ -259,6 +264,9 @@ impl Node {
             down: Mutex::new(std::collections::BTreeSet::new()),
             chaos: Mutex::new(NodeChaos::default()),
             ledger: ledger::Ledgers::default(),
+            records: Mutex::new(Vec::new()),
+            records_full: tokio::sync::Notify::new(),
+            log_counters: decisionlog::LogCounters::default(),
             loop_claims,
             loop_claims_rx: Mutex::new(Some(loop_claims_rx)),
             loops_joined: AtomicU64::new(0),
@@ -1021,6 +1029,15 @@ impl Node {
             self.http_saturated.load(Ordering::Relaxed)
         ));
         text.push_str(&self.ledger.counters.render());
+        text.push_str(&format!(
+            "# HELP oam_decision_log_records_total Decision records, by what became of them (lost: \
+             the buffer was full, or the stream did not take them).\n\
+             # TYPE oam_decision_log_records_total counter\n\
+             oam_decision_log_records_total{{result=\"written\"}} {}\n\
+             oam_decision_log_records_total{{result=\"lost\"}} {}\n",
+            self.log_counters.written.load(Ordering::Relaxed),
+            self.log_counters.lost.load(Ordering::Relaxed)
+        ));
         text
     }
 
@@ -1072,6 +1089,7 @@ impl Node {
                 dropped_events: count(&self.bus.dropped_events),
             },
             escalations_undelivered: count(&self.undelivered),
+            decisions_unlogged: count(&self.log_counters.lost),
         }
     }
 }
@@ -1115,6 +1133,7 @@ pub async fn run(
     loops.spawn(node.clone().probe_loop());
     loops.spawn(node.clone().ledger_loop());
     loops.spawn(node.clone().loop_claim_loop());
+    loops.spawn(node.clone().decision_log_loop());
     {
         let n = node.clone();
         loops.spawn(async move {

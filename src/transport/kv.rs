@@ -45,6 +45,20 @@ pub fn token(id: &str) -> String {
     format!("h-{}-{hash:016x}", hex(&id.as_bytes()[..100]))
 }
 
+/// The decision log's stream (`node::decisionlog`): records older than `max_age` go, and the
+/// oldest go first beyond `max_bytes`.
+pub fn decision_log_stream(max_age: Duration, max_bytes: u64) -> jetstream::stream::Config {
+    jetstream::stream::Config {
+        name: crate::transport::subjects::DECISION_LOG_STREAM.to_string(),
+        subjects: vec![crate::transport::subjects::DECISION_LOG_ALL.to_string()],
+        max_age,
+        max_bytes: i64::try_from(max_bytes).unwrap_or(i64::MAX),
+        discard: jetstream::stream::DiscardPolicy::Old,
+        allow_direct: true,
+        ..Default::default()
+    }
+}
+
 /// Open the KV bucket `name`, creating it (history 1, `max_age`) if it does not exist.
 pub async fn bucket(
     nats: &async_nats::Client,

@@ -29,6 +29,14 @@ pub fn decision(node: &str) -> String {
 }
 pub const DECISIONS: &str = "oam.v1.decision.*";
 
+/// A node's decision records (`node::decisionlog`), in batches, kept by the stream
+/// `DECISION_LOG_STREAM`.
+pub fn decision_log(node: &str) -> String {
+    format!("{PREFIX}.decisionlog.{node}")
+}
+pub const DECISION_LOG_ALL: &str = "oam.v1.decisionlog.*";
+pub const DECISION_LOG_STREAM: &str = "OAM_DECISIONS";
+
 /// Failures a node counted toward an agent loop, and calls that worked after some
 /// (`core::wire::LoopEvent`).
 pub fn loop_event(node: &str) -> String {

@@ -386,6 +386,13 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             Style::default().fg(Color::Red),
         ));
     }
+    let unlogged: u64 = app.nodes.values().map(|n| n.state.decisions_unlogged).sum();
+    if unlogged > 0 {
+        status.push(Span::styled(
+            format!("  decisions not logged {unlogged}"),
+            Style::default().fg(Color::Red),
+        ));
+    }
     if app.unreadable > 0 {
         status.push(Span::styled(
             format!(
@@ -1183,6 +1190,23 @@ mod tests {
         );
         let text = draw(&app, 100, 30);
         assert!(text.contains("escalations undelivered 2"), "{text}");
+    }
+
+    #[test]
+    fn decisions_the_log_did_not_take_are_shown() {
+        let mut app = healthy();
+        assert!(!draw(&app, 120, 30).contains("not logged"));
+        let mut state = app.nodes["n1"].state.clone();
+        state.decisions_unlogged = 7;
+        app.apply(
+            Event::NodeState {
+                node: "n1".into(),
+                state: Box::new(state),
+            },
+            NOW,
+        );
+        let text = draw(&app, 120, 30);
+        assert!(text.contains("decisions not logged 7"), "{text}");
     }
 
     #[test]

@@ -28,6 +28,32 @@ async fn run(name: &str) {
     assert!(result["summary"]["sent"].as_u64().unwrap() > 0);
     let verdicts = result["verdicts"].as_array().unwrap();
     assert!(!verdicts.is_empty() && verdicts.iter().all(|v| v["ok"] == true));
+    // Every decision of the run is in the decision log and replays to itself, byte for byte.
+    let out = mesh
+        .oam()
+        .args([
+            "audit", "--verify", "--json", "--since", "10m", "--limit", "1000000",
+        ])
+        .arg("--dir")
+        .arg(&mesh.dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "scenario {name}: records that do not replay:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    // (Agent calls go to agents on the mesh, not through the nodes' pipeline.)
+    let through_nodes = !std::fs::read_to_string(&file)
+        .unwrap()
+        .contains("kind = \"agent\"");
+    assert_eq!(
+        rows.is_empty(),
+        !through_nodes,
+        "scenario {name}: {} records in the decision log",
+        rows.len()
+    );
 }
 
 macro_rules! scenarios {

@@ -1,0 +1,212 @@
+//! `oam audit`: list and filter the decision log (who asked, what was decided, why), and
+//! `--verify` that every record replays to the decision it recorded.
+
+use crate::core::pipeline::DecisionOutcome;
+use crate::error::{Error, Kind, Outcome, Result};
+use crate::node::decisionlog::{self, Entry};
+use std::io::Write;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Only this agent's requests.
+    #[arg(long)]
+    pub agent: Option<String>,
+    /// Only requests whose reason codes include this one (`oam reasons` lists them).
+    #[arg(long)]
+    pub code: Option<String>,
+    /// Only requests with this outcome.
+    #[arg(long, value_enum)]
+    pub outcome: Option<OutcomeArg>,
+    /// How far back to look: e.g. 30m, 2h, 7d.
+    #[arg(long, default_value = "1h", value_parser = parse_age)]
+    pub since: u64,
+    /// Leave out the newest: requests decided within this of now (e.g. 5m).
+    #[arg(long, value_parser = parse_age)]
+    pub until: Option<u64>,
+    /// The newest N records at most.
+    #[arg(long, default_value_t = 50)]
+    pub limit: usize,
+    /// Replay every record listed through the core; exit 1 naming any whose replay differs
+    /// from what it recorded.
+    #[arg(long)]
+    pub verify: bool,
+    /// One JSON array of records (each with its replay verdict under --verify).
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutcomeArg {
+    Accepted,
+    Rejected,
+    Escalated,
+}
+
+/// `30m`, `2h`, `7d`, `90s` (a bare number is minutes) as milliseconds.
+pub fn parse_age(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?} is not an age; use e.g. 30m, 2h or 7d"))?;
+    let ms = match unit {
+        "s" => 1_000,
+        "" | "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(format!("{s:?}: the unit must be s, m, h or d")),
+    };
+    Ok(n * ms)
+}
+
+/// Read the log from `since_ms` ago, as `role`.
+pub async fn read(mesh: &super::MeshArgs, since_ms: u64, node: Option<&str>) -> Result<Vec<Entry>> {
+    let nats = mesh.connect(&super::Role::Viewer, "oam-audit").await?;
+    let from = crate::clock::now_ms().saturating_sub(since_ms);
+    decisionlog::read(&nats, from, node)
+        .await
+        .map_err(|e| Error::new(Kind::Unreachable, e))
+}
+
+pub async fn run(a: Args) -> Result<Outcome> {
+    if let Some(code) = &a.code
+        && !crate::core::reason::ReasonCode::ALL
+            .iter()
+            .any(|c| c.as_str() == code)
+    {
+        return Err(Error::usage(format!(
+            "--code {code}: not a reason code (`oam reasons` lists them)"
+        )));
+    }
+    let entries = read(&a.mesh, a.since, None).await?;
+    let now = crate::clock::now_ms();
+    let newest = a.until.map_or(u64::MAX, |u| now.saturating_sub(u));
+    let outcome = a.outcome.map(|o| match o {
+        OutcomeArg::Accepted => DecisionOutcome::Accepted,
+        OutcomeArg::Rejected => DecisionOutcome::Rejected,
+        OutcomeArg::Escalated => DecisionOutcome::Escalated,
+    });
+    let mut picked: Vec<&Entry> = entries
+        .iter()
+        .filter(|e| {
+            let d = &e.record.decision;
+            a.agent.as_ref().is_none_or(|x| *x == d.agent)
+                && a.code
+                    .as_ref()
+                    .is_none_or(|c| d.reason_codes.iter().any(|r| r.as_str() == c))
+                && outcome.is_none_or(|o| o == d.outcome)
+                && d.decided_at_ms <= newest
+        })
+        .collect();
+    if picked.len() > a.limit {
+        picked.drain(..picked.len() - a.limit);
+    }
+    let verdicts: Vec<Option<std::result::Result<(), String>>> = picked
+        .iter()
+        .map(|e| a.verify.then(|| e.record.verify(&e.config)))
+        .collect();
+    let differ: Vec<&str> = picked
+        .iter()
+        .zip(&verdicts)
+        .filter(|(_, v)| matches!(v, Some(Err(_))))
+        .map(|(e, _)| e.record.decision.request_id.as_str())
+        .collect();
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let rows: Vec<serde_json::Value> = picked
+            .iter()
+            .zip(&verdicts)
+            .map(|(e, v)| {
+                let mut row = serde_json::json!({"node": e.record.node, "record": e.record});
+                if let Some(v) = v {
+                    row["replay"] = match v {
+                        Ok(()) => serde_json::json!({"identical": true}),
+                        Err(why) => serde_json::json!({"identical": false, "difference": why}),
+                    };
+                }
+                row
+            })
+            .collect();
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(Error::failed)?
+        )?;
+    } else if picked.is_empty() {
+        writeln!(
+            out,
+            "no decisions recorded that match in the last {}",
+            age(a.since)
+        )?;
+    } else {
+        let full = super::width().is_none_or(|w| w >= 120);
+        let mut header = vec!["request", "age", "node", "agent", "outcome", "phase"];
+        if full {
+            header.push("provider");
+        }
+        header.push("reasons");
+        if a.verify {
+            header.push("replay");
+        }
+        let rows: Vec<Vec<String>> = picked
+            .iter()
+            .zip(&verdicts)
+            .map(|(e, v)| {
+                let d = &e.record.decision;
+                let mut row = vec![
+                    d.request_id.clone(),
+                    age(now.saturating_sub(d.decided_at_ms)),
+                    e.record.node.clone(),
+                    d.agent.clone(),
+                    outcome_word(d.outcome).to_string(),
+                    d.phase.to_string(),
+                ];
+                if full {
+                    row.push(d.provider.as_deref().unwrap_or("-").to_string());
+                }
+                let codes: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+                row.push(codes.join(", "));
+                if let Some(v) = v {
+                    row.push(if v.is_ok() { "identical" } else { "DIFFERS" }.into());
+                }
+                row
+            })
+            .collect();
+        writeln!(out, "{}", super::table(&header, rows, false))?;
+        writeln!(
+            out,
+            "{} of {} recorded in the last {}; `oam explain REQUEST_ID` tells one step by step",
+            picked.len(),
+            entries.len(),
+            age(a.since)
+        )?;
+    }
+    Ok(Outcome::from_failures(
+        differ
+            .iter()
+            .map(|id| format!("{id}: the replay differs from the recorded decision (`oam explain {id}` shows how)"))
+            .collect(),
+    ))
+}
+
+pub fn outcome_word(o: DecisionOutcome) -> &'static str {
+    match o {
+        DecisionOutcome::Accepted => "accepted",
+        DecisionOutcome::Rejected => "rejected",
+        DecisionOutcome::Escalated => "escalated",
+    }
+}
+
+/// A short age: 12s, 5m, 3h, 2d.
+pub fn age(ms: u64) -> String {
+    let s = ms / 1_000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3_600 => format!("{}m", s / 60),
+        3_600..86_400 => format!("{}h", s / 3_600),
+        _ => format!("{}d", s / 86_400),
+    }
+}

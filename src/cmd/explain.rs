@@ -1,0 +1,295 @@
+//! `oam explain REQUEST_ID`: a decision from the decision log, replayed through the core and
+//! told step by step in plain words; exit 1 if the replay does not give the recorded decision
+//! byte for byte.
+
+use crate::core::pipeline::{Attempt, Decision, Evaluation};
+use crate::core::record::{Call, Record};
+use crate::error::{Error, Outcome, Result};
+use std::fmt::Write as _;
+use std::io::Write;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The request id (the `x-request-id` header of the answer, `oam.request_id` in its body).
+    pub request_id: String,
+    /// How far back to look for it: e.g. 30m, 2h, 7d.
+    #[arg(long, default_value = "1d", value_parser = super::audit::parse_age)]
+    pub since: u64,
+    /// One JSON object: {record, replay: {identical, difference?}}.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub mesh: super::MeshArgs,
+}
+
+pub async fn run(a: Args) -> Result<Outcome> {
+    let entries = super::audit::read(&a.mesh, a.since, None).await?;
+    let Some(entry) = entries
+        .iter()
+        .rev()
+        .find(|e| e.record.decision.request_id == a.request_id)
+    else {
+        return Err(Error::usage(format!(
+            "no decision for request {} in the decision log of the last {} (try --since 7d; \
+             `oam audit` lists what is there)",
+            a.request_id,
+            super::audit::age(a.since)
+        )));
+    };
+    let replay = entry.record.verify(&entry.config);
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let doc = serde_json::json!({
+            "record": entry.record,
+            "replay": match &replay {
+                Ok(()) => serde_json::json!({"identical": true}),
+                Err(why) => serde_json::json!({"identical": false, "difference": why}),
+            },
+        });
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&doc).map_err(Error::failed)?
+        )?;
+    } else {
+        write!(out, "{}", tell(&entry.record))?;
+        match &replay {
+            Ok(()) => writeln!(
+                out,
+                "replay: the core, given what it saw, decides the same, byte for byte"
+            )?,
+            Err(why) => writeln!(out, "replay: DIFFERS from the recorded decision\n{why}")?,
+        }
+    }
+    Ok(match replay {
+        Ok(()) => Outcome::Ok,
+        Err(_) => Outcome::Failed(vec![format!(
+            "{}: the replay does not give the recorded decision",
+            a.request_id
+        )]),
+    })
+}
+
+fn usd(v: f64) -> String {
+    format!("${v:.6}")
+}
+
+fn pct(v: f64) -> String {
+    format!("{:.0}%", v * 100.0)
+}
+
+/// The record in plain words, one step per paragraph.
+pub fn tell(r: &Record) -> String {
+    let d = &r.decision;
+    let q = &r.request;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "request {} from agent {} (task {:?}, risk {}, priority {}) on node {}, model {}",
+        d.request_id,
+        q.agent,
+        q.task,
+        serde_json::to_value(q.risk)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+        serde_json::to_value(q.priority)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+        r.node,
+        q.model.as_deref().unwrap_or("auto"),
+    );
+    if r.content_hashed {
+        let _ = writeln!(s, "  (its messages were kept as hashes only)");
+    }
+    // Admission.
+    let class = q.priority;
+    let usage = r.begin.state.bulkheads.usage(class);
+    let queued = r.calls.iter().any(|l| l.call == Call::Dequeue);
+    let _ = writeln!(
+        s,
+        "\nadmission: {} ({} running and {} queued in its class when it arrived){}",
+        if d.phase == crate::core::reason::Phase::Admission {
+            "refused"
+        } else {
+            "admitted"
+        },
+        usage.active,
+        usage.queued,
+        if queued {
+            "; it waited in the queue for a slot"
+        } else {
+            ""
+        }
+    );
+    // Loop check.
+    let fp = crate::core::record::fingerprint(q);
+    let entry = r.begin.state.loops.get(&fp);
+    let _ = writeln!(
+        s,
+        "loop check: call {fp} had {} failure(s) in the window{}",
+        entry.map_or(0, |e| e.failures.len()),
+        match entry.and_then(|e| e.episode.as_ref()) {
+            Some(ep) => format!("; its loop episode {} was open", ep.incident.id),
+            None => String::new(),
+        }
+    );
+    // Budgets.
+    let b = &r.begin.state.budgets;
+    if let Some(x) = b.agents.get(&q.agent) {
+        let _ = writeln!(
+            s,
+            "budget: {} of {} remaining for {} (spent or held elsewhere {}, held here {})",
+            usd(x.remaining_usd()),
+            usd(x.limit_usd),
+            q.agent,
+            usd(x.spent_usd),
+            usd(x.reserved_usd)
+        );
+    }
+    if let Some(x) = b.global {
+        let _ = writeln!(
+            s,
+            "global budget: {} of {} remaining",
+            usd(x.remaining_usd()),
+            usd(x.limit_usd)
+        );
+    }
+    for a in &d.attempts {
+        s.push_str(&attempt(a));
+    }
+    for l in &r.calls {
+        let what = match &l.call {
+            Call::CallerGone => Some("the caller went away"),
+            Call::Abandon => Some("it gave up waiting for a slot"),
+            Call::Withdraw => Some("the attempt waiting to start was not made"),
+            Call::Interrupted => Some("the stream broke after part of the answer was delivered"),
+            Call::RefuseReservation { .. } => {
+                Some("the shared budget ledger would not hold the attempt")
+            }
+            _ => None,
+        };
+        if let Some(w) = what {
+            let _ = writeln!(s, "  at +{} ms: {w}", l.at_ms.saturating_sub(r.began_ms));
+        }
+    }
+    s.push_str(&verdict(d));
+    s
+}
+
+fn candidate(c: &Evaluation, chosen: bool) -> String {
+    let mut line = format!(
+        "    {:<14} {:<9} {}/{} votes{} availability {} p95 {} ms contract failures {:.1}% est {}",
+        c.provider.to_string(),
+        c.verdict.as_str(),
+        c.votes,
+        c.cluster_size,
+        if c.quorum { "" } else { " (no quorum)" },
+        pct(c.availability),
+        c.p95_ms,
+        c.contract_failure_pct,
+        usd(c.est_cost_usd)
+    );
+    match (&c.excluded, &c.score) {
+        (Some(why), _) => {
+            let _ = write!(line, "  excluded: {}", why.as_str());
+        }
+        (None, Some(p)) => {
+            let _ = write!(
+                line,
+                "  score {:.1} = availability {:.1} + latency {:.1} + health {:.1} + contract {:.1} + cost {:.1} + fallback {:.1}",
+                p.total, p.availability, p.latency, p.health, p.contract, p.cost, p.fallback
+            );
+        }
+        (None, None) => {}
+    }
+    if !c.notes.is_empty() {
+        let notes: Vec<&str> = c.notes.iter().map(|n| n.as_str()).collect();
+        let _ = write!(line, " [{}]", notes.join(", "));
+    }
+    if chosen {
+        line.push_str("  <- chosen");
+    }
+    line.push('\n');
+    line
+}
+
+fn attempt(a: &Attempt) -> String {
+    let mut s = format!(
+        "\nattempt {}{}: {} candidate(s)\n",
+        a.n,
+        if a.same_target {
+            " (retry on the same target)"
+        } else {
+            ""
+        },
+        a.candidates.len()
+    );
+    for c in &a.candidates {
+        s.push_str(&candidate(c, a.provider.as_ref() == Some(&c.provider)));
+    }
+    match (&a.provider, a.status) {
+        (Some(p), Some(st)) => {
+            let _ = writeln!(
+                s,
+                "  -> {p}{}{}: {} in {} ms, cost {}{}",
+                if a.fallback { " (fallback)" } else { "" },
+                if a.probe { " (breaker probe)" } else { "" },
+                serde_json::to_value(st)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+                a.latency_ms,
+                usd(a.cost_usd),
+                a.confidence
+                    .map(|c| format!(", confidence {c}"))
+                    .unwrap_or_default()
+            );
+        }
+        (Some(p), None) => {
+            let _ = writeln!(s, "  -> {p}: not called");
+        }
+        (None, _) => {
+            let _ = writeln!(s, "  -> no target could serve it");
+        }
+    }
+    for d in &a.defects {
+        let _ = writeln!(s, "  validation: {} ({})", d.code.as_str(), d.detail);
+    }
+    if !a.codes.is_empty() {
+        let codes: Vec<&str> = a.codes.iter().map(|c| c.as_str()).collect();
+        let _ = writeln!(s, "  codes: {}", codes.join(", "));
+    }
+    s
+}
+
+fn verdict(d: &Decision) -> String {
+    let codes: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+    let mut s = format!(
+        "\ndecision: {} in phase {}{}, cost {}\n  reason codes: {}\n",
+        super::audit::outcome_word(d.outcome).to_uppercase(),
+        d.phase,
+        d.provider
+            .as_ref()
+            .map(|p| format!(", answered by {p}"))
+            .unwrap_or_default(),
+        usd(d.cost_usd),
+        codes.join(", ")
+    );
+    for c in &d.reason_codes {
+        let _ = writeln!(s, "    {:<32} {}", c.as_str(), c.meaning());
+    }
+    if let Some(e) = &d.escalation {
+        let _ = writeln!(
+            s,
+            "  escalated to a human: {} ({})",
+            e.id,
+            e.recommended_action.as_str()
+        );
+    }
+    if let Some(i) = &d.incident {
+        let _ = writeln!(s, "  loop incident: {} ({} failures)", i.id, i.failures);
+    }
+    s
+}

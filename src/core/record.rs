@@ -1,0 +1,321 @@
+//! A decision's record: everything needed to replay it through the core and get the same
+//! decision, byte for byte. A node keeps one per request (`node::decisionlog` writes them to
+//! the decision log); `oam explain` replays one.
+//!
+//! Many requests share one engine, so the state a call saw is not the state at `begin` plus
+//! this request's own calls: others changed breakers, health, budgets and slots meanwhile. The
+//! record therefore holds the state each call saw, cut down to what a call for this request
+//! reads (its loop entry, its budgets, its route).
+
+use super::loops::{self, Fingerprint};
+use super::pipeline::{Config, Decision, Engine, Session, State, Step};
+use super::reason::ReasonCode;
+use super::request::{Generation, Request};
+use serde::{Deserialize, Serialize};
+
+/// One thing a driver tells the engine about a request after `begin`.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(tag = "call", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Call {
+    /// Granted a slot: continue (`Engine::dequeue`).
+    Dequeue,
+    /// Gave up waiting for a slot (`Engine::abandon`).
+    Abandon,
+    /// The caller went away (`Engine::caller_gone`).
+    CallerGone,
+    /// The attempt waiting to start is not made (`Engine::withdraw`).
+    Withdraw,
+    /// The dispatched attempt's result (`Engine::complete`).
+    Complete { generation: Generation },
+    /// The shared budget ledger would not hold the attempt (`Engine::refuse_reservation`).
+    RefuseReservation { code: ReasonCode },
+    /// The attempt started reaching the caller (`Engine::delivering`).
+    Delivering,
+    /// ... and then broke (`Engine::interrupted`).
+    Interrupted,
+    /// A code the driver observed (`Session::note`).
+    Note { code: ReasonCode },
+}
+
+impl Engine {
+    /// Apply `call` to request `s` at `now_ms`: the next step, when the call gives one.
+    pub fn apply(&mut self, s: &mut Session, call: Call, now_ms: u64) -> Option<Step> {
+        let done = |d: Decision| Step::Done(Box::new(d));
+        match call {
+            Call::Dequeue => Some(self.dequeue(s, now_ms)),
+            Call::Abandon => self.abandon(s, now_ms).map(done),
+            Call::CallerGone => self.caller_gone(s, now_ms).map(done),
+            Call::Withdraw => self.withdraw(s, now_ms).map(done),
+            Call::Complete { generation } => Some(self.complete(s, generation, now_ms)),
+            Call::RefuseReservation { code } => self.refuse_reservation(s, code, now_ms),
+            Call::Delivering => {
+                self.delivering(s);
+                None
+            }
+            Call::Interrupted => {
+                self.interrupted(s);
+                None
+            }
+            Call::Note { code } => {
+                s.note(code);
+                None
+            }
+        }
+    }
+
+    /// The state a call for `request` reads, and the escalation serial (part of escalation
+    /// ids): what a record keeps before each call.
+    pub fn snapshot_for(&self, request: &Request) -> Snapshot {
+        let fp = fingerprint(request);
+        let st = &self.state;
+        let mut state = State {
+            cluster: st.cluster.clone(),
+            providers: st.providers.clone(),
+            breakers: st.breakers.clone(),
+            cooldowns: st.cooldowns.clone(),
+            bulkheads: st.bulkheads,
+            loops: Default::default(),
+            budgets: Default::default(),
+            routes: Default::default(),
+            misconfigured: st.misconfigured.clone(),
+        };
+        if let Some(e) = st.loops.get(&fp) {
+            state.loops.insert(fp, e.clone());
+        }
+        state.budgets.global = st.budgets.global;
+        if let Some(b) = st.budgets.agents.get(&request.agent) {
+            state.budgets.agents.insert(request.agent.clone(), *b);
+        }
+        if let Some((m, r)) = request
+            .model
+            .as_ref()
+            .and_then(|m| st.routes.get_key_value(m))
+        {
+            state.routes.insert(m.clone(), r.clone());
+        }
+        Snapshot {
+            state,
+            escalations: self.escalations_raised(),
+        }
+    }
+}
+
+/// The loop fingerprint of a request, as `begin` computes it.
+pub fn fingerprint(r: &Request) -> Fingerprint {
+    loops::fingerprint(
+        &r.agent,
+        &r.task,
+        r.model.as_deref().unwrap_or(""),
+        &r.messages,
+    )
+}
+
+/// The engine as one call saw it.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Snapshot {
+    pub state: State,
+    /// Escalations the node had raised (the next one's serial).
+    pub escalations: u64,
+}
+
+/// One call, when it happened, and the state it saw.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Logged {
+    pub at_ms: u64,
+    pub call: Call,
+    pub before: Snapshot,
+}
+
+/// Everything needed to replay one request's decision.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub node: String,
+    pub request: Request,
+    pub began_ms: u64,
+    /// The state `begin` saw.
+    pub begin: Snapshot,
+    pub calls: Vec<Logged>,
+    pub decision: Decision,
+    /// The messages' content was left out (`[decision_log] content = "hash"`): each content is
+    /// its hash, and the record cannot be replayed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub content_hashed: bool,
+}
+
+impl Record {
+    /// Drive the request through a fresh engine with `config`, each call on the state it saw.
+    pub fn replay(&self, config: &Config) -> Result<Decision, String> {
+        if self.content_hashed {
+            return Err(
+                "the messages were left out of this record (content = \"hash\"), so it \
+                        cannot be replayed"
+                    .into(),
+            );
+        }
+        let mut e = Engine::new(config.clone(), self.begin.state.clone());
+        e.set_escalations_raised(self.begin.escalations);
+        let (mut s, mut step) = e
+            .begin(self.request.clone(), self.began_ms)
+            .map_err(|err| format!("request.{}: {}", err.field, err.message))?;
+        for l in &self.calls {
+            e.state = l.before.state.clone();
+            e.set_escalations_raised(l.before.escalations);
+            if let Some(next) = e.apply(&mut s, l.call.clone(), l.at_ms) {
+                step = next;
+            }
+        }
+        match step {
+            Step::Done(d) => Ok(*d),
+            Step::Queued => Err("the record ends with the request still queued".into()),
+            Step::Dispatch(d) => Err(format!(
+                "the record ends with attempt {} dispatched to {} and no result",
+                d.attempt, d.provider
+            )),
+        }
+    }
+
+    /// Does replaying it give the recorded decision, byte for byte? `Ok(())`, or what differs.
+    pub fn verify(&self, config: &Config) -> Result<(), String> {
+        let replayed = self.replay(config)?;
+        let a = serde_json::to_string(&self.decision).map_err(|e| e.to_string())?;
+        let b = serde_json::to_string(&replayed).map_err(|e| e.to_string())?;
+        if a == b {
+            Ok(())
+        } else {
+            Err(format!("recorded {a}\nreplayed {b}"))
+        }
+    }
+}
+
+/// Builds a request's record as its driver goes (see `Record`).
+#[derive(Clone, Debug)]
+pub struct Recorder {
+    node: String,
+    request: Request,
+    began_ms: u64,
+    begin: Snapshot,
+    calls: Vec<Logged>,
+}
+
+impl Recorder {
+    /// Before `begin`: the request and the state it is about to see.
+    pub fn begin(e: &Engine, request: &Request, now_ms: u64) -> Recorder {
+        Recorder {
+            node: e.state.cluster.self_id.clone(),
+            request: request.clone(),
+            began_ms: now_ms,
+            begin: e.snapshot_for(request),
+            calls: Vec::new(),
+        }
+    }
+
+    /// Before applying `call` to the engine.
+    pub fn call(&mut self, e: &Engine, call: &Call, now_ms: u64) {
+        self.calls.push(Logged {
+            at_ms: now_ms,
+            call: call.clone(),
+            before: e.snapshot_for(&self.request),
+        });
+    }
+
+    pub fn finish(self, decision: &Decision) -> Record {
+        Record {
+            node: self.node,
+            request: self.request,
+            began_ms: self.began_ms,
+            begin: self.begin,
+            calls: self.calls,
+            decision: decision.clone(),
+            content_hashed: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::breaker::Breaker;
+    use crate::core::pipeline::tests::{T0, engine, req as request};
+    use crate::core::request::GenerationStatus;
+
+    /// Drive `r` as a node does, recording it; between its calls another "request" changes
+    /// the engine (a breaker opens), as concurrent traffic does.
+    fn recorded(e: &mut Engine, r: Request) -> Record {
+        let mut rec = Recorder::begin(e, &r, T0);
+        let (mut s, mut step) = e.begin(r, T0).expect("valid");
+        let mut now = T0;
+        let mut answers = vec![
+            Generation::failed(GenerationStatus::Error, 30),
+            Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 80),
+        ]
+        .into_iter();
+        loop {
+            step = match step {
+                Step::Done(d) => return rec.finish(&d),
+                Step::Queued => unreachable!("one request, free slots"),
+                Step::Dispatch(_) => {
+                    let g = answers.next().expect("scripted");
+                    now += g.latency_ms;
+                    // Someone else's failures open the secondary's breaker meanwhile.
+                    e.state.breakers.insert(
+                        "secondary".into(),
+                        Breaker::Open {
+                            until_ms: now + 10_000,
+                            forced: false,
+                        },
+                    );
+                    let call = Call::Complete { generation: g };
+                    rec.call(e, &call, now);
+                    e.apply(&mut s, call, now).expect("a step")
+                }
+            };
+        }
+    }
+
+    #[test]
+    fn a_recorded_request_replays_to_its_decision_byte_for_byte() {
+        let mut e = engine();
+        let r = recorded(&mut e, request("r1"));
+        assert_eq!(r.decision.attempts.len(), 2, "{:?}", r.decision);
+        assert_eq!(r.calls.len(), 2);
+        // The retry saw the secondary's breaker open (another request's doing).
+        assert!(r.calls[0].before.state.breakers.contains_key("secondary"));
+        assert_eq!(r.verify(&e.config), Ok(()));
+        // Through JSON, as the log keeps it.
+        let back: Record = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back.verify(&e.config), Ok(()));
+        // Under another configuration it is another decision, and that is said.
+        let mut other = e.config.clone();
+        other.max_attempts.low = 1;
+        assert!(r.verify(&other).is_err());
+    }
+
+    #[test]
+    fn a_tampered_record_does_not_replay() {
+        let mut e = engine();
+        let r = recorded(&mut e, request("r2"));
+        let mut cost = r.clone();
+        cost.decision.cost_usd += 1.0;
+        assert!(cost.verify(&e.config).is_err());
+        let mut result = r.clone();
+        result.calls[1].call = Call::Complete {
+            generation: Generation::failed(GenerationStatus::Timeout, 80),
+        };
+        let why = result.verify(&e.config).unwrap_err();
+        assert!(why.starts_with("recorded "), "{why}");
+        let mut cut = r.clone();
+        cut.calls.pop();
+        assert!(cut.replay(&e.config).unwrap_err().contains("dispatched"));
+        let mut hashed = r;
+        hashed.content_hashed = true;
+        assert!(
+            hashed
+                .verify(&e.config)
+                .unwrap_err()
+                .contains("cannot be replayed")
+        );
+    }
+}

@@ -1,0 +1,279 @@
+//! The durable decision log: every decision's record (`core::record`: the request as the core
+//! saw it, the state each step saw, the results, the decision) goes to the JetStream stream
+//! `OAM_DECISIONS` (subjects `oam.v1.decisionlog.{node}`), kept by age and size as
+//! `[decision_log]` says. Off the request's path: records wait in a bounded buffer and are
+//! written in batches (many records per message, each batch with the pipeline configuration
+//! they were decided under); what cannot be written (buffer full, no stream, no ack) is counted
+//! in `/metrics` and the node's snapshot, never waited for. `oam explain` and `oam audit` read it.
+
+use super::Node;
+use crate::core::pipeline::Config as PipelineConfig;
+use crate::core::record::Record;
+use crate::transport::subjects;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Records waiting to be written at most; beyond, the oldest are dropped and counted.
+const WAITING_MAX: usize = 8_192;
+/// A batch message's size at most (the server's max_payload is 1 MB by default).
+const BATCH_BYTES: usize = 512 * 1024;
+/// How often waiting records are written (or sooner, once this many wait).
+const EVERY: Duration = Duration::from_millis(100);
+const BATCH_RECORDS: usize = 256;
+/// How long a write's acknowledgement may take before its records count as lost.
+const ACK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One message of the log: records decided under one configuration.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct Batch {
+    pub node: String,
+    pub config: PipelineConfig,
+    pub records: Vec<Record>,
+}
+
+/// `[decision_log]` in `oam.toml`.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSettings {
+    pub enabled: bool,
+    /// Records older than this go (hours).
+    pub max_age_hours: u64,
+    /// The stream's size at most (bytes; JetStream sets this much file storage aside); the
+    /// oldest records go first.
+    pub max_bytes: u64,
+    /// `full`, or `hash`: each message's content is kept as its hash only (the record then
+    /// cannot be replayed).
+    pub content: Content,
+}
+
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Content {
+    #[default]
+    Full,
+    Hash,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        LogSettings {
+            enabled: true,
+            max_age_hours: 24 * 7,
+            max_bytes: 256 << 20,
+            content: Content::Full,
+        }
+    }
+}
+
+/// What became of records, for `/metrics` and the snapshot.
+#[derive(Default)]
+pub struct LogCounters {
+    pub written: AtomicU64,
+    /// Dropped (buffer full) or not acknowledged by the stream.
+    pub lost: AtomicU64,
+}
+
+/// The stream's configuration as `settings` asks.
+pub fn stream_config(settings: &LogSettings) -> async_nats::jetstream::stream::Config {
+    crate::transport::kv::decision_log_stream(
+        Duration::from_secs(settings.max_age_hours * 3600),
+        settings.max_bytes,
+    )
+}
+
+impl Node {
+    pub(crate) fn logs_decisions(&self) -> bool {
+        self.cfg.decision_log.enabled
+    }
+
+    /// Keep a decided request's record for the next write (never waits).
+    pub(crate) fn log_record(&self, mut r: Record) {
+        if self.cfg.decision_log.content == Content::Hash {
+            for m in &mut r.request.messages {
+                m.content = format!(
+                    "xxh3:{:016x}",
+                    xxhash_rust::xxh3::xxh3_64(m.content.as_bytes())
+                );
+            }
+            r.content_hashed = true;
+        }
+        let mut waiting = super::lock(&self.records);
+        if waiting.len() >= WAITING_MAX {
+            waiting.remove(0);
+            self.log_counters.lost.fetch_add(1, Ordering::Relaxed);
+        }
+        waiting.push(r);
+        if waiting.len() >= BATCH_RECORDS {
+            self.records_full.notify_one();
+        }
+    }
+
+    /// Write waiting records in batches until the node stops (and once more then).
+    pub(crate) async fn decision_log_loop(self: Arc<Self>) {
+        if !self.logs_decisions() {
+            return;
+        }
+        let js = async_nats::jetstream::new(self.nats.clone());
+        let mut ready = false;
+        let subject = subjects::decision_log(&self.id);
+        loop {
+            let stopping = tokio::select! {
+                () = tokio::time::sleep(EVERY) => false,
+                () = self.records_full.notified() => false,
+                () = self.stop.cancelled() => true,
+            };
+            let waiting: Vec<Record> = std::mem::take(&mut *super::lock(&self.records));
+            if !waiting.is_empty() {
+                if !ready {
+                    let cfg = stream_config(&self.cfg.decision_log);
+                    match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg)).await {
+                        Ok(Ok(_)) => ready = true,
+                        Ok(Err(e)) => {
+                            tracing::warn!(node = %self.id, "decision log: cannot open the stream {}: {e}", subjects::DECISION_LOG_STREAM);
+                        }
+                        Err(_) => {
+                            tracing::warn!(node = %self.id, "decision log: no answer opening {}", subjects::DECISION_LOG_STREAM);
+                        }
+                    }
+                }
+                for chunk in self.batches(waiting) {
+                    let (n, bytes) = chunk;
+                    let written = ready
+                        && !self.isolated()
+                        && match tokio::time::timeout(
+                            ACK_TIMEOUT,
+                            js.publish(subject.clone(), bytes.into()),
+                        )
+                        .await
+                        {
+                            Ok(Ok(ack)) => {
+                                matches!(tokio::time::timeout(ACK_TIMEOUT, ack).await, Ok(Ok(_)))
+                            }
+                            _ => false,
+                        };
+                    let counter = if written {
+                        &self.log_counters.written
+                    } else {
+                        ready = false; // look at the stream again next time
+                        &self.log_counters.lost
+                    };
+                    counter.fetch_add(n as u64, Ordering::Relaxed);
+                }
+            }
+            if stopping {
+                return;
+            }
+        }
+    }
+
+    /// Encode records into batch messages of at most `BATCH_BYTES` (a record larger than that
+    /// goes alone), each record encoded once: (records in it, bytes).
+    fn batches(&self, records: Vec<Record>) -> Vec<(usize, Vec<u8>)> {
+        let head = serde_json::to_vec(&serde_json::json!({
+            "node": self.id, "config": self.cfg.pipeline,
+        }))
+        .unwrap_or_default();
+        // `{"config":...,"node":...}` -> `{"config":...,"node":...,"records":[...]}`
+        let head = &head[..head.len().saturating_sub(1)];
+        let mut out = Vec::new();
+        let mut msg: Vec<u8> = Vec::new();
+        let mut n = 0;
+        let close = |msg: &mut Vec<u8>, n: &mut usize, out: &mut Vec<(usize, Vec<u8>)>| {
+            if *n > 0 {
+                msg.extend_from_slice(b"]}");
+                out.push((*n, std::mem::take(msg)));
+                *n = 0;
+            }
+        };
+        for r in &records {
+            let Ok(bytes) = serde_json::to_vec(r) else {
+                self.log_counters.lost.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            if n > 0 && msg.len() + bytes.len() + 2 > BATCH_BYTES {
+                close(&mut msg, &mut n, &mut out);
+            }
+            if n == 0 {
+                msg.extend_from_slice(head);
+                msg.extend_from_slice(b",\"records\":[");
+            } else {
+                msg.push(b',');
+            }
+            msg.extend_from_slice(&bytes);
+            n += 1;
+        }
+        close(&mut msg, &mut n, &mut out);
+        out
+    }
+}
+
+/// One record read back, with the configuration it was decided under and when it was written.
+pub struct Entry {
+    pub config: Arc<PipelineConfig>,
+    pub record: Record,
+}
+
+/// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
+/// oldest first; `node` narrows it to one node's records.
+pub async fn read(
+    nats: &async_nats::Client,
+    since_ms: u64,
+    node: Option<&str>,
+) -> anyhow::Result<Vec<Entry>> {
+    use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
+    use futures_util::StreamExt;
+    let js = async_nats::jetstream::new(nats.clone());
+    let stream = js
+        .get_stream(subjects::DECISION_LOG_STREAM)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "no decision log ({}): {e}; nodes write it as they decide",
+                subjects::DECISION_LOG_STREAM
+            )
+        })?;
+    let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
+        .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+    let mut consumer = stream
+        .create_consumer(OrderedConfig {
+            deliver_policy: DeliverPolicy::ByStartTime { start_time: start },
+            filter_subject: node.map(subjects::decision_log).unwrap_or_default(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
+    let pending = consumer.info().await.map_or(0, |i| i.num_pending);
+    let mut out = Vec::new();
+    if pending == 0 {
+        return Ok(out);
+    }
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(5), messages.next()).await;
+        let Ok(Some(Ok(m))) = next else {
+            anyhow::bail!(
+                "the decision log stopped answering after {} records",
+                out.len()
+            );
+        };
+        let left = m.info().map_or(0, |i| i.pending);
+        match serde_json::from_slice::<Batch>(&m.payload) {
+            Ok(b) => {
+                let config = Arc::new(b.config);
+                out.extend(b.records.into_iter().map(|record| Entry {
+                    config: config.clone(),
+                    record,
+                }));
+            }
+            Err(e) => tracing::warn!("a decision log message is not a batch of records: {e}"),
+        }
+        if left == 0 {
+            return Ok(out);
+        }
+    }
+}
