@@ -119,13 +119,93 @@ pub struct Snapshot {
     pub escalations: u64,
 }
 
-/// One call, when it happened, and the state it saw.
+/// One call, when it happened, and the state it saw (what differs from what `begin` saw).
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
 pub struct Logged {
     pub at_ms: u64,
     pub call: Call,
-    pub before: Snapshot,
+    #[serde(default, skip_serializing_if = "Patch::is_empty")]
+    pub before: Patch,
+}
+
+/// The parts of a snapshot that differ from another (those left out are the same): a call's
+/// state is mostly what `begin` saw, and a record keeps only what changed.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Patch {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<super::quorum::Cluster>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub providers: Option<Vec<super::request::Provider>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breakers: Option<std::collections::BTreeMap<String, super::breaker::Breaker>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cooldowns: Option<std::collections::BTreeMap<String, u64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bulkheads: Option<super::bulkhead::Bulkheads>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loops: Option<super::loops::Loops>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budgets: Option<super::budget::Budgets>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routes: Option<std::collections::BTreeMap<String, super::pipeline::Route>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub misconfigured: Option<std::collections::BTreeMap<String, u64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub escalations: Option<u64>,
+}
+
+impl Patch {
+    pub fn is_empty(&self) -> bool {
+        *self == Patch::default()
+    }
+
+    /// What of `now` differs from `base`.
+    pub fn between(base: &Snapshot, now: Snapshot) -> Patch {
+        let (b, n) = (&base.state, now.state);
+        let differs = |same: bool| !same;
+        Patch {
+            cluster: differs(b.cluster == n.cluster).then_some(n.cluster),
+            providers: differs(b.providers == n.providers).then_some(n.providers),
+            breakers: differs(b.breakers == n.breakers).then_some(n.breakers),
+            cooldowns: differs(b.cooldowns == n.cooldowns).then_some(n.cooldowns),
+            bulkheads: differs(b.bulkheads == n.bulkheads).then_some(n.bulkheads),
+            loops: differs(b.loops == n.loops).then_some(n.loops),
+            budgets: differs(b.budgets == n.budgets).then_some(n.budgets),
+            routes: differs(b.routes == n.routes).then_some(n.routes),
+            misconfigured: differs(b.misconfigured == n.misconfigured).then_some(n.misconfigured),
+            escalations: differs(base.escalations == now.escalations).then_some(now.escalations),
+        }
+    }
+
+    /// `base` with this patch applied.
+    pub fn apply(&self, base: &Snapshot) -> Snapshot {
+        let b = &base.state;
+        Snapshot {
+            state: State {
+                cluster: self.cluster.clone().unwrap_or_else(|| b.cluster.clone()),
+                providers: self
+                    .providers
+                    .clone()
+                    .unwrap_or_else(|| b.providers.clone()),
+                breakers: self.breakers.clone().unwrap_or_else(|| b.breakers.clone()),
+                cooldowns: self
+                    .cooldowns
+                    .clone()
+                    .unwrap_or_else(|| b.cooldowns.clone()),
+                bulkheads: self.bulkheads.unwrap_or(b.bulkheads),
+                loops: self.loops.clone().unwrap_or_else(|| b.loops.clone()),
+                budgets: self.budgets.clone().unwrap_or_else(|| b.budgets.clone()),
+                routes: self.routes.clone().unwrap_or_else(|| b.routes.clone()),
+                misconfigured: self
+                    .misconfigured
+                    .clone()
+                    .unwrap_or_else(|| b.misconfigured.clone()),
+            },
+            escalations: self.escalations.unwrap_or(base.escalations),
+        }
+    }
 }
 
 /// Everything needed to replay one request's decision.
@@ -161,8 +241,9 @@ impl Record {
             .begin(self.request.clone(), self.began_ms)
             .map_err(|err| format!("request.{}: {}", err.field, err.message))?;
         for l in &self.calls {
-            e.state = l.before.state.clone();
-            e.set_escalations_raised(l.before.escalations);
+            let before = l.before.apply(&self.begin);
+            e.state = before.state;
+            e.set_escalations_raised(before.escalations);
             if let Some(next) = e.apply(&mut s, l.call.clone(), l.at_ms) {
                 step = next;
             }
@@ -217,7 +298,7 @@ impl Recorder {
         self.calls.push(Logged {
             at_ms: now_ms,
             call: call.clone(),
-            before: e.snapshot_for(&self.request),
+            before: Patch::between(&self.begin, e.snapshot_for(&self.request)),
         });
     }
 
@@ -282,7 +363,15 @@ mod tests {
         assert_eq!(r.decision.attempts.len(), 2, "{:?}", r.decision);
         assert_eq!(r.calls.len(), 2);
         // The retry saw the secondary's breaker open (another request's doing).
-        assert!(r.calls[0].before.state.breakers.contains_key("secondary"));
+        assert!(
+            r.calls[0]
+                .before
+                .breakers
+                .as_ref()
+                .is_some_and(|b| b.contains_key("secondary"))
+        );
+        // What did not change is not kept again.
+        assert!(r.calls[0].before.cluster.is_none() && r.calls[0].before.providers.is_none());
         assert_eq!(r.verify(&e.config), Ok(()));
         // Through JSON, as the log keeps it.
         let back: Record = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();

@@ -63,6 +63,7 @@
 //! max_age_hours = 168
 //! max_bytes = 268435456       # the stream's size at most (JetStream sets it aside)
 //! content = "full"            # or "hash": messages kept as hashes (not replayable)
+//! durable = false             # true: an answer waits until its record is in the stream
 //! ```
 
 use crate::core::budget::Budgets;

@@ -719,7 +719,9 @@ pub async fn execute(
     let record = flight.record(&decision);
     drop(flight);
     let answer = respond(node, &decision, last);
-    conclude(node, decision, record, started);
+    let logged = conclude(node, decision, record, started);
+    // Under `[decision_log] durable`, not before its record is in the stream.
+    node.logged(logged).await;
     Answer { stream, ..answer }
 }
 
@@ -730,7 +732,7 @@ pub(crate) fn conclude(
     decision: Decision,
     record: Option<Record>,
     started: std::time::Instant,
-) {
+) -> Option<tokio::sync::oneshot::Receiver<bool>> {
     for effect in &decision.effects {
         if let Effect::HealthSample {
             provider,
@@ -744,10 +746,9 @@ pub(crate) fn conclude(
     }
     node.metrics
         .decision(&decision, started.elapsed().as_secs_f64());
-    if let Some(r) = record {
-        node.log_record(r);
-    }
+    let logged = record.and_then(|r| node.log_record(r));
     publish_decision(node, decision);
+    logged
 }
 
 fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {

@@ -46,6 +46,10 @@ pub struct LogSettings {
     /// `full`, or `hash`: each message's content is kept as its hash only (the record then
     /// cannot be replayed).
     pub content: Content,
+    /// Release an answer only once its record is in the stream (acknowledged): a node killed
+    /// at any moment has logged every answer it gave, for about one stream round trip per
+    /// request (requests waiting together share one write). Off by default.
+    pub durable: bool,
 }
 
 #[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -63,6 +67,7 @@ impl Default for LogSettings {
             max_age_hours: 24 * 7,
             max_bytes: 256 << 20,
             content: Content::Full,
+            durable: false,
         }
     }
 }
@@ -88,8 +93,10 @@ impl Node {
         self.cfg.decision_log.enabled
     }
 
-    /// Keep a decided request's record for the next write (never waits).
-    pub(crate) fn log_record(&self, mut r: Record) {
+    /// Keep a decided request's record for the next write (never waits). Under `durable`, the
+    /// receiver says when it was written (true) or could not be (false), and the write starts
+    /// at once.
+    pub(crate) fn log_record(&self, mut r: Record) -> Option<tokio::sync::oneshot::Receiver<bool>> {
         if self.cfg.decision_log.content == Content::Hash {
             for m in &mut r.request.messages {
                 m.content = format!(
@@ -99,14 +106,35 @@ impl Node {
             }
             r.content_hashed = true;
         }
+        let (tx, rx) = if self.cfg.decision_log.durable {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
         let mut waiting = super::lock(&self.records);
         if waiting.len() >= WAITING_MAX {
+            // Its waiter (if any) hears `false` as its sender goes.
             waiting.remove(0);
             self.log_counters.lost.fetch_add(1, Ordering::Relaxed);
         }
-        waiting.push(r);
-        if waiting.len() >= BATCH_RECORDS {
+        let urgent = tx.is_some();
+        waiting.push((r, tx));
+        if urgent || waiting.len() >= BATCH_RECORDS {
             self.records_full.notify_one();
+        }
+        rx
+    }
+
+    /// Wait (at most the write's own deadlines) until a durable record is written.
+    pub(crate) async fn logged(&self, ack: Option<tokio::sync::oneshot::Receiver<bool>>) {
+        if let Some(rx) = ack
+            && !matches!(
+                tokio::time::timeout(ACK_TIMEOUT * 3, rx).await,
+                Ok(Ok(true))
+            )
+        {
+            tracing::warn!(node = %self.id, "an answer released without its record in the decision log");
         }
     }
 
@@ -124,7 +152,8 @@ impl Node {
                 () = self.records_full.notified() => false,
                 () = self.stop.cancelled() => true,
             };
-            let waiting: Vec<Record> = std::mem::take(&mut *super::lock(&self.records));
+            let waiting: Vec<(Record, Option<tokio::sync::oneshot::Sender<bool>>)> =
+                std::mem::take(&mut *super::lock(&self.records));
             if !waiting.is_empty() {
                 if !ready {
                     let cfg = stream_config(&self.cfg.decision_log);
@@ -138,8 +167,7 @@ impl Node {
                         }
                     }
                 }
-                for chunk in self.batches(waiting) {
-                    let (n, bytes) = chunk;
+                for (n, bytes, waiters) in self.batches(waiting) {
                     let written = ready
                         && !self.isolated()
                         && match tokio::time::timeout(
@@ -160,6 +188,9 @@ impl Node {
                         &self.log_counters.lost
                     };
                     counter.fetch_add(n as u64, Ordering::Relaxed);
+                    for w in waiters {
+                        let _ = w.send(written);
+                    }
                 }
             }
             if stopping {
@@ -169,8 +200,12 @@ impl Node {
     }
 
     /// Encode records into batch messages of at most `BATCH_BYTES` (a record larger than that
-    /// goes alone), each record encoded once: (records in it, bytes).
-    fn batches(&self, records: Vec<Record>) -> Vec<(usize, Vec<u8>)> {
+    /// goes alone), each record encoded once: (records in it, bytes, who waits for it).
+    #[allow(clippy::type_complexity)]
+    fn batches(
+        &self,
+        records: Vec<(Record, Option<tokio::sync::oneshot::Sender<bool>>)>,
+    ) -> Vec<(usize, Vec<u8>, Vec<tokio::sync::oneshot::Sender<bool>>)> {
         let head = serde_json::to_vec(&serde_json::json!({
             "node": self.id, "config": self.cfg.pipeline,
         }))
@@ -180,21 +215,27 @@ impl Node {
         let mut out = Vec::new();
         let mut msg: Vec<u8> = Vec::new();
         let mut n = 0;
-        let close = |msg: &mut Vec<u8>, n: &mut usize, out: &mut Vec<(usize, Vec<u8>)>| {
-            if *n > 0 {
-                msg.extend_from_slice(b"]}");
-                out.push((*n, std::mem::take(msg)));
-                *n = 0;
-            }
-        };
-        for r in &records {
-            let Ok(bytes) = serde_json::to_vec(r) else {
+        let mut waiters = Vec::new();
+        let close =
+            |msg: &mut Vec<u8>,
+             n: &mut usize,
+             waiters: &mut Vec<tokio::sync::oneshot::Sender<bool>>,
+             out: &mut Vec<(usize, Vec<u8>, Vec<tokio::sync::oneshot::Sender<bool>>)>| {
+                if *n > 0 {
+                    msg.extend_from_slice(b"]}");
+                    out.push((*n, std::mem::take(msg), std::mem::take(waiters)));
+                    *n = 0;
+                }
+            };
+        for (r, waiter) in records {
+            let Ok(bytes) = serde_json::to_vec(&r) else {
                 self.log_counters.lost.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
             if n > 0 && msg.len() + bytes.len() + 2 > BATCH_BYTES {
-                close(&mut msg, &mut n, &mut out);
+                close(&mut msg, &mut n, &mut waiters, &mut out);
             }
+            waiters.extend(waiter);
             if n == 0 {
                 msg.extend_from_slice(head);
                 msg.extend_from_slice(b",\"records\":[");
@@ -204,7 +245,7 @@ impl Node {
             msg.extend_from_slice(&bytes);
             n += 1;
         }
-        close(&mut msg, &mut n, &mut out);
+        close(&mut msg, &mut n, &mut waiters, &mut out);
         out
     }
 }

@@ -394,11 +394,12 @@ impl Relay {
             });
             format!("data: {error}\n\n")
         };
-        let _ = self.send(text).await;
         let node = self.node();
         let started = self.request_started;
         let record = self.flight.record(&d);
-        drop(self);
-        conclude(&node, d, record, started);
+        let logged = conclude(&node, d, record, started);
+        // Under `[decision_log] durable`, the stream ends only once its record is written.
+        node.logged(logged).await;
+        let _ = self.send(text).await;
     }
 }

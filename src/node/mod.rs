@@ -104,7 +104,13 @@ pub struct Node {
     /// Loop episodes this node opened that another node had raised already.
     pub loops_joined: AtomicU64,
     /// Decision records waiting for the decision log, and what became of them.
-    records: Mutex<Vec<crate::core::record::Record>>,
+    #[allow(clippy::type_complexity)]
+    records: Mutex<
+        Vec<(
+            crate::core::record::Record,
+            Option<tokio::sync::oneshot::Sender<bool>>,
+        )>,
+    >,
     records_full: tokio::sync::Notify,
     pub log_counters: decisionlog::LogCounters,
     /// The node's side of the shared budget ledger.

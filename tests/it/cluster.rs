@@ -1767,3 +1767,65 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn a_durable_log_has_every_answer_a_killed_node_gave() {
+    let dir = std::env::temp_dir().join(format!("oam-test-durable-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(&cfg, "[decision_log]\ndurable = true\n").unwrap();
+    let mut cl = cluster(&["--config", cfg.to_str().unwrap()]).await;
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+    // Ten callers, each asking n1 again as soon as it answers, until it is killed: answers
+    // keep arriving right up to the kill.
+    let callers: Vec<_> = (0..10)
+        .map(|w| {
+            let c = c.clone();
+            let url = cl.urls[0].clone();
+            tokio::spawn(async move {
+                let mut answered = Vec::new();
+                for i in 0..400 {
+                    let id = format!("durable-{w}-{i}");
+                    let Ok(r) = c
+                        .post(format!("{url}/v1/chat/completions"))
+                        .header("x-request-id", &id)
+                        .json(&question(&id))
+                        .send()
+                        .await
+                    else {
+                        break; // the node is gone
+                    };
+                    if r.status().is_success() && r.bytes().await.is_ok() {
+                        answered.push(id);
+                    }
+                }
+                answered
+            })
+        })
+        .collect();
+    let sender = async move {
+        let mut all = Vec::new();
+        for c in callers {
+            all.extend(c.await.unwrap());
+        }
+        all
+    };
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    cl.nodes[0].kill();
+    let answered = sender.await;
+    assert!(answered.len() >= 10, "{answered:?}");
+    let (code, out, err) = oam_log(&cl.nats.url(), &["audit", "--json", "--limit", "100000"]);
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Value> = serde_json::from_str(&out).unwrap();
+    let logged: std::collections::BTreeSet<&str> = rows
+        .iter()
+        .map(|r| r["record"]["decision"]["request_id"].as_str().unwrap())
+        .collect();
+    let missing: Vec<&String> = answered
+        .iter()
+        .filter(|id| !logged.contains(id.as_str()))
+        .collect();
+    assert!(missing.is_empty(), "answered but not logged: {missing:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
