@@ -63,6 +63,35 @@ impl Engine {
         }
     }
 
+    /// The pruned loop entry and budgets of `request`, when asked for.
+    fn snapshot_for_parts(
+        &self,
+        request: &Request,
+        loops: bool,
+        budgets: bool,
+    ) -> (Option<super::loops::Loops>, Option<super::budget::Budgets>) {
+        let st = &self.state;
+        let fp = fingerprint(request);
+        let l = loops.then(|| {
+            st.loops
+                .get(&fp)
+                .map(|e| (fp, e.clone()))
+                .into_iter()
+                .collect()
+        });
+        let b = budgets.then(|| super::budget::Budgets {
+            global: st.budgets.global,
+            agents: st
+                .budgets
+                .agents
+                .get(&request.agent)
+                .map(|x| (request.agent.clone(), *x))
+                .into_iter()
+                .collect(),
+        });
+        (l, b)
+    }
+
     /// The state a call for `request` reads, and the escalation serial (part of escalation
     /// ids): what a record keeps before each call.
     pub fn snapshot_for(&self, request: &Request) -> Snapshot {
@@ -161,21 +190,41 @@ impl Patch {
         *self == Patch::default()
     }
 
-    /// What of `now` differs from `base`.
-    pub fn between(base: &Snapshot, now: Snapshot) -> Patch {
-        let (b, n) = (&base.state, now.state);
-        let differs = |same: bool| !same;
+    /// What of the engine's state, as a call for `request` reads it, differs from `base`:
+    /// compared in place, only what differs is copied (this runs for every call of every
+    /// request the log records).
+    pub fn of(base: &Snapshot, e: &Engine, request: &Request) -> Patch {
+        let (b, st) = (&base.state, &e.state);
+        let fp = fingerprint(request);
+        let loops_differ = b.loops.get(&fp) != st.loops.get(&fp);
+        let budgets_differ = b.budgets.global != st.budgets.global
+            || b.budgets.agents.get(&request.agent) != st.budgets.agents.get(&request.agent);
+        let route = request
+            .model
+            .as_ref()
+            .and_then(|m| st.routes.get_key_value(m));
+        let routes_differ = request
+            .model
+            .as_ref()
+            .is_some_and(|m| b.routes.get(m) != st.routes.get(m));
+        let pruned = e.snapshot_for_parts(request, loops_differ, budgets_differ);
+        let escalations = e.escalations_raised();
         Patch {
-            cluster: differs(b.cluster == n.cluster).then_some(n.cluster),
-            providers: differs(b.providers == n.providers).then_some(n.providers),
-            breakers: differs(b.breakers == n.breakers).then_some(n.breakers),
-            cooldowns: differs(b.cooldowns == n.cooldowns).then_some(n.cooldowns),
-            bulkheads: differs(b.bulkheads == n.bulkheads).then_some(n.bulkheads),
-            loops: differs(b.loops == n.loops).then_some(n.loops),
-            budgets: differs(b.budgets == n.budgets).then_some(n.budgets),
-            routes: differs(b.routes == n.routes).then_some(n.routes),
-            misconfigured: differs(b.misconfigured == n.misconfigured).then_some(n.misconfigured),
-            escalations: differs(base.escalations == now.escalations).then_some(now.escalations),
+            cluster: (b.cluster != st.cluster).then(|| st.cluster.clone()),
+            providers: (b.providers != st.providers).then(|| st.providers.clone()),
+            breakers: (b.breakers != st.breakers).then(|| st.breakers.clone()),
+            cooldowns: (b.cooldowns != st.cooldowns).then(|| st.cooldowns.clone()),
+            bulkheads: (b.bulkheads != st.bulkheads).then_some(st.bulkheads),
+            loops: pruned.0,
+            budgets: pruned.1,
+            routes: routes_differ.then(|| {
+                route
+                    .map(|(m, r)| (m.clone(), r.clone()))
+                    .into_iter()
+                    .collect()
+            }),
+            misconfigured: (b.misconfigured != st.misconfigured).then(|| st.misconfigured.clone()),
+            escalations: (base.escalations != escalations).then_some(escalations),
         }
     }
 
@@ -298,7 +347,7 @@ impl Recorder {
         self.calls.push(Logged {
             at_ms: now_ms,
             call: call.clone(),
-            before: Patch::between(&self.begin, e.snapshot_for(&self.request)),
+            before: Patch::of(&self.begin, e, &self.request),
         });
     }
 
