@@ -149,34 +149,40 @@ impl Window {
     /// Forget an outage the last `RECOVERY_STREAK` successes ended (see the type's docs).
     fn recover(&mut self, now_ms: u64) {
         let n = self.samples.len();
-        if n < 2 * RECOVERY_STREAK
-            || self
-                .recovered_at_ms
-                .is_some_and(|t| now_ms.saturating_sub(t) < self.window_ms)
-        {
-            return;
-        }
-        let mut newest = self.samples.iter().rev();
-        let answered = newest
-            .by_ref()
-            .take(RECOVERY_STREAK)
-            .all(|s| s.outcome == Outcome::Success);
-        let outage = newest
-            .take(RECOVERY_STREAK)
-            .all(|s| matches!(s.outcome, Outcome::Error | Outcome::Timeout));
-        if answered && outage {
+        let hysteresis = self
+            .recovered_at_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) < self.window_ms);
+        if !hysteresis && self.answers_after_outage() == Some(RECOVERY_STREAK) {
             self.samples.drain(..n - RECOVERY_STREAK);
             self.recovered_at_ms = Some(now_ms);
         }
     }
 
-    /// Answering again after failing: the newest sample is a success and the window still
-    /// holds failures (a prober checks such a provider again sooner, to see it recover).
+    /// Answering again after an outage, and not yet judged recovered: a prober checks such a
+    /// provider again sooner (at most `RECOVERY_STREAK - 1` extra probes per recovery).
     pub fn recovering(&self) -> bool {
-        self.samples
-            .back()
-            .is_some_and(|s| s.outcome == Outcome::Success)
-            && self.samples.iter().any(|s| s.outcome != Outcome::Success)
+        self.answers_after_outage()
+            .is_some_and(|n| n < RECOVERY_STREAK)
+    }
+
+    /// The successes in a row that end the window, when `RECOVERY_STREAK` failures in a row
+    /// (errors or timeouts: no answer at all) come just before them.
+    fn answers_after_outage(&self) -> Option<usize> {
+        let answered = self
+            .samples
+            .iter()
+            .rev()
+            .take_while(|s| s.outcome == Outcome::Success)
+            .count();
+        let outage = self
+            .samples
+            .iter()
+            .rev()
+            .skip(answered)
+            .take(RECOVERY_STREAK)
+            .filter(|s| matches!(s.outcome, Outcome::Error | Outcome::Timeout))
+            .count();
+        (answered > 0 && outage == RECOVERY_STREAK).then_some(answered)
     }
 
     fn prune(&mut self, now_ms: u64) {
@@ -303,6 +309,7 @@ mod tests {
         }
         let s = w.stats(2_200);
         assert_eq!((s.verdict(), s.samples), (Verdict::Degraded, 12));
+        assert!(!w.recovering(), "no outage, so no quicker probes");
         // Answers that break the contract are answers: no outage either.
         let mut w = Window::default();
         for t in 0..5 {
