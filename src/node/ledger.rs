@@ -553,7 +553,19 @@ impl Node {
             }
         }
         for r in reserves {
-            let _ = r.reply.send(r.answer);
+            // A request that went away meanwhile (its caller gave up) never uses what was held
+            // for it: give it back, or the node would renew that hold for as long as it lives.
+            if r.reply.send(r.answer).is_err() && r.answer == Answer::Held {
+                self.settle(
+                    Hold {
+                        agent_key: r.agent_key,
+                        global: r.global,
+                        usd: r.usd,
+                        local: false,
+                    },
+                    0.0,
+                );
+            }
         }
         // Settlements on keys whose write failed wait for the next batch.
         settles
