@@ -2,6 +2,7 @@
 //! `--verify` that every record replays to the decision it recorded.
 
 use crate::core::pipeline::DecisionOutcome;
+use crate::core::record::Record;
 use crate::error::{Error, Kind, Outcome, Result};
 use crate::node::decisionlog::{self, Entry};
 use std::io::Write;
@@ -62,11 +63,17 @@ pub fn parse_age(s: &str) -> std::result::Result<u64, String> {
     Ok(n * ms)
 }
 
-/// Read the log from `since_ms` ago, as `role`.
-pub async fn read(mesh: &super::MeshArgs, since_ms: u64, node: Option<&str>) -> Result<Vec<Entry>> {
+/// Read the log from `since_ms` ago (as a viewer), keeping what `keep` wants: those records,
+/// and how many were read in all.
+pub async fn read(
+    mesh: &super::MeshArgs,
+    since_ms: u64,
+    node: Option<&str>,
+    keep: impl Fn(&Record) -> bool,
+) -> Result<(Vec<Entry>, usize)> {
     let nats = mesh.connect(&super::Role::Viewer, "oam-audit").await?;
     let from = crate::clock::now_ms().saturating_sub(since_ms);
-    decisionlog::read(&nats, from, node)
+    decisionlog::read(&nats, from, node, keep)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))
 }
@@ -81,7 +88,6 @@ pub async fn run(a: Args) -> Result<Outcome> {
             "--code {code}: not a reason code (`oam reasons` lists them)"
         )));
     }
-    let entries = read(&a.mesh, a.since, None).await?;
     let now = crate::clock::now_ms();
     let newest = a.until.map_or(u64::MAX, |u| now.saturating_sub(u));
     let outcome = a.outcome.map(|o| match o {
@@ -89,18 +95,17 @@ pub async fn run(a: Args) -> Result<Outcome> {
         OutcomeArg::Rejected => DecisionOutcome::Rejected,
         OutcomeArg::Escalated => DecisionOutcome::Escalated,
     });
-    let mut picked: Vec<&Entry> = entries
-        .iter()
-        .filter(|e| {
-            let d = &e.record.decision;
-            a.agent.as_ref().is_none_or(|x| *x == d.agent)
-                && a.code
-                    .as_ref()
-                    .is_none_or(|c| d.reason_codes.iter().any(|r| r.as_str() == c))
-                && outcome.is_none_or(|o| o == d.outcome)
-                && d.decided_at_ms <= newest
-        })
-        .collect();
+    let wanted = |r: &Record| {
+        let d = &r.decision;
+        a.agent.as_ref().is_none_or(|x| *x == d.agent)
+            && a.code
+                .as_ref()
+                .is_none_or(|c| d.reason_codes.iter().any(|r| r.as_str() == c))
+            && outcome.is_none_or(|o| o == d.outcome)
+            && d.decided_at_ms <= newest
+    };
+    let (entries, total) = read(&a.mesh, a.since, None, wanted).await?;
+    let mut picked: Vec<&Entry> = entries.iter().collect();
     if picked.len() > a.limit {
         picked.drain(..picked.len() - a.limit);
     }
@@ -180,7 +185,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
             out,
             "{} of {} recorded in the last {}; `oam explain REQUEST_ID` tells one step by step",
             picked.len(),
-            entries.len(),
+            total,
             age(a.since)
         )?;
     }

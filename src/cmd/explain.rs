@@ -23,12 +23,25 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<Outcome> {
-    let entries = super::audit::read(&a.mesh, a.since, None).await?;
-    let Some(entry) = entries
-        .iter()
-        .rev()
-        .find(|e| e.record.decision.request_id == a.request_id)
-    else {
+    let this = |r: &Record| r.decision.request_id == a.request_id;
+    // A node's own ids are `{node}-{n}`: that node's records alone are read first.
+    let node = a
+        .request_id
+        .rsplit_once('-')
+        .filter(|(n, serial)| {
+            !serial.is_empty()
+                && serial.bytes().all(|b| b.is_ascii_digit())
+                && crate::transport::subjects::valid_token(n)
+        })
+        .map(|(n, _)| n);
+    let mut entries = Vec::new();
+    if let Some(n) = node {
+        entries = super::audit::read(&a.mesh, a.since, Some(n), this).await?.0;
+    }
+    if entries.is_empty() {
+        entries = super::audit::read(&a.mesh, a.since, None, this).await?.0;
+    }
+    let Some(entry) = entries.last() else {
         return Err(Error::usage(format!(
             "no decision for request {} in the decision log of the last {} (try --since 7d; \
              `oam audit` lists what is there)",

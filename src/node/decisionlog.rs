@@ -257,12 +257,15 @@ pub struct Entry {
 }
 
 /// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
-/// oldest first; `node` narrows it to one node's records.
+/// oldest first; `node` narrows it to one node's records. Only the records `keep` wants are
+/// held in memory: those, and how many records were read in all. A batch is believed only
+/// from the node whose subject it came on (only that node may publish there).
 pub async fn read(
     nats: &async_nats::Client,
     since_ms: u64,
     node: Option<&str>,
-) -> anyhow::Result<Vec<Entry>> {
+    keep: impl Fn(&Record) -> bool,
+) -> anyhow::Result<(Vec<Entry>, usize)> {
     use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
     use futures_util::StreamExt;
     let js = async_nats::jetstream::new(nats.clone());
@@ -287,8 +290,9 @@ pub async fn read(
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
     let pending = consumer.info().await.map_or(0, |i| i.num_pending);
     let mut out = Vec::new();
+    let mut read = 0;
     if pending == 0 {
-        return Ok(out);
+        return Ok((out, read));
     }
     let mut messages = consumer
         .messages()
@@ -297,24 +301,37 @@ pub async fn read(
     loop {
         let next = tokio::time::timeout(Duration::from_secs(5), messages.next()).await;
         let Ok(Some(Ok(m))) = next else {
-            anyhow::bail!(
-                "the decision log stopped answering after {} records",
-                out.len()
-            );
+            anyhow::bail!("the decision log stopped answering after {read} records");
         };
         let left = m.info().map_or(0, |i| i.pending);
         match serde_json::from_slice::<Batch>(&m.payload) {
+            Ok(b)
+                if *m.subject != *subjects::decision_log(&b.node)
+                    || b.records.iter().any(|r| r.node != b.node) =>
+            {
+                tracing::warn!(
+                    "records on {} that claim another node ({}) are not believed",
+                    m.subject,
+                    b.node
+                );
+            }
             Ok(b) => {
+                read += b.records.len();
                 let config = Arc::new(b.config);
-                out.extend(b.records.into_iter().map(|record| Entry {
-                    config: config.clone(),
-                    record,
-                }));
+                out.extend(
+                    b.records
+                        .into_iter()
+                        .filter(|r| keep(r))
+                        .map(|record| Entry {
+                            config: config.clone(),
+                            record,
+                        }),
+                );
             }
             Err(e) => tracing::warn!("a decision log message is not a batch of records: {e}"),
         }
         if left == 0 {
-            return Ok(out);
+            return Ok((out, read));
         }
     }
 }

@@ -1740,6 +1740,29 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("oam reasons"), "{err}");
 
+    // A batch on one node's subject that claims another node is not believed.
+    let mut forged = rows[0]["record"].clone();
+    forged["node"] = json!("n1");
+    forged["decision"]["request_id"] = json!("forged-1");
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+        .await
+        .unwrap();
+    let batch = json!({"node": "n1", "config": {}, "records": [forged]});
+    async_nats::jetstream::new(nc)
+        .publish(
+            oam::transport::subjects::decision_log("n2"),
+            serde_json::to_vec(&batch).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let (code, out, _) = oam_log(&cl.nats.url(), &["audit", "--json", "--limit", "1000"]);
+    assert_eq!(code, 0);
+    assert!(!out.contains("forged-1"), "a forged record was listed");
+    let (code, _, _) = oam_log(&cl.nats.url(), &["explain", "forged-1"]);
+    assert_eq!(code, 2, "a forged record is not found");
+
     // One decision, step by step.
     let (code, out, err) = oam_log(&cl.nats.url(), &["explain", &ids[2]]);
     assert_eq!(code, 0, "{err}");
