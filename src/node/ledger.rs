@@ -167,7 +167,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Mirror a ledger into the engine's budgets as `node` sees it (its own reservations it keeps).
-fn mirror(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now: u64) {
+fn mirror_into(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now: u64) {
     let slot = match agent {
         Some(a) => e
             .state
@@ -764,7 +764,7 @@ impl Node {
         }
         if !self.drained(l.agent.as_deref()) {
             let now = now_ms();
-            self.with_engine(|e| mirror(e, &self.id, l.agent.as_deref(), l, now));
+            self.with_engine(|e| mirror_into(e, &self.id, l.agent.as_deref(), l, now));
         }
     }
 
