@@ -284,6 +284,9 @@ pub async fn read(
         .create_consumer(OrderedConfig {
             deliver_policy: DeliverPolicy::ByStartTime { start_time: start },
             filter_subject: node.map(subjects::decision_log).unwrap_or_default(),
+            // A few batches (each up to `BATCH_BYTES`) per pull: the default pulls hundreds at
+            // once, more than a reader keeps up with, and the server drops it as too slow.
+            max_batch: 4,
             ..Default::default()
         })
         .await
