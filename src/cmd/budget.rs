@@ -18,7 +18,7 @@ pub struct Args {
 pub enum Command {
     /// Every budget: limit, spent, held by attempts under way (per node), remaining.
     List(ListArgs),
-    /// Set a budget's limit (creating it): `oam budget set support-bot 5`, `--global`.
+    /// Set a budget's limit (creating it): `oam budget set support-bot --limit 5`, or `--global`.
     Set(SetArgs),
     /// Forget what a budget has spent (holds of attempts under way stay).
     Reset(Which),
