@@ -88,5 +88,35 @@ fn bench(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench);
+/// One decision as a node records it for the decision log (`Recorder`: the state `begin` saw,
+/// each call's state as it differs).
+fn record(e: &mut Engine, r: &Request, answer: &Generation) -> oam::core::record::Record {
+    use oam::core::record::{Call, Recorder};
+    let mut rec = Recorder::begin(e, r, NOW);
+    let (mut s, _) = e.begin(r.clone(), NOW).expect("valid");
+    let call = Call::Complete {
+        generation: answer.clone(),
+    };
+    rec.call(e, &call, NOW + 180);
+    let Some(Step::Done(d)) = e.apply(&mut s, call, NOW + 180) else {
+        panic!("expected a decision")
+    };
+    rec.finish(std::sync::Arc::new(*d))
+}
+
+/// The decision above, recorded; then the record encoded as the log writes it.
+fn recorded(c: &mut Criterion) {
+    let mut e = engine();
+    let answer = Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 180);
+    let r = request();
+    c.bench_function("decide/recorded", |b| {
+        b.iter(|| black_box(record(&mut e, &r, &answer)));
+    });
+    let record = record(&mut e, &r, &answer);
+    c.bench_function("record/encode", |b| {
+        b.iter(|| black_box(serde_json::to_vec(&record).expect("encodes")));
+    });
+}
+
+criterion_group!(benches, bench, recorded);
 criterion_main!(benches);

@@ -4,6 +4,12 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
+/// mimalloc, not glibc's malloc: a node allocates on one worker thread and frees on another
+/// (a request's record is built on the request's task and freed by the decision log's), where
+/// glibc's arenas take a lock per free; measured with `scripts/bench-gateway`.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = match oam::cli::Cli::parse_args() {
         Ok(cli) => cli,

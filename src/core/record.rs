@@ -267,7 +267,8 @@ pub struct Record {
     /// The state `begin` saw.
     pub begin: Snapshot,
     pub calls: Vec<Logged>,
-    pub decision: Decision,
+    /// Shared with the decision's other readers (the live decision stream): never copied.
+    pub decision: std::sync::Arc<Decision>,
     /// The messages' content was left out (`[decision_log] content = "hash"`): each content is
     /// its hash, and the record cannot be replayed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -351,14 +352,14 @@ impl Recorder {
         });
     }
 
-    pub fn finish(self, decision: &Decision) -> Record {
+    pub fn finish(self, decision: std::sync::Arc<Decision>) -> Record {
         Record {
             node: self.node,
             request: self.request,
             began_ms: self.began_ms,
             begin: self.begin,
             calls: self.calls,
-            decision: decision.clone(),
+            decision,
             content_hashed: false,
         }
     }
@@ -384,7 +385,7 @@ mod tests {
         .into_iter();
         loop {
             step = match step {
-                Step::Done(d) => return rec.finish(&d),
+                Step::Done(d) => return rec.finish(std::sync::Arc::new(*d)),
                 Step::Queued => unreachable!("one request, free slots"),
                 Step::Dispatch(_) => {
                     let g = answers.next().expect("scripted");
@@ -436,7 +437,7 @@ mod tests {
         let mut e = engine();
         let r = recorded(&mut e, request("r2"));
         let mut cost = r.clone();
-        cost.decision.cost_usd += 1.0;
+        std::sync::Arc::make_mut(&mut cost.decision).cost_usd += 1.0;
         assert!(cost.verify(&e.config).is_err());
         let mut result = r.clone();
         result.calls[1].call = Call::Complete {

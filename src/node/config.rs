@@ -48,6 +48,10 @@
 //! same_target_retries = 1     # a 5xx or 429 is retried on its target first
 //! default_contract = {}       # hold every answer to the JSON contract (none by default)
 //!
+//! [[client]]                  # who may call: with any, every request (HTTP or NATS) needs
+//! id = "support-bot"          # `Authorization: Bearer <key>` of one, and its id is the agent
+//! key_env = "OAM_KEY_SUPPORT_BOT"   # the key is read from this variable (16 characters or more)
+//!
 //! [budgets.agents.support-bot]  # seeds the cluster's shared ledger if it has no such budget;
 //! limit_usd = 5.0                # after that `oam budget set/reset` manage it
 //!
@@ -281,9 +285,62 @@ pub struct NodeConfig {
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub streaming: Streaming,
+    #[serde(default, rename = "client")]
+    pub clients: Vec<ClientConfig>,
     /// Every provider's models, resolved (filled in by `parse`).
     #[serde(skip)]
     pub targets: Vec<Target>,
+    /// Every client's key, read from its variable (filled in by `parse`).
+    #[serde(skip)]
+    pub client_keys: Vec<(String, Secret)>,
+}
+
+/// `[[client]]`: a caller of the gateway with a key of its own. With none configured the
+/// gateway serves anyone (who names itself, if at all, with `oam.agent`); with any, a request
+/// without one of their keys is refused (401), and an authenticated request's agent is its
+/// client's id, whatever the request says: budgets and loop counts are then per caller, and no
+/// caller can spend another's budget or hide in another's loop count.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    pub id: String,
+    /// The environment variable holding its key (never the key itself in the file).
+    pub key_env: String,
+}
+
+/// A key: compared in constant time, never printed.
+#[derive(Clone, PartialEq)]
+pub struct Secret(String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl Secret {
+    /// Is `presented` this key? Takes as long whatever it is (for a presented key of the
+    /// same length): a wrong key's timing tells nothing of the right one.
+    pub fn matches(&self, presented: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), presented.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+/// Keys shorter than this are refused: a key is a password that scripts send.
+pub const MIN_KEY_CHARS: usize = 16;
+
+impl NodeConfig {
+    /// The client whose key is `presented`, if any (every key is compared).
+    pub fn client_with_key(&self, presented: &str) -> Option<&str> {
+        let mut found = None;
+        for (id, key) in &self.client_keys {
+            if key.matches(presented) {
+                found = Some(id.as_str());
+            }
+        }
+        found
+    }
 }
 
 /// Where escalations go besides the record (`[escalations]`): a webhook that gets each one as
@@ -360,6 +417,7 @@ impl NodeConfig {
             }
         }
         cfg.check().map_err(|e| format!("{name}: {e}"))?;
+        cfg.client_keys = cfg.read_client_keys().map_err(|e| format!("{name}: {e}"))?;
         cfg.targets = cfg.resolve_targets();
         cfg.check_routes().map_err(|e| format!("{name}: {e}"))?;
         Ok(cfg)
@@ -374,6 +432,38 @@ impl NodeConfig {
                 NodeConfig::parse(&p.display().to_string(), &text, sim_url)
             }
         }
+    }
+
+    /// Every `[[client]]`'s key, from its variable: each id and each key once, no key short.
+    fn read_client_keys(&self) -> Result<Vec<(String, Secret)>, String> {
+        let mut out: Vec<(String, Secret)> = Vec::new();
+        for (i, c) in self.clients.iter().enumerate() {
+            let at = format!("client[{i}] ({:?})", c.id);
+            if c.id.trim().is_empty() || c.id.chars().any(char::is_whitespace) {
+                return Err(format!("{at}: id must be a name without spaces"));
+            }
+            if out.iter().any(|(id, _)| *id == c.id) {
+                return Err(format!("{at}: id is listed twice"));
+            }
+            let key = std::env::var(&c.key_env).map_err(|_| {
+                format!(
+                    "{at}: key_env names {}, which is not set in this environment",
+                    c.key_env
+                )
+            })?;
+            if key.chars().count() < MIN_KEY_CHARS {
+                return Err(format!(
+                    "{at}: the key in {} is shorter than {MIN_KEY_CHARS} characters",
+                    c.key_env
+                ));
+            }
+            let key = Secret(key);
+            if let Some((other, _)) = out.iter().find(|(_, k)| *k == key) {
+                return Err(format!("{at}: has the same key as client {other:?}"));
+            }
+            out.push((c.id.clone(), key));
+        }
+        Ok(out)
     }
 
     /// Every provider's models as targets, in the providers' order.
@@ -663,6 +753,49 @@ mod tests {
         );
         assert!(cfg.providers[1].fallback);
         assert_eq!(cfg.node.cluster_size, 3);
+    }
+
+    /// Keys come from the environment (`PATH` stands in: set wherever tests run, and long).
+    #[test]
+    fn clients_keys_are_read_checked_and_matched() {
+        let path = std::env::var("PATH").unwrap();
+        let cfg = NodeConfig::parse(
+            "oam.toml",
+            "[[client]]\nid = \"bot\"\nkey_env = \"PATH\"\n",
+            "http://sim",
+        )
+        .unwrap();
+        assert_eq!(cfg.client_with_key(&path), Some("bot"));
+        assert_eq!(cfg.client_with_key(&format!("{path}x")), None);
+        assert_eq!(cfg.client_with_key(""), None);
+        assert!(
+            !format!("{cfg:?}").contains(&path),
+            "a key is never printed"
+        );
+        for (text, words) in [
+            (
+                "[[client]]\nid = \"bot\"\nkey_env = \"OAM_TEST_SURELY_UNSET\"\n",
+                vec!["oam.toml", "client[0]", "OAM_TEST_SURELY_UNSET", "not set"],
+            ),
+            (
+                "[[client]]\nid = \"a\"\nkey_env = \"PATH\"\n[[client]]\nid = \"b\"\nkey_env = \"PATH\"\n",
+                vec!["client[1]", "same key", "\"a\""],
+            ),
+            (
+                "[[client]]\nid = \"a\"\nkey_env = \"PATH\"\n[[client]]\nid = \"a\"\nkey_env = \"HOME\"\n",
+                vec!["client[1]", "twice"],
+            ),
+            (
+                "[[client]]\nid = \"a b\"\nkey_env = \"PATH\"\n",
+                vec!["client[0]", "without spaces"],
+            ),
+            ("[[client]]\nid = \"a\"\n", vec!["oam.toml", "key_env"]),
+        ] {
+            let e = NodeConfig::parse("oam.toml", text, "http://sim").unwrap_err();
+            for w in words {
+                assert!(e.contains(w), "{e:?} should mention {w:?}");
+            }
+        }
     }
 
     #[test]

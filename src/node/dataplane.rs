@@ -12,7 +12,7 @@ use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
 use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Session, Step};
 use crate::core::reason::{Phase, ReasonCode};
-use crate::core::record::{Call, Record, Recorder};
+use crate::core::record::{Call, Recorder};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
 use crate::transport::subjects;
 use axum::Router;
@@ -78,7 +78,10 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
 
 /// `GET /v1/models`: the model routes with their targets, or (with no routes) every target's
 /// model; and `auto`, scored routing across every target.
-async fn models(State(node): State<Arc<Node>>) -> Response {
+async fn models(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
+    if let Err(a) = authenticate(&node, &headers) {
+        return to_http(*a);
+    }
     let entry = |id: &str, owned_by: &str, targets: Vec<&str>| json!({"id": id, "object": "model", "created": 0, "owned_by": owned_by, "oam": {"targets": targets}});
     let all: Vec<&str> = node.cfg.targets.iter().map(|t| t.id.as_str()).collect();
     let mut data: Vec<Value> = if node.cfg.routes.is_empty() {
@@ -271,8 +274,48 @@ fn to_request(
     node: &Node,
     body: &[u8],
     h: &HeaderMap,
+    client: Option<&str>,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    decode_request(&node.cfg, body, h, || node.next_request_id())
+    let mut r = decode_request(&node.cfg, body, h, || node.next_request_id())?;
+    if let Some(id) = client {
+        // Who holds the key is who calls, whatever the request says.
+        r.0.agent = id.to_string();
+    }
+    Ok(r)
+}
+
+/// With `[[client]]`s configured, the client whose key the request bears
+/// (`Authorization: Bearer <key>`), or the 401 that refuses it; without, `Ok(None)`: anyone.
+fn authenticate<'a>(node: &'a Node, h: &HeaderMap) -> Result<Option<&'a str>, Box<Answer>> {
+    if node.cfg.client_keys.is_empty() {
+        return Ok(None);
+    }
+    let presented = header(h, "authorization")
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    let why = match presented {
+        Some(key) => match node.cfg.client_with_key(key) {
+            Some(id) => return Ok(Some(id)),
+            None => "the key in the Authorization header is not one this gateway knows",
+        },
+        None => "this gateway needs an API key: send Authorization: Bearer <key>",
+    };
+    node.metrics.unauthorized();
+    let mut a = bad_request(
+        node,
+        h,
+        BadRequest {
+            param: None,
+            message: why.into(),
+        },
+    );
+    a.status = StatusCode::UNAUTHORIZED;
+    a.body = json!({"error": {"message": why, "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
+    a.phase = "unauthorized".into();
+    Err(Box::new(a))
 }
 
 /// `to_request` against the providers a node routes to; `new_id` names a request that names
@@ -454,6 +497,7 @@ pub fn status_for(d: &Decision) -> StatusCode {
 pub(crate) fn oam_object(d: &Decision) -> Value {
     json!({
         "request_id": d.request_id,
+        "agent": d.agent,
         "outcome": d.outcome,
         "phase": d.phase,
         "reason_codes": d.reason_codes,
@@ -533,9 +577,9 @@ impl Flight {
         }
     }
 
-    /// The decided request's record, for the decision log.
-    pub(crate) fn record(&mut self, d: &Decision) -> Option<Record> {
-        self.recorder.take().map(|r| r.finish(d))
+    /// The request's record as far as it goes (finished with its decision by `conclude`).
+    pub(crate) fn recorder(&mut self) -> Option<Recorder> {
+        self.recorder.take()
     }
 }
 
@@ -565,7 +609,11 @@ pub async fn execute(
     live_ok: bool,
 ) -> Answer {
     let started = std::time::Instant::now();
-    let (request, stream, pass) = match to_request(node, body, headers) {
+    let client = match authenticate(node, headers) {
+        Ok(c) => c,
+        Err(a) => return *a,
+    };
+    let (request, stream, pass) = match to_request(node, body, headers, client) {
         Ok(r) => r,
         Err(e) => return bad_request(node, headers, e),
     };
@@ -716,7 +764,7 @@ pub async fn execute(
             }
         };
     };
-    let record = flight.record(&decision);
+    let record = flight.recorder();
     drop(flight);
     let answer = respond(node, &decision, last);
     let logged = conclude(node, decision, record, started);
@@ -730,7 +778,7 @@ pub async fn execute(
 pub(crate) fn conclude(
     node: &Node,
     decision: Decision,
-    record: Option<Record>,
+    record: Option<Recorder>,
     started: std::time::Instant,
 ) -> Option<tokio::sync::oneshot::Receiver<bool>> {
     for effect in &decision.effects {
@@ -746,7 +794,8 @@ pub(crate) fn conclude(
     }
     node.metrics
         .decision(&decision, started.elapsed().as_secs_f64());
-    let logged = record.and_then(|r| node.log_record(r));
+    let decision = std::sync::Arc::new(decision);
+    let logged = record.and_then(|r| node.log_record(r.finish(decision.clone())));
     publish_decision(node, decision);
     logged
 }
@@ -766,7 +815,7 @@ fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
     }
 }
 
-fn publish_decision(node: &Node, d: Decision) {
+fn publish_decision(node: &Node, d: std::sync::Arc<Decision>) {
     node.share_loop_effects(&d);
     if let Some(i) = &d.incident
         && d.reason_codes.contains(&ReasonCode::AgentLoopDetected)

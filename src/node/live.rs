@@ -396,7 +396,7 @@ impl Relay {
         };
         let node = self.node();
         let started = self.request_started;
-        let record = self.flight.record(&d);
+        let record = self.flight.recorder();
         let logged = conclude(&node, d, record, started);
         // Under `[decision_log] durable`, the stream ends only once its record is written.
         node.logged(logged).await;

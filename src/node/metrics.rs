@@ -42,6 +42,7 @@ struct Inner {
     duration: BTreeMap<String, Histogram>,
     provider_outcomes: BTreeMap<(String, &'static str, &'static str), u64>,
     escalation_deliveries: BTreeMap<&'static str, u64>,
+    unauthorized: u64,
 }
 
 #[derive(Default)]
@@ -95,6 +96,11 @@ impl Metrics {
             .provider_outcomes
             .entry((provider.to_string(), source, outcome_name(o)))
             .or_default() += 1;
+    }
+
+    /// A request refused for want of a client's key.
+    pub fn unauthorized(&self) {
+        self.inner().unauthorized += 1;
     }
 
     /// An escalation sent to a sink (`delivered`) or given up on (`failed`).
@@ -160,8 +166,10 @@ impl Metrics {
         }
         let _ = writeln!(
             w,
-            "# HELP oam_provider_outcomes_total Calls to providers, by source (probe or traffic) and outcome."
+            "# HELP oam_unauthorized_requests_total Requests refused for want of a client's key (401)."
         );
+        let _ = writeln!(w, "# TYPE oam_unauthorized_requests_total counter");
+        let _ = writeln!(w, "oam_unauthorized_requests_total {}", m.unauthorized);
         let _ = writeln!(
             w,
             "# HELP oam_escalation_deliveries_total Escalations sent to the webhook, by outcome."
@@ -173,6 +181,10 @@ impl Metrics {
                 "oam_escalation_deliveries_total{{outcome=\"{outcome}\"}} {n}"
             );
         }
+        let _ = writeln!(
+            w,
+            "# HELP oam_provider_outcomes_total Calls to providers, by source (probe or traffic) and outcome."
+        );
         let _ = writeln!(w, "# TYPE oam_provider_outcomes_total counter");
         for ((p, source, outcome), n) in &m.provider_outcomes {
             let _ = writeln!(

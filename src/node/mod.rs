@@ -86,7 +86,7 @@ pub struct Node {
     pub metrics: metrics::Metrics,
     requests: AtomicU64,
     /// Decisions waiting for the next batch.
-    decisions: Mutex<Vec<Decision>>,
+    decisions: Mutex<Vec<Arc<Decision>>>,
     decisions_full: tokio::sync::Notify,
     /// Queued requests by ticket, woken one each when the engine grants them a slot.
     waiters: Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<()>>>,
@@ -490,7 +490,7 @@ impl Node {
     }
 
     /// Keep a decision for the next batch (never waits).
-    pub(crate) fn log_decision(&self, d: Decision) {
+    pub(crate) fn log_decision(&self, d: Arc<Decision>) {
         let mut waiting = lock(&self.decisions);
         if waiting.len() >= DECISIONS_KEPT {
             waiting.remove(0);
@@ -514,7 +514,7 @@ impl Node {
                 () = self.stop.cancelled() => true,
             };
             loop {
-                let batch: Vec<Decision> = {
+                let batch: Vec<Arc<Decision>> = {
                     let mut waiting = lock(&self.decisions);
                     let n = waiting.len().min(DECISION_BATCH_MAX);
                     waiting.drain(..n).collect()

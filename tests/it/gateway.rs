@@ -30,6 +30,10 @@ async fn gateway(tag: &str) -> Gateway {
 }
 
 async fn gateway_with(tag: &str, extra: &str) -> Gateway {
+    gateway_with_env(tag, extra, &[]).await
+}
+
+async fn gateway_with_env(tag: &str, extra: &str, env: &[(&str, &str)]) -> Gateway {
     let nats = NatsServer::start().await;
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
@@ -67,19 +71,22 @@ targets = ["primary/small"]
         ),
     )
     .unwrap();
-    let node = Proc::spawn(&[
-        "node",
-        "run",
-        "--id",
-        "n1",
-        "--listen",
-        "127.0.0.1:0",
-        "--json",
-        "--nats-url",
-        &nats.url(),
-        "--config",
-        cfg.to_str().unwrap(),
-    ]);
+    let node = Proc::spawn_with_env(
+        &[
+            "node",
+            "run",
+            "--id",
+            "n1",
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+            "--nats-url",
+            &nats.url(),
+            "--config",
+            cfg.to_str().unwrap(),
+        ],
+        env,
+    );
     let url = node.ready["http"].as_str().unwrap().to_string();
     Gateway {
         url,
@@ -842,4 +849,112 @@ async fn a_caller_gone_before_the_first_event_ends_the_upstream_call() {
         before,
         "no other target tried"
     );
+}
+
+/// With `[[client]]`s configured, only a request bearing one's key is served (HTTP and
+/// `/v1/models` alike), and it counts as that client whatever agent it names: loops are counted
+/// per caller, so one client's identical failures never stop another's.
+#[tokio::test]
+async fn only_clients_with_a_key_are_served_and_each_is_its_own_agent() {
+    const ALPHA: &str = "alpha-key-0123456789";
+    const BETA: &str = "beta-key-0123456789";
+    let g = gateway_with_env(
+        "clients",
+        "[[client]]\nid = \"alpha\"\nkey_env = \"OAM_TEST_KEY_ALPHA\"\n\
+         [[client]]\nid = \"beta\"\nkey_env = \"OAM_TEST_KEY_BETA\"\n",
+        &[("OAM_TEST_KEY_ALPHA", ALPHA), ("OAM_TEST_KEY_BETA", BETA)],
+    )
+    .await;
+    let ask = |key: Option<&'static str>, agent: &'static str| {
+        let url = format!("{}/v1/chat/completions", g.url);
+        async move {
+            let body = json!({"model": "big", "messages": [{"role": "user", "content": "same question"}],
+                              "oam": {"agent": agent, "task": "t"}});
+            let mut r = client().post(url).json(&body);
+            if let Some(k) = key {
+                r = r.bearer_auth(k);
+            }
+            let r = r.send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    // No key, a wrong key: refused before anything is decided or called.
+    for key in [None, Some("not-a-key-0123456789")] {
+        let (status, body) = ask(key, "alpha").await;
+        assert_eq!(status, 401, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+    }
+    let models = format!("{}/v1/models", g.url);
+    assert_eq!(
+        client()
+            .get(&models)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        401
+    );
+    let listed = client()
+        .get(&models)
+        .bearer_auth(BETA)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(listed.status().as_u16(), 200);
+    assert!(
+        g.received("primary").await.is_empty(),
+        "nothing reached the upstream"
+    );
+    let m = crate::support::metrics(&g.url).await;
+    assert!(m.contains("oam_unauthorized_requests_total 3"), "{m}");
+
+    // The NATS data plane asks for the same key, as a message header.
+    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false)
+        .await
+        .unwrap();
+    let body = json!({"model": "big", "messages": [{"role": "user", "content": "hi"}]});
+    let bytes: bytes::Bytes = serde_json::to_vec(&body).unwrap().into();
+    let refused = nc.request("oam.v1.request", bytes.clone()).await.unwrap();
+    let refused: Value = serde_json::from_slice(&refused.payload).unwrap();
+    assert_eq!(refused["status"], 401, "{refused}");
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("Authorization", format!("Bearer {BETA}").as_str());
+    let served = nc
+        .request_with_headers("oam.v1.request", h, bytes)
+        .await
+        .unwrap();
+    let served: Value = serde_json::from_slice(&served.payload).unwrap();
+    assert_eq!(served["status"], 200, "{served}");
+    assert_eq!(served["oam"]["agent"], "beta", "{served}");
+
+    // A client's key makes it that client, whatever agent the request names.
+    let (status, body) = ask(Some(ALPHA), "beta").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["oam"]["agent"], "alpha", "{body}");
+
+    // Every target fails: alpha's identical calls trip alpha's loop at the third failure;
+    // beta's identical calls (naming alpha as their agent) are beta's own, not alpha's loop.
+    g.fault("primary/big", json!({"mode": "error"})).await;
+    g.fault("secondary", json!({"mode": "error"})).await;
+    for _ in 0..3 {
+        let (status, body) = ask(Some(ALPHA), "alpha").await;
+        assert_ne!(status, 200, "{body}");
+    }
+    let (status, body) = ask(Some(ALPHA), "alpha").await;
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        codes(&body).contains(&"RUNAWAY_RETRY_STOPPED".to_string()),
+        "{body}"
+    );
+    for _ in 0..2 {
+        let (status, body) = ask(Some(BETA), "alpha").await;
+        assert_ne!(status, 429, "beta is not alpha's loop: {body}");
+        assert_eq!(body["oam"]["agent"], "beta", "{body}");
+        assert_ne!(body["oam"]["phase"], "loop", "{body}");
+        assert!(
+            !codes(&body).contains(&"RUNAWAY_RETRY_STOPPED".to_string()),
+            "{body}"
+        );
+    }
 }

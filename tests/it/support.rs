@@ -16,8 +16,13 @@ pub struct Proc {
 impl Proc {
     /// Start `oam ARGS...` and wait (at most 20 s) for its JSON ready line on stdout.
     pub fn spawn(args: &[&str]) -> Proc {
+        Proc::spawn_with_env(args, &[])
+    }
+
+    /// `spawn`, with these variables set in the process's environment.
+    pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut cmd = Command::new(assert_cmd::cargo::cargo_bin!("oam"));
-        cmd.args(args);
+        cmd.args(args).envs(env.iter().copied());
         Proc::spawn_command(cmd, args)
     }
 
