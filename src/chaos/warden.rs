@@ -596,31 +596,38 @@ impl Warden {
                 format!("{requests} background requests, {concurrency} at once"),
             )
         } else {
-            // The same failing high-risk call, again and again, to one node (loop detection is
-            // per node): it asks for a confidence no answer reaches.
+            // The same failing high-risk call, again and again, spread over every node in
+            // turn (loop counts are the cluster's): it asks for a confidence no answer reaches.
             let requests = p.requests.unwrap_or(8);
-            let url = format!("{}/v1/chat/completions", urls[0]);
+            let names: Vec<&str> = rec.nodes().map(|n| n.name.as_str()).collect();
+            let detail = format!(
+                "{requests} identical failing high-risk calls, in turn to {}",
+                names.join(", ")
+            );
+            let urls: Vec<String> = urls
+                .iter()
+                .map(|u| format!("{u}/v1/chat/completions"))
+                .collect();
             let body = json!({
                 "model": "auto",
                 "messages": [{"role": "user", "content": format!("chaos {id}: approve refund 5531 with certainty")}],
                 "oam": {"agent": target, "task": "refund", "risk": "high",
                         "policy": {"min_confidence": 0.999, "max_attempts": 1}},
             });
-            let every =
-                Duration::from_millis((for_ms / u64::from(requests.max(1))).clamp(50, 1_000));
+            // One call at a time (each sees the ones before it), paced to end well within
+            // the fault's time however long each takes: the (k+1)th is sent k intervals after
+            // the first, or as soon as the kth has its answer.
+            let every = Duration::from_millis(
+                (for_ms / (u64::from(requests) + 1)).clamp(50, 1_000),
+            );
             let task = tokio::spawn(async move {
-                for _ in 0..requests {
-                    let _ = http.post(&url).json(&body).send().await;
-                    tokio::time::sleep(every).await;
+                let start = tokio::time::Instant::now();
+                for (k, url) in urls.iter().cycle().take(requests as usize).enumerate() {
+                    tokio::time::sleep_until(start + every * k as u32).await;
+                    let _ = http.post(url).json(&body).send().await;
                 }
             });
-            (
-                task,
-                format!(
-                    "{requests} identical failing high-risk calls to {}",
-                    rec.nodes().next().map_or("", |n| n.name.as_str())
-                ),
-            )
+            (task, detail)
         };
         self.loads.insert(id.to_string(), task);
         Ok(detail)

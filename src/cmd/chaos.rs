@@ -94,7 +94,8 @@ pub enum Command {
     KillAgent(On),
     /// SIGSTOP a process serving AGENT; SIGCONT at the end.
     StopAgent(On),
-    /// An agent retries an identical failing high-risk call (default agent: loop-bot).
+    /// An agent retries an identical failing high-risk call, to each node in turn (default
+    /// agent: loop-bot).
     AgentLoop {
         /// The calling agent's name.
         target: Option<String>,
