@@ -46,6 +46,7 @@ impl Plan {
                 priority: self.priority,
                 agent: self.agent.clone(),
                 task: self.task.clone(),
+                max_tokens: None,
             };
         }
         let mut x =
@@ -149,6 +150,9 @@ fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
             "request_id": format!("bench-{}-{i}", plan.seed),
         },
     });
+    if let Some(n) = k.max_tokens {
+        body["max_tokens"] = json!(n);
+    }
     if plan.stream {
         body["stream"] = json!(true);
         body["response_format"] = json!({"type": "text"});

@@ -28,6 +28,8 @@ pub struct ScenarioReport {
     pub chaos: Vec<(String, u64, u64)>,
     pub recoveries: Vec<Recovery>,
     pub cluster_reasons: BTreeMap<String, f64>,
+    /// Per `[[budget]]` agent: what the shared ledger charged it (USD), every hold settled.
+    pub budgets_spent: BTreeMap<String, f64>,
     pub verdicts: Vec<Verdict>,
     pub passed: bool,
     /// Stopped early (Ctrl-C, SIGTERM): the load and the timeline stopped, faults were ended,
@@ -115,6 +117,90 @@ async fn settle(http: &reqwest::Client, urls: &[String], within: Duration) -> Re
     }
 }
 
+/// Set the scenario's `[[budget]]`s in the shared ledger, spent from zero, and wait (at most
+/// 10 s) until every node mirrors them; the ledger, when there are any.
+async fn set_budgets(
+    nats: &async_nats::Client,
+    http: &reqwest::Client,
+    urls: &[String],
+    s: &Scenario,
+) -> Result<Option<async_nats::jetstream::kv::Store>> {
+    if s.budgets.is_empty() {
+        return Ok(None);
+    }
+    let unreachable = |e: String| {
+        Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!("scenario {}: the budget ledger: {e}", s.name),
+        )
+    };
+    let store = crate::transport::kv::bucket(nats, subjects::BUDGETS_BUCKET, Duration::ZERO)
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
+    for b in &s.budgets {
+        crate::node::ledger::change(&store, Some(&b.agent), true, |l| {
+            l.limit_usd = b.limit_usd;
+            l.spent_usd = 0.0;
+            l.holds.clear();
+        })
+        .await
+        .map_err(|e| unreachable(format!("{}: {e:?}", b.agent)))?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    'nodes: for url in urls {
+        loop {
+            let mirrored = crate::local::cluster::snapshot(http, url)
+                .await
+                .is_some_and(|v| {
+                    s.budgets.iter().all(|b| {
+                        v.budgets
+                            .agents
+                            .get(&b.agent)
+                            .is_some_and(|m| m.limit_usd == b.limit_usd && m.spent_usd == 0.0)
+                    })
+                });
+            if mirrored {
+                continue 'nodes;
+            }
+            if Instant::now() > deadline {
+                return Err(unreachable(format!(
+                    "{url} did not take the budgets within 10 s"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(Some(store))
+}
+
+/// What the ledger charged each `[[budget]]` once no hold is left (at most 10 s after the
+/// load), then the budgets removed, so the scenario leaves none behind.
+async fn settled_budgets(
+    store: &async_nats::jetstream::kv::Store,
+    s: &Scenario,
+) -> Result<BTreeMap<String, f64>> {
+    let mut out = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for b in &s.budgets {
+        let spent = loop {
+            let l = crate::node::ledger::read(store, Some(&b.agent))
+                .await
+                .map_err(|e| Error::new(Kind::Unreachable, e))?;
+            let now = crate::clock::now_ms();
+            match l {
+                Some(l) if l.held_usd(now, None) == 0.0 || Instant::now() > deadline => {
+                    break l.spent_usd;
+                }
+                Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                None => break f64::NAN,
+            }
+        };
+        out.insert(b.agent.clone(), spent);
+        let _ = store.delete(crate::node::ledger::key(Some(&b.agent))).await;
+    }
+    Ok(out)
+}
+
 /// Agents of this scenario that the warden started again after a `kill-agent` are not this
 /// process's children; stop them too (by pid from their instance record, only if their command
 /// line is that agent's `oam agent serve`), so a scenario leaves no agent behind.
@@ -198,6 +284,7 @@ pub async fn run(
     let agents = local::agents::Agents::start(&exe, dir, &app_url, &s.agents)
         .await
         .map_err(Error::failed)?;
+    let ledger = set_budgets(&nats, &http, &every, s).await?;
     let before = cluster_reasons(&http, &every).await;
 
     let duration = s.duration();
@@ -315,6 +402,10 @@ pub async fn run(
     }
     agents.stop().await;
     stop_restarted_agents(&nats, s).await;
+    let budgets_spent = match &ledger {
+        Some(store) => settled_budgets(store, s).await?,
+        None => BTreeMap::new(),
+    };
     let after = cluster_reasons(&http, &every).await;
     let cluster: BTreeMap<String, f64> = after
         .iter()
@@ -334,6 +425,7 @@ pub async fn run(
         samples: &samples,
         faults: faults.clone(),
         cluster_reasons: cluster.clone(),
+        budgets_spent: budgets_spent.clone(),
     };
     let verdicts = eval.evaluate(&s.expect);
     let recoveries = eval.recoveries();
@@ -349,6 +441,7 @@ pub async fn run(
         chaos: faults,
         recoveries,
         cluster_reasons: cluster,
+        budgets_spent,
         verdicts,
         passed,
         interrupted,

@@ -21,6 +21,13 @@
 //! provider = "local"
 //! during = "chaos"
 //! min = 0.95
+//! [[budget]]            # a budget in the cluster's shared ledger for the run
+//! agent = "support-bot"
+//! limit_usd = 0.5
+//! [[expect]]
+//! metric = "budget_spent_usd"
+//! agent = "support-bot"
+//! max = 0.55
 //! ```
 
 use super::load::Sample;
@@ -44,6 +51,9 @@ pub struct Scenario {
     pub agents: Vec<crate::local::agents::AgentSpec>,
     #[serde(default)]
     pub chaos: Vec<ChaosEvent>,
+    /// Budgets set in the cluster's shared ledger for the run (spend from zero), removed after.
+    #[serde(default, rename = "budget")]
+    pub budgets: Vec<BudgetSpec>,
     #[serde(default)]
     pub expect: Vec<Expect>,
     /// How the short form (CI) differs: every time multiplied by `scale`.
@@ -105,6 +115,10 @@ pub struct Mix {
     pub agent: String,
     #[serde(default = "bench")]
     pub task: String,
+    /// The request's `max_tokens` (else the pipeline's default, 256): what an attempt reserves
+    /// of a budget is priced on it.
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
 }
 
 fn one() -> u32 {
@@ -122,6 +136,7 @@ impl Default for Mix {
             priority: Priority::Normal,
             agent: bench(),
             task: bench(),
+            max_tokens: None,
         }
     }
 }
@@ -176,10 +191,21 @@ pub struct Expect {
     pub phase: Option<Phase>,
     #[serde(default)]
     pub priority: Option<Priority>,
+    /// The agent whose `[[budget]]` is measured (`budget_spent_usd`).
+    #[serde(default)]
+    pub agent: Option<String>,
     #[serde(default)]
     pub min: Option<f64>,
     #[serde(default)]
     pub max: Option<f64>,
+}
+
+/// `[[budget]]`: an agent's budget in the shared ledger while the scenario runs.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetSpec {
+    pub agent: String,
+    pub limit_usd: f64,
 }
 
 /// What can be expected.
@@ -213,6 +239,9 @@ pub enum Metric {
     /// Per fault: the time from its end until a request is served by `provider` again, worst
     /// case (ms); the rest of the run when none is.
     RecoveryToPrimaryMs,
+    /// What the cluster's shared ledger charged `agent`'s `[[budget]]` over the run, once every
+    /// hold has settled (USD).
+    BudgetSpentUsd,
 }
 
 impl Scenario {
@@ -269,6 +298,19 @@ impl Scenario {
                 return Err(format!("chaos[{i}] ({}) needs a target", c.fault.name()));
             }
         }
+        for (i, b) in self.budgets.iter().enumerate() {
+            if b.agent.trim().is_empty() {
+                return Err(format!("budget[{i}].agent must name an agent"));
+            }
+            if !(b.limit_usd.is_finite() && b.limit_usd >= 0.0) {
+                return Err(format!(
+                    "budget[{i}].limit_usd must be an amount, zero or more"
+                ));
+            }
+            if self.budgets[..i].iter().any(|o| o.agent == b.agent) {
+                return Err(format!("budget[{i}]: {} has a budget already", b.agent));
+            }
+        }
         for (i, e) in self.expect.iter().enumerate() {
             let needs = |field: &str, v: &Option<String>| {
                 v.is_none()
@@ -285,6 +327,12 @@ impl Scenario {
                     .phase
                     .is_none()
                     .then(|| format!("expect[{i}] ({:?}) needs phase", e.metric)),
+                Metric::BudgetSpentUsd => needs("agent", &e.agent).or_else(|| {
+                    let a = e.agent.as_deref().unwrap_or("");
+                    (!self.budgets.iter().any(|b| b.agent == a)).then(|| {
+                        format!("expect[{i}].agent {a:?} has no [[budget]] in this scenario")
+                    })
+                }),
                 _ => None,
             };
             if let Some(code) = &e.code {
@@ -390,6 +438,8 @@ pub struct Run<'a> {
     pub faults: Vec<(String, u64, u64)>,
     /// Growth of each reason code across the nodes' `/metrics` during the run.
     pub cluster_reasons: BTreeMap<String, f64>,
+    /// Per `[[budget]]` agent: what the shared ledger charged it over the run (USD).
+    pub budgets_spent: BTreeMap<String, f64>,
 }
 
 fn failed(s: &Sample) -> bool {
@@ -493,6 +543,12 @@ impl Run<'_> {
             Metric::P95Ms => pct(0.95),
             Metric::P99Ms => pct(0.99),
             Metric::ClusterReasonCount => self.cluster_reasons.get(code).copied().unwrap_or(0.0),
+            Metric::BudgetSpentUsd => e
+                .agent
+                .as_ref()
+                .and_then(|a| self.budgets_spent.get(a))
+                .copied()
+                .unwrap_or(f64::NAN),
             Metric::ErrorCount => count(&|s| s.error.as_deref() == Some(code)),
             Metric::DeathDetectMs => {
                 let injected: Vec<u64> = self.faults.iter().map(|f| f.1).collect();
@@ -563,6 +619,7 @@ fn describe(e: &Expect) -> String {
         .unwrap_or_default();
     let what = [
         e.provider.clone(),
+        e.agent.clone(),
         e.code.clone(),
         e.phase.map(|p| p.as_str().to_string()),
         e.priority.map(|p| p.as_str().to_string()),
@@ -681,6 +738,46 @@ min = 1
     }
 
     #[test]
+    fn budgets_and_their_expectations_are_checked() {
+        let with = |extra: &str| format!("{OUTAGE}\n{extra}");
+        let ok = with(
+            "[[budget]]\nagent = \"a\"\nlimit_usd = 0.5\n\
+             [[expect]]\nmetric = \"budget_spent_usd\"\nagent = \"a\"\nmax = 0.6\n",
+        );
+        let s = Scenario::parse(&ok).unwrap();
+        assert_eq!(s.budgets[0].limit_usd, 0.5);
+        for (extra, says) in [
+            (
+                "[[expect]]\nmetric = \"budget_spent_usd\"\nmax = 1\n",
+                "needs agent",
+            ),
+            (
+                "[[expect]]\nmetric = \"budget_spent_usd\"\nagent = \"b\"\nmax = 1\n",
+                "has no [[budget]]",
+            ),
+            (
+                "[[budget]]\nagent = \"a\"\nlimit_usd = -1\n",
+                "budget[0].limit_usd",
+            ),
+            (
+                "[[budget]]\nagent = \"a\"\nlimit_usd = 1\n[[budget]]\nagent = \"a\"\nlimit_usd = 2\n",
+                "budget[1]",
+            ),
+        ] {
+            let e = Scenario::parse(&with(extra)).unwrap_err();
+            assert!(e.contains(says), "{e:?} should say {says:?}");
+        }
+        // A budget expectation with nothing measured fails rather than passes.
+        let run = Run {
+            samples: &[],
+            faults: Vec::new(),
+            cluster_reasons: BTreeMap::new(),
+            budgets_spent: BTreeMap::new(),
+        };
+        assert!(!run.evaluate(&s.expect).last().unwrap().ok);
+    }
+
+    #[test]
     fn the_shipped_scenarios_parse() {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/scenarios");
         let mut n = 0;
@@ -712,6 +809,7 @@ min = 1
             samples: &samples,
             faults: vec![("kill-provider".into(), 2_000, 6_000)],
             cluster_reasons: BTreeMap::new(),
+            budgets_spent: BTreeMap::new(),
         };
         let v = run.evaluate(&s.expect);
         assert_eq!(v[0].measured, 0.8);
@@ -734,6 +832,7 @@ min = 1
             metric: Metric::RecoveryToPrimaryMs,
             during: Window::All,
             provider: Some(provider.into()),
+            agent: None,
             code: None,
             phase: None,
             priority: None,
@@ -751,6 +850,7 @@ min = 1
             samples: &samples,
             faults: vec![("kill-provider".into(), 2_000, 6_000)],
             cluster_reasons: BTreeMap::new(),
+            budgets_spent: BTreeMap::new(),
         };
         let v = run.evaluate(&[expect("primary"), expect("secondary")]);
         assert_eq!(v[0].measured, 1_200.0);
@@ -780,6 +880,7 @@ min = 1
             samples: &samples,
             faults: vec![("drain-budget".into(), 2_000, 6_000)],
             cluster_reasons: BTreeMap::new(),
+            budgets_spent: BTreeMap::new(),
         };
         let before: Vec<u64> = run
             .window(Window::Before)

@@ -617,9 +617,8 @@ impl Warden {
             // One call at a time (each sees the ones before it), paced to end well within
             // the fault's time however long each takes: the (k+1)th is sent k intervals after
             // the first, or as soon as the kth has its answer.
-            let every = Duration::from_millis(
-                (for_ms / (u64::from(requests) + 1)).clamp(50, 1_000),
-            );
+            let every =
+                Duration::from_millis((for_ms / (u64::from(requests) + 1)).clamp(50, 1_000));
             let task = tokio::spawn(async move {
                 let start = tokio::time::Instant::now();
                 for (k, url) in urls.iter().cycle().take(requests as usize).enumerate() {

@@ -105,6 +105,7 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
         priority: a.priority,
         agent: a.agent.clone(),
         task: a.task.clone(),
+        max_tokens: None,
     };
     for pair in spec.split(',').filter(|p| !p.trim().is_empty()) {
         let (k, v) = pair.split_once('=').ok_or_else(|| {

@@ -189,56 +189,27 @@ async fn list(a: ListArgs) -> Result<()> {
 
 /// Read, change and write one budget with compare-and-swap (nodes write it concurrently).
 async fn change(w: Which, create: bool, f: impl Fn(&mut Ledger)) -> Result<()> {
+    use crate::node::ledger::ChangeError;
     let store = open(&w.mesh, &super::Role::Operator, "oam-budget").await?;
     let agent = if w.global { None } else { w.agent.clone() };
     let k = key(agent.as_deref());
-    let failed = |e: String| Error::new(Kind::Unreachable, anyhow::anyhow!("{k}: {e}"));
-    for _ in 0..32 {
-        let entry = store.entry(&k).await.map_err(|e| failed(e.to_string()))?;
-        let (mut ledger, revision) = match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let l: Ledger = serde_json::from_slice(&e.value).map_err(|err| {
-                    failed(format!(
-                        "not a budget record ({err}); `oam budget remove` clears it"
-                    ))
-                })?;
-                (l, Some(e.revision))
-            }
-            Some(e) => (Ledger::default(), Some(e.revision)),
-            None => (Ledger::default(), None),
-        };
-        if revision.is_none() || ledger == Ledger::default() {
-            // No budget yet: only `set` makes one.
-            if !create {
-                return Err(Error::new(
-                    Kind::Usage,
-                    anyhow::anyhow!(
-                        "there is no budget {}; `oam budget set` makes one",
-                        agent.as_deref().unwrap_or("(global)")
-                    ),
-                ));
-            }
-            ledger.agent.clone_from(&agent);
-        }
-        f(&mut ledger);
-        let bytes = serde_json::to_vec(&ledger).map_err(Error::failed)?;
-        let written = match revision {
-            Some(r) => store
-                .update(&k, bytes.into(), r)
-                .await
-                .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
-            None => store
-                .create(&k, bytes.into())
-                .await
-                .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
-        };
-        match written {
-            Ok(_) => return print_one(&ledger, w.json),
-            Err(true) => continue,
-            Err(false) => return Err(failed("the write was not taken".into())),
+    match crate::node::ledger::change(&store, agent.as_deref(), create, f).await {
+        Ok(ledger) => print_one(&ledger, w.json),
+        Err(ChangeError::Missing) => Err(Error::new(
+            Kind::Usage,
+            anyhow::anyhow!(
+                "there is no budget {}; `oam budget set` makes one",
+                agent.as_deref().unwrap_or("(global)")
+            ),
+        )),
+        Err(ChangeError::Unreadable(e)) => Err(Error::new(
+            Kind::Unreachable,
+            anyhow::anyhow!("{k}: not a budget record ({e}); `oam budget remove` clears it"),
+        )),
+        Err(ChangeError::Store(e)) => {
+            Err(Error::new(Kind::Unreachable, anyhow::anyhow!("{k}: {e}")))
         }
     }
-    Err(failed("32 conflicting writes in a row; try again".into()))
 }
 
 async fn remove(w: Which) -> Result<()> {

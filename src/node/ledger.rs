@@ -46,6 +46,86 @@ pub fn key(agent: Option<&str>) -> String {
     }
 }
 
+/// Why an operator's change to a budget record was not made.
+#[derive(Debug)]
+pub enum ChangeError {
+    /// There is no such budget, and the change makes none.
+    Missing,
+    /// The record is not a budget (its parse error).
+    Unreadable(String),
+    /// The store failed or did not take the write.
+    Store(String),
+}
+
+/// Change the budget of `agent` (`None`: the global one) with `f`, by compare-and-swap retried
+/// on conflict; `create` makes it when there is none. The record as written.
+pub async fn change(
+    store: &async_nats::jetstream::kv::Store,
+    agent: Option<&str>,
+    create: bool,
+    f: impl Fn(&mut Ledger),
+) -> Result<Ledger, ChangeError> {
+    use async_nats::jetstream::kv;
+    let k = key(agent);
+    for _ in 0..CAS_TRIES {
+        let entry = store
+            .entry(&k)
+            .await
+            .map_err(|e| ChangeError::Store(e.to_string()))?;
+        let (mut ledger, revision) = match entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let l: Ledger = serde_json::from_slice(&e.value)
+                    .map_err(|err| ChangeError::Unreadable(err.to_string()))?;
+                (l, Some(e.revision))
+            }
+            Some(e) => (Ledger::default(), Some(e.revision)),
+            None => (Ledger::default(), None),
+        };
+        if revision.is_none() || ledger == Ledger::default() {
+            if !create {
+                return Err(ChangeError::Missing);
+            }
+            ledger.agent = agent.map(String::from);
+        }
+        f(&mut ledger);
+        let bytes = serde_json::to_vec(&ledger).map_err(|e| ChangeError::Store(e.to_string()))?;
+        let written = match revision {
+            Some(r) => store
+                .update(&k, bytes.into(), r)
+                .await
+                .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
+            None => store
+                .create(&k, bytes.into())
+                .await
+                .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
+        };
+        match written {
+            Ok(_) => return Ok(ledger),
+            Err(true) => {}
+            Err(false) => return Err(ChangeError::Store("the write was not taken".into())),
+        }
+    }
+    Err(ChangeError::Store(format!(
+        "{CAS_TRIES} conflicting writes in a row; try again"
+    )))
+}
+
+/// The budget record of `agent` (`None`: the global one), if there is one.
+pub async fn read(
+    store: &async_nats::jetstream::kv::Store,
+    agent: Option<&str>,
+) -> anyhow::Result<Option<Ledger>> {
+    let k = key(agent);
+    match store.get(&k).await? {
+        Some(bytes) => {
+            Ok(Some(serde_json::from_slice(&bytes).map_err(|e| {
+                anyhow::anyhow!("{k} is not a budget record: {e}")
+            })?))
+        }
+        None => Ok(None),
+    }
+}
+
 /// What the ledger said to a reservation.
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub enum Answer {

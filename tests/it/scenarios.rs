@@ -76,6 +76,7 @@ scenarios! {
     agent_loop => "agent-loop",
     traffic_spike => "traffic-spike",
     budget_exhausted => "budget-exhausted",
+    shared_budget => "shared-budget",
     agent_death => "agent-death",
     rate_limit => "rate-limit",
     stream_cut => "stream-cut",
