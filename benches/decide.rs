@@ -35,7 +35,7 @@ fn engine() -> Engine {
     Engine::new(
         Config::default(),
         State {
-            cluster,
+            cluster: cluster.into(),
             ..State::default()
         },
     )

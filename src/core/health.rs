@@ -165,15 +165,21 @@ impl Window {
             .is_some_and(|n| n < RECOVERY_STREAK)
     }
 
-    /// The successes in a row that end the window, when `RECOVERY_STREAK` failures in a row
-    /// (errors or timeouts: no answer at all) come just before them.
+    /// The successes in a row that end the window (`RECOVERY_STREAK` at most), when
+    /// `RECOVERY_STREAK` failures in a row (errors or timeouts: no answer at all) come just
+    /// before them. Longer streaks are no recovery in progress: `None`, found without counting
+    /// them (a healthy window holds thousands of successes, and this runs on every sample).
     fn answers_after_outage(&self) -> Option<usize> {
         let answered = self
             .samples
             .iter()
             .rev()
+            .take(RECOVERY_STREAK + 1)
             .take_while(|s| s.outcome == Outcome::Success)
             .count();
+        if answered == 0 || answered > RECOVERY_STREAK {
+            return None;
+        }
         let outage = self
             .samples
             .iter()
@@ -182,7 +188,7 @@ impl Window {
             .take(RECOVERY_STREAK)
             .filter(|s| matches!(s.outcome, Outcome::Error | Outcome::Timeout))
             .count();
-        (answered > 0 && outage == RECOVERY_STREAK).then_some(answered)
+        (outage == RECOVERY_STREAK).then_some(answered)
     }
 
     fn prune(&mut self, now_ms: u64) {

@@ -119,7 +119,9 @@ impl Default for Config {
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields, default)]
 pub struct State {
-    pub cluster: Cluster,
+    /// Shared, not copied, by the records that saw it (`record`): it changes a few times a
+    /// second, requests come thousands of times; a change copies it (`Arc::make_mut`).
+    pub cluster: std::sync::Arc<Cluster>,
     /// In preference order: ties go to the provider listed first.
     pub providers: Vec<Provider>,
     /// Per-provider breakers; a missing one is closed.
@@ -156,7 +158,7 @@ pub struct Route {
 impl Default for State {
     fn default() -> Self {
         State {
-            cluster: Cluster::new("local", 1),
+            cluster: Cluster::new("local", 1).into(),
             providers: default_providers(),
             breakers: BTreeMap::new(),
             cooldowns: BTreeMap::new(),

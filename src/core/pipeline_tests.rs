@@ -29,13 +29,16 @@ fn observation(node: &str, provider: &str, verdict: Verdict, availability: f64) 
 /// One node, three healthy providers.
 pub(crate) fn engine() -> Engine {
     let mut state = State {
-        cluster: Cluster::new("n1", 1),
+        cluster: Cluster::new("n1", 1).into(),
         ..State::default()
     };
     for p in ["primary", "secondary", "local"] {
-        state
-            .cluster
-            .observe(observation("n1", p, Verdict::Healthy, 1.0));
+        std::sync::Arc::make_mut(&mut state.cluster).observe(observation(
+            "n1",
+            p,
+            Verdict::Healthy,
+            1.0,
+        ));
     }
     Engine::new(json_contract(), state)
 }
@@ -61,7 +64,7 @@ fn retrying() -> Engine {
 fn set_verdict(e: &mut Engine, provider: &str, verdict: Verdict, availability: f64) {
     let mut o = observation("n1", provider, verdict, availability);
     o.at_ms = T0 + 1; // newer than the healthy one
-    e.state.cluster.observe(o);
+    std::sync::Arc::make_mut(&mut e.state.cluster).observe(o);
 }
 
 pub(crate) fn req(id: &str) -> Request {
@@ -569,13 +572,16 @@ fn high_risk_is_served_when_only_a_worse_provider_is_unaffordable() {
 #[test]
 fn a_single_dissenting_node_does_not_move_traffic() {
     let mut e = engine();
-    e.state.cluster.size = 3;
+    std::sync::Arc::make_mut(&mut e.state.cluster).size = 3;
     for n in ["n1", "n2", "n3"] {
-        e.state.cluster.heartbeat(n, T0);
+        std::sync::Arc::make_mut(&mut e.state.cluster).heartbeat(n, T0);
         for p in ["primary", "secondary", "local"] {
-            e.state
-                .cluster
-                .observe(observation(n, p, Verdict::Healthy, 1.0));
+            std::sync::Arc::make_mut(&mut e.state.cluster).observe(observation(
+                n,
+                p,
+                Verdict::Healthy,
+                1.0,
+            ));
         }
     }
     // This node had a bad probe and sees the primary as unhealthy; the majority does not.
@@ -591,7 +597,7 @@ fn a_single_dissenting_node_does_not_move_traffic() {
 #[test]
 fn without_quorum_the_node_routes_on_its_own_view_and_says_so() {
     let mut e = engine();
-    e.state.cluster.size = 3; // two peers configured, none alive
+    std::sync::Arc::make_mut(&mut e.state.cluster).size = 3; // two peers configured, none alive
     let d = run(&mut e, req("r"), &[("primary", good())]);
     assert_eq!(d.outcome, DecisionOutcome::Accepted);
     assert!(has(&d, ReasonCode::NoQuorumLocalView));
@@ -911,7 +917,7 @@ fn every_reason_code_is_reachable() {
     );
     note(&run(&mut e, req("degraded"), &[("secondary", good())]));
     let mut e = engine();
-    e.state.cluster = Cluster::new("n1", 3);
+    e.state.cluster = Cluster::new("n1", 3).into();
     note(&run(&mut e, req("unknown"), &[("primary", good())]));
     let mut e = engine();
     e.state.breakers.insert(
@@ -1134,7 +1140,7 @@ fn routed() -> Engine {
         prefill: false,
     };
     let mut state = State {
-        cluster: Cluster::new("n1", 1),
+        cluster: Cluster::new("n1", 1).into(),
         // o/big is cheaper: scored routing would prefer it; the route's order must win.
         providers: vec![
             target("h/big", "big", 0.01),
@@ -1144,9 +1150,12 @@ fn routed() -> Engine {
         ..State::default()
     };
     for p in ["h/big", "h/small", "o/big"] {
-        state
-            .cluster
-            .observe(observation("n1", p, Verdict::Healthy, 1.0));
+        std::sync::Arc::make_mut(&mut state.cluster).observe(observation(
+            "n1",
+            p,
+            Verdict::Healthy,
+            1.0,
+        ));
     }
     let route = |targets: &[&str], contract| Route {
         targets: targets.iter().map(|&t| t.into()).collect(),

@@ -164,7 +164,7 @@ pub struct Logged {
 #[serde(deny_unknown_fields, default)]
 pub struct Patch {
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub cluster: Option<super::quorum::Cluster>,
+    pub cluster: Option<std::sync::Arc<super::quorum::Cluster>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub providers: Option<Vec<super::request::Provider>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -210,7 +210,8 @@ impl Patch {
         let pruned = e.snapshot_for_parts(request, loops_differ, budgets_differ);
         let escalations = e.escalations_raised();
         Patch {
-            cluster: (b.cluster != st.cluster).then(|| st.cluster.clone()),
+            cluster: (!std::sync::Arc::ptr_eq(&b.cluster, &st.cluster) && b.cluster != st.cluster)
+                .then(|| st.cluster.clone()),
             providers: (b.providers != st.providers).then(|| st.providers.clone()),
             breakers: (b.breakers != st.breakers).then(|| st.breakers.clone()),
             cooldowns: (b.cooldowns != st.cooldowns).then(|| st.cooldowns.clone()),

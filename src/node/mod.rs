@@ -224,11 +224,11 @@ impl Node {
             })
             .collect();
         let state = State {
-            cluster: if cfg.node.members.is_empty() {
+            cluster: Arc::new(if cfg.node.members.is_empty() {
                 Cluster::new(id.clone(), cfg.node.cluster_size)
             } else {
                 Cluster::with_roster(id.clone(), cfg.node.members.iter().cloned().collect())
-            },
+            }),
             providers,
             budgets: cfg.budgets.clone(),
             routes: cfg.core_routes(),
@@ -864,7 +864,9 @@ impl Node {
             return self.forged(stream, &env.sender, why);
         }
         // Only what passed every other check may take one of the cluster's seats.
-        if env.sender != self.id && !self.engine().state.cluster.admit(&env.sender, now_ms) {
+        if env.sender != self.id
+            && !Arc::make_mut(&mut self.engine().state.cluster).admit(&env.sender, now_ms)
+        {
             return self.forged(stream, &env.sender, "not a member of this cluster");
         }
         if !ordered {
@@ -895,7 +897,7 @@ impl Node {
         {
             let mut e = self.engine();
             for o in &observations {
-                e.state.cluster.observe(o.clone());
+                Arc::make_mut(&mut e.state.cluster).observe(o.clone());
             }
         }
         self.publish(
@@ -959,7 +961,7 @@ impl Node {
                             continue;
                         }
                         // Liveness is judged on our clock, not the sender's.
-                        self.engine().state.cluster.heartbeat(&env.sender, now);
+                        Arc::make_mut(&mut self.engine().state.cluster).heartbeat(&env.sender, now);
                     }
                 }
                 Some(m) = obs.next() => {
@@ -975,7 +977,7 @@ impl Node {
                             } else if !e.state.providers.iter().any(|p| *p.id == *o.provider) {
                                 Some("an observation of a provider this node does not route to")
                             } else {
-                                match e.state.cluster.gossiped(o, now) {
+                                match Arc::make_mut(&mut e.state.cluster).gossiped(o, now) {
                                     Arrival::Forged(why) => Some(why),
                                     Arrival::Fresh | Arrival::Stale => None,
                                 }
@@ -1003,7 +1005,7 @@ impl Node {
                     if let Some(env) = self.decode::<Goodbye>("goodbye", &m, now_ms(), true)
                         && env.body.node == env.sender
                     {
-                        self.engine().state.cluster.disconnect(&env.sender);
+                        Arc::make_mut(&mut self.engine().state.cluster).disconnect(&env.sender);
                     }
                 }
                 else => return Ok(()),
@@ -1130,7 +1132,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     *lock(&node.http_url) = Some(format!("http://{addr}"));
-    node.engine().state.cluster.heartbeat(&node.id, now_ms());
+    Arc::make_mut(&mut node.engine().state.cluster).heartbeat(&node.id, now_ms());
     let mut loops = tokio::task::JoinSet::new();
     loops.spawn(node.clone().publisher_loop());
     loops.spawn(node.clone().decision_loop());
