@@ -120,7 +120,9 @@ impl Default for Config {
 #[serde(deny_unknown_fields, default)]
 pub struct State {
     /// Shared, not copied, by the records that saw it (`record`): it changes a few times a
-    /// second, requests come thousands of times; a change copies it (`Arc::make_mut`).
+    /// second, requests come thousands of times; a change copies it (`Arc::make_mut`). In a
+    /// run of records (`record::in_a_run`) one that is the record before's is written once.
+    #[serde(with = "super::record::cluster_in_run")]
     pub cluster: std::sync::Arc<Cluster>,
     /// In preference order: ties go to the provider listed first.
     pub providers: Vec<Provider>,

@@ -163,7 +163,10 @@ pub struct Logged {
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Patch {
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        with = "cluster_in_run::option"
+    )]
     pub cluster: Option<std::sync::Arc<super::quorum::Cluster>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub providers: Option<Vec<super::request::Provider>>,
@@ -254,6 +257,111 @@ impl Patch {
                     .unwrap_or_else(|| b.misconfigured.clone()),
             },
             escalations: self.escalations.unwrap_or(base.escalations),
+        }
+    }
+}
+
+/// Write (or read) many records in a row, as one decision log message holds them: within `f`,
+/// a cluster view that is the very one written before it (the same `Arc`) is written as
+/// `"same"`, and read back as the one before it. Records seen alone (`oam audit --json`, a
+/// snapshot) always carry theirs in full. Each call starts afresh: a message stands alone.
+pub fn in_a_run<T>(f: impl FnOnce() -> T) -> T {
+    struct End;
+    impl Drop for End {
+        fn drop(&mut self) {
+            cluster_in_run::LAST.with(|l| *l.borrow_mut() = None);
+        }
+    }
+    cluster_in_run::LAST.with(|l| *l.borrow_mut() = Some(None));
+    let _end = End;
+    f()
+}
+
+/// Within a run, start another (the next message): nothing before counts as written.
+pub fn run_afresh() {
+    cluster_in_run::LAST.with(|l| {
+        if let Some(last) = &mut *l.borrow_mut() {
+            *last = None;
+        }
+    });
+}
+
+/// How `State::cluster` and `Patch::cluster` are written and read (see `in_a_run`).
+pub mod cluster_in_run {
+    use super::super::quorum::Cluster;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    thread_local! {
+        /// Outside a run: `None`. In one: the cluster view last written or read, if any.
+        pub(super) static LAST: RefCell<Option<Option<Arc<Cluster>>>> = const { RefCell::new(None) };
+    }
+
+    const SAME: &str = "same";
+
+    pub fn serialize<S: Serializer>(c: &Arc<Cluster>, s: S) -> Result<S::Ok, S::Error> {
+        let same = LAST.with(|l| match &mut *l.borrow_mut() {
+            Some(last) if last.as_ref().is_some_and(|p| Arc::ptr_eq(p, c)) => true,
+            Some(last) => {
+                *last = Some(c.clone());
+                false
+            }
+            None => false,
+        });
+        if same {
+            s.serialize_str(SAME)
+        } else {
+            c.as_ref().serialize(s)
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Wire {
+        Full(Cluster),
+        Mark(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Cluster>, D::Error> {
+        let c = match Wire::deserialize(d)? {
+            Wire::Full(c) => Arc::new(c),
+            Wire::Mark(m) if m == SAME => {
+                LAST.with(|l| l.borrow().clone().flatten()).ok_or_else(|| {
+                    serde::de::Error::custom(
+                        "a cluster view written as \"same\" with none before it",
+                    )
+                })?
+            }
+            Wire::Mark(m) => {
+                return Err(serde::de::Error::custom(format!(
+                    "{m:?} is no cluster view"
+                )));
+            }
+        };
+        LAST.with(|l| {
+            if let Some(last) = &mut *l.borrow_mut() {
+                *last = Some(c.clone());
+            }
+        });
+        Ok(c)
+    }
+
+    /// The same, for an optional view (`Patch::cluster`).
+    pub mod option {
+        use super::*;
+
+        pub fn serialize<S: Serializer>(c: &Option<Arc<Cluster>>, s: S) -> Result<S::Ok, S::Error> {
+            match c {
+                Some(c) => super::serialize(c, s),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<Arc<Cluster>>, D::Error> {
+            super::deserialize(d).map(Some)
         }
     }
 }
@@ -431,6 +539,35 @@ mod tests {
         let mut other = e.config.clone();
         other.max_attempts.low = 1;
         assert!(r.verify(&other).is_err());
+    }
+
+    #[test]
+    fn in_a_run_a_shared_cluster_view_is_written_once_and_read_back() {
+        let mut e = engine();
+        let (a, b) = (
+            recorded(&mut e, request("a")),
+            recorded(&mut e, request("b")),
+        );
+        let both = vec![a.clone(), b.clone()];
+        let run = in_a_run(|| serde_json::to_string(&both)).unwrap();
+        assert_eq!(run.matches("\"self_id\"").count(), 1, "{run}");
+        let back: Vec<Record> = in_a_run(|| serde_json::from_str(&run)).unwrap();
+        assert_eq!(back, both);
+        assert_eq!(back[1].verify(&e.config), Ok(()));
+        // Outside a run, every record carries its own; a "same" read alone is refused.
+        let alone = serde_json::to_string(&both).unwrap();
+        assert_eq!(alone.matches("\"self_id\"").count(), 2);
+        assert!(serde_json::from_str::<Vec<Record>>(&run).is_err());
+        let second = serde_json::to_string(&b).unwrap();
+        assert_eq!(serde_json::from_str::<Record>(&second).unwrap(), b);
+        // A changed view is written in full again.
+        std::sync::Arc::make_mut(&mut e.state.cluster).heartbeat("n2", T0 + 1);
+        let c = recorded(&mut e, request("c"));
+        let three = vec![a, b, c];
+        let run = in_a_run(|| serde_json::to_string(&three)).unwrap();
+        assert_eq!(run.matches("\"self_id\"").count(), 2);
+        let back: Vec<Record> = in_a_run(|| serde_json::from_str(&run)).unwrap();
+        assert_eq!(back, three);
     }
 
     #[test]

@@ -240,33 +240,40 @@ fn batches(
             *n = 0;
         }
     };
-    for (r, waiter) in records {
-        left -= 1;
-        let mark = msg.len();
-        if n == 0 {
-            msg.extend_from_slice(head);
-            msg.extend_from_slice(b",\"records\":[");
-        } else {
-            msg.push(b',');
+    // A message's records are written as a run (a cluster view the record before had is
+    // written once); each message starts its own, so it reads alone.
+    crate::core::record::in_a_run(|| {
+        for (r, waiter) in records {
+            left -= 1;
+            let mark = msg.len();
+            if n == 0 {
+                msg.extend_from_slice(head);
+                msg.extend_from_slice(b",\"records\":[");
+            } else {
+                msg.push(b',');
+            }
+            if serde_json::to_writer(&mut msg, &r).is_err() {
+                msg.truncate(mark);
+                lost.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if n > 0 && msg.len() + 2 > BATCH_BYTES {
+                // Too big for this message: it starts the next one, written afresh.
+                msg.truncate(mark);
+                close(&mut msg, &mut n, &mut waiters, &mut out, fresh(left + 1));
+                crate::core::record::run_afresh();
+                msg.extend_from_slice(head);
+                msg.extend_from_slice(b",\"records\":[");
+                if serde_json::to_writer(&mut msg, &r).is_err() {
+                    msg.clear();
+                    lost.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            }
+            waiters.extend(waiter);
+            n += 1;
         }
-        let start = msg.len();
-        if serde_json::to_writer(&mut msg, &r).is_err() {
-            msg.truncate(mark);
-            lost.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        if n > 0 && msg.len() + 2 > BATCH_BYTES {
-            // Too big for this message: it starts the next one.
-            let record = msg[start..].to_vec();
-            msg.truncate(mark);
-            close(&mut msg, &mut n, &mut waiters, &mut out, fresh(left + 1));
-            msg.extend_from_slice(head);
-            msg.extend_from_slice(b",\"records\":[");
-            msg.extend_from_slice(&record);
-        }
-        waiters.extend(waiter);
-        n += 1;
-    }
+    });
     close(&mut msg, &mut n, &mut waiters, &mut out, Vec::new());
     out
 }
@@ -336,7 +343,7 @@ pub async fn read(
             })?;
             got += 1;
             pending = m.info().map_or(0, |i| i.pending);
-            match serde_json::from_slice::<Batch>(&m.payload) {
+            match crate::core::record::in_a_run(|| serde_json::from_slice::<Batch>(&m.payload)) {
                 Ok(b)
                     if *m.subject != *subjects::decision_log(&b.node)
                         || b.records.iter().any(|r| r.node != b.node) =>
@@ -422,7 +429,16 @@ mod tests {
         assert!(out.len() >= 3, "{} messages", out.len());
         let mut ids = Vec::new();
         for (n, bytes, waiters) in &out {
-            let b: Batch = serde_json::from_slice(bytes).expect("a batch");
+            // Each message names the cluster view its records share once, and reads alone.
+            let text = std::str::from_utf8(bytes).unwrap();
+            assert_eq!(text.matches("\"self_id\"").count(), 1, "{n} records");
+            let b: Batch =
+                crate::core::record::in_a_run(|| serde_json::from_slice(bytes)).expect("a batch");
+            assert!(
+                b.records
+                    .iter()
+                    .all(|r| r.begin.state.cluster == e.state.cluster)
+            );
             assert_eq!(b.node, "n1");
             assert_eq!(b.records.len(), *n);
             assert_eq!(waiters.len(), *n);
