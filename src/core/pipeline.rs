@@ -192,6 +192,26 @@ pub fn default_providers() -> Vec<Provider> {
     ]
 }
 
+/// The prompt tokens `r` will be billed for, estimated high rather than low: an attempt's
+/// budget reservation is priced on it, and the shared ledger's bound (spend at most the limit
+/// plus what is reserved at one moment) holds only while answers cost no more than reserved.
+/// Four characters a token for the messages (role and text) and the declared tools' schemas,
+/// plus the chat format's own tokens: 4 per message and 3 to start the reply (OpenAI's published
+/// accounting for its chat models).
+pub fn estimate_prompt_tokens(r: &Request) -> u64 {
+    let text: usize = r
+        .messages
+        .iter()
+        .map(|m| m.role.len() + m.content.len())
+        .sum();
+    let tools: usize = r
+        .tools
+        .iter()
+        .map(|(name, schema)| name.len() + schema.to_string().len())
+        .sum();
+    ((text + tools) as u64).div_ceil(4) + 4 * r.messages.len() as u64 + 3
+}
+
 /// How one candidate fared in routing.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct Evaluation {
@@ -591,9 +611,8 @@ impl Engine {
             request.model.as_deref().unwrap_or(""),
             &request.messages,
         );
-        let chars: usize = request.messages.iter().map(|m| m.content.len()).sum();
         let mut s = Session {
-            est_prompt_tokens: (chars as u64).div_ceil(4),
+            est_prompt_tokens: estimate_prompt_tokens(&request),
             request,
             route,
             contract,

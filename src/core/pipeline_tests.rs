@@ -187,8 +187,9 @@ fn healthy_cluster_routes_to_primary_and_accepts() {
         "zero-cost fallback ties the primary"
     );
     assert_eq!(d.confidence, Some(0.9));
-    // Cost: (ceil(len("question r1")/4) + 256) tokens at $0.01/1k.
-    assert!((d.cost_usd - (3.0 + 256.0) * 0.01 / 1000.0).abs() < 1e-12);
+    // No usage from the upstream: charged the estimate, (ceil(len("user" + "question r1") / 4)
+    // + 4 for the message + 3 for the reply + 256) tokens at $0.01/1k.
+    assert!((d.cost_usd - (4.0 + 4.0 + 3.0 + 256.0) * 0.01 / 1000.0).abs() < 1e-12);
 }
 
 #[test]
@@ -1705,4 +1706,25 @@ fn a_provider_answering_again_half_opens_its_breaker_unless_tripped_on_purpose()
     e.state.breakers.insert("secondary".into(), forced);
     assert_eq!(e.answering_again("secondary"), None);
     assert_eq!(e.state.breakers["secondary"], forced);
+}
+
+/// What a reservation is priced on counts what providers bill beyond the text: the chat
+/// format's tokens per message and the declared tools' schemas.
+#[test]
+fn prompt_estimates_count_the_format_and_the_tools() {
+    let mut r = req("est");
+    r.messages = vec![Message {
+        role: "user".into(),
+        content: "hello".into(),
+    }];
+    // "user" + "hello": 9 characters, 3 tokens; 4 for the message, 3 for the reply.
+    assert_eq!(estimate_prompt_tokens(&r), 10);
+    // Twice: 18 characters, 5 tokens; 8 for the two messages, 3 for the reply.
+    r.messages.push(r.messages[0].clone());
+    assert_eq!(estimate_prompt_tokens(&r), 16);
+    let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    let schema_chars = "get_weather".len() + schema.to_string().len();
+    let before = estimate_prompt_tokens(&r);
+    r.tools.insert("get_weather".into(), schema);
+    assert!(estimate_prompt_tokens(&r) >= before + (schema_chars as u64) / 4);
 }

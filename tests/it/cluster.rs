@@ -184,15 +184,24 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
         assert!(primary.votes >= 2, "{primary:?}");
     }
 
-    // The metrics parse as valid Prometheus exposition and say what happened.
-    let text = c
-        .get(format!("{}/metrics", cl.urls[0]))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    // The metrics parse as valid Prometheus exposition and say what happened. (The quorum
+    // may have formed on n2's and n3's probes before n1's own failed: wait for n1's, at most
+    // a few probe intervals, as the primary is idle on n1 now.)
+    let probe_failed =
+        "oam_provider_outcomes_total{provider=\"primary\",source=\"probe\",outcome=\"error\"}";
+    let text = eventually(Duration::from_secs(10), || async {
+        let text = c
+            .get(format!("{}/metrics", cl.urls[0]))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.contains(probe_failed).then_some(text)
+    })
+    .await
+    .expect("n1 probed the failing primary");
     let samples = crate::support::prometheus_samples(&text);
     let value = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
         samples.iter().find_map(|s| {
