@@ -166,7 +166,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
                     age(now.saturating_sub(d.decided_at_ms)),
                     e.record.node.clone(),
                     d.agent.clone(),
-                    outcome_word(d.outcome).to_string(),
+                    d.outcome.as_str().to_string(),
                     d.phase.to_string(),
                 ];
                 if full {
@@ -195,14 +195,6 @@ pub async fn run(a: Args) -> Result<Outcome> {
             .map(|id| format!("{id}: the replay differs from the recorded decision (`oam explain {id}` shows how)"))
             .collect(),
     ))
-}
-
-pub fn outcome_word(o: DecisionOutcome) -> &'static str {
-    match o {
-        DecisionOutcome::Accepted => "accepted",
-        DecisionOutcome::Rejected => "rejected",
-        DecisionOutcome::Escalated => "escalated",
-    }
 }
 
 /// A short age: 12s, 5m, 3h, 2d.

@@ -281,7 +281,7 @@ fn verdict(d: &Decision) -> String {
     let codes: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
     let mut s = format!(
         "\ndecision: {} in phase {}{}, cost {}\n  reason codes: {}\n",
-        super::audit::outcome_word(d.outcome).to_uppercase(),
+        d.outcome.as_str().to_uppercase(),
         d.phase,
         d.provider
             .as_ref()

@@ -298,6 +298,17 @@ pub enum DecisionOutcome {
     Escalated,
 }
 
+impl DecisionOutcome {
+    /// Its wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionOutcome::Accepted => "accepted",
+            DecisionOutcome::Rejected => "rejected",
+            DecisionOutcome::Escalated => "escalated",
+        }
+    }
+}
+
 /// The pipeline's answer for one request: what happened, where, and why.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct Decision {

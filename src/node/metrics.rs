@@ -37,9 +37,9 @@ impl Histogram {
 
 #[derive(Default)]
 struct Inner {
-    requests: BTreeMap<(String, String), u64>,
+    requests: BTreeMap<(&'static str, &'static str), u64>,
     reasons: BTreeMap<&'static str, u64>,
-    duration: BTreeMap<String, Histogram>,
+    duration: BTreeMap<&'static str, Histogram>,
     provider_outcomes: BTreeMap<(String, &'static str, &'static str), u64>,
     escalation_deliveries: BTreeMap<&'static str, u64>,
     unauthorized: u64,
@@ -75,14 +75,9 @@ impl Metrics {
 
     /// A request finished after `seconds`.
     pub fn decision(&self, d: &Decision, seconds: f64) {
-        let outcome = serde_json::to_value(d.outcome)
-            .ok()
-            .and_then(|v| v.as_str().map(String::from))
-            .unwrap_or_default();
+        let outcome = d.outcome.as_str();
         let mut m = self.inner();
-        *m.requests
-            .entry((outcome.clone(), d.phase.to_string()))
-            .or_default() += 1;
+        *m.requests.entry((outcome, d.phase.as_str())).or_default() += 1;
         for c in &d.reason_codes {
             *m.reasons.entry(c.as_str()).or_default() += 1;
         }
