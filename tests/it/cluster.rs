@@ -1568,6 +1568,17 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
     let mut cl = cluster(&["--config", &cfg]).await;
     let c = client();
     assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+    // Answers take 1.5 s more while the first wave is out, so its holds last long enough to be
+    // seen (a reservation lives as long as its attempt).
+    let slow =
+        json!({"provider": "primary", "mode": "slow", "extra_ms": 1_500, "duration_ms": 20_000});
+    let r = c
+        .post(format!("{}/sim/faults", cl.sim_url))
+        .json(&slow)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
 
     // 90 requests at once over the three nodes; n1 is killed while it holds some.
     let asks: Vec<_> = (0..90)
@@ -1593,6 +1604,10 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
     .await
     .expect("n1 holds part of the budget");
     cl.nodes[0].kill();
+    c.delete(format!("{}/sim/faults", cl.sim_url))
+        .send()
+        .await
+        .unwrap();
     let mut answered = 0.0;
     let mut answered_by_n1 = 0.0;
     for a in asks {
