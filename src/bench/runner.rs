@@ -174,31 +174,33 @@ async fn set_budgets(
 }
 
 /// What the ledger charged each `[[budget]]` once no hold is left (at most 10 s after the
-/// load), then the budgets removed, so the scenario leaves none behind.
+/// load); every budget is removed whatever happens, so the scenario leaves none behind.
 async fn settled_budgets(
     store: &async_nats::jetstream::kv::Store,
     s: &Scenario,
 ) -> Result<BTreeMap<String, f64>> {
     let mut out = BTreeMap::new();
+    let mut failed = None;
     let deadline = Instant::now() + Duration::from_secs(10);
     for b in &s.budgets {
-        let spent = loop {
-            let l = crate::node::ledger::read(store, Some(&b.agent))
-                .await
-                .map_err(|e| Error::new(Kind::Unreachable, e))?;
-            let now = crate::clock::now_ms();
-            match l {
-                Some(l) if l.held_usd(now, None) == 0.0 || Instant::now() > deadline => {
-                    break l.spent_usd;
+        while failed.is_none() {
+            match crate::node::ledger::read(store, Some(&b.agent)).await {
+                Ok(Some(l))
+                    if l.held_usd(crate::clock::now_ms(), None) > 0.0
+                        && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                None => break f64::NAN,
+                Ok(l) => {
+                    out.insert(b.agent.clone(), l.map_or(f64::NAN, |l| l.spent_usd));
+                    break;
+                }
+                Err(e) => failed = Some(Error::new(Kind::Unreachable, e)),
             }
-        };
-        out.insert(b.agent.clone(), spent);
+        }
         let _ = store.delete(crate::node::ledger::key(Some(&b.agent))).await;
     }
-    Ok(out)
+    failed.map_or(Ok(out), Err)
 }
 
 /// Agents of this scenario that the warden started again after a `kill-agent` are not this
@@ -394,18 +396,20 @@ pub async fn run(
         .unwrap_or_default();
         let _ = chaos::ask(&nats, subjects::CHAOS_RESTORE, body).await;
     }
+    // ... and no budget: read and removed before anything else can end the run.
+    let budgets_spent = match &ledger {
+        Some(store) => settled_budgets(store, s).await,
+        None => Ok(BTreeMap::new()),
+    };
     if let Some(why) = errors.first() {
         return Err(Error::new(
             Kind::Unreachable,
             anyhow::anyhow!("scenario {}: could not inject chaos: {why}", s.name),
         ));
     }
+    let budgets_spent = budgets_spent?;
     agents.stop().await;
     stop_restarted_agents(&nats, s).await;
-    let budgets_spent = match &ledger {
-        Some(store) => settled_budgets(store, s).await?,
-        None => BTreeMap::new(),
-    };
     let after = cluster_reasons(&http, &every).await;
     let cluster: BTreeMap<String, f64> = after
         .iter()
