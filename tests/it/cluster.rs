@@ -54,6 +54,27 @@ fn node(id: &str, nats_url: &str, sim_url: &str, extra: &[&str]) -> Proc {
     Proc::spawn(&args)
 }
 
+/// Three nodes on the configuration `toml` (in a folder of this test's, returned for it to
+/// remove), once every node sees the primary HEALTHY by quorum.
+async fn healthy_cluster_on(tag: &str, toml: &str) -> (Cluster, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("oam-test-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let cl = cluster(&["--config", cfg.to_str().unwrap()]).await;
+    assert!(
+        all_see(
+            &client(),
+            &cl.urls,
+            "primary",
+            "HEALTHY",
+            Duration::from_secs(15)
+        )
+        .await
+    );
+    (cl, dir)
+}
+
 fn client() -> reqwest::Client {
     crate::support::http(Duration::from_secs(20))
 }
@@ -1280,19 +1301,13 @@ fn spender(q: &str, risk: &str) -> Value {
 
 #[tokio::test]
 async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
-    let dir = std::env::temp_dir().join(format!("oam-test-ledger-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
     const LIMIT: f64 = 0.01;
-    std::fs::write(
-        &cfg,
-        format!("[budgets.agents.spender]\nlimit_usd = {LIMIT}\n"),
+    let (mut cl, dir) = healthy_cluster_on(
+        "ledger",
+        &format!("[budgets.agents.spender]\nlimit_usd = {LIMIT}\n"),
     )
-    .unwrap();
-    let cfg = cfg.to_str().unwrap().to_string();
-    let mut cl = cluster(&["--config", &cfg]).await;
+    .await;
     let c = client();
-    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
 
     // Five waves of 60 requests at once, spread over the three nodes: enough to spend the
     // limit several times over; each node alone would let the agent spend all of it (3x
@@ -1350,7 +1365,13 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
 
     // A restarted node remembers: the same high-risk work is refused at once.
     cl.nodes[0].kill();
-    let n1 = node("n1", &cl.nats.url(), &cl.sim_url, &["--config", &cfg]);
+    let cfg = dir.join("oam.toml");
+    let n1 = node(
+        "n1",
+        &cl.nats.url(),
+        &cl.sim_url,
+        &["--config", cfg.to_str().unwrap()],
+    );
     cl.urls[0] = n1.ready["http"].as_str().unwrap().to_string();
     cl.nodes[0] = n1;
     let seen = eventually(Duration::from_secs(5), || async {
@@ -1555,19 +1576,13 @@ async fn a_loop_spread_over_the_cluster_trips_at_the_same_count_once() {
 
 #[tokio::test]
 async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
-    let dir = std::env::temp_dir().join(format!("oam-test-ledger-kill-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
     const LIMIT: f64 = 0.01;
-    std::fs::write(
-        &cfg,
-        format!("[node]\nbudget_lease_ms = 2000\n[budgets.agents.spender]\nlimit_usd = {LIMIT}\n"),
+    let (mut cl, dir) = healthy_cluster_on(
+        "ledger-kill",
+        &format!("[node]\nbudget_lease_ms = 2000\n[budgets.agents.spender]\nlimit_usd = {LIMIT}\n"),
     )
-    .unwrap();
-    let cfg = cfg.to_str().unwrap().to_string();
-    let mut cl = cluster(&["--config", &cfg]).await;
+    .await;
     let c = client();
-    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
     // Answers take 1.5 s more while the first wave is out, so its holds last long enough to be
     // seen (a reservation lives as long as its attempt).
     let slow =
@@ -1673,13 +1688,8 @@ fn oam_log(nats_url: &str, args: &[&str]) -> (i32, String, String) {
 
 #[tokio::test]
 async fn every_decision_is_logged_and_replays_to_the_same_decision() {
-    let dir = std::env::temp_dir().join(format!("oam-test-log-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
-    std::fs::write(&cfg, "[budgets.agents.broke]\nlimit_usd = 0.0\n").unwrap();
-    let cl = cluster(&["--config", cfg.to_str().unwrap()]).await;
+    let (cl, dir) = healthy_cluster_on("log", "[budgets.agents.broke]\nlimit_usd = 0.0\n").await;
     let c = client();
-    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
 
     // Answered, failed (no answer meets the contract), refused for budget (and escalated),
     // streamed live, and under the caller's own request id: on every node.
@@ -1817,13 +1827,8 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
 
 #[tokio::test]
 async fn a_durable_log_has_every_answer_a_killed_node_gave() {
-    let dir = std::env::temp_dir().join(format!("oam-test-durable-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
-    std::fs::write(&cfg, "[decision_log]\ndurable = true\n").unwrap();
-    let mut cl = cluster(&["--config", cfg.to_str().unwrap()]).await;
+    let (mut cl, dir) = healthy_cluster_on("durable", "[decision_log]\ndurable = true\n").await;
     let c = client();
-    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
     // Ten callers, each asking n1 again as soon as it answers, until it is killed: answers
     // keep arriving right up to the kill.
     let callers: Vec<_> = (0..10)
