@@ -233,8 +233,10 @@ impl Caller {
                     Some(m) = deaths.next() => {
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
                             // The agent's death fails the calls made before it; one made after
-                            // it either finds nobody (not_found at once) or a new instance.
-                            let before = |c: &Pending| n.detected_at_ms.is_none_or(|t| c.started_ms <= t);
+                            // it either finds nobody (not_found at once) or a new instance. A
+                            // call made in the millisecond the death was detected came after the
+                            // death itself, so it is left to find out for itself.
+                            let before = |c: &Pending| n.detected_at_ms.is_none_or(|t| c.started_ms < t);
                             fail(&p, &|c: &Pending| c.agent == n.agent && before(c), &n);
                         }
                     }

@@ -1283,9 +1283,13 @@ fn budget(nats_url: &str, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// The agent `spender`'s row of `oam budget list`.
-fn spender_ledger(nats_url: &str) -> Option<Value> {
-    let list = budget(nats_url, &["list"]);
+/// The agent `spender`'s row of `oam budget list`, read on a blocking thread so that the
+/// requests the test has under way keep moving while the command runs.
+async fn spender_ledger(nats_url: &str) -> Option<Value> {
+    let url = nats_url.to_string();
+    let list = tokio::task::spawn_blocking(move || budget(&url, &["list"]))
+        .await
+        .unwrap();
     list.as_array()?
         .iter()
         .find(|r| r["agent"] == "spender")
@@ -1352,7 +1356,7 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     assert!(spent > LIMIT / 2.0, "the budget was used: {spent}");
     // The ledger charged exactly what the answers cost.
     let ledger = eventually(Duration::from_secs(5), || async {
-        let row = spender_ledger(&cl.nats.url())?;
+        let row = spender_ledger(&cl.nats.url()).await?;
         (row["held_usd"].as_f64()? == 0.0).then_some(row)
     })
     .await
@@ -1397,13 +1401,13 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     // Raised for the whole cluster with one command; reset likewise.
     let set = eventually(Duration::from_secs(5), || async {
         // (once the last answer's settlement is in)
-        let row = spender_ledger(&cl.nats.url())?;
+        let row = spender_ledger(&cl.nats.url()).await?;
         ((row["spent_usd"].as_f64()? - charged).abs() < 1e-6).then_some(())
     });
     assert!(
         set.await.is_some(),
         "{:?} vs {charged}",
-        spender_ledger(&cl.nats.url())
+        spender_ledger(&cl.nats.url()).await
     );
     let set = budget(&cl.nats.url(), &["set", "spender", "--limit", "1"]);
     assert_eq!(set["limit_usd"], 1.0);
@@ -1461,7 +1465,7 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     assert!(local > 0.0, "{v}");
     since_reset += local;
     let settled = eventually(Duration::from_secs(10), || async {
-        let row = spender_ledger(&cl.nats.url())?;
+        let row = spender_ledger(&cl.nats.url()).await?;
         let spent = row["spent_usd"].as_f64()?;
         ((spent - since_reset).abs() < 1e-6 && row["held_usd"].as_f64()? == 0.0).then_some(spent)
     })
@@ -1469,7 +1473,7 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     assert!(
         settled.is_some(),
         "the local share's spend reached the ledger: {:?} vs {since_reset}",
-        spender_ledger(&cl.nats.url())
+        spender_ledger(&cl.nats.url()).await
     );
     let text = crate::support::metrics(&cl.urls[2]).await;
     for line in [
@@ -1612,8 +1616,8 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
             })
         })
         .collect();
-    let held = eventually(Duration::from_secs(5), || async {
-        let row = spender_ledger(&cl.nats.url())?;
+    let held = eventually(Duration::from_secs(10), || async {
+        let row = spender_ledger(&cl.nats.url()).await?;
         row["holds"]["n1"].as_f64().filter(|h| *h > 0.0)
     })
     .await
@@ -1635,7 +1639,7 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
     }
     // What the dead node held stays held until its lease ends, then lapses.
     let lapsed = eventually(Duration::from_secs(6), || async {
-        let row = spender_ledger(&cl.nats.url())?;
+        let row = spender_ledger(&cl.nats.url()).await?;
         row["holds"].get("n1").is_none().then_some(row)
     })
     .await;
@@ -1661,7 +1665,7 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
         answered <= LIMIT + largest_hold + answered_by_n1,
         "answered {answered} (n1: {answered_by_n1}), limit {LIMIT}"
     );
-    let spent = spender_ledger(&cl.nats.url()).unwrap()["spent_usd"]
+    let spent = spender_ledger(&cl.nats.url()).await.unwrap()["spent_usd"]
         .as_f64()
         .unwrap();
     assert!(
