@@ -116,9 +116,9 @@ impl Connector {
         };
         let started = Instant::now();
         if let (Some(agent), Some(nats)) = (&self.agent, &self.nats) {
-            return self
-                .generate_on_mesh(nats, agent, &body, timeout, started)
-                .await;
+            // Boxed: the mesh caller's future is five times the HTTP call's, and every request's
+            // task would otherwise carry (and copy) it.
+            return Box::pin(self.generate_on_mesh(nats, agent, &body, timeout, started)).await;
         }
         let Some(url) = &self.url else {
             return no_url(started);

@@ -598,6 +598,41 @@ impl Drop for Flight {
     }
 }
 
+/// A request admitted to the pipeline: its flight, the engine's first step, the slot it waits
+/// for when queued, whether it streams, and what goes to the upstream unchanged.
+type Begun = (
+    Flight,
+    Step,
+    Option<tokio::sync::oneshot::Receiver<()>>,
+    bool,
+    Passthrough,
+);
+
+/// Authenticate, parse and begin a request, or the answer that refuses it. A function of its
+/// own so that none of its temporaries is kept in the request's task (copied whole when
+/// spawned) across an await.
+fn begin(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Result<Begun, Box<Answer>> {
+    let client = authenticate(node, headers)?;
+    let (request, stream, pass) = to_request(node, body, headers, client)
+        .map_err(|e| Box::new(bad_request(node, headers, e)))?;
+    let logging = node.logs_decisions();
+    let begun = node.with_engine(|e| {
+        let now = now_ms();
+        let recorder = logging.then(|| Recorder::begin(e, &request, now));
+        e.begin(request, now).map(|(session, step)| {
+            let granted = session.ticket().map(|t| node.wait_for_slot(t));
+            (Flight::new(node.clone(), session, recorder), step, granted)
+        })
+    });
+    match begun {
+        Ok((flight, step, granted)) => Ok((flight, step, granted, stream, pass)),
+        Err(e) => {
+            let param = param_of(e.field);
+            Err(Box::new(bad_request(node, headers, bad(param, e.message))))
+        }
+    }
+}
+
 /// Run one request through the pipeline, calling providers as it directs. `caller` is
 /// cancelled when whoever asked went away: a queued request then leaves the queue at once, and
 /// one with an attempt under way lets it finish but makes no further attempt.
@@ -609,32 +644,10 @@ pub async fn execute(
     live_ok: bool,
 ) -> Answer {
     let started = std::time::Instant::now();
-    let client = match authenticate(node, headers) {
-        Ok(c) => c,
-        Err(a) => return *a,
+    let (mut flight, mut step, mut granted, stream, pass) = match begin(node, body, headers) {
+        Ok(begun) => begun,
+        Err(refused) => return *refused,
     };
-    let (request, stream, pass) = match to_request(node, body, headers, client) {
-        Ok(r) => r,
-        Err(e) => return bad_request(node, headers, e),
-    };
-    let response_format = request.response_format.clone();
-    let logging = node.logs_decisions();
-    let begun = node.with_engine(|e| {
-        let now = now_ms();
-        let recorder = logging.then(|| Recorder::begin(e, &request, now));
-        e.begin(request, now).map(|(session, step)| {
-            let granted = session.ticket().map(|t| node.wait_for_slot(t));
-            (session, step, granted, recorder)
-        })
-    });
-    let (session, mut step, mut granted, recorder) = match begun {
-        Ok(x) => x,
-        Err(e) => {
-            let param = param_of(e.field);
-            return bad_request(node, headers, bad(param, e.message));
-        }
-    };
-    let mut flight = Flight::new(node.clone(), session, recorder);
     // A streaming request held to no contract is relayed as it arrives; one under a contract is
     // checked whole first, then released.
     let live = live_ok && stream && !flight.session.contracted();
@@ -704,8 +717,10 @@ pub async fn execute(
                     continue;
                 }
                 if live {
+                    // Boxed, like every rarely taken large future here: the request's task
+                    // is copied whole when spawned, so it stays the size of the common path.
                     let opened = tokio::select! {
-                        o = super::live::open(node, &d, &pass, None, limits) => Some(o),
+                        o = Box::pin(super::live::open(node, &d, &pass, None, limits)) => Some(o),
                         () = caller.cancelled() => None,
                     };
                     // The caller left before the first event: the upstream call is dropped (no
@@ -744,7 +759,7 @@ pub async fn execute(
                             &flight.session.request().messages,
                             Some(&pass),
                             d.max_tokens,
-                            response_format.as_ref(),
+                            flight.session.request().response_format.as_ref(),
                             Duration::from_millis(d.timeout_ms),
                         )
                         .await

@@ -1599,29 +1599,37 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
         .unwrap();
     assert_eq!(r.status(), 201);
 
-    // 90 requests at once over the three nodes; n1 is killed while it holds some.
-    let asks: Vec<_> = (0..90)
-        .map(|i| {
-            let c = c.clone();
-            let url = cl.urls[i % 3].clone();
-            tokio::spawn(async move {
-                let r = c
-                    .post(format!("{url}/v1/chat/completions"))
-                    .json(&spender(&format!("kill {i}"), "low"))
-                    .send()
-                    .await
-                    .ok()?;
-                let v: Value = r.json().await.ok()?;
-                Some((i % 3, v["oam"]["cost_usd"].as_f64()?))
-            })
+    // Requests at once over the three nodes; n1 is killed while it holds some. n1's come first
+    // (a third of the budget), so that another node's burst cannot take all of it first.
+    let ask_on = |node: usize, i: usize| {
+        let c = c.clone();
+        let url = cl.urls[node].clone();
+        tokio::spawn(async move {
+            let r = c
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&spender(&format!("kill {i}"), "low"))
+                .send()
+                .await
+                .ok()?;
+            let v: Value = r.json().await.ok()?;
+            Some((node, v["oam"]["cost_usd"].as_f64()?))
         })
-        .collect();
+    };
+    let mut asks: Vec<_> = (0..8).map(|i| ask_on(0, i)).collect();
     let held = eventually(Duration::from_secs(10), || async {
         let row = spender_ledger(&cl.nats.url()).await?;
         row["holds"]["n1"].as_f64().filter(|h| *h > 0.0)
     })
     .await
     .expect("n1 holds part of the budget");
+    asks.extend((8..80).map(|i| ask_on(1 + i % 2, i)));
+    let others = eventually(Duration::from_secs(10), || async {
+        let row = spender_ledger(&cl.nats.url()).await?;
+        let holds = row["holds"].as_object()?;
+        (holds.contains_key("n1") && holds.len() > 1).then_some(())
+    })
+    .await;
+    assert!(others.is_some(), "n2 or n3 hold beside n1");
     cl.nodes[0].kill();
     c.delete(format!("{}/sim/faults", cl.sim_url))
         .send()
@@ -1645,19 +1653,27 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
     .await;
     assert!(lapsed.is_some(), "n1's hold ({held}) never lapsed");
 
-    // The others spend the rest, and no more.
-    for i in 0..200 {
-        let (status, h, v) = ask(
-            &c,
-            &cl.urls[1 + i % 2],
-            spender(&format!("rest {i}"), "high"),
-        )
+    // The others spend the rest, and no more: waves of ten at once until the budget refuses.
+    let mut refused = false;
+    for wave in 0..40 {
+        let answers = futures_util::future::join_all((0..10).map(|k| {
+            let i = wave * 10 + k;
+            ask(
+                &c,
+                &cl.urls[1 + i % 2],
+                spender(&format!("rest {i}"), "high"),
+            )
+        }))
         .await;
-        answered += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
-        if status == 402 && h["x-oam-phase"] == "budget" {
+        for (status, h, v) in answers {
+            answered += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
+            refused |= status == 402 && h["x-oam-phase"] == "budget";
+        }
+        if refused {
             break;
         }
     }
+    assert!(refused, "the budget never refused");
     // A dead node cannot settle: what it answered but never settled is the most that can be
     // spent beyond the limit (one reservation's worth of slack besides).
     let largest_hold = 0.001;
