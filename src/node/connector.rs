@@ -208,7 +208,7 @@ fn no_url(started: Instant) -> Attempt {
 fn judge(
     status: reqwest::StatusCode,
     headers: &HeaderMap,
-    bytes: &[u8],
+    bytes: &bytes::Bytes,
     latency_ms: u64,
 ) -> Attempt {
     let failed = |status, error: String| Generation {
@@ -232,7 +232,7 @@ fn judge(
             let kind = refusal(status.as_u16(), error);
             return Attempt {
                 generation: failed(kind, format!("HTTP {status} {detail}")),
-                body,
+                body: body.map(Reply::Json),
                 http_status: status.as_u16(),
             };
         }
@@ -321,9 +321,9 @@ impl Connector {
             let a = self
                 .generate(model, &[], Some(pass), max_tokens, None, first_event)
                 .await;
-            return match (&a.generation.status, &a.body) {
+            return match (&a.generation.status, a.body.as_ref().and_then(Reply::value)) {
                 (GenerationStatus::Ok, Some(body)) => {
-                    Opened::Streaming(Upstream::replay(body, pass.include_usage), started)
+                    Opened::Streaming(Upstream::replay(&body, pass.include_usage), started)
                 }
                 _ => Opened::Failed(a),
             };
@@ -404,9 +404,9 @@ impl Connector {
             &bytes,
             started.elapsed().as_millis() as u64,
         );
-        match (&a.generation.status, &a.body) {
+        match (&a.generation.status, a.body.as_ref().and_then(Reply::value)) {
             (GenerationStatus::Ok, Some(body)) => {
-                Opened::Streaming(Upstream::replay(body, pass.include_usage), started)
+                Opened::Streaming(Upstream::replay(&body, pass.include_usage), started)
             }
             _ => Opened::Failed(a),
         }
@@ -492,7 +492,7 @@ impl Connector {
 /// oam's object added).
 pub struct Attempt {
     pub generation: Generation,
-    pub body: Option<Value>,
+    pub body: Option<Reply>,
     /// 0 when nothing was answered.
     pub http_status: u16,
 }
@@ -505,6 +505,185 @@ impl From<Generation> for Attempt {
             http_status: 0,
         }
     }
+}
+
+/// An upstream's answer body. A chat completion of the usual shape is kept as its bytes and
+/// passed on as it came, with oam's object written in (parsing it into a tree and writing the
+/// tree out again cost more than the rest of the hop); anything else is kept parsed.
+#[derive(Debug)]
+pub enum Reply {
+    /// A JSON object with a `choices` array and no `oam` member, as the upstream sent it.
+    Completion(bytes::Bytes),
+    /// Any other JSON: an error body, a completion of another shape.
+    Json(Value),
+}
+
+impl Reply {
+    /// The body as a JSON tree (parsed again for a completion: only the rare paths that
+    /// rewrite it ask).
+    pub fn value(&self) -> Option<Value> {
+        match self {
+            Reply::Completion(b) => serde_json::from_slice(b).ok(),
+            Reply::Json(v) => Some(v.clone()),
+        }
+    }
+}
+
+/// `{...}` with `"oam": <oam>` written in as its last member: `completion` must be a JSON
+/// object with no `oam` (a `Reply::Completion`).
+pub fn with_oam(completion: &[u8], oam: &[u8]) -> Vec<u8> {
+    with_member(completion, "oam", oam)
+}
+
+/// The JSON object `object` (with no member named `name`) with `"name": <value>` written in
+/// as its last member; anything but an object becomes `{"name": <value>}`.
+pub fn with_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
+    let trimmed = object.trim_ascii();
+    let mut out = Vec::with_capacity(object.len() + name.len() + value.len() + 8);
+    match trimmed
+        .strip_prefix(b"{")
+        .and_then(|o| o.strip_suffix(b"}"))
+    {
+        Some(members) if !members.trim_ascii().is_empty() => {
+            out.push(b'{');
+            out.extend_from_slice(members);
+            out.push(b',');
+        }
+        _ => out.push(b'{'),
+    }
+    out.push(b'"');
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(value);
+    out.push(b'}');
+    out
+}
+
+/// The parts of a chat completion oam reads, borrowed from its bytes (everything else is
+/// skipped unread). Where a part has another shape, this fails and the completion is read as
+/// a tree instead, with the same leniency as before.
+mod wire {
+    use serde::{Deserialize, Deserializer};
+    use std::borrow::Cow;
+
+    #[derive(Deserialize)]
+    pub struct Completion<'a> {
+        #[serde(borrow)]
+        pub choices: Vec<Choice<'a>>,
+        /// Present (even as `null`) or not.
+        #[serde(default, deserialize_with = "present")]
+        pub usage: Option<Option<Usage>>,
+        #[serde(default, deserialize_with = "present")]
+        pub oam: Option<serde::de::IgnoredAny>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Choice<'a> {
+        #[serde(default, borrow)]
+        pub finish_reason: Option<Cow<'a, str>>,
+        #[serde(default, borrow)]
+        pub message: Option<Message<'a>>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Message<'a> {
+        #[serde(default, borrow)]
+        pub content: Option<Cow<'a, str>>,
+        #[serde(default, borrow)]
+        pub tool_calls: Option<Vec<ToolCall<'a>>>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct ToolCall<'a> {
+        #[serde(default, borrow)]
+        pub function: Option<Function<'a>>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Function<'a> {
+        #[serde(default, borrow)]
+        pub name: Option<Cow<'a, str>>,
+        #[serde(default, borrow)]
+        pub arguments: Option<Cow<'a, str>>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Usage {
+        #[serde(default)]
+        pub prompt_tokens: Option<u64>,
+        #[serde(default)]
+        pub completion_tokens: Option<u64>,
+    }
+
+    fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+    ) -> Result<Option<T>, D::Error> {
+        T::deserialize(d).map(Some)
+    }
+}
+
+/// A chat completion of the usual shape, read from its bytes without building a tree.
+fn completion_fast(bytes: &bytes::Bytes, latency_ms: u64) -> Option<Attempt> {
+    let trimmed = bytes.trim_ascii();
+    if !(trimmed.starts_with(b"{") && trimmed.ends_with(b"}")) {
+        return None;
+    }
+    let c: wire::Completion = serde_json::from_slice(bytes).ok()?;
+    if c.oam.is_some() {
+        return None;
+    }
+    let choice = c.choices.into_iter().next();
+    let (finish_reason, message) = match choice {
+        Some(ch) => (ch.finish_reason, ch.message),
+        None => (None, None),
+    };
+    let (content, calls) = match message {
+        Some(m) => (m.content, m.tool_calls),
+        None => (None, None),
+    };
+    let tool_calls = calls
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            let (name, arguments) = match c.function {
+                Some(f) => (f.name, f.arguments),
+                None => (None, None),
+            };
+            crate::core::contract::ToolCall {
+                name: name.map(Cow::into_owned).unwrap_or_default(),
+                arguments: arguments.map(Cow::into_owned).unwrap_or_default(),
+            }
+        })
+        .collect();
+    use std::borrow::Cow;
+    let generation = Generation {
+        status: if finish_reason.as_deref() == Some("content_filter") {
+            GenerationStatus::ContentPolicy
+        } else {
+            GenerationStatus::Ok
+        },
+        content: content.map(Cow::into_owned).unwrap_or_default(),
+        finish_reason: finish_reason.map(Cow::into_owned),
+        latency_ms,
+        usage: c.usage.map(|u| {
+            let u = u.unwrap_or(wire::Usage {
+                prompt_tokens: None,
+                completion_tokens: None,
+            });
+            Usage {
+                prompt_tokens: u.prompt_tokens.unwrap_or(0),
+                completion_tokens: u.completion_tokens.unwrap_or(0),
+            }
+        }),
+        retry_after_ms: None,
+        error: None,
+        tool_calls,
+    };
+    Some(Attempt {
+        generation,
+        body: Some(Reply::Completion(bytes.clone())),
+        http_status: 200,
+    })
 }
 
 /// What an upstream's non-2xx answer (other than 429) says of the request: its credentials
@@ -541,7 +720,13 @@ fn refusal(status: u16, error: Option<&Value>) -> GenerationStatus {
 }
 
 /// Read a chat completion body into a `Generation`, keeping the body.
-fn completion(bytes: &[u8], latency_ms: u64) -> Attempt {
+fn completion(bytes: &bytes::Bytes, latency_ms: u64) -> Attempt {
+    completion_fast(bytes, latency_ms).unwrap_or_else(|| completion_tree(bytes, latency_ms))
+}
+
+/// `completion` for any shape: read as a JSON tree, leniently (a part of another type reads
+/// as missing).
+fn completion_tree(bytes: &[u8], latency_ms: u64) -> Attempt {
     let Ok(v) = serde_json::from_slice::<Value>(bytes) else {
         return Generation {
             error: Some("the response body is not a JSON chat completion".into()),
@@ -575,7 +760,7 @@ fn completion(bytes: &[u8], latency_ms: u64) -> Attempt {
     };
     Attempt {
         generation,
-        body: Some(v),
+        body: Some(Reply::Json(v)),
         http_status: 200,
     }
 }
@@ -620,6 +805,66 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_completion_read_from_its_bytes_reads_as_its_tree_does() {
+        let bodies = [
+            r#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi \u00e9\n"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#,
+            r#"{"choices":[{"message":{"content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}},{"function":null}]},"finish_reason":"tool_calls"}]}"#,
+            r#"{"choices":[{"message":{"content":"x"},"finish_reason":"content_filter"}],"usage":null}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":null}}"#,
+            r#" { "choices" : [ { "message" : null , "finish_reason" : null } ] , "logprobs" : {"a": [1, 2]} } "#,
+            // Shapes the fast reading leaves to the tree:
+            r#"{"choices":[{"message":{"content":[{"type":"text","text":"parts"}]}}]}"#,
+            r#"{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":1.5}}"#,
+            r#"{"choices":[{"message":{"content":"x"}}],"usage":7}"#,
+            r#"{"choices":[{"message":{"content":"x"}}],"oam":null}"#,
+            r#"{"choices":"none","usage":{"prompt_tokens":2}}"#,
+            r#"{"object":"list"}"#,
+            r#"[[{"message":{"content":"x"}}]]"#,
+            r#"{"choices":[{"message":{"content":"a"}}],"choices":[{"message":{"content":"b"}}]}"#,
+        ];
+        let mut fast = 0;
+        for body in bodies {
+            let bytes = bytes::Bytes::from(body);
+            let tree = completion_tree(&bytes, 7);
+            let read = completion(&bytes, 7);
+            assert_eq!(read.generation, tree.generation, "{body}");
+            match read.body {
+                Some(Reply::Completion(b)) => {
+                    fast += 1;
+                    assert_eq!(b, bytes);
+                    let v: Value = serde_json::from_slice(&b).unwrap();
+                    assert!(v["choices"].is_array() && v.get("oam").is_none(), "{body}");
+                }
+                Some(Reply::Json(v)) => assert_eq!(Some(v), tree.body.and_then(|b| b.value())),
+                None => assert!(tree.body.is_none(), "{body}"),
+            }
+        }
+        assert_eq!(fast, 5, "the usual shapes are read without a tree");
+    }
+
+    #[test]
+    fn a_member_is_written_into_an_object_as_it_came() {
+        let cases = [
+            (
+                r#"{"a":1,"b":[{"c":"}"}]}"#,
+                r#"{"a":1,"b":[{"c":"}"}],"oam":{"x":true}}"#,
+            ),
+            (
+                " {\n \"a\" : 1 \n}\n",
+                "{\n \"a\" : 1 \n,\"oam\":{\"x\":true}}",
+            ),
+            ("{}", r#"{"oam":{"x":true}}"#),
+            ("", r#"{"oam":{"x":true}}"#),
+        ];
+        for (object, want) in cases {
+            let out = with_oam(object.as_bytes(), br#"{"x":true}"#);
+            assert_eq!(String::from_utf8(out.clone()).unwrap(), want);
+            let v: Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(v["oam"]["x"], true);
+        }
+    }
 
     #[test]
     fn refusals_are_told_apart_by_status_and_error_code() {

@@ -313,7 +313,9 @@ fn authenticate<'a>(node: &'a Node, h: &HeaderMap) -> Result<Option<&'a str>, Bo
         },
     );
     a.status = StatusCode::UNAUTHORIZED;
-    a.body = json!({"error": {"message": why, "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
+    a.body = json_bytes(
+        &json!({"error": {"message": why, "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}),
+    );
     a.phase = "unauthorized".into();
     Err(Box::new(a))
 }
@@ -443,7 +445,8 @@ pub struct Answer {
     /// The request asked for server-sent events (HTTP only; the NATS reply is always JSON).
     pub stream: bool,
     pub status: StatusCode,
-    pub body: Value,
+    /// JSON, written out.
+    pub body: bytes::Bytes,
     pub request_id: String,
     pub phase: String,
     pub reasons: String,
@@ -458,7 +461,7 @@ impl Answer {
         Answer {
             stream: true,
             status: StatusCode::OK,
-            body: Value::Null,
+            body: bytes::Bytes::new(),
             request_id: String::new(),
             phase: String::new(),
             reasons: String::new(),
@@ -495,26 +498,73 @@ pub fn status_for(d: &Decision) -> StatusCode {
 }
 
 pub(crate) fn oam_object(d: &Decision) -> Value {
-    json!({
-        "request_id": d.request_id,
-        "agent": d.agent,
-        "outcome": d.outcome,
-        "phase": d.phase,
-        "reason_codes": d.reason_codes,
-        "provider": d.provider,
-        "route": d.route,
-        "target": d.provider,
-        "fallback": d.fallback,
-        "attempts": d.attempts.len(),
-        "tried": d.attempts.iter().filter_map(|a| {
-            let target = a.provider.as_ref()?;
-            Some(json!({"target": target, "status": a.status, "latency_ms": a.latency_ms, "reason_codes": a.codes}))
-        }).collect::<Vec<_>>(),
-        "cost_usd": d.cost_usd,
-        "confidence": d.confidence,
-        "escalation": d.escalation,
-        "incident": d.incident,
-    })
+    serde_json::to_value(OamObject::of(d)).unwrap_or(Value::Null)
+}
+
+/// The `oam` object of an answer, written straight from the decision (members in name order).
+#[derive(serde::Serialize)]
+struct OamObject<'a> {
+    agent: &'a str,
+    attempts: usize,
+    confidence: Option<f64>,
+    cost_usd: f64,
+    escalation: &'a Option<crate::core::escalation::Escalation>,
+    fallback: bool,
+    incident: &'a Option<crate::core::loops::Incident>,
+    outcome: DecisionOutcome,
+    phase: crate::core::reason::Phase,
+    provider: Option<&'a str>,
+    reason_codes: &'a [ReasonCode],
+    request_id: &'a str,
+    route: Option<&'a str>,
+    target: Option<&'a str>,
+    tried: Vec<Tried<'a>>,
+}
+
+#[derive(serde::Serialize)]
+struct Tried<'a> {
+    latency_ms: u64,
+    reason_codes: &'a [ReasonCode],
+    status: Option<GenerationStatus>,
+    target: &'a str,
+}
+
+impl<'a> OamObject<'a> {
+    fn of(d: &'a Decision) -> Self {
+        OamObject {
+            agent: &d.agent,
+            attempts: d.attempts.len(),
+            confidence: d.confidence,
+            cost_usd: d.cost_usd,
+            escalation: &d.escalation,
+            fallback: d.fallback,
+            incident: &d.incident,
+            outcome: d.outcome,
+            phase: d.phase,
+            provider: d.provider.as_deref(),
+            reason_codes: &d.reason_codes,
+            request_id: &d.request_id,
+            route: d.route.as_deref(),
+            target: d.provider.as_deref(),
+            tried: d
+                .attempts
+                .iter()
+                .filter_map(|a| {
+                    Some(Tried {
+                        latency_ms: a.latency_ms,
+                        reason_codes: &a.codes,
+                        status: a.status,
+                        target: a.provider.as_deref()?,
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A JSON body, written out.
+fn json_bytes(v: &impl serde::Serialize) -> bytes::Bytes {
+    serde_json::to_vec(v).unwrap_or_default().into()
 }
 
 /// A request on its way through the engine. Whatever way its driver ends (finished, or the
@@ -821,7 +871,9 @@ fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
     Answer {
         stream: false,
         status: StatusCode::BAD_REQUEST,
-        body: json!({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param, "code": "invalid_request"}}),
+        body: json_bytes(
+            &json!({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param, "code": "invalid_request"}}),
+        ),
         request_id,
         phase: "invalid".into(),
         reasons: String::new(),
@@ -845,10 +897,10 @@ fn publish_decision(node: &Node, d: std::sync::Arc<Decision>) {
 }
 
 fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -> Answer {
+    use super::connector::Reply;
     let status = status_for(d);
     let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
     let provider = d.provider.as_deref().unwrap_or("").to_string();
-    let oam = oam_object(d);
     let accepted = d.outcome == DecisionOutcome::Accepted;
     let (g, upstream, upstream_status) = match last {
         Some(a) => (a.generation, a.body, a.http_status),
@@ -856,25 +908,28 @@ fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -
     };
     let policy = g.status == GenerationStatus::ContentPolicy
         && d.reason_codes.contains(&ReasonCode::ContentPolicyRefusal);
-    let (status, body) =
-        if let (true, Some(Value::Object(mut refusal))) = (policy, upstream.clone()) {
-            // The upstream's content-policy refusal as it came (an error, or a filtered answer),
-            // with its status, and oam's object.
-            refusal.insert("oam".into(), oam.clone());
-            let status = StatusCode::from_u16(upstream_status).unwrap_or(status);
-            (status, Value::Object(refusal))
-        } else {
-            (status, Value::Null)
-        };
-    let body = if !body.is_null() {
-        body
-    } else if let (true, Some(Value::Object(mut answer))) = (accepted, upstream)
+    let refusal = if policy {
+        upstream.as_ref().and_then(Reply::value)
+    } else {
+        None
+    };
+    let (status, body) = if let Some(Value::Object(mut refusal)) = refusal {
+        // The upstream's content-policy refusal as it came (an error, or a filtered answer),
+        // with its status, and oam's object.
+        refusal.insert("oam".into(), oam_object(d));
+        let status = StatusCode::from_u16(upstream_status).unwrap_or(status);
+        (status, json_bytes(&refusal))
+    } else if let (true, Some(Reply::Completion(answer))) = (accepted, &upstream) {
+        // The upstream's chat completion as it came, byte for byte (choices, tool calls,
+        // finish reason, logprobs, usage, system fingerprint, its model), with oam's object
+        // written in.
+        let oam = serde_json::to_vec(&OamObject::of(d)).unwrap_or_default();
+        (status, super::connector::with_oam(answer, &oam).into())
+    } else if let (true, Some(Reply::Json(Value::Object(mut answer)))) = (accepted, upstream)
         && answer.get("choices").is_some_and(Value::is_array)
     {
-        // The upstream's chat completion as it came (choices, tool calls, finish reason,
-        // logprobs, usage, system fingerprint, its model), with oam's object added.
-        answer.insert("oam".into(), oam);
-        Value::Object(answer)
+        answer.insert("oam".into(), oam_object(d));
+        (status, json_bytes(&answer))
     } else if accepted {
         let model = node
             .cfg
@@ -883,7 +938,7 @@ fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -
             .find(|t| t.id == provider)
             .map_or("", |t| t.model.as_str());
         let usage = g.usage.unwrap_or_default();
-        json!({
+        let body = json!({
             "id": format!("chatcmpl-{}", d.request_id),
             "object": "chat.completion",
             "created": now_ms() / 1000,
@@ -898,8 +953,9 @@ fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -
                 "completion_tokens": usage.completion_tokens,
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             },
-            "oam": oam,
-        })
+            "oam": OamObject::of(d),
+        });
+        (status, json_bytes(&body))
     } else {
         let last_code = d.reason_codes.last().map_or("", |c| c.as_str());
         let message = format!(
@@ -911,15 +967,16 @@ fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -
             d.phase,
             reasons.join(", ")
         );
-        json!({
+        let body = json!({
             "error": {
                 "message": message,
                 "type": if status.is_server_error() { "server_error" } else { "invalid_request_error" },
                 "param": null,
                 "code": last_code,
             },
-            "oam": oam,
-        })
+            "oam": OamObject::of(d),
+        });
+        (status, json_bytes(&body))
     };
     Answer {
         stream: false,
@@ -944,7 +1001,11 @@ fn to_http(a: Answer) -> Response {
         reasons,
         provider,
     } = a;
-    let resp = (status, axum::Json(body)).into_response();
+    let json = [(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    )];
+    let resp = (status, json, body).into_response();
     with_oam_headers(resp, [phase, reasons, provider, request_id])
 }
 
@@ -971,7 +1032,8 @@ pub(crate) fn with_oam_headers(
 /// quality, cost) before releasing any of it, so the stream is the checked answer in one content
 /// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
 fn to_sse(a: Answer) -> Response {
-    let b = &a.body;
+    let b: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    let b = &b;
     let [first, mut last] = super::connector::chunks_of(b);
     last["usage"] = b["usage"].clone();
     last["oam"] = b["oam"].clone();
@@ -1149,15 +1211,11 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
             )
             .await
         };
-        let mut body = a.body;
-        body["status"] = json!(a.status.as_u16());
-        match serde_json::to_vec(&body) {
-            Ok(bytes) => {
-                if let Err(e) = node.nats.publish(reply, bytes.into()).await {
-                    tracing::debug!("cannot reply on NATS: {e}");
-                }
-            }
-            Err(e) => tracing::warn!("cannot encode a reply: {e}"),
+        // The HTTP answer's body with its status as a member.
+        let status = format!("{}", a.status.as_u16());
+        let bytes = super::connector::with_member(&a.body, "status", status.as_bytes());
+        if let Err(e) = node.nats.publish(reply, bytes.into()).await {
+            tracing::debug!("cannot reply on NATS: {e}");
         }
     });
 }
