@@ -366,6 +366,63 @@ pub mod cluster_in_run {
     }
 }
 
+/// A decision shared by its readers (the live decision stream, the decision log), with its
+/// JSON written once, by whichever reader writes it first.
+#[derive(Clone, Debug)]
+pub struct Decided {
+    decision: Decision,
+    json: std::sync::OnceLock<Box<serde_json::value::RawValue>>,
+}
+
+impl Decided {
+    pub fn new(decision: Decision) -> Self {
+        Decided {
+            decision,
+            json: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The decision to change (its JSON is written afresh when next asked for).
+    pub fn decision_mut(&mut self) -> &mut Decision {
+        self.json = std::sync::OnceLock::new();
+        &mut self.decision
+    }
+
+    /// Its JSON, as `Decision`'s own `Serialize` writes it.
+    pub fn json(&self) -> Result<&serde_json::value::RawValue, serde_json::Error> {
+        if let Some(j) = self.json.get() {
+            return Ok(j);
+        }
+        let written = serde_json::value::to_raw_value(&self.decision)?;
+        Ok(self.json.get_or_init(|| written))
+    }
+}
+
+impl std::ops::Deref for Decided {
+    type Target = Decision;
+    fn deref(&self) -> &Decision {
+        &self.decision
+    }
+}
+
+impl PartialEq for Decided {
+    fn eq(&self, other: &Self) -> bool {
+        self.decision == other.decision
+    }
+}
+
+impl Serialize for Decided {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json().map_err(serde::ser::Error::custom)?.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Decided {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Decision::deserialize(d).map(Decided::new)
+    }
+}
+
 /// Everything needed to replay one request's decision.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
@@ -376,8 +433,9 @@ pub struct Record {
     /// The state `begin` saw.
     pub begin: Snapshot,
     pub calls: Vec<Logged>,
-    /// Shared with the decision's other readers (the live decision stream): never copied.
-    pub decision: std::sync::Arc<Decision>,
+    /// Shared with the decision's other readers (the live decision stream): never copied,
+    /// and written out once.
+    pub decision: std::sync::Arc<Decided>,
     /// The messages' content was left out (`[decision_log] content = "hash"`): each content is
     /// its hash, and the record cannot be replayed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -461,7 +519,7 @@ impl Recorder {
         });
     }
 
-    pub fn finish(self, decision: std::sync::Arc<Decision>) -> Record {
+    pub fn finish(self, decision: std::sync::Arc<Decided>) -> Record {
         Record {
             node: self.node,
             request: self.request,
@@ -494,7 +552,7 @@ mod tests {
         .into_iter();
         loop {
             step = match step {
-                Step::Done(d) => return rec.finish(std::sync::Arc::new(*d)),
+                Step::Done(d) => return rec.finish(std::sync::Arc::new(Decided::new(*d))),
                 Step::Queued => unreachable!("one request, free slots"),
                 Step::Dispatch(_) => {
                     let g = answers.next().expect("scripted");
@@ -571,11 +629,30 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_decision_is_written_as_the_decision_is_and_afresh_once_changed() {
+        let mut e = engine();
+        let r = recorded(&mut e, request("r9"));
+        let plain = serde_json::to_string(&*r.decision.clone()).unwrap();
+        let direct = serde_json::to_string::<Decision>(&r.decision).unwrap();
+        assert_eq!(plain, direct);
+        assert_eq!(serde_json::to_string(&*r.decision).unwrap(), direct, "again, from the cell");
+        let mut changed = (*r.decision).clone();
+        changed.decision_mut().cost_usd += 1.0;
+        let written = serde_json::to_string(&changed).unwrap();
+        assert_ne!(written, direct);
+        assert_eq!(written, serde_json::to_string::<Decision>(&changed).unwrap());
+        let back: Decided = serde_json::from_str(&written).unwrap();
+        assert_eq!(back, changed);
+    }
+
+    #[test]
     fn a_tampered_record_does_not_replay() {
         let mut e = engine();
         let r = recorded(&mut e, request("r2"));
         let mut cost = r.clone();
-        std::sync::Arc::make_mut(&mut cost.decision).cost_usd += 1.0;
+        std::sync::Arc::make_mut(&mut cost.decision)
+            .decision_mut()
+            .cost_usd += 1.0;
         assert!(cost.verify(&e.config).is_err());
         let mut result = r.clone();
         result.calls[1].call = Call::Complete {

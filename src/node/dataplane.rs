@@ -859,7 +859,7 @@ pub(crate) fn conclude(
     }
     node.metrics
         .decision(&decision, started.elapsed().as_secs_f64());
-    let decision = std::sync::Arc::new(decision);
+    let decision = std::sync::Arc::new(crate::core::record::Decided::new(decision));
     let logged = record.and_then(|r| node.log_record(r.finish(decision.clone())));
     publish_decision(node, decision);
     logged
@@ -882,7 +882,7 @@ fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
     }
 }
 
-fn publish_decision(node: &Node, d: std::sync::Arc<Decision>) {
+fn publish_decision(node: &Node, d: std::sync::Arc<crate::core::record::Decided>) {
     node.share_loop_effects(&d);
     if let Some(i) = &d.incident
         && d.reason_codes.contains(&ReasonCode::AgentLoopDetected)

@@ -401,7 +401,7 @@ mod tests {
         let Some(Step::Done(d)) = e.apply(&mut s, call, T0 + 5) else {
             panic!("decided")
         };
-        rec.finish(Arc::new(*d))
+        rec.finish(Arc::new(crate::core::record::Decided::new(*d)))
     }
 
     #[test]

@@ -19,8 +19,9 @@ use crate::clock::now_ms;
 use crate::core::contract::Contract;
 use crate::core::escalation::Escalation;
 use crate::core::health::{Outcome, Window};
-use crate::core::pipeline::{Config as PipelineConfig, Decision, Engine, State};
+use crate::core::pipeline::{Config as PipelineConfig, Engine, State};
 use crate::core::quorum::{Cluster, Observation};
+use crate::core::record::Decided;
 use crate::core::request::{GenerationStatus, Message, Provider};
 use crate::core::wire::{
     Arrival, BusCounts, Envelope, Goodbye, Heartbeat, LoopEvent, MemberSnapshot, NodeSnapshot,
@@ -86,7 +87,7 @@ pub struct Node {
     pub metrics: metrics::Metrics,
     requests: AtomicU64,
     /// Decisions waiting for the next batch.
-    decisions: Mutex<Vec<Arc<Decision>>>,
+    decisions: Mutex<Vec<Arc<Decided>>>,
     decisions_full: tokio::sync::Notify,
     /// Queued requests by ticket, woken one each when the engine grants them a slot.
     waiters: Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<()>>>,
@@ -490,7 +491,7 @@ impl Node {
     }
 
     /// Keep a decision for the next batch (never waits).
-    pub(crate) fn log_decision(&self, d: Arc<Decision>) {
+    pub(crate) fn log_decision(&self, d: Arc<Decided>) {
         let mut waiting = lock(&self.decisions);
         if waiting.len() >= DECISIONS_KEPT {
             waiting.remove(0);
@@ -514,7 +515,7 @@ impl Node {
                 () = self.stop.cancelled() => true,
             };
             loop {
-                let batch: Vec<Arc<Decision>> = {
+                let batch: Vec<Arc<Decided>> = {
                     let mut waiting = lock(&self.decisions);
                     let n = waiting.len().min(DECISION_BATCH_MAX);
                     waiting.drain(..n).collect()
