@@ -635,12 +635,19 @@ mod tests {
         let plain = serde_json::to_string(&*r.decision.clone()).unwrap();
         let direct = serde_json::to_string::<Decision>(&r.decision).unwrap();
         assert_eq!(plain, direct);
-        assert_eq!(serde_json::to_string(&*r.decision).unwrap(), direct, "again, from the cell");
+        assert_eq!(
+            serde_json::to_string(&*r.decision).unwrap(),
+            direct,
+            "again, from the cell"
+        );
         let mut changed = (*r.decision).clone();
         changed.decision_mut().cost_usd += 1.0;
         let written = serde_json::to_string(&changed).unwrap();
         assert_ne!(written, direct);
-        assert_eq!(written, serde_json::to_string::<Decision>(&changed).unwrap());
+        assert_eq!(
+            written,
+            serde_json::to_string::<Decision>(&changed).unwrap()
+        );
         let back: Decided = serde_json::from_str(&written).unwrap();
         assert_eq!(back, changed);
     }

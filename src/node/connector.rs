@@ -64,28 +64,44 @@ pub struct Connector {
     pub agent: Option<String>,
     nats: Option<async_nats::Client>,
     url: Option<reqwest::Url>,
+    /// `url` for the lean client (the call every request makes).
+    uri: Option<hyper::Uri>,
     api_key: Option<String>,
+    /// `Bearer {api_key}`, made once, marked sensitive.
+    authorization: Option<reqwest::header::HeaderValue>,
     http: reqwest::Client,
+    post: crate::http::Poster,
 }
 
 impl Connector {
     pub fn new(
         cfg: &ProviderConfig,
         http: reqwest::Client,
+        post: crate::http::Poster,
         nats: Option<async_nats::Client>,
     ) -> Self {
+        let url = endpoint(&cfg.base_url, "chat/completions");
+        let api_key = cfg
+            .api_key_env
+            .as_ref()
+            .and_then(|var| std::env::var(var).ok());
+        let authorization = api_key.as_ref().and_then(|k| {
+            let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
+            v.set_sensitive(true);
+            Some(v)
+        });
         Connector {
             id: cfg.id.clone(),
             probe: cfg.probe,
             models_url: endpoint(&cfg.base_url, "models"),
             agent: cfg.agent.clone(),
             nats,
-            url: endpoint(&cfg.base_url, "chat/completions"),
-            api_key: cfg
-                .api_key_env
-                .as_ref()
-                .and_then(|var| std::env::var(var).ok()),
+            uri: url.as_ref().and_then(|u| u.as_str().parse().ok()),
+            url,
+            api_key,
+            authorization,
             http,
+            post,
         }
     }
 
@@ -120,20 +136,21 @@ impl Connector {
             // task would otherwise carry (and copy) it.
             return Box::pin(self.generate_on_mesh(nats, agent, &body, timeout, started)).await;
         }
-        let Some(url) = &self.url else {
+        let Some(uri) = &self.uri else {
             return no_url(started);
         };
-        let mut req = self.http.post(url.clone()).json(&body);
-        if let Some(key) = &self.api_key {
-            req = req.bearer_auth(key);
-        }
-        let call = async {
-            let resp = req.send().await?;
-            let status = resp.status();
-            let headers = resp.headers().clone();
-            let bytes = resp.bytes().await?;
-            Ok::<_, reqwest::Error>((status, headers, bytes))
+        let json = match serde_json::to_vec(&body) {
+            Ok(j) => j,
+            Err(e) => {
+                let error = format!("cannot write the upstream request: {e}");
+                return Generation {
+                    error: Some(error),
+                    ..Generation::failed(GenerationStatus::Error, 0)
+                }
+                .into();
+            }
         };
+        let call = self.post.post_json(uri, self.authorization.as_ref(), json);
         let result = tokio::time::timeout(timeout, call).await;
         let latency_ms = started.elapsed().as_millis() as u64;
         let failed = |status, error: String| Generation {
@@ -148,7 +165,7 @@ impl Connector {
                 )
                 .into();
             }
-            Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&e)).into(),
+            Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&*e)).into(),
             Ok(Ok(parts)) => parts,
         };
         judge(status, &headers, &bytes, latency_ms)

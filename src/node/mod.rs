@@ -200,13 +200,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Node {
     pub fn new(id: String, cfg: NodeConfig, nats: async_nats::Client) -> anyhow::Result<Arc<Node>> {
         let http = crate::http::http_client(None)?;
+        let post = crate::http::Poster::new()?;
         let connectors = cfg
             .providers
             .iter()
             .map(|p| {
                 (
                     p.id.clone(),
-                    Connector::new(p, http.clone(), Some(nats.clone())),
+                    Connector::new(p, http.clone(), post.clone(), Some(nats.clone())),
                 )
             })
             .collect();

@@ -958,3 +958,72 @@ async fn only_clients_with_a_key_are_served_and_each_is_its_own_agent() {
         );
     }
 }
+
+/// An upstream of its own (not the simulator): it answers one fixed chat completion, written
+/// its own way (member order, spacing, fields oam never reads), and keeps the
+/// `Authorization` header of every request.
+async fn keyed_upstream() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::http::HeaderMap;
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let keep = seen.clone();
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(move |h: HeaderMap| {
+            let keep = keep.clone();
+            async move {
+                let auth = h
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_string();
+                keep.lock().unwrap().push(auth);
+                (
+                    [("content-type", "application/json")],
+                    UPSTREAM_ANSWER.to_string(),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+const UPSTREAM_ANSWER: &str = "{\n  \"model\": \"up-1\",\n  \"id\": \"cmpl-9\", \"object\": \"chat.completion\", \"created\": 7,\n  \"choices\": [{\"index\": 0, \"message\": {\"role\": \"assistant\", \"content\": \"plain prose \\u00e9\"}, \"logprobs\": null, \"finish_reason\": \"stop\"}],\n  \"usage\": {\"prompt_tokens\": 5, \"completion_tokens\": 3, \"total_tokens\": 8},\n  \"system_fingerprint\": \"fp_1\", \"service_tier\": \"default\"\n}\n";
+
+#[tokio::test]
+async fn the_upstream_gets_its_key_and_its_answer_comes_back_as_it_was_written() {
+    let (up, seen) = keyed_upstream().await;
+    let g = gateway_with_env(
+        "keyed",
+        &format!(
+            "[[provider]]\nid = \"keyed\"\nbase_url = \"{up}\"\nmodel = \"up-1\"\napi_key_env = \"OAM_TEST_UPSTREAM_KEY\"\nprobe = \"off\"\n[[route]]\nmodel = \"up-1\"\ntargets = [\"keyed/up-1\"]\n"
+        ),
+        &[("OAM_TEST_UPSTREAM_KEY", "sk-test-0123456789abcdef")],
+    )
+    .await;
+    let r = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .json(&json!({"model": "up-1", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["Bearer sk-test-0123456789abcdef"],
+        "the key went with the request"
+    );
+    // The upstream's bytes, then oam's object as the last member.
+    let (head, oam) = text.split_once(",\"oam\":").expect("an oam object");
+    let up_body = UPSTREAM_ANSWER.trim_end().strip_suffix('}').unwrap();
+    assert_eq!(head, up_body, "the upstream's answer as it was written");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "plain prose é");
+    assert_eq!(v["service_tier"], "default");
+    assert_eq!(v["oam"]["target"], "keyed", "{oam}");
+    assert_eq!(v["oam"]["outcome"], "accepted");
+}
