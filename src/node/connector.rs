@@ -66,8 +66,7 @@ pub struct Connector {
     url: Option<reqwest::Url>,
     /// `url` for the lean client (the call every request makes).
     uri: Option<hyper::Uri>,
-    api_key: Option<String>,
-    /// `Bearer {api_key}`, made once, marked sensitive.
+    /// `Bearer {key}` (the key from `api_key_env`), made once, marked sensitive.
     authorization: Option<reqwest::header::HeaderValue>,
     http: reqwest::Client,
     post: crate::http::Poster,
@@ -85,7 +84,7 @@ impl Connector {
             .api_key_env
             .as_ref()
             .and_then(|var| std::env::var(var).ok());
-        let authorization = api_key.as_ref().and_then(|k| {
+        let authorization = api_key.and_then(|k| {
             let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
             v.set_sensitive(true);
             Some(v)
@@ -98,7 +97,6 @@ impl Connector {
             nats,
             uri: url.as_ref().and_then(|u| u.as_str().parse().ok()),
             url,
-            api_key,
             authorization,
             http,
             post,
@@ -365,8 +363,8 @@ impl Connector {
             return Opened::Failed(no_url(started));
         };
         let mut req = self.http.post(url.clone()).json(&body);
-        if let Some(key) = &self.api_key {
-            req = req.bearer_auth(key);
+        if let Some(a) = &self.authorization {
+            req = req.header(reqwest::header::AUTHORIZATION, a.clone());
         }
         let resp = match tokio::time::timeout(first_event, req.send()).await {
             Err(_) => {
@@ -458,8 +456,8 @@ impl Connector {
             return no_url(started).generation;
         };
         let mut req = self.http.get(url.clone());
-        if let Some(key) = &self.api_key {
-            req = req.bearer_auth(key);
+        if let Some(a) = &self.authorization {
+            req = req.header(reqwest::header::AUTHORIZATION, a.clone());
         }
         let result = tokio::time::timeout(timeout, req.send()).await;
         let latency_ms = started.elapsed().as_millis() as u64;
@@ -546,12 +544,6 @@ impl Reply {
     }
 }
 
-/// `{...}` with `"oam": <oam>` written in as its last member: `completion` must be a JSON
-/// object with no `oam` (a `Reply::Completion`).
-pub fn with_oam(completion: &[u8], oam: &[u8]) -> Vec<u8> {
-    with_member(completion, "oam", oam)
-}
-
 /// The JSON object `object` (with no member named `name`) with `"name": <value>` written in
 /// as its last member; anything but an object becomes `{"name": <value>}`.
 pub fn with_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
@@ -624,7 +616,7 @@ mod wire {
         pub arguments: Option<Cow<'a, str>>,
     }
 
-    #[derive(Deserialize)]
+    #[derive(Deserialize, Default)]
     pub struct Usage {
         #[serde(default)]
         pub prompt_tokens: Option<u64>,
@@ -641,6 +633,7 @@ mod wire {
 
 /// A chat completion of the usual shape, read from its bytes without building a tree.
 fn completion_fast(bytes: &bytes::Bytes, latency_ms: u64) -> Option<Attempt> {
+    use std::borrow::Cow;
     let trimmed = bytes.trim_ascii();
     if !(trimmed.starts_with(b"{") && trimmed.ends_with(b"}")) {
         return None;
@@ -672,7 +665,6 @@ fn completion_fast(bytes: &bytes::Bytes, latency_ms: u64) -> Option<Attempt> {
             }
         })
         .collect();
-    use std::borrow::Cow;
     let generation = Generation {
         status: if finish_reason.as_deref() == Some("content_filter") {
             GenerationStatus::ContentPolicy
@@ -683,10 +675,7 @@ fn completion_fast(bytes: &bytes::Bytes, latency_ms: u64) -> Option<Attempt> {
         finish_reason: finish_reason.map(Cow::into_owned),
         latency_ms,
         usage: c.usage.map(|u| {
-            let u = u.unwrap_or(wire::Usage {
-                prompt_tokens: None,
-                completion_tokens: None,
-            });
+            let u = u.unwrap_or_default();
             Usage {
                 prompt_tokens: u.prompt_tokens.unwrap_or(0),
                 completion_tokens: u.completion_tokens.unwrap_or(0),
@@ -876,7 +865,7 @@ mod tests {
             ("", r#"{"oam":{"x":true}}"#),
         ];
         for (object, want) in cases {
-            let out = with_oam(object.as_bytes(), br#"{"x":true}"#);
+            let out = with_member(object.as_bytes(), "oam", br#"{"x":true}"#);
             assert_eq!(String::from_utf8(out.clone()).unwrap(), want);
             let v: Value = serde_json::from_slice(&out).unwrap();
             assert_eq!(v["oam"]["x"], true);

@@ -648,15 +648,18 @@ impl Drop for Flight {
     }
 }
 
-/// A request admitted to the pipeline: its flight, the engine's first step, the slot it waits
-/// for when queued, whether it streams, and what goes to the upstream unchanged.
-type Begun = (
-    Flight,
-    Step,
-    Option<tokio::sync::oneshot::Receiver<()>>,
-    bool,
-    Passthrough,
-);
+/// A request admitted to the pipeline.
+struct Begun {
+    flight: Flight,
+    /// The engine's first step.
+    step: Step,
+    /// The slot it waits for, when queued.
+    granted: Option<tokio::sync::oneshot::Receiver<()>>,
+    /// It asked for server-sent events.
+    stream: bool,
+    /// What goes to the upstream unchanged.
+    pass: Passthrough,
+}
 
 /// Authenticate, parse and begin a request, or the answer that refuses it. A function of its
 /// own so that none of its temporaries is kept in the request's task (copied whole when
@@ -675,7 +678,13 @@ fn begin(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Result<Begun, Bo
         })
     });
     match begun {
-        Ok((flight, step, granted)) => Ok((flight, step, granted, stream, pass)),
+        Ok((flight, step, granted)) => Ok(Begun {
+            flight,
+            step,
+            granted,
+            stream,
+            pass,
+        }),
         Err(e) => {
             let param = param_of(e.field);
             Err(Box::new(bad_request(node, headers, bad(param, e.message))))
@@ -694,7 +703,13 @@ pub async fn execute(
     live_ok: bool,
 ) -> Answer {
     let started = std::time::Instant::now();
-    let (mut flight, mut step, mut granted, stream, pass) = match begin(node, body, headers) {
+    let Begun {
+        mut flight,
+        mut step,
+        mut granted,
+        stream,
+        pass,
+    } = match begin(node, body, headers) {
         Ok(begun) => begun,
         Err(refused) => return *refused,
     };
@@ -924,7 +939,10 @@ fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -
         // finish reason, logprobs, usage, system fingerprint, its model), with oam's object
         // written in.
         let oam = serde_json::to_vec(&OamObject::of(d)).unwrap_or_default();
-        (status, super::connector::with_oam(answer, &oam).into())
+        (
+            status,
+            super::connector::with_member(answer, "oam", &oam).into(),
+        )
     } else if let (true, Some(Reply::Json(Value::Object(mut answer)))) = (accepted, upstream)
         && answer.get("choices").is_some_and(Value::is_array)
     {
