@@ -572,19 +572,11 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
         ),
     )
     .unwrap();
-    let node = Proc::spawn(&[
-        "node",
-        "run",
-        "--id",
+    let node = Proc::spawn(&crate::support::node_args(
         "n1",
-        "--listen",
-        "127.0.0.1:0",
-        "--json",
-        "--nats-url",
         &url,
-        "--config",
-        cfg.to_str().unwrap(),
-    ]);
+        &["--config", cfg.to_str().unwrap()],
+    ));
     let http = node.ready["http"].as_str().unwrap().to_string();
     let c = crate::support::http(Duration::from_secs(10));
     // (verdict, samples in the node's own window) of the mesh provider.

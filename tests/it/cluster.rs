@@ -37,19 +37,7 @@ async fn cluster(extra: &[&str]) -> Cluster {
 
 /// `oam node run --id ID` on any free port, against this NATS and simulator.
 fn node(id: &str, nats_url: &str, sim_url: &str, extra: &[&str]) -> Proc {
-    let mut args = vec![
-        "node",
-        "run",
-        "--id",
-        id,
-        "--listen",
-        "127.0.0.1:0",
-        "--json",
-        "--nats-url",
-        nats_url,
-        "--sim-url",
-        sim_url,
-    ];
+    let mut args = crate::support::node_args(id, nats_url, &["--sim-url", sim_url]);
     args.extend_from_slice(extra);
     Proc::spawn(&args)
 }
@@ -557,21 +545,11 @@ async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let node = |id: &str| {
-        Proc::spawn(&[
-            "node",
-            "run",
-            "--id",
+        Proc::spawn(&crate::support::node_args(
             id,
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--nats-url",
             &url,
-            "--sim-url",
-            &sim_url,
-            "--cluster-size",
-            "2",
-        ])
+            &["--sim-url", &sim_url, "--cluster-size", "2"],
+        ))
     };
     let c = client();
     let live = |u: String| {
@@ -981,21 +959,11 @@ async fn idle_connections_cannot_make_a_node_unreachable() {
     let nats_url = nats.url();
     let node = Proc::spawn_with_file_limit(
         1_024,
-        &[
-            "node",
-            "run",
-            "--id",
+        &crate::support::node_args(
             "n1",
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--nats-url",
             &nats_url,
-            "--sim-url",
-            &sim_url,
-            "--config",
-            config.to_str().unwrap(),
-        ],
+            &["--sim-url", &sim_url, "--config", config.to_str().unwrap()],
+        ),
     );
     let url = node.ready["http"].as_str().unwrap().to_string();
     let addr = url.trim_start_matches("http://").to_string();

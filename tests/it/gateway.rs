@@ -71,20 +71,9 @@ targets = ["primary/small"]
         ),
     )
     .unwrap();
+    let nats_url = nats.url();
     let node = Proc::spawn_with_env(
-        &[
-            "node",
-            "run",
-            "--id",
-            "n1",
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--nats-url",
-            &nats.url(),
-            "--config",
-            cfg.to_str().unwrap(),
-        ],
+        &crate::support::node_args("n1", &nats_url, &["--config", cfg.to_str().unwrap()]),
         env,
     );
     let url = node.ready["http"].as_str().unwrap().to_string();
@@ -1026,4 +1015,20 @@ async fn the_upstream_gets_its_key_and_its_answer_comes_back_as_it_was_written()
     assert_eq!(v["service_tier"], "default");
     assert_eq!(v["oam"]["target"], "keyed", "{oam}");
     assert_eq!(v["oam"]["outcome"], "accepted");
+
+    // A streamed request takes the other client; the key goes with it too.
+    let r = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .json(&json!({"model": "up-1", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let events = r.text().await.unwrap();
+    assert!(events.contains("plain prose"), "{events}");
+    assert_eq!(
+        seen.lock().unwrap().last().map(String::as_str),
+        Some("Bearer sk-test-0123456789abcdef")
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
 }

@@ -7,6 +7,24 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// A running `oam` child process, killed on drop.
+/// `oam node run --id ID` on a free port, its ready line as JSON, against `nats_url`; then
+/// `extra`.
+pub fn node_args<'a>(id: &'a str, nats_url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "node",
+        "run",
+        "--id",
+        id,
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--nats-url",
+        nats_url,
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 pub struct Proc {
     child: Child,
     /// The first line the process printed, parsed as JSON (its ready line).
