@@ -8,6 +8,7 @@
 
 use super::Node;
 use super::connector::Passthrough;
+use super::detach::Detachable;
 use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
 use crate::core::pipeline::{Decision, DecisionOutcome, Effect, Session, Step};
@@ -1080,25 +1081,21 @@ async fn chat(
     );
     match read.await {
         Ok(Ok(bytes)) => {
-            // The pipeline runs on a task of its own, so a caller that hangs up cancels nothing
-            // half-way: the guard below tells it the caller is gone, and it ends cleanly (slot
-            // released, health sample and decision kept).
+            // A caller that hangs up cancels nothing half-way: the pipeline moves to a task of
+            // its own, is told the caller is gone, and ends cleanly (slot released, health
+            // sample and decision kept).
             let caller = CancellationToken::new();
-            let _hung_up = caller.clone().drop_guard();
+            let hung_up = caller.clone();
             let n = node.clone();
-            let run = node
-                .tasks
-                .spawn(async move { execute(&n, &bytes, &headers, caller, true).await });
-            let answer = match run.await {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::error!("a request's task failed: {e}");
-                    return (
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        axum::Json(json!({"error": {"message": "oam failed internally while serving this request; see the node's log", "type": "server_error", "param": null, "code": "internal_error"}})),
-                    )
-                        .into_response();
-                }
+            let run = async move { execute(&n, &bytes, &headers, caller, true).await };
+            let run = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(run));
+            let Ok(answer) = Detachable::new(run, hung_up, node.tasks.clone()).await else {
+                tracing::error!("a request's pipeline panicked");
+                return (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    axum::Json(json!({"error": {"message": "oam failed internally while serving this request; see the node's log", "type": "server_error", "param": null, "code": "internal_error"}})),
+                )
+                    .into_response();
             };
             if let Some(live) = answer.live {
                 live

@@ -8,6 +8,7 @@ pub mod config;
 pub mod connector;
 pub mod dataplane;
 pub mod decisionlog;
+mod detach;
 pub mod ledger;
 pub mod live;
 pub mod loops;
