@@ -329,8 +329,12 @@ fn decode_request(
     h: &HeaderMap,
     new_id: impl FnOnce() -> String,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    let chat: ChatIn = serde_path_to_error::deserialize(de).map_err(|e| {
+    // Read plainly first; only a body that fails is read again, tracking where it failed.
+    let plain = ChatIn::deserialize(&mut serde_json::Deserializer::from_slice(body));
+    let chat = plain.or_else(|_| {
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body))
+    });
+    let chat: ChatIn = chat.map_err(|e| {
         let path = e.path().to_string();
         let (param, at) = if path == "." {
             (None, String::new())
@@ -347,7 +351,9 @@ fn decode_request(
     }
     let mut messages = Vec::with_capacity(chat.messages.len());
     for (i, raw) in chat.messages.iter().enumerate() {
-        let m: MessageIn = serde_path_to_error::deserialize(raw).map_err(|e| {
+        let plain = MessageIn::deserialize(raw);
+        let m = plain.or_else(|_| serde_path_to_error::deserialize(raw));
+        let m: MessageIn = m.map_err(|e| {
             let at = match e.path().to_string() {
                 p if p == "." => format!("messages[{i}]"),
                 p => format!("messages[{i}].{p}"),
