@@ -544,6 +544,25 @@ impl Reply {
     }
 }
 
+/// `with_member` for an object that may already hold a member `name` (an answer oam did not
+/// read member by member): one whose bytes spell the name, or hold any `\u` escape that could
+/// spell it, is read as a tree and the member set there. The result never carries two members
+/// of one name, which parsers would tell apart differently.
+pub fn set_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
+    use memchr::memmem::find;
+    let quoted = format!("\"{name}\"");
+    if (find(object, quoted.as_bytes()).is_some() || find(object, b"\\u").is_some())
+        && let Ok(Value::Object(mut members)) = serde_json::from_slice::<Value>(object)
+        && let Ok(value) = serde_json::from_slice::<Value>(value)
+    {
+        members.insert(name.to_string(), value);
+        if let Ok(out) = serde_json::to_vec(&members) {
+            return out;
+        }
+    }
+    with_member(object, name, value)
+}
+
 /// The JSON object `object` (with no member named `name`) with `"name": <value>` written in
 /// as its last member; anything but an object becomes `{"name": <value>}`.
 pub fn with_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
@@ -848,6 +867,35 @@ mod tests {
             }
         }
         assert_eq!(fast, 5, "the usual shapes are read without a tree");
+    }
+
+    #[test]
+    fn a_member_set_where_it_may_exist_is_never_there_twice() {
+        for (object, want) in [
+            (
+                r#"{"status":"up","a":1}"#,
+                serde_json::json!({"a": 1, "status": 200}),
+            ),
+            (
+                r#"{"st\u0061tus":"up"}"#,
+                serde_json::json!({"status": 200}),
+            ),
+            (
+                r#"{"a":"\"status\""}"#,
+                serde_json::json!({"a": "\"status\"", "status": 200}),
+            ),
+        ] {
+            let out = set_member(object.as_bytes(), "status", b"200");
+            let text = String::from_utf8(out).unwrap();
+            assert_eq!(text.matches("status\":").count(), 1, "{text}");
+            assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), want);
+        }
+        // Nothing that could spell it: written in as it came.
+        let plain = br#"{"a":1, "b":"x"}"#;
+        assert_eq!(
+            set_member(plain, "status", b"200"),
+            with_member(plain, "status", b"200")
+        );
     }
 
     #[test]

@@ -1232,9 +1232,10 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
             )
             .await
         };
-        // The HTTP answer's body with its status as a member.
-        let status = format!("{}", a.status.as_u16());
-        let bytes = super::connector::with_member(&a.body, "status", status.as_bytes());
+        // The HTTP answer's body with its status as a member (the upstream's own `status`, if
+        // its answer had one, gives way).
+        let status = a.status.as_u16().to_string();
+        let bytes = super::connector::set_member(&a.body, "status", status.as_bytes());
         if let Err(e) = node.nats.publish(reply, bytes.into()).await {
             tracing::debug!("cannot reply on NATS: {e}");
         }
