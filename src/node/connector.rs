@@ -131,7 +131,7 @@ impl Connector {
         let started = Instant::now();
         if let (Some(agent), Some(nats)) = (&self.agent, &self.nats) {
             // Boxed: the mesh caller's future is five times the HTTP call's, and every request's
-            // task would otherwise carry (and copy) it.
+            // future would otherwise carry (and move) it.
             return Box::pin(self.generate_on_mesh(nats, agent, &body, timeout, started)).await;
         }
         let Some(uri) = &self.uri else {

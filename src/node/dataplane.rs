@@ -669,8 +669,8 @@ struct Begun {
 }
 
 /// Authenticate, parse and begin a request, or the answer that refuses it. A function of its
-/// own so that none of its temporaries is kept in the request's task (copied whole when
-/// spawned) across an await.
+/// own so that none of its temporaries is kept in the request's future (moved whole into its
+/// box) across an await.
 fn begin(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Result<Begun, Box<Answer>> {
     let client = authenticate(node, headers)?;
     let (request, stream, pass) = to_request(node, body, headers, client)
@@ -789,8 +789,8 @@ pub async fn execute(
                     continue;
                 }
                 if live {
-                    // Boxed, like every rarely taken large future here: the request's task
-                    // is copied whole when spawned, so it stays the size of the common path.
+                    // Boxed, like every rarely taken large future here: the request's future
+                    // is moved whole into its box, so it stays the size of the common path.
                     let opened = tokio::select! {
                         o = Box::pin(super::live::open(node, &d, &pass, None, limits)) => Some(o),
                         () = caller.cancelled() => None,

@@ -6,7 +6,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// A running `oam` child process, killed on drop.
 /// `oam node run --id ID` on a free port, its ready line as JSON, against `nats_url`; then
 /// `extra`.
 pub fn node_args<'a>(id: &'a str, nats_url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -25,6 +24,7 @@ pub fn node_args<'a>(id: &'a str, nats_url: &'a str, extra: &[&'a str]) -> Vec<&
     args
 }
 
+/// A running `oam` child process, killed on drop.
 pub struct Proc {
     child: Child,
     /// The first line the process printed, parsed as JSON (its ready line).
