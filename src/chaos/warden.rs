@@ -805,7 +805,9 @@ impl Warden {
 }
 
 async fn answer(nats: &async_nats::Client, msg: &async_nats::Message, reply: &Reply) {
-    if let (Some(to), Ok(body)) = (&msg.reply, serde_json::to_vec(reply)) {
+    // Answers go to reply inboxes only, whatever subject the asker named.
+    let to = msg.reply.as_ref().filter(|r| subjects::is_inbox(r));
+    if let (Some(to), Ok(body)) = (to, serde_json::to_vec(reply)) {
         let _ = nats.publish(to.clone(), body.into()).await;
     }
 }

@@ -5,18 +5,21 @@
 //!
 //! | role            | may publish                                             | may read           |
 //! |-----------------|---------------------------------------------------------|--------------------|
-//! | `node-{id}`     | its own gossip, state, decisions, incidents, escalations; calls | gossip, its chaos, requests |
+//! | `node-{id}`     | its own gossip, state, decisions, incidents, escalations; calls; answers | gossip, its chaos, requests |
 //! | `monitor`       | death notices; the mesh's liveness records              | heartbeats         |
-//! | `warden`        | chaos commands to nodes, chaos events                    | chaos requests     |
+//! | `warden`        | chaos commands to nodes, chaos events; answers           | chaos requests     |
 //! | `operator`      | chaos requests, escalation resolutions                   | everything a viewer reads |
-//! | `agent-{name}`  | its own heartbeats, errors, graceful death; calls        | its own requests   |
-//! | `caller`        | calls to agents, data-plane requests                     | deaths, streams, the catalog |
-//! | `viewer`        | nothing (JetStream reads only)                           | `oam.v1.>`, mesh events |
+//! | `agent-{name}`  | its own heartbeats, errors, graceful death; calls; answers | its own requests   |
+//! | `caller`        | calls to agents, data-plane requests                     | deaths, the catalog |
+//! | `viewer`        | nothing (JetStream reads only)                           | the control plane but requests, mesh events |
 //! | admin (`oam`)   | everything, including stream and bucket delete          | everything         |
 //!
-//! Every role may subscribe to `_INBOX.>` (replies, JetStream reads) and answer a request it
-//! received (`allow_responses`). The system account has one limited user, `observer`, that may
-//! read disconnect advisories and ask for connection lists (never kick).
+//! No role has a reply permission (`allow_responses`: the sender of a message picks its reply
+//! subject, so it would let anyone publish anywhere by messaging itself). Each role reads its
+//! replies in a private inbox (`subjects::private_inbox`) and answers only the private inboxes
+//! of the roles that may ask it (and the shared `_INBOX.` of the Open Agent Mesh SDK, which
+//! agents and callers may also read). The system account has one limited user, `observer`,
+//! that may read disconnect advisories and ask for connection lists (never kick).
 
 use crate::transport::{escalations, subjects};
 
@@ -139,7 +142,10 @@ impl Role {
 
     /// What the role may do; `None` for the admin, who may do everything.
     pub fn permissions(&self) -> Option<Permissions> {
-        let mut p = Permissions::base();
+        if *self == Role::Admin {
+            return None;
+        }
+        let mut p = Permissions::base(&self.user());
         match self {
             Role::Admin => return None,
             Role::Viewer => p.viewer(),
@@ -161,10 +167,14 @@ impl Role {
                     subjects::death(name),
                     subjects::errors(name),
                     subjects::agent_events(name),
+                    // The Open Agent Mesh SDK streams and calls back on these.
                     subjects::ALL_STREAMS.into(),
                     subjects::ALL_RESULTS.into(),
-                    subjects::ACK_INBOXES.into(),
                 ]);
+                // Answers go to whoever may call an agent: oam's callers, nodes, agents and the
+                // admin in their private inboxes, SDK clients in the shared one.
+                p.answers(&["caller", "node", "agent", "admin"]);
+                p.publish([subjects::SHARED_INBOXES]);
                 p.subscribe([subjects::agent(name)]);
                 p.kv_write(subjects::CATALOG_BUCKET, subjects::CATALOG_KEY);
                 p.kv_write(subjects::REGISTRY_BUCKET, name);
@@ -190,6 +200,10 @@ impl Role {
                     subjects::loop_event(id),
                     subjects::decision_log(id),
                 ]);
+                // It answers the NATS data plane: oam's callers and agents, the admin, and
+                // clients that keep the default inbox.
+                p.answers(&["caller", "agent", "admin"]);
+                p.publish([subjects::SHARED_INBOXES]);
                 p.read_stream(subjects::DECISION_LOG_STREAM);
                 p.subscribe([
                     subjects::HEARTBEATS,
@@ -217,6 +231,8 @@ impl Role {
             }
             Role::Warden => {
                 p.publish([subjects::chaos_node("*"), subjects::CHAOS_EVENT.to_string()]);
+                // It answers the operator's (and the admin's) chaos requests.
+                p.answers(&["operator", "admin"]);
                 p.subscribe([
                     subjects::CHAOS_INJECT,
                     subjects::CHAOS_LIST,
@@ -252,13 +268,21 @@ pub struct Permissions {
 }
 
 impl Permissions {
-    /// What every role needs: replies and JetStream reads come to `_INBOX.>`; JetStream's flow
-    /// control and acknowledgements.
-    fn base() -> Permissions {
+    /// What every role needs: its own private inbox (replies, JetStream answers and watches;
+    /// `subjects::private_inbox`), JetStream's flow control and acknowledgements.
+    fn base(user: &str) -> Permissions {
         let mut p = Permissions::default();
         p.publish(["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"]);
-        p.subscribe([subjects::INBOXES]);
+        if let Some(inbox) = subjects::private_inbox(user) {
+            p.subscribe([format!("{inbox}.>")]);
+        }
         p
+    }
+
+    /// Answer requests from the roles of `kinds`: publish to their private inboxes, where only
+    /// the asker reads (the reply tokens are random, so knowing one answers nothing else).
+    fn answers(&mut self, kinds: &[&str]) {
+        self.publish(kinds.iter().map(|k| subjects::inboxes_of(k)));
     }
 
     fn publish<S: Into<String>>(&mut self, subjects: impl IntoIterator<Item = S>) {
@@ -304,9 +328,20 @@ impl Permissions {
         self.publish([format!("$KV.{bucket}.{keys}")]);
     }
 
+    /// What the control plane tells: gossip, decisions, state, incidents, escalations, chaos
+    /// events, and the agent mesh's liveness. Never the data plane's requests
+    /// (`oam.v1.request`: they carry clients' keys) nor anyone's replies.
     fn viewer(&mut self) {
         self.subscribe([
-            subjects::CONTROL_PLANE,
+            subjects::HEARTBEATS,
+            subjects::GOODBYES,
+            subjects::ALL_OBSERVATIONS,
+            subjects::DECISIONS,
+            subjects::STATES,
+            subjects::INCIDENTS,
+            subjects::ESCALATIONS,
+            subjects::LOOP_EVENTS,
+            subjects::CHAOS_EVENT,
             subjects::DEATHS,
             subjects::INSTANCE_DEATHS,
             subjects::HEALTH,
@@ -321,15 +356,17 @@ impl Permissions {
         self.read_stream(subjects::DECISION_LOG_STREAM);
     }
 
+    /// Call agents and the data plane. The shared inbox and the stream and result subjects are
+    /// what the Open Agent Mesh SDK uses for its calls (it keeps the NATS default inbox).
     fn caller(&mut self) {
-        self.publish([subjects::ALL_AGENTS, subjects::REQUEST, subjects::BENCH_RAW]);
+        self.publish([subjects::ALL_AGENTS, subjects::REQUEST]);
         self.subscribe([
             subjects::DEATHS,
             subjects::INSTANCE_DEATHS,
             subjects::HEALTH,
             subjects::ALL_STREAMS,
             subjects::ALL_RESULTS,
-            subjects::BENCH_RAW,
+            subjects::SHARED_INBOXES,
         ]);
         for b in [
             subjects::CATALOG_BUCKET,
@@ -343,9 +380,10 @@ impl Permissions {
 
 /// The SYS account's `observer`: disconnect advisories and connection lists, nothing else.
 pub fn observer_permissions() -> Permissions {
-    let mut p = Permissions::default();
+    let mut p = Permissions::base(OBSERVER_USER);
+    p.publish.clear();
     p.publish([subjects::sys_connz(""), subjects::sys_connz("*")]);
-    p.subscribe([subjects::SYS_DISCONNECTS, subjects::INBOXES]);
+    p.subscribe([subjects::SYS_DISCONNECTS]);
     p
 }
 
@@ -357,9 +395,11 @@ pub fn config_block(p: &Permissions) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     };
+    // No `allow_responses`: it would let a user publish once to any reply subject of a message
+    // it received, and a sender chooses that subject, so anyone could send themselves a
+    // message "answered" on a control subject. Answers go to inboxes listed in `publish`.
     format!(
-        "permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}] }}, \
-         allow_responses: true }}",
+        "permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}] }} }}",
         list(&p.publish),
         list(&p.subscribe)
     )
@@ -472,6 +512,6 @@ mod tests {
     fn the_config_block_quotes_every_subject() {
         let block = config_block(&Role::Viewer.permissions().unwrap());
         assert!(block.contains("\"$JS.API.INFO\""), "{block}");
-        assert!(block.contains("allow_responses: true"));
+        assert!(!block.contains("allow_responses"), "{block}");
     }
 }

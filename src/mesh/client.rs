@@ -31,17 +31,10 @@ pub async fn call(
     call_with(nats, agent, payload, timeout, &request_id(), None).await
 }
 
-/// A unique request id (32 hex digits): a per-process random prefix and a counter, so a call
-/// costs no system call for randomness.
+/// A request id (32 hex digits) nobody can predict from the ones they have seen: it names the
+/// caller's acknowledgement subject, so an agent that served one call must not guess the next.
 pub fn request_id() -> String {
-    use std::sync::OnceLock;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static PREFIX: OnceLock<String> = OnceLock::new();
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let prefix = PREFIX.get_or_init(|| {
-        crate::ids::random_hex(8).unwrap_or_else(|_| format!("{:016x}", std::process::id()))
-    });
-    format!("{prefix}{:016x}", NEXT.fetch_add(1, Ordering::Relaxed))
+    crate::ids::unguessable()
 }
 
 /// Nobody answered: `not_available` when the catalog lists the agent, else `not_found`.
@@ -184,7 +177,9 @@ fn pending_map(
 impl Caller {
     pub async fn new(nats: async_nats::Client) -> anyhow::Result<Caller> {
         use futures_util::StreamExt;
-        let ack_prefix = subjects::ack_inbox(&crate::ids::random_hex(8)?);
+        // In this client's private inbox: only the server and the instance the request went
+        // to know an acknowledgement subject.
+        let ack_prefix = nats.new_inbox();
         let mut acks = nats.subscribe(format!("{ack_prefix}.*")).await?;
         let mut instance_deaths = nats.subscribe(subjects::INSTANCE_DEATHS).await?;
         let mut deaths = nats.subscribe(subjects::DEATHS).await?;
@@ -221,13 +216,19 @@ impl Caller {
                             if let Some(tx) = call.fate.take() {
                                 let _ = tx.send(Fate::NoResponders);
                             }
-                        } else {
+                        } else if call.instance.is_none() {
+                            // The first acknowledgement names the instance; a second one (a
+                            // serving agent naming another instance) changes nothing.
                             call.instance = Some(String::from_utf8_lossy(&m.payload).into_owned());
                         }
                     }
                     Some(m) = instance_deaths.next() => {
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
-                            fail(&p, &|c: &Pending| c.instance.as_deref() == Some(n.instance_id.as_str()), &n);
+                            // The monitor names the instance's agent: an instance id an agent claimed
+                            // for itself fails only calls to that agent.
+                            let held = |c: &Pending| c.instance.as_deref() == Some(n.instance_id.as_str())
+                                && (n.agent.is_empty() || n.agent == c.agent);
+                            fail(&p, &held, &n);
                         }
                     }
                     Some(m) = deaths.next() => {
@@ -284,8 +285,10 @@ impl Caller {
         result
     }
 
-    /// Start a streaming request: chunks arrive on `mesh.stream.{request_id}` in sequence until
-    /// the end marker. Fails fast like `call`: no responders at once, `agent_died` as soon as the
+    /// Start a streaming request: chunks arrive in sequence until the end marker, in this
+    /// client's private inbox from an oam agent (named in `X-Mesh-Stream-To`, so nobody else can
+    /// read or forge them), on `mesh.stream.{request_id}` from other Open Agent Mesh clients;
+    /// the first chunk decides which, and the other is then ignored. Fails fast like `call`: no responders at once, `agent_died` as soon as the
     /// instance serving the stream dies, `timeout` when the whole stream takes longer than
     /// `timeout`.
     pub async fn stream(
@@ -300,6 +303,7 @@ impl Caller {
             nats: self.nats.clone(),
             pending: self.pending.clone(),
             sub: None,
+            shared: None,
             fate,
             agent: agent.to_string(),
             request_id: request_id.clone(),
@@ -318,17 +322,26 @@ impl Caller {
                 format!("cannot start the stream: {e}"),
             )
         };
+        let private = self.nats.new_inbox();
         let sub = self
             .nats
-            .subscribe(subjects::stream(&request_id))
+            .subscribe(private.clone())
             .await
             .map_err(|e| broken(&e))?;
         stream.sub = Some(sub);
+        // Where an SDK agent streams. A role that may not read it (one without the SDK's
+        // subjects) is told so by the server and simply hears nothing there.
+        stream.shared = self
+            .nats
+            .subscribe(subjects::stream(&request_id))
+            .await
+            .ok();
         let ack_to = format!("{}.{request_id}", self.ack_prefix);
         let mut h = HeaderMap::new();
         h.insert(protocol::H_REQUEST_ID, request_id.as_str());
         h.insert(protocol::H_STREAM, "true");
         h.insert(protocol::H_ACK_TO, ack_to.as_str());
+        h.insert(protocol::H_STREAM_TO, private.as_str());
         // The reply subject is only there so the server reports "no responders" on it; chunks
         // come on the stream subject (as other Open Agent Mesh clients expect).
         self.nats
@@ -343,7 +356,11 @@ impl Caller {
 pub struct ChunkStream {
     nats: async_nats::Client,
     pending: Arc<Mutex<HashMap<String, Pending>>>,
+    /// The private inbox the chunks of an oam agent come to.
     sub: Option<async_nats::Subscriber>,
+    /// `mesh.stream.{request_id}`, where other clients' agents stream; dropped once a chunk has
+    /// come privately.
+    shared: Option<async_nats::Subscriber>,
     fate: tokio::sync::oneshot::Receiver<Fate>,
     agent: String,
     request_id: String,
@@ -363,11 +380,46 @@ impl ChunkStream {
         if self.done {
             return None;
         }
-        let sub = self.sub.as_mut()?;
+        if self.sub.is_none() && self.shared.is_none() {
+            return None;
+        }
+        async fn next_of(s: &mut Option<async_nats::Subscriber>) -> Option<async_nats::Message> {
+            match s.as_mut() {
+                Some(s) => s.next().await,
+                None => std::future::pending().await,
+            }
+        }
+        let (private, shared) = (&mut self.sub, &mut self.shared);
         let event = tokio::select! {
-            m = sub.next() => Ok(m),
+            m = next_of(private) => Ok((m, true)),
+            Some(m) = next_of(shared) => Ok((Some(m), false)),
             fate = &mut self.fate => Err(Some(fate)),
             _ = tokio::time::sleep_until(self.deadline) => Err(None),
+        };
+        // The first chunk decides where the rest comes from: privately from an oam agent (the
+        // shared subject is then nobody's to write into), or on the shared subject from another
+        // client's agent.
+        let acked = || {
+            pending_map(&self.pending)
+                .get(&self.request_id)
+                .is_some_and(|c| c.instance.is_some())
+        };
+        let event = match event {
+            Ok((_, false)) if acked() => {
+                // An oam agent acknowledged the stream (other clients' agents do not), so it
+                // streams privately: whatever comes on the shared subject is forged.
+                self.shared = None;
+                return Box::pin(self.next()).await;
+            }
+            Ok((m, private)) => {
+                if private {
+                    self.shared = None;
+                } else {
+                    self.sub = None;
+                }
+                Ok(m)
+            }
+            Err(e) => Err(e),
         };
         let outcome = match event {
             Ok(Some(m)) => {

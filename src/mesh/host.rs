@@ -198,7 +198,7 @@ impl Instance {
     async fn fail(
         &self,
         reply: Option<async_nats::Subject>,
-        stream: bool,
+        stream: Option<&str>,
         request_id: &str,
         code: ErrorCode,
         message: String,
@@ -215,11 +215,12 @@ impl Instance {
             (protocol::H_REQUEST_ID, request_id),
             (protocol::H_INSTANCE_ID, &self.id),
         ]);
-        let to = if stream {
-            h.insert(protocol::H_STREAM_END, "true");
-            Some(subjects::stream(request_id).into())
-        } else {
-            reply
+        let to = match stream {
+            Some(subject) => {
+                h.insert(protocol::H_STREAM_END, "true");
+                Some(subject.into())
+            }
+            None => reply,
         };
         let body: Bytes = serde_json::to_vec(&err).unwrap_or_default().into();
         if let Some(to) = to {
@@ -242,6 +243,7 @@ impl Instance {
         msg: &async_nats::Message,
         request_id: &str,
         ack_to: Option<&str>,
+        subject: &str,
         chunks: u32,
         every: Duration,
     ) {
@@ -259,12 +261,17 @@ impl Instance {
                 Err(_) => {
                     let why = "the request body is not JSON".to_string();
                     return self
-                        .fail(None, true, request_id, ErrorCode::InvalidInput, why)
+                        .fail(
+                            None,
+                            Some(subject),
+                            request_id,
+                            ErrorCode::InvalidInput,
+                            why,
+                        )
                         .await;
                 }
             }
         };
-        let subject = subjects::stream(request_id);
         let chunk_headers = |seq: u32, end: bool| {
             let seq = seq.to_string();
             headers(&[
@@ -284,7 +291,7 @@ impl Instance {
                 let why =
                     format!("no chunk within the declared maximum handling time of {limit} ms");
                 return self
-                    .fail(None, true, request_id, ErrorCode::Stuck, why)
+                    .fail(None, Some(subject), request_id, ErrorCode::Stuck, why)
                     .await;
             }
             tokio::time::sleep(every).await;
@@ -292,12 +299,16 @@ impl Instance {
             let body: Bytes = serde_json::to_vec(&body).unwrap_or_default().into();
             let _ = self
                 .nats
-                .publish_with_headers(subject.clone(), chunk_headers(seq, false), body)
+                .publish_with_headers(subject.to_string(), chunk_headers(seq, false), body)
                 .await;
         }
         let _ = self
             .nats
-            .publish_with_headers(subject, chunk_headers(chunks, true), Bytes::new())
+            .publish_with_headers(
+                subject.to_string(),
+                chunk_headers(chunks, true),
+                Bytes::new(),
+            )
             .await;
     }
 
@@ -309,8 +320,17 @@ impl Instance {
                 .map(async_nats::HeaderValue::as_str)
         }
         let header = |k: &'static str| value(&msg, k);
+        // Answers, acknowledgements and chunks go to reply inboxes only: a caller cannot make an
+        // instance running with wide rights write a control subject or a bucket.
+        let inbox = |s: &str| subjects::is_inbox(s);
+        let ack_to = header(protocol::H_ACK_TO).filter(|s| inbox(s));
+        let reply = msg.reply.clone().filter(|s| inbox(s));
         let request_id = header(protocol::H_REQUEST_ID).unwrap_or_default();
         let wants_stream = header(protocol::H_STREAM) == Some("true");
+        // An oam caller names its private inbox; other clients read the shared subject.
+        let stream_to = header(protocol::H_STREAM_TO)
+            .filter(|s| inbox(s))
+            .map_or_else(|| subjects::stream(request_id), str::to_string);
         if wants_stream != handler.streams() {
             let message = if wants_stream {
                 format!(
@@ -323,14 +343,9 @@ impl Instance {
                     self.entry.name
                 )
             };
-            let reply = if wants_stream {
-                None
-            } else {
-                msg.reply.clone()
-            };
             self.fail(
-                reply,
-                wants_stream,
+                reply.filter(|_| !wants_stream),
+                wants_stream.then_some(stream_to.as_str()),
                 request_id,
                 ErrorCode::InvocationMismatch,
                 message,
@@ -339,12 +354,12 @@ impl Instance {
             return;
         }
         if let Handler::Demo(Demo::Stream { chunks, every }) = handler {
-            self.stream(&msg, request_id, header(protocol::H_ACK_TO), chunks, every)
+            self.stream(&msg, request_id, ack_to, &stream_to, chunks, every)
                 .await;
             return;
         }
-        let Some(reply) = msg.reply.clone() else {
-            return; // a plain publish: nobody waits for an answer
+        let Some(reply) = reply else {
+            return; // a plain publish (or no inbox): nobody waits for an answer
         };
         let payload = if msg.payload.is_empty() {
             Bytes::from_static(b"{}")
@@ -354,7 +369,7 @@ impl Instance {
         if serde_json::from_slice::<serde::de::IgnoredAny>(&payload).is_err() {
             let why = "the request body is not JSON".to_string();
             return self
-                .fail(Some(reply), false, request_id, ErrorCode::InvalidInput, why)
+                .fail(Some(reply), None, request_id, ErrorCode::InvalidInput, why)
                 .await;
         }
         let work = match &handler {
@@ -369,7 +384,7 @@ impl Instance {
                 None => Some(work.await),
             }
         };
-        let outcome = match header(protocol::H_ACK_TO) {
+        let outcome = match ack_to {
             // "I have it": a request still running after ACK_AFTER is acknowledged with this
             // instance's id, so the caller races it against this instance's death. Answers
             // faster than that need no acknowledgement (and cost no extra message).
@@ -391,7 +406,7 @@ impl Instance {
         match outcome {
             Some(Ok(body)) => self.reply_ok(reply, request_id, body).await,
             Some(Err((code, message))) => {
-                self.fail(Some(reply), false, request_id, code, message)
+                self.fail(Some(reply), None, request_id, code, message)
                     .await;
             }
             None => {
@@ -399,7 +414,7 @@ impl Instance {
                 let why = format!(
                     "the handler ran past its declared maximum handling time of {limit} ms"
                 );
-                self.fail(Some(reply), false, request_id, ErrorCode::Stuck, why)
+                self.fail(Some(reply), None, request_id, ErrorCode::Stuck, why)
                     .await;
             }
         }

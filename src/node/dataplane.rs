@@ -1202,8 +1202,9 @@ pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
 fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
     let node = node.clone();
     node.clone().tasks.spawn(async move {
-        let Some(reply) = msg.reply.clone() else {
-            return; // a publish with no reply subject: nobody to answer
+        // Answers go to reply inboxes only, whatever subject the asker named.
+        let Some(reply) = msg.reply.clone().filter(|r| subjects::is_inbox(r)) else {
+            return; // no reply inbox: nobody to answer
         };
         let mut headers = HeaderMap::new();
         if let Some(h) = &msg.headers {

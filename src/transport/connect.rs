@@ -82,7 +82,15 @@ pub async fn connect(
     // async-nats ignores credentials embedded in the URL, so take them out and pass them on.
     let (url, auth) = split_credentials(url);
     let base = match (auth, CREDENTIALS_FILE.get()) {
-        (Some((user, pass)), _) => async_nats::ConnectOptions::with_user_and_password(user, pass),
+        (Some((user, pass)), _) => {
+            // A role of oam's reads its replies in an inbox only it may subscribe to.
+            let inbox = super::subjects::private_inbox(&user);
+            let o = async_nats::ConnectOptions::with_user_and_password(user, pass);
+            match inbox {
+                Some(prefix) => o.custom_inbox_prefix(prefix),
+                None => o,
+            }
+        }
         (None, Some(creds)) => async_nats::ConnectOptions::with_credentials(creds)?,
         (None, None) => async_nats::ConnectOptions::new(),
     };

@@ -90,9 +90,48 @@ pub const ALL_STREAMS: &str = "mesh.stream.>";
 pub const ALL_RESULTS: &str = "mesh.results.>";
 /// Every agent's error replies.
 pub const ALL_ERRORS: &str = "mesh.errors.>";
-/// Every reply inbox, and the acknowledgement inboxes of callers.
-pub const INBOXES: &str = "_INBOX.>";
-pub const ACK_INBOXES: &str = "_INBOX.oam-ack.>";
+/// The reply inboxes of clients that keep the NATS default (the Open Agent Mesh SDK's): shared
+/// by every such client, so oam's own processes never use them (`private_inbox`).
+pub const SHARED_INBOXES: &str = "_INBOX.>";
+/// The root of oam's private inboxes.
+const OAM_INBOX: &str = "_OAM";
+
+/// Where the replies of an oam process connected as `user` arrive: `_OAM.{kind}` for a role
+/// without a name (`caller`, `viewer`, ...; the admin is `admin`), `_OAM.{kind}.{name}` for
+/// nodes and agents, an agent's dots written `~` so that no agent's inbox lies inside another's
+/// (`demo` and `demo.echo`). Only that user may subscribe below it, so nobody else reads its
+/// replies, JetStream answers or watches. `None` for a user that is no role of oam's (a server
+/// configured by someone else): it keeps the client's default.
+pub fn private_inbox(user: &str) -> Option<String> {
+    let named = |kind: &str, name: &str| {
+        let ok = !name.is_empty() && name.len() <= 128 && name.split('.').all(valid_token);
+        ok.then(|| format!("{OAM_INBOX}.{kind}.{}", name.replace('.', "~")))
+    };
+    match user.split_once('-') {
+        Some(("node", id)) if valid_token(id) => named("node", id),
+        Some(("agent", name)) => named("agent", name),
+        _ => match user {
+            "oam" => Some(format!("{OAM_INBOX}.admin")),
+            "monitor" | "warden" | "operator" | "caller" | "viewer" | "observer" => {
+                Some(format!("{OAM_INBOX}.{user}"))
+            }
+            _ => None,
+        },
+    }
+}
+
+/// Whether `subject` is a reply inbox (private or shared): the only subjects oam answers a
+/// request on, whatever the asker put as its reply subject, so that a responder running with
+/// wide rights (the admin's) cannot be made to write a control subject or a bucket.
+pub fn is_inbox(subject: &str) -> bool {
+    subject.starts_with("_OAM.") || subject.starts_with("_INBOX.")
+}
+
+/// Every private inbox of one kind of role (`node`, `agent`, `caller`, `operator`, `admin`,
+/// ...): what a role that answers that kind may publish to.
+pub fn inboxes_of(kind: &str) -> String {
+    format!("{OAM_INBOX}.{kind}.>")
+}
 /// `oam agent bench`'s raw request/reply baseline.
 pub const BENCH_RAW: &str = "bench.raw.>";
 
@@ -130,6 +169,10 @@ pub fn health(name: &str) -> String {
     format!("mesh.health.{name}")
 }
 pub const HEALTH: &str = "mesh.health.>";
+/// The agent a heartbeat subject is for (`mesh.health.{name}`).
+pub fn health_of(subject: &str) -> Option<&str> {
+    subject.strip_prefix("mesh.health.")
+}
 /// Every error reply of agent `name` is also published here.
 pub fn errors(name: &str) -> String {
     format!("mesh.errors.{name}")
@@ -146,11 +189,6 @@ pub const TOMBSTONES_BUCKET: &str = "mesh-tombstones";
 /// The NATS connection name of a process that serves agents.
 pub fn host_connection(instance_id: &str) -> String {
     format!("oam-host-{instance_id}")
-}
-
-/// A fresh inbox prefix for acknowledgements of one caller (`_INBOX.oam-ack.{id}`).
-pub fn ack_inbox(id: &str) -> String {
-    format!("_INBOX.oam-ack.{id}")
 }
 
 // The system account (nats-server's own subjects).
@@ -191,5 +229,27 @@ mod tests {
         assert_eq!(agent_of("mesh.death.x"), None);
         assert_eq!(sys_connz(""), "$SYS.REQ.SERVER.PING.CONNZ");
         assert_eq!(sys_connz("S1"), "$SYS.REQ.SERVER.S1.CONNZ");
+    }
+
+    #[test]
+    fn private_inboxes_never_nest() {
+        assert_eq!(private_inbox("node-n1").as_deref(), Some("_OAM.node.n1"));
+        assert_eq!(private_inbox("oam").as_deref(), Some("_OAM.admin"));
+        assert_eq!(private_inbox("caller").as_deref(), Some("_OAM.caller"));
+        let (demo, echo) = (
+            private_inbox("agent-demo").unwrap(),
+            private_inbox("agent-demo.echo").unwrap(),
+        );
+        assert_eq!(echo, "_OAM.agent.demo~echo");
+        // A subscription to `{demo}.>` covers no inbox of demo.echo, nor the other way round.
+        assert!(!format!("{echo}.x").starts_with(&format!("{demo}.")));
+        assert!(!format!("{demo}.x").starts_with(&format!("{echo}.")));
+        assert_eq!(inboxes_of("agent"), "_OAM.agent.>");
+        assert!(is_inbox("_OAM.caller.abc.1") && is_inbox("_INBOX.abc"));
+        assert!(!is_inbox("$KV.oam-budgets.global") && !is_inbox("oam.v1.chaos.node.n1"));
+        assert!(!is_inbox("_OAMX.a") && !is_inbox("_INBOX"));
+        for stranger in ["bob", "node-a.b", "agent-", "agent-a.*", "node-"] {
+            assert_eq!(private_inbox(stranger), None, "{stranger}");
+        }
     }
 }

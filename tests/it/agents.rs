@@ -1157,3 +1157,119 @@ async fn frozen_announced(deaths: &mut async_nats::Subscriber, n: usize) -> usiz
     }
     seen.len()
 }
+
+/// A stream between oam's caller and agent goes to the caller's private inbox: nothing appears
+/// on the shared `mesh.stream.{id}`, and chunks and an end marker forged there (even knowing the
+/// request id) change nothing; a second acknowledgement naming another instance is not believed.
+#[tokio::test]
+async fn forged_chunks_and_acknowledgements_change_no_stream() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let _stream = serve(&url, "demo.stream20", "stream:20:20", &[]);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut shared = nc.subscribe("mesh.stream.>").await.unwrap();
+    nc.flush().await.unwrap();
+    let caller = oam::mesh::client::Caller::new(nc.clone()).await.unwrap();
+    let mut s = caller
+        .stream("demo.stream20", "{}".into(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let first = s.next().await.unwrap().unwrap();
+    let first: Value = serde_json::from_slice(&first).unwrap();
+    assert_eq!(first["index"], 0);
+    // A forger that learned the request id injects a chunk and the end marker.
+    let forged = format!("mesh.stream.{}", s.request_id());
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("X-Mesh-Stream-Seq", "1");
+    h.insert("X-Mesh-Stream-End", "false");
+    nc.publish_with_headers(forged.clone(), h, r#"{"forged":true}"#.into())
+        .await
+        .unwrap();
+    let mut end = async_nats::HeaderMap::new();
+    end.insert("X-Mesh-Stream-Seq", "2");
+    end.insert("X-Mesh-Stream-End", "true");
+    nc.publish_with_headers(forged, end, "".into())
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+    let mut got = vec![first];
+    while let Some(chunk) = s.next().await {
+        got.push(serde_json::from_slice(&chunk.unwrap()).unwrap());
+    }
+    assert_eq!(got.len(), 20, "{got:?}");
+    assert!(
+        got.iter().enumerate().all(|(i, c)| c["index"] == i),
+        "{got:?}"
+    );
+    // The shared subject carried only the forgeries.
+    let mut on_shared = 0;
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), shared.next()).await {
+        on_shared += 1;
+        assert!(m.headers.is_some());
+    }
+    assert_eq!(on_shared, 2, "the real stream went to the private inbox");
+
+    // The serving agent acknowledges a call, then acknowledges it again naming another
+    // instance; that instance dies: the call, held by the first, is not failed.
+    let mut agent_sub = nc
+        .queue_subscribe("mesh.agent.demo.liar", "q.demo.liar".to_string())
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+    let call = tokio::spawn(async move {
+        caller
+            .call("demo.liar", "{}".into(), Duration::from_secs(10))
+            .await
+    });
+    let req = tokio::time::timeout(Duration::from_secs(5), agent_sub.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let header = |k: &str| {
+        req.headers
+            .as_ref()
+            .unwrap()
+            .get(k)
+            .unwrap()
+            .as_str()
+            .to_string()
+    };
+    let ack_to = header("X-Mesh-Ack-To");
+    nc.publish(ack_to.clone(), "liar-instance".into())
+        .await
+        .unwrap();
+    nc.publish(ack_to, "victim-instance".into()).await.unwrap();
+    let notice = json!({"agent": "demo.victim", "reason": "disconnect", "instance_id": "victim-instance", "detected_at": "2026-12-01T00:00:00+00:00"});
+    nc.publish(
+        "mesh.instance-death.victim-instance",
+        serde_json::to_vec(&notice).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    // So is a notice of "its" instance that names another agent (an instance id is whatever
+    // an agent claims; the monitor names the agent the evidence was for).
+    let notice = json!({"agent": "demo.other", "reason": "disconnect", "instance_id": "liar-instance", "detected_at": "2026-12-01T00:00:00+00:00"});
+    nc.publish(
+        "mesh.instance-death.liar-instance",
+        serde_json::to_vec(&notice).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    nc.flush().await.unwrap();
+    // The answer comes after the notices, with time for the caller to act on them: had either
+    // been believed, the call would have failed as agent_died by then.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut ok = async_nats::HeaderMap::new();
+    ok.insert("X-Mesh-Status", "ok");
+    nc.publish_with_headers(req.reply.unwrap(), ok, r#"{"answer":1}"#.into())
+        .await
+        .unwrap();
+    let answer = call
+        .await
+        .unwrap()
+        .expect("the call is answered, not failed");
+    assert_eq!(answer.as_ref(), br#"{"answer":1}"#);
+}

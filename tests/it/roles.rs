@@ -13,7 +13,10 @@ async fn client(url: &str) -> (async_nats::Client, Arc<Mutex<Vec<String>>>) {
     let seen = errors.clone();
     let (bare, auth) = oam::transport::connect::split_credentials(url);
     let (user, password) = auth.expect("a URL with credentials");
+    // As oam's own processes do: replies in the role's private inbox.
+    let inbox = oam::transport::subjects::private_inbox(&user).expect("a role of oam's");
     let nc = async_nats::ConnectOptions::with_user_and_password(user, password)
+        .custom_inbox_prefix(inbox)
         .event_callback(move |event| {
             let seen = seen.clone();
             async move {
@@ -232,5 +235,193 @@ async fn every_role_may_do_its_own_work_and_nothing_else() {
     assert!(
         closed.is_some(),
         "the revoked agent's connection stays open"
+    );
+}
+
+/// Wait (at most 5 s) for a message on `sub`.
+async fn next_msg(sub: &mut async_nats::Subscriber) -> async_nats::Message {
+    tokio::time::timeout(Duration::from_secs(5), futures_util::StreamExt::next(sub))
+        .await
+        .expect("a message within 5 s")
+        .expect("the subscription is open")
+}
+
+/// Publish `marker` on `nc`, then read `everything` (the admin's `>`) until it arrives: what was
+/// delivered in between, in the server's order.
+async fn delivered_until(
+    nc: &async_nats::Client,
+    marker: &str,
+    everything: &mut async_nats::Subscriber,
+) -> Vec<async_nats::Message> {
+    nc.publish(marker.to_string(), "{}".into()).await.unwrap();
+    nc.flush().await.unwrap();
+    let mut seen = Vec::new();
+    loop {
+        let m = next_msg(everything).await;
+        if m.subject.as_str() == marker {
+            return seen;
+        }
+        seen.push(m);
+    }
+}
+
+/// The attack that walked through every role: a user sends itself a message whose reply subject
+/// is a control subject or a JetStream API call, then "answers" it. The server gives no role a
+/// reply permission any more, so every such answer is refused and nothing arrives; and an oam
+/// agent answers a caller's request only in a reply inbox, whatever subject the caller named.
+#[tokio::test]
+async fn no_role_answers_its_way_onto_a_control_subject() {
+    let mesh = LocalCluster::up("bypass").await;
+    issue(&mesh, "agent", "evil");
+    let victim = issue(&mesh, "agent", "demo.victim");
+    let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
+        .await
+        .unwrap();
+    let mut everything = admin.subscribe(">").await.unwrap();
+    admin.flush().await.unwrap();
+
+    let (evil, errors) = client(&mesh.role_url("agent-evil")).await;
+    let mut mine = evil.subscribe("mesh.agent.evil").await.unwrap();
+    evil.flush().await.unwrap();
+    let targets = [
+        "oam.v1.chaos.node.n1",
+        "oam.v1.chaos.inject",
+        "mesh.death.demo.victim",
+        "mesh.instance-death.abc",
+        "oam.v1.decisionlog.n1",
+        "$KV.oam-budgets.global",
+        "$JS.API.STREAM.DELETE.KV_oam-budgets",
+        "$JS.API.STREAM.PURGE.OAM_DECISIONS",
+        "$JS.API.STREAM.CREATE.CAPTURE",
+    ];
+    for target in targets {
+        evil.publish_with_reply("mesh.agent.evil", target, "{}".into())
+            .await
+            .unwrap();
+        let m = next_msg(&mut mine).await;
+        assert_eq!(m.reply.as_deref(), Some(target));
+        evil.publish(m.reply.unwrap(), r#"{"forged":true}"#.into())
+            .await
+            .unwrap();
+    }
+    let between = delivered_until(&evil, "mesh.health.evil", &mut everything).await;
+    for target in targets {
+        refused(&errors, "publish", target).await;
+        assert!(
+            !between.iter().any(|m| m.subject.as_str() == target),
+            "{target} was delivered"
+        );
+    }
+    let js = async_nats::jetstream::new(admin.clone());
+    assert!(js.get_stream("KV_oam-budgets").await.is_ok());
+    assert!(js.get_stream("CAPTURE").await.is_err());
+
+    // A caller names a bucket as the reply subject of a call: the agent answers nobody there.
+    let _served = Proc::spawn(&[
+        "agent",
+        "serve",
+        "demo.victim",
+        "--demo",
+        "echo",
+        "--json",
+        "--creds",
+        victim["file"].as_str().unwrap(),
+    ]);
+    let (caller, _) = client(&mesh.role_url("caller")).await;
+    let answered = crate::support::eventually(Duration::from_secs(10), || {
+        let caller = caller.clone();
+        async move {
+            caller
+                .request("mesh.agent.demo.victim", r#"{"m":1}"#.into())
+                .await
+                .ok()
+        }
+    })
+    .await;
+    assert!(answered.is_some(), "the agent serves ordinary calls");
+    let bucket = "$KV.oam-budgets.agent.demo.victim";
+    caller
+        .publish_with_reply(
+            "mesh.agent.demo.victim",
+            bucket,
+            r#"{"limit_usd":1e9}"#.into(),
+        )
+        .await
+        .unwrap();
+    // The answer to the next call comes after whatever the agent did with that one.
+    let next = caller
+        .request("mesh.agent.demo.victim", r#"{"m":2}"#.into())
+        .await
+        .unwrap();
+    assert_eq!(next.payload.as_ref(), br#"{"m":2}"#);
+    let between = delivered_until(&caller, "mesh.agent.marker", &mut everything).await;
+    assert!(
+        !between.iter().any(|m| m.subject.as_str() == bucket),
+        "the agent answered into the budget bucket"
+    );
+}
+
+/// What a hostile agent or viewer reads: nothing of anyone else's replies (oam's processes
+/// answer in private inboxes), and the viewer never a data-plane request (they carry keys).
+#[tokio::test]
+async fn no_role_reads_another_s_replies_or_a_client_s_key() {
+    let mesh = LocalCluster::up("snoop").await;
+    issue(&mesh, "agent", "evil");
+    let (evil, errors) = client(&mesh.role_url("agent-evil")).await;
+    // The shared inbox is the SDK's (an agent's may use it); oam's private ones are nobody's.
+    let mut shared = evil.subscribe("_INBOX.>").await.unwrap();
+    let _private = evil.subscribe("_OAM.>").await.unwrap();
+    let _callers = evil.subscribe("_OAM.caller.>").await.unwrap();
+    let _requests = evil.subscribe("oam.v1.request").await.unwrap();
+    evil.flush().await.unwrap();
+    for subject in ["_OAM.>", "_OAM.caller.>", "oam.v1.request"] {
+        refused(&errors, "subscription", subject).await;
+    }
+    let (viewer, viewer_errors) = client(&mesh.role_url("viewer")).await;
+    let mut decisions = viewer.subscribe("oam.v1.decision.*").await.unwrap();
+    for subject in ["oam.v1.request", "oam.v1.>", "_INBOX.>", "_OAM.caller.>"] {
+        let _ = viewer.subscribe(subject.to_string()).await.unwrap();
+        viewer.flush().await.unwrap();
+        refused(&viewer_errors, "subscription", subject).await;
+    }
+
+    // A round of ordinary use: a caller's NATS data-plane request with a key, an agent call and
+    // the lists a viewer and a caller read.
+    let (caller, _) = client(&mesh.role_url("caller")).await;
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("Authorization", "Bearer sk-secret-of-the-caller");
+    let body = json!({"messages": [{"role": "user", "content": "the card is 4111"}]});
+    let reply = caller
+        .request_with_headers(
+            "oam.v1.request",
+            h,
+            serde_json::to_vec(&body).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let answer: Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(answer["status"], 200, "{answer}");
+    for args in [
+        &["budget", "list", "--json"][..],
+        &["escalation", "list", "--json"],
+        &["agent", "list", "--json"],
+    ] {
+        succeeded(&in_folder(&mesh, args));
+    }
+    // The viewer sees the decision (that is its job), and no key in it.
+    let decision = next_msg(&mut decisions).await;
+    let text = String::from_utf8_lossy(&decision.payload);
+    assert!(!text.contains("sk-secret"), "{text}");
+    // The agent read nothing of it all: the marker is the first thing on the shared inbox.
+    let marker = "_INBOX.evil-marker";
+    evil.publish(marker, "{}".into()).await.unwrap();
+    evil.flush().await.unwrap();
+    let first = next_msg(&mut shared).await;
+    assert_eq!(
+        first.subject.as_str(),
+        marker,
+        "the agent read {} ({:?})",
+        first.subject,
+        String::from_utf8_lossy(&first.payload)
     );
 }

@@ -265,7 +265,7 @@ pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
     let responder_nats = nats.clone();
     let responder = tokio::spawn(async move {
         while let Some(m) = raw.next().await {
-            if let Some(reply) = m.reply {
+            if let Some(reply) = m.reply.filter(|r| crate::transport::subjects::is_inbox(r)) {
                 let _ = responder_nats.publish(reply, m.payload).await;
             }
         }
