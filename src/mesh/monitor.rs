@@ -48,6 +48,20 @@ struct AdvisoryClient {
     id: u64,
     #[serde(default)]
     acc: String,
+    /// The NATS user the connection authenticated as (empty on a server without users).
+    #[serde(default)]
+    user: String,
+}
+
+/// Whether a connection of NATS user `user` may speak for agent `agent`: its own agent's user,
+/// the admin, or any user on a server whose users are not oam's roles (nothing to tell by).
+fn may_speak_for(user: &str, agent: &str) -> bool {
+    use crate::local::roles::Role;
+    match Role::of_user(user) {
+        None | Some(Role::Admin) => true,
+        Some(Role::Agent(name)) => name == agent,
+        Some(_) => false,
+    }
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -110,14 +124,16 @@ fn instance_of(connection: &str) -> Option<&str> {
 }
 
 struct Seen {
-    agent: String,
     last: Instant,
 }
 
 pub struct Monitor {
     app: async_nats::Client,
-    /// instance id -> its latest heartbeat.
-    seen: BTreeMap<String, Seen>,
+    /// (instance id, agent) -> its latest heartbeat. Keyed by both: an agent may beat with any
+    /// instance id it likes, and that must not stand for another agent's instance.
+    seen: BTreeMap<(String, String), Seen>,
+    /// Heartbeats whose body names another agent than the subject they came on.
+    pub forged: u64,
     pub announced: u64,
     pub malformed: u64,
     /// Closed connections not looked up because the queue was full.
@@ -130,6 +146,7 @@ impl Monitor {
             app,
             seen: BTreeMap::new(),
             announced: 0,
+            forged: 0,
             malformed: 0,
             skipped_lookups: 0,
         }
@@ -157,7 +174,9 @@ impl Monitor {
         detail: &str,
         served_elsewhere: &[String],
     ) {
-        self.seen.remove(instance_id);
+        for agent in agents_hint {
+            self.seen.remove(&(instance_id.to_string(), agent.clone()));
+        }
         // The tombstone is the agent's (`{id}.{agent}`, where only that agent and the monitor
         // may write): the agent is found first, from the hint or the instance's record.
         let record = match agents_hint.first() {
@@ -196,13 +215,12 @@ impl Monitor {
                 .await;
             flush_within(&self.app, FLUSH_WITHIN).await;
         }
-        let record = match record {
-            Some(r) => Some(r),
-            None => store::instance(&self.app, instance_id).await,
-        };
-        let agents: Vec<String> = match &record {
-            Some(InstanceRecord { agents, .. }) => agents.clone(),
-            None => agents_hint.to_vec(),
+        // The agents the evidence names (a heartbeat's subject, a connection's user) are the
+        // ones that died; the record's are asked only when there is no such evidence.
+        let agents: Vec<String> = match (agents_hint.is_empty(), &record) {
+            (false, _) => agents_hint.to_vec(),
+            (true, Some(InstanceRecord { agents, .. })) => agents.clone(),
+            (true, None) => Vec::new(),
         };
         let mut dead = Vec::new();
         for agent in &agents {
@@ -248,19 +266,34 @@ impl Monitor {
         .await;
     }
 
-    fn heartbeat(&mut self, payload: &[u8]) {
+    /// A heartbeat that came on `subject`: believed for the agent the subject names (which only
+    /// that agent's user may publish), never for one its body names instead.
+    fn heartbeat(&mut self, subject: &str, payload: &[u8]) {
+        let on = subjects::health_of(subject).unwrap_or_default();
         match serde_json::from_slice::<AgentHeartbeat>(payload) {
+            Ok(h) if h.agent == on => {
+                let last = Instant::now();
+                self.seen.insert((h.instance_id, h.agent), Seen { last });
+            }
             Ok(h) => {
-                self.seen.insert(
-                    h.instance_id,
-                    Seen {
-                        agent: h.agent,
-                        last: Instant::now(),
-                    },
+                self.forged += 1;
+                tracing::warn!(
+                    subject,
+                    agent = h.agent,
+                    "a heartbeat names another agent than its subject; ignored"
                 );
             }
             Err(_) => self.malformed += 1,
         }
+    }
+
+    /// The agents instance `id` stood for, as far as a closed connection of `user` may say.
+    fn beating_for(&self, id: &str, user: &str) -> Vec<String> {
+        self.seen
+            .keys()
+            .filter(|(i, agent)| i == id && may_speak_for(user, agent))
+            .map(|(_, agent)| agent.clone())
+            .collect()
     }
 
     /// Instances whose heartbeats stopped (a frozen or partitioned process keeps its TCP
@@ -270,7 +303,7 @@ impl Monitor {
         self.seen
             .iter()
             .filter(|(_, s)| s.last.elapsed() > limit)
-            .map(|(id, s)| (id.clone(), s.agent.clone()))
+            .map(|(key, _)| key.clone())
             .collect()
     }
 
@@ -279,8 +312,7 @@ impl Monitor {
     async fn adopt_records(&mut self) {
         for rec in store::all_instances(&self.app).await.unwrap_or_default() {
             let agent = rec.agents.first().cloned().unwrap_or_default();
-            self.seen.entry(rec.instance_id).or_insert(Seen {
-                agent,
+            self.seen.entry((rec.instance_id, agent)).or_insert(Seen {
                 last: Instant::now(),
             });
         }
@@ -434,16 +466,26 @@ pub async fn run(
         tokio::select! {
             biased;
             _ = &mut stop => return Ok(()),
-            Some(msg) = beats.next() => m.heartbeat(&msg.payload),
+            Some(msg) = beats.next() => m.heartbeat(&msg.subject, &msg.payload),
             Some(msg) = advisories.next() => {
                 let Ok(adv) = serde_json::from_slice::<Advisory>(&msg.payload) else {
                     m.malformed += 1;
                     continue;
                 };
                 if let Some(id) = instance_of(&adv.client.name) {
+                    // A connection's name is its own to choose: it stands only for the agents
+                    // its user may speak for.
                     let id = id.to_string();
-                    let hint: Vec<String> = m.seen.get(&id).map(|s| vec![s.agent.clone()]).unwrap_or_default();
-                    m.instance_died(&id, &hint, DeathReason::Disconnect, &adv.reason).await;
+                    let mut agents = m.beating_for(&id, &adv.client.user);
+                    if agents.is_empty() {
+                        agents = store::instance(&m.app, &id).await.map(|r| r.agents).unwrap_or_default();
+                        agents.retain(|a| may_speak_for(&adv.client.user, a));
+                    }
+                    if agents.is_empty() {
+                        tracing::info!(connection = adv.client.name, user = adv.client.user, "a closed connection named for an instance its user does not serve; no death");
+                        continue;
+                    }
+                    m.instance_died(&id, &agents, DeathReason::Disconnect, &adv.reason).await;
                 } else if lookup_tx.try_send(adv).is_err() {
                     m.skipped_lookups += 1;
                     tracing::warn!("{} closed connections not looked up: too many at once", m.skipped_lookups);
@@ -462,6 +504,18 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_speaks_only_for_its_own_agent() {
+        assert!(may_speak_for("agent-demo.echo", "demo.echo"));
+        assert!(!may_speak_for("agent-evil", "demo.echo"));
+        assert!(!may_speak_for("caller", "demo.echo"));
+        assert!(!may_speak_for("node-n1", "demo.echo"));
+        // The admin, and users of a server configured by someone else, are not ours to judge.
+        assert!(may_speak_for("oam", "demo.echo"));
+        assert!(may_speak_for("", "demo.echo"));
+        assert!(may_speak_for("UABC123", "demo.echo"));
+    }
 
     #[test]
     fn only_oam_hosts_map_to_instances() {

@@ -196,10 +196,29 @@ pub async fn all_instances(nats: &async_nats::Client) -> anyhow::Result<Vec<Inst
         if let Ok(Some(raw)) = store.get(&key).await
             && let Ok(rec) = serde_json::from_slice::<InstanceRecord>(&raw)
         {
-            out.push(rec);
+            match believed(&key, rec) {
+                Some(rec) => out.push(rec),
+                None => tracing::warn!(
+                    key,
+                    "an instance record names another instance or agent than its key; ignored"
+                ),
+            }
         }
     }
     Ok(out)
+}
+
+/// An instance record as its key says, or `None` if its body claims anything else. The key
+/// (`{instance_id}.{agent}`) is what the server lets only that agent's user write; the body is
+/// whatever the writer put there, so an agent cannot claim another's instance or name.
+fn believed(key: &str, rec: InstanceRecord) -> Option<InstanceRecord> {
+    let (id, agent) = key.split_once('.').unwrap_or((key, ""));
+    let agents_match = if agent.is_empty() {
+        true // written under its id alone: only the monitor and the admin may
+    } else {
+        rec.agents.len() == 1 && rec.agents[0] == agent
+    };
+    (rec.instance_id == id && agents_match).then_some(rec)
 }
 
 /// Instance records that serve `agent`.
@@ -322,6 +341,29 @@ pub async fn deregister(
 
 #[cfg(test)]
 mod tests {
+    use super::{InstanceRecord, believed};
+
+    fn record(id: &str, agents: &[&str]) -> InstanceRecord {
+        InstanceRecord {
+            instance_id: id.into(),
+            agents: agents.iter().map(ToString::to_string).collect(),
+            connection: String::new(),
+            renewed_at_ms: 0,
+            pid: None,
+            host: None,
+        }
+    }
+
+    #[test]
+    fn an_instance_record_is_believed_only_as_its_key_says() {
+        assert!(believed("ab12.demo.echo", record("ab12", &["demo.echo"])).is_some());
+        assert!(believed("ab12", record("ab12", &["x", "y"])).is_some());
+        // Under the attacker's own key, naming the victim's agent or instance.
+        assert!(believed("ab12.evil", record("ab12", &["demo.victim"])).is_none());
+        assert!(believed("ab12.evil", record("cd34", &["evil"])).is_none());
+        assert!(believed("ab12.evil", record("ab12", &["evil", "demo.victim"])).is_none());
+    }
+
     #[test]
     fn timestamps_are_rfc3339() {
         assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00+00:00");

@@ -1273,3 +1273,71 @@ async fn forged_chunks_and_acknowledgements_change_no_stream() {
         .expect("the call is answered, not failed");
     assert_eq!(answer.as_ref(), br#"{"answer":1}"#);
 }
+
+/// The monitor believes who sent a record, not the name inside it: a heartbeat on one agent's
+/// subject naming another agent is ignored (it would declare that agent dead when the beats
+/// stop), and an instance record under one agent's key naming another agent does not keep that
+/// agent alive after its real death.
+#[tokio::test]
+async fn forged_heartbeats_and_instance_records_fool_no_monitor() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let nc = oam::transport::connect::connect(&url, "test", false)
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
+    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    nc.flush().await.unwrap();
+    let mut victim = serve(&url, "demo.victim", "echo", &[]);
+    let victim_id = victim.ready["instances"][0].as_str().unwrap().to_string();
+    beat_of(&nc, "demo.victim", |_| true).await;
+
+    // A forged beat for the victim's instance on the attacker's subject, then a marker beat of
+    // the attacker's own that stops too: the marker's death comes, the victim's does not.
+    let beat = |agent: &str, id: &str| {
+        let b =
+            json!({"agent": agent, "instance_id": id, "in_flight": 0, "processed": 0, "at_ms": 0});
+        serde_json::to_vec(&b).unwrap()
+    };
+    nc.publish("mesh.health.evil", beat("demo.victim", "forged-1").into())
+        .await
+        .unwrap();
+    nc.publish("mesh.health.evil", beat("evil", "marker-1").into())
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+    let marker = next_json(&mut instance_deaths, Duration::from_secs(10))
+        .await
+        .expect("the marker's missed heartbeats");
+    assert_eq!(marker["instance_id"], "marker-1", "{marker}");
+    assert_eq!(marker["agent"], "evil", "{marker}");
+    let notice = next_json(&mut deaths, Duration::from_secs(1)).await;
+    assert_eq!(
+        notice.as_ref().map(|n| n["agent"].clone()),
+        Some(json!("evil")),
+        "{notice:?}"
+    );
+    assert!(
+        next_json(&mut instance_deaths, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "no other instance was declared dead"
+    );
+    let (ok, _, err) = call(&url, "demo.victim", "{}", "5");
+    assert!(ok, "the victim still serves: {err}");
+
+    // A record under the attacker's key that names the victim, then the victim's real death.
+    let js = async_nats::jetstream::new(nc.clone());
+    let kv = js.get_key_value("mesh-instances").await.unwrap();
+    let record = json!({"instance_id": "forged-2", "agents": ["demo.victim"], "connection": "oam-host-forged-2", "renewed_at_ms": oam::clock::now_ms()});
+    kv.put("forged-2.evil", serde_json::to_vec(&record).unwrap().into())
+        .await
+        .unwrap();
+    victim.kill();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the victim's death is announced");
+    assert_eq!(notice["agent"], "demo.victim", "{notice}");
+    assert_eq!(notice["instance_id"], victim_id.as_str(), "{notice}");
+}
