@@ -396,6 +396,10 @@ pub struct Session {
     /// What answers are held to: the request's own contract, else its route's, else the
     /// engine's default; none: transport, status and completeness only.
     contract: Option<Contract>,
+    /// The contract is the request's own (`response_format`, `oam.contract`): an answer that
+    /// breaks it says nothing about the target, which any caller could otherwise trip with a
+    /// schema no answer can fit.
+    own_contract: bool,
     fingerprint: Fingerprint,
     est_prompt_tokens: u64,
     codes: Vec<ReasonCode>,
@@ -606,6 +610,7 @@ impl Engine {
         now_ms: u64,
     ) -> Result<(Session, Step), InvalidRequest> {
         let own = validate(&request)?;
+        let own_contract = own.is_some();
         let route = request
             .model
             .as_deref()
@@ -642,6 +647,7 @@ impl Engine {
             request,
             route,
             contract,
+            own_contract,
             fingerprint,
             codes: Vec::new(),
             attempts: Vec::new(),
@@ -1202,6 +1208,8 @@ impl Engine {
 
         let mut codes = Vec::new();
         let mut defects = Vec::new();
+        // The attempt failed only what the request itself asked for (see the contract check).
+        let mut request_made = false;
         let mut confidence = None;
         let cfg = self.config.breaker;
         let breaker = breaker_mut(breakers, &provider.id);
@@ -1293,7 +1301,18 @@ impl Engine {
                             push(&mut codes, x.code);
                         }
                         defects = d;
-                        let t = breaker.on_failure(now_ms, p.probe, &cfg);
+                        // Held to what the request brought (its own contract, its own tools'
+                        // schemas): the answer fails the request, never the target's breaker
+                        // or health.
+                        let t = if tool_turn || s.own_contract {
+                            request_made = true;
+                            if p.probe {
+                                breaker.release_probe();
+                            }
+                            None
+                        } else {
+                            breaker.on_failure(now_ms, p.probe, &cfg)
+                        };
                         (Outcome::ContractFailure, Some(Phase::Semantic), t)
                     }
                     Ok(c) => {
@@ -1335,7 +1354,7 @@ impl Engine {
                 transition: t,
             });
         }
-        if !g.status.is_refusal() {
+        if !g.status.is_refusal() && !request_made {
             s.effects.push(Effect::HealthSample {
                 provider: provider.id.clone(),
                 outcome,

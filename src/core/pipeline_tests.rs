@@ -1728,3 +1728,61 @@ fn prompt_estimates_count_the_format_and_the_tools() {
     r.tools.insert("get_weather".into(), schema);
     assert!(estimate_prompt_tokens(&r) >= before + (schema_chars as u64) / 4);
 }
+
+#[test]
+fn a_request_s_own_schema_never_counts_against_a_target() {
+    // The attack: ten requests whose own json_schema (or tool schema) no answer can fit opened
+    // every breaker of a node, and then ordinary requests got CIRCUIT_OPEN.
+    let mut e = engine();
+    let impossible = serde_json::json!({"type": "json_schema", "json_schema": {"schema":
+        {"type": "object", "required": ["never"], "properties": {"never": {"type": "integer"}}}}});
+    for i in 0..12 {
+        let mut r = req(&format!("schema{i}"));
+        r.response_format = Some(impossible.clone());
+        let mut t = req(&format!("tool{i}"));
+        t.tools = [(
+            "f".to_string(),
+            serde_json::json!({"type": "object", "required": ["x"]}),
+        )]
+        .into();
+        let call = Generation {
+            finish_reason: Some("tool_calls".into()),
+            tool_calls: vec![crate::core::contract::ToolCall {
+                name: "f".into(),
+                arguments: "{}".into(),
+            }],
+            ..Generation::ok("", 1)
+        };
+        for (r, g) in [(r, Generation::ok(r#"{"n": 1}"#, 1)), (t, call)] {
+            let script: Vec<(&str, Generation)> = ["primary", "secondary", "local"]
+                .iter()
+                .map(|p| (*p, g.clone()))
+                .collect();
+            let d = run(&mut e, r, &script);
+            assert!(has(&d, ReasonCode::SemanticValidationFailed), "{d:?}");
+            assert!(
+                !d.effects
+                    .iter()
+                    .any(|f| matches!(f, Effect::HealthSample { .. } | Effect::Breaker { .. })),
+                "{:?}",
+                d.effects
+            );
+        }
+    }
+    assert!(e.state.breakers.values().all(Breaker::is_closed));
+    // Ordinary requests are served as before.
+    let d = run(&mut e, req("plain"), &[("primary", good())]);
+    assert_eq!(d.outcome, DecisionOutcome::Accepted, "{d:?}");
+    assert!(!has(&d, ReasonCode::CircuitOpen), "{d:?}");
+    // The configured contract still judges the target.
+    let mut e = engine();
+    e.config.max_attempts.low = 1;
+    for i in 0..5 {
+        let d = run(
+            &mut e,
+            req(&format!("c{i}")),
+            &[("primary", Generation::ok("prose", 1))],
+        );
+        assert_eq!(has(&d, ReasonCode::CircuitOpened), i == 4, "{d:?}");
+    }
+}

@@ -1032,3 +1032,35 @@ async fn the_upstream_gets_its_key_and_its_answer_comes_back_as_it_was_written()
     );
     assert_eq!(seen.lock().unwrap().len(), 2);
 }
+
+/// The attack: requests whose own `json_schema` no answer can fit opened the target's breaker,
+/// and then ordinary requests got CIRCUIT_OPEN. A request's own contract judges the request.
+#[tokio::test]
+async fn a_caller_s_impossible_schema_opens_no_breaker() {
+    let g = gateway("own-schema").await;
+    let impossible = json!({"type": "json_schema", "json_schema": {"name": "never", "schema":
+        {"type": "object", "required": ["never"], "properties": {"never": {"type": "integer"}}}}});
+    for i in 0..12 {
+        let body = json!({"model": "small", "response_format": impossible,
+                          "messages": [{"role": "user", "content": format!("trip {i}")}]});
+        let r = client()
+            .post(format!("{}/v1/chat/completions", g.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let v: Value = r.json().await.unwrap();
+        assert!(
+            codes(&v).contains(&"SEMANTIC_VALIDATION_FAILED".to_string()),
+            "{v}"
+        );
+        assert!(!codes(&v).contains(&"CIRCUIT_OPENED".to_string()), "{v}");
+    }
+    for i in 0..10 {
+        let (status, v) = g.ask("small", &format!("ordinary {i}")).await;
+        assert_eq!(status, 200, "{v}");
+        assert!(!codes(&v).contains(&"CIRCUIT_OPEN".to_string()), "{v}");
+    }
+    let t = g.target("primary/small").await;
+    assert!(t.breaker.is_closed(), "{t:?}");
+}
