@@ -57,6 +57,7 @@ fn request() -> Request {
         latency_budget_ms: None,
         max_cost_usd: None,
         max_tokens: None,
+        n: 1,
         policy: Policy::default(),
         contract: None,
         response_format: None,

@@ -856,6 +856,8 @@ impl Engine {
     fn evaluate(&self, s: &Session, order: &[usize], now_ms: u64, again: bool) -> Vec<Evaluation> {
         let r = &s.request;
         let max_tokens = r.max_tokens.unwrap_or(self.config.default_max_tokens) as u64;
+        // Every one of `n` answers is billed for its completion.
+        let completion = max_tokens * u64::from(r.n.max(1));
         let latency_budget_ms = r
             .latency_budget_ms
             .unwrap_or(self.config.default_latency_budget_ms);
@@ -871,7 +873,7 @@ impl Engine {
             .map(|&i| {
                 let p = &self.state.providers[i];
                 let view: ProviderView = self.state.cluster.view(&p.id, now_ms);
-                let est_cost_usd = p.cost_of(s.est_prompt_tokens, max_tokens);
+                let est_cost_usd = p.cost_of(s.est_prompt_tokens, completion);
                 let within_cost_limit = r.max_cost_usd.is_none_or(|m| est_cost_usd <= m);
                 let breaker = self.state.breakers.get(&*p.id).copied().unwrap_or_default();
                 let excluded = if tried(&p.id) {
@@ -1091,7 +1093,10 @@ impl Engine {
             provider: i,
             probe,
             reserved_usd,
-            est_tokens: (s.est_prompt_tokens, max_tokens as u64),
+            est_tokens: (
+                s.est_prompt_tokens,
+                u64::from(max_tokens) * u64::from(s.request.n.max(1)),
+            ),
         });
         for &c in &codes {
             push(&mut s.codes, c);
@@ -1195,10 +1200,12 @@ impl Engine {
             ..
         } = &mut self.state;
         let provider = &providers[p.provider];
-        // Without the upstream's count, an answer is charged the estimate; a failure nothing.
+        // Without the upstream's count, an answer is charged the estimate, and so is an attempt
+        // that timed out (the upstream may have generated, and billed, all of it); a failure the
+        // upstream reported, nothing.
         let cost_usd = match g.usage {
             Some(u) => provider.cost_of(u.prompt_tokens, u.completion_tokens),
-            None if g.status == GenerationStatus::Ok => {
+            None if matches!(g.status, GenerationStatus::Ok | GenerationStatus::Timeout) => {
                 provider.cost_of(p.est_tokens.0, p.est_tokens.1)
             }
             None => 0.0,

@@ -83,6 +83,7 @@ pub(crate) fn req(id: &str) -> Request {
         latency_budget_ms: None,
         max_cost_usd: None,
         max_tokens: None,
+        n: 1,
         policy: Policy::default(),
         contract: None,
         response_format: None,
@@ -1785,4 +1786,55 @@ fn a_request_s_own_schema_never_counts_against_a_target() {
         );
         assert_eq!(has(&d, ReasonCode::CircuitOpened), i == 4, "{d:?}");
     }
+}
+
+#[test]
+fn a_reservation_prices_every_answer_asked_for_and_a_timeout_is_charged() {
+    // The attack: `n = 128` against a $0.01 limit was priced as one answer, so eight requests
+    // were admitted and spent 102 times the limit.
+    let mut e = engine();
+    e.state.providers[0].cost_per_1k_tokens_usd = 0.01;
+    e.state.providers[1].cost_per_1k_tokens_usd = 0.01;
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(0.01));
+    let mut one = req("one");
+    one.max_tokens = Some(100);
+    let mut many = req("many");
+    many.max_tokens = Some(100);
+    many.n = 128;
+    let (s1, _) = e.begin(one, T0).unwrap();
+    let (s128, _) = e.begin(many.clone(), T0).unwrap();
+    let est = |e: &Engine, s: &Session| e.evaluate(s, &[0], T0, false)[0].est_cost_usd;
+    let (c1, c128) = (est(&e, &s1), est(&e, &s128));
+    assert!(
+        c128 > 100.0 * (c1 - e.state.providers[0].cost_of(s1.est_prompt_tokens, 0)),
+        "{c1} {c128}"
+    );
+    // Over the limit on every paid target: refused before any call is made.
+    let d = run(&mut e, many, &[("primary", good()), ("secondary", good())]);
+    assert!(
+        d.attempts
+            .iter()
+            .all(|a| a.provider.as_deref() != Some("primary")),
+        "{d:?}"
+    );
+    assert_eq!(
+        d.attempts[0].candidates[0].excluded,
+        Some(ReasonCode::BudgetExhausted),
+        "{d:?}"
+    );
+
+    // An attempt that timed out may have been billed in full: it is charged its estimate.
+    let mut e = engine();
+    e.state.providers[0].cost_per_1k_tokens_usd = 0.01;
+    e.config.max_attempts.low = 1;
+    let d = run(
+        &mut e,
+        req("slow"),
+        &[("primary", Generation::failed(GenerationStatus::Timeout, 9))],
+    );
+    assert!(d.attempts[0].cost_usd > 0.0, "{d:?}");
+    assert!((d.cost_usd - d.attempts[0].cost_usd).abs() < 1e-12, "{d:?}");
 }

@@ -121,6 +121,9 @@ pub struct Request {
     /// Completion tokens to ask for (default from config); also the cost estimate's basis.
     #[serde(default)]
     pub max_tokens: Option<u32>,
+    /// Answers asked for at once (OpenAI's `n`): each is billed, so a reservation prices all.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub n: u32,
     #[serde(default)]
     pub policy: Policy,
     /// oam's own contract form.
@@ -287,4 +290,16 @@ impl Generation {
             tool_calls: Vec::new(),
         }
     }
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[expect(
+    clippy::trivially_copy_pass_by_ref,
+    reason = "serde's skip_serializing_if takes &T"
+)]
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }

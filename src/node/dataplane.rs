@@ -131,6 +131,9 @@ struct OamFields {
     contract: Option<ContractSpec>,
 }
 
+/// The most answers one request may ask for (OpenAI's own limit on `n`).
+const MAX_N: u64 = 128;
+
 /// The OpenAI request shape: what oam reads; everything else (tools, sampling parameters,
 /// unknown future fields) is kept in `rest` and the messages as sent, for the upstream.
 #[derive(Deserialize)]
@@ -390,6 +393,15 @@ fn decode_request(
     }
     let stream = chat.stream == Some(true);
     let tools = declared_tools(chat.rest.get("tools"))?;
+    // `n` stays in the body for the upstream; oam prices every answer it asks for.
+    let n = match chat.rest.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=MAX_N).contains(n))
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad("n", format!("n must be a whole number from 1 to {MAX_N}")))?,
+    };
     let o = chat.oam.unwrap_or_default();
     let id = o
         .request_id
@@ -428,6 +440,7 @@ fn decode_request(
             None => parse_header(h, "x-oam-max-cost-usd")?,
         },
         max_tokens: chat.max_completion_tokens.or(chat.max_tokens),
+        n,
         policy: o.policy.unwrap_or_default(),
         contract: o.contract,
         response_format: chat.response_format,

@@ -1064,3 +1064,45 @@ async fn a_caller_s_impossible_schema_opens_no_breaker() {
     let t = g.target("primary/small").await;
     assert!(t.breaker.is_closed(), "{t:?}");
 }
+
+/// The attack: `n = 128` against a $0.01 limit was priced as one answer; eight requests were
+/// admitted and spent 102 times the limit. Now a reservation prices all 128 answers (and `n`
+/// reaches the upstream as sent), so the request is refused before anything is called.
+#[tokio::test]
+async fn asking_for_many_answers_at_once_escapes_no_budget() {
+    let g = gateway_with("n128", "[budgets.agents.greedy]\nlimit_usd = 0.01\n").await;
+    // Each its own question (identical failing calls would be stopped as a loop first).
+    let asked = std::sync::atomic::AtomicU32::new(0);
+    let ask = |n: Value| {
+        let i = asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        json!({"model": "small", "n": n, "max_tokens": 100, "oam": {"agent": "greedy"},
+               "messages": [{"role": "user", "content": format!("many {i}")}]})
+    };
+    let post = |body: Value| {
+        let url = format!("{}/v1/chat/completions", g.url);
+        async move {
+            let r = client().post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, v) = post(ask(json!(1))).await;
+    assert_eq!(status, 200, "one answer fits the budget: {v}");
+    for _ in 0..8 {
+        let (status, v) = post(ask(json!(128))).await;
+        assert_ne!(status, 200, "{v}");
+        assert!(codes(&v).iter().any(|c| c.starts_with("BUDGET")), "{v}");
+    }
+    let sent = g.received("primary").await;
+    assert_eq!(
+        sent.len(),
+        1,
+        "only the one-answer request reached the upstream"
+    );
+    assert!(sent[0]["n"].is_null() || sent[0]["n"] == 1, "{:?}", sent[0]);
+    // Not a number of answers: a clear 400.
+    for bad in [json!(0), json!(129), json!(1.5), json!("2")] {
+        let (status, v) = post(ask(bad.clone())).await;
+        assert_eq!(status, 400, "{bad}: {v}");
+        assert_eq!(v["error"]["param"], "n", "{v}");
+    }
+}
