@@ -840,14 +840,24 @@ pub async fn run(
         tokio::select! {
             _ = &mut stop => break,
             Some(m) = inject.next() => {
+                if subjects::from_jetstream(&m) {
+                    continue; // copied here by a consumer, not asked
+                }
                 let reply = match parse::<Inject>(&m.payload) {
                     Ok(req) => w.inject(req).await,
                     Err(e) => e,
                 };
                 answer(&nats, &m, &reply).await;
             }
-            Some(m) = list.next() => answer(&nats, &m, &w.list()).await,
+            Some(m) = list.next() => {
+                if !subjects::from_jetstream(&m) {
+                    answer(&nats, &m, &w.list()).await;
+                }
+            }
             Some(m) = restore.next() => {
+                if subjects::from_jetstream(&m) {
+                    continue;
+                }
                 let reply = match parse::<Restore>(&m.payload) {
                     Ok(r) => w.restore(r.what).await,
                     Err(e) => e,

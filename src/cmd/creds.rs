@@ -26,7 +26,8 @@ pub enum Command {
 
 #[derive(clap::Args, Debug)]
 pub struct Which {
-    /// agent, caller, viewer, operator, node, monitor or warden.
+    /// agent, caller, sdk-agent, sdk-caller (for the Open Agent Mesh SDK), viewer, operator,
+    /// node, monitor or warden.
     #[arg(long)]
     pub role: String,
     /// The agent's name (agent) or the node's id (node).

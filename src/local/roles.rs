@@ -11,6 +11,7 @@
 //! | `operator`      | chaos requests, escalation resolutions                   | everything a viewer reads |
 //! | `agent-{name}`  | its own heartbeats, errors, graceful death; calls; answers | its own requests   |
 //! | `caller`        | calls to agents, data-plane requests                     | deaths, the catalog |
+//! | `sdk-agent-{name}`, `sdk-caller` | as an agent / a caller, for the Open Agent Mesh SDK | also `_INBOX.>`, `mesh.stream.>`, the catalog through a consumer |
 //! | `viewer`        | nothing (JetStream reads only)                           | the control plane but requests, mesh events |
 //! | admin (`oam`)   | everything, including stream and bucket delete          | everything         |
 //!
@@ -18,7 +19,9 @@
 //! subject, so it would let anyone publish anywhere by messaging itself). Each role reads its
 //! replies in a private inbox (`subjects::private_inbox`) and answers only the private inboxes
 //! of the roles that may ask it (and the shared `_INBOX.` of the Open Agent Mesh SDK, which
-//! agents and callers may also read). The system account has one limited user, `observer`,
+//! SDK roles may also read). JetStream: no role but the admin creates, deletes or purges a
+//! stream, and only roles trusted with it create consumers (see `consume_stream`). The system
+//! account has one limited user, `observer`,
 //! that may read disconnect advisories and ask for connection lists (never kick).
 
 use crate::transport::{escalations, subjects};
@@ -30,10 +33,15 @@ pub enum Role {
     Admin,
     Node(String),
     Agent(String),
+    /// An agent served by the Open Agent Mesh SDK, which needs more than oam's agents: see
+    /// `Permissions::sdk`.
+    SdkAgent(String),
     Monitor,
     Warden,
     Operator,
     Caller,
+    /// A caller using the Open Agent Mesh SDK.
+    SdkCaller,
     Viewer,
 }
 
@@ -44,7 +52,15 @@ pub const OBSERVER_USER: &str = "observer";
 
 /// The role names `oam creds issue --role` takes.
 pub const KINDS: &[&str] = &[
-    "agent", "caller", "viewer", "operator", "node", "monitor", "warden",
+    "agent",
+    "caller",
+    "sdk-agent",
+    "sdk-caller",
+    "viewer",
+    "operator",
+    "node",
+    "monitor",
+    "warden",
 ];
 
 /// Subject and KV-key rules for every name given to a role: dot-separated tokens of letters,
@@ -69,6 +85,8 @@ impl Role {
         };
         match kind {
             "agent" => named(Role::Agent),
+            "sdk-agent" => named(Role::SdkAgent),
+            "sdk-caller" => bare(Role::SdkCaller),
             "node" => named(Role::Node).and_then(|r| match &r {
                 Role::Node(id) if !subjects::valid_token(id) => Err(format!(
                     "--name {id:?}: a node id is one word of letters, digits, '-' and '_'"
@@ -93,6 +111,8 @@ impl Role {
             Role::Admin => ADMIN_USER.into(),
             Role::Node(id) => format!("node-{id}"),
             Role::Agent(name) => format!("agent-{name}"),
+            Role::SdkAgent(name) => format!("sdk-agent-{name}"),
+            Role::SdkCaller => "sdk-caller".into(),
             Role::Monitor => "monitor".into(),
             Role::Warden => "warden".into(),
             Role::Operator => "operator".into(),
@@ -107,6 +127,8 @@ impl Role {
             Role::Node(id.to_string())
         } else if let Some(name) = user.strip_prefix("agent-") {
             Role::Agent(name.to_string())
+        } else if let Some(name) = user.strip_prefix("sdk-agent-") {
+            Role::SdkAgent(name.to_string())
         } else {
             match user {
                 ADMIN_USER => Role::Admin,
@@ -114,13 +136,14 @@ impl Role {
                 "warden" => Role::Warden,
                 "operator" => Role::Operator,
                 "caller" => Role::Caller,
+                "sdk-caller" => Role::SdkCaller,
                 "viewer" => Role::Viewer,
                 _ => return None,
             }
         };
         let ok = match &role {
             Role::Node(id) => subjects::valid_token(id),
-            Role::Agent(name) => valid_name(name),
+            Role::Agent(name) | Role::SdkAgent(name) => valid_name(name),
             _ => true,
         };
         ok.then_some(role)
@@ -132,6 +155,8 @@ impl Role {
             Role::Admin => "admin",
             Role::Node(_) => "node",
             Role::Agent(_) => "agent",
+            Role::SdkAgent(_) => "sdk-agent",
+            Role::SdkCaller => "sdk-caller",
             Role::Monitor => "monitor",
             Role::Warden => "warden",
             Role::Operator => "operator",
@@ -160,7 +185,11 @@ impl Role {
                 p.kv_write(subjects::BUDGETS_BUCKET, ">");
             }
             Role::Caller => p.caller(),
-            Role::Agent(name) => {
+            Role::SdkCaller => {
+                p.caller();
+                p.sdk_caller();
+            }
+            Role::Agent(name) | Role::SdkAgent(name) => {
                 p.caller();
                 p.publish([
                     subjects::health(name),
@@ -181,10 +210,13 @@ impl Role {
                 // Its own instances' records and tombstones (`{instance_id}.{name}`).
                 p.kv_write(subjects::INSTANCES_BUCKET, &format!("*.{name}"));
                 p.kv_write(subjects::TOMBSTONES_BUCKET, &format!("*.{name}"));
-                // The Open Agent Mesh SDK's shared context and artifacts.
-                p.kv_write(SDK_CONTEXT_BUCKET, ">");
-                p.publish([format!("$O.{SDK_ARTIFACTS_BUCKET}.>")]);
-                p.read_stream(&format!("OBJ_{SDK_ARTIFACTS_BUCKET}"));
+                if matches!(self, Role::SdkAgent(_)) {
+                    p.sdk_caller();
+                    // The SDK's shared context and artifacts.
+                    p.kv_write(SDK_CONTEXT_BUCKET, ">");
+                    p.publish([format!("$O.{SDK_ARTIFACTS_BUCKET}.>")]);
+                    p.consume_stream(&format!("OBJ_{SDK_ARTIFACTS_BUCKET}"));
+                }
             }
             Role::Node(id) => {
                 // A provider may be an agent on the mesh: a node calls it as a caller does.
@@ -204,7 +236,7 @@ impl Role {
                 // clients that keep the default inbox.
                 p.answers(&["caller", "agent", "admin"]);
                 p.publish([subjects::SHARED_INBOXES]);
-                p.read_stream(subjects::DECISION_LOG_STREAM);
+                p.consume_stream(subjects::DECISION_LOG_STREAM);
                 p.subscribe([
                     subjects::HEARTBEATS,
                     subjects::GOODBYES,
@@ -214,9 +246,14 @@ impl Role {
                     subjects::LOOP_EVENTS,
                 ]);
                 p.subscribe([subjects::chaos_node(id), subjects::chaos_node("all")]);
-                p.kv_write(escalations::BUCKET, ">");
-                p.kv_write(subjects::BUDGETS_BUCKET, ">");
-                p.kv_write(subjects::LOOP_EPISODES_BUCKET, ">");
+                for b in [
+                    escalations::BUCKET,
+                    subjects::BUDGETS_BUCKET,
+                    subjects::LOOP_EPISODES_BUCKET,
+                ] {
+                    p.kv_write(b, ">");
+                    p.kv_watch(b);
+                }
             }
             Role::Monitor => {
                 p.publish([subjects::DEATHS, subjects::INSTANCE_DEATHS]);
@@ -227,6 +264,7 @@ impl Role {
                 ]);
                 for b in MESH_BUCKETS {
                     p.kv_write(b, ">");
+                    p.kv_watch(b);
                 }
             }
             Role::Warden => {
@@ -303,13 +341,25 @@ impl Permissions {
         }
     }
 
-    /// Read the stream `stream`: its info, single messages, and consumers (watches, key lists).
-    fn read_stream(&mut self, stream: &str) {
+    /// Read single messages of the stream `stream` (its info with subject counts, which lists
+    /// a bucket's keys, and direct gets): no consumer.
+    fn get_stream(&mut self, stream: &str) {
         self.publish([
             format!("$JS.API.STREAM.INFO.{stream}"),
             format!("$JS.API.STREAM.MSG.GET.{stream}"),
             format!("$JS.API.DIRECT.GET.{stream}"),
             format!("$JS.API.DIRECT.GET.{stream}.>"),
+        ]);
+    }
+
+    /// Read the stream `stream` through consumers too (watches, history). Only for streams whose
+    /// every writer is trusted, and only for roles that are: nats-server does not check a push
+    /// consumer's deliver subject against its creator's rights, so a consumer can copy the
+    /// stream's messages onto any subject of the account (control-plane loops drop such
+    /// deliveries, `subjects::from_jetstream`; a bucket stores them).
+    fn consume_stream(&mut self, stream: &str) {
+        self.get_stream(stream);
+        self.publish([
             format!("$JS.API.CONSUMER.CREATE.{stream}"),
             format!("$JS.API.CONSUMER.CREATE.{stream}.>"),
             format!("$JS.API.CONSUMER.INFO.{stream}.>"),
@@ -319,7 +369,11 @@ impl Permissions {
     }
 
     fn kv_read(&mut self, bucket: &str) {
-        self.read_stream(&format!("KV_{bucket}"));
+        self.get_stream(&format!("KV_{bucket}"));
+    }
+
+    fn kv_watch(&mut self, bucket: &str) {
+        self.consume_stream(&format!("KV_{bucket}"));
     }
 
     /// Read bucket `bucket` and write the keys `keys` (a key or a wildcard) of it.
@@ -347,26 +401,37 @@ impl Permissions {
             subjects::HEALTH,
             subjects::ALL_ERRORS,
         ]);
-        for b in MESH_BUCKETS
-            .iter()
-            .chain([&escalations::BUCKET, &subjects::BUDGETS_BUCKET])
-        {
+        // The agent mesh's buckets are written by agents: read by key, never through a
+        // consumer (which could copy an agent's bytes onto any subject).
+        for b in MESH_BUCKETS {
             self.kv_read(b);
         }
-        self.read_stream(subjects::DECISION_LOG_STREAM);
+        for b in [escalations::BUCKET, subjects::BUDGETS_BUCKET] {
+            self.kv_watch(b);
+        }
+        self.consume_stream(subjects::DECISION_LOG_STREAM);
     }
 
-    /// Call agents and the data plane. The shared inbox and the stream and result subjects are
-    /// what the Open Agent Mesh SDK uses for its calls (it keeps the NATS default inbox).
+    /// What the Open Agent Mesh SDK needs beyond oam's own callers: it keeps NATS' default
+    /// inbox and streams on `mesh.stream.{id}`, both shared by every SDK client (so each can read
+    /// the others' replies and streams), and it watches the catalog through a consumer (so it
+    /// can have the catalog's bytes, which agents write, copied onto any subject).
+    fn sdk_caller(&mut self) {
+        self.subscribe([
+            subjects::SHARED_INBOXES,
+            subjects::ALL_STREAMS,
+            subjects::ALL_RESULTS,
+        ]);
+        self.kv_watch(subjects::CATALOG_BUCKET);
+    }
+
+    /// Call agents and the data plane; read the catalog, contracts and instances by key.
     fn caller(&mut self) {
         self.publish([subjects::ALL_AGENTS, subjects::REQUEST]);
         self.subscribe([
             subjects::DEATHS,
             subjects::INSTANCE_DEATHS,
             subjects::HEALTH,
-            subjects::ALL_STREAMS,
-            subjects::ALL_RESULTS,
-            subjects::SHARED_INBOXES,
         ]);
         for b in [
             subjects::CATALOG_BUCKET,
@@ -440,6 +505,8 @@ mod tests {
             Role::Warden,
             Role::Operator,
             Role::Caller,
+            Role::SdkAgent("py.echo".into()),
+            Role::SdkCaller,
             Role::Viewer,
         ] {
             assert_eq!(Role::of_user(&role.user()), Some(role));
@@ -499,6 +566,26 @@ mod tests {
             &Role::Admin,
             "$JS.API.STREAM.DELETE.KV_mesh-catalog"
         ));
+        // No untrusted role creates a consumer on what agents write (it could have the server
+        // copy an agent's bytes onto any subject); an SDK role must, for the SDK's catalog watch.
+        let create = "$JS.API.CONSUMER.CREATE.KV_mesh-catalog";
+        for r in [&agent, &caller, &viewer, &Role::Operator, &Role::Warden] {
+            assert!(!may_publish(r, create), "{r:?}");
+            assert!(
+                may_publish(r, "$JS.API.DIRECT.GET.KV_mesh-catalog"),
+                "{r:?}"
+            );
+        }
+        assert!(may_publish(&Role::SdkAgent("py.x".into()), create));
+        assert!(may_publish(&Role::SdkCaller, create));
+        assert!(may_publish(
+            &viewer,
+            "$JS.API.CONSUMER.CREATE.OAM_DECISIONS"
+        ));
+        // Replies: only in reply inboxes, never a reply permission.
+        assert!(may_publish(&agent, "_OAM.caller.abc.1"));
+        assert!(!may_publish(&agent, "_OAM.warden.abc.1"));
+        assert!(!may_publish(&caller, "_OAM.caller.abc.1"));
         // A viewer publishes nothing but JetStream reads.
         let v = viewer.permissions().unwrap();
         assert!(

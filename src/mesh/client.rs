@@ -209,6 +209,9 @@ impl Caller {
             loop {
                 tokio::select! {
                     Some(m) = acks.next() => {
+                        if subjects::from_jetstream(&m) {
+                            continue;
+                        }
                         let rid = m.subject.get(prefix_len..).unwrap_or("");
                         let mut pending = pending_map(&p);
                         let Some(call) = pending.get_mut(rid) else { continue };
@@ -223,6 +226,9 @@ impl Caller {
                         }
                     }
                     Some(m) = instance_deaths.next() => {
+                        if subjects::from_jetstream(&m) {
+                            continue;
+                        }
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
                             // The monitor names the instance's agent: an instance id an agent claimed
                             // for itself fails only calls to that agent.
@@ -232,6 +238,9 @@ impl Caller {
                         }
                     }
                     Some(m) = deaths.next() => {
+                        if subjects::from_jetstream(&m) {
+                            continue;
+                        }
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
                             // The agent's death fails the calls made before it; one made after
                             // it either finds nobody (not_found at once) or a new instance. A
@@ -384,9 +393,14 @@ impl ChunkStream {
             return None;
         }
         async fn next_of(s: &mut Option<async_nats::Subscriber>) -> Option<async_nats::Message> {
-            match s.as_mut() {
-                Some(s) => s.next().await,
-                None => std::future::pending().await,
+            let Some(s) = s.as_mut() else {
+                return std::future::pending().await;
+            };
+            loop {
+                match s.next().await {
+                    Some(m) if subjects::from_jetstream(&m) => {} // copied by a consumer
+                    other => return other,
+                }
             }
         }
         let (private, shared) = (&mut self.sub, &mut self.shared);

@@ -466,12 +466,15 @@ pub async fn serve(
             loop {
                 tokio::select! {
                     _ = beat.tick() => {}
-                    Some(_) = async {
+                    Some(m) = async {
                         match declared_dead.as_mut() {
                             Some(s) => s.next().await,
                             None => std::future::pending().await,
                         }
                     } => {
+                        if subjects::from_jetstream(&m) {
+                            continue;
+                        }
                         revived = REREGISTER_BEATS;
                         tracing::warn!(agent = %me.entry.name, instance = %me.id, "declared dead while alive (frozen?); registering again");
                     }
@@ -531,6 +534,9 @@ pub async fn serve(
             Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
             msg = sub.next() => match msg { Some(m) => m, None => break },
         };
+        if subjects::from_jetstream(&msg) {
+            continue; // copied here by a JetStream consumer: nobody asked
+        }
         // Backpressure: at the limit, wait for a slot before taking the next request.
         let permit = tokio::select! {
             _ = &mut stop => break,

@@ -59,7 +59,7 @@ fn may_speak_for(user: &str, agent: &str) -> bool {
     use crate::local::roles::Role;
     match Role::of_user(user) {
         None | Some(Role::Admin) => true,
-        Some(Role::Agent(name)) => name == agent,
+        Some(Role::Agent(name) | Role::SdkAgent(name)) => name == agent,
         Some(_) => false,
     }
 }
@@ -466,7 +466,11 @@ pub async fn run(
         tokio::select! {
             biased;
             _ = &mut stop => return Ok(()),
-            Some(msg) = beats.next() => m.heartbeat(&msg.subject, &msg.payload),
+            Some(msg) = beats.next() => {
+                if !subjects::from_jetstream(&msg) {
+                    m.heartbeat(&msg.subject, &msg.payload);
+                }
+            }
             Some(msg) = advisories.next() => {
                 let Ok(adv) = serde_json::from_slice::<Advisory>(&msg.payload) else {
                     m.malformed += 1;

@@ -187,12 +187,9 @@ pub async fn renew(nats: &async_nats::Client, entry: &CatalogEntry, instance_id:
 
 /// Every instance record.
 pub async fn all_instances(nats: &async_nats::Client) -> anyhow::Result<Vec<InstanceRecord>> {
-    use futures_util::StreamExt;
     let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
-    let mut keys = store.keys().await?;
     let mut out = Vec::new();
-    while let Some(key) = keys.next().await {
-        let Ok(key) = key else { continue };
+    for key in crate::transport::kv::keys(&store).await? {
         if let Ok(Some(raw)) = store.get(&key).await
             && let Ok(rec) = serde_json::from_slice::<InstanceRecord>(&raw)
         {

@@ -1213,6 +1213,9 @@ pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
 
 /// Answer one request from the NATS data plane, on its own task.
 fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
+    if subjects::from_jetstream(&msg) {
+        return; // copied here by a JetStream consumer: nobody asked
+    }
     let node = node.clone();
     node.clone().tasks.spawn(async move {
         // Answers go to reply inboxes only, whatever subject the asker named.

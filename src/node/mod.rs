@@ -456,6 +456,9 @@ impl Node {
                 Some(m) = all.next() => m,
                 else => return Ok(()),
             };
+            if subjects::from_jetstream(&m) {
+                continue; // copied here by a JetStream consumer, not sent by the warden
+            }
             if self.isolated() {
                 continue; // cut off: it cannot hear this
             }
@@ -954,6 +957,9 @@ impl Node {
             }
             tokio::select! {
                 Some(m) = hb.next() => {
+                    if subjects::from_jetstream(&m) {
+                        continue;
+                    }
                     let now = now_ms();
                     // Heartbeats and observations are not sequenced: a heartbeat only says "alive
                     // now" and observations are ordered by their own stamps, so no forged
@@ -968,6 +974,9 @@ impl Node {
                     }
                 }
                 Some(m) = obs.next() => {
+                    if subjects::from_jetstream(&m) {
+                        continue;
+                    }
                     let now = now_ms();
                     if let Some(env) = self.decode::<Observations>("observations", &m, now, false) {
                         if env.sender == self.id {
@@ -992,6 +1001,9 @@ impl Node {
                     }
                 }
                 Some(m) = deaths.next() => {
+                    if subjects::from_jetstream(&m) {
+                        continue;
+                    }
                     match serde_json::from_slice::<crate::mesh::protocol::DeathNotice>(&m.payload) {
                         Ok(n) => self.provider_died(&n.agent),
                         Err(_) => {
@@ -1000,11 +1012,17 @@ impl Node {
                     }
                 }
                 Some(m) = loop_events.next() => {
+                    if subjects::from_jetstream(&m) {
+                        continue;
+                    }
                     if let Some(env) = self.decode::<LoopEvent>("loop", &m, now_ms(), true) {
                         self.apply_loop_event(&env.sender, env.body);
                     }
                 }
                 Some(m) = bye.next() => {
+                    if subjects::from_jetstream(&m) {
+                        continue;
+                    }
                     if let Some(env) = self.decode::<Goodbye>("goodbye", &m, now_ms(), true)
                         && env.body.node == env.sender
                     {

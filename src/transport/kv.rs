@@ -20,6 +20,26 @@ pub const MESH_BUCKETS: [(&str, Duration); 4] = [
     (crate::transport::subjects::TOMBSTONES_BUCKET, TOMBSTONE_AGE),
 ];
 
+/// The keys of `store` that have a message (deleted ones too, until their marker ages out: a
+/// `get` then finds nothing), from the stream's subject counts rather than a consumer, so a
+/// role that may not create consumers (agents, callers) can list them.
+pub async fn keys(store: &kv::Store) -> anyhow::Result<Vec<String>> {
+    use futures_util::TryStreamExt;
+    let prefix = format!("$KV.{}.", store.name);
+    let subjects: Vec<(String, usize)> = store
+        .stream
+        .info_with_subjects(format!("{prefix}>"))
+        .await?
+        .try_collect()
+        .await?;
+    let mut keys: Vec<String> = subjects
+        .into_iter()
+        .filter_map(|(s, _)| s.strip_prefix(&prefix).map(String::from))
+        .collect();
+    keys.sort();
+    Ok(keys)
+}
+
 /// A KV key token for a name anyone may choose (an agent, an escalation id carrying a request
 /// id): a short plain name as it is; anything else (and a name that itself starts `h-`)
 /// hex-encoded behind `h-`, long ones shortened to their first 100 bytes and a hash of the

@@ -127,6 +127,15 @@ pub fn is_inbox(subject: &str) -> bool {
     subject.starts_with("_OAM.") || subject.starts_with("_INBOX.")
 }
 
+/// Whether `m` was delivered by a JetStream push consumer rather than published: such a
+/// delivery always carries a `$JS.ACK.` reply subject, which no client may set on a message it
+/// publishes. nats-server does not check a push consumer's deliver subject against the rights
+/// of whoever created it, so any role that may create a consumer could otherwise have a stream's
+/// messages copied onto a subject it may not publish to: every control-plane loop drops them.
+pub fn from_jetstream(m: &async_nats::Message) -> bool {
+    m.reply.as_ref().is_some_and(|r| r.starts_with("$JS.ACK."))
+}
+
 /// Every private inbox of one kind of role (`node`, `agent`, `caller`, `operator`, `admin`,
 /// ...): what a role that answers that kind may publish to.
 pub fn inboxes_of(kind: &str) -> String {

@@ -205,9 +205,9 @@ async fn every_role_may_do_its_own_work_and_nothing_else() {
         "{stderr}"
     );
 
-    // The Open Agent Mesh Python SDK serves under an agent role.
-    issue(&mesh, "agent", "sdk.echo");
-    let mut sdk = crate::support::spawn_sdk_echo(&mesh.role_url("agent-sdk.echo"));
+    // The Open Agent Mesh Python SDK serves under an SDK agent's role.
+    issue(&mesh, "sdk-agent", "sdk.echo");
+    let mut sdk = crate::support::spawn_sdk_echo(&mesh.role_url("sdk-agent-sdk.echo"));
     let call = in_folder(&mesh, &["agent", "call", "sdk.echo", r#"{"message":"hi"}"#]);
     let _ = sdk.kill();
     let _ = sdk.wait();
@@ -236,6 +236,16 @@ async fn every_role_may_do_its_own_work_and_nothing_else() {
         closed.is_some(),
         "the revoked agent's connection stays open"
     );
+}
+
+/// A client as `url`'s user the way the Open Agent Mesh SDK connects: NATS' default inbox.
+async fn sdk_client(url: &str) -> async_nats::Client {
+    let (bare, auth) = oam::transport::connect::split_credentials(url);
+    let (user, password) = auth.expect("a URL with credentials");
+    async_nats::ConnectOptions::with_user_and_password(user, password)
+        .connect(bare.as_str())
+        .await
+        .unwrap()
 }
 
 /// Wait (at most 5 s) for a message on `sub`.
@@ -368,15 +378,26 @@ async fn no_role_reads_another_s_replies_or_a_client_s_key() {
     let mesh = LocalCluster::up("snoop").await;
     issue(&mesh, "agent", "evil");
     let (evil, errors) = client(&mesh.role_url("agent-evil")).await;
-    // The shared inbox is the SDK's (an agent's may use it); oam's private ones are nobody's.
-    let mut shared = evil.subscribe("_INBOX.>").await.unwrap();
-    let _private = evil.subscribe("_OAM.>").await.unwrap();
-    let _callers = evil.subscribe("_OAM.caller.>").await.unwrap();
-    let _requests = evil.subscribe("oam.v1.request").await.unwrap();
+    let sneaky = [
+        "_INBOX.>",
+        "_OAM.>",
+        "_OAM.caller.>",
+        "oam.v1.request",
+        "mesh.stream.>",
+    ];
+    for subject in sneaky {
+        let _ = evil.subscribe(subject.to_string()).await.unwrap();
+    }
     evil.flush().await.unwrap();
-    for subject in ["_OAM.>", "_OAM.caller.>", "oam.v1.request"] {
+    for subject in sneaky {
         refused(&errors, "subscription", subject).await;
     }
+    // The shared inbox is the SDK's: an SDK agent may read it, and oam's replies are not there.
+    let issued = issue(&mesh, "sdk-agent", "sdk.evil");
+    assert_eq!(issued["user"], "sdk-agent-sdk.evil", "{issued}");
+    let sdk_evil = sdk_client(&mesh.role_url("sdk-agent-sdk.evil")).await;
+    let mut shared = sdk_evil.subscribe("_INBOX.>").await.unwrap();
+    sdk_evil.flush().await.unwrap();
     let (viewer, viewer_errors) = client(&mesh.role_url("viewer")).await;
     let mut decisions = viewer.subscribe("oam.v1.decision.*").await.unwrap();
     for subject in ["oam.v1.request", "oam.v1.>", "_INBOX.>", "_OAM.caller.>"] {
@@ -412,10 +433,10 @@ async fn no_role_reads_another_s_replies_or_a_client_s_key() {
     let decision = next_msg(&mut decisions).await;
     let text = String::from_utf8_lossy(&decision.payload);
     assert!(!text.contains("sk-secret"), "{text}");
-    // The agent read nothing of it all: the marker is the first thing on the shared inbox.
+    // The SDK agent read nothing of it all: the marker is the first thing on the shared inbox.
     let marker = "_INBOX.evil-marker";
-    evil.publish(marker, "{}".into()).await.unwrap();
-    evil.flush().await.unwrap();
+    sdk_evil.publish(marker, "{}".into()).await.unwrap();
+    sdk_evil.flush().await.unwrap();
     let first = next_msg(&mut shared).await;
     assert_eq!(
         first.subject.as_str(),
@@ -424,4 +445,72 @@ async fn no_role_reads_another_s_replies_or_a_client_s_key() {
         first.subject,
         String::from_utf8_lossy(&first.payload)
     );
+}
+
+/// nats-server does not check where a push consumer delivers, so a role that may create one can
+/// have a stream's messages copied onto any subject. Agents, callers and viewers may create none
+/// on what agents write (the mesh's buckets); an SDK agent, whose client watches the catalog, can,
+/// and the nodes drop what a consumer copies onto a control subject.
+#[tokio::test]
+async fn no_consumer_copies_an_agent_s_bytes_onto_a_control_subject() {
+    let mesh = LocalCluster::up("copy").await;
+    issue(&mesh, "agent", "evil");
+    issue(&mesh, "sdk-agent", "sdk.evil");
+    let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
+        .await
+        .unwrap();
+    let mut to_nodes = admin.subscribe("oam.v1.chaos.node.all").await.unwrap();
+    admin.flush().await.unwrap();
+    // What the agent writes where it may: a fault for every node, as the warden words them.
+    let drain = json!({"action": "drain-budget", "id": "copied", "agent": "victim",
+                       "until_ms": oam::clock::now_ms() + 60_000});
+    let consumer = json!({"stream_name": "KV_mesh-catalog", "config": {
+        "deliver_subject": "oam.v1.chaos.node.all", "deliver_policy": "last",
+        "ack_policy": "none", "filter_subject": "$KV.mesh-catalog.catalog"}});
+    let create = "$JS.API.CONSUMER.CREATE.KV_mesh-catalog";
+    for user in ["agent-evil", "caller", "viewer"] {
+        let (nc, errors) = client(&mesh.role_url(user)).await;
+        if user == "agent-evil" {
+            nc.publish("$KV.mesh-catalog.catalog", drain.to_string().into())
+                .await
+                .unwrap();
+        }
+        let _ = tokio::time::timeout(
+            Duration::from_secs(2),
+            nc.request(create, consumer.to_string().into()),
+        )
+        .await;
+        refused(&errors, "publish", create).await;
+    }
+    // The SDK agent's consumer copies it: the server delivers it, every node drops it.
+    let sdk = sdk_client(&mesh.role_url("sdk-agent-sdk.evil")).await;
+    let made = sdk
+        .request(create, consumer.to_string().into())
+        .await
+        .unwrap();
+    let made: Value = serde_json::from_slice(&made.payload).unwrap();
+    assert!(made["error"].is_null(), "{made}");
+    let copied = next_msg(&mut to_nodes).await;
+    assert_eq!(copied.payload.as_ref(), drain.to_string().as_bytes());
+    assert!(
+        oam::transport::subjects::from_jetstream(&copied),
+        "{copied:?}"
+    );
+    // Had a node believed it, the victim's budget would be drained; its request is served.
+    let body = json!({"messages": [{"role": "user", "content": "after the copy"}],
+                      "oam": {"agent": "victim"}});
+    for i in 0..3 {
+        let r = crate::support::http(Duration::from_secs(10))
+            .post(format!("{}/v1/chat/completions", mesh.node(i)))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 200, "n{}: {v}", i + 1);
+        let codes = v["oam"]["reason_codes"].to_string();
+        assert!(!codes.contains("BUDGET"), "n{}: {v}", i + 1);
+        assert_eq!(v["oam"]["fallback"], false, "n{}: {v}", i + 1);
+    }
 }
