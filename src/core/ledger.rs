@@ -25,7 +25,7 @@ pub struct Ledger {
     pub limit_usd: f64,
     #[serde(default)]
     pub spent_usd: f64,
-    /// Node id -> what it holds for attempts under way.
+    /// Holder (one run of a node, `{node}#{run}`) -> what it holds for attempts under way.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub holds: BTreeMap<String, Hold>,
 }

@@ -613,6 +613,7 @@ impl Flight {
     /// the attempt under way, the attempt's ledger hold settles with what it cost.
     pub(crate) fn call(&mut self, call: Call) -> Option<Step> {
         let before = self.session.cost_usd();
+        let ended = matches!(call, Call::Complete { .. } | Call::Withdraw);
         let now = now_ms();
         let Flight {
             node,
@@ -626,7 +627,7 @@ impl Flight {
             }
             e.apply(session, call, now)
         });
-        super::ledger::settle_after(&self.node, &mut self.hold, &self.session, before);
+        super::ledger::settle_after(&self.node, &mut self.hold, &self.session, before, ended);
         out
     }
 

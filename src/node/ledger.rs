@@ -225,6 +225,9 @@ pub struct Ledgers {
     share: std::sync::Mutex<BTreeMap<String, f64>>,
     /// The newest record (and its revision) of each key this node has seen.
     latest: std::sync::Mutex<BTreeMap<String, (Ledger, u64)>>,
+    /// This run of the node (random): its holds are `{node}#{run}`, so a node killed and started
+    /// again does not renew, or add to, what its last run held; that lapses with its lease.
+    run: String,
     pub counters: LedgerCounters,
 }
 
@@ -237,6 +240,7 @@ impl Default for Ledgers {
             store: tokio::sync::Mutex::new(None),
             share: std::sync::Mutex::default(),
             latest: std::sync::Mutex::default(),
+            run: crate::ids::unguessable()[..8].to_string(),
             counters: LedgerCounters::default(),
         }
     }
@@ -265,6 +269,11 @@ fn mirror_into(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now:
 }
 
 impl Node {
+    /// Who this node's holds in the ledger are: this run of it (`{id}#{run}`).
+    pub(crate) fn holder(&self) -> String {
+        format!("{}#{}", self.id, self.ledger.run)
+    }
+
     /// Reserve the attempt's cost in the shared ledger before it is made. `None`: go ahead (the
     /// flight carries the hold until it settles); `Some(step)`: the engine's next step after a
     /// refusal.
@@ -676,7 +685,7 @@ impl Node {
                             reserves[*i].answer = Answer::Refused(refusal);
                         }
                     }
-                    let mine = ledger.holds.get(&self.id).map_or(0.0, |h| h.usd);
+                    let mine = ledger.holds.get(&self.holder()).map_or(0.0, |h| h.usd);
                     held.insert(k.clone(), mine);
                     self.mirror(&k, revision, &ledger);
                 }
@@ -703,6 +712,7 @@ impl Node {
         // The newest record this node knows (its own last write, or the watch's) is tried
         // first: one round trip when no other node wrote since; a conflict reads afresh.
         let mut known = lock(&self.ledger.latest).get(k).cloned();
+        let holder = self.holder();
         for _ in 0..CAS_TRIES {
             let entry = match known.take() {
                 Some((l, revision)) => Ok((l, Some(revision))),
@@ -746,12 +756,12 @@ impl Node {
             let granted: Vec<bool> = changes
                 .iter()
                 .map(|(_, c)| match *c {
-                    Change::Reserve(usd) => ledger.reserve(&self.id, usd, now, lease),
+                    Change::Reserve(usd) => ledger.reserve(&holder, usd, now, lease),
                     Change::Settle(r, a) => {
-                        ledger.settle(&self.id, r, a, now);
+                        ledger.settle(&holder, r, a, now);
                         true
                     }
-                    Change::Renew => ledger.renew(&self.id, now, lease),
+                    Change::Renew => ledger.renew(&holder, now, lease),
                 })
                 .collect();
             let bytes: bytes::Bytes = serde_json::to_vec(&ledger).ok()?.into();
@@ -844,7 +854,7 @@ impl Node {
         }
         if !self.drained(l.agent.as_deref()) {
             let now = now_ms();
-            self.with_engine(|e| mirror_into(e, &self.id, l.agent.as_deref(), l, now));
+            self.with_engine(|e| mirror_into(e, &self.holder(), l.agent.as_deref(), l, now));
         }
     }
 
@@ -855,14 +865,17 @@ impl Node {
 }
 
 /// The hold an attempt carries goes back when it settles; the engine gives back its own
-/// reservation at the same time.
+/// reservation at the same time. `ended`: the call ended the attempt the hold was for (its
+/// result, or its withdrawal), even if another attempt is now waiting to start (that one
+/// reserves its own).
 pub(crate) fn settle_after(
     node: &Node,
     hold: &mut Option<Hold>,
     session: &Session,
     cost_before: f64,
+    ended: bool,
 ) {
-    if session.dispatched() {
+    if session.dispatched() && !ended {
         return;
     }
     if let Some(h) = hold.take() {

@@ -34,7 +34,17 @@ async fn gateway_with(tag: &str, extra: &str) -> Gateway {
 }
 
 async fn gateway_with_env(tag: &str, extra: &str, env: &[(&str, &str)]) -> Gateway {
-    let nats = NatsServer::start().await;
+    gateway_on(tag, "", extra, env, NatsServer::start().await).await
+}
+
+/// `gateway_with_env` with `node` added to the `[node]` section, on the server `nats`.
+async fn gateway_on(
+    tag: &str,
+    node: &str,
+    extra: &str,
+    env: &[(&str, &str)],
+    nats: NatsServer,
+) -> Gateway {
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let dir = std::env::temp_dir().join(format!("oam-gw-{tag}-{}", std::process::id()));
@@ -45,6 +55,7 @@ async fn gateway_with_env(tag: &str, extra: &str, env: &[(&str, &str)]) -> Gatew
         format!(
             r#"[node]
 cluster_size = 1
+{node}
 
 [[provider]]
 id = "primary"
@@ -1105,4 +1116,129 @@ async fn asking_for_many_answers_at_once_escapes_no_budget() {
         assert_eq!(status, 400, "{bad}: {v}");
         assert_eq!(v["error"]["param"], "n", "{v}");
     }
+}
+
+/// The holds of `agent`'s budget in the shared ledger that still count, by holder.
+async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
+    let nc = oam::transport::connect::connect(nats_url, "test-ledger", false)
+        .await
+        .unwrap();
+    let kv = async_nats::jetstream::new(nc)
+        .get_key_value("oam-budgets")
+        .await
+        .unwrap();
+    let Some(raw) = kv.get(format!("agent.{agent}")).await.unwrap() else {
+        return Vec::new();
+    };
+    let l: oam::core::ledger::Ledger = serde_json::from_slice(&raw).unwrap();
+    let now = oam::clock::now_ms();
+    l.holds
+        .into_iter()
+        .filter(|(_, h)| h.until_ms > now)
+        .map(|(n, h)| (n, h.usd))
+        .collect()
+}
+
+/// Wait (at most `within`) until `agent`'s budget holds nothing; what it still holds if not.
+async fn holds_drain(nats_url: &str, agent: &str, within: Duration) -> Vec<(String, f64)> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let holds = live_holds(nats_url, agent).await;
+        if holds.is_empty() || std::time::Instant::now() > deadline {
+            return holds;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The attack: a hold taken for an attempt that failed (a generation error, an answer that broke
+/// the request's schema) and was followed by another attempt was never given back: the node
+/// renewed it as long as it lived, and the budget stayed locked.
+#[tokio::test]
+async fn a_failed_attempt_gives_its_hold_back() {
+    let g = gateway_with("holds", "[budgets.agents.spender]\nlimit_usd = 1.0\n").await;
+    let nats_url = g._nats.url();
+    let ask = |body: Value| {
+        let url = format!("{}/v1/chat/completions", g.url);
+        async move {
+            let r = client().post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    // A generation error, then another attempt.
+    g.fault("primary/big", json!({"mode": "error", "times": 1}))
+        .await;
+    let (status, v) = ask(json!({"model": "big", "oam": {"agent": "spender"},
+        "messages": [{"role": "user", "content": "error first"}]}))
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(tried(&v).len(), 2, "a second attempt after the error: {v}");
+    let left = holds_drain(&nats_url, "spender", Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "after a generation error: {left:?}");
+    // Answers that break the request's own schema on both targets.
+    let impossible = json!({"type": "json_schema", "json_schema": {"name": "never", "schema":
+        {"type": "object", "required": ["never"], "properties": {"never": {"type": "integer"}}}}});
+    let (_, v) = ask(json!({"model": "big", "oam": {"agent": "spender"},
+        "response_format": impossible,
+        "messages": [{"role": "user", "content": "schema"}]}))
+    .await;
+    assert!(
+        codes(&v).contains(&"SEMANTIC_VALIDATION_FAILED".to_string()),
+        "{v}"
+    );
+    let left = holds_drain(&nats_url, "spender", Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "after schema failures: {left:?}");
+}
+
+/// A node killed holding an attempt's cost and started again under the same id: what its last
+/// run held lapses with that run's lease, although the new run reserves on the same budget.
+#[tokio::test]
+async fn a_killed_node_s_holds_lapse_although_it_restarts() {
+    let mut g = gateway_on(
+        "lapse",
+        "budget_lease_ms = 5000",
+        "[budgets.agents.spender]\nlimit_usd = 1.0\n",
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
+    let nats_url = g._nats.url();
+    g.fault("primary/small", json!({"mode": "hang"})).await;
+    let url = format!("{}/v1/chat/completions", g.url);
+    let hung = tokio::spawn(async move {
+        let body = json!({"model": "small", "oam": {"agent": "spender"},
+            "messages": [{"role": "user", "content": "hangs"}]});
+        let _ = client().post(url).json(&body).send().await;
+    });
+    let held = crate::support::eventually(Duration::from_secs(10), || async {
+        let h = live_holds(&nats_url, "spender").await;
+        (!h.is_empty()).then_some(h)
+    })
+    .await
+    .expect("the hung attempt's cost is held");
+    g._node.kill();
+    hung.abort();
+    g.clear().await;
+    let cfg = g.dir.join("oam.toml");
+    g._node = Proc::spawn(&crate::support::node_args(
+        "n1",
+        &nats_url,
+        &["--config", cfg.to_str().unwrap()],
+    ));
+    g.url = g._node.ready["http"].as_str().unwrap().to_string();
+    // The new run spends on the same budget while its last run's hold still counts.
+    let body = json!({"model": "small", "oam": {"agent": "spender"},
+        "messages": [{"role": "user", "content": "spend"}]});
+    let r = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let left = holds_drain(&nats_url, "spender", Duration::from_secs(12)).await;
+    assert!(
+        left.is_empty(),
+        "held before the kill {held:?}, still {left:?}"
+    );
 }
