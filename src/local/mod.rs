@@ -298,13 +298,17 @@ pub const ENV_DIR: &str = "OAM_DIR";
 
 /// The state folder a command means: the flag, then `$OAM_DIR`, then `./.oam`.
 pub fn mesh_dir(flag: Option<&Path>) -> PathBuf {
-    flag.map(Path::to_path_buf)
+    let dir = flag
+        .map(Path::to_path_buf)
         .or_else(|| {
             std::env::var_os(ENV_DIR)
                 .filter(|d| !d.is_empty())
                 .map(PathBuf::from)
         })
-        .unwrap_or_else(|| PathBuf::from(".oam"))
+        .unwrap_or_else(|| PathBuf::from(".oam"));
+    // Absolute: the folder's paths go into nats-server's config, which the server (started
+    // elsewhere) reads again on a reload.
+    std::path::absolute(&dir).unwrap_or(dir)
 }
 
 /// The `oam` binary to start processes from: this one, as it is on disk now.

@@ -454,7 +454,21 @@ async fn no_role_reads_another_s_replies_or_a_client_s_key() {
 #[tokio::test]
 async fn no_consumer_copies_an_agent_s_bytes_onto_a_control_subject() {
     let mesh = LocalCluster::up("copy").await;
-    issue(&mesh, "agent", "evil");
+    // Issued with the folder given relative to where the command runs: the server's reload
+    // still finds every path.
+    let parent = mesh.dir.0.parent().unwrap();
+    let relative = mesh.dir.0.file_name().unwrap();
+    let out = mesh
+        .oam()
+        .env_remove("OAM_NATS_URL")
+        .current_dir(parent)
+        .args([
+            "creds", "issue", "--role", "agent", "--name", "evil", "--json", "--dir",
+        ])
+        .arg(relative)
+        .output()
+        .unwrap();
+    assert_eq!(succeeded(&out)["reloaded"], true);
     issue(&mesh, "sdk-agent", "sdk.evil");
     let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
         .await
