@@ -38,7 +38,12 @@ enum Undo {
     RestartAgent { agent: String, args: Vec<String> },
     /// Nodes end it by themselves; an early restore tells them (over NATS, and over HTTP to a
     /// node that cannot hear NATS because it is isolated).
-    Nodes { http: Option<String> },
+    Nodes {
+        http: Option<String>,
+        /// The isolation's key, which a restore over HTTP carries.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        key: String,
+    },
     /// A bounded load task; ends by itself, or is stopped.
     Load,
 }
@@ -506,13 +511,16 @@ impl Warden {
             }
             Action::Isolate => {
                 let n = self.node(target)?;
+                let key = crate::ids::unguessable();
                 let cmd = NodeCommand::Isolate {
                     id: id.to_string(),
                     until_ms: now + for_ms,
+                    key: key.clone(),
                 };
                 self.node_command(target, &cmd).await;
                 let undo = Undo::Nodes {
                     http: Some(n.endpoint.clone()),
+                    key,
                 };
                 Ok((undo, "cut off from NATS".into()))
             }
@@ -542,7 +550,10 @@ impl Warden {
                 };
                 self.node_command("all", &cmd).await;
                 Ok((
-                    Undo::Nodes { http: None },
+                    Undo::Nodes {
+                        http: None,
+                        key: String::new(),
+                    },
                     "budget spent on every node".into(),
                 ))
             }
@@ -660,9 +671,10 @@ impl Warden {
                     Err(e) => tracing::warn!("cannot start agent {agent} again: {e:#}"),
                 }
             }
-            Undo::Nodes { http } => {
+            Undo::Nodes { http, key } => {
                 let cmd = NodeCommand::Restore {
                     id: e.active.id.clone(),
+                    key: key.clone(),
                 };
                 self.node_command("all", &cmd).await;
                 if let Some(http) = http {

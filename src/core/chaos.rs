@@ -252,16 +252,27 @@ pub struct Event {
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(tag = "action", rename_all = "kebab-case")]
 pub enum NodeCommand {
-    /// Stop exchanging anything with NATS (a partition) until `until_ms`.
-    Isolate { id: String, until_ms: u64 },
+    /// Stop exchanging anything with NATS (a partition) until `until_ms`. `key` (random, from
+    /// the warden) is what an early restore over HTTP must carry: the node cannot hear NATS
+    /// then, and anyone on 127.0.0.1 can reach its HTTP port.
+    Isolate {
+        id: String,
+        until_ms: u64,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        key: String,
+    },
     /// Treat `agent`'s budget as spent until `until_ms`.
     DrainBudget {
         id: String,
         agent: String,
         until_ms: u64,
     },
-    /// End the fault `id` now.
-    Restore { id: String },
+    /// End the fault `id` now (over HTTP only with the isolation's `key`).
+    Restore {
+        id: String,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        key: String,
+    },
 }
 
 impl NodeCommand {
@@ -318,6 +329,7 @@ mod tests {
         let isolate = |until_ms| NodeCommand::Isolate {
             id: "c1".into(),
             until_ms,
+            key: String::new(),
         };
         assert!(isolate(u64::MAX).check(now).is_err(), "forever");
         assert!(
@@ -332,7 +344,11 @@ mod tests {
             until_ms: u64::MAX,
         };
         assert!(drain.check(now).is_err());
-        assert_eq!(NodeCommand::Restore { id: "c1".into() }.check(now), Ok(()));
+        let restore = NodeCommand::Restore {
+            id: "c1".into(),
+            key: String::new(),
+        };
+        assert_eq!(restore.check(now), Ok(()));
     }
 
     #[test]

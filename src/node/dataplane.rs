@@ -45,10 +45,17 @@ pub fn router(node: Arc<Node>) -> Router {
 /// restore is accepted here; faults themselves come from the warden over NATS.
 async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Response {
     match serde_json::from_slice::<crate::core::chaos::NodeCommand>(&body) {
-        Ok(cmd @ crate::core::chaos::NodeCommand::Restore { .. }) => {
-            node.chaos(cmd);
+        Ok(crate::core::chaos::NodeCommand::Restore { id, key })
+            if node.isolation_key_is(&id, &key) =>
+        {
+            node.chaos(crate::core::chaos::NodeCommand::Restore { id, key });
             axum::Json(json!({"applied": true})).into_response()
         }
+        Ok(crate::core::chaos::NodeCommand::Restore { .. }) => (
+            StatusCode::FORBIDDEN,
+            axum::Json(json!({"error": "a restore over HTTP ends only the isolation under way, and carries its key (from the warden); end faults with `oam chaos restore`"})),
+        )
+            .into_response(),
         Ok(_) => (
             StatusCode::FORBIDDEN,
             axum::Json(json!({"error": "only a restore is accepted over HTTP; inject faults with `oam chaos`"})),

@@ -126,8 +126,9 @@ pub struct Node {
 /// Faults a node applies to itself (`oam chaos isolate-node`, `drain-budget`).
 #[derive(Default)]
 struct NodeChaos {
-    /// (fault id, until) while the node is cut off from NATS.
-    isolated: Option<(String, u64)>,
+    /// (fault id, until, the key an early restore over HTTP carries) while the node is cut off
+    /// from NATS.
+    isolated: Option<(String, u64, String)>,
     /// agent -> (its limit before the first drain, or none when it had no budget; the drain
     /// faults holding it). Only the limit changes, so spending in flight is still accounted.
     drained: BTreeMap<String, (Option<f64>, std::collections::BTreeSet<String>)>,
@@ -321,20 +322,28 @@ impl Node {
 
     /// Cut off from NATS by `oam chaos isolate-node`: nothing goes out, nothing coming in is
     /// applied, and the NATS data plane is unsubscribed.
+    /// Whether `key` is the key of isolation `id`, under way (constant time in the key).
+    pub(crate) fn isolation_key_is(&self, id: &str, key: &str) -> bool {
+        lock(&self.chaos)
+            .isolated
+            .as_ref()
+            .is_some_and(|(i, _, k)| i == id && !k.is_empty() && config::Secret::of(k).matches(key))
+    }
+
     pub fn isolated(&self) -> bool {
         lock(&self.chaos)
             .isolated
             .as_ref()
-            .is_some_and(|(_, until)| now_ms() < *until)
+            .is_some_and(|(_, until, _)| now_ms() < *until)
     }
 
     /// Apply a chaos command to this node; the fault ends by itself at its expiry.
     pub fn chaos(self: &Arc<Self>, cmd: crate::core::chaos::NodeCommand) {
         use crate::core::chaos::NodeCommand;
         let (id, until_ms) = match cmd {
-            NodeCommand::Restore { id } => return self.end_chaos(&id),
-            NodeCommand::Isolate { id, until_ms } => {
-                lock(&self.chaos).isolated = Some((id.clone(), until_ms));
+            NodeCommand::Restore { id, .. } => return self.end_chaos(&id),
+            NodeCommand::Isolate { id, until_ms, key } => {
+                lock(&self.chaos).isolated = Some((id.clone(), until_ms, key));
                 self.isolation_changed.notify_waiters();
                 tracing::warn!(node = %self.id, fault = %id, "isolated from NATS (chaos)");
                 (id, until_ms)
@@ -378,7 +387,7 @@ impl Node {
 
     fn end_chaos(&self, id: &str) {
         let mut c = lock(&self.chaos);
-        if c.isolated.as_ref().is_some_and(|(i, _)| i == id) {
+        if c.isolated.as_ref().is_some_and(|(i, _, _)| i == id) {
             c.isolated = None;
             self.isolation_changed.notify_waiters();
             tracing::info!(node = %self.id, fault = id, "reconnected to NATS");

@@ -581,6 +581,7 @@ async fn forged_chaos_signals_nothing_and_cannot_last_forever() {
     let forever = oam::core::chaos::NodeCommand::Isolate {
         id: "forever".into(),
         until_ms: u64::MAX,
+        key: String::new(),
     };
     nc.publish(
         oam::transport::subjects::chaos_node("n1"),

@@ -1399,6 +1399,7 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     let isolate = oam::core::chaos::NodeCommand::Isolate {
         id: "cut".into(),
         until_ms: oam::clock::now_ms() + 2_000,
+        key: "the-warden-s-key".into(),
     };
     nc.publish(
         oam::transport::subjects::chaos_node("n3"),

@@ -1242,3 +1242,73 @@ async fn a_killed_node_s_holds_lapse_although_it_restarts() {
         "held before the kill {held:?}, still {left:?}"
     );
 }
+
+/// `POST /v1/oam/chaos` is how an isolated node hears of an early restore, and anyone on
+/// 127.0.0.1 can reach it: it ends only the isolation under way, and only with that isolation's
+/// key (which the warden sent the node over NATS).
+#[tokio::test]
+async fn only_the_warden_s_key_ends_an_isolation_over_http() {
+    let g = gateway("restore-key").await;
+    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false)
+        .await
+        .unwrap();
+    let isolate = oam::core::chaos::NodeCommand::Isolate {
+        id: "cut".into(),
+        until_ms: oam::clock::now_ms() + 60_000,
+        key: "k-of-the-warden-0123456789".into(),
+    };
+    nc.publish(
+        oam::transport::subjects::chaos_node("n1"),
+        serde_json::to_vec(&isolate).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "over nats"}]}).to_string();
+    let answers = |nc: async_nats::Client| {
+        let body = body.clone();
+        async move {
+            let r = tokio::time::timeout(
+                Duration::from_secs(2),
+                nc.request("oam.v1.request", body.into()),
+            )
+            .await;
+            matches!(r, Ok(Ok(_)))
+        }
+    };
+    let cut = crate::support::eventually(Duration::from_secs(10), || {
+        let nc = nc.clone();
+        async move { (!answers(nc).await).then_some(()) }
+    })
+    .await;
+    assert!(
+        cut.is_some(),
+        "the node left the NATS data plane when cut off"
+    );
+    let restore = |key: Option<&str>| {
+        let mut cmd = json!({"action": "restore", "id": "cut"});
+        if let Some(k) = key {
+            cmd["key"] = json!(k);
+        }
+        let url = format!("{}/v1/oam/chaos", g.url);
+        async move {
+            client()
+                .post(url)
+                .json(&cmd)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(restore(None).await, 403);
+    assert_eq!(restore(Some("guessed-key-0123456789")).await, 403);
+    assert!(!answers(nc.clone()).await, "still cut off");
+    assert_eq!(restore(Some("k-of-the-warden-0123456789")).await, 200);
+    let back = crate::support::eventually(Duration::from_secs(10), || {
+        let nc = nc.clone();
+        async move { answers(nc).await.then_some(()) }
+    })
+    .await;
+    assert!(back.is_some(), "the restore ended the isolation");
+}
