@@ -33,10 +33,12 @@ pub struct Poster {
         hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
         http_body_util::Full<bytes::Bytes>,
     >,
+    /// The largest answer read; a longer one is an error (its bytes dropped as they come).
+    max_answer_bytes: usize,
 }
 
 impl Poster {
-    pub fn new() -> anyhow::Result<Poster> {
+    pub fn new(max_answer_bytes: usize) -> anyhow::Result<Poster> {
         use rustls_platform_verifier::ConfigVerifierExt as _;
         let _ = rustls::crypto::ring::default_provider().install_default();
         let tls = rustls::ClientConfig::with_platform_verifier()
@@ -53,11 +55,19 @@ impl Poster {
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_max_idle_per_host(64)
                 .build(connector);
-        Ok(Poster { client })
+        Ok(Poster {
+            client,
+            max_answer_bytes,
+        })
+    }
+
+    /// The largest answer it reads (streams read elsewhere are held to it too).
+    pub fn max_answer_bytes(&self) -> usize {
+        self.max_answer_bytes
     }
 
     /// POST `body` (JSON) to `uri` with `authorization` (a ready header value), and read the
-    /// whole answer. Unbounded in time: the caller bounds it.
+    /// whole answer, up to `max_answer_bytes`. Unbounded in time: the caller bounds it.
     pub async fn post_json(
         &self,
         uri: &hyper::Uri,
@@ -75,7 +85,19 @@ impl Poster {
         let req = req.body(http_body_util::Full::new(bytes::Bytes::from(body)))?;
         let resp = self.client.request(req).await?;
         let (parts, body) = resp.into_parts();
-        let bytes = body.collect().await?.to_bytes();
+        let limit = self.max_answer_bytes;
+        let bytes = http_body_util::Limited::new(body, limit)
+            .collect()
+            .await
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    format!("the answer is larger than node.max_answer_bytes ({limit} bytes)")
+                        .into()
+                } else {
+                    e
+                }
+            })?
+            .to_bytes();
         Ok((parts.status, parts.headers, bytes))
     }
 }

@@ -12,6 +12,7 @@
 //! health_window_ms = 15000
 //! queue_timeout_ms = 5000     # longest wait in a bulkhead queue
 //! max_body_bytes = 1048576
+//! max_answer_bytes = 8388608  # an upstream's answer (or stream) larger than this is cut off
 //! max_connections = 512       # open HTTP connections; more wait until one closes
 //! header_timeout_ms = 10000   # a request's headers within this (and idle keep-alive this long)
 //! budget_lease_ms = 30000     # a dead node's holds in the shared budget ledger lapse after this
@@ -87,6 +88,9 @@ pub struct NodeSettings {
     pub health_window_ms: u64,
     pub queue_timeout_ms: u64,
     pub max_body_bytes: usize,
+    /// The most an upstream's answer may hold (a whole answer, or a stream's events in all):
+    /// past it the attempt fails and what was read is dropped, so no upstream grows a node.
+    pub max_answer_bytes: usize,
     /// Open HTTP connections at most (keep it under the open-file limit); more wait, unaccepted,
     /// until one closes.
     pub max_connections: usize,
@@ -109,6 +113,7 @@ impl Default for NodeSettings {
             health_window_ms: 15_000,
             queue_timeout_ms: 5_000,
             max_body_bytes: 1 << 20,
+            max_answer_bytes: 8 << 20,
             max_connections: 512,
             header_timeout_ms: 10_000,
             budget_lease_ms: 30_000,
@@ -722,6 +727,7 @@ impl NodeConfig {
             ("node.health_window_ms", n.health_window_ms),
             ("node.header_timeout_ms", n.header_timeout_ms),
             ("node.budget_lease_ms", n.budget_lease_ms),
+            ("node.max_answer_bytes", n.max_answer_bytes as u64),
         ] {
             if v == 0 {
                 return Err(format!("{name} must be more than 0"));

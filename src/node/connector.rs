@@ -260,6 +260,8 @@ pub struct Upstream {
     source: Source,
     parser: super::sse::Parser,
     ready: std::collections::VecDeque<String>,
+    /// Bytes the stream may still bring (`node.max_answer_bytes` in all).
+    left: usize,
 }
 
 enum Source {
@@ -306,13 +308,22 @@ impl Upstream {
                     self.source = Source::Ended;
                     return Ok(None);
                 }
-                Ok(Ok(Some(bytes))) => match self.parser.feed(&bytes) {
-                    Ok(events) => self.ready.extend(events),
-                    Err(_) => {
-                        self.source = Source::Ended;
-                        return Err(Broken::Failed("an event line over 1 MiB".into()));
+                Ok(Ok(Some(bytes))) if bytes.len() > self.left => {
+                    self.source = Source::Ended;
+                    return Err(Broken::Failed(
+                        "the stream is larger than node.max_answer_bytes".into(),
+                    ));
+                }
+                Ok(Ok(Some(bytes))) => {
+                    self.left -= bytes.len();
+                    match self.parser.feed(&bytes) {
+                        Ok(events) => self.ready.extend(events),
+                        Err(_) => {
+                            self.source = Source::Ended;
+                            return Err(Broken::Failed("an event line over 1 MiB".into()));
+                        }
                     }
-                },
+                }
             }
         }
     }
@@ -401,6 +412,7 @@ impl Connector {
                     source: Source::Http(resp),
                     parser: super::sse::Parser::default(),
                     ready: std::collections::VecDeque::new(),
+                    left: self.post.max_answer_bytes(),
                 },
                 started,
             );
@@ -409,7 +421,8 @@ impl Connector {
         // upstream that ignored `stream` (replayed as events).
         let headers = resp.headers().clone();
         let left = first_event.saturating_sub(started.elapsed());
-        let Ok(Ok(bytes)) = tokio::time::timeout(left, resp.bytes()).await else {
+        let read = read_capped(resp, self.post.max_answer_bytes());
+        let Ok(Ok(bytes)) = tokio::time::timeout(left, read).await else {
             let ms = started.elapsed().as_millis() as u64;
             return Opened::Failed(Generation::failed(GenerationStatus::Error, ms).into());
         };
@@ -444,8 +457,23 @@ impl Upstream {
             source: Source::Replay,
             parser: super::sse::Parser::default(),
             ready,
+            left: 0,
         }
     }
+}
+
+/// A whole response body, if it holds at most `cap` bytes (read no further than that).
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<bytes::Bytes, String> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| error_chain(&e))? {
+        if body.len() + chunk.len() > cap {
+            return Err(format!(
+                "the answer is larger than node.max_answer_bytes ({cap} bytes)"
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.into())
 }
 
 impl Connector {

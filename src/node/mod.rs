@@ -202,7 +202,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Node {
     pub fn new(id: String, cfg: NodeConfig, nats: async_nats::Client) -> anyhow::Result<Arc<Node>> {
         let http = crate::http::http_client(None)?;
-        let post = crate::http::Poster::new()?;
+        let post = crate::http::Poster::new(cfg.node.max_answer_bytes)?;
         let connectors = cfg
             .providers
             .iter()

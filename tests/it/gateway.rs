@@ -1312,3 +1312,135 @@ async fn only_the_warden_s_key_ends_an_isolation_over_http() {
     .await;
     assert!(back.is_some(), "the restore ended the isolation");
 }
+
+/// An upstream that answers without end: `/big/v1` a JSON body of 64 MiB, `/endless/v1` a body
+/// that never ends, `/sse/v1` an event stream that never ends (each bounded here: at most
+/// 256 MiB or 60 s per answer, and it stops once the node hangs up).
+async fn endless_upstream() -> String {
+    use axum::body::Body;
+    use futures_util::{StreamExt as _, stream};
+    const CHUNK: usize = 64 << 10;
+    fn endless(prefix: &'static str, piece: &'static str, limit: usize) -> Body {
+        let started = std::time::Instant::now();
+        let pieces = stream::iter(0..)
+            .map(move |i| {
+                let mut chunk = if i == 0 {
+                    prefix.to_string()
+                } else {
+                    String::new()
+                };
+                while chunk.len() < CHUNK {
+                    chunk.push_str(piece);
+                }
+                Ok::<_, std::io::Error>(bytes::Bytes::from(chunk))
+            })
+            .take_while(move |_| std::future::ready(started.elapsed() < Duration::from_secs(60)))
+            .take(limit / CHUNK);
+        Body::from_stream(pieces)
+    }
+    let app = axum::Router::new()
+        .route(
+            "/big/v1/chat/completions",
+            axum::routing::post(|| async {
+                let mut body = String::from(r#"{"id":"x","object":"chat.completion","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":""#);
+                body.push_str(&"a".repeat(64 << 20));
+                body.push_str(r#""}}]}"#);
+                ([("content-type", "application/json")], body)
+            }),
+        )
+        .route(
+            "/endless/v1/chat/completions",
+            axum::routing::post(|| async {
+                (
+                    [("content-type", "application/json")],
+                    endless(r#"{"choices":[{"message":{"content":""#, "aaaaaaaa", 256 << 20),
+                )
+            }),
+        )
+        .route(
+            "/sse/v1/chat/completions",
+            axum::routing::post(|| async {
+                let piece = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n";
+                (
+                    [("content-type", "text/event-stream")],
+                    endless("", piece, 256 << 20),
+                )
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// A process's resident memory, in MiB (from /proc).
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib / 1024
+}
+
+/// The attack: a 64 MB answer was relayed whole (367 MB resident), and an endless body grew
+/// the node to 752 MB, never given back. An answer or stream past `node.max_answer_bytes` now
+/// fails the attempt (the next target answers) and what was read is dropped.
+#[tokio::test]
+async fn an_endless_upstream_grows_no_node() {
+    let up = endless_upstream().await;
+    let mut extra = String::new();
+    for kind in ["big", "endless", "sse"] {
+        extra.push_str(&format!(
+            "[[provider]]\nid = \"{kind}\"\nbase_url = \"{up}/{kind}/v1\"\nmodel = \"m\"\nprobe = \"off\"\n\
+             [[route]]\nmodel = \"x-{kind}\"\ntargets = [\"{kind}/m\", \"secondary/medium\"]\n"
+        ));
+    }
+    let g = gateway_on(
+        "endless",
+        "max_answer_bytes = 1048576",
+        &extra,
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
+    for round in 0..3 {
+        for kind in ["big", "endless", "sse"] {
+            for stream in [false, true] {
+                let body = json!({"model": format!("x-{kind}"), "stream": stream,
+                    "messages": [{"role": "user", "content": format!("{kind} {round} {stream}")}]});
+                let r = client()
+                    .post(format!("{}/v1/chat/completions", g.url))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status().as_u16(), 200, "{kind} stream={stream}");
+                let text = r.text().await.unwrap();
+                assert!(
+                    text.len() < 2 << 20,
+                    "{kind} stream={stream}: {} bytes",
+                    text.len()
+                );
+                if kind == "sse" && stream {
+                    // Relayed live as it came, then cut at the limit (the stream says so), or,
+                    // once the target's breaker is open, answered by the next one.
+                    let tail = &text[text.len().saturating_sub(600)..];
+                    assert!(
+                        tail.contains("error") || text.contains("oam-sim-secondary"),
+                        "{kind} stream={stream}: {tail}"
+                    );
+                } else {
+                    assert!(
+                        text.contains("secondary"),
+                        "{kind} stream={stream}: the next target answered: {text}"
+                    );
+                }
+            }
+        }
+    }
+    // An order of magnitude, not a tight number: the node never held much of any answer.
+    let rss = rss_mib(g._node.pid());
+    assert!(rss < 200, "the node is {rss} MiB resident after the abuse");
+}
