@@ -138,6 +138,9 @@ struct OamFields {
     contract: Option<ContractSpec>,
 }
 
+/// The most tools one request may declare (OpenAI's own limit).
+const MAX_TOOLS: usize = 128;
+
 /// The most answers one request may ask for (OpenAI's own limit on `n`).
 const MAX_N: u64 = 128;
 
@@ -198,6 +201,17 @@ fn declared_tools(
             "tools must be an array of {\"type\": \"function\", \"function\": {...}}",
         )
     })?;
+    // Every tool's schema is compiled to check the answer's calls against it: without a bound,
+    // one request of 6,000 tools cost 0.1 s of CPU and 43 MB.
+    if list.len() > MAX_TOOLS {
+        return Err(bad(
+            "tools",
+            format!(
+                "at most {MAX_TOOLS} tools per request (OpenAI's own limit); this one declares {}",
+                list.len()
+            ),
+        ));
+    }
     let mut out = std::collections::BTreeMap::new();
     for (i, t) in list.iter().enumerate() {
         let f = &t["function"];
