@@ -15,6 +15,7 @@
 //! max_answer_bytes = 8388608  # an upstream's answer (or stream) larger than this is cut off
 //! max_connections = 512       # open HTTP connections; more wait until one closes
 //! header_timeout_ms = 10000   # a request's headers within this (and idle keep-alive this long)
+//! write_timeout_ms = 30000    # a client takes each write within this, or is hung up on
 //! budget_lease_ms = 30000     # a dead node's holds in the shared budget ledger lapse after this
 //!
 //! [[provider]]                # a host, in preference order
@@ -97,6 +98,8 @@ pub struct NodeSettings {
     /// A request's headers must arrive within this, counted from when the node is ready to read
     /// them; a kept-alive connection idle this long is closed.
     pub header_timeout_ms: u64,
+    /// How long a write may wait for the client to take it before the connection is closed.
+    pub write_timeout_ms: u64,
     /// How long this node's holds in the shared budget ledger count without renewal (renewed
     /// every third of it while the node lives): how soon a dead node's holds lapse.
     pub budget_lease_ms: u64,
@@ -116,6 +119,7 @@ impl Default for NodeSettings {
             max_answer_bytes: 8 << 20,
             max_connections: 512,
             header_timeout_ms: 10_000,
+            write_timeout_ms: 30_000,
             budget_lease_ms: 30_000,
         }
     }
@@ -726,6 +730,7 @@ impl NodeConfig {
             ("node.heartbeat_interval_ms", n.heartbeat_interval_ms),
             ("node.health_window_ms", n.health_window_ms),
             ("node.header_timeout_ms", n.header_timeout_ms),
+            ("node.write_timeout_ms", n.write_timeout_ms),
             ("node.budget_lease_ms", n.budget_lease_ms),
             ("node.max_answer_bytes", n.max_answer_bytes as u64),
         ] {

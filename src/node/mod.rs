@@ -1204,6 +1204,7 @@ pub async fn run(
         dataplane::router(node.clone()),
         node.cfg.node.max_connections,
         Duration::from_millis(node.cfg.node.header_timeout_ms),
+        Duration::from_millis(node.cfg.node.write_timeout_ms),
         node.http_saturated.clone(),
         node.stop.clone(),
     ));

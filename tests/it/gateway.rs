@@ -1461,8 +1461,10 @@ async fn thousands_of_tools_are_refused_at_once() {
     let g = gateway("tools-cap").await;
     let tools = |n: usize| -> Vec<Value> {
         (0..n)
-            .map(|i| json!({"type": "function", "function": {"name": format!("t{i}"),
-                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}))
+            .map(|i| {
+                json!({"type": "function", "function": {"name": format!("t{i}"),
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}})
+            })
             .collect()
     };
     let post = |n: usize| {
@@ -1477,8 +1479,121 @@ async fn thousands_of_tools_are_refused_at_once() {
     let (status, v) = post(6_000).await;
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "tools", "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("128"), "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("128"),
+        "{v}"
+    );
     assert!(g.received("primary").await.is_empty(), "nothing was called");
     let (status, v) = post(128).await;
     assert_eq!(status, 200, "{v}");
+}
+
+/// Open `n` connections to `addr` that send a request's headers a byte every 200 ms, each for
+/// at most `for_`; they end by themselves.
+fn slow_header_sockets(addr: &str, n: usize, for_: Duration) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let addr = addr.to_string();
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt as _;
+                let Ok(mut s) = tokio::net::TcpStream::connect(&addr).await else {
+                    return;
+                };
+                let started = std::time::Instant::now();
+                let head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+                let _ = s.write_all(head).await;
+                while started.elapsed() < for_ {
+                    if s.write_all(b"a").await.is_err() {
+                        return; // closed by the node
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// The attack: 600 sockets sending their headers slowly took ordinary requests from 1.9 ms to
+/// 4.6 s at the median. Now the connection that has waited longest for a request is closed to
+/// make room, so callers with a request to make get in.
+#[tokio::test]
+async fn slow_header_sockets_keep_no_caller_out() {
+    let g = gateway_on(
+        "slow-headers",
+        "max_connections = 16",
+        "",
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
+    let addr = g.url.trim_start_matches("http://").to_string();
+    let slow = slow_header_sockets(&addr, 48, Duration::from_secs(8));
+    tokio::time::sleep(Duration::from_millis(300)).await; // let them take every slot
+    let mut slowest = Duration::ZERO;
+    for i in 0..10 {
+        let started = std::time::Instant::now();
+        let (status, v) = g.ask("small", &format!("through the crowd {i}")).await;
+        assert_eq!(status, 200, "{v}");
+        slowest = slowest.max(started.elapsed());
+    }
+    // An order of magnitude: without room made, each waits for a header timeout (10 s).
+    assert!(
+        slowest < Duration::from_secs(3),
+        "the slowest took {slowest:?}"
+    );
+    for s in slow {
+        s.abort();
+    }
+}
+
+/// The attack: 20 streams read at a byte a second held 661 MB and were never closed. A client
+/// that takes no write for `node.write_timeout_ms` is hung up on, and its stream's upstream call
+/// ends with it.
+#[tokio::test]
+async fn a_reader_that_stalls_is_hung_up_on() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let up = endless_upstream().await;
+    let extra = format!(
+        "[[provider]]\nid = \"sse\"\nbase_url = \"{up}/sse/v1\"\nmodel = \"m\"\nprobe = \"off\"\n\
+         [[route]]\nmodel = \"x-sse\"\ntargets = [\"sse/m\"]\n"
+    );
+    let g = gateway_on(
+        "stall",
+        "write_timeout_ms = 1000\nmax_answer_bytes = 268435456",
+        &extra,
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
+    let addr = g.url.trim_start_matches("http://").to_string();
+    let body = json!({"model": "x-sse", "stream": true,
+                      "messages": [{"role": "user", "content": "never read"}]})
+    .to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // Read nothing for a while: the socket's buffers fill, then a write waits past the limit.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 16];
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got += n,
+            }
+        }
+    })
+    .await;
+    assert!(
+        ended.is_ok(),
+        "still streaming after 20 s ({got} bytes read)"
+    );
+    assert!(
+        got < 64 << 20,
+        "{got} bytes were buffered for the stalled reader"
+    );
 }
