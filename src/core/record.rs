@@ -436,19 +436,47 @@ pub struct Record {
     /// Shared with the decision's other readers (the live decision stream): never copied,
     /// and written out once.
     pub decision: std::sync::Arc<Decided>,
-    /// The messages' content was left out (`[decision_log] content = "hash"`): each content is
-    /// its hash, and the record cannot be replayed.
+    /// The messages' and answers' content was left out (`[decision_log] content = "hash"`, or
+    /// more of it than `max_content_bytes`): each is its hash, and the record cannot be replayed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub content_hashed: bool,
 }
 
 impl Record {
+    /// The bytes of content it carries: the request's messages and every answer's.
+    pub fn content_bytes(&self) -> usize {
+        let asked: usize = self.request.messages.iter().map(|m| m.content.len()).sum();
+        let answered: usize = self
+            .calls
+            .iter()
+            .map(|l| match &l.call {
+                Call::Complete { generation } => generation.content.len(),
+                _ => 0,
+            })
+            .sum();
+        asked + answered
+    }
+
+    /// Keep every message's and answer's content as `hash` of it only: the record stays
+    /// listed and explained as far as it goes, but cannot be replayed.
+    pub fn hash_content(&mut self, hash: impl Fn(&str) -> String) {
+        for m in &mut self.request.messages {
+            m.content = hash(&m.content);
+        }
+        for l in &mut self.calls {
+            if let Call::Complete { generation } = &mut l.call {
+                generation.content = hash(&generation.content);
+            }
+        }
+        self.content_hashed = true;
+    }
+
     /// Drive the request through a fresh engine with `config`, each call on the state it saw.
     pub fn replay(&self, config: &Config) -> Result<Decision, String> {
         if self.content_hashed {
             return Err(
-                "the messages were left out of this record (content = \"hash\"), so it \
-                        cannot be replayed"
+                "the messages were left out of this record (content = \"hash\", or more \
+                 than [decision_log] max_content_bytes), so it cannot be replayed"
                     .into(),
             );
         }
@@ -670,7 +698,7 @@ mod tests {
         let mut cut = r.clone();
         cut.calls.pop();
         assert!(cut.replay(&e.config).unwrap_err().contains("dispatched"));
-        let mut hashed = r;
+        let mut hashed = r.clone();
         hashed.content_hashed = true;
         assert!(
             hashed
@@ -678,5 +706,22 @@ mod tests {
                 .unwrap_err()
                 .contains("cannot be replayed")
         );
+        // Content counted and hashed: the request's messages and every answer.
+        let asked: usize = r.request.messages.iter().map(|m| m.content.len()).sum();
+        assert!(r.content_bytes() > asked, "an answer's content counts too");
+        let mut h = r;
+        h.hash_content(|c| format!("h{}", c.len()));
+        assert!(h.content_hashed);
+        assert!(
+            h.request
+                .messages
+                .iter()
+                .all(|m| m.content.starts_with('h'))
+        );
+        assert!(h.calls.iter().all(|l| match &l.call {
+            Call::Complete { generation } => generation.content.starts_with('h'),
+            _ => true,
+        }));
+        assert!(h.replay(&e.config).is_err());
     }
 }

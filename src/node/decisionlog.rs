@@ -48,6 +48,9 @@ pub struct LogSettings {
     /// `full`, or `hash`: each message's content is kept as its hash only (the record then
     /// cannot be replayed).
     pub content: Content,
+    /// A record whose messages and answers hold more than this is kept as under `hash`: one
+    /// caller's large requests cannot flush everyone's records out of `max_bytes`.
+    pub max_content_bytes: usize,
     /// Release an answer only once its record is in the stream (acknowledged): a node killed
     /// at any moment has logged every answer it gave, for about one stream round trip per
     /// request (requests waiting together share one write). Off by default.
@@ -69,6 +72,7 @@ impl Default for LogSettings {
             max_age_hours: 24 * 7,
             max_bytes: 256 << 20,
             content: Content::Full,
+            max_content_bytes: 16 << 10,
             durable: false,
         }
     }
@@ -99,14 +103,9 @@ impl Node {
     /// receiver says when it was written (true) or could not be (false), and the write starts
     /// at once.
     pub(crate) fn log_record(&self, mut r: Record) -> Option<tokio::sync::oneshot::Receiver<bool>> {
-        if self.cfg.decision_log.content == Content::Hash {
-            for m in &mut r.request.messages {
-                m.content = format!(
-                    "xxh3:{:016x}",
-                    xxhash_rust::xxh3::xxh3_64(m.content.as_bytes())
-                );
-            }
-            r.content_hashed = true;
+        let settings = &self.cfg.decision_log;
+        if settings.content == Content::Hash || r.content_bytes() > settings.max_content_bytes {
+            r.hash_content(|c| format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(c.as_bytes())));
         }
         let (tx, rx) = if self.cfg.decision_log.durable {
             let (tx, rx) = tokio::sync::oneshot::channel();

@@ -1597,3 +1597,49 @@ async fn a_reader_that_stalls_is_hung_up_on() {
         "{got} bytes were buffered for the stalled reader"
     );
 }
+
+/// The attack: 320 requests of 900 KB evicted every earlier record from the decision log in
+/// 4.9 s. A record holding more than `[decision_log] max_content_bytes` keeps its content as
+/// hashes, so large requests cannot flush everyone's records out of `max_bytes`.
+#[tokio::test]
+async fn large_requests_flush_no_one_s_records_from_the_log() {
+    let g = gateway_with("log-flush", "[decision_log]\nmax_bytes = 8388608\n").await;
+    let nats_url = g._nats.url();
+    let (status, v) = g.ask("small", "the record to keep").await;
+    assert_eq!(status, 200, "{v}");
+    let kept = v["oam"]["request_id"].as_str().unwrap().to_string();
+    let big = "x".repeat(900 << 10);
+    for i in 0..24 {
+        let (status, v) = g.ask("small", &format!("{i} {big}")).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let explain = |id: String| {
+        let nats_url = nats_url.clone();
+        async move {
+            let out = assert_cmd::Command::cargo_bin("oam")
+                .unwrap()
+                .args(["explain", &id, "--json", "--nats-url", &nats_url])
+                .output()
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
+        }
+    };
+    // Written off the request's path: wait until the last large one is in the log.
+    let last = crate::support::eventually(Duration::from_secs(10), || async {
+        let out = assert_cmd::Command::cargo_bin("oam")
+            .unwrap()
+            .args(["audit", "--json", "--limit", "100", "--nats-url", &nats_url])
+            .output()
+            .ok()?;
+        let list: Value = serde_json::from_slice(&out.stdout).ok()?;
+        (list.as_array()?.len() >= 25).then_some(list)
+    })
+    .await
+    .expect("every record is in the log");
+    assert!(last.to_string().contains(&kept), "{last}");
+    let (code, out) = explain(kept).await;
+    assert_eq!(code, Some(0), "the small record still replays: {out}");
+}
