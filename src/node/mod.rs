@@ -1162,6 +1162,14 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     *lock(&node.http_url) = Some(format!("http://{addr}"));
+    if node.cfg.clients.is_empty() && !node.cfg.budgets.agents.is_empty() {
+        // The rule, said where an operator looks: no keys, no owners.
+        tracing::warn!(
+            node = %node.id,
+            "agent budgets without [[client]] keys: any caller on 127.0.0.1 may name an agent and \
+             spend or hold its budget; give each agent a [[client]] key to bind its budget to it"
+        );
+    }
     Arc::make_mut(&mut node.engine().state.cluster).heartbeat(&node.id, now_ms());
     let mut loops = tokio::task::JoinSet::new();
     loops.spawn(node.clone().publisher_loop());
