@@ -367,6 +367,11 @@ pub struct NodeSnapshot {
     pub escalations_undelivered: u64,
     /// Decision records the decision log did not take (buffer full, no stream, no ack).
     pub decisions_unlogged: u64,
+    /// JetStream stores that do not take this node's writes now (`ledger`, `decision log`),
+    /// with the last error: budgets then fail closed for high-risk work, records are lost.
+    /// Cleared by the next write that succeeds.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub store_faults: BTreeMap<String, String>,
 }
 
 impl NodeSnapshot {

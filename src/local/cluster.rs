@@ -282,6 +282,7 @@ async fn start_all(
         port: ports.nats,
         monitor_port: 0,
         dir: dir.to_path_buf(),
+        max_file_store: None,
     };
     let nats_log = dir.join("nats.log");
     let server = natsd::start(bin, &layout, &creds, &nats_log, Duration::from_secs(15)).await?;
@@ -574,6 +575,15 @@ async fn probe(http: &reqwest::Client, rec: &Record, p: &Started) -> (bool, Stri
                     .map(|p| format!("{}={}", p.id, p.consensus.verdict))
                     .collect();
                 let live = s.live_nodes.len();
+                if !s.store_faults.is_empty() {
+                    // A store that takes no writes: budgets fail closed, records are lost.
+                    let faults: Vec<String> = s
+                        .store_faults
+                        .iter()
+                        .map(|(store, why)| format!("the {store} takes no writes ({why})"))
+                        .collect();
+                    return (false, format!("{live} live nodes; {}", faults.join("; ")));
+                }
                 (true, format!("{live} live nodes; {}", verdicts.join(" ")))
             }
             None => (false, "not answering".into()),

@@ -86,6 +86,7 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> anyhow
         port,
         monitor_port,
         dir: dir.to_path_buf(),
+        max_file_store: None,
     };
     let write =
         |l: &natsd::Layout| super::write_private(&l.config_path(), &natsd::config(l, creds));

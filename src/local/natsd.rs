@@ -167,12 +167,15 @@ impl Credentials {
 
 /// Ports and folders for one server. A port of 0 lets the server pick a free one itself (no
 /// race with other processes between asking for a port and binding it).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Layout {
     pub port: u16,
     pub monitor_port: u16,
     /// Holds `nats.conf`, the ports file and `jetstream/`.
     pub dir: PathBuf,
+    /// JetStream's file storage in all (bytes; `None`: 1 GB): tests fill a small one to see
+    /// what a full store does.
+    pub max_file_store: Option<u64>,
 }
 
 impl Layout {
@@ -203,7 +206,7 @@ max_payload: 2MB
 jetstream {{
   store_dir: {store}
   max_memory_store: 256MB
-  max_file_store: 1GB
+  max_file_store: {max_file_store}
 }}
 accounts {{
   APP {{
@@ -224,6 +227,9 @@ system_account: SYS
         monitor = any_port(layout.monitor_port),
         dir = quote(&layout.dir.display().to_string()),
         store = quote(&layout.dir.join("jetstream").display().to_string()),
+        max_file_store = layout
+            .max_file_store
+            .map_or_else(|| "1GB".to_string(), |b| b.to_string()),
         app_user = quote(&creds.app_user),
         app_password = quote(&creds.app_password),
         sys_user = quote(&creds.sys_user),
@@ -318,6 +324,7 @@ pub async fn start(
         port: server.port,
         monitor_port: server.monitor_port,
         dir: layout.dir.clone(),
+        max_file_store: layout.max_file_store,
     };
     if let Err(e) = crate::local::write_private(&conf, &config(&taken, creds)) {
         let _ = server.child.kill();
@@ -442,6 +449,7 @@ mod tests {
                 port: 4222,
                 monitor_port: 8222,
                 dir: PathBuf::from("/tmp/x y"),
+                max_file_store: None,
             },
             &creds,
         );
@@ -454,6 +462,7 @@ mod tests {
                 port: 0,
                 monitor_port: 0,
                 dir: PathBuf::from("/tmp"),
+                max_file_store: None,
             },
             &creds,
         );

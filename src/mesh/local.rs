@@ -77,6 +77,7 @@ impl LocalMesh {
             port: 0,
             monitor_port: 0,
             dir: dir.clone(),
+            max_file_store: None,
         };
         let log = dir.join("nats.log");
         let started = natsd::start(&bin, &layout, &creds, &log, Duration::from_secs(10)).await;

@@ -162,6 +162,8 @@ impl Node {
                         Ok(Ok(_)) => ready = true,
                         Ok(Err(e)) => {
                             tracing::warn!(node = %self.id, "decision log: cannot open the stream {}: {e}", subjects::DECISION_LOG_STREAM);
+                            self.store_faults
+                                .failed("decision log", format!("cannot open the stream: {e}"));
                         }
                         Err(_) => {
                             tracing::warn!(node = %self.id, "decision log: no answer opening {}", subjects::DECISION_LOG_STREAM);
@@ -178,9 +180,21 @@ impl Node {
                         )
                         .await
                         {
-                            Ok(Ok(ack)) => {
-                                matches!(tokio::time::timeout(ACK_TIMEOUT, ack).await, Ok(Ok(_)))
-                            }
+                            Ok(Ok(ack)) => match tokio::time::timeout(ACK_TIMEOUT, ack).await {
+                                Ok(Ok(_)) => {
+                                    self.store_faults.ok("decision log");
+                                    true
+                                }
+                                Ok(Err(e)) => {
+                                    self.store_faults.failed("decision log", e);
+                                    false
+                                }
+                                Err(_) => {
+                                    self.store_faults
+                                        .failed("decision log", "no acknowledgement");
+                                    false
+                                }
+                            },
                             _ => false,
                         };
                     let counter = if written {

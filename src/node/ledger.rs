@@ -765,21 +765,40 @@ impl Node {
                 })
                 .collect();
             let bytes: bytes::Bytes = serde_json::to_vec(&ledger).ok()?.into();
+            let no_answer = || format!("no answer within {} ms", STORE_TIMEOUT.as_millis());
             let written = match revision {
-                Some(r) => tokio::time::timeout(STORE_TIMEOUT, store.update(k, bytes, r))
-                    .await
-                    .ok()?
-                    .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
-                None => tokio::time::timeout(STORE_TIMEOUT, store.create(k, bytes))
-                    .await
-                    .ok()?
-                    .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
+                Some(r) => {
+                    match tokio::time::timeout(STORE_TIMEOUT, store.update(k, bytes, r)).await {
+                        Err(_) => Err((false, no_answer())),
+                        Ok(w) => w.map_err(|e| {
+                            (
+                                e.kind() == kv::UpdateErrorKind::WrongLastRevision,
+                                e.to_string(),
+                            )
+                        }),
+                    }
+                }
+                None => match tokio::time::timeout(STORE_TIMEOUT, store.create(k, bytes)).await {
+                    Err(_) => Err((false, no_answer())),
+                    Ok(w) => w.map_err(|e| {
+                        (
+                            e.kind() == kv::CreateErrorKind::AlreadyExists,
+                            e.to_string(),
+                        )
+                    }),
+                },
             };
             match written {
-                Ok(revision) => return Some((ledger, granted, revision)),
+                Ok(revision) => {
+                    self.store_faults.ok("ledger");
+                    return Some((ledger, granted, revision));
+                }
                 // Another node wrote first: read again.
-                Err(true) => continue,
-                Err(false) => return None,
+                Err((true, _)) => continue,
+                Err((false, why)) => {
+                    self.store_faults.failed("ledger", why);
+                    return None;
+                }
             }
         }
         tracing::warn!(node = %self.id, key = k, "budget ledger: {CAS_TRIES} conflicting writes in a row");

@@ -121,6 +121,36 @@ pub struct Node {
     chaos: Mutex<NodeChaos>,
     /// Woken when the node is cut off from NATS or reconnected.
     isolation_changed: tokio::sync::Notify,
+    /// JetStream stores that refuse this node's writes now.
+    pub(crate) store_faults: StoreFaults,
+}
+
+/// The JetStream stores that do not take this node's writes now (a full store, JetStream gone
+/// on the server, no answer), each with its last error; a store's next write that succeeds
+/// clears it. Shown in the snapshot, so `oam mesh status` and `oam watch` say so.
+#[derive(Default)]
+pub(crate) struct StoreFaults(Mutex<BTreeMap<&'static str, String>>);
+
+impl StoreFaults {
+    pub(crate) fn failed(&self, store: &'static str, why: impl std::fmt::Display) {
+        let why = why.to_string();
+        if lock(&self.0).insert(store, why.clone()).is_none() {
+            tracing::error!(store, "the {store} takes no writes: {why}");
+        }
+    }
+
+    pub(crate) fn ok(&self, store: &'static str) {
+        if lock(&self.0).remove(store).is_some() {
+            tracing::info!(store, "the {store} takes writes again");
+        }
+    }
+
+    fn snapshot(&self) -> BTreeMap<String, String> {
+        lock(&self.0)
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), v.clone()))
+            .collect()
+    }
 }
 
 /// Faults a node applies to itself (`oam chaos isolate-node`, `drain-budget`).
@@ -281,6 +311,7 @@ impl Node {
             loop_claims_rx: Mutex::new(Some(loop_claims_rx)),
             loops_joined: AtomicU64::new(0),
             isolation_changed: tokio::sync::Notify::new(),
+            store_faults: StoreFaults::default(),
             cfg,
         }))
     }
@@ -1128,6 +1159,7 @@ impl Node {
             },
             escalations_undelivered: count(&self.undelivered),
             decisions_unlogged: count(&self.log_counters.lost),
+            store_faults: self.store_faults.snapshot(),
         }
     }
 }

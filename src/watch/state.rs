@@ -562,10 +562,22 @@ impl App {
         }
         let dead = self.nodes.len().saturating_sub(live);
         let sick = !unhealthy.is_empty() || !degraded.is_empty();
-        if failed > 0 || sick || dead > 0 || !self.chaos.is_empty() {
+        // Stores a live node cannot write to (budgets fail closed, records are lost).
+        let live_ids = self.live_nodes(now_ms);
+        let stores: std::collections::BTreeSet<&str> = self
+            .nodes
+            .iter()
+            .filter(|(k, _)| live_ids.contains(&k.as_str()))
+            .flat_map(|(_, v)| v.state.store_faults.keys().map(String::as_str))
+            .collect();
+        if failed > 0 || sick || dead > 0 || !self.chaos.is_empty() || !stores.is_empty() {
             let mut why = Vec::new();
             if failed > 0 {
                 why.push(format!("{failed} failed in {w} s"));
+            }
+            if !stores.is_empty() {
+                let list: Vec<&str> = stores.into_iter().collect();
+                why.push(format!("the {} takes no writes", list.join(" and the ")));
             }
             if dead > 0 {
                 why.push(format!("{dead} node(s) down"));
@@ -845,6 +857,20 @@ mod tests {
         let (v, why) = app.banner(6_000);
         assert_eq!(v, Verdict::Degraded);
         assert!(why.contains("2 node(s) down"), "{why}");
+        // A store that takes no writes, as a live node says: degraded, and said.
+        let mut full = state(true, &[("primary", Health::Healthy)]);
+        full.store_faults
+            .insert("ledger".into(), "insufficient resources".into());
+        app.apply(
+            Event::NodeState {
+                node: "n1".into(),
+                state: full,
+            },
+            6_100,
+        );
+        let (v, why) = app.banner(6_100);
+        assert_eq!(v, Verdict::Degraded);
+        assert!(why.contains("the ledger takes no writes"), "{why}");
         // n1 itself hears only itself: no quorum, whatever the verdicts say.
         app.apply(
             Event::NodeState {

@@ -1643,3 +1643,97 @@ async fn large_requests_flush_no_one_s_records_from_the_log() {
     let (code, out) = explain(kept).await;
     assert_eq!(code, Some(0), "the small record still replays: {out}");
 }
+
+/// The attack: a full JetStream store froze the ledger and the decision log (answers unlogged,
+/// spend unsettled) while every node looked healthy. A node now says which store takes no
+/// writes (its snapshot, so `oam mesh status` and `oam watch` show it), high-risk work on a
+/// budget fails closed, and once the store takes writes again the node carries on by itself.
+#[tokio::test]
+async fn a_full_store_is_seen_fails_closed_and_heals() {
+    let g = gateway_on(
+        "full-store",
+        "",
+        "[budgets.agents.spender]\nlimit_usd = 1.0\n[decision_log]\nmax_bytes = 4194304\n",
+        &[],
+        NatsServer::start_small(24 << 20).await,
+    )
+    .await;
+    let high = |q: &str| {
+        let body = json!({"model": "small", "oam": {"agent": "spender", "risk": "high"},
+                          "messages": [{"role": "user", "content": q}]});
+        let url = format!("{}/v1/chat/completions", g.url);
+        async move {
+            let r = client().post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, v) = high("before").await;
+    assert_eq!(status, 200, "{v}");
+    // Fill the store (bounded: at most 40 MB).
+    let nc = oam::transport::connect::connect(&g._nats.url(), "filler", false)
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "FILLER".into(),
+        subjects: vec!["filler".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut full = false;
+    for _ in 0..40 {
+        let ack = js.publish("filler", vec![0u8; 1 << 20].into()).await;
+        if ack.is_err() || ack.unwrap().await.is_err() {
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "the store took 40 MB");
+    let mut i = 0;
+    let refused = crate::support::eventually(Duration::from_secs(10), || {
+        i += 1;
+        let q = format!("while full {i}");
+        let high = &high;
+        async move {
+            let (status, v) = high(&q).await;
+            (status != 200).then_some(v)
+        }
+    })
+    .await
+    .expect("high-risk work on a budget fails closed");
+    assert!(
+        codes(&refused).contains(&"BUDGET_STORE_UNREACHABLE".to_string()),
+        "{refused}"
+    );
+    let s = oam::local::cluster::snapshot(&client(), &g.url)
+        .await
+        .unwrap();
+    assert!(
+        s.store_faults.contains_key("ledger"),
+        "{:?}",
+        s.store_faults
+    );
+    // Room again: the node carries on by itself.
+    js.delete_stream("FILLER").await.unwrap();
+    let mut i = 0;
+    let served = crate::support::eventually(Duration::from_secs(10), || {
+        i += 1;
+        let q = format!("after {i}");
+        let high = &high;
+        async move {
+            let (status, v) = high(&q).await;
+            (status == 200).then_some(v)
+        }
+    })
+    .await;
+    assert!(served.is_some(), "high-risk work is served again");
+    let s = oam::local::cluster::snapshot(&client(), &g.url)
+        .await
+        .unwrap();
+    assert!(
+        !s.store_faults.contains_key("ledger"),
+        "{:?}",
+        s.store_faults
+    );
+}

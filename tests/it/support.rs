@@ -180,6 +180,22 @@ impl NatsServer {
         port: u16,
         creds: oam::local::natsd::Credentials,
     ) -> anyhow::Result<NatsServer> {
+        NatsServer::start_with(port, creds, None).await
+    }
+
+    /// A server whose JetStream file storage holds `max_file_store` bytes in all.
+    pub async fn start_small(max_file_store: u64) -> NatsServer {
+        let creds = oam::local::natsd::Credentials::generate().unwrap();
+        NatsServer::start_with(0, creds, Some(max_file_store))
+            .await
+            .expect("nats-server starts")
+    }
+
+    async fn start_with(
+        port: u16,
+        creds: oam::local::natsd::Credentials,
+        max_file_store: Option<u64>,
+    ) -> anyhow::Result<NatsServer> {
         let (bin, _) = oam::local::natsd::find(None)?;
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -192,6 +208,7 @@ impl NatsServer {
             port,
             monitor_port: 0,
             dir: dir.clone(),
+            max_file_store,
         };
         let server = oam::local::natsd::start(
             &bin,
