@@ -1252,17 +1252,6 @@ async fn only_the_warden_s_key_ends_an_isolation_over_http() {
     let nc = oam::transport::connect::connect(&g._nats.url(), "test", false)
         .await
         .unwrap();
-    let isolate = oam::core::chaos::NodeCommand::Isolate {
-        id: "cut".into(),
-        until_ms: oam::clock::now_ms() + 60_000,
-        key: "k-of-the-warden-0123456789".into(),
-    };
-    nc.publish(
-        oam::transport::subjects::chaos_node("n1"),
-        serde_json::to_vec(&isolate).unwrap().into(),
-    )
-    .await
-    .unwrap();
     let body = json!({"messages": [{"role": "user", "content": "over nats"}]}).to_string();
     // Answered (Some(true)), nobody subscribed (Some(false): the node is cut off), or no
     // answer in time (None: a busy machine, say nothing).
@@ -1283,6 +1272,24 @@ async fn only_the_warden_s_key_ends_an_isolation_over_http() {
             }
         }
     };
+    // The node's subscriptions are in place once it answers over NATS; then it is cut off.
+    let up = crate::support::eventually(Duration::from_secs(10), || {
+        let nc = nc.clone();
+        async move { (answers(nc).await == Some(true)).then_some(()) }
+    })
+    .await;
+    assert!(up.is_some(), "the node serves the NATS data plane");
+    let isolate = oam::core::chaos::NodeCommand::Isolate {
+        id: "cut".into(),
+        until_ms: oam::clock::now_ms() + 60_000,
+        key: "k-of-the-warden-0123456789".into(),
+    };
+    nc.publish(
+        oam::transport::subjects::chaos_node("n1"),
+        serde_json::to_vec(&isolate).unwrap().into(),
+    )
+    .await
+    .unwrap();
     let cut = crate::support::eventually(Duration::from_secs(10), || {
         let nc = nc.clone();
         async move { (answers(nc).await == Some(false)).then_some(()) }
