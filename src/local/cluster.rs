@@ -107,6 +107,12 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
     if let Some(rec) = Record::load(&dir).map_err(plan_err)? {
         let alive = rec.processes.iter().filter(|p| super::is_ours(p)).count();
         if alive > 0 {
+            // Up already: put back any bucket that has gone (only the admin may create one).
+            if let Some((creds, port)) = super::creds::load(&dir)
+                && let Err(e) = create_buckets(&natsd::app_url(port, &creds)).await
+            {
+                tracing::warn!("the mesh is up but its buckets could not be checked: {e:#}");
+            }
             return Ok(Up::AlreadyRunning {
                 dir,
                 alive,

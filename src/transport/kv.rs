@@ -79,6 +79,10 @@ pub fn decision_log_stream(max_age: Duration, max_bytes: u64) -> jetstream::stre
     }
 }
 
+/// How long opening or creating a bucket may take: a server that does not answer (or a role
+/// the server does not let create one, which hears nothing back) is an error, not a hang.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Open the KV bucket `name`, creating it (history 1, `max_age`) if it does not exist.
 pub async fn bucket(
     nats: &async_nats::Client,
@@ -86,24 +90,28 @@ pub async fn bucket(
     max_age: Duration,
 ) -> anyhow::Result<kv::Store> {
     let js = jetstream::new(nats.clone());
-    if let Ok(store) = js.get_key_value(name).await {
+    if let Ok(Ok(store)) = tokio::time::timeout(OPEN_TIMEOUT, js.get_key_value(name)).await {
         return Ok(store);
     }
-    let created = js
-        .create_key_value(kv::Config {
-            bucket: name.to_string(),
-            history: 1,
-            max_age,
-            ..Default::default()
-        })
-        .await;
-    match created {
-        Ok(store) => Ok(store),
-        // Another process created it meanwhile.
-        Err(e) => js
-            .get_key_value(name)
-            .await
-            .map_err(|_| anyhow::anyhow!("cannot open or create the KV bucket {name}: {e}")),
+    let config = kv::Config {
+        bucket: name.to_string(),
+        history: 1,
+        max_age,
+        ..Default::default()
+    };
+    let created = match tokio::time::timeout(OPEN_TIMEOUT, js.create_key_value(config)).await {
+        Ok(Ok(store)) => return Ok(store),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!("no answer within {} s", OPEN_TIMEOUT.as_secs()),
+    };
+    // Another process may have created it meanwhile.
+    match tokio::time::timeout(OPEN_TIMEOUT, js.get_key_value(name)).await {
+        Ok(Ok(store)) => Ok(store),
+        _ => Err(anyhow::anyhow!(
+            "the KV bucket {name} is missing and could not be created ({created}); only the \
+             admin may create one: `oam mesh up --dir DIR` puts back every bucket of a mesh, \
+             running or not"
+        )),
     }
 }
 

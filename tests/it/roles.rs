@@ -528,3 +528,62 @@ async fn no_consumer_copies_an_agent_s_bytes_onto_a_control_subject() {
         assert_eq!(v["oam"]["fallback"], false, "n{}: {v}", i + 1);
     }
 }
+
+/// A bucket deleted (by the admin: no other role may) made `budget list`, `escalation list`
+/// and `agent list` hang with no timeout, as their roles may not create it again. They now say
+/// so within seconds and exit 3, and `oam mesh up` on the running mesh puts the buckets back.
+#[tokio::test]
+async fn a_missing_bucket_is_said_not_waited_for_and_mesh_up_puts_it_back() {
+    let mesh = LocalCluster::up("missing-bucket").await;
+    let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(admin);
+    for stream in ["KV_oam-budgets", "KV_oam-escalations", "KV_mesh-catalog"] {
+        js.delete_stream(stream).await.unwrap();
+    }
+    // At once: each waits a few seconds for the create its role may not make.
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for args in [
+            &["budget", "list"][..],
+            &["escalation", "list"],
+            &["agent", "list"],
+        ] {
+            let mesh = &mesh;
+            s.spawn(move || {
+                let out = in_folder(mesh, args);
+                assert_eq!(out.status.code(), Some(3), "{args:?}");
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert!(
+                    err.contains("is missing and could not be created"),
+                    "{args:?}: {err}"
+                );
+            });
+        }
+    });
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let up = mesh
+        .oam()
+        .env_remove("OAM_NATS_URL")
+        .args(["mesh", "up", "--dir"])
+        .arg(&mesh.dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    for args in [
+        &["budget", "list", "--json"][..],
+        &["escalation", "list", "--json"],
+        &["agent", "list", "--json"],
+    ] {
+        succeeded(&in_folder(&mesh, args));
+    }
+}
