@@ -241,6 +241,24 @@ mod tests {
     }
 
     #[test]
+    fn a_consumer_s_delivery_is_told_from_a_publish() {
+        let msg = |reply: Option<&str>| async_nats::Message {
+            subject: "oam.v1.chaos.node.all".into(),
+            reply: reply.map(Into::into),
+            payload: bytes::Bytes::new(),
+            headers: None,
+            status: None,
+            description: None,
+            length: 0,
+        };
+        assert!(from_jetstream(&msg(Some(
+            "$JS.ACK.KV_mesh-catalog.N8jufqfl.1.1.1.1796166764736555641.0"
+        ))));
+        assert!(!from_jetstream(&msg(None)));
+        assert!(!from_jetstream(&msg(Some("_OAM.warden.abc.1"))));
+    }
+
+    #[test]
     fn private_inboxes_never_nest() {
         assert_eq!(private_inbox("node-n1").as_deref(), Some("_OAM.node.n1"));
         assert_eq!(private_inbox("oam").as_deref(), Some("_OAM.admin"));
