@@ -338,13 +338,15 @@ impl Caller {
             .await
             .map_err(|e| broken(&e))?;
         stream.sub = Some(sub);
-        // Where an SDK agent streams. A role that may not read it (one without the SDK's
-        // subjects) is told so by the server and simply hears nothing there.
-        stream.shared = self
-            .nats
-            .subscribe(subjects::stream(&request_id))
-            .await
-            .ok();
+        // Where an SDK agent streams, for a client that may read it (asking without the right
+        // only earns a permissions violation from the server).
+        if subjects::may_read_shared(&private) {
+            stream.shared = self
+                .nats
+                .subscribe(subjects::stream(&request_id))
+                .await
+                .ok();
+        }
         let ack_to = format!("{}.{request_id}", self.ack_prefix);
         let mut h = HeaderMap::new();
         h.insert(protocol::H_REQUEST_ID, request_id.as_str());

@@ -136,6 +136,13 @@ pub fn from_jetstream(m: &async_nats::Message) -> bool {
     m.reply.as_ref().is_some_and(|r| r.starts_with("$JS.ACK."))
 }
 
+/// Whether a client whose inboxes are named like `inbox` may read the SDK's shared subjects
+/// (`_INBOX.>`, `mesh.stream.>`): SDK roles and users of other servers keep the default inbox
+/// and may; of oam's own roles (private inboxes) only the admin may.
+pub fn may_read_shared(inbox: &str) -> bool {
+    !inbox.starts_with("_OAM.") || inbox.starts_with("_OAM.admin.")
+}
+
 /// Every private inbox of one kind of role (`node`, `agent`, `caller`, `operator`, `admin`,
 /// ...): what a role that answers that kind may publish to.
 pub fn inboxes_of(kind: &str) -> String {
@@ -275,6 +282,8 @@ mod tests {
         assert!(is_inbox("_OAM.caller.abc.1") && is_inbox("_INBOX.abc"));
         assert!(!is_inbox("$KV.oam-budgets.global") && !is_inbox("oam.v1.chaos.node.n1"));
         assert!(!is_inbox("_OAMX.a") && !is_inbox("_INBOX"));
+        assert!(may_read_shared("_INBOX.abc") && may_read_shared("_OAM.admin.abc"));
+        assert!(!may_read_shared("_OAM.caller.abc") && !may_read_shared("_OAM.agent.x.abc"));
         for stranger in ["bob", "node-a.b", "agent-", "agent-a.*", "node-"] {
             assert_eq!(private_inbox(stranger), None, "{stranger}");
         }
