@@ -77,8 +77,6 @@ pub const REQUEST_QUEUE: &str = "oam-nodes";
 
 // The agent mesh (Open Agent Mesh protocol; names must match other OAM clients exactly).
 
-/// Every control-plane subject.
-pub const CONTROL_PLANE: &str = "oam.v1.>";
 /// Every agent's serving subject.
 pub const ALL_AGENTS: &str = "mesh.agent.>";
 /// Where agent `name` publishes events (Open Agent Mesh SDK).
@@ -148,8 +146,6 @@ pub fn may_read_shared(inbox: &str) -> bool {
 pub fn inboxes_of(kind: &str) -> String {
     format!("{OAM_INBOX}.{kind}.>")
 }
-/// `oam agent bench`'s raw request/reply baseline.
-pub const BENCH_RAW: &str = "bench.raw.>";
 
 /// The prefix of every agent's serving subject.
 pub const AGENT_PREFIX: &str = "mesh.agent.";
