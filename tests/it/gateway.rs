@@ -104,7 +104,12 @@ fn client() -> reqwest::Client {
 
 impl Gateway {
     async fn ask(&self, model: &str, q: &str) -> (u16, Value) {
-        let body = json!({"model": model, "messages": [{"role": "user", "content": q}]});
+        self.post(json!({"model": model, "messages": [{"role": "user", "content": q}]}))
+            .await
+    }
+
+    /// A chat completion request of `body`: its status and JSON answer.
+    async fn post(&self, body: Value) -> (u16, Value) {
         let r = client()
             .post(format!("{}/v1/chat/completions", self.url))
             .json(&body)
@@ -1089,17 +1094,10 @@ async fn asking_for_many_answers_at_once_escapes_no_budget() {
         json!({"model": "small", "n": n, "max_tokens": 100, "oam": {"agent": "greedy"},
                "messages": [{"role": "user", "content": format!("many {i}")}]})
     };
-    let post = |body: Value| {
-        let url = format!("{}/v1/chat/completions", g.url);
-        async move {
-            let r = client().post(url).json(&body).send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
-    };
-    let (status, v) = post(ask(json!(1))).await;
+    let (status, v) = g.post(ask(json!(1))).await;
     assert_eq!(status, 200, "one answer fits the budget: {v}");
     for _ in 0..8 {
-        let (status, v) = post(ask(json!(128))).await;
+        let (status, v) = g.post(ask(json!(128))).await;
         assert_ne!(status, 200, "{v}");
         assert!(codes(&v).iter().any(|c| c.starts_with("BUDGET")), "{v}");
     }
@@ -1112,7 +1110,7 @@ async fn asking_for_many_answers_at_once_escapes_no_budget() {
     assert!(sent[0]["n"].is_null() || sent[0]["n"] == 1, "{:?}", sent[0]);
     // Not a number of answers: a clear 400.
     for bad in [json!(0), json!(129), json!(1.5), json!("2")] {
-        let (status, v) = post(ask(bad.clone())).await;
+        let (status, v) = g.post(ask(bad.clone())).await;
         assert_eq!(status, 400, "{bad}: {v}");
         assert_eq!(v["error"]["param"], "n", "{v}");
     }
@@ -1158,19 +1156,13 @@ async fn holds_drain(nats_url: &str, agent: &str, within: Duration) -> Vec<(Stri
 async fn a_failed_attempt_gives_its_hold_back() {
     let g = gateway_with("holds", "[budgets.agents.spender]\nlimit_usd = 1.0\n").await;
     let nats_url = g._nats.url();
-    let ask = |body: Value| {
-        let url = format!("{}/v1/chat/completions", g.url);
-        async move {
-            let r = client().post(url).json(&body).send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
-    };
     // A generation error, then another attempt.
     g.fault("primary/big", json!({"mode": "error", "times": 1}))
         .await;
-    let (status, v) = ask(json!({"model": "big", "oam": {"agent": "spender"},
+    let (status, v) = g
+        .post(json!({"model": "big", "oam": {"agent": "spender"},
         "messages": [{"role": "user", "content": "error first"}]}))
-    .await;
+        .await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(tried(&v).len(), 2, "a second attempt after the error: {v}");
     let left = holds_drain(&nats_url, "spender", Duration::from_secs(5)).await;
@@ -1178,10 +1170,11 @@ async fn a_failed_attempt_gives_its_hold_back() {
     // Answers that break the request's own schema on both targets.
     let impossible = json!({"type": "json_schema", "json_schema": {"name": "never", "schema":
         {"type": "object", "required": ["never"], "properties": {"never": {"type": "integer"}}}}});
-    let (_, v) = ask(json!({"model": "big", "oam": {"agent": "spender"},
+    let (_, v) = g
+        .post(json!({"model": "big", "oam": {"agent": "spender"},
         "response_format": impossible,
         "messages": [{"role": "user", "content": "schema"}]}))
-    .await;
+        .await;
     assert!(
         codes(&v).contains(&"SEMANTIC_VALIDATION_FAILED".to_string()),
         "{v}"
@@ -1475,13 +1468,8 @@ async fn thousands_of_tools_are_refused_at_once() {
             .collect()
     };
     let post = |n: usize| {
-        let body = json!({"model": "small", "tools": tools(n),
-                          "messages": [{"role": "user", "content": format!("{n} tools")}]});
-        let url = format!("{}/v1/chat/completions", g.url);
-        async move {
-            let r = client().post(url).json(&body).send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
+        g.post(json!({"model": "small", "tools": tools(n),
+                      "messages": [{"role": "user", "content": format!("{n} tools")}]}))
     };
     let (status, v) = post(6_000).await;
     assert_eq!(status, 400, "{v}");
@@ -1666,13 +1654,10 @@ async fn a_full_store_is_seen_fails_closed_and_heals() {
     )
     .await;
     let high = |q: &str| {
-        let body = json!({"model": "small", "oam": {"agent": "spender", "risk": "high"},
-                          "messages": [{"role": "user", "content": q}]});
-        let url = format!("{}/v1/chat/completions", g.url);
-        async move {
-            let r = client().post(url).json(&body).send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
+        g.post(
+            json!({"model": "small", "oam": {"agent": "spender", "risk": "high"},
+                      "messages": [{"role": "user", "content": q}]}),
+        )
     };
     let (status, v) = high("before").await;
     assert_eq!(status, 200, "{v}");
