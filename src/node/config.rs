@@ -69,6 +69,7 @@
 //! max_age_hours = 168
 //! max_bytes = 268435456       # the stream's size at most (JetStream sets it aside)
 //! content = "full"            # or "hash": messages kept as hashes (not replayable)
+//! max_content_bytes = 16384  # a record with more content than this is kept as under "hash"
 //! durable = false             # true: an answer waits until its record is in the stream
 //! ```
 
