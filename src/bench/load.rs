@@ -285,7 +285,7 @@ async fn read_chunks(
 /// A streamed answer's verdict: answered only if it ended with `[DONE]`; its `oam` object (on
 /// the last chunk, or on an in-band error event) says how it was decided.
 fn read_stream(s: &mut Sample, body: &[u8]) {
-    let mut parser = crate::node::sse::Parser::default();
+    let mut parser = crate::http::sse::Parser::default();
     let events = parser.feed(body).unwrap_or_default();
     let oam = events
         .iter()

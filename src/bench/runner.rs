@@ -134,11 +134,11 @@ async fn set_budgets(
             anyhow::anyhow!("scenario {}: the budget ledger: {e}", s.name),
         )
     };
-    let store = crate::transport::kv::bucket(nats, subjects::BUDGETS_BUCKET, Duration::ZERO)
+    let store = crate::transport::store::bucket(nats, subjects::BUDGETS_BUCKET, Duration::ZERO)
         .await
         .map_err(|e| unreachable(e.to_string()))?;
     for b in &s.budgets {
-        crate::node::ledger::change(&store, Some(&b.agent), true, |l| {
+        crate::transport::store::ledger::change(&store, Some(&b.agent), true, |l| {
             l.limit_usd = b.limit_usd;
             l.spent_usd = 0.0;
             l.holds.clear();
@@ -184,7 +184,7 @@ async fn settled_budgets(
     let deadline = Instant::now() + Duration::from_secs(10);
     for b in &s.budgets {
         while failed.is_none() {
-            match crate::node::ledger::read(store, Some(&b.agent)).await {
+            match crate::transport::store::ledger::read(store, Some(&b.agent)).await {
                 Ok(Some(l))
                     if l.held_usd(crate::clock::now_ms(), None) > 0.0
                         && Instant::now() < deadline =>
@@ -198,7 +198,9 @@ async fn settled_budgets(
                 Err(e) => failed = Some(Error::new(Kind::Unreachable, e)),
             }
         }
-        let _ = store.delete(crate::node::ledger::key(Some(&b.agent))).await;
+        let _ = store
+            .delete(crate::transport::store::ledger::key(Some(&b.agent)))
+            .await;
     }
     failed.map_or(Ok(out), Err)
 }

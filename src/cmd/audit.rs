@@ -4,7 +4,7 @@
 use crate::core::pipeline::DecisionOutcome;
 use crate::core::record::Record;
 use crate::error::{Error, Kind, Outcome, Result};
-use crate::node::decisionlog::{self, Entry};
+use crate::transport::store::decisions::{self, Entry};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
@@ -73,7 +73,7 @@ pub async fn read(
 ) -> Result<(Vec<Entry>, usize)> {
     let nats = mesh.connect(&super::Role::Viewer, "oam-audit").await?;
     let from = crate::clock::now_ms().saturating_sub(since_ms);
-    decisionlog::read(&nats, from, node, keep)
+    decisions::read(&nats, from, node, keep)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))
 }

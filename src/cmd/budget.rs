@@ -3,7 +3,7 @@
 
 use crate::core::ledger::Ledger;
 use crate::error::{Error, Kind, Result};
-use crate::node::ledger::key;
+use crate::transport::store::ledger::key;
 use crate::transport::subjects::BUDGETS_BUCKET;
 use async_nats::jetstream::kv;
 use std::io::Write;
@@ -87,7 +87,7 @@ pub async fn run(args: Args) -> Result<()> {
 
 async fn open(mesh: &super::MeshArgs, role: &super::Role, name: &str) -> Result<kv::Store> {
     let nats = mesh.connect(role, name).await?;
-    crate::transport::kv::bucket(&nats, BUDGETS_BUCKET, std::time::Duration::ZERO)
+    crate::transport::store::bucket(&nats, BUDGETS_BUCKET, std::time::Duration::ZERO)
         .await
         .map_err(|e| {
             Error::new(
@@ -189,11 +189,11 @@ async fn list(a: ListArgs) -> Result<()> {
 
 /// Read, change and write one budget with compare-and-swap (nodes write it concurrently).
 async fn change(w: Which, create: bool, f: impl Fn(&mut Ledger)) -> Result<()> {
-    use crate::node::ledger::ChangeError;
+    use crate::transport::store::ledger::ChangeError;
     let store = open(&w.mesh, &super::Role::Operator, "oam-budget").await?;
     let agent = if w.global { None } else { w.agent.clone() };
     let k = key(agent.as_deref());
-    match crate::node::ledger::change(&store, agent.as_deref(), create, f).await {
+    match crate::transport::store::ledger::change(&store, agent.as_deref(), create, f).await {
         Ok(ledger) => print_one(&ledger, w.json),
         Err(ChangeError::Missing) => Err(Error::new(
             Kind::Usage,

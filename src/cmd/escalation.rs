@@ -1,7 +1,7 @@
 //! `oam escalation list|resolve`: what waits for a human, and saying it has been seen to.
 
 use crate::error::{Error, Kind, Result};
-use crate::transport::escalations::{self, Mark, Record, Resolved, Status};
+use crate::transport::store::escalations::{self, Mark, Record, Resolved, Status};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]

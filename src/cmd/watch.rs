@@ -8,7 +8,7 @@ use crate::core::pipeline::Decision;
 use crate::core::wire::Envelope;
 use crate::error::{Error, Result};
 use crate::transport::chaos;
-use crate::transport::escalations;
+use crate::transport::store::escalations;
 use crate::transport::subjects;
 use crate::watch::render;
 use crate::watch::state::{App, Event};

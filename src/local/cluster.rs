@@ -451,28 +451,18 @@ pub fn save_system(dir: &Path, port: u16, creds: &natsd::Credentials) -> anyhow:
 /// Create every bucket the mesh and the Open Agent Mesh SDK use, as the admin, so that no
 /// other role needs to create (or may delete) a stream.
 async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
-    use crate::transport::{escalations, kv};
+    use crate::transport::store::{self, decisions, escalations, ledger, loops};
     let nats = crate::transport::connect::connect(admin_url, "oam-mesh-up", false).await?;
     escalations::store(&nats).await?;
-    kv::bucket(
-        &nats,
-        crate::transport::subjects::BUDGETS_BUCKET,
-        Duration::ZERO,
-    )
-    .await?;
-    kv::bucket(
-        &nats,
-        crate::transport::subjects::LOOP_EPISODES_BUCKET,
-        kv::LOOP_EPISODES_AGE,
-    )
-    .await?;
-    for (name, max_age) in kv::MESH_BUCKETS {
-        kv::bucket(&nats, name, max_age).await?;
+    ledger::open(&nats).await?;
+    loops::open(&nats).await?;
+    for (name, max_age) in store::MESH_BUCKETS {
+        store::bucket(&nats, name, max_age).await?;
     }
-    kv::bucket(&nats, super::roles::SDK_CONTEXT_BUCKET, Duration::ZERO).await?;
+    store::bucket(&nats, super::roles::SDK_CONTEXT_BUCKET, Duration::ZERO).await?;
     // The decision log, with the nodes' default retention (a week, 256 MiB).
     async_nats::jetstream::new(nats.clone())
-        .get_or_create_stream(kv::decision_log_stream(
+        .get_or_create_stream(decisions::stream(
             Duration::from_secs(7 * 24 * 3600),
             256 << 20,
         ))

@@ -24,7 +24,7 @@
 //! account has one limited user, `observer`,
 //! that may read disconnect advisories and ask for connection lists (never kick).
 
-use crate::transport::{escalations, subjects};
+use crate::transport::{store::escalations, subjects};
 
 /// One role, with the name it is for where it has one.
 #[derive(Clone, Debug, PartialEq, Eq)]

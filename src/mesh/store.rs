@@ -3,13 +3,13 @@
 //! instance records (which instance serves which agents; leases that expire unless renewed).
 
 use super::protocol::{self, CatalogEntry};
-use crate::transport::kv::bucket;
+use crate::transport::store::bucket;
 use crate::transport::subjects;
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use crate::transport::kv::INSTANCE_LEASE;
+pub use crate::transport::store::INSTANCE_LEASE;
 
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct InstanceRecord {
@@ -189,7 +189,7 @@ pub async fn renew(nats: &async_nats::Client, entry: &CatalogEntry, instance_id:
 pub async fn all_instances(nats: &async_nats::Client) -> anyhow::Result<Vec<InstanceRecord>> {
     let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
     let mut out = Vec::new();
-    for key in crate::transport::kv::keys(&store).await? {
+    for key in crate::transport::store::keys(&store).await? {
         if let Ok(Some(raw)) = store.get(&key).await
             && let Ok(rec) = serde_json::from_slice::<InstanceRecord>(&raw)
         {
@@ -249,7 +249,7 @@ pub async fn claim_tombstone(
     match bucket(
         nats,
         subjects::TOMBSTONES_BUCKET,
-        crate::transport::kv::TOMBSTONE_AGE,
+        crate::transport::store::TOMBSTONE_AGE,
     )
     .await
     {
@@ -268,7 +268,7 @@ pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str, agent
     if let Ok(store) = bucket(
         nats,
         subjects::TOMBSTONES_BUCKET,
-        crate::transport::kv::TOMBSTONE_AGE,
+        crate::transport::store::TOMBSTONE_AGE,
     )
     .await
     {

@@ -258,7 +258,7 @@ fn judge(
 /// A streamed answer under way: the upstream's events as they arrive.
 pub struct Upstream {
     source: Source,
-    parser: super::sse::Parser,
+    parser: crate::http::sse::Parser,
     ready: std::collections::VecDeque<String>,
     /// Bytes the stream may still bring (`node.max_answer_bytes` in all).
     left: usize,
@@ -410,7 +410,7 @@ impl Connector {
             return Opened::Streaming(
                 Upstream {
                     source: Source::Http(resp),
-                    parser: super::sse::Parser::default(),
+                    parser: crate::http::sse::Parser::default(),
                     ready: std::collections::VecDeque::new(),
                     left: self.post.max_answer_bytes(),
                 },
@@ -455,7 +455,7 @@ impl Upstream {
         ready.push_back("[DONE]".into());
         Upstream {
             source: Source::Replay,
-            parser: super::sse::Parser::default(),
+            parser: crate::http::sse::Parser::default(),
             ready,
             left: 0,
         }

@@ -21,7 +21,7 @@ use crate::core::ledger::Ledger;
 use crate::core::pipeline::{Engine, Session, Step};
 use crate::core::reason::ReasonCode;
 use crate::core::request::{Risk, round_usd};
-use crate::transport::subjects::BUDGETS_BUCKET;
+use crate::transport::store::ledger::{CAS_TRIES, STORE_TIMEOUT, key};
 use async_nats::jetstream::kv;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,102 +29,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
-/// How long one ledger round trip may take before the ledger counts as unreachable.
-pub const STORE_TIMEOUT: Duration = Duration::from_millis(750);
-/// Compare-and-swap attempts per key and batch before the batch counts as failed.
-const CAS_TRIES: usize = 32;
 /// How soon settlements the ledger did not take are tried again.
 const RETRY: Duration = Duration::from_millis(200);
 /// Requests applied in one batch at most.
 const BATCH_MAX: usize = 512;
-
-/// The key of the global budget (`None`) or of `agent`'s.
-pub fn key(agent: Option<&str>) -> String {
-    match agent {
-        None => "global".into(),
-        Some(a) => format!("agent.{}", crate::transport::kv::token(a)),
-    }
-}
-
-/// Why an operator's change to a budget record was not made.
-#[derive(Debug)]
-pub enum ChangeError {
-    /// There is no such budget, and the change makes none.
-    Missing,
-    /// The record is not a budget (its parse error).
-    Unreadable(String),
-    /// The store failed or did not take the write.
-    Store(String),
-}
-
-/// Change the budget of `agent` (`None`: the global one) with `f`, by compare-and-swap retried
-/// on conflict; `create` makes it when there is none. The record as written.
-pub async fn change(
-    store: &async_nats::jetstream::kv::Store,
-    agent: Option<&str>,
-    create: bool,
-    f: impl Fn(&mut Ledger),
-) -> Result<Ledger, ChangeError> {
-    use async_nats::jetstream::kv;
-    let k = key(agent);
-    for _ in 0..CAS_TRIES {
-        let entry = store
-            .entry(&k)
-            .await
-            .map_err(|e| ChangeError::Store(e.to_string()))?;
-        let (mut ledger, revision) = match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let l: Ledger = serde_json::from_slice(&e.value)
-                    .map_err(|err| ChangeError::Unreadable(err.to_string()))?;
-                (l, Some(e.revision))
-            }
-            Some(e) => (Ledger::default(), Some(e.revision)),
-            None => (Ledger::default(), None),
-        };
-        if revision.is_none() || ledger == Ledger::default() {
-            if !create {
-                return Err(ChangeError::Missing);
-            }
-            ledger.agent = agent.map(String::from);
-        }
-        f(&mut ledger);
-        let bytes = serde_json::to_vec(&ledger).map_err(|e| ChangeError::Store(e.to_string()))?;
-        let written = match revision {
-            Some(r) => store
-                .update(&k, bytes.into(), r)
-                .await
-                .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
-            None => store
-                .create(&k, bytes.into())
-                .await
-                .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
-        };
-        match written {
-            Ok(_) => return Ok(ledger),
-            Err(true) => {}
-            Err(false) => return Err(ChangeError::Store("the write was not taken".into())),
-        }
-    }
-    Err(ChangeError::Store(format!(
-        "{CAS_TRIES} conflicting writes in a row; try again"
-    )))
-}
-
-/// The budget record of `agent` (`None`: the global one), if there is one.
-pub async fn read(
-    store: &async_nats::jetstream::kv::Store,
-    agent: Option<&str>,
-) -> anyhow::Result<Option<Ledger>> {
-    let k = key(agent);
-    match store.get(&k).await? {
-        Some(bytes) => {
-            Ok(Some(serde_json::from_slice(&bytes).map_err(|e| {
-                anyhow::anyhow!("{k} is not a budget record: {e}")
-            })?))
-        }
-        None => Ok(None),
-    }
-}
 
 /// What the ledger said to a reservation.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -416,12 +324,12 @@ impl Node {
     async fn ledger_store(&self) -> Option<kv::Store> {
         let mut store = self.ledger.store.lock().await;
         if store.is_none() {
-            let open = crate::transport::kv::bucket(&self.nats, BUDGETS_BUCKET, Duration::ZERO);
+            let open = crate::transport::store::ledger::open(&self.nats);
             match tokio::time::timeout(STORE_TIMEOUT * 2, open).await {
                 Ok(Ok(s)) => *store = Some(s),
                 Ok(Err(e)) => tracing::warn!(node = %self.id, "budget ledger: {e:#}"),
                 Err(_) => {
-                    tracing::warn!(node = %self.id, "budget ledger: no answer opening {BUDGETS_BUCKET}");
+                    tracing::warn!(node = %self.id, "budget ledger: no answer opening {}", crate::transport::subjects::BUDGETS_BUCKET);
                 }
             }
         }
@@ -813,7 +721,7 @@ impl Node {
                 .budgets
                 .agents
                 .keys()
-                .find(|a| crate::transport::kv::token(a) == token)
+                .find(|a| crate::transport::store::token(a) == token)
                 .cloned()
         })
     }

@@ -13,23 +13,9 @@ use crate::core::escalation::Escalation;
 use crate::core::loops::{Fingerprint, Incident};
 use crate::core::pipeline::{Decision, Effect};
 use crate::core::wire::LoopEvent;
+use crate::transport::store::loops::{self as claims, CLAIM_TIMEOUT, Claim};
 use crate::transport::subjects;
-use async_nats::jetstream::kv;
-use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
-
-use crate::transport::kv::LOOP_EPISODES_AGE;
-/// How long claiming may take before the incident is raised anyway (better twice than never).
-const CLAIM_TIMEOUT: Duration = Duration::from_millis(750);
-
-/// Who raised an episode's incident, and until when the episode stands.
-#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-struct Claim {
-    incident: String,
-    node: String,
-    until_ms: u64,
-}
 
 impl Node {
     /// Tell the other nodes what this decision counted toward a loop.
@@ -105,15 +91,10 @@ impl Node {
         let Some(mut rx) = super::lock(&self.loop_claims_rx).take() else {
             return;
         };
-        let mut store: Option<kv::Store> = None;
+        let mut store: Option<async_nats::jetstream::kv::Store> = None;
         while let Some(op) = rx.recv().await {
             if store.is_none() {
-                let open = crate::transport::kv::bucket(
-                    &self.nats,
-                    subjects::LOOP_EPISODES_BUCKET,
-                    LOOP_EPISODES_AGE,
-                );
-                store = tokio::time::timeout(CLAIM_TIMEOUT, open)
+                store = tokio::time::timeout(CLAIM_TIMEOUT, claims::open(&self.nats))
                     .await
                     .ok()
                     .and_then(Result::ok);
@@ -125,7 +106,16 @@ impl Node {
                     }
                     let (incident, escalation) = *raise;
                     let won = match &store {
-                        Some(s) => self.claim(s, &incident).await,
+                        Some(s) => {
+                            let cfg = self.engine().config.loops;
+                            let now = now_ms();
+                            let claim = Claim {
+                                incident: incident.id.clone(),
+                                node: self.id.clone(),
+                                until_ms: now + cfg.cooldown_ms + cfg.window_ms,
+                            };
+                            claims::claim(s, &incident.fingerprint.to_string(), &claim, now).await
+                        }
                         None => None,
                     };
                     match won {
@@ -148,59 +138,11 @@ impl Node {
                 }
                 ClaimOp::Release(fp) => {
                     if let Some(s) = &store {
-                        let _ = tokio::time::timeout(CLAIM_TIMEOUT, s.delete(fp.to_string())).await;
+                        claims::release(s, &fp.to_string()).await;
                     }
                 }
             }
         }
-    }
-
-    /// Claim the episode of `incident`: `Some(true)` won, `Some(false)` another node holds a
-    /// claim that stands, `None` the bucket did not answer.
-    async fn claim(&self, store: &kv::Store, incident: &Incident) -> Option<bool> {
-        let key = incident.fingerprint.to_string();
-        let cfg = self.engine().config.loops;
-        let now = now_ms();
-        let claim = Claim {
-            incident: incident.id.clone(),
-            node: self.id.clone(),
-            until_ms: now + cfg.cooldown_ms + cfg.window_ms,
-        };
-        let bytes: bytes::Bytes = serde_json::to_vec(&claim).ok()?.into();
-        for _ in 0..8 {
-            let entry = tokio::time::timeout(CLAIM_TIMEOUT, store.entry(&key))
-                .await
-                .ok()?
-                .ok()?;
-            let written = match entry {
-                Some(e) if e.operation == kv::Operation::Put => {
-                    let standing =
-                        serde_json::from_slice::<Claim>(&e.value).is_ok_and(|c| c.until_ms > now);
-                    if standing {
-                        return Some(false);
-                    }
-                    tokio::time::timeout(
-                        CLAIM_TIMEOUT,
-                        store.update(&key, bytes.clone(), e.revision),
-                    )
-                    .await
-                    .ok()?
-                    .map(|_| ())
-                    .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision)
-                }
-                _ => tokio::time::timeout(CLAIM_TIMEOUT, store.create(&key, bytes.clone()))
-                    .await
-                    .ok()?
-                    .map(|_| ())
-                    .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
-            };
-            match written {
-                Ok(()) => return Some(true),
-                Err(true) => continue, // someone wrote meanwhile: look again
-                Err(false) => return None,
-            }
-        }
-        None
     }
 }
 

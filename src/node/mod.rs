@@ -14,7 +14,6 @@ pub mod live;
 pub mod loops;
 pub mod metrics;
 pub mod server;
-pub mod sse;
 
 use crate::clock::now_ms;
 use crate::core::contract::Contract;
@@ -28,7 +27,7 @@ use crate::core::wire::{
     Arrival, BusCounts, Envelope, Goodbye, Heartbeat, LoopEvent, MemberSnapshot, NodeSnapshot,
     Observations, ProviderSnapshot, Sequencer, Stamper,
 };
-use crate::transport::escalations::Sink;
+use crate::transport::store::escalations::Sink;
 use crate::transport::subjects;
 use config::NodeConfig;
 use connector::Connector;
@@ -609,13 +608,13 @@ impl Node {
                 continue; // a partition loses what it would have said
             }
             if store.is_none() {
-                match crate::transport::escalations::store(&self.nats).await {
+                match crate::transport::store::escalations::store(&self.nats).await {
                     Ok(s) => store = Some(s),
                     Err(err) => tracing::warn!("escalation {} not recorded: {err:#}", e.id),
                 }
             }
             if let Some(s) = &store
-                && let Err(err) = crate::transport::escalations::open(s, &self.id, &e).await
+                && let Err(err) = crate::transport::store::escalations::open(s, &self.id, &e).await
             {
                 tracing::warn!("escalation {} not recorded: {err:#}", e.id);
                 store = None; // the bucket may be gone (a new server): open it afresh next time
@@ -639,7 +638,7 @@ impl Node {
         e: &Escalation,
         store: Option<&async_nats::jetstream::kv::Store>,
     ) {
-        use crate::transport::escalations::{Delivery, delivered};
+        use crate::transport::store::escalations::{Delivery, delivered};
         let sinks = &self.cfg.escalations;
         let (attempts, timeout) = match sink {
             Sink::Webhook(_) => (sinks.webhook_attempts, sinks.webhook_timeout_ms),

@@ -3,6 +3,5 @@
 
 pub mod chaos;
 pub mod connect;
-pub mod escalations;
-pub mod kv;
+pub mod store;
 pub mod subjects;

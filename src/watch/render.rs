@@ -953,7 +953,7 @@ mod tests {
     use crate::core::reason::{Phase, ReasonCode};
     use crate::core::wire::{NodeSnapshot, ProviderSnapshot};
     use crate::mesh::protocol::DeathReason;
-    use crate::transport::escalations::Status;
+    use crate::transport::store::escalations::Status;
     use crate::watch::fixtures;
     use crate::watch::state::Event;
     use ratatui::Terminal;
@@ -1293,7 +1293,7 @@ mod tests {
         let names: Vec<String> = (0..12).map(|i| format!("agent.n{i:02}")).collect();
         app.apply(Event::Catalog(names), NOW);
         for i in 0..6 {
-            let open = crate::transport::escalations::example(
+            let open = crate::transport::store::escalations::example(
                 &format!("esc-{i}"),
                 &format!("bot{i}"),
                 NOW - 1_000 * i,
@@ -1426,7 +1426,7 @@ mod tests {
             },
             NOW - 3_000,
         );
-        let open = crate::transport::escalations::example(
+        let open = crate::transport::store::escalations::example(
             "esc-inc-1",
             "loop-bot",
             NOW - 3_000,

@@ -8,7 +8,7 @@ use crate::core::pipeline::{Decision, DecisionOutcome};
 use crate::core::reason::Phase;
 use crate::core::wire::NodeSnapshot;
 use crate::mesh::protocol::{AgentHeartbeat, DeathNotice};
-use crate::transport::escalations::{Record, Status};
+use crate::transport::store::escalations::{Record, Status};
 use std::collections::{BTreeMap, VecDeque};
 
 /// Decisions kept for the stream.
@@ -335,7 +335,7 @@ impl App {
                 }
             }
             Event::Escalation(record) => {
-                let key = crate::transport::escalations::key(&record.escalation.id);
+                let key = crate::transport::store::escalations::key(&record.escalation.id);
                 if record.status == Status::Resolved {
                     self.escalations.remove(&key);
                 } else {
@@ -771,7 +771,7 @@ mod tests {
 
     #[test]
     fn escalations_stay_open_until_resolved_and_stay_bounded() {
-        use crate::transport::escalations::example;
+        use crate::transport::store::escalations::example;
         let mut app = App::default();
         for (i, id) in ["esc-a", "esc-b", "esc-c"].iter().enumerate() {
             let r = example(id, "bot", 1_000 * i as u64, Status::Open);

@@ -967,7 +967,7 @@ async fn a_corrupt_catalog_is_reported_not_shown_empty() {
     let nc = oam::transport::connect::connect(&url, "test", false)
         .await
         .unwrap();
-    let store = oam::transport::kv::bucket(
+    let store = oam::transport::store::bucket(
         &nc,
         oam::transport::subjects::CATALOG_BUCKET,
         Duration::ZERO,

@@ -480,7 +480,7 @@ async fn load_faults_agents_and_bad_input() {
 /// already there (resolved, say) fails and leaves the record as it was.
 #[tokio::test]
 async fn an_escalation_record_is_never_overwritten() {
-    use oam::transport::escalations;
+    use oam::transport::store::escalations;
     let server = crate::support::NatsServer::start().await;
     let nc = oam::transport::connect::connect(&server.url(), "test", false)
         .await
@@ -538,7 +538,7 @@ async fn forged_chaos_signals_nothing_and_cannot_last_forever() {
         .arg("60")
         .spawn()
         .unwrap();
-    let store = oam::transport::kv::bucket(
+    let store = oam::transport::store::bucket(
         &nc,
         oam::transport::subjects::INSTANCES_BUCKET,
         Duration::from_secs(30),

@@ -391,7 +391,7 @@ impl Gateway {
             .await
             .unwrap();
         let status = r.status().as_u16();
-        let mut parser = oam::node::sse::Parser::default();
+        let mut parser = oam::http::sse::Parser::default();
         let mut events = Vec::new();
         while let Ok(Some(bytes)) = r.chunk().await {
             let at = sent.elapsed().as_millis() as u64;
@@ -604,7 +604,7 @@ async fn a_stream_under_a_contract_is_checked_then_released() {
         .text()
         .await
         .unwrap();
-    let mut p = oam::node::sse::Parser::default();
+    let mut p = oam::http::sse::Parser::default();
     let events = p.feed(text.as_bytes()).unwrap();
     let content: Vec<String> = events
         .iter()
@@ -682,7 +682,7 @@ async fn tool_arguments_must_fit_the_declared_schema() {
         .text()
         .await
         .unwrap();
-    let events = oam::node::sse::Parser::default()
+    let events = oam::http::sse::Parser::default()
         .feed(text.as_bytes())
         .unwrap();
     assert_ne!(

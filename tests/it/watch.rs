@@ -213,14 +213,14 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
         let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
             .await
             .ok()?;
-        let store = oam::transport::escalations::store(&nc).await.ok()?;
+        let store = oam::transport::store::escalations::store(&nc).await.ok()?;
         let e: oam::core::escalation::Escalation = serde_json::from_value(serde_json::json!({
             "id": "esc-after-restart", "request_id": "r-after", "agent": "after-bot", "task": "t",
             "phase": "budget", "reason_codes": ["ESCALATED_BUDGET_EXHAUSTED"],
             "recommended_action": "HUMAN_REVIEW", "created_at_ms": oam::clock::now_ms()
         }))
         .ok()?;
-        oam::transport::escalations::open(&store, "n1", &e)
+        oam::transport::store::escalations::open(&store, "n1", &e)
             .await
             .ok()?;
         eventually(Duration::from_secs(15), || async {

@@ -1,4 +1,12 @@
-//! JetStream KV buckets: open one, creating it on first use.
+//! Every JetStream store oam keeps: the helpers every KV bucket shares (open one, creating it
+//! on first use; list its keys), and one file per store with its records and how each is
+//! read, changed and watched: escalations, the budget ledger, loop-episode claims and the
+//! decision log. The mesh's own buckets are read through `mesh::store`.
+
+pub mod decisions;
+pub mod escalations;
+pub mod ledger;
+pub mod loops;
 
 use async_nats::jetstream::{self, kv};
 use std::time::Duration;
@@ -63,20 +71,6 @@ pub fn token(id: &str) -> String {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
     format!("h-{}-{hash:016x}", hex(&id.as_bytes()[..100]))
-}
-
-/// The decision log's stream (`node::decisionlog`): records older than `max_age` go, and the
-/// oldest go first beyond `max_bytes`.
-pub fn decision_log_stream(max_age: Duration, max_bytes: u64) -> jetstream::stream::Config {
-    jetstream::stream::Config {
-        name: crate::transport::subjects::DECISION_LOG_STREAM.to_string(),
-        subjects: vec![crate::transport::subjects::DECISION_LOG_ALL.to_string()],
-        max_age,
-        max_bytes: i64::try_from(max_bytes).unwrap_or(i64::MAX),
-        discard: jetstream::stream::DiscardPolicy::Old,
-        allow_direct: true,
-        ..Default::default()
-    }
 }
 
 /// How long opening or creating a bucket may take: a server that does not answer (or a role

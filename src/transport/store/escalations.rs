@@ -62,12 +62,12 @@ pub struct Delivery {
 
 /// The bucket key for an escalation id (ids carry request ids, which callers choose).
 pub fn key(id: &str) -> String {
-    super::kv::token(id)
+    super::token(id)
 }
 
 /// Open (or create) the bucket.
 pub async fn store(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
-    crate::transport::kv::bucket(nats, BUCKET, MAX_AGE).await
+    crate::transport::store::bucket(nats, BUCKET, MAX_AGE).await
 }
 
 /// Record `escalation`, raised by `node`, as open.

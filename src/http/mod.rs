@@ -1,4 +1,7 @@
-//! The HTTP client every oam process uses (providers, nodes, the simulator).
+//! HTTP as every oam process uses it: the client (providers, nodes, the simulator) and the
+//! server-sent-events codec (`sse`).
+
+pub mod sse;
 
 use std::time::Duration;
 

@@ -1,0 +1,291 @@
+//! The durable decision log as it is kept: the JetStream stream `OAM_DECISIONS` (subjects
+//! `oam.v1.decisionlog.{node}`), one message per batch of records decided under one pipeline
+//! configuration. Nodes write it (`node::decisionlog`); `oam explain` and `oam audit` read it.
+
+use crate::core::pipeline::Config as PipelineConfig;
+use crate::core::record::Record;
+use crate::transport::subjects;
+use async_nats::jetstream;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A batch message's size at most (the server's max_payload is 1 MB by default).
+const BATCH_BYTES: usize = 512 * 1024;
+/// About what one record takes (one provider, a short exchange): to size a message up front.
+const RECORD_BYTES: usize = 4 * 1024;
+
+/// One message of the log: records decided under one configuration.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct Batch {
+    pub node: String,
+    pub config: PipelineConfig,
+    pub records: Vec<Record>,
+}
+
+/// The stream's configuration: records older than `max_age` go, and the oldest go first beyond
+/// `max_bytes`.
+pub fn stream(max_age: Duration, max_bytes: u64) -> jetstream::stream::Config {
+    jetstream::stream::Config {
+        name: crate::transport::subjects::DECISION_LOG_STREAM.to_string(),
+        subjects: vec![crate::transport::subjects::DECISION_LOG_ALL.to_string()],
+        max_age,
+        max_bytes: i64::try_from(max_bytes).unwrap_or(i64::MAX),
+        discard: jetstream::stream::DiscardPolicy::Old,
+        allow_direct: true,
+        ..Default::default()
+    }
+}
+
+/// A batch message's opening: `{"config":...,"node":...` (its records follow).
+pub fn batch_head(node: &str, config: &PipelineConfig) -> Vec<u8> {
+    let mut head = serde_json::to_vec(&serde_json::json!({"node": node, "config": config}))
+        .unwrap_or_default();
+    head.pop(); // the closing brace: `,"records":[...]}` follows
+    head
+}
+
+/// Encode records into batch messages of at most `BATCH_BYTES` (a record larger than that
+/// goes alone), each record encoded once: (records in it, bytes, who waits for it).
+/// `head` is `batch_head`; a record that cannot be encoded is counted in `lost`.
+pub fn batches<W>(
+    head: &[u8],
+    records: Vec<(Record, Option<W>)>,
+    lost: &AtomicU64,
+) -> Vec<(usize, Vec<u8>, Vec<W>)> {
+    let mut out = Vec::new();
+    // Records are written straight into the message, which is sized for them up front
+    // (growing a half-megabyte buffer by doubling copies it over and over).
+    let mut left = records.len();
+    let fresh =
+        |left: usize| Vec::with_capacity((left * RECORD_BYTES).min(BATCH_BYTES + RECORD_BYTES));
+    let mut msg: Vec<u8> = fresh(left);
+    let mut n = 0;
+    let mut waiters = Vec::new();
+    let close = |msg: &mut Vec<u8>,
+                 n: &mut usize,
+                 waiters: &mut Vec<W>,
+                 out: &mut Vec<(usize, Vec<u8>, Vec<W>)>,
+                 next: Vec<u8>| {
+        if *n > 0 {
+            msg.extend_from_slice(b"]}");
+            out.push((*n, std::mem::replace(msg, next), std::mem::take(waiters)));
+            *n = 0;
+        }
+    };
+    // A message's records are written as a run (a cluster view the record before had is
+    // written once); each message starts its own, so it reads alone.
+    crate::core::record::in_a_run(|| {
+        for (r, waiter) in records {
+            left -= 1;
+            let mark = msg.len();
+            if n == 0 {
+                msg.extend_from_slice(head);
+                msg.extend_from_slice(b",\"records\":[");
+            } else {
+                msg.push(b',');
+            }
+            if serde_json::to_writer(&mut msg, &r).is_err() {
+                msg.truncate(mark);
+                lost.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if n > 0 && msg.len() + 2 > BATCH_BYTES {
+                // Too big for this message: it starts the next one, written afresh.
+                msg.truncate(mark);
+                close(&mut msg, &mut n, &mut waiters, &mut out, fresh(left + 1));
+                crate::core::record::run_afresh();
+                msg.extend_from_slice(head);
+                msg.extend_from_slice(b",\"records\":[");
+                if serde_json::to_writer(&mut msg, &r).is_err() {
+                    msg.clear();
+                    lost.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            }
+            waiters.extend(waiter);
+            n += 1;
+        }
+    });
+    close(&mut msg, &mut n, &mut waiters, &mut out, Vec::new());
+    out
+}
+
+/// One record read back, with the configuration it was decided under and when it was written.
+pub struct Entry {
+    pub config: Arc<PipelineConfig>,
+    pub record: Record,
+}
+
+/// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
+/// oldest first; `node` narrows it to one node's records. Only the records `keep` wants are
+/// held in memory: those, and how many records were read in all. A batch is believed only
+/// from the node whose subject it came on (only that node may publish there).
+pub async fn read(
+    nats: &async_nats::Client,
+    since_ms: u64,
+    node: Option<&str>,
+    keep: impl Fn(&Record) -> bool,
+) -> anyhow::Result<(Vec<Entry>, usize)> {
+    use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+    use futures_util::StreamExt;
+    let js = async_nats::jetstream::new(nats.clone());
+    let stream = js
+        .get_stream(subjects::DECISION_LOG_STREAM)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "no decision log ({}): {e}; nodes write it as they decide",
+                subjects::DECISION_LOG_STREAM
+            )
+        })?;
+    let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
+        .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+    // An ephemeral pull consumer read a few batches per pull: each pull is bounded in
+    // messages, so at most `PULL * BATCH_BYTES` is ever on its way to this reader (unbounded
+    // pulls of a full log outran the server's pending limit for one client, which then dropped
+    // the reader as a slow consumer).
+    const PULL: usize = 16;
+    let consumer = stream
+        .create_consumer(pull::Config {
+            deliver_policy: DeliverPolicy::ByStartTime { start_time: start },
+            filter_subject: node.map(subjects::decision_log).unwrap_or_default(),
+            ack_policy: AckPolicy::None,
+            inactive_threshold: Duration::from_secs(30),
+            memory_storage: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
+    let mut pending = consumer.cached_info().num_pending;
+    let mut out = Vec::new();
+    let mut read = 0;
+    while pending > 0 {
+        let mut messages = consumer
+            .batch()
+            // No more than are there: a pull for more waits for them until it expires.
+            .max_messages(PULL.min(usize::try_from(pending).unwrap_or(PULL)))
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
+        let mut got = 0;
+        while let Some(m) = messages.next().await {
+            let m = m.map_err(|e| {
+                anyhow::anyhow!("the decision log stopped answering after {read} records: {e}")
+            })?;
+            got += 1;
+            pending = m.info().map_or(0, |i| i.pending);
+            match crate::core::record::in_a_run(|| serde_json::from_slice::<Batch>(&m.payload)) {
+                Ok(b)
+                    if *m.subject != *subjects::decision_log(&b.node)
+                        || b.records.iter().any(|r| r.node != b.node) =>
+                {
+                    tracing::warn!(
+                        "records on {} that claim another node ({}) are not believed",
+                        m.subject,
+                        b.node
+                    );
+                }
+                Ok(b) => {
+                    read += b.records.len();
+                    let config = Arc::new(b.config);
+                    out.extend(
+                        b.records
+                            .into_iter()
+                            .filter(|r| keep(r))
+                            .map(|record| Entry {
+                                config: config.clone(),
+                                record,
+                            }),
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!("a decision log message is not a batch of records: {e}");
+                }
+            }
+        }
+        if got == 0 {
+            anyhow::bail!("the decision log stopped answering after {read} records");
+        }
+    }
+    Ok((out, read))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::pipeline::tests::{T0, engine, req};
+    use crate::core::pipeline::{Engine, Step};
+    use crate::core::record::{Call, Recorder};
+    use crate::core::request::Generation;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A decided request's record, its message `content_bytes` long.
+    fn record(e: &mut Engine, id: &str, content_bytes: usize) -> Record {
+        let mut r = req(id);
+        r.messages[0].content = "x".repeat(content_bytes);
+        let rec = Recorder::begin(e, &r, T0);
+        let (mut s, _) = e.begin(r, T0).expect("valid");
+        let mut rec = rec;
+        let call = Call::Complete {
+            generation: Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 5),
+        };
+        rec.call(e, &call, T0 + 5);
+        let Some(Step::Done(d)) = e.apply(&mut s, call, T0 + 5) else {
+            panic!("decided")
+        };
+        rec.finish(Arc::new(crate::core::record::Decided::new(*d)))
+    }
+
+    #[test]
+    fn records_are_split_into_messages_that_fit_and_read_back_in_order() {
+        let mut e = engine();
+        let config = e.config.clone();
+        // Some records larger than the per-record estimate, one larger than a whole message.
+        let sizes: Vec<usize> = (0..300)
+            .map(|i| match i {
+                150 => BATCH_BYTES + 1000,
+                i if i % 7 == 0 => 20_000,
+                _ => 500,
+            })
+            .collect();
+        let mut waiting = Vec::new();
+        let mut receivers: Vec<tokio::sync::oneshot::Receiver<bool>> = Vec::new();
+        for (i, size) in sizes.iter().enumerate() {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            receivers.push(rx);
+            waiting.push((record(&mut e, &format!("r{i}"), *size), Some(tx)));
+        }
+        let lost = AtomicU64::new(0);
+        let out = batches(&batch_head("n1", &config), waiting, &lost);
+        assert_eq!(lost.load(Ordering::Relaxed), 0);
+        assert!(out.len() >= 3, "{} messages", out.len());
+        let mut ids = Vec::new();
+        for (n, bytes, waiters) in &out {
+            // Each message names the cluster view its records share once, and reads alone.
+            let text = std::str::from_utf8(bytes).unwrap();
+            assert_eq!(text.matches("\"self_id\"").count(), 1, "{n} records");
+            let b: Batch =
+                crate::core::record::in_a_run(|| serde_json::from_slice(bytes)).expect("a batch");
+            assert!(
+                b.records
+                    .iter()
+                    .all(|r| r.begin.state.cluster == e.state.cluster)
+            );
+            assert_eq!(b.node, "n1");
+            assert_eq!(b.records.len(), *n);
+            assert_eq!(waiters.len(), *n);
+            // Only a record that is alone may pass the limit.
+            assert!(
+                bytes.len() <= BATCH_BYTES || *n == 1,
+                "{} bytes",
+                bytes.len()
+            );
+            ids.extend(b.records.iter().map(|r| r.decision.request_id.clone()));
+        }
+        let expected: Vec<String> = (0..sizes.len()).map(|i| format!("r{i}")).collect();
+        assert_eq!(ids, expected);
+    }
+}
