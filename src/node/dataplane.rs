@@ -46,9 +46,9 @@ pub fn router(node: Arc<Node>) -> Router {
 async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Response {
     match serde_json::from_slice::<crate::core::chaos::NodeCommand>(&body) {
         Ok(crate::core::chaos::NodeCommand::Restore { id, key })
-            if node.isolation_key_is(&id, &key) =>
+            if node.bus.isolation_key_is(&id, &key) =>
         {
-            node.chaos(crate::core::chaos::NodeCommand::Restore { id, key });
+            node.chaos.apply(crate::core::chaos::NodeCommand::Restore { id, key });
             axum::Json(json!({"applied": true})).into_response()
         }
         Ok(crate::core::chaos::NodeCommand::Restore { .. }) => (
@@ -70,7 +70,7 @@ async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Respon
 }
 
 async fn state(State(node): State<Arc<Node>>) -> Response {
-    axum::Json(node.snapshot()).into_response()
+    axum::Json(super::status::snapshot(&node)).into_response()
 }
 
 async fn metrics(State(node): State<Arc<Node>>) -> Response {
@@ -79,7 +79,7 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        node.prometheus(),
+        super::status::prometheus(&node),
     )
         .into_response()
 }
@@ -301,7 +301,9 @@ fn to_request(
     h: &HeaderMap,
     client: Option<&str>,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    let mut r = decode_request(&node.cfg, body, h, || node.next_request_id())?;
+    let mut r = decode_request(&node.cfg, body, h, || {
+        node.serving.next_request_id(&node.id)
+    })?;
     if let Some(id) = client {
         // Who holds the key is who calls, whatever the request says.
         r.0.agent = id.to_string();
@@ -642,13 +644,19 @@ impl Flight {
             recorder,
             ..
         } = self;
-        let out = node.with_engine(|e| {
+        let out = node.pipeline.with(|e| {
             if let Some(r) = recorder.as_mut() {
                 r.call(e, &call, now);
             }
             e.apply(session, call, now)
         });
-        super::ledger::settle_after(&self.node, &mut self.hold, &self.session, before, ended);
+        super::ledger::settle_after(
+            &self.node.ledger,
+            &mut self.hold,
+            &self.session,
+            before,
+            ended,
+        );
         out
     }
 
@@ -678,14 +686,16 @@ impl Flight {
 impl Drop for Flight {
     fn drop(&mut self) {
         if let Some(ticket) = self.session.ticket() {
-            self.node.forget_waiter(ticket);
+            self.node.pipeline.forget_waiter(ticket);
         }
         // A decided request holds nothing: no lock taken for it.
         if self.session.holds_anything() {
-            self.node.with_engine(|e| e.drop_session(&mut self.session));
+            self.node
+                .pipeline
+                .with(|e| e.drop_session(&mut self.session));
         }
         if let Some(h) = self.hold.take() {
-            self.node.settle(h, 0.0);
+            self.node.ledger.settle(h, 0.0);
         }
     }
 }
@@ -710,12 +720,12 @@ fn begin(node: &Arc<Node>, body: &[u8], headers: &HeaderMap) -> Result<Begun, Bo
     let client = authenticate(node, headers)?;
     let (request, stream, pass) = to_request(node, body, headers, client)
         .map_err(|e| Box::new(bad_request(node, headers, e)))?;
-    let logging = node.logs_decisions();
-    let begun = node.with_engine(|e| {
+    let logging = node.log.enabled();
+    let begun = node.pipeline.with(|e| {
         let now = now_ms();
         let recorder = logging.then(|| Recorder::begin(e, &request, now));
         e.begin(request, now).map(|(session, step)| {
-            let granted = session.ticket().map(|t| node.wait_for_slot(t));
+            let granted = session.ticket().map(|t| node.pipeline.wait_for_slot(t));
             (Flight::new(node.clone(), session, recorder), step, granted)
         })
     });
@@ -789,7 +799,7 @@ pub async fn execute(
                 // Leaving the queue: its waker goes too (a grant that raced with this is handed
                 // on by the engine).
                 if let Some(t) = ticket {
-                    node.forget_waiter(t);
+                    node.pipeline.forget_waiter(t);
                 }
                 let left = flight.call(if caller_left {
                     Call::CallerGone
@@ -818,7 +828,7 @@ pub async fn execute(
                 }
                 // A shared budget holds the attempt's cost first (or the ledger says what next).
                 if d.hold_usd > 0.0
-                    && let Some(next) = node.reserve(&mut flight, d.hold_usd).await
+                    && let Some(next) = node.ledger.reserve(&mut flight, d.hold_usd).await
                 {
                     step = next;
                     continue;
@@ -859,7 +869,7 @@ pub async fn execute(
                         }
                     }
                 }
-                let attempt = match node.target(&d.provider) {
+                let attempt = match node.upstreams.target(&d.provider) {
                     Some((c, model)) => {
                         c.generate(
                             model,
@@ -891,7 +901,7 @@ pub async fn execute(
     let answer = respond(node, &decision, last);
     let logged = conclude(node, decision, record, started);
     // Under `[decision_log] durable`, not before its record is in the stream.
-    node.logged(logged).await;
+    node.log.logged(logged).await;
     Answer { stream, ..answer }
 }
 
@@ -910,21 +920,21 @@ pub(crate) fn conclude(
             latency_ms,
         } = effect
         {
-            node.record_traffic(provider, *outcome, *latency_ms);
+            node.health.record_traffic(provider, *outcome, *latency_ms);
             node.metrics.provider_outcome(provider, "traffic", *outcome);
         }
     }
     node.metrics
         .decision(&decision, started.elapsed().as_secs_f64());
     let decision = std::sync::Arc::new(crate::core::record::Decided::new(decision));
-    let logged = record.and_then(|r| node.log_record(r.finish(decision.clone())));
+    let logged = record.and_then(|r| node.log.keep(r.finish(decision.clone())));
     publish_decision(node, decision);
     logged
 }
 
 fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
-    let request_id =
-        header(headers, "x-request-id").map_or_else(|| node.next_request_id(), String::from);
+    let request_id = header(headers, "x-request-id")
+        .map_or_else(|| node.serving.next_request_id(&node.id), String::from);
     Answer {
         stream: false,
         status: StatusCode::BAD_REQUEST,
@@ -940,17 +950,16 @@ fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
 }
 
 fn publish_decision(node: &Node, d: std::sync::Arc<crate::core::record::Decided>) {
-    node.share_loop_effects(&d);
+    node.loops.share(&d);
     if let Some(i) = &d.incident
         && d.reason_codes.contains(&ReasonCode::AgentLoopDetected)
     {
         // A new loop episode: raised once for the cluster (see `node::loops`).
-        node.raise_loop_incident(i.clone(), d.escalation.clone());
+        node.loops.raise(i.clone(), d.escalation.clone());
     } else if let Some(e) = &d.escalation {
-        node.publish(subjects::escalation(&node.id), e);
-        node.record_escalation(e);
+        node.escalations.raise(e);
     }
-    node.log_decision(d);
+    node.bus.decided(d);
 }
 
 fn respond(node: &Node, d: &Decision, last: Option<super::connector::Attempt>) -> Answer {
@@ -1130,7 +1139,7 @@ async fn chat(
             let n = node.clone();
             let run = async move { execute(&n, &bytes, &headers, caller, true).await };
             let run = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(run));
-            let Ok(answer) = Detachable::new(run, hung_up, node.tasks.clone()).await else {
+            let Ok(answer) = Detachable::new(run, hung_up, node.serving.tasks.clone()).await else {
                 tracing::error!("a request's pipeline panicked");
                 return (
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -1191,30 +1200,31 @@ fn too_large(node: &Arc<Node>, headers: &HeaderMap) -> Answer {
 pub async fn serve_nats(node: Arc<Node>) -> anyhow::Result<()> {
     loop {
         // Isolated (chaos): not a member of the queue group until reconnected.
-        while node.isolated() {
+        while node.bus.isolated() {
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(50)) => {}
-                () = node.stop.cancelled() => return Ok(()),
+                () = node.serving.stop.cancelled() => return Ok(()),
             }
         }
         let mut sub = node
-            .nats
+            .bus
+            .nats()
             .queue_subscribe(subjects::REQUEST, subjects::REQUEST_QUEUE.into())
             .await?;
         loop {
             // Registered before the check, so an isolation between the two is not missed.
-            let changed = node.isolation_changed.notified();
+            let changed = node.bus.isolation_changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if node.isolated() {
+            if node.bus.isolated() {
                 break;
             }
             let msg = tokio::select! {
                 m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
                 _ = changed => break,
-                () = node.stop.cancelled() => {
+                () = node.serving.stop.cancelled() => {
                     // Without a bus there is nothing to leave and nothing more will arrive.
-                    if node.nats.connection_state() != async_nats::connection::State::Connected {
+                    if node.bus.nats().connection_state() != async_nats::connection::State::Connected {
                         return Ok(());
                     }
                     // Leave the group; what was already delivered is still answered.
@@ -1239,7 +1249,7 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
         return; // copied here by a JetStream consumer: nobody asked
     }
     let node = node.clone();
-    node.clone().tasks.spawn(async move {
+    node.clone().serving.tasks.spawn(async move {
         // Answers go to reply inboxes only, whatever subject the asker named.
         let Some(reply) = msg.reply.clone().filter(|r| subjects::is_inbox(r)) else {
             return; // no reply inbox: nobody to answer
@@ -1275,7 +1285,7 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message) {
         // its answer had one, gives way).
         let status = a.status.as_u16().to_string();
         let bytes = super::connector::set_member(&a.body, "status", status.as_bytes());
-        if let Err(e) = node.nats.publish(reply, bytes.into()).await {
+        if let Err(e) = node.bus.nats().publish(reply, bytes.into()).await {
             tracing::debug!("cannot reply on NATS: {e}");
         }
     });

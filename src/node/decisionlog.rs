@@ -7,13 +7,16 @@
 //! in `/metrics` and the node's snapshot, never waited for. `oam explain` and `oam audit` read it.
 
 use super::Node;
+use super::pipeline::lock;
 use crate::core::record::Record;
 use crate::transport::store::decisions::{self, batch_head, batches};
 use crate::transport::subjects;
 use serde::Deserialize;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::{Notify, oneshot};
+use tokio_util::sync::CancellationToken;
 
 /// Records waiting to be written at most; beyond, the oldest are dropped and counted.
 const WAITING_MAX: usize = 8_192;
@@ -74,41 +77,63 @@ pub struct LogCounters {
     pub lost: AtomicU64,
 }
 
-impl Node {
-    pub(crate) fn logs_decisions(&self) -> bool {
-        self.cfg.decision_log.enabled
+pub struct DecisionLog {
+    id: String,
+    settings: LogSettings,
+    /// Decision records waiting for the log, and who waits for each (under `durable`).
+    waiting: Mutex<Vec<(Record, Option<oneshot::Sender<bool>>)>>,
+    full: Notify,
+    pub counters: LogCounters,
+}
+
+/// The service that writes waiting records in batches.
+pub struct Writer(pub Arc<Node>);
+
+impl DecisionLog {
+    pub fn new(id: &str, settings: LogSettings) -> DecisionLog {
+        DecisionLog {
+            id: id.to_string(),
+            settings,
+            waiting: Mutex::default(),
+            full: Notify::new(),
+            counters: LogCounters::default(),
+        }
+    }
+
+    pub(crate) fn enabled(&self) -> bool {
+        self.settings.enabled
     }
 
     /// Keep a decided request's record for the next write (never waits). Under `durable`, the
     /// receiver says when it was written (true) or could not be (false), and the write starts
     /// at once.
-    pub(crate) fn log_record(&self, mut r: Record) -> Option<tokio::sync::oneshot::Receiver<bool>> {
-        let settings = &self.cfg.decision_log;
+    pub(crate) fn keep(&self, mut r: Record) -> Option<oneshot::Receiver<bool>> {
+        let settings = &self.settings;
         if settings.content == Content::Hash || r.content_bytes() > settings.max_content_bytes {
             r.hash_content(|c| format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(c.as_bytes())));
         }
-        let (tx, rx) = if self.cfg.decision_log.durable {
+        let (tx, rx) = if settings.durable {
             let (tx, rx) = tokio::sync::oneshot::channel();
             (Some(tx), Some(rx))
         } else {
             (None, None)
         };
-        let mut waiting = super::lock(&self.records);
+        let mut waiting = lock(&self.waiting);
         if waiting.len() >= WAITING_MAX {
             // Its waiter (if any) hears `false` as its sender goes.
             waiting.remove(0);
-            self.log_counters.lost.fetch_add(1, Ordering::Relaxed);
+            self.counters.lost.fetch_add(1, Ordering::Relaxed);
         }
         let urgent = tx.is_some();
         waiting.push((r, tx));
         if urgent || waiting.len() >= BATCH_RECORDS {
-            self.records_full.notify_one();
+            self.full.notify_one();
         }
         rx
     }
 
     /// Wait (at most the write's own deadlines) until a durable record is written.
-    pub(crate) async fn logged(&self, ack: Option<tokio::sync::oneshot::Receiver<bool>>) {
+    pub(crate) async fn logged(&self, ack: Option<oneshot::Receiver<bool>>) {
         if let Some(rx) = ack
             && !matches!(
                 tokio::time::timeout(ACK_TIMEOUT * 3, rx).await,
@@ -118,44 +143,48 @@ impl Node {
             tracing::warn!(node = %self.id, "an answer released without its record in the decision log");
         }
     }
+}
 
-    /// Write waiting records in batches until the node stops (and once more then).
-    pub(crate) async fn decision_log_loop(self: Arc<Self>) {
-        if !self.logs_decisions() {
+impl Writer {
+    /// Write waiting records in batches until `stop` (and once more then).
+    pub async fn run(self, stop: CancellationToken) {
+        let node = &self.0;
+        let log = &node.log;
+        if !log.enabled() {
             return;
         }
-        let js = async_nats::jetstream::new(self.nats.clone());
+        let js = async_nats::jetstream::new(node.bus.nats().clone());
         let mut ready = false;
-        let subject = subjects::decision_log(&self.id);
+        let subject = subjects::decision_log(&node.id);
         loop {
             let stopping = tokio::select! {
                 () = tokio::time::sleep(EVERY) => false,
-                () = self.records_full.notified() => false,
-                () = self.stop.cancelled() => true,
+                () = log.full.notified() => false,
+                () = stop.cancelled() => true,
             };
-            let waiting: Vec<(Record, Option<tokio::sync::oneshot::Sender<bool>>)> =
-                std::mem::take(&mut *super::lock(&self.records));
+            let waiting: Vec<(Record, Option<oneshot::Sender<bool>>)> =
+                std::mem::take(&mut *lock(&log.waiting));
             if !waiting.is_empty() {
                 if !ready {
-                    let s = &self.cfg.decision_log;
+                    let s = &log.settings;
                     let cfg =
                         decisions::stream(Duration::from_secs(s.max_age_hours * 3600), s.max_bytes);
                     match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg)).await {
                         Ok(Ok(_)) => ready = true,
                         Ok(Err(e)) => {
-                            tracing::warn!(node = %self.id, "decision log: cannot open the stream {}: {e}", subjects::DECISION_LOG_STREAM);
-                            self.store_faults
+                            tracing::warn!(node = %node.id, "decision log: cannot open the stream {}: {e}", subjects::DECISION_LOG_STREAM);
+                            node.store_faults
                                 .failed("decision log", format!("cannot open the stream: {e}"));
                         }
                         Err(_) => {
-                            tracing::warn!(node = %self.id, "decision log: no answer opening {}", subjects::DECISION_LOG_STREAM);
+                            tracing::warn!(node = %node.id, "decision log: no answer opening {}", subjects::DECISION_LOG_STREAM);
                         }
                     }
                 }
-                let head = batch_head(&self.id, &self.cfg.pipeline);
-                for (n, bytes, waiters) in batches(&head, waiting, &self.log_counters.lost) {
+                let head = batch_head(&node.id, &node.cfg.pipeline);
+                for (n, bytes, waiters) in batches(&head, waiting, &log.counters.lost) {
                     let written = ready
-                        && !self.isolated()
+                        && !node.bus.isolated()
                         && match tokio::time::timeout(
                             ACK_TIMEOUT,
                             js.publish(subject.clone(), bytes.into()),
@@ -164,15 +193,15 @@ impl Node {
                         {
                             Ok(Ok(ack)) => match tokio::time::timeout(ACK_TIMEOUT, ack).await {
                                 Ok(Ok(_)) => {
-                                    self.store_faults.ok("decision log");
+                                    node.store_faults.ok("decision log");
                                     true
                                 }
                                 Ok(Err(e)) => {
-                                    self.store_faults.failed("decision log", e);
+                                    node.store_faults.failed("decision log", e);
                                     false
                                 }
                                 Err(_) => {
-                                    self.store_faults
+                                    node.store_faults
                                         .failed("decision log", "no acknowledgement");
                                     false
                                 }
@@ -180,10 +209,10 @@ impl Node {
                             _ => false,
                         };
                     let counter = if written {
-                        &self.log_counters.written
+                        &log.counters.written
                     } else {
                         ready = false; // look at the stream again next time
-                        &self.log_counters.lost
+                        &log.counters.lost
                     };
                     counter.fetch_add(n as u64, Ordering::Relaxed);
                     for w in waiters {

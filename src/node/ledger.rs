@@ -15,6 +15,9 @@
 //! (BUDGET_LOCAL_SHARE), settled in the ledger once it answers again.
 
 use super::Node;
+use super::bus::Bus;
+use super::chaos::Chaos;
+use super::pipeline::Pipeline;
 use crate::clock::now_ms;
 use crate::core::budget::Budget;
 use crate::core::ledger::Ledger;
@@ -28,6 +31,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 
 /// How soon settlements the ledger did not take are tried again.
 const RETRY: Duration = Duration::from_millis(200);
@@ -126,9 +130,11 @@ impl LedgerCounters {
 }
 
 pub struct Ledgers {
+    id: String,
+    pipeline: Pipeline,
+    bus: Arc<Bus>,
+    chaos: Arc<Chaos>,
     tx: mpsc::UnboundedSender<Op>,
-    rx: std::sync::Mutex<Option<mpsc::UnboundedReceiver<Op>>>,
-    store: tokio::sync::Mutex<Option<kv::Store>>,
     /// What this node spent (or holds) on local shares while the ledger was unreachable, by key.
     share: std::sync::Mutex<BTreeMap<String, f64>>,
     /// The newest record (and its revision) of each key this node has seen.
@@ -139,18 +145,33 @@ pub struct Ledgers {
     pub counters: LedgerCounters,
 }
 
-impl Default for Ledgers {
-    fn default() -> Self {
+/// Reservations and settlements on their way to the [`Keeper`].
+pub struct Queue(mpsc::UnboundedReceiver<Op>);
+
+/// The service that applies the queue to the ledger in batches, renews this node's holds, and
+/// mirrors every budget into the engine.
+pub struct Keeper {
+    node: Arc<Node>,
+    rx: mpsc::UnboundedReceiver<Op>,
+    /// The bucket, once open.
+    store: Option<kv::Store>,
+}
+
+impl Ledgers {
+    pub fn new(id: &str, pipeline: Pipeline, bus: Arc<Bus>, chaos: Arc<Chaos>) -> (Ledgers, Queue) {
         let (tx, rx) = mpsc::unbounded_channel();
-        Ledgers {
+        let ledgers = Ledgers {
+            id: id.to_string(),
+            pipeline,
+            bus,
+            chaos,
             tx,
-            rx: std::sync::Mutex::new(Some(rx)),
-            store: tokio::sync::Mutex::new(None),
             share: std::sync::Mutex::default(),
             latest: std::sync::Mutex::default(),
             run: crate::ids::unguessable()[..8].to_string(),
             counters: LedgerCounters::default(),
-        }
+        };
+        (ledgers, Queue(rx))
     }
 }
 
@@ -176,30 +197,30 @@ fn mirror_into(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now:
     *slot = l.view_for(node, now, slot.reserved_usd);
 }
 
-impl Node {
+impl Ledgers {
     /// Who this node's holds in the ledger are: this run of it (`{id}#{run}`).
     pub(crate) fn holder(&self) -> String {
-        format!("{}#{}", self.id, self.ledger.run)
+        format!("{}#{}", self.id, self.run)
     }
 
     /// Reserve the attempt's cost in the shared ledger before it is made. `None`: go ahead (the
     /// flight carries the hold until it settles); `Some(step)`: the engine's next step after a
     /// refusal.
     pub(crate) async fn reserve(
-        self: &Arc<Self>,
+        &self,
         flight: &mut super::dataplane::Flight,
         usd: f64,
     ) -> Option<Step> {
         let agent = flight.session.request().agent.clone();
         let risk = flight.session.request().risk;
-        let (agent_key, global) = self.with_engine(|e| {
+        let (agent_key, global) = self.pipeline.with(|e| {
             let b = &e.state.budgets;
             (
                 b.agents.contains_key(&agent).then(|| key(Some(&agent))),
                 b.global.is_some(),
             )
         });
-        let answer = if self.isolated() {
+        let answer = if self.bus.isolated() {
             Answer::Unreachable
         } else {
             let (reply, rx) = oneshot::channel();
@@ -209,12 +230,12 @@ impl Node {
                 usd,
                 reply,
             };
-            match self.ledger.tx.send(op) {
+            match self.tx.send(op) {
                 Ok(()) => rx.await.unwrap_or(Answer::Unreachable),
                 Err(_) => Answer::Unreachable,
             }
         };
-        let c = &self.ledger.counters;
+        let c = &self.counters;
         let code = match answer {
             Answer::Held => {
                 c.held.fetch_add(1, Ordering::Relaxed);
@@ -262,7 +283,7 @@ impl Node {
         global: bool,
         usd: f64,
     ) -> bool {
-        let (cluster, limits) = self.with_engine(|e| {
+        let (cluster, limits) = self.pipeline.with(|e| {
             let b = &e.state.budgets;
             let limits: Vec<(String, f64)> = agent_key
                 .map(|k| {
@@ -276,7 +297,7 @@ impl Node {
                 .collect();
             (e.state.cluster.effective_size(now_ms()).max(1), limits)
         });
-        let mut share = lock(&self.ledger.share);
+        let mut share = lock(&self.share);
         let fits = limits.iter().all(|(k, limit)| {
             let used = share.get(k).copied().unwrap_or(0.0);
             used + usd <= limit / cluster as f64 + 1e-9
@@ -295,7 +316,7 @@ impl Node {
         let reserved_usd = if hold.local { 0.0 } else { hold.usd };
         if hold.local {
             // The share keeps what was spent, not what was estimated.
-            let mut share = lock(&self.ledger.share);
+            let mut share = lock(&self.share);
             for k in hold
                 .agent_key
                 .iter()
@@ -312,7 +333,7 @@ impl Node {
             .into_iter()
             .chain(hold.global.then(|| key(None)));
         for k in keys {
-            let _ = self.ledger.tx.send(Op::Settle {
+            let _ = self.tx.send(Op::Settle {
                 key: k,
                 reserved_usd,
                 actual_usd,
@@ -320,16 +341,56 @@ impl Node {
         }
     }
 
+    /// The agent a key names, as the engine knows it (the global key names none).
+    fn agent_of(&self, k: &str) -> Option<String> {
+        let token = k.strip_prefix("agent.")?;
+        self.pipeline.with(|e| {
+            e.state
+                .budgets
+                .agents
+                .keys()
+                .find(|a| crate::transport::store::token(a) == token)
+                .cloned()
+        })
+    }
+
+    /// Mirror revision `revision` of key `k` into the engine unless a newer one is there already
+    /// (this node's own write and the watch race), or chaos drained the budget here.
+    fn mirror(&self, k: &str, revision: u64, l: &Ledger) {
+        {
+            let mut latest = lock(&self.latest);
+            if latest.get(k).is_some_and(|(_, r)| revision <= *r) {
+                return;
+            }
+            latest.insert(k.to_string(), (l.clone(), revision));
+        }
+        if !self.chaos.drained(l.agent.as_deref()) {
+            let now = now_ms();
+            self.pipeline
+                .with(|e| mirror_into(e, &self.holder(), l.agent.as_deref(), l, now));
+        }
+    }
+}
+
+impl Keeper {
+    pub fn new(queue: Queue, node: Arc<Node>) -> Keeper {
+        Keeper {
+            node,
+            rx: queue.0,
+            store: None,
+        }
+    }
+
     /// The bucket, opened (or created) on first use; `None` while it cannot be.
-    async fn ledger_store(&self) -> Option<kv::Store> {
-        let mut store = self.ledger.store.lock().await;
+    async fn ledger_store(&mut self) -> Option<kv::Store> {
+        let store = &mut self.store;
         if store.is_none() {
-            let open = crate::transport::store::ledger::open(&self.nats);
+            let open = crate::transport::store::ledger::open(self.node.bus.nats());
             match tokio::time::timeout(STORE_TIMEOUT * 2, open).await {
                 Ok(Ok(s)) => *store = Some(s),
-                Ok(Err(e)) => tracing::warn!(node = %self.id, "budget ledger: {e:#}"),
+                Ok(Err(e)) => tracing::warn!(node = %self.node.id, "budget ledger: {e:#}"),
                 Err(_) => {
-                    tracing::warn!(node = %self.id, "budget ledger: no answer opening {}", crate::transport::subjects::BUDGETS_BUCKET);
+                    tracing::warn!(node = %self.node.id, "budget ledger: no answer opening {}", crate::transport::subjects::BUDGETS_BUCKET);
                 }
             }
         }
@@ -341,12 +402,13 @@ impl Node {
     /// restart), and mirror what the ledger holds.
     async fn seed_ledger(&self, store: &kv::Store) {
         let configured: Vec<(Option<String>, f64)> = self
+            .node
             .cfg
             .budgets
             .agents
             .iter()
             .map(|(a, b)| (Some(a.clone()), b.limit_usd))
-            .chain(self.cfg.budgets.global.map(|b| (None, b.limit_usd)))
+            .chain(self.node.cfg.budgets.global.map(|b| (None, b.limit_usd)))
             .collect();
         for (agent, limit) in configured {
             let k = key(agent.as_deref());
@@ -361,17 +423,14 @@ impl Node {
         }
     }
 
-    /// Apply ledger changes in batches until the node stops; renew this node's holds.
-    pub(crate) async fn ledger_loop(self: Arc<Self>) {
-        let Some(mut rx) = lock(&self.ledger.rx).take() else {
-            return;
-        };
+    /// Apply ledger changes in batches until the node's last handle is gone; renew this
+    /// node's holds; mirror the ledger until `stop`.
+    pub async fn run(mut self, stop: CancellationToken) {
         if let Some(store) = self.ledger_store().await {
             self.seed_ledger(&store).await;
-            let n = self.clone();
-            tokio::spawn(async move { n.watch_ledger(store).await });
+            tokio::spawn(watch(self.node.clone(), store, stop));
         }
-        let lease_ms = self.cfg.node.budget_lease_ms;
+        let lease_ms = self.node.cfg.node.budget_lease_ms;
         let mut renew = tokio::time::interval(Duration::from_millis((lease_ms / 3).max(1)));
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Settlements the ledger has not taken yet (it did not answer).
@@ -381,7 +440,7 @@ impl Node {
             let mut batch = std::mem::take(&mut unsettled);
             let retrying = !batch.is_empty();
             let renewing = tokio::select! {
-                op = rx.recv() => match op {
+                op = self.rx.recv() => match op {
                     Some(op) => { batch.push(op); false }
                     None => return,
                 },
@@ -390,7 +449,7 @@ impl Node {
                 () = tokio::time::sleep(RETRY), if retrying => false,
             };
             while batch.len() < BATCH_MAX {
-                match rx.try_recv() {
+                match self.rx.try_recv() {
                     Ok(op) => batch.push(op),
                     Err(_) => break,
                 }
@@ -407,25 +466,26 @@ impl Node {
                 continue;
             }
             unsettled = self.apply_batch(batch, &renew_keys, &mut held).await;
-            self.ledger
+            self.node
+                .ledger
                 .counters
                 .unsettled
                 .store(unsettled.len() as u64, Ordering::Relaxed);
             if unsettled.is_empty() {
                 // The ledger has everything: local shares start afresh.
-                lock(&self.ledger.share).clear();
+                lock(&self.node.ledger.share).clear();
             }
         }
     }
 
     /// Apply one batch; returns the settlements that could not be written.
     async fn apply_batch(
-        &self,
+        &mut self,
         batch: Vec<Op>,
         renew_keys: &[String],
         held: &mut BTreeMap<String, f64>,
     ) -> Vec<Op> {
-        let store = if self.isolated() {
+        let store = if self.node.bus.isolated() {
             None
         } else {
             self.ledger_store().await
@@ -553,7 +613,7 @@ impl Node {
             // A request that went away meanwhile (its caller gave up) never uses what was held
             // for it: give it back, or the node would renew that hold for as long as it lives.
             if r.reply.send(r.answer).is_err() && r.answer == Answer::Held {
-                self.settle(
+                self.node.ledger.settle(
                     Hold {
                         agent_key: r.agent_key,
                         global: r.global,
@@ -593,9 +653,12 @@ impl Node {
                             reserves[*i].answer = Answer::Refused(refusal);
                         }
                     }
-                    let mine = ledger.holds.get(&self.holder()).map_or(0.0, |h| h.usd);
+                    let mine = ledger
+                        .holds
+                        .get(&self.node.ledger.holder())
+                        .map_or(0.0, |h| h.usd);
                     held.insert(k.clone(), mine);
-                    self.mirror(&k, revision, &ledger);
+                    self.node.ledger.mirror(&k, revision, &ledger);
                 }
                 None => {
                     for (i, _) in &changes {
@@ -619,8 +682,8 @@ impl Node {
     ) -> Option<(Ledger, Vec<bool>, u64)> {
         // The newest record this node knows (its own last write, or the watch's) is tried
         // first: one round trip when no other node wrote since; a conflict reads afresh.
-        let mut known = lock(&self.ledger.latest).get(k).cloned();
-        let holder = self.holder();
+        let mut known = lock(&self.node.ledger.latest).get(k).cloned();
+        let holder = self.node.ledger.holder();
         for _ in 0..CAS_TRIES {
             let entry = match known.take() {
                 Some((l, revision)) => Ok((l, Some(revision))),
@@ -636,15 +699,15 @@ impl Node {
                         match serde_json::from_slice::<Ledger>(&e.value) {
                             Ok(l) => (l, Some(e.revision)),
                             Err(err) => {
-                                tracing::error!(node = %self.id, key = k, "budget ledger record unreadable: {err}");
+                                tracing::error!(node = %self.node.id, key = k, "budget ledger record unreadable: {err}");
                                 return None;
                             }
                         }
                     }
                     other => {
                         // No record (yet, or removed): the engine's limit starts one.
-                        let agent = self.agent_of(k);
-                        let limit = self.with_engine(|e| match &agent {
+                        let agent = self.node.ledger.agent_of(k);
+                        let limit = self.node.pipeline.with(|e| match &agent {
                             Some(a) => e.state.budgets.agents.get(a).map(|b| b.limit_usd),
                             None => e.state.budgets.global.map(|b| b.limit_usd),
                         });
@@ -660,7 +723,7 @@ impl Node {
                 },
             };
             let now = now_ms();
-            let lease = self.cfg.node.budget_lease_ms;
+            let lease = self.node.cfg.node.budget_lease_ms;
             let granted: Vec<bool> = changes
                 .iter()
                 .map(|(_, c)| match *c {
@@ -698,96 +761,61 @@ impl Node {
             };
             match written {
                 Ok(revision) => {
-                    self.store_faults.ok("ledger");
+                    self.node.store_faults.ok("ledger");
                     return Some((ledger, granted, revision));
                 }
                 // Another node wrote first: read again.
                 Err((true, _)) => continue,
                 Err((false, why)) => {
-                    self.store_faults.failed("ledger", why);
+                    self.node.store_faults.failed("ledger", why);
                     return None;
                 }
             }
         }
-        tracing::warn!(node = %self.id, key = k, "budget ledger: {CAS_TRIES} conflicting writes in a row");
+        tracing::warn!(node = %self.node.id, key = k, "budget ledger: {CAS_TRIES} conflicting writes in a row");
         None
     }
+}
 
-    /// The agent a key names, as the engine knows it (the global key names none).
-    fn agent_of(&self, k: &str) -> Option<String> {
-        let token = k.strip_prefix("agent.")?;
-        self.with_engine(|e| {
-            e.state
-                .budgets
-                .agents
-                .keys()
-                .find(|a| crate::transport::store::token(a) == token)
-                .cloned()
-        })
-    }
-
-    /// Mirror every budget (its last record first, then every change, this node's and the
-    /// others') into the engine.
-    async fn watch_ledger(self: Arc<Self>, store: kv::Store) {
-        use futures_util::StreamExt;
+/// Mirror every budget (its last record first, then every change, this node's and the
+/// others') into the engine.
+async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
+    use futures_util::StreamExt;
+    loop {
+        let watch = tokio::time::timeout(STORE_TIMEOUT * 2, store.watch_with_history(">")).await;
+        let Ok(Ok(mut watch)) = watch else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
         loop {
-            let watch =
-                tokio::time::timeout(STORE_TIMEOUT * 2, store.watch_with_history(">")).await;
-            let Ok(Ok(mut watch)) = watch else {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
+            let next = tokio::select! {
+                n = watch.next() => n,
+                () = stop.cancelled() => return,
             };
-            loop {
-                let next = tokio::select! {
-                    n = watch.next() => n,
-                    () = self.stop.cancelled() => return,
-                };
-                let Some(Ok(entry)) = next else {
-                    break;
-                };
-                match entry.operation {
-                    kv::Operation::Put => {
-                        let Ok(l) = serde_json::from_slice::<Ledger>(&entry.value) else {
-                            tracing::warn!(node = %self.id, key = %entry.key, "budget ledger record unreadable; ignored");
-                            continue;
-                        };
-                        self.mirror(&entry.key, entry.revision, &l);
-                    }
-                    kv::Operation::Delete | kv::Operation::Purge => {
-                        let agent = self.agent_of(&entry.key);
-                        self.with_engine(|e| match agent {
-                            Some(a) => {
-                                e.state.budgets.agents.remove(&a);
-                            }
-                            None if entry.key == key(None) => e.state.budgets.global = None,
-                            None => {}
-                        });
-                    }
+            let Some(Ok(entry)) = next else {
+                break;
+            };
+            match entry.operation {
+                kv::Operation::Put => {
+                    let Ok(l) = serde_json::from_slice::<Ledger>(&entry.value) else {
+                        tracing::warn!(node = %node.id, key = %entry.key, "budget ledger record unreadable; ignored");
+                        continue;
+                    };
+                    node.ledger.mirror(&entry.key, entry.revision, &l);
+                }
+                kv::Operation::Delete | kv::Operation::Purge => {
+                    let agent = node.ledger.agent_of(&entry.key);
+                    node.pipeline.with(|e| match agent {
+                        Some(a) => {
+                            e.state.budgets.agents.remove(&a);
+                        }
+                        None if entry.key == key(None) => e.state.budgets.global = None,
+                        None => {}
+                    });
                 }
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-    }
-
-    /// Mirror revision `revision` of key `k` into the engine unless a newer one is there already
-    /// (this node's own write and the watch race), or chaos drained the budget here.
-    fn mirror(&self, k: &str, revision: u64, l: &Ledger) {
-        {
-            let mut latest = lock(&self.ledger.latest);
-            if latest.get(k).is_some_and(|(_, r)| revision <= *r) {
-                return;
-            }
-            latest.insert(k.to_string(), (l.clone(), revision));
-        }
-        if !self.drained(l.agent.as_deref()) {
-            let now = now_ms();
-            self.with_engine(|e| mirror_into(e, &self.holder(), l.agent.as_deref(), l, now));
-        }
-    }
-
-    /// Is `agent`'s budget drained by chaos on this node (its limit is not the ledger's now)?
-    fn drained(&self, agent: Option<&str>) -> bool {
-        agent.is_some_and(|a| super::lock(&self.chaos).drained.contains_key(a))
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -796,7 +824,7 @@ impl Node {
 /// result, or its withdrawal), even if another attempt is now waiting to start (that one
 /// reserves its own).
 pub(crate) fn settle_after(
-    node: &Node,
+    ledgers: &Ledgers,
     hold: &mut Option<Hold>,
     session: &Session,
     cost_before: f64,
@@ -806,6 +834,6 @@ pub(crate) fn settle_after(
         return;
     }
     if let Some(h) = hold.take() {
-        node.settle(h, round_usd((session.cost_usd() - cost_before).max(0.0)));
+        ledgers.settle(h, round_usd((session.cost_usd() - cost_before).max(0.0)));
     }
 }

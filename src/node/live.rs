@@ -54,7 +54,7 @@ pub(crate) async fn open(
     prefill: Option<&str>,
     limits: Streaming,
 ) -> Open {
-    let Some((c, model)) = node.target(&d.provider) else {
+    let Some((c, model)) = node.upstreams.target(&d.provider) else {
         let g = failed(GenerationStatus::Error, Instant::now(), "no connector");
         return Open::Failed(g.into());
     };
@@ -130,7 +130,7 @@ pub(crate) fn respond(
         head: Value::Null,
         delivered: String::new(),
     };
-    node.tasks.spawn(relay.run(first));
+    node.serving.tasks.spawn(relay.run(first));
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         let b = rx.recv().await?;
         Some((Ok::<_, std::convert::Infallible>(b), rx))
@@ -259,7 +259,8 @@ impl Relay {
                     }
                     Step::Dispatch(d) => {
                         if d.hold_usd > 0.0
-                            && let Some(next) = node.reserve(&mut self.flight, d.hold_usd).await
+                            && let Some(next) =
+                                node.ledger.reserve(&mut self.flight, d.hold_usd).await
                         {
                             step = next;
                             continue;
@@ -399,7 +400,7 @@ impl Relay {
         let record = self.flight.recorder();
         let logged = conclude(&node, d, record, started);
         // Under `[decision_log] durable`, the stream ends only once its record is written.
-        node.logged(logged).await;
+        node.log.logged(logged).await;
         let _ = self.send(text).await;
     }
 }

@@ -8,6 +8,8 @@
 //! and one escalation per episode. A call that works ends the episode and its claim.
 
 use super::Node;
+use super::bus::Bus;
+use super::pipeline::Pipeline;
 use crate::clock::now_ms;
 use crate::core::escalation::Escalation;
 use crate::core::loops::{Fingerprint, Incident};
@@ -15,11 +17,39 @@ use crate::core::pipeline::{Decision, Effect};
 use crate::core::wire::LoopEvent;
 use crate::transport::store::loops::{self as claims, CLAIM_TIMEOUT, Claim};
 use crate::transport::subjects;
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
-impl Node {
+pub struct Loops {
+    id: String,
+    bus: Arc<Bus>,
+    claims: mpsc::UnboundedSender<ClaimOp>,
+    /// Loop episodes this node opened that another node had raised already.
+    pub joined: AtomicU64,
+}
+
+/// The service that claims episodes and releases their claims, in order.
+pub struct Claimer {
+    rx: mpsc::UnboundedReceiver<ClaimOp>,
+    node: Arc<Node>,
+}
+
+impl Loops {
+    pub fn new(id: &str, bus: Arc<Bus>) -> (Loops, mpsc::UnboundedReceiver<ClaimOp>) {
+        let (claims, rx) = mpsc::unbounded_channel();
+        let loops = Loops {
+            id: id.to_string(),
+            bus,
+            claims,
+            joined: AtomicU64::new(0),
+        };
+        (loops, rx)
+    }
+
     /// Tell the other nodes what this decision counted toward a loop.
-    pub(crate) fn share_loop_effects(&self, d: &Decision) {
+    pub(crate) fn share(&self, d: &Decision) {
         for effect in &d.effects {
             match effect {
                 Effect::LoopFailure {
@@ -27,7 +57,7 @@ impl Node {
                     agent,
                     task,
                     probe,
-                } => self.publish(
+                } => self.bus.publish(
                     subjects::loop_event(&self.id),
                     LoopEvent::Failure {
                         fingerprint: *fingerprint,
@@ -38,13 +68,13 @@ impl Node {
                     },
                 ),
                 Effect::LoopCleared { fingerprint } => {
-                    self.publish(
+                    self.bus.publish(
                         subjects::loop_event(&self.id),
                         LoopEvent::Cleared {
                             fingerprint: *fingerprint,
                         },
                     );
-                    let _ = self.loop_claims.send(ClaimOp::Release(*fingerprint));
+                    let _ = self.claims.send(ClaimOp::Release(*fingerprint));
                 }
                 _ => {}
             }
@@ -52,12 +82,11 @@ impl Node {
     }
 
     /// Count another node's loop event here.
-    pub(crate) fn apply_loop_event(&self, sender: &str, event: LoopEvent) {
+    pub(crate) fn apply(&self, pipeline: &Pipeline, sender: &str, event: LoopEvent) {
         if sender == self.id {
             return; // counted when it happened
         }
-        let mut e = self.engine();
-        match event {
+        pipeline.with(|e| match event {
             LoopEvent::Failure {
                 fingerprint,
                 agent,
@@ -71,47 +100,53 @@ impl Node {
                 e.remote_loop_failure(fingerprint, &agent, &task, at, probe);
             }
             LoopEvent::Cleared { fingerprint } => e.remote_loop_cleared(fingerprint),
-        }
+        });
     }
 
     /// Raise a new loop episode's incident and escalation unless another node claimed the
     /// episode first.
-    pub(crate) fn raise_loop_incident(&self, incident: Incident, escalation: Option<Escalation>) {
+    pub(crate) fn raise(&self, incident: Incident, escalation: Option<Escalation>) {
         if self
-            .loop_claims
+            .claims
             .send(ClaimOp::Raise(Box::new((incident, escalation))))
             .is_err()
         {
-            self.bus.dropped_events.fetch_add(1, Ordering::Relaxed);
+            let dropped = &self.bus.counters.dropped_events;
+            dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
 
-    /// Claim episodes and release their claims, in order, until the node stops.
-    pub(crate) async fn loop_claim_loop(self: std::sync::Arc<Self>) {
-        let Some(mut rx) = super::lock(&self.loop_claims_rx).take() else {
-            return;
-        };
+impl Claimer {
+    pub fn new(rx: mpsc::UnboundedReceiver<ClaimOp>, node: Arc<Node>) -> Claimer {
+        Claimer { rx, node }
+    }
+
+    /// Claim episodes and release their claims, in order, until the node's last handle is
+    /// gone (a claim is one round trip, bounded by `CLAIM_TIMEOUT`).
+    pub async fn run(mut self, _stop: CancellationToken) {
+        let node = &self.node;
         let mut store: Option<async_nats::jetstream::kv::Store> = None;
-        while let Some(op) = rx.recv().await {
+        while let Some(op) = self.rx.recv().await {
             if store.is_none() {
-                store = tokio::time::timeout(CLAIM_TIMEOUT, claims::open(&self.nats))
+                store = tokio::time::timeout(CLAIM_TIMEOUT, claims::open(node.bus.nats()))
                     .await
                     .ok()
                     .and_then(Result::ok);
             }
             match op {
                 ClaimOp::Raise(raise) => {
-                    if self.isolated() {
+                    if node.bus.isolated() {
                         continue; // a partition loses what it would have said
                     }
                     let (incident, escalation) = *raise;
                     let won = match &store {
                         Some(s) => {
-                            let cfg = self.engine().config.loops;
+                            let cfg = node.pipeline.read().config.loops;
                             let now = now_ms();
                             let claim = Claim {
                                 incident: incident.id.clone(),
-                                node: self.id.clone(),
+                                node: node.id.clone(),
                                 until_ms: now + cfg.cooldown_ms + cfg.window_ms,
                             };
                             claims::claim(s, &incident.fingerprint.to_string(), &claim, now).await
@@ -120,20 +155,19 @@ impl Node {
                     };
                     match won {
                         Some(false) => {
-                            self.loops_joined.fetch_add(1, Ordering::Relaxed);
-                            tracing::info!(node = %self.id, incident = %incident.id, "loop episode already raised by another node");
+                            node.loops.joined.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(node = %node.id, incident = %incident.id, "loop episode already raised by another node");
                             continue;
                         }
                         Some(true) => {}
                         None => {
-                            tracing::warn!(node = %self.id, incident = %incident.id, "cannot claim the loop episode; raising it anyway");
+                            tracing::warn!(node = %node.id, incident = %incident.id, "cannot claim the loop episode; raising it anyway");
                             store = None;
                         }
                     }
-                    self.publish(subjects::incident(&self.id), &incident);
+                    node.bus.publish(subjects::incident(&node.id), &incident);
                     if let Some(e) = escalation {
-                        self.publish(subjects::escalation(&self.id), &e);
-                        self.record_escalation(&e);
+                        node.escalations.raise(&e);
                     }
                 }
                 ClaimOp::Release(fp) => {
@@ -147,7 +181,7 @@ impl Node {
 }
 
 /// Work for the claim task.
-pub(crate) enum ClaimOp {
+pub enum ClaimOp {
     Raise(Box<(Incident, Option<Escalation>)>),
     Release(Fingerprint),
 }

@@ -22,23 +22,35 @@ pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One open connection, as the eviction sees it.
 struct Conn {
-    /// Since when it waits for a request (`None`: a request is in hand).
-    waiting_since: Mutex<Option<Instant>>,
+    /// When it was opened.
+    opened: Instant,
+    /// Since when it waits for a request, in ns after `opened` (`BUSY`: a request is in hand).
+    waiting_since: AtomicU64,
     /// Requests in hand (their responses not yet written out).
     in_hand: AtomicU64,
     close: CancellationToken,
 }
 
+/// `Conn::waiting_since` of a connection with a request in hand.
+const BUSY: u64 = u64::MAX;
+
 impl Conn {
     fn begin(&self) {
         self.in_hand.fetch_add(1, Ordering::Relaxed);
-        *lock(&self.waiting_since) = None;
+        self.waiting_since.store(BUSY, Ordering::Relaxed);
     }
 
     fn end(&self) {
         if self.in_hand.fetch_sub(1, Ordering::Relaxed) == 1 {
-            *lock(&self.waiting_since) = Some(Instant::now());
+            let ns = u64::try_from(self.opened.elapsed().as_nanos()).unwrap_or(BUSY - 1);
+            self.waiting_since.store(ns, Ordering::Relaxed);
         }
+    }
+
+    /// Since when it waits for a request, if it does.
+    fn waiting(&self) -> Option<Instant> {
+        let ns = self.waiting_since.load(Ordering::Relaxed);
+        (ns != BUSY).then(|| self.opened + Duration::from_nanos(ns))
     }
 }
 
@@ -57,7 +69,8 @@ impl Conns {
     fn add(&self) -> (u64, Arc<Conn>) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let c = Arc::new(Conn {
-            waiting_since: Mutex::new(Some(Instant::now())),
+            opened: Instant::now(),
+            waiting_since: AtomicU64::new(0),
             in_hand: AtomicU64::new(0),
             close: CancellationToken::new(),
         });
@@ -76,7 +89,7 @@ impl Conns {
         let longest = open
             .values()
             .filter(|c| !c.close.is_cancelled())
-            .filter_map(|c| lock(&c.waiting_since).map(|since| (since, c)))
+            .filter_map(|c| c.waiting().map(|since| (since, c)))
             .min_by_key(|(since, _)| *since);
         match longest {
             Some((_, c)) => {

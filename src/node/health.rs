@@ -1,0 +1,379 @@
+//! What this node sees of each target's health: a window of samples per target (from traffic
+//! and from probes), the targets that are mesh agents whose death notice came, and the probe
+//! schedule. [`Health`] is the handle the request path and gossip share; [`Prober`] is the
+//! service that probes idle targets and shares this node's observations with the cluster.
+
+use super::bus::Bus;
+use super::config::{NodeConfig, Probe};
+use super::pipeline::{Pipeline, lock};
+use super::upstreams::Upstreams;
+use crate::clock::now_ms;
+use crate::core::contract::Contract;
+use crate::core::health::{Outcome, Stats, Verdict, Window};
+use crate::core::quorum::Observation;
+use crate::core::request::{GenerationStatus, Message};
+use crate::core::wire::Observations;
+use crate::transport::subjects;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// When a target last had a sample from traffic and when it was last probed (ms; 0: never).
+#[derive(Default)]
+struct Clocks {
+    traffic: AtomicU64,
+    probe: AtomicU64,
+}
+
+pub struct Health {
+    id: String,
+    windows: Mutex<BTreeMap<String, Window>>,
+    clocks: BTreeMap<String, Clocks>,
+    /// Targets that are mesh agents whose death notice arrived; UNHEALTHY until a probe
+    /// succeeds again.
+    down: Mutex<BTreeSet<String>>,
+    pipeline: Pipeline,
+    bus: Arc<Bus>,
+}
+
+/// How often idle targets are probed: every `every` ms, and every `quick` ms while one
+/// answers again after failing, until its window has judged the recovery.
+#[derive(Clone, Copy, Debug)]
+pub struct Schedule {
+    pub every: u64,
+    pub quick: u64,
+}
+
+impl Schedule {
+    pub fn new(every_ms: u64) -> Schedule {
+        Schedule {
+            every: every_ms,
+            quick: (every_ms / 4).max(50),
+        }
+    }
+
+    /// Is a target due a probe at `now`? Only an idle one (no traffic sample within `every`:
+    /// a target in use is not probed, its traffic is the probe), once per `every`, or once per
+    /// `quick` while it is `recovering`.
+    pub fn due(&self, now: u64, last_traffic: u64, last_probe: u64, recovering: bool) -> bool {
+        let idle = now.saturating_sub(last_traffic) >= self.every;
+        let since = now.saturating_sub(last_probe);
+        idle && (since >= self.every || (recovering && since >= self.quick))
+    }
+}
+
+/// How a probe's answer is judged: the model list says only that the provider answers; a
+/// chat answer is held to `contract`; a refused probe is this node's misconfiguration.
+pub fn probe_outcome(
+    probe: Probe,
+    status: GenerationStatus,
+    contract_failed: impl FnOnce() -> bool,
+) -> Outcome {
+    match status {
+        GenerationStatus::Ok if probe == Probe::Models => Outcome::Success,
+        GenerationStatus::Ok if contract_failed() => Outcome::ContractFailure,
+        GenerationStatus::Ok => Outcome::Success,
+        GenerationStatus::Timeout => Outcome::Timeout,
+        GenerationStatus::Error
+        | GenerationStatus::RateLimited
+        | GenerationStatus::Rejected
+        | GenerationStatus::ContextLength
+        | GenerationStatus::ContentPolicy
+        | GenerationStatus::Unauthorized => Outcome::Error,
+    }
+}
+
+impl Health {
+    pub fn new(id: &str, cfg: &NodeConfig, pipeline: Pipeline, bus: Arc<Bus>) -> Health {
+        let ids = || cfg.targets.iter().map(|t| t.id.clone());
+        Health {
+            id: id.to_string(),
+            windows: Mutex::new(
+                ids()
+                    .map(|t| (t, Window::new(cfg.node.health_window_ms)))
+                    .collect(),
+            ),
+            clocks: ids().map(|t| (t, Clocks::default())).collect(),
+            down: Mutex::default(),
+            pipeline,
+            bus,
+        }
+    }
+
+    /// A health sample from real traffic.
+    pub fn record_traffic(&self, target: &str, outcome: Outcome, latency_ms: u64) {
+        if let Some(c) = self.clocks.get(target) {
+            c.traffic.store(now_ms(), Ordering::Relaxed);
+        }
+        self.record(target, outcome, latency_ms);
+    }
+
+    /// A sample (traffic or probe) into the target's window.
+    pub fn record(&self, target: &str, outcome: Outcome, latency_ms: u64) {
+        if let Some(w) = lock(&self.windows).get_mut(target) {
+            w.record(now_ms(), outcome, latency_ms);
+        }
+    }
+
+    /// The target's window as it stands at `now`.
+    pub fn stats(&self, target: &str, now: u64) -> Option<Stats> {
+        lock(&self.windows).get(target).map(|w| w.stats(now))
+    }
+
+    /// This node's observations of every target at `now`.
+    fn observations(&self, now: u64) -> Vec<Observation> {
+        let down = lock(&self.down).clone();
+        lock(&self.windows)
+            .iter()
+            .map(|(target, w)| {
+                let mut s = w.stats(now);
+                if down.contains(target) {
+                    // Its death notice outranks the window: down now, not 15 s from now.
+                    s.availability = 0.0;
+                    s.samples = s.samples.max(1);
+                }
+                Observation {
+                    node: self.id.clone(),
+                    provider: target.clone(),
+                    at_ms: now,
+                    verdict: s.verdict(),
+                    availability: s.availability,
+                    contract_failure_pct: s.contract_failure_pct,
+                    p95_ms: s.p95_ms,
+                    samples: s.samples,
+                }
+            })
+            .collect()
+    }
+
+    /// Apply this node's observations to its own view and publish them to the cluster.
+    pub fn share(&self) {
+        let observations = self.observations(now_ms());
+        self.pipeline.with(|e| {
+            let cluster = Arc::make_mut(&mut e.state.cluster);
+            for o in &observations {
+                cluster.observe(o.clone());
+            }
+        });
+        self.bus.publish(
+            subjects::observations(&self.id),
+            Observations {
+                node: self.id.clone(),
+                observations,
+            },
+        );
+    }
+
+    /// Targets whose mesh agent died: down now, and the cluster told at once.
+    pub fn died(&self, targets: Vec<String>) {
+        if targets.is_empty() {
+            return;
+        }
+        tracing::warn!(?targets, "provider agent died; marked down");
+        lock(&self.down).extend(targets);
+        self.share();
+    }
+
+    /// Which targets are due a probe at `now` (each marked probed).
+    fn due(&self, schedule: Schedule, now: u64) -> BTreeSet<String> {
+        let windows = lock(&self.windows);
+        self.clocks
+            .iter()
+            .filter(|(id, c)| {
+                let recovering = windows.get(*id).is_some_and(Window::recovering);
+                let (traffic, probe) = (
+                    c.traffic.load(Ordering::Relaxed),
+                    c.probe.load(Ordering::Relaxed),
+                );
+                schedule.due(now, traffic, probe, recovering)
+            })
+            .map(|(id, c)| {
+                c.probe.store(now, Ordering::Relaxed);
+                id.clone()
+            })
+            .collect()
+    }
+
+    /// A probe's outcome for `target`: recorded, and a target judged healthy again by its
+    /// probes has its breaker half-opened (one request tries it) instead of waiting out its
+    /// open time.
+    fn probed(&self, target: &str, outcome: Outcome, latency_ms: u64) {
+        if outcome == Outcome::Success {
+            lock(&self.down).remove(target);
+        }
+        self.record(target, outcome, latency_ms);
+        let now = now_ms();
+        let healthy = outcome == Outcome::Success
+            && self
+                .stats(target, now)
+                .is_some_and(|s| s.verdict() == Verdict::Healthy);
+        if healthy && self.pipeline.with(|e| e.answering_again(target)).is_some() {
+            tracing::info!(node = %self.id, target, "answering again: breaker half-open");
+        }
+    }
+}
+
+/// The service that probes idle targets as their providers' configuration says.
+pub struct Prober {
+    pub health: Arc<Health>,
+    pub upstreams: Arc<Upstreams>,
+    pub metrics: Arc<super::metrics::Metrics>,
+    pub schedule: Schedule,
+    pub timeout: Duration,
+    /// What traffic that names no route is held to (checked at load), no more.
+    pub contract: Option<Contract>,
+}
+
+impl Prober {
+    pub fn new(
+        cfg: &NodeConfig,
+        health: Arc<Health>,
+        upstreams: Arc<Upstreams>,
+        metrics: Arc<super::metrics::Metrics>,
+    ) -> Prober {
+        let contract = cfg
+            .pipeline
+            .default_contract
+            .as_ref()
+            .and_then(|spec| Contract::for_request(Some(spec), None).ok());
+        Prober {
+            health,
+            upstreams,
+            metrics,
+            schedule: Schedule::new(cfg.node.probe_interval_ms),
+            timeout: Duration::from_millis(cfg.node.probe_timeout_ms),
+            contract,
+        }
+    }
+
+    /// Probe what is due every `quick` ms until `stop`, then share this node's observations
+    /// (at least every `every` ms, and after every round of probes).
+    pub async fn run(self, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_millis(self.schedule.quick));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut shared_at = 0u64;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = stop.cancelled() => return,
+            }
+            let probed = self.round(now_ms()).await;
+            let now = now_ms();
+            if probed || now.saturating_sub(shared_at) >= self.schedule.every {
+                shared_at = now;
+                self.health.share();
+            }
+        }
+    }
+
+    /// One round: every due target probed, at once; whether any was.
+    async fn round(&self, now: u64) -> bool {
+        let due = self.health.due(self.schedule, now);
+        // One model list answers for every idle model of its provider: asked for once.
+        let mut checks: Vec<(Vec<&str>, &super::connector::Connector, &str)> = Vec::new();
+        for (id, c, model) in self.upstreams.all() {
+            if c.probe == Probe::Off || !due.contains(id) {
+                continue;
+            }
+            let same_list = checks
+                .iter_mut()
+                .find(|(_, other, _)| c.probe == Probe::Models && other.id == c.id);
+            match same_list {
+                Some(check) => check.0.push(id),
+                None => checks.push((vec![id], c, model)),
+            }
+        }
+        let probe = [Message {
+            role: "user".into(),
+            content: "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}".into(),
+        }];
+        let probe = &probe;
+        let calls = checks.into_iter().map(|(ids, c, model)| async move {
+            let g = match c.probe {
+                Probe::Models => c.list_models(self.timeout).await,
+                _ => {
+                    let a = c.generate(model, probe, None, 32, None, self.timeout).await;
+                    a.generation
+                }
+            };
+            let outcome = probe_outcome(c.probe, g.status, || {
+                self.contract
+                    .as_ref()
+                    .is_some_and(|k| k.check(&g.content, g.finish_reason.as_deref()).is_err())
+            });
+            (ids, outcome, g.latency_ms)
+        });
+        let calls: Vec<_> = calls.collect();
+        let probed = !calls.is_empty();
+        for (ids, outcome, latency) in futures_util::future::join_all(calls).await {
+            for target in ids {
+                self.health.probed(target, outcome, latency);
+                self.metrics.provider_outcome(target, "probe", outcome);
+            }
+        }
+        probed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_idle_targets_are_probed_once_per_interval() {
+        let s = Schedule::new(1_000);
+        assert_eq!(s.quick, 250);
+        let now = 10_000;
+        assert!(s.due(now, 0, 0, false), "never probed, never used");
+        assert!(
+            !s.due(now, now - 500, 0, false),
+            "traffic within the interval is the probe"
+        );
+        assert!(s.due(now, now - 1_000, now - 1_000, false));
+        assert!(
+            !s.due(now, 0, now - 999, false),
+            "probed within the interval"
+        );
+    }
+
+    #[test]
+    fn a_recovering_target_is_probed_four_times_as_often() {
+        let s = Schedule::new(1_000);
+        let now = 10_000;
+        assert!(s.due(now, 0, now - 250, true));
+        assert!(!s.due(now, 0, now - 249, true));
+        assert!(!s.due(now, 0, now - 250, false));
+        assert!(
+            !s.due(now, now - 10, now - 900, true),
+            "still only when idle"
+        );
+        assert_eq!(Schedule::new(100).quick, 50, "never faster than 50 ms");
+    }
+
+    #[test]
+    fn probe_answers_are_judged_by_what_the_probe_can_tell() {
+        use GenerationStatus as G;
+        let never = || -> bool { panic!("a model list is not held to a contract") };
+        assert_eq!(probe_outcome(Probe::Models, G::Ok, never), Outcome::Success);
+        assert_eq!(
+            probe_outcome(Probe::Chat, G::Ok, || true),
+            Outcome::ContractFailure
+        );
+        assert_eq!(
+            probe_outcome(Probe::Chat, G::Ok, || false),
+            Outcome::Success
+        );
+        assert_eq!(
+            probe_outcome(Probe::Chat, G::Timeout, || false),
+            Outcome::Timeout
+        );
+        for refused in [G::Rejected, G::Unauthorized, G::RateLimited, G::Error] {
+            assert_eq!(
+                probe_outcome(Probe::Chat, refused, || false),
+                Outcome::Error
+            );
+        }
+    }
+}

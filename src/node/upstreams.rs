@@ -1,0 +1,59 @@
+//! Where each target is served: one connector per provider (an HTTP provider or a mesh
+//! agent), and per target the provider and the model it asks for. Built once from the
+//! configuration; read by the request path and the prober.
+
+use super::config::NodeConfig;
+use super::connector::Connector;
+use std::collections::BTreeMap;
+
+pub struct Upstreams {
+    /// One per provider (host), by provider id.
+    connectors: BTreeMap<String, Connector>,
+    /// Per target id: (its provider, the model it asks for).
+    targets: BTreeMap<String, (String, String)>,
+}
+
+impl Upstreams {
+    pub fn new(cfg: &NodeConfig, nats: &async_nats::Client) -> anyhow::Result<Upstreams> {
+        let http = crate::http::http_client(None)?;
+        let post = crate::http::Poster::new(cfg.node.max_answer_bytes)?;
+        let connectors = cfg
+            .providers
+            .iter()
+            .map(|p| {
+                let c = Connector::new(p, http.clone(), post.clone(), Some(nats.clone()));
+                (p.id.clone(), c)
+            })
+            .collect();
+        let targets = cfg
+            .targets
+            .iter()
+            .map(|t| (t.id.clone(), (t.provider.clone(), t.model.clone())))
+            .collect();
+        Ok(Upstreams {
+            connectors,
+            targets,
+        })
+    }
+
+    /// The connector and model that serve a target.
+    pub(crate) fn target(&self, id: &str) -> Option<(&Connector, &str)> {
+        let (provider, model) = self.targets.get(id)?;
+        Some((self.connectors.get(provider)?, model))
+    }
+
+    /// Every target, with its connector and model.
+    pub(crate) fn all(&self) -> impl Iterator<Item = (&str, &Connector, &str)> {
+        self.targets
+            .keys()
+            .filter_map(|id| self.target(id).map(|(c, m)| (id.as_str(), c, m)))
+    }
+
+    /// The targets served by mesh agent `agent`.
+    pub(crate) fn of_agent(&self, agent: &str) -> Vec<String> {
+        self.all()
+            .filter(|(_, c, _)| c.agent.as_deref() == Some(agent))
+            .map(|(id, _, _)| id.to_string())
+            .collect()
+    }
+}
