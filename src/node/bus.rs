@@ -90,6 +90,27 @@ impl Bus {
         (bus, publisher)
     }
 
+    /// Register what the node refused from the bus, read when scraped.
+    pub fn register(self: &Arc<Self>, registry: &super::metrics::Registry) {
+        let bus = self.clone();
+        registry.register(
+            "oam_bus_messages_ignored_total",
+            "Control-plane messages not applied, by reason.",
+            super::metrics::Kind::Counter,
+            move |s| {
+                let c = &bus.counters;
+                for (reason, n) in [
+                    ("malformed", &c.malformed),
+                    ("duplicate_or_stale", &c.duplicate_or_stale),
+                    ("forged", &c.forged),
+                    ("dropped_outgoing", &c.dropped_events),
+                ] {
+                    s.put(&[("reason", reason)], n.load(Ordering::Relaxed));
+                }
+            },
+        );
+    }
+
     /// The connection, for the services that subscribe and read stores.
     pub fn nats(&self) -> &async_nats::Client {
         &self.nats

@@ -79,7 +79,7 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        super::status::prometheus(&node),
+        node.metrics.registry.render(),
     )
         .into_response()
 }

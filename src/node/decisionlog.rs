@@ -77,13 +77,30 @@ pub struct LogCounters {
     pub lost: AtomicU64,
 }
 
+impl LogCounters {
+    /// Register the counters, read when scraped.
+    pub fn register(self: &Arc<Self>, registry: &super::metrics::Registry) {
+        let c = self.clone();
+        registry.register(
+            "oam_decision_log_records_total",
+            "Decision records, by what became of them (lost: the buffer was full, or the \
+             stream did not take them).",
+            super::metrics::Kind::Counter,
+            move |s| {
+                s.put(&[("result", "written")], c.written.load(Ordering::Relaxed));
+                s.put(&[("result", "lost")], c.lost.load(Ordering::Relaxed));
+            },
+        );
+    }
+}
+
 pub struct DecisionLog {
     id: String,
     settings: LogSettings,
     /// Decision records waiting for the log, and who waits for each (under `durable`).
     waiting: Mutex<Vec<(Record, Option<oneshot::Sender<bool>>)>>,
     full: Notify,
-    pub counters: LogCounters,
+    pub counters: Arc<LogCounters>,
 }
 
 /// The service that writes waiting records in batches.
@@ -96,7 +113,7 @@ impl DecisionLog {
             settings,
             waiting: Mutex::default(),
             full: Notify::new(),
-            counters: LogCounters::default(),
+            counters: Arc::default(),
         }
     }
 

@@ -17,6 +17,7 @@
 use super::Node;
 use super::bus::Bus;
 use super::chaos::Chaos;
+use super::metrics::{Kind, Registry};
 use super::pipeline::Pipeline;
 use crate::clock::now_ms;
 use crate::core::budget::Budget;
@@ -99,33 +100,32 @@ pub struct LedgerCounters {
 }
 
 impl LedgerCounters {
-    /// The Prometheus lines for the ledger.
-    pub fn render(&self) -> String {
-        use std::fmt::Write;
-        let mut w = String::from(
-            "# HELP oam_budget_reservations_total Attempts a shared budget was asked to hold, by \
-             what the ledger answered (local_share: unreachable, spent on this node's share).\n\
-             # TYPE oam_budget_reservations_total counter\n",
+    /// Register the counters, read when scraped.
+    pub fn register(self: &Arc<Self>, registry: &Registry) {
+        let c = self.clone();
+        registry.register(
+            "oam_budget_reservations_total",
+            "Attempts a shared budget was asked to hold, by what the ledger answered \
+             (local_share: unreachable, spent on this node's share).",
+            Kind::Counter,
+            move |s| {
+                for (answer, n) in [
+                    ("held", &c.held),
+                    ("refused", &c.refused),
+                    ("unreachable", &c.unreachable),
+                    ("local_share", &c.local_share),
+                ] {
+                    s.put(&[("answer", answer)], n.load(Ordering::Relaxed));
+                }
+            },
         );
-        for (answer, n) in [
-            ("held", &self.held),
-            ("refused", &self.refused),
-            ("unreachable", &self.unreachable),
-            ("local_share", &self.local_share),
-        ] {
-            let _ = writeln!(
-                w,
-                "oam_budget_reservations_total{{answer=\"{answer}\"}} {}",
-                n.load(Ordering::Relaxed)
-            );
-        }
-        let _ = write!(
-            w,
-            "# HELP oam_budget_unsettled Settlements waiting for the ledger to answer.\n\
-             # TYPE oam_budget_unsettled gauge\noam_budget_unsettled {}\n",
-            self.unsettled.load(Ordering::Relaxed)
+        let c = self.clone();
+        registry.register(
+            "oam_budget_unsettled",
+            "Settlements waiting for the ledger to answer.",
+            Kind::Gauge,
+            move |s| s.put(&[], c.unsettled.load(Ordering::Relaxed)),
         );
-        w
     }
 }
 
@@ -142,7 +142,7 @@ pub struct Ledgers {
     /// This run of the node (random): its holds are `{node}#{run}`, so a node killed and started
     /// again does not renew, or add to, what its last run held; that lapses with its lease.
     run: String,
-    pub counters: LedgerCounters,
+    pub counters: Arc<LedgerCounters>,
 }
 
 /// Reservations and settlements on their way to the [`Keeper`].
@@ -169,7 +169,7 @@ impl Ledgers {
             share: std::sync::Mutex::default(),
             latest: std::sync::Mutex::default(),
             run: crate::ids::unguessable()[..8].to_string(),
-            counters: LedgerCounters::default(),
+            counters: Arc::default(),
         };
         (ledgers, Queue(rx))
     }

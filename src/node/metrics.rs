@@ -1,15 +1,155 @@
-//! `GET /metrics`: Prometheus text exposition (format 0.0.4) of what a node does and sees.
-//!
-//! Counters and the request-duration histogram are kept here as requests finish; gauges
-//! (breakers, bulkheads, nodes, quorum, consensus) are read from the engine when scraped.
+//! `GET /metrics`: one registry for everything a node exposes, written as Prometheus text
+//! (format 0.0.4). Each service registers its metrics once, by name, help and type: counters
+//! kept as requests finish ([`Family`], [`Histograms`]), or values read when scraped (a
+//! closure over the service's own state). The registry alone writes the text.
 
-use crate::core::breaker::Breaker;
-use crate::core::health::{Outcome, Verdict};
-use crate::core::pipeline::{Decision, Engine};
-use crate::core::request::Priority;
+use crate::core::health::Outcome;
+use crate::core::pipeline::Decision;
 use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
+use std::fmt::{Display, Write};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// Where a family writes its samples when scraped.
+pub struct Samples<'a> {
+    name: &'static str,
+    out: &'a mut String,
+}
+
+impl Samples<'_> {
+    /// One sample of the family: `name{labels} value`.
+    pub fn put(&mut self, labels: &[(&str, &str)], value: impl Display) {
+        self.put_named("", labels, value);
+    }
+
+    /// One sample named `{family}{suffix}` (a histogram's `_bucket`, `_sum`, `_count`).
+    pub fn put_named(&mut self, suffix: &str, labels: &[(&str, &str)], value: impl Display) {
+        let _ = write!(self.out, "{}{suffix}", self.name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{k}=\"{}\"", escape(v));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+}
+
+/// Escape a label value per the exposition format.
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+type Collect = Box<dyn Fn(&mut Samples<'_>) + Send + Sync>;
+
+struct Registered {
+    name: &'static str,
+    help: &'static str,
+    kind: Kind,
+    collect: Collect,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Every metric of a node, in the order registered.
+#[derive(Default)]
+pub struct Registry(Mutex<Vec<Registered>>);
+
+impl Registry {
+    /// Register a family whose samples `collect` writes when scraped.
+    pub fn register(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        kind: Kind,
+        collect: impl Fn(&mut Samples<'_>) + Send + Sync + 'static,
+    ) {
+        let mut all = lock(&self.0);
+        debug_assert!(
+            all.iter().all(|r| r.name != name),
+            "{name} registered twice"
+        );
+        all.push(Registered {
+            name,
+            help,
+            kind,
+            collect: Box::new(collect),
+        });
+    }
+
+    /// Register a counter family kept by key; `labels` names a key's label values.
+    pub fn family<K: Ord + Clone + Send + 'static>(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        labels: fn(&K) -> Vec<(&'static str, String)>,
+    ) -> Family<K> {
+        let family = Family(Arc::default());
+        let kept = family.clone();
+        self.register(name, help, Kind::Counter, move |s| {
+            for (k, n) in lock(&kept.0).iter() {
+                let pairs = labels(k);
+                let pairs: Vec<(&str, &str)> =
+                    pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                s.put(&pairs, n);
+            }
+        });
+        family
+    }
+
+    /// The exposition: every family, with its help and type, in the order registered.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(8 << 10);
+        for r in lock(&self.0).iter() {
+            let _ = writeln!(out, "# HELP {} {}", r.name, r.help);
+            let _ = writeln!(out, "# TYPE {} {}", r.name, r.kind.as_str());
+            (r.collect)(&mut Samples {
+                name: r.name,
+                out: &mut out,
+            });
+        }
+        out
+    }
+}
+
+/// A counter per key (a set of label values), kept as things happen.
+pub struct Family<K>(Arc<Mutex<BTreeMap<K, u64>>>);
+
+impl<K> Clone for Family<K> {
+    fn clone(&self) -> Self {
+        Family(self.0.clone())
+    }
+}
+
+impl<K: Ord> Family<K> {
+    pub fn inc(&self, key: K) {
+        *lock(&self.0).entry(key).or_default() += 1;
+    }
+}
 
 /// Upper bounds of the request-duration buckets, in seconds.
 const BUCKETS_S: [f64; 12] = [
@@ -35,19 +175,35 @@ impl Histogram {
     }
 }
 
-#[derive(Default)]
-struct Inner {
-    requests: BTreeMap<(&'static str, &'static str), u64>,
-    reasons: BTreeMap<&'static str, u64>,
-    duration: BTreeMap<&'static str, Histogram>,
-    provider_outcomes: BTreeMap<(String, &'static str, &'static str), u64>,
-    escalation_deliveries: BTreeMap<&'static str, u64>,
-    unauthorized: u64,
-}
+/// A histogram of seconds per value of one label.
+#[derive(Clone)]
+pub struct Histograms(Arc<Mutex<BTreeMap<&'static str, Histogram>>>);
 
-#[derive(Default)]
-pub struct Metrics {
-    inner: Mutex<Inner>,
+impl Histograms {
+    fn register(
+        registry: &Registry,
+        name: &'static str,
+        help: &'static str,
+        label: &'static str,
+    ) -> Histograms {
+        let h = Histograms(Arc::default());
+        let kept = h.clone();
+        registry.register(name, help, Kind::Histogram, move |s| {
+            for (v, h) in lock(&kept.0).iter() {
+                for (le, n) in BUCKETS_S.iter().zip(h.buckets) {
+                    s.put_named("_bucket", &[(label, v), ("le", &le.to_string())], n);
+                }
+                s.put_named("_bucket", &[(label, v), ("le", "+Inf")], h.count);
+                s.put_named("_sum", &[(label, v)], h.sum_s);
+                s.put_named("_count", &[(label, v)], h.count);
+            }
+        });
+        h
+    }
+
+    pub fn observe(&self, value: &'static str, seconds: f64) {
+        lock(&self.0).entry(value).or_default().observe(seconds);
+    }
 }
 
 fn outcome_name(o: Outcome) -> &'static str {
@@ -59,249 +215,96 @@ fn outcome_name(o: Outcome) -> &'static str {
     }
 }
 
-/// Escape a label value per the exposition format.
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+/// The registry, and the families the request path and its services count in.
+pub struct Metrics {
+    pub registry: Registry,
+    requests: Family<(&'static str, &'static str)>,
+    reasons: Family<&'static str>,
+    duration: Histograms,
+    unauthorized: Family<()>,
+    escalation_deliveries: Family<&'static str>,
+    provider_outcomes: Family<(String, &'static str, &'static str)>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let registry = Registry::default();
+        let requests = registry.family(
+            "oam_requests_total",
+            "Requests decided, by outcome and the phase they ended in.",
+            |(o, p): &(&str, &str)| vec![("outcome", o.to_string()), ("phase", p.to_string())],
+        );
+        let reasons = registry.family(
+            "oam_reason_codes_total",
+            "Reason codes carried by decisions.",
+            |c: &&str| vec![("code", c.to_string())],
+        );
+        let duration = Histograms::register(
+            &registry,
+            "oam_request_duration_seconds",
+            "Time from arrival to decision, by outcome.",
+            "outcome",
+        );
+        let unauthorized = registry.family(
+            "oam_unauthorized_requests_total",
+            "Requests refused for want of a client's key (401).",
+            |()| vec![],
+        );
+        // Shown at 0 before the first one.
+        lock(&unauthorized.0).insert((), 0);
+        let escalation_deliveries = registry.family(
+            "oam_escalation_deliveries_total",
+            "Escalations sent to the webhook, by outcome.",
+            |o: &&str| vec![("outcome", o.to_string())],
+        );
+        let provider_outcomes = registry.family(
+            "oam_provider_outcomes_total",
+            "Calls to providers, by source (probe or traffic) and outcome.",
+            |(p, s, o): &(String, &str, &str)| {
+                vec![
+                    ("provider", p.clone()),
+                    ("source", s.to_string()),
+                    ("outcome", o.to_string()),
+                ]
+            },
+        );
+        Metrics {
+            registry,
+            requests,
+            reasons,
+            duration,
+            unauthorized,
+            escalation_deliveries,
+            provider_outcomes,
+        }
+    }
 }
 
 impl Metrics {
-    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     /// A request finished after `seconds`.
     pub fn decision(&self, d: &Decision, seconds: f64) {
         let outcome = d.outcome.as_str();
-        let mut m = self.inner();
-        *m.requests.entry((outcome, d.phase.as_str())).or_default() += 1;
+        self.requests.inc((outcome, d.phase.as_str()));
         for c in &d.reason_codes {
-            *m.reasons.entry(c.as_str()).or_default() += 1;
+            self.reasons.inc(c.as_str());
         }
-        m.duration.entry(outcome).or_default().observe(seconds);
+        self.duration.observe(outcome, seconds);
     }
 
-    /// A call to a provider ended (`source` is `probe` or `traffic`).
-    pub fn provider_outcome(&self, provider: &str, source: &'static str, o: Outcome) {
-        *self
-            .inner()
-            .provider_outcomes
-            .entry((provider.to_string(), source, outcome_name(o)))
-            .or_default() += 1;
+    /// A call to a target ended (`source` is `probe` or `traffic`).
+    pub fn provider_outcome(&self, target: &str, source: &'static str, o: Outcome) {
+        self.provider_outcomes
+            .inc((target.to_string(), source, outcome_name(o)));
     }
 
     /// A request refused for want of a client's key.
     pub fn unauthorized(&self) {
-        self.inner().unauthorized += 1;
+        self.unauthorized.inc(());
     }
 
     /// An escalation sent to a sink (`delivered`) or given up on (`failed`).
     pub fn escalation_delivery(&self, outcome: &'static str) {
-        *self
-            .inner()
-            .escalation_deliveries
-            .entry(outcome)
-            .or_default() += 1;
-    }
-
-    /// The whole exposition, gauges read from `engine` at `now_ms`.
-    pub fn render(&self, node: &str, engine: &Engine, now_ms: u64, bus: &[(&str, u64)]) -> String {
-        let mut out = String::new();
-        let m = self.inner();
-        let w = &mut out;
-        let _ = writeln!(
-            w,
-            "# HELP oam_requests_total Requests decided, by outcome and the phase they ended in."
-        );
-        let _ = writeln!(w, "# TYPE oam_requests_total counter");
-        for ((outcome, phase), n) in &m.requests {
-            let _ = writeln!(
-                w,
-                "oam_requests_total{{outcome=\"{outcome}\",phase=\"{phase}\"}} {n}"
-            );
-        }
-        let _ = writeln!(
-            w,
-            "# HELP oam_reason_codes_total Reason codes carried by decisions."
-        );
-        let _ = writeln!(w, "# TYPE oam_reason_codes_total counter");
-        for (code, n) in &m.reasons {
-            let _ = writeln!(w, "oam_reason_codes_total{{code=\"{code}\"}} {n}");
-        }
-        let _ = writeln!(
-            w,
-            "# HELP oam_request_duration_seconds Time from arrival to decision, by outcome."
-        );
-        let _ = writeln!(w, "# TYPE oam_request_duration_seconds histogram");
-        for (outcome, h) in &m.duration {
-            for (le, n) in BUCKETS_S.iter().zip(h.buckets) {
-                let _ = writeln!(
-                    w,
-                    "oam_request_duration_seconds_bucket{{outcome=\"{outcome}\",le=\"{le}\"}} {n}"
-                );
-            }
-            let _ = writeln!(
-                w,
-                "oam_request_duration_seconds_bucket{{outcome=\"{outcome}\",le=\"+Inf\"}} {}",
-                h.count
-            );
-            let _ = writeln!(
-                w,
-                "oam_request_duration_seconds_sum{{outcome=\"{outcome}\"}} {}",
-                h.sum_s
-            );
-            let _ = writeln!(
-                w,
-                "oam_request_duration_seconds_count{{outcome=\"{outcome}\"}} {}",
-                h.count
-            );
-        }
-        let _ = writeln!(
-            w,
-            "# HELP oam_unauthorized_requests_total Requests refused for want of a client's key (401)."
-        );
-        let _ = writeln!(w, "# TYPE oam_unauthorized_requests_total counter");
-        let _ = writeln!(w, "oam_unauthorized_requests_total {}", m.unauthorized);
-        let _ = writeln!(
-            w,
-            "# HELP oam_escalation_deliveries_total Escalations sent to the webhook, by outcome."
-        );
-        let _ = writeln!(w, "# TYPE oam_escalation_deliveries_total counter");
-        for (outcome, n) in &m.escalation_deliveries {
-            let _ = writeln!(
-                w,
-                "oam_escalation_deliveries_total{{outcome=\"{outcome}\"}} {n}"
-            );
-        }
-        let _ = writeln!(
-            w,
-            "# HELP oam_provider_outcomes_total Calls to providers, by source (probe or traffic) and outcome."
-        );
-        let _ = writeln!(w, "# TYPE oam_provider_outcomes_total counter");
-        for ((p, source, outcome), n) in &m.provider_outcomes {
-            let _ = writeln!(
-                w,
-                "oam_provider_outcomes_total{{provider=\"{}\",source=\"{source}\",outcome=\"{outcome}\"}} {n}",
-                label(p)
-            );
-        }
-        drop(m);
-
-        let s = &engine.state;
-        let _ = writeln!(
-            w,
-            "# HELP oam_breaker_state Circuit breaker per provider: 0 closed, 1 half-open, 2 open."
-        );
-        let _ = writeln!(w, "# TYPE oam_breaker_state gauge");
-        for p in &s.providers {
-            let mut b = s.breakers.get(&*p.id).copied().unwrap_or_default();
-            b.tick(now_ms);
-            let v = match b {
-                Breaker::Closed { .. } => 0,
-                Breaker::HalfOpen { .. } => 1,
-                Breaker::Open { .. } => 2,
-            };
-            let _ = writeln!(w, "oam_breaker_state{{provider=\"{}\"}} {v}", label(&p.id));
-        }
-        for (name, help, kind, get) in [
-            (
-                "oam_bulkhead_active",
-                "Requests holding a slot, per class.",
-                "gauge",
-                0,
-            ),
-            (
-                "oam_bulkhead_queued",
-                "Requests waiting in the class queue.",
-                "gauge",
-                1,
-            ),
-            (
-                "oam_bulkhead_shed_total",
-                "Requests shed at admission, per class.",
-                "counter",
-                2,
-            ),
-        ] {
-            let _ = writeln!(w, "# HELP {name} {help}");
-            let _ = writeln!(w, "# TYPE {name} {kind}");
-            for class in Priority::ALL {
-                let u = s.bulkheads.usage(class);
-                let v = [u.active as u64, u.queued as u64, u.shed][get];
-                let _ = writeln!(w, "{name}{{class=\"{}\"}} {v}", class.as_str());
-            }
-        }
-        let c = &s.cluster;
-        let _ = writeln!(
-            w,
-            "# HELP oam_live_nodes Nodes alive in this node's view, itself included."
-        );
-        let _ = writeln!(w, "# TYPE oam_live_nodes gauge");
-        let _ = writeln!(w, "oam_live_nodes {}", c.live_nodes(now_ms).len());
-        let _ = writeln!(
-            w,
-            "# HELP oam_quorum Agreeing observations a provider verdict needs."
-        );
-        let _ = writeln!(w, "# TYPE oam_quorum gauge");
-        let _ = writeln!(w, "oam_quorum {}", c.quorum(now_ms));
-        let _ = writeln!(
-            w,
-            "# HELP oam_provider_verdict Consensus verdict per provider (1 for the current one)."
-        );
-        let _ = writeln!(w, "# TYPE oam_provider_verdict gauge");
-        let views: Vec<_> = s
-            .providers
-            .iter()
-            .map(|p| (p.id.clone(), c.view(&p.id, now_ms)))
-            .collect();
-        for (id, v) in &views {
-            for verdict in Verdict::ALL {
-                let _ = writeln!(
-                    w,
-                    "oam_provider_verdict{{provider=\"{}\",verdict=\"{}\",quorum=\"{}\"}} {}",
-                    label(id),
-                    verdict.as_str(),
-                    v.quorum,
-                    u8::from(v.verdict == verdict)
-                );
-            }
-        }
-        let _ = writeln!(
-            w,
-            "# HELP oam_provider_votes Observations agreeing with the verdict."
-        );
-        let _ = writeln!(w, "# TYPE oam_provider_votes gauge");
-        for (id, v) in &views {
-            let _ = writeln!(
-                w,
-                "oam_provider_votes{{provider=\"{}\"}} {}",
-                label(id),
-                v.votes
-            );
-        }
-        let _ = writeln!(
-            w,
-            "# HELP oam_bus_messages_ignored_total Control-plane messages not applied, by reason."
-        );
-        let _ = writeln!(w, "# TYPE oam_bus_messages_ignored_total counter");
-        for (reason, n) in bus {
-            let _ = writeln!(
-                w,
-                "oam_bus_messages_ignored_total{{reason=\"{reason}\"}} {n}"
-            );
-        }
-        let _ = writeln!(w, "# HELP oam_node_info This node.");
-        let _ = writeln!(w, "# TYPE oam_node_info gauge");
-        let _ = writeln!(
-            w,
-            "oam_node_info{{node=\"{}\",version=\"{}\"}} 1",
-            label(node),
-            env!("CARGO_PKG_VERSION")
-        );
-        out
+        self.escalation_deliveries.inc(outcome);
     }
 }
 
@@ -323,6 +326,25 @@ mod tests {
 
     #[test]
     fn label_values_are_escaped() {
-        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn families_come_out_in_the_order_registered_with_help_type_and_samples() {
+        let r = Registry::default();
+        let f = r.family("x_total", "Xs, by kind.", |k: &&str| {
+            vec![("kind", k.to_string())]
+        });
+        r.register("y", "A gauge.", Kind::Gauge, |s| {
+            s.put(&[("a", "q\"")], 2.5);
+        });
+        f.inc("b");
+        f.inc("a");
+        f.inc("b");
+        assert_eq!(
+            r.render(),
+            "# HELP x_total Xs, by kind.\n# TYPE x_total counter\nx_total{kind=\"a\"} 1\n\
+             x_total{kind=\"b\"} 2\n# HELP y A gauge.\n# TYPE y gauge\ny{a=\"q\\\"\"} 2.5\n"
+        );
     }
 }

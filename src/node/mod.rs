@@ -132,6 +132,13 @@ impl Node {
             ledger::Ledgers::new(&id, pipeline.clone(), bus.clone(), chaos.clone());
         let (escalations, escalations_rx) = escalations::Escalations::new(&id, bus.clone());
         let (loops, claims) = loops::Loops::new(&id, bus.clone());
+        let log = decisionlog::DecisionLog::new(&id, cfg.decision_log.clone());
+        let metrics = Arc::new(metrics::Metrics::default());
+        let registry = &metrics.registry;
+        status::register(registry, &id, &pipeline, &serving.saturated);
+        bus.register(registry);
+        ledger.counters.register(registry);
+        log.counters.register(registry);
         let node = Node {
             health: Arc::new(health::Health::new(
                 &id,
@@ -139,8 +146,8 @@ impl Node {
                 pipeline.clone(),
                 bus.clone(),
             )),
-            log: decisionlog::DecisionLog::new(&id, cfg.decision_log.clone()),
-            metrics: Arc::default(),
+            log,
+            metrics,
             store_faults: status::StoreFaults::default(),
             id,
             cfg,

@@ -2,11 +2,15 @@
 //! by `oam watch` and `oam mesh status`) and its Prometheus exposition (`GET /metrics`).
 
 use super::Node;
-use super::pipeline::lock;
+use super::metrics::{Kind, Registry};
+use super::pipeline::{Pipeline, lock};
 use crate::clock::now_ms;
 use crate::core::breaker::Breaker;
+use crate::core::health::Verdict;
+use crate::core::request::Priority;
 use crate::core::wire::{BusCounts, MemberSnapshot, NodeSnapshot, ProviderSnapshot};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -99,36 +103,125 @@ pub fn snapshot(node: &Node) -> NodeSnapshot {
     }
 }
 
-/// The Prometheus exposition.
-pub fn prometheus(node: &Node) -> String {
-    let b = &node.bus.counters;
-    let count = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let bus = [
-        ("malformed", count(&b.malformed)),
-        ("duplicate_or_stale", count(&b.duplicate_or_stale)),
-        ("forged", count(&b.forged)),
-        ("dropped_outgoing", count(&b.dropped_events)),
-    ];
-    let engine = node.pipeline.read();
-    let mut text = node.metrics.render(&node.id, &engine, now_ms(), &bus);
-    drop(engine);
-    text.push_str(&format!(
-        "# HELP oam_http_connection_limit_reached_total Times every HTTP connection slot \
-         (node.max_connections) was taken; new connections waited.\n\
-         # TYPE oam_http_connection_limit_reached_total counter\n\
-         oam_http_connection_limit_reached_total {}\n",
-        count(&node.serving.saturated)
-    ));
-    text.push_str(&node.ledger.counters.render());
-    let log = &node.log.counters;
-    text.push_str(&format!(
-        "# HELP oam_decision_log_records_total Decision records, by what became of them (lost: \
-         the buffer was full, or the stream did not take them).\n\
-         # TYPE oam_decision_log_records_total counter\n\
-         oam_decision_log_records_total{{result=\"written\"}} {}\n\
-         oam_decision_log_records_total{{result=\"lost\"}} {}\n",
-        count(&log.written),
-        count(&log.lost)
-    ));
-    text
+/// Register what the engine holds (breakers, bulkheads, the cluster's view), this node's
+/// identity and its HTTP saturation, all read when scraped.
+pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated: &Arc<AtomicU64>) {
+    let p = pipeline.clone();
+    registry.register(
+        "oam_breaker_state",
+        "Circuit breaker per provider: 0 closed, 1 half-open, 2 open.",
+        Kind::Gauge,
+        move |s| {
+            let e = p.read();
+            let now = now_ms();
+            for t in &e.state.providers {
+                let v = match breaker_now(e.state.breakers.get(&*t.id).copied(), now) {
+                    Breaker::Closed { .. } => 0,
+                    Breaker::HalfOpen { .. } => 1,
+                    Breaker::Open { .. } => 2,
+                };
+                s.put(&[("provider", &t.id)], v);
+            }
+        },
+    );
+    for (name, help, kind, which) in [
+        (
+            "oam_bulkhead_active",
+            "Requests holding a slot, per class.",
+            Kind::Gauge,
+            0,
+        ),
+        (
+            "oam_bulkhead_queued",
+            "Requests waiting in the class queue.",
+            Kind::Gauge,
+            1,
+        ),
+        (
+            "oam_bulkhead_shed_total",
+            "Requests shed at admission, per class.",
+            Kind::Counter,
+            2,
+        ),
+    ] {
+        let p = pipeline.clone();
+        registry.register(name, help, kind, move |s| {
+            let e = p.read();
+            for class in Priority::ALL {
+                let u = e.state.bulkheads.usage(class);
+                let v = [u64::from(u.active), u64::from(u.queued), u.shed][which];
+                s.put(&[("class", class.as_str())], v);
+            }
+        });
+    }
+    let p = pipeline.clone();
+    registry.register(
+        "oam_live_nodes",
+        "Nodes alive in this node's view, itself included.",
+        Kind::Gauge,
+        move |s| s.put(&[], p.read().state.cluster.live_nodes(now_ms()).len()),
+    );
+    let p = pipeline.clone();
+    registry.register(
+        "oam_quorum",
+        "Agreeing observations a provider verdict needs.",
+        Kind::Gauge,
+        move |s| s.put(&[], p.read().state.cluster.quorum(now_ms())),
+    );
+    let p = pipeline.clone();
+    registry.register(
+        "oam_provider_verdict",
+        "Consensus verdict per provider (1 for the current one).",
+        Kind::Gauge,
+        move |s| {
+            for (id, v) in views(&p) {
+                for verdict in Verdict::ALL {
+                    let quorum = v.quorum.to_string();
+                    let labels = [
+                        ("provider", id.as_str()),
+                        ("verdict", verdict.as_str()),
+                        ("quorum", &quorum),
+                    ];
+                    s.put(&labels, u8::from(v.verdict == verdict));
+                }
+            }
+        },
+    );
+    let p = pipeline.clone();
+    registry.register(
+        "oam_provider_votes",
+        "Observations agreeing with the verdict.",
+        Kind::Gauge,
+        move |s| {
+            for (id, v) in views(&p) {
+                s.put(&[("provider", id.as_str())], v.votes);
+            }
+        },
+    );
+    let node = node.to_string();
+    registry.register("oam_node_info", "This node.", Kind::Gauge, move |s| {
+        s.put(
+            &[("node", &node), ("version", env!("CARGO_PKG_VERSION"))],
+            1,
+        );
+    });
+    let saturated = saturated.clone();
+    registry.register(
+        "oam_http_connection_limit_reached_total",
+        "Times every HTTP connection slot (node.max_connections) was taken; new connections \
+         waited.",
+        Kind::Counter,
+        move |s| s.put(&[], saturated.load(Ordering::Relaxed)),
+    );
+}
+
+/// Each target's consensus view, now.
+fn views(p: &Pipeline) -> Vec<(String, crate::core::quorum::ProviderView)> {
+    let e = p.read();
+    let now = now_ms();
+    e.state
+        .providers
+        .iter()
+        .map(|t| (t.id.to_string(), e.state.cluster.view(&t.id, now)))
+        .collect()
 }
