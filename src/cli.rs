@@ -93,11 +93,11 @@ fn valid_subcommands(args: impl Iterator<Item = String>) -> Vec<String> {
 }
 
 /// Run the command; commands that check something say what failed in their `Outcome`. A
-/// command stopped because the bus refused this process (`signal::stop_for`) exits as
+/// command stopped because the bus refused this process (`cmd::refused`) exits as
 /// unreachable, saying why.
 pub async fn run(cli: Cli) -> Result<Outcome> {
     let result = dispatch(cli).await;
-    match crate::signal::stop_reason() {
+    match cmd::refused().reason() {
         Some(why) => Err(crate::error::Error::new(
             crate::error::Kind::Unreachable,
             anyhow::anyhow!("{why}"),

@@ -1,17 +1,21 @@
 //! oam: a reliability, liveness and attention control plane for AI agents.
 //!
-//! The layering, checked by `tests/it/architecture.rs` (a module uses only modules to its left;
-//! modules of one rank do not use each other):
+//! The layering, checked by `tests/it/architecture.rs` against its table of allowed edges (a
+//! DAG; the runtimes use each other only where listed, and only the commands that run a node
+//! use `node`):
 //!
 //! ```text
-//! core <- {clock, ids, http, error, signal} <- transport <- local <- {mesh, sim} <- node
-//!      <- bench <- chaos <- watch <- cmd <- cli
+//! core <- {clock, ids, http, error, signal} <- transport <- local <- mesh <- node
+//!                                                          sim  <- chaos (with bench, mesh)
+//!                              transport, local, mesh <- bench; core, mesh, transport <- watch
+//!                                                  everything <- cmd <- cli
 //! ```
 //!
 //! - `core`: the pure decision logic and the wire types (no runtime, bus, file or clock).
 //! - `clock`, `ids`, `http`, `error`, `signal`: small shared helpers (wall clock, random ids,
-//!   the HTTP client, exit kinds, the stop signals).
-//! - `transport`: NATS (connecting, subject names, KV stores, the chaos warden's client).
+//!   the HTTP client and SSE codec, exit kinds, the stop signals).
+//! - `transport`: NATS (connecting, subject names, every JetStream store, the chaos warden's
+//!   client).
 //! - `local`: a cluster on this machine (state folder, nats-server, starting and stopping).
 //! - `mesh`: the agent mesh (Open Agent Mesh hosts, callers, the liveness monitor).
 //! - `sim`: the provider simulator. `node`: the gateway runtime around `core`.

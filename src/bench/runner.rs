@@ -226,13 +226,15 @@ async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
     }
 }
 
-/// Run scenario `s` on the mesh in `dir`; `progress` gets (done, total) as requests finish.
+/// Run scenario `s` on the mesh in `dir` until it ends or `stop`; a refusal of its credentials
+/// is told to `refused`; `progress` gets (done, total) as requests finish.
 pub async fn run(
     dir: &Path,
     s: &Scenario,
     short: bool,
     seed: u64,
     stop: &CancellationToken,
+    refused: &crate::transport::connect::Refused,
     progress: impl Fn(u64, u64) + Send + Sync + 'static,
 ) -> Result<ScenarioReport> {
     let rec = Record::load(dir)
@@ -251,7 +253,8 @@ pub async fn run(
     let app_url = local::find_mesh(None, Some(dir), &local::roles::Role::Admin)
         .map(|(url, _)| url)
         .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
-    let nats = crate::transport::connect::reach(&app_url, "oam-bench-scenario", false).await?;
+    let nats =
+        crate::transport::connect::reach(&app_url, "oam-bench-scenario", false, refused).await?;
     let all_nodes: Vec<(String, String)> = rec
         .nodes()
         .map(|n| (n.name.clone(), n.endpoint.clone()))

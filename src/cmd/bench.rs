@@ -269,7 +269,7 @@ pub fn stop_on_signal() -> CancellationToken {
     let stop = CancellationToken::new();
     let on_signal = stop.clone();
     tokio::spawn(async move {
-        crate::signal::terminated().await;
+        crate::cmd::terminated().await;
         on_signal.cancel();
     });
     stop
@@ -312,6 +312,7 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
         a.short,
         a.seed,
         &stop,
+        super::refused(),
         move |done, total| {
             tick.set_length(total);
             tick.set_position(done);

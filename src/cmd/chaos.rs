@@ -195,7 +195,7 @@ fn injection(c: Command) -> std::result::Result<Inject, Command> {
 
 /// Ask the warden; its reply, or exit 3 when there is none.
 async fn ask(url: &str, subject: &'static str, body: Vec<u8>) -> Result<Vec<Active>> {
-    let nc = crate::transport::connect::reach(url, "oam-chaos", false).await?;
+    let nc = crate::cmd::reach(url, "oam-chaos", false).await?;
     warden::ask(&nc, subject, body).await.map_err(|e| match e {
         AskError::NoWarden => Error::new(
             Kind::Unreachable,
@@ -304,7 +304,7 @@ pub async fn run(a: Args) -> Result<()> {
         }
         Command::Warden => {
             let dir = a.mesh.dir();
-            let nc = crate::transport::connect::reach(&url, "oam-chaos-warden", false).await?;
+            let nc = crate::cmd::reach(&url, "oam-chaos-warden", false).await?;
             // The system account's observer, from the warden's credentials file.
             let file = a
                 .mesh
@@ -316,7 +316,7 @@ pub async fn run(a: Args) -> Result<()> {
                 .ok()
                 .or_else(|| crate::local::read_role_file(&file).ok()?.sys_url);
             let sys = match sys_url {
-                Some(u) => Some(connect::reach(&u, "oam-chaos-warden-sys", false).await?),
+                Some(u) => Some(crate::cmd::reach(&u, "oam-chaos-warden-sys", false).await?),
                 None => {
                     tracing::warn!(
                         "no system-account access ({} names none): kill-agent and stop-agent \
@@ -342,7 +342,7 @@ pub async fn run(a: Args) -> Result<()> {
                 };
                 let _ = out.flush();
             };
-            crate::chaos::warden::run(&dir, nc, sys, url, ready, crate::signal::terminated())
+            crate::chaos::warden::run(&dir, nc, sys, url, ready, crate::cmd::terminated())
                 .await
                 .map_err(|e| Error::new(Kind::Unreachable, e))
         }

@@ -247,10 +247,18 @@ async fn play_all(
             writeln!(say(a), "▶ {}: {}", s.name, s.description)?;
             let bar = super::bench::progress_bar(1, &s.name);
             let tick = bar.clone();
-            let o = bench_scenario::run(&mesh.dir, &s, !a.full, 42, &stop, move |done, total| {
-                tick.set_length(total);
-                tick.set_position(done);
-            })
+            let o = bench_scenario::run(
+                &mesh.dir,
+                &s,
+                !a.full,
+                42,
+                &stop,
+                super::refused(),
+                move |done, total| {
+                    tick.set_length(total);
+                    tick.set_position(done);
+                },
+            )
             .await;
             bar.finish_and_clear();
             let o = o?;

@@ -35,7 +35,7 @@ pub async fn run(a: Args) -> Result<()> {
     let mut seen = 0u64;
     // One signal listener for the whole run: a signal that lands while a line is written is
     // not lost.
-    let terminated = crate::signal::terminated();
+    let terminated = crate::cmd::terminated();
     tokio::pin!(terminated);
     loop {
         let msg = tokio::select! {

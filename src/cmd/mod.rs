@@ -19,6 +19,33 @@ pub mod reasons;
 pub mod sim;
 pub mod watch;
 
+use crate::transport::connect::Refused;
+
+/// The process's one [`Refused`]: every connection a command makes reports to it, and a
+/// long-running command stops on it (then exits as unreachable, saying why).
+pub fn refused() -> &'static Refused {
+    static REFUSED: std::sync::OnceLock<Refused> = std::sync::OnceLock::new();
+    REFUSED.get_or_init(Refused::default)
+}
+
+/// What ends a long-running command: Ctrl-C, SIGTERM, or the bus refusing this process's
+/// credentials.
+pub async fn terminated() {
+    tokio::select! {
+        () = crate::signal::terminated() => {}
+        () = refused().wait() => {}
+    }
+}
+
+/// Connect for a command (see `transport::connect::reach`), refusals told to [`refused`].
+pub async fn reach(
+    url: &str,
+    name: &str,
+    wait_for_server: bool,
+) -> crate::error::Result<async_nats::Client> {
+    crate::transport::connect::reach(url, name, wait_for_server, refused()).await
+}
+
 /// Which mesh a command talks to, and as whom: the same flags, resolved the same way,
 /// everywhere (`local::find_mesh`). In a mesh folder each command uses the credentials of its
 /// role (`creds/{user}.json`).
@@ -52,7 +79,7 @@ impl MeshArgs {
         name: &str,
     ) -> crate::error::Result<async_nats::Client> {
         let (url, from) = self.resolve(role)?;
-        crate::transport::connect::reach_from(&url, Some(&from), name, false).await
+        crate::transport::connect::reach_from(&url, Some(&from), name, false, refused()).await
     }
 
     /// The NATS URL and where it came from; the credentials file taken in on the way.

@@ -94,7 +94,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
     })?;
     let http = listener.local_addr().map_err(Error::failed)?;
     // A node started before nats-server keeps retrying in the background and joins when it can.
-    let nats = crate::transport::connect::reach(&url, &format!("oam-node-{}", a.id), true).await?;
+    let nats = crate::cmd::reach(&url, &format!("oam-node-{}", a.id), true).await?;
     let (node, services) = Node::new(a.id.clone(), cfg, nats).map_err(Error::failed)?;
     {
         let mut out = std::io::stdout().lock();
@@ -115,7 +115,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
         }
         out.flush()?;
     }
-    node::run(node, services, listener, crate::signal::terminated())
+    node::run(node, services, listener, crate::cmd::terminated())
         .await
         .map_err(Error::failed)
 }

@@ -74,7 +74,7 @@ pub async fn run(args: Args) -> Result<()> {
         let _ = stop_rx.await;
     });
     let server = tokio::spawn(server.into_future());
-    crate::signal::terminated().await;
+    crate::cmd::terminated().await;
     tracing::info!("stopping");
     let _ = stop_tx.send(());
     // In-flight requests (a hanging provider among them) get a short grace period, no more.

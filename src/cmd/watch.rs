@@ -270,7 +270,7 @@ pub async fn run(a: Args) -> Result<()> {
     let mut app = App::default();
     let mut frame = tokio::time::interval(Duration::from_millis(1_000 / u64::from(a.fps)));
     frame.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let terminated = crate::signal::terminated();
+    let terminated = crate::cmd::terminated();
     tokio::pin!(terminated);
     let result = loop {
         tokio::select! {

@@ -452,7 +452,9 @@ pub fn save_system(dir: &Path, port: u16, creds: &natsd::Credentials) -> anyhow:
 /// other role needs to create (or may delete) a stream.
 async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
     use crate::transport::store::{self, decisions, escalations, ledger, loops};
-    let nats = crate::transport::connect::connect(admin_url, "oam-mesh-up", false).await?;
+    let refused = crate::transport::connect::Refused::default();
+    let nats =
+        crate::transport::connect::connect(admin_url, "oam-mesh-up", false, &refused).await?;
     escalations::store(&nats).await?;
     ledger::open(&nats).await?;
     loops::open(&nats).await?;

@@ -159,14 +159,15 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
 
 impl Instance {
     /// Connect, subscribe and register. Registration is eager: the agent is in the catalog when
-    /// this returns.
+    /// this returns. A refusal of the connection's credentials is told to `refused`.
     pub async fn start(
         url: &str,
         entry: CatalogEntry,
+        refused: &crate::transport::connect::Refused,
     ) -> anyhow::Result<(Arc<Instance>, async_nats::Subscriber)> {
         let id = crate::ids::random_hex(8)?;
-        let nats =
-            crate::transport::connect::connect(url, &subjects::host_connection(&id), false).await?;
+        let name = subjects::host_connection(&id);
+        let nats = crate::transport::connect::connect(url, &name, false, refused).await?;
         let sub = nats
             .queue_subscribe(
                 subjects::agent(&entry.name),

@@ -22,6 +22,7 @@ use super::client::Caller;
 use super::host::{self, Handler, Instance};
 use super::protocol::CatalogEntry;
 use crate::local::natsd;
+use crate::transport::connect::Refused;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -33,6 +34,8 @@ pub struct LocalMesh {
     port: u16,
     creds: natsd::Credentials,
     monitor: tokio::task::JoinHandle<()>,
+    /// Told when the server refuses this mesh's credentials; nothing else in the process is.
+    refused: Refused,
 }
 
 /// An agent served through `LocalMesh::serve`. `stop` leaves gracefully (drains, says so);
@@ -102,12 +105,14 @@ impl LocalMesh {
             port,
             creds,
             monitor: tokio::spawn(async {}),
+            refused: Refused::default(),
         };
         let app = mesh.connect("oam-monitor").await?;
         let sys = crate::transport::connect::connect(
             &natsd::sys_url(port, &mesh.creds),
             "oam-monitor-sys",
             false,
+            &mesh.refused,
         )
         .await?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
@@ -128,9 +133,14 @@ impl LocalMesh {
         natsd::app_url(self.port, &self.creds)
     }
 
+    /// Why the server refused this mesh's credentials, if it did.
+    pub fn refused(&self) -> Option<&str> {
+        self.refused.reason()
+    }
+
     /// A new client connection named `name`.
     pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
-        crate::transport::connect::connect(&self.url(), name, false)
+        crate::transport::connect::connect(&self.url(), name, false, &self.refused)
             .await
             .map_err(Into::into)
     }
@@ -162,7 +172,7 @@ impl LocalMesh {
         handler: Handler,
         concurrency: usize,
     ) -> anyhow::Result<ServedAgent> {
-        let (instance, sub) = Instance::start(&self.url(), entry).await?;
+        let (instance, sub) = Instance::start(&self.url(), entry, &self.refused).await?;
         let instance_id = instance.id.clone();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(host::serve(

@@ -7,14 +7,53 @@ use std::time::Duration;
 /// `nats://user:password@127.0.0.1:4222`).
 pub const ENV_URL: &str = "OAM_NATS_URL";
 
+/// Told when the server refuses a connection's credentials (say, the mesh was started again
+/// with new ones): retrying cannot help. Whoever made the connection decides what to do: a
+/// command stops and exits as unreachable; a library user's process goes on. The first
+/// reason is kept and logged once.
+#[derive(Clone, Default)]
+pub struct Refused(std::sync::Arc<RefusedInner>);
+
+#[derive(Default)]
+struct RefusedInner {
+    reason: std::sync::OnceLock<String>,
+    told: tokio::sync::Notify,
+}
+
+impl Refused {
+    /// Why a connection's credentials were refused, if they were.
+    pub fn reason(&self) -> Option<&str> {
+        self.0.reason.get().map(String::as_str)
+    }
+
+    fn refuse(&self, reason: String) {
+        if self.0.reason.set(reason.clone()).is_ok() {
+            tracing::error!("{reason}");
+            self.0.told.notify_waiters();
+        }
+    }
+
+    /// Resolves once a connection's credentials are refused.
+    pub async fn wait(&self) {
+        let told = self.0.told.notified();
+        tokio::pin!(told);
+        told.as_mut().enable();
+        if self.reason().is_some() {
+            return;
+        }
+        told.await;
+    }
+}
+
 /// Connect for a command, or say what to do: the one place that message is written. With
 /// `wait_for_server`, a server that is not up yet is retried in the background.
 pub async fn reach(
     url: &str,
     name: &str,
     wait_for_server: bool,
+    refused: &Refused,
 ) -> crate::error::Result<async_nats::Client> {
-    reach_from(url, None, name, wait_for_server).await
+    reach_from(url, None, name, wait_for_server, refused).await
 }
 
 /// `reach`, saying where the URL came from (`--nats-url`, `$OAM_NATS_URL`, a mesh folder) when
@@ -24,9 +63,10 @@ pub async fn reach_from(
     from: Option<&str>,
     name: &str,
     wait_for_server: bool,
+    refused: &Refused,
 ) -> crate::error::Result<async_nats::Client> {
     use crate::error::{Error, Kind};
-    connect(url, name, wait_for_server).await.map_err(|e| {
+    connect(url, name, wait_for_server, refused).await.map_err(|e| {
         let from = from.map(|f| format!(", from {f}")).unwrap_or_default();
         Error::new(
             Kind::Unreachable,
@@ -71,12 +111,15 @@ pub async fn flush_within(nats: &async_nats::Client, limit: Duration) {
 }
 
 /// Connect as `name`. With `wait_for_server`, a server that is not up yet is retried in the
-/// background and this returns at once; otherwise an unreachable server is an error.
+/// background and this returns at once; otherwise an unreachable server is an error. A
+/// refusal of the credentials is told to `refused`.
 pub async fn connect(
     url: &str,
     name: &str,
     wait_for_server: bool,
+    refused: &Refused,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let refused = refused.clone();
     let conn_name = name.to_string();
     let shown = redact(url);
     // async-nats ignores credentials embedded in the URL, so take them out and pass them on.
@@ -104,6 +147,7 @@ pub async fn connect(
         .reconnect_delay_callback(reconnect_delay)
         .event_callback(move |event| {
             let (conn_name, shown) = (conn_name.clone(), shown.clone());
+            let refused = refused.clone();
             async move {
                 match event {
                     async_nats::Event::Connected => {
@@ -113,11 +157,11 @@ pub async fn connect(
                         tracing::warn!(conn = %conn_name, "NATS disconnected; reconnecting");
                     }
                     async_nats::Event::Closed => tracing::debug!(conn = %conn_name, "NATS closed"),
-                    async_nats::Event::ClientError(e) if refused(&e.to_string()) => {
-                        credentials_refused(&conn_name, &shown);
+                    async_nats::Event::ClientError(e) if says_refused(&e.to_string()) => {
+                        refused.refuse(credentials_refused(&conn_name, &shown));
                     }
-                    async_nats::Event::ServerError(e) if refused(&e.to_string()) => {
-                        credentials_refused(&conn_name, &shown);
+                    async_nats::Event::ServerError(e) if says_refused(&e.to_string()) => {
+                        refused.refuse(credentials_refused(&conn_name, &shown));
                     }
                     async_nats::Event::ClientError(e) => {
                         tracing::debug!(conn = %conn_name, "NATS client error: {e}");
@@ -133,24 +177,18 @@ pub async fn connect(
 }
 
 /// Does this client or server error say the credentials were refused?
-fn refused(error: &str) -> bool {
+fn says_refused(error: &str) -> bool {
     let e = error.to_ascii_lowercase();
     e.contains("authorization violation") || e.contains("authentication")
 }
 
-/// The server no longer takes this process's credentials (say, the mesh was started again with
-/// new ones): retrying cannot help. Say so once and stop the process's long-running command,
-/// which then exits as unreachable (3).
-fn credentials_refused(conn: &str, url: &str) {
-    let reason = format!(
+/// What to say when the server no longer takes a connection's credentials.
+fn credentials_refused(conn: &str, url: &str) -> String {
+    format!(
         "NATS at {url} refused the credentials of {conn} (was the mesh started again with \
          `--new-credentials`?); start this command again with the mesh folder's current \
          credentials (`--dir`, or a file from `oam creds issue` with --creds), or pass --nats-url"
-    );
-    if crate::signal::stop_reason().is_none() {
-        tracing::error!("{reason}");
-    }
-    crate::signal::stop_for(reason);
+    )
 }
 
 /// How long to wait before connection attempt `attempt` (counted from 1, and again from 1 after
@@ -189,6 +227,32 @@ pub fn redact(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[tokio::test]
+    async fn a_refusal_is_told_to_its_own_watcher_only_and_the_first_reason_kept() {
+        let (mine, other) = (super::Refused::default(), super::Refused::default());
+        let waiting = tokio::spawn({
+            let mine = mine.clone();
+            async move { mine.wait().await }
+        });
+        tokio::task::yield_now().await;
+        mine.refuse("first".into());
+        mine.refuse("second".into());
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("the waiter is woken")
+            .unwrap();
+        assert_eq!(mine.reason(), Some("first"));
+        assert_eq!(
+            other.reason(),
+            None,
+            "another connection's watcher hears nothing"
+        );
+        // Already refused: waiting returns at once.
+        tokio::time::timeout(std::time::Duration::from_secs(5), mine.wait())
+            .await
+            .expect("at once");
+    }
+
     #[test]
     fn the_first_attempt_does_not_wait() {
         let delays: Vec<u128> = [1, 2, 3, 11, 12, usize::MAX]

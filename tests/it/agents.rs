@@ -99,7 +99,7 @@ async fn serve_call_list_fail_hang_and_leave() {
     assert!(!ok && err.contains("not JSON"), "{err}");
 
     // A graceful exit: the host drains, deregisters, and as the last instance says so.
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
@@ -132,7 +132,7 @@ async fn an_instance_handles_requests_concurrently() {
     let server = NatsServer::start().await;
     let url = server.url();
     let _slow = serve(&url, "demo.slow", "sleep:100", &["--concurrency", "20"]);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let started = Instant::now();
@@ -167,7 +167,7 @@ async fn interoperates_with_the_python_sdk() {
     // An agent served by the Python SDK.
     let spawn_sdk_agent = || crate::support::spawn_sdk_echo(&url);
     let _monitor = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
@@ -297,7 +297,7 @@ async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
     // Two monitors: each death must still be announced once.
     let _m1 = monitor(&server);
     let _m2 = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
@@ -388,7 +388,7 @@ async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
     let url = server.url();
     let _monitor = monitor(&server);
     let mut holder = serve(&url, "demo.hold", "sleep:20000", &[]);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(nc.clone()).await.unwrap());
@@ -419,7 +419,7 @@ async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
 async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
     let server = NatsServer::start().await;
     let url = server.url();
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
@@ -472,6 +472,7 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
         &oam::local::natsd::sys_url(server.port, &server.creds),
         "test-sys",
         false,
+        &Default::default(),
     )
     .await
     .unwrap();
@@ -540,7 +541,7 @@ async fn a_stuck_handler_is_reported_as_stuck_not_as_a_timeout() {
         "not the caller's 20 s timeout"
     );
     // The declared limit is part of the agent's contract.
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let kv = async_nats::jetstream::new(nc)
@@ -674,7 +675,7 @@ async fn streams_arrive_in_order_and_fail_fast() {
     );
 
     // Nobody serves it: known at once, not after the timeout.
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let caller = oam::mesh::client::Caller::new(nc).await.unwrap();
@@ -817,7 +818,7 @@ async fn a_local_mesh_in_one_call_with_full_liveness() {
     let url = mesh.url();
     drop(mesh);
     assert!(
-        oam::transport::connect::connect(&url, "after", false)
+        oam::transport::connect::connect(&url, "after", false, &Default::default())
             .await
             .is_err(),
         "the private server is gone"
@@ -964,7 +965,7 @@ async fn a_corrupt_catalog_is_reported_not_shown_empty() {
     let server = NatsServer::start().await;
     let url = server.url();
     let _echo = serve(&url, "demo.echo", "echo", &[]);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let store = oam::transport::store::bucket(
@@ -1009,7 +1010,7 @@ async fn a_revived_instance_registers_again_and_its_next_death_is_announced() {
     let server = NatsServer::start().await;
     let url = server.url();
     let _monitor = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut deaths = nc.subscribe("mesh.death.demo.revived").await.unwrap();
@@ -1075,7 +1076,7 @@ async fn every_instance_frozen_for_nine_seconds_registers_again() {
     let server = NatsServer::start().await;
     let url = server.url();
     let _monitor = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut deaths = nc.subscribe("mesh.death.demo.frozen.>").await.unwrap();
@@ -1167,7 +1168,7 @@ async fn forged_chunks_and_acknowledgements_change_no_stream() {
     let url = server.url();
     let _monitor = monitor(&server);
     let _stream = serve(&url, "demo.stream20", "stream:20:20", &[]);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut shared = nc.subscribe("mesh.stream.>").await.unwrap();
@@ -1283,7 +1284,7 @@ async fn forged_heartbeats_and_instance_records_fool_no_monitor() {
     let server = NatsServer::start().await;
     let url = server.url();
     let _monitor = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();

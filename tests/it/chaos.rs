@@ -64,7 +64,7 @@ async fn chat(node: &str, oam: Value) -> (u16, String) {
 #[tokio::test]
 async fn faults_are_applied_listed_and_undone_on_time() {
     let mesh = LocalCluster::up("chaos").await;
-    let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
+    let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false, &Default::default())
         .await
         .unwrap();
     let mut events = nc.subscribe("oam.v1.chaos.event").await.unwrap();
@@ -482,7 +482,7 @@ async fn load_faults_agents_and_bad_input() {
 async fn an_escalation_record_is_never_overwritten() {
     use oam::transport::store::escalations;
     let server = crate::support::NatsServer::start().await;
-    let nc = oam::transport::connect::connect(&server.url(), "test", false)
+    let nc = oam::transport::connect::connect(&server.url(), "test", false, &Default::default())
         .await
         .unwrap();
     let store = escalations::store(&nc).await.unwrap();
@@ -530,9 +530,10 @@ async fn an_escalation_record_is_never_overwritten() {
 #[tokio::test]
 async fn forged_chaos_signals_nothing_and_cannot_last_forever() {
     let mesh = LocalCluster::up("chaos-forged").await;
-    let nc = oam::transport::connect::connect(&mesh.app_url(), "attacker", false)
-        .await
-        .unwrap();
+    let nc =
+        oam::transport::connect::connect(&mesh.app_url(), "attacker", false, &Default::default())
+            .await
+            .unwrap();
     // The victim: any process of this user.
     let mut victim = std::process::Command::new("sleep")
         .arg("60")

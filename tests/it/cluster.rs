@@ -412,7 +412,7 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
     assert_eq!(status, 400);
 
     // Garbage on the control-plane subjects is counted, never applied, never a crash.
-    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
     for (subject, payload) in [
@@ -724,7 +724,7 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
         node: mut n1,
         url,
     } = OneNode::new(1200).await;
-    let nc = oam::transport::connect::connect(&nats.url(), "test", false)
+    let nc = oam::transport::connect::connect(&nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
     let body = serde_json::to_vec(&question("held over NATS")).unwrap();
@@ -835,9 +835,10 @@ async fn forged_gossip_cannot_split_grow_or_outvote_the_cluster() {
     })
     .await;
     assert!(seated.is_some(), "every node sees n1..n3");
-    let nc = oam::transport::connect::connect(&cl.nats.url(), "attacker", false)
-        .await
-        .unwrap();
+    let nc =
+        oam::transport::connect::connect(&cl.nats.url(), "attacker", false, &Default::default())
+            .await
+            .unwrap();
     let now = oam::clock::now_ms();
     let envelope = |sender: &str, incarnation: u64, seq: u64, body: Value| {
         json!({"id": format!("{sender}-{incarnation}-{seq}"), "sender": sender, "at_ms": now,
@@ -1393,7 +1394,7 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
 
     // Cut off from the ledger: high risk refuses (fail closed, escalated), lower risk spends
     // the node's local share, settled in the ledger once it is back.
-    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
     let isolate = oam::core::chaos::NodeCommand::Isolate {
@@ -1476,7 +1477,7 @@ async fn a_loop_spread_over_the_cluster_trips_at_the_same_count_once() {
     let cl = cluster(&[]).await;
     let c = client();
     assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
-    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
     let mut incidents = nc
@@ -1776,7 +1777,7 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
     let mut forged = rows[0]["record"].clone();
     forged["node"] = json!("n1");
     forged["decision"]["request_id"] = json!("forged-1");
-    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false)
+    let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
     let batch = json!({"node": "n1", "config": {}, "records": [forged]});

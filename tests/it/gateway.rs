@@ -915,7 +915,7 @@ async fn only_clients_with_a_key_are_served_and_each_is_its_own_agent() {
     assert!(m.contains("oam_unauthorized_requests_total 3"), "{m}");
 
     // The NATS data plane asks for the same key, as a message header.
-    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false)
+    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
     let body = json!({"model": "big", "messages": [{"role": "user", "content": "hi"}]});
@@ -1118,7 +1118,7 @@ async fn asking_for_many_answers_at_once_escapes_no_budget() {
 
 /// The holds of `agent`'s budget in the shared ledger that still count, by holder.
 async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
-    let nc = oam::transport::connect::connect(nats_url, "test-ledger", false)
+    let nc = oam::transport::connect::connect(nats_url, "test-ledger", false, &Default::default())
         .await
         .unwrap();
     let kv = async_nats::jetstream::new(nc)
@@ -1242,7 +1242,7 @@ async fn a_killed_node_s_holds_lapse_although_it_restarts() {
 #[tokio::test]
 async fn only_the_warden_s_key_ends_an_isolation_over_http() {
     let g = gateway("restore-key").await;
-    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false)
+    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
     let body = json!({"messages": [{"role": "user", "content": "over nats"}]}).to_string();
@@ -1662,7 +1662,7 @@ async fn a_full_store_is_seen_fails_closed_and_heals() {
     let (status, v) = high("before").await;
     assert_eq!(status, 200, "{v}");
     // Fill the store (bounded: at most 40 MB).
-    let nc = oam::transport::connect::connect(&g._nats.url(), "filler", false)
+    let nc = oam::transport::connect::connect(&g._nats.url(), "filler", false, &Default::default())
         .await
         .unwrap();
     let js = async_nats::jetstream::new(nc);

@@ -502,7 +502,7 @@ async fn every_long_running_process_stops_within_two_seconds_without_nats() {
         .spawn()
         .unwrap();
     // The listener is subscribed once a message published now reaches its output.
-    let nc = oam::transport::connect::connect(&url, "test", false)
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
         .await
         .unwrap();
     let (tx, rx) = std::sync::mpsc::channel();

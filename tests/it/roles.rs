@@ -88,9 +88,10 @@ async fn every_role_may_do_its_own_work_and_nothing_else() {
     let creds_file = issued["file"].as_str().unwrap().to_string();
 
     // The admin sees every message, in the order the server delivers them.
-    let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
-        .await
-        .unwrap();
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
     let mut everything = admin.subscribe(">").await.unwrap();
     admin.flush().await.unwrap();
 
@@ -284,9 +285,10 @@ async fn no_role_answers_its_way_onto_a_control_subject() {
     let mesh = LocalCluster::up("bypass").await;
     issue(&mesh, "agent", "evil");
     let victim = issue(&mesh, "agent", "demo.victim");
-    let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
-        .await
-        .unwrap();
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
     let mut everything = admin.subscribe(">").await.unwrap();
     admin.flush().await.unwrap();
 
@@ -470,9 +472,10 @@ async fn no_consumer_copies_an_agent_s_bytes_onto_a_control_subject() {
         .unwrap();
     assert_eq!(succeeded(&out)["reloaded"], true);
     issue(&mesh, "sdk-agent", "sdk.evil");
-    let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
-        .await
-        .unwrap();
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
     let mut to_nodes = admin.subscribe("oam.v1.chaos.node.all").await.unwrap();
     admin.flush().await.unwrap();
     // What the agent writes where it may: a fault for every node, as the warden words them.
@@ -535,9 +538,10 @@ async fn no_consumer_copies_an_agent_s_bytes_onto_a_control_subject() {
 #[tokio::test]
 async fn a_missing_bucket_is_said_not_waited_for_and_mesh_up_puts_it_back() {
     let mesh = LocalCluster::up("missing-bucket").await;
-    let admin = oam::transport::connect::connect(&mesh.app_url(), "test-admin", false)
-        .await
-        .unwrap();
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
     let js = async_nats::jetstream::new(admin);
     for stream in ["KV_oam-budgets", "KV_oam-escalations", "KV_mesh-catalog"] {
         js.delete_stream(stream).await.unwrap();

@@ -210,9 +210,10 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     // The escalation store is watched again too: a record written now reaches the panel.
     let escalated = async {
         back?;
-        let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
-            .await
-            .ok()?;
+        let nc =
+            oam::transport::connect::connect(&mesh.app_url(), "test", false, &Default::default())
+                .await
+                .ok()?;
         let store = oam::transport::store::escalations::store(&nc).await.ok()?;
         let e: oam::core::escalation::Escalation = serde_json::from_value(serde_json::json!({
             "id": "esc-after-restart", "request_id": "r-after", "agent": "after-bot", "task": "t",
@@ -276,7 +277,7 @@ async fn the_banner_follows_a_real_outage_within_two_seconds() {
     assert!(nominal.is_some(), "nominal first:\n{}", session.capture());
 
     // Decisions as the watch receives them: when, and whether rerouted.
-    let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false)
+    let nc = oam::transport::connect::connect(&mesh.app_url(), "test", false, &Default::default())
         .await
         .unwrap();
     let mut sub = nc

@@ -246,7 +246,7 @@ pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
     // It starts, calls, freezes and kills agents of its own: the mesh owner's tool, run as the
     // admin (in a mesh folder, from its system.json).
     let url = &mesh.url(&crate::cmd::Role::Admin)?;
-    let nats = crate::transport::connect::reach(url, "oam-agent-bench", false).await?;
+    let nats = crate::cmd::reach(url, "oam-agent-bench", false).await?;
     let caller = std::sync::Arc::new(
         Caller::new(nats.clone())
             .await

@@ -56,16 +56,18 @@ pub async fn run(mesh: &super::super::MeshArgs, s: Args) -> Result<()> {
     };
     let mut instances = Vec::new();
     for _ in 0..s.replicas {
-        let (inst, sub) = Instance::start(url, entry.clone()).await.map_err(|e| {
-            Error::new(
-                Kind::Unreachable,
-                e.context(format!(
-                    "cannot serve {} via {}",
-                    s.name,
-                    connect::redact(url)
-                )),
-            )
-        })?;
+        let (inst, sub) = Instance::start(url, entry.clone(), crate::cmd::refused())
+            .await
+            .map_err(|e| {
+                Error::new(
+                    Kind::Unreachable,
+                    e.context(format!(
+                        "cannot serve {} via {}",
+                        s.name,
+                        connect::redact(url)
+                    )),
+                )
+            })?;
         instances.push((inst, sub));
     }
     {
@@ -108,7 +110,7 @@ pub async fn run(mesh: &super::super::MeshArgs, s: Args) -> Result<()> {
         });
         running.push((stop_tx, task));
     }
-    crate::signal::terminated().await;
+    crate::cmd::terminated().await;
     // Leave one at a time, so the last replica out knows it is the last and says so.
     for (stop_tx, task) in running {
         let _ = stop_tx.send(());

@@ -39,8 +39,8 @@ pub async fn run(a: Args) -> Result<()> {
                  (or set OAM_NATS_SYS_URL), or run it beside a mesh started by `oam mesh up`",
             )
         })?;
-    let app = connect::reach(&app_url, "oam-monitor", false).await?;
-    let sys = connect::reach(&sys_url, "oam-monitor-sys", false).await?;
+    let app = crate::cmd::reach(&app_url, "oam-monitor", false).await?;
+    let sys = crate::cmd::reach(&sys_url, "oam-monitor-sys", false).await?;
     let json = a.json;
     let shown = connect::redact(&app_url);
     let ready = move || {
@@ -53,7 +53,7 @@ pub async fn run(a: Args) -> Result<()> {
         };
         let _ = out.flush();
     };
-    crate::mesh::monitor::run(app, sys, ready, crate::signal::terminated())
+    crate::mesh::monitor::run(app, sys, ready, crate::cmd::terminated())
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))
 }
