@@ -208,7 +208,7 @@ impl Ledgers {
     /// refusal.
     pub(crate) async fn reserve(
         &self,
-        flight: &mut super::dataplane::Flight,
+        flight: &mut super::request::Flight,
         usd: f64,
     ) -> Option<Step> {
         let agent = flight.session.request().agent.clone();

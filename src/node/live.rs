@@ -8,7 +8,9 @@
 use super::Node;
 use super::config::Streaming;
 use super::connector::{Attempt, Broken, Opened, Passthrough, Upstream};
-use super::dataplane::{Flight, conclude, oam_object, with_oam_headers};
+use super::http::with_oam_headers;
+use super::openai::oam_object;
+use super::request::{Flight, conclude};
 use crate::core::contract::ToolCall;
 use crate::core::pipeline::{Decision, DecisionOutcome, Dispatch, Step};
 use crate::core::reason::ReasonCode;
@@ -384,15 +386,13 @@ impl Relay {
         } else {
             let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
             let code = d.reason_codes.last().map_or("", |c| c.as_str());
-            let error = json!({
-                "error": {
-                    "message": format!("oam ended the stream in phase {}: {}", d.phase, reasons.join(", ")),
-                    "type": "server_error",
-                    "param": null,
-                    "code": code,
-                },
-                "oam": oam,
-            });
+            let why = format!(
+                "oam ended the stream in phase {}: {}",
+                d.phase,
+                reasons.join(", ")
+            );
+            let mut error = super::openai::error_body(&why, "server_error", None, code);
+            error["oam"] = oam;
             format!("data: {error}\n\n")
         };
         let node = self.node();

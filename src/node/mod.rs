@@ -13,17 +13,20 @@ pub mod bus;
 pub mod chaos;
 pub mod config;
 pub mod connector;
-pub mod dataplane;
 pub mod decisionlog;
 mod detach;
 pub mod escalations;
 pub mod gossip;
 pub mod health;
+pub mod http;
 pub mod ledger;
 pub mod live;
 pub mod loops;
 pub mod metrics;
+pub mod nats;
+pub mod openai;
 pub mod pipeline;
+pub mod request;
 pub mod server;
 pub mod status;
 pub mod upstreams;
@@ -257,14 +260,14 @@ pub async fn run(
     let nats_plane = {
         let n = node.clone();
         tokio::spawn(async move {
-            if let Err(e) = dataplane::serve_nats(n).await {
+            if let Err(e) = nats::serve(n).await {
                 tracing::error!("NATS data plane stopped: {e:#}");
             }
         })
     };
     let server = tokio::spawn(server::serve(
         listener,
-        dataplane::router(node.clone()),
+        http::router(node.clone()),
         node.cfg.node.max_connections,
         Duration::from_millis(node.cfg.node.header_timeout_ms),
         Duration::from_millis(node.cfg.node.write_timeout_ms),

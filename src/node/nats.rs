@@ -1,0 +1,136 @@
+//! The request path on NATS: requests on `oam.v1.request` (queue group `oam-nodes`), the reply
+//! the HTTP body with `status` added. At most `node.max_connections` requests are in hand at
+//! once (as on HTTP); past that the node stops taking messages until one ends.
+
+use super::Node;
+use super::http::too_large;
+use super::request::execute;
+use crate::transport::subjects;
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use futures_util::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+
+/// The same data plane on NATS: requests on `oam.v1.request` (queue group `oam-nodes`), the
+/// reply is the HTTP body with `status` and the `X-OAM-*` values added to its `oam` object.
+/// When the node stops it leaves the queue group, answers what the server had already sent it,
+/// and returns.
+pub async fn serve(node: Arc<Node>) -> anyhow::Result<()> {
+    let in_hand = Arc::new(tokio::sync::Semaphore::new(node.cfg.node.max_connections));
+    loop {
+        // Isolated (chaos): not a member of the queue group until reconnected.
+        while node.bus.isolated() {
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                () = node.serving.stop.cancelled() => return Ok(()),
+            }
+        }
+        let mut sub = node
+            .bus
+            .nats()
+            .queue_subscribe(subjects::REQUEST, subjects::REQUEST_QUEUE.into())
+            .await?;
+        loop {
+            // Registered before the check, so an isolation between the two is not missed.
+            let changed = node.bus.isolation_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if node.bus.isolated() {
+                break;
+            }
+            // A place for the next request first: past the bound, messages wait with the server.
+            let permit = tokio::select! {
+                biased;
+                () = node.serving.stop.cancelled() => None,
+                _ = &mut changed => break,
+                p = in_hand.clone().acquire_owned() => Some(p?),
+            };
+            let next = match permit {
+                None => None,
+                Some(permit) => tokio::select! {
+                    biased;
+                    () = node.serving.stop.cancelled() => None,
+                    _ = changed => break,
+                    m = sub.next() => match m {
+                        Some(m) => Some((m, permit)),
+                        None => return Ok(()),
+                    },
+                },
+            };
+            let Some((msg, permit)) = next else {
+                return leave(&node, sub, &in_hand).await;
+            };
+            serve_one(&node, msg, permit);
+        }
+        let _ = sub.unsubscribe().await;
+    }
+}
+
+/// The node stops: leave the queue group, and answer what the server had sent already.
+async fn leave(
+    node: &Arc<Node>,
+    mut sub: async_nats::Subscriber,
+    in_hand: &Arc<tokio::sync::Semaphore>,
+) -> anyhow::Result<()> {
+    // Without a bus there is nothing to leave and nothing more will arrive.
+    if node.bus.nats().connection_state() != async_nats::connection::State::Connected {
+        return Ok(());
+    }
+    let _ = sub.drain().await;
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(1), sub.next()).await {
+        let permit = in_hand.clone().acquire_owned().await?;
+        serve_one(node, m, permit);
+    }
+    Ok(())
+}
+
+/// Answer one request from the NATS data plane, on its own task.
+fn serve_one(node: &Arc<Node>, msg: async_nats::Message, permit: OwnedSemaphorePermit) {
+    if subjects::from_jetstream(&msg) {
+        return; // copied here by a JetStream consumer: nobody asked
+    }
+    let node = node.clone();
+    node.clone().serving.tasks.spawn(async move {
+        let _in_hand = permit;
+        // Answers go to reply inboxes only, whatever subject the asker named.
+        let Some(reply) = msg.reply.clone().filter(|r| subjects::is_inbox(r)) else {
+            return; // no reply inbox: nobody to answer
+        };
+        let mut headers = HeaderMap::new();
+        if let Some(h) = &msg.headers {
+            for (name, values) in h.iter() {
+                let Ok(name) = HeaderName::from_bytes(name.to_string().as_bytes()) else {
+                    continue;
+                };
+                if let Some(v) = values.first()
+                    && let Ok(v) = HeaderValue::from_str(v.as_str())
+                {
+                    headers.insert(name, v);
+                }
+            }
+        }
+        // The same body limit as HTTP. A NATS requester that gives up cannot be seen; its
+        // request runs to the end.
+        let a = if msg.payload.len() > node.cfg.node.max_body_bytes {
+            too_large(&node, &headers)
+        } else {
+            execute(
+                &node,
+                &msg.payload,
+                &headers,
+                CancellationToken::new(),
+                false,
+            )
+            .await
+        };
+        // The HTTP answer's body with its status as a member (the upstream's own `status`, if
+        // its answer had one, gives way).
+        let status = a.status.as_u16().to_string();
+        let bytes = super::connector::set_member(&a.body, "status", status.as_bytes());
+        if let Err(e) = node.bus.nats().publish(reply, bytes.into()).await {
+            tracing::debug!("cannot reply on NATS: {e}");
+        }
+    });
+}

@@ -1,0 +1,728 @@
+//! The OpenAI chat-completions surface, in one place: the request as clients send it (with
+//! oam's own fields in an `oam` object or `X-OAM-*` headers) decoded into the core's request,
+//! the error envelope, the `oam` object every answer carries, and the HTTP status a decision
+//! answers with. A second API is a sibling of this file.
+
+use super::config::NodeConfig;
+use super::connector::{Attempt, Passthrough, Reply};
+use crate::clock::now_ms;
+use crate::core::contract::ContractSpec;
+use crate::core::pipeline::{Decision, DecisionOutcome};
+use crate::core::reason::{Phase, ReasonCode};
+use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
+use axum::http::{HeaderMap, StatusCode};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// The OpenAI error envelope: `{"error": {message, type, param, code}}`.
+pub(crate) fn error_body(message: &str, kind: &str, param: Option<&str>, code: &str) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+}
+
+/// oam's extra fields, from the body's `oam` object (headers fill what it leaves out).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OamFields {
+    #[serde(default)]
+    request_id: Option<String>,
+    #[serde(default)]
+    agent: Option<String>,
+    #[serde(default)]
+    task: Option<String>,
+    #[serde(default)]
+    risk: Option<Risk>,
+    #[serde(default)]
+    priority: Option<Priority>,
+    #[serde(default)]
+    idempotent: Option<bool>,
+    #[serde(default)]
+    latency_budget_ms: Option<u64>,
+    #[serde(default)]
+    max_cost_usd: Option<f64>,
+    #[serde(default)]
+    policy: Option<Policy>,
+    #[serde(default)]
+    contract: Option<ContractSpec>,
+}
+
+/// The most tools one request may declare (OpenAI's own limit).
+pub(crate) const MAX_TOOLS: usize = 128;
+
+/// The most answers one request may ask for (OpenAI's own limit on `n`).
+pub(crate) const MAX_N: u64 = 128;
+
+/// The OpenAI request shape: what oam reads; everything else (tools, sampling parameters,
+/// unknown future fields) is kept in `rest` and the messages as sent, for the upstream.
+#[derive(Deserialize)]
+pub(crate) struct ChatIn {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<Value>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    oam: Option<OamFields>,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
+}
+
+#[derive(Deserialize)]
+pub(crate) struct MessageIn {
+    role: String,
+    #[serde(default)]
+    content: Value,
+}
+
+pub(crate) fn text_of(content: &Value) -> Option<String> {
+    match content {
+        Value::String(s) => Some(s.clone()),
+        Value::Null => Some(String::new()),
+        Value::Array(parts) => Some(
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        _ => None,
+    }
+}
+
+/// The tools a request declares (`[{type, function: {name, parameters}}]`): name -> parameter
+/// schema (`null` when a tool gives none). The list itself goes to the upstream as sent.
+pub(crate) fn declared_tools(
+    tools: Option<&Value>,
+) -> Result<std::collections::BTreeMap<String, Value>, BadRequest> {
+    let Some(tools) = tools else {
+        return Ok(Default::default());
+    };
+    let list = tools.as_array().ok_or_else(|| {
+        bad(
+            "tools",
+            "tools must be an array of {\"type\": \"function\", \"function\": {...}}",
+        )
+    })?;
+    // Every tool's schema is compiled to check the answer's calls against it: without a bound,
+    // one request of 6,000 tools cost 0.1 s of CPU and 43 MB.
+    if list.len() > MAX_TOOLS {
+        return Err(bad(
+            "tools",
+            format!(
+                "at most {MAX_TOOLS} tools per request (OpenAI's own limit); this one declares {}",
+                list.len()
+            ),
+        ));
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for (i, t) in list.iter().enumerate() {
+        let f = &t["function"];
+        let Some(name) = f["name"].as_str().filter(|n| !n.is_empty()) else {
+            return Err(bad(
+                format!("tools[{i}].function.name"),
+                format!("tools[{i}].function.name must be a non-empty string"),
+            ));
+        };
+        out.insert(
+            name.to_string(),
+            f.get("parameters").cloned().unwrap_or(Value::Null),
+        );
+    }
+    Ok(out)
+}
+
+/// May a client ask for `model`? A route's name when routes are configured; without routes (every
+/// target scored), any target's model or id; `auto` (or `oam`, or nothing) always.
+pub(crate) fn known_model(cfg: &NodeConfig, model: &str) -> bool {
+    if model.is_empty() || model == "auto" || model == "oam" {
+        return true;
+    }
+    if cfg.routes.is_empty() {
+        cfg.targets
+            .iter()
+            .any(|t| t.model == model || t.id == model)
+    } else {
+        cfg.route(model).is_some()
+    }
+}
+
+/// A request the node refuses before the pipeline runs (400): the parameter at fault (for the
+/// OpenAI error envelope's `param`), and why.
+pub(crate) struct BadRequest {
+    pub param: Option<String>,
+    pub message: String,
+}
+
+pub(crate) fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
+    BadRequest {
+        param: Some(param.into()),
+        message: message.into(),
+    }
+}
+
+/// The body parameter of a core request field: OpenAI's own names stay, oam's live in `oam`.
+pub(crate) fn param_of(field: &str) -> String {
+    match field {
+        "messages" | "response_format" | "model" | "tools" => field.to_string(),
+        "id" => "oam.request_id".to_string(),
+        other => format!("oam.{other}"),
+    }
+}
+
+pub(crate) fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
+}
+
+pub(crate) fn parse_header<T: std::str::FromStr>(
+    h: &HeaderMap,
+    name: &str,
+) -> Result<Option<T>, BadRequest> {
+    match header(h, name) {
+        None => Ok(None),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|_| bad(name, format!("header {name}: cannot read {v:?}"))),
+    }
+}
+
+pub(crate) fn parse_enum_header<T: serde::de::DeserializeOwned>(
+    h: &HeaderMap,
+    name: &str,
+) -> Result<Option<T>, BadRequest> {
+    match header(h, name) {
+        None => Ok(None),
+        Some(v) => serde_json::from_value(Value::String(v.to_ascii_lowercase()))
+            .map(Some)
+            .map_err(|e| bad(name, format!("header {name}: {e}"))),
+    }
+}
+
+/// `to_request` against the providers a node routes to; `new_id` names a request that names
+/// itself nowhere.
+pub(crate) fn decode_request(
+    cfg: &NodeConfig,
+    body: &[u8],
+    h: &HeaderMap,
+    new_id: impl FnOnce() -> String,
+) -> Result<(Request, bool, Passthrough), BadRequest> {
+    // Read plainly first; only a body that fails is read again, tracking where it failed.
+    let plain = ChatIn::deserialize(&mut serde_json::Deserializer::from_slice(body));
+    let chat = plain.or_else(|_| {
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body))
+    });
+    let chat: ChatIn = chat.map_err(|e| {
+        let path = e.path().to_string();
+        let (param, at) = if path == "." {
+            (None, String::new())
+        } else {
+            (Some(path.clone()), format!("{path}: "))
+        };
+        BadRequest {
+            param,
+            message: format!("invalid chat completion request: {at}{}", e.into_inner()),
+        }
+    })?;
+    if chat.messages.is_empty() {
+        return Err(bad("messages", "messages must hold at least one message"));
+    }
+    let mut messages = Vec::with_capacity(chat.messages.len());
+    for (i, raw) in chat.messages.iter().enumerate() {
+        let plain = MessageIn::deserialize(raw);
+        let m = plain.or_else(|_| serde_path_to_error::deserialize(raw));
+        let m: MessageIn = m.map_err(|e| {
+            let at = match e.path().to_string() {
+                p if p == "." => format!("messages[{i}]"),
+                p => format!("messages[{i}].{p}"),
+            };
+            let message = format!("invalid chat completion request: {at}: {}", e.inner());
+            bad(at, message)
+        })?;
+        let content = text_of(&m.content).ok_or_else(|| {
+            bad(
+                format!("messages[{i}].content"),
+                format!("messages[{i}].content must be a string or an array of parts"),
+            )
+        })?;
+        messages.push(Message {
+            role: m.role,
+            content,
+        });
+    }
+    if let Some(model) = &chat.model
+        && !known_model(cfg, model)
+    {
+        let known: Vec<&str> = if cfg.routes.is_empty() {
+            cfg.targets.iter().map(|t| t.model.as_str()).collect()
+        } else {
+            cfg.routes.iter().map(|r| r.model.as_str()).collect()
+        };
+        return Err(bad(
+            "model",
+            format!(
+                "unknown model {model:?}; this node serves {} (or send \"auto\")",
+                known.join(", ")
+            ),
+        ));
+    }
+    let stream = chat.stream == Some(true);
+    let tools = declared_tools(chat.rest.get("tools"))?;
+    // `n` stays in the body for the upstream; oam prices every answer it asks for.
+    let n = match chat.rest.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=MAX_N).contains(n))
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad("n", format!("n must be a whole number from 1 to {MAX_N}")))?,
+    };
+    let o = chat.oam.unwrap_or_default();
+    let id = o
+        .request_id
+        .or_else(|| header(h, "x-request-id").map(String::from))
+        .unwrap_or_else(new_id);
+    let request = Request {
+        id,
+        agent: o
+            .agent
+            .or_else(|| header(h, "x-oam-agent").map(String::from))
+            .unwrap_or_else(|| crate::core::request::ANONYMOUS.into()),
+        task: o
+            .task
+            .or_else(|| header(h, "x-oam-task").map(String::from))
+            .unwrap_or_default(),
+        model: chat.model,
+        messages,
+        risk: match o.risk {
+            Some(r) => r,
+            None => parse_enum_header(h, "x-oam-risk")?.unwrap_or_default(),
+        },
+        priority: match o.priority {
+            Some(p) => p,
+            None => parse_enum_header(h, "x-oam-priority")?.unwrap_or_default(),
+        },
+        idempotent: match o.idempotent {
+            Some(b) => b,
+            None => parse_header(h, "x-oam-idempotent")?.unwrap_or(true),
+        },
+        latency_budget_ms: match o.latency_budget_ms {
+            Some(v) => Some(v),
+            None => parse_header(h, "x-oam-latency-budget-ms")?,
+        },
+        max_cost_usd: match o.max_cost_usd {
+            Some(v) => Some(v),
+            None => parse_header(h, "x-oam-max-cost-usd")?,
+        },
+        max_tokens: chat.max_completion_tokens.or(chat.max_tokens),
+        n,
+        policy: o.policy.unwrap_or_default(),
+        contract: o.contract,
+        response_format: chat.response_format,
+        tools,
+    };
+    let mut extra = chat.rest;
+    // oam sets the upstream's stream options itself (it always asks a stream for its usage);
+    // whether the client wants the usage chunk is kept.
+    let include_usage = extra
+        .remove("stream_options")
+        .is_some_and(|o| o["include_usage"] == Value::Bool(true));
+    let pass = Passthrough {
+        messages: chat.messages,
+        extra,
+        include_usage,
+    };
+    Ok((request, stream, pass))
+}
+
+/// The HTTP status for a refused request, by the phase that refused it.
+pub fn status_for(d: &Decision) -> StatusCode {
+    let timed_out = d.reason_codes.contains(&ReasonCode::GenerationTimeout);
+    // The last call made refused the request itself (invalid, too long for any target's
+    // context window, or against content policy): the caller should change it.
+    let rejected = d
+        .attempts
+        .iter()
+        .rev()
+        .find_map(|a| a.status)
+        .is_some_and(GenerationStatus::is_refusal);
+    match d.phase {
+        Phase::Accepted => StatusCode::OK,
+        Phase::Admission => StatusCode::SERVICE_UNAVAILABLE,
+        Phase::Loop => StatusCode::TOO_MANY_REQUESTS,
+        Phase::Budget | Phase::Cost => StatusCode::PAYMENT_REQUIRED,
+        Phase::Semantic | Phase::Quality => StatusCode::UNPROCESSABLE_ENTITY,
+        // The provider refused the request itself (its last attempt): the caller should fix it.
+        Phase::Generation if rejected => StatusCode::BAD_REQUEST,
+        Phase::Generation if timed_out => StatusCode::GATEWAY_TIMEOUT,
+        Phase::Generation => StatusCode::BAD_GATEWAY,
+        Phase::Routing | Phase::Breaker => StatusCode::SERVICE_UNAVAILABLE,
+        Phase::Retry | Phase::Escalation => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+pub(crate) fn oam_object(d: &Decision) -> Value {
+    serde_json::to_value(OamObject::of(d)).unwrap_or(Value::Null)
+}
+
+/// The `oam` object of an answer, written straight from the decision (members in name order).
+#[derive(serde::Serialize)]
+pub(crate) struct OamObject<'a> {
+    agent: &'a str,
+    attempts: usize,
+    confidence: Option<f64>,
+    cost_usd: f64,
+    escalation: &'a Option<crate::core::escalation::Escalation>,
+    fallback: bool,
+    incident: &'a Option<crate::core::loops::Incident>,
+    outcome: DecisionOutcome,
+    phase: crate::core::reason::Phase,
+    provider: Option<&'a str>,
+    reason_codes: &'a [ReasonCode],
+    request_id: &'a str,
+    route: Option<&'a str>,
+    target: Option<&'a str>,
+    tried: Vec<Tried<'a>>,
+}
+
+#[derive(serde::Serialize)]
+struct Tried<'a> {
+    latency_ms: u64,
+    reason_codes: &'a [ReasonCode],
+    status: Option<GenerationStatus>,
+    target: &'a str,
+}
+
+impl<'a> OamObject<'a> {
+    pub(crate) fn of(d: &'a Decision) -> Self {
+        OamObject {
+            agent: &d.agent,
+            attempts: d.attempts.len(),
+            confidence: d.confidence,
+            cost_usd: d.cost_usd,
+            escalation: &d.escalation,
+            fallback: d.fallback,
+            incident: &d.incident,
+            outcome: d.outcome,
+            phase: d.phase,
+            provider: d.provider.as_deref(),
+            reason_codes: &d.reason_codes,
+            request_id: &d.request_id,
+            route: d.route.as_deref(),
+            target: d.provider.as_deref(),
+            tried: d
+                .attempts
+                .iter()
+                .filter_map(|a| {
+                    Some(Tried {
+                        latency_ms: a.latency_ms,
+                        reason_codes: &a.codes,
+                        status: a.status,
+                        target: a.provider.as_deref()?,
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A JSON body, written out.
+pub(crate) fn json_bytes(v: &impl serde::Serialize) -> bytes::Bytes {
+    serde_json::to_vec(v).unwrap_or_default().into()
+}
+
+/// The answer to decision `d` as an OpenAI client reads it: its status and body. `last` is the
+/// last call made (its upstream answer is passed on as it came when accepted, or when it is a
+/// content-policy refusal); `model` is the decided target's model.
+pub(crate) fn answer(
+    d: &Decision,
+    last: Option<Attempt>,
+    model: &str,
+) -> (StatusCode, bytes::Bytes) {
+    let status = status_for(d);
+    let accepted = d.outcome == DecisionOutcome::Accepted;
+    let (g, upstream, upstream_status) = match last {
+        Some(a) => (a.generation, a.body, a.http_status),
+        None => (crate::core::request::Generation::ok("", 0), None, 0),
+    };
+    let policy = g.status == GenerationStatus::ContentPolicy
+        && d.reason_codes.contains(&ReasonCode::ContentPolicyRefusal);
+    let refusal = if policy {
+        upstream.as_ref().and_then(Reply::value)
+    } else {
+        None
+    };
+    if let Some(Value::Object(mut refusal)) = refusal {
+        // The upstream's content-policy refusal as it came (an error, or a filtered answer),
+        // with its status, and oam's object.
+        refusal.insert("oam".into(), oam_object(d));
+        let status = StatusCode::from_u16(upstream_status).unwrap_or(status);
+        (status, json_bytes(&refusal))
+    } else if let (true, Some(Reply::Completion(answer))) = (accepted, &upstream) {
+        // The upstream's chat completion as it came, byte for byte (choices, tool calls,
+        // finish reason, logprobs, usage, system fingerprint, its model), with oam's object
+        // written in.
+        let oam = serde_json::to_vec(&OamObject::of(d)).unwrap_or_default();
+        (
+            status,
+            super::connector::with_member(answer, "oam", &oam).into(),
+        )
+    } else if let (true, Some(Reply::Json(Value::Object(mut answer)))) = (accepted, upstream)
+        && answer.get("choices").is_some_and(Value::is_array)
+    {
+        answer.insert("oam".into(), oam_object(d));
+        (status, json_bytes(&answer))
+    } else if accepted {
+        let usage = g.usage.unwrap_or_default();
+        let body = json!({
+            "id": format!("chatcmpl-{}", d.request_id),
+            "object": "chat.completion",
+            "created": now_ms() / 1000,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": g.content},
+                "finish_reason": g.finish_reason.unwrap_or_else(|| "stop".into()),
+            }],
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            },
+            "oam": OamObject::of(d),
+        });
+        (status, json_bytes(&body))
+    } else {
+        let last_code = d.reason_codes.last().map_or("", |c| c.as_str());
+        let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+        let message = format!(
+            "oam {} the request in phase {}: {}",
+            match d.outcome {
+                DecisionOutcome::Escalated => "escalated",
+                _ => "refused",
+            },
+            d.phase,
+            reasons.join(", ")
+        );
+        let kind = if status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        let mut body = error_body(&message, kind, None, last_code);
+        body["oam"] = oam_object(d);
+        (status, json_bytes(&body))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn statuses_follow_the_phase() {
+        let mut d: Decision = serde_json::from_value(json!({
+            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
+            "outcome": "rejected", "phase": "admission", "reason_codes": [],
+            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
+            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
+        }))
+        .unwrap();
+        for (phase, status) in [
+            (Phase::Admission, 503),
+            (Phase::Loop, 429),
+            (Phase::Budget, 402),
+            (Phase::Semantic, 422),
+            (Phase::Quality, 422),
+            (Phase::Generation, 502),
+            (Phase::Accepted, 200),
+        ] {
+            d.phase = phase;
+            assert_eq!(status_for(&d).as_u16(), status, "{phase}");
+        }
+        d.phase = Phase::Generation;
+        d.reason_codes = vec![ReasonCode::GenerationTimeout];
+        assert_eq!(status_for(&d).as_u16(), 504);
+    }
+
+    fn cfg() -> NodeConfig {
+        NodeConfig::load(None, "http://127.0.0.1:1").expect("the default configuration")
+    }
+
+    fn decode(body: Value, h: &HeaderMap) -> Result<(Request, bool, Passthrough), BadRequest> {
+        decode_request(&cfg(), body.to_string().as_bytes(), h, || "new".into())
+    }
+
+    #[test]
+    fn oam_fields_come_from_the_body_first_then_the_headers() {
+        let mut h = HeaderMap::new();
+        h.insert("x-oam-agent", HeaderValue::from_static("from-header"));
+        h.insert("x-oam-risk", HeaderValue::from_static("HIGH"));
+        h.insert("x-request-id", HeaderValue::from_static("hdr-id"));
+        let body = json!({
+            "model": "auto", "stream": true, "n": 2, "max_completion_tokens": 7,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "oam": {"agent": "from-body", "priority": "critical"},
+            "temperature": 0.5, "stream_options": {"include_usage": true}
+        });
+        let Ok((r, stream, pass)) = decode(body, &h) else {
+            panic!("does not decode")
+        };
+        assert_eq!(r.agent, "from-body", "the body wins over the header");
+        assert_eq!(
+            r.risk,
+            Risk::High,
+            "a header fills what the body leaves out"
+        );
+        assert_eq!(r.priority, Priority::Critical);
+        assert_eq!((r.id.as_str(), r.n, r.max_tokens), ("hdr-id", 2, Some(7)));
+        assert_eq!(r.messages[0].content, "a\nb", "text parts are joined");
+        assert!(stream && pass.include_usage);
+        assert_eq!(
+            pass.extra["temperature"],
+            json!(0.5),
+            "the rest goes upstream as sent"
+        );
+        assert!(
+            !pass.extra.contains_key("stream_options"),
+            "oam sets the upstream's own"
+        );
+    }
+
+    #[test]
+    fn what_cannot_be_served_is_refused_naming_the_parameter() {
+        let h = HeaderMap::new();
+        let m = json!([{"role": "user", "content": "q"}]);
+        let refused = |body: Value| match decode(body, &h) {
+            Ok(_) => panic!("decoded"),
+            Err(e) => e,
+        };
+        let e = refused(json!({"model": "no-such-model", "messages": m}));
+        assert_eq!(e.param.as_deref(), Some("model"));
+        assert!(e.message.contains("no-such-model"), "{}", e.message);
+        assert_eq!(
+            refused(json!({"messages": []})).param.as_deref(),
+            Some("messages")
+        );
+        assert_eq!(
+            refused(json!({"messages": m, "n": 0})).param.as_deref(),
+            Some("n")
+        );
+        let tools: Vec<Value> = (0..=MAX_TOOLS)
+            .map(|i| json!({"type": "function", "function": {"name": format!("t{i}")}}))
+            .collect();
+        assert_eq!(
+            refused(json!({"messages": m, "tools": tools}))
+                .param
+                .as_deref(),
+            Some("tools")
+        );
+        let e = refused(json!({"messages": [{"role": "user", "content": 5}]}));
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+        let e = refused(json!({"messages": m, "oam": {"risk": "extreme"}}));
+        assert_eq!(e.param.as_deref(), Some("oam.risk"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_refusal_answers_with_the_error_envelope_and_the_oam_object() {
+        let mut d = decision();
+        d.phase = Phase::Budget;
+        d.reason_codes = vec![ReasonCode::BudgetExhausted];
+        let (status, body) = answer(&d, None, "m");
+        assert_eq!(status.as_u16(), 402);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], json!("BUDGET_EXHAUSTED"));
+        assert_eq!(v["error"]["type"], json!("invalid_request_error"));
+        assert_eq!(v["oam"]["reason_codes"], json!(["BUDGET_EXHAUSTED"]));
+        assert_eq!(v["oam"]["request_id"], json!("r"));
+    }
+
+    #[test]
+    fn an_accepted_answer_without_an_upstream_body_is_a_chat_completion() {
+        let mut d = decision();
+        d.outcome = DecisionOutcome::Accepted;
+        d.phase = Phase::Accepted;
+        d.provider = Some("sim/m".into());
+        let mut g = crate::core::request::Generation::ok("hello", 3);
+        g.finish_reason = Some("length".into());
+        let last = Attempt::from(g);
+        let (status, body) = answer(&d, Some(last), "m");
+        assert_eq!(status.as_u16(), 200);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["object"], json!("chat.completion"));
+        assert_eq!(v["model"], json!("m"));
+        assert_eq!(v["choices"][0]["message"]["content"], json!("hello"));
+        assert_eq!(v["choices"][0]["finish_reason"], json!("length"));
+        assert_eq!(
+            (v["oam"]["target"].clone(), v["oam"]["provider"].clone()),
+            (json!("sim/m"), json!("sim/m"))
+        );
+    }
+
+    /// A decision as the engine writes one, refused at admission.
+    fn decision() -> Decision {
+        serde_json::from_value(json!({
+            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
+            "outcome": "rejected", "phase": "admission", "reason_codes": [],
+            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
+            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
+        }))
+        .unwrap()
+    }
+
+    /// JSON-ish text from the pieces a chat request is made of, so that the decoder gets far
+    /// past the first byte.
+    fn chat_like() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let piece = prop_oneof![
+            Just("{".to_string()),
+            Just("}".to_string()),
+            Just("[".to_string()),
+            Just("]".to_string()),
+            Just(",".to_string()),
+            Just(":".to_string()),
+            Just("\"messages\"".to_string()),
+            Just("\"role\"".to_string()),
+            Just("\"content\"".to_string()),
+            Just("\"model\"".to_string()),
+            Just("\"oam\"".to_string()),
+            Just("\"stream\"".to_string()),
+            Just("\"type\"".to_string()),
+            Just("\"text\"".to_string()),
+            Just("\"risk\"".to_string()),
+            Just("\"max_tokens\"".to_string()),
+            Just("\"latency_budget_ms\"".to_string()),
+            Just("\"contract\"".to_string()),
+            Just("\"user\"".to_string()),
+            Just("null".to_string()),
+            Just("true".to_string()),
+            Just("-1".to_string()),
+            Just("1e999".to_string()),
+            Just("18446744073709551616".to_string()),
+            any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap_or_default()),
+        ];
+        proptest::collection::vec(piece, 0..40).prop_map(|v| v.concat())
+    }
+
+    proptest::proptest! {
+        /// Whatever a client sends, the decoder answers with a request or a 400 naming why;
+        /// it never panics.
+        #[test]
+        fn any_body_decodes_or_is_refused(body in chat_like(), raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
+            let cfg = crate::node::config::NodeConfig::load(None, "http://127.0.0.1:1").unwrap_or_default();
+            let mut h = HeaderMap::new();
+            h.insert("x-oam-risk", HeaderValue::from_static("high"));
+            for bytes in [body.as_bytes(), raw.as_slice()] {
+                match decode_request(&cfg, bytes, &h, || "r".into()) {
+                    Ok((r, _, pass)) => proptest::prop_assert_eq!(r.messages.len(), pass.messages.len()),
+                    Err(e) => proptest::prop_assert!(!e.message.is_empty()),
+                }
+            }
+        }
+    }
+}

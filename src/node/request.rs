@@ -1,0 +1,495 @@
+//! A request's way through the node, in stages every protocol shares: decode (the protocol's
+//! own module) -> authenticate -> begin (admitted or queued by the engine) -> drive (the engine's
+//! steps: wait for a slot, reserve budget, call targets) -> respond -> conclude (health
+//! samples, metrics, the decision on the bus and in the log). HTTP (`http`) and NATS (`nats`)
+//! are thin adapters over `execute`.
+
+use super::Node;
+use super::connector::Passthrough;
+use super::openai::{self, BadRequest, bad, header, json_bytes, param_of};
+use crate::clock::now_ms;
+use crate::core::pipeline::{Decision, Effect, Session, Step};
+use crate::core::reason::ReasonCode;
+use crate::core::record::{Call, Recorder};
+use crate::core::request::{GenerationStatus, Request};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Build the core request from the body and headers: the request, and whether it asked for
+/// server-sent events (`"stream": true`). Bytes from outside: property-tested below.
+pub(crate) fn to_request(
+    node: &Node,
+    body: &[u8],
+    h: &HeaderMap,
+    client: Option<&str>,
+) -> Result<(Request, bool, Passthrough), BadRequest> {
+    let mut r = openai::decode_request(&node.cfg, body, h, || {
+        node.serving.next_request_id(&node.id)
+    })?;
+    if let Some(id) = client {
+        // Who holds the key is who calls, whatever the request says.
+        r.0.agent = id.to_string();
+    }
+    Ok(r)
+}
+
+/// With `[[client]]`s configured, the client whose key the request bears
+/// (`Authorization: Bearer <key>`), or the 401 that refuses it; without, `Ok(None)`: anyone.
+pub(crate) fn authenticate<'a>(
+    node: &'a Node,
+    h: &HeaderMap,
+) -> Result<Option<&'a str>, Box<Answer>> {
+    if node.cfg.client_keys.is_empty() {
+        return Ok(None);
+    }
+    let presented = header(h, "authorization")
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    let why = match presented {
+        Some(key) => match node.cfg.client_with_key(key) {
+            Some(id) => return Ok(Some(id)),
+            None => "the key in the Authorization header is not one this gateway knows",
+        },
+        None => "this gateway needs an API key: send Authorization: Bearer <key>",
+    };
+    node.metrics.unauthorized();
+    let mut a = bad_request(
+        node,
+        h,
+        BadRequest {
+            param: None,
+            message: why.into(),
+        },
+    );
+    a.status = StatusCode::UNAUTHORIZED;
+    a.body = json_bytes(&openai::error_body(
+        why,
+        "invalid_request_error",
+        None,
+        "invalid_api_key",
+    ));
+    a.phase = "unauthorized".into();
+    Err(Box::new(a))
+}
+
+/// What the data plane answers, before it is turned into HTTP or a NATS reply.
+pub struct Answer {
+    /// The request asked for server-sent events (HTTP only; the NATS reply is always JSON).
+    pub stream: bool,
+    pub status: StatusCode,
+    /// JSON, written out.
+    pub body: bytes::Bytes,
+    pub request_id: String,
+    pub phase: String,
+    pub reasons: String,
+    pub provider: String,
+    /// A stream relayed live: the response is already under way (HTTP only).
+    pub live: Option<Response>,
+}
+
+impl Answer {
+    /// A stream relayed live: its response is already under way.
+    fn live(resp: Response) -> Answer {
+        Answer {
+            stream: true,
+            status: StatusCode::OK,
+            body: bytes::Bytes::new(),
+            request_id: String::new(),
+            phase: String::new(),
+            reasons: String::new(),
+            provider: String::new(),
+            live: Some(resp),
+        }
+    }
+}
+
+/// A request on its way through the engine. Whatever way its driver ends (finished, or the
+/// task dropped), the guard gives back what the session still holds: its queue place or slot,
+/// and budget reserved for an attempt under way.
+pub(crate) struct Flight {
+    pub node: Arc<Node>,
+    pub session: Session,
+    /// What the shared budget ledger holds for the attempt under way.
+    pub hold: Option<super::ledger::Hold>,
+    /// The request's record for the decision log, as it goes (none when the log is off).
+    pub recorder: Option<Recorder>,
+}
+
+impl Flight {
+    pub(crate) fn new(node: Arc<Node>, session: Session, recorder: Option<Recorder>) -> Flight {
+        Flight {
+            node,
+            session,
+            hold: None,
+            recorder,
+        }
+    }
+
+    /// Tell the engine `call` about this request (recorded with the state it saw); if it ended
+    /// the attempt under way, the attempt's ledger hold settles with what it cost.
+    pub(crate) fn call(&mut self, call: Call) -> Option<Step> {
+        let before = self.session.cost_usd();
+        let ended = matches!(call, Call::Complete { .. } | Call::Withdraw);
+        let now = now_ms();
+        let Flight {
+            node,
+            session,
+            recorder,
+            ..
+        } = self;
+        let out = node.pipeline.with(|e| {
+            if let Some(r) = recorder.as_mut() {
+                r.call(e, &call, now);
+            }
+            e.apply(session, call, now)
+        });
+        super::ledger::settle_after(
+            &self.node.ledger,
+            &mut self.hold,
+            &self.session,
+            before,
+            ended,
+        );
+        out
+    }
+
+    /// A call that always gives the next step (`Dequeue`, `Complete`).
+    pub(crate) fn next(&mut self, call: Call) -> Step {
+        // `apply` gives a step for these; were it not to, the request would wait in vain:
+        // end it closed instead.
+        match self.call(call) {
+            Some(step) => step,
+            None => self
+                .call(Call::Complete {
+                    generation: crate::core::request::Generation::failed(
+                        GenerationStatus::Error,
+                        0,
+                    ),
+                })
+                .unwrap_or(Step::Queued),
+        }
+    }
+
+    /// The request's record as far as it goes (finished with its decision by `conclude`).
+    pub(crate) fn recorder(&mut self) -> Option<Recorder> {
+        self.recorder.take()
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.session.ticket() {
+            self.node.pipeline.forget_waiter(ticket);
+        }
+        // A decided request holds nothing: no lock taken for it.
+        if self.session.holds_anything() {
+            self.node
+                .pipeline
+                .with(|e| e.drop_session(&mut self.session));
+        }
+        if let Some(h) = self.hold.take() {
+            self.node.ledger.settle(h, 0.0);
+        }
+    }
+}
+
+/// A request admitted to the pipeline.
+pub(crate) struct Begun {
+    flight: Flight,
+    /// The engine's first step.
+    step: Step,
+    /// The slot it waits for, when queued.
+    granted: Option<tokio::sync::oneshot::Receiver<()>>,
+    /// It asked for server-sent events.
+    stream: bool,
+    /// What goes to the upstream unchanged.
+    pass: Passthrough,
+}
+
+/// Authenticate, parse and begin a request, or the answer that refuses it. A function of its
+/// own so that none of its temporaries is kept in the request's future (moved whole into its
+/// box) across an await.
+pub(crate) fn begin(
+    node: &Arc<Node>,
+    body: &[u8],
+    headers: &HeaderMap,
+) -> Result<Begun, Box<Answer>> {
+    let client = authenticate(node, headers)?;
+    let (request, stream, pass) = to_request(node, body, headers, client)
+        .map_err(|e| Box::new(bad_request(node, headers, e)))?;
+    let logging = node.log.enabled();
+    let begun = node.pipeline.with(|e| {
+        let now = now_ms();
+        let recorder = logging.then(|| Recorder::begin(e, &request, now));
+        e.begin(request, now).map(|(session, step)| {
+            let granted = session.ticket().map(|t| node.pipeline.wait_for_slot(t));
+            (Flight::new(node.clone(), session, recorder), step, granted)
+        })
+    });
+    match begun {
+        Ok((flight, step, granted)) => Ok(Begun {
+            flight,
+            step,
+            granted,
+            stream,
+            pass,
+        }),
+        Err(e) => {
+            let param = param_of(e.field);
+            Err(Box::new(bad_request(node, headers, bad(param, e.message))))
+        }
+    }
+}
+
+/// Run one request through the pipeline, calling providers as it directs. `caller` is
+/// cancelled when whoever asked went away: a queued request then leaves the queue at once, and
+/// one with an attempt under way lets it finish but makes no further attempt.
+pub async fn execute(
+    node: &Arc<Node>,
+    body: &[u8],
+    headers: &HeaderMap,
+    caller: CancellationToken,
+    live_ok: bool,
+) -> Answer {
+    let started = std::time::Instant::now();
+    let Begun {
+        mut flight,
+        mut step,
+        mut granted,
+        stream,
+        pass,
+    } = match begin(node, body, headers) {
+        Ok(begun) => begun,
+        Err(refused) => return *refused,
+    };
+    // A streaming request held to no contract is relayed as it arrives; one under a contract is
+    // checked whole first, then released.
+    let live = live_ok && stream && !flight.session.contracted();
+    let limits = node
+        .cfg
+        .deadlines(flight.session.request().model.as_deref());
+    let mut last = None;
+    let queue_deadline =
+        tokio::time::Instant::now() + Duration::from_millis(node.cfg.node.queue_timeout_ms);
+    let decision = loop {
+        step = match step {
+            Step::Done(d) => break *d,
+            Step::Queued => {
+                let ticket = flight.session.ticket();
+                let Some(rx) = granted.take() else {
+                    // Only `begin` queues, and it registered the waiter; fail closed.
+                    match flight.call(Call::Abandon) {
+                        Some(Step::Done(d)) => break *d,
+                        _ => continue,
+                    }
+                };
+                let gave_up = tokio::select! {
+                    // A slot was handed to this request.
+                    _ = rx => None,
+                    () = tokio::time::sleep_until(queue_deadline) => Some(false),
+                    () = caller.cancelled() => Some(true),
+                };
+                let Some(caller_left) = gave_up else {
+                    step = flight.next(Call::Dequeue);
+                    continue;
+                };
+                // Leaving the queue: its waker goes too (a grant that raced with this is handed
+                // on by the engine).
+                if let Some(t) = ticket {
+                    node.pipeline.forget_waiter(t);
+                }
+                let left = flight.call(if caller_left {
+                    Call::CallerGone
+                } else {
+                    Call::Abandon
+                });
+                match left {
+                    Some(Step::Done(d)) => break *d,
+                    Some(other) => other,
+                    // Not queued any more (cannot happen after `begin` queued it): go on as the
+                    // engine says.
+                    None => flight.next(Call::Dequeue),
+                }
+            }
+            Step::Dispatch(d) => {
+                if d.delay_ms > 0 {
+                    let waited = tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(d.delay_ms)) => true,
+                        () = caller.cancelled() => false,
+                    };
+                    // The caller left during the wait: the attempt is not made (with nothing
+                    // waiting to start there is nothing to withdraw, and the call goes ahead).
+                    if !waited && let Some(Step::Done(d)) = flight.call(Call::Withdraw) {
+                        break *d;
+                    }
+                }
+                // A shared budget holds the attempt's cost first (or the ledger says what next).
+                if d.hold_usd > 0.0
+                    && let Some(next) = node.ledger.reserve(&mut flight, d.hold_usd).await
+                {
+                    step = next;
+                    continue;
+                }
+                if live {
+                    // Boxed, like every rarely taken large future here: the request's future
+                    // is moved whole into its box, so it stays the size of the common path.
+                    let opened = tokio::select! {
+                        o = Box::pin(super::live::open(node, &d, &pass, None, limits)) => Some(o),
+                        () = caller.cancelled() => None,
+                    };
+                    // The caller left before the first event: the upstream call is dropped (no
+                    // more is generated, and paid for, for nobody) and the request ends.
+                    let Some(opened) = opened else {
+                        // Nothing waiting (cannot be, after a dispatch): `next` ends it closed.
+                        let left = match flight.call(Call::Withdraw) {
+                            Some(step) => step,
+                            None => flight.next(Call::Abandon),
+                        };
+                        step = left;
+                        continue;
+                    };
+                    match opened {
+                        super::live::Open::Started(first) => {
+                            let target = d.provider.to_string();
+                            let resp =
+                                super::live::respond(flight, first, pass, limits, target, started);
+                            return Answer::live(resp);
+                        }
+                        super::live::Open::Failed(a) => {
+                            let g = a.generation.clone();
+                            last = Some(a);
+                            if caller.is_cancelled() {
+                                flight.call(Call::CallerGone);
+                            }
+                            step = flight.next(Call::Complete { generation: g });
+                            continue;
+                        }
+                    }
+                }
+                let attempt = match node.upstreams.target(&d.provider) {
+                    Some((c, model)) => {
+                        c.generate(
+                            model,
+                            &flight.session.request().messages,
+                            Some(&pass),
+                            d.max_tokens,
+                            flight.session.request().response_format.as_ref(),
+                            Duration::from_millis(d.timeout_ms),
+                        )
+                        .await
+                    }
+                    None => crate::core::request::Generation {
+                        error: Some(format!("no connector for {}", d.provider)),
+                        ..crate::core::request::Generation::failed(GenerationStatus::Error, 0)
+                    }
+                    .into(),
+                };
+                let g = attempt.generation.clone();
+                last = Some(attempt);
+                if caller.is_cancelled() {
+                    flight.call(Call::CallerGone);
+                }
+                flight.next(Call::Complete { generation: g })
+            }
+        };
+    };
+    let record = flight.recorder();
+    drop(flight);
+    let answer = respond(node, &decision, last);
+    let logged = conclude(node, decision, record, started);
+    // Under `[decision_log] durable`, not before its record is in the stream.
+    node.log.logged(logged).await;
+    Answer { stream, ..answer }
+}
+
+/// What every decided request leaves behind: health samples from its traffic, metrics, and the
+/// decision (with any incident and escalation) on the bus.
+pub(crate) fn conclude(
+    node: &Node,
+    decision: Decision,
+    record: Option<Recorder>,
+    started: std::time::Instant,
+) -> Option<tokio::sync::oneshot::Receiver<bool>> {
+    for effect in &decision.effects {
+        if let Effect::HealthSample {
+            provider,
+            outcome,
+            latency_ms,
+        } = effect
+        {
+            node.health.record_traffic(provider, *outcome, *latency_ms);
+            node.metrics.provider_outcome(provider, "traffic", *outcome);
+        }
+    }
+    node.metrics
+        .decision(&decision, started.elapsed().as_secs_f64());
+    let decision = std::sync::Arc::new(crate::core::record::Decided::new(decision));
+    let logged = record.and_then(|r| node.log.keep(r.finish(decision.clone())));
+    publish_decision(node, decision);
+    logged
+}
+
+pub(crate) fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
+    let request_id = header(headers, "x-request-id")
+        .map_or_else(|| node.serving.next_request_id(&node.id), String::from);
+    Answer {
+        stream: false,
+        status: StatusCode::BAD_REQUEST,
+        body: json_bytes(&openai::error_body(
+            &e.message,
+            "invalid_request_error",
+            e.param.as_deref(),
+            "invalid_request",
+        )),
+        request_id,
+        phase: "invalid".into(),
+        reasons: String::new(),
+        provider: String::new(),
+        live: None,
+    }
+}
+
+pub(crate) fn publish_decision(node: &Node, d: std::sync::Arc<crate::core::record::Decided>) {
+    node.loops.share(&d);
+    if let Some(i) = &d.incident
+        && d.reason_codes.contains(&ReasonCode::AgentLoopDetected)
+    {
+        // A new loop episode: raised once for the cluster (see `node::loops`).
+        node.loops.raise(i.clone(), d.escalation.clone());
+    } else if let Some(e) = &d.escalation {
+        node.escalations.raise(e);
+    }
+    node.bus.decided(d);
+}
+
+pub(crate) fn respond(
+    node: &Node,
+    d: &Decision,
+    last: Option<super::connector::Attempt>,
+) -> Answer {
+    let provider = d.provider.as_deref().unwrap_or("").to_string();
+    let model = node
+        .cfg
+        .targets
+        .iter()
+        .find(|t| t.id == provider)
+        .map_or("", |t| t.model.as_str());
+    let (status, body) = openai::answer(d, last, model);
+    let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+    Answer {
+        stream: false,
+        status,
+        body,
+        request_id: d.request_id.clone(),
+        phase: d.phase.to_string(),
+        reasons: reasons.join(","),
+        provider,
+        live: None,
+    }
+}
