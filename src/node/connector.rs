@@ -57,49 +57,103 @@ pub struct Connector {
     pub id: String,
     /// How its targets are checked while idle.
     pub probe: super::config::Probe,
-    /// Parsed once (a URL parse per request is measurable at thousands a second); `None` for
-    /// a provider that is a mesh agent.
-    models_url: Option<reqwest::Url>,
-    /// Set when the provider is a mesh agent: called over NATS instead of HTTP.
-    pub agent: Option<String>,
-    nats: Option<async_nats::Client>,
-    url: Option<reqwest::Url>,
-    /// `url` for the lean client (the call every request makes).
-    uri: Option<hyper::Uri>,
-    /// `Bearer {key}` (the key from `api_key_env`), made once, marked sensitive.
-    authorization: Option<reqwest::header::HeaderValue>,
-    http: reqwest::Client,
+    pub upstream: Upstream,
+    /// Answers are read no larger than `node.max_answer_bytes`.
     post: crate::http::Poster,
 }
 
+/// Where a provider is reached.
+pub enum Upstream {
+    /// An OpenAI-compatible HTTP endpoint.
+    Http(HttpEndpoint),
+    /// An Open Agent Mesh agent answering chat requests, called over NATS.
+    Agent {
+        name: String,
+        nats: async_nats::Client,
+    },
+}
+
+/// An HTTP provider's endpoints, parsed once (a URL parse per request is measurable at
+/// thousands a second), and its key.
+pub struct HttpEndpoint {
+    /// `{base_url}/chat/completions`.
+    url: reqwest::Url,
+    /// `url` for the lean client (the call every request makes).
+    uri: hyper::Uri,
+    /// `{base_url}/models`.
+    models_url: reqwest::Url,
+    /// `Bearer {key}` (the key from `api_key_env`), made once, marked sensitive.
+    authorization: Option<reqwest::header::HeaderValue>,
+    http: reqwest::Client,
+}
+
+impl HttpEndpoint {
+    /// A request to `url` with the provider's key.
+    fn request(&self, method: reqwest::Method, url: &reqwest::Url) -> reqwest::RequestBuilder {
+        let req = self.http.request(method, url.clone());
+        match &self.authorization {
+            Some(a) => req.header(reqwest::header::AUTHORIZATION, a.clone()),
+            None => req,
+        }
+    }
+}
+
 impl Connector {
+    /// The connector of provider `cfg` (checked at load: an agent, or a base URL that parses).
     pub fn new(
         cfg: &ProviderConfig,
         http: reqwest::Client,
         post: crate::http::Poster,
-        nats: Option<async_nats::Client>,
-    ) -> Self {
-        let url = endpoint(&cfg.base_url, "chat/completions");
-        let api_key = cfg
-            .api_key_env
-            .as_ref()
-            .and_then(|var| std::env::var(var).ok());
-        let authorization = api_key.and_then(|k| {
-            let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
-            v.set_sensitive(true);
-            Some(v)
-        });
-        Connector {
+        nats: async_nats::Client,
+    ) -> anyhow::Result<Self> {
+        let upstream = match &cfg.agent {
+            Some(name) => Upstream::Agent {
+                name: name.clone(),
+                nats,
+            },
+            None => {
+                let at = |path| {
+                    endpoint(&cfg.base_url, path).ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "provider {}: base_url {:?} is no URL",
+                            cfg.id,
+                            cfg.base_url
+                        )
+                    })
+                };
+                let url = at("chat/completions")?;
+                let authorization = cfg
+                    .api_key_env
+                    .as_ref()
+                    .and_then(|var| std::env::var(var).ok())
+                    .and_then(|k| {
+                        let mut v =
+                            reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
+                        v.set_sensitive(true);
+                        Some(v)
+                    });
+                Upstream::Http(HttpEndpoint {
+                    uri: url.as_str().parse()?,
+                    url,
+                    models_url: at("models")?,
+                    authorization,
+                    http,
+                })
+            }
+        };
+        Ok(Connector {
             id: cfg.id.clone(),
             probe: cfg.probe,
-            models_url: endpoint(&cfg.base_url, "models"),
-            agent: cfg.agent.clone(),
-            nats,
-            uri: url.as_ref().and_then(|u| u.as_str().parse().ok()),
-            url,
-            authorization,
-            http,
+            upstream,
             post,
+        })
+    }
+
+    /// The mesh agent that serves this provider, if it is one.
+    pub fn agent(&self) -> Option<&str> {
+        match &self.upstream {
+            Upstream::Agent { name, .. } => Some(name),
+            Upstream::Http(_) => None,
         }
     }
 
@@ -129,13 +183,13 @@ impl Connector {
             stream_options: None,
         };
         let started = Instant::now();
-        if let (Some(agent), Some(nats)) = (&self.agent, &self.nats) {
-            // Boxed: the mesh caller's future is five times the HTTP call's, and every request's
-            // future would otherwise carry (and move) it.
-            return Box::pin(self.generate_on_mesh(nats, agent, &body, timeout, started)).await;
-        }
-        let Some(uri) = &self.uri else {
-            return no_url(started);
+        let http = match &self.upstream {
+            Upstream::Http(http) => http,
+            Upstream::Agent { name, nats } => {
+                // Boxed: the mesh caller's future is five times the HTTP call's, and every
+                // request's future would otherwise carry (and move) it.
+                return Box::pin(self.generate_on_mesh(nats, name, &body, timeout, started)).await;
+            }
         };
         let json = match serde_json::to_vec(&body) {
             Ok(j) => j,
@@ -148,7 +202,9 @@ impl Connector {
                 .into();
             }
         };
-        let call = self.post.post_json(uri, self.authorization.as_ref(), json);
+        let call = self
+            .post
+            .post_json(&http.uri, http.authorization.as_ref(), json);
         let result = tokio::time::timeout(timeout, call).await;
         let latency_ms = started.elapsed().as_millis() as u64;
         let failed = |status, error: String| Generation {
@@ -203,20 +259,9 @@ pub fn chunks_of(answer: &Value) -> [Value; 2] {
     ]
 }
 
-/// `{base_url}/{path}`, parsed (`None` without a usable base URL: a mesh agent).
+/// `{base_url}/{path}`, parsed (`None` if it does not parse).
 fn endpoint(base_url: &str, path: &str) -> Option<reqwest::Url> {
     reqwest::Url::parse(&format!("{}/{path}", base_url.trim_end_matches('/'))).ok()
-}
-
-fn no_url(started: Instant) -> Attempt {
-    Generation {
-        error: Some("the provider has no usable base_url".into()),
-        ..Generation::failed(
-            GenerationStatus::Error,
-            started.elapsed().as_millis() as u64,
-        )
-    }
-    .into()
 }
 
 /// A whole upstream answer (status, headers, body) as an attempt.
@@ -256,7 +301,7 @@ fn judge(
 }
 
 /// A streamed answer under way: the upstream's events as they arrive.
-pub struct Upstream {
+pub struct Stream {
     source: Source,
     parser: crate::http::sse::Parser,
     ready: std::collections::VecDeque<String>,
@@ -282,11 +327,11 @@ pub enum Broken {
 
 /// Opening a stream: it answered 200 and streams, or the attempt failed before any event.
 pub enum Opened {
-    Streaming(Upstream, Instant),
+    Streaming(Stream, Instant),
     Failed(Attempt),
 }
 
-impl Upstream {
+impl Stream {
     /// The next event's data, waiting at most `wait`; `None` when the body ended.
     pub async fn next(&mut self, wait: Duration) -> Result<Option<String>, Broken> {
         let deadline = tokio::time::Instant::now() + wait;
@@ -343,17 +388,17 @@ impl Connector {
         first_event: Duration,
     ) -> Opened {
         let started = Instant::now();
-        if self.agent.is_some() {
+        let Upstream::Http(http) = &self.upstream else {
             let a = self
                 .generate(model, &[], Some(pass), max_tokens, None, first_event)
                 .await;
             return match (&a.generation.status, a.body.as_ref().and_then(Reply::value)) {
                 (GenerationStatus::Ok, Some(body)) => {
-                    Opened::Streaming(Upstream::replay(&body, pass.include_usage), started)
+                    Opened::Streaming(Stream::replay(&body, pass.include_usage), started)
                 }
                 _ => Opened::Failed(a),
             };
-        }
+        };
         let messages = match prefill {
             Some(text) => Messages::Prefilled(
                 &pass.messages,
@@ -370,13 +415,7 @@ impl Connector {
             stream: true,
             stream_options: Some(serde_json::json!({"include_usage": true})),
         };
-        let Some(url) = &self.url else {
-            return Opened::Failed(no_url(started));
-        };
-        let mut req = self.http.post(url.clone()).json(&body);
-        if let Some(a) = &self.authorization {
-            req = req.header(reqwest::header::AUTHORIZATION, a.clone());
-        }
+        let req = http.request(reqwest::Method::POST, &http.url).json(&body);
         let resp = match tokio::time::timeout(first_event, req.send()).await {
             Err(_) => {
                 let g = Generation {
@@ -408,7 +447,7 @@ impl Connector {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if status.is_success() && is_sse {
             return Opened::Streaming(
-                Upstream {
+                Stream {
                     source: Source::Http(resp),
                     parser: crate::http::sse::Parser::default(),
                     ready: std::collections::VecDeque::new(),
@@ -434,16 +473,16 @@ impl Connector {
         );
         match (&a.generation.status, a.body.as_ref().and_then(Reply::value)) {
             (GenerationStatus::Ok, Some(body)) => {
-                Opened::Streaming(Upstream::replay(&body, pass.include_usage), started)
+                Opened::Streaming(Stream::replay(&body, pass.include_usage), started)
             }
             _ => Opened::Failed(a),
         }
     }
 }
 
-impl Upstream {
+impl Stream {
     /// A whole chat completion as the events a stream of it would carry.
-    fn replay(answer: &Value, include_usage: bool) -> Upstream {
+    fn replay(answer: &Value, include_usage: bool) -> Stream {
         let [content, finish] = chunks_of(answer);
         let mut ready = std::collections::VecDeque::from([content.to_string(), finish.to_string()]);
         if include_usage {
@@ -453,7 +492,7 @@ impl Upstream {
             ready.push_back(u.to_string());
         }
         ready.push_back("[DONE]".into());
-        Upstream {
+        Stream {
             source: Source::Replay,
             parser: crate::http::sse::Parser::default(),
             ready,
@@ -480,13 +519,11 @@ impl Connector {
     /// `GET /models`, bounded by `timeout`: a free check that the provider answers.
     pub async fn list_models(&self, timeout: Duration) -> Generation {
         let started = Instant::now();
-        let Some(url) = &self.models_url else {
-            return no_url(started).generation;
+        let Upstream::Http(http) = &self.upstream else {
+            // Checked at load: an agent has no model list to probe.
+            return Generation::failed(GenerationStatus::Error, 0);
         };
-        let mut req = self.http.get(url.clone());
-        if let Some(a) = &self.authorization {
-            req = req.header(reqwest::header::AUTHORIZATION, a.clone());
-        }
+        let req = http.request(reqwest::Method::GET, &http.models_url);
         let result = tokio::time::timeout(timeout, req.send()).await;
         let latency_ms = started.elapsed().as_millis() as u64;
         let status = match result {

@@ -7,7 +7,7 @@
 
 use super::Node;
 use super::config::Streaming;
-use super::connector::{Attempt, Broken, Opened, Passthrough, Upstream};
+use super::connector::{Attempt, Broken, Opened, Passthrough, Stream};
 use super::http::with_oam_headers;
 use super::openai::oam_object;
 use super::request::{Flight, conclude};
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 /// A stream whose first event arrived and can be relayed.
 pub(crate) struct Started {
-    upstream: Upstream,
+    upstream: Stream,
     first: String,
     /// When the attempt began (its deadlines and latency count from here).
     began: Instant,

@@ -21,10 +21,10 @@ impl Upstreams {
             .providers
             .iter()
             .map(|p| {
-                let c = Connector::new(p, http.clone(), post.clone(), Some(nats.clone()));
-                (p.id.clone(), c)
+                let c = Connector::new(p, http.clone(), post.clone(), nats.clone())?;
+                Ok((p.id.clone(), c))
             })
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         let targets = cfg
             .targets
             .iter()
@@ -52,7 +52,7 @@ impl Upstreams {
     /// The targets served by mesh agent `agent`.
     pub(crate) fn of_agent(&self, agent: &str) -> Vec<String> {
         self.all()
-            .filter(|(_, c, _)| c.agent.as_deref() == Some(agent))
+            .filter(|(_, c, _)| c.agent() == Some(agent))
             .map(|(id, _, _)| id.to_string())
             .collect()
     }
