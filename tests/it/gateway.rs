@@ -11,7 +11,7 @@ use std::time::Duration;
 struct Gateway {
     url: String,
     sim_url: String,
-    _node: Proc,
+    _node: GatewayNode,
     _sim: Proc,
     _nats: NatsServer,
     dir: std::path::PathBuf,
@@ -20,6 +20,25 @@ struct Gateway {
 impl Drop for Gateway {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The node under test: in this process (the default), or `oam node run` where a test kills
+/// it, measures its memory, or gives it an environment of its own.
+enum GatewayNode {
+    /// Kept for its drop, which stops it.
+    InProcess {
+        _node: crate::support::InProcessNode,
+    },
+    Process(Proc),
+}
+
+impl GatewayNode {
+    fn process(&mut self) -> &mut Proc {
+        match self {
+            GatewayNode::Process(p) => p,
+            GatewayNode::InProcess { .. } => panic!("this test needs gateway_process"),
+        }
     }
 }
 
@@ -37,13 +56,30 @@ async fn gateway_with_env(tag: &str, extra: &str, env: &[(&str, &str)]) -> Gatew
     gateway_on(tag, "", extra, env, NatsServer::start().await).await
 }
 
-/// `gateway_with_env` with `node` added to the `[node]` section, on the server `nats`.
+/// `gateway_with_env` with `node` added to the `[node]` section, on the server `nats`; the
+/// node runs in this process unless it needs an environment of its own.
 async fn gateway_on(
     tag: &str,
     node: &str,
     extra: &str,
     env: &[(&str, &str)],
     nats: NatsServer,
+) -> Gateway {
+    gateway_built(tag, node, extra, env, nats, !env.is_empty()).await
+}
+
+/// `gateway_on` with the node as a process of its own (`oam node run`).
+async fn gateway_process(tag: &str, node: &str, extra: &str, nats: NatsServer) -> Gateway {
+    gateway_built(tag, node, extra, &[], nats, true).await
+}
+
+async fn gateway_built(
+    tag: &str,
+    node: &str,
+    extra: &str,
+    env: &[(&str, &str)],
+    nats: NatsServer,
+    process: bool,
 ) -> Gateway {
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
@@ -83,11 +119,18 @@ targets = ["primary/small"]
     )
     .unwrap();
     let nats_url = nats.url();
-    let node = Proc::spawn_with_env(
-        &crate::support::node_args("n1", &nats_url, &["--config", cfg.to_str().unwrap()]),
-        env,
-    );
-    let url = node.ready["http"].as_str().unwrap().to_string();
+    let (node, url) = if process {
+        let node = Proc::spawn_with_env(
+            &crate::support::node_args("n1", &nats_url, &["--config", cfg.to_str().unwrap()]),
+            env,
+        );
+        let url = node.ready["http"].as_str().unwrap().to_string();
+        (GatewayNode::Process(node), url)
+    } else {
+        let node = crate::support::InProcessNode::start("n1", &cfg, &nats_url);
+        let url = node.url.clone();
+        (GatewayNode::InProcess { _node: node }, url)
+    };
     Gateway {
         url,
         sim_url,
@@ -1187,11 +1230,10 @@ async fn a_failed_attempt_gives_its_hold_back() {
 /// run held lapses with that run's lease, although the new run reserves on the same budget.
 #[tokio::test]
 async fn a_killed_node_s_holds_lapse_although_it_restarts() {
-    let mut g = gateway_on(
+    let mut g = gateway_process(
         "lapse",
         "budget_lease_ms = 5000",
         "[budgets.agents.spender]\nlimit_usd = 1.0\n",
-        &[],
         NatsServer::start().await,
     )
     .await;
@@ -1209,16 +1251,19 @@ async fn a_killed_node_s_holds_lapse_although_it_restarts() {
     })
     .await
     .expect("the hung attempt's cost is held");
-    g._node.kill();
+    g._node.process().kill();
     hung.abort();
     g.clear().await;
     let cfg = g.dir.join("oam.toml");
-    g._node = Proc::spawn(&crate::support::node_args(
+    g._node = GatewayNode::Process(Proc::spawn(&crate::support::node_args(
         "n1",
         &nats_url,
         &["--config", cfg.to_str().unwrap()],
-    ));
-    g.url = g._node.ready["http"].as_str().unwrap().to_string();
+    )));
+    g.url = g._node.process().ready["http"]
+        .as_str()
+        .unwrap()
+        .to_string();
     // The new run spends on the same budget while its last run's hold still counts.
     let body = json!({"model": "small", "oam": {"agent": "spender"},
         "messages": [{"role": "user", "content": "spend"}]});
@@ -1405,11 +1450,10 @@ async fn an_endless_upstream_grows_no_node() {
              [[route]]\nmodel = \"x-{kind}\"\ntargets = [\"{kind}/m\", \"secondary/medium\"]\n"
         ));
     }
-    let g = gateway_on(
+    let mut g = gateway_process(
         "endless",
         "max_answer_bytes = 1048576",
         &extra,
-        &[],
         NatsServer::start().await,
     )
     .await;
@@ -1449,7 +1493,7 @@ async fn an_endless_upstream_grows_no_node() {
         }
     }
     // An order of magnitude, not a tight number: the node never held much of any answer.
-    let rss = rss_mib(g._node.pid());
+    let rss = rss_mib(g._node.process().pid());
     assert!(rss < 200, "the node is {rss} MiB resident after the abuse");
 }
 

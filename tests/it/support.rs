@@ -93,6 +93,68 @@ impl Drop for Proc {
 
 /// Let this test process open up to `files` files (the soft limit raised towards the hard one):
 /// a test that opens many sockets must not fail for a default soft limit of 1,024.
+/// A node in this test's own process, on a runtime of its own (so the test's runtime cannot
+/// starve it), with a real nats-server and a real HTTP listener; stopped by its stop future
+/// when dropped, as `oam node run` is by SIGTERM (it drains, then says goodbye).
+pub struct InProcessNode {
+    pub url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl InProcessNode {
+    /// Node `id` on the configuration file `config`, connected to `nats_url`.
+    pub fn start(id: &str, config: &std::path::Path, nats_url: &str) -> InProcessNode {
+        let cfg = oam::node::config::NodeConfig::load(Some(config), "").expect("a valid oam.toml");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (ready, url) = std::sync::mpsc::channel();
+        let (id, nats_url) = (id.to_string(), nats_url.to_string());
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let url = format!("http://{}", listener.local_addr().unwrap());
+                let name = format!("oam-node-{id}");
+                let refused = oam::transport::connect::Refused::default();
+                let nats = oam::transport::connect::connect(&nats_url, &name, true, &refused)
+                    .await
+                    .expect("a NATS client");
+                let (node, services) = oam::node::Node::new(id, cfg, nats).expect("a node");
+                ready.send(url).unwrap();
+                let stop = async {
+                    let _ = stopped.await;
+                };
+                oam::node::run(node, services, listener, stop)
+                    .await
+                    .unwrap();
+            });
+        });
+        let url = url
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the node starts");
+        InProcessNode {
+            url,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for InProcessNode {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 pub fn allow_open_files(files: u64) {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
