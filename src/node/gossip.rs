@@ -230,6 +230,45 @@ async fn heartbeat(node: Arc<Node>, stop: CancellationToken) {
     }
 }
 
+/// How long a starting node waits to hear a majority before it serves anyway.
+const JOIN_WAIT: Duration = Duration::from_millis(2_500);
+
+/// Wait (at most `JOIN_WAIT`) until this node hears a majority of the cluster (heartbeats,
+/// and observations of every target), so a node that has just started or restarted does
+/// not decide its first requests on a view of one. Without a majority in time it serves
+/// anyway, on its local view, and says so.
+pub async fn join(node: &Node) {
+    let deadline = tokio::time::Instant::now() + JOIN_WAIT;
+    loop {
+        let now = now_ms();
+        let (live, needed, heard) = {
+            let e = node.pipeline.read();
+            let c = &e.state.cluster;
+            let needed = c.quorum(now);
+            let heard = e
+                .state
+                .providers
+                .iter()
+                .all(|p| c.view(&p.id, now).voters >= needed);
+            (c.live_nodes(now).len(), needed, heard)
+        };
+        if live >= needed && heard {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(
+                node = %node.id,
+                live,
+                needed,
+                "no majority heard within {} ms; serving on this node's own view",
+                JOIN_WAIT.as_millis()
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -45,9 +45,6 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// How long a starting node waits to hear a majority before it serves anyway.
-const JOIN_WAIT: Duration = Duration::from_millis(2_500);
-
 /// How long a stopping node waits for the requests in hand to finish (inside `oam mesh down`'s
 /// default grace of 5 s, with the goodbye after it).
 const DRAIN_DEADLINE: Duration = Duration::from_secs(4);
@@ -171,42 +168,6 @@ impl Node {
         };
         Ok((Arc::new(node), services))
     }
-
-    /// Wait (at most `JOIN_WAIT`) until this node hears a majority of the cluster (heartbeats,
-    /// and observations of every target), so a node that has just started or restarted does
-    /// not decide its first requests on a view of one. Without a majority in time it serves
-    /// anyway, on its local view, and says so.
-    async fn join(&self) {
-        let deadline = tokio::time::Instant::now() + JOIN_WAIT;
-        loop {
-            let now = now_ms();
-            let (live, needed, heard) = {
-                let e = self.pipeline.read();
-                let c = &e.state.cluster;
-                let needed = c.quorum(now);
-                let heard = e
-                    .state
-                    .providers
-                    .iter()
-                    .all(|p| c.view(&p.id, now).voters >= needed);
-                (c.live_nodes(now).len(), needed, heard)
-            };
-            if live >= needed && heard {
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                tracing::warn!(
-                    node = %self.id,
-                    live,
-                    needed,
-                    "no majority heard within {} ms; serving on this node's own view",
-                    JOIN_WAIT.as_millis()
-                );
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-    }
 }
 
 /// Run a node until `stop` resolves: its services, HTTP on `listener`, the NATS data plane.
@@ -254,7 +215,7 @@ pub async fn run(
     let writer = tokio::spawn(decisionlog::Writer(n.clone()).run(last.clone()));
     tokio::pin!(stop);
     tokio::select! {
-        () = node.join() => {}
+        () = gossip::join(&node) => {}
         () = &mut stop => node.serving.stop.cancel(),
     }
     let nats_plane = {
