@@ -16,15 +16,18 @@ use super::bulkhead::{Admission, BulkheadConfig, Bulkheads, Left, Queues};
 use super::contract::{Contract, ContractSpec, Defect};
 use super::escalation::{self, Escalation};
 use super::health::{Outcome, Verdict};
-use super::loops::{self, Fingerprint, Incident, LoopCheck, LoopConfig, Loops};
+use super::loops::{self, Fingerprint, LoopCheck, LoopConfig, Loops};
 use super::quorum::{Cluster, ProviderView};
 use super::reason::{Action, Phase, ReasonCode};
-use super::request::{
-    Generation, GenerationStatus, Provider, ProviderId, Request, Risk, round_usd,
-};
-use super::score::{self, ScoreInput, ScoreParts};
+use super::request::{Generation, GenerationStatus, Request, Risk, Target, TargetId, round_usd};
+use super::score::{self, ScoreInput};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+pub use super::decision::{Attempt, Decision, DecisionOutcome, Dispatch, Effect, Evaluation, Step};
+pub use super::replay::{DecideInput, replay};
+use super::validate::invalid;
+pub use super::validate::{InvalidRequest, validate};
 
 /// Confidence an answer needs, by risk level (the quality gate).
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
@@ -125,10 +128,10 @@ pub struct State {
     #[serde(with = "super::record::cluster_in_run")]
     pub cluster: std::sync::Arc<Cluster>,
     /// In preference order: ties go to the provider listed first.
-    pub providers: Vec<Provider>,
+    pub providers: Vec<Target>,
     /// Per-provider breakers; a missing one is closed.
     pub breakers: BTreeMap<String, Breaker>,
-    /// Provider -> time its Retry-After ends.
+    /// Target -> time its Retry-After ends.
     pub cooldowns: BTreeMap<String, u64>,
     pub bulkheads: Bulkheads,
     pub loops: Loops,
@@ -151,7 +154,7 @@ pub const MISCONFIGURED_ESCALATION_MS: u64 = 600_000;
 pub struct Route {
     /// Target ids, first preferred: the first one that passes every exclusion and is not
     /// degraded serves; the rest are its fallback chain.
-    pub targets: Vec<ProviderId>,
+    pub targets: Vec<TargetId>,
     /// The contract answers on this route are held to (a request's own wins).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub contract: Option<ContractSpec>,
@@ -175,8 +178,8 @@ impl Default for State {
 
 /// The simulator's providers, in preference order: a paid primary, a zero-cost local fallback
 /// and a paid secondary (see `score` for why the fallback is listed second).
-pub fn default_providers() -> Vec<Provider> {
-    let p = |id: &str, model: &str, cost: f64, fallback: bool| Provider {
+pub fn default_providers() -> Vec<Target> {
+    let p = |id: &str, model: &str, cost: f64, fallback: bool| Target {
         id: id.into(),
         model: model.into(),
         cost_per_1k_tokens_usd: cost,
@@ -227,157 +230,6 @@ pub fn estimate_prompt_tokens(r: &Request) -> u64 {
     ((text + tools) as u64).div_ceil(4) + 4 * r.messages.len() as u64 + 3
 }
 
-/// How one candidate fared in routing.
-#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct Evaluation {
-    pub provider: ProviderId,
-    pub fallback: bool,
-    pub verdict: Verdict,
-    pub votes: usize,
-    pub voters: usize,
-    pub cluster_size: usize,
-    pub quorum: bool,
-    pub availability: f64,
-    pub contract_failure_pct: f64,
-    pub p95_ms: u64,
-    pub est_cost_usd: f64,
-    /// Why it could not be chosen, if it could not.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub excluded: Option<ReasonCode>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub score: Option<ScoreParts>,
-    /// What choosing it would add to the decision (health, quorum, cost notes).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub notes: Vec<ReasonCode>,
-}
-
-/// One try at one provider (or a routing round that found none).
-#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct Attempt {
-    pub n: u32,
-    pub provider: Option<ProviderId>,
-    pub fallback: bool,
-    pub probe: bool,
-    /// A retry on the target of the attempt before (not counted in `max_attempts`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub same_target: bool,
-    pub candidates: Vec<Evaluation>,
-    pub codes: Vec<ReasonCode>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub status: Option<GenerationStatus>,
-    pub latency_ms: u64,
-    pub cost_usd: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub confidence: Option<f64>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub defects: Vec<Defect>,
-}
-
-/// Things the driver should do or publish because of this decision.
-#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Effect {
-    /// Feed the local health window.
-    HealthSample {
-        provider: ProviderId,
-        outcome: Outcome,
-        latency_ms: u64,
-    },
-    Breaker {
-        provider: ProviderId,
-        transition: Transition,
-    },
-    Cooldown {
-        provider: ProviderId,
-        until_ms: u64,
-    },
-    /// The call failed and counts toward a loop: other nodes should count it too.
-    LoopFailure {
-        fingerprint: Fingerprint,
-        agent: String,
-        task: String,
-        /// It was the episode's probe.
-        probe: bool,
-    },
-    /// The call worked after failures: its count (and any episode) ends on every node.
-    LoopCleared {
-        fingerprint: Fingerprint,
-    },
-}
-
-#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
-#[serde(rename_all = "snake_case")]
-pub enum DecisionOutcome {
-    Accepted,
-    Rejected,
-    Escalated,
-}
-
-impl DecisionOutcome {
-    /// Its wire name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DecisionOutcome::Accepted => "accepted",
-            DecisionOutcome::Rejected => "rejected",
-            DecisionOutcome::Escalated => "escalated",
-        }
-    }
-}
-
-/// The pipeline's answer for one request: what happened, where, and why.
-#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct Decision {
-    pub request_id: String,
-    pub agent: String,
-    pub task: String,
-    pub fingerprint: Fingerprint,
-    /// The model route the request asked for, if it named one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub route: Option<String>,
-    pub outcome: DecisionOutcome,
-    /// Where it ended: `accepted`, or the phase that vetoed.
-    pub phase: Phase,
-    /// Every code collected, first occurrence first.
-    pub reason_codes: Vec<ReasonCode>,
-    pub provider: Option<ProviderId>,
-    pub fallback: bool,
-    pub confidence: Option<f64>,
-    pub cost_usd: f64,
-    pub attempts: Vec<Attempt>,
-    pub escalation: Option<Escalation>,
-    pub incident: Option<Incident>,
-    pub effects: Vec<Effect>,
-    pub decided_at_ms: u64,
-}
-
-/// What the driver should do next.
-#[derive(Clone, PartialEq, Debug)]
-pub enum Step {
-    /// Call this provider, then `complete` with what happened.
-    Dispatch(Dispatch),
-    /// The class queue holds the request; call `dequeue` once a slot is free.
-    Queued,
-    Done(Box<Decision>),
-}
-
-#[derive(Clone, PartialEq, Debug)]
-pub struct Dispatch {
-    pub attempt: u32,
-    pub provider: ProviderId,
-    pub model: ProviderId,
-    pub max_tokens: u32,
-    pub timeout_ms: u64,
-    /// Wait this long before calling (a same-target retry's backoff or Retry-After).
-    pub delay_ms: u64,
-    /// Continue the interrupted answer (send what was delivered as an assistant prefill).
-    pub continuation: bool,
-    /// What a budget must hold for the attempt (its estimated cost) before it is made; zero
-    /// when no budget applies to the request or the target costs nothing. A driver sharing
-    /// budgets with other nodes reserves it in the ledger first and, if the ledger refuses,
-    /// reports so with `Engine::refuse_reservation` instead of calling.
-    pub hold_usd: f64,
-}
-
 #[derive(Clone, Copy, Debug)]
 struct Pending {
     provider: usize,
@@ -419,7 +271,7 @@ pub struct Session {
     /// window is as small is tried (a refusing target of unknown size is only never retried).
     context_over: Option<u64>,
     /// A target that refused oam's credentials during this request.
-    misconfigured: Option<ProviderId>,
+    misconfigured: Option<TargetId>,
     /// Part of the answer has reached the caller (a live stream): no attempt starts afresh.
     delivering: bool,
     /// ... and then the stream broke: only a target that takes a prefill may go on, once.
@@ -484,93 +336,6 @@ fn push(codes: &mut Vec<ReasonCode>, code: ReasonCode) {
     if !codes.contains(&code) {
         codes.push(code);
     }
-}
-
-/// A request the pipeline cannot judge: the field at fault (as named in [`Request`]) and why.
-#[derive(Clone, PartialEq, Debug)]
-pub struct InvalidRequest {
-    pub field: &'static str,
-    pub message: String,
-}
-
-impl std::fmt::Display for InvalidRequest {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-fn invalid(field: &'static str, message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest {
-        field,
-        message: message.into(),
-    }
-}
-
-/// Reject requests the pipeline cannot judge, naming the field. Returns the request's own
-/// contract, if it brings one.
-pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
-    if r.id.trim().is_empty() {
-        return Err(invalid("id", "request.id must not be empty"));
-    }
-    if r.agent.trim().is_empty() {
-        return Err(invalid("agent", "request.agent must not be empty"));
-    }
-    if r.messages.is_empty() {
-        return Err(invalid(
-            "messages",
-            "request.messages must hold at least one message",
-        ));
-    }
-    if let Some(c) = r.max_cost_usd
-        && !(c.is_finite() && c >= 0.0)
-    {
-        return Err(invalid(
-            "max_cost_usd",
-            format!("request.max_cost_usd must be a non-negative number, got {c}"),
-        ));
-    }
-    if let Some(c) = r.policy.min_confidence
-        && !(0.0..=1.0).contains(&c)
-    {
-        return Err(invalid(
-            "policy.min_confidence",
-            format!("request.policy.min_confidence must be in [0, 1], got {c}"),
-        ));
-    }
-    for (name, schema) in &r.tools {
-        if !schema.is_null() {
-            super::contract::check_tool_schema(schema).map_err(|e| {
-                invalid(
-                    "tools",
-                    format!("tools: {name}: its parameters are no JSON Schema: {e}"),
-                )
-            })?;
-        }
-    }
-    if r.policy.max_attempts == Some(0) {
-        return Err(invalid(
-            "policy.max_attempts",
-            "request.policy.max_attempts must be at least 1",
-        ));
-    }
-    // Plain text asks for no contract.
-    let response_format = r
-        .response_format
-        .as_ref()
-        .filter(|rf| rf.get("type").and_then(serde_json::Value::as_str) != Some("text"));
-    if r.contract.is_none() && response_format.is_none() {
-        return Ok(None);
-    }
-    Contract::for_request(r.contract.as_ref(), response_format)
-        .map(Some)
-        .map_err(|e| {
-            let field = if e.starts_with("response_format") {
-                "response_format"
-            } else {
-                "contract"
-            };
-            invalid(field, format!("request.{e}"))
-        })
 }
 
 pub struct Engine {
@@ -864,7 +629,7 @@ impl Engine {
         let tried =
             |id: &str| !again && s.attempts.iter().any(|a| a.provider.as_deref() == Some(id));
         let needs = s.est_prompt_tokens + max_tokens;
-        let too_small = |p: &Provider| {
+        let too_small = |p: &Target| {
             p.context_window
                 .is_some_and(|w| w < needs || s.context_over.is_some_and(|over| w <= over))
         };
@@ -1185,13 +950,28 @@ impl Engine {
         })
     }
 
-    /// The driver's report on the dispatched attempt.
+    /// The driver's report on the dispatched attempt: the attempt is judged, then the engine
+    /// decides what comes next.
     pub fn complete(&mut self, s: &mut Session, g: Generation, now_ms: u64) -> Step {
         let Some(p) = s.pending.take() else {
             // Nothing was dispatched: the driver called out of turn. Fail closed, visibly.
             push(&mut s.codes, ReasonCode::GenerationError);
             return self.finish_failure(s, Phase::Generation, now_ms);
         };
+        let judged = self.judge(s, p, &g, now_ms);
+        self.after(s, p, &g, judged, now_ms)
+    }
+
+    /// Judge attempt `p` by what came back (`g`): charge its cost, move its target's breaker,
+    /// record its health sample, reason codes and result on the session. What it failed (the
+    /// phase), if anything, and the breaker's transition.
+    fn judge(
+        &mut self,
+        s: &mut Session,
+        p: Pending,
+        g: &Generation,
+        now_ms: u64,
+    ) -> (Option<Phase>, Option<Transition>) {
         let State {
             providers,
             breakers,
@@ -1282,25 +1062,7 @@ impl Engine {
             GenerationStatus::Ok => {
                 // A tool-call turn is held to the tools the request declared (its arguments JSON
                 // that fits the tool's schema), not to a text contract.
-                let tool_turn =
-                    g.finish_reason.as_deref() == Some("tool_calls") || !g.tool_calls.is_empty();
-                let checked = if tool_turn {
-                    let defects = if s.request.tools.is_empty() {
-                        Vec::new()
-                    } else {
-                        super::contract::check_tool_calls(&s.request.tools, &g.tool_calls)
-                    };
-                    if defects.is_empty() {
-                        Ok(None)
-                    } else {
-                        Err(defects)
-                    }
-                } else {
-                    match &s.contract {
-                        Some(c) => c.check(&g.content, g.finish_reason.as_deref()),
-                        None => Ok(None),
-                    }
-                };
+                let (tool_turn, checked) = check_answer(s, g);
                 match checked {
                     Err(d) => {
                         codes.push(ReasonCode::SemanticValidationFailed);
@@ -1327,25 +1089,9 @@ impl Engine {
                         // not the provider, so they must not count against its breaker.
                         confidence = c;
                         let t = breaker.on_success(p.probe, &cfg);
-                        let threshold = s
-                            .request
-                            .policy
-                            .min_confidence
-                            .unwrap_or(self.config.quality.get(s.request.risk));
-                        let phase = if c.is_some_and(|c| c < threshold) {
-                            codes.push(ReasonCode::QualityBelowThreshold);
-                            Some(Phase::Quality)
-                        } else if s
-                            .request
-                            .max_cost_usd
-                            .is_some_and(|m| s.cost_usd > m + 1e-12)
-                        {
-                            codes.push(ReasonCode::CostLimitExceeded);
-                            Some(Phase::Cost)
-                        } else {
-                            None
-                        };
-                        (Outcome::Success, phase, t)
+                        let failed = gates(s, c, &self.config);
+                        codes.extend(failed.map(|(code, _)| code));
+                        (Outcome::Success, failed.map(|(_, phase)| phase), t)
                     }
                 }
             }
@@ -1379,7 +1125,19 @@ impl Engine {
             a.confidence = confidence;
             a.defects = defects;
         }
+        (phase, transition)
+    }
 
+    /// What comes after attempt `p`, judged `(phase, transition)`: accepted, retried on the same
+    /// target or another, or finished as a failure.
+    fn after(
+        &mut self,
+        s: &mut Session,
+        p: Pending,
+        g: &Generation,
+        (phase, transition): (Option<Phase>, Option<Transition>),
+        now_ms: u64,
+    ) -> Step {
         let Some(phase) = phase else {
             return self.finish(s, DecisionOutcome::Accepted, Phase::Accepted, now_ms, None);
         };
@@ -1404,7 +1162,7 @@ impl Engine {
             // Part of this answer is with the caller: a whole new one cannot follow it (and a
             // continuation that broke too is not continued again).
             Some(None)
-        } else if let Some(delay) = self.same_target_delay(s, &g, transition, now_ms) {
+        } else if let Some(delay) = self.same_target_delay(s, g, transition, now_ms) {
             push(&mut s.codes, ReasonCode::RetryScheduled);
             return self.retry_same(s, p.provider, now_ms, delay, phase);
         } else if tries >= max_attempts {
@@ -1627,69 +1385,49 @@ impl Engine {
     }
 }
 
-/// A replayable input: `now`, the request, the state snapshot, and the generation results each
-/// provider returned (consumed in order per provider).
-#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-#[serde(deny_unknown_fields)]
-pub struct DecideInput {
-    pub now_ms: u64,
-    #[serde(default)]
-    pub config: Config,
-    pub request: Request,
-    #[serde(default)]
-    pub state: State,
-    #[serde(default)]
-    pub generations: BTreeMap<String, Vec<Generation>>,
+/// Whether an answer holds: a tool-call turn to the tools the request declared (each call's
+/// arguments JSON that fits its tool's schema), any other answer to the session's contract.
+/// Whether it is a tool-call turn, and the contract's confidence or the defects found.
+fn check_answer(s: &Session, g: &Generation) -> (bool, Result<Option<f64>, Vec<Defect>>) {
+    let tool_turn = g.finish_reason.as_deref() == Some("tool_calls") || !g.tool_calls.is_empty();
+    let checked = if tool_turn {
+        let defects = if s.request.tools.is_empty() {
+            Vec::new()
+        } else {
+            super::contract::check_tool_calls(&s.request.tools, &g.tool_calls)
+        };
+        if defects.is_empty() {
+            Ok(None)
+        } else {
+            Err(defects)
+        }
+    } else {
+        match &s.contract {
+            Some(c) => c.check(&g.content, g.finish_reason.as_deref()),
+            None => Ok(None),
+        }
+    };
+    (tool_turn, checked)
 }
 
-/// Drive one request through the pipeline with recorded generation results. Time advances by
-/// each generation's latency. Errors name the input field that is missing or wrong.
-pub fn replay(input: DecideInput) -> Result<Decision, String> {
-    if input.state.providers.is_empty() {
-        return Err("state.providers must list at least one provider".into());
-    }
-    let mut ids = std::collections::BTreeSet::new();
-    for (i, p) in input.state.providers.iter().enumerate() {
-        if p.id.is_empty() || !ids.insert(&*p.id) {
-            return Err(format!(
-                "state.providers[{i}].id must be a non-empty, unique name"
-            ));
-        }
-        if !(p.cost_per_1k_tokens_usd.is_finite() && p.cost_per_1k_tokens_usd >= 0.0) {
-            return Err(format!(
-                "state.providers[{i}].cost_per_1k_tokens_usd must be >= 0"
-            ));
-        }
-    }
-    for name in input.generations.keys() {
-        if !ids.contains(name.as_str()) {
-            return Err(format!(
-                "generations.{name}: no such provider in state.providers"
-            ));
-        }
-    }
-    let mut generations = input.generations;
-    let mut engine = Engine::new(input.config, input.state);
-    let mut now = input.now_ms;
-    let (mut session, mut step) = engine.begin(input.request, now).map_err(|e| e.message)?;
-    loop {
-        step = match step {
-            Step::Done(d) => return Ok(*d),
-            Step::Queued => engine.dequeue(&mut session, now),
-            Step::Dispatch(d) => {
-                let queue = generations.entry(d.provider.to_string()).or_default();
-                if queue.is_empty() {
-                    return Err(format!(
-                        "generations.{}: attempt {} was dispatched to {} but the input holds no \
-                         (further) result for it",
-                        d.provider, d.attempt, d.provider
-                    ));
-                }
-                let g = queue.remove(0);
-                now += g.latency_ms;
-                engine.complete(&mut session, g, now)
-            }
-        };
+/// The quality and cost gates on an answer that holds (its `confidence`, the session's cost):
+/// the first one it fails, if any. About this request, never the target.
+fn gates(s: &Session, confidence: Option<f64>, cfg: &Config) -> Option<(ReasonCode, Phase)> {
+    let threshold = s
+        .request
+        .policy
+        .min_confidence
+        .unwrap_or(cfg.quality.get(s.request.risk));
+    if confidence.is_some_and(|c| c < threshold) {
+        Some((ReasonCode::QualityBelowThreshold, Phase::Quality))
+    } else if s
+        .request
+        .max_cost_usd
+        .is_some_and(|m| s.cost_usd > m + 1e-12)
+    {
+        Some((ReasonCode::CostLimitExceeded, Phase::Cost))
+    } else {
+        None
     }
 }
 

@@ -67,6 +67,27 @@ fn set_verdict(e: &mut Engine, provider: &str, verdict: Verdict, availability: f
     std::sync::Arc::make_mut(&mut e.state.cluster).observe(o);
 }
 
+/// A decided request's record, its message `content_bytes` long.
+pub(crate) fn recorded(
+    e: &mut Engine,
+    id: &str,
+    content_bytes: usize,
+) -> crate::core::record::Record {
+    let mut r = req(id);
+    r.messages[0].content = "x".repeat(content_bytes);
+    let rec = crate::core::record::Recorder::begin(e, &r, T0);
+    let (mut s, _) = e.begin(r, T0).expect("valid");
+    let mut rec = rec;
+    let call = crate::core::record::Call::Complete {
+        generation: Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 5),
+    };
+    rec.call(e, &call, T0 + 5);
+    let Some(Step::Done(d)) = e.apply(&mut s, call, T0 + 5) else {
+        panic!("decided")
+    };
+    rec.finish(std::sync::Arc::new(crate::core::record::Decided::new(*d)))
+}
+
 pub(crate) fn req(id: &str) -> Request {
     Request {
         id: id.into(),
@@ -1132,7 +1153,7 @@ fn every_reason_code_is_reachable() {
 /// Two models on one host (`h/big`, `h/small`) and one elsewhere (`o/big`), all healthy; a route
 /// `big` -> h/big then o/big, and a route `small` (held to the JSON contract) -> h/small.
 fn routed() -> Engine {
-    let target = |id: &str, model: &str, cost: f64| Provider {
+    let target = |id: &str, model: &str, cost: f64| Target {
         id: id.into(),
         model: model.into(),
         cost_per_1k_tokens_usd: cost,
@@ -1296,7 +1317,7 @@ fn a_failing_model_does_not_open_the_breaker_of_another_model_on_its_host() {
 
 #[test]
 fn prompt_and_completion_tokens_are_priced_apart() {
-    let p = Provider {
+    let p = Target {
         output_cost_per_1k_usd: Some(0.004),
         ..default_providers()[0].clone()
     };
@@ -1419,7 +1440,7 @@ fn a_caller_gone_during_a_retry_backoff_costs_nothing_more() {
 /// Targets a (8k tokens), b (4k) and c (32k) on one route, in that order.
 fn windows() -> Engine {
     let mut e = routed();
-    let t = |id: &str, w| Provider {
+    let t = |id: &str, w| Target {
         id: id.into(),
         model: id.into(),
         cost_per_1k_tokens_usd: 0.0,

@@ -169,7 +169,7 @@ pub struct Patch {
     )]
     pub cluster: Option<std::sync::Arc<super::quorum::Cluster>>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub providers: Option<Vec<super::request::Provider>>,
+    pub providers: Option<Vec<super::request::Target>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub breakers: Option<std::collections::BTreeMap<String, super::breaker::Breaker>>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -142,24 +142,25 @@ fn yes() -> bool {
     true
 }
 
-fn no_model() -> ProviderId {
+fn no_model() -> TargetId {
     "".into()
 }
 
 /// A provider's id or model name: shared, so the many decisions and events that name a provider
 /// copy a pointer, not the string.
-pub type ProviderId = std::sync::Arc<str>;
+pub type TargetId = std::sync::Arc<str>;
 
-/// A target: one model on one upstream, the unit that is routed to, and whose health, breaker
-/// and cool-down are kept. (Named `Provider` for history: with one model per upstream the two
-/// are the same thing, and the target is then named by the upstream's id.)
+/// A target: one model on one upstream (a provider), the unit that is routed to, and whose
+/// health, breaker and cool-down are kept. With one model per provider the target is named by
+/// the provider's id. (On the wire, in records and snapshots, targets are still listed under
+/// `providers` and named `provider`: those names stay, so old records read and replay.)
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Provider {
-    pub id: ProviderId,
+pub struct Target {
+    pub id: TargetId,
     /// The upstream's name for the model (what the request's `model` becomes).
     #[serde(default = "no_model")]
-    pub model: ProviderId,
+    pub model: TargetId,
     /// Price per 1,000 prompt tokens, and completion tokens too unless `output_cost_per_1k_usd`
     /// says otherwise. 0 (with no output price) makes it a zero-cost target.
     #[serde(default)]
@@ -176,7 +177,7 @@ pub struct Provider {
     pub prefill: bool,
 }
 
-impl Provider {
+impl Target {
     pub fn is_zero_cost(&self) -> bool {
         self.cost_per_1k_tokens_usd <= 0.0 && self.output_cost_per_1k_usd.unwrap_or(0.0) <= 0.0
     }

@@ -250,8 +250,8 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn core(&self) -> crate::core::request::Provider {
-        crate::core::request::Provider {
+    pub fn core(&self) -> crate::core::request::Target {
+        crate::core::request::Target {
             id: self.id.as_str().into(),
             model: self.model.as_str().into(),
             cost_per_1k_tokens_usd: self.cost_per_1k_tokens_usd,

@@ -216,28 +216,7 @@ pub async fn read(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::pipeline::tests::{T0, engine, req};
-    use crate::core::pipeline::{Engine, Step};
-    use crate::core::record::{Call, Recorder};
-    use crate::core::request::Generation;
-    use std::sync::atomic::{AtomicU64, Ordering};
-
-    /// A decided request's record, its message `content_bytes` long.
-    fn record(e: &mut Engine, id: &str, content_bytes: usize) -> Record {
-        let mut r = req(id);
-        r.messages[0].content = "x".repeat(content_bytes);
-        let rec = Recorder::begin(e, &r, T0);
-        let (mut s, _) = e.begin(r, T0).expect("valid");
-        let mut rec = rec;
-        let call = Call::Complete {
-            generation: Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 5),
-        };
-        rec.call(e, &call, T0 + 5);
-        let Some(Step::Done(d)) = e.apply(&mut s, call, T0 + 5) else {
-            panic!("decided")
-        };
-        rec.finish(Arc::new(crate::core::record::Decided::new(*d)))
-    }
+    use crate::core::pipeline::tests::{engine, recorded};
 
     #[test]
     fn records_are_split_into_messages_that_fit_and_read_back_in_order() {
@@ -256,7 +235,7 @@ mod tests {
         for (i, size) in sizes.iter().enumerate() {
             let (tx, rx) = tokio::sync::oneshot::channel();
             receivers.push(rx);
-            waiting.push((record(&mut e, &format!("r{i}"), *size), Some(tx)));
+            waiting.push((recorded(&mut e, &format!("r{i}"), *size), Some(tx)));
         }
         let lost = AtomicU64::new(0);
         let out = batches(&batch_head("n1", &config), waiting, &lost);

@@ -1,0 +1,92 @@
+//! Whether the pipeline can judge a request at all: the checks `Engine::begin` runs first,
+//! each failure naming the request field at fault.
+
+use super::contract::Contract;
+use super::request::Request;
+
+/// A request the pipeline cannot judge: the field at fault (as named in [`Request`]) and why.
+#[derive(Clone, PartialEq, Debug)]
+pub struct InvalidRequest {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl std::fmt::Display for InvalidRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+pub(super) fn invalid(field: &'static str, message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest {
+        field,
+        message: message.into(),
+    }
+}
+
+/// Reject requests the pipeline cannot judge, naming the field. Returns the request's own
+/// contract, if it brings one.
+pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
+    if r.id.trim().is_empty() {
+        return Err(invalid("id", "request.id must not be empty"));
+    }
+    if r.agent.trim().is_empty() {
+        return Err(invalid("agent", "request.agent must not be empty"));
+    }
+    if r.messages.is_empty() {
+        return Err(invalid(
+            "messages",
+            "request.messages must hold at least one message",
+        ));
+    }
+    if let Some(c) = r.max_cost_usd
+        && !(c.is_finite() && c >= 0.0)
+    {
+        return Err(invalid(
+            "max_cost_usd",
+            format!("request.max_cost_usd must be a non-negative number, got {c}"),
+        ));
+    }
+    if let Some(c) = r.policy.min_confidence
+        && !(0.0..=1.0).contains(&c)
+    {
+        return Err(invalid(
+            "policy.min_confidence",
+            format!("request.policy.min_confidence must be in [0, 1], got {c}"),
+        ));
+    }
+    for (name, schema) in &r.tools {
+        if !schema.is_null() {
+            super::contract::check_tool_schema(schema).map_err(|e| {
+                invalid(
+                    "tools",
+                    format!("tools: {name}: its parameters are no JSON Schema: {e}"),
+                )
+            })?;
+        }
+    }
+    if r.policy.max_attempts == Some(0) {
+        return Err(invalid(
+            "policy.max_attempts",
+            "request.policy.max_attempts must be at least 1",
+        ));
+    }
+    // Plain text asks for no contract.
+    let response_format = r
+        .response_format
+        .as_ref()
+        .filter(|rf| rf.get("type").and_then(serde_json::Value::as_str) != Some("text"));
+    if r.contract.is_none() && response_format.is_none() {
+        return Ok(None);
+    }
+    Contract::for_request(r.contract.as_ref(), response_format)
+        .map(Some)
+        .map_err(|e| {
+            let field = if e.starts_with("response_format") {
+                "response_format"
+            } else {
+                "contract"
+            };
+            invalid(field, format!("request.{e}"))
+        })
+}
