@@ -250,6 +250,37 @@ impl Publisher {
     }
 }
 
+/// A bus on a client that never connects (port 1), for unit tests that need no server, and
+/// what its services queued for NATS.
+#[cfg(test)]
+pub(crate) mod offline {
+    use super::*;
+
+    pub(crate) async fn client() -> async_nats::Client {
+        async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect("nats://127.0.0.1:1")
+            .await
+            .expect("a client that retries in the background")
+    }
+
+    pub(crate) async fn bus(id: &str) -> (Arc<Bus>, Publisher) {
+        Bus::new(id, client().await)
+    }
+
+    /// Every event queued so far: (subject, envelope as JSON).
+    pub(crate) fn sent(p: &mut Publisher) -> Vec<(String, serde_json::Value)> {
+        let mut out = Vec::new();
+        while let Ok((subject, payload)) = p.rx.try_recv() {
+            out.push((
+                subject,
+                serde_json::from_slice(&payload).expect("an envelope"),
+            ));
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -266,14 +297,8 @@ mod tests {
         }
     }
 
-    /// A bus on a client that never connects (port 1), so nothing here needs a server.
     async fn offline() -> (Arc<Bus>, Publisher) {
-        let nats = async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
-            .connect("nats://127.0.0.1:1")
-            .await
-            .expect("a client that retries in the background");
-        Bus::new("n1", nats)
+        super::offline::bus("n1").await
     }
 
     #[tokio::test]

@@ -243,3 +243,57 @@ impl Writer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::pipeline::tests::{engine, recorded};
+
+    fn log(settings: LogSettings) -> DecisionLog {
+        DecisionLog::new("n1", settings)
+    }
+
+    #[test]
+    fn a_record_over_max_content_bytes_keeps_only_hashes_of_its_content() {
+        let mut e = engine();
+        let settings = LogSettings {
+            max_content_bytes: 100,
+            ..LogSettings::default()
+        };
+        let l = log(settings);
+        assert!(
+            l.keep(recorded(&mut e, "small", 10)).is_none(),
+            "not durable: no waiter"
+        );
+        l.keep(recorded(&mut e, "big", 1_000));
+        let waiting = lock(&l.waiting);
+        let text = |i: usize| serde_json::to_string(&waiting[i].0).unwrap();
+        assert!(text(0).contains(&"x".repeat(10)), "small content is kept");
+        assert!(!text(1).contains(&"x".repeat(100)), "large content is not");
+        assert!(text(1).contains("xxh3:"), "only its hash");
+    }
+
+    #[test]
+    fn under_durable_each_record_has_a_waiter_told_when_it_is_dropped() {
+        let mut e = engine();
+        let l = log(LogSettings {
+            durable: true,
+            ..LogSettings::default()
+        });
+        let mut first = l.keep(recorded(&mut e, "r0", 10)).expect("a waiter");
+        for i in 1..=WAITING_MAX {
+            l.keep(recorded(&mut e, &format!("r{i}"), 10));
+        }
+        assert_eq!(lock(&l.waiting).len(), WAITING_MAX);
+        assert_eq!(
+            l.counters.lost.load(Ordering::Relaxed),
+            1,
+            "the oldest went, counted"
+        );
+        assert_eq!(
+            first.try_recv(),
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed),
+            "its waiter hears it will not be written"
+        );
+    }
+}

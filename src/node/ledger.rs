@@ -81,7 +81,7 @@ struct Ask {
     answer: Answer,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Change {
     Reserve(f64),
     Settle(f64, f64),
@@ -507,51 +507,7 @@ impl Keeper {
         // Phase 1: agents' reservations and every settlement; phase 2: the global budget for
         // the reservations phase 1 granted; phase 3: give back the agent holds of those the
         // global budget refused.
-        let mut reserves: Vec<Ask> = Vec::new();
-        let mut phase1: BTreeMap<String, Vec<(Option<usize>, Change)>> = BTreeMap::new();
-        let mut settles: Vec<Op> = Vec::new();
-        for op in batch {
-            match op {
-                Op::Reserve {
-                    agent_key,
-                    global,
-                    usd,
-                    reply,
-                } => {
-                    let i = reserves.len();
-                    if let Some(k) = &agent_key {
-                        phase1
-                            .entry(k.clone())
-                            .or_default()
-                            .push((Some(i), Change::Reserve(usd)));
-                    }
-                    reserves.push(Ask {
-                        agent_key,
-                        global,
-                        usd,
-                        reply,
-                        answer: Answer::Held,
-                    });
-                }
-                Op::Settle {
-                    ref key,
-                    reserved_usd,
-                    actual_usd,
-                } => {
-                    phase1
-                        .entry(key.clone())
-                        .or_default()
-                        .push((None, Change::Settle(reserved_usd, actual_usd)));
-                    settles.push(op);
-                }
-            }
-        }
-        for k in renew_keys {
-            phase1
-                .entry(k.clone())
-                .or_default()
-                .push((None, Change::Renew));
-        }
+        let (mut reserves, phase1, settles) = plan(batch, renew_keys);
         let mut failed: Vec<String> = Vec::new();
         self.apply_keys(
             &store,
@@ -562,15 +518,7 @@ impl Keeper {
             ReasonCode::BudgetExhausted,
         )
         .await;
-        let mut phase2: BTreeMap<String, Vec<(Option<usize>, Change)>> = BTreeMap::new();
-        for (i, r) in reserves.iter().enumerate() {
-            if r.global && r.answer == Answer::Held {
-                phase2
-                    .entry(key(None))
-                    .or_default()
-                    .push((Some(i), Change::Reserve(r.usd)));
-            }
-        }
+        let phase2 = plan_global(&reserves);
         if !phase2.is_empty() {
             let before: Vec<Answer> = reserves.iter().map(|r| r.answer).collect();
             self.apply_keys(
@@ -582,18 +530,7 @@ impl Keeper {
                 ReasonCode::GlobalBudgetExhausted,
             )
             .await;
-            let mut phase3: BTreeMap<String, Vec<(Option<usize>, Change)>> = BTreeMap::new();
-            for (r, was) in reserves.iter().zip(before) {
-                if was == Answer::Held
-                    && r.answer != Answer::Held
-                    && let Some(k) = &r.agent_key
-                {
-                    phase3
-                        .entry(k.clone())
-                        .or_default()
-                        .push((None, Change::Settle(r.usd, 0.0)));
-                }
-            }
+            let phase3 = plan_give_back(&reserves, &before);
             if !phase3.is_empty() {
                 let mut none = Vec::new();
                 let mut undo_failed = Vec::new();
@@ -724,17 +661,7 @@ impl Keeper {
             };
             let now = now_ms();
             let lease = self.node.cfg.node.budget_lease_ms;
-            let granted: Vec<bool> = changes
-                .iter()
-                .map(|(_, c)| match *c {
-                    Change::Reserve(usd) => ledger.reserve(&holder, usd, now, lease),
-                    Change::Settle(r, a) => {
-                        ledger.settle(&holder, r, a, now);
-                        true
-                    }
-                    Change::Renew => ledger.renew(&holder, now, lease),
-                })
-                .collect();
+            let granted = apply_changes(&mut ledger, &holder, changes, now, lease);
             let bytes: bytes::Bytes = serde_json::to_vec(&ledger).ok()?.into();
             let no_answer = || format!("no answer within {} ms", STORE_TIMEOUT.as_millis());
             let written = match revision {
@@ -819,6 +746,115 @@ async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
     }
 }
 
+/// Each key's changes in one batch, in order; a reservation's change points at its `Ask`.
+type Plan = BTreeMap<String, Vec<(Option<usize>, Change)>>;
+
+/// Plan a batch's first phase: the agents' reservations and every settlement (and the renewal
+/// of `renew_keys`), by key in arrival order; the reservations (all answered `Held` until the
+/// ledger says otherwise) and the settlements, kept to retry those whose key fails.
+fn plan(batch: Vec<Op>, renew_keys: &[String]) -> (Vec<Ask>, Plan, Vec<Op>) {
+    let mut reserves: Vec<Ask> = Vec::new();
+    let mut phase1 = Plan::new();
+    let mut settles: Vec<Op> = Vec::new();
+    for op in batch {
+        match op {
+            Op::Reserve {
+                agent_key,
+                global,
+                usd,
+                reply,
+            } => {
+                let i = reserves.len();
+                if let Some(k) = &agent_key {
+                    phase1
+                        .entry(k.clone())
+                        .or_default()
+                        .push((Some(i), Change::Reserve(usd)));
+                }
+                reserves.push(Ask {
+                    agent_key,
+                    global,
+                    usd,
+                    reply,
+                    answer: Answer::Held,
+                });
+            }
+            Op::Settle {
+                ref key,
+                reserved_usd,
+                actual_usd,
+            } => {
+                phase1
+                    .entry(key.clone())
+                    .or_default()
+                    .push((None, Change::Settle(reserved_usd, actual_usd)));
+                settles.push(op);
+            }
+        }
+    }
+    for k in renew_keys {
+        phase1
+            .entry(k.clone())
+            .or_default()
+            .push((None, Change::Renew));
+    }
+    (reserves, phase1, settles)
+}
+
+/// The second phase: the global budget, for the reservations the first held that need it.
+fn plan_global(reserves: &[Ask]) -> Plan {
+    let mut phase2 = Plan::new();
+    for (i, r) in reserves.iter().enumerate() {
+        if r.global && r.answer == Answer::Held {
+            phase2
+                .entry(key(None))
+                .or_default()
+                .push((Some(i), Change::Reserve(r.usd)));
+        }
+    }
+    phase2
+}
+
+/// The third phase: give back the agent holds of the reservations the first phase held
+/// (`before`) and the global budget refused.
+fn plan_give_back(reserves: &[Ask], before: &[Answer]) -> Plan {
+    let mut phase3 = Plan::new();
+    for (r, was) in reserves.iter().zip(before) {
+        if *was == Answer::Held
+            && r.answer != Answer::Held
+            && let Some(k) = &r.agent_key
+        {
+            phase3
+                .entry(k.clone())
+                .or_default()
+                .push((None, Change::Settle(r.usd, 0.0)));
+        }
+    }
+    phase3
+}
+
+/// Apply one key's changes to its record, in order, as `holder` at `now`: whether each was
+/// granted (a settlement and a renewal always are).
+fn apply_changes(
+    ledger: &mut Ledger,
+    holder: &str,
+    changes: &[(Option<usize>, Change)],
+    now: u64,
+    lease_ms: u64,
+) -> Vec<bool> {
+    changes
+        .iter()
+        .map(|(_, c)| match *c {
+            Change::Reserve(usd) => ledger.reserve(holder, usd, now, lease_ms),
+            Change::Settle(r, a) => {
+                ledger.settle(holder, r, a, now);
+                true
+            }
+            Change::Renew => ledger.renew(holder, now, lease_ms),
+        })
+        .collect()
+}
+
 /// The hold an attempt carries goes back when it settles; the engine gives back its own
 /// reservation at the same time. `ended`: the call ended the attempt the hold was for (its
 /// result, or its withdrawal), even if another attempt is now waiting to start (that one
@@ -835,5 +871,94 @@ pub(crate) fn settle_after(
     }
     if let Some(h) = hold.take() {
         ledgers.settle(h, round_usd((session.cost_usd() - cost_before).max(0.0)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reserve(agent_key: Option<&str>, global: bool, usd: f64) -> Op {
+        let (reply, _) = oneshot::channel();
+        Op::Reserve {
+            agent_key: agent_key.map(String::from),
+            global,
+            usd,
+            reply,
+        }
+    }
+
+    #[test]
+    fn a_batch_is_planned_by_key_in_arrival_order() {
+        let settle = Op::Settle {
+            key: "agent.a".into(),
+            reserved_usd: 0.1,
+            actual_usd: 0.05,
+        };
+        let batch = vec![
+            reserve(Some("agent.a"), true, 0.5),
+            settle,
+            reserve(None, true, 0.25),
+        ];
+        let (reserves, plan, settles) = plan(batch, &[key(None)]);
+        assert_eq!(reserves.len(), 2);
+        assert!(reserves.iter().all(|r| r.answer == Answer::Held));
+        assert_eq!(
+            plan["agent.a"],
+            vec![
+                (Some(0), Change::Reserve(0.5)),
+                (None, Change::Settle(0.1, 0.05))
+            ],
+            "one key's changes in the order they came, each reservation pointing at its ask"
+        );
+        assert_eq!(
+            plan["global"],
+            vec![(None, Change::Renew)],
+            "the global budget is not asked in the first phase"
+        );
+        assert_eq!(settles.len(), 1, "kept to retry if its key fails");
+    }
+
+    #[test]
+    fn the_global_budget_is_asked_for_what_was_held_and_its_refusals_give_back() {
+        let batch = vec![
+            reserve(Some("agent.a"), true, 0.5),
+            reserve(Some("agent.b"), true, 0.5),
+            reserve(None, true, 0.25),
+            reserve(Some("agent.c"), false, 0.1),
+        ];
+        let (mut reserves, _, _) = plan(batch, &[]);
+        reserves[1].answer = Answer::Refused(ReasonCode::BudgetExhausted);
+        let global = plan_global(&reserves);
+        assert_eq!(
+            global["global"],
+            vec![
+                (Some(0), Change::Reserve(0.5)),
+                (Some(2), Change::Reserve(0.25))
+            ],
+            "not for a refused agent's, nor for one without a global budget"
+        );
+        let before: Vec<Answer> = reserves.iter().map(|r| r.answer).collect();
+        reserves[0].answer = Answer::Refused(ReasonCode::GlobalBudgetExhausted);
+        reserves[2].answer = Answer::Refused(ReasonCode::GlobalBudgetExhausted);
+        let back = plan_give_back(&reserves, &before);
+        assert_eq!(back.len(), 1, "{back:?}");
+        assert_eq!(back["agent.a"], vec![(None, Change::Settle(0.5, 0.0))]);
+    }
+
+    #[test]
+    fn one_record_grants_changes_in_order_up_to_its_limit() {
+        let mut l = Ledger::new(1.0);
+        let (now, lease) = (1_000, 5_000);
+        let changes = [
+            (Some(0), Change::Reserve(0.6)),
+            (Some(1), Change::Reserve(0.6)),
+            (None, Change::Settle(0.6, 0.2)),
+            (Some(2), Change::Reserve(0.6)),
+            (None, Change::Renew),
+        ];
+        let granted = apply_changes(&mut l, "n1#r", &changes, now, lease);
+        assert_eq!(granted, vec![true, false, true, true, true]);
+        assert!((l.remaining_usd(now) - 0.2).abs() < 1e-9, "{l:?}");
     }
 }

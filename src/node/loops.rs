@@ -185,3 +185,64 @@ pub enum ClaimOp {
     Raise(Box<(Incident, Option<Escalation>)>),
     Release(Fingerprint),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::pipeline::tests::{T0, engine};
+
+    #[tokio::test]
+    async fn what_a_decision_counted_toward_a_loop_goes_to_the_cluster() {
+        let (bus, mut publisher) = super::super::bus::offline::bus("n1").await;
+        let (loops, mut claims) = Loops::new("n1", bus);
+        let fp = Fingerprint(7);
+        let rec = crate::core::pipeline::tests::recorded(&mut engine(), "r", 1);
+        let mut d: Decision = (**rec.decision).clone();
+        d.effects = vec![
+            Effect::LoopFailure {
+                fingerprint: fp,
+                agent: "a".into(),
+                task: "t".into(),
+                probe: false,
+            },
+            Effect::LoopCleared { fingerprint: fp },
+        ];
+        loops.share(&d);
+        let sent = super::super::bus::offline::sent(&mut publisher);
+        assert_eq!(sent.len(), 2);
+        assert!(sent.iter().all(|(s, _)| *s == subjects::loop_event("n1")));
+        let body = |i: usize| &sent[i].1["body"];
+        assert_eq!(
+            (body(0)["event"].as_str(), body(0)["agent"].as_str()),
+            (Some("failure"), Some("a"))
+        );
+        assert_eq!(body(1)["event"], "cleared", "{}", body(1));
+        assert!(
+            matches!(claims.try_recv(), Ok(ClaimOp::Release(f)) if f == fp),
+            "a cleared episode frees its claim"
+        );
+    }
+
+    #[tokio::test]
+    async fn another_node_s_loop_events_count_here_and_its_own_do_not_count_twice() {
+        let (bus, _publisher) = super::super::bus::offline::bus("n1").await;
+        let (loops, _claims) = Loops::new("n1", bus);
+        let pipeline = Pipeline::new(engine());
+        let failure = |at_ms| LoopEvent::Failure {
+            fingerprint: Fingerprint(9),
+            agent: "a".into(),
+            task: "t".into(),
+            at_ms,
+            probe: false,
+        };
+        loops.apply(&pipeline, "n1", failure(T0));
+        assert!(
+            pipeline.read().state.loops.is_empty(),
+            "counted when it happened"
+        );
+        loops.apply(&pipeline, "n2", failure(T0));
+        let e = pipeline.read();
+        let entry = e.state.loops.get(&Fingerprint(9)).expect("counted");
+        assert_eq!((entry.agent.as_str(), entry.failures.len()), ("a", 1));
+    }
+}

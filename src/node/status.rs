@@ -225,3 +225,61 @@ fn views(p: &Pipeline) -> Vec<(String, crate::core::quorum::ProviderView)> {
         .map(|t| (t.id.to_string(), e.state.cluster.view(&t.id, now)))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::config::NodeConfig;
+
+    #[tokio::test]
+    async fn a_node_says_what_it_sees_and_exposes_every_metric_once() {
+        let cfg = NodeConfig::load(None, "http://127.0.0.1:1").expect("the default configuration");
+        let targets = cfg.targets.len();
+        let nats = super::super::bus::offline::client().await;
+        let (node, _services) = Node::new("n1".into(), cfg, nats).expect("a node");
+        let snap = snapshot(&node);
+        assert_eq!((snap.node.as_str(), snap.providers.len()), ("n1", targets));
+        assert!(snap.store_faults.is_empty());
+        node.store_faults.failed("ledger", "the store is full");
+        assert_eq!(snapshot(&node).store_faults["ledger"], "the store is full");
+        node.store_faults.ok("ledger");
+        assert!(
+            snapshot(&node).store_faults.is_empty(),
+            "a write that succeeds clears it"
+        );
+
+        let text = node.metrics.registry.render();
+        let mut families: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        families.sort_unstable();
+        let mut expected = vec![
+            "oam_breaker_state",
+            "oam_budget_reservations_total",
+            "oam_budget_unsettled",
+            "oam_bulkhead_active",
+            "oam_bulkhead_queued",
+            "oam_bulkhead_shed_total",
+            "oam_bus_messages_ignored_total",
+            "oam_decision_log_records_total",
+            "oam_escalation_deliveries_total",
+            "oam_http_connection_limit_reached_total",
+            "oam_live_nodes",
+            "oam_node_info",
+            "oam_provider_outcomes_total",
+            "oam_provider_verdict",
+            "oam_provider_votes",
+            "oam_quorum",
+            "oam_reason_codes_total",
+            "oam_request_duration_seconds",
+            "oam_requests_total",
+            "oam_unauthorized_requests_total",
+        ];
+        expected.sort_unstable();
+        assert_eq!(families, expected, "today's names, each once");
+        assert_eq!(text.matches("# HELP ").count(), expected.len());
+        assert!(text.contains("oam_breaker_state{provider=\""), "{text}");
+    }
+}
