@@ -238,7 +238,7 @@ async fn one_http(
             };
             s.status = resp.status().as_u16();
             s.phase = get("x-oam-phase");
-            s.provider = get("x-oam-provider");
+            s.provider = get("x-oam-target");
             s.reasons = get("x-oam-reasons")
                 .split(',')
                 .filter(|r| !r.is_empty())
@@ -297,7 +297,7 @@ fn read_stream(s: &mut Sample, body: &[u8]) {
         });
     if let Some((oam, error)) = oam {
         s.phase = oam["phase"].as_str().unwrap_or("").to_string();
-        s.provider = oam["provider"].as_str().unwrap_or("").to_string();
+        s.provider = oam["target"].as_str().unwrap_or("").to_string();
         s.reasons = oam["reason_codes"]
             .as_array()
             .into_iter()
@@ -343,7 +343,7 @@ async fn one_nats(nats: &async_nats::Client, body: &Value, timeout: Duration) ->
         let oam = &v["oam"];
         s.status = v["status"].as_u64().unwrap_or(0) as u16;
         s.phase = oam["phase"].as_str().unwrap_or("").to_string();
-        s.provider = oam["provider"].as_str().unwrap_or("").to_string();
+        s.provider = oam["target"].as_str().unwrap_or("").to_string();
         s.reasons = oam["reason_codes"]
             .as_array()
             .map(|a| {
@@ -664,7 +664,7 @@ mod tests {
                 .is_none()
         );
 
-        let oam = r#"{"choices":[],"oam":{"phase":"accepted","provider":"local","reason_codes":["ACCEPTED"]}}"#;
+        let oam = r#"{"choices":[],"oam":{"phase":"accepted","target":"local","reason_codes":["ACCEPTED"]}}"#;
         let done = format!("data: {{\"choices\":[]}}\n\ndata: {oam}\n\ndata: [DONE]\n\n");
         let mut s = sample(1, 200, "");
         read_stream(&mut s, done.as_bytes());

@@ -1,6 +1,6 @@
 //! HTTP in front of the request path: `POST /v1/chat/completions` (OpenAI-compatible),
 //! `GET /v1/models`, the node's state and metrics, and the chaos restore an isolated node can
-//! still hear. Every response carries `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Provider` and
+//! still hear. Every response carries `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Target` and
 //! `X-Request-Id`.
 
 use super::Node;
@@ -109,26 +109,26 @@ pub(crate) fn to_http(a: Answer) -> Response {
         request_id,
         phase,
         reasons,
-        provider,
+        target,
     } = a;
     let json = [(
         axum::http::header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     )];
     let resp = (status, json, body).into_response();
-    with_oam_headers(resp, [phase, reasons, provider, request_id])
+    with_oam_headers(resp, [phase, reasons, target, request_id])
 }
 
-/// `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Provider` and `X-Request-Id` on a response.
+/// `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Target` and `X-Request-Id` on a response.
 pub(crate) fn with_oam_headers(
     mut resp: Response,
-    [phase, reasons, provider, request_id]: [String; 4],
+    [phase, reasons, target, request_id]: [String; 4],
 ) -> Response {
     let h = resp.headers_mut();
     for (name, value) in [
         ("x-oam-phase", phase),
         ("x-oam-reasons", reasons),
-        ("x-oam-provider", provider),
+        ("x-oam-target", target),
         ("x-request-id", request_id),
     ] {
         if let Ok(v) = HeaderValue::from_str(&value) {
@@ -157,7 +157,7 @@ pub(crate) fn to_sse(a: Answer) -> Response {
         text,
     )
         .into_response();
-    with_oam_headers(resp, [a.phase, a.reasons, a.provider, a.request_id])
+    with_oam_headers(resp, [a.phase, a.reasons, a.target, a.request_id])
 }
 
 async fn chat(

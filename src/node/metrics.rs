@@ -258,11 +258,11 @@ impl Default for Metrics {
             |o: &&str| vec![("outcome", o.to_string())],
         );
         let provider_outcomes = registry.family(
-            "oam_provider_outcomes_total",
-            "Calls to providers, by source (probe or traffic) and outcome.",
+            "oam_target_outcomes_total",
+            "Calls to targets, by source (probe or traffic) and outcome.",
             |(p, s, o): &(String, &str, &str)| {
                 vec![
-                    ("provider", p.clone()),
+                    ("target", p.clone()),
                     ("source", s.to_string()),
                     ("outcome", o.to_string()),
                 ]

@@ -381,7 +381,6 @@ pub(crate) struct OamObject<'a> {
     incident: &'a Option<crate::core::loops::Incident>,
     outcome: DecisionOutcome,
     phase: crate::core::reason::Phase,
-    provider: Option<&'a str>,
     reason_codes: &'a [ReasonCode],
     request_id: &'a str,
     route: Option<&'a str>,
@@ -409,7 +408,6 @@ impl<'a> OamObject<'a> {
             incident: &d.incident,
             outcome: d.outcome,
             phase: d.phase,
-            provider: d.provider.as_deref(),
             reason_codes: &d.reason_codes,
             request_id: &d.request_id,
             route: d.route.as_deref(),
@@ -658,9 +656,10 @@ mod tests {
         assert_eq!(v["model"], json!("m"));
         assert_eq!(v["choices"][0]["message"]["content"], json!("hello"));
         assert_eq!(v["choices"][0]["finish_reason"], json!("length"));
-        assert_eq!(
-            (v["oam"]["target"].clone(), v["oam"]["provider"].clone()),
-            (json!("sim/m"), json!("sim/m"))
+        assert_eq!(v["oam"]["target"], json!("sim/m"));
+        assert!(
+            v["oam"].get("provider").is_none(),
+            "the target is named once"
         );
     }
 

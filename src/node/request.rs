@@ -88,7 +88,8 @@ pub struct Answer {
     pub request_id: String,
     pub phase: String,
     pub reasons: String,
-    pub provider: String,
+    /// The target that answered (`X-OAM-Target`).
+    pub target: String,
     /// A stream relayed live: the response is already under way (HTTP only).
     pub live: Option<Response>,
 }
@@ -103,7 +104,7 @@ impl Answer {
             request_id: String::new(),
             phase: String::new(),
             reasons: String::new(),
-            provider: String::new(),
+            target: String::new(),
             live: Some(resp),
         }
     }
@@ -450,7 +451,7 @@ pub(crate) fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> An
         request_id,
         phase: "invalid".into(),
         reasons: String::new(),
-        provider: String::new(),
+        target: String::new(),
         live: None,
     }
 }
@@ -473,12 +474,12 @@ pub(crate) fn respond(
     d: &Decision,
     last: Option<super::connector::Attempt>,
 ) -> Answer {
-    let provider = d.provider.as_deref().unwrap_or("").to_string();
+    let target = d.provider.as_deref().unwrap_or("").to_string();
     let model = node
         .cfg
         .targets
         .iter()
-        .find(|t| t.id == provider)
+        .find(|t| t.id == target)
         .map_or("", |t| t.model.as_str());
     let (status, body) = openai::answer(d, last, model);
     let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
@@ -489,7 +490,7 @@ pub(crate) fn respond(
         request_id: d.request_id.clone(),
         phase: d.phase.to_string(),
         reasons: reasons.join(","),
-        provider,
+        target,
         live: None,
     }
 }

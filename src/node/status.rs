@@ -109,7 +109,7 @@ pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated:
     let p = pipeline.clone();
     registry.register(
         "oam_breaker_state",
-        "Circuit breaker per provider: 0 closed, 1 half-open, 2 open.",
+        "Circuit breaker per target: 0 closed, 1 half-open, 2 open.",
         Kind::Gauge,
         move |s| {
             let e = p.read();
@@ -120,7 +120,7 @@ pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated:
                     Breaker::HalfOpen { .. } => 1,
                     Breaker::Open { .. } => 2,
                 };
-                s.put(&[("provider", &t.id)], v);
+                s.put(&[("target", &t.id)], v);
             }
         },
     );
@@ -164,21 +164,21 @@ pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated:
     let p = pipeline.clone();
     registry.register(
         "oam_quorum",
-        "Agreeing observations a provider verdict needs.",
+        "Agreeing observations a target verdict needs.",
         Kind::Gauge,
         move |s| s.put(&[], p.read().state.cluster.quorum(now_ms())),
     );
     let p = pipeline.clone();
     registry.register(
-        "oam_provider_verdict",
-        "Consensus verdict per provider (1 for the current one).",
+        "oam_target_verdict",
+        "Consensus verdict per target (1 for the current one).",
         Kind::Gauge,
         move |s| {
             for (id, v) in views(&p) {
                 for verdict in Verdict::ALL {
                     let quorum = v.quorum.to_string();
                     let labels = [
-                        ("provider", id.as_str()),
+                        ("target", id.as_str()),
                         ("verdict", verdict.as_str()),
                         ("quorum", &quorum),
                     ];
@@ -189,12 +189,12 @@ pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated:
     );
     let p = pipeline.clone();
     registry.register(
-        "oam_provider_votes",
+        "oam_target_votes",
         "Observations agreeing with the verdict.",
         Kind::Gauge,
         move |s| {
             for (id, v) in views(&p) {
-                s.put(&[("provider", id.as_str())], v.votes);
+                s.put(&[("target", id.as_str())], v.votes);
             }
         },
     );
@@ -268,9 +268,9 @@ mod tests {
             "oam_http_connection_limit_reached_total",
             "oam_live_nodes",
             "oam_node_info",
-            "oam_provider_outcomes_total",
-            "oam_provider_verdict",
-            "oam_provider_votes",
+            "oam_target_outcomes_total",
+            "oam_target_verdict",
+            "oam_target_votes",
             "oam_quorum",
             "oam_reason_codes_total",
             "oam_request_duration_seconds",
@@ -278,8 +278,12 @@ mod tests {
             "oam_unauthorized_requests_total",
         ];
         expected.sort_unstable();
-        assert_eq!(families, expected, "today's names, each once");
+        assert_eq!(families, expected, "each family once");
         assert_eq!(text.matches("# HELP ").count(), expected.len());
-        assert!(text.contains("oam_breaker_state{provider=\""), "{text}");
+        assert!(text.contains("oam_breaker_state{target=\""), "{text}");
+        assert!(
+            !text.contains("provider=\""),
+            "a target is labelled target: {text}"
+        );
     }
 }

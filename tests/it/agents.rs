@@ -612,7 +612,7 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
             .send()
     };
     let r = ask().await.unwrap();
-    assert_eq!(r.headers()["x-oam-provider"], "meshllm");
+    assert_eq!(r.headers()["x-oam-target"], "meshllm");
 
     llm.kill();
     let killed = Instant::now();
@@ -630,7 +630,7 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
     );
     let r = ask().await.unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["x-oam-provider"], "local");
+    assert_eq!(r.headers()["x-oam-target"], "local");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

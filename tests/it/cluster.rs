@@ -141,7 +141,7 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
     // A healthy cluster answers from the primary, with the headers on the response.
     let (status, h, v) = ask(&c, &cl.urls[0], question("hello")).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(h["x-oam-provider"], "primary");
+    assert_eq!(h["x-oam-target"], "primary");
     assert_eq!(h["x-oam-phase"], "accepted");
     assert!(h.contains_key("x-request-id"));
     assert_eq!(v["object"], "chat.completion");
@@ -161,7 +161,7 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
             && got.contains(&"CONTRACT_NOT_JSON".into()),
         "{got:?}"
     );
-    assert_ne!(v["oam"]["provider"], "primary");
+    assert_ne!(v["oam"]["target"], "primary");
 
     // A total outage of the primary: UNHEALTHY by quorum, traffic on the zero-cost fallback.
     set(json!({"provider": "primary", "mode": "error", "duration_ms": 120_000})).await;
@@ -179,7 +179,7 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
     for (i, url) in cl.urls.iter().enumerate() {
         let (status, h, v) = ask(&c, url, question(&format!("during outage {i}"))).await;
         assert_eq!(status, 200, "{v}");
-        assert_eq!(h["x-oam-provider"], "local");
+        assert_eq!(h["x-oam-target"], "local");
         let got = codes(&v);
         assert!(got.contains(&"FALLBACK_USED".into()), "{got:?}");
         assert!(
@@ -197,7 +197,7 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
     // may have formed on n2's and n3's probes before n1's own failed: wait for n1's, at most
     // a few probe intervals, as the primary is idle on n1 now.)
     let probe_failed =
-        "oam_provider_outcomes_total{provider=\"primary\",source=\"probe\",outcome=\"error\"}";
+        "oam_target_outcomes_total{target=\"primary\",source=\"probe\",outcome=\"error\"}";
     let text = eventually(Duration::from_secs(10), || async {
         let text = c
             .get(format!("{}/metrics", cl.urls[0]))
@@ -238,16 +238,16 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
     assert_eq!(value("oam_live_nodes", &[]), Some(3.0));
     assert_eq!(
         value(
-            "oam_provider_verdict",
-            &[("provider", "primary"), ("verdict", "UNHEALTHY")]
+            "oam_target_verdict",
+            &[("target", "primary"), ("verdict", "UNHEALTHY")]
         ),
         Some(1.0)
     );
     assert!(
         value(
-            "oam_provider_outcomes_total",
+            "oam_target_outcomes_total",
             &[
-                ("provider", "primary"),
+                ("target", "primary"),
                 ("source", "probe"),
                 ("outcome", "error")
             ]
@@ -505,7 +505,7 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
             .contains("max_body_bytes"),
         "{v}"
     );
-    assert!(v["oam"]["provider"].is_null(), "no provider called: {v}");
+    assert!(v["oam"]["target"].is_null(), "no target called: {v}");
     assert!(
         nc.request("oam.v1.request", big(3 << 20).into())
             .await
@@ -1042,11 +1042,10 @@ async fn idle_connections_cannot_make_a_node_unreachable() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `oam_provider_outcomes_total` of `provider` from `source` (probe or traffic), all outcomes.
+/// `oam_target_outcomes_total` of target `provider` from `source` (probe or traffic), all outcomes.
 async fn outcomes(node_url: &str, provider: &str, source: &str) -> f64 {
     let text = crate::support::metrics(node_url).await;
-    let prefix =
-        format!("oam_provider_outcomes_total{{provider=\"{provider}\",source=\"{source}\"");
+    let prefix = format!("oam_target_outcomes_total{{target=\"{provider}\",source=\"{source}\"");
     text.lines()
         .filter(|l| l.starts_with(&prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

@@ -318,7 +318,7 @@ r = c.chat.completions.create(
     extra_body={"oam": {"agent": "py-tools", "request_id": "pass-through-1"},
                 "future_field": {"kept": True}},
 )
-served = (r.model_extra or {}).get("oam", {}).get("provider")
+served = (r.model_extra or {}).get("oam", {}).get("target")
 import urllib.request
 with urllib.request.urlopen(sys.argv[2] + "/sim/requests/" + served) as resp:
     # Health probes reach it too: ours is the one from user u-42.
@@ -653,7 +653,7 @@ async fn a_mesh_runs_on_the_users_configuration() {
     })
     .await
     .expect("the node answers on the user's providers");
-    assert_eq!(answered["oam"]["provider"], "gpt", "{answered}");
+    assert_eq!(answered["oam"]["target"], "gpt", "{answered}");
     assert_eq!(answered["model"], "gpt-4o-mini");
     let seen: Vec<Value> = c
         .get(format!("{upstream_url}/sim/requests/gpt"))
