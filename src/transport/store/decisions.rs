@@ -11,6 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+/// How long the server may take to open the log for reading.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A batch message's size at most (the server's max_payload is 1 MB by default).
 const BATCH_BYTES: usize = 512 * 1024;
 /// About what one record takes (one provider, a short exchange): to size a message up front.
@@ -131,9 +134,19 @@ pub async fn read(
     use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
     use futures_util::StreamExt;
     let js = async_nats::jetstream::new(nats.clone());
-    let stream = js
-        .get_stream(subjects::DECISION_LOG_STREAM)
+    // A server that never answers (its roles refuse this client's replies, say) is an error
+    // that says what to do, not a wait without end.
+    let no_answer = || {
+        anyhow::anyhow!(
+            "the server did not answer for the decision log ({}) within {} s; if the mesh was \
+             started by another version of oam, start it again with `oam mesh up`",
+            subjects::DECISION_LOG_STREAM,
+            OPEN_TIMEOUT.as_secs()
+        )
+    };
+    let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
         .await
+        .map_err(|_| no_answer())?
         .map_err(|e| {
             anyhow::anyhow!(
                 "no decision log ({}): {e}; nodes write it as they decide",
@@ -147,16 +160,17 @@ pub async fn read(
     // pulls of a full log outran the server's pending limit for one client, which then dropped
     // the reader as a slow consumer).
     const PULL: usize = 16;
-    let consumer = stream
-        .create_consumer(pull::Config {
-            deliver_policy: DeliverPolicy::ByStartTime { start_time: start },
-            filter_subject: node.map(subjects::decision_log).unwrap_or_default(),
-            ack_policy: AckPolicy::None,
-            inactive_threshold: Duration::from_secs(30),
-            memory_storage: true,
-            ..Default::default()
-        })
+    let consumer = stream.create_consumer(pull::Config {
+        deliver_policy: DeliverPolicy::ByStartTime { start_time: start },
+        filter_subject: node.map(subjects::decision_log).unwrap_or_default(),
+        ack_policy: AckPolicy::None,
+        inactive_threshold: Duration::from_secs(30),
+        memory_storage: true,
+        ..Default::default()
+    });
+    let consumer = tokio::time::timeout(OPEN_TIMEOUT, consumer)
         .await
+        .map_err(|_| no_answer())?
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
     let mut pending = consumer.cached_info().num_pending;
     let mut out = Vec::new();
