@@ -494,3 +494,78 @@ pub(crate) fn respond(
         live: None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::config::NodeConfig;
+
+    /// A node on the default configuration (targets on the simulator's address, here a port
+    /// nothing listens on) and a NATS client that never connects: the stages, without servers.
+    async fn node() -> Arc<Node> {
+        let cfg = NodeConfig::load(None, "http://127.0.0.1:1").expect("the default configuration");
+        let nats = super::super::bus::offline::client().await;
+        Node::new("n1".into(), cfg, nats).expect("a node").0
+    }
+
+    fn body(a: &Answer) -> serde_json::Value {
+        serde_json::from_slice(&a.body).expect("JSON")
+    }
+
+    #[tokio::test]
+    async fn a_body_the_node_cannot_read_is_refused_before_the_engine_with_an_id() {
+        let n = node().await;
+        let a = execute(
+            &n,
+            b"{\"messages\": 5}",
+            &HeaderMap::new(),
+            CancellationToken::new(),
+            false,
+        )
+        .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST);
+        let v = body(&a);
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "messages", "{v}");
+        assert_eq!(
+            (a.request_id.as_str(), a.phase.as_str()),
+            ("n1-1", "invalid")
+        );
+        let e = n.pipeline.read();
+        assert_eq!(e.state.bulkheads.normal.active, 0, "nothing was admitted");
+    }
+
+    #[tokio::test]
+    async fn with_every_target_unreachable_a_request_fails_closed_and_says_why() {
+        let n = node().await;
+        let req = br#"{"model": "auto", "messages": [{"role": "user", "content": "q"}],
+            "oam": {"request_id": "r1", "latency_budget_ms": 400}}"#;
+        let a = execute(&n, req, &HeaderMap::new(), CancellationToken::new(), false).await;
+        let v = body(&a);
+        assert!(a.status.is_server_error(), "{} {v}", a.status);
+        assert_eq!(v["oam"]["request_id"], "r1");
+        let codes = v["oam"]["reason_codes"].to_string();
+        assert!(codes.contains("GENERATION_ERROR"), "{codes}");
+        assert!(v["oam"]["attempts"].as_u64() >= Some(1), "{v}");
+        assert_eq!(
+            a.reasons,
+            v["oam"]["reason_codes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c.as_str().unwrap())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let e = n.pipeline.read();
+        assert_eq!(e.state.bulkheads.normal.active, 0, "its slot is given back");
+        drop(e);
+        assert!(
+            n.metrics
+                .registry
+                .render()
+                .contains("oam_requests_total{outcome=\""),
+            "the decision is counted"
+        );
+    }
+}

@@ -57,3 +57,39 @@ impl Upstreams {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn each_target_is_served_by_its_provider_and_agents_are_found_by_name() {
+        let cfg = NodeConfig::parse(
+            "oam.toml",
+            r#"
+[[provider]]
+id = "http"
+base_url = "http://127.0.0.1:1/v1"
+models = ["a", "b"]
+probe = "off"
+
+[[provider]]
+id = "llm"
+agent = "llm.local"
+model = "m"
+probe = "off"
+"#,
+            "",
+        )
+        .expect("a valid configuration");
+        let up = Upstreams::new(&cfg, &super::super::bus::offline::client().await).expect("built");
+        let (c, model) = up.target("http/b").expect("a target of the HTTP provider");
+        assert_eq!((c.id.as_str(), model, c.agent()), ("http", "b", None));
+        let (c, model) = up.target("llm").expect("the agent's one target");
+        assert_eq!((model, c.agent()), ("m", Some("llm.local")));
+        assert!(up.target("nope").is_none());
+        assert_eq!(up.of_agent("llm.local"), vec!["llm".to_string()]);
+        assert!(up.of_agent("other").is_empty());
+        assert_eq!(up.all().count(), 3);
+    }
+}
