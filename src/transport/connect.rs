@@ -124,13 +124,19 @@ pub async fn connect(
     let shown = redact(url);
     // async-nats ignores credentials embedded in the URL, so take them out and pass them on.
     let (url, auth) = split_credentials(url);
+    // Where this connection's replies arrive: a server that refuses it that subscription can
+    // answer none of its requests.
+    let mut inbox = super::subjects::DEFAULT_INBOX.to_string();
     let base = match (auth, CREDENTIALS_FILE.get()) {
         (Some((user, pass)), _) => {
             // A role of oam's reads its replies in an inbox only it may subscribe to.
-            let inbox = super::subjects::private_inbox(&user);
+            let private = super::subjects::private_inbox(&user);
             let o = async_nats::ConnectOptions::with_user_and_password(user, pass);
-            match inbox {
-                Some(prefix) => o.custom_inbox_prefix(prefix),
+            match private {
+                Some(prefix) => {
+                    inbox.clone_from(&prefix);
+                    o.custom_inbox_prefix(prefix)
+                }
                 None => o,
             }
         }
@@ -147,7 +153,7 @@ pub async fn connect(
         .reconnect_delay_callback(reconnect_delay)
         .event_callback(move |event| {
             let (conn_name, shown) = (conn_name.clone(), shown.clone());
-            let refused = refused.clone();
+            let (refused, inbox) = (refused.clone(), inbox.clone());
             async move {
                 match event {
                     async_nats::Event::Connected => {
@@ -163,6 +169,13 @@ pub async fn connect(
                     async_nats::Event::ServerError(e) if says_refused(&e.to_string()) => {
                         refused.refuse(credentials_refused(&conn_name, &shown));
                     }
+                    async_nats::Event::ServerError(e) if inbox_refused(&e.to_string(), &inbox) => {
+                        refused.refuse(format!(
+                            "NATS at {shown} does not let {conn_name} receive replies on its inbox \
+                             {inbox}.* (was the mesh started by another version of oam?); start \
+                             the mesh again with `oam mesh up`"
+                        ));
+                    }
                     async_nats::Event::ClientError(e) => {
                         tracing::debug!(conn = %conn_name, "NATS client error: {e}");
                     }
@@ -174,6 +187,17 @@ pub async fn connect(
         opts = opts.retry_on_initial_connect();
     }
     opts.connect(url.as_str()).await
+}
+
+/// Does this server error refuse the connection the subscription to its own reply inbox
+/// (`prefix`)? Then no request it makes can be answered.
+fn inbox_refused(error: &str, prefix: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    let Some(at) = e.find("permissions violation for subscription to") else {
+        return false;
+    };
+    let subject = error[at..].split('"').nth(1).unwrap_or("");
+    subject == prefix || subject.starts_with(&format!("{prefix}."))
 }
 
 /// Does this client or server error say the credentials were refused?
@@ -251,6 +275,34 @@ mod tests {
         tokio::time::timeout(std::time::Duration::from_secs(5), mine.wait())
             .await
             .expect("at once");
+    }
+
+    #[test]
+    fn only_a_refused_reply_inbox_stops_a_connection() {
+        let seen = r#"nats: Permissions Violation for Subscription to "_OAM.viewer.0j4jc6tMZ0LWjv08ZMQiYu.*""#;
+        assert!(super::inbox_refused(seen, "_OAM.viewer"));
+        assert!(
+            !super::inbox_refused(seen, "_OAM.view"),
+            "another role's prefix"
+        );
+        let other = format!(
+            r#"nats: Permissions Violation for Subscription to "{}""#,
+            crate::transport::subjects::REQUEST
+        );
+        assert!(
+            !super::inbox_refused(&other, "_OAM.viewer"),
+            "a subject it was not meant to read"
+        );
+        let publish = r#"nats: Permissions Violation for Publish to "_OAM.viewer.x""#;
+        assert!(!super::inbox_refused(publish, "_OAM.viewer"));
+        let shared = format!(
+            r#"Permissions Violation for Subscription to "{}.abc.*""#,
+            crate::transport::subjects::DEFAULT_INBOX
+        );
+        assert!(super::inbox_refused(
+            &shared,
+            crate::transport::subjects::DEFAULT_INBOX
+        ));
     }
 
     #[test]

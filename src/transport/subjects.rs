@@ -91,6 +91,8 @@ pub const ALL_ERRORS: &str = "mesh.errors.>";
 /// The reply inboxes of clients that keep the NATS default (the Open Agent Mesh SDK's): shared
 /// by every such client, so oam's own processes never use them (`private_inbox`).
 pub const SHARED_INBOXES: &str = "_INBOX.>";
+/// The reply-inbox prefix of a client that names none (async-nats' default).
+pub const DEFAULT_INBOX: &str = "_INBOX";
 /// The root of oam's private inboxes.
 const OAM_INBOX: &str = "_OAM";
 
