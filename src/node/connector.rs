@@ -226,39 +226,6 @@ impl Connector {
     }
 }
 
-/// A whole chat completion as the two chunks a stream of it carries: everything the message
-/// says (its content, its tool calls as deltas that carry their position), then its finish
-/// reason.
-pub fn chunks_of(answer: &Value) -> [Value; 2] {
-    let head = |choices: Value| {
-        serde_json::json!({
-            "id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
-            "model": answer["model"], "choices": choices,
-        })
-    };
-    let choice = &answer["choices"][0];
-    let mut delta =
-        serde_json::json!({"role": "assistant", "content": choice["message"]["content"]});
-    if let Some(calls) = choice["message"]["tool_calls"].as_array() {
-        let indexed: Vec<Value> = calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut c = c.clone();
-                c["index"] = serde_json::json!(i);
-                c
-            })
-            .collect();
-        delta["tool_calls"] = Value::Array(indexed);
-    }
-    [
-        head(serde_json::json!([{"index": 0, "delta": delta, "finish_reason": null}])),
-        head(
-            serde_json::json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]),
-        ),
-    ]
-}
-
 /// `{base_url}/{path}`, parsed (`None` if it does not parse).
 fn endpoint(base_url: &str, path: &str) -> Option<reqwest::Url> {
     reqwest::Url::parse(&format!("{}/{path}", base_url.trim_end_matches('/'))).ok()
@@ -483,15 +450,7 @@ impl Connector {
 impl Stream {
     /// A whole chat completion as the events a stream of it would carry.
     fn replay(answer: &Value, include_usage: bool) -> Stream {
-        let [content, finish] = chunks_of(answer);
-        let mut ready = std::collections::VecDeque::from([content.to_string(), finish.to_string()]);
-        if include_usage {
-            let mut u = finish;
-            u["choices"] = serde_json::json!([]);
-            u["usage"] = answer["usage"].clone();
-            ready.push_back(u.to_string());
-        }
-        ready.push_back("[DONE]".into());
+        let ready = super::openai::events_of(answer, include_usage).into();
         Stream {
             source: Source::Replay,
             parser: crate::http::sse::Parser::default(),

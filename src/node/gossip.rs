@@ -231,7 +231,7 @@ async fn heartbeat(node: Arc<Node>, stop: CancellationToken) {
 }
 
 /// How long a starting node waits to hear a majority before it serves anyway.
-const JOIN_WAIT: Duration = Duration::from_millis(2_500);
+pub(crate) const JOIN_WAIT: Duration = Duration::from_millis(2_500);
 
 /// Wait (at most `JOIN_WAIT`) until this node hears a majority of the cluster (heartbeats,
 /// and observations of every target), so a node that has just started or restarted does

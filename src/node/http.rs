@@ -142,12 +142,8 @@ pub(crate) fn with_oam_headers(
 /// quality, cost) before releasing any of it, so the stream is the checked answer in one content
 /// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
 pub(crate) fn to_sse(a: Answer) -> Response {
-    let b: Value = serde_json::from_slice(&a.body).unwrap_or_default();
-    let b = &b;
-    let [first, mut last] = super::connector::chunks_of(b);
-    last["usage"] = b["usage"].clone();
-    last["oam"] = b["oam"].clone();
-    let text = format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n");
+    let answer: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    let text = super::openai::sse_of(&answer);
     let resp = (
         StatusCode::OK,
         [
@@ -237,4 +233,152 @@ pub(crate) fn too_large(node: &Arc<Node>, headers: &HeaderMap) -> Answer {
     );
     a.status = StatusCode::PAYLOAD_TOO_LARGE;
     a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::chaos::NodeCommand;
+    use crate::node::offline;
+
+    async fn read(resp: Response) -> (StatusCode, HeaderMap, Value) {
+        let (parts, body) = resp.into_parts();
+        let bytes = axum::body::to_bytes(body, 1 << 20).await.expect("a body");
+        let v = serde_json::from_slice(&bytes)
+            .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        (parts.status, parts.headers, v)
+    }
+
+    fn chaos_body(cmd: &NodeCommand) -> axum::body::Bytes {
+        serde_json::to_vec(cmd).expect("JSON").into()
+    }
+
+    #[tokio::test]
+    async fn over_http_only_the_isolations_own_restore_is_heard() {
+        let node = offline::node().await;
+        let until_ms = crate::clock::now_ms() + 60_000;
+        let (id, key) = ("f1".to_string(), "k-from-the-warden".to_string());
+        node.chaos.apply(NodeCommand::Isolate {
+            id: id.clone(),
+            until_ms,
+            key: key.clone(),
+        });
+        assert!(node.bus.isolated());
+        let post = |cmd: NodeCommand| chaos(State(node.clone()), chaos_body(&cmd));
+
+        let (status, _, v) = read(chaos(State(node.clone()), "{nope".into()).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(
+            v["error"]
+                .as_str()
+                .is_some_and(|e| e.starts_with("not a chaos command")),
+            "{v}"
+        );
+        let inject = NodeCommand::DrainBudget {
+            id: "f2".into(),
+            agent: "a".into(),
+            until_ms,
+        };
+        assert_eq!(read(post(inject).await).await.0, StatusCode::FORBIDDEN);
+        for wrong in ["", "k-guessed"] {
+            let restore = NodeCommand::Restore {
+                id: id.clone(),
+                key: wrong.into(),
+            };
+            assert_eq!(
+                read(post(restore).await).await.0,
+                StatusCode::FORBIDDEN,
+                "{wrong:?}"
+            );
+            assert!(node.bus.isolated(), "a wrong key ends nothing");
+        }
+        let (status, _, v) = read(post(NodeCommand::Restore { id, key }).await).await;
+        assert_eq!((status, &v), (StatusCode::OK, &json!({"applied": true})));
+        assert!(!node.bus.isolated());
+    }
+
+    #[tokio::test]
+    async fn models_list_routes_with_their_targets_and_auto_across_all() {
+        let node = offline::node().await;
+        let (status, _, v) = read(models(State(node.clone()), HeaderMap::new()).await).await;
+        assert_eq!(status, StatusCode::OK);
+        let data = v["data"].as_array().expect("a list");
+        assert_eq!(data.len(), node.cfg.targets.len() + 1, "{v}");
+        for (entry, t) in data.iter().zip(&node.cfg.targets) {
+            assert_eq!(entry["id"].as_str(), Some(t.model.as_str()));
+            assert_eq!(entry["oam"]["targets"], json!([t.id]));
+        }
+        let auto = data.last().expect("auto");
+        assert_eq!(auto["id"], "auto");
+        assert_eq!(
+            auto["oam"]["targets"].as_array().map(Vec::len),
+            Some(node.cfg.targets.len())
+        );
+
+        // With routes: each route's model with its targets, in the route's order.
+        let ids: Vec<&str> = node.cfg.targets.iter().map(|t| t.id.as_str()).collect();
+        let routed = format!(
+            "[[route]]\nmodel = \"fast\"\ntargets = [\"{}\", \"{}\"]\n",
+            ids[1], ids[0]
+        );
+        let (routed, _) = offline::node_with(&routed).await;
+        let (_, _, v) = read(models(State(routed), HeaderMap::new()).await).await;
+        assert_eq!(v["data"][0]["id"], "fast");
+        assert_eq!(v["data"][0]["oam"]["targets"], json!([ids[1], ids[0]]));
+        assert_eq!(v["data"][1]["id"], "auto");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_413_before_any_target_is_called() {
+        let (node, _) = offline::node_with("[node]\nmax_body_bytes = 64\n").await;
+        let body = axum::body::Body::from(vec![b' '; 65]);
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", HeaderValue::from_static("big-1"));
+        let (status, headers, v) = read(chat(State(node.clone()), h, body).await).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("64 bytes") && message.contains("node.max_body_bytes"),
+            "{v}"
+        );
+        assert_eq!(headers["x-request-id"], "big-1");
+        assert_eq!(headers["x-oam-phase"], "invalid");
+        assert_eq!(node.pipeline.read().state.bulkheads.normal.active, 0);
+    }
+
+    #[tokio::test]
+    async fn an_accepted_answer_streams_as_events_and_headers_that_cannot_be_sent_are_left_out() {
+        let answer = json!({
+            "id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            "oam": {"request_id": "r1"}
+        });
+        let a = Answer {
+            stream: true,
+            live: None,
+            status: StatusCode::OK,
+            body: serde_json::to_vec(&answer).expect("JSON").into(),
+            request_id: "r1".into(),
+            phase: "accepted".into(),
+            reasons: String::new(),
+            target: "bad\nname".into(),
+        };
+        let (status, headers, v) = read(to_sse(a)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers["content-type"], "text/event-stream");
+        assert_eq!(
+            (&headers["x-request-id"], &headers["x-oam-phase"]),
+            (
+                &HeaderValue::from_static("r1"),
+                &HeaderValue::from_static("accepted")
+            )
+        );
+        assert!(
+            !headers.contains_key("x-oam-target"),
+            "a value with a newline is no header"
+        );
+        let text = v.as_str().expect("not JSON: events");
+        assert_eq!(text, crate::node::openai::sse_of(&answer));
+    }
 }

@@ -9,17 +9,17 @@ use super::Node;
 use super::config::Streaming;
 use super::connector::{Attempt, Broken, Opened, Passthrough, Stream};
 use super::http::with_oam_headers;
-use super::openai::oam_object;
+use super::openai::{Delta, chunk_head, read_chunk, stream_end};
 use super::request::{Flight, conclude};
 use crate::core::contract::ToolCall;
-use crate::core::pipeline::{Decision, DecisionOutcome, Dispatch, Step};
+use crate::core::pipeline::{Decision, Dispatch, Step};
 use crate::core::reason::ReasonCode;
 use crate::core::record::Call;
 use crate::core::request::{Generation, GenerationStatus, Usage};
 use axum::body::{Body, Bytes};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -163,9 +163,13 @@ struct Accum {
 }
 
 impl Accum {
-    fn tool_deltas(&mut self, deltas: &Value) {
-        for d in deltas.as_array().into_iter().flatten() {
-            let i = d["index"].as_u64().unwrap_or(0) as usize;
+    /// Take in what one chunk says.
+    fn absorb(&mut self, d: &Delta) {
+        if let Some(text) = d.text {
+            self.text.push_str(text);
+        }
+        for t in d.tool_calls.and_then(Value::as_array).into_iter().flatten() {
+            let i = t["index"].as_u64().unwrap_or(0) as usize;
             if i > 1_024 {
                 continue; // no answer calls that many tools; not worth a huge allocation
             }
@@ -175,13 +179,19 @@ impl Accum {
                     arguments: String::new(),
                 });
             }
-            let f = &d["function"];
+            let f = &t["function"];
             if let Some(name) = f["name"].as_str() {
                 self.calls[i].name.push_str(name);
             }
             if let Some(args) = f["arguments"].as_str() {
                 self.calls[i].arguments.push_str(args);
             }
+        }
+        if let Some(f) = d.finish {
+            self.finish = Some(f.to_string());
+        }
+        if d.usage.is_some() {
+            self.usage = d.usage;
         }
     }
 }
@@ -337,30 +347,20 @@ impl Relay {
                 self.flight.session.note(ReasonCode::StreamChunkSkipped);
                 continue;
             };
-            if let Some(err) = chunk.get("error") {
-                let why = format!("the stream says: {err}");
-                return End::Broken(failed(GenerationStatus::Error, cur.began, why));
-            }
+            let delta = match read_chunk(&chunk) {
+                Ok(delta) => delta,
+                Err(why) => {
+                    return End::Broken(failed(GenerationStatus::Error, cur.began, why));
+                }
+            };
             if self.head.is_null() {
-                self.head = json!({"id": chunk["id"], "created": chunk["created"], "model": chunk["model"]});
+                self.head = chunk_head(&chunk);
             }
-            let choice = &chunk["choices"][0];
-            if let Some(text) = choice["delta"]["content"].as_str() {
-                acc.text.push_str(text);
+            acc.absorb(&delta);
+            if let Some(text) = delta.text {
                 self.delivered.push_str(text);
             }
-            acc.tool_deltas(&choice["delta"]["tool_calls"]);
-            if let Some(f) = choice["finish_reason"].as_str() {
-                acc.finish = Some(f.to_string());
-            }
-            let usage_only = chunk["choices"].as_array().is_some_and(Vec::is_empty);
-            if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
-                acc.usage = Some(Usage {
-                    prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
-                    completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
-                });
-            }
-            if usage_only && !self.pass.include_usage {
+            if delta.usage_only && !self.pass.include_usage {
                 continue;
             }
             if self.send(format!("data: {data}\n\n")).await.is_err() {
@@ -376,25 +376,7 @@ impl Relay {
     /// The request is decided: oam's last chunk and `[DONE]` for an accepted answer, else an
     /// in-band error event (and no `[DONE]`). Then what every decided request leaves behind.
     async fn close(mut self, d: Decision) {
-        let oam = oam_object(&d);
-        let text = if d.outcome == DecisionOutcome::Accepted {
-            let mut last = self.head.clone();
-            last["object"] = json!("chat.completion.chunk");
-            last["choices"] = json!([]);
-            last["oam"] = oam;
-            format!("data: {last}\n\ndata: [DONE]\n\n")
-        } else {
-            let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
-            let code = d.reason_codes.last().map_or("", |c| c.as_str());
-            let why = format!(
-                "oam ended the stream in phase {}: {}",
-                d.phase,
-                reasons.join(", ")
-            );
-            let mut error = super::openai::error_body(&why, "server_error", None, code);
-            error["oam"] = oam;
-            format!("data: {error}\n\n")
-        };
+        let text = stream_end(&d, &self.head);
         let node = self.node();
         let started = self.request_started;
         let record = self.flight.recorder();
@@ -402,5 +384,76 @@ impl Relay {
         // Under `[decision_log] durable`, the stream ends only once its record is written.
         node.log.logged(logged).await;
         let _ = self.send(text).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn absorb(acc: &mut Accum, chunk: Value) {
+        acc.absorb(&read_chunk(&chunk).expect("a chunk"));
+    }
+
+    #[test]
+    fn an_answer_is_gathered_from_its_chunks_tool_calls_by_position() {
+        let mut acc = Accum::default();
+        let call = |i: u64, name: Option<&str>, args: &str| {
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": i, "function": {"name": name, "arguments": args}}
+            ]}}]})
+        };
+        absorb(
+            &mut acc,
+            json!({"choices": [{"delta": {"role": "assistant", "content": "Hel"}}]}),
+        );
+        absorb(&mut acc, json!({"choices": [{"delta": {"content": "lo"}}]}));
+        // Two calls whose argument deltas interleave, the second announced first.
+        absorb(&mut acc, call(1, Some("b"), "{\"y\":"));
+        absorb(&mut acc, call(0, Some("a"), "{\"x\""));
+        absorb(&mut acc, call(0, None, ":1}"));
+        absorb(&mut acc, call(1, None, "2}"));
+        absorb(
+            &mut acc,
+            json!({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}),
+        );
+        assert_eq!(acc.text, "Hello");
+        assert_eq!(acc.finish.as_deref(), Some("tool_calls"));
+        let calls: Vec<(&str, &str)> = acc
+            .calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(calls, [("a", "{\"x\":1}"), ("b", "{\"y\":2}")]);
+        assert_eq!(acc.usage, None, "no chunk carried usage");
+    }
+
+    #[test]
+    fn usage_comes_from_the_chunk_that_carries_it_and_absurd_indexes_are_ignored() {
+        let mut acc = Accum::default();
+        absorb(
+            &mut acc,
+            json!({"choices": [{"delta": {"tool_calls": [{"index": 5_000_000, "function": {"name": "x"}}]}}]}),
+        );
+        assert!(
+            acc.calls.is_empty(),
+            "no allocation for an index no answer has"
+        );
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}});
+        assert!(read_chunk(&usage).expect("a chunk").usage_only);
+        absorb(&mut acc, usage);
+        absorb(
+            &mut acc,
+            json!({"choices": [{"delta": {"content": "late"}}], "usage": null}),
+        );
+        assert_eq!(
+            acc.usage,
+            Some(Usage {
+                prompt_tokens: 7,
+                completion_tokens: 3
+            }),
+            "a null usage later keeps what came"
+        );
     }
 }

@@ -273,3 +273,75 @@ pub async fn run(
     running.abort_all();
     Ok(())
 }
+
+/// A node whose NATS client never connects (its services are not run): the stages and
+/// handlers, tested without servers.
+#[cfg(test)]
+pub(crate) mod offline {
+    use super::*;
+
+    /// On `toml` (empty: the default configuration, targets on a port nothing listens on).
+    pub(crate) async fn node_with(toml: &str) -> (Arc<Node>, Services) {
+        let cfg = NodeConfig::parse("test.toml", toml, "http://127.0.0.1:1").expect("a config");
+        Node::new("n1".into(), cfg, bus::offline::client().await).expect("a node")
+    }
+
+    pub(crate) async fn node() -> Arc<Node> {
+        node_with("").await.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Poll `url` until it answers 200, for at most `limit`.
+    async fn answers(url: &str, limit: Duration) -> bool {
+        let client = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + limit;
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(r) = client.get(url).send().await
+                && r.status().is_success()
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_a_bus_a_node_serves_on_its_own_view_and_stops_when_told() {
+        let (node, services) = offline::node_with("").await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a port");
+        let addr = listener.local_addr().expect("an address");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(run(node.clone(), services, listener, async {
+            let _ = stopped.await;
+        }));
+        let url = format!("http://{addr}/healthz");
+        assert!(
+            answers(&url, gossip::JOIN_WAIT + Duration::from_secs(5)).await,
+            "no HTTP after the join wait"
+        );
+        assert_eq!(node.serving.http_url.get(), Some(&format!("http://{addr}")));
+        assert!(!node.serving.stop.is_cancelled());
+
+        let _ = stop.send(());
+        let ended = tokio::time::timeout(DRAIN_DEADLINE + Duration::from_secs(3), running).await;
+        assert!(
+            matches!(ended, Ok(Ok(Ok(())))),
+            "run did not return in time: {ended:?}"
+        );
+        assert!(
+            node.serving.stop.is_cancelled(),
+            "the data planes were told"
+        );
+        assert!(
+            tokio::net::TcpStream::connect(addr).await.is_err(),
+            "the listener is closed once run returns"
+        );
+    }
+}

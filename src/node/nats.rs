@@ -4,7 +4,7 @@
 
 use super::Node;
 use super::http::too_large;
-use super::request::execute;
+use super::request::{Answer, execute};
 use crate::transport::subjects;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use futures_util::StreamExt;
@@ -98,19 +98,7 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message, permit: OwnedSemaphoreP
         let Some(reply) = msg.reply.clone().filter(|r| subjects::is_inbox(r)) else {
             return; // no reply inbox: nobody to answer
         };
-        let mut headers = HeaderMap::new();
-        if let Some(h) = &msg.headers {
-            for (name, values) in h.iter() {
-                let Ok(name) = HeaderName::from_bytes(name.to_string().as_bytes()) else {
-                    continue;
-                };
-                if let Some(v) = values.first()
-                    && let Ok(v) = HeaderValue::from_str(v.as_str())
-                {
-                    headers.insert(name, v);
-                }
-            }
-        }
+        let headers = msg.headers.as_ref().map(headers_of).unwrap_or_default();
         // The same body limit as HTTP. A NATS requester that gives up cannot be seen; its
         // request runs to the end.
         let a = if msg.payload.len() > node.cfg.node.max_body_bytes {
@@ -125,12 +113,74 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message, permit: OwnedSemaphoreP
             )
             .await
         };
-        // The HTTP answer's body with its status as a member (the upstream's own `status`, if
-        // its answer had one, gives way).
-        let status = a.status.as_u16().to_string();
-        let bytes = super::connector::set_member(&a.body, "status", status.as_bytes());
+        let bytes = reply_of(&a);
         if let Err(e) = node.bus.nats().publish(reply, bytes.into()).await {
             tracing::debug!("cannot reply on NATS: {e}");
         }
     });
+}
+
+/// A NATS message's headers as the request stages read HTTP's: the first value of each, and
+/// none that HTTP could not carry.
+fn headers_of(h: &async_nats::HeaderMap) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, values) in h.iter() {
+        let Ok(name) = HeaderName::from_bytes(name.to_string().as_bytes()) else {
+            continue;
+        };
+        if let Some(v) = values.first()
+            && let Ok(v) = HeaderValue::from_str(v.as_str())
+        {
+            headers.insert(name, v);
+        }
+    }
+    headers
+}
+
+/// The reply: the HTTP answer's body with its status as a member (the upstream's own
+/// `status`, if its answer had one, gives way).
+fn reply_of(a: &Answer) -> Vec<u8> {
+    let status = a.status.as_u16().to_string();
+    super::connector::set_member(&a.body, "status", status.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+
+    #[test]
+    fn headers_cross_from_nats_as_http_reads_them() {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("X-OAM-Agent", "planner");
+        h.append("X-Request-Id", "first");
+        h.append("X-Request-Id", "second");
+        h.insert("bad(name)", "x");
+        h.insert("X-Control", "a\u{1}b");
+        let got = headers_of(&h);
+        assert_eq!(got["x-oam-agent"], "planner", "names compare as HTTP's do");
+        assert_eq!(got["x-request-id"], "first", "the first of several values");
+        assert!(
+            !got.contains_key("x-control"),
+            "a value HTTP cannot carry is left out"
+        );
+        assert_eq!(got.len(), 2, "{got:?}");
+    }
+
+    #[test]
+    fn the_reply_carries_the_http_status_in_place_of_the_upstreams() {
+        let a = Answer {
+            stream: false,
+            status: StatusCode::BAD_GATEWAY,
+            body: br#"{"status":"ok","oam":{"phase":"generation"}}"#.to_vec().into(),
+            request_id: "r".into(),
+            phase: "generation".into(),
+            reasons: String::new(),
+            target: String::new(),
+            live: None,
+        };
+        let v: serde_json::Value = serde_json::from_slice(&reply_of(&a)).expect("JSON");
+        assert_eq!(v["status"], 502);
+        assert_eq!(v["oam"]["phase"], "generation");
+    }
 }

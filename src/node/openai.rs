@@ -1,7 +1,7 @@
 //! The OpenAI chat-completions surface, in one place: the request as clients send it (with
 //! oam's own fields in an `oam` object or `X-OAM-*` headers) decoded into the core's request,
-//! the error envelope, the `oam` object every answer carries, and the HTTP status a decision
-//! answers with. A second API is a sibling of this file.
+//! the error envelope, the `oam` object every answer carries, the HTTP status a decision
+//! answers with, and the chunks of a stream (read from upstreams, written to callers). A second API is a sibling of this file.
 
 use super::config::NodeConfig;
 use super::connector::{Attempt, Passthrough, Reply};
@@ -517,20 +517,143 @@ pub(crate) fn answer(
     }
 }
 
+/// A whole chat completion as the two chunks a stream of it carries: everything the message
+/// says (its content, its tool calls as deltas that carry their position), then its finish
+/// reason.
+pub(crate) fn chunks_of(answer: &Value) -> [Value; 2] {
+    let head = |choices: Value| {
+        json!({
+            "id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
+            "model": answer["model"], "choices": choices,
+        })
+    };
+    let choice = &answer["choices"][0];
+    let mut delta = json!({"role": "assistant", "content": choice["message"]["content"]});
+    if let Some(calls) = choice["message"]["tool_calls"].as_array() {
+        let indexed: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut c = c.clone();
+                c["index"] = json!(i);
+                c
+            })
+            .collect();
+        delta["tool_calls"] = Value::Array(indexed);
+    }
+    [
+        head(json!([{"index": 0, "delta": delta, "finish_reason": null}])),
+        head(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}])),
+    ]
+}
+
+/// A whole chat completion as the events (`data:` payloads) a stream of it would carry: its
+/// two chunks, a usage chunk when the caller asked for one (`stream_options.include_usage`),
+/// then `[DONE]`.
+pub(crate) fn events_of(answer: &Value, include_usage: bool) -> Vec<String> {
+    let [content, finish] = chunks_of(answer);
+    let mut events = vec![content.to_string(), finish.to_string()];
+    if include_usage {
+        let mut u = finish;
+        u["choices"] = json!([]);
+        u["usage"] = answer["usage"].clone();
+        events.push(u.to_string());
+    }
+    events.push("[DONE]".into());
+    events
+}
+
+/// An accepted, already checked answer as one server-sent-events body: its content chunk,
+/// then its finish chunk with the usage and the `oam` object, then `[DONE]`.
+pub(crate) fn sse_of(answer: &Value) -> String {
+    let [first, mut last] = chunks_of(answer);
+    last["usage"] = answer["usage"].clone();
+    last["oam"] = answer["oam"].clone();
+    format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n")
+}
+
+/// What one chunk of an upstream's stream says.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Delta<'a> {
+    pub text: Option<&'a str>,
+    /// The tool-call deltas (`[{index, function: {name, arguments}}]`), or null.
+    pub tool_calls: Option<&'a Value>,
+    pub finish: Option<&'a str>,
+    pub usage: Option<crate::core::request::Usage>,
+    /// A chunk with no choices: only usage (sent when the caller asked for it).
+    pub usage_only: bool,
+}
+
+/// Read one chunk of a stream; an error event is `Err`, with what it says.
+pub(crate) fn read_chunk(chunk: &Value) -> Result<Delta<'_>, String> {
+    if let Some(err) = chunk.get("error") {
+        return Err(format!("the stream says: {err}"));
+    }
+    let choice = &chunk["choices"][0];
+    Ok(Delta {
+        text: choice["delta"]["content"].as_str(),
+        tool_calls: choice["delta"].get("tool_calls").filter(|t| t.is_array()),
+        finish: choice["finish_reason"].as_str(),
+        usage: chunk
+            .get("usage")
+            .filter(|u| u.is_object())
+            .map(|u| crate::core::request::Usage {
+                prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
+                completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
+            }),
+        usage_only: chunk["choices"].as_array().is_some_and(Vec::is_empty),
+    })
+}
+
+/// The `id`, `created` and `model` of a stream's first chunk: oam's own last chunk repeats them.
+pub(crate) fn chunk_head(chunk: &Value) -> Value {
+    json!({"id": chunk["id"], "created": chunk["created"], "model": chunk["model"]})
+}
+
+/// The event that ends a relayed stream once `d` is decided: for an accepted answer oam's last
+/// chunk (no choices, the `oam` object) and `[DONE]`; else an in-band error event, and never
+/// `[DONE]`, so that no client takes a cut answer for a whole one.
+pub(crate) fn stream_end(d: &Decision, head: &Value) -> String {
+    let oam = oam_object(d);
+    if d.outcome == DecisionOutcome::Accepted {
+        let mut last = head.clone();
+        last["object"] = json!("chat.completion.chunk");
+        last["choices"] = json!([]);
+        last["oam"] = oam;
+        format!("data: {last}\n\ndata: [DONE]\n\n")
+    } else {
+        let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+        let code = d.reason_codes.last().map_or("", |c| c.as_str());
+        let why = format!(
+            "oam ended the stream in phase {}: {}",
+            d.phase,
+            reasons.join(", ")
+        );
+        let mut error = error_body(&why, "server_error", None, code);
+        error["oam"] = oam;
+        format!("data: {error}\n\n")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use axum::http::HeaderValue;
 
-    #[test]
-    fn statuses_follow_the_phase() {
-        let mut d: Decision = serde_json::from_value(json!({
+    /// A decision as the core writes one: `outcome` and `phase` as named, no attempts.
+    fn decision(outcome: &str, phase: &str) -> Decision {
+        serde_json::from_value(json!({
             "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
-            "outcome": "rejected", "phase": "admission", "reason_codes": [],
+            "outcome": outcome, "phase": phase, "reason_codes": [],
             "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
             "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
         }))
-        .unwrap();
+        .expect("a decision")
+    }
+
+    #[test]
+    fn statuses_follow_the_phase() {
+        let mut d = decision("rejected", "admission");
         for (phase, status) in [
             (Phase::Admission, 503),
             (Phase::Loop, 429),
@@ -628,7 +751,7 @@ mod tests {
 
     #[test]
     fn a_refusal_answers_with_the_error_envelope_and_the_oam_object() {
-        let mut d = decision();
+        let mut d = decision("rejected", "admission");
         d.phase = Phase::Budget;
         d.reason_codes = vec![ReasonCode::BudgetExhausted];
         let (status, body) = answer(&d, None, "m");
@@ -642,7 +765,7 @@ mod tests {
 
     #[test]
     fn an_accepted_answer_without_an_upstream_body_is_a_chat_completion() {
-        let mut d = decision();
+        let mut d = decision("rejected", "admission");
         d.outcome = DecisionOutcome::Accepted;
         d.phase = Phase::Accepted;
         d.provider = Some("sim/m".into());
@@ -661,17 +784,6 @@ mod tests {
             v["oam"].get("provider").is_none(),
             "the target is named once"
         );
-    }
-
-    /// A decision as the engine writes one, refused at admission.
-    fn decision() -> Decision {
-        serde_json::from_value(json!({
-            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
-            "outcome": "rejected", "phase": "admission", "reason_codes": [],
-            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
-            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
-        }))
-        .unwrap()
     }
 
     /// JSON-ish text from the pieces a chat request is made of, so that the decoder gets far
@@ -723,5 +835,118 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn completion() -> Value {
+        json!({
+            "id": "c1", "object": "chat.completion", "created": 7, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": "hi",
+                "tool_calls": [
+                    {"id": "t0", "type": "function", "function": {"name": "a", "arguments": "{}"}},
+                    {"id": "t1", "type": "function", "function": {"name": "b", "arguments": "[1]"}}
+                ]
+            }}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+            "oam": {"request_id": "r"}
+        })
+    }
+
+    #[test]
+    fn a_whole_answer_streams_as_chunks_that_read_back_to_it() {
+        let events = events_of(&completion(), true);
+        assert_eq!(
+            events.len(),
+            4,
+            "content, finish, usage, [DONE]: {events:?}"
+        );
+        assert_eq!(events[3], "[DONE]");
+        let chunks: Vec<Value> = events[..3]
+            .iter()
+            .map(|e| serde_json::from_str(e).expect("JSON"))
+            .collect();
+        let read: Vec<Delta> = chunks
+            .iter()
+            .map(|c| read_chunk(c).expect("a chunk"))
+            .collect();
+        assert_eq!(read[0].text, Some("hi"));
+        let calls = read[0]
+            .tool_calls
+            .and_then(Value::as_array)
+            .expect("tool calls");
+        let at: Vec<(u64, &str)> = calls
+            .iter()
+            .map(|c| {
+                (
+                    c["index"].as_u64().unwrap_or(99),
+                    c["function"]["name"].as_str().unwrap_or(""),
+                )
+            })
+            .collect();
+        assert_eq!(at, [(0, "a"), (1, "b")], "each call carries its position");
+        assert_eq!((read[1].finish, read[1].text), (Some("tool_calls"), None));
+        assert!(read[2].usage_only);
+        assert_eq!(read[2].usage.map(|u| u.prompt_tokens), Some(4));
+        for c in &chunks {
+            assert_eq!(
+                (&c["id"], &c["object"], &c["model"]),
+                (&json!("c1"), &json!("chat.completion.chunk"), &json!("m"))
+            );
+        }
+        assert_eq!(
+            events_of(&completion(), false).len(),
+            3,
+            "no usage chunk unasked"
+        );
+    }
+
+    #[test]
+    fn a_checked_answer_is_one_body_of_events_with_usage_and_oam_last() {
+        let text = sse_of(&completion());
+        let data: Vec<&str> = text
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| e.strip_prefix("data: ").expect("a data line"))
+            .collect();
+        assert_eq!(data.len(), 3);
+        assert_eq!(data[2], "[DONE]");
+        let last: Value = serde_json::from_str(data[1]).expect("JSON");
+        assert_eq!(last["usage"]["total_tokens"], 6);
+        assert_eq!(last["oam"]["request_id"], "r");
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn an_error_event_breaks_the_stream() {
+        let why = read_chunk(&json!({"error": {"message": "overloaded"}})).expect_err("an error");
+        assert!(why.contains("overloaded"), "{why}");
+    }
+
+    #[test]
+    fn a_relayed_stream_ends_with_done_only_when_accepted() {
+        let head = chunk_head(&json!({"id": "c9", "created": 3, "model": "m", "choices": []}));
+        let ok = stream_end(&decision("accepted", "accepted"), &head);
+        assert!(ok.ends_with("data: [DONE]\n\n"), "{ok}");
+        let last: Value = serde_json::from_str(
+            ok.strip_prefix("data: ")
+                .and_then(|s| s.split("\n\n").next())
+                .expect("an event"),
+        )
+        .expect("JSON");
+        assert_eq!((&last["id"], &last["choices"]), (&json!("c9"), &json!([])));
+        assert_eq!(last["oam"]["outcome"], "accepted");
+
+        let mut d = decision("rejected", "semantic");
+        d.reason_codes = vec![ReasonCode::ContractSchemaViolation];
+        let refused = stream_end(&d, &head);
+        assert!(
+            !refused.contains("[DONE]"),
+            "a cut answer never ends cleanly: {refused}"
+        );
+        let error: Value =
+            serde_json::from_str(refused.trim().strip_prefix("data: ").expect("an event"))
+                .expect("JSON");
+        assert_eq!(error["error"]["code"], "CONTRACT_SCHEMA_VIOLATION");
+        assert_eq!(error["oam"]["phase"], "semantic");
     }
 }

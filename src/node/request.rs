@@ -498,15 +498,7 @@ pub(crate) fn respond(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::config::NodeConfig;
-
-    /// A node on the default configuration (targets on the simulator's address, here a port
-    /// nothing listens on) and a NATS client that never connects: the stages, without servers.
-    async fn node() -> Arc<Node> {
-        let cfg = NodeConfig::load(None, "http://127.0.0.1:1").expect("the default configuration");
-        let nats = super::super::bus::offline::client().await;
-        Node::new("n1".into(), cfg, nats).expect("a node").0
-    }
+    use crate::node::offline::node;
 
     fn body(a: &Answer) -> serde_json::Value {
         serde_json::from_slice(&a.body).expect("JSON")
