@@ -250,7 +250,7 @@ pub async fn run(
             )
         })?;
     // A scenario is the mesh owner's: it starts agents, injects chaos and reads every record.
-    let app_url = local::find_mesh(None, Some(dir), &local::roles::Role::Admin)
+    let app_url = local::find_cluster(None, Some(dir), &local::roles::Role::Admin)
         .map(|(url, _)| url)
         .map_err(|why| Error::new(Kind::Unreachable, anyhow::anyhow!(why)))?;
     let nats =

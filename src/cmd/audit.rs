@@ -35,7 +35,7 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,12 +66,12 @@ pub fn parse_age(s: &str) -> std::result::Result<u64, String> {
 /// Read the log from `since_ms` ago (as a viewer), keeping what `keep` wants: those records,
 /// and how many were read in all.
 pub async fn read(
-    mesh: &super::MeshArgs,
+    cluster: &super::ClusterArgs,
     since_ms: u64,
     node: Option<&str>,
     keep: impl Fn(&Record) -> bool,
 ) -> Result<(Vec<Entry>, usize)> {
-    let nats = mesh.connect(&super::Role::Viewer, "oam-audit").await?;
+    let nats = cluster.connect(&super::Role::Viewer, "oam-audit").await?;
     let from = crate::clock::now_ms().saturating_sub(since_ms);
     decisions::read(&nats, from, node, keep)
         .await
@@ -104,7 +104,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
             && outcome.is_none_or(|o| o == d.outcome)
             && d.decided_at_ms <= newest
     };
-    let (entries, total) = read(&a.mesh, a.since, None, wanted).await?;
+    let (entries, total) = read(&a.cluster, a.since, None, wanted).await?;
     let mut picked: Vec<&Entry> = entries.iter().collect();
     if picked.len() > a.limit {
         picked.drain(..picked.len() - a.limit);

@@ -80,7 +80,7 @@ pub struct Args {
     /// The mesh: its folder (the nodes' URLs when no --url is given, and where a scenario
     /// runs), or its NATS URL for --nats.
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 /// `--risk`: low, medium or high.
@@ -192,7 +192,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let urls = if a.nats {
         Vec::new()
     } else if a.urls.is_empty() {
-        let dir = a.mesh.dir();
+        let dir = a.cluster.dir();
         let rec = Record::load(&dir)
             .map_err(|e| Error::new(Kind::Usage, e))?
             .ok_or_else(|| {
@@ -228,7 +228,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
-        bench::Target::Nats(a.mesh.connect(&super::Role::Caller, "oam-bench").await?)
+        bench::Target::Nats(a.cluster.connect(&super::Role::Caller, "oam-bench").await?)
     } else {
         bench::Target::Http(http)
     };
@@ -307,7 +307,7 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
     let tick = bar.clone();
     let stop = stop_on_signal();
     let outcome = bench_scenario::run(
-        &a.mesh.dir(),
+        &a.cluster.dir(),
         &s,
         a.short,
         a.seed,

@@ -34,7 +34,7 @@ pub struct ListArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -49,7 +49,7 @@ pub struct Which {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -85,8 +85,8 @@ pub async fn run(args: Args) -> Result<()> {
     }
 }
 
-async fn open(mesh: &super::MeshArgs, role: &super::Role, name: &str) -> Result<kv::Store> {
-    let nats = mesh.connect(role, name).await?;
+async fn open(cluster: &super::ClusterArgs, role: &super::Role, name: &str) -> Result<kv::Store> {
+    let nats = cluster.connect(role, name).await?;
     crate::transport::store::bucket(&nats, BUDGETS_BUCKET, std::time::Duration::ZERO)
         .await
         .map_err(|e| {
@@ -113,7 +113,7 @@ fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
 
 async fn list(a: ListArgs) -> Result<()> {
     use futures_util::StreamExt;
-    let store = open(&a.mesh, &super::Role::Viewer, "oam-budget-list").await?;
+    let store = open(&a.cluster, &super::Role::Viewer, "oam-budget-list").await?;
     let mut keys = store.keys().await.map_err(|e| {
         Error::new(
             Kind::Unreachable,
@@ -190,7 +190,7 @@ async fn list(a: ListArgs) -> Result<()> {
 /// Read, change and write one budget with compare-and-swap (nodes write it concurrently).
 async fn change(w: Which, create: bool, f: impl Fn(&mut Ledger)) -> Result<()> {
     use crate::transport::store::ledger::ChangeError;
-    let store = open(&w.mesh, &super::Role::Operator, "oam-budget").await?;
+    let store = open(&w.cluster, &super::Role::Operator, "oam-budget").await?;
     let agent = if w.global { None } else { w.agent.clone() };
     let k = key(agent.as_deref());
     match crate::transport::store::ledger::change(&store, agent.as_deref(), create, f).await {
@@ -213,7 +213,7 @@ async fn change(w: Which, create: bool, f: impl Fn(&mut Ledger)) -> Result<()> {
 }
 
 async fn remove(w: Which) -> Result<()> {
-    let store = open(&w.mesh, &super::Role::Operator, "oam-budget").await?;
+    let store = open(&w.cluster, &super::Role::Operator, "oam-budget").await?;
     let agent = if w.global { None } else { w.agent.clone() };
     let k = key(agent.as_deref());
     let exists = store

@@ -15,7 +15,7 @@ pub struct Args {
     #[command(subcommand)]
     pub command: Command,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
     /// Print the result as JSON.
     #[arg(long, global = true)]
     pub json: bool,
@@ -220,7 +220,7 @@ pub async fn run(a: Args) -> Result<()> {
     } else {
         super::Role::Operator
     };
-    let url = a.mesh.url(&role)?;
+    let url = a.cluster.url(&role)?;
     let command = match injection(a.command) {
         Ok(inject) => {
             let body = serde_json::to_vec(&inject).map_err(Error::failed)?;
@@ -303,11 +303,11 @@ pub async fn run(a: Args) -> Result<()> {
             Ok(())
         }
         Command::Warden => {
-            let dir = a.mesh.dir();
+            let dir = a.cluster.dir();
             let nc = crate::cmd::reach(&url, "oam-chaos-warden", false).await?;
             // The system account's observer, from the warden's credentials file.
             let file = a
-                .mesh
+                .cluster
                 .creds
                 .clone()
                 .filter(|p| crate::local::is_role_file(p))

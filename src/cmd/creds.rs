@@ -37,7 +37,7 @@ pub struct Which {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -46,7 +46,7 @@ pub struct ListArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 pub async fn run(args: Args) -> Result<()> {
@@ -61,12 +61,12 @@ pub async fn run(args: Args) -> Result<()> {
 fn load(dir: &Path) -> Result<natsd::Credentials> {
     creds::load(dir)
         .map(|(c, _)| c)
-        .ok_or_else(|| Error::usage(creds::no_mesh(dir)))
+        .ok_or_else(|| Error::usage(creds::no_cluster(dir)))
 }
 
 async fn issue(w: Which) -> Result<()> {
     let role = Role::parse(&w.role, w.name.as_deref()).map_err(Error::usage)?;
-    let dir = w.mesh.dir();
+    let dir = w.cluster.dir();
     load(&dir)?;
     let issued = creds::issue(&dir, &role)
         .await
@@ -101,7 +101,7 @@ async fn issue(w: Which) -> Result<()> {
 
 async fn revoke(w: Which) -> Result<()> {
     let role = Role::parse(&w.role, w.name.as_deref()).map_err(Error::usage)?;
-    let dir = w.mesh.dir();
+    let dir = w.cluster.dir();
     let user = role.user();
     if !load(&dir)?.users.contains_key(&user) {
         return Err(Error::usage(format!(
@@ -126,7 +126,7 @@ async fn revoke(w: Which) -> Result<()> {
 }
 
 fn list(l: ListArgs) -> Result<()> {
-    let dir = l.mesh.dir();
+    let dir = l.cluster.dir();
     let creds = load(&dir)?;
     let rows: Vec<serde_json::Value> = creds
         .users

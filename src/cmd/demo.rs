@@ -61,28 +61,27 @@ pub struct Args {
     pub output: Option<PathBuf>,
 }
 
-/// The demo's mesh: `oam mesh down` and its folder removed when dropped, however the demo ends.
 /// The demo's private cluster. `down` stops it and removes its folder; a guard dropped without
 /// `down` (a panic) still sends every recorded process SIGTERM.
-struct Mesh {
+struct Cluster {
     dir: PathBuf,
     down: bool,
 }
 
-impl Mesh {
-    async fn up() -> Result<Mesh> {
+impl Cluster {
+    async fn up() -> Result<Cluster> {
         let dir = std::env::temp_dir().join(format!(
             "oam-demo-{}",
             crate::ids::random_hex(4).map_err(Error::failed)?
         ));
         let exe = local::oam_exe().map_err(Error::failed)?;
-        let mut mesh = Mesh { dir, down: false };
-        let plan = cluster::Plan::any_ports(mesh.dir.clone(), 3, exe);
+        let mut cluster = Cluster { dir, down: false };
+        let plan = cluster::Plan::any_ports(cluster.dir.clone(), 3, exe);
         match cluster::up(&plan).await {
-            Ok(_) => Ok(mesh),
+            Ok(_) => Ok(cluster),
             Err(e) => {
-                mesh.down = true;
-                let _ = std::fs::remove_dir_all(&mesh.dir);
+                cluster.down = true;
+                let _ = std::fs::remove_dir_all(&cluster.dir);
                 Err(match e {
                     cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
                     cluster::UpError::Start(e) => Error::failed(e),
@@ -98,7 +97,7 @@ impl Mesh {
     }
 }
 
-impl Drop for Mesh {
+impl Drop for Cluster {
     fn drop(&mut self) {
         if self.down {
             return;
@@ -196,9 +195,9 @@ pub async fn run(a: Args) -> Result<Outcome> {
         out,
         "oam demo: a local mesh (nats-server, the provider simulator, three nodes, the liveness monitor, the chaos warden)"
     )?;
-    let mesh = Mesh::up().await?;
-    let played = play_all(&a, &chosen, &mesh, started).await;
-    mesh.down().await;
+    let cluster = Cluster::up().await?;
+    let played = play_all(&a, &chosen, &cluster, started).await;
+    cluster.down().await;
     let outcomes = played?;
     let failed: Vec<&str> = outcomes
         .iter()
@@ -221,7 +220,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
 async fn play_all(
     a: &Args,
     chosen: &[(&str, &str)],
-    mesh: &Mesh,
+    cluster: &Cluster,
     started: Instant,
 ) -> Result<Vec<ScenarioReport>> {
     let mut out = say(a);
@@ -248,7 +247,7 @@ async fn play_all(
             let bar = super::bench::progress_bar(1, &s.name);
             let tick = bar.clone();
             let o = bench_scenario::run(
-                &mesh.dir,
+                &cluster.dir,
                 &s,
                 !a.full,
                 42,

@@ -35,7 +35,7 @@ pub struct ListArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -60,7 +60,7 @@ pub struct ResolveArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 pub async fn run(args: Args) -> Result<()> {
@@ -72,11 +72,11 @@ pub async fn run(args: Args) -> Result<()> {
 }
 
 async fn open_store(
-    mesh: &super::MeshArgs,
+    cluster: &super::ClusterArgs,
     role: &super::Role,
     name: &str,
 ) -> Result<async_nats::jetstream::kv::Store> {
-    let nats = mesh.connect(role, name).await?;
+    let nats = cluster.connect(role, name).await?;
     escalations::store(&nats).await.map_err(|e| {
         Error::new(
             Kind::Unreachable,
@@ -91,8 +91,8 @@ async fn open_store(
 
 /// Who resolves: the NATS user this command connects as (what the server authenticated), and
 /// the `--by` name beside it when one is given.
-fn resolver(mesh: &super::MeshArgs, by: Option<&str>) -> String {
-    let user = mesh
+fn resolver(cluster: &super::ClusterArgs, by: Option<&str>) -> String {
+    let user = cluster
         .url(&super::Role::Operator)
         .ok()
         .and_then(|url| crate::transport::connect::split_credentials(&url).1)
@@ -104,7 +104,7 @@ fn resolver(mesh: &super::MeshArgs, by: Option<&str>) -> String {
 }
 
 async fn list(a: ListArgs) -> Result<()> {
-    let store = open_store(&a.mesh, &super::Role::Viewer, "oam-escalation-list").await?;
+    let store = open_store(&a.cluster, &super::Role::Viewer, "oam-escalation-list").await?;
     let (records, unreadable) = escalations::all_checked(&store)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
@@ -220,7 +220,7 @@ async fn resolve(a: ResolveArgs, how: Mark) -> Result<()> {
         Mark::Resolved => "resolved",
         Mark::Acknowledged => "acknowledged",
     };
-    let store = open_store(&a.mesh, &super::Role::Operator, "oam-escalation-resolve").await?;
+    let store = open_store(&a.cluster, &super::Role::Operator, "oam-escalation-resolve").await?;
     let ids: Vec<String> = if a.ids.is_empty() {
         escalations::all(&store)
             .await
@@ -232,7 +232,7 @@ async fn resolve(a: ResolveArgs, how: Mark) -> Result<()> {
     } else {
         a.ids.clone()
     };
-    let by = resolver(&a.mesh, a.by.as_deref());
+    let by = resolver(&a.cluster, a.by.as_deref());
     let (mut resolved, mut already, mut unknown) = (Vec::new(), Vec::new(), Vec::new());
     let mut failed = Vec::new();
     for id in &ids {

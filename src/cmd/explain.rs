@@ -19,7 +19,7 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 pub async fn run(a: Args) -> Result<Outcome> {
@@ -36,10 +36,12 @@ pub async fn run(a: Args) -> Result<Outcome> {
         .map(|(n, _)| n);
     let mut entries = Vec::new();
     if let Some(n) = node {
-        entries = super::audit::read(&a.mesh, a.since, Some(n), this).await?.0;
+        entries = super::audit::read(&a.cluster, a.since, Some(n), this)
+            .await?
+            .0;
     }
     if entries.is_empty() {
-        entries = super::audit::read(&a.mesh, a.since, None, this).await?.0;
+        entries = super::audit::read(&a.cluster, a.since, None, this).await?.0;
     }
     let Some(entry) = entries.last() else {
         return Err(Error::usage(format!(

@@ -15,11 +15,14 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let nc = a.mesh.connect(&super::Role::Viewer, "oam-listen").await?;
+    let nc = a
+        .cluster
+        .connect(&super::Role::Viewer, "oam-listen")
+        .await?;
     let mut sub = nc
         .subscribe(a.subject.clone())
         .await

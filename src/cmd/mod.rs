@@ -47,10 +47,10 @@ pub async fn reach(
 }
 
 /// Which mesh a command talks to, and as whom: the same flags, resolved the same way,
-/// everywhere (`local::find_mesh`). In a mesh folder each command uses the credentials of its
+/// everywhere (`local::find_cluster`). In a mesh folder each command uses the credentials of its
 /// role (`creds/{user}.json`).
 #[derive(clap::Args, Debug, Clone)]
-pub struct MeshArgs {
+pub struct ClusterArgs {
     /// The mesh's state folder (as given to `oam mesh up --dir`). Default: $OAM_DIR, then
     /// ./.oam (after $OAM_NATS_URL).
     #[arg(long, global = true)]
@@ -65,7 +65,7 @@ pub struct MeshArgs {
     pub creds: Option<std::path::PathBuf>,
 }
 
-impl MeshArgs {
+impl ClusterArgs {
     /// The NATS URL to use as `role`; exit 3 saying what to do when there is none.
     pub fn url(&self, role: &Role) -> crate::error::Result<String> {
         self.resolve(role).map(|(url, _)| url)
@@ -100,8 +100,9 @@ impl MeshArgs {
                 format!("--creds {} as {}", path.display(), file.user),
             ));
         }
-        let (url, from) = crate::local::find_mesh(self.nats_url.clone(), self.dir.as_deref(), role)
-            .map_err(|why| Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why)))?;
+        let (url, from) =
+            crate::local::find_cluster(self.nats_url.clone(), self.dir.as_deref(), role)
+                .map_err(|why| Error::new(crate::error::Kind::Unreachable, anyhow::anyhow!(why)))?;
         tracing::debug!("NATS {} ({from})", crate::transport::connect::redact(&url));
         if let Some(path) = &self.creds {
             if crate::transport::connect::split_credentials(&url)
@@ -120,7 +121,7 @@ impl MeshArgs {
 
     /// The state folder meant: --dir, $OAM_DIR, ./.oam.
     pub fn dir(&self) -> std::path::PathBuf {
-        crate::local::mesh_dir(self.dir.as_deref())
+        crate::local::cluster_dir(self.dir.as_deref())
     }
 }
 

@@ -28,7 +28,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
     /// Providers, timings, pipeline and budgets (see `src/node/config.rs` for the format).
     /// Without it the node routes across `oam sim`'s providers at --sim-url.
     #[arg(long)]
@@ -85,7 +85,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
             )));
         }
     }
-    let url = a.mesh.url(&super::Role::Node(a.id.clone()))?;
+    let url = a.cluster.url(&super::Role::Node(a.id.clone()))?;
     let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
         Error::usage(format!(
             "cannot listen on {}: {e}. Pick another address with --listen, or 127.0.0.1:0",

@@ -27,7 +27,7 @@ pub const CHANNEL: usize = 10_000;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    pub mesh: crate::cmd::MeshArgs,
+    pub cluster: crate::cmd::ClusterArgs,
     /// Frames per second.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=60))]
     pub fps: u32,
@@ -246,7 +246,7 @@ pub async fn run(a: Args) -> Result<()> {
         ));
     }
     let nats = a
-        .mesh
+        .cluster
         .connect(&crate::cmd::Role::Viewer, "oam-watch")
         .await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(CHANNEL);

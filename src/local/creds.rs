@@ -27,7 +27,7 @@ pub struct Issued {
 
 /// Issue credentials for `role` in the mesh folder `dir` (the same ones again if it has some).
 pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
-    let (mut creds, port) = load(dir).with_context(|| no_mesh(dir))?;
+    let (mut creds, port) = load(dir).with_context(|| no_cluster(dir))?;
     let user = creds.add(role)?;
     cluster::save_system(dir, port, &creds)?;
     let file = super::write_role_file(dir, port, &creds, role)?;
@@ -44,7 +44,7 @@ pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
 /// Take `role`'s credentials back (its connections are closed); whether a running server took
 /// it. An error when it had none.
 pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
-    let (mut creds, port) = load(dir).with_context(|| no_mesh(dir))?;
+    let (mut creds, port) = load(dir).with_context(|| no_cluster(dir))?;
     let user = role.user();
     if creds.users.remove(&user).is_none() {
         anyhow::bail!(
@@ -58,7 +58,7 @@ pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
 }
 
 /// What to do when `dir` holds no mesh's credentials.
-pub fn no_mesh(dir: &Path) -> String {
+pub fn no_cluster(dir: &Path) -> String {
     format!(
         "no mesh credentials in {} (its system.json): start a mesh there with `oam mesh up --dir \
          {}`, or pass --dir for the folder of yours (as the user who started it)",

@@ -229,7 +229,7 @@ pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
 /// environment before the default: `--nats-url`, `--dir`, `$OAM_NATS_URL`, `$OAM_DIR`, then
 /// `./.oam`; a folder means the URL in its credentials file for `role` (`creds/{user}.json`).
 /// No silent default port: without any of them the error says what to do.
-pub fn find_mesh(
+pub fn find_cluster(
     url_flag: Option<String>,
     dir_flag: Option<&Path>,
     role: &roles::Role,
@@ -297,7 +297,7 @@ pub fn find_mesh(
 pub const ENV_DIR: &str = "OAM_DIR";
 
 /// The state folder a command means: the flag, then `$OAM_DIR`, then `./.oam`.
-pub fn mesh_dir(flag: Option<&Path>) -> PathBuf {
+pub fn cluster_dir(flag: Option<&Path>) -> PathBuf {
     let dir = flag
         .map(Path::to_path_buf)
         .or_else(|| {

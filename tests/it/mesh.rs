@@ -10,7 +10,7 @@ fn oam() -> Command {
     c
 }
 
-use crate::support::MeshDir as Dir;
+use crate::support::ClusterDir as Dir;
 
 fn json(out: &[u8]) -> Value {
     serde_json::from_slice(out).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(out)))
@@ -20,7 +20,7 @@ fn json(out: &[u8]) -> Value {
 async fn up_status_request_down() {
     // `oam mesh up` itself, as an operator runs it, from a shell holding a file open (a lock
     // file, say) that is not close-on-exec: `oam mesh up` inherits it, the mesh must not.
-    let dir = crate::support::MeshDir::new("mesh");
+    let dir = crate::support::ClusterDir::new("mesh");
     std::fs::create_dir_all(&dir.0).unwrap();
     let held_path = dir.0.join("held.lock");
     let held = std::fs::File::create(&held_path).unwrap();
@@ -425,7 +425,7 @@ use predicates::prelude::PredicateBooleanExt as _;
 /// watches reconnect by themselves); `--new-credentials` replaces them.
 #[tokio::test]
 async fn credentials_survive_down_and_up_unless_renewed() {
-    let dir = crate::support::MeshDir::new("creds");
+    let dir = crate::support::ClusterDir::new("creds");
     // Every password is in system.json (each role gets its own file in creds/).
     let creds = || -> Value {
         json(&std::fs::read(dir.0.join("system.json")).unwrap())["credentials"].clone()

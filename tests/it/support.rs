@@ -422,15 +422,15 @@ print(json.dumps(out))
 }
 
 /// A mesh's state folder: whatever happened, `oam mesh down` and removal on drop.
-pub struct MeshDir(pub std::path::PathBuf);
+pub struct ClusterDir(pub std::path::PathBuf);
 
-impl MeshDir {
-    pub fn new(tag: &str) -> MeshDir {
-        MeshDir(std::env::temp_dir().join(format!("oam-test-{tag}-{}", std::process::id())))
+impl ClusterDir {
+    pub fn new(tag: &str) -> ClusterDir {
+        ClusterDir(std::env::temp_dir().join(format!("oam-test-{tag}-{}", std::process::id())))
     }
 }
 
-impl Drop for MeshDir {
+impl Drop for ClusterDir {
     fn drop(&mut self) {
         let _ = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
             .args(["mesh", "down", "--grace-ms", "500", "--dir"])
@@ -443,14 +443,14 @@ impl Drop for MeshDir {
 /// A local cluster on free ports, in its own folder, started by a function call (the same one
 /// `oam mesh up` makes).
 pub struct LocalCluster {
-    pub dir: MeshDir,
+    pub dir: ClusterDir,
     /// What was started (as recorded in mesh.json when it came up).
     pub record: oam::local::Record,
 }
 
 impl LocalCluster {
     pub async fn up(tag: &str) -> LocalCluster {
-        let dir = MeshDir::new(tag);
+        let dir = ClusterDir::new(tag);
         let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
         let plan = oam::local::cluster::Plan::any_ports(dir.0.clone(), 3, exe);
         match oam::local::cluster::up(&plan).await {
@@ -461,7 +461,7 @@ impl LocalCluster {
     }
 
     /// A mesh `oam mesh up` started in `dir`.
-    pub fn recorded_in(dir: MeshDir) -> LocalCluster {
+    pub fn recorded_in(dir: ClusterDir) -> LocalCluster {
         let record = oam::local::Record::load(&dir.0)
             .unwrap()
             .expect("a mesh recorded");

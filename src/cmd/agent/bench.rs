@@ -237,7 +237,7 @@ where
 /// Throughput is measured in this many alternating rounds of mesh and raw request/reply.
 const ROUNDS: u32 = 3;
 
-pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
+pub async fn run(cluster: &super::super::ClusterArgs, a: Args) -> Result<Outcome> {
     // Mesh and raw alternate in rounds, so a noisy neighbour on a shared machine weighs on both.
     let round_secs = Duration::try_from_secs_f64(a.seconds / f64::from(ROUNDS))
         .ok()
@@ -245,7 +245,7 @@ pub async fn run(mesh: &super::super::MeshArgs, a: Args) -> Result<Outcome> {
         .ok_or_else(|| Error::usage("--seconds must be a number of seconds in (0, 3600]"))?;
     // It starts, calls, freezes and kills agents of its own: the mesh owner's tool, run as the
     // admin (in a mesh folder, from its system.json).
-    let url = &mesh.url(&crate::cmd::Role::Admin)?;
+    let url = &cluster.url(&crate::cmd::Role::Admin)?;
     let nats = crate::cmd::reach(url, "oam-agent-bench", false).await?;
     let caller = std::sync::Arc::new(
         Caller::new(nats.clone())

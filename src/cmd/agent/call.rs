@@ -60,9 +60,9 @@ fn failed(e: &protocol::MeshError) -> Outcome {
 }
 
 /// Call agent `c.name`; its error reply is a failed check (exit 1) naming the code.
-pub async fn call(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
+pub async fn call(cluster: &super::super::ClusterArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
-    let nc = mesh
+    let nc = cluster
         .connect(&crate::cmd::Role::Caller, "oam-agent-call")
         .await?;
     let caller = client::Caller::new(nc)
@@ -80,9 +80,9 @@ pub async fn call(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
 
 /// Stream from agent `c.name`, a chunk a line; an error (before or mid-stream) is a failed
 /// check naming the code.
-pub async fn stream(mesh: &super::super::MeshArgs, c: Args) -> Result<Outcome> {
+pub async fn stream(cluster: &super::super::ClusterArgs, c: Args) -> Result<Outcome> {
     let (payload, timeout) = c.checked()?;
-    let nc = mesh
+    let nc = cluster
         .connect(&crate::cmd::Role::Caller, "oam-agent-stream")
         .await?;
     let caller = client::Caller::new(nc)

@@ -45,8 +45,8 @@ fn listed<'a>(entry: &'a CatalogEntry, records: &[InstanceRecord], now: u64) -> 
     }
 }
 
-pub async fn run(mesh: &super::super::MeshArgs, l: Args) -> Result<()> {
-    let nc = mesh
+pub async fn run(cluster: &super::super::ClusterArgs, l: Args) -> Result<()> {
+    let nc = cluster
         .connect(&crate::cmd::Role::Caller, "oam-agent-list")
         .await?;
     let (entries, unreadable) = store::catalog_checked(&nc)

@@ -13,7 +13,7 @@ pub struct Args {
     #[command(subcommand)]
     pub command: Command,
     #[command(flatten)]
-    pub mesh: super::MeshArgs,
+    pub cluster: super::ClusterArgs,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -31,13 +31,13 @@ pub enum Command {
 }
 
 pub async fn run(a: Args) -> Result<Outcome> {
-    // Each checks its own arguments before it looks for the mesh.
-    let mesh = &a.mesh;
+    // Each checks its own arguments before it looks for the cluster.
+    let cluster = &a.cluster;
     match a.command {
-        Command::Serve(s) => serve::run(mesh, s).await.map(|()| Outcome::Ok),
-        Command::Call(c) => call::call(mesh, c).await,
-        Command::Stream(c) => call::stream(mesh, c).await,
-        Command::List(l) => list::run(mesh, l).await.map(|()| Outcome::Ok),
-        Command::Bench(b) => bench::run(mesh, b).await,
+        Command::Serve(s) => serve::run(cluster, s).await.map(|()| Outcome::Ok),
+        Command::Call(c) => call::call(cluster, c).await,
+        Command::Stream(c) => call::stream(cluster, c).await,
+        Command::List(l) => list::run(cluster, l).await.map(|()| Outcome::Ok),
+        Command::Bench(b) => bench::run(cluster, b).await,
     }
 }

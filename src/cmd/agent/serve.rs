@@ -32,7 +32,7 @@ pub struct Args {
     pub json: bool,
 }
 
-pub async fn run(mesh: &super::super::MeshArgs, s: Args) -> Result<()> {
+pub async fn run(cluster: &super::super::ClusterArgs, s: Args) -> Result<()> {
     if !protocol::valid_agent_name(&s.name) {
         return Err(Error::usage(format!(
             "agent name {:?}: use dot-separated segments of letters, digits, '-' and '_'",
@@ -44,7 +44,7 @@ pub async fn run(mesh: &super::super::MeshArgs, s: Args) -> Result<()> {
             "--replicas and --concurrency must be at least 1",
         ));
     }
-    let url = &mesh.url(&crate::cmd::Role::Agent(s.name.clone()))?;
+    let url = &cluster.url(&crate::cmd::Role::Agent(s.name.clone()))?;
     let entry = CatalogEntry {
         name: s.name.clone(),
         description: s.description.clone(),

@@ -12,7 +12,7 @@ pub struct Args {
     pub sys_url: Option<String>,
     /// The mesh (its application account).
     #[command(flatten)]
-    pub mesh: crate::cmd::MeshArgs,
+    pub cluster: crate::cmd::ClusterArgs,
     /// Print the ready line as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -20,12 +20,12 @@ pub struct Args {
 
 pub async fn run(a: Args) -> Result<()> {
     use crate::transport::connect;
-    let dir = a.mesh.dir();
+    let dir = a.cluster.dir();
     let role = crate::cmd::Role::Monitor;
-    let app_url = a.mesh.url(&role)?;
+    let app_url = a.cluster.url(&role)?;
     // The system account's limited observer, from the monitor's credentials file.
     let from_dir = || {
-        let path = a.mesh.creds.clone().filter(|p| local::is_role_file(p));
+        let path = a.cluster.creds.clone().filter(|p| local::is_role_file(p));
         let path = path.unwrap_or_else(|| local::role_path(&dir, &role.user()));
         local::read_role_file(&path).ok()?.sys_url
     };
