@@ -298,4 +298,174 @@ mod tests {
         env.incarnation = NOW + 24 * 3_600_000;
         assert!(admissible(&subjects::heartbeat("n2"), &env, NOW).is_err());
     }
+
+    /// An event as it arrives on `subject`.
+    fn arrives(subject: String, payload: Vec<u8>) -> async_nats::Message {
+        async_nats::Message {
+            subject: subject.into(),
+            reply: None,
+            length: payload.len(),
+            payload: payload.into(),
+            headers: None,
+            status: None,
+            description: None,
+        }
+    }
+
+    fn stamped<T: serde::Serialize>(s: &mut Stamper, body: T) -> Vec<u8> {
+        serde_json::to_vec(&s.stamp(now_ms(), body)).expect("JSON")
+    }
+
+    fn heartbeat_of(node: &str) -> Heartbeat {
+        Heartbeat {
+            node: node.into(),
+            http: None,
+        }
+    }
+
+    fn counted(node: &Node) -> (u64, u64, u64) {
+        let c = &node.bus.counters;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        (
+            get(&c.malformed),
+            get(&c.forged),
+            get(&c.duplicate_or_stale),
+        )
+    }
+
+    fn live(node: &Node) -> Vec<String> {
+        let e = node.pipeline.read();
+        let mut l: Vec<String> = e
+            .state
+            .cluster
+            .live_nodes(now_ms())
+            .into_iter()
+            .map(String::from)
+            .collect();
+        l.sort();
+        l
+    }
+
+    #[tokio::test]
+    async fn heartbeats_count_only_from_their_own_node_and_bad_ones_are_counted() {
+        let (node, _) = super::super::offline::node_with("[node]\ncluster_size = 3\n").await;
+        let mut g = Gossip::new(node.clone());
+        let mut n2 = Stamper::new("n2", now_ms() - 1_000);
+        let mut n3 = Stamper::new("n3", now_ms() - 1_000);
+
+        g.one(
+            arrives(
+                subjects::heartbeat("n2"),
+                stamped(&mut n2, heartbeat_of("n2")),
+            ),
+            Kind::Heartbeat,
+        );
+        assert_eq!(live(&node), ["n1", "n2"], "n2 is heard");
+        // n3 on n2's subject, and n3 speaking for n2 on its own: neither makes n3 live.
+        g.one(
+            arrives(
+                subjects::heartbeat("n2"),
+                stamped(&mut n3, heartbeat_of("n3")),
+            ),
+            Kind::Heartbeat,
+        );
+        g.one(
+            arrives(
+                subjects::heartbeat("n3"),
+                stamped(&mut n3, heartbeat_of("n2")),
+            ),
+            Kind::Heartbeat,
+        );
+        g.one(
+            arrives(subjects::heartbeat("n3"), b"{not json".to_vec()),
+            Kind::Heartbeat,
+        );
+        g.one(
+            arrives(subjects::DEATHS.replace(">", "x"), b"[]".to_vec()),
+            Kind::Death,
+        );
+        assert_eq!(live(&node), ["n1", "n2"]);
+        assert_eq!(counted(&node), (2, 2, 0), "(malformed, forged, stale)");
+    }
+
+    #[tokio::test]
+    async fn a_goodbye_is_applied_once_and_a_fourth_node_gets_no_seat() {
+        let (node, _) = super::super::offline::node_with("[node]\ncluster_size = 3\n").await;
+        let mut g = Gossip::new(node.clone());
+        for peer in ["n2", "n3"] {
+            let mut s = Stamper::new(peer, now_ms() - 1_000);
+            g.one(
+                arrives(
+                    subjects::heartbeat(peer),
+                    stamped(&mut s, heartbeat_of(peer)),
+                ),
+                Kind::Heartbeat,
+            );
+        }
+        let mut n4 = Stamper::new("n4", now_ms() - 1_000);
+        g.one(
+            arrives(
+                subjects::heartbeat("n4"),
+                stamped(&mut n4, heartbeat_of("n4")),
+            ),
+            Kind::Heartbeat,
+        );
+        assert_eq!(live(&node), ["n1", "n2", "n3"], "three seats");
+        assert_eq!(counted(&node).1, 1, "the fourth is counted as forged");
+
+        let mut n2 = Stamper::new("n2", now_ms() - 1_000);
+        let bye = stamped(&mut n2, Goodbye { node: "n2".into() });
+        g.one(arrives(subjects::goodbye("n2"), bye.clone()), Kind::Goodbye);
+        assert_eq!(live(&node), ["n1", "n3"]);
+        g.one(arrives(subjects::goodbye("n2"), bye), Kind::Goodbye);
+        assert_eq!(counted(&node).2, 1, "a replayed goodbye is stale");
+    }
+
+    #[tokio::test]
+    async fn observations_of_targets_this_node_does_not_route_to_are_refused() {
+        let (node, _) = super::super::offline::node_with("[node]\ncluster_size = 3\n").await;
+        let mut g = Gossip::new(node.clone());
+        let target = node.cfg.targets[0].id.clone();
+        let seen = |node: &str, provider: &str| crate::core::quorum::Observation {
+            node: node.into(),
+            provider: provider.into(),
+            at_ms: now_ms(),
+            verdict: crate::core::health::Verdict::Unhealthy,
+            availability: 0.0,
+            contract_failure_pct: 0.0,
+            p95_ms: 0,
+            samples: 10,
+        };
+        let mut n2 = Stamper::new("n2", now_ms() - 1_000);
+        g.one(
+            arrives(
+                subjects::heartbeat("n2"),
+                stamped(&mut n2, heartbeat_of("n2")),
+            ),
+            Kind::Heartbeat,
+        );
+        let body = Observations {
+            node: "n2".into(),
+            observations: vec![
+                seen("n2", &target),
+                seen("n2", "nowhere"),
+                seen("n3", &target),
+            ],
+        };
+        g.one(
+            arrives(subjects::observations("n2"), stamped(&mut n2, body)),
+            Kind::Observations,
+        );
+        assert_eq!(
+            counted(&node).1,
+            2,
+            "one for an unknown target, one speaking for n3"
+        );
+        let e = node.pipeline.read();
+        let view = e.state.cluster.view(&target, now_ms());
+        assert!(
+            view.voters >= 1,
+            "n2's own observation of a known target counts: {view:?}"
+        );
+    }
 }

@@ -961,4 +961,65 @@ mod tests {
         assert_eq!(granted, vec![true, false, true, true, true]);
         assert!((l.remaining_usd(now) - 0.2).abs() < 1e-9, "{l:?}");
     }
+
+    /// A record of `limit` with `holds` (holder, usd), as another node would have written it.
+    fn record(limit: f64, holds: &[(&str, f64)]) -> bytes::Bytes {
+        let mut l = Ledger {
+            agent: Some("a".into()),
+            ..Ledger::new(limit)
+        };
+        for (h, usd) in holds {
+            assert!(l.reserve(h, *usd, now_ms(), 60_000));
+        }
+        serde_json::to_vec(&l).expect("JSON").into()
+    }
+
+    #[tokio::test]
+    async fn a_write_that_lost_a_race_decides_again_on_the_winners_record() {
+        let mesh = crate::mesh::local::LocalMesh::start()
+            .await
+            .expect("a nats-server (OAM_NATS_SERVER, or scripts/install-test-tools)");
+        let nats = mesh.connect("ledger-test").await.expect("connected");
+        let toml = "[budgets.agents.a]\nlimit_usd = 1.0\n";
+        let cfg = super::super::config::NodeConfig::parse("t.toml", toml, "http://127.0.0.1:1")
+            .expect("a config");
+        let (node, services) = Node::new("n1".into(), cfg, nats).expect("a node");
+        let mut keeper = Keeper::new(services.ledger, node.clone());
+        let store = keeper.ledger_store().await.expect("the ledger's bucket");
+        let k = key(Some("a"));
+
+        // This node last saw an empty record; since then another node held 0.8 of the 1.0.
+        let seen = store.create(&k, record(1.0, &[])).await.expect("created");
+        let won = store
+            .update(&k, record(1.0, &[("n2#1", 0.8)]), seen)
+            .await
+            .expect("updated");
+        lock(&node.ledger.latest).insert(k.clone(), (Ledger::new(1.0), seen));
+
+        let reserve = |usd| vec![(Some(0), Change::Reserve(usd))];
+        let (l, granted, revision) = keeper
+            .cas(&store, &k, &reserve(0.5))
+            .await
+            .expect("written");
+        assert_eq!(
+            granted,
+            [false],
+            "0.5 more would pass the limit with the other node's 0.8"
+        );
+        assert!(revision > won, "written after the winner, not over it");
+        let holds: Vec<&str> = l.holds.keys().map(String::as_str).collect();
+        assert_eq!(holds, ["n2#1"], "the winner's hold is kept");
+
+        let (l, granted, _) = keeper
+            .cas(&store, &k, &reserve(0.15))
+            .await
+            .expect("written");
+        assert_eq!(granted, [true]);
+        let stored: Ledger =
+            serde_json::from_slice(&store.get(&k).await.expect("read").expect("a record"))
+                .expect("a ledger");
+        assert_eq!(stored, l, "what cas returns is what the bucket holds");
+        assert_eq!(stored.holds[&node.ledger.holder()].usd, 0.15);
+        assert_eq!(stored.holds["n2#1"].usd, 0.8);
+    }
 }
