@@ -306,153 +306,16 @@ async fn node_deaths_age_out_and_below_quorum_a_node_says_so() {
     assert!(!provider(&s, "primary").consensus.quorum);
 }
 
+/// The NATS data plane is one service across the nodes, under HTTP's body limit, and every
+/// decision is published as an event.
 #[tokio::test]
-async fn budgets_bad_input_and_the_nats_data_plane() {
-    let dir = std::env::temp_dir().join(format!("oam-test-cfg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
-    std::fs::write(&cfg, "[budgets.agents.broke]\nlimit_usd = 0.0\n").unwrap();
-    let cl = cluster(&["--config", cfg.to_str().unwrap()]).await;
+async fn the_nats_data_plane_is_one_service_with_the_http_limits() {
+    let cl = cluster(&[]).await;
     let c = client();
     assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
-
-    // High risk, budget exhausted: refuse to guess, 402, escalate with the blocking action.
-    let mut body = question("wire the refund");
-    body["oam"] = json!({"agent": "broke", "risk": "high"});
-    let (status, h, v) = ask(&c, &cl.urls[0], body).await;
-    assert_eq!(status, 402, "{v}");
-    assert_eq!(h["x-oam-phase"], "budget");
-    assert_eq!(
-        v["oam"]["escalation"]["recommended_action"],
-        "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"
-    );
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("BUDGET_EXHAUSTED")
-    );
-
-    // The same fields as headers.
-    let r = c
-        .post(format!("{}/v1/chat/completions", cl.urls[1]))
-        .header("x-oam-agent", "broke")
-        .header("x-oam-risk", "HIGH")
-        .json(&question("via headers"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 402);
-
-    // Bad input: a clear 400 in the OpenAI envelope, headers included.
-    let r = c
-        .post(format!("{}/v1/chat/completions", cl.urls[0]))
-        .header("content-type", "application/json")
-        .body("{\"messages\": [{\"role\": \"user\", \"content\": 5}]}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    assert!(r.headers().contains_key("x-request-id"));
-    let v: Value = r.json().await.unwrap();
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("messages[0].content"),
-        "{v}"
-    );
-    assert_eq!(v["error"]["param"], "messages[0].content", "{v}");
-    let (status, _, v) = ask(
-        &c,
-        &cl.urls[0],
-        json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
-    )
-    .await;
-    assert_eq!(status, 400);
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("unknown model"),
-        "{v}"
-    );
-    assert_eq!(v["error"]["param"], "model", "{v}");
-    // A value only the pipeline can judge names its field too.
-    let (status, _, v) = ask(
-        &c,
-        &cl.urls[0],
-        json!({"messages": [{"role": "user", "content": "x"}], "oam": {"max_cost_usd": -1}}),
-    )
-    .await;
-    assert_eq!(status, 400);
-    assert_eq!(v["error"]["param"], "oam.max_cost_usd", "{v}");
-    let (status, _, _) = ask(
-        &c,
-        &cl.urls[0],
-        json!({"messages": [{"role": "user", "content": "x"}], "oam": {"risk": "extreme"}}),
-    )
-    .await;
-    let huge = "x".repeat(2 << 20);
-    let r = c
-        .post(format!("{}/v1/chat/completions", cl.urls[0]))
-        .json(&json!({"messages": [{"role": "user", "content": huge}]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 413);
-    let v: Value = r.json().await.unwrap();
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("max_body_bytes"),
-        "{v}"
-    );
-    assert_eq!(status, 400);
-
-    // Garbage on the control-plane subjects is counted, never applied, never a crash.
     let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
-    for (subject, payload) in [
-        ("oam.v1.heartbeat.n9", "not json"),
-        ("oam.v1.observations.n9", "{\"id\": 1}"),
-        (
-            "oam.v1.heartbeat.n9",
-            "{\"id\":\"x\",\"sender\":\"n9\",\"at_ms\":0,\"incarnation\":0,\"seq\":1,\"body\":{\"node\":\"n1\"}}",
-        ),
-        // A goodbye from n8, which is no member: refused as forged.
-        (
-            "oam.v1.goodbye.n8",
-            "{\"id\":\"g5\",\"sender\":\"n8\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n8\"}}",
-        ),
-        // A goodbye of n3's applied once (n3 counts again at its next heartbeat); its replay and
-        // an older one are ignored and counted.
-        (
-            "oam.v1.goodbye.n3",
-            "{\"id\":\"g5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
-        ),
-        (
-            "oam.v1.goodbye.n3",
-            "{\"id\":\"g5\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":5,\"body\":{\"node\":\"n3\"}}",
-        ),
-        (
-            "oam.v1.goodbye.n3",
-            "{\"id\":\"g4\",\"sender\":\"n3\",\"at_ms\":0,\"incarnation\":1,\"seq\":4,\"body\":{\"node\":\"n3\"}}",
-        ),
-    ] {
-        nc.publish(subject, payload.into()).await.unwrap();
-    }
-    nc.flush().await.unwrap();
-    let counted = eventually(Duration::from_secs(5), || async {
-        let s = state(&c, &cl.urls[0]).await?;
-        let bus = s.bus;
-        (bus.malformed >= 2 && bus.forged >= 2 && bus.duplicate_or_stale >= 2).then_some(s)
-    })
-    .await;
-    let s = counted.expect("bad messages were not counted");
-    assert!(!s.live_nodes.iter().any(|n| n == "n9" || n == "n8"));
 
     // The NATS data plane: one service across the nodes.
     let mut replies = Vec::new();
@@ -534,7 +397,6 @@ async fn budgets_bad_input_and_the_nats_data_plane() {
     .expect("the decision's event");
     assert_eq!(env["sender"], "n3");
     assert_eq!(decision["outcome"], "accepted");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
@@ -1829,10 +1691,12 @@ async fn a_durable_log_has_every_answer_a_killed_node_gave() {
     let c = client();
     // Ten callers, each asking n1 again as soon as it answers, until it is killed: answers
     // keep arriving right up to the kill.
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let callers: Vec<_> = (0..10)
         .map(|w| {
             let c = c.clone();
             let url = cl.urls[0].clone();
+            let count = count.clone();
             tokio::spawn(async move {
                 let mut answered = Vec::new();
                 for i in 0..400 {
@@ -1848,6 +1712,7 @@ async fn a_durable_log_has_every_answer_a_killed_node_gave() {
                     };
                     if r.status().is_success() && r.bytes().await.is_ok() {
                         answered.push(id);
+                        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
                 answered
@@ -1861,7 +1726,11 @@ async fn a_durable_log_has_every_answer_a_killed_node_gave() {
         }
         all
     };
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // Killed in the middle of the traffic: once every caller has had a few answers.
+    let under_way = crate::support::eventually(Duration::from_secs(30), || async {
+        (count.load(std::sync::atomic::Ordering::Relaxed) >= 50).then_some(())
+    });
+    assert!(under_way.await.is_some(), "n1 answers before it is killed");
     cl.nodes[0].kill();
     let answered = sender.await;
     assert!(answered.len() >= 10, "{answered:?}");

@@ -34,6 +34,13 @@ enum GatewayNode {
 }
 
 impl GatewayNode {
+    fn in_process(&self) -> &oam::node::Node {
+        match self {
+            GatewayNode::InProcess { _node } => &_node.node,
+            GatewayNode::Process(_) => panic!("this test reads the node in this process"),
+        }
+    }
+
     fn process(&mut self) -> &mut Proc {
         match self {
             GatewayNode::Process(p) => p,
@@ -1567,7 +1574,11 @@ async fn slow_header_sockets_keep_no_caller_out() {
     .await;
     let addr = g.url.trim_start_matches("http://").to_string();
     let slow = slow_header_sockets(&addr, 48, Duration::from_secs(8));
-    tokio::time::sleep(Duration::from_millis(300)).await; // let them take every slot
+    let saturated = &g._node.in_process().serving.saturated;
+    let full = crate::support::eventually(Duration::from_secs(5), || async {
+        (saturated.load(std::sync::atomic::Ordering::Relaxed) > 0).then_some(())
+    });
+    assert!(full.await.is_some(), "the slow sockets took every slot");
     let mut slowest = Duration::ZERO;
     for i in 0..10 {
         let started = std::time::Instant::now();
@@ -1772,4 +1783,162 @@ async fn a_full_store_is_seen_fails_closed_and_heals() {
         "{:?}",
         s.store_faults
     );
+}
+
+/// High risk on an exhausted budget: no guess, a 402 and an escalation that blocks the
+/// automatic action; the same from the `X-OAM-*` headers.
+#[tokio::test]
+async fn an_exhausted_budget_refuses_high_risk_with_an_escalation() {
+    let g = gateway_with("broke", "[budgets.agents.broke]\nlimit_usd = 0.0\n").await;
+    let mut body =
+        json!({"model": "small", "messages": [{"role": "user", "content": "wire the refund"}]});
+    body["oam"] = json!({"agent": "broke", "risk": "high"});
+    let r = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 402);
+    assert_eq!(r.headers()["x-oam-phase"], "budget");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v["oam"]["escalation"]["recommended_action"],
+        "HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("BUDGET_EXHAUSTED"),
+        "{v}"
+    );
+    let r = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .header("x-oam-agent", "broke")
+        .header("x-oam-risk", "HIGH")
+        .json(&json!({"model": "small", "messages": [{"role": "user", "content": "via headers"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 402);
+    assert!(
+        g.received("primary").await.is_empty(),
+        "no provider was called"
+    );
+}
+
+/// Bad input over HTTP: a 400 in the OpenAI envelope that names the field, headers included;
+/// a body over the limit is a 413.
+#[tokio::test]
+async fn bad_input_gets_an_error_that_names_its_field() {
+    let g = gateway("bad-input").await;
+    let r = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .header("content-type", "application/json")
+        .body("{\"messages\": [{\"role\": \"user\", \"content\": 5}]}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.headers().contains_key("x-request-id"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "messages[0].content", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("messages[0].content"),
+        "{v}"
+    );
+    let m = json!([{"role": "user", "content": "x"}]);
+    for (body, param, says) in [
+        (
+            json!({"model": "gpt-9", "messages": m}),
+            "model",
+            "unknown model",
+        ),
+        // Values only the pipeline can judge name their field too.
+        (
+            json!({"messages": m, "oam": {"max_cost_usd": -1}}),
+            "oam.max_cost_usd",
+            "max_cost_usd",
+        ),
+        (
+            json!({"messages": m, "oam": {"risk": "extreme"}}),
+            "oam.risk",
+            "risk",
+        ),
+    ] {
+        let (status, v) = g.post(body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(says),
+            "{v}"
+        );
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let huge = "x".repeat(2 << 20);
+    let (status, v) = g
+        .post(json!({"messages": [{"role": "user", "content": huge}]}))
+        .await;
+    assert_eq!(status, 413);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_body_bytes"),
+        "{v}"
+    );
+    assert!(
+        g.received("primary").await.is_empty(),
+        "no provider was called"
+    );
+}
+
+/// Garbage on the control-plane subjects is counted, never applied, never a crash.
+#[tokio::test]
+async fn garbage_on_the_control_plane_is_counted_never_applied() {
+    let g = gateway("garbage").await;
+    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let envelope = |sender: &str, seq: u64, body: &str| {
+        format!(
+            "{{\"id\":\"x{seq}\",\"sender\":\"{sender}\",\"at_ms\":0,\"incarnation\":1,\"seq\":{seq},\"body\":{body}}}"
+        )
+    };
+    for (subject, payload) in [
+        ("oam.v1.heartbeat.n9", "not json".to_string()),
+        ("oam.v1.observations.n9", "{\"id\": 1}".to_string()),
+        // n9 speaking for n1.
+        (
+            "oam.v1.heartbeat.n9",
+            envelope("n9", 1, "{\"node\":\"n1\"}"),
+        ),
+        // A goodbye from n8, which is no member (the cluster has one seat).
+        ("oam.v1.goodbye.n8", envelope("n8", 5, "{\"node\":\"n8\"}")),
+    ] {
+        nc.publish(subject, payload.into()).await.unwrap();
+    }
+    nc.flush().await.unwrap();
+    let state = || async {
+        let r = client()
+            .get(format!("{}/v1/oam/state", g.url))
+            .send()
+            .await
+            .ok()?;
+        r.json::<Value>().await.ok()
+    };
+    let counted = crate::support::eventually(Duration::from_secs(5), || async {
+        let s = state().await?;
+        let bus = &s["bus"];
+        (bus["malformed"].as_u64()? >= 2 && bus["forged"].as_u64()? >= 2).then_some(s)
+    })
+    .await;
+    let s = counted.expect("bad messages were not counted");
+    assert_eq!(s["live_nodes"], json!(["n1"]), "{s}");
+    let (status, v) = g.ask("small", "still serving").await;
+    assert_eq!(status, 200, "{v}");
 }

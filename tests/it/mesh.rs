@@ -534,8 +534,12 @@ async fn every_long_running_process_stops_within_two_seconds_without_nats() {
         String::from_utf8_lossy(&fault.stderr)
     );
 
-    assert!(oam::local::signal(mesh.pid("nats-server"), libc::SIGKILL));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let server = mesh.pid("nats-server");
+    assert!(oam::local::signal(server, libc::SIGKILL));
+    let dead = eventually(Duration::from_secs(5), || async {
+        matches!(process_state(server), None | Some('Z')).then_some(())
+    });
+    assert!(dead.await.is_some(), "nats-server is gone");
     let mut pids: Vec<(String, u32)> = ["sim", "n1", "n2", "n3", "monitor", "chaos"]
         .iter()
         .map(|n| ((*n).to_string(), mesh.pid(n)))

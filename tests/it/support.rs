@@ -98,6 +98,8 @@ impl Drop for Proc {
 /// when dropped, as `oam node run` is by SIGTERM (it drains, then says goodbye).
 pub struct InProcessNode {
     pub url: String,
+    /// The node itself, to read what it counts.
+    pub node: std::sync::Arc<oam::node::Node>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -124,7 +126,7 @@ impl InProcessNode {
                     .await
                     .expect("a NATS client");
                 let (node, services) = oam::node::Node::new(id, cfg, nats).expect("a node");
-                ready.send(url).unwrap();
+                ready.send((url, node.clone())).unwrap();
                 let stop = async {
                     let _ = stopped.await;
                 };
@@ -133,11 +135,12 @@ impl InProcessNode {
                     .unwrap();
             });
         });
-        let url = url
+        let (url, node) = url
             .recv_timeout(Duration::from_secs(30))
             .expect("the node starts");
         InProcessNode {
             url,
+            node,
             stop: Some(stop),
             thread: Some(thread),
         }
