@@ -179,7 +179,11 @@ async fn faults_are_applied_listed_and_undone_on_time() {
     .await;
     assert!(back.is_some(), "n3 was started again and rejoined");
     assert_eq!(chaos(&mesh, &["list"]), json!([]));
+}
 
+#[tokio::test]
+async fn a_partition_cuts_a_node_off_both_ways_until_restored_early() {
+    let mesh = LocalCluster::up("chaos-cut").await;
     // A partition: the others lose n1, n1 loses them; an early restore brings it back.
     let f = chaos(&mesh, &["isolate-node", "n1", "--for", "60s"]);
     let cut = eventually(Duration::from_secs(10), || async {
@@ -201,7 +205,11 @@ async fn faults_are_applied_listed_and_undone_on_time() {
     })
     .await;
     assert!(healed.is_some(), "n1 rejoined after the early restore");
+}
 
+#[tokio::test]
+async fn a_drained_budget_escalates_and_operators_work_the_escalations() {
+    let mesh = LocalCluster::up("chaos-budget").await;
     // A drained budget: high-risk work for that agent is refused and escalated, then allowed.
     chaos(&mesh, &["drain-budget", "support-bot", "--for", "2s"]);
     let high = json!({"agent": "support-bot", "risk": "high", "task": "refund"});
@@ -360,7 +368,11 @@ async fn faults_are_applied_listed_and_undone_on_time() {
     })
     .await;
     assert!(cleared.is_some(), "{}", last.lock().unwrap());
+}
 
+#[tokio::test]
+async fn a_killed_node_whose_port_was_taken_comes_back_on_a_free_one() {
+    let mesh = LocalCluster::up("chaos-port").await;
     // A killed node whose address was taken meanwhile comes back on a free port, recorded.
     let (n2, n2_url) = (mesh.pid("n2"), mesh.endpoint("n2"));
     let port: u16 = n2_url.rsplit(':').next().unwrap().parse().unwrap();
