@@ -1,4 +1,5 @@
 //! HTTP in front of the request path: `POST /v1/chat/completions` (OpenAI-compatible),
+//! `POST /v1/messages` (Anthropic's Messages API),
 //! `GET /v1/models`, the node's state and metrics, and the chaos restore an isolated node can
 //! still hear. Every response carries `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Target` and
 //! `X-Request-Id`.
@@ -19,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 pub fn router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
         .route("/v1/oam/chaos", post(chaos))
@@ -73,7 +75,8 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
 }
 
 /// `GET /v1/models`: the model routes with their targets, or (with no routes) every target's
-/// model; and `auto`, scored routing across every target.
+/// model; and `auto`, scored routing across every target. In Anthropic's shape when the
+/// request carries `anthropic-version`.
 async fn models(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
     if let Err(a) = authenticate(&node, &headers) {
         return to_http(*a);
@@ -97,6 +100,10 @@ async fn models(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
             .collect()
     };
     data.push(entry("auto", "oam", all));
+    if headers.contains_key("anthropic-version") {
+        // An Anthropic client lists models in its own shape (one page).
+        return axum::Json(super::anthropic::models_of(&data)).into_response();
+    }
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
@@ -161,47 +168,86 @@ async fn chat(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
+    let bytes = match read_body(&node, &headers, body).await {
+        Ok(bytes) => bytes,
+        Err(refused) => return to_http(*refused),
+    };
+    let answer = match run(&node, bytes, headers, true).await {
+        Ok(answer) => answer,
+        Err(failed) => return failed,
+    };
+    if let Some(live) = answer.live {
+        live
+    } else if answer.status == StatusCode::OK && answer.stream {
+        to_sse(answer)
+    } else {
+        to_http(answer)
+    }
+}
+
+/// `POST /v1/messages`: the Anthropic Messages API, translated to chat completions and back
+/// (`anthropic`); the same pipeline, headers and limits as chat.
+async fn messages(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let headers = super::anthropic::chat_headers(&headers);
+    let answer = match read_body(&node, &headers, body).await {
+        Err(refused) => *refused,
+        Ok(bytes) => match super::anthropic::to_chat(&bytes) {
+            Err(e) => bad_request(&node, &headers, e),
+            Ok((chat, stream)) => match run(&node, chat.into(), headers, false).await {
+                Ok(mut answer) => {
+                    answer.stream = stream;
+                    answer
+                }
+                Err(failed) => return failed,
+            },
+        },
+    };
+    let (text, events) = super::anthropic::answer_of(&answer, answer.stream);
+    let kind = if events {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    let resp = (
+        answer.status,
+        [(axum::http::header::CONTENT_TYPE, kind)],
+        text,
+    )
+        .into_response();
+    with_oam_headers(
+        resp,
+        [
+            answer.phase,
+            answer.reasons,
+            answer.target,
+            answer.request_id,
+        ],
+    )
+}
+
+/// The request body, read within `BODY_TIMEOUT` and `node.max_body_bytes`; else the 413 or 408
+/// that says which.
+async fn read_body(
+    node: &Arc<Node>,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+) -> Result<axum::body::Bytes, Box<Answer>> {
     let limit = node.cfg.node.max_body_bytes;
     let read = tokio::time::timeout(
         super::server::BODY_TIMEOUT,
         axum::body::to_bytes(body, limit),
     );
     match read.await {
-        Ok(Ok(bytes)) => {
-            // A caller that hangs up cancels nothing half-way: the pipeline moves to a task of
-            // its own, is told the caller is gone, and ends cleanly (slot released, health
-            // sample and decision kept).
-            let caller = CancellationToken::new();
-            let hung_up = caller.clone();
-            let n = node.clone();
-            let run = async move { execute(&n, &bytes, &headers, caller, true).await };
-            let run = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(run));
-            let Ok(answer) = Detachable::new(run, hung_up, node.serving.tasks.clone()).await else {
-                tracing::error!("a request's pipeline panicked");
-                return (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    axum::Json(super::openai::error_body(
-                        "oam failed internally while serving this request; see the node's log",
-                        "server_error",
-                        None,
-                        "internal_error",
-                    )),
-                )
-                    .into_response();
-            };
-            if let Some(live) = answer.live {
-                live
-            } else if answer.status == StatusCode::OK && answer.stream {
-                to_sse(answer)
-            } else {
-                to_http(answer)
-            }
-        }
-        Ok(Err(_)) => to_http(too_large(&node, &headers)),
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(_)) => Err(Box::new(too_large(node, headers))),
         Err(_) => {
             let mut a = bad_request(
-                &node,
-                &headers,
+                node,
+                headers,
                 BadRequest {
                     param: None,
                     message: format!(
@@ -211,9 +257,40 @@ async fn chat(
                 },
             );
             a.status = StatusCode::REQUEST_TIMEOUT;
-            to_http(a)
+            Err(Box::new(a))
         }
     }
+}
+
+/// Run the request path on `bytes`. A caller that hangs up cancels nothing half-way: the
+/// pipeline moves to a task of its own, is told the caller is gone, and ends cleanly (slot
+/// released, health sample and decision kept). A pipeline that panicked is a 500.
+async fn run(
+    node: &Arc<Node>,
+    bytes: axum::body::Bytes,
+    headers: HeaderMap,
+    live_ok: bool,
+) -> Result<Answer, Response> {
+    let caller = CancellationToken::new();
+    let hung_up = caller.clone();
+    let n = node.clone();
+    let run = async move { execute(&n, &bytes, &headers, caller, live_ok).await };
+    let run = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(run));
+    Detachable::new(run, hung_up, node.serving.tasks.clone())
+        .await
+        .map_err(|_| {
+            tracing::error!("a request's pipeline panicked");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                axum::Json(super::openai::error_body(
+                    "oam failed internally while serving this request; see the node's log",
+                    "server_error",
+                    None,
+                    "internal_error",
+                )),
+            )
+                .into_response()
+        })
 }
 
 /// The answer to a body over `node.max_body_bytes` (HTTP and NATS alike): 413, no provider

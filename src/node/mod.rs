@@ -9,6 +9,7 @@
 //! and runs as `run(self, stop)`: the publisher (`bus`), gossip, the prober (`health`), the
 //! ledger's keeper, the decision-log writer, loop claims, escalations, chaos commands.
 
+pub mod anthropic;
 pub mod bus;
 pub mod chaos;
 pub mod config;

@@ -153,6 +153,7 @@ pub(crate) fn known_model(cfg: &NodeConfig, model: &str) -> bool {
 
 /// A request the node refuses before the pipeline runs (400): the parameter at fault (for the
 /// OpenAI error envelope's `param`), and why.
+#[derive(Debug)]
 pub(crate) struct BadRequest {
     pub param: Option<String>,
     pub message: String,

@@ -804,16 +804,7 @@ print(json.dumps(out))
         json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
     )
     .await;
-    let out = std::process::Command::new(crate::support::python())
-        .args(["-c", script, &g.url])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = crate::support::python_json(script, &[&g.url]);
     assert!(
         v["deltas"].as_u64().unwrap() >= 2,
         "arguments in pieces: {v}"
@@ -1941,4 +1932,144 @@ async fn garbage_on_the_control_plane_is_counted_never_applied() {
     assert_eq!(s["live_nodes"], json!(["n1"]), "{s}");
     let (status, v) = g.ask("small", "still serving").await;
     assert_eq!(status, 200, "{v}");
+}
+
+/// The official Anthropic SDK against `/v1/messages`: plain, streamed, a tool-use round trip,
+/// an image, the model list and an error, all through the chat pipeline (the `oam` object
+/// rides along on every answer).
+#[tokio::test]
+async fn the_anthropic_client_speaks_messages_through_the_same_pipeline() {
+    let g = gateway("anthropic").await;
+    let script = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+out = {}
+hello = [{"role": "user", "content": "Hello"}]
+m = c.messages.create(model="small", max_tokens=64, system="be brief", messages=hello)
+out["plain"] = json.loads(m.to_json())
+with c.messages.stream(model="small", max_tokens=64, system="be brief", messages=hello) as s:
+    out["streamed_text"] = "".join(s.text_stream)
+    out["streamed"] = json.loads(s.get_final_message().to_json())
+tools = [{"name": "get_weather", "description": "The weather in a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}]
+ask = [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "iVBORw0KGgo="}}]}]
+first = c.messages.create(model="small", max_tokens=64, tools=tools, messages=ask)
+out["first"] = json.loads(first.to_json())
+use = [b for b in first.content if b.type == "tool_use"][0]
+with c.messages.stream(model="small", max_tokens=64, tools=tools, messages=ask) as s:
+    out["streamed_tool"] = json.loads(s.get_final_message().to_json())
+turns = ask + [{"role": "assistant", "content": first.content},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                             "content": "21 C"}]}]
+out["second"] = json.loads(c.messages.create(model="small", max_tokens=64, tools=tools,
+                                             messages=turns).to_json())
+out["models"] = [m.id for m in c.models.list()]
+try:
+    c.messages.create(model="gpt-9", max_tokens=8, messages=hello)
+    out["error"] = "answered"
+except anthropic.BadRequestError as e:
+    out["error"] = {"status": e.status_code, "body": e.body}
+print(json.dumps(out))
+"#;
+    let v = crate::support::python_json(script, &[&g.url]);
+    let plain = &v["plain"];
+    assert_eq!(
+        (&plain["type"], &plain["role"]),
+        (&json!("message"), &json!("assistant")),
+        "{v}"
+    );
+    assert_eq!(plain["content"][0]["type"], "text");
+    assert_eq!(plain["stop_reason"], "end_turn");
+    assert!(
+        plain["usage"]["output_tokens"].as_u64() > Some(0),
+        "{plain}"
+    );
+    assert_eq!(plain["oam"]["outcome"], "accepted");
+    assert_eq!(plain["oam"]["target"], "primary/small");
+    let streamed = &v["streamed"];
+    assert_eq!(v["streamed_text"], streamed["content"][0]["text"], "{v}");
+    for m in [plain, streamed] {
+        let text = m["content"][0]["text"].as_str().unwrap();
+        assert!(
+            text.contains("primary answer") && text.contains("to: Hello"),
+            "{text}"
+        );
+    }
+    assert_eq!(streamed["stop_reason"], "end_turn");
+
+    let first = &v["first"];
+    assert_eq!(first["stop_reason"], "tool_use", "{first}");
+    let call = first["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .unwrap();
+    assert_eq!(call["name"], "get_weather");
+    assert!(call["input"]["city"].is_string(), "{call}");
+    let streamed_call = v["streamed_tool"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .unwrap();
+    assert_eq!(
+        streamed_call["input"], call["input"],
+        "the stream's input JSON reads back whole"
+    );
+    let second = &v["second"];
+    assert_eq!(second["stop_reason"], "end_turn", "{second}");
+    assert!(
+        second["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("answer"),
+        "{second}"
+    );
+
+    assert_eq!(v["models"], json!(["big", "small", "auto"]));
+    assert_eq!(v["error"]["status"], 400, "{v}");
+    assert_eq!(v["error"]["body"]["type"], "error");
+    assert_eq!(v["error"]["body"]["error"]["type"], "invalid_request_error");
+    assert!(
+        v["error"]["body"]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown model"),
+        "{v}"
+    );
+
+    // What reached the upstream: chat completions, the image and the tool result translated.
+    let sent = g.received("primary").await;
+    assert!(
+        sent.iter().all(|r| r["messages"].is_array()),
+        "chat requests only"
+    );
+    assert_eq!(
+        sent[0]["messages"][0],
+        json!({"role": "system", "content": "be brief"})
+    );
+    let with_image = sent
+        .iter()
+        .find(|r| r["messages"][0]["content"].is_array())
+        .expect("the image");
+    assert_eq!(
+        with_image["messages"][0]["content"][1]["image_url"]["url"],
+        "data:image/png;base64,iVBORw0KGgo="
+    );
+    let last = sent.last().unwrap()["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (&last["role"], &last["content"]),
+        (&json!("tool"), &json!("21 C")),
+        "{last}"
+    );
+    assert_eq!(last["tool_call_id"], call["id"]);
 }

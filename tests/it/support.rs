@@ -345,6 +345,23 @@ pub fn python() -> String {
     std::env::var("OAM_TEST_PYTHON").unwrap_or_else(|_| ".tools/venv/bin/python".into())
 }
 
+/// Run `script` with the test virtualenv's Python and `args`: what it printed, as JSON (the
+/// test fails with its stderr when it fails).
+pub fn python_json(script: &str, args: &[&str]) -> Value {
+    let out = Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the script prints JSON")
+}
+
 /// An echo agent served by the Open Agent Mesh Python SDK (`sdk.echo`, replies `py:` + the
 /// message), connected to `url`; started once it says it is ready.
 pub fn spawn_sdk_echo(url: &str) -> Child {

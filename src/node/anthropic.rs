@@ -1,0 +1,803 @@
+//! The Anthropic Messages surface (`POST /v1/messages`), a sibling of `openai`: a Messages
+//! request is translated into the chat-completions request the pipeline and every target speak,
+//! and the decided answer back into a Messages answer, a stream of Anthropic's events, or an
+//! error in Anthropic's envelope. What a chat-completions target cannot carry (thinking blocks,
+//! documents, server tools, `top_k`) is refused with a 400 naming the field, never dropped.
+
+use super::openai::{BadRequest, bad};
+use super::request::Answer;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use serde_json::{Map, Value, json};
+
+/// The members a Messages request may have; any other is refused by name.
+const KNOWN: &[&str] = &[
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "metadata",
+    "tools",
+    "tool_choice",
+    "oam",
+];
+
+/// Why a member or block needs an Anthropic target.
+fn no_equivalent(at: &str, what: &str) -> BadRequest {
+    bad(
+        at,
+        format!(
+            "{at}: {what} has no equivalent on this node's targets (they speak chat completions); \
+             leave it out"
+        ),
+    )
+}
+
+/// A Messages request as the chat-completions body the pipeline reads, and whether the caller
+/// asked for a stream. The body stays non-streaming: the answer is checked whole, then sent
+/// as Anthropic's events.
+pub(crate) fn to_chat(body: &[u8]) -> Result<(Vec<u8>, bool), BadRequest> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
+    let Value::Object(mut m) = v else {
+        return Err(bad("body", "the body must be a JSON object"));
+    };
+    if let Some(k) = m.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        let why = match k.as_str() {
+            "thinking" => "extended thinking",
+            "top_k" => "top_k sampling",
+            _ => {
+                return Err(bad(
+                    k.as_str(),
+                    format!("{k}: not a Messages request field this node reads"),
+                ));
+            }
+        };
+        return Err(no_equivalent(k, why));
+    }
+    let model = match m.remove("model") {
+        Some(Value::String(s)) => s,
+        Some(_) => return Err(bad("model", "model must be a string")),
+        None => return Err(bad("model", "model: Field required")),
+    };
+    let max_tokens = match m.remove("max_tokens") {
+        Some(v) => v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
+            bad(
+                "max_tokens",
+                "max_tokens must be a whole number of at least 1",
+            )
+        })?,
+        None => return Err(bad("max_tokens", "max_tokens: Field required")),
+    };
+    let stream = match m.remove("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(_) => return Err(bad("stream", "stream must be true or false")),
+    };
+    let mut messages = Vec::new();
+    if let Some(system) = m.remove("system") {
+        let text = text_blocks(&system, "system")?;
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    let Some(Value::Array(turns)) = m.remove("messages") else {
+        return Err(bad(
+            "messages",
+            "messages must be an array of {role, content}",
+        ));
+    };
+    if turns.is_empty() {
+        return Err(bad("messages", "messages must hold at least one message"));
+    }
+    for (i, turn) in turns.iter().enumerate() {
+        translate_turn(turn, i, &mut messages)?;
+    }
+    let mut chat = Map::new();
+    chat.insert("model".into(), json!(model));
+    chat.insert("messages".into(), Value::Array(messages));
+    chat.insert("max_tokens".into(), json!(max_tokens));
+    for k in ["temperature", "top_p", "oam"] {
+        if let Some(v) = m.remove(k) {
+            chat.insert(k.into(), v);
+        }
+    }
+    if let Some(stop) = m.remove("stop_sequences") {
+        chat.insert("stop".into(), stop);
+    }
+    if let Some(meta) = m.remove("metadata") {
+        match meta.get("user_id") {
+            Some(Value::String(u)) => {
+                chat.insert("user".into(), json!(u));
+            }
+            None | Some(Value::Null) => {}
+            Some(_) => return Err(bad("metadata.user_id", "metadata.user_id must be a string")),
+        }
+    }
+    if let Some(tools) = m.remove("tools") {
+        chat.insert("tools".into(), translate_tools(&tools)?);
+    }
+    if let Some(choice) = m.remove("tool_choice") {
+        let (choice, parallel) = translate_tool_choice(&choice)?;
+        chat.insert("tool_choice".into(), choice);
+        if !parallel {
+            chat.insert("parallel_tool_calls".into(), json!(false));
+        }
+    }
+    Ok((
+        serde_json::to_vec(&Value::Object(chat)).unwrap_or_default(),
+        stream,
+    ))
+}
+
+/// A string, or text blocks (`[{type: "text", text}]`), as one text.
+fn text_blocks(v: &Value, at: &str) -> Result<String, BadRequest> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => {
+            let mut text = Vec::new();
+            for (j, b) in blocks.iter().enumerate() {
+                match (b["type"].as_str(), b["text"].as_str()) {
+                    (Some("text"), Some(t)) => text.push(t),
+                    _ => {
+                        return Err(bad(
+                            format!("{at}[{j}]"),
+                            format!(
+                                "{at}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}"
+                            ),
+                        ));
+                    }
+                }
+            }
+            Ok(text.join("\n"))
+        }
+        _ => Err(bad(
+            at,
+            format!("{at} must be a string or an array of text blocks"),
+        )),
+    }
+}
+
+/// One Messages turn as chat messages: a user turn's tool results become `tool` messages (first,
+/// as chat wants them right after the call), its other blocks one user message; an assistant
+/// turn's `tool_use` blocks become its tool calls.
+fn translate_turn(turn: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), BadRequest> {
+    let at = format!("messages[{i}]");
+    let Some(role @ ("user" | "assistant")) = turn["role"].as_str() else {
+        return Err(bad(
+            format!("{at}.role"),
+            format!("{at}.role must be \"user\" or \"assistant\""),
+        ));
+    };
+    let blocks = match &turn["content"] {
+        Value::String(s) => {
+            out.push(json!({"role": role, "content": s}));
+            return Ok(());
+        }
+        Value::Array(blocks) => blocks,
+        _ => {
+            return Err(bad(
+                format!("{at}.content"),
+                format!("{at}.content must be a string or an array of content blocks"),
+            ));
+        }
+    };
+    let mut parts = Vec::new();
+    let mut calls = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        let at = format!("{at}.content[{j}]");
+        let kind = b["type"].as_str().unwrap_or_default();
+        match (role, kind) {
+            (_, "text") => {
+                let text = b["text"].as_str().ok_or_else(|| {
+                    bad(format!("{at}.text"), format!("{at}.text must be a string"))
+                })?;
+                parts.push(json!({"type": "text", "text": text}));
+            }
+            ("user", "image") => parts.push(image_part(&b["source"], &at)?),
+            ("user", "tool_result") => {
+                let id = b["tool_use_id"].as_str().ok_or_else(|| {
+                    bad(
+                        format!("{at}.tool_use_id"),
+                        format!("{at}.tool_use_id must be a string"),
+                    )
+                })?;
+                let content = match &b["content"] {
+                    Value::Null => String::new(),
+                    c => text_blocks(c, &format!("{at}.content"))?,
+                };
+                let content = if b["is_error"] == Value::Bool(true) {
+                    format!("error: {content}")
+                } else {
+                    content
+                };
+                out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+            }
+            ("assistant", "tool_use") => {
+                let (Some(id), Some(name)) = (b["id"].as_str(), b["name"].as_str()) else {
+                    return Err(bad(
+                        at.clone(),
+                        format!("{at}: a tool_use block needs an id and a name"),
+                    ));
+                };
+                let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
+                calls.push(json!({"id": id, "type": "function",
+                    "function": {"name": name, "arguments": input.to_string()}}));
+            }
+            (_, "thinking" | "redacted_thinking") => {
+                return Err(no_equivalent(&at, "a thinking block"));
+            }
+            (
+                _,
+                "document"
+                | "search_result"
+                | "server_tool_use"
+                | "web_search_tool_result"
+                | "container_upload",
+            ) => {
+                return Err(no_equivalent(&at, &format!("a {kind} block")));
+            }
+            _ => {
+                return Err(bad(
+                    format!("{at}.type"),
+                    format!("{at}.type: {kind:?} is not a block a {role} turn may hold"),
+                ));
+            }
+        }
+    }
+    if role == "assistant" {
+        let text: Vec<&str> = parts.iter().filter_map(|p| p["text"].as_str()).collect();
+        let mut m = json!({"role": "assistant", "content": text.join("")});
+        if !calls.is_empty() {
+            m["tool_calls"] = Value::Array(calls);
+        }
+        out.push(m);
+    } else if !parts.is_empty() {
+        out.push(json!({"role": "user", "content": parts}));
+    }
+    Ok(())
+}
+
+/// An image block's source as a chat `image_url` part.
+fn image_part(source: &Value, at: &str) -> Result<Value, BadRequest> {
+    let url = match source["type"].as_str() {
+        Some("base64") => match (source["media_type"].as_str(), source["data"].as_str()) {
+            (Some(t), Some(d)) => format!("data:{t};base64,{d}"),
+            _ => {
+                return Err(bad(
+                    format!("{at}.source"),
+                    format!("{at}.source: a base64 image needs media_type and data"),
+                ));
+            }
+        },
+        Some("url") => source["url"]
+            .as_str()
+            .ok_or_else(|| {
+                bad(
+                    format!("{at}.source.url"),
+                    format!("{at}.source.url must be a string"),
+                )
+            })?
+            .to_string(),
+        _ => {
+            return Err(bad(
+                format!("{at}.source.type"),
+                format!("{at}.source.type must be \"base64\" or \"url\""),
+            ));
+        }
+    };
+    Ok(json!({"type": "image_url", "image_url": {"url": url}}))
+}
+
+/// Messages tools (`[{name, description, input_schema}]`) as chat function tools.
+fn translate_tools(tools: &Value) -> Result<Value, BadRequest> {
+    let list = tools.as_array().ok_or_else(|| {
+        bad(
+            "tools",
+            "tools must be an array of {name, description, input_schema}",
+        )
+    })?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        if let Some(kind) = t["type"].as_str().filter(|k| *k != "custom") {
+            return Err(no_equivalent(&at, &format!("the server tool {kind:?}")));
+        }
+        let Some(name) = t["name"].as_str() else {
+            return Err(bad(
+                format!("{at}.name"),
+                format!("{at}.name must be a string"),
+            ));
+        };
+        let mut f = json!({"name": name, "parameters": t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"}))});
+        if let Some(d) = t.get("description") {
+            f["description"] = d.clone();
+        }
+        out.push(json!({"type": "function", "function": f}));
+    }
+    Ok(Value::Array(out))
+}
+
+/// `tool_choice` as chat's, and whether parallel tool calls stay allowed.
+fn translate_tool_choice(c: &Value) -> Result<(Value, bool), BadRequest> {
+    let parallel = c["disable_parallel_tool_use"] != Value::Bool(true);
+    let choice = match c["type"].as_str() {
+        Some("auto") => json!("auto"),
+        Some("any") => json!("required"),
+        Some("none") => json!("none"),
+        Some("tool") => match c["name"].as_str() {
+            Some(name) => json!({"type": "function", "function": {"name": name}}),
+            None => return Err(bad("tool_choice.name", "tool_choice.name must name a tool")),
+        },
+        _ => {
+            return Err(bad(
+                "tool_choice.type",
+                "tool_choice.type must be \"auto\", \"any\", \"tool\" or \"none\"",
+            ));
+        }
+    };
+    Ok((choice, parallel))
+}
+
+/// The request's headers as the chat stages read them: Anthropic clients send their key in
+/// `x-api-key`, which authenticates like `Authorization: Bearer`.
+pub(crate) fn chat_headers(h: &HeaderMap) -> HeaderMap {
+    let mut h = h.clone();
+    if !h.contains_key("authorization")
+        && let Some(key) = h.get("x-api-key").and_then(|k| k.to_str().ok())
+        && let Ok(v) = HeaderValue::from_str(&format!("Bearer {key}"))
+    {
+        h.insert("authorization", v);
+    }
+    h
+}
+
+/// A chat completion (what the pipeline accepted) as a Messages answer, the `oam` object kept.
+pub(crate) fn message_of(chat: &Value) -> Value {
+    let choice = &chat["choices"][0];
+    let msg = &choice["message"];
+    let mut content = Vec::new();
+    if let Some(text) = msg["content"].as_str().filter(|t| !t.is_empty()) {
+        content.push(json!({"type": "text", "text": text}));
+    }
+    for call in msg["tool_calls"].as_array().into_iter().flatten() {
+        let f = &call["function"];
+        let input = f["arguments"]
+            .as_str()
+            .and_then(|a| serde_json::from_str::<Value>(a).ok())
+            .unwrap_or_else(|| json!({}));
+        content
+            .push(json!({"type": "tool_use", "id": call["id"], "name": f["name"], "input": input}));
+    }
+    let stop_reason = match choice["finish_reason"].as_str() {
+        Some("length") => "max_tokens",
+        Some("tool_calls" | "function_call") => "tool_use",
+        Some("content_filter") => "refusal",
+        _ => "end_turn",
+    };
+    let u = &chat["usage"];
+    let cached = u["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    let prompt = u["prompt_tokens"].as_u64().unwrap_or(0);
+    let mut usage = json!({
+        "input_tokens": prompt.saturating_sub(cached),
+        "output_tokens": u["completion_tokens"].as_u64().unwrap_or(0),
+    });
+    if cached > 0 {
+        usage["cache_read_input_tokens"] = json!(cached);
+    }
+    let id = chat["id"].as_str().unwrap_or_default();
+    json!({
+        "id": format!("msg_{}", id.strip_prefix("chatcmpl-").unwrap_or(id)),
+        "type": "message",
+        "role": "assistant",
+        "model": chat["model"],
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": null,
+        "usage": usage,
+        "oam": chat["oam"],
+    })
+}
+
+/// A whole Messages answer as Anthropic's event stream: `message_start`, each block's start,
+/// delta and stop, `message_delta` (stop reason, output tokens), `message_stop`.
+pub(crate) fn events_of(message: &Value) -> String {
+    let mut out = String::new();
+    let mut event = |name: &str, data: Value| {
+        out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+    };
+    let mut start = message.clone();
+    start["content"] = json!([]);
+    start["stop_reason"] = Value::Null;
+    start["usage"]["output_tokens"] = json!(0);
+    if let Some(o) = start.as_object_mut() {
+        o.remove("oam");
+    }
+    event(
+        "message_start",
+        json!({"type": "message_start", "message": start}),
+    );
+    event("ping", json!({"type": "ping"}));
+    for (i, block) in message["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let (empty, delta) = if block["type"] == "tool_use" {
+            let mut empty = block.clone();
+            empty["input"] = json!({});
+            (
+                empty,
+                json!({"type": "input_json_delta", "partial_json": block["input"].to_string()}),
+            )
+        } else {
+            (
+                json!({"type": "text", "text": ""}),
+                json!({"type": "text_delta", "text": block["text"]}),
+            )
+        };
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": i, "content_block": empty}),
+        );
+        event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": i, "delta": delta}),
+        );
+        event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": i}),
+        );
+    }
+    event(
+        "message_delta",
+        json!({"type": "message_delta",
+            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": null},
+            "usage": {"output_tokens": message["usage"]["output_tokens"]},
+            "oam": message["oam"]}),
+    );
+    event("message_stop", json!({"type": "message_stop"}));
+    out
+}
+
+/// The model list (OpenAI's entries) as Anthropic's clients read it: one page.
+pub(crate) fn models_of(entries: &[Value]) -> Value {
+    let data: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            json!({"type": "model", "id": e["id"], "display_name": e["id"],
+                "created_at": "1970-01-01T00:00:00Z", "oam": e["oam"]})
+        })
+        .collect();
+    json!({
+        "data": data,
+        "has_more": false,
+        "first_id": data.first().map(|d| d["id"].clone()),
+        "last_id": data.last().map(|d| d["id"].clone()),
+    })
+}
+
+/// Anthropic's error type for an HTTP status.
+fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        402 => "billing_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        408 | 504 => "timeout_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        s if s >= 500 => "api_error",
+        _ => "invalid_request_error",
+    }
+}
+
+/// The answer to a Messages request: the body (a message, or an error in Anthropic's envelope:
+/// `{"type": "error", "error": {type, message}}` with the `oam` object) and whether it is the
+/// event stream the caller asked for.
+pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
+    let v: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    if a.status == StatusCode::OK {
+        let message = message_of(&v);
+        return if stream {
+            (events_of(&message), true)
+        } else {
+            (message.to_string(), false)
+        };
+    }
+    let e = &v["error"];
+    let mut message = e["message"]
+        .as_str()
+        .unwrap_or("oam refused the request")
+        .to_string();
+    if let Some(param) = e["param"].as_str()
+        && !message.contains(param)
+    {
+        message = format!("{param}: {message}");
+    }
+    let mut body =
+        json!({"type": "error", "error": {"type": error_type(a.status), "message": message}});
+    if !v["oam"].is_null() {
+        body["oam"] = v["oam"].clone();
+    }
+    (body.to_string(), false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<(Value, bool), BadRequest> {
+        let (bytes, stream) = to_chat(body.to_string().as_bytes())?;
+        Ok((serde_json::from_slice(&bytes).expect("JSON"), stream))
+    }
+
+    fn refused(body: Value) -> BadRequest {
+        match chat(body) {
+            Err(e) => e,
+            Ok((c, _)) => panic!("translated: {c}"),
+        }
+    }
+
+    #[test]
+    fn a_messages_request_becomes_the_chat_request_it_means() {
+        let (c, stream) = chat(json!({
+            "model": "auto", "max_tokens": 64, "stream": true,
+            "system": [{"type": "text", "text": "be brief"}],
+            "stop_sequences": ["END"], "temperature": 0.2, "metadata": {"user_id": "u1"},
+            "tools": [{"name": "get_weather", "description": "d",
+                       "input_schema": {"type": "object", "required": ["city"]}}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
+            "oam": {"agent": "claude"},
+            "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "Weather?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}]},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "21C"}]},
+                    {"type": "text", "text": "And tomorrow?"}]}
+            ]
+        }))
+        .expect("translated");
+        assert!(stream, "asked for a stream");
+        assert_eq!(
+            c.get("stream"),
+            None,
+            "the upstream answer is checked whole"
+        );
+        let m = &c["messages"];
+        assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(
+            m[1]["content"][1]["image_url"]["url"],
+            "data:image/png;base64,iVBOR"
+        );
+        assert_eq!(m[2]["content"], "Checking.");
+        assert_eq!(
+            m[2]["tool_calls"][0]["function"]["arguments"],
+            "{\"city\":\"Paris\"}"
+        );
+        assert_eq!(
+            m[3],
+            json!({"role": "tool", "tool_call_id": "toolu_1", "content": "21C"})
+        );
+        assert_eq!(m[4]["content"][0]["text"], "And tomorrow?");
+        assert_eq!(m.as_array().map(Vec::len), Some(5));
+        assert_eq!(
+            (&c["stop"], &c["user"], &c["max_tokens"]),
+            (&json!(["END"]), &json!("u1"), &json!(64))
+        );
+        assert_eq!(
+            c["tools"][0]["function"]["parameters"]["required"],
+            json!(["city"])
+        );
+        assert_eq!(
+            (&c["tool_choice"], &c["parallel_tool_calls"]),
+            (&json!("required"), &json!(false))
+        );
+        assert_eq!(c["oam"]["agent"], "claude");
+    }
+
+    #[test]
+    fn what_a_chat_target_cannot_carry_is_refused_by_name() {
+        let m = json!([{"role": "user", "content": "hi"}]);
+        for (body, param) in [
+            (json!({"model": "auto", "messages": m}), "max_tokens"),
+            (json!({"max_tokens": 5, "messages": m}), "model"),
+            (
+                json!({"model": "auto", "max_tokens": 0, "messages": m}),
+                "max_tokens",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": m, "thinking": {"type": "enabled"}}),
+                "thinking",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": m, "top_k": 5}),
+                "top_k",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": m, "n": 2}),
+                "n",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": []}),
+                "messages",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}),
+                "messages[0].content[0].type",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}]}]}),
+                "messages[0].content[0]",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": m, "tools": [{"type": "web_search_20250305", "name": "web"}]}),
+                "tools[0]",
+            ),
+            (
+                json!({"model": "auto", "max_tokens": 5, "messages": m, "tool_choice": {"type": "maybe"}}),
+                "tool_choice.type",
+            ),
+        ] {
+            let e = refused(body.clone());
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+            assert!(e.message.contains(param), "{}", e.message);
+        }
+        assert_eq!(refused(json!([1])).param.as_deref(), Some("body"));
+    }
+
+    fn completion(finish: &str) -> Value {
+        json!({
+            "id": "chatcmpl-abc", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": finish, "message": {
+                "role": "assistant", "content": "Looking.",
+                "tool_calls": [{"id": "call_1", "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 6}},
+            "oam": {"request_id": "r1", "target": "primary/m"}
+        })
+    }
+
+    #[test]
+    fn a_chat_answer_reads_as_a_message_with_its_blocks_stop_reason_and_usage() {
+        let m = message_of(&completion("tool_calls"));
+        assert_eq!(
+            (&m["id"], &m["type"], &m["role"]),
+            (&json!("msg_abc"), &json!("message"), &json!("assistant"))
+        );
+        assert_eq!(m["content"][0], json!({"type": "text", "text": "Looking."}));
+        assert_eq!(
+            m["content"][1],
+            json!({"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}})
+        );
+        assert_eq!(m["stop_reason"], "tool_use");
+        assert_eq!(
+            m["usage"],
+            json!({"input_tokens": 4, "output_tokens": 4, "cache_read_input_tokens": 6})
+        );
+        assert_eq!(m["oam"]["target"], "primary/m");
+        for (finish, reason) in [
+            ("stop", "end_turn"),
+            ("length", "max_tokens"),
+            ("content_filter", "refusal"),
+        ] {
+            assert_eq!(message_of(&completion(finish))["stop_reason"], reason);
+        }
+    }
+
+    #[test]
+    fn a_stream_carries_every_block_in_anthropics_event_order() {
+        let text = events_of(&message_of(&completion("tool_calls")));
+        let events: Vec<(&str, Value)> = text
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (name, data) = e.split_once('\n').expect("event and data lines");
+                let name = name.strip_prefix("event: ").expect("an event line");
+                let data = data.strip_prefix("data: ").expect("a data line");
+                (name, serde_json::from_str(data).expect("JSON"))
+            })
+            .collect();
+        let names: Vec<&str> = events.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "message_start",
+                "ping",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        for (name, data) in &events {
+            assert_eq!(data["type"], *name, "each data names its event");
+        }
+        assert_eq!(events[0].1["message"]["content"], json!([]));
+        assert_eq!(
+            events[3].1["delta"],
+            json!({"type": "text_delta", "text": "Looking."})
+        );
+        assert_eq!(events[5].1["content_block"]["input"], json!({}));
+        let partial = events[6].1["delta"]["partial_json"]
+            .as_str()
+            .expect("partial JSON");
+        assert_eq!(
+            serde_json::from_str::<Value>(partial).expect("JSON"),
+            json!({"city": "Paris"})
+        );
+        assert_eq!(events[8].1["delta"]["stop_reason"], "tool_use");
+        assert_eq!(events[8].1["usage"]["output_tokens"], 4);
+    }
+
+    #[test]
+    fn a_refusal_is_in_anthropics_envelope_with_its_status_and_the_oam_object() {
+        let body = json!({"error": {"message": "oam refused the request in phase budget: BUDGET_EXHAUSTED",
+            "type": "invalid_request_error", "param": null, "code": "BUDGET_EXHAUSTED"},
+            "oam": {"phase": "budget"}});
+        let a = Answer {
+            stream: false,
+            status: StatusCode::PAYMENT_REQUIRED,
+            body: body.to_string().into(),
+            request_id: "r".into(),
+            phase: "budget".into(),
+            reasons: "BUDGET_EXHAUSTED".into(),
+            target: String::new(),
+            live: None,
+        };
+        let (text, events) = answer_of(&a, true);
+        assert!(!events, "a refusal is no stream");
+        let v: Value = serde_json::from_str(&text).expect("JSON");
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "billing_error");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("BUDGET_EXHAUSTED")
+        );
+        assert_eq!(v["oam"]["phase"], "budget");
+        for (status, kind) in [
+            (400, "invalid_request_error"),
+            (401, "authentication_error"),
+            (429, "rate_limit_error"),
+            (502, "api_error"),
+            (503, "overloaded_error"),
+        ] {
+            assert_eq!(
+                error_type(StatusCode::from_u16(status).expect("a status")),
+                kind
+            );
+        }
+    }
+
+    #[test]
+    fn an_api_key_header_authenticates_as_a_bearer_token() {
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("sk-1"));
+        assert_eq!(chat_headers(&h)["authorization"], "Bearer sk-1");
+        h.insert("authorization", HeaderValue::from_static("Bearer sk-2"));
+        assert_eq!(
+            chat_headers(&h)["authorization"],
+            "Bearer sk-2",
+            "an explicit one wins"
+        );
+    }
+}
