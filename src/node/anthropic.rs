@@ -4,7 +4,7 @@
 //! error in Anthropic's envelope. What a chat-completions target cannot carry (thinking blocks,
 //! documents, server tools, `top_k`) is refused with a 400 naming the field, never dropped.
 
-use super::openai::{BadRequest, bad};
+use super::openai::{BadRequest, Translated, bad};
 use super::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Map, Value, json};
@@ -39,7 +39,7 @@ fn no_equivalent(at: &str, what: &str) -> BadRequest {
 /// A Messages request as the chat-completions body the pipeline reads, and whether the caller
 /// asked for a stream. The body stays non-streaming: the answer is checked whole, then sent
 /// as Anthropic's events.
-pub(crate) fn to_chat(body: &[u8]) -> Result<(Vec<u8>, bool), BadRequest> {
+pub(crate) fn to_chat(body: &[u8]) -> Translated {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
     let Value::Object(mut m) = v else {

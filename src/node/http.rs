@@ -1,5 +1,5 @@
 //! HTTP in front of the request path: `POST /v1/chat/completions` (OpenAI-compatible),
-//! `POST /v1/messages` (Anthropic's Messages API),
+//! `POST /v1/messages` (Anthropic's Messages API), `POST /v1/responses` (OpenAI's Responses API),
 //! `GET /v1/models`, the node's state and metrics, and the chaos restore an isolated node can
 //! still hear. Every response carries `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Target` and
 //! `X-Request-Id`.
@@ -21,6 +21,7 @@ pub fn router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
         .route("/v1/oam/chaos", post(chaos))
@@ -193,11 +194,45 @@ async fn messages(
     body: axum::body::Body,
 ) -> Response {
     let headers = super::anthropic::chat_headers(&headers);
-    let answer = match read_body(&node, &headers, body).await {
+    let api = Translation {
+        to_chat: super::anthropic::to_chat,
+        answer_of: super::anthropic::answer_of,
+    };
+    translated(&node, headers, body, api).await
+}
+
+/// `POST /v1/responses`: the OpenAI Responses API, translated to chat completions and back
+/// (`responses`).
+async fn responses(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let api = Translation {
+        to_chat: super::responses::to_chat,
+        answer_of: super::responses::answer_of,
+    };
+    translated(&node, headers, body, api).await
+}
+
+/// An API served by translation: its request into a chat-completions body (and whether a
+/// stream was asked for), and a decided answer into its body (and whether that is events).
+struct Translation {
+    to_chat: fn(&[u8]) -> super::openai::Translated,
+    answer_of: fn(&Answer, bool) -> (String, bool),
+}
+
+async fn translated(
+    node: &Arc<Node>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+    api: Translation,
+) -> Response {
+    let answer = match read_body(node, &headers, body).await {
         Err(refused) => *refused,
-        Ok(bytes) => match super::anthropic::to_chat(&bytes) {
-            Err(e) => bad_request(&node, &headers, e),
-            Ok((chat, stream)) => match run(&node, chat.into(), headers, false).await {
+        Ok(bytes) => match (api.to_chat)(&bytes) {
+            Err(e) => bad_request(node, &headers, e),
+            Ok((chat, stream)) => match run(node, chat.into(), headers, false).await {
                 Ok(mut answer) => {
                     answer.stream = stream;
                     answer
@@ -206,7 +241,7 @@ async fn messages(
             },
         },
     };
-    let (text, events) = super::anthropic::answer_of(&answer, answer.stream);
+    let (text, events) = (api.answer_of)(&answer, answer.stream);
     let kind = if events {
         "text/event-stream"
     } else {

@@ -28,6 +28,7 @@ pub mod nats;
 pub mod openai;
 pub mod pipeline;
 pub mod request;
+pub mod responses;
 pub mod server;
 pub mod status;
 pub mod upstreams;

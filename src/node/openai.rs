@@ -159,6 +159,10 @@ pub(crate) struct BadRequest {
     pub message: String,
 }
 
+/// A request of another API (`anthropic`, `responses`) as the chat-completions body it means,
+/// and whether it asked for a stream; or why it cannot be served.
+pub(crate) type Translated = Result<(Vec<u8>, bool), BadRequest>;
+
 pub(crate) fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
     BadRequest {
         param: Some(param.into()),

@@ -1,0 +1,685 @@
+//! The OpenAI Responses surface (`POST /v1/responses`), a sibling of `openai` and `anthropic`:
+//! a Responses request (input items, instructions, function tools and their outputs,
+//! `text.format`) is translated into the chat-completions request the pipeline and every target
+//! speak, and the decided answer back into a response object, or the typed event stream
+//! (`response.created` ... `response.completed`). This gateway keeps no responses: what needs
+//! stored state (`previous_response_id`, `store: true`, `background`) or a hosted tool is a 400
+//! naming the field. Errors keep OpenAI's envelope, as the Responses API's own do.
+
+use super::openai::{BadRequest, Translated, bad};
+use super::request::Answer;
+use axum::http::StatusCode;
+use serde_json::{Map, Value, json};
+
+/// The members a Responses request may have; any other is refused by name.
+const KNOWN: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "store",
+    "previous_response_id",
+    "metadata",
+    "user",
+    "reasoning",
+    "oam",
+];
+
+/// A Responses request as the chat-completions body the pipeline reads, and whether the caller
+/// asked for a stream (the answer is checked whole, then sent as events).
+pub(crate) fn to_chat(body: &[u8]) -> Translated {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
+    let Value::Object(mut m) = v else {
+        return Err(bad("body", "the body must be a JSON object"));
+    };
+    if let Some(k) = m.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(bad(
+            k.as_str(),
+            format!("{k}: not a Responses request field this gateway serves"),
+        ));
+    }
+    if m.get("previous_response_id").is_some_and(|v| !v.is_null()) {
+        return Err(bad(
+            "previous_response_id",
+            "previous_response_id: this gateway keeps no responses; send the whole conversation \
+             in input",
+        ));
+    }
+    if m.get("store") == Some(&Value::Bool(true)) {
+        return Err(bad(
+            "store",
+            "store: this gateway keeps no responses; send store: false or leave it out",
+        ));
+    }
+    let stream = match m.remove("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(_) => return Err(bad("stream", "stream must be true or false")),
+    };
+    let mut messages = Vec::new();
+    if let Some(i) = m.remove("instructions").filter(|i| !i.is_null()) {
+        let text = i
+            .as_str()
+            .ok_or_else(|| bad("instructions", "instructions must be a string"))?;
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    match m.remove("input") {
+        Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            for (i, item) in items.iter().enumerate() {
+                translate_item(item, i, &mut messages)?;
+            }
+        }
+        _ => {
+            return Err(bad(
+                "input",
+                "input must be a string or a non-empty array of input items",
+            ));
+        }
+    }
+    let mut chat = Map::new();
+    if let Some(model) = m.remove("model") {
+        chat.insert("model".into(), model);
+    }
+    chat.insert("messages".into(), Value::Array(messages));
+    if let Some(n) = m.remove("max_output_tokens").filter(|n| !n.is_null()) {
+        let n = n.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
+            bad(
+                "max_output_tokens",
+                "max_output_tokens must be a whole number of at least 1",
+            )
+        })?;
+        chat.insert("max_tokens".into(), json!(n));
+    }
+    for k in [
+        "temperature",
+        "top_p",
+        "parallel_tool_calls",
+        "user",
+        "metadata",
+        "oam",
+    ] {
+        if let Some(v) = m.remove(k).filter(|v| !v.is_null()) {
+            chat.insert(k.into(), v);
+        }
+    }
+    if let Some(r) = m.remove("reasoning").filter(|r| !r.is_null()) {
+        if let Some(k) = r
+            .as_object()
+            .and_then(|o| o.keys().find(|k| *k != "effort"))
+        {
+            return Err(bad(
+                format!("reasoning.{k}"),
+                format!("reasoning.{k}: chat-completions targets take only reasoning.effort"),
+            ));
+        }
+        if let Some(effort) = r.get("effort").filter(|e| !e.is_null()) {
+            chat.insert("reasoning_effort".into(), effort.clone());
+        }
+    }
+    if let Some(tools) = m.remove("tools").filter(|t| !t.is_null()) {
+        chat.insert("tools".into(), translate_tools(&tools)?);
+    }
+    if let Some(c) = m.remove("tool_choice").filter(|c| !c.is_null()) {
+        let choice = match (&c, c["type"].as_str()) {
+            (Value::String(s), _) if matches!(s.as_str(), "auto" | "required" | "none") => {
+                c.clone()
+            }
+            (_, Some("function")) => match c["name"].as_str() {
+                Some(name) => json!({"type": "function", "function": {"name": name}}),
+                None => {
+                    return Err(bad(
+                        "tool_choice.name",
+                        "tool_choice.name must name a function",
+                    ));
+                }
+            },
+            _ => {
+                return Err(bad(
+                    "tool_choice",
+                    "tool_choice must be \"auto\", \"required\", \"none\" or {\"type\": \"function\", \"name\": ...}",
+                ));
+            }
+        };
+        chat.insert("tool_choice".into(), choice);
+    }
+    if let Some(format) = m.remove("text").and_then(|t| t.get("format").cloned()) {
+        let response_format = match format["type"].as_str() {
+            Some("text") | None => None,
+            Some("json_object") => Some(json!({"type": "json_object"})),
+            Some("json_schema") => {
+                let mut schema = json!({"name": format["name"], "schema": format["schema"]});
+                if let Some(strict) = format.get("strict") {
+                    schema["strict"] = strict.clone();
+                }
+                Some(json!({"type": "json_schema", "json_schema": schema}))
+            }
+            Some(other) => {
+                return Err(bad(
+                    "text.format.type",
+                    format!("text.format.type: {other:?} is not text, json_object or json_schema"),
+                ));
+            }
+        };
+        if let Some(f) = response_format {
+            chat.insert("response_format".into(), f);
+        }
+    }
+    Ok((
+        serde_json::to_vec(&Value::Object(chat)).unwrap_or_default(),
+        stream,
+    ))
+}
+
+/// One input item as chat messages: a message (its content parts translated), a function call
+/// (an assistant's tool call) or a function call's output (a `tool` message).
+fn translate_item(item: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), BadRequest> {
+    let at = format!("input[{i}]");
+    match item["type"].as_str() {
+        None | Some("message") => {
+            let role = match item["role"].as_str() {
+                Some("developer") => "system",
+                Some(r @ ("user" | "system" | "assistant")) => r,
+                _ => {
+                    return Err(bad(
+                        format!("{at}.role"),
+                        format!("{at}.role must be user, assistant, system or developer"),
+                    ));
+                }
+            };
+            let content = match &item["content"] {
+                Value::String(s) => json!(s),
+                Value::Array(parts) => {
+                    let mut out = Vec::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        out.push(translate_part(p, &format!("{at}.content[{j}]"))?);
+                    }
+                    if role == "assistant" {
+                        // An assistant's turn is text in chat.
+                        let text: Vec<&str> =
+                            out.iter().filter_map(|p| p["text"].as_str()).collect();
+                        json!(text.join(""))
+                    } else {
+                        Value::Array(out)
+                    }
+                }
+                _ => {
+                    return Err(bad(
+                        format!("{at}.content"),
+                        format!("{at}.content must be a string or an array of content parts"),
+                    ));
+                }
+            };
+            out.push(json!({"role": role, "content": content}));
+        }
+        Some("function_call") => {
+            let (Some(id), Some(name)) = (item["call_id"].as_str(), item["name"].as_str()) else {
+                return Err(bad(
+                    at.clone(),
+                    format!("{at}: a function_call needs call_id and name"),
+                ));
+            };
+            let arguments = item["arguments"].as_str().unwrap_or("{}");
+            let call = json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}});
+            // Calls of one turn go on one assistant message, as chat wants them.
+            match out.last_mut() {
+                Some(last) if last["role"] == "assistant" && last.get("tool_calls").is_some() => {
+                    if let Some(calls) = last["tool_calls"].as_array_mut() {
+                        calls.push(call);
+                    }
+                }
+                _ => out.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+            }
+        }
+        Some("function_call_output") => {
+            let Some(id) = item["call_id"].as_str() else {
+                return Err(bad(
+                    format!("{at}.call_id"),
+                    format!("{at}.call_id must be a string"),
+                ));
+            };
+            let output = match &item["output"] {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            out.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
+        }
+        Some(other) => {
+            return Err(bad(
+                format!("{at}.type"),
+                format!(
+                    "{at}.type: {other:?} items need stored state or a hosted tool this gateway \
+                     does not keep; send messages, function_call and function_call_output items"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A content part as chat's: text (input or output), or an image by URL.
+fn translate_part(p: &Value, at: &str) -> Result<Value, BadRequest> {
+    match p["type"].as_str() {
+        Some("input_text" | "output_text" | "text") => match p["text"].as_str() {
+            Some(t) => Ok(json!({"type": "text", "text": t})),
+            None => Err(bad(
+                format!("{at}.text"),
+                format!("{at}.text must be a string"),
+            )),
+        },
+        Some("input_image") => match p["image_url"].as_str() {
+            Some(url) => {
+                let mut image = json!({"url": url});
+                if let Some(d) = p.get("detail") {
+                    image["detail"] = d.clone();
+                }
+                Ok(json!({"type": "image_url", "image_url": image}))
+            }
+            None => Err(bad(
+                format!("{at}.image_url"),
+                format!("{at}.image_url must be a URL (file_id images need stored files)"),
+            )),
+        },
+        other => Err(bad(
+            format!("{at}.type"),
+            format!("{at}.type: {other:?} is not input_text, output_text or input_image"),
+        )),
+    }
+}
+
+/// Function tools (`[{type: "function", name, parameters}]`) as chat's; a hosted tool is refused.
+fn translate_tools(tools: &Value) -> Result<Value, BadRequest> {
+    let list = tools
+        .as_array()
+        .ok_or_else(|| bad("tools", "tools must be an array of function tools"))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        match t["type"].as_str() {
+            Some("function") => {}
+            other => {
+                return Err(bad(
+                    format!("{at}.type"),
+                    format!(
+                        "{at}.type: {other:?} is a hosted tool this gateway does not run; declare function tools"
+                    ),
+                ));
+            }
+        }
+        let Some(name) = t["name"].as_str() else {
+            return Err(bad(
+                format!("{at}.name"),
+                format!("{at}.name must be a string"),
+            ));
+        };
+        let mut f = json!({"name": name});
+        for k in ["description", "parameters", "strict"] {
+            if let Some(v) = t.get(k).filter(|v| !v.is_null()) {
+                f[k] = v.clone();
+            }
+        }
+        out.push(json!({"type": "function", "function": f}));
+    }
+    Ok(Value::Array(out))
+}
+
+/// A chat completion (what the pipeline accepted) as a response object, the `oam` object kept.
+pub(crate) fn response_of(chat: &Value) -> Value {
+    let choice = &chat["choices"][0];
+    let msg = &choice["message"];
+    let id = chat["id"].as_str().unwrap_or_default();
+    let id = id.strip_prefix("chatcmpl-").unwrap_or(id);
+    let mut output = Vec::new();
+    if let Some(text) = msg["content"].as_str().filter(|t| !t.is_empty()) {
+        output.push(json!({
+            "type": "message", "id": format!("msg_{id}"), "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }));
+    }
+    for (i, call) in msg["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        output.push(json!({
+            "type": "function_call", "id": format!("fc_{id}_{i}"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }));
+    }
+    let incomplete = match choice["finish_reason"].as_str() {
+        Some("length") => Some("max_output_tokens"),
+        Some("content_filter") => Some("content_filter"),
+        _ => None,
+    };
+    let u = &chat["usage"];
+    let (input, output_tokens) = (
+        u["prompt_tokens"].as_u64().unwrap_or(0),
+        u["completion_tokens"].as_u64().unwrap_or(0),
+    );
+    json!({
+        "id": format!("resp_{id}"),
+        "object": "response",
+        "created_at": chat["created"],
+        "status": if incomplete.is_some() { "incomplete" } else { "completed" },
+        "incomplete_details": incomplete.map(|r| json!({"reason": r})),
+        "error": null,
+        "model": chat["model"],
+        "output": output,
+        "parallel_tool_calls": true,
+        "tool_choice": "auto",
+        "tools": [],
+        "store": false,
+        "usage": {
+            "input_tokens": input,
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap_or(0)},
+            "total_tokens": input + output_tokens,
+        },
+        "oam": chat["oam"],
+    })
+}
+
+/// A whole response as the typed event stream: `response.created`, `response.in_progress`,
+/// each output item added, its text or arguments in a delta and done, the item done, then
+/// `response.completed` (or `response.incomplete`) with the whole response.
+pub(crate) fn events_of(response: &Value) -> String {
+    let mut out = String::new();
+    let mut seq = 0u64;
+    let mut event = |name: &str, mut data: Value| {
+        data["type"] = json!(name);
+        data["sequence_number"] = json!(seq);
+        seq += 1;
+        out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+    };
+    let mut start = response.clone();
+    start["status"] = json!("in_progress");
+    start["output"] = json!([]);
+    start["usage"] = Value::Null;
+    event("response.created", json!({"response": start}));
+    event("response.in_progress", json!({"response": start}));
+    for (i, item) in response["output"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let item_id = &item["id"];
+        let mut added = item.clone();
+        added["status"] = json!("in_progress");
+        if item["type"] == "function_call" {
+            added["arguments"] = json!("");
+            event(
+                "response.output_item.added",
+                json!({"output_index": i, "item": added}),
+            );
+            let args = &item["arguments"];
+            event(
+                "response.function_call_arguments.delta",
+                json!({"item_id": item_id, "output_index": i, "delta": args}),
+            );
+            event(
+                "response.function_call_arguments.done",
+                json!({"item_id": item_id, "output_index": i, "arguments": args}),
+            );
+        } else {
+            added["content"] = json!([]);
+            event(
+                "response.output_item.added",
+                json!({"output_index": i, "item": added}),
+            );
+            for (j, part) in item["content"].as_array().into_iter().flatten().enumerate() {
+                let at = json!({"item_id": item_id, "output_index": i, "content_index": j});
+                let mut empty = part.clone();
+                empty["text"] = json!("");
+                let with = |mut v: Value, k: &str, x: Value| {
+                    v[k] = x;
+                    v
+                };
+                event(
+                    "response.content_part.added",
+                    with(at.clone(), "part", empty),
+                );
+                event(
+                    "response.output_text.delta",
+                    with(at.clone(), "delta", part["text"].clone()),
+                );
+                event(
+                    "response.output_text.done",
+                    with(at.clone(), "text", part["text"].clone()),
+                );
+                event("response.content_part.done", with(at, "part", part.clone()));
+            }
+        }
+        event(
+            "response.output_item.done",
+            json!({"output_index": i, "item": item}),
+        );
+    }
+    let last = if response["status"] == "incomplete" {
+        "response.incomplete"
+    } else {
+        "response.completed"
+    };
+    event(last, json!({"response": response}));
+    out
+}
+
+/// The answer to a Responses request: a response object or its events when accepted; a refusal
+/// as it is (OpenAI's envelope, the `oam` object in it).
+pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
+    if a.status != StatusCode::OK {
+        return (String::from_utf8_lossy(&a.body).into_owned(), false);
+    }
+    let v: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    let response = response_of(&v);
+    if stream {
+        (events_of(&response), true)
+    } else {
+        (response.to_string(), false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<(Value, bool), BadRequest> {
+        let (bytes, stream) = to_chat(body.to_string().as_bytes())?;
+        Ok((serde_json::from_slice(&bytes).expect("JSON"), stream))
+    }
+
+    #[test]
+    fn a_responses_request_becomes_the_chat_request_it_means() {
+        let (c, stream) = chat(json!({
+            "model": "auto", "instructions": "be brief", "stream": true, "max_output_tokens": 50,
+            "store": false, "reasoning": {"effort": "low"}, "oam": {"agent": "agents-sdk"},
+            "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": true}],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": true}},
+            "input": [
+                {"role": "developer", "content": "use metric"},
+                {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "Weather?"},
+                    {"type": "input_image", "image_url": "data:image/png;base64,iVBOR", "detail": "low"}]},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{\"city\":\"Rome\"}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "21C"},
+                {"type": "function_call_output", "call_id": "call_2", "output": {"c": 25}}
+            ]
+        }))
+        .expect("translated");
+        assert!(stream);
+        let m = &c["messages"];
+        assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(m[1], json!({"role": "system", "content": "use metric"}));
+        assert_eq!(
+            m[2]["content"][1]["image_url"],
+            json!({"url": "data:image/png;base64,iVBOR", "detail": "low"})
+        );
+        let calls = m[3]["tool_calls"]
+            .as_array()
+            .expect("one turn's calls together");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            m[4],
+            json!({"role": "tool", "tool_call_id": "call_1", "content": "21C"})
+        );
+        assert_eq!(m[5]["content"], "{\"c\":25}");
+        assert_eq!(
+            (&c["max_tokens"], &c["reasoning_effort"]),
+            (&json!(50), &json!("low"))
+        );
+        assert_eq!(c["tools"][0]["function"]["strict"], true);
+        assert_eq!(c["tool_choice"]["function"]["name"], "get_weather");
+        assert_eq!(c["response_format"]["json_schema"]["name"], "w");
+        assert_eq!(c["oam"]["agent"], "agents-sdk");
+        assert_eq!(c.get("stream"), None);
+    }
+
+    #[test]
+    fn what_needs_stored_state_or_a_hosted_tool_is_refused_by_name() {
+        let input = json!("hi");
+        for (body, param) in [
+            (
+                json!({"model": "auto", "input": input, "previous_response_id": "resp_1"}),
+                "previous_response_id",
+            ),
+            (
+                json!({"model": "auto", "input": input, "store": true}),
+                "store",
+            ),
+            (
+                json!({"model": "auto", "input": input, "background": true}),
+                "background",
+            ),
+            (
+                json!({"model": "auto", "input": input, "tools": [{"type": "web_search"}]}),
+                "tools[0].type",
+            ),
+            (
+                json!({"model": "auto", "input": [{"type": "item_reference", "id": "x"}]}),
+                "input[0].type",
+            ),
+            (
+                json!({"model": "auto", "input": [{"type": "reasoning", "summary": []}]}),
+                "input[0].type",
+            ),
+            (
+                json!({"model": "auto", "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}),
+                "input[0].content[0].type",
+            ),
+            (json!({"model": "auto", "input": []}), "input"),
+            (
+                json!({"model": "auto", "input": input, "reasoning": {"summary": "auto"}}),
+                "reasoning.summary",
+            ),
+            (
+                json!({"model": "auto", "input": input, "text": {"format": {"type": "xml"}}}),
+                "text.format.type",
+            ),
+        ] {
+            let Err(e) = chat(body.clone()) else {
+                panic!("translated {body}")
+            };
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+            assert!(e.message.contains(param), "{}", e.message);
+        }
+    }
+
+    fn completion(finish: &str) -> Value {
+        json!({
+            "id": "chatcmpl-abc", "object": "chat.completion", "created": 7, "model": "m",
+            "choices": [{"index": 0, "finish_reason": finish, "message": {
+                "role": "assistant", "content": "Looking.",
+                "tool_calls": [{"id": "call_1", "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 4,
+                      "completion_tokens_details": {"reasoning_tokens": 2}},
+            "oam": {"request_id": "r1"}
+        })
+    }
+
+    #[test]
+    fn a_chat_answer_reads_as_a_response_with_its_items_and_usage() {
+        let r = response_of(&completion("tool_calls"));
+        assert_eq!(
+            (&r["id"], &r["object"], &r["status"]),
+            (&json!("resp_abc"), &json!("response"), &json!("completed"))
+        );
+        assert_eq!(
+            r["output"][0]["content"][0],
+            json!({"type": "output_text", "text": "Looking.", "annotations": []})
+        );
+        assert_eq!(r["output"][1]["type"], "function_call");
+        assert_eq!(
+            (&r["output"][1]["call_id"], &r["output"][1]["arguments"]),
+            (&json!("call_1"), &json!("{\"city\":\"Paris\"}"))
+        );
+        assert_eq!(r["usage"]["total_tokens"], 14);
+        assert_eq!(r["usage"]["output_tokens_details"]["reasoning_tokens"], 2);
+        assert_eq!(r["oam"]["request_id"], "r1");
+        let cut = response_of(&completion("length"));
+        assert_eq!(
+            (&cut["status"], &cut["incomplete_details"]["reason"]),
+            (&json!("incomplete"), &json!("max_output_tokens"))
+        );
+    }
+
+    #[test]
+    fn a_stream_is_the_typed_event_sequence_numbered_in_order() {
+        let text = events_of(&response_of(&completion("tool_calls")));
+        let events: Vec<Value> = text
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (name, data) = e.split_once('\n').expect("event and data lines");
+                let v: Value =
+                    serde_json::from_str(data.strip_prefix("data: ").expect("data")).expect("JSON");
+                assert_eq!(
+                    Some(v["type"].as_str().unwrap_or_default()),
+                    name.strip_prefix("event: ")
+                );
+                v
+            })
+            .collect();
+        let types: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+        assert_eq!(
+            types,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        for (i, e) in events.iter().enumerate() {
+            assert_eq!(e["sequence_number"], i as u64);
+        }
+        assert_eq!(events[0]["response"]["output"], json!([]));
+        assert_eq!(events[4]["delta"], "Looking.");
+        assert_eq!(
+            events[12]["response"]["output"].as_array().map(Vec::len),
+            Some(2)
+        );
+    }
+}
