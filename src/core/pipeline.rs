@@ -184,6 +184,9 @@ pub fn default_providers() -> Vec<Target> {
         model: model.into(),
         cost_per_1k_tokens_usd: cost,
         output_cost_per_1k_usd: None,
+        cached_input_cost_per_1k_usd: None,
+        cache_write_cost_per_1k_usd: None,
+        reasoning_cost_per_1k_usd: None,
         fallback,
         context_window: None,
         prefill: false,
@@ -984,7 +987,7 @@ impl Engine {
         // that timed out (the upstream may have generated, and billed, all of it); a failure the
         // upstream reported, nothing.
         let cost_usd = match g.usage {
-            Some(u) => provider.cost_of(u.prompt_tokens, u.completion_tokens),
+            Some(u) => provider.cost_of_usage(&u),
             None if matches!(g.status, GenerationStatus::Ok | GenerationStatus::Timeout) => {
                 provider.cost_of(p.est_tokens.0, p.est_tokens.1)
             }

@@ -1158,6 +1158,9 @@ fn routed() -> Engine {
         model: model.into(),
         cost_per_1k_tokens_usd: cost,
         output_cost_per_1k_usd: None,
+        cached_input_cost_per_1k_usd: None,
+        cache_write_cost_per_1k_usd: None,
+        reasoning_cost_per_1k_usd: None,
         fallback: false,
         context_window: None,
         prefill: false,
@@ -1326,6 +1329,56 @@ fn prompt_and_completion_tokens_are_priced_apart() {
     assert!(!p.is_zero_cost());
 }
 
+#[test]
+fn cached_written_and_reasoning_tokens_are_priced_at_their_own_prices() {
+    use crate::core::request::{Usage, round_usd};
+    let usage = Usage {
+        prompt_tokens: 1_000,
+        completion_tokens: 500,
+        cached_tokens: 600,
+        cache_write_tokens: 100,
+        reasoning_tokens: 200,
+    };
+    let plain = Target {
+        output_cost_per_1k_usd: Some(0.004),
+        ..default_providers()[0].clone()
+    };
+    // Without prices of their own they cost what prompt and completion tokens cost, exactly.
+    assert_eq!(plain.cost_of_usage(&usage), plain.cost_of(1_000, 500));
+    let priced = Target {
+        cached_input_cost_per_1k_usd: Some(0.001),
+        cache_write_cost_per_1k_usd: Some(0.0125),
+        reasoning_cost_per_1k_usd: Some(0.02),
+        ..plain.clone()
+    };
+    // 300 plain prompt at 0.01, 600 cached at 0.001, 100 written at 0.0125, 300 plain
+    // completion at 0.004, 200 reasoning at 0.02: per 1k, 3 + 0.6 + 1.25 + 1.2 + 4 = 10.05.
+    assert_eq!(priced.cost_of_usage(&usage), 0.01005);
+    // Counts an upstream got wrong (more cached than prompt tokens) are clamped, never negative.
+    let odd = Usage {
+        cached_tokens: 5_000,
+        reasoning_tokens: 9_000,
+        ..usage
+    };
+    assert_eq!(
+        priced.cost_of_usage(&odd),
+        round_usd((1_000.0 * 0.001 + 500.0 * 0.02) / 1_000.0)
+    );
+}
+
+#[test]
+fn a_usage_without_the_new_counts_reads_and_writes_as_before() {
+    use crate::core::request::Usage;
+    let old: Usage = serde_json::from_str(r#"{"prompt_tokens": 3, "completion_tokens": 2}"#)
+        .expect("an old record's usage");
+    assert_eq!((old.cached_tokens, old.reasoning_tokens), (0, 0));
+    assert_eq!(
+        serde_json::to_string(&old).expect("JSON"),
+        r#"{"prompt_tokens":3,"completion_tokens":2}"#,
+        "byte for byte, so old records replay the same"
+    );
+}
+
 /// Begin `r` and answer each dispatch from `script` in order (whatever the target), returning
 /// every dispatch made and the decision.
 fn drive(e: &mut Engine, r: Request, script: Vec<Generation>) -> (Vec<Dispatch>, Decision) {
@@ -1445,6 +1498,9 @@ fn windows() -> Engine {
         model: id.into(),
         cost_per_1k_tokens_usd: 0.0,
         output_cost_per_1k_usd: None,
+        cached_input_cost_per_1k_usd: None,
+        cache_write_cost_per_1k_usd: None,
+        reasoning_cost_per_1k_usd: None,
         fallback: false,
         context_window: Some(w),
         prefill: false,

@@ -167,6 +167,15 @@ pub struct Target {
     pub cost_per_1k_tokens_usd: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_cost_per_1k_usd: Option<f64>,
+    /// Per 1,000 prompt tokens read from the upstream's cache (else the prompt price).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_input_cost_per_1k_usd: Option<f64>,
+    /// Per 1,000 prompt tokens written to its cache (else the prompt price).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_cost_per_1k_usd: Option<f64>,
+    /// Per 1,000 completion tokens spent reasoning (else the completion price).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_cost_per_1k_usd: Option<f64>,
     #[serde(default)]
     pub fallback: bool,
     /// Prompt plus completion tokens the model takes at most (unknown: no limit assumed).
@@ -185,12 +194,33 @@ impl Target {
     /// Cost of `prompt` and `completion` tokens, rounded to a nano-dollar so sums print cleanly
     /// and compare exactly.
     pub fn cost_of(&self, prompt: u64, completion: u64) -> f64 {
-        let output = self
-            .output_cost_per_1k_usd
-            .unwrap_or(self.cost_per_1k_tokens_usd);
-        round_usd(
-            (self.cost_per_1k_tokens_usd * prompt as f64 + output * completion as f64) / 1_000.0,
-        )
+        self.cost_of_usage(&Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            ..Usage::default()
+        })
+    }
+
+    /// Cost of what an upstream reported: prompt tokens at the prompt price but those read
+    /// from or written to its cache at theirs, completion tokens at the completion price but
+    /// those spent reasoning at theirs (cached, written and reasoning tokens are counted within
+    /// the prompt and completion totals, as upstreams report them).
+    pub fn cost_of_usage(&self, u: &Usage) -> f64 {
+        let input = self.cost_per_1k_tokens_usd;
+        let output = self.output_cost_per_1k_usd.unwrap_or(input);
+        let cached = u.cached_tokens.min(u.prompt_tokens);
+        let written = u.cache_write_tokens.min(u.prompt_tokens - cached);
+        let reasoning = u.reasoning_tokens.min(u.completion_tokens);
+        let plain_in = (u.prompt_tokens - cached - written) as f64;
+        let plain_out = (u.completion_tokens - reasoning) as f64;
+        // Each term is 0.0 when its tokens are, so a usage without them costs exactly what
+        // the prompt and completion prices alone say (old records replay to the same cost).
+        let total = input * plain_in
+            + self.cached_input_cost_per_1k_usd.unwrap_or(input) * cached as f64
+            + self.cache_write_cost_per_1k_usd.unwrap_or(input) * written as f64
+            + output * plain_out
+            + self.reasoning_cost_per_1k_usd.unwrap_or(output) * reasoning as f64;
+        round_usd(total / 1_000.0)
     }
 }
 
@@ -225,6 +255,19 @@ pub enum GenerationStatus {
 pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    /// Of the prompt tokens, read from the upstream's cache.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cached_tokens: u64,
+    /// Of the prompt tokens, written to the upstream's cache.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cache_write_tokens: u64,
+    /// Of the completion tokens, spent reasoning.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub reasoning_tokens: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What one generation attempt returned, as the driver observed it.

@@ -26,7 +26,10 @@
 //! api_key_env = "OPENAI_API_KEY"   # optional: the key is read from this variable
 //! # agent = "llm.local"            # instead of base_url: a mesh agent answering chat requests
 //! cost_per_1k_tokens_usd = 0.01    # target attributes, for each of its models unless the
-//! output_cost_per_1k_usd = 0.03    # model says otherwise: prices (prompt; completion),
+//! output_cost_per_1k_usd = 0.03    # model says otherwise: prices (prompt; completion;
+//! cached_input_cost_per_1k_usd = 0.001  # prompt tokens read from its cache, written to it,
+//! cache_write_cost_per_1k_usd = 0.0125  # and completion tokens spent reasoning: each
+//! reasoning_cost_per_1k_usd = 0.03      # optional, else the prompt or completion price),
 //! context_window = 128000          # prompt + completion tokens at most,
 //! prefill = false                  # whether it continues a trailing assistant message,
 //! fallback = false                 # and whether it is a fallback (scored routing)
@@ -152,6 +155,14 @@ pub struct ProviderConfig {
     pub cost_per_1k_tokens_usd: f64,
     #[serde(default)]
     pub output_cost_per_1k_usd: Option<f64>,
+    /// Prices per 1,000 prompt tokens read from the provider's cache, written to it, and
+    /// completion tokens spent reasoning (else the prompt price, and the completion price).
+    #[serde(default)]
+    pub cached_input_cost_per_1k_usd: Option<f64>,
+    #[serde(default)]
+    pub cache_write_cost_per_1k_usd: Option<f64>,
+    #[serde(default)]
+    pub reasoning_cost_per_1k_usd: Option<f64>,
     /// Prompt plus completion tokens at most.
     #[serde(default)]
     pub context_window: Option<u64>,
@@ -182,6 +193,12 @@ pub struct ModelConfig {
     pub cost_per_1k_tokens_usd: Option<f64>,
     #[serde(default)]
     pub output_cost_per_1k_usd: Option<f64>,
+    #[serde(default)]
+    pub cached_input_cost_per_1k_usd: Option<f64>,
+    #[serde(default)]
+    pub cache_write_cost_per_1k_usd: Option<f64>,
+    #[serde(default)]
+    pub reasoning_cost_per_1k_usd: Option<f64>,
     #[serde(default)]
     pub context_window: Option<u64>,
     #[serde(default)]
@@ -244,6 +261,9 @@ pub struct Target {
     pub model: String,
     pub cost_per_1k_tokens_usd: f64,
     pub output_cost_per_1k_usd: Option<f64>,
+    pub cached_input_cost_per_1k_usd: Option<f64>,
+    pub cache_write_cost_per_1k_usd: Option<f64>,
+    pub reasoning_cost_per_1k_usd: Option<f64>,
     pub context_window: Option<u64>,
     pub prefill: bool,
     pub fallback: bool,
@@ -256,6 +276,9 @@ impl Target {
             model: self.model.as_str().into(),
             cost_per_1k_tokens_usd: self.cost_per_1k_tokens_usd,
             output_cost_per_1k_usd: self.output_cost_per_1k_usd,
+            cached_input_cost_per_1k_usd: self.cached_input_cost_per_1k_usd,
+            cache_write_cost_per_1k_usd: self.cache_write_cost_per_1k_usd,
+            reasoning_cost_per_1k_usd: self.reasoning_cost_per_1k_usd,
             fallback: self.fallback,
             context_window: self.context_window,
             prefill: self.prefill,
@@ -402,6 +425,9 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             api_key_env: None,
             cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
             output_cost_per_1k_usd: None,
+            cached_input_cost_per_1k_usd: None,
+            cache_write_cost_per_1k_usd: None,
+            reasoning_cost_per_1k_usd: None,
             context_window: None,
             // The simulator takes any message list: its zero-cost model stands in for a local
             // model that continues an interrupted stream (it answers afresh, as a sim does).
@@ -490,6 +516,9 @@ impl NodeConfig {
                 model: p.model.clone(),
                 cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
                 output_cost_per_1k_usd: p.output_cost_per_1k_usd,
+                cached_input_cost_per_1k_usd: p.cached_input_cost_per_1k_usd,
+                cache_write_cost_per_1k_usd: p.cache_write_cost_per_1k_usd,
+                reasoning_cost_per_1k_usd: p.reasoning_cost_per_1k_usd,
                 context_window: p.context_window,
                 prefill: p.prefill,
                 fallback: p.fallback,
@@ -512,6 +541,15 @@ impl NodeConfig {
                         output_cost_per_1k_usd: m
                             .output_cost_per_1k_usd
                             .or(base.output_cost_per_1k_usd),
+                        cached_input_cost_per_1k_usd: m
+                            .cached_input_cost_per_1k_usd
+                            .or(base.cached_input_cost_per_1k_usd),
+                        cache_write_cost_per_1k_usd: m
+                            .cache_write_cost_per_1k_usd
+                            .or(base.cache_write_cost_per_1k_usd),
+                        reasoning_cost_per_1k_usd: m
+                            .reasoning_cost_per_1k_usd
+                            .or(base.reasoning_cost_per_1k_usd),
                         context_window: m.context_window.or(base.context_window),
                         prefill: m.prefill.unwrap_or(base.prefill),
                         fallback: m.fallback.unwrap_or(base.fallback),
@@ -674,10 +712,16 @@ impl NodeConfig {
             let mut names = std::collections::BTreeSet::new();
             for m in &p.models {
                 let (name, costs) = match m {
-                    ModelEntry::Name(n) => (n, [None, None]),
+                    ModelEntry::Name(n) => (n, [None; 5]),
                     ModelEntry::Full(m) => (
                         &m.name,
-                        [m.cost_per_1k_tokens_usd, m.output_cost_per_1k_usd],
+                        [
+                            m.cost_per_1k_tokens_usd,
+                            m.output_cost_per_1k_usd,
+                            m.cached_input_cost_per_1k_usd,
+                            m.cache_write_cost_per_1k_usd,
+                            m.reasoning_cost_per_1k_usd,
+                        ],
                     ),
                 };
                 if name.trim().is_empty() || !names.insert(name) {
@@ -691,7 +735,13 @@ impl NodeConfig {
                     return Err(format!("{at}: models: {name}: costs must be >= 0"));
                 }
             }
-            let costs = [Some(p.cost_per_1k_tokens_usd), p.output_cost_per_1k_usd];
+            let costs = [
+                Some(p.cost_per_1k_tokens_usd),
+                p.output_cost_per_1k_usd,
+                p.cached_input_cost_per_1k_usd,
+                p.cache_write_cost_per_1k_usd,
+                p.reasoning_cost_per_1k_usd,
+            ];
             if costs
                 .into_iter()
                 .flatten()

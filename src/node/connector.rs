@@ -3,7 +3,7 @@
 //! reset, a timeout) into a `Generation` for the pure pipeline, with the real elapsed time.
 
 use super::config::ProviderConfig;
-use crate::core::request::{Generation, GenerationStatus, Message, Usage};
+use crate::core::request::{Generation, GenerationStatus, Message};
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -665,6 +665,43 @@ mod wire {
         pub prompt_tokens: Option<u64>,
         #[serde(default)]
         pub completion_tokens: Option<u64>,
+        #[serde(default)]
+        pub prompt_tokens_details: Option<PromptDetails>,
+        #[serde(default)]
+        pub completion_tokens_details: Option<CompletionDetails>,
+        /// Prompt tokens written to the cache (Anthropic's name, passed on by some gateways).
+        #[serde(default)]
+        pub cache_creation_input_tokens: Option<u64>,
+    }
+
+    #[derive(Deserialize, Default)]
+    pub struct PromptDetails {
+        #[serde(default)]
+        pub cached_tokens: Option<u64>,
+    }
+
+    #[derive(Deserialize, Default)]
+    pub struct CompletionDetails {
+        #[serde(default)]
+        pub reasoning_tokens: Option<u64>,
+    }
+
+    impl Usage {
+        pub fn counted(self) -> crate::core::request::Usage {
+            crate::core::request::Usage {
+                prompt_tokens: self.prompt_tokens.unwrap_or(0),
+                completion_tokens: self.completion_tokens.unwrap_or(0),
+                cached_tokens: self
+                    .prompt_tokens_details
+                    .and_then(|d| d.cached_tokens)
+                    .unwrap_or(0),
+                cache_write_tokens: self.cache_creation_input_tokens.unwrap_or(0),
+                reasoning_tokens: self
+                    .completion_tokens_details
+                    .and_then(|d| d.reasoning_tokens)
+                    .unwrap_or(0),
+            }
+        }
     }
 
     fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
@@ -717,13 +754,7 @@ fn completion_fast(bytes: &bytes::Bytes, latency_ms: u64) -> Option<Attempt> {
         content: content.map(Cow::into_owned).unwrap_or_default(),
         finish_reason: finish_reason.map(Cow::into_owned),
         latency_ms,
-        usage: c.usage.map(|u| {
-            let u = u.unwrap_or_default();
-            Usage {
-                prompt_tokens: u.prompt_tokens.unwrap_or(0),
-                completion_tokens: u.completion_tokens.unwrap_or(0),
-            }
-        }),
+        usage: c.usage.map(|u| u.unwrap_or_default().counted()),
         retry_after_ms: None,
         error: None,
         tool_calls,
@@ -784,10 +815,7 @@ fn completion_tree(bytes: &[u8], latency_ms: u64) -> Attempt {
         .into();
     };
     let choice = &v["choices"][0];
-    let usage = v.get("usage").map(|u| Usage {
-        prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
-        completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
-    });
+    let usage = v.get("usage").map(super::openai::usage_of);
     let finish_reason = choice["finish_reason"].as_str();
     let generation = Generation {
         // Cut by the upstream's content filter: its refusal, passed on as it came.

@@ -451,7 +451,8 @@ mod tests {
             acc.usage,
             Some(Usage {
                 prompt_tokens: 7,
-                completion_tokens: 3
+                completion_tokens: 3,
+                ..Usage::default()
             }),
             "a null usage later keeps what came"
         );

@@ -577,6 +577,21 @@ pub(crate) fn sse_of(answer: &Value) -> String {
     format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n")
 }
 
+/// The token counts of an answer's `usage`: prompt and completion tokens, and of them those
+/// read from the cache (`prompt_tokens_details.cached_tokens`), written to it
+/// (`cache_creation_input_tokens`) and spent reasoning
+/// (`completion_tokens_details.reasoning_tokens`).
+pub(crate) fn usage_of(u: &Value) -> crate::core::request::Usage {
+    let n = |v: &Value| v.as_u64().unwrap_or(0);
+    crate::core::request::Usage {
+        prompt_tokens: n(&u["prompt_tokens"]),
+        completion_tokens: n(&u["completion_tokens"]),
+        cached_tokens: n(&u["prompt_tokens_details"]["cached_tokens"]),
+        cache_write_tokens: n(&u["cache_creation_input_tokens"]),
+        reasoning_tokens: n(&u["completion_tokens_details"]["reasoning_tokens"]),
+    }
+}
+
 /// What one chunk of an upstream's stream says.
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct Delta<'a> {
@@ -599,13 +614,7 @@ pub(crate) fn read_chunk(chunk: &Value) -> Result<Delta<'_>, String> {
         text: choice["delta"]["content"].as_str(),
         tool_calls: choice["delta"].get("tool_calls").filter(|t| t.is_array()),
         finish: choice["finish_reason"].as_str(),
-        usage: chunk
-            .get("usage")
-            .filter(|u| u.is_object())
-            .map(|u| crate::core::request::Usage {
-                prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0),
-                completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0),
-            }),
+        usage: chunk.get("usage").filter(|u| u.is_object()).map(usage_of),
         usage_only: chunk["choices"].as_array().is_some_and(Vec::is_empty),
     })
 }

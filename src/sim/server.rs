@@ -6,6 +6,10 @@
 //!   provider id or its model name).
 //! - `GET /sim/faults`, `POST /sim/faults`, `DELETE /sim/faults[/{provider}]`: the fault API.
 //! - `GET /healthz`.
+//!
+//! Usage is reported as providers report it: a system prompt a provider has seen before is
+//! read from its cache (`prompt_tokens_details.cached_tokens`), and a request with
+//! `reasoning_effort` spends reasoning tokens (`completion_tokens_details.reasoning_tokens`).
 
 use super::model::{self, Faults, Reply, SimProvider};
 use axum::Router;
@@ -30,7 +34,14 @@ pub struct Sim {
     /// The last chat requests each provider received (at most `REQUESTS_KEPT`), as sent
     /// (`GET /sim/requests/{provider}`), so a test can check what a gateway passed through.
     last: Mutex<BTreeMap<String, std::collections::VecDeque<Value>>>,
+    /// The system prompts each provider has seen (their hashes): a prompt that begins with one
+    /// again is read from the cache, as a provider's prompt cache would (at most
+    /// `CACHED_KEPT` kept).
+    cached: Mutex<std::collections::HashSet<(String, u64)>>,
 }
+
+/// System prompts the simulator remembers for its prompt cache.
+const CACHED_KEPT: usize = 10_000;
 
 impl Sim {
     pub fn new(seed: u64, providers: Vec<SimProvider>) -> Self {
@@ -43,6 +54,7 @@ impl Sim {
             faults: Mutex::new(Faults::default()),
             started: Instant::now(),
             last: Mutex::default(),
+            cached: Mutex::default(),
         }
     }
 
@@ -59,6 +71,30 @@ impl Sim {
     }
 
     /// Remember `body` among the last requests `provider` received.
+    /// The tokens of `req`'s system prompt that `provider` has in its cache: all of them when
+    /// it has seen the same system prompt before (remembered now), else none.
+    fn cached_tokens(&self, provider: &str, req: &ChatRequest) -> u64 {
+        let Some(system) = req.messages.first().filter(|m| m.role == "system") else {
+            return 0;
+        };
+        let text = text_of(&system.content);
+        let key = (
+            provider.to_string(),
+            xxhash_rust::xxh3::xxh3_64(text.as_bytes()),
+        );
+        let mut seen = self
+            .cached
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if seen.contains(&key) {
+            return (text.len() as u64).div_ceil(4);
+        }
+        if seen.len() < CACHED_KEPT {
+            seen.insert(key);
+        }
+        0
+    }
+
     fn received(&self, provider: &str, body: &Bytes) {
         if let Ok(v) = serde_json::from_slice::<Value>(body) {
             let mut last = self
@@ -168,6 +204,9 @@ struct ChatRequest {
     tools: Vec<Value>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// `low`, `medium` or `high`: the answer spends 8, 16 or 32 tokens reasoning first.
+    #[serde(default)]
+    reasoning_effort: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -363,6 +402,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                 .map_or(0, |d| d.as_secs());
             let prompt_tokens = (prompt_chars as u64).div_ceil(4);
             let completion_tokens = (content.len() as u64).div_ceil(4);
+            let cached_tokens = sim.cached_tokens(provider_id, &req).min(prompt_tokens);
             let model = req.model.unwrap_or_else(|| provider.model.clone());
             let brk = fault.and_then(|f| match f.mode {
                 model::FaultMode::Contract { kind } => Some(kind),
@@ -379,11 +419,24 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                     finish_reason.to_string(),
                 ),
             };
-            let usage = json!({
+            let reasoning_tokens = match req.reasoning_effort.as_deref() {
+                Some("low") => 8,
+                Some("medium") => 16,
+                Some("high") => 32,
+                _ => 0,
+            };
+            let completion_tokens = completion_tokens + reasoning_tokens;
+            let mut usage = json!({
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             });
+            if cached_tokens > 0 {
+                usage["prompt_tokens_details"] = json!({"cached_tokens": cached_tokens});
+            }
+            if reasoning_tokens > 0 {
+                usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning_tokens});
+            }
             if req.stream {
                 let head = json!({
                     "id": format!("chatcmpl-sim-{}-{k}", provider.id),

@@ -2164,3 +2164,105 @@ print(json.dumps(out))
     assert_eq!(last["tool_call_id"], v["call"]["call_id"]);
     assert_eq!(sent.len(), 5, "the refused request reached no provider");
 }
+
+/// Cached and reasoning tokens cost what their own prices say, from the usage the simulator
+/// reports (a system prompt it has seen is read from its cache; `reasoning_effort` spends
+/// reasoning tokens), through chat and through the Responses API.
+#[tokio::test]
+async fn cached_and_reasoning_tokens_are_priced_from_what_the_upstream_reports() {
+    let extra = "[[provider]]\nid = \"priced\"\nbase_url = \"SIM/primary/v1\"\nmodel = \"big\"\n\
+        probe = \"off\"\ncost_per_1k_tokens_usd = 0.01\noutput_cost_per_1k_usd = 0.04\n\
+        cached_input_cost_per_1k_usd = 0.001\nreasoning_cost_per_1k_usd = 0.08\n\
+        [[route]]\nmodel = \"priced\"\ntargets = [\"priced\"]\n";
+    let g = gateway_with("priced", extra).await;
+    let system = "You answer questions about the weather. ".repeat(40);
+    let ask = |effort: Option<&str>| {
+        let mut body = json!({"model": "priced", "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "Paris?"}]});
+        if let Some(e) = effort {
+            body["reasoning_effort"] = json!(e);
+        }
+        g.post(body)
+    };
+    // What the usage says it costs, at the configured prices.
+    let priced = |v: &Value| {
+        let u = &v["usage"];
+        let n = |x: &Value| x.as_f64().unwrap_or(0.0);
+        let (prompt, completion) = (n(&u["prompt_tokens"]), n(&u["completion_tokens"]));
+        let cached = n(&u["prompt_tokens_details"]["cached_tokens"]);
+        let reasoning = n(&u["completion_tokens_details"]["reasoning_tokens"]);
+        ((prompt - cached) * 0.01
+            + cached * 0.001
+            + (completion - reasoning) * 0.04
+            + reasoning * 0.08)
+            / 1_000.0
+    };
+    let (status, first) = ask(None).await;
+    assert_eq!(status, 200, "{first}");
+    assert!(
+        first["usage"]["prompt_tokens_details"].is_null(),
+        "a first prompt is not cached: {first}"
+    );
+    let (_, second) = ask(None).await;
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached >= 400,
+        "the system prompt is read from the cache: {second}"
+    );
+    let (_, thinking) = ask(Some("high")).await;
+    assert_eq!(
+        thinking["usage"]["completion_tokens_details"]["reasoning_tokens"], 32,
+        "{thinking}"
+    );
+    for v in [&first, &second, &thinking] {
+        let cost = v["oam"]["cost_usd"].as_f64().unwrap();
+        assert!(
+            (cost - priced(v)).abs() < 1e-9,
+            "charged {cost}, the usage says {}: {v}",
+            priced(v)
+        );
+    }
+    let c1 = first["oam"]["cost_usd"].as_f64().unwrap();
+    let c2 = second["oam"]["cost_usd"].as_f64().unwrap();
+    assert!(
+        c2 < c1 * 0.5,
+        "a cached prompt costs less: {c2} against {c1}"
+    );
+
+    // The Responses API reports the same counts in its own names, at the same cost.
+    let r = client()
+        .post(format!("{}/v1/responses", g.url))
+        .json(
+            &json!({"model": "priced", "instructions": system, "input": "Paris?",
+                      "reasoning": {"effort": "low"}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["usage"]["input_tokens_details"]["cached_tokens"].as_u64() >= Some(400),
+        "{v}"
+    );
+    assert_eq!(
+        v["usage"]["output_tokens_details"]["reasoning_tokens"], 8,
+        "{v}"
+    );
+    let n = |x: &Value| x.as_f64().unwrap_or(0.0);
+    let u = &v["usage"];
+    let cached = n(&u["input_tokens_details"]["cached_tokens"]);
+    let reasoning = n(&u["output_tokens_details"]["reasoning_tokens"]);
+    let expected = ((n(&u["input_tokens"]) - cached) * 0.01
+        + cached * 0.001
+        + (n(&u["output_tokens"]) - reasoning) * 0.04
+        + reasoning * 0.08)
+        / 1_000.0;
+    let cost = v["oam"]["cost_usd"].as_f64().unwrap();
+    assert!(
+        (cost - expected).abs() < 1e-9,
+        "charged {cost}, the usage says {expected}: {v}"
+    );
+}
