@@ -11,6 +11,7 @@ use crate::local::{self, Record, Started};
 use crate::mesh::{monitor, store};
 use crate::sim::model::{FaultMode, SetFault};
 use crate::transport::connect::flush_within;
+use crate::transport::published::subscribe;
 use crate::transport::subjects;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -841,9 +842,9 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let mut w = Warden::new(dir.to_path_buf(), nats.clone(), app_url)?;
     w.sys = sys;
-    let mut inject = nats.subscribe(subjects::CHAOS_INJECT).await?;
-    let mut list = nats.subscribe(subjects::CHAOS_LIST).await?;
-    let mut restore = nats.subscribe(subjects::CHAOS_RESTORE).await?;
+    let mut inject = subscribe(&nats, subjects::CHAOS_INJECT).await?;
+    let mut list = subscribe(&nats, subjects::CHAOS_LIST).await?;
+    let mut restore = subscribe(&nats, subjects::CHAOS_RESTORE).await?;
     nats.flush().await?;
     ready();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -852,24 +853,14 @@ pub async fn run(
         tokio::select! {
             _ = &mut stop => break,
             Some(m) = inject.next() => {
-                if subjects::from_jetstream(&m) {
-                    continue; // copied here by a consumer, not asked
-                }
                 let reply = match parse::<Inject>(&m.payload) {
                     Ok(req) => w.inject(req).await,
                     Err(e) => e,
                 };
                 answer(&nats, &m, &reply).await;
             }
-            Some(m) = list.next() => {
-                if !subjects::from_jetstream(&m) {
-                    answer(&nats, &m, &w.list()).await;
-                }
-            }
+            Some(m) = list.next() => answer(&nats, &m, &w.list()).await,
             Some(m) = restore.next() => {
-                if subjects::from_jetstream(&m) {
-                    continue;
-                }
                 let reply = match parse::<Restore>(&m.payload) {
                     Ok(r) => w.restore(r.what).await,
                     Err(e) => e,

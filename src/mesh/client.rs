@@ -4,6 +4,7 @@
 
 use super::protocol::{self, ErrorCode, MeshError};
 use super::store;
+use crate::transport::published::subscribe;
 use crate::transport::subjects;
 use async_nats::HeaderMap;
 use async_nats::client::RequestErrorKind;
@@ -180,9 +181,9 @@ impl Caller {
         // In this client's private inbox: only the server and the instance the request went
         // to know an acknowledgement subject.
         let ack_prefix = nats.new_inbox();
-        let mut acks = nats.subscribe(format!("{ack_prefix}.*")).await?;
-        let mut instance_deaths = nats.subscribe(subjects::INSTANCE_DEATHS).await?;
-        let mut deaths = nats.subscribe(subjects::DEATHS).await?;
+        let mut acks = subscribe(&nats, format!("{ack_prefix}.*")).await?;
+        let mut instance_deaths = subscribe(&nats, subjects::INSTANCE_DEATHS).await?;
+        let mut deaths = subscribe(&nats, subjects::DEATHS).await?;
         nats.flush().await?;
         let pending: Arc<Mutex<HashMap<String, Pending>>> = Arc::default();
         let p = pending.clone();
@@ -209,9 +210,6 @@ impl Caller {
             loop {
                 tokio::select! {
                     Some(m) = acks.next() => {
-                        if subjects::from_jetstream(&m) {
-                            continue;
-                        }
                         let rid = m.subject.get(prefix_len..).unwrap_or("");
                         let mut pending = pending_map(&p);
                         let Some(call) = pending.get_mut(rid) else { continue };
@@ -226,9 +224,6 @@ impl Caller {
                         }
                     }
                     Some(m) = instance_deaths.next() => {
-                        if subjects::from_jetstream(&m) {
-                            continue;
-                        }
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
                             // The monitor names the instance's agent: an instance id an agent claimed
                             // for itself fails only calls to that agent.
@@ -238,9 +233,6 @@ impl Caller {
                         }
                     }
                     Some(m) = deaths.next() => {
-                        if subjects::from_jetstream(&m) {
-                            continue;
-                        }
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
                             // The agent's death fails the calls made before it; one made after
                             // it either finds nobody (not_found at once) or a new instance. A

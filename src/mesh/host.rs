@@ -455,11 +455,10 @@ pub async fn serve(
             // A monitor that declares this instance dead (it was frozen past the heartbeat
             // verdict, say) says so here; alive after all, it registers again at once, so the
             // catalog has it back and a later death is announced again.
-            let mut declared_dead = me
-                .nats
-                .subscribe(subjects::instance_death(&me.id))
-                .await
-                .ok();
+            let mut declared_dead =
+                crate::transport::published::subscribe(&me.nats, subjects::instance_death(&me.id))
+                    .await
+                    .ok();
             // Beats left on which to register again after being declared dead: the monitor's
             // clean-up (it removes a dead agent from the catalog) follows its notice, and may
             // land after the first re-registration; registering on the next beats too undoes it.
@@ -467,15 +466,12 @@ pub async fn serve(
             loop {
                 tokio::select! {
                     _ = beat.tick() => {}
-                    Some(m) = async {
+                    Some(_) = async {
                         match declared_dead.as_mut() {
                             Some(s) => s.next().await,
                             None => std::future::pending().await,
                         }
                     } => {
-                        if subjects::from_jetstream(&m) {
-                            continue;
-                        }
                         revived = REREGISTER_BEATS;
                         tracing::warn!(agent = %me.entry.name, instance = %me.id, "declared dead while alive (frozen?); registering again");
                     }

@@ -439,7 +439,7 @@ pub async fn run(
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let mut advisories = sys.subscribe(subjects::SYS_DISCONNECTS).await?;
-    let mut beats = app.subscribe(subjects::HEALTH).await?;
+    let mut beats = crate::transport::published::subscribe(&app, subjects::HEALTH).await?;
     sys.flush().await?;
     app.flush().await?;
     ready();
@@ -466,11 +466,7 @@ pub async fn run(
         tokio::select! {
             biased;
             _ = &mut stop => return Ok(()),
-            Some(msg) = beats.next() => {
-                if !subjects::from_jetstream(&msg) {
-                    m.heartbeat(&msg.subject, &msg.payload);
-                }
-            }
+            Some(msg) = beats.next() => m.heartbeat(&msg.subject, &msg.payload),
             Some(msg) = advisories.next() => {
                 let Ok(adv) = serde_json::from_slice::<Advisory>(&msg.payload) else {
                     m.malformed += 1;

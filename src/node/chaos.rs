@@ -7,6 +7,7 @@ use super::pipeline::{Pipeline, lock};
 use crate::clock::now_ms;
 use crate::core::budget::Budget;
 use crate::core::chaos::NodeCommand;
+use crate::transport::published::subscribe;
 use crate::transport::subjects;
 use futures_util::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
@@ -166,11 +167,8 @@ impl Commands {
     async fn listen(self, stop: CancellationToken) -> anyhow::Result<()> {
         let chaos = self.0;
         let bus = &chaos.bus;
-        let mut mine = bus
-            .nats()
-            .subscribe(subjects::chaos_node(&chaos.id))
-            .await?;
-        let mut all = bus.nats().subscribe(subjects::chaos_node("all")).await?;
+        let mut mine = subscribe(bus.nats(), subjects::chaos_node(&chaos.id)).await?;
+        let mut all = subscribe(bus.nats(), subjects::chaos_node("all")).await?;
         loop {
             let m = tokio::select! {
                 Some(m) = mine.next() => m,
@@ -178,9 +176,6 @@ impl Commands {
                 () = stop.cancelled() => return Ok(()),
                 else => return Ok(()),
             };
-            if subjects::from_jetstream(&m) {
-                continue; // copied here by a JetStream consumer, not sent by the warden
-            }
             if bus.isolated() {
                 continue; // cut off: it cannot hear this
             }

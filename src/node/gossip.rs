@@ -12,6 +12,7 @@ use crate::clock::now_ms;
 use crate::core::wire::{
     Arrival, Envelope, Goodbye, Heartbeat, LoopEvent, Observations, Sequencer,
 };
+use crate::transport::published::subscribe;
 use crate::transport::subjects;
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
@@ -102,11 +103,11 @@ impl Gossip {
 
     async fn apply(&mut self, stop: CancellationToken) -> anyhow::Result<()> {
         let nats = self.node.bus.nats().clone();
-        let mut deaths = nats.subscribe(subjects::DEATHS).await?;
-        let mut hb = nats.subscribe(subjects::HEARTBEATS).await?;
-        let mut obs = nats.subscribe(subjects::ALL_OBSERVATIONS).await?;
-        let mut bye = nats.subscribe(subjects::GOODBYES).await?;
-        let mut loop_events = nats.subscribe(subjects::LOOP_EVENTS).await?;
+        let mut deaths = subscribe(&nats, subjects::DEATHS).await?;
+        let mut hb = subscribe(&nats, subjects::HEARTBEATS).await?;
+        let mut obs = subscribe(&nats, subjects::ALL_OBSERVATIONS).await?;
+        let mut bye = subscribe(&nats, subjects::GOODBYES).await?;
+        let mut loop_events = subscribe(&nats, subjects::LOOP_EVENTS).await?;
         loop {
             let m = tokio::select! {
                 Some(m) = hb.next() => (m, Kind::Heartbeat),
@@ -117,8 +118,8 @@ impl Gossip {
                 () = stop.cancelled() => return Ok(()),
                 else => return Ok(()),
             };
-            // Cut off, it hears nothing; a consumer's copy was not sent by a node.
-            if !self.node.bus.isolated() && !subjects::from_jetstream(&m.0) {
+            // Cut off, it hears nothing.
+            if !self.node.bus.isolated() {
                 self.one(m.0, m.1);
             }
         }

@@ -3,5 +3,6 @@
 
 pub mod chaos;
 pub mod connect;
+pub mod published;
 pub mod store;
 pub mod subjects;
