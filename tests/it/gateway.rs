@@ -2266,3 +2266,67 @@ async fn cached_and_reasoning_tokens_are_priced_from_what_the_upstream_reports()
         "charged {cost}, the usage says {expected}: {v}"
     );
 }
+
+/// Each API refuses bad input in its own envelope, naming the field, and no provider is called.
+#[tokio::test]
+async fn each_api_refuses_bad_input_in_its_own_envelope() {
+    let g = gateway("api-bad-input").await;
+    let post = |path: &'static str, body: Value| {
+        let url = format!("{}{path}", g.url);
+        async move {
+            let r = client().post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    for (body, field) in [
+        (json!({"model": "small", "messages": hi}), "max_tokens"),
+        (
+            json!({"model": "small", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "video"}]}]}),
+            "messages[0].content[0].type",
+        ),
+        (
+            json!({"model": "small", "max_tokens": 8, "messages": hi, "top_k": 3}),
+            "top_k",
+        ),
+    ] {
+        let (status, v) = post("/v1/messages", body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(
+            (&v["type"], &v["error"]["type"]),
+            (&json!("error"), &json!("invalid_request_error")),
+            "{v}"
+        );
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(field),
+            "{field}: {v}"
+        );
+    }
+    for (body, field) in [
+        (
+            json!({"model": "small", "input": "hi", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+        ),
+        (
+            json!({"model": "small", "input": "hi", "tools": [{"type": "web_search"}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"model": "small", "input": [{"type": "item_reference", "id": "x"}]}),
+            "input[0].type",
+        ),
+    ] {
+        let (status, v) = post("/v1/responses", body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    assert!(
+        g.received("primary").await.is_empty(),
+        "no provider was called"
+    );
+    assert!(
+        g.received("secondary").await.is_empty(),
+        "no provider was called"
+    );
+}
