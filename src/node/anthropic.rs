@@ -1,10 +1,11 @@
 //! The Anthropic Messages surface (`POST /v1/messages`), a sibling of `openai`: a Messages
 //! request is translated into the chat-completions request the pipeline and every target speak,
-//! and the decided answer back into a Messages answer, a stream of Anthropic's events, or an
-//! error in Anthropic's envelope. What a chat-completions target cannot carry (thinking blocks,
-//! documents, server tools, `top_k`) is refused with a 400 naming the field, never dropped.
+//! and the decided answer back into a Messages answer, a stream of Anthropic's events (relayed
+//! live as the chat stream arrives: `Live`), or an error in Anthropic's envelope. What a
+//! chat-completions target cannot carry (thinking blocks, documents, server tools, `top_k`) is
+//! refused with a 400 naming the field, never dropped.
 
-use super::openai::{BadRequest, Translated, bad};
+use super::openai::{BadRequest, Delta, Translated, bad};
 use super::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Map, Value, json};
@@ -37,8 +38,8 @@ fn no_equivalent(at: &str, what: &str) -> BadRequest {
 }
 
 /// A Messages request as the chat-completions body the pipeline reads, and whether the caller
-/// asked for a stream. The body stays non-streaming: the answer is checked whole, then sent
-/// as Anthropic's events.
+/// asked for a stream (relayed live as Anthropic's events, or, under a contract, checked whole
+/// and then sent as them).
 pub(crate) fn to_chat(body: &[u8]) -> Translated {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
@@ -98,6 +99,10 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
     chat.insert("model".into(), json!(model));
     chat.insert("messages".into(), Value::Array(messages));
     chat.insert("max_tokens".into(), json!(max_tokens));
+    if stream {
+        // Relayed live (as Anthropic's events) unless a contract holds it to be checked whole.
+        chat.insert("stream".into(), json!(true));
+    }
     for k in ["temperature", "top_p", "oam"] {
         if let Some(v) = m.remove(k) {
             chat.insert(k.into(), v);
@@ -370,12 +375,7 @@ pub(crate) fn message_of(chat: &Value) -> Value {
         content
             .push(json!({"type": "tool_use", "id": call["id"], "name": f["name"], "input": input}));
     }
-    let stop_reason = match choice["finish_reason"].as_str() {
-        Some("length") => "max_tokens",
-        Some("tool_calls" | "function_call") => "tool_use",
-        Some("content_filter") => "refusal",
-        _ => "end_turn",
-    };
+    let stop_reason = stop_reason_of(choice["finish_reason"].as_str());
     let u = &chat["usage"];
     let cached = u["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -400,6 +400,146 @@ pub(crate) fn message_of(chat: &Value) -> Value {
         "usage": usage,
         "oam": chat["oam"],
     })
+}
+
+/// Anthropic's `stop_reason` for a chat `finish_reason`.
+fn stop_reason_of(finish: Option<&str>) -> &'static str {
+    match finish {
+        Some("length") => "max_tokens",
+        Some("tool_calls" | "function_call") => "tool_use",
+        Some("content_filter") => "refusal",
+        _ => "end_turn",
+    }
+}
+
+fn event(out: &mut String, name: &str, data: &Value) {
+    out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+}
+
+/// A chat stream relayed live as Anthropic's events: what has been written so far (the
+/// message started, the block open now), so each chunk becomes the events it means as it
+/// arrives, across a continuation on another target too.
+#[derive(Default)]
+pub(crate) struct Live {
+    started: bool,
+    /// The open block: text (`None`) or the tool call at this chat index (`Some`), and its
+    /// block index.
+    open: Option<(Option<u64>, usize)>,
+    blocks: usize,
+    stop_reason: Option<&'static str>,
+    output_tokens: u64,
+}
+
+impl Live {
+    /// The events one chat chunk (`delta`, read from `chunk`) means.
+    pub(crate) fn chunk(&mut self, chunk: &Value, delta: &Delta) -> String {
+        let mut out = String::new();
+        if !self.started {
+            self.started = true;
+            let id = chunk["id"].as_str().unwrap_or_default();
+            let message = json!({
+                "id": format!("msg_{}", id.strip_prefix("chatcmpl-").unwrap_or(id)),
+                "type": "message", "role": "assistant", "model": chunk["model"], "content": [],
+                "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": 0, "output_tokens": 0},
+            });
+            event(
+                &mut out,
+                "message_start",
+                &json!({"type": "message_start", "message": message}),
+            );
+            event(&mut out, "ping", &json!({"type": "ping"}));
+        }
+        if let Some(text) = delta.text.filter(|t| !t.is_empty()) {
+            let index = self.open_block(&mut out, None, || json!({"type": "text", "text": ""}));
+            let d = json!({"type": "content_block_delta", "index": index,
+                "delta": {"type": "text_delta", "text": text}});
+            event(&mut out, "content_block_delta", &d);
+        }
+        for t in delta
+            .tool_calls
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let call = t["index"].as_u64().unwrap_or(0);
+            let f = &t["function"];
+            let index = self.open_block(
+                &mut out,
+                Some(call),
+                || json!({"type": "tool_use", "id": t["id"], "name": f["name"], "input": {}}),
+            );
+            if let Some(args) = f["arguments"].as_str().filter(|a| !a.is_empty()) {
+                let d = json!({"type": "content_block_delta", "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": args}});
+                event(&mut out, "content_block_delta", &d);
+            }
+        }
+        if let Some(f) = delta.finish {
+            self.stop_reason = Some(stop_reason_of(Some(f)));
+        }
+        if let Some(u) = delta.usage {
+            self.output_tokens = u.completion_tokens;
+        }
+        out
+    }
+
+    /// The index of the block `kind` names, opened now (closing the one before) unless open.
+    fn open_block(
+        &mut self,
+        out: &mut String,
+        kind: Option<u64>,
+        start: impl FnOnce() -> Value,
+    ) -> usize {
+        if let Some((open, index)) = self.open
+            && open == kind
+        {
+            return index;
+        }
+        self.close_block(out);
+        let index = self.blocks;
+        self.blocks += 1;
+        self.open = Some((kind, index));
+        let d = json!({"type": "content_block_start", "index": index, "content_block": start()});
+        event(out, "content_block_start", &d);
+        index
+    }
+
+    fn close_block(&mut self, out: &mut String) {
+        if let Some((_, index)) = self.open.take() {
+            event(
+                out,
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": index}),
+            );
+        }
+    }
+
+    /// The events that end the stream once `d` is decided: the open block closed,
+    /// `message_delta` (stop reason, output tokens, the `oam` object) and `message_stop` for an
+    /// accepted answer; else Anthropic's in-band `error` event, and no `message_stop`.
+    pub(crate) fn end(&mut self, d: &crate::core::pipeline::Decision) -> String {
+        let mut out = String::new();
+        let oam = super::openai::oam_object(d);
+        if d.outcome == crate::core::pipeline::DecisionOutcome::Accepted {
+            self.close_block(&mut out);
+            let delta = json!({"type": "message_delta",
+                "delta": {"stop_reason": self.stop_reason.unwrap_or("end_turn"), "stop_sequence": null},
+                "usage": {"output_tokens": self.output_tokens}, "oam": oam});
+            event(&mut out, "message_delta", &delta);
+            event(&mut out, "message_stop", &json!({"type": "message_stop"}));
+        } else {
+            let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+            let message = format!(
+                "oam ended the stream in phase {}: {}",
+                d.phase,
+                reasons.join(", ")
+            );
+            let e = json!({"type": "error", "error": {"type": "api_error", "message": message}, "oam": oam});
+            event(&mut out, "error", &e);
+        }
+        out
+    }
 }
 
 /// A whole Messages answer as Anthropic's event stream: `message_start`, each block's start,
@@ -569,9 +709,8 @@ mod tests {
         .expect("translated");
         assert!(stream, "asked for a stream");
         assert_eq!(
-            c.get("stream"),
-            None,
-            "the upstream answer is checked whole"
+            c["stream"], true,
+            "a stream is asked of the upstream, to relay it live"
         );
         let m = &c["messages"];
         assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
@@ -798,6 +937,116 @@ mod tests {
             chat_headers(&h)["authorization"],
             "Bearer sk-2",
             "an explicit one wins"
+        );
+    }
+
+    /// Events as (name, data).
+    fn parse(text: &str) -> Vec<(String, Value)> {
+        text.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (name, data) = e.split_once('\n').expect("event and data lines");
+                let name = name
+                    .strip_prefix("event: ")
+                    .expect("an event line")
+                    .to_string();
+                (
+                    name,
+                    serde_json::from_str(data.strip_prefix("data: ").expect("data")).expect("JSON"),
+                )
+            })
+            .collect()
+    }
+
+    fn decided(outcome: &str) -> crate::core::pipeline::Decision {
+        serde_json::from_value(json!({
+            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
+            "outcome": outcome, "phase": if outcome == "accepted" { "accepted" } else { "generation" },
+            "reason_codes": if outcome == "accepted" { json!([]) } else { json!(["STREAM_ENDED_WITH_ERROR"]) },
+            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
+            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
+        }))
+        .expect("a decision")
+    }
+
+    #[test]
+    fn a_live_chat_stream_becomes_anthropics_events_block_by_block() {
+        let mut live = Live::default();
+        let mut text = String::new();
+        let mut feed = |chunk: Value| {
+            let d = super::super::openai::read_chunk(&chunk).expect("a chunk");
+            text.push_str(&live.chunk(&chunk, &d));
+        };
+        let head = |choices: Value| json!({"id": "chatcmpl-9", "model": "m", "choices": choices});
+        feed(head(
+            json!([{"delta": {"role": "assistant", "content": "Hel"}}]),
+        ));
+        feed(head(json!([{"delta": {"content": "lo"}}])));
+        feed(head(
+            json!([{"delta": {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "get_weather", "arguments": "{\"ci"}}]}}]),
+        ));
+        feed(head(
+            json!([{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "ty\":1}"}}]}}]),
+        ));
+        feed(head(json!([{"delta": {}, "finish_reason": "tool_calls"}])));
+        feed(
+            json!({"id": "chatcmpl-9", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}}),
+        );
+        let ended = live.end(&decided("accepted"));
+        let events = parse(&(text + &ended));
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "message_start",
+                "ping",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        assert_eq!(events[0].1["message"]["id"], "msg_9");
+        assert_eq!(
+            events[6].1["content_block"],
+            json!({"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}})
+        );
+        let args: String = events[7..9]
+            .iter()
+            .map(|(_, d)| d["delta"]["partial_json"].as_str().unwrap_or_default())
+            .collect();
+        assert_eq!(args, "{\"city\":1}");
+        assert_eq!(events[10].1["delta"]["stop_reason"], "tool_use");
+        assert_eq!(events[10].1["usage"]["output_tokens"], 7);
+        assert_eq!(events[10].1["oam"]["outcome"], "accepted");
+    }
+
+    #[test]
+    fn a_live_stream_oam_does_not_accept_ends_with_an_error_event_not_message_stop() {
+        let mut live = Live::default();
+        let chunk = json!({"id": "c", "model": "m", "choices": [{"delta": {"content": "par"}}]});
+        let d = super::super::openai::read_chunk(&chunk).expect("a chunk");
+        let mut text = live.chunk(&chunk, &d);
+        text.push_str(&live.end(&decided("rejected")));
+        let events = parse(&text);
+        let last = events.last().expect("events");
+        assert_eq!(last.0, "error");
+        assert_eq!(last.1["error"]["type"], "api_error");
+        assert!(
+            last.1["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("STREAM_ENDED_WITH_ERROR")
+        );
+        assert!(
+            !events.iter().any(|(n, _)| n == "message_stop"),
+            "a cut answer never ends cleanly"
         );
     }
 }

@@ -6,6 +6,7 @@
 
 use super::Node;
 use super::detach::Detachable;
+use super::live::Wire;
 use super::openai::BadRequest;
 use super::request::{Answer, authenticate, bad_request, execute};
 use axum::Router;
@@ -173,7 +174,7 @@ async fn chat(
         Ok(bytes) => bytes,
         Err(refused) => return to_http(*refused),
     };
-    let answer = match run(&node, bytes, headers, true).await {
+    let answer = match run(&node, bytes, headers, Some(Wire::Chat)).await {
         Ok(answer) => answer,
         Err(failed) => return failed,
     };
@@ -197,6 +198,7 @@ async fn messages(
     let api = Translation {
         to_chat: super::anthropic::to_chat,
         answer_of: super::anthropic::answer_of,
+        live: Some(Wire::Anthropic),
     };
     translated(&node, headers, body, api).await
 }
@@ -211,6 +213,7 @@ async fn responses(
     let api = Translation {
         to_chat: super::responses::to_chat,
         answer_of: super::responses::answer_of,
+        live: None,
     };
     translated(&node, headers, body, api).await
 }
@@ -220,6 +223,9 @@ async fn responses(
 struct Translation {
     to_chat: fn(&[u8]) -> super::openai::Translated,
     answer_of: fn(&Answer, bool) -> (String, bool),
+    /// How a stream is relayed live in this API, if it is (else it is checked whole, then
+    /// sent as the API's events).
+    live: Option<Wire>,
 }
 
 async fn translated(
@@ -232,7 +238,10 @@ async fn translated(
         Err(refused) => *refused,
         Ok(bytes) => match (api.to_chat)(&bytes) {
             Err(e) => bad_request(node, &headers, e),
-            Ok((chat, stream)) => match run(node, chat.into(), headers, false).await {
+            Ok((chat, stream)) => match run(node, chat.into(), headers, api.live).await {
+                Ok(Answer {
+                    live: Some(live), ..
+                }) => return live,
                 Ok(mut answer) => {
                     answer.stream = stream;
                     answer
@@ -304,12 +313,12 @@ async fn run(
     node: &Arc<Node>,
     bytes: axum::body::Bytes,
     headers: HeaderMap,
-    live_ok: bool,
+    live: Option<Wire>,
 ) -> Result<Answer, Response> {
     let caller = CancellationToken::new();
     let hung_up = caller.clone();
     let n = node.clone();
-    let run = async move { execute(&n, &bytes, &headers, caller, live_ok).await };
+    let run = async move { execute(&n, &bytes, &headers, caller, live).await };
     let run = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(run));
     Detachable::new(run, hung_up, node.serving.tasks.clone())
         .await

@@ -110,6 +110,15 @@ pub(crate) async fn open(
 
 /// Answer the caller with the stream `first` began: headers and first event now, the rest as it
 /// comes, relayed by a task of the node's own.
+/// How a relayed stream is written to its caller: chat-completions chunks as they came, or
+/// Anthropic's events.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Wire {
+    Chat,
+    Anthropic,
+}
+
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn respond(
     flight: Flight,
     first: Started,
@@ -117,6 +126,7 @@ pub(crate) fn respond(
     limits: Streaming,
     target: String,
     request_started: Instant,
+    wire: Wire,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let mut flight = flight;
@@ -131,6 +141,7 @@ pub(crate) fn respond(
         request_started,
         head: Value::Null,
         delivered: String::new(),
+        anthropic: (wire == Wire::Anthropic).then(super::anthropic::Live::default),
     };
     node.serving.tasks.spawn(relay.run(first));
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -216,6 +227,8 @@ struct Relay {
     head: Value,
     /// The answer's text the caller has, across a continuation.
     delivered: String,
+    /// Written as Anthropic's events (what has been opened so far), else as chat chunks.
+    anthropic: Option<super::anthropic::Live>,
 }
 
 impl Relay {
@@ -360,10 +373,12 @@ impl Relay {
             if let Some(text) = delta.text {
                 self.delivered.push_str(text);
             }
-            if delta.usage_only && !self.pass.include_usage {
-                continue;
-            }
-            if self.send(format!("data: {data}\n\n")).await.is_err() {
+            let text = match &mut self.anthropic {
+                Some(events) => events.chunk(&chunk, &delta),
+                None if delta.usage_only && !self.pass.include_usage => continue,
+                None => format!("data: {data}\n\n"),
+            };
+            if !text.is_empty() && self.send(text).await.is_err() {
                 return End::CallerGone;
             }
         }
@@ -376,7 +391,10 @@ impl Relay {
     /// The request is decided: oam's last chunk and `[DONE]` for an accepted answer, else an
     /// in-band error event (and no `[DONE]`). Then what every decided request leaves behind.
     async fn close(mut self, d: Decision) {
-        let text = stream_end(&d, &self.head);
+        let text = match &mut self.anthropic {
+            Some(events) => events.end(&d),
+            None => stream_end(&d, &self.head),
+        };
         let node = self.node();
         let started = self.request_started;
         let record = self.flight.recorder();

@@ -256,7 +256,7 @@ pub async fn execute(
     body: &[u8],
     headers: &HeaderMap,
     caller: CancellationToken,
-    live_ok: bool,
+    live_wire: Option<super::live::Wire>,
 ) -> Answer {
     let started = std::time::Instant::now();
     let Begun {
@@ -271,7 +271,7 @@ pub async fn execute(
     };
     // A streaming request held to no contract is relayed as it arrives; one under a contract is
     // checked whole first, then released.
-    let live = live_ok && stream && !flight.session.contracted();
+    let live = live_wire.filter(|_| stream && !flight.session.contracted());
     let limits = node
         .cfg
         .deadlines(flight.session.request().model.as_deref());
@@ -337,7 +337,7 @@ pub async fn execute(
                     step = next;
                     continue;
                 }
-                if live {
+                if let Some(wire) = live {
                     // Boxed, like every rarely taken large future here: the request's future
                     // is moved whole into its box, so it stays the size of the common path.
                     let opened = tokio::select! {
@@ -358,8 +358,9 @@ pub async fn execute(
                     match opened {
                         super::live::Open::Started(first) => {
                             let target = d.provider.to_string();
-                            let resp =
-                                super::live::respond(flight, first, pass, limits, target, started);
+                            let resp = super::live::respond(
+                                flight, first, pass, limits, target, started, wire,
+                            );
                             return Answer::live(resp);
                         }
                         super::live::Open::Failed(a) => {
@@ -512,7 +513,7 @@ mod tests {
             b"{\"messages\": 5}",
             &HeaderMap::new(),
             CancellationToken::new(),
-            false,
+            None,
         )
         .await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST);
@@ -532,7 +533,7 @@ mod tests {
         let n = node().await;
         let req = br#"{"model": "auto", "messages": [{"role": "user", "content": "q"}],
             "oam": {"request_id": "r1", "latency_budget_ms": 400}}"#;
-        let a = execute(&n, req, &HeaderMap::new(), CancellationToken::new(), false).await;
+        let a = execute(&n, req, &HeaderMap::new(), CancellationToken::new(), None).await;
         let v = body(&a);
         assert!(a.status.is_server_error(), "{} {v}", a.status);
         assert_eq!(v["oam"]["request_id"], "r1");

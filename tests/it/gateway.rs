@@ -2330,3 +2330,59 @@ async fn each_api_refuses_bad_input_in_its_own_envelope() {
         "no provider was called"
     );
 }
+
+/// Messages streamed live through the official Anthropic SDK: a cut stream is continued on a
+/// prefill target and reads as one whole message; with no such target the SDK raises the
+/// in-band error, never taking a cut answer for a whole one.
+#[tokio::test]
+async fn the_anthropic_client_sees_a_cut_stream_continued_or_failed() {
+    let g = streaming("anthropic-cut").await;
+    for on in ["primary/small", "primary/big"] {
+        g.fault(
+            on,
+            json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
+        )
+        .await;
+    }
+    let script = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+out = {}
+with c.messages.stream(model="prefill", max_tokens=64,
+                       messages=[{"role": "user", "content": "cut and continue"}]) as s:
+    out["deltas"] = sum(1 for _ in s.text_stream)
+    m = json.loads(s.get_final_message().to_json())
+out["continued"] = m
+try:
+    with c.messages.stream(model="chain", max_tokens=64,
+                           messages=[{"role": "user", "content": "cut for good"}]) as s:
+        got = "".join(s.text_stream)
+    out["broken"] = "ended as if complete: " + got
+except anthropic.APIError as e:
+    out["broken"] = str(e)
+print(json.dumps(out))
+"#;
+    let v = crate::support::python_json(script, &[&g.url]);
+    assert!(v["deltas"].as_u64() > Some(1), "relayed in pieces: {v}");
+    let m = &v["continued"];
+    assert_eq!(m["stop_reason"], "end_turn", "{m}");
+    assert_eq!(
+        m["content"].as_array().map(Vec::len),
+        Some(1),
+        "one text block: {m}"
+    );
+    assert!(!m["content"][0]["text"].as_str().unwrap().is_empty());
+    let broken = v["broken"].as_str().unwrap();
+    assert!(broken.contains("STREAM_ENDED_WITH_ERROR"), "{broken}");
+    let sent = g.received("local").await;
+    let prefill = sent.last().unwrap()["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        prefill["role"], "assistant",
+        "continued with what the caller had"
+    );
+}
