@@ -213,7 +213,7 @@ async fn responses(
     let api = Translation {
         to_chat: super::responses::to_chat,
         answer_of: super::responses::answer_of,
-        live: None,
+        live: Some(Wire::Responses),
     };
     translated(&node, headers, body, api).await
 }

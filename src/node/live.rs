@@ -116,6 +116,7 @@ pub(crate) async fn open(
 pub enum Wire {
     Chat,
     Anthropic,
+    Responses,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -141,7 +142,11 @@ pub(crate) fn respond(
         request_started,
         head: Value::Null,
         delivered: String::new(),
-        anthropic: (wire == Wire::Anthropic).then(super::anthropic::Live::default),
+        encoder: match wire {
+            Wire::Chat => Encoder::Chat,
+            Wire::Anthropic => Encoder::Anthropic(Default::default()),
+            Wire::Responses => Encoder::Responses(Default::default()),
+        },
     };
     node.serving.tasks.spawn(relay.run(first));
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -227,8 +232,14 @@ struct Relay {
     head: Value,
     /// The answer's text the caller has, across a continuation.
     delivered: String,
-    /// Written as Anthropic's events (what has been opened so far), else as chat chunks.
-    anthropic: Option<super::anthropic::Live>,
+    /// How each chunk is written to the caller (what another API's events have opened so far).
+    encoder: Encoder,
+}
+
+enum Encoder {
+    Chat,
+    Anthropic(super::anthropic::Live),
+    Responses(super::responses::Live),
 }
 
 impl Relay {
@@ -373,10 +384,11 @@ impl Relay {
             if let Some(text) = delta.text {
                 self.delivered.push_str(text);
             }
-            let text = match &mut self.anthropic {
-                Some(events) => events.chunk(&chunk, &delta),
-                None if delta.usage_only && !self.pass.include_usage => continue,
-                None => format!("data: {data}\n\n"),
+            let text = match &mut self.encoder {
+                Encoder::Anthropic(events) => events.chunk(&chunk, &delta),
+                Encoder::Responses(events) => events.chunk(&chunk, &delta),
+                Encoder::Chat if delta.usage_only && !self.pass.include_usage => continue,
+                Encoder::Chat => format!("data: {data}\n\n"),
             };
             if !text.is_empty() && self.send(text).await.is_err() {
                 return End::CallerGone;
@@ -391,9 +403,10 @@ impl Relay {
     /// The request is decided: oam's last chunk and `[DONE]` for an accepted answer, else an
     /// in-band error event (and no `[DONE]`). Then what every decided request leaves behind.
     async fn close(mut self, d: Decision) {
-        let text = match &mut self.anthropic {
-            Some(events) => events.end(&d),
-            None => stream_end(&d, &self.head),
+        let text = match &mut self.encoder {
+            Encoder::Anthropic(events) => events.end(&d),
+            Encoder::Responses(events) => events.end(&d),
+            Encoder::Chat => stream_end(&d, &self.head),
         };
         let node = self.node();
         let started = self.request_started;

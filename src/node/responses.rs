@@ -2,9 +2,10 @@
 //! a Responses request (input items, instructions, function tools and their outputs,
 //! `text.format`) is translated into the chat-completions request the pipeline and every target
 //! speak, and the decided answer back into a response object, or the typed event stream
-//! (`response.created` ... `response.completed`). This gateway keeps no responses: what needs
-//! stored state (`previous_response_id`, `store: true`, `background`) or a hosted tool is a 400
-//! naming the field. Errors keep OpenAI's envelope, as the Responses API's own do.
+//! (`response.created` ... `response.completed`; relayed live as the chat stream arrives:
+//! `Live`). This gateway keeps no responses: what needs stored state (`previous_response_id`,
+//! `store: true`, `background`) or a hosted tool is a 400 naming the field. Errors keep
+//! OpenAI's envelope, as the Responses API's own do.
 
 use super::openai::{BadRequest, Translated, bad};
 use super::request::Answer;
@@ -33,7 +34,8 @@ const KNOWN: &[&str] = &[
 ];
 
 /// A Responses request as the chat-completions body the pipeline reads, and whether the caller
-/// asked for a stream (the answer is checked whole, then sent as events).
+/// asked for a stream (relayed live as the typed events, or, under a contract, checked whole
+/// and then sent as them).
 pub(crate) fn to_chat(body: &[u8]) -> Translated {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
@@ -90,6 +92,10 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
         chat.insert("model".into(), model);
     }
     chat.insert("messages".into(), Value::Array(messages));
+    if stream {
+        // Relayed live (as the typed events) unless a contract holds it to be checked whole.
+        chat.insert("stream".into(), json!(true));
+    }
     if let Some(n) = m.remove("max_output_tokens").filter(|n| !n.is_null()) {
         let n = n.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
             bad(
@@ -390,6 +396,227 @@ pub(crate) fn response_of(chat: &Value) -> Value {
     })
 }
 
+/// A chat stream relayed live as the Responses API's typed events: the response started, the
+/// output item open now (a message, or the tool call at a chat index) with what it has said,
+/// and the items done, so each chunk becomes its events as it arrives.
+#[derive(Default)]
+pub(crate) struct Live {
+    seq: u64,
+    /// The response as the events have built it (`output` holds the items done).
+    response: Value,
+    /// The open item: the tool call at this chat index (`Some`) or the message (`None`), and
+    /// the item as it stands.
+    open: Option<(Option<u64>, Value)>,
+    finish: Option<String>,
+    usage: Option<crate::core::request::Usage>,
+}
+
+impl Live {
+    fn event(&mut self, out: &mut String, name: &str, mut data: Value) {
+        data["type"] = json!(name);
+        data["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+    }
+
+    fn index(&self) -> usize {
+        self.response["output"].as_array().map_or(0, Vec::len)
+    }
+
+    /// The events one chat chunk (`delta`, read from `chunk`) means.
+    pub(crate) fn chunk(&mut self, chunk: &Value, delta: &super::openai::Delta) -> String {
+        let mut out = String::new();
+        if self.response.is_null() {
+            let id = chunk["id"].as_str().unwrap_or_default();
+            let id = id.strip_prefix("chatcmpl-").unwrap_or(id);
+            self.response = json!({
+                "id": format!("resp_{id}"), "object": "response", "created_at": chunk["created"],
+                "status": "in_progress", "model": chunk["model"], "output": [],
+                "parallel_tool_calls": true, "tool_choice": "auto", "tools": [], "store": false,
+                "error": null, "incomplete_details": null, "usage": null,
+            });
+            let r = self.response.clone();
+            self.event(&mut out, "response.created", json!({"response": r}));
+            self.event(&mut out, "response.in_progress", json!({"response": r}));
+        }
+        if let Some(text) = delta.text.filter(|t| !t.is_empty()) {
+            if !matches!(self.open, Some((None, _))) {
+                self.close(&mut out);
+                let id = format!(
+                    "msg_{}_{}",
+                    self.response["id"].as_str().unwrap_or_default(),
+                    self.index()
+                );
+                let item = json!({"type": "message", "id": id, "status": "in_progress", "role": "assistant", "content": []});
+                let i = self.index();
+                self.event(
+                    &mut out,
+                    "response.output_item.added",
+                    json!({"output_index": i, "item": item}),
+                );
+                let part = json!({"type": "output_text", "text": "", "annotations": []});
+                self.event(
+                    &mut out,
+                    "response.content_part.added",
+                    json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
+                );
+                let mut item = item;
+                item["content"] = json!([part]);
+                self.open = Some((None, item));
+            }
+            let i = self.index();
+            let mut id = Value::Null;
+            if let Some((_, item)) = &mut self.open {
+                let t = item["content"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+                    + text;
+                item["content"][0]["text"] = json!(t);
+                id = item["id"].clone();
+            }
+            self.event(
+                &mut out,
+                "response.output_text.delta",
+                json!({"item_id": id, "output_index": i, "content_index": 0, "delta": text}),
+            );
+        }
+        for t in delta
+            .tool_calls
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let call = t["index"].as_u64().unwrap_or(0);
+            let f = &t["function"];
+            if !matches!(&self.open, Some((Some(c), _)) if *c == call) {
+                self.close(&mut out);
+                let i = self.index();
+                let item = json!({"type": "function_call", "id": format!("fc_{}_{i}", self.response["id"].as_str().unwrap_or_default()),
+                    "call_id": t["id"], "name": f["name"], "arguments": "", "status": "in_progress"});
+                self.event(
+                    &mut out,
+                    "response.output_item.added",
+                    json!({"output_index": i, "item": item}),
+                );
+                self.open = Some((Some(call), item));
+            }
+            if let Some(args) = f["arguments"].as_str().filter(|a| !a.is_empty()) {
+                let i = self.index();
+                let mut id = Value::Null;
+                if let Some((_, item)) = &mut self.open {
+                    let a = item["arguments"].as_str().unwrap_or_default().to_string() + args;
+                    item["arguments"] = json!(a);
+                    id = item["id"].clone();
+                }
+                self.event(
+                    &mut out,
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": i, "delta": args}),
+                );
+            }
+        }
+        if let Some(f) = delta.finish {
+            self.finish = Some(f.to_string());
+        }
+        if delta.usage.is_some() {
+            self.usage = delta.usage;
+        }
+        out
+    }
+
+    /// Close the open item: its done events, and it joins the response's output.
+    fn close(&mut self, out: &mut String) {
+        let Some((kind, mut item)) = self.open.take() else {
+            return;
+        };
+        let i = self.index();
+        item["status"] = json!("completed");
+        let id = item["id"].clone();
+        if kind.is_some() {
+            let args = item["arguments"].clone();
+            self.event(
+                out,
+                "response.function_call_arguments.done",
+                json!({"item_id": id, "output_index": i, "arguments": args}),
+            );
+        } else {
+            let part = item["content"][0].clone();
+            self.event(
+                out,
+                "response.output_text.done",
+                json!({"item_id": id, "output_index": i, "content_index": 0, "text": part["text"]}),
+            );
+            self.event(
+                out,
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
+            );
+        }
+        self.event(
+            out,
+            "response.output_item.done",
+            json!({"output_index": i, "item": item}),
+        );
+        if let Some(output) = self.response["output"].as_array_mut() {
+            output.push(item);
+        }
+    }
+
+    /// The events that end the stream once `d` is decided: the open item closed and
+    /// `response.completed` (or `response.incomplete`) with the whole response and the `oam`
+    /// object; else `response.failed`, whose `error` says why.
+    pub(crate) fn end(&mut self, d: &crate::core::pipeline::Decision) -> String {
+        let mut out = String::new();
+        let oam = super::openai::oam_object(d);
+        if d.outcome == crate::core::pipeline::DecisionOutcome::Accepted {
+            self.close(&mut out);
+            let u = self.usage.unwrap_or_default();
+            let incomplete = match self.finish.as_deref() {
+                Some("length") => Some("max_output_tokens"),
+                Some("content_filter") => Some("content_filter"),
+                _ => None,
+            };
+            self.response["status"] = json!(if incomplete.is_some() {
+                "incomplete"
+            } else {
+                "completed"
+            });
+            self.response["incomplete_details"] =
+                incomplete.map_or(Value::Null, |r| json!({"reason": r}));
+            self.response["usage"] = json!({
+                "input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            });
+            self.response["oam"] = oam;
+            let name = if incomplete.is_some() {
+                "response.incomplete"
+            } else {
+                "response.completed"
+            };
+            let r = self.response.clone();
+            self.event(&mut out, name, json!({"response": r}));
+        } else {
+            let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
+            let code = d.reason_codes.last().map_or("", |c| c.as_str());
+            let message = format!(
+                "oam ended the stream in phase {}: {}",
+                d.phase,
+                reasons.join(", ")
+            );
+            self.response["status"] = json!("failed");
+            self.response["error"] = json!({"code": code, "message": message});
+            self.response["oam"] = oam;
+            let r = self.response.clone();
+            self.event(&mut out, "response.failed", json!({"response": r}));
+        }
+        out
+    }
+}
+
 /// A whole response as the typed event stream: `response.created`, `response.in_progress`,
 /// each output item added, its text or arguments in a delta and done, the item done, then
 /// `response.completed` (or `response.incomplete`) with the whole response.
@@ -520,6 +747,10 @@ mod tests {
         }))
         .expect("translated");
         assert!(stream);
+        assert_eq!(
+            c["stream"], true,
+            "a stream is asked of the upstream, to relay it live"
+        );
         let m = &c["messages"];
         assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(m[1], json!({"role": "system", "content": "use metric"}));
@@ -544,7 +775,6 @@ mod tests {
         assert_eq!(c["tool_choice"]["function"]["name"], "get_weather");
         assert_eq!(c["response_format"]["json_schema"]["name"], "w");
         assert_eq!(c["oam"]["agent"], "agents-sdk");
-        assert_eq!(c.get("stream"), None);
     }
 
     #[test]
@@ -680,6 +910,91 @@ mod tests {
         assert_eq!(
             events[12]["response"]["output"].as_array().map(Vec::len),
             Some(2)
+        );
+    }
+
+    fn decided(outcome: &str) -> crate::core::pipeline::Decision {
+        serde_json::from_value(json!({
+            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
+            "outcome": outcome, "phase": if outcome == "accepted" { "accepted" } else { "generation" },
+            "reason_codes": if outcome == "accepted" { json!([]) } else { json!(["STREAM_ENDED_WITH_ERROR"]) },
+            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
+            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
+        }))
+        .expect("a decision")
+    }
+
+    fn events(text: &str) -> Vec<Value> {
+        text.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (_, data) = e.split_once('\n').expect("event and data lines");
+                serde_json::from_str(data.strip_prefix("data: ").expect("data")).expect("JSON")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_live_chat_stream_becomes_the_typed_events_item_by_item() {
+        let mut live = Live::default();
+        let mut text = String::new();
+        for chunk in [
+            json!({"id": "chatcmpl-7", "created": 1, "model": "m", "choices": [{"delta": {"content": "Hel"}}]}),
+            json!({"id": "chatcmpl-7", "choices": [{"delta": {"content": "lo"}}]}),
+            json!({"id": "chatcmpl-7", "choices": [{"delta": {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{\"a\""}}]}}]}),
+            json!({"id": "chatcmpl-7", "choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]}, "finish_reason": "tool_calls"}]}),
+            json!({"id": "chatcmpl-7", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}),
+        ] {
+            let d = super::super::openai::read_chunk(&chunk).expect("a chunk");
+            text.push_str(&live.chunk(&chunk, &d));
+        }
+        text.push_str(&live.end(&decided("accepted")));
+        let evs = events(&text);
+        let types: Vec<&str> = evs.iter().filter_map(|e| e["type"].as_str()).collect();
+        assert_eq!(
+            types,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        for (i, e) in evs.iter().enumerate() {
+            assert_eq!(e["sequence_number"], i as u64);
+        }
+        let done = &evs[14]["response"];
+        assert_eq!(done["output"][0]["content"][0]["text"], "Hello");
+        assert_eq!(done["output"][1]["arguments"], "{\"a\":1}");
+        assert_eq!(done["usage"]["total_tokens"], 8);
+        assert_eq!(done["oam"]["outcome"], "accepted");
+    }
+
+    #[test]
+    fn a_live_stream_oam_does_not_accept_ends_failed() {
+        let mut live = Live::default();
+        let chunk = json!({"id": "c", "choices": [{"delta": {"content": "par"}}]});
+        let d = super::super::openai::read_chunk(&chunk).expect("a chunk");
+        let mut text = live.chunk(&chunk, &d);
+        text.push_str(&live.end(&decided("rejected")));
+        let last = events(&text).pop().expect("events");
+        assert_eq!(last["type"], "response.failed");
+        assert_eq!(last["response"]["status"], "failed");
+        assert_eq!(last["response"]["error"]["code"], "STREAM_ENDED_WITH_ERROR");
+        assert!(
+            !text.contains("response.completed"),
+            "a cut answer never ends cleanly"
         );
     }
 }

@@ -2090,6 +2090,7 @@ events = list(c.responses.create(model="small", instructions="be brief", input="
                                  stream=True))
 out["types"] = [e.type for e in events]
 out["deltas"] = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+out["delta_count"] = sum(1 for e in events if e.type == "response.output_text.delta")
 out["completed"] = json.loads(events[-1].response.to_json())
 with c.responses.stream(model="small", input="Hello") as s:
     out["stream_final"] = s.get_final_response().output_text
@@ -2130,6 +2131,10 @@ print(json.dumps(out))
         .collect();
     assert_eq!(types.first(), Some(&"response.created"), "{types:?}");
     assert_eq!(types.last(), Some(&"response.completed"), "{types:?}");
+    assert!(
+        v["delta_count"].as_u64() > Some(1),
+        "relayed live, in pieces: {v}"
+    );
     let delta = v["deltas"].as_str().unwrap();
     assert!(delta.contains("to: Hello"), "{v}");
     assert_eq!(v["completed"]["output"][0]["content"][0]["text"], delta);
