@@ -959,14 +959,12 @@ mod tests {
     }
 
     fn decided(outcome: &str) -> crate::core::pipeline::Decision {
-        serde_json::from_value(json!({
-            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
-            "outcome": outcome, "phase": if outcome == "accepted" { "accepted" } else { "generation" },
-            "reason_codes": if outcome == "accepted" { json!([]) } else { json!(["STREAM_ENDED_WITH_ERROR"]) },
-            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
-            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
-        }))
-        .expect("a decision")
+        match outcome {
+            "accepted" => crate::node::offline::decision("accepted", "accepted", &[]),
+            other => {
+                crate::node::offline::decision(other, "generation", &["STREAM_ENDED_WITH_ERROR"])
+            }
+        }
     }
 
     #[test]

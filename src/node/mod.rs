@@ -291,6 +291,21 @@ pub(crate) mod offline {
     pub(crate) async fn node() -> Arc<Node> {
         node_with("").await.0
     }
+
+    /// A decision as the engine writes one: `outcome` in `phase` with `codes`, no attempts.
+    pub(crate) fn decision(
+        outcome: &str,
+        phase: &str,
+        codes: &[&str],
+    ) -> crate::core::pipeline::Decision {
+        serde_json::from_value(serde_json::json!({
+            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
+            "outcome": outcome, "phase": phase, "reason_codes": codes,
+            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
+            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
+        }))
+        .expect("a decision")
+    }
 }
 
 #[cfg(test)]

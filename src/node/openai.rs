@@ -654,15 +654,8 @@ mod tests {
     use super::*;
     use axum::http::HeaderValue;
 
-    /// A decision as the core writes one: `outcome` and `phase` as named, no attempts.
     fn decision(outcome: &str, phase: &str) -> Decision {
-        serde_json::from_value(json!({
-            "request_id": "r", "agent": "a", "task": "", "fingerprint": "0000000000000000",
-            "outcome": outcome, "phase": phase, "reason_codes": [],
-            "provider": null, "fallback": false, "confidence": null, "cost_usd": 0.0,
-            "attempts": [], "escalation": null, "incident": null, "effects": [], "decided_at_ms": 0
-        }))
-        .expect("a decision")
+        crate::node::offline::decision(outcome, phase, &[])
     }
 
     #[test]
