@@ -136,6 +136,24 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
     ))
 }
 
+/// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request (without
+/// `max_tokens`) will be billed for, as the engine estimates them to price its reservations:
+/// the same translation, so what cannot be served cannot be counted either.
+pub(crate) fn count_tokens(
+    cfg: &super::config::NodeConfig,
+    body: &[u8],
+    h: &HeaderMap,
+) -> Result<u64, BadRequest> {
+    let mut v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
+    if let Some(m) = v.as_object_mut() {
+        m.entry("max_tokens").or_insert(json!(1));
+    }
+    let (chat, _) = to_chat(v.to_string().as_bytes())?;
+    let (request, _, _) = super::openai::decode_request(cfg, &chat, h, String::new)?;
+    Ok(crate::core::pipeline::estimate_prompt_tokens(&request))
+}
+
 /// A string, or text blocks (`[{type: "text", text}]`), as one text.
 fn text_blocks(v: &Value, at: &str) -> Result<String, BadRequest> {
     match v {
@@ -1046,5 +1064,26 @@ mod tests {
             !events.iter().any(|(n, _)| n == "message_stop"),
             "a cut answer never ends cleanly"
         );
+    }
+
+    #[test]
+    fn tokens_are_counted_as_the_engine_prices_them() {
+        let cfg =
+            super::super::config::NodeConfig::load(None, "http://127.0.0.1:1").expect("a config");
+        let count = |content: &str| {
+            let body = json!({"model": "auto", "system": "be brief",
+                "messages": [{"role": "user", "content": content}]});
+            count_tokens(&cfg, body.to_string().as_bytes(), &HeaderMap::new())
+        };
+        let short = count("hi").expect("counted");
+        let long = count(&"word ".repeat(400)).expect("counted");
+        assert!(short > 0 && long >= short + 400, "{short} {long}");
+        let e = count_tokens(
+            &cfg,
+            br#"{"model": "auto", "messages": [], "top_k": 1}"#,
+            &HeaderMap::new(),
+        )
+        .expect_err("refused");
+        assert_eq!(e.param.as_deref(), Some("top_k"));
     }
 }

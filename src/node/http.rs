@@ -22,6 +22,7 @@ pub fn router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
@@ -201,6 +202,42 @@ async fn messages(
         live: Some(Wire::Anthropic),
     };
     translated(&node, headers, body, api).await
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt tokens of a Messages request, estimated as the
+/// engine prices them (`anthropic::count_tokens`); no target is called.
+async fn count_tokens(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let headers = super::anthropic::chat_headers(&headers);
+    let answer = match authenticate(&node, &headers) {
+        Err(refused) => *refused,
+        Ok(_) => match read_body(&node, &headers, body).await {
+            Err(refused) => *refused,
+            Ok(bytes) => match super::anthropic::count_tokens(&node.cfg, &bytes, &headers) {
+                Ok(n) => return axum::Json(json!({"input_tokens": n})).into_response(),
+                Err(e) => bad_request(&node, &headers, e),
+            },
+        },
+    };
+    let (text, _) = super::anthropic::answer_of(&answer, false);
+    let resp = (
+        answer.status,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        text,
+    )
+        .into_response();
+    with_oam_headers(
+        resp,
+        [
+            answer.phase,
+            answer.reasons,
+            answer.target,
+            answer.request_id,
+        ],
+    )
 }
 
 /// `POST /v1/responses`: the OpenAI Responses API, translated to chat completions and back

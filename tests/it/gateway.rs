@@ -1967,6 +1967,8 @@ turns = ask + [{"role": "assistant", "content": first.content},
 out["second"] = json.loads(c.messages.create(model="small", max_tokens=64, tools=tools,
                                              messages=turns).to_json())
 out["models"] = [m.id for m in c.models.list()]
+out["counted"] = [c.messages.count_tokens(model="small", messages=[{"role": "user", "content": t}]).input_tokens
+                  for t in ["hi", "word " * 400]]
 try:
     c.messages.create(model="gpt-9", max_tokens=8, messages=hello)
     out["error"] = "answered"
@@ -2031,6 +2033,16 @@ print(json.dumps(out))
     );
 
     assert_eq!(v["models"], json!(["big", "small", "auto"]));
+    let counted: Vec<u64> = v["counted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect();
+    assert!(
+        counted[0] > 0 && counted[1] >= counted[0] + 400,
+        "{counted:?}"
+    );
     assert_eq!(v["error"]["status"], 400, "{v}");
     assert_eq!(v["error"]["body"]["type"], "error");
     assert_eq!(v["error"]["body"]["error"]["type"], "invalid_request_error");
