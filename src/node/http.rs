@@ -222,22 +222,8 @@ async fn count_tokens(
             },
         },
     };
-    let (text, _) = super::anthropic::answer_of(&answer, false);
-    let resp = (
-        answer.status,
-        [(axum::http::header::CONTENT_TYPE, "application/json")],
-        text,
-    )
-        .into_response();
-    with_oam_headers(
-        resp,
-        [
-            answer.phase,
-            answer.reasons,
-            answer.target,
-            answer.request_id,
-        ],
-    )
+    let (text, events) = super::anthropic::answer_of(&answer, false);
+    in_its_api(answer, text, events)
 }
 
 /// `POST /v1/responses`: the OpenAI Responses API, translated to chat completions and back
@@ -288,6 +274,12 @@ async fn translated(
         },
     };
     let (text, events) = (api.answer_of)(&answer, answer.stream);
+    in_its_api(answer, text, events)
+}
+
+/// `answer` written in another API's shape (`text`, events or JSON), with its status and the
+/// `X-OAM-*` headers.
+fn in_its_api(answer: Answer, text: String, events: bool) -> Response {
     let kind = if events {
         "text/event-stream"
     } else {
