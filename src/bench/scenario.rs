@@ -181,7 +181,9 @@ pub struct Expect {
     pub metric: Metric,
     #[serde(default)]
     pub during: Window,
-    #[serde(default)]
+    /// The target measured (`provider_share`, `recovery_to_primary_ms`); `target` works too,
+    /// the core's name for it.
+    #[serde(default, alias = "target")]
     pub provider: Option<String>,
     /// A reason code (`reason_count`, `cluster_reason_count`) or a mesh error code
     /// (`error_count`), checked against the valid ones when the file is read.
@@ -216,7 +218,8 @@ pub enum Metric {
     SuccessRate,
     /// Failed requests (count).
     Failed,
-    /// Share of answered requests served by `provider`.
+    /// Share of answered requests served by `provider` (also spelled `target_share`).
+    #[serde(alias = "target_share")]
     ProviderShare,
     /// Requests whose reasons include `code` (count).
     ReasonCount,
@@ -704,6 +707,19 @@ min = 1
         let short = s.shortened();
         assert_eq!(short.duration(), Duration::from_secs(5));
         assert_eq!(event_times(&short.chaos[0]), (1_000, 2_000));
+        let renamed = OUTAGE
+            .replace("metric = \"provider_share\"", "metric = \"target_share\"")
+            .replace("provider = \"local\"\n", "target = \"local\"\n");
+        let (old, new) = (
+            Scenario::parse(OUTAGE).expect("the old names"),
+            Scenario::parse(&renamed).expect("the target names"),
+        );
+        assert_ne!(renamed, OUTAGE);
+        assert_eq!(
+            format!("{:?}", old.expect),
+            format!("{:?}", new.expect),
+            "target and target_share read as provider and provider_share"
+        );
         let bad = OUTAGE.replace("kill-provider", "melt-provider");
         assert!(Scenario::parse(&bad).unwrap_err().contains("melt-provider"));
         let bad = OUTAGE.replace("provider = \"local\"\n", "");
