@@ -55,7 +55,7 @@ pub struct Bus {
     stamper: Mutex<Stamper>,
     pub counters: BusCounters,
     /// Decisions waiting for the next batch.
-    decisions: Mutex<Vec<Arc<Decided>>>,
+    decisions: Mutex<std::collections::VecDeque<Arc<Decided>>>,
     decisions_full: Notify,
     /// Chaos cutting the node off from NATS.
     isolation: Mutex<Isolation>,
@@ -134,10 +134,10 @@ impl Bus {
     pub(crate) fn decided(&self, d: Arc<Decided>) {
         let mut waiting = lock(&self.decisions);
         if waiting.len() >= DECISIONS_KEPT {
-            waiting.remove(0);
+            waiting.pop_front();
             self.counters.dropped_events.fetch_add(1, Ordering::Relaxed);
         }
-        waiting.push(d);
+        waiting.push_back(d);
         if waiting.len() >= DECISION_BATCH_MAX {
             self.decisions_full.notify_one();
         }

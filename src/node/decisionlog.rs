@@ -98,7 +98,7 @@ pub struct DecisionLog {
     id: String,
     settings: LogSettings,
     /// Decision records waiting for the log, and who waits for each (under `durable`).
-    waiting: Mutex<Vec<(Record, Option<oneshot::Sender<bool>>)>>,
+    waiting: Mutex<std::collections::VecDeque<(Record, Option<oneshot::Sender<bool>>)>>,
     full: Notify,
     pub counters: Arc<LogCounters>,
 }
@@ -138,11 +138,11 @@ impl DecisionLog {
         let mut waiting = lock(&self.waiting);
         if waiting.len() >= WAITING_MAX {
             // Its waiter (if any) hears `false` as its sender goes.
-            waiting.remove(0);
+            waiting.pop_front();
             self.counters.lost.fetch_add(1, Ordering::Relaxed);
         }
         let urgent = tx.is_some();
-        waiting.push((r, tx));
+        waiting.push_back((r, tx));
         if urgent || waiting.len() >= BATCH_RECORDS {
             self.full.notify_one();
         }
@@ -180,7 +180,7 @@ impl Writer {
                 () = stop.cancelled() => true,
             };
             let waiting: Vec<(Record, Option<oneshot::Sender<bool>>)> =
-                std::mem::take(&mut *lock(&log.waiting));
+                std::mem::take(&mut *lock(&log.waiting)).into();
             if !waiting.is_empty() {
                 if !ready {
                     let s = &log.settings;
