@@ -260,7 +260,12 @@ async fn translated(
     let answer = match read_body(node, &headers, body).await {
         Err(refused) => *refused,
         Ok(bytes) => match (api.to_chat)(&bytes) {
-            Err(e) => bad_request(node, &headers, e),
+            // As on chat (`request::begin`): a caller without a key hears 401 before anything
+            // about its body.
+            Err(e) => match authenticate(node, &headers) {
+                Err(refused) => *refused,
+                Ok(_) => bad_request(node, &headers, e),
+            },
             Ok((chat, stream)) => match run(node, chat.into(), headers, api.live).await {
                 Ok(Answer {
                     live: Some(live), ..

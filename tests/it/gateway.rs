@@ -954,6 +954,41 @@ async fn only_clients_with_a_key_are_served_and_each_is_its_own_agent() {
     );
     let m = crate::support::metrics(&g.url).await;
     assert!(m.contains("oam_unauthorized_requests_total 3"), "{m}");
+    // The other APIs alike, a bad body too: no key, no word about the body.
+    for (path, body) in [
+        ("/v1/messages", json!({"model": "big", "messages": []})),
+        (
+            "/v1/responses",
+            json!({"model": "big", "input": "q", "store": true}),
+        ),
+        (
+            "/v1/messages/count_tokens",
+            json!({"model": "big", "messages": []}),
+        ),
+    ] {
+        let r = client()
+            .post(format!("{}{path}", g.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{path}");
+        // Anthropic's clients send x-api-key, OpenAI's a bearer token.
+        let keyed = client().post(format!("{}{path}", g.url));
+        let keyed = if path.starts_with("/v1/messages") {
+            keyed.header("x-api-key", ALPHA)
+        } else {
+            keyed.bearer_auth(ALPHA)
+        };
+        let r = keyed.json(&body).send().await.unwrap();
+        assert_eq!(
+            r.status().as_u16(),
+            400,
+            "{path}: a keyed caller hears about its body"
+        );
+    }
+    let m = crate::support::metrics(&g.url).await;
+    assert!(m.contains("oam_unauthorized_requests_total 6"), "{m}");
 
     // The NATS data plane asks for the same key, as a message header.
     let nc = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
