@@ -857,18 +857,8 @@ mod tests {
 
     #[test]
     fn a_stream_carries_every_block_in_anthropics_event_order() {
-        let text = events_of(&message_of(&completion("tool_calls")));
-        let events: Vec<(&str, Value)> = text
-            .split("\n\n")
-            .filter(|e| !e.is_empty())
-            .map(|e| {
-                let (name, data) = e.split_once('\n').expect("event and data lines");
-                let name = name.strip_prefix("event: ").expect("an event line");
-                let data = data.strip_prefix("data: ").expect("a data line");
-                (name, serde_json::from_str(data).expect("JSON"))
-            })
-            .collect();
-        let names: Vec<&str> = events.iter().map(|(n, _)| *n).collect();
+        let events = parse(&events_of(&message_of(&completion("tool_calls"))));
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,
             [

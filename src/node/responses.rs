@@ -868,21 +868,7 @@ mod tests {
 
     #[test]
     fn a_stream_is_the_typed_event_sequence_numbered_in_order() {
-        let text = events_of(&response_of(&completion("tool_calls")));
-        let events: Vec<Value> = text
-            .split("\n\n")
-            .filter(|e| !e.is_empty())
-            .map(|e| {
-                let (name, data) = e.split_once('\n').expect("event and data lines");
-                let v: Value =
-                    serde_json::from_str(data.strip_prefix("data: ").expect("data")).expect("JSON");
-                assert_eq!(
-                    Some(v["type"].as_str().unwrap_or_default()),
-                    name.strip_prefix("event: ")
-                );
-                v
-            })
-            .collect();
+        let events = events(&events_of(&response_of(&completion("tool_calls"))));
         let types: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
         assert_eq!(
             types,
@@ -922,12 +908,19 @@ mod tests {
         }
     }
 
+    /// The events of a stream, each data's `type` checked against its event name.
     fn events(text: &str) -> Vec<Value> {
         text.split("\n\n")
             .filter(|e| !e.is_empty())
             .map(|e| {
-                let (_, data) = e.split_once('\n').expect("event and data lines");
-                serde_json::from_str(data.strip_prefix("data: ").expect("data")).expect("JSON")
+                let (name, data) = e.split_once('\n').expect("event and data lines");
+                let v: Value =
+                    serde_json::from_str(data.strip_prefix("data: ").expect("data")).expect("JSON");
+                assert_eq!(
+                    Some(v["type"].as_str().unwrap_or_default()),
+                    name.strip_prefix("event: ")
+                );
+                v
             })
             .collect()
     }
