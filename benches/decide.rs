@@ -62,6 +62,7 @@ fn request() -> Request {
         contract: None,
         response_format: None,
         tools: Default::default(),
+        bound_to: None,
     }
 }
 

@@ -148,6 +148,7 @@ mod tests {
             contract: None,
             response_format: None,
             tools: Default::default(),
+            bound_to: None,
         }
     }
 

@@ -190,6 +190,7 @@ pub fn default_providers() -> Vec<Target> {
         fallback,
         context_window: None,
         prefill: false,
+        api: Default::default(),
     };
     vec![
         p("primary", "sim-large", 0.010, false),
@@ -646,6 +647,8 @@ impl Engine {
                 let breaker = self.state.breakers.get(&*p.id).copied().unwrap_or_default();
                 let excluded = if tried(&p.id) {
                     Some(ReasonCode::ProviderAlreadyTried)
+                } else if r.bound_to.is_some_and(|api| api != p.api) {
+                    Some(ReasonCode::ApiNotCarried)
                 } else if too_small(p) {
                     Some(ReasonCode::ContextWindowTooSmall)
                 } else if s.interrupted && !p.prefill {

@@ -109,6 +109,7 @@ pub(crate) fn req(id: &str) -> Request {
         contract: None,
         response_format: None,
         tools: Default::default(),
+        bound_to: None,
     }
 }
 
@@ -1145,6 +1146,13 @@ fn every_reason_code_is_reachable() {
         note(&d);
     }
 
+    // A request bound to its API: the target of the other is excluded.
+    e.state.providers[0].api = crate::core::request::Api::Anthropic;
+    let mut bound = req("bound");
+    bound.bound_to = Some(crate::core::request::Api::Openai);
+    let (_, d) = drive(&mut e, bound, vec![good()]);
+    note(&d);
+
     let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
     let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();
     assert!(missing.is_empty(), "unreached reason codes: {missing:?}");
@@ -1164,6 +1172,7 @@ fn routed() -> Engine {
         fallback: false,
         context_window: None,
         prefill: false,
+        api: Default::default(),
     };
     let mut state = State {
         cluster: Cluster::new("n1", 1).into(),
@@ -1504,6 +1513,7 @@ fn windows() -> Engine {
         fallback: false,
         context_window: Some(w),
         prefill: false,
+        api: Default::default(),
     };
     e.state.providers = vec![t("a", 8_000), t("b", 4_000), t("c", 32_000)];
     e.state.routes.insert(
@@ -1914,4 +1924,29 @@ fn a_reservation_prices_every_answer_asked_for_and_a_timeout_is_charged() {
     );
     assert!(d.attempts[0].cost_usd > 0.0, "{d:?}");
     assert!((d.cost_usd - d.attempts[0].cost_usd).abs() < 1e-12, "{d:?}");
+}
+
+#[test]
+fn a_request_bound_to_its_api_goes_only_to_targets_that_speak_it() {
+    use crate::core::request::Api;
+    let mut e = windows();
+    e.config.same_target_retries = 0;
+    // b speaks Messages; a and c chat completions.
+    e.state.providers[1].api = Api::Anthropic;
+    let mut r = asking("long", "bound");
+    r.bound_to = Some(Api::Openai);
+    let (mut s, step) = e.begin(r, T0).unwrap();
+    assert!(matches!(step, Step::Dispatch(ref d) if &*d.provider == "a"));
+    let Step::Dispatch(d) = e.complete(&mut s, err(), T0 + 50) else {
+        panic!("moved on")
+    };
+    assert_eq!(&*d.provider, "c", "not b: it cannot carry the request");
+    let b = &s.attempts[1].candidates;
+    assert_eq!(b[1].excluded, Some(ReasonCode::ApiNotCarried));
+    // Unbound, the same route goes through b.
+    let (mut s, _) = e.begin(asking("long", "free"), T0 + 100).unwrap();
+    let Step::Dispatch(d) = e.complete(&mut s, err(), T0 + 150) else {
+        panic!("moved on")
+    };
+    assert_eq!(&*d.provider, "b");
 }

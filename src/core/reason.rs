@@ -160,6 +160,8 @@ reason_codes! {
         "The target's context window is too small for the request (by estimate, or because a target with a window as large refused it as too long); excluded.";
     PrefillNotSupported = "PREFILL_NOT_SUPPORTED", Routing,
         "The target cannot continue a partial answer (it takes no assistant prefill); excluded from continuing an interrupted stream.";
+    ApiNotCarried = "API_NOT_CARRIED", Routing,
+        "The request uses a feature the target's API has no equivalent for (a translation would drop it); excluded, so it is served only where its own API is spoken.";
     NoProviderAvailable = "NO_PROVIDER_AVAILABLE", Routing,
         "Every provider was excluded; nothing could serve the request.";
     CircuitOpen = "CIRCUIT_OPEN", Breaker,

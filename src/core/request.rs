@@ -16,6 +16,24 @@ pub enum Risk {
     High,
 }
 
+/// The API an upstream speaks. A request is translated to whichever its target speaks, unless
+/// it uses a feature the other API has no equivalent for: then it is bound to its own.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Hash, Debug, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// OpenAI's chat completions (and every OpenAI-compatible server).
+    #[default]
+    Openai,
+    /// Anthropic's Messages API.
+    Anthropic,
+}
+
+impl Api {
+    pub fn is_openai(&self) -> bool {
+        *self == Api::Openai
+    }
+}
+
 /// The bulkhead class; `critical` also marks a critical task for escalation.
 #[derive(
     Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default,
@@ -136,6 +154,10 @@ pub struct Request {
     /// calls in the answer are checked against them.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub tools: std::collections::BTreeMap<String, serde_json::Value>,
+    /// Only targets of this API may serve it: it uses a feature (a parameter, a part) that a
+    /// translation to the other would drop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_to: Option<Api>,
 }
 
 fn yes() -> bool {
@@ -184,6 +206,9 @@ pub struct Target {
     /// Does it continue an assistant message given as the last one (a prefill)?
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prefill: bool,
+    /// The API its upstream speaks.
+    #[serde(default, skip_serializing_if = "Api::is_openai")]
+    pub api: Api,
 }
 
 impl Target {

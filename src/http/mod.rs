@@ -69,12 +69,12 @@ impl Poster {
         self.max_answer_bytes
     }
 
-    /// POST `body` (JSON) to `uri` with `authorization` (a ready header value), and read the
+    /// POST `body` (JSON) to `uri` with `headers` (ready values: the key), and read the
     /// whole answer, up to `max_answer_bytes`. Unbounded in time: the caller bounds it.
     pub async fn post_json(
         &self,
         uri: &hyper::Uri,
-        authorization: Option<&hyper::header::HeaderValue>,
+        headers: &[(hyper::header::HeaderName, hyper::header::HeaderValue)],
         body: Vec<u8>,
     ) -> Result<Posted, Box<dyn std::error::Error + Send + Sync>> {
         use http_body_util::BodyExt as _;
@@ -82,8 +82,8 @@ impl Poster {
             hyper::header::CONTENT_TYPE,
             hyper::header::HeaderValue::from_static("application/json"),
         );
-        if let Some(a) = authorization {
-            req = req.header(hyper::header::AUTHORIZATION, a.clone());
+        for (name, value) in headers {
+            req = req.header(name, value.clone());
         }
         let req = req.body(http_body_util::Full::new(bytes::Bytes::from(body)))?;
         let resp = self.client.request(req).await?;

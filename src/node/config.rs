@@ -24,6 +24,8 @@
 //! model = "sim-large"              # its one model: the target is named "primary" ...
 //! # models = ["a", { name = "b", cost_per_1k_tokens_usd = 0.002 }]  # ... or several: "primary/a"
 //! api_key_env = "OPENAI_API_KEY"   # optional: the key is read from this variable
+//! # api = "anthropic"               # what base_url speaks: "openai" (chat completions, the
+//!                                  # default) or "anthropic" (Messages; x-api-key; prefill)
 //! # agent = "llm.local"            # instead of base_url: a mesh agent answering chat requests
 //! cost_per_1k_tokens_usd = 0.01    # target attributes, for each of its models unless the
 //! output_cost_per_1k_usd = 0.03    # model says otherwise: prices (prompt; completion;
@@ -136,6 +138,11 @@ pub struct ProviderConfig {
     /// The OpenAI-compatible base URL (what `/chat/completions` is appended to).
     #[serde(default)]
     pub base_url: String,
+    /// The API it speaks at `base_url`: `"openai"` (chat completions, the default) or
+    /// `"anthropic"` (Messages: `/messages` is appended, the key goes in `x-api-key`, and it
+    /// continues an assistant prefill natively).
+    #[serde(default)]
+    pub api: crate::core::request::Api,
     /// Or: the provider is an agent on the mesh, called by this name with the chat request as
     /// its payload and answering with a chat completion. Its death notice marks it down at once.
     #[serde(default)]
@@ -267,6 +274,7 @@ pub struct Target {
     pub context_window: Option<u64>,
     pub prefill: bool,
     pub fallback: bool,
+    pub api: crate::core::request::Api,
 }
 
 impl Target {
@@ -282,6 +290,7 @@ impl Target {
             fallback: self.fallback,
             context_window: self.context_window,
             prefill: self.prefill,
+            api: self.api,
         }
     }
 }
@@ -419,6 +428,7 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
         .map(|p| ProviderConfig {
             base_url: format!("{sim_url}/{}/v1", p.id),
             agent: None,
+            api: Default::default(),
             id: p.id.to_string(),
             model: p.model.to_string(),
             models: Vec::new(),
@@ -520,8 +530,10 @@ impl NodeConfig {
                 cache_write_cost_per_1k_usd: p.cache_write_cost_per_1k_usd,
                 reasoning_cost_per_1k_usd: p.reasoning_cost_per_1k_usd,
                 context_window: p.context_window,
-                prefill: p.prefill,
+                // Messages continues a trailing assistant turn by design.
+                prefill: p.prefill || p.api == crate::core::request::Api::Anthropic,
                 fallback: p.fallback,
+                api: p.api,
             };
             if p.models.is_empty() {
                 out.push(base);
@@ -563,6 +575,11 @@ impl NodeConfig {
             }
         }
         out
+    }
+
+    /// Does any target speak Anthropic's Messages API (so some requests must be kept from it)?
+    pub fn speaks_anthropic(&self) -> bool {
+        self.targets.iter().any(|t| !t.api.is_openai())
     }
 
     /// The target a route names: `provider/model`, or a one-model provider's id.
@@ -679,6 +696,12 @@ impl NodeConfig {
             }
             match &p.agent {
                 Some(agent) => {
+                    if !p.api.is_openai() {
+                        return Err(format!(
+                            "{at}: an agent answers chat requests; api = \"anthropic\" needs a \
+                             base_url"
+                        ));
+                    }
                     if !crate::mesh::protocol::valid_agent_name(agent) || !p.base_url.is_empty() {
                         return Err(format!(
                             "{at}: agent must be a valid agent name, and a provider has either \

@@ -1,9 +1,12 @@
-//! The provider connector: a real OpenAI-compatible HTTP client. The same code talks to
-//! `oam sim`, Ollama, vLLM or OpenAI. It turns whatever happened (an answer, a 5xx, a 429, a
-//! reset, a timeout) into a `Generation` for the pure pipeline, with the real elapsed time.
+//! The provider connector: a real HTTP client of OpenAI-compatible servers (`oam sim`, Ollama,
+//! vLLM, OpenAI) and of Anthropic's Messages API (translated both ways by
+//! `anthropic::upstream`, so everything above it reads chat completions). It turns whatever
+//! happened (an answer, a 5xx, a 429, a reset, a timeout) into a `Generation` for the pure
+//! pipeline, with the real elapsed time.
 
+use super::anthropic::upstream as messages;
 use super::config::ProviderConfig;
-use crate::core::request::{Generation, GenerationStatus, Message};
+use crate::core::request::{Api, Generation, GenerationStatus, Message};
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -76,26 +79,61 @@ pub enum Upstream {
 /// An HTTP provider's endpoints, parsed once (a URL parse per request is measurable at
 /// thousands a second), and its key.
 pub struct HttpEndpoint {
-    /// `{base_url}/chat/completions`.
+    api: Api,
+    /// `{base_url}/chat/completions` (or `/messages`).
     url: reqwest::Url,
     /// `url` for the lean client (the call every request makes).
     uri: hyper::Uri,
     /// `{base_url}/models`.
     models_url: reqwest::Url,
-    /// `Bearer {key}` (the key from `api_key_env`), made once, marked sensitive.
-    authorization: Option<reqwest::header::HeaderValue>,
+    /// What every request carries, made once: the key from `api_key_env` (as
+    /// `Authorization: Bearer`, or `x-api-key`, marked sensitive) and `anthropic-version`.
+    headers: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>,
     http: reqwest::Client,
 }
 
 impl HttpEndpoint {
     /// A request to `url` with the provider's key.
     fn request(&self, method: reqwest::Method, url: &reqwest::Url) -> reqwest::RequestBuilder {
-        let req = self.http.request(method, url.clone());
-        match &self.authorization {
-            Some(a) => req.header(reqwest::header::AUTHORIZATION, a.clone()),
-            None => req,
+        let mut req = self.http.request(method, url.clone());
+        for (name, value) in &self.headers {
+            req = req.header(name, value.clone());
+        }
+        req
+    }
+
+    /// The body of a request for `body`, in the API this endpoint speaks.
+    fn body(&self, body: &Body<'_>, prefill: Option<&str>) -> serde_json::Result<Vec<u8>> {
+        match self.api {
+            Api::Openai => serde_json::to_vec(body),
+            Api::Anthropic => {
+                // Routing kept what Messages cannot carry away; the messages as chat sent them.
+                let messages = match &body.messages {
+                    Messages::AsSent(m) | Messages::Prefilled(m, _) => m.to_vec(),
+                    Messages::Core(m) => m
+                        .iter()
+                        .map(serde_json::to_value)
+                        .collect::<Result<_, _>>()?,
+                };
+                let empty = serde_json::Map::new();
+                serde_json::to_vec(&messages::request_of(
+                    body.model,
+                    &messages,
+                    body.extra.unwrap_or(&empty),
+                    body.max_tokens,
+                    body.stream,
+                    prefill,
+                ))
+            }
         }
     }
+}
+
+/// Now, in Unix seconds (a translated answer's `created`).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl Connector {
@@ -121,22 +159,38 @@ impl Connector {
                         )
                     })
                 };
-                let url = at("chat/completions")?;
-                let authorization = cfg
+                use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue};
+                let url = at(match cfg.api {
+                    Api::Openai => "chat/completions",
+                    Api::Anthropic => "messages",
+                })?;
+                let key = cfg
                     .api_key_env
                     .as_ref()
-                    .and_then(|var| std::env::var(var).ok())
-                    .and_then(|k| {
-                        let mut v =
-                            reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
+                    .and_then(|var| std::env::var(var).ok());
+                let mut headers = Vec::new();
+                if let Some(k) = key {
+                    let (name, value) = match cfg.api {
+                        Api::Openai => (AUTHORIZATION, format!("Bearer {k}")),
+                        Api::Anthropic => (HeaderName::from_static("x-api-key"), k),
+                    };
+                    if let Ok(mut v) = HeaderValue::from_str(&value) {
                         v.set_sensitive(true);
-                        Some(v)
-                    });
+                        headers.push((name, v));
+                    }
+                }
+                if cfg.api == Api::Anthropic {
+                    headers.push((
+                        HeaderName::from_static("anthropic-version"),
+                        HeaderValue::from_static(messages::VERSION),
+                    ));
+                }
                 Upstream::Http(HttpEndpoint {
+                    api: cfg.api,
                     uri: url.as_str().parse()?,
                     url,
                     models_url: at("models")?,
-                    authorization,
+                    headers,
                     http,
                 })
             }
@@ -191,7 +245,7 @@ impl Connector {
                 return Box::pin(self.generate_on_mesh(nats, name, &body, timeout, started)).await;
             }
         };
-        let json = match serde_json::to_vec(&body) {
+        let json = match http.body(&body, None) {
             Ok(j) => j,
             Err(e) => {
                 let error = format!("cannot write the upstream request: {e}");
@@ -202,9 +256,7 @@ impl Connector {
                 .into();
             }
         };
-        let call = self
-            .post
-            .post_json(&http.uri, http.authorization.as_ref(), json);
+        let call = self.post.post_json(&http.uri, &http.headers, json);
         let result = tokio::time::timeout(timeout, call).await;
         let latency_ms = started.elapsed().as_millis() as u64;
         let failed = |status, error: String| Generation {
@@ -222,7 +274,7 @@ impl Connector {
             Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&*e)).into(),
             Ok(Ok(parts)) => parts,
         };
-        judge(status, &headers, &bytes, latency_ms)
+        judge(http.api, status, &headers, &bytes, latency_ms)
     }
 }
 
@@ -231,8 +283,9 @@ fn endpoint(base_url: &str, path: &str) -> Option<reqwest::Url> {
     reqwest::Url::parse(&format!("{}/{path}", base_url.trim_end_matches('/'))).ok()
 }
 
-/// A whole upstream answer (status, headers, body) as an attempt.
+/// A whole upstream answer (status, headers, body) in `api` as an attempt.
 fn judge(
+    api: Api,
     status: reqwest::StatusCode,
     headers: &HeaderMap,
     bytes: &bytes::Bytes,
@@ -263,6 +316,20 @@ fn judge(
                 http_status: status.as_u16(),
             };
         }
+        if api == Api::Anthropic {
+            let Ok(message) = serde_json::from_slice::<Value>(bytes) else {
+                return failed(
+                    GenerationStatus::Error,
+                    "the body is not a JSON message".into(),
+                )
+                .into();
+            };
+            let chat = messages::completion_of(&message, unix_now());
+            return completion(
+                &serde_json::to_vec(&chat).unwrap_or_default().into(),
+                latency_ms,
+            );
+        }
         completion(bytes, latency_ms)
     }
 }
@@ -274,6 +341,8 @@ pub struct Stream {
     ready: std::collections::VecDeque<String>,
     /// Bytes the stream may still bring (`node.max_answer_bytes` in all).
     left: usize,
+    /// A Messages stream, read as chat chunks.
+    translate: Option<messages::Chunks>,
 }
 
 enum Source {
@@ -329,7 +398,14 @@ impl Stream {
                 Ok(Ok(Some(bytes))) => {
                     self.left -= bytes.len();
                     match self.parser.feed(&bytes) {
-                        Ok(events) => self.ready.extend(events),
+                        Ok(events) => match &mut self.translate {
+                            Some(t) => {
+                                for e in events {
+                                    self.ready.extend(t.event(&e));
+                                }
+                            }
+                            None => self.ready.extend(events),
+                        },
                         Err(_) => {
                             self.source = Source::Ended;
                             return Err(Broken::Failed("an event line over 1 MiB".into()));
@@ -380,9 +456,13 @@ impl Connector {
             max_tokens,
             response_format: None,
             stream: true,
-            stream_options: Some(serde_json::json!({"include_usage": true})),
+            stream_options: (http.api == Api::Openai)
+                .then(|| serde_json::json!({"include_usage": true})),
         };
-        let req = http.request(reqwest::Method::POST, &http.url).json(&body);
+        let req = http
+            .request(reqwest::Method::POST, &http.url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(http.body(&body, prefill).unwrap_or_default());
         let resp = match tokio::time::timeout(first_event, req.send()).await {
             Err(_) => {
                 let g = Generation {
@@ -419,6 +499,8 @@ impl Connector {
                     parser: crate::http::sse::Parser::default(),
                     ready: std::collections::VecDeque::new(),
                     left: self.post.max_answer_bytes(),
+                    translate: (http.api == Api::Anthropic)
+                        .then(|| messages::Chunks::new(unix_now())),
                 },
                 started,
             );
@@ -433,6 +515,7 @@ impl Connector {
             return Opened::Failed(Generation::failed(GenerationStatus::Error, ms).into());
         };
         let a = judge(
+            http.api,
             status,
             &headers,
             &bytes,
@@ -456,6 +539,7 @@ impl Stream {
             parser: crate::http::sse::Parser::default(),
             ready,
             left: 0,
+            translate: None,
         }
     }
 }
@@ -783,6 +867,7 @@ fn refusal(status: u16, error: Option<&Value>) -> GenerationStatus {
         400 | 413 | 422 => {
             if code == "context_length_exceeded"
                 || message.contains("context length")
+                || message.contains("prompt is too long")
                 || message.contains("context window")
             {
                 GenerationStatus::ContextLength

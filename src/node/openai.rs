@@ -329,6 +329,7 @@ pub(crate) fn decode_request(
         contract: o.contract,
         response_format: chat.response_format,
         tools,
+        bound_to: None,
     };
     let mut extra = chat.rest;
     // oam sets the upstream's stream options itself (it always asks a stream for its usage);
@@ -341,6 +342,18 @@ pub(crate) fn decode_request(
         extra,
         include_usage,
     };
+    let mut request = request;
+    // A request Messages cannot carry goes only to chat targets (where there are others).
+    if cfg.speaks_anthropic()
+        && super::anthropic::upstream::not_carried(
+            &pass.messages,
+            &pass.extra,
+            request.response_format.as_ref(),
+        )
+        .is_some()
+    {
+        request.bound_to = Some(crate::core::request::Api::Openai);
+    }
     Ok((request, stream, pass))
 }
 

@@ -4,14 +4,21 @@
 //!   provider (`http://HOST:PORT/{provider}/v1`), what an OpenAI client is pointed at.
 //! - `POST /v1/chat/completions`, `GET /v1/models`: all providers, chosen by `model` (the
 //!   provider id or its model name).
+//! - `POST /{provider}/v1/messages`, `POST /v1/messages`: the same providers speaking
+//!   Anthropic's Messages API (`anthropic-version` required; answers, event streams and errors
+//!   in its shapes, with the same faults), for `api = "anthropic"` targets.
 //! - `GET /sim/faults`, `POST /sim/faults`, `DELETE /sim/faults[/{provider}]`: the fault API.
 //! - `GET /healthz`.
 //!
 //! Usage is reported as providers report it: a system prompt a provider has seen before is
 //! read from its cache (`prompt_tokens_details.cached_tokens`), and a request with
 //! `reasoning_effort` spends reasoning tokens (`completion_tokens_details.reasoning_tokens`).
+//! Over Messages, the first sight of a system prompt is reported as written to the cache
+//! (`cache_creation_input_tokens`), later ones as read from it (`cache_read_input_tokens`).
 
+use super::messages;
 use super::model::{self, Faults, Reply, SimProvider};
+use crate::core::request::Api;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -71,11 +78,12 @@ impl Sim {
     }
 
     /// Remember `body` among the last requests `provider` received.
-    /// The tokens of `req`'s system prompt that `provider` has in its cache: all of them when
-    /// it has seen the same system prompt before (remembered now), else none.
-    fn cached_tokens(&self, provider: &str, req: &ChatRequest) -> u64 {
+    /// The tokens of `req`'s system prompt that `provider` reads from its cache, and those it
+    /// writes to it: read when it has seen the same system prompt before, else written (and
+    /// remembered now).
+    fn cached_tokens(&self, provider: &str, req: &ChatRequest) -> (u64, u64) {
         let Some(system) = req.messages.first().filter(|m| m.role == "system") else {
-            return 0;
+            return (0, 0);
         };
         let text = text_of(&system.content);
         let key = (
@@ -86,13 +94,14 @@ impl Sim {
             .cached
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let tokens = (text.len() as u64).div_ceil(4);
         if seen.contains(&key) {
-            return (text.len() as u64).div_ceil(4);
+            return (tokens, 0);
         }
         if seen.len() < CACHED_KEPT {
             seen.insert(key);
         }
-        0
+        (0, tokens)
     }
 
     fn received(&self, provider: &str, body: &Bytes) {
@@ -123,6 +132,8 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/v1/chat/completions", post(chat_any))
         .route("/{provider}/v1/models", get(provider_models))
         .route("/{provider}/v1/chat/completions", post(chat_provider))
+        .route("/v1/messages", post(messages_any))
+        .route("/{provider}/v1/messages", post(messages_provider))
         .route(
             "/sim/faults",
             get(list_faults).post(set_fault).delete(clear_all),
@@ -137,6 +148,14 @@ pub fn router(sim: Arc<Sim>) -> Router {
             )
         })
         .with_state(sim)
+}
+
+/// An error in `api`'s envelope.
+fn api_error(api: Api, status: StatusCode, code: &str, message: &str) -> Response {
+    match api {
+        Api::Openai => openai_error(status, code, message),
+        Api::Anthropic => (status, axum::Json(messages::error(status, message))).into_response(),
+    }
 }
 
 /// An OpenAI-style error envelope.
@@ -284,7 +303,7 @@ async fn chat_any(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         Some((p, _)) => {
             let id = p.id.clone();
             sim.received(&id, &body);
-            answer(&sim, &id, req).await
+            answer(&sim, &id, req, Api::Openai).await
         }
         None => unknown_provider(&sim, &name),
     }
@@ -300,8 +319,63 @@ async fn chat_provider(
     }
     sim.received(&name, &body);
     match parse_chat(&body) {
-        Ok(req) => answer(&sim, &name, req).await,
+        Ok(req) => answer(&sim, &name, req, Api::Openai).await,
         Err(e) => bad_request(e),
+    }
+}
+
+/// A Messages request as the chat request the providers answer (by oam's own translation),
+/// or why it is refused (a 400 in Anthropic's envelope).
+fn parse_messages(headers: &axum::http::HeaderMap, body: &Bytes) -> Result<ChatRequest, String> {
+    if !headers.contains_key("anthropic-version") {
+        return Err("anthropic-version: header is required".into());
+    }
+    let chat = messages::to_chat(body)?;
+    serde_json::from_value(chat).map_err(|e| format!("messages: {e}"))
+}
+
+fn messages_refused(why: &str) -> Response {
+    api_error(
+        Api::Anthropic,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+        why,
+    )
+}
+
+async fn messages_any(
+    State(sim): State<Arc<Sim>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    let req = match parse_messages(&headers, &body) {
+        Ok(r) => r,
+        Err(why) => return messages_refused(&why),
+    };
+    let name = req.model.clone().unwrap_or_default();
+    match sim.find(&name) {
+        Some((p, _)) => {
+            let id = p.id.clone();
+            sim.received(&id, &body);
+            answer(&sim, &id, req, Api::Anthropic).await
+        }
+        None => unknown_provider(&sim, &name),
+    }
+}
+
+async fn messages_provider(
+    State(sim): State<Arc<Sim>>,
+    Path(name): Path<String>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !sim.providers.contains_key(&name) {
+        return unknown_provider(&sim, &name);
+    }
+    sim.received(&name, &body);
+    match parse_messages(&headers, &body) {
+        Ok(req) => answer(&sim, &name, req, Api::Anthropic).await,
+        Err(why) => messages_refused(&why),
     }
 }
 
@@ -363,7 +437,8 @@ fn tool_call(
     }))
 }
 
-async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
+/// `provider`'s answer to `req`, in `api`'s shapes.
+async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Response {
     let Some((provider, counter)) = sim.providers.get(provider_id) else {
         return unknown_provider(sim, provider_id);
     };
@@ -402,7 +477,8 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                 .map_or(0, |d| d.as_secs());
             let prompt_tokens = (prompt_chars as u64).div_ceil(4);
             let completion_tokens = (content.len() as u64).div_ceil(4);
-            let cached_tokens = sim.cached_tokens(provider_id, &req).min(prompt_tokens);
+            let (cached_tokens, written_tokens) = sim.cached_tokens(provider_id, &req);
+            let cached_tokens = cached_tokens.min(prompt_tokens);
             let model = req.model.unwrap_or_else(|| provider.model.clone());
             let brk = fault.and_then(|f| match f.mode {
                 model::FaultMode::Contract { kind } => Some(kind),
@@ -437,6 +513,10 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
             if reasoning_tokens > 0 {
                 usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning_tokens});
             }
+            // Only Messages reports what a prompt wrote to the cache.
+            if api == Api::Anthropic && written_tokens > 0 {
+                usage["cache_creation_input_tokens"] = json!(written_tokens.min(prompt_tokens));
+            }
             if req.stream {
                 let head = json!({
                     "id": format!("chatcmpl-sim-{}-{k}", provider.id),
@@ -456,6 +536,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                     _ => None,
                 });
                 let plan = Streamed {
+                    api,
                     head,
                     message,
                     finish_reason,
@@ -465,7 +546,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                 };
                 return plan.into_response();
             }
-            axum::Json(json!({
+            let chat = json!({
                 "id": format!("chatcmpl-sim-{}-{k}", provider.id),
                 "object": "chat.completion",
                 "created": created,
@@ -477,16 +558,29 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                     "finish_reason": finish_reason,
                 }],
                 "usage": usage,
-            }))
-            .into_response()
+            });
+            match api {
+                Api::Openai => axum::Json(chat).into_response(),
+                Api::Anthropic => axum::Json(messages::message(
+                    &format!("sim-{}-{k}", provider.id),
+                    &model,
+                    &chat["choices"][0]["message"],
+                    chat["choices"][0]["finish_reason"]
+                        .as_str()
+                        .unwrap_or("stop"),
+                    &chat["usage"],
+                ))
+                .into_response(),
+            }
         }
         Reply::Fail { delay_ms, status } => {
             pause(delay_ms).await;
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            openai_error(status, "upstream_error", "simulated provider outage")
+            api_error(api, status, "upstream_error", "simulated provider outage")
         }
         Reply::RateLimited { retry_after_ms } => {
-            let mut resp = openai_error(
+            let mut resp = api_error(
+                api,
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_exceeded",
                 "simulated rate limit",
@@ -520,7 +614,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
                     "Incorrect API key provided.",
                 ),
             };
-            openai_error(status, code, message)
+            api_error(api, status, code, message)
         }
         Reply::Reset => {
             // A body that fails after the headers: the server drops the connection mid-response,
@@ -550,6 +644,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest) -> Response {
 /// pieces `chunk_ms` apart, the finish reason, the usage when asked for, `[DONE]`), broken as
 /// the fault says.
 struct Streamed {
+    api: Api,
     head: Value,
     message: Value,
     finish_reason: String,
@@ -570,6 +665,9 @@ impl Streamed {
     }
 
     fn events(&self) -> Vec<String> {
+        if self.api == Api::Anthropic {
+            return self.messages_events();
+        }
         let mut out = vec![self.chunk(json!({"role": "assistant", "content": ""}), None)];
         let call = self.message["tool_calls"].get(0);
         let text = match call {
@@ -600,6 +698,24 @@ impl Streamed {
         out
     }
 
+    /// The same answer as Messages events.
+    fn messages_events(&self) -> Vec<String> {
+        let call = self.message["tool_calls"].get(0);
+        let text = match call {
+            Some(c) => c["function"]["arguments"].as_str().unwrap_or_default(),
+            None => self.message["content"].as_str().unwrap_or_default(),
+        };
+        let id = self.head["id"].as_str().unwrap_or_default();
+        messages::events(
+            id.strip_prefix("chatcmpl-").unwrap_or(id),
+            self.head["model"].as_str().unwrap_or_default(),
+            &self.message,
+            &self.finish_reason,
+            self.usage.as_ref().unwrap_or(&Value::Null),
+            &pieces(text, 8),
+        )
+    }
+
     fn pieces(&self) -> Vec<Piece> {
         use model::StreamBreak;
         let mut plan: Vec<Piece> = Vec::new();
@@ -623,7 +739,11 @@ impl Streamed {
                         return plan;
                     }
                     StreamBreak::Malformed => {
-                        plan.push((wait, Ok(Bytes::from_static(b"data: {\"choices\": [\n\n"))));
+                        let broken: &[u8] = match self.api {
+                            Api::Openai => b"data: {\"choices\": [\n\n",
+                            Api::Anthropic => b"event: content_block_delta\ndata: {\"type\": \n\n",
+                        };
+                        plan.push((wait, Ok(Bytes::from_static(broken))));
                     }
                     StreamBreak::NoDone => {}
                 }

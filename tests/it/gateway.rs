@@ -2441,3 +2441,303 @@ print(json.dumps(out))
         "continued with what the caller had"
     );
 }
+
+/// A Messages upstream (`api = "anthropic"`, the simulator's `secondary` speaking Messages)
+/// beside the chat targets of `STREAMING`: `claude-first` falls back from it to a chat target
+/// that takes a prefill, `chat-first` from a chat target to it.
+const TWO_APIS: &str = r#"
+[[provider]]
+id = "claude"
+api = "anthropic"
+base_url = "SIM/secondary/v1"
+model = "medium"
+probe = "off"
+cost_per_1k_tokens_usd = 0.003
+output_cost_per_1k_usd = 0.015
+cached_input_cost_per_1k_usd = 0.0003
+cache_write_cost_per_1k_usd = 0.00375
+
+[[route]]
+model = "claude-first"
+targets = ["claude", "local"]
+first_token_ms = 1000
+idle_ms = 400
+
+[[route]]
+model = "chat-first"
+targets = ["primary/small", "claude"]
+first_token_ms = 1000
+idle_ms = 400
+"#;
+
+async fn two_apis(tag: &str) -> Gateway {
+    gateway_with(tag, &format!("{STREAMING}{TWO_APIS}")).await
+}
+
+/// The official Anthropic SDK through a Messages target (plain, a tool-use round trip,
+/// streamed) and the official OpenAI SDK's chat on the same target by translation; when
+/// either API's target fails, the other API's serves the same request.
+#[tokio::test]
+async fn an_anthropic_upstream_serves_both_apis_and_each_falls_back_to_the_other() {
+    let g = two_apis("two-apis").await;
+    let script = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+out = {}
+m = c.messages.create(model="claude-first", max_tokens=64, system="be brief",
+                      messages=[{"role": "user", "content": "hello claude"}])
+out["plain"] = json.loads(m.to_json())
+tools = [{"name": "get_weather", "description": "The weather in a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}]
+ask = [{"role": "user", "content": "Weather in Paris?"}]
+first = c.messages.create(model="claude-first", max_tokens=64, tools=tools, messages=ask)
+use = [b for b in first.content if b.type == "tool_use"][0]
+turns = ask + [{"role": "assistant", "content": first.content},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                             "content": "21 C"}]}]
+second = c.messages.create(model="claude-first", max_tokens=64, tools=tools, messages=turns)
+out["first"], out["second"] = json.loads(first.to_json()), json.loads(second.to_json())
+with c.messages.stream(model="claude-first", max_tokens=64,
+                       messages=[{"role": "user", "content": "stream from claude"}]) as s:
+    out["deltas"] = sum(1 for _ in s.text_stream)
+    out["streamed"] = json.loads(s.get_final_message().to_json())
+print(json.dumps(out))
+"#;
+    let v = crate::support::python_json(script, &[&g.url]);
+    let plain = &v["plain"];
+    assert_eq!(plain["oam"]["target"], "claude", "{plain}");
+    assert!(
+        plain["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("secondary answer"),
+        "{plain}"
+    );
+    // What reached the upstream is a Messages request, not a chat one.
+    let sent = g.received("secondary").await;
+    let asked = &sent[0];
+    assert_eq!(asked["system"], "be brief", "{asked}");
+    assert_eq!(asked["model"], "medium");
+    assert_eq!(
+        asked["messages"],
+        json!([{"role": "user", "content": [{"type": "text", "text": "hello claude"}]}])
+    );
+    assert_eq!(v["first"]["stop_reason"], "tool_use", "{v}");
+    let call = &v["first"]["content"].as_array().unwrap().last().unwrap();
+    assert_eq!(call["input"]["city"], "Weather in Paris?", "{call}");
+    assert_eq!(v["second"]["stop_reason"], "end_turn", "{v}");
+    let result_turn = &g.received("secondary").await[2]["messages"][2];
+    assert_eq!(
+        result_turn["content"][0],
+        json!({"type": "tool_result", "tool_use_id": call["id"], "content": "21 C"}),
+        "the tool result reached the Messages upstream as one: {result_turn}"
+    );
+    assert!(v["deltas"].as_u64() > Some(1), "relayed in pieces: {v}");
+    assert_eq!(v["streamed"]["stop_reason"], "end_turn", "{v}");
+    let streamed = g.received("secondary").await[3].clone();
+    assert_eq!(
+        streamed["stream"], true,
+        "streamed from the Messages target: {streamed}"
+    );
+
+    // The Messages target fails: the Anthropic client is served by the chat target.
+    g.fault("secondary", json!({"mode": "error", "status": 529}))
+        .await;
+    let fell_back = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+m = c.messages.create(model="claude-first", max_tokens=64,
+                      messages=[{"role": "user", "content": "claude is down"}])
+print(m.to_json())
+"#;
+    let m = crate::support::python_json(fell_back, &[&g.url]);
+    assert_eq!(m["oam"]["target"], "local", "{m}");
+    assert_eq!(
+        tried(&m),
+        ["claude", "claude", "local"],
+        "retried once, then moved on: {m}"
+    );
+    g.clear().await;
+
+    // The chat target fails: the OpenAI client is served by the Messages target, streamed.
+    g.fault("primary/small", json!({"mode": "error", "status": 503}))
+        .await;
+    let chat = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed", max_retries=0)
+r = c.chat.completions.create(model="chat-first",
+                              messages=[{"role": "user", "content": "chat is down"}])
+s = c.chat.completions.create(model="chat-first", stream=True,
+                              messages=[{"role": "user", "content": "chat is down, streamed"}])
+text = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
+print(json.dumps({"whole": json.loads(r.to_json()), "streamed": text}))
+"#;
+    let v = crate::support::python_json(chat, &[&g.url]);
+    let whole = &v["whole"];
+    assert_eq!(whole["oam"]["target"], "claude", "{whole}");
+    assert_eq!(
+        tried(whole),
+        ["primary/small", "primary/small", "claude"],
+        "{whole}"
+    );
+    assert!(
+        whole["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("secondary answer"),
+        "{whole}"
+    );
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+    assert!(
+        v["streamed"].as_str().unwrap().contains("secondary answer"),
+        "{v}"
+    );
+}
+
+/// A stream cut mid-answer on one API's target is continued on the other's, given what the
+/// caller already has: from Messages to a chat target's prefill, and from chat to Messages'
+/// native trailing assistant turn; the caller reads one whole answer either way.
+#[tokio::test]
+async fn a_cut_stream_is_continued_across_the_two_apis() {
+    let g = two_apis("two-apis-cut").await;
+    g.fault(
+        "primary/small",
+        json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
+    )
+    .await;
+    let (status, seen) = g.stream("chat-first", "cut chat").await;
+    assert_eq!(status, 200);
+    assert!(seen.ended_cleanly(), "{:?}", seen.data());
+    assert_eq!(seen.oam()["target"], "claude", "{}", seen.oam());
+    let turns = g.received("secondary").await.last().unwrap()["messages"].clone();
+    let last = turns.as_array().unwrap().last().unwrap();
+    assert_eq!(last["role"], "assistant", "a native prefill: {turns}");
+    let delivered = last["content"][0]["text"].as_str().unwrap();
+    assert!(
+        !delivered.is_empty() && seen.text().starts_with(delivered),
+        "{delivered:?} then {}",
+        seen.text()
+    );
+    g.clear().await;
+
+    g.fault(
+        "secondary",
+        json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
+    )
+    .await;
+    let script = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+with c.messages.stream(model="claude-first", max_tokens=64,
+                       messages=[{"role": "user", "content": "cut claude"}]) as s:
+    text = "".join(s.text_stream)
+    m = json.loads(s.get_final_message().to_json())
+print(json.dumps({"text": text, "message": m}))
+"#;
+    let v = crate::support::python_json(script, &[&g.url]);
+    let m = &v["message"];
+    assert_eq!(m["stop_reason"], "end_turn", "never truncated: {m}");
+    let prefill = g.received("local").await.last().unwrap()["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(prefill["role"], "assistant", "{prefill}");
+    let delivered = prefill["content"].as_str().unwrap();
+    assert!(
+        !delivered.is_empty() && v["text"].as_str().unwrap().starts_with(delivered),
+        "{delivered:?} then {v}"
+    );
+}
+
+/// A chat request using what Messages has no equivalent for (`logprobs`, a JSON
+/// `response_format`) never reaches the Messages target: it is excluded with its reason code,
+/// and with the chat target down the request is refused rather than sent altered.
+#[tokio::test]
+async fn what_messages_cannot_carry_never_reaches_an_anthropic_target() {
+    let g = two_apis("two-apis-bound").await;
+    g.fault("primary/small", json!({"mode": "error", "status": 503}))
+        .await;
+    for (field, value) in [
+        ("logprobs", json!(true)),
+        ("response_format", json!({"type": "json_object"})),
+    ] {
+        let mut body = json!({"model": "chat-first",
+            "messages": [{"role": "user", "content": "give me logprobs"}]});
+        body[field] = value;
+        let (status, v) = g.post(body).await;
+        assert_ne!(status, 200, "{field}: {v}");
+        assert!(
+            tried(&v).iter().all(|t| t == "primary/small"),
+            "{field}: {v}"
+        );
+        let id = v["oam"]["request_id"].as_str().unwrap().to_string();
+        let nats_url = g._nats.url();
+        // Written off the request's path: read once it is in the log.
+        let explain = crate::support::eventually(Duration::from_secs(10), || async {
+            let out = assert_cmd::Command::cargo_bin("oam")
+                .unwrap()
+                .args(["explain", &id, "--json", "--nats-url", &nats_url])
+                .output()
+                .ok()?;
+            serde_json::from_slice::<Value>(&out.stdout).ok()
+        })
+        .await
+        .expect("the decision is in the log");
+        let text = explain.to_string();
+        assert!(
+            text.contains("API_NOT_CARRIED"),
+            "{field}: claude excluded by its reason code: {text}"
+        );
+    }
+    assert!(
+        g.received("secondary").await.is_empty(),
+        "nothing reached the Messages upstream"
+    );
+    // Without them, the same request is served there.
+    let (status, v) = g.ask("chat-first", "no logprobs").await;
+    assert_eq!(
+        (status, &v["oam"]["target"]),
+        (200, &json!("claude")),
+        "{v}"
+    );
+}
+
+/// Messages reports prompt tokens written to and read from its cache apart from the rest; each
+/// is priced at its own rate, and the Anthropic client reads them back under their names.
+#[tokio::test]
+async fn cache_writes_and_reads_are_priced_from_what_messages_reports() {
+    let g = two_apis("two-apis-cache").await;
+    let script = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+system = "You answer questions about tides. " * 40
+out = [json.loads(c.messages.create(model="claude-first", max_tokens=64, system=system,
+        messages=[{"role": "user", "content": q}]).to_json()) for q in ["Brest?", "Calais?"]]
+print(json.dumps(out))
+"#;
+    let v = crate::support::python_json(script, &[&g.url]);
+    let (first, second) = (&v[0], &v[1]);
+    let n = |m: &Value, k: &str| m["usage"][k].as_f64().unwrap_or(0.0);
+    assert!(n(first, "cache_creation_input_tokens") >= 300.0, "{first}");
+    assert_eq!(n(first, "cache_read_input_tokens"), 0.0, "{first}");
+    assert_eq!(
+        n(second, "cache_read_input_tokens"),
+        n(first, "cache_creation_input_tokens"),
+        "{second}"
+    );
+    for m in [first, second] {
+        let expected = (n(m, "input_tokens") * 0.003
+            + n(m, "cache_read_input_tokens") * 0.0003
+            + n(m, "cache_creation_input_tokens") * 0.00375
+            + n(m, "output_tokens") * 0.015)
+            / 1_000.0;
+        let cost = m["oam"]["cost_usd"].as_f64().unwrap();
+        assert!(
+            (cost - expected).abs() < 1e-9,
+            "charged {cost}, the usage says {expected}: {m}"
+        );
+    }
+}

@@ -5,6 +5,8 @@
 //! chat-completions target cannot carry (thinking blocks, documents, server tools, `top_k`) is
 //! refused with a 400 naming the field, never dropped.
 
+pub(crate) mod upstream;
+
 use super::openai::{BadRequest, Delta, Translated, bad};
 use super::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -394,21 +396,9 @@ pub(crate) fn message_of(chat: &Value) -> Value {
             .push(json!({"type": "tool_use", "id": call["id"], "name": f["name"], "input": input}));
     }
     let stop_reason = stop_reason_of(choice["finish_reason"].as_str());
-    let u = &chat["usage"];
-    let cached = u["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap_or(0);
-    let prompt = u["prompt_tokens"].as_u64().unwrap_or(0);
-    let mut usage = json!({
-        "input_tokens": prompt.saturating_sub(cached),
-        "output_tokens": u["completion_tokens"].as_u64().unwrap_or(0),
-    });
-    if cached > 0 {
-        usage["cache_read_input_tokens"] = json!(cached);
-    }
-    let id = chat["id"].as_str().unwrap_or_default();
+    let usage = usage_json(&super::openai::usage_of(&chat["usage"]));
     json!({
-        "id": format!("msg_{}", id.strip_prefix("chatcmpl-").unwrap_or(id)),
+        "id": message_id(&chat["id"]),
         "type": "message",
         "role": "assistant",
         "model": chat["model"],
@@ -418,6 +408,33 @@ pub(crate) fn message_of(chat: &Value) -> Value {
         "usage": usage,
         "oam": chat["oam"],
     })
+}
+
+/// Usage as Messages reports it: `input_tokens` without those read from or written to the
+/// cache, which are counted apart (when there are any).
+pub(crate) fn usage_json(u: &crate::core::request::Usage) -> Value {
+    let read = u.cached_tokens.min(u.prompt_tokens);
+    let written = u.cache_write_tokens.min(u.prompt_tokens - read);
+    let mut usage = json!({
+        "input_tokens": u.prompt_tokens - read - written,
+        "output_tokens": u.completion_tokens,
+    });
+    if read > 0 {
+        usage["cache_read_input_tokens"] = json!(read);
+    }
+    if written > 0 {
+        usage["cache_creation_input_tokens"] = json!(written);
+    }
+    usage
+}
+
+/// A Messages id for a chat completion's (kept as it is when a Messages upstream made it).
+fn message_id(chat_id: &Value) -> String {
+    let id = chat_id.as_str().unwrap_or_default();
+    if id.starts_with("msg_") {
+        return id.to_string();
+    }
+    format!("msg_{}", id.strip_prefix("chatcmpl-").unwrap_or(id))
 }
 
 /// Anthropic's `stop_reason` for a chat `finish_reason`.
@@ -445,7 +462,7 @@ pub(crate) struct Live {
     open: Option<(Option<u64>, usize)>,
     blocks: usize,
     stop_reason: Option<&'static str>,
-    output_tokens: u64,
+    usage: crate::core::request::Usage,
 }
 
 impl Live {
@@ -454,9 +471,8 @@ impl Live {
         let mut out = String::new();
         if !self.started {
             self.started = true;
-            let id = chunk["id"].as_str().unwrap_or_default();
             let message = json!({
-                "id": format!("msg_{}", id.strip_prefix("chatcmpl-").unwrap_or(id)),
+                "id": message_id(&chunk["id"]),
                 "type": "message", "role": "assistant", "model": chunk["model"], "content": [],
                 "stop_reason": null, "stop_sequence": null,
                 "usage": {"input_tokens": 0, "output_tokens": 0},
@@ -497,7 +513,7 @@ impl Live {
             self.stop_reason = Some(stop_reason_of(Some(f)));
         }
         if let Some(u) = delta.usage {
-            self.output_tokens = u.completion_tokens;
+            self.usage = u;
         }
         out
     }
@@ -540,12 +556,7 @@ impl Live {
         let mut out = String::new();
         let oam = super::openai::oam_object(d);
         if d.outcome == crate::core::pipeline::DecisionOutcome::Accepted {
-            self.close_block(&mut out);
-            let delta = json!({"type": "message_delta",
-                "delta": {"stop_reason": self.stop_reason.unwrap_or("end_turn"), "stop_sequence": null},
-                "usage": {"output_tokens": self.output_tokens}, "oam": oam});
-            event(&mut out, "message_delta", &delta);
-            event(&mut out, "message_stop", &json!({"type": "message_stop"}));
+            out = self.finish(Some(oam));
         } else {
             let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
             let message = format!(
@@ -556,6 +567,24 @@ impl Live {
             let e = json!({"type": "error", "error": {"type": "api_error", "message": message}, "oam": oam});
             event(&mut out, "error", &e);
         }
+        out
+    }
+}
+
+impl Live {
+    /// The events that end a complete stream: the open block closed, `message_delta` (stop
+    /// reason, usage, the `oam` object if given) and `message_stop`.
+    pub(crate) fn finish(&mut self, oam: Option<Value>) -> String {
+        let mut out = String::new();
+        self.close_block(&mut out);
+        let mut delta = json!({"type": "message_delta",
+            "delta": {"stop_reason": self.stop_reason.unwrap_or("end_turn"), "stop_sequence": null},
+            "usage": usage_json(&self.usage)});
+        if let Some(oam) = oam {
+            delta["oam"] = oam;
+        }
+        event(&mut out, "message_delta", &delta);
+        event(&mut out, "message_stop", &json!({"type": "message_stop"}));
         out
     }
 }
@@ -615,7 +644,7 @@ pub(crate) fn events_of(message: &Value) -> String {
         "message_delta",
         json!({"type": "message_delta",
             "delta": {"stop_reason": message["stop_reason"], "stop_sequence": null},
-            "usage": {"output_tokens": message["usage"]["output_tokens"]},
+            "usage": message["usage"],
             "oam": message["oam"]}),
     );
     event("message_stop", json!({"type": "message_stop"}));
@@ -640,7 +669,7 @@ pub(crate) fn models_of(entries: &[Value]) -> Value {
 }
 
 /// Anthropic's error type for an HTTP status.
-fn error_type(status: StatusCode) -> &'static str {
+pub(crate) fn error_type(status: StatusCode) -> &'static str {
     match status.as_u16() {
         401 => "authentication_error",
         402 => "billing_error",

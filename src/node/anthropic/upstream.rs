@@ -1,0 +1,599 @@
+//! An Anthropic Messages upstream (`api = "anthropic"`) behind the chat-completions shape every
+//! stage reads: the chat request a target is sent becomes a Messages request, its answer a chat
+//! completion, and its event stream chat chunks as the events arrive (`Chunks`), so a route falls
+//! back between the two APIs whichever one the client spoke. A request using what Messages has
+//! no equivalent for is found before routing (`not_carried`) and bound to chat targets, never
+//! sent altered.
+
+use serde_json::{Map, Value, json};
+
+/// The `anthropic-version` oam speaks.
+pub(crate) const VERSION: &str = "2023-06-01";
+
+/// The chat request members (besides those oam reads itself) a Messages request carries.
+const CARRIED: &[&str] = &[
+    "temperature",
+    "top_p",
+    "stop",
+    "user",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
+
+/// The first part of a chat request (`messages` as sent, the other members in `extra`,
+/// `response_format`) a Messages request cannot carry, named as the client wrote it; `None`
+/// when all of it translates.
+pub(crate) fn not_carried(
+    messages: &[Value],
+    extra: &Map<String, Value>,
+    response_format: Option<&Value>,
+) -> Option<String> {
+    if response_format.is_some_and(|f| !f.is_null() && f["type"] != "text") {
+        return Some("response_format".into());
+    }
+    for (k, v) in extra {
+        let ok = match k.as_str() {
+            "n" => v.is_null() || v == 1,
+            // Chat's range is 0 to 2, Messages' 0 to 1.
+            "temperature" => v.as_f64().is_none_or(|t| t <= 1.0),
+            "logprobs" => v.is_null() || *v == Value::Bool(false),
+            k => v.is_null() || CARRIED.contains(&k),
+        };
+        if !ok {
+            return Some(k.clone());
+        }
+    }
+    let mut past_system = false;
+    for (i, m) in messages.iter().enumerate() {
+        let role = m["role"].as_str().unwrap_or_default();
+        if let Some(k) = m.as_object().and_then(|o| {
+            o.keys()
+                .find(|k| !["role", "content", "tool_calls", "tool_call_id"].contains(&k.as_str()))
+        }) {
+            return Some(format!("messages[{i}].{k}"));
+        }
+        match role {
+            "system" | "developer" if past_system => return Some(format!("messages[{i}].role")),
+            "system" | "developer" | "user" | "assistant" | "tool" => {}
+            _ => return Some(format!("messages[{i}].role")),
+        }
+        past_system |= !matches!(role, "system" | "developer");
+        if let Value::Array(parts) = &m["content"] {
+            for (j, p) in parts.iter().enumerate() {
+                let ok = match p["type"].as_str() {
+                    Some("text") => true,
+                    Some("image_url") => role == "user",
+                    _ => false,
+                };
+                if !ok {
+                    return Some(format!("messages[{i}].content[{j}]"));
+                }
+            }
+        }
+        for (j, c) in m["tool_calls"].as_array().into_iter().flatten().enumerate() {
+            let args = c["function"]["arguments"].as_str().unwrap_or("{}");
+            let object = serde_json::from_str::<Value>(args).is_ok_and(|a| a.is_object());
+            if c["type"] != "function" || !object {
+                return Some(format!("messages[{i}].tool_calls[{j}]"));
+            }
+        }
+    }
+    None
+}
+
+/// A chat message's text (a string, or its text parts).
+fn text(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// A chat `image_url` part as an image block: a `data:` URL as base64, any other as a URL.
+fn image(url: &str) -> Value {
+    if let Some(rest) = url.strip_prefix("data:")
+        && let Some((media_type, data)) = rest.split_once(";base64,")
+    {
+        return json!({"type": "image", "source":
+            {"type": "base64", "media_type": media_type, "data": data}});
+    }
+    json!({"type": "image", "source": {"type": "url", "url": url}})
+}
+
+/// The content blocks of one chat message.
+fn blocks(m: &Value) -> Vec<Value> {
+    let mut out = Vec::new();
+    match m["role"].as_str() {
+        Some("tool") => {
+            out.push(
+                json!({"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                "content": text(&m["content"])}),
+            );
+            return out;
+        }
+        _ => match &m["content"] {
+            Value::Array(parts) => {
+                for p in parts {
+                    match p["type"].as_str() {
+                        Some("image_url") => {
+                            out.push(image(p["image_url"]["url"].as_str().unwrap_or_default()));
+                        }
+                        _ => {
+                            let t = p["text"].as_str().unwrap_or_default();
+                            if !t.is_empty() {
+                                out.push(json!({"type": "text", "text": t}));
+                            }
+                        }
+                    }
+                }
+            }
+            c => {
+                let t = text(c);
+                if !t.is_empty() {
+                    out.push(json!({"type": "text", "text": t}));
+                }
+            }
+        },
+    }
+    for c in m["tool_calls"].as_array().into_iter().flatten() {
+        let f = &c["function"];
+        let input = f["arguments"]
+            .as_str()
+            .and_then(|a| serde_json::from_str::<Value>(a).ok())
+            .unwrap_or_else(|| json!({}));
+        out.push(json!({"type": "tool_use", "id": c["id"], "name": f["name"], "input": input}));
+    }
+    out
+}
+
+/// The Messages request a chat request (as `not_carried` passed it) means, for `model`:
+/// system messages become `system`; tool results a user turn; consecutive turns of one role
+/// one turn (Messages alternates); `prefill`, the answer so far, a trailing assistant turn
+/// (without trailing white space, which Messages refuses there).
+pub(crate) fn request_of(
+    model: &str,
+    messages: &[Value],
+    extra: &Map<String, Value>,
+    max_tokens: u32,
+    stream: bool,
+    prefill: Option<&str>,
+) -> Value {
+    let mut system = Vec::new();
+    let mut turns: Vec<(&str, Vec<Value>)> = Vec::new();
+    let mut push = |role, blocks: Vec<Value>| match turns.last_mut() {
+        Some((r, b)) if *r == role => b.extend(blocks),
+        _ if blocks.is_empty() => {}
+        _ => turns.push((role, blocks)),
+    };
+    for m in messages {
+        match m["role"].as_str().unwrap_or_default() {
+            "system" | "developer" => system.push(text(&m["content"])),
+            "assistant" => push("assistant", blocks(m)),
+            _ => push("user", blocks(m)),
+        }
+    }
+    if let Some(p) = prefill.map(str::trim_end).filter(|p| !p.is_empty()) {
+        push("assistant", vec![json!({"type": "text", "text": p})]);
+    }
+    let turns: Vec<Value> = turns
+        .into_iter()
+        .map(|(role, content)| json!({"role": role, "content": content}))
+        .collect();
+    let mut out = json!({"model": model, "max_tokens": max_tokens, "messages": turns});
+    if !system.is_empty() {
+        out["system"] = json!(system.join("\n"));
+    }
+    if stream {
+        out["stream"] = json!(true);
+    }
+    for k in ["temperature", "top_p"] {
+        if let Some(v) = extra.get(k).filter(|v| !v.is_null()) {
+            out[k] = v.clone();
+        }
+    }
+    match extra.get("stop") {
+        Some(Value::String(s)) => out["stop_sequences"] = json!([s]),
+        Some(Value::Array(a)) => out["stop_sequences"] = json!(a),
+        _ => {}
+    }
+    if let Some(Value::String(u)) = extra.get("user") {
+        out["metadata"] = json!({"user_id": u});
+    }
+    if let Some(Value::Array(tools)) = extra.get("tools") {
+        let tools: Vec<Value> = tools
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                let mut tool = json!({"name": f["name"], "input_schema":
+                    f.get("parameters").cloned().unwrap_or_else(|| json!({"type": "object"}))});
+                if let Some(d) = f.get("description") {
+                    tool["description"] = d.clone();
+                }
+                tool
+            })
+            .collect();
+        out["tools"] = json!(tools);
+    }
+    let mut choice = match extra.get("tool_choice") {
+        Some(Value::String(s)) if s == "required" => Some(json!({"type": "any"})),
+        Some(Value::String(s)) if s == "none" => Some(json!({"type": "none"})),
+        Some(Value::String(s)) if s == "auto" => Some(json!({"type": "auto"})),
+        Some(Value::Object(c)) => c["function"]["name"]
+            .as_str()
+            .map(|name| json!({"type": "tool", "name": name})),
+        _ => None,
+    };
+    if extra.get("parallel_tool_calls") == Some(&Value::Bool(false)) {
+        let c = choice.get_or_insert_with(|| json!({"type": "auto"}));
+        c["disable_parallel_tool_use"] = json!(true);
+    }
+    if let Some(c) = choice {
+        out["tool_choice"] = c;
+    }
+    out
+}
+
+/// Chat's `finish_reason` for a Messages `stop_reason`.
+fn finish_of(stop_reason: Option<&str>) -> &'static str {
+    match stop_reason {
+        Some("max_tokens") => "length",
+        Some("tool_use") => "tool_calls",
+        Some("refusal") => "content_filter",
+        _ => "stop",
+    }
+}
+
+/// Messages usage as chat's: the prompt counts the tokens read from and written to the cache
+/// (Messages counts them apart from `input_tokens`), which are named within it.
+fn usage_of(u: &Value) -> Value {
+    let n = |k: &str| u[k].as_u64().unwrap_or(0);
+    let (read, written) = (
+        n("cache_read_input_tokens"),
+        n("cache_creation_input_tokens"),
+    );
+    let prompt = n("input_tokens") + read + written;
+    let completion = n("output_tokens");
+    let mut out = json!({"prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion});
+    if read > 0 {
+        out["prompt_tokens_details"] = json!({"cached_tokens": read});
+    }
+    if written > 0 {
+        out["cache_creation_input_tokens"] = json!(written);
+    }
+    out
+}
+
+/// A Messages answer as the chat completion it means (`created` in Unix seconds): text blocks
+/// joined as the content, `tool_use` blocks as tool calls; thinking blocks (a chat client
+/// cannot ask for them) are left out.
+pub(crate) fn completion_of(message: &Value, created: u64) -> Value {
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    for b in message["content"].as_array().into_iter().flatten() {
+        match b["type"].as_str() {
+            Some("text") => text.push_str(b["text"].as_str().unwrap_or_default()),
+            Some("tool_use") => calls.push(json!({"id": b["id"], "type": "function",
+                "function": {"name": b["name"], "arguments": b["input"].to_string()}})),
+            _ => {}
+        }
+    }
+    let mut msg = json!({"role": "assistant",
+        "content": if text.is_empty() && !calls.is_empty() { Value::Null } else { json!(text) }});
+    if !calls.is_empty() {
+        msg["tool_calls"] = json!(calls);
+    }
+    json!({
+        "id": message["id"],
+        "object": "chat.completion",
+        "created": created,
+        "model": message["model"],
+        "choices": [{"index": 0, "message": msg,
+            "finish_reason": finish_of(message["stop_reason"].as_str())}],
+        "usage": usage_of(&message["usage"]),
+    })
+}
+
+/// A Messages event stream read as chat chunks, event by event: what the events so far said
+/// (the message's id and model, its prompt usage, which blocks are tool calls).
+pub(crate) struct Chunks {
+    created: u64,
+    id: Value,
+    model: Value,
+    usage: Value,
+    /// Per block index: the tool call's position among the answer's calls, if it is one.
+    calls: Vec<Option<usize>>,
+    ncalls: usize,
+}
+
+impl Chunks {
+    pub(crate) fn new(created: u64) -> Self {
+        Chunks {
+            created,
+            id: Value::Null,
+            model: Value::Null,
+            usage: json!({}),
+            calls: Vec::new(),
+            ncalls: 0,
+        }
+    }
+
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        .to_string()
+    }
+
+    /// The chat chunks (or `[DONE]`) one event's data means; data that is no JSON passes as it
+    /// came, for the stream's reader to find broken.
+    pub(crate) fn event(&mut self, data: &str) -> Vec<String> {
+        let Ok(e) = serde_json::from_str::<Value>(data) else {
+            return vec![data.to_string()];
+        };
+        let index = e["index"].as_u64().unwrap_or(0) as usize;
+        match e["type"].as_str().unwrap_or_default() {
+            "message_start" => {
+                let m = &e["message"];
+                self.id = m["id"].clone();
+                self.model = m["model"].clone();
+                self.usage = m["usage"].clone();
+                vec![self.chunk(json!({"role": "assistant", "content": ""}), None)]
+            }
+            "content_block_start" => {
+                let b = &e["content_block"];
+                // An index beyond any real answer's is not a block to keep state for.
+                if index > 4_096 {
+                    return Vec::new();
+                }
+                if self.calls.len() <= index {
+                    self.calls.resize(index + 1, None);
+                }
+                match b["type"].as_str() {
+                    Some("tool_use") => {
+                        let n = self.ncalls;
+                        self.ncalls += 1;
+                        self.calls[index] = Some(n);
+                        let call = json!({"index": n, "id": b["id"], "type": "function",
+                            "function": {"name": b["name"], "arguments": ""}});
+                        vec![self.chunk(json!({"tool_calls": [call]}), None)]
+                    }
+                    Some("text") => match b["text"].as_str().filter(|t| !t.is_empty()) {
+                        Some(t) => vec![self.chunk(json!({"content": t}), None)],
+                        None => Vec::new(),
+                    },
+                    _ => Vec::new(),
+                }
+            }
+            "content_block_delta" => {
+                let d = &e["delta"];
+                match d["type"].as_str() {
+                    Some("text_delta") => {
+                        vec![self.chunk(json!({"content": d["text"]}), None)]
+                    }
+                    Some("input_json_delta") => match self.calls.get(index).copied().flatten() {
+                        Some(n) => {
+                            let call = json!({"index": n,
+                                    "function": {"arguments": d["partial_json"]}});
+                            vec![self.chunk(json!({"tool_calls": [call]}), None)]
+                        }
+                        None => Vec::new(),
+                    },
+                    _ => Vec::new(),
+                }
+            }
+            "message_delta" => {
+                if let (Some(u), Some(base)) = (e["usage"].as_object(), self.usage.as_object_mut())
+                {
+                    for (k, v) in u {
+                        base.insert(k.clone(), v.clone());
+                    }
+                }
+                let finish = finish_of(e["delta"]["stop_reason"].as_str());
+                let mut usage = json!({"id": self.id, "object": "chat.completion.chunk",
+                    "created": self.created, "model": self.model, "choices": []});
+                usage["usage"] = usage_of(&self.usage);
+                vec![self.chunk(json!({}), Some(finish)), usage.to_string()]
+            }
+            "message_stop" => vec!["[DONE]".into()],
+            "error" => vec![json!({"error": e["error"]}).to_string()],
+            // ping, content_block_stop, and events a later version adds.
+            _ => Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn extra(v: Value) -> Map<String, Value> {
+        v.as_object().cloned().unwrap_or_default()
+    }
+
+    #[test]
+    fn a_chat_request_becomes_the_messages_request_it_means() {
+        let messages = vec![
+            json!({"role": "system", "content": "be brief"}),
+            json!({"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
+                "type": "function", "function": {"name": "look", "arguments": "{\"q\":\"x\"}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": "a cat"}),
+            json!({"role": "user", "content": "and?"}),
+        ];
+        let extra = extra(json!({"temperature": 0.5, "stop": "END", "user": "u1",
+            "tools": [{"type": "function", "function": {"name": "look", "description": "d",
+                "parameters": {"type": "object"}}}],
+            "tool_choice": "required", "parallel_tool_calls": false}));
+        assert_eq!(not_carried(&messages, &extra, None), None);
+        let r = request_of("claude", &messages, &extra, 64, true, Some("so far  "));
+        assert_eq!(
+            r,
+            json!({
+                "model": "claude", "max_tokens": 64, "stream": true, "system": "be brief",
+                "temperature": 0.5, "stop_sequences": ["END"], "metadata": {"user_id": "u1"},
+                "tools": [{"name": "look", "description": "d", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "look", "input": {"q": "x"}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "a cat"},
+                        {"type": "text", "text": "and?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "so far"}]},
+                ],
+            })
+        );
+    }
+
+    #[test]
+    fn what_messages_cannot_carry_is_named_as_the_client_wrote_it() {
+        let user = vec![json!({"role": "user", "content": "hi"})];
+        let none = Map::new();
+        let cases = [
+            (user.clone(), json!({"logprobs": true}), None, "logprobs"),
+            (user.clone(), json!({"n": 2}), None, "n"),
+            (
+                user.clone(),
+                json!({"temperature": 1.5}),
+                None,
+                "temperature",
+            ),
+            (user.clone(), json!({"seed": 7}), None, "seed"),
+            (
+                user.clone(),
+                json!({}),
+                Some(json!({"type": "json_object"})),
+                "response_format",
+            ),
+            (
+                vec![
+                    json!({"role": "user", "content": "a"}),
+                    json!({"role": "system", "content": "b"}),
+                ],
+                json!({}),
+                None,
+                "messages[1].role",
+            ),
+            (
+                vec![json!({"role": "user", "name": "bob", "content": "a"})],
+                json!({}),
+                None,
+                "messages[0].name",
+            ),
+            (
+                vec![json!({"role": "user", "content": [{"type": "input_audio"}]})],
+                json!({}),
+                None,
+                "messages[0].content[0]",
+            ),
+            (
+                vec![
+                    json!({"role": "assistant", "tool_calls": [{"type": "function",
+                    "function": {"name": "f", "arguments": "{cut"}}]}),
+                ],
+                json!({}),
+                None,
+                "messages[0].tool_calls[0]",
+            ),
+        ];
+        for (messages, e, format, want) in cases {
+            let got = not_carried(&messages, &extra(e.clone()), format.as_ref());
+            assert_eq!(got.as_deref(), Some(want), "{e} {messages:?}");
+        }
+        let fine = extra(json!({"n": 1, "logprobs": false, "temperature": 1.0}));
+        assert_eq!(
+            not_carried(&user, &fine, Some(&json!({"type": "text"}))),
+            None
+        );
+        assert_eq!(not_carried(&user, &none, None), None);
+    }
+
+    #[test]
+    fn a_messages_answer_reads_as_a_chat_completion_with_its_cache_usage() {
+        let m = json!({"id": "msg_1", "type": "message", "model": "claude",
+            "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "hi"},
+                {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}],
+            "stop_reason": "tool_use",
+            "usage": {"input_tokens": 10, "output_tokens": 5,
+                "cache_read_input_tokens": 100, "cache_creation_input_tokens": 20}});
+        let c = completion_of(&m, 7);
+        assert_eq!(c["choices"][0]["message"]["content"], "hi");
+        assert_eq!(
+            c["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
+            "{\"a\":1}"
+        );
+        assert_eq!(c["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(
+            c["usage"],
+            json!({"prompt_tokens": 130, "completion_tokens": 5, "total_tokens": 135,
+                "prompt_tokens_details": {"cached_tokens": 100}, "cache_creation_input_tokens": 20})
+        );
+        let u = crate::node::openai::usage_of(&c["usage"]);
+        assert_eq!(
+            (u.prompt_tokens, u.cached_tokens, u.cache_write_tokens),
+            (130, 100, 20)
+        );
+    }
+
+    #[test]
+    fn an_event_stream_reads_as_chat_chunks_that_gather_to_the_answer() {
+        let events = [
+            json!({"type": "message_start", "message": {"id": "msg_1", "model": "claude",
+                "usage": {"input_tokens": 10, "output_tokens": 1}}}),
+            json!({"type": "ping"}),
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hel"}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lo"}}),
+            json!({"type": "content_block_stop", "index": 0}),
+            json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "t1", "name": "f", "input": {}}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"a\":"}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "1}"}}),
+            json!({"type": "content_block_stop", "index": 1}),
+            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
+            json!({"type": "message_stop"}),
+        ];
+        let mut c = Chunks::new(7);
+        let out: Vec<String> = events
+            .iter()
+            .flat_map(|e| c.event(&e.to_string()))
+            .collect();
+        assert_eq!(out.last().map(String::as_str), Some("[DONE]"));
+        let chunks: Vec<Value> = out[..out.len() - 1]
+            .iter()
+            .map(|s| serde_json::from_str(s).unwrap())
+            .collect();
+        let mut text = String::new();
+        let mut args = String::new();
+        let mut finish = None;
+        let mut usage = None;
+        for ch in &chunks {
+            assert_eq!(ch["id"], "msg_1");
+            let d = crate::node::openai::read_chunk(ch).unwrap();
+            text.push_str(d.text.unwrap_or_default());
+            for t in d.tool_calls.and_then(Value::as_array).into_iter().flatten() {
+                assert_eq!(t["index"], 0);
+                args.push_str(t["function"]["arguments"].as_str().unwrap_or_default());
+            }
+            finish = finish.or(d.finish.map(String::from));
+            usage = usage.or(d.usage);
+        }
+        assert_eq!((text.as_str(), args.as_str()), ("hello", "{\"a\":1}"));
+        assert_eq!(finish.as_deref(), Some("tool_calls"));
+        let u = usage.unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (10, 9));
+        // An error event is an error chunk; data that is no JSON passes as it came.
+        let e =
+            c.event(&json!({"type": "error", "error": {"type": "overloaded_error"}}).to_string());
+        assert!(crate::node::openai::read_chunk(&serde_json::from_str(&e[0]).unwrap()).is_err());
+        assert_eq!(c.event("{\"type\": "), vec!["{\"type\": ".to_string()]);
+    }
+}
