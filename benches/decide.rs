@@ -63,6 +63,7 @@ fn request() -> Request {
         response_format: None,
         tools: Default::default(),
         bound_to: None,
+        embeddings: false,
     }
 }
 

@@ -149,6 +149,7 @@ mod tests {
             response_format: None,
             tools: Default::default(),
             bound_to: None,
+            embeddings: false,
         }
     }
 

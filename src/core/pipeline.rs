@@ -191,6 +191,7 @@ pub fn default_providers() -> Vec<Target> {
         context_window: None,
         prefill: false,
         api: Default::default(),
+        embeddings: false,
     };
     vec![
         p("primary", "sim-large", 0.010, false),
@@ -393,7 +394,8 @@ impl Engine {
                 .is_some_and(|rf| rf["type"] == "text");
         let contract = match own {
             Some(c) => Some(c),
-            None if plain => None,
+            // An embedding is no answer text: there is nothing to hold to a contract.
+            None if plain || request.embeddings => None,
             None => {
                 let (field, spec) = match &route {
                     Some(r) => ("model", self.state.routes[r].contract.as_ref()),
@@ -647,6 +649,8 @@ impl Engine {
                 let breaker = self.state.breakers.get(&*p.id).copied().unwrap_or_default();
                 let excluded = if tried(&p.id) {
                     Some(ReasonCode::ProviderAlreadyTried)
+                } else if p.embeddings != r.embeddings {
+                    Some(ReasonCode::ModelKindMismatch)
                 } else if r.bound_to.is_some_and(|api| api != p.api) {
                     Some(ReasonCode::ApiNotCarried)
                 } else if too_small(p) {

@@ -110,6 +110,7 @@ pub(crate) fn req(id: &str) -> Request {
         response_format: None,
         tools: Default::default(),
         bound_to: None,
+        embeddings: false,
     }
 }
 
@@ -1152,6 +1153,11 @@ fn every_reason_code_is_reachable() {
     bound.bound_to = Some(crate::core::request::Api::Openai);
     let (_, d) = drive(&mut e, bound, vec![good()]);
     note(&d);
+    // Embeddings asked of chat targets only.
+    let mut embed = req("embed");
+    embed.embeddings = true;
+    let (_, d) = drive(&mut e, embed, vec![]);
+    note(&d);
 
     let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
     let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();
@@ -1173,6 +1179,7 @@ fn routed() -> Engine {
         context_window: None,
         prefill: false,
         api: Default::default(),
+        embeddings: false,
     };
     let mut state = State {
         cluster: Cluster::new("n1", 1).into(),
@@ -1514,6 +1521,7 @@ fn windows() -> Engine {
         context_window: Some(w),
         prefill: false,
         api: Default::default(),
+        embeddings: false,
     };
     e.state.providers = vec![t("a", 8_000), t("b", 4_000), t("c", 32_000)];
     e.state.routes.insert(

@@ -162,6 +162,8 @@ reason_codes! {
         "The target cannot continue a partial answer (it takes no assistant prefill); excluded from continuing an interrupted stream.";
     ApiNotCarried = "API_NOT_CARRIED", Routing,
         "The request uses a feature the target's API has no equivalent for (a translation would drop it); excluded, so it is served only where its own API is spoken.";
+    ModelKindMismatch = "MODEL_KIND_MISMATCH", Routing,
+        "The target serves embeddings and the request asks for an answer, or the reverse; excluded.";
     NoProviderAvailable = "NO_PROVIDER_AVAILABLE", Routing,
         "Every provider was excluded; nothing could serve the request.";
     CircuitOpen = "CIRCUIT_OPEN", Breaker,

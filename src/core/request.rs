@@ -158,6 +158,10 @@ pub struct Request {
     /// translation to the other would drop.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_to: Option<Api>,
+    /// It asks for embeddings of its input (the messages hold the input's text): served only
+    /// by embedding targets, and no answer text to hold to a contract.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub embeddings: bool,
 }
 
 fn yes() -> bool {
@@ -209,6 +213,9 @@ pub struct Target {
     /// The API its upstream speaks.
     #[serde(default, skip_serializing_if = "Api::is_openai")]
     pub api: Api,
+    /// It serves embeddings (and only embeddings requests).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub embeddings: bool,
 }
 
 impl Target {

@@ -26,6 +26,7 @@
 //! api_key_env = "OPENAI_API_KEY"   # optional: the key is read from this variable
 //! # api = "anthropic"               # what base_url speaks: "openai" (chat completions, the
 //!                                  # default) or "anthropic" (Messages; x-api-key; prefill)
+//! # embeddings = true              # its models serve POST /v1/embeddings (and nothing else)
 //! # agent = "llm.local"            # instead of base_url: a mesh agent answering chat requests
 //! cost_per_1k_tokens_usd = 0.01    # target attributes, for each of its models unless the
 //! output_cost_per_1k_usd = 0.03    # model says otherwise: prices (prompt; completion;
@@ -143,6 +144,10 @@ pub struct ProviderConfig {
     /// continues an assistant prefill natively).
     #[serde(default)]
     pub api: crate::core::request::Api,
+    /// Its models serve embeddings (`POST {base_url}/embeddings`), and only embeddings requests
+    /// go to them.
+    #[serde(default)]
+    pub embeddings: bool,
     /// Or: the provider is an agent on the mesh, called by this name with the chat request as
     /// its payload and answering with a chat completion. Its death notice marks it down at once.
     #[serde(default)]
@@ -275,6 +280,7 @@ pub struct Target {
     pub prefill: bool,
     pub fallback: bool,
     pub api: crate::core::request::Api,
+    pub embeddings: bool,
 }
 
 impl Target {
@@ -291,6 +297,7 @@ impl Target {
             context_window: self.context_window,
             prefill: self.prefill,
             api: self.api,
+            embeddings: self.embeddings,
         }
     }
 }
@@ -429,6 +436,7 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             base_url: format!("{sim_url}/{}/v1", p.id),
             agent: None,
             api: Default::default(),
+            embeddings: false,
             id: p.id.to_string(),
             model: p.model.to_string(),
             models: Vec::new(),
@@ -445,7 +453,41 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             fallback: p.fallback,
             probe: Probe::Chat,
         })
+        .chain(std::iter::once(ProviderConfig {
+            // The simulator's embedding model, on its zero-cost local provider.
+            id: "embed".into(),
+            base_url: format!("{sim_url}/local/v1"),
+            model: "sim-embed".into(),
+            embeddings: true,
+            probe: Probe::Models,
+            ..ProviderConfig::blank()
+        }))
         .collect()
+}
+
+impl ProviderConfig {
+    /// A provider with every attribute at its default (filled in by the caller).
+    fn blank() -> ProviderConfig {
+        ProviderConfig {
+            id: String::new(),
+            base_url: String::new(),
+            api: Default::default(),
+            embeddings: false,
+            agent: None,
+            model: String::new(),
+            models: Vec::new(),
+            api_key_env: None,
+            cost_per_1k_tokens_usd: 0.0,
+            output_cost_per_1k_usd: None,
+            cached_input_cost_per_1k_usd: None,
+            cache_write_cost_per_1k_usd: None,
+            reasoning_cost_per_1k_usd: None,
+            context_window: None,
+            prefill: false,
+            fallback: false,
+            probe: Probe::Chat,
+        }
+    }
 }
 
 impl NodeConfig {
@@ -534,6 +576,7 @@ impl NodeConfig {
                 prefill: p.prefill || p.api == crate::core::request::Api::Anthropic,
                 fallback: p.fallback,
                 api: p.api,
+                embeddings: p.embeddings,
             };
             if p.models.is_empty() {
                 out.push(base);
@@ -638,6 +681,16 @@ impl NodeConfig {
                     ));
                 }
             }
+            let kinds: std::collections::BTreeSet<bool> = r
+                .targets
+                .iter()
+                .filter_map(|t| self.target(t).map(|t| t.embeddings))
+                .collect();
+            if kinds.len() > 1 {
+                return Err(format!(
+                    "{at}: mixes embedding targets with chat targets; a route serves one or the other"
+                ));
+            }
             if let Some(spec) = &r.contract {
                 crate::core::contract::Contract::for_request(Some(spec), None)
                     .map_err(|e| format!("{at}: {e}"))?;
@@ -695,6 +748,11 @@ impl NodeConfig {
                 return Err(format!("{at}: id is listed twice"));
             }
             match &p.agent {
+                Some(_) if p.embeddings => {
+                    return Err(format!(
+                        "{at}: an agent answers chat requests; embeddings = true needs a base_url"
+                    ));
+                }
                 Some(agent) => {
                     if !p.api.is_openai() {
                         return Err(format!(
@@ -725,6 +783,11 @@ impl NodeConfig {
                         return Err(format!("{at}: base_url {:?} is no URL: {e}", p.base_url));
                     }
                 }
+            }
+            if p.embeddings && !p.api.is_openai() {
+                return Err(format!(
+                    "{at}: Anthropic's API serves no embeddings; embeddings = true needs api = \"openai\""
+                ));
             }
             if p.model.is_empty() == p.models.is_empty() {
                 return Err(format!(
@@ -835,12 +898,14 @@ mod tests {
     fn the_default_needs_no_file_and_points_at_the_sim() {
         let cfg = NodeConfig::load(None, "http://127.0.0.1:9999/").unwrap();
         let ids: Vec<&str> = cfg.providers.iter().map(|p| p.id.as_str()).collect();
-        assert_eq!(ids, ["primary", "local", "secondary"]);
+        assert_eq!(ids, ["primary", "local", "secondary", "embed"]);
         assert_eq!(
             cfg.providers[0].base_url,
             "http://127.0.0.1:9999/primary/v1"
         );
         assert!(cfg.providers[1].fallback);
+        // The simulator's embedding model, served only to embeddings requests.
+        assert!(cfg.providers[3].embeddings && !cfg.providers[2].embeddings);
         assert_eq!(cfg.node.cluster_size, 3);
     }
 

@@ -58,6 +58,8 @@ impl serde::Serialize for Messages<'_> {
 
 pub struct Connector {
     pub id: String,
+    /// Its models serve embeddings (and are probed with one).
+    pub embeddings: bool,
     /// How its targets are checked while idle.
     pub probe: super::config::Probe,
     pub upstream: Upstream,
@@ -68,7 +70,7 @@ pub struct Connector {
 /// Where a provider is reached.
 pub enum Upstream {
     /// An OpenAI-compatible HTTP endpoint.
-    Http(HttpEndpoint),
+    Http(Box<HttpEndpoint>),
     /// An Open Agent Mesh agent answering chat requests, called over NATS.
     Agent {
         name: String,
@@ -86,6 +88,8 @@ pub struct HttpEndpoint {
     uri: hyper::Uri,
     /// `{base_url}/models`.
     models_url: reqwest::Url,
+    /// `{base_url}/embeddings`.
+    embeddings_url: reqwest::Url,
     /// What every request carries, made once: the key from `api_key_env` (as
     /// `Authorization: Bearer`, or `x-api-key`, marked sensitive) and `anthropic-version`.
     headers: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>,
@@ -185,18 +189,20 @@ impl Connector {
                         HeaderValue::from_static(messages::VERSION),
                     ));
                 }
-                Upstream::Http(HttpEndpoint {
+                Upstream::Http(Box::new(HttpEndpoint {
                     api: cfg.api,
                     uri: url.as_str().parse()?,
                     url,
                     models_url: at("models")?,
+                    embeddings_url: at("embeddings")?,
                     headers,
                     http,
-                })
+                }))
             }
         };
         Ok(Connector {
             id: cfg.id.clone(),
+            embeddings: cfg.embeddings,
             probe: cfg.probe,
             upstream,
             post,
@@ -559,6 +565,70 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<bytes::B
 }
 
 impl Connector {
+    /// Embeddings from `model`, bounded by `timeout`: the client's request as it came
+    /// (`pass.extra`: `input`, `dimensions`, `encoding_format`, `user`) with the target's model.
+    /// An answer of 200 whose list does not hold one embedding per input is a failure of the
+    /// target, not an answer.
+    pub async fn embed(&self, model: &str, pass: &Passthrough, timeout: Duration) -> Attempt {
+        let started = Instant::now();
+        let Upstream::Http(http) = &self.upstream else {
+            // Checked at load: an agent serves no embeddings.
+            return Generation::failed(GenerationStatus::Error, 0).into();
+        };
+        let mut body = pass.extra.clone();
+        body.insert("model".into(), Value::String(model.into()));
+        let call = async {
+            let resp = http
+                .request(reqwest::Method::POST, &http.embeddings_url)
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| error_chain(&e))?;
+            let (status, headers) = (resp.status(), resp.headers().clone());
+            let bytes = read_capped(resp, self.post.max_answer_bytes()).await?;
+            Ok::<_, String>((status, headers, bytes))
+        };
+        let result = tokio::time::timeout(timeout, call).await;
+        let latency_ms = started.elapsed().as_millis() as u64;
+        let failed = |status, error: String| -> Attempt {
+            Generation {
+                error: Some(error),
+                ..Generation::failed(status, latency_ms)
+            }
+            .into()
+        };
+        let (status, headers, bytes) = match result {
+            Err(_) => {
+                let why = format!("no answer within {} ms", timeout.as_millis());
+                return failed(GenerationStatus::Timeout, why);
+            }
+            Ok(Err(e)) => return failed(GenerationStatus::Error, e),
+            Ok(Ok(parts)) => parts,
+        };
+        let attempt = judge(Api::Openai, status, &headers, &bytes, latency_ms);
+        if attempt.generation.status != GenerationStatus::Ok {
+            return attempt;
+        }
+        let inputs = match &pass.extra["input"] {
+            Value::Array(items) if items.iter().all(Value::is_number) => 1,
+            Value::Array(items) => items.len(),
+            _ => 1,
+        };
+        let answered = attempt
+            .body
+            .as_ref()
+            .and_then(Reply::value)
+            .and_then(|v| v["data"].as_array().map(Vec::len));
+        if answered != Some(inputs) {
+            let why = format!(
+                "the answer holds {} embeddings for {inputs} inputs",
+                answered.map_or("no list of".to_string(), |n| n.to_string())
+            );
+            return failed(GenerationStatus::Error, why);
+        }
+        attempt
+    }
+
     /// `GET /models`, bounded by `timeout`: a free check that the provider answers.
     pub async fn list_models(&self, timeout: Duration) -> Generation {
         let started = Instant::now();

@@ -293,15 +293,27 @@ impl Prober {
         let calls = checks.into_iter().map(|(ids, c, model)| async move {
             let g = match c.probe {
                 Probe::Models => c.list_models(self.timeout).await,
+                _ if c.embeddings => {
+                    let pass = super::connector::Passthrough {
+                        extra: [("input".to_string(), "oam health probe".into())]
+                            .into_iter()
+                            .collect(),
+                        ..Default::default()
+                    };
+                    c.embed(model, &pass, self.timeout).await.generation
+                }
                 _ => {
                     let a = c.generate(model, probe, None, 32, None, self.timeout).await;
                     a.generation
                 }
             };
+            // An embedding has no answer text to hold to the contract.
             let outcome = probe_outcome(c.probe, g.status, || {
-                self.contract
-                    .as_ref()
-                    .is_some_and(|k| k.check(&g.content, g.finish_reason.as_deref()).is_err())
+                !c.embeddings
+                    && self
+                        .contract
+                        .as_ref()
+                        .is_some_and(|k| k.check(&g.content, g.finish_reason.as_deref()).is_err())
             });
             (ids, outcome, g.latency_ms)
         });

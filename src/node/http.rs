@@ -1,5 +1,6 @@
 //! HTTP in front of the request path: `POST /v1/chat/completions` (OpenAI-compatible),
 //! `POST /v1/messages` (Anthropic's Messages API), `POST /v1/responses` (OpenAI's Responses API),
+//! `POST /v1/embeddings`,
 //! `GET /v1/models`, the node's state and metrics, and the chaos restore an isolated node can
 //! still hear. Every response carries `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Target` and
 //! `X-Request-Id`.
@@ -8,7 +9,7 @@ use super::Node;
 use super::detach::Detachable;
 use super::live::Wire;
 use super::openai::BadRequest;
-use super::request::{Answer, authenticate, bad_request, execute};
+use super::request::{Answer, Asks, authenticate, bad_request, execute};
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -24,6 +25,7 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/responses", post(responses))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
         .route("/v1/oam/chaos", post(chaos))
@@ -175,7 +177,7 @@ async fn chat(
         Ok(bytes) => bytes,
         Err(refused) => return to_http(*refused),
     };
-    let answer = match run(&node, bytes, headers, Some(Wire::Chat)).await {
+    let answer = match run(&node, bytes, headers, Asks::Answer(Some(Wire::Chat))).await {
         Ok(answer) => answer,
         Err(failed) => return failed,
     };
@@ -241,6 +243,23 @@ async fn responses(
     translated(&node, headers, body, api).await
 }
 
+/// `POST /v1/embeddings`: routed to embedding targets with health, breakers, budgets and the
+/// log (`embeddings`); the upstream's list with the `oam` object.
+async fn embeddings(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let bytes = match read_body(&node, &headers, body).await {
+        Ok(bytes) => bytes,
+        Err(refused) => return to_http(*refused),
+    };
+    match run(&node, bytes, headers, Asks::Embeddings).await {
+        Ok(answer) => to_http(answer),
+        Err(failed) => failed,
+    }
+}
+
 /// An API served by translation: its request into a chat-completions body (and whether a
 /// stream was asked for), and a decided answer into its body (and whether that is events).
 struct Translation {
@@ -266,16 +285,18 @@ async fn translated(
                 Err(refused) => *refused,
                 Ok(_) => bad_request(node, &headers, e),
             },
-            Ok((chat, stream)) => match run(node, chat.into(), headers, api.live).await {
-                Ok(Answer {
-                    live: Some(live), ..
-                }) => return live,
-                Ok(mut answer) => {
-                    answer.stream = stream;
-                    answer
+            Ok((chat, stream)) => {
+                match run(node, chat.into(), headers, Asks::Answer(api.live)).await {
+                    Ok(Answer {
+                        live: Some(live), ..
+                    }) => return live,
+                    Ok(mut answer) => {
+                        answer.stream = stream;
+                        answer
+                    }
+                    Err(failed) => return failed,
                 }
-                Err(failed) => return failed,
-            },
+            }
         },
     };
     let (text, events) = (api.answer_of)(&answer, answer.stream);
@@ -347,12 +368,12 @@ async fn run(
     node: &Arc<Node>,
     bytes: axum::body::Bytes,
     headers: HeaderMap,
-    live: Option<Wire>,
+    asks: Asks,
 ) -> Result<Answer, Response> {
     let caller = CancellationToken::new();
     let hung_up = caller.clone();
     let n = node.clone();
-    let run = async move { execute(&n, &bytes, &headers, caller, live).await };
+    let run = async move { execute(&n, &bytes, &headers, caller, asks).await };
     let run = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(run));
     Detachable::new(run, hung_up, node.serving.tasks.clone())
         .await

@@ -16,6 +16,7 @@ pub mod config;
 pub mod connector;
 pub mod decisionlog;
 mod detach;
+pub mod embeddings;
 pub mod escalations;
 pub mod gossip;
 pub mod health;

@@ -109,7 +109,7 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message, permit: OwnedSemaphoreP
                 &msg.payload,
                 &headers,
                 CancellationToken::new(),
-                None,
+                super::request::Asks::Answer(None),
             )
             .await
         };

@@ -330,6 +330,7 @@ pub(crate) fn decode_request(
         response_format: chat.response_format,
         tools,
         bound_to: None,
+        embeddings: false,
     };
     let mut extra = chat.rest;
     // oam sets the upstream's stream options itself (it always asks a stream for its usage);
@@ -488,8 +489,10 @@ pub(crate) fn answer(
             super::connector::with_member(answer, "oam", &oam).into(),
         )
     } else if let (true, Some(Reply::Json(Value::Object(mut answer)))) = (accepted, upstream)
-        && answer.get("choices").is_some_and(Value::is_array)
+        && (answer.get("choices").is_some_and(Value::is_array)
+            || answer.get("data").is_some_and(Value::is_array))
     {
+        // A chat completion of another shape, or a list of embeddings.
         answer.insert("oam".into(), oam_object(d));
         (status, json_bytes(&answer))
     } else if accepted {

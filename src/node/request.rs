@@ -18,6 +18,15 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+/// What a request asks for, by the surface it came in on: an answer (chat completions, and the
+/// APIs translated into it), relayed live in a `Wire` when streamed if one is given; or
+/// embeddings.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Asks {
+    Answer(Option<super::live::Wire>),
+    Embeddings,
+}
+
 /// Build the core request from the body and headers: the request, and whether it asked for
 /// server-sent events (`"stream": true`). Bytes from outside: property-tested below.
 pub(crate) fn to_request(
@@ -25,10 +34,13 @@ pub(crate) fn to_request(
     body: &[u8],
     h: &HeaderMap,
     client: Option<&str>,
+    asks: Asks,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    let mut r = openai::decode_request(&node.cfg, body, h, || {
-        node.serving.next_request_id(&node.id)
-    })?;
+    let new_id = || node.serving.next_request_id(&node.id);
+    let mut r = match asks {
+        Asks::Answer(_) => openai::decode_request(&node.cfg, body, h, new_id)?,
+        Asks::Embeddings => super::embeddings::decode(&node.cfg, body, h, new_id)?,
+    };
     if let Some(id) = client {
         // Who holds the key is who calls, whatever the request says.
         r.0.agent = id.to_string();
@@ -220,9 +232,10 @@ pub(crate) fn begin(
     node: &Arc<Node>,
     body: &[u8],
     headers: &HeaderMap,
+    asks: Asks,
 ) -> Result<Begun, Box<Answer>> {
     let client = authenticate(node, headers)?;
-    let (request, stream, pass) = to_request(node, body, headers, client)
+    let (request, stream, pass) = to_request(node, body, headers, client, asks)
         .map_err(|e| Box::new(bad_request(node, headers, e)))?;
     let logging = node.log.enabled();
     let begun = node.pipeline.with(|e| {
@@ -256,7 +269,7 @@ pub async fn execute(
     body: &[u8],
     headers: &HeaderMap,
     caller: CancellationToken,
-    live_wire: Option<super::live::Wire>,
+    asks: Asks,
 ) -> Answer {
     let started = std::time::Instant::now();
     let Begun {
@@ -265,13 +278,16 @@ pub async fn execute(
         mut granted,
         stream,
         pass,
-    } = match begin(node, body, headers) {
+    } = match begin(node, body, headers, asks) {
         Ok(begun) => begun,
         Err(refused) => return *refused,
     };
     // A streaming request held to no contract is relayed as it arrives; one under a contract is
     // checked whole first, then released.
-    let live = live_wire.filter(|_| stream && !flight.session.contracted());
+    let live = match asks {
+        Asks::Answer(wire) => wire.filter(|_| stream && !flight.session.contracted()),
+        Asks::Embeddings => None,
+    };
     let limits = node
         .cfg
         .deadlines(flight.session.request().model.as_deref());
@@ -375,6 +391,10 @@ pub async fn execute(
                     }
                 }
                 let attempt = match node.upstreams.target(&d.provider) {
+                    Some((c, model)) if asks == Asks::Embeddings => {
+                        c.embed(model, &pass, Duration::from_millis(d.timeout_ms))
+                            .await
+                    }
                     Some((c, model)) => {
                         c.generate(
                             model,
@@ -513,7 +533,7 @@ mod tests {
             b"{\"messages\": 5}",
             &HeaderMap::new(),
             CancellationToken::new(),
-            None,
+            Asks::Answer(None),
         )
         .await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST);
@@ -533,7 +553,14 @@ mod tests {
         let n = node().await;
         let req = br#"{"model": "auto", "messages": [{"role": "user", "content": "q"}],
             "oam": {"request_id": "r1", "latency_budget_ms": 400}}"#;
-        let a = execute(&n, req, &HeaderMap::new(), CancellationToken::new(), None).await;
+        let a = execute(
+            &n,
+            req,
+            &HeaderMap::new(),
+            CancellationToken::new(),
+            Asks::Answer(None),
+        )
+        .await;
         let v = body(&a);
         assert!(a.status.is_server_error(), "{} {v}", a.status);
         assert_eq!(v["oam"]["request_id"], "r1");

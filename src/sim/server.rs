@@ -7,6 +7,9 @@
 //! - `POST /{provider}/v1/messages`, `POST /v1/messages`: the same providers speaking
 //!   Anthropic's Messages API (`anthropic-version` required; answers, event streams and errors
 //!   in its shapes, with the same faults), for `api = "anthropic"` targets.
+//! - `POST /{provider}/v1/embeddings`, `POST /v1/embeddings`: a deterministic unit vector per
+//!   input (`dimensions`, default 8; `float` or `base64`), with the same faults; under a
+//!   contract fault the list is one short, a quiet failure a gateway must catch.
 //! - `GET /sim/faults`, `POST /sim/faults`, `DELETE /sim/faults[/{provider}]`: the fault API.
 //! - `GET /healthz`.
 //!
@@ -118,6 +121,32 @@ impl Sim {
         }
     }
 
+    /// What `provider` replies to its `k`th request, for `model` (else its own), asking
+    /// `question`: under the fault on that model of it, else on it (a hang waited out); the
+    /// fault, and when.
+    async fn reply(
+        &self,
+        provider: &SimProvider,
+        k: u64,
+        model: Option<&str>,
+        question: &str,
+    ) -> (Reply, Option<model::Fault>, u64) {
+        let now = self.now_ms();
+        let fault = {
+            let mut faults = self.faults();
+            let model = model.unwrap_or(&provider.model);
+            faults
+                .get(&format!("{}/{model}", provider.id), now)
+                .or_else(|| faults.get(&provider.id, now))
+        };
+        let mut reply = model::reply(self.seed, provider, k, question, fault, now);
+        if let Reply::Hang { until_ms } = reply {
+            tokio::time::sleep(Duration::from_millis(until_ms.saturating_sub(now))).await;
+            reply = model::reply(self.seed, provider, k, question, None, self.now_ms());
+        }
+        (reply, fault, now)
+    }
+
     fn find(&self, name: &str) -> Option<&(SimProvider, AtomicU64)> {
         self.providers
             .get(name)
@@ -133,6 +162,8 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/{provider}/v1/models", get(provider_models))
         .route("/{provider}/v1/chat/completions", post(chat_provider))
         .route("/v1/messages", post(messages_any))
+        .route("/v1/embeddings", post(embeddings_any))
+        .route("/{provider}/v1/embeddings", post(embeddings_provider))
         .route("/{provider}/v1/messages", post(messages_provider))
         .route(
             "/sim/faults",
@@ -379,6 +410,133 @@ async fn messages_provider(
     }
 }
 
+/// The texts of an embeddings `input` (a string, strings, or token arrays read as their ids),
+/// or why it is refused.
+fn embedding_inputs(input: &Value) -> Result<Vec<String>, String> {
+    let items = match input {
+        Value::String(_) => vec![input.clone()],
+        Value::Array(a) if a.first().is_some_and(Value::is_number) => vec![input.clone()],
+        Value::Array(a) => a.clone(),
+        _ => return Err("input must be a string, strings or token arrays".into()),
+    };
+    if items.is_empty() {
+        return Err("input must hold at least one item".into());
+    }
+    items
+        .iter()
+        .map(|i| match i {
+            Value::String(s) if !s.is_empty() => Ok(s.clone()),
+            Value::Array(t) if !t.is_empty() => Ok(i.to_string()),
+            _ => Err("each input must be a non-empty string or token array".into()),
+        })
+        .collect()
+}
+
+/// A unit vector of `dims` for `text`, the same every time.
+fn embedding_of(seed: u64, text: &str, dims: usize) -> Vec<f32> {
+    let v: Vec<f32> = (0..dims as u64)
+        .map(|i| {
+            let h = xxhash_rust::xxh3::xxh3_64_with_seed(text.as_bytes(), seed ^ i);
+            (h as f64 / u64::MAX as f64 * 2.0 - 1.0) as f32
+        })
+        .collect();
+    let norm = v
+        .iter()
+        .map(|x| x * x)
+        .sum::<f32>()
+        .sqrt()
+        .max(f32::EPSILON);
+    v.into_iter().map(|x| x / norm).collect()
+}
+
+async fn embeddings_any(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let model = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["model"].as_str().map(String::from));
+    let Some(name) = model else {
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "model is required here; or post to /{provider}/v1/embeddings",
+        );
+    };
+    match sim.find(&name) {
+        Some((p, _)) => {
+            let id = p.id.clone();
+            embed(&sim, &id, &body).await
+        }
+        None => unknown_provider(&sim, &name),
+    }
+}
+
+async fn embeddings_provider(
+    State(sim): State<Arc<Sim>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Response {
+    if !sim.providers.contains_key(&name) {
+        return unknown_provider(&sim, &name);
+    }
+    embed(&sim, &name, &body).await
+}
+
+/// `provider`'s embeddings for the request `body`, under its faults.
+async fn embed(sim: &Sim, provider_id: &str, body: &Bytes) -> Response {
+    use base64::Engine as _;
+    let Some((provider, counter)) = sim.providers.get(provider_id) else {
+        return unknown_provider(sim, provider_id);
+    };
+    sim.received(provider_id, body);
+    let req: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => {
+            let why = format!("the body is not JSON: {e}");
+            return openai_error(StatusCode::BAD_REQUEST, "invalid_json", &why);
+        }
+    };
+    let inputs = match embedding_inputs(&req["input"]) {
+        Ok(i) => i,
+        Err(why) => return openai_error(StatusCode::BAD_REQUEST, "invalid_request", &why),
+    };
+    let dims = req["dimensions"].as_u64().unwrap_or(8).clamp(1, 4_096) as usize;
+    let base64 = req["encoding_format"] == "base64";
+    let k = counter.fetch_add(1, Ordering::Relaxed);
+    let model = req["model"].as_str().unwrap_or(&provider.model).to_string();
+    let (reply, fault, _) = sim.reply(provider, k, Some(&model), &inputs[0]).await;
+    let Reply::Answer { delay_ms, .. } = reply else {
+        return failure(Api::Openai, reply).await;
+    };
+    pause(delay_ms).await;
+    let broken = fault.is_some_and(|f| matches!(f.mode, model::FaultMode::Contract { .. }));
+    let kept = if broken {
+        inputs.len() - 1
+    } else {
+        inputs.len()
+    };
+    let data: Vec<Value> = inputs[..kept]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let v = embedding_of(sim.seed, text, dims);
+            let embedding = if base64 {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    let tokens: u64 = inputs.iter().map(|t| (t.len() as u64).div_ceil(4)).sum();
+    axum::Json(json!({
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
+    .into_response()
+}
+
 fn text_of(content: &Value) -> String {
     match content {
         Value::String(s) => s.clone(),
@@ -451,20 +609,9 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Res
         .map(|m| text_of(&m.content))
         .unwrap_or_default();
     let prompt_chars: usize = req.messages.iter().map(|m| text_of(&m.content).len()).sum();
-    let now = sim.now_ms();
-    // A fault on this model of the provider, else on the provider.
-    let fault = {
-        let mut faults = sim.faults();
-        let model = req.model.as_deref().unwrap_or(&provider.model);
-        faults
-            .get(&format!("{provider_id}/{model}"), now)
-            .or_else(|| faults.get(provider_id, now))
-    };
-    let mut reply = model::reply(sim.seed, provider, k, &question, fault, now);
-    if let Reply::Hang { until_ms } = reply {
-        tokio::time::sleep(Duration::from_millis(until_ms.saturating_sub(now))).await;
-        reply = model::reply(sim.seed, provider, k, &question, None, sim.now_ms());
-    }
+    let (reply, fault, now) = sim
+        .reply(provider, k, req.model.as_deref(), &question)
+        .await;
     match reply {
         Reply::Answer {
             delay_ms,
@@ -573,6 +720,19 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Res
                 .into_response(),
             }
         }
+        other => failure(api, other).await,
+    }
+}
+
+/// What a provider answers instead of an answer: an error status, a rate limit, a refusal, a
+/// reset connection (in `api`'s envelope).
+async fn failure(api: Api, reply: Reply) -> Response {
+    match reply {
+        Reply::Answer { .. } => openai_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "an answer is no failure",
+        ),
         Reply::Fail { delay_ms, status } => {
             pause(delay_ms).await;
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

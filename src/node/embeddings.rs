@@ -1,0 +1,191 @@
+//! The OpenAI embeddings surface (`POST /v1/embeddings`): the request decoded into the core's
+//! request (its input's text as one user message, which prices its reservation and feeds loop
+//! detection; `embeddings` set, so only embedding targets serve it and no contract applies),
+//! the rest of it passed to the upstream as it came. The upstream's list comes back with the
+//! `oam` object; refusals are in OpenAI's envelope.
+
+use super::config::NodeConfig;
+use super::connector::Passthrough;
+use super::openai::{BadRequest, bad};
+use crate::core::request::Request;
+use axum::http::HeaderMap;
+use serde_json::{Value, json};
+
+/// The most inputs one request may embed (OpenAI's own limit).
+pub(crate) const MAX_INPUTS: usize = 2048;
+
+/// The text of `input` (a string, strings, a token array or token arrays), checked as OpenAI
+/// checks it: nothing empty, at most `MAX_INPUTS`. A token array reads as that many words (for
+/// the estimate of its prompt tokens).
+fn input_text(input: Option<&Value>) -> Result<String, BadRequest> {
+    let tokens = |t: &[Value]| -> Result<String, BadRequest> {
+        if t.is_empty() || !t.iter().all(Value::is_u64) {
+            return Err(bad(
+                "input",
+                "input: a token array must hold at least one token id (a whole number)",
+            ));
+        }
+        Ok("tok ".repeat(t.len()))
+    };
+    match input {
+        None | Some(Value::Null) => Err(bad("input", "input: Field required")),
+        Some(Value::String(s)) if s.is_empty() => {
+            Err(bad("input", "input must not be an empty string"))
+        }
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(items)) if items.is_empty() => {
+            Err(bad("input", "input must hold at least one item"))
+        }
+        Some(Value::Array(items)) if items.len() > MAX_INPUTS => Err(bad(
+            "input",
+            format!(
+                "input: at most {MAX_INPUTS} items per request; this one has {}",
+                items.len()
+            ),
+        )),
+        Some(Value::Array(items)) if items[0].is_number() => tokens(items),
+        Some(Value::Array(items)) => {
+            let mut text = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s) if !s.is_empty() => text.push(s.clone()),
+                    Value::Array(t) => text.push(tokens(t).map_err(|e| BadRequest {
+                        param: Some(format!("input[{i}]")),
+                        ..e
+                    })?),
+                    _ => {
+                        return Err(bad(
+                            format!("input[{i}]"),
+                            format!("input[{i}] must be a non-empty string or a token array"),
+                        ));
+                    }
+                }
+            }
+            Ok(text.join("\n"))
+        }
+        Some(_) => Err(bad(
+            "input",
+            "input must be a string, an array of strings, or token arrays",
+        )),
+    }
+}
+
+/// An embeddings request as the core's request (through chat's decoder, so `model`, the `oam`
+/// object and the `X-OAM-*` headers mean what they mean there) and what goes to the upstream.
+pub(crate) fn decode(
+    cfg: &NodeConfig,
+    body: &[u8],
+    h: &HeaderMap,
+    new_id: impl FnOnce() -> String,
+) -> Result<(Request, bool, Passthrough), BadRequest> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
+    let Value::Object(mut m) = v else {
+        return Err(bad("body", "the body must be a JSON object"));
+    };
+    let model = match m.remove("model") {
+        Some(Value::String(s)) => s,
+        Some(_) => return Err(bad("model", "model must be a string")),
+        None => return Err(bad("model", "model: Field required")),
+    };
+    let text = input_text(m.get("input"))?;
+    if let Some(f) = m.get("encoding_format")
+        && !matches!(f.as_str(), Some("float" | "base64"))
+    {
+        return Err(bad(
+            "encoding_format",
+            "encoding_format must be \"float\" or \"base64\"",
+        ));
+    }
+    if let Some(d) = m.get("dimensions")
+        && d.as_u64().is_none_or(|d| d < 1)
+    {
+        return Err(bad(
+            "dimensions",
+            "dimensions must be a whole number of at least 1",
+        ));
+    }
+    let mut chat = json!({"model": model, "messages": [{"role": "user", "content": text}]});
+    if let Some(o) = m.remove("oam") {
+        chat["oam"] = o;
+    }
+    let chat = serde_json::to_vec(&chat).unwrap_or_default();
+    let (mut request, _, _) = super::openai::decode_request(cfg, &chat, h, new_id)?;
+    request.embeddings = true;
+    // Nothing is generated: the reservation prices the input alone.
+    request.max_tokens = Some(0);
+    request.bound_to = None;
+    let pass = Passthrough {
+        messages: Vec::new(),
+        extra: m,
+        include_usage: false,
+    };
+    Ok((request, false, pass))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> NodeConfig {
+        NodeConfig::parse("test", "", "http://127.0.0.1:1").unwrap()
+    }
+
+    fn decoded(body: Value) -> Result<(Request, Passthrough), BadRequest> {
+        decode(
+            &cfg(),
+            body.to_string().as_bytes(),
+            &HeaderMap::new(),
+            || "r1".into(),
+        )
+        .map(|(r, _, p)| (r, p))
+    }
+
+    #[test]
+    fn an_embeddings_request_is_priced_on_its_input_and_passed_on_as_it_came() {
+        let (r, p) = decoded(json!({"model": "auto", "input": ["one", "two"],
+            "dimensions": 8, "user": "u", "oam": {"agent": "retriever"}}))
+        .unwrap();
+        assert!(r.embeddings && r.contract.is_none());
+        assert_eq!((r.agent.as_str(), r.max_tokens), ("retriever", Some(0)));
+        assert_eq!(r.messages[0].content, "one\ntwo");
+        assert_eq!(
+            Value::Object(p.extra),
+            json!({"input": ["one", "two"], "dimensions": 8, "user": "u"})
+        );
+        let (r, _) = decoded(json!({"model": "auto", "input": [[1, 2, 3]]})).unwrap();
+        assert_eq!(r.messages[0].content.split_whitespace().count(), 3);
+    }
+
+    #[test]
+    fn bad_input_is_refused_naming_its_field() {
+        let cases = [
+            (json!({"input": "x"}), "model"),
+            (json!({"model": "auto"}), "input"),
+            (json!({"model": "auto", "input": ""}), "input"),
+            (json!({"model": "auto", "input": []}), "input"),
+            (json!({"model": "auto", "input": ["a", 5]}), "input[1]"),
+            (json!({"model": "auto", "input": ["a", []]}), "input[1]"),
+            (json!({"model": "auto", "input": [1, -2]}), "input"),
+            (
+                json!({"model": "auto", "input": "x", "dimensions": 0}),
+                "dimensions",
+            ),
+            (
+                json!({"model": "auto", "input": "x", "encoding_format": "hex"}),
+                "encoding_format",
+            ),
+            (json!({"model": "gpt-9", "input": "x"}), "model"),
+            (
+                json!({"model": "auto", "input": vec!["a"; MAX_INPUTS + 1]}),
+                "input",
+            ),
+        ];
+        for (body, param) in cases {
+            let e = decoded(body.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{body}"));
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+    }
+}
