@@ -16,6 +16,7 @@ pub mod ledger;
 pub mod loops;
 pub mod pipeline;
 pub mod quorum;
+pub mod rates;
 pub mod reason;
 pub mod record;
 pub mod replay;

@@ -937,6 +937,20 @@ impl Engine {
         loops::on_success(&mut self.state.loops, fp);
     }
 
+    /// The caller is over its rate limit (the driver asks the cluster's count right after
+    /// `begin`, before any attempt is made): what it holds (a queue place, a slot, the attempt
+    /// waiting to start) goes back, the attempt that was never made and what routing said of it
+    /// are forgotten, and it is refused with RATE_LIMIT_EXCEEDED.
+    pub fn rate_limited(&mut self, s: &mut Session, now_ms: u64) -> Step {
+        self.leave_queue(s);
+        if self.release_pending(s).is_some() && s.attempts.len() == 1 {
+            s.attempts.clear();
+            s.codes.retain(|c| c.phase() == Phase::Admission);
+        }
+        push(&mut s.codes, ReasonCode::RateLimitExceeded);
+        self.finish_failure(s, Phase::Admission, now_ms)
+    }
+
     /// The shared ledger would not hold the dispatched attempt's cost (`code`: the budget that
     /// refused, or BUDGET_STORE_UNREACHABLE when the ledger could not be asked and the request
     /// may not spend on a local share). The attempt is not made. A high-risk request is refused

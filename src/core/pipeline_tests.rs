@@ -1153,6 +1153,11 @@ fn every_reason_code_is_reachable() {
     bound.bound_to = Some(crate::core::request::Api::Openai);
     let (_, d) = drive(&mut e, bound, vec![good()]);
     note(&d);
+    // Over a rate limit before the first attempt.
+    let (mut s, _) = e.begin(req("limited"), T0).expect("valid");
+    if let Step::Done(d) = e.rate_limited(&mut s, T0) {
+        note(&d);
+    }
     // Embeddings asked of chat targets only.
     let mut embed = req("embed");
     embed.embeddings = true;
@@ -1957,4 +1962,41 @@ fn a_request_bound_to_its_api_goes_only_to_targets_that_speak_it() {
         panic!("moved on")
     };
     assert_eq!(&*d.provider, "b");
+}
+
+#[test]
+fn a_caller_over_its_rate_limit_gives_back_its_slot_and_queue_place() {
+    let mut e = engine();
+    e.config.bulkheads.normal = crate::core::bulkhead::ClassLimits {
+        concurrency: 1,
+        queue: 4,
+    };
+    let (mut first, step) = e.begin(req("first"), T0).unwrap();
+    assert!(matches!(step, Step::Dispatch(_)));
+    let (mut queued, step) = e.begin(req("queued"), T0).unwrap();
+    assert_eq!(step, Step::Queued);
+    let Step::Done(d) = e.rate_limited(&mut queued, T0 + 1) else {
+        panic!("refused")
+    };
+    assert_eq!(d.phase, crate::core::reason::Phase::Admission);
+    assert!(
+        has(&d, ReasonCode::RateLimitExceeded),
+        "{:?}",
+        d.reason_codes
+    );
+    assert!(d.attempts.is_empty(), "no target was called");
+    assert_eq!(
+        e.state.bulkheads.normal.queued, 0,
+        "its queue place went back"
+    );
+    let Step::Done(d) = e.rate_limited(&mut first, T0 + 2) else {
+        panic!("refused")
+    };
+    assert_eq!(d.cost_usd, 0.0);
+    assert!(
+        d.attempts.is_empty(),
+        "the dispatched attempt was never made"
+    );
+    assert_eq!(d.reason_codes, [ReasonCode::RateLimitExceeded]);
+    assert_eq!(e.state.bulkheads.normal.active, 0, "its slot went back");
 }

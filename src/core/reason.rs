@@ -118,6 +118,8 @@ reason_codes! {
         "The request waited in its class queue past the queue deadline without getting a slot; retry later.";
     ClientDisconnected = "CLIENT_DISCONNECTED", Admission,
         "The caller went away before the answer: a queued request left the queue without calling a provider, or no further attempt was made after the one under way.";
+    RateLimitExceeded = "RATE_LIMIT_EXCEEDED", Admission,
+        "The caller used its requests or tokens per minute across the cluster; refused before any target was called, retry after the window (Retry-After).";
     QueueFull = "QUEUE_FULL", Admission,
         "The request's class was at its concurrency limit and its queue was full; rejected, retry later.";
     BulkheadShed = "BULKHEAD_SHED", Admission,

@@ -29,6 +29,8 @@ pub enum Call {
     Complete { generation: Generation },
     /// The shared budget ledger would not hold the attempt (`Engine::refuse_reservation`).
     RefuseReservation { code: ReasonCode },
+    /// The caller is over its rate limit (`Engine::rate_limited`).
+    RateLimited,
     /// The attempt started reaching the caller (`Engine::delivering`).
     Delivering,
     /// ... and then broke (`Engine::interrupted`).
@@ -48,6 +50,7 @@ impl Engine {
             Call::Withdraw => self.withdraw(s, now_ms).map(done),
             Call::Complete { generation } => Some(self.complete(s, generation, now_ms)),
             Call::RefuseReservation { code } => self.refuse_reservation(s, code, now_ms),
+            Call::RateLimited => Some(self.rate_limited(s, now_ms)),
             Call::Delivering => {
                 self.delivering(s);
                 None

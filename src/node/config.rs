@@ -59,6 +59,11 @@
 //! [[client]]                  # who may call: with any, every request (HTTP or NATS) needs
 //! id = "support-bot"          # `Authorization: Bearer <key>` of one, and its id is the agent
 //! key_env = "OAM_KEY_SUPPORT_BOT"   # the key is read from this variable (16 characters or more)
+//! rpm = 100                   # optional: requests and tokens per minute, held across the
+//! tpm = 200000                # cluster (over either: 429 with Retry-After)
+//!
+//! [rate_limits.batch-job]     # the same limits for an agent that names itself (no key)
+//! rpm = 20
 //!
 //! [budgets.agents.support-bot]  # seeds the cluster's shared ledger if it has no such budget;
 //! limit_usd = 5.0                # after that `oam budget set/reset` manage it
@@ -336,6 +341,9 @@ pub struct NodeConfig {
     pub streaming: Streaming,
     #[serde(default, rename = "client")]
     pub clients: Vec<ClientConfig>,
+    /// Requests and tokens per minute per agent (a client's own are on its `[[client]]`).
+    #[serde(default)]
+    pub rate_limits: std::collections::BTreeMap<String, crate::core::rates::Limit>,
     /// Every provider's models, resolved (filled in by `parse`).
     #[serde(skip)]
     pub targets: Vec<Target>,
@@ -355,6 +363,11 @@ pub struct ClientConfig {
     pub id: String,
     /// The environment variable holding its key (never the key itself in the file).
     pub key_env: String,
+    /// Requests and tokens per minute, across the cluster.
+    #[serde(default)]
+    pub rpm: Option<u64>,
+    #[serde(default)]
+    pub tpm: Option<u64>,
 }
 
 /// A key: compared in constant time, never printed.
@@ -512,6 +525,8 @@ impl NodeConfig {
         cfg.client_keys = cfg.read_client_keys().map_err(|e| format!("{name}: {e}"))?;
         cfg.targets = cfg.resolve_targets();
         cfg.check_routes().map_err(|e| format!("{name}: {e}"))?;
+        cfg.check_rate_limits()
+            .map_err(|e| format!("{name}: {e}"))?;
         Ok(cfg)
     }
 
@@ -620,6 +635,19 @@ impl NodeConfig {
         out
     }
 
+    /// The rate limit on `agent`: its client's, else `[rate_limits.{agent}]`'s; none when
+    /// neither limits anything.
+    pub fn rate_limit(&self, agent: &str) -> Option<crate::core::rates::Limit> {
+        let limit = match self.clients.iter().find(|c| c.id == agent) {
+            Some(c) => crate::core::rates::Limit {
+                rpm: c.rpm,
+                tpm: c.tpm,
+            },
+            None => self.rate_limits.get(agent).copied()?,
+        };
+        (limit.rpm.is_some() || limit.tpm.is_some()).then_some(limit)
+    }
+
     /// Does any target speak Anthropic's Messages API (so some requests must be kept from it)?
     pub fn speaks_anthropic(&self) -> bool {
         self.targets.iter().any(|t| !t.api.is_openai())
@@ -649,6 +677,26 @@ impl NodeConfig {
             },
             None => d,
         }
+    }
+
+    fn check_rate_limits(&self) -> Result<(), String> {
+        let limits = self
+            .clients
+            .iter()
+            .map(|c| (format!("client {:?}", c.id), c.rpm, c.tpm))
+            .chain(
+                self.rate_limits
+                    .iter()
+                    .map(|(a, l)| (format!("rate_limits.{a}"), l.rpm, l.tpm)),
+            );
+        for (at, rpm, tpm) in limits {
+            if rpm == Some(0) || tpm == Some(0) {
+                return Err(format!(
+                    "{at}: rpm and tpm must be at least 1 (leave one out for no limit)"
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn check_routes(&self) -> Result<(), String> {

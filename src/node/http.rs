@@ -147,6 +147,18 @@ pub(crate) fn with_oam_headers(
             h.insert(HeaderName::from_static(name), v);
         }
     }
+    // Over a rate limit: when the window that admits it again opens.
+    if let Some(r) = h.get("x-oam-reasons")
+        && r.as_bytes()
+            .windows(19)
+            .any(|w| w == b"RATE_LIMIT_EXCEEDED")
+    {
+        let ms = crate::core::rates::retry_after_ms(crate::clock::now_ms());
+        h.insert(
+            axum::http::header::RETRY_AFTER,
+            HeaderValue::from(ms.div_ceil(1_000)),
+        );
+    }
     resp
 }
 

@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod nats;
 pub mod openai;
 pub mod pipeline;
+pub mod rates;
 pub mod request;
 pub mod responses;
 pub mod server;
@@ -62,6 +63,8 @@ pub struct Node {
     pub health: Arc<health::Health>,
     /// The node's side of the shared budget ledger.
     pub ledger: ledger::Ledgers,
+    /// The node's leases of the cluster's rate-limit windows.
+    pub rates: rates::Rates,
     pub log: decisionlog::DecisionLog,
     pub loops: loops::Loops,
     pub escalations: escalations::Escalations,
@@ -141,6 +144,8 @@ impl Node {
         status::register(registry, &id, &pipeline, &serving.saturated);
         bus.register(registry);
         ledger.counters.register(registry);
+        let rates = rates::Rates::default();
+        rates.counters.register(registry);
         log.counters.register(registry);
         let node = Node {
             health: Arc::new(health::Health::new(
@@ -158,6 +163,7 @@ impl Node {
             bus,
             upstreams,
             ledger,
+            rates,
             loops,
             escalations,
             chaos,

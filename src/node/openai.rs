@@ -369,6 +369,9 @@ pub fn status_for(d: &Decision) -> StatusCode {
         .rev()
         .find_map(|a| a.status)
         .is_some_and(GenerationStatus::is_refusal);
+    if d.reason_codes.contains(&ReasonCode::RateLimitExceeded) {
+        return StatusCode::TOO_MANY_REQUESTS;
+    }
     match d.phase {
         Phase::Accepted => StatusCode::OK,
         Phase::Admission => StatusCode::SERVICE_UNAVAILABLE,

@@ -292,6 +292,12 @@ pub async fn execute(
         .cfg
         .deadlines(flight.session.request().model.as_deref());
     let mut last = None;
+    // A caller with a rate limit is admitted by the cluster's count before anything else.
+    let rated = match &step {
+        Step::Done(_) => None,
+        _ => Box::pin(rate_limit(node, &mut flight, &mut step)).await,
+    };
+    let mut used_tokens = 0;
     let queue_deadline =
         tokio::time::Instant::now() + Duration::from_millis(node.cfg.node.queue_timeout_ms);
     let decision = loop {
@@ -413,6 +419,7 @@ pub async fn execute(
                     .into(),
                 };
                 let g = attempt.generation.clone();
+                used_tokens += g.usage.map_or(0, |u| u.prompt_tokens + u.completion_tokens);
                 last = Some(attempt);
                 if caller.is_cancelled() {
                     flight.call(Call::CallerGone);
@@ -421,6 +428,9 @@ pub async fn execute(
             }
         };
     };
+    if let Some((agent, admitted)) = rated {
+        node.rates.settle(&agent, admitted, used_tokens).await;
+    }
     let record = flight.recorder();
     drop(flight);
     let answer = respond(node, &decision, last);
@@ -428,6 +438,35 @@ pub async fn execute(
     // Under `[decision_log] durable`, not before its record is in the stream.
     node.log.logged(logged).await;
     Answer { stream, ..answer }
+}
+
+/// Ask the cluster's count to admit the request of `flight` if its caller has a rate limit:
+/// the caller and what was taken for it when admitted; when not, `step` becomes its refusal
+/// (whatever it held given back). Nothing for a caller without a limit.
+async fn rate_limit(
+    node: &Arc<Node>,
+    flight: &mut Flight,
+    step: &mut Step,
+) -> Option<(String, super::rates::Admitted)> {
+    let r = flight.session.request();
+    let limit = node.cfg.rate_limit(&r.agent)?;
+    let agent = r.agent.clone();
+    let max_tokens = r
+        .max_tokens
+        .unwrap_or_else(|| node.pipeline.with(|e| e.config.default_max_tokens));
+    let tokens = crate::core::pipeline::estimate_prompt_tokens(r)
+        + u64::from(max_tokens) * u64::from(r.n.max(1));
+    match node.rates.admit(node, &agent, &limit, tokens).await {
+        Ok(admitted) => Some((agent, admitted)),
+        Err(_) => {
+            // Leaving the queue, if it was in one: its waker goes too.
+            if let Some(t) = flight.session.ticket() {
+                node.pipeline.forget_waiter(t);
+            }
+            *step = flight.next(Call::RateLimited);
+            None
+        }
+    }
 }
 
 /// What every decided request leaves behind: health samples from its traffic, metrics, and the

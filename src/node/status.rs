@@ -272,6 +272,7 @@ mod tests {
             "oam_target_verdict",
             "oam_target_votes",
             "oam_quorum",
+            "oam_rate_limit_leases_total",
             "oam_reason_codes_total",
             "oam_request_duration_seconds",
             "oam_requests_total",

@@ -193,6 +193,9 @@ pub fn errors(name: &str) -> String {
 }
 /// The cluster's shared budget ledger (`node::ledger`): `global` and `agent.{name}`.
 pub const BUDGETS_BUCKET: &str = "oam-budgets";
+/// The JetStream KV bucket of rate-limit windows (`node::rates`): what each caller was granted
+/// per minute, kept two windows.
+pub const RATES_BUCKET: &str = "oam-rates";
 pub const CATALOG_BUCKET: &str = "mesh-catalog";
 /// The one key of the catalog bucket: a JSON array of entries.
 pub const CATALOG_KEY: &str = "catalog";

@@ -1748,3 +1748,57 @@ async fn a_durable_log_has_every_answer_a_killed_node_gave() {
     assert!(missing.is_empty(), "answered but not logged: {missing:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// One limit of 100 requests a minute for an agent, held across three nodes: 1,000 requests
+/// spread over them in one window get at most 100 answers (each node alone would give 100);
+/// the rest are refused before any target is called (429, `Retry-After`,
+/// RATE_LIMIT_EXCEEDED), and another agent is served meanwhile.
+#[tokio::test]
+async fn a_rate_limit_holds_once_across_the_cluster() {
+    use oam::core::rates::{WINDOW_MS, batch, retry_after_ms};
+    let (cl, dir) = healthy_cluster_on("rates", "[rate_limits.batch-job]\nrpm = 100\n").await;
+    let c = client();
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    // The whole run in one window: with less than half of this one left, start on the next.
+    let left = retry_after_ms(now());
+    if left < WINDOW_MS / 2 {
+        tokio::time::sleep(Duration::from_millis(left + 20)).await;
+    }
+    let window = now() / WINDOW_MS;
+    let job = |i: usize| {
+        let mut q = question(&format!("job {i}"));
+        q["oam"] = json!({"agent": "batch-job"});
+        q
+    };
+    let asks = futures_util::stream::iter(0..1_000)
+        .map(|i| {
+            let c = c.clone();
+            let url = cl.urls[i % 3].clone();
+            async move { ask(&c, &url, job(i)).await }
+        })
+        .buffer_unordered(30);
+    let answers: Vec<_> = asks.collect().await;
+    assert_eq!(now() / WINDOW_MS, window, "the run stayed in one window");
+    let served = answers.iter().filter(|(s, _, _)| *s == 200).count();
+    eprintln!("{served} of 1,000 served under rpm = 100 on three nodes");
+    let slack = 3 * batch(100, 3) as usize;
+    assert!(
+        served <= 100 && served + slack >= 100,
+        "{served} served of a limit of 100"
+    );
+    for (status, h, v) in answers.iter().filter(|(s, _, _)| *s != 200) {
+        assert_eq!(*status, 429, "{v}");
+        assert!(codes(v).contains(&"RATE_LIMIT_EXCEEDED".into()), "{v}");
+        assert_eq!(v["oam"]["attempts"], 0, "no target called: {v}");
+        let after: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=60).contains(&after), "Retry-After: {after}");
+    }
+    let (status, _, v) = ask(&c, &cl.urls[0], question("someone else")).await;
+    assert_eq!(status, 200, "another caller is not limited: {v}");
+    let _ = std::fs::remove_dir_all(dir);
+}

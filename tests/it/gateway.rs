@@ -2852,3 +2852,37 @@ print(json.dumps({"r": json.loads(r.to_json()), "dims": [len(d.embedding) for d 
     }
     assert_eq!(g.received("primary").await.len(), before);
 }
+
+/// Tokens per minute: each request is admitted on its estimate (prompt plus `max_tokens`) and
+/// charged what its usage says, so what the window served adds up to the limit, not to the
+/// estimates; past it, 429 with `Retry-After`.
+#[tokio::test]
+async fn tokens_per_minute_are_charged_by_usage_and_bound_the_window() {
+    let g = gateway_with("tpm", "[rate_limits.reader]\ntpm = 1000\n").await;
+    let mut used = 0;
+    let mut served = 0;
+    let mut refused = None;
+    for i in 0..60 {
+        let (status, v) = g
+            .post(
+                json!({"model": "small", "max_tokens": 100, "oam": {"agent": "reader"},
+                "messages": [{"role": "user", "content": format!("read {i}")}]}),
+            )
+            .await;
+        if status == 429 {
+            refused = Some(v);
+            break;
+        }
+        assert_eq!(status, 200, "{v}");
+        served += 1;
+        used += v["usage"]["total_tokens"].as_u64().unwrap();
+    }
+    let refused = refused.expect("the window ran out");
+    assert!(
+        codes(&refused).contains(&"RATE_LIMIT_EXCEEDED".into()),
+        "{refused}"
+    );
+    // Admitted on estimates of about 100 tokens, charged about 25 each: far more than ten.
+    assert!(served > 10, "{served} served, {used} tokens");
+    assert!(used <= 1_000, "{used} tokens served under a limit of 1,000");
+}

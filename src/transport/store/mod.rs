@@ -1,12 +1,13 @@
 //! Every JetStream store oam keeps: the helpers every KV bucket shares (open one, creating it
 //! on first use; list its keys), and one file per store with its records and how each is
-//! read, changed and watched: escalations, the budget ledger, loop-episode claims and the
-//! decision log. The mesh's own buckets are read through `mesh::store`.
+//! read, changed and watched: escalations, the budget ledger, rate-limit windows,
+//! loop-episode claims and the decision log. The mesh's own buckets are read through `mesh::store`.
 
 pub mod decisions;
 pub mod escalations;
 pub mod ledger;
 pub mod loops;
+pub mod rates;
 
 use async_nats::jetstream::{self, kv};
 use std::time::Duration;
