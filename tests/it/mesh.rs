@@ -226,6 +226,7 @@ async fn up_status_request_down() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("risk (low|medium|high)"));
 
     openai_python_client_works_unchanged(url, up["sim"].as_str().unwrap());
+    every_api_answers_model_auto(url);
 
     let down = oam()
         .args(["mesh", "down", "--json", "--dir"])
@@ -266,6 +267,33 @@ async fn up_status_request_down() {
         .arg(&dir.0)
         .assert()
         .code(3);
+}
+
+/// On the mesh `oam mesh up` starts, with no configuration, the official SDKs get `auto`
+/// served in each API a node speaks: chat, Anthropic's Messages, OpenAI's Responses and
+/// embeddings.
+fn every_api_answers_model_auto(node_url: &str) {
+    let script = r#"
+import json, sys, openai, anthropic
+o = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed", max_retries=0)
+a = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+chat = o.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}])
+msg = a.messages.create(model="auto", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+resp = o.responses.create(model="auto", input="hi")
+emb = o.embeddings.create(model="auto", input=["hi", "there"])
+print(json.dumps({"chat": chat.choices[0].message.content, "messages": msg.content[0].text,
+                  "responses": resp.output_text, "embeddings": [len(d.embedding) for d in emb.data],
+                  "embedding_model": emb.model}))
+"#;
+    let v = crate::support::python_json(script, &[node_url]);
+    for api in ["chat", "messages", "responses"] {
+        assert!(
+            v[api].as_str().is_some_and(|t| t.contains("answer")),
+            "{api}: {v}"
+        );
+    }
+    assert_eq!(v["embeddings"], serde_json::json!([8, 8]), "{v}");
+    assert_eq!(v["embedding_model"], "sim-embed", "{v}");
 }
 
 /// The official OpenAI Python client, pointed at a node, with oam's fields in `extra_body`; a
