@@ -20,6 +20,9 @@ pub struct Passthrough {
     pub extra: serde_json::Map<String, Value>,
     /// The client asked for the usage chunk of a stream (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// A Messages request as it came, for a Messages target (it uses what only Messages
+    /// carries; the request is bound to such targets): sent as it is, answered as it is.
+    pub native: Option<Value>,
 }
 
 /// The upstream request: the client's own fields (which never include the ones below: oam
@@ -251,7 +254,14 @@ impl Connector {
                 return Box::pin(self.generate_on_mesh(nats, name, &body, timeout, started)).await;
             }
         };
-        let json = match http.body(&body, None) {
+        let native = pass
+            .and_then(|p| p.native.as_ref())
+            .filter(|_| http.api == Api::Anthropic);
+        let json = match native {
+            Some(n) => Ok(native_body(n, model, max_tokens)),
+            None => http.body(&body, None),
+        };
+        let json = match json {
             Ok(j) => j,
             Err(e) => {
                 let error = format!("cannot write the upstream request: {e}");
@@ -280,8 +290,29 @@ impl Connector {
             Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&*e)).into(),
             Ok(Ok(parts)) => parts,
         };
-        judge(http.api, status, &headers, &bytes, latency_ms)
+        let mut attempt = judge(http.api, status, &headers, &bytes, latency_ms);
+        // Answered as it was asked: the Messages answer itself (thinking blocks and all).
+        if native.is_some()
+            && attempt.generation.status == GenerationStatus::Ok
+            && let Ok(message) = serde_json::from_slice::<Value>(&bytes)
+        {
+            attempt.body = Some(Reply::Json(message));
+        }
+        attempt
     }
+}
+
+/// A Messages request as it came, for `model` with oam's token limit: oam's own object left
+/// out, and whole (a stream of it is sent once checked).
+fn native_body(request: &Value, model: &str, max_tokens: u32) -> Vec<u8> {
+    let mut r = request.clone();
+    if let Some(m) = r.as_object_mut() {
+        m.remove("oam");
+        m.remove("stream");
+        m.insert("model".into(), Value::String(model.into()));
+        m.insert("max_tokens".into(), max_tokens.into());
+    }
+    serde_json::to_vec(&r).unwrap_or_default()
 }
 
 /// `{base_url}/{path}`, parsed (`None` if it does not parse).

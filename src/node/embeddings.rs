@@ -119,6 +119,7 @@ pub(crate) fn decode(
         messages: Vec::new(),
         extra: m,
         include_usage: false,
+        native: None,
     };
     Ok((request, false, pass))
 }

@@ -211,7 +211,12 @@ async fn messages(
 ) -> Response {
     let headers = super::anthropic::chat_headers(&headers);
     let api = Translation {
-        to_chat: super::anthropic::to_chat,
+        // With Messages targets, what only Messages carries is served there as it came.
+        to_chat: if node.cfg.speaks_anthropic() {
+            super::anthropic::to_chat_or_native
+        } else {
+            |b| super::anthropic::to_chat(b).map(|(chat, stream)| (chat, stream, None))
+        },
         answer_of: super::anthropic::answer_of,
         live: Some(Wire::Anthropic),
     };
@@ -248,7 +253,7 @@ async fn responses(
     body: axum::body::Body,
 ) -> Response {
     let api = Translation {
-        to_chat: super::responses::to_chat,
+        to_chat: |b| super::responses::to_chat(b).map(|(chat, stream)| (chat, stream, None)),
         answer_of: super::responses::answer_of,
         live: Some(Wire::Responses),
     };
@@ -275,7 +280,8 @@ async fn embeddings(
 /// An API served by translation: its request into a chat-completions body (and whether a
 /// stream was asked for), and a decided answer into its body (and whether that is events).
 struct Translation {
-    to_chat: fn(&[u8]) -> super::openai::Translated,
+    /// ... and, when it is to be served as it came (Messages only), the request itself.
+    to_chat: fn(&[u8]) -> super::openai::MaybeNative,
     answer_of: fn(&Answer, bool) -> (String, bool),
     /// How a stream is relayed live in this API, if it is (else it is checked whole, then
     /// sent as the API's events).
@@ -297,8 +303,9 @@ async fn translated(
                 Err(refused) => *refused,
                 Ok(_) => bad_request(node, &headers, e),
             },
-            Ok((chat, stream)) => {
-                match run(node, chat.into(), headers, Asks::Answer(api.live)).await {
+            Ok((chat, stream, native)) => {
+                let asks = native.map_or(Asks::Answer(api.live), Asks::Native);
+                match run(node, chat.into(), headers, asks).await {
                     Ok(Answer {
                         live: Some(live), ..
                     }) => return live,

@@ -163,6 +163,10 @@ pub(crate) struct BadRequest {
 /// and whether it asked for a stream; or why it cannot be served.
 pub(crate) type Translated = Result<(Vec<u8>, bool), BadRequest>;
 
+/// `Translated`, and the request itself when it is to be served as it came (a Messages
+/// request using what only Messages carries, for a Messages target).
+pub(crate) type MaybeNative = Result<(Vec<u8>, bool, Option<Value>), BadRequest>;
+
 pub(crate) fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
     BadRequest {
         param: Some(param.into()),
@@ -342,6 +346,7 @@ pub(crate) fn decode_request(
         messages: chat.messages,
         extra,
         include_usage,
+        native: None,
     };
     let mut request = request;
     // A request Messages cannot carry goes only to chat targets (where there are others).
@@ -493,9 +498,11 @@ pub(crate) fn answer(
         )
     } else if let (true, Some(Reply::Json(Value::Object(mut answer)))) = (accepted, upstream)
         && (answer.get("choices").is_some_and(Value::is_array)
-            || answer.get("data").is_some_and(Value::is_array))
+            || answer.get("data").is_some_and(Value::is_array)
+            || answer.get("type").is_some_and(|t| t == "message"))
     {
-        // A chat completion of another shape, or a list of embeddings.
+        // A chat completion of another shape, a list of embeddings, or a Messages target's
+        // answer to a request it was sent as it came.
         answer.insert("oam".into(), oam_object(d));
         (status, json_bytes(&answer))
     } else if accepted {

@@ -21,9 +21,12 @@ use tokio_util::sync::CancellationToken;
 /// What a request asks for, by the surface it came in on: an answer (chat completions, and the
 /// APIs translated into it), relayed live in a `Wire` when streamed if one is given; or
 /// embeddings.
-#[derive(Clone, Copy, PartialEq, Debug)]
+#[derive(Clone, PartialEq, Debug)]
 pub enum Asks {
     Answer(Option<super::live::Wire>),
+    /// An answer from a Messages target to this Messages request as it came (it uses what only
+    /// Messages carries); the body is its chat translation, which the pipeline reads.
+    Native(serde_json::Value),
     Embeddings,
 }
 
@@ -34,11 +37,18 @@ pub(crate) fn to_request(
     body: &[u8],
     h: &HeaderMap,
     client: Option<&str>,
-    asks: Asks,
+    asks: &Asks,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
     let new_id = || node.serving.next_request_id(&node.id);
     let mut r = match asks {
         Asks::Answer(_) => openai::decode_request(&node.cfg, body, h, new_id)?,
+        Asks::Native(native) => {
+            let (mut request, stream, mut pass) =
+                openai::decode_request(&node.cfg, body, h, new_id)?;
+            request.bound_to = Some(crate::core::request::Api::Anthropic);
+            pass.native = Some(native.clone());
+            (request, stream, pass)
+        }
         Asks::Embeddings => super::embeddings::decode(&node.cfg, body, h, new_id)?,
     };
     if let Some(id) = client {
@@ -232,7 +242,7 @@ pub(crate) fn begin(
     node: &Arc<Node>,
     body: &[u8],
     headers: &HeaderMap,
-    asks: Asks,
+    asks: &Asks,
 ) -> Result<Begun, Box<Answer>> {
     let client = authenticate(node, headers)?;
     let (request, stream, pass) = to_request(node, body, headers, client, asks)
@@ -278,7 +288,7 @@ pub async fn execute(
         mut granted,
         stream,
         pass,
-    } = match begin(node, body, headers, asks) {
+    } = match begin(node, body, headers, &asks) {
         Ok(begun) => begun,
         Err(refused) => return *refused,
     };
@@ -286,8 +296,10 @@ pub async fn execute(
     // checked whole first, then released.
     let live = match asks {
         Asks::Answer(wire) => wire.filter(|_| stream && !flight.session.contracted()),
-        Asks::Embeddings => None,
+        // Checked whole, then sent as the API's events.
+        Asks::Native(_) | Asks::Embeddings => None,
     };
+    let embeddings = asks == Asks::Embeddings;
     let limits = node
         .cfg
         .deadlines(flight.session.request().model.as_deref());
@@ -397,7 +409,7 @@ pub async fn execute(
                     }
                 }
                 let attempt = match node.upstreams.target(&d.provider) {
-                    Some((c, model)) if asks == Asks::Embeddings => {
+                    Some((c, model)) if embeddings => {
                         c.embed(model, &pass, Duration::from_millis(d.timeout_ms))
                             .await
                     }

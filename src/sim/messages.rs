@@ -60,7 +60,8 @@ pub fn to_chat(body: &[u8]) -> Result<Value, String> {
         .map(|t| json!({"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}))
         .collect();
     Ok(json!({"model": model, "messages": messages, "tools": tools,
-        "stream": v["stream"] == true, "stream_options": {"include_usage": true}}))
+        "stream": v["stream"] == true, "stream_options": {"include_usage": true},
+        "sim_thinking": v["thinking"]["type"] == "enabled"}))
 }
 
 fn stop_reason(finish: &str) -> &'static str {
@@ -105,10 +106,26 @@ fn blocks(message: &Value) -> Vec<Value> {
     }
 }
 
-/// A whole answer (`id`, the chat `message`, its finish reason and chat usage) as a message.
-pub fn message(id: &str, model: &str, message: &Value, finish: &str, chat_usage: &Value) -> Value {
+/// A whole answer (`id`, the chat `message`, its finish reason and chat usage) as a message;
+/// with extended thinking asked for, a signed thinking block first.
+pub fn message(
+    id: &str,
+    model: &str,
+    message: &Value,
+    finish: &str,
+    chat_usage: &Value,
+    thinking: bool,
+) -> Value {
+    let mut content = blocks(message);
+    if thinking {
+        content.insert(
+            0,
+            json!({"type": "thinking", "thinking": "The simulator considers the question.",
+                "signature": format!("sim-signature-{id}")}),
+        );
+    }
     json!({"id": format!("msg_{id}"), "type": "message", "role": "assistant", "model": model,
-        "content": blocks(message), "stop_reason": stop_reason(finish), "stop_sequence": null,
+        "content": content, "stop_reason": stop_reason(finish), "stop_sequence": null,
         "usage": usage(chat_usage)})
 }
 

@@ -257,6 +257,9 @@ struct ChatRequest {
     /// `low`, `medium` or `high`: the answer spends 8, 16 or 32 tokens reasoning first.
     #[serde(default)]
     reasoning_effort: Option<String>,
+    /// Over Messages, extended thinking was asked for: the answer starts with a thinking block.
+    #[serde(default)]
+    sim_thinking: bool,
 }
 
 #[derive(Deserialize, Default)]
@@ -716,6 +719,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Res
                         .as_str()
                         .unwrap_or("stop"),
                     &chat["usage"],
+                    req.sim_thinking,
                 ))
                 .into_response(),
             }

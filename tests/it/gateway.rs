@@ -199,6 +199,23 @@ impl Gateway {
         r.json::<Vec<Value>>().await.unwrap_or_default()
     }
 
+    /// `oam explain --json` of the request `answer` answered, once it is in the log (written
+    /// off the request's path).
+    async fn explain(&self, answer: &Value) -> Value {
+        let id = answer["oam"]["request_id"].as_str().unwrap().to_string();
+        let nats_url = self._nats.url();
+        crate::support::eventually(Duration::from_secs(10), || async {
+            let out = assert_cmd::Command::cargo_bin("oam")
+                .unwrap()
+                .args(["explain", &id, "--json", "--nats-url", &nats_url])
+                .output()
+                .ok()?;
+            serde_json::from_slice::<Value>(&out.stdout).ok()
+        })
+        .await
+        .expect("the decision is in the log")
+    }
+
     async fn target(&self, id: &str) -> ProviderSnapshot {
         let s = oam::local::cluster::snapshot(&client(), &self.url)
             .await
@@ -2673,20 +2690,7 @@ async fn what_messages_cannot_carry_never_reaches_an_anthropic_target() {
             tried(&v).iter().all(|t| t == "primary/small"),
             "{field}: {v}"
         );
-        let id = v["oam"]["request_id"].as_str().unwrap().to_string();
-        let nats_url = g._nats.url();
-        // Written off the request's path: read once it is in the log.
-        let explain = crate::support::eventually(Duration::from_secs(10), || async {
-            let out = assert_cmd::Command::cargo_bin("oam")
-                .unwrap()
-                .args(["explain", &id, "--json", "--nats-url", &nats_url])
-                .output()
-                .ok()?;
-            serde_json::from_slice::<Value>(&out.stdout).ok()
-        })
-        .await
-        .expect("the decision is in the log");
-        let text = explain.to_string();
+        let text = g.explain(&v).await.to_string();
         assert!(
             text.contains("API_NOT_CARRIED"),
             "{field}: claude excluded by its reason code: {text}"
@@ -2885,4 +2889,65 @@ async fn tokens_per_minute_are_charged_by_usage_and_bound_the_window() {
     // Admitted on estimates of about 100 tokens, charged about 25 each: far more than ten.
     assert!(served > 10, "{served} served, {used} tokens");
     assert!(used <= 1_000, "{used} tokens served under a limit of 1,000");
+}
+
+/// With a Messages target, a Messages request using what only Messages carries (extended
+/// thinking, a thinking block in its history) is sent to it as it came and answered as it
+/// answered (the thinking block signed, whole or streamed), never to a chat target: on a
+/// route that starts with one, that target is excluded (API_NOT_CARRIED).
+#[tokio::test]
+async fn thinking_goes_to_a_messages_target_as_it_came() {
+    let g = two_apis("two-apis-thinking").await;
+    let script = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
+turns = [{"role": "user", "content": "think first"},
+         {"role": "assistant", "content": [
+             {"type": "thinking", "thinking": "earlier thoughts", "signature": "sig-1"},
+             {"type": "text", "text": "earlier answer"}]},
+         {"role": "user", "content": "and now?"}]
+thinking = {"type": "enabled", "budget_tokens": 1024}
+m = c.messages.create(model="chat-first", max_tokens=2048, thinking=thinking, messages=turns)
+with c.messages.stream(model="chat-first", max_tokens=2048, thinking=thinking,
+                       messages=turns) as s:
+    streamed = json.loads(s.get_final_message().to_json())
+print(json.dumps({"whole": json.loads(m.to_json()), "streamed": streamed}))
+"#;
+    let v = crate::support::python_json(script, &[&g.url]);
+    for m in [&v["whole"], &v["streamed"]] {
+        let first = &m["content"][0];
+        assert_eq!(first["type"], "thinking", "{m}");
+        assert!(
+            first["signature"]
+                .as_str()
+                .unwrap()
+                .starts_with("sim-signature"),
+            "{m}"
+        );
+        assert_eq!(m["content"][1]["type"], "text", "{m}");
+    }
+    assert_eq!(v["whole"]["oam"]["target"], "claude", "{v}");
+    assert_eq!(
+        tried(&v["whole"]),
+        ["claude"],
+        "the chat target first in the route: {v}"
+    );
+    let explained = g.explain(&v["whole"]).await.to_string();
+    assert!(explained.contains("API_NOT_CARRIED"), "{explained}");
+    assert!(
+        g.received("primary").await.is_empty(),
+        "nothing reached the chat target"
+    );
+    let sent = &g.received("secondary").await[0];
+    assert_eq!(sent["thinking"]["budget_tokens"], 1024, "{sent}");
+    assert_eq!(sent["model"], "medium");
+    assert_eq!(
+        sent["messages"][1]["content"][0],
+        json!({"type": "thinking", "thinking": "earlier thoughts", "signature": "sig-1"}),
+        "the history's thinking block unchanged: {sent}"
+    );
+    assert!(
+        sent.get("oam").is_none() && sent.get("stream").is_none(),
+        "{sent}"
+    );
 }

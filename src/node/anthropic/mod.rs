@@ -28,6 +28,24 @@ const KNOWN: &[&str] = &[
     "oam",
 ];
 
+/// What only Messages carries (thinking, documents, server tools, `top_k`): refused where no
+/// target speaks Messages; else left out of the chat translation (which the pipeline reads)
+/// and noted, the request then served as it came by a Messages target.
+struct MessagesOnly {
+    allowed: bool,
+    needed: bool,
+}
+
+impl MessagesOnly {
+    fn met(&mut self, at: &str, what: &str) -> Result<(), BadRequest> {
+        if !self.allowed {
+            return Err(no_equivalent(at, what));
+        }
+        self.needed = true;
+        Ok(())
+    }
+}
+
 /// Why a member or block needs an Anthropic target.
 fn no_equivalent(at: &str, what: &str) -> BadRequest {
     bad(
@@ -41,25 +59,53 @@ fn no_equivalent(at: &str, what: &str) -> BadRequest {
 
 /// A Messages request as the chat-completions body the pipeline reads, and whether the caller
 /// asked for a stream (relayed live as Anthropic's events, or, under a contract, checked whole
-/// and then sent as them).
+/// and then sent as them); what chat cannot carry is refused.
 pub(crate) fn to_chat(body: &[u8]) -> Translated {
+    let mut only = MessagesOnly {
+        allowed: false,
+        needed: false,
+    };
+    translate(body, &mut only)
+}
+
+/// `to_chat` on a node with Messages targets: what only Messages carries is served there, the
+/// request as it came (the third member) bound to them.
+pub(crate) fn to_chat_or_native(body: &[u8]) -> super::openai::MaybeNative {
+    let mut only = MessagesOnly {
+        allowed: true,
+        needed: false,
+    };
+    let (chat, stream) = translate(body, &mut only)?;
+    let native = if only.needed {
+        serde_json::from_slice(body).ok()
+    } else {
+        None
+    };
+    Ok((chat, stream, native))
+}
+
+fn translate(body: &[u8], only: &mut MessagesOnly) -> Translated {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
     let Value::Object(mut m) = v else {
         return Err(bad("body", "the body must be a JSON object"));
     };
+    for k in ["thinking", "top_k"] {
+        if m.get(k).is_some_and(|v| !v.is_null()) {
+            let why = if k == "top_k" {
+                "top_k sampling"
+            } else {
+                "extended thinking"
+            };
+            only.met(k, why)?;
+        }
+        m.remove(k);
+    }
     if let Some(k) = m.keys().find(|k| !KNOWN.contains(&k.as_str())) {
-        let why = match k.as_str() {
-            "thinking" => "extended thinking",
-            "top_k" => "top_k sampling",
-            _ => {
-                return Err(bad(
-                    k.as_str(),
-                    format!("{k}: not a Messages request field this node reads"),
-                ));
-            }
-        };
-        return Err(no_equivalent(k, why));
+        return Err(bad(
+            k.as_str(),
+            format!("{k}: not a Messages request field this node reads"),
+        ));
     }
     let model = match m.remove("model") {
         Some(Value::String(s)) => s,
@@ -95,7 +141,7 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
         return Err(bad("messages", "messages must hold at least one message"));
     }
     for (i, turn) in turns.iter().enumerate() {
-        translate_turn(turn, i, &mut messages)?;
+        translate_turn(turn, i, &mut messages, only)?;
     }
     let mut chat = Map::new();
     chat.insert("model".into(), json!(model));
@@ -123,7 +169,7 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
         }
     }
     if let Some(tools) = m.remove("tools") {
-        chat.insert("tools".into(), translate_tools(&tools)?);
+        chat.insert("tools".into(), translate_tools(&tools, only)?);
     }
     if let Some(choice) = m.remove("tool_choice") {
         let (choice, parallel) = translate_tool_choice(&choice)?;
@@ -187,7 +233,12 @@ fn text_blocks(v: &Value, at: &str) -> Result<String, BadRequest> {
 /// One Messages turn as chat messages: a user turn's tool results become `tool` messages (first,
 /// as chat wants them right after the call), its other blocks one user message; an assistant
 /// turn's `tool_use` blocks become its tool calls.
-fn translate_turn(turn: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), BadRequest> {
+fn translate_turn(
+    turn: &Value,
+    i: usize,
+    out: &mut Vec<Value>,
+    only: &mut MessagesOnly,
+) -> Result<(), BadRequest> {
     let at = format!("messages[{i}]");
     let Some(role @ ("user" | "assistant")) = turn["role"].as_str() else {
         return Err(bad(
@@ -250,9 +301,7 @@ fn translate_turn(turn: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), Ba
                 calls.push(json!({"id": id, "type": "function",
                     "function": {"name": name, "arguments": input.to_string()}}));
             }
-            (_, "thinking" | "redacted_thinking") => {
-                return Err(no_equivalent(&at, "a thinking block"));
-            }
+            (_, "thinking" | "redacted_thinking") => only.met(&at, "a thinking block")?,
             (
                 _,
                 "document"
@@ -260,9 +309,7 @@ fn translate_turn(turn: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), Ba
                 | "server_tool_use"
                 | "web_search_tool_result"
                 | "container_upload",
-            ) => {
-                return Err(no_equivalent(&at, &format!("a {kind} block")));
-            }
+            ) => only.met(&at, &format!("a {kind} block"))?,
             _ => {
                 return Err(bad(
                     format!("{at}.type"),
@@ -316,7 +363,7 @@ fn image_part(source: &Value, at: &str) -> Result<Value, BadRequest> {
 }
 
 /// Messages tools (`[{name, description, input_schema}]`) as chat function tools.
-fn translate_tools(tools: &Value) -> Result<Value, BadRequest> {
+fn translate_tools(tools: &Value, only: &mut MessagesOnly) -> Result<Value, BadRequest> {
     let list = tools.as_array().ok_or_else(|| {
         bad(
             "tools",
@@ -327,7 +374,8 @@ fn translate_tools(tools: &Value) -> Result<Value, BadRequest> {
     for (i, t) in list.iter().enumerate() {
         let at = format!("tools[{i}]");
         if let Some(kind) = t["type"].as_str().filter(|k| *k != "custom") {
-            return Err(no_equivalent(&at, &format!("the server tool {kind:?}")));
+            only.met(&at, &format!("the server tool {kind:?}"))?;
+            continue;
         }
         let Some(name) = t["name"].as_str() else {
             return Err(bad(
@@ -614,27 +662,39 @@ pub(crate) fn events_of(message: &Value) -> String {
         .flatten()
         .enumerate()
     {
-        let (empty, delta) = if block["type"] == "tool_use" {
-            let mut empty = block.clone();
-            empty["input"] = json!({});
-            (
-                empty,
-                json!({"type": "input_json_delta", "partial_json": block["input"].to_string()}),
-            )
-        } else {
-            (
+        // Each block starts empty and comes in one delta (two for thinking: its text, then its
+        // signature); a block of another kind (a server tool's result) starts whole.
+        let (empty, deltas) = match block["type"].as_str() {
+            Some("tool_use") => {
+                let mut empty = block.clone();
+                empty["input"] = json!({});
+                let d =
+                    json!({"type": "input_json_delta", "partial_json": block["input"].to_string()});
+                (empty, vec![d])
+            }
+            Some("text") => (
                 json!({"type": "text", "text": ""}),
-                json!({"type": "text_delta", "text": block["text"]}),
-            )
+                vec![json!({"type": "text_delta", "text": block["text"]})],
+            ),
+            Some("thinking") => (
+                json!({"type": "thinking", "thinking": "", "signature": ""}),
+                vec![
+                    json!({"type": "thinking_delta", "thinking": block["thinking"]}),
+                    json!({"type": "signature_delta", "signature": block["signature"]}),
+                ],
+            ),
+            _ => (block.clone(), Vec::new()),
         };
         event(
             "content_block_start",
             json!({"type": "content_block_start", "index": i, "content_block": empty}),
         );
-        event(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": i, "delta": delta}),
-        );
+        for delta in deltas {
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": i, "delta": delta}),
+            );
+        }
         event(
             "content_block_stop",
             json!({"type": "content_block_stop", "index": i}),
@@ -690,7 +750,12 @@ pub(crate) fn error_type(status: StatusCode) -> &'static str {
 pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
     let v: Value = serde_json::from_slice(&a.body).unwrap_or_default();
     if a.status == StatusCode::OK {
-        let message = message_of(&v);
+        // A Messages target's own answer (a request served as it came) is kept as it is.
+        let message = if v["type"] == "message" {
+            v
+        } else {
+            message_of(&v)
+        };
         return if stream {
             (events_of(&message), true)
         } else {
@@ -843,6 +908,35 @@ mod tests {
             assert!(e.message.contains(param), "{}", e.message);
         }
         assert_eq!(refused(json!([1])).param.as_deref(), Some("body"));
+    }
+
+    #[test]
+    fn with_messages_targets_what_only_messages_carries_is_kept_as_it_came() {
+        let body = json!({"model": "auto", "max_tokens": 64, "top_k": 5,
+            "thinking": {"type": "enabled", "budget_tokens": 32},
+            "tools": [{"type": "web_search_20250305", "name": "web"}],
+            "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "hello"}]},
+                {"role": "user", "content": "again"}]});
+        let (chat, _, native) = to_chat_or_native(body.to_string().as_bytes()).unwrap();
+        assert_eq!(native.as_ref(), Some(&body), "served as it came");
+        let chat: Value = serde_json::from_slice(&chat).unwrap();
+        assert_eq!(
+            chat["messages"][1],
+            json!({"role": "assistant", "content": "hello"}),
+            "the pipeline reads what chat can say of it"
+        );
+        assert!(chat.get("top_k").is_none() && chat.get("thinking").is_none());
+        assert_eq!(chat["tools"], json!([]));
+        let plain = json!({"model": "auto", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}]});
+        let (_, _, native) = to_chat_or_native(plain.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            native, None,
+            "a request chat carries is translated as before"
+        );
     }
 
     fn completion(finish: &str) -> Value {
