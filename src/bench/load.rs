@@ -47,6 +47,7 @@ impl Plan {
                 agent: self.agent.clone(),
                 task: self.task.clone(),
                 max_tokens: None,
+                api: Default::default(),
             };
         }
         let mut x =
@@ -139,19 +140,29 @@ pub fn body(plan: &Plan, i: usize) -> Value {
 }
 
 fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
-    let mut body = json!({
-        "model": "auto",
-        "messages": [{"role": "user", "content": format!("oam bench request {i} (seed {})", plan.seed)}],
-        "oam": {
-            "agent": k.agent,
-            "task": k.task,
-            "risk": k.risk,
-            "priority": k.priority,
-            "request_id": format!("bench-{}-{i}", plan.seed),
-        },
+    use super::scenario::Surface;
+    let text = format!("oam bench request {i} (seed {})", plan.seed);
+    let oam = json!({
+        "agent": k.agent,
+        "task": k.task,
+        "risk": k.risk,
+        "priority": k.priority,
+        "request_id": format!("bench-{}-{i}", plan.seed),
     });
-    if let Some(n) = k.max_tokens {
-        body["max_tokens"] = json!(n);
+    let mut body = match k.api {
+        Surface::Chat | Surface::Messages => json!({"model": "auto",
+            "messages": [{"role": "user", "content": text}], "oam": oam}),
+        Surface::Responses | Surface::Embeddings => {
+            json!({"model": "auto", "input": text, "oam": oam})
+        }
+    };
+    match (k.api, k.max_tokens) {
+        (Surface::Embeddings, _) => {}
+        (Surface::Responses, Some(n)) => body["max_output_tokens"] = json!(n),
+        // Messages asks for max_tokens always.
+        (Surface::Messages, n) => body["max_tokens"] = json!(n.unwrap_or(256)),
+        (_, Some(n)) => body["max_tokens"] = json!(n),
+        (_, None) => {}
     }
     if plan.stream {
         body["stream"] = json!(true);
@@ -203,7 +214,7 @@ async fn one_http(
     http: &reqwest::Client,
     urls: &[String],
     i: usize,
-    body: &Value,
+    (path, body): (&str, &Value),
     timeout: Duration,
 ) -> Sample {
     let started = Instant::now();
@@ -211,7 +222,7 @@ async fn one_http(
     for k in 0..urls.len() {
         let url = &urls[(i + k) % urls.len()];
         let r = http
-            .post(format!("{}/v1/chat/completions", url.trim_end_matches('/')))
+            .post(format!("{}{path}", url.trim_end_matches('/')))
             .timeout(timeout.saturating_sub(started.elapsed()))
             .json(body)
             .send()
@@ -457,7 +468,9 @@ pub async fn run_samples(
                 let one = async {
                     match &target {
                         Target::Http(http) => {
-                            one_http(http, &plan.urls, i, &body_of(&plan, i, &kind), timeout).await
+                            let body = body_of(&plan, i, &kind);
+                            let sent = (kind.api.path(), &body);
+                            one_http(http, &plan.urls, i, sent, timeout).await
                         }
                         Target::Nats(nats) => {
                             one_nats(nats, &body_of(&plan, i, &kind), timeout).await

@@ -119,6 +119,39 @@ pub struct Mix {
     /// of a budget is priced on it.
     #[serde(default)]
     pub max_tokens: Option<u32>,
+    /// The API it is sent in (HTTP).
+    #[serde(default)]
+    pub api: Surface,
+}
+
+/// Which of a node's HTTP APIs a request is sent in.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Surface {
+    /// `POST /v1/chat/completions`.
+    #[default]
+    Chat,
+    /// `POST /v1/messages` (Anthropic's Messages API).
+    Messages,
+    /// `POST /v1/responses` (OpenAI's Responses API).
+    Responses,
+    /// `POST /v1/embeddings`.
+    Embeddings,
+}
+
+impl Surface {
+    pub fn path(self) -> &'static str {
+        match self {
+            Surface::Chat => "/v1/chat/completions",
+            Surface::Messages => "/v1/messages",
+            Surface::Responses => "/v1/responses",
+            Surface::Embeddings => "/v1/embeddings",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Surface> {
+        serde_json::from_value(serde_json::Value::String(name.to_ascii_lowercase())).ok()
+    }
 }
 
 fn one() -> u32 {
@@ -137,6 +170,7 @@ impl Default for Mix {
             agent: bench(),
             task: bench(),
             max_tokens: None,
+            api: Surface::Chat,
         }
     }
 }
@@ -267,6 +301,12 @@ impl Scenario {
         }
         if self.load.kind == "agent" && self.load.agent.is_none() {
             return Err("load.kind = \"agent\" needs load.agent (the agent to call)".into());
+        }
+        if self.load.stream && self.load.mix.iter().any(|m| m.api != Surface::Chat) {
+            return Err(
+                "load.stream: streamed answers are read as chat chunks; the mix's api must be chat"
+                    .into(),
+            );
         }
         for m in &self.load.mix {
             if !["low", "medium", "high"].contains(&m.risk.as_str()) {

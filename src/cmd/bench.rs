@@ -106,6 +106,7 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
         agent: a.agent.clone(),
         task: a.task.clone(),
         max_tokens: None,
+        api: Default::default(),
     };
     for pair in spec.split(',').filter(|p| !p.trim().is_empty()) {
         let (k, v) = pair.split_once('=').ok_or_else(|| {
@@ -117,7 +118,8 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
         let invalid = || {
             Error::usage(format!(
                 "--mix {spec:?}: {k}={v} is not valid; keys are risk (low|medium|high), \
-                 priority (critical|normal|background), agent, task, weight"
+                 priority (critical|normal|background), agent, task, weight, \
+                 api (chat|messages|responses|embeddings)"
             ))
         };
         match k {
@@ -125,6 +127,9 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
             "priority" => m.priority = Priority::from_name(&v).ok_or_else(invalid)?,
             "agent" => m.agent = v,
             "task" => m.task = v,
+            "api" => {
+                m.api = crate::bench::scenario::Surface::from_name(&v).ok_or_else(invalid)?;
+            }
             "weight" => {
                 m.weight = v.parse().map_err(|_| {
                     Error::usage(format!("--mix {spec:?}: weight must be a whole number"))

@@ -78,6 +78,7 @@ scenarios! {
     budget_exhausted => "budget-exhausted",
     shared_budget => "shared-budget",
     agent_death => "agent-death",
+    every_api => "every-api",
     rate_limit => "rate-limit",
     stream_cut => "stream-cut",
     stream_stall => "stream-stall",
