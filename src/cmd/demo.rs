@@ -18,6 +18,7 @@ const HEADLINE: &[(&str, &str)] = &[
         "provider-outage",
         include_str!("../../scenarios/provider-outage.toml"),
     ),
+    ("every-api", include_str!("../../scenarios/every-api.toml")),
     (
         "broken-contract",
         include_str!("../../scenarios/broken-contract.toml"),
