@@ -451,13 +451,14 @@ pub fn save_system(dir: &Path, port: u16, creds: &natsd::Credentials) -> anyhow:
 /// Create every bucket the mesh and the Open Agent Mesh SDK use, as the admin, so that no
 /// other role needs to create (or may delete) a stream.
 async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
-    use crate::transport::store::{self, decisions, escalations, ledger, loops};
+    use crate::transport::store::{self, decisions, escalations, ledger, loops, rates};
     let refused = crate::transport::connect::Refused::default();
     let nats =
         crate::transport::connect::connect(admin_url, "oam-mesh-up", false, &refused).await?;
     escalations::store(&nats).await?;
     ledger::open(&nats).await?;
     loops::open(&nats).await?;
+    rates::open(&nats).await?;
     for (name, max_age) in store::MESH_BUCKETS {
         store::bucket(&nats, name, max_age).await?;
     }

@@ -254,6 +254,8 @@ impl Role {
                     p.kv_write(b, ">");
                     p.kv_watch(b);
                 }
+                // Rate-limit windows are read and written by key, never watched.
+                p.kv_write(subjects::RATES_BUCKET, ">");
             }
             Role::Monitor => {
                 p.publish([subjects::DEATHS, subjects::INSTANCE_DEATHS]);

@@ -620,7 +620,8 @@ async fn a_mesh_runs_on_the_users_configuration() {
         format!(
             "[[provider]]\nid = \"gpt\"\nbase_url = \"{upstream_url}/gpt/v1\"\nmodel = \"gpt-4o-mini\"\n\
              probe = \"models\"\n\n[[provider]]\nid = \"llama\"\nbase_url = \"{upstream_url}/llama/v1\"\n\
-             model = \"llama3.2\"\nprobe = \"models\"\nfallback = true\n"
+             model = \"llama3.2\"\nprobe = \"models\"\nfallback = true\n\n\
+             [rate_limits.limited]\nrpm = 2\n"
         ),
     )
     .unwrap();
@@ -699,6 +700,33 @@ async fn a_mesh_runs_on_the_users_configuration() {
         seen.iter().any(|r| r["model"] == "gpt-4o-mini"
             && r["messages"] == json!([{"role": "user", "content": "hi"}])),
         "{seen:?}"
+    );
+    // A rate limit holds on this mesh's roles: the node leases from the shared window (the
+    // bucket made at start, writable by nodes), not from its own share.
+    let mut statuses = Vec::new();
+    for i in 0..3 {
+        let r = c
+            .post(format!("{node}/v1/chat/completions"))
+            .json(&json!({"model": "gpt-4o-mini", "oam": {"agent": "limited"},
+                "messages": [{"role": "user", "content": format!("limited {i}")}]}))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+    let metrics = c
+        .get(format!("{node}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !metrics.contains("oam_rate_limit_leases_total{from=\"store\"} 0")
+            && metrics.contains("oam_rate_limit_leases_total{from=\"local_share\"} 0"),
+        "{metrics}"
     );
     // Faults of a simulator this mesh does not have are refused with the reason.
     let chaos = oam()
