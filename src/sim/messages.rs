@@ -2,21 +2,9 @@
 //! providers answer, and the answer, event stream and errors written as a Messages upstream
 //! writes them. Written apart from the node's translation, so each is checked against the other.
 
+use super::text_of;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
-
-/// A block's text, or the text of a string or of text blocks.
-fn text(content: &Value) -> String {
-    match content {
-        Value::String(s) => s.clone(),
-        Value::Array(blocks) => blocks
-            .iter()
-            .filter_map(|b| b["text"].as_str())
-            .collect::<Vec<_>>()
-            .join(" "),
-        _ => String::new(),
-    }
-}
 
 /// A Messages request as a chat request (what the providers read: the turns' text, the tools,
 /// `stream`), or why it is refused. A user turn of tool results reads as a `tool` turn.
@@ -34,7 +22,7 @@ pub fn to_chat(body: &[u8]) -> Result<Value, String> {
     };
     let mut messages = Vec::new();
     if !v["system"].is_null() {
-        messages.push(json!({"role": "system", "content": text(&v["system"])}));
+        messages.push(json!({"role": "system", "content": text_of(&v["system"])}));
     }
     for (i, t) in turns.iter().enumerate() {
         let Some(role @ ("user" | "assistant")) = t["role"].as_str() else {
@@ -45,10 +33,10 @@ pub fn to_chat(body: &[u8]) -> Result<Value, String> {
         let content = match blocks {
             Some(b) if results => b
                 .iter()
-                .map(|b| text(&b["content"]))
+                .map(|b| text_of(&b["content"]))
                 .collect::<Vec<_>>()
                 .join(" "),
-            _ => text(&t["content"]),
+            _ => text_of(&t["content"]),
         };
         let role = if results { "tool" } else { role };
         messages.push(json!({"role": role, "content": content}));

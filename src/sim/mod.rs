@@ -1,7 +1,23 @@
-//! `oam sim`: simulated upstream providers behind a real OpenAI-compatible HTTP API (and
-//! Anthropic's Messages API), with fault modes switchable at runtime. `model` is the pure part
-//! (what a provider answers); `server` is the HTTP surface; `messages` its Messages shapes.
+//! `oam sim`: simulated upstream providers behind a real OpenAI-compatible HTTP API (chat
+//! completions and Responses) and Anthropic's Messages API, with fault modes switchable at
+//! runtime. `model` is the pure part (what a provider answers); `server` is the HTTP surface;
+//! `messages` and `responses` its shapes of those two APIs.
 
 pub mod messages;
 pub mod model;
+pub mod responses;
 pub mod server;
+
+/// The text of a string, or of content parts or blocks (their `text`, joined by spaces).
+fn text_of(content: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    }
+}

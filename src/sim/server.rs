@@ -7,6 +7,9 @@
 //! - `POST /{provider}/v1/messages`, `POST /v1/messages`: the same providers speaking
 //!   Anthropic's Messages API (`anthropic-version` required; answers, event streams and errors
 //!   in its shapes, with the same faults), for `api = "anthropic"` targets.
+//! - `POST /{provider}/v1/responses`, `POST /v1/responses`: the same providers speaking
+//!   OpenAI's Responses API (typed event streams; `previous_response_id` and hosted tools
+//!   refused by name), with the same faults.
 //! - `POST /{provider}/v1/embeddings`, `POST /v1/embeddings`: a deterministic unit vector per
 //!   input (`dimensions`, default 8; `float` or `base64`), with the same faults; under a
 //!   contract fault the list is one short, a quiet failure a gateway must catch.
@@ -19,13 +22,12 @@
 //! Over Messages, the first sight of a system prompt is reported as written to the cache
 //! (`cache_creation_input_tokens`), later ones as read from it (`cache_read_input_tokens`).
 
-use super::messages;
 use super::model::{self, Faults, Reply, SimProvider};
-use crate::core::request::Api;
+use super::{messages, responses, text_of};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
@@ -155,16 +157,14 @@ impl Sim {
 }
 
 pub fn router(sim: Arc<Sim>) -> Router {
-    Router::new()
+    let apis = [Speaks::Chat, Speaks::Messages, Speaks::Responses];
+    apis.into_iter()
+        .fold(Router::new(), api_routes)
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/v1/models", get(all_models))
-        .route("/v1/chat/completions", post(chat_any))
         .route("/{provider}/v1/models", get(provider_models))
-        .route("/{provider}/v1/chat/completions", post(chat_provider))
-        .route("/v1/messages", post(messages_any))
         .route("/v1/embeddings", post(embeddings_any))
         .route("/{provider}/v1/embeddings", post(embeddings_provider))
-        .route("/{provider}/v1/messages", post(messages_provider))
         .route(
             "/sim/faults",
             get(list_faults).post(set_fault).delete(clear_all),
@@ -182,10 +182,10 @@ pub fn router(sim: Arc<Sim>) -> Router {
 }
 
 /// An error in `api`'s envelope.
-fn api_error(api: Api, status: StatusCode, code: &str, message: &str) -> Response {
+fn api_error(api: Speaks, status: StatusCode, code: &str, message: &str) -> Response {
     match api {
-        Api::Openai => openai_error(status, code, message),
-        Api::Anthropic => (status, axum::Json(messages::error(status, message))).into_response(),
+        Speaks::Chat | Speaks::Responses => openai_error(status, code, message),
+        Speaks::Messages => (status, axum::Json(messages::error(status, message))).into_response(),
     }
 }
 
@@ -295,10 +295,6 @@ fn parse_chat(body: &Bytes) -> Result<ChatRequest, BadRequest> {
     Ok(req)
 }
 
-fn bad_request((code, message): BadRequest) -> Response {
-    openai_error(StatusCode::BAD_REQUEST, code, &message)
-}
-
 /// How many of the last chat requests the simulator keeps per provider.
 const REQUESTS_KEPT: usize = 64;
 
@@ -321,96 +317,98 @@ async fn last_request(State(sim): State<Arc<Sim>>, Path(name): Path<String>) -> 
     }
 }
 
-async fn chat_any(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
-    let req = match parse_chat(&body) {
+/// The API a request came in, and its answer goes out, in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Speaks {
+    Chat,
+    Messages,
+    Responses,
+}
+
+impl Speaks {
+    /// The path after `/v1/`.
+    fn path(self) -> &'static str {
+        match self {
+            Speaks::Chat => "chat/completions",
+            Speaks::Messages => "messages",
+            Speaks::Responses => "responses",
+        }
+    }
+
+    /// The request as the chat request the providers answer, or why it gets a 400.
+    fn parse(self, headers: &HeaderMap, body: &Bytes) -> Result<ChatRequest, BadRequest> {
+        let refused = |why: String| ("invalid_request", why);
+        let chat = match self {
+            Speaks::Chat => return parse_chat(body),
+            Speaks::Messages if !headers.contains_key("anthropic-version") => {
+                return Err(refused("anthropic-version: header is required".into()));
+            }
+            Speaks::Messages => messages::to_chat(body),
+            Speaks::Responses => responses::to_chat(body),
+        }
+        .map_err(refused)?;
+        serde_json::from_value(chat).map_err(|e| refused(format!("{}: {e}", self.path())))
+    }
+
+    /// A 400 in this API's envelope.
+    fn refuse(self, (code, why): BadRequest) -> Response {
+        api_error(self, StatusCode::BAD_REQUEST, code, &why)
+    }
+}
+
+/// A request to all providers, answered by the one its `model` names.
+async fn serve_any(sim: Arc<Sim>, headers: HeaderMap, body: Bytes, speaks: Speaks) -> Response {
+    let req = match speaks.parse(&headers, &body) {
         Ok(r) => r,
-        Err(e) => return bad_request(e),
+        Err(why) => return speaks.refuse(why),
     };
     let Some(name) = req.model.clone() else {
-        return openai_error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            "model is required here; or post to /{provider}/v1/chat/completions",
+        let why = format!(
+            "model is required here; or post to /{{provider}}/v1/{}",
+            speaks.path()
         );
+        return speaks.refuse(("invalid_request", why));
     };
     match sim.find(&name) {
         Some((p, _)) => {
             let id = p.id.clone();
             sim.received(&id, &body);
-            answer(&sim, &id, req, Api::Openai).await
+            answer(&sim, &id, req, speaks).await
         }
         None => unknown_provider(&sim, &name),
     }
 }
 
-async fn chat_provider(
-    State(sim): State<Arc<Sim>>,
-    Path(name): Path<String>,
+/// A request to the provider named in the path.
+async fn serve_provider(
+    sim: Arc<Sim>,
+    name: String,
+    headers: HeaderMap,
     body: Bytes,
+    speaks: Speaks,
 ) -> Response {
     if !sim.providers.contains_key(&name) {
         return unknown_provider(&sim, &name);
     }
     sim.received(&name, &body);
-    match parse_chat(&body) {
-        Ok(req) => answer(&sim, &name, req, Api::Openai).await,
-        Err(e) => bad_request(e),
+    match speaks.parse(&headers, &body) {
+        Ok(req) => answer(&sim, &name, req, speaks).await,
+        Err(why) => speaks.refuse(why),
     }
 }
 
-/// A Messages request as the chat request the providers answer (by oam's own translation),
-/// or why it is refused (a 400 in Anthropic's envelope).
-fn parse_messages(headers: &axum::http::HeaderMap, body: &Bytes) -> Result<ChatRequest, String> {
-    if !headers.contains_key("anthropic-version") {
-        return Err("anthropic-version: header is required".into());
-    }
-    let chat = messages::to_chat(body)?;
-    serde_json::from_value(chat).map_err(|e| format!("messages: {e}"))
-}
-
-fn messages_refused(why: &str) -> Response {
-    api_error(
-        Api::Anthropic,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-        why,
-    )
-}
-
-async fn messages_any(
-    State(sim): State<Arc<Sim>>,
-    headers: axum::http::HeaderMap,
-    body: Bytes,
-) -> Response {
-    let req = match parse_messages(&headers, &body) {
-        Ok(r) => r,
-        Err(why) => return messages_refused(&why),
+/// The routes of one API: `/v1/{path}` and `/{provider}/v1/{path}`.
+fn api_routes(router: Router<Arc<Sim>>, speaks: Speaks) -> Router<Arc<Sim>> {
+    let any = move |State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes| {
+        serve_any(sim, headers, body, speaks)
     };
-    let name = req.model.clone().unwrap_or_default();
-    match sim.find(&name) {
-        Some((p, _)) => {
-            let id = p.id.clone();
-            sim.received(&id, &body);
-            answer(&sim, &id, req, Api::Anthropic).await
-        }
-        None => unknown_provider(&sim, &name),
-    }
-}
-
-async fn messages_provider(
-    State(sim): State<Arc<Sim>>,
-    Path(name): Path<String>,
-    headers: axum::http::HeaderMap,
-    body: Bytes,
-) -> Response {
-    if !sim.providers.contains_key(&name) {
-        return unknown_provider(&sim, &name);
-    }
-    sim.received(&name, &body);
-    match parse_messages(&headers, &body) {
-        Ok(req) => answer(&sim, &name, req, Api::Anthropic).await,
-        Err(why) => messages_refused(&why),
-    }
+    let one = move |State(sim): State<Arc<Sim>>,
+                    Path(name): Path<String>,
+                    headers: HeaderMap,
+                    body: Bytes| serve_provider(sim, name, headers, body, speaks);
+    router
+        .route(&format!("/v1/{}", speaks.path()), post(any))
+        .route(&format!("/{{provider}}/v1/{}", speaks.path()), post(one))
 }
 
 /// The texts of an embeddings `input` (a string, strings, or token arrays read as their ids),
@@ -507,7 +505,7 @@ async fn embed(sim: &Sim, provider_id: &str, body: &Bytes) -> Response {
     let model = req["model"].as_str().unwrap_or(&provider.model).to_string();
     let (reply, fault, _) = sim.reply(provider, k, Some(&model), &inputs[0]).await;
     let Reply::Answer { delay_ms, .. } = reply else {
-        return failure(Api::Openai, reply).await;
+        return failure(Speaks::Chat, reply).await;
     };
     pause(delay_ms).await;
     let broken = fault.is_some_and(|f| matches!(f.mode, model::FaultMode::Contract { .. }));
@@ -538,19 +536,6 @@ async fn embed(sim: &Sim, provider_id: &str, body: &Bytes) -> Response {
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }))
     .into_response()
-}
-
-fn text_of(content: &Value) -> String {
-    match content {
-        Value::String(s) => s.clone(),
-        // The OpenAI "content parts" form: [{"type": "text", "text": "..."}].
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join(" "),
-        _ => String::new(),
-    }
 }
 
 /// A user's turn with tools declared is answered with a call to the first tool, each required
@@ -599,7 +584,7 @@ fn tool_call(
 }
 
 /// `provider`'s answer to `req`, in `api`'s shapes.
-async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Response {
+async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Speaks) -> Response {
     let Some((provider, counter)) = sim.providers.get(provider_id) else {
         return unknown_provider(sim, provider_id);
     };
@@ -664,7 +649,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Res
                 usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning_tokens});
             }
             // Only Messages reports what a prompt wrote to the cache.
-            if api == Api::Anthropic && written_tokens > 0 {
+            if api == Speaks::Messages && written_tokens > 0 {
                 usage["cache_creation_input_tokens"] = json!(written_tokens.min(prompt_tokens));
             }
             if req.stream {
@@ -710,8 +695,8 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Res
                 "usage": usage,
             });
             match api {
-                Api::Openai => axum::Json(chat).into_response(),
-                Api::Anthropic => axum::Json(messages::message(
+                Speaks::Chat => axum::Json(chat).into_response(),
+                Speaks::Messages => axum::Json(messages::message(
                     &format!("sim-{}-{k}", provider.id),
                     &model,
                     &chat["choices"][0]["message"],
@@ -722,6 +707,17 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Res
                     req.sim_thinking,
                 ))
                 .into_response(),
+                Speaks::Responses => axum::Json(responses::response(
+                    &format!("sim-{}-{k}", provider.id),
+                    &model,
+                    created,
+                    &chat["choices"][0]["message"],
+                    chat["choices"][0]["finish_reason"]
+                        .as_str()
+                        .unwrap_or("stop"),
+                    &chat["usage"],
+                ))
+                .into_response(),
             }
         }
         other => failure(api, other).await,
@@ -730,7 +726,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Api) -> Res
 
 /// What a provider answers instead of an answer: an error status, a rate limit, a refusal, a
 /// reset connection (in `api`'s envelope).
-async fn failure(api: Api, reply: Reply) -> Response {
+async fn failure(api: Speaks, reply: Reply) -> Response {
     match reply {
         Reply::Answer { .. } => openai_error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -808,7 +804,7 @@ async fn failure(api: Api, reply: Reply) -> Response {
 /// pieces `chunk_ms` apart, the finish reason, the usage when asked for, `[DONE]`), broken as
 /// the fault says.
 struct Streamed {
-    api: Api,
+    api: Speaks,
     head: Value,
     message: Value,
     finish_reason: String,
@@ -829,8 +825,10 @@ impl Streamed {
     }
 
     fn events(&self) -> Vec<String> {
-        if self.api == Api::Anthropic {
-            return self.messages_events();
+        match self.api {
+            Speaks::Messages => return self.messages_events(),
+            Speaks::Responses => return self.responses_events(),
+            Speaks::Chat => {}
         }
         let mut out = vec![self.chunk(json!({"role": "assistant", "content": ""}), None)];
         let call = self.message["tool_calls"].get(0);
@@ -862,21 +860,43 @@ impl Streamed {
         out
     }
 
-    /// The same answer as Messages events.
-    fn messages_events(&self) -> Vec<String> {
-        let call = self.message["tool_calls"].get(0);
-        let text = match call {
+    /// The answer's text (or tool-call arguments) in the pieces it is streamed in.
+    fn text_pieces(&self) -> Vec<String> {
+        let text = match self.message["tool_calls"].get(0) {
             Some(c) => c["function"]["arguments"].as_str().unwrap_or_default(),
             None => self.message["content"].as_str().unwrap_or_default(),
         };
+        pieces(text, 8)
+    }
+
+    /// The answer's id without the chat prefix.
+    fn id(&self) -> &str {
         let id = self.head["id"].as_str().unwrap_or_default();
+        id.strip_prefix("chatcmpl-").unwrap_or(id)
+    }
+
+    /// The same answer as Messages events.
+    fn messages_events(&self) -> Vec<String> {
         messages::events(
-            id.strip_prefix("chatcmpl-").unwrap_or(id),
+            self.id(),
             self.head["model"].as_str().unwrap_or_default(),
             &self.message,
             &self.finish_reason,
             self.usage.as_ref().unwrap_or(&Value::Null),
-            &pieces(text, 8),
+            &self.text_pieces(),
+        )
+    }
+
+    /// The same answer as Responses events.
+    fn responses_events(&self) -> Vec<String> {
+        responses::events(
+            self.id(),
+            self.head["model"].as_str().unwrap_or_default(),
+            self.head["created"].as_u64().unwrap_or(0),
+            &self.message,
+            &self.finish_reason,
+            self.usage.as_ref().unwrap_or(&Value::Null),
+            &self.text_pieces(),
         )
     }
 
@@ -904,8 +924,13 @@ impl Streamed {
                     }
                     StreamBreak::Malformed => {
                         let broken: &[u8] = match self.api {
-                            Api::Openai => b"data: {\"choices\": [\n\n",
-                            Api::Anthropic => b"event: content_block_delta\ndata: {\"type\": \n\n",
+                            Speaks::Chat => b"data: {\"choices\": [\n\n",
+                            Speaks::Messages => {
+                                b"event: content_block_delta\ndata: {\"type\": \n\n"
+                            }
+                            Speaks::Responses => {
+                                b"event: response.output_text.delta\ndata: {\"type\": \n\n"
+                            }
                         };
                         plan.push((wait, Ok(Bytes::from_static(broken))));
                     }

@@ -303,3 +303,151 @@ fn a_port_in_use_is_a_usage_error_that_says_what_to_do() {
 }
 
 use predicates::prelude::PredicateBooleanExt as _;
+
+/// The official OpenAI SDK's `responses.create` against the simulator itself: plain (cached and
+/// reasoning tokens reported), streamed as typed events, a function-tool round trip, the
+/// simulator's faults in this API's shapes (a 503 in OpenAI's envelope, a cut stream, broken
+/// tool arguments), and stateful fields and hosted tools refused by name.
+#[tokio::test]
+async fn the_openai_client_speaks_responses_to_the_simulator() {
+    let (_p, url) = sim("7");
+    let script = r#"
+import json, sys, urllib.request, openai
+url = sys.argv[1]
+c = openai.OpenAI(base_url=url + "/primary/v1", api_key="sim", max_retries=0)
+def fault(f):
+    req = urllib.request.Request(url + "/sim/faults", data=json.dumps(f).encode(),
+                                 headers={"content-type": "application/json"})
+    urllib.request.urlopen(req).read()
+def clear():
+    urllib.request.urlopen(urllib.request.Request(url + "/sim/faults", method="DELETE")).read()
+out = {}
+first = c.responses.create(model="sim-small", instructions="be brief", input="Hello")
+again = c.responses.create(model="sim-small", instructions="be brief", input="Hello",
+                           reasoning={"effort": "low"})
+out["plain"] = {"text": first.output_text, "status": first.status,
+                "usage": json.loads(first.usage.to_json()),
+                "again": json.loads(again.usage.to_json())}
+events = list(c.responses.create(model="sim-small", input="Hello", stream=True))
+out["types"] = [e.type for e in events]
+out["seq"] = [e.sequence_number for e in events]
+out["deltas"] = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+out["final"] = events[-1].response.output_text
+tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object",
+          "properties": {"q": {"type": "string"}}, "required": ["q"]}}]
+ask = [{"role": "user", "content": [{"type": "input_text", "text": "Find Oslo"}]}]
+r = c.responses.create(model="sim-small", input=ask, tools=tools)
+call = [o for o in r.output if o.type == "function_call"][0]
+out["call"] = {"name": call.name, "arguments": json.loads(call.arguments)}
+turns = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "59.9 N"}]
+out["after_tool"] = c.responses.create(model="sim-small", input=turns, tools=tools).output_text
+with c.responses.stream(model="sim-small", input=ask, tools=tools) as s:
+    out["streamed_args"] = [o.arguments for o in s.get_final_response().output
+                            if o.type == "function_call"]
+fault({"provider": "primary", "mode": "error", "status": 503, "duration_ms": 60000})
+try:
+    c.responses.create(model="sim-small", input="Hello")
+    out["error"] = "answered"
+except openai.APIStatusError as e:
+    out["error"] = {"status": e.status_code, "body": e.body}
+clear()
+fault({"provider": "primary", "mode": "stream", "kind": "cut", "after_chunks": 3,
+       "duration_ms": 60000})
+seen = []
+try:
+    for e in c.responses.create(model="sim-small", input="Hello", stream=True):
+        seen.append(e.type)
+    out["cut"] = {"finished": True, "seen": seen}
+except Exception as e:
+    out["cut"] = {"finished": False, "seen": seen, "error": type(e).__name__}
+clear()
+fault({"provider": "primary", "mode": "contract", "kind": "not-json", "duration_ms": 60000})
+r = c.responses.create(model="sim-small", input=ask, tools=tools)
+out["broken_args"] = [o.arguments for o in r.output if o.type == "function_call"][0]
+clear()
+refused = {}
+for name, kw in [("previous_response_id", {"previous_response_id": first.id}),
+                 ("tools.0.type", {"tools": [{"type": "web_search"}]})]:
+    try:
+        c.responses.create(model="sim-small", input="Hello", **kw)
+        refused[name] = "answered"
+    except openai.BadRequestError as e:
+        refused[name] = e.body["message"]
+out["refused"] = refused
+print(json.dumps(out))
+"#;
+    let v = crate::support::python_json(script, &[&url]);
+    let plain = &v["plain"];
+    assert_eq!(plain["status"], "completed", "{v}");
+    assert!(!plain["text"].as_str().unwrap().is_empty(), "{v}");
+    let (usage, again) = (&plain["usage"], &plain["again"]);
+    assert_eq!(usage["input_tokens_details"]["cached_tokens"], 0, "{v}");
+    assert!(
+        again["input_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+        "the second sight of the instructions is read from the cache: {v}"
+    );
+    assert_eq!(again["output_tokens_details"]["reasoning_tokens"], 8, "{v}");
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["input_tokens"].as_u64().unwrap() + usage["output_tokens"].as_u64().unwrap())
+    );
+
+    let types: Vec<&str> = v["types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(types.first(), Some(&"response.created"), "{types:?}");
+    assert_eq!(types.last(), Some(&"response.completed"), "{types:?}");
+    assert!(
+        types
+            .iter()
+            .filter(|t| **t == "response.output_text.delta")
+            .count()
+            > 1,
+        "{types:?}"
+    );
+    let seq: Vec<u64> = v["seq"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect();
+    assert_eq!(seq, (0..seq.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        v["deltas"], v["final"],
+        "the deltas add up to the answer: {v}"
+    );
+
+    assert_eq!(v["call"]["name"], "lookup");
+    assert_eq!(v["call"]["arguments"]["q"], "Find Oslo");
+    assert!(!v["after_tool"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(v["streamed_args"][0], json!(r#"{"q":"Find Oslo"}"#), "{v}");
+
+    assert_eq!(v["error"]["status"], 503, "{v}");
+    assert_eq!(v["error"]["body"]["type"], "server_error", "{v}");
+    let cut = &v["cut"];
+    assert_eq!(
+        cut["finished"], false,
+        "a cut stream must not end cleanly: {v}"
+    );
+    assert!(
+        !cut["seen"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("response.completed")),
+        "{v}"
+    );
+    let broken = v["broken_args"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<Value>(broken).is_err(),
+        "a contract fault breaks the arguments: {broken}"
+    );
+    for field in ["previous_response_id", "tools.0.type"] {
+        let why = v["refused"][field].as_str().unwrap();
+        assert!(why.starts_with(field), "{field}: {why}");
+    }
+}
