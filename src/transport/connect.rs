@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 /// The environment variable holding the NATS URL (credentials may be in it:
-/// `nats://user:password@127.0.0.1:4222`).
+/// `nats://user:password@127.0.0.1:4222`), or a comma-separated list of a cluster's servers.
 pub const ENV_URL: &str = "OAM_NATS_URL";
 
 /// Told when the server refuses a connection's credentials (say, the mesh was started again
@@ -66,17 +66,65 @@ pub async fn reach_from(
     refused: &Refused,
 ) -> crate::error::Result<async_nats::Client> {
     use crate::error::{Error, Kind};
-    connect(url, name, wait_for_server, refused).await.map_err(|e| {
-        let from = from.map(|f| format!(", from {f}")).unwrap_or_default();
-        Error::new(
-            Kind::Unreachable,
-            anyhow::anyhow!(
-                "cannot reach NATS at {}{from} ({e}). Start a local mesh with `oam mesh up`, or \
-                 pass --nats-url (and --creds for a mesh behind JWT auth)",
-                redact(url)
-            ),
-        )
-    })
+    let from = from.map(|f| format!(", from {f}")).unwrap_or_default();
+    let tried = match servers(url) {
+        Ok((addrs, _)) => addrs.len(),
+        Err(why) => return Err(Error::usage(format!("{why}{from}"))),
+    };
+    connect(url, name, wait_for_server, refused)
+        .await
+        .map_err(|e| {
+            let at = match tried {
+                1 => format!("NATS at {}", redact(url)),
+                n => format!("any of the {n} NATS servers tried ({})", redact(url)),
+            };
+            Error::new(
+                Kind::Unreachable,
+                anyhow::anyhow!(
+                    "cannot reach {at}{from} ({e}). Start a local mesh with `oam mesh up`, or \
+                 pass --nats-url (and --creds for a mesh behind JWT auth)"
+                ),
+            )
+        })
+}
+
+/// A user name and its password.
+pub type UserPassword = (String, String);
+
+/// A server list (`nats://a:4222,nats://b:4222`; one server is a list of one) as the
+/// addresses to connect to and the credentials any entry carries, or which entry is wrong.
+pub fn servers(url: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UserPassword>), String> {
+    let mut addrs = Vec::new();
+    let mut auth: Option<UserPassword> = None;
+    let entries: Vec<&str> = url.split(',').map(str::trim).collect();
+    for (i, entry) in entries.iter().enumerate() {
+        let at = match entries.len() {
+            1 => format!("the NATS URL {:?}", redact(entry)),
+            n => format!("server {} of {n} ({:?})", i + 1, redact(entry)),
+        };
+        if entry.is_empty() {
+            return Err(format!(
+                "{at} is empty; give URLs separated by commas, as nats://127.0.0.1:4222,nats://127.0.0.1:4223"
+            ));
+        }
+        let (bare, creds) = split_one(entry);
+        if let Some(c) = creds {
+            match &auth {
+                Some(first) if *first != c => {
+                    return Err(format!(
+                        "{at} names another user or password than the server before it; one \
+                         connection has one user, so give it once (or the same in every entry)"
+                    ));
+                }
+                _ => auth = Some(c),
+            }
+        }
+        let addr = bare
+            .parse::<async_nats::ServerAddr>()
+            .map_err(|e| format!("{at} is not a NATS server address: {e}"))?;
+        addrs.push(addr);
+    }
+    Ok((addrs, auth))
 }
 
 /// The NATS credentials file (user JWT and NKey seed) every connection of this process uses,
@@ -123,7 +171,9 @@ pub async fn connect(
     let conn_name = name.to_string();
     let shown = redact(url);
     // async-nats ignores credentials embedded in the URL, so take them out and pass them on.
-    let (url, auth) = split_credentials(url);
+    let (addrs, auth) = servers(url).map_err(|why| {
+        async_nats::ConnectError::with_source(async_nats::ConnectErrorKind::ServerParse, why)
+    })?;
     // Where this connection's replies arrive: a server that refuses it that subscription can
     // answer none of its requests.
     let mut inbox = super::subjects::DEFAULT_INBOX.to_string();
@@ -186,7 +236,7 @@ pub async fn connect(
     if wait_for_server {
         opts = opts.retry_on_initial_connect();
     }
-    opts.connect(url.as_str()).await
+    opts.connect(addrs).await
 }
 
 /// Does this server error refuse the connection the subscription to its own reply inbox
@@ -224,8 +274,23 @@ fn reconnect_delay(attempt: usize) -> Duration {
     Duration::from_millis(waited.saturating_mul(100).min(1_000))
 }
 
-/// `nats://user:pass@host:port` -> (`nats://host:port`, Some((user, pass))).
-pub fn split_credentials(url: &str) -> (String, Option<(String, String)>) {
+/// `nats://user:pass@host:port` -> (`nats://host:port`, Some((user, pass))); of a server
+/// list, every entry's taken out and the first entry's returned.
+pub fn split_credentials(url: &str) -> (String, Option<UserPassword>) {
+    let mut auth = None;
+    let bare: Vec<String> = url
+        .split(',')
+        .map(|entry| {
+            let (bare, creds) = split_one(entry);
+            auth = auth.take().or(creds);
+            bare
+        })
+        .collect();
+    (bare.join(","), auth)
+}
+
+/// `split_credentials` of one server's URL.
+fn split_one(url: &str) -> (String, Option<UserPassword>) {
     if let (Some(scheme), Some(at)) = (url.find("://"), url.rfind('@'))
         && at > scheme
     {
@@ -237,8 +302,12 @@ pub fn split_credentials(url: &str) -> (String, Option<(String, String)>) {
     (url.to_string(), None)
 }
 
-/// The URL without its password, for messages and logs.
+/// The URL (or every URL of a server list) without its password, for messages and logs.
 pub fn redact(url: &str) -> String {
+    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+}
+
+fn redact_one(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             let userinfo = &url[scheme + 3..at];
@@ -323,6 +392,42 @@ mod tests {
             )
         );
         assert_eq!(super::split_credentials("nats://127.0.0.1:1").1, None);
+    }
+
+    #[test]
+    fn a_server_list_is_read_entry_by_entry_and_a_bad_entry_named() {
+        let (addrs, auth) =
+            super::servers("nats://oam:pw@127.0.0.1:4222, nats://127.0.0.1:4223,127.0.0.1:4224")
+                .unwrap();
+        let ports: Vec<u16> = addrs.iter().map(async_nats::ServerAddr::port).collect();
+        assert_eq!(ports, [4222, 4223, 4224]);
+        assert_eq!(auth, Some(("oam".into(), "pw".into())));
+        let bad = super::servers("nats://127.0.0.1:4222,nats://127.0.0.1:99999").unwrap_err();
+        assert!(
+            bad.starts_with("server 2 of 2 (\"nats://127.0.0.1:99999\")"),
+            "{bad}"
+        );
+        let empty = super::servers("nats://127.0.0.1:4222,").unwrap_err();
+        assert!(
+            empty.starts_with("server 2 of 2") && empty.contains("empty"),
+            "{empty}"
+        );
+        let two = super::servers("nats://a:x@127.0.0.1:1,nats://b:y@127.0.0.1:2").unwrap_err();
+        assert!(
+            two.contains("another user") && !two.contains(":y@"),
+            "{two}"
+        );
+        assert_eq!(
+            super::split_credentials("nats://oam:pw@127.0.0.1:1,nats://oam:pw@127.0.0.1:2"),
+            (
+                "nats://127.0.0.1:1,nats://127.0.0.1:2".to_string(),
+                Some(("oam".to_string(), "pw".to_string()))
+            )
+        );
+        assert_eq!(
+            super::redact("nats://oam:pw@127.0.0.1:1,nats://oam:pw@127.0.0.1:2"),
+            "nats://oam:***@127.0.0.1:1,nats://oam:***@127.0.0.1:2"
+        );
     }
 
     #[test]
