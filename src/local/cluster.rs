@@ -23,7 +23,11 @@ pub struct Plan {
     /// The state folder (created if missing).
     pub dir: PathBuf,
     pub nodes: u16,
-    /// NATS client port; 0 lets the server take any free port (and say which).
+    /// nats-servers: one, or the members of a cluster (routes between them, JetStream on each,
+    /// every stream and bucket on min(3, servers) of them).
+    pub servers: u16,
+    /// The first server's NATS client port, the others' follow it; 0 lets each server take any
+    /// free port (and say which).
     pub port: u16,
     /// The simulator's HTTP port (0: any).
     pub sim_port: u16,
@@ -47,6 +51,7 @@ impl Plan {
         Plan {
             dir,
             nodes,
+            servers: 1,
             port: 0,
             sim_port: 0,
             http_port: 0,
@@ -108,8 +113,8 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         let alive = rec.processes.iter().filter(|p| super::is_ours(p)).count();
         if alive > 0 {
             // Up already: put back any bucket that has gone (only the admin may create one).
-            if let Some((creds, port)) = super::creds::load(&dir)
-                && let Err(e) = create_buckets(&natsd::app_url(port, &creds)).await
+            if let Some((creds, ports)) = super::creds::load(&dir)
+                && let Err(e) = create_buckets(&natsd::app_url(&ports, &creds)).await
             {
                 tracing::warn!("the mesh is up but its buckets could not be checked: {e:#}");
             }
@@ -137,7 +142,20 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         ..plan.clone()
     };
     let (bin, version) = natsd::find(plan.nats_server.as_deref()).map_err(plan_err)?;
-    let port = free_or_any(plan.port, "nats-server", "--port").map_err(plan_err)?;
+    let mut nats_ports = Vec::new();
+    for i in 0..plan.servers {
+        let wanted = match plan.port {
+            0 => 0,
+            first => first.checked_add(i).ok_or_else(|| {
+                plan_err(anyhow::anyhow!(
+                    "--port {first} leaves no room for {} servers below 65536; pick a lower \
+                     port, or 0 for any free ports",
+                    plan.servers
+                ))
+            })?,
+        };
+        nats_ports.push(free_or_any(wanted, "nats-server", "--port").map_err(plan_err)?);
+    }
     let sim_port = free_or_any(plan.sim_port, "the simulator", "--sim-port").map_err(plan_err)?;
     let mut node_ports = Vec::new();
     for i in 0..plan.nodes {
@@ -155,7 +173,7 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
     }
     let mut started = Vec::new();
     let ports = Ports {
-        nats: port,
+        nats: &nats_ports,
         sim: sim_port,
         nodes: &node_ports,
     };
@@ -190,7 +208,7 @@ fn free_or_any(wanted: u16, what: &str, flag: &str) -> anyhow::Result<u16> {
 }
 
 struct Ports<'a> {
-    nats: u16,
+    nats: &'a [u16],
     sim: u16,
     nodes: &'a [u16],
 }
@@ -284,25 +302,11 @@ async fn start_all(
     for role in &roles {
         creds.add(role)?;
     }
-    let layout = natsd::Layout {
-        port: ports.nats,
-        monitor_port: 0,
-        dir: dir.to_path_buf(),
-        max_file_store: None,
-    };
-    let nats_log = dir.join("nats.log");
-    let server = natsd::start(bin, &layout, &creds, &nats_log, Duration::from_secs(15)).await?;
-    let (port, monitor_port) = (server.port, server.monitor_port);
-    started.push(Started {
-        name: "nats-server".into(),
-        pid: server.child.id(),
-        endpoint: format!("nats://127.0.0.1:{port} (monitor http://127.0.0.1:{monitor_port})"),
-        log: nats_log,
-        cmdline_marker: layout.config_path().display().to_string(),
-        args: Vec::new(),
-    });
+    let servers = start_servers(dir, bin, ports.nats, &creds, started).await?;
+    let port: Vec<u16> = servers.iter().map(|s| s.port).collect();
+    let port = port.as_slice();
     // Every password in one file for `oam mesh up` and `oam creds`; each role's in its own
-    // (agents issued earlier keep theirs, with the port as it is now).
+    // (agents issued earlier keep theirs, with the ports as they are now).
     save_system(dir, port, &creds)?;
     for user in creds.users.keys() {
         if let Some(role) = Role::of_user(user) {
@@ -311,6 +315,13 @@ async fn start_all(
     }
     let url_of = |role: &Role| creds.url(port, &role.user()).unwrap_or_default();
     create_buckets(&natsd::app_url(port, &creds)).await?;
+    if servers.len() == 2 {
+        tracing::warn!(
+            "2 nats-servers make no majority once one is gone: streams keep 2 copies and stop \
+             taking writes when either server dies; run 3 (`--servers 3`) to survive the loss \
+             of one"
+        );
+    }
 
     let strings = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
     // The nodes route by the user's configuration, or across a simulator started here.
@@ -411,12 +422,77 @@ async fn start_all(
     }
     Ok(Record {
         started_at_ms: crate::clock::now_ms(),
-        nats_port: port,
-        nats_monitor_port: monitor_port,
-        nats_asked_port: ports.nats,
+        servers,
         sim_url,
         processes: std::mem::take(started),
     })
+}
+
+/// Start the mesh's nats-servers, one after another, each recorded in `started`: one on its
+/// own in `dir`, or the members of a cluster (`nats-1` ... in `dir/nats-N`), each with routes
+/// to all the others (JetStream's cluster needs them named from the start, so their route
+/// ports are chosen first), then wait until JetStream has a leader.
+async fn start_servers(
+    dir: &Path,
+    bin: &Path,
+    asked: &[u16],
+    creds: &natsd::Credentials,
+    started: &mut Vec<Started>,
+) -> anyhow::Result<Vec<super::NatsServer>> {
+    let alone = asked.len() == 1;
+    let route_ports = if alone {
+        vec![0]
+    } else {
+        natsd::free_ports(asked.len())?
+    };
+    let servers: Vec<super::NatsServer> = asked
+        .iter()
+        .zip(&route_ports)
+        .enumerate()
+        .map(|(i, (&asked_port, &cluster_port))| {
+            let (name, dir) = if alone {
+                ("nats-server".to_string(), dir.to_path_buf())
+            } else {
+                let name = format!("nats-{}", i + 1);
+                (name.clone(), dir.join(name))
+            };
+            super::NatsServer {
+                name,
+                dir,
+                port: asked_port,
+                monitor_port: 0,
+                cluster_port,
+                asked_port,
+            }
+        })
+        .collect();
+    let mut running = Vec::new();
+    for s in &servers {
+        std::fs::create_dir_all(&s.dir)?;
+        let layout = s.layout(&servers, true);
+        let log = s.dir.join("nats.log");
+        let server = natsd::start(bin, &layout, creds, &log, Duration::from_secs(15)).await?;
+        started.push(Started {
+            name: s.name.clone(),
+            pid: server.child.id(),
+            endpoint: format!(
+                "nats://127.0.0.1:{} (monitor http://127.0.0.1:{})",
+                server.port, server.monitor_port
+            ),
+            log,
+            cmdline_marker: layout.config_path().display().to_string(),
+            args: Vec::new(),
+        });
+        running.push(super::NatsServer {
+            port: server.port,
+            monitor_port: server.monitor_port,
+            ..s.clone()
+        });
+    }
+    if !alone {
+        jetstream_ready(&running).await?;
+    }
+    Ok(running)
 }
 
 /// What the node at `url` sees (`None`: it does not answer, or not with a snapshot).
@@ -439,10 +515,10 @@ pub fn kept_credentials(dir: &Path) -> Option<natsd::Credentials> {
 }
 
 /// Write `system.json`: the admin's and the system account's URLs and every password (0600).
-pub fn save_system(dir: &Path, port: u16, creds: &natsd::Credentials) -> anyhow::Result<()> {
+pub fn save_system(dir: &Path, ports: &[u16], creds: &natsd::Credentials) -> anyhow::Result<()> {
     let doc = serde_json::json!({
-        "app_url": natsd::app_url(port, creds),
-        "sys_url": natsd::sys_url(port, creds),
+        "app_url": natsd::app_url(ports, creds),
+        "sys_url": natsd::sys_url(ports, creds),
         "credentials": creds,
     });
     super::write_private(&dir.join(super::SYSTEM), &format!("{doc:#}\n"))
@@ -455,6 +531,7 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
     let refused = crate::transport::connect::Refused::default();
     let nats =
         crate::transport::connect::connect(admin_url, "oam-mesh-up", false, &refused).await?;
+    let replicas = store::replicas(&nats);
     escalations::store(&nats).await?;
     ledger::open(&nats).await?;
     loops::open(&nats).await?;
@@ -468,6 +545,7 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
         .get_or_create_stream(decisions::stream(
             Duration::from_secs(7 * 24 * 3600),
             256 << 20,
+            replicas,
         ))
         .await
         .map_err(|e| anyhow::anyhow!("cannot create the decision log stream: {e}"))?;
@@ -480,11 +558,47 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
             allow_rollup: true,
             allow_direct: true,
             discard: async_nats::jetstream::stream::DiscardPolicy::New,
+            num_replicas: replicas,
             ..Default::default()
         })
         .await
         .map_err(|e| anyhow::anyhow!("cannot create the stream OBJ_{b}: {e}"))?;
     crate::transport::connect::flush_within(&nats, Duration::from_secs(2)).await;
+    Ok(())
+}
+
+/// Wait until every server's JetStream has a meta leader and knows every member (a stream of
+/// 3 replicas needs 3 known servers), at most `READY_WITHIN`.
+async fn jetstream_ready(servers: &[super::NatsServer]) -> anyhow::Result<()> {
+    let http = crate::http::http_client(Some(Duration::from_secs(1)))?;
+    let deadline = Instant::now() + READY_WITHIN;
+    for s in servers {
+        let jsz = format!("http://127.0.0.1:{}/jsz", s.monitor_port);
+        loop {
+            let meta = match http.get(&jsz).send().await {
+                Ok(r) => r.json::<serde_json::Value>().await.ok(),
+                Err(_) => None,
+            };
+            let meta = meta.map(|v| v["meta_cluster"].clone()).unwrap_or_default();
+            let known = meta["cluster_size"].as_u64().unwrap_or(0);
+            if meta["leader"].as_str().is_some_and(|l| !l.is_empty())
+                && known >= servers.len() as u64
+            {
+                break;
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "{}'s JetStream had no leader among all {} servers within {} s (it knows \
+                     {known}); see {}",
+                    s.name,
+                    servers.len(),
+                    READY_WITHIN.as_secs(),
+                    s.dir.join("nats.log").display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     Ok(())
 }
 
@@ -546,8 +660,13 @@ pub async fn status(rec: &Record) -> anyhow::Result<Vec<ProcessStatus>> {
 /// Whether a running process answers as it should, and what it says.
 async fn probe(http: &reqwest::Client, rec: &Record, p: &Started) -> (bool, String) {
     match p.name.as_str() {
-        "nats-server" => {
-            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], rec.nats_port));
+        name if super::is_nats_server(name) => {
+            let port = rec
+                .servers
+                .iter()
+                .find(|s| s.name == name)
+                .map_or(0, |s| s.port);
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
             let ok = tokio::time::timeout(
                 Duration::from_millis(500),
                 tokio::net::TcpStream::connect(addr),

@@ -8,12 +8,16 @@ use anyhow::{Context, anyhow};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// The mesh folder's credentials and NATS port (`None`: the folder holds no mesh's).
-pub fn load(dir: &Path) -> Option<(natsd::Credentials, u16)> {
+/// The mesh folder's credentials and NATS ports, one per server (`None`: the folder holds no
+/// mesh's).
+pub fn load(dir: &Path) -> Option<(natsd::Credentials, Vec<u16>)> {
     let creds = cluster::kept_credentials(dir)?;
-    let port =
-        super::recorded_url(dir, "app_url").and_then(|url| url.rsplit(':').next()?.parse().ok())?;
-    Some((creds, port))
+    let url = super::recorded_url(dir, "app_url")?;
+    let ports = url
+        .split(',')
+        .map(|u| u.rsplit(':').next()?.parse().ok())
+        .collect::<Option<Vec<u16>>>()?;
+    Some((creds, ports))
 }
 
 /// What issuing did: the user, its credentials file, and whether a running server took it
@@ -27,12 +31,12 @@ pub struct Issued {
 
 /// Issue credentials for `role` in the mesh folder `dir` (the same ones again if it has some).
 pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
-    let (mut creds, port) = load(dir).with_context(|| no_cluster(dir))?;
+    let (mut creds, ports) = load(dir).with_context(|| no_cluster(dir))?;
     let user = creds.add(role)?;
-    cluster::save_system(dir, port, &creds)?;
-    let file = super::write_role_file(dir, port, &creds, role)?;
+    cluster::save_system(dir, &ports, &creds)?;
+    let file = super::write_role_file(dir, &ports, &creds, role)?;
     let reloaded = reload(dir, &creds, &user).await?;
-    let url = creds.url(port, &user).unwrap_or_default();
+    let url = creds.url(&ports, &user).unwrap_or_default();
     Ok(Issued {
         user,
         file,
@@ -44,7 +48,7 @@ pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
 /// Take `role`'s credentials back (its connections are closed); whether a running server took
 /// it. An error when it had none.
 pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
-    let (mut creds, port) = load(dir).with_context(|| no_cluster(dir))?;
+    let (mut creds, ports) = load(dir).with_context(|| no_cluster(dir))?;
     let user = role.user();
     if creds.users.remove(&user).is_none() {
         anyhow::bail!(
@@ -52,7 +56,7 @@ pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
             dir.display()
         );
     }
-    cluster::save_system(dir, port, &creds)?;
+    cluster::save_system(dir, &ports, &creds)?;
     let _ = std::fs::remove_file(super::role_path(dir, &user));
     reload(dir, &creds, &user).await
 }
@@ -67,55 +71,70 @@ pub fn no_cluster(dir: &Path) -> String {
     )
 }
 
-/// Rewrite the running server's config from `creds` and have it reload (SIGHUP), waiting until
-/// user `changed` is admitted or refused accordingly; false when no server of this mesh is
-/// running (the next `oam mesh up` writes the config).
+/// Rewrite every running server's config from `creds` and have each reload (SIGHUP), waiting
+/// until user `changed` is admitted or refused accordingly on every one; false when no server
+/// of this mesh is running (the next `oam mesh up` writes the configs). Roles are the same on
+/// every server of a cluster: a server left out would admit a revoked user.
 async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> anyhow::Result<bool> {
     let record = super::Record::load(dir)?;
     let Some(record) = record else {
         return Ok(false);
     };
-    let Some(server) = record
-        .processes
-        .iter()
-        .find(|p| p.name == "nats-server" && super::is_ours(p))
-    else {
-        return Ok(false);
+    let http = crate::http::http_client(Some(Duration::from_secs(1)))?;
+    let mut reloaded_any = false;
+    for server in &record.servers {
+        let Some(process) = record
+            .processes
+            .iter()
+            .find(|p| p.name == server.name && super::is_ours(p))
+        else {
+            continue;
+        };
+        reload_one(&http, server, &record.servers, process.pid, creds)
+            .await
+            .map_err(|why| {
+                anyhow!(
+                    "{}: {why}; see {}",
+                    server.name,
+                    server.dir.join("nats.log").display()
+                )
+            })?;
+        let target = creds
+            .url(&[server.port], changed)
+            .unwrap_or_else(|| format!("nats://{changed}:revoked@127.0.0.1:{}", server.port));
+        took(&target, creds.users.contains_key(changed))
+            .await
+            .map_err(|why| anyhow!("{}: {why}", server.name))?;
+        reloaded_any = true;
+    }
+    Ok(reloaded_any)
+}
+
+/// Have `server` (process `pid`) reload its config written from `creds`.
+async fn reload_one(
+    http: &reqwest::Client,
+    server: &super::NatsServer,
+    all: &[super::NatsServer],
+    pid: u32,
+    creds: &natsd::Credentials,
+) -> std::result::Result<(), String> {
+    let write = |l: &natsd::Layout| {
+        super::write_private(&l.config_path(), &natsd::config(l, creds))
+            .map_err(|e| format!("{e:#}"))
     };
-    let layout = |port, monitor_port| natsd::Layout {
-        port,
-        monitor_port,
-        dir: dir.to_path_buf(),
-        max_file_store: None,
-    };
-    let write =
-        |l: &natsd::Layout| super::write_private(&l.config_path(), &natsd::config(l, creds));
     // The server reloads only a config that names its ports as it was started ("any free
     // port"); once it has read it, the file names the ports taken again, so a restart from it
     // comes back at the same address.
-    let http = crate::http::http_client(Some(Duration::from_secs(1)))?;
-    let varz = format!("http://127.0.0.1:{}/varz", record.nats_monitor_port);
-    let before = loaded_at(&http, &varz).await;
-    write(&layout(record.nats_asked_port, 0))?;
-    let done = if super::signal(server.pid, libc::SIGHUP) {
-        reloaded(&http, &varz, before).await
+    let varz = format!("http://127.0.0.1:{}/varz", server.monitor_port);
+    let before = loaded_at(http, &varz).await;
+    write(&server.layout(all, true))?;
+    let done = if super::signal(pid, libc::SIGHUP) {
+        reloaded(http, &varz, before).await
     } else {
-        Err(format!(
-            "cannot signal nats-server (pid {}) to reload",
-            server.pid
-        ))
+        Err(format!("cannot signal nats-server (pid {pid}) to reload"))
     };
-    write(&layout(record.nats_port, record.nats_monitor_port))?;
-    let port = record.nats_port;
-    let target = creds
-        .url(port, changed)
-        .unwrap_or_else(|| format!("nats://{changed}:revoked@127.0.0.1:{port}"));
-    let done = match done {
-        Ok(()) => took(&target, creds.users.contains_key(changed)).await,
-        Err(e) => Err(e),
-    };
-    done.map(|()| true)
-        .map_err(|why| anyhow!("{why}; see {}", dir.join("nats.log").display()))
+    write(&server.layout(all, false))?;
+    done
 }
 
 /// When the server last loaded its config (its monitoring endpoint's `config_load_time`).

@@ -47,21 +47,21 @@ pub fn role_path(dir: &Path, user: &str) -> PathBuf {
 /// Write the credentials file of `role` (0600, in a 0700 folder); its path.
 pub fn write_role_file(
     dir: &Path,
-    port: u16,
+    ports: &[u16],
     creds: &natsd::Credentials,
     role: &roles::Role,
 ) -> anyhow::Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let user = role.user();
     let url = creds
-        .url(port, &user)
+        .url(ports, &user)
         .with_context(|| format!("no NATS user {user} in {}", dir.join(SYSTEM).display()))?;
     let folder = dir.join(CREDS_DIR);
     std::fs::create_dir_all(&folder)
         .and_then(|()| std::fs::set_permissions(&folder, std::fs::Permissions::from_mode(0o700)))
         .with_context(|| format!("cannot create {}", folder.display()))?;
     let sys_url = matches!(role, roles::Role::Monitor | roles::Role::Warden)
-        .then(|| creds.observer_url(port));
+        .then(|| creds.observer_url(ports));
     let file = RoleFile {
         user: user.clone(),
         role: role.kind().into(),
@@ -169,19 +169,70 @@ pub async fn ready_line(
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct Record {
     pub started_at_ms: u64,
-    pub nats_port: u16,
-    pub nats_monitor_port: u16,
-    /// The client port nats-server was started with in its config (0: any free one). A
-    /// config reload must name the ports as the running server was started, or the server
-    /// refuses it.
-    #[serde(default)]
-    pub nats_asked_port: u16,
+    /// The NATS servers, in start order: one, or the members of a cluster.
+    pub servers: Vec<NatsServer>,
     pub sim_url: String,
     /// In start order; stopped newest first.
     pub processes: Vec<Started>,
 }
 
+/// One nats-server of a mesh: its process name in the record, folder and ports.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct NatsServer {
+    /// `nats-server` when it runs alone; `nats-1` ... in a cluster (also its server name).
+    pub name: String,
+    /// Holds its `nats.conf`, `nats.log` and `jetstream/`.
+    pub dir: PathBuf,
+    pub port: u16,
+    pub monitor_port: u16,
+    /// Its route port (0: it runs alone).
+    #[serde(default)]
+    pub cluster_port: u16,
+    /// The client port it was started with in its config (0: any free one). A config reload
+    /// must name the ports as the running server was started, or the server refuses it.
+    #[serde(default)]
+    pub asked_port: u16,
+}
+
+impl NatsServer {
+    /// Its config as it runs now, or as it was started (`as_started`, for a reload), among
+    /// `all` the servers of its mesh.
+    pub fn layout(&self, all: &[NatsServer], as_started: bool) -> natsd::Layout {
+        let alone = all.len() <= 1;
+        let cluster = (!alone).then(|| natsd::Member {
+            port: self.cluster_port,
+            routes: all
+                .iter()
+                .filter(|s| s.name != self.name)
+                .map(|s| s.cluster_port)
+                .collect(),
+        });
+        natsd::Layout {
+            port: if as_started {
+                self.asked_port
+            } else {
+                self.port
+            },
+            monitor_port: if as_started { 0 } else { self.monitor_port },
+            dir: self.dir.clone(),
+            name: (!alone).then(|| self.name.clone()),
+            cluster,
+            ..Default::default()
+        }
+    }
+}
+
+/// Is this recorded process one of the mesh's nats-servers?
+pub fn is_nats_server(name: &str) -> bool {
+    name == "nats-server" || name.starts_with("nats-")
+}
+
 impl Record {
+    /// Every server's client port.
+    pub fn nats_ports(&self) -> Vec<u16> {
+        self.servers.iter().map(|s| s.port).collect()
+    }
+
     pub fn path(dir: &Path) -> PathBuf {
         dir.join(RECORD)
     }
@@ -209,9 +260,9 @@ impl Record {
     }
 
     pub fn nodes(&self) -> impl Iterator<Item = &Started> {
-        self.processes
-            .iter()
-            .filter(|p| !["nats-server", "sim", "monitor", "chaos"].contains(&p.name.as_str()))
+        self.processes.iter().filter(|p| {
+            !is_nats_server(&p.name) && !["sim", "monitor", "chaos"].contains(&p.name.as_str())
+        })
     }
 }
 

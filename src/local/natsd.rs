@@ -115,6 +115,10 @@ pub struct Credentials {
     /// Role users (`node-n1`, `agent-demo.echo`, `viewer`, ...) and their passwords.
     #[serde(default)]
     pub users: std::collections::BTreeMap<String, String>,
+    /// What the servers of a cluster give each other on their routes (a route bypasses
+    /// accounts, so no other process may open one).
+    #[serde(default)]
+    pub route_password: String,
 }
 
 impl Credentials {
@@ -127,6 +131,7 @@ impl Credentials {
             sys_password: crate::ids::random_hex(16)?,
             observer_password: crate::ids::random_hex(16)?,
             users: Default::default(),
+            route_password: crate::ids::random_hex(16)?,
         })
     }
 
@@ -142,27 +147,35 @@ impl Credentials {
         if self.observer_password.is_empty() {
             self.observer_password = crate::ids::random_hex(16)?;
         }
+        if self.route_password.is_empty() {
+            self.route_password = crate::ids::random_hex(16)?;
+        }
         Ok(user)
     }
 
-    /// The client URL of `user` (`None`: no such user).
-    pub fn url(&self, port: u16, user: &str) -> Option<String> {
+    /// The client URL of `user` on the servers at `ports` (`None`: no such user).
+    pub fn url(&self, ports: &[u16], user: &str) -> Option<String> {
         let password = if user == self.app_user {
             &self.app_password
         } else {
             self.users.get(user)?
         };
-        Some(format!("nats://{user}:{password}@127.0.0.1:{port}"))
+        Some(server_list(user, password, ports))
     }
 
     /// The system account's `observer` URL.
-    pub fn observer_url(&self, port: u16) -> String {
-        format!(
-            "nats://{}:{}@127.0.0.1:{port}",
-            roles::OBSERVER_USER,
-            self.observer_password
-        )
+    pub fn observer_url(&self, ports: &[u16]) -> String {
+        server_list(roles::OBSERVER_USER, &self.observer_password, ports)
     }
+}
+
+/// The URL of `user` on every server at `ports` (127.0.0.1), as one comma-separated list.
+pub fn server_list(user: &str, password: &str, ports: &[u16]) -> String {
+    ports
+        .iter()
+        .map(|port| format!("nats://{user}:{password}@127.0.0.1:{port}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Ports and folders for one server. A port of 0 lets the server pick a free one itself (no
@@ -176,7 +189,25 @@ pub struct Layout {
     /// JetStream's file storage in all (bytes; `None`: 1 GB): tests fill a small one to see
     /// what a full store does.
     pub max_file_store: Option<u64>,
+    /// The server's name (`None`: `oam-local`); unique in a cluster.
+    pub name: Option<String>,
+    /// Its part in a cluster (`None`: it runs alone).
+    pub cluster: Option<Member>,
 }
+
+/// A server's part in a cluster: where it listens for routes and the routes it opens.
+#[derive(Clone, Debug, Default)]
+pub struct Member {
+    /// The route port.
+    pub port: u16,
+    /// The route ports of the other servers.
+    pub routes: Vec<u16>,
+}
+
+/// The cluster's name on its routes.
+pub const CLUSTER_NAME: &str = "oam";
+/// The user servers open routes to each other as.
+const ROUTE_USER: &str = "oam-route";
 
 impl Layout {
     pub fn config_path(&self) -> PathBuf {
@@ -198,7 +229,7 @@ pub fn config(layout: &Layout, creds: &Credentials) -> String {
 listen: 127.0.0.1:{port}
 http: 127.0.0.1:{monitor}
 ports_file_dir: {dir}
-server_name: oam-local
+server_name: {name}
 ping_interval: "2s"
 ping_max: 2
 write_deadline: "2s"
@@ -207,7 +238,12 @@ jetstream {{
   store_dir: {store}
   max_memory_store: 256MB
   max_file_store: {max_file_store}
-}}
+  # Written to disk every 2 minutes (the default, said on purpose): a write is acknowledged
+  # once a majority of replicas holds it in memory, so the loss of one server, even by an OS
+  # crash, and process crashes of every server lose nothing; an OS crash of a majority at once
+  # may lose the last 2 minutes. `always` would fsync every write.
+  sync_interval: "2m"
+}}{cluster}
 accounts {{
   APP {{
     jetstream: enabled
@@ -225,6 +261,12 @@ system_account: SYS
 "#,
         port = any_port(layout.port),
         monitor = any_port(layout.monitor_port),
+        name = quote(layout.name.as_deref().unwrap_or("oam-local")),
+        cluster = layout
+            .cluster
+            .as_ref()
+            .map(|m| cluster_block(m, creds))
+            .unwrap_or_default(),
         dir = quote(&layout.dir.display().to_string()),
         store = quote(&layout.dir.join("jetstream").display().to_string()),
         max_file_store = layout
@@ -245,6 +287,35 @@ system_account: SYS
                 roles::config_block(&roles::observer_permissions())
             )
         },
+    )
+}
+
+/// A cluster member's `cluster` block: routes on 127.0.0.1, opened and accepted only with the
+/// route password.
+fn cluster_block(member: &Member, creds: &Credentials) -> String {
+    let quote = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
+    let routes: Vec<String> = member
+        .routes
+        .iter()
+        .map(|p| {
+            quote(&format!(
+                "nats-route://{ROUTE_USER}:{}@127.0.0.1:{p}",
+                creds.route_password
+            ))
+        })
+        .collect();
+    format!(
+        r#"
+cluster {{
+  name: {CLUSTER_NAME}
+  listen: 127.0.0.1:{port}
+  authorization {{ user: {user}, password: {password} }}
+  routes: [{routes}]
+}}"#,
+        port = any_port(member.port),
+        user = quote(ROUTE_USER),
+        password = quote(&creds.route_password),
+        routes = routes.join(", "),
     )
 }
 
@@ -273,25 +344,28 @@ fn any_port(port: u16) -> i32 {
 }
 
 /// A client URL with the application credentials.
-pub fn app_url(port: u16, creds: &Credentials) -> String {
-    format!(
-        "nats://{}:{}@127.0.0.1:{port}",
-        creds.app_user, creds.app_password
-    )
+pub fn app_url(ports: &[u16], creds: &Credentials) -> String {
+    server_list(&creds.app_user, &creds.app_password, ports)
 }
 
 /// A client URL with the system-account credentials.
-pub fn sys_url(port: u16, creds: &Credentials) -> String {
-    format!(
-        "nats://{}:{}@127.0.0.1:{port}",
-        creds.sys_user, creds.sys_password
-    )
+pub fn sys_url(ports: &[u16], creds: &Credentials) -> String {
+    server_list(&creds.sys_user, &creds.sys_password, ports)
 }
 
 /// A free 127.0.0.1 port (free when asked; a race with other processes is possible).
 pub fn free_port() -> anyhow::Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("cannot find a free 127.0.0.1 port")?;
     Ok(l.local_addr()?.port())
+}
+
+/// `n` distinct free 127.0.0.1 ports (all held until each is found, so none repeats; free
+/// when asked, a race with other processes is possible).
+pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    let held = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").context("cannot find a free 127.0.0.1 port"))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    held.iter().map(|l| Ok(l.local_addr()?.port())).collect()
 }
 
 /// Is something listening on 127.0.0.1:`port`?
@@ -323,8 +397,7 @@ pub async fn start(
     let taken = Layout {
         port: server.port,
         monitor_port: server.monitor_port,
-        dir: layout.dir.clone(),
-        max_file_store: layout.max_file_store,
+        ..layout.clone()
     };
     if let Err(e) = crate::local::write_private(&conf, &config(&taken, creds)) {
         let _ = server.child.kill();
@@ -449,7 +522,7 @@ mod tests {
                 port: 4222,
                 monitor_port: 8222,
                 dir: PathBuf::from("/tmp/x y"),
-                max_file_store: None,
+                ..Default::default()
             },
             &creds,
         );
@@ -462,7 +535,7 @@ mod tests {
                 port: 0,
                 monitor_port: 0,
                 dir: PathBuf::from("/tmp"),
-                max_file_store: None,
+                ..Default::default()
             },
             &creds,
         );

@@ -184,10 +184,22 @@ impl Writer {
             if !waiting.is_empty() {
                 if !ready {
                     let s = &log.settings;
-                    let cfg =
-                        decisions::stream(Duration::from_secs(s.max_age_hours * 3600), s.max_bytes);
+                    let cfg = decisions::stream(
+                        Duration::from_secs(s.max_age_hours * 3600),
+                        s.max_bytes,
+                        crate::transport::store::replicas(node.bus.nats()),
+                    );
                     match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg)).await {
-                        Ok(Ok(_)) => ready = true,
+                        Ok(Ok(stream)) => {
+                            // Written still (a record is better kept once than lost), but said.
+                            let config = &stream.cached_info().config;
+                            if let Err(e) =
+                                crate::transport::store::check_replicas(node.bus.nats(), config)
+                            {
+                                tracing::warn!(node = %node.id, "decision log: {e:#}");
+                            }
+                            ready = true;
+                        }
                         Ok(Err(e)) => {
                             tracing::warn!(node = %node.id, "decision log: cannot open the stream {}: {e}", subjects::DECISION_LOG_STREAM);
                             node.store_faults

@@ -14,6 +14,7 @@ mod gateway;
 mod mesh;
 mod roles;
 mod scenarios;
+mod servers;
 mod sim;
 mod support;
 mod watch;

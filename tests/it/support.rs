@@ -274,6 +274,7 @@ impl NatsServer {
             monitor_port: 0,
             dir: dir.clone(),
             max_file_store,
+            ..Default::default()
         };
         let server = oam::local::natsd::start(
             &bin,
@@ -292,7 +293,7 @@ impl NatsServer {
     }
 
     pub fn url(&self) -> String {
-        oam::local::natsd::app_url(self.port, &self.creds)
+        oam::local::natsd::app_url(&[self.port], &self.creds)
     }
 }
 
@@ -470,9 +471,17 @@ pub struct LocalCluster {
 
 impl LocalCluster {
     pub async fn up(tag: &str) -> LocalCluster {
+        LocalCluster::up_on(tag, 1).await
+    }
+
+    /// Three nodes on a cluster of `servers` nats-servers.
+    pub async fn up_on(tag: &str, servers: u16) -> LocalCluster {
         let dir = ClusterDir::new(tag);
         let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
-        let plan = oam::local::cluster::Plan::any_ports(dir.0.clone(), 3, exe);
+        let plan = oam::local::cluster::Plan {
+            servers,
+            ..oam::local::cluster::Plan::any_ports(dir.0.clone(), 3, exe)
+        };
         match oam::local::cluster::up(&plan).await {
             Ok(oam::local::cluster::Up::Started { record, .. }) => LocalCluster { dir, record },
             Ok(other) => panic!("a fresh folder holds a running mesh: {other:?}"),

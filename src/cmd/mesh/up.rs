@@ -13,7 +13,12 @@ pub struct Args {
     /// The state folder: PIDs, ports, config, logs, credentials.
     #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
-    /// NATS client port (0: any free port).
+    /// nats-servers to run as one cluster (routes between them, JetStream on each, every
+    /// stream and bucket on min(3, N) of them). 3 survive the loss of any one; 2 do not (no
+    /// majority is left), and are warned about.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=5))]
+    pub servers: u16,
+    /// NATS client port of the first server, the others' follow it (0: any free ports).
     #[arg(long, default_value_t = 4222)]
     pub port: u16,
     /// The simulator's HTTP port (0: any free port).
@@ -47,6 +52,7 @@ pub async fn run(a: Args) -> Result<()> {
     let plan = cluster::Plan {
         dir: a.dir.clone(),
         nodes: a.nodes,
+        servers: a.servers,
         port: a.port,
         sim_port: a.sim_port,
         http_port: a.http_port,
@@ -89,7 +95,8 @@ pub async fn run(a: Args) -> Result<()> {
     if a.json {
         let doc = serde_json::json!({
             "dir": dir,
-            "nats": format!("nats://127.0.0.1:{}", rec.nats_port),
+            "nats": rec.nats_ports().iter().map(|p| format!("nats://127.0.0.1:{p}")).collect::<Vec<_>>().join(","),
+            "servers": rec.servers,
             "nats_server_version": version,
             "credentials": dir.join(local::CREDS_DIR),
             "sim": (!rec.sim_url.is_empty()).then_some(&rec.sim_url),

@@ -29,8 +29,9 @@ pub struct Batch {
 
 /// The stream's configuration: records older than `max_age` go, and the oldest go first beyond
 /// `max_bytes`.
-pub fn stream(max_age: Duration, max_bytes: u64) -> jetstream::stream::Config {
+pub fn stream(max_age: Duration, max_bytes: u64, replicas: usize) -> jetstream::stream::Config {
     jetstream::stream::Config {
+        num_replicas: replicas,
         name: crate::transport::subjects::DECISION_LOG_STREAM.to_string(),
         subjects: vec![crate::transport::subjects::DECISION_LOG_ALL.to_string()],
         max_age,

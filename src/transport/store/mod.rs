@@ -78,7 +78,40 @@ pub fn token(id: &str) -> String {
 /// the server does not let create one, which hears nothing back) is an error, not a hang.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Open the KV bucket `name`, creating it (history 1, `max_age`) if it does not exist.
+/// How many servers the cluster `nats` is connected to has (1: a server on its own), as the
+/// server tells its clients.
+pub fn cluster_size(nats: &async_nats::Client) -> usize {
+    nats.server_info().connect_urls.len().max(1)
+}
+
+/// How many copies every stream and bucket keeps: one per server, at most three. Three keep a
+/// majority (every acknowledged write) through the loss of any one server.
+pub fn replicas(nats: &async_nats::Client) -> usize {
+    cluster_size(nats).min(3)
+}
+
+/// Refuse a stream that keeps one copy on a cluster: the loss of the server holding it loses
+/// it, and with it what oam promises (a ledger, a log).
+pub fn check_replicas(
+    nats: &async_nats::Client,
+    config: &jetstream::stream::Config,
+) -> anyhow::Result<()> {
+    let servers = cluster_size(nats);
+    let stream = &config.name;
+    if servers > 1 && config.num_replicas <= 1 {
+        anyhow::bail!(
+            "the stream {stream} keeps 1 copy on a cluster of {servers} servers, so losing one \
+             server loses it; give it {} (`nats stream edit {stream} --replicas {}`), or let \
+             `oam mesh up` create it",
+            replicas(nats),
+            replicas(nats)
+        );
+    }
+    Ok(())
+}
+
+/// Open the KV bucket `name`, creating it (history 1, `max_age`, `replicas` copies) if it does
+/// not exist; one kept as a single copy on a cluster is refused.
 pub async fn bucket(
     nats: &async_nats::Client,
     name: &str,
@@ -86,12 +119,14 @@ pub async fn bucket(
 ) -> anyhow::Result<kv::Store> {
     let js = jetstream::new(nats.clone());
     if let Ok(Ok(store)) = tokio::time::timeout(OPEN_TIMEOUT, js.get_key_value(name)).await {
+        check_replicas(nats, &store.stream.cached_info().config)?;
         return Ok(store);
     }
     let config = kv::Config {
         bucket: name.to_string(),
         history: 1,
         max_age,
+        num_replicas: replicas(nats),
         ..Default::default()
     };
     let created = match tokio::time::timeout(OPEN_TIMEOUT, js.create_key_value(config)).await {

@@ -1,0 +1,170 @@
+//! oam on a cluster of nats-servers: `oam mesh up --servers 3`, every store kept on three of
+//! them, roles the same on each, and a node that goes on serving when one server dies; server
+//! lists wherever a NATS URL is taken.
+
+use crate::support::{LocalCluster, eventually};
+use serde_json::{Value, json};
+use std::time::Duration;
+
+/// Every stream a mesh keeps (its buckets are streams `KV_{bucket}`).
+const STREAMS: [&str; 7] = [
+    "KV_oam-budgets",
+    "KV_oam-escalations",
+    "KV_oam-rates",
+    "KV_oam-loop-episodes",
+    "KV_mesh-instances",
+    "KV_mesh-catalog",
+    "OAM_DECISIONS",
+];
+
+/// Connect to one server only, as the user in `url` (one entry of a server list).
+async fn connect_one(url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let (bare, auth) = oam::transport::connect::split_credentials(url);
+    let (user, password) = auth.unwrap_or_default();
+    async_nats::ConnectOptions::with_user_and_password(user, password)
+        .connection_timeout(Duration::from_secs(2))
+        .ignore_discovered_servers()
+        .connect(bare.as_str())
+        .await
+}
+
+#[tokio::test]
+async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one() {
+    let cl = LocalCluster::up_on("servers3", 3).await;
+    let servers = &cl.record.servers;
+    let names: Vec<&str> = servers.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["nats-1", "nats-2", "nats-3"]);
+    let admin = cl.app_url();
+    assert_eq!(admin.split(',').count(), 3, "every server is in the URL");
+
+    // Every stream on all three servers.
+    let nc = oam::transport::connect::connect(&admin, "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    for name in STREAMS {
+        let mut stream = js.get_stream(name).await.unwrap();
+        let info = stream.info().await.unwrap();
+        assert_eq!(info.config.num_replicas, 3, "{name}");
+        let cluster = info.cluster.as_ref().expect("a clustered stream");
+        assert_eq!(
+            cluster.replicas.len(),
+            2,
+            "{name}: a leader and two followers"
+        );
+    }
+
+    // A role issued now is admitted by every server; revoked, by none still running.
+    cl.oam()
+        .args([
+            "creds", "issue", "--role", "agent", "--name", "t.agent", "--dir",
+        ])
+        .arg(&cl.dir.0)
+        .assert()
+        .success();
+    let agent = cl.role_url("agent-t.agent");
+    let entries: Vec<String> = agent.split(',').map(String::from).collect();
+    assert_eq!(
+        entries.len(),
+        3,
+        "{}",
+        oam::transport::connect::redact(&agent)
+    );
+    for entry in &entries {
+        connect_one(entry).await.unwrap_or_else(|e| {
+            panic!(
+                "{} refuses a role just issued: {e}",
+                oam::transport::connect::redact(entry)
+            )
+        });
+    }
+
+    // SIGKILL of the first server: the nodes go on serving over the others, and JetStream
+    // takes writes again once its streams have new leaders.
+    let killed = cl.pid("nats-1");
+    assert!(oam::local::signal(killed, libc::SIGKILL));
+    let http = crate::support::http(Duration::from_secs(10));
+    for i in 0..30 {
+        let node = cl.node(i % 3);
+        let r = http
+            .post(format!("{node}/v1/chat/completions"))
+            .json(&json!({"model": "auto", "messages": [{"role": "user", "content": format!("q{i}")}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "request {i} to {node}");
+    }
+    let kv = js.get_key_value("oam-budgets").await.unwrap();
+    let wrote = eventually(Duration::from_secs(15), || async {
+        kv.put("test.after-kill", "1".into()).await.ok()
+    })
+    .await;
+    assert!(wrote.is_some(), "the ledger takes writes again within 15 s");
+    let status = cl
+        .oam()
+        .args(["mesh", "status", "--json", "--dir"])
+        .arg(&cl.dir.0)
+        .output()
+        .unwrap();
+    let rows: Value = serde_json::from_slice(&status.stdout).unwrap();
+    let running = |name: &str| {
+        rows.as_array()
+            .or_else(|| rows["processes"].as_array())
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .map(|p| p["running"].clone())
+    };
+    assert_eq!(running("nats-1"), Some(json!(false)), "{rows}");
+    assert_eq!(running("nats-2"), Some(json!(true)), "{rows}");
+
+    cl.oam()
+        .args([
+            "creds", "revoke", "--role", "agent", "--name", "t.agent", "--dir",
+        ])
+        .arg(&cl.dir.0)
+        .assert()
+        .success();
+    for entry in &entries[1..] {
+        let refused = connect_one(entry).await;
+        assert!(refused.is_err(), "a revoked role is still admitted");
+    }
+}
+
+#[test]
+fn a_server_list_with_a_bad_entry_names_it() {
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args([
+            "budget",
+            "list",
+            "--nats-url",
+            "nats://127.0.0.1:4222,nats://127.0.0.1:99999",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(r#"server 2 of 2 ("nats://127.0.0.1:99999")"#) && err.contains("--nats-url"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_unreachable_cluster_says_which_servers_were_tried() {
+    let ports = oam::local::natsd::free_ports(2).unwrap();
+    let list = format!(
+        "nats://127.0.0.1:{},nats://127.0.0.1:{}",
+        ports[0], ports[1]
+    );
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["budget", "list", "--nats-url", &list])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("any of the 2 NATS servers tried") && err.contains(&list),
+        "{err}"
+    );
+}
