@@ -3,8 +3,10 @@
 //! `OAM_DECISIONS` (subjects `oam.v1.decisionlog.{node}`), kept by age and size as
 //! `[decision_log]` says. Off the request's path: records wait in a bounded buffer and are
 //! written in batches (many records per message, each batch with the pipeline configuration
-//! they were decided under); what cannot be written (buffer full, no stream, no ack) is counted
-//! in `/metrics` and the node's snapshot, never waited for. `oam explain` and `oam audit` read it.
+//! they were decided under, and a message id the stream deduplicates on); a batch not
+//! acknowledged is written again for a while (past a stream leader's election), and what
+//! cannot be written in the end (buffer full, no stream for that long) is counted in
+//! `/metrics` and the node's snapshot, never waited for. `oam explain` and `oam audit` read it.
 
 use super::Node;
 use super::pipeline::lock;
@@ -23,7 +25,7 @@ const WAITING_MAX: usize = 8_192;
 /// How often waiting records are written (or sooner, once this many wait).
 const EVERY: Duration = Duration::from_millis(100);
 const BATCH_RECORDS: usize = 256;
-/// How long a write's acknowledgement may take before its records count as lost.
+/// How long a write's acknowledgement may take before it is tried again.
 const ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// `[decision_log]` in `oam.toml`.
@@ -153,7 +155,7 @@ impl DecisionLog {
     pub(crate) async fn logged(&self, ack: Option<oneshot::Receiver<bool>>) {
         if let Some(rx) = ack
             && !matches!(
-                tokio::time::timeout(ACK_TIMEOUT * 3, rx).await,
+                tokio::time::timeout(RETRY_FOR + ACK_TIMEOUT * 2, rx).await,
                 Ok(Ok(true))
             )
         {
@@ -162,8 +164,26 @@ impl DecisionLog {
     }
 }
 
+/// A batch not yet acknowledged: written again (under the same message id, so a batch the
+/// stream took but whose acknowledgement was lost is not stored twice) until `RETRY_FOR` has
+/// passed since its first try.
+struct Unwritten {
+    id: String,
+    records: usize,
+    bytes: bytes::Bytes,
+    waiters: Vec<oneshot::Sender<bool>>,
+    since: std::time::Instant,
+}
+
+/// How long a batch is tried again: past a stream leader's election (measured 4-8 s after the
+/// leader's server dies), well within the stream's 2-minute duplicate window.
+const RETRY_FOR: Duration = Duration::from_secs(20);
+/// Bytes of unacknowledged batches kept at most; beyond, the oldest are counted lost.
+const UNWRITTEN_MAX_BYTES: usize = 64 << 20;
+
 impl Writer {
-    /// Write waiting records in batches until `stop` (and once more then).
+    /// Write waiting records in batches until `stop` (and once more then). A batch the stream
+    /// does not acknowledge is tried again, oldest first, for `RETRY_FOR`.
     pub async fn run(self, stop: CancellationToken) {
         let node = &self.0;
         let log = &node.log;
@@ -173,6 +193,12 @@ impl Writer {
         let js = async_nats::jetstream::new(node.bus.nats().clone());
         let mut ready = false;
         let subject = subjects::decision_log(&node.id);
+        // Message ids unique across this node's restarts: its boot, then a count.
+        let boot = crate::ids::random_hex(6).unwrap_or_else(|_| crate::clock::now_ms().to_string());
+        let mut sent = 0_u64;
+        // A stream that cannot be opened is said once until a write succeeds again.
+        let mut said = false;
+        let mut unwritten: std::collections::VecDeque<Unwritten> = Default::default();
         loop {
             let stopping = tokio::select! {
                 () = tokio::time::sleep(EVERY) => false,
@@ -181,77 +207,121 @@ impl Writer {
             };
             let waiting: Vec<(Record, Option<oneshot::Sender<bool>>)> =
                 std::mem::take(&mut *lock(&log.waiting)).into();
-            if !waiting.is_empty() {
+            let head = batch_head(&node.id, &node.cfg.pipeline);
+            for (records, bytes, waiters) in batches(&head, waiting, &log.counters.lost) {
+                sent += 1;
+                unwritten.push_back(Unwritten {
+                    id: format!("{}.{boot}.{sent}", node.id),
+                    records,
+                    bytes: bytes.into(),
+                    waiters,
+                    since: std::time::Instant::now(),
+                });
+            }
+            while let Some(batch) = unwritten.front() {
                 if !ready {
-                    let s = &log.settings;
-                    let cfg = decisions::stream(
-                        Duration::from_secs(s.max_age_hours * 3600),
-                        s.max_bytes,
-                        crate::transport::store::replicas(node.bus.nats()),
-                    );
-                    match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg)).await {
-                        Ok(Ok(stream)) => {
-                            // Written still (a record is better kept once than lost), but said.
-                            let config = &stream.cached_info().config;
-                            if let Err(e) =
-                                crate::transport::store::check_replicas(node.bus.nats(), config)
-                            {
-                                tracing::warn!(node = %node.id, "decision log: {e:#}");
-                            }
-                            ready = true;
-                        }
-                        Ok(Err(e)) => {
-                            tracing::warn!(node = %node.id, "decision log: cannot open the stream {}: {e}", subjects::DECISION_LOG_STREAM);
-                            node.store_faults
-                                .failed("decision log", format!("cannot open the stream: {e}"));
-                        }
-                        Err(_) => {
-                            tracing::warn!(node = %node.id, "decision log: no answer opening {}", subjects::DECISION_LOG_STREAM);
-                        }
+                    ready = open(node, &js, said).await;
+                    said = !ready;
+                }
+                if !(ready && !node.bus.isolated() && write(node, &js, &subject, batch).await) {
+                    ready = false; // look at the stream again next time
+                    break;
+                }
+                said = false;
+                if let Some(done) = unwritten.pop_front() {
+                    log.counters
+                        .written
+                        .fetch_add(done.records as u64, Ordering::Relaxed);
+                    for w in done.waiters {
+                        let _ = w.send(true);
                     }
                 }
-                let head = batch_head(&node.id, &node.cfg.pipeline);
-                for (n, bytes, waiters) in batches(&head, waiting, &log.counters.lost) {
-                    let written = ready
-                        && !node.bus.isolated()
-                        && match tokio::time::timeout(
-                            ACK_TIMEOUT,
-                            js.publish(subject.clone(), bytes.into()),
-                        )
-                        .await
-                        {
-                            Ok(Ok(ack)) => match tokio::time::timeout(ACK_TIMEOUT, ack).await {
-                                Ok(Ok(_)) => {
-                                    node.store_faults.ok("decision log");
-                                    true
-                                }
-                                Ok(Err(e)) => {
-                                    node.store_faults.failed("decision log", e);
-                                    false
-                                }
-                                Err(_) => {
-                                    node.store_faults
-                                        .failed("decision log", "no acknowledgement");
-                                    false
-                                }
-                            },
-                            _ => false,
-                        };
-                    let counter = if written {
-                        &log.counters.written
-                    } else {
-                        ready = false; // look at the stream again next time
-                        &log.counters.lost
-                    };
-                    counter.fetch_add(n as u64, Ordering::Relaxed);
-                    for w in waiters {
-                        let _ = w.send(written);
+            }
+            let mut held: usize = unwritten.iter().map(|b| b.bytes.len()).sum();
+            while let Some(oldest) = unwritten.front() {
+                let expired = stopping || oldest.since.elapsed() >= RETRY_FOR;
+                if !expired && held <= UNWRITTEN_MAX_BYTES {
+                    break;
+                }
+                if let Some(lost) = unwritten.pop_front() {
+                    held -= lost.bytes.len();
+                    log.counters
+                        .lost
+                        .fetch_add(lost.records as u64, Ordering::Relaxed);
+                    for w in lost.waiters {
+                        let _ = w.send(false);
                     }
                 }
             }
             if stopping {
                 return;
             }
+        }
+    }
+}
+
+/// Open (or create) the stream; whether it is there to write to. A failure is logged unless
+/// it has been `said` already.
+async fn open(node: &Node, js: &async_nats::jetstream::Context, said: bool) -> bool {
+    let s = &node.log.settings;
+    let cfg = decisions::stream(
+        Duration::from_secs(s.max_age_hours * 3600),
+        s.max_bytes,
+        crate::transport::store::replicas(node.bus.nats()),
+    );
+    match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg)).await {
+        Ok(Ok(stream)) => {
+            // Written still (a record is better kept once than lost), but said.
+            let config = &stream.cached_info().config;
+            if let Err(e) = crate::transport::store::check_replicas(node.bus.nats(), config) {
+                tracing::warn!(node = %node.id, "decision log: {e:#}");
+            }
+            true
+        }
+        Ok(Err(e)) => {
+            if !said {
+                tracing::warn!(node = %node.id, "decision log: cannot open the stream {} (tried again): {e}", subjects::DECISION_LOG_STREAM);
+            }
+            node.store_faults
+                .failed("decision log", format!("cannot open the stream: {e}"));
+            false
+        }
+        Err(_) => {
+            if !said {
+                tracing::warn!(node = %node.id, "decision log: no answer opening {} (tried again)", subjects::DECISION_LOG_STREAM);
+            }
+            false
+        }
+    }
+}
+
+/// Write one batch under its message id; whether the stream acknowledged it.
+async fn write(
+    node: &Node,
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    batch: &Unwritten,
+) -> bool {
+    let publish = async_nats::jetstream::message::PublishMessage::build()
+        .payload(batch.bytes.clone())
+        .message_id(&batch.id);
+    let sent = tokio::time::timeout(ACK_TIMEOUT, js.send_publish(subject.to_string(), publish));
+    let Ok(Ok(ack)) = sent.await else {
+        return false;
+    };
+    match tokio::time::timeout(ACK_TIMEOUT, ack).await {
+        Ok(Ok(_)) => {
+            node.store_faults.ok("decision log");
+            true
+        }
+        Ok(Err(e)) => {
+            node.store_faults.failed("decision log", e);
+            false
+        }
+        Err(_) => {
+            node.store_faults
+                .failed("decision log", "no acknowledgement");
+            false
         }
     }
 }

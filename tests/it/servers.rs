@@ -79,11 +79,23 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
         });
     }
 
-    // SIGKILL of the first server: the nodes go on serving over the others, and JetStream
-    // takes writes again once its streams have new leaders.
-    let killed = cl.pid("nats-1");
-    assert!(oam::local::signal(killed, libc::SIGKILL));
+    // SIGKILL of the server leading the decision log: the nodes go on serving over the
+    // others, every answer they give still gets its record (written again past the election),
+    // and JetStream takes writes again once its streams have new leaders.
+    let since = oam::clock::now_ms();
+    let mut log = js.get_stream("OAM_DECISIONS").await.unwrap();
+    let leader = log
+        .info()
+        .await
+        .unwrap()
+        .cluster
+        .clone()
+        .unwrap()
+        .leader
+        .unwrap();
+    assert!(oam::local::signal(cl.pid(&leader), libc::SIGKILL));
     let http = crate::support::http(Duration::from_secs(10));
+    let mut answered = std::collections::BTreeSet::new();
     for i in 0..30 {
         let node = cl.node(i % 3);
         let r = http
@@ -93,7 +105,32 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
             .await
             .unwrap();
         assert_eq!(r.status(), 200, "request {i} to {node}");
+        answered.insert(r.headers()["x-request-id"].to_str().unwrap().to_string());
     }
+    let survivor = cl
+        .record
+        .servers
+        .iter()
+        .find(|s| s.name != leader)
+        .map(|s| oam::local::natsd::app_url(&[s.port], &creds_of(&cl)))
+        .unwrap();
+    let reader =
+        oam::transport::connect::connect(&survivor, "test-reader", false, &Default::default())
+            .await
+            .unwrap();
+    let logged = eventually(Duration::from_secs(30), || async {
+        let (entries, _) = oam::transport::store::decisions::read(&reader, since, None, |_| true)
+            .await
+            .ok()?;
+        let ids: std::collections::BTreeSet<String> =
+            entries.into_iter().map(|e| e.record.request.id).collect();
+        answered.is_subset(&ids).then_some(ids)
+    })
+    .await;
+    assert!(
+        logged.is_some(),
+        "every answer given through the election has its decision record"
+    );
     let kv = js.get_key_value("oam-budgets").await.unwrap();
     let wrote = eventually(Duration::from_secs(15), || async {
         kv.put("test.after-kill", "1".into()).await.ok()
@@ -115,8 +152,10 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
             .find(|p| p["name"] == name)
             .map(|p| p["running"].clone())
     };
-    assert_eq!(running("nats-1"), Some(json!(false)), "{rows}");
-    assert_eq!(running("nats-2"), Some(json!(true)), "{rows}");
+    for s in &cl.record.servers {
+        let alive = s.name != leader;
+        assert_eq!(running(&s.name), Some(json!(alive)), "{rows}");
+    }
 
     cl.oam()
         .args([
@@ -125,10 +164,17 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
         .arg(&cl.dir.0)
         .assert()
         .success();
-    for entry in &entries[1..] {
-        let refused = connect_one(entry).await;
-        assert!(refused.is_err(), "a revoked role is still admitted");
+    for (s, entry) in cl.record.servers.iter().zip(&entries) {
+        if s.name != leader {
+            let refused = connect_one(entry).await;
+            assert!(refused.is_err(), "{} still admits a revoked role", s.name);
+        }
     }
+}
+
+/// The mesh's credentials, from its `system.json`.
+fn creds_of(cl: &LocalCluster) -> oam::local::natsd::Credentials {
+    oam::local::cluster::kept_credentials(&cl.dir.0).unwrap()
 }
 
 #[test]
