@@ -28,7 +28,25 @@ pub struct Ledger {
     /// Holder (one run of a node, `{node}#{run}`) -> what it holds for attempts under way.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub holds: BTreeMap<String, Hold>,
+    /// Holder -> the last of its settlements applied here: a settlement written again (its
+    /// write was taken but the acknowledgement lost) is applied once.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub settled: BTreeMap<String, Settled>,
 }
+
+/// The last settlement of one holder a record applied.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Settled {
+    /// Its sequence number (a holder numbers its settlements from 1, in the order it sends
+    /// them).
+    pub seq: u64,
+    pub at_ms: u64,
+}
+
+/// How long a holder's last settlement is remembered: longer than any settlement is tried
+/// again.
+pub const SETTLED_KEPT_MS: u64 = 3_600_000;
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
@@ -91,6 +109,25 @@ impl Ledger {
         self.spent_usd = round_usd(self.spent_usd + actual_usd);
     }
 
+    /// `settle`, unless this record has applied settlement `seq` of `node` (or a later one)
+    /// already; whether it was applied now.
+    pub fn settle_once(
+        &mut self,
+        node: &str,
+        seq: u64,
+        reserved_usd: f64,
+        actual_usd: f64,
+        now_ms: u64,
+    ) -> bool {
+        if self.settled.get(node).is_some_and(|s| s.seq >= seq) {
+            return false;
+        }
+        self.settle(node, reserved_usd, actual_usd, now_ms);
+        self.settled
+            .insert(node.to_string(), Settled { seq, at_ms: now_ms });
+        true
+    }
+
     /// Extend `node`'s lease (it is alive and still holds what it held). False if it holds
     /// nothing here.
     pub fn renew(&mut self, node: &str, now_ms: u64, lease_ms: u64) -> bool {
@@ -104,9 +141,11 @@ impl Ledger {
         }
     }
 
-    /// Drop the holds whose lease ended.
+    /// Drop the holds whose lease ended, and settlements too old to be tried again.
     pub fn expire(&mut self, now_ms: u64) {
         self.holds.retain(|_, h| h.until_ms > now_ms);
+        self.settled
+            .retain(|_, s| s.at_ms.saturating_add(SETTLED_KEPT_MS) > now_ms);
     }
 
     /// The budget as `node`'s engine sees it: everyone else's live holds count as spent (its
@@ -139,6 +178,30 @@ mod tests {
             "a hold settled to zero is gone"
         );
         assert!((l.remaining_usd(20) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_settlement_written_again_is_charged_once() {
+        let mut l = Ledger::new(1.0);
+        assert!(l.reserve("n1#a", 0.5, 0, 10_000));
+        assert!(l.reserve("n1#a", 0.2, 0, 10_000));
+        assert!(l.settle_once("n1#a", 1, 0.5, 0.4, 10));
+        assert!(
+            !l.settle_once("n1#a", 1, 0.5, 0.4, 20),
+            "the same one again"
+        );
+        assert_eq!(l.spent_usd, 0.4);
+        assert!((l.holds["n1#a"].usd - 0.2).abs() < 1e-9);
+        assert!(
+            l.settle_once("n2#b", 1, 0.0, 0.1, 30),
+            "another holder counts on its own"
+        );
+        assert!(l.settle_once("n1#a", 2, 0.2, 0.2, 40));
+        assert!((l.spent_usd - 0.7).abs() < 1e-9);
+        assert!(!l.holds.contains_key("n1#a"));
+        // Long after, the memory of it goes with the next change.
+        l.expire(40 + SETTLED_KEPT_MS);
+        assert!(l.settled.is_empty());
     }
 
     #[test]

@@ -69,6 +69,8 @@ enum Op {
         key: String,
         reserved_usd: f64,
         actual_usd: f64,
+        /// This node run's count of settlements (from 1), so a record applies each once.
+        seq: u64,
     },
 }
 
@@ -84,7 +86,8 @@ struct Ask {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Change {
     Reserve(f64),
-    Settle(f64, f64),
+    /// Reserved, actual, and the settlement's number (none for a give-back, never retried).
+    Settle(f64, f64, Option<u64>),
     Renew,
 }
 
@@ -142,6 +145,8 @@ pub struct Ledgers {
     /// This run of the node (random): its holds are `{node}#{run}`, so a node killed and started
     /// again does not renew, or add to, what its last run held; that lapses with its lease.
     run: String,
+    /// Settlements sent so far in this run (each is numbered: the next is this plus one).
+    settlements: AtomicU64,
     pub counters: Arc<LedgerCounters>,
 }
 
@@ -169,6 +174,7 @@ impl Ledgers {
             share: std::sync::Mutex::default(),
             latest: std::sync::Mutex::default(),
             run: crate::ids::unguessable()[..8].to_string(),
+            settlements: AtomicU64::new(0),
             counters: Arc::default(),
         };
         (ledgers, Queue(rx))
@@ -332,11 +338,13 @@ impl Ledgers {
             .agent_key
             .into_iter()
             .chain(hold.global.then(|| key(None)));
+        let seq = self.settlements.fetch_add(1, Ordering::Relaxed) + 1;
         for k in keys {
             let _ = self.tx.send(Op::Settle {
                 key: k,
                 reserved_usd,
                 actual_usd,
+                seq,
             });
         }
     }
@@ -783,11 +791,12 @@ fn plan(batch: Vec<Op>, renew_keys: &[String]) -> (Vec<Ask>, Plan, Vec<Op>) {
                 ref key,
                 reserved_usd,
                 actual_usd,
+                seq,
             } => {
                 phase1
                     .entry(key.clone())
                     .or_default()
-                    .push((None, Change::Settle(reserved_usd, actual_usd)));
+                    .push((None, Change::Settle(reserved_usd, actual_usd, Some(seq))));
                 settles.push(op);
             }
         }
@@ -827,7 +836,7 @@ fn plan_give_back(reserves: &[Ask], before: &[Answer]) -> Plan {
             phase3
                 .entry(k.clone())
                 .or_default()
-                .push((None, Change::Settle(r.usd, 0.0)));
+                .push((None, Change::Settle(r.usd, 0.0, None)));
         }
     }
     phase3
@@ -846,7 +855,11 @@ fn apply_changes(
         .iter()
         .map(|(_, c)| match *c {
             Change::Reserve(usd) => ledger.reserve(holder, usd, now, lease_ms),
-            Change::Settle(r, a) => {
+            Change::Settle(r, a, Some(seq)) => {
+                ledger.settle_once(holder, seq, r, a, now);
+                true
+            }
+            Change::Settle(r, a, None) => {
                 ledger.settle(holder, r, a, now);
                 true
             }
@@ -894,6 +907,7 @@ mod tests {
             key: "agent.a".into(),
             reserved_usd: 0.1,
             actual_usd: 0.05,
+            seq: 3,
         };
         let batch = vec![
             reserve(Some("agent.a"), true, 0.5),
@@ -907,7 +921,7 @@ mod tests {
             plan["agent.a"],
             vec![
                 (Some(0), Change::Reserve(0.5)),
-                (None, Change::Settle(0.1, 0.05))
+                (None, Change::Settle(0.1, 0.05, Some(3)))
             ],
             "one key's changes in the order they came, each reservation pointing at its ask"
         );
@@ -943,7 +957,10 @@ mod tests {
         reserves[2].answer = Answer::Refused(ReasonCode::GlobalBudgetExhausted);
         let back = plan_give_back(&reserves, &before);
         assert_eq!(back.len(), 1, "{back:?}");
-        assert_eq!(back["agent.a"], vec![(None, Change::Settle(0.5, 0.0))]);
+        assert_eq!(
+            back["agent.a"],
+            vec![(None, Change::Settle(0.5, 0.0, None))]
+        );
     }
 
     #[test]
@@ -953,7 +970,7 @@ mod tests {
         let changes = [
             (Some(0), Change::Reserve(0.6)),
             (Some(1), Change::Reserve(0.6)),
-            (None, Change::Settle(0.6, 0.2)),
+            (None, Change::Settle(0.6, 0.2, Some(1))),
             (Some(2), Change::Reserve(0.6)),
             (None, Change::Renew),
         ];
@@ -1021,5 +1038,15 @@ mod tests {
         assert_eq!(stored, l, "what cas returns is what the bucket holds");
         assert_eq!(stored.holds[&node.ledger.holder()].usd, 0.15);
         assert_eq!(stored.holds["n2#1"].usd, 0.8);
+
+        // The settlement's write is taken but its acknowledgement lost: the keeper writes the
+        // same settlement again, on the record that already holds it. It is charged once.
+        let settle = vec![(None, Change::Settle(0.15, 0.1, Some(7)))];
+        let (once, _, _) = keeper.cas(&store, &k, &settle).await.expect("written");
+        lock(&node.ledger.latest).remove(&k);
+        let (again, _, _) = keeper.cas(&store, &k, &settle).await.expect("written");
+        assert!((once.spent_usd - 0.1).abs() < 1e-9, "{once:?}");
+        assert_eq!(again.spent_usd, once.spent_usd, "charged once: {again:?}");
+        assert_eq!(again.settled[&node.ledger.holder()].seq, 7);
     }
 }
