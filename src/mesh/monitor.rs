@@ -330,15 +330,53 @@ async fn connz(sys: &async_nats::Client, server: &str, query: serde_json::Value)
     serde_json::from_slice(&reply.payload).ok()
 }
 
+/// How long every server of a cluster has to answer a question asked of all of them.
+const GATHER_WITHIN: Duration = Duration::from_secs(2);
+
+/// Ask every server for connections, and gather the answers until as many came as the cluster
+/// has servers (as the servers tell their clients) or `GATHER_WITHIN` passed: the answers,
+/// and whether every server answered. One server's answer is not the cluster's: a connection
+/// lives on one of them.
+async fn connz_all(sys: &async_nats::Client, query: serde_json::Value) -> (Vec<Connz>, bool) {
+    use futures_util::StreamExt;
+    let servers = crate::transport::store::cluster_size(sys);
+    let Ok(body) = serde_json::to_vec(&query) else {
+        return (Vec::new(), false);
+    };
+    let inbox = sys.new_inbox();
+    let Ok(mut replies) = sys.subscribe(inbox.clone()).await else {
+        return (Vec::new(), false);
+    };
+    let asked = sys
+        .publish_with_reply(subjects::sys_connz(""), inbox, body.into())
+        .await;
+    if asked.is_err() {
+        return (Vec::new(), false);
+    }
+    let mut answers = Vec::new();
+    let deadline = tokio::time::Instant::now() + GATHER_WITHIN;
+    while answers.len() < servers {
+        match tokio::time::timeout_at(deadline, replies.next()).await {
+            Ok(Some(m)) => {
+                if let Ok(c) = serde_json::from_slice::<Connz>(&m.payload) {
+                    answers.push(c);
+                }
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let all = answers.len() >= servers;
+    (answers, all)
+}
+
 /// The client port of the open connection named `name` (what `oam-host-{id}` connections
-/// are called), if the server knows one: how the warden ties an instance to a process.
+/// are called), on whichever server holds it: how the warden ties an instance to a process.
 pub async fn connection_port(sys: &async_nats::Client, name: &str) -> Option<u16> {
     let query = serde_json::json!({"state": 0, "limit": 100_000});
-    connz(sys, "", query)
-        .await?
-        .data
-        .connections
+    let (answers, _) = connz_all(sys, query).await;
+    answers
         .into_iter()
+        .flat_map(|c| c.data.connections)
         .find(|c| c.name == name)
         .map(|c| c.port)
 }
@@ -381,28 +419,22 @@ struct ClosedClient {
 }
 
 /// Whether a connection that is not an oam host (those have instance records) still serves
-/// `agent`: an Open Agent Mesh client such as the Python SDK.
-async fn other_clients_serve(
-    sys: &async_nats::Client,
-    server: &str,
-    account: &str,
-    agent: &str,
-) -> bool {
+/// `agent` on any server of the cluster: an Open Agent Mesh client such as the Python SDK.
+async fn other_clients_serve(sys: &async_nats::Client, account: &str, agent: &str) -> bool {
     let query = serde_json::json!({
         "acc": account,
         "filter_subject": subjects::agent(agent),
         "subscriptions_detail": true,
     });
-    let Some(connz) = connz(sys, server, query).await else {
-        // Unknown is not dead: a false death notice would fail every caller of the agent.
-        return true;
-    };
-    connz.data.connections.iter().any(|c| {
+    let (answers, all) = connz_all(sys, query).await;
+    let serves = answers.iter().flat_map(|c| &c.data.connections).any(|c| {
         instance_of(&c.name).is_none()
             && agents_served(&c.subscriptions_list_detail)
                 .iter()
                 .any(|a| a == agent)
-    })
+    });
+    // Unknown is not dead: a false death notice would fail every caller of the agent.
+    serves || !all
 }
 
 /// Everything the monitor needs to know about a closed connection, asked of the server; `None`
@@ -414,7 +446,7 @@ async fn look_up(sys: &async_nats::Client, adv: Advisory) -> Option<ClosedClient
     }
     let mut served_elsewhere = Vec::new();
     for agent in &agents {
-        if other_clients_serve(sys, &adv.server.id, &adv.client.acc, agent).await {
+        if other_clients_serve(sys, &adv.client.acc, agent).await {
             served_elsewhere.push(agent.clone());
         }
     }

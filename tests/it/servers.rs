@@ -214,3 +214,77 @@ fn an_unreachable_cluster_says_which_servers_were_tried() {
         "{err}"
     );
 }
+
+/// An agent served by the Python SDK on two servers of the cluster: one replica dying is not
+/// the agent's death (the monitor asks every server who still serves it, not only the server
+/// the dead connection was on); the last one dying is, announced once.
+#[tokio::test]
+async fn a_replica_on_another_server_keeps_an_sdk_agent_alive() {
+    let cl = LocalCluster::up_on("servers-sdk", 3).await;
+    cl.oam()
+        .args([
+            "creds",
+            "issue",
+            "--role",
+            "sdk-agent",
+            "--name",
+            "sdk.echo",
+            "--dir",
+        ])
+        .arg(&cl.dir.0)
+        .assert()
+        .success();
+    let entries: Vec<String> = cl
+        .role_url("sdk-agent-sdk.echo")
+        .split(',')
+        .map(String::from)
+        .collect();
+    let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.sdk.echo").await.unwrap();
+    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    nc.flush().await.unwrap();
+    let mut first = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[0]));
+    let mut second = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[1]));
+
+    first.stop();
+    let gone = next_json(&mut instance_deaths, Duration::from_secs(10))
+        .await
+        .expect("the replica's death on nats-1");
+    assert_eq!(gone["reason"], "disconnect", "{gone}");
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(1_500))
+            .await
+            .is_none(),
+        "the replica on nats-2 still serves sdk.echo"
+    );
+
+    second.stop();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the agent's death once its last replica is gone");
+    assert_eq!(notice["agent"], "sdk.echo", "{notice}");
+}
+
+async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option<Value> {
+    use futures_util::StreamExt;
+    let m = tokio::time::timeout(within, sub.next()).await.ok()??;
+    serde_json::from_slice(&m.payload).ok()
+}
+
+/// A child process stopped (SIGKILL, then reaped) when the test is done with it, or fails.
+struct KilledOnDrop(std::process::Child);
+
+impl KilledOnDrop {
+    fn stop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
