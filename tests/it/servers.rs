@@ -288,3 +288,106 @@ impl Drop for KilledOnDrop {
         self.stop();
     }
 }
+
+/// The ledger through the loss of its stream's leader: every request is answered (on the
+/// node's local share while no leader takes writes, with the reason code that says so), and
+/// once the ledger is back what it says was spent is what the answers cost, each once.
+#[tokio::test]
+async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
+    let cl = LocalCluster::up_on("servers-ledger", 3).await;
+    let out = cl
+        .oam()
+        .args(["budget", "set", "--global", "--limit", "100", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    let http = crate::support::http(Duration::from_secs(10));
+    let ask = |i: usize| {
+        let (http, node) = (http.clone(), cl.node(i % 3));
+        async move {
+            let r = http
+                .post(format!("{node}/v1/chat/completions"))
+                .json(&json!({"model": "auto", "messages": [{"role": "user", "content": format!("q{i}")}]}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status();
+            let reasons = r.headers()["x-oam-reasons"].to_str().unwrap().to_string();
+            let body: Value = r.json().await.unwrap();
+            (
+                status,
+                reasons,
+                body["oam"]["cost_usd"].as_f64().unwrap_or(0.0),
+            )
+        }
+    };
+    // Every node holds against the ledger before the fault.
+    let mirrored = eventually(Duration::from_secs(10), || async {
+        let mut all = true;
+        for i in 0..3 {
+            let (_, reasons, _) = ask(i).await;
+            all &= !reasons.contains("BUDGET_LOCAL_SHARE");
+        }
+        let budget =
+            oam::transport::store::ledger::read(&js.get_key_value("oam-budgets").await.ok()?, None)
+                .await
+                .ok()??;
+        (all && budget.spent_usd > 0.0).then_some(())
+    })
+    .await;
+    assert!(mirrored.is_some(), "the nodes spend against the ledger");
+    let kv = js.get_key_value("oam-budgets").await.unwrap();
+    let before = oam::transport::store::ledger::read(&kv, None)
+        .await
+        .unwrap()
+        .unwrap();
+
+    let mut stream = js.get_stream("KV_oam-budgets").await.unwrap();
+    let leader = stream
+        .info()
+        .await
+        .unwrap()
+        .cluster
+        .clone()
+        .unwrap()
+        .leader
+        .unwrap();
+    assert!(oam::local::signal(cl.pid(&leader), libc::SIGKILL));
+    let (mut cost, mut local) = (0.0, 0);
+    for i in 0..60 {
+        let (status, reasons, usd) = ask(i).await;
+        assert_eq!(status, 200, "request {i}: {reasons}");
+        cost += usd;
+        local += usize::from(reasons.contains("BUDGET_LOCAL_SHARE"));
+    }
+    assert!(
+        local > 0,
+        "some requests were served on the local share during the election"
+    );
+
+    // Back to one truth: nothing held, nothing waiting to settle, and spent adds up.
+    let settled = eventually(Duration::from_secs(30), || async {
+        let l = oam::transport::store::ledger::read(&kv, None)
+            .await
+            .ok()??;
+        (l.holds.is_empty() && (l.spent_usd - before.spent_usd - cost).abs() < 1e-6).then_some(l)
+    })
+    .await;
+    let now = oam::transport::store::ledger::read(&kv, None)
+        .await
+        .unwrap();
+    assert!(
+        settled.is_some(),
+        "spent {:?} = {} before + {cost} answered",
+        now.map(|l| (l.spent_usd, l.holds)),
+        before.spent_usd
+    );
+}
