@@ -445,11 +445,16 @@ impl Permissions {
     }
 }
 
-/// The SYS account's `observer`: disconnect advisories and connection lists, nothing else.
+/// The SYS account's `observer`: disconnect advisories, connection and route lists, nothing
+/// else.
 pub fn observer_permissions() -> Permissions {
     let mut p = Permissions::base(OBSERVER_USER);
     p.publish.clear();
-    p.publish([subjects::sys_connz(""), subjects::sys_connz("*")]);
+    p.publish([
+        subjects::sys_connz(""),
+        subjects::sys_connz("*"),
+        subjects::SYS_ROUTEZ.to_string(),
+    ]);
     p.subscribe([subjects::SYS_DISCONNECTS]);
     p
 }

@@ -1,6 +1,7 @@
 //! The agent mesh (Open Agent Mesh protocol on NATS): wire types, serving agents, calling them,
 //! and the KV state they share.
 
+pub mod census;
 pub mod client;
 pub mod host;
 pub mod local;

@@ -12,7 +12,9 @@
 //! use unnamed connections. For those, the monitor asks the server which subscriptions the closed
 //! connection held (`CONNZ` on closed connections): queue subscriptions on `mesh.agent.{name}` in
 //! group `q.{name}` make it an instance of `name`, identified as `nats-{server}-{cid}`. Whether
-//! another instance still serves the name is asked the same way, of the open connections.
+//! another instance still serves the name is asked the same way, of the open connections on
+//! every server. Those that die together with their server send no advisory: the `census`
+//! finds them.
 
 use super::protocol::{AgentHeartbeat, DeathNotice, DeathReason};
 use super::store::{self, InstanceRecord};
@@ -73,6 +75,9 @@ struct AdvisoryServer {
 /// The part of a `CONNZ` reply the monitor reads.
 #[derive(Deserialize, Debug, Default)]
 struct Connz {
+    /// The server that answered.
+    #[serde(default)]
+    server: AdvisoryServer,
     #[serde(default)]
     data: ConnzData,
 }
@@ -85,6 +90,8 @@ struct ConnzData {
 
 #[derive(Deserialize, Debug, Default)]
 struct ConnInfo {
+    #[serde(default)]
+    cid: u64,
     #[serde(default)]
     name: String,
     /// The client's end of the connection (its local port, as the server sees it).
@@ -331,41 +338,106 @@ async fn connz(sys: &async_nats::Client, server: &str, query: serde_json::Value)
 }
 
 /// How long every server of a cluster has to answer a question asked of all of them.
-const GATHER_WITHIN: Duration = Duration::from_secs(2);
+const GATHER_WITHIN: Duration = Duration::from_secs(1);
 
-/// Ask every server for connections, and gather the answers until as many came as the cluster
-/// has servers (as the servers tell their clients) or `GATHER_WITHIN` passed: the answers,
-/// and whether every server answered. One server's answer is not the cluster's: a connection
-/// lives on one of them.
-async fn connz_all(sys: &async_nats::Client, query: serde_json::Value) -> (Vec<Connz>, bool) {
-    use futures_util::StreamExt;
-    let servers = crate::transport::store::cluster_size(sys);
-    let Ok(body) = serde_json::to_vec(&query) else {
-        return (Vec::new(), false);
-    };
+/// Ask every server `body` on `subject` and gather the replies until `expected` came or
+/// `within` passed.
+async fn gather(
+    sys: &async_nats::Client,
+    subject: &str,
+    body: bytes::Bytes,
+    expected: usize,
+    within: Duration,
+) -> Vec<async_nats::Message> {
     let inbox = sys.new_inbox();
     let Ok(mut replies) = sys.subscribe(inbox.clone()).await else {
-        return (Vec::new(), false);
+        return Vec::new();
     };
-    let asked = sys
-        .publish_with_reply(subjects::sys_connz(""), inbox, body.into())
-        .await;
-    if asked.is_err() {
-        return (Vec::new(), false);
+    if sys
+        .publish_with_reply(subject.to_string(), inbox, body)
+        .await
+        .is_err()
+    {
+        return Vec::new();
     }
-    let mut answers = Vec::new();
-    let deadline = tokio::time::Instant::now() + GATHER_WITHIN;
-    while answers.len() < servers {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + within;
+    while got.len() < expected {
         match tokio::time::timeout_at(deadline, replies.next()).await {
-            Ok(Some(m)) => {
-                if let Ok(c) = serde_json::from_slice::<Connz>(&m.payload) {
-                    answers.push(c);
-                }
-            }
+            Ok(Some(m)) => got.push(m),
             Ok(None) | Err(_) => break,
         }
     }
-    let all = answers.len() >= servers;
+    got
+}
+
+/// A ROUTEZ reply: the server, and the servers its routes reach.
+#[derive(Deserialize, Default)]
+struct Routez {
+    #[serde(default)]
+    server: AdvisoryServer,
+    #[serde(default)]
+    data: RoutezData,
+}
+
+#[derive(Deserialize, Default)]
+struct RoutezData {
+    #[serde(default)]
+    routes: Vec<Route>,
+}
+
+#[derive(Deserialize, Default)]
+struct Route {
+    #[serde(default)]
+    remote_id: String,
+}
+
+/// Ask every server for connections and gather the answers: the answers, and whether every
+/// server the cluster holds answered. One server's answer is not the cluster's: a connection
+/// lives on one of them. The cluster is as many servers as it tells its clients; when fewer
+/// answer (the count a client was told can be stale once a server is gone), the servers that
+/// did answer say which others their routes still reach.
+async fn connz_all(sys: &async_nats::Client, query: serde_json::Value) -> (Vec<Connz>, bool) {
+    let told = crate::transport::store::cluster_size(sys);
+    let Ok(body) = serde_json::to_vec(&query) else {
+        return (Vec::new(), false);
+    };
+    let replies = gather(
+        sys,
+        &subjects::sys_connz(""),
+        body.into(),
+        told,
+        GATHER_WITHIN,
+    )
+    .await;
+    let answers: Vec<Connz> = replies
+        .iter()
+        .filter_map(|m| serde_json::from_slice(&m.payload).ok())
+        .collect();
+    if answers.len() >= told {
+        return (answers, true);
+    }
+    let answered: std::collections::BTreeSet<&str> =
+        answers.iter().map(|a| a.server.id.as_str()).collect();
+    let routes = gather(
+        sys,
+        subjects::SYS_ROUTEZ,
+        "{}".into(),
+        answers.len(),
+        GATHER_WITHIN,
+    )
+    .await;
+    let mut held = std::collections::BTreeSet::new();
+    for m in &routes {
+        let Ok(r) = serde_json::from_slice::<Routez>(&m.payload) else {
+            return (answers, false);
+        };
+        held.insert(r.server.id);
+        held.extend(r.data.routes.into_iter().map(|r| r.remote_id));
+    }
+    let all = routes.len() >= answers.len()
+        && !answers.is_empty()
+        && held.iter().all(|id| answered.contains(id.as_str()));
     (answers, all)
 }
 
@@ -457,6 +529,41 @@ async fn look_up(sys: &async_nats::Client, adv: Advisory) -> Option<ClosedClient
     })
 }
 
+/// How often the connections that serve agents without instance records are counted on
+/// every server (`census`): how soon those that die with their server are noticed.
+const CENSUS_EVERY: Duration = Duration::from_secs(1);
+
+/// A complete count of the connections that serve agents without instance records (the
+/// Python SDK's), by server; `None` when not every server the cluster lists answered.
+async fn census_count(sys: &async_nats::Client) -> Option<super::census::Count> {
+    // Every open connection with its subscriptions (the server filters by subject only within
+    // one named account), read here for the agents each serves.
+    let query = serde_json::json!({"state": 0, "limit": 100_000, "subscriptions_detail": true});
+    let (answers, all) = connz_all(sys, query).await;
+    if !all {
+        tracing::debug!(
+            answered = answers.len(),
+            "census: not every server answered"
+        );
+        return None;
+    }
+    let mut count = super::census::Count::default();
+    for a in answers {
+        for c in a.data.connections {
+            let agents = agents_served(&c.subscriptions_list_detail);
+            if instance_of(&c.name).is_none() && !agents.is_empty() {
+                count.conns.push(super::census::Conn {
+                    server: a.server.id.clone(),
+                    cid: c.cid,
+                    agents,
+                });
+            }
+        }
+        count.servers.insert(a.server.id);
+    }
+    Some(count)
+}
+
 /// Look-ups of closed connections running at once.
 const LOOKUPS: usize = 16;
 /// Closed connections waiting for a look-up; beyond this they are counted and skipped.
@@ -478,6 +585,7 @@ pub async fn run(
     let mut m = Monitor::new(app);
     m.adopt_records().await;
     let mut sweep = tokio::time::interval(Duration::from_millis(250));
+    let census_sys = sys.clone();
     // Closed connections without instance records are looked up off the loop (a bounded queue,
     // LOOKUPS at once), so neither deaths nor heartbeats wait on the server's answers.
     let (lookup_tx, lookup_rx) = tokio::sync::mpsc::channel::<Advisory>(LOOKUP_QUEUE);
@@ -493,11 +601,33 @@ pub async fn run(
             }
         }
     }));
+    // The census is counted off the loop too; a count not taken yet is never waited for.
+    let (count_tx, mut counts) = tokio::sync::mpsc::channel::<super::census::Count>(1);
+    let counting = tokio::spawn(async move {
+        let mut every = tokio::time::interval(CENSUS_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            if let Some(count) = census_count(&census_sys).await
+                && count_tx.send(count).await.is_err()
+            {
+                return;
+            }
+        }
+    });
+    let _counting = AbortOnDrop(counting);
+    let mut census = super::census::Census::default();
+    let bound_ms = (HEARTBEAT_EVERY * MISSED_BEATS).as_millis() as u64;
     tokio::pin!(stop);
     loop {
         tokio::select! {
             biased;
             _ = &mut stop => return Ok(()),
+            Some(count) = counts.recv() => {
+                for d in census.update(count, crate::clock::now_ms(), bound_ms) {
+                    m.instance_died_on(&d.instance_id, &d.agents, DeathReason::Disconnect, "its nats-server is gone and it did not reconnect elsewhere", &d.served_elsewhere).await;
+                }
+            }
             Some(msg) = beats.next() => m.heartbeat(&msg.subject, &msg.payload),
             Some(msg) = advisories.next() => {
                 let Ok(adv) = serde_json::from_slice::<Advisory>(&msg.payload) else {
@@ -530,6 +660,15 @@ pub async fn run(
                 }
             }
         }
+    }
+}
+
+/// A task stopped when its handle goes.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

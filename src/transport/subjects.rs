@@ -221,6 +221,9 @@ pub fn sys_connz(server: &str) -> String {
     }
 }
 
+/// Ask every server for its routes (ROUTEZ): which servers the cluster still holds.
+pub const SYS_ROUTEZ: &str = "$SYS.REQ.SERVER.PING.ROUTEZ";
+
 /// A node id is one subject token: letters, digits, '-' and '_'.
 pub fn valid_token(s: &str) -> bool {
     !s.is_empty()

@@ -220,7 +220,40 @@ fn an_unreachable_cluster_says_which_servers_were_tried() {
 /// the dead connection was on); the last one dying is, announced once.
 #[tokio::test]
 async fn a_replica_on_another_server_keeps_an_sdk_agent_alive() {
-    let cl = LocalCluster::up_on("servers-sdk", 3).await;
+    let (_cl, entries, mut deaths, mut instance_deaths) = sdk_mesh("servers-sdk").await;
+    let mut first = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[0]));
+    let mut second = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[1]));
+
+    first.stop();
+    let gone = next_json(&mut instance_deaths, Duration::from_secs(10))
+        .await
+        .expect("the replica's death on nats-1");
+    assert_eq!(gone["reason"], "disconnect", "{gone}");
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(1_500))
+            .await
+            .is_none(),
+        "the replica on nats-2 still serves sdk.echo"
+    );
+
+    second.stop();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the agent's death once its last replica is gone");
+    assert_eq!(notice["agent"], "sdk.echo", "{notice}");
+}
+
+/// A 3-server mesh where `sdk.echo` may be served by the Python SDK: the mesh, the SDK
+/// agent's URL on each server, and subscriptions to its death and to instance deaths.
+async fn sdk_mesh(
+    tag: &str,
+) -> (
+    LocalCluster,
+    Vec<String>,
+    async_nats::Subscriber,
+    async_nats::Subscriber,
+) {
+    let cl = LocalCluster::up_on(tag, 3).await;
     cl.oam()
         .args([
             "creds",
@@ -242,29 +275,10 @@ async fn a_replica_on_another_server_keeps_an_sdk_agent_alive() {
     let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
         .await
         .unwrap();
-    let mut deaths = nc.subscribe("mesh.death.sdk.echo").await.unwrap();
-    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    let deaths = nc.subscribe("mesh.death.sdk.echo").await.unwrap();
+    let instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
     nc.flush().await.unwrap();
-    let mut first = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[0]));
-    let mut second = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[1]));
-
-    first.stop();
-    let gone = next_json(&mut instance_deaths, Duration::from_secs(10))
-        .await
-        .expect("the replica's death on nats-1");
-    assert_eq!(gone["reason"], "disconnect", "{gone}");
-    assert!(
-        next_json(&mut deaths, Duration::from_millis(1_500))
-            .await
-            .is_none(),
-        "the replica on nats-2 still serves sdk.echo"
-    );
-
-    second.stop();
-    let notice = next_json(&mut deaths, Duration::from_secs(10))
-        .await
-        .expect("the agent's death once its last replica is gone");
-    assert_eq!(notice["agent"], "sdk.echo", "{notice}");
+    (cl, entries, deaths, instance_deaths)
 }
 
 async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option<Value> {
@@ -390,4 +404,77 @@ async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
         now.map(|l| (l.spent_usd, l.holds)),
         before.spent_usd
     );
+}
+
+/// A host that fails takes its nats-server and its agents with it, and no server is left to
+/// say their connections closed: the monitor's census finds the replica that died with its
+/// server (the SDK's client, given one server, cannot serve again), while a client that
+/// reconnects to another server lives, and so does the agent.
+#[tokio::test]
+async fn an_sdk_replica_that_dies_with_its_server_is_found_and_one_that_moves_lives() {
+    let (cl, entries, mut deaths, mut instance_deaths) = sdk_mesh("servers-census").await;
+    let mut with_host = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[2]));
+    let _moves = KilledOnDrop(spawn_mover(&[&entries[2], &entries[0]]));
+    let _stays = KilledOnDrop(crate::support::spawn_sdk_echo(&entries[1]));
+    // The monitor counts every second; three periods let it count all three replicas before
+    // the host fails (a replica it never counted could not be missed).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    // The host fails: its server and one replica at once.
+    assert!(oam::local::signal(cl.pid("nats-3"), libc::SIGKILL));
+    with_host.stop();
+    let died = next_json(&mut instance_deaths, Duration::from_secs(10))
+        .await
+        .expect("the replica that died with its server is announced");
+    assert_eq!(died["agent"], "sdk.echo", "{died}");
+    assert!(
+        died["detail"]
+            .as_str()
+            .unwrap_or("")
+            .contains("nats-server is gone"),
+        "{died}"
+    );
+    assert!(
+        next_json(&mut instance_deaths, Duration::from_secs(4))
+            .await
+            .is_none(),
+        "the client that reconnected elsewhere is not dead"
+    );
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(100))
+            .await
+            .is_none(),
+        "two replicas still serve sdk.echo"
+    );
+}
+
+/// A replica of `sdk.echo` as the monitor sees any Open Agent Mesh client serve it (a queue
+/// subscription on its subject; it answers nothing, so the test calls no one), on a plain
+/// NATS client given `servers` in order:
+/// it reconnects to the next when its server goes.
+fn spawn_mover(servers: &[&str]) -> std::process::Child {
+    use std::io::BufRead;
+    const MOVER: &str = r#"
+import asyncio, sys, nats
+async def main():
+    nc = await nats.connect(servers=sys.argv[1:], dont_randomize=True, reconnect_time_wait=0.2)
+    await nc.subscribe("mesh.agent.sdk.echo", queue="q.sdk.echo")
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.sleep(120)
+asyncio.run(main())
+"#;
+    let mut child = std::process::Command::new(crate::support::python())
+        .arg("-c")
+        .arg(MOVER)
+        .args(servers)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python with nats-py (scripts/install-test-tools)");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("ready"), "the client did not start: {line:?}");
+    child
 }
