@@ -97,6 +97,13 @@ pub enum Up {
         alive: usize,
         total: usize,
     },
+    /// The folder's cluster was partly down: what had stopped was started again, servers
+    /// first, each as it was recorded (its ports, its role's credentials).
+    Repaired {
+        dir: PathBuf,
+        restarted: Vec<String>,
+        total: usize,
+    },
 }
 
 /// Start the cluster `plan` describes and wait until every node sees every node. On failure,
@@ -111,6 +118,15 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         .map_err(|e| plan_err(anyhow::anyhow!("cannot open {}: {e}", plan.dir.display())))?;
     if let Some(rec) = Record::load(&dir).map_err(plan_err)? {
         let alive = rec.processes.iter().filter(|p| super::is_ours(p)).count();
+        if alive > 0 && alive < rec.processes.len() {
+            let total = rec.processes.len();
+            let restarted = repair(plan, &dir, rec).await.map_err(UpError::Start)?;
+            return Ok(Up::Repaired {
+                dir,
+                restarted,
+                total,
+            });
+        }
         if alive > 0 {
             // Up already: put back any bucket that has gone (only the admin may create one).
             if let Some((creds, ports)) = super::creds::load(&dir)
@@ -193,6 +209,58 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
             Err(UpError::Start(e))
         }
     }
+}
+
+/// Start again what a partly running mesh in `dir` lost, as `rec` records it: its
+/// nats-servers from their configs (the same ports), then each `oam` process with its
+/// arguments and its role's credentials; the names started again. The record is saved with
+/// the new PIDs.
+async fn repair(plan: &Plan, dir: &Path, mut rec: Record) -> anyhow::Result<Vec<String>> {
+    let (bin, _) = natsd::find(plan.nats_server.as_deref())?;
+    let creds = kept_credentials(dir)
+        .ok_or_else(|| anyhow::anyhow!("{}", super::creds::no_cluster(dir)))?;
+    let mut restarted = Vec::new();
+    for s in rec.servers.clone() {
+        let Some(p) = rec.processes.iter_mut().find(|p| p.name == s.name) else {
+            continue;
+        };
+        if super::is_ours(p) {
+            continue;
+        }
+        let log = s.dir.join("nats.log");
+        let server =
+            natsd::start_from(&bin, &s.dir.join("nats.conf"), &s.dir, &log, READY_WITHIN).await?;
+        p.pid = server.child.id();
+        restarted.push(s.name.clone());
+    }
+    if !restarted.is_empty() && rec.servers.len() > 1 {
+        jetstream_ready(&rec.servers).await?;
+    }
+    let ports = rec.nats_ports();
+    let url_of = |role: &Role| creds.url(&ports, &role.user()).unwrap_or_default();
+    for p in &mut rec.processes {
+        if super::is_nats_server(&p.name) || super::is_ours(p) {
+            continue;
+        }
+        let env: Vec<(&str, String)> = match p.name.as_str() {
+            "sim" => Vec::new(),
+            "monitor" => vec![
+                (ENV_URL, url_of(&Role::Monitor)),
+                (ENV_SYS_URL, creds.observer_url(&ports)),
+            ],
+            "chaos" => vec![(ENV_URL, url_of(&Role::Warden))],
+            node => vec![(ENV_URL, url_of(&Role::Node(node.to_string())))],
+        };
+        let (mut child, out, log) = super::spawn_oam(&plan.exe, dir, &p.name, &p.args, &env)?;
+        p.pid = child.id();
+        let ready = super::ready_line(&mut child, &out, &log, &p.name, READY_WITHIN).await?;
+        if let Some(url) = ready["http"].as_str().or_else(|| ready["url"].as_str()) {
+            p.settle_address(url);
+        }
+        restarted.push(p.name.clone());
+    }
+    rec.save(dir)?;
+    Ok(restarted)
 }
 
 /// Check that a port asked for is free; 0 stays 0: the process binds any free port itself and

@@ -338,7 +338,7 @@ async fn connz(sys: &async_nats::Client, server: &str, query: serde_json::Value)
 }
 
 /// How long every server of a cluster has to answer a question asked of all of them.
-const GATHER_WITHIN: Duration = Duration::from_secs(1);
+const GATHER_WITHIN: Duration = Duration::from_secs(2);
 
 /// Ask every server `body` on `subject` and gather the replies until `expected` came or
 /// `within` passed.

@@ -128,6 +128,45 @@ async fn up_status_request_down() {
     assert_eq!(doc["already_up"], true, "{doc}");
     assert_eq!(doc["running"], doc["processes"]);
 
+    // Half dead: a node and the nats-server killed. `mesh up` starts exactly those again (the
+    // server on its port, the node with its role's credentials), and the mesh is whole.
+    let record = |name: &str| {
+        let rec = oam::local::Record::load(&dir.0).unwrap().unwrap();
+        rec.processes.into_iter().find(|p| p.name == name).unwrap()
+    };
+    for name in ["n2", "nats-server"] {
+        assert!(oam::local::signal(record(name).pid, libc::SIGKILL));
+    }
+    let dead = crate::support::eventually(Duration::from_secs(5), || async {
+        (!oam::local::is_ours(&record("n2")) && !oam::local::is_ours(&record("nats-server")))
+            .then_some(())
+    });
+    assert!(dead.await.is_some(), "both are gone");
+    let repaired = oam()
+        .args(["mesh", "up", "--json", "--dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        repaired.status.success(),
+        "{}",
+        String::from_utf8_lossy(&repaired.stderr)
+    );
+    assert_eq!(
+        json(&repaired.stdout)["repaired"],
+        serde_json::json!(["nats-server", "n2"])
+    );
+    let whole = crate::support::eventually(Duration::from_secs(20), || async {
+        let out = oam()
+            .args(["mesh", "status", "--json", "--dir"])
+            .arg(&dir.0)
+            .output()
+            .ok()?;
+        (json(&out.stdout)["healthy"] == true).then_some(())
+    })
+    .await;
+    assert!(whole.is_some(), "the repaired mesh is healthy");
+
     let status = oam()
         .args(["mesh", "status", "--json", "--dir"])
         .arg(&dir.0)

@@ -71,6 +71,29 @@ pub async fn run(a: Args) -> Result<()> {
             dir,
             nats_server_version,
         } => (record, dir, nats_server_version),
+        cluster::Up::Repaired {
+            dir,
+            restarted,
+            total,
+        } => {
+            let mut out = std::io::stdout().lock();
+            if a.json {
+                let doc = serde_json::json!({
+                    "dir": dir, "repaired": restarted, "processes": total,
+                });
+                writeln!(out, "{doc}")?;
+                return Ok(());
+            }
+            writeln!(
+                out,
+                "the mesh in {} was partly down; started again: {} (now all {total} \
+                 processes run); `oam mesh status --dir {}` shows it",
+                dir.display(),
+                restarted.join(", "),
+                a.dir.display()
+            )?;
+            return Ok(());
+        }
         cluster::Up::AlreadyRunning { dir, alive, total } => {
             let mut out = std::io::stdout().lock();
             if a.json {
