@@ -621,3 +621,83 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
         "the 20 answers are in what was spent"
     );
 }
+
+/// The ledger's leader frozen (SIGSTOP) for 5 s under traffic, then let go: its clients hang
+/// rather than see a reset. Every request is still answered, and once the cluster settles the
+/// ledger holds nothing, spent grew by exactly what the answers cost, and every answer has its
+/// record.
+#[tokio::test]
+async fn a_frozen_leader_loses_nothing_once_it_thaws() {
+    let cl = budgeted_mesh("servers-stop").await;
+    let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    let kv = js.get_key_value("oam-budgets").await.unwrap();
+    let settled = || async {
+        let l = oam::transport::store::ledger::read(&kv, None)
+            .await
+            .ok()??;
+        l.holds.is_empty().then_some(l.spent_usd)
+    };
+    let http = crate::support::http(Duration::from_secs(10));
+    let before = eventually(Duration::from_secs(10), settled).await.unwrap();
+    let since = oam::clock::now_ms();
+    let mut stream = js.get_stream("KV_oam-budgets").await.unwrap();
+    let leader = stream
+        .info()
+        .await
+        .unwrap()
+        .cluster
+        .clone()
+        .unwrap()
+        .leader
+        .unwrap();
+    let frozen = cl.pid(&leader);
+    assert!(oam::local::signal(frozen, libc::SIGSTOP));
+    let thaw = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        oam::local::signal(frozen, libc::SIGCONT)
+    });
+    let (mut cost, mut answered) = (0.0, std::collections::BTreeSet::new());
+    let started = std::time::Instant::now();
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(7) {
+        let a = ask(&http, &cl, i)
+            .await
+            .expect("answered while the leader is frozen");
+        assert_eq!(a.status, 200, "request {i}: {}", a.reasons);
+        cost += a.cost;
+        answered.insert(a.id);
+        i += 1;
+    }
+    assert!(thaw.await.unwrap(), "the frozen server was let go");
+
+    let reader_kv = kv.clone();
+    let adds_up = eventually(Duration::from_secs(30), || async {
+        let l = oam::transport::store::ledger::read(&reader_kv, None)
+            .await
+            .ok()??;
+        (l.holds.is_empty() && (l.spent_usd - before - cost).abs() < 1e-6).then_some(())
+    })
+    .await;
+    assert!(
+        adds_up.is_some(),
+        "spent {:?}, expected {before} + {cost} for {i} answers",
+        oam::transport::store::ledger::read(&kv, None)
+            .await
+            .ok()
+            .flatten()
+            .map(|l| l.spent_usd)
+    );
+    let logged = eventually(Duration::from_secs(30), || async {
+        let (entries, _) = oam::transport::store::decisions::read(&nc, since, None, |_| true)
+            .await
+            .ok()?;
+        let ids: std::collections::BTreeSet<String> =
+            entries.into_iter().map(|e| e.record.request.id).collect();
+        answered.is_subset(&ids).then_some(())
+    })
+    .await;
+    assert!(logged.is_some(), "every answer has its record");
+}
