@@ -12,9 +12,13 @@ pub struct Args {
     pub shell: clap_complete::Shell,
 }
 
-/// Write the script for `cli` (the whole command line, from `crate::cli`).
+/// Write the script for `cli` (the whole command line, from `crate::cli`). It is made whole
+/// first: the generator panics on a failed write, where a closed stdout (`| head`) must exit
+/// 0 quietly like every command's.
 pub fn run(a: Args, mut cli: clap::Command) -> Result<()> {
-    let mut out = std::io::stdout().lock();
-    clap_complete::generate(a.shell, &mut cli, "oam", &mut out);
+    use std::io::Write;
+    let mut script = Vec::new();
+    clap_complete::generate(a.shell, &mut cli, "oam", &mut script);
+    std::io::stdout().lock().write_all(&script)?;
     Ok(())
 }

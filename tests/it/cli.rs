@@ -374,6 +374,26 @@ fn an_unreachable_nats_exits_3_and_says_what_to_do() {
         )));
 }
 
+/// `oam ... | head`: a reader that stops reading closes the pipe; the command exits 0 quietly,
+/// with no panic, whatever it was writing.
+#[test]
+fn a_closed_stdout_exits_zero_quietly() {
+    for args in [&["completions", "bash"][..], &["man"], &["reasons"]] {
+        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The read end goes before the command writes (it is still starting).
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "oam {args:?}: {err}");
+        assert!(!err.contains("panicked"), "oam {args:?}: {err}");
+    }
+}
+
 #[test]
 fn completions_and_the_manual_cover_every_command() {
     let bash = oam().args(["completions", "bash"]).output().unwrap();
