@@ -155,7 +155,7 @@ async fn list(a: ListArgs) -> Result<()> {
         )?;
         return Ok(());
     }
-    let usd = |v: f64| format!("${v:.4}");
+    let usd = |v: f64| crate::core::request::dollars(v, 4);
     let rows: Vec<Vec<String>> = ledgers
         .iter()
         .map(|l| {
@@ -246,6 +246,7 @@ async fn remove(w: Which) -> Result<()> {
 }
 
 fn print_one(l: &Ledger, json: bool) -> Result<()> {
+    use crate::core::request::dollars;
     let now = crate::clock::now_ms();
     let mut out = std::io::stdout().lock();
     if json {
@@ -253,12 +254,12 @@ fn print_one(l: &Ledger, json: bool) -> Result<()> {
     } else {
         writeln!(
             out,
-            "{}: limit ${:.4}, spent ${:.4}, held ${:.4}, remaining ${:.4}",
+            "{}: limit {}, spent {}, held {}, remaining {}",
             l.agent.as_deref().unwrap_or("(global)"),
-            l.limit_usd,
-            l.spent_usd,
-            l.held_usd(now, None),
-            l.remaining_usd(now)
+            dollars(l.limit_usd, 4),
+            dollars(l.spent_usd, 4),
+            dollars(l.held_usd(now, None), 4),
+            dollars(l.remaining_usd(now), 4)
         )?;
     }
     Ok(())

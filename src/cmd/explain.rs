@@ -86,7 +86,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
 }
 
 fn usd(v: f64) -> String {
-    format!("${v:.6}")
+    crate::core::request::dollars(v, 6)
 }
 
 fn pct(v: f64) -> String {
@@ -258,7 +258,7 @@ fn attempt(a: &Attempt) -> String {
                 a.latency_ms,
                 usd(a.cost_usd),
                 a.confidence
-                    .map(|c| format!(", confidence {c}"))
+                    .map(|c| format!(", confidence {c:.2}"))
                     .unwrap_or_default()
             );
         }
@@ -307,4 +307,19 @@ fn verdict(d: &Decision) -> String {
         let _ = writeln!(s, "  loop incident: {} ({} failures)", i.id, i.failures);
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::core::pipeline::tests::{engine, recorded_answer};
+
+    #[test]
+    fn a_confidence_is_told_as_people_write_it() {
+        let mut e = engine();
+        let answer = r#"{"answer":"42","confidence":0.9199999999999999}"#;
+        let told = super::tell(&recorded_answer(&mut e, "r1", 10, answer));
+        assert!(told.contains("confidence 0.92"), "{told}");
+        assert!(!told.contains("0.9199"), "{told}");
+        assert!(!told.contains("$-"), "{told}");
+    }
 }

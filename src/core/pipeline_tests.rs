@@ -73,13 +73,23 @@ pub(crate) fn recorded(
     id: &str,
     content_bytes: usize,
 ) -> crate::core::record::Record {
+    recorded_answer(e, id, content_bytes, r#"{"answer":"42","confidence":0.9}"#)
+}
+
+/// `recorded`, the provider having answered `answer`.
+pub(crate) fn recorded_answer(
+    e: &mut Engine,
+    id: &str,
+    content_bytes: usize,
+    answer: &str,
+) -> crate::core::record::Record {
     let mut r = req(id);
     r.messages[0].content = "x".repeat(content_bytes);
     let rec = crate::core::record::Recorder::begin(e, &r, T0);
     let (mut s, _) = e.begin(r, T0).expect("valid");
     let mut rec = rec;
     let call = crate::core::record::Call::Complete {
-        generation: Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 5),
+        generation: Generation::ok(answer, 5),
     };
     rec.call(e, &call, T0 + 5);
     let Some(Step::Done(d)) = e.apply(&mut s, call, T0 + 5) else {

@@ -261,6 +261,17 @@ pub fn round_usd(usd: f64) -> f64 {
     (usd * 1e9).round() / 1e9
 }
 
+/// A dollar amount as people read it, to `places` decimals: `$0.0020`. What rounds to zero is
+/// `$0.0000`, never `$-0.0000`.
+pub fn dollars(usd: f64, places: usize) -> String {
+    let shown = format!("{usd:.places$}");
+    match shown.strip_prefix('-') {
+        Some(rest) if rest.bytes().all(|b| b == b'0' || b == b'.') => format!("${rest}"),
+        Some(rest) => format!("-${rest}"),
+        None => format!("${shown}"),
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(rename_all = "snake_case")]
 pub enum GenerationStatus {
@@ -378,4 +389,18 @@ fn one() -> u32 {
 )]
 fn is_one(n: &u32) -> bool {
     *n == 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dollars;
+
+    #[test]
+    fn dollars_never_show_a_negative_zero() {
+        assert_eq!(dollars(-0.0, 4), "$0.0000");
+        assert_eq!(dollars(-0.000_01, 4), "$0.0000");
+        assert_eq!(dollars(0.002, 4), "$0.0020");
+        assert_eq!(dollars(-1.5, 2), "-$1.50");
+        assert_eq!(dollars(0.123_456_7, 6), "$0.123457");
+    }
 }
