@@ -838,9 +838,14 @@ impl NodeConfig {
                 ));
             }
             if p.model.is_empty() == p.models.is_empty() {
+                let which = if p.model.is_empty() {
+                    "it names none"
+                } else {
+                    "not both"
+                };
                 return Err(format!(
                     "{at}: give its one model (model = \"...\") or its models (models = [...]), \
-                     not both"
+                     {which}"
                 ));
             }
             let mut names = std::collections::BTreeSet::new();
@@ -1126,6 +1131,14 @@ contract = {}
             (
                 "[escalations]\ncommand = []\n",
                 ["oam.toml", "escalations.command", "name a program"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\n",
+                ["oam.toml", "provider[0]", "it names none"],
+            ),
+            (
+                "[[provider]]\nid = \"a\"\nbase_url = \"http://x\"\nmodel = \"m\"\nmodels = [\"n\"]\n",
+                ["oam.toml", "provider[0]", "not both"],
             ),
             (
                 "[[provider]]\nid = \"a\"\nagent = \"llm.x\"\nbase_url = \"http://x\"\nmodel = \"m\"\n",
