@@ -29,12 +29,16 @@ pub struct Args {
     /// Stop starting requests after this many seconds, even if -n is not reached.
     #[arg(long)]
     pub duration: Option<f64>,
+    /// The agent every request names (its budget, rate limits and loop counts apply).
     #[arg(long, default_value = "bench")]
     pub agent: String,
+    /// The task every request names (part of what a loop is counted by).
     #[arg(long, default_value = "bench")]
     pub task: String,
+    /// The risk every request declares (high-risk work never spends a local budget share).
     #[arg(long, default_value = "low", value_parser = risks())]
     pub risk: Risk,
+    /// The priority every request declares (its bulkhead class).
     #[arg(long, default_value = "normal", value_parser = priorities())]
     pub priority: Priority,
     /// A request kind in the mix, repeatable, chosen per request by weight, e.g.
@@ -50,6 +54,7 @@ pub struct Args {
     /// stream is a failure.
     #[arg(long, conflicts_with = "nats")]
     pub stream: bool,
+    /// Seeds the mix's choices and the questions asked, so a run can be repeated.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Per-request timeout in milliseconds.
@@ -289,15 +294,35 @@ fn interrupted(sent: usize, planned: usize) -> Error {
     )
 }
 
+/// A request rate as a bar shows it: whole requests per second (`35 req/s`), one decimal
+/// below ten.
+fn rate(per_sec: f64) -> String {
+    if per_sec < 10.0 {
+        format!("{per_sec:.1} req/s")
+    } else {
+        format!("{per_sec:.0} req/s")
+    }
+}
+
 /// A progress bar on a terminal's stderr (hidden otherwise).
 pub fn progress_bar(len: u64, prefix: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(len);
     if std::io::stderr().is_terminal() {
         bar.set_style(
             indicatif::ProgressStyle::with_template(
-                "{prefix} {spinner} {bar:40} {pos}/{len} requests  {per_sec}  eta {eta}",
+                "{prefix} {spinner} {bar:40} {pos}/{len} requests  {rate}  eta {eta}",
             )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            .map_or_else(
+                |_| indicatif::ProgressStyle::default_bar(),
+                |style| {
+                    style.with_key(
+                        "rate",
+                        |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                            let _ = w.write_str(&rate(s.per_sec()));
+                        },
+                    )
+                },
+            ),
         );
         bar.set_prefix(prefix.to_string());
     } else {
@@ -394,4 +419,13 @@ fn table(r: &Report) -> String {
     }
     super::fit(&mut t, false);
     t.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_rate_reads_in_whole_requests_per_second() {
+        assert_eq!(super::rate(34.984_4), "35 req/s");
+        assert_eq!(super::rate(2.25), "2.2 req/s");
+    }
 }
