@@ -14,44 +14,46 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// In the order a user meets them: the demo and a local mesh first, then watching, breaking and
+/// explaining it, then the tools of a running deployment, then the parts and the plumbing.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// List every reason code with its phase and meaning.
-    Reasons(cmd::reasons::Args),
-    /// Run the decision pipeline on a recorded input and print the decision as JSON.
-    Decide(cmd::decide::Args),
-    /// Serve simulated model providers over an OpenAI-compatible HTTP API, with fault modes.
-    Sim(cmd::sim::Args),
-    /// Control-plane nodes: `oam node run --id n1`.
-    Node(cmd::node::Args),
+    /// The whole story in one command: a local mesh, the headline failure scenarios with
+    /// verdicts, a summary, and everything stopped again.
+    Demo(cmd::demo::Args),
     /// A local cluster in one command: `oam mesh up`, `oam mesh status`, `oam mesh down`.
     Mesh(cmd::mesh::Args),
-    /// Bounded load against the nodes (HTTP or NATS), or a scenario: load, chaos and expectations.
-    Bench(cmd::bench::Args),
-    /// Agents on the mesh: `oam agent serve NAME --demo echo`, `oam agent call NAME`, `oam agent list`.
-    Agent(cmd::agent::Args),
-    /// Print what arrives on a NATS subject, e.g. `oam listen 'mesh.death.>'`.
-    Listen(cmd::listen::Args),
+    /// A live terminal view of the whole mesh: quorum, breakers, bulkheads, agents and the
+    /// reason-code stream, with chaos at a key.
+    Watch(cmd::watch::Args),
     /// Inject a failure that restores itself: `oam chaos kill-provider primary --for 30s`.
     Chaos(cmd::chaos::Args),
-    /// The mesh's NATS users, one per role: `oam creds issue --role agent --name X`.
-    Creds(cmd::creds::Args),
-    /// What waits for a human: `oam escalation list`, `oam escalation resolve ID --note ...`.
-    Escalation(cmd::escalation::Args),
-    /// The cluster's shared budgets: `oam budget list`, `oam budget set AGENT --limit 5`.
-    Budget(cmd::budget::Args),
     /// Why was request X decided so? Its record from the decision log, replayed through the
     /// core and told step by step (exit 1 if the replay differs).
     Explain(cmd::explain::Args),
     /// The decision log: list and filter decisions (agent, reason code, outcome, time range);
     /// `--verify` replays each.
     Audit(cmd::audit::Args),
-    /// The whole story in one command: a local mesh, the headline failure scenarios with
-    /// verdicts, a summary, and everything stopped again.
-    Demo(cmd::demo::Args),
-    /// A live terminal view of the whole mesh: quorum, breakers, bulkheads, agents and the
-    /// reason-code stream, with chaos at a key.
-    Watch(cmd::watch::Args),
+    /// Bounded load against the nodes (HTTP or NATS), or a scenario: load, chaos and expectations.
+    Bench(cmd::bench::Args),
+    /// Agents on the mesh: `oam agent serve NAME --demo echo`, `oam agent call NAME`, `oam agent list`.
+    Agent(cmd::agent::Args),
+    /// The cluster's shared budgets: `oam budget list`, `oam budget set AGENT --limit 5`.
+    Budget(cmd::budget::Args),
+    /// What waits for a human: `oam escalation list`, `oam escalation resolve ID --note ...`.
+    Escalation(cmd::escalation::Args),
+    /// The mesh's NATS users, one per role: `oam creds issue --role agent --name X`.
+    Creds(cmd::creds::Args),
+    /// Control-plane nodes: `oam node run --id n1`.
+    Node(cmd::node::Args),
+    /// Serve simulated model providers over an OpenAI-compatible HTTP API, with fault modes.
+    Sim(cmd::sim::Args),
+    /// Print what arrives on a NATS subject, e.g. `oam listen 'mesh.death.>'`.
+    Listen(cmd::listen::Args),
+    /// Run the decision pipeline on a recorded input and print the decision as JSON.
+    Decide(cmd::decide::Args),
+    /// List every reason code with its phase and meaning.
+    Reasons(cmd::reasons::Args),
     /// A shell completion script on stdout: `oam completions bash|zsh|fish|elvish|powershell`.
     Completions(cmd::completions::Args),
     /// The manual page on stdout (`oam man | man -l -`), or every page into a folder.
@@ -142,5 +144,40 @@ mod tests {
     fn the_command_line_definition_is_consistent() {
         use clap::CommandFactory;
         super::Cli::command().debug_assert();
+    }
+
+    /// Every flag and argument of every command says what it is for in `--help`.
+    #[test]
+    fn every_argument_has_help() {
+        use clap::CommandFactory;
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if ["help", "version"].contains(&id) || arg.is_hide_set() {
+                    continue;
+                }
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} --{id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&super::Cli::command(), "oam", &mut missing);
+        assert!(missing.is_empty(), "no help text: {missing:#?}");
+    }
+
+    #[test]
+    fn the_command_list_opens_with_what_a_user_does_first() {
+        use clap::CommandFactory;
+        let cli = super::Cli::command();
+        let first: Vec<&str> = cli
+            .get_subcommands()
+            .take(3)
+            .map(clap::Command::get_name)
+            .collect();
+        assert_eq!(first, ["demo", "mesh", "watch"]);
     }
 }

@@ -23,9 +23,23 @@ pub struct Args {
 
 #[derive(clap::Args, Debug)]
 pub struct For {
-    /// How long the fault lasts; the target restores itself after it (e.g. 30s, 500ms, 2m).
-    #[arg(long = "for", default_value = "30s", value_parser = chaos::parse_duration)]
+    /// How long the fault lasts, at most 1h; the target restores itself after it (e.g. 30s,
+    /// 500ms, 2m, 1h).
+    #[arg(long = "for", default_value = "30s", value_parser = parse_for)]
     pub duration: Duration,
+}
+
+/// A fault's `--for`: a duration of at most `MAX_FOR`, the longest the warden keeps a fault.
+fn parse_for(s: &str) -> std::result::Result<Duration, String> {
+    let d = chaos::parse_duration(s)?;
+    if d > chaos::MAX_FOR {
+        return Err(format!(
+            "{s:?}: a fault lasts at most {}m (the chaos warden restores every fault within \
+             that); give a shorter --for, and inject it again to go on",
+            chaos::MAX_FOR.as_secs() / 60
+        ));
+    }
+    Ok(d)
 }
 
 #[derive(clap::Args, Debug)]
@@ -62,6 +76,7 @@ pub enum Command {
     FlakyProvider {
         #[command(flatten)]
         on: On,
+        /// The share of requests that fail, from 0 to 1.
         #[arg(long, default_value_t = 0.3)]
         error_rate: f64,
     },
@@ -69,6 +84,7 @@ pub enum Command {
     RateLimitProvider {
         #[command(flatten)]
         on: On,
+        /// What the provider's 429 asks callers to wait (its Retry-After), in milliseconds.
         #[arg(long, default_value_t = 1_000)]
         retry_after_ms: u64,
     },
@@ -109,8 +125,10 @@ pub enum Command {
     TrafficSpike {
         #[command(flatten)]
         for_: For,
+        /// Requests in the burst.
         #[arg(long, default_value_t = 600)]
         requests: u32,
+        /// Requests under way at once.
         #[arg(long, default_value_t = 60)]
         concurrency: u32,
     },
@@ -126,6 +144,7 @@ pub enum Command {
     Restore {
         /// A fault id (from `oam chaos list`) or a fault name (e.g. kill-provider).
         what: Option<String>,
+        /// End every active fault.
         #[arg(long, conflicts_with = "what")]
         all: bool,
     },

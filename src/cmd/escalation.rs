@@ -56,7 +56,8 @@ pub struct ResolveArgs {
     /// What was done about it.
     #[arg(long)]
     pub note: Option<String>,
-    /// One JSON object: {resolved, already, unknown, failed}.
+    /// One JSON object: {resolved, already, unknown, failed} (`ack`: {acknowledged, already,
+    /// unknown, failed}).
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]

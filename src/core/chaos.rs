@@ -296,7 +296,7 @@ impl NodeCommand {
     }
 }
 
-/// Parse a duration like `30s`, `500ms`, `2m` or `1.5s` (a bare number is seconds).
+/// Parse a duration like `30s`, `500ms`, `2m`, `1h` or `1.5s` (a bare number is seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let (num, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
@@ -306,12 +306,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let n: f64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("{s:?} is not a duration; use e.g. 30s, 500ms or 2m"))?;
+        .map_err(|_| format!("{s:?} is not a duration; use e.g. 30s, 500ms, 2m or 1h"))?;
     let secs = match unit {
         "ms" => n / 1_000.0,
         "s" => n,
         "m" => n * 60.0,
-        _ => return Err(format!("{s:?}: the unit must be ms, s or m")),
+        "h" => n * 3_600.0,
+        _ => return Err(format!("{s:?}: the unit must be ms, s, m or h")),
     };
     if !(secs.is_finite() && secs > 0.0 && secs <= 24.0 * 3_600.0) {
         return Err(format!("{s:?}: use a duration between 1 ms and 24 h"));
@@ -362,7 +363,9 @@ mod tests {
                 .unwrap_err()
                 .contains("not a duration")
         );
-        assert!(parse_duration("3h").unwrap_err().contains("unit"));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7_200)));
+        assert!(parse_duration("3d").unwrap_err().contains("unit"));
+        assert!(parse_duration("25h").unwrap_err().contains("24 h"));
         assert!(parse_duration("0s").is_err() && parse_duration("-1s").is_err());
     }
 

@@ -607,7 +607,10 @@ fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
                 Style::default()
             };
             lines.push(Line::styled(
-                format!("budget {agent}: {} left", crate::core::request::dollars(left, 4)),
+                format!(
+                    "budget {agent}: {} left",
+                    crate::core::request::dollars(left, 4)
+                ),
                 style,
             ));
         }

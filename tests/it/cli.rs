@@ -374,6 +374,32 @@ fn an_unreachable_nats_exits_3_and_says_what_to_do() {
         )));
 }
 
+/// `--for` takes hours as `--since` does, up to the warden's one-hour maximum, said by name.
+#[test]
+fn a_fault_lasts_up_to_an_hour_and_longer_is_refused_by_name() {
+    let dir = std::env::temp_dir().join(format!("oam-test-no-mesh-{}", std::process::id()));
+    let run = |d: &str| {
+        oam()
+            .env_remove("OAM_NATS_URL")
+            .args(["chaos", "kill-provider", "primary", "--for", d, "--dir"])
+            .arg(&dir)
+            .output()
+            .unwrap()
+    };
+    let long = run("2h");
+    assert_eq!(long.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&long.stderr);
+    assert!(err.contains("at most 60m"), "{err}");
+    // An hour is taken; with no mesh there, the command then says it cannot reach one.
+    let hour = run("1h");
+    assert_eq!(
+        hour.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&hour.stderr)
+    );
+}
+
 /// `oam ... | head`: a reader that stops reading closes the pipe; the command exits 0 quietly,
 /// with no panic, whatever it was writing.
 #[test]

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// The agent's name (`oam agent list` shows them).
     pub name: String,
     /// The JSON payload, or `-` to read it from standard input (default: {}).
     pub payload: Option<String>,

@@ -21,6 +21,7 @@ pub struct Args {
     /// Requests each instance handles at once; more wait (backpressure).
     #[arg(long, default_value_t = 16)]
     pub concurrency: usize,
+    /// What the agent does, as the catalog lists it.
     #[arg(long, default_value = "oam demo agent")]
     pub description: String,
     /// Declare the longest a request may take; past it the caller gets `stuck` instead of

@@ -8,11 +8,13 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// The state folder of the mesh to stop (as given to `oam mesh up --dir`).
     #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
     /// How long each process gets to exit after SIGTERM before SIGKILL.
     #[arg(long, default_value_t = 5_000)]
     pub grace_ms: u64,
+    /// Say how each process stopped as one JSON document.
     #[arg(long)]
     pub json: bool,
 }

@@ -7,8 +7,10 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// The state folder of the mesh (as given to `oam mesh up --dir`).
     #[arg(long, env = "OAM_DIR", default_value = ".oam")]
     pub dir: PathBuf,
+    /// Every process's state as one JSON document.
     #[arg(long)]
     pub json: bool,
     /// Whole lines, however wide (by default the table wraps to the terminal).
