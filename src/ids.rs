@@ -31,6 +31,13 @@ pub fn unguessable() -> String {
     )
 }
 
+/// This process's run: 6 hex digits drawn at its start. Ids a process mints carry it, so the
+/// ids minted after a restart never repeat those of the run before.
+pub fn run_token() -> &'static str {
+    static RUN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    RUN.get_or_init(|| unguessable()[..6].to_string())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -147,7 +147,7 @@ fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
         "task": k.task,
         "risk": k.risk,
         "priority": k.priority,
-        "request_id": format!("bench-{}-{i}", plan.seed),
+        "request_id": format!("bench-{}-{}-{i}", plan.seed, crate::ids::run_token()),
     });
     let mut body = match k.api {
         Surface::Chat | Surface::Messages => json!({"model": "auto",

@@ -15,7 +15,12 @@ pub struct Args {
     /// How far back to look for it: e.g. 30m, 2h, 7d.
     #[arg(long, default_value = "1d", value_parser = super::audit::parse_age)]
     pub since: u64,
-    /// One JSON object: {record, replay: {identical, difference?}}.
+    /// Of several records with this id (a client may send its own id twice), the one decided
+    /// at this time (ms since the epoch, as the list of them shows). Default: the newest.
+    #[arg(long, value_name = "MS")]
+    pub at: Option<u64>,
+    /// One JSON object: {record, replay: {identical, difference?}, records} (records: every
+    /// record with this id, {node, decided_at_ms, outcome}).
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -24,16 +29,22 @@ pub struct Args {
 
 pub async fn run(a: Args) -> Result<Outcome> {
     let this = |r: &Record| r.decision.request_id == a.request_id;
-    // A node's own ids are `{node}-{n}`: that node's records alone are read first.
+    // A node's own ids are `{node}-{run}-{n}`: that node's records alone are read first.
     let node = a
         .request_id
-        .rsplit_once('-')
-        .filter(|(n, serial)| {
+        .rsplitn(3, '-')
+        .collect::<Vec<_>>()
+        .as_slice()
+        .try_into()
+        .ok()
+        .filter(|[serial, run, n]: &[&str; 3]| {
             !serial.is_empty()
                 && serial.bytes().all(|b| b.is_ascii_digit())
+                && run.len() == 6
+                && run.bytes().all(|b| b.is_ascii_hexdigit())
                 && crate::transport::subjects::valid_token(n)
         })
-        .map(|(n, _)| n);
+        .map(|[_, _, n]| n);
     let mut entries = Vec::new();
     if let Some(n) = node {
         entries = super::audit::read(&a.cluster, a.since, Some(n), this)
@@ -43,14 +54,35 @@ pub async fn run(a: Args) -> Result<Outcome> {
     if entries.is_empty() {
         entries = super::audit::read(&a.cluster, a.since, None, this).await?.0;
     }
-    let Some(entry) = entries.last() else {
+    if entries.is_empty() {
         return Err(Error::usage(format!(
             "no decision for request {} in the decision log of the last {} (try --since 7d; \
              `oam audit` lists what is there)",
             a.request_id,
             super::audit::age(a.since)
         )));
+    }
+    let when = |e: &crate::transport::store::decisions::Entry| e.record.decision.decided_at_ms;
+    let entry = match a.at {
+        None => entries.last(),
+        Some(at) => entries.iter().find(|e| when(e) == at),
     };
+    let Some(entry) = entry else {
+        let times: Vec<String> = entries.iter().map(|e| when(e).to_string()).collect();
+        return Err(Error::usage(format!(
+            "no record of request {} was decided at {}; its records were decided at {}",
+            a.request_id,
+            a.at.unwrap_or_default(),
+            times.join(", ")
+        )));
+    };
+    let others: Vec<serde_json::Value> = entries
+        .iter()
+        .map(|e| {
+            serde_json::json!({"node": e.record.node, "decided_at_ms": when(e),
+                "outcome": e.record.decision.outcome})
+        })
+        .collect();
     let replay = entry.record.verify(&entry.config);
     let mut out = std::io::stdout().lock();
     if a.json {
@@ -60,6 +92,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
                 Ok(()) => serde_json::json!({"identical": true}),
                 Err(why) => serde_json::json!({"identical": false, "difference": why}),
             },
+            "records": others,
         });
         writeln!(
             out,
@@ -67,6 +100,34 @@ pub async fn run(a: Args) -> Result<Outcome> {
             serde_json::to_string_pretty(&doc).map_err(Error::failed)?
         )?;
     } else {
+        if entries.len() > 1 {
+            writeln!(
+                out,
+                "{} records have request id {} (the id was sent more than once):",
+                entries.len(),
+                a.request_id
+            )?;
+            for e in &entries {
+                let chosen = if std::ptr::eq(e, entry) {
+                    "  <- told below"
+                } else {
+                    ""
+                };
+                writeln!(
+                    out,
+                    "  decided at {} on {}: {:?}{chosen}",
+                    when(e),
+                    e.record.node,
+                    e.record.decision.outcome
+                )?;
+            }
+            let which = if a.at.is_some() {
+                "the one asked for"
+            } else {
+                "the newest"
+            };
+            writeln!(out, "telling {which}; --at MS tells another\n")?;
+        }
         write!(out, "{}", tell(&entry.record))?;
         match &replay {
             Ok(()) => writeln!(

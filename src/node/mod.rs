@@ -90,10 +90,11 @@ pub struct Serving {
 }
 
 impl Serving {
-    /// A request id for a request that brought none.
+    /// A request id for a request that brought none: `{node}-{run}-{n}`, unique across the
+    /// node's restarts (the run) and the cluster's nodes.
     pub fn next_request_id(&self, node: &str) -> String {
         let n = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
-        format!("{node}-{n}")
+        format!("{node}-{}-{n}", crate::ids::run_token())
     }
 }
 
@@ -285,6 +286,21 @@ pub async fn run(
 
 /// A node whose NATS client never connects (its services are not run): the stages and
 /// handlers, tested without servers.
+#[cfg(test)]
+mod ids_tests {
+    #[test]
+    fn a_minted_request_id_names_the_node_and_this_run() {
+        let serving = super::Serving::default();
+        let id = serving.next_request_id("n1");
+        let parts: Vec<&str> = id.split('-').collect();
+        assert_eq!(parts.len(), 3, "{id}");
+        assert_eq!((parts[0], parts[2]), ("n1", "1"));
+        assert_eq!(parts[1], crate::ids::run_token());
+        assert!(parts[1].len() == 6 && parts[1].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(serving.next_request_id("n1"), id, "the count goes on");
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod offline {
     use super::*;

@@ -591,9 +591,10 @@ mod tests {
         let v = body(&a);
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["param"], "messages", "{v}");
+        let minted = format!("n1-{}-1", crate::ids::run_token());
         assert_eq!(
             (a.request_id.as_str(), a.phase.as_str()),
-            ("n1-1", "invalid")
+            (minted.as_str(), "invalid")
         );
         let e = n.pipeline.read();
         assert_eq!(e.state.bulkheads.normal.active, 0, "nothing was admitted");

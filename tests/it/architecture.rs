@@ -32,6 +32,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "clock",
             "error",
             "http",
+            "ids",
             "local",
             "mesh",
             "transport",

@@ -1675,6 +1675,42 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
     let (code, _, err) = oam_log(&cl.nats.url(), &["explain", "no-such-request"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("oam audit"), "{err}");
+
+    // A caller that sends its id twice: explain lists both records and tells the one asked.
+    let again = c
+        .post(format!("{}/v1/chat/completions", cl.urls[1]))
+        .header("x-request-id", &ids[0])
+        .json(&question("plain again"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200);
+    let both = eventually(Duration::from_secs(10), || async {
+        let (_, out, _) = oam_log(&cl.nats.url(), &["explain", &ids[0], "--json"]);
+        let doc: Value = serde_json::from_str(&out).ok()?;
+        (doc["records"].as_array()?.len() == 2).then_some(doc)
+    })
+    .await
+    .expect("both records of the id");
+    let first = both["records"][0]["decided_at_ms"].as_u64().unwrap();
+    assert_eq!(
+        both["record"]["node"], "n2",
+        "the newest is told by default"
+    );
+    let (code, out, err) = oam_log(&cl.nats.url(), &["explain", &ids[0]]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("2 records have request id") && out.contains("telling the newest"),
+        "{out}"
+    );
+    let at = first.to_string();
+    let (code, out, err) = oam_log(&cl.nats.url(), &["explain", &ids[0], "--at", &at, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let doc: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(doc["record"]["node"], "n1", "--at tells the first");
+    let (code, _, err) = oam_log(&cl.nats.url(), &["explain", &ids[0], "--at", "1"]);
+    assert_eq!(code, 2);
+    assert!(err.contains(&at), "{err}");
     for url in &cl.urls {
         let text = crate::support::metrics(url).await;
         assert!(
