@@ -142,6 +142,7 @@ pub(crate) fn respond(
         request_started,
         head: Value::Null,
         delivered: String::new(),
+        usage: None,
         encoder: match wire {
             Wire::Chat => Encoder::Chat,
             Wire::Anthropic => Encoder::Anthropic(Default::default()),
@@ -234,6 +235,8 @@ struct Relay {
     delivered: String,
     /// How each chunk is written to the caller (what another API's events have opened so far).
     encoder: Encoder,
+    /// The upstream's usage chunk, held back (chat only): oam's last chunk carries it.
+    usage: Option<Value>,
 }
 
 enum Encoder {
@@ -387,7 +390,12 @@ impl Relay {
             let text = match &mut self.encoder {
                 Encoder::Anthropic(events) => events.chunk(&chunk, &delta),
                 Encoder::Responses(events) => events.chunk(&chunk, &delta),
-                Encoder::Chat if delta.usage_only && !self.pass.include_usage => continue,
+                Encoder::Chat if delta.usage_only => {
+                    if self.pass.include_usage {
+                        self.usage = Some(chunk["usage"].clone());
+                    }
+                    continue;
+                }
                 Encoder::Chat => format!("data: {data}\n\n"),
             };
             if !text.is_empty() && self.send(text).await.is_err() {
@@ -406,7 +414,7 @@ impl Relay {
         let text = match &mut self.encoder {
             Encoder::Anthropic(events) => events.end(&d),
             Encoder::Responses(events) => events.end(&d),
-            Encoder::Chat => stream_end(&d, &self.head),
+            Encoder::Chat => stream_end(&d, &self.head, self.usage.as_ref()),
         };
         let node = self.node();
         let started = self.request_started;

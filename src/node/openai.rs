@@ -651,14 +651,19 @@ pub(crate) fn chunk_head(chunk: &Value) -> Value {
 }
 
 /// The event that ends a relayed stream once `d` is decided: for an accepted answer oam's last
-/// chunk (no choices, the `oam` object) and `[DONE]`; else an in-band error event, and never
-/// `[DONE]`, so that no client takes a cut answer for a whole one.
-pub(crate) fn stream_end(d: &Decision, head: &Value) -> String {
+/// chunk (no choices, the `oam` object, and the upstream's `usage` when the caller asked for
+/// it, so the last chunk before `[DONE]` carries the usage as SDK helpers read it) and
+/// `[DONE]`; else the usage chunk as it came and an in-band error event, and never `[DONE]`,
+/// so that no client takes a cut answer for a whole one.
+pub(crate) fn stream_end(d: &Decision, head: &Value, usage: Option<&Value>) -> String {
     let oam = oam_object(d);
     if d.outcome == DecisionOutcome::Accepted {
         let mut last = head.clone();
         last["object"] = json!("chat.completion.chunk");
         last["choices"] = json!([]);
+        if let Some(u) = usage {
+            last["usage"] = u.clone();
+        }
         last["oam"] = oam;
         format!("data: {last}\n\ndata: [DONE]\n\n")
     } else {
@@ -671,7 +676,15 @@ pub(crate) fn stream_end(d: &Decision, head: &Value) -> String {
         );
         let mut error = error_body(&why, "server_error", None, code);
         error["oam"] = oam;
-        format!("data: {error}\n\n")
+        let mut out = String::new();
+        if let Some(u) = usage {
+            let mut chunk = head.clone();
+            chunk["object"] = json!("chat.completion.chunk");
+            chunk["choices"] = json!([]);
+            chunk["usage"] = u.clone();
+            out = format!("data: {chunk}\n\n");
+        }
+        out + &format!("data: {error}\n\n")
     }
 }
 
@@ -958,8 +971,14 @@ mod tests {
     #[test]
     fn a_relayed_stream_ends_with_done_only_when_accepted() {
         let head = chunk_head(&json!({"id": "c9", "created": 3, "model": "m", "choices": []}));
-        let ok = stream_end(&decision("accepted", "accepted"), &head);
+        let usage = json!({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8});
+        let ok = stream_end(&decision("accepted", "accepted"), &head, Some(&usage));
         assert!(ok.ends_with("data: [DONE]\n\n"), "{ok}");
+        assert_eq!(
+            ok.matches("data: ").count(),
+            2,
+            "one last chunk, then [DONE]: {ok}"
+        );
         let last: Value = serde_json::from_str(
             ok.strip_prefix("data: ")
                 .and_then(|s| s.split("\n\n").next())
@@ -968,10 +987,14 @@ mod tests {
         .expect("JSON");
         assert_eq!((&last["id"], &last["choices"]), (&json!("c9"), &json!([])));
         assert_eq!(last["oam"]["outcome"], "accepted");
+        assert_eq!(
+            last["usage"], usage,
+            "the last chunk before [DONE] has the usage"
+        );
 
         let mut d = decision("rejected", "semantic");
         d.reason_codes = vec![ReasonCode::ContractSchemaViolation];
-        let refused = stream_end(&d, &head);
+        let refused = stream_end(&d, &head, None);
         assert!(
             !refused.contains("[DONE]"),
             "a cut answer never ends cleanly: {refused}"

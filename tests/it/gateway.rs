@@ -800,6 +800,9 @@ out["deltas"] = sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.too
 out["call"] = calls[0]
 out["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
 out["usage"] = [ch.usage.total_tokens for ch in chunks if ch.usage]
+# SDK helpers read the usage from the last chunk before [DONE]; oam's object rides in it.
+out["last_usage"] = chunks[-1].usage.total_tokens if chunks[-1].usage else None
+out["last_oam"] = (chunks[-1].model_extra or {}).get("oam", {}).get("outcome")
 turn.append({"role": "assistant", "content": None, "tool_calls": [{"id": calls[0]["id"],
              "type": "function", "function": {"name": calls[0]["name"],
              "arguments": calls[0]["arguments"]}}]})
@@ -835,6 +838,11 @@ print(json.dumps(out))
         1,
         "usage relayed once, as asked: {v}"
     );
+    assert_eq!(
+        v["last_usage"], v["usage"][0],
+        "the last chunk carries the usage: {v}"
+    );
+    assert_eq!(v["last_oam"], "accepted", "and the oam object: {v}");
     assert!(v["final"].as_str().unwrap().contains("answer"), "{v}");
     let broken = v["broken"].as_str().unwrap();
     assert!(broken.contains("STREAM_ENDED_WITH_ERROR"), "{broken}");
