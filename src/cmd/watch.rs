@@ -255,10 +255,29 @@ pub async fn run(a: Args) -> Result<()> {
     let (chaos_tx, mut chaos_rx) = tokio::sync::mpsc::channel::<usize>(4);
     let (status_tx, mut status_rx) = tokio::sync::mpsc::channel::<String>(4);
     {
-        let nats = nats.clone();
+        // The watch reads as the viewer; injecting is the operator's, on a connection of its
+        // own, opened at the first use of the menu (or why it cannot be, said on screen).
+        let cluster = a.cluster.clone();
         tokio::spawn(async move {
+            let mut operator: Option<async_nats::Client> = None;
             while let Some(sel) = chaos_rx.recv().await {
-                let _ = status_tx.send(chaos_action(&nats, sel).await).await;
+                if operator.is_none() {
+                    match cluster
+                        .connect(&crate::cmd::Role::Operator, "oam-watch-chaos")
+                        .await
+                    {
+                        Ok(c) => operator = Some(c),
+                        Err(e) => {
+                            let why =
+                                format!("chaos needs the operator's credentials: {:#}", e.source);
+                            let _ = status_tx.send(why).await;
+                            continue;
+                        }
+                    }
+                }
+                if let Some(op) = &operator {
+                    let _ = status_tx.send(chaos_action(op, sel).await).await;
+                }
             }
         });
     }

@@ -12,7 +12,7 @@
 //! | `agent-{name}`  | its own heartbeats, errors, graceful death; calls; answers | its own requests   |
 //! | `caller`        | calls to agents, data-plane requests                     | deaths, the catalog |
 //! | `sdk-agent-{name}`, `sdk-caller` | as an agent / a caller, for the Open Agent Mesh SDK | also `_INBOX.>`, `mesh.stream.>`, the catalog through a consumer |
-//! | `viewer`        | nothing (JetStream reads only)                           | the control plane but requests, mesh events |
+//! | `viewer`        | JetStream reads; which faults are active (`oam.v1.chaos.list`) | the control plane but requests, mesh events |
 //! | admin (`oam`)   | everything, including stream and bucket delete          | everything         |
 //!
 //! No role has a reply permission (`allow_responses`: the sender of a message picks its reply
@@ -176,11 +176,7 @@ impl Role {
             Role::Viewer => p.viewer(),
             Role::Operator => {
                 p.viewer();
-                p.publish([
-                    subjects::CHAOS_INJECT,
-                    subjects::CHAOS_LIST,
-                    subjects::CHAOS_RESTORE,
-                ]);
+                p.publish([subjects::CHAOS_INJECT, subjects::CHAOS_RESTORE]);
                 p.kv_write(escalations::BUCKET, ">");
                 p.kv_write(subjects::BUDGETS_BUCKET, ">");
             }
@@ -271,8 +267,9 @@ impl Role {
             }
             Role::Warden => {
                 p.publish([subjects::chaos_node("*"), subjects::CHAOS_EVENT.to_string()]);
-                // It answers the operator's (and the admin's) chaos requests.
-                p.answers(&["operator", "admin"]);
+                // It answers the operator's (and the admin's) chaos requests, and the viewer's
+                // one question (which faults are active: it may publish no other).
+                p.answers(&["operator", "admin", "viewer"]);
                 p.subscribe([
                     subjects::CHAOS_INJECT,
                     subjects::CHAOS_LIST,
@@ -412,6 +409,8 @@ impl Permissions {
             self.kv_watch(b);
         }
         self.consume_stream(subjects::DECISION_LOG_STREAM);
+        // Which faults are active (asking changes nothing; injecting is the operator's).
+        self.publish([subjects::CHAOS_LIST]);
     }
 
     /// What the Open Agent Mesh SDK needs beyond oam's own callers: it keeps NATS' default
@@ -593,13 +592,19 @@ mod tests {
         assert!(may_publish(&agent, "_OAM.caller.abc.1"));
         assert!(!may_publish(&agent, "_OAM.warden.abc.1"));
         assert!(!may_publish(&caller, "_OAM.caller.abc.1"));
-        // A viewer publishes nothing but JetStream reads.
+        // A viewer publishes nothing but JetStream reads and the question which faults are
+        // active; injecting and restoring are the operator's.
         let v = viewer.permissions().unwrap();
         assert!(
-            v.publish.iter().all(|s| s.starts_with("$JS.")),
+            v.publish
+                .iter()
+                .all(|s| s.starts_with("$JS.") || s == subjects::CHAOS_LIST),
             "{:?}",
             v.publish
         );
+        assert!(may_publish(&viewer, subjects::CHAOS_LIST));
+        assert!(!may_publish(&viewer, subjects::CHAOS_INJECT));
+        assert!(!may_publish(&viewer, subjects::CHAOS_RESTORE));
     }
 
     #[test]

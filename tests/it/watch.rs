@@ -27,25 +27,120 @@ impl Tmux {
 }
 
 impl Tmux {
-    /// `oam watch` on `mesh` in a detached tmux session of `width`x`height`.
+    /// `oam watch` on `mesh` (as its admin) in a detached tmux session of `width`x`height`.
     fn watch(mesh: &LocalCluster, tag: &str, width: u16, height: u16) -> Tmux {
         let bin = assert_cmd::cargo::cargo_bin!("oam");
+        let cmd = format!("OAM_NATS_URL='{}' {} watch", mesh.app_url(), bin.display());
+        Tmux::run(&cmd, tag, width, height)
+    }
+
+    /// `command` in a detached tmux session of `width`x`height`.
+    fn run(command: &str, tag: &str, width: u16, height: u16) -> Tmux {
         let session = Tmux(format!("oam-{tag}-{}", std::process::id()));
         let status = Command::new("tmux")
             .args(["new-session", "-d", "-s", &session.0, "-x"])
             .arg(width.to_string())
             .arg("-y")
             .arg(height.to_string())
-            .arg(format!(
-                "OAM_NATS_URL='{}' {} watch",
-                mesh.app_url(),
-                bin.display()
-            ))
+            .arg(command)
             .status()
             .expect("tmux; scripts/install-test-tools installs it");
         assert!(status.success());
         session
     }
+
+    fn keys(&self, keys: &[&str]) {
+        for k in keys {
+            Command::new("tmux")
+                .args(["send-keys", "-t", &self.0, k])
+                .status()
+                .unwrap();
+        }
+    }
+}
+
+/// The watch as shipped, pointed at a mesh folder: it reads as the viewer and still shows the
+/// active faults, and its chaos menu injects with the operator's credentials from the folder;
+/// without them, the menu says why it cannot.
+#[tokio::test]
+async fn the_watch_in_a_mesh_folder_shows_faults_and_injects_as_the_operator() {
+    let mesh = LocalCluster::up("watch-dir").await;
+    let bin = assert_cmd::cargo::cargo_bin!("oam");
+    let cmd = format!(
+        "env -u OAM_NATS_URL {} watch --dir '{}'",
+        bin.display(),
+        mesh.dir.0.display()
+    );
+    let session = Tmux::run(&cmd, "watch-dir", 140, 40);
+    let fault = mesh
+        .oam()
+        .args([
+            "chaos",
+            "slow-provider",
+            "secondary",
+            "--ms",
+            "500",
+            "--for",
+            "60s",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        fault.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fault.stderr)
+    );
+    let shown = eventually(Duration::from_secs(15), || async {
+        session
+            .capture()
+            .contains("slow-provider secondary")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        shown.is_some(),
+        "the viewer sees the active fault:\n{}",
+        session.capture()
+    );
+
+    session.keys(&["c", "Enter"]);
+    let injected = eventually(Duration::from_secs(10), || async {
+        session
+            .capture()
+            .contains("kill-provider primary")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        injected.is_some(),
+        "the menu injected as the operator:\n{}",
+        session.capture()
+    );
+    let list = mesh
+        .oam()
+        .args(["chaos", "list", "--json"])
+        .output()
+        .unwrap();
+    let active = String::from_utf8_lossy(&list.stdout);
+    assert!(active.contains("kill-provider"), "{active}");
+
+    // Without the operator's credentials the menu says what to do, and changes nothing.
+    std::fs::remove_file(mesh.dir.0.join("creds").join("operator.json")).unwrap();
+    let again = Tmux::run(&cmd, "watch-dir-2", 140, 40);
+    let ready = eventually(Duration::from_secs(15), || async {
+        again.capture().contains("Provider consensus").then_some(())
+    })
+    .await;
+    assert!(ready.is_some(), "{}", again.capture());
+    again.keys(&["c", "Down", "Enter"]);
+    let said = eventually(Duration::from_secs(10), || async {
+        again
+            .capture()
+            .contains("chaos needs the operator")
+            .then_some(())
+    })
+    .await;
+    assert!(said.is_some(), "the menu says why:\n{}", again.capture());
 }
 
 /// Whether the nodes panel on `screen` shows `node` in `state` (whatever the column widths).
