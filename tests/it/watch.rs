@@ -259,14 +259,8 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
     );
 
     // Chaos from inside: the menu's first entry kills the primary provider.
-    Command::new("tmux")
-        .args(["send-keys", "-t", &session.0, "c"])
-        .status()
-        .unwrap();
-    Command::new("tmux")
-        .args(["send-keys", "-t", &session.0, "Enter"])
-        .status()
-        .unwrap();
+    session.keys(&["c"]);
+    session.keys(&["Enter"]);
     let injected = eventually(Duration::from_secs(10), || async {
         session
             .capture()
@@ -341,10 +335,7 @@ async fn watch_shows_the_mesh_and_a_dead_node_in_a_real_terminal() {
         session.capture()
     );
 
-    Command::new("tmux")
-        .args(["send-keys", "-t", &session.0, "q"])
-        .status()
-        .unwrap();
+    session.keys(&["q"]);
     let quit = eventually(Duration::from_secs(10), || async {
         (!session.alive()).then_some(())
     })
