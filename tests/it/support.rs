@@ -172,7 +172,8 @@ pub fn allow_open_files(files: u64) {
     }
 }
 
-/// Poll `check` every 20 ms until it returns `Some`, for at most `limit`.
+/// Poll `check` every 20 ms until it returns `Some`, for at most `limit` (a check that does
+/// not return is cut off at the limit too: the test fails, it does not hang).
 pub async fn eventually<T, F, Fut>(limit: Duration, mut check: F) -> Option<T>
 where
     F: FnMut() -> Fut,
@@ -180,7 +181,8 @@ where
 {
     let deadline = Instant::now() + limit;
     loop {
-        if let Some(v) = check().await {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if let Ok(Some(v)) = tokio::time::timeout(left, check()).await {
             return Some(v);
         }
         if Instant::now() >= deadline {

@@ -122,6 +122,9 @@ pub struct Entry {
     pub record: Record,
 }
 
+/// How long one pull of the log may wait for messages before it expires.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
 /// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
 /// oldest first; `node` narrows it to one node's records. Only the records `keep` wants are
 /// held in memory: those, and how many records were read in all. A batch is believed only
@@ -181,12 +184,16 @@ pub async fn read(
             .batch()
             // No more than are there: a pull for more waits for them until it expires.
             .max_messages(PULL.min(usize::try_from(pending).unwrap_or(PULL)))
-            .expires(Duration::from_secs(5))
+            .expires(PULL_EXPIRES)
             .messages()
             .await
             .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
         let mut got = 0;
-        while let Some(m) = messages.next().await {
+        // A pull whose server died with it is never answered, not even by its expiry: each
+        // message is waited for at most a little past the pull's own expiry.
+        while let Ok(Some(m)) =
+            tokio::time::timeout(PULL_EXPIRES + OPEN_TIMEOUT, messages.next()).await
+        {
             let m = m.map_err(|e| {
                 anyhow::anyhow!("the decision log stopped answering after {read} records: {e}")
             })?;
