@@ -84,6 +84,8 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
     // and JetStream takes writes again once its streams have new leaders.
     let since = oam::clock::now_ms();
     let mut log = js.get_stream("OAM_DECISIONS").await.unwrap();
+    // Opened before the kill: a JetStream request lost with its server is never answered.
+    let kv = js.get_key_value("oam-budgets").await.unwrap();
     let leader = log
         .info()
         .await
@@ -131,7 +133,6 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
         logged.is_some(),
         "every answer given through the election has its decision record"
     );
-    let kv = js.get_key_value("oam-budgets").await.unwrap();
     let wrote = eventually(Duration::from_secs(15), || async {
         kv.put("test.after-kill", "1".into()).await.ok()
     })
