@@ -609,7 +609,7 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
     }
     store::bucket(&nats, super::roles::SDK_CONTEXT_BUCKET, Duration::ZERO).await?;
     // The decision log, with the nodes' default retention (a week, 256 MiB).
-    async_nats::jetstream::new(nats.clone())
+    store::context(&nats)
         .get_or_create_stream(decisions::stream(
             Duration::from_secs(7 * 24 * 3600),
             256 << 20,
@@ -619,7 +619,7 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot create the decision log stream: {e}"))?;
     // The SDK's artifact store is an object store: a stream laid out as its clients expect.
     let b = super::roles::SDK_ARTIFACTS_BUCKET;
-    async_nats::jetstream::new(nats.clone())
+    store::context(&nats)
         .get_or_create_stream(async_nats::jetstream::stream::Config {
             name: format!("OBJ_{b}"),
             subjects: vec![format!("$O.{b}.C.>"), format!("$O.{b}.M.>")],

@@ -190,7 +190,7 @@ impl Writer {
         if !log.enabled() {
             return;
         }
-        let js = async_nats::jetstream::new(node.bus.nats().clone());
+        let js = crate::transport::store::context(node.bus.nats());
         let mut ready = false;
         let subject = subjects::decision_log(&node.id);
         // Message ids unique across this node's restarts: its boot, then a count.

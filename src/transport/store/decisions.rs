@@ -137,7 +137,7 @@ pub async fn read(
 ) -> anyhow::Result<(Vec<Entry>, usize)> {
     use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
     use futures_util::StreamExt;
-    let js = async_nats::jetstream::new(nats.clone());
+    let js = super::context(nats);
     // A server that never answers (its roles refuse this client's replies, say) is an error
     // that says what to do, not a wait without end.
     let no_answer = || {

@@ -74,6 +74,19 @@ pub fn token(id: &str) -> String {
     format!("h-{}-{hash:016x}", hex(&id.as_bytes()[..100]))
 }
 
+/// How long any JetStream request may wait for its answer. async-nats gives them no bound of
+/// their own, and oam's connections set none (callers bound their own requests): a request
+/// lost with a server that died would be waited for without end.
+pub const API_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The JetStream context every store of oam's is opened with: each request bounded by
+/// `API_TIMEOUT` (the buckets and streams opened from it inherit it).
+pub fn context(nats: &async_nats::Client) -> jetstream::Context {
+    jetstream::ContextBuilder::new()
+        .timeout(API_TIMEOUT)
+        .build(nats.clone())
+}
+
 /// How long opening or creating a bucket may take: a server that does not answer (or a role
 /// the server does not let create one, which hears nothing back) is an error, not a hang.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -117,7 +130,7 @@ pub async fn bucket(
     name: &str,
     max_age: Duration,
 ) -> anyhow::Result<kv::Store> {
-    let js = jetstream::new(nats.clone());
+    let js = context(nats);
     if let Ok(Ok(store)) = tokio::time::timeout(OPEN_TIMEOUT, js.get_key_value(name)).await {
         check_replicas(nats, &store.stream.cached_info().config)?;
         return Ok(store);
