@@ -161,7 +161,11 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
     let mut nats_ports = Vec::new();
     for i in 0..plan.servers {
         let wanted = match plan.port {
-            0 => 0,
+            // Any free port, but the one the folder's server had last if it is free: agents
+            // and watches still pointed at it reconnect by themselves.
+            0 => last_port(&dir, i, plan.servers)
+                .filter(|p| !natsd::port_in_use(*p))
+                .unwrap_or(0),
             first => first.checked_add(i).ok_or_else(|| {
                 plan_err(anyhow::anyhow!(
                     "--port {first} leaves no room for {} servers below 65536; pick a lower \
@@ -261,6 +265,21 @@ async fn repair(plan: &Plan, dir: &Path, mut rec: Record) -> anyhow::Result<Vec<
     }
     rec.save(dir)?;
     Ok(restarted)
+}
+
+/// The client port server `i` (of `servers`) of the folder's last mesh listened on, from the
+/// config it left behind.
+fn last_port(dir: &Path, i: u16, servers: u16) -> Option<u16> {
+    let folder = if servers == 1 {
+        dir.to_path_buf()
+    } else {
+        dir.join(format!("nats-{}", i + 1))
+    };
+    let conf = std::fs::read_to_string(folder.join("nats.conf")).ok()?;
+    let listen = conf
+        .lines()
+        .find_map(|l| l.strip_prefix("listen: 127.0.0.1:"))?;
+    listen.trim().parse().ok().filter(|p| *p != 0)
 }
 
 /// Check that a port asked for is free; 0 stays 0: the process binds any free port itself and

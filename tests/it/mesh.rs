@@ -529,9 +529,16 @@ async fn credentials_survive_down_and_up_unless_renewed() {
             .as_str()
             .is_some_and(|p| p.len() >= 32)
     );
+    let port = || oam::local::Record::load(&dir.0).unwrap().unwrap().servers[0].port;
+    let before = port();
     down();
     up(&[]);
     assert_eq!(creds(), first, "the same passwords after down and up");
+    assert_eq!(
+        port(),
+        before,
+        "--port 0 takes the folder's last NATS port again while it is free"
+    );
     let given = json(&std::fs::read(dir.0.join("creds/viewer.json")).unwrap());
     let viewer = first["users"]["viewer"].as_str().unwrap();
     assert!(given["url"].as_str().unwrap().contains(viewer), "{given}");
