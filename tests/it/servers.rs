@@ -83,18 +83,9 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
     // others, every answer they give still gets its record (written again past the election),
     // and JetStream takes writes again once its streams have new leaders.
     let since = oam::clock::now_ms();
-    let mut log = js.get_stream("OAM_DECISIONS").await.unwrap();
     // Opened before the kill: a JetStream request lost with its server is never answered.
     let kv = js.get_key_value("oam-budgets").await.unwrap();
-    let leader = log
-        .info()
-        .await
-        .unwrap()
-        .cluster
-        .clone()
-        .unwrap()
-        .leader
-        .unwrap();
+    let leader = leader_of(&js, "OAM_DECISIONS").await;
     assert!(oam::local::signal(cl.pid(&leader), libc::SIGKILL));
     let http = crate::support::http(Duration::from_secs(10));
     let mut answered = std::collections::BTreeSet::new();
@@ -120,17 +111,9 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
         oam::transport::connect::connect(&survivor, "test-reader", false, &Default::default())
             .await
             .unwrap();
-    let logged = eventually(Duration::from_secs(30), || async {
-        let (entries, _) = oam::transport::store::decisions::read(&reader, since, None, |_| true)
-            .await
-            .ok()?;
-        let ids: std::collections::BTreeSet<String> =
-            entries.into_iter().map(|e| e.record.request.id).collect();
-        answered.is_subset(&ids).then_some(ids)
-    })
-    .await;
+    let logged = all_logged(&reader, since, &answered, Duration::from_secs(30)).await;
     assert!(
-        logged.is_some(),
+        logged,
         "every answer given through the election has its decision record"
     );
     let wrote = eventually(Duration::from_secs(15), || async {
@@ -346,6 +329,33 @@ fn nothing_held(l: &oam::core::ledger::Ledger) -> bool {
     l.held_usd(oam::clock::now_ms(), None) == 0.0
 }
 
+/// The server that leads `stream` now.
+async fn leader_of(js: &async_nats::jetstream::Context, stream: &str) -> String {
+    let mut stream = js.get_stream(stream).await.unwrap();
+    let info = stream.info().await.unwrap();
+    info.cluster.clone().unwrap().leader.unwrap()
+}
+
+/// Whether every request id `answered` has its record in the decision log read from `since`,
+/// within `limit` (batches written again after a fault may land a little later).
+async fn all_logged(
+    nats: &async_nats::Client,
+    since: u64,
+    answered: &std::collections::BTreeSet<String>,
+    limit: Duration,
+) -> bool {
+    let found = eventually(limit, || async {
+        let (entries, _) = oam::transport::store::decisions::read(nats, since, None, |_| true)
+            .await
+            .ok()?;
+        let ids: std::collections::BTreeSet<String> =
+            entries.into_iter().map(|e| e.record.request.id).collect();
+        answered.is_subset(&ids).then_some(())
+    })
+    .await;
+    found.is_some()
+}
+
 async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option<Value> {
     use futures_util::StreamExt;
     let m = tokio::time::timeout(within, sub.next()).await.ok()??;
@@ -407,16 +417,7 @@ async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
         .unwrap()
         .unwrap();
 
-    let mut stream = js.get_stream("KV_oam-budgets").await.unwrap();
-    let leader = stream
-        .info()
-        .await
-        .unwrap()
-        .cluster
-        .clone()
-        .unwrap()
-        .leader
-        .unwrap();
+    let leader = leader_of(&js, "KV_oam-budgets").await;
     assert!(oam::local::signal(cl.pid(&leader), libc::SIGKILL));
     let (mut cost, mut local) = (0.0, 0);
     for i in 0..60 {
@@ -596,19 +597,8 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
             .await
             .unwrap();
     // Batches that met no server are written again as the streams come back.
-    let logged = eventually(Duration::from_secs(20), || async {
-        let (entries, _) = oam::transport::store::decisions::read(&reader, since, None, |_| true)
-            .await
-            .ok()?;
-        let ids: std::collections::BTreeSet<String> =
-            entries.into_iter().map(|e| e.record.request.id).collect();
-        answered.is_subset(&ids).then_some(())
-    })
-    .await;
-    assert!(
-        logged.is_some(),
-        "every answer given before the kill has its record"
-    );
+    let logged = all_logged(&reader, since, &answered, Duration::from_secs(20)).await;
+    assert!(logged, "every answer given before the kill has its record");
     let kv = async_nats::jetstream::new(reader.clone())
         .get_key_value("oam-budgets")
         .await
@@ -650,16 +640,7 @@ async fn a_frozen_leader_loses_nothing_once_it_thaws() {
     let http = crate::support::http(Duration::from_secs(10));
     let before = eventually(Duration::from_secs(10), settled).await.unwrap();
     let since = oam::clock::now_ms();
-    let mut stream = js.get_stream("KV_oam-budgets").await.unwrap();
-    let leader = stream
-        .info()
-        .await
-        .unwrap()
-        .cluster
-        .clone()
-        .unwrap()
-        .leader
-        .unwrap();
+    let leader = leader_of(&js, "KV_oam-budgets").await;
     let frozen = cl.pid(&leader);
     assert!(oam::local::signal(frozen, libc::SIGSTOP));
     let thaw = tokio::spawn(async move {
@@ -697,14 +678,6 @@ async fn a_frozen_leader_loses_nothing_once_it_thaws() {
             .flatten()
             .map(|l| l.spent_usd)
     );
-    let logged = eventually(Duration::from_secs(30), || async {
-        let (entries, _) = oam::transport::store::decisions::read(&nc, since, None, |_| true)
-            .await
-            .ok()?;
-        let ids: std::collections::BTreeSet<String> =
-            entries.into_iter().map(|e| e.record.request.id).collect();
-        answered.is_subset(&ids).then_some(())
-    })
-    .await;
-    assert!(logged.is_some(), "every answer has its record");
+    let logged = all_logged(&nc, since, &answered, Duration::from_secs(30)).await;
+    assert!(logged, "every answer has its record");
 }
