@@ -22,6 +22,8 @@ pub struct Plan {
     /// Stop starting new requests after this long.
     pub max_duration_ms: Option<u64>,
     pub agent: String,
+    /// The model every request asks for when there is no mix.
+    pub model: String,
     pub task: String,
     pub risk: Risk,
     pub priority: Priority,
@@ -48,6 +50,7 @@ impl Plan {
                 task: self.task.clone(),
                 max_tokens: None,
                 api: Default::default(),
+                model: self.model.clone(),
             };
         }
         let mut x =
@@ -150,10 +153,10 @@ fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
         "request_id": format!("bench-{}-{}-{i}", plan.seed, crate::ids::run_token()),
     });
     let mut body = match k.api {
-        Surface::Chat | Surface::Messages => json!({"model": "auto",
+        Surface::Chat | Surface::Messages => json!({"model": k.model,
             "messages": [{"role": "user", "content": text}], "oam": oam}),
         Surface::Responses | Surface::Embeddings => {
-            json!({"model": "auto", "input": text, "oam": oam})
+            json!({"model": k.model, "input": text, "oam": oam})
         }
     };
     match (k.api, k.max_tokens) {
@@ -605,6 +608,7 @@ mod tests {
             rate_per_s: None,
             max_duration_ms: None,
             agent: "a".into(),
+            model: "auto".into(),
             task: "t".into(),
             risk: Risk::Low,
             priority: Priority::Normal,

@@ -303,6 +303,7 @@ pub async fn run(
         rate_per_s: Some(s.load.rate),
         max_duration_ms: Some(duration.as_millis() as u64 + 1_000),
         agent: "bench".into(),
+        model: "auto".into(),
         task: "bench".into(),
         risk: crate::core::request::Risk::Low,
         priority: crate::core::request::Priority::Normal,

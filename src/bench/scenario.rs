@@ -122,6 +122,10 @@ pub struct Mix {
     /// The API it is sent in (HTTP).
     #[serde(default)]
     pub api: Surface,
+    /// The model asked for: `auto` (scored routing over every target) or a route's name, e.g.
+    /// `json` on the demo mesh (answers held to the JSON contract).
+    #[serde(default = "auto")]
+    pub model: String,
 }
 
 /// Which of a node's HTTP APIs a request is sent in.
@@ -161,6 +165,10 @@ fn bench() -> String {
     "bench".into()
 }
 
+fn auto() -> String {
+    "auto".into()
+}
+
 impl Default for Mix {
     fn default() -> Mix {
         Mix {
@@ -171,6 +179,7 @@ impl Default for Mix {
             task: bench(),
             max_tokens: None,
             api: Surface::Chat,
+            model: auto(),
         }
     }
 }

@@ -589,6 +589,7 @@ impl Warden {
                 rate_per_s: None,
                 max_duration_ms: Some(for_ms),
                 agent: "spike".into(),
+                model: "auto".into(),
                 task: "spike".into(),
                 risk: crate::core::request::Risk::Low,
                 priority: crate::core::request::Priority::Background,
@@ -609,7 +610,8 @@ impl Warden {
             )
         } else {
             // The same failing high-risk call, again and again, spread over every node in
-            // turn (loop counts are the cluster's): it asks for a confidence no answer reaches.
+            // turn (loop counts are the cluster's): under its own JSON contract it asks for a
+            // confidence no answer reaches.
             let requests = p.requests.unwrap_or(8);
             let names: Vec<&str> = rec.nodes().map(|n| n.name.as_str()).collect();
             let detail = format!(
@@ -624,6 +626,7 @@ impl Warden {
                 "model": "auto",
                 "messages": [{"role": "user", "content": format!("chaos {id}: approve refund 5531 with certainty")}],
                 "oam": {"agent": target, "task": "refund", "risk": "high",
+                        "contract": {"min_confidence": 0.999},
                         "policy": {"min_confidence": 0.999, "max_attempts": 1}},
             });
             // One call at a time (each sees the ones before it), paced to end well within

@@ -35,6 +35,10 @@ pub struct Args {
     /// The task every request names (part of what a loop is counted by).
     #[arg(long, default_value = "bench")]
     pub task: String,
+    /// The model every request asks for: `auto` (scored routing over every target) or a
+    /// route's name (`json` on the demo mesh holds answers to the JSON contract).
+    #[arg(long, default_value = "auto")]
+    pub model: String,
     /// The risk every request declares (high-risk work never spends a local budget share).
     #[arg(long, default_value = "low", value_parser = risks())]
     pub risk: Risk,
@@ -43,7 +47,8 @@ pub struct Args {
     pub priority: Priority,
     /// A request kind in the mix, repeatable, chosen per request by weight, e.g.
     /// `--mix risk=high,priority=critical,agent=support-bot,weight=1 --mix weight=9`
-    /// (keys: risk, priority, agent, task, weight; unset keys take the flags above).
+    /// (keys: risk, priority, agent, task, model, api, weight; unset keys take the flags
+    /// above).
     #[arg(long = "mix")]
     pub mix: Vec<String>,
     /// Send the requests on the NATS data plane (`oam.v1.request`) instead of HTTP.
@@ -112,6 +117,7 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
         task: a.task.clone(),
         max_tokens: None,
         api: Default::default(),
+        model: a.model.clone(),
     };
     for pair in spec.split(',').filter(|p| !p.trim().is_empty()) {
         let (k, v) = pair.split_once('=').ok_or_else(|| {
@@ -123,7 +129,7 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
         let invalid = || {
             Error::usage(format!(
                 "--mix {spec:?}: {k}={v} is not valid; keys are risk (low|medium|high), \
-                 priority (critical|normal|background), agent, task, weight, \
+                 priority (critical|normal|background), agent, task, model, weight, \
                  api (chat|messages|responses|embeddings)"
             ))
         };
@@ -132,6 +138,7 @@ fn parse_mix(spec: &str, a: &Args) -> Result<crate::bench::scenario::Mix> {
             "priority" => m.priority = Priority::from_name(&v).ok_or_else(invalid)?,
             "agent" => m.agent = v,
             "task" => m.task = v,
+            "model" => m.model = v,
             "api" => {
                 m.api = crate::bench::scenario::Surface::from_name(&v).ok_or_else(invalid)?;
             }
@@ -226,6 +233,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         rate_per_s: a.rate,
         max_duration_ms: a.duration.map(|d| (d * 1_000.0) as u64),
         agent: a.agent.clone(),
+        model: a.model.clone(),
         task: a.task.clone(),
         risk: a.risk,
         priority: a.priority,

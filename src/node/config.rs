@@ -42,7 +42,8 @@
 //! [[route]]                   # a model name clients ask for, and who serves it, in order
 //! model = "fast"
 //! targets = ["primary", "secondary/m"]   # provider/model, or a one-model provider's id
-//! contract = {}               # optional: answers held to the JSON contract
+//! contract = {}               # optional: answers held to the JSON contract (a stream on a
+//!                             # contracted route is checked whole, then released: buffered)
 //! first_token_ms = 5000       # optional: this route's stream deadlines
 //!
 //! [streaming]                 # deadlines of a stream relayed live
@@ -223,6 +224,10 @@ pub struct ModelConfig {
     #[serde(default)]
     pub fallback: Option<bool>,
 }
+
+/// The route of the simulator's default configuration whose answers are held to the JSON
+/// contract (`model: "json"`).
+pub const JSON_ROUTE: &str = "json";
 
 /// `[[route]]`: a model name clients ask for, served by targets in preference order.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
@@ -510,9 +515,19 @@ impl NodeConfig {
         let mut cfg: NodeConfig = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
         if cfg.providers.is_empty() {
             cfg.providers = default_providers(sim_url);
-            // The simulator's models answer in oam's JSON contract; hold them to it. They answer
-            // within ~200 ms, so a stream silent for a second is broken.
-            cfg.pipeline.default_contract.get_or_insert_default();
+            // The simulator's models answer in oam's JSON contract: the route `json` holds them
+            // to it (and so checks a stream whole before releasing it); every other model
+            // streams live. They answer within ~200 ms, so a stream silent for a second is broken.
+            if !cfg.routes.iter().any(|r| r.model == JSON_ROUTE) {
+                cfg.routes.push(RouteConfig {
+                    model: JSON_ROUTE.into(),
+                    targets: ["primary", "secondary", "local"].map(String::from).into(),
+                    contract: Some(Default::default()),
+                    first_token_ms: None,
+                    idle_ms: None,
+                    total_ms: None,
+                });
+            }
             if cfg.streaming == Streaming::default() {
                 cfg.streaming = Streaming {
                     first_token_ms: 2_000,
@@ -1091,9 +1106,13 @@ contract = {}
             "a user's providers: no contract"
         );
         let sim = NodeConfig::load(None, "http://sim").unwrap();
+        assert_eq!(
+            sim.pipeline.default_contract, None,
+            "the simulator's: every model streams live"
+        );
         assert!(
-            sim.pipeline.default_contract.is_some(),
-            "the simulator's: JSON"
+            sim.core_routes()[JSON_ROUTE].contract.is_some(),
+            "but the json route holds answers to the JSON contract"
         );
     }
 

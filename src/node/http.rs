@@ -116,6 +116,7 @@ pub(crate) fn to_http(a: Answer) -> Response {
     let Answer {
         stream: _,
         live: _,
+        buffered: _,
         status,
         body,
         request_id,
@@ -166,7 +167,10 @@ pub(crate) fn with_oam_headers(
 /// quality, cost) before releasing any of it, so the stream is the checked answer in one content
 /// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
 pub(crate) fn to_sse(a: Answer) -> Response {
-    let answer: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    let mut answer: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    if let Some(why) = a.buffered {
+        answer["oam"]["buffered"] = why.into();
+    }
     let text = super::openai::sse_of(&answer);
     let resp = (
         StatusCode::OK,
@@ -177,7 +181,20 @@ pub(crate) fn to_sse(a: Answer) -> Response {
         text,
     )
         .into_response();
+    let resp = says_buffered(resp, a.buffered);
     with_oam_headers(resp, [a.phase, a.reasons, a.target, a.request_id])
+}
+
+/// A stream that was checked whole before release says why (`X-OAM-Buffered: contract`), so
+/// nobody takes one content chunk for broken streaming.
+fn says_buffered(mut resp: Response, why: Option<&'static str>) -> Response {
+    if let Some(why) = why {
+        resp.headers_mut().insert(
+            HeaderName::from_static("x-oam-buffered"),
+            HeaderValue::from_static(why),
+        );
+    }
+    resp
 }
 
 async fn chat(
@@ -311,6 +328,12 @@ async fn translated(
                     }) => return live,
                     Ok(mut answer) => {
                         answer.stream = stream;
+                        if let Some(why) = answer.buffered
+                            && let Ok(mut v) = serde_json::from_slice::<Value>(&answer.body)
+                        {
+                            v["oam"]["buffered"] = why.into();
+                            answer.body = v.to_string().into();
+                        }
                         answer
                     }
                     Err(failed) => return failed,
@@ -336,6 +359,7 @@ fn in_its_api(answer: Answer, text: String, events: bool) -> Response {
         text,
     )
         .into_response();
+    let resp = says_buffered(resp, answer.buffered.filter(|_| events));
     with_oam_headers(
         resp,
         [
@@ -552,6 +576,7 @@ mod tests {
         let a = Answer {
             stream: true,
             live: None,
+            buffered: None,
             status: StatusCode::OK,
             body: serde_json::to_vec(&answer).expect("JSON").into(),
             request_id: "r1".into(),

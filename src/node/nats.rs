@@ -178,6 +178,7 @@ mod tests {
             reasons: String::new(),
             target: String::new(),
             live: None,
+            buffered: None,
         };
         let v: serde_json::Value = serde_json::from_slice(&reply_of(&a)).expect("JSON");
         assert_eq!(v["status"], 502);

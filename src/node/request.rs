@@ -114,6 +114,9 @@ pub struct Answer {
     pub target: String,
     /// A stream relayed live: the response is already under way (HTTP only).
     pub live: Option<Response>,
+    /// Why a stream asked for was not relayed live but checked whole, then released:
+    /// `contract` (its answer is held to one) or `native` (a Messages request sent as it came).
+    pub buffered: Option<&'static str>,
 }
 
 impl Answer {
@@ -128,6 +131,7 @@ impl Answer {
             reasons: String::new(),
             target: String::new(),
             live: Some(resp),
+            buffered: None,
         }
     }
 }
@@ -299,6 +303,11 @@ pub async fn execute(
         // Checked whole, then sent as the API's events.
         Asks::Native(_) | Asks::Embeddings => None,
     };
+    let buffered = match asks {
+        _ if !stream || live.is_some() => None,
+        Asks::Native(_) => Some("native"),
+        _ => Some("contract"),
+    };
     let embeddings = asks == Asks::Embeddings;
     let limits = node
         .cfg
@@ -449,7 +458,11 @@ pub async fn execute(
     let logged = conclude(node, decision, record, started);
     // Under `[decision_log] durable`, not before its record is in the stream.
     node.log.logged(logged).await;
-    Answer { stream, ..answer }
+    Answer {
+        stream,
+        buffered,
+        ..answer
+    }
 }
 
 /// Ask the cluster's count to admit the request of `flight` if its caller has a rate limit:
@@ -525,6 +538,7 @@ pub(crate) fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> An
         reasons: String::new(),
         target: String::new(),
         live: None,
+        buffered: None,
     }
 }
 
@@ -564,6 +578,7 @@ pub(crate) fn respond(
         reasons: reasons.join(","),
         target,
         live: None,
+        buffered: None,
     }
 }
 

@@ -92,6 +92,35 @@ async fn ask(
     (status, headers, r.json().await.unwrap())
 }
 
+/// A streamed answer on `model`: its headers and how many chunks carried content.
+async fn stream_contents(
+    c: &reqwest::Client,
+    url: &str,
+    model: &str,
+) -> (reqwest::header::HeaderMap, usize) {
+    let body = json!({"model": model, "stream": true,
+        "messages": [{"role": "user", "content": "stream this"}]});
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let headers = r.headers().clone();
+    let text = r.text().await.unwrap();
+    let events = oam::http::sse::Parser::default()
+        .feed(text.as_bytes())
+        .unwrap();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let contents = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter(|v| v["choices"][0]["delta"]["content"].is_string())
+        .count();
+    (headers, contents)
+}
+
 fn question(q: &str) -> Value {
     json!({"model": "auto", "messages": [{"role": "user", "content": q}]})
 }
@@ -146,6 +175,17 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
     assert!(h.contains_key("x-request-id"));
     assert_eq!(v["object"], "chat.completion");
 
+    // The simulator's default configuration streams live; its `json` route holds answers to
+    // the JSON contract, so a stream there is checked whole and says so.
+    let (h, chunks) = stream_contents(&c, &cl.urls[0], "auto").await;
+    assert!(chunks > 2, "{chunks} content chunks: not live");
+    assert!(!h.contains_key("x-oam-buffered"), "{h:?}");
+    let (h, chunks) = stream_contents(&c, &cl.urls[0], "json").await;
+    assert_eq!(
+        (chunks, h["x-oam-buffered"].to_str().ok()),
+        (1, Some("contract"))
+    );
+
     // HTTP 200 with a broken contract: a semantic failure, rerouted within the same request.
     let set = |fault: Value| {
         let c = c.clone();
@@ -153,7 +193,8 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
         async move { assert_eq!(c.post(url).json(&fault).send().await.unwrap().status(), 201) }
     };
     set(json!({"provider": "primary", "mode": "contract", "kind": "not-json", "duration_ms": 60_000})).await;
-    let (status, _, v) = ask(&c, &cl.urls[1], question("contract")).await;
+    let on_json = json!({"model": "json", "messages": [{"role": "user", "content": "contract"}]});
+    let (status, _, v) = ask(&c, &cl.urls[1], on_json).await;
     assert_eq!(status, 200, "{v}");
     let got = codes(&v);
     assert!(

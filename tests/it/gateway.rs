@@ -655,22 +655,22 @@ async fn stalls_malformed_events_and_a_missing_done_are_bounded() {
     assert_eq!(seen.oam()["outcome"], "accepted");
 }
 
-/// Under a contract the answer is checked whole before any of it is released.
+/// Under a contract the answer is checked whole before any of it is released, and the stream
+/// says so (header and `oam` object) so nobody takes it for broken streaming.
 #[tokio::test]
 async fn a_stream_under_a_contract_is_checked_then_released() {
     let g = streaming("contract").await;
     let body = json!({"model": "prefill", "stream": true,
         "messages": [{"role": "user", "content": "json please"}],
         "response_format": {"type": "json_object"}});
-    let text = client()
+    let resp = client()
         .post(format!("{}/v1/chat/completions", g.url))
         .json(&body)
         .send()
         .await
-        .unwrap()
-        .text()
-        .await
         .unwrap();
+    assert_eq!(resp.headers()["x-oam-buffered"], "contract");
+    let text = resp.text().await.unwrap();
     let mut p = oam::http::sse::Parser::default();
     let events = p.feed(text.as_bytes()).unwrap();
     let content: Vec<String> = events
@@ -685,6 +685,11 @@ async fn a_stream_under_a_contract_is_checked_then_released() {
     assert_eq!(content.len(), 1, "one checked chunk: {events:?}");
     assert!(serde_json::from_str::<Value>(&content[0]).is_ok());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["oam"]["buffered"], "contract", "{last}");
+    // A live stream on the same node carries no such mark.
+    let (_, seen) = g.stream("prefill", "tell me").await;
+    assert!(seen.events.len() > 2 && seen.oam().get("buffered").is_none());
 }
 
 /// Tool calls are held to the tools the request declared: arguments that are not JSON or break

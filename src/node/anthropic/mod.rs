@@ -1031,6 +1031,7 @@ mod tests {
             reasons: "BUDGET_EXHAUSTED".into(),
             target: String::new(),
             live: None,
+            buffered: None,
         };
         let (text, events) = answer_of(&a, true);
         assert!(!events, "a refusal is no stream");
