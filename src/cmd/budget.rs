@@ -30,7 +30,8 @@ pub enum Command {
 #[derive(clap::Args, Debug)]
 pub struct ListArgs {
     /// One JSON array: {agent (null: global), limit_usd, spent_usd, held_usd, remaining_usd,
-    /// holds}.
+    /// holds, refused (the exhaustion episode under way: at_ms, node, escalation,
+    /// estimate_usd, remaining_usd; null when none)}.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -108,6 +109,7 @@ fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
         "held_usd": l.held_usd(now, None),
         "remaining_usd": l.remaining_usd(now),
         "holds": l.holds.iter().filter(|(_, h)| h.until_ms > now).map(|(n, h)| (n.clone(), h.usd)).collect::<std::collections::BTreeMap<_, _>>(),
+        "refused": l.refused,
     })
 }
 
@@ -184,6 +186,25 @@ async fn list(a: ListArgs) -> Result<()> {
             false
         )
     )?;
+    // An exhaustion under way: why "remaining" is not enough, and what ends it.
+    for l in &ledgers {
+        if let Some(r) = &l.refused {
+            let (name, which) = match &l.agent {
+                Some(a) => (a.clone(), a.clone()),
+                None => ("the global budget".into(), "--global".into()),
+            };
+            writeln!(
+                out,
+                "{name}: refusing for {}: an attempt estimated at {} is more than the {} that was \
+                 left (escalated once, {}); `oam budget set {which} --limit USD` or `oam budget \
+                 reset {which}` ends it",
+                super::audit::age(now.saturating_sub(r.at_ms)),
+                usd(r.estimate_usd),
+                usd(r.remaining_usd),
+                r.escalation
+            )?;
+        }
+    }
     Ok(())
 }
 

@@ -250,6 +250,9 @@ pub fn tell(r: &Record) -> String {
             let _ = writeln!(s, "  at +{} ms: {w}", l.at_ms.saturating_sub(r.began_ms));
         }
     }
+    if let Some(sf) = &d.shortfall {
+        let _ = writeln!(s, "\nbudget refused it: {}", sf.describe());
+    }
     s.push_str(&verdict(d));
     s
 }

@@ -17,6 +17,39 @@ pub struct Budget {
     pub spent_usd: f64,
     #[serde(default)]
     pub reserved_usd: f64,
+    /// When this budget, unable to cover an attempt, was escalated: the exhaustion episode a
+    /// human has heard of. Further refusals are not escalated again until someone sets or
+    /// resets the budget (which ends the episode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused_at_ms: Option<u64>,
+}
+
+/// Why a budget refused: what the attempt was estimated to cost beside what the budget had
+/// left, so "remaining $0.0020" and a refusal read together.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Shortfall {
+    /// The agent whose budget refused; none: the global budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    pub estimate_usd: f64,
+    pub remaining_usd: f64,
+    pub limit_usd: f64,
+}
+
+impl Shortfall {
+    /// "an attempt estimated at $0.0031 is more than the $0.0020 left of agent a's $0.0020
+    /// budget".
+    pub fn describe(&self) -> String {
+        let whose = match &self.agent {
+            Some(a) => format!("agent {a}'s"),
+            None => "the global".into(),
+        };
+        format!(
+            "an attempt estimated at ${:.4} is more than the ${:.4} left of {whose} ${:.4} budget",
+            self.estimate_usd, self.remaining_usd, self.limit_usd
+        )
+    }
 }
 
 impl Budget {
@@ -25,6 +58,7 @@ impl Budget {
             limit_usd,
             spent_usd: 0.0,
             reserved_usd: 0.0,
+            refused_at_ms: None,
         }
     }
 
@@ -62,6 +96,30 @@ impl Budgets {
             return Err(ReasonCode::GlobalBudgetExhausted);
         }
         Ok(())
+    }
+
+    /// The budget that `code` (BUDGET_EXHAUSTED or GLOBAL_BUDGET_EXHAUSTED) names for `agent`.
+    pub fn refusing_mut(&mut self, agent: &str, code: ReasonCode) -> Option<&mut Budget> {
+        match code {
+            ReasonCode::BudgetExhausted => self.agents.get_mut(agent),
+            ReasonCode::GlobalBudgetExhausted => self.global.as_mut(),
+            _ => None,
+        }
+    }
+
+    /// What `code`'s budget had left for an attempt estimated at `estimate_usd`.
+    pub fn shortfall(&self, agent: &str, code: ReasonCode, estimate_usd: f64) -> Option<Shortfall> {
+        let b = match code {
+            ReasonCode::BudgetExhausted => self.agents.get(agent),
+            ReasonCode::GlobalBudgetExhausted => self.global.as_ref(),
+            _ => None,
+        }?;
+        Some(Shortfall {
+            agent: (code == ReasonCode::BudgetExhausted).then(|| agent.to_string()),
+            estimate_usd: round_usd(estimate_usd),
+            remaining_usd: b.remaining_usd(),
+            limit_usd: b.limit_usd,
+        })
     }
 
     /// Does any budget (the agent's, or the global one) limit `agent`?

@@ -133,6 +133,9 @@ pub struct Decision {
     pub incident: Option<Incident>,
     pub effects: Vec<Effect>,
     pub decided_at_ms: u64,
+    /// A budget refused it: the estimate beside what that budget had left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shortfall: Option<super::budget::Shortfall>,
 }
 
 /// What the driver should do next.

@@ -2,7 +2,8 @@
 //!
 //! Rules, first match wins, applied to the final outcome of a request:
 //! 1. a new agent-loop episode            -> ESCALATED_AGENT_LOOP, block automatic action
-//! 2. high risk + budget refused it       -> ESCALATED_BUDGET_EXHAUSTED, block
+//! 2. high risk + budget refused it       -> ESCALATED_BUDGET_EXHAUSTED, block (once per
+//!    exhaustion episode of that budget)
 //! 3. non-idempotent timeout (no retry)   -> ESCALATED_UNSAFE_RETRY, review (block if high risk)
 //! 4. high risk, any other failure        -> ESCALATED_HIGH_RISK_FAILURE, block
 //! 5. critical-priority task failed       -> ESCALATED_CRITICAL_TASK_FAILURE, review
@@ -40,6 +41,8 @@ pub struct Outcome<'a> {
     /// (oam's own, never the caller's request id, which a caller may reuse).
     pub node: &'a str,
     pub serial: u64,
+    /// The budget that refused it was escalated already in this exhaustion episode.
+    pub budget_escalated: bool,
 }
 
 /// The escalation reason and action for a failed request, if it needs one.
@@ -57,6 +60,9 @@ pub fn rule(o: &Outcome<'_>) -> Option<(ReasonCode, Action)> {
         return None;
     }
     if risk == Risk::High && o.phase == Phase::Budget {
+        if o.budget_escalated {
+            return None;
+        }
         return Some((
             ReasonCode::EscalatedBudgetExhausted,
             HumanReviewBlockAutomaticAction,
@@ -166,6 +172,7 @@ mod tests {
             new_loop_incident: inc,
             node: "n1",
             serial: 0,
+            budget_escalated: false,
         })
         .map(|x| x.0)
     }
@@ -230,6 +237,7 @@ mod tests {
             new_loop_incident: None,
             node: "n1",
             serial: 4,
+            budget_escalated: false,
         };
         let (reason, action) = rule(&o).unwrap();
         assert_eq!(action, Action::HumanReviewBlockAutomaticAction);

@@ -32,6 +32,22 @@ pub struct Ledger {
     /// write was taken but the acknowledgement lost) is applied once.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub settled: BTreeMap<String, Settled>,
+    /// The exhaustion episode under way: the first refusal that was escalated, claimed by one
+    /// node for the cluster. An operator's `set` or `reset` ends it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<Refused>,
+}
+
+/// The refusal that opened an exhaustion episode, and its escalation.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Refused {
+    pub at_ms: u64,
+    /// The node that raised it.
+    pub node: String,
+    pub escalation: String,
+    pub estimate_usd: f64,
+    pub remaining_usd: f64,
 }
 
 /// The last settlement of one holder a record applied.
@@ -155,6 +171,7 @@ impl Ledger {
             limit_usd: self.limit_usd,
             spent_usd: round_usd(self.spent_usd + self.held_usd(now_ms, Some(node))),
             reserved_usd,
+            refused_at_ms: self.refused.as_ref().map(|r| r.at_ms),
         }
     }
 }

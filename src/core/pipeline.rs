@@ -282,6 +282,8 @@ pub struct Session {
     /// ... and then the stream broke: only a target that takes a prefill may go on, once.
     interrupted: bool,
     continued: bool,
+    /// The last budget refusal: its estimate beside what that budget had left.
+    shortfall: Option<super::budget::Shortfall>,
 }
 
 impl Session {
@@ -435,6 +437,7 @@ impl Engine {
             delivering: false,
             interrupted: false,
             continued: false,
+            shortfall: None,
         };
         let class = s.request.priority;
         let step = match self
@@ -771,6 +774,30 @@ impl Engine {
                     _ => Phase::Routing,
                 }
             };
+            if phase == Phase::Budget {
+                // The best target's shortfall when that is what refused (high risk), else the
+                // cheapest target a budget refused.
+                let refused = best_overall.filter(|_| refused_for_budget).or_else(|| {
+                    (0..attempt.candidates.len())
+                        .filter(|&i| {
+                            attempt.candidates[i]
+                                .excluded
+                                .is_some_and(|c| c.phase() == Phase::Budget)
+                        })
+                        .min_by(|&a, &b| {
+                            let cost = |i: usize| attempt.candidates[i].est_cost_usd;
+                            cost(a).total_cmp(&cost(b))
+                        })
+                });
+                if let Some(e) = refused.map(|i| &attempt.candidates[i])
+                    && let Some(code) = e.excluded
+                {
+                    s.shortfall =
+                        self.state
+                            .budgets
+                            .shortfall(&s.request.agent, code, e.est_cost_usd);
+                }
+            }
             for c in exclusions {
                 if !refused_for_budget || c.phase() == Phase::Budget {
                     push(&mut attempt.codes, c);
@@ -962,7 +989,15 @@ impl Engine {
         code: ReasonCode,
         now_ms: u64,
     ) -> Option<Step> {
+        let estimate_usd = s.pending.as_ref().map_or(0.0, |p| p.reserved_usd);
         self.release_pending(s)?;
+        if let Some(sf) = self
+            .state
+            .budgets
+            .shortfall(&s.request.agent, code, estimate_usd)
+        {
+            s.shortfall = Some(sf);
+        }
         if let Some(a) = s.attempts.last_mut() {
             a.codes.push(code);
         }
@@ -1288,6 +1323,22 @@ impl Engine {
                 phase = Phase::Loop;
             }
         }
+        // The budget that refused (if one did, and it is in the phase that ended the request):
+        // escalated once per exhaustion episode.
+        let refusing = s
+            .shortfall
+            .as_ref()
+            .filter(|_| phase == Phase::Budget)
+            .map(|sf| match sf.agent {
+                Some(_) => ReasonCode::BudgetExhausted,
+                None => ReasonCode::GlobalBudgetExhausted,
+            });
+        let budget_escalated = refusing.is_some_and(|code| {
+            self.state
+                .budgets
+                .refusing_mut(&s.request.agent, code)
+                .is_some_and(|b| b.refused_at_ms.is_some())
+        });
         let outcome = escalation::Outcome {
             request: &s.request,
             phase,
@@ -1295,10 +1346,19 @@ impl Engine {
             new_loop_incident: incident.as_ref().map(|i| i.id.as_str()),
             node: &self.state.cluster.self_id,
             serial: self.escalations,
+            budget_escalated,
         };
         let escalation = escalation::rule(&outcome)
             .map(|(reason, action)| escalation::build(&outcome, reason, action, now_ms));
         self.escalations += u64::from(escalation.is_some());
+        if let Some(code) = refusing
+            && escalation.as_ref().is_some_and(|e| {
+                e.reason_codes.last() == Some(&ReasonCode::EscalatedBudgetExhausted)
+            })
+            && let Some(b) = self.state.budgets.refusing_mut(&s.request.agent, code)
+        {
+            b.refused_at_ms = Some(now_ms);
+        }
         if let Some(e) = &escalation {
             push(&mut s.codes, ReasonCode::HumanAttentionRequired);
             push(
@@ -1351,6 +1411,7 @@ impl Engine {
             new_loop_incident: None,
             node: &self.state.cluster.self_id,
             serial: self.escalations,
+            budget_escalated: false,
         };
         self.escalations += 1;
         Some(escalation::build(
@@ -1405,6 +1466,7 @@ impl Engine {
             incident: None,
             effects: std::mem::take(&mut s.effects),
             decided_at_ms: now_ms,
+            shortfall: s.shortfall.take(),
         }))
     }
 }

@@ -584,6 +584,79 @@ fn budget_exhausted_low_risk_falls_back_high_risk_refuses() {
     );
 }
 
+/// A budget refusal says what the attempt was estimated at beside what was left, and an
+/// exhausted budget is escalated once per episode: the next refusals are only refused, until
+/// the episode ends (an operator's set or reset clears the mark the ledger mirrors).
+#[test]
+fn an_exhausted_budget_says_its_shortfall_and_escalates_once_per_episode() {
+    let mut e = engine();
+    e.state
+        .budgets
+        .agents
+        .insert("agent-a".into(), Budget::new(0.002));
+    // Different questions of one length: the same estimate, and no loop.
+    let mut asked = 0;
+    let mut high = || {
+        asked += 1;
+        let mut r = req(&format!("high-{asked}"));
+        r.risk = Risk::High;
+        r
+    };
+    let first = run(&mut e, high(), &[]);
+    assert_eq!(
+        (first.outcome, first.phase),
+        (DecisionOutcome::Escalated, Phase::Budget)
+    );
+    let sf = first.shortfall.clone().expect("a shortfall");
+    assert_eq!(sf.agent.as_deref(), Some("agent-a"));
+    assert_eq!((sf.remaining_usd, sf.limit_usd), (0.002, 0.002));
+    let best = &first.attempts[0].candidates[0];
+    assert_eq!(sf.estimate_usd, best.est_cost_usd);
+    assert!(sf.estimate_usd > sf.remaining_usd, "{sf:?}");
+    assert_eq!(
+        e.state.budgets.agents["agent-a"].refused_at_ms,
+        Some(first.decided_at_ms)
+    );
+
+    for _ in 0..3 {
+        let again = run(&mut e, high(), &[]);
+        assert_eq!(
+            (again.outcome, again.phase),
+            (DecisionOutcome::Rejected, Phase::Budget),
+            "refused, not escalated again: {:?}",
+            again.reason_codes
+        );
+        assert!(again.escalation.is_none());
+        assert!(has(&again, ReasonCode::BudgetExhausted));
+        assert!(!has(&again, ReasonCode::HumanAttentionRequired));
+        assert_eq!(again.shortfall, Some(sf.clone()));
+    }
+
+    // The episode ends: the next refusal is escalated again.
+    e.state
+        .budgets
+        .agents
+        .get_mut("agent-a")
+        .unwrap()
+        .refused_at_ms = None;
+    assert_eq!(run(&mut e, high(), &[]).outcome, DecisionOutcome::Escalated);
+
+    // A refusal by the ledger tells the attempt's hold beside what the ledger left.
+    let mut e = budgeted(1.0);
+    let (mut s, step) = e.begin(high(), T0).expect("valid");
+    let Step::Dispatch(dispatch) = step else {
+        panic!("dispatched: {step:?}")
+    };
+    let Some(Step::Done(d)) = e.refuse_reservation(&mut s, ReasonCode::BudgetExhausted, T0) else {
+        panic!("a refused high-risk request ends")
+    };
+    let sf = d.shortfall.expect("a shortfall");
+    assert_eq!(
+        (sf.estimate_usd, sf.remaining_usd),
+        (dispatch.hold_usd, 1.0)
+    );
+}
+
 #[test]
 fn high_risk_is_served_when_only_a_worse_provider_is_unaffordable() {
     let mut e = engine();

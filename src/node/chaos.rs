@@ -142,7 +142,9 @@ impl Chaos {
                 match limit {
                     Some(limit_usd) => {
                         if let Some(b) = e.state.budgets.agents.get_mut(&agent) {
+                            // The drain is over: so is the exhaustion episode it caused.
                             b.limit_usd = limit_usd;
+                            b.refused_at_ms = None;
                         }
                     }
                     None => {
@@ -203,6 +205,7 @@ mod tests {
             limit_usd: limit,
             spent_usd: spent,
             reserved_usd: reserved,
+            refused_at_ms: None,
         }
     }
 

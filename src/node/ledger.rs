@@ -13,6 +13,10 @@
 //! off) the request's risk decides: high risk is refused (BUDGET_STORE_UNREACHABLE, escalated);
 //! lower risk may spend this node's local share, the limit divided by the cluster size
 //! (BUDGET_LOCAL_SHARE), settled in the ledger once it answers again.
+//!
+//! An exhausted budget is escalated once per episode for the cluster: the node whose engine
+//! escalates first claims the episode in the budget's record (`Ledger::refused`), and raises
+//! the escalation only if its claim was the first; an operator's `set` or `reset` ends it.
 
 use super::Node;
 use super::bus::Bus;
@@ -20,8 +24,9 @@ use super::chaos::Chaos;
 use super::metrics::{Kind, Registry};
 use super::pipeline::Pipeline;
 use crate::clock::now_ms;
-use crate::core::budget::Budget;
-use crate::core::ledger::Ledger;
+use crate::core::budget::{Budget, Shortfall};
+use crate::core::escalation::Escalation;
+use crate::core::ledger::{Ledger, Refused};
 use crate::core::pipeline::{Engine, Session, Step};
 use crate::core::reason::ReasonCode;
 use crate::core::request::{Risk, round_usd};
@@ -72,6 +77,13 @@ enum Op {
         /// This node run's count of settlements (from 1), so a record applies each once.
         seq: u64,
     },
+    /// Claim the exhaustion episode of `key` and raise its escalation, unless another node's
+    /// claim is there already.
+    Claim {
+        key: String,
+        refused: Refused,
+        escalation: Box<Escalation>,
+    },
 }
 
 /// A reservation in a batch and, once applied, its answer.
@@ -98,6 +110,8 @@ pub struct LedgerCounters {
     pub refused: AtomicU64,
     pub unreachable: AtomicU64,
     pub local_share: AtomicU64,
+    /// Exhaustion escalations not raised here: another node had claimed the episode.
+    pub episodes_joined: AtomicU64,
     /// Settlements waiting for the ledger to answer.
     pub unsettled: AtomicU64,
 }
@@ -200,8 +214,19 @@ fn mirror_into(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now:
             .global
             .get_or_insert_with(|| Budget::new(l.limit_usd)),
     };
+    let marked = slot.refused_at_ms;
     *slot = l.view_for(node, now, slot.reserved_usd);
+    // This engine escalated an exhaustion a moment ago and its claim is on the way: until the
+    // ledger says, the episode stands here (else every refusal meanwhile is escalated again).
+    if slot.refused_at_ms.is_none()
+        && let Some(at) = marked.filter(|at| now.saturating_sub(*at) < CLAIM_GRACE_MS)
+    {
+        slot.refused_at_ms = Some(at);
+    }
 }
+
+/// How long an engine's own mark of an exhaustion episode stands without the ledger's.
+const CLAIM_GRACE_MS: u64 = 10_000;
 
 impl Ledgers {
     /// Who this node's holds in the ledger are: this run of it (`{id}#{run}`).
@@ -347,6 +372,29 @@ impl Ledgers {
                 seq,
             });
         }
+    }
+
+    /// Raise `e`, the escalation of the budget `sf` names, once for the cluster: claimed in
+    /// the budget's record first (see the module). A budget chaos drained here is not the
+    /// ledger's, so neither is its episode. Whether the keeper took it (else the caller
+    /// raises `e` at once).
+    pub(crate) fn raise_exhausted(&self, sf: &Shortfall, e: &Escalation) -> bool {
+        if self.chaos.drained(sf.agent.as_deref()) {
+            return false;
+        }
+        let refused = Refused {
+            at_ms: e.created_at_ms,
+            node: self.id.clone(),
+            escalation: e.id.clone(),
+            estimate_usd: sf.estimate_usd,
+            remaining_usd: sf.remaining_usd,
+        };
+        let op = Op::Claim {
+            key: key(sf.agent.as_deref()),
+            refused,
+            escalation: Box::new(e.clone()),
+        };
+        self.tx.send(op).is_ok()
     }
 
     /// The agent a key names, as the engine knows it (the global key names none).
@@ -499,12 +547,27 @@ impl Keeper {
             self.ledger_store().await
         };
         let mut replies: Vec<(oneshot::Sender<Answer>, Answer)> = Vec::new();
+        let (claims, batch): (Vec<Op>, Vec<Op>) = batch
+            .into_iter()
+            .partition(|op| matches!(op, Op::Claim { .. }));
+        for op in claims {
+            if let Op::Claim {
+                key,
+                refused,
+                escalation,
+            } = op
+            {
+                self.claim_and_raise(store.as_ref(), &key, refused, &escalation)
+                    .await;
+            }
+        }
         let Some(store) = store else {
             let mut keep = Vec::new();
             for op in batch {
                 match op {
                     Op::Reserve { reply, .. } => replies.push((reply, Answer::Unreachable)),
                     settle @ Op::Settle { .. } => keep.push(settle),
+                    Op::Claim { .. } => {}
                 }
             }
             for (tx, a) in replies {
@@ -574,6 +637,59 @@ impl Keeper {
             .into_iter()
             .filter(|op| matches!(op, Op::Settle { key, .. } if failed.contains(key)))
             .collect()
+    }
+
+    /// Claim the exhaustion episode of key `k` for `refused` and raise its escalation unless
+    /// another node's claim was there first. Without a ledger to claim in (unreachable, no
+    /// record) it is raised: a human hearing twice beats hearing nothing.
+    async fn claim_and_raise(
+        &self,
+        store: Option<&kv::Store>,
+        k: &str,
+        refused: Refused,
+        e: &Escalation,
+    ) {
+        let claimed = match store {
+            Some(store) => self.claim(store, k, refused).await,
+            None => None,
+        };
+        if claimed == Some(false) {
+            let c = &self.node.ledger.counters;
+            c.episodes_joined.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(node = %self.node.id, key = k, escalation = %e.id, "budget exhaustion already escalated by another node");
+            return;
+        }
+        self.node.escalations.raise(e);
+    }
+
+    /// Write `refused` into `k`'s record unless an episode is there already: whether it was
+    /// written, or `None` when the record could not be read or written.
+    async fn claim(&self, store: &kv::Store, k: &str, refused: Refused) -> Option<bool> {
+        for _ in 0..CAS_TRIES {
+            let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
+                .await
+                .ok()?
+                .ok()??;
+            if entry.operation != kv::Operation::Put {
+                return None;
+            }
+            let mut ledger: Ledger = serde_json::from_slice(&entry.value).ok()?;
+            if ledger.refused.is_some() {
+                return Some(false);
+            }
+            ledger.refused = Some(refused.clone());
+            let bytes: bytes::Bytes = serde_json::to_vec(&ledger).ok()?.into();
+            let update = store.update(k, bytes, entry.revision);
+            match tokio::time::timeout(STORE_TIMEOUT, update).await.ok()? {
+                Ok(revision) => {
+                    self.node.ledger.mirror(k, revision, &ledger);
+                    return Some(true);
+                }
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(_) => return None,
+            }
+        }
+        None
     }
 
     /// Apply each key's changes in one compare-and-swap. Reservations answer in `reserves`
@@ -799,6 +915,7 @@ fn plan(batch: Vec<Op>, renew_keys: &[String]) -> (Vec<Ask>, Plan, Vec<Op>) {
                     .push((None, Change::Settle(reserved_usd, actual_usd, Some(seq))));
                 settles.push(op);
             }
+            Op::Claim { .. } => {}
         }
     }
     for k in renew_keys {

@@ -411,6 +411,9 @@ pub(crate) struct OamObject<'a> {
     reason_codes: &'a [ReasonCode],
     request_id: &'a str,
     route: Option<&'a str>,
+    /// A budget refused it: the estimate beside what the budget had left.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shortfall: Option<&'a crate::core::budget::Shortfall>,
     target: Option<&'a str>,
     tried: Vec<Tried<'a>>,
 }
@@ -438,6 +441,7 @@ impl<'a> OamObject<'a> {
             reason_codes: &d.reason_codes,
             request_id: &d.request_id,
             route: d.route.as_deref(),
+            shortfall: d.shortfall.as_ref(),
             target: d.provider.as_deref(),
             tried: d
                 .attempts
@@ -528,7 +532,7 @@ pub(crate) fn answer(
     } else {
         let last_code = d.reason_codes.last().map_or("", |c| c.as_str());
         let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
-        let message = format!(
+        let mut message = format!(
             "oam {} the request in phase {}: {}",
             match d.outcome {
                 DecisionOutcome::Escalated => "escalated",
@@ -537,6 +541,9 @@ pub(crate) fn answer(
             d.phase,
             reasons.join(", ")
         );
+        if let Some(sf) = &d.shortfall {
+            message = format!("{message} ({})", sf.describe());
+        }
         let kind = if status.is_server_error() {
             "server_error"
         } else {
@@ -807,6 +814,24 @@ mod tests {
         assert_eq!(v["error"]["type"], json!("invalid_request_error"));
         assert_eq!(v["oam"]["reason_codes"], json!(["BUDGET_EXHAUSTED"]));
         assert_eq!(v["oam"]["request_id"], json!("r"));
+        assert!(v["oam"].get("shortfall").is_none(), "{v}");
+        // A budget's refusal says what the attempt was estimated at beside what was left.
+        d.shortfall = Some(crate::core::budget::Shortfall {
+            agent: Some("bot".into()),
+            estimate_usd: 0.0031,
+            remaining_usd: 0.002,
+            limit_usd: 0.002,
+        });
+        let v: Value = serde_json::from_slice(&answer(&d, None, "m").1).unwrap();
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.ends_with(
+                "(an attempt estimated at $0.0031 is more than the $0.0020 left of agent \
+                 bot's $0.0020 budget)"
+            ),
+            "{message}"
+        );
+        assert_eq!(v["oam"]["shortfall"]["estimate_usd"], 0.0031);
     }
 
     #[test]

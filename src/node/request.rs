@@ -550,7 +550,15 @@ pub(crate) fn publish_decision(node: &Node, d: std::sync::Arc<crate::core::recor
         // A new loop episode: raised once for the cluster (see `node::loops`).
         node.loops.raise(i.clone(), d.escalation.clone());
     } else if let Some(e) = &d.escalation {
-        node.escalations.raise(e);
+        // An exhausted budget's is raised once for the cluster (see `node::ledger`).
+        let exhausted = e.reason_codes.last() == Some(&ReasonCode::EscalatedBudgetExhausted);
+        let claimed = match &d.shortfall {
+            Some(sf) if exhausted => node.ledger.raise_exhausted(sf, e),
+            _ => false,
+        };
+        if !claimed {
+            node.escalations.raise(e);
+        }
     }
     node.bus.decided(d);
 }

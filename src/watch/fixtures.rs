@@ -76,6 +76,7 @@ pub fn node_state(
             limit_usd: 5.0,
             spent_usd: 1.25,
             reserved_usd: 0.0,
+            refused_at_ms: None,
         },
     );
     Box::new(state)
@@ -128,6 +129,7 @@ pub fn decision(
         incident: None,
         effects: Vec::new(),
         decided_at_ms: at_ms,
+        shortfall: None,
     })
 }
 

@@ -1213,10 +1213,93 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
             break;
         }
     }
-    let refused = refused.expect("the budget ran out");
+    let mut refused = refused.expect("the budget ran out");
     assert!(
         codes(&refused).contains(&"BUDGET_EXHAUSTED".into()),
         "{refused}"
+    );
+    // That refusal may have come while another node's settlement was on its way (its hold
+    // counts until then): once everything is settled, spend what is left until even then the
+    // budget refuses.
+    for i in 0..30 {
+        let settled = eventually(Duration::from_secs(5), || async {
+            let row = spender_ledger(&cl.nats.url()).await?;
+            (row["held_usd"].as_f64()? == 0.0).then_some(())
+        });
+        assert!(settled.await.is_some(), "every hold settled");
+        let (status, _, v) = ask(
+            &c,
+            &cl.urls[i % 3],
+            spender(&format!("last {i:02}"), "high"),
+        )
+        .await;
+        spent += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
+        if status == 402 {
+            refused = v;
+            break;
+        }
+    }
+    // The refusal says what the attempt was estimated at beside what was left.
+    let shortfall = &refused["oam"]["shortfall"];
+    let (estimate, left) = (
+        shortfall["estimate_usd"].as_f64().unwrap(),
+        shortfall["remaining_usd"].as_f64().unwrap(),
+    );
+    assert!(estimate > left, "{shortfall}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("an attempt estimated at ${estimate:.4}"))
+            && message.contains("agent spender's $0.0100 budget"),
+        "{message}"
+    );
+    // More of the same on every node: refused, but one escalation for the episode.
+    for i in 0..9 {
+        let (status, _, v) = ask(
+            &c,
+            &cl.urls[i % 3],
+            spender(&format!("more {i:02}"), "high"),
+        )
+        .await;
+        assert_eq!(status, 402, "{v}");
+        spent += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
+    }
+    let nats_url = cl.nats.url();
+    let episode = eventually(Duration::from_secs(5), || async {
+        let row = spender_ledger(&nats_url).await?;
+        let r = row["refused"].as_object()?.clone();
+        Some(r)
+    })
+    .await
+    .expect("the episode is in the budget's record");
+    assert!(episode["estimate_usd"].as_f64().unwrap() > episode["remaining_usd"].as_f64().unwrap());
+    let escalated = || {
+        let out = assert_cmd::Command::cargo_bin("oam")
+            .unwrap()
+            .args(["escalation", "list", "--agent", "spender", "--json"])
+            .args(["--nats-url", &nats_url])
+            .output()
+            .unwrap();
+        let open: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+        open.iter()
+            .map(|r| r["escalation"]["id"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    // (Every refusal's decision is out by now; give a duplicate the time it would take.)
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        escalated(),
+        [episode["escalation"].as_str().unwrap()],
+        "one escalation for ten refusals on three nodes"
+    );
+    let text = assert_cmd::Command::cargo_bin("oam")
+        .unwrap()
+        .args(["budget", "list", "--nats-url", &nats_url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("spender: refusing for") && text.contains("oam budget reset spender"),
+        "{text}"
     );
     // One reservation is at most 32 completion tokens and the prompt at $0.01/1k.
     let largest_hold = 0.001;
@@ -1282,6 +1365,10 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     );
     let set = budget(&cl.nats.url(), &["set", "spender", "--limit", "1"]);
     assert_eq!(set["limit_usd"], 1.0);
+    assert!(
+        set["refused"].is_null(),
+        "setting it ends the episode: {set}"
+    );
     assert!((set["spent_usd"].as_f64().unwrap() - charged).abs() < 1e-6);
     for url in &cl.urls {
         let raised = eventually(Duration::from_secs(5), || async {

@@ -329,6 +329,15 @@ fn nothing_held(l: &oam::core::ledger::Ledger) -> bool {
     l.held_usd(oam::clock::now_ms(), None) == 0.0
 }
 
+/// The global budget's record once it holds nothing (every settlement is in), within 10 s.
+async fn settled(kv: &async_nats::jetstream::kv::Store) -> Option<oam::core::ledger::Ledger> {
+    eventually(Duration::from_secs(10), || async {
+        let l = oam::transport::store::ledger::read(kv, None).await.ok()??;
+        nothing_held(&l).then_some(l)
+    })
+    .await
+}
+
 /// The server that leads `stream` now.
 async fn leader_of(js: &async_nats::jetstream::Context, stream: &str) -> String {
     let mut stream = js.get_stream(stream).await.unwrap();
@@ -412,10 +421,9 @@ async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
     .await;
     assert!(mirrored.is_some(), "the nodes spend against the ledger");
     let kv = js.get_key_value("oam-budgets").await.unwrap();
-    let before = oam::transport::store::ledger::read(&kv, None)
-        .await
-        .unwrap()
-        .unwrap();
+    // What was spent before the fault, once the warm-up's settlements (off the requests'
+    // path) are all in.
+    let before = settled(&kv).await.expect("the warm-up settled");
 
     let leader = leader_of(&js, "KV_oam-budgets").await;
     assert!(oam::local::signal(cl.pid(&leader), libc::SIGKILL));
@@ -555,14 +563,7 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
         cost += usd;
     }
     // Once the ledger holds nothing, every settlement is in: that is what must survive.
-    let before = eventually(Duration::from_secs(10), || async {
-        let l = oam::transport::store::ledger::read(&kv, None)
-            .await
-            .ok()??;
-        nothing_held(&l).then_some(l)
-    })
-    .await
-    .expect("settled before the fault");
+    let before = settled(&kv).await.expect("settled before the fault");
 
     for s in &cl.record.servers {
         assert!(oam::local::signal(cl.pid(&s.name), libc::SIGKILL));

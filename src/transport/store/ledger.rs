@@ -66,6 +66,8 @@ pub async fn change(
             ledger.agent = agent.map(String::from);
         }
         f(&mut ledger);
+        // A human changed the budget: the exhaustion episode (and its one escalation) ends.
+        ledger.refused = None;
         let bytes = serde_json::to_vec(&ledger).map_err(|e| ChangeError::Store(e.to_string()))?;
         let written = match revision {
             Some(r) => store
