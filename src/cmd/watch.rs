@@ -94,7 +94,8 @@ async fn feed(
         }
     };
     refresh_chaos();
-    tokio::spawn(feed_escalations(nats.clone(), tx.clone()));
+    // Ends with the feed (when the mesh moved, the watch feeds from its new address).
+    let _escalations = AbortOnDrop(tokio::spawn(feed_escalations(nats.clone(), tx.clone())));
     let mut slow = tokio::time::interval(Duration::from_secs(2));
     let mut connected = None;
     loop {
@@ -140,6 +141,62 @@ async fn feed(
             }
             else => return,
         }
+    }
+}
+
+/// A task that ends when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// How long NATS may be gone before the mesh folder is read again for another address.
+const MOVED_AFTER: Duration = Duration::from_secs(4);
+
+/// The feed, on `nats` as long as the mesh is where it was. Cut off for a while, the watch reads
+/// the mesh folder (or flags) again: a mesh started again on another port is followed there,
+/// and watches stay open across `oam mesh down` and `up`.
+async fn follow(
+    cluster: crate::cmd::ClusterArgs,
+    mut nats: async_nats::Client,
+    tx: tokio::sync::mpsc::Sender<Event>,
+    dropped: Arc<AtomicU64>,
+) {
+    let mut url = cluster.url(&crate::cmd::Role::Viewer).ok();
+    loop {
+        let feeder = AbortOnDrop(tokio::spawn(feed(
+            nats.clone(),
+            tx.clone(),
+            dropped.clone(),
+        )));
+        let mut lost_for = Duration::ZERO;
+        let moved = loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if tx.is_closed() {
+                return;
+            }
+            if nats.connection_state() == async_nats::connection::State::Connected {
+                lost_for = Duration::ZERO;
+                continue;
+            }
+            lost_for += Duration::from_secs(1);
+            if lost_for < MOVED_AFTER {
+                continue;
+            }
+            let now = cluster.url(&crate::cmd::Role::Viewer).ok();
+            if now.is_some() && now != url {
+                let connect = cluster.connect(&crate::cmd::Role::Viewer, "oam-watch");
+                if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(5), connect).await {
+                    break (c, now);
+                }
+            }
+        };
+        drop(feeder);
+        // The old client gives up its reconnecting with its last handle.
+        (nats, url) = moved;
     }
 }
 
@@ -251,7 +308,7 @@ pub async fn run(a: Args) -> Result<()> {
         .await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(CHANNEL);
     let dropped = Arc::new(AtomicU64::new(0));
-    let feeder = tokio::spawn(feed(nats.clone(), tx, dropped.clone()));
+    let feeder = tokio::spawn(follow(a.cluster.clone(), nats, tx, dropped.clone()));
     let (chaos_tx, mut chaos_rx) = tokio::sync::mpsc::channel::<usize>(4);
     let (status_tx, mut status_rx) = tokio::sync::mpsc::channel::<String>(4);
     {
@@ -261,6 +318,12 @@ pub async fn run(a: Args) -> Result<()> {
         tokio::spawn(async move {
             let mut operator: Option<async_nats::Client> = None;
             while let Some(sel) = chaos_rx.recv().await {
+                // (A mesh started again elsewhere needs a connection there.)
+                if operator.as_ref().is_some_and(|c| {
+                    c.connection_state() != async_nats::connection::State::Connected
+                }) {
+                    operator = None;
+                }
                 if operator.is_none() {
                     match cluster
                         .connect(&crate::cmd::Role::Operator, "oam-watch-chaos")

@@ -203,6 +203,9 @@ pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
     ])
     .areas(area);
     render_banner(f, banner, app, now_ms);
+    // Cut off from NATS, the panels show the moment it was lost (greyed below), not a mesh
+    // that looks dead for want of news.
+    let now_ms = app.picture_ms(now_ms);
     let [nodes, providers] = Layout::horizontal([
         if compact {
             Constraint::Length(27)
@@ -230,6 +233,19 @@ pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
     .areas(bottom);
     render_stream(f, stream, app);
     render_sparks(f, sparks, app, now_ms);
+    if !app.connected && app.lost_at_ms.is_some() {
+        let stale = Rect {
+            y: top.y,
+            height: area.height.saturating_sub(top.y - area.y),
+            ..area
+        };
+        f.buffer_mut().set_style(
+            stale,
+            Style::default()
+                .fg(Color::DarkGray)
+                .add_modifier(Modifier::DIM),
+        );
+    }
     if legend_fits(area) {
         let halves = Layout::horizontal([Constraint::Percentage(50); 2]).split(legend);
         for (half, lines) in halves.iter().zip(LEGEND.chunks(LEGEND.len().div_ceil(2))) {
@@ -304,6 +320,7 @@ fn render_too_small(f: &mut Frame, area: Rect) {
 
 fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let (verdict, why) = app.banner(now_ms);
+    let now_ms = app.picture_ms(now_ms);
     let (style, label) = match verdict {
         Verdict::Nominal => (
             Style::default().fg(Color::Black).bg(Color::Green),
@@ -316,6 +333,10 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         Verdict::Rerouting => (
             Style::default().fg(Color::White).bg(Color::Red),
             " REROUTING ",
+        ),
+        Verdict::NoQuorum if !app.connected => (
+            Style::default().fg(Color::White).bg(Color::DarkGray),
+            " NATS LOST ",
         ),
         Verdict::NoQuorum => (
             Style::default().fg(Color::White).bg(Color::Magenta),
@@ -1154,6 +1175,35 @@ mod tests {
     #[test]
     fn healthy_mesh() {
         insta::assert_snapshot!(draw(&healthy(), 160, 48));
+    }
+
+    /// NATS lost: the picture stays as it was when the bus went (nodes up, bulkheads as they
+    /// were), greyed, and the banner says since when and what to run; back, it is live again.
+    #[test]
+    fn a_lost_bus_keeps_the_last_picture_greyed() {
+        let mut app = healthy();
+        let live = draw(&app, 160, 48);
+        app.apply(Event::Connection(false), NOW);
+        let later = NOW + 30_000;
+        let mut t = Terminal::new(TestBackend::new(160, 48)).unwrap();
+        t.draw(|f| render(f, &app, later)).unwrap();
+        let text = t.backend().to_string();
+        assert!(
+            text.contains("NATS LOST") && text.contains("NATS unreachable for 30 s"),
+            "{text}"
+        );
+        assert!(text.contains("oam mesh status"), "{text}");
+        let alive = |screen: &str| screen.matches(" alive ").count();
+        assert_eq!(alive(&live), 3, "{live}");
+        assert_eq!(alive(&text), 3, "nodes are not aged into down:\n{text}");
+        let buf = t.backend().buffer();
+        let greyed = (0..48u16)
+            .filter(|&y| y >= 4)
+            .all(|y| (0..160u16).all(|x| buf[(x, y)].fg == Color::DarkGray));
+        assert!(greyed, "every panel is greyed");
+        app.apply(Event::Connection(true), later);
+        assert!(app.lost_at_ms.is_none());
+        assert_eq!(app.picture_ms(later), later);
     }
 
     #[test]

@@ -232,6 +232,9 @@ pub struct App {
     pub catalog: Vec<String>,
     pub chaos: Vec<Active>,
     pub connected: bool,
+    /// When the connection to NATS was lost: the picture is that moment's, kept (greyed) until
+    /// the bus is back, not aged into "every node down".
+    pub lost_at_ms: Option<u64>,
     /// Events the bounded channel had to drop (the watcher fell behind).
     pub dropped: u64,
     /// Messages that did not parse, and the subject of the last one.
@@ -373,7 +376,14 @@ impl App {
             }
             Event::Catalog(names) => self.catalog = names,
             Event::Chaos(active) => self.chaos = active,
-            Event::Connection(up) => self.connected = up,
+            Event::Connection(up) => {
+                if up {
+                    self.lost_at_ms = None;
+                } else if self.connected {
+                    self.lost_at_ms = Some(now_ms);
+                }
+                self.connected = up;
+            }
             Event::Unreadable(subject) => {
                 self.unreadable += 1;
                 self.unreadable_subject = subject;
@@ -449,6 +459,15 @@ impl App {
         KeyEffect::None
     }
 
+    /// The moment the picture shows: now, or when NATS was lost (nothing heard since is news,
+    /// so nothing ages meanwhile).
+    pub fn picture_ms(&self, now_ms: u64) -> u64 {
+        match self.lost_at_ms {
+            Some(at) if !self.connected => at,
+            _ => now_ms,
+        }
+    }
+
     /// Nodes whose snapshot is fresh.
     pub fn live_nodes(&self, now_ms: u64) -> Vec<&str> {
         self.nodes
@@ -519,10 +538,15 @@ impl App {
     /// One verdict for the mesh, and what drives it.
     pub fn banner(&self, now_ms: u64) -> (Verdict, String) {
         if !self.connected {
-            return (
-                Verdict::NoQuorum,
-                "NATS unreachable: showing the last known picture, reconnecting".into(),
-            );
+            let why = match self.lost_at_ms {
+                Some(at) => format!(
+                    "NATS unreachable for {} s: the picture is as it was then (stale, greyed); \
+                     reconnecting. Is the mesh up? `oam mesh status`, `oam mesh up`",
+                    now_ms.saturating_sub(at) / 1_000
+                ),
+                None => "NATS unreachable: reconnecting. Is the mesh up? `oam mesh status`".into(),
+            };
+            return (Verdict::NoQuorum, why);
         }
         let Some(state) = self.reference(now_ms) else {
             return (

@@ -143,6 +143,96 @@ async fn the_watch_in_a_mesh_folder_shows_faults_and_injects_as_the_operator() {
     assert!(said.is_some(), "the menu says why:\n{}", again.capture());
 }
 
+/// Cut off from NATS, the watch keeps the last picture, greyed and marked stale (the nodes were
+/// serving: they are not aged into "down"); the mesh started again on another port, the watch
+/// reads the folder again and follows it there.
+#[tokio::test]
+async fn a_watch_keeps_its_picture_when_nats_goes_and_follows_the_mesh_back() {
+    let mesh = LocalCluster::up("watch-lost").await;
+    let bin = assert_cmd::cargo::cargo_bin!("oam");
+    let cmd = format!(
+        "env -u OAM_NATS_URL {} watch --dir '{}'",
+        bin.display(),
+        mesh.dir.0.display()
+    );
+    let session = Tmux::run(&cmd, "watch-lost", 140, 40);
+    let all_alive = |screen: &str| {
+        ["n1", "n2", "n3"]
+            .iter()
+            .all(|n| node_shown(screen, n, "alive"))
+    };
+    let live = eventually(Duration::from_secs(15), || async {
+        all_alive(&session.capture()).then_some(())
+    })
+    .await;
+    assert!(live.is_some(), "{}", session.capture());
+
+    let down = mesh
+        .oam()
+        .args(["mesh", "down", "--grace-ms", "500", "--dir"])
+        .arg(&mesh.dir.0)
+        .output()
+        .unwrap();
+    assert!(down.status.success());
+    // Well past the 3.5 s after which a silent node counts as down.
+    let stale = eventually(Duration::from_secs(20), || async {
+        let screen = session.capture();
+        let lost_for: u64 = screen
+            .split("NATS unreachable for ")
+            .nth(1)?
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()?;
+        (lost_for >= 6).then_some(screen)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the banner says since when:\n{}", session.capture()));
+    assert!(
+        stale.contains("NATS LOST") && stale.contains("oam mesh status"),
+        "{stale}"
+    );
+    assert!(all_alive(&stale), "the last picture is kept:\n{stale}");
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let up = mesh
+        .oam()
+        .args([
+            "mesh",
+            "up",
+            "--sim-port",
+            "0",
+            "--http-port",
+            "0",
+            "--port",
+        ])
+        .arg(port.to_string())
+        .arg("--dir")
+        .arg(&mesh.dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let back = eventually(Duration::from_secs(20), || async {
+        let screen = session.capture();
+        (screen.contains("NATS connected") && !screen.contains("NATS LOST") && all_alive(&screen))
+            .then_some(())
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "the watch follows the mesh to port {port}:\n{}",
+        session.capture()
+    );
+}
+
 /// Whether the nodes panel on `screen` shows `node` in `state` (whatever the column widths).
 fn node_shown(screen: &str, node: &str, state: &str) -> bool {
     screen.lines().any(|l| {
