@@ -156,16 +156,31 @@ const BUCKETS_S: [f64; 12] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
-#[derive(Default)]
+/// Upper bounds of the overhead buckets, in seconds: oam's own time is tens of microseconds to
+/// a few milliseconds.
+const OVERHEAD_BUCKETS_S: [f64; 12] = [
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+];
+
 struct Histogram {
-    buckets: [u64; BUCKETS_S.len()],
+    bounds: &'static [f64],
+    buckets: Vec<u64>,
     count: u64,
     sum_s: f64,
 }
 
 impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            buckets: vec![0; bounds.len()],
+            count: 0,
+            sum_s: 0.0,
+        }
+    }
+
     fn observe(&mut self, seconds: f64) {
-        for (i, le) in BUCKETS_S.iter().enumerate() {
+        for (i, le) in self.bounds.iter().enumerate() {
             if seconds <= *le {
                 self.buckets[i] += 1;
             }
@@ -177,7 +192,10 @@ impl Histogram {
 
 /// A histogram of seconds per value of one label.
 #[derive(Clone)]
-pub struct Histograms(Arc<Mutex<BTreeMap<&'static str, Histogram>>>);
+pub struct Histograms {
+    bounds: &'static [f64],
+    kept: Arc<Mutex<BTreeMap<&'static str, Histogram>>>,
+}
 
 impl Histograms {
     fn register(
@@ -185,12 +203,16 @@ impl Histograms {
         name: &'static str,
         help: &'static str,
         label: &'static str,
+        bounds: &'static [f64],
     ) -> Histograms {
-        let h = Histograms(Arc::default());
-        let kept = h.clone();
+        let h = Histograms {
+            bounds,
+            kept: Arc::default(),
+        };
+        let kept = h.kept.clone();
         registry.register(name, help, Kind::Histogram, move |s| {
-            for (v, h) in lock(&kept.0).iter() {
-                for (le, n) in BUCKETS_S.iter().zip(h.buckets) {
+            for (v, h) in lock(&kept).iter() {
+                for (le, n) in h.bounds.iter().zip(&h.buckets) {
                     s.put_named("_bucket", &[(label, v), ("le", &le.to_string())], n);
                 }
                 s.put_named("_bucket", &[(label, v), ("le", "+Inf")], h.count);
@@ -202,7 +224,10 @@ impl Histograms {
     }
 
     pub fn observe(&self, value: &'static str, seconds: f64) {
-        lock(&self.0).entry(value).or_default().observe(seconds);
+        lock(&self.kept)
+            .entry(value)
+            .or_insert_with(|| Histogram::new(self.bounds))
+            .observe(seconds);
     }
 }
 
@@ -221,6 +246,7 @@ pub struct Metrics {
     requests: Family<(&'static str, &'static str)>,
     reasons: Family<&'static str>,
     duration: Histograms,
+    overhead: Histograms,
     unauthorized: Family<()>,
     escalation_deliveries: Family<&'static str>,
     provider_outcomes: Family<(String, &'static str, &'static str)>,
@@ -244,6 +270,16 @@ impl Default for Metrics {
             "oam_request_duration_seconds",
             "Time from arrival to decision, by outcome.",
             "outcome",
+            &BUCKETS_S,
+        );
+        let overhead = Histograms::register(
+            &registry,
+            "oam_overhead_seconds",
+            "Time a request spent in oam itself: from arrival to its answer (a live stream: to \
+             its first event), less the time waiting on upstreams, in a bulkhead's queue and in \
+             a retry's backoff. By how it was answered: whole, or stream (relayed live).",
+            "answer",
+            &OVERHEAD_BUCKETS_S,
         );
         let unauthorized = registry.family(
             "oam_unauthorized_requests_total",
@@ -273,6 +309,7 @@ impl Default for Metrics {
             requests,
             reasons,
             duration,
+            overhead,
             unauthorized,
             escalation_deliveries,
             provider_outcomes,
@@ -289,6 +326,11 @@ impl Metrics {
             self.reasons.inc(c.as_str());
         }
         self.duration.observe(outcome, seconds);
+    }
+
+    /// A request spent `seconds` in oam itself (`answer`: `whole` or `stream`).
+    pub fn overhead(&self, answer: &'static str, seconds: f64) {
+        self.overhead.observe(answer, seconds);
     }
 
     /// A call to a target ended (`source` is `probe` or `traffic`).
@@ -314,7 +356,7 @@ mod tests {
 
     #[test]
     fn histogram_buckets_are_cumulative() {
-        let mut h = Histogram::default();
+        let mut h = Histogram::new(&BUCKETS_S);
         for s in [0.001, 0.15, 0.15, 20.0] {
             h.observe(s);
         }

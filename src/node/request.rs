@@ -319,6 +319,9 @@ pub async fn execute(
         _ => Box::pin(rate_limit(node, &mut flight, &mut step)).await,
     };
     let mut used_tokens = 0;
+    // Time spent waiting on upstreams, in the queue and in backoffs: not oam's own (the rest
+    // is, `oam_overhead_seconds`).
+    let mut waited = Duration::ZERO;
     let queue_deadline =
         tokio::time::Instant::now() + Duration::from_millis(node.cfg.node.queue_timeout_ms);
     let decision = loop {
@@ -333,12 +336,14 @@ pub async fn execute(
                         _ => continue,
                     }
                 };
+                let queued = std::time::Instant::now();
                 let gave_up = tokio::select! {
                     // A slot was handed to this request.
                     _ = rx => None,
                     () = tokio::time::sleep_until(queue_deadline) => Some(false),
                     () = caller.cancelled() => Some(true),
                 };
+                waited += queued.elapsed();
                 let Some(caller_left) = gave_up else {
                     step = flight.next(Call::Dequeue);
                     continue;
@@ -363,13 +368,15 @@ pub async fn execute(
             }
             Step::Dispatch(d) => {
                 if d.delay_ms > 0 {
-                    let waited = tokio::select! {
+                    let backoff = std::time::Instant::now();
+                    let slept = tokio::select! {
                         () = tokio::time::sleep(Duration::from_millis(d.delay_ms)) => true,
                         () = caller.cancelled() => false,
                     };
+                    waited += backoff.elapsed();
                     // The caller left during the wait: the attempt is not made (with nothing
                     // waiting to start there is nothing to withdraw, and the call goes ahead).
-                    if !waited && let Some(Step::Done(d)) = flight.call(Call::Withdraw) {
+                    if !slept && let Some(Step::Done(d)) = flight.call(Call::Withdraw) {
                         break *d;
                     }
                 }
@@ -383,10 +390,12 @@ pub async fn execute(
                 if let Some(wire) = live {
                     // Boxed, like every rarely taken large future here: the request's future
                     // is moved whole into its box, so it stays the size of the common path.
+                    let calling = std::time::Instant::now();
                     let opened = tokio::select! {
                         o = Box::pin(super::live::open(node, &d, &pass, None, limits)) => Some(o),
                         () = caller.cancelled() => None,
                     };
+                    waited += calling.elapsed();
                     // The caller left before the first event: the upstream call is dropped (no
                     // more is generated, and paid for, for nobody) and the request ends.
                     let Some(opened) = opened else {
@@ -400,6 +409,8 @@ pub async fn execute(
                     };
                     match opened {
                         super::live::Open::Started(first) => {
+                            let own = started.elapsed().saturating_sub(waited);
+                            node.metrics.overhead("stream", own.as_secs_f64());
                             let target = d.provider.to_string();
                             let resp = super::live::respond(
                                 flight, first, pass, limits, target, started, wire,
@@ -417,6 +428,7 @@ pub async fn execute(
                         }
                     }
                 }
+                let calling = std::time::Instant::now();
                 let attempt = match node.upstreams.target(&d.provider) {
                     Some((c, model)) if embeddings => {
                         c.embed(model, &pass, Duration::from_millis(d.timeout_ms))
@@ -439,6 +451,7 @@ pub async fn execute(
                     }
                     .into(),
                 };
+                waited += calling.elapsed();
                 let g = attempt.generation.clone();
                 used_tokens += g.usage.map_or(0, |u| u.prompt_tokens + u.completion_tokens);
                 last = Some(attempt);
@@ -458,6 +471,8 @@ pub async fn execute(
     let logged = conclude(node, decision, record, started);
     // Under `[decision_log] durable`, not before its record is in the stream.
     node.log.logged(logged).await;
+    let own = started.elapsed().saturating_sub(waited);
+    node.metrics.overhead("whole", own.as_secs_f64());
     Answer {
         stream,
         buffered,

@@ -276,6 +276,31 @@ async fn consensus_drives_routing_through_outage_and_broken_contract() {
         .unwrap()
             >= 2.0
     );
+    // oam's own time, upstreams' left out: a fraction of what the requests took in all (the
+    // simulator answers in tens of milliseconds), and counted once per request answered here.
+    let whole = [("answer", "whole")];
+    let overhead = value("oam_overhead_seconds_sum", &whole).unwrap();
+    let total = value(
+        "oam_request_duration_seconds_sum",
+        &[("outcome", "accepted")],
+    )
+    .unwrap();
+    assert!(
+        overhead > 0.0 && overhead < total / 2.0,
+        "{overhead} of {total}"
+    );
+    let streamed = value("oam_overhead_seconds_count", &[("answer", "stream")]).unwrap();
+    assert!(streamed >= 1.0, "the live stream asked of n1 counts");
+    let decided: f64 = samples
+        .iter()
+        .filter(|s| s[0] == "oam_request_duration_seconds_count")
+        .map(|s| s[2].as_f64().unwrap())
+        .sum();
+    assert_eq!(
+        value("oam_overhead_seconds_count", &whole).unwrap() + streamed,
+        decided,
+        "one overhead per decided request"
+    );
     assert_eq!(value("oam_live_nodes", &[]), Some(3.0));
     assert_eq!(
         value(
