@@ -518,12 +518,16 @@ mod tests {
 
     #[tokio::test]
     async fn models_list_routes_with_their_targets_and_auto_across_all() {
-        let node = offline::node().await;
-        let (status, _, v) = read(models(State(node.clone()), HeaderMap::new()).await).await;
+        // Without routes: every target's model, then auto.
+        let (plain, _) = offline::node_with(
+            "[[provider]]\nid = \"a\"\nbase_url = \"http://127.0.0.1:9/v1\"\nmodels = [\"m1\", \"m2\"]\nprobe = \"off\"\n",
+        )
+        .await;
+        let (status, _, v) = read(models(State(plain.clone()), HeaderMap::new()).await).await;
         assert_eq!(status, StatusCode::OK);
         let data = v["data"].as_array().expect("a list");
-        assert_eq!(data.len(), node.cfg.targets.len() + 1, "{v}");
-        for (entry, t) in data.iter().zip(&node.cfg.targets) {
+        assert_eq!(data.len(), plain.cfg.targets.len() + 1, "{v}");
+        for (entry, t) in data.iter().zip(&plain.cfg.targets) {
             assert_eq!(entry["id"].as_str(), Some(t.model.as_str()));
             assert_eq!(entry["oam"]["targets"], json!([t.id]));
         }
@@ -531,8 +535,13 @@ mod tests {
         assert_eq!(auto["id"], "auto");
         assert_eq!(
             auto["oam"]["targets"].as_array().map(Vec::len),
-            Some(node.cfg.targets.len())
+            Some(plain.cfg.targets.len())
         );
+        // The simulator's configuration: its route `json`, then auto.
+        let node = offline::node().await;
+        let (_, _, v) = read(models(State(node.clone()), HeaderMap::new()).await).await;
+        assert_eq!(v["data"][0]["id"], "json", "{v}");
+        assert_eq!(v["data"][1]["id"], "auto", "{v}");
 
         // With routes: each route's model with its targets, in the route's order.
         let ids: Vec<&str> = node.cfg.targets.iter().map(|t| t.id.as_str()).collect();
@@ -544,7 +553,11 @@ mod tests {
         let (_, _, v) = read(models(State(routed), HeaderMap::new()).await).await;
         assert_eq!(v["data"][0]["id"], "fast");
         assert_eq!(v["data"][0]["oam"]["targets"], json!([ids[1], ids[0]]));
-        assert_eq!(v["data"][1]["id"], "auto");
+        assert_eq!(
+            v["data"][1]["id"], "json",
+            "the simulator's own route follows"
+        );
+        assert_eq!(v["data"][2]["id"], "auto");
     }
 
     #[tokio::test]

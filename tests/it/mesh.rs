@@ -408,8 +408,10 @@ out["final_finish"] = r2.choices[0].finish_reason
 out["final_content"] = r2.choices[0].message.content
 streamed = list(c.chat.completions.create(
     model="auto", messages=turn[:1], tools=tools, stream=True))
-out["streamed_tool"] = [tc.function.name for ch in streamed if ch.choices
-                        for tc in (ch.choices[0].delta.tool_calls or [])]
+# Streamed live, as OpenAI streams a tool call: its name first, its arguments in pieces.
+deltas = [tc for ch in streamed if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+out["streamed_tool"] = [tc.function.name for tc in deltas if tc.function.name]
+out["streamed_args"] = json.loads("".join(tc.function.arguments or "" for tc in deltas))
 print(json.dumps(out))
 "#;
     let out = std::process::Command::new(&python)
@@ -467,6 +469,7 @@ print(json.dumps(out))
     assert_eq!(v["final_finish"], "stop", "{v}");
     assert!(v["final_content"].as_str().is_some_and(|c| !c.is_empty()));
     assert_eq!(v["streamed_tool"], json!(["get_weather"]), "{v}");
+    assert!(v["streamed_args"]["city"].is_string(), "{v}");
 }
 
 #[test]
