@@ -83,6 +83,13 @@
 //! content = "full"            # or "hash": messages kept as hashes (not replayable)
 //! max_content_bytes = 16384  # a record with more content than this is kept as under "hash"
 //! durable = false             # true: an answer waits until its record is in the stream
+//!
+//! [telemetry]                 # OpenTelemetry: a span per request and per attempt (OTLP/HTTP)
+//! otlp_endpoint = "http://127.0.0.1:4318"  # else $OTEL_EXPORTER_OTLP_ENDPOINT; none: off
+//! headers = { "x-api-key" = "..." }        # sent with every export
+//! service_name = "oam"
+//! content = false             # true: messages and answers on the spans (gen_ai.*.messages)
+//! timeout_ms = 5000           # one export's deadline
 //! ```
 
 use crate::core::budget::Budgets;
@@ -340,6 +347,9 @@ pub struct NodeConfig {
     pub escalations: EscalationSinks,
     #[serde(default)]
     pub decision_log: super::decisionlog::LogSettings,
+    /// OpenTelemetry export of every request's spans (off unless an endpoint is given).
+    #[serde(default)]
+    pub telemetry: super::otlp::Settings,
     #[serde(default, rename = "route")]
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
@@ -541,6 +551,9 @@ impl NodeConfig {
         cfg.targets = cfg.resolve_targets();
         cfg.check_routes().map_err(|e| format!("{name}: {e}"))?;
         cfg.check_rate_limits()
+            .map_err(|e| format!("{name}: {e}"))?;
+        cfg.telemetry
+            .traces_url(|k| std::env::var(k).ok())
             .map_err(|e| format!("{name}: {e}"))?;
         Ok(cfg)
     }

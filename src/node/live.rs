@@ -419,7 +419,8 @@ impl Relay {
         let node = self.node();
         let started = self.request_started;
         let record = self.flight.recorder();
-        let logged = conclude(&node, d, record, started);
+        let trace = self.flight.trace.take();
+        let logged = conclude(&node, d, record, trace, started);
         // Under `[decision_log] durable`, the stream ends only once its record is written.
         node.log.logged(logged).await;
         let _ = self.send(text).await;

@@ -27,6 +27,7 @@ pub mod loops;
 pub mod metrics;
 pub mod nats;
 pub mod openai;
+pub mod otlp;
 pub mod pipeline;
 pub mod rates;
 pub mod request;
@@ -70,6 +71,8 @@ pub struct Node {
     pub escalations: escalations::Escalations,
     pub chaos: Arc<chaos::Chaos>,
     pub metrics: Arc<metrics::Metrics>,
+    /// OpenTelemetry export of requests' spans (a no-op when off).
+    pub otlp: otlp::Telemetry,
     /// JetStream stores that refuse this node's writes now.
     pub store_faults: status::StoreFaults,
     pub serving: Serving,
@@ -104,6 +107,7 @@ pub struct Services {
     escalations: tokio::sync::mpsc::Receiver<Escalation>,
     ledger: ledger::Queue,
     claims: tokio::sync::mpsc::UnboundedReceiver<loops::ClaimOp>,
+    otlp: Option<otlp::Exporter>,
 }
 
 impl Node {
@@ -148,7 +152,14 @@ impl Node {
         let rates = rates::Rates::default();
         rates.counters.register(registry);
         log.counters.register(registry);
+        let traces = cfg
+            .telemetry
+            .traces_url(|k| std::env::var(k).ok())
+            .map_err(anyhow::Error::msg)?;
+        let (otlp, exporter) = otlp::Telemetry::new(&id, &cfg.telemetry, traces, &cfg.targets);
+        otlp.register(registry);
         let node = Node {
+            otlp,
             health: Arc::new(health::Health::new(
                 &id,
                 &cfg,
@@ -175,6 +186,7 @@ impl Node {
             escalations: escalations_rx,
             ledger: ledger_queue,
             claims,
+            otlp: exporter,
         };
         Ok((Arc::new(node), services))
     }
@@ -223,6 +235,9 @@ pub async fn run(
     running.spawn(gossip::Gossip::new(n.clone()).run(last.clone()));
     running.spawn(chaos::Commands(n.chaos.clone()).run(last.clone()));
     let writer = tokio::spawn(decisionlog::Writer(n.clone()).run(last.clone()));
+    if let Some(exporter) = services.otlp {
+        running.spawn(exporter.run(last.clone()));
+    }
     tokio::pin!(stop);
     tokio::select! {
         () = gossip::join(&node) => {}

@@ -146,6 +146,8 @@ pub(crate) struct Flight {
     pub hold: Option<super::ledger::Hold>,
     /// The request's record for the decision log, as it goes (none when the log is off).
     pub recorder: Option<Recorder>,
+    /// Its OpenTelemetry spans, as they go (none when export is off).
+    pub trace: Option<super::otlp::Pending>,
 }
 
 impl Flight {
@@ -155,6 +157,7 @@ impl Flight {
             session,
             hold: None,
             recorder,
+            trace: None,
         }
     }
 
@@ -163,6 +166,9 @@ impl Flight {
     pub(crate) fn call(&mut self, call: Call) -> Option<Step> {
         let before = self.session.cost_usd();
         let ended = matches!(call, Call::Complete { .. } | Call::Withdraw);
+        if let (Some(t), Call::Complete { generation }) = (self.trace.as_mut(), &call) {
+            t.completed(generation, self.node.otlp.content());
+        }
         let now = now_ms();
         let Flight {
             node,
@@ -183,6 +189,9 @@ impl Flight {
             before,
             ended,
         );
+        if let (Some(t), Some(Step::Dispatch(d))) = (self.trace.as_mut(), &out) {
+            t.dispatched(d.delay_ms);
+        }
         out
     }
 
@@ -252,6 +261,8 @@ pub(crate) fn begin(
     let (request, stream, pass) = to_request(node, body, headers, client, asks)
         .map_err(|e| Box::new(bad_request(node, headers, e)))?;
     let logging = node.log.enabled();
+    let traceparent = header(headers, "traceparent");
+    let trace = node.otlp.begin(&request, stream, traceparent);
     let begun = node.pipeline.with(|e| {
         let now = now_ms();
         let recorder = logging.then(|| Recorder::begin(e, &request, now));
@@ -261,13 +272,19 @@ pub(crate) fn begin(
         })
     });
     match begun {
-        Ok((flight, step, granted)) => Ok(Begun {
-            flight,
-            step,
-            granted,
-            stream,
-            pass,
-        }),
+        Ok((mut flight, step, granted)) => {
+            flight.trace = trace;
+            if let (Some(t), Step::Dispatch(d)) = (flight.trace.as_mut(), &step) {
+                t.dispatched(d.delay_ms);
+            }
+            Ok(Begun {
+                flight,
+                step,
+                granted,
+                stream,
+                pass,
+            })
+        }
         Err(e) => {
             let param = param_of(e.field);
             Err(Box::new(bad_request(node, headers, bad(param, e.message))))
@@ -409,6 +426,9 @@ pub async fn execute(
                     };
                     match opened {
                         super::live::Open::Started(first) => {
+                            if let Some(t) = flight.trace.as_mut() {
+                                t.first_chunk();
+                            }
                             let own = started.elapsed().saturating_sub(waited);
                             node.metrics.overhead("stream", own.as_secs_f64());
                             let target = d.provider.to_string();
@@ -466,9 +486,10 @@ pub async fn execute(
         node.rates.settle(&agent, admitted, used_tokens).await;
     }
     let record = flight.recorder();
+    let trace = flight.trace.take();
     drop(flight);
     let answer = respond(node, &decision, last);
-    let logged = conclude(node, decision, record, started);
+    let logged = conclude(node, decision, record, trace, started);
     // Under `[decision_log] durable`, not before its record is in the stream.
     node.log.logged(logged).await;
     let own = started.elapsed().saturating_sub(waited);
@@ -515,6 +536,7 @@ pub(crate) fn conclude(
     node: &Node,
     decision: Decision,
     record: Option<Recorder>,
+    trace: Option<super::otlp::Pending>,
     started: std::time::Instant,
 ) -> Option<tokio::sync::oneshot::Receiver<bool>> {
     for effect in &decision.effects {
@@ -530,6 +552,7 @@ pub(crate) fn conclude(
     }
     node.metrics
         .decision(&decision, started.elapsed().as_secs_f64());
+    node.otlp.finish(trace, &decision);
     let decision = std::sync::Arc::new(crate::core::record::Decided::new(decision));
     let logged = record.and_then(|r| node.log.keep(r.finish(decision.clone())));
     publish_decision(node, decision);

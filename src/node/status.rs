@@ -268,6 +268,8 @@ mod tests {
             "oam_http_connection_limit_reached_total",
             "oam_live_nodes",
             "oam_node_info",
+            "oam_otlp_spans_total",
+            "oam_overhead_seconds",
             "oam_target_outcomes_total",
             "oam_target_verdict",
             "oam_target_votes",

@@ -2964,3 +2964,210 @@ print(json.dumps({"whole": json.loads(m.to_json()), "streamed": streamed}))
         "{sent}"
     );
 }
+
+/// Traces in the tools operators run: with `[telemetry]` pointed at a real OTLP receiver, every
+/// request is one SERVER span and every attempt one CLIENT span under it, with the GenAI
+/// conventions' attributes and oam's own; a caller's `traceparent` is followed; a rerouted
+/// request shows both attempts, the failed one with its error; a stream its time to first
+/// chunk; a refusal its error class. Content only when asked for.
+#[tokio::test]
+async fn requests_are_traced_to_a_real_otlp_receiver() {
+    let mut receiver = crate::support::OtlpReceiver::start();
+    let extra = format!(
+        r#"
+[[route]]
+model = "checked"
+targets = ["primary/big", "secondary/medium"]
+contract = {{}}
+
+[telemetry]
+otlp_endpoint = "{}"
+service_name = "oam-test"
+content = true
+headers = {{ "x-test-key" = "k-123" }}
+"#,
+        receiver.url
+    );
+    let g = gateway_with("otlp", &extra).await;
+    let span_of = |spans: &[Value], id: &str| -> Option<Value> {
+        spans
+            .iter()
+            .find(|s| s["kind"] == 2 && s["attributes"]["oam.request_id"] == id)
+            .cloned()
+    };
+
+    // A plain answer, in the caller's trace.
+    let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let r = client()
+        .post(format!("{}/v1/chat/completions", g.url))
+        .header(
+            "traceparent",
+            format!("00-{caller_trace}-00f067aa0ba902b7-01"),
+        )
+        .json(&json!({"model": "small", "max_tokens": 64,
+                      "messages": [{"role": "user", "content": "trace me"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let plain: Value = r.json().await.unwrap();
+    let plain_id = plain["oam"]["request_id"].as_str().unwrap().to_string();
+
+    // Rerouted: the first target breaks the contract.
+    g.fault(
+        "primary/big",
+        json!({"mode": "contract", "kind": "not-json", "times": 1}),
+    )
+    .await;
+    let (status, rerouted) = g.ask("checked", "reroute me").await;
+    assert_eq!(status, 200, "{rerouted}");
+    let rerouted_id = rerouted["oam"]["request_id"].as_str().unwrap().to_string();
+
+    // Streamed live.
+    let (status, seen) = g.stream("small", "stream me").await;
+    assert_eq!(status, 200);
+    let stream_id = seen.oam()["request_id"].as_str().unwrap().to_string();
+
+    // Refused: no target serves the model any more.
+    g.fault("secondary/medium", json!({"mode": "error", "status": 500}))
+        .await;
+    g.fault("primary/big", json!({"mode": "error", "status": 500}))
+        .await;
+    let (status, refused) = g.ask("big", "fail me").await;
+    assert_ne!(status, 200, "{refused}");
+    let refused_id = refused["oam"]["request_id"].as_str().unwrap().to_string();
+
+    let ids = [&plain_id, &rerouted_id, &stream_id, &refused_id];
+    let spans = receiver
+        .until(Duration::from_secs(15), |s| {
+            ids.iter().all(|id| span_of(s, id).is_some())
+        })
+        .await;
+    assert!(
+        !spans.iter().any(|s| s.get("refused").is_some()),
+        "the receiver refused an export: {spans:?}"
+    );
+    let request =
+        |id: &str| span_of(&spans, id).unwrap_or_else(|| panic!("no span for {id}: {spans:?}"));
+    let children = |parent: &Value| -> Vec<Value> {
+        spans
+            .iter()
+            .filter(|s| s["parent"] == parent["span_id"] && s["kind"] == 3)
+            .cloned()
+            .collect()
+    };
+
+    let p = request(&plain_id);
+    assert_eq!(p["trace_id"], caller_trace, "the caller's trace: {p}");
+    assert_eq!(p["parent"], "00f067aa0ba902b7");
+    assert_eq!(p["name"], "chat small");
+    assert_eq!(p["status"], 1, "OK");
+    assert_eq!(p["resource"]["service.name"], "oam-test");
+    assert_eq!(p["resource"]["service.instance.id"], "n1");
+    assert_eq!(p["header"], "k-123", "the configured headers are sent");
+    let a = &p["attributes"];
+    assert_eq!(a["gen_ai.operation.name"], "chat");
+    assert_eq!(a["gen_ai.request.model"], "small");
+    assert_eq!(a["gen_ai.response.model"], "small");
+    assert_eq!(a["gen_ai.provider.name"], "openai");
+    assert_eq!(a["gen_ai.request.max_tokens"], 64);
+    assert_eq!(a["oam.decision"], "accepted");
+    assert_eq!(a["oam.route"], "small");
+    assert_eq!(a["oam.target"], "primary/small");
+    assert_eq!(
+        a["gen_ai.usage.input_tokens"], plain["usage"]["prompt_tokens"],
+        "{a}"
+    );
+    assert_eq!(
+        a["gen_ai.usage.output_tokens"],
+        plain["usage"]["completion_tokens"]
+    );
+    assert_eq!(a["gen_ai.response.finish_reasons"], json!(["stop"]));
+    let input: Value = serde_json::from_str(a["gen_ai.input.messages"].as_str().unwrap()).unwrap();
+    assert_eq!(input[0]["parts"][0]["content"], "trace me");
+    let output: Value =
+        serde_json::from_str(a["gen_ai.output.messages"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        output[0]["parts"][0]["content"],
+        plain["choices"][0]["message"]["content"]
+    );
+    let kids = children(&p);
+    assert_eq!(kids.len(), 1, "{kids:?}");
+    assert_eq!(kids[0]["trace_id"], caller_trace);
+    assert_eq!(kids[0]["name"], "chat small");
+    assert!(
+        kids[0]["start"].as_u64() >= p["start"].as_u64()
+            && kids[0]["end"].as_u64() <= p["end"].as_u64()
+    );
+
+    let r = request(&rerouted_id);
+    assert_eq!(
+        r["attributes"]["oam.fallback_chain"],
+        json!(["primary/big", "secondary"])
+    );
+    assert!(
+        r["attributes"]["oam.reason_codes"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("CONTRACT_NOT_JSON"))
+    );
+    let kids = children(&r);
+    assert_eq!(kids.len(), 2, "{kids:?}");
+    let failed = kids
+        .iter()
+        .find(|k| k["attributes"]["oam.attempt"] == 1)
+        .unwrap();
+    assert_eq!(
+        (
+            failed["status"].as_u64(),
+            failed["attributes"]["error.type"].as_str()
+        ),
+        (Some(2), Some("CONTRACT_NOT_JSON")),
+        "{failed}"
+    );
+    let served = kids
+        .iter()
+        .find(|k| k["attributes"]["oam.attempt"] == 2)
+        .unwrap();
+    assert_eq!(served["status"], 1);
+    assert_eq!(served["attributes"]["oam.target"], "secondary");
+    assert!(
+        failed["end"].as_u64() <= served["start"].as_u64(),
+        "attempts in order"
+    );
+
+    let s = request(&stream_id);
+    assert_eq!(s["attributes"]["oam.stream"], true);
+    let ttft = s["attributes"]["gen_ai.response.time_to_first_chunk"]
+        .as_f64()
+        .unwrap();
+    let whole = (s["end"].as_u64().unwrap() - s["start"].as_u64().unwrap()) as f64 / 1e9;
+    assert!(
+        ttft > 0.0 && ttft < whole,
+        "first chunk at {ttft} s of {whole} s"
+    );
+
+    let f = request(&refused_id);
+    assert_eq!(f["status"], 2, "ERROR");
+    assert_eq!(f["attributes"]["oam.decision"], refused["oam"]["outcome"]);
+    assert_eq!(
+        f["attributes"]["error.type"], refused["error"]["code"],
+        "{f}"
+    );
+    let kids = children(&f);
+    assert!(!kids.is_empty(), "{refused}");
+    assert!(
+        !kids.is_empty()
+            && kids
+                .iter()
+                .all(|k| k["status"] == 2 && k["attributes"]["error.type"].is_string()),
+        "{kids:?}"
+    );
+
+    // Counted on /metrics.
+    let text = crate::support::metrics(&g.url).await;
+    assert!(
+        text.contains("oam_otlp_spans_total{result=\"exported\"}"),
+        "{text}"
+    );
+}

@@ -675,3 +675,130 @@ impl Drop for JwtServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A real OTLP/HTTP trace receiver: a small server that decodes every export with
+/// OpenTelemetry's own protobuf definitions (`opentelemetry-proto`; unknown fields and ids of
+/// the wrong size are refused with 400, as a collector refuses them) and reports each span it
+/// took (each export as one JSON line). Killed on drop.
+pub struct OtlpReceiver {
+    child: std::process::Child,
+    pub url: String,
+    spans: tokio::sync::mpsc::UnboundedReceiver<Value>,
+}
+
+const OTLP_RECEIVER: &str = r#"
+import base64, json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+def ids_to_base64(o):
+    # OTLP/JSON writes ids as hex; protobuf's JSON mapping reads bytes as base64.
+    for rs in o.get("resourceSpans", []):
+        for ss in rs.get("scopeSpans", []):
+            for s in ss.get("spans", []):
+                for k, n in (("traceId", 16), ("spanId", 8), ("parentSpanId", 8)):
+                    if k in s:
+                        b = bytes.fromhex(s[k])
+                        if len(b) != n:
+                            raise ValueError(f"{k} {s[k]!r} is not {n} bytes")
+                        s[k] = base64.b64encode(b).decode()
+
+def value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+class Receiver(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        try:
+            if self.path != "/v1/traces":
+                raise ValueError("not the traces path: " + self.path)
+            if self.headers.get("content-type", "").split(";")[0] != "application/json":
+                raise ValueError("not JSON: " + self.headers.get("content-type", ""))
+            raw = json.loads(body)
+            ids_to_base64(raw)
+            req = json_format.ParseDict(raw, ExportTraceServiceRequest())
+        except Exception as e:
+            print(json.dumps({"refused": str(e)}), flush=True)
+            self.send_response(400)
+            self.end_headers()
+            return
+        spans = []
+        for rs in req.resource_spans:
+            resource = {a.key: value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    spans.append({
+                        "resource": resource, "scope": ss.scope.name,
+                        "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+                        "parent": s.parent_span_id.hex(), "name": s.name, "kind": s.kind,
+                        "start": s.start_time_unix_nano, "end": s.end_time_unix_nano,
+                        "status": s.status.code,
+                        "attributes": {a.key: value(a.value) for a in s.attributes},
+                        "header": self.headers.get("x-test-key"),
+                    })
+        # One line per export: a request's span and its attempts' arrive together.
+        print(json.dumps({"spans": spans}), flush=True)
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+print(json.dumps({"port": server.server_address[1]}), flush=True)
+server.serve_forever()
+"#;
+
+impl OtlpReceiver {
+    pub fn start() -> OtlpReceiver {
+        use std::io::BufRead as _;
+        let mut child = Command::new(python())
+            .args(["-u", "-c", OTLP_RECEIVER])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python; run scripts/install-test-tools");
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+        let url = format!("http://127.0.0.1:{}", first["port"]);
+        let (tx, spans) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<Value>(&line)
+                    && tx.send(v).is_err()
+                {
+                    return;
+                }
+            }
+        });
+        OtlpReceiver { child, url, spans }
+    }
+
+    /// The spans received until `done` says the ones wanted are in (or `within` passes).
+    pub async fn until(&mut self, within: Duration, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let mut got = Vec::new();
+        let deadline = tokio::time::Instant::now() + within;
+        while !done(&got) {
+            match tokio::time::timeout_at(deadline, self.spans.recv()).await {
+                Ok(Some(v)) => match v["spans"].as_array() {
+                    Some(spans) => got.extend(spans.iter().cloned()),
+                    None => got.push(v),
+                },
+                _ => break,
+            }
+        }
+        got
+    }
+}
+
+impl Drop for OtlpReceiver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

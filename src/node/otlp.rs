@@ -1,0 +1,711 @@
+//! OpenTelemetry export: one span per request (kind SERVER) and one per attempt made on a target
+//! (kind CLIENT, its child), sent over OTLP/HTTP as JSON to `[telemetry] otlp_endpoint` (or
+//! `$OTEL_EXPORTER_OTLP_ENDPOINT`). Attributes follow the GenAI semantic conventions
+//! (`gen_ai.*`: operation, provider, request and response model, usage, finish reasons, time to
+//! first chunk on streams; `error.type`), with oam's own facts as `oam.*` (decision, phase,
+//! reason codes, route, the targets tried, attempt number). Messages and answers are left out
+//! unless `content = true`. A caller's `traceparent` makes the request's span a child of the
+//! caller's. Off the request's path, as the decision log is: finished requests wait in a bounded
+//! queue and go out in batches; what does not fit, or is not taken, is counted
+//! (`oam_otlp_spans_total`). The conventions are still moving: the whole mapping is here.
+
+use super::metrics::Registry;
+use crate::core::pipeline::{Decision, DecisionOutcome};
+use crate::core::request::{Generation, GenerationStatus, Request, Usage};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Finished requests waiting to be exported at most; beyond, they are dropped and counted.
+const WAITING: usize = 8_192;
+/// Requests per export at most.
+const BATCH: usize = 256;
+/// How long a batch waits to fill before it goes.
+const LINGER: Duration = Duration::from_millis(500);
+/// On stop, how long what waits may take to go out.
+const FLUSH: Duration = Duration::from_secs(2);
+
+const SPAN_KIND_SERVER: u8 = 2;
+const SPAN_KIND_CLIENT: u8 = 3;
+const STATUS_OK: u8 = 1;
+const STATUS_ERROR: u8 = 2;
+
+/// `[telemetry]` in `oam.toml`.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Settings {
+    /// Where an OTLP/HTTP receiver listens (`http://host:4318`; spans go to `/v1/traces` under
+    /// it, unless it names that path itself). None: `$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (as
+    /// it is) or `$OTEL_EXPORTER_OTLP_ENDPOINT`, else nothing is exported.
+    pub otlp_endpoint: Option<String>,
+    /// Headers sent with every export (a vendor's API key, say).
+    pub headers: BTreeMap<String, String>,
+    /// The `service.name` of the spans.
+    pub service_name: String,
+    /// Put each request's messages and the answer on its spans (`gen_ai.input.messages`,
+    /// `gen_ai.output.messages`). Off by default: prompts are often what nobody may read.
+    pub content: bool,
+    /// One export's deadline.
+    pub timeout_ms: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            otlp_endpoint: None,
+            headers: BTreeMap::new(),
+            service_name: "oam".into(),
+            content: false,
+            timeout_ms: 5_000,
+        }
+    }
+}
+
+impl Settings {
+    /// The URL spans are posted to, if export is on (`env` reads a variable). Errors say what
+    /// is wrong with the one given.
+    pub fn traces_url(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<String>, String> {
+        let (url, from) = match (
+            &self.otlp_endpoint,
+            env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        ) {
+            (Some(u), _) => (
+                u.trim_end_matches('/').to_string(),
+                "telemetry.otlp_endpoint",
+            ),
+            (None, Some(u)) if !u.is_empty() => {
+                return checked(u, "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").map(Some);
+            }
+            _ => match env("OTEL_EXPORTER_OTLP_ENDPOINT").filter(|u| !u.is_empty()) {
+                Some(u) => (
+                    u.trim_end_matches('/').to_string(),
+                    "$OTEL_EXPORTER_OTLP_ENDPOINT",
+                ),
+                None => return Ok(None),
+            },
+        };
+        let url = if url.ends_with("/v1/traces") {
+            url
+        } else {
+            format!("{url}/v1/traces")
+        };
+        checked(url, from).map(Some)
+    }
+}
+
+fn checked(url: String, from: &str) -> Result<String, String> {
+    if url.starts_with("http://") || url.starts_with("https://") {
+        Ok(url)
+    } else {
+        Err(format!(
+            "{from}: {url:?} is not an OTLP/HTTP address: give http://host:4318 (or https://)"
+        ))
+    }
+}
+
+/// Nanoseconds since the Unix epoch, now.
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// A 16-byte trace id, or an 8-byte span id, as lowercase hex.
+fn trace_id() -> String {
+    crate::ids::unguessable()
+}
+
+fn span_id() -> String {
+    crate::ids::unguessable()[..16].to_string()
+}
+
+/// A W3C `traceparent` (`00-{trace}-{parent}-{flags}`): its trace id and parent span id.
+pub fn parse_traceparent(v: &str) -> Option<(String, String)> {
+    let mut parts = v.trim().split('-');
+    let (version, trace, parent, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let zero = |s: &str| s.bytes().all(|b| b == b'0');
+    (hex(version, 2)
+        && version != "ff"
+        && hex(trace, 32)
+        && hex(parent, 16)
+        && hex(flags, 2)
+        && !zero(trace)
+        && !zero(parent))
+    .then(|| (trace.to_ascii_lowercase(), parent.to_ascii_lowercase()))
+}
+
+/// One attempt made on a target, as the driver saw it.
+#[derive(Clone, Debug, Default)]
+struct AttemptSpan {
+    start_ns: u64,
+    end_ns: u64,
+    usage: Option<Usage>,
+    finish: Option<String>,
+    output: Option<String>,
+}
+
+/// A request's spans while it is under way (kept on its flight).
+#[derive(Clone, Debug)]
+pub struct Pending {
+    trace_id: String,
+    parent: Option<String>,
+    span_id: String,
+    start_ns: u64,
+    model: Option<String>,
+    max_tokens: Option<u32>,
+    embeddings: bool,
+    stream: bool,
+    input: Option<String>,
+    first_chunk_ns: Option<u64>,
+    attempts: Vec<AttemptSpan>,
+}
+
+impl Pending {
+    /// An attempt was dispatched; it starts after `delay_ms` (a retry's backoff).
+    pub fn dispatched(&mut self, delay_ms: u64) {
+        self.attempts.push(AttemptSpan {
+            start_ns: unix_ns() + delay_ms * 1_000_000,
+            ..AttemptSpan::default()
+        });
+    }
+
+    /// The attempt under way ended with `g` (`content`: keep its answer).
+    pub fn completed(&mut self, g: &Generation, content: bool) {
+        if let Some(a) = self.attempts.last_mut() {
+            a.end_ns = unix_ns().max(a.start_ns);
+            a.usage = g.usage;
+            a.finish = g.finish_reason.clone();
+            a.output = content.then(|| g.content.clone());
+        }
+    }
+
+    /// A live stream's first event reached oam (time to first chunk).
+    pub fn first_chunk(&mut self) {
+        self.first_chunk_ns.get_or_insert_with(unix_ns);
+    }
+}
+
+/// What became of spans, for `/metrics`.
+#[derive(Default)]
+pub struct Counters {
+    exported: AtomicU64,
+    dropped: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// A finished request, waiting to be exported.
+struct Finished {
+    spans: Vec<Value>,
+}
+
+/// The request path's handle: begins and finishes requests' spans (never waiting).
+pub struct Telemetry {
+    tx: Option<mpsc::Sender<Finished>>,
+    content: bool,
+    counters: Arc<Counters>,
+    /// Target id -> (model, API) for the spans' provider and response model.
+    targets: BTreeMap<String, (String, &'static str)>,
+}
+
+/// The exporter's half: it runs once, in `node::run`.
+pub struct Exporter {
+    rx: mpsc::Receiver<Finished>,
+    url: String,
+    settings: Settings,
+    resource: Value,
+    counters: Arc<Counters>,
+}
+
+impl Telemetry {
+    /// The handle and, when export is on (`url`), the exporter to run.
+    pub fn new(
+        node: &str,
+        settings: &Settings,
+        url: Option<String>,
+        targets: &[super::config::Target],
+    ) -> (Telemetry, Option<Exporter>) {
+        let counters = Arc::new(Counters::default());
+        let targets = targets
+            .iter()
+            .map(|t| {
+                let api = match t.api {
+                    crate::core::request::Api::Anthropic => "anthropic",
+                    crate::core::request::Api::Openai => "openai",
+                };
+                (t.id.clone(), (t.model.clone(), api))
+            })
+            .collect();
+        let Some(url) = url else {
+            let off = Telemetry {
+                tx: None,
+                content: false,
+                counters,
+                targets,
+            };
+            return (off, None);
+        };
+        let (tx, rx) = mpsc::channel(WAITING);
+        let resource = json!({"attributes": [
+            attr("service.name", &settings.service_name),
+            attr("service.instance.id", node),
+            attr("service.version", env!("CARGO_PKG_VERSION")),
+        ]});
+        let exporter = Exporter {
+            rx,
+            url,
+            settings: settings.clone(),
+            resource,
+            counters: counters.clone(),
+        };
+        let on = Telemetry {
+            tx: Some(tx),
+            content: settings.content,
+            counters,
+            targets,
+        };
+        (on, Some(exporter))
+    }
+
+    pub fn content(&self) -> bool {
+        self.content
+    }
+
+    /// The spans of `r` begin (none when export is off). `traceparent`: the caller's.
+    pub fn begin(&self, r: &Request, stream: bool, traceparent: Option<&str>) -> Option<Pending> {
+        self.tx.as_ref()?;
+        let (trace_id, parent) = match traceparent.and_then(parse_traceparent) {
+            Some((t, p)) => (t, Some(p)),
+            None => (trace_id(), None),
+        };
+        Some(Pending {
+            trace_id,
+            parent,
+            span_id: span_id(),
+            start_ns: unix_ns(),
+            model: r.model.clone(),
+            max_tokens: r.max_tokens,
+            embeddings: r.embeddings,
+            stream,
+            input: self.content.then(|| input_messages(r)),
+            first_chunk_ns: None,
+            attempts: Vec::new(),
+        })
+    }
+
+    /// The request of `p` was decided `d`: its spans are queued for export.
+    pub fn finish(&self, p: Option<Pending>, d: &Decision) {
+        let (Some(tx), Some(p)) = (&self.tx, p) else {
+            return;
+        };
+        let spans = spans(&p, d, unix_ns(), &self.targets);
+        let n = spans.len() as u64;
+        if tx.try_send(Finished { spans }).is_err() {
+            self.counters.dropped.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    pub fn register(&self, registry: &Registry) {
+        let c = self.counters.clone();
+        registry.register(
+            "oam_otlp_spans_total",
+            "Spans for OpenTelemetry, by what became of them (exported: the receiver took \
+             them; dropped: the queue was full; failed: the receiver did not take them).",
+            super::metrics::Kind::Counter,
+            move |s| {
+                for (result, n) in [
+                    ("exported", &c.exported),
+                    ("dropped", &c.dropped),
+                    ("failed", &c.failed),
+                ] {
+                    s.put(&[("result", result)], n.load(Ordering::Relaxed));
+                }
+            },
+        );
+    }
+}
+
+impl Exporter {
+    /// Export batches until `stop`, then what waits (within `FLUSH`).
+    pub async fn run(mut self, stop: CancellationToken) {
+        let http =
+            match crate::http::http_client(Some(Duration::from_millis(self.settings.timeout_ms))) {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::error!("OpenTelemetry export off: {e}");
+                    return;
+                }
+            };
+        loop {
+            let first = tokio::select! {
+                f = self.rx.recv() => f,
+                () = stop.cancelled() => break,
+            };
+            let Some(first) = first else { return };
+            let mut batch = vec![first];
+            let linger = tokio::time::sleep(LINGER);
+            tokio::pin!(linger);
+            while batch.len() < BATCH {
+                tokio::select! {
+                    f = self.rx.recv() => match f {
+                        Some(f) => batch.push(f),
+                        None => break,
+                    },
+                    () = &mut linger => break,
+                }
+            }
+            self.export(&http, batch).await;
+        }
+        // Stopping: what waits goes out, briefly.
+        let _ = tokio::time::timeout(FLUSH, async {
+            let mut batch = Vec::new();
+            while let Ok(f) = self.rx.try_recv() {
+                batch.push(f);
+            }
+            if !batch.is_empty() {
+                self.export(&http, batch).await;
+            }
+        })
+        .await;
+    }
+
+    async fn export(&self, http: &reqwest::Client, batch: Vec<Finished>) {
+        let spans: Vec<Value> = batch.into_iter().flat_map(|f| f.spans).collect();
+        let n = spans.len() as u64;
+        let body = json!({"resourceSpans": [{
+            "resource": self.resource,
+            "scopeSpans": [{
+                "scope": {"name": "oam", "version": env!("CARGO_PKG_VERSION")},
+                "spans": spans,
+            }],
+        }]});
+        // One retry, after a second, when the receiver says to (429, 502-504) or is not there.
+        for attempt in 0..2 {
+            let mut req = http.post(&self.url).json(&body);
+            for (k, v) in &self.settings.headers {
+                req = req.header(k, v);
+            }
+            let retry = match req.send().await {
+                Ok(r) if r.status().is_success() => {
+                    self.counters.exported.fetch_add(n, Ordering::Relaxed);
+                    return;
+                }
+                Ok(r) => {
+                    let s = r.status().as_u16();
+                    tracing::warn!(url = %self.url, status = s, "OpenTelemetry receiver refused spans");
+                    matches!(s, 429 | 502..=504)
+                }
+                Err(e) => {
+                    tracing::warn!(url = %self.url, "OpenTelemetry receiver: {e}");
+                    true
+                }
+            };
+            if !retry || attempt == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        self.counters.failed.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// The request's messages as `gen_ai.input.messages` holds them.
+fn input_messages(r: &Request) -> String {
+    let msgs: Vec<Value> = r
+        .messages
+        .iter()
+        .map(|m| json!({"role": m.role, "parts": [{"type": "text", "content": m.content}]}))
+        .collect();
+    Value::Array(msgs).to_string()
+}
+
+/// An attribute: `{key, value: AnyValue}`.
+fn attr(key: &str, v: impl Into<Any>) -> Value {
+    json!({"key": key, "value": v.into().0})
+}
+
+/// An OTLP `AnyValue` (JSON encoding: 64-bit integers as strings).
+struct Any(Value);
+
+impl From<&str> for Any {
+    fn from(s: &str) -> Any {
+        Any(json!({"stringValue": s}))
+    }
+}
+impl From<&String> for Any {
+    fn from(s: &String) -> Any {
+        Any(json!({"stringValue": s}))
+    }
+}
+impl From<u64> for Any {
+    fn from(n: u64) -> Any {
+        Any(json!({"intValue": n.to_string()}))
+    }
+}
+impl From<f64> for Any {
+    fn from(x: f64) -> Any {
+        Any(json!({"doubleValue": x}))
+    }
+}
+impl From<bool> for Any {
+    fn from(b: bool) -> Any {
+        Any(json!({"boolValue": b}))
+    }
+}
+impl From<Vec<String>> for Any {
+    fn from(v: Vec<String>) -> Any {
+        let values: Vec<Value> = v.iter().map(|s| json!({"stringValue": s})).collect();
+        Any(json!({"arrayValue": {"values": values}}))
+    }
+}
+
+fn status_name(s: GenerationStatus) -> String {
+    serde_json::to_value(s)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+/// The spans of a decided request: its own, then one per attempt made on a target.
+fn spans(
+    p: &Pending,
+    d: &Decision,
+    end_ns: u64,
+    targets: &BTreeMap<String, (String, &'static str)>,
+) -> Vec<Value> {
+    let operation = if p.embeddings { "embeddings" } else { "chat" };
+    let asked = p.model.as_deref().unwrap_or("auto");
+    let target = d.provider.as_deref();
+    let (response_model, provider) = target
+        .and_then(|t| targets.get(t))
+        .map_or((None, None), |(m, api)| (Some(m.as_str()), Some(*api)));
+    // The attempts made (dispatched and called), in order, with the driver's times.
+    let made: Vec<(&crate::core::decision::Attempt, &AttemptSpan)> = d
+        .attempts
+        .iter()
+        .filter(|a| a.provider.is_some())
+        .zip(&p.attempts)
+        .filter(|(a, _)| a.status.is_some())
+        .collect();
+    let answering = made
+        .last()
+        .filter(|_| d.outcome == DecisionOutcome::Accepted);
+    let codes = |c: &[crate::core::reason::ReasonCode]| -> Vec<String> {
+        c.iter().map(|c| c.as_str().to_string()).collect()
+    };
+
+    let mut a = vec![
+        attr("gen_ai.operation.name", operation),
+        attr("gen_ai.request.model", asked),
+        attr("oam.request_id", &d.request_id),
+        attr("oam.decision", d.outcome.as_str()),
+        attr("oam.phase", d.phase.as_str()),
+        attr("oam.reason_codes", codes(&d.reason_codes)),
+        attr("oam.agent", &d.agent),
+        attr("oam.attempts", d.attempts.len() as u64),
+        attr("oam.cost_usd", d.cost_usd),
+        attr("oam.fallback", d.fallback),
+        attr("oam.stream", p.stream),
+        attr(
+            "oam.fallback_chain",
+            made.iter()
+                .filter_map(|(a, _)| a.provider.as_ref().map(ToString::to_string))
+                .collect::<Vec<_>>(),
+        ),
+    ];
+    if let Some(n) = p.max_tokens {
+        a.push(attr("gen_ai.request.max_tokens", u64::from(n)));
+    }
+    if let Some(r) = &d.route {
+        a.push(attr("oam.route", r));
+    }
+    if let Some(t) = target {
+        a.push(attr("oam.target", t));
+    }
+    if let Some(m) = response_model {
+        a.push(attr("gen_ai.response.model", m));
+    }
+    if let Some(api) = provider {
+        a.push(attr("gen_ai.provider.name", api));
+    }
+    if let Some(e) = &d.escalation {
+        a.push(attr("oam.escalation_id", &e.id));
+    }
+    if let Some((_, s)) = answering {
+        usage_attrs(&mut a, s);
+        if let Some(out) = &s.output {
+            a.push(attr(
+                "gen_ai.output.messages",
+                &output_messages(out, s.finish.as_deref()),
+            ));
+        }
+    }
+    if let Some(input) = &p.input {
+        a.push(attr("gen_ai.input.messages", input));
+    }
+    if let (true, Some(at)) = (p.stream, p.first_chunk_ns) {
+        let s = at.saturating_sub(p.start_ns) as f64 / 1e9;
+        a.push(attr("gen_ai.response.time_to_first_chunk", s));
+    }
+    let status = if d.outcome == DecisionOutcome::Accepted {
+        json!({"code": STATUS_OK})
+    } else {
+        // The error class a client sees: the answer's error code, its last reason.
+        let class = d.reason_codes.last().map_or("error", |c| c.as_str());
+        a.push(attr("error.type", class));
+        json!({"code": STATUS_ERROR, "message": format!("{} in phase {}", d.outcome.as_str(), d.phase.as_str())})
+    };
+    let mut request = json!({
+        "traceId": p.trace_id,
+        "spanId": p.span_id,
+        "name": format!("{operation} {asked}"),
+        "kind": SPAN_KIND_SERVER,
+        "startTimeUnixNano": p.start_ns.to_string(),
+        "endTimeUnixNano": end_ns.max(p.start_ns).to_string(),
+        "attributes": a,
+        "status": status,
+    });
+    if let Some(parent) = &p.parent {
+        request["parentSpanId"] = json!(parent);
+    }
+    let mut out = vec![request];
+    for (attempt, s) in made {
+        let Some(t) = attempt.provider.as_deref() else {
+            continue;
+        };
+        let (model, api) = targets
+            .get(t)
+            .map_or((t, "openai"), |(m, api)| (m.as_str(), *api));
+        let mut a = vec![
+            attr("gen_ai.operation.name", operation),
+            attr("gen_ai.provider.name", api),
+            attr("gen_ai.request.model", model),
+            attr("oam.target", t),
+            attr("oam.attempt", u64::from(attempt.n)),
+            attr("oam.reason_codes", codes(&attempt.codes)),
+            attr("oam.fallback", attempt.fallback),
+            attr("oam.same_target", attempt.same_target),
+            attr("oam.cost_usd", attempt.cost_usd),
+        ];
+        let ok = attempt.status == Some(GenerationStatus::Ok);
+        if ok {
+            a.push(attr("gen_ai.response.model", model));
+        }
+        usage_attrs(&mut a, s);
+        let status = match attempt.status {
+            Some(GenerationStatus::Ok) if attempt.defects.is_empty() => json!({"code": STATUS_OK}),
+            Some(st) => {
+                // Answered but held to fail (a contract, the quality gate): the reason it failed.
+                let class = if st == GenerationStatus::Ok {
+                    attempt
+                        .codes
+                        .last()
+                        .map_or("rejected", |c| c.as_str())
+                        .to_string()
+                } else {
+                    status_name(st)
+                };
+                a.push(attr("error.type", &class));
+                json!({"code": STATUS_ERROR, "message": class})
+            }
+            None => continue,
+        };
+        out.push(json!({
+            "traceId": p.trace_id,
+            "spanId": span_id(),
+            "parentSpanId": p.span_id,
+            "name": format!("{operation} {model}"),
+            "kind": SPAN_KIND_CLIENT,
+            "startTimeUnixNano": s.start_ns.to_string(),
+            "endTimeUnixNano": s.end_ns.max(s.start_ns).to_string(),
+            "attributes": a,
+            "status": status,
+        }));
+    }
+    out
+}
+
+fn usage_attrs(a: &mut Vec<Value>, s: &AttemptSpan) {
+    if let Some(u) = s.usage {
+        a.push(attr("gen_ai.usage.input_tokens", u.prompt_tokens));
+        a.push(attr("gen_ai.usage.output_tokens", u.completion_tokens));
+    }
+    if let Some(f) = &s.finish {
+        a.push(attr("gen_ai.response.finish_reasons", vec![f.clone()]));
+    }
+}
+
+/// The answer as `gen_ai.output.messages` holds it.
+fn output_messages(text: &str, finish: Option<&str>) -> String {
+    json!([{"role": "assistant", "parts": [{"type": "text", "content": text}],
+            "finish_reason": finish.unwrap_or("stop")}])
+    .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_traceparent_gives_the_callers_trace_and_a_bad_one_is_ignored() {
+        let t = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(
+            parse_traceparent(t),
+            Some((
+                "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+                "00f067aa0ba902b7".into()
+            ))
+        );
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473x-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(parse_traceparent(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_endpoint_comes_from_the_file_then_the_environment_and_must_be_http() {
+        let none = |_: &str| None;
+        let s = Settings::default();
+        assert_eq!(s.traces_url(none), Ok(None));
+        let base = |k: &str| (k == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| "http://c:4318/".into());
+        assert_eq!(
+            s.traces_url(base),
+            Ok(Some("http://c:4318/v1/traces".into()))
+        );
+        let exact =
+            |k: &str| (k == "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").then(|| "http://t/x".into());
+        assert_eq!(s.traces_url(exact), Ok(Some("http://t/x".into())));
+        let file = Settings {
+            otlp_endpoint: Some("http://127.0.0.1:4318/v1/traces".into()),
+            ..Settings::default()
+        };
+        assert_eq!(
+            file.traces_url(base),
+            Ok(Some("http://127.0.0.1:4318/v1/traces".into()))
+        );
+        let bad = Settings {
+            otlp_endpoint: Some("127.0.0.1:4318".into()),
+            ..Settings::default()
+        };
+        let e = bad.traces_url(none).unwrap_err();
+        assert!(
+            e.contains("telemetry.otlp_endpoint") && e.contains("http://host:4318"),
+            "{e}"
+        );
+    }
+}
