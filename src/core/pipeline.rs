@@ -873,7 +873,9 @@ impl Engine {
             s.continued = true;
             codes.push(ReasonCode::StreamContinuedWithPrefill);
         }
-        if provider.fallback {
+        // A fallback: a provider configured as one, or any target of a route after its first.
+        let fallback = provider.fallback || (s.route.is_some() && eval_at > 0);
+        if fallback {
             codes.push(ReasonCode::FallbackUsed);
         }
         codes.extend(eval.notes.iter().copied());
@@ -906,7 +908,7 @@ impl Engine {
         let provider = &self.state.providers[i];
         attempt.codes = codes;
         attempt.provider = Some(provider.id.clone());
-        attempt.fallback = provider.fallback;
+        attempt.fallback = fallback;
         attempt.probe = probe;
         s.attempts.push(attempt);
         Step::Dispatch(Dispatch {

@@ -1364,6 +1364,7 @@ fn a_route_serves_in_its_order_and_falls_back_along_its_chain() {
         Some("h/big"),
         "route order beats cost"
     );
+    assert!(!d.fallback && !has(&d, ReasonCode::FallbackUsed));
     assert_eq!(d.route.as_deref(), Some("big"));
     let ids: Vec<&str> = d.attempts[0]
         .candidates
@@ -1382,6 +1383,9 @@ fn a_route_serves_in_its_order_and_falls_back_along_its_chain() {
         &[("h/big", err()), ("o/big", good())],
     );
     assert_eq!(d.provider.as_deref(), Some("o/big"));
+    // A route's later target is its fallback, and says so.
+    assert!(d.fallback && has(&d, ReasonCode::FallbackUsed), "{d:?}");
+    assert!(!d.attempts[0].fallback && d.attempts[1].fallback);
     // A degraded first target yields to a healthy second one.
     set_verdict(&mut e, "h/big", Verdict::Degraded, 0.8);
     let d = run(&mut e, asking("big", "r3"), &[("o/big", good())]);
