@@ -1223,13 +1223,19 @@ impl Engine {
             // Part of this answer is with the caller: a whole new one cannot follow it (and a
             // continuation that broke too is not continued again).
             Some(None)
-        } else if let Some(delay) = self.same_target_delay(s, g, transition, now_ms) {
-            push(&mut s.codes, ReasonCode::RetryScheduled);
-            return self.retry_same(s, p.provider, now_ms, delay, phase);
-        } else if tries >= max_attempts {
-            Some(Some(ReasonCode::RetriesExhausted))
         } else {
-            None
+            match self.same_target_delay(s, g, transition, now_ms) {
+                Ok(delay) => {
+                    push(&mut s.codes, ReasonCode::RetryScheduled);
+                    return self.retry_same(s, p.provider, now_ms, delay, phase);
+                }
+                Err(over_budget) => {
+                    if over_budget {
+                        push(&mut s.codes, ReasonCode::RetryWaitOverBudget);
+                    }
+                    (tries >= max_attempts).then_some(Some(ReasonCode::RetriesExhausted))
+                }
+            }
         };
         match retry_block {
             Some(code) => {
@@ -1249,19 +1255,22 @@ impl Engine {
     /// retried there: a 5xx or a connection refused or reset (nothing was answered, so resending
     /// is safe) after a backoff with jitter, or a 429 after its Retry-After when that is within
     /// the cap. Not after a timeout (a silent target is left for the next), not once its breaker
-    /// opened, not past the retries allowed, and not past the request's latency budget.
+    /// opened, not past the retries allowed, and not past the request's latency budget: a
+    /// backoff within the budget (the request's, else the default), a Retry-After within the
+    /// cap unless the request set a budget it does not fit. `Err(true)`: only the budget
+    /// forbade the wait.
     fn same_target_delay(
         &self,
         s: &Session,
         g: &Generation,
         transition: Option<Transition>,
         now_ms: u64,
-    ) -> Option<u64> {
+    ) -> Result<u64, bool> {
         let cfg = &self.config;
         if s.interrupted {
-            return None; // never restarted from scratch
+            return Err(false); // never restarted from scratch
         }
-        let last = s.attempts.last()?;
+        let last = s.attempts.last().ok_or(false)?;
         let retried = s
             .attempts
             .iter()
@@ -1269,7 +1278,7 @@ impl Engine {
             .take_while(|a| a.same_target)
             .count() as u32;
         if retried >= cfg.same_target_retries || transition == Some(Transition::Opened) {
-            return None;
+            return Err(false);
         }
         let delay = match g.status {
             GenerationStatus::Error => {
@@ -1284,17 +1293,24 @@ impl Engine {
             GenerationStatus::RateLimited => {
                 let wait = g.retry_after_ms.unwrap_or(cfg.default_retry_after_ms);
                 if wait > cfg.max_retry_after_ms {
-                    return None;
+                    return Err(false);
                 }
                 wait
             }
-            _ => return None,
+            _ => return Err(false),
         };
-        let budget = s
-            .request
-            .latency_budget_ms
-            .unwrap_or(cfg.default_latency_budget_ms);
-        ((now_ms + delay).saturating_sub(s.began_ms) <= budget).then_some(delay)
+        let ends_ms = (now_ms + delay).saturating_sub(s.began_ms);
+        match s.request.latency_budget_ms {
+            Some(budget) if ends_ms > budget => Err(true),
+            // The default budget holds any Retry-After within the cap: the cap is the wait
+            // oam promises to honour.
+            None if ends_ms > cfg.default_latency_budget_ms
+                && g.status != GenerationStatus::RateLimited =>
+            {
+                Err(true)
+            }
+            _ => Ok(delay),
+        }
     }
 
     fn finish_failure(&mut self, s: &mut Session, phase: Phase, now_ms: u64) -> Step {

@@ -1190,6 +1190,13 @@ fn every_reason_code_is_reachable() {
     r.max_cost_usd = Some(0.000_001);
     note(&run(&mut e, r, &[("primary", good())]));
 
+    // A same-target retry the request's latency budget has no room for.
+    let tight = Request {
+        latency_budget_ms: Some(10),
+        ..req("tight")
+    };
+    note(&drive(&mut retrying(), tight, vec![err(), good()]).1);
+
     // A request the provider refuses as invalid.
     note(&run(
         &mut engine(),
@@ -1568,8 +1575,33 @@ fn transient_failures_retry_the_same_target_first_then_the_next() {
         latency_budget_ms: Some(60),
         ..req("t6")
     };
-    let (sent, _) = drive(&mut retrying(), tight, vec![err(), good()]);
+    let (sent, d) = drive(&mut retrying(), tight, vec![err(), good()]);
     assert_ne!(sent[1].provider, sent[0].provider);
+    assert!(has(&d, ReasonCode::RetryWaitOverBudget), "and it says why");
+
+    // The default budget (1.5 s) holds a Retry-After up to the cap (2 s): it is honoured.
+    let cfg = Config::default();
+    assert!(cfg.max_retry_after_ms > cfg.default_latency_budget_ms);
+    let (sent, d) = drive(
+        &mut retrying(),
+        req("t7"),
+        vec![limited(cfg.max_retry_after_ms), good()],
+    );
+    assert_eq!(targets(&sent), ["primary", "primary"]);
+    assert_eq!(sent[1].delay_ms, cfg.max_retry_after_ms);
+    assert!(!has(&d, ReasonCode::RetryWaitOverBudget));
+    // A budget the request set, too short for it: the next target, and said.
+    let hurried = Request {
+        latency_budget_ms: Some(1_000),
+        ..req("t8")
+    };
+    let (sent, d) = drive(&mut retrying(), hurried, vec![limited(1_500), good()]);
+    assert_ne!(sent[1].provider, sent[0].provider);
+    assert!(
+        has(&d, ReasonCode::RetryWaitOverBudget),
+        "{:?}",
+        d.reason_codes
+    );
 }
 
 #[test]

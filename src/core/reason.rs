@@ -234,6 +234,8 @@ reason_codes! {
         "An interrupted stream could not be continued; it ended with an in-band error event naming the reason, never with [DONE].";
     RetrySameTarget = "RETRY_SAME_TARGET", Retry,
         "A transient failure (a 5xx, a refused or reset connection, or a 429 whose Retry-After is within the cap) was retried on the same target, after a backoff with jitter or the Retry-After.";
+    RetryWaitOverBudget = "RETRY_WAIT_OVER_BUDGET", Retry,
+        "A same-target retry was not made: its wait (the backoff, or a Retry-After within the cap, which the default budget always holds) would end past the request's latency budget.";
     RetryScheduled = "RETRY_SCHEDULED", Retry,
         "An attempt failed and another was scheduled: on a different target, or on the same one (RETRY_SAME_TARGET).";
     RetriesExhausted = "RETRIES_EXHAUSTED", Retry,
