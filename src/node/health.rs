@@ -64,25 +64,28 @@ impl Schedule {
     }
 }
 
-/// How a probe's answer is judged: the model list says only that the provider answers; a
-/// chat answer is held to `contract`; a refused probe is this node's misconfiguration.
+/// How a probe's answer is judged, as a request's is: the model list says only that the
+/// provider answers; a chat answer is held to `contract`; an answer that refuses the request
+/// itself (invalid, too long, against a content policy) says nothing of the target's health
+/// and is no sample (`None`), on a probe as on a request.
 pub fn probe_outcome(
     probe: Probe,
     status: GenerationStatus,
     contract_failed: impl FnOnce() -> bool,
-) -> Outcome {
-    match status {
+) -> Option<Outcome> {
+    Some(match status {
+        // `GenerationStatus::is_refusal`, which the request path holds to.
+        GenerationStatus::Rejected
+        | GenerationStatus::ContextLength
+        | GenerationStatus::ContentPolicy => return None,
         GenerationStatus::Ok if probe == Probe::Models => Outcome::Success,
         GenerationStatus::Ok if contract_failed() => Outcome::ContractFailure,
         GenerationStatus::Ok => Outcome::Success,
         GenerationStatus::Timeout => Outcome::Timeout,
         GenerationStatus::Error
         | GenerationStatus::RateLimited
-        | GenerationStatus::Rejected
-        | GenerationStatus::ContextLength
-        | GenerationStatus::ContentPolicy
         | GenerationStatus::Unauthorized => Outcome::Error,
-    }
+    })
 }
 
 impl Health {
@@ -320,6 +323,7 @@ impl Prober {
         let calls: Vec<_> = calls.collect();
         let probed = !calls.is_empty();
         for (ids, outcome, latency) in futures_util::future::join_all(calls).await {
+            let Some(outcome) = outcome else { continue };
             for target in ids {
                 self.health.probed(target, outcome, latency);
                 self.metrics.provider_outcome(target, "probe", outcome);
@@ -368,24 +372,32 @@ mod tests {
     fn probe_answers_are_judged_by_what_the_probe_can_tell() {
         use GenerationStatus as G;
         let never = || -> bool { panic!("a model list is not held to a contract") };
-        assert_eq!(probe_outcome(Probe::Models, G::Ok, never), Outcome::Success);
+        assert_eq!(
+            probe_outcome(Probe::Models, G::Ok, never),
+            Some(Outcome::Success)
+        );
         assert_eq!(
             probe_outcome(Probe::Chat, G::Ok, || true),
-            Outcome::ContractFailure
+            Some(Outcome::ContractFailure)
         );
         assert_eq!(
             probe_outcome(Probe::Chat, G::Ok, || false),
-            Outcome::Success
+            Some(Outcome::Success)
         );
         assert_eq!(
             probe_outcome(Probe::Chat, G::Timeout, || false),
-            Outcome::Timeout
+            Some(Outcome::Timeout)
         );
-        for refused in [G::Rejected, G::Unauthorized, G::RateLimited, G::Error] {
+        for failed in [G::Unauthorized, G::RateLimited, G::Error] {
             assert_eq!(
-                probe_outcome(Probe::Chat, refused, || false),
-                Outcome::Error
+                probe_outcome(Probe::Chat, failed, || false),
+                Some(Outcome::Error)
             );
+        }
+        // The request's fault, on a probe as on a request: no sample either way.
+        for refused in [G::Rejected, G::ContextLength, G::ContentPolicy] {
+            assert!(refused.is_refusal());
+            assert_eq!(probe_outcome(Probe::Chat, refused, || false), None);
         }
     }
 }

@@ -3178,3 +3178,50 @@ headers = {{ "x-test-key" = "k-123" }}
         "{text}"
     );
 }
+
+/// One judgement for every answer: a probe the target refuses as the request's fault (against
+/// its content policy) is no health sample, as such an answer to a request is none; the
+/// target stays healthy through a run of them.
+#[tokio::test]
+async fn a_content_policy_refusal_to_a_probe_leaves_the_target_healthy() {
+    let extra = r#"
+[[provider]]
+id = "probed"
+base_url = "SIM/primary/v1"
+model = "probe-me"
+probe = "chat"
+"#;
+    let g = gateway_on(
+        "probe-refusal",
+        "probe_interval_ms = 200",
+        extra,
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
+    let probes = || async {
+        g.received("primary")
+            .await
+            .iter()
+            .filter(|r| r["model"] == "probe-me")
+            .count()
+    };
+    let healthy = crate::support::eventually(Duration::from_secs(10), || async {
+        (g.target("probed").await.consensus.verdict == Verdict::Healthy).then_some(())
+    })
+    .await;
+    assert!(healthy.is_some(), "{:?}", g.target("probed").await);
+    g.fault(
+        "primary/probe-me",
+        json!({"mode": "refuse", "reason": "content-policy"}),
+    )
+    .await;
+    let before = probes().await;
+    let refused = crate::support::eventually(Duration::from_secs(10), || async {
+        (probes().await >= before + 8).then_some(())
+    })
+    .await;
+    assert!(refused.is_some(), "the target was probed while it refused");
+    let t = g.target("probed").await;
+    assert_eq!(t.consensus.verdict, Verdict::Healthy, "{t:?}");
+}
