@@ -76,14 +76,39 @@ pub struct Stats {
     pub p95_ms: u64,
 }
 
+/// Failures (or broken contracts) fewer than this never move a verdict: one among a few is
+/// noise, not a degraded target.
+pub const MIN_FAILURES: u32 = 2;
+/// Latency says DEGRADED only over at least this many samples (one slow call has no p95).
+pub const MIN_LATENCY_SAMPLES: u32 = 5;
+
 impl Stats {
-    /// The DESIGN.md verdict for these numbers.
+    /// Calls that got no answer.
+    pub fn failures(&self) -> u32 {
+        (f64::from(self.samples) * (1.0 - self.availability)).round() as u32
+    }
+
+    /// Answers that broke the contract.
+    pub fn contract_failures(&self) -> u32 {
+        let answered = f64::from(self.samples) * self.availability;
+        (answered * self.contract_failure_pct / 100.0).round() as u32
+    }
+
+    /// The DESIGN.md verdict for these numbers, once they rest on enough evidence: a rule on
+    /// failures needs `MIN_FAILURES` of them, one on latency `MIN_LATENCY_SAMPLES` samples.
     pub fn verdict(&self) -> Verdict {
+        let failing = self.failures() >= MIN_FAILURES;
+        let breaking = self.contract_failures() >= MIN_FAILURES;
+        let slow = self.samples >= MIN_LATENCY_SAMPLES && self.p95_ms > 1_500;
         if self.samples == 0 {
             Verdict::Unknown
-        } else if self.availability < 0.50 || self.contract_failure_pct > 20.0 {
+        } else if (failing && self.availability < 0.50)
+            || (breaking && self.contract_failure_pct > 20.0)
+        {
             Verdict::Unhealthy
-        } else if self.availability < 0.95 || self.contract_failure_pct > 2.0 || self.p95_ms > 1_500
+        } else if (failing && self.availability < 0.95)
+            || (breaking && self.contract_failure_pct > 2.0)
+            || slow
         {
             Verdict::Degraded
         } else {
@@ -357,9 +382,9 @@ mod tests {
             .collect();
         v.extend([(Outcome::Timeout, 100); 2]);
         assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Unhealthy);
-        // contract failures: 1 of 40 answers = 2.5% -> degraded; 9 of 40 = 22.5% -> unhealthy.
-        let mut v = vec![(Outcome::Success, 100); 39];
-        v.push((Outcome::ContractFailure, 100));
+        // contract failures: 2 of 40 answers = 5% -> degraded; 9 of 40 = 22.5% -> unhealthy.
+        let mut v = vec![(Outcome::Success, 100); 38];
+        v.extend([(Outcome::ContractFailure, 100); 2]);
         assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Degraded);
         // (the failures last: successes after them would be a recovery)
         for item in v.iter_mut().skip(31) {
@@ -368,6 +393,51 @@ mod tests {
         let s = window_with(&v).stats(2_000);
         assert_eq!(s.contract_failure_pct, 22.5);
         assert_eq!(s.verdict(), Verdict::Unhealthy);
+    }
+
+    /// One failure among a few is noise: it moves no verdict (at df30167, one failed sample
+    /// among eight made a target DEGRADED and routes skipped it). Two do.
+    #[test]
+    fn a_verdict_needs_enough_evidence() {
+        let mut v = vec![(Outcome::Success, 100); 7];
+        v.insert(3, (Outcome::Error, 100));
+        let s = window_with(&v).stats(2_000);
+        assert_eq!((s.samples, s.failures()), (8, 1));
+        assert_eq!(s.verdict(), Verdict::Healthy, "{s:?}");
+        v.insert(5, (Outcome::Timeout, 100));
+        assert_eq!(window_with(&v).stats(2_000).verdict(), Verdict::Degraded);
+        // One failed call alone, or one broken contract among three answers: no verdict moves.
+        assert_eq!(
+            window_with(&[(Outcome::Error, 100)]).stats(2_000).verdict(),
+            Verdict::Healthy
+        );
+        let one_broken = [
+            (Outcome::Success, 100),
+            (Outcome::ContractFailure, 100),
+            (Outcome::Success, 100),
+        ];
+        let s = window_with(&one_broken).stats(2_000);
+        assert_eq!((s.contract_failures(), s.verdict()), (1, Verdict::Healthy));
+        // Two failed calls of two: an outage.
+        assert_eq!(
+            window_with(&[(Outcome::Error, 100); 2])
+                .stats(2_000)
+                .verdict(),
+            Verdict::Unhealthy
+        );
+        // One slow call has no p95 to speak of; five do.
+        assert_eq!(
+            window_with(&[(Outcome::Success, 1_600); 4])
+                .stats(2_000)
+                .verdict(),
+            Verdict::Healthy
+        );
+        assert_eq!(
+            window_with(&[(Outcome::Success, 1_600); 5])
+                .stats(2_000)
+                .verdict(),
+            Verdict::Degraded
+        );
     }
 
     #[test]
