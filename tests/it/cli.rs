@@ -512,3 +512,48 @@ fn no_mesh_found_is_said_not_guessed() {
     }
     let _ = std::fs::remove_dir_all(&empty);
 }
+
+/// The front door fits a screen's worth of reading (about 10 KB), and the README and docs/ link
+/// only to files the repository has: a clone holds everything they point at.
+#[test]
+fn the_readme_is_short_and_every_link_stays_in_the_repository() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    assert!(
+        readme.len() <= 10_240,
+        "README.md is {} bytes",
+        readme.len()
+    );
+    let mut pages = vec![root.join("README.md")];
+    for e in std::fs::read_dir(root.join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            pages.push(p);
+        }
+    }
+    assert!(pages.len() >= 8, "the docs: {pages:?}");
+    let mut links = 0;
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        for (i, _) in text.match_indices("](") {
+            let rest = &text[i + 2..];
+            let target = &rest[..rest.find(')').unwrap_or(rest.len())];
+            links += 1;
+            assert!(
+                !target.contains("://") && !target.starts_with("mailto:"),
+                "{} links outside the repository: {target}",
+                page.display()
+            );
+            let file = target.split('#').next().unwrap();
+            if !file.is_empty() {
+                let at = page.parent().unwrap().join(file);
+                assert!(
+                    at.exists(),
+                    "{} links to {target}, which is not here",
+                    page.display()
+                );
+            }
+        }
+    }
+    assert!(links > 10, "{links} links");
+}

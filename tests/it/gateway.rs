@@ -3225,3 +3225,54 @@ probe = "chat"
     let t = g.target("probed").await;
     assert_eq!(t.consensus.verdict, Verdict::Healthy, "{t:?}");
 }
+
+/// examples/oam.toml, the documented configuration with every key, is valid: a node runs on it
+/// (pointed at a simulator of this test's) and answers a client by its key, and no other.
+#[tokio::test]
+async fn the_example_configuration_runs_a_node() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/oam.toml");
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(
+        text.contains("http://127.0.0.1:8081/"),
+        "it points at `oam sim`"
+    );
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("oam-example-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(&cfg, text.replace("http://127.0.0.1:8081", sim_url)).unwrap();
+    let nats = NatsServer::start().await;
+    let key = "support-0123456789abcdef";
+    let env = [
+        ("OAM_EXAMPLE_KEY_SUPPORT", key),
+        ("OAM_EXAMPLE_KEY_BATCH", "batch-0123456789abcdef"),
+        ("OAM_EXAMPLE_PRIMARY_KEY", "sk-example"),
+    ];
+    let nats_url = nats.url();
+    let node = Proc::spawn_with_env(
+        &crate::support::node_args("n1", &nats_url, &["--config", cfg.to_str().unwrap()]),
+        &env,
+    );
+    let url = node.ready["http"].as_str().unwrap().to_string();
+    let ask = |key: Option<&'static str>| {
+        let url = url.clone();
+        async move {
+            let mut r = client()
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&json!({"model": "auto", "max_tokens": 64,
+                              "messages": [{"role": "user", "content": "hello"}]}));
+            if let Some(k) = key {
+                r = r.bearer_auth(k);
+            }
+            let r = r.send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, v) = ask(Some(key)).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["oam"]["agent"], "support-bot", "{v}");
+    let (status, _) = ask(None).await;
+    assert_eq!(status, 401, "a [[client]] makes keys required");
+    let _ = std::fs::remove_dir_all(&dir);
+}
