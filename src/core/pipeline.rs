@@ -1172,7 +1172,8 @@ impl Engine {
             s.effects.push(Effect::HealthSample {
                 provider: provider.id.clone(),
                 outcome,
-                latency_ms: g.latency_ms,
+                // A stream's health is its pace, not how long its answer is.
+                latency_ms: g.pace_ms.unwrap_or(g.latency_ms),
             });
         }
         for &c in &codes {

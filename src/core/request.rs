@@ -336,6 +336,11 @@ pub struct Generation {
     /// The tool calls the answer made.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<super::contract::ToolCall>,
+    /// A streamed answer's pace: the longer of the time to its first event and its longest
+    /// gap between events. Its health is judged by this, not by its whole duration (a long
+    /// healthy stream is not a slow target).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pace_ms: Option<u64>,
 }
 
 impl GenerationStatus {
@@ -362,6 +367,7 @@ impl Generation {
             retry_after_ms: None,
             error: None,
             tool_calls: Vec::new(),
+            pace_ms: None,
         }
     }
 
@@ -375,6 +381,7 @@ impl Generation {
             retry_after_ms: None,
             error: None,
             tool_calls: Vec::new(),
+            pace_ms: None,
         }
     }
 }

@@ -943,6 +943,7 @@ fn completion_fast(bytes: &bytes::Bytes, latency_ms: u64) -> Option<Attempt> {
         retry_after_ms: None,
         error: None,
         tool_calls,
+        pace_ms: None,
     };
     Some(Attempt {
         generation,
@@ -1020,6 +1021,7 @@ fn completion_tree(bytes: &[u8], latency_ms: u64) -> Attempt {
         retry_after_ms: None,
         error: None,
         tool_calls: tool_calls(&choice["message"]["tool_calls"]),
+        pace_ms: None,
     };
     Attempt {
         generation,

@@ -29,6 +29,8 @@ pub(crate) struct Started {
     first: String,
     /// When the attempt began (its deadlines and latency count from here).
     began: Instant,
+    /// When its first event came.
+    first_at: Instant,
 }
 
 pub(crate) enum Open {
@@ -80,6 +82,7 @@ pub(crate) async fn open(
                     upstream,
                     first: e,
                     began,
+                    first_at: Instant::now(),
                 });
             }
             Ok(v) => failed(
@@ -177,6 +180,8 @@ struct Accum {
     usage: Option<Usage>,
     /// Tool calls by their index, their arguments gathered from the deltas.
     calls: Vec<ToolCall>,
+    /// The longest wait for an event so far (the first one's included), in ms.
+    pace_ms: u64,
 }
 
 impl Accum {
@@ -267,6 +272,7 @@ impl Relay {
                         retry_after_ms: None,
                         error: None,
                         tool_calls: acc.calls,
+                        pace_ms: Some(acc.pace_ms),
                     };
                     self.flight.next(Call::Complete { generation: g })
                 }
@@ -325,6 +331,8 @@ impl Relay {
         let limits = self.limits;
         let total = cur.began + Duration::from_millis(limits.total_ms);
         let mut event = Some(std::mem::take(&mut cur.first));
+        let mut last = cur.first_at;
+        acc.pace_ms = cur.first_at.duration_since(cur.began).as_millis() as u64;
         loop {
             let data = match event.take() {
                 Some(e) => e,
@@ -342,7 +350,13 @@ impl Relay {
                         () = self.tx.closed() => return End::CallerGone,
                     };
                     match next {
-                        Ok(Some(e)) => e,
+                        Ok(Some(e)) => {
+                            let now = Instant::now();
+                            let gap = now.duration_since(last).as_millis() as u64;
+                            acc.pace_ms = acc.pace_ms.max(gap);
+                            last = now;
+                            e
+                        }
                         _ if finished => return End::Finished,
                         Ok(None) => {
                             let why = "the stream ended before its finish chunk (cut)";

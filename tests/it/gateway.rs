@@ -3276,3 +3276,102 @@ async fn the_example_configuration_runs_a_node() {
     assert_eq!(status, 401, "a [[client]] makes keys required");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Streams are judged by their pace: a long healthy stream (its first event at 1.2 s, then an
+/// event every 120 ms, 2.4 s in all) is no slow target. Judged by whole durations, eight of them
+/// put the primary's p95 over the 1.5-s limit and its route moved to the fallback with nothing
+/// failing.
+#[tokio::test]
+async fn long_healthy_streams_keep_their_route_on_its_primary() {
+    let sim = Proc::spawn(&[
+        "sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+        "--provider",
+        "primary=1200+0",
+        "--provider",
+        "local=20+0",
+    ]);
+    let sim_url = sim.ready["url"].as_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("oam-gw-pace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"[node]
+cluster_size = 1
+
+[[provider]]
+id = "primary"
+base_url = "{sim_url}/primary/v1"
+model = "long"
+probe = "off"
+
+[[provider]]
+id = "local"
+base_url = "{sim_url}/local/v1"
+model = "short"
+probe = "off"
+
+[[route]]
+model = "talk"
+targets = ["primary", "local"]
+
+[streaming]
+first_token_ms = 5000
+idle_ms = 2000
+total_ms = 20000
+"#
+        ),
+    )
+    .unwrap();
+    let nats = NatsServer::start().await;
+    let node = crate::support::InProcessNode::start("n1", &cfg, &nats.url());
+    let g = |i: usize| {
+        let url = node.url.clone();
+        async move {
+            let body = json!({"model": "talk", "stream": true,
+                "messages": [{"role": "user", "content": format!("tell me a long story {i}")}]});
+            let text = client()
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let events = oam::http::sse::Parser::default()
+                .feed(text.as_bytes())
+                .unwrap();
+            let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+            last["oam"]["target"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        }
+    };
+    let served = futures_util::future::join_all((0..8).map(g)).await;
+    assert!(served.iter().all(|t| t == "primary"), "{served:?}");
+    let s = oam::local::cluster::snapshot(&client(), &node.url)
+        .await
+        .unwrap();
+    let primary = s.provider("primary").unwrap();
+    let local = primary.local.expect("its own window");
+    assert_eq!(local.samples, 8, "{primary:?}");
+    assert!(local.p95_ms < 1_500, "judged by pace: {local:?}");
+    assert_eq!(local.verdict(), Verdict::Healthy, "{primary:?}");
+    // Once the node's view holds it, the route still starts on its primary.
+    let shared = crate::support::eventually(Duration::from_secs(5), || async {
+        let s = oam::local::cluster::snapshot(&client(), &node.url).await?;
+        (s.provider("primary")?.consensus.verdict != Verdict::Unknown).then_some(s)
+    })
+    .await
+    .expect("the node's own view is shared");
+    let view = &shared.provider("primary").unwrap().consensus;
+    assert_eq!(view.verdict, Verdict::Healthy, "{view:?}");
+    assert_eq!(g(8).await, "primary", "the route stays on its primary");
+    let _ = std::fs::remove_dir_all(&dir);
+}
