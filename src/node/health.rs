@@ -20,11 +20,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// When a target last had a sample from traffic and when it was last probed (ms; 0: never).
+/// When a target last had a sample from traffic and when it was last probed (ms; 0: never),
+/// and until when it is not to be probed (its Retry-After).
 #[derive(Default)]
 struct Clocks {
     traffic: AtomicU64,
     probe: AtomicU64,
+    quiet_until: AtomicU64,
 }
 
 pub struct Health {
@@ -190,13 +192,21 @@ impl Health {
                     c.traffic.load(Ordering::Relaxed),
                     c.probe.load(Ordering::Relaxed),
                 );
-                schedule.due(now, traffic, probe, recovering)
+                now >= c.quiet_until.load(Ordering::Relaxed)
+                    && schedule.due(now, traffic, probe, recovering)
             })
             .map(|(id, c)| {
                 c.probe.store(now, Ordering::Relaxed);
                 id.clone()
             })
             .collect()
+    }
+
+    /// `target` asked not to be called before `until` (a 429's Retry-After): no probe until then.
+    fn quiet(&self, target: &str, until: u64) {
+        if let Some(c) = self.clocks.get(target) {
+            c.quiet_until.fetch_max(until, Ordering::Relaxed);
+        }
     }
 
     /// A probe's outcome for `target`: recorded, and a target judged healthy again by its
@@ -227,6 +237,10 @@ pub struct Prober {
     pub timeout: Duration,
     /// What traffic that names no route is held to (checked at load), no more.
     pub contract: Option<Contract>,
+    /// Targets whose probe is still out.
+    out: Mutex<BTreeSet<String>>,
+    /// A probe answered since observations were last shared.
+    fresh: std::sync::atomic::AtomicBool,
 }
 
 impl Prober {
@@ -248,13 +262,18 @@ impl Prober {
             schedule: Schedule::new(cfg.node.probe_interval_ms),
             timeout: Duration::from_millis(cfg.node.probe_timeout_ms),
             contract,
+            out: Mutex::default(),
+            fresh: Default::default(),
         }
     }
 
-    /// Probe what is due every `quick` ms until `stop`, then share this node's observations
-    /// (at least every `every` ms, and after every round of probes).
+    /// Probe what is due every `quick` ms until `stop`, and share this node's observations (at
+    /// least every `every` ms, and once probes have answered). Each probe runs on its own: no
+    /// round waits for its slowest probe, and a target whose probe is still out is not probed
+    /// again meanwhile.
     pub async fn run(self, stop: CancellationToken) {
-        let mut tick = tokio::time::interval(Duration::from_millis(self.schedule.quick));
+        let me = Arc::new(self);
+        let mut tick = tokio::time::interval(Duration::from_millis(me.schedule.quick));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut shared_at = 0u64;
         loop {
@@ -262,74 +281,97 @@ impl Prober {
                 _ = tick.tick() => {}
                 () = stop.cancelled() => return,
             }
-            let probed = self.round(now_ms()).await;
+            me.round(now_ms());
             let now = now_ms();
-            if probed || now.saturating_sub(shared_at) >= self.schedule.every {
+            let fresh = me.fresh.swap(false, Ordering::Relaxed);
+            if fresh || now.saturating_sub(shared_at) >= me.schedule.every {
                 shared_at = now;
-                self.health.share();
+                me.health.share();
             }
         }
     }
 
-    /// One round: every due target probed, at once; whether any was.
-    async fn round(&self, now: u64) -> bool {
+    /// Start a probe of every due target that has none out.
+    fn round(self: &Arc<Self>, now: u64) {
         let due = self.health.due(self.schedule, now);
         // One model list answers for every idle model of its provider: asked for once.
-        let mut checks: Vec<(Vec<&str>, &super::connector::Connector, &str)> = Vec::new();
-        for (id, c, model) in self.upstreams.all() {
-            if c.probe == Probe::Off || !due.contains(id) {
-                continue;
-            }
-            let same_list = checks
-                .iter_mut()
-                .find(|(_, other, _)| c.probe == Probe::Models && other.id == c.id);
-            match same_list {
-                Some(check) => check.0.push(id),
-                None => checks.push((vec![id], c, model)),
+        let mut checks: Vec<(Vec<String>, &super::connector::Connector)> = Vec::new();
+        {
+            let out = lock(&self.out);
+            for (id, c, _) in self.upstreams.all() {
+                if c.probe == Probe::Off || !due.contains(id) || out.contains(id) {
+                    continue;
+                }
+                let same_list = checks
+                    .iter_mut()
+                    .find(|(_, other)| c.probe == Probe::Models && other.id == c.id);
+                match same_list {
+                    Some(check) => check.0.push(id.to_string()),
+                    None => checks.push((vec![id.to_string()], c)),
+                }
             }
         }
+        for (ids, _) in checks {
+            lock(&self.out).extend(ids.iter().cloned());
+            let me = self.clone();
+            tokio::spawn(async move {
+                me.probe(&ids).await;
+                let mut out = lock(&me.out);
+                for id in &ids {
+                    out.remove(id);
+                }
+            });
+        }
+    }
+
+    /// Probe the target `ids[0]` (a model list answers for every id), and record what it says.
+    async fn probe(&self, ids: &[String]) {
+        let Some((c, model)) = ids.first().and_then(|id| self.upstreams.target(id)) else {
+            return;
+        };
         let probe = [Message {
             role: "user".into(),
             content: "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}".into(),
         }];
-        let probe = &probe;
-        let calls = checks.into_iter().map(|(ids, c, model)| async move {
-            let g = match c.probe {
-                Probe::Models => c.list_models(self.timeout).await,
-                _ if c.embeddings => {
-                    let pass = super::connector::Passthrough {
-                        extra: [("input".to_string(), "oam health probe".into())]
-                            .into_iter()
-                            .collect(),
-                        ..Default::default()
-                    };
-                    c.embed(model, &pass, self.timeout).await.generation
-                }
-                _ => {
-                    let a = c.generate(model, probe, None, 32, None, self.timeout).await;
-                    a.generation
-                }
-            };
-            // An embedding has no answer text to hold to the contract.
-            let outcome = probe_outcome(c.probe, g.status, || {
-                !c.embeddings
-                    && self
-                        .contract
-                        .as_ref()
-                        .is_some_and(|k| k.check(&g.content, g.finish_reason.as_deref()).is_err())
-            });
-            (ids, outcome, g.latency_ms)
-        });
-        let calls: Vec<_> = calls.collect();
-        let probed = !calls.is_empty();
-        for (ids, outcome, latency) in futures_util::future::join_all(calls).await {
-            let Some(outcome) = outcome else { continue };
-            for target in ids {
-                self.health.probed(target, outcome, latency);
-                self.metrics.provider_outcome(target, "probe", outcome);
+        let g = match c.probe {
+            Probe::Models => c.list_models(self.timeout).await,
+            _ if c.embeddings => {
+                let pass = super::connector::Passthrough {
+                    extra: [("input".to_string(), "oam health probe".into())]
+                        .into_iter()
+                        .collect(),
+                    ..Default::default()
+                };
+                c.embed(model, &pass, self.timeout).await.generation
+            }
+            _ => {
+                let a = c
+                    .generate(model, &probe, None, 32, None, self.timeout)
+                    .await;
+                a.generation
+            }
+        };
+        if g.status == GenerationStatus::RateLimited {
+            // Not asked again before it said to.
+            let wait = g.retry_after_ms.unwrap_or(self.schedule.every);
+            for id in ids {
+                self.health.quiet(id, now_ms() + wait);
             }
         }
-        probed
+        // An embedding has no answer text to hold to the contract.
+        let outcome = probe_outcome(c.probe, g.status, || {
+            !c.embeddings
+                && self
+                    .contract
+                    .as_ref()
+                    .is_some_and(|k| k.check(&g.content, g.finish_reason.as_deref()).is_err())
+        });
+        let Some(outcome) = outcome else { return };
+        for target in ids {
+            self.health.probed(target, outcome, g.latency_ms);
+            self.metrics.provider_outcome(target, "probe", outcome);
+        }
+        self.fresh.store(true, Ordering::Relaxed);
     }
 }
 

@@ -3375,3 +3375,56 @@ total_ms = 20000
     assert_eq!(g(8).await, "primary", "the route stays on its primary");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Probes run on their own: a target whose probe hangs holds up no other target's (a round
+/// used to wait for its slowest probe); and a target that answered 429 is not probed again
+/// before its Retry-After.
+#[tokio::test]
+async fn a_hanging_probe_holds_up_no_other_and_a_retry_after_is_kept() {
+    let extra = r#"
+[[provider]]
+id = "probed"
+base_url = "SIM/primary/v1"
+models = ["stuck", "quick", "limited"]
+probe = "chat"
+"#;
+    let g = gateway_on(
+        "probe-apart",
+        "probe_interval_ms = 200\nprobe_timeout_ms = 1500",
+        extra,
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
+    g.fault("primary/stuck", json!({"mode": "hang"})).await;
+    g.fault(
+        "primary/limited",
+        json!({"mode": "rate-limit", "retry_after_ms": 30_000}),
+    )
+    .await;
+    let probes = |model: &'static str| {
+        let g = &g;
+        async move {
+            g.received("primary")
+                .await
+                .iter()
+                .filter(|r| r["model"] == model)
+                .count()
+        }
+    };
+    let before = probes("quick").await;
+    let kept_up = crate::support::eventually(Duration::from_secs(3), || async {
+        (probes("quick").await >= before + 8).then_some(())
+    })
+    .await;
+    assert!(
+        kept_up.is_some(),
+        "quick was probed {} times beside a hanging probe",
+        probes("quick").await - before
+    );
+    let limited = probes("limited").await;
+    assert!(
+        (1..=2).contains(&limited),
+        "probed {limited} times within its Retry-After"
+    );
+}
