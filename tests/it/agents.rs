@@ -1030,8 +1030,9 @@ async fn a_revived_instance_registers_again_and_its_next_death_is_announced() {
         notice.expect("declared dead while frozen")["reason"],
         "missed_heartbeats"
     );
-    // Back in the catalog, alive.
-    let listed = crate::support::eventually(Duration::from_secs(10), || async {
+    // Back in the catalog, alive (given room: each look runs `oam agent list`, slow on a
+    // loaded machine).
+    let listed = crate::support::eventually(Duration::from_secs(20), || async {
         let out = oam(&url).args(["agent", "list", "--json"]).output().ok()?;
         let v: Vec<Value> = serde_json::from_slice(&out.stdout).ok()?;
         v.iter()
