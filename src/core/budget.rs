@@ -98,12 +98,11 @@ impl Budgets {
         Ok(())
     }
 
-    /// The budget that `code` (BUDGET_EXHAUSTED or GLOBAL_BUDGET_EXHAUSTED) names for `agent`.
-    pub fn refusing_mut(&mut self, agent: &str, code: ReasonCode) -> Option<&mut Budget> {
-        match code {
-            ReasonCode::BudgetExhausted => self.agents.get_mut(agent),
-            ReasonCode::GlobalBudgetExhausted => self.global.as_mut(),
-            _ => None,
+    /// The budget a shortfall names: its agent's, or the global one.
+    pub fn of_shortfall_mut(&mut self, sf: &Shortfall) -> Option<&mut Budget> {
+        match &sf.agent {
+            Some(a) => self.agents.get_mut(a),
+            None => self.global.as_mut(),
         }
     }
 

@@ -1344,18 +1344,11 @@ impl Engine {
         }
         // The budget that refused (if one did, and it is in the phase that ended the request):
         // escalated once per exhaustion episode.
-        let refusing = s
-            .shortfall
-            .as_ref()
-            .filter(|_| phase == Phase::Budget)
-            .map(|sf| match sf.agent {
-                Some(_) => ReasonCode::BudgetExhausted,
-                None => ReasonCode::GlobalBudgetExhausted,
-            });
-        let budget_escalated = refusing.is_some_and(|code| {
+        let refusing = s.shortfall.as_ref().filter(|_| phase == Phase::Budget);
+        let budget_escalated = refusing.is_some_and(|sf| {
             self.state
                 .budgets
-                .refusing_mut(&s.request.agent, code)
+                .of_shortfall_mut(sf)
                 .is_some_and(|b| b.refused_at_ms.is_some())
         });
         let outcome = escalation::Outcome {
@@ -1370,11 +1363,11 @@ impl Engine {
         let escalation = escalation::rule(&outcome)
             .map(|(reason, action)| escalation::build(&outcome, reason, action, now_ms));
         self.escalations += u64::from(escalation.is_some());
-        if let Some(code) = refusing
+        if let Some(sf) = refusing
             && escalation.as_ref().is_some_and(|e| {
                 e.reason_codes.last() == Some(&ReasonCode::EscalatedBudgetExhausted)
             })
-            && let Some(b) = self.state.budgets.refusing_mut(&s.request.agent, code)
+            && let Some(b) = self.state.budgets.of_shortfall_mut(sf)
         {
             b.refused_at_ms = Some(now_ms);
         }
