@@ -167,10 +167,7 @@ pub(crate) fn with_oam_headers(
 /// quality, cost) before releasing any of it, so the stream is the checked answer in one content
 /// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
 pub(crate) fn to_sse(a: Answer) -> Response {
-    let mut answer: Value = serde_json::from_slice(&a.body).unwrap_or_default();
-    if let Some(why) = a.buffered {
-        answer["oam"]["buffered"] = why.into();
-    }
+    let answer: Value = serde_json::from_slice(&a.body).unwrap_or_default();
     let text = super::openai::sse_of(&answer);
     let resp = (
         StatusCode::OK,
@@ -328,12 +325,6 @@ async fn translated(
                     }) => return live,
                     Ok(mut answer) => {
                         answer.stream = stream;
-                        if let Some(why) = answer.buffered
-                            && let Ok(mut v) = serde_json::from_slice::<Value>(&answer.body)
-                        {
-                            v["oam"]["buffered"] = why.into();
-                            answer.body = v.to_string().into();
-                        }
                         answer
                     }
                     Err(failed) => return failed,

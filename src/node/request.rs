@@ -488,7 +488,14 @@ pub async fn execute(
     let record = flight.recorder();
     let trace = flight.trace.take();
     drop(flight);
-    let answer = respond(node, &decision, last);
+    let mut answer = respond(node, &decision, last);
+    // A stream checked whole says so in its `oam` object too, whichever API writes it out.
+    if let Some(why) = buffered
+        && let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(&answer.body)
+    {
+        v["oam"]["buffered"] = why.into();
+        answer.body = openai::json_bytes(&v);
+    }
     let logged = conclude(node, decision, record, trace, started);
     // Under `[decision_log] durable`, not before its record is in the stream.
     node.log.logged(logged).await;
