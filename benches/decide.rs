@@ -29,6 +29,8 @@ fn engine() -> Engine {
                 contract_failure_pct: 0.0,
                 p95_ms: 190,
                 samples: 15,
+                evidence: oam::core::health::Evidence::Traffic,
+                own: Default::default(),
             });
         }
     }

@@ -123,6 +123,8 @@ async fn list(a: ListArgs) -> Result<()> {
         )
     })?;
     let mut ledgers = Vec::new();
+    // What health probes cost, per UTC day (`node::health`): no budget of an agent's.
+    let mut probe_days: Vec<(String, Ledger)> = Vec::new();
     while let Some(k) = keys.next().await {
         let k = k.map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{e}")))?;
         let Some(bytes) = store
@@ -132,8 +134,12 @@ async fn list(a: ListArgs) -> Result<()> {
         else {
             continue;
         };
+        let probes = k.strip_prefix(crate::transport::store::ledger::PROBES_PREFIX);
         match serde_json::from_slice::<Ledger>(&bytes) {
-            Ok(l) => ledgers.push(l),
+            Ok(l) => match probes {
+                Some(day) => probe_days.push((day.to_string(), l)),
+                None => ledgers.push(l),
+            },
             Err(e) => eprintln!("oam: {BUDGETS_BUCKET} key {k} is not a budget ({e}); not listed"),
         }
     }
@@ -141,8 +147,13 @@ async fn list(a: ListArgs) -> Result<()> {
     ledgers.sort_by(|x, y| x.agent.cmp(&y.agent));
     let now = crate::clock::now_ms();
     let mut out = std::io::stdout().lock();
+    probe_days.sort_by(|x, y| y.0.cmp(&x.0));
     if a.json {
-        let rows: Vec<_> = ledgers.iter().map(|l| row_json(l, now)).collect();
+        let mut rows: Vec<_> = ledgers.iter().map(|l| row_json(l, now)).collect();
+        rows.extend(probe_days.iter().map(|(day, l)| {
+            serde_json::json!({"probes_day": day, "spent_usd": l.spent_usd,
+                               "cap_usd": (l.limit_usd > 0.0).then_some(l.limit_usd)})
+        }));
         writeln!(
             out,
             "{}",
@@ -150,14 +161,31 @@ async fn list(a: ListArgs) -> Result<()> {
         )?;
         return Ok(());
     }
+    let usd = |v: f64| crate::core::request::dollars(v, 4);
+    // The last few days of what probes cost, newest first.
+    let probes_said = |out: &mut std::io::StdoutLock| -> std::io::Result<()> {
+        for (day, l) in probe_days.iter().take(3) {
+            let cap = if l.limit_usd > 0.0 {
+                format!("of a {} cap", usd(l.limit_usd))
+            } else {
+                "(no cap: [probes] max_usd_per_day sets one)".into()
+            };
+            writeln!(
+                out,
+                "health probes on {day} (UTC): {} spent {cap}",
+                usd(l.spent_usd)
+            )?;
+        }
+        Ok(())
+    };
     if ledgers.is_empty() {
         writeln!(
             out,
             "no budgets: nobody is limited (`oam budget set AGENT --limit 5` sets one)"
         )?;
+        probes_said(&mut out)?;
         return Ok(());
     }
-    let usd = |v: f64| crate::core::request::dollars(v, 4);
     let rows: Vec<Vec<String>> = ledgers
         .iter()
         .map(|l| {
@@ -205,6 +233,7 @@ async fn list(a: ListArgs) -> Result<()> {
             )?;
         }
     }
+    probes_said(&mut out)?;
     Ok(())
 }
 

@@ -64,7 +64,38 @@ impl std::fmt::Display for Verdict {
     }
 }
 
-/// Numbers computed from one window.
+/// What a sample, and a verdict, rests on; weakest first. A free probe (a model list) says
+/// only that the provider answers; a billed probe and real traffic say that the model does.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Evidence {
+    /// Nothing: the node abstains.
+    #[default]
+    None,
+    Free,
+    Billed,
+    Traffic,
+}
+
+impl Evidence {
+    /// Evidence of real calls to the model (what free probes never outvote).
+    pub fn paid(self) -> bool {
+        self >= Evidence::Billed
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Evidence::None => "none",
+            Evidence::Free => "free",
+            Evidence::Billed => "billed",
+            Evidence::Traffic => "traffic",
+        }
+    }
+}
+
+/// Numbers computed from the evidence about one target.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug, Default)]
 pub struct Stats {
     pub samples: u32,
@@ -74,6 +105,13 @@ pub struct Stats {
     pub contract_failure_pct: f64,
     /// Nearest-rank 95th percentile latency of all calls, timeouts included.
     pub p95_ms: u64,
+    /// What the numbers rest on.
+    #[serde(default)]
+    pub evidence: Evidence,
+    /// When an outage these numbers no longer count ended (three answers in a row, seen by
+    /// some node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovered_at_ms: Option<u64>,
 }
 
 /// Failures (or broken contracts) fewer than this never move a verdict: one among a few is
@@ -117,27 +155,170 @@ impl Stats {
     }
 }
 
+/// Counts of one kind of evidence about one target in one node's window: what a node shares
+/// of what it saw itself, so nodes judge on the whole cluster's evidence.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Tally {
+    pub samples: u32,
+    /// Calls that got no answer.
+    pub failed: u32,
+    /// Answers that broke the contract.
+    pub broken: u32,
+    pub p95_ms: u64,
+    /// The newest sample (0: none).
+    pub last_ms: u64,
+    /// The newest failed or broken one (0: none).
+    pub last_failure_ms: u64,
+}
+
+impl Tally {
+    /// Bounded as a window is: a peer's numbers cannot outweigh more than a full window.
+    fn clamped(self) -> Tally {
+        let samples = self.samples.min(MAX_SAMPLES as u32);
+        let failed = self.failed.min(samples);
+        Tally {
+            samples,
+            failed,
+            broken: self.broken.min(samples - failed),
+            ..self
+        }
+    }
+
+    /// The same tally without its failures (an outage that ended after them).
+    fn forgiven(self) -> Tally {
+        Tally {
+            samples: self.samples - self.failed - self.broken,
+            failed: 0,
+            broken: 0,
+            last_failure_ms: 0,
+            ..self
+        }
+    }
+}
+
+/// What one node saw itself of one target, by kind: shared with every observation.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct FirstHand {
+    pub traffic: Tally,
+    pub billed: Tally,
+    pub free: Tally,
+    /// When its paid evidence last ended an outage (see `Window`), if none failed since.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovered_at_ms: Option<u64>,
+}
+
+/// The verdict's numbers from the first-hand evidence of every node that has some (this one's
+/// and its live peers'): real calls (traffic and billed probes) when any node made one, the
+/// free probes only when none did, so a model list that answers never outvotes a model that
+/// fails. An outage that some node saw end (its window's recovery) ends for everyone: the
+/// failures others saw before it are forgiven. A peer's p95 is weighed by its sample count.
+pub fn judge(sources: &[FirstHand]) -> Stats {
+    let paid_failure = |f: &FirstHand| f.traffic.last_failure_ms.max(f.billed.last_failure_ms);
+    let recovered_at = sources
+        .iter()
+        .filter_map(|f| f.recovered_at_ms.filter(|&r| paid_failure(f) < r))
+        .max();
+    let cut = |t: Tally| match recovered_at {
+        Some(r) if t.last_failure_ms < r => t.clamped().forgiven(),
+        _ => t.clamped(),
+    };
+    let sum = |pick: &dyn Fn(&FirstHand) -> Tally, forgive: bool| {
+        let mut total = Tally::default();
+        let mut weighted_p95 = 0.0;
+        for f in sources {
+            let t = if forgive {
+                cut(pick(f))
+            } else {
+                pick(f).clamped()
+            };
+            total.samples += t.samples;
+            total.failed += t.failed;
+            total.broken += t.broken;
+            weighted_p95 += t.p95_ms as f64 * f64::from(t.samples);
+        }
+        if total.samples > 0 {
+            total.p95_ms = (weighted_p95 / f64::from(total.samples)).round() as u64;
+        }
+        total
+    };
+    let traffic = sum(&|f| f.traffic, true);
+    let billed = sum(&|f| f.billed, true);
+    let (t, evidence) = if traffic.samples > 0 || billed.samples > 0 {
+        let paid = [traffic, billed];
+        let samples = traffic.samples + billed.samples;
+        let p95 = paid
+            .iter()
+            .map(|t| t.p95_ms as f64 * f64::from(t.samples))
+            .sum::<f64>()
+            / f64::from(samples);
+        let t = Tally {
+            samples,
+            failed: traffic.failed + billed.failed,
+            broken: traffic.broken + billed.broken,
+            p95_ms: p95.round() as u64,
+            ..Tally::default()
+        };
+        let e = if traffic.samples > 0 {
+            Evidence::Traffic
+        } else {
+            Evidence::Billed
+        };
+        (t, e)
+    } else {
+        let free = sum(&|f| f.free, false);
+        if free.samples == 0 {
+            return Stats::default();
+        }
+        (free, Evidence::Free)
+    };
+    let answered = t.samples - t.failed;
+    Stats {
+        samples: t.samples,
+        availability: f64::from(answered) / f64::from(t.samples),
+        contract_failure_pct: if answered == 0 {
+            0.0
+        } else {
+            100.0 * f64::from(t.broken) / f64::from(answered)
+        },
+        p95_ms: t.p95_ms,
+        evidence,
+        recovered_at_ms: recovered_at,
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 struct Sample {
     at_ms: u64,
     outcome: Outcome,
     latency_ms: u64,
+    source: Evidence,
 }
 
-/// A rolling window of outcomes for one provider, as one node sees it.
-///
-/// Fast recovery, with hysteresis: when a provider that failed `RECOVERY_STREAK` times in a row
-/// (an outage: no answer at all, not a flaky one) answers `RECOVERY_STREAK` times in a row, the
-/// window forgets the outage (every sample before the streak) and judges it on what it does
-/// now, instead of waiting for the outage to age out of the window. At most once per window
-/// length: a provider that fails again soon after is judged on its whole window, so one that
-/// flaps cannot flip back and forth faster than that.
-#[derive(Clone, Debug)]
-pub struct Window {
-    window_ms: u64,
+/// A rolling window of one kind of evidence (paid or free) for one provider.
+#[derive(Clone, Debug, Default)]
+struct Samples {
     samples: VecDeque<Sample>,
     /// When the window last forgot an outage.
     recovered_at_ms: Option<u64>,
+}
+
+/// A rolling window of outcomes for one provider, as one node sees it: real calls (traffic and
+/// billed probes) and free probes apart, since only the first say that the model answers.
+///
+/// Fast recovery, with hysteresis, in each: when a provider that failed `RECOVERY_STREAK`
+/// times in a row (an outage: no answer at all, not a flaky one) answers `RECOVERY_STREAK`
+/// times in a row, the window forgets the outage (every sample before the streak) and judges
+/// it on what it does now, instead of waiting for the outage to age out of the window. At most
+/// once per window length: a provider that fails again soon after is judged on its whole
+/// window, so one that flaps cannot flip back and forth faster than that. A free answer never
+/// ends an outage of real calls.
+#[derive(Clone, Debug)]
+pub struct Window {
+    window_ms: u64,
+    paid: Samples,
+    free: Samples,
 }
 
 impl Default for Window {
@@ -150,44 +331,82 @@ impl Window {
     pub fn new(window_ms: u64) -> Self {
         Window {
             window_ms,
-            samples: VecDeque::new(),
-            recovered_at_ms: None,
+            paid: Samples::default(),
+            free: Samples::default(),
         }
     }
 
-    /// Record an outcome that finished at `now_ms` after `latency_ms`.
-    pub fn record(&mut self, now_ms: u64, outcome: Outcome, latency_ms: u64) {
-        self.prune(now_ms);
-        if self.samples.len() == MAX_SAMPLES {
-            self.samples.pop_front();
+    /// Record an outcome that finished at `now_ms` after `latency_ms`, from `source` (what it
+    /// was: traffic, a billed or a free probe).
+    pub fn record(&mut self, now_ms: u64, source: Evidence, outcome: Outcome, latency_ms: u64) {
+        let window_ms = self.window_ms;
+        let class = match source {
+            Evidence::Free | Evidence::None => &mut self.free,
+            Evidence::Billed | Evidence::Traffic => &mut self.paid,
+        };
+        class.prune(now_ms, window_ms);
+        if class.samples.len() == MAX_SAMPLES {
+            class.samples.pop_front();
         }
-        self.samples.push_back(Sample {
+        class.samples.push_back(Sample {
             at_ms: now_ms,
             outcome,
             latency_ms,
+            source,
         });
         if outcome == Outcome::Success {
-            self.recover(now_ms);
+            class.recover(now_ms, window_ms);
         }
     }
 
-    /// Forget an outage the last `RECOVERY_STREAK` successes ended (see the type's docs).
-    fn recover(&mut self, now_ms: u64) {
+    /// Answering again after an outage, and not yet judged recovered (in either kind): a
+    /// prober checks such a provider again sooner (at most `RECOVERY_STREAK - 1` extra probes
+    /// per recovery).
+    pub fn recovering(&self) -> bool {
+        [&self.paid, &self.free].into_iter().any(|c| {
+            c.answers_after_outage()
+                .is_some_and(|n| n < RECOVERY_STREAK)
+        })
+    }
+
+    /// What this node saw itself at `now`, by kind.
+    pub fn first_hand(&self, now_ms: u64) -> FirstHand {
+        let w = self.window_ms;
+        let recovered_at_ms = self.paid.recovered_at_ms.filter(|&r| {
+            now_ms.saturating_sub(r) < w
+                && self.paid.samples.iter().all(|s| {
+                    s.at_ms < r
+                        || !matches!(
+                            s.outcome,
+                            Outcome::Error | Outcome::Timeout | Outcome::ContractFailure
+                        )
+                })
+        });
+        FirstHand {
+            traffic: self.paid.tally(now_ms, w, Evidence::Traffic),
+            billed: self.paid.tally(now_ms, w, Evidence::Billed),
+            free: self.free.tally(now_ms, w, Evidence::Free),
+            recovered_at_ms,
+        }
+    }
+
+    /// The numbers of this window alone (`judge` of this node's evidence).
+    pub fn stats(&self, now_ms: u64) -> Stats {
+        judge(&[self.first_hand(now_ms)])
+    }
+}
+
+impl Samples {
+    /// Forget an outage the last `RECOVERY_STREAK` successes ended (see `Window`).
+    fn recover(&mut self, now_ms: u64, window_ms: u64) {
         let n = self.samples.len();
         let hysteresis = self
             .recovered_at_ms
-            .is_some_and(|t| now_ms.saturating_sub(t) < self.window_ms);
+            .is_some_and(|t| now_ms.saturating_sub(t) < window_ms);
         if !hysteresis && self.answers_after_outage() == Some(RECOVERY_STREAK) {
             self.samples.drain(..n - RECOVERY_STREAK);
             self.recovered_at_ms = Some(now_ms);
         }
-    }
-
-    /// Answering again after an outage, and not yet judged recovered: a prober checks such a
-    /// provider again sooner (at most `RECOVERY_STREAK - 1` extra probes per recovery).
-    pub fn recovering(&self) -> bool {
-        self.answers_after_outage()
-            .is_some_and(|n| n < RECOVERY_STREAK)
     }
 
     /// The successes in a row that end the window (`RECOVERY_STREAK` at most), when
@@ -216,43 +435,41 @@ impl Window {
         (outage == RECOVERY_STREAK).then_some(answered)
     }
 
-    fn prune(&mut self, now_ms: u64) {
+    fn prune(&mut self, now_ms: u64, window_ms: u64) {
         while self
             .samples
             .front()
-            .is_some_and(|s| now_ms.saturating_sub(s.at_ms) >= self.window_ms)
+            .is_some_and(|s| now_ms.saturating_sub(s.at_ms) >= window_ms)
         {
             self.samples.pop_front();
         }
     }
 
-    /// Stats over the samples no older than the window: `now - at < window`.
-    pub fn stats(&self, now_ms: u64) -> Stats {
+    /// The samples of `source` no older than the window (`now - at < window`), counted.
+    fn tally(&self, now_ms: u64, window_ms: u64, source: Evidence) -> Tally {
         let live = || {
-            self.samples
-                .iter()
-                .filter(move |s| s.at_ms <= now_ms && now_ms - s.at_ms < self.window_ms)
+            self.samples.iter().filter(move |s| {
+                s.source == source && s.at_ms <= now_ms && now_ms - s.at_ms < window_ms
+            })
         };
-        let total = live().count();
-        if total == 0 {
-            return Stats::default();
+        let mut t = Tally::default();
+        let mut latencies = Vec::new();
+        for s in live() {
+            t.samples += 1;
+            match s.outcome {
+                Outcome::Success => {}
+                Outcome::ContractFailure => t.broken += 1,
+                Outcome::Error | Outcome::Timeout => t.failed += 1,
+            }
+            if s.outcome != Outcome::Success {
+                t.last_failure_ms = s.at_ms;
+            }
+            t.last_ms = s.at_ms;
+            latencies.push(s.latency_ms);
         }
-        let count = |o: Outcome| live().filter(|s| s.outcome == o).count();
-        let successes = count(Outcome::Success);
-        let contract_failures = count(Outcome::ContractFailure);
-        let answered = successes + contract_failures;
-        let mut latencies: Vec<u64> = live().map(|s| s.latency_ms).collect();
         latencies.sort_unstable();
-        Stats {
-            samples: total as u32,
-            availability: answered as f64 / total as f64,
-            contract_failure_pct: if answered == 0 {
-                0.0
-            } else {
-                100.0 * contract_failures as f64 / answered as f64
-            },
-            p95_ms: nearest_rank(&latencies, 95),
-        }
+        t.p95_ms = nearest_rank(&latencies, 95);
+        t
     }
 }
 
@@ -272,7 +489,7 @@ mod tests {
     fn window_with(outcomes: &[(Outcome, u64)]) -> Window {
         let mut w = Window::default();
         for (i, &(o, l)) in outcomes.iter().enumerate() {
-            w.record(1_000 + i as u64, o, l);
+            w.record(1_000 + i as u64, Evidence::Traffic, o, l);
         }
         w
     }
@@ -281,18 +498,18 @@ mod tests {
     fn a_down_provider_that_answers_three_times_in_a_row_is_judged_on_that() {
         let mut w = Window::default();
         for t in 0..10 {
-            w.record(1_000 + t * 100, Outcome::Error, 10);
+            w.record(1_000 + t * 100, Evidence::Traffic, Outcome::Error, 10);
         }
         assert_eq!(w.stats(2_000).verdict(), Verdict::Unhealthy);
-        w.record(2_000, Outcome::Success, 10);
-        w.record(2_100, Outcome::Success, 10);
+        w.record(2_000, Evidence::Traffic, Outcome::Success, 10);
+        w.record(2_100, Evidence::Traffic, Outcome::Success, 10);
         assert!(w.recovering());
         assert_eq!(
             w.stats(2_100).verdict(),
             Verdict::Unhealthy,
             "two are not enough"
         );
-        w.record(2_200, Outcome::Success, 10);
+        w.record(2_200, Evidence::Traffic, Outcome::Success, 10);
         let s = w.stats(2_200);
         assert_eq!((s.verdict(), s.samples), (Verdict::Healthy, 3), "{s:?}");
         assert!(!w.recovering());
@@ -300,10 +517,10 @@ mod tests {
         // Failing again inside the window: judged on the whole window until it ages out, even
         // after another streak.
         for t in 0..6 {
-            w.record(2_300 + t * 100, Outcome::Error, 10);
+            w.record(2_300 + t * 100, Evidence::Traffic, Outcome::Error, 10);
         }
         for t in 0..3 {
-            w.record(3_000 + t * 100, Outcome::Success, 10);
+            w.record(3_000 + t * 100, Evidence::Traffic, Outcome::Success, 10);
         }
         assert_eq!(
             w.stats(3_200).verdict(),
@@ -313,10 +530,10 @@ mod tests {
         assert_eq!(w.stats(3_200).samples, 12);
         // A window later, it may recover fast again.
         for t in 0..20 {
-            w.record(17_300 + t * 100, Outcome::Error, 10);
+            w.record(17_300 + t * 100, Evidence::Traffic, Outcome::Error, 10);
         }
         for t in 0..3 {
-            w.record(19_500 + t * 100, Outcome::Success, 10);
+            w.record(19_500 + t * 100, Evidence::Traffic, Outcome::Success, 10);
         }
         assert_eq!(w.stats(19_700).verdict(), Verdict::Healthy);
     }
@@ -336,7 +553,7 @@ mod tests {
         .chain([Outcome::Success; 8])
         .enumerate()
         {
-            w.record(1_000 + t as u64 * 100, o, 10);
+            w.record(1_000 + t as u64 * 100, Evidence::Traffic, o, 10);
         }
         let s = w.stats(2_200);
         assert_eq!((s.verdict(), s.samples), (Verdict::Degraded, 12));
@@ -344,10 +561,15 @@ mod tests {
         // Answers that break the contract are answers: no outage either.
         let mut w = Window::default();
         for t in 0..5 {
-            w.record(1_000 + t * 100, Outcome::ContractFailure, 10);
+            w.record(
+                1_000 + t * 100,
+                Evidence::Traffic,
+                Outcome::ContractFailure,
+                10,
+            );
         }
         for t in 5..8 {
-            w.record(1_000 + t * 100, Outcome::Success, 10);
+            w.record(1_000 + t * 100, Evidence::Traffic, Outcome::Success, 10);
         }
         assert_eq!(w.stats(1_800).samples, 8);
     }
@@ -462,8 +684,8 @@ mod tests {
     #[test]
     fn samples_leave_the_window() {
         let mut w = Window::new(15_000);
-        w.record(1_000, Outcome::Error, 10);
-        w.record(10_000, Outcome::Success, 10);
+        w.record(1_000, Evidence::Traffic, Outcome::Error, 10);
+        w.record(10_000, Evidence::Traffic, Outcome::Success, 10);
         assert_eq!(w.stats(10_000).samples, 2);
         assert_eq!(
             w.stats(16_000).samples,
@@ -478,9 +700,149 @@ mod tests {
     fn memory_is_bounded() {
         let mut w = Window::new(u64::MAX / 2);
         for i in 0..(MAX_SAMPLES as u64 + 100) {
-            w.record(i, Outcome::Success, 1);
+            w.record(i, Evidence::Traffic, Outcome::Success, 1);
         }
-        assert_eq!(w.samples.len(), MAX_SAMPLES);
+        assert_eq!(w.paid.samples.len(), MAX_SAMPLES);
+    }
+
+    /// The free model list answers while the model fails for the node that serves traffic:
+    /// every node judging on the cluster's evidence finds it unhealthy, and a node with no
+    /// evidence at all has no verdict to give (it abstains).
+    #[test]
+    fn free_probes_never_outvote_real_failures() {
+        let mut idle = Window::default();
+        for t in 0..10 {
+            idle.record(1_000 + t * 1_000, Evidence::Free, Outcome::Success, 20);
+        }
+        let alone = idle.stats(11_000);
+        assert_eq!(
+            (alone.verdict(), alone.evidence),
+            (Verdict::Healthy, Evidence::Free)
+        );
+        let mut serving = Window::default();
+        for t in 0..6 {
+            serving.record(5_000 + t * 500, Evidence::Traffic, Outcome::Error, 30);
+        }
+        let peer = serving.first_hand(11_000);
+        assert_eq!((peer.traffic.samples, peer.traffic.failed), (6, 6));
+        let s = judge(&[idle.first_hand(11_000), peer]);
+        assert_eq!(
+            (s.verdict(), s.evidence, s.samples),
+            (Verdict::Unhealthy, Evidence::Traffic, 6)
+        );
+        // Billed probes are real calls: they count beside traffic.
+        let mut billing = Window::default();
+        for t in 0..4 {
+            billing.record(6_000 + t * 1_000, Evidence::Billed, Outcome::Success, 40);
+        }
+        let s = judge(&[peer, billing.first_hand(11_000)]);
+        assert_eq!(
+            (s.samples, s.failures(), s.evidence),
+            (10, 6, Evidence::Traffic)
+        );
+        let none = judge(&[Window::default().first_hand(11_000)]);
+        assert_eq!(
+            (none.verdict(), none.evidence),
+            (Verdict::Unknown, Evidence::None)
+        );
+        assert_eq!(judge(&[]).verdict(), Verdict::Unknown);
+    }
+
+    /// A model list that answers does not end an outage of the model: only real answers do.
+    #[test]
+    fn a_free_answer_ends_no_outage_of_real_calls() {
+        let mut w = Window::default();
+        for t in 0..5 {
+            w.record(1_000 + t * 100, Evidence::Traffic, Outcome::Error, 10);
+        }
+        for t in 0..5 {
+            w.record(2_000 + t * 100, Evidence::Free, Outcome::Success, 10);
+        }
+        let s = w.stats(3_000);
+        assert_eq!(
+            (s.verdict(), s.evidence),
+            (Verdict::Unhealthy, Evidence::Traffic)
+        );
+        assert_eq!(w.first_hand(3_000).recovered_at_ms, None);
+        for t in 0..3 {
+            w.record(3_000 + t * 100, Evidence::Billed, Outcome::Success, 10);
+        }
+        let s = w.stats(3_200);
+        assert_eq!(
+            (s.verdict(), s.samples, s.evidence),
+            (Verdict::Healthy, 3, Evidence::Billed)
+        );
+        assert_eq!(w.first_hand(3_200).recovered_at_ms, Some(3_200));
+    }
+
+    /// The node that probes a failed target sees it answer three times in a row after its
+    /// outage: the failures every other node saw before that are forgiven, so the cluster comes
+    /// back together instead of when their samples age out. Failures after it are not.
+    #[test]
+    fn an_outage_one_node_saw_end_ends_for_the_cluster() {
+        let mut serving = Window::default();
+        for t in 0..8 {
+            serving.record(1_000 + t * 200, Evidence::Traffic, Outcome::Error, 30);
+        }
+        let mut prober = Window::default();
+        for t in 0..3 {
+            prober.record(2_000 + t * 1_000, Evidence::Billed, Outcome::Error, 30);
+        }
+        for t in 0..3 {
+            prober.record(5_000 + t * 1_000, Evidence::Billed, Outcome::Success, 30);
+        }
+        let s = judge(&[serving.first_hand(7_500), prober.first_hand(7_500)]);
+        assert_eq!(s.recovered_at_ms, Some(7_000));
+        assert_eq!(
+            (s.verdict(), s.samples, s.failures()),
+            (Verdict::Healthy, 3, 0),
+            "{s:?}"
+        );
+        // A failure after the recovery stands.
+        serving.record(7_600, Evidence::Traffic, Outcome::Error, 30);
+        let s = judge(&[serving.first_hand(7_700), prober.first_hand(7_700)]);
+        assert_eq!(s.failures(), 9, "{s:?}");
+        assert_eq!(s.verdict(), Verdict::Unhealthy);
+    }
+
+    /// A peer's tally is bounded as a window is: no claim of four billion failures outweighs
+    /// more than one full window, and counts that do not add up are cut to what can be.
+    #[test]
+    fn a_peers_tally_is_bounded() {
+        let lie = FirstHand {
+            traffic: Tally {
+                samples: u32::MAX,
+                failed: u32::MAX,
+                broken: u32::MAX,
+                p95_ms: 10,
+                last_ms: 1,
+                last_failure_ms: 1,
+            },
+            ..FirstHand::default()
+        };
+        let mut w = Window::default();
+        for t in 0..100 {
+            w.record(1_000 + t, Evidence::Traffic, Outcome::Success, 10);
+        }
+        let s = judge(&[lie, w.first_hand(2_000)]);
+        assert_eq!(s.samples, MAX_SAMPLES as u32 + 100);
+        assert_eq!(s.failures(), MAX_SAMPLES as u32);
+        assert_eq!(s.contract_failure_pct, 0.0);
+    }
+
+    /// A peer's p95 counts by how many samples it rests on: one timed-out call somewhere does
+    /// not make a thousand fast ones slow.
+    #[test]
+    fn p95_across_nodes_is_weighed_by_samples() {
+        let mut fast = Window::default();
+        for t in 0..99 {
+            fast.record(1_000 + t, Evidence::Traffic, Outcome::Success, 100);
+        }
+        let mut slow = Window::default();
+        slow.record(1_500, Evidence::Traffic, Outcome::Success, 10_100);
+        let s = judge(&[fast.first_hand(2_000), slow.first_hand(2_000)]);
+        assert_eq!(s.p95_ms, 200);
+        assert_eq!(s.verdict(), Verdict::Healthy);
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod budget;
 pub mod bulkhead;
 pub mod chaos;
 pub mod contract;
+pub mod date;
 pub mod decision;
 pub mod escalation;
 pub mod health;

@@ -10,7 +10,7 @@
 //! the first n ids heard (this node included). An invented id is refused, so it can neither grow
 //! the cluster (and its quorum), nor vote, nor take memory; n is the configured size, always.
 
-use super::health::Verdict;
+use super::health::{Evidence, FirstHand, Verdict};
 use super::wire::{Arrival, MAX_SKEW_MS};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -34,6 +34,13 @@ pub struct Observation {
     pub p95_ms: u64,
     #[serde(default)]
     pub samples: u32,
+    /// What the verdict rests on (a node with no samples abstains; `none` with samples: an
+    /// older node's, which does not say).
+    #[serde(default)]
+    pub evidence: Evidence,
+    /// What the node saw itself, so others judge on the cluster's evidence (`health::judge`).
+    #[serde(default)]
+    pub own: FirstHand,
 }
 
 /// What the cluster knows about one member.
@@ -269,6 +276,21 @@ impl Cluster {
         self.effective_size(now_ms) / 2 + 1
     }
 
+    /// Fresh observations of `provider` from every member, alive now or not: what a node saw
+    /// of a provider stays evidence for as long as its observation is fresh, even after the
+    /// node itself went (its probes' share is taken over meanwhile).
+    pub fn fresh<'a>(
+        &'a self,
+        provider: &str,
+        now_ms: u64,
+    ) -> impl Iterator<Item = &'a Observation> + 'a {
+        self.observations
+            .get(provider)
+            .into_iter()
+            .flat_map(|m| m.values())
+            .filter(move |o| now_ms.saturating_sub(o.at_ms) <= self.observation_ttl_ms)
+    }
+
     /// Fresh observations of `provider` from live nodes, in node order. Observations and
     /// members are both ordered by node, so this is a merge, not a lookup per observation.
     pub fn counted<'a>(
@@ -303,10 +325,13 @@ impl Cluster {
         })
     }
 
+    /// The majority among the observations that vote (see `votes`), or below quorum this
+    /// node's own observation.
     fn view_of(&self, counted: &[&Observation], n: usize) -> ProviderView {
         let q = n / 2 + 1;
+        let real = real_calls_say(counted);
         let mut tally = [0usize; Verdict::ALL.len()];
-        for o in counted {
+        for o in counted.iter().filter(|o| votes(o, real)) {
             tally[o.verdict as usize] += 1;
         }
         let voters = counted.len();
@@ -331,6 +356,45 @@ impl Cluster {
             },
         }
     }
+}
+
+/// What the observations resting on real calls (traffic or billed probes) say together.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum RealCalls {
+    /// None rests on real calls.
+    Nothing,
+    /// All that do say this.
+    Agree(Verdict),
+    /// They disagree.
+    Split,
+}
+
+fn real_calls_say(counted: &[&Observation]) -> RealCalls {
+    counted
+        .iter()
+        .filter(|o| o.samples > 0 && o.evidence.paid())
+        .fold(RealCalls::Nothing, |say, o| match say {
+            RealCalls::Nothing => RealCalls::Agree(o.verdict),
+            RealCalls::Agree(v) if v == o.verdict => say,
+            _ => RealCalls::Split,
+        })
+}
+
+/// Does `o` vote, beside observations whose real calls say `real`? Not a node's that has no
+/// samples (it abstains). One resting on free probes alone confirms but never decides: it
+/// votes when no node has real calls to go by, or beside real calls that all say what it
+/// says; a model list that answers does not outvote a model that fails, and a node that has
+/// not yet heard of the traffic its peers serve still adds its vote to theirs. (An
+/// observation that does not say what it rests on, from an older node or a hand-written
+/// state, votes as before.)
+fn votes(o: &Observation, real: RealCalls) -> bool {
+    o.samples > 0
+        && (o.evidence != Evidence::Free
+            || match real {
+                RealCalls::Nothing => true,
+                RealCalls::Agree(v) => v == o.verdict,
+                RealCalls::Split => false,
+            })
 }
 
 /// The view from the observations in `counted` that say `verdict`; their numbers are medians.
@@ -402,6 +466,22 @@ static NO_OBSERVATION: Observation = Observation {
     contract_failure_pct: 0.0,
     p95_ms: 0,
     samples: 0,
+    evidence: Evidence::None,
+    own: FirstHand {
+        traffic: EMPTY,
+        billed: EMPTY,
+        free: EMPTY,
+        recovered_at_ms: None,
+    },
+};
+
+const EMPTY: super::health::Tally = super::health::Tally {
+    samples: 0,
+    failed: 0,
+    broken: 0,
+    p95_ms: 0,
+    last_ms: 0,
+    last_failure_ms: 0,
 };
 
 /// Observations travel as a flat list; in memory they are indexed by provider and node.
@@ -444,6 +524,8 @@ mod tests {
             contract_failure_pct: 0.0,
             p95_ms: 150,
             samples: 15,
+            evidence: Evidence::Traffic,
+            own: FirstHand::default(),
         }
     }
 
@@ -453,6 +535,57 @@ mod tests {
             c.heartbeat(n, now);
         }
         c
+    }
+
+    /// Two nodes whose free probes say healthy do not outvote the one whose traffic fails,
+    /// and a node with no evidence does not vote at all.
+    #[test]
+    fn free_probes_and_no_evidence_do_not_vote() {
+        let mut c = three_nodes(1_000);
+        let with = |node: &str, verdict, evidence| Observation {
+            evidence,
+            samples: if evidence == Evidence::None { 0 } else { 15 },
+            ..obs(node, verdict, 1.0, 1_000)
+        };
+        c.observe(with("n1", Verdict::Healthy, Evidence::Free));
+        c.observe(with("n2", Verdict::Healthy, Evidence::Free));
+        c.observe(with("n3", Verdict::Unhealthy, Evidence::Traffic));
+        let v = c.view("p", 1_000);
+        assert!(!v.quorum, "{v:?}");
+        assert_eq!(v.voters, 3);
+        c.observe(Observation {
+            at_ms: 1_001,
+            ..with("n2", Verdict::Unhealthy, Evidence::Traffic)
+        });
+        let v = c.view("p", 1_001);
+        assert_eq!(
+            (v.verdict, v.votes, v.quorum),
+            (Verdict::Unhealthy, 2, true)
+        );
+        // A free probe that says what every real call says adds its vote to theirs (a node
+        // that has not yet heard of its peer's traffic); beside real calls that disagree, it
+        // decides nothing.
+        let mut c = three_nodes(1_000);
+        c.observe(with("n1", Verdict::Healthy, Evidence::Traffic));
+        c.observe(with("n2", Verdict::Healthy, Evidence::Free));
+        let v = c.view("p", 1_000);
+        assert_eq!((v.verdict, v.votes, v.quorum), (Verdict::Healthy, 2, true));
+        c.observe(with("n3", Verdict::Unhealthy, Evidence::Billed));
+        let v = c.view("p", 1_000);
+        assert!(!v.quorum, "{v:?}");
+        // Without evidence: abstains; two healthy free probes are a majority then.
+        let mut c = three_nodes(1_000);
+        c.observe(with("n1", Verdict::Unknown, Evidence::None));
+        c.observe(with("n2", Verdict::Healthy, Evidence::Free));
+        c.observe(with("n3", Verdict::Healthy, Evidence::Free));
+        let v = c.view("p", 1_000);
+        assert_eq!((v.verdict, v.votes, v.quorum), (Verdict::Healthy, 2, true));
+        c.observe(Observation {
+            at_ms: 1_001,
+            ..with("n3", Verdict::Unknown, Evidence::None)
+        });
+        let v = c.view("p", 1_001);
+        assert!(!v.quorum && v.verdict == Verdict::Unknown, "{v:?}");
     }
 
     #[test]
@@ -687,6 +820,8 @@ mod tests {
                     contract_failure_pct: availability,
                     p95_ms,
                     samples: 1,
+                    evidence: Evidence::Traffic,
+                    own: FirstHand::default(),
                 };
                 let _ = c.gossiped(o, now);
                 prop_assert!(c.members.keys().filter(|k| **k != c.self_id).count() < size.max(1));

@@ -140,6 +140,8 @@ reason_codes! {
         "The shared budget ledger could not be reached and the request may not spend on this node's local share (high risk, or the share is spent); refused.";
     BudgetLocalShare = "BUDGET_LOCAL_SHARE", Budget,
         "The shared budget ledger could not be reached; this lower-risk request spent from the node's local share (limit / cluster size), settled in the ledger once it is back.";
+    ProbeBudgetExhausted = "PROBE_BUDGET_EXHAUSTED", Budget,
+        "A billed health probe was not sent: today's probe budget ([probes] max_usd_per_day, UTC days) is spent; the target gets its free check (its model list) until the next day or a higher cap.";
     RoutingSelected = "ROUTING_SELECTED", Routing,
         "A provider was chosen by score among the candidates that passed every exclusion.";
     FallbackUsed = "FALLBACK_USED", Routing,

@@ -372,6 +372,27 @@ pub struct NodeSnapshot {
     /// Cleared by the next write that succeeds.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub store_faults: BTreeMap<String, String>,
+    /// The health probes this node sent and what the billed ones cost.
+    pub probes: ProbeSnapshot,
+}
+
+/// A node's health probes: calls by target and kind (`models`: free, `chat`: billed), what the
+/// billed ones cost, and why billed ones are not being sent, if they are not.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(default)]
+pub struct ProbeSnapshot {
+    pub calls: BTreeMap<String, BTreeMap<String, u64>>,
+    pub spend_usd_per_hour: f64,
+    pub spent_usd: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<crate::core::reason::ReasonCode>,
+}
+
+impl ProbeSnapshot {
+    /// Calls of `kind` to every target.
+    pub fn total(&self, kind: &str) -> u64 {
+        self.calls.values().filter_map(|k| k.get(kind)).sum()
+    }
 }
 
 impl NodeSnapshot {

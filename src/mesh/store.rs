@@ -39,28 +39,7 @@ pub fn rfc3339_now() -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    rfc3339(secs)
-}
-
-fn rfc3339(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}+00:00",
-        rem / 3_600,
-        rem % 3_600 / 60,
-        rem % 60
-    )
+    crate::core::date::rfc3339(secs)
 }
 
 /// The catalog's entries (empty if the bucket or key does not exist yet). Entries that do not
@@ -359,15 +338,5 @@ mod tests {
         assert!(believed("ab12.evil", record("ab12", &["demo.victim"])).is_none());
         assert!(believed("ab12.evil", record("cd34", &["evil"])).is_none());
         assert!(believed("ab12.evil", record("ab12", &["evil", "demo.victim"])).is_none());
-    }
-
-    #[test]
-    fn timestamps_are_rfc3339() {
-        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00+00:00");
-        assert_eq!(super::rfc3339(1_764_460_800), "2025-11-30T00:00:00+00:00");
-        assert_eq!(
-            super::rfc3339(951_782_400 + 3_661),
-            "2000-02-29T01:01:01+00:00"
-        );
     }
 }

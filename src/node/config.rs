@@ -36,8 +36,9 @@
 //! context_window = 128000          # prompt + completion tokens at most,
 //! prefill = false                  # whether it continues a trailing assistant message,
 //! fallback = false                 # and whether it is a fallback (scored routing)
-//! probe = "chat"                   # when idle: "chat" (a short completion, judged like
-//!                                  # traffic), "models" (GET /models: free), or "off"
+//! probe = "auto"                   # when idle: "auto" (GET /models, free; one billed token
+//!                                  # only to confirm a failed target's recovery), "chat" (a
+//!                                  # short completion each time: billed), "models", or "off"
 //!
 //! [[route]]                   # a model name clients ask for, and who serves it, in order
 //! model = "fast"
@@ -90,6 +91,9 @@
 //! service_name = "oam"
 //! content = false             # true: messages and answers on the spans (gen_ai.*.messages)
 //! timeout_ms = 5000           # one export's deadline
+//!
+//! [probes]                    # what health probes may cost
+//! max_usd_per_day = 0.50      # billed probes, for the cluster per UTC day (none: no cap)
 //! ```
 
 use crate::core::budget::Budgets;
@@ -323,13 +327,29 @@ impl Target {
 #[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Probe {
-    /// A short chat completion, judged as traffic is (billed by a paid provider).
+    /// Free while it answers: its model list (an agent: nothing, the mesh says when it dies);
+    /// a completion of one token (billed) only to confirm that a target real calls found
+    /// failing answers again, at most once per interval for the cluster.
     #[default]
+    Auto,
+    /// A short chat completion every interval, judged as traffic is (billed by a paid
+    /// provider).
     Chat,
-    /// `GET {base_url}/models`: reachable and answering, at no token cost.
+    /// `GET {base_url}/models` only: reachable and answering, at no token cost.
     Models,
     /// None: health comes from traffic alone.
     Off,
+}
+
+/// `[probes]`: what health probes may cost.
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Probes {
+    /// What billed probes may cost the cluster per UTC day, in the ledger (none: no cap,
+    /// still counted there). Past it a target gets its free check, and the node says
+    /// PROBE_BUDGET_EXHAUSTED.
+    #[serde(default)]
+    pub max_usd_per_day: Option<f64>,
 }
 
 #[derive(Deserialize, Clone, Debug, PartialEq, Default)]
@@ -350,6 +370,8 @@ pub struct NodeConfig {
     /// OpenTelemetry export of every request's spans (off unless an endpoint is given).
     #[serde(default)]
     pub telemetry: super::otlp::Settings,
+    #[serde(default)]
+    pub probes: Probes,
     #[serde(default, rename = "route")]
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
@@ -479,7 +501,7 @@ pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             // model that continues an interrupted stream (it answers afresh, as a sim does).
             prefill: p.fallback,
             fallback: p.fallback,
-            probe: Probe::Chat,
+            probe: Probe::Auto,
         })
         .chain(std::iter::once(ProviderConfig {
             // The simulator's embedding model, on its zero-cost local provider.
@@ -513,7 +535,7 @@ impl ProviderConfig {
             context_window: None,
             prefill: false,
             fallback: false,
-            probe: Probe::Chat,
+            probe: Probe::Auto,
         }
     }
 }
@@ -814,6 +836,15 @@ impl NodeConfig {
     }
 
     fn check(&self) -> Result<(), String> {
+        if self
+            .probes
+            .max_usd_per_day
+            .is_some_and(|c| !(c.is_finite() && c >= 0.0))
+        {
+            return Err(
+                "probes.max_usd_per_day must be a number >= 0 (0: no billed probes)".into(),
+            );
+        }
         let mut seen = std::collections::BTreeSet::new();
         for (i, p) in self.providers.iter().enumerate() {
             let at = format!("provider[{i}] ({})", p.id);

@@ -436,6 +436,8 @@ mod tests {
             contract_failure_pct: 0.0,
             p95_ms: 0,
             samples: 10,
+            evidence: crate::core::health::Evidence::Traffic,
+            own: Default::default(),
         };
         let mut n2 = Stamper::new("n2", now_ms() - 1_000);
         g.one(

@@ -1,31 +1,52 @@
-//! What this node sees of each target's health: a window of samples per target (from traffic
-//! and from probes), the targets that are mesh agents whose death notice came, and the probe
-//! schedule. [`Health`] is the handle the request path and gossip share; [`Prober`] is the
-//! service that probes idle targets and shares this node's observations with the cluster.
+//! What this node sees of each target's health, and the service that checks idle targets.
+//!
+//! [`Health`] keeps a window of samples per target (from traffic and from probes), the targets
+//! that are mesh agents whose death notice came, and what probes cost; the request path and
+//! gossip share it. A verdict rests on the cluster's evidence: every observation a node shares
+//! carries what it saw itself, and each node judges on its own and its live peers' together
+//! (`core::health::judge`), so a node without traffic learns from the traffic others see.
+//!
+//! [`Prober`] checks idle targets as a cluster: each target has one prober among the live nodes
+//! (rendezvous hashing, so nodes split the targets and never probe in phase), its probes jittered,
+//! at most 16 out at once and none waited for by another. The default check (`probe = "auto"`)
+//! is free, the provider's model list; a billed one (a completion of one token) only confirms the
+//! recovery of a target that real calls found failing, at most once per interval, charged to the
+//! day's probe budget in the ledger (`[probes] max_usd_per_day`).
 
+use super::Node;
 use super::bus::Bus;
 use super::config::{NodeConfig, Probe};
+use super::connector::{Connector, Upstream};
+use super::metrics::{Kind, Registry};
 use super::pipeline::{Pipeline, lock};
-use super::upstreams::Upstreams;
 use crate::clock::now_ms;
+use crate::core::breaker::Breaker;
 use crate::core::contract::Contract;
-use crate::core::health::{Outcome, Stats, Verdict, Window};
+use crate::core::health::{Evidence, FirstHand, Outcome, Stats, Verdict, Window, judge};
 use crate::core::quorum::Observation;
-use crate::core::request::{GenerationStatus, Message};
-use crate::core::wire::Observations;
+use crate::core::reason::ReasonCode;
+use crate::core::request::{GenerationStatus, Message, round_usd};
+use crate::core::wire::{Observations, ProbeSnapshot};
 use crate::transport::subjects;
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// When a target last had a sample from traffic and when it was last probed (ms; 0: never),
-/// and until when it is not to be probed (its Retry-After).
+/// Probes out at once, at most.
+pub const MAX_PROBES_OUT: usize = 16;
+/// A billed probe's prompt.
+const BILLED_PROMPT: &str = "Reply with ok.";
+
+/// When a target last had a sample from traffic, when it was last probed (less its jitter)
+/// and last given a billed probe (ms; 0: never), and until when it is not to be probed (its
+/// Retry-After).
 #[derive(Default)]
 struct Clocks {
     traffic: AtomicU64,
     probe: AtomicU64,
+    billed: AtomicU64,
     quiet_until: AtomicU64,
 }
 
@@ -38,6 +59,8 @@ pub struct Health {
     down: Mutex<BTreeSet<String>>,
     pipeline: Pipeline,
     bus: Arc<Bus>,
+    /// What this node's probes were and cost.
+    pub probes: Arc<ProbeBook>,
 }
 
 /// How often idle targets are probed: every `every` ms, and every `quick` ms while one
@@ -64,6 +87,61 @@ impl Schedule {
         let since = now.saturating_sub(last_probe);
         idle && (since >= self.every || (recovering && since >= self.quick))
     }
+
+    /// How much sooner than `every` the next probe of `target` by `node` after `now` comes: up
+    /// to a tenth of the interval, so probes that started together drift apart.
+    pub fn jitter(&self, target: &str, node: &str, now: u64) -> u64 {
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(format!("{node}\0{target}").as_bytes(), now);
+        h % (self.every / 10 + 1)
+    }
+}
+
+/// Which live node probes `target`: the one whose hash with it is highest (rendezvous hashing:
+/// every node computes the same one from the same members, and a node's going moves only its
+/// own targets).
+pub fn prober_of<'a>(target: &str, live: &[&'a str]) -> Option<&'a str> {
+    live.iter()
+        .copied()
+        .max_by_key(|n| xxhash_rust::xxh3::xxh3_64(format!("{n}\0{target}").as_bytes()))
+}
+
+/// What check a target gets, as its provider's `probe` says and as it is doing.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Check {
+    /// The model list: free.
+    Models,
+    /// A chat completion (or an embedding) held to the default contract: billed.
+    Chat,
+    /// A completion of one token, to confirm a failed target answers again: billed.
+    Confirm,
+}
+
+impl Check {
+    /// `oam_probe_calls_total`'s `kind`.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Check::Models => "models",
+            Check::Chat | Check::Confirm => "chat",
+        }
+    }
+
+    pub fn billed(self) -> bool {
+        self != Check::Models
+    }
+}
+
+/// The check `probe` asks for, for a target that real calls found `failing` (or not), served
+/// over HTTP (`http`: it has a model list) or by a mesh agent. `auto` checks for free and
+/// confirms a failed target's recovery with one billed token; an agent's liveness is the mesh's
+/// (death notices), so an agent that is not failing is not checked at all.
+pub fn check_for(probe: Probe, failing: bool, http: bool) -> Option<Check> {
+    match probe {
+        Probe::Off => None,
+        Probe::Models => Some(Check::Models),
+        Probe::Chat => Some(Check::Chat),
+        Probe::Auto if failing => Some(Check::Confirm),
+        Probe::Auto => http.then_some(Check::Models),
+    }
 }
 
 /// How a probe's answer is judged, as a request's is: the model list says only that the
@@ -71,7 +149,7 @@ impl Schedule {
 /// itself (invalid, too long, against a content policy) says nothing of the target's health
 /// and is no sample (`None`), on a probe as on a request.
 pub fn probe_outcome(
-    probe: Probe,
+    check: Check,
     status: GenerationStatus,
     contract_failed: impl FnOnce() -> bool,
 ) -> Option<Outcome> {
@@ -80,7 +158,7 @@ pub fn probe_outcome(
         GenerationStatus::Rejected
         | GenerationStatus::ContextLength
         | GenerationStatus::ContentPolicy => return None,
-        GenerationStatus::Ok if probe == Probe::Models => Outcome::Success,
+        GenerationStatus::Ok if check != Check::Chat => Outcome::Success,
         GenerationStatus::Ok if contract_failed() => Outcome::ContractFailure,
         GenerationStatus::Ok => Outcome::Success,
         GenerationStatus::Timeout => Outcome::Timeout,
@@ -88,6 +166,107 @@ pub fn probe_outcome(
         | GenerationStatus::RateLimited
         | GenerationStatus::Unauthorized => Outcome::Error,
     })
+}
+
+/// What this node's probes were and what the billed ones cost: `oam_probe_calls_total`,
+/// `oam_probe_spend_usd_total`, `oam_probe_spend_usd_per_hour`, and the node's snapshot.
+#[derive(Default)]
+pub struct ProbeBook {
+    calls: Mutex<BTreeMap<(String, &'static str), u64>>,
+    /// The billed probes' costs of the last hour, oldest first (a few thousand at most: one
+    /// per target per interval).
+    hour: Mutex<VecDeque<(u64, f64)>>,
+    spent_usd: Mutex<f64>,
+    /// Why billed probes are not being sent now (the probe budget), if they are not.
+    stopped: Mutex<Option<ReasonCode>>,
+}
+
+const HOUR_MS: u64 = 3_600_000;
+
+impl ProbeBook {
+    fn called(&self, target: &str, check: Check) {
+        *lock(&self.calls)
+            .entry((target.to_string(), check.kind()))
+            .or_default() += 1;
+    }
+
+    fn spent(&self, now: u64, usd: f64) {
+        if usd <= 0.0 {
+            return;
+        }
+        lock(&self.hour).push_back((now, usd));
+        let mut total = lock(&self.spent_usd);
+        *total = round_usd(*total + usd);
+    }
+
+    fn stop(&self, why: Option<ReasonCode>) {
+        let mut stopped = lock(&self.stopped);
+        if *stopped != why {
+            match why {
+                Some(code) => tracing::warn!(%code, "billed health probes stopped"),
+                None => tracing::info!("billed health probes resumed"),
+            }
+            *stopped = why;
+        }
+    }
+
+    /// What billed probes cost over the last hour.
+    pub fn usd_last_hour(&self, now: u64) -> f64 {
+        let mut hour = lock(&self.hour);
+        while hour
+            .front()
+            .is_some_and(|(at, _)| now.saturating_sub(*at) >= HOUR_MS)
+        {
+            hour.pop_front();
+        }
+        // (A float sum of nothing is -0, which a dashboard would show as such.)
+        round_usd(hour.iter().fold(0.0, |sum, (_, usd)| sum + usd))
+    }
+
+    pub fn snapshot(&self, now: u64) -> ProbeSnapshot {
+        let mut calls: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+        for ((target, kind), n) in lock(&self.calls).iter() {
+            calls
+                .entry(target.clone())
+                .or_default()
+                .insert((*kind).to_string(), *n);
+        }
+        ProbeSnapshot {
+            calls,
+            spend_usd_per_hour: self.usd_last_hour(now),
+            spent_usd: *lock(&self.spent_usd),
+            stopped: *lock(&self.stopped),
+        }
+    }
+
+    pub fn register(self: &Arc<Self>, registry: &Registry) {
+        let book = self.clone();
+        registry.register(
+            "oam_probe_calls_total",
+            "Health probes this node sent, by target and kind: models (the model list: free) or \
+             chat (a completion: billed).",
+            Kind::Counter,
+            move |s| {
+                for ((target, kind), n) in lock(&book.calls).iter() {
+                    s.put(&[("target", target), ("kind", kind)], n);
+                }
+            },
+        );
+        let book = self.clone();
+        registry.register(
+            "oam_probe_spend_usd_total",
+            "What this node's billed health probes cost, at the targets' prices.",
+            Kind::Counter,
+            move |s| s.put(&[], *lock(&book.spent_usd)),
+        );
+        let book = self.clone();
+        registry.register(
+            "oam_probe_spend_usd_per_hour",
+            "What this node's billed health probes cost over the last hour.",
+            Kind::Gauge,
+            move |s| s.put(&[], book.usd_last_hour(now_ms())),
+        );
+    }
 }
 
 impl Health {
@@ -104,6 +283,7 @@ impl Health {
             down: Mutex::default(),
             pipeline,
             bus,
+            probes: Arc::default(),
         }
     }
 
@@ -112,51 +292,84 @@ impl Health {
         if let Some(c) = self.clocks.get(target) {
             c.traffic.store(now_ms(), Ordering::Relaxed);
         }
-        self.record(target, outcome, latency_ms);
+        self.record(target, Evidence::Traffic, outcome, latency_ms);
     }
 
-    /// A sample (traffic or probe) into the target's window.
-    pub fn record(&self, target: &str, outcome: Outcome, latency_ms: u64) {
+    /// A sample into the target's window.
+    fn record(&self, target: &str, source: Evidence, outcome: Outcome, latency_ms: u64) {
         if let Some(w) = lock(&self.windows).get_mut(target) {
-            w.record(now_ms(), outcome, latency_ms);
+            w.record(now_ms(), source, outcome, latency_ms);
         }
     }
 
-    /// The target's window as it stands at `now`.
+    /// What this node's peers saw themselves of `target`, in their fresh observations.
+    fn peers(&self, target: &str, now: u64) -> Vec<FirstHand> {
+        let e = self.pipeline.read();
+        e.state
+            .cluster
+            .fresh(target, now)
+            .filter(|o| o.node != self.id)
+            .map(|o| o.own)
+            .collect()
+    }
+
+    /// The target judged at `now` on this node's evidence and its peers', and this node's own.
+    fn judged(&self, target: &str, now: u64) -> Option<(Stats, FirstHand)> {
+        let mut sources = self.peers(target, now);
+        let own = lock(&self.windows).get(target)?.first_hand(now);
+        sources.push(own);
+        Some((judge(&sources), own))
+    }
+
+    /// The target as this node judges it at `now` (on the cluster's evidence).
     pub fn stats(&self, target: &str, now: u64) -> Option<Stats> {
-        lock(&self.windows).get(target).map(|w| w.stats(now))
+        self.judged(target, now).map(|(s, _)| s)
     }
 
     /// This node's observations of every target at `now`.
     fn observations(&self, now: u64) -> Vec<Observation> {
         let down = lock(&self.down).clone();
-        lock(&self.windows)
-            .iter()
-            .map(|(target, w)| {
-                let mut s = w.stats(now);
-                if down.contains(target) {
-                    // Its death notice outranks the window: down now, not 15 s from now.
-                    s.availability = 0.0;
-                    s.samples = s.samples.max(1);
-                }
-                Observation {
+        self.clocks
+            .keys()
+            .filter_map(|target| {
+                let (s, own) = self.judged(target, now)?;
+                // Its death notice outranks the window: down now, not 15 s from now.
+                let dead = down.contains(target);
+                Some(Observation {
                     node: self.id.clone(),
                     provider: target.clone(),
                     at_ms: now,
-                    verdict: s.verdict(),
-                    availability: s.availability,
+                    verdict: if dead {
+                        Verdict::Unhealthy
+                    } else {
+                        s.verdict()
+                    },
+                    availability: if dead { 0.0 } else { s.availability },
                     contract_failure_pct: s.contract_failure_pct,
                     p95_ms: s.p95_ms,
-                    samples: s.samples,
-                }
+                    samples: if dead { s.samples.max(1) } else { s.samples },
+                    evidence: if dead { Evidence::Traffic } else { s.evidence },
+                    own,
+                })
             })
             .collect()
     }
 
-    /// Apply this node's observations to its own view and publish them to the cluster.
+    /// Apply this node's observations to its own view and publish them to the cluster. A
+    /// target judged healthy again on real calls after an outage some node saw end has its
+    /// breaker half-opened (one request tries it) instead of waiting out its open time.
     pub fn share(&self) {
-        let observations = self.observations(now_ms());
+        let now = now_ms();
+        let observations = self.observations(now);
         self.pipeline.with(|e| {
+            for o in &observations {
+                let recovered = o.verdict == Verdict::Healthy
+                    && o.evidence.paid()
+                    && judge(&[o.own]).recovered_at_ms.is_some();
+                if recovered && e.answering_again(&o.provider).is_some() {
+                    tracing::info!(node = %self.id, target = %o.provider, "answering again: breaker half-open");
+                }
+            }
             let cluster = Arc::make_mut(&mut e.state.cluster);
             for o in &observations {
                 cluster.observe(o.clone());
@@ -181,29 +394,79 @@ impl Health {
         self.share();
     }
 
-    /// Which targets are due a probe at `now` (each marked probed).
-    fn due(&self, schedule: Schedule, now: u64) -> BTreeSet<String> {
-        let windows = lock(&self.windows);
-        self.clocks
-            .iter()
-            .filter(|(id, c)| {
-                let recovering = windows.get(*id).is_some_and(Window::recovering);
-                let (traffic, probe) = (
-                    c.traffic.load(Ordering::Relaxed),
-                    c.probe.load(Ordering::Relaxed),
-                );
-                now >= c.quiet_until.load(Ordering::Relaxed)
-                    && schedule.due(now, traffic, probe, recovering)
-            })
-            .map(|(id, c)| {
-                c.probe.store(now, Ordering::Relaxed);
-                id.clone()
-            })
-            .collect()
+    /// Is `target` failing on real calls, as far as this node can tell at `now`: judged
+    /// unhealthy or degraded on them, its breaker open, or its agent dead?
+    fn failing(&self, target: &str, now: u64) -> bool {
+        if lock(&self.down).contains(target) {
+            return true;
+        }
+        let open = self
+            .pipeline
+            .read()
+            .state
+            .breakers
+            .get(target)
+            .is_some_and(|b| {
+                let mut b = *b;
+                b.tick(now);
+                matches!(b, Breaker::Open { .. })
+            });
+        open || self
+            .stats(target, now)
+            .is_some_and(|s| s.evidence.paid() && s.verdict() != Verdict::Healthy)
     }
 
-    /// `target` asked not to be called before `until` (a 429's Retry-After): no probe until then.
-    fn quiet(&self, target: &str, until: u64) {
+    /// Is `target` due a probe of `check` at `now` from this node? Only this node's own share
+    /// of the targets (`prober_of` the live nodes, or any target no fresh evidence speaks
+    /// of), an idle one (no traffic here or at a peer
+    /// within the interval), outside its Retry-After; a billed confirmation once per interval.
+    /// Marked probed when due.
+    fn due(&self, schedule: Schedule, target: &str, check: Check, live: &[&str], now: u64) -> bool {
+        let Some(c) = self.clocks.get(target) else {
+            return false;
+        };
+        if now < c.quiet_until.load(Ordering::Relaxed) {
+            return false;
+        }
+        // Another node's share, unless nobody's evidence of it is fresh here (a prober that
+        // just went, a node cut off): then this node does not wait for it.
+        if prober_of(target, live) != Some(self.id.as_str())
+            && self.stats(target, now).is_some_and(|s| s.samples > 0)
+        {
+            return false;
+        }
+        let peers_traffic = self
+            .peers(target, now)
+            .iter()
+            .map(|f| f.traffic.last_ms)
+            .max()
+            .unwrap_or(0);
+        let traffic = c.traffic.load(Ordering::Relaxed).max(peers_traffic);
+        let recovering = lock(&self.windows)
+            .get(target)
+            .is_some_and(Window::recovering);
+        // A billed confirmation once per interval while a target fails; once one answers,
+        // the rest of its recovery streak at the quick pace (`RECOVERY_STREAK - 1` more at
+        // most per recovery), so a recovery is judged in a fraction of a second, not three
+        // intervals.
+        let due = if check == Check::Confirm {
+            schedule.due(now, traffic, c.billed.load(Ordering::Relaxed), recovering)
+        } else {
+            schedule.due(now, traffic, c.probe.load(Ordering::Relaxed), recovering)
+        };
+        if due {
+            let jittered = now.saturating_sub(schedule.jitter(target, &self.id, now));
+            c.probe.store(jittered, Ordering::Relaxed);
+            if check.billed() {
+                c.billed.store(jittered, Ordering::Relaxed);
+            }
+        }
+        due
+    }
+
+    /// `target` asked not to be called before `until` (a 429's Retry-After, to a probe or to
+    /// traffic): no probe until then.
+    pub fn quiet(&self, target: &str, until: u64) {
         if let Some(c) = self.clocks.get(target) {
             c.quiet_until.fetch_max(until, Ordering::Relaxed);
         }
@@ -212,11 +475,16 @@ impl Health {
     /// A probe's outcome for `target`: recorded, and a target judged healthy again by its
     /// probes has its breaker half-opened (one request tries it) instead of waiting out its
     /// open time.
-    fn probed(&self, target: &str, outcome: Outcome, latency_ms: u64) {
+    fn probed(&self, target: &str, check: Check, outcome: Outcome, latency_ms: u64) {
         if outcome == Outcome::Success {
             lock(&self.down).remove(target);
         }
-        self.record(target, outcome, latency_ms);
+        let source = if check.billed() {
+            Evidence::Billed
+        } else {
+            Evidence::Free
+        };
+        self.record(target, source, outcome, latency_ms);
         let now = now_ms();
         let healthy = outcome == Outcome::Success
             && self
@@ -228,42 +496,37 @@ impl Health {
     }
 }
 
-/// The service that probes idle targets as their providers' configuration says.
+/// The service that probes this node's share of the idle targets.
 pub struct Prober {
-    pub health: Arc<Health>,
-    pub upstreams: Arc<Upstreams>,
-    pub metrics: Arc<super::metrics::Metrics>,
-    pub schedule: Schedule,
-    pub timeout: Duration,
+    node: Arc<Node>,
+    schedule: Schedule,
+    timeout: Duration,
     /// What traffic that names no route is held to (checked at load), no more.
-    pub contract: Option<Contract>,
+    contract: Option<Contract>,
     /// Targets whose probe is still out.
     out: Mutex<BTreeSet<String>>,
     /// A probe answered since observations were last shared.
-    fresh: std::sync::atomic::AtomicBool,
+    fresh: AtomicBool,
+    /// The probe budget's record, once opened.
+    store: tokio::sync::OnceCell<async_nats::jetstream::kv::Store>,
 }
 
 impl Prober {
-    pub fn new(
-        cfg: &NodeConfig,
-        health: Arc<Health>,
-        upstreams: Arc<Upstreams>,
-        metrics: Arc<super::metrics::Metrics>,
-    ) -> Prober {
+    pub fn new(node: Arc<Node>) -> Prober {
+        let cfg = &node.cfg;
         let contract = cfg
             .pipeline
             .default_contract
             .as_ref()
             .and_then(|spec| Contract::for_request(Some(spec), None).ok());
         Prober {
-            health,
-            upstreams,
-            metrics,
             schedule: Schedule::new(cfg.node.probe_interval_ms),
             timeout: Duration::from_millis(cfg.node.probe_timeout_ms),
             contract,
             out: Mutex::default(),
-            fresh: Default::default(),
+            fresh: AtomicBool::default(),
+            store: tokio::sync::OnceCell::new(),
+            node,
         }
     }
 
@@ -281,41 +544,65 @@ impl Prober {
                 _ = tick.tick() => {}
                 () = stop.cancelled() => return,
             }
-            me.round(now_ms());
+            me.round(now_ms(), &stop);
             let now = now_ms();
             let fresh = me.fresh.swap(false, Ordering::Relaxed);
             if fresh || now.saturating_sub(shared_at) >= me.schedule.every {
                 shared_at = now;
-                me.health.share();
+                me.node.health.share();
             }
         }
     }
 
-    /// Start a probe of every due target that has none out.
-    fn round(self: &Arc<Self>, now: u64) {
-        let due = self.health.due(self.schedule, now);
+    /// Start a probe of every target due one that has none out.
+    fn round(self: &Arc<Self>, now: u64, stop: &CancellationToken) {
+        let health = &self.node.health;
+        let live: Vec<String> = {
+            let e = self.node.pipeline.read();
+            e.state
+                .cluster
+                .live_nodes(now)
+                .into_iter()
+                .map(String::from)
+                .collect()
+        };
+        let live: Vec<&str> = live.iter().map(String::as_str).collect();
         // One model list answers for every idle model of its provider: asked for once.
-        let mut checks: Vec<(Vec<String>, &super::connector::Connector)> = Vec::new();
-        {
-            let out = lock(&self.out);
-            for (id, c, _) in self.upstreams.all() {
-                if c.probe == Probe::Off || !due.contains(id) || out.contains(id) {
-                    continue;
-                }
-                let same_list = checks
-                    .iter_mut()
-                    .find(|(_, other)| c.probe == Probe::Models && other.id == c.id);
-                match same_list {
-                    Some(check) => check.0.push(id.to_string()),
-                    None => checks.push((vec![id.to_string()], c)),
-                }
+        let mut checks: Vec<(Vec<String>, &Connector, Check)> = Vec::new();
+        for (id, c, _) in self.node.upstreams.all() {
+            if lock(&self.out).contains(id) {
+                continue;
+            }
+            let http = matches!(c.upstream, Upstream::Http(_));
+            let Some(check) = check_for(c.probe, health.failing(id, now), http) else {
+                continue;
+            };
+            if !health.due(self.schedule, id, check, &live, now) {
+                continue;
+            }
+            let same_list = checks
+                .iter_mut()
+                .find(|(_, other, k)| check == Check::Models && *k == check && other.id == c.id);
+            match same_list {
+                Some(list) => list.0.push(id.to_string()),
+                None => checks.push((vec![id.to_string()], c, check)),
             }
         }
-        for (ids, _) in checks {
-            lock(&self.out).extend(ids.iter().cloned());
+        for (ids, _, check) in checks {
+            {
+                let mut out = lock(&self.out);
+                if out.len() >= MAX_PROBES_OUT {
+                    return;
+                }
+                out.extend(ids.iter().cloned());
+            }
             let me = self.clone();
+            let stop = stop.clone();
             tokio::spawn(async move {
-                me.probe(&ids).await;
+                tokio::select! {
+                    () = me.probe(&ids, check) => {}
+                    () = stop.cancelled() => {}
+                }
                 let mut out = lock(&me.out);
                 for id in &ids {
                     out.remove(id);
@@ -324,17 +611,39 @@ impl Prober {
         }
     }
 
-    /// Probe the target `ids[0]` (a model list answers for every id), and record what it says.
-    async fn probe(&self, ids: &[String]) {
-        let Some((c, model)) = ids.first().and_then(|id| self.upstreams.target(id)) else {
+    /// Check the target `ids[0]` (a model list answers for every id), and record what it says.
+    async fn probe(&self, ids: &[String], check: Check) {
+        let node = &self.node;
+        let Some((c, model)) = ids.first().and_then(|id| node.upstreams.target(id)) else {
             return;
         };
-        let probe = [Message {
-            role: "user".into(),
-            content: "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}".into(),
-        }];
-        let g = match c.probe {
-            Probe::Models => c.list_models(self.timeout).await,
+        let mut check = check;
+        let mut charged = 0.0;
+        if check.billed() {
+            match self.charge(&ids[0], check).await {
+                Ok(usd) => {
+                    node.health.probes.stop(None);
+                    charged = usd;
+                }
+                Err(why) => {
+                    node.health.probes.stop(Some(why));
+                    // The free check stands in, where there is one.
+                    if !matches!(c.upstream, Upstream::Http(_)) {
+                        return;
+                    }
+                    check = Check::Models;
+                }
+            }
+        }
+        node.health.probes.called(&ids[0], check);
+        let chat = |text: &str| {
+            [Message {
+                role: "user".into(),
+                content: text.into(),
+            }]
+        };
+        let (g, usd) = match check {
+            Check::Models => (c.list_models(self.timeout).await, 0.0),
             _ if c.embeddings => {
                 let pass = super::connector::Passthrough {
                     extra: [("input".to_string(), "oam health probe".into())]
@@ -342,24 +651,42 @@ impl Prober {
                         .collect(),
                     ..Default::default()
                 };
-                c.embed(model, &pass, self.timeout).await.generation
+                let a = c.embed(model, &pass, self.timeout).await;
+                let usd = self.cost(&ids[0], a.generation.usage.as_ref(), charged);
+                (a.generation, usd)
             }
-            _ => {
+            Check::Chat => {
+                let probe =
+                    chat("oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}");
                 let a = c
                     .generate(model, &probe, None, 32, None, self.timeout)
                     .await;
-                a.generation
+                let usd = self.cost(&ids[0], a.generation.usage.as_ref(), charged);
+                (a.generation, usd)
+            }
+            Check::Confirm => {
+                let a = c
+                    .generate(model, &chat(BILLED_PROMPT), None, 1, None, self.timeout)
+                    .await;
+                let usd = self.cost(&ids[0], a.generation.usage.as_ref(), charged);
+                (a.generation, usd)
             }
         };
+        if check.billed() {
+            node.health.probes.spent(now_ms(), usd);
+            if (usd - charged).abs() > 1e-9 {
+                let _ = self.settle(usd - charged).await;
+            }
+        }
         if g.status == GenerationStatus::RateLimited {
             // Not asked again before it said to.
             let wait = g.retry_after_ms.unwrap_or(self.schedule.every);
             for id in ids {
-                self.health.quiet(id, now_ms() + wait);
+                node.health.quiet(id, now_ms() + wait);
             }
         }
         // An embedding has no answer text to hold to the contract.
-        let outcome = probe_outcome(c.probe, g.status, || {
+        let outcome = probe_outcome(check, g.status, || {
             !c.embeddings
                 && self
                     .contract
@@ -368,11 +695,90 @@ impl Prober {
         });
         let Some(outcome) = outcome else { return };
         for target in ids {
-            self.health.probed(target, outcome, g.latency_ms);
-            self.metrics.provider_outcome(target, "probe", outcome);
+            node.health.probed(target, check, outcome, g.latency_ms);
+            node.metrics.provider_outcome(target, "probe", outcome);
         }
         self.fresh.store(true, Ordering::Relaxed);
     }
+
+    /// The target's price of a billed check: what its usage says, else what was charged.
+    fn cost(&self, target: &str, usage: Option<&crate::core::request::Usage>, charged: f64) -> f64 {
+        let Some(u) = usage else { return charged };
+        self.node.pipeline.with(|e| {
+            e.state
+                .providers
+                .iter()
+                .find(|p| *p.id == *target)
+                .map_or(charged, |p| p.cost_of_usage(u))
+        })
+    }
+
+    /// What a billed check of `target` is estimated to cost, charged to the day's probe budget
+    /// before it is sent: its amount, or why it may not be sent (the day's budget is spent, or
+    /// with a cap set the ledger cannot say).
+    async fn charge(&self, target: &str, check: Check) -> Result<f64, ReasonCode> {
+        let (prompt, completion) = match check {
+            Check::Confirm => (estimate_tokens(BILLED_PROMPT), 1),
+            _ => (
+                estimate_tokens(
+                    "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}",
+                ),
+                32,
+            ),
+        };
+        let usd = self.node.pipeline.with(|e| {
+            e.state
+                .providers
+                .iter()
+                .find(|p| *p.id == *target)
+                .map_or(0.0, |p| p.cost_of(prompt, completion))
+        });
+        if usd <= 0.0 {
+            return Ok(0.0);
+        }
+        let cap = self.node.cfg.probes.max_usd_per_day;
+        match self.change(usd, cap).await {
+            Some(true) => Ok(usd),
+            Some(false) => Err(ReasonCode::ProbeBudgetExhausted),
+            // Unmetered, a probe need not wait for the ledger; capped, it must.
+            None if cap.is_none() => Ok(usd),
+            None => Err(ReasonCode::BudgetStoreUnreachable),
+        }
+    }
+
+    /// Correct the day's probe spend by `usd` (what a check really cost less its estimate).
+    async fn settle(&self, usd: f64) -> Option<bool> {
+        self.change(usd, None).await
+    }
+
+    /// Add `usd` to today's probe budget record unless that passes `cap`: whether it was
+    /// added; `None` when the ledger did not answer.
+    async fn change(&self, usd: f64, cap: Option<f64>) -> Option<bool> {
+        let store = self
+            .store
+            .get_or_try_init(|| async {
+                let open = crate::transport::store::ledger::open(self.node.bus.nats());
+                match tokio::time::timeout(crate::transport::store::ledger::STORE_TIMEOUT, open)
+                    .await
+                {
+                    Ok(Ok(s)) => Ok(s),
+                    _ => Err(()),
+                }
+            })
+            .await
+            .ok()?;
+        let day = crate::transport::store::ledger::probes_day(now_ms());
+        let f = crate::transport::store::ledger::charge_probes(store, &day, usd, cap);
+        tokio::time::timeout(crate::transport::store::ledger::STORE_TIMEOUT * 2, f)
+            .await
+            .ok()?
+            .ok()
+    }
+}
+
+/// Prompt tokens of a one-message chat, as the pipeline estimates them.
+fn estimate_tokens(text: &str) -> u64 {
+    ("user".len() + text.len()).div_ceil(4) as u64 + 4 + 3
 }
 
 #[cfg(test)]
@@ -415,31 +821,95 @@ mod tests {
         use GenerationStatus as G;
         let never = || -> bool { panic!("a model list is not held to a contract") };
         assert_eq!(
-            probe_outcome(Probe::Models, G::Ok, never),
+            probe_outcome(Check::Models, G::Ok, never),
             Some(Outcome::Success)
         );
         assert_eq!(
-            probe_outcome(Probe::Chat, G::Ok, || true),
+            probe_outcome(Check::Chat, G::Ok, || true),
             Some(Outcome::ContractFailure)
         );
         assert_eq!(
-            probe_outcome(Probe::Chat, G::Ok, || false),
+            probe_outcome(Check::Chat, G::Ok, || false),
             Some(Outcome::Success)
         );
         assert_eq!(
-            probe_outcome(Probe::Chat, G::Timeout, || false),
+            probe_outcome(Check::Chat, G::Timeout, || false),
             Some(Outcome::Timeout)
         );
         for failed in [G::Unauthorized, G::RateLimited, G::Error] {
             assert_eq!(
-                probe_outcome(Probe::Chat, failed, || false),
+                probe_outcome(Check::Chat, failed, || false),
                 Some(Outcome::Error)
             );
         }
+        // A one-token confirmation is cut short on purpose: no contract to hold it to.
+        assert_eq!(
+            probe_outcome(Check::Confirm, G::Ok, || panic!("not held to the contract")),
+            Some(Outcome::Success)
+        );
         // The request's fault, on a probe as on a request: no sample either way.
         for refused in [G::Rejected, G::ContextLength, G::ContentPolicy] {
             assert!(refused.is_refusal());
-            assert_eq!(probe_outcome(Probe::Chat, refused, || false), None);
+            assert_eq!(probe_outcome(Check::Chat, refused, || false), None);
         }
+    }
+
+    /// Free unless it must be: `auto` checks the model list, and a billed token only for a
+    /// target real calls found failing; an agent that is not failing is not checked at all.
+    #[test]
+    fn the_default_check_is_free_and_a_billed_one_only_confirms_a_recovery() {
+        assert_eq!(Probe::default(), Probe::Auto);
+        assert_eq!(check_for(Probe::Auto, false, true), Some(Check::Models));
+        assert_eq!(check_for(Probe::Auto, true, true), Some(Check::Confirm));
+        assert_eq!(check_for(Probe::Auto, false, false), None);
+        assert_eq!(check_for(Probe::Auto, true, false), Some(Check::Confirm));
+        assert_eq!(check_for(Probe::Chat, false, true), Some(Check::Chat));
+        assert_eq!(check_for(Probe::Models, true, true), Some(Check::Models));
+        assert_eq!(check_for(Probe::Off, true, true), None);
+        assert_eq!(
+            (
+                Check::Models.kind(),
+                Check::Chat.kind(),
+                Check::Confirm.kind()
+            ),
+            ("models", "chat", "chat")
+        );
+        assert!(!Check::Models.billed() && Check::Confirm.billed());
+    }
+
+    /// Every node names the same prober for a target from the same members; the targets are
+    /// split between them; a member's going moves only its own targets.
+    #[test]
+    fn one_live_node_probes_each_target_and_they_share_the_targets() {
+        let targets: Vec<String> = (0..60).map(|i| format!("p{i}/model")).collect();
+        let three = ["n1", "n2", "n3"];
+        let mut shares = BTreeMap::new();
+        for t in &targets {
+            let who = prober_of(t, &three).expect("someone");
+            assert_eq!(
+                prober_of(t, &["n3", "n1", "n2"]),
+                Some(who),
+                "order does not matter"
+            );
+            *shares.entry(who).or_insert(0) += 1;
+        }
+        assert_eq!(shares.len(), 3, "{shares:?}");
+        assert!(shares.values().all(|&n| n >= 10), "{shares:?}");
+        for t in &targets {
+            let before = prober_of(t, &three).unwrap();
+            let after = prober_of(t, &["n1", "n3"]).unwrap();
+            if before != "n2" {
+                assert_eq!(before, after, "{t} moved though its prober stayed");
+            }
+        }
+        assert_eq!(prober_of("x", &[]), None);
+    }
+
+    #[test]
+    fn jitter_is_at_most_a_tenth_of_the_interval_and_varies() {
+        let s = Schedule::new(1_000);
+        let seen: BTreeSet<u64> = (0..50).map(|t| s.jitter("p", "n1", 1_000 * t)).collect();
+        assert!(seen.iter().all(|&j| j <= 100), "{seen:?}");
+        assert!(seen.len() > 10, "{seen:?}");
     }
 }

@@ -846,6 +846,12 @@ async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
             let Some(Ok(entry)) = next else {
                 break;
             };
+            if entry
+                .key
+                .starts_with(crate::transport::store::ledger::PROBES_PREFIX)
+            {
+                continue; // what probes cost: no agent's budget (`node::health`)
+            }
             match entry.operation {
                 kv::Operation::Put => {
                     let Ok(l) = serde_json::from_slice::<Ledger>(&entry.value) else {

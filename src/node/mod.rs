@@ -158,14 +158,16 @@ impl Node {
             .map_err(anyhow::Error::msg)?;
         let (otlp, exporter) = otlp::Telemetry::new(&id, &cfg.telemetry, traces, &cfg.targets);
         otlp.register(registry);
+        let health = Arc::new(health::Health::new(
+            &id,
+            &cfg,
+            pipeline.clone(),
+            bus.clone(),
+        ));
+        health.probes.register(registry);
         let node = Node {
             otlp,
-            health: Arc::new(health::Health::new(
-                &id,
-                &cfg,
-                pipeline.clone(),
-                bus.clone(),
-            )),
+            health,
             log,
             metrics,
             store_faults: status::StoreFaults::default(),
@@ -223,15 +225,7 @@ pub async fn run(
     running.spawn(escalations::Recorder::new(services.escalations, n.clone()).run(last.clone()));
     running.spawn(ledger::Keeper::new(services.ledger, n.clone()).run(n.serving.stop.clone()));
     running.spawn(loops::Claimer::new(services.claims, n.clone()).run(last.clone()));
-    running.spawn(
-        health::Prober::new(
-            &n.cfg,
-            n.health.clone(),
-            n.upstreams.clone(),
-            n.metrics.clone(),
-        )
-        .run(last.clone()),
-    );
+    running.spawn(health::Prober::new(n.clone()).run(last.clone()));
     running.spawn(gossip::Gossip::new(n.clone()).run(last.clone()));
     running.spawn(chaos::Commands(n.chaos.clone()).run(last.clone()));
     let writer = tokio::spawn(decisionlog::Writer(n.clone()).run(last.clone()));

@@ -547,14 +547,18 @@ pub(crate) fn conclude(
     started: std::time::Instant,
 ) -> Option<tokio::sync::oneshot::Receiver<bool>> {
     for effect in &decision.effects {
-        if let Effect::HealthSample {
-            provider,
-            outcome,
-            latency_ms,
-        } = effect
-        {
-            node.health.record_traffic(provider, *outcome, *latency_ms);
-            node.metrics.provider_outcome(provider, "traffic", *outcome);
+        match effect {
+            Effect::HealthSample {
+                provider,
+                outcome,
+                latency_ms,
+            } => {
+                node.health.record_traffic(provider, *outcome, *latency_ms);
+                node.metrics.provider_outcome(provider, "traffic", *outcome);
+            }
+            // Its Retry-After holds for probes too.
+            Effect::Cooldown { provider, until_ms } => node.health.quiet(provider, *until_ms),
+            _ => {}
         }
     }
     node.metrics

@@ -53,6 +53,13 @@ pub fn breaker_now(b: Option<Breaker>, now_ms: u64) -> Breaker {
 /// What `node` sees, now.
 pub fn snapshot(node: &Node) -> NodeSnapshot {
     let now = now_ms();
+    // Judged before the engine is locked: a judgement reads the peers' evidence from it.
+    let local: BTreeMap<String, _> = node
+        .cfg
+        .targets
+        .iter()
+        .filter_map(|t| Some((t.id.clone(), node.health.stats(&t.id, now)?)))
+        .collect();
     let e = node.pipeline.read();
     let c = &e.state.cluster;
     let nodes = c
@@ -73,7 +80,7 @@ pub fn snapshot(node: &Node) -> NodeSnapshot {
             id: p.id.to_string(),
             fallback: p.fallback,
             consensus: c.view(&p.id, now),
-            local: node.health.stats(&p.id, now),
+            local: local.get(&*p.id).copied(),
             breaker: breaker_now(e.state.breakers.get(&*p.id).copied(), now),
         })
         .collect();
@@ -100,6 +107,7 @@ pub fn snapshot(node: &Node) -> NodeSnapshot {
         escalations_undelivered: count(&node.escalations.undelivered),
         decisions_unlogged: count(&node.log.counters.lost),
         store_faults: node.store_faults.snapshot(),
+        probes: node.health.probes.snapshot(now),
     }
 }
 
@@ -270,6 +278,9 @@ mod tests {
             "oam_node_info",
             "oam_otlp_spans_total",
             "oam_overhead_seconds",
+            "oam_probe_calls_total",
+            "oam_probe_spend_usd_per_hour",
+            "oam_probe_spend_usd_total",
             "oam_target_outcomes_total",
             "oam_target_verdict",
             "oam_target_votes",

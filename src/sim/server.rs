@@ -1,6 +1,7 @@
 //! The simulator's HTTP server: an OpenAI-compatible API per provider plus a small fault API.
 //!
-//! - `POST /{provider}/v1/chat/completions`, `GET /{provider}/v1/models`: one base URL per
+//! - `POST /{provider}/v1/chat/completions`, `GET /{provider}/v1/models` (which fails only
+//!   under a hard `error` outage: the host is down; a flaky or broken model still lists): one base URL per
 //!   provider (`http://HOST:PORT/{provider}/v1`), what an OpenAI client is pointed at.
 //! - `POST /v1/chat/completions`, `GET /v1/models`: all providers, chosen by `model` (the
 //!   provider id or its model name).
@@ -214,6 +215,14 @@ async fn all_models(State(sim): State<Arc<Sim>>) -> Response {
 }
 
 async fn provider_models(State(sim): State<Arc<Sim>>, Path(name): Path<String>) -> Response {
+    // A hard outage takes the whole host down, its model list too; every other fault (a
+    // flaky, slow or broken model) leaves the list answering, as a real host's does.
+    let now = sim.now_ms();
+    let down = sim.faults().active(now).get(&name).map(|f| f.mode);
+    if let Some(model::FaultMode::Error { status }) = down {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return openai_error(status, "server_error", "simulated outage");
+    }
     match sim.providers.get(&name) {
         Some((p, _)) => {
             axum::Json(json!({"object": "list", "data": [model_entry(p)]})).into_response()

@@ -414,6 +414,29 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             Style::default().fg(Color::Red),
         ));
     }
+    // What health probes cost the cluster: shown once one was billed.
+    let billed: u64 = app
+        .nodes
+        .values()
+        .map(|n| n.state.probes.total("chat"))
+        .sum();
+    if billed > 0 {
+        let per_hour: f64 = app
+            .nodes
+            .values()
+            .map(|n| n.state.probes.spend_usd_per_hour)
+            .sum();
+        status.push(Span::raw(format!(
+            "  probes {}/h ({billed} billed)",
+            crate::core::request::dollars(per_hour, 4)
+        )));
+    }
+    if let Some(code) = app.nodes.values().find_map(|n| n.state.probes.stopped) {
+        status.push(Span::styled(
+            format!("  billed probes stopped: {code}"),
+            Style::default().fg(Color::Red),
+        ));
+    }
     if app.unreadable > 0 {
         status.push(Span::styled(
             format!(
@@ -1260,6 +1283,45 @@ mod tests {
         );
         let text = draw(&app, 120, 30);
         assert!(text.contains("decisions not logged 7"), "{text}");
+    }
+
+    #[test]
+    fn what_probes_cost_is_shown_once_one_is_billed() {
+        let mut app = healthy();
+        assert!(!draw(&app, 140, 30).contains("probes"));
+        for (node, usd, code) in [
+            ("n1", 0.0012, None),
+            (
+                "n2",
+                0.0008,
+                Some(crate::core::reason::ReasonCode::ProbeBudgetExhausted),
+            ),
+        ] {
+            let mut state = app.nodes[node].state.clone();
+            state
+                .probes
+                .calls
+                .insert("primary".into(), [("chat".to_string(), 3)].into());
+            state
+                .probes
+                .calls
+                .insert("local".into(), [("models".to_string(), 90)].into());
+            state.probes.spend_usd_per_hour = usd;
+            state.probes.stopped = code;
+            app.apply(
+                Event::NodeState {
+                    node: node.into(),
+                    state: Box::new(state),
+                },
+                NOW,
+            );
+        }
+        let text = draw(&app, 160, 30);
+        assert!(text.contains("probes $0.0020/h (6 billed)"), "{text}");
+        assert!(
+            text.contains("billed probes stopped: PROBE_BUDGET_EXHAUSTED"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -568,7 +568,7 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
         &cfg,
         format!(
             "[node]\ncluster_size = 1\n\n[[provider]]\nid = \"meshllm\"\nagent = \"llm.chat\"\nmodel = \"m\"\n\
-             cost_per_1k_tokens_usd = 0.001\n\n[[provider]]\nid = \"local\"\nbase_url = \"{sim_url}/local/v1\"\n\
+             cost_per_1k_tokens_usd = 0.001\nprobe = \"chat\"\n\n[[provider]]\nid = \"local\"\nbase_url = \"{sim_url}/local/v1\"\n\
              model = \"sim-small\"\nfallback = true\n"
         ),
     )

@@ -783,6 +783,8 @@ async fn forged_gossip_cannot_split_grow_or_outvote_the_cluster() {
             contract_failure_pct: 100.0,
             p95_ms: 0,
             samples: 15,
+            evidence: oam::core::health::Evidence::Traffic,
+            own: Default::default(),
         }])
         .unwrap()
     };
@@ -1990,4 +1992,194 @@ async fn a_rate_limit_holds_once_across_the_cluster() {
     let (status, _, v) = ask(&c, &cl.urls[0], question("someone else")).await;
     assert_eq!(status, 200, "another caller is not limited: {v}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Issue 26's figures. Three nodes and ten idle targets: each target is checked about once per
+/// interval for the whole cluster (not once per node), for free, and every node votes on it from
+/// the evidence the prober shared. A target that fails only on real requests while its model
+/// list answers is voted unhealthy by all three nodes, though only one serves it; its recovery is
+/// confirmed with billed one-token probes, counted, priced and charged to the day's probe budget
+/// in the ledger, which stops them at its cap and says so.
+#[tokio::test]
+async fn probes_are_shared_free_unless_they_must_be_and_priced() {
+    let nats = NatsServer::start().await;
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let ids: Vec<String> = (0..10)
+        .map(|i| {
+            if i == 0 {
+                "primary".into()
+            } else {
+                format!("p{i}")
+            }
+        })
+        .collect();
+    let mut toml = "[probes]\nmax_usd_per_day = 0.0005\n\n".to_string();
+    for (i, id) in ids.iter().enumerate() {
+        toml += &format!(
+            "[[provider]]\nid = \"{id}\"\nbase_url = \"{sim_url}/local/v1\"\nmodel = \"m{i}\"\n\
+             cost_per_1k_tokens_usd = 0.01\n\n"
+        );
+    }
+    toml += "[[route]]\nmodel = \"p3\"\ntargets = [\"p3\"]\n";
+    let dir = crate::support::ClusterDir::new("probes");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let cfg = dir.0.join("oam.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let nodes: Vec<Proc> = (1..=3)
+        .map(|i| {
+            node(
+                &format!("n{i}"),
+                &nats.url(),
+                &sim_url,
+                &["--config", cfg.to_str().unwrap()],
+            )
+        })
+        .collect();
+    let urls: Vec<String> = nodes
+        .iter()
+        .map(|p| p.ready["http"].as_str().unwrap().to_string())
+        .collect();
+    let c = client();
+    for id in &ids {
+        assert!(
+            all_see(&c, &urls, id, "HEALTHY", Duration::from_secs(15)).await,
+            "{id} never HEALTHY by quorum"
+        );
+    }
+    // Probe calls per target and kind, summed over the cluster.
+    let calls = || async {
+        let mut sum: std::collections::BTreeMap<(String, String), u64> = Default::default();
+        let mut probers = std::collections::BTreeSet::new();
+        for url in &urls {
+            let s = state(&c, url).await.unwrap();
+            for (target, kinds) in &s.probes.calls {
+                for (kind, n) in kinds {
+                    *sum.entry((target.clone(), kind.clone())).or_default() += n;
+                    probers.insert(s.node.clone());
+                }
+            }
+        }
+        (sum, probers)
+    };
+    let (before, _) = calls().await;
+    let started = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (after, probers) = calls().await;
+    let secs = started.elapsed().as_secs_f64();
+    let delta = |target: &str, kind: &str| {
+        let k = (target.to_string(), kind.to_string());
+        after.get(&k).copied().unwrap_or(0) - before.get(&k).copied().unwrap_or(0)
+    };
+    for id in &ids {
+        let n = delta(id, "models");
+        // Once a second for the cluster, a tenth sooner at most by jitter; three nodes each
+        // probing would make ~30.
+        assert!(
+            (5..=(secs * 1.15) as u64 + 2).contains(&n),
+            "{id}: {n} model-list calls in {secs:.1} s for the cluster"
+        );
+        assert_eq!(
+            delta(id, "chat"),
+            0,
+            "{id}: a billed probe while it answers"
+        );
+    }
+    assert!(probers.len() >= 2, "the targets are split: {probers:?}");
+    for url in &urls {
+        let s = state(&c, url).await.unwrap();
+        for id in &ids {
+            let v = &provider(&s, id).consensus;
+            assert_eq!((v.votes, v.quorum), (3, true), "{id} on {url}: {v:?}");
+        }
+    }
+    let metrics = c.get(format!("{}/metrics", urls[0])).send().await.unwrap();
+    let text = metrics.text().await.unwrap();
+    assert!(text.contains("oam_probe_calls_total{target=\""), "{text}");
+    assert!(text.contains("oam_probe_spend_usd_per_hour 0"), "{text}");
+
+    // p3's model fails every chat request; its host's model list still answers. Only n1 serves
+    // it: every node votes it unhealthy on n1's traffic.
+    let fault =
+        json!({"provider": "local/m3", "mode": "flaky", "error_rate": 1.0, "duration_ms": 120_000});
+    let r = c
+        .post(format!("{sim_url}/sim/faults"))
+        .json(&fault)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let failed_at = std::time::Instant::now();
+    for i in 0..3 {
+        let body =
+            json!({"model": "p3", "messages": [{"role": "user", "content": format!("q{i}")}]});
+        let (status, _, r) = ask(&c, &urls[0], body).await;
+        // (Once it is judged unhealthy, it is refused without a call.)
+        let tried = r["oam"]["tried"][0]["target"].as_str();
+        let refused = r["oam"]["reason_codes"]
+            .to_string()
+            .contains("PROVIDER_UNHEALTHY");
+        assert!(tried == Some("p3") || (i > 0 && refused), "{status} {r}");
+    }
+    let unhealthy = eventually(Duration::from_secs(15), || async {
+        for url in &urls {
+            let s = state(&c, url).await?;
+            let v = &provider(&s, "p3").consensus;
+            (v.verdict.as_str() == "UNHEALTHY" && v.votes == 3).then_some(())?;
+        }
+        Some(())
+    })
+    .await;
+    if unhealthy.is_none() {
+        let mut seen = Vec::new();
+        for url in &urls {
+            let s = state(&c, url).await.unwrap();
+            seen.push(serde_json::to_string(provider(&s, "p3")).unwrap());
+        }
+        panic!("p3 not voted unhealthy by all three: {seen:#?}");
+    }
+    assert!(
+        failed_at.elapsed() < Duration::from_secs(15),
+        "within the health window"
+    );
+
+    // Its recovery is confirmed with billed probes until the day's cap stops them.
+    let stopped = eventually(Duration::from_secs(20), || async {
+        for url in &urls {
+            let s = state(&c, url).await?;
+            if s.probes.stopped == Some(oam::core::reason::ReasonCode::ProbeBudgetExhausted) {
+                return Some(());
+            }
+        }
+        None
+    })
+    .await;
+    assert!(
+        stopped.is_some(),
+        "the probe budget never stopped billed probes"
+    );
+    let mut spent = 0.0;
+    let mut billed = 0;
+    for url in &urls {
+        let s = state(&c, url).await.unwrap();
+        spent += s.probes.spent_usd;
+        billed += s.probes.total("chat");
+    }
+    assert!(billed >= 1, "no billed probe was sent");
+    let rows = budget(&nats.url(), &["list"]);
+    let day = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["probes_day"].is_string())
+        .unwrap_or_else(|| panic!("no probe budget row: {rows}"))
+        .clone();
+    let ledger = day["spent_usd"].as_f64().unwrap();
+    assert!(
+        (ledger - spent).abs() < 1e-9,
+        "ledger {ledger} vs nodes {spent}"
+    );
+    assert!(ledger <= 0.0005 + 1e-9, "{day}");
+    assert_eq!(day["cap_usd"], 0.0005);
+    drop(nodes);
 }

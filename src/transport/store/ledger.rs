@@ -1,5 +1,6 @@
 //! The budget ledger (`core::ledger`) as it is kept: the JetStream KV bucket `oam-budgets`, one
-//! record per budget under `global` and `agent.{name}`. Nodes reserve and settle against it in
+//! record per budget under `global` and `agent.{name}`, and one per UTC day of what health probes
+//! cost under `probes.{YYYY-MM-DD}`. Nodes reserve and settle against it in
 //! batches (`node::ledger`); operators and bench scenarios read and change one record at a time.
 
 use crate::core::ledger::Ledger;
@@ -103,6 +104,67 @@ pub async fn read(store: &kv::Store, agent: Option<&str>) -> anyhow::Result<Opti
     }
 }
 
+/// The key prefix of the probe budget's days.
+pub const PROBES_PREFIX: &str = "probes.";
+
+/// The UTC day of `now_ms`, as the probe budget's key names it (`2026-12-02`).
+pub fn probes_day(now_ms: u64) -> String {
+    crate::core::date::utc_date(now_ms / 1_000)
+}
+
+/// Add `usd` to what health probes cost on `day` unless that passes `cap` (the record's limit
+/// becomes the cap given; without one it stays as it was): whether it was added. By
+/// compare-and-swap, retried on conflict.
+pub async fn charge_probes(
+    store: &kv::Store,
+    day: &str,
+    usd: f64,
+    cap: Option<f64>,
+) -> anyhow::Result<bool> {
+    let k = format!("{PROBES_PREFIX}{day}");
+    for _ in 0..CAS_TRIES {
+        let entry = store.entry(&k).await?;
+        let (mut ledger, revision) = match entry {
+            Some(e) if e.operation == kv::Operation::Put => (
+                serde_json::from_slice::<Ledger>(&e.value)?,
+                Some(e.revision),
+            ),
+            Some(e) => (Ledger::default(), Some(e.revision)),
+            None => (Ledger::default(), None),
+        };
+        if let Some(cap) = cap {
+            ledger.limit_usd = cap;
+            if usd > 0.0 && ledger.spent_usd + usd > cap + 1e-9 {
+                return Ok(false);
+            }
+        }
+        ledger.spent_usd = crate::core::request::round_usd((ledger.spent_usd + usd).max(0.0));
+        let bytes = serde_json::to_vec(&ledger)?;
+        let written = match revision {
+            Some(r) => store
+                .update(&k, bytes.into(), r)
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    (e.kind() != kv::UpdateErrorKind::WrongLastRevision).then(|| e.to_string())
+                }),
+            None => store
+                .create(&k, bytes.into())
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    (e.kind() != kv::CreateErrorKind::AlreadyExists).then(|| e.to_string())
+                }),
+        };
+        match written {
+            Ok(()) => return Ok(true),
+            Err(None) => {}
+            Err(Some(e)) => anyhow::bail!("the probe budget's write was not taken: {e}"),
+        }
+    }
+    anyhow::bail!("{CAS_TRIES} conflicting writes in a row to {k}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::key;
@@ -115,5 +177,14 @@ mod tests {
         assert!(odd.starts_with("agent.h-"), "{odd}");
         assert_eq!(odd.matches('.').count(), 1, "{odd}");
         assert_ne!(key(Some("a.b")), key(Some("a_b")));
+    }
+
+    #[test]
+    fn a_probe_day_is_the_utc_date() {
+        assert_eq!(super::probes_day(0), "1970-01-01");
+        // 2026-12-02T23:59:59.999Z and a millisecond later.
+        assert_eq!(super::probes_day(1_796_255_999_999), "2026-12-02");
+        assert_eq!(super::probes_day(1_796_256_000_000), "2026-12-03");
+        assert_eq!(super::probes_day(951_782_400_000), "2000-02-29");
     }
 }
