@@ -250,6 +250,15 @@ pub fn tell(r: &Record) -> String {
             let _ = writeln!(s, "  at +{} ms: {w}", l.at_ms.saturating_sub(r.began_ms));
         }
     }
+    let served_by = d.served_by();
+    if served_by.len() > 1 {
+        let _ = writeln!(
+            s,
+            "\nthe answer was served by {} (continued after a cut), {} in all",
+            served_by.join(" then "),
+            usd(d.cost_usd)
+        );
+    }
     if let Some(sf) = &d.shortfall {
         let _ = writeln!(s, "\nbudget refused it: {}", sf.describe());
     }
@@ -312,9 +321,14 @@ fn attempt(a: &Attempt) -> String {
         (Some(p), Some(st)) => {
             let _ = writeln!(
                 s,
-                "  -> {p}{}{}: {} in {} ms, cost {}{}",
+                "  -> {p}{}{}{}: {} in {} ms, cost {}{}",
                 if a.fallback { " (fallback)" } else { "" },
                 if a.probe { " (breaker probe)" } else { "" },
+                if a.delivered {
+                    " (delivered part of the answer)"
+                } else {
+                    ""
+                },
                 serde_json::to_value(st)
                     .ok()
                     .and_then(|v| v.as_str().map(String::from))

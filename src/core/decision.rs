@@ -56,6 +56,9 @@ pub struct Attempt {
     pub confidence: Option<f64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub defects: Vec<Defect>,
+    /// Part of the answer the caller has came from it (a live stream, and its continuation).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delivered: bool,
 }
 
 /// Things the driver should do or publish because of this decision.
@@ -136,6 +139,22 @@ pub struct Decision {
     /// A budget refused it: the estimate beside what that budget had left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shortfall: Option<super::budget::Shortfall>,
+}
+
+impl Decision {
+    /// The targets whose text the answer the caller has holds, in order: a live stream cut and
+    /// continued names both. Empty when no attempt said it delivered (an answer sent whole).
+    pub fn served_by(&self) -> Vec<&str> {
+        let mut by: Vec<&str> = Vec::new();
+        for a in self.attempts.iter().filter(|a| a.delivered) {
+            if let Some(p) = a.provider.as_deref()
+                && by.last() != Some(&p)
+            {
+                by.push(p);
+            }
+        }
+        by
+    }
 }
 
 /// What the driver should do next.

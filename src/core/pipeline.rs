@@ -291,6 +291,11 @@ impl Session {
         &self.request
     }
 
+    /// The prompt tokens its attempts are priced on without an upstream's count.
+    pub fn est_prompt_tokens(&self) -> u64 {
+        self.est_prompt_tokens
+    }
+
     /// The queue ticket while the request waits for a slot (`Step::Queued`); the driver wakes
     /// it when `Engine::take_granted` names it.
     pub fn ticket(&self) -> Option<u64> {
@@ -537,6 +542,14 @@ impl Engine {
         s.delivering = true;
     }
 
+    /// The attempt under way delivered part of the answer the caller has (a live stream's part,
+    /// given before its `complete`): the answer names it among those that served it.
+    pub fn delivered(&mut self, s: &mut Session) {
+        if let Some(a) = s.attempts.last_mut() {
+            a.delivered = true;
+        }
+    }
+
     /// The attempt under way was streaming to the caller and broke after part of the answer was
     /// delivered: its failure (given next to `complete`) may only be continued on a target that
     /// takes a prefill, once, and never retried from scratch.
@@ -759,6 +772,7 @@ impl Engine {
             cost_usd: 0.0,
             confidence: None,
             defects: Vec::new(),
+            delivered: false,
         };
         let Some(i) = chosen else {
             let exclusions: Vec<ReasonCode> = attempt
@@ -843,6 +857,7 @@ impl Engine {
             cost_usd: 0.0,
             confidence: None,
             defects: Vec::new(),
+            delivered: false,
         };
         push(&mut s.codes, ReasonCode::RetrySameTarget);
         self.dispatch(s, attempt, 0, i, at, delay_ms)
@@ -1042,13 +1057,18 @@ impl Engine {
         } = &mut self.state;
         let provider = &providers[p.provider];
         // Without the upstream's count, an answer is charged the estimate, and so is an attempt
-        // that timed out (the upstream may have generated, and billed, all of it); a failure the
-        // upstream reported, nothing.
+        // that timed out (the upstream may have generated, and billed, all of it); a stream cut
+        // after part of its answer, the prompt and that part; a failure the upstream reported,
+        // nothing.
         let cost_usd = match g.usage {
             Some(u) => provider.cost_of_usage(&u),
             None if matches!(g.status, GenerationStatus::Ok | GenerationStatus::Timeout) => {
                 provider.cost_of(p.est_tokens.0, p.est_tokens.1)
             }
+            None if !g.content.is_empty() || !g.tool_calls.is_empty() => provider.cost_of(
+                p.est_tokens.0,
+                super::request::estimate_answer_tokens(&g.content, &g.tool_calls),
+            ),
             None => 0.0,
         };
         budgets.settle(&s.request.agent, p.reserved_usd, cost_usd);

@@ -8,7 +8,7 @@ use crate::core::contract::JsonType;
 use crate::core::escalation::Escalation;
 use crate::core::quorum::Observation;
 use crate::core::reason::Action;
-use crate::core::request::{Message, Policy, Priority};
+use crate::core::request::{Message, Policy, Priority, Usage};
 use std::collections::{BTreeSet, VecDeque};
 
 pub(crate) const T0: u64 = 1_000_000;
@@ -1773,6 +1773,55 @@ fn an_interrupted_stream_goes_on_once_and_only_where_a_prefill_is_taken() {
     ] {
         assert!(has(&d, c), "{:?}", d.reason_codes);
     }
+}
+
+#[test]
+fn a_continued_stream_names_both_targets_and_charges_both_parts() {
+    let mut e = windows();
+    e.state.providers[0].cost_per_1k_tokens_usd = 0.01;
+    e.state.providers[2].prefill = true;
+    e.state.providers[2].cost_per_1k_tokens_usd = 0.002;
+    let (mut s, _) = e.begin(asking("long", "c1"), T0).unwrap();
+    let prompt = s.est_prompt_tokens();
+    // The first part delivered 10 characters, then was cut before its usage came: charged the
+    // prompt and 3 tokens (4 characters a token, rounded up) at a's price.
+    e.delivered(&mut s);
+    e.interrupted(&mut s);
+    let cut = Generation {
+        content: "0123456789".into(),
+        ..err()
+    };
+    let Step::Dispatch(d) = e.complete(&mut s, cut, T0 + 50) else {
+        panic!("continued")
+    };
+    assert_eq!(&*d.provider, "c");
+    e.delivered(&mut s);
+    let rest = Generation {
+        usage: Some(Usage {
+            prompt_tokens: 40,
+            completion_tokens: 20,
+            ..Usage::default()
+        }),
+        ..Generation::ok("and the rest", 60)
+    };
+    let Step::Done(d) = e.complete(&mut s, rest, T0 + 110) else {
+        panic!("decided")
+    };
+    assert_eq!(d.outcome, DecisionOutcome::Accepted);
+    assert_eq!(d.served_by(), ["a", "c"]);
+    let first = round_usd((prompt + 3) as f64 * 0.01 / 1000.0);
+    assert_eq!(d.attempts[0].cost_usd, first);
+    assert_eq!(d.attempts[1].cost_usd, round_usd(60.0 * 0.002 / 1000.0));
+    assert_eq!(
+        d.cost_usd,
+        round_usd(d.attempts[0].cost_usd + d.attempts[1].cost_usd)
+    );
+    // A failure that delivered nothing costs nothing, and is no part of the answer.
+    let (mut s, _) = e.begin(asking("long", "c2"), T0).unwrap();
+    e.interrupted(&mut s);
+    let _ = e.complete(&mut s, err(), T0 + 50);
+    assert_eq!(s.attempts[0].cost_usd, 0.0);
+    assert!(!s.attempts[0].delivered);
 }
 
 #[test]

@@ -35,6 +35,8 @@ pub enum Call {
     Delivering,
     /// ... and then broke (`Engine::interrupted`).
     Interrupted,
+    /// The attempt under way delivered part of the answer (`Engine::delivered`).
+    Delivered,
     /// A code the driver observed (`Session::note`).
     Note { code: ReasonCode },
 }
@@ -57,6 +59,10 @@ impl Engine {
             }
             Call::Interrupted => {
                 self.interrupted(s);
+                None
+            }
+            Call::Delivered => {
+                self.delivered(s);
                 None
             }
             Call::Note { code } => {

@@ -313,6 +313,31 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+impl std::ops::Add for Usage {
+    type Output = Usage;
+
+    /// The usage of two parts of one answer (a stream and its continuation) together.
+    fn add(self, o: Usage) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens + o.prompt_tokens,
+            completion_tokens: self.completion_tokens + o.completion_tokens,
+            cached_tokens: self.cached_tokens + o.cached_tokens,
+            cache_write_tokens: self.cache_write_tokens + o.cache_write_tokens,
+            reasoning_tokens: self.reasoning_tokens + o.reasoning_tokens,
+        }
+    }
+}
+
+/// The tokens an answer's text (and its tool calls' names and arguments) was billed for, when
+/// the upstream did not say: four characters a token, rounded up, as prompts are estimated.
+pub fn estimate_answer_tokens(text: &str, tool_calls: &[super::contract::ToolCall]) -> u64 {
+    let calls: usize = tool_calls
+        .iter()
+        .map(|c| c.name.len() + c.arguments.len())
+        .sum();
+    ((text.len() + calls) as u64).div_ceil(4)
+}
+
 /// What one generation attempt returned, as the driver observed it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]

@@ -15,7 +15,7 @@ use crate::core::contract::ToolCall;
 use crate::core::pipeline::{Decision, Dispatch, Step};
 use crate::core::reason::ReasonCode;
 use crate::core::record::Call;
-use crate::core::request::{Generation, GenerationStatus, Usage};
+use crate::core::request::{Generation, GenerationStatus, Usage, estimate_answer_tokens};
 use axum::body::{Body, Bytes};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -146,6 +146,8 @@ pub(crate) fn respond(
         head: Value::Null,
         delivered: String::new(),
         usage: None,
+        earlier: None,
+        part_sent: false,
         encoder: match wire {
             Wire::Chat => Encoder::Chat,
             Wire::Anthropic => Encoder::Anthropic(Default::default()),
@@ -242,6 +244,11 @@ struct Relay {
     encoder: Encoder,
     /// The upstream's usage chunk, held back (chat only): oam's last chunk carries it.
     usage: Option<Value>,
+    /// What the parts before this one used (a stream cut and continued): the usage the caller
+    /// is told is theirs and this part's together.
+    earlier: Option<Usage>,
+    /// The part under way has sent the caller something.
+    part_sent: bool,
 }
 
 enum Encoder {
@@ -258,9 +265,13 @@ impl Relay {
     async fn run(mut self, mut cur: Started) {
         loop {
             let mut acc = Accum::default();
+            self.part_sent = false;
             let end = self.pump(&mut cur, &mut acc).await;
             let node = self.node();
             let latency_ms = ms_since(cur.began);
+            if self.part_sent {
+                self.flight.call(Call::Delivered);
+            }
             let mut step = match end {
                 End::Finished => {
                     let g = Generation {
@@ -290,7 +301,21 @@ impl Relay {
                     self.flight.call(Call::CallerGone);
                     self.flight.next(Call::Complete { generation: g })
                 }
-                End::Broken(g) => {
+                End::Broken(mut g) => {
+                    // What it delivered is paid for: charged, and counted in the usage of the
+                    // answer a continuation completes (the upstream's count, else oam's
+                    // estimate, as the engine charges it).
+                    let part = acc.usage.unwrap_or_else(|| Usage {
+                        prompt_tokens: self.flight.session.est_prompt_tokens(),
+                        completion_tokens: estimate_answer_tokens(&acc.text, &acc.calls),
+                        ..Usage::default()
+                    });
+                    if self.part_sent {
+                        self.earlier = Some(self.earlier.unwrap_or_default() + part);
+                    }
+                    g.content = acc.text;
+                    g.tool_calls = acc.calls;
+                    g.usage = acc.usage;
                     self.flight.call(Call::Interrupted);
                     self.flight.next(Call::Complete { generation: g })
                 }
@@ -398,6 +423,10 @@ impl Relay {
                 self.head = chunk_head(&chunk);
             }
             acc.absorb(&delta);
+            let mut delta = delta;
+            if let (Some(earlier), Some(u)) = (self.earlier, delta.usage) {
+                delta.usage = Some(earlier + u);
+            }
             if let Some(text) = delta.text {
                 self.delivered.push_str(text);
             }
@@ -406,14 +435,20 @@ impl Relay {
                 Encoder::Responses(events) => events.chunk(&chunk, &delta),
                 Encoder::Chat if delta.usage_only => {
                     if self.pass.include_usage {
-                        self.usage = Some(chunk["usage"].clone());
+                        self.usage = Some(match (self.earlier, delta.usage) {
+                            (Some(_), Some(sum)) => super::openai::usage_json(&sum),
+                            _ => chunk["usage"].clone(),
+                        });
                     }
                     continue;
                 }
                 Encoder::Chat => format!("data: {data}\n\n"),
             };
-            if !text.is_empty() && self.send(text).await.is_err() {
-                return End::CallerGone;
+            if !text.is_empty() {
+                if self.send(text).await.is_err() {
+                    return End::CallerGone;
+                }
+                self.part_sent = true;
             }
         }
     }

@@ -411,6 +411,9 @@ pub(crate) struct OamObject<'a> {
     reason_codes: &'a [ReasonCode],
     request_id: &'a str,
     route: Option<&'a str>,
+    /// A live stream cut and continued: every target whose text the answer holds, in order.
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    served_by: Vec<&'a str>,
     /// A budget refused it: the estimate beside what the budget had left.
     #[serde(skip_serializing_if = "Option::is_none")]
     shortfall: Option<&'a crate::core::budget::Shortfall>,
@@ -420,6 +423,8 @@ pub(crate) struct OamObject<'a> {
 
 #[derive(serde::Serialize)]
 struct Tried<'a> {
+    /// What it cost: the answer's `cost_usd` is their sum.
+    cost_usd: f64,
     latency_ms: u64,
     reason_codes: &'a [ReasonCode],
     status: Option<GenerationStatus>,
@@ -441,6 +446,9 @@ impl<'a> OamObject<'a> {
             reason_codes: &d.reason_codes,
             request_id: &d.request_id,
             route: d.route.as_deref(),
+            served_by: Some(d.served_by())
+                .filter(|by| by.len() > 1)
+                .unwrap_or_default(),
             shortfall: d.shortfall.as_ref(),
             target: d.provider.as_deref(),
             tried: d
@@ -448,6 +456,7 @@ impl<'a> OamObject<'a> {
                 .iter()
                 .filter_map(|a| {
                     Some(Tried {
+                        cost_usd: a.cost_usd,
                         latency_ms: a.latency_ms,
                         reason_codes: &a.codes,
                         status: a.status,
@@ -623,6 +632,25 @@ pub(crate) fn usage_of(u: &Value) -> crate::core::request::Usage {
         cache_write_tokens: n(&u["cache_creation_input_tokens"]),
         reasoning_tokens: n(&u["completion_tokens_details"]["reasoning_tokens"]),
     }
+}
+
+/// `u` as a chat completion's `usage` (what `usage_of` reads back).
+pub(crate) fn usage_json(u: &crate::core::request::Usage) -> Value {
+    let mut v = json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    });
+    if u.cached_tokens > 0 {
+        v["prompt_tokens_details"] = json!({"cached_tokens": u.cached_tokens});
+    }
+    if u.cache_write_tokens > 0 {
+        v["cache_creation_input_tokens"] = json!(u.cache_write_tokens);
+    }
+    if u.reasoning_tokens > 0 {
+        v["completion_tokens_details"] = json!({"reasoning_tokens": u.reasoning_tokens});
+    }
+    v
 }
 
 /// What one chunk of an upstream's stream says.

@@ -123,6 +123,7 @@ pub fn decision(
             cost_usd: 0.0,
             confidence: None,
             defects: Vec::new(),
+            delivered: false,
         }],
         provider,
         escalation: None,

@@ -448,8 +448,12 @@ impl Seen {
 
 impl Gateway {
     async fn stream(&self, model: &str, q: &str) -> (u16, Seen) {
-        let body = json!({"model": model, "stream": true,
-            "messages": [{"role": "user", "content": q}]});
+        self.stream_body(json!({"model": model, "stream": true,
+            "messages": [{"role": "user", "content": q}]}))
+            .await
+    }
+
+    async fn stream_body(&self, body: Value) -> (u16, Seen) {
         let sent = std::time::Instant::now();
         let mut r = client()
             .post(format!("{}/v1/chat/completions", self.url))
@@ -552,15 +556,26 @@ async fn a_stream_that_fails_before_its_first_byte_moves_on_invisibly() {
 
 /// After the first byte: a cut stream is continued once on a target that takes a prefill, given
 /// what was delivered; with no such target it ends with an in-band error and never `[DONE]`.
+/// The answer names both targets, its usage is both parts' and each part is charged, at its own
+/// target's price, and settled in the shared ledger.
 #[tokio::test]
 async fn a_stream_cut_mid_answer_is_continued_or_ends_with_an_error() {
-    let g = streaming("cut").await;
+    let config = STREAMING.replace(
+        "prefill = true\n",
+        "prefill = true\ncost_per_1k_tokens_usd = 0.002\n",
+    ) + "[budgets.agents.cutter]\nlimit_usd = 1.0\n";
+    let g = gateway_with("cut", &config).await;
     g.fault(
         "primary/small",
         json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
     )
     .await;
-    let (status, seen) = g.stream("prefill", "cut and continue").await;
+    let q = "cut and continue";
+    let (status, seen) = g
+        .stream_body(json!({"model": "prefill", "stream": true,
+            "stream_options": {"include_usage": true}, "oam": {"agent": "cutter"},
+            "messages": [{"role": "user", "content": q}]}))
+        .await;
     assert_eq!(status, 200);
     assert!(seen.ended_cleanly(), "{:?}", seen.data());
     let oam = seen.oam();
@@ -583,6 +598,58 @@ async fn a_stream_cut_mid_answer_is_continued_or_ends_with_an_error() {
     assert_eq!(prefill["role"], "assistant");
     let delivered = prefill["content"].as_str().unwrap();
     assert!(!delivered.is_empty() && seen.text().starts_with(delivered));
+    // Both targets, and both parts' usage and cost: the cut part (no usage of its own) at the
+    // prompt's estimate (4 characters a token, 4 per message, 3 to start the reply) and the
+    // text it delivered, at the primary's price; the rest as the continuation reported it.
+    assert_eq!(oam["served_by"], json!(["primary/small", "local"]), "{oam}");
+    let usage = seen
+        .data()
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|v| v.get("usage").filter(|u| u.is_object()).cloned())
+        .expect("the usage the caller asked for");
+    let first = (
+        ("user".len() + q.len()).div_ceil(4) + 4 + 3,
+        delivered.len().div_ceil(4),
+    );
+    let n = |k: &str| usage[k].as_u64().unwrap() as usize;
+    let rest = (
+        n("prompt_tokens") - first.0,
+        n("completion_tokens") - first.1,
+    );
+    assert!(rest.0 > 0 && rest.1 > 0, "{usage}");
+    assert_eq!(
+        n("total_tokens"),
+        n("prompt_tokens") + n("completion_tokens")
+    );
+    let tried = oam["tried"].as_array().unwrap();
+    let cost = |i: usize| tried[i]["cost_usd"].as_f64().unwrap();
+    let part1 = (first.0 + first.1) as f64 * 0.01 / 1000.0;
+    let part2 = (rest.0 + rest.1) as f64 * 0.002 / 1000.0;
+    assert!(
+        (cost(0) - part1).abs() < 1e-9,
+        "{} vs {part1}: {oam}",
+        cost(0)
+    );
+    assert!(
+        (cost(1) - part2).abs() < 1e-9,
+        "{} vs {part2}: {oam}",
+        cost(1)
+    );
+    let total = oam["cost_usd"].as_f64().unwrap();
+    assert!((total - cost(0) - cost(1)).abs() < 1e-9, "{oam}");
+    // Both settled in the ledger: the budget spent what the answer cost, and holds nothing.
+    assert!(
+        holds_drain(&g._nats.url(), "cutter", Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
+    let spent = crate::support::eventually(Duration::from_secs(10), || async {
+        let l = ledger_of(&g._nats.url(), "cutter").await?;
+        ((l.spent_usd - total).abs() < 1e-9).then_some(l.spent_usd)
+    })
+    .await;
+    assert!(spent.is_some(), "the ledger did not settle {total}");
 
     // `chain` has no target that takes a prefill: an error event, no [DONE].
     g.fault(
@@ -1222,8 +1289,8 @@ async fn asking_for_many_answers_at_once_escapes_no_budget() {
     }
 }
 
-/// The holds of `agent`'s budget in the shared ledger that still count, by holder.
-async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
+/// `agent`'s budget record in the shared ledger, if it has one.
+async fn ledger_of(nats_url: &str, agent: &str) -> Option<oam::core::ledger::Ledger> {
     let nc = oam::transport::connect::connect(nats_url, "test-ledger", false, &Default::default())
         .await
         .unwrap();
@@ -1231,10 +1298,15 @@ async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
         .get_key_value("oam-budgets")
         .await
         .unwrap();
-    let Some(raw) = kv.get(format!("agent.{agent}")).await.unwrap() else {
+    let raw = kv.get(format!("agent.{agent}")).await.unwrap()?;
+    Some(serde_json::from_slice(&raw).unwrap())
+}
+
+/// The holds of `agent`'s budget in the shared ledger that still count, by holder.
+async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
+    let Some(l) = ledger_of(nats_url, agent).await else {
         return Vec::new();
     };
-    let l: oam::core::ledger::Ledger = serde_json::from_slice(&raw).unwrap();
     let now = oam::clock::now_ms();
     l.holds
         .into_iter()
