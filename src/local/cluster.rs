@@ -43,6 +43,10 @@ pub struct Plan {
     /// The nodes' configuration (`oam.toml`); without one they route across a simulator this
     /// mesh starts.
     pub config: Option<PathBuf>,
+    /// The decision log's age and size from that configuration: the stream is made (or
+    /// changed) to keep them. Without, one is made with the nodes' defaults and an existing one
+    /// is left as it is.
+    pub log_retention: Option<(Duration, u64)>,
 }
 
 impl Plan {
@@ -59,6 +63,7 @@ impl Plan {
             exe,
             new_credentials: false,
             config: None,
+            log_retention: None,
         }
     }
 }
@@ -130,7 +135,8 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         if alive > 0 {
             // Up already: put back any bucket that has gone (only the admin may create one).
             if let Some((creds, ports)) = super::creds::load(&dir)
-                && let Err(e) = create_buckets(&natsd::app_url(&ports, &creds)).await
+                && let Err(e) =
+                    create_buckets(&natsd::app_url(&ports, &creds), plan.log_retention).await
             {
                 tracing::warn!("the mesh is up but its buckets could not be checked: {e:#}");
             }
@@ -401,7 +407,7 @@ async fn start_all(
         }
     }
     let url_of = |role: &Role| creds.url(port, &role.user()).unwrap_or_default();
-    create_buckets(&natsd::app_url(port, &creds)).await?;
+    create_buckets(&natsd::app_url(port, &creds), plan.log_retention).await?;
     if servers.len() == 2 {
         tracing::warn!(
             "2 nats-servers make no majority once one is gone: streams keep 2 copies and stop \
@@ -613,7 +619,10 @@ pub fn save_system(dir: &Path, ports: &[u16], creds: &natsd::Credentials) -> any
 
 /// Create every bucket the mesh and the Open Agent Mesh SDK use, as the admin, so that no
 /// other role needs to create (or may delete) a stream.
-async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
+async fn create_buckets(
+    admin_url: &str,
+    log_retention: Option<(Duration, u64)>,
+) -> anyhow::Result<()> {
     use crate::transport::store::{self, decisions, escalations, ledger, loops, rates};
     let refused = crate::transport::connect::Refused::default();
     let nats =
@@ -627,15 +636,26 @@ async fn create_buckets(admin_url: &str) -> anyhow::Result<()> {
         store::bucket(&nats, name, max_age).await?;
     }
     store::bucket(&nats, super::roles::SDK_CONTEXT_BUCKET, Duration::ZERO).await?;
-    // The decision log, with the nodes' default retention (a week, 256 MiB).
-    store::context(&nats)
-        .get_or_create_stream(decisions::stream(
-            Duration::from_secs(7 * 24 * 3600),
-            256 << 20,
-            replicas,
-        ))
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot create the decision log stream: {e}"))?;
+    // The decision log, as the configuration says (nodes may not change a stream), else with
+    // the nodes' default retention (a week, 256 MiB).
+    match log_retention {
+        Some((max_age, max_bytes)) => {
+            let want = decisions::stream(max_age, max_bytes, replicas);
+            if let (_, Some(change)) = decisions::open_as(&store::context(&nats), want).await? {
+                tracing::info!("the decision log now keeps what [decision_log] says ({change})");
+            }
+        }
+        None => {
+            store::context(&nats)
+                .get_or_create_stream(decisions::stream(
+                    Duration::from_secs(7 * 24 * 3600),
+                    256 << 20,
+                    replicas,
+                ))
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot create the decision log stream: {e}"))?;
+        }
+    }
     // The SDK's artifact store is an object store: a stream laid out as its clients expect.
     let b = super::roles::SDK_ARTIFACTS_BUCKET;
     store::context(&nats)

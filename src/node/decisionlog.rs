@@ -103,6 +103,8 @@ pub struct DecisionLog {
     waiting: Mutex<std::collections::VecDeque<(Record, Option<oneshot::Sender<bool>>)>>,
     full: Notify,
     pub counters: Arc<LogCounters>,
+    /// The stream's size and age were compared with `settings` (once a run).
+    retention_checked: std::sync::atomic::AtomicBool,
 }
 
 /// The service that writes waiting records in batches.
@@ -116,6 +118,7 @@ impl DecisionLog {
             waiting: Mutex::default(),
             full: Notify::new(),
             counters: Arc::default(),
+            retention_checked: Default::default(),
         }
     }
 
@@ -199,6 +202,12 @@ impl Writer {
         // A stream that cannot be opened is said once until a write succeeds again.
         let mut said = false;
         let mut unwritten: std::collections::VecDeque<Unwritten> = Default::default();
+        // Opened at start, not at the first record: a stream kept with other limits than
+        // `[decision_log]` is changed (or said) before anything is written.
+        if !node.bus.isolated() {
+            ready = open(node, &js, said).await;
+            said = !ready;
+        }
         loop {
             let stopping = tokio::select! {
                 () = tokio::time::sleep(EVERY) => false,
@@ -269,12 +278,15 @@ async fn open(node: &Node, js: &async_nats::jetstream::Context, said: bool) -> b
         s.max_bytes,
         crate::transport::store::replicas(node.bus.nats()),
     );
-    match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg)).await {
+    match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg.clone())).await {
         Ok(Ok(stream)) => {
             // Written still (a record is better kept once than lost), but said.
             let config = &stream.cached_info().config;
             if let Err(e) = crate::transport::store::check_replicas(node.bus.nats(), config) {
                 tracing::warn!(node = %node.id, "decision log: {e:#}");
+            }
+            if !node.log.retention_checked.swap(true, Ordering::Relaxed) {
+                apply_retention(node, js, config, &cfg).await;
             }
             true
         }
@@ -292,6 +304,40 @@ async fn open(node: &Node, js: &async_nats::jetstream::Context, said: bool) -> b
             }
             false
         }
+    }
+}
+
+/// The stream was made with other limits than this node's `[decision_log]` (by `oam mesh up`,
+/// by an earlier run): give it this node's size and age, or, where this node may not change
+/// streams (a mesh's node role), say so and how to apply them. Records are written either way.
+async fn apply_retention(
+    node: &Node,
+    js: &async_nats::jetstream::Context,
+    have: &async_nats::jetstream::stream::Config,
+    want: &async_nats::jetstream::stream::Config,
+) {
+    let Some(change) = decisions::retention_differs(have, want) else {
+        return;
+    };
+    let updated = async_nats::jetstream::stream::Config {
+        max_bytes: want.max_bytes,
+        max_age: want.max_age,
+        ..have.clone()
+    };
+    let stream = subjects::DECISION_LOG_STREAM;
+    match tokio::time::timeout(ACK_TIMEOUT, js.update_stream(updated)).await {
+        Ok(Ok(_)) => {
+            tracing::info!(node = %node.id, "decision log: the stream {stream} now keeps what [decision_log] says ({change})");
+        }
+        _ => tracing::warn!(
+            node = %node.id,
+            "decision log: the stream {stream} keeps other limits than this node's [decision_log] \
+             ({change}) and this node may not change it, so records go by the stream's; apply \
+             the configuration with `oam mesh up --config FILE` (it changes the stream as the \
+             admin), or `nats stream edit {stream} --max-bytes {} --max-age {}h`",
+            want.max_bytes,
+            want.max_age.as_secs() / 3600
+        ),
     }
 }
 

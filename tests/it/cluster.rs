@@ -2183,3 +2183,44 @@ async fn probes_are_shared_free_unless_they_must_be_and_priced() {
     assert_eq!(day["cap_usd"], 0.0005);
     drop(nodes);
 }
+
+/// A node whose `[decision_log]` says other limits than the stream it finds (made by an earlier
+/// run, or another node) gives the stream its own, where it may change streams.
+#[tokio::test]
+async fn a_node_gives_an_existing_decision_log_its_configured_size() {
+    let nats = NatsServer::start().await;
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let nc = oam::transport::connect::connect(&nats.url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc);
+    js.create_stream(oam::transport::store::decisions::stream(
+        Duration::from_secs(7 * 24 * 3600),
+        256 << 20,
+        1,
+    ))
+    .await
+    .unwrap();
+    let dir = crate::support::ClusterDir::new("log-size");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let cfg = dir.0.join("oam.toml");
+    std::fs::write(
+        &cfg,
+        "[decision_log]\nmax_bytes = 8388608\nmax_age_hours = 48\n",
+    )
+    .unwrap();
+    let _n1 = node(
+        "n1",
+        &nats.url(),
+        &sim_url,
+        &["--config", cfg.to_str().unwrap()],
+    );
+    let applied = eventually(Duration::from_secs(15), || async {
+        let mut s = js.get_stream("OAM_DECISIONS").await.ok()?;
+        let c = s.info().await.ok()?.config.clone();
+        (c.max_bytes == 8 << 20 && c.max_age == Duration::from_secs(48 * 3600)).then_some(())
+    })
+    .await;
+    assert!(applied.is_some(), "the stream kept its old limits");
+}

@@ -670,7 +670,8 @@ async fn a_mesh_runs_on_the_users_configuration() {
             "[[provider]]\nid = \"gpt\"\nbase_url = \"{upstream_url}/gpt/v1\"\nmodel = \"gpt-4o-mini\"\n\
              probe = \"models\"\n\n[[provider]]\nid = \"llama\"\nbase_url = \"{upstream_url}/llama/v1\"\n\
              model = \"llama3.2\"\nprobe = \"models\"\nfallback = true\n\n\
-             [rate_limits.limited]\nrpm = 2\n"
+             [rate_limits.limited]\nrpm = 2\n\n[decision_log]\nmax_bytes = 8388608\n\
+             max_age_hours = 48\n"
         ),
     )
     .unwrap();
@@ -777,6 +778,39 @@ async fn a_mesh_runs_on_the_users_configuration() {
             && metrics.contains("oam_rate_limit_leases_total{from=\"local_share\"} 0"),
         "{metrics}"
     );
+    // The decision log keeps what the configuration says (nodes may not change the stream;
+    // `mesh up` does, as the admin), also when the stream is there already.
+    let app_url = json(&std::fs::read(dir.0.join("system.json")).unwrap())["app_url"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let retention = || async {
+        let nc = oam::transport::connect::connect(&app_url, "test", false, &Default::default())
+            .await
+            .unwrap();
+        let mut s = async_nats::jetstream::new(nc)
+            .get_stream("OAM_DECISIONS")
+            .await
+            .unwrap();
+        let c = s.info().await.unwrap().config.clone();
+        (c.max_bytes, c.max_age.as_secs() / 3600)
+    };
+    assert_eq!(retention().await, (8 << 20, 48));
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("8388608", "16777216")).unwrap();
+    let again = oam()
+        .args(["mesh", "up", "--nodes", "1", "--config"])
+        .arg(&config)
+        .arg("--dir")
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert_eq!(retention().await, (16 << 20, 48));
     // Faults of a simulator this mesh does not have are refused with the reason.
     let chaos = oam()
         .env_remove("OAM_NATS_URL")

@@ -46,8 +46,14 @@ pub struct Args {
 pub async fn run(a: Args) -> Result<()> {
     let exe = local::oam_exe().map_err(Error::failed)?;
     // A configuration is checked before anything starts (errors name the file, line and field).
+    let mut log_retention = None;
     if let Some(path) = &a.config {
-        crate::node::config::NodeConfig::load(Some(path), "").map_err(Error::usage)?;
+        let cfg = crate::node::config::NodeConfig::load(Some(path), "").map_err(Error::usage)?;
+        let log = &cfg.decision_log;
+        log_retention = Some((
+            std::time::Duration::from_secs(log.max_age_hours.saturating_mul(3600)),
+            log.max_bytes,
+        ));
     }
     let plan = cluster::Plan {
         dir: a.dir.clone(),
@@ -60,6 +66,7 @@ pub async fn run(a: Args) -> Result<()> {
         exe,
         new_credentials: a.new_credentials,
         config: a.config.clone(),
+        log_retention,
     };
     let up = cluster::up(&plan).await.map_err(|e| match e {
         cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),

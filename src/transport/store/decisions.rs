@@ -42,6 +42,56 @@ pub fn stream(max_age: Duration, max_bytes: u64, replicas: usize) -> jetstream::
     }
 }
 
+/// Where the stream `have` keeps other limits than `want` says: what each says, for a message
+/// (`max_bytes 268435456 -> 2147483648`), or None when they agree.
+pub fn retention_differs(
+    have: &jetstream::stream::Config,
+    want: &jetstream::stream::Config,
+) -> Option<String> {
+    let mut said = Vec::new();
+    if have.max_bytes != want.max_bytes {
+        said.push(format!(
+            "max_bytes {} -> {}",
+            have.max_bytes, want.max_bytes
+        ));
+    }
+    if have.max_age != want.max_age {
+        said.push(format!(
+            "max_age {} h -> {} h",
+            have.max_age.as_secs() / 3600,
+            want.max_age.as_secs() / 3600
+        ));
+    }
+    (!said.is_empty()).then(|| said.join(", "))
+}
+
+/// Open the log's stream as `want` says, creating it; an existing one with other limits is
+/// given `want`'s size and age (the rest of its configuration as it is). Whether it changed one,
+/// as `retention_differs` says it.
+pub async fn open_as(
+    js: &jetstream::Context,
+    want: jetstream::stream::Config,
+) -> anyhow::Result<(jetstream::stream::Stream, Option<String>)> {
+    let mut stream = js
+        .get_or_create_stream(want.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot open the stream {}: {e}", want.name))?;
+    let have = stream.cached_info().config.clone();
+    let Some(change) = retention_differs(&have, &want) else {
+        return Ok((stream, None));
+    };
+    let updated = jetstream::stream::Config {
+        max_bytes: want.max_bytes,
+        max_age: want.max_age,
+        ..have
+    };
+    js.update_stream(updated)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot change the stream {} ({change}): {e}", want.name))?;
+    stream.info().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((stream, Some(change)))
+}
+
 /// A batch message's opening: `{"config":...,"node":...` (its records follow).
 pub fn batch_head(node: &str, config: &PipelineConfig) -> Vec<u8> {
     let mut head = serde_json::to_vec(&serde_json::json!({"node": node, "config": config}))
