@@ -119,6 +119,8 @@ pub struct Stats {
 pub const MIN_FAILURES: u32 = 2;
 /// Latency says DEGRADED only over at least this many samples (one slow call has no p95).
 pub const MIN_LATENCY_SAMPLES: u32 = 5;
+/// A p95 above this is DEGRADED.
+pub const SLOW_MS: u64 = 1_500;
 
 impl Stats {
     /// Calls that got no answer.
@@ -137,7 +139,7 @@ impl Stats {
     pub fn verdict(&self) -> Verdict {
         let failing = self.failures() >= MIN_FAILURES;
         let breaking = self.contract_failures() >= MIN_FAILURES;
-        let slow = self.samples >= MIN_LATENCY_SAMPLES && self.p95_ms > 1_500;
+        let slow = self.samples >= MIN_LATENCY_SAMPLES && self.p95_ms > SLOW_MS;
         if self.samples == 0 {
             Verdict::Unknown
         } else if (failing && self.availability < 0.50)
@@ -166,6 +168,9 @@ pub struct Tally {
     /// Answers that broke the contract.
     pub broken: u32,
     pub p95_ms: u64,
+    /// Samples slower than `SLOW_MS`: whether the p95 of several nodes' samples together is
+    /// over it is exact from these, where a mean of their p95s is not.
+    pub slow: u32,
     /// The newest sample (0: none).
     pub last_ms: u64,
     /// The newest failed or broken one (0: none).
@@ -181,6 +186,7 @@ impl Tally {
             samples,
             failed,
             broken: self.broken.min(samples - failed),
+            slow: self.slow.min(samples),
             ..self
         }
     }
@@ -227,6 +233,7 @@ pub fn judge(sources: &[FirstHand]) -> Stats {
     let sum = |pick: &dyn Fn(&FirstHand) -> Tally, forgive: bool| {
         let mut total = Tally::default();
         let mut weighted_p95 = 0.0;
+        let mut slowest = 0;
         for f in sources {
             let t = if forgive {
                 cut(pick(f))
@@ -236,10 +243,13 @@ pub fn judge(sources: &[FirstHand]) -> Stats {
             total.samples += t.samples;
             total.failed += t.failed;
             total.broken += t.broken;
+            total.slow += t.slow.min(t.samples);
             weighted_p95 += t.p95_ms as f64 * f64::from(t.samples);
+            slowest = slowest.max(t.p95_ms);
         }
         if total.samples > 0 {
-            total.p95_ms = (weighted_p95 / f64::from(total.samples)).round() as u64;
+            let mean = (weighted_p95 / f64::from(total.samples)).round() as u64;
+            total.p95_ms = union_p95(total.samples, total.slow, mean, slowest);
         }
         total
     };
@@ -248,16 +258,19 @@ pub fn judge(sources: &[FirstHand]) -> Stats {
     let (t, evidence) = if traffic.samples > 0 || billed.samples > 0 {
         let paid = [traffic, billed];
         let samples = traffic.samples + billed.samples;
-        let p95 = paid
+        let slow = traffic.slow + billed.slow;
+        let mean = paid
             .iter()
             .map(|t| t.p95_ms as f64 * f64::from(t.samples))
             .sum::<f64>()
             / f64::from(samples);
+        let slowest = traffic.p95_ms.max(billed.p95_ms);
         let t = Tally {
             samples,
             failed: traffic.failed + billed.failed,
             broken: traffic.broken + billed.broken,
-            p95_ms: p95.round() as u64,
+            p95_ms: union_p95(samples, slow, mean.round() as u64, slowest),
+            slow,
             ..Tally::default()
         };
         let e = if traffic.samples > 0 {
@@ -465,11 +478,26 @@ impl Samples {
                 t.last_failure_ms = s.at_ms;
             }
             t.last_ms = s.at_ms;
+            if s.latency_ms > SLOW_MS {
+                t.slow += 1;
+            }
             latencies.push(s.latency_ms);
         }
         latencies.sort_unstable();
         t.p95_ms = nearest_rank(&latencies, 95);
         t
+    }
+}
+
+/// The p95 of `samples` samples of several windows together, `slow` of them over `SLOW_MS`:
+/// over `SLOW_MS` exactly when the union's nearest-rank p95 is (then at least the slowest
+/// window's p95), else the windows' p95s weighed by their samples, at most `SLOW_MS`.
+fn union_p95(samples: u32, slow: u32, weighted: u64, slowest: u64) -> u64 {
+    let rank = (95 * samples).div_ceil(100).max(1);
+    if samples - slow.min(samples) < rank {
+        slowest.max(weighted).max(SLOW_MS + 1)
+    } else {
+        weighted.min(SLOW_MS)
     }
 }
 
@@ -815,6 +843,7 @@ mod tests {
                 failed: u32::MAX,
                 broken: u32::MAX,
                 p95_ms: 10,
+                slow: u32::MAX,
                 last_ms: 1,
                 last_failure_ms: 1,
             },
@@ -843,6 +872,49 @@ mod tests {
         let s = judge(&[fast.first_hand(2_000), slow.first_hand(2_000)]);
         assert_eq!(s.p95_ms, 200);
         assert_eq!(s.verdict(), Verdict::Healthy);
+    }
+
+    /// Slowness that shows on one node first is the cluster's once its slow samples are over
+    /// 5% of everyone's, though a mean of the nodes' p95s would still look fast.
+    #[test]
+    fn slow_samples_count_across_nodes_exactly() {
+        let fast = || {
+            let mut w = Window::default();
+            for t in 0..20 {
+                w.record(1_000 + t, Evidence::Traffic, Outcome::Success, 60);
+            }
+            w
+        };
+        let (b, c) = (fast(), fast());
+        let mut a = Window::default();
+        a.record(1_100, Evidence::Traffic, Outcome::Success, 60);
+        a.record(1_200, Evidence::Traffic, Outcome::Success, 3_000);
+        // 1 slow of 42: fast.
+        let s = judge(&[
+            a.first_hand(2_000),
+            b.first_hand(2_000),
+            c.first_hand(2_000),
+        ]);
+        assert!(s.p95_ms <= SLOW_MS, "{s:?}");
+        assert_eq!(s.verdict(), Verdict::Healthy);
+        a.record(1_300, Evidence::Traffic, Outcome::Success, 3_000);
+        a.record(1_400, Evidence::Traffic, Outcome::Success, 3_000);
+        // 3 slow of 44 (7%): slow, though the p95s' mean is (3000*4 + 60*40) / 44, about 327.
+        let s = judge(&[
+            a.first_hand(2_000),
+            b.first_hand(2_000),
+            c.first_hand(2_000),
+        ]);
+        assert!(s.p95_ms > SLOW_MS, "{s:?}");
+        assert_eq!(s.verdict(), Verdict::Degraded);
+        // Beside many more fast samples (3 of 64: under 5%), fast again.
+        let s = judge(&[
+            a.first_hand(2_000),
+            b.first_hand(2_000),
+            c.first_hand(2_000),
+            fast().first_hand(2_000),
+        ]);
+        assert!(s.p95_ms <= SLOW_MS, "{s:?}");
     }
 
     #[test]

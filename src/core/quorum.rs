@@ -480,6 +480,7 @@ const EMPTY: super::health::Tally = super::health::Tally {
     failed: 0,
     broken: 0,
     p95_ms: 0,
+    slow: 0,
     last_ms: 0,
     last_failure_ms: 0,
 };
