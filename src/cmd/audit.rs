@@ -199,11 +199,5 @@ pub async fn run(a: Args) -> Result<Outcome> {
 
 /// A short age: 12s, 5m, 3h, 2d.
 pub fn age(ms: u64) -> String {
-    let s = ms / 1_000;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3_600 => format!("{}m", s / 60),
-        3_600..86_400 => format!("{}h", s / 3_600),
-        _ => format!("{}d", s / 86_400),
-    }
+    crate::transport::store::decisions::human(ms)
 }

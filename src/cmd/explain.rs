@@ -55,9 +55,18 @@ pub async fn run(a: Args) -> Result<Outcome> {
         entries = super::audit::read(&a.cluster, a.since, None, this).await?.0;
     }
     if entries.is_empty() {
+        // What bounds the log says whether to search further or that the record is gone.
+        let nats = a
+            .cluster
+            .connect(&super::Role::Viewer, "oam-explain")
+            .await?;
+        let why = match crate::transport::store::decisions::span(&nats).await {
+            Ok(span) => span.why_missing(a.since, crate::clock::now_ms()),
+            Err(_) => "try --since 7d".into(),
+        };
         return Err(Error::usage(format!(
-            "no decision for request {} in the decision log of the last {} (try --since 7d; \
-             `oam audit` lists what is there)",
+            "no decision for request {} in the decision log of the last {}: {why} (`oam audit` \
+             lists what is there)",
             a.request_id,
             super::audit::age(a.since)
         )));

@@ -1830,6 +1830,12 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
     let (code, _, err) = oam_log(&cl.nats.url(), &["explain", "no-such-request"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("oam audit"), "{err}");
+    // The whole log was searched (it is younger than the default hour) and nothing went from
+    // it: the record was never there, and it says so, not to search further.
+    assert!(
+        err.contains("every record since it began") && !err.contains("--since"),
+        "{err}"
+    );
 
     // A caller that sends its id twice: explain lists both records and tells the one asked.
     let again = c

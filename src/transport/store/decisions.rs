@@ -172,6 +172,88 @@ pub struct Entry {
     pub record: Record,
 }
 
+/// How far back the log goes and what bounds it: what `oam explain` says of a record it does
+/// not find.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Span {
+    /// When its oldest batch was written (ms since the epoch); None when it is empty.
+    pub first_ms: Option<u64>,
+    pub bytes: u64,
+    pub max_bytes: i64,
+    pub max_age: Duration,
+}
+
+impl Span {
+    /// Why a record decided at most `searched_ms` ago (and not found) is not there, at `now_ms`,
+    /// and what to do about it.
+    pub fn why_missing(&self, searched_ms: u64, now_ms: u64) -> String {
+        let Some(first) = self.first_ms else {
+            return "the decision log holds no records yet".into();
+        };
+        let back = now_ms.saturating_sub(first);
+        if back > searched_ms {
+            return format!(
+                "it goes back {}: try --since {}",
+                human(back),
+                human(back + 60_000)
+            );
+        }
+        let full = self.max_bytes > 0 && self.bytes as f64 >= 0.9 * self.max_bytes as f64;
+        let aged = back + 60_000 >= self.max_age.as_millis() as u64;
+        if !full && !aged {
+            return format!(
+                "it holds every record since it began {} ago, and none has this id",
+                human(back)
+            );
+        }
+        if full && !aged {
+            format!(
+                "it goes back only {}: older records went by its size limit ({} MiB full; \
+                 [decision_log] max_bytes keeps more)",
+                human(back),
+                self.max_bytes >> 20
+            )
+        } else {
+            format!(
+                "it goes back {}: older records went by its age limit ({} h; [decision_log] \
+                 max_age_hours keeps them longer)",
+                human(back),
+                self.max_age.as_secs() / 3600
+            )
+        }
+    }
+}
+
+/// `ms` as a `--since` reads it (`90s`, `12m`, `5h`, `3d`), rounded down.
+pub fn human(ms: u64) -> String {
+    let s = ms / 1_000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3_600 => format!("{}m", s / 60),
+        3_600..86_400 => format!("{}h", s / 3_600),
+        _ => format!("{}d", s / 86_400),
+    }
+}
+
+/// The log's span (its stream's info).
+pub async fn span(nats: &async_nats::Client) -> anyhow::Result<Span> {
+    let js = super::context(nats);
+    let mut stream =
+        tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer"))??;
+    let info = stream.info().await?;
+    let first_ms = (info.state.messages > 0).then(|| {
+        u64::try_from(info.state.first_timestamp.unix_timestamp_nanos() / 1_000_000).unwrap_or(0)
+    });
+    Ok(Span {
+        first_ms,
+        bytes: info.state.bytes,
+        max_bytes: info.config.max_bytes,
+        max_age: info.config.max_age,
+    })
+}
+
 /// How long one pull of the log may wait for messages before it expires.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
@@ -289,6 +371,38 @@ pub async fn read(
 mod tests {
     use super::*;
     use crate::core::pipeline::tests::{engine, recorded};
+
+    #[test]
+    fn a_missing_record_is_explained_by_what_bounds_the_log() {
+        const H: u64 = 3_600_000;
+        let now = 100 * 24 * H;
+        let span = |back_ms: u64, bytes: u64| Span {
+            first_ms: Some(now - back_ms),
+            bytes,
+            max_bytes: 256 << 20,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+        };
+        let none = Span {
+            first_ms: None,
+            ..span(0, 0)
+        };
+        assert!(none.why_missing(H, now).contains("no records"));
+        // The log goes back further than was searched: search further.
+        let why = span(5 * H, 1 << 20).why_missing(H, now);
+        assert!(why.contains("try --since 5h"), "{why}");
+        // Searched all of it, and it is full long before its age limit: sized out.
+        let why = span(2 * H, 250 << 20).why_missing(7 * 24 * H, now);
+        assert!(
+            why.contains("size limit (256 MiB") && why.contains("2h"),
+            "{why}"
+        );
+        // Searched all of it, young and not full: the id was never decided here.
+        let why = span(2 * H, 10 << 20).why_missing(7 * 24 * H, now);
+        assert!(why.contains("every record since it began 2h ago"), "{why}");
+        // Searched all of it, and it goes back its whole age: aged out.
+        let why = span(7 * 24 * H, 10 << 20).why_missing(8 * 24 * H, now);
+        assert!(why.contains("age limit (168 h"), "{why}");
+    }
 
     #[test]
     fn records_are_split_into_messages_that_fit_and_read_back_in_order() {
