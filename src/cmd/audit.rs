@@ -70,10 +70,11 @@ pub async fn read(
     since_ms: u64,
     node: Option<&str>,
     keep: impl Fn(&Record) -> bool,
+    last: usize,
 ) -> Result<(Vec<Entry>, usize)> {
     let nats = cluster.connect(&super::Role::Viewer, "oam-audit").await?;
     let from = crate::clock::now_ms().saturating_sub(since_ms);
-    decisions::read(&nats, from, node, keep)
+    decisions::read(&nats, from, node, keep, last)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))
 }
@@ -104,11 +105,9 @@ pub async fn run(a: Args) -> Result<Outcome> {
             && outcome.is_none_or(|o| o == d.outcome)
             && d.decided_at_ms <= newest
     };
-    let (entries, total) = read(&a.cluster, a.since, None, wanted).await?;
-    let mut picked: Vec<&Entry> = entries.iter().collect();
-    if picked.len() > a.limit {
-        picked.drain(..picked.len() - a.limit);
-    }
+    // Only the newest `limit` matches are held: memory stays bounded on a full log.
+    let (entries, total) = read(&a.cluster, a.since, None, wanted, a.limit).await?;
+    let picked: Vec<&Entry> = entries.iter().collect();
     let verdicts: Vec<Option<std::result::Result<(), String>>> = picked
         .iter()
         .map(|e| a.verify.then(|| e.record.verify(&e.config)))

@@ -47,12 +47,14 @@ pub async fn run(a: Args) -> Result<Outcome> {
         .map(|[_, _, n]| n);
     let mut entries = Vec::new();
     if let Some(n) = node {
-        entries = super::audit::read(&a.cluster, a.since, Some(n), this)
+        entries = super::audit::read(&a.cluster, a.since, Some(n), this, usize::MAX)
             .await?
             .0;
     }
     if entries.is_empty() {
-        entries = super::audit::read(&a.cluster, a.since, None, this).await?.0;
+        entries = super::audit::read(&a.cluster, a.since, None, this, usize::MAX)
+            .await?
+            .0;
     }
     if entries.is_empty() {
         // What bounds the log says whether to search further or that the record is gone.

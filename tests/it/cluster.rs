@@ -1809,6 +1809,13 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
     let (code, out, _) = oam_log(&cl.nats.url(), &["audit", "--json", "--limit", "1000"]);
     assert_eq!(code, 0);
     assert!(!out.contains("forged-1"), "a forged record was listed");
+    // A limit keeps the newest, in order.
+    let all: Vec<Value> = serde_json::from_str(&out).unwrap();
+    let (code, out, _) = oam_log(&cl.nats.url(), &["audit", "--json", "--limit", "2"]);
+    assert_eq!(code, 0);
+    let newest: Vec<Value> = serde_json::from_str(&out).unwrap();
+    assert!(all.len() > 2, "{}", all.len());
+    assert_eq!(newest[..], all[all.len() - 2..]);
     let (code, _, _) = oam_log(&cl.nats.url(), &["explain", "forged-1"]);
     assert_eq!(code, 2, "a forged record is not found");
 

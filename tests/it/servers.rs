@@ -354,9 +354,10 @@ async fn all_logged(
     limit: Duration,
 ) -> bool {
     let found = eventually(limit, || async {
-        let (entries, _) = oam::transport::store::decisions::read(nats, since, None, |_| true)
-            .await
-            .ok()?;
+        let (entries, _) =
+            oam::transport::store::decisions::read(nats, since, None, |_| true, usize::MAX)
+                .await
+                .ok()?;
         let ids: std::collections::BTreeSet<String> =
             entries.into_iter().map(|e| e.record.request.id).collect();
         answered.is_subset(&ids).then_some(())

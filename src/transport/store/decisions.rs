@@ -259,13 +259,15 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
 /// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
 /// oldest first; `node` narrows it to one node's records. Only the records `keep` wants are
-/// held in memory: those, and how many records were read in all. A batch is believed only
+/// held in memory, the `last` of them at most (a full log read for the newest few is not held
+/// whole): those, and how many records were read in all. A batch is believed only
 /// from the node whose subject it came on (only that node may publish there).
 pub async fn read(
     nats: &async_nats::Client,
     since_ms: u64,
     node: Option<&str>,
     keep: impl Fn(&Record) -> bool,
+    last: usize,
 ) -> anyhow::Result<(Vec<Entry>, usize)> {
     use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
     use futures_util::StreamExt;
@@ -309,7 +311,7 @@ pub async fn read(
         .map_err(|_| no_answer())?
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
     let mut pending = consumer.cached_info().num_pending;
-    let mut out = Vec::new();
+    let mut out = std::collections::VecDeque::new();
     let mut read = 0;
     while pending > 0 {
         let mut messages = consumer
@@ -354,6 +356,7 @@ pub async fn read(
                                 record,
                             }),
                     );
+                    out.drain(..out.len().saturating_sub(last));
                 }
                 Err(e) => {
                     tracing::warn!("a decision log message is not a batch of records: {e}");
@@ -364,7 +367,7 @@ pub async fn read(
             anyhow::bail!("the decision log stopped answering after {read} records");
         }
     }
-    Ok((out, read))
+    Ok((out.into(), read))
 }
 
 #[cfg(test)]
