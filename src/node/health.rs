@@ -38,6 +38,8 @@ use tokio_util::sync::CancellationToken;
 pub const MAX_PROBES_OUT: usize = 16;
 /// A billed probe's prompt.
 const BILLED_PROMPT: &str = "Reply with ok.";
+/// What a `chat` probe asks (held to the default contract, if any).
+const CHAT_PROMPT: &str = "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}";
 
 /// When a target last had a sample from traffic, when it was last probed (less its jitter)
 /// and last given a billed probe (ms; 0: never), and until when it is not to be probed (its
@@ -642,8 +644,8 @@ impl Prober {
                 content: text.into(),
             }]
         };
-        let (g, usd) = match check {
-            Check::Models => (c.list_models(self.timeout).await, 0.0),
+        let g = match check {
+            Check::Models => c.list_models(self.timeout).await,
             _ if c.embeddings => {
                 let pass = super::connector::Passthrough {
                     extra: [("input".to_string(), "oam health probe".into())]
@@ -651,28 +653,26 @@ impl Prober {
                         .collect(),
                     ..Default::default()
                 };
-                let a = c.embed(model, &pass, self.timeout).await;
-                let usd = self.cost(&ids[0], a.generation.usage.as_ref(), charged);
-                (a.generation, usd)
+                c.embed(model, &pass, self.timeout).await.generation
             }
             Check::Chat => {
-                let probe =
-                    chat("oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}");
-                let a = c
-                    .generate(model, &probe, None, 32, None, self.timeout)
-                    .await;
-                let usd = self.cost(&ids[0], a.generation.usage.as_ref(), charged);
-                (a.generation, usd)
+                let probe = chat(CHAT_PROMPT);
+                let a = c.generate(model, &probe, None, 32, None, self.timeout);
+                a.await.generation
             }
             Check::Confirm => {
-                let a = c
-                    .generate(model, &chat(BILLED_PROMPT), None, 1, None, self.timeout)
-                    .await;
-                let usd = self.cost(&ids[0], a.generation.usage.as_ref(), charged);
-                (a.generation, usd)
+                let probe = chat(BILLED_PROMPT);
+                let a = c.generate(model, &probe, None, 1, None, self.timeout);
+                a.await.generation
             }
         };
         if check.billed() {
+            // The target's price of what it used, else what was charged.
+            let usd = g
+                .usage
+                .as_ref()
+                .and_then(|u| self.price(&ids[0], |p| p.cost_of_usage(u)))
+                .unwrap_or(charged);
             node.health.probes.spent(now_ms(), usd);
             if (usd - charged).abs() > 1e-9 {
                 let _ = self.settle(usd - charged).await;
@@ -701,15 +701,15 @@ impl Prober {
         self.fresh.store(true, Ordering::Relaxed);
     }
 
-    /// The target's price of a billed check: what its usage says, else what was charged.
-    fn cost(&self, target: &str, usage: Option<&crate::core::request::Usage>, charged: f64) -> f64 {
-        let Some(u) = usage else { return charged };
+    /// `price` of `target` at its configured prices (None: no such target).
+    fn price(
+        &self,
+        target: &str,
+        price: impl FnOnce(&crate::core::request::Target) -> f64,
+    ) -> Option<f64> {
         self.node.pipeline.with(|e| {
-            e.state
-                .providers
-                .iter()
-                .find(|p| *p.id == *target)
-                .map_or(charged, |p| p.cost_of_usage(u))
+            let p = e.state.providers.iter().find(|p| *p.id == *target)?;
+            Some(price(p))
         })
     }
 
@@ -719,20 +719,11 @@ impl Prober {
     async fn charge(&self, target: &str, check: Check) -> Result<f64, ReasonCode> {
         let (prompt, completion) = match check {
             Check::Confirm => (estimate_tokens(BILLED_PROMPT), 1),
-            _ => (
-                estimate_tokens(
-                    "oam health probe: reply with {\"answer\": \"ok\", \"confidence\": 1}",
-                ),
-                32,
-            ),
+            _ => (estimate_tokens(CHAT_PROMPT), 32),
         };
-        let usd = self.node.pipeline.with(|e| {
-            e.state
-                .providers
-                .iter()
-                .find(|p| *p.id == *target)
-                .map_or(0.0, |p| p.cost_of(prompt, completion))
-        });
+        let usd = self
+            .price(target, |p| p.cost_of(prompt, completion))
+            .unwrap_or(0.0);
         if usd <= 0.0 {
             return Ok(0.0);
         }
