@@ -175,8 +175,8 @@ pub fn probe_outcome(
 #[derive(Default)]
 pub struct ProbeBook {
     calls: Mutex<BTreeMap<(String, &'static str), u64>>,
-    /// The billed probes' costs of the last hour, oldest first (a few thousand at most: one
-    /// per target per interval).
+    /// The billed probes' costs of the last hour by the second they were spent in, oldest
+    /// first: 3,600 entries at most, however many targets are probed.
     hour: Mutex<VecDeque<(u64, f64)>>,
     spent_usd: Mutex<f64>,
     /// Why billed probes are not being sent now (the probe budget), if they are not.
@@ -196,7 +196,12 @@ impl ProbeBook {
         if usd <= 0.0 {
             return;
         }
-        lock(&self.hour).push_back((now, usd));
+        let mut hour = lock(&self.hour);
+        match hour.back_mut() {
+            Some((at, sum)) if *at / 1_000 == now / 1_000 => *sum += usd,
+            _ => hour.push_back((now, usd)),
+        }
+        drop(hour);
         let mut total = lock(&self.spent_usd);
         *total = round_usd(*total + usd);
     }
@@ -775,6 +780,23 @@ fn estimate_tokens(text: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_hours_spend_is_kept_by_the_second() {
+        let book = ProbeBook::default();
+        for i in 0..1_000 {
+            book.spent(5_000 + i % 1_000, 0.001);
+        }
+        book.spent(6_000, 0.5);
+        assert_eq!(lock(&book.hour).len(), 2, "one entry per second spent in");
+        assert_eq!(book.usd_last_hour(7_000), 1.5);
+        assert_eq!(
+            book.usd_last_hour(5_000 + HOUR_MS),
+            0.5,
+            "the first second aged out"
+        );
+        assert_eq!(book.snapshot(7_000).spent_usd, 1.5);
+    }
 
     #[test]
     fn only_idle_targets_are_probed_once_per_interval() {
