@@ -231,54 +231,23 @@ pub fn judge(sources: &[FirstHand]) -> Stats {
         _ => t.clamped(),
     };
     let sum = |pick: &dyn Fn(&FirstHand) -> Tally, forgive: bool| {
-        let mut total = Tally::default();
-        let mut weighted_p95 = 0.0;
-        let mut slowest = 0;
-        for f in sources {
-            let t = if forgive {
+        merged(sources.iter().map(|f| {
+            if forgive {
                 cut(pick(f))
             } else {
                 pick(f).clamped()
-            };
-            total.samples += t.samples;
-            total.failed += t.failed;
-            total.broken += t.broken;
-            total.slow += t.slow.min(t.samples);
-            weighted_p95 += t.p95_ms as f64 * f64::from(t.samples);
-            slowest = slowest.max(t.p95_ms);
-        }
-        if total.samples > 0 {
-            let mean = (weighted_p95 / f64::from(total.samples)).round() as u64;
-            total.p95_ms = union_p95(total.samples, total.slow, mean, slowest);
-        }
-        total
+            }
+        }))
     };
     let traffic = sum(&|f| f.traffic, true);
     let billed = sum(&|f| f.billed, true);
     let (t, evidence) = if traffic.samples > 0 || billed.samples > 0 {
-        let paid = [traffic, billed];
-        let samples = traffic.samples + billed.samples;
-        let slow = traffic.slow + billed.slow;
-        let mean = paid
-            .iter()
-            .map(|t| t.p95_ms as f64 * f64::from(t.samples))
-            .sum::<f64>()
-            / f64::from(samples);
-        let slowest = traffic.p95_ms.max(billed.p95_ms);
-        let t = Tally {
-            samples,
-            failed: traffic.failed + billed.failed,
-            broken: traffic.broken + billed.broken,
-            p95_ms: union_p95(samples, slow, mean.round() as u64, slowest),
-            slow,
-            ..Tally::default()
-        };
         let e = if traffic.samples > 0 {
             Evidence::Traffic
         } else {
             Evidence::Billed
         };
-        (t, e)
+        (merged([traffic, billed]), e)
     } else {
         let free = sum(&|f| f.free, false);
         if free.samples == 0 {
@@ -487,6 +456,26 @@ impl Samples {
         t.p95_ms = nearest_rank(&latencies, 95);
         t
     }
+}
+
+/// Several tallies as one: their counts summed, their p95 as `union_p95` says.
+fn merged(tallies: impl IntoIterator<Item = Tally>) -> Tally {
+    let mut total = Tally::default();
+    let mut weighted_p95 = 0.0;
+    let mut slowest = 0;
+    for t in tallies {
+        total.samples += t.samples;
+        total.failed += t.failed;
+        total.broken += t.broken;
+        total.slow += t.slow.min(t.samples);
+        weighted_p95 += t.p95_ms as f64 * f64::from(t.samples);
+        slowest = slowest.max(t.p95_ms);
+    }
+    if total.samples > 0 {
+        let mean = (weighted_p95 / f64::from(total.samples)).round() as u64;
+        total.p95_ms = union_p95(total.samples, total.slow, mean, slowest);
+    }
+    total
 }
 
 /// The p95 of `samples` samples of several windows together, `slow` of them over `SLOW_MS`:
