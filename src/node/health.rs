@@ -333,6 +333,16 @@ impl Health {
         self.judged(target, now).map(|(s, _)| s)
     }
 
+    /// What the prober needs of `target` at `now`, judged once a round: its stats, and when
+    /// traffic last reached it at any node.
+    fn seen(&self, target: &str, now: u64) -> Option<(Stats, u64)> {
+        let mut sources = self.peers(target, now);
+        let peers_traffic = sources.iter().map(|f| f.traffic.last_ms).max().unwrap_or(0);
+        let own = lock(&self.windows).get(target)?.first_hand(now);
+        sources.push(own);
+        Some((judge(&sources), peers_traffic))
+    }
+
     /// This node's observations of every target at `now`.
     fn observations(&self, now: u64) -> Vec<Observation> {
         let down = lock(&self.down).clone();
@@ -401,9 +411,9 @@ impl Health {
         self.share();
     }
 
-    /// Is `target` failing on real calls, as far as this node can tell at `now`: judged
+    /// Is `target` failing on real calls, as far as this node can tell at `now` (judged `stats`):
     /// unhealthy or degraded on them, its breaker open, or its agent dead?
-    fn failing(&self, target: &str, now: u64) -> bool {
+    fn failing(&self, target: &str, stats: Option<&Stats>, now: u64) -> bool {
         if lock(&self.down).contains(target) {
             return true;
         }
@@ -418,17 +428,23 @@ impl Health {
                 b.tick(now);
                 matches!(b, Breaker::Open { .. })
             });
-        open || self
-            .stats(target, now)
-            .is_some_and(|s| s.evidence.paid() && s.verdict() != Verdict::Healthy)
+        open || stats.is_some_and(|s| s.evidence.paid() && s.verdict() != Verdict::Healthy)
     }
 
     /// Is `target` due a probe of `check` at `now` from this node? Only this node's own share
     /// of the targets (`prober_of` the live nodes, or any target no fresh evidence speaks
     /// of), an idle one (no traffic here or at a peer
     /// within the interval), outside its Retry-After; a billed confirmation once per interval.
-    /// Marked probed when due.
-    fn due(&self, schedule: Schedule, target: &str, check: Check, live: &[&str], now: u64) -> bool {
+    /// Marked probed when due. `seen`: what `seen` says of it now.
+    fn due(
+        &self,
+        schedule: Schedule,
+        target: &str,
+        check: Check,
+        live: &[&str],
+        seen: Option<&(Stats, u64)>,
+        now: u64,
+    ) -> bool {
         let Some(c) = self.clocks.get(target) else {
             return false;
         };
@@ -438,16 +454,11 @@ impl Health {
         // Another node's share, unless nobody's evidence of it is fresh here (a prober that
         // just went, a node cut off): then this node does not wait for it.
         if prober_of(target, live) != Some(self.id.as_str())
-            && self.stats(target, now).is_some_and(|s| s.samples > 0)
+            && seen.is_some_and(|(s, _)| s.samples > 0)
         {
             return false;
         }
-        let peers_traffic = self
-            .peers(target, now)
-            .iter()
-            .map(|f| f.traffic.last_ms)
-            .max()
-            .unwrap_or(0);
+        let peers_traffic = seen.map_or(0, |&(_, at)| at);
         let traffic = c.traffic.load(Ordering::Relaxed).max(peers_traffic);
         let recovering = lock(&self.windows)
             .get(target)
@@ -581,10 +592,13 @@ impl Prober {
                 continue;
             }
             let http = matches!(c.upstream, Upstream::Http(_));
-            let Some(check) = check_for(c.probe, health.failing(id, now), http) else {
+            // Judged once for both questions: a round visits every target every `quick` ms.
+            let seen = health.seen(id, now);
+            let stats = seen.as_ref().map(|(s, _)| s);
+            let Some(check) = check_for(c.probe, health.failing(id, stats, now), http) else {
                 continue;
             };
-            if !health.due(self.schedule, id, check, &live, now) {
+            if !health.due(self.schedule, id, check, &live, seen.as_ref(), now) {
                 continue;
             }
             let same_list = checks
