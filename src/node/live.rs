@@ -305,12 +305,12 @@ impl Relay {
                     // What it delivered is paid for: charged, and counted in the usage of the
                     // answer a continuation completes (the upstream's count, else oam's
                     // estimate, as the engine charges it).
-                    let part = acc.usage.unwrap_or_else(|| Usage {
-                        prompt_tokens: self.flight.session.est_prompt_tokens(),
-                        completion_tokens: estimate_answer_tokens(&acc.text, &acc.calls),
-                        ..Usage::default()
-                    });
                     if self.part_sent {
+                        let part = acc.usage.unwrap_or_else(|| Usage {
+                            prompt_tokens: self.flight.session.est_prompt_tokens(),
+                            completion_tokens: estimate_answer_tokens(&acc.text, &acc.calls),
+                            ..Usage::default()
+                        });
                         self.earlier = Some(self.earlier.unwrap_or_default() + part);
                     }
                     g.content = acc.text;
