@@ -66,6 +66,7 @@ fn request() -> Request {
         tools: Default::default(),
         bound_to: None,
         embeddings: false,
+        stream: false,
     }
 }
 

@@ -580,34 +580,49 @@ impl Warden {
         }
         let http = self.http.clone();
         let (task, detail) = if fault == Fault::TrafficSpike {
-            let requests = p.requests.unwrap_or(600) as usize;
-            let concurrency = p.concurrency.unwrap_or(60).max(1) as usize;
-            let plan = bench::Plan {
-                urls,
-                requests,
-                concurrency,
-                rate_per_s: None,
-                max_duration_ms: Some(for_ms),
-                agent: "spike".into(),
-                model: "auto".into(),
-                task: "spike".into(),
-                risk: crate::core::request::Risk::Low,
-                priority: crate::core::request::Priority::Background,
-                seed: now_ms(),
-                timeout_ms: 10_000,
-                mix: Vec::new(),
-                stream: false,
+            let (requests, concurrency) = (p.requests, p.concurrency);
+            let detail = match (requests, concurrency) {
+                (Some(n), Some(c)) => format!("{n} background requests, {c} at once"),
+                (n, c) => format!(
+                    "{} background requests, {} at once",
+                    n.map_or("10 x concurrency".into(), |n| n.to_string()),
+                    c.map_or("twice the nodes' background slots".into(), |c| c
+                        .to_string()),
+                ),
             };
             let task = tokio::spawn(async move {
+                let concurrency = match concurrency {
+                    Some(c) => c.max(1) as usize,
+                    None => spike_concurrency(&http, &urls).await,
+                };
+                let requests = requests.map_or(concurrency * 10, |n| n as usize);
+                let plan = bench::Plan {
+                    urls,
+                    requests,
+                    concurrency,
+                    rate_per_s: None,
+                    max_duration_ms: Some(for_ms),
+                    agent: "spike".into(),
+                    model: "auto".into(),
+                    task: "spike".into(),
+                    risk: crate::core::request::Risk::Low,
+                    priority: crate::core::request::Priority::Background,
+                    seed: now_ms(),
+                    timeout_ms: 10_000,
+                    mix: Vec::new(),
+                    stream: false,
+                };
                 // Ended early by aborting this task (restore), or at its deadline.
                 let never = tokio_util::sync::CancellationToken::new();
                 let r = bench::run(plan, bench::Target::Http(http), &never, || {}).await;
-                tracing::info!(sent = r.sent, succeeded = r.succeeded, "traffic spike done");
+                tracing::info!(
+                    sent = r.sent,
+                    succeeded = r.succeeded,
+                    concurrency,
+                    "traffic spike done"
+                );
             });
-            (
-                task,
-                format!("{requests} background requests, {concurrency} at once"),
-            )
+            (task, detail)
         } else {
             // The same failing high-risk call, again and again, spread over every node in
             // turn (loop counts are the cluster's): under its own JSON contract it asks for a
@@ -889,6 +904,29 @@ pub async fn run(
         let _ = tokio::task::spawn_blocking(move || child.wait()).await;
     }
     Ok(())
+}
+
+/// How many background requests at once a spike sends unless told: twice what the nodes'
+/// background bulkheads hold together (their defaults are sized from each node's machine), so
+/// some is shed on every node; 60 for a node whose limits cannot be read. At most
+/// `MAX_CONCURRENCY`.
+async fn spike_concurrency(http: &reqwest::Client, nodes: &[String]) -> usize {
+    let mut total = 0u64;
+    for url in nodes {
+        let state = http
+            .get(format!("{url}/v1/oam/state"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await;
+        let snap = match state {
+            Ok(r) => r.json::<crate::core::wire::NodeSnapshot>().await.ok(),
+            Err(_) => None,
+        };
+        total += snap.map_or(30, |s| {
+            2 * u64::from(s.bulkhead_limits.background.concurrency)
+        });
+    }
+    usize::try_from(total.clamp(1, u64::from(MAX_CONCURRENCY))).unwrap_or(60)
 }
 
 #[cfg(test)]

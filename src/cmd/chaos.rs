@@ -125,12 +125,13 @@ pub enum Command {
     TrafficSpike {
         #[command(flatten)]
         for_: For,
-        /// Requests in the burst.
-        #[arg(long, default_value_t = 600)]
-        requests: u32,
-        /// Requests under way at once.
-        #[arg(long, default_value_t = 60)]
-        concurrency: u32,
+        /// Requests in the burst [default: 10 x the concurrency].
+        #[arg(long)]
+        requests: Option<u32>,
+        /// Requests under way at once [default: twice the background slots of every node
+        /// together, read from their state, so each sheds some].
+        #[arg(long)]
+        concurrency: Option<u32>,
     },
     /// AGENT's budget is spent on every node (high-risk work is refused and escalated).
     DrainBudget(On),
@@ -197,8 +198,8 @@ fn injection(c: Command) -> std::result::Result<Inject, Command> {
             requests,
             concurrency,
         } => {
-            params.requests = Some(requests);
-            params.concurrency = Some(concurrency);
+            params.requests = requests;
+            params.concurrency = concurrency;
             (Fault::TrafficSpike, None, for_.duration)
         }
         Command::DrainBudget(on) => (Fault::DrainBudget, Some(on.target), on.for_.duration),

@@ -192,11 +192,16 @@ pub fn tell(r: &Record) -> String {
     }
     // Admission.
     let class = q.priority;
-    let usage = r.begin.state.bulkheads.usage(class);
+    let (pool, kind) = if q.stream {
+        (&r.begin.state.stream_bulkheads, "streams")
+    } else {
+        (&r.begin.state.bulkheads, "short requests")
+    };
+    let usage = pool.usage(class);
     let queued = r.calls.iter().any(|l| l.call == Call::Dequeue);
     let _ = writeln!(
         s,
-        "\nadmission: {} ({} running and {} queued in its class when it arrived){}",
+        "\nadmission: {} ({} running and {} queued in its class of {kind} when it arrived){}",
         if d.phase == crate::core::reason::Phase::Admission {
             "refused"
         } else {

@@ -61,6 +61,8 @@ async fn run_node(a: RunArgs) -> Result<()> {
             a.id
         )));
     }
+    // Before the config is read: its default limits are sized from the descriptors there are.
+    let open_files = crate::node::limits::raise_open_files();
     let mut cfg = NodeConfig::load(a.config.as_deref(), &a.sim_url).map_err(Error::usage)?;
     if let Some(n) = a.cluster_size {
         if n == 0 {
@@ -95,6 +97,12 @@ async fn run_node(a: RunArgs) -> Result<()> {
     let http = listener.local_addr().map_err(Error::failed)?;
     // A node started before nats-server keeps retrying in the background and joins when it can.
     let nats = crate::cmd::reach(&url, &format!("oam-node-{}", a.id), true).await?;
+    let limits = serde_json::json!({
+        "open_files": open_files,
+        "max_connections": cfg.node.max_connections,
+        "short_requests": cfg.pipeline.bulkheads.global_limit,
+        "streams": cfg.pipeline.stream_bulkheads.global_limit,
+    });
     let (node, services) = Node::new(a.id.clone(), cfg, nats).map_err(Error::failed)?;
     {
         let mut out = std::io::stdout().lock();
@@ -102,15 +110,21 @@ async fn run_node(a: RunArgs) -> Result<()> {
             "node": a.id,
             "http": format!("http://{http}"),
             "nats": connect::redact(&url),
+            "limits": limits,
         });
         if a.json {
             writeln!(out, "{ready}")?;
         } else {
             writeln!(
                 out,
-                "oam node {} serving http://{http}/v1/chat/completions (NATS {})",
+                "oam node {} serving http://{http}/v1/chat/completions (NATS {})\n  \
+                 at once: {} short requests, {} streams, {} connections ({} open files)",
                 a.id,
-                connect::redact(&url)
+                connect::redact(&url),
+                limits["short_requests"],
+                limits["streams"],
+                limits["max_connections"],
+                limits["open_files"],
             )?;
         }
         out.flush()?;

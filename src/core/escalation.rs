@@ -156,6 +156,7 @@ mod tests {
             tools: Default::default(),
             bound_to: None,
             embeddings: false,
+            stream: false,
         }
     }
 

@@ -12,7 +12,7 @@
 
 use super::breaker::{Breaker, BreakerConfig, Permit, Transition};
 use super::budget::Budgets;
-use super::bulkhead::{Admission, BulkheadConfig, Bulkheads, Left, Queues};
+use super::bulkhead::{Admission, BulkheadConfig, Bulkheads, Kind, Left, Queues};
 use super::contract::{Contract, ContractSpec, Defect};
 use super::escalation::{self, Escalation};
 use super::health::{Outcome, Verdict};
@@ -72,7 +72,10 @@ impl Default for ByRisk<u32> {
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub breaker: BreakerConfig,
+    /// Admission of short completions.
     pub bulkheads: BulkheadConfig,
+    /// Admission of streams, on their own slots: a stream holds one for its whole answer.
+    pub stream_bulkheads: BulkheadConfig,
     pub loops: LoopConfig,
     /// Minimum confidence for the quality gate.
     pub quality: ByRisk<f64>,
@@ -103,6 +106,7 @@ impl Default for Config {
         Config {
             breaker: BreakerConfig::default(),
             bulkheads: BulkheadConfig::default(),
+            stream_bulkheads: BulkheadConfig::default(),
             loops: LoopConfig::default(),
             quality: ByRisk::default(),
             max_attempts: ByRisk::default(),
@@ -134,6 +138,8 @@ pub struct State {
     /// Target -> time its Retry-After ends.
     pub cooldowns: BTreeMap<String, u64>,
     pub bulkheads: Bulkheads,
+    #[serde(default, skip_serializing_if = "Bulkheads::is_idle")]
+    pub stream_bulkheads: Bulkheads,
     pub loops: Loops,
     pub budgets: Budgets,
     /// Model routes: what a client asks for -> the targets that may serve it, in preference
@@ -168,11 +174,29 @@ impl Default for State {
             breakers: BTreeMap::new(),
             cooldowns: BTreeMap::new(),
             bulkheads: Bulkheads::default(),
+            stream_bulkheads: Bulkheads::default(),
             loops: Loops::new(),
             budgets: Budgets::default(),
             routes: BTreeMap::new(),
             misconfigured: BTreeMap::new(),
         }
+    }
+}
+
+/// The bulkheads a request is admitted to: its kind's, in its class.
+fn lane(r: &Request) -> (Kind, crate::core::request::Priority) {
+    (Kind::of(r.stream), r.priority)
+}
+
+/// The bulkheads of `kind` and their limits.
+fn pool<'a>(
+    state: &'a mut State,
+    config: &'a Config,
+    kind: Kind,
+) -> (&'a mut Bulkheads, &'a BulkheadConfig) {
+    match kind {
+        Kind::Short => (&mut state.bulkheads, &config.bulkheads),
+        Kind::Stream => (&mut state.stream_bulkheads, &config.stream_bulkheads),
     }
 }
 
@@ -444,18 +468,15 @@ impl Engine {
             continued: false,
             shortfall: None,
         };
-        let class = s.request.priority;
-        let step = match self
-            .state
-            .bulkheads
-            .try_admit(class, &self.config.bulkheads)
-        {
+        let (kind, class) = lane(&s.request);
+        let (b, cfg) = pool(&mut self.state, &self.config, kind);
+        let step = match b.try_admit(class, cfg) {
             Admission::Admitted => {
                 s.holds_slot = true;
                 self.proceed(&mut s, now_ms)
             }
             Admission::Queued => {
-                s.ticket = Some(self.queues.enqueue(class));
+                s.ticket = Some(self.queues.enqueue(kind, class));
                 push(&mut s.codes, ReasonCode::AdmissionQueued);
                 Step::Queued
             }
@@ -477,10 +498,12 @@ impl Engine {
     /// at a time (`replay`) may call it without a grant: the request then takes a slot at once.
     pub fn dequeue(&mut self, s: &mut Session, now_ms: u64) -> Step {
         if let Some(ticket) = s.ticket.take() {
-            let class = s.request.priority;
+            let (kind, class) = lane(&s.request);
             if !self.queues.claim(ticket) {
-                self.queues.remove(class, ticket);
-                self.state.bulkheads.start_queued(class);
+                self.queues.remove(kind, class, ticket);
+                pool(&mut self.state, &self.config, kind)
+                    .0
+                    .start_queued(class);
             }
             s.holds_slot = true;
         }
@@ -492,17 +515,19 @@ impl Engine {
         let Some(ticket) = s.ticket.take() else {
             return false;
         };
-        let class = s.request.priority;
-        if self.queues.leave(class, ticket, &mut self.state.bulkheads) == Left::Granted {
-            self.release_slot(class);
+        let (kind, class) = lane(&s.request);
+        let (b, _) = pool(&mut self.state, &self.config, kind);
+        if self.queues.leave(kind, class, ticket, b) == Left::Granted {
+            self.release_slot(&s.request);
         }
         true
     }
 
-    fn release_slot(&mut self, class: crate::core::request::Priority) {
-        self.state.bulkheads.release(class);
-        self.queues
-            .promote(&mut self.state.bulkheads, &self.config.bulkheads);
+    fn release_slot(&mut self, request: &Request) {
+        let (kind, class) = lane(request);
+        let (b, cfg) = pool(&mut self.state, &self.config, kind);
+        b.release(class);
+        self.queues.promote(kind, b, cfg);
     }
 
     /// A queued request gave up waiting for a slot (its deadline passed): it leaves the queue
@@ -580,7 +605,7 @@ impl Engine {
         self.release_pending(s);
         if s.holds_slot {
             s.holds_slot = false;
-            self.release_slot(s.request.priority);
+            self.release_slot(&s.request);
         }
     }
 
@@ -1116,6 +1141,15 @@ impl Engine {
                 }
                 (Outcome::Error, Some(Phase::Generation), None)
             }
+            GenerationStatus::LocalResources => {
+                // The node's shortage, not the target's failure: no breaker failure and (below)
+                // no health sample.
+                codes.push(ReasonCode::LocalResourceExhausted);
+                if p.probe {
+                    breaker.release_probe();
+                }
+                (Outcome::Error, Some(Phase::Generation), None)
+            }
             GenerationStatus::Unauthorized => {
                 codes.push(ReasonCode::UpstreamAuthFailed);
                 s.misconfigured = Some(provider.id.clone());
@@ -1188,7 +1222,7 @@ impl Engine {
                 transition: t,
             });
         }
-        if !g.status.is_refusal() && !request_made {
+        if !g.status.says_nothing_of_target() && !request_made {
             s.effects.push(Effect::HealthSample {
                 provider: provider.id.clone(),
                 outcome,
@@ -1235,6 +1269,9 @@ impl Engine {
                 GenerationStatus::Rejected | GenerationStatus::ContentPolicy
             ) {
             // A retry would only spend more: the request itself was refused.
+            Some(None)
+        } else if g.status == GenerationStatus::LocalResources {
+            // Another target needs the same descriptors and ports: the caller retries later.
             Some(None)
         } else if s.caller_gone {
             Some(Some(ReasonCode::ClientDisconnected)) // nobody would read the answer
@@ -1464,7 +1501,7 @@ impl Engine {
     ) -> Step {
         if s.holds_slot {
             s.holds_slot = false;
-            self.release_slot(s.request.priority);
+            self.release_slot(&s.request);
         }
         let escalation = escalation.or_else(|| self.misconfigured(s, phase, now_ms));
         let accepted = outcome == DecisionOutcome::Accepted;

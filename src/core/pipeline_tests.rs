@@ -123,6 +123,7 @@ pub(crate) fn req(id: &str) -> Request {
         tools: Default::default(),
         bound_to: None,
         embeddings: false,
+        stream: false,
     }
 }
 
@@ -1083,6 +1084,7 @@ fn every_reason_code_is_reachable() {
     for status in [
         GenerationStatus::ContentPolicy,
         GenerationStatus::Unauthorized,
+        GenerationStatus::LocalResources,
     ] {
         let g = Generation::failed(status, 5);
         note(&drive(&mut retrying(), req("refused"), vec![g, good()]).1);
@@ -1259,6 +1261,9 @@ fn every_reason_code_is_reachable() {
     // The prober's, not a request's: said in the node's state when the probe budget stops
     // billed probes (`node::health`, tested there).
     seen.insert(ReasonCode::ProbeBudgetExhausted);
+    // The listener's: a connection past node.max_connections is refused before any request
+    // is read (`node::server`, tested in the suite's gateway tests).
+    seen.insert(ReasonCode::ConnectionLimit);
     let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
     let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();
     assert!(missing.is_empty(), "unreached reason codes: {missing:?}");
@@ -2172,4 +2177,39 @@ fn a_caller_over_its_rate_limit_gives_back_its_slot_and_queue_place() {
     );
     assert_eq!(d.reason_codes, [ReasonCode::RateLimitExceeded]);
     assert_eq!(e.state.bulkheads.normal.active, 0, "its slot went back");
+}
+
+/// The node ran out of descriptors before the target was reached: the request is refused
+/// (the caller retries after a moment), and neither the target's breaker nor its health hears
+/// of it, however many such failures come.
+#[test]
+fn a_local_shortage_is_never_scored_against_the_target() {
+    let mut e = retrying();
+    for i in 0..20 {
+        let short = Generation::failed(GenerationStatus::LocalResources, 1);
+        let (sent, d) = drive(&mut e, req(&format!("fd-{i}")), vec![short]);
+        assert_eq!(
+            sent.len(),
+            1,
+            "no retry, here or elsewhere: the shortage is the node's"
+        );
+        assert_eq!(d.phase, Phase::Generation);
+        assert!(
+            has(&d, ReasonCode::LocalResourceExhausted),
+            "{:?}",
+            d.reason_codes
+        );
+        assert!(
+            !d.effects
+                .iter()
+                .any(|f| matches!(f, Effect::HealthSample { .. } | Effect::Breaker { .. })),
+            "{:?}",
+            d.effects
+        );
+    }
+    assert_eq!(
+        e.state.breakers.get("primary").copied().unwrap_or_default(),
+        crate::core::breaker::Breaker::default(),
+        "the breaker never heard of it"
+    );
 }

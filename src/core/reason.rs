@@ -126,6 +126,8 @@ reason_codes! {
         "The request's class was at its concurrency limit and does not queue; shed, retry later.";
     LoadShedNonCritical = "LOAD_SHED_NON_CRITICAL", Admission,
         "Global load reached the non-critical cap; non-critical traffic is shed so critical capacity stays free.";
+    ConnectionLimit = "CONNECTION_LIMIT", Admission,
+        "Every HTTP connection the node may hold (node.max_connections, sized from its open-file limit) had a request in hand; refused at once with Retry-After, retry later or on another node.";
     AgentLoopDetected = "AGENT_LOOP_DETECTED", Loop,
         "The same call (agent, task, model, messages) failed repeatedly within the loop window; the loop breaker tripped and an incident opened.";
     RunawayRetryStopped = "RUNAWAY_RETRY_STOPPED", Loop,
@@ -186,6 +188,8 @@ reason_codes! {
         "The provider refused the request itself (HTTP 400, 413 or 422: invalid, or too large for it); the caller's doing, so it counts against neither the provider's health nor its breaker.";
     GenerationTimeout = "GENERATION_TIMEOUT", Generation,
         "The provider did not answer within the attempt's timeout.";
+    LocalResourceExhausted = "LOCAL_RESOURCE_EXHAUSTED", Generation,
+        "The node ran out of its own resources (open files, ports) before the provider was reached; not counted against the provider's health or breaker; retry after Retry-After or on another node.";
     RateLimited = "RATE_LIMITED", Generation,
         "The provider answered 429; its Retry-After is honoured before it is used again.";
     StreamInterrupted = "STREAM_INTERRUPTED", Generation,

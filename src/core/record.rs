@@ -112,6 +112,7 @@ impl Engine {
             breakers: st.breakers.clone(),
             cooldowns: st.cooldowns.clone(),
             bulkheads: st.bulkheads,
+            stream_bulkheads: st.stream_bulkheads,
             loops: Default::default(),
             budgets: Default::default(),
             routes: Default::default(),
@@ -186,6 +187,8 @@ pub struct Patch {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bulkheads: Option<super::bulkhead::Bulkheads>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream_bulkheads: Option<super::bulkhead::Bulkheads>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub loops: Option<super::loops::Loops>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budgets: Option<super::budget::Budgets>,
@@ -228,6 +231,8 @@ impl Patch {
             breakers: (b.breakers != st.breakers).then(|| st.breakers.clone()),
             cooldowns: (b.cooldowns != st.cooldowns).then(|| st.cooldowns.clone()),
             bulkheads: (b.bulkheads != st.bulkheads).then_some(st.bulkheads),
+            stream_bulkheads: (b.stream_bulkheads != st.stream_bulkheads)
+                .then_some(st.stream_bulkheads),
             loops: pruned.0,
             budgets: pruned.1,
             routes: routes_differ.then(|| {
@@ -257,6 +262,7 @@ impl Patch {
                     .clone()
                     .unwrap_or_else(|| b.cooldowns.clone()),
                 bulkheads: self.bulkheads.unwrap_or(b.bulkheads),
+                stream_bulkheads: self.stream_bulkheads.unwrap_or(b.stream_bulkheads),
                 loops: self.loops.clone().unwrap_or_else(|| b.loops.clone()),
                 budgets: self.budgets.clone().unwrap_or_else(|| b.budgets.clone()),
                 routes: self.routes.clone().unwrap_or_else(|| b.routes.clone()),

@@ -162,6 +162,9 @@ pub struct Request {
     /// by embedding targets, and no answer text to hold to a contract.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub embeddings: bool,
+    /// The caller asked for a stream: it is admitted to the streams' bulkheads.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
 }
 
 fn yes() -> bool {
@@ -291,6 +294,9 @@ pub enum GenerationStatus {
     ContentPolicy,
     /// HTTP 401 or 403: the upstream does not accept oam's credentials.
     Unauthorized,
+    /// The node could not make the call for want of its own resources (descriptors, ports,
+    /// buffers): the target was never reached.
+    LocalResources,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -378,6 +384,12 @@ impl GenerationStatus {
                 | GenerationStatus::ContextLength
                 | GenerationStatus::ContentPolicy
         )
+    }
+
+    /// The outcome says nothing of the target's health: the request's own doing (a refusal)
+    /// or the node's (its resources ran out before the target was reached).
+    pub fn says_nothing_of_target(self) -> bool {
+        self.is_refusal() || self == GenerationStatus::LocalResources
     }
 }
 

@@ -357,8 +357,12 @@ pub struct NodeSnapshot {
     pub live_nodes: Vec<String>,
     pub nodes: Vec<MemberSnapshot>,
     pub providers: Vec<ProviderSnapshot>,
+    /// Short requests' bulkheads and their limits.
     pub bulkheads: Bulkheads,
     pub bulkhead_limits: BulkheadConfig,
+    /// Streams' bulkheads and their limits (a stream holds its slot for its whole answer).
+    pub stream_bulkheads: Bulkheads,
+    pub stream_bulkhead_limits: BulkheadConfig,
     pub budgets: Budgets,
     /// Calls failing again and again (counted across the cluster), and open loop episodes.
     pub loops: Loops,

@@ -13,7 +13,7 @@
 //! queue_timeout_ms = 5000     # longest wait in a bulkhead queue
 //! max_body_bytes = 1048576
 //! max_answer_bytes = 8388608  # an upstream's answer (or stream) larger than this is cut off
-//! max_connections = 512       # open HTTP connections; more wait until one closes
+//! max_connections = 9872      # open HTTP connections (default: (open files - 256) / 2)
 //! header_timeout_ms = 10000   # a request's headers within this (and idle keep-alive this long)
 //! write_timeout_ms = 30000    # a client takes each write within this, or is hung up on
 //! budget_lease_ms = 30000     # a dead node's holds in the shared budget ledger lapse after this
@@ -57,6 +57,8 @@
 //! max_attempts = { low = 3, medium = 2, high = 2 }
 //! same_target_retries = 1     # a 5xx or 429 is retried on its target first
 //! default_contract = {}       # hold every answer to the JSON contract (none by default)
+//! stream_bulkheads = { normal = { concurrency = 6000, queue = 500 } }  # streams' own slots
+//!                             # (defaults of it and `bulkheads`: sized from cores and open files)
 //!
 //! [[client]]                  # who may call: with any, every request (HTTP or NATS) needs
 //! id = "support-bot"          # `Authorization: Bearer <key>` of one, and its id is the agent
@@ -97,6 +99,7 @@
 //! ```
 
 use crate::core::budget::Budgets;
+use crate::core::bulkhead::{BulkheadConfig, Kind};
 use crate::core::pipeline::Config as PipelineConfig;
 use serde::Deserialize;
 use std::path::Path;
@@ -540,11 +543,52 @@ impl ProviderConfig {
     }
 }
 
+/// `kind`'s limits sized for `m`, with what the file `set` laid over them.
+fn sized_unless_set(
+    kind: Kind,
+    m: crate::core::bulkhead::Machine,
+    set: Option<&toml::Value>,
+) -> Result<BulkheadConfig, String> {
+    let sized = BulkheadConfig::sized(kind, m);
+    let Some(set) = set else {
+        return Ok(sized);
+    };
+    fn lay(base: &mut toml::Value, over: &toml::Value) {
+        match (base, over) {
+            (toml::Value::Table(b), toml::Value::Table(o)) => {
+                for (k, v) in o {
+                    match b.get_mut(k) {
+                        Some(slot) => lay(slot, v),
+                        None => {
+                            b.insert(k.clone(), v.clone());
+                        }
+                    }
+                }
+            }
+            (b, o) => *b = o.clone(),
+        }
+    }
+    let mut v = toml::Value::try_from(sized).map_err(|e| e.to_string())?;
+    lay(&mut v, set);
+    v.try_into().map_err(|e: toml::de::Error| {
+        format!(
+            "pipeline.{}bulkheads: {e}",
+            if kind == Kind::Stream { "stream_" } else { "" }
+        )
+    })
+}
+
 impl NodeConfig {
     /// Parse `text` (from `name`), fill in the simulator's providers if none are listed, and
     /// check what serde cannot.
     pub fn parse(name: &str, text: &str, sim_url: &str) -> Result<NodeConfig, String> {
         let mut cfg: NodeConfig = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
+        cfg.size_for_machine(
+            text,
+            super::limits::cores(),
+            super::limits::soft_open_files(),
+        )
+        .map_err(|e| format!("{name}: {e}"))?;
         if cfg.providers.is_empty() {
             cfg.providers = default_providers(sim_url);
             // The simulator's models answer in oam's JSON contract: the route `json` holds them
@@ -578,6 +622,23 @@ impl NodeConfig {
             .traces_url(|k| std::env::var(k).ok())
             .map_err(|e| format!("{name}: {e}"))?;
         Ok(cfg)
+    }
+
+    /// What `text` leaves unset of the connection limit and both kinds' bulkheads, sized for
+    /// a machine of `cores` and `open_files` descriptors: a field the file sets is kept.
+    fn size_for_machine(&mut self, text: &str, cores: u32, open_files: u64) -> Result<(), String> {
+        let raw: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let node = raw.get("node").and_then(toml::Value::as_table);
+        if !node.is_some_and(|n| n.contains_key("max_connections")) {
+            self.node.max_connections = super::limits::connections_for(open_files);
+        }
+        let m = super::limits::sizing(cores, self.node.max_connections);
+        let pipeline = raw.get("pipeline").and_then(toml::Value::as_table);
+        let set = |key: &str| pipeline.and_then(|p| p.get(key));
+        self.pipeline.bulkheads = sized_unless_set(Kind::Short, m, set("bulkheads"))?;
+        self.pipeline.stream_bulkheads =
+            sized_unless_set(Kind::Stream, m, set("stream_bulkheads"))?;
+        Ok(())
     }
 
     pub fn load(path: Option<&Path>, sim_url: &str) -> Result<NodeConfig, String> {
@@ -1097,6 +1158,48 @@ limit_usd = 5.0
         assert_eq!(cfg.providers.len(), 2);
         assert_eq!(cfg.pipeline.max_attempts.high, 1);
         assert_eq!(cfg.budgets.agents["support-bot"].limit_usd, 5.0);
+    }
+
+    #[test]
+    fn unset_limits_are_sized_for_the_machine_and_set_ones_kept() {
+        use crate::core::bulkhead::{BulkheadConfig, ClassLimits, Kind};
+        let sized = |text: &str, cores, files| {
+            let mut cfg: NodeConfig = toml::from_str(text).unwrap();
+            cfg.size_for_machine(text, cores, files).unwrap();
+            cfg
+        };
+        // Nothing set: 2 cores and 20,000 open files.
+        let cfg = sized("", 2, 20_000);
+        assert_eq!(cfg.node.max_connections, 9_872);
+        let m = crate::node::limits::sizing(2, 9_872);
+        assert_eq!(
+            cfg.pipeline.bulkheads,
+            BulkheadConfig::sized(Kind::Short, m)
+        );
+        assert_eq!(
+            cfg.pipeline.stream_bulkheads,
+            BulkheadConfig::sized(Kind::Stream, m)
+        );
+        assert!(
+            cfg.pipeline.stream_bulkheads.global_limit > 10 * cfg.pipeline.bulkheads.global_limit
+        );
+        // A field set is kept; the rest of its table is still sized, for the connections set.
+        let text = "[node]\nmax_connections = 100\n[pipeline.stream_bulkheads]\nnormal = { concurrency = 5, queue = 1 }\n";
+        let cfg = sized(text, 2, 20_000);
+        assert_eq!(cfg.node.max_connections, 100);
+        let small = BulkheadConfig::sized(Kind::Stream, crate::node::limits::sizing(2, 100));
+        assert_eq!(
+            cfg.pipeline.stream_bulkheads.normal,
+            ClassLimits {
+                concurrency: 5,
+                queue: 1
+            }
+        );
+        assert_eq!(cfg.pipeline.stream_bulkheads.critical, small.critical);
+        // What serde refuses is refused with the field named.
+        let bad = "[pipeline.bulkheads]\nnormal = { concurrency = 5, queu = 1 }\n";
+        let e = NodeConfig::parse("oam.toml", bad, "http://sim").unwrap_err();
+        assert!(e.contains("queu"), "{e}");
     }
 
     #[test]

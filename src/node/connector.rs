@@ -287,7 +287,7 @@ impl Connector {
                 )
                 .into();
             }
-            Ok(Err(e)) => return failed(GenerationStatus::Error, error_chain(&*e)).into(),
+            Ok(Err(e)) => return failed(unanswered(&*e), error_chain(&*e)).into(),
             Ok(Ok(parts)) => parts,
         };
         let mut attempt = judge(http.api, status, &headers, &bytes, latency_ms);
@@ -514,10 +514,7 @@ impl Connector {
             Ok(Err(e)) => {
                 let g = Generation {
                     error: Some(error_chain(&e)),
-                    ..Generation::failed(
-                        GenerationStatus::Error,
-                        started.elapsed().as_millis() as u64,
-                    )
+                    ..Generation::failed(unanswered(&e), started.elapsed().as_millis() as u64)
                 };
                 return Opened::Failed(g.into());
             }
@@ -1057,6 +1054,28 @@ fn retry_after_ms(h: &HeaderMap) -> Option<u64> {
         .or_else(|| get(RETRY_AFTER.as_str()).map(|s| (s * 1_000.0) as u64))
 }
 
+/// How a call that got no answer failed: for want of the node's own descriptors, ports or
+/// buffers (the target was never reached, and it is not the target's failure), or else the
+/// target's error.
+fn unanswered(e: &(dyn std::error::Error + 'static)) -> GenerationStatus {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        let errno = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error);
+        if errno.is_some_and(|n| {
+            matches!(
+                n,
+                libc::EMFILE | libc::ENFILE | libc::EADDRNOTAVAIL | libc::ENOBUFS | libc::ENOMEM
+            )
+        }) {
+            return GenerationStatus::LocalResources;
+        }
+        cur = err.source();
+    }
+    GenerationStatus::Error
+}
+
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut parts = vec![e.to_string()];
     let mut cur = e.source();
@@ -1070,6 +1089,28 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn running_out_of_descriptors_or_ports_is_the_nodes_shortage() {
+        #[derive(Debug)]
+        struct Wrapped(std::io::Error);
+        impl std::fmt::Display for Wrapped {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("client error (Connect)")
+            }
+        }
+        impl std::error::Error for Wrapped {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        for errno in [libc::EMFILE, libc::ENFILE, libc::EADDRNOTAVAIL] {
+            let e = Wrapped(std::io::Error::from_raw_os_error(errno));
+            assert_eq!(unanswered(&e), GenerationStatus::LocalResources, "{errno}");
+        }
+        let refused = Wrapped(std::io::Error::from_raw_os_error(libc::ECONNREFUSED));
+        assert_eq!(unanswered(&refused), GenerationStatus::Error);
+    }
 
     #[test]
     fn a_completion_read_from_its_bytes_reads_as_its_tree_does() {

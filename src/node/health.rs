@@ -156,10 +156,11 @@ pub fn probe_outcome(
     contract_failed: impl FnOnce() -> bool,
 ) -> Option<Outcome> {
     Some(match status {
-        // `GenerationStatus::is_refusal`, which the request path holds to.
+        // `GenerationStatus::says_nothing_of_target`, which the request path holds to.
         GenerationStatus::Rejected
         | GenerationStatus::ContextLength
-        | GenerationStatus::ContentPolicy => return None,
+        | GenerationStatus::ContentPolicy
+        | GenerationStatus::LocalResources => return None,
         GenerationStatus::Ok if check != Check::Chat => Outcome::Success,
         GenerationStatus::Ok if contract_failed() => Outcome::ContractFailure,
         GenerationStatus::Ok => Outcome::Success,

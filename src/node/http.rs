@@ -36,6 +36,58 @@ pub fn router(node: Arc<Node>) -> Router {
         .with_state(node)
 }
 
+/// What a connection past `node.max_connections` is served (`server::OVERFLOW` of them at
+/// once): the node's state, metrics and liveness as ever, and for anything else the refusal
+/// `CONNECTION_LIMIT`, 503 with `Retry-After`, in the caller's API's error shape. The request's
+/// body is read first (up to `node.max_body_bytes`): a socket closed on unread bytes resets,
+/// and the caller would see the reset instead of the refusal.
+pub fn overflow_router(node: Arc<Node>) -> Router {
+    Router::new()
+        .route("/v1/oam/state", get(state))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .fallback(at_connection_limit)
+        .layer(DefaultBodyLimit::disable())
+        .with_state(node)
+}
+
+async fn at_connection_limit(
+    State(node): State<Arc<Node>>,
+    uri: axum::http::Uri,
+    body: axum::body::Body,
+) -> Response {
+    let limit = node.cfg.node.max_body_bytes;
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(1),
+        axum::body::to_bytes(body, limit),
+    )
+    .await;
+    node.serving
+        .refused_at_connection_limit
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let code = crate::core::reason::ReasonCode::ConnectionLimit;
+    let message = format!(
+        "this node holds {} connections, each with a request in hand; retry after 1 s or on another node",
+        node.cfg.node.max_connections
+    );
+    let body = if uri.path() == "/v1/messages" {
+        json!({"type": "error", "error": {"type": "overloaded_error", "message": message}})
+    } else {
+        super::openai::error_body(&message, "server_error", None, code.as_str())
+    };
+    // `with_oam_headers` adds the Retry-After of an admission refusal.
+    let resp = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+    with_oam_headers(
+        resp,
+        [
+            "admission".into(),
+            code.as_str().into(),
+            String::new(),
+            node.serving.next_request_id(&node.id),
+        ],
+    )
+}
+
 /// `POST /v1/oam/chaos`: how an isolated node hears that its fault ended early. Only a
 /// restore is accepted here; faults themselves come from the warden over NATS.
 async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Response {
@@ -137,6 +189,8 @@ pub(crate) fn with_oam_headers(
     mut resp: Response,
     [phase, reasons, target, request_id]: [String; 4],
 ) -> Response {
+    let status = resp.status();
+    let phase_is_admission = phase == "admission";
     let h = resp.headers_mut();
     for (name, value) in [
         ("x-oam-phase", phase),
@@ -148,16 +202,22 @@ pub(crate) fn with_oam_headers(
             h.insert(HeaderName::from_static(name), v);
         }
     }
-    // Over a rate limit: when the window that admits it again opens.
-    if let Some(r) = h.get("x-oam-reasons")
-        && r.as_bytes()
-            .windows(19)
-            .any(|w| w == b"RATE_LIMIT_EXCEEDED")
-    {
+    let reasons = h.get("x-oam-reasons").map(HeaderValue::as_bytes);
+    let has = |code: &[u8]| reasons.is_some_and(|r| r.windows(code.len()).any(|w| w == code));
+    if has(b"RATE_LIMIT_EXCEEDED") {
+        // Over a rate limit: when the window that admits it again opens.
         let ms = crate::core::rates::retry_after_ms(crate::clock::now_ms());
         h.insert(
             axum::http::header::RETRY_AFTER,
             HeaderValue::from(ms.div_ceil(1_000)),
+        );
+    } else if status == StatusCode::SERVICE_UNAVAILABLE
+        && (phase_is_admission || has(b"LOCAL_RESOURCE_EXHAUSTED"))
+    {
+        // Full (a bulkhead, its queue) or short of descriptors: a moment later, or elsewhere.
+        h.insert(
+            axum::http::header::RETRY_AFTER,
+            HeaderValue::from_static("1"),
         );
     }
     resp

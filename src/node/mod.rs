@@ -22,6 +22,7 @@ pub mod gossip;
 pub mod health;
 pub mod http;
 pub mod ledger;
+pub mod limits;
 pub mod live;
 pub mod loops;
 pub mod metrics;
@@ -89,6 +90,8 @@ pub struct Serving {
     pub http_url: OnceLock<String>,
     /// Times every HTTP connection slot (`node.max_connections`) was taken.
     pub saturated: Arc<AtomicU64>,
+    /// Requests refused with `CONNECTION_LIMIT` on a spare connection.
+    pub refused_at_connection_limit: Arc<AtomicU64>,
     requests: AtomicU64,
 }
 
@@ -146,7 +149,7 @@ impl Node {
         let log = decisionlog::DecisionLog::new(&id, cfg.decision_log.clone());
         let metrics = Arc::new(metrics::Metrics::default());
         let registry = &metrics.registry;
-        status::register(registry, &id, &pipeline, &serving.saturated);
+        status::register(registry, &id, &pipeline, &serving);
         bus.register(registry);
         ledger.counters.register(registry);
         let rates = rates::Rates::default();
@@ -245,12 +248,16 @@ pub async fn run(
             }
         })
     };
+    let limits = server::Limits {
+        max_connections: node.cfg.node.max_connections,
+        header_timeout: Duration::from_millis(node.cfg.node.header_timeout_ms),
+        write_timeout: Duration::from_millis(node.cfg.node.write_timeout_ms),
+    };
     let server = tokio::spawn(server::serve(
         listener,
         http::router(node.clone()),
-        node.cfg.node.max_connections,
-        Duration::from_millis(node.cfg.node.header_timeout_ms),
-        Duration::from_millis(node.cfg.node.write_timeout_ms),
+        http::overflow_router(node.clone()),
+        limits,
         node.serving.saturated.clone(),
         node.serving.stop.clone(),
     ));

@@ -335,6 +335,7 @@ pub(crate) fn decode_request(
         tools,
         bound_to: None,
         embeddings: false,
+        stream,
     };
     let mut extra = chat.rest;
     // oam sets the upstream's stream options itself (it always asks a stream for its usage);
@@ -376,6 +377,9 @@ pub fn status_for(d: &Decision) -> StatusCode {
         .is_some_and(GenerationStatus::is_refusal);
     if d.reason_codes.contains(&ReasonCode::RateLimitExceeded) {
         return StatusCode::TOO_MANY_REQUESTS;
+    }
+    if d.reason_codes.contains(&ReasonCode::LocalResourceExhausted) {
+        return StatusCode::SERVICE_UNAVAILABLE; // the node's shortage: retry after a moment
     }
     match d.phase {
         Phase::Accepted => StatusCode::OK,

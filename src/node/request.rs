@@ -339,8 +339,15 @@ pub async fn execute(
     // Time spent waiting on upstreams, in the queue and in backoffs: not oam's own (the rest
     // is, `oam_overhead_seconds`).
     let mut waited = Duration::ZERO;
-    let queue_deadline =
-        tokio::time::Instant::now() + Duration::from_millis(node.cfg.node.queue_timeout_ms);
+    // A request that states a latency budget waits for a slot no longer than that.
+    let queue_ms = flight
+        .session
+        .request()
+        .latency_budget_ms
+        .map_or(node.cfg.node.queue_timeout_ms, |b| {
+            b.min(node.cfg.node.queue_timeout_ms)
+        });
+    let queue_deadline = tokio::time::Instant::now() + Duration::from_millis(queue_ms);
     let decision = loop {
         step = match step {
             Step::Done(d) => break *d,

@@ -8,8 +8,11 @@
 //!
 //! When every slot is taken, the connection that has waited longest for a request (one that
 //! sends its headers a byte at a time, or sits idle between requests) is closed to make room:
-//! slow or idle sockets cannot keep callers with a request to make out. Only when every
-//! connection has a request in hand do new ones wait in the kernel's queue.
+//! slow or idle sockets cannot keep callers with a request to make out. When every connection
+//! has a request in hand, a new one is still accepted, on one of `OVERFLOW` spare slots, and
+//! served by the `overflow` router: the node's state and metrics stay reachable, and every other
+//! request is refused at once (the node's 503 with `Retry-After`) and the connection closed,
+//! instead of waiting in the kernel's queue. Only past those spares do callers wait there.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +22,22 @@ use tokio_util::sync::CancellationToken;
 
 /// How long a client has to send a request's body once its headers are in.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connections accepted past `max_connections`, each for one request (metrics, state, or a
+/// refusal), with headers due within `OVERFLOW_HEADER_TIMEOUT`.
+pub const OVERFLOW: usize = 64;
+const OVERFLOW_HEADER_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The listener's bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub header_timeout: Duration,
+    pub write_timeout: Duration,
+}
+
+/// How long a connection must have waited for a request before it may be closed to make room.
+const EVICTABLE_AFTER: Duration = Duration::from_millis(250);
 
 /// One open connection, as the eviction sees it.
 struct Conn {
@@ -82,9 +101,10 @@ impl Conns {
         lock(&self.open).remove(&id);
     }
 
-    /// Close the connection that has waited longest for a request; false if every one has a
-    /// request in hand.
-    fn evict_longest_waiting(&self) -> bool {
+    /// Close the connection that has waited longest for a request, once it has waited
+    /// `EVICTABLE_AFTER` (one just opened is about to send its request): made room, or when
+    /// there will be some to make, or none (every connection has a request in hand).
+    fn make_room(&self, now: Instant) -> Room {
         let open = lock(&self.open);
         let longest = open
             .values()
@@ -92,13 +112,25 @@ impl Conns {
             .filter_map(|c| c.waiting().map(|since| (since, c)))
             .min_by_key(|(since, _)| *since);
         match longest {
-            Some((_, c)) => {
+            Some((since, c)) if now.duration_since(since) >= EVICTABLE_AFTER => {
                 c.close.cancel();
-                true
+                Room::Made
             }
-            None => false,
+            Some((since, _)) => Room::At(since + EVICTABLE_AFTER),
+            None => Room::None,
         }
     }
+}
+
+/// What `Conns::make_room` did.
+#[derive(Debug, PartialEq, Eq)]
+enum Room {
+    /// A waiting connection was closed: its slot is coming.
+    Made,
+    /// The longest waiting has not waited long enough yet: try again then.
+    At(Instant),
+    /// Every connection has a request in hand.
+    None,
 }
 
 /// A response body that tells its connection when it is written out (or dropped).
@@ -210,36 +242,53 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteDeadline<S
 }
 
 /// Serve `app` on `listener` until `stop` is cancelled, then let every open connection finish
-/// the request in hand. `saturated` counts the times every connection slot was taken.
+/// the request in hand; past `max_connections` (none evictable), serve `overflow` one request
+/// per connection. `saturated` counts the times every connection slot was taken.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
-    max_connections: usize,
-    header_timeout: Duration,
-    write_timeout: Duration,
+    overflow: axum::Router,
+    limits: Limits,
     saturated: Arc<AtomicU64>,
     stop: CancellationToken,
 ) {
-    let permits = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let spares = Arc::new(tokio::sync::Semaphore::new(OVERFLOW));
     let connections = tokio_util::task::TaskTracker::new();
     let conns = Arc::new(Conns::default());
     loop {
         // A slot first, then a connection: what cannot be served yet waits in the backlog.
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                saturated.fetch_add(1, Ordering::Relaxed);
-                // Make room: the connection waiting longest for a request goes.
-                conns.evict_longest_waiting();
-                tokio::select! {
-                    p = permits.clone().acquire_owned() => match p {
-                        Ok(p) => p,
-                        Err(_) => break,
-                    },
-                    () = stop.cancelled() => break,
+        if permits.available_permits() == 0 {
+            saturated.fetch_add(1, Ordering::Relaxed);
+        }
+        let slot = loop {
+            if let Ok(p) = permits.clone().try_acquire_owned() {
+                break Some(Slot::Main(p));
+            }
+            // Make room: the connection waiting longest for a request goes; with every one
+            // busy, a spare slot answers at once.
+            let (retry_at, spare) = match conns.make_room(Instant::now()) {
+                Room::Made => (None, false),
+                Room::At(t) => (Some(t), false),
+                Room::None => (None, true),
+            };
+            if spare && let Ok(p) = spares.clone().try_acquire_owned() {
+                break Some(Slot::Spare(p));
+            }
+            let retry = async {
+                match retry_at {
+                    Some(t) => tokio::time::sleep_until(t.into()).await,
+                    None => std::future::pending().await,
                 }
+            };
+            tokio::select! {
+                p = permits.clone().acquire_owned() => break p.ok().map(Slot::Main),
+                p = spares.clone().acquire_owned(), if spare => break p.ok().map(Slot::Spare),
+                () = retry => {}
+                () = stop.cancelled() => break None,
             }
         };
+        let Some(slot) = slot else { break };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
@@ -257,6 +306,13 @@ pub async fn serve(
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!("cannot set TCP_NODELAY: {e}");
         }
+        let permit = match slot {
+            Slot::Main(p) => p,
+            Slot::Spare(p) => {
+                connections.spawn(serve_spare(stream, overflow.clone(), limits, p));
+                continue;
+            }
+        };
         let (id, conn) = conns.add();
         let service = {
             let inner = hyper_util::service::TowerToHyperService::new(app.clone());
@@ -279,10 +335,10 @@ pub async fn serve(
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(header_timeout);
+                .header_read_timeout(limits.header_timeout);
             let io = WriteDeadline {
                 inner: stream,
-                limit: write_timeout,
+                limit: limits.write_timeout,
                 stalled: None,
             };
             let conn_io = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
@@ -306,6 +362,36 @@ pub async fn serve(
     connections.wait().await;
 }
 
+/// What a new connection is served on.
+enum Slot {
+    Main(tokio::sync::OwnedSemaphorePermit),
+    Spare(tokio::sync::OwnedSemaphorePermit),
+}
+
+/// One request on a spare slot, then the connection closes: short deadlines, no keep-alive.
+async fn serve_spare(
+    stream: tokio::net::TcpStream,
+    overflow: axum::Router,
+    limits: Limits,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_timeout.min(OVERFLOW_HEADER_TIMEOUT))
+        .keep_alive(false);
+    let io = WriteDeadline {
+        inner: stream,
+        limit: limits.write_timeout.min(OVERFLOW_HEADER_TIMEOUT * 5),
+        stalled: None,
+    };
+    let service = hyper_util::service::TowerToHyperService::new(overflow);
+    let _ = builder
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service)
+        .await;
+    drop(permit);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,15 +405,87 @@ mod tests {
         // The oldest has a request in hand: it is not the one to go.
         oldest.begin();
         busy.begin();
-        assert!(conns.evict_longest_waiting());
+        let now = Instant::now();
+        let Room::At(at) = conns.make_room(now) else {
+            panic!("just opened: its request is coming")
+        };
+        assert!(at > now && at <= Instant::now() + EVICTABLE_AFTER);
+        let later = now + EVICTABLE_AFTER;
+        assert_eq!(conns.make_room(later), Room::Made);
         assert!(newer.close.is_cancelled());
         assert!(!oldest.close.is_cancelled() && !busy.close.is_cancelled());
         // Every one left has a request in hand: nothing to close.
-        assert!(!conns.evict_longest_waiting());
+        assert_eq!(conns.make_room(later), Room::None);
         // A finished request leaves its connection waiting again, and so evictable.
         busy.end();
-        assert!(conns.evict_longest_waiting());
+        assert_eq!(
+            conns.make_room(Instant::now() + EVICTABLE_AFTER),
+            Room::Made
+        );
         assert!(busy.close.is_cancelled());
+    }
+
+    /// Past every slot (each with a request in hand), a caller is answered by the overflow
+    /// router at once, one request per connection, again and again.
+    #[tokio::test]
+    async fn past_every_slot_callers_get_the_overflow_answer_at_once() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let app = axum::Router::new().route(
+            "/hold",
+            axum::routing::post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+        );
+        let overflow = axum::Router::new().fallback(|body: axum::body::Bytes| async move {
+            (
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                format!("full {}", body.len()),
+            )
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let limits = Limits {
+            max_connections: 1,
+            header_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+        };
+        let server = tokio::spawn(serve(
+            listener,
+            app,
+            overflow,
+            limits,
+            Arc::default(),
+            stop.clone(),
+        ));
+        // The one slot: a request whose body is held back.
+        let mut held = tokio::net::TcpStream::connect(addr).await.unwrap();
+        held.write_all(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for i in 0..5 {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let body = format!("{{\"n\": {i}}}");
+            let req = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            c.write_all(req.as_bytes()).await.unwrap();
+            let mut answer = String::new();
+            let read = tokio::time::timeout(Duration::from_secs(2), c.read_to_string(&mut answer));
+            read.await.expect("answered at once").expect("read");
+            assert!(answer.starts_with("HTTP/1.1 503"), "{i}: {answer}");
+            assert!(
+                answer.ends_with(&format!("full {}", body.len())),
+                "{i}: {answer}"
+            );
+        }
+        held.write_all(b"123456789").await.unwrap();
+        let mut answer = [0u8; 256];
+        let n = held.read(&mut answer).await.unwrap();
+        assert!(String::from_utf8_lossy(&answer[..n]).ends_with("10"));
+        stop.cancel();
+        drop(held);
+        server.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]

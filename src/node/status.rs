@@ -6,11 +6,11 @@ use super::metrics::{Kind, Registry};
 use super::pipeline::{Pipeline, lock};
 use crate::clock::now_ms;
 use crate::core::breaker::Breaker;
+use crate::core::bulkhead::Kind as Pool;
 use crate::core::health::Verdict;
 use crate::core::request::Priority;
 use crate::core::wire::{BusCounts, MemberSnapshot, NodeSnapshot, ProviderSnapshot};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -96,6 +96,8 @@ pub fn snapshot(node: &Node) -> NodeSnapshot {
         providers,
         bulkheads: e.state.bulkheads,
         bulkhead_limits: e.config.bulkheads,
+        stream_bulkheads: e.state.stream_bulkheads,
+        stream_bulkhead_limits: e.config.stream_bulkheads,
         budgets: e.state.budgets.clone(),
         loops: e.state.loops.clone(),
         bus: BusCounts {
@@ -113,7 +115,7 @@ pub fn snapshot(node: &Node) -> NodeSnapshot {
 
 /// Register what the engine holds (breakers, bulkheads, the cluster's view), this node's
 /// identity and its HTTP saturation, all read when scraped.
-pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated: &Arc<AtomicU64>) {
+pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, serving: &super::Serving) {
     let p = pipeline.clone();
     registry.register(
         "oam_breaker_state",
@@ -135,30 +137,48 @@ pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated:
     for (name, help, kind, which) in [
         (
             "oam_bulkhead_active",
-            "Requests holding a slot, per class.",
+            "Requests holding a slot, per class and kind (short or stream).",
             Kind::Gauge,
             0,
         ),
         (
             "oam_bulkhead_queued",
-            "Requests waiting in the class queue.",
+            "Requests waiting in the class queue, per kind.",
             Kind::Gauge,
             1,
         ),
         (
             "oam_bulkhead_shed_total",
-            "Requests shed at admission, per class.",
+            "Requests shed at admission, per class and kind.",
             Kind::Counter,
             2,
+        ),
+        (
+            "oam_bulkhead_limit",
+            "Slots a class may hold at once, per kind (node default: sized from cores and \
+             open files).",
+            Kind::Gauge,
+            3,
         ),
     ] {
         let p = pipeline.clone();
         registry.register(name, help, kind, move |s| {
             let e = p.read();
-            for class in Priority::ALL {
-                let u = e.state.bulkheads.usage(class);
-                let v = [u64::from(u.active), u64::from(u.queued), u.shed][which];
-                s.put(&[("class", class.as_str())], v);
+            let pools = [
+                (Pool::Short, &e.state.bulkheads, &e.config.bulkheads),
+                (
+                    Pool::Stream,
+                    &e.state.stream_bulkheads,
+                    &e.config.stream_bulkheads,
+                ),
+            ];
+            for (pool, b, limits) in pools {
+                for class in Priority::ALL {
+                    let u = b.usage(class);
+                    let limit = u64::from(limits.limits(class).concurrency);
+                    let v = [u64::from(u.active), u64::from(u.queued), u.shed, limit][which];
+                    s.put(&[("class", class.as_str()), ("kind", pool.as_str())], v);
+                }
             }
         });
     }
@@ -213,13 +233,21 @@ pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, saturated:
             1,
         );
     });
-    let saturated = saturated.clone();
+    let saturated = serving.saturated.clone();
     registry.register(
         "oam_http_connection_limit_reached_total",
-        "Times every HTTP connection slot (node.max_connections) was taken; new connections \
-         waited.",
+        "Times every HTTP connection slot (node.max_connections) was taken: the one waiting \
+         longest for a request was closed to make room, or a spare slot took the new one.",
         Kind::Counter,
         move |s| s.put(&[], saturated.load(Ordering::Relaxed)),
+    );
+    let refused = serving.refused_at_connection_limit.clone();
+    registry.register(
+        "oam_http_connection_refused_total",
+        "Requests refused with CONNECTION_LIMIT (503, Retry-After) on a spare connection: \
+         every connection slot had a request in hand.",
+        Kind::Counter,
+        move |s| s.put(&[], refused.load(Ordering::Relaxed)),
     );
 }
 
@@ -268,12 +296,14 @@ mod tests {
             "oam_budget_reservations_total",
             "oam_budget_unsettled",
             "oam_bulkhead_active",
+            "oam_bulkhead_limit",
             "oam_bulkhead_queued",
             "oam_bulkhead_shed_total",
             "oam_bus_messages_ignored_total",
             "oam_decision_log_records_total",
             "oam_escalation_deliveries_total",
             "oam_http_connection_limit_reached_total",
+            "oam_http_connection_refused_total",
             "oam_live_nodes",
             "oam_node_info",
             "oam_otlp_spans_total",

@@ -68,6 +68,10 @@ pub fn node_state(
             normal: usage(6, 0),
             background: usage(8, shed_bg),
         },
+        stream_bulkheads: Bulkheads {
+            normal: usage(12, 0),
+            ..Bulkheads::default()
+        },
         ..NodeSnapshot::default()
     };
     state.budgets.agents.insert(

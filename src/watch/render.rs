@@ -637,6 +637,35 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             rows[i],
         );
     }
+    // Streams, every class together, on slots of their own.
+    let streams = |field: fn(&Usage) -> u64| -> u64 {
+        live_states()
+            .map(|s| {
+                Priority::ALL
+                    .into_iter()
+                    .map(|c| field(s.stream_bulkheads.usage(c)))
+                    .sum::<u64>()
+            })
+            .sum()
+    };
+    let active = streams(|u| u64::from(u.active));
+    let lim = live_states()
+        .map(|s| u64::from(s.stream_bulkhead_limits.global_limit))
+        .sum::<u64>()
+        .max(1);
+    let (queued, shed) = (streams(|u| u64::from(u.queued)), streams(|u| u.shed));
+    let label = if inner.width >= 34 {
+        format!("strm {active}/{lim} active, {queued} queued, {shed} shed")
+    } else {
+        format!("strm {active}/{lim} q{queued} shed {shed}")
+    };
+    f.render_widget(
+        Gauge::default()
+            .gauge_style(Style::default().fg(Color::Magenta))
+            .ratio((active as f64 / lim as f64).clamp(0.0, 1.0))
+            .label(label),
+        rows[3],
+    );
 }
 
 /// Budgets, open escalations (newest first) and loop incidents, a line each.

@@ -551,6 +551,11 @@ struct OneNode {
 
 impl OneNode {
     async fn new(latency_ms: u64) -> OneNode {
+        OneNode::configured(latency_ms, "").await
+    }
+
+    /// `new`, with `config` as the node's oam.toml.
+    async fn configured(latency_ms: u64, config: &str) -> OneNode {
         let nats = NatsServer::start().await;
         let providers: Vec<String> = ["primary", "secondary", "local"]
             .iter()
@@ -562,8 +567,16 @@ impl OneNode {
         }
         let sim = Proc::spawn(&args);
         let sim_url = sim.ready["url"].as_str().unwrap().to_string();
-        let node = node("n1", &nats.url(), &sim_url, &["--cluster-size", "1"]);
+        let file = std::env::temp_dir().join(format!(
+            "oam-one-node-{}-{latency_ms}-{:x}.toml",
+            std::process::id(),
+            xxhash_rust::xxh3::xxh3_64(config.as_bytes())
+        ));
+        std::fs::write(&file, config).unwrap();
+        let args = ["--cluster-size", "1", "--config", file.to_str().unwrap()];
+        let node = node("n1", &nats.url(), &sim_url, &args);
         let url = node.ready["http"].as_str().unwrap().to_string();
+        let _ = std::fs::remove_file(&file); // read before the ready line
         // The node serves HTTP once it has joined (heard its own probes, here).
         let c = client();
         let serving = eventually(Duration::from_secs(10), || state(&c, &url)).await;
@@ -582,7 +595,8 @@ impl OneNode {
 /// waited out the queue and got 503 QUEUE_TIMEOUT until the node restarted.
 #[tokio::test]
 async fn callers_that_hang_up_leak_no_slot() {
-    let one = OneNode::new(150).await;
+    let slots = "[pipeline.bulkheads]\nnormal = { concurrency = 24, queue = 48 }\n";
+    let one = OneNode::configured(150, slots).await;
     let url = one.url.clone();
     let c = client();
     // 30 normal requests whose callers give up after 50 ms: 24 take every normal slot, 6 queue.

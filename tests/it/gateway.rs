@@ -72,12 +72,12 @@ async fn gateway_on(
     env: &[(&str, &str)],
     nats: NatsServer,
 ) -> Gateway {
-    gateway_built(tag, node, extra, env, nats, !env.is_empty()).await
+    gateway_built(tag, node, extra, env, nats, !env.is_empty(), None).await
 }
 
 /// `gateway_on` with the node as a process of its own (`oam node run`).
 async fn gateway_process(tag: &str, node: &str, extra: &str, nats: NatsServer) -> Gateway {
-    gateway_built(tag, node, extra, &[], nats, true).await
+    gateway_built(tag, node, extra, &[], nats, true, None).await
 }
 
 async fn gateway_built(
@@ -87,6 +87,7 @@ async fn gateway_built(
     env: &[(&str, &str)],
     nats: NatsServer,
     process: bool,
+    open_files: Option<u32>,
 ) -> Gateway {
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
@@ -127,10 +128,11 @@ targets = ["primary/small"]
     .unwrap();
     let nats_url = nats.url();
     let (node, url) = if process {
-        let node = Proc::spawn_with_env(
-            &crate::support::node_args("n1", &nats_url, &["--config", cfg.to_str().unwrap()]),
-            env,
-        );
+        let args = crate::support::node_args("n1", &nats_url, &["--config", cfg.to_str().unwrap()]);
+        let node = match open_files {
+            Some(files) => Proc::spawn_with_hard_file_limit(files, &args),
+            None => Proc::spawn_with_env(&args, env),
+        };
         let url = node.ready["http"].as_str().unwrap().to_string();
         (GatewayNode::Process(node), url)
     } else {
@@ -167,6 +169,12 @@ impl Gateway {
             .await
             .unwrap();
         (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    /// `GET path` on the node, as JSON.
+    async fn get(&self, path: &str) -> Value {
+        let r = client().get(format!("{}{path}", self.url)).send().await;
+        r.unwrap().json().await.unwrap()
     }
 
     async fn fault(&self, on: &str, mode: Value) {
@@ -247,14 +255,7 @@ fn tried(v: &Value) -> Vec<String> {
 #[tokio::test]
 async fn routes_fall_back_along_their_chain_and_keep_health_per_model() {
     let g = gateway("routes").await;
-    let models: Value = client()
-        .get(format!("{}/v1/models", g.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = g.get("/v1/models").await;
     let listed: Vec<(&str, Vec<&str>)> = models["data"]
         .as_array()
         .unwrap()
@@ -3499,4 +3500,260 @@ probe = "chat"
         (1..=2).contains(&limited),
         "probed {limited} times within its Retry-After"
     );
+}
+
+/// An upstream whose streams are paced like a model's: `/paced/v1` answers a stream with one
+/// word every 100 ms for 4 s (then its finish and `[DONE]`), and a whole answer at once.
+async fn paced_upstream() -> String {
+    use futures_util::{StreamExt as _, stream};
+    let app = axum::Router::new().route(
+        "/paced/v1/chat/completions",
+        axum::routing::post(|body: axum::Json<Value>| async move {
+            if body["stream"] != true {
+                let answer = json!({"id": "p", "object": "chat.completion", "created": 0,
+                    "model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "whole"}}]});
+                return axum::Json(answer).into_response();
+            }
+            let chunk = |delta: Value, finish: Value| {
+                let c = json!({"id": "p", "object": "chat.completion.chunk", "created": 0,
+                    "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+                format!("data: {c}\n\n")
+            };
+            let words = stream::iter(0..40).then(move |i| async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Ok::<_, std::io::Error>(chunk(json!({"content": format!("w{i} ")}), Value::Null))
+            });
+            let end = stream::iter([
+                Ok(chunk(json!({}), json!("stop"))),
+                Ok("data: [DONE]\n\n".to_string()),
+            ]);
+            (
+                [("content-type", "text/event-stream")],
+                axum::body::Body::from_stream(words.chain(end)),
+            )
+                .into_response()
+        }),
+    );
+    use axum::response::IntoResponse as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// A stream to `url` that is read to its end in the background: its status once the head came.
+async fn open_stream(
+    url: &str,
+    q: &str,
+) -> (
+    u16,
+    reqwest::header::HeaderMap,
+    tokio::task::JoinHandle<String>,
+) {
+    let c = crate::support::http_unpooled(Duration::from_secs(30));
+    let body = json!({"model": "x-paced", "stream": true,
+                      "messages": [{"role": "user", "content": q}]});
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let (status, headers) = (r.status().as_u16(), r.headers().clone());
+    (
+        status,
+        headers,
+        tokio::spawn(async move { r.text().await.unwrap_or_default() }),
+    )
+}
+
+fn paced_provider(up: &str) -> String {
+    format!(
+        "[[provider]]\nid = \"paced\"\nbase_url = \"{up}/paced/v1\"\nmodel = \"m\"\nprobe = \"off\"\n\
+         [[route]]\nmodel = \"x-paced\"\ntargets = [\"paced/m\"]\n"
+    )
+}
+
+/// Streams have slots of their own: past them a stream is refused at once (503, a reason code,
+/// Retry-After) while short requests are still served; past every connection slot a new caller
+/// is refused at once too (`CONNECTION_LIMIT`), never left in the kernel's queue, and the node's
+/// metrics and state still answer.
+#[tokio::test]
+async fn streams_and_connections_past_their_limits_are_refused_at_once() {
+    let up = paced_upstream().await;
+    let extra = format!(
+        "{}\n[pipeline.stream_bulkheads]\nnormal = {{ concurrency = 3, queue = 0 }}\n",
+        paced_provider(&up)
+    );
+    let g = gateway_on(
+        "stream-slots",
+        "max_connections = 5",
+        &extra,
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
+    let mut held = Vec::new();
+    for i in 0..3 {
+        let (status, _, body) = open_stream(&g.url, &format!("held {i}")).await;
+        assert_eq!(status, 200);
+        held.push(body);
+    }
+    // The fourth stream: no slot, no queue.
+    let started = std::time::Instant::now();
+    let (status, h, body) = open_stream(&g.url, "one too many").await;
+    let refused_in = started.elapsed();
+    assert_eq!(status, 503);
+    assert!(refused_in < Duration::from_secs(1), "{refused_in:?}");
+    assert_eq!(h["retry-after"], "1");
+    assert!(
+        h["x-oam-reasons"]
+            .to_str()
+            .unwrap()
+            .contains("BULKHEAD_SHED"),
+        "{h:?}"
+    );
+    drop(body);
+    // A short request has slots of its own.
+    let (status, v) = g.ask("small", "short, meanwhile").await;
+    assert_eq!(status, 200, "{v}");
+    let state = g.get("/v1/oam/state").await;
+    assert_eq!(state["stream_bulkheads"]["normal"]["active"], 3, "{state}");
+    assert_eq!(state["stream_bulkhead_limits"]["normal"]["concurrency"], 3);
+    assert_eq!(state["bulkheads"]["normal"]["active"], 0);
+
+    // Two callers send their headers and hold their bodies back: with the three streams, every
+    // connection slot has a request in hand.
+    let addr = g.url.trim_start_matches("http://").to_string();
+    let mut pending = Vec::new();
+    for _ in 0..2 {
+        use tokio::io::AsyncWriteExt as _;
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            .await
+            .unwrap();
+        pending.push(s);
+    }
+    let in_hand = crate::support::eventually(Duration::from_secs(5), || async {
+        let r = crate::support::http_unpooled(Duration::from_secs(5))
+            .post(format!("{}/v1/chat/completions", g.url))
+            .json(&json!({"model": "small", "messages": [{"role": "user", "content": "full?"}]}))
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 503).then(|| r.headers().clone())
+    })
+    .await
+    .expect("refused once every connection has a request in hand");
+    assert_eq!(in_hand["x-oam-reasons"], "CONNECTION_LIMIT");
+    assert_eq!(in_hand["retry-after"], "1");
+    // Refused at once, not queued behind the five.
+    let started = std::time::Instant::now();
+    let (status, h, _) = open_stream(&g.url, "still full").await;
+    assert_eq!(
+        (status, &h["x-oam-reasons"]),
+        (
+            503,
+            &"CONNECTION_LIMIT"
+                .parse::<reqwest::header::HeaderValue>()
+                .unwrap()
+        )
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    // The node's own endpoints still answer.
+    let metrics = crate::support::metrics(&g.url).await;
+    let refused = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("oam_http_connection_refused_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .expect("the refusals are counted");
+    assert!(refused >= 2.0, "{refused}");
+    // The held streams were never disturbed: each ends with its finish.
+    drop(pending);
+    for body in held {
+        let text = body.await.unwrap();
+        assert!(text.contains("w39") && text.contains("[DONE]"), "{text}");
+    }
+}
+
+/// The attack: under `ulimit -n 1024`, connects that failed for want of descriptors were scored
+/// as provider failures, opened the breaker, and 453 requests got `NO_PROVIDER_AVAILABLE`. A
+/// node with more connections allowed than descriptors now refuses what it cannot carry with
+/// `LOCAL_RESOURCE_EXHAUSTED` (or holds callers in the backlog until it can), and the provider
+/// stays healthy with its breaker closed.
+#[tokio::test]
+async fn running_out_of_descriptors_is_never_the_provider_s_fault() {
+    let up = paced_upstream().await;
+    let g = gateway_built(
+        "fds",
+        "max_connections = 400",
+        &paced_provider(&up),
+        &[],
+        NatsServer::start().await,
+        true,
+        Some(96),
+    )
+    .await;
+    let mut streams = Vec::new();
+    for i in 0..80 {
+        let url = g.url.clone();
+        streams.push(tokio::spawn(async move {
+            let c = crate::support::http_unpooled(Duration::from_secs(40));
+            let body = json!({"model": "x-paced", "stream": true,
+                              "messages": [{"role": "user", "content": format!("fd {i}")}]});
+            let r = c
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await;
+            match r {
+                Ok(r) => {
+                    let reasons = r
+                        .headers()
+                        .get("x-oam-reasons")
+                        .map(|v| v.to_str().unwrap_or("").to_string());
+                    (Some(r.status().as_u16()), reasons.unwrap_or_default())
+                }
+                Err(_) => (None, String::new()),
+            }
+        }));
+    }
+    let mut short = 0;
+    let mut served = 0;
+    for s in streams {
+        let (status, reasons) = s.await.unwrap();
+        if status == Some(200) {
+            served += 1;
+        }
+        if reasons.contains("LOCAL_RESOURCE_EXHAUSTED") {
+            short += 1;
+            assert_eq!(status, Some(503));
+        }
+        assert!(
+            !reasons.contains("NO_PROVIDER_AVAILABLE") && !reasons.contains("CIRCUIT_OPEN"),
+            "{reasons}"
+        );
+    }
+    assert!(
+        short > 0,
+        "the node ran short of descriptors ({served} served)"
+    );
+    assert!(served > 0);
+    // The provider is healthy and its breaker closed: the shortage was the node's.
+    let state = g.get("/v1/oam/state").await;
+    let paced = state["providers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == "paced")
+        .unwrap_or_else(|| panic!("{state}"));
+    assert_eq!(paced["breaker"]["state"], "closed", "{paced}");
+    assert_ne!(paced["consensus"]["verdict"], "UNHEALTHY", "{paced}");
+    let (status, text, _) = open_stream(&g.url, "after").await;
+    assert_eq!(status, 200, "{text:?}");
 }

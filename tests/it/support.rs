@@ -57,6 +57,17 @@ impl Proc {
         Proc::spawn_command(cmd, args)
     }
 
+    /// Start `oam ARGS...` with soft and hard open-file limits of `files`: it cannot raise
+    /// its own.
+    pub fn spawn_with_hard_file_limit(files: u32, args: &[&str]) -> Proc {
+        let mut cmd = Command::new("bash");
+        cmd.arg("-c")
+            .arg(format!("ulimit -n {files} && exec \"$0\" \"$@\""))
+            .arg(assert_cmd::cargo::cargo_bin!("oam"))
+            .args(args);
+        Proc::spawn_command(cmd, args)
+    }
+
     fn spawn_command(mut cmd: Command, args: &[&str]) -> Proc {
         let mut child = cmd
             .stdin(Stdio::null())
@@ -312,6 +323,16 @@ pub fn http(timeout: Duration) -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
         .timeout(timeout)
+        .build()
+        .expect("http client")
+}
+
+/// `http` with no connection kept: every request opens its own, and closes it after.
+pub fn http_unpooled(timeout: Duration) -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .pool_max_idle_per_host(0)
         .build()
         .expect("http client")
 }
