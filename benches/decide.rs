@@ -94,6 +94,38 @@ fn bench(c: &mut Criterion) {
     });
 }
 
+/// The same decision for a request that declares `n` tools (each a small object schema, as
+/// agents send them): what declared tools add to a decision, with their schemas compiled once.
+fn with_tools(c: &mut Criterion) {
+    for n in [20, 128] {
+        let mut e = engine();
+        let answer = Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 180);
+        let mut r = request();
+        r.tools = (0..n)
+            .map(|i| {
+                let schema = serde_json::json!({"type": "object", "required": ["q"],
+                    "properties": {"q": {"type": "string"}, "limit": {"type": "integer"},
+                                   "tags": {"type": "array", "items": {"type": "string"}}}});
+                (format!("tool_{i}"), schema)
+            })
+            .collect();
+        let mut spare = Some(r);
+        c.bench_function(&format!("decide/{n}-tools"), |b| {
+            b.iter(|| {
+                let r = spare
+                    .take()
+                    .expect("request returned by the last iteration");
+                let (mut s, _) = e.begin(r, NOW).expect("valid");
+                let Step::Done(d) = e.complete(&mut s, answer.clone(), NOW + 180) else {
+                    panic!("expected a decision")
+                };
+                spare = Some(s.into_request());
+                black_box(d)
+            });
+        });
+    }
+}
+
 /// One decision as a node records it for the decision log (`Recorder`: the state `begin` saw,
 /// each call's state as it differs).
 fn record(e: &mut Engine, r: &Request, answer: &Generation) -> oam::core::record::Record {
@@ -136,5 +168,5 @@ fn recorded(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench, recorded);
+criterion_group!(benches, bench, with_tools, recorded);
 criterion_main!(benches);

@@ -7,6 +7,10 @@
 //! validated in full by the `jsonschema` crate, its `required` and `properties.*.type` also
 //! reported as the specific codes below). A request that declares tools has every tool call's
 //! arguments checked: JSON, a declared tool, and fitting that tool's parameter schema.
+//!
+//! Schemas are compiled once per content (`compiled`): an agent declares the same tools request
+//! after request, and compiling one costs ~20 µs. The cache is bounded and only saves time: the
+//! same schema gives the same verdicts from it or compiled afresh.
 
 use super::reason::ReasonCode;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -170,8 +174,7 @@ impl Contract {
                         }
                     }
                 }
-                jsonschema::validator_for(schema)
-                    .map_err(|e| format!("response_format.json_schema.schema: {e}"))?;
+                compiled(schema).map_err(|e| format!("response_format.json_schema.schema: {e}"))?;
                 let has_confidence = properties.contains_key("confidence")
                     || required.iter().any(|r| r == "confidence");
                 Ok(Contract {
@@ -297,13 +300,78 @@ impl Contract {
     }
 }
 
+/// Compiled schemas (or why one does not compile), keyed by the schema's JSON text: a key is
+/// the whole text, never a hash of it, so no crafted schema can stand for another.
+#[derive(Default)]
+struct Schemas {
+    by_text: std::collections::HashMap<String, Compiled>,
+    /// The keys' lengths together.
+    bytes: usize,
+    /// Lookups so far: each entry's last use, for eviction.
+    clock: u64,
+}
+
+struct Compiled {
+    validator: Result<std::sync::Arc<jsonschema::Validator>, String>,
+    used: u64,
+}
+
+/// Schemas kept compiled at most, and their text in all.
+const SCHEMAS_MAX: usize = 2_048;
+const SCHEMA_BYTES_MAX: usize = 8 << 20;
+
+static SCHEMAS: std::sync::LazyLock<std::sync::Mutex<Schemas>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// `schema` compiled, from the cache when its text was compiled before; a schema larger than
+/// the cache's share of one entry is compiled every time.
+pub fn compiled(schema: &Value) -> Result<std::sync::Arc<jsonschema::Validator>, String> {
+    let text = schema.to_string();
+    let mut cache = SCHEMAS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    cache.clock += 1;
+    let now = cache.clock;
+    if let Some(c) = cache.by_text.get_mut(&text) {
+        c.used = now;
+        return c.validator.clone();
+    }
+    drop(cache);
+    let validator = jsonschema::validator_for(schema)
+        .map(std::sync::Arc::new)
+        .map_err(|e| e.to_string());
+    if text.len() > SCHEMA_BYTES_MAX / 64 {
+        return validator;
+    }
+    let mut cache = SCHEMAS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if cache.by_text.len() >= SCHEMAS_MAX || cache.bytes + text.len() > SCHEMA_BYTES_MAX {
+        // The least recently used half goes: one scan for many inserts.
+        let mut uses: Vec<u64> = cache.by_text.values().map(|c| c.used).collect();
+        uses.sort_unstable();
+        let cut = uses.get(uses.len() / 2).copied().unwrap_or(u64::MAX);
+        cache.by_text.retain(|_, c| c.used > cut);
+        cache.bytes = cache.by_text.keys().map(String::len).sum();
+    }
+    cache.bytes += text.len();
+    cache.by_text.insert(
+        text,
+        Compiled {
+            validator: validator.clone(),
+            used: now,
+        },
+    );
+    validator
+}
+
 /// Where `text` (JSON) breaks `schema`: the first few places, each as a defect with `code`.
 fn schema_defects(schema: &Value, text: &str, code: ReasonCode) -> Vec<Defect> {
     let instance = match serde_json::from_str::<Value>(text) {
         Ok(v) => v,
         Err(e) => return vec![defect(code, format!("not JSON: {e}"))],
     };
-    let validator = match jsonschema::validator_for(schema) {
+    let validator = match compiled(schema) {
         Ok(v) => v,
         Err(e) => return vec![defect(code, format!("the schema itself is invalid: {e}"))],
     };
@@ -359,9 +427,7 @@ pub fn check_tool_calls(tools: &BTreeMap<String, Value>, calls: &[ToolCall]) -> 
 
 /// A tool's parameter schema, checked when the request arrives.
 pub fn check_tool_schema(schema: &Value) -> Result<(), String> {
-    jsonschema::validator_for(schema)
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    compiled(schema).map(|_| ())
 }
 
 /// Models often wrap JSON in a markdown fence; accept one fence around the whole answer.
@@ -534,6 +600,41 @@ impl<'de> Deserialize<'de> for Top<'de> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_schema_is_compiled_once_per_content_and_the_cache_stays_bounded() {
+        let schema = json!({"type": "object", "properties": {"q": {"type": "string"}}});
+        let a = compiled(&schema).unwrap();
+        let b = compiled(&schema.clone()).unwrap();
+        assert!(
+            std::sync::Arc::ptr_eq(&a, &b),
+            "the same text, the same validator"
+        );
+        let other = json!({"type": "object", "properties": {"q": {"type": "integer"}}});
+        let c = compiled(&other).unwrap();
+        assert!(!std::sync::Arc::ptr_eq(&a, &c));
+        // Each judges by its own schema, cached or not.
+        assert!(b.is_valid(&json!({"q": "x"})) && !b.is_valid(&json!({"q": 1})));
+        assert!(c.is_valid(&json!({"q": 1})) && !c.is_valid(&json!({"q": "x"})));
+        // An invalid schema's error is kept too, and said again.
+        let bad = json!({"type": 12});
+        assert_eq!(compiled(&bad).unwrap_err(), compiled(&bad).unwrap_err());
+        // Many distinct schemas: the cache keeps at most its bound.
+        for i in 0..SCHEMAS_MAX + 100 {
+            compiled(&json!({"type": "object", "title": format!("t{i}")})).unwrap();
+        }
+        let cache = SCHEMAS.lock().unwrap();
+        assert!(
+            cache.by_text.len() <= SCHEMAS_MAX,
+            "{}",
+            cache.by_text.len()
+        );
+        assert!(cache.bytes <= SCHEMA_BYTES_MAX);
+        assert_eq!(
+            cache.bytes,
+            cache.by_text.keys().map(String::len).sum::<usize>()
+        );
+    }
 
     #[test]
     fn tool_calls_must_be_json_name_a_declared_tool_and_fit_its_schema() {
