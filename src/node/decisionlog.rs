@@ -1,12 +1,14 @@
 //! The durable decision log: every decision's record (`core::record`: the request as the core
 //! saw it, the state each step saw, the results, the decision) goes to the JetStream stream
 //! `OAM_DECISIONS` (subjects `oam.v1.decisionlog.{node}`), kept by age and size as
-//! `[decision_log]` says. Off the request's path: records wait in a bounded buffer and are
-//! written in batches (many records per message, each batch with the pipeline configuration
-//! they were decided under, and a message id the stream deduplicates on); a batch not
-//! acknowledged is written again for a while (past a stream leader's election), and what
-//! cannot be written in the end (buffer full, no stream for that long) is counted in
-//! `/metrics` and the node's snapshot, never waited for. `oam explain` and `oam audit` read it.
+//! `[decision_log]` says. Off the request's path: records wait in a buffer bounded in bytes
+//! and are written in batches (many records per message, each batch with the pipeline
+//! configuration they were decided under, and a message id the stream deduplicates on); a batch
+//! not acknowledged is written again for a while (past a stream leader's election). While the
+//! stream takes writes, a full buffer holds the answers that would overfill it until the writer
+//! has made room (backpressure, not loss); what cannot be written in the end (no stream, or none
+//! for that long) is counted in `/metrics` and the node's snapshot. `oam explain` and `oam
+//! audit` read it.
 
 use super::Node;
 use super::pipeline::lock;
@@ -20,8 +22,14 @@ use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 
-/// Records waiting to be written at most; beyond, the oldest are dropped and counted.
-const WAITING_MAX: usize = 8_192;
+/// Bytes of records waiting to be written at most (a record's content, and ~4 KB for the rest
+/// of it). Past it, an answer waits for the writer to make room while the stream takes writes
+/// (at most `ROOM_WAIT`); else the oldest are dropped and counted.
+const WAITING_MAX_BYTES: usize = 64 << 20;
+/// What a record holds besides its content, as the buffer counts it.
+const RECORD_OVERHEAD: usize = 4 << 10;
+/// The longest an answer waits for room in the buffer.
+const ROOM_WAIT: Duration = Duration::from_secs(5);
 /// How often waiting records are written (or sooner, once this many wait).
 const EVERY: Duration = Duration::from_millis(100);
 const BATCH_RECORDS: usize = 256;
@@ -100,8 +108,14 @@ pub struct DecisionLog {
     id: String,
     settings: LogSettings,
     /// Decision records waiting for the log, and who waits for each (under `durable`).
-    waiting: Mutex<std::collections::VecDeque<(Record, Option<oneshot::Sender<bool>>)>>,
+    waiting: Mutex<Waiting>,
     full: Notify,
+    /// The writer took what waited: room was made.
+    room: Notify,
+    /// The stream took the writer's last write (so a full buffer is worth waiting for).
+    accepting: std::sync::atomic::AtomicBool,
+    /// `WAITING_MAX_BYTES` (smaller in tests).
+    waiting_max: usize,
     pub counters: Arc<LogCounters>,
     /// The stream's size and age were compared with `settings` (once a run).
     retention_checked: std::sync::atomic::AtomicBool,
@@ -117,6 +131,9 @@ impl DecisionLog {
             settings,
             waiting: Mutex::default(),
             full: Notify::new(),
+            room: Notify::new(),
+            accepting: std::sync::atomic::AtomicBool::new(false),
+            waiting_max: WAITING_MAX_BYTES,
             counters: Arc::default(),
             retention_checked: Default::default(),
         }
@@ -126,10 +143,10 @@ impl DecisionLog {
         self.settings.enabled
     }
 
-    /// Keep a decided request's record for the next write (never waits). Under `durable`, the
-    /// receiver says when it was written (true) or could not be (false), and the write starts
-    /// at once.
-    pub(crate) fn keep(&self, mut r: Record) -> Option<oneshot::Receiver<bool>> {
+    /// Keep a decided request's record for the next write (never waits: `logged` does). Under
+    /// `durable`, the receiver says when it was written (true) or could not be (false), and the
+    /// write starts at once.
+    pub(crate) fn keep(&self, mut r: Record) -> Kept {
         let settings = &self.settings;
         if settings.content == Content::Hash || r.content_bytes() > settings.max_content_bytes {
             r.hash_content(|c| format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(c.as_bytes())));
@@ -140,23 +157,27 @@ impl DecisionLog {
         } else {
             (None, None)
         };
+        let size = r.content_bytes() + RECORD_OVERHEAD;
         let mut waiting = lock(&self.waiting);
-        if waiting.len() >= WAITING_MAX {
-            // Its waiter (if any) hears `false` as its sender goes.
-            waiting.pop_front();
-            self.counters.lost.fetch_add(1, Ordering::Relaxed);
-        }
         let urgent = tx.is_some();
-        waiting.push_back((r, tx));
-        if urgent || waiting.len() >= BATCH_RECORDS {
+        waiting.records.push_back((r, tx, size));
+        waiting.bytes += size;
+        let over = waiting.bytes > self.waiting_max;
+        if urgent || over || waiting.records.len() >= BATCH_RECORDS {
             self.full.notify_one();
         }
-        rx
+        Kept { ack: rx, over }
     }
 
-    /// Wait (at most the write's own deadlines) until a durable record is written.
-    pub(crate) async fn logged(&self, ack: Option<oneshot::Receiver<bool>>) {
-        if let Some(rx) = ack
+    /// Wait until there is room for what was kept (while the stream takes writes, at most
+    /// `ROOM_WAIT`; else the oldest records are dropped, counted, to make it), and under
+    /// `durable` until the record is written (at most the write's own deadlines).
+    pub(crate) async fn logged(&self, kept: Option<Kept>) {
+        let Some(kept) = kept else { return };
+        if kept.over {
+            self.make_room().await;
+        }
+        if let Some(rx) = kept.ack
             && !matches!(
                 tokio::time::timeout(RETRY_FOR + ACK_TIMEOUT * 2, rx).await,
                 Ok(Ok(true))
@@ -165,6 +186,48 @@ impl DecisionLog {
             tracing::warn!(node = %self.id, "an answer released without its record in the decision log");
         }
     }
+}
+
+impl DecisionLog {
+    async fn make_room(&self) {
+        let deadline = tokio::time::Instant::now() + ROOM_WAIT;
+        loop {
+            let room = self.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if lock(&self.waiting).bytes <= self.waiting_max {
+                return;
+            }
+            let accepting = self.accepting.load(Ordering::Relaxed);
+            if !accepting || tokio::time::timeout_at(deadline, room).await.is_err() {
+                break;
+            }
+        }
+        // No stream to drain to: the oldest go (their waiters hear `false` as senders drop).
+        let mut waiting = lock(&self.waiting);
+        while waiting.bytes > self.waiting_max {
+            let Some((_, _, size)) = waiting.records.pop_front() else {
+                break;
+            };
+            waiting.bytes -= size;
+            self.counters.lost.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Records waiting for the writer, each with its waiter (under `durable`) and counted size.
+#[derive(Default)]
+struct Waiting {
+    records: std::collections::VecDeque<(Record, Option<oneshot::Sender<bool>>, usize)>,
+    bytes: usize,
+}
+
+/// What `keep` did with a record: `logged` waits on it.
+#[must_use]
+pub(crate) struct Kept {
+    ack: Option<oneshot::Receiver<bool>>,
+    /// The buffer is over its bound with it.
+    over: bool,
 }
 
 /// A batch not yet acknowledged: written again (under the same message id, so a batch the
@@ -208,14 +271,18 @@ impl Writer {
             ready = open(node, &js, said).await;
             said = !ready;
         }
+        log.accepting.store(ready, Ordering::Relaxed);
         loop {
             let stopping = tokio::select! {
                 () = tokio::time::sleep(EVERY) => false,
                 () = log.full.notified() => false,
                 () = stop.cancelled() => true,
             };
-            let waiting: Vec<(Record, Option<oneshot::Sender<bool>>)> =
-                std::mem::take(&mut *lock(&log.waiting)).into();
+            let waiting: Vec<(Record, Option<oneshot::Sender<bool>>)> = {
+                let taken = std::mem::take(&mut *lock(&log.waiting));
+                taken.records.into_iter().map(|(r, w, _)| (r, w)).collect()
+            };
+            log.room.notify_waiters();
             let head = batch_head(&node.id, &node.cfg.pipeline);
             for (records, bytes, waiters) in batches(&head, waiting, &log.counters.lost) {
                 sent += 1;
@@ -234,8 +301,10 @@ impl Writer {
                 }
                 if !(ready && !node.bus.isolated() && write(node, &js, &subject, batch).await) {
                     ready = false; // look at the stream again next time
+                    log.accepting.store(false, Ordering::Relaxed);
                     break;
                 }
+                log.accepting.store(true, Ordering::Relaxed);
                 said = false;
                 if let Some(done) = unwritten.pop_front() {
                     log.counters
@@ -390,36 +459,80 @@ mod tests {
         };
         let l = log(settings);
         assert!(
-            l.keep(recorded(&mut e, "small", 10)).is_none(),
+            l.keep(recorded(&mut e, "small", 10)).ack.is_none(),
             "not durable: no waiter"
         );
-        l.keep(recorded(&mut e, "big", 1_000));
+        let _ = l.keep(recorded(&mut e, "big", 1_000));
         let waiting = lock(&l.waiting);
-        let text = |i: usize| serde_json::to_string(&waiting[i].0).unwrap();
+        let text = |i: usize| serde_json::to_string(&waiting.records[i].0).unwrap();
         assert!(text(0).contains(&"x".repeat(10)), "small content is kept");
         assert!(!text(1).contains(&"x".repeat(100)), "large content is not");
         assert!(text(1).contains("xxh3:"), "only its hash");
     }
 
-    #[test]
-    fn under_durable_each_record_has_a_waiter_told_when_it_is_dropped() {
+    /// Past its bound in bytes, a record's answer waits while the stream takes writes, and is
+    /// released as the writer makes room, nothing dropped; with no stream taking writes the
+    /// oldest go, counted, and a durable waiter hears it.
+    #[tokio::test]
+    async fn a_full_buffer_holds_answers_back_while_the_stream_takes_writes() {
         let mut e = engine();
-        let l = log(LogSettings {
+        let mut l = log(LogSettings {
             durable: true,
             ..LogSettings::default()
         });
-        let mut first = l.keep(recorded(&mut e, "r0", 10)).expect("a waiter");
-        for i in 1..=WAITING_MAX {
-            l.keep(recorded(&mut e, &format!("r{i}"), 10));
+        // Records of ~14 KB (10,000 content bytes and the overhead): 67 overfill ~940 KB.
+        l.waiting_max = 66 * (10_000 + RECORD_OVERHEAD + 100);
+        let l = Arc::new(l);
+        let big = 10_000;
+        let mut first = l.keep(recorded(&mut e, "r0", big));
+        let first_ack = first.ack.take().expect("a waiter");
+        for i in 1..66 {
+            assert!(!l.keep(recorded(&mut e, &format!("r{i}"), big)).over, "{i}");
         }
-        assert_eq!(lock(&l.waiting).len(), WAITING_MAX);
+        // The stream takes writes: the answer over the bound waits for room ...
+        l.accepting.store(true, Ordering::Relaxed);
+        let over = l.keep(recorded(&mut e, "over", big));
+        assert!(over.over);
+        let waiting = tokio::spawn({
+            let l = l.clone();
+            async move { l.make_room().await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiting.is_finished(), "it waits for the writer");
+        // ... which takes what waits, and it goes on; nothing was dropped.
+        let taken = std::mem::take(&mut *lock(&l.waiting));
+        l.room.notify_waiters();
+        tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .expect("released once room was made")
+            .unwrap();
+        assert_eq!(taken.records.len(), 67);
+        assert_eq!(l.counters.lost.load(Ordering::Relaxed), 0);
+        drop(taken);
+        assert!(
+            first_ack.await.is_err(),
+            "dropped with the taken batch here"
+        );
+        // No stream: the oldest go at once, counted, down to the bound.
+        l.accepting.store(false, Ordering::Relaxed);
+        let mut oldest = l.keep(recorded(&mut e, "s0", big));
+        let mut oldest_ack = oldest.ack.take().expect("a waiter");
+        let mut last = None;
+        for i in 1..70 {
+            last = Some(l.keep(recorded(&mut e, &format!("s{i}"), big)));
+        }
+        assert!(last.is_some_and(|k| k.over));
+        l.make_room().await; // what `logged` does for it, before waiting on its write
+
+        let w = lock(&l.waiting);
+        assert!(w.bytes <= l.waiting_max, "{}", w.bytes);
         assert_eq!(
             l.counters.lost.load(Ordering::Relaxed),
-            1,
-            "the oldest went, counted"
+            4,
+            "70 kept, 66 fit"
         );
         assert_eq!(
-            first.try_recv(),
+            oldest_ack.try_recv(),
             Err(tokio::sync::oneshot::error::TryRecvError::Closed),
             "its waiter hears it will not be written"
         );

@@ -552,7 +552,7 @@ pub(crate) fn conclude(
     record: Option<Recorder>,
     trace: Option<super::otlp::Pending>,
     started: std::time::Instant,
-) -> Option<tokio::sync::oneshot::Receiver<bool>> {
+) -> Option<super::decisionlog::Kept> {
     for effect in &decision.effects {
         match effect {
             Effect::HealthSample {
@@ -572,7 +572,7 @@ pub(crate) fn conclude(
         .decision(&decision, started.elapsed().as_secs_f64());
     node.otlp.finish(trace, &decision);
     let decision = std::sync::Arc::new(crate::core::record::Decided::new(decision));
-    let logged = record.and_then(|r| node.log.keep(r.finish(decision.clone())));
+    let logged = record.map(|r| node.log.keep(r.finish(decision.clone())));
     publish_decision(node, decision);
     logged
 }
