@@ -1833,6 +1833,60 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
     let (code, _, _) = oam_log(&cl.nats.url(), &["explain", "forged-1"]);
     assert_eq!(code, 2, "a forged record is not found");
 
+    // A log of many batches: a limit reads back from the end, window by window, and keeps
+    // the newest in their order whichever window they came from.
+    let js = async_nats::jetstream::new(
+        oam::transport::connect::connect(&cl.nats.url(), "test", false, &Default::default())
+            .await
+            .unwrap(),
+    );
+    for k in 0..120 {
+        let mut r = rows[0]["record"].clone();
+        r["decision"]["request_id"] = json!(format!("many-{k}"));
+        let node = r["node"].as_str().unwrap().to_string();
+        let batch = json!({"node": node, "config": {}, "records": [r]});
+        js.publish(
+            oam::transport::subjects::decision_log(&node),
+            serde_json::to_vec(&batch).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let (code, out, _) = oam_log(&cl.nats.url(), &["audit", "--json", "--limit", "100000"]);
+    assert_eq!(code, 0);
+    let all: Vec<Value> = serde_json::from_str(&out).unwrap();
+    let ids_of = |v: &[Value]| -> Vec<String> {
+        v.iter()
+            .map(|r| {
+                r["record"]["decision"]["request_id"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    let many: Vec<String> = (0..120).map(|k| format!("many-{k}")).collect();
+    assert_eq!(
+        ids_of(&all[all.len() - 120..]),
+        many,
+        "in the order written"
+    );
+    for limit in [1, 5, 40, 130] {
+        let (code, out, _) = oam_log(
+            &cl.nats.url(),
+            &["audit", "--json", "--limit", &limit.to_string()],
+        );
+        assert_eq!(code, 0);
+        let newest: Vec<Value> = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            ids_of(&newest),
+            ids_of(&all[all.len() - limit..]),
+            "--limit {limit}"
+        );
+    }
+
     // One decision, step by step.
     let (code, out, err) = oam_log(&cl.nats.url(), &["explain", &ids[2]]);
     assert_eq!(code, 0, "{err}");

@@ -269,8 +269,7 @@ pub async fn read(
     keep: impl Fn(&Record) -> bool,
     last: usize,
 ) -> anyhow::Result<(Vec<Entry>, usize)> {
-    use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
-    use futures_util::StreamExt;
+    use async_nats::jetstream::consumer::DeliverPolicy;
     let js = super::context(nats);
     // A server that never answers (its roles refuse this client's replies, say) is an error
     // that says what to do, not a wait without end.
@@ -293,13 +292,70 @@ pub async fn read(
         })?;
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
         .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+    if last == usize::MAX {
+        let from = DeliverPolicy::ByStartTime { start_time: start };
+        let (out, read, _) = read_from(&stream, from, None, start, node, &keep, last).await?;
+        return Ok((out.into(), read));
+    }
+    // Only the newest `last` are wanted: read back from the end in windows of messages, each
+    // twice the one before, until enough are kept, the log's start, or `since_ms` is reached.
+    let info = tokio::time::timeout(OPEN_TIMEOUT, stream.get_info())
+        .await
+        .map_err(|_| no_answer())?
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
+    let (first, mut end) = (info.state.first_sequence, info.state.last_sequence);
+    let mut out = std::collections::VecDeque::new();
+    let mut read = 0;
+    let mut window: u64 = 16;
+    while end >= first.max(1) && info.state.messages > 0 && out.len() < last {
+        let begin = end.saturating_sub(window - 1).max(first).max(1);
+        let from = DeliverPolicy::ByStartSequence {
+            start_sequence: begin,
+        };
+        let (older, n, reached_since) =
+            read_from(&stream, from, Some(end), start, node, &keep, last).await?;
+        read += n;
+        for e in older.into_iter().rev() {
+            out.push_front(e);
+        }
+        if reached_since || begin == first {
+            break;
+        }
+        end = begin - 1;
+        window = window.saturating_mul(2);
+    }
+    out.drain(..out.len().saturating_sub(last));
+    Ok((out.into(), read))
+}
+
+/// Read batches from `from` (up to sequence `until`, if given), believing each only from its
+/// node's subject, skipping those written before `since`: the records `keep` wants (the `last`
+/// of them at most), how many were read, and whether one written before `since` was met.
+async fn read_from(
+    stream: &async_nats::jetstream::stream::Stream,
+    from: async_nats::jetstream::consumer::DeliverPolicy,
+    until: Option<u64>,
+    since: time::OffsetDateTime,
+    node: Option<&str>,
+    keep: &impl Fn(&Record) -> bool,
+    last: usize,
+) -> anyhow::Result<(std::collections::VecDeque<Entry>, usize, bool)> {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    use futures_util::StreamExt;
+    let no_answer = || {
+        anyhow::anyhow!(
+            "the server did not answer for the decision log ({}) within {} s",
+            subjects::DECISION_LOG_STREAM,
+            OPEN_TIMEOUT.as_secs()
+        )
+    };
     // An ephemeral pull consumer read a few batches per pull: each pull is bounded in
     // messages, so at most `PULL * BATCH_BYTES` is ever on its way to this reader (unbounded
     // pulls of a full log outran the server's pending limit for one client, which then dropped
     // the reader as a slow consumer).
     const PULL: usize = 16;
     let consumer = stream.create_consumer(pull::Config {
-        deliver_policy: DeliverPolicy::ByStartTime { start_time: start },
+        deliver_policy: from,
         filter_subject: node.map(subjects::decision_log).unwrap_or_default(),
         ack_policy: AckPolicy::None,
         inactive_threshold: Duration::from_secs(30),
@@ -313,7 +369,8 @@ pub async fn read(
     let mut pending = consumer.cached_info().num_pending;
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
-    while pending > 0 {
+    let mut before_since = false;
+    'pulls: while pending > 0 {
         let mut messages = consumer
             .batch()
             // No more than are there: a pull for more waits for them until it expires.
@@ -332,7 +389,16 @@ pub async fn read(
                 anyhow::anyhow!("the decision log stopped answering after {read} records: {e}")
             })?;
             got += 1;
-            pending = m.info().map_or(0, |i| i.pending);
+            let Ok(info) = m.info() else { continue };
+            pending = info.pending;
+            if until.is_some_and(|u| info.stream_sequence > u) {
+                break 'pulls;
+            }
+            if info.published < since {
+                before_since = true;
+                continue;
+            }
+            let done = until.is_some_and(|u| info.stream_sequence >= u);
             match crate::core::record::in_a_run(|| serde_json::from_slice::<Batch>(&m.payload)) {
                 Ok(b)
                     if *m.subject != *subjects::decision_log(&b.node)
@@ -362,12 +428,15 @@ pub async fn read(
                     tracing::warn!("a decision log message is not a batch of records: {e}");
                 }
             }
+            if done {
+                break 'pulls;
+            }
         }
         if got == 0 {
             anyhow::bail!("the decision log stopped answering after {read} records");
         }
     }
-    Ok((out.into(), read))
+    Ok((out, read, before_since))
 }
 
 #[cfg(test)]
