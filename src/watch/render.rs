@@ -81,7 +81,7 @@ const LEGEND: &[&str] = &[
     "avail     answers that succeeded · p95 latency · share: traffic, last 10 s",
     "broken    % of answers that broke the JSON contract",
     "beat      age of a node's last snapshot; silent for 3.5 s = down",
-    "bulkheads active/limit per class, q queued, shed refused by admission",
+    "bulkheads active/limit per class, q queued, shed refused; strm streams",
     "attention ⚑ open escalation · ⟲ agent loop · ✝ agent death",
     "stream    ok accepted · fall rerouted · shed · esc escalated · no refused",
 ];
