@@ -64,8 +64,6 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 2] = [Kind::Short, Kind::Stream];
-
     pub fn of(stream: bool) -> Kind {
         if stream { Kind::Stream } else { Kind::Short }
     }
