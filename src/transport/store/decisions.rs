@@ -254,6 +254,17 @@ pub async fn span(nats: &async_nats::Client) -> anyhow::Result<Span> {
     })
 }
 
+/// A server that never answers (its roles refuse this client's replies, say) is an error that
+/// says what to do, not a wait without end.
+fn no_answer() -> anyhow::Error {
+    anyhow::anyhow!(
+        "the server did not answer for the decision log ({}) within {} s; if the mesh was \
+         started by another version of oam, start it again with `oam mesh up`",
+        subjects::DECISION_LOG_STREAM,
+        OPEN_TIMEOUT.as_secs()
+    )
+}
+
 /// How long one pull of the log may wait for messages before it expires.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
@@ -271,16 +282,6 @@ pub async fn read(
 ) -> anyhow::Result<(Vec<Entry>, usize)> {
     use async_nats::jetstream::consumer::DeliverPolicy;
     let js = super::context(nats);
-    // A server that never answers (its roles refuse this client's replies, say) is an error
-    // that says what to do, not a wait without end.
-    let no_answer = || {
-        anyhow::anyhow!(
-            "the server did not answer for the decision log ({}) within {} s; if the mesh was \
-             started by another version of oam, start it again with `oam mesh up`",
-            subjects::DECISION_LOG_STREAM,
-            OPEN_TIMEOUT.as_secs()
-        )
-    };
     let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
         .await
         .map_err(|_| no_answer())?
@@ -342,13 +343,6 @@ async fn read_from(
 ) -> anyhow::Result<(std::collections::VecDeque<Entry>, usize, bool)> {
     use async_nats::jetstream::consumer::{AckPolicy, pull};
     use futures_util::StreamExt;
-    let no_answer = || {
-        anyhow::anyhow!(
-            "the server did not answer for the decision log ({}) within {} s",
-            subjects::DECISION_LOG_STREAM,
-            OPEN_TIMEOUT.as_secs()
-        )
-    };
     // An ephemeral pull consumer read a few batches per pull: each pull is bounded in
     // messages, so at most `PULL * BATCH_BYTES` is ever on its way to this reader (unbounded
     // pulls of a full log outran the server's pending limit for one client, which then dropped
