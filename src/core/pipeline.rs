@@ -1378,7 +1378,10 @@ impl Engine {
         let mut phase = phase;
         let mut incident = None;
         let anonymous = s.request.agent == crate::core::request::ANONYMOUS;
-        if !anonymous && !matches!(phase, Phase::Admission | Phase::Loop) {
+        // The node ran short of its own resources: the call itself is not known to fail.
+        let node_short =
+            s.attempts.last().and_then(|a| a.status) == Some(GenerationStatus::LocalResources);
+        if !anonymous && !node_short && !matches!(phase, Phase::Admission | Phase::Loop) {
             incident = loops::on_failure(
                 &mut self.state.loops,
                 s.fingerprint,

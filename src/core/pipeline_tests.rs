@@ -2181,13 +2181,21 @@ fn a_caller_over_its_rate_limit_gives_back_its_slot_and_queue_place() {
 
 /// The node ran out of descriptors before the target was reached: the request is refused
 /// (the caller retries after a moment), and neither the target's breaker nor its health hears
-/// of it, however many such failures come.
+/// of it, however many such failures come; nor does loop detection, though the same call
+/// comes again and again.
 #[test]
 fn a_local_shortage_is_never_scored_against_the_target() {
     let mut e = retrying();
     for i in 0..20 {
         let short = Generation::failed(GenerationStatus::LocalResources, 1);
-        let (sent, d) = drive(&mut e, req(&format!("fd-{i}")), vec![short]);
+        let mut again = req("fd");
+        again.id = format!("fd-{i}");
+        let (sent, d) = drive(&mut e, again, vec![short]);
+        assert!(
+            !has(&d, ReasonCode::AgentLoopDetected),
+            "{i}: {:?}",
+            d.reason_codes
+        );
         assert_eq!(
             sent.len(),
             1,
