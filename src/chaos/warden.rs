@@ -581,15 +581,12 @@ impl Warden {
         let http = self.http.clone();
         let (task, detail) = if fault == Fault::TrafficSpike {
             let (requests, concurrency) = (p.requests, p.concurrency);
-            let detail = match (requests, concurrency) {
-                (Some(n), Some(c)) => format!("{n} background requests, {c} at once"),
-                (n, c) => format!(
-                    "{} background requests, {} at once",
-                    n.map_or("10 x concurrency".into(), |n| n.to_string()),
-                    c.map_or("twice the nodes' background slots".into(), |c| c
-                        .to_string()),
-                ),
-            };
+            let detail = format!(
+                "{} background requests, {} at once",
+                requests.map_or("10 x concurrency".into(), |n| n.to_string()),
+                concurrency.map_or("twice the nodes' background slots".into(), |c| c
+                    .to_string()),
+            );
             let task = tokio::spawn(async move {
                 let concurrency = match concurrency {
                     Some(c) => c.max(1) as usize,
@@ -908,7 +905,7 @@ pub async fn run(
 
 /// How many background requests at once a spike sends unless told: twice what the nodes'
 /// background bulkheads hold together (their defaults are sized from each node's machine), so
-/// some is shed on every node; 60 for a node whose limits cannot be read. At most
+/// some is shed on every node; 30 for a node whose state cannot be read. At most
 /// `MAX_CONCURRENCY`.
 async fn spike_concurrency(http: &reqwest::Client, nodes: &[String]) -> usize {
     let mut total = 0u64;
