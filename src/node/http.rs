@@ -39,8 +39,8 @@ pub fn router(node: Arc<Node>) -> Router {
 /// What a connection past `node.max_connections` is served (`server::OVERFLOW` of them at
 /// once): the node's state, metrics and liveness as ever, and for anything else the refusal
 /// `CONNECTION_LIMIT`, 503 with `Retry-After`, in the caller's API's error shape. The request's
-/// body is read first (up to `node.max_body_bytes`): a socket closed on unread bytes resets,
-/// and the caller would see the reset instead of the refusal.
+/// body is read first and dropped (up to `node.max_body_bytes`, within 1 s): a socket closed on
+/// unread bytes resets, and the caller would see the reset instead of the refusal.
 pub fn overflow_router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/v1/oam/state", get(state))
@@ -56,12 +56,20 @@ async fn at_connection_limit(
     uri: axum::http::Uri,
     body: axum::body::Body,
 ) -> Response {
+    // Read and let go frame by frame: 64 spare callers sending a full body each hold no more
+    // than a frame apiece.
     let limit = node.cfg.node.max_body_bytes;
-    let _ = tokio::time::timeout(
-        std::time::Duration::from_secs(1),
-        axum::body::to_bytes(body, limit),
-    )
-    .await;
+    let drain = async {
+        use http_body_util::BodyExt as _;
+        let (mut body, mut read) = (body, 0);
+        while read <= limit {
+            match body.frame().await {
+                Some(Ok(f)) => read += f.data_ref().map_or(0, bytes::Bytes::len),
+                _ => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), drain).await;
     node.serving
         .refused_at_connection_limit
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
