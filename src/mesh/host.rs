@@ -436,15 +436,34 @@ impl Instance {
 const REREGISTER_BEATS: u32 = 3;
 
 /// Serve `handler` as one instance until `stop` resolves, handling up to `concurrency` requests at
-/// once (further requests wait in the subscription: backpressure, not rejection).
+/// once (further requests wait in the subscription: backpressure, not rejection); then leave
+/// gracefully.
 pub async fn serve(
+    instance: Arc<Instance>,
+    sub: async_nats::Subscriber,
+    handler: Handler,
+    concurrency: usize,
+    heartbeat_every: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let me = instance.clone();
+    if run(me, sub, handler, concurrency, heartbeat_every, stop).await {
+        leave(&[instance]).await;
+    }
+    Ok(())
+}
+
+/// `serve` without the leaving: serve until `stop`, then take no new requests and finish those
+/// in hand (at most `DRAIN_WITHIN`). Returns whether the bus is still there to leave on
+/// (`leave`); without it nothing in hand could be answered, so it returns at once.
+pub async fn run(
     instance: Arc<Instance>,
     mut sub: async_nats::Subscriber,
     handler: Handler,
     concurrency: usize,
     heartbeat_every: Duration,
     stop: impl std::future::Future<Output = ()>,
-) -> anyhow::Result<()> {
+) -> bool {
     let permits = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let beats = {
         let me = instance.clone();
@@ -556,47 +575,66 @@ pub async fn serve(
         }
     }
     drop(beats);
-    // Graceful exit: take no new requests, finish those in hand (bounded), then leave.
-    // Without NATS nothing in hand can be answered and nothing can be said: leave at once.
+    // Graceful exit: take no new requests, finish those in hand (bounded).
     let connected = instance.nats.connection_state() == async_nats::connection::State::Connected;
     let _ = sub.unsubscribe().await;
     if connected {
-        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        let _ = tokio::time::timeout(DRAIN_WITHIN, async {
             while tasks.join_next().await.is_some() {}
         })
         .await;
     }
     tasks.abort_all();
-    let leave = async {
-        let last = store::deregister(&instance.nats, &instance.entry, &instance.id).await;
-        if last {
+    connected
+}
+
+/// How long a stopping instance waits for the requests in hand to finish.
+pub const DRAIN_WITHIN: Duration = Duration::from_secs(5);
+
+/// Leave gracefully, all of `instances` at once (a process's replicas): their records go, and
+/// for each agent none of whose instances is left elsewhere, one `graceful_shutdown` death notice
+/// (`store::leave` decides who says it), then its catalog entry and contract go. Bounded by
+/// `LEAVE_WITHIN`: a bus that went away mid-goodbye must not hold the process (the monitor
+/// announces the death from the disconnect instead).
+pub async fn leave(instances: &[Arc<Instance>]) {
+    let mut agents: std::collections::BTreeMap<&str, Vec<&Arc<Instance>>> = Default::default();
+    for i in instances {
+        if i.nats.connection_state() == async_nats::connection::State::Connected {
+            agents.entry(i.entry.name.as_str()).or_default().push(i);
+        }
+    }
+    let goodbyes = agents.into_iter().map(|(agent, group)| async move {
+        let ids: Vec<String> = group.iter().map(|i| i.id.clone()).collect();
+        let me = group[0];
+        if store::leave(&me.nats, agent, &ids).await {
             let notice = DeathNotice {
-                agent: instance.entry.name.clone(),
+                agent: agent.to_string(),
                 reason: DeathReason::GracefulShutdown,
                 detected_at: store::rfc3339_now(),
-                instance_id: instance.id.clone(),
+                instance_id: me.id.clone(),
                 detail: None,
                 detected_at_ms: Some(crate::clock::now_ms()),
             };
             if let Ok(b) = serde_json::to_vec(&notice) {
-                let _ = instance
-                    .nats
-                    .publish(subjects::death(&instance.entry.name), b.into())
-                    .await;
+                let _ = me.nats.publish(subjects::death(agent), b.into()).await;
             }
+            let _ = me.nats.flush().await;
+            store::forget_agents(&me.nats, &[agent.to_string()]).await;
         }
-        let _ = instance.nats.flush().await;
-    };
-    // Bounded: a bus that went away mid-goodbye must not hold the process (the monitor
-    // announces the death from the disconnect instead).
-    if connected && tokio::time::timeout(LEAVE_WITHIN, leave).await.is_err() {
-        tracing::warn!(instance = %instance.id, "could not say goodbye within {} s", LEAVE_WITHIN.as_secs());
+        let _ = me.nats.flush().await;
+    });
+    let all = futures_util::future::join_all(goodbyes);
+    if tokio::time::timeout(LEAVE_WITHIN, all).await.is_err() {
+        tracing::warn!(
+            instances = instances.len(),
+            "could not say goodbye within {} s",
+            LEAVE_WITHIN.as_secs()
+        );
     }
-    Ok(())
 }
 
-/// How long a leaving instance may take to deregister and announce its exit.
-const LEAVE_WITHIN: Duration = Duration::from_secs(2);
+/// How long leaving instances may take to deregister and announce their exit.
+pub const LEAVE_WITHIN: Duration = Duration::from_secs(2);
 
 /// A task that ends when its handle is dropped (so aborting `serve` also stops its heartbeats and
 /// lets the instance's connection close, like a crash).

@@ -17,7 +17,7 @@
 //! finds them.
 
 use super::protocol::{AgentHeartbeat, DeathNotice, DeathReason};
-use super::store::{self, InstanceRecord};
+use super::store;
 use crate::transport::connect::flush_within;
 use crate::transport::subjects;
 use futures_util::StreamExt;
@@ -141,10 +141,33 @@ pub struct Monitor {
     seen: BTreeMap<(String, String), Seen>,
     /// Heartbeats whose body names another agent than the subject they came on.
     pub forged: u64,
-    pub announced: u64,
     pub malformed: u64,
     /// Closed connections not looked up because the queue was full.
     pub skipped_lookups: u64,
+    /// Deaths being announced at once (each its own task, so a burst of deaths is announced
+    /// together rather than one after another).
+    announcing: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+/// Deaths announced at once; more wait for a turn.
+const ANNOUNCING: usize = 64;
+
+/// A death the evidence tells of.
+struct Death {
+    instance_id: String,
+    /// The agents the evidence names (a heartbeat's subject, a closed connection's agents);
+    /// none: the instance's records say, as far as `user` may speak for them.
+    agents: Vec<String>,
+    /// The NATS user of the connection that closed, if that is the evidence.
+    user: Option<String>,
+    reason: DeathReason,
+    detail: String,
+    /// Agents other clients (without instance records) were found still serving.
+    served_elsewhere: Vec<String>,
+    /// An oam host's instance (it keeps records): its agent's death is claimed by the agent's
+    /// tombstone, which the agent's next registration removes. A client without records (the
+    /// Python SDK) removes nothing when it comes back, so its agents' deaths are not claimed.
+    recorded: bool,
 }
 
 impl Monitor {
@@ -152,125 +175,41 @@ impl Monitor {
         Monitor {
             app,
             seen: BTreeMap::new(),
-            announced: 0,
             forged: 0,
             malformed: 0,
             skipped_lookups: 0,
+            announcing: std::sync::Arc::new(tokio::sync::Semaphore::new(ANNOUNCING)),
         }
     }
 
-    /// Announce (once, cluster-wide) and clean up the death of `instance_id`.
-    pub async fn instance_died(
-        &mut self,
-        instance_id: &str,
-        agents_hint: &[String],
-        reason: DeathReason,
-        detail: &str,
-    ) {
-        self.instance_died_on(instance_id, agents_hint, reason, detail, &[])
-            .await;
-    }
-
-    /// `instance_died`, where `served_elsewhere` names agents other clients (without instance
-    /// records) were found still serving.
-    async fn instance_died_on(
-        &mut self,
-        instance_id: &str,
-        agents_hint: &[String],
-        reason: DeathReason,
-        detail: &str,
-        served_elsewhere: &[String],
-    ) {
-        for agent in agents_hint {
-            self.seen.remove(&(instance_id.to_string(), agent.clone()));
+    /// Announce (once, cluster-wide) and clean up a death, in a task of its own.
+    fn died(&mut self, death: Death) {
+        for agent in &death.agents {
+            self.seen
+                .remove(&(death.instance_id.clone(), agent.clone()));
         }
-        // The tombstone is the agent's (`{id}.{agent}`, where only that agent and the monitor
-        // may write): the agent is found first, from the hint or the instance's record.
-        let record = match agents_hint.first() {
-            Some(_) => None,
-            None => store::instance(&self.app, instance_id).await,
-        };
-        let first = agents_hint
-            .first()
-            .or_else(|| record.as_ref().and_then(|r| r.agents.first()))
-            .cloned();
-        if !store::claim_tombstone(&self.app, instance_id, first.as_deref()).await {
-            // Another monitor (or an earlier run) announced it; said, not skipped silently.
-            tracing::info!(
-                instance_id,
-                reason = reason.as_str(),
-                "death already announced (its tombstone exists); not announced again"
-            );
-            return;
-        }
-        let detected_at = store::rfc3339_now();
-        let detected_at_ms = crate::clock::now_ms();
-        let notice = |agent: &str| DeathNotice {
-            agent: agent.to_string(),
-            reason,
-            detected_at: detected_at.clone(),
-            instance_id: instance_id.to_string(),
-            detail: (!detail.is_empty()).then(|| detail.to_string()),
-            detected_at_ms: Some(detected_at_ms),
-        };
-        // Callers holding a request on this instance learn it first, before more look-ups.
-        let hint = first.as_deref().unwrap_or("");
-        if let Ok(body) = serde_json::to_vec(&notice(hint)) {
-            let _ = self
-                .app
-                .publish(subjects::instance_death(instance_id), body.into())
-                .await;
-            flush_within(&self.app, FLUSH_WITHIN).await;
-        }
-        // The agents the evidence names (a heartbeat's subject, a connection's user) are the
-        // ones that died; the record's are asked only when there is no such evidence.
-        let agents: Vec<String> = match (agents_hint.is_empty(), &record) {
-            (false, _) => agents_hint.to_vec(),
-            (true, Some(InstanceRecord { agents, .. })) => agents.clone(),
-            (true, None) => Vec::new(),
-        };
-        let mut dead = Vec::new();
-        for agent in &agents {
-            // The agent is dead when no other instance serves it.
-            let others = store::instances_of(&self.app, agent)
-                .await
-                .unwrap_or_default();
-            let alive_elsewhere = others.iter().any(|r| r.instance_id != instance_id)
-                || served_elsewhere.contains(agent);
-            if !alive_elsewhere {
-                dead.push(agent.clone());
-            }
-            if !alive_elsewhere && let Ok(body) = serde_json::to_vec(&notice(agent)) {
-                let _ = self.app.publish(subjects::death(agent), body.into()).await;
-                flush_within(&self.app, FLUSH_WITHIN).await;
-            }
-            self.announced += 1;
-            tracing::info!(
-                agent,
-                instance_id,
-                ?reason,
-                detail,
-                last = !alive_elsewhere,
-                "death"
-            );
-        }
-        // Clean-up after the notices.
-        store::forget_instance(&self.app, instance_id, &agents, &dead).await;
+        let (app, turns) = (self.app.clone(), self.announcing.clone());
+        tokio::spawn(async move {
+            let Ok(_turn) = turns.acquire_owned().await else {
+                return;
+            };
+            announce(&app, death).await;
+        });
     }
 
     /// A connection without an instance record that served agents (a Python SDK process)
     /// closed: that instance died.
-    async fn client_died(&mut self, c: &ClosedClient) {
+    fn client_died(&mut self, c: ClosedClient) {
         let server: String = c.adv.server.id.chars().take(8).collect();
-        let instance_id = format!("nats-{server}-{}", c.adv.client.id);
-        self.instance_died_on(
-            &instance_id,
-            &c.agents,
-            DeathReason::Disconnect,
-            &c.adv.reason,
-            &c.served_elsewhere,
-        )
-        .await;
+        self.died(Death {
+            instance_id: format!("nats-{server}-{}", c.adv.client.id),
+            agents: c.agents,
+            user: None,
+            reason: DeathReason::Disconnect,
+            detail: c.adv.reason,
+            served_elsewhere: c.served_elsewhere,
+            recorded: false,
+        });
     }
 
     /// A heartbeat that came on `subject`: believed for the agent the subject names (which only
@@ -324,6 +263,88 @@ impl Monitor {
             });
         }
     }
+}
+
+/// Announce a death and clean up after it. The instance's notice first (callers holding a
+/// request on it fail at once), then its records go, and only then is it counted whether other
+/// instances still serve each of its agents: of instances dying together (each announced by a
+/// task of its own) the last to go finds none left, and the agent's tombstone makes one of those
+/// that find none say so. The catalog and registry are cleaned last.
+async fn announce(app: &async_nats::Client, d: Death) {
+    let id = d.instance_id.as_str();
+    let mut agents = d.agents;
+    if agents.is_empty() {
+        agents = store::instance(app, id)
+            .await
+            .map(|r| r.agents)
+            .unwrap_or_default();
+        if let Some(user) = &d.user {
+            agents.retain(|a| may_speak_for(user, a));
+        }
+    }
+    let Some(first) = agents.first().cloned() else {
+        tracing::info!(
+            instance_id = id,
+            user = d.user,
+            "a closed connection named for an instance its user does not serve; no death"
+        );
+        return;
+    };
+    // The tombstone is the agent's (`{id}.{agent}`, where only that agent and the monitor may
+    // write).
+    if !store::claim_tombstone(app, id, Some(&first)).await {
+        // Another monitor (or an earlier run) announced it; said, not skipped silently.
+        tracing::info!(
+            instance_id = id,
+            reason = d.reason.as_str(),
+            "death already announced (its tombstone exists); not announced again"
+        );
+        return;
+    }
+    let detected_at = store::rfc3339_now();
+    let detected_at_ms = crate::clock::now_ms();
+    let notice = |agent: &str| DeathNotice {
+        agent: agent.to_string(),
+        reason: d.reason,
+        detected_at: detected_at.clone(),
+        instance_id: id.to_string(),
+        detail: (!d.detail.is_empty()).then(|| d.detail.clone()),
+        detected_at_ms: Some(detected_at_ms),
+    };
+    if let Ok(body) = serde_json::to_vec(&notice(&first)) {
+        let _ = app.publish(subjects::instance_death(id), body.into()).await;
+        flush_within(app, FLUSH_WITHIN).await;
+    }
+    store::forget_instance(app, id, &agents).await;
+    let mut dead = Vec::new();
+    for agent in &agents {
+        let alive = d.served_elsewhere.contains(agent)
+            || match store::instances_of(app, agent).await {
+                Ok(others) => others.iter().any(|r| r.instance_id != id),
+                Err(e) => {
+                    // Unknown is not dead: a false notice would fail every caller of the agent.
+                    tracing::warn!(agent, "cannot tell whether other instances serve it: {e:#}");
+                    true
+                }
+            };
+        tracing::info!(
+            agent,
+            instance_id = id,
+            reason = ?d.reason,
+            detail = d.detail,
+            last = !alive,
+            "death"
+        );
+        if alive || (d.recorded && !store::claim_agent_death(app, agent).await) {
+            continue;
+        }
+        if let Ok(body) = serde_json::to_vec(&notice(agent)) {
+            let _ = app.publish(subjects::death(agent), body.into()).await;
+            flush_within(app, FLUSH_WITHIN).await;
+        }
+        dead.push(agent.clone());
+    }
+    store::forget_agents(app, &dead).await;
 }
 
 /// Ask server `server` (any, if empty) for connections: open ones, or the closed one `cid`.
@@ -625,7 +646,15 @@ pub async fn run(
             _ = &mut stop => return Ok(()),
             Some(count) = counts.recv() => {
                 for d in census.update(count, crate::clock::now_ms(), bound_ms) {
-                    m.instance_died_on(&d.instance_id, &d.agents, DeathReason::Disconnect, "its nats-server is gone and it did not reconnect elsewhere", &d.served_elsewhere).await;
+                    m.died(Death {
+                        instance_id: d.instance_id,
+                        agents: d.agents,
+                        user: None,
+                        reason: DeathReason::Disconnect,
+                        detail: "its nats-server is gone and it did not reconnect elsewhere".into(),
+                        served_elsewhere: d.served_elsewhere,
+                        recorded: false,
+                    });
                 }
             }
             Some(msg) = beats.next() => m.heartbeat(&msg.subject, &msg.payload),
@@ -637,26 +666,34 @@ pub async fn run(
                 if let Some(id) = instance_of(&adv.client.name) {
                     // A connection's name is its own to choose: it stands only for the agents
                     // its user may speak for.
-                    let id = id.to_string();
-                    let mut agents = m.beating_for(&id, &adv.client.user);
-                    if agents.is_empty() {
-                        agents = store::instance(&m.app, &id).await.map(|r| r.agents).unwrap_or_default();
-                        agents.retain(|a| may_speak_for(&adv.client.user, a));
-                    }
-                    if agents.is_empty() {
-                        tracing::info!(connection = adv.client.name, user = adv.client.user, "a closed connection named for an instance its user does not serve; no death");
-                        continue;
-                    }
-                    m.instance_died(&id, &agents, DeathReason::Disconnect, &adv.reason).await;
+                    let instance_id = id.to_string();
+                    let agents = m.beating_for(&instance_id, &adv.client.user);
+                    m.died(Death {
+                        instance_id,
+                        agents,
+                        user: Some(adv.client.user),
+                        reason: DeathReason::Disconnect,
+                        detail: adv.reason,
+                        served_elsewhere: Vec::new(),
+                        recorded: true,
+                    });
                 } else if lookup_tx.try_send(adv).is_err() {
                     m.skipped_lookups += 1;
                     tracing::warn!("{} closed connections not looked up: too many at once", m.skipped_lookups);
                 }
             }
-            Some(c) = found.recv() => m.client_died(&c).await,
+            Some(c) = found.recv() => m.client_died(c),
             _ = sweep.tick() => {
-                for (id, agent) in m.silent() {
-                    m.instance_died(&id, &[agent], DeathReason::MissedHeartbeats, "no heartbeat for 3 intervals").await;
+                for (instance_id, agent) in m.silent() {
+                    m.died(Death {
+                        instance_id,
+                        agents: vec![agent],
+                        user: None,
+                        reason: DeathReason::MissedHeartbeats,
+                        detail: "no heartbeat for 3 intervals".into(),
+                        served_elsewhere: Vec::new(),
+                        recorded: true,
+                    });
                 }
             }
         }

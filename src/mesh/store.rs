@@ -75,38 +75,77 @@ pub async fn catalog_checked(
     Ok((entries, unreadable))
 }
 
-/// Add or remove `entry` in the catalog array by compare-and-swap (10 tries).
-async fn update_catalog(
+/// How long a catalog edit keeps trying while other writers change the catalog first: the
+/// catalog is one key (the Open Agent Mesh layout), so agents that start together take turns.
+const CATALOG_WITHIN: Duration = Duration::from_secs(30);
+
+/// Change the catalog array by compare-and-swap: `edit` changes the items and says whether it
+/// changed anything (nothing changed, nothing is written). A write another writer beat is
+/// tried again on the catalog it wrote, after a pause drawn at random from a window that
+/// doubles up to 250 ms, until `CATALOG_WITHIN` has passed.
+async fn edit_catalog(
     nats: &async_nats::Client,
-    entry: &CatalogEntry,
-    add: bool,
+    edit: impl Fn(&mut Vec<serde_json::Value>) -> bool,
 ) -> anyhow::Result<()> {
+    use std::hash::BuildHasher;
     let store = bucket(nats, subjects::CATALOG_BUCKET, Duration::ZERO).await?;
-    for _ in 0..10 {
+    let deadline = std::time::Instant::now() + CATALOG_WITHIN;
+    let jitter = std::hash::RandomState::new();
+    let mut window_ms = 4u64;
+    for tries in 1u64.. {
         let current = store.entry(subjects::CATALOG_KEY).await?;
         let mut items: Vec<serde_json::Value> = current
             .as_ref()
             .filter(|e| e.operation == kv::Operation::Put)
             .and_then(|e| serde_json::from_slice(&e.value).ok())
             .unwrap_or_default();
-        items.retain(|v| v["name"] != entry.name.as_str());
-        if add {
-            items.push(serde_json::to_value(entry)?);
+        if !edit(&mut items) {
+            return Ok(());
         }
         let value: bytes::Bytes = serde_json::to_vec(&items)?.into();
         let written = match &current {
             Some(e) => store
                 .update(subjects::CATALOG_KEY, value, e.revision)
                 .await
-                .is_ok(),
-            None => store.create(subjects::CATALOG_KEY, value).await.is_ok(),
+                .map(drop)
+                .map_err(anyhow::Error::from),
+            None => store
+                .create(subjects::CATALOG_KEY, value)
+                .await
+                .map(drop)
+                .map_err(anyhow::Error::from),
         };
-        if written {
+        let Err(e) = written else {
             return Ok(());
+        };
+        if std::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "the catalog kept changing under us: {tries} writes in {} s were each beaten by \
+                 another writer (last: {e:#})",
+                CATALOG_WITHIN.as_secs()
+            );
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        let pause = jitter.hash_one(tries) % window_ms + 1;
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        window_ms = (window_ms * 2).min(250);
     }
-    anyhow::bail!("the catalog kept changing under us; could not update it in 10 tries")
+    unreachable!("the loop above returns")
+}
+
+/// List `entry` in the catalog (in place of any entry of its name); a catalog that already
+/// lists it so is not written, so the replicas after the first cost one read.
+async fn list_in_catalog(nats: &async_nats::Client, entry: &CatalogEntry) -> anyhow::Result<()> {
+    let listed = serde_json::to_value(entry)?;
+    edit_catalog(nats, |items| {
+        let mut same = items.iter().filter(|v| v["name"] == entry.name.as_str());
+        if same.next() == Some(&listed) && same.next().is_none() {
+            return false;
+        }
+        items.retain(|v| v["name"] != entry.name.as_str());
+        items.push(listed.clone());
+        true
+    })
+    .await
 }
 
 async fn put_instance(
@@ -154,7 +193,17 @@ pub async fn register(
     registry
         .put(entry.name.as_str(), serde_json::to_vec(&contract)?.into())
         .await?;
-    update_catalog(nats, entry, true).await
+    // The agent lives again: its next death is announced again.
+    if let Ok(tombstones) = bucket(
+        nats,
+        subjects::TOMBSTONES_BUCKET,
+        crate::transport::store::TOMBSTONE_AGE,
+    )
+    .await
+    {
+        let _ = tombstones.purge(agent_tombstone(&entry.name)).await;
+    }
+    list_in_catalog(nats, entry).await
 }
 
 /// Renew the instance lease (called with every heartbeat); failures are retried next time.
@@ -166,22 +215,39 @@ pub async fn renew(nats: &async_nats::Client, entry: &CatalogEntry, instance_id:
 
 /// Every instance record.
 pub async fn all_instances(nats: &async_nats::Client) -> anyhow::Result<Vec<InstanceRecord>> {
+    records(nats, &[">"]).await
+}
+
+/// The instance records under the keys that match `patterns`, read 32 at a time. Records whose
+/// body claims another instance or agent than their key are left out, with a warning.
+async fn records(
+    nats: &async_nats::Client,
+    patterns: &[&str],
+) -> anyhow::Result<Vec<InstanceRecord>> {
+    use futures_util::StreamExt;
     let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
-    let mut out = Vec::new();
-    for key in crate::transport::store::keys(&store).await? {
-        if let Ok(Some(raw)) = store.get(&key).await
-            && let Ok(rec) = serde_json::from_slice::<InstanceRecord>(&raw)
-        {
-            match believed(&key, rec) {
-                Some(rec) => out.push(rec),
-                None => tracing::warn!(
+    let mut keys = Vec::new();
+    for pattern in patterns {
+        keys.extend(crate::transport::store::keys_matching(&store, pattern).await?);
+    }
+    let store = &store;
+    let read = futures_util::stream::iter(keys)
+        .map(|key| async move { (store.get(&key).await, key) })
+        .buffer_unordered(32);
+    Ok(read
+        .filter_map(|(got, key)| async move {
+            let rec = serde_json::from_slice::<InstanceRecord>(&got.ok()??).ok()?;
+            let believed = believed(&key, rec);
+            if believed.is_none() {
+                tracing::warn!(
                     key,
                     "an instance record names another instance or agent than its key; ignored"
-                ),
+                );
             }
-        }
-    }
-    Ok(out)
+            believed
+        })
+        .collect()
+        .await)
 }
 
 /// An instance record as its key says, or `None` if its body claims anything else. The key
@@ -197,25 +263,37 @@ fn believed(key: &str, rec: InstanceRecord) -> Option<InstanceRecord> {
     (rec.instance_id == id && agents_match).then_some(rec)
 }
 
-/// Instance records that serve `agent`.
+/// Instance records that serve `agent`: its keys (`*.{agent}`) and those under an id alone,
+/// asked of the server by key, so the cost grows with the agent's instances, not the mesh's.
 pub async fn instances_of(
     nats: &async_nats::Client,
     agent: &str,
 ) -> anyhow::Result<Vec<InstanceRecord>> {
-    Ok(all_instances(nats)
+    let keys = format!("*.{agent}");
+    Ok(records(nats, &[&keys, "*"])
         .await?
         .into_iter()
         .filter(|r| r.agents.iter().any(|a| a == agent))
         .collect())
 }
 
-/// One instance record.
+/// One instance's records (one per agent it serves, merged).
 pub async fn instance(nats: &async_nats::Client, instance_id: &str) -> Option<InstanceRecord> {
-    all_instances(nats)
+    // The id comes from a connection's name, which its client chose: a key token, never a
+    // pattern.
+    if crate::transport::store::token(instance_id) != instance_id {
+        return None;
+    }
+    let under = format!("{instance_id}.>");
+    let mut found = records(nats, &[instance_id, &under])
         .await
         .ok()?
-        .into_iter()
-        .find(|r| r.instance_id == instance_id)
+        .into_iter();
+    let mut rec = found.next()?;
+    for more in found {
+        rec.agents.extend(more.agents);
+    }
+    Some(rec)
 }
 
 /// Claim the right to announce the death of instance `instance_id` of `agent`: true for exactly
@@ -225,6 +303,24 @@ pub async fn claim_tombstone(
     instance_id: &str,
     agent: Option<&str>,
 ) -> bool {
+    claim(nats, &record_key(instance_id, agent)).await
+}
+
+/// The tombstone of agent `agent` itself (`dead.{agent}`, a key only that agent's user and the
+/// monitor may write; instance ids are never `dead`): claimed by whoever announces the agent's
+/// death (its last instance leaving, or a monitor), so the death is announced once however many
+/// of its instances go together. Its next registration removes it.
+pub fn agent_tombstone(agent: &str) -> String {
+    format!("dead.{agent}")
+}
+
+/// Claim the right to announce that agent `agent` is gone (no instance serves it).
+pub async fn claim_agent_death(nats: &async_nats::Client, agent: &str) -> bool {
+    claim(nats, &agent_tombstone(agent)).await
+}
+
+/// Create tombstone `key`: true for exactly one caller cluster-wide.
+async fn claim(nats: &async_nats::Client, key: &str) -> bool {
     match bucket(
         nats,
         subjects::TOMBSTONES_BUCKET,
@@ -232,10 +328,7 @@ pub async fn claim_tombstone(
     )
     .await
     {
-        Ok(store) => store
-            .create(record_key(instance_id, agent), bytes::Bytes::new())
-            .await
-            .is_ok(),
+        Ok(store) => store.create(key, bytes::Bytes::new()).await.is_ok(),
         // Without the bucket we cannot deduplicate; announcing twice beats not announcing.
         Err(_) => true,
     }
@@ -255,18 +348,10 @@ pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str, agent
     }
 }
 
-/// Remove a dead instance's record, and each of its agents that no other instance serves from
-/// the catalog and the registry.
-/// Remove `instance_id`'s record, then the catalog entry and contract of each agent in `dead`
-/// (the agents no other instance serves).
-pub async fn forget_instance(
-    nats: &async_nats::Client,
-    instance_id: &str,
-    agents: &[String],
-    dead: &[String],
-) {
+/// Remove `instance_id`'s records: the keys it was recorded under (an agent's user may purge
+/// only its own).
+pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, agents: &[String]) {
     if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
-        // The keys it was recorded under (an agent's user may purge only its own).
         if agents.is_empty() {
             let _ = store.purge(record_key(instance_id, None)).await;
         }
@@ -274,45 +359,53 @@ pub async fn forget_instance(
             let _ = store.purge(record_key(instance_id, Some(agent))).await;
         }
     }
-    for agent in dead {
-        forget_agent(nats, agent).await;
-    }
 }
 
-/// Remove `agent` from the catalog and the registry.
-pub async fn forget_agent(nats: &async_nats::Client, agent: &str) {
-    let entry = CatalogEntry {
-        name: agent.to_string(),
-        description: String::new(),
-        version: String::new(),
-        tags: Vec::new(),
-        invocable: true,
-        streaming: false,
-        max_handling_ms: None,
-    };
-    let _ = update_catalog(nats, &entry, false).await;
+/// Remove `agents` from the catalog (in one write) and the registry.
+pub async fn forget_agents(nats: &async_nats::Client, agents: &[String]) {
+    if agents.is_empty() {
+        return;
+    }
+    let gone = |v: &serde_json::Value| agents.iter().any(|a| v["name"] == a.as_str());
+    let edited = edit_catalog(nats, |items| {
+        let before = items.len();
+        items.retain(|v| !gone(v));
+        items.len() != before
+    })
+    .await;
+    if let Err(e) = edited {
+        tracing::warn!("{} agents left in the catalog: {e:#}", agents.len());
+    }
     if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {
-        let _ = registry.delete(agent).await;
+        for agent in agents {
+            let _ = registry.delete(agent).await;
+        }
     }
 }
 
-/// A graceful exit: claim the tombstone (so monitors do not announce this exit again), remove the
-/// record, and the agent too if this was its last instance. Returns whether it was the last.
-pub async fn deregister(
-    nats: &async_nats::Client,
-    entry: &CatalogEntry,
-    instance_id: &str,
-) -> bool {
-    claim_tombstone(nats, instance_id, Some(&entry.name)).await;
-    let others = instances_of(nats, &entry.name).await.unwrap_or_default();
-    let last = !others.iter().any(|r| r.instance_id != instance_id);
-    let dead = if last {
-        vec![entry.name.clone()]
-    } else {
-        Vec::new()
-    };
-    forget_instance(nats, instance_id, std::slice::from_ref(&entry.name), &dead).await;
-    last
+/// Instances of `agent` leaving together (a process's replicas): each claims its tombstone (so
+/// no monitor announces its exit again) and removes its record, all at once. Then, if no other
+/// instance serves the agent, it is gone; true if the agent's death is this caller's to
+/// announce (then it announces, and `forget_agents` after). Records go before others are
+/// counted, so of instances leaving together in different processes the last to go finds none
+/// left, and the agent's tombstone makes one of them say so. A count that fails is not "none".
+pub async fn leave(nats: &async_nats::Client, agent: &str, instance_ids: &[String]) -> bool {
+    let agents = [agent.to_string()];
+    futures_util::future::join_all(instance_ids.iter().map(|id| async {
+        claim_tombstone(nats, id, Some(agent)).await;
+        forget_instance(nats, id, &agents).await;
+    }))
+    .await;
+    match instances_of(nats, agent).await {
+        Ok(others) if others.iter().all(|r| instance_ids.contains(&r.instance_id)) => {
+            claim_agent_death(nats, agent).await
+        }
+        Ok(_) => false,
+        Err(e) => {
+            tracing::warn!(agent, "cannot tell whether other instances serve it: {e:#}");
+            false
+        }
+    }
 }
 
 #[cfg(test)]

@@ -167,12 +167,7 @@ async fn interoperates_with_the_python_sdk() {
     // An agent served by the Python SDK.
     let spawn_sdk_agent = || crate::support::spawn_sdk_echo(&url);
     let _monitor = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
-        .await
-        .unwrap();
-    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
-    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
-    nc.flush().await.unwrap();
+    let (_nc, mut deaths, mut instance_deaths) = hearing_deaths(&url).await;
     let mut child = spawn_sdk_agent();
     let mut replica = spawn_sdk_agent();
 
@@ -255,6 +250,23 @@ asyncio.run(main())
     assert_eq!(chunks[2], json!({"index": 2, "of": 3, "input": {"n": 1}}));
 }
 
+/// A connection to `url` subscribed (at the server) to agent deaths and to instance deaths.
+async fn hearing_deaths(
+    url: &str,
+) -> (
+    async_nats::Client,
+    async_nats::Subscriber,
+    async_nats::Subscriber,
+) {
+    let nc = oam::transport::connect::connect(url, "test", false, &Default::default())
+        .await
+        .unwrap();
+    let deaths = nc.subscribe("mesh.death.>").await.unwrap();
+    let instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    nc.flush().await.unwrap();
+    (nc, deaths, instance_deaths)
+}
+
 /// A monitor beside a fresh server, with both accounts.
 fn monitor(server: &NatsServer) -> Proc {
     let sys = oam::local::natsd::sys_url(&[server.port], &server.creds);
@@ -297,12 +309,7 @@ async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
     // Two monitors: each death must still be announced once.
     let _m1 = monitor(&server);
     let _m2 = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
-        .await
-        .unwrap();
-    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
-    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
-    nc.flush().await.unwrap();
+    let (nc, mut deaths, mut instance_deaths) = hearing_deaths(&url).await;
 
     // Two replicas in two processes: the first SIGKILL is a replica's death, not the agent's.
     let mut a = serve(&url, "demo.pair", "echo", &[]);
@@ -1285,12 +1292,7 @@ async fn forged_heartbeats_and_instance_records_fool_no_monitor() {
     let server = NatsServer::start().await;
     let url = server.url();
     let _monitor = monitor(&server);
-    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
-        .await
-        .unwrap();
-    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
-    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
-    nc.flush().await.unwrap();
+    let (nc, mut deaths, mut instance_deaths) = hearing_deaths(&url).await;
     let mut victim = serve(&url, "demo.victim", "echo", &[]);
     let victim_id = victim.ready["instances"][0].as_str().unwrap().to_string();
     beat_of(&nc, "demo.victim", |_| true).await;
@@ -1342,4 +1344,200 @@ async fn forged_heartbeats_and_instance_records_fool_no_monitor() {
         .expect("the victim's death is announced");
     assert_eq!(notice["agent"], "demo.victim", "{notice}");
     assert_eq!(notice["instance_id"], victim_id.as_str(), "{notice}");
+}
+
+/// Agents that start together all register, though the catalog is one key that each changes by
+/// compare-and-swap (it used to give up after 10 tries: most of a burst failed), and the Open
+/// Agent Mesh SDK still reads the catalog they wrote.
+#[tokio::test]
+async fn agents_registered_together_all_register_and_the_sdk_reads_them() {
+    const AGENTS: usize = 240;
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let mut conns = Vec::new();
+    for i in 0..8 {
+        let name = format!("test-{i}");
+        conns.push(
+            oam::transport::connect::connect(&url, &name, false, &Default::default())
+                .await
+                .unwrap(),
+        );
+    }
+    let registrations = (0..AGENTS).map(|i| {
+        let nc = conns[i % conns.len()].clone();
+        async move {
+            let entry = oam::mesh::protocol::CatalogEntry {
+                name: format!("burst.agent{i}"),
+                description: format!("agent {i} of a burst"),
+                version: "0.1.0".into(),
+                tags: vec!["burst".into()],
+                invocable: true,
+                streaming: false,
+                max_handling_ms: None,
+            };
+            let id = format!("{i:016x}");
+            oam::mesh::store::register(&nc, &entry, &id).await
+        }
+    });
+    let results = futures_util::future::join_all(registrations).await;
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        &failed[..1]
+    );
+
+    let listed = crate::support::python_json(
+        r#"
+import asyncio, json, sys
+from openagentmesh import AgentMesh
+
+async def main():
+    async with AgentMesh(sys.argv[1]) as mesh:
+        print(json.dumps(sorted(e.name for e in await mesh.catalog())))
+
+asyncio.run(main())
+"#,
+        &[&url],
+    );
+    let mut expected: Vec<String> = (0..AGENTS).map(|i| format!("burst.agent{i}")).collect();
+    expected.sort();
+    assert_eq!(listed, json!(expected), "the SDK lists every agent once");
+}
+
+/// Start `oam agent serve NAME --replicas N` processes all at once.
+fn serve_together(url: &str, agents: &[(&str, &str)]) -> Vec<Proc> {
+    std::thread::scope(|s| {
+        let started: Vec<_> = agents
+            .iter()
+            .map(|(name, replicas)| {
+                s.spawn(move || serve(url, name, "echo", &["--replicas", replicas]))
+            })
+            .collect();
+        started.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
+fn instances(p: &Proc) -> Vec<String> {
+    p.ready["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Instances killed together are each announced once, at once (each death used to wait for
+/// the one before, which read every instance record); an agent's death is announced once when
+/// its last instance goes, whichever of them the monitor handles last, and never while another
+/// process still serves it. Replicas stopped together (in two processes at once) leave one
+/// graceful notice and an empty catalog; each process exits within the 2 s the docs state.
+#[tokio::test]
+async fn deaths_and_exits_in_a_burst_are_announced_each_once() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let (nc, mut deaths, mut instance_deaths) = hearing_deaths(&url).await;
+    let mut procs = serve_together(
+        &url,
+        &[
+            ("burst.a", "4"),
+            ("burst.a", "4"),
+            ("burst.a", "4"),
+            ("burst.b", "4"),
+            ("burst.b", "4"),
+            ("burst.c", "4"),
+        ],
+    );
+    // Every instance beats before the kill, so the monitor knows each by its heartbeat.
+    for name in ["burst.a", "burst.b", "burst.c"] {
+        beat_of(&nc, name, |_| true).await;
+    }
+    let survivors: Vec<Proc> = procs.drain(..2).collect();
+    let killed: std::collections::BTreeSet<String> = procs.iter().flat_map(instances).collect();
+    assert_eq!(killed.len(), 16);
+    for p in &mut procs {
+        let _ = oam::local::signal(p.pid(), libc::SIGKILL);
+    }
+    let last_kill = Instant::now();
+    for p in &mut procs {
+        p.wait();
+    }
+
+    let mut announced = std::collections::BTreeSet::new();
+    let mut agents_dead = Vec::new();
+    let deadline = last_kill + Duration::from_secs(10);
+    while announced.len() < killed.len() || agents_dead.len() < 2 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        tokio::select! {
+            n = next_json(&mut instance_deaths, left) => {
+                let n = n.expect("every killed instance is announced within 10 s");
+                let id = n["instance_id"].as_str().unwrap().to_string();
+                assert!(killed.contains(&id), "a false death: {n}");
+                assert!(announced.insert(id), "announced twice: {n}");
+            }
+            n = next_json(&mut deaths, left) => {
+                let n = n.expect("both agents' deaths are announced within 10 s");
+                agents_dead.push(n["agent"].as_str().unwrap().to_string());
+            }
+        }
+    }
+    let took = last_kill.elapsed();
+    agents_dead.sort();
+    assert_eq!(
+        agents_dead,
+        ["burst.b", "burst.c"],
+        "each once; burst.a lives"
+    );
+    // From the disconnects, not the heartbeat verdict (3 s of silence).
+    assert!(
+        took < Duration::from_millis(2_500),
+        "the last notice came {took:?} after the kill"
+    );
+    assert!(
+        next_json(&mut instance_deaths, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "no more deaths"
+    );
+    let (ok, _, err) = call(&url, "burst.a", r#"{"still": "served"}"#, "10");
+    assert!(ok, "{err}");
+
+    // The two processes left serving burst.a stop together.
+    let mut survivors = survivors;
+    for p in &survivors {
+        assert!(oam::local::signal(p.pid(), libc::SIGTERM));
+    }
+    let stopped = Instant::now();
+    for p in &mut survivors {
+        let status = p.exited_within(Duration::from_secs(10)).await;
+        assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    }
+    let took = stopped.elapsed();
+    assert!(took < Duration::from_secs(3), "exits took {took:?}");
+    let notice = next_json(&mut deaths, Duration::from_secs(5))
+        .await
+        .expect("the agent's graceful notice");
+    assert_eq!(notice["agent"], "burst.a", "{notice}");
+    assert_eq!(notice["reason"], "graceful_shutdown", "{notice}");
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "said once, not by each process or by the monitor"
+    );
+    assert!(
+        next_json(&mut instance_deaths, Duration::from_millis(200))
+            .await
+            .is_none(),
+        "a graceful exit is not a crash"
+    );
+    let catalog = oam::mesh::store::catalog(&nc).await.unwrap();
+    assert!(catalog.is_empty(), "{catalog:?}");
+    let records = oam::mesh::store::all_instances(&nc).await.unwrap();
+    assert!(records.is_empty(), "{records:?}");
 }

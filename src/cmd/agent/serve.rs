@@ -91,15 +91,20 @@ pub async fn run(cluster: &super::super::ClusterArgs, s: Args) -> Result<()> {
         }
         out.flush()?;
     }
+    // Every replica stops at once and they leave together, so an exit takes one goodbye's
+    // time however many replicas there are, and the last of the agent's instances says so.
+    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut running = Vec::new();
+    let mut members = Vec::new();
     for (inst, sub) in instances {
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut stop_rx = stop_tx.subscribe();
         let (demo, concurrency) = (s.demo, s.concurrency);
-        let task = tokio::spawn(async move {
+        members.push(inst.clone());
+        running.push(tokio::spawn(async move {
             let stop = async move {
-                let _ = stop_rx.await;
+                let _ = stop_rx.recv().await;
             };
-            host::serve(
+            host::run(
                 inst,
                 sub,
                 demo.into(),
@@ -108,16 +113,16 @@ pub async fn run(cluster: &super::super::ClusterArgs, s: Args) -> Result<()> {
                 stop,
             )
             .await
-        });
-        running.push((stop_tx, task));
+        }));
     }
     crate::cmd::terminated().await;
-    // Leave one at a time, so the last replica out knows it is the last and says so.
-    for (stop_tx, task) in running {
-        let _ = stop_tx.send(());
-        if let Ok(Err(e)) = task.await {
-            tracing::warn!("an instance did not leave cleanly: {e:#}");
-        }
+    let _ = stop_tx.send(());
+    let mut connected = false;
+    for task in running {
+        connected |= task.await.unwrap_or(false);
+    }
+    if connected {
+        host::leave(&members).await;
     }
     Ok(())
 }

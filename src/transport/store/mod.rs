@@ -33,11 +33,17 @@ pub const MESH_BUCKETS: [(&str, Duration); 4] = [
 /// `get` then finds nothing), from the stream's subject counts rather than a consumer, so a
 /// role that may not create consumers (agents, callers) can list them.
 pub async fn keys(store: &kv::Store) -> anyhow::Result<Vec<String>> {
+    keys_matching(store, ">").await
+}
+
+/// The keys of `store` that match `pattern` (a subject pattern: `*` one token, `>` the rest),
+/// as `keys` lists them: the server filters, so a few keys of a large bucket cost a few.
+pub async fn keys_matching(store: &kv::Store, pattern: &str) -> anyhow::Result<Vec<String>> {
     use futures_util::TryStreamExt;
     let prefix = format!("$KV.{}.", store.name);
     let subjects: Vec<(String, usize)> = store
         .stream
-        .info_with_subjects(format!("{prefix}>"))
+        .info_with_subjects(format!("{prefix}{pattern}"))
         .await?
         .try_collect()
         .await?;
