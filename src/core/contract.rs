@@ -300,39 +300,102 @@ impl Contract {
     }
 }
 
-/// Compiled schemas (or why one does not compile), keyed by the schema's JSON text: a key is
-/// the whole text, never a hash of it, so no crafted schema can stand for another.
+/// Compiled schemas (or why one does not compile), found by a keyed hash of the schema and
+/// confirmed by comparing the whole schema: a hash only says where to look, so no crafted
+/// schema can stand for another.
 #[derive(Default)]
 struct Schemas {
-    by_text: std::collections::HashMap<String, Compiled>,
-    /// The keys' lengths together.
+    by_hash: std::collections::HashMap<u64, Vec<Compiled>>,
+    /// The schemas' sizes together (`fingerprint`).
     bytes: usize,
     /// Lookups so far: each entry's last use, for eviction.
     clock: u64,
 }
 
 struct Compiled {
+    schema: Value,
+    size: usize,
     validator: Result<std::sync::Arc<jsonschema::Validator>, String>,
     used: u64,
 }
 
-/// Schemas kept compiled at most, and their text in all.
+/// Schemas kept compiled at most, and their size in all.
 const SCHEMAS_MAX: usize = 2_048;
 const SCHEMA_BYTES_MAX: usize = 8 << 20;
 
 static SCHEMAS: std::sync::LazyLock<std::sync::Mutex<Schemas>> =
     std::sync::LazyLock::new(Default::default);
 
-/// `schema` compiled, from the cache when its text was compiled before; a schema larger than
-/// the cache's share of one entry is compiled every time.
+/// The hash key, drawn by the standard library once per process: nobody outside can work out
+/// two schemas that share a hash.
+static SCHEMA_KEY: std::sync::LazyLock<std::hash::RandomState> =
+    std::sync::LazyLock::new(std::hash::RandomState::new);
+
+/// `v`'s keyed hash and its size (about its JSON text's length), in one walk and no allocation.
+/// Equal values hash alike: an object's members are combined in any order, as they compare.
+fn fingerprint(v: &Value) -> (u64, usize) {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let mut h = SCHEMA_KEY.build_hasher();
+    let size = match v {
+        Value::Null => {
+            0u8.hash(&mut h);
+            4
+        }
+        Value::Bool(b) => {
+            (1u8, b).hash(&mut h);
+            5
+        }
+        Value::Number(n) => {
+            match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => (2u8, u).hash(&mut h),
+                (None, Some(i)) => (3u8, i).hash(&mut h),
+                _ => (4u8, n.as_f64().map(f64::to_bits)).hash(&mut h),
+            }
+            8
+        }
+        Value::String(t) => {
+            (5u8, t).hash(&mut h);
+            t.len() + 2
+        }
+        Value::Array(items) => {
+            (6u8, items.len()).hash(&mut h);
+            let mut size = 2;
+            for item in items {
+                let (hash, n) = fingerprint(item);
+                hash.hash(&mut h);
+                size += n + 1;
+            }
+            size
+        }
+        Value::Object(members) => {
+            (7u8, members.len()).hash(&mut h);
+            let (mut all, mut size) = (0u64, 2);
+            for (k, item) in members {
+                let (hash, n) = fingerprint(item);
+                all = all.wrapping_add(SCHEMA_KEY.hash_one((k, hash)));
+                size += k.len() + n + 4;
+            }
+            all.hash(&mut h);
+            size
+        }
+    };
+    (h.finish(), size)
+}
+
+/// `schema` compiled, from the cache when the same schema was compiled before; a schema larger
+/// than the cache's share of one entry is compiled every time.
 pub fn compiled(schema: &Value) -> Result<std::sync::Arc<jsonschema::Validator>, String> {
-    let text = schema.to_string();
+    let (hash, size) = fingerprint(schema);
     let mut cache = SCHEMAS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     cache.clock += 1;
     let now = cache.clock;
-    if let Some(c) = cache.by_text.get_mut(&text) {
+    if let Some(c) = cache
+        .by_hash
+        .get_mut(&hash)
+        .and_then(|same| same.iter_mut().find(|c| c.schema == *schema))
+    {
         c.used = now;
         return c.validator.clone();
     }
@@ -340,28 +403,31 @@ pub fn compiled(schema: &Value) -> Result<std::sync::Arc<jsonschema::Validator>,
     let validator = jsonschema::validator_for(schema)
         .map(std::sync::Arc::new)
         .map_err(|e| e.to_string());
-    if text.len() > SCHEMA_BYTES_MAX / 64 {
+    if size > SCHEMA_BYTES_MAX / 64 {
         return validator;
     }
     let mut cache = SCHEMAS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if cache.by_text.len() >= SCHEMAS_MAX || cache.bytes + text.len() > SCHEMA_BYTES_MAX {
+    let entries: usize = cache.by_hash.values().map(Vec::len).sum();
+    if entries >= SCHEMAS_MAX || cache.bytes + size > SCHEMA_BYTES_MAX {
         // The least recently used half goes: one scan for many inserts.
-        let mut uses: Vec<u64> = cache.by_text.values().map(|c| c.used).collect();
+        let mut uses: Vec<u64> = cache.by_hash.values().flatten().map(|c| c.used).collect();
         uses.sort_unstable();
         let cut = uses.get(uses.len() / 2).copied().unwrap_or(u64::MAX);
-        cache.by_text.retain(|_, c| c.used > cut);
-        cache.bytes = cache.by_text.keys().map(String::len).sum();
+        cache.by_hash.retain(|_, same| {
+            same.retain(|c| c.used > cut);
+            !same.is_empty()
+        });
+        cache.bytes = cache.by_hash.values().flatten().map(|c| c.size).sum();
     }
-    cache.bytes += text.len();
-    cache.by_text.insert(
-        text,
-        Compiled {
-            validator: validator.clone(),
-            used: now,
-        },
-    );
+    cache.bytes += size;
+    cache.by_hash.entry(hash).or_default().push(Compiled {
+        schema: schema.clone(),
+        size,
+        validator: validator.clone(),
+        used: now,
+    });
     validator
 }
 
@@ -608,7 +674,7 @@ mod tests {
         let b = compiled(&schema.clone()).unwrap();
         assert!(
             std::sync::Arc::ptr_eq(&a, &b),
-            "the same text, the same validator"
+            "the same schema, the same validator"
         );
         let other = json!({"type": "object", "properties": {"q": {"type": "integer"}}});
         let c = compiled(&other).unwrap();
@@ -624,16 +690,50 @@ mod tests {
             compiled(&json!({"type": "object", "title": format!("t{i}")})).unwrap();
         }
         let cache = SCHEMAS.lock().unwrap();
-        assert!(
-            cache.by_text.len() <= SCHEMAS_MAX,
-            "{}",
-            cache.by_text.len()
-        );
+        let entries: usize = cache.by_hash.values().map(Vec::len).sum();
+        assert!(entries <= SCHEMAS_MAX, "{entries}");
         assert!(cache.bytes <= SCHEMA_BYTES_MAX);
         assert_eq!(
             cache.bytes,
-            cache.by_text.keys().map(String::len).sum::<usize>()
+            cache
+                .by_hash
+                .values()
+                .flatten()
+                .map(|c| c.size)
+                .sum::<usize>()
         );
+    }
+
+    #[test]
+    fn equal_schemas_share_a_fingerprint_and_different_ones_do_not() {
+        let a: Value = serde_json::from_str(
+            r#"{"type":"object","properties":{"q":{"type":"string"}},"required":["q"]}"#,
+        )
+        .unwrap();
+        let reordered: Value = serde_json::from_str(
+            r#"{"required":["q"],"properties":{"q":{"type":"string"}},"type":"object"}"#,
+        )
+        .unwrap();
+        assert_eq!(a, reordered);
+        assert_eq!(fingerprint(&a).0, fingerprint(&reordered).0);
+        let a_text = a.to_string().len();
+        let (_, size) = fingerprint(&a);
+        assert!(size >= a_text && size <= 2 * a_text, "{size} for {a_text}");
+        // Members moved between objects, an array's order, a number's kind: all differ.
+        for other in [
+            json!({"type": "object", "properties": {"q": {"type": "string"}, "required": ["q"]}}),
+            json!({"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q", "r"]}),
+            json!([1, 2]),
+            json!([2, 1]),
+            json!(1),
+            json!(1.0),
+            json!(-1),
+            json!("1"),
+        ] {
+            assert_ne!(fingerprint(&a).0, fingerprint(&other).0, "{other}");
+        }
+        assert_ne!(fingerprint(&json!([1, 2])).0, fingerprint(&json!([2, 1])).0);
+        assert_ne!(fingerprint(&json!(1)).0, fingerprint(&json!(1.0)).0);
     }
 
     #[test]
