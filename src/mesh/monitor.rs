@@ -311,9 +311,9 @@ async fn announce(app: &async_nats::Client, d: Death) {
         detail: (!d.detail.is_empty()).then(|| d.detail.clone()),
         detected_at_ms: Some(detected_at_ms),
     };
+    // Not flushed on its own: the requests below go out after it, on the same connection.
     if let Ok(body) = serde_json::to_vec(&notice(&first)) {
         let _ = app.publish(subjects::instance_death(id), body.into()).await;
-        flush_within(app, FLUSH_WITHIN).await;
     }
     store::forget_instance(app, id, &agents).await;
     let mut dead = Vec::new();

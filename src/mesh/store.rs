@@ -263,14 +263,15 @@ fn believed(key: &str, rec: InstanceRecord) -> Option<InstanceRecord> {
     (rec.instance_id == id && agents_match).then_some(rec)
 }
 
-/// Instance records that serve `agent`: its keys (`*.{agent}`) and those under an id alone,
-/// asked of the server by key, so the cost grows with the agent's instances, not the mesh's.
+/// Instance records that serve `agent` (its keys, `*.{agent}`; oam writes none under an id
+/// alone), asked of the server by key, so the cost grows with the agent's instances, not the
+/// mesh's.
 pub async fn instances_of(
     nats: &async_nats::Client,
     agent: &str,
 ) -> anyhow::Result<Vec<InstanceRecord>> {
     let keys = format!("*.{agent}");
-    Ok(records(nats, &[&keys, "*"])
+    Ok(records(nats, &[&keys])
         .await?
         .into_iter()
         .filter(|r| r.agents.iter().any(|a| a == agent))
