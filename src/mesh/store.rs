@@ -91,8 +91,9 @@ async fn edit_catalog(
     let store = bucket(nats, subjects::CATALOG_BUCKET, Duration::ZERO).await?;
     let deadline = std::time::Instant::now() + CATALOG_WITHIN;
     let jitter = std::hash::RandomState::new();
-    let mut window_ms = 4u64;
-    for tries in 1u64.. {
+    let (mut window_ms, mut tries) = (4u64, 0u64);
+    loop {
+        tries += 1;
         let current = store.entry(subjects::CATALOG_KEY).await?;
         let mut items: Vec<serde_json::Value> = current
             .as_ref()
@@ -129,7 +130,6 @@ async fn edit_catalog(
         tokio::time::sleep(Duration::from_millis(pause)).await;
         window_ms = (window_ms * 2).min(250);
     }
-    unreachable!("the loop above returns")
 }
 
 /// List `entry` in the catalog (in place of any entry of its name); a catalog that already
@@ -194,15 +194,7 @@ pub async fn register(
         .put(entry.name.as_str(), serde_json::to_vec(&contract)?.into())
         .await?;
     // The agent lives again: its next death is announced again.
-    if let Ok(tombstones) = bucket(
-        nats,
-        subjects::TOMBSTONES_BUCKET,
-        crate::transport::store::TOMBSTONE_AGE,
-    )
-    .await
-    {
-        let _ = tombstones.purge(agent_tombstone(&entry.name)).await;
-    }
+    unclaim(nats, &agent_tombstone(&entry.name)).await;
     list_in_catalog(nats, entry).await
 }
 
@@ -215,21 +207,15 @@ pub async fn renew(nats: &async_nats::Client, entry: &CatalogEntry, instance_id:
 
 /// Every instance record.
 pub async fn all_instances(nats: &async_nats::Client) -> anyhow::Result<Vec<InstanceRecord>> {
-    records(nats, &[">"]).await
+    records(nats, ">").await
 }
 
-/// The instance records under the keys that match `patterns`, read 32 at a time. Records whose
+/// The instance records under the keys that match `pattern`, read 32 at a time. Records whose
 /// body claims another instance or agent than their key are left out, with a warning.
-async fn records(
-    nats: &async_nats::Client,
-    patterns: &[&str],
-) -> anyhow::Result<Vec<InstanceRecord>> {
+async fn records(nats: &async_nats::Client, pattern: &str) -> anyhow::Result<Vec<InstanceRecord>> {
     use futures_util::StreamExt;
     let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
-    let mut keys = Vec::new();
-    for pattern in patterns {
-        keys.extend(crate::transport::store::keys_matching(&store, pattern).await?);
-    }
+    let keys = crate::transport::store::keys_matching(&store, pattern).await?;
     let store = &store;
     let read = futures_util::stream::iter(keys)
         .map(|key| async move { (store.get(&key).await, key) })
@@ -270,23 +256,25 @@ pub async fn instances_of(
     nats: &async_nats::Client,
     agent: &str,
 ) -> anyhow::Result<Vec<InstanceRecord>> {
-    let keys = format!("*.{agent}");
-    Ok(records(nats, &[&keys])
+    // A name from the bus (a heartbeat's subject) is an agent's name, never a pattern.
+    if !protocol::valid_agent_name(agent) {
+        anyhow::bail!("{agent:?} is not an agent name");
+    }
+    Ok(records(nats, &format!("*.{agent}"))
         .await?
         .into_iter()
         .filter(|r| r.agents.iter().any(|a| a == agent))
         .collect())
 }
 
-/// One instance's records (one per agent it serves, merged).
+/// One instance's records (one per agent it serves, `{id}.{agent}`, merged).
 pub async fn instance(nats: &async_nats::Client, instance_id: &str) -> Option<InstanceRecord> {
     // The id comes from a connection's name, which its client chose: a key token, never a
     // pattern.
     if crate::transport::store::token(instance_id) != instance_id {
         return None;
     }
-    let under = format!("{instance_id}.>");
-    let mut found = records(nats, &[instance_id, &under])
+    let mut found = records(nats, &format!("{instance_id}.>"))
         .await
         .ok()?
         .into_iter();
@@ -338,6 +326,11 @@ async fn claim(nats: &async_nats::Client, key: &str) -> bool {
 /// An instance declared dead that is back (after a network blip): its next death must be
 /// announced again.
 pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str, agent: &str) {
+    unclaim(nats, &record_key(instance_id, Some(agent))).await;
+}
+
+/// Remove tombstone `key`, so what it stood for is announced again when it dies.
+async fn unclaim(nats: &async_nats::Client, key: &str) {
     if let Ok(store) = bucket(
         nats,
         subjects::TOMBSTONES_BUCKET,
@@ -345,7 +338,7 @@ pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str, agent
     )
     .await
     {
-        let _ = store.purge(record_key(instance_id, Some(agent))).await;
+        let _ = store.purge(key).await;
     }
 }
 
