@@ -182,24 +182,27 @@ impl Monitor {
         }
     }
 
-    /// Announce (once, cluster-wide) and clean up a death, in a task of its own.
-    fn died(&mut self, death: Death) {
+    /// Announce (once, cluster-wide) and clean up a death, in a task of its own once one of the
+    /// `ANNOUNCING` turns is free: past that the loop waits (backpressure), so a flood of closed
+    /// connections cannot pile up tasks.
+    async fn died(&mut self, death: Death) {
         for agent in &death.agents {
             self.seen
                 .remove(&(death.instance_id.clone(), agent.clone()));
         }
-        let (app, turns) = (self.app.clone(), self.announcing.clone());
+        let Ok(turn) = self.announcing.clone().acquire_owned().await else {
+            return;
+        };
+        let app = self.app.clone();
         tokio::spawn(async move {
-            let Ok(_turn) = turns.acquire_owned().await else {
-                return;
-            };
             announce(&app, death).await;
+            drop(turn);
         });
     }
 
     /// A connection without an instance record that served agents (a Python SDK process)
     /// closed: that instance died.
-    fn client_died(&mut self, c: ClosedClient) {
+    async fn client_died(&mut self, c: ClosedClient) {
         let server: String = c.adv.server.id.chars().take(8).collect();
         self.died(Death {
             instance_id: format!("nats-{server}-{}", c.adv.client.id),
@@ -209,7 +212,8 @@ impl Monitor {
             detail: c.adv.reason,
             served_elsewhere: c.served_elsewhere,
             recorded: false,
-        });
+        })
+        .await;
     }
 
     /// A heartbeat that came on `subject`: believed for the agent the subject names (which only
@@ -654,7 +658,8 @@ pub async fn run(
                         detail: "its nats-server is gone and it did not reconnect elsewhere".into(),
                         served_elsewhere: d.served_elsewhere,
                         recorded: false,
-                    });
+                    })
+                    .await;
                 }
             }
             Some(msg) = beats.next() => m.heartbeat(&msg.subject, &msg.payload),
@@ -676,13 +681,14 @@ pub async fn run(
                         detail: adv.reason,
                         served_elsewhere: Vec::new(),
                         recorded: true,
-                    });
+                    })
+                    .await;
                 } else if lookup_tx.try_send(adv).is_err() {
                     m.skipped_lookups += 1;
                     tracing::warn!("{} closed connections not looked up: too many at once", m.skipped_lookups);
                 }
             }
-            Some(c) = found.recv() => m.client_died(c),
+            Some(c) = found.recv() => m.client_died(c).await,
             _ = sweep.tick() => {
                 for (instance_id, agent) in m.silent() {
                     m.died(Death {
@@ -693,7 +699,8 @@ pub async fn run(
                         detail: "no heartbeat for 3 intervals".into(),
                         served_elsewhere: Vec::new(),
                         recorded: true,
-                    });
+                    })
+                    .await;
                 }
             }
         }
