@@ -12,6 +12,7 @@
 //! Capacity sheds (admission) and calls refused inside an already-escalated loop episode are not
 //! escalated again: the first is the caller's retry, the second already has its escalation.
 
+use super::loops::Incident;
 use super::reason::{Action, Phase, ReasonCode};
 use super::request::{Priority, Request, Risk};
 use serde::{Deserialize, Serialize};
@@ -102,6 +103,27 @@ fn base36(mut n: u64) -> String {
         }
     }
     digits.iter().rev().map(|&d| char::from(d)).collect()
+}
+
+/// The escalation of a loop episode a node opened by counting another node's failure (no
+/// node's own failure reached the threshold): `request_id` is the call whose failure there
+/// completed the count.
+pub fn of_loop(incident: &Incident, request_id: &str, now_ms: u64) -> Escalation {
+    Escalation {
+        id: format!("esc-{}", incident.id),
+        request_id: request_id.to_string(),
+        agent: incident.agent.clone(),
+        task: incident.task.clone(),
+        phase: Phase::Loop,
+        reason_codes: vec![
+            ReasonCode::AgentLoopDetected,
+            ReasonCode::HumanAttentionRequired,
+            ReasonCode::EscalatedAgentLoop,
+        ],
+        recommended_action: Action::HumanReviewBlockAutomaticAction,
+        created_at_ms: now_ms,
+        incident_id: Some(incident.id.clone()),
+    }
 }
 
 /// Build the escalation object for a request the rules picked.

@@ -980,8 +980,10 @@ impl Engine {
 
     /// Another node counted a failure of call `fp` at `at_ms` (its `Effect::LoopFailure`): count
     /// it here too, so a loop spread over the cluster trips at the same count as one on a
-    /// single node. An episode it opens blocks identical calls here; its incident and escalation
-    /// are the node's whose own failure opened it.
+    /// single node. An episode it opens blocks identical calls here, and is returned: its
+    /// incident and escalation are the node's whose own failure opened it, unless no node's own
+    /// count reached the threshold (their events crossed), when the driver raises it (see
+    /// `node::loops`).
     pub fn remote_loop_failure(
         &mut self,
         fp: Fingerprint,
@@ -989,7 +991,7 @@ impl Engine {
         task: &str,
         at_ms: u64,
         probe: bool,
-    ) {
+    ) -> Option<loops::Incident> {
         loops::on_failure(
             &mut self.state.loops,
             fp,
@@ -998,7 +1000,7 @@ impl Engine {
             at_ms,
             probe,
             &self.config.loops,
-        );
+        )
     }
 
     /// Another node's call `fp` worked: its count and any episode end here too.

@@ -188,6 +188,10 @@ pub enum LoopEvent {
         task: String,
         at_ms: u64,
         probe: bool,
+        /// The call that failed (named in the escalation if this failure completes a count
+        /// that no node's own failure did).
+        #[serde(default)]
+        request_id: String,
     },
     Cleared {
         fingerprint: Fingerprint,

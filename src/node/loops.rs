@@ -5,7 +5,11 @@
 //! The node whose own failure opens an episode raises its incident and escalation, after
 //! claiming the episode in the KV bucket `oam-loop-episodes`: when two nodes open one at the
 //! same moment, the second finds the claim and stays quiet, so the cluster raises one incident
-//! and one escalation per episode. A call that works ends the episode and its claim.
+//! and one escalation per episode. When events cross (a node counts its own failure before an
+//! earlier one from another node arrives), no node's own failure reaches the threshold and the
+//! episode opens on every node from another's event: each of those nodes raises it after
+//! `RAISE_GRACE` unless it was claimed or ended by then, so a loop is never stopped unheard. A
+//! call that works ends the episode and its claim.
 
 use super::Node;
 use super::bus::Bus;
@@ -19,8 +23,13 @@ use crate::transport::store::loops::{self as claims, CLAIM_TIMEOUT, Claim};
 use crate::transport::subjects;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+/// How long a node that opened an episode from another node's event waits before raising it
+/// itself: the node whose own failure opened it claims it well within this.
+pub const RAISE_GRACE: Duration = Duration::from_secs(1);
 
 pub struct Loops {
     id: String,
@@ -65,6 +74,7 @@ impl Loops {
                         task: task.clone(),
                         at_ms: now_ms(),
                         probe: *probe,
+                        request_id: d.request_id.clone(),
                     },
                 ),
                 Effect::LoopCleared { fingerprint } => {
@@ -86,20 +96,51 @@ impl Loops {
         if sender == self.id {
             return; // counted when it happened
         }
-        pipeline.with(|e| match event {
+        match event {
             LoopEvent::Failure {
                 fingerprint,
                 agent,
                 task,
                 at_ms,
                 probe,
+                request_id,
             } => {
                 // Stamped by the sender's clock: never later than ours (a forged future stamp
                 // would keep an episode open).
                 let at = at_ms.min(now_ms());
-                e.remote_loop_failure(fingerprint, &agent, &task, at, probe);
+                let opened =
+                    pipeline.with(|e| e.remote_loop_failure(fingerprint, &agent, &task, at, probe));
+                if let Some(incident) = opened {
+                    self.raise_unless_heard(pipeline.clone(), incident, request_id);
+                }
             }
-            LoopEvent::Cleared { fingerprint } => e.remote_loop_cleared(fingerprint),
+            LoopEvent::Cleared { fingerprint } => {
+                pipeline.with(|e| e.remote_loop_cleared(fingerprint));
+            }
+        }
+    }
+
+    /// An episode opened here by another node's event: raise it after `RAISE_GRACE` if it is
+    /// still open (the claim then keeps quiet every node but one, and the node whose own
+    /// failure opened it, if one did, has claimed it by then).
+    fn raise_unless_heard(&self, pipeline: Pipeline, incident: Incident, request_id: String) {
+        let claims = self.claims.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(RAISE_GRACE).await;
+            let open = pipeline
+                .read()
+                .state
+                .loops
+                .get(&incident.fingerprint)
+                .is_some_and(|l| {
+                    l.episode
+                        .as_ref()
+                        .is_some_and(|ep| ep.incident.id == incident.id)
+                });
+            if open {
+                let escalation = crate::core::escalation::of_loop(&incident, &request_id, now_ms());
+                let _ = claims.send(ClaimOp::Raise(Box::new((incident, Some(escalation)))));
+            }
         });
     }
 
@@ -234,6 +275,7 @@ mod tests {
             task: "t".into(),
             at_ms,
             probe: false,
+            request_id: "r9".into(),
         };
         loops.apply(&pipeline, "n1", failure(T0));
         assert!(
@@ -244,5 +286,54 @@ mod tests {
         let e = pipeline.read();
         let entry = e.state.loops.get(&Fingerprint(9)).expect("counted");
         assert_eq!((entry.agent.as_str(), entry.failures.len()), ("a", 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_episode_opened_by_crossed_events_is_raised_unless_it_ended() {
+        let (bus, _publisher) = super::super::bus::offline::bus("n1").await;
+        let (loops, mut claims) = Loops::new("n1", bus);
+        let pipeline = Pipeline::new(engine());
+        let failure = |fp: u64, at_ms: u64| LoopEvent::Failure {
+            fingerprint: Fingerprint(fp),
+            agent: "a".into(),
+            task: "t".into(),
+            at_ms,
+            probe: false,
+            request_id: format!("r{at_ms}"),
+        };
+        // Three failures, none counted here first: the third opens the episode here.
+        for k in 0..3 {
+            loops.apply(&pipeline, "n2", failure(5, T0 + k));
+        }
+        assert!(claims.try_recv().is_err(), "not before the grace");
+        tokio::time::sleep(RAISE_GRACE * 2).await;
+        let Ok(ClaimOp::Raise(raised)) = claims.try_recv() else {
+            panic!("the episode is raised");
+        };
+        let (incident, escalation) = *raised;
+        let escalation = escalation.expect("with its escalation");
+        assert_eq!(incident.fingerprint, Fingerprint(5));
+        assert_eq!(
+            escalation.incident_id.as_deref(),
+            Some(incident.id.as_str())
+        );
+        assert_eq!(escalation.request_id, format!("r{}", T0 + 2));
+        assert_eq!(
+            escalation.reason_codes.last(),
+            Some(&crate::core::reason::ReasonCode::EscalatedAgentLoop)
+        );
+        // One that a working call ended within the grace is not raised.
+        for k in 0..3 {
+            loops.apply(&pipeline, "n2", failure(6, T0 + k));
+        }
+        let cleared = LoopEvent::Cleared {
+            fingerprint: Fingerprint(6),
+        };
+        loops.apply(&pipeline, "n3", cleared);
+        tokio::time::sleep(RAISE_GRACE * 2).await;
+        assert!(
+            claims.try_recv().is_err(),
+            "an ended episode stays unraised"
+        );
     }
 }

@@ -469,12 +469,45 @@ async fn load_faults_agents_and_bad_input() {
             *counts.entry(code).or_default() += n;
         }
     }
-    assert_eq!(counts.get("AGENT_LOOP_DETECTED"), Some(&1.0), "{counts:?}");
-    assert_eq!(counts.get("ESCALATED_AGENT_LOOP"), Some(&1.0), "{counts:?}");
-    assert!(
-        counts.get("BULKHEAD_SHED").is_some_and(|n| *n > 0.0),
-        "{counts:?}"
-    );
+    // Detected by the decision of the node whose own failure completed the count, or (when the
+    // spike delays the nodes' loop events so that none did) raised by a node that counted
+    // another's: either way one incident, one escalation, and identical calls refused.
+    let count = |code: &str| counts.get(code).copied().unwrap_or(0.0);
+    assert!(count("AGENT_LOOP_DETECTED") <= 1.0, "{counts:?}");
+    assert!(count("RUNAWAY_RETRY_STOPPED") > 0.0, "{counts:?}");
+    assert!(count("BULKHEAD_SHED") > 0.0, "{counts:?}");
+    let loop_escalations = || {
+        let out = mesh
+            .oam()
+            .env_remove("OAM_NATS_URL")
+            .args([
+                "escalation",
+                "list",
+                "--agent",
+                "loop-bot",
+                "--json",
+                "--dir",
+            ])
+            .arg(&mesh.dir.0)
+            .output()
+            .unwrap();
+        let all: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        all.into_iter()
+            .filter(|e| {
+                e["escalation"]["reason_codes"]
+                    .as_array()
+                    .and_then(|c| c.last())
+                    == Some(&json!("ESCALATED_AGENT_LOOP"))
+            })
+            .collect::<Vec<_>>()
+    };
+    let raised = eventually(Duration::from_secs(5), || async {
+        let v = loop_escalations();
+        (!v.is_empty()).then_some(v)
+    })
+    .await
+    .expect("the loop is escalated");
+    assert_eq!(raised.len(), 1, "{raised:?}");
 }
 
 /// A record in the escalation store is never overwritten: recording an escalation whose id is
