@@ -360,11 +360,34 @@ pub fn free_port() -> anyhow::Result<u16> {
 }
 
 /// `n` distinct free 127.0.0.1 ports (all held until each is found, so none repeats; free
-/// when asked, a race with other processes is possible).
+/// when asked, a race with other processes is possible). Taken below the kernel's ephemeral
+/// range when it leaves room: a port the kernel hands out (to `:0` listeners and to every
+/// outgoing connection's own end) could be taken between now and the server binding it, as
+/// one cluster member's routes to the others do while the next starts.
 pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
-    let held = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").context("cannot find a free 127.0.0.1 port"))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (from, to) = (10_000u16, low);
+    let mut held = Vec::new();
+    if to > from {
+        use std::hash::BuildHasher;
+        let seed = std::hash::RandomState::new();
+        let span = u64::from(to - from);
+        for k in 0..(n as u64 * 64) {
+            if held.len() == n {
+                break;
+            }
+            let port = from + (seed.hash_one(k) % span) as u16;
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port)) {
+                held.push(l);
+            }
+        }
+    }
+    while held.len() < n {
+        held.push(TcpListener::bind("127.0.0.1:0").context("cannot find a free 127.0.0.1 port")?);
+    }
     held.iter().map(|l| Ok(l.local_addr()?.port())).collect()
 }
 
@@ -497,6 +520,26 @@ fn read_ports(path: &Path) -> Option<(u16, u16)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ports_for_a_cluster_are_distinct_free_and_out_of_the_kernel_s_way() {
+        let ports = free_ports(3).unwrap();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 3, "{ports:?}");
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        if low > 10_000 {
+            assert!(ports.iter().all(|p| *p < low), "{ports:?} below {low}");
+        }
+        assert!(ports.iter().all(|p| !port_in_use(*p)), "free once returned");
+    }
 
     #[test]
     fn versions_parse_and_compare() {
