@@ -111,6 +111,12 @@ impl Ledger {
         true
     }
 
+    /// How much more a node may take as its share beside what its reservations need: what is
+    /// left over `parts`, at most `cap` (never refused: zero when nothing is left).
+    pub fn share_extra(&self, now_ms: u64, parts: u32, cap: f64) -> f64 {
+        round_usd((self.remaining_usd(now_ms) / f64::from(parts.max(1))).min(cap.max(0.0)))
+    }
+
     /// Release `reserved_usd` of `node`'s hold and charge `actual_usd` (which may have been
     /// spent without a hold: a node that could not reach the ledger spends its local share and
     /// settles later).
@@ -237,6 +243,20 @@ mod tests {
         assert!(l.renew("n1", 900, 1_000));
         assert!(!l.reserve("n2", 0.1, 1_500, 1_000));
         assert!(!l.renew("n2", 1_500, 1_000), "n2 holds nothing");
+    }
+
+    #[test]
+    fn a_share_is_a_part_of_what_is_left_and_at_most_its_cap() {
+        let mut l = Ledger::new(1.0);
+        assert!((l.share_extra(0, 4, 10.0) - 0.25).abs() < 1e-9);
+        assert!((l.share_extra(0, 4, 0.1) - 0.1).abs() < 1e-9, "capped");
+        assert!(l.reserve("n1", 0.9, 0, 1_000));
+        assert!(
+            (l.share_extra(0, 4, 10.0) - 0.025).abs() < 1e-9,
+            "of what is left"
+        );
+        assert!(l.reserve("n2", 0.1, 0, 1_000));
+        assert_eq!(l.share_extra(0, 4, 10.0), 0.0, "nothing left, nothing more");
     }
 
     #[test]

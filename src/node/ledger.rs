@@ -1,13 +1,25 @@
 //! The node's side of the shared budget ledger (`core::ledger`), kept in the JetStream KV bucket
 //! `oam-budgets`: one key per budget (`global`, `agent.{name}`).
 //!
-//! Before an attempt a budget applies to, the driver asks [`Ledgers::reserve`]; one task per
-//! node takes every request waiting at that moment and applies them to each key in a single
-//! compare-and-swap (retried on a conflict with another node), so a burst costs one round trip
-//! per key, not one per request. Settlements go the same way, off the request's path; one that
-//! cannot be written waits for the next batch, never dropped. Every node watches the bucket and
-//! mirrors each budget into its engine (others' holds count as spent), so routing already sees
-//! what the cluster spent.
+//! Each node holds a *share* of each budget in the ledger (escrow): its hold there, taken in
+//! one write and drawn on locally. Before an attempt a budget applies to, the driver asks
+//! [`Ledgers::reserve`]: a share that covers it grants it at once, with no write. Otherwise one
+//! task per node takes every request waiting at that moment and asks each key, in a single
+//! compare-and-swap (retried on a conflict with another node), for what the shares lack plus a
+//! new share: at most `SHARE_REQUESTS` times the reservation, and at most what is left over
+//! `SHARE_PARTS` times the cluster's size, so shares shrink as the budget runs out and near the
+//! end every reservation is written, as without shares. Settlements are applied off the
+//! request's path, gathered for up to `SETTLE_EVERY` into one write a key (each moves its cost
+//! from the share to `spent`); one that cannot be written waits for the next batch, never
+//! dropped. A share unused for `SHARE_IDLE_MS`, or the node stopping, gives back what it does
+//! not hold for attempts under way. So a busy cluster writes each key a few times a second per
+//! node, not once per batch of requests.
+//!
+//! The bound kept: a reservation is granted only from a share the ledger holds, and a share
+//! only if the limit covers it beside everything spent and every live hold; spend passes the
+//! limit only by what settlements cost beyond their reservations (one attempt's overrun per
+//! attempt under way). Every node watches the bucket and mirrors each budget into its engine
+//! (others' shares count as spent), so routing already sees what the cluster spent or holds.
 //!
 //! When the ledger cannot be reached (no answer within `STORE_TIMEOUT`, or the node is cut
 //! off) the request's risk decides: high risk is refused (BUDGET_STORE_UNREACHABLE, escalated);
@@ -41,6 +53,38 @@ use tokio_util::sync::CancellationToken;
 
 /// How soon settlements the ledger did not take are tried again.
 const RETRY: Duration = Duration::from_millis(200);
+/// Settlements wait at most this long to share one write (reservations never wait for them).
+const SETTLE_EVERY: Duration = Duration::from_millis(100);
+/// A new share is at most what is left over this many times the cluster's size...
+const SHARE_PARTS: usize = 4;
+/// ...and at most this many times the reservation that asked for it.
+const SHARE_REQUESTS: f64 = 1024.0;
+/// A share no attempt drew on for this long goes back to the ledger.
+const SHARE_IDLE_MS: u64 = 1_000;
+/// Float slack for dollar amounts.
+const EPSILON_USD: f64 = 1e-9;
+
+/// This node's share of one budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Escrow {
+    /// What the ledger holds for this node, as its newest record says.
+    held: f64,
+    /// Reserved for attempts under way.
+    drawn: f64,
+    /// Settled here, not yet written (the ledger still holds it as share).
+    unwritten: f64,
+    /// Being given back by the write under way.
+    returning: f64,
+    /// When an attempt last drew on it.
+    used_ms: u64,
+}
+
+impl Escrow {
+    /// What the share still covers (negative when attempts cost more than they reserved).
+    fn free(&self) -> f64 {
+        self.held - self.drawn - self.unwritten - self.returning
+    }
+}
 /// Requests applied in one batch at most.
 const BATCH_MAX: usize = 512;
 
@@ -93,6 +137,8 @@ struct Ask {
     usd: f64,
     reply: oneshot::Sender<Answer>,
     answer: Answer,
+    /// The shares it drew on (given back if it is not granted).
+    drew: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -101,6 +147,11 @@ enum Change {
     /// Reserved, actual, and the settlement's number (none for a give-back, never retried).
     Settle(f64, f64, Option<u64>),
     Renew,
+    /// A new share beside the reservations before it: what is left over `parts`, at most `cap`.
+    Extra {
+        parts: u32,
+        cap: f64,
+    },
 }
 
 /// Counters for `/metrics` and the state snapshot.
@@ -114,6 +165,11 @@ pub struct LedgerCounters {
     pub episodes_joined: AtomicU64,
     /// Settlements waiting for the ledger to answer.
     pub unsettled: AtomicU64,
+    /// Compare-and-swap writes taken, and those another node's write beat.
+    pub written: AtomicU64,
+    pub conflicts: AtomicU64,
+    /// Reservations held from this node's escrow at once, with no write.
+    pub from_escrow: AtomicU64,
 }
 
 impl LedgerCounters {
@@ -138,6 +194,26 @@ impl LedgerCounters {
         );
         let c = self.clone();
         registry.register(
+            "oam_budget_ledger_writes_total",
+            "Compare-and-swap writes to the budget ledger, by result (conflict: another node \
+             wrote first, read again).",
+            Kind::Counter,
+            move |s| {
+                for (result, n) in [("written", &c.written), ("conflict", &c.conflicts)] {
+                    s.put(&[("result", result)], n.load(Ordering::Relaxed));
+                }
+            },
+        );
+        let c = self.clone();
+        registry.register(
+            "oam_budget_escrow_draws_total",
+            "Reservations this node's escrow held at once, with no ledger write (of those \
+             answered held).",
+            Kind::Counter,
+            move |s| s.put(&[], c.from_escrow.load(Ordering::Relaxed)),
+        );
+        let c = self.clone();
+        registry.register(
             "oam_budget_unsettled",
             "Settlements waiting for the ledger to answer.",
             Kind::Gauge,
@@ -156,11 +232,18 @@ pub struct Ledgers {
     share: std::sync::Mutex<BTreeMap<String, f64>>,
     /// The newest record (and its revision) of each key this node has seen.
     latest: std::sync::Mutex<BTreeMap<String, (Ledger, u64)>>,
+    /// This node's share of each key.
+    escrow: std::sync::Mutex<BTreeMap<String, Escrow>>,
+    /// The ledger took none of the last batch's writes (full, or out of reach): escrow is not
+    /// drawn on without a write until it takes one again, so high-risk work fails closed.
+    failing: std::sync::atomic::AtomicBool,
     /// This run of the node (random): its holds are `{node}#{run}`, so a node killed and started
     /// again does not renew, or add to, what its last run held; that lapses with its lease.
     run: String,
-    /// Settlements sent so far in this run (each is numbered: the next is this plus one).
-    settlements: AtomicU64,
+    /// Settlements sent so far in this run (each is numbered: the next is this plus one). Held
+    /// while one is numbered and sent, so they reach the keeper in the order of their numbers
+    /// (a record applies only numbers above the last it applied).
+    settlements: std::sync::Mutex<u64>,
     pub counters: Arc<LedgerCounters>,
 }
 
@@ -187,8 +270,10 @@ impl Ledgers {
             tx,
             share: std::sync::Mutex::default(),
             latest: std::sync::Mutex::default(),
+            escrow: std::sync::Mutex::default(),
+            failing: std::sync::atomic::AtomicBool::new(false),
             run: crate::ids::unguessable()[..8].to_string(),
-            settlements: AtomicU64::new(0),
+            settlements: std::sync::Mutex::new(0),
             counters: Arc::default(),
         };
         (ledgers, Queue(rx))
@@ -251,8 +336,16 @@ impl Ledgers {
                 b.global.is_some(),
             )
         });
+        let keys: Vec<String> = agent_key
+            .iter()
+            .cloned()
+            .chain(global.then(|| key(None)))
+            .collect();
         let answer = if self.bus.isolated() {
             Answer::Unreachable
+        } else if self.draw(&keys, usd, now_ms()) {
+            self.counters.from_escrow.fetch_add(1, Ordering::Relaxed);
+            Answer::Held
         } else {
             let (reply, rx) = oneshot::channel();
             let op = Op::Reserve {
@@ -305,6 +398,105 @@ impl Ledgers {
         flight.call(crate::core::record::Call::RefuseReservation { code })
     }
 
+    /// Draw `usd` on this node's share of every key in `keys`, if each covers it (no write).
+    fn draw(&self, keys: &[String], usd: f64, now: u64) -> bool {
+        if self.failing.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut escrow = lock(&self.escrow);
+        let covered = keys
+            .iter()
+            .all(|k| escrow.get(k).is_some_and(|e| e.free() + EPSILON_USD >= usd));
+        if covered {
+            for k in keys {
+                if let Some(e) = escrow.get_mut(k) {
+                    e.drawn = round_usd(e.drawn + usd);
+                    e.used_ms = now;
+                }
+            }
+        }
+        covered
+    }
+
+    /// Give back what attempts drew on the shares of `keys` and did not spend: `usd` each,
+    /// with `actual_usd` of it spent (moved to `unwritten` until the ledger takes it).
+    fn undraw(&self, keys: &[String], usd: f64, actual_usd: f64) {
+        let mut escrow = lock(&self.escrow);
+        for k in keys {
+            if let Some(e) = escrow.get_mut(k) {
+                e.drawn = round_usd((e.drawn - usd).max(0.0));
+                e.unwritten = round_usd(e.unwritten + actual_usd);
+            }
+        }
+    }
+
+    /// How many parts a new escrow may take of what is left: `SHARE_PARTS` per node.
+    fn share_parts(&self) -> u32 {
+        let nodes = self
+            .pipeline
+            .with(|e| e.state.cluster.effective_size(now_ms()).max(1));
+        u32::try_from(SHARE_PARTS * nodes).unwrap_or(u32::MAX)
+    }
+
+    /// Draw each ask still `Held` that `key_of` names a key for on this node's escrow of that
+    /// key, in order, and plan in `plan` a reservation of what the escrow lacks for it, and a
+    /// new escrow after the key's last (at most `SHARE_REQUESTS` times its largest ask).
+    fn draw_escrow(
+        &self,
+        plan: &mut Plan,
+        asks: &mut [Ask],
+        key_of: impl Fn(&Ask) -> Option<String>,
+        parts: u32,
+        now: u64,
+    ) {
+        let trusted = !self.failing.load(Ordering::Relaxed);
+        draw(
+            &mut lock(&self.escrow),
+            plan,
+            asks,
+            key_of,
+            parts,
+            now,
+            trusted,
+        );
+    }
+
+    /// After key `k`'s `changes` were written (`written`) or not: the settlements written are no
+    /// longer this node's to count, and give-backs are over either way (the record says what
+    /// the node holds).
+    fn written(&self, k: &str, changes: &[(Option<usize>, Change)], written: bool) {
+        let mut escrow = lock(&self.escrow);
+        let Some(e) = escrow.get_mut(k) else {
+            return;
+        };
+        for (_, c) in changes {
+            match *c {
+                Change::Settle(r, _, Some(_)) if written => {
+                    e.unwritten = round_usd((e.unwritten - r).max(0.0));
+                }
+                Change::Settle(r, _, None) => {
+                    e.returning = round_usd((e.returning - r).max(0.0));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// What each escrow no attempt drew on for `idle_ms` holds beyond what it is spoken for:
+    /// marked as being given back (key, usd).
+    fn idle_escrow(&self, now: u64, idle_ms: u64) -> Vec<(String, f64)> {
+        let mut escrow = lock(&self.escrow);
+        let mut back = Vec::new();
+        for (k, e) in escrow.iter_mut() {
+            let free = round_usd(e.free());
+            if free > EPSILON_USD && now.saturating_sub(e.used_ms) >= idle_ms {
+                e.returning = round_usd(e.returning + free);
+                back.push((k.clone(), free));
+            }
+        }
+        back
+    }
+
     /// Take `usd` from this node's local share of each budget that applies, if every one
     /// covers it.
     fn take_local_share(
@@ -342,28 +534,34 @@ impl Ledgers {
         fits
     }
 
-    /// Settle a hold with what the attempt really cost (off the request's path).
+    /// Settle a hold with what the attempt really cost (off the request's path). A hold drawn
+    /// on a share moves its cost from the share to `spent` (the ledger's hold shrinks by what
+    /// was spent); one spent on the local share is charged beside the holds.
     pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) {
-        let reserved_usd = if hold.local { 0.0 } else { hold.usd };
-        if hold.local {
+        let keys: Vec<String> = hold
+            .agent_key
+            .iter()
+            .cloned()
+            .chain(hold.global.then(|| key(None)))
+            .collect();
+        let reserved_usd = if hold.local { 0.0 } else { actual_usd };
+        if !hold.local {
+            self.undraw(&keys, hold.usd, actual_usd);
+            if actual_usd <= 0.0 {
+                return; // nothing spent: the share is whole again, nothing to write
+            }
+        } else {
             // The share keeps what was spent, not what was estimated.
             let mut share = lock(&self.share);
-            for k in hold
-                .agent_key
-                .iter()
-                .cloned()
-                .chain(hold.global.then(|| key(None)))
-            {
-                if let Some(used) = share.get_mut(&k) {
+            for k in &keys {
+                if let Some(used) = share.get_mut(k) {
                     *used = round_usd((*used - hold.usd + actual_usd).max(0.0));
                 }
             }
         }
-        let keys = hold
-            .agent_key
-            .into_iter()
-            .chain(hold.global.then(|| key(None)));
-        let seq = self.settlements.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut sent = lock(&self.settlements);
+        *sent += 1;
+        let seq = *sent;
         for k in keys {
             let _ = self.tx.send(Op::Settle {
                 key: k,
@@ -419,6 +617,18 @@ impl Ledgers {
                 return;
             }
             latest.insert(k.to_string(), (l.clone(), revision));
+            // The share is what the newest record holds for this node (a lapsed lease holds
+            // nothing), whoever wrote it.
+            let now = now_ms();
+            let held = l
+                .holds
+                .get(&self.holder())
+                .filter(|h| h.until_ms > now)
+                .map_or(0.0, |h| h.usd);
+            let mut escrow = lock(&self.escrow);
+            if held > 0.0 || escrow.contains_key(k) {
+                escrow.entry(k.to_string()).or_default().held = held;
+            }
         }
         if !self.chaos.drained(l.agent.as_deref()) {
             let now = now_ms();
@@ -480,36 +690,59 @@ impl Keeper {
     }
 
     /// Apply ledger changes in batches until the node's last handle is gone; renew this
-    /// node's holds; mirror the ledger until `stop`.
+    /// node's holds; give back idle escrow (all of it once `stop` is cancelled); mirror the
+    /// ledger until `stop`.
     pub async fn run(mut self, stop: CancellationToken) {
         if let Some(store) = self.ledger_store().await {
             self.seed_ledger(&store).await;
-            tokio::spawn(watch(self.node.clone(), store, stop));
+            tokio::spawn(watch(self.node.clone(), store, stop.clone()));
         }
         let lease_ms = self.node.cfg.node.budget_lease_ms;
         let mut renew = tokio::time::interval(Duration::from_millis((lease_ms / 3).max(1)));
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Settlements the ledger has not taken yet (it did not answer).
-        let mut unsettled: Vec<Op> = Vec::new();
+        let mut idle = tokio::time::interval(Duration::from_millis(SHARE_IDLE_MS / 2));
+        idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Settlements not written yet, oldest first, and when they are to be.
+        let mut waiting: Vec<Op> = Vec::new();
+        let mut due: Option<tokio::time::Instant> = None;
         let mut held: BTreeMap<String, f64> = BTreeMap::new();
+        let mut stopping = false;
         loop {
-            let mut batch = std::mem::take(&mut unsettled);
-            let retrying = !batch.is_empty();
-            let renewing = tokio::select! {
+            let mut batch = Vec::new();
+            let (mut renewing, mut idle_check) = (false, false);
+            let wake = due.unwrap_or_else(tokio::time::Instant::now);
+            tokio::select! {
                 op = self.rx.recv() => match op {
-                    Some(op) => { batch.push(op); false }
+                    Some(op) => batch.push(op),
                     None => return,
                 },
-                _ = renew.tick() => true,
-                // Settlements the ledger did not take are tried again soon, new work or not.
-                () = tokio::time::sleep(RETRY), if retrying => false,
-            };
+                _ = renew.tick() => renewing = true,
+                _ = idle.tick() => idle_check = true,
+                () = tokio::time::sleep_until(wake), if due.is_some() => {}
+                () = stop.cancelled(), if !stopping => {
+                    stopping = true;
+                    idle_check = true;
+                }
+            }
             while batch.len() < BATCH_MAX {
                 match self.rx.try_recv() {
                     Ok(op) => batch.push(op),
                     Err(_) => break,
                 }
             }
+            let (settles, others): (Vec<Op>, Vec<Op>) = batch
+                .into_iter()
+                .partition(|op| matches!(op, Op::Settle { .. }));
+            waiting.extend(settles);
+            if !waiting.is_empty() && due.is_none() {
+                due = Some(tokio::time::Instant::now() + SETTLE_EVERY);
+            }
+            let give_back = if idle_check {
+                let idle_ms = if stopping { 0 } else { SHARE_IDLE_MS };
+                self.node.ledger.idle_escrow(now_ms(), idle_ms)
+            } else {
+                Vec::new()
+            };
             let renew_keys: Vec<String> = if renewing {
                 held.iter()
                     .filter(|(_, v)| **v > 0.0)
@@ -518,27 +751,47 @@ impl Keeper {
             } else {
                 Vec::new()
             };
-            if batch.is_empty() && renew_keys.is_empty() {
+            // Settlements go with any write, or when due; alone they wait to share one.
+            let writing = !others.is_empty() || !give_back.is_empty() || !renew_keys.is_empty();
+            let settle = !waiting.is_empty()
+                && (writing || stopping || due.is_some_and(|d| d <= tokio::time::Instant::now()));
+            if !writing && !settle {
                 continue;
             }
-            unsettled = self.apply_batch(batch, &renew_keys, &mut held).await;
+            let mut batch = if settle {
+                due = None;
+                std::mem::take(&mut waiting)
+            } else {
+                Vec::new()
+            };
+            batch.extend(others);
+            let mut failed = self
+                .apply_batch(batch, &renew_keys, &give_back, &mut held)
+                .await;
+            if !failed.is_empty() {
+                failed.append(&mut waiting);
+                waiting = failed;
+                due = Some(tokio::time::Instant::now() + RETRY);
+            }
             self.node
                 .ledger
                 .counters
                 .unsettled
-                .store(unsettled.len() as u64, Ordering::Relaxed);
-            if unsettled.is_empty() {
+                .store(waiting.len() as u64, Ordering::Relaxed);
+            if waiting.is_empty() {
                 // The ledger has everything: local shares start afresh.
                 lock(&self.node.ledger.share).clear();
             }
         }
     }
 
-    /// Apply one batch; returns the settlements that could not be written.
+    /// Apply one batch (and give back `give_back`: key, usd); returns the settlements that
+    /// could not be written.
     async fn apply_batch(
         &mut self,
         batch: Vec<Op>,
         renew_keys: &[String],
+        give_back: &[(String, f64)],
         held: &mut BTreeMap<String, f64>,
     ) -> Vec<Op> {
         let store = if self.node.bus.isolated() {
@@ -546,7 +799,6 @@ impl Keeper {
         } else {
             self.ledger_store().await
         };
-        let mut replies: Vec<(oneshot::Sender<Answer>, Answer)> = Vec::new();
         let (claims, batch): (Vec<Op>, Vec<Op>) = batch
             .into_iter()
             .partition(|op| matches!(op, Op::Claim { .. }));
@@ -561,24 +813,29 @@ impl Keeper {
                     .await;
             }
         }
+        let ledgers = &self.node.ledger;
+        let (mut reserves, mut phase1, settles) = plan(batch, renew_keys, give_back);
         let Some(store) = store else {
-            let mut keep = Vec::new();
-            for op in batch {
-                match op {
-                    Op::Reserve { reply, .. } => replies.push((reply, Answer::Unreachable)),
-                    settle @ Op::Settle { .. } => keep.push(settle),
-                    Op::Claim { .. } => {}
-                }
+            ledgers.failing.store(true, Ordering::Relaxed);
+            for (k, changes) in &phase1 {
+                ledgers.written(k, changes, false);
             }
-            for (tx, a) in replies {
-                let _ = tx.send(a);
+            for r in reserves {
+                let _ = r.reply.send(Answer::Unreachable);
             }
-            return keep;
+            return settles;
         };
-        // Phase 1: agents' reservations and every settlement; phase 2: the global budget for
-        // the reservations phase 1 granted; phase 3: give back the agent holds of those the
-        // global budget refused.
-        let (mut reserves, phase1, settles) = plan(batch, renew_keys);
+        // Phase 1: agents' reservations (drawn on this node's escrow, what it lacks asked of
+        // the ledger) and every settlement; phase 2: the global budget for the reservations
+        // phase 1 granted. A reservation not granted gives back what it drew.
+        let (parts, now) = (ledgers.share_parts(), now_ms());
+        ledgers.draw_escrow(
+            &mut phase1,
+            &mut reserves,
+            |a| a.agent_key.clone(),
+            parts,
+            now,
+        );
         let mut failed: Vec<String> = Vec::new();
         self.apply_keys(
             &store,
@@ -589,9 +846,15 @@ impl Keeper {
             ReasonCode::BudgetExhausted,
         )
         .await;
-        let phase2 = plan_global(&reserves);
+        let mut phase2 = Plan::new();
+        ledgers.draw_escrow(
+            &mut phase2,
+            &mut reserves,
+            |a| a.global.then(|| key(None)),
+            parts,
+            now,
+        );
         if !phase2.is_empty() {
-            let before: Vec<Answer> = reserves.iter().map(|r| r.answer).collect();
             self.apply_keys(
                 &store,
                 phase2,
@@ -601,27 +864,16 @@ impl Keeper {
                 ReasonCode::GlobalBudgetExhausted,
             )
             .await;
-            let phase3 = plan_give_back(&reserves, &before);
-            if !phase3.is_empty() {
-                let mut none = Vec::new();
-                let mut undo_failed = Vec::new();
-                self.apply_keys(
-                    &store,
-                    phase3,
-                    &mut none,
-                    &mut undo_failed,
-                    held,
-                    ReasonCode::BudgetExhausted,
-                )
-                .await;
-                // A give-back that could not be written lapses with the lease.
-            }
         }
+        ledgers.failing.store(!failed.is_empty(), Ordering::Relaxed);
         for r in reserves {
+            if r.answer != Answer::Held {
+                ledgers.undraw(&r.drew, r.usd, 0.0);
+            }
             // A request that went away meanwhile (its caller gave up) never uses what was held
             // for it: give it back, or the node would renew that hold for as long as it lives.
             if r.reply.send(r.answer).is_err() && r.answer == Answer::Held {
-                self.node.ledger.settle(
+                ledgers.settle(
                     Hold {
                         agent_key: r.agent_key,
                         global: r.global,
@@ -720,8 +972,10 @@ impl Keeper {
                         .map_or(0.0, |h| h.usd);
                     held.insert(k.clone(), mine);
                     self.node.ledger.mirror(&k, revision, &ledger);
+                    self.node.ledger.written(&k, &changes, true);
                 }
                 None => {
+                    self.node.ledger.written(&k, &changes, false);
                     for (i, _) in &changes {
                         if let Some(i) = i {
                             reserves[*i].answer = Answer::Unreachable;
@@ -813,10 +1067,16 @@ impl Keeper {
             match written {
                 Ok(revision) => {
                     self.node.store_faults.ok("ledger");
+                    let c = &self.node.ledger.counters;
+                    c.written.fetch_add(1, Ordering::Relaxed);
                     return Some((ledger, granted, revision));
                 }
                 // Another node wrote first: read again.
-                Err((true, _)) => continue,
+                Err((true, _)) => {
+                    let c = &self.node.ledger.counters;
+                    c.conflicts.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
                 Err((false, why)) => {
                     self.node.store_faults.failed("ledger", why);
                     return None;
@@ -879,10 +1139,15 @@ async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
 /// Each key's changes in one batch, in order; a reservation's change points at its `Ask`.
 type Plan = BTreeMap<String, Vec<(Option<usize>, Change)>>;
 
-/// Plan a batch's first phase: the agents' reservations and every settlement (and the renewal
-/// of `renew_keys`), by key in arrival order; the reservations (all answered `Held` until the
-/// ledger says otherwise) and the settlements, kept to retry those whose key fails.
-fn plan(batch: Vec<Op>, renew_keys: &[String]) -> (Vec<Ask>, Plan, Vec<Op>) {
+/// Plan a batch's first phase: every settlement, in arrival order, and the give-backs
+/// (key, usd) and renewals of `renew_keys`, by key; the reservations (all answered `Held` until
+/// the ledger says otherwise, drawn on escrow by `Ledgers::draw_escrow`) and the settlements,
+/// kept to retry those whose key fails.
+fn plan(
+    batch: Vec<Op>,
+    renew_keys: &[String],
+    give_back: &[(String, f64)],
+) -> (Vec<Ask>, Plan, Vec<Op>) {
     let mut reserves: Vec<Ask> = Vec::new();
     let mut phase1 = Plan::new();
     let mut settles: Vec<Op> = Vec::new();
@@ -893,22 +1158,14 @@ fn plan(batch: Vec<Op>, renew_keys: &[String]) -> (Vec<Ask>, Plan, Vec<Op>) {
                 global,
                 usd,
                 reply,
-            } => {
-                let i = reserves.len();
-                if let Some(k) = &agent_key {
-                    phase1
-                        .entry(k.clone())
-                        .or_default()
-                        .push((Some(i), Change::Reserve(usd)));
-                }
-                reserves.push(Ask {
-                    agent_key,
-                    global,
-                    usd,
-                    reply,
-                    answer: Answer::Held,
-                });
-            }
+            } => reserves.push(Ask {
+                agent_key,
+                global,
+                usd,
+                reply,
+                answer: Answer::Held,
+                drew: Vec::new(),
+            }),
             Op::Settle {
                 ref key,
                 reserved_usd,
@@ -924,6 +1181,12 @@ fn plan(batch: Vec<Op>, renew_keys: &[String]) -> (Vec<Ask>, Plan, Vec<Op>) {
             Op::Claim { .. } => {}
         }
     }
+    for (k, usd) in give_back {
+        phase1
+            .entry(k.clone())
+            .or_default()
+            .push((None, Change::Settle(*usd, 0.0, None)));
+    }
     for k in renew_keys {
         phase1
             .entry(k.clone())
@@ -933,36 +1196,45 @@ fn plan(batch: Vec<Op>, renew_keys: &[String]) -> (Vec<Ask>, Plan, Vec<Op>) {
     (reserves, phase1, settles)
 }
 
-/// The second phase: the global budget, for the reservations the first held that need it.
-fn plan_global(reserves: &[Ask]) -> Plan {
-    let mut phase2 = Plan::new();
-    for (i, r) in reserves.iter().enumerate() {
-        if r.global && r.answer == Answer::Held {
-            phase2
-                .entry(key(None))
+/// `Ledgers::draw_escrow` on `escrow`; unless `trusted`, every ask is written (the ledger took
+/// none of the last writes: what it holds is not drawn on without one).
+fn draw(
+    escrow: &mut BTreeMap<String, Escrow>,
+    plan: &mut Plan,
+    asks: &mut [Ask],
+    key_of: impl Fn(&Ask) -> Option<String>,
+    parts: u32,
+    now: u64,
+    trusted: bool,
+) {
+    // Per key: the largest ask's cap for a new escrow, and what was asked of the ledger.
+    let mut caps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for (i, a) in asks.iter_mut().enumerate() {
+        let Some(k) = key_of(a).filter(|_| a.answer == Answer::Held) else {
+            continue;
+        };
+        let e = escrow.entry(k.clone()).or_default();
+        // What the escrow covers, counting what this pass asks the ledger for already.
+        let asked = caps.get(&k).map_or(0.0, |(_, asked)| *asked);
+        let covered = if trusted { e.free() + asked } else { 0.0 };
+        let need = round_usd(a.usd - covered.min(a.usd));
+        e.drawn = round_usd(e.drawn + a.usd);
+        e.used_ms = now;
+        a.drew.push(k.clone());
+        if need > EPSILON_USD {
+            plan.entry(k.clone())
                 .or_default()
-                .push((Some(i), Change::Reserve(r.usd)));
+                .push((Some(i), Change::Reserve(need)));
+            let (cap, asked) = caps.entry(k).or_insert((0.0, 0.0));
+            *cap = cap.max(a.usd * SHARE_REQUESTS);
+            *asked += need;
         }
     }
-    phase2
-}
-
-/// The third phase: give back the agent holds of the reservations the first phase held
-/// (`before`) and the global budget refused.
-fn plan_give_back(reserves: &[Ask], before: &[Answer]) -> Plan {
-    let mut phase3 = Plan::new();
-    for (r, was) in reserves.iter().zip(before) {
-        if *was == Answer::Held
-            && r.answer != Answer::Held
-            && let Some(k) = &r.agent_key
-        {
-            phase3
-                .entry(k.clone())
-                .or_default()
-                .push((None, Change::Settle(r.usd, 0.0, None)));
-        }
+    for (k, (cap, _)) in caps {
+        plan.entry(k)
+            .or_default()
+            .push((None, Change::Extra { parts, cap }));
     }
-    phase3
 }
 
 /// Apply one key's changes to its record, in order, as `holder` at `now`: whether each was
@@ -987,6 +1259,10 @@ fn apply_changes(
                 true
             }
             Change::Renew => ledger.renew(holder, now, lease_ms),
+            Change::Extra { parts, cap } => {
+                let usd = ledger.share_extra(now, parts, cap);
+                usd <= 0.0 || ledger.reserve(holder, usd, now, lease_ms)
+            }
         })
         .collect()
 }
@@ -1026,64 +1302,145 @@ mod tests {
 
     #[test]
     fn a_batch_is_planned_by_key_in_arrival_order() {
-        let settle = Op::Settle {
+        let settle = |seq| Op::Settle {
             key: "agent.a".into(),
             reserved_usd: 0.1,
             actual_usd: 0.05,
-            seq: 3,
+            seq,
         };
         let batch = vec![
             reserve(Some("agent.a"), true, 0.5),
-            settle,
+            settle(3),
+            settle(4),
             reserve(None, true, 0.25),
         ];
-        let (reserves, plan, settles) = plan(batch, &[key(None)]);
+        let back = [("agent.b".to_string(), 0.3)];
+        let (reserves, plan, settles) = plan(batch, &[key(None)], &back);
         assert_eq!(reserves.len(), 2);
         assert!(reserves.iter().all(|r| r.answer == Answer::Held));
         assert_eq!(
             plan["agent.a"],
             vec![
-                (Some(0), Change::Reserve(0.5)),
-                (None, Change::Settle(0.1, 0.05, Some(3)))
+                (None, Change::Settle(0.1, 0.05, Some(3))),
+                (None, Change::Settle(0.1, 0.05, Some(4)))
             ],
-            "one key's changes in the order they came, each reservation pointing at its ask"
+            "one key's settlements in the order they came (reservations are drawn apart)"
         );
         assert_eq!(
-            plan["global"],
-            vec![(None, Change::Renew)],
-            "the global budget is not asked in the first phase"
+            plan["agent.b"],
+            vec![(None, Change::Settle(0.3, 0.0, None))]
         );
-        assert_eq!(settles.len(), 1, "kept to retry if its key fails");
+        assert_eq!(plan["global"], vec![(None, Change::Renew)]);
+        assert_eq!(settles.len(), 2, "kept to retry if their key fails");
     }
 
     #[test]
-    fn the_global_budget_is_asked_for_what_was_held_and_its_refusals_give_back() {
+    fn reservations_draw_on_escrow_and_ask_the_ledger_only_for_what_it_lacks() {
+        let mut escrow = BTreeMap::new();
+        escrow.insert(
+            "agent.a".to_string(),
+            Escrow {
+                held: 1.0,
+                drawn: 0.2,
+                unwritten: 0.1,
+                ..Escrow::default()
+            },
+        );
         let batch = vec![
             reserve(Some("agent.a"), true, 0.5),
-            reserve(Some("agent.b"), true, 0.5),
+            reserve(Some("agent.a"), true, 0.5),
+            reserve(Some("agent.b"), false, 0.01),
             reserve(None, true, 0.25),
-            reserve(Some("agent.c"), false, 0.1),
         ];
-        let (mut reserves, _, _) = plan(batch, &[]);
-        reserves[1].answer = Answer::Refused(ReasonCode::BudgetExhausted);
-        let global = plan_global(&reserves);
+        let (mut asks, _, _) = plan(batch, &[], &[]);
+        let mut phase1 = Plan::new();
+        draw(
+            &mut escrow,
+            &mut phase1,
+            &mut asks,
+            |a| a.agent_key.clone(),
+            8,
+            7,
+            true,
+        );
         assert_eq!(
-            global["global"],
+            phase1["agent.a"],
+            vec![
+                (Some(1), Change::Reserve(0.3)),
+                (
+                    None,
+                    Change::Extra {
+                        parts: 8,
+                        cap: 512.0
+                    }
+                )
+            ],
+            "0.7 free: the first is covered, the second lacks 0.3; then a new escrow"
+        );
+        assert_eq!(
+            phase1["agent.b"],
+            vec![
+                (Some(2), Change::Reserve(0.01)),
+                (
+                    None,
+                    Change::Extra {
+                        parts: 8,
+                        cap: 10.24
+                    }
+                )
+            ]
+        );
+        assert_eq!(
+            escrow["agent.a"].drawn, 1.2,
+            "both drawn until the ledger says"
+        );
+        assert_eq!(escrow["agent.a"].used_ms, 7);
+        // The ledger refused the second: the global phase asks only for the others.
+        asks[1].answer = Answer::Refused(ReasonCode::BudgetExhausted);
+        let mut phase2 = Plan::new();
+        let global = |a: &Ask| a.global.then(|| key(None));
+        draw(&mut escrow, &mut phase2, &mut asks, global, 8, 7, true);
+        assert_eq!(
+            phase2["global"],
             vec![
                 (Some(0), Change::Reserve(0.5)),
-                (Some(2), Change::Reserve(0.25))
+                (Some(3), Change::Reserve(0.25)),
+                (
+                    None,
+                    Change::Extra {
+                        parts: 8,
+                        cap: 512.0
+                    }
+                )
             ],
-            "not for a refused agent's, nor for one without a global budget"
+            "not for a refused one, nor for one without a global budget"
         );
-        let before: Vec<Answer> = reserves.iter().map(|r| r.answer).collect();
-        reserves[0].answer = Answer::Refused(ReasonCode::GlobalBudgetExhausted);
-        reserves[2].answer = Answer::Refused(ReasonCode::GlobalBudgetExhausted);
-        let back = plan_give_back(&reserves, &before);
-        assert_eq!(back.len(), 1, "{back:?}");
+        let drew: Vec<_> = asks.iter().map(|a| a.drew.len()).collect();
         assert_eq!(
-            back["agent.a"],
-            vec![(None, Change::Settle(0.5, 0.0, None))]
+            drew,
+            [2, 1, 1, 1],
+            "what each gives back if it is not granted"
         );
+        // A ledger that took none of the last writes: even a covered ask is written.
+        let (mut asks, _, _) = plan(vec![reserve(Some("agent.c"), false, 0.1)], &[], &[]);
+        escrow.insert(
+            "agent.c".into(),
+            Escrow {
+                held: 5.0,
+                ..Escrow::default()
+            },
+        );
+        let mut untrusted = Plan::new();
+        draw(
+            &mut escrow,
+            &mut untrusted,
+            &mut asks,
+            |a| a.agent_key.clone(),
+            8,
+            7,
+            false,
+        );
+        assert_eq!(untrusted["agent.c"][0], (Some(0), Change::Reserve(0.1)));
     }
 
     #[test]

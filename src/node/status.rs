@@ -293,6 +293,8 @@ mod tests {
         families.sort_unstable();
         let mut expected = vec![
             "oam_breaker_state",
+            "oam_budget_escrow_draws_total",
+            "oam_budget_ledger_writes_total",
             "oam_budget_reservations_total",
             "oam_budget_unsettled",
             "oam_bulkhead_active",

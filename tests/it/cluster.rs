@@ -1215,6 +1215,68 @@ fn spender(q: &str, risk: &str) -> Value {
     body
 }
 
+/// What every node's `/metrics` says of `name` (one unlabelled series), summed.
+async fn summed(urls: &[String], name: &str) -> f64 {
+    let mut sum = 0.0;
+    for url in urls {
+        let text = crate::support::metrics(url).await;
+        sum += text
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+    }
+    sum
+}
+
+#[tokio::test]
+async fn busy_nodes_spend_from_escrow_and_give_it_back_when_idle() {
+    let (cl, _dir) = healthy_cluster_on(
+        "escrow",
+        "[budgets.agents.spender]\nlimit_usd = 100.0\n[budgets.global]\nlimit_usd = 1000.0\n",
+    )
+    .await;
+    let c = client();
+    // Three waves of 60 at once over the three nodes: the first takes each node's escrow of
+    // both budgets in a write; the others are held from it without one.
+    let mut spent = 0.0;
+    for wave in 0..3 {
+        let asks = (0..60).map(|i| {
+            let c = c.clone();
+            let url = cl.urls[i % 3].clone();
+            async move { ask(&c, &url, spender(&format!("escrow {wave}.{i}"), "high")).await }
+        });
+        for (status, _, v) in futures_util::future::join_all(asks).await {
+            assert_eq!(status, 200, "{v}");
+            spent += v["oam"]["cost_usd"].as_f64().unwrap();
+        }
+    }
+    assert!(spent > 0.0);
+    let drawn = summed(&cl.urls, "oam_budget_escrow_draws_total").await;
+    assert!(drawn >= 100.0, "only {drawn} of 180 held from escrow");
+    // Every cost reaches both budgets, and once idle every node gives its escrow back.
+    let settled = eventually(Duration::from_secs(10), || async {
+        let list = tokio::task::spawn_blocking({
+            let url = cl.nats.url();
+            move || budget(&url, &["list"])
+        })
+        .await
+        .ok()?;
+        let rows = list.as_array()?;
+        rows.iter()
+            .all(|r| {
+                (r["spent_usd"].as_f64().unwrap_or(-1.0) - spent).abs() < 1e-6
+                    && r["holds"].as_object().is_none_or(serde_json::Map::is_empty)
+            })
+            .then_some(())
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "{spent} spent: {}",
+        budget(&cl.nats.url(), &["list"])
+    );
+}
+
 #[tokio::test]
 async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     const LIMIT: f64 = 0.01;
@@ -1413,12 +1475,18 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     assert!((set["spent_usd"].as_f64().unwrap() - charged).abs() < 1e-6);
     for url in &cl.urls {
         let raised = eventually(Duration::from_secs(5), || async {
-            let (status, _, _) = ask(&c, url, spender("raised", "high")).await;
-            (status == 200).then_some(())
+            let (status, _, v) = ask(&c, url, spender("raised", "high")).await;
+            (status == 200).then(|| v["oam"]["cost_usd"].as_f64().unwrap_or(0.0))
         })
         .await;
-        assert!(raised.is_some(), "{url} never saw the new limit");
+        charged += raised.unwrap_or_else(|| panic!("{url} never saw the new limit"));
     }
+    // (once their settlements are in: what settles after a reset counts after it)
+    let settled = eventually(Duration::from_secs(5), || async {
+        let row = spender_ledger(&cl.nats.url()).await?;
+        ((row["spent_usd"].as_f64()? - charged).abs() < 1e-6).then_some(())
+    });
+    assert!(settled.await.is_some(), "{charged}");
     let reset = budget(&cl.nats.url(), &["reset", "spender"]);
     assert_eq!(reset["spent_usd"], 0.0);
 
