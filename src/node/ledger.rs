@@ -6,9 +6,10 @@
 //! [`Ledgers::reserve`]: a share that covers it grants it at once, with no write. Otherwise one
 //! task per node takes every request waiting at that moment and asks each key, in a single
 //! compare-and-swap (retried on a conflict with another node), for what the shares lack plus a
-//! new share: at most `SHARE_REQUESTS` times the reservation, and at most what is left over
-//! `SHARE_PARTS` times the cluster's size, so shares shrink as the budget runs out and near the
-//! end every reservation is written, as without shares. Settlements are applied off the
+//! new share: `SHARE_REQUESTS` times the reservation (doubled each time the share ran out
+//! within `SHARE_IDLE_MS` of the last, so a busy node asks about once a second), and at most
+//! what is left over `SHARE_PARTS` times the cluster's size, so shares shrink as the budget runs
+//! out and near the end every reservation is written, as without shares. Settlements are applied off the
 //! request's path, gathered for up to `SETTLE_EVERY` into one write a key (each moves its cost
 //! from the share to `spent`); one that cannot be written waits for the next batch, never
 //! dropped. A share unused for `SHARE_IDLE_MS`, or the node stopping, gives back what it does
@@ -54,11 +55,13 @@ use tokio_util::sync::CancellationToken;
 /// How soon settlements the ledger did not take are tried again.
 const RETRY: Duration = Duration::from_millis(200);
 /// Settlements wait at most this long to share one write (reservations never wait for them).
-const SETTLE_EVERY: Duration = Duration::from_millis(100);
+const SETTLE_EVERY: Duration = Duration::from_millis(250);
 /// A new share is at most what is left over this many times the cluster's size...
 const SHARE_PARTS: usize = 4;
-/// ...and at most this many times the reservation that asked for it.
+/// ...and this many times the reservation that asked for it, doubled while it runs out fast,
+/// to at most `SHARE_REQUESTS_MAX` times.
 const SHARE_REQUESTS: f64 = 1024.0;
+const SHARE_REQUESTS_MAX: f64 = 1_048_576.0;
 /// A share no attempt drew on for this long goes back to the ledger.
 const SHARE_IDLE_MS: u64 = 1_000;
 /// Float slack for dollar amounts.
@@ -77,6 +80,9 @@ struct Escrow {
     returning: f64,
     /// When an attempt last drew on it.
     used_ms: u64,
+    /// How many reservations its last new share was sized for, and when it was asked.
+    factor: f64,
+    topped_ms: u64,
 }
 
 impl Escrow {
@@ -1207,7 +1213,7 @@ fn draw(
     now: u64,
     trusted: bool,
 ) {
-    // Per key: the largest ask's cap for a new escrow, and what was asked of the ledger.
+    // Per key: the largest ask, and what was asked of the ledger.
     let mut caps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     for (i, a) in asks.iter_mut().enumerate() {
         let Some(k) = key_of(a).filter(|_| a.answer == Answer::Held) else {
@@ -1225,12 +1231,21 @@ fn draw(
             plan.entry(k.clone())
                 .or_default()
                 .push((Some(i), Change::Reserve(need)));
-            let (cap, asked) = caps.entry(k).or_insert((0.0, 0.0));
-            *cap = cap.max(a.usd * SHARE_REQUESTS);
+            let (largest, asked) = caps.entry(k).or_insert((0.0, 0.0));
+            *largest = largest.max(a.usd);
             *asked += need;
         }
     }
-    for (k, (cap, _)) in caps {
+    for (k, (largest, _)) in caps {
+        let e = escrow.entry(k.clone()).or_default();
+        let soon = e.factor > 0.0 && now.saturating_sub(e.topped_ms) < SHARE_IDLE_MS;
+        e.factor = if soon {
+            (e.factor * 2.0).min(SHARE_REQUESTS_MAX)
+        } else {
+            SHARE_REQUESTS
+        };
+        e.topped_ms = now;
+        let cap = largest * e.factor;
         plan.entry(k)
             .or_default()
             .push((None, Change::Extra { parts, cap }));
@@ -1420,6 +1435,29 @@ mod tests {
             drew,
             [2, 1, 1, 1],
             "what each gives back if it is not granted"
+        );
+        // Run out again within a second: the next share is sized for twice as many.
+        let (mut asks, _, _) = plan(vec![reserve(Some("agent.b"), false, 0.01)], &[], &[]);
+        let mut again = Plan::new();
+        escrow.get_mut("agent.b").unwrap().drawn = 0.0;
+        draw(
+            &mut escrow,
+            &mut again,
+            &mut asks,
+            |a| a.agent_key.clone(),
+            8,
+            500,
+            true,
+        );
+        assert_eq!(
+            again["agent.b"][1],
+            (
+                None,
+                Change::Extra {
+                    parts: 8,
+                    cap: 20.48
+                }
+            )
         );
         // A ledger that took none of the last writes: even a covered ask is written.
         let (mut asks, _, _) = plan(vec![reserve(Some("agent.c"), false, 0.1)], &[], &[]);
