@@ -621,7 +621,6 @@ pub async fn leave(instances: &[Arc<Instance>]) {
             let _ = me.nats.flush().await;
             store::forget_agents(&me.nats, &[agent.to_string()]).await;
         }
-        let _ = me.nats.flush().await;
     });
     let all = futures_util::future::join_all(goodbyes);
     if tokio::time::timeout(LEAVE_WITHIN, all).await.is_err() {

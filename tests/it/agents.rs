@@ -1,7 +1,7 @@
 //! The agent mesh with real processes: demo agents served by `oam agent serve`, calls by name,
 //! the catalog, graceful exits, and interop with the Open Agent Mesh Python SDK.
 
-use crate::support::{NatsServer, Proc, python};
+use crate::support::{NatsServer, Proc, next_json, python};
 use assert_cmd::Command;
 use futures_util::StreamExt as _;
 use serde_json::{Value, json};
@@ -295,11 +295,6 @@ async fn beat_of(nc: &async_nats::Client, name: &str, pred: impl Fn(&Value) -> b
             return beat;
         }
     }
-}
-
-async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option<Value> {
-    let msg = tokio::time::timeout(within, sub.next()).await.ok()??;
-    serde_json::from_slice(&msg.payload).ok()
 }
 
 #[tokio::test]

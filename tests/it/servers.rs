@@ -2,7 +2,7 @@
 //! them, roles the same on each, and a node that goes on serving when one server dies; server
 //! lists wherever a NATS URL is taken.
 
-use crate::support::{LocalCluster, eventually};
+use crate::support::{LocalCluster, eventually, next_json};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -364,12 +364,6 @@ async fn all_logged(
     })
     .await;
     found.is_some()
-}
-
-async fn next_json(sub: &mut async_nats::Subscriber, within: Duration) -> Option<Value> {
-    use futures_util::StreamExt;
-    let m = tokio::time::timeout(within, sub.next()).await.ok()??;
-    serde_json::from_slice(&m.payload).ok()
 }
 
 /// A child process stopped (SIGKILL, then reaped) when the test is done with it, or fails.

@@ -823,3 +823,13 @@ impl Drop for OtlpReceiver {
         let _ = self.child.wait();
     }
 }
+
+/// The next message on `sub` within `within`, as JSON (`None`: none came, or not JSON).
+pub async fn next_json(
+    sub: &mut async_nats::Subscriber,
+    within: std::time::Duration,
+) -> Option<serde_json::Value> {
+    use futures_util::StreamExt;
+    let m = tokio::time::timeout(within, sub.next()).await.ok()??;
+    serde_json::from_slice(&m.payload).ok()
+}
