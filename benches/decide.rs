@@ -101,14 +101,16 @@ fn with_tools(c: &mut Criterion) {
         let mut e = engine();
         let answer = Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 180);
         let mut r = request();
-        r.tools = (0..n)
-            .map(|i| {
-                let schema = serde_json::json!({"type": "object", "required": ["q"],
+        r.tools = std::sync::Arc::new(
+            (0..n)
+                .map(|i| {
+                    let schema = serde_json::json!({"type": "object", "required": ["q"],
                     "properties": {"q": {"type": "string"}, "limit": {"type": "integer"},
                                    "tags": {"type": "array", "items": {"type": "string"}}}});
-                (format!("tool_{i}"), schema)
-            })
-            .collect();
+                    (format!("tool_{i}"), schema)
+                })
+                .collect(),
+        );
         let mut spare = Some(r);
         c.bench_function(&format!("decide/{n}-tools"), |b| {
             b.iter(|| {

@@ -1123,11 +1123,13 @@ fn every_reason_code_is_reachable() {
         &[("primary", Generation::ok(r#"{"n": 9}"#, 1))],
     ));
     let mut r = req("tool");
-    r.tools = [(
-        "f".to_string(),
-        serde_json::json!({"type": "object", "required": ["x"]}),
-    )]
-    .into();
+    r.tools = std::sync::Arc::new(
+        [(
+            "f".to_string(),
+            serde_json::json!({"type": "object", "required": ["x"]}),
+        )]
+        .into(),
+    );
     r.policy.max_attempts = Some(1);
     let call = Generation {
         finish_reason: Some("tool_calls".into()),
@@ -1835,11 +1837,13 @@ fn an_answer_that_already_reached_the_caller_is_never_followed_by_a_fresh_one() 
     // (the caller has the first answer's bytes; a second whole answer cannot follow them).
     let mut e = retrying();
     let mut r = req("live");
-    r.tools = [(
-        "f".to_string(),
-        serde_json::json!({"type": "object", "required": ["x"]}),
-    )]
-    .into();
+    r.tools = std::sync::Arc::new(
+        [(
+            "f".to_string(),
+            serde_json::json!({"type": "object", "required": ["x"]}),
+        )]
+        .into(),
+    );
     let (mut s, _) = e.begin(r, T0).unwrap();
     e.delivering(&mut s);
     let call = Generation {
@@ -2004,7 +2008,7 @@ fn prompt_estimates_count_the_format_and_the_tools() {
     let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}});
     let schema_chars = "get_weather".len() + schema.to_string().len();
     let before = estimate_prompt_tokens(&r);
-    r.tools.insert("get_weather".into(), schema);
+    std::sync::Arc::make_mut(&mut r.tools).insert("get_weather".into(), schema);
     assert!(estimate_prompt_tokens(&r) >= before + (schema_chars as u64) / 4);
 }
 
@@ -2019,11 +2023,13 @@ fn a_request_s_own_schema_never_counts_against_a_target() {
         let mut r = req(&format!("schema{i}"));
         r.response_format = Some(impossible.clone());
         let mut t = req(&format!("tool{i}"));
-        t.tools = [(
-            "f".to_string(),
-            serde_json::json!({"type": "object", "required": ["x"]}),
-        )]
-        .into();
+        t.tools = std::sync::Arc::new(
+            [(
+                "f".to_string(),
+                serde_json::json!({"type": "object", "required": ["x"]}),
+            )]
+            .into(),
+        );
         let call = Generation {
             finish_reason: Some("tool_calls".into()),
             tool_calls: vec![crate::core::contract::ToolCall {

@@ -151,9 +151,10 @@ pub struct Request {
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
     /// The tools the request declared: name -> parameter schema (`null` if it gives none). Tool
-    /// calls in the answer are checked against them.
-    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub tools: std::collections::BTreeMap<String, serde_json::Value>,
+    /// calls in the answer are checked against them. Shared: a request is copied on its way
+    /// (session, record, attempts) and 128 schemas are too many to copy each time.
+    #[serde(default, skip_serializing_if = "no_tools")]
+    pub tools: std::sync::Arc<std::collections::BTreeMap<String, serde_json::Value>>,
     /// Only targets of this API may serve it: it uses a feature (a parameter, a part) that a
     /// translation to the other would drop.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -433,6 +434,11 @@ fn one() -> u32 {
 )]
 fn is_one(n: &u32) -> bool {
     *n == 1
+}
+
+/// Whether a request declares no tools (serialized without the field).
+fn no_tools(tools: &std::sync::Arc<std::collections::BTreeMap<String, serde_json::Value>>) -> bool {
+    tools.is_empty()
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
             format!("request.policy.min_confidence must be in [0, 1], got {c}"),
         ));
     }
-    for (name, schema) in &r.tools {
+    for (name, schema) in r.tools.iter() {
         if !schema.is_null() {
             super::contract::check_tool_schema(schema).map_err(|e| {
                 invalid(
