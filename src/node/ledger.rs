@@ -10,8 +10,8 @@
 //! within `SHARE_IDLE_MS` of the last, so a busy node asks about once a second), and at most
 //! what is left over `SHARE_PARTS` times the cluster's size, so shares shrink as the budget runs
 //! out and near the end every reservation is written, as without shares. Settlements are applied off the
-//! request's path, gathered for up to `SETTLE_EVERY` into one write a key (each moves its cost
-//! from the share to `spent`); one that cannot be written waits for the next batch, never
+//! request's path, gathered for `SETTLE_EVERY` (longer while writes conflict, to `SETTLE_MAX`)
+//! into one write a key (each moves its cost from the share to `spent`); one that cannot be written waits for the next batch, never
 //! dropped. A share unused for `SHARE_IDLE_MS`, or the node stopping, gives back what it does
 //! not hold for attempts under way. So a busy cluster writes each key a few times a second per
 //! node, not once per batch of requests.
@@ -54,8 +54,11 @@ use tokio_util::sync::CancellationToken;
 
 /// How soon settlements the ledger did not take are tried again.
 const RETRY: Duration = Duration::from_millis(200);
-/// Settlements wait at most this long to share one write (reservations never wait for them).
+/// Settlements wait this long to share one write (reservations never wait for them); each
+/// write that met another node's doubles the wait, to at most `SETTLE_MAX`, and each that did
+/// not halves it again: contention spaces the writes out.
 const SETTLE_EVERY: Duration = Duration::from_millis(250);
+const SETTLE_MAX: Duration = Duration::from_secs(1);
 /// A new share is at most what is left over this many times the cluster's size...
 const SHARE_PARTS: usize = 4;
 /// ...and this many times the reservation that asked for it, doubled while it runs out fast,
@@ -711,6 +714,7 @@ impl Keeper {
         // Settlements not written yet, oldest first, and when they are to be.
         let mut waiting: Vec<Op> = Vec::new();
         let mut due: Option<tokio::time::Instant> = None;
+        let mut settle_every = SETTLE_EVERY;
         let mut held: BTreeMap<String, f64> = BTreeMap::new();
         let mut stopping = false;
         loop {
@@ -741,7 +745,7 @@ impl Keeper {
                 .partition(|op| matches!(op, Op::Settle { .. }));
             waiting.extend(settles);
             if !waiting.is_empty() && due.is_none() {
-                due = Some(tokio::time::Instant::now() + SETTLE_EVERY);
+                due = Some(tokio::time::Instant::now() + settle_every);
             }
             let give_back = if idle_check {
                 let idle_ms = if stopping { 0 } else { SHARE_IDLE_MS };
@@ -771,9 +775,16 @@ impl Keeper {
                 Vec::new()
             };
             batch.extend(others);
+            let counters = self.node.ledger.counters.clone();
+            let conflicts = counters.conflicts.load(Ordering::Relaxed);
             let mut failed = self
                 .apply_batch(batch, &renew_keys, &give_back, &mut held)
                 .await;
+            settle_every = if counters.conflicts.load(Ordering::Relaxed) > conflicts {
+                (settle_every * 2).min(SETTLE_MAX)
+            } else {
+                (settle_every / 2).max(SETTLE_EVERY)
+            };
             if !failed.is_empty() {
                 failed.append(&mut waiting);
                 waiting = failed;
