@@ -6,8 +6,8 @@
 //! [`Ledgers::reserve`]: a share that covers it grants it at once, with no write. Otherwise one
 //! task per node takes every request waiting at that moment and asks each key, in a single
 //! compare-and-swap (retried on a conflict with another node), for what the shares lack plus a
-//! new share: `SHARE_REQUESTS` times the reservation (doubled each time the share ran out
-//! within `SHARE_IDLE_MS` of the last, so a busy node asks about once a second), and at most
+//! new share: `SHARE_REQUESTS` times the reservation (doubled each time the last ran out
+//! within `SHARE_IDLE_MS`, so a busy node asks about once a second), and at most
 //! what is left over `SHARE_PARTS` times the cluster's size, so shares shrink as the budget runs
 //! out and near the end every reservation is written, as without shares. Settlements are applied off the
 //! request's path, gathered for `SETTLE_EVERY` (longer while writes conflict, to `SETTLE_MAX`)
@@ -56,7 +56,8 @@ use tokio_util::sync::CancellationToken;
 const RETRY: Duration = Duration::from_millis(200);
 /// Settlements wait this long to share one write (reservations never wait for them); each
 /// write that met another node's doubles the wait, to at most `SETTLE_MAX`, and each that did
-/// not halves it again: contention spaces the writes out.
+/// not takes a sixteenth off it: contention spaces the writes out, and they stay spaced while
+/// it lasts (halving after each clean write brought them straight back).
 const SETTLE_EVERY: Duration = Duration::from_millis(250);
 const SETTLE_MAX: Duration = Duration::from_secs(1);
 /// A new share is at most what is left over this many times the cluster's size...
@@ -500,6 +501,7 @@ impl Ledgers {
             let free = round_usd(e.free());
             if free > EPSILON_USD && now.saturating_sub(e.used_ms) >= idle_ms {
                 e.returning = round_usd(e.returning + free);
+                e.factor = 0.0;
                 back.push((k.clone(), free));
             }
         }
@@ -783,7 +785,7 @@ impl Keeper {
             settle_every = if counters.conflicts.load(Ordering::Relaxed) > conflicts {
                 (settle_every * 2).min(SETTLE_MAX)
             } else {
-                (settle_every / 2).max(SETTLE_EVERY)
+                (settle_every - settle_every / 16).max(SETTLE_EVERY)
             };
             if !failed.is_empty() {
                 failed.append(&mut waiting);
@@ -1249,11 +1251,13 @@ fn draw(
     }
     for (k, (largest, _)) in caps {
         let e = escrow.entry(k.clone()).or_default();
-        let soon = e.factor > 0.0 && now.saturating_sub(e.topped_ms) < SHARE_IDLE_MS;
-        e.factor = if soon {
-            (e.factor * 2.0).min(SHARE_REQUESTS_MAX)
-        } else {
-            SHARE_REQUESTS
+        // Doubled while a share lasts less than a second; kept once one lasts longer (an idle
+        // escrow given back starts again from `SHARE_REQUESTS`).
+        let soon = now.saturating_sub(e.topped_ms) < SHARE_IDLE_MS;
+        e.factor = match e.factor {
+            f if f <= 0.0 => SHARE_REQUESTS,
+            f if soon => (f * 2.0).min(SHARE_REQUESTS_MAX),
+            f => f,
         };
         e.topped_ms = now;
         let cap = largest * e.factor;
@@ -1470,6 +1474,20 @@ mod tests {
                 }
             )
         );
+        // One that lasted longer keeps its size.
+        let (mut asks, _, _) = plan(vec![reserve(Some("agent.b"), false, 0.01)], &[], &[]);
+        let mut later = Plan::new();
+        escrow.get_mut("agent.b").unwrap().drawn = 0.0;
+        draw(
+            &mut escrow,
+            &mut later,
+            &mut asks,
+            |a| a.agent_key.clone(),
+            8,
+            5_000,
+            true,
+        );
+        assert_eq!(later["agent.b"][1], again["agent.b"][1]);
         // A ledger that took none of the last writes: even a covered ask is written.
         let (mut asks, _, _) = plan(vec![reserve(Some("agent.c"), false, 0.1)], &[], &[]);
         escrow.insert(
