@@ -58,7 +58,7 @@ const RETRY: Duration = Duration::from_millis(200);
 /// write that met another node's doubles the wait, to at most `SETTLE_MAX`, and each that did
 /// not takes a sixteenth off it: contention spaces the writes out, and they stay spaced while
 /// it lasts (halving after each clean write brought them straight back).
-const SETTLE_EVERY: Duration = Duration::from_millis(250);
+const SETTLE_EVERY: Duration = Duration::from_millis(500);
 const SETTLE_MAX: Duration = Duration::from_secs(1);
 /// A new share is at most what is left over this many times the cluster's size...
 const SHARE_PARTS: usize = 4;
@@ -709,7 +709,15 @@ impl Keeper {
             tokio::spawn(watch(self.node.clone(), store, stop.clone()));
         }
         let lease_ms = self.node.cfg.node.budget_lease_ms;
-        let mut renew = tokio::time::interval(Duration::from_millis((lease_ms / 3).max(1)));
+        // Renewals start at a random point of their period: nodes started together would
+        // otherwise all write every key at the same moments.
+        let period = Duration::from_millis((lease_ms / 3).max(1));
+        let offset = {
+            use std::hash::BuildHasher;
+            let r = std::hash::RandomState::new().hash_one(now_ms());
+            period.mul_f64((r % 1_000) as f64 / 1_000.0)
+        };
+        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + offset, period);
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut idle = tokio::time::interval(Duration::from_millis(SHARE_IDLE_MS / 2));
         idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
