@@ -12,6 +12,10 @@ use super::request::round_usd;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// A share is not taken when what is left allows less than this part of what it was sized
+/// for.
+pub const SHARE_FLOOR: f64 = 128.0;
+
 /// Float slack for comparing dollar amounts (as in `budget`).
 const EPSILON_USD: f64 = 1e-9;
 
@@ -112,9 +116,16 @@ impl Ledger {
     }
 
     /// How much more a node may take as its share beside what its reservations need: what is
-    /// left over `parts`, at most `cap` (never refused: zero when nothing is left).
+    /// left over `parts`, at most `cap`; nothing when that is under `cap / SHARE_FLOOR` (near
+    /// the limit every reservation is written, and no node sits on what another could spend).
+    /// Never refused.
     pub fn share_extra(&self, now_ms: u64, parts: u32, cap: f64) -> f64 {
-        round_usd((self.remaining_usd(now_ms) / f64::from(parts.max(1))).min(cap.max(0.0)))
+        let share = (self.remaining_usd(now_ms) / f64::from(parts.max(1))).min(cap.max(0.0));
+        if share < cap / SHARE_FLOOR {
+            0.0
+        } else {
+            round_usd(share)
+        }
     }
 
     /// Release `reserved_usd` of `node`'s hold and charge `actual_usd` (which may have been
@@ -252,8 +263,13 @@ mod tests {
         assert!((l.share_extra(0, 4, 0.1) - 0.1).abs() < 1e-9, "capped");
         assert!(l.reserve("n1", 0.9, 0, 1_000));
         assert!(
-            (l.share_extra(0, 4, 10.0) - 0.025).abs() < 1e-9,
+            (l.share_extra(0, 4, 1.0) - 0.025).abs() < 1e-9,
             "of what is left"
+        );
+        assert_eq!(
+            l.share_extra(0, 4, 10.0),
+            0.0,
+            "under a 128th of its size: none"
         );
         assert!(l.reserve("n2", 0.1, 0, 1_000));
         assert_eq!(l.share_extra(0, 4, 10.0), 0.0, "nothing left, nothing more");

@@ -9,7 +9,8 @@
 //! new share: `SHARE_REQUESTS` times the reservation (doubled each time the last ran out
 //! within `SHARE_IDLE_MS`, so a busy node asks about once a second), and at most
 //! what is left over `SHARE_PARTS` times the cluster's size, so shares shrink as the budget runs
-//! out and near the end every reservation is written, as without shares. Settlements are applied off the
+//! out; one under a `SHARE_FLOOR`th of its size is not taken, so near the end every reservation
+//! is written, as without shares. Settlements are applied off the
 //! request's path, gathered for `SETTLE_EVERY` (longer while writes conflict, to `SETTLE_MAX`)
 //! into one write a key (each moves its cost from the share to `spent`); one that cannot be written waits for the next batch, never
 //! dropped. A share unused for `SHARE_IDLE_MS`, or the node stopping, gives back what it does
