@@ -321,6 +321,15 @@ fn mirror_into(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now:
     }
 }
 
+/// The keys of the budgets a reservation is held in: its agent's, then the global one.
+fn budget_keys(agent_key: Option<&String>, global: bool) -> Vec<String> {
+    agent_key
+        .cloned()
+        .into_iter()
+        .chain(global.then(|| key(None)))
+        .collect()
+}
+
 /// How long an engine's own mark of an exhaustion episode stands without the ledger's.
 const CLAIM_GRACE_MS: u64 = 10_000;
 
@@ -347,11 +356,7 @@ impl Ledgers {
                 b.global.is_some(),
             )
         });
-        let keys: Vec<String> = agent_key
-            .iter()
-            .cloned()
-            .chain(global.then(|| key(None)))
-            .collect();
+        let keys = budget_keys(agent_key.as_ref(), global);
         let answer = if self.bus.isolated() {
             Answer::Unreachable
         } else if self.draw(&keys, usd, now_ms()) {
@@ -550,12 +555,7 @@ impl Ledgers {
     /// on a share moves its cost from the share to `spent` (the ledger's hold shrinks by what
     /// was spent); one spent on the local share is charged beside the holds.
     pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) {
-        let keys: Vec<String> = hold
-            .agent_key
-            .iter()
-            .cloned()
-            .chain(hold.global.then(|| key(None)))
-            .collect();
+        let keys = budget_keys(hold.agent_key.as_ref(), hold.global);
         let reserved_usd = if hold.local { 0.0 } else { actual_usd };
         if !hold.local {
             self.undraw(&keys, hold.usd, actual_usd);
@@ -728,6 +728,7 @@ impl Keeper {
         let mut settle_every = SETTLE_EVERY;
         let mut held: BTreeMap<String, f64> = BTreeMap::new();
         let mut stopping = false;
+        let counters = self.node.ledger.counters.clone();
         loop {
             let mut batch = Vec::new();
             let (mut renewing, mut idle_check) = (false, false);
@@ -786,7 +787,6 @@ impl Keeper {
                 Vec::new()
             };
             batch.extend(others);
-            let counters = self.node.ledger.counters.clone();
             let conflicts = counters.conflicts.load(Ordering::Relaxed);
             let mut failed = self
                 .apply_batch(batch, &renew_keys, &give_back, &mut held)
