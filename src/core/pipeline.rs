@@ -236,26 +236,7 @@ pub fn estimate_prompt_tokens(r: &Request) -> u64 {
         .iter()
         .map(|m| m.role.len() + m.content.len())
         .sum();
-    /// Counts what is written to it: a schema's encoded length without building the text.
-    struct Len(usize);
-    impl std::io::Write for Len {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0 += b.len();
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let tools: usize = r
-        .tools
-        .iter()
-        .map(|(name, schema)| {
-            let mut len = Len(0);
-            let _ = serde_json::to_writer(&mut len, schema);
-            name.len() + len.0
-        })
-        .sum();
+    let tools = r.tools.json_len();
     ((text + tools) as u64).div_ceil(4) + 4 * r.messages.len() as u64 + 3
 }
 

@@ -2008,7 +2008,7 @@ fn prompt_estimates_count_the_format_and_the_tools() {
     let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}});
     let schema_chars = "get_weather".len() + schema.to_string().len();
     let before = estimate_prompt_tokens(&r);
-    std::sync::Arc::make_mut(&mut r.tools).insert("get_weather".into(), schema);
+    r.tools = std::sync::Arc::new([("get_weather".to_string(), schema)].into());
     assert!(estimate_prompt_tokens(&r) >= before + (schema_chars as u64) / 4);
 }
 

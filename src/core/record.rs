@@ -278,16 +278,20 @@ impl Patch {
 
 /// Write (or read) many records in a row, as one decision log message holds them: within `f`,
 /// a cluster view that is the very one written before it (the same `Arc`) is written as
-/// `"same"`, and read back as the one before it. Records seen alone (`oam audit --json`, a
-/// snapshot) always carry theirs in full. Each call starts afresh: a message stands alone.
+/// `"same"`, and read back as the one before it; a request's tools that are the very set an
+/// earlier record of the run declared are written as that set's number (`tools_in_run`).
+/// Records seen alone (`oam audit --json`, a snapshot) always carry theirs in full. Each call
+/// starts afresh: a message stands alone.
 pub fn in_a_run<T>(f: impl FnOnce() -> T) -> T {
     struct End;
     impl Drop for End {
         fn drop(&mut self) {
             cluster_in_run::LAST.with(|l| *l.borrow_mut() = None);
+            tools_in_run::WRITTEN.with(|w| *w.borrow_mut() = None);
         }
     }
     cluster_in_run::LAST.with(|l| *l.borrow_mut() = Some(None));
+    tools_in_run::WRITTEN.with(|w| *w.borrow_mut() = Some(Vec::new()));
     let _end = End;
     f()
 }
@@ -299,6 +303,106 @@ pub fn run_afresh() {
             *last = None;
         }
     });
+    tools_in_run::WRITTEN.with(|w| {
+        if let Some(sets) = &mut *w.borrow_mut() {
+            sets.clear();
+        }
+    });
+}
+
+/// Where a run stands: what a record written (or read) after it may refer back to.
+pub struct RunMark {
+    cluster: Option<Option<std::sync::Arc<super::quorum::Cluster>>>,
+    tools: Option<usize>,
+}
+
+/// Where the run stands now (`rewind_run` goes back to it).
+pub fn run_mark() -> RunMark {
+    RunMark {
+        cluster: cluster_in_run::LAST.with(|l| l.borrow().clone()),
+        tools: tools_in_run::WRITTEN.with(|w| w.borrow().as_ref().map(Vec::len)),
+    }
+}
+
+/// Forget what was written since `mark`: a record that failed halfway and was cut from the
+/// message must leave nothing for the next ones to refer to.
+pub fn rewind_run(mark: RunMark) {
+    cluster_in_run::LAST.with(|l| *l.borrow_mut() = mark.cluster);
+    tools_in_run::WRITTEN.with(|w| {
+        if let (Some(sets), Some(n)) = (&mut *w.borrow_mut(), mark.tools) {
+            sets.truncate(n);
+        }
+    });
+}
+
+/// How `Request::tools` is written and read (see `in_a_run`): in a run, the sets written in
+/// full are numbered from 0 as they come (the first `SETS` of them), and a set written before
+/// is written as its number. An agent sends the same 128 tools request after request: the
+/// message holds them once, not once a record.
+pub mod tools_in_run {
+    use super::super::request::Tools;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    /// The sets a run numbers at most.
+    const SETS: usize = 64;
+
+    thread_local! {
+        /// Outside a run: `None`. In one: the sets written (or read) in full so far.
+        pub(super) static WRITTEN: RefCell<Option<Vec<Arc<Tools>>>> = const { RefCell::new(None) };
+    }
+
+    /// Number `t` as the next set written in full, if the run numbers it.
+    fn number(t: &Arc<Tools>) {
+        WRITTEN.with(|w| {
+            if let Some(sets) = &mut *w.borrow_mut()
+                && sets.len() < SETS
+            {
+                sets.push(t.clone());
+            }
+        });
+    }
+
+    pub fn serialize<S: Serializer>(t: &Arc<Tools>, s: S) -> Result<S::Ok, S::Error> {
+        let seen = WRITTEN.with(|w| {
+            w.borrow()
+                .as_ref()
+                .and_then(|sets| sets.iter().position(|p| Arc::ptr_eq(p, t)))
+        });
+        if let Some(i) = seen {
+            return s.serialize_u64(i as u64);
+        }
+        number(t);
+        t.as_ref().serialize(s)
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Wire {
+        Full(Tools),
+        Seen(u64),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Tools>, D::Error> {
+        match Wire::deserialize(d)? {
+            Wire::Full(t) => {
+                let t = Arc::new(t);
+                number(&t);
+                Ok(t)
+            }
+            Wire::Seen(i) => WRITTEN
+                .with(|w| {
+                    let sets = w.borrow();
+                    sets.as_ref()?.get(usize::try_from(i).ok()?).cloned()
+                })
+                .ok_or_else(|| {
+                    serde::de::Error::custom(format!(
+                        "tools written as set {i}, which this run of records does not hold"
+                    ))
+                }),
+        }
+    }
 }
 
 /// How `State::cluster` and `Patch::cluster` are written and read (see `in_a_run`).
@@ -640,6 +744,40 @@ mod tests {
         let mut other = e.config.clone();
         other.max_attempts.low = 1;
         assert!(r.verify(&other).is_err());
+    }
+
+    #[test]
+    fn in_a_run_each_shared_tool_set_is_written_once_and_read_back_shared() {
+        use crate::core::request::Tools;
+        let set = |name: &str| {
+            let schema = serde_json::json!({"type": "object", "description": "unique-schema-text"});
+            std::sync::Arc::new(Tools::from([(name.to_string(), schema)]))
+        };
+        let (t1, t2) = (set("first"), set("second"));
+        let mut e = engine();
+        let mut with = |id: &str, t: &std::sync::Arc<Tools>| {
+            let mut r = request(id);
+            r.tools = t.clone();
+            recorded(&mut e, r)
+        };
+        // Interleaved, as two agents' requests come: each set is written in full once.
+        let all = vec![with("a", &t1), with("b", &t2), with("c", &t1), with("d", &t2)];
+        let run = in_a_run(|| serde_json::to_string(&all)).unwrap();
+        assert_eq!(run.matches("unique-schema-text").count(), 2, "{run}");
+        let back: Vec<Record> = in_a_run(|| serde_json::from_str(&run)).unwrap();
+        assert_eq!(back, all);
+        assert!(std::sync::Arc::ptr_eq(&back[0].request.tools, &back[2].request.tools));
+        assert_eq!(back[3].request.tools.keys().next().unwrap(), "second");
+        // Alone, a set number means nothing: refused, not read as no tools.
+        assert!(serde_json::from_str::<Vec<Record>>(&run).is_err());
+        // A record cut from the message leaves no number behind for the next to refer to.
+        let rewound = in_a_run(|| {
+            let mark = run_mark();
+            let _ = serde_json::to_string(&all[0]).unwrap();
+            rewind_run(mark);
+            serde_json::to_string(&all[2]).unwrap()
+        });
+        assert_eq!(rewound.matches("unique-schema-text").count(), 1, "{rewound}");
     }
 
     #[test]

@@ -150,11 +150,16 @@ pub struct Request {
     /// OpenAI's `response_format`; a `json_schema` here becomes the contract.
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
-    /// The tools the request declared: name -> parameter schema (`null` if it gives none). Tool
-    /// calls in the answer are checked against them. Shared: a request is copied on its way
-    /// (session, record, attempts) and 128 schemas are too many to copy each time.
-    #[serde(default, skip_serializing_if = "no_tools")]
-    pub tools: std::sync::Arc<std::collections::BTreeMap<String, serde_json::Value>>,
+    /// The tools the request declared. Tool calls in the answer are checked against them.
+    /// Shared: a request is copied on its way (session, record, attempts), and requests that
+    /// declare the same tools share one set (a node reads each distinct list once). In a run
+    /// of records (`record::in_a_run`) a set written before is written as its number.
+    #[serde(
+        default,
+        skip_serializing_if = "no_tools",
+        with = "super::record::tools_in_run"
+    )]
+    pub tools: std::sync::Arc<Tools>,
     /// Only targets of this API may serve it: it uses a feature (a parameter, a part) that a
     /// translation to the other would drop.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -437,8 +442,109 @@ fn is_one(n: &u32) -> bool {
 }
 
 /// Whether a request declares no tools (serialized without the field).
-fn no_tools(tools: &std::sync::Arc<std::collections::BTreeMap<String, serde_json::Value>>) -> bool {
+fn no_tools(tools: &std::sync::Arc<Tools>) -> bool {
     tools.is_empty()
+}
+
+/// The tools a request declared: name -> parameter schema (`null` if it gives none), with what
+/// each request carrying them would otherwise work out again: their size in JSON (the token
+/// estimate) and whether every schema compiles (checked once per set, on first use).
+#[derive(Clone, Default, Debug)]
+pub struct Tools {
+    by_name: std::collections::BTreeMap<String, serde_json::Value>,
+    json_len: usize,
+    checked: std::sync::OnceLock<Result<(), String>>,
+}
+
+impl Tools {
+    pub fn new(by_name: std::collections::BTreeMap<String, serde_json::Value>) -> Tools {
+        struct Len(usize);
+        impl std::io::Write for Len {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0 += b.len();
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let json_len = by_name
+            .iter()
+            .map(|(name, schema)| {
+                let mut len = Len(0);
+                let _ = serde_json::to_writer(&mut len, schema);
+                name.len() + len.0
+            })
+            .sum();
+        Tools {
+            by_name,
+            json_len,
+            checked: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The names' and schemas' length in JSON.
+    pub fn json_len(&self) -> usize {
+        self.json_len
+    }
+
+    /// Whether every declared schema is a JSON Schema (compiled once per set): the first that
+    /// is not, and why.
+    pub fn checked(&self) -> Result<(), &str> {
+        let first_bad = || {
+            for (name, schema) in &self.by_name {
+                if !schema.is_null() {
+                    super::contract::check_tool_schema(schema)
+                        .map_err(|e| format!("tools: {name}: its parameters are no JSON Schema: {e}"))?;
+                }
+            }
+            Ok(())
+        };
+        self.checked.get_or_init(first_bad).as_ref().map(|_| ()).map_err(String::as_str)
+    }
+}
+
+impl std::ops::Deref for Tools {
+    type Target = std::collections::BTreeMap<String, serde_json::Value>;
+    fn deref(&self) -> &Self::Target {
+        &self.by_name
+    }
+}
+
+impl PartialEq for Tools {
+    fn eq(&self, other: &Tools) -> bool {
+        self.by_name == other.by_name
+    }
+}
+
+impl From<std::collections::BTreeMap<String, serde_json::Value>> for Tools {
+    fn from(by_name: std::collections::BTreeMap<String, serde_json::Value>) -> Tools {
+        Tools::new(by_name)
+    }
+}
+
+impl FromIterator<(String, serde_json::Value)> for Tools {
+    fn from_iter<I: IntoIterator<Item = (String, serde_json::Value)>>(tools: I) -> Tools {
+        Tools::new(tools.into_iter().collect())
+    }
+}
+
+impl<const N: usize> From<[(String, serde_json::Value); N]> for Tools {
+    fn from(tools: [(String, serde_json::Value); N]) -> Tools {
+        Tools::new(tools.into())
+    }
+}
+
+impl Serialize for Tools {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.by_name.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Tools {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Tools, D::Error> {
+        std::collections::BTreeMap::deserialize(d).map(Tools::new)
+    }
 }
 
 #[cfg(test)]

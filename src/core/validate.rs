@@ -55,16 +55,7 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
             format!("request.policy.min_confidence must be in [0, 1], got {c}"),
         ));
     }
-    for (name, schema) in r.tools.iter() {
-        if !schema.is_null() {
-            super::contract::check_tool_schema(schema).map_err(|e| {
-                invalid(
-                    "tools",
-                    format!("tools: {name}: its parameters are no JSON Schema: {e}"),
-                )
-            })?;
-        }
-    }
+    r.tools.checked().map_err(|e| invalid("tools", e))?;
     if r.policy.max_attempts == Some(0) {
         return Err(invalid(
             "policy.max_attempts",

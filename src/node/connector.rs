@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 pub struct Passthrough {
     pub messages: Vec<Value>,
     pub extra: serde_json::Map<String, Value>,
+    /// The client's `tools`, as sent.
+    pub tools: Option<Box<serde_json::value::RawValue>>,
     /// The client asked for the usage chunk of a stream (`stream_options.include_usage`).
     pub include_usage: bool,
     /// A Messages request as it came, for a Messages target (it uses what only Messages
@@ -31,6 +33,8 @@ pub struct Passthrough {
 struct Body<'a> {
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     extra: Option<&'a serde_json::Map<String, Value>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a serde_json::value::RawValue>,
     model: &'a str,
     messages: Messages<'a>,
     max_tokens: u32,
@@ -127,6 +131,7 @@ impl HttpEndpoint {
                     body.model,
                     &messages,
                     body.extra.unwrap_or(&empty),
+                    body.tools,
                     body.max_tokens,
                     body.stream,
                     prefill,
@@ -235,6 +240,7 @@ impl Connector {
         // Serialised from borrows: the client's request is not copied for each attempt.
         let body = Body {
             extra: pass.map(|p| &p.extra),
+            tools: pass.and_then(|p| p.tools.as_deref()),
             model,
             messages: match pass {
                 Some(p) => Messages::AsSent(&p.messages),
@@ -488,6 +494,7 @@ impl Connector {
         };
         let body = Body {
             extra: Some(&pass.extra),
+            tools: pass.tools.as_deref(),
             model,
             messages,
             max_tokens,

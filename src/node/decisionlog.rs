@@ -22,8 +22,8 @@ use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 
-/// Bytes of records waiting to be written at most (a record's content, and ~4 KB for the rest
-/// of it). Past it, an answer waits for the writer to make room while the stream takes writes
+/// Bytes of records waiting to be written at most (a record's content and declared tools, and
+/// ~4 KB for the rest of it). Past it, an answer waits for the writer to make room while the stream takes writes
 /// (at most `ROOM_WAIT`); else the oldest are dropped and counted.
 const WAITING_MAX_BYTES: usize = 64 << 20;
 /// What a record holds besides its content, as the buffer counts it.
@@ -157,7 +157,9 @@ impl DecisionLog {
         } else {
             (None, None)
         };
-        let size = r.content_bytes() + RECORD_OVERHEAD;
+        // Its tools count in full though requests declaring the same share one set: a bound
+        // that holds when they do not.
+        let size = r.content_bytes() + r.request.tools.json_len() + RECORD_OVERHEAD;
         let mut waiting = lock(&self.waiting);
         let urgent = tx.is_some();
         waiting.records.push_back((r, tx, size));

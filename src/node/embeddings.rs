@@ -118,6 +118,7 @@ pub(crate) fn decode(
     let pass = Passthrough {
         messages: Vec::new(),
         extra: m,
+        tools: None,
         include_usage: false,
         native: None,
     };

@@ -35,6 +35,7 @@ pub mod request;
 pub mod responses;
 pub mod server;
 pub mod status;
+mod tools;
 pub mod upstreams;
 
 use crate::clock::now_ms;

@@ -12,6 +12,7 @@ use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
 use axum::http::{HeaderMap, StatusCode};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 /// The OpenAI error envelope: `{"error": {message, type, param, code}}`.
@@ -51,8 +52,8 @@ pub(crate) const MAX_TOOLS: usize = 128;
 /// The most answers one request may ask for (OpenAI's own limit on `n`).
 pub(crate) const MAX_N: u64 = 128;
 
-/// The OpenAI request shape: what oam reads; everything else (tools, sampling parameters,
-/// unknown future fields) is kept in `rest` and the messages as sent, for the upstream.
+/// The OpenAI request shape: what oam reads; everything else (sampling parameters, unknown
+/// future fields) is kept in `rest`, the tools and messages as sent, for the upstream.
 pub(crate) struct ChatIn {
     model: Option<String>,
     messages: Vec<Value>,
@@ -61,7 +62,43 @@ pub(crate) struct ChatIn {
     response_format: Option<Value>,
     stream: Option<bool>,
     oam: Option<OamFields>,
+    /// `tools` as it came: read once per distinct list (`tools::declared`), sent on as it is.
+    tools: Option<Box<RawValue>>,
     rest: serde_json::Map<String, Value>,
+}
+
+/// A request body's members, `tools` kept as its text (a tree of 128 schemas cost more to
+/// build and drop than the rest of the request).
+struct Members {
+    tools: Option<Box<RawValue>>,
+    rest: serde_json::Map<String, Value>,
+}
+
+impl<'de> Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Members, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Members, A::Error> {
+                let mut out = Members {
+                    tools: None,
+                    rest: serde_json::Map::new(),
+                };
+                while let Some(k) = m.next_key::<String>()? {
+                    if k == "tools" {
+                        out.tools = Some(m.next_value()?);
+                    } else {
+                        out.rest.insert(k, m.next_value()?);
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(Visit)
+    }
 }
 
 impl ChatIn {
@@ -76,7 +113,7 @@ impl ChatIn {
                 message: format!("invalid chat completion request: {at}{e}"),
             }
         };
-        let mut rest: serde_json::Map<String, Value> =
+        let Members { tools, mut rest } =
             serde_json::from_slice(body).map_err(|e| invalid(None, &e))?;
         fn take<T: serde::de::DeserializeOwned>(
             rest: &mut serde_json::Map<String, Value>,
@@ -103,6 +140,7 @@ impl ChatIn {
                 response_format: take(&mut rest, "response_format")?.flatten(),
                 stream: take(&mut rest, "stream")?.flatten(),
                 oam: take(&mut rest, "oam")?.flatten(),
+                tools: None,
                 rest: serde_json::Map::new(),
             })
         };
@@ -111,6 +149,7 @@ impl ChatIn {
             invalid(path, &e)
         })?;
         chat.rest = rest;
+        chat.tools = tools;
         Ok(chat)
     }
 }
@@ -135,48 +174,6 @@ pub(crate) fn text_of(content: &Value) -> Option<String> {
         ),
         _ => None,
     }
-}
-
-/// The tools a request declares (`[{type, function: {name, parameters}}]`): name -> parameter
-/// schema (`null` when a tool gives none). The list itself goes to the upstream as sent.
-pub(crate) fn declared_tools(
-    tools: Option<&Value>,
-) -> Result<std::collections::BTreeMap<String, Value>, BadRequest> {
-    let Some(tools) = tools else {
-        return Ok(Default::default());
-    };
-    let list = tools.as_array().ok_or_else(|| {
-        bad(
-            "tools",
-            "tools must be an array of {\"type\": \"function\", \"function\": {...}}",
-        )
-    })?;
-    // Every tool's schema is compiled to check the answer's calls against it: without a bound,
-    // one request of 6,000 tools cost 0.1 s of CPU and 43 MB.
-    if list.len() > MAX_TOOLS {
-        return Err(bad(
-            "tools",
-            format!(
-                "at most {MAX_TOOLS} tools per request (OpenAI's own limit); this one declares {}",
-                list.len()
-            ),
-        ));
-    }
-    let mut out = std::collections::BTreeMap::new();
-    for (i, t) in list.iter().enumerate() {
-        let f = &t["function"];
-        let Some(name) = f["name"].as_str().filter(|n| !n.is_empty()) else {
-            return Err(bad(
-                format!("tools[{i}].function.name"),
-                format!("tools[{i}].function.name must be a non-empty string"),
-            ));
-        };
-        out.insert(
-            name.to_string(),
-            f.get("parameters").cloned().unwrap_or(Value::Null),
-        );
-    }
-    Ok(out)
 }
 
 /// May a client ask for `model`? A route's name when routes are configured; without routes (every
@@ -307,7 +304,7 @@ pub(crate) fn decode_request(
         ));
     }
     let stream = chat.stream == Some(true);
-    let tools = declared_tools(chat.rest.get("tools"))?;
+    let tools = super::tools::declared(chat.tools.as_deref())?;
     // `n` stays in the body for the upstream; oam prices every answer it asks for.
     let n = match chat.rest.get("n") {
         None | Some(Value::Null) => 1,
@@ -359,7 +356,7 @@ pub(crate) fn decode_request(
         policy: o.policy.unwrap_or_default(),
         contract: o.contract,
         response_format: chat.response_format,
-        tools: std::sync::Arc::new(tools),
+        tools,
         bound_to: None,
         embeddings: false,
         stream,
@@ -373,6 +370,7 @@ pub(crate) fn decode_request(
     let pass = Passthrough {
         messages: chat.messages,
         extra,
+        tools: chat.tools,
         include_usage,
         native: None,
     };
@@ -773,11 +771,9 @@ mod tests {
         assert_eq!(chat.model.as_deref(), Some("m"));
         assert_eq!((chat.messages.len(), chat.stream), (1, None));
         let rest: Vec<&str> = chat.rest.keys().map(String::as_str).collect();
-        assert_eq!(
-            rest,
-            ["temperature", "tools"],
-            "what oam does not read goes on"
-        );
+        assert_eq!(rest, ["temperature"], "what oam does not read goes on");
+        let tools = chat.tools.as_deref().map(RawValue::get);
+        assert_eq!(tools, Some(r#"[{"type": "function"}]"#), "tools go on as sent");
         for (body, param, says) in [
             (&br#"{"messages": 5}"#[..], Some("messages"), "invalid type"),
             (

@@ -160,6 +160,7 @@ pub(crate) fn request_of(
     model: &str,
     messages: &[Value],
     extra: &Map<String, Value>,
+    tools: Option<&serde_json::value::RawValue>,
     max_tokens: u32,
     stream: bool,
     prefill: Option<&str>,
@@ -205,7 +206,9 @@ pub(crate) fn request_of(
     if let Some(Value::String(u)) = extra.get("user") {
         out["metadata"] = json!({"user_id": u});
     }
-    if let Some(Value::Array(tools)) = extra.get("tools") {
+    // The node read the list before (`node::tools`): it is an array.
+    let tools = tools.and_then(|t| serde_json::from_str::<Vec<Value>>(t.get()).ok());
+    if let Some(tools) = tools {
         let tools: Vec<Value> = tools
             .iter()
             .map(|t| {
@@ -430,11 +433,12 @@ mod tests {
             json!({"role": "user", "content": "and?"}),
         ];
         let extra = extra(json!({"temperature": 0.5, "stop": "END", "user": "u1",
-            "tools": [{"type": "function", "function": {"name": "look", "description": "d",
-                "parameters": {"type": "object"}}}],
             "tool_choice": "required", "parallel_tool_calls": false}));
+        let tools = serde_json::value::to_raw_value(&json!([{"type": "function", "function":
+            {"name": "look", "description": "d", "parameters": {"type": "object"}}}]))
+        .unwrap();
         assert_eq!(not_carried(&messages, &extra, None), None);
-        let r = request_of("claude", &messages, &extra, 64, true, Some("so far  "));
+        let r = request_of("claude", &messages, &extra, Some(&tools), 64, true, Some("so far  "));
         assert_eq!(
             r,
             json!({

@@ -134,6 +134,7 @@ pub fn batches<W>(
         for (r, waiter) in records {
             left -= 1;
             let mark = msg.len();
+            let run = crate::core::record::run_mark();
             if n == 0 {
                 msg.extend_from_slice(head);
                 msg.extend_from_slice(b",\"records\":[");
@@ -142,6 +143,7 @@ pub fn batches<W>(
             }
             if serde_json::to_writer(&mut msg, &r).is_err() {
                 msg.truncate(mark);
+                crate::core::record::rewind_run(run);
                 lost.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
@@ -154,6 +156,7 @@ pub fn batches<W>(
                 msg.extend_from_slice(b",\"records\":[");
                 if serde_json::to_writer(&mut msg, &r).is_err() {
                     msg.clear();
+                    crate::core::record::run_afresh();
                     lost.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
