@@ -761,12 +761,20 @@ mod tests {
             recorded(&mut e, r)
         };
         // Interleaved, as two agents' requests come: each set is written in full once.
-        let all = vec![with("a", &t1), with("b", &t2), with("c", &t1), with("d", &t2)];
+        let all = vec![
+            with("a", &t1),
+            with("b", &t2),
+            with("c", &t1),
+            with("d", &t2),
+        ];
         let run = in_a_run(|| serde_json::to_string(&all)).unwrap();
         assert_eq!(run.matches("unique-schema-text").count(), 2, "{run}");
         let back: Vec<Record> = in_a_run(|| serde_json::from_str(&run)).unwrap();
         assert_eq!(back, all);
-        assert!(std::sync::Arc::ptr_eq(&back[0].request.tools, &back[2].request.tools));
+        assert!(std::sync::Arc::ptr_eq(
+            &back[0].request.tools,
+            &back[2].request.tools
+        ));
         assert_eq!(back[3].request.tools.keys().next().unwrap(), "second");
         // Alone, a set number means nothing: refused, not read as no tools.
         assert!(serde_json::from_str::<Vec<Record>>(&run).is_err());
@@ -777,7 +785,11 @@ mod tests {
             rewind_run(mark);
             serde_json::to_string(&all[2]).unwrap()
         });
-        assert_eq!(rewound.matches("unique-schema-text").count(), 1, "{rewound}");
+        assert_eq!(
+            rewound.matches("unique-schema-text").count(),
+            1,
+            "{rewound}"
+        );
     }
 
     #[test]

@@ -494,13 +494,18 @@ impl Tools {
         let first_bad = || {
             for (name, schema) in &self.by_name {
                 if !schema.is_null() {
-                    super::contract::check_tool_schema(schema)
-                        .map_err(|e| format!("tools: {name}: its parameters are no JSON Schema: {e}"))?;
+                    super::contract::check_tool_schema(schema).map_err(|e| {
+                        format!("tools: {name}: its parameters are no JSON Schema: {e}")
+                    })?;
                 }
             }
             Ok(())
         };
-        self.checked.get_or_init(first_bad).as_ref().map(|_| ()).map_err(String::as_str)
+        self.checked
+            .get_or_init(first_bad)
+            .as_ref()
+            .map(|_| ())
+            .map_err(String::as_str)
     }
 }
 

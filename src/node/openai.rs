@@ -82,7 +82,10 @@ impl<'de> Deserialize<'de> for Members {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Members, A::Error> {
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Members, A::Error> {
                 let mut out = Members {
                     tools: None,
                     rest: serde_json::Map::new(),
@@ -773,7 +776,11 @@ mod tests {
         let rest: Vec<&str> = chat.rest.keys().map(String::as_str).collect();
         assert_eq!(rest, ["temperature"], "what oam does not read goes on");
         let tools = chat.tools.as_deref().map(RawValue::get);
-        assert_eq!(tools, Some(r#"[{"type": "function"}]"#), "tools go on as sent");
+        assert_eq!(
+            tools,
+            Some(r#"[{"type": "function"}]"#),
+            "tools go on as sent"
+        );
         for (body, param, says) in [
             (&br#"{"messages": 5}"#[..], Some("messages"), "invalid type"),
             (

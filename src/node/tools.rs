@@ -176,12 +176,22 @@ mod tests {
         let at = |v: Value| declared(Some(&raw(v))).unwrap_err().param.unwrap();
         for _ in 0..2 {
             assert_eq!(at(serde_json::json!({"a": 1})), "tools");
-            assert_eq!(at(serde_json::json!([{"type": "function"}])), "tools[0].function.name");
+            assert_eq!(
+                at(serde_json::json!([{"type": "function"}])),
+                "tools[0].function.name"
+            );
             assert_eq!(at(serde_json::json!([1])), "tools[0].function.name");
             let bad_schema = serde_json::json!([{"type": "function",
                 "function": {"name": "x", "parameters": {"type": 7}}}]);
-            let e = declared(Some(&raw(bad_schema))).unwrap().checked().unwrap_err().to_string();
-            assert!(e.contains("tools: x: its parameters are no JSON Schema"), "{e}");
+            let e = declared(Some(&raw(bad_schema)))
+                .unwrap()
+                .checked()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("tools: x: its parameters are no JSON Schema"),
+                "{e}"
+            );
         }
     }
 }

@@ -438,7 +438,15 @@ mod tests {
             {"name": "look", "description": "d", "parameters": {"type": "object"}}}]))
         .unwrap();
         assert_eq!(not_carried(&messages, &extra, None), None);
-        let r = request_of("claude", &messages, &extra, Some(&tools), 64, true, Some("so far  "));
+        let r = request_of(
+            "claude",
+            &messages,
+            &extra,
+            Some(&tools),
+            64,
+            true,
+            Some("so far  "),
+        );
         assert_eq!(
             r,
             json!({
