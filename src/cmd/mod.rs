@@ -95,6 +95,9 @@ impl ClusterArgs {
                 )));
             }
             let file = crate::local::read_role_file(path).map_err(Error::usage)?;
+            if let Some(ca) = &file.ca {
+                crate::transport::connect::use_ca_file(ca);
+            }
             return Ok((
                 file.url,
                 format!("--creds {} as {}", path.display(), file.user),

@@ -7,7 +7,7 @@ use super::natsd;
 use super::roles::Role;
 use super::{Record, Started, Stopped};
 use crate::core::wire::NodeSnapshot;
-use crate::transport::connect::ENV_URL;
+use crate::transport::connect::{ENV_CA, ENV_URL};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 pub const ENV_SYS_URL: &str = "OAM_NATS_SYS_URL";
 
 /// How long each process may take to say it is ready, and the nodes to see each other.
-const READY_WITHIN: Duration = Duration::from_secs(20);
+pub(super) const READY_WITHIN: Duration = Duration::from_secs(20);
 
 /// What to start.
 #[derive(Clone, Debug)]
@@ -47,6 +47,8 @@ pub struct Plan {
     /// changed) to keep them. Without, one is made with the nodes' defaults and an existing one
     /// is left as it is.
     pub log_retention: Option<(Duration, u64)>,
+    /// JetStream's fsync interval (`always` or a duration; `None`: `natsd::DEFAULT_SYNC`).
+    pub sync_interval: Option<String>,
 }
 
 impl Plan {
@@ -64,6 +66,7 @@ impl Plan {
             new_credentials: false,
             config: None,
             log_retention: None,
+            sync_interval: None,
         }
     }
 }
@@ -134,9 +137,9 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         }
         if alive > 0 {
             // Up already: put back any bucket that has gone (only the admin may create one).
-            if let Some((creds, ports)) = super::creds::load(&dir)
+            if let Some((creds, servers)) = super::creds::load(&dir)
                 && let Err(e) =
-                    create_buckets(&natsd::app_url(&ports, &creds), plan.log_retention).await
+                    create_buckets(&natsd::app_url(&servers, &creds), plan.log_retention).await
             {
                 tracing::warn!("the mesh is up but its buckets could not be checked: {e:#}");
             }
@@ -203,7 +206,19 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         sim: sim_port,
         nodes: &node_ports,
     };
-    match start_all(plan, &dir, &bin, &ports, &mut started).await {
+    let done = start_all(plan, &dir, &bin, &ports, &mut started).await;
+    settle(done, dir, version, &started).await
+}
+
+/// What starting gave: the record saved and the mesh `Started`, or on failure everything in
+/// `started` stopped again, newest first.
+pub(super) async fn settle(
+    done: anyhow::Result<Record>,
+    dir: PathBuf,
+    version: natsd::Version,
+    started: &[Started],
+) -> Result<Up, UpError> {
+    match done {
         Ok(record) => {
             record.save(&dir).map_err(UpError::Start)?;
             Ok(Up::Started {
@@ -225,7 +240,11 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
 /// nats-servers from their configs (the same ports), then each `oam` process with its
 /// arguments and its role's credentials; the names started again. The record is saved with
 /// the new PIDs.
-async fn repair(plan: &Plan, dir: &Path, mut rec: Record) -> anyhow::Result<Vec<String>> {
+pub(super) async fn repair(
+    plan: &Plan,
+    dir: &Path,
+    mut rec: Record,
+) -> anyhow::Result<Vec<String>> {
     let (bin, _) = natsd::find(plan.nats_server.as_deref())?;
     let creds = kept_credentials(dir)
         .ok_or_else(|| anyhow::anyhow!("{}", super::creds::no_cluster(dir)))?;
@@ -246,21 +265,24 @@ async fn repair(plan: &Plan, dir: &Path, mut rec: Record) -> anyhow::Result<Vec<
     if !restarted.is_empty() && rec.servers.len() > 1 {
         jetstream_ready(&rec.servers).await?;
     }
-    let ports = rec.nats_ports();
-    let url_of = |role: &Role| creds.url(&ports, &role.user()).unwrap_or_default();
+    let servers = rec.client_urls();
+    let url_of = |role: &Role| creds.url(&servers, &role.user()).unwrap_or_default();
     for p in &mut rec.processes {
         if super::is_nats_server(&p.name) || super::is_ours(p) {
             continue;
         }
-        let env: Vec<(&str, String)> = match p.name.as_str() {
+        let mut env: Vec<(&str, String)> = match p.name.as_str() {
             "sim" => Vec::new(),
             "monitor" => vec![
                 (ENV_URL, url_of(&Role::Monitor)),
-                (ENV_SYS_URL, creds.observer_url(&ports)),
+                (ENV_SYS_URL, creds.observer_url(&servers)),
             ],
             "chaos" => vec![(ENV_URL, url_of(&Role::Warden))],
             node => vec![(ENV_URL, url_of(&Role::Node(node.to_string())))],
         };
+        if let Some(ca) = &rec.ca {
+            env.push((ENV_CA, ca.display().to_string()));
+        }
         let (mut child, out, log) = super::spawn_oam(&plan.exe, dir, &p.name, &p.args, &env)?;
         p.pid = child.id();
         let ready = super::ready_line(&mut child, &out, &log, &p.name, READY_WITHIN).await?;
@@ -290,7 +312,7 @@ fn last_port(dir: &Path, i: u16, servers: u16) -> Option<u16> {
 
 /// Check that a port asked for is free; 0 stays 0: the process binds any free port itself and
 /// says which (asking for a free port first would race with everything else on the machine).
-fn free_or_any(wanted: u16, what: &str, flag: &str) -> anyhow::Result<u16> {
+pub(super) fn free_or_any(wanted: u16, what: &str, flag: &str) -> anyhow::Result<u16> {
     if wanted != 0 && natsd::port_in_use(wanted) {
         anyhow::bail!(
             "port {wanted} for {what} is in use on 127.0.0.1; stop what holds it, or pass {flag} \
@@ -308,16 +330,16 @@ struct Ports<'a> {
 
 /// One `oam` process to start: its name in the record, arguments, environment, what the
 /// operator connects to, and the marker its command line must contain.
-struct Spec<'a> {
-    name: &'a str,
-    args: Vec<String>,
-    env: &'a [(&'a str, String)],
-    endpoint: &'a str,
-    marker: String,
+pub(super) struct Spec<'a> {
+    pub name: &'a str,
+    pub args: Vec<String>,
+    pub env: &'a [(&'a str, String)],
+    pub endpoint: &'a str,
+    pub marker: String,
 }
 
 /// Start one `oam` process, record it in `started`, and wait for its ready line.
-async fn start_oam(
+pub(super) async fn start_oam(
     plan: &Plan,
     dir: &Path,
     started: &mut Vec<Started>,
@@ -335,25 +357,21 @@ async fn start_oam(
     super::ready_line(&mut child, &out, &log, spec.name, READY_WITHIN).await
 }
 
-/// Start the provider simulator; its URL.
-async fn start_sim(
+/// Start the provider simulator on `listen` (`127.0.0.1:8081`); its URL.
+pub(super) async fn start_sim(
     plan: &Plan,
     dir: &Path,
-    ports: &Ports<'_>,
+    listen: &str,
     started: &mut Vec<Started>,
 ) -> anyhow::Result<String> {
-    let args = [
-        "sim",
-        "--listen",
-        &format!("127.0.0.1:{}", ports.sim),
-        "--json",
-    ];
+    let args = ["sim", "--listen", listen, "--json"];
+    let host = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
     let sim = Spec {
         name: "sim",
         args: args.iter().map(|s| (*s).to_string()).collect(),
         env: &[],
         endpoint: "",
-        marker: "sim --listen 127.0.0.1:".into(),
+        marker: format!("sim --listen {host}:"),
     };
     let ready = start_oam(plan, dir, started, sim).await?;
     let sim_url = ready["url"].as_str().unwrap_or_default().to_string();
@@ -385,29 +403,19 @@ async fn start_all(
     // The roles of what this mesh runs, and of the people who use it.
     let node_ids: Vec<String> = (1..=ports.nodes.len()).map(|i| format!("n{i}")).collect();
     let mut roles: Vec<Role> = node_ids.iter().map(|id| Role::Node(id.clone())).collect();
-    roles.extend([
-        Role::Monitor,
-        Role::Warden,
-        Role::Operator,
-        Role::Caller,
-        Role::Viewer,
-    ]);
+    roles.extend(super::roles::BESIDE_NODES);
     for role in &roles {
         creds.add(role)?;
     }
-    let servers = start_servers(dir, bin, ports.nats, &creds, started).await?;
+    let servers = start_servers(plan, dir, bin, ports.nats, &creds, started).await?;
     let port: Vec<u16> = servers.iter().map(|s| s.port).collect();
-    let port = port.as_slice();
+    let urls = natsd::loopback(&port);
     // Every password in one file for `oam mesh up` and `oam creds`; each role's in its own
     // (agents issued earlier keep theirs, with the ports as they are now).
-    save_system(dir, port, &creds)?;
-    for user in creds.users.keys() {
-        if let Some(role) = Role::of_user(user) {
-            super::write_role_file(dir, port, &creds, &role)?;
-        }
-    }
-    let url_of = |role: &Role| creds.url(port, &role.user()).unwrap_or_default();
-    create_buckets(&natsd::app_url(port, &creds), plan.log_retention).await?;
+    save_system(dir, &urls, &creds)?;
+    write_role_files(dir, &urls, None, &creds)?;
+    let url_of = |role: &Role| creds.url(&urls, &role.user()).unwrap_or_default();
+    create_buckets(&natsd::app_url(&urls, &creds), plan.log_retention).await?;
     if servers.len() == 2 {
         tracing::warn!(
             "2 nats-servers make no majority once one is gone: streams keep 2 copies and stop \
@@ -424,7 +432,8 @@ async fn start_all(
             (String::new(), vec!["--config".to_string(), shown])
         }
         None => {
-            let url = start_sim(plan, dir, ports, started).await?;
+            let listen = format!("127.0.0.1:{}", ports.sim);
+            let url = start_sim(plan, dir, &listen, started).await?;
             (url.clone(), vec!["--sim-url".to_string(), url])
         }
     };
@@ -473,7 +482,7 @@ async fn start_all(
     let shown_dir = dir.display().to_string();
     let env = [
         (ENV_URL, url_of(&Role::Monitor)),
-        (ENV_SYS_URL, creds.observer_url(port)),
+        (ENV_SYS_URL, creds.observer_url(&urls)),
     ];
     let monitor = Spec {
         name: "monitor",
@@ -518,6 +527,9 @@ async fn start_all(
         servers,
         sim_url,
         processes: std::mem::take(started),
+        nats_urls: Vec::new(),
+        ca: None,
+        hosts: None,
     })
 }
 
@@ -526,6 +538,7 @@ async fn start_all(
 /// to all the others (JetStream's cluster needs them named from the start, so their route
 /// ports are chosen first), then wait until JetStream has a leader.
 async fn start_servers(
+    plan: &Plan,
     dir: &Path,
     bin: &Path,
     asked: &[u16],
@@ -556,6 +569,10 @@ async fn start_servers(
                 monitor_port: 0,
                 cluster_port,
                 asked_port,
+                address: None,
+                peers: Vec::new(),
+                tls: None,
+                sync_interval: plan.sync_interval.clone(),
             }
         })
         .collect();
@@ -607,19 +624,39 @@ pub fn kept_credentials(dir: &Path) -> Option<natsd::Credentials> {
     serde_json::from_value(doc.get("credentials")?.clone()).ok()
 }
 
-/// Write `system.json`: the admin's and the system account's URLs and every password (0600).
-pub fn save_system(dir: &Path, ports: &[u16], creds: &natsd::Credentials) -> anyhow::Result<()> {
+/// Write `system.json`: the admin's and the system account's URLs on `servers` and every
+/// password (0600).
+pub fn save_system(
+    dir: &Path,
+    servers: &[String],
+    creds: &natsd::Credentials,
+) -> anyhow::Result<()> {
     let doc = serde_json::json!({
-        "app_url": natsd::app_url(ports, creds),
-        "sys_url": natsd::sys_url(ports, creds),
+        "app_url": natsd::app_url(servers, creds),
+        "sys_url": natsd::sys_url(servers, creds),
         "credentials": creds,
     });
     super::write_private(&dir.join(super::SYSTEM), &format!("{doc:#}\n"))
 }
 
+/// Write every role user's credentials file for `servers` (`ca`: their TLS's).
+pub fn write_role_files(
+    dir: &Path,
+    servers: &[String],
+    ca: Option<&Path>,
+    creds: &natsd::Credentials,
+) -> anyhow::Result<()> {
+    for user in creds.users.keys() {
+        if let Some(role) = Role::of_user(user) {
+            super::write_role_file(dir, servers, ca, creds, &role)?;
+        }
+    }
+    Ok(())
+}
+
 /// Create every bucket the mesh and the Open Agent Mesh SDK use, as the admin, so that no
 /// other role needs to create (or may delete) a stream.
-async fn create_buckets(
+pub(super) async fn create_buckets(
     admin_url: &str,
     log_retention: Option<(Duration, u64)>,
 ) -> anyhow::Result<()> {
@@ -677,8 +714,18 @@ async fn create_buckets(
 /// Wait until every server's JetStream has a meta leader and knows every member (a stream of
 /// 3 replicas needs 3 known servers), at most `READY_WITHIN`.
 async fn jetstream_ready(servers: &[super::NatsServer]) -> anyhow::Result<()> {
+    jetstream_sees(servers, servers.len(), READY_WITHIN).await
+}
+
+/// Wait until the JetStream of each of `servers` (this host's) has a meta leader and knows
+/// `members` servers, at most `within`.
+pub(super) async fn jetstream_sees(
+    servers: &[super::NatsServer],
+    members: usize,
+    within: Duration,
+) -> anyhow::Result<()> {
     let http = crate::http::http_client(Some(Duration::from_secs(1)))?;
-    let deadline = Instant::now() + READY_WITHIN;
+    let deadline = Instant::now() + within;
     for s in servers {
         let jsz = format!("http://127.0.0.1:{}/jsz", s.monitor_port);
         loop {
@@ -688,18 +735,15 @@ async fn jetstream_ready(servers: &[super::NatsServer]) -> anyhow::Result<()> {
             };
             let meta = meta.map(|v| v["meta_cluster"].clone()).unwrap_or_default();
             let known = meta["cluster_size"].as_u64().unwrap_or(0);
-            if meta["leader"].as_str().is_some_and(|l| !l.is_empty())
-                && known >= servers.len() as u64
-            {
+            if meta["leader"].as_str().is_some_and(|l| !l.is_empty()) && known >= members as u64 {
                 break;
             }
             if Instant::now() > deadline {
                 anyhow::bail!(
-                    "{}'s JetStream had no leader among all {} servers within {} s (it knows \
-                     {known}); see {}",
+                    "{}'s JetStream had no leader among all {members} servers within {} s (it \
+                     knows {known}); see {}",
                     s.name,
-                    servers.len(),
-                    READY_WITHIN.as_secs(),
+                    within.as_secs(),
                     s.dir.join("nats.log").display()
                 );
             }
@@ -768,12 +812,10 @@ pub async fn status(rec: &Record) -> anyhow::Result<Vec<ProcessStatus>> {
 async fn probe(http: &reqwest::Client, rec: &Record, p: &Started) -> (bool, String) {
     match p.name.as_str() {
         name if super::is_nats_server(name) => {
-            let port = rec
-                .servers
-                .iter()
-                .find(|s| s.name == name)
-                .map_or(0, |s| s.port);
-            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let addr = rec.servers.iter().find(|s| s.name == name).map_or_else(
+                || std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                |s| std::net::SocketAddr::from((s.ip(), s.port)),
+            );
             let ok = tokio::time::timeout(
                 Duration::from_millis(500),
                 tokio::net::TcpStream::connect(addr),

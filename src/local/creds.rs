@@ -8,16 +8,21 @@ use anyhow::{Context, anyhow};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// The mesh folder's credentials and NATS ports, one per server (`None`: the folder holds no
-/// mesh's).
-pub fn load(dir: &Path) -> Option<(natsd::Credentials, Vec<u16>)> {
+/// The mesh folder's credentials and its NATS servers as clients reach them (bare URLs; `None`:
+/// the folder holds no mesh's).
+pub fn load(dir: &Path) -> Option<(natsd::Credentials, Vec<String>)> {
     let creds = cluster::kept_credentials(dir)?;
     let url = super::recorded_url(dir, "app_url")?;
-    let ports = url
+    let servers = url
         .split(',')
-        .map(|u| u.rsplit(':').next()?.parse().ok())
-        .collect::<Option<Vec<u16>>>()?;
-    Some((creds, ports))
+        .map(|u| crate::transport::connect::split_credentials(u).0)
+        .collect();
+    Some((creds, servers))
+}
+
+/// The CA of the folder's servers' TLS, if they speak it (its record says).
+fn ca_of(dir: &Path) -> Option<PathBuf> {
+    super::Record::load(dir).ok()??.ca
 }
 
 /// What issuing did: the user, its credentials file, and whether a running server took it
@@ -29,14 +34,36 @@ pub struct Issued {
     pub reloaded: bool,
 }
 
+/// Refuse to change one host's roles of a mesh across hosts: every server must hold the same.
+fn not_across_hosts(dir: &Path) -> anyhow::Result<()> {
+    if let Ok(Some(super::Record {
+        hosts: Some(file), ..
+    })) = super::Record::load(dir)
+    {
+        anyhow::bail!(
+            "the mesh in {} runs across the hosts of {f}, and every host's server must hold the \
+             same roles: add the agent to `agents` in {f}, run `oam mesh init --hosts {f}`, \
+             copy its secrets.json to every host, and run `oam mesh up --hosts {f}` on each (a \
+             running host's server reloads its roles)",
+            dir.display(),
+            f = file.display()
+        );
+    }
+    Ok(())
+}
+
 /// Issue credentials for `role` in the mesh folder `dir` (the same ones again if it has some).
 pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
-    let (mut creds, ports) = load(dir).with_context(|| no_cluster(dir))?;
+    let (mut creds, servers) = load(dir).with_context(|| no_cluster(dir))?;
+    if !creds.users.contains_key(&role.user()) {
+        not_across_hosts(dir)?;
+    }
     let user = creds.add(role)?;
-    cluster::save_system(dir, &ports, &creds)?;
-    let file = super::write_role_file(dir, &ports, &creds, role)?;
+    cluster::save_system(dir, &servers, &creds)?;
+    let ca = ca_of(dir);
+    let file = super::write_role_file(dir, &servers, ca.as_deref(), &creds, role)?;
     let reloaded = reload(dir, &creds, &user).await?;
-    let url = creds.url(&ports, &user).unwrap_or_default();
+    let url = creds.url(&servers, &user).unwrap_or_default();
     Ok(Issued {
         user,
         file,
@@ -48,7 +75,8 @@ pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
 /// Take `role`'s credentials back (its connections are closed); whether a running server took
 /// it. An error when it had none.
 pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
-    let (mut creds, ports) = load(dir).with_context(|| no_cluster(dir))?;
+    not_across_hosts(dir)?;
+    let (mut creds, servers) = load(dir).with_context(|| no_cluster(dir))?;
     let user = role.user();
     if creds.users.remove(&user).is_none() {
         anyhow::bail!(
@@ -56,7 +84,7 @@ pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
             dir.display()
         );
     }
-    cluster::save_system(dir, &ports, &creds)?;
+    cluster::save_system(dir, &servers, &creds)?;
     let _ = std::fs::remove_file(super::role_path(dir, &user));
     reload(dir, &creds, &user).await
 }
@@ -76,6 +104,24 @@ pub fn no_cluster(dir: &Path) -> String {
 /// of this mesh is running (the next `oam mesh up` writes the configs). Roles are the same on
 /// every server of a cluster: a server left out would admit a revoked user.
 async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> anyhow::Result<bool> {
+    reload_checking(dir, creds, Some(changed)).await
+}
+
+/// This folder's servers take the roles of `creds` (written to `system.json`, the roles'
+/// files and each server's config, then reloaded): a running host of a mesh across hosts
+/// given a changed `secrets.json`. Whether a running server took them.
+pub async fn take_roles(dir: &Path, creds: &natsd::Credentials) -> anyhow::Result<bool> {
+    let (_, servers) = load(dir).with_context(|| no_cluster(dir))?;
+    cluster::save_system(dir, &servers, creds)?;
+    cluster::write_role_files(dir, &servers, ca_of(dir).as_deref(), creds)?;
+    reload_checking(dir, creds, None).await
+}
+
+async fn reload_checking(
+    dir: &Path,
+    creds: &natsd::Credentials,
+    changed: Option<&str>,
+) -> anyhow::Result<bool> {
     let record = super::Record::load(dir)?;
     let Some(record) = record else {
         return Ok(false);
@@ -99,12 +145,26 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> anyhow
                     server.dir.join("nats.log").display()
                 )
             })?;
+        let Some(changed) = changed else {
+            reloaded_any = true;
+            continue;
+        };
+        let own = [format!(
+            "{}://{}:{}",
+            if server.tls.is_some() { "tls" } else { "nats" },
+            server.ip(),
+            server.port
+        )];
         let target = creds
-            .url(&[server.port], changed)
-            .unwrap_or_else(|| format!("nats://{changed}:revoked@127.0.0.1:{}", server.port));
-        took(&target, creds.users.contains_key(changed))
-            .await
-            .map_err(|why| anyhow!("{}: {why}", server.name))?;
+            .url(&own, changed)
+            .unwrap_or_else(|| natsd::server_list(changed, "revoked", &own));
+        took(
+            &target,
+            creds.users.contains_key(changed),
+            record.ca.as_deref(),
+        )
+        .await
+        .map_err(|why| anyhow!("{}: {why}", server.name))?;
         reloaded_any = true;
     }
     Ok(reloaded_any)
@@ -164,17 +224,21 @@ async fn reloaded(
 
 /// Check that the server admits the credentials in `url` (`admit`) or refuses them as
 /// unauthorized (a revoked user): a few tries within 5 s, for a busy server.
-async fn took(url: &str, admit: bool) -> std::result::Result<(), String> {
+async fn took(url: &str, admit: bool, ca: Option<&Path>) -> std::result::Result<(), String> {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let (bare, auth) = crate::transport::connect::split_credentials(url);
     let (name, password) = auth.unwrap_or_default();
     loop {
         // A plain connection: a refusal must not stop this command.
-        let tried =
+        let mut opts =
             async_nats::ConnectOptions::with_user_and_password(name.clone(), password.clone())
-                .connection_timeout(Duration::from_secs(2))
-                .connect(bare.as_str())
-                .await;
+                .connection_timeout(Duration::from_secs(2));
+        if let Some(ca) = ca {
+            opts = opts
+                .add_root_certificates(ca.to_path_buf())
+                .require_tls(true);
+        }
+        let tried = opts.connect(bare.as_str()).await;
         let as_wanted = match &tried {
             Ok(_) => admit,
             Err(e) => !admit && e.to_string().to_ascii_lowercase().contains("authoriz"),

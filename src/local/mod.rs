@@ -1,7 +1,8 @@
 //! A local cluster on this machine: its state folder (what `oam mesh up` started: PIDs, ports,
 //! URLs), how to tell whether each process is still the one we started, how to start `oam`
 //! processes and stop exactly those. `natsd` supervises nats-server, `cluster` starts and
-//! probes a whole cluster with one call, `agents` starts demo agents for scenarios.
+//! probes a whole cluster with one call, `hosts` one host's part of a mesh across hosts,
+//! `agents` starts demo agents for scenarios.
 //!
 //! `mesh.json` records everything but secrets; `system.json` (mode 0600) holds every NATS
 //! password, for `oam mesh up` and `oam creds` only; `creds/{user}.json` (mode 0600, one per
@@ -11,6 +12,7 @@
 pub mod agents;
 pub mod cluster;
 pub mod creds;
+pub mod hosts;
 pub mod natsd;
 pub mod roles;
 
@@ -37,6 +39,10 @@ pub struct RoleFile {
     pub url: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sys_url: Option<String>,
+    /// The CA that signed the servers' certificates, when they speak TLS (a mesh across
+    /// hosts): every connection checks the server against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<PathBuf>,
 }
 
 /// The credentials file of `user` in the state folder `dir`.
@@ -44,29 +50,32 @@ pub fn role_path(dir: &Path, user: &str) -> PathBuf {
     dir.join(CREDS_DIR).join(format!("{user}.json"))
 }
 
-/// Write the credentials file of `role` (0600, in a 0700 folder); its path.
+/// Write the credentials file of `role` for the servers at `servers` (bare URLs; `ca`: the CA
+/// of their TLS), 0600 in a 0700 folder; its path.
 pub fn write_role_file(
     dir: &Path,
-    ports: &[u16],
+    servers: &[String],
+    ca: Option<&Path>,
     creds: &natsd::Credentials,
     role: &roles::Role,
 ) -> anyhow::Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let user = role.user();
     let url = creds
-        .url(ports, &user)
+        .url(servers, &user)
         .with_context(|| format!("no NATS user {user} in {}", dir.join(SYSTEM).display()))?;
     let folder = dir.join(CREDS_DIR);
     std::fs::create_dir_all(&folder)
         .and_then(|()| std::fs::set_permissions(&folder, std::fs::Permissions::from_mode(0o700)))
         .with_context(|| format!("cannot create {}", folder.display()))?;
     let sys_url = matches!(role, roles::Role::Monitor | roles::Role::Warden)
-        .then(|| creds.observer_url(ports));
+        .then(|| creds.observer_url(servers));
     let file = RoleFile {
         user: user.clone(),
         role: role.kind().into(),
         url,
         sys_url,
+        ca: ca.map(Path::to_path_buf),
     };
     let path = role_path(dir, &user);
     write_private(
@@ -174,6 +183,16 @@ pub struct Record {
     pub sim_url: String,
     /// In start order; stopped newest first.
     pub processes: Vec<Started>,
+    /// Every server of the cluster as clients reach it (bare URLs), when some run on other
+    /// hosts (`oam mesh up --hosts`); empty: `servers` are all of them, on 127.0.0.1.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nats_urls: Vec<String>,
+    /// The CA of the servers' TLS, when they speak it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<PathBuf>,
+    /// The hosts file of a mesh across hosts, whose folder holds every role's password.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hosts: Option<PathBuf>,
 }
 
 /// One nats-server of a mesh: its process name in the record, folder and ports.
@@ -192,20 +211,36 @@ pub struct NatsServer {
     /// must name the ports as the running server was started, or the server refuses it.
     #[serde(default)]
     pub asked_port: u16,
+    /// The address it listens on for clients and routes (`None`: 127.0.0.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// The route addresses of the cluster's other members when they run on other hosts
+    /// (empty: they are the record's other servers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<natsd::Tls>,
+    /// JetStream's fsync interval, when not the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_interval: Option<String>,
 }
 
 impl NatsServer {
     /// Its config as it runs now, or as it was started (`as_started`, for a reload), among
     /// `all` the servers of its mesh.
     pub fn layout(&self, all: &[NatsServer], as_started: bool) -> natsd::Layout {
-        let alone = all.len() <= 1;
-        let cluster = (!alone).then(|| natsd::Member {
-            port: self.cluster_port,
-            routes: all
-                .iter()
+        let alone = all.len() <= 1 && self.peers.is_empty();
+        let routes = if self.peers.is_empty() {
+            all.iter()
                 .filter(|s| s.name != self.name)
-                .map(|s| s.cluster_port)
-                .collect(),
+                .map(|s| format!("127.0.0.1:{}", s.cluster_port))
+                .collect()
+        } else {
+            self.peers.clone()
+        };
+        let cluster = (!alone).then_some(natsd::Member {
+            port: self.cluster_port,
+            routes,
         });
         natsd::Layout {
             port: if as_started {
@@ -217,8 +252,19 @@ impl NatsServer {
             dir: self.dir.clone(),
             name: (!alone).then(|| self.name.clone()),
             cluster,
+            address: self.address.clone(),
+            tls: self.tls.clone(),
+            sync_interval: self.sync_interval.clone(),
             ..Default::default()
         }
+    }
+
+    /// The address clients reach it at.
+    pub fn ip(&self) -> std::net::IpAddr {
+        self.address
+            .as_deref()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
     }
 }
 
@@ -231,6 +277,15 @@ impl Record {
     /// Every server's client port.
     pub fn nats_ports(&self) -> Vec<u16> {
         self.servers.iter().map(|s| s.port).collect()
+    }
+
+    /// Every server of the cluster as clients reach it (bare URLs).
+    pub fn client_urls(&self) -> Vec<String> {
+        if self.nats_urls.is_empty() {
+            natsd::loopback(&self.nats_ports())
+        } else {
+            self.nats_urls.clone()
+        }
     }
 
     pub fn path(dir: &Path) -> PathBuf {
@@ -287,6 +342,10 @@ pub fn find_cluster(
 ) -> Result<(String, String), String> {
     use crate::transport::connect::ENV_URL;
     let in_dir = |dir: &Path, how: &str| {
+        // A mesh across hosts speaks TLS: its CA comes with its folder.
+        if let Ok(Some(Record { ca: Some(ca), .. })) = Record::load(dir) {
+            crate::transport::connect::use_ca_file(&ca);
+        }
         let user = role.user();
         let path = role_path(dir, &user);
         if *role == roles::Role::Admin
@@ -295,6 +354,9 @@ pub fn find_cluster(
             return Ok((url, format!("the mesh in {} ({how})", dir.display())));
         }
         if let Ok(file) = read_role_file(&path) {
+            if let Some(ca) = &file.ca {
+                crate::transport::connect::use_ca_file(ca);
+            }
             return Ok((
                 file.url,
                 format!("the mesh in {} ({how}) as {user}", dir.display()),

@@ -63,6 +63,15 @@ pub const KINDS: &[&str] = &[
     "warden",
 ];
 
+/// Every mesh's roles beside its nodes and agents: its services and the people who use it.
+pub const BESIDE_NODES: [Role; 5] = [
+    Role::Monitor,
+    Role::Warden,
+    Role::Operator,
+    Role::Caller,
+    Role::Viewer,
+];
+
 /// Subject and KV-key rules for every name given to a role: dot-separated tokens of letters,
 /// digits, '-' and '_' (no wildcards, no spaces), at most 128 characters.
 pub fn valid_name(name: &str) -> bool {

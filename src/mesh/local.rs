@@ -109,7 +109,7 @@ impl LocalMesh {
         };
         let app = mesh.connect("oam-monitor").await?;
         let sys = crate::transport::connect::connect(
-            &natsd::sys_url(&[port], &mesh.creds),
+            &natsd::sys_url(&natsd::loopback(&[port]), &mesh.creds),
             "oam-monitor-sys",
             false,
             &mesh.refused,
@@ -130,7 +130,7 @@ impl LocalMesh {
 
     /// The application account's URL (credentials included), for other processes or clients.
     pub fn url(&self) -> String {
-        natsd::app_url(&[self.port], &self.creds)
+        natsd::app_url(&natsd::loopback(&[self.port]), &self.creds)
     }
 
     /// Why the server refused this mesh's credentials, if it did.

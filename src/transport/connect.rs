@@ -150,6 +150,29 @@ pub fn use_credentials_file(path: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
+/// The environment variable naming the CA (a PEM file) that signed the servers' TLS
+/// certificates: every connection then speaks TLS and checks the server against it.
+pub const ENV_CA: &str = "OAM_NATS_CA";
+
+/// The CA every connection of this process checks servers against, once one is known (a mesh
+/// folder's credentials file names it).
+static CA_FILE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Check every server this process connects to from now on against the CA at `path` (the
+/// first one given is kept).
+pub fn use_ca_file(path: &std::path::Path) {
+    let _ = CA_FILE.set(path.to_path_buf());
+}
+
+/// The CA servers are checked against: `$OAM_NATS_CA`, else the one a mesh folder named
+/// (`use_ca_file`).
+fn ca_file() -> Option<std::path::PathBuf> {
+    std::env::var_os(ENV_CA)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| CA_FILE.get().cloned())
+}
+
 /// Flush what `nats` has buffered, waiting at most `limit`, and not at all when the bus is gone:
 /// a process that is stopping (or handling an event) never waits on a server that is not there.
 pub async fn flush_within(nats: &async_nats::Client, limit: Duration) {
@@ -233,6 +256,9 @@ pub async fn connect(
                 }
             }
         });
+    if let Some(ca) = ca_file() {
+        opts = opts.add_root_certificates(ca).require_tls(true);
+    }
     if wait_for_server {
         opts = opts.retry_on_initial_connect();
     }

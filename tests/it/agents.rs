@@ -269,7 +269,8 @@ async fn hearing_deaths(
 
 /// A monitor beside a fresh server, with both accounts.
 fn monitor(server: &NatsServer) -> Proc {
-    let sys = oam::local::natsd::sys_url(&[server.port], &server.creds);
+    let sys =
+        oam::local::natsd::sys_url(&oam::local::natsd::loopback(&[server.port]), &server.creds);
     Proc::spawn(&[
         "mesh",
         "monitor",
@@ -471,7 +472,7 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
 
     // Malformed advisories on the system account do not stop it.
     let sys = oam::transport::connect::connect(
-        &oam::local::natsd::sys_url(&[server.port], &server.creds),
+        &oam::local::natsd::sys_url(&oam::local::natsd::loopback(&[server.port]), &server.creds),
         "test-sys",
         false,
         &Default::default(),

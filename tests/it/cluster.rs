@@ -469,7 +469,7 @@ async fn the_nats_data_plane_is_one_service_with_the_http_limits() {
 async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
     let port = oam::local::natsd::free_port().unwrap();
     let creds = oam::local::natsd::Credentials::generate().unwrap();
-    let url = oam::local::natsd::app_url(&[port], &creds);
+    let url = oam::local::natsd::app_url(&oam::local::natsd::loopback(&[port]), &creds);
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let node = |id: &str| {

@@ -11,6 +11,7 @@ mod chaos;
 mod cli;
 mod cluster;
 mod gateway;
+mod hosts;
 mod mesh;
 mod roles;
 mod scenarios;

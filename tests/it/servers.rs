@@ -2,7 +2,7 @@
 //! them, roles the same on each, and a node that goes on serving when one server dies; server
 //! lists wherever a NATS URL is taken.
 
-use crate::support::{LocalCluster, eventually, next_json};
+use crate::support::{KilledOnDrop, LocalCluster, eventually, next_json};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -105,7 +105,9 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
         .servers
         .iter()
         .find(|s| s.name != leader)
-        .map(|s| oam::local::natsd::app_url(&[s.port], &creds_of(&cl)))
+        .map(|s| {
+            oam::local::natsd::app_url(&oam::local::natsd::loopback(&[s.port]), &creds_of(&cl))
+        })
         .unwrap();
     let reader =
         oam::transport::connect::connect(&survivor, "test-reader", false, &Default::default())
@@ -364,22 +366,6 @@ async fn all_logged(
     })
     .await;
     found.is_some()
-}
-
-/// A child process stopped (SIGKILL, then reaped) when the test is done with it, or fails.
-struct KilledOnDrop(std::process::Child);
-
-impl KilledOnDrop {
-    fn stop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for KilledOnDrop {
-    fn drop(&mut self) {
-        self.stop();
-    }
 }
 
 /// The ledger through the loss of its stream's leader: every request is answered (on the

@@ -306,7 +306,7 @@ impl NatsServer {
     }
 
     pub fn url(&self) -> String {
-        oam::local::natsd::app_url(&[self.port], &self.creds)
+        oam::local::natsd::app_url(&oam::local::natsd::loopback(&[self.port]), &self.creds)
     }
 }
 
@@ -832,4 +832,20 @@ pub async fn next_json(
     use futures_util::StreamExt;
     let m = tokio::time::timeout(within, sub.next()).await.ok()??;
     serde_json::from_slice(&m.payload).ok()
+}
+
+/// A child process stopped (SIGKILL, then reaped) when the test is done with it, or fails.
+pub struct KilledOnDrop(pub std::process::Child);
+
+impl KilledOnDrop {
+    pub fn stop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }

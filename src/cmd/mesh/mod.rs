@@ -1,10 +1,11 @@
-//! `oam mesh up | down | status | monitor`: a whole local cluster in one command (nats-server,
+//! `oam mesh up | init | down | status | monitor`: a whole local cluster in one command (nats-server,
 //! the simulator, N nodes, the monitor, the chaos warden), recorded in one state folder, stopped
 //! by exactly the recorded PIDs. The work is `crate::local::cluster`'s; these are its commands.
 
 use crate::error::Outcome;
 
 mod down;
+mod init;
 mod monitor;
 mod status;
 mod up;
@@ -17,8 +18,11 @@ pub struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
-    /// Start nats-server, the provider simulator and N nodes on 127.0.0.1.
+    /// Start nats-server, the provider simulator and N nodes on 127.0.0.1 (or, with --hosts,
+    /// this host's part of a mesh across hosts).
     Up(up::Args),
+    /// Make the passwords and TLS certificates every host of a mesh across hosts shares.
+    Init(init::Args),
     /// Stop exactly what `oam mesh up` started (newest first, SIGTERM then SIGKILL).
     Down(down::Args),
     /// Show what is running and healthy.
@@ -32,6 +36,7 @@ pub async fn run(args: Args) -> crate::error::Result<Outcome> {
     match args.command {
         Command::Up(a) => up::run(a).await.map(done),
         Command::Down(a) => down::run(a).await.map(done),
+        Command::Init(a) => init::run(a).await.map(done),
         Command::Status(a) => status::run(a).await,
         Command::Monitor(a) => monitor::run(a).await.map(done),
     }

@@ -30,6 +30,11 @@ pub struct Args {
     /// The nats-server binary (default: $OAM_NATS_SERVER, the project's .tools, then PATH).
     #[arg(long)]
     pub nats_server: Option<PathBuf>,
+    /// How often JetStream writes to disk: `always` (fsync every write before it is
+    /// acknowledged) or a duration (default 2m; a majority of servers holds every acknowledged
+    /// write in memory meanwhile). See docs/cluster.md.
+    #[arg(long, value_name = "INTERVAL", value_parser = crate::local::natsd::parse_sync_interval)]
+    pub sync_interval: Option<String>,
     /// Generate new NATS passwords. By default the folder keeps its credentials across `oam
     /// mesh down` and `oam mesh up`, so running agents and watches reconnect by themselves.
     #[arg(long)]
@@ -38,6 +43,22 @@ pub struct Args {
     /// `src/node/config.rs`). Without it they route across a simulator this mesh starts.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Start this host's part of a mesh across hosts, from the file that lists them (after
+    /// `oam mesh init --hosts FILE` once, its folder copied to every host): its nats-server
+    /// (a member of the hosts' cluster, TLS for clients and routes), its nodes, a monitor.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["nodes", "servers", "port", "sim_port", "http_port", "config", "new_credentials", "sync_interval"])]
+    pub hosts: Option<PathBuf>,
+    /// Which host of --hosts this is (default: the one whose address this machine has).
+    #[arg(long, value_name = "NAME", requires = "hosts")]
+    pub host: Option<String>,
+    /// With --hosts: how long to wait for the other hosts' servers.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 120,
+        requires = "hosts"
+    )]
+    pub wait_s: u64,
     /// Print the endpoints as one JSON document.
     #[arg(long)]
     pub json: bool,
@@ -45,6 +66,19 @@ pub struct Args {
 
 pub async fn run(a: Args) -> Result<()> {
     let exe = local::oam_exe().map_err(Error::failed)?;
+    if let Some(file) = &a.hosts {
+        let deployment = local::hosts::Deployment::load(file).map_err(Error::usage)?;
+        let plan = local::hosts::HostPlan {
+            deployment,
+            host: a.host.clone(),
+            dir: a.dir.clone(),
+            exe,
+            nats_server: a.nats_server.clone(),
+            wait: std::time::Duration::from_secs(a.wait_s),
+        };
+        let up = local::hosts::up(&plan).await;
+        return report(&a, up);
+    }
     // A configuration is checked before anything starts (errors name the file, line and field).
     let mut log_retention = None;
     if let Some(path) = &a.config {
@@ -67,8 +101,14 @@ pub async fn run(a: Args) -> Result<()> {
         new_credentials: a.new_credentials,
         config: a.config.clone(),
         log_retention,
+        sync_interval: a.sync_interval.clone(),
     };
-    let up = cluster::up(&plan).await.map_err(|e| match e {
+    report(&a, cluster::up(&plan).await)
+}
+
+/// Say what `up` did.
+fn report(a: &Args, up: std::result::Result<cluster::Up, cluster::UpError>) -> Result<()> {
+    let up = up.map_err(|e| match e {
         cluster::UpError::Plan(e) => Error::new(Kind::Usage, e),
         cluster::UpError::Start(e) => Error::failed(e),
     })?;
@@ -125,7 +165,7 @@ pub async fn run(a: Args) -> Result<()> {
     if a.json {
         let doc = serde_json::json!({
             "dir": dir,
-            "nats": rec.nats_ports().iter().map(|p| format!("nats://127.0.0.1:{p}")).collect::<Vec<_>>().join(","),
+            "nats": rec.client_urls().join(","),
             "servers": rec.servers,
             "nats_server_version": version,
             "credentials": dir.join(local::CREDS_DIR),

@@ -70,20 +70,24 @@ pub async fn change(
         // A human changed the budget: the exhaustion episode (and its one escalation) ends.
         ledger.refused = None;
         let bytes = serde_json::to_vec(&ledger).map_err(|e| ChangeError::Store(e.to_string()))?;
+        // Err(None): another write came first; Err(Some(why)): the store did not take it.
         let written = match revision {
-            Some(r) => store
-                .update(&k, bytes.into(), r)
-                .await
-                .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
-            None => store
-                .create(&k, bytes.into())
-                .await
-                .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
+            Some(r) => store.update(&k, bytes.into(), r).await.map_err(|e| {
+                (e.kind() != kv::UpdateErrorKind::WrongLastRevision).then(|| e.to_string())
+            }),
+            None => store.create(&k, bytes.into()).await.map_err(|e| {
+                (e.kind() != kv::CreateErrorKind::AlreadyExists).then(|| e.to_string())
+            }),
         };
         match written {
             Ok(_) => return Ok(ledger),
-            Err(true) => {}
-            Err(false) => return Err(ChangeError::Store("the write was not taken".into())),
+            Err(None) => {}
+            Err(Some(why)) => {
+                return Err(ChangeError::Store(format!(
+                    "the write was not acknowledged ({why}); the budget store takes writes only \
+                     while a majority of its NATS servers is up and reachable"
+                )));
+            }
         }
     }
     Err(ChangeError::Store(format!(
