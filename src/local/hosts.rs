@@ -328,11 +328,15 @@ pub struct Initialized {
     /// Files it made (secrets first, then certificates); files that were there are kept.
     pub written: Vec<PathBuf>,
     pub roles: usize,
+    /// Users the file no longer lists, whose passwords went (once every host has run `oam mesh
+    /// up --hosts` with these secrets, their servers refuse them).
+    pub revoked: Vec<String>,
 }
 
 /// Make what every host shares, beside the hosts file: the passwords (every role's; kept if
-/// there, new roles added) and, when there is no CA yet, a CA and each host's certificate (its
-/// address and name, for clients and for routes). Run once; copy the folder to every host.
+/// there, new roles added, roles the file no longer lists dropped) and, when there is no CA
+/// yet, a CA and each host's certificate (its address and name, for clients and for routes).
+/// Run once, and again after changing the hosts' agents; copy the folder to every host.
 pub fn init(d: &Deployment) -> anyhow::Result<Initialized> {
     let mut written = Vec::new();
     let path = d.secrets_path();
@@ -343,6 +347,14 @@ pub fn init(d: &Deployment) -> anyhow::Result<Initialized> {
         natsd::Credentials::generate()?
     };
     let roles = d.roles();
+    let listed: std::collections::BTreeSet<String> = roles.iter().map(Role::user).collect();
+    let revoked: Vec<String> = creds
+        .users
+        .keys()
+        .filter(|u| !listed.contains(*u))
+        .cloned()
+        .collect();
+    creds.users.retain(|u, _| listed.contains(u));
     for role in &roles {
         creds.add(role)?;
     }
@@ -375,6 +387,7 @@ pub fn init(d: &Deployment) -> anyhow::Result<Initialized> {
         secrets: path,
         written,
         roles: roles.len(),
+        revoked,
     })
 }
 

@@ -479,4 +479,46 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
         logged.is_some(),
         "every answer has its record: {answered:?}"
     );
+    // The agent taken out of the file: once each host ran `mesh up` again, no server admits it.
+    let agent_password = creds.users["agent-demo.echo"].clone();
+    for h in servers {
+        let c = connect_tls(&server(h), "agent-demo.echo", &agent_password, &ca).await;
+        assert!(c.is_ok(), "{h} admits the agent before: {:?}", c.err());
+    }
+    let text = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(
+        &file,
+        text.replace("agents = [\"demo.echo\"]", "agents = []"),
+    )
+    .unwrap();
+    let init = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["mesh", "init", "--json", "--hosts"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let made: Value = serde_json::from_slice(&init.stdout).unwrap();
+    assert_eq!(made["revoked"], json!(["agent-demo.echo"]), "{made}");
+    assert_eq!(
+        made["written"],
+        json!([]),
+        "secrets and certificates kept: {made}"
+    );
+    for h in servers {
+        let again = hosts
+            .oam_on(h, &["mesh", "up", "--hosts"])
+            .arg(&file)
+            .arg("--dir")
+            .arg(hosts.dir(h))
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&again.stderr);
+        assert!(again.status.success(), "{said}");
+        assert!(said.contains("took the roles"), "{h} reloads: {said}");
+    }
+    for h in servers {
+        let c = connect_tls(&server(h), "agent-demo.echo", &agent_password, &ca).await;
+        assert!(c.is_err(), "{h} refuses the revoked agent");
+        let v = connect_tls(&server(h), "viewer", viewer, &ca).await;
+        assert!(v.is_ok(), "{h} still admits the viewer: {:?}", v.err());
+    }
 }

@@ -37,9 +37,13 @@ pub async fn run(a: Args) -> Result<()> {
     for f in &done.written {
         writeln!(out, "  wrote {}", f.display())?;
     }
+    for user in &done.revoked {
+        writeln!(out, "  revoked {user} (no longer in the file)")?;
+    }
     writeln!(
         out,
-        "\nNext: copy {} to every host, then on each run\n  oam mesh up --hosts {}",
+        "\nNext: copy {} to every host (all but tls/ca-key.pem, which only makes certificates), \
+         then on each run\n  oam mesh up --hosts {}",
         d.folder.display(),
         d.file.display()
     )?;
