@@ -213,7 +213,7 @@ fn budgets_on(hosts: &Hosts, host: &str) -> Option<Vec<String>> {
 async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_nothing() {
     let hosts = Hosts::make();
     let file = hosts.folder.join("hosts.toml");
-    let mut text = String::from("agents = [\"demo.echo\"]\n");
+    let mut text = String::from("agents = [\"demo.echo\", \"demo.slow\"]\n");
     let servers = &hosts.names[..3];
     for h in servers {
         text.push_str(&format!(
@@ -347,27 +347,38 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
         assert_eq!(cluster.replicas.len(), 2, "{stream} on all three hosts");
     }
 
-    // An agent on a fourth host, a client of the hosts' servers: called from another host,
-    // and its death announced to every host at once.
-    let agent_creds = hosts.dir("a").join("creds").join("agent-demo.echo.json");
-    let mut agent = KilledOnDrop(
-        hosts
-            .oam_on("d", &["agent", "serve", "demo.echo", "--json", "--creds"])
-            .arg(&agent_creds)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    // Its ready line, or end of output if it exits first.
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(agent.0.stdout.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let ready: Value = serde_json::from_str(&line).unwrap_or_default();
-    assert_eq!(ready["agent"], "demo.echo", "ready line: {line:?}");
+    // Agents on a fourth host, clients of the hosts' servers: one called from another host;
+    // one killed while a call waits on it, which fails at once rather than at its timeout, and
+    // its death announced once though every host runs a monitor.
+    let serve = |name: &str, demo: &str| {
+        let creds = hosts
+            .dir("a")
+            .join("creds")
+            .join(format!("agent-{name}.json"));
+        let mut agent = KilledOnDrop(
+            hosts
+                .oam_on(
+                    "d",
+                    &["agent", "serve", name, "--demo", demo, "--json", "--creds"],
+                )
+                .arg(&creds)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        // Its ready line, or end of output if it exits first.
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(agent.0.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let ready: Value = serde_json::from_str(&line).unwrap_or_default();
+        assert_eq!(ready["agent"], name, "ready line: {line:?}");
+        (agent, ready)
+    };
+    let (_echo, _) = serve("demo.echo", "echo");
     let called = hosts
         .oam_on("b", &["agent", "call", "demo.echo", r#"{"x": 1}"#, "--dir"])
         .arg(hosts.dir("b"))
@@ -380,10 +391,42 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
     );
     let echoed: Value = serde_json::from_slice(&called.stdout).unwrap();
     assert_eq!(echoed, json!({"x": 1}));
-    let mut deaths = admin.subscribe("mesh.death.demo.echo").await.unwrap();
+
+    let (mut slow, ready) = serve("demo.slow", "sleep:20000");
+    let mut deaths = admin.subscribe("mesh.death.demo.slow").await.unwrap();
+    let mut beats = admin.subscribe("mesh.health.demo.slow").await.unwrap();
     admin.flush().await.unwrap();
+    let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(admin.clone()).await.unwrap());
+    let pending = tokio::spawn({
+        let caller = caller.clone();
+        async move {
+            caller
+                .call("demo.slow", "{}".into(), Duration::from_secs(30))
+                .await
+        }
+    });
+    // Its heartbeats (one a second) say when it holds the call.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let mut holding = false;
+    while !holding && std::time::Instant::now() < until {
+        let beat = crate::support::next_json(&mut beats, Duration::from_secs(2)).await;
+        holding = beat.is_some_and(|b| b["in_flight"].as_u64() >= Some(1));
+    }
+    assert!(holding, "the call reached the agent");
+    let killed = std::time::Instant::now();
     let killed_at = oam::clock::now_ms();
-    agent.stop();
+    slow.stop();
+    let result = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .expect("the call ended")
+        .unwrap();
+    let failed_after = killed.elapsed();
+    let err = result.expect_err("the call died with the agent");
+    assert_eq!(err.code, oam::mesh::protocol::ErrorCode::AgentDied, "{err}");
+    assert!(
+        failed_after < Duration::from_secs(5),
+        "{failed_after:?}, not its 30 s timeout"
+    );
     let notice = crate::support::next_json(&mut deaths, Duration::from_secs(10))
         .await
         .expect("the agent's death is announced");
@@ -391,7 +434,8 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
     let again = crate::support::next_json(&mut deaths, Duration::from_secs(1)).await;
     assert_eq!(again, None, "three hosts' monitors announce the death once");
     eprintln!(
-        "death of an agent on a fourth host announced {} ms after its SIGKILL",
+        "an agent on a fourth host killed mid-call: the call failed after {failed_after:?}, \
+         the death announced {} ms after the SIGKILL",
         notice["detected_at_ms"]
             .as_u64()
             .unwrap_or(0)
@@ -486,11 +530,7 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
         assert!(c.is_ok(), "{h} admits the agent before: {:?}", c.err());
     }
     let text = std::fs::read_to_string(&file).unwrap();
-    std::fs::write(
-        &file,
-        text.replace("agents = [\"demo.echo\"]", "agents = []"),
-    )
-    .unwrap();
+    std::fs::write(&file, text.replace("\"demo.echo\", ", "")).unwrap();
     let init = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
         .args(["mesh", "init", "--json", "--hosts"])
         .arg(&file)
