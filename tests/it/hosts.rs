@@ -562,3 +562,50 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
         assert!(v.is_ok(), "{h} still admits the viewer: {:?}", v.err());
     }
 }
+
+/// A hosts file that cannot work is refused before anything starts, naming the file and what
+/// to do; `--hosts` does not go with flags the file decides.
+#[test]
+fn a_bad_hosts_file_or_flag_is_refused_with_what_to_do() {
+    let oam = || Command::new(assert_cmd::cargo::cargo_bin!("oam"));
+    let folder = std::env::temp_dir().join(format!("oam-test-bad-hosts-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).unwrap();
+    let missing = folder.join("missing.toml");
+    let out = oam()
+        .args(["mesh", "up", "--hosts"])
+        .arg(&missing)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("missing.toml") && said.contains("No such file"),
+        "{said}"
+    );
+
+    let file = folder.join("hosts.toml");
+    std::fs::write(
+        &file,
+        "[[host]]\nname = \"a\"\naddress = \"10.254.254.1\"\n",
+    )
+    .unwrap();
+    let out = oam()
+        .args(["mesh", "up", "--servers", "3", "--hosts"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    // Not initialised, and named as a host this machine is not.
+    let out = oam()
+        .args(["mesh", "up", "--host", "a", "--hosts"])
+        .arg(&file)
+        .arg("--dir")
+        .arg(folder.join("state"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("oam mesh init --hosts"), "{said}");
+    let _ = std::fs::remove_dir_all(&folder);
+}

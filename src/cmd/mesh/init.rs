@@ -19,7 +19,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<()> {
-    let d = hosts::Deployment::load(&a.hosts).map_err(Error::usage)?;
+    let d = hosts::Deployment::load(&a.hosts).map_err(|e| Error::usage(format!("{e:#}")))?;
     let done = hosts::init(&d).map_err(Error::failed)?;
     let mut out = std::io::stdout().lock();
     if a.json {
@@ -29,8 +29,9 @@ pub async fn run(a: Args) -> Result<()> {
     }
     writeln!(
         out,
-        "oam mesh init: {} hosts, {} roles; passwords in {} (keep it private)",
+        "oam mesh init: {} host{}, {} roles; passwords in {} (keep it private)",
         d.spec.hosts.len(),
+        if d.spec.hosts.len() == 1 { "" } else { "s" },
         done.roles,
         done.secrets.display()
     )?;

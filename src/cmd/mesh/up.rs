@@ -67,7 +67,8 @@ pub struct Args {
 pub async fn run(a: Args) -> Result<()> {
     let exe = local::oam_exe().map_err(Error::failed)?;
     if let Some(file) = &a.hosts {
-        let deployment = local::hosts::Deployment::load(file).map_err(Error::usage)?;
+        let deployment =
+            local::hosts::Deployment::load(file).map_err(|e| Error::usage(format!("{e:#}")))?;
         let plan = local::hosts::HostPlan {
             deployment,
             host: a.host.clone(),
