@@ -111,9 +111,12 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> anyhow
 /// files and each server's config, then reloaded): a running host of a mesh across hosts
 /// given a changed `secrets.json`. Whether a running server took them.
 pub async fn take_roles(dir: &Path, creds: &natsd::Credentials) -> anyhow::Result<bool> {
-    let (_, servers) = load(dir).with_context(|| no_cluster(dir))?;
+    let (kept, servers) = load(dir).with_context(|| no_cluster(dir))?;
     cluster::save_system(dir, &servers, creds)?;
     cluster::write_role_files(dir, &servers, ca_of(dir).as_deref(), creds)?;
+    for gone in kept.users.keys().filter(|u| !creds.users.contains_key(*u)) {
+        let _ = std::fs::remove_file(super::role_path(dir, gone));
+    }
     reload_checking(dir, creds, None).await
 }
 

@@ -525,6 +525,8 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
     );
     // The agent taken out of the file: once each host ran `mesh up` again, no server admits it.
     let agent_password = creds.users["agent-demo.echo"].clone();
+    let agent_creds_a = hosts.dir("a").join("creds").join("agent-demo.echo.json");
+    assert!(agent_creds_a.exists());
     for h in servers {
         let c = connect_tls(&server(h), "agent-demo.echo", &agent_password, &ca).await;
         assert!(c.is_ok(), "{h} admits the agent before: {:?}", c.err());
@@ -555,6 +557,7 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
         assert!(again.status.success(), "{said}");
         assert!(said.contains("took the roles"), "{h} reloads: {said}");
     }
+    assert!(!agent_creds_a.exists(), "its credentials file is gone");
     for h in servers {
         let c = connect_tls(&server(h), "agent-demo.echo", &agent_password, &ca).await;
         assert!(c.is_err(), "{h} refuses the revoked agent");
