@@ -112,12 +112,15 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> anyhow
 /// given a changed `secrets.json`. Whether a running server took them.
 pub async fn take_roles(dir: &Path, creds: &natsd::Credentials) -> anyhow::Result<bool> {
     let (kept, servers) = load(dir).with_context(|| no_cluster(dir))?;
+    // Reloaded first: the folder records the new roles only once the server took them, so a
+    // failed reload is tried again by the next `oam mesh up`.
+    let took = reload_checking(dir, creds, None).await?;
     cluster::save_system(dir, &servers, creds)?;
     cluster::write_role_files(dir, &servers, ca_of(dir).as_deref(), creds)?;
     for gone in kept.users.keys().filter(|u| !creds.users.contains_key(*u)) {
         let _ = std::fs::remove_file(super::role_path(dir, gone));
     }
-    reload_checking(dir, creds, None).await
+    Ok(took)
 }
 
 async fn reload_checking(

@@ -140,6 +140,12 @@ impl Deployment {
             if !names.insert(h.name.as_str()) {
                 return Err(format!("host {:?} is listed twice", h.name));
             }
+            if h.address.is_ipv6() {
+                return Err(format!(
+                    "host {}: {} is an IPv6 address; hosts are IPv4 addresses for now",
+                    h.name, h.address
+                ));
+            }
             if h.address.is_unspecified() {
                 return Err(format!(
                     "host {}: address {} is every address, not one; give the one the other \
@@ -312,7 +318,7 @@ impl Deployment {
         let text = std::fs::read_to_string(&path).with_context(|| {
             format!(
                 "cannot read {}: run `oam mesh init --hosts {}` once, then copy its folder to \
-                 every host",
+                 every host (all but tls/ca-key.pem)",
                 path.display(),
                 self.file.display()
             )
@@ -358,29 +364,36 @@ pub fn init(d: &Deployment) -> anyhow::Result<Initialized> {
     for role in &roles {
         creds.add(role)?;
     }
+    // Certificates are checked before anything is written.
+    let ca = d.ca();
+    for h in &d.spec.hosts {
+        let t = d.tls(h);
+        for f in [&t.cert, &t.key] {
+            match (ca.exists(), f.exists()) {
+                (true, false) => bail!(
+                    "{} is missing: give host {} a certificate for {} signed by {}, or remove \
+                     {} to have oam make a new CA and every host's certificate",
+                    f.display(),
+                    h.name,
+                    h.address,
+                    ca.display(),
+                    ca.display()
+                ),
+                (false, true) => bail!(
+                    "{} is there but no CA ({}): give the CA that signed it, or remove the \
+                     hosts' certificates to have oam make a CA and new ones",
+                    f.display(),
+                    ca.display()
+                ),
+                _ => {}
+            }
+        }
+    }
     super::write_private(
         &path,
         &format!("{}\n", serde_json::to_string_pretty(&creds)?),
     )?;
-    let ca = d.ca();
-    if ca.exists() {
-        for h in &d.spec.hosts {
-            let t = d.tls(h);
-            for f in [&t.cert, &t.key] {
-                if !f.exists() {
-                    bail!(
-                        "{} is missing: give host {} a certificate for {} signed by {}, or \
-                         remove {} to have oam make a new CA and every host's certificate",
-                        f.display(),
-                        h.name,
-                        h.address,
-                        ca.display(),
-                        ca.display()
-                    );
-                }
-            }
-        }
-    } else {
+    if !ca.exists() {
         written.extend(make_certificates(d)?);
     }
     Ok(Initialized {
@@ -462,7 +475,7 @@ pub async fn up(plan: &HostPlan) -> Result<Up, UpError> {
         if !f.exists() {
             return Err(plan_err(anyhow!(
                 "{} is missing: run `oam mesh init --hosts {}` once and copy its folder to every \
-                 host",
+                 host (all but tls/ca-key.pem)",
                 f.display(),
                 d.file.display()
             )));
@@ -483,14 +496,38 @@ pub async fn up(plan: &HostPlan) -> Result<Up, UpError> {
         ),
         None => None,
     };
+    // The nodes' configuration is checked before anything starts; its decision log's age and
+    // size are what the stream keeps.
+    let log_retention = match &config {
+        Some(path) => {
+            let cfg = crate::node::config::NodeConfig::load(Some(path), "")
+                .map_err(|e| plan_err(anyhow!("{e}")))?;
+            let log = &cfg.decision_log;
+            Some((
+                Duration::from_secs(log.max_age_hours.saturating_mul(3600)),
+                log.max_bytes,
+            ))
+        }
+        None => None,
+    };
     let local = Plan {
         config: config.clone(),
+        log_retention,
         nats_server: plan.nats_server.clone(),
         ..Plan::any_ports(dir.clone(), host.nodes, plan.exe.clone())
     };
     if let Some(rec) = Record::load(&dir).map_err(plan_err)? {
         let total = rec.processes.len();
         let alive = rec.processes.iter().filter(|p| super::is_ours(p)).count();
+        if alive > 0 && rec.hosts.as_deref() != Some(d.file.as_path()) {
+            return Err(plan_err(anyhow!(
+                "{} holds another mesh that runs ({alive} of {total} processes): stop it with \
+                 `oam mesh down --dir {}`, or pass --dir for this host's part of {}",
+                dir.display(),
+                dir.display(),
+                d.file.display()
+            )));
+        }
         if alive == total {
             // Roles added to the hosts' secrets since: this host's server takes them.
             if cluster::kept_credentials(&dir).is_some_and(|kept| kept != creds) {
@@ -622,10 +659,33 @@ async fn start_host(
     let urls = d.client_urls();
     cluster::save_system(dir, &urls, creds)?;
     cluster::write_role_files(dir, &urls, Some(&tls.ca), creds)?;
-    // Every host creates the buckets it needs; the first does, the others find them.
+    // Every host creates the buckets it needs; the first does, the others find them. Their
+    // copies are as many as the server the admin reaches knows (`store::replicas`): wait until
+    // it knows every host's, or a store made now would keep fewer for good.
     let admin = natsd::app_url(&urls, creds);
+    let want = hosts.min(3);
+    let deadline = std::time::Instant::now() + plan.wait;
+    loop {
+        let refused = crate::transport::connect::Refused::default();
+        let seen = crate::transport::connect::connect(&admin, "oam-mesh-up", false, &refused)
+            .await
+            .map_or(0, |nats| crate::transport::store::replicas(&nats));
+        if seen >= want {
+            break;
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "the servers of {} reach {seen} of {want} hosts' servers after {} s; check that \
+                 every host reaches the others on port {}",
+                d.file.display(),
+                plan.wait.as_secs(),
+                ports.cluster
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     let mut tries = 0;
-    while let Err(e) = cluster::create_buckets(&admin, None).await {
+    while let Err(e) = cluster::create_buckets(&admin, local.log_retention).await {
         tries += 1;
         if tries == 5 {
             return Err(e.context("cannot create the mesh's streams and buckets"));
@@ -775,6 +835,7 @@ address = "10.9.0.3"
                 "[[host]]\nname = \"a\"\naddress = \"0.0.0.0\"\n",
                 "every address",
             ),
+            ("[[host]]\nname = \"a\"\naddress = \"fd00::1\"\n", "IPv6"),
             (
                 "[[host]]\nname = \"a\"\naddress = \"10.0.0.300\"\n",
                 "address",

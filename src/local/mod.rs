@@ -507,6 +507,8 @@ pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
         .mode(0o600)
         .open(path)
         .with_context(|| format!("cannot write {}", path.display()))?;
+    // A file that was there keeps its mode through `open`: make it private too.
+    f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     f.write_all(contents.as_bytes())?;
     Ok(())
 }

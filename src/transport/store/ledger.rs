@@ -70,19 +70,26 @@ pub async fn change(
         // A human changed the budget: the exhaustion episode (and its one escalation) ends.
         ledger.refused = None;
         let bytes = serde_json::to_vec(&ledger).map_err(|e| ChangeError::Store(e.to_string()))?;
-        // Err(None): another write came first; Err(Some(why)): the store did not take it.
+        // Err(None): another write came first; Err(Some((why, refused))): the store did not
+        // take it, `refused` when it could never (a bad key); otherwise no leader answered
+        // (a timeout, no stream found, no responders: what a minority of servers says).
         let written = match revision {
             Some(r) => store.update(&k, bytes.into(), r).await.map_err(|e| {
-                (e.kind() != kv::UpdateErrorKind::WrongLastRevision).then(|| e.to_string())
+                (e.kind() != kv::UpdateErrorKind::WrongLastRevision)
+                    .then(|| (e.to_string(), e.kind() == kv::UpdateErrorKind::InvalidKey))
             }),
             None => store.create(&k, bytes.into()).await.map_err(|e| {
-                (e.kind() != kv::CreateErrorKind::AlreadyExists).then(|| e.to_string())
+                (e.kind() != kv::CreateErrorKind::AlreadyExists)
+                    .then(|| (e.to_string(), e.kind() == kv::CreateErrorKind::InvalidKey))
             }),
         };
         match written {
             Ok(_) => return Ok(ledger),
             Err(None) => {}
-            Err(Some(why)) => {
+            Err(Some((why, true))) => {
+                return Err(ChangeError::Store(format!("the write was refused ({why})")));
+            }
+            Err(Some((why, false))) => {
                 return Err(ChangeError::Store(format!(
                     "the write was not acknowledged ({why}); the budget store takes writes only \
                      while a majority of its NATS servers is up and reachable"
