@@ -285,6 +285,11 @@ impl Deployment {
         self.folder.join(p)
     }
 
+    /// The nodes' configuration file, if the hosts file names one.
+    pub fn config_path(&self) -> Option<PathBuf> {
+        self.spec.config.as_deref().map(|p| self.path(p))
+    }
+
     pub fn ca(&self) -> PathBuf {
         self.spec.ca.as_deref().map_or_else(
             || self.folder.join(TLS_DIR).join("ca.pem"),
@@ -461,6 +466,8 @@ pub struct HostPlan {
     pub nats_server: Option<PathBuf>,
     /// How long to wait for the other hosts' servers (a JetStream majority).
     pub wait: Duration,
+    /// The decision log's age and size from the nodes' `config` (checked by the caller).
+    pub log_retention: Option<(Duration, u64)>,
 }
 
 /// Start this host's part of the deployment (or repair it, or say it runs), recorded in
@@ -496,23 +503,9 @@ pub async fn up(plan: &HostPlan) -> Result<Up, UpError> {
         ),
         None => None,
     };
-    // The nodes' configuration is checked before anything starts; its decision log's age and
-    // size are what the stream keeps.
-    let log_retention = match &config {
-        Some(path) => {
-            let cfg = crate::node::config::NodeConfig::load(Some(path), "")
-                .map_err(|e| plan_err(anyhow!("{e}")))?;
-            let log = &cfg.decision_log;
-            Some((
-                Duration::from_secs(log.max_age_hours.saturating_mul(3600)),
-                log.max_bytes,
-            ))
-        }
-        None => None,
-    };
     let local = Plan {
         config: config.clone(),
-        log_retention,
+        log_retention: plan.log_retention,
         nats_server: plan.nats_server.clone(),
         ..Plan::any_ports(dir.clone(), host.nodes, plan.exe.clone())
     };

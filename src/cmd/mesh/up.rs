@@ -69,7 +69,12 @@ pub async fn run(a: Args) -> Result<()> {
     if let Some(file) = &a.hosts {
         let deployment =
             local::hosts::Deployment::load(file).map_err(|e| Error::usage(format!("{e:#}")))?;
+        let log_retention = match deployment.config_path() {
+            Some(path) => Some(log_retention(&path)?),
+            None => None,
+        };
         let plan = local::hosts::HostPlan {
+            log_retention,
             deployment,
             host: a.host.clone(),
             dir: a.dir.clone(),
@@ -81,15 +86,10 @@ pub async fn run(a: Args) -> Result<()> {
         return report(&a, up);
     }
     // A configuration is checked before anything starts (errors name the file, line and field).
-    let mut log_retention = None;
-    if let Some(path) = &a.config {
-        let cfg = crate::node::config::NodeConfig::load(Some(path), "").map_err(Error::usage)?;
-        let log = &cfg.decision_log;
-        log_retention = Some((
-            std::time::Duration::from_secs(log.max_age_hours.saturating_mul(3600)),
-            log.max_bytes,
-        ));
-    }
+    let log_retention = match &a.config {
+        Some(path) => Some(log_retention(path)?),
+        None => None,
+    };
     let plan = cluster::Plan {
         dir: a.dir.clone(),
         nodes: a.nodes,
@@ -105,6 +105,17 @@ pub async fn run(a: Args) -> Result<()> {
         sync_interval: a.sync_interval.clone(),
     };
     report(&a, cluster::up(&plan).await)
+}
+
+/// The decision log's age and size from the nodes' configuration at `path`, checked before
+/// anything starts (errors name the file, line and field).
+fn log_retention(path: &std::path::Path) -> Result<(std::time::Duration, u64)> {
+    let cfg = crate::node::config::NodeConfig::load(Some(path), "").map_err(Error::usage)?;
+    let log = &cfg.decision_log;
+    Ok((
+        std::time::Duration::from_secs(log.max_age_hours.saturating_mul(3600)),
+        log.max_bytes,
+    ))
 }
 
 /// Say what `up` did.
