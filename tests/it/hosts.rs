@@ -299,6 +299,17 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
     // TLS or nothing; the same roles on every server.
     let creds = secrets(&hosts.folder);
     let server = |h: &str| format!("tls://{}:4222", hosts.address(h));
+    // Each server says at once that it takes TLS only, and a client that will not speak it
+    // gets no further.
+    for h in servers {
+        use std::io::BufRead;
+        let tcp = std::net::TcpStream::connect((hosts.address(h).as_str(), 4222)).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut info = String::new();
+        std::io::BufReader::new(tcp).read_line(&mut info).unwrap();
+        let info: Value = serde_json::from_str(info.trim_start_matches("INFO ")).unwrap();
+        assert_eq!(info["tls_required"], true, "{h}: {info}");
+    }
     let plain = async_nats::ConnectOptions::with_user_and_password(
         creds.app_user.clone(),
         creds.app_password.clone(),
