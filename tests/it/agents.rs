@@ -1,7 +1,7 @@
 //! The agent mesh with real processes: demo agents served by `oam agent serve`, calls by name,
 //! the catalog, graceful exits, and interop with the Open Agent Mesh Python SDK.
 
-use crate::support::{NatsServer, Proc, next_json, python};
+use crate::support::{NatsServer, Proc, beat_of, next_json, python};
 use assert_cmd::Command;
 use futures_util::StreamExt as _;
 use serde_json::{Value, json};
@@ -280,22 +280,6 @@ fn monitor(server: &NatsServer) -> Proc {
         "--sys-url",
         &sys,
     ])
-}
-
-/// Wait (at most 10 s) for a heartbeat of agent `name` that satisfies `pred`: what the monitors
-/// and the test see the agent report, instead of a sleep.
-async fn beat_of(nc: &async_nats::Client, name: &str, pred: impl Fn(&Value) -> bool) -> Value {
-    let mut beats = nc.subscribe(format!("mesh.health.{name}")).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let beat = next_json(&mut beats, left)
-            .await
-            .unwrap_or_else(|| panic!("no heartbeat of {name} as expected within 10 s"));
-        if pred(&beat) {
-            return beat;
-        }
-    }
 }
 
 #[tokio::test]

@@ -402,7 +402,6 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
 
     let (mut slow, ready) = serve("demo.slow", "sleep:20000");
     let mut deaths = admin.subscribe("mesh.death.demo.slow").await.unwrap();
-    let mut beats = admin.subscribe("mesh.health.demo.slow").await.unwrap();
     admin.flush().await.unwrap();
     let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(admin.clone()).await.unwrap());
     let pending = tokio::spawn({
@@ -414,13 +413,7 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
         }
     });
     // Its heartbeats (one a second) say when it holds the call.
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    let mut holding = false;
-    while !holding && std::time::Instant::now() < until {
-        let beat = crate::support::next_json(&mut beats, Duration::from_secs(2)).await;
-        holding = beat.is_some_and(|b| b["in_flight"].as_u64() >= Some(1));
-    }
-    assert!(holding, "the call reached the agent");
+    crate::support::beat_of(&admin, "demo.slow", |b| b["in_flight"].as_u64() >= Some(1)).await;
     let killed = std::time::Instant::now();
     let killed_at = oam::clock::now_ms();
     slow.stop();

@@ -852,3 +852,19 @@ impl Drop for KilledOnDrop {
         self.stop();
     }
 }
+
+/// Wait (at most 10 s) for a heartbeat of agent `name` that satisfies `pred`: what the monitors
+/// and the test see the agent report, instead of a sleep.
+pub async fn beat_of(nc: &async_nats::Client, name: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let mut beats = nc.subscribe(format!("mesh.health.{name}")).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let beat = next_json(&mut beats, left)
+            .await
+            .unwrap_or_else(|| panic!("no heartbeat of {name} as expected within 10 s"));
+        if pred(&beat) {
+            return beat;
+        }
+    }
+}
