@@ -338,6 +338,34 @@ pub(super) struct Spec<'a> {
     pub marker: String,
 }
 
+/// A node's `oam` arguments: its id, how it routes (`--sim-url URL` or `--config FILE`), where
+/// it listens, and exactly the nodes that make up the cluster (no other id is heard).
+pub(super) fn node_args(id: &str, routing: &[String], listen: &str, members: &str) -> Vec<String> {
+    let mut args: Vec<String> = ["node", "run", "--id", id].map(String::from).into();
+    args.extend(routing.iter().cloned());
+    args.extend(["--listen", listen, "--json", "--members", members].map(String::from));
+    args
+}
+
+/// What a node's command line must contain to be this mesh's (`--id n1 --sim-url URL`): it
+/// survives a restart on another port.
+pub(super) fn node_marker(id: &str, routing: &[String]) -> String {
+    format!("--id {id} {}", routing.join(" "))
+}
+
+/// The liveness monitor of the mesh in `shown_dir`, with its users of both accounts in `env`.
+pub(super) fn monitor_spec<'a>(shown_dir: &str, env: &'a [(&'a str, String)]) -> Spec<'a> {
+    Spec {
+        name: "monitor",
+        args: ["mesh", "monitor", "--json", "--dir", shown_dir]
+            .map(String::from)
+            .into(),
+        env,
+        endpoint: "death notices on mesh.death.>",
+        marker: format!("mesh monitor --json --dir {shown_dir}"),
+    }
+}
+
 /// Start one `oam` process, record it in `started`, and wait for its ready line.
 pub(super) async fn start_oam(
     plan: &Plan,
@@ -437,7 +465,6 @@ async fn start_all(
             (url.clone(), vec!["--sim-url".to_string(), url])
         }
     };
-    let marker_of = |id: &str| format!("--id {id} {}", routing.join(" "));
 
     // The nodes; the NATS URL with credentials travels in the environment, not argv. A node's
     // marker (`--id n1 --sim-url URL` or `--id n1 --config FILE`) names this mesh and survives
@@ -448,22 +475,14 @@ async fn start_all(
     for (id, &p) in node_ids.iter().zip(ports.nodes) {
         let id = id.clone();
         let env = [(ENV_URL, url_of(&Role::Node(id.clone())))];
-        let mut args = strings(&["node", "run", "--id", &id]);
-        args.extend(routing.iter().cloned());
-        args.extend(strings(&[
-            "--listen",
-            &format!("127.0.0.1:{p}"),
-            "--json",
-            "--members",
-            &members,
-        ]));
+        let args = node_args(&id, &routing, &format!("127.0.0.1:{p}"), &members);
         let (child, out, log) = super::spawn_oam(&plan.exe, dir, &id, &args, &env)?;
         started.push(Started {
             name: id.clone(),
             pid: child.id(),
             endpoint: String::new(),
             log: log.clone(),
-            cmdline_marker: marker_of(&id),
+            cmdline_marker: node_marker(&id, &routing),
             args,
         });
         pending.push((started.len() - 1, id, child, out, log));
@@ -484,14 +503,7 @@ async fn start_all(
         (ENV_URL, url_of(&Role::Monitor)),
         (ENV_SYS_URL, creds.observer_url(&urls)),
     ];
-    let monitor = Spec {
-        name: "monitor",
-        args: strings(&["mesh", "monitor", "--json", "--dir", &shown_dir]),
-        env: &env,
-        endpoint: "death notices on mesh.death.>",
-        marker: format!("mesh monitor --json --dir {shown_dir}"),
-    };
-    start_oam(plan, dir, started, monitor).await?;
+    start_oam(plan, dir, started, monitor_spec(&shown_dir, &env)).await?;
     // The chaos warden: applies `oam chaos` faults and undoes them on time.
     let env = [(ENV_URL, url_of(&Role::Warden))];
     let warden = Spec {

@@ -703,21 +703,12 @@ async fn start_host(
     for (i, id) in Deployment::node_ids(host).into_iter().enumerate() {
         let listen = SocketAddr::from((host.address, ports.http + i as u16)).to_string();
         let env = [(ENV_URL, url_of(&Role::Node(id.clone()))), ca.clone()];
-        let mut args = strings(&["node", "run", "--id", &id]);
-        args.extend(routing.iter().cloned());
-        args.extend(strings(&[
-            "--listen",
-            &listen,
-            "--json",
-            "--members",
-            &members,
-        ]));
         let spec = Spec {
             name: &id,
-            args,
+            args: cluster::node_args(&id, &routing, &listen, &members),
             env: &env,
             endpoint: "",
-            marker: format!("--id {id} {}", routing.join(" ")),
+            marker: cluster::node_marker(&id, &routing),
         };
         let ready = cluster::start_oam(local, dir, started, spec).await?;
         if let (Some(url), Some(p)) = (ready["http"].as_str(), started.last_mut()) {
@@ -731,14 +722,7 @@ async fn start_host(
             (cluster::ENV_SYS_URL, creds.observer_url(&urls)),
             ca.clone(),
         ];
-        let monitor = Spec {
-            name: "monitor",
-            args: strings(&["mesh", "monitor", "--json", "--dir", &shown]),
-            env: &env,
-            endpoint: "death notices on mesh.death.>",
-            marker: format!("mesh monitor --json --dir {shown}"),
-        };
-        cluster::start_oam(local, dir, started, monitor).await?;
+        cluster::start_oam(local, dir, started, cluster::monitor_spec(&shown, &env)).await?;
     }
     Ok(Record {
         started_at_ms: crate::clock::now_ms(),
