@@ -81,8 +81,32 @@ pub enum Upstream {
     /// An Open Agent Mesh agent answering chat requests, called over NATS.
     Agent {
         name: String,
-        nats: async_nats::Client,
+        calls: std::sync::Arc<AgentCalls>,
     },
+}
+
+/// The node's calls to mesh agents, made with the fail-fast caller: an attempt ends with
+/// `agent_died` as soon as the instance holding it dies, not at its timeout. One caller (one
+/// subscription each for acknowledgements and deaths) for every agent provider, made on the
+/// first call.
+pub struct AgentCalls {
+    nats: async_nats::Client,
+    caller: tokio::sync::OnceCell<crate::mesh::client::Caller>,
+}
+
+impl AgentCalls {
+    pub fn new(nats: async_nats::Client) -> AgentCalls {
+        AgentCalls {
+            nats,
+            caller: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    async fn caller(&self) -> anyhow::Result<&crate::mesh::client::Caller> {
+        self.caller
+            .get_or_try_init(|| crate::mesh::client::Caller::new(self.nats.clone()))
+            .await
+    }
 }
 
 /// An HTTP provider's endpoints, parsed once (a URL parse per request is measurable at
@@ -154,12 +178,12 @@ impl Connector {
         cfg: &ProviderConfig,
         http: reqwest::Client,
         post: crate::http::Poster,
-        nats: async_nats::Client,
+        calls: &std::sync::Arc<AgentCalls>,
     ) -> anyhow::Result<Self> {
         let upstream = match &cfg.agent {
             Some(name) => Upstream::Agent {
                 name: name.clone(),
-                nats,
+                calls: calls.clone(),
             },
             None => {
                 let at = |path| {
@@ -254,10 +278,10 @@ impl Connector {
         let started = Instant::now();
         let http = match &self.upstream {
             Upstream::Http(http) => http,
-            Upstream::Agent { name, nats } => {
+            Upstream::Agent { name, calls } => {
                 // Boxed: the mesh caller's future is five times the HTTP call's, and every
                 // request's future would otherwise carry (and move) it.
-                return Box::pin(self.generate_on_mesh(nats, name, &body, timeout, started)).await;
+                return Box::pin(self.generate_on_mesh(calls, name, &body, timeout, started)).await;
             }
         };
         let native = pass
@@ -687,7 +711,7 @@ impl Connector {
     /// answer.
     async fn generate_on_mesh(
         &self,
-        nats: &async_nats::Client,
+        calls: &AgentCalls,
         agent: &str,
         body: &Body<'_>,
         timeout: Duration,
@@ -695,7 +719,17 @@ impl Connector {
     ) -> Attempt {
         use crate::mesh::protocol::ErrorCode;
         let payload = serde_json::to_vec(body).unwrap_or_default();
-        let result = crate::mesh::client::call(nats, agent, payload.into(), timeout).await;
+        let result = match calls.caller().await {
+            Ok(caller) => caller.call(agent, payload.into(), timeout).await,
+            Err(e) => {
+                let why = format!("cannot watch the mesh for deaths: {e:#}");
+                return Generation {
+                    error: Some(why),
+                    ..Generation::failed(GenerationStatus::Error, 0)
+                }
+                .into();
+            }
+        };
         let latency_ms = started.elapsed().as_millis() as u64;
         match result {
             Ok(bytes) => completion(&bytes, latency_ms),

@@ -17,11 +17,12 @@ impl Upstreams {
     pub fn new(cfg: &NodeConfig, nats: &async_nats::Client) -> anyhow::Result<Upstreams> {
         let http = crate::http::http_client(None)?;
         let post = crate::http::Poster::new(cfg.node.max_answer_bytes)?;
+        let calls = std::sync::Arc::new(super::connector::AgentCalls::new(nats.clone()));
         let connectors = cfg
             .providers
             .iter()
             .map(|p| {
-                let c = Connector::new(p, http.clone(), post.clone(), nats.clone())?;
+                let c = Connector::new(p, http.clone(), post.clone(), &calls)?;
                 Ok((p.id.clone(), c))
             })
             .collect::<anyhow::Result<_>>()?;

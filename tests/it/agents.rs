@@ -621,6 +621,68 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A node whose target is a mesh agent calls it with the fail-fast caller: the agent SIGKILLed
+/// while it holds a request ends that attempt with `agent_died` at once, and the request is
+/// answered by the route's fallback within the time the death notice takes, not at the
+/// attempt's 10 s timeout.
+#[tokio::test]
+async fn a_node_falls_back_at_once_when_the_agent_holding_its_request_dies() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let mut holder = serve(&url, "llm.hang", "hang", &[]);
+    let dir = std::env::temp_dir().join(format!("oam-test-meshdies-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[node]\ncluster_size = 1\n\n[[provider]]\nid = \"meshllm\"\nagent = \"llm.hang\"\n\
+             model = \"m\"\nprobe = \"off\"\n\n[[provider]]\nid = \"local\"\n\
+             base_url = \"{sim_url}/local/v1\"\nmodel = \"sim-small\"\n\n\
+             [[route]]\nmodel = \"meshy\"\ntargets = [\"meshllm\", \"local\"]\n"
+        ),
+    )
+    .unwrap();
+    let node = Proc::spawn(&crate::support::node_args(
+        "n1",
+        &url,
+        &["--config", cfg.to_str().unwrap()],
+    ));
+    let http = node.ready["http"].as_str().unwrap().to_string();
+    let c = crate::support::http(Duration::from_secs(30));
+    let pending = tokio::spawn(
+        c.post(format!("{http}/v1/chat/completions"))
+            .json(&json!({"model": "meshy", "messages": [{"role": "user", "content": "hi"}]}))
+            .send(),
+    );
+    // The agent holds the node's request now: it says so in its heartbeat.
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
+        .await
+        .unwrap();
+    beat_of(&nc, "llm.hang", |b| b["in_flight"].as_u64() >= Some(1)).await;
+    let killed = Instant::now();
+    holder.kill();
+    let r = tokio::time::timeout(Duration::from_secs(15), pending)
+        .await
+        .expect("the request was answered")
+        .unwrap()
+        .unwrap();
+    let waited = killed.elapsed();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-oam-target"], "local");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["oam"]["target"], "local", "{v}");
+    let tried = v["oam"]["tried"].as_array().unwrap();
+    assert_eq!(tried[0]["target"], "meshllm", "{v}");
+    // Within the death notice's time plus the fallback's answer, not the 10 s timeout (an
+    // order-of-magnitude check, not a benchmark).
+    assert!(waited < Duration::from_secs(2), "{waited:?}: {v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test]
 async fn streams_arrive_in_order_and_fail_fast() {
     let server = NatsServer::start().await;
