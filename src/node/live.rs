@@ -358,6 +358,7 @@ impl Relay {
         let mut event = Some(std::mem::take(&mut cur.first));
         let mut last = cur.first_at;
         acc.pace_ms = cur.first_at.duration_since(cur.began).as_millis() as u64;
+        let mut first_of_part = true;
         loop {
             let data = match event.take() {
                 Some(e) => e,
@@ -421,7 +422,14 @@ impl Relay {
             };
             if self.head.is_null() {
                 self.head = chunk_head(&chunk);
+            } else if first_of_part && chunk["model"].is_string() {
+                // A continuation: the answer's last chunk names the model that wrote its end.
+                self.head["model"] = chunk["model"].clone();
+                if let Encoder::Responses(events) = &mut self.encoder {
+                    events.written_by(&chunk["model"]);
+                }
             }
+            first_of_part = false;
             acc.absorb(&delta);
             let mut delta = delta;
             if let (Some(earlier), Some(u)) = (self.earlier, delta.usage) {

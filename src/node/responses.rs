@@ -423,6 +423,14 @@ impl Live {
         self.response["output"].as_array().map_or(0, Vec::len)
     }
 
+    /// The response is continued by `model` (a stream cut and continued): the response it
+    /// completes names that model.
+    pub(crate) fn written_by(&mut self, model: &Value) {
+        if self.response.is_object() {
+            self.response["model"] = model.clone();
+        }
+    }
+
     /// The events one chat chunk (`delta`, read from `chunk`) means.
     pub(crate) fn chunk(&mut self, chunk: &Value, delta: &super::openai::Delta) -> String {
         let mut out = String::new();

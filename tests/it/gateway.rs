@@ -603,6 +603,19 @@ async fn a_stream_cut_mid_answer_is_continued_or_ends_with_an_error() {
     // prompt's estimate (4 characters a token, 4 per message, 3 to start the reply) and the
     // text it delivered, at the primary's price; the rest as the continuation reported it.
     assert_eq!(oam["served_by"], json!(["primary/small", "local"]), "{oam}");
+    // The last chunk names the model that wrote the answer's end, as clients read `model`.
+    let chunks: Vec<Value> = seen
+        .data()
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    assert_eq!(chunks[0]["model"], "small", "{:?}", seen.data());
+    assert_eq!(
+        chunks.last().unwrap()["model"],
+        "small-local",
+        "{:?}",
+        seen.data()
+    );
     let usage = seen
         .data()
         .iter()
