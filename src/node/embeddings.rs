@@ -5,7 +5,7 @@
 //! `oam` object; refusals are in OpenAI's envelope.
 
 use super::config::NodeConfig;
-use super::connector::Passthrough;
+use super::exchange::Passthrough;
 use super::openai::{BadRequest, bad};
 use crate::core::request::Request;
 use axum::http::HeaderMap;

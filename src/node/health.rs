@@ -16,9 +16,9 @@
 use super::Node;
 use super::bus::Bus;
 use super::config::{NodeConfig, Probe};
-use super::connector::{Connector, Upstream};
 use super::metrics::{Kind, Registry};
 use super::pipeline::{Pipeline, lock};
+use super::upstream::Connector;
 use crate::clock::now_ms;
 use crate::core::breaker::Breaker;
 use crate::core::contract::Contract;
@@ -592,7 +592,7 @@ impl Prober {
             if lock(&self.out).contains(id) {
                 continue;
             }
-            let http = matches!(c.upstream, Upstream::Http(_));
+            let http = c.lists_models();
             // Judged once for both questions: a round visits every target every `quick` ms.
             let seen = health.seen(id, now);
             let stats = seen.as_ref().map(|(s, _)| s);
@@ -650,7 +650,7 @@ impl Prober {
                 Err(why) => {
                     node.health.probes.stop(Some(why));
                     // The free check stands in, where there is one.
-                    if !matches!(c.upstream, Upstream::Http(_)) {
+                    if !c.lists_models() {
                         return;
                     }
                     check = Check::Models;
@@ -667,7 +667,7 @@ impl Prober {
         let g = match check {
             Check::Models => c.list_models(self.timeout).await,
             _ if c.embeddings => {
-                let pass = super::connector::Passthrough {
+                let pass = super::exchange::Passthrough {
                     extra: [("input".to_string(), "oam health probe".into())]
                         .into_iter()
                         .collect(),

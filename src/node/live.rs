@@ -7,10 +7,11 @@
 
 use super::Node;
 use super::config::Streaming;
-use super::connector::{Attempt, Broken, Opened, Passthrough, Stream};
+use super::exchange::{Attempt, Delta, Passthrough, read_chunk};
 use super::http::with_oam_headers;
-use super::openai::{Delta, chunk_head, read_chunk, stream_end};
+use super::openai::{chunk_head, stream_end};
 use super::request::{Flight, conclude};
+use super::upstream::{Broken, Opened, Stream};
 use crate::core::contract::ToolCall;
 use crate::core::pipeline::{Decision, Dispatch, Step};
 use crate::core::reason::ReasonCode;
@@ -444,7 +445,7 @@ impl Relay {
                 Encoder::Chat if delta.usage_only => {
                     if self.pass.include_usage {
                         self.usage = Some(match (self.earlier, delta.usage) {
-                            (Some(_), Some(sum)) => super::openai::usage_json(&sum),
+                            (Some(_), Some(sum)) => super::exchange::usage_json(&sum),
                             _ => chunk["usage"].clone(),
                         });
                     }

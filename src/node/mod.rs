@@ -13,11 +13,11 @@ pub mod anthropic;
 pub mod bus;
 pub mod chaos;
 pub mod config;
-pub mod connector;
 pub mod decisionlog;
 mod detach;
 pub mod embeddings;
 pub mod escalations;
+pub(crate) mod exchange;
 pub mod gossip;
 pub mod health;
 pub mod http;
@@ -36,7 +36,7 @@ pub mod responses;
 pub mod server;
 pub mod status;
 mod tools;
-pub mod upstreams;
+pub mod upstream;
 
 use crate::clock::now_ms;
 use crate::core::escalation::Escalation;
@@ -62,7 +62,7 @@ pub struct Node {
     /// The core engine every request and service decides with.
     pub pipeline: Pipeline,
     pub bus: Arc<bus::Bus>,
-    pub upstreams: Arc<upstreams::Upstreams>,
+    pub upstreams: Arc<upstream::Upstreams>,
     pub health: Arc<health::Health>,
     /// The node's side of the shared budget ledger.
     pub ledger: ledger::Ledgers,
@@ -121,7 +121,7 @@ impl Node {
         cfg: NodeConfig,
         nats: async_nats::Client,
     ) -> anyhow::Result<(Arc<Node>, Services)> {
-        let upstreams = Arc::new(upstreams::Upstreams::new(&cfg, &nats)?);
+        let upstreams = Arc::new(upstream::Upstreams::new(&cfg, &nats)?);
         let state = State {
             cluster: Arc::new(if cfg.node.members.is_empty() {
                 Cluster::new(id.clone(), cfg.node.cluster_size)

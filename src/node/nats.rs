@@ -141,7 +141,7 @@ fn headers_of(h: &async_nats::HeaderMap) -> HeaderMap {
 /// `status`, if its answer had one, gives way).
 fn reply_of(a: &Answer) -> Vec<u8> {
     let status = a.status.as_u16().to_string();
-    super::connector::set_member(&a.body, "status", status.as_bytes())
+    super::exchange::set_member(&a.body, "status", status.as_bytes())
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! answers with, and the chunks of a stream (read from upstreams, written to callers). A second API is a sibling of this file.
 
 use super::config::NodeConfig;
-use super::connector::{Attempt, Passthrough, Reply};
+use super::exchange::{Attempt, Passthrough, Reply};
 use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
 use crate::core::pipeline::{Decision, DecisionOutcome};
@@ -377,18 +377,6 @@ pub(crate) fn decode_request(
         include_usage,
         native: None,
     };
-    let mut request = request;
-    // A request Messages cannot carry goes only to chat targets (where there are others).
-    if cfg.speaks_anthropic()
-        && super::anthropic::upstream::not_carried(
-            &pass.messages,
-            &pass.extra,
-            request.response_format.as_ref(),
-        )
-        .is_some()
-    {
-        request.bound_to = Some(crate::core::request::Api::Openai);
-    }
     Ok((request, stream, pass))
 }
 
@@ -539,7 +527,7 @@ pub(crate) fn answer(
         let oam = serde_json::to_vec(&OamObject::of(d)).unwrap_or_default();
         (
             status,
-            super::connector::with_member(answer, "oam", &oam).into(),
+            super::exchange::with_member(answer, "oam", &oam).into(),
         )
     } else if let (true, Some(Reply::Json(Value::Object(mut answer)))) = (accepted, upstream)
         && (answer.get("choices").is_some_and(Value::is_array)
@@ -596,120 +584,13 @@ pub(crate) fn answer(
     }
 }
 
-/// A whole chat completion as the two chunks a stream of it carries: everything the message
-/// says (its content, its tool calls as deltas that carry their position), then its finish
-/// reason.
-pub(crate) fn chunks_of(answer: &Value) -> [Value; 2] {
-    let head = |choices: Value| {
-        json!({
-            "id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
-            "model": answer["model"], "choices": choices,
-        })
-    };
-    let choice = &answer["choices"][0];
-    let mut delta = json!({"role": "assistant", "content": choice["message"]["content"]});
-    if let Some(calls) = choice["message"]["tool_calls"].as_array() {
-        let indexed: Vec<Value> = calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut c = c.clone();
-                c["index"] = json!(i);
-                c
-            })
-            .collect();
-        delta["tool_calls"] = Value::Array(indexed);
-    }
-    [
-        head(json!([{"index": 0, "delta": delta, "finish_reason": null}])),
-        head(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}])),
-    ]
-}
-
-/// A whole chat completion as the events (`data:` payloads) a stream of it would carry: its
-/// two chunks, a usage chunk when the caller asked for one (`stream_options.include_usage`),
-/// then `[DONE]`.
-pub(crate) fn events_of(answer: &Value, include_usage: bool) -> Vec<String> {
-    let [content, finish] = chunks_of(answer);
-    let mut events = vec![content.to_string(), finish.to_string()];
-    if include_usage {
-        let mut u = finish;
-        u["choices"] = json!([]);
-        u["usage"] = answer["usage"].clone();
-        events.push(u.to_string());
-    }
-    events.push("[DONE]".into());
-    events
-}
-
 /// An accepted, already checked answer as one server-sent-events body: its content chunk,
 /// then its finish chunk with the usage and the `oam` object, then `[DONE]`.
 pub(crate) fn sse_of(answer: &Value) -> String {
-    let [first, mut last] = chunks_of(answer);
+    let [first, mut last] = super::exchange::chunks_of(answer);
     last["usage"] = answer["usage"].clone();
     last["oam"] = answer["oam"].clone();
     format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n")
-}
-
-/// The token counts of an answer's `usage`: prompt and completion tokens, and of them those
-/// read from the cache (`prompt_tokens_details.cached_tokens`), written to it
-/// (`cache_creation_input_tokens`) and spent reasoning
-/// (`completion_tokens_details.reasoning_tokens`).
-pub(crate) fn usage_of(u: &Value) -> crate::core::request::Usage {
-    let n = |v: &Value| v.as_u64().unwrap_or(0);
-    crate::core::request::Usage {
-        prompt_tokens: n(&u["prompt_tokens"]),
-        completion_tokens: n(&u["completion_tokens"]),
-        cached_tokens: n(&u["prompt_tokens_details"]["cached_tokens"]),
-        cache_write_tokens: n(&u["cache_creation_input_tokens"]),
-        reasoning_tokens: n(&u["completion_tokens_details"]["reasoning_tokens"]),
-    }
-}
-
-/// `u` as a chat completion's `usage` (what `usage_of` reads back).
-pub(crate) fn usage_json(u: &crate::core::request::Usage) -> Value {
-    let mut v = json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    });
-    if u.cached_tokens > 0 {
-        v["prompt_tokens_details"] = json!({"cached_tokens": u.cached_tokens});
-    }
-    if u.cache_write_tokens > 0 {
-        v["cache_creation_input_tokens"] = json!(u.cache_write_tokens);
-    }
-    if u.reasoning_tokens > 0 {
-        v["completion_tokens_details"] = json!({"reasoning_tokens": u.reasoning_tokens});
-    }
-    v
-}
-
-/// What one chunk of an upstream's stream says.
-#[derive(Debug, Default, PartialEq)]
-pub(crate) struct Delta<'a> {
-    pub text: Option<&'a str>,
-    /// The tool-call deltas (`[{index, function: {name, arguments}}]`), or null.
-    pub tool_calls: Option<&'a Value>,
-    pub finish: Option<&'a str>,
-    pub usage: Option<crate::core::request::Usage>,
-    /// A chunk with no choices: only usage (sent when the caller asked for it).
-    pub usage_only: bool,
-}
-
-/// Read one chunk of a stream; an error event is `Err`, with what it says.
-pub(crate) fn read_chunk(chunk: &Value) -> Result<Delta<'_>, String> {
-    if let Some(err) = chunk.get("error") {
-        return Err(format!("the stream says: {err}"));
-    }
-    let choice = &chunk["choices"][0];
-    Ok(Delta {
-        text: choice["delta"]["content"].as_str(),
-        tool_calls: choice["delta"].get("tool_calls").filter(|t| t.is_array()),
-        finish: choice["finish_reason"].as_str(),
-        usage: chunk.get("usage").filter(|u| u.is_object()).map(usage_of),
-        usage_only: chunk["choices"].as_array().is_some_and(Vec::is_empty),
-    })
 }
 
 /// The `id`, `created` and `model` of a stream's first chunk: oam's own last chunk repeats them.
@@ -1014,72 +895,9 @@ mod tests {
         }
     }
 
-    fn completion() -> Value {
-        json!({
-            "id": "c1", "object": "chat.completion", "created": 7, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-                "role": "assistant", "content": "hi",
-                "tool_calls": [
-                    {"id": "t0", "type": "function", "function": {"name": "a", "arguments": "{}"}},
-                    {"id": "t1", "type": "function", "function": {"name": "b", "arguments": "[1]"}}
-                ]
-            }}],
-            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
-            "oam": {"request_id": "r"}
-        })
-    }
-
-    #[test]
-    fn a_whole_answer_streams_as_chunks_that_read_back_to_it() {
-        let events = events_of(&completion(), true);
-        assert_eq!(
-            events.len(),
-            4,
-            "content, finish, usage, [DONE]: {events:?}"
-        );
-        assert_eq!(events[3], "[DONE]");
-        let chunks: Vec<Value> = events[..3]
-            .iter()
-            .map(|e| serde_json::from_str(e).expect("JSON"))
-            .collect();
-        let read: Vec<Delta> = chunks
-            .iter()
-            .map(|c| read_chunk(c).expect("a chunk"))
-            .collect();
-        assert_eq!(read[0].text, Some("hi"));
-        let calls = read[0]
-            .tool_calls
-            .and_then(Value::as_array)
-            .expect("tool calls");
-        let at: Vec<(u64, &str)> = calls
-            .iter()
-            .map(|c| {
-                (
-                    c["index"].as_u64().unwrap_or(99),
-                    c["function"]["name"].as_str().unwrap_or(""),
-                )
-            })
-            .collect();
-        assert_eq!(at, [(0, "a"), (1, "b")], "each call carries its position");
-        assert_eq!((read[1].finish, read[1].text), (Some("tool_calls"), None));
-        assert!(read[2].usage_only);
-        assert_eq!(read[2].usage.map(|u| u.prompt_tokens), Some(4));
-        for c in &chunks {
-            assert_eq!(
-                (&c["id"], &c["object"], &c["model"]),
-                (&json!("c1"), &json!("chat.completion.chunk"), &json!("m"))
-            );
-        }
-        assert_eq!(
-            events_of(&completion(), false).len(),
-            3,
-            "no usage chunk unasked"
-        );
-    }
-
     #[test]
     fn a_checked_answer_is_one_body_of_events_with_usage_and_oam_last() {
-        let text = sse_of(&completion());
+        let text = sse_of(&crate::node::exchange::tests::completion());
         let data: Vec<&str> = text
             .split("\n\n")
             .filter(|e| !e.is_empty())
@@ -1091,12 +909,6 @@ mod tests {
         assert_eq!(last["usage"]["total_tokens"], 6);
         assert_eq!(last["oam"]["request_id"], "r");
         assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
-    }
-
-    #[test]
-    fn an_error_event_breaks_the_stream() {
-        let why = read_chunk(&json!({"error": {"message": "overloaded"}})).expect_err("an error");
-        assert!(why.contains("overloaded"), "{why}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! are thin adapters over `execute`.
 
 use super::Node;
-use super::connector::Passthrough;
+use super::exchange::Passthrough;
 use super::openai::{self, BadRequest, bad, header, json_bytes, param_of};
 use crate::clock::now_ms;
 use crate::core::pipeline::{Decision, Effect, Session, Step};
@@ -41,7 +41,10 @@ pub(crate) fn to_request(
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
     let new_id = || node.serving.next_request_id(&node.id);
     let mut r = match asks {
-        Asks::Answer(_) => openai::decode_request(&node.cfg, body, h, new_id)?,
+        Asks::Answer(_) => bound(
+            &node.cfg,
+            openai::decode_request(&node.cfg, body, h, new_id)?,
+        ),
         Asks::Native(native) => {
             let (mut request, stream, mut pass) =
                 openai::decode_request(&node.cfg, body, h, new_id)?;
@@ -56,6 +59,24 @@ pub(crate) fn to_request(
         r.0.agent = id.to_string();
     }
     Ok(r)
+}
+
+/// A request Messages cannot carry goes only to chat targets (where there are others).
+fn bound(
+    cfg: &super::config::NodeConfig,
+    (mut request, stream, pass): (Request, bool, Passthrough),
+) -> (Request, bool, Passthrough) {
+    if cfg.speaks_anthropic()
+        && super::upstream::not_carried(
+            &pass.messages,
+            &pass.extra,
+            request.response_format.as_ref(),
+        )
+        .is_some()
+    {
+        request.bound_to = Some(crate::core::request::Api::Openai);
+    }
+    (request, stream, pass)
 }
 
 /// With `[[client]]`s configured, the client whose key the request bears
@@ -619,11 +640,7 @@ pub(crate) fn publish_decision(node: &Node, d: std::sync::Arc<crate::core::recor
     node.bus.decided(d);
 }
 
-pub(crate) fn respond(
-    node: &Node,
-    d: &Decision,
-    last: Option<super::connector::Attempt>,
-) -> Answer {
+pub(crate) fn respond(node: &Node, d: &Decision, last: Option<super::exchange::Attempt>) -> Answer {
     let target = d.provider.as_deref().unwrap_or("").to_string();
     let model = node
         .cfg

@@ -2,8 +2,8 @@
 //! agent), and per target the provider and the model it asks for. Built once from the
 //! configuration; read by the request path and the prober.
 
-use super::config::NodeConfig;
-use super::connector::Connector;
+use super::super::config::NodeConfig;
+use super::{AgentCalls, Connector};
 use std::collections::BTreeMap;
 
 pub struct Upstreams {
@@ -17,7 +17,7 @@ impl Upstreams {
     pub fn new(cfg: &NodeConfig, nats: &async_nats::Client) -> anyhow::Result<Upstreams> {
         let http = crate::http::http_client(None)?;
         let post = crate::http::Poster::new(cfg.node.max_answer_bytes)?;
-        let calls = std::sync::Arc::new(super::connector::AgentCalls::new(nats.clone()));
+        let calls = std::sync::Arc::new(AgentCalls::new(nats.clone()));
         let connectors = cfg
             .providers
             .iter()
@@ -83,7 +83,7 @@ probe = "off"
             "",
         )
         .expect("a valid configuration");
-        let up = Upstreams::new(&cfg, &super::super::bus::offline::client().await).expect("built");
+        let up = Upstreams::new(&cfg, &crate::node::bus::offline::client().await).expect("built");
         let (c, model) = up.target("http/b").expect("a target of the HTTP provider");
         assert_eq!((c.id.as_str(), model, c.agent()), ("http", "b", None));
         let (c, model) = up.target("llm").expect("the agent's one target");

@@ -1,14 +1,174 @@
-//! An Anthropic Messages upstream (`api = "anthropic"`) behind the chat-completions shape every
+//! Anthropic's Messages API (`api = "anthropic"`) behind the chat-completions shape every
 //! stage reads: the chat request a target is sent becomes a Messages request, its answer a chat
 //! completion, and its event stream chat chunks as the events arrive (`Chunks`), so a route falls
 //! back between the two APIs whichever one the client spoke. A request using what Messages has
 //! no equivalent for is found before routing (`not_carried`) and bound to chat targets, never
-//! sent altered.
+//! sent altered; a Messages request that uses what only Messages has is sent as it came.
 
+use super::super::config::ProviderConfig;
+use super::super::exchange::{Attempt, Passthrough, Reply};
+use super::http::{Endpoint, failed, judge_failure};
+use super::{Ask, Opened, Upstream, chat};
+use crate::core::request::{Generation, GenerationStatus};
+use futures_util::future::BoxFuture;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::{Map, Value, json};
+use std::time::{Duration, Instant};
+
+pub(super) struct Messages {
+    at: Endpoint,
+}
+
+impl Messages {
+    pub(super) fn new(
+        cfg: &ProviderConfig,
+        http: reqwest::Client,
+        post: crate::http::Poster,
+    ) -> anyhow::Result<Messages> {
+        let mut headers: Vec<_> = super::http::key(cfg)
+            .and_then(|k| super::http::secret(HeaderName::from_static("x-api-key"), &k))
+            .into_iter()
+            .collect();
+        headers.push((
+            HeaderName::from_static("anthropic-version"),
+            HeaderValue::from_static(VERSION),
+        ));
+        let at = Endpoint::new(cfg, "messages", headers, http, post)?;
+        Ok(Messages { at })
+    }
+}
+
+/// The Messages request for chat `body`, continuing `prefill` when given: what routing let
+/// through (`not_carried` found nothing), with the messages as chat sent them.
+fn translated(body: &chat::Body<'_>, prefill: Option<&str>) -> serde_json::Result<Vec<u8>> {
+    let messages = match &body.messages {
+        chat::Messages::AsSent(m) | chat::Messages::Prefilled(m, _) => m.to_vec(),
+        chat::Messages::Core(m) => m
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<_, _>>()?,
+    };
+    let empty = Map::new();
+    serde_json::to_vec(&request_of(
+        body.model,
+        &messages,
+        body.extra.unwrap_or(&empty),
+        body.tools,
+        body.max_tokens,
+        body.stream,
+        prefill,
+    ))
+}
+
+/// A Messages request as it came, for `model` with oam's token limit: oam's own object left
+/// out, and whole (a stream of it is sent once checked).
+fn native_body(request: &Value, model: &str, max_tokens: u32) -> Vec<u8> {
+    let mut r = request.clone();
+    if let Some(m) = r.as_object_mut() {
+        m.remove("oam");
+        m.remove("stream");
+        m.insert("model".into(), Value::String(model.into()));
+        m.insert("max_tokens".into(), max_tokens.into());
+    }
+    serde_json::to_vec(&r).unwrap_or_default()
+}
+
+/// Now, in Unix seconds (a translated answer's `created`).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A whole answer: a failure as `judge_failure` reads it, else the Messages answer read as the
+/// chat completion it means.
+fn judge(
+    status: reqwest::StatusCode,
+    headers: &HeaderMap,
+    bytes: &bytes::Bytes,
+    latency_ms: u64,
+) -> Attempt {
+    if let Some(failure) = judge_failure(status, headers, bytes, latency_ms) {
+        return failure;
+    }
+    let Ok(message) = serde_json::from_slice::<Value>(bytes) else {
+        let why = "the body is not a JSON message";
+        return failed(GenerationStatus::Error, why.into(), latency_ms);
+    };
+    let completion = completion_of(&message, unix_now());
+    let bytes = serde_json::to_vec(&completion).unwrap_or_default();
+    chat::completion(&bytes.into(), latency_ms)
+}
+
+impl Upstream for Messages {
+    fn generate<'a>(&'a self, ask: Ask<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let native = ask.pass.and_then(|p| p.native.as_ref());
+            let json = match native {
+                Some(n) => Ok(native_body(n, ask.model, ask.max_tokens)),
+                None => translated(&chat::Body::whole(&ask), None),
+            };
+            let json = match json {
+                Ok(json) => json,
+                Err(e) => {
+                    let why = format!("cannot write the upstream request: {e}");
+                    return failed(GenerationStatus::Error, why, 0);
+                }
+            };
+            let (status, headers, bytes) = match self.at.call(json, timeout, started).await {
+                Ok(parts) => parts,
+                Err(a) => return a,
+            };
+            let latency_ms = started.elapsed().as_millis() as u64;
+            let mut attempt = judge(status, &headers, &bytes, latency_ms);
+            // Answered as it was asked: the Messages answer itself (thinking blocks and all).
+            if native.is_some()
+                && attempt.generation.status == GenerationStatus::Ok
+                && let Ok(message) = serde_json::from_slice::<Value>(&bytes)
+            {
+                attempt.body = Some(Reply::Json(message));
+            }
+            attempt
+        })
+    }
+
+    fn open_stream<'a>(
+        &'a self,
+        model: &'a str,
+        pass: &'a Passthrough,
+        prefill: Option<&'a str>,
+        max_tokens: u32,
+        first_event: Duration,
+    ) -> BoxFuture<'a, Opened> {
+        Box::pin(async move {
+            let body = chat::Body::streamed(model, pass, prefill, max_tokens);
+            let json = translated(&body, prefill).unwrap_or_default();
+            let mut chunks = Chunks::new(unix_now());
+            let translate: super::http::Translate = Box::new(move |e| chunks.event(e));
+            self.at
+                .open(
+                    json,
+                    first_event,
+                    Some(translate),
+                    pass.include_usage,
+                    judge,
+                )
+                .await
+        })
+    }
+
+    fn lists_models(&self) -> bool {
+        true
+    }
+
+    fn list_models(&self, timeout: Duration) -> BoxFuture<'_, Generation> {
+        Box::pin(self.at.list_models(timeout))
+    }
+}
 
 /// The `anthropic-version` oam speaks.
-pub(crate) const VERSION: &str = "2023-06-01";
+const VERSION: &str = "2023-06-01";
 
 /// The chat request members (besides those oam reads itself) a Messages request carries.
 const CARRIED: &[&str] = &[
@@ -156,7 +316,7 @@ fn blocks(m: &Value) -> Vec<Value> {
 /// system messages become `system`; tool results a user turn; consecutive turns of one role
 /// one turn (Messages alternates); `prefill`, the answer so far, a trailing assistant turn
 /// (without trailing white space, which Messages refuses there).
-pub(crate) fn request_of(
+fn request_of(
     model: &str,
     messages: &[Value],
     extra: &Map<String, Value>,
@@ -276,7 +436,7 @@ fn usage_of(u: &Value) -> Value {
 /// A Messages answer as the chat completion it means (`created` in Unix seconds): text blocks
 /// joined as the content, `tool_use` blocks as tool calls; thinking blocks (a chat client
 /// cannot ask for them) are left out.
-pub(crate) fn completion_of(message: &Value, created: u64) -> Value {
+fn completion_of(message: &Value, created: u64) -> Value {
     let mut text = String::new();
     let mut calls = Vec::new();
     for b in message["content"].as_array().into_iter().flatten() {
@@ -305,7 +465,7 @@ pub(crate) fn completion_of(message: &Value, created: u64) -> Value {
 
 /// A Messages event stream read as chat chunks, event by event: what the events so far said
 /// (the message's id and model, its prompt usage, which blocks are tool calls).
-pub(crate) struct Chunks {
+struct Chunks {
     created: u64,
     id: Value,
     model: Value,
@@ -316,7 +476,7 @@ pub(crate) struct Chunks {
 }
 
 impl Chunks {
-    pub(crate) fn new(created: u64) -> Self {
+    fn new(created: u64) -> Self {
         Chunks {
             created,
             id: Value::Null,
@@ -336,7 +496,7 @@ impl Chunks {
 
     /// The chat chunks (or `[DONE]`) one event's data means; data that is no JSON passes as it
     /// came, for the stream's reader to find broken.
-    pub(crate) fn event(&mut self, data: &str) -> Vec<String> {
+    fn event(&mut self, data: &str) -> Vec<String> {
         let Ok(e) = serde_json::from_str::<Value>(data) else {
             return vec![data.to_string()];
         };
@@ -549,7 +709,7 @@ mod tests {
             json!({"prompt_tokens": 130, "completion_tokens": 5, "total_tokens": 135,
                 "prompt_tokens_details": {"cached_tokens": 100}, "cache_creation_input_tokens": 20})
         );
-        let u = crate::node::openai::usage_of(&c["usage"]);
+        let u = crate::node::exchange::usage_of(&c["usage"]);
         assert_eq!(
             (u.prompt_tokens, u.cached_tokens, u.cache_write_tokens),
             (130, 100, 20)
@@ -589,7 +749,7 @@ mod tests {
         let mut usage = None;
         for ch in &chunks {
             assert_eq!(ch["id"], "msg_1");
-            let d = crate::node::openai::read_chunk(ch).unwrap();
+            let d = crate::node::exchange::read_chunk(ch).unwrap();
             text.push_str(d.text.unwrap_or_default());
             for t in d.tool_calls.and_then(Value::as_array).into_iter().flatten() {
                 assert_eq!(t["index"], 0);
@@ -605,7 +765,7 @@ mod tests {
         // An error event is an error chunk; data that is no JSON passes as it came.
         let e =
             c.event(&json!({"type": "error", "error": {"type": "overloaded_error"}}).to_string());
-        assert!(crate::node::openai::read_chunk(&serde_json::from_str(&e[0]).unwrap()).is_err());
+        assert!(crate::node::exchange::read_chunk(&serde_json::from_str(&e[0]).unwrap()).is_err());
         assert_eq!(c.event("{\"type\": "), vec!["{\"type\": ".to_string()]);
     }
 }

@@ -1,0 +1,253 @@
+//! The upstream APIs a provider may speak, as siblings behind one trait, one file each: an
+//! OpenAI-compatible server (`openai`), Anthropic's Messages API (`anthropic`), an agent on the
+//! mesh (`agent`). Each turns whatever happened (an answer, a 5xx, a 429, a reset, a timeout, a
+//! death) into an `Attempt` for the pipeline, with the real elapsed time, and its stream into
+//! chat chunks; adding an API is a sibling file and a line in `Connector::new`. Nothing here
+//! uses a client API's module: both sides meet in `exchange`.
+
+mod agent;
+mod anthropic;
+mod chat;
+mod http;
+mod openai;
+mod targets;
+
+use agent::AgentCalls;
+pub(crate) use anthropic::not_carried;
+pub use targets::Upstreams;
+
+use super::config::{Probe, ProviderConfig};
+use super::exchange::{Attempt, Passthrough, Reply, events_of};
+use crate::core::request::{Api, Generation, GenerationStatus, Message};
+use futures_util::future::BoxFuture;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+/// What one attempt for a whole answer asks of a target.
+#[derive(Clone, Copy)]
+pub struct Ask<'a> {
+    /// The upstream's name of the target's model.
+    pub model: &'a str,
+    /// The client's request as it came; `None` for a probe, which sends just `messages`.
+    pub pass: Option<&'a Passthrough>,
+    pub messages: &'a [Message],
+    /// oam's token limit.
+    pub max_tokens: u32,
+    pub response_format: Option<&'a Value>,
+}
+
+/// One upstream API. Futures are boxed: a provider's API is chosen by its configuration.
+pub(crate) trait Upstream: Send + Sync {
+    /// One whole answer, bounded by `timeout`.
+    fn generate<'a>(&'a self, ask: Ask<'a>, timeout: Duration) -> BoxFuture<'a, Attempt>;
+
+    /// Open a streamed answer to the client's request `pass` (usage asked for), continuing
+    /// `prefill` (the answer so far) when given; the response must begin within
+    /// `first_event`.
+    fn open_stream<'a>(
+        &'a self,
+        model: &'a str,
+        pass: &'a Passthrough,
+        prefill: Option<&'a str>,
+        max_tokens: u32,
+        first_event: Duration,
+    ) -> BoxFuture<'a, Opened>;
+
+    /// Embeddings of the client's request `pass`. Only an API that serves them is asked
+    /// (checked at load).
+    fn embed<'a>(
+        &'a self,
+        _model: &'a str,
+        _pass: &'a Passthrough,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Attempt> {
+        Box::pin(std::future::ready(
+            Generation::failed(GenerationStatus::Error, 0).into(),
+        ))
+    }
+
+    /// It has a free check (`list_models`) that stands in for a billed one.
+    fn lists_models(&self) -> bool {
+        false
+    }
+
+    /// A free check that it answers (`GET /models`). Only an API that `lists_models` is
+    /// asked.
+    fn list_models(&self, _timeout: Duration) -> BoxFuture<'_, Generation> {
+        Box::pin(std::future::ready(Generation::failed(
+            GenerationStatus::Error,
+            0,
+        )))
+    }
+
+    /// The mesh agent that serves it, if it is one.
+    fn agent(&self) -> Option<&str> {
+        None
+    }
+}
+
+/// One provider (host): how its targets are reached and checked.
+pub struct Connector {
+    pub id: String,
+    /// Its models serve embeddings (and are probed with one).
+    pub embeddings: bool,
+    /// How its targets are checked while idle.
+    pub probe: Probe,
+    upstream: Box<dyn Upstream>,
+}
+
+impl Connector {
+    /// The connector of provider `cfg` (checked at load: an agent, or a base URL that parses).
+    pub(crate) fn new(
+        cfg: &ProviderConfig,
+        http: reqwest::Client,
+        post: crate::http::Poster,
+        calls: &std::sync::Arc<AgentCalls>,
+    ) -> anyhow::Result<Self> {
+        let upstream: Box<dyn Upstream> = match (&cfg.agent, cfg.api) {
+            (Some(name), _) => Box::new(agent::Agent::new(name, calls.clone())),
+            (None, Api::Openai) => Box::new(openai::Openai::new(cfg, http, post)?),
+            (None, Api::Anthropic) => Box::new(anthropic::Messages::new(cfg, http, post)?),
+        };
+        Ok(Connector {
+            id: cfg.id.clone(),
+            embeddings: cfg.embeddings,
+            probe: cfg.probe,
+            upstream,
+        })
+    }
+
+    /// The mesh agent that serves this provider, if it is one.
+    pub fn agent(&self) -> Option<&str> {
+        self.upstream.agent()
+    }
+
+    /// It has a free check (a model list) that stands in for a billed one.
+    pub fn lists_models(&self) -> bool {
+        self.upstream.lists_models()
+    }
+
+    /// One whole answer from `model`, bounded by `timeout`: the client's request as it came
+    /// (`pass`), with the target's model and oam's token limit, or just `messages` (probes).
+    pub async fn generate(
+        &self,
+        model: &str,
+        messages: &[Message],
+        pass: Option<&Passthrough>,
+        max_tokens: u32,
+        response_format: Option<&Value>,
+        timeout: Duration,
+    ) -> Attempt {
+        let ask = Ask {
+            model,
+            pass,
+            messages,
+            max_tokens,
+            response_format,
+        };
+        self.upstream.generate(ask, timeout).await
+    }
+
+    /// Open a streamed answer (see `Upstream::open_stream`).
+    pub async fn open_stream(
+        &self,
+        model: &str,
+        pass: &Passthrough,
+        prefill: Option<&str>,
+        max_tokens: u32,
+        first_event: Duration,
+    ) -> Opened {
+        self.upstream
+            .open_stream(model, pass, prefill, max_tokens, first_event)
+            .await
+    }
+
+    /// Embeddings from `model`, bounded by `timeout`: the client's request as it came
+    /// (`pass.extra`) with the target's model.
+    pub async fn embed(&self, model: &str, pass: &Passthrough, timeout: Duration) -> Attempt {
+        self.upstream.embed(model, pass, timeout).await
+    }
+
+    /// `GET /models`, bounded by `timeout`: a free check that the provider answers.
+    pub async fn list_models(&self, timeout: Duration) -> Generation {
+        self.upstream.list_models(timeout).await
+    }
+}
+
+/// A streamed answer under way: the upstream's events, as chat chunks, as they arrive.
+pub struct Stream {
+    ready: std::collections::VecDeque<String>,
+    /// Where more events come from (none: a replayed whole answer, or the body ended).
+    events: Option<http::Events>,
+}
+
+/// Why a stream broke off.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Broken {
+    /// Nothing arrived within the deadline.
+    Silent,
+    /// The connection failed (cut, reset) or the stream was unreadable.
+    Failed(String),
+}
+
+/// Opening a stream: it answered 200 and streams, or the attempt failed before any event.
+pub enum Opened {
+    Streaming(Stream, Instant),
+    Failed(Attempt),
+}
+
+impl Opened {
+    /// A whole answer where a stream was asked for: an accepted one replayed as the events a
+    /// stream of it would carry, anything else the failed attempt it is.
+    fn whole(a: Attempt, include_usage: bool, started: Instant) -> Opened {
+        match (&a.generation.status, a.body.as_ref().and_then(Reply::value)) {
+            (GenerationStatus::Ok, Some(body)) => {
+                Opened::Streaming(Stream::replay(&body, include_usage), started)
+            }
+            _ => Opened::Failed(a),
+        }
+    }
+}
+
+impl Stream {
+    fn of(events: http::Events) -> Stream {
+        Stream {
+            ready: std::collections::VecDeque::new(),
+            events: Some(events),
+        }
+    }
+
+    /// A whole chat completion as the events a stream of it would carry.
+    fn replay(answer: &Value, include_usage: bool) -> Stream {
+        Stream {
+            ready: events_of(answer, include_usage).into(),
+            events: None,
+        }
+    }
+
+    /// The next event's data, waiting at most `wait`; `None` when the body ended.
+    pub async fn next(&mut self, wait: Duration) -> Result<Option<String>, Broken> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if let Some(e) = self.ready.pop_front() {
+                return Ok(Some(e));
+            }
+            let Some(events) = &mut self.events else {
+                return Ok(None);
+            };
+            match events.read(deadline, &mut self.ready).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.events = None;
+                    return Ok(None);
+                }
+                // Silent: the stream stays, for a caller that waits longer.
+                Err(Broken::Silent) => return Err(Broken::Silent),
+                Err(broken) => {
+                    self.events = None;
+                    return Err(broken);
+                }
+            }
+        }
+    }
+}
