@@ -10,10 +10,10 @@ use super::config::Streaming;
 use super::exchange::{Attempt, Delta, Passthrough, read_chunk};
 use super::http::with_oam_headers;
 use super::openai::{chunk_head, stream_end};
-use super::request::{Flight, conclude};
+use super::request::{Flight, Next, Waits, conclude};
 use super::upstream::{Broken, Opened, Stream};
 use crate::core::contract::ToolCall;
-use crate::core::pipeline::{Decision, Dispatch, Step};
+use crate::core::pipeline::{Decision, Dispatch};
 use crate::core::reason::ReasonCode;
 use crate::core::record::Call;
 use crate::core::request::{Generation, GenerationStatus, Usage, estimate_answer_tokens};
@@ -149,6 +149,11 @@ pub(crate) fn respond(
         usage: None,
         earlier: None,
         part_sent: false,
+        waits: Waits {
+            granted: None,
+            queue_deadline: tokio::time::Instant::now(),
+            waited: Duration::ZERO,
+        },
         encoder: match wire {
             Wire::Chat => Encoder::Chat,
             Wire::Anthropic => Encoder::Anthropic(Default::default()),
@@ -250,6 +255,8 @@ struct Relay {
     earlier: Option<Usage>,
     /// The part under way has sent the caller something.
     part_sent: bool,
+    /// The driver's waits (a stream under way is never queued again).
+    waits: Waits,
 }
 
 enum Encoder {
@@ -321,31 +328,24 @@ impl Relay {
                     self.flight.next(Call::Complete { generation: g })
                 }
             };
-            // Done, or continue on a prefill target (each open that fails is one more attempt).
+            // Done, or continue on a prefill target (each open that fails is one more attempt),
+            // driven as every request is: backoffs waited for, the reader's leaving honoured.
             let next = loop {
-                match step {
-                    Step::Done(d) => return self.close(*d).await,
-                    Step::Queued => {
-                        step = self.flight.next(Call::Dequeue);
+                let d = match self.flight.advance(step, &mut self.waits, &self.tx).await {
+                    Next::Decided(d) => return self.close(*d).await,
+                    Next::Call(d) => d,
+                };
+                let prefill = d.continuation.then_some(self.delivered.as_str());
+                let opened = tokio::select! {
+                    o = open(&node, &d, &self.pass, prefill, self.limits) => Some(o),
+                    () = self.tx.closed() => None,
+                };
+                match opened {
+                    Some(Open::Started(s)) => break s,
+                    Some(Open::Failed(a)) => {
+                        step = self.flight.completed(a.generation, self.tx.is_closed());
                     }
-                    Step::Dispatch(d) => {
-                        if d.hold_usd > 0.0
-                            && let Some(next) =
-                                node.ledger.reserve(&mut self.flight, d.hold_usd).await
-                        {
-                            step = next;
-                            continue;
-                        }
-                        let prefill = d.continuation.then_some(self.delivered.as_str());
-                        match open(&node, &d, &self.pass, prefill, self.limits).await {
-                            Open::Started(s) => break s,
-                            Open::Failed(a) => {
-                                step = self.flight.next(Call::Complete {
-                                    generation: a.generation,
-                                });
-                            }
-                        }
-                    }
+                    None => step = self.flight.withdraw(),
                 }
             };
             cur = next;

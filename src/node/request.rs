@@ -239,6 +239,145 @@ impl Flight {
     }
 }
 
+/// Whoever asked for a request: its going away ends the driver's waits.
+pub(crate) trait Asker {
+    /// Resolves once the asker is gone.
+    fn gone(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// A caller of the data plane, cancelled when it goes away (`http`, `nats`).
+impl Asker for CancellationToken {
+    fn gone(&self) -> impl Future<Output = ()> + Send {
+        self.cancelled()
+    }
+}
+
+/// The reader of a relayed stream (`live`).
+impl<T: Send> Asker for tokio::sync::mpsc::Sender<T> {
+    fn gone(&self) -> impl Future<Output = ()> + Send {
+        self.closed()
+    }
+}
+
+/// What the driver's waits for one request know: the slot it may be queued for, until when it
+/// waits for one, and the time spent waiting (in the queue, in backoffs, on upstreams: not
+/// oam's own).
+pub(crate) struct Waits {
+    pub granted: Option<tokio::sync::oneshot::Receiver<()>>,
+    pub queue_deadline: tokio::time::Instant,
+    pub waited: Duration,
+}
+
+/// Where the driver leaves a request: decided, or with an attempt to make now.
+pub(crate) enum Next {
+    Decided(Box<Decision>),
+    Call(crate::core::pipeline::Dispatch),
+}
+
+impl Flight {
+    /// The one driver of the engine's steps, for whole answers and relayed streams alike:
+    /// from `step`, wait for a queue slot (until `waits.queue_deadline`), a backoff, the
+    /// ledger's hold, until the engine decides or asks for an attempt to be made now. The
+    /// asker's leaving ends every wait: a queued request leaves the queue at once, an attempt
+    /// waiting on its backoff is not made.
+    pub(crate) async fn advance(
+        &mut self,
+        mut step: Step,
+        waits: &mut Waits,
+        asker: &impl Asker,
+    ) -> Next {
+        loop {
+            step = match step {
+                Step::Done(d) => return Next::Decided(d),
+                Step::Queued => {
+                    let ticket = self.session.ticket();
+                    let Some(rx) = waits.granted.take() else {
+                        // Only `begin` queues, and it registered the waiter; fail closed.
+                        step = self.next(Call::Abandon);
+                        continue;
+                    };
+                    let queued = std::time::Instant::now();
+                    let gave_up = tokio::select! {
+                        // A slot was handed to this request.
+                        _ = rx => None,
+                        () = tokio::time::sleep_until(waits.queue_deadline) => Some(false),
+                        () = asker.gone() => Some(true),
+                    };
+                    waits.waited += queued.elapsed();
+                    let Some(asker_left) = gave_up else {
+                        step = self.next(Call::Dequeue);
+                        continue;
+                    };
+                    // Leaving the queue: its waker goes too (a grant that raced with this is
+                    // handed on by the engine).
+                    if let Some(t) = ticket {
+                        self.node.pipeline.forget_waiter(t);
+                    }
+                    match self.call(if asker_left {
+                        Call::CallerGone
+                    } else {
+                        Call::Abandon
+                    }) {
+                        Some(next) => next,
+                        // Not queued any more (cannot happen after `begin` queued it): go on
+                        // as the engine says.
+                        None => self.next(Call::Dequeue),
+                    }
+                }
+                Step::Dispatch(d) => {
+                    if d.delay_ms > 0 {
+                        let backoff = std::time::Instant::now();
+                        let slept = tokio::select! {
+                            () = tokio::time::sleep(Duration::from_millis(d.delay_ms)) => true,
+                            () = asker.gone() => false,
+                        };
+                        waits.waited += backoff.elapsed();
+                        // The asker left during the wait: the attempt is not made (with nothing
+                        // waiting to start there is nothing to withdraw, and the call goes
+                        // ahead).
+                        if !slept && let Some(Step::Done(d)) = self.call(Call::Withdraw) {
+                            return Next::Decided(d);
+                        }
+                    }
+                    // A shared budget holds the attempt's cost first (or the ledger says what
+                    // next).
+                    let node = self.node.clone();
+                    if d.hold_usd > 0.0
+                        && let Some(next) = node.ledger.reserve(self, d.hold_usd).await
+                    {
+                        next
+                    } else {
+                        return Next::Call(d);
+                    }
+                }
+            };
+        }
+    }
+
+    /// The attempt under way ended with `g`; the asker left meanwhile if `asker_left` (its
+    /// answer is still judged and paid for, but nothing more is tried for nobody).
+    pub(crate) fn completed(
+        &mut self,
+        g: crate::core::request::Generation,
+        asker_left: bool,
+    ) -> Step {
+        if asker_left {
+            self.call(Call::CallerGone);
+        }
+        self.next(Call::Complete { generation: g })
+    }
+
+    /// The asker left before the attempt made for it answered: the attempt is withdrawn and
+    /// the request ends.
+    pub(crate) fn withdraw(&mut self) -> Step {
+        // Nothing waiting (cannot be, after a dispatch): `next` ends it closed.
+        match self.call(Call::Withdraw) {
+            Some(step) => step,
+            None => self.next(Call::Abandon),
+        }
+    }
+}
+
 impl Drop for Flight {
     fn drop(&mut self) {
         if let Some(ticket) = self.session.ticket() {
@@ -327,7 +466,7 @@ pub async fn execute(
     let Begun {
         mut flight,
         mut step,
-        mut granted,
+        granted,
         stream,
         pass,
     } = match begin(node, body, headers, &asks) {
@@ -357,9 +496,6 @@ pub async fn execute(
         _ => Box::pin(rate_limit(node, &mut flight, &mut step)).await,
     };
     let mut used_tokens = 0;
-    // Time spent waiting on upstreams, in the queue and in backoffs: not oam's own (the rest
-    // is, `oam_overhead_seconds`).
-    let mut waited = Duration::ZERO;
     // A request that states a latency budget waits for a slot no longer than that.
     let queue_ms = flight
         .session
@@ -368,147 +504,76 @@ pub async fn execute(
         .map_or(node.cfg.node.queue_timeout_ms, |b| {
             b.min(node.cfg.node.queue_timeout_ms)
         });
-    let queue_deadline = tokio::time::Instant::now() + Duration::from_millis(queue_ms);
+    let mut waits = Waits {
+        granted,
+        queue_deadline: tokio::time::Instant::now() + Duration::from_millis(queue_ms),
+        waited: Duration::ZERO,
+    };
     let decision = loop {
-        step = match step {
-            Step::Done(d) => break *d,
-            Step::Queued => {
-                let ticket = flight.session.ticket();
-                let Some(rx) = granted.take() else {
-                    // Only `begin` queues, and it registered the waiter; fail closed.
-                    match flight.call(Call::Abandon) {
-                        Some(Step::Done(d)) => break *d,
-                        _ => continue,
-                    }
-                };
-                let queued = std::time::Instant::now();
-                let gave_up = tokio::select! {
-                    // A slot was handed to this request.
-                    _ = rx => None,
-                    () = tokio::time::sleep_until(queue_deadline) => Some(false),
-                    () = caller.cancelled() => Some(true),
-                };
-                waited += queued.elapsed();
-                let Some(caller_left) = gave_up else {
-                    step = flight.next(Call::Dequeue);
-                    continue;
-                };
-                // Leaving the queue: its waker goes too (a grant that raced with this is handed
-                // on by the engine).
-                if let Some(t) = ticket {
-                    node.pipeline.forget_waiter(t);
-                }
-                let left = flight.call(if caller_left {
-                    Call::CallerGone
-                } else {
-                    Call::Abandon
-                });
-                match left {
-                    Some(Step::Done(d)) => break *d,
-                    Some(other) => other,
-                    // Not queued any more (cannot happen after `begin` queued it): go on as the
-                    // engine says.
-                    None => flight.next(Call::Dequeue),
-                }
-            }
-            Step::Dispatch(d) => {
-                if d.delay_ms > 0 {
-                    let backoff = std::time::Instant::now();
-                    let slept = tokio::select! {
-                        () = tokio::time::sleep(Duration::from_millis(d.delay_ms)) => true,
-                        () = caller.cancelled() => false,
-                    };
-                    waited += backoff.elapsed();
-                    // The caller left during the wait: the attempt is not made (with nothing
-                    // waiting to start there is nothing to withdraw, and the call goes ahead).
-                    if !slept && let Some(Step::Done(d)) = flight.call(Call::Withdraw) {
-                        break *d;
-                    }
-                }
-                // A shared budget holds the attempt's cost first (or the ledger says what next).
-                if d.hold_usd > 0.0
-                    && let Some(next) = node.ledger.reserve(&mut flight, d.hold_usd).await
-                {
-                    step = next;
-                    continue;
-                }
-                if let Some(wire) = live {
-                    // Boxed, like every rarely taken large future here: the request's future
-                    // is moved whole into its box, so it stays the size of the common path.
-                    let calling = std::time::Instant::now();
-                    let opened = tokio::select! {
-                        o = Box::pin(super::live::open(node, &d, &pass, None, limits)) => Some(o),
-                        () = caller.cancelled() => None,
-                    };
-                    waited += calling.elapsed();
-                    // The caller left before the first event: the upstream call is dropped (no
-                    // more is generated, and paid for, for nobody) and the request ends.
-                    let Some(opened) = opened else {
-                        // Nothing waiting (cannot be, after a dispatch): `next` ends it closed.
-                        let left = match flight.call(Call::Withdraw) {
-                            Some(step) => step,
-                            None => flight.next(Call::Abandon),
-                        };
-                        step = left;
-                        continue;
-                    };
-                    match opened {
-                        super::live::Open::Started(first) => {
-                            if let Some(t) = flight.trace.as_mut() {
-                                t.first_chunk();
-                            }
-                            let own = started.elapsed().saturating_sub(waited);
-                            node.metrics.overhead("stream", own.as_secs_f64());
-                            let target = d.provider.to_string();
-                            let resp = super::live::respond(
-                                flight, first, pass, limits, target, started, wire,
-                            );
-                            return Answer::live(resp);
-                        }
-                        super::live::Open::Failed(a) => {
-                            let g = a.generation.clone();
-                            last = Some(a);
-                            if caller.is_cancelled() {
-                                flight.call(Call::CallerGone);
-                            }
-                            step = flight.next(Call::Complete { generation: g });
-                            continue;
-                        }
-                    }
-                }
-                let calling = std::time::Instant::now();
-                let attempt = match node.upstreams.target(&d.provider) {
-                    Some((c, model)) if embeddings => {
-                        c.embed(model, &pass, Duration::from_millis(d.timeout_ms))
-                            .await
-                    }
-                    Some((c, model)) => {
-                        c.generate(
-                            model,
-                            &flight.session.request().messages,
-                            Some(&pass),
-                            d.max_tokens,
-                            flight.session.request().response_format.as_ref(),
-                            Duration::from_millis(d.timeout_ms),
-                        )
-                        .await
-                    }
-                    None => crate::core::request::Generation {
-                        error: Some(format!("no connector for {}", d.provider)),
-                        ..crate::core::request::Generation::failed(GenerationStatus::Error, 0)
-                    }
-                    .into(),
-                };
-                waited += calling.elapsed();
-                let g = attempt.generation.clone();
-                used_tokens += g.usage.map_or(0, |u| u.prompt_tokens + u.completion_tokens);
-                last = Some(attempt);
-                if caller.is_cancelled() {
-                    flight.call(Call::CallerGone);
-                }
-                flight.next(Call::Complete { generation: g })
-            }
+        let d = match flight.advance(step, &mut waits, &caller).await {
+            Next::Decided(d) => break *d,
+            Next::Call(d) => d,
         };
+        if let Some(wire) = live {
+            // Boxed, like every rarely taken large future here: the request's future is moved
+            // whole into its box, so it stays the size of the common path.
+            let calling = std::time::Instant::now();
+            let opened = tokio::select! {
+                o = Box::pin(super::live::open(node, &d, &pass, None, limits)) => Some(o),
+                () = caller.cancelled() => None,
+            };
+            waits.waited += calling.elapsed();
+            match opened {
+                // The caller left before the first event: the upstream call is dropped (no
+                // more is generated, and paid for, for nobody) and the request ends.
+                None => step = flight.withdraw(),
+                Some(super::live::Open::Started(first)) => {
+                    if let Some(t) = flight.trace.as_mut() {
+                        t.first_chunk();
+                    }
+                    let own = started.elapsed().saturating_sub(waits.waited);
+                    node.metrics.overhead("stream", own.as_secs_f64());
+                    let target = d.provider.to_string();
+                    let resp =
+                        super::live::respond(flight, first, pass, limits, target, started, wire);
+                    return Answer::live(resp);
+                }
+                Some(super::live::Open::Failed(a)) => {
+                    let g = a.generation.clone();
+                    last = Some(a);
+                    step = flight.completed(g, caller.is_cancelled());
+                }
+            }
+            continue;
+        }
+        let calling = std::time::Instant::now();
+        let attempt = match node.upstreams.target(&d.provider) {
+            Some((c, model)) if embeddings => {
+                c.embed(model, &pass, Duration::from_millis(d.timeout_ms))
+                    .await
+            }
+            Some((c, model)) => {
+                c.generate(
+                    model,
+                    &flight.session.request().messages,
+                    Some(&pass),
+                    d.max_tokens,
+                    flight.session.request().response_format.as_ref(),
+                    Duration::from_millis(d.timeout_ms),
+                )
+                .await
+            }
+            None => crate::core::request::Generation {
+                error: Some(format!("no connector for {}", d.provider)),
+                ..crate::core::request::Generation::failed(GenerationStatus::Error, 0)
+            }
+            .into(),
+        };
+        waits.waited += calling.elapsed();
+        let g = attempt.generation.clone();
+        used_tokens += g.usage.map_or(0, |u| u.prompt_tokens + u.completion_tokens);
+        last = Some(attempt);
+        step = flight.completed(g, caller.is_cancelled());
     };
     if let Some((agent, admitted)) = rated {
         node.rates.settle(&agent, admitted, used_tokens).await;
@@ -527,7 +592,7 @@ pub async fn execute(
     let logged = conclude(node, decision, record, trace, started);
     // Under `[decision_log] durable`, not before its record is in the stream.
     node.log.logged(logged).await;
-    let own = started.elapsed().saturating_sub(waited);
+    let own = started.elapsed().saturating_sub(waits.waited);
     node.metrics.overhead("whole", own.as_secs_f64());
     Answer {
         stream,
@@ -694,6 +759,59 @@ mod tests {
         );
         let e = n.pipeline.read();
         assert_eq!(e.state.bulkheads.normal.active, 0, "nothing was admitted");
+    }
+
+    /// The one driver honours the asker's leaving in a backoff, whoever the asker is (a data
+    /// plane caller, a stream's reader): the attempt is not made for nobody, and the request
+    /// is decided at once, not after the wait.
+    #[tokio::test]
+    async fn a_backoff_ends_when_the_asker_leaves_and_no_attempt_is_made() {
+        async fn leave_during_backoff(asker: &impl Asker) -> Decision {
+            let n = node().await;
+            let body = br#"{"model": "auto", "messages": [{"role": "user", "content": "q"}]}"#;
+            let Ok(begun) = begin(&n, body, &HeaderMap::new(), &Asks::Answer(None)) else {
+                panic!("a good request is begun");
+            };
+            let Begun {
+                mut flight,
+                step,
+                granted,
+                ..
+            } = begun;
+            let Step::Dispatch(mut d) = step else {
+                panic!("free slots: the first step is an attempt");
+            };
+            d.delay_ms = 60_000;
+            let mut waits = Waits {
+                granted,
+                queue_deadline: tokio::time::Instant::now(),
+                waited: Duration::ZERO,
+            };
+            let advanced = flight.advance(Step::Dispatch(d), &mut waits, asker);
+            match tokio::time::timeout(Duration::from_secs(10), advanced).await {
+                Ok(Next::Decided(d)) => *d,
+                Ok(Next::Call(_)) => panic!("an attempt was made for nobody"),
+                Err(_) => panic!("the driver waited out the backoff"),
+            }
+        }
+        let gone = CancellationToken::new();
+        gone.cancel();
+        let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(1);
+        drop(rx);
+        for d in [
+            leave_during_backoff(&gone).await,
+            leave_during_backoff(&tx).await,
+        ] {
+            assert!(
+                d.outcome != crate::core::pipeline::DecisionOutcome::Accepted,
+                "{d:?}"
+            );
+            assert!(
+                d.attempts.iter().all(|a| a.status.is_none()),
+                "no attempt answered: {:?}",
+                d.attempts
+            );
+        }
     }
 
     #[tokio::test]
