@@ -30,6 +30,13 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub const MISSED_BEATS: u32 = 3;
 /// A death notice is flushed at once, but never waits long on a bus that is struggling.
 const FLUSH_WITHIN: Duration = Duration::from_secs(1);
+/// Live instances one agent may have (its replicas). Heartbeats that would make more are
+/// refused and counted: one agent cannot fill the monitor with instances whose deaths it must
+/// then announce, ahead of everyone else's.
+pub const MAX_INSTANCES_PER_AGENT: usize = 64;
+/// New instances one agent may start per second, once its first `MAX_INSTANCES_PER_AGENT`
+/// are used up.
+pub const NEW_INSTANCES_PER_S: f64 = 16.0;
 
 #[derive(Deserialize, Debug)]
 struct Advisory {
@@ -134,11 +141,47 @@ struct Seen {
     last: Instant,
 }
 
+/// One agent's instances as the monitor admits them: how many are live, and the tokens left
+/// for new ones (refilled at `NEW_INSTANCES_PER_S`, at most `MAX_INSTANCES_PER_AGENT`).
+struct Admission {
+    live: usize,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Admission {
+    fn new(now: Instant) -> Admission {
+        Admission {
+            live: 0,
+            tokens: MAX_INSTANCES_PER_AGENT as f64,
+            at: now,
+        }
+    }
+
+    /// May one more instance start now?
+    fn admit(&mut self, now: Instant) -> bool {
+        let refill = now.duration_since(self.at).as_secs_f64() * NEW_INSTANCES_PER_S;
+        self.tokens = (self.tokens + refill).min(MAX_INSTANCES_PER_AGENT as f64);
+        self.at = now;
+        if self.live >= MAX_INSTANCES_PER_AGENT || self.tokens < 1.0 {
+            return false;
+        }
+        self.tokens -= 1.0;
+        self.live += 1;
+        true
+    }
+}
+
 pub struct Monitor {
     app: async_nats::Client,
     /// (instance id, agent) -> its latest heartbeat. Keyed by both: an agent may beat with any
     /// instance id it likes, and that must not stand for another agent's instance.
     seen: BTreeMap<(String, String), Seen>,
+    /// Per agent, its instances as admitted.
+    admitted: BTreeMap<String, Admission>,
+    /// Heartbeats of new instances refused: their agent had `MAX_INSTANCES_PER_AGENT` live, or
+    /// started more than `NEW_INSTANCES_PER_S`.
+    pub refused_instances: u64,
     /// Heartbeats whose body names another agent than the subject they came on.
     pub forged: u64,
     pub malformed: u64,
@@ -147,10 +190,15 @@ pub struct Monitor {
     /// Deaths being announced at once (each its own task, so a burst of deaths is announced
     /// together rather than one after another).
     announcing: std::sync::Arc<tokio::sync::Semaphore>,
+    /// Deaths by missed heartbeats being announced at once: their own turns, so however many
+    /// go silent together, a dropped connection's death never waits behind them.
+    sweeping: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 /// Deaths announced at once; more wait for a turn.
 const ANNOUNCING: usize = 64;
+/// Deaths by missed heartbeats announced at once.
+const SWEEPING: usize = 16;
 
 /// A death the evidence tells of.
 struct Death {
@@ -175,25 +223,49 @@ impl Monitor {
         Monitor {
             app,
             seen: BTreeMap::new(),
+            admitted: BTreeMap::new(),
+            refused_instances: 0,
             forged: 0,
             malformed: 0,
             skipped_lookups: 0,
             announcing: std::sync::Arc::new(tokio::sync::Semaphore::new(ANNOUNCING)),
+            sweeping: std::sync::Arc::new(tokio::sync::Semaphore::new(SWEEPING)),
+        }
+    }
+
+    /// Instance `instance_id` of `agent` is not followed any more.
+    fn forget(&mut self, instance_id: &str, agent: &str) {
+        let key = (instance_id.to_string(), agent.to_string());
+        if self.seen.remove(&key).is_some()
+            && let Some(a) = self.admitted.get_mut(agent)
+        {
+            a.live = a.live.saturating_sub(1);
         }
     }
 
     /// Announce (once, cluster-wide) and clean up a death, in a task of its own once one of the
     /// `ANNOUNCING` turns is free: past that the loop waits (backpressure), so a flood of closed
-    /// connections cannot pile up tasks.
+    /// connections cannot pile up tasks. Deaths by missed heartbeats wait for one of their own
+    /// `SWEEPING` turns in their task, never in the loop (they are as many as the admitted
+    /// instances at most): the loop goes on reading advisories, whose deaths go first.
     async fn died(&mut self, death: Death) {
         for agent in &death.agents {
-            self.seen
-                .remove(&(death.instance_id.clone(), agent.clone()));
+            self.forget(&death.instance_id, agent);
+        }
+        let app = self.app.clone();
+        if death.reason == DeathReason::MissedHeartbeats {
+            let turns = self.sweeping.clone();
+            tokio::spawn(async move {
+                let Ok(_turn) = turns.acquire_owned().await else {
+                    return;
+                };
+                announce(&app, death).await;
+            });
+            return;
         }
         let Ok(turn) = self.announcing.clone().acquire_owned().await else {
             return;
         };
-        let app = self.app.clone();
         tokio::spawn(async move {
             announce(&app, death).await;
             drop(turn);
@@ -223,7 +295,49 @@ impl Monitor {
         match serde_json::from_slice::<AgentHeartbeat>(payload) {
             Ok(h) if h.agent == on => {
                 let last = Instant::now();
-                self.seen.insert((h.instance_id, h.agent), Seen { last });
+                let key = (h.instance_id, h.agent);
+                if let Some(s) = self.seen.get_mut(&key) {
+                    s.last = last;
+                    return;
+                }
+                // An instance id is the agent's that beat with it first (an oam host serves one
+                // agent an instance): another agent's beat with it is forged, and its silence
+                // must not announce the first agent's instance dead.
+                let owner = self
+                    .seen
+                    .range((key.0.clone(), String::new())..)
+                    .next()
+                    .filter(|((id, _), _)| *id == key.0)
+                    .map(|((_, agent), _)| agent.clone());
+                if let Some(owner) = owner {
+                    self.forged += 1;
+                    tracing::warn!(
+                        subject,
+                        instance_id = key.0,
+                        owner,
+                        "a heartbeat names another agent's instance; ignored"
+                    );
+                    return;
+                }
+                let admission = self
+                    .admitted
+                    .entry(key.1.clone())
+                    .or_insert_with(|| Admission::new(last));
+                if !admission.admit(last) {
+                    self.refused_instances += 1;
+                    if self.refused_instances.is_power_of_two() {
+                        tracing::warn!(
+                            agent = key.1,
+                            refused = self.refused_instances,
+                            "heartbeats of new instances refused: an agent may have {} live and \
+                             start {} a second",
+                            MAX_INSTANCES_PER_AGENT,
+                            NEW_INSTANCES_PER_S
+                        );
+                    }
+                    return;
+                }
+                self.seen.insert(key, Seen { last });
             }
             Ok(h) => {
                 self.forged += 1;
@@ -260,11 +374,21 @@ impl Monitor {
     /// Instance records present at start (left by a previous run, or by hosts whose monitor was
     /// down) get the same chance as everyone else: heartbeat within the limit or be declared dead.
     async fn adopt_records(&mut self) {
+        let now = Instant::now();
         for rec in store::all_instances(&self.app).await.unwrap_or_default() {
             let agent = rec.agents.first().cloned().unwrap_or_default();
-            self.seen.entry((rec.instance_id, agent)).or_insert(Seen {
-                last: Instant::now(),
-            });
+            let key = (rec.instance_id, agent);
+            if self.seen.contains_key(&key) {
+                continue;
+            }
+            // Records are admitted as heartbeats are: no more per agent than it may have.
+            let admission = self
+                .admitted
+                .entry(key.1.clone())
+                .or_insert_with(|| Admission::new(now));
+            if admission.admit(now) {
+                self.seen.insert(key, Seen { last: now });
+            }
         }
     }
 }
@@ -730,6 +854,23 @@ mod tests {
         assert!(may_speak_for("oam", "demo.echo"));
         assert!(may_speak_for("", "demo.echo"));
         assert!(may_speak_for("UABC123", "demo.echo"));
+    }
+
+    #[test]
+    fn an_agent_may_have_so_many_instances_and_start_so_many_a_second() {
+        let t0 = Instant::now();
+        let mut a = Admission::new(t0);
+        let burst = (0..5_000).filter(|_| a.admit(t0)).count();
+        assert_eq!(burst, MAX_INSTANCES_PER_AGENT);
+        // Every one live: no more, however long it waits.
+        assert!(!a.admit(t0 + Duration::from_secs(60)));
+        // Half of them gone a second after the burst: new ones at the stated rate.
+        let mut a = Admission::new(t0);
+        (0..MAX_INSTANCES_PER_AGENT).for_each(|_| assert!(a.admit(t0)));
+        a.live /= 2;
+        let later = t0 + Duration::from_secs(1);
+        let n = (0..100).filter(|_| a.admit(later)).count();
+        assert_eq!(n, NEW_INSTANCES_PER_S as usize);
     }
 
     #[test]

@@ -402,6 +402,81 @@ async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
     assert!(waited < Duration::from_secs(2), "{waited:?}");
 }
 
+/// One agent floods the monitor with heartbeats of 5,000 made-up instances on its own subject
+/// (0.04 s of work; once they go silent the monitor announced them all at ~65/s, and a real
+/// death waited 45 s behind them). While the flood's instances are being announced, another
+/// agent is SIGKILLed holding a call: its death is announced within 1 s and its caller fails
+/// fast, and no more of the flood is announced than the instances one agent may have.
+#[tokio::test]
+async fn a_heartbeat_flood_from_one_agent_delays_no_other_death() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let _monitor = monitor(&server);
+    let mut victim = serve(&url, "demo.victim", "sleep:20000", &[]);
+    let nc = oam::transport::connect::connect(&url, "test", false, &Default::default())
+        .await
+        .unwrap();
+    let mut deaths = nc.subscribe("mesh.death.>").await.unwrap();
+    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    nc.flush().await.unwrap();
+    let caller = std::sync::Arc::new(oam::mesh::client::Caller::new(nc.clone()).await.unwrap());
+    let c = caller.clone();
+    let pending = tokio::spawn(async move {
+        c.call("demo.victim", "{}".into(), Duration::from_secs(30))
+            .await
+    });
+    beat_of(&nc, "demo.victim", |b| b["in_flight"].as_u64() >= Some(1)).await;
+    for i in 0..5_000 {
+        let beat = json!({"agent": "demo.flood", "instance_id": format!("flood{i:05}"),
+            "in_flight": 0, "processed": 0, "at_ms": 0});
+        nc.publish("mesh.health.demo.flood", beat.to_string().into())
+            .await
+            .unwrap();
+    }
+    nc.flush().await.unwrap();
+    // The flood's instances never beat again: the monitor is announcing them now.
+    let first = next_json(&mut instance_deaths, Duration::from_secs(15))
+        .await
+        .expect("the flood's instances are announced dead");
+    assert_eq!(first["agent"], "demo.flood", "{first}");
+    let killed = Instant::now();
+    victim.kill();
+    let notice = loop {
+        let n = next_json(&mut deaths, Duration::from_secs(60))
+            .await
+            .expect("the victim's death is announced");
+        if n["agent"] == "demo.victim" {
+            break n;
+        }
+    };
+    let announced = killed.elapsed();
+    assert_eq!(notice["reason"], "disconnect", "{notice}");
+    let err = tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the call ended")
+        .unwrap()
+        .expect_err("the call died with its agent");
+    let failed = killed.elapsed();
+    assert_eq!(err.code, oam::mesh::protocol::ErrorCode::AgentDied, "{err}");
+    // Orders of magnitude, not benchmarks: milliseconds, where the flood made it 45 s.
+    assert!(
+        announced < Duration::from_secs(1),
+        "announced after {announced:?}"
+    );
+    assert!(failed < Duration::from_secs(1), "failed after {failed:?}");
+    // Of the flood, only the instances one agent may have were announced (counted until the
+    // notices stop for 2 s: a late one is missed, never one too many).
+    let mut flooded = 1;
+    while let Some(n) = next_json(&mut instance_deaths, Duration::from_secs(2)).await {
+        flooded += usize::from(n["agent"] == "demo.flood");
+    }
+    let most = oam::mesh::monitor::MAX_INSTANCES_PER_AGENT;
+    assert!(
+        flooded <= most,
+        "{flooded} of the flood's instances announced"
+    );
+}
+
 #[tokio::test]
 async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
     let server = NatsServer::start().await;
@@ -1372,6 +1447,27 @@ async fn forged_heartbeats_and_instance_records_fool_no_monitor() {
     );
     let (ok, _, err) = call(&url, "demo.victim", "{}", "5");
     assert!(ok, "the victim still serves: {err}");
+
+    // The attacker beats with the victim's live instance id on its own subject, then goes
+    // silent: the id is the victim's, so nothing is announced for it (it was announced dead
+    // under the attacker's name), and the next marker's death comes alone.
+    nc.publish("mesh.health.evil", beat("evil", &victim_id).into())
+        .await
+        .unwrap();
+    nc.publish("mesh.health.evil", beat("evil", "marker-2").into())
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+    let marker = next_json(&mut instance_deaths, Duration::from_secs(10))
+        .await
+        .expect("the second marker's missed heartbeats");
+    assert_eq!(marker["instance_id"], "marker-2", "{marker}");
+    assert!(
+        next_json(&mut instance_deaths, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "the victim's instance was not declared dead"
+    );
 
     // A record under the attacker's key that names the victim, then the victim's real death.
     let js = async_nats::jetstream::new(nc.clone());
