@@ -591,3 +591,116 @@ async fn a_missing_bucket_is_said_not_waited_for_and_mesh_up_puts_it_back() {
         succeeded(&in_folder(&mesh, args));
     }
 }
+
+/// The inboxes node `id` reads, as the server lists its subscriptions to the system account
+/// (what an attacker read off the monitoring port): every `_OAM.node.{id}.…` subject, a
+/// wildcard's last token made concrete.
+async fn node_inboxes(mesh: &LocalCluster, id: &str) -> Vec<String> {
+    let sys_url = oam::local::recorded_url(&mesh.dir.0, "sys_url").expect("a system URL");
+    let sys = oam::transport::connect::connect(&sys_url, "test-sys", false, &Default::default())
+        .await
+        .unwrap();
+    let query = json!({"subscriptions": true, "auth": true, "limit": 1024});
+    let reply = sys
+        .request("$SYS.REQ.SERVER.PING.CONNZ", query.to_string().into())
+        .await
+        .unwrap();
+    let connz: Value = serde_json::from_slice(&reply.payload).unwrap();
+    let prefix = format!("_OAM.node.{id}.");
+    connz["data"]["connections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["authorized_user"] == format!("node-{id}"))
+        .flat_map(|c| {
+            c["subscriptions_list"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|s| s.as_str().map(String::from))
+        .filter(|s| s.starts_with(&prefix))
+        .map(|s| s.replace(".*", ".x").replace(".>", ".x"))
+        .collect()
+}
+
+/// Publish a JetStream flow-control request (a status message, which no client library
+/// writes) on `subject` with reply `reply`, over a bare connection as `url`'s user.
+async fn flow_control(url: &str, subjects: &[String], reply: &str) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let (bare, auth) = oam::transport::connect::split_credentials(url);
+    let (user, pass) = auth.expect("a URL with credentials");
+    let addr = bare.trim_start_matches("nats://").to_string();
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (read, mut write) = stream.into_split();
+    let mut lines = tokio::io::BufReader::new(read).lines();
+    let info = lines.next_line().await.unwrap().unwrap();
+    assert!(info.starts_with("INFO "), "{info}");
+    let connect = json!({"user": user, "pass": pass, "headers": true, "verbose": false,
+        "pedantic": false, "protocol": 1, "name": "test-flow-control"});
+    let mut out = format!("CONNECT {connect}\r\n");
+    let header = "NATS/1.0 100 FlowControl Request\r\n\r\n";
+    for s in subjects {
+        out += &format!(
+            "HPUB {s} {reply} {} {}\r\n{header}\r\n",
+            header.len(),
+            header.len()
+        );
+    }
+    out += "PING\r\n";
+    write.write_all(out.as_bytes()).await.unwrap();
+    loop {
+        let line = lines
+            .next_line()
+            .await
+            .unwrap()
+            .expect("the server answers");
+        assert!(!line.starts_with("-ERR"), "{line}");
+        if line == "PONG" {
+            return;
+        }
+    }
+}
+
+/// An agent publishes JetStream flow-control requests into every inbox a node reads, naming a
+/// budget record as the reply: a node whose bucket watch was a push consumer answered each with
+/// an empty body there, with its own rights (the budget emptied: nobody limited). The node's
+/// watch is a pull consumer now, whose client answers nothing it is sent: the record stands.
+#[tokio::test]
+async fn a_flow_control_request_from_an_agent_empties_no_budget() {
+    let mesh = LocalCluster::up("flow-control").await;
+    issue(&mesh, "agent", "evil");
+    succeeded(&in_folder(
+        &mesh,
+        &["budget", "set", "bob", "--limit", "5", "--json"],
+    ));
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
+    let record = "$KV.oam-budgets.agent.bob";
+    let mut writes = admin.subscribe(record).await.unwrap();
+    admin.flush().await.unwrap();
+    let kv = async_nats::jetstream::new(admin.clone())
+        .get_key_value("oam-budgets")
+        .await
+        .unwrap();
+    let before = kv.entry("agent.bob").await.unwrap().expect("bob's budget");
+    // The node reads its budget watch in one of these (a consumer's delivery or pull inbox).
+    let inboxes = node_inboxes(&mesh, "n1").await;
+    assert!(!inboxes.is_empty(), "the node reads inboxes");
+    flow_control(&mesh.role_url("agent-evil"), &inboxes, record).await;
+    // An answer to flow control is published at once: nothing in 2 s is nothing.
+    let written = tokio::time::timeout(
+        Duration::from_secs(2),
+        futures_util::StreamExt::next(&mut writes),
+    )
+    .await;
+    assert!(
+        written.is_err(),
+        "the budget record was written: {written:?}"
+    );
+    let after = kv.entry("agent.bob").await.unwrap().expect("bob's budget");
+    assert_eq!(after.revision, before.revision);
+    assert_eq!(after.value, before.value);
+}
