@@ -397,12 +397,29 @@ impl ChunkStream {
                 }
             }
         }
-        let (private, shared) = (&mut self.sub, &mut self.shared);
-        let event = tokio::select! {
-            m = next_of(private) => Ok((m, true)),
-            Some(m) = next_of(shared) => Ok((Some(m), false)),
-            fate = &mut self.fate => Err(Some(fate)),
-            _ = tokio::time::sleep_until(self.deadline) => Err(None),
+        // In the private inbox, only what the serving instance sent is believed: it carries
+        // the request id (which only this caller, the server and the instance the request went
+        // to know) and, once the stream is acknowledged, that instance's id. Anything else
+        // (another agent or a node writing into this inbox) is skipped, not the stream's end.
+        let event = loop {
+            let (private, shared) = (&mut self.sub, &mut self.shared);
+            let event = tokio::select! {
+                m = next_of(private) => Ok((m, true)),
+                Some(m) = next_of(shared) => Ok((Some(m), false)),
+                fate = &mut self.fate => Err(Some(fate)),
+                _ = tokio::time::sleep_until(self.deadline) => Err(None),
+            };
+            if let Ok((Some(m), true)) = &event
+                && !self.sent_by_serving_instance(m)
+            {
+                tracing::warn!(
+                    agent = self.agent,
+                    request_id = self.request_id,
+                    "a message in a stream's inbox that its agent did not send; skipped"
+                );
+                continue;
+            }
+            break event;
         };
         // The first chunk decides where the rest comes from: privately from an oam agent (the
         // shared subject is then nobody's to write into), or on the shared subject from another
@@ -446,7 +463,14 @@ impl ChunkStream {
                         },
                     )))
                 } else if header(protocol::H_STREAM_END).as_deref() == Some("true") {
-                    None
+                    // An end marker that skips chunks ends a cut stream, never a clean one.
+                    match seq {
+                        Some(seq) if seq != self.next_seq => {
+                            let message = format!("ended at chunk {seq}, {} came", self.next_seq);
+                            Some(Err(self.error(ErrorCode::ChunkSequenceError, message)))
+                        }
+                        _ => None,
+                    }
                 } else if seq != Some(self.next_seq) {
                     let message = format!("expected chunk {}, got {seq:?}", self.next_seq);
                     Some(Err(self.error(ErrorCode::ChunkSequenceError, message)))
@@ -477,6 +501,23 @@ impl ChunkStream {
 
     fn error(&self, code: ErrorCode, message: String) -> MeshError {
         error(code, &self.agent, &self.request_id, message)
+    }
+
+    /// `m` names this stream's request and (once acknowledged) the instance serving it.
+    fn sent_by_serving_instance(&self, m: &async_nats::Message) -> bool {
+        let header = |k: &str| {
+            m.headers
+                .as_ref()
+                .and_then(|h| h.get(k))
+                .map(async_nats::HeaderValue::as_str)
+        };
+        if header(protocol::H_REQUEST_ID) != Some(self.request_id.as_str()) {
+            return false;
+        }
+        let acked = pending_map(&self.pending)
+            .get(&self.request_id)
+            .and_then(|c| c.instance.clone());
+        acked.is_none_or(|id| header(protocol::H_INSTANCE_ID) == Some(id.as_str()))
     }
 }
 

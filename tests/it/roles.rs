@@ -592,10 +592,10 @@ async fn a_missing_bucket_is_said_not_waited_for_and_mesh_up_puts_it_back() {
     }
 }
 
-/// The inboxes node `id` reads, as the server lists its subscriptions to the system account
-/// (what an attacker read off the monitoring port): every `_OAM.node.{id}.…` subject, a
-/// wildcard's last token made concrete.
-async fn node_inboxes(mesh: &LocalCluster, id: &str) -> Vec<String> {
+/// The inboxes of role user `user`, as the server lists its connections' subscriptions to the
+/// system account (what an attacker read off the monitoring port): every subject under
+/// `prefix`, a wildcard's last token made concrete.
+async fn inboxes_of(mesh: &LocalCluster, user: &str, prefix: &str) -> Vec<String> {
     let sys_url = oam::local::recorded_url(&mesh.dir.0, "sys_url").expect("a system URL");
     let sys = oam::transport::connect::connect(&sys_url, "test-sys", false, &Default::default())
         .await
@@ -606,12 +606,11 @@ async fn node_inboxes(mesh: &LocalCluster, id: &str) -> Vec<String> {
         .await
         .unwrap();
     let connz: Value = serde_json::from_slice(&reply.payload).unwrap();
-    let prefix = format!("_OAM.node.{id}.");
     connz["data"]["connections"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|c| c["authorized_user"] == format!("node-{id}"))
+        .filter(|c| c["authorized_user"] == user)
         .flat_map(|c| {
             c["subscriptions_list"]
                 .as_array()
@@ -619,7 +618,7 @@ async fn node_inboxes(mesh: &LocalCluster, id: &str) -> Vec<String> {
                 .unwrap_or_default()
         })
         .filter_map(|s| s.as_str().map(String::from))
-        .filter(|s| s.starts_with(&prefix))
+        .filter(|s| s.starts_with(prefix))
         .map(|s| s.replace(".*", ".x").replace(".>", ".x"))
         .collect()
 }
@@ -687,7 +686,7 @@ async fn a_flow_control_request_from_an_agent_empties_no_budget() {
         .unwrap();
     let before = kv.entry("agent.bob").await.unwrap().expect("bob's budget");
     // The node reads its budget watch in one of these (a consumer's delivery or pull inbox).
-    let inboxes = node_inboxes(&mesh, "n1").await;
+    let inboxes = inboxes_of(&mesh, "node-n1", "_OAM.node.n1.").await;
     assert!(!inboxes.is_empty(), "the node reads inboxes");
     flow_control(&mesh.role_url("agent-evil"), &inboxes, record).await;
     // An answer to flow control is published at once: nothing in 2 s is nothing.
@@ -703,4 +702,107 @@ async fn a_flow_control_request_from_an_agent_empties_no_budget() {
     let after = kv.entry("agent.bob").await.unwrap().expect("bob's budget");
     assert_eq!(after.revision, before.revision);
     assert_eq!(after.value, before.value);
+}
+
+/// While a caller reads an agent's stream, a hostile agent writes into every inbox of the
+/// caller's (found in the server's subscription list, as the attack found them) an end marker,
+/// chunks of every sequence number and a forged `agent_died`, and another caller names those
+/// inboxes as the reply of a data-plane request (a node answers there). A caller that believed
+/// them ended the stream early, took the chunks or failed; now it reads the stream whole: its
+/// 20 chunks in order, then its own end.
+#[tokio::test]
+async fn nobody_ends_injects_into_or_fails_another_agent_s_stream() {
+    use oam::mesh::protocol::{H_INSTANCE_ID, H_REQUEST_ID, H_STATUS, H_STREAM_END, H_STREAM_SEQ};
+    let mesh = LocalCluster::up("forged-stream").await;
+    issue(&mesh, "agent", "evil");
+    let streamer = issue(&mesh, "agent", "demo.stream");
+    let served = Proc::spawn(&[
+        "agent",
+        "serve",
+        "demo.stream",
+        "--demo",
+        "stream:20:50",
+        "--json",
+        "--creds",
+        streamer["file"].as_str().unwrap(),
+    ]);
+    let instance = served.ready["instances"][0].as_str().unwrap().to_string();
+    let (reader, _) = client(&mesh.role_url("caller")).await;
+    let caller = oam::mesh::client::Caller::new(reader).await.unwrap();
+    let mut stream = caller
+        .stream("demo.stream", r#"{"q": 1}"#.into(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let first = stream
+        .next()
+        .await
+        .expect("a chunk")
+        .expect("the first chunk");
+    assert_eq!(serde_json::from_slice::<Value>(&first).unwrap()["index"], 0);
+
+    let inboxes = inboxes_of(&mesh, "caller", "_OAM.caller.").await;
+    assert!(!inboxes.is_empty(), "the caller reads inboxes");
+    let (evil, _) = client(&mesh.role_url("agent-evil")).await;
+    let headers = |pairs: &[(&str, &str)]| {
+        let mut h = async_nats::HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, *v);
+        }
+        h
+    };
+    for inbox in &inboxes {
+        for seq in 1..=20 {
+            let seq = seq.to_string();
+            let chunk = headers(&[
+                (H_STREAM_SEQ, &seq),
+                (H_STREAM_END, "false"),
+                (H_REQUEST_ID, "guessed"),
+                (H_INSTANCE_ID, &instance),
+            ]);
+            evil.publish_with_headers(inbox.clone(), chunk, r#"{"forged": true}"#.into())
+                .await
+                .unwrap();
+        }
+        let end = headers(&[
+            (H_STREAM_SEQ, "4"),
+            (H_STREAM_END, "true"),
+            (H_INSTANCE_ID, &instance),
+        ]);
+        evil.publish_with_headers(inbox.clone(), end, "".into())
+            .await
+            .unwrap();
+        let died = json!({"code": "agent_died", "message": "forged", "agent": "demo.stream",
+            "request_id": "guessed", "details": {}});
+        let error = headers(&[
+            (H_STATUS, "error"),
+            (H_STREAM_END, "true"),
+            (H_INSTANCE_ID, &instance),
+        ]);
+        evil.publish_with_headers(inbox.clone(), error, died.to_string().into())
+            .await
+            .unwrap();
+    }
+    evil.flush().await.unwrap();
+    let (other, _) = client(&mesh.role_url("caller")).await;
+    let ask = json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}]});
+    for inbox in &inboxes {
+        other
+            .publish_with_reply("oam.v1.request", inbox.clone(), ask.to_string().into())
+            .await
+            .unwrap();
+    }
+    other.flush().await.unwrap();
+
+    let mut indexes = vec![0];
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.expect("the stream is not failed by anyone but its agent");
+        let v: Value = serde_json::from_slice(&chunk).unwrap();
+        assert!(v.get("forged").is_none(), "a forged chunk was taken: {v}");
+        indexes.push(v["index"].as_u64().unwrap());
+    }
+    assert_eq!(
+        indexes,
+        (0..20).collect::<Vec<u64>>(),
+        "the whole stream, in order"
+    );
 }
