@@ -6,9 +6,9 @@
 //! `X-Request-Id`.
 
 use super::Node;
+use super::api::openai::BadRequest;
 use super::detach::Detachable;
 use super::live::Wire;
-use super::openai::BadRequest;
 use super::request::{Answer, Asks, authenticate, bad_request, execute};
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
@@ -81,7 +81,7 @@ async fn at_connection_limit(
     let body = if uri.path() == "/v1/messages" {
         json!({"type": "error", "error": {"type": "overloaded_error", "message": message}})
     } else {
-        super::openai::error_body(&message, "server_error", None, code.as_str())
+        super::api::openai::error_body(&message, "server_error", None, code.as_str())
     };
     // `with_oam_headers` adds the Retry-After of an admission refusal.
     let resp = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
@@ -167,7 +167,7 @@ async fn models(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
     data.push(entry("auto", "oam", all));
     if headers.contains_key("anthropic-version") {
         // An Anthropic client lists models in its own shape (one page).
-        return axum::Json(super::anthropic::models_of(&data)).into_response();
+        return axum::Json(super::api::anthropic::models_of(&data)).into_response();
     }
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -236,7 +236,7 @@ pub(crate) fn with_oam_headers(
 /// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
 pub(crate) fn to_sse(a: Answer) -> Response {
     let answer: Value = serde_json::from_slice(&a.body).unwrap_or_default();
-    let text = super::openai::sse_of(&answer);
+    let text = super::api::openai::sse_of(&answer);
     let resp = (
         StatusCode::OK,
         [
@@ -291,15 +291,15 @@ async fn messages(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    let headers = super::anthropic::chat_headers(&headers);
+    let headers = super::api::anthropic::chat_headers(&headers);
     let api = Translation {
         // With Messages targets, what only Messages carries is served there as it came.
         to_chat: if node.cfg.speaks_anthropic() {
-            super::anthropic::to_chat_or_native
+            super::api::anthropic::to_chat_or_native
         } else {
-            |b| super::anthropic::to_chat(b).map(|(chat, stream)| (chat, stream, None))
+            |b| super::api::anthropic::to_chat(b).map(|(chat, stream)| (chat, stream, None))
         },
-        answer_of: super::anthropic::answer_of,
+        answer_of: super::api::anthropic::answer_of,
         live: Some(Wire::Anthropic),
     };
     translated(&node, headers, body, api).await
@@ -312,18 +312,18 @@ async fn count_tokens(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    let headers = super::anthropic::chat_headers(&headers);
+    let headers = super::api::anthropic::chat_headers(&headers);
     let answer = match authenticate(&node, &headers) {
         Err(refused) => *refused,
         Ok(_) => match read_body(&node, &headers, body).await {
             Err(refused) => *refused,
-            Ok(bytes) => match super::anthropic::count_tokens(&node.cfg, &bytes, &headers) {
+            Ok(bytes) => match super::api::anthropic::count_tokens(&node.cfg, &bytes, &headers) {
                 Ok(n) => return axum::Json(json!({"input_tokens": n})).into_response(),
                 Err(e) => bad_request(&node, &headers, e),
             },
         },
     };
-    let (text, events) = super::anthropic::answer_of(&answer, false);
+    let (text, events) = super::api::anthropic::answer_of(&answer, false);
     in_its_api(answer, text, events)
 }
 
@@ -335,8 +335,8 @@ async fn responses(
     body: axum::body::Body,
 ) -> Response {
     let api = Translation {
-        to_chat: |b| super::responses::to_chat(b).map(|(chat, stream)| (chat, stream, None)),
-        answer_of: super::responses::answer_of,
+        to_chat: |b| super::api::responses::to_chat(b).map(|(chat, stream)| (chat, stream, None)),
+        answer_of: super::api::responses::answer_of,
         live: Some(Wire::Responses),
     };
     translated(&node, headers, body, api).await
@@ -363,7 +363,7 @@ async fn embeddings(
 /// stream was asked for), and a decided answer into its body (and whether that is events).
 struct Translation {
     /// ... and, when it is to be served as it came (Messages only), the request itself.
-    to_chat: fn(&[u8]) -> super::openai::MaybeNative,
+    to_chat: fn(&[u8]) -> super::api::openai::MaybeNative,
     answer_of: fn(&Answer, bool) -> (String, bool),
     /// How a stream is relayed live in this API, if it is (else it is checked whole, then
     /// sent as the API's events).
@@ -483,7 +483,7 @@ async fn run(
             tracing::error!("a request's pipeline panicked");
             (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                axum::Json(super::openai::error_body(
+                axum::Json(super::api::openai::error_body(
                     "oam failed internally while serving this request; see the node's log",
                     "server_error",
                     None,
@@ -671,6 +671,6 @@ mod tests {
             "a value with a newline is no header"
         );
         let text = v.as_str().expect("not JSON: events");
-        assert_eq!(text, crate::node::openai::sse_of(&answer));
+        assert_eq!(text, crate::node::api::openai::sse_of(&answer));
     }
 }

@@ -6,10 +6,10 @@
 //! cleanly. A finish chunk whose `[DONE]` never comes is complete, and closed by oam.
 
 use super::Node;
+use super::api::openai::{chunk_head, stream_end};
 use super::config::Streaming;
 use super::exchange::{Attempt, Delta, Passthrough, read_chunk};
 use super::http::with_oam_headers;
-use super::openai::{chunk_head, stream_end};
 use super::request::{Flight, Next, Waits, conclude};
 use super::upstream::{Broken, Opened, Stream};
 use crate::core::contract::ToolCall;
@@ -261,8 +261,8 @@ struct Relay {
 
 enum Encoder {
     Chat,
-    Anthropic(super::anthropic::Live),
-    Responses(super::responses::Live),
+    Anthropic(super::api::anthropic::Live),
+    Responses(super::api::responses::Live),
 }
 
 impl Relay {

@@ -9,13 +9,12 @@
 //! and runs as `run(self, stop)`: the publisher (`bus`), gossip, the prober (`health`), the
 //! ledger's keeper, the decision-log writer, loop claims, escalations, chaos commands.
 
-pub mod anthropic;
+pub mod api;
 pub mod bus;
 pub mod chaos;
 pub mod config;
 pub mod decisionlog;
 mod detach;
-pub mod embeddings;
 pub mod escalations;
 pub(crate) mod exchange;
 pub mod gossip;
@@ -27,12 +26,10 @@ pub mod live;
 pub mod loops;
 pub mod metrics;
 pub mod nats;
-pub mod openai;
 pub mod otlp;
 pub mod pipeline;
 pub mod rates;
 pub mod request;
-pub mod responses;
 pub mod server;
 pub mod status;
 mod tools;

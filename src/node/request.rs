@@ -5,8 +5,8 @@
 //! are thin adapters over `execute`.
 
 use super::Node;
+use super::api::openai::{self, BadRequest, bad, header, json_bytes, param_of};
 use super::exchange::Passthrough;
-use super::openai::{self, BadRequest, bad, header, json_bytes, param_of};
 use crate::clock::now_ms;
 use crate::core::pipeline::{Decision, Effect, Session, Step};
 use crate::core::reason::ReasonCode;
@@ -52,7 +52,7 @@ pub(crate) fn to_request(
             pass.native = Some(native.clone());
             (request, stream, pass)
         }
-        Asks::Embeddings => super::embeddings::decode(&node.cfg, body, h, new_id)?,
+        Asks::Embeddings => super::api::embeddings::decode(&node.cfg, body, h, new_id)?,
     };
     if let Some(id) = client {
         // Who holds the key is who calls, whatever the request says.

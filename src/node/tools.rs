@@ -5,7 +5,7 @@
 //! being parsed, checked and copied again. The cache is bounded and only saves work: a list
 //! read afresh gives the same set.
 
-use super::openai::{BadRequest, MAX_TOOLS, bad};
+use super::api::openai::{BadRequest, MAX_TOOLS, bad};
 use crate::core::request::Tools;
 use serde::Deserialize;
 use serde_json::Value;

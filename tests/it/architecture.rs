@@ -235,39 +235,29 @@ fn only_the_commands_that_run_a_node_use_it() {
     );
 }
 
-/// The node's client APIs (what callers speak) and its upstream APIs (`node/upstream/`, what
-/// providers speak) meet in `node::exchange` only: neither uses the other, so adding one of
-/// either is a sibling file that changes nothing on the other side.
-const CLIENT_APIS: &[&str] = &["openai", "anthropic", "responses", "embeddings"];
-
+/// The node's client APIs (`node/api/`, what callers speak) and its upstream APIs
+/// (`node/upstream/`, what providers speak) meet in `node::exchange` only: neither uses the
+/// other, so adding one of either is a sibling file that changes nothing on the other side.
 #[test]
 fn client_apis_and_upstream_apis_never_use_each_other() {
     let node = src().join("node");
     let mut wrong = Vec::new();
-    for file in rust_files(&node.join("upstream")) {
-        // From `upstream/mod.rs` the node's modules are `super::x`; from its siblings,
-        // `super::super::x`.
-        let parent = if file.ends_with("mod.rs") {
-            "super::"
-        } else {
-            "super::super::"
-        };
-        for (n, line) in code_lines(&file) {
-            for api in CLIENT_APIS {
-                if [format!("node::{api}::"), format!("{parent}{api}::")]
+    for (folder, other) in [("upstream", "api"), ("api", "upstream")] {
+        for file in rust_files(&node.join(folder)) {
+            // From `{folder}/mod.rs` the node's modules are `super::x`; from its siblings,
+            // `super::super::x`.
+            let parent = if file.ends_with("mod.rs") {
+                "super::"
+            } else {
+                "super::super::"
+            };
+            for (n, line) in code_lines(&file) {
+                if [format!("node::{other}::"), format!("{parent}{other}::")]
                     .iter()
                     .any(|u| line.contains(u.as_str()))
                 {
-                    wrong.push(format!("{}: upstream uses {api}", at(&file, n)));
+                    wrong.push(format!("{}: {folder} uses {other}", at(&file, n)));
                 }
-            }
-        }
-    }
-    for api in CLIENT_APIS {
-        let file = node.join(format!("{api}.rs"));
-        for (n, line) in code_lines(&file) {
-            if line.contains("upstream::") {
-                wrong.push(format!("{}: {api} uses upstream", at(&file, n)));
             }
         }
     }

@@ -5,9 +5,9 @@
 //! chat-completions target cannot carry (thinking blocks, documents, server tools, `top_k`) is
 //! refused with a 400 naming the field, never dropped.
 
-use super::exchange::Delta;
 use super::openai::{BadRequest, Translated, bad};
-use super::request::Answer;
+use crate::node::exchange::Delta;
+use crate::node::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Map, Value, json};
 
@@ -187,7 +187,7 @@ fn translate(body: &[u8], only: &mut MessagesOnly) -> Translated {
 /// `max_tokens`) will be billed for, as the engine estimates them to price its reservations:
 /// the same translation, so what cannot be served cannot be counted either.
 pub(crate) fn count_tokens(
-    cfg: &super::config::NodeConfig,
+    cfg: &crate::node::config::NodeConfig,
     body: &[u8],
     h: &HeaderMap,
 ) -> Result<u64, BadRequest> {
@@ -443,7 +443,7 @@ pub(crate) fn message_of(chat: &Value) -> Value {
             .push(json!({"type": "tool_use", "id": call["id"], "name": f["name"], "input": input}));
     }
     let stop_reason = stop_reason_of(choice["finish_reason"].as_str());
-    let usage = usage_json(&super::exchange::usage_of(&chat["usage"]));
+    let usage = usage_json(&crate::node::exchange::usage_of(&chat["usage"]));
     json!({
         "id": message_id(&chat["id"]),
         "type": "message",
@@ -1103,7 +1103,7 @@ mod tests {
         let mut live = Live::default();
         let mut text = String::new();
         let mut feed = |chunk: Value| {
-            let d = super::super::exchange::read_chunk(&chunk).expect("a chunk");
+            let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
             text.push_str(&live.chunk(&chunk, &d));
         };
         let head = |choices: Value| json!({"id": "chatcmpl-9", "model": "m", "choices": choices});
@@ -1160,7 +1160,7 @@ mod tests {
     fn a_live_stream_oam_does_not_accept_ends_with_an_error_event_not_message_stop() {
         let mut live = Live::default();
         let chunk = json!({"id": "c", "model": "m", "choices": [{"delta": {"content": "par"}}]});
-        let d = super::super::exchange::read_chunk(&chunk).expect("a chunk");
+        let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
         let mut text = live.chunk(&chunk, &d);
         text.push_str(&live.end(&decided("rejected")));
         let events = parse(&text);
@@ -1182,7 +1182,7 @@ mod tests {
     #[test]
     fn tokens_are_counted_as_the_engine_prices_them() {
         let cfg =
-            super::super::config::NodeConfig::load(None, "http://127.0.0.1:1").expect("a config");
+            crate::node::config::NodeConfig::load(None, "http://127.0.0.1:1").expect("a config");
         let count = |content: &str| {
             let body = json!({"model": "auto", "system": "be brief",
                 "messages": [{"role": "user", "content": content}]});

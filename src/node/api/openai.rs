@@ -3,13 +3,13 @@
 //! the error envelope, the `oam` object every answer carries, the HTTP status a decision
 //! answers with, and the chunks of a stream (read from upstreams, written to callers). A second API is a sibling of this file.
 
-use super::config::NodeConfig;
-use super::exchange::{Attempt, Passthrough, Reply};
 use crate::clock::now_ms;
 use crate::core::contract::ContractSpec;
 use crate::core::pipeline::{Decision, DecisionOutcome};
 use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
+use crate::node::config::NodeConfig;
+use crate::node::exchange::{Attempt, Passthrough, Reply};
 use axum::http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -307,7 +307,7 @@ pub(crate) fn decode_request(
         ));
     }
     let stream = chat.stream == Some(true);
-    let tools = super::tools::declared(chat.tools.as_deref())?;
+    let tools = crate::node::tools::declared(chat.tools.as_deref())?;
     // `n` stays in the body for the upstream; oam prices every answer it asks for.
     let n = match chat.rest.get("n") {
         None | Some(Value::Null) => 1,
@@ -527,7 +527,7 @@ pub(crate) fn answer(
         let oam = serde_json::to_vec(&OamObject::of(d)).unwrap_or_default();
         (
             status,
-            super::exchange::with_member(answer, "oam", &oam).into(),
+            crate::node::exchange::with_member(answer, "oam", &oam).into(),
         )
     } else if let (true, Some(Reply::Json(Value::Object(mut answer)))) = (accepted, upstream)
         && (answer.get("choices").is_some_and(Value::is_array)
@@ -587,7 +587,7 @@ pub(crate) fn answer(
 /// An accepted, already checked answer as one server-sent-events body: its content chunk,
 /// then its finish chunk with the usage and the `oam` object, then `[DONE]`.
 pub(crate) fn sse_of(answer: &Value) -> String {
-    let [first, mut last] = super::exchange::chunks_of(answer);
+    let [first, mut last] = crate::node::exchange::chunks_of(answer);
     last["usage"] = answer["usage"].clone();
     last["oam"] = answer["oam"].clone();
     format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n")

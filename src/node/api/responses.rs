@@ -8,7 +8,7 @@
 //! OpenAI's envelope, as the Responses API's own do.
 
 use super::openai::{BadRequest, Translated, bad};
-use super::request::Answer;
+use crate::node::request::Answer;
 use axum::http::StatusCode;
 use serde_json::{Map, Value, json};
 
@@ -432,7 +432,7 @@ impl Live {
     }
 
     /// The events one chat chunk (`delta`, read from `chunk`) means.
-    pub(crate) fn chunk(&mut self, chunk: &Value, delta: &super::exchange::Delta) -> String {
+    pub(crate) fn chunk(&mut self, chunk: &Value, delta: &crate::node::exchange::Delta) -> String {
         let mut out = String::new();
         if self.response.is_null() {
             let id = chunk["id"].as_str().unwrap_or_default();
@@ -944,7 +944,7 @@ mod tests {
             json!({"id": "chatcmpl-7", "choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]}, "finish_reason": "tool_calls"}]}),
             json!({"id": "chatcmpl-7", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}),
         ] {
-            let d = super::super::exchange::read_chunk(&chunk).expect("a chunk");
+            let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
             text.push_str(&live.chunk(&chunk, &d));
         }
         text.push_str(&live.end(&decided("accepted")));
@@ -984,7 +984,7 @@ mod tests {
     fn a_live_stream_oam_does_not_accept_ends_failed() {
         let mut live = Live::default();
         let chunk = json!({"id": "c", "choices": [{"delta": {"content": "par"}}]});
-        let d = super::super::exchange::read_chunk(&chunk).expect("a chunk");
+        let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
         let mut text = live.chunk(&chunk, &d);
         text.push_str(&live.end(&decided("rejected")));
         let last = events(&text).pop().expect("events");

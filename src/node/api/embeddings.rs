@@ -4,10 +4,10 @@
 //! the rest of it passed to the upstream as it came. The upstream's list comes back with the
 //! `oam` object; refusals are in OpenAI's envelope.
 
-use super::config::NodeConfig;
-use super::exchange::Passthrough;
 use super::openai::{BadRequest, bad};
 use crate::core::request::Request;
+use crate::node::config::NodeConfig;
+use crate::node::exchange::Passthrough;
 use axum::http::HeaderMap;
 use serde_json::{Value, json};
 
