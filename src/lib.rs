@@ -7,7 +7,7 @@
 //! ```text
 //! core <- {clock, ids, http, error, signal} <- transport <- local <- mesh <- node
 //!                                                          sim  <- chaos (with bench, mesh)
-//!                              transport, local, mesh <- bench; core, mesh, transport <- watch
+//!                              transport, local, mesh <- bench; core, mesh, transport <- tui
 //!                                                  everything <- cmd <- cli
 //! ```
 //!
@@ -20,8 +20,8 @@
 //! - `mesh`: the agent mesh (Open Agent Mesh hosts, callers, the liveness monitor).
 //! - `sim`: the provider simulator. `node`: the gateway runtime around `core`.
 //! - `bench`: load, scenarios and their runner. `chaos`: the chaos warden.
-//! - `watch`: the live view's model and rendering. `cmd`: one module per subcommand (arguments
-//!   and glue, no decisions); `cli`: the top-level parser.
+//! - `tui`: the live view's model and rendering (`oam watch`). `cmd`: one module per
+//!   subcommand (arguments and glue, no decisions); `cli`: the top-level parser.
 
 pub mod bench;
 pub mod chaos;
@@ -38,4 +38,4 @@ pub mod node;
 pub mod signal;
 pub mod sim;
 pub mod transport;
-pub mod watch;
+pub mod tui;

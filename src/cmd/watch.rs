@@ -1,4 +1,4 @@
-//! `oam watch`: the terminal and the bus around the pure model in `crate::watch`. Bus events reach
+//! `oam watch`: the terminal and the bus around the pure model in `crate::tui`. Bus events reach
 //! the model over a bounded channel (what does not fit is counted and shown); keys come from a
 //! reader thread; a frame is drawn at a fixed rate. The terminal is restored on every exit path,
 //! panics included.
@@ -10,9 +10,9 @@ use crate::error::{Error, Result};
 use crate::transport::chaos;
 use crate::transport::store::escalations;
 use crate::transport::subjects;
-use crate::watch::render;
-use crate::watch::state::{App, Event};
-use crate::watch::state::{CHAOS_MENU, Key, KeyEffect};
+use crate::tui::render;
+use crate::tui::state::{App, Event};
+use crate::tui::state::{CHAOS_MENU, Key, KeyEffect};
 use async_nats::jetstream::kv;
 use futures_util::StreamExt;
 use ratatui::crossterm::event::{self as term, KeyCode, KeyEventKind, KeyModifiers};

@@ -2,9 +2,9 @@
 //!
 //! Each top-level module of `src/` may use only the modules its row of `ALLOWED` lists, and
 //! the table is a DAG: the runtimes (`node`, `bench`, `chaos`, `sim`, `local`, `mesh`) use each
-//! other only where listed, so `watch` cannot start using `node::Node` and stay green. The
+//! other only where listed, so `tui` cannot start using `node::Node` and stay green. The
 //! node is used only by the commands that run one. `core` touches no runtime, bus, file,
-//! process or clock; subject names are spelled only in `transport/subjects.rs`; `watch` never
+//! process or clock; subject names are spelled only in `transport/subjects.rs`; `tui` never
 //! talks to NATS itself; no library code stops the process.
 
 use std::path::{Path, PathBuf};
@@ -52,7 +52,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "bench",
         ],
     ),
-    ("watch", &["core", "mesh", "transport"]),
+    ("tui", &["core", "mesh", "transport"]),
     (
         "cmd",
         &[
@@ -69,7 +69,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "node",
             "bench",
             "chaos",
-            "watch",
+            "tui",
             "cli",
         ],
     ),
@@ -361,9 +361,9 @@ fn subject_names_are_spelled_only_in_subjects_rs() {
 }
 
 #[test]
-fn the_watch_never_talks_to_nats_itself() {
+fn the_tui_never_talks_to_nats_itself() {
     let mut wrong = Vec::new();
-    for file in rust_files(&src().join("watch")) {
+    for file in rust_files(&src().join("tui")) {
         for (n, line) in code_lines(&file) {
             if line.contains("async_nats") {
                 wrong.push(at(&file, n));
@@ -372,7 +372,7 @@ fn the_watch_never_talks_to_nats_itself() {
     }
     assert!(
         wrong.is_empty(),
-        "the watch gets events over a channel from cmd/watch.rs:\n{}",
+        "the live view gets events over a channel from cmd/watch.rs:\n{}",
         wrong.join("\n")
     );
 }

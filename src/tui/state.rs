@@ -694,7 +694,7 @@ mod tests {
     use super::*;
     use crate::core::breaker::Breaker;
     use crate::core::reason::ReasonCode;
-    use crate::watch::fixtures;
+    use crate::tui::fixtures;
 
     /// A node's snapshot: every node live (quorum) or only itself, with these verdicts.
     fn state(quorum: bool, verdicts: &[(&str, Health)]) -> Box<NodeSnapshot> {

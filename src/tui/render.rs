@@ -1030,8 +1030,8 @@ mod tests {
     use crate::core::wire::{NodeSnapshot, ProviderSnapshot};
     use crate::mesh::protocol::DeathReason;
     use crate::transport::store::escalations::Status;
-    use crate::watch::fixtures;
-    use crate::watch::state::Event;
+    use crate::tui::fixtures;
+    use crate::tui::state::Event;
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
 
