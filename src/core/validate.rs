@@ -33,6 +33,20 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
     if r.agent.trim().is_empty() {
         return Err(invalid("agent", "request.agent must not be empty"));
     }
+    // What a caller names itself and its request by reaches operators' terminals and logs
+    // (`oam audit`, `oam explain`, `oam watch`): no escape sequence or line break rides along.
+    let named = [
+        ("id", r.id.as_str()),
+        ("agent", r.agent.as_str()),
+        ("task", r.task.as_str()),
+        ("model", r.model.as_deref().unwrap_or_default()),
+    ];
+    if let Some((field, _)) = named.iter().find(|(_, v)| v.chars().any(char::is_control)) {
+        return Err(invalid(
+            field,
+            format!("request.{field} must not hold control characters (escapes, line breaks)"),
+        ));
+    }
     if r.messages.is_empty() {
         return Err(invalid(
             "messages",
@@ -80,4 +94,28 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
             };
             invalid(field, format!("request.{e}"))
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_with_control_characters_are_refused_naming_the_field() {
+        let ok = crate::core::pipeline::tests::req("r1");
+        assert!(validate(&ok).is_ok());
+        let with = |f: fn(&mut Request)| {
+            let mut r = ok.clone();
+            f(&mut r);
+            validate(&r).expect_err("refused").field
+        };
+        assert_eq!(with(|r| r.id = "r1\u{1b}[2J".into()), "id");
+        assert_eq!(with(|r| r.agent = "bob\nforged line".into()), "agent");
+        assert_eq!(with(|r| r.task = "t\r".into()), "task");
+        assert_eq!(with(|r| r.model = Some("m\u{7}".into())), "model");
+        // Any other text is a name: unicode, spaces, punctuation.
+        let mut fine = ok.clone();
+        fine.agent = "équipe support / bot 2".into();
+        assert!(validate(&fine).is_ok());
+    }
 }

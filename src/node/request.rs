@@ -761,6 +761,36 @@ mod tests {
         assert_eq!(e.state.bulkheads.normal.active, 0, "nothing was admitted");
     }
 
+    /// A caller-chosen request id, agent or task with an escape sequence or a line break never
+    /// reaches a record (and from there an operator's terminal): refused, the field named as
+    /// the caller wrote it.
+    #[tokio::test]
+    async fn names_with_control_characters_are_refused_before_the_engine() {
+        let n = node().await;
+        for (oam, param) in [
+            (r#"{"request_id": "r\u001b[2J"}"#, "oam.request_id"),
+            (r#"{"agent": "bob\nforged: line"}"#, "oam.agent"),
+            (r#"{"task": "t\u0007"}"#, "oam.task"),
+        ] {
+            let sent = format!(
+                r#"{{"model": "auto", "messages": [{{"role": "user", "content": "q"}}], "oam": {oam}}}"#
+            );
+            let a = execute(
+                &n,
+                sent.as_bytes(),
+                &HeaderMap::new(),
+                CancellationToken::new(),
+                Asks::Answer(None),
+            )
+            .await;
+            assert_eq!(a.status, StatusCode::BAD_REQUEST, "{oam}");
+            let v = body(&a);
+            assert_eq!(v["error"]["param"], param, "{v}");
+        }
+        let e = n.pipeline.read();
+        assert_eq!(e.state.bulkheads.normal.active, 0, "nothing was admitted");
+    }
+
     /// The one driver honours the asker's leaving in a backoff, whoever the asker is (a data
     /// plane caller, a stream's reader): the attempt is not made for nobody, and the request
     /// is decided at once, not after the wait.
