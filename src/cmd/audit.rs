@@ -108,14 +108,14 @@ pub async fn run(a: Args) -> Result<Outcome> {
     // Only the newest `limit` matches are held: memory stays bounded on a full log.
     let (entries, total) = read(&a.cluster, a.since, None, wanted, a.limit).await?;
     let picked: Vec<&Entry> = entries.iter().collect();
-    let verdicts: Vec<Option<std::result::Result<(), String>>> = picked
+    let verdicts: Vec<Option<Replay>> = picked
         .iter()
-        .map(|e| a.verify.then(|| e.record.verify(&e.config)))
+        .map(|e| a.verify.then(|| Replay::of(&e.record, &e.config)))
         .collect();
     let differ: Vec<&str> = picked
         .iter()
         .zip(&verdicts)
-        .filter(|(_, v)| matches!(v, Some(Err(_))))
+        .filter(|(_, v)| matches!(v, Some(Replay::Differs(_))))
         .map(|(e, _)| e.record.decision.request_id.as_str())
         .collect();
     let mut out = std::io::stdout().lock();
@@ -127,8 +127,12 @@ pub async fn run(a: Args) -> Result<Outcome> {
                 let mut row = serde_json::json!({"node": e.record.node, "record": e.record});
                 if let Some(v) = v {
                     row["replay"] = match v {
-                        Ok(()) => serde_json::json!({"identical": true}),
-                        Err(why) => serde_json::json!({"identical": false, "difference": why}),
+                        Replay::Identical => serde_json::json!({"identical": true}),
+                        Replay::Differs(why) => {
+                            serde_json::json!({"identical": false, "difference": why})
+                        }
+                        Replay::Hashed => serde_json::json!({"replayable": false,
+                            "why": "its messages were kept as hashes only"}),
                     };
                 }
                 row
@@ -174,7 +178,14 @@ pub async fn run(a: Args) -> Result<Outcome> {
                 let codes: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
                 row.push(codes.join(", "));
                 if let Some(v) = v {
-                    row.push(if v.is_ok() { "identical" } else { "DIFFERS" }.into());
+                    row.push(
+                        match v {
+                            Replay::Identical => "identical",
+                            Replay::Differs(_) => "DIFFERS",
+                            Replay::Hashed => "hashed, not replayable",
+                        }
+                        .into(),
+                    );
                 }
                 row
             })
@@ -194,6 +205,26 @@ pub async fn run(a: Args) -> Result<Outcome> {
             .map(|id| format!("{id}: the replay differs from the recorded decision (`oam explain {id}` shows how)"))
             .collect(),
     ))
+}
+
+/// What replaying a record says: it gives the recorded decision, another one, or it cannot be
+/// replayed (its messages were kept as hashes only): not a difference, and no failure.
+enum Replay {
+    Identical,
+    Differs(String),
+    Hashed,
+}
+
+impl Replay {
+    fn of(r: &Record, config: &crate::core::pipeline::Config) -> Replay {
+        if r.content_hashed {
+            return Replay::Hashed;
+        }
+        match r.verify(config) {
+            Ok(()) => Replay::Identical,
+            Err(why) => Replay::Differs(why),
+        }
+    }
 }
 
 /// A short age: 12s, 5m, 3h, 2d.
