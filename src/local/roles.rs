@@ -364,14 +364,16 @@ impl Permissions {
     /// every writer is trusted, and only for roles that are: nats-server does not check a push
     /// consumer's deliver subject against its creator's rights, so a consumer can copy the
     /// stream's messages onto any subject of the account (control-plane loops drop such
-    /// deliveries, `subjects::from_jetstream`; a bucket stores them).
+    /// deliveries, `subjects::from_jetstream`; a bucket stores them). No role but the admin
+    /// deletes a consumer: consumer names are not scoped by permissions, so a viewer could end
+    /// the nodes' watches (the ephemeral consumers oam makes expire by themselves, and the
+    /// client's delete of an old one on a reset is allowed to fail).
     fn consume_stream(&mut self, stream: &str) {
         self.get_stream(stream);
         self.publish([
             format!("$JS.API.CONSUMER.CREATE.{stream}"),
             format!("$JS.API.CONSUMER.CREATE.{stream}.>"),
             format!("$JS.API.CONSUMER.INFO.{stream}.>"),
-            format!("$JS.API.CONSUMER.DELETE.{stream}.>"),
             format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.>"),
         ]);
     }

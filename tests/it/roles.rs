@@ -806,3 +806,50 @@ async fn nobody_ends_injects_into_or_fails_another_agent_s_stream() {
         "the whole stream, in order"
     );
 }
+
+/// A viewer (or operator) found the nodes' consumers on the budget bucket (here as the admin
+/// lists them; the attack read them off the monitoring port) and deleted them: a budget change
+/// went unseen for ~14 s. No role but the admin may delete a consumer now: refused by the
+/// server, and the node's consumer stays.
+#[tokio::test]
+async fn no_role_deletes_the_nodes_consumers() {
+    let mesh = LocalCluster::up("consumers").await;
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
+    let js = async_nats::jetstream::new(admin.clone());
+    let stream = js.get_stream("KV_oam-budgets").await.unwrap();
+    let names = crate::support::eventually(Duration::from_secs(10), || {
+        let js = js.clone();
+        async move {
+            use futures_util::TryStreamExt;
+            let names: Vec<String> = js
+                .get_stream("KV_oam-budgets")
+                .await
+                .ok()?
+                .consumer_names()
+                .try_collect()
+                .await
+                .ok()?;
+            (names.len() >= 3).then_some(names)
+        }
+    })
+    .await
+    .expect("every node watches the budget bucket");
+    for user in ["viewer", "operator"] {
+        let (nc, errors) = client(&mesh.role_url(user)).await;
+        for name in &names {
+            let subject = format!("$JS.API.CONSUMER.DELETE.KV_oam-budgets.{name}");
+            nc.publish(subject.clone(), "".into()).await.unwrap();
+            nc.flush().await.unwrap();
+            refused(&errors, "publish", &subject).await;
+        }
+    }
+    for name in &names {
+        assert!(
+            stream.consumer_info(name).await.is_ok(),
+            "{name} was deleted"
+        );
+    }
+}
