@@ -1,5 +1,7 @@
 //! oam as a gateway in front of a real upstream (the simulator over HTTP): model routes with
-//! fallback chains, per-model health, contracts by choice, and errors handled by their class.
+//! fallback chains, per-model health, contracts by choice, and errors handled by their class,
+//! through OpenAI's chat completions and what every API shares. The other client APIs have a
+//! file each (`messages`, `responses`, `embeddings`) on the `Gateway` fixture kept here.
 
 use crate::support::{NatsServer, Proc};
 use oam::core::breaker::Breaker;
@@ -8,13 +10,13 @@ use oam::core::wire::ProviderSnapshot;
 use serde_json::{Value, json};
 use std::time::Duration;
 
-struct Gateway {
-    url: String,
-    sim_url: String,
-    _node: GatewayNode,
-    _sim: Proc,
-    _nats: NatsServer,
-    dir: std::path::PathBuf,
+pub(crate) struct Gateway {
+    pub(crate) url: String,
+    pub(crate) sim_url: String,
+    pub(crate) _node: GatewayNode,
+    pub(crate) _sim: Proc,
+    pub(crate) _nats: NatsServer,
+    pub(crate) dir: std::path::PathBuf,
 }
 
 impl Drop for Gateway {
@@ -25,7 +27,7 @@ impl Drop for Gateway {
 
 /// The node under test: in this process (the default), or `oam node run` where a test kills
 /// it, measures its memory, or gives it an environment of its own.
-enum GatewayNode {
+pub(crate) enum GatewayNode {
     /// Kept for its drop, which stops it.
     InProcess {
         _node: crate::support::InProcessNode,
@@ -34,14 +36,14 @@ enum GatewayNode {
 }
 
 impl GatewayNode {
-    fn in_process(&self) -> &oam::node::Node {
+    pub(crate) fn in_process(&self) -> &oam::node::Node {
         match self {
             GatewayNode::InProcess { _node } => &_node.node,
             GatewayNode::Process(_) => panic!("this test reads the node in this process"),
         }
     }
 
-    fn process(&mut self) -> &mut Proc {
+    pub(crate) fn process(&mut self) -> &mut Proc {
         match self {
             GatewayNode::Process(p) => p,
             GatewayNode::InProcess { .. } => panic!("this test needs gateway_process"),
@@ -51,21 +53,21 @@ impl GatewayNode {
 
 /// One node on a configuration with two models on the simulator's `primary` (routes `big`, with
 /// `secondary` as its fallback, and `small`), and no contract; `extra` adds to it.
-async fn gateway(tag: &str) -> Gateway {
+pub(crate) async fn gateway(tag: &str) -> Gateway {
     gateway_with(tag, "").await
 }
 
-async fn gateway_with(tag: &str, extra: &str) -> Gateway {
+pub(crate) async fn gateway_with(tag: &str, extra: &str) -> Gateway {
     gateway_with_env(tag, extra, &[]).await
 }
 
-async fn gateway_with_env(tag: &str, extra: &str, env: &[(&str, &str)]) -> Gateway {
+pub(crate) async fn gateway_with_env(tag: &str, extra: &str, env: &[(&str, &str)]) -> Gateway {
     gateway_on(tag, "", extra, env, NatsServer::start().await).await
 }
 
 /// `gateway_with_env` with `node` added to the `[node]` section, on the server `nats`; the
 /// node runs in this process unless it needs an environment of its own.
-async fn gateway_on(
+pub(crate) async fn gateway_on(
     tag: &str,
     node: &str,
     extra: &str,
@@ -76,11 +78,16 @@ async fn gateway_on(
 }
 
 /// `gateway_on` with the node as a process of its own (`oam node run`).
-async fn gateway_process(tag: &str, node: &str, extra: &str, nats: NatsServer) -> Gateway {
+pub(crate) async fn gateway_process(
+    tag: &str,
+    node: &str,
+    extra: &str,
+    nats: NatsServer,
+) -> Gateway {
     gateway_built(tag, node, extra, &[], nats, true, None).await
 }
 
-async fn gateway_built(
+pub(crate) async fn gateway_built(
     tag: &str,
     node: &str,
     extra: &str,
@@ -150,18 +157,18 @@ targets = ["primary/small"]
     }
 }
 
-fn client() -> reqwest::Client {
+pub(crate) fn client() -> reqwest::Client {
     crate::support::http(Duration::from_secs(20))
 }
 
 impl Gateway {
-    async fn ask(&self, model: &str, q: &str) -> (u16, Value) {
+    pub(crate) async fn ask(&self, model: &str, q: &str) -> (u16, Value) {
         self.post(json!({"model": model, "messages": [{"role": "user", "content": q}]}))
             .await
     }
 
     /// A chat completion request of `body`: its status and JSON answer.
-    async fn post(&self, body: Value) -> (u16, Value) {
+    pub(crate) async fn post(&self, body: Value) -> (u16, Value) {
         let r = client()
             .post(format!("{}/v1/chat/completions", self.url))
             .json(&body)
@@ -172,12 +179,12 @@ impl Gateway {
     }
 
     /// `GET path` on the node, as JSON.
-    async fn get(&self, path: &str) -> Value {
+    pub(crate) async fn get(&self, path: &str) -> Value {
         let r = client().get(format!("{}{path}", self.url)).send().await;
         r.unwrap().json().await.unwrap()
     }
 
-    async fn fault(&self, on: &str, mode: Value) {
+    pub(crate) async fn fault(&self, on: &str, mode: Value) {
         let mut body = mode;
         body["provider"] = json!(on);
         body["duration_ms"] = json!(60_000);
@@ -190,7 +197,7 @@ impl Gateway {
         assert_eq!(r.status().as_u16(), 201, "{:?}", r.text().await);
     }
 
-    async fn clear(&self) {
+    pub(crate) async fn clear(&self) {
         client()
             .delete(format!("{}/sim/faults", self.sim_url))
             .send()
@@ -198,7 +205,7 @@ impl Gateway {
             .unwrap();
     }
 
-    async fn received(&self, provider: &str) -> Vec<Value> {
+    pub(crate) async fn received(&self, provider: &str) -> Vec<Value> {
         let r = client()
             .get(format!("{}/sim/requests/{provider}", self.sim_url))
             .send()
@@ -209,7 +216,7 @@ impl Gateway {
 
     /// `oam explain --json` of the request `answer` answered, once it is in the log (written
     /// off the request's path).
-    async fn explain(&self, answer: &Value) -> Value {
+    pub(crate) async fn explain(&self, answer: &Value) -> Value {
         let id = answer["oam"]["request_id"].as_str().unwrap().to_string();
         let nats_url = self._nats.url();
         crate::support::eventually(Duration::from_secs(10), || async {
@@ -224,7 +231,7 @@ impl Gateway {
         .expect("the decision is in the log")
     }
 
-    async fn target(&self, id: &str) -> ProviderSnapshot {
+    pub(crate) async fn target(&self, id: &str) -> ProviderSnapshot {
         let s = oam::local::cluster::snapshot(&client(), &self.url)
             .await
             .unwrap();
@@ -232,7 +239,7 @@ impl Gateway {
     }
 }
 
-fn codes(v: &Value) -> Vec<String> {
+pub(crate) fn codes(v: &Value) -> Vec<String> {
     v["oam"]["reason_codes"]
         .as_array()
         .unwrap()
@@ -241,7 +248,7 @@ fn codes(v: &Value) -> Vec<String> {
         .collect()
 }
 
-fn tried(v: &Value) -> Vec<String> {
+pub(crate) fn tried(v: &Value) -> Vec<String> {
     v["oam"]["tried"]
         .as_array()
         .unwrap()
@@ -404,17 +411,17 @@ async fn upstream_errors_are_handled_by_their_class() {
 
 /// A streamed answer as the caller saw it: each event's data, and when it arrived (ms after
 /// the request was sent); and the time the body ended.
-struct Seen {
-    events: Vec<(u64, String)>,
-    ended_ms: u64,
+pub(crate) struct Seen {
+    pub(crate) events: Vec<(u64, String)>,
+    pub(crate) ended_ms: u64,
 }
 
 impl Seen {
-    fn data(&self) -> Vec<&str> {
+    pub(crate) fn data(&self) -> Vec<&str> {
         self.events.iter().map(|(_, d)| d.as_str()).collect()
     }
 
-    fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         self.events
             .iter()
             .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
@@ -427,7 +434,7 @@ impl Seen {
     }
 
     /// The `oam` object of the last chunk or of the error event.
-    fn oam(&self) -> Value {
+    pub(crate) fn oam(&self) -> Value {
         self.events
             .iter()
             .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
@@ -435,11 +442,11 @@ impl Seen {
             .unwrap_or(Value::Null)
     }
 
-    fn ended_cleanly(&self) -> bool {
+    pub(crate) fn ended_cleanly(&self) -> bool {
         self.data().last() == Some(&"[DONE]")
     }
 
-    fn error(&self) -> Option<Value> {
+    pub(crate) fn error(&self) -> Option<Value> {
         self.events
             .iter()
             .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
@@ -448,13 +455,13 @@ impl Seen {
 }
 
 impl Gateway {
-    async fn stream(&self, model: &str, q: &str) -> (u16, Seen) {
+    pub(crate) async fn stream(&self, model: &str, q: &str) -> (u16, Seen) {
         self.stream_body(json!({"model": model, "stream": true,
             "messages": [{"role": "user", "content": q}]}))
             .await
     }
 
-    async fn stream_body(&self, body: Value) -> (u16, Seen) {
+    pub(crate) async fn stream_body(&self, body: Value) -> (u16, Seen) {
         let sent = std::time::Instant::now();
         let mut r = client()
             .post(format!("{}/v1/chat/completions", self.url))
@@ -476,7 +483,7 @@ impl Gateway {
     }
 }
 
-const STREAMING: &str = r#"
+pub(crate) const STREAMING: &str = r#"
 [[provider]]
 id = "local"
 base_url = "SIM/local/v1"
@@ -497,7 +504,7 @@ first_token_ms = 1000
 idle_ms = 400
 "#;
 
-async fn streaming(tag: &str) -> Gateway {
+pub(crate) async fn streaming(tag: &str) -> Gateway {
     gateway_with(tag, STREAMING).await
 }
 
@@ -1154,7 +1161,7 @@ async fn only_clients_with_a_key_are_served_and_each_is_its_own_agent() {
 /// An upstream of its own (not the simulator): it answers one fixed chat completion, written
 /// its own way (member order, spacing, fields oam never reads), and keeps the
 /// `Authorization` header of every request.
-async fn keyed_upstream() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+pub(crate) async fn keyed_upstream() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     use axum::http::HeaderMap;
     let seen: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
     let keep = seen.clone();
@@ -1182,7 +1189,7 @@ async fn keyed_upstream() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String
     (url, seen)
 }
 
-const UPSTREAM_ANSWER: &str = "{\n  \"model\": \"up-1\",\n  \"id\": \"cmpl-9\", \"object\": \"chat.completion\", \"created\": 7,\n  \"choices\": [{\"index\": 0, \"message\": {\"role\": \"assistant\", \"content\": \"plain prose \\u00e9\"}, \"logprobs\": null, \"finish_reason\": \"stop\"}],\n  \"usage\": {\"prompt_tokens\": 5, \"completion_tokens\": 3, \"total_tokens\": 8},\n  \"system_fingerprint\": \"fp_1\", \"service_tier\": \"default\"\n}\n";
+pub(crate) const UPSTREAM_ANSWER: &str = "{\n  \"model\": \"up-1\",\n  \"id\": \"cmpl-9\", \"object\": \"chat.completion\", \"created\": 7,\n  \"choices\": [{\"index\": 0, \"message\": {\"role\": \"assistant\", \"content\": \"plain prose \\u00e9\"}, \"logprobs\": null, \"finish_reason\": \"stop\"}],\n  \"usage\": {\"prompt_tokens\": 5, \"completion_tokens\": 3, \"total_tokens\": 8},\n  \"system_fingerprint\": \"fp_1\", \"service_tier\": \"default\"\n}\n";
 
 #[tokio::test]
 async fn the_upstream_gets_its_key_and_its_answer_comes_back_as_it_was_written() {
@@ -1304,7 +1311,7 @@ async fn asking_for_many_answers_at_once_escapes_no_budget() {
 }
 
 /// `agent`'s budget record in the shared ledger, if it has one.
-async fn ledger_of(nats_url: &str, agent: &str) -> Option<oam::core::ledger::Ledger> {
+pub(crate) async fn ledger_of(nats_url: &str, agent: &str) -> Option<oam::core::ledger::Ledger> {
     let nc = oam::transport::connect::connect(nats_url, "test-ledger", false, &Default::default())
         .await
         .unwrap();
@@ -1317,7 +1324,7 @@ async fn ledger_of(nats_url: &str, agent: &str) -> Option<oam::core::ledger::Led
 }
 
 /// The holds of `agent`'s budget in the shared ledger that still count, by holder.
-async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
+pub(crate) async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
     let Some(l) = ledger_of(nats_url, agent).await else {
         return Vec::new();
     };
@@ -1330,7 +1337,11 @@ async fn live_holds(nats_url: &str, agent: &str) -> Vec<(String, f64)> {
 }
 
 /// Wait (at most `within`) until `agent`'s budget holds nothing; what it still holds if not.
-async fn holds_drain(nats_url: &str, agent: &str, within: Duration) -> Vec<(String, f64)> {
+pub(crate) async fn holds_drain(
+    nats_url: &str,
+    agent: &str,
+    within: Duration,
+) -> Vec<(String, f64)> {
     let deadline = std::time::Instant::now() + within;
     loop {
         let holds = live_holds(nats_url, agent).await;
@@ -1518,7 +1529,7 @@ async fn only_the_warden_s_key_ends_an_isolation_over_http() {
 /// An upstream that answers without end: `/big/v1` a JSON body of 64 MiB, `/endless/v1` a body
 /// that never ends, `/sse/v1` an event stream that never ends (each bounded here: at most
 /// 256 MiB or 60 s per answer, and it stops once the node hangs up).
-async fn endless_upstream() -> String {
+pub(crate) async fn endless_upstream() -> String {
     use axum::body::Body;
     use futures_util::{StreamExt as _, stream};
     const CHUNK: usize = 64 << 10;
@@ -1576,7 +1587,7 @@ async fn endless_upstream() -> String {
 }
 
 /// A process's resident memory, in MiB (from /proc).
-fn rss_mib(pid: u32) -> u64 {
+pub(crate) fn rss_mib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kib: u64 = status
         .lines()
@@ -1678,7 +1689,11 @@ async fn thousands_of_tools_are_refused_at_once() {
 
 /// Open `n` connections to `addr` that send a request's headers a byte every 200 ms, each for
 /// at most `for_`; they end by themselves.
-fn slow_header_sockets(addr: &str, n: usize, for_: Duration) -> Vec<tokio::task::JoinHandle<()>> {
+pub(crate) fn slow_header_sockets(
+    addr: &str,
+    n: usize,
+    for_: Duration,
+) -> Vec<tokio::task::JoinHandle<()>> {
     (0..n)
         .map(|_| {
             let addr = addr.to_string();
@@ -2120,254 +2135,6 @@ async fn garbage_on_the_control_plane_is_counted_never_applied() {
     assert_eq!(status, 200, "{v}");
 }
 
-/// The official Anthropic SDK against `/v1/messages`: plain, streamed, a tool-use round trip,
-/// an image, the model list and an error, all through the chat pipeline (the `oam` object
-/// rides along on every answer).
-#[tokio::test]
-async fn the_anthropic_client_speaks_messages_through_the_same_pipeline() {
-    let g = gateway("anthropic").await;
-    let script = r#"
-import json, sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
-out = {}
-hello = [{"role": "user", "content": "Hello"}]
-m = c.messages.create(model="small", max_tokens=64, system="be brief", messages=hello)
-out["plain"] = json.loads(m.to_json())
-with c.messages.stream(model="small", max_tokens=64, system="be brief", messages=hello) as s:
-    out["streamed_text"] = "".join(s.text_stream)
-    out["streamed"] = json.loads(s.get_final_message().to_json())
-tools = [{"name": "get_weather", "description": "The weather in a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
-                           "required": ["city"]}}]
-ask = [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "iVBORw0KGgo="}}]}]
-first = c.messages.create(model="small", max_tokens=64, tools=tools, messages=ask)
-out["first"] = json.loads(first.to_json())
-use = [b for b in first.content if b.type == "tool_use"][0]
-with c.messages.stream(model="small", max_tokens=64, tools=tools, messages=ask) as s:
-    out["streamed_tool"] = json.loads(s.get_final_message().to_json())
-turns = ask + [{"role": "assistant", "content": first.content},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                             "content": "21 C"}]}]
-out["second"] = json.loads(c.messages.create(model="small", max_tokens=64, tools=tools,
-                                             messages=turns).to_json())
-out["models"] = [m.id for m in c.models.list()]
-out["counted"] = [c.messages.count_tokens(model="small", messages=[{"role": "user", "content": t}]).input_tokens
-                  for t in ["hi", "word " * 400]]
-try:
-    c.messages.create(model="gpt-9", max_tokens=8, messages=hello)
-    out["error"] = "answered"
-except anthropic.BadRequestError as e:
-    out["error"] = {"status": e.status_code, "body": e.body}
-print(json.dumps(out))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    let plain = &v["plain"];
-    assert_eq!(
-        (&plain["type"], &plain["role"]),
-        (&json!("message"), &json!("assistant")),
-        "{v}"
-    );
-    assert_eq!(plain["content"][0]["type"], "text");
-    assert_eq!(plain["stop_reason"], "end_turn");
-    assert!(
-        plain["usage"]["output_tokens"].as_u64() > Some(0),
-        "{plain}"
-    );
-    assert_eq!(plain["oam"]["outcome"], "accepted");
-    assert_eq!(plain["oam"]["target"], "primary/small");
-    let streamed = &v["streamed"];
-    assert_eq!(v["streamed_text"], streamed["content"][0]["text"], "{v}");
-    for m in [plain, streamed] {
-        let text = m["content"][0]["text"].as_str().unwrap();
-        assert!(
-            text.contains("primary answer") && text.contains("to: Hello"),
-            "{text}"
-        );
-    }
-    assert_eq!(streamed["stop_reason"], "end_turn");
-
-    let first = &v["first"];
-    assert_eq!(first["stop_reason"], "tool_use", "{first}");
-    let call = first["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["type"] == "tool_use")
-        .unwrap();
-    assert_eq!(call["name"], "get_weather");
-    assert!(call["input"]["city"].is_string(), "{call}");
-    let streamed_call = v["streamed_tool"]["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["type"] == "tool_use")
-        .unwrap();
-    assert_eq!(
-        streamed_call["input"], call["input"],
-        "the stream's input JSON reads back whole"
-    );
-    let second = &v["second"];
-    assert_eq!(second["stop_reason"], "end_turn", "{second}");
-    assert!(
-        second["content"][0]["text"]
-            .as_str()
-            .unwrap()
-            .contains("answer"),
-        "{second}"
-    );
-
-    assert_eq!(v["models"], json!(["big", "small", "auto"]));
-    let counted: Vec<u64> = v["counted"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n.as_u64().unwrap())
-        .collect();
-    assert!(
-        counted[0] > 0 && counted[1] >= counted[0] + 400,
-        "{counted:?}"
-    );
-    assert_eq!(v["error"]["status"], 400, "{v}");
-    assert_eq!(v["error"]["body"]["type"], "error");
-    assert_eq!(v["error"]["body"]["error"]["type"], "invalid_request_error");
-    assert!(
-        v["error"]["body"]["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("unknown model"),
-        "{v}"
-    );
-
-    // What reached the upstream: chat completions, the image and the tool result translated.
-    let sent = g.received("primary").await;
-    assert!(
-        sent.iter().all(|r| r["messages"].is_array()),
-        "chat requests only"
-    );
-    assert_eq!(
-        sent[0]["messages"][0],
-        json!({"role": "system", "content": "be brief"})
-    );
-    let with_image = sent
-        .iter()
-        .find(|r| r["messages"][0]["content"].is_array())
-        .expect("the image");
-    assert_eq!(
-        with_image["messages"][0]["content"][1]["image_url"]["url"],
-        "data:image/png;base64,iVBORw0KGgo="
-    );
-    let last = sent.last().unwrap()["messages"]
-        .as_array()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
-    assert_eq!(
-        (&last["role"], &last["content"]),
-        (&json!("tool"), &json!("21 C")),
-        "{last}"
-    );
-    assert_eq!(last["tool_call_id"], call["id"]);
-}
-
-/// The official OpenAI SDK's `responses.create` against `/v1/responses`: plain, streamed, a
-/// function-tool round trip, and the stateful fields this gateway does not keep refused by name.
-#[tokio::test]
-async fn the_openai_client_speaks_responses_through_the_same_pipeline() {
-    let g = gateway("responses").await;
-    let script = r#"
-import json, sys, openai
-c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed", max_retries=0)
-out = {}
-r = c.responses.create(model="small", instructions="be brief", input="Hello")
-out["plain"] = {"text": r.output_text, "status": r.status, "usage": r.usage.total_tokens,
-                "raw": json.loads(r.to_json())}
-events = list(c.responses.create(model="small", instructions="be brief", input="Hello",
-                                 stream=True))
-out["types"] = [e.type for e in events]
-out["deltas"] = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-out["delta_count"] = sum(1 for e in events if e.type == "response.output_text.delta")
-out["completed"] = json.loads(events[-1].response.to_json())
-with c.responses.stream(model="small", input="Hello") as s:
-    out["stream_final"] = s.get_final_response().output_text
-tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                         "required": ["city"]}}]
-ask = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}]
-first = c.responses.create(model="small", input=ask, tools=tools)
-call = [o for o in first.output if o.type == "function_call"][0]
-out["call"] = {"name": call.name, "arguments": call.arguments, "call_id": call.call_id}
-turns = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
-                "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}]
-out["second"] = c.responses.create(model="small", input=turns, tools=tools).output_text
-try:
-    c.responses.create(model="small", input="again", previous_response_id=first.id)
-    out["error"] = "answered"
-except openai.BadRequestError as e:
-    out["error"] = {"status": e.status_code, "body": e.body}
-print(json.dumps(out))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    let plain = &v["plain"];
-    let text = plain["text"].as_str().unwrap();
-    assert!(
-        text.contains("primary answer") && text.contains("to: Hello"),
-        "{v}"
-    );
-    assert_eq!(plain["status"], "completed");
-    assert!(plain["usage"].as_u64() > Some(0), "{plain}");
-    assert_eq!(plain["raw"]["oam"]["outcome"], "accepted");
-    assert_eq!(plain["raw"]["oam"]["target"], "primary/small");
-    let types: Vec<&str> = v["types"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_str().unwrap())
-        .collect();
-    assert_eq!(types.first(), Some(&"response.created"), "{types:?}");
-    assert_eq!(types.last(), Some(&"response.completed"), "{types:?}");
-    assert!(
-        v["delta_count"].as_u64() > Some(1),
-        "relayed live, in pieces: {v}"
-    );
-    let delta = v["deltas"].as_str().unwrap();
-    assert!(delta.contains("to: Hello"), "{v}");
-    assert_eq!(v["completed"]["output"][0]["content"][0]["text"], delta);
-    assert!(
-        v["stream_final"].as_str().unwrap().contains("to: Hello"),
-        "{v}"
-    );
-    assert_eq!(v["call"]["name"], "get_weather", "{v}");
-    let args: Value = serde_json::from_str(v["call"]["arguments"].as_str().unwrap()).unwrap();
-    assert!(args["city"].is_string(), "{v}");
-    assert!(v["second"].as_str().unwrap().contains("answer"), "{v}");
-    assert_eq!(v["error"]["status"], 400, "{v}");
-    assert_eq!(v["error"]["body"]["param"], "previous_response_id", "{v}");
-
-    // What reached the upstream: chat completions, the tool output as a `tool` message.
-    let sent = g.received("primary").await;
-    assert_eq!(
-        sent[0]["messages"][0],
-        json!({"role": "system", "content": "be brief"})
-    );
-    let last = sent.last().unwrap()["messages"]
-        .as_array()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
-    assert_eq!(
-        (&last["role"], &last["content"]),
-        (&json!("tool"), &json!("21 C")),
-        "{last}"
-    );
-    assert_eq!(last["tool_call_id"], v["call"]["call_id"]);
-    assert_eq!(sent.len(), 5, "the refused request reached no provider");
-}
-
 /// Cached and reasoning tokens cost what their own prices say, from the usage the simulator
 /// reports (a system prompt it has seen is read from its cache; `reasoning_effort` spends
 /// reasoning tokens), through chat and through the Responses API.
@@ -2534,460 +2301,6 @@ async fn each_api_refuses_bad_input_in_its_own_envelope() {
     );
 }
 
-/// Messages streamed live through the official Anthropic SDK: a cut stream is continued on a
-/// prefill target and reads as one whole message; with no such target the SDK raises the
-/// in-band error, never taking a cut answer for a whole one.
-#[tokio::test]
-async fn the_anthropic_client_sees_a_cut_stream_continued_or_failed() {
-    let g = streaming("anthropic-cut").await;
-    for on in ["primary/small", "primary/big"] {
-        g.fault(
-            on,
-            json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
-        )
-        .await;
-    }
-    let script = r#"
-import json, sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
-out = {}
-with c.messages.stream(model="prefill", max_tokens=64,
-                       messages=[{"role": "user", "content": "cut and continue"}]) as s:
-    out["deltas"] = sum(1 for _ in s.text_stream)
-    m = json.loads(s.get_final_message().to_json())
-out["continued"] = m
-try:
-    with c.messages.stream(model="chain", max_tokens=64,
-                           messages=[{"role": "user", "content": "cut for good"}]) as s:
-        got = "".join(s.text_stream)
-    out["broken"] = "ended as if complete: " + got
-except anthropic.APIError as e:
-    out["broken"] = str(e)
-print(json.dumps(out))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    assert!(v["deltas"].as_u64() > Some(1), "relayed in pieces: {v}");
-    let m = &v["continued"];
-    assert_eq!(m["stop_reason"], "end_turn", "{m}");
-    assert_eq!(
-        m["content"].as_array().map(Vec::len),
-        Some(1),
-        "one text block: {m}"
-    );
-    assert!(!m["content"][0]["text"].as_str().unwrap().is_empty());
-    let broken = v["broken"].as_str().unwrap();
-    assert!(broken.contains("STREAM_ENDED_WITH_ERROR"), "{broken}");
-    let sent = g.received("local").await;
-    let prefill = sent.last().unwrap()["messages"]
-        .as_array()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
-    assert_eq!(
-        prefill["role"], "assistant",
-        "continued with what the caller had"
-    );
-}
-
-/// A Messages upstream (`api = "anthropic"`, the simulator's `secondary` speaking Messages)
-/// beside the chat targets of `STREAMING`: `claude-first` falls back from it to a chat target
-/// that takes a prefill, `chat-first` from a chat target to it.
-const TWO_APIS: &str = r#"
-[[provider]]
-id = "claude"
-api = "anthropic"
-base_url = "SIM/secondary/v1"
-model = "medium"
-probe = "off"
-cost_per_1k_tokens_usd = 0.003
-output_cost_per_1k_usd = 0.015
-cached_input_cost_per_1k_usd = 0.0003
-cache_write_cost_per_1k_usd = 0.00375
-
-[[route]]
-model = "claude-first"
-targets = ["claude", "local"]
-first_token_ms = 1000
-idle_ms = 400
-
-[[route]]
-model = "chat-first"
-targets = ["primary/small", "claude"]
-first_token_ms = 1000
-idle_ms = 400
-"#;
-
-async fn two_apis(tag: &str) -> Gateway {
-    gateway_with(tag, &format!("{STREAMING}{TWO_APIS}")).await
-}
-
-/// The official Anthropic SDK through a Messages target (plain, a tool-use round trip,
-/// streamed) and the official OpenAI SDK's chat on the same target by translation; when
-/// either API's target fails, the other API's serves the same request.
-#[tokio::test]
-async fn an_anthropic_upstream_serves_both_apis_and_each_falls_back_to_the_other() {
-    let g = two_apis("two-apis").await;
-    let script = r#"
-import json, sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
-out = {}
-m = c.messages.create(model="claude-first", max_tokens=64, system="be brief",
-                      messages=[{"role": "user", "content": "hello claude"}])
-out["plain"] = json.loads(m.to_json())
-tools = [{"name": "get_weather", "description": "The weather in a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
-                           "required": ["city"]}}]
-ask = [{"role": "user", "content": "Weather in Paris?"}]
-first = c.messages.create(model="claude-first", max_tokens=64, tools=tools, messages=ask)
-use = [b for b in first.content if b.type == "tool_use"][0]
-turns = ask + [{"role": "assistant", "content": first.content},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                             "content": "21 C"}]}]
-second = c.messages.create(model="claude-first", max_tokens=64, tools=tools, messages=turns)
-out["first"], out["second"] = json.loads(first.to_json()), json.loads(second.to_json())
-with c.messages.stream(model="claude-first", max_tokens=64,
-                       messages=[{"role": "user", "content": "stream from claude"}]) as s:
-    out["deltas"] = sum(1 for _ in s.text_stream)
-    out["streamed"] = json.loads(s.get_final_message().to_json())
-print(json.dumps(out))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    let plain = &v["plain"];
-    assert_eq!(plain["oam"]["target"], "claude", "{plain}");
-    assert!(
-        plain["content"][0]["text"]
-            .as_str()
-            .unwrap()
-            .contains("secondary answer"),
-        "{plain}"
-    );
-    // What reached the upstream is a Messages request, not a chat one.
-    let sent = g.received("secondary").await;
-    let asked = &sent[0];
-    assert_eq!(asked["system"], "be brief", "{asked}");
-    assert_eq!(asked["model"], "medium");
-    assert_eq!(
-        asked["messages"],
-        json!([{"role": "user", "content": [{"type": "text", "text": "hello claude"}]}])
-    );
-    assert_eq!(v["first"]["stop_reason"], "tool_use", "{v}");
-    let call = &v["first"]["content"].as_array().unwrap().last().unwrap();
-    assert_eq!(call["input"]["city"], "Weather in Paris?", "{call}");
-    assert_eq!(v["second"]["stop_reason"], "end_turn", "{v}");
-    let result_turn = &g.received("secondary").await[2]["messages"][2];
-    assert_eq!(
-        result_turn["content"][0],
-        json!({"type": "tool_result", "tool_use_id": call["id"], "content": "21 C"}),
-        "the tool result reached the Messages upstream as one: {result_turn}"
-    );
-    assert!(v["deltas"].as_u64() > Some(1), "relayed in pieces: {v}");
-    assert_eq!(v["streamed"]["stop_reason"], "end_turn", "{v}");
-    let streamed = g.received("secondary").await[3].clone();
-    assert_eq!(
-        streamed["stream"], true,
-        "streamed from the Messages target: {streamed}"
-    );
-
-    // The Messages target fails: the Anthropic client is served by the chat target.
-    g.fault("secondary", json!({"mode": "error", "status": 529}))
-        .await;
-    let fell_back = r#"
-import json, sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
-m = c.messages.create(model="claude-first", max_tokens=64,
-                      messages=[{"role": "user", "content": "claude is down"}])
-print(m.to_json())
-"#;
-    let m = crate::support::python_json(fell_back, &[&g.url]);
-    assert_eq!(m["oam"]["target"], "local", "{m}");
-    assert_eq!(
-        tried(&m),
-        ["claude", "claude", "local"],
-        "retried once, then moved on: {m}"
-    );
-    g.clear().await;
-
-    // The chat target fails: the OpenAI client is served by the Messages target, streamed.
-    g.fault("primary/small", json!({"mode": "error", "status": 503}))
-        .await;
-    let chat = r#"
-import json, sys, openai
-c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed", max_retries=0)
-r = c.chat.completions.create(model="chat-first",
-                              messages=[{"role": "user", "content": "chat is down"}])
-s = c.chat.completions.create(model="chat-first", stream=True,
-                              messages=[{"role": "user", "content": "chat is down, streamed"}])
-text = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
-print(json.dumps({"whole": json.loads(r.to_json()), "streamed": text}))
-"#;
-    let v = crate::support::python_json(chat, &[&g.url]);
-    let whole = &v["whole"];
-    assert_eq!(whole["oam"]["target"], "claude", "{whole}");
-    assert_eq!(
-        tried(whole),
-        ["primary/small", "primary/small", "claude"],
-        "{whole}"
-    );
-    assert!(
-        whole["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .contains("secondary answer"),
-        "{whole}"
-    );
-    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
-    assert!(
-        v["streamed"].as_str().unwrap().contains("secondary answer"),
-        "{v}"
-    );
-}
-
-/// A stream cut mid-answer on one API's target is continued on the other's, given what the
-/// caller already has: from Messages to a chat target's prefill, and from chat to Messages'
-/// native trailing assistant turn; the caller reads one whole answer either way.
-#[tokio::test]
-async fn a_cut_stream_is_continued_across_the_two_apis() {
-    let g = two_apis("two-apis-cut").await;
-    g.fault(
-        "primary/small",
-        json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
-    )
-    .await;
-    let (status, seen) = g.stream("chat-first", "cut chat").await;
-    assert_eq!(status, 200);
-    assert!(seen.ended_cleanly(), "{:?}", seen.data());
-    assert_eq!(seen.oam()["target"], "claude", "{}", seen.oam());
-    let turns = g.received("secondary").await.last().unwrap()["messages"].clone();
-    let last = turns.as_array().unwrap().last().unwrap();
-    assert_eq!(last["role"], "assistant", "a native prefill: {turns}");
-    let delivered = last["content"][0]["text"].as_str().unwrap();
-    assert!(
-        !delivered.is_empty() && seen.text().starts_with(delivered),
-        "{delivered:?} then {}",
-        seen.text()
-    );
-    g.clear().await;
-
-    g.fault(
-        "secondary",
-        json!({"mode": "stream", "kind": "cut", "after_chunks": 4}),
-    )
-    .await;
-    let script = r#"
-import json, sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
-with c.messages.stream(model="claude-first", max_tokens=64,
-                       messages=[{"role": "user", "content": "cut claude"}]) as s:
-    text = "".join(s.text_stream)
-    m = json.loads(s.get_final_message().to_json())
-print(json.dumps({"text": text, "message": m}))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    let m = &v["message"];
-    assert_eq!(m["stop_reason"], "end_turn", "never truncated: {m}");
-    let prefill = g.received("local").await.last().unwrap()["messages"]
-        .as_array()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
-    assert_eq!(prefill["role"], "assistant", "{prefill}");
-    let delivered = prefill["content"].as_str().unwrap();
-    assert!(
-        !delivered.is_empty() && v["text"].as_str().unwrap().starts_with(delivered),
-        "{delivered:?} then {v}"
-    );
-}
-
-/// A chat request using what Messages has no equivalent for (`logprobs`, a JSON
-/// `response_format`) never reaches the Messages target: it is excluded with its reason code,
-/// and with the chat target down the request is refused rather than sent altered.
-#[tokio::test]
-async fn what_messages_cannot_carry_never_reaches_an_anthropic_target() {
-    let g = two_apis("two-apis-bound").await;
-    g.fault("primary/small", json!({"mode": "error", "status": 503}))
-        .await;
-    for (field, value) in [
-        ("logprobs", json!(true)),
-        ("response_format", json!({"type": "json_object"})),
-    ] {
-        let mut body = json!({"model": "chat-first",
-            "messages": [{"role": "user", "content": "give me logprobs"}]});
-        body[field] = value;
-        let (status, v) = g.post(body).await;
-        assert_ne!(status, 200, "{field}: {v}");
-        assert!(
-            tried(&v).iter().all(|t| t == "primary/small"),
-            "{field}: {v}"
-        );
-        let text = g.explain(&v).await.to_string();
-        assert!(
-            text.contains("API_NOT_CARRIED"),
-            "{field}: claude excluded by its reason code: {text}"
-        );
-    }
-    assert!(
-        g.received("secondary").await.is_empty(),
-        "nothing reached the Messages upstream"
-    );
-    // Without them, the same request is served there.
-    let (status, v) = g.ask("chat-first", "no logprobs").await;
-    assert_eq!(
-        (status, &v["oam"]["target"]),
-        (200, &json!("claude")),
-        "{v}"
-    );
-}
-
-/// Messages reports prompt tokens written to and read from its cache apart from the rest; each
-/// is priced at its own rate, and the Anthropic client reads them back under their names.
-#[tokio::test]
-async fn cache_writes_and_reads_are_priced_from_what_messages_reports() {
-    let g = two_apis("two-apis-cache").await;
-    let script = r#"
-import json, sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
-system = "You answer questions about tides. " * 40
-out = [json.loads(c.messages.create(model="claude-first", max_tokens=64, system=system,
-        messages=[{"role": "user", "content": q}]).to_json()) for q in ["Brest?", "Calais?"]]
-print(json.dumps(out))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    let (first, second) = (&v[0], &v[1]);
-    let n = |m: &Value, k: &str| m["usage"][k].as_f64().unwrap_or(0.0);
-    assert!(n(first, "cache_creation_input_tokens") >= 300.0, "{first}");
-    assert_eq!(n(first, "cache_read_input_tokens"), 0.0, "{first}");
-    assert_eq!(
-        n(second, "cache_read_input_tokens"),
-        n(first, "cache_creation_input_tokens"),
-        "{second}"
-    );
-    for m in [first, second] {
-        let expected = (n(m, "input_tokens") * 0.003
-            + n(m, "cache_read_input_tokens") * 0.0003
-            + n(m, "cache_creation_input_tokens") * 0.00375
-            + n(m, "output_tokens") * 0.015)
-            / 1_000.0;
-        let cost = m["oam"]["cost_usd"].as_f64().unwrap();
-        assert!(
-            (cost - expected).abs() < 1e-9,
-            "charged {cost}, the usage says {expected}: {m}"
-        );
-    }
-}
-
-/// Two embedding targets (the simulator's `primary` and `local` answering embeddings), routed as
-/// `embed`, beside the chat routes.
-const EMBEDDINGS: &str = r#"
-[[provider]]
-id = "vectors"
-base_url = "SIM/primary/v1"
-model = "embed-large"
-embeddings = true
-probe = "off"
-cost_per_1k_tokens_usd = 0.1
-
-[[provider]]
-id = "vectors-local"
-base_url = "SIM/local/v1"
-model = "embed-small"
-embeddings = true
-probe = "off"
-
-[[route]]
-model = "embed"
-targets = ["vectors", "vectors-local"]
-"#;
-
-/// The official OpenAI SDK's `embeddings.create` through a node: routed, priced, falling back
-/// when a target fails loudly (an error) or quietly (200 with one embedding short), and kept
-/// apart from chat: `auto` embeds only on embedding targets and answers only on chat ones.
-#[tokio::test]
-async fn embeddings_are_routed_priced_and_checked_like_answers() {
-    let g = gateway_with("embeddings", EMBEDDINGS).await;
-    let script = r#"
-import json, sys, openai
-c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed", max_retries=0)
-r = c.embeddings.create(model="embed", input=["tides in Brest", "tides in Calais"])
-wide = c.embeddings.create(model="auto", input="one", dimensions=16)
-print(json.dumps({"r": json.loads(r.to_json()), "dims": [len(d.embedding) for d in r.data],
-                  "wide": len(wide.data[0].embedding), "wide_model": wide.model}))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    assert_eq!(v["dims"], json!([8, 8]), "{v}");
-    assert_eq!(v["wide"], 16, "{v}");
-    assert!(
-        v["wide_model"].as_str().unwrap().starts_with("embed-"),
-        "auto embeds on an embedding target: {v}"
-    );
-    let sent = g.received("primary").await;
-    assert_eq!(sent[0]["model"], "embed-large");
-    assert_eq!(
-        sent[0]["input"],
-        json!(["tides in Brest", "tides in Calais"])
-    );
-
-    let embed = |body: Value| {
-        let url = format!("{}/v1/embeddings", g.url);
-        async move {
-            let r = client().post(url).json(&body).send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
-    };
-    let (status, v) = embed(json!({"model": "embed", "input": "x".repeat(4_000)})).await;
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(v["oam"]["target"], "vectors", "{v}");
-    let tokens = v["usage"]["prompt_tokens"].as_f64().unwrap();
-    let cost = v["oam"]["cost_usd"].as_f64().unwrap();
-    assert!(
-        (cost - tokens * 0.1 / 1_000.0).abs() < 1e-9,
-        "{cost} for {tokens} tokens: {v}"
-    );
-
-    for mode in [
-        json!({"mode": "error", "status": 503}),
-        json!({"mode": "contract", "kind": "missing-field"}),
-    ] {
-        g.clear().await;
-        g.fault("primary", mode.clone()).await;
-        let (status, v) = embed(json!({"model": "embed", "input": ["a", "b", "c"]})).await;
-        assert_eq!(status, 200, "{mode}: {v}");
-        assert_eq!(v["oam"]["target"], "vectors-local", "{mode}: {v}");
-        assert_eq!(v["data"].as_array().unwrap().len(), 3, "{mode}: {v}");
-        assert_eq!(tried(&v)[0], "vectors", "{mode}: {v}");
-    }
-    g.clear().await;
-
-    // A chat request never lands on an embedding target, nor the reverse.
-    let (status, v) = g.ask("embed", "answer me").await;
-    assert_ne!(status, 200, "{v}");
-    assert!(codes(&v).contains(&"MODEL_KIND_MISMATCH".into()), "{v}");
-    let (status, v) = g.ask("auto", "answer me").await;
-    assert_eq!(status, 200, "{v}");
-    assert!(
-        !v["oam"]["target"].as_str().unwrap().starts_with("vectors"),
-        "{v}"
-    );
-    let (status, v) = embed(json!({"model": "small", "input": "x"})).await;
-    assert_ne!(status, 200, "{v}");
-    assert!(codes(&v).contains(&"MODEL_KIND_MISMATCH".into()), "{v}");
-
-    // Bad input: a 400 naming the field, in OpenAI's envelope; nothing reaches a target.
-    let before = g.received("primary").await.len();
-    for (body, param) in [
-        (json!({"model": "embed"}), "input"),
-        (json!({"model": "embed", "input": []}), "input"),
-        (json!({"model": "embed", "input": ["ok", 7]}), "input[1]"),
-        (json!({"input": "x"}), "model"),
-    ] {
-        let (status, v) = embed(body.clone()).await;
-        assert_eq!(status, 400, "{body}: {v}");
-        assert_eq!(v["error"]["param"], param, "{body}: {v}");
-    }
-    assert_eq!(g.received("primary").await.len(), before);
-}
-
 /// Tokens per minute: each request is admitted on its estimate (prompt plus `max_tokens`) and
 /// charged what its usage says, so what the window served adds up to the limit, not to the
 /// estimates; past it, 429 with `Retry-After`.
@@ -3027,67 +2340,6 @@ async fn tokens_per_minute_are_charged_by_usage_and_bound_the_window() {
     // Admitted on estimates of about 100 tokens, charged about 25 each: far more than ten.
     assert!(served > 10, "{served} served, {used} tokens");
     assert!(used <= 500, "{used} tokens served under a limit of 500");
-}
-
-/// With a Messages target, a Messages request using what only Messages carries (extended
-/// thinking, a thinking block in its history) is sent to it as it came and answered as it
-/// answered (the thinking block signed, whole or streamed), never to a chat target: on a
-/// route that starts with one, that target is excluded (API_NOT_CARRIED).
-#[tokio::test]
-async fn thinking_goes_to_a_messages_target_as_it_came() {
-    let g = two_apis("two-apis-thinking").await;
-    let script = r#"
-import json, sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="not-needed", max_retries=0)
-turns = [{"role": "user", "content": "think first"},
-         {"role": "assistant", "content": [
-             {"type": "thinking", "thinking": "earlier thoughts", "signature": "sig-1"},
-             {"type": "text", "text": "earlier answer"}]},
-         {"role": "user", "content": "and now?"}]
-thinking = {"type": "enabled", "budget_tokens": 1024}
-m = c.messages.create(model="chat-first", max_tokens=2048, thinking=thinking, messages=turns)
-with c.messages.stream(model="chat-first", max_tokens=2048, thinking=thinking,
-                       messages=turns) as s:
-    streamed = json.loads(s.get_final_message().to_json())
-print(json.dumps({"whole": json.loads(m.to_json()), "streamed": streamed}))
-"#;
-    let v = crate::support::python_json(script, &[&g.url]);
-    for m in [&v["whole"], &v["streamed"]] {
-        let first = &m["content"][0];
-        assert_eq!(first["type"], "thinking", "{m}");
-        assert!(
-            first["signature"]
-                .as_str()
-                .unwrap()
-                .starts_with("sim-signature"),
-            "{m}"
-        );
-        assert_eq!(m["content"][1]["type"], "text", "{m}");
-    }
-    assert_eq!(v["whole"]["oam"]["target"], "claude", "{v}");
-    assert_eq!(
-        tried(&v["whole"]),
-        ["claude"],
-        "the chat target first in the route: {v}"
-    );
-    let explained = g.explain(&v["whole"]).await.to_string();
-    assert!(explained.contains("API_NOT_CARRIED"), "{explained}");
-    assert!(
-        g.received("primary").await.is_empty(),
-        "nothing reached the chat target"
-    );
-    let sent = &g.received("secondary").await[0];
-    assert_eq!(sent["thinking"]["budget_tokens"], 1024, "{sent}");
-    assert_eq!(sent["model"], "medium");
-    assert_eq!(
-        sent["messages"][1]["content"][0],
-        json!({"type": "thinking", "thinking": "earlier thoughts", "signature": "sig-1"}),
-        "the history's thinking block unchanged: {sent}"
-    );
-    assert!(
-        sent.get("oam").is_none() && sent.get("stream").is_none(),
-        "{sent}"
-    );
 }
 
 /// Traces in the tools operators run: with `[telemetry]` pointed at a real OTLP receiver, every
@@ -3549,7 +2801,7 @@ probe = "chat"
 
 /// An upstream whose streams are paced like a model's: `/paced/v1` answers a stream with one
 /// word every 100 ms for 4 s (then its finish and `[DONE]`), and a whole answer at once.
-async fn paced_upstream() -> String {
+pub(crate) async fn paced_upstream() -> String {
     use futures_util::{StreamExt as _, stream};
     let app = axum::Router::new().route(
         "/paced/v1/chat/completions",
@@ -3588,7 +2840,7 @@ async fn paced_upstream() -> String {
 }
 
 /// A stream to `url` that is read to its end in the background: its status once the head came.
-async fn open_stream(
+pub(crate) async fn open_stream(
     url: &str,
     q: &str,
 ) -> (
@@ -3613,7 +2865,7 @@ async fn open_stream(
     )
 }
 
-fn paced_provider(up: &str) -> String {
+pub(crate) fn paced_provider(up: &str) -> String {
     format!(
         "[[provider]]\nid = \"paced\"\nbase_url = \"{up}/paced/v1\"\nmodel = \"m\"\nprobe = \"off\"\n\
          [[route]]\nmodel = \"x-paced\"\ntargets = [\"paced/m\"]\n"
