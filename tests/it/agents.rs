@@ -615,6 +615,22 @@ async fn a_stuck_handler_is_reported_as_stuck_not_as_a_timeout() {
     assert_eq!(contract["x-agentmesh"]["max_handling_ms"], 300);
 }
 
+/// A node (`oam node run`, id n1) on `url` with `toml` as its oam.toml, in a folder of its own
+/// that the caller removes: the process, its HTTP base URL and the folder.
+fn node_with(url: &str, tag: &str, toml: &str) -> (Proc, String, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("oam-test-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("oam.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let node = Proc::spawn(&crate::support::node_args(
+        "n1",
+        url,
+        &["--config", cfg.to_str().unwrap()],
+    ));
+    let http = node.ready["http"].as_str().unwrap().to_string();
+    (node, http, dir)
+}
+
 #[tokio::test]
 async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
     let server = NatsServer::start().await;
@@ -623,24 +639,15 @@ async fn a_provider_on_the_mesh_is_marked_down_by_its_death_notice() {
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let mut llm = serve(&url, "llm.chat", "chat", &[]);
-    let dir = std::env::temp_dir().join(format!("oam-test-meshprov-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
-    std::fs::write(
-        &cfg,
-        format!(
+    let (_node, http, dir) = node_with(
+        &url,
+        "meshprov",
+        &format!(
             "[node]\ncluster_size = 1\n\n[[provider]]\nid = \"meshllm\"\nagent = \"llm.chat\"\nmodel = \"m\"\n\
              cost_per_1k_tokens_usd = 0.001\nprobe = \"chat\"\n\n[[provider]]\nid = \"local\"\nbase_url = \"{sim_url}/local/v1\"\n\
              model = \"sim-small\"\nfallback = true\n"
         ),
-    )
-    .unwrap();
-    let node = Proc::spawn(&crate::support::node_args(
-        "n1",
-        &url,
-        &["--config", cfg.to_str().unwrap()],
-    ));
-    let http = node.ready["http"].as_str().unwrap().to_string();
+    );
     let c = crate::support::http(Duration::from_secs(10));
     // (verdict, samples in the node's own window) of the mesh provider.
     let view = |c: reqwest::Client, http: String| async move {
@@ -708,25 +715,16 @@ async fn a_node_falls_back_at_once_when_the_agent_holding_its_request_dies() {
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let mut holder = serve(&url, "llm.hang", "hang", &[]);
-    let dir = std::env::temp_dir().join(format!("oam-test-meshdies-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
-    std::fs::write(
-        &cfg,
-        format!(
+    let (_node, http, dir) = node_with(
+        &url,
+        "meshdies",
+        &format!(
             "[node]\ncluster_size = 1\n\n[[provider]]\nid = \"meshllm\"\nagent = \"llm.hang\"\n\
              model = \"m\"\nprobe = \"off\"\n\n[[provider]]\nid = \"local\"\n\
              base_url = \"{sim_url}/local/v1\"\nmodel = \"sim-small\"\n\n\
              [[route]]\nmodel = \"meshy\"\ntargets = [\"meshllm\", \"local\"]\n"
         ),
-    )
-    .unwrap();
-    let node = Proc::spawn(&crate::support::node_args(
-        "n1",
-        &url,
-        &["--config", cfg.to_str().unwrap()],
-    ));
-    let http = node.ready["http"].as_str().unwrap().to_string();
+    );
     let c = crate::support::http(Duration::from_secs(30));
     let pending = tokio::spawn(
         c.post(format!("{http}/v1/chat/completions"))
