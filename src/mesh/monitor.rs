@@ -143,15 +143,15 @@ struct Seen {
 
 /// One agent's instances as the monitor admits them: how many are live, and the tokens left
 /// for new ones (refilled at `NEW_INSTANCES_PER_S`, at most `MAX_INSTANCES_PER_AGENT`).
-struct Admission {
+struct InstanceQuota {
     live: usize,
     tokens: f64,
     at: Instant,
 }
 
-impl Admission {
-    fn new(now: Instant) -> Admission {
-        Admission {
+impl InstanceQuota {
+    fn new(now: Instant) -> InstanceQuota {
+        InstanceQuota {
             live: 0,
             tokens: MAX_INSTANCES_PER_AGENT as f64,
             at: now,
@@ -178,7 +178,7 @@ pub struct Monitor {
     /// instance id it likes, and that must not stand for another agent's instance.
     seen: BTreeMap<(String, String), Seen>,
     /// Per agent, its instances as admitted.
-    admitted: BTreeMap<String, Admission>,
+    admitted: BTreeMap<String, InstanceQuota>,
     /// Heartbeats of new instances refused: their agent had `MAX_INSTANCES_PER_AGENT` live, or
     /// started more than `NEW_INSTANCES_PER_S`.
     pub refused_instances: u64,
@@ -322,7 +322,7 @@ impl Monitor {
                 let admission = self
                     .admitted
                     .entry(key.1.clone())
-                    .or_insert_with(|| Admission::new(last));
+                    .or_insert_with(|| InstanceQuota::new(last));
                 if !admission.admit(last) {
                     self.refused_instances += 1;
                     if self.refused_instances.is_power_of_two() {
@@ -385,7 +385,7 @@ impl Monitor {
             let admission = self
                 .admitted
                 .entry(key.1.clone())
-                .or_insert_with(|| Admission::new(now));
+                .or_insert_with(|| InstanceQuota::new(now));
             if admission.admit(now) {
                 self.seen.insert(key, Seen { last: now });
             }
@@ -859,13 +859,13 @@ mod tests {
     #[test]
     fn an_agent_may_have_so_many_instances_and_start_so_many_a_second() {
         let t0 = Instant::now();
-        let mut a = Admission::new(t0);
+        let mut a = InstanceQuota::new(t0);
         let burst = (0..5_000).filter(|_| a.admit(t0)).count();
         assert_eq!(burst, MAX_INSTANCES_PER_AGENT);
         // Every one live: no more, however long it waits.
         assert!(!a.admit(t0 + Duration::from_secs(60)));
         // Half of them gone a second after the burst: new ones at the stated rate.
-        let mut a = Admission::new(t0);
+        let mut a = InstanceQuota::new(t0);
         (0..MAX_INSTANCES_PER_AGENT).for_each(|_| assert!(a.admit(t0)));
         a.live /= 2;
         let later = t0 + Duration::from_secs(1);

@@ -5,7 +5,7 @@
 //! whole answer is replayed as a stream's events.
 
 use super::super::exchange::{Attempt, Passthrough};
-use super::{Ask, Opened, Upstream, chat};
+use super::{Opened, Upstream, UpstreamCall, chat};
 use crate::core::request::{Generation, GenerationStatus};
 use crate::mesh::client::Caller;
 use crate::mesh::protocol::ErrorCode;
@@ -35,22 +35,22 @@ impl AgentCalls {
     }
 }
 
-pub(super) struct Agent {
+pub(super) struct MeshAgent {
     name: String,
     calls: Arc<AgentCalls>,
 }
 
-impl Agent {
-    pub(super) fn new(name: &str, calls: Arc<AgentCalls>) -> Agent {
-        Agent {
+impl MeshAgent {
+    pub(super) fn new(name: &str, calls: Arc<AgentCalls>) -> MeshAgent {
+        MeshAgent {
             name: name.to_string(),
             calls,
         }
     }
 }
 
-impl Upstream for Agent {
-    fn generate<'a>(&'a self, ask: Ask<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
+impl Upstream for MeshAgent {
+    fn generate<'a>(&'a self, ask: UpstreamCall<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
         Box::pin(async move {
             let started = Instant::now();
             let failed = |status, why: String| -> Attempt {
@@ -94,7 +94,7 @@ impl Upstream for Agent {
     ) -> BoxFuture<'a, Opened> {
         Box::pin(async move {
             let started = Instant::now();
-            let ask = Ask {
+            let ask = UpstreamCall {
                 model,
                 pass: Some(pass),
                 messages: &[],

@@ -8,23 +8,23 @@
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Passthrough, Reply};
 use super::http::{Endpoint, failed, judge_failure};
-use super::{Ask, Opened, Upstream, chat};
+use super::{Opened, Upstream, UpstreamCall, chat};
 use crate::core::request::{Generation, GenerationStatus};
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::{Map, Value, json};
 use std::time::{Duration, Instant};
 
-pub(super) struct Messages {
+pub(super) struct AnthropicMessages {
     at: Endpoint,
 }
 
-impl Messages {
+impl AnthropicMessages {
     pub(super) fn new(
         cfg: &ProviderConfig,
         http: reqwest::Client,
         post: crate::http::Poster,
-    ) -> anyhow::Result<Messages> {
+    ) -> anyhow::Result<AnthropicMessages> {
         let mut headers: Vec<_> = super::http::key(cfg)
             .and_then(|k| super::http::secret(HeaderName::from_static("x-api-key"), &k))
             .into_iter()
@@ -34,7 +34,7 @@ impl Messages {
             HeaderValue::from_static(VERSION),
         ));
         let at = Endpoint::new(cfg, "messages", headers, http, post)?;
-        Ok(Messages { at })
+        Ok(AnthropicMessages { at })
     }
 }
 
@@ -100,8 +100,8 @@ fn judge(
     chat::completion(&bytes.into(), latency_ms)
 }
 
-impl Upstream for Messages {
-    fn generate<'a>(&'a self, ask: Ask<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
+impl Upstream for AnthropicMessages {
+    fn generate<'a>(&'a self, ask: UpstreamCall<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
         Box::pin(async move {
             let started = Instant::now();
             let native = ask.pass.and_then(|p| p.native.as_ref());

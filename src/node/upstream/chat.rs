@@ -4,7 +4,7 @@
 //! its bytes in the usual shape, as a tree otherwise).
 
 use super::super::exchange::{Attempt, Passthrough, Reply, usage_of};
-use super::Ask;
+use super::UpstreamCall;
 use crate::core::request::{Generation, GenerationStatus, Message};
 use serde_json::Value;
 
@@ -48,7 +48,7 @@ impl<'a> Body<'a> {
     /// A whole answer's request: the client's as it came (`ask.pass`), with the target's model
     /// and oam's token limit, or just the messages (a probe). Serialised from borrows: the
     /// client's request is not copied for each attempt.
-    pub(super) fn whole(ask: &Ask<'a>) -> Body<'a> {
+    pub(super) fn whole(ask: &UpstreamCall<'a>) -> Body<'a> {
         Body {
             extra: ask.pass.map(|p| &p.extra),
             tools: ask.pass.and_then(|p| p.tools.as_deref()),

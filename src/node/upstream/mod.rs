@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 /// What one attempt for a whole answer asks of a target.
 #[derive(Clone, Copy)]
-pub struct Ask<'a> {
+pub struct UpstreamCall<'a> {
     /// The upstream's name of the target's model.
     pub model: &'a str,
     /// The client's request as it came; `None` for a probe, which sends just `messages`.
@@ -39,7 +39,7 @@ pub struct Ask<'a> {
 /// One upstream API. Futures are boxed: a provider's API is chosen by its configuration.
 pub(crate) trait Upstream: Send + Sync {
     /// One whole answer, bounded by `timeout`.
-    fn generate<'a>(&'a self, ask: Ask<'a>, timeout: Duration) -> BoxFuture<'a, Attempt>;
+    fn generate<'a>(&'a self, ask: UpstreamCall<'a>, timeout: Duration) -> BoxFuture<'a, Attempt>;
 
     /// Open a streamed answer to the client's request `pass` (usage asked for), continuing
     /// `prefill` (the answer so far) when given; the response must begin within
@@ -105,9 +105,9 @@ impl Connector {
         calls: &std::sync::Arc<AgentCalls>,
     ) -> anyhow::Result<Self> {
         let upstream: Box<dyn Upstream> = match (&cfg.agent, cfg.api) {
-            (Some(name), _) => Box::new(agent::Agent::new(name, calls.clone())),
-            (None, Api::Openai) => Box::new(openai::Openai::new(cfg, http, post)?),
-            (None, Api::Anthropic) => Box::new(anthropic::Messages::new(cfg, http, post)?),
+            (Some(name), _) => Box::new(agent::MeshAgent::new(name, calls.clone())),
+            (None, Api::Openai) => Box::new(openai::OpenaiCompatible::new(cfg, http, post)?),
+            (None, Api::Anthropic) => Box::new(anthropic::AnthropicMessages::new(cfg, http, post)?),
         };
         Ok(Connector {
             id: cfg.id.clone(),
@@ -138,7 +138,7 @@ impl Connector {
         response_format: Option<&Value>,
         timeout: Duration,
     ) -> Attempt {
-        let ask = Ask {
+        let ask = UpstreamCall {
             model,
             pass,
             messages,

@@ -4,32 +4,32 @@
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Passthrough, Reply};
 use super::http::{Endpoint, error_chain, failed, judge_failure, read_capped};
-use super::{Ask, Opened, Upstream, chat};
+use super::{Opened, Upstream, UpstreamCall, chat};
 use crate::core::request::{Generation, GenerationStatus};
 use futures_util::future::BoxFuture;
 use reqwest::header::{AUTHORIZATION, HeaderMap};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
-pub(super) struct Openai {
+pub(super) struct OpenaiCompatible {
     at: Endpoint,
     /// `{base_url}/embeddings`.
     embeddings_url: reqwest::Url,
 }
 
-impl Openai {
+impl OpenaiCompatible {
     pub(super) fn new(
         cfg: &ProviderConfig,
         http: reqwest::Client,
         post: crate::http::Poster,
-    ) -> anyhow::Result<Openai> {
+    ) -> anyhow::Result<OpenaiCompatible> {
         let headers = super::http::key(cfg)
             .and_then(|k| super::http::secret(AUTHORIZATION, &format!("Bearer {k}")))
             .into_iter()
             .collect();
         let at = Endpoint::new(cfg, "chat/completions", headers, http, post)?;
         let embeddings_url = super::http::url(cfg, "embeddings")?;
-        Ok(Openai { at, embeddings_url })
+        Ok(OpenaiCompatible { at, embeddings_url })
     }
 }
 
@@ -44,8 +44,8 @@ fn judge(
         .unwrap_or_else(|| chat::completion(bytes, latency_ms))
 }
 
-impl Upstream for Openai {
-    fn generate<'a>(&'a self, ask: Ask<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
+impl Upstream for OpenaiCompatible {
+    fn generate<'a>(&'a self, ask: UpstreamCall<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
         Box::pin(async move {
             let started = Instant::now();
             let json = match serde_json::to_vec(&chat::Body::whole(&ask)) {
