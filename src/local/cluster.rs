@@ -8,6 +8,7 @@ use super::roles::Role;
 use super::{Record, Started, Stopped};
 use crate::core::wire::NodeSnapshot;
 use crate::transport::connect::{ENV_CA, ENV_URL};
+use anyhow::Context;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -49,6 +50,10 @@ pub struct Plan {
     pub log_retention: Option<(Duration, u64)>,
     /// JetStream's fsync interval (`always` or a duration; `None`: `natsd::DEFAULT_SYNC`).
     pub sync_interval: Option<String>,
+    /// Open each nats-server's HTTP monitoring port on 127.0.0.1 (any free port). Off by
+    /// default: it shows anyone who reaches it every user, inbox and consumer, without a
+    /// password; oam itself asks the system account.
+    pub nats_monitor: bool,
 }
 
 impl Plan {
@@ -67,6 +72,7 @@ impl Plan {
             config: None,
             log_retention: None,
             sync_interval: None,
+            nats_monitor: false,
         }
     }
 }
@@ -263,7 +269,7 @@ pub(super) async fn repair(
         restarted.push(s.name.clone());
     }
     if !restarted.is_empty() && rec.servers.len() > 1 {
-        jetstream_ready(&rec.servers).await?;
+        jetstream_ready(&rec.servers, &creds).await?;
     }
     let servers = rec.client_urls();
     let url_of = |role: &Role| creds.url(&servers, &role.user()).unwrap_or_default();
@@ -591,15 +597,19 @@ async fn start_servers(
     let mut running = Vec::new();
     for s in &servers {
         std::fs::create_dir_all(&s.dir)?;
-        let layout = s.layout(&servers, true);
+        let layout = natsd::Layout {
+            monitor_port: plan.nats_monitor.then_some(0),
+            ..s.layout(&servers, true)
+        };
         let log = s.dir.join("nats.log");
         let server = natsd::start(bin, &layout, creds, &log, Duration::from_secs(15)).await?;
         started.push(Started {
             name: s.name.clone(),
             pid: server.child.id(),
             endpoint: format!(
-                "nats://127.0.0.1:{} (monitor http://127.0.0.1:{})",
-                server.port, server.monitor_port
+                "nats://127.0.0.1:{}{}",
+                server.port,
+                monitor_shown(server.monitor_port)
             ),
             log,
             cmdline_marker: layout.config_path().display().to_string(),
@@ -612,7 +622,7 @@ async fn start_servers(
         });
     }
     if !alone {
-        jetstream_ready(&running).await?;
+        jetstream_ready(&running, creds).await?;
     }
     Ok(running)
 }
@@ -725,27 +735,43 @@ pub(super) async fn create_buckets(
 
 /// Wait until every server's JetStream has a meta leader and knows every member (a stream of
 /// 3 replicas needs 3 known servers), at most `READY_WITHIN`.
-async fn jetstream_ready(servers: &[super::NatsServer]) -> anyhow::Result<()> {
-    jetstream_sees(servers, servers.len(), READY_WITHIN).await
+async fn jetstream_ready(
+    servers: &[super::NatsServer],
+    creds: &natsd::Credentials,
+) -> anyhow::Result<()> {
+    jetstream_sees(servers, creds, servers.len(), READY_WITHIN).await
+}
+
+/// How a started server's endpoint shows its monitoring port, if it has one.
+pub(super) fn monitor_shown(port: u16) -> String {
+    if port == 0 {
+        String::new()
+    } else {
+        format!(" (monitor http://127.0.0.1:{port})")
+    }
 }
 
 /// Wait until the JetStream of each of `servers` (this host's) has a meta leader and knows
 /// `members` servers, at most `within`.
 pub(super) async fn jetstream_sees(
     servers: &[super::NatsServer],
+    creds: &natsd::Credentials,
     members: usize,
     within: Duration,
 ) -> anyhow::Result<()> {
-    let http = crate::http::http_client(Some(Duration::from_secs(1)))?;
     let deadline = Instant::now() + within;
     for s in servers {
-        let jsz = format!("http://127.0.0.1:{}/jsz", s.monitor_port);
+        // Asked of the server itself as the system account (no monitoring port needed).
+        let sys = natsd::sys_url(&[s.client_url()], creds);
+        let refused = crate::transport::connect::Refused::default();
+        let nats = crate::transport::connect::connect(&sys, "oam-mesh-up-sys", false, &refused)
+            .await
+            .with_context(|| format!("cannot reach {} as the system account", s.name))?;
         loop {
-            let meta = match http.get(&jsz).send().await {
-                Ok(r) => r.json::<serde_json::Value>().await.ok(),
-                Err(_) => None,
-            };
-            let meta = meta.map(|v| v["meta_cluster"].clone()).unwrap_or_default();
+            let meta = natsd::server_info(&nats, &s.config_name(servers), "JSZ")
+                .await
+                .map(|v| v["data"]["meta_cluster"].clone())
+                .unwrap_or_default();
             let known = meta["cluster_size"].as_u64().unwrap_or(0);
             if meta["leader"].as_str().is_some_and(|l| !l.is_empty()) && known >= members as u64 {
                 break;

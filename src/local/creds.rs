@@ -132,7 +132,7 @@ async fn reload_checking(
     let Some(record) = record else {
         return Ok(false);
     };
-    let http = crate::http::http_client(Some(Duration::from_secs(1)))?;
+    let ca = ca_of(dir);
     let mut reloaded_any = false;
     for server in &record.servers {
         let Some(process) = record
@@ -142,7 +142,7 @@ async fn reload_checking(
         else {
             continue;
         };
-        reload_one(&http, server, &record.servers, process.pid, creds)
+        reload_one(server, &record.servers, process.pid, creds, ca.as_deref())
             .await
             .map_err(|why| {
                 anyhow!(
@@ -178,11 +178,11 @@ async fn reload_checking(
 
 /// Have `server` (process `pid`) reload its config written from `creds`.
 async fn reload_one(
-    http: &reqwest::Client,
     server: &super::NatsServer,
     all: &[super::NatsServer],
     pid: u32,
     creds: &natsd::Credentials,
+    ca: Option<&Path>,
 ) -> std::result::Result<(), String> {
     let write = |l: &natsd::Layout| {
         super::write_private(&l.config_path(), &natsd::config(l, creds))
@@ -191,11 +191,14 @@ async fn reload_one(
     // The server reloads only a config that names its ports as it was started ("any free
     // port"); once it has read it, the file names the ports taken again, so a restart from it
     // comes back at the same address.
-    let varz = format!("http://127.0.0.1:{}/varz", server.monitor_port);
-    let before = loaded_at(http, &varz).await;
+    // When it last loaded it is asked of the server as the system account (it has no
+    // monitoring port unless one was asked for).
+    let sys = sys_connection(server, creds, ca).await?;
+    let name = server.config_name(all);
+    let before = loaded_at(&sys, &name).await;
     write(&server.layout(all, true))?;
     let done = if super::signal(pid, libc::SIGHUP) {
-        reloaded(http, &varz, before).await
+        reloaded(&sys, &name, before).await
     } else {
         Err(format!("cannot signal nats-server (pid {pid}) to reload"))
     };
@@ -203,21 +206,45 @@ async fn reload_one(
     done
 }
 
-/// When the server last loaded its config (its monitoring endpoint's `config_load_time`).
-async fn loaded_at(http: &reqwest::Client, varz: &str) -> Option<String> {
-    let v: serde_json::Value = http.get(varz).send().await.ok()?.json().await.ok()?;
-    v["config_load_time"].as_str().map(String::from)
+/// A connection to `server` as the system account's admin (checked against `ca` when the
+/// mesh speaks TLS).
+async fn sys_connection(
+    server: &super::NatsServer,
+    creds: &natsd::Credentials,
+    ca: Option<&Path>,
+) -> std::result::Result<async_nats::Client, String> {
+    let mut opts = async_nats::ConnectOptions::with_user_and_password(
+        creds.sys_user.clone(),
+        creds.sys_password.clone(),
+    )
+    .name("oam-creds-sys")
+    .connection_timeout(Duration::from_secs(2));
+    if let Some(ca) = ca {
+        opts = opts
+            .add_root_certificates(ca.to_path_buf())
+            .require_tls(true);
+    }
+    opts.connect(server.client_url().as_str())
+        .await
+        .map_err(|e| format!("cannot reach it as the system account: {e}"))
 }
 
-/// Wait (at most 5 s) until the server has loaded its config again since `before`.
+/// When the server named `name` last loaded its config (`config_load_time` of its VARZ).
+async fn loaded_at(sys: &async_nats::Client, name: &str) -> Option<String> {
+    let v = natsd::server_info(sys, name, "VARZ").await?;
+    v["data"]["config_load_time"].as_str().map(String::from)
+}
+
+/// Wait (at most 5 s) until the server named `name` has loaded its config again since
+/// `before`.
 async fn reloaded(
-    http: &reqwest::Client,
-    varz: &str,
+    sys: &async_nats::Client,
+    name: &str,
     before: Option<String>,
 ) -> std::result::Result<(), String> {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let now = loaded_at(http, varz).await;
+        let now = loaded_at(sys, name).await;
         if now.is_some() && now != before {
             return Ok(());
         }

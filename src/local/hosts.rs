@@ -468,6 +468,8 @@ pub struct HostPlan {
     pub wait: Duration,
     /// The decision log's age and size from the nodes' `config` (checked by the caller).
     pub log_retention: Option<(Duration, u64)>,
+    /// Open the server's HTTP monitoring port (see `cluster::Plan::nats_monitor`).
+    pub nats_monitor: bool,
 }
 
 /// Start this host's part of the deployment (or repair it, or say it runs), recorded in
@@ -603,16 +605,19 @@ async fn start_host(
         sync_interval: d.spec.sync_interval.clone(),
     };
     std::fs::create_dir_all(&server.dir)?;
-    let layout = server.layout(std::slice::from_ref(&server), true);
+    let layout = natsd::Layout {
+        monitor_port: plan.nats_monitor.then_some(0),
+        ..server.layout(std::slice::from_ref(&server), true)
+    };
     let log = server.dir.join("nats.log");
     let running = natsd::start(bin, &layout, creds, &log, Duration::from_secs(15)).await?;
     started.push(Started {
         name: server.name.clone(),
         pid: running.child.id(),
         endpoint: format!(
-            "tls://{} (monitor http://127.0.0.1:{})",
+            "tls://{}{}",
             SocketAddr::from((host.address, running.port)),
-            running.monitor_port
+            cluster::monitor_shown(running.monitor_port)
         ),
         log,
         cmdline_marker: layout.config_path().display().to_string(),
@@ -630,7 +635,7 @@ async fn start_host(
             server.name,
             plan.wait.as_secs()
         );
-        cluster::jetstream_sees(std::slice::from_ref(&server), hosts, plan.wait)
+        cluster::jetstream_sees(std::slice::from_ref(&server), creds, hosts, plan.wait)
             .await
             .map_err(|e| {
                 anyhow!(

@@ -203,6 +203,7 @@ pub struct NatsServer {
     /// Holds its `nats.conf`, `nats.log` and `jetstream/`.
     pub dir: PathBuf,
     pub port: u16,
+    /// Its HTTP monitoring port on 127.0.0.1; 0: it has none (the default).
     pub monitor_port: u16,
     /// Its route port (0: it runs alone).
     #[serde(default)]
@@ -226,6 +227,21 @@ pub struct NatsServer {
 }
 
 impl NatsServer {
+    /// Its name in its config (what the system account's questions filter by), beside the
+    /// servers `all`.
+    pub fn config_name(&self, all: &[NatsServer]) -> String {
+        self.layout(all, false)
+            .name
+            .unwrap_or_else(|| natsd::LONE_NAME.to_string())
+    }
+
+    /// Where its clients reach it (`nats://127.0.0.1:4222`, `tls://10.0.0.2:4222`).
+    pub fn client_url(&self) -> String {
+        let scheme = if self.tls.is_some() { "tls" } else { "nats" };
+        let address = self.address.as_deref().unwrap_or("127.0.0.1");
+        format!("{scheme}://{address}:{}", self.port)
+    }
+
     /// Its config as it runs now, or as it was started (`as_started`, for a reload), among
     /// `all` the servers of its mesh.
     pub fn layout(&self, all: &[NatsServer], as_started: bool) -> natsd::Layout {
@@ -248,7 +264,12 @@ impl NatsServer {
             } else {
                 self.port
             },
-            monitor_port: if as_started { 0 } else { self.monitor_port },
+            // Open only where it was asked for (then the port it took is recorded).
+            monitor_port: (self.monitor_port != 0).then_some(if as_started {
+                0
+            } else {
+                self.monitor_port
+            }),
             dir: self.dir.clone(),
             name: (!alone).then(|| self.name.clone()),
             cluster,

@@ -78,7 +78,7 @@ impl LocalMesh {
             .with_context(|| format!("cannot create {}", dir.display()))?;
         let layout = natsd::Layout {
             port: 0,
-            monitor_port: 0,
+            monitor_port: None,
             dir: dir.clone(),
             ..Default::default()
         };

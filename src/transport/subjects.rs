@@ -221,6 +221,13 @@ pub fn sys_connz(server: &str) -> String {
     }
 }
 
+/// Ask every server (or those a filter in the body names) for its `kind` of monitoring
+/// information (`JSZ`, `VARZ`, ...): what the HTTP monitoring port would tell, asked of the
+/// system account instead.
+pub fn sys_ping(kind: &str) -> String {
+    format!("$SYS.REQ.SERVER.PING.{kind}")
+}
+
 /// Ask every server for its routes (ROUTEZ): which servers the cluster still holds.
 pub const SYS_ROUTEZ: &str = "$SYS.REQ.SERVER.PING.ROUTEZ";
 

@@ -853,3 +853,40 @@ async fn no_role_deletes_the_nodes_consumers() {
         );
     }
 }
+
+/// The nats-server's HTTP monitoring port listed every user, private inbox and consumer to
+/// anyone on the machine, without a password: the map the attacks on other roles' inboxes
+/// were aimed with. A mesh opens none unless asked (`--nats-monitor`); what oam needs of the
+/// server it asks the system account, which a role's credentials cannot.
+#[tokio::test]
+async fn a_mesh_has_no_monitoring_port_unless_asked() {
+    let mesh = LocalCluster::up("no-map").await;
+    for s in &mesh.record.servers {
+        assert_eq!(s.monitor_port, 0, "{}", s.name);
+        let conf = std::fs::read_to_string(s.dir.join("nats.conf")).unwrap();
+        assert!(
+            !conf.lines().any(|l| l.trim_start().starts_with("http")),
+            "{conf}"
+        );
+    }
+    // The system account answers what the port told (here JetStream's state).
+    let sys_url = oam::local::recorded_url(&mesh.dir.0, "sys_url").expect("a system URL");
+    let sys = oam::transport::connect::connect(&sys_url, "test-sys", false, &Default::default())
+        .await
+        .unwrap();
+    let jsz = oam::local::natsd::server_info(&sys, oam::local::natsd::LONE_NAME, "JSZ")
+        .await
+        .expect("the server answers the system account");
+    assert!(jsz["data"]["config"]["store_dir"].is_string(), "{jsz}");
+    // A role cannot ask it: the system account's subjects are not in the application account.
+    let (viewer, _) = client(&mesh.role_url("viewer")).await;
+    let asked = tokio::time::timeout(
+        Duration::from_secs(3),
+        viewer.request("$SYS.REQ.SERVER.PING.JSZ", "{}".into()),
+    )
+    .await;
+    assert!(
+        !matches!(asked, Ok(Ok(_))),
+        "a viewer read the server's JetStream state"
+    );
+}

@@ -284,7 +284,6 @@ impl NatsServer {
         std::fs::create_dir_all(&dir)?;
         let layout = oam::local::natsd::Layout {
             port,
-            monitor_port: 0,
             dir: dir.clone(),
             max_file_store,
             ..Default::default()

@@ -35,6 +35,11 @@ pub struct Args {
     /// write in memory meanwhile). See docs/cluster.md.
     #[arg(long, value_name = "INTERVAL", value_parser = crate::local::natsd::parse_sync_interval)]
     pub sync_interval: Option<String>,
+    /// Open each nats-server's HTTP monitoring port on 127.0.0.1 (any free port; `oam mesh
+    /// status` shows it). It answers anyone on this machine, without a password, with every
+    /// user, inbox and consumer: for debugging and the fault scripts, not for a shared host.
+    #[arg(long)]
+    pub nats_monitor: bool,
     /// Generate new NATS passwords. By default the folder keeps its credentials across `oam
     /// mesh down` and `oam mesh up`, so running agents and watches reconnect by themselves.
     #[arg(long)]
@@ -81,6 +86,7 @@ pub async fn run(a: Args) -> Result<()> {
             exe,
             nats_server: a.nats_server.clone(),
             wait: std::time::Duration::from_secs(a.wait_s),
+            nats_monitor: a.nats_monitor,
         };
         let up = local::hosts::up(&plan).await;
         return report(&a, up);
@@ -103,6 +109,7 @@ pub async fn run(a: Args) -> Result<()> {
         config: a.config.clone(),
         log_retention,
         sync_interval: a.sync_interval.clone(),
+        nats_monitor: a.nats_monitor,
     };
     report(&a, cluster::up(&plan).await)
 }
