@@ -124,8 +124,22 @@ async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Respon
     }
 }
 
-async fn state(State(node): State<Arc<Node>>) -> Response {
-    axum::Json(super::status::snapshot(&node)).into_response()
+/// `GET /v1/oam/state`: the node's snapshot. With `[[client]]` keys configured, a caller
+/// without one of them gets it without what names a client (each client's budget, its limit
+/// and spend, and loop episodes): the cluster, targets, bulkheads and counters only.
+async fn state(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
+    let mut s = super::status::snapshot(&node);
+    let keyed = super::api::openai::header(&headers, "authorization")
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .is_some_and(|key| node.cfg.client_with_key(key.trim()).is_some());
+    if !node.cfg.client_keys.is_empty() && !keyed {
+        s.budgets.agents.clear();
+        s.loops.clear();
+    }
+    axum::Json(s).into_response()
 }
 
 async fn metrics(State(node): State<Arc<Node>>) -> Response {
@@ -573,6 +587,35 @@ mod tests {
         let (status, _, v) = read(post(NodeCommand::Restore { id, key }).await).await;
         assert_eq!((status, &v), (StatusCode::OK, &json!({"applied": true})));
         assert!(!node.bus.isolated());
+    }
+
+    /// With client keys, the state says nothing that names a client to a caller without one:
+    /// no client's budget (its limit and spend) and no loop episode; with a key, everything.
+    #[tokio::test]
+    async fn the_state_names_no_client_to_a_caller_without_a_key() {
+        // SAFETY: set before the node reads it, in a variable no other test uses.
+        unsafe { std::env::set_var("OAM_TEST_STATE_KEY", "a-key-of-sixteen-chars") };
+        let (node, _) = offline::node_with(
+            "[[client]]\nid = \"bob\"\nkey_env = \"OAM_TEST_STATE_KEY\"\n\n[budgets.agents.bob]\nlimit_usd = 5.0\n",
+        )
+        .await;
+        let (_, _, open) = read(state(State(node.clone()), HeaderMap::new()).await).await;
+        assert_eq!(open["budgets"]["agents"], json!({}), "{open}");
+        assert!(open["providers"].is_array(), "{open}");
+        let mut wrong = HeaderMap::new();
+        wrong.insert(
+            "authorization",
+            "Bearer guessed-key-guessed".parse().expect("a header"),
+        );
+        let (_, _, guessed) = read(state(State(node.clone()), wrong).await).await;
+        assert_eq!(guessed["budgets"]["agents"], json!({}), "{guessed}");
+        let mut keyed = HeaderMap::new();
+        keyed.insert(
+            "authorization",
+            "Bearer a-key-of-sixteen-chars".parse().expect("a header"),
+        );
+        let (_, _, full) = read(state(State(node), keyed).await).await;
+        assert!(full["budgets"]["agents"]["bob"].is_object(), "{full}");
     }
 
     #[tokio::test]
