@@ -94,15 +94,47 @@ fn defect(code: ReasonCode, detail: impl Into<String>) -> Defect {
     }
 }
 
+/// Why a request's contract cannot be used: the part of the request at fault, and what is
+/// wrong with it (the message names the path within it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ContractError {
+    /// Its `response_format` (`response_format.json_schema.schema.type must be "object"`).
+    ResponseFormat(String),
+    /// oam's own `contract` form (`contract.min_confidence must be in [0, 1]`).
+    Contract(String),
+}
+
+impl ContractError {
+    /// The request field at fault.
+    pub fn field(&self) -> &'static str {
+        match self {
+            ContractError::ResponseFormat(_) => "response_format",
+            ContractError::Contract(_) => "contract",
+        }
+    }
+}
+
+impl std::fmt::Display for ContractError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ContractError::ResponseFormat(m) | ContractError::Contract(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for ContractError {}
+
 impl Contract {
     /// The contract for a request: `contract` wins over `response_format`, which wins over the
-    /// default. Errors describe what in the request is unusable.
+    /// default. Errors say which of the two is unusable, and why.
     pub fn for_request(
         spec: Option<&ContractSpec>,
         response_format: Option<&Value>,
-    ) -> Result<Contract, String> {
+    ) -> Result<Contract, ContractError> {
         let base = match response_format {
-            Some(rf) => Contract::from_response_format(rf)?,
+            Some(rf) => {
+                Contract::from_response_format(rf).map_err(ContractError::ResponseFormat)?
+            }
             None => Contract::default(),
         };
         let Some(spec) = spec else { return Ok(base) };
@@ -113,9 +145,9 @@ impl Contract {
         };
         let min_confidence = spec.min_confidence.unwrap_or(base.min_confidence);
         if !(0.0..=1.0).contains(&min_confidence) {
-            return Err(format!(
+            return Err(ContractError::Contract(format!(
                 "contract.min_confidence must be in [0, 1], got {min_confidence}"
-            ));
+            )));
         }
         Ok(Contract {
             required: spec.required.clone().unwrap_or(base.required),
@@ -799,7 +831,12 @@ mod tests {
         let bad = serde_json::json!({"type": "json_schema", "json_schema": {"schema": {
             "type": "object", "properties": {"a": {"type": "object", "minProperties": "two"}}}}});
         let e = Contract::for_request(None, Some(&bad)).unwrap_err();
-        assert!(e.starts_with("response_format.json_schema.schema:"), "{e}");
+        assert_eq!(e.field(), "response_format");
+        assert!(
+            e.to_string()
+                .starts_with("response_format.json_schema.schema:"),
+            "{e}"
+        );
     }
     use serde_json::json;
 
@@ -933,11 +970,9 @@ mod tests {
             min_confidence: Some(2.0),
             ..ContractSpec::default()
         };
-        assert!(
-            Contract::for_request(Some(&bad), None)
-                .unwrap_err()
-                .contains("min_confidence")
-        );
+        let e = Contract::for_request(Some(&bad), None).unwrap_err();
+        assert_eq!(e.field(), "contract");
+        assert!(e.to_string().contains("min_confidence"), "{e}");
     }
 
     #[test]
@@ -982,7 +1017,8 @@ mod tests {
             ),
         ] {
             let err = Contract::for_request(None, Some(&rf)).unwrap_err();
-            assert!(err.contains(needle), "{err}");
+            assert_eq!(err.field(), "response_format", "{err}");
+            assert!(err.to_string().contains(needle), "{err}");
         }
     }
 }

@@ -86,14 +86,7 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
     }
     Contract::for_request(r.contract.as_ref(), response_format)
         .map(Some)
-        .map_err(|e| {
-            let field = if e.starts_with("response_format") {
-                "response_format"
-            } else {
-                "contract"
-            };
-            invalid(field, format!("request.{e}"))
-        })
+        .map_err(|e| invalid(e.field(), format!("request.{e}")))
 }
 
 #[cfg(test)]
