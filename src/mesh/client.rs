@@ -158,6 +158,18 @@ struct Pending {
     fate: Option<tokio::sync::oneshot::Sender<Fate>>,
 }
 
+/// A pending call's place, given up when this is dropped.
+struct Forget<'a> {
+    pending: &'a Mutex<HashMap<String, Pending>>,
+    request_id: &'a str,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        pending_map(self.pending).remove(self.request_id);
+    }
+}
+
 /// What ends a pending request early.
 enum Fate {
     /// The instance holding it (or the agent) died.
@@ -269,6 +281,11 @@ impl Caller {
         (request_id, fate)
     }
 
+    /// How many calls and streams wait on this caller now.
+    pub fn waiting(&self) -> usize {
+        pending_map(&self.pending).len()
+    }
+
     /// Call `agent`; fails with `agent_died` as soon as the instance holding the request dies.
     pub async fn call(
         &self,
@@ -277,13 +294,17 @@ impl Caller {
         timeout: Duration,
     ) -> Result<Bytes, MeshError> {
         let (request_id, fate) = self.expect(agent);
+        // Forgotten however the call ends, dropped by a caller that gave up included: a caller
+        // shared for a process's life (a node's) must not keep the calls it stopped waiting for.
+        let _forget = Forget {
+            pending: &self.pending,
+            request_id: &request_id,
+        };
         let ack_to = format!("{}.{request_id}", self.ack_prefix);
-        let result = tokio::select! {
+        tokio::select! {
             r = call_with(&self.nats, agent, payload, timeout, &request_id, Some(&ack_to)) => r,
             Ok(Fate::Died(e)) = fate => Err(e),
-        };
-        pending_map(&self.pending).remove(&request_id);
-        result
+        }
     }
 
     /// Start a streaming request: chunks arrive in sequence until the end marker, in this

@@ -400,6 +400,18 @@ async fn a_caller_fails_fast_when_the_replica_holding_its_request_dies() {
     assert_eq!(err.details["instance_id"], holder.ready["instances"][0]);
     // Milliseconds, not the 30 s timeout (an order-of-magnitude check, not a benchmark).
     assert!(waited < Duration::from_secs(2), "{waited:?}");
+    assert_eq!(caller.waiting(), 0, "an ended call is forgotten");
+
+    // A caller that stops waiting (its future dropped, as a client that gives up drops it)
+    // leaves nothing behind in a caller that lives on (a node's).
+    let _hung = serve(&url, "demo.hung", "hang", &[]);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(500),
+        caller.call("demo.hung", "{}".into(), Duration::from_secs(30)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the hung agent answered");
+    assert_eq!(caller.waiting(), 0, "a call given up is forgotten");
 }
 
 /// One agent floods the monitor with heartbeats of 5,000 made-up instances on its own subject
