@@ -114,19 +114,17 @@ fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
 }
 
 async fn list(a: ListArgs) -> Result<()> {
-    use futures_util::StreamExt;
     let store = open(&a.cluster, &super::Role::Viewer, "oam-budget-list").await?;
-    let mut keys = store.keys().await.map_err(|e| {
+    let keys = crate::transport::store::keys(&store).await.map_err(|e| {
         Error::new(
             Kind::Unreachable,
-            anyhow::anyhow!("cannot list budgets: {e}"),
+            anyhow::anyhow!("cannot list budgets: {e:#}"),
         )
     })?;
     let mut ledgers = Vec::new();
     // What health probes cost, per UTC day (`node::health`): no budget of an agent's.
     let mut probe_days: Vec<(String, Ledger)> = Vec::new();
-    while let Some(k) = keys.next().await {
-        let k = k.map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{e}")))?;
+    for k in keys {
         let Some(bytes) = store
             .get(&k)
             .await

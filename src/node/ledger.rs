@@ -1112,71 +1112,47 @@ impl Keeper {
 }
 
 /// Mirror every budget (its last record first, then every change, this node's and the
-/// others') into the engine.
-///
-/// Read by an ordered pull consumer, not the bucket's push watch: a push consumer's client
-/// answers a flow-control message by publishing an empty body to whatever reply subject it
-/// names, with this node's rights, and agents may publish into this node's inbox (they answer
-/// its calls there). An agent used that to empty budget records, rate-limit windows and
-/// escalations. A pull consumer's client answers nothing it is sent.
+/// others') into the engine (`transport::store::watch`: no push consumer, whose flow control
+/// an agent writing into this node's inbox could turn into writes).
 async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
     use futures_util::StreamExt;
-    use kv::Operation;
     loop {
-        let config = async_nats::jetstream::consumer::pull::OrderedConfig {
-            filter_subject: format!("{}>", store.prefix),
-            deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::LastPerSubject,
-            ..Default::default()
-        };
-        let opened = tokio::time::timeout(STORE_TIMEOUT * 2, async {
-            store.stream.create_consumer(config).await?.messages().await
-        })
-        .await;
-        let Ok(Ok(mut changes)) = opened else {
+        let opened =
+            tokio::time::timeout(STORE_TIMEOUT * 2, crate::transport::store::watch(&store)).await;
+        let Ok(Ok(changes)) = opened else {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         };
+        let mut changes = std::pin::pin!(changes);
         loop {
             let next = tokio::select! {
                 n = changes.next() => n,
                 () = stop.cancelled() => return,
             };
-            let Some(Ok(m)) = next else {
+            let Some(entry) = next else {
                 break;
             };
-            let Some(k) = m.subject.strip_prefix(store.prefix.as_str()) else {
-                continue;
-            };
-            if k.starts_with(crate::transport::store::ledger::PROBES_PREFIX) {
+            if entry
+                .key
+                .starts_with(crate::transport::store::ledger::PROBES_PREFIX)
+            {
                 continue; // what probes cost: no agent's budget (`node::health`)
             }
-            let Ok(info) = m.info() else {
-                continue;
-            };
-            let operation = m
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("KV-Operation"))
-                .map_or(Operation::Put, |op| match op.as_str() {
-                    "DEL" => Operation::Delete,
-                    "PURGE" => Operation::Purge,
-                    _ => Operation::Put,
-                });
-            match operation {
-                Operation::Put => {
-                    let Ok(l) = serde_json::from_slice::<Ledger>(&m.payload) else {
-                        tracing::warn!(node = %node.id, key = k, "budget ledger record unreadable; ignored");
+            match entry.operation {
+                kv::Operation::Put => {
+                    let Ok(l) = serde_json::from_slice::<Ledger>(&entry.value) else {
+                        tracing::warn!(node = %node.id, key = %entry.key, "budget ledger record unreadable; ignored");
                         continue;
                     };
-                    node.ledger.mirror(k, info.stream_sequence, &l);
+                    node.ledger.mirror(&entry.key, entry.revision, &l);
                 }
-                Operation::Delete | Operation::Purge => {
-                    let agent = node.ledger.agent_of(k);
+                kv::Operation::Delete | kv::Operation::Purge => {
+                    let agent = node.ledger.agent_of(&entry.key);
                     node.pipeline.with(|e| match agent {
                         Some(a) => {
                             e.state.budgets.agents.remove(&a);
                         }
-                        None if k == key(None) => e.state.budgets.global = None,
+                        None if entry.key == key(None) => e.state.budgets.global = None,
                         None => {}
                     });
                 }

@@ -101,8 +101,7 @@ pub async fn all(store: &kv::Store) -> anyhow::Result<Vec<Record>> {
 /// Every record in the bucket, oldest first, and the keys of entries that are not records
 /// (corrupt, or written by something else), so a reader can say so instead of hiding them.
 pub async fn all_checked(store: &kv::Store) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
-    use futures_util::TryStreamExt;
-    let keys: Vec<String> = store.keys().await?.try_collect().await?;
+    let keys = super::keys(store).await?;
     let mut out = Vec::with_capacity(keys.len());
     let mut unreadable = Vec::new();
     for k in keys {

@@ -36,6 +36,62 @@ pub async fn keys(store: &kv::Store) -> anyhow::Result<Vec<String>> {
     keys_matching(store, ">").await
 }
 
+/// One change of a bucket's key, as `watch` reads it.
+pub struct Change {
+    pub key: String,
+    pub revision: u64,
+    pub operation: kv::Operation,
+    pub value: bytes::Bytes,
+}
+
+/// Every key's last record of `store`, then every change, as they come; the stream ends when
+/// the consumer behind it breaks (the bus gone), and the caller watches again.
+///
+/// Read by an ordered pull consumer, never the bucket's push watch (nor `kv::Store::keys`,
+/// which is one too): a push consumer's client answers a flow-control status message by
+/// publishing an empty body to whatever reply subject it names, with the reader's rights, and
+/// whoever may publish into the reader's inbox (agents answer nodes and the admin there) could
+/// send one naming a record: an agent emptied budget records, rate-limit windows and
+/// escalations that way. A pull consumer's client answers nothing it is sent.
+pub async fn watch(
+    store: &kv::Store,
+) -> anyhow::Result<impl futures_util::Stream<Item = Change> + use<>> {
+    use futures_util::StreamExt;
+    let config = jetstream::consumer::pull::OrderedConfig {
+        filter_subject: format!("{}>", store.prefix),
+        deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
+        ..Default::default()
+    };
+    let messages = store
+        .stream
+        .create_consumer(config)
+        .await?
+        .messages()
+        .await?;
+    let prefix = store.prefix.clone();
+    Ok(messages
+        .take_while(|m| std::future::ready(m.is_ok()))
+        .filter_map(move |m| std::future::ready(m.ok().and_then(|m| change_of(&prefix, &m)))))
+}
+
+/// A message of a bucket's stream as the change of its key (`None`: not one of the bucket's).
+fn change_of(prefix: &str, m: &jetstream::Message) -> Option<Change> {
+    let key = m.subject.strip_prefix(prefix)?.to_string();
+    let revision = m.info().ok()?.stream_sequence;
+    // The operation a delete or purge marker says in its header; a record has none.
+    let operation = match m.headers.as_ref().and_then(|h| h.get("KV-Operation")) {
+        Some(op) if op.as_str() == "DEL" => kv::Operation::Delete,
+        Some(op) if op.as_str() == "PURGE" => kv::Operation::Purge,
+        _ => kv::Operation::Put,
+    };
+    Some(Change {
+        key,
+        revision,
+        operation,
+        value: m.payload.clone(),
+    })
+}
+
 /// The keys of `store` that match `pattern` (a subject pattern: `*` one token, `>` the rest),
 /// as `keys` lists them: the server filters, so a few keys of a large bucket cost a few.
 pub async fn keys_matching(store: &kv::Store, pattern: &str) -> anyhow::Result<Vec<String>> {
