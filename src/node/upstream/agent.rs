@@ -5,8 +5,8 @@
 //! whole answer is replayed as a stream's events.
 
 use super::super::exchange::{Attempt, Passthrough};
-use super::{Opened, Upstream, UpstreamCall, chat};
-use crate::core::request::{Generation, GenerationStatus};
+use super::{Opened, Upstream, UpstreamCall, chat, failed};
+use crate::core::request::GenerationStatus;
 use crate::mesh::client::Caller;
 use crate::mesh::protocol::ErrorCode;
 use futures_util::future::BoxFuture;
@@ -53,13 +53,7 @@ impl Upstream for MeshAgent {
     fn generate<'a>(&'a self, ask: UpstreamCall<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
         Box::pin(async move {
             let started = Instant::now();
-            let failed = |status, why: String| -> Attempt {
-                Generation {
-                    error: Some(why),
-                    ..Generation::failed(status, started.elapsed().as_millis() as u64)
-                }
-                .into()
-            };
+            let failed = |status, why| failed(status, why, started.elapsed().as_millis() as u64);
             let payload = match serde_json::to_vec(&chat::Body::whole(&ask)) {
                 Ok(p) => p,
                 Err(e) => {

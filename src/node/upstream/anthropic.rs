@@ -7,9 +7,9 @@
 
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Passthrough, Reply};
-use super::http::{Endpoint, failed, judge_failure};
-use super::{Opened, Upstream, UpstreamCall, chat};
-use crate::core::request::{Generation, GenerationStatus};
+use super::http::{Endpoint, judge_failure};
+use super::{Opened, Upstream, UpstreamCall, chat, failed};
+use crate::core::request::GenerationStatus;
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::{Map, Value, json};
@@ -158,12 +158,8 @@ impl Upstream for AnthropicMessages {
         })
     }
 
-    fn lists_models(&self) -> bool {
-        true
-    }
-
-    fn list_models(&self, timeout: Duration) -> BoxFuture<'_, Generation> {
-        Box::pin(self.at.list_models(timeout))
+    fn model_list(&self) -> Option<&Endpoint> {
+        Some(&self.at)
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Reply};
-use super::{Broken, Opened, Stream};
+use super::{Broken, Opened, Stream, failed};
 use crate::core::request::{Generation, GenerationStatus};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::Value;
@@ -218,15 +218,6 @@ impl Events {
 
 fn ms_since(t: Instant) -> u64 {
     t.elapsed().as_millis() as u64
-}
-
-/// A failed attempt that got no usable answer.
-pub(super) fn failed(status: GenerationStatus, error: String, latency_ms: u64) -> Attempt {
-    Generation {
-        error: Some(error),
-        ..Generation::failed(status, latency_ms)
-    }
-    .into()
 }
 
 /// `{base_url}/{path}` of `cfg`, parsed.

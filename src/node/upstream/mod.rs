@@ -37,7 +37,7 @@ pub struct UpstreamCall<'a> {
 }
 
 /// One upstream API. Futures are boxed: a provider's API is chosen by its configuration.
-pub(crate) trait Upstream: Send + Sync {
+trait Upstream: Send + Sync {
     /// One whole answer, bounded by `timeout`.
     fn generate<'a>(&'a self, ask: UpstreamCall<'a>, timeout: Duration) -> BoxFuture<'a, Attempt>;
 
@@ -66,18 +66,10 @@ pub(crate) trait Upstream: Send + Sync {
         ))
     }
 
-    /// It has a free check (`list_models`) that stands in for a billed one.
-    fn lists_models(&self) -> bool {
-        false
-    }
-
-    /// A free check that it answers (`GET /models`). Only an API that `lists_models` is
-    /// asked.
-    fn list_models(&self, _timeout: Duration) -> BoxFuture<'_, Generation> {
-        Box::pin(std::future::ready(Generation::failed(
-            GenerationStatus::Error,
-            0,
-        )))
+    /// Where its model list is asked (`GET /models`): a free check that it answers, which
+    /// stands in for a billed one; `None` when it has none.
+    fn model_list(&self) -> Option<&http::Endpoint> {
+        None
     }
 
     /// The mesh agent that serves it, if it is one.
@@ -124,7 +116,7 @@ impl Connector {
 
     /// It has a free check (a model list) that stands in for a billed one.
     pub fn lists_models(&self) -> bool {
-        self.upstream.lists_models()
+        self.upstream.model_list().is_some()
     }
 
     /// One whole answer from `model`, bounded by `timeout`: the client's request as it came
@@ -168,10 +160,23 @@ impl Connector {
         self.upstream.embed(model, pass, timeout).await
     }
 
-    /// `GET /models`, bounded by `timeout`: a free check that the provider answers.
+    /// `GET /models`, bounded by `timeout`: a free check that the provider answers (a failure
+    /// where it has none: checked at load, none is asked).
     pub async fn list_models(&self, timeout: Duration) -> Generation {
-        self.upstream.list_models(timeout).await
+        match self.upstream.model_list() {
+            Some(at) => at.list_models(timeout).await,
+            None => Generation::failed(GenerationStatus::Error, 0),
+        }
     }
+}
+
+/// A failed attempt that got no usable answer, and why.
+fn failed(status: GenerationStatus, error: String, latency_ms: u64) -> Attempt {
+    Generation {
+        error: Some(error),
+        ..Generation::failed(status, latency_ms)
+    }
+    .into()
 }
 
 /// A streamed answer under way: the upstream's events, as chat chunks, as they arrive.

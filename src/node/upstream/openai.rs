@@ -3,9 +3,9 @@
 
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Passthrough, Reply};
-use super::http::{Endpoint, error_chain, failed, judge_failure, read_capped};
-use super::{Opened, Upstream, UpstreamCall, chat};
-use crate::core::request::{Generation, GenerationStatus};
+use super::http::{Endpoint, error_chain, judge_failure, read_capped};
+use super::{Opened, Upstream, UpstreamCall, chat, failed};
+use crate::core::request::GenerationStatus;
 use futures_util::future::BoxFuture;
 use reqwest::header::{AUTHORIZATION, HeaderMap};
 use serde_json::Value;
@@ -145,11 +145,7 @@ impl Upstream for OpenaiCompatible {
         })
     }
 
-    fn lists_models(&self) -> bool {
-        true
-    }
-
-    fn list_models(&self, timeout: Duration) -> BoxFuture<'_, Generation> {
-        Box::pin(self.at.list_models(timeout))
+    fn model_list(&self) -> Option<&Endpoint> {
+        Some(&self.at)
     }
 }
