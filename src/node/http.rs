@@ -129,12 +129,8 @@ async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Respon
 /// and spend, and loop episodes): the cluster, targets, bulkheads and counters only.
 async fn state(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
     let mut s = super::status::snapshot(&node);
-    let keyed = super::api::openai::header(&headers, "authorization")
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .is_some_and(|key| node.cfg.client_with_key(key.trim()).is_some());
+    let keyed = super::request::presented_key(&headers)
+        .is_some_and(|key| node.cfg.client_with_key(key).is_some());
     if !node.cfg.client_keys.is_empty() && !keyed {
         s.budgets.agents.clear();
         s.loops.clear();

@@ -79,6 +79,16 @@ fn bound(
     (request, stream, pass)
 }
 
+/// The key a request presents (`Authorization: Bearer <key>`), if any.
+pub(crate) fn presented_key(h: &HeaderMap) -> Option<&str> {
+    header(h, "authorization")
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim)
+}
+
 /// With `[[client]]`s configured, the client whose key the request bears
 /// (`Authorization: Bearer <key>`), or the 401 that refuses it; without, `Ok(None)`: anyone.
 pub(crate) fn authenticate<'a>(
@@ -88,13 +98,7 @@ pub(crate) fn authenticate<'a>(
     if node.cfg.client_keys.is_empty() {
         return Ok(None);
     }
-    let presented = header(h, "authorization")
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim);
-    let why = match presented {
+    let why = match presented_key(h) {
         Some(key) => match node.cfg.client_with_key(key) {
             Some(id) => return Ok(Some(id)),
             None => "the key in the Authorization header is not one this gateway knows",
