@@ -8,7 +8,6 @@ use super::roles::Role;
 use super::{Record, Started, Stopped};
 use crate::core::wire::NodeSnapshot;
 use crate::transport::connect::{ENV_CA, ENV_URL};
-use anyhow::Context;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -762,11 +761,7 @@ pub(super) async fn jetstream_sees(
     let deadline = Instant::now() + within;
     for s in servers {
         // Asked of the server itself as the system account (no monitoring port needed).
-        let sys = natsd::sys_url(&[s.client_url()], creds);
-        let refused = crate::transport::connect::Refused::default();
-        let nats = crate::transport::connect::connect(&sys, "oam-mesh-up-sys", false, &refused)
-            .await
-            .with_context(|| format!("cannot reach {} as the system account", s.name))?;
+        let nats = s.system_connection(creds).await?;
         loop {
             let meta = natsd::server_info(&nats, &s.config_name(servers), "JSZ")
                 .await

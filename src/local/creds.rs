@@ -132,7 +132,6 @@ async fn reload_checking(
     let Some(record) = record else {
         return Ok(false);
     };
-    let ca = ca_of(dir);
     let mut reloaded_any = false;
     for server in &record.servers {
         let Some(process) = record
@@ -142,7 +141,7 @@ async fn reload_checking(
         else {
             continue;
         };
-        reload_one(server, &record.servers, process.pid, creds, ca.as_deref())
+        reload_one(server, &record.servers, process.pid, creds)
             .await
             .map_err(|why| {
                 anyhow!(
@@ -182,7 +181,6 @@ async fn reload_one(
     all: &[super::NatsServer],
     pid: u32,
     creds: &natsd::Credentials,
-    ca: Option<&Path>,
 ) -> std::result::Result<(), String> {
     let write = |l: &natsd::Layout| {
         super::write_private(&l.config_path(), &natsd::config(l, creds))
@@ -193,7 +191,10 @@ async fn reload_one(
     // comes back at the same address.
     // When it last loaded it is asked of the server as the system account (it has no
     // monitoring port unless one was asked for).
-    let sys = sys_connection(server, creds, ca).await?;
+    let sys = server
+        .system_connection(creds)
+        .await
+        .map_err(|e| format!("{e:#}"))?;
     let name = server.config_name(all);
     let before = loaded_at(&sys, &name).await;
     write(&server.layout(all, true))?;
@@ -204,29 +205,6 @@ async fn reload_one(
     };
     write(&server.layout(all, false))?;
     done
-}
-
-/// A connection to `server` as the system account's admin (checked against `ca` when the
-/// mesh speaks TLS).
-async fn sys_connection(
-    server: &super::NatsServer,
-    creds: &natsd::Credentials,
-    ca: Option<&Path>,
-) -> std::result::Result<async_nats::Client, String> {
-    let mut opts = async_nats::ConnectOptions::with_user_and_password(
-        creds.sys_user.clone(),
-        creds.sys_password.clone(),
-    )
-    .name("oam-creds-sys")
-    .connection_timeout(Duration::from_secs(2));
-    if let Some(ca) = ca {
-        opts = opts
-            .add_root_certificates(ca.to_path_buf())
-            .require_tls(true);
-    }
-    opts.connect(server.client_url().as_str())
-        .await
-        .map_err(|e| format!("cannot reach it as the system account: {e}"))
 }
 
 /// When the server named `name` last loaded its config (`config_load_time` of its VARZ).

@@ -242,6 +242,27 @@ impl NatsServer {
         format!("{scheme}://{address}:{}", self.port)
     }
 
+    /// A connection to this server alone as the system account's admin (TLS checked against
+    /// its CA where it speaks TLS): what oam asks a server (`natsd::server_info`) instead of
+    /// its monitoring port. Not retried: the caller says what it was for.
+    pub async fn system_connection(
+        &self,
+        creds: &natsd::Credentials,
+    ) -> anyhow::Result<async_nats::Client> {
+        let mut opts = async_nats::ConnectOptions::with_user_and_password(
+            creds.sys_user.clone(),
+            creds.sys_password.clone(),
+        )
+        .name("oam-sys")
+        .connection_timeout(Duration::from_secs(2));
+        if let Some(tls) = &self.tls {
+            opts = opts.add_root_certificates(tls.ca.clone()).require_tls(true);
+        }
+        opts.connect(self.client_url().as_str())
+            .await
+            .with_context(|| format!("cannot reach {} as the system account", self.name))
+    }
+
     /// Its config as it runs now, or as it was started (`as_started`, for a reload), among
     /// `all` the servers of its mesh.
     pub fn layout(&self, all: &[NatsServer], as_started: bool) -> natsd::Layout {
