@@ -206,13 +206,12 @@ async fn follow(
 async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sender<Event>) {
     loop {
         if let Ok(store) = escalations::store(&nats).await
-            && let Ok(changes) = crate::transport::store::watch(&store).await
+            && let Ok(mut changes) = store.watch_with_history(">").await
         {
-            let mut changes = std::pin::pin!(changes);
             if tx.send(Event::EscalationsReread).await.is_err() {
                 return;
             }
-            while let Some(entry) = changes.next().await {
+            while let Some(Ok(entry)) = changes.next().await {
                 let ev = match entry.operation {
                     kv::Operation::Put => {
                         match serde_json::from_slice::<escalations::Record>(&entry.value) {
