@@ -22,6 +22,7 @@ pub mod reason;
 pub mod record;
 pub mod replay;
 pub mod request;
+pub mod scope;
 pub mod score;
 pub mod validate;
 pub mod wire;

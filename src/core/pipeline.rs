@@ -363,6 +363,8 @@ pub struct Engine {
     queues: Queues,
     /// Escalations raised so far (part of each one's id).
     escalations: u64,
+    /// Where targets are, worked out from `state` (see `scope`).
+    pub(crate) lookup: super::scope::Lookup,
 }
 
 impl Engine {
@@ -372,6 +374,7 @@ impl Engine {
             state,
             queues: Queues::default(),
             escalations: 0,
+            lookup: Default::default(),
         }
     }
 
@@ -633,14 +636,13 @@ impl Engine {
     /// The targets this session may use, as indices into `state.providers`: its route's in
     /// route order, or every one.
     fn eligible(&self, s: &Session) -> Vec<usize> {
-        let providers = &self.state.providers;
         match s.route.as_ref().and_then(|r| self.state.routes.get(r)) {
             Some(route) => route
                 .targets
                 .iter()
-                .filter_map(|t| providers.iter().position(|p| p.id == *t))
+                .filter_map(|t| self.position(t))
                 .collect(),
-            None => (0..providers.len()).collect(),
+            None => (0..self.state.providers.len()).collect(),
         }
     }
 

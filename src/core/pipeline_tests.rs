@@ -13,7 +13,12 @@ use std::collections::{BTreeSet, VecDeque};
 
 pub(crate) const T0: u64 = 1_000_000;
 
-fn observation(node: &str, provider: &str, verdict: Verdict, availability: f64) -> Observation {
+pub(crate) fn observation(
+    node: &str,
+    provider: &str,
+    verdict: Verdict,
+    availability: f64,
+) -> Observation {
     Observation {
         node: node.into(),
         provider: provider.into(),
@@ -1273,7 +1278,7 @@ fn every_reason_code_is_reachable() {
 
 /// Two models on one host (`h/big`, `h/small`) and one elsewhere (`o/big`), all healthy; a route
 /// `big` -> h/big then o/big, and a route `small` (held to the JSON contract) -> h/small.
-fn routed() -> Engine {
+pub(crate) fn routed() -> Engine {
     let target = |id: &str, model: &str, cost: f64| Target {
         id: id.into(),
         model: model.into(),
@@ -1324,7 +1329,7 @@ fn routed() -> Engine {
     Engine::new(config, state)
 }
 
-fn asking(model: &str, id: &str) -> Request {
+pub(crate) fn asking(model: &str, id: &str) -> Request {
     Request {
         model: Some(model.into()),
         ..req(id)

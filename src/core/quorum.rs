@@ -122,6 +122,24 @@ impl Cluster {
         }
     }
 
+    /// This cluster as the views of `providers` read it: every member, and the observations
+    /// of those providers only (a provider's view reads nothing else).
+    pub fn scoped<'a>(&self, providers: impl IntoIterator<Item = &'a str>) -> Cluster {
+        Cluster {
+            self_id: self.self_id.clone(),
+            size: self.size,
+            roster: self.roster.clone(),
+            heartbeat_ttl_ms: self.heartbeat_ttl_ms,
+            observation_ttl_ms: self.observation_ttl_ms,
+            members: self.members.clone(),
+            observations: providers
+                .into_iter()
+                .filter_map(|p| self.observations.get_key_value(p))
+                .map(|(p, o)| (p.clone(), o.clone()))
+                .collect(),
+        }
+    }
+
     /// A cluster of exactly `roster` (which includes `self_id`).
     pub fn with_roster(self_id: impl Into<String>, roster: BTreeSet<String>) -> Self {
         let mut c = Cluster::new(self_id, roster.len().max(1));

@@ -101,37 +101,30 @@ impl Engine {
         (l, b)
     }
 
-    /// The state a call for `request` reads, and the escalation serial (part of escalation
-    /// ids): what a record keeps before each call.
+    /// The state a call for `request` reads (its route's targets only: `scope`), and the
+    /// escalation serial (part of escalation ids): what a record keeps before each call.
     pub fn snapshot_for(&self, request: &Request) -> Snapshot {
-        let fp = fingerprint(request);
         let st = &self.state;
-        let mut state = State {
-            cluster: st.cluster.clone(),
-            providers: st.providers.clone(),
-            breakers: st.breakers.clone(),
-            cooldowns: st.cooldowns.clone(),
+        let scope = self.scope(request);
+        let (loops, budgets) = self.snapshot_for_parts(request, true, true);
+        let state = State {
+            cluster: self.scoped_cluster(request, &scope),
+            providers: scope.providers(&st.providers),
+            breakers: scope.entries(&st.providers, &st.breakers),
+            cooldowns: scope.entries(&st.providers, &st.cooldowns),
             bulkheads: st.bulkheads,
             stream_bulkheads: st.stream_bulkheads,
-            loops: Default::default(),
-            budgets: Default::default(),
-            routes: Default::default(),
-            misconfigured: st.misconfigured.clone(),
+            loops: loops.unwrap_or_default(),
+            budgets: budgets.unwrap_or_default(),
+            routes: request
+                .model
+                .as_ref()
+                .and_then(|m| st.routes.get_key_value(m))
+                .map(|(m, r)| (m.clone(), r.clone()))
+                .into_iter()
+                .collect(),
+            misconfigured: scope.entries(&st.providers, &st.misconfigured),
         };
-        if let Some(e) = st.loops.get(&fp) {
-            state.loops.insert(fp, e.clone());
-        }
-        state.budgets.global = st.budgets.global;
-        if let Some(b) = st.budgets.agents.get(&request.agent) {
-            state.budgets.agents.insert(request.agent.clone(), *b);
-        }
-        if let Some((m, r)) = request
-            .model
-            .as_ref()
-            .and_then(|m| st.routes.get_key_value(m))
-        {
-            state.routes.insert(m.clone(), r.clone());
-        }
         Snapshot {
             state,
             escalations: self.escalations_raised(),
@@ -224,12 +217,21 @@ impl Patch {
             .is_some_and(|m| b.routes.get(m) != st.routes.get(m));
         let pruned = e.snapshot_for_parts(request, loops_differ, budgets_differ);
         let escalations = e.escalations_raised();
+        let scope = e.scope(request);
+        let cluster = e.scoped_cluster(request, &scope);
+        let ps = &st.providers;
         Patch {
-            cluster: (!std::sync::Arc::ptr_eq(&b.cluster, &st.cluster) && b.cluster != st.cluster)
-                .then(|| st.cluster.clone()),
-            providers: (b.providers != st.providers).then(|| st.providers.clone()),
-            breakers: (b.breakers != st.breakers).then(|| st.breakers.clone()),
-            cooldowns: (b.cooldowns != st.cooldowns).then(|| st.cooldowns.clone()),
+            cluster: (!std::sync::Arc::ptr_eq(&b.cluster, &cluster) && b.cluster != cluster)
+                .then_some(cluster),
+            providers: scope
+                .providers_differ(&b.providers, ps)
+                .then(|| scope.providers(ps)),
+            breakers: scope
+                .entries_differ(ps, &b.breakers, &st.breakers)
+                .then(|| scope.entries(ps, &st.breakers)),
+            cooldowns: scope
+                .entries_differ(ps, &b.cooldowns, &st.cooldowns)
+                .then(|| scope.entries(ps, &st.cooldowns)),
             bulkheads: (b.bulkheads != st.bulkheads).then_some(st.bulkheads),
             stream_bulkheads: (b.stream_bulkheads != st.stream_bulkheads)
                 .then_some(st.stream_bulkheads),
@@ -241,7 +243,9 @@ impl Patch {
                     .into_iter()
                     .collect()
             }),
-            misconfigured: (b.misconfigured != st.misconfigured).then(|| st.misconfigured.clone()),
+            misconfigured: scope
+                .entries_differ(ps, &b.misconfigured, &st.misconfigured)
+                .then(|| scope.entries(ps, &st.misconfigured)),
             escalations: (base.escalations != escalations).then_some(escalations),
         }
     }
@@ -744,6 +748,87 @@ mod tests {
         let mut other = e.config.clone();
         other.max_attempts.low = 1;
         assert!(r.verify(&other).is_err());
+    }
+
+    #[test]
+    fn a_record_on_a_route_keeps_its_route_s_targets_alone_and_replays() {
+        use crate::core::health::Verdict;
+        use crate::core::pipeline::tests::{asking, observation, routed};
+        let mut e = routed();
+        // A hundred more targets on no route, some of them failing.
+        for i in 0..100 {
+            let mut t = e.state.providers[0].clone();
+            t.id = format!("x{i}").into();
+            e.state.providers.push(t);
+            let seen = observation("n1", &format!("x{i}"), Verdict::Unhealthy, 0.0);
+            std::sync::Arc::make_mut(&mut e.state.cluster).observe(seen);
+        }
+        let open = Breaker::Open {
+            until_ms: T0 + 10_000,
+            forced: false,
+        };
+        e.state.breakers.insert("x7".into(), open);
+        e.state.cooldowns.insert("x8".into(), T0 + 5_000);
+        e.state.misconfigured.insert("x9".into(), T0 + 5_000);
+
+        let r = asking("big", "r1");
+        let mut rec = Recorder::begin(&e, &r, T0);
+        let (mut s, step) = e.begin(r, T0).expect("valid");
+        assert!(matches!(step, Step::Dispatch(ref d) if &*d.provider == "h/big"));
+        // Meanwhile other requests close x7's breaker (off the route) and open o/big's.
+        e.state.breakers.remove("x7");
+        e.state.breakers.insert("o/big".into(), open);
+        let call = Call::Complete {
+            generation: Generation::failed(GenerationStatus::Error, 30),
+        };
+        rec.call(&e, &call, T0 + 30);
+        let Some(Step::Done(d)) = e.apply(&mut s, call, T0 + 30) else {
+            panic!("o/big is open: nothing is left to try");
+        };
+        let r = rec.finish(std::sync::Arc::new(Decided::new(*d)));
+
+        let begin = &r.begin.state;
+        let ids: Vec<&str> = begin.providers.iter().map(|p| &*p.id).collect();
+        assert_eq!(ids, ["h/big", "o/big"]);
+        let seen: Vec<&str> = begin.cluster.observations.keys().map(|k| &**k).collect();
+        assert_eq!(seen, ["h/big", "o/big"]);
+        assert!(begin.breakers.is_empty() && begin.cooldowns.is_empty());
+        assert!(begin.misconfigured.is_empty());
+        let before = &r.calls[0].before;
+        let breakers: Vec<&str> = before
+            .breakers
+            .iter()
+            .flatten()
+            .map(|(k, _)| &**k)
+            .collect();
+        // The dispatch to h/big wrote its breaker; x7's change is not the route's.
+        assert_eq!(breakers, ["h/big", "o/big"]);
+        assert!(before.cluster.is_none() && before.providers.is_none());
+        assert_eq!(r.verify(&e.config), Ok(()));
+        let back: Record = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back.verify(&e.config), Ok(()));
+
+        // A request on no route reads, and keeps, every target.
+        let every = e.snapshot_for(&asking("auto", "r2"));
+        assert_eq!(every.state.providers.len(), 103);
+        assert!(std::sync::Arc::ptr_eq(
+            &every.state.cluster,
+            &e.state.cluster
+        ));
+        assert!(every.state.breakers.contains_key("o/big") && every.state.cooldowns.len() == 1);
+        // The route's cut of the view is made once, and again after the view changes.
+        let cut = |e: &Engine| e.snapshot_for(&asking("big", "r3")).state.cluster;
+        assert!(std::sync::Arc::ptr_eq(&cut(&e), &cut(&e)));
+        let before_change = cut(&e);
+        let mut newer = observation("n1", "o/big", Verdict::Unhealthy, 0.0);
+        newer.at_ms += 1;
+        std::sync::Arc::make_mut(&mut e.state.cluster).observe(newer);
+        let after = cut(&e);
+        assert!(!std::sync::Arc::ptr_eq(&before_change, &after));
+        assert_ne!(
+            before_change.observations["o/big"],
+            after.observations["o/big"]
+        );
     }
 
     #[test]
