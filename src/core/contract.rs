@@ -496,7 +496,10 @@ pub struct ToolCall {
 /// Check an answer's tool calls against the tools the request declared (name -> parameter
 /// schema; `null` when a tool declares none): each must name a declared tool, and its arguments
 /// must be JSON that fits the schema.
-pub fn check_tool_calls(tools: &BTreeMap<String, Value>, calls: &[ToolCall]) -> Vec<Defect> {
+pub fn check_tool_calls(
+    tools: &BTreeMap<String, super::request::Schema>,
+    calls: &[ToolCall],
+) -> Vec<Defect> {
     let code = ReasonCode::ToolArgumentsInvalid;
     let mut defects = Vec::new();
     for call in calls {
@@ -507,13 +510,13 @@ pub fn check_tool_calls(tools: &BTreeMap<String, Value>, calls: &[ToolCall]) -> 
             ));
             continue;
         };
-        let found = if schema.is_null() {
-            match serde_json::from_str::<Value>(&call.arguments) {
+        let found = match serde_json::from_str::<Value>(schema.get()) {
+            Ok(Value::Null) => match serde_json::from_str::<Value>(&call.arguments) {
                 Ok(_) => Vec::new(),
                 Err(e) => vec![defect(code, format!("not JSON: {e}"))],
-            }
-        } else {
-            schema_defects(schema, &call.arguments, code)
+            },
+            Ok(schema) => schema_defects(&schema, &call.arguments, code),
+            Err(e) => vec![defect(code, format!("the schema is not JSON: {e}"))],
         };
         defects.extend(found.into_iter().map(|d| Defect {
             detail: format!("tool `{}`: {}", call.name, d.detail),
@@ -523,9 +526,37 @@ pub fn check_tool_calls(tools: &BTreeMap<String, Value>, calls: &[ToolCall]) -> 
     defects
 }
 
-/// A tool's parameter schema, checked when the request arrives.
-pub fn check_tool_schema(schema: &Value) -> Result<(), String> {
-    compiled(schema).map(|_| ())
+/// A tool's parameter schema (JSON text), checked when the request arrives. A text seen to
+/// compile before is not compiled again: the keyed hashes of such texts are kept (many more
+/// than compiled schemas are), so an agent fleet's thousands of distinct tool lists cost one
+/// compile per schema, not one per request.
+pub fn check_tool_schema(schema: &serde_json::value::RawValue) -> Result<(), String> {
+    use std::hash::BuildHasher;
+    /// Texts known to compile, at most (8 bytes each).
+    const KNOWN_MAX: usize = 1 << 16;
+    static KNOWN: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<u64>>> =
+        std::sync::LazyLock::new(Default::default);
+    let text = schema.get();
+    if text == "null" {
+        return Ok(());
+    }
+    let hash = SCHEMA_KEY.hash_one(text);
+    let known = || {
+        KNOWN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    if known().contains(&hash) {
+        return Ok(());
+    }
+    let value: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    compiled(&value)?;
+    let mut known = known();
+    if known.len() >= KNOWN_MAX {
+        known.clear();
+    }
+    known.insert(hash);
+    Ok(())
 }
 
 /// Models often wrap JSON in a markdown fence; accept one fence around the whole answer.
@@ -773,11 +804,10 @@ mod tests {
         let schema = serde_json::json!({"type": "object",
             "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
             "required": ["city"], "additionalProperties": false});
-        let tools: BTreeMap<String, Value> = [
+        let tools = crate::core::request::Tools::from([
             ("weather".to_string(), schema),
             ("ping".to_string(), Value::Null),
-        ]
-        .into();
+        ]);
         let call = |name: &str, args: &str| ToolCall {
             name: name.into(),
             arguments: args.into(),

@@ -381,21 +381,12 @@ pub mod tools_in_run {
         t.as_ref().serialize(s)
     }
 
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Wire {
-        Full(Tools),
-        Seen(u64),
-    }
-
+    /// A set in full, or its number (read from the text: the schemas in a set are kept as
+    /// their text, which a reader that buffers, as `untagged` does, cannot give).
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Tools>, D::Error> {
-        match Wire::deserialize(d)? {
-            Wire::Full(t) => {
-                let t = Arc::new(t);
-                number(&t);
-                Ok(t)
-            }
-            Wire::Seen(i) => WRITTEN
+        let raw = Box::<serde_json::value::RawValue>::deserialize(d)?;
+        if let Ok(i) = raw.get().parse::<u64>() {
+            return WRITTEN
                 .with(|w| {
                     let sets = w.borrow();
                     sets.as_ref()?.get(usize::try_from(i).ok()?).cloned()
@@ -404,8 +395,12 @@ pub mod tools_in_run {
                     serde::de::Error::custom(format!(
                         "tools written as set {i}, which this run of records does not hold"
                     ))
-                }),
+                });
         }
+        let t =
+            Arc::new(serde_json::from_str::<Tools>(raw.get()).map_err(serde::de::Error::custom)?);
+        number(&t);
+        Ok(t)
     }
 }
 

@@ -446,36 +446,23 @@ fn no_tools(tools: &std::sync::Arc<Tools>) -> bool {
     tools.is_empty()
 }
 
-/// The tools a request declared: name -> parameter schema (`null` if it gives none), with what
-/// each request carrying them would otherwise work out again: their size in JSON (the token
-/// estimate) and whether every schema compiles (checked once per set, on first use).
-#[derive(Clone, Default, Debug)]
+/// A tool's parameter schema as JSON text, as the client wrote it (`null` when it gives none).
+pub type Schema = Box<serde_json::value::RawValue>;
+
+/// The tools a request declared: name -> parameter schema, kept as the text it came in (oam
+/// reads a schema only to check an answer's call against it), with what each request carrying
+/// them would otherwise work out again: their size in JSON (the token estimate) and whether
+/// every schema compiles (checked once per set, on first use).
+#[derive(Default, Debug)]
 pub struct Tools {
-    by_name: std::collections::BTreeMap<String, serde_json::Value>,
+    by_name: std::collections::BTreeMap<String, Schema>,
     json_len: usize,
     checked: std::sync::OnceLock<Result<(), String>>,
 }
 
 impl Tools {
-    pub fn new(by_name: std::collections::BTreeMap<String, serde_json::Value>) -> Tools {
-        struct Len(usize);
-        impl std::io::Write for Len {
-            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-                self.0 += b.len();
-                Ok(b.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        let json_len = by_name
-            .iter()
-            .map(|(name, schema)| {
-                let mut len = Len(0);
-                let _ = serde_json::to_writer(&mut len, schema);
-                name.len() + len.0
-            })
-            .sum();
+    pub fn new(by_name: std::collections::BTreeMap<String, Schema>) -> Tools {
+        let json_len = by_name.iter().map(|(n, s)| n.len() + s.get().len()).sum();
         Tools {
             by_name,
             json_len,
@@ -488,16 +475,14 @@ impl Tools {
         self.json_len
     }
 
-    /// Whether every declared schema is a JSON Schema (compiled once per set): the first that
+    /// Whether every declared schema is a JSON Schema (checked once per set): the first that
     /// is not, and why.
     pub fn checked(&self) -> Result<(), &str> {
         let first_bad = || {
             for (name, schema) in &self.by_name {
-                if !schema.is_null() {
-                    super::contract::check_tool_schema(schema).map_err(|e| {
-                        format!("tools: {name}: its parameters are no JSON Schema: {e}")
-                    })?;
-                }
+                super::contract::check_tool_schema(schema).map_err(|e| {
+                    format!("tools: {name}: its parameters are no JSON Schema: {e}")
+                })?;
             }
             Ok(())
         };
@@ -509,8 +494,14 @@ impl Tools {
     }
 }
 
+impl Clone for Tools {
+    fn clone(&self) -> Tools {
+        Tools::new(self.by_name.clone())
+    }
+}
+
 impl std::ops::Deref for Tools {
-    type Target = std::collections::BTreeMap<String, serde_json::Value>;
+    type Target = std::collections::BTreeMap<String, Schema>;
     fn deref(&self) -> &Self::Target {
         &self.by_name
     }
@@ -518,25 +509,34 @@ impl std::ops::Deref for Tools {
 
 impl PartialEq for Tools {
     fn eq(&self, other: &Tools) -> bool {
-        self.by_name == other.by_name
+        self.by_name.len() == other.by_name.len()
+            && self
+                .by_name
+                .iter()
+                .zip(&other.by_name)
+                .all(|((a, x), (b, y))| a == b && x.get() == y.get())
+    }
+}
+
+/// Tools from schemas held as JSON trees (written compactly).
+impl FromIterator<(String, serde_json::Value)> for Tools {
+    fn from_iter<I: IntoIterator<Item = (String, serde_json::Value)>>(tools: I) -> Tools {
+        use serde_json::value::{RawValue, to_raw_value};
+        let text =
+            |v: serde_json::Value| to_raw_value(&v).unwrap_or_else(|_| RawValue::NULL.to_owned());
+        Tools::new(tools.into_iter().map(|(n, v)| (n, text(v))).collect())
     }
 }
 
 impl From<std::collections::BTreeMap<String, serde_json::Value>> for Tools {
     fn from(by_name: std::collections::BTreeMap<String, serde_json::Value>) -> Tools {
-        Tools::new(by_name)
-    }
-}
-
-impl FromIterator<(String, serde_json::Value)> for Tools {
-    fn from_iter<I: IntoIterator<Item = (String, serde_json::Value)>>(tools: I) -> Tools {
-        Tools::new(tools.into_iter().collect())
+        by_name.into_iter().collect()
     }
 }
 
 impl<const N: usize> From<[(String, serde_json::Value); N]> for Tools {
     fn from(tools: [(String, serde_json::Value); N]) -> Tools {
-        Tools::new(tools.into())
+        tools.into_iter().collect()
     }
 }
 

@@ -8,13 +8,13 @@
 use super::api::openai::{BadRequest, MAX_TOOLS, bad};
 use crate::core::request::Tools;
 use serde::Deserialize;
-use serde_json::Value;
 use serde_json::value::RawValue;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// Distinct lists kept at most, and their bytes at most.
-const LISTS_MAX: usize = 256;
+/// Distinct lists kept at most, and their bytes at most (a list is kept as its text, and its
+/// set holds the schemas as text too: about twice the bytes in all).
+const LISTS_MAX: usize = 1_024;
 const BYTES_MAX: usize = 16 << 20;
 
 struct Kept {
@@ -127,15 +127,7 @@ fn read(raw: &RawValue) -> Result<Tools, BadRequest> {
             .and_then(|t| t.function)
             .ok_or_else(unnamed)?;
         let name = f.name.filter(|n| !n.is_empty()).ok_or_else(unnamed)?;
-        let schema = match f.parameters {
-            None => Value::Null,
-            Some(p) => serde_json::from_str(p.get()).map_err(|e| {
-                bad(
-                    format!("tools[{i}].function.parameters"),
-                    format!("tools[{i}].function.parameters: {e}"),
-                )
-            })?,
-        };
+        let schema = f.parameters.unwrap_or(RawValue::NULL).to_owned();
         out.insert(name.into_owned(), schema);
     }
     // Whether each schema compiles is the core's check (`Tools::checked`, once per set).
@@ -145,6 +137,7 @@ fn read(raw: &RawValue) -> Result<Tools, BadRequest> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn raw(v: Value) -> Box<RawValue> {
         serde_json::value::to_raw_value(&v).unwrap()
@@ -160,8 +153,8 @@ mod tests {
         };
         let a = declared(Some(&list("look"))).unwrap();
         assert_eq!(a.len(), 2);
-        assert_eq!(a["look"], serde_json::json!({"type": "object"}));
-        assert_eq!(a["plain"], Value::Null);
+        assert_eq!(a["look"].get(), r#"{"type":"object"}"#);
+        assert_eq!(a["plain"].get(), "null");
         let again = declared(Some(&list("look"))).unwrap();
         assert!(Arc::ptr_eq(&a, &again), "read once, shared after");
         let other = declared(Some(&list("find"))).unwrap();
