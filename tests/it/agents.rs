@@ -886,7 +886,9 @@ async fn a_local_mesh_in_one_call_with_full_liveness() {
         )
         .await
         .unwrap();
-    // The slow agent says when it holds a call, so the test knows without a sleep.
+    // The slow agent says when it holds a call, so the test knows without a sleep: once it
+    // has held it well past the time after which its host acknowledges a call (a crash before
+    // that leaves the caller to the agent's death notice, which the next check is not about).
     let (holding_tx, mut holding) = tokio::sync::mpsc::channel::<()>(4);
     let slow = mesh
         .serve(
@@ -894,6 +896,7 @@ async fn a_local_mesh_in_one_call_with_full_liveness() {
             Handler::call(move |body| {
                 let holding_tx = holding_tx.clone();
                 async move {
+                    tokio::time::sleep(oam::mesh::host::ACK_AFTER * 10).await;
                     let _ = holding_tx.send(()).await;
                     tokio::time::sleep(Duration::from_secs(20)).await;
                     Ok(body)
