@@ -72,7 +72,7 @@ pub enum Target {
     /// is skipped for the next one, as a load balancer would.
     Http(reqwest::Client),
     /// The nodes' NATS data plane (`oam.v1.request`, a queue group across nodes).
-    Nats(async_nats::Client),
+    Nats(Arc<crate::transport::ask::Asker>),
     /// Mesh calls to an agent, with fail-fast semantics.
     Agent {
         caller: Arc<crate::mesh::client::Caller>,
@@ -331,19 +331,18 @@ fn read_stream(s: &mut Sample, body: &[u8]) {
 }
 
 /// Request `i` on the NATS data plane; the reply carries the status and the `oam` object.
-async fn one_nats(nats: &async_nats::Client, body: &Value, timeout: Duration) -> Sample {
+async fn one_nats(asker: &crate::transport::ask::Asker, body: &Value, timeout: Duration) -> Sample {
+    use crate::transport::{ask::AskError, subjects};
     let started = Instant::now();
     let mut s = empty_sample();
     let payload = serde_json::to_vec(body).unwrap_or_default();
-    let request = nats.request(crate::transport::subjects::REQUEST, payload.into());
-    let reply = match tokio::time::timeout(timeout, request).await {
-        Err(_) => Err("timeout"),
-        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
-            Err("no_responders")
-        }
-        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::TimedOut => Err("timeout"),
-        Ok(Err(_)) => Err("transport"),
-        Ok(Ok(reply)) => Ok(reply),
+    let (tag, subject) = (subjects::ANSWERER_NODES, subjects::REQUEST.to_string());
+    let asked = asker.ask(tag, subject, Default::default(), payload.into(), timeout);
+    let reply = match asked.await {
+        Err(AskError::TimedOut) => Err("timeout"),
+        Err(AskError::NoResponders) => Err("no_responders"),
+        Err(AskError::Failed(_)) => Err("transport"),
+        Ok(reply) => Ok(reply),
     };
     let reply = match reply {
         Ok(r) => r,

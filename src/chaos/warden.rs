@@ -833,8 +833,8 @@ impl Warden {
 }
 
 async fn answer(nats: &async_nats::Client, msg: &async_nats::Message, reply: &Reply) {
-    // Answers go to reply inboxes only, whatever subject the asker named.
-    let to = msg.reply.as_ref().filter(|r| subjects::is_inbox(r));
+    // Answers go to the warden's answer inboxes only, whatever subject the asker named.
+    let to = (msg.reply.as_ref()).filter(|r| subjects::may_answer_on(subjects::ANSWERER_WARDEN, r));
     if let (Some(to), Ok(body)) = (to, serde_json::to_vec(reply)) {
         let _ = nats.publish(to.clone(), body.into()).await;
     }

@@ -246,7 +246,11 @@ pub async fn run(a: Args) -> Result<Outcome> {
     let bar = progress_bar(plan.requests as u64, "");
     let tick = bar.clone();
     let target = if a.nats {
-        bench::Target::Nats(a.cluster.connect(&super::Role::Caller, "oam-bench").await?)
+        let nats = a.cluster.connect(&super::Role::Caller, "oam-bench").await?;
+        let asker = crate::transport::ask::Asker::new(nats)
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e))?;
+        bench::Target::Nats(std::sync::Arc::new(asker))
     } else {
         bench::Target::Http(http)
     };

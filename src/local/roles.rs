@@ -16,10 +16,12 @@
 //! | admin (`oam`)   | everything, including stream and bucket delete          | everything         |
 //!
 //! No role has a reply permission (`allow_responses`: the sender of a message picks its reply
-//! subject, so it would let anyone publish anywhere by messaging itself). Each role reads its
-//! replies in a private inbox (`subjects::private_inbox`) and answers only the private inboxes
-//! of the roles that may ask it (and the shared `_INBOX.` of the Open Agent Mesh SDK, which
-//! SDK roles may also read). JetStream: no role but the admin creates, deletes or purges a
+//! subject, so it would let anyone publish anywhere by messaging itself). Nobody may publish
+//! into a role's private inbox (`subjects::private_inbox`: its JetStream answers and
+//! deliveries, which only the server writes). Answers go to answer inboxes
+//! (`_OAM.re.{answerer}.{asker}.…`, `transport::ask`): each answering role may publish under
+//! its own answerer token only, each asker subscribe under its own inbox only, so an answer's
+//! subject says who wrote it. SDK clients keep the shared `_INBOX.`, which SDK roles may read. JetStream: no role but the admin creates, deletes or purges a
 //! stream, and only roles trusted with it create consumers (see `consume_stream`). The system
 //! account has one limited user, `observer`,
 //! that may read disconnect advisories and ask for connection lists (never kick).
@@ -205,9 +207,9 @@ impl Role {
                     subjects::ALL_STREAMS.into(),
                     subjects::ALL_RESULTS.into(),
                 ]);
-                // Answers go to whoever may call an agent: oam's callers, nodes, agents and the
-                // admin in their private inboxes, SDK clients in the shared one.
-                p.answers(&["caller", "node", "agent", "admin"]);
+                // Answers go to whoever called it, in answer inboxes under its own token; to SDK
+                // clients in the shared inbox.
+                p.publish([subjects::answers_from(&subjects::answerer_agent(name))]);
                 p.publish([subjects::SHARED_INBOXES]);
                 p.subscribe([subjects::agent(name)]);
                 p.kv_write(subjects::CATALOG_BUCKET, subjects::CATALOG_KEY);
@@ -237,9 +239,9 @@ impl Role {
                     subjects::loop_event(id),
                     subjects::decision_log(id),
                 ]);
-                // It answers the NATS data plane: oam's callers and agents, the admin, and
-                // clients that keep the default inbox.
-                p.answers(&["caller", "agent", "admin"]);
+                // It answers the NATS data plane under the nodes' token, and clients that keep
+                // the default inbox.
+                p.publish([subjects::answers_from(subjects::ANSWERER_NODES)]);
                 p.publish([subjects::SHARED_INBOXES]);
                 p.consume_stream(subjects::DECISION_LOG_STREAM);
                 p.subscribe([
@@ -278,7 +280,7 @@ impl Role {
                 p.publish([subjects::chaos_node("*"), subjects::CHAOS_EVENT.to_string()]);
                 // It answers the operator's (and the admin's) chaos requests, and the viewer's
                 // one question (which faults are active: it may publish no other).
-                p.answers(&["operator", "admin", "viewer"]);
+                p.publish([subjects::answers_from(subjects::ANSWERER_WARDEN)]);
                 p.subscribe([
                     subjects::CHAOS_INJECT,
                     subjects::CHAOS_LIST,
@@ -321,14 +323,9 @@ impl Permissions {
         p.publish(["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"]);
         if let Some(inbox) = subjects::private_inbox(user) {
             p.subscribe([format!("{inbox}.>")]);
+            p.subscribe(subjects::answer_inboxes(&inbox));
         }
         p
-    }
-
-    /// Answer requests from the roles of `kinds`: publish to their private inboxes, where only
-    /// the asker reads (the reply tokens are random, so knowing one answers nothing else).
-    fn answers(&mut self, kinds: &[&str]) {
-        self.publish(kinds.iter().map(|k| subjects::inboxes_of(k)));
     }
 
     fn publish<S: Into<String>>(&mut self, subjects: impl IntoIterator<Item = S>) {
@@ -599,10 +596,22 @@ mod tests {
             &viewer,
             "$JS.API.CONSUMER.CREATE.OAM_DECISIONS"
         ));
-        // Replies: only in reply inboxes, never a reply permission.
-        assert!(may_publish(&agent, "_OAM.caller.abc.1"));
-        assert!(!may_publish(&agent, "_OAM.warden.abc.1"));
-        assert!(!may_publish(&caller, "_OAM.caller.abc.1"));
+        // Answers: only under the answerer's own token, never into a private inbox, never a
+        // reply permission.
+        for r in [&agent, &n1, &caller, &viewer, &Role::Warden, &Role::Monitor] {
+            for inbox in ["_OAM.caller.abc.1", "_OAM.node.n2.abc", "_OAM.admin.abc"] {
+                assert!(!may_publish(r, inbox), "{r:?} {inbox}");
+            }
+        }
+        assert!(may_publish(&agent, "_OAM.re.ag-demo~echo.caller.c.1"));
+        assert!(!may_publish(&agent, "_OAM.re.ag-demo~other.caller.c.1"));
+        assert!(!may_publish(&agent, "_OAM.re.nodes.caller.c.1"));
+        assert!(may_publish(&n1, "_OAM.re.nodes.caller.c.1"));
+        assert!(!may_publish(&n1, "_OAM.re.warden.operator.c.1"));
+        assert!(may_publish(&Role::Warden, "_OAM.re.warden.operator.c.1"));
+        assert!(!may_publish(&caller, "_OAM.re.nodes.caller.c.1"));
+        let p = caller.permissions().unwrap();
+        assert!(p.subscribe.contains(&"_OAM.re.*.caller.>".to_string()));
         // A viewer publishes nothing but JetStream reads and the question which faults are
         // active; injecting and restoring are the operator's.
         let v = viewer.permissions().unwrap();

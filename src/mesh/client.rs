@@ -4,10 +4,10 @@
 
 use super::protocol::{self, ErrorCode, MeshError};
 use super::store;
+use crate::transport::ask::{AskError, Asker, Inbox};
 use crate::transport::published::subscribe;
 use crate::transport::subjects;
 use async_nats::HeaderMap;
-use async_nats::client::RequestErrorKind;
 use bytes::Bytes;
 use std::time::Duration;
 
@@ -22,14 +22,23 @@ fn error(code: ErrorCode, agent: &str, request_id: &str, message: String) -> Mes
 }
 
 /// Call `agent` with `payload`; the reply body on success. (For fail-fast calls that watch the
-/// serving instance's death, use `Caller`.)
+/// serving instance's death, and for many calls, use `Caller`.)
 pub async fn call(
     nats: &async_nats::Client,
     agent: &str,
     payload: Bytes,
     timeout: Duration,
 ) -> Result<Bytes, MeshError> {
-    call_with(nats, agent, payload, timeout, &request_id(), None).await
+    let request_id = request_id();
+    let asker = Asker::new(nats.clone()).await.map_err(|e| {
+        error(
+            ErrorCode::Unknown,
+            agent,
+            &request_id,
+            format!("cannot listen for the answer: {e}"),
+        )
+    })?;
+    call_with(&asker, nats, agent, payload, timeout, &request_id, None).await
 }
 
 /// A request id (32 hex digits) nobody can predict from the ones they have seen: it names the
@@ -71,6 +80,7 @@ fn invalid_name(agent: &str, request_id: &str) -> Option<MeshError> {
 }
 
 async fn call_with(
+    asker: &Asker,
     nats: &async_nats::Client,
     agent: &str,
     payload: Bytes,
@@ -87,9 +97,10 @@ async fn call_with(
     if let Some(ack_to) = ack_to {
         h.insert(protocol::H_ACK_TO, ack_to);
     }
-    let request = nats.request_with_headers(subjects::agent(agent), h, payload);
-    let reply = match tokio::time::timeout(timeout, request).await {
-        Err(_) => {
+    let tag = subjects::answerer_agent(agent);
+    let asked = asker.ask(&tag, subjects::agent(agent), h, payload, timeout);
+    let reply = match asked.await {
+        Err(AskError::TimedOut) => {
             return Err(error(
                 ErrorCode::Timeout,
                 agent,
@@ -97,18 +108,10 @@ async fn call_with(
                 format!("no answer within {} ms", timeout.as_millis()),
             ));
         }
-        Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {
+        Err(AskError::NoResponders) => {
             return Err(unanswered(nats, agent, &request_id).await);
         }
-        Ok(Err(e)) if e.kind() == RequestErrorKind::TimedOut => {
-            return Err(error(
-                ErrorCode::Timeout,
-                agent,
-                &request_id,
-                format!("no answer: {e}"),
-            ));
-        }
-        Ok(Err(e)) => {
+        Err(e) => {
             return Err(error(
                 ErrorCode::Unknown,
                 agent,
@@ -116,7 +119,7 @@ async fn call_with(
                 format!("the request failed: {e}"),
             ));
         }
-        Ok(Ok(m)) => m,
+        Ok(m) => m,
     };
     let status = reply
         .headers
@@ -145,7 +148,9 @@ async fn call_with(
 /// subscription each for acknowledgements and deaths per client, not one per call.
 pub struct Caller {
     nats: async_nats::Client,
-    ack_prefix: String,
+    asker: Asker,
+    /// Where instances acknowledge, each under its agent's answerer token.
+    acks: Inbox,
     pending: Arc<Mutex<HashMap<String, Pending>>>,
     _watch: tokio::task::JoinHandle<()>,
 }
@@ -190,16 +195,15 @@ fn pending_map(
 impl Caller {
     pub async fn new(nats: async_nats::Client) -> anyhow::Result<Caller> {
         use futures_util::StreamExt;
-        // In this client's private inbox: only the server and the instance the request went
-        // to know an acknowledgement subject.
-        let ack_prefix = nats.new_inbox();
-        let mut acks = subscribe(&nats, format!("{ack_prefix}.*")).await?;
+        // Under each agent's answerer token: only the agent called may acknowledge its call.
+        let ack_inbox = Inbox::new(&nats);
+        let mut acks = subscribe(&nats, ack_inbox.every()).await?;
+        let asker = Asker::new(nats.clone()).await?;
         let mut instance_deaths = subscribe(&nats, subjects::INSTANCE_DEATHS).await?;
         let mut deaths = subscribe(&nats, subjects::DEATHS).await?;
         nats.flush().await?;
         let pending: Arc<Mutex<HashMap<String, Pending>>> = Arc::default();
-        let p = pending.clone();
-        let prefix_len = ack_prefix.len() + 1;
+        let (p, a) = (pending.clone(), ack_inbox.clone());
         let watch = tokio::spawn(async move {
             let fail = |p: &Mutex<HashMap<String, Pending>>,
                         pred: &dyn Fn(&Pending) -> bool,
@@ -222,9 +226,13 @@ impl Caller {
             loop {
                 tokio::select! {
                     Some(m) = acks.next() => {
-                        let rid = m.subject.get(prefix_len..).unwrap_or("");
+                        let rid = m.subject.rsplit_once('.').map_or("", |(_, rid)| rid);
                         let mut pending = pending_map(&p);
                         let Some(call) = pending.get_mut(rid) else { continue };
+                        let tag = subjects::answerer_agent(&call.agent);
+                        if a.token_of(&m.subject, &tag).is_none() {
+                            continue; // another agent's doing: the server let it write there
+                        }
                         if m.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
                             if let Some(tx) = call.fate.take() {
                                 let _ = tx.send(Fate::NoResponders);
@@ -260,7 +268,8 @@ impl Caller {
         });
         Ok(Caller {
             nats,
-            ack_prefix,
+            asker,
+            acks: ack_inbox,
             pending,
             _watch: watch,
         })
@@ -300,19 +309,20 @@ impl Caller {
             pending: &self.pending,
             request_id: &request_id,
         };
-        let ack_to = format!("{}.{request_id}", self.ack_prefix);
+        let ack_to = self.acks.at(&subjects::answerer_agent(agent), &request_id);
         tokio::select! {
-            r = call_with(&self.nats, agent, payload, timeout, &request_id, Some(&ack_to)) => r,
+            r = call_with(&self.asker, &self.nats, agent, payload, timeout, &request_id, Some(&ack_to)) => r,
             Ok(Fate::Died(e)) = fate => Err(e),
         }
     }
 
-    /// Start a streaming request: chunks arrive in sequence until the end marker, in this
-    /// client's private inbox from an oam agent (named in `X-Mesh-Stream-To`, so nobody else can
-    /// read or forge them), on `mesh.stream.{request_id}` from other Open Agent Mesh clients;
-    /// the first chunk decides which, and the other is then ignored. Fails fast like `call`: no responders at once, `agent_died` as soon as the
-    /// instance serving the stream dies, `timeout` when the whole stream takes longer than
-    /// `timeout`.
+    /// Start a streaming request: chunks arrive in sequence until the end marker, from an oam
+    /// agent in an answer inbox of this call's own under the agent's answerer token (named in
+    /// `X-Mesh-Stream-To`: nobody else can read them, and no other role write them), on
+    /// `mesh.stream.{request_id}` from other Open Agent Mesh clients; the first chunk decides
+    /// which, and the other is then ignored. Fails fast like `call`: no responders at once,
+    /// `agent_died` as soon as the instance serving the stream dies, `timeout` when the whole
+    /// stream takes longer than `timeout`.
     pub async fn stream(
         &self,
         agent: &str,
@@ -344,7 +354,10 @@ impl Caller {
                 format!("cannot start the stream: {e}"),
             )
         };
-        let private = self.nats.new_inbox();
+        // Chunks from the agent called only: under its answerer token, on a subject of this
+        // stream's own.
+        let tag = subjects::answerer_agent(agent);
+        let private = Inbox::new(&self.nats).at(&tag, "chunks");
         let sub = self
             .nats
             .subscribe(private.clone())
@@ -353,14 +366,14 @@ impl Caller {
         stream.sub = Some(sub);
         // Where an SDK agent streams, for a client that may read it (asking without the right
         // only earns a permissions violation from the server).
-        if subjects::may_read_shared(&private) {
+        if subjects::may_read_shared(&self.nats.new_inbox()) {
             stream.shared = self
                 .nats
                 .subscribe(subjects::stream(&request_id))
                 .await
                 .ok();
         }
-        let ack_to = format!("{}.{request_id}", self.ack_prefix);
+        let ack_to = self.acks.at(&tag, &request_id);
         let mut h = HeaderMap::new();
         h.insert(protocol::H_REQUEST_ID, request_id.as_str());
         h.insert(protocol::H_STREAM, "true");
@@ -380,7 +393,7 @@ impl Caller {
 pub struct ChunkStream {
     nats: async_nats::Client,
     pending: Arc<Mutex<HashMap<String, Pending>>>,
-    /// The private inbox the chunks of an oam agent come to.
+    /// The answer inbox the chunks of an oam agent come to.
     sub: Option<async_nats::Subscriber>,
     /// `mesh.stream.{request_id}`, where other clients' agents stream; dropped once a chunk has
     /// come privately.
@@ -418,7 +431,7 @@ impl ChunkStream {
                 }
             }
         }
-        // In the private inbox, only what the serving instance sent is believed: it carries
+        // In the answer inbox, only what the serving instance sent is believed: it carries
         // the request id (which only this caller, the server and the instance the request went
         // to know) and, once the stream is acknowledged, that instance's id. Anything else
         // (another agent or a node writing into this inbox) is skipped, not the stream's end.

@@ -321,14 +321,16 @@ impl Instance {
                 .map(async_nats::HeaderValue::as_str)
         }
         let header = |k: &'static str| value(&msg, k);
-        // Answers, acknowledgements and chunks go to reply inboxes only: a caller cannot make an
-        // instance running with wide rights write a control subject or a bucket.
-        let inbox = |s: &str| subjects::is_inbox(s);
+        // Answers, acknowledgements and chunks go to this agent's answer inboxes only (or the
+        // SDK's shared one): a caller cannot make an instance running with wide rights write a
+        // control subject, a bucket or another role's inbox.
+        let tag = subjects::answerer_agent(&self.entry.name);
+        let inbox = |s: &str| subjects::may_answer_on(&tag, s);
         let ack_to = header(protocol::H_ACK_TO).filter(|s| inbox(s));
         let reply = msg.reply.clone().filter(|s| inbox(s));
         let request_id = header(protocol::H_REQUEST_ID).unwrap_or_default();
         let wants_stream = header(protocol::H_STREAM) == Some("true");
-        // An oam caller names its private inbox; other clients read the shared subject.
+        // An oam caller names an answer inbox of its own; other clients read the shared subject.
         let stream_to = header(protocol::H_STREAM_TO)
             .filter(|s| inbox(s))
             .map_or_else(|| subjects::stream(request_id), str::to_string);

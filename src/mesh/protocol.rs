@@ -15,9 +15,10 @@ pub const H_STREAM_END: &str = "X-Mesh-Stream-End";
 /// oam's extension: where the serving instance acknowledges receipt with its instance id, so the
 /// caller can race the request against that instance's death. Other clients simply omit it.
 pub const H_ACK_TO: &str = "X-Mesh-Ack-To";
-/// oam's extension: the caller's private inbox its stream's chunks go to (instead of
-/// `mesh.stream.{request_id}`, which every client of the SDK's kind may read and write), so only
-/// the serving instance and the caller see them. Other clients omit it.
+/// oam's extension: where the stream's chunks go, an answer inbox of the caller's under the
+/// agent's answerer token (instead of `mesh.stream.{request_id}`, which every client of the
+/// SDK's kind may read and write), so only the serving instance and the caller see them, and
+/// no other role writes there. Other clients omit it.
 pub const H_STREAM_TO: &str = "X-Mesh-Stream-To";
 
 /// Agent names: dot-separated segments of letters, digits, '-' and '_'.

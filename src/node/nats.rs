@@ -94,8 +94,10 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message, permit: OwnedSemaphoreP
     let node = node.clone();
     node.clone().serving.tasks.spawn(async move {
         let _in_hand = permit;
-        // Answers go to reply inboxes only, whatever subject the asker named.
-        let Some(reply) = msg.reply.clone().filter(|r| subjects::is_inbox(r)) else {
+        // Answers go to the nodes' answer inboxes only, whatever subject the asker named.
+        let reply = msg.reply.clone();
+        let Some(reply) = reply.filter(|r| subjects::may_answer_on(subjects::ANSWERER_NODES, r))
+        else {
             return; // no reply inbox: nobody to answer
         };
         let headers = msg.headers.as_ref().map(headers_of).unwrap_or_default();

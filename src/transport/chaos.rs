@@ -29,18 +29,21 @@ pub async fn ask(
     subject: &'static str,
     body: Vec<u8>,
 ) -> Result<Vec<Active>, AskError> {
-    let request = nats.request(subject, body.into());
-    let msg = match tokio::time::timeout(Duration::from_secs(15), request).await {
-        Ok(Ok(m)) => m,
-        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
-            return Err(AskError::NoWarden);
-        }
-        Ok(Err(e)) => return Err(AskError::Failed(e.to_string())),
-        Err(_) => {
+    use super::ask::{self, Asker};
+    let asker = Asker::new(nats.clone())
+        .await
+        .map_err(|e| AskError::Failed(format!("cannot listen for the answer: {e}")))?;
+    let within = Duration::from_secs(15);
+    let (tag, h) = (super::subjects::ANSWERER_WARDEN, Default::default());
+    let msg = match asker.ask(tag, subject.into(), h, body.into(), within).await {
+        Ok(m) => m,
+        Err(ask::AskError::NoResponders) => return Err(AskError::NoWarden),
+        Err(ask::AskError::TimedOut) => {
             return Err(AskError::Failed(
                 "the chaos warden did not answer within 15 s".into(),
             ));
         }
+        Err(e) => return Err(AskError::Failed(e.to_string())),
     };
     match serde_json::from_slice::<Reply>(&msg.payload) {
         Ok(Reply::Ok(faults)) => Ok(faults),

@@ -120,11 +120,58 @@ pub fn private_inbox(user: &str) -> Option<String> {
     }
 }
 
-/// Whether `subject` is a reply inbox (private or shared): the only subjects oam answers a
-/// request on, whatever the asker put as its reply subject, so that a responder running with
-/// wide rights (the admin's) cannot be made to write a control subject or a bucket.
-pub fn is_inbox(subject: &str) -> bool {
-    subject.starts_with("_OAM.") || subject.starts_with("_INBOX.")
+/// The root of answer inboxes: `_OAM.re.{answerer}.{asker}.…`, where `{answerer}` names who
+/// may publish there (the server enforces it: each answering role may publish under its own
+/// token only) and `{asker}` is the asker's private inbox without `_OAM.` (`caller`,
+/// `node.n1`, ...: only that user may subscribe). No role kind is `re`, so an answer inbox is
+/// never a private inbox, where nobody but the server may publish.
+const ANSWERS: &str = "_OAM.re";
+
+/// The answerer token of agent `name` (its dots written `~`, one token): what `agent-{name}`
+/// and `sdk-agent-{name}` may answer under.
+pub fn answerer_agent(name: &str) -> String {
+    format!("ag-{}", name.replace('.', "~"))
+}
+/// The answerer token of every node (the nodes are one trust domain: each writes the shared
+/// budgets already).
+pub const ANSWERER_NODES: &str = "nodes";
+/// The answerer token of the chaos warden.
+pub const ANSWERER_WARDEN: &str = "warden";
+
+/// What answerer `tag` may publish: `_OAM.re.{tag}.>`.
+pub fn answers_from(tag: &str) -> String {
+    format!("{ANSWERS}.{tag}.>")
+}
+
+/// Where the owner of private inbox `private` (`_OAM.caller`) hears `tag`:
+/// `_OAM.re.{tag}.caller`; `None` for an inbox that is not oam's (`_INBOX`).
+pub fn answer_inbox(tag: &str, private: &str) -> Option<String> {
+    let asker = private.strip_prefix("_OAM.")?;
+    Some(format!("{ANSWERS}.{tag}.{asker}"))
+}
+
+/// Every answer inbox of the owner of private inbox `private`, from any answerer: what it may
+/// subscribe to.
+pub fn answer_inboxes(private: &str) -> Option<String> {
+    let asker = private.strip_prefix("_OAM.")?;
+    Some(format!("{ANSWERS}.*.{asker}.>"))
+}
+
+/// The answerer token of answer-inbox subject `subject`, and the rest after it.
+pub fn answered_by(subject: &str) -> Option<(&str, &str)> {
+    subject
+        .strip_prefix(ANSWERS)?
+        .strip_prefix('.')?
+        .split_once('.')
+}
+
+/// Whether answerer `tag` answers a request whose reply subject is `reply`: only in an answer
+/// inbox under its own token, or in the shared `_INBOX.` of clients that keep the NATS
+/// default (the Open Agent Mesh SDK's), whatever subject the asker named, so that a responder
+/// running with wide rights (the admin's) cannot be made to write a control subject or a
+/// bucket, and none is asked to write where the server would refuse it.
+pub fn may_answer_on(tag: &str, reply: &str) -> bool {
+    answered_by(reply).is_some_and(|(t, _)| t == tag) || reply.starts_with("_INBOX.")
 }
 
 /// Whether `m` was delivered by a JetStream push consumer rather than published: such a
@@ -141,12 +188,6 @@ pub fn from_jetstream(m: &async_nats::Message) -> bool {
 /// and may; of oam's own roles (private inboxes) only the admin may.
 pub fn may_read_shared(inbox: &str) -> bool {
     !inbox.starts_with("_OAM.") || inbox.starts_with("_OAM.admin.")
-}
-
-/// Every private inbox of one kind of role (`node`, `agent`, `caller`, `operator`, `admin`,
-/// ...): what a role that answers that kind may publish to.
-pub fn inboxes_of(kind: &str) -> String {
-    format!("{OAM_INBOX}.{kind}.>")
 }
 
 /// The prefix of every agent's serving subject.
@@ -289,10 +330,31 @@ mod tests {
         // A subscription to `{demo}.>` covers no inbox of demo.echo, nor the other way round.
         assert!(!format!("{echo}.x").starts_with(&format!("{demo}.")));
         assert!(!format!("{demo}.x").starts_with(&format!("{echo}.")));
-        assert_eq!(inboxes_of("agent"), "_OAM.agent.>");
-        assert!(is_inbox("_OAM.caller.abc.1") && is_inbox("_INBOX.abc"));
-        assert!(!is_inbox("$KV.oam-budgets.global") && !is_inbox("oam.v1.chaos.node.n1"));
-        assert!(!is_inbox("_OAMX.a") && !is_inbox("_INBOX"));
+        let tag = answerer_agent("demo.echo");
+        assert_eq!(tag, "ag-demo~echo");
+        assert_eq!(answers_from(&tag), "_OAM.re.ag-demo~echo.>");
+        let at = answer_inbox(&tag, "_OAM.node.n1").unwrap();
+        assert_eq!(at, "_OAM.re.ag-demo~echo.node.n1");
+        assert_eq!(answer_inboxes("_OAM.caller").unwrap(), "_OAM.re.*.caller.>");
+        assert_eq!(answer_inbox(&tag, "_INBOX"), None);
+        let reply = format!("{at}.conn.token");
+        assert_eq!(
+            answered_by(&reply),
+            Some((tag.as_str(), "node.n1.conn.token"))
+        );
+        assert!(may_answer_on(&tag, &reply) && may_answer_on(ANSWERER_NODES, "_INBOX.abc"));
+        // Nobody answers into a private inbox, another answerer's, a control subject or a bucket.
+        for reply in [
+            "_OAM.caller.abc.1",
+            "_OAM.re.ag-demo.caller.x.y",
+            "_OAM.re.ag-demo~echo2.caller.x",
+            "_OAM.reX.ag-demo~echo.caller.x",
+            "$KV.oam-budgets.global",
+            "oam.v1.chaos.node.n1",
+            "_INBOX",
+        ] {
+            assert!(!may_answer_on(&tag, reply), "{reply}");
+        }
         assert!(may_read_shared("_INBOX.abc") && may_read_shared("_OAM.admin.abc"));
         assert!(!may_read_shared("_OAM.caller.abc") && !may_read_shared("_OAM.agent.x.abc"));
         for stranger in ["bob", "node-a.b", "agent-", "agent-a.*", "node-"] {

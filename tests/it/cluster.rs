@@ -382,13 +382,13 @@ async fn the_nats_data_plane_is_one_service_with_the_http_limits() {
     let nc = oam::transport::connect::connect(&cl.nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
+    let plane = crate::support::NatsPlane::new(&nc).await;
 
     // The NATS data plane: one service across the nodes.
     let mut replies = Vec::new();
     for i in 0..6 {
-        let reply = nc
+        let reply = plane
             .request(
-                "oam.v1.request",
                 serde_json::to_vec(&question(&format!("over nats {i}")))
                     .unwrap()
                     .into(),
@@ -421,10 +421,7 @@ async fn the_nats_data_plane_is_one_service_with_the_http_limits() {
             "messages": [{"role": "user", "content": "x".repeat(bytes)}]}))
         .unwrap()
     };
-    let reply = nc
-        .request("oam.v1.request", big(1_500_000).into())
-        .await
-        .unwrap();
+    let reply = plane.request(big(1_500_000).into()).await.unwrap();
     let v: Value = serde_json::from_slice(&reply.payload).unwrap();
     assert_eq!(v["status"], 413, "{v}");
     assert!(
@@ -436,9 +433,7 @@ async fn the_nats_data_plane_is_one_service_with_the_http_limits() {
     );
     assert!(v["oam"]["target"].is_null(), "no target called: {v}");
     assert!(
-        nc.request("oam.v1.request", big(3 << 20).into())
-            .await
-            .is_err(),
+        plane.request(big(3 << 20).into()).await.is_err(),
         "3 MiB is refused by the server"
     );
 
@@ -669,23 +664,18 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
     let nc = oam::transport::connect::connect(&nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
+    let plane = crate::support::NatsPlane::new(&nc).await;
     let body = serde_json::to_vec(&question("held over NATS")).unwrap();
     // The node has joined the queue group once a request is answered.
     let joined = eventually(Duration::from_secs(10), || {
-        let (nc, body) = (nc.clone(), body.clone());
-        async move { nc.request("oam.v1.request", body.into()).await.ok() }
+        let (plane, body) = (plane.clone(), body.clone());
+        async move { plane.request(body.into()).await.ok() }
     })
     .await;
     assert!(joined.is_some(), "the node serves NATS requests");
     let over_nats = tokio::spawn({
-        let nc = nc.clone();
-        async move {
-            tokio::time::timeout(
-                Duration::from_secs(10),
-                nc.request("oam.v1.request", body.into()),
-            )
-            .await
-        }
+        let plane = plane.clone();
+        async move { tokio::time::timeout(Duration::from_secs(10), plane.request(body.into())).await }
     });
     // The request is in hand (the providers take 1.2 s) when the node is told to stop.
     let c = client();
@@ -708,7 +698,7 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
     assert_eq!(reply["status"], 200, "{reply}");
     n1.wait();
     // It left the queue group: a new NATS request finds nobody.
-    let after = nc.request("oam.v1.request", "{}".into()).await;
+    let after = plane.request("{}".into()).await;
     assert!(after.is_err(), "no node serves after the stop");
 }
 

@@ -1112,17 +1112,15 @@ async fn only_clients_with_a_key_are_served_and_each_is_its_own_agent() {
     let nc = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
+    let plane = crate::support::NatsPlane::new(&nc).await;
     let body = json!({"model": "big", "messages": [{"role": "user", "content": "hi"}]});
     let bytes: bytes::Bytes = serde_json::to_vec(&body).unwrap().into();
-    let refused = nc.request("oam.v1.request", bytes.clone()).await.unwrap();
+    let refused = plane.request(bytes.clone()).await.unwrap();
     let refused: Value = serde_json::from_slice(&refused.payload).unwrap();
     assert_eq!(refused["status"], 401, "{refused}");
     let mut h = async_nats::HeaderMap::new();
     h.insert("Authorization", format!("Bearer {BETA}").as_str());
-    let served = nc
-        .request_with_headers("oam.v1.request", h, bytes)
-        .await
-        .unwrap();
+    let served = plane.request_with_headers(h, bytes).await.unwrap();
     let served: Value = serde_json::from_slice(&served.payload).unwrap();
     assert_eq!(served["status"], 200, "{served}");
     assert_eq!(served["oam"]["agent"], "beta", "{served}");
@@ -1450,30 +1448,25 @@ async fn only_the_warden_s_key_ends_an_isolation_over_http() {
     let nc = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
+    let plane = crate::support::NatsPlane::new(&nc).await;
     let body = json!({"messages": [{"role": "user", "content": "over nats"}]}).to_string();
     // Answered (Some(true)), nobody subscribed (Some(false): the node is cut off), or no
     // answer in time (None: a busy machine, say nothing).
-    let answers = |nc: async_nats::Client| {
+    let answers = |plane: crate::support::NatsPlane| {
         let body = body.clone();
         async move {
-            let r = tokio::time::timeout(
-                Duration::from_secs(5),
-                nc.request("oam.v1.request", body.into()),
-            )
-            .await;
+            let r = tokio::time::timeout(Duration::from_secs(5), plane.request(body.into())).await;
             match r {
                 Ok(Ok(_)) => Some(true),
-                Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
-                    Some(false)
-                }
+                Ok(Err(oam::transport::ask::AskError::NoResponders)) => Some(false),
                 _ => None,
             }
         }
     };
     // The node's subscriptions are in place once it answers over NATS; then it is cut off.
     let up = crate::support::eventually(Duration::from_secs(10), || {
-        let nc = nc.clone();
-        async move { (answers(nc).await == Some(true)).then_some(()) }
+        let plane = plane.clone();
+        async move { (answers(plane).await == Some(true)).then_some(()) }
     })
     .await;
     assert!(up.is_some(), "the node serves the NATS data plane");
@@ -1489,8 +1482,8 @@ async fn only_the_warden_s_key_ends_an_isolation_over_http() {
     .await
     .unwrap();
     let cut = crate::support::eventually(Duration::from_secs(10), || {
-        let nc = nc.clone();
-        async move { (answers(nc).await == Some(false)).then_some(()) }
+        let plane = plane.clone();
+        async move { (answers(plane).await == Some(false)).then_some(()) }
     })
     .await;
     assert!(
@@ -1516,11 +1509,11 @@ async fn only_the_warden_s_key_ends_an_isolation_over_http() {
     };
     assert_eq!(restore(None).await, 403);
     assert_eq!(restore(Some("guessed-key-0123456789")).await, 403);
-    assert_eq!(answers(nc.clone()).await, Some(false), "still cut off");
+    assert_eq!(answers(plane.clone()).await, Some(false), "still cut off");
     assert_eq!(restore(Some("k-of-the-warden-0123456789")).await, 200);
     let back = crate::support::eventually(Duration::from_secs(10), || {
-        let nc = nc.clone();
-        async move { (answers(nc).await == Some(true)).then_some(()) }
+        let plane = plane.clone();
+        async move { (answers(plane).await == Some(true)).then_some(()) }
     })
     .await;
     assert!(back.is_some(), "the restore ended the isolation");

@@ -343,8 +343,8 @@ async fn no_role_answers_its_way_onto_a_control_subject() {
     let answered = crate::support::eventually(Duration::from_secs(10), || {
         let caller = caller.clone();
         async move {
-            caller
-                .request("mesh.agent.demo.victim", r#"{"m":1}"#.into())
+            let within = Duration::from_secs(2);
+            oam::mesh::client::call(&caller, "demo.victim", r#"{"m":1}"#.into(), within)
                 .await
                 .ok()
         }
@@ -361,11 +361,11 @@ async fn no_role_answers_its_way_onto_a_control_subject() {
         .await
         .unwrap();
     // The answer to the next call comes after whatever the agent did with that one.
-    let next = caller
-        .request("mesh.agent.demo.victim", r#"{"m":2}"#.into())
+    let within = Duration::from_secs(5);
+    let next = oam::mesh::client::call(&caller, "demo.victim", r#"{"m":2}"#.into(), within)
         .await
         .unwrap();
-    assert_eq!(next.payload.as_ref(), br#"{"m":2}"#);
+    assert_eq!(next.as_ref(), br#"{"m":2}"#);
     let between = delivered_until(&caller, "mesh.agent.marker", &mut everything).await;
     assert!(
         !between.iter().any(|m| m.subject.as_str() == bucket),
@@ -384,6 +384,8 @@ async fn no_role_reads_another_s_replies_or_a_client_s_key() {
         "_INBOX.>",
         "_OAM.>",
         "_OAM.caller.>",
+        "_OAM.re.>",
+        "_OAM.re.*.caller.>",
         "oam.v1.request",
         "mesh.stream.>",
     ];
@@ -414,12 +416,14 @@ async fn no_role_reads_another_s_replies_or_a_client_s_key() {
     let mut h = async_nats::HeaderMap::new();
     h.insert("Authorization", "Bearer sk-secret-of-the-caller");
     let body = json!({"messages": [{"role": "user", "content": "the card is 4111"}]});
-    let reply = caller
-        .request_with_headers(
-            "oam.v1.request",
-            h,
-            serde_json::to_vec(&body).unwrap().into(),
-        )
+    let asker = oam::transport::ask::Asker::new(caller.clone())
+        .await
+        .unwrap();
+    let tag = oam::transport::subjects::ANSWERER_NODES;
+    let body = serde_json::to_vec(&body).unwrap().into();
+    let within = Duration::from_secs(10);
+    let reply = asker
+        .ask(tag, "oam.v1.request".into(), h, body, within)
         .await
         .unwrap();
     let answer: Value = serde_json::from_slice(&reply.payload).unwrap();
@@ -624,8 +628,9 @@ async fn inboxes_of(mesh: &LocalCluster, user: &str, prefix: &str) -> Vec<String
 }
 
 /// Publish a JetStream flow-control request (a status message, which no client library
-/// writes) on `subject` with reply `reply`, over a bare connection as `url`'s user.
-async fn flow_control(url: &str, subjects: &[String], reply: &str) {
+/// writes) on each of `subjects` with reply `reply`, over a bare connection as `url`'s user:
+/// the errors the server answered.
+async fn flow_control(url: &str, subjects: &[String], reply: &str) -> Vec<String> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let (bare, auth) = oam::transport::connect::split_credentials(url);
     let (user, pass) = auth.expect("a URL with credentials");
@@ -648,23 +653,26 @@ async fn flow_control(url: &str, subjects: &[String], reply: &str) {
     }
     out += "PING\r\n";
     write.write_all(out.as_bytes()).await.unwrap();
+    let mut errors = Vec::new();
     loop {
         let line = lines
             .next_line()
             .await
             .unwrap()
             .expect("the server answers");
-        assert!(!line.starts_with("-ERR"), "{line}");
-        if line == "PONG" {
-            return;
+        if line.starts_with("-ERR") {
+            errors.push(line);
+        } else if line == "PONG" {
+            return errors;
         }
     }
 }
 
 /// An agent publishes JetStream flow-control requests into every inbox a node reads, naming a
 /// budget record as the reply: a node whose bucket watch was a push consumer answered each with
-/// an empty body there, with its own rights (the budget emptied: nobody limited). The node's
-/// watch is a pull consumer now, whose client answers nothing it is sent: the record stands.
+/// an empty body there, with its own rights (the budget emptied: nobody limited). Nobody but the
+/// server may publish into a private inbox now (each is refused), and the node's watch is a
+/// pull consumer, whose client answers nothing it is sent: the record stands.
 #[tokio::test]
 async fn a_flow_control_request_from_an_agent_empties_no_budget() {
     let mesh = LocalCluster::up("flow-control").await;
@@ -688,7 +696,16 @@ async fn a_flow_control_request_from_an_agent_empties_no_budget() {
     // The node reads its budget watch in one of these (a consumer's delivery or pull inbox).
     let inboxes = inboxes_of(&mesh, "node-n1", "_OAM.node.n1.").await;
     assert!(!inboxes.is_empty(), "the node reads inboxes");
-    flow_control(&mesh.role_url("agent-evil"), &inboxes, record).await;
+    let errors = flow_control(&mesh.role_url("agent-evil"), &inboxes, record).await;
+    for inbox in &inboxes {
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("Permissions Violation for Publish")
+                    && e.contains(inbox.as_str())),
+            "{inbox} was not refused: {errors:?}"
+        );
+    }
     // An answer to flow control is published at once: nothing in 2 s is nothing.
     let written = tokio::time::timeout(
         Duration::from_secs(2),
@@ -707,8 +724,10 @@ async fn a_flow_control_request_from_an_agent_empties_no_budget() {
 /// While a caller reads an agent's stream, a hostile agent writes into every inbox of the
 /// caller's (found in the server's subscription list, as the attack found them) an end marker,
 /// chunks of every sequence number and a forged `agent_died`, and another caller names those
-/// inboxes as the reply of a data-plane request (a node answers there). A caller that believed
-/// them ended the stream early, took the chunks or failed; now it reads the stream whole: its
+/// inboxes as the reply of a data-plane request. A caller that believed them ended the stream
+/// early, took the chunks or failed. Now the server refuses every write under the streaming
+/// agent's answerer token or into the private inbox, and what evil may write under its own
+/// token (or a node under the nodes') is not believed: the caller reads the stream whole, its
 /// 20 chunks in order, then its own end.
 #[tokio::test]
 async fn nobody_ends_injects_into_or_fails_another_agent_s_stream() {
@@ -740,9 +759,30 @@ async fn nobody_ends_injects_into_or_fails_another_agent_s_stream() {
         .expect("the first chunk");
     assert_eq!(serde_json::from_slice::<Value>(&first).unwrap()["index"], 0);
 
-    let inboxes = inboxes_of(&mesh, "caller", "_OAM.caller.").await;
-    assert!(!inboxes.is_empty(), "the caller reads inboxes");
-    let (evil, _) = client(&mesh.role_url("agent-evil")).await;
+    // Every subject the caller reads replies on: its private inbox (which only the server may
+    // write) and its answer inboxes (`_OAM.re.{answerer}.caller.…`).
+    let read = inboxes_of(&mesh, "caller", "_OAM.").await;
+    assert!(
+        read.iter()
+            .any(|s| s.starts_with("_OAM.re.ag-demo~stream.caller."))
+    );
+    let aimed = |tag: &str| -> Vec<String> {
+        read.iter()
+            .map(|s| {
+                let s = s.replace(".*", ".x").replace(".>", ".x");
+                match s.strip_prefix("_OAM.re.").and_then(|r| r.split_once('.')) {
+                    Some((_, rest)) => format!("_OAM.re.{tag}.{rest}"),
+                    None => s,
+                }
+            })
+            .collect()
+    };
+    // As the stream's own agent would write them (the server refuses them all: no publishing
+    // into a private inbox, nor under another answerer's token), and under evil's own token
+    // (delivered where the caller listens, and not believed).
+    let (evil, evil_errors) = client(&mesh.role_url("agent-evil")).await;
+    let (as_agent, as_evil) = (aimed("ag-demo~stream"), aimed("ag-evil"));
+    let inboxes: Vec<&String> = as_agent.iter().chain(&as_evil).collect();
     let headers = |pairs: &[(&str, &str)]| {
         let mut h = async_nats::HeaderMap::new();
         for (k, v) in pairs {
@@ -750,7 +790,7 @@ async fn nobody_ends_injects_into_or_fails_another_agent_s_stream() {
         }
         h
     };
-    for inbox in &inboxes {
+    for &inbox in &inboxes {
         for seq in 1..=20 {
             let seq = seq.to_string();
             let chunk = headers(&[
@@ -783,9 +823,14 @@ async fn nobody_ends_injects_into_or_fails_another_agent_s_stream() {
             .unwrap();
     }
     evil.flush().await.unwrap();
+    for inbox in &as_agent {
+        refused(&evil_errors, "publish", inbox).await;
+    }
+    // Another caller names them as the reply of a data-plane request: a node answers only under
+    // the nodes' token, where the caller believes no chunk.
     let (other, _) = client(&mesh.role_url("caller")).await;
     let ask = json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}]});
-    for inbox in &inboxes {
+    for inbox in inboxes.iter().copied().chain(&aimed("nodes")) {
         other
             .publish_with_reply("oam.v1.request", inbox.clone(), ask.to_string().into())
             .await

@@ -867,3 +867,35 @@ pub async fn beat_of(nc: &async_nats::Client, name: &str, pred: impl Fn(&Value) 
         }
     }
 }
+
+/// The nodes' NATS data plane (`oam.v1.request`) asked as oam's own clients ask it: in an
+/// answer inbox under the nodes' token, the only place a node answers a role of oam's.
+#[derive(Clone)]
+pub struct NatsPlane(std::sync::Arc<oam::transport::ask::Asker>);
+
+impl NatsPlane {
+    pub async fn new(nc: &async_nats::Client) -> NatsPlane {
+        let asker = oam::transport::ask::Asker::new(nc.clone()).await.unwrap();
+        NatsPlane(std::sync::Arc::new(asker))
+    }
+
+    pub async fn request(
+        &self,
+        body: bytes::Bytes,
+    ) -> Result<async_nats::Message, oam::transport::ask::AskError> {
+        self.request_with_headers(async_nats::HeaderMap::new(), body)
+            .await
+    }
+
+    pub async fn request_with_headers(
+        &self,
+        h: async_nats::HeaderMap,
+        body: bytes::Bytes,
+    ) -> Result<async_nats::Message, oam::transport::ask::AskError> {
+        let tag = oam::transport::subjects::ANSWERER_NODES;
+        let within = Duration::from_secs(60);
+        self.0
+            .ask(tag, "oam.v1.request".into(), h, body, within)
+            .await
+    }
+}

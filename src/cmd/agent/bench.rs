@@ -263,9 +263,16 @@ pub async fn run(cluster: &super::super::ClusterArgs, a: Args) -> Result<Outcome
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
     let responder_nats = nats.clone();
+    let own = nats.new_inbox();
+    let own = own
+        .rsplit_once('.')
+        .map_or(own.as_str(), |(p, _)| p)
+        .to_string()
+        + ".";
     let responder = tokio::spawn(async move {
         while let Some(m) = raw.next().await {
-            if let Some(reply) = m.reply.filter(|r| crate::transport::subjects::is_inbox(r)) {
+            // Its own requests: answered in its own inbox only.
+            if let Some(reply) = m.reply.filter(|r| r.starts_with(&own)) {
                 let _ = responder_nats.publish(reply, m.payload).await;
             }
         }
