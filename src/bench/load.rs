@@ -67,7 +67,7 @@ impl Plan {
 
 /// Where the requests go.
 #[derive(Clone)]
-pub enum Target {
+pub enum Through {
     /// The nodes' HTTP data plane (`plan.urls`), round-robin; a node that refuses the connection
     /// is skipped for the next one, as a load balancer would.
     Http(reqwest::Client),
@@ -401,7 +401,7 @@ async fn one_agent(
 /// `interrupted`) holds what finished.
 pub async fn run(
     plan: Plan,
-    target: Target,
+    target: Through,
     stop: &CancellationToken,
     progress: impl Fn() + Send + Sync + 'static,
 ) -> Report {
@@ -416,7 +416,7 @@ pub async fn run(
 /// them over time).
 pub async fn run_samples(
     plan: Plan,
-    target: Target,
+    target: Through,
     started: Instant,
     stop: &CancellationToken,
     progress: impl Fn() + Send + Sync + 'static,
@@ -469,15 +469,15 @@ pub async fn run_samples(
                 let kind = plan.kind(i);
                 let one = async {
                     match &target {
-                        Target::Http(http) => {
+                        Through::Http(http) => {
                             let body = body_of(&plan, i, &kind);
                             let sent = (kind.api.path(), &body);
                             one_http(http, &plan.urls, i, sent, timeout).await
                         }
-                        Target::Nats(nats) => {
+                        Through::Nats(nats) => {
                             one_nats(nats, &body_of(&plan, i, &kind), timeout).await
                         }
-                        Target::Agent { caller, agent } => {
+                        Through::Agent { caller, agent } => {
                             one_agent(caller, agent, i, timeout).await
                         }
                     }

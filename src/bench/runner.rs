@@ -1,7 +1,7 @@
 //! Play a scenario against a local cluster (its load, its chaos timeline through the warden,
 //! its agents), then check its expectations: what `oam bench --scenario` and `oam demo` run.
 
-use super::load::{self as bench, Plan, Target};
+use super::load::{self as bench, Plan, Through};
 use super::scenario::{self, Recovery, Run, Scenario, Verdict};
 use crate::core::chaos::{Inject, Restore};
 use crate::core::health::Verdict as Health;
@@ -316,12 +316,12 @@ pub async fn run(
         let caller = crate::mesh::client::Caller::new(nats.clone())
             .await
             .map_err(|e| Error::new(Kind::Unreachable, e))?;
-        Target::Agent {
+        Through::Agent {
             caller: std::sync::Arc::new(caller),
             agent: s.load.agent.clone().unwrap_or_default(),
         }
     } else {
-        Target::Http(http.clone())
+        Through::Http(http.clone())
     };
 
     // The chaos timeline runs beside the load, on the load's clock.

@@ -611,7 +611,7 @@ impl Warden {
                 };
                 // Ended early by aborting this task (restore), or at its deadline.
                 let never = tokio_util::sync::CancellationToken::new();
-                let r = bench::run(plan, bench::Target::Http(http), &never, || {}).await;
+                let r = bench::run(plan, bench::Through::Http(http), &never, || {}).await;
                 tracing::info!(
                     sent = r.sent,
                     succeeded = r.succeeded,

@@ -250,9 +250,9 @@ pub async fn run(a: Args) -> Result<Outcome> {
         let asker = crate::transport::ask::Asker::new(nats)
             .await
             .map_err(|e| Error::new(Kind::Unreachable, e))?;
-        bench::Target::Nats(std::sync::Arc::new(asker))
+        bench::Through::Nats(std::sync::Arc::new(asker))
     } else {
-        bench::Target::Http(http)
+        bench::Through::Http(http)
     };
     let stop = stop_on_signal();
     let report = bench::run(plan, target, &stop, move || tick.inc(1)).await;

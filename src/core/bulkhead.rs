@@ -153,7 +153,7 @@ impl BulkheadConfig {
 /// Live counts for one class.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
 #[serde(deny_unknown_fields, default)]
-pub struct Usage {
+pub struct Occupancy {
     pub active: u32,
     pub queued: u32,
     pub shed: u64,
@@ -162,9 +162,9 @@ pub struct Usage {
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Bulkheads {
-    pub critical: Usage,
-    pub normal: Usage,
-    pub background: Usage,
+    pub critical: Occupancy,
+    pub normal: Occupancy,
+    pub background: Occupancy,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -181,7 +181,7 @@ impl Bulkheads {
         *self == Bulkheads::default()
     }
 
-    pub fn usage(&self, class: Priority) -> &Usage {
+    pub fn usage(&self, class: Priority) -> &Occupancy {
         match class {
             Priority::Critical => &self.critical,
             Priority::Normal => &self.normal,
@@ -189,7 +189,7 @@ impl Bulkheads {
         }
     }
 
-    fn usage_mut(&mut self, class: Priority) -> &mut Usage {
+    fn usage_mut(&mut self, class: Priority) -> &mut Occupancy {
         match class {
             Priority::Critical => &mut self.critical,
             Priority::Normal => &mut self.normal,
@@ -484,7 +484,7 @@ mod tests {
         b.start_queued(Priority::Normal);
         assert_eq!(
             b.normal,
-            Usage {
+            Occupancy {
                 active: 2,
                 queued: 0,
                 shed: 1
@@ -497,7 +497,7 @@ mod tests {
         let mut b = Bulkheads::default();
         b.release(Priority::Critical);
         b.abandon(Priority::Critical);
-        assert_eq!(b.critical, Usage::default());
+        assert_eq!(b.critical, Occupancy::default());
     }
 
     fn queued(q: &mut Queues, b: &mut Bulkheads, cfg: &BulkheadConfig, n: u32) -> Vec<u64> {

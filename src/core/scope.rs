@@ -23,10 +23,10 @@ pub enum Scope {
 /// records that saw it, as the whole view is). Checked against the state on every use (its
 /// fields are public and change), so it only ever saves work.
 #[derive(Default)]
-pub(crate) struct Lookup(Mutex<Kept>);
+pub(crate) struct Lookup(Mutex<Found>);
 
 #[derive(Default)]
-struct Kept {
+struct Found {
     positions: HashMap<TargetId, usize>,
     /// Route -> its cut of the cluster view.
     clusters: HashMap<String, Cut>,
@@ -46,7 +46,7 @@ impl Engine {
     pub(crate) fn position(&self, id: &str) -> Option<usize> {
         let providers = &self.state.providers;
         let mut kept = self.lookup.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let at = |kept: &Kept| {
+        let at = |kept: &Found| {
             kept.positions
                 .get(id)
                 .copied()

@@ -1,6 +1,6 @@
 //! Escalations this node raises: each recorded as open in the escalation store, then sent to
 //! the configured sinks (a webhook, a command), retried with backoff. [`Escalations`] is the
-//! handle the request path queues them with (never waiting); [`Recorder`] the service.
+//! handle the request path queues them with (never waiting); [`Escalator`] the service.
 
 use super::Node;
 use crate::clock::now_ms;
@@ -24,7 +24,7 @@ pub struct Escalations {
 }
 
 /// The service: records queued escalations in order, and delivers each to every sink.
-pub struct Recorder {
+pub struct Escalator {
     rx: mpsc::Receiver<Escalation>,
     node: Arc<Node>,
 }
@@ -60,9 +60,9 @@ impl Escalations {
     }
 }
 
-impl Recorder {
-    pub fn new(rx: mpsc::Receiver<Escalation>, node: Arc<Node>) -> Recorder {
-        Recorder { rx, node }
+impl Escalator {
+    pub fn new(rx: mpsc::Receiver<Escalation>, node: Arc<Node>) -> Escalator {
+        Escalator { rx, node }
     }
 
     /// Record queued escalations in the escalation store, in order, until the node's last

@@ -223,7 +223,7 @@ pub async fn run(
     let mut running = tokio::task::JoinSet::new();
     let n = &node;
     running.spawn(services.publisher.run(last.clone()));
-    running.spawn(escalations::Recorder::new(services.escalations, n.clone()).run(last.clone()));
+    running.spawn(escalations::Escalator::new(services.escalations, n.clone()).run(last.clone()));
     running.spawn(ledger::Keeper::new(services.ledger, n.clone()).run(n.serving.stop.clone()));
     running.spawn(loops::Claimer::new(services.claims, n.clone()).run(last.clone()));
     running.spawn(health::Prober::new(n.clone()).run(last.clone()));

@@ -90,18 +90,18 @@ impl std::error::Error for AskError {}
 pub struct Asker {
     nats: async_nats::Client,
     inbox: Inbox,
-    waiting: Arc<Mutex<HashMap<String, Waiting>>>,
+    waiting: Arc<Mutex<HashMap<String, Question>>>,
     route: tokio::task::JoinHandle<()>,
 }
 
-struct Waiting {
+struct Question {
     tag: String,
     answer: tokio::sync::oneshot::Sender<Message>,
 }
 
 fn waiting(
-    m: &Mutex<HashMap<String, Waiting>>,
-) -> std::sync::MutexGuard<'_, HashMap<String, Waiting>> {
+    m: &Mutex<HashMap<String, Question>>,
+) -> std::sync::MutexGuard<'_, HashMap<String, Question>> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -109,7 +109,7 @@ impl Asker {
     pub async fn new(nats: async_nats::Client) -> Result<Asker, async_nats::SubscribeError> {
         let inbox = Inbox::new(&nats);
         let mut answers = nats.subscribe(inbox.every()).await?;
-        let pending: Arc<Mutex<HashMap<String, Waiting>>> = Arc::default();
+        let pending: Arc<Mutex<HashMap<String, Question>>> = Arc::default();
         let (p, i) = (pending.clone(), inbox.clone());
         let route = tokio::spawn(async move {
             while let Some(m) = answers.next().await {
@@ -148,13 +148,13 @@ impl Asker {
         let (tx, rx) = tokio::sync::oneshot::channel();
         waiting(&self.waiting).insert(
             token.clone(),
-            Waiting {
+            Question {
                 tag: tag.to_string(),
                 answer: tx,
             },
         );
         // Forgotten however the question ends, given up on included.
-        struct Forget<'a>(&'a Mutex<HashMap<String, Waiting>>, &'a str);
+        struct Forget<'a>(&'a Mutex<HashMap<String, Question>>, &'a str);
         impl Drop for Forget<'_> {
             fn drop(&mut self) {
                 waiting(self.0).remove(self.1);

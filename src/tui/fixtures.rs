@@ -3,7 +3,7 @@
 
 use crate::core::breaker::Breaker;
 use crate::core::budget::Budget;
-use crate::core::bulkhead::{Bulkheads, Usage};
+use crate::core::bulkhead::{Bulkheads, Occupancy};
 use crate::core::health::Verdict;
 use crate::core::loops::{Fingerprint, Incident};
 use crate::core::pipeline::{Attempt, Decision, DecisionOutcome};
@@ -53,7 +53,7 @@ pub fn node_state(
     providers: Vec<ProviderSnapshot>,
     shed_bg: u64,
 ) -> Box<NodeSnapshot> {
-    let usage = |active, shed| Usage {
+    let usage = |active, shed| Occupancy {
         active,
         queued: 0,
         shed,

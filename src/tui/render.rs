@@ -3,7 +3,7 @@
 
 use super::state::{App, CHAOS_MENU, Focus, LineKind, Verdict};
 use crate::core::breaker::Breaker;
-use crate::core::bulkhead::Usage;
+use crate::core::bulkhead::Occupancy;
 use crate::core::health::Verdict as Health;
 use crate::core::reason::Action;
 use crate::core::request::Priority;
@@ -603,7 +603,7 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             .filter(|(k, _)| live.contains(&k.as_str()))
             .map(|(_, v)| &v.state)
     };
-    let sum = |class: Priority, field: fn(&Usage) -> u64| -> u64 {
+    let sum = |class: Priority, field: fn(&Occupancy) -> u64| -> u64 {
         live_states().map(|s| field(s.bulkheads.usage(class))).sum()
     };
     let limit = |class: Priority| -> u64 {
@@ -638,7 +638,7 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         );
     }
     // Streams, every class together, on slots of their own.
-    let streams = |field: fn(&Usage) -> u64| -> u64 {
+    let streams = |field: fn(&Occupancy) -> u64| -> u64 {
         live_states()
             .map(|s| {
                 Priority::ALL
