@@ -548,7 +548,7 @@ fn sized_unless_set(
     kind: Kind,
     m: crate::core::bulkhead::Machine,
     set: Option<&toml::Value>,
-) -> Result<BulkheadConfig, String> {
+) -> Result<BulkheadConfig, ConfigError> {
     let sized = BulkheadConfig::sized(kind, m);
     let Some(set) = set else {
         return Ok(sized);
@@ -568,27 +568,56 @@ fn sized_unless_set(
             (b, o) => *b = o.clone(),
         }
     }
-    let mut v = toml::Value::try_from(sized).map_err(|e| e.to_string())?;
+    let mut v = toml::Value::try_from(sized).map_err(|e| ConfigError::Syntax(e.to_string()))?;
     lay(&mut v, set);
     v.try_into().map_err(|e: toml::de::Error| {
-        format!(
+        ConfigError::Invalid(format!(
             "pipeline.{}bulkheads: {e}",
             if kind == Kind::Stream { "stream_" } else { "" }
-        )
+        ))
     })
+}
+
+/// Why a config cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    /// Not TOML of the config's shape.
+    #[error("{0}")]
+    Syntax(String),
+    /// A value the config cannot hold: where, and why.
+    #[error("{0}")]
+    Invalid(String),
+    /// The error, in the file (or text) named.
+    #[error("{file}: {error}")]
+    In {
+        file: String,
+        error: Box<ConfigError>,
+    },
 }
 
 impl NodeConfig {
     /// Parse `text` (from `name`), fill in the simulator's providers if none are listed, and
     /// check what serde cannot.
-    pub fn parse(name: &str, text: &str, sim_url: &str) -> Result<NodeConfig, String> {
-        let mut cfg: NodeConfig = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
+    pub fn parse(name: &str, text: &str, sim_url: &str) -> Result<NodeConfig, ConfigError> {
+        NodeConfig::parse_text(text, sim_url).map_err(|e| ConfigError::In {
+            file: name.to_string(),
+            error: Box::new(e),
+        })
+    }
+
+    fn parse_text(text: &str, sim_url: &str) -> Result<NodeConfig, ConfigError> {
+        let mut cfg: NodeConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
         cfg.size_for_machine(
             text,
             super::limits::cores(),
             super::limits::soft_open_files(),
-        )
-        .map_err(|e| format!("{name}: {e}"))?;
+        )?;
         if cfg.providers.is_empty() {
             cfg.providers = default_providers(sim_url);
             // The simulator's models answer in oam's JSON contract: the route `json` holds them
@@ -612,22 +641,27 @@ impl NodeConfig {
                 };
             }
         }
-        cfg.check().map_err(|e| format!("{name}: {e}"))?;
-        cfg.client_keys = cfg.read_client_keys().map_err(|e| format!("{name}: {e}"))?;
+        cfg.check()?;
+        cfg.client_keys = cfg.read_client_keys()?;
         cfg.targets = cfg.resolve_targets();
-        cfg.check_routes().map_err(|e| format!("{name}: {e}"))?;
-        cfg.check_rate_limits()
-            .map_err(|e| format!("{name}: {e}"))?;
+        cfg.check_routes()?;
+        cfg.check_rate_limits()?;
         cfg.telemetry
             .traces_url(|k| std::env::var(k).ok())
-            .map_err(|e| format!("{name}: {e}"))?;
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         Ok(cfg)
     }
 
     /// What `text` leaves unset of the connection limit and both kinds' bulkheads, sized for
     /// a machine of `cores` and `open_files` descriptors: a field the file sets is kept.
-    fn size_for_machine(&mut self, text: &str, cores: u32, open_files: u64) -> Result<(), String> {
-        let raw: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+    fn size_for_machine(
+        &mut self,
+        text: &str,
+        cores: u32,
+        open_files: u64,
+    ) -> Result<(), ConfigError> {
+        let raw: toml::Table =
+            toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
         let node = raw.get("node").and_then(toml::Value::as_table);
         if !node.is_some_and(|n| n.contains_key("max_connections")) {
             self.node.max_connections = super::limits::connections_for(open_files);
@@ -641,43 +675,49 @@ impl NodeConfig {
         Ok(())
     }
 
-    pub fn load(path: Option<&Path>, sim_url: &str) -> Result<NodeConfig, String> {
+    pub fn load(path: Option<&Path>, sim_url: &str) -> Result<NodeConfig, ConfigError> {
         match path {
             None => NodeConfig::parse("the default config", "", sim_url),
             Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.to_path_buf(),
+                    source,
+                })?;
                 NodeConfig::parse(&p.display().to_string(), &text, sim_url)
             }
         }
     }
 
     /// Every `[[client]]`'s key, from its variable: each id and each key once, no key short.
-    fn read_client_keys(&self) -> Result<Vec<(String, Secret)>, String> {
+    fn read_client_keys(&self) -> Result<Vec<(String, Secret)>, ConfigError> {
         let mut out: Vec<(String, Secret)> = Vec::new();
         for (i, c) in self.clients.iter().enumerate() {
             let at = format!("client[{i}] ({:?})", c.id);
             if c.id.trim().is_empty() || c.id.chars().any(char::is_whitespace) {
-                return Err(format!("{at}: id must be a name without spaces"));
+                return Err(ConfigError::Invalid(format!(
+                    "{at}: id must be a name without spaces"
+                )));
             }
             if out.iter().any(|(id, _)| *id == c.id) {
-                return Err(format!("{at}: id is listed twice"));
+                return Err(ConfigError::Invalid(format!("{at}: id is listed twice")));
             }
             let key = std::env::var(&c.key_env).map_err(|_| {
-                format!(
+                ConfigError::Invalid(format!(
                     "{at}: key_env names {}, which is not set in this environment",
                     c.key_env
-                )
+                ))
             })?;
             if key.chars().count() < MIN_KEY_CHARS {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: the key in {} is shorter than {MIN_KEY_CHARS} characters",
                     c.key_env
-                ));
+                )));
             }
             let key = Secret(key);
             if let Some((other, _)) = out.iter().find(|(_, k)| *k == key) {
-                return Err(format!("{at}: has the same key as client {other:?}"));
+                return Err(ConfigError::Invalid(format!(
+                    "{at}: has the same key as client {other:?}"
+                )));
             }
             out.push((c.id.clone(), key));
         }
@@ -790,7 +830,7 @@ impl NodeConfig {
         }
     }
 
-    fn check_rate_limits(&self) -> Result<(), String> {
+    fn check_rate_limits(&self) -> Result<(), ConfigError> {
         let limits = self
             .clients
             .iter()
@@ -802,30 +842,30 @@ impl NodeConfig {
             );
         for (at, rpm, tpm) in limits {
             if rpm == Some(0) || tpm == Some(0) {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: rpm and tpm must be at least 1 (leave one out for no limit)"
-                ));
+                )));
             }
         }
         Ok(())
     }
 
-    fn check_routes(&self) -> Result<(), String> {
+    fn check_routes(&self) -> Result<(), ConfigError> {
         let mut seen = std::collections::BTreeSet::new();
         for (i, r) in self.routes.iter().enumerate() {
             let at = format!("route[{i}] ({})", r.model);
             if r.model.trim().is_empty() || matches!(r.model.as_str(), "auto" | "oam") {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: model must be a name clients ask for (not empty, \"auto\" or \"oam\")"
-                ));
+                )));
             }
             if !seen.insert(&r.model) {
-                return Err(format!("{at}: model is routed twice"));
+                return Err(ConfigError::Invalid(format!("{at}: model is routed twice")));
             }
             if r.targets.is_empty() {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: targets must name at least one provider/model"
-                ));
+                )));
             }
             for t in &r.targets {
                 if self.target(t).is_none() {
@@ -834,10 +874,10 @@ impl NodeConfig {
                         .iter()
                         .map(|t| format!("{}/{}", t.provider, t.model))
                         .collect();
-                    return Err(format!(
+                    return Err(ConfigError::Invalid(format!(
                         "{at}: target {t:?} is no provider's model; targets are {}",
                         known.join(", ")
-                    ));
+                    )));
                 }
             }
             let kinds: std::collections::BTreeSet<bool> = r
@@ -846,13 +886,13 @@ impl NodeConfig {
                 .filter_map(|t| self.target(t).map(|t| t.embeddings))
                 .collect();
             if kinds.len() > 1 {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: mixes embedding targets with chat targets; a route serves one or the other"
-                ));
+                )));
             }
             if let Some(spec) = &r.contract {
                 crate::core::contract::Contract::for_request(Some(spec), None)
-                    .map_err(|e| format!("{at}: {e}"))?;
+                    .map_err(|e| ConfigError::Invalid(format!("{at}: {e}")))?;
             }
         }
         let s = &self.streaming;
@@ -865,13 +905,13 @@ impl NodeConfig {
             .chain(deadlines.flatten())
             .any(|v| v == 0)
         {
-            return Err(
+            return Err(ConfigError::Invalid(
                 "stream deadlines (first_token_ms, idle_ms, total_ms) must be more than 0".into(),
-            );
+            ));
         }
         if let Some(spec) = &self.pipeline.default_contract {
             crate::core::contract::Contract::for_request(Some(spec), None)
-                .map_err(|e| format!("pipeline.default_contract: {e}"))?;
+                .map_err(|e| ConfigError::Invalid(format!("pipeline.default_contract: {e}")))?;
         }
         Ok(())
     }
@@ -896,66 +936,71 @@ impl NodeConfig {
             .collect()
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), ConfigError> {
         if self
             .probes
             .max_usd_per_day
             .is_some_and(|c| !(c.is_finite() && c >= 0.0))
         {
-            return Err(
+            return Err(ConfigError::Invalid(
                 "probes.max_usd_per_day must be a number >= 0 (0: no billed probes)".into(),
-            );
+            ));
         }
         let mut seen = std::collections::BTreeSet::new();
         for (i, p) in self.providers.iter().enumerate() {
             let at = format!("provider[{i}] ({})", p.id);
             if !crate::transport::subjects::valid_token(&p.id) {
-                return Err(format!("{at}: id must be letters, digits, '-' or '_'"));
+                return Err(ConfigError::Invalid(format!(
+                    "{at}: id must be letters, digits, '-' or '_'"
+                )));
             }
             if !seen.insert(&p.id) {
-                return Err(format!("{at}: id is listed twice"));
+                return Err(ConfigError::Invalid(format!("{at}: id is listed twice")));
             }
             match &p.agent {
                 Some(_) if p.embeddings => {
-                    return Err(format!(
+                    return Err(ConfigError::Invalid(format!(
                         "{at}: an agent answers chat requests; embeddings = true needs a base_url"
-                    ));
+                    )));
                 }
                 Some(agent) => {
                     if !p.api.is_openai() {
-                        return Err(format!(
+                        return Err(ConfigError::Invalid(format!(
                             "{at}: an agent answers chat requests; api = \"anthropic\" needs a \
                              base_url"
-                        ));
+                        )));
                     }
                     if !crate::mesh::protocol::valid_agent_name(agent) || !p.base_url.is_empty() {
-                        return Err(format!(
+                        return Err(ConfigError::Invalid(format!(
                             "{at}: agent must be a valid agent name, and a provider has either \
                              an agent or a base_url, not both"
-                        ));
+                        )));
                     }
                     if p.probe == Probe::Models {
-                        return Err(format!(
+                        return Err(ConfigError::Invalid(format!(
                             "{at}: probe = \"models\" needs a base_url (an agent has no model \
                              list); use \"chat\" or \"off\""
-                        ));
+                        )));
                     }
                 }
                 None => {
                     if !(p.base_url.starts_with("http://") || p.base_url.starts_with("https://")) {
-                        return Err(format!(
+                        return Err(ConfigError::Invalid(format!(
                             "{at}: base_url must start with http:// or https://"
-                        ));
+                        )));
                     }
                     if let Err(e) = reqwest::Url::parse(&p.base_url) {
-                        return Err(format!("{at}: base_url {:?} is no URL: {e}", p.base_url));
+                        return Err(ConfigError::Invalid(format!(
+                            "{at}: base_url {:?} is no URL: {e}",
+                            p.base_url
+                        )));
                     }
                 }
             }
             if p.embeddings && !p.api.is_openai() {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: Anthropic's API serves no embeddings; embeddings = true needs api = \"openai\""
-                ));
+                )));
             }
             if p.model.is_empty() == p.models.is_empty() {
                 let which = if p.model.is_empty() {
@@ -963,10 +1008,10 @@ impl NodeConfig {
                 } else {
                     "not both"
                 };
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: give its one model (model = \"...\") or its models (models = [...]), \
                      {which}"
-                ));
+                )));
             }
             let mut names = std::collections::BTreeSet::new();
             for m in &p.models {
@@ -984,14 +1029,18 @@ impl NodeConfig {
                     ),
                 };
                 if name.trim().is_empty() || !names.insert(name) {
-                    return Err(format!("{at}: models: {name:?} is empty or listed twice"));
+                    return Err(ConfigError::Invalid(format!(
+                        "{at}: models: {name:?} is empty or listed twice"
+                    )));
                 }
                 if costs
                     .into_iter()
                     .flatten()
                     .any(|c| !(c.is_finite() && c >= 0.0))
                 {
-                    return Err(format!("{at}: models: {name}: costs must be >= 0"));
+                    return Err(ConfigError::Invalid(format!(
+                        "{at}: models: {name}: costs must be >= 0"
+                    )));
                 }
             }
             let costs = [
@@ -1006,33 +1055,37 @@ impl NodeConfig {
                 .flatten()
                 .any(|c| !(c.is_finite() && c >= 0.0))
             {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: cost_per_1k_tokens_usd and output_cost_per_1k_usd must be >= 0"
-                ));
+                )));
             }
             if let Some(var) = &p.api_key_env
                 && std::env::var_os(var).is_none()
             {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{at}: api_key_env names {var}, which is not set in this environment"
-                ));
+                )));
             }
         }
         let n = &self.node;
         if n.cluster_size == 0 {
-            return Err("node.cluster_size must be at least 1".into());
+            return Err(ConfigError::Invalid(
+                "node.cluster_size must be at least 1".into(),
+            ));
         }
         if n.max_connections == 0 {
-            return Err("node.max_connections must be at least 1".into());
+            return Err(ConfigError::Invalid(
+                "node.max_connections must be at least 1".into(),
+            ));
         }
         if let Some(bad) = n
             .members
             .iter()
             .find(|m| !crate::transport::subjects::valid_token(m))
         {
-            return Err(format!(
+            return Err(ConfigError::Invalid(format!(
                 "node.members: {bad:?} is not a node id (letters, digits, '-' or '_')"
-            ));
+            )));
         }
         for (name, v) in [
             ("node.probe_interval_ms", n.probe_interval_ms),
@@ -1045,7 +1098,7 @@ impl NodeConfig {
             ("node.max_answer_bytes", n.max_answer_bytes as u64),
         ] {
             if v == 0 {
-                return Err(format!("{name} must be more than 0"));
+                return Err(ConfigError::Invalid(format!("{name} must be more than 0")));
             }
         }
         if self
@@ -1054,10 +1107,10 @@ impl NodeConfig {
             .as_ref()
             .is_some_and(|c| c.first().is_none_or(|p| p.trim().is_empty()))
         {
-            return Err(
+            return Err(ConfigError::Invalid(
                 "escalations.command must name a program (e.g. [\"/usr/local/bin/page\", \"--team\", \"ai\"])"
                     .into(),
-            );
+            ));
         }
         Ok(())
     }
@@ -1118,7 +1171,9 @@ mod tests {
             ),
             ("[[client]]\nid = \"a\"\n", vec!["oam.toml", "key_env"]),
         ] {
-            let e = NodeConfig::parse("oam.toml", text, "http://sim").unwrap_err();
+            let e = NodeConfig::parse("oam.toml", text, "http://sim")
+                .unwrap_err()
+                .to_string();
             for w in words {
                 assert!(e.contains(w), "{e:?} should mention {w:?}");
             }
@@ -1199,7 +1254,10 @@ limit_usd = 5.0
         // What serde refuses is refused with the field named.
         let bad = "[pipeline.bulkheads]\nnormal = { concurrency = 5, queu = 1 }\n";
         let e = NodeConfig::parse("oam.toml", bad, "http://sim").unwrap_err();
-        assert!(e.contains("queu"), "{e}");
+        assert!(
+            matches!(&e, ConfigError::In { error, .. } if matches!(**error, ConfigError::Syntax(_)))
+        );
+        assert!(e.to_string().contains("queu"), "{e}");
     }
 
     #[test]
@@ -1336,7 +1394,9 @@ contract = {}
             ),
         ];
         for (text, needles) in cases {
-            let err = NodeConfig::parse("oam.toml", text, "http://sim").unwrap_err();
+            let err = NodeConfig::parse("oam.toml", text, "http://sim")
+                .unwrap_err()
+                .to_string();
             for n in needles {
                 assert!(err.contains(n), "{err:?} lacks {n:?}");
             }
@@ -1348,7 +1408,7 @@ contract = {}
         #[test]
         fn any_text_is_a_config_or_an_error(text in "\\PC{0,400}") {
             if let Err(e) = NodeConfig::parse("oam.toml", &text, "http://sim") {
-                proptest::prop_assert!(e.contains("oam.toml"), "{e}");
+                proptest::prop_assert!(e.to_string().contains("oam.toml"), "{e}");
             }
         }
 

@@ -129,8 +129,8 @@ async fn deliver(
         let taken = match &sink {
             Sink::Webhook(url) => match http.post(url).json(&body).send().await {
                 Ok(r) if r.status().is_success() => Ok(()),
-                Ok(r) => Err(format!("HTTP {}", r.status())),
-                Err(err) => Err(err.to_string()),
+                Ok(r) => Err(SinkError::Status(r.status().as_u16())),
+                Err(err) => Err(SinkError::Unsent(err.to_string())),
             },
             Sink::Command(argv) => run_sink_command(argv, &body, timeout).await,
         };
@@ -140,7 +140,7 @@ async fn deliver(
                 delivery.error = None;
                 break;
             }
-            Err(why) => delivery.error = Some(why),
+            Err(why) => delivery.error = Some(why.to_string()),
         }
         if delivery.attempts < attempts {
             tokio::select! {
@@ -170,16 +170,42 @@ async fn deliver(
     }
 }
 
+/// Why a sink did not take an escalation.
+#[derive(Debug, PartialEq, thiserror::Error)]
+enum SinkError {
+    #[error("HTTP {0}")]
+    Status(u16),
+    #[error("{0}")]
+    Unsent(String),
+    #[error("the command is empty")]
+    Empty,
+    #[error("cannot run {program}: {why}")]
+    NotRun { program: String, why: String },
+    #[error("{program} did not finish within {after:?}; killed")]
+    TimedOut { program: String, after: Duration },
+    #[error("{program} exited with {status}{}", if stderr.is_empty() { String::new() } else { format!(": {stderr}") })]
+    Exited {
+        program: String,
+        status: String,
+        /// The first 200 characters it wrote to standard error.
+        stderr: String,
+    },
+}
+
 /// Run an escalation command sink once: `body` as JSON on its standard input; taken when it
 /// exits 0 within `timeout` (it is killed otherwise). Its output is discarded.
 async fn run_sink_command(
     argv: &[String],
     body: &serde_json::Value,
     timeout: Duration,
-) -> Result<(), String> {
+) -> Result<(), SinkError> {
     use tokio::io::AsyncWriteExt;
     let Some((program, args)) = argv.split_first() else {
-        return Err("the command is empty".into());
+        return Err(SinkError::Empty);
+    };
+    let not_run = |e: std::io::Error| SinkError::NotRun {
+        program: program.clone(),
+        why: e.to_string(),
     };
     let mut child = tokio::process::Command::new(program)
         .args(args)
@@ -188,7 +214,7 @@ async fn run_sink_command(
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("cannot run {program}: {e}"))?;
+        .map_err(not_run)?;
     let input = body.to_string();
     let run = async {
         if let Some(mut stdin) = child.stdin.take() {
@@ -198,24 +224,21 @@ async fn run_sink_command(
         child.wait_with_output().await
     };
     match tokio::time::timeout(timeout, run).await {
-        Err(_) => Err(format!(
-            "{program} did not finish within {timeout:?}; killed"
-        )),
-        Ok(Err(e)) => Err(format!("{program}: {e}")),
+        Err(_) => Err(SinkError::TimedOut {
+            program: program.clone(),
+            after: timeout,
+        }),
+        Ok(Err(e)) => Err(not_run(e)),
         Ok(Ok(out)) if out.status.success() => Ok(()),
-        Ok(Ok(out)) => {
-            let err = String::from_utf8_lossy(&out.stderr);
-            let err = err.trim();
-            Err(format!(
-                "{program} exited with {}{}",
-                out.status,
-                if err.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {}", err.chars().take(200).collect::<String>())
-                }
-            ))
-        }
+        Ok(Ok(out)) => Err(SinkError::Exited {
+            program: program.clone(),
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr)
+                .trim()
+                .chars()
+                .take(200)
+                .collect(),
+        }),
     }
 }
 
@@ -241,13 +264,15 @@ mod tests {
         let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
         assert_eq!(run_sink_command(&sh("grep -q e1"), &body, t).await, Ok(()));
         let no = run_sink_command(&sh("echo full >&2; exit 3"), &body, t).await;
+        let said = no.as_ref().map_err(ToString::to_string);
         assert!(
-            no.as_ref()
-                .is_err_and(|e| e.contains("exit status: 3") && e.contains("full")),
+            said.is_err_and(|e| e.contains("exit status: 3") && e.contains("full")),
             "{no:?}"
         );
         let slow = run_sink_command(&sh("sleep 5"), &body, Duration::from_millis(50)).await;
-        assert!(slow.is_err_and(|e| e.contains("killed")));
-        assert!(run_sink_command(&[], &body, t).await.is_err());
+        assert!(matches!(slow, Err(SinkError::TimedOut { .. })));
+        assert!(slow.is_err_and(|e| e.to_string().contains("killed")));
+        let empty = run_sink_command(&[], &body, t).await;
+        assert_eq!(empty, Err(SinkError::Empty));
     }
 }

@@ -200,10 +200,15 @@ pub(crate) struct Delta<'a> {
     pub usage_only: bool,
 }
 
-/// Read one chunk of a stream; an error event is `Err`, with what it says.
-pub(crate) fn read_chunk(chunk: &Value) -> Result<Delta<'_>, String> {
+/// An error event in a stream, with what it says.
+#[derive(Debug, thiserror::Error)]
+#[error("the stream says: {0}")]
+pub(crate) struct ErrorEvent(pub Value);
+
+/// Read one chunk of a stream; an error event is `Err`.
+pub(crate) fn read_chunk(chunk: &Value) -> Result<Delta<'_>, ErrorEvent> {
     if let Some(err) = chunk.get("error") {
-        return Err(format!("the stream says: {err}"));
+        return Err(ErrorEvent(err.clone()));
     }
     let choice = &chunk["choices"][0];
     Ok(Delta {
@@ -286,7 +291,8 @@ pub(crate) mod tests {
     #[test]
     fn an_error_event_breaks_the_stream() {
         let why = read_chunk(&json!({"error": {"message": "overloaded"}})).expect_err("an error");
-        assert!(why.contains("overloaded"), "{why}");
+        assert_eq!(why.0["message"], "overloaded");
+        assert!(why.to_string().contains("overloaded"), "{why}");
     }
 
     #[test]

@@ -418,6 +418,7 @@ impl Relay {
             let delta = match read_chunk(&chunk) {
                 Ok(delta) => delta,
                 Err(why) => {
+                    let why = why.to_string();
                     return End::Broken(failed(GenerationStatus::Error, cur.began, why));
                 }
             };

@@ -72,7 +72,7 @@ impl Settings {
     pub fn traces_url(
         &self,
         env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Option<String>, String> {
+    ) -> Result<Option<String>, NotAnOtlpUrl> {
         let (url, from) = match (
             &self.otlp_endpoint,
             env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
@@ -101,13 +101,19 @@ impl Settings {
     }
 }
 
-fn checked(url: String, from: &str) -> Result<String, String> {
+/// An OTLP endpoint that is no HTTP address: where it was given, and what.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{from}: {url:?} is not an OTLP/HTTP address: give http://host:4318 (or https://)")]
+pub struct NotAnOtlpUrl {
+    pub from: &'static str,
+    pub url: String,
+}
+
+fn checked(url: String, from: &'static str) -> Result<String, NotAnOtlpUrl> {
     if url.starts_with("http://") || url.starts_with("https://") {
         Ok(url)
     } else {
-        Err(format!(
-            "{from}: {url:?} is not an OTLP/HTTP address: give http://host:4318 (or https://)"
-        ))
+        Err(NotAnOtlpUrl { from, url })
     }
 }
 
@@ -703,6 +709,8 @@ mod tests {
             ..Settings::default()
         };
         let e = bad.traces_url(none).unwrap_err();
+        assert_eq!(e.from, "telemetry.otlp_endpoint");
+        let e = e.to_string();
         assert!(
             e.contains("telemetry.otlp_endpoint") && e.contains("http://host:4318"),
             "{e}"

@@ -344,17 +344,26 @@ pub(super) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     parts.join(": ")
 }
 
+/// Why a response body was not read whole.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Unread {
+    /// The connection failed (its error chain).
+    #[error("{0}")]
+    Transport(String),
+    #[error("the answer is larger than node.max_answer_bytes ({0} bytes)")]
+    TooLarge(usize),
+}
+
 /// A whole response body, if it holds at most `cap` bytes (read no further than that).
 pub(super) async fn read_capped(
     mut resp: reqwest::Response,
     cap: usize,
-) -> Result<bytes::Bytes, String> {
+) -> Result<bytes::Bytes, Unread> {
     let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| error_chain(&e))? {
+    let transport = |e: reqwest::Error| Unread::Transport(error_chain(&e));
+    while let Some(chunk) = resp.chunk().await.map_err(transport)? {
         if body.len() + chunk.len() > cap {
-            return Err(format!(
-                "the answer is larger than node.max_answer_bytes ({cap} bytes)"
-            ));
+            return Err(Unread::TooLarge(cap));
         }
         body.extend_from_slice(&chunk);
     }

@@ -107,7 +107,9 @@ impl Upstream for OpenaiCompatible {
                     .await
                     .map_err(|e| error_chain(&e))?;
                 let (status, headers) = (resp.status(), resp.headers().clone());
-                let bytes = read_capped(resp, self.at.post.max_answer_bytes()).await?;
+                let bytes = read_capped(resp, self.at.post.max_answer_bytes())
+                    .await
+                    .map_err(|e| e.to_string())?;
                 Ok::<_, String>((status, headers, bytes))
             };
             let result = tokio::time::timeout(timeout, call).await;
