@@ -448,7 +448,7 @@ impl Scenario {
 const MAX_REQUESTS: f64 = 1_000_000.0;
 
 /// An offset from the scenario's start: a duration, or zero.
-fn offset(s: &str) -> Result<Duration, String> {
+fn offset(s: &str) -> Result<Duration, crate::core::chaos::DurationError> {
     match s.trim() {
         "0" | "0s" | "0ms" => Ok(Duration::ZERO),
         _ => parse_duration(s),

@@ -222,7 +222,7 @@ impl Replay {
         }
         match r.verify(config) {
             Ok(()) => Replay::Identical,
-            Err(why) => Replay::Differs(why),
+            Err(why) => Replay::Differs(why.to_string()),
         }
     }
 }

@@ -31,7 +31,7 @@ pub struct For {
 
 /// A fault's `--for`: a duration of at most `MAX_FOR`, the longest the warden keeps a fault.
 fn parse_for(s: &str) -> std::result::Result<Duration, String> {
-    let d = chaos::parse_duration(s)?;
+    let d = chaos::parse_duration(s).map_err(|e| e.to_string())?;
     if d > chaos::MAX_FOR {
         return Err(format!(
             "{s:?}: a fault lasts at most {}m (the chaos warden restores every fault within \

@@ -101,7 +101,9 @@ pub async fn run(a: Args) -> Result<Outcome> {
             "record": entry.record,
             "replay": match &replay {
                 Ok(()) => serde_json::json!({"identical": true}),
-                Err(why) => serde_json::json!({"identical": false, "difference": why}),
+                Err(why) => {
+                    serde_json::json!({"identical": false, "difference": why.to_string()})
+                }
             },
             "records": others,
         });

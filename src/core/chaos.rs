@@ -296,8 +296,19 @@ impl NodeCommand {
     }
 }
 
+/// Why a text is no fault duration.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DurationError {
+    #[error("{0:?} is not a duration; use e.g. 30s, 500ms, 2m or 1h")]
+    NotANumber(String),
+    #[error("{0:?}: the unit must be ms, s, m or h")]
+    Unit(String),
+    #[error("{0:?}: use a duration between 1 ms and 24 h")]
+    OutOfRange(String),
+}
+
 /// Parse a duration like `30s`, `500ms`, `2m`, `1h` or `1.5s` (a bare number is seconds).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let t = s.trim();
     let (num, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
         Some(i) => t.split_at(i),
@@ -306,18 +317,18 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let n: f64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("{s:?} is not a duration; use e.g. 30s, 500ms, 2m or 1h"))?;
+        .map_err(|_| DurationError::NotANumber(s.to_string()))?;
     let secs = match unit {
         "ms" => n / 1_000.0,
         "s" => n,
         "m" => n * 60.0,
         "h" => n * 3_600.0,
-        _ => return Err(format!("{s:?}: the unit must be ms, s, m or h")),
+        _ => return Err(DurationError::Unit(s.to_string())),
     };
     if !(secs.is_finite() && secs > 0.0 && secs <= 24.0 * 3_600.0) {
-        return Err(format!("{s:?}: use a duration between 1 ms and 24 h"));
+        return Err(DurationError::OutOfRange(s.to_string()));
     }
-    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
+    Duration::try_from_secs_f64(secs).map_err(|_| DurationError::OutOfRange(s.to_string()))
 }
 
 #[cfg(test)]
@@ -358,14 +369,12 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1_500)));
-        assert!(
-            parse_duration("soon")
-                .unwrap_err()
-                .contains("not a duration")
-        );
+        let soon = parse_duration("soon").unwrap_err();
+        assert!(soon.to_string().contains("not a duration"), "{soon}");
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7_200)));
-        assert!(parse_duration("3d").unwrap_err().contains("unit"));
-        assert!(parse_duration("25h").unwrap_err().contains("24 h"));
+        assert_eq!(parse_duration("3d"), Err(DurationError::Unit("3d".into())));
+        let long = parse_duration("25h").unwrap_err();
+        assert!(long.to_string().contains("24 h"), "{long}");
         assert!(parse_duration("0s").is_err() && parse_duration("-1s").is_err());
     }
 

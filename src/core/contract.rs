@@ -132,9 +132,7 @@ impl Contract {
         response_format: Option<&Value>,
     ) -> Result<Contract, ContractError> {
         let base = match response_format {
-            Some(rf) => {
-                Contract::from_response_format(rf).map_err(ContractError::ResponseFormat)?
-            }
+            Some(rf) => Contract::from_response_format(rf)?,
             None => Contract::default(),
         };
         let Some(spec) = spec else { return Ok(base) };
@@ -163,7 +161,8 @@ impl Contract {
         })
     }
 
-    fn from_response_format(rf: &Value) -> Result<Contract, String> {
+    fn from_response_format(rf: &Value) -> Result<Contract, ContractError> {
+        let bad = |why: &str| ContractError::ResponseFormat(why.to_string());
         let kind = rf.get("type").and_then(Value::as_str);
         match kind {
             Some("text") => Ok(Contract::default()),
@@ -175,9 +174,11 @@ impl Contract {
             Some("json_schema") => {
                 let schema = rf
                     .pointer("/json_schema/schema")
-                    .ok_or("response_format.json_schema.schema is missing")?;
+                    .ok_or_else(|| bad("response_format.json_schema.schema is missing"))?;
                 if schema.get("type").and_then(Value::as_str) != Some("object") {
-                    return Err("response_format.json_schema.schema.type must be \"object\"".into());
+                    return Err(bad(
+                        "response_format.json_schema.schema.type must be \"object\"",
+                    ));
                 }
                 let required = match schema.get("required") {
                     None => vec![],
@@ -185,11 +186,13 @@ impl Contract {
                         .iter()
                         .map(|v| v.as_str().map(str::to_string))
                         .collect::<Option<Vec<_>>>()
-                        .ok_or("response_format.json_schema.schema.required must list strings")?,
+                        .ok_or_else(|| {
+                            bad("response_format.json_schema.schema.required must list strings")
+                        })?,
                     Some(_) => {
-                        return Err(
-                            "response_format.json_schema.schema.required must be an array".into(),
-                        );
+                        return Err(bad(
+                            "response_format.json_schema.schema.required must be an array",
+                        ));
                     }
                 };
                 let mut properties = BTreeMap::new();
@@ -197,16 +200,17 @@ impl Contract {
                     for (name, prop) in props {
                         if let Some(t) = prop.get("type").and_then(Value::as_str) {
                             let t = JsonType::parse(t).ok_or_else(|| {
-                                format!(
+                                bad(&format!(
                                     "response_format.json_schema.schema.properties.{name}.type: \
                                      unsupported type {t:?}"
-                                )
+                                ))
                             })?;
                             properties.insert(name.clone(), t);
                         }
                     }
                 }
-                compiled(schema).map_err(|e| format!("response_format.json_schema.schema: {e}"))?;
+                compiled(schema)
+                    .map_err(|e| bad(&format!("response_format.json_schema.schema: {e}")))?;
                 let has_confidence = properties.contains_key("confidence")
                     || required.iter().any(|r| r == "confidence");
                 Ok(Contract {
@@ -217,11 +221,11 @@ impl Contract {
                     ..Contract::default()
                 })
             }
-            _ => Err(format!(
+            _ => Err(bad(&format!(
                 "response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {}",
                 rf.get("type")
                     .map_or("nothing".to_string(), Value::to_string)
-            )),
+            ))),
         }
     }
 
@@ -347,7 +351,7 @@ struct Schemas {
 struct Compiled {
     schema: Value,
     size: usize,
-    validator: Result<std::sync::Arc<jsonschema::Validator>, String>,
+    validator: Result<std::sync::Arc<jsonschema::Validator>, InvalidSchema>,
     used: u64,
 }
 
@@ -416,7 +420,12 @@ fn fingerprint(v: &Value) -> (u64, usize) {
 
 /// `schema` compiled, from the cache when the same schema was compiled before; a schema larger
 /// than the cache's share of one entry is compiled every time.
-pub fn compiled(schema: &Value) -> Result<std::sync::Arc<jsonschema::Validator>, String> {
+/// Why a schema is no JSON Schema (the compiler's words).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidSchema(pub String);
+
+pub fn compiled(schema: &Value) -> Result<std::sync::Arc<jsonschema::Validator>, InvalidSchema> {
     let (hash, size) = fingerprint(schema);
     let mut cache = SCHEMAS
         .lock()
@@ -434,7 +443,7 @@ pub fn compiled(schema: &Value) -> Result<std::sync::Arc<jsonschema::Validator>,
     drop(cache);
     let validator = jsonschema::validator_for(schema)
         .map(std::sync::Arc::new)
-        .map_err(|e| e.to_string());
+        .map_err(|e| InvalidSchema(e.to_string()));
     if size > SCHEMA_BYTES_MAX / 64 {
         return validator;
     }
@@ -530,7 +539,7 @@ pub fn check_tool_calls(
 /// compile before is not compiled again: the keyed hashes of such texts are kept (many more
 /// than compiled schemas are), so an agent fleet's thousands of distinct tool lists cost one
 /// compile per schema, not one per request.
-pub fn check_tool_schema(schema: &serde_json::value::RawValue) -> Result<(), String> {
+pub fn check_tool_schema(schema: &serde_json::value::RawValue) -> Result<(), InvalidSchema> {
     use std::hash::BuildHasher;
     /// Texts known to compile, at most (8 bytes each).
     const KNOWN_MAX: usize = 1 << 16;
@@ -549,7 +558,8 @@ pub fn check_tool_schema(schema: &serde_json::value::RawValue) -> Result<(), Str
     if known().contains(&hash) {
         return Ok(());
     }
-    let value: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| InvalidSchema(format!("not JSON: {e}")))?;
     compiled(&value)?;
     let mut known = known();
     if known.len() >= KNOWN_MAX {

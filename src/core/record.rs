@@ -590,19 +590,18 @@ impl Record {
     }
 
     /// Drive the request through a fresh engine with `config`, each call on the state it saw.
-    pub fn replay(&self, config: &Config) -> Result<Decision, String> {
+    pub fn replay(&self, config: &Config) -> Result<Decision, ReplayError> {
         if self.content_hashed {
-            return Err(
-                "the messages were left out of this record (content = \"hash\", or more \
-                 than [decision_log] max_content_bytes), so it cannot be replayed"
-                    .into(),
-            );
+            return Err(ReplayError::Hashed);
         }
         let mut e = Engine::new(config.clone(), self.begin.state.clone());
         e.set_escalations_raised(self.begin.escalations);
         let (mut s, mut step) = e
             .begin(self.request.clone(), self.began_ms)
-            .map_err(|err| format!("request.{}: {}", err.field, err.message))?;
+            .map_err(|err| ReplayError::Invalid {
+                field: err.field,
+                message: err.message,
+            })?;
         for l in &self.calls {
             let before = l.before.apply(&self.begin);
             e.state = before.state;
@@ -613,25 +612,52 @@ impl Record {
         }
         match step {
             Step::Done(d) => Ok(*d),
-            Step::Queued => Err("the record ends with the request still queued".into()),
-            Step::Dispatch(d) => Err(format!(
-                "the record ends with attempt {} dispatched to {} and no result",
-                d.attempt, d.provider
-            )),
+            Step::Queued => Err(ReplayError::Queued),
+            Step::Dispatch(d) => Err(ReplayError::Dispatched {
+                attempt: d.attempt,
+                provider: d.provider.to_string(),
+            }),
         }
     }
 
     /// Does replaying it give the recorded decision, byte for byte? `Ok(())`, or what differs.
-    pub fn verify(&self, config: &Config) -> Result<(), String> {
+    pub fn verify(&self, config: &Config) -> Result<(), ReplayError> {
         let replayed = self.replay(config)?;
-        let a = serde_json::to_string(&self.decision).map_err(|e| e.to_string())?;
-        let b = serde_json::to_string(&replayed).map_err(|e| e.to_string())?;
-        if a == b {
+        let json = |d: &Decision| {
+            serde_json::to_string(d).map_err(|e| ReplayError::Unwritable(e.to_string()))
+        };
+        let (recorded, replayed) = (json(&self.decision)?, json(&replayed)?);
+        if recorded == replayed {
             Ok(())
         } else {
-            Err(format!("recorded {a}\nreplayed {b}"))
+            Err(ReplayError::Differs { recorded, replayed })
         }
     }
+}
+
+/// Why a record does not replay to its decision.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ReplayError {
+    #[error(
+        "the messages were left out of this record (content = \"hash\", or more than \
+         [decision_log] max_content_bytes), so it cannot be replayed"
+    )]
+    Hashed,
+    /// The engine refuses the recorded request (under this config).
+    #[error("request.{field}: {message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+    #[error("the record ends with the request still queued")]
+    Queued,
+    #[error("the record ends with attempt {attempt} dispatched to {provider} and no result")]
+    Dispatched { attempt: u32, provider: String },
+    /// The replay decided otherwise: both decisions as JSON.
+    #[error("recorded {recorded}\nreplayed {replayed}")]
+    Differs { recorded: String, replayed: String },
+    #[error("a decision cannot be written as JSON: {0}")]
+    Unwritable(String),
 }
 
 /// Builds a request's record as its driver goes (see `Record`).
@@ -939,18 +965,18 @@ mod tests {
             generation: Generation::failed(GenerationStatus::Timeout, 80),
         };
         let why = result.verify(&e.config).unwrap_err();
-        assert!(why.starts_with("recorded "), "{why}");
+        assert!(matches!(why, ReplayError::Differs { .. }), "{why}");
+        assert!(why.to_string().starts_with("recorded "), "{why}");
         let mut cut = r.clone();
         cut.calls.pop();
-        assert!(cut.replay(&e.config).unwrap_err().contains("dispatched"));
+        let why = cut.replay(&e.config).unwrap_err();
+        assert!(matches!(why, ReplayError::Dispatched { .. }), "{why}");
+        assert!(why.to_string().contains("dispatched"));
         let mut hashed = r.clone();
         hashed.content_hashed = true;
-        assert!(
-            hashed
-                .verify(&e.config)
-                .unwrap_err()
-                .contains("cannot be replayed")
-        );
+        let why = hashed.verify(&e.config).unwrap_err();
+        assert_eq!(why, ReplayError::Hashed);
+        assert!(why.to_string().contains("cannot be replayed"));
         // Content counted and hashed: the request's messages and every answer.
         let asked: usize = r.request.messages.iter().map(|m| m.content.len()).sum();
         assert!(r.content_bytes() > asked, "an answer's content counts too");
