@@ -108,21 +108,24 @@ impl From<Demo> for Handler {
     }
 }
 
+/// A demo name that is none of them.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error(
+    "unknown demo {0:?}; use echo, sleep:MS (e.g. sleep:50), hang, fail, chat or stream:N:MS \
+     (N chunks, one every MS ms, e.g. stream:5:100)"
+)]
+pub struct UnknownDemo(String);
+
 impl std::str::FromStr for Demo {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Demo, String> {
+    type Err = UnknownDemo;
+    fn from_str(s: &str) -> Result<Demo, UnknownDemo> {
         match s {
             "echo" => Ok(Demo::Echo),
             "hang" => Ok(Demo::Hang),
             "fail" => Ok(Demo::Fail),
             "chat" => Ok(Demo::Chat),
             _ => {
-                let bad = || {
-                    format!(
-                        "unknown demo {s:?}; use echo, sleep:MS (e.g. sleep:50), hang, fail, chat \
-                         or stream:N:MS (N chunks, one every MS ms, e.g. stream:5:100)"
-                    )
-                };
+                let bad = || UnknownDemo(s.to_string());
                 if let Some(ms) = s.strip_prefix("sleep:") {
                     let ms = ms.parse::<u64>().map_err(|_| bad())?;
                     return Ok(Demo::Sleep(Duration::from_millis(ms)));
@@ -659,6 +662,7 @@ mod tests {
             Ok(Demo::Sleep(Duration::from_millis(50)))
         );
         let err = "sleep:soon".parse::<Demo>().unwrap_err();
-        assert!(err.contains("echo, sleep:MS"), "{err}");
+        assert_eq!(err, UnknownDemo("sleep:soon".into()));
+        assert!(err.to_string().contains("echo, sleep:MS"), "{err}");
     }
 }

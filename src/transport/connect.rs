@@ -93,7 +93,18 @@ pub type UserPassword = (String, String);
 
 /// A server list (`nats://a:4222,nats://b:4222`; one server is a list of one) as the
 /// addresses to connect to and the credentials any entry carries, or which entry is wrong.
-pub fn servers(url: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UserPassword>), String> {
+/// A server list that does not read: which entry, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{at} {why}")]
+pub struct BadServerList {
+    /// `the NATS URL "…"`, or `server 2 of 3 ("…")`.
+    pub at: String,
+    pub why: String,
+}
+
+pub fn servers(
+    url: &str,
+) -> Result<(Vec<async_nats::ServerAddr>, Option<UserPassword>), BadServerList> {
     let mut addrs = Vec::new();
     let mut auth: Option<UserPassword> = None;
     let entries: Vec<&str> = url.split(',').map(str::trim).collect();
@@ -103,25 +114,34 @@ pub fn servers(url: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UserPas
             n => format!("server {} of {n} ({:?})", i + 1, redact(entry)),
         };
         if entry.is_empty() {
-            return Err(format!(
-                "{at} is empty; give URLs separated by commas, as nats://127.0.0.1:4222,nats://127.0.0.1:4223"
-            ));
+            return Err(BadServerList {
+                at,
+                why: "is empty; give URLs separated by commas, as \
+                      nats://127.0.0.1:4222,nats://127.0.0.1:4223"
+                    .into(),
+            });
         }
         let (bare, creds) = split_one(entry);
         if let Some(c) = creds {
             match &auth {
                 Some(first) if *first != c => {
-                    return Err(format!(
-                        "{at} names another user or password than the server before it; one \
-                         connection has one user, so give it once (or the same in every entry)"
-                    ));
+                    return Err(BadServerList {
+                        at,
+                        why: "names another user or password than the server before it; one \
+                              connection has one user, so give it once (or the same in every \
+                              entry)"
+                            .into(),
+                    });
                 }
                 _ => auth = Some(c),
             }
         }
         let addr = bare
             .parse::<async_nats::ServerAddr>()
-            .map_err(|e| format!("{at} is not a NATS server address: {e}"))?;
+            .map_err(|e| BadServerList {
+                at: at.clone(),
+                why: format!("is not a NATS server address: {e}"),
+            })?;
         addrs.push(addr);
     }
     Ok((addrs, auth))
@@ -131,21 +151,43 @@ pub fn servers(url: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UserPas
 /// read once from `--creds` / `$OAM_NATS_CREDS`.
 static CREDENTIALS_FILE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
+/// Why a NATS credentials file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CredsFileError {
+    #[error("--creds {}: cannot read it ({source})", path.display())]
+    Unread {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "--creds {}: not a NATS credentials file (it holds a user JWT and an NKey seed, as \
+         `nsc generate creds` writes them)",
+        path.display()
+    )]
+    NotCredentials { path: std::path::PathBuf },
+    #[error("--creds {}: {why}", path.display())]
+    Damaged {
+        path: std::path::PathBuf,
+        why: String,
+    },
+}
+
 /// Use the NATS credentials file at `path` for every connection from now on; the error says
 /// what is wrong with the file.
-pub fn use_credentials_file(path: &std::path::Path) -> Result<(), String> {
-    let shown = path.display();
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("--creds {shown}: cannot read it ({e})"))?;
+pub fn use_credentials_file(path: &std::path::Path) -> Result<(), CredsFileError> {
+    let path_buf = || path.to_path_buf();
+    let text = std::fs::read_to_string(path).map_err(|source| CredsFileError::Unread {
+        path: path_buf(),
+        source,
+    })?;
     if !text.contains("BEGIN NATS USER JWT") || !text.contains("NKEY SEED") {
-        return Err(format!(
-            "--creds {shown}: not a NATS credentials file (it holds a user JWT and an NKey \
-             seed, as `nsc generate creds` writes them)"
-        ));
+        return Err(CredsFileError::NotCredentials { path: path_buf() });
     }
     // Parsed now, so a damaged file is refused here rather than at every connection.
-    async_nats::ConnectOptions::with_credentials(&text)
-        .map_err(|e| format!("--creds {shown}: {e}"))?;
+    async_nats::ConnectOptions::with_credentials(&text).map_err(|e| CredsFileError::Damaged {
+        path: path_buf(),
+        why: e.to_string(),
+    })?;
     let _ = CREDENTIALS_FILE.set(text);
     Ok(())
 }
@@ -429,16 +471,17 @@ mod tests {
         assert_eq!(ports, [4222, 4223, 4224]);
         assert_eq!(auth, Some(("oam".into(), "pw".into())));
         let bad = super::servers("nats://127.0.0.1:4222,nats://127.0.0.1:99999").unwrap_err();
-        assert!(
-            bad.starts_with("server 2 of 2 (\"nats://127.0.0.1:99999\")"),
-            "{bad}"
-        );
-        let empty = super::servers("nats://127.0.0.1:4222,").unwrap_err();
+        assert_eq!(bad.at, "server 2 of 2 (\"nats://127.0.0.1:99999\")");
+        let empty = super::servers("nats://127.0.0.1:4222,")
+            .unwrap_err()
+            .to_string();
         assert!(
             empty.starts_with("server 2 of 2") && empty.contains("empty"),
             "{empty}"
         );
-        let two = super::servers("nats://a:x@127.0.0.1:1,nats://b:y@127.0.0.1:2").unwrap_err();
+        let two = super::servers("nats://a:x@127.0.0.1:1,nats://b:y@127.0.0.1:2")
+            .unwrap_err()
+            .to_string();
         assert!(
             two.contains("another user") && !two.contains(":y@"),
             "{two}"

@@ -29,10 +29,13 @@ pub async fn lease(
     window: u64,
     limit: &Limit,
     wants: (u64, u64),
-) -> Result<(u64, u64), String> {
+) -> Result<(u64, u64), LeaseError> {
     let k = key(caller, window);
     for _ in 0..CAS_TRIES {
-        let entry = store.entry(&k).await.map_err(|e| e.to_string())?;
+        let entry = store
+            .entry(&k)
+            .await
+            .map_err(|e| LeaseError::Unread(e.to_string()))?;
         let (mut granted, revision) = match entry {
             Some(e) if e.operation == kv::Operation::Put => {
                 // A record that does not read is taken as fully granted: never more than the limit.
@@ -49,7 +52,7 @@ pub async fn lease(
         if got == (0, 0) {
             return Ok(got);
         }
-        let bytes = serde_json::to_vec(&granted).map_err(|e| e.to_string())?;
+        let bytes = serde_json::to_vec(&granted).map_err(|e| LeaseError::Unread(e.to_string()))?;
         let written = match revision {
             Some(r) => store
                 .update(&k, bytes.into(), r)
@@ -64,10 +67,19 @@ pub async fn lease(
             Ok(_) => return Ok(got),
             // Another node wrote first: read again.
             Err(true) => continue,
-            Err(false) => return Err(format!("the store did not take the write of {k}")),
+            Err(false) => return Err(LeaseError::Unwritten(k)),
         }
     }
-    Err(format!(
-        "{CAS_TRIES} writes of {k} in a row lost to other nodes"
-    ))
+    Err(LeaseError::Contended(k))
+}
+
+/// Why a lease was not granted by the store.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error("the store did not answer: {0}")]
+    Unread(String),
+    #[error("the store did not take the write of {0}")]
+    Unwritten(String),
+    #[error("{CAS_TRIES} writes of {0} in a row lost to other nodes")]
+    Contended(String),
 }
