@@ -175,16 +175,35 @@ async fn reload_checking(
     Ok(reloaded_any)
 }
 
+/// Why a running server did not take a change of its users.
+#[derive(Debug, thiserror::Error)]
+enum ReloadError {
+    #[error("cannot write its config: {0}")]
+    Write(String),
+    #[error("cannot ask it as the system account: {0}")]
+    Unasked(String),
+    #[error("cannot signal nats-server (pid {0}) to reload")]
+    Unsignalled(u32),
+    #[error("nats-server did not reload its config within 5 s")]
+    NotReloaded,
+    #[error("nats-server reloaded but does not {what} {user} (last try: {last})")]
+    NotTaken {
+        what: &'static str,
+        user: String,
+        last: String,
+    },
+}
+
 /// Have `server` (process `pid`) reload its config written from `creds`.
 async fn reload_one(
     server: &super::NatsServer,
     all: &[super::NatsServer],
     pid: u32,
     creds: &natsd::Credentials,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), ReloadError> {
     let write = |l: &natsd::Layout| {
         super::write_private(&l.config_path(), &natsd::config(l, creds))
-            .map_err(|e| format!("{e:#}"))
+            .map_err(|e| ReloadError::Write(format!("{e:#}")))
     };
     // The server reloads only a config that names its ports as it was started ("any free
     // port"); once it has read it, the file names the ports taken again, so a restart from it
@@ -194,14 +213,14 @@ async fn reload_one(
     let sys = server
         .system_connection(creds)
         .await
-        .map_err(|e| format!("{e:#}"))?;
+        .map_err(|e| ReloadError::Unasked(format!("{e:#}")))?;
     let name = server.config_name(all);
     let before = loaded_at(&sys, &name).await;
     write(&server.layout(all, true))?;
     let done = if super::signal(pid, libc::SIGHUP) {
         reloaded(&sys, &name, before).await
     } else {
-        Err(format!("cannot signal nats-server (pid {pid}) to reload"))
+        Err(ReloadError::Unsignalled(pid))
     };
     write(&server.layout(all, false))?;
     done
@@ -219,7 +238,7 @@ async fn reloaded(
     sys: &async_nats::Client,
     name: &str,
     before: Option<String>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), ReloadError> {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
         let now = loaded_at(sys, name).await;
@@ -227,7 +246,7 @@ async fn reloaded(
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
-            return Err("nats-server did not reload its config within 5 s".into());
+            return Err(ReloadError::NotReloaded);
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
@@ -235,7 +254,7 @@ async fn reloaded(
 
 /// Check that the server admits the credentials in `url` (`admit`) or refuses them as
 /// unauthorized (a revoked user): a few tries within 5 s, for a busy server.
-async fn took(url: &str, admit: bool, ca: Option<&Path>) -> std::result::Result<(), String> {
+async fn took(url: &str, admit: bool, ca: Option<&Path>) -> std::result::Result<(), ReloadError> {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let (bare, auth) = crate::transport::connect::split_credentials(url);
     let (name, password) = auth.unwrap_or_default();
@@ -258,11 +277,11 @@ async fn took(url: &str, admit: bool, ca: Option<&Path>) -> std::result::Result<
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
-            let what = if admit { "admit" } else { "refuse" };
-            return Err(format!(
-                "nats-server reloaded but does not {what} {name} (last try: {})",
-                tried.map_or_else(|e| e.to_string(), |_| "admitted".into())
-            ));
+            return Err(ReloadError::NotTaken {
+                what: if admit { "admit" } else { "refuse" },
+                user: name,
+                last: tried.map_or_else(|e| e.to_string(), |_| "admitted".into()),
+            });
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

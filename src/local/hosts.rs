@@ -118,10 +118,12 @@ impl Deployment {
         Ok(d)
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), BadDeployment> {
         let hosts = &self.spec.hosts;
         if hosts.is_empty() {
-            return Err("it lists no host; add [[host]] tables with name and address".into());
+            return Err(BadDeployment(
+                "it lists no host; add [[host]] tables with name and address".into(),
+            ));
         }
         let mut names = std::collections::BTreeSet::new();
         let mut addresses = std::collections::BTreeSet::new();
@@ -132,67 +134,71 @@ impl Deployment {
                     .chars()
                     .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
             if !ok {
-                return Err(format!(
+                return Err(BadDeployment(format!(
                     "host name {:?}: use 1-32 lower-case letters, digits and -",
                     h.name
-                ));
+                )));
             }
             if !names.insert(h.name.as_str()) {
-                return Err(format!("host {:?} is listed twice", h.name));
+                return Err(BadDeployment(format!("host {:?} is listed twice", h.name)));
             }
             if h.address.is_ipv6() {
-                return Err(format!(
+                return Err(BadDeployment(format!(
                     "host {}: {} is an IPv6 address; hosts are IPv4 addresses for now",
                     h.name, h.address
-                ));
+                )));
             }
             if h.address.is_unspecified() {
-                return Err(format!(
+                return Err(BadDeployment(format!(
                     "host {}: address {} is every address, not one; give the one the other \
                      hosts reach it at",
                     h.name, h.address
-                ));
+                )));
             }
             if !addresses.insert(h.address) {
-                return Err(format!(
+                return Err(BadDeployment(format!(
                     "address {} is given to two hosts; each host needs its own",
                     h.address
-                ));
+                )));
             }
             if h.nodes > 9 {
-                return Err(format!("host {}: nodes = {} (at most 9)", h.name, h.nodes));
+                return Err(BadDeployment(format!(
+                    "host {}: nodes = {} (at most 9)",
+                    h.name, h.nodes
+                )));
             }
         }
         for agent in &self.spec.agents {
             if !super::roles::valid_name(agent) {
-                return Err(format!(
+                return Err(BadDeployment(format!(
                     "agents: {agent:?} is no agent name; use dot-separated words of letters, \
                      digits, '-' and '_'"
-                ));
+                )));
             }
         }
         if let Some(sync) = &self.spec.sync_interval {
-            natsd::parse_sync_interval(sync).map_err(|why| format!("sync_interval: {why}"))?;
+            natsd::parse_sync_interval(sync)
+                .map_err(|why| BadDeployment(format!("sync_interval: {why}")))?;
         }
         let p = self.spec.ports;
         let mut used = vec![p.nats, p.cluster, p.sim];
         let most = hosts.iter().map(|h| h.nodes).max().unwrap_or(0);
         for i in 0..most {
             used.push(
-                p.http
-                    .checked_add(i)
-                    .ok_or("ports.http leaves no room for the nodes")?,
+                p.http.checked_add(i).ok_or_else(|| {
+                    BadDeployment("ports.http leaves no room for the nodes".into())
+                })?,
             );
         }
         let mut distinct = used.clone();
         distinct.sort_unstable();
         distinct.dedup();
         if distinct.len() != used.len() || used.contains(&0) {
-            return Err(format!(
+            return Err(BadDeployment(format!(
                 "ports: nats {}, cluster {}, sim {} and http {} (+ one a node) must be distinct \
                  and not 0",
                 p.nats, p.cluster, p.sim, p.http
-            ));
+            )));
         }
         Ok(())
     }
@@ -739,6 +745,11 @@ async fn start_host(
         hosts: Some(d.file.clone()),
     })
 }
+
+/// A deployment file that cannot be used: what is wrong with it.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadDeployment(pub String);
 
 #[cfg(test)]
 mod tests {

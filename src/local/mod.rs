@@ -373,6 +373,11 @@ pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
     })
 }
 
+/// No mesh to talk to, and what to do about it.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct NoMesh(pub String);
+
 /// The NATS URL of the mesh a command talks to, and where it came from. Flags before the
 /// environment before the default: `--nats-url`, `--dir`, `$OAM_NATS_URL`, `$OAM_DIR`, then
 /// `./.oam`; a folder means the URL in its credentials file for `role` (`creds/{user}.json`).
@@ -381,7 +386,7 @@ pub fn find_cluster(
     url_flag: Option<String>,
     dir_flag: Option<&Path>,
     role: &roles::Role,
-) -> Result<(String, String), String> {
+) -> Result<(String, String), NoMesh> {
     use crate::transport::connect::ENV_URL;
     let in_dir = |dir: &Path, how: &str| {
         // A mesh across hosts speaks TLS: its CA comes with its folder.
@@ -405,11 +410,11 @@ pub fn find_cluster(
             ));
         }
         if *role == roles::Role::Admin && Record::path(dir).exists() {
-            return Err(format!(
+            return Err(NoMesh(format!(
                 "this command runs as the mesh's admin, whose URL is in {} ({how}), readable only \
                  by the user who started the mesh; run it as that user, or pass --nats-url",
                 dir.join(SYSTEM).display()
-            ));
+            )));
         }
         if Record::path(dir).exists() {
             let issue = match role {
@@ -417,19 +422,19 @@ pub fn find_cluster(
                 roles::Role::Node(id) => format!("--role node --name {id}"),
                 other => format!("--role {}", other.kind()),
             };
-            return Err(format!(
+            return Err(NoMesh(format!(
                 "no credentials for {user} in {} ({how}): issue them with `oam creds issue \
                  {issue} --dir {}` (as the user who started the mesh), or pass --creds FILE",
                 path.display(),
                 dir.display()
-            ));
+            )));
         }
-        Err(format!(
+        Err(NoMesh(format!(
             "no mesh found: nothing recorded in {} ({how}). Start one with `oam mesh up --dir \
              {}`, or pass --dir for the folder of a mesh started elsewhere, or --nats-url URL",
             dir.display(),
             dir.display()
-        ))
+        )))
     };
     if let Some(url) = url_flag {
         return Ok((url, "--nats-url".into()));

@@ -226,8 +226,16 @@ pub const LONE_NAME: &str = "oam-local";
 /// purpose (see `config`).
 pub const DEFAULT_SYNC: &str = "2m";
 
+/// A text that is no sync interval.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error(
+    "{0:?} is no sync interval: give `always` (fsync every write) or a duration such as 500ms, \
+     10s or 2m"
+)]
+pub struct BadSyncInterval(pub String);
+
 /// A `sync_interval` nats-server takes: `always`, or a number with ms, s, m or h.
-pub fn parse_sync_interval(text: &str) -> Result<String, String> {
+pub fn parse_sync_interval(text: &str) -> Result<String, BadSyncInterval> {
     let t = text.trim();
     if t == "always" {
         return Ok(t.into());
@@ -236,10 +244,7 @@ pub fn parse_sync_interval(text: &str) -> Result<String, String> {
     let (n, unit) = t.split_at(unit_at);
     match (n.parse::<u64>(), unit) {
         (Ok(n), "ms" | "s" | "m" | "h") if n > 0 => Ok(t.into()),
-        _ => Err(format!(
-            "{text:?} is no sync interval: give `always` (fsync every write) or a duration \
-             such as 500ms, 10s or 2m"
-        )),
+        _ => Err(BadSyncInterval(text.to_string())),
     }
 }
 
@@ -662,7 +667,12 @@ mod tests {
         }
         for bad in ["", "never", "0s", "2", "2d", "-1s", "1.5s"] {
             let err = parse_sync_interval(bad).unwrap_err();
-            assert!(err.contains("always") && err.contains(bad), "{bad}: {err}");
+            assert_eq!(err, BadSyncInterval(bad.into()));
+            let said = err.to_string();
+            assert!(
+                said.contains("always") && said.contains(bad),
+                "{bad}: {err}"
+            );
         }
         let layout = Layout {
             sync_interval: Some("always".into()),

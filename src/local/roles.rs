@@ -28,6 +28,11 @@
 
 use crate::transport::{store::escalations, subjects};
 
+/// A `--role` (and `--name`) that names no role: what to give instead.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRole(pub String);
+
 /// One role, with the name it is for where it has one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -82,26 +87,28 @@ pub fn valid_name(name: &str) -> bool {
 
 impl Role {
     /// The role `kind` for `name` (agents and nodes need one; the others take none).
-    pub fn parse(kind: &str, name: Option<&str>) -> Result<Role, String> {
+    pub fn parse(kind: &str, name: Option<&str>) -> Result<Role, BadRole> {
         let named = |make: fn(String) -> Role| match name {
             Some(n) if valid_name(n) => Ok(make(n.to_string())),
-            Some(n) => Err(format!(
+            Some(n) => Err(BadRole(format!(
                 "--name {n:?}: use dot-separated words of letters, digits, '-' and '_'"
-            )),
-            None => Err(format!("--role {kind} needs --name (the {kind}'s name)")),
+            ))),
+            None => Err(BadRole(format!(
+                "--role {kind} needs --name (the {kind}'s name)"
+            ))),
         };
         let bare = |role: Role| match name {
             None => Ok(role),
-            Some(_) => Err(format!("--role {kind} takes no --name")),
+            Some(_) => Err(BadRole(format!("--role {kind} takes no --name"))),
         };
         match kind {
             "agent" => named(Role::Agent),
             "sdk-agent" => named(Role::SdkAgent),
             "sdk-caller" => bare(Role::SdkCaller),
             "node" => named(Role::Node).and_then(|r| match &r {
-                Role::Node(id) if !subjects::valid_token(id) => Err(format!(
+                Role::Node(id) if !subjects::valid_token(id) => Err(BadRole(format!(
                     "--name {id:?}: a node id is one word of letters, digits, '-' and '_'"
-                )),
+                ))),
                 _ => Ok(r),
             }),
             "caller" => bare(Role::Caller),
@@ -109,10 +116,10 @@ impl Role {
             "operator" => bare(Role::Operator),
             "monitor" => bare(Role::Monitor),
             "warden" => bare(Role::Warden),
-            other => Err(format!(
+            other => Err(BadRole(format!(
                 "unknown role {other:?}; one of: {}",
                 KINDS.join(", ")
-            )),
+            ))),
         }
     }
 
@@ -541,6 +548,7 @@ mod tests {
         assert!(
             Role::parse("root", None)
                 .unwrap_err()
+                .0
                 .contains("one of: agent")
         );
     }

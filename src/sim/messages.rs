@@ -8,17 +8,21 @@ use serde_json::{Value, json};
 
 /// A Messages request as a chat request (what the providers read: the turns' text, the tools,
 /// `stream`), or why it is refused. A user turn of tool results reads as a `tool` turn.
-pub fn to_chat(body: &[u8]) -> Result<Value, String> {
+pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let Some(model) = v["model"].as_str() else {
-        return Err("model: Field required".into());
+        return Err(super::Refused("model: Field required".into()));
     };
     if v["max_tokens"].as_u64().is_none_or(|n| n < 1) {
-        return Err("max_tokens: Field required (a whole number of at least 1)".into());
+        return Err(super::Refused(
+            "max_tokens: Field required (a whole number of at least 1)".into(),
+        ));
     }
     let Some(turns) = v["messages"].as_array().filter(|t| !t.is_empty()) else {
-        return Err("messages: at least one message is required".into());
+        return Err(super::Refused(
+            "messages: at least one message is required".into(),
+        ));
     };
     let mut messages = Vec::new();
     if !v["system"].is_null() {
@@ -26,7 +30,9 @@ pub fn to_chat(body: &[u8]) -> Result<Value, String> {
     }
     for (i, t) in turns.iter().enumerate() {
         let Some(role @ ("user" | "assistant")) = t["role"].as_str() else {
-            return Err(format!("messages.{i}.role: must be user or assistant"));
+            return Err(super::Refused(format!(
+                "messages.{i}.role: must be user or assistant"
+            )));
         };
         let blocks = t["content"].as_array();
         let results = blocks.is_some_and(|b| b.iter().any(|b| b["type"] == "tool_result"));

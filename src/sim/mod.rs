@@ -21,3 +21,37 @@ fn text_of(content: &serde_json::Value) -> String {
         _ => String::new(),
     }
 }
+
+/// A request the simulator refuses, in the words the API it speaks would use.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+impl From<String> for Refused {
+    fn from(why: String) -> Refused {
+        Refused(why)
+    }
+}
+
+/// A `--provider` or fault setting the simulator cannot take: what is wrong with it.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadSetting(pub String);
+
+impl From<String> for BadSetting {
+    fn from(why: String) -> BadSetting {
+        BadSetting(why)
+    }
+}
+
+impl From<&str> for Refused {
+    fn from(why: &str) -> Refused {
+        Refused(why.into())
+    }
+}
+
+impl From<&str> for BadSetting {
+    fn from(why: &str) -> BadSetting {
+        BadSetting(why.into())
+    }
+}

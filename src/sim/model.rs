@@ -33,7 +33,7 @@ pub fn default_providers() -> Vec<SimProvider> {
 }
 
 /// Parse `NAME=LATENCY+JITTER` (e.g. `primary=150+50`, `local=0`).
-pub fn parse_provider(spec: &str) -> Result<SimProvider, String> {
+pub fn parse_provider(spec: &str) -> Result<SimProvider, super::BadSetting> {
     let (id, timing) = spec
         .split_once('=')
         .ok_or_else(|| format!("provider {spec:?} must look like NAME=LATENCY_MS+JITTER_MS"))?;
@@ -48,9 +48,9 @@ pub fn parse_provider(spec: &str) -> Result<SimProvider, String> {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
     {
-        return Err(format!(
+        return Err(super::BadSetting(format!(
             "provider {spec:?}: the name must be letters, digits, '-' or '_'"
-        ));
+        )));
     }
     Ok(SimProvider {
         id: id.to_string(),
@@ -152,14 +152,14 @@ impl FaultMode {
         }
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), super::BadSetting> {
         match *self {
-            FaultMode::Error { status } if !(500..=599).contains(&status) => {
-                Err(format!("status must be a 5xx, got {status}"))
-            }
-            FaultMode::Flaky { error_rate } if !(0.0..=1.0).contains(&error_rate) => {
-                Err(format!("error_rate must be in [0, 1], got {error_rate}"))
-            }
+            FaultMode::Error { status } if !(500..=599).contains(&status) => Err(
+                super::BadSetting(format!("status must be a 5xx, got {status}")),
+            ),
+            FaultMode::Flaky { error_rate } if !(0.0..=1.0).contains(&error_rate) => Err(
+                super::BadSetting(format!("error_rate must be in [0, 1], got {error_rate}")),
+            ),
             _ => Ok(()),
         }
     }
@@ -567,10 +567,11 @@ mod tests {
         assert!(
             parse_provider("nope")
                 .unwrap_err()
+                .0
                 .contains("NAME=LATENCY_MS+JITTER_MS")
         );
-        assert!(parse_provider("x=fast").unwrap_err().contains("latency"));
-        assert!(parse_provider("a b=1").unwrap_err().contains("name"));
+        assert!(parse_provider("x=fast").unwrap_err().0.contains("latency"));
+        assert!(parse_provider("a b=1").unwrap_err().0.contains("name"));
     }
 
     #[test]

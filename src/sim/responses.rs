@@ -10,14 +10,16 @@ use serde_json::{Value, json};
 /// A Responses request as a chat request (the turns' text, function tools, `stream`,
 /// reasoning effort), or why it is refused. A function call reads as an assistant turn, its
 /// output as a `tool` turn.
-pub fn to_chat(body: &[u8]) -> Result<Value, String> {
+pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let Some(model) = v["model"].as_str() else {
-        return Err("model: is required".into());
+        return Err(super::Refused("model: is required".into()));
     };
     if !v["previous_response_id"].is_null() {
-        return Err("previous_response_id: the simulator keeps no responses".into());
+        return Err(super::Refused(
+            "previous_response_id: the simulator keeps no responses".into(),
+        ));
     }
     let mut messages = Vec::new();
     if let Some(i) = v["instructions"].as_str() {
@@ -34,30 +36,40 @@ pub fn to_chat(body: &[u8]) -> Result<Value, String> {
                             json!({"role": role, "content": text_of(&item["content"])})
                         }
                         _ => {
-                            return Err(format!(
+                            return Err(super::Refused(format!(
                                 "input.{i}.role: must be user, assistant, system or developer"
-                            ));
+                            )));
                         }
                     },
                     "function_call" => json!({"role": "assistant", "content": ""}),
                     "function_call_output" => json!({"role": "tool", "content": item["output"]}),
-                    other => return Err(format!("input.{i}.type: {other:?} is not served")),
+                    other => {
+                        return Err(super::Refused(format!(
+                            "input.{i}.type: {other:?} is not served"
+                        )));
+                    }
                 };
                 messages.push(turn);
             }
         }
-        _ => return Err("input: a string or a list of items is required".into()),
+        _ => {
+            return Err(super::Refused(
+                "input: a string or a list of items is required".into(),
+            ));
+        }
     }
     if messages.iter().all(|m| m["role"] == "system") {
-        return Err("input: at least one item is required".into());
+        return Err(super::Refused(
+            "input: at least one item is required".into(),
+        ));
     }
     let mut tools = Vec::new();
     for (i, t) in v["tools"].as_array().into_iter().flatten().enumerate() {
         if t["type"] != "function" {
-            return Err(format!(
+            return Err(super::Refused(format!(
                 "tools.{i}.type: {} is a hosted tool; the simulator serves function tools",
                 t["type"]
-            ));
+            )));
         }
         tools.push(json!({"type": "function",
             "function": {"name": t["name"], "parameters": t["parameters"]}}));

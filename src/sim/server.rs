@@ -355,7 +355,7 @@ impl Speaks {
             Speaks::Messages => messages::to_chat(body),
             Speaks::Responses => responses::to_chat(body),
         }
-        .map_err(refused)?;
+        .map_err(|why| refused(why.0))?;
         serde_json::from_value(chat).map_err(|e| refused(format!("{}: {e}", self.path())))
     }
 
@@ -422,15 +422,19 @@ fn api_routes(router: Router<Arc<Sim>>, speaks: Speaks) -> Router<Arc<Sim>> {
 
 /// The texts of an embeddings `input` (a string, strings, or token arrays read as their ids),
 /// or why it is refused.
-fn embedding_inputs(input: &Value) -> Result<Vec<String>, String> {
+fn embedding_inputs(input: &Value) -> Result<Vec<String>, super::Refused> {
     let items = match input {
         Value::String(_) => vec![input.clone()],
         Value::Array(a) if a.first().is_some_and(Value::is_number) => vec![input.clone()],
         Value::Array(a) => a.clone(),
-        _ => return Err("input must be a string, strings or token arrays".into()),
+        _ => {
+            return Err(super::Refused(
+                "input must be a string, strings or token arrays".into(),
+            ));
+        }
     };
     if items.is_empty() {
-        return Err("input must hold at least one item".into());
+        return Err(super::Refused("input must hold at least one item".into()));
     }
     items
         .iter()
@@ -506,7 +510,7 @@ async fn embed(sim: &Sim, provider_id: &str, body: &Bytes) -> Response {
     };
     let inputs = match embedding_inputs(&req["input"]) {
         Ok(i) => i,
-        Err(why) => return openai_error(StatusCode::BAD_REQUEST, "invalid_request", &why),
+        Err(why) => return openai_error(StatusCode::BAD_REQUEST, "invalid_request", &why.0),
     };
     let dims = req["dimensions"].as_u64().unwrap_or(8).clamp(1, 4_096) as usize;
     let base64 = req["encoding_format"] == "base64";
@@ -1031,7 +1035,7 @@ async fn set_fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         );
     }
     if let Err(e) = req.mode.validate() {
-        return openai_error(StatusCode::BAD_REQUEST, "invalid_fault", &e);
+        return openai_error(StatusCode::BAD_REQUEST, "invalid_fault", &e.0);
     }
     let now = sim.now_ms();
     sim.faults()
