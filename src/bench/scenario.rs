@@ -290,77 +290,101 @@ pub enum Metric {
     BudgetSpentUsd,
 }
 
+/// A scenario file that cannot be run: what is wrong with it (the field named).
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadScenario(pub String);
+
+impl From<String> for BadScenario {
+    fn from(why: String) -> BadScenario {
+        BadScenario(why)
+    }
+}
+
 impl Scenario {
-    pub fn parse(text: &str) -> Result<Scenario, String> {
-        let s: Scenario = toml::from_str(text).map_err(|e| e.to_string())?;
+    pub fn parse(text: &str) -> Result<Scenario, BadScenario> {
+        let s: Scenario = toml::from_str(text).map_err(|e| BadScenario(e.to_string()))?;
         s.check()?;
         Ok(s)
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), BadScenario> {
         parse_duration(&self.load.duration).map_err(|e| format!("load.duration: {e}"))?;
         if let Some(after) = &self.load.after {
             offset(after).map_err(|e| format!("load.after: {e}"))?;
         }
         if !(self.load.rate.is_finite() && self.load.rate > 0.0) {
-            return Err("load.rate must be a positive number of requests per second".into());
+            return Err(BadScenario(
+                "load.rate must be a positive number of requests per second".into(),
+            ));
         }
         if !["http", "agent"].contains(&self.load.kind.as_str()) {
-            return Err(format!("load.kind {:?}: use http or agent", self.load.kind));
+            return Err(BadScenario(format!(
+                "load.kind {:?}: use http or agent",
+                self.load.kind
+            )));
         }
         if self.load.kind == "agent" && self.load.agent.is_none() {
-            return Err("load.kind = \"agent\" needs load.agent (the agent to call)".into());
+            return Err(BadScenario(
+                "load.kind = \"agent\" needs load.agent (the agent to call)".into(),
+            ));
         }
         if self.load.stream && self.load.mix.iter().any(|m| m.api != Surface::Chat) {
-            return Err(
+            return Err(BadScenario(
                 "load.stream: streamed answers are read as chat chunks; the mix's api must be chat"
                     .into(),
-            );
+            ));
         }
         for m in &self.load.mix {
             if !["low", "medium", "high"].contains(&m.risk.as_str()) {
-                return Err(format!(
+                return Err(BadScenario(format!(
                     "load.mix risk {:?}: use low, medium or high",
                     m.risk
-                ));
+                )));
             }
             if !["critical", "normal", "background"].contains(&m.priority.as_str()) {
-                return Err(format!(
+                return Err(BadScenario(format!(
                     "load.mix priority {:?}: use critical, normal or background",
                     m.priority
-                ));
+                )));
             }
         }
         let requests = self.load.rate * self.duration().as_secs_f64();
         if requests > MAX_REQUESTS {
-            return Err(format!(
+            return Err(BadScenario(format!(
                 "load: rate x duration is {requests:.0} requests; at most {MAX_REQUESTS:.0}"
-            ));
+            )));
         }
         for (i, c) in self.chaos.iter().enumerate() {
             offset(&c.at).map_err(|e| format!("chaos[{i}].at: {e}"))?;
             let d = parse_duration(&c.for_).map_err(|e| format!("chaos[{i}].for: {e}"))?;
             if d > crate::core::chaos::MAX_FOR {
-                return Err(format!(
+                return Err(BadScenario(format!(
                     "chaos[{i}].for: at most {} s",
                     crate::core::chaos::MAX_FOR.as_secs()
-                ));
+                )));
             }
             if c.fault.default_target().is_none() && c.target.is_none() {
-                return Err(format!("chaos[{i}] ({}) needs a target", c.fault.name()));
+                return Err(BadScenario(format!(
+                    "chaos[{i}] ({}) needs a target",
+                    c.fault.name()
+                )));
             }
         }
         for (i, b) in self.budgets.iter().enumerate() {
             if b.agent.trim().is_empty() {
-                return Err(format!("budget[{i}].agent must name an agent"));
+                return Err(BadScenario(format!("budget[{i}].agent must name an agent")));
             }
             if !(b.limit_usd.is_finite() && b.limit_usd >= 0.0) {
-                return Err(format!(
+                return Err(BadScenario(format!(
                     "budget[{i}].limit_usd must be an amount, zero or more"
-                ));
+                )));
             }
             if self.budgets[..i].iter().any(|o| o.agent == b.agent) {
-                return Err(format!("budget[{i}]: {} has a budget already", b.agent));
+                return Err(BadScenario(format!(
+                    "budget[{i}]: {} has a budget already",
+                    b.agent
+                )));
             }
         }
         for (i, e) in self.expect.iter().enumerate() {
@@ -393,21 +417,24 @@ impl Scenario {
                     _ => ReasonCode::ALL.iter().any(|c| c.as_str() == code),
                 };
                 if !known {
-                    return Err(format!(
+                    return Err(BadScenario(format!(
                         "expect[{i}].code {code:?} is not a {} (`oam reasons` lists them)",
                         if e.metric == Metric::ErrorCount {
                             "mesh error code"
                         } else {
                             "reason code"
                         }
-                    ));
+                    )));
                 }
             }
             if let Some(m) = missing {
-                return Err(m);
+                return Err(BadScenario(m));
             }
             if e.min.is_none() && e.max.is_none() {
-                return Err(format!("expect[{i}] ({:?}) needs min or max", e.metric));
+                return Err(BadScenario(format!(
+                    "expect[{i}] ({:?}) needs min or max",
+                    e.metric
+                )));
             }
         }
         Ok(())
@@ -770,29 +797,42 @@ min = 1
             "target and target_share read as provider and provider_share"
         );
         let bad = OUTAGE.replace("kill-provider", "melt-provider");
-        assert!(Scenario::parse(&bad).unwrap_err().contains("melt-provider"));
+        assert!(
+            Scenario::parse(&bad)
+                .unwrap_err()
+                .0
+                .contains("melt-provider")
+        );
         let bad = OUTAGE.replace("provider = \"local\"\n", "");
         assert!(
             Scenario::parse(&bad)
                 .unwrap_err()
+                .0
                 .contains("needs provider")
         );
         let bad = OUTAGE.replace("duration = \"10s\"", "duration = \"ten\"");
-        assert!(Scenario::parse(&bad).unwrap_err().contains("load.duration"));
+        assert!(
+            Scenario::parse(&bad)
+                .unwrap_err()
+                .0
+                .contains("load.duration")
+        );
         let bad = OUTAGE.replace("rate = 10", "rate = 10\nrat = 1");
-        assert!(Scenario::parse(&bad).unwrap_err().contains("rat"));
+        assert!(Scenario::parse(&bad).unwrap_err().0.contains("rat"));
         let bad = OUTAGE.replace("target = \"primary\"\n", "");
         assert!(
             Scenario::parse(&bad)
                 .unwrap_err()
+                .0
                 .contains("needs a target")
         );
         let bad = OUTAGE.replace("rate = 10", "rate = 1e6");
-        assert!(Scenario::parse(&bad).unwrap_err().contains("at most"));
+        assert!(Scenario::parse(&bad).unwrap_err().0.contains("at most"));
         let bad = OUTAGE.replace("for = \"4s\"", "for = \"90m\"");
         assert!(
             Scenario::parse(&bad)
                 .unwrap_err()
+                .0
                 .contains("at most 3600 s")
         );
         let at_zero = OUTAGE.replace("at = \"2s\"", "at = \"0s\"");
@@ -830,7 +870,7 @@ min = 1
             ),
         ] {
             let e = Scenario::parse(&with(extra)).unwrap_err();
-            assert!(e.contains(says), "{e:?} should say {says:?}");
+            assert!(e.0.contains(says), "{e:?} should say {says:?}");
         }
         // A budget expectation with nothing measured fails rather than passes.
         let run = Run {
@@ -929,6 +969,7 @@ min = 1
                 template(10.0, "5s", "1s")
             ))
             .unwrap_err()
+            .0
             .contains("needs provider")
         );
     }

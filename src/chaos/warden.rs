@@ -162,23 +162,34 @@ fn holds_local_port(pid: u32, port: u16) -> bool {
         })
 }
 
+/// A fault the warden will not inject, and what to do instead.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+struct Refusal(String);
+
+impl From<String> for Refusal {
+    fn from(why: String) -> Refusal {
+        Refusal(why)
+    }
+}
+
 /// Check `req` against the bounds and what is `active`, resolve its target and settings: pure,
 /// so every refusal and default is tested without a mesh. An error says what to do instead.
-fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
+fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, Refusal> {
     let for_ms = req.for_ms;
     if for_ms == 0 || u128::from(for_ms) > MAX_FOR.as_millis() {
-        return Err(format!(
+        return Err(Refusal(format!(
             "--for must be between 1 ms and {} s",
             MAX_FOR.as_secs()
-        ));
+        )));
     }
     let (fault, p) = (req.fault, &req.params);
     if p.requests.is_some_and(|n| n == 0 || n > MAX_REQUESTS)
         || p.concurrency.is_some_and(|n| n == 0 || n > MAX_CONCURRENCY)
     {
-        return Err(format!(
+        return Err(Refusal(format!(
             "--requests must be 1 to {MAX_REQUESTS} and --concurrency 1 to {MAX_CONCURRENCY}"
-        ));
+        )));
     }
     let given = req.target.clone().filter(|t| !t.is_empty());
     let target = match (
@@ -188,7 +199,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
         (Aim::Mesh, _) => "mesh".to_string(),
         (_, Some(t)) => t,
         (aim, None) => {
-            return Err(format!(
+            return Err(Refusal(format!(
                 "{} needs a target: {}",
                 fault.name(),
                 match aim {
@@ -197,7 +208,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
                     Aim::Agent => "an agent name (e.g. demo.echo)",
                     _ => "an agent name as callers send it (e.g. support-bot)",
                 }
-            ));
+            )));
         }
     };
     if fault == Fault::IsolateNode
@@ -205,10 +216,10 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
             .iter()
             .find(|a| a.fault == fault && a.target == target)
     {
-        return Err(format!(
+        return Err(Refusal(format!(
             "{} is already isolated ({}); `oam chaos restore {}` first",
             a.target, a.id, a.id
-        ));
+        )));
     }
     let sim = |mode: FaultMode, detail: String| Action::Sim {
         fault: SetFault {
@@ -237,7 +248,9 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, String> {
         Fault::FlakyProvider => {
             let rate = p.error_rate.unwrap_or(0.3);
             if !(0.0..=1.0).contains(&rate) {
-                return Err(format!("--error-rate {rate}: use a share between 0 and 1"));
+                return Err(Refusal(format!(
+                    "--error-rate {rate}: use a share between 0 and 1"
+                )));
             }
             let detail = format!("{:.0}% of requests fail", rate * 100.0);
             sim(FaultMode::Flaky { error_rate: rate }, detail)
@@ -444,7 +457,7 @@ impl Warden {
         let active: Vec<&Active> = self.entries.iter().map(|e| &e.active).collect();
         let Plan { target, action } = match plan(&req, &active) {
             Ok(p) => p,
-            Err(why) => return err(why),
+            Err(why) => return err(why.0),
         };
         let (fault, for_ms) = (req.fault, req.for_ms);
         let now = now_ms();
@@ -1026,7 +1039,7 @@ mod tests {
         ] {
             let why = plan(&inject(fault, Some(""), 1_000), &[]).unwrap_err();
             assert!(
-                why.contains("needs a target") && why.contains(says),
+                why.0.contains("needs a target") && why.0.contains(says),
                 "{why}"
             );
         }
@@ -1044,15 +1057,16 @@ mod tests {
         assert!(
             plan(&inject(Fault::KillProvider, Some("p"), too_long), &[])
                 .unwrap_err()
+                .0
                 .contains("--for")
         );
         assert!(plan(&inject(Fault::KillProvider, Some("p"), 0), &[]).is_err());
         let mut spike = inject(Fault::TrafficSpike, None, 1_000);
         spike.params.requests = Some(MAX_REQUESTS + 1);
-        assert!(plan(&spike, &[]).unwrap_err().contains("--requests"));
+        assert!(plan(&spike, &[]).unwrap_err().0.contains("--requests"));
         let mut flaky = inject(Fault::FlakyProvider, Some("p"), 1_000);
         flaky.params.error_rate = Some(1.5);
-        assert!(plan(&flaky, &[]).unwrap_err().contains("--error-rate"));
+        assert!(plan(&flaky, &[]).unwrap_err().0.contains("--error-rate"));
         let isolated = Active {
             id: "c1".into(),
             fault: Fault::IsolateNode,
@@ -1063,7 +1077,7 @@ mod tests {
             detail: String::new(),
         };
         let again = plan(&inject(Fault::IsolateNode, Some("n2"), 1_000), &[&isolated]);
-        assert!(again.unwrap_err().contains("oam chaos restore c1"));
+        assert!(again.unwrap_err().0.contains("oam chaos restore c1"));
         let other = plan(&inject(Fault::IsolateNode, Some("n3"), 1_000), &[&isolated]);
         assert_eq!(other.unwrap().action, Action::Isolate);
     }

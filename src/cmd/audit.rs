@@ -46,7 +46,7 @@ pub enum OutcomeArg {
 }
 
 /// `30m`, `2h`, `7d`, `90s` (a bare number is minutes) as milliseconds.
-pub fn parse_age(s: &str) -> std::result::Result<u64, String> {
+pub fn parse_age(s: &str) -> std::result::Result<u64, super::BadValue> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (n, unit) = t.split_at(split);
@@ -58,7 +58,11 @@ pub fn parse_age(s: &str) -> std::result::Result<u64, String> {
         "" | "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
-        _ => return Err(format!("{s:?}: the unit must be s, m, h or d")),
+        _ => {
+            return Err(super::BadValue(format!(
+                "{s:?}: the unit must be s, m, h or d"
+            )));
+        }
     };
     Ok(n * ms)
 }

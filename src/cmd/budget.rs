@@ -62,7 +62,7 @@ pub struct SetArgs {
     pub limit: f64,
 }
 
-fn parse_usd(s: &str) -> std::result::Result<f64, String> {
+fn parse_usd(s: &str) -> std::result::Result<f64, super::BadValue> {
     let v: f64 = s
         .trim_start_matches('$')
         .parse()
@@ -70,7 +70,9 @@ fn parse_usd(s: &str) -> std::result::Result<f64, String> {
     if v.is_finite() && v >= 0.0 {
         Ok(v)
     } else {
-        Err(format!("{s:?}: a limit is a finite amount, zero or more"))
+        Err(super::BadValue(format!(
+            "{s:?}: a limit is a finite amount, zero or more"
+        )))
     }
 }
 

@@ -30,14 +30,14 @@ pub struct For {
 }
 
 /// A fault's `--for`: a duration of at most `MAX_FOR`, the longest the warden keeps a fault.
-fn parse_for(s: &str) -> std::result::Result<Duration, String> {
+fn parse_for(s: &str) -> std::result::Result<Duration, super::BadValue> {
     let d = chaos::parse_duration(s).map_err(|e| e.to_string())?;
     if d > chaos::MAX_FOR {
-        return Err(format!(
+        return Err(super::BadValue(format!(
             "{s:?}: a fault lasts at most {}m (the chaos warden restores every fault within \
              that); give a shorter --for, and inject it again to go on",
             chaos::MAX_FOR.as_secs() / 60
-        ));
+        )));
     }
     Ok(d)
 }

@@ -21,6 +21,17 @@ pub mod watch;
 
 use crate::transport::connect::Refused;
 
+/// A flag value that does not read, and what to give instead (clap says which flag).
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadValue(pub String);
+
+impl From<String> for BadValue {
+    fn from(why: String) -> BadValue {
+        BadValue(why)
+    }
+}
+
 /// The process's one [`Refused`]: every connection a command makes reports to it, and a
 /// long-running command stops on it (then exits as unreachable, saying why).
 pub fn refused() -> &'static Refused {
