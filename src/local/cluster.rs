@@ -707,7 +707,7 @@ pub(super) async fn create_buckets(
             store::context(&nats)
                 .get_or_create_stream(decisions::stream(
                     Duration::from_secs(7 * 24 * 3600),
-                    256 << 20,
+                    crate::transport::store::decisions::DEFAULT_MAX_BYTES,
                     replicas,
                 ))
                 .await

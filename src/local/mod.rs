@@ -471,6 +471,45 @@ pub fn cluster_dir(flag: Option<&Path>) -> PathBuf {
     std::path::absolute(&dir).unwrap_or(dir)
 }
 
+/// The bytes free to an unprivileged writer on the filesystem that holds `path` (or its
+/// nearest existing parent: a mesh folder may not exist yet); `None` when it cannot be told.
+pub fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let at = path.ancestors().find(|p| p.exists())?;
+    let c = std::ffi::CString::new(at.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a valid NUL-terminated path; `st` is written by statvfs on success only.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let ok = unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0;
+    ok.then(|| st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// A decision log too large for the disk its servers store on.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error(
+    "[decision_log] max_bytes is {} MiB, but {} has {} MiB free: the log could fill the \
+     disk, and a full disk stops every JetStream write (an admin's purge included). Lower \
+     max_bytes in the nodes' config (to at most {} MiB here), or free space",
+    wanted >> 20, dir.display(), free >> 20, (free / 2) >> 20
+)]
+pub struct LogTooLarge {
+    pub wanted: u64,
+    pub free: u64,
+    pub dir: PathBuf,
+}
+
+/// Does a decision log of `max_bytes` fit `free` bytes on `dir`'s disk? It must leave as much
+/// again for what else JetStream keeps (buckets, the SDK's store) and for its own work.
+pub fn log_fits(max_bytes: u64, free: u64, dir: &Path) -> Result<(), LogTooLarge> {
+    if max_bytes.saturating_mul(2) > free {
+        return Err(LogTooLarge {
+            wanted: max_bytes,
+            free,
+            dir: dir.to_path_buf(),
+        });
+    }
+    Ok(())
+}
+
 /// The `oam` binary to start processes from: this one, as it is on disk now.
 pub fn oam_exe() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot tell where the oam binary is")?;
@@ -635,6 +674,24 @@ async fn gone_within(p: &Started, limit: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decision_log_must_leave_as_much_again_free() {
+        let dir = Path::new("/x");
+        assert_eq!(log_fits(100, 200, dir), Ok(()));
+        let e = log_fits(101, 200, dir).unwrap_err();
+        assert_eq!((e.wanted, e.free), (101, 200));
+        let said = log_fits(256 << 20, 300 << 20, dir).unwrap_err().to_string();
+        assert!(
+            said.contains("256 MiB")
+                && said.contains("300 MiB free")
+                && said.contains("at most 150 MiB"),
+            "{said}"
+        );
+        // A folder not made yet is measured on its nearest existing parent.
+        let free = free_bytes(Path::new("/tmp/oam-no-such-folder/mesh")).expect("measured");
+        assert!(free > 0);
+    }
 
     #[test]
     fn a_reused_pid_is_not_ours() {

@@ -71,7 +71,7 @@ impl Default for LogSettings {
         LogSettings {
             enabled: true,
             max_age_hours: 24 * 7,
-            max_bytes: 256 << 20,
+            max_bytes: crate::transport::store::decisions::DEFAULT_MAX_BYTES,
             content: Content::Full,
             max_content_bytes: 16 << 10,
             durable: false,

@@ -96,6 +96,15 @@ pub async fn run(a: Args) -> Result<()> {
         Some(path) => Some(log_retention(path)?),
         None => None,
     };
+    // The decision log must fit the disk: checked before anything starts, not found out when
+    // the disk is full.
+    let log_bytes = log_retention
+        .map_or(crate::transport::store::decisions::DEFAULT_MAX_BYTES, |r| {
+            r.1
+        });
+    if let Some(free) = local::free_bytes(&a.dir) {
+        local::log_fits(log_bytes, free, &a.dir).map_err(Error::usage)?;
+    }
     let plan = cluster::Plan {
         dir: a.dir.clone(),
         nodes: a.nodes,

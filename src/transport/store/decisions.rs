@@ -27,6 +27,9 @@ pub struct Batch {
     pub records: Vec<Record>,
 }
 
+/// The decision log's size when the nodes' config says none (`[decision_log] max_bytes`).
+pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
+
 /// The stream's configuration: records older than `max_age` go, and the oldest go first beyond
 /// `max_bytes`.
 pub fn stream(max_age: Duration, max_bytes: u64, replicas: usize) -> jetstream::stream::Config {
