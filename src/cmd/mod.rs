@@ -48,13 +48,25 @@ pub async fn terminated() {
     }
 }
 
+/// A URL that does not read is a usage error; a mesh nobody answers for is unreachable.
+impl From<crate::transport::connect::ReachError> for crate::error::Error {
+    fn from(e: crate::transport::connect::ReachError) -> Self {
+        use crate::transport::connect::ReachError;
+        let kind = match &e {
+            ReachError::BadUrl { .. } => crate::error::Kind::Usage,
+            ReachError::Unreachable { .. } => crate::error::Kind::Unreachable,
+        };
+        crate::error::Error::new(kind, e)
+    }
+}
+
 /// Connect for a command (see `transport::connect::reach`), refusals told to [`refused`].
 pub async fn reach(
     url: &str,
     name: &str,
     wait_for_server: bool,
 ) -> crate::error::Result<async_nats::Client> {
-    crate::transport::connect::reach(url, name, wait_for_server, refused()).await
+    Ok(crate::transport::connect::reach(url, name, wait_for_server, refused()).await?)
 }
 
 /// Which mesh a command talks to, and as whom: the same flags, resolved the same way,
@@ -90,7 +102,9 @@ impl ClusterArgs {
         name: &str,
     ) -> crate::error::Result<async_nats::Client> {
         let (url, from) = self.resolve(role)?;
-        crate::transport::connect::reach_from(&url, Some(&from), name, false, refused()).await
+        let reached =
+            crate::transport::connect::reach_from(&url, Some(&from), name, false, refused());
+        Ok(reached.await?)
     }
 
     /// The NATS URL and where it came from; the credentials file taken in on the way.

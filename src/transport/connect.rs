@@ -52,8 +52,26 @@ pub async fn reach(
     name: &str,
     wait_for_server: bool,
     refused: &Refused,
-) -> crate::error::Result<async_nats::Client> {
+) -> Result<async_nats::Client, ReachError> {
     reach_from(url, None, name, wait_for_server, refused).await
+}
+
+/// Why a command could not connect, and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ReachError {
+    /// The URL does not read.
+    #[error("{list}{from}")]
+    BadUrl { list: BadServerList, from: String },
+    /// No server answered.
+    #[error(
+        "cannot reach {at}{from} ({why}). Start a local mesh with `oam mesh up`, or pass \
+         --nats-url (and --creds for a mesh behind JWT auth)"
+    )]
+    Unreachable {
+        at: String,
+        from: String,
+        why: String,
+    },
 }
 
 /// `reach`, saying where the URL came from (`--nats-url`, `$OAM_NATS_URL`, a mesh folder) when
@@ -64,35 +82,27 @@ pub async fn reach_from(
     name: &str,
     wait_for_server: bool,
     refused: &Refused,
-) -> crate::error::Result<async_nats::Client> {
-    use crate::error::{Error, Kind};
+) -> Result<async_nats::Client, ReachError> {
     let from = from.map(|f| format!(", from {f}")).unwrap_or_default();
     let tried = match servers(url) {
         Ok((addrs, _)) => addrs.len(),
-        Err(why) => return Err(Error::usage(format!("{why}{from}"))),
+        Err(list) => return Err(ReachError::BadUrl { list, from }),
     };
     connect(url, name, wait_for_server, refused)
         .await
-        .map_err(|e| {
-            let at = match tried {
+        .map_err(|e| ReachError::Unreachable {
+            at: match tried {
                 1 => format!("NATS at {}", redact(url)),
                 n => format!("any of the {n} NATS servers tried ({})", redact(url)),
-            };
-            Error::new(
-                Kind::Unreachable,
-                anyhow::anyhow!(
-                    "cannot reach {at}{from} ({e}). Start a local mesh with `oam mesh up`, or \
-                 pass --nats-url (and --creds for a mesh behind JWT auth)"
-                ),
-            )
+            },
+            from,
+            why: e.to_string(),
         })
 }
 
 /// A user name and its password.
 pub type UserPassword = (String, String);
 
-/// A server list (`nats://a:4222,nats://b:4222`; one server is a list of one) as the
-/// addresses to connect to and the credentials any entry carries, or which entry is wrong.
 /// A server list that does not read: which entry, and why.
 #[derive(Debug, thiserror::Error)]
 #[error("{at} {why}")]
@@ -102,6 +112,8 @@ pub struct BadServerList {
     pub why: String,
 }
 
+/// A server list (`nats://a:4222,nats://b:4222`; one server is a list of one) as the
+/// addresses to connect to and the credentials any entry carries, or which entry is wrong.
 pub fn servers(
     url: &str,
 ) -> Result<(Vec<async_nats::ServerAddr>, Option<UserPassword>), BadServerList> {

@@ -17,7 +17,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("http", &[]),
     ("error", &[]),
     ("signal", &[]),
-    ("transport", &["core", "error", "ids"]),
+    ("transport", &["core", "ids"]),
     ("local", &["core", "clock", "ids", "http", "transport"]),
     ("mesh", &["core", "clock", "ids", "local", "transport"]),
     ("sim", &["core"]),
