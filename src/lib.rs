@@ -5,7 +5,7 @@
 //! use `node`):
 //!
 //! ```text
-//! core <- {clock, ids, http, error, signal} <- transport <- local <- mesh <- node
+//! core <- {clock, ids, http, error, signal} <- transport <- mesh <- {local, node}
 //!                                                          sim  <- chaos (with bench, mesh)
 //!                              transport, local, mesh <- bench; core, mesh, transport <- tui
 //!                                                  everything <- cmd <- cli
@@ -16,7 +16,8 @@
 //!   the HTTP client and SSE codec, exit kinds, the stop signals).
 //! - `transport`: NATS (connecting, subject names, every JetStream store, the chaos warden's
 //!   client).
-//! - `local`: a cluster on this machine (state folder, nats-server, starting and stopping).
+//! - `local`: a cluster on this machine (state folder, nats-server, starting and stopping; a
+//!   private mesh in one call).
 //! - `mesh`: the agent mesh (Open Agent Mesh hosts, callers, the liveness monitor).
 //! - `sim`: the provider simulator. `node`: the gateway runtime around `core`.
 //! - `bench`: load, scenarios and their runner. `chaos`: the chaos warden.

@@ -1,7 +1,8 @@
 //! A local cluster on this machine: its state folder (what `oam mesh up` started: PIDs, ports,
 //! URLs), how to tell whether each process is still the one we started, how to start `oam`
 //! processes and stop exactly those. `natsd` supervises nats-server, `cluster` starts and
-//! probes a whole cluster with one call, `hosts` one host's part of a mesh across hosts,
+//! probes a whole cluster with one call, `hosts` one host's part of a mesh across hosts, `mesh`
+//! a private mesh inside this process (tests, examples),
 //! `agents` starts demo agents for scenarios.
 //!
 //! `mesh.json` records everything but secrets; `system.json` (mode 0600) holds every NATS
@@ -13,6 +14,7 @@ pub mod agents;
 pub mod cluster;
 pub mod creds;
 pub mod hosts;
+pub mod mesh;
 pub mod natsd;
 pub mod roles;
 

@@ -4,7 +4,6 @@
 pub mod census;
 pub mod client;
 pub mod host;
-pub mod local;
 pub mod monitor;
 pub mod protocol;
 pub mod store;

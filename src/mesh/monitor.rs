@@ -65,7 +65,7 @@ struct AdvisoryClient {
 /// Whether a connection of NATS user `user` may speak for agent `agent`: its own agent's user,
 /// the admin, or any user on a server whose users are not oam's roles (nothing to tell by).
 fn may_speak_for(user: &str, agent: &str) -> bool {
-    use crate::local::roles::Role;
+    use crate::transport::roles::Role;
     match Role::of_user(user) {
         None | Some(Role::Admin) => true,
         Some(Role::Agent(name) | Role::SdkAgent(name)) => name == agent,

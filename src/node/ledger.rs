@@ -1547,7 +1547,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_write_that_lost_a_race_decides_again_on_the_winners_record() {
-        let mesh = crate::mesh::local::LocalMesh::start()
+        let mesh = crate::local::mesh::LocalMesh::start()
             .await
             .expect("a nats-server (OAM_NATS_SERVER, or scripts/install-test-tools)");
         let nats = mesh.connect("ledger-test").await.expect("connected");

@@ -5,5 +5,6 @@ pub mod ask;
 pub mod chaos;
 pub mod connect;
 pub mod published;
+pub mod roles;
 pub mod store;
 pub mod subjects;

@@ -875,7 +875,7 @@ async fn streams_arrive_in_order_and_fail_fast() {
 async fn a_local_mesh_in_one_call_with_full_liveness() {
     use oam::mesh::host::Handler;
     use oam::mesh::protocol::ErrorCode;
-    let mesh = oam::mesh::local::LocalMesh::start().await.unwrap();
+    let mesh = oam::local::mesh::LocalMesh::start().await.unwrap();
     let upper = mesh
         .serve(
             "text.upper",

@@ -5,7 +5,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
-//! use oam::mesh::{host::Handler, local::LocalMesh};
+//! use oam::{local::mesh::LocalMesh, mesh::host::Handler};
 //! let mesh = LocalMesh::start().await?;
 //! let _agent = mesh
 //!     .serve("demo.echo", Handler::call(|body| async move { Ok(body) }))
@@ -18,10 +18,10 @@
 //! # Ok(()) }
 //! ```
 
-use super::client::Caller;
-use super::host::{self, Handler, Instance};
-use super::protocol::CatalogEntry;
-use crate::local::natsd;
+use super::natsd;
+use crate::mesh::client::Caller;
+use crate::mesh::host::{self, Handler, Instance};
+use crate::mesh::protocol::CatalogEntry;
 use crate::transport::connect::Refused;
 use anyhow::Context;
 use std::path::PathBuf;
@@ -120,7 +120,8 @@ impl LocalMesh {
             let ready = move || {
                 let _ = ready_tx.send(());
             };
-            if let Err(e) = super::monitor::run(app, sys, ready, std::future::pending()).await {
+            if let Err(e) = crate::mesh::monitor::run(app, sys, ready, std::future::pending()).await
+            {
                 tracing::warn!("the local mesh's monitor stopped: {e:#}");
             }
         });
@@ -180,7 +181,7 @@ impl LocalMesh {
             sub,
             handler,
             concurrency,
-            super::monitor::HEARTBEAT_EVERY,
+            crate::mesh::monitor::HEARTBEAT_EVERY,
             async move {
                 let _ = stop_rx.await;
             },
