@@ -2,11 +2,11 @@
 //! its agents), then check its expectations: what `oam bench --scenario` and `oam demo` run.
 
 use super::load::{self as bench, Plan, Through};
-use super::scenario::{self, Recovery, Run, Scenario, Verdict};
+use super::scenario::{self, Measured, Recovery, Run, Scenario};
 use crate::core::chaos::{Inject, Restore};
 use crate::core::health::Verdict as Health;
 use crate::error::{Error, Kind, Result};
-use crate::local::{self, Record};
+use crate::local::{self, MeshRecord};
 use crate::transport::chaos::{self, AskError};
 use crate::transport::subjects;
 use serde::Serialize;
@@ -30,7 +30,7 @@ pub struct ScenarioReport {
     pub cluster_reasons: BTreeMap<String, f64>,
     /// Per `[[budget]]` agent: what the shared ledger charged it (USD), every hold settled.
     pub budgets_spent: BTreeMap<String, f64>,
-    pub verdicts: Vec<Verdict>,
+    pub verdicts: Vec<Measured>,
     pub passed: bool,
     /// Stopped early (Ctrl-C, SIGTERM): the load and the timeline stopped, faults were ended,
     /// agents stopped; the expectations were judged on what finished, and `passed` is false.
@@ -237,7 +237,7 @@ pub async fn run(
     refused: &crate::transport::connect::Refused,
     progress: impl Fn(u64, u64) + Send + Sync + 'static,
 ) -> Result<ScenarioReport> {
-    let rec = Record::load(dir)
+    let rec = MeshRecord::load(dir)
         .map_err(|e| Error::new(Kind::Usage, e))?
         .ok_or_else(|| {
             Error::new(

@@ -490,7 +490,7 @@ pub fn event_times(c: &ChaosEvent) -> (u64, u64) {
 
 /// What one expectation measured.
 #[derive(Serialize, Clone, Debug, PartialEq)]
-pub struct Verdict {
+pub struct Measured {
     /// e.g. "provider_share(local) during chaos >= 0.95".
     pub expectation: String,
     pub measured: f64,
@@ -674,14 +674,14 @@ impl Run<'_> {
         }
     }
 
-    pub fn evaluate(&self, expect: &[Expect]) -> Vec<Verdict> {
+    pub fn evaluate(&self, expect: &[Expect]) -> Vec<Measured> {
         expect
             .iter()
             .map(|e| {
                 let measured = self.measure(e);
                 let ok = e.min.is_none_or(|m| measured >= m - 1e-12)
                     && e.max.is_none_or(|m| measured <= m + 1e-12);
-                Verdict {
+                Measured {
                     expectation: describe(e),
                     measured,
                     ok,

@@ -5,9 +5,10 @@
 use crate::bench::load as bench;
 use crate::clock::now_ms;
 use crate::core::chaos::{
-    Active, Aim, ContractBreak, Event, Fault, Inject, MAX_FOR, NodeCommand, Params, Reply, Restore,
+    Active, Aim, ContractBreak, Event, Fault, Inject, MAX_FOR, NodeCommand, Params, Restore,
+    WardenReply,
 };
-use crate::local::{self, Record, Started};
+use crate::local::{self, MeshRecord, Started};
 use crate::mesh::{monitor, store};
 use crate::sim::model::{FaultMode, SetFault};
 use crate::transport::connect::flush_within;
@@ -71,8 +72,8 @@ pub struct Warden {
     sys: Option<async_nats::Client>,
 }
 
-fn err(message: impl Into<String>) -> Reply {
-    Reply::Error(message.into())
+fn err(message: impl Into<String>) -> WardenReply {
+    WardenReply::Error(message.into())
 }
 
 /// What an injection does, decided before anything is touched.
@@ -165,20 +166,20 @@ fn holds_local_port(pid: u32, port: u16) -> bool {
 /// A fault the warden will not inject, and what to do instead.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-struct Refusal(String);
+struct NotInjected(String);
 
-impl From<String> for Refusal {
-    fn from(why: String) -> Refusal {
-        Refusal(why)
+impl From<String> for NotInjected {
+    fn from(why: String) -> NotInjected {
+        NotInjected(why)
     }
 }
 
 /// Check `req` against the bounds and what is `active`, resolve its target and settings: pure,
 /// so every refusal and default is tested without a mesh. An error says what to do instead.
-fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, Refusal> {
+fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, NotInjected> {
     let for_ms = req.for_ms;
     if for_ms == 0 || u128::from(for_ms) > MAX_FOR.as_millis() {
-        return Err(Refusal(format!(
+        return Err(NotInjected(format!(
             "--for must be between 1 ms and {} s",
             MAX_FOR.as_secs()
         )));
@@ -187,7 +188,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, Refusal> {
     if p.requests.is_some_and(|n| n == 0 || n > MAX_REQUESTS)
         || p.concurrency.is_some_and(|n| n == 0 || n > MAX_CONCURRENCY)
     {
-        return Err(Refusal(format!(
+        return Err(NotInjected(format!(
             "--requests must be 1 to {MAX_REQUESTS} and --concurrency 1 to {MAX_CONCURRENCY}"
         )));
     }
@@ -199,7 +200,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, Refusal> {
         (Aim::Mesh, _) => "mesh".to_string(),
         (_, Some(t)) => t,
         (aim, None) => {
-            return Err(Refusal(format!(
+            return Err(NotInjected(format!(
                 "{} needs a target: {}",
                 fault.name(),
                 match aim {
@@ -216,7 +217,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, Refusal> {
             .iter()
             .find(|a| a.fault == fault && a.target == target)
     {
-        return Err(Refusal(format!(
+        return Err(NotInjected(format!(
             "{} is already isolated ({}); `oam chaos restore {}` first",
             a.target, a.id, a.id
         )));
@@ -248,7 +249,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, Refusal> {
         Fault::FlakyProvider => {
             let rate = p.error_rate.unwrap_or(0.3);
             if !(0.0..=1.0).contains(&rate) {
-                return Err(Refusal(format!(
+                return Err(NotInjected(format!(
                     "--error-rate {rate}: use a share between 0 and 1"
                 )));
             }
@@ -328,15 +329,15 @@ impl Warden {
         }
     }
 
-    fn record(&self) -> Result<Record, Reply> {
-        match Record::load(&self.dir) {
+    fn record(&self) -> Result<MeshRecord, WardenReply> {
+        match MeshRecord::load(&self.dir) {
             Ok(Some(r)) => Ok(r),
             Ok(None) => Err(err(format!("no mesh recorded in {}", self.dir.display()))),
             Err(e) => Err(err(format!("{e:#}"))),
         }
     }
 
-    fn node(&self, name: &str) -> Result<Started, Reply> {
+    fn node(&self, name: &str) -> Result<Started, WardenReply> {
         let rec = self.record()?;
         let names: Vec<String> = rec.nodes().map(|n| n.name.clone()).collect();
         rec.nodes()
@@ -365,7 +366,7 @@ impl Warden {
     }
 
     /// One running instance of `agent` served by oam on this machine: (pid, its command line).
-    async fn agent_process(&self, agent: &str) -> Result<(u32, Vec<String>), Reply> {
+    async fn agent_process(&self, agent: &str) -> Result<(u32, Vec<String>), WardenReply> {
         let host = store::hostname();
         let records = store::all_instances(&self.nats).await.unwrap_or_default();
         let local: Vec<_> = records
@@ -417,7 +418,7 @@ impl Warden {
         }))
     }
 
-    async fn sim_fault(&self, body: SetFault) -> Result<Undo, Reply> {
+    async fn sim_fault(&self, body: SetFault) -> Result<Undo, WardenReply> {
         let sim_url = self.record()?.sim_url;
         if sim_url.is_empty() {
             return Err(err(
@@ -453,7 +454,7 @@ impl Warden {
     }
 
     /// Apply `req`: plan it (pure), then do it; the active fault, or why not.
-    async fn inject(&mut self, req: Inject) -> Reply {
+    async fn inject(&mut self, req: Inject) -> WardenReply {
         let active: Vec<&Active> = self.entries.iter().map(|e| &e.active).collect();
         let Plan { target, action } = match plan(&req, &active) {
             Ok(p) => p,
@@ -485,7 +486,7 @@ impl Warden {
         });
         self.save();
         self.announce("injected", &active).await;
-        Reply::Ok(vec![active])
+        WardenReply::Ok(vec![active])
     }
 
     /// Do what `plan` decided: the undo to record and what was done, in words.
@@ -497,7 +498,7 @@ impl Warden {
         params: &Params,
         now: u64,
         for_ms: u64,
-    ) -> Result<(Undo, String), Reply> {
+    ) -> Result<(Undo, String), WardenReply> {
         match action {
             Action::Sim { fault, detail } => self.sim_fault(fault).await.map(|u| (u, detail)),
             Action::SignalNode { kill } => {
@@ -585,7 +586,7 @@ impl Warden {
         id: &str,
         p: Params,
         for_ms: u64,
-    ) -> Result<String, Reply> {
+    ) -> Result<String, WardenReply> {
         let rec = self.record()?;
         let urls: Vec<String> = rec.nodes().map(|n| n.endpoint.clone()).collect();
         if urls.is_empty() {
@@ -800,7 +801,7 @@ impl Warden {
             .retain_mut(|c| matches!(c.try_wait(), Ok(None)));
     }
 
-    async fn restore(&mut self, what: Option<String>) -> Reply {
+    async fn restore(&mut self, what: Option<String>) -> WardenReply {
         let matches = |e: &Entry| match &what {
             None => true,
             Some(w) => e.active.id == *w || e.active.fault.name() == w,
@@ -837,15 +838,15 @@ impl Warden {
             self.announce("restored", &e.active).await;
         }
         self.save();
-        Reply::Ok(hit.into_iter().map(|e| e.active).collect())
+        WardenReply::Ok(hit.into_iter().map(|e| e.active).collect())
     }
 
-    fn list(&self) -> Reply {
-        Reply::Ok(self.entries.iter().map(|e| e.active.clone()).collect())
+    fn list(&self) -> WardenReply {
+        WardenReply::Ok(self.entries.iter().map(|e| e.active.clone()).collect())
     }
 }
 
-async fn answer(nats: &async_nats::Client, msg: &async_nats::Message, reply: &Reply) {
+async fn answer(nats: &async_nats::Client, msg: &async_nats::Message, reply: &WardenReply) {
     // Answers go to the warden's answer inboxes only, whatever subject the asker named.
     let to = (msg.reply.as_ref()).filter(|r| subjects::may_answer_on(subjects::ANSWERER_WARDEN, r));
     if let (Some(to), Ok(body)) = (to, serde_json::to_vec(reply)) {
@@ -853,7 +854,7 @@ async fn answer(nats: &async_nats::Client, msg: &async_nats::Message, reply: &Re
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, Reply> {
+fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, WardenReply> {
     serde_json::from_slice(payload).map_err(|e| err(format!("malformed chaos request: {e}")))
 }
 

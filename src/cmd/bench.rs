@@ -5,7 +5,7 @@ use crate::bench::load::{self as bench, Plan, Report};
 use crate::bench::runner as bench_scenario;
 use crate::core::request::{Priority, Risk};
 use crate::error::{Error, Kind, Outcome, Result};
-use crate::local::Record;
+use crate::local::MeshRecord;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -210,7 +210,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         Vec::new()
     } else if a.urls.is_empty() {
         let dir = a.cluster.dir();
-        let rec = Record::load(&dir)
+        let rec = MeshRecord::load(&dir)
             .map_err(|e| Error::new(Kind::Usage, e))?
             .ok_or_else(|| {
                 Error::new(

@@ -103,7 +103,7 @@ impl Drop for Cluster {
         if self.down {
             return;
         }
-        if let Ok(Some(rec)) = local::Record::load(&self.dir) {
+        if let Ok(Some(rec)) = local::MeshRecord::load(&self.dir) {
             for p in rec.processes.iter().filter(|p| local::is_ours(p)) {
                 local::signal(p.pid, libc::SIGTERM);
             }

@@ -1,7 +1,7 @@
 //! `oam escalation list|resolve`: what waits for a human, and saying it has been seen to.
 
 use crate::error::{Error, Kind, Result};
-use crate::transport::store::escalations::{self, Mark, Record, Resolved, Status};
+use crate::transport::store::escalations::{self, EscalationRecord, Mark, Resolved, Status};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
@@ -117,7 +117,7 @@ async fn list(a: ListArgs) -> Result<()> {
             unreadable.join(", ")
         );
     }
-    let records: Vec<Record> = records
+    let records: Vec<EscalationRecord> = records
         .into_iter()
         .filter(|r| (a.all || r.status == Status::Open) && of_agent(r, a.agent.as_deref()))
         .collect();
@@ -195,7 +195,7 @@ async fn list(a: ListArgs) -> Result<()> {
 }
 
 /// Whether `r` is `agent`'s (every record is, without an agent).
-fn of_agent(r: &Record, agent: Option<&str>) -> bool {
+fn of_agent(r: &EscalationRecord, agent: Option<&str>) -> bool {
     agent.is_none_or(|x| x == r.escalation.agent)
 }
 

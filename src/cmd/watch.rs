@@ -214,7 +214,8 @@ async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sende
             while let Some(Ok(entry)) = changes.next().await {
                 let ev = match entry.operation {
                     kv::Operation::Put => {
-                        match serde_json::from_slice::<escalations::Record>(&entry.value) {
+                        match serde_json::from_slice::<escalations::EscalationRecord>(&entry.value)
+                        {
                             Ok(r) => Event::Escalation(Box::new(r)),
                             Err(_) => continue,
                         }

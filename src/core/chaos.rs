@@ -232,7 +232,7 @@ pub struct Restore {
 /// The warden's answer to any request.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(rename_all = "snake_case")]
-pub enum Reply {
+pub enum WardenReply {
     /// Faults injected, listed or restored.
     Ok(Vec<Active>),
     /// Refused, with what to do instead.

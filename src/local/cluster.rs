@@ -5,7 +5,7 @@
 
 use super::natsd;
 use super::roles::Role;
-use super::{Record, Started, Stopped};
+use super::{MeshRecord, Started, Stopped};
 use crate::core::wire::NodeSnapshot;
 use crate::transport::connect::{ENV_CA, ENV_URL};
 use std::path::{Path, PathBuf};
@@ -100,7 +100,7 @@ impl std::error::Error for UpError {}
 #[derive(Debug)]
 pub enum Up {
     Started {
-        record: Record,
+        record: MeshRecord,
         dir: PathBuf,
         nats_server_version: String,
     },
@@ -129,7 +129,7 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         .dir
         .canonicalize()
         .map_err(|e| plan_err(anyhow::anyhow!("cannot open {}: {e}", plan.dir.display())))?;
-    if let Some(rec) = Record::load(&dir).map_err(plan_err)? {
+    if let Some(rec) = MeshRecord::load(&dir).map_err(plan_err)? {
         let alive = rec.processes.iter().filter(|p| super::is_ours(p)).count();
         if alive > 0 && alive < rec.processes.len() {
             let total = rec.processes.len();
@@ -218,7 +218,7 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
 /// What starting gave: the record saved and the mesh `Started`, or on failure everything in
 /// `started` stopped again, newest first.
 pub(super) async fn settle(
-    done: anyhow::Result<Record>,
+    done: anyhow::Result<MeshRecord>,
     dir: PathBuf,
     version: natsd::Version,
     started: &[Started],
@@ -248,7 +248,7 @@ pub(super) async fn settle(
 pub(super) async fn repair(
     plan: &Plan,
     dir: &Path,
-    mut rec: Record,
+    mut rec: MeshRecord,
 ) -> anyhow::Result<Vec<String>> {
     let (bin, _) = natsd::find(plan.nats_server.as_deref())?;
     let creds = kept_credentials(dir)
@@ -420,7 +420,7 @@ async fn start_all(
     bin: &Path,
     ports: &Ports<'_>,
     started: &mut Vec<Started>,
-) -> anyhow::Result<Record> {
+) -> anyhow::Result<MeshRecord> {
     // nats-server from a generated config, credentials beside it (0600): the folder's own, kept
     // across down and up, unless new ones are asked for (or it has none). A folder from before
     // roles gave every process one password: that one is not kept.
@@ -539,7 +539,7 @@ async fn start_all(
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    Ok(Record {
+    Ok(MeshRecord {
         started_at_ms: crate::clock::now_ms(),
         servers,
         sim_url,
@@ -794,7 +794,7 @@ async fn live_nodes(http: &reqwest::Client, url: &str) -> Option<usize> {
 /// Stop every recorded process, newest first (SIGTERM, then SIGKILL after `grace`), and forget
 /// the record; how each one stopped, or `None` when the folder records no cluster.
 pub async fn down(dir: &Path, grace: Duration) -> anyhow::Result<Option<Vec<(Started, Stopped)>>> {
-    let Some(rec) = Record::load(dir)? else {
+    let Some(rec) = MeshRecord::load(dir)? else {
         return Ok(None);
     };
     let mut report = Vec::new();
@@ -802,7 +802,7 @@ pub async fn down(dir: &Path, grace: Duration) -> anyhow::Result<Option<Vec<(Sta
         let how = super::stop(&p, grace).await;
         report.push((p, how));
     }
-    std::fs::remove_file(Record::path(dir))?;
+    std::fs::remove_file(MeshRecord::path(dir))?;
     Ok(Some(report))
 }
 
@@ -819,7 +819,7 @@ pub struct ProcessStatus {
 
 /// Probe every process the record lists: running (the same process we started), and healthy
 /// (it answers as it should).
-pub async fn status(rec: &Record) -> anyhow::Result<Vec<ProcessStatus>> {
+pub async fn status(rec: &MeshRecord) -> anyhow::Result<Vec<ProcessStatus>> {
     let http = crate::http::http_client(Some(Duration::from_secs(2)))?;
     let mut rows = Vec::new();
     for p in &rec.processes {
@@ -842,7 +842,7 @@ pub async fn status(rec: &Record) -> anyhow::Result<Vec<ProcessStatus>> {
 }
 
 /// Whether a running process answers as it should, and what it says.
-async fn probe(http: &reqwest::Client, rec: &Record, p: &Started) -> (bool, String) {
+async fn probe(http: &reqwest::Client, rec: &MeshRecord, p: &Started) -> (bool, String) {
     match p.name.as_str() {
         name if super::is_nats_server(name) => {
             let addr = rec.servers.iter().find(|s| s.name == name).map_or_else(

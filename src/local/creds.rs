@@ -22,7 +22,7 @@ pub fn load(dir: &Path) -> Option<(natsd::Credentials, Vec<String>)> {
 
 /// The CA of the folder's servers' TLS, if they speak it (its record says).
 fn ca_of(dir: &Path) -> Option<PathBuf> {
-    super::Record::load(dir).ok()??.ca
+    super::MeshRecord::load(dir).ok()??.ca
 }
 
 /// What issuing did: the user, its credentials file, and whether a running server took it
@@ -36,9 +36,9 @@ pub struct Issued {
 
 /// Refuse to change one host's roles of a mesh across hosts: every server must hold the same.
 fn not_across_hosts(dir: &Path) -> anyhow::Result<()> {
-    if let Ok(Some(super::Record {
+    if let Ok(Some(super::MeshRecord {
         hosts: Some(file), ..
-    })) = super::Record::load(dir)
+    })) = super::MeshRecord::load(dir)
     {
         anyhow::bail!(
             "the mesh in {} runs across the hosts of {f}, and every host's server must hold the \
@@ -128,7 +128,7 @@ async fn reload_checking(
     creds: &natsd::Credentials,
     changed: Option<&str>,
 ) -> anyhow::Result<bool> {
-    let record = super::Record::load(dir)?;
+    let record = super::MeshRecord::load(dir)?;
     let Some(record) = record else {
         return Ok(false);
     };

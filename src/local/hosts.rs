@@ -8,7 +8,7 @@
 use super::cluster::{self, Plan, Spec, Up, UpError};
 use super::natsd;
 use super::roles::Role;
-use super::{Record, Started};
+use super::{MeshRecord, Started};
 use crate::transport::connect::{ENV_CA, ENV_URL};
 use anyhow::{Context, anyhow, bail};
 use serde::Deserialize;
@@ -517,7 +517,7 @@ pub async fn up(plan: &HostPlan) -> Result<Up, UpError> {
         nats_server: plan.nats_server.clone(),
         ..Plan::any_ports(dir.clone(), host.nodes, plan.exe.clone())
     };
-    if let Some(rec) = Record::load(&dir).map_err(plan_err)? {
+    if let Some(rec) = MeshRecord::load(&dir).map_err(plan_err)? {
         let total = rec.processes.len();
         let alive = rec.processes.iter().filter(|p| super::is_ours(p)).count();
         if alive > 0 && rec.hosts.as_deref() != Some(d.file.as_path()) {
@@ -586,7 +586,7 @@ async fn start_host(
     host: &Host,
     creds: &natsd::Credentials,
     started: &mut Vec<Started>,
-) -> anyhow::Result<Record> {
+) -> anyhow::Result<MeshRecord> {
     let d = &plan.deployment;
     let ports = d.spec.ports;
     let tls = d.tls(host);
@@ -735,7 +735,7 @@ async fn start_host(
         ];
         cluster::start_oam(local, dir, started, cluster::monitor_spec(&shown, &env)).await?;
     }
-    Ok(Record {
+    Ok(MeshRecord {
         started_at_ms: crate::clock::now_ms(),
         servers: vec![server],
         sim_url,

@@ -178,7 +178,7 @@ pub async fn ready_line(
 }
 
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct Record {
+pub struct MeshRecord {
     pub started_at_ms: u64,
     /// The NATS servers, in start order: one, or the members of a cluster.
     pub servers: Vec<NatsServer>,
@@ -317,7 +317,7 @@ pub fn is_nats_server(name: &str) -> bool {
     name == "nats-server" || name.starts_with("nats-")
 }
 
-impl Record {
+impl MeshRecord {
     /// Every server's client port.
     pub fn nats_ports(&self) -> Vec<u16> {
         self.servers.iter().map(|s| s.port).collect()
@@ -336,8 +336,8 @@ impl Record {
         dir.join(RECORD)
     }
 
-    pub fn load(dir: &Path) -> anyhow::Result<Option<Record>> {
-        let path = Record::path(dir);
+    pub fn load(dir: &Path) -> anyhow::Result<Option<MeshRecord>> {
+        let path = MeshRecord::path(dir);
         match std::fs::read_to_string(&path) {
             Ok(text) => serde_json::from_str(&text)
                 .map(Some)
@@ -350,7 +350,7 @@ impl Record {
     /// Write the record whole or not at all (a temporary file renamed over it), so a reader
     /// never sees half of it.
     pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
-        let path = Record::path(dir);
+        let path = MeshRecord::path(dir);
         let tmp = dir.join(format!("{RECORD}.tmp"));
         let text = serde_json::to_string_pretty(self)?;
         std::fs::write(&tmp, text)
@@ -392,7 +392,7 @@ pub fn find_cluster(
     use crate::transport::connect::ENV_URL;
     let in_dir = |dir: &Path, how: &str| {
         // A mesh across hosts speaks TLS: its CA comes with its folder.
-        if let Ok(Some(Record { ca: Some(ca), .. })) = Record::load(dir) {
+        if let Ok(Some(MeshRecord { ca: Some(ca), .. })) = MeshRecord::load(dir) {
             crate::transport::connect::use_ca_file(&ca);
         }
         let user = role.user();
@@ -411,14 +411,14 @@ pub fn find_cluster(
                 format!("the mesh in {} ({how}) as {user}", dir.display()),
             ));
         }
-        if *role == roles::Role::Admin && Record::path(dir).exists() {
+        if *role == roles::Role::Admin && MeshRecord::path(dir).exists() {
             return Err(NoMesh(format!(
                 "this command runs as the mesh's admin, whose URL is in {} ({how}), readable only \
                  by the user who started the mesh; run it as that user, or pass --nats-url",
                 dir.join(SYSTEM).display()
             )));
         }
-        if Record::path(dir).exists() {
+        if MeshRecord::path(dir).exists() {
             let issue = match role {
                 roles::Role::Agent(name) => format!("--role agent --name {name}"),
                 roles::Role::Node(id) => format!("--role node --name {id}"),

@@ -284,7 +284,7 @@ mod tests {
                 let _ = serde_json::from_slice::<AgentHeartbeat>(bytes);
                 let _ = serde_json::from_slice::<Vec<CatalogEntry>>(bytes);
                 let _ = serde_json::from_slice::<crate::mesh::store::InstanceRecord>(bytes);
-                let _ = serde_json::from_slice::<crate::transport::store::escalations::Record>(bytes);
+                let _ = serde_json::from_slice::<crate::transport::store::escalations::EscalationRecord>(bytes);
                 if let Ok(n) = serde_json::from_slice::<DeathNotice>(bytes) {
                     let _ = valid_agent_name(&n.agent);
                 }

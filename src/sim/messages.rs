@@ -8,19 +8,19 @@ use serde_json::{Value, json};
 
 /// A Messages request as a chat request (what the providers read: the turns' text, the tools,
 /// `stream`), or why it is refused. A user turn of tool results reads as a `tool` turn.
-pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
+pub fn to_chat(body: &[u8]) -> Result<Value, super::NotServed> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let Some(model) = v["model"].as_str() else {
-        return Err(super::Refused("model: Field required".into()));
+        return Err(super::NotServed("model: Field required".into()));
     };
     if v["max_tokens"].as_u64().is_none_or(|n| n < 1) {
-        return Err(super::Refused(
+        return Err(super::NotServed(
             "max_tokens: Field required (a whole number of at least 1)".into(),
         ));
     }
     let Some(turns) = v["messages"].as_array().filter(|t| !t.is_empty()) else {
-        return Err(super::Refused(
+        return Err(super::NotServed(
             "messages: at least one message is required".into(),
         ));
     };
@@ -30,7 +30,7 @@ pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
     }
     for (i, t) in turns.iter().enumerate() {
         let Some(role @ ("user" | "assistant")) = t["role"].as_str() else {
-            return Err(super::Refused(format!(
+            return Err(super::NotServed(format!(
                 "messages.{i}.role: must be user or assistant"
             )));
         };

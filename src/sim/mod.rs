@@ -25,11 +25,11 @@ fn text_of(content: &serde_json::Value) -> String {
 /// A request the simulator refuses, in the words the API it speaks would use.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct Refused(pub String);
+pub struct NotServed(pub String);
 
-impl From<String> for Refused {
-    fn from(why: String) -> Refused {
-        Refused(why)
+impl From<String> for NotServed {
+    fn from(why: String) -> NotServed {
+        NotServed(why)
     }
 }
 
@@ -44,9 +44,9 @@ impl From<String> for BadSetting {
     }
 }
 
-impl From<&str> for Refused {
-    fn from(why: &str) -> Refused {
-        Refused(why.into())
+impl From<&str> for NotServed {
+    fn from(why: &str) -> NotServed {
+        NotServed(why.into())
     }
 }
 

@@ -239,7 +239,7 @@ impl Faults {
 
 /// What the provider does with one request.
 #[derive(Clone, PartialEq, Debug)]
-pub enum Reply {
+pub enum Handling {
     /// HTTP 200 after `delay_ms`.
     Answer {
         delay_ms: u64,
@@ -284,7 +284,7 @@ pub fn reply(
     question: &str,
     fault: Option<Fault>,
     now_ms: u64,
-) -> Reply {
+) -> Handling {
     let r = mix(seed ^ mix(provider_salt(&provider.id) ^ mix(k)));
     let jitter = if provider.jitter_ms == 0 {
         0
@@ -299,14 +299,14 @@ pub fn reply(
         "answer": format!("{} answer #{k} to: {snippet}", provider.id),
         "confidence": confidence,
     });
-    let good = Reply::Answer {
+    let good = Handling::Answer {
         delay_ms,
         content: answer.to_string(),
         finish_reason: "stop",
     };
     let Some(fault) = fault else { return good };
     match fault.mode {
-        FaultMode::Error { status } => Reply::Fail {
+        FaultMode::Error { status } => Handling::Fail {
             delay_ms: jitter,
             status,
         },
@@ -335,37 +335,37 @@ pub fn reply(
             } else {
                 "stop"
             };
-            Reply::Answer {
+            Handling::Answer {
                 delay_ms,
                 content,
                 finish_reason,
             }
         }
         FaultMode::Slow { extra_ms } => match good {
-            Reply::Answer {
+            Handling::Answer {
                 content,
                 finish_reason,
                 ..
-            } => Reply::Answer {
+            } => Handling::Answer {
                 delay_ms: delay_ms + extra_ms,
                 content,
                 finish_reason,
             },
             other => other,
         },
-        FaultMode::Hang => Reply::Hang {
+        FaultMode::Hang => Handling::Hang {
             until_ms: fault.until_ms.max(now_ms),
         },
-        FaultMode::RateLimit { retry_after_ms } => Reply::RateLimited { retry_after_ms },
-        FaultMode::Reset => Reply::Reset,
-        FaultMode::Refuse { reason } => Reply::Refuse(reason),
+        FaultMode::RateLimit { retry_after_ms } => Handling::RateLimited { retry_after_ms },
+        FaultMode::Reset => Handling::Reset,
+        FaultMode::Refuse { reason } => Handling::Refuse(reason),
         // Applied by the server as it streams.
         FaultMode::Stream { .. } => good,
         FaultMode::Flaky { error_rate } => {
             // An independent draw from the same request number, in [0, 1).
             let draw = (mix(r) >> 11) as f64 / (1u64 << 53) as f64;
             if draw < error_rate {
-                Reply::Fail {
+                Handling::Fail {
                     delay_ms: jitter,
                     status: 500,
                 }
@@ -398,7 +398,7 @@ mod tests {
     fn healthy_answers_meet_the_default_contract_and_latency() {
         for k in 0..200 {
             match reply(7, &primary(), k, "What is 2+2?", None, 0) {
-                Reply::Answer {
+                Handling::Answer {
                     delay_ms, content, ..
                 } => {
                     assert!((150..200).contains(&delay_ms), "{delay_ms}");
@@ -412,13 +412,13 @@ mod tests {
 
     #[test]
     fn same_seed_same_answers_other_seed_other_answers() {
-        let a: Vec<Reply> = (0..20)
+        let a: Vec<Handling> = (0..20)
             .map(|k| reply(1, &primary(), k, "q", None, 0))
             .collect();
-        let b: Vec<Reply> = (0..20)
+        let b: Vec<Handling> = (0..20)
             .map(|k| reply(1, &primary(), k, "q", None, 0))
             .collect();
-        let c: Vec<Reply> = (0..20)
+        let c: Vec<Handling> = (0..20)
             .map(|k| reply(2, &primary(), k, "q", None, 0))
             .collect();
         assert_eq!(a, b);
@@ -439,7 +439,7 @@ mod tests {
             ),
             (ContractBreak::Truncated, ReasonCode::ContractTruncated),
         ] {
-            let Reply::Answer {
+            let Handling::Answer {
                 content,
                 finish_reason,
                 ..
@@ -459,7 +459,7 @@ mod tests {
                 .unwrap_err();
             assert_eq!(defects[0].code, code, "{kind:?}: {content}");
             // Truncation is also detectable from the content alone, whatever the question's script.
-            let Reply::Answer { content, .. } = reply(
+            let Handling::Answer { content, .. } = reply(
                 3,
                 &primary(),
                 0,
@@ -487,7 +487,7 @@ mod tests {
                 fault(FaultMode::Error { status: 503 }),
                 0
             ),
-            Reply::Fail { status: 503, .. }
+            Handling::Fail { status: 503, .. }
         ));
         assert_eq!(
             reply(
@@ -500,15 +500,15 @@ mod tests {
                 }),
                 0
             ),
-            Reply::RateLimited {
+            Handling::RateLimited {
                 retry_after_ms: 2_000
             }
         );
         assert_eq!(
             reply(0, &primary(), 0, "q", fault(FaultMode::Hang), 5),
-            Reply::Hang { until_ms: 10_000 }
+            Handling::Hang { until_ms: 10_000 }
         );
-        let Reply::Answer { delay_ms, .. } = reply(
+        let Handling::Answer { delay_ms, .. } = reply(
             0,
             &primary(),
             0,
@@ -521,7 +521,7 @@ mod tests {
         assert!(delay_ms >= 1_150);
         assert_eq!(
             reply(0, &primary(), 0, "q", fault(FaultMode::Reset), 0),
-            Reply::Reset
+            Handling::Reset
         );
     }
 
@@ -529,7 +529,12 @@ mod tests {
     fn flaky_fails_about_its_error_rate() {
         let flaky = fault(FaultMode::Flaky { error_rate: 0.3 });
         let failed = (0..2_000)
-            .filter(|&k| matches!(reply(9, &primary(), k, "q", flaky, 0), Reply::Fail { .. }))
+            .filter(|&k| {
+                matches!(
+                    reply(9, &primary(), k, "q", flaky, 0),
+                    Handling::Fail { .. }
+                )
+            })
             .count();
         assert!((500..700).contains(&failed), "{failed} of 2000 at rate 0.3");
     }

@@ -10,14 +10,14 @@ use serde_json::{Value, json};
 /// A Responses request as a chat request (the turns' text, function tools, `stream`,
 /// reasoning effort), or why it is refused. A function call reads as an assistant turn, its
 /// output as a `tool` turn.
-pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
+pub fn to_chat(body: &[u8]) -> Result<Value, super::NotServed> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let Some(model) = v["model"].as_str() else {
-        return Err(super::Refused("model: is required".into()));
+        return Err(super::NotServed("model: is required".into()));
     };
     if !v["previous_response_id"].is_null() {
-        return Err(super::Refused(
+        return Err(super::NotServed(
             "previous_response_id: the simulator keeps no responses".into(),
         ));
     }
@@ -36,7 +36,7 @@ pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
                             json!({"role": role, "content": text_of(&item["content"])})
                         }
                         _ => {
-                            return Err(super::Refused(format!(
+                            return Err(super::NotServed(format!(
                                 "input.{i}.role: must be user, assistant, system or developer"
                             )));
                         }
@@ -44,7 +44,7 @@ pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
                     "function_call" => json!({"role": "assistant", "content": ""}),
                     "function_call_output" => json!({"role": "tool", "content": item["output"]}),
                     other => {
-                        return Err(super::Refused(format!(
+                        return Err(super::NotServed(format!(
                             "input.{i}.type: {other:?} is not served"
                         )));
                     }
@@ -53,20 +53,20 @@ pub fn to_chat(body: &[u8]) -> Result<Value, super::Refused> {
             }
         }
         _ => {
-            return Err(super::Refused(
+            return Err(super::NotServed(
                 "input: a string or a list of items is required".into(),
             ));
         }
     }
     if messages.iter().all(|m| m["role"] == "system") {
-        return Err(super::Refused(
+        return Err(super::NotServed(
             "input: at least one item is required".into(),
         ));
     }
     let mut tools = Vec::new();
     for (i, t) in v["tools"].as_array().into_iter().flatten().enumerate() {
         if t["type"] != "function" {
-            return Err(super::Refused(format!(
+            return Err(super::NotServed(format!(
                 "tools.{i}.type: {} is a hosted tool; the simulator serves function tools",
                 t["type"]
             )));

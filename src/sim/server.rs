@@ -23,7 +23,7 @@
 //! Over Messages, the first sight of a system prompt is reported as written to the cache
 //! (`cache_creation_input_tokens`), later ones as read from it (`cache_read_input_tokens`).
 
-use super::model::{self, Faults, Reply, SimProvider};
+use super::model::{self, Faults, Handling, SimProvider};
 use super::{messages, responses, text_of};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -133,7 +133,7 @@ impl Sim {
         k: u64,
         model: Option<&str>,
         question: &str,
-    ) -> (Reply, Option<model::Fault>, u64) {
+    ) -> (Handling, Option<model::Fault>, u64) {
         let now = self.now_ms();
         let fault = {
             let mut faults = self.faults();
@@ -143,7 +143,7 @@ impl Sim {
                 .or_else(|| faults.get(&provider.id, now))
         };
         let mut reply = model::reply(self.seed, provider, k, question, fault, now);
-        if let Reply::Hang { until_ms } = reply {
+        if let Handling::Hang { until_ms } = reply {
             tokio::time::sleep(Duration::from_millis(until_ms.saturating_sub(now))).await;
             reply = model::reply(self.seed, provider, k, question, None, self.now_ms());
         }
@@ -422,19 +422,19 @@ fn api_routes(router: Router<Arc<Sim>>, speaks: Speaks) -> Router<Arc<Sim>> {
 
 /// The texts of an embeddings `input` (a string, strings, or token arrays read as their ids),
 /// or why it is refused.
-fn embedding_inputs(input: &Value) -> Result<Vec<String>, super::Refused> {
+fn embedding_inputs(input: &Value) -> Result<Vec<String>, super::NotServed> {
     let items = match input {
         Value::String(_) => vec![input.clone()],
         Value::Array(a) if a.first().is_some_and(Value::is_number) => vec![input.clone()],
         Value::Array(a) => a.clone(),
         _ => {
-            return Err(super::Refused(
+            return Err(super::NotServed(
                 "input must be a string, strings or token arrays".into(),
             ));
         }
     };
     if items.is_empty() {
-        return Err(super::Refused("input must hold at least one item".into()));
+        return Err(super::NotServed("input must hold at least one item".into()));
     }
     items
         .iter()
@@ -517,7 +517,7 @@ async fn embed(sim: &Sim, provider_id: &str, body: &Bytes) -> Response {
     let k = counter.fetch_add(1, Ordering::Relaxed);
     let model = req["model"].as_str().unwrap_or(&provider.model).to_string();
     let (reply, fault, _) = sim.reply(provider, k, Some(&model), &inputs[0]).await;
-    let Reply::Answer { delay_ms, .. } = reply else {
+    let Handling::Answer { delay_ms, .. } = reply else {
         return failure(Speaks::Chat, reply).await;
     };
     pause(delay_ms).await;
@@ -614,7 +614,7 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Speaks) -> 
         .reply(provider, k, req.model.as_deref(), &question)
         .await;
     match reply {
-        Reply::Answer {
+        Handling::Answer {
             delay_ms,
             content,
             finish_reason,
@@ -739,19 +739,19 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Speaks) -> 
 
 /// What a provider answers instead of an answer: an error status, a rate limit, a refusal, a
 /// reset connection (in `api`'s envelope).
-async fn failure(api: Speaks, reply: Reply) -> Response {
+async fn failure(api: Speaks, reply: Handling) -> Response {
     match reply {
-        Reply::Answer { .. } => openai_error(
+        Handling::Answer { .. } => openai_error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
             "an answer is no failure",
         ),
-        Reply::Fail { delay_ms, status } => {
+        Handling::Fail { delay_ms, status } => {
             pause(delay_ms).await;
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             api_error(api, status, "upstream_error", "simulated provider outage")
         }
-        Reply::RateLimited { retry_after_ms } => {
+        Handling::RateLimited { retry_after_ms } => {
             let mut resp = api_error(
                 api,
                 StatusCode::TOO_MANY_REQUESTS,
@@ -768,7 +768,7 @@ async fn failure(api: Speaks, reply: Reply) -> Response {
             }
             resp
         }
-        Reply::Refuse(reason) => {
+        Handling::Refuse(reason) => {
             use model::Refusal;
             let (status, code, message) = match reason {
                 Refusal::ContextLength => (
@@ -789,7 +789,7 @@ async fn failure(api: Speaks, reply: Reply) -> Response {
             };
             api_error(api, status, code, message)
         }
-        Reply::Reset => {
+        Handling::Reset => {
             // A body that fails after the headers: the server drops the connection mid-response,
             // which the client sees as a reset / incomplete message.
             let stream = futures_util::stream::once(async {
@@ -805,7 +805,7 @@ async fn failure(api: Speaks, reply: Reply) -> Response {
                 .body(Body::from_stream(stream))
                 .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
         }
-        Reply::Hang { .. } => openai_error(
+        Handling::Hang { .. } => openai_error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
             "hang did not end",

@@ -1,6 +1,6 @@
 //! Asking the chaos warden over NATS (inject, list, restore) and reading its reply.
 
-use crate::core::chaos::{Active, Reply};
+use crate::core::chaos::{Active, WardenReply};
 use std::time::Duration;
 
 /// Why the warden could not be asked, or said no.
@@ -45,9 +45,9 @@ pub async fn ask(
         }
         Err(e) => return Err(AskError::Failed(e.to_string())),
     };
-    match serde_json::from_slice::<Reply>(&msg.payload) {
-        Ok(Reply::Ok(faults)) => Ok(faults),
-        Ok(Reply::Error(why)) => Err(AskError::Refused(why)),
+    match serde_json::from_slice::<WardenReply>(&msg.payload) {
+        Ok(WardenReply::Ok(faults)) => Ok(faults),
+        Ok(WardenReply::Error(why)) => Err(AskError::Refused(why)),
         Err(e) => Err(AskError::Failed(format!(
             "the chaos warden's reply is not understood: {e}"
         ))),

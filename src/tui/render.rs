@@ -1,7 +1,7 @@
 //! Drawing `oam watch`: a pure function of the app state and the clock. Wide terminals get
 //! every panel side by side; down to 80x24 the same panels stack and shrink without garbling.
 
-use super::state::{App, CHAOS_MENU, Focus, LineKind, Verdict};
+use super::state::{App, CHAOS_MENU, Focus, LineKind, MeshStatus};
 use crate::core::breaker::Breaker;
 use crate::core::bulkhead::Occupancy;
 use crate::core::health::Verdict as Health;
@@ -322,23 +322,23 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let (verdict, why) = app.banner(now_ms);
     let now_ms = app.picture_ms(now_ms);
     let (style, label) = match verdict {
-        Verdict::Nominal => (
+        MeshStatus::Nominal => (
             Style::default().fg(Color::Black).bg(Color::Green),
             " ALL NOMINAL ",
         ),
-        Verdict::Degraded => (
+        MeshStatus::Degraded => (
             Style::default().fg(Color::Black).bg(Color::Yellow),
             " DEGRADED ",
         ),
-        Verdict::Rerouting => (
+        MeshStatus::Rerouting => (
             Style::default().fg(Color::White).bg(Color::Red),
             " REROUTING ",
         ),
-        Verdict::NoQuorum if !app.connected => (
+        MeshStatus::NoQuorum if !app.connected => (
             Style::default().fg(Color::White).bg(Color::DarkGray),
             " NATS LOST ",
         ),
-        Verdict::NoQuorum => (
+        MeshStatus::NoQuorum => (
             Style::default().fg(Color::White).bg(Color::Magenta),
             " NO QUORUM ",
         ),

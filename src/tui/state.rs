@@ -8,7 +8,7 @@ use crate::core::pipeline::{Decision, DecisionOutcome};
 use crate::core::reason::Phase;
 use crate::core::wire::NodeSnapshot;
 use crate::mesh::protocol::{AgentHeartbeat, DeathNotice};
-use crate::transport::store::escalations::{Record, Status};
+use crate::transport::store::escalations::{EscalationRecord, Status};
 use std::collections::{BTreeMap, VecDeque};
 
 /// Decisions kept for the stream.
@@ -113,7 +113,7 @@ pub enum Event {
         decision: Box<Decision>,
     },
     /// An escalation record from the escalation store, open or resolved.
-    Escalation(Box<Record>),
+    Escalation(Box<EscalationRecord>),
     /// A record deleted from the store (by its key).
     EscalationGone(String),
     /// The store is about to be read again from the start: forget what it said.
@@ -223,7 +223,7 @@ pub struct App {
     /// Per second (ms of the second's start -> (decisions, latencies)).
     pub seconds: BTreeMap<u64, Second>,
     /// Open escalations by store key.
-    pub escalations: BTreeMap<String, Record>,
+    pub escalations: BTreeMap<String, EscalationRecord>,
     pub incidents: VecDeque<(u64, String, Incident)>,
     pub deaths: VecDeque<(u64, DeathNotice)>,
     pub instances: BTreeMap<String, Instance>,
@@ -509,8 +509,8 @@ impl App {
     }
 
     /// Open escalations, newest first.
-    pub fn open_escalations(&self) -> Vec<&Record> {
-        let mut open: Vec<&Record> = self.escalations.values().collect();
+    pub fn open_escalations(&self) -> Vec<&EscalationRecord> {
+        let mut open: Vec<&EscalationRecord> = self.escalations.values().collect();
         open.sort_by(|a, b| {
             (b.escalation.created_at_ms, &b.escalation.id)
                 .cmp(&(a.escalation.created_at_ms, &a.escalation.id))
@@ -536,7 +536,7 @@ impl App {
     }
 
     /// One verdict for the mesh, and what drives it.
-    pub fn banner(&self, now_ms: u64) -> (Verdict, String) {
+    pub fn banner(&self, now_ms: u64) -> (MeshStatus, String) {
         if !self.connected {
             let why = match self.lost_at_ms {
                 Some(at) => format!(
@@ -546,11 +546,11 @@ impl App {
                 ),
                 None => "NATS unreachable: reconnecting. Is the mesh up? `oam mesh status`".into(),
             };
-            return (Verdict::NoQuorum, why);
+            return (MeshStatus::NoQuorum, why);
         }
         let Some(state) = self.reference(now_ms) else {
             return (
-                Verdict::NoQuorum,
+                MeshStatus::NoQuorum,
                 "no node heard from: is the mesh up (`oam mesh status`)?".into(),
             );
         };
@@ -558,7 +558,7 @@ impl App {
         let live = self.live_nodes(now_ms).len();
         if !state.has_quorum() {
             return (
-                Verdict::NoQuorum,
+                MeshStatus::NoQuorum,
                 format!("no quorum: {live} of {expected} nodes; each node decides on its own view"),
             );
         }
@@ -582,7 +582,10 @@ impl App {
             if failed > 0 {
                 why.push(format!("{failed} failed in {w} s"));
             }
-            return (Verdict::Rerouting, format!("rerouting: {}", why.join("; ")));
+            return (
+                MeshStatus::Rerouting,
+                format!("rerouting: {}", why.join("; ")),
+            );
         }
         let dead = self.nodes.len().saturating_sub(live);
         let sick = !unhealthy.is_empty() || !degraded.is_empty();
@@ -616,12 +619,12 @@ impl App {
                 why.push(format!("{} chaos fault(s) active", self.chaos.len()));
             }
             return (
-                Verdict::Degraded,
+                MeshStatus::Degraded,
                 format!("degraded, absorbing failure: {}", why.join("; ")),
             );
         }
         (
-            Verdict::Nominal,
+            MeshStatus::Nominal,
             format!("all nominal: {live} nodes, quorum held, every provider healthy"),
         )
     }
@@ -682,7 +685,7 @@ impl App {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
+pub enum MeshStatus {
     Nominal,
     Degraded,
     Rerouting,
@@ -847,7 +850,7 @@ mod tests {
     fn the_banner_says_what_drives_it() {
         let mut app = App::default();
         app.apply(Event::Connection(true), 0);
-        assert_eq!(app.banner(0).0, Verdict::NoQuorum, "nothing heard yet");
+        assert_eq!(app.banner(0).0, MeshStatus::NoQuorum, "nothing heard yet");
         for n in ["n1", "n2", "n3"] {
             let s = state(true, &[("primary", Health::Healthy)]);
             app.apply(
@@ -858,7 +861,7 @@ mod tests {
                 1_000,
             );
         }
-        assert_eq!(app.banner(1_000).0, Verdict::Nominal);
+        assert_eq!(app.banner(1_000).0, MeshStatus::Nominal);
         app.apply(
             Event::NodeState {
                 node: "n1".into(),
@@ -868,7 +871,7 @@ mod tests {
         );
         // Unhealthy by the health windows, but no request rerouted (yet): degraded.
         let (v, why) = app.banner(2_000);
-        assert_eq!(v, Verdict::Degraded);
+        assert_eq!(v, MeshStatus::Degraded);
         assert!(why.contains("primary unhealthy"), "{why}");
         // n2 and n3 fall silent; the freshest (n1) still says quorum: degraded by silence.
         app.apply(
@@ -879,7 +882,7 @@ mod tests {
             6_000,
         );
         let (v, why) = app.banner(6_000);
-        assert_eq!(v, Verdict::Degraded);
+        assert_eq!(v, MeshStatus::Degraded);
         assert!(why.contains("2 node(s) down"), "{why}");
         // A store that takes no writes, as a live node says: degraded, and said.
         let mut full = state(true, &[("primary", Health::Healthy)]);
@@ -893,7 +896,7 @@ mod tests {
             6_100,
         );
         let (v, why) = app.banner(6_100);
-        assert_eq!(v, Verdict::Degraded);
+        assert_eq!(v, MeshStatus::Degraded);
         assert!(why.contains("the ledger takes no writes"), "{why}");
         // n1 itself hears only itself: no quorum, whatever the verdicts say.
         app.apply(
@@ -904,7 +907,7 @@ mod tests {
             7_000,
         );
         let (v, why) = app.banner(7_000);
-        assert_eq!(v, Verdict::NoQuorum, "{why}");
+        assert_eq!(v, MeshStatus::NoQuorum, "{why}");
         app.apply(Event::Connection(false), 7_000);
         assert!(app.banner(7_000).1.contains("NATS unreachable"));
     }
@@ -952,31 +955,31 @@ mod tests {
             );
         };
         healthy(&mut app, 10_000);
-        assert_eq!(app.banner(10_000).0, Verdict::Nominal);
+        assert_eq!(app.banner(10_000).0, MeshStatus::Nominal);
         // The health windows still say HEALTHY: the first rerouted request turns the banner.
         decide(&mut app, 10_100, DecisionOutcome::Accepted, "local", true);
         let (v, why) = app.banner(10_100);
-        assert_eq!(v, Verdict::Rerouting, "{why}");
+        assert_eq!(v, MeshStatus::Rerouting, "{why}");
         assert!(why.contains("1 rerouted"), "{why}");
         healthy(&mut app, 11_000);
         assert_eq!(
             app.banner(12_000).0,
-            Verdict::Rerouting,
+            MeshStatus::Rerouting,
             "within 2 s of the last"
         );
         healthy(&mut app, 12_000);
         assert_eq!(
             app.banner(12_200).0,
-            Verdict::Nominal,
+            MeshStatus::Nominal,
             "cleared 2 s after the last"
         );
         // A failing request, any phase, can never sit beside ALL NOMINAL.
         decide(&mut app, 12_300, DecisionOutcome::Rejected, "", false);
         let (v, why) = app.banner(12_300);
-        assert_eq!(v, Verdict::Degraded, "{why}");
+        assert_eq!(v, MeshStatus::Degraded, "{why}");
         assert!(why.contains("1 failed"), "{why}");
         healthy(&mut app, 14_000);
-        assert_eq!(app.banner(14_400).0, Verdict::Nominal);
+        assert_eq!(app.banner(14_400).0, MeshStatus::Nominal);
         // Shares count the last 10 s only.
         for at in [20_000, 20_100, 20_200] {
             decide(&mut app, at, DecisionOutcome::Accepted, "primary", false);
@@ -1000,7 +1003,7 @@ mod tests {
             );
         }
         let (v, why) = app.banner(40_000);
-        assert_eq!(v, Verdict::Degraded, "{why}");
+        assert_eq!(v, MeshStatus::Degraded, "{why}");
         assert!(why.contains("primary unhealthy"), "{why}");
     }
 

@@ -131,7 +131,7 @@ async fn up_status_request_down() {
     // Half dead: a node and the nats-server killed. `mesh up` starts exactly those again (the
     // server on its port, the node with its role's credentials), and the mesh is whole.
     let record = |name: &str| {
-        let rec = oam::local::Record::load(&dir.0).unwrap().unwrap();
+        let rec = oam::local::MeshRecord::load(&dir.0).unwrap().unwrap();
         rec.processes.into_iter().find(|p| p.name == name).unwrap()
     };
     for name in ["n2", "nats-server"] {
@@ -532,7 +532,13 @@ async fn credentials_survive_down_and_up_unless_renewed() {
             .as_str()
             .is_some_and(|p| p.len() >= 32)
     );
-    let port = || oam::local::Record::load(&dir.0).unwrap().unwrap().servers[0].port;
+    let port = || {
+        oam::local::MeshRecord::load(&dir.0)
+            .unwrap()
+            .unwrap()
+            .servers[0]
+            .port
+    };
     let before = port();
     down();
     up(&[]);

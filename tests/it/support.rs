@@ -491,7 +491,7 @@ impl Drop for ClusterDir {
 pub struct LocalCluster {
     pub dir: ClusterDir,
     /// What was started (as recorded in mesh.json when it came up).
-    pub record: oam::local::Record,
+    pub record: oam::local::MeshRecord,
 }
 
 impl LocalCluster {
@@ -516,7 +516,7 @@ impl LocalCluster {
 
     /// A mesh `oam mesh up` started in `dir`.
     pub fn recorded_in(dir: ClusterDir) -> LocalCluster {
-        let record = oam::local::Record::load(&dir.0)
+        let record = oam::local::MeshRecord::load(&dir.0)
             .unwrap()
             .expect("a mesh recorded");
         LocalCluster { dir, record }

@@ -1,7 +1,7 @@
 //! `oam mesh status`: what is running and healthy (exit 1 if anything is not).
 
 use crate::error::{Error, Kind, Outcome, Result};
-use crate::local::{Record, cluster};
+use crate::local::{MeshRecord, cluster};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -19,7 +19,7 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<Outcome> {
-    let Some(rec) = Record::load(&a.dir).map_err(|e| Error::new(Kind::Usage, e))? else {
+    let Some(rec) = MeshRecord::load(&a.dir).map_err(|e| Error::new(Kind::Usage, e))? else {
         return Err(Error::new(
             Kind::Unreachable,
             anyhow::anyhow!(

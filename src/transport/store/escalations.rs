@@ -21,7 +21,7 @@ pub enum Status {
 
 /// One escalation and what became of it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct Record {
+pub struct EscalationRecord {
     pub escalation: Escalation,
     /// The node that raised it.
     pub node: String,
@@ -72,7 +72,7 @@ pub async fn store(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
 
 /// Record `escalation`, raised by `node`, as open.
 pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> anyhow::Result<()> {
-    let record = Record {
+    let record = EscalationRecord {
         escalation: escalation.clone(),
         node: node.to_string(),
         status: Status::Open,
@@ -94,19 +94,21 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> any
 
 /// Every record in the bucket, oldest first; entries that are not records are skipped (see
 /// `all_checked` to hear about them).
-pub async fn all(store: &kv::Store) -> anyhow::Result<Vec<Record>> {
+pub async fn all(store: &kv::Store) -> anyhow::Result<Vec<EscalationRecord>> {
     Ok(all_checked(store).await?.0)
 }
 
 /// Every record in the bucket, oldest first, and the keys of entries that are not records
 /// (corrupt, or written by something else), so a reader can say so instead of hiding them.
-pub async fn all_checked(store: &kv::Store) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
+pub async fn all_checked(
+    store: &kv::Store,
+) -> anyhow::Result<(Vec<EscalationRecord>, Vec<String>)> {
     let keys = super::keys(store).await?;
     let mut out = Vec::with_capacity(keys.len());
     let mut unreadable = Vec::new();
     for k in keys {
         if let Some(bytes) = store.get(&k).await? {
-            match serde_json::from_slice::<Record>(&bytes) {
+            match serde_json::from_slice::<EscalationRecord>(&bytes) {
                 Ok(r) => out.push(r),
                 Err(_) => unreadable.push(k),
             }
@@ -122,8 +124,8 @@ pub async fn all_checked(store: &kv::Store) -> anyhow::Result<(Vec<Record>, Vec<
 /// What resolving one escalation did.
 #[derive(Debug, PartialEq)]
 pub enum Resolved {
-    Now(Box<Record>),
-    Already(Box<Record>),
+    Now(Box<EscalationRecord>),
+    Already(Box<EscalationRecord>),
     Unknown,
 }
 
@@ -165,7 +167,7 @@ pub async fn mark(
         if entry.operation != kv::Operation::Put {
             return Ok(Resolved::Unknown);
         }
-        let mut record: Record = serde_json::from_slice(&entry.value)
+        let mut record: EscalationRecord = serde_json::from_slice(&entry.value)
             .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
         let done = record.status == Status::Resolved
             || (how == Mark::Acknowledged && record.acknowledged_by.is_some());
@@ -196,7 +198,7 @@ pub async fn mark(
     anyhow::bail!("{id} kept changing while it was being resolved; try again")
 }
 
-/// Record on escalation `id` how its delivery went (whatever else changed in the record
+/// EscalationRecord on escalation `id` how its delivery went (whatever else changed in the record
 /// meanwhile stays).
 /// A sink an escalation is sent to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -216,7 +218,7 @@ impl Sink {
     }
 }
 
-/// Record how `sink` took escalation `id`.
+/// EscalationRecord how `sink` took escalation `id`.
 pub async fn delivered(
     store: &kv::Store,
     id: &str,
@@ -228,7 +230,7 @@ pub async fn delivered(
         let Some(entry) = store.entry(k.clone()).await? else {
             anyhow::bail!("no record of {id}");
         };
-        let mut record: Record = serde_json::from_slice(&entry.value)
+        let mut record: EscalationRecord = serde_json::from_slice(&entry.value)
             .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
         match sink {
             Sink::Webhook(_) => record.delivery = Some(delivery.clone()),
@@ -246,9 +248,14 @@ pub async fn delivered(
 
 /// A loop escalation for tests of the views.
 #[cfg(test)]
-pub(crate) fn example(id: &str, agent: &str, created_at_ms: u64, status: Status) -> Record {
+pub(crate) fn example(
+    id: &str,
+    agent: &str,
+    created_at_ms: u64,
+    status: Status,
+) -> EscalationRecord {
     use crate::core::reason::{Action, Phase, ReasonCode};
-    Record {
+    EscalationRecord {
         escalation: Escalation {
             id: id.to_string(),
             request_id: format!("r-{id}"),
