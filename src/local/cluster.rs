@@ -144,7 +144,7 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
             // Up already: put back any bucket that has gone (only the admin may create one).
             if let Some((creds, servers)) = super::creds::load(&dir)
                 && let Err(e) =
-                    create_buckets(&natsd::app_url(&servers, &creds), plan.log_retention).await
+                    create_buckets(&natsd::app_url(&servers, &creds), plan.log_retention, 1).await
             {
                 tracing::warn!("the mesh is up but its buckets could not be checked: {e:#}");
             }
@@ -448,7 +448,7 @@ async fn start_all(
     save_system(dir, &urls, &creds)?;
     write_role_files(dir, &urls, None, &creds)?;
     let url_of = |role: &Role| creds.url(&urls, &role.user()).unwrap_or_default();
-    create_buckets(&natsd::app_url(&urls, &creds), plan.log_retention).await?;
+    create_buckets(&natsd::app_url(&urls, &creds), plan.log_retention, 1).await?;
     if servers.len() == 2 {
         tracing::warn!(
             "2 nats-servers make no majority once one is gone: streams keep 2 copies and stop \
@@ -680,12 +680,24 @@ pub fn write_role_files(
 pub(super) async fn create_buckets(
     admin_url: &str,
     log_retention: Option<(Duration, u64)>,
+    copies: usize,
 ) -> anyhow::Result<()> {
     use crate::transport::store::{self, decisions, escalations, ledger, loops, rates};
     let refused = crate::transport::connect::Refused::default();
     let nats =
         crate::transport::connect::connect(admin_url, "oam-mesh-up", false, &refused).await?;
+    // Every store keeps as many copies as the server this connection reached knows of: one
+    // that has not heard of every server yet would make them keep fewer for good.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while store::replicas(&nats) < copies && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let replicas = store::replicas(&nats);
+    if replicas < copies {
+        anyhow::bail!(
+            "the server reached knows {replicas} of the {copies} servers the stores need"
+        );
+    }
     escalations::store(&nats).await?;
     ledger::open(&nats).await?;
     loops::open(&nats).await?;
