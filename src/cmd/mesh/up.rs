@@ -78,6 +78,7 @@ pub async fn run(a: Args) -> Result<()> {
             Some(path) => Some(log_retention(&path)?),
             None => None,
         };
+        log_fits_disk(log_retention, &a.dir)?;
         let plan = local::hosts::HostPlan {
             log_retention,
             deployment,
@@ -96,15 +97,7 @@ pub async fn run(a: Args) -> Result<()> {
         Some(path) => Some(log_retention(path)?),
         None => None,
     };
-    // The decision log must fit the disk: checked before anything starts, not found out when
-    // the disk is full.
-    let log_bytes = log_retention
-        .map_or(crate::transport::store::decisions::DEFAULT_MAX_BYTES, |r| {
-            r.1
-        });
-    if let Some(free) = local::free_bytes(&a.dir) {
-        local::log_fits(log_bytes, free, &a.dir).map_err(Error::usage)?;
-    }
+    log_fits_disk(log_retention, &a.dir)?;
     let plan = cluster::Plan {
         dir: a.dir.clone(),
         nodes: a.nodes,
@@ -121,6 +114,22 @@ pub async fn run(a: Args) -> Result<()> {
         nats_monitor: a.nats_monitor,
     };
     report(&a, cluster::up(&plan).await)
+}
+
+/// The decision log must fit the disk this host keeps its mesh folder on: checked before
+/// anything starts, not found out when the disk is full (every host of a hosts mesh checks its
+/// own).
+fn log_fits_disk(
+    log_retention: Option<(std::time::Duration, u64)>,
+    dir: &std::path::Path,
+) -> Result<()> {
+    let bytes = log_retention.map_or(crate::transport::store::decisions::DEFAULT_MAX_BYTES, |r| {
+        r.1
+    });
+    if let Some(free) = local::free_bytes(dir) {
+        local::log_fits(bytes, free, dir).map_err(Error::usage)?;
+    }
+    Ok(())
 }
 
 /// The decision log's age and size from the nodes' configuration at `path`, checked before
