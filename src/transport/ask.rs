@@ -58,8 +58,19 @@ impl Inbox {
     /// The token of an answer on `subject` from answerer `tag`; `None` when another answerer
     /// wrote it (the server let it publish under its own token only) or it is no answer here.
     pub fn token_of<'a>(&self, subject: &'a str, tag: &str) -> Option<&'a str> {
-        let (rest, token) = subject.rsplit_once('.')?;
-        (self.at(tag, "") == format!("{rest}.")).then_some(token)
+        let mine = match self.private.as_deref() {
+            Some(private) => {
+                let (by, rest) = subjects::answered_by(subject)?;
+                let asker = private.strip_prefix("_OAM.")?;
+                (by == tag).then_some(())?;
+                rest.strip_prefix(asker)?.strip_prefix('.')?
+            }
+            None => subject
+                .strip_prefix(subjects::DEFAULT_INBOX)?
+                .strip_prefix('.')?,
+        };
+        let token = mine.strip_prefix(self.conn.as_str())?.strip_prefix('.')?;
+        (!token.is_empty() && !token.contains('.')).then_some(token)
     }
 }
 
@@ -108,7 +119,8 @@ fn waiting(
 impl Asker {
     pub async fn new(nats: async_nats::Client) -> Result<Asker, async_nats::SubscribeError> {
         let inbox = Inbox::new(&nats);
-        let mut answers = nats.subscribe(inbox.every()).await?;
+        // What a JetStream consumer copied here is nobody's answer (`transport::published`).
+        let mut answers = super::published::subscribe(&nats, inbox.every()).await?;
         let pending: Arc<Mutex<HashMap<String, Question>>> = Arc::default();
         let (p, i) = (pending.clone(), inbox.clone());
         let route = tokio::spawn(async move {
@@ -120,7 +132,7 @@ impl Asker {
                 // Only the answerer asked may answer: anything else is dropped, and the
                 // question still waits for its real answer.
                 if w.get(token)
-                    .is_some_and(|q| i.token_of(&m.subject, &q.tag).is_some())
+                    .is_some_and(|q| i.token_of(&m.subject, &q.tag) == Some(token))
                     && let Some(q) = w.remove(token)
                 {
                     let _ = q.answer.send(m);
@@ -184,5 +196,39 @@ impl Asker {
 impl Drop for Asker {
     fn drop(&mut self) {
         self.route.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_counts_only_under_the_token_asked_of_in_this_inbox() {
+        let mine = Inbox {
+            private: Some("_OAM.node.n1".into()),
+            conn: "c1".into(),
+        };
+        let at = mine.at("ag-demo~echo", "t1");
+        assert_eq!(at, "_OAM.re.ag-demo~echo.node.n1.c1.t1");
+        assert_eq!(mine.token_of(&at, "ag-demo~echo"), Some("t1"));
+        assert_eq!(mine.every(), "_OAM.re.*.node.n1.c1.*");
+        for (subject, tag) in [
+            (at.as_str(), "ag-other"),
+            ("_OAM.re.ag-evil.node.n1.c1.t1", "ag-demo~echo"),
+            ("_OAM.re.ag-demo~echo.node.n1.c2.t1", "ag-demo~echo"),
+            ("_OAM.re.ag-demo~echo.node.n10.c1.t1", "ag-demo~echo"),
+            ("_OAM.re.ag-demo~echo.node.n1.c1.t1.x", "ag-demo~echo"),
+            ("_OAM.node.n1.c1.t1", "ag-demo~echo"),
+        ] {
+            assert_eq!(mine.token_of(subject, tag), None, "{subject} as {tag}");
+        }
+        let shared = Inbox {
+            private: None,
+            conn: "c1".into(),
+        };
+        assert_eq!(shared.at("nodes", "t2"), "_INBOX.c1.t2");
+        assert_eq!(shared.token_of("_INBOX.c1.t2", "nodes"), Some("t2"));
+        assert_eq!(shared.token_of("_INBOX.c9.t2", "nodes"), None);
     }
 }
