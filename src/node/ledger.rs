@@ -1112,8 +1112,8 @@ impl Keeper {
 }
 
 /// Mirror every budget (its last record first, then every change, this node's and the
-/// others') into the engine (`transport::store::watch`: no push consumer, whose flow control
-/// an agent writing into this node's inbox could turn into writes).
+/// others') into the engine (`transport::store::watch`: no push consumer, whose flow control a
+/// forged status message could turn into writes).
 async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
     use futures_util::StreamExt;
     loop {

@@ -49,10 +49,10 @@ pub struct Change {
 ///
 /// Read by an ordered pull consumer, never the bucket's push watch (nor `kv::Store::keys`,
 /// which is one too): a push consumer's client answers a flow-control status message by
-/// publishing an empty body to whatever reply subject it names, with the reader's rights, and
-/// whoever may publish into the reader's inbox (agents answer nodes and the admin there) could
-/// send one naming a record: an agent emptied budget records, rate-limit windows and
-/// escalations that way. A pull consumer's client answers nothing it is sent.
+/// publishing an empty body to whatever reply subject it names, with the reader's rights. When
+/// agents could publish into a node's inbox, one emptied budget records, rate-limit windows and
+/// escalations that way; nobody but the server may publish there now, and a pull consumer's
+/// client answers nothing it is sent in any case.
 pub async fn watch(
     store: &kv::Store,
 ) -> anyhow::Result<impl futures_util::Stream<Item = Change> + use<>> {
