@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 /// (tools, tool choice, sampling parameters, `user`, `metadata`, unknown future fields).
 #[derive(Clone, Debug, Default)]
 pub struct Passthrough {
-    pub messages: Vec<Value>,
+    pub turns: Vec<crate::node::model::Turn>,
     pub extra: serde_json::Map<String, Value>,
     /// The client's `tools`, as sent.
     pub tools: Option<Box<serde_json::value::RawValue>>,

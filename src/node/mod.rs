@@ -25,6 +25,7 @@ pub mod limits;
 pub mod live;
 pub mod loops;
 pub mod metrics;
+pub(crate) mod model;
 pub mod nats;
 pub mod otlp;
 pub mod pipeline;

@@ -116,7 +116,7 @@ pub(crate) fn decode(
     request.max_tokens = Some(0);
     request.bound_to = None;
     let pass = Passthrough {
-        messages: Vec::new(),
+        turns: Vec::new(),
         extra: m,
         tools: None,
         include_usage: false,

@@ -10,6 +10,7 @@ use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{Attempt, Passthrough, Reply};
+use crate::node::model::Turn;
 use axum::http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -56,7 +57,8 @@ pub(crate) const MAX_N: u64 = 128;
 /// future fields) is kept in `rest`, the tools and messages as sent, for the upstream.
 pub(crate) struct ChatIn {
     model: Option<String>,
-    messages: Vec<Value>,
+    /// Each message as it came (read into a `Turn` by `decode_request`).
+    messages: Vec<Box<RawValue>>,
     max_tokens: Option<u32>,
     max_completion_tokens: Option<u32>,
     response_format: Option<Value>,
@@ -71,6 +73,7 @@ pub(crate) struct ChatIn {
 /// build and drop than the rest of the request).
 struct Members {
     tools: Option<Box<RawValue>>,
+    messages: Option<Box<RawValue>>,
     rest: serde_json::Map<String, Value>,
 }
 
@@ -88,11 +91,14 @@ impl<'de> Deserialize<'de> for Members {
             ) -> Result<Members, A::Error> {
                 let mut out = Members {
                     tools: None,
+                    messages: None,
                     rest: serde_json::Map::new(),
                 };
                 while let Some(k) = m.next_key::<String>()? {
                     if k == "tools" {
                         out.tools = Some(m.next_value()?);
+                    } else if k == "messages" {
+                        out.messages = Some(m.next_value()?);
                     } else {
                         out.rest.insert(k, m.next_value()?);
                     }
@@ -116,8 +122,11 @@ impl ChatIn {
                 message: format!("invalid chat completion request: {at}{e}"),
             }
         };
-        let Members { tools, mut rest } =
-            serde_json::from_slice(body).map_err(|e| invalid(None, &e))?;
+        let Members {
+            tools,
+            messages,
+            mut rest,
+        } = serde_json::from_slice(body).map_err(|e| invalid(None, &e))?;
         fn take<T: serde::de::DeserializeOwned>(
             rest: &mut serde_json::Map<String, Value>,
             name: &str,
@@ -133,10 +142,14 @@ impl ChatIn {
                 (path, e.into_inner().to_string())
             })
         }
-        let mut read = || -> Result<ChatIn, (String, String)> {
+        let read = || -> Result<ChatIn, (String, String)> {
             Ok(ChatIn {
                 model: take(&mut rest, "model")?.flatten(),
-                messages: take(&mut rest, "messages")?
+                messages: messages
+                    .map(|m| serde_json::from_str::<Option<Vec<Box<RawValue>>>>(m.get()))
+                    .transpose()
+                    .map_err(|e| ("messages".to_string(), e.to_string()))?
+                    .flatten()
                     .ok_or_else(|| (String::new(), "missing field `messages`".to_string()))?,
                 max_tokens: take(&mut rest, "max_tokens")?.flatten(),
                 max_completion_tokens: take(&mut rest, "max_completion_tokens")?.flatten(),
@@ -157,26 +170,15 @@ impl ChatIn {
     }
 }
 
-#[derive(Deserialize)]
-pub(crate) struct MessageIn {
-    role: String,
-    #[serde(default)]
-    content: Value,
-}
-
-pub(crate) fn text_of(content: &Value) -> Option<String> {
-    match content {
-        Value::String(s) => Some(s.clone()),
-        Value::Null => Some(String::new()),
-        Value::Array(parts) => Some(
-            parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .collect::<Vec<_>>()
-                .join("\n"),
-        ),
-        _ => None,
-    }
+/// The turns as the pipeline reads them: each one's role and text.
+pub(crate) fn messages_of(turns: &[Turn]) -> Vec<Message> {
+    turns
+        .iter()
+        .map(|t| Message {
+            role: t.role.as_str().to_string(),
+            content: t.plain_text(),
+        })
+        .collect()
 }
 
 /// May a client ask for `model`? A route's name when routes are configured; without routes (every
@@ -267,11 +269,9 @@ pub(crate) fn decode_request(
     if chat.messages.is_empty() {
         return Err(bad("messages", "messages must hold at least one message"));
     }
-    let mut messages = Vec::with_capacity(chat.messages.len());
+    let mut turns = Vec::with_capacity(chat.messages.len());
     for (i, raw) in chat.messages.iter().enumerate() {
-        let plain = MessageIn::deserialize(raw);
-        let m = plain.or_else(|_| serde_path_to_error::deserialize(raw));
-        let m: MessageIn = m.map_err(|e| {
+        let turn = Turn::from_chat(raw).map_err(|e| {
             let at = match e.path().to_string() {
                 p if p == "." => format!("messages[{i}]"),
                 p => format!("messages[{i}].{p}"),
@@ -279,17 +279,9 @@ pub(crate) fn decode_request(
             let message = format!("invalid chat completion request: {at}: {}", e.inner());
             bad(at, message)
         })?;
-        let content = text_of(&m.content).ok_or_else(|| {
-            bad(
-                format!("messages[{i}].content"),
-                format!("messages[{i}].content must be a string or an array of parts"),
-            )
-        })?;
-        messages.push(Message {
-            role: m.role,
-            content,
-        });
+        turns.push(turn);
     }
+    let messages = messages_of(&turns);
     if let Some(model) = &chat.model
         && !known_model(cfg, model)
     {
@@ -371,7 +363,7 @@ pub(crate) fn decode_request(
         .remove("stream_options")
         .is_some_and(|o| o["include_usage"] == Value::Bool(true));
     let pass = Passthrough {
-        messages: chat.messages,
+        turns,
         extra,
         tools: chat.tools,
         include_usage,
@@ -888,7 +880,7 @@ mod tests {
             h.insert("x-oam-risk", HeaderValue::from_static("high"));
             for bytes in [body.as_bytes(), raw.as_slice()] {
                 match decode_request(&cfg, bytes, &h, || "r".into()) {
-                    Ok((r, _, pass)) => proptest::prop_assert_eq!(r.messages.len(), pass.messages.len()),
+                    Ok((r, _, pass)) => proptest::prop_assert_eq!(r.messages.len(), pass.turns.len()),
                     Err(e) => proptest::prop_assert!(!e.message.is_empty()),
                 }
             }

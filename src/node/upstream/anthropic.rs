@@ -10,8 +10,11 @@ use super::super::exchange::{Attempt, Passthrough, Reply};
 use super::http::{Endpoint, judge_failure};
 use super::{Opened, Upstream, UpstreamCall, chat, failed};
 use crate::core::request::GenerationStatus;
+use crate::node::model::{Content, Part, Role, Turn};
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use serde::Serialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 use std::time::{Duration, Instant};
 
@@ -39,19 +42,23 @@ impl AnthropicMessages {
 }
 
 /// The Messages request for chat `body`, continuing `prefill` when given: what routing let
-/// through (`not_carried` found nothing), with the messages as chat sent them.
+/// through (`not_carried` found nothing).
 fn translated(body: &chat::Body<'_>, prefill: Option<&str>) -> serde_json::Result<Vec<u8>> {
-    let messages = match &body.messages {
-        chat::Messages::AsSent(m) | chat::Messages::Prefilled(m, _) => m.to_vec(),
-        chat::Messages::Core(m) => m
-            .iter()
-            .map(serde_json::to_value)
-            .collect::<Result<_, _>>()?,
+    let probe: Vec<Turn>;
+    let turns = match &body.messages {
+        chat::Messages::AsSent(t) | chat::Messages::Prefilled(t, _) => *t,
+        chat::Messages::Core(m) => {
+            probe = m
+                .iter()
+                .map(|m| Turn::text(Role::named(&m.role), m.content.clone()))
+                .collect();
+            &probe
+        }
     };
     let empty = Map::new();
     serde_json::to_vec(&request_of(
         body.model,
-        &messages,
+        turns,
         body.extra.unwrap_or(&empty),
         body.tools,
         body.max_tokens,
@@ -177,11 +184,11 @@ const CARRIED: &[&str] = &[
     "parallel_tool_calls",
 ];
 
-/// The first part of a chat request (`messages` as sent, the other members in `extra`,
+/// The first part of a request (its turns, the other chat members in `extra`,
 /// `response_format`) a Messages request cannot carry, named as the client wrote it; `None`
 /// when all of it translates.
 pub(crate) fn not_carried(
-    messages: &[Value],
+    turns: &[Turn],
     extra: &Map<String, Value>,
     response_format: Option<&Value>,
 ) -> Option<String> {
@@ -201,201 +208,295 @@ pub(crate) fn not_carried(
         }
     }
     let mut past_system = false;
-    for (i, m) in messages.iter().enumerate() {
-        let role = m["role"].as_str().unwrap_or_default();
-        if let Some(k) = m.as_object().and_then(|o| {
-            o.keys()
-                .find(|k| !["role", "content", "tool_calls", "tool_call_id"].contains(&k.as_str()))
-        }) {
-            return Some(format!("messages[{i}].{k}"));
+    for (i, t) in turns.iter().enumerate() {
+        if let Some(what) = &t.unread {
+            return Some(format!("messages[{i}].{what}"));
         }
-        match role {
-            "system" | "developer" if past_system => return Some(format!("messages[{i}].role")),
-            "system" | "developer" | "user" | "assistant" | "tool" => {}
-            _ => return Some(format!("messages[{i}].role")),
+        let misplaced = t.role.instructs() && past_system;
+        if misplaced || matches!(t.role, Role::Other(_)) {
+            return Some(format!("messages[{i}].role"));
         }
-        past_system |= !matches!(role, "system" | "developer");
-        if let Value::Array(parts) = &m["content"] {
+        past_system |= !t.role.instructs();
+        if let Content::Parts(parts) = &t.content {
             for (j, p) in parts.iter().enumerate() {
-                let ok = match p["type"].as_str() {
-                    Some("text") => true,
-                    Some("image_url") => role == "user",
-                    _ => false,
+                let ok = match p {
+                    Part::Text(_) => true,
+                    Part::Image { .. } => t.role == Role::User,
+                    Part::Other { .. } => false,
                 };
                 if !ok {
                     return Some(format!("messages[{i}].content[{j}]"));
                 }
             }
         }
-        for (j, c) in m["tool_calls"].as_array().into_iter().flatten().enumerate() {
-            let args = c["function"]["arguments"].as_str().unwrap_or("{}");
-            let object = serde_json::from_str::<Value>(args).is_ok_and(|a| a.is_object());
-            if c["type"] != "function" || !object {
-                return Some(format!("messages[{i}].tool_calls[{j}]"));
-            }
-        }
     }
     None
 }
 
-/// A chat message's text (a string, or its text parts).
-fn text(content: &Value) -> String {
-    match content {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p["text"].as_str())
-            .collect::<Vec<_>>()
-            .join("\n"),
-        _ => String::new(),
+/// A Messages request, written from the typed conversation (`request_of`).
+#[derive(Serialize)]
+struct Request<'a> {
+    model: &'a str,
+    max_tokens: u32,
+    messages: Vec<Said<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system: Option<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_sequences: Option<Stops<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata: Option<Metadata<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<Vec<Tool<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<Choice<'a>>,
+}
+
+/// One Messages turn (Messages alternates: a run of one role's turns is one).
+#[derive(Serialize)]
+struct Said<'a> {
+    role: &'static str,
+    content: Vec<Block<'a>>,
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block<'a> {
+    Text {
+        text: &'a str,
+    },
+    Image {
+        source: Source<'a>,
+    },
+    ToolUse {
+        id: &'a str,
+        name: &'a str,
+        input: OrElse<'a>,
+    },
+    ToolResult {
+        tool_use_id: Option<&'a str>,
+        content: String,
+    },
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Source<'a> {
+    Base64 { media_type: &'a str, data: &'a str },
+    Url { url: &'a str },
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Stops<'a> {
+    One([&'a str; 1]),
+    Many(&'a [Value]),
+}
+
+#[derive(Serialize)]
+struct Metadata<'a> {
+    user_id: &'a str,
+}
+
+/// A chat function tool as Messages writes it.
+#[derive(Serialize)]
+struct Tool<'a> {
+    name: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    description: Option<&'a RawValue>,
+    input_schema: OrElse<'a>,
+}
+
+/// JSON text as it came, or where there is none the object of these members.
+struct OrElse<'a>(
+    Option<&'a RawValue>,
+    &'static [(&'static str, &'static str)],
+);
+
+impl Serialize for OrElse<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match self.0 {
+            Some(raw) => raw.serialize(s),
+            None => {
+                let mut m = s.serialize_map(Some(self.1.len()))?;
+                for (k, v) in self.1 {
+                    m.serialize_entry(k, v)?;
+                }
+                m.end()
+            }
+        }
     }
 }
 
-/// A chat `image_url` part as an image block: a `data:` URL as base64, any other as a URL.
-fn image(url: &str) -> Value {
+#[derive(Serialize)]
+struct Choice<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    disable_parallel_tool_use: bool,
+}
+
+/// A chat function tool as the client sent it (the node read the list before:
+/// `node::tools`).
+#[derive(serde::Deserialize)]
+struct ChatTool<'a> {
+    #[serde(borrow)]
+    function: ChatFunction<'a>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChatFunction<'a> {
+    #[serde(borrow, default)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    description: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    parameters: Option<&'a RawValue>,
+}
+
+/// An image URL as an image source: a `data:` URL as base64, any other as a URL.
+fn source(url: &str) -> Source<'_> {
     if let Some(rest) = url.strip_prefix("data:")
         && let Some((media_type, data)) = rest.split_once(";base64,")
     {
-        return json!({"type": "image", "source":
-            {"type": "base64", "media_type": media_type, "data": data}});
+        return Source::Base64 { media_type, data };
     }
-    json!({"type": "image", "source": {"type": "url", "url": url}})
+    Source::Url { url }
 }
 
-/// The content blocks of one chat message.
-fn blocks(m: &Value) -> Vec<Value> {
+/// The content blocks of one turn: a tool turn is its result.
+fn blocks(t: &Turn) -> Vec<Block<'_>> {
+    if t.role == Role::Tool {
+        return vec![Block::ToolResult {
+            tool_use_id: t.answers.as_deref(),
+            content: t.plain_text(),
+        }];
+    }
     let mut out = Vec::new();
-    match m["role"].as_str() {
-        Some("tool") => {
-            out.push(
-                json!({"type": "tool_result", "tool_use_id": m["tool_call_id"],
-                "content": text(&m["content"])}),
-            );
-            return out;
+    match &t.content {
+        Content::Parts(parts) => {
+            for p in parts {
+                match p {
+                    Part::Image { url } => out.push(Block::Image {
+                        source: source(url),
+                    }),
+                    Part::Text(text) if !text.is_empty() => out.push(Block::Text { text }),
+                    _ => {}
+                }
+            }
         }
-        _ => match &m["content"] {
-            Value::Array(parts) => {
-                for p in parts {
-                    match p["type"].as_str() {
-                        Some("image_url") => {
-                            out.push(image(p["image_url"]["url"].as_str().unwrap_or_default()));
-                        }
-                        _ => {
-                            let t = p["text"].as_str().unwrap_or_default();
-                            if !t.is_empty() {
-                                out.push(json!({"type": "text", "text": t}));
-                            }
-                        }
-                    }
-                }
-            }
-            c => {
-                let t = text(c);
-                if !t.is_empty() {
-                    out.push(json!({"type": "text", "text": t}));
-                }
-            }
-        },
+        Content::Text(text) if !text.is_empty() => out.push(Block::Text { text }),
+        _ => {}
     }
-    for c in m["tool_calls"].as_array().into_iter().flatten() {
-        let f = &c["function"];
-        let input = f["arguments"]
-            .as_str()
-            .and_then(|a| serde_json::from_str::<Value>(a).ok())
-            .unwrap_or_else(|| json!({}));
-        out.push(json!({"type": "tool_use", "id": c["id"], "name": f["name"], "input": input}));
-    }
+    out.extend(t.calls.iter().map(|c| Block::ToolUse {
+        id: &c.id,
+        name: &c.name,
+        // Arguments that are no JSON text (`not_carried` let none through): none.
+        input: OrElse(serde_json::from_str(&c.arguments).ok(), &[]),
+    }));
     out
 }
 
-/// The Messages request a chat request (as `not_carried` passed it) means, for `model`:
-/// system messages become `system`; tool results a user turn; consecutive turns of one role
-/// one turn (Messages alternates); `prefill`, the answer so far, a trailing assistant turn
-/// (without trailing white space, which Messages refuses there).
-fn request_of(
-    model: &str,
-    messages: &[Value],
-    extra: &Map<String, Value>,
-    tools: Option<&serde_json::value::RawValue>,
+/// The Messages request a conversation (as `not_carried` passed it) means, for `model`:
+/// system turns become `system`; tool results a user turn; consecutive turns of one role one
+/// turn (Messages alternates); `prefill`, the answer so far, a trailing assistant turn (without
+/// trailing white space, which Messages refuses there).
+fn request_of<'a>(
+    model: &'a str,
+    turns: &'a [Turn],
+    extra: &'a Map<String, Value>,
+    tools: Option<&'a RawValue>,
     max_tokens: u32,
     stream: bool,
-    prefill: Option<&str>,
-) -> Value {
+    prefill: Option<&'a str>,
+) -> Request<'a> {
     let mut system = Vec::new();
-    let mut turns: Vec<(&str, Vec<Value>)> = Vec::new();
-    let mut push = |role, blocks: Vec<Value>| match turns.last_mut() {
-        Some((r, b)) if *r == role => b.extend(blocks),
+    let mut said: Vec<Said> = Vec::new();
+    let mut push = |role, blocks: Vec<Block<'a>>| match said.last_mut() {
+        Some(s) if s.role == role => s.content.extend(blocks),
         _ if blocks.is_empty() => {}
-        _ => turns.push((role, blocks)),
+        _ => said.push(Said {
+            role,
+            content: blocks,
+        }),
     };
-    for m in messages {
-        match m["role"].as_str().unwrap_or_default() {
-            "system" | "developer" => system.push(text(&m["content"])),
-            "assistant" => push("assistant", blocks(m)),
-            _ => push("user", blocks(m)),
+    for t in turns {
+        match t.role {
+            Role::System | Role::Developer => system.push(t.plain_text()),
+            Role::Assistant => push("assistant", blocks(t)),
+            _ => push("user", blocks(t)),
         }
     }
-    if let Some(p) = prefill.map(str::trim_end).filter(|p| !p.is_empty()) {
-        push("assistant", vec![json!({"type": "text", "text": p})]);
+    if let Some(text) = prefill.map(str::trim_end).filter(|p| !p.is_empty()) {
+        push("assistant", vec![Block::Text { text }]);
     }
-    let turns: Vec<Value> = turns
-        .into_iter()
-        .map(|(role, content)| json!({"role": role, "content": content}))
-        .collect();
-    let mut out = json!({"model": model, "max_tokens": max_tokens, "messages": turns});
-    if !system.is_empty() {
-        out["system"] = json!(system.join("\n"));
-    }
-    if stream {
-        out["stream"] = json!(true);
-    }
-    for k in ["temperature", "top_p"] {
-        if let Some(v) = extra.get(k).filter(|v| !v.is_null()) {
-            out[k] = v.clone();
+    let is = |k: &str| extra.get(k).filter(|v| !v.is_null());
+    let tools = tools
+        .and_then(|t| serde_json::from_str::<Vec<ChatTool>>(t.get()).ok())
+        .map(|list| {
+            list.into_iter()
+                .map(|t| Tool {
+                    name: t.function.name,
+                    description: t.function.description,
+                    input_schema: OrElse(t.function.parameters, &[("type", "object")]),
+                })
+                .collect()
+        });
+    let mut tool_choice = match extra.get("tool_choice") {
+        Some(Value::String(s)) => match s.as_str() {
+            "required" => Some("any"),
+            "none" => Some("none"),
+            "auto" => Some("auto"),
+            _ => None,
         }
-    }
-    match extra.get("stop") {
-        Some(Value::String(s)) => out["stop_sequences"] = json!([s]),
-        Some(Value::Array(a)) => out["stop_sequences"] = json!(a),
-        _ => {}
-    }
-    if let Some(Value::String(u)) = extra.get("user") {
-        out["metadata"] = json!({"user_id": u});
-    }
-    // The node read the list before (`node::tools`): it is an array.
-    let tools = tools.and_then(|t| serde_json::from_str::<Vec<Value>>(t.get()).ok());
-    if let Some(tools) = tools {
-        let tools: Vec<Value> = tools
-            .iter()
-            .map(|t| {
-                let f = &t["function"];
-                let mut tool = json!({"name": f["name"], "input_schema":
-                    f.get("parameters").cloned().unwrap_or_else(|| json!({"type": "object"}))});
-                if let Some(d) = f.get("description") {
-                    tool["description"] = d.clone();
-                }
-                tool
-            })
-            .collect();
-        out["tools"] = json!(tools);
-    }
-    let mut choice = match extra.get("tool_choice") {
-        Some(Value::String(s)) if s == "required" => Some(json!({"type": "any"})),
-        Some(Value::String(s)) if s == "none" => Some(json!({"type": "none"})),
-        Some(Value::String(s)) if s == "auto" => Some(json!({"type": "auto"})),
-        Some(Value::Object(c)) => c["function"]["name"]
-            .as_str()
-            .map(|name| json!({"type": "tool", "name": name})),
+        .map(|kind| Choice {
+            kind,
+            name: None,
+            disable_parallel_tool_use: false,
+        }),
+        Some(Value::Object(c)) => c["function"]["name"].as_str().map(|name| Choice {
+            kind: "tool",
+            name: Some(name),
+            disable_parallel_tool_use: false,
+        }),
         _ => None,
     };
     if extra.get("parallel_tool_calls") == Some(&Value::Bool(false)) {
-        let c = choice.get_or_insert_with(|| json!({"type": "auto"}));
-        c["disable_parallel_tool_use"] = json!(true);
+        let c = tool_choice.get_or_insert(Choice {
+            kind: "auto",
+            name: None,
+            disable_parallel_tool_use: false,
+        });
+        c.disable_parallel_tool_use = true;
     }
-    if let Some(c) = choice {
-        out["tool_choice"] = c;
+    Request {
+        model,
+        max_tokens,
+        messages: said,
+        system: (!system.is_empty()).then(|| system.join("\n")),
+        stream,
+        temperature: is("temperature"),
+        top_p: is("top_p"),
+        stop_sequences: match extra.get("stop") {
+            Some(Value::String(s)) => Some(Stops::One([s])),
+            Some(Value::Array(a)) => Some(Stops::Many(a)),
+            _ => None,
+        },
+        metadata: match extra.get("user") {
+            Some(Value::String(user_id)) => Some(Metadata { user_id }),
+            _ => None,
+        },
+        tools,
+        tool_choice,
     }
-    out
 }
 
 /// Chat's `finish_reason` for a Messages `stop_reason`.
@@ -576,6 +677,17 @@ mod tests {
         v.as_object().cloned().unwrap_or_default()
     }
 
+    /// Chat messages as the turns a node reads from them.
+    fn turns(messages: &[Value]) -> Vec<Turn> {
+        messages
+            .iter()
+            .map(|m| {
+                let raw = serde_json::value::to_raw_value(m).unwrap();
+                Turn::from_chat(&raw).expect("a turn")
+            })
+            .collect()
+    }
+
     #[test]
     fn a_chat_request_becomes_the_messages_request_it_means() {
         let messages = vec![
@@ -593,6 +705,7 @@ mod tests {
         let tools = serde_json::value::to_raw_value(&json!([{"type": "function", "function":
             {"name": "look", "description": "d", "parameters": {"type": "object"}}}]))
         .unwrap();
+        let messages = turns(&messages);
         assert_eq!(not_carried(&messages, &extra, None), None);
         let r = request_of(
             "claude",
@@ -604,7 +717,7 @@ mod tests {
             Some("so far  "),
         );
         assert_eq!(
-            r,
+            serde_json::to_value(&r).unwrap(),
             json!({
                 "model": "claude", "max_tokens": 64, "stream": true, "system": "be brief",
                 "temperature": 0.5, "stop_sequences": ["END"], "metadata": {"user_id": "u1"},
@@ -625,6 +738,7 @@ mod tests {
     #[test]
     fn what_messages_cannot_carry_is_named_as_the_client_wrote_it() {
         let user = vec![json!({"role": "user", "content": "hi"})];
+        let user_turns = turns(&user);
         let none = Map::new();
         let cases = [
             (user.clone(), json!({"logprobs": true}), None, "logprobs"),
@@ -674,15 +788,15 @@ mod tests {
             ),
         ];
         for (messages, e, format, want) in cases {
-            let got = not_carried(&messages, &extra(e.clone()), format.as_ref());
+            let got = not_carried(&turns(&messages), &extra(e.clone()), format.as_ref());
             assert_eq!(got.as_deref(), Some(want), "{e} {messages:?}");
         }
         let fine = extra(json!({"n": 1, "logprobs": false, "temperature": 1.0}));
         assert_eq!(
-            not_carried(&user, &fine, Some(&json!({"type": "text"}))),
+            not_carried(&user_turns, &fine, Some(&json!({"type": "text"}))),
             None
         );
-        assert_eq!(not_carried(&user, &none, None), None);
+        assert_eq!(not_carried(&user_turns, &none, None), None);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 use super::super::exchange::{Attempt, Passthrough, Reply, usage_of};
 use super::UpstreamCall;
 use crate::core::request::{Generation, GenerationStatus, Message};
+use crate::node::model::{Role, Turn};
 use serde_json::Value;
 
 /// The upstream request: the client's own fields (which never include the ones below: oam
@@ -28,10 +29,10 @@ pub(super) struct Body<'a> {
 }
 
 pub(super) enum Messages<'a> {
-    AsSent(&'a [Value]),
+    AsSent(&'a [Turn]),
     Core(&'a [Message]),
     /// As sent, and the answer so far as an assistant message to continue (a prefill).
-    Prefilled(&'a [Value], Value),
+    Prefilled(&'a [Turn], Turn),
 }
 
 impl serde::Serialize for Messages<'_> {
@@ -54,7 +55,7 @@ impl<'a> Body<'a> {
             tools: ask.pass.and_then(|p| p.tools.as_deref()),
             model: ask.model,
             messages: match ask.pass {
-                Some(p) => Messages::AsSent(&p.messages),
+                Some(p) => Messages::AsSent(&p.turns),
                 None => Messages::Core(ask.messages),
             },
             max_tokens: ask.max_tokens,
@@ -77,11 +78,8 @@ impl<'a> Body<'a> {
             tools: pass.tools.as_deref(),
             model,
             messages: match prefill {
-                Some(text) => Messages::Prefilled(
-                    &pass.messages,
-                    serde_json::json!({"role": "assistant", "content": text}),
-                ),
-                None => Messages::AsSent(&pass.messages),
+                Some(text) => Messages::Prefilled(&pass.turns, Turn::text(Role::Assistant, text)),
+                None => Messages::AsSent(&pass.turns),
             },
             max_tokens,
             response_format: None,
