@@ -1,5 +1,5 @@
 //! What a front door hands an upstream and gets back, in the one form both sides read: the
-//! client's request as it came (`Passthrough`), one attempt's outcome with the upstream's body
+//! client's request (`Passthrough`: its typed turns and what oam passes on unread), one attempt's outcome with the upstream's body
 //! (`Attempt`, `Reply`), and chat-completion JSON as the answer's form: whole, as stream chunks
 //! (`read_chunk`), and its usage. Client APIs (`openai`, `anthropic`, `responses`,
 //! `embeddings`) and upstream APIs (`upstream`) both use this module and never each other.
@@ -7,9 +7,9 @@
 use crate::core::request::{Generation, Usage};
 use serde_json::{Value, json};
 
-/// What a client sent that oam does not interpret, for the upstream as it was: the messages
-/// in their own shape (tool calls, tool results, image parts, names) and every other field
-/// (tools, tool choice, sampling parameters, `user`, `metadata`, unknown future fields).
+/// What a client sent, for the upstream: its turns (`node::model`: text, image parts, tool calls
+/// and results; a chat turn kept as it came) and every other field under chat's names (tools,
+/// tool choice, sampling parameters, `user`, `metadata`, unknown future fields), as sent.
 #[derive(Clone, Debug, Default)]
 pub struct Passthrough {
     pub turns: Vec<crate::node::model::Turn>,

@@ -6,9 +6,9 @@
 //! `X-Request-Id`.
 
 use super::Node;
+use super::api::ClientApi;
 use super::api::openai::BadRequest;
 use super::detach::Detachable;
-use super::live::Wire;
 use super::request::{Answer, Asks, authenticate, bad_request, execute};
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
@@ -281,7 +281,17 @@ async fn chat(
         Ok(bytes) => bytes,
         Err(refused) => return to_http(*refused),
     };
-    let answer = match run(&node, bytes, headers, Asks::Answer(Some(Wire::Chat))).await {
+    let answer = match run(
+        &node,
+        bytes,
+        headers,
+        Asks::Answer {
+            api: ClientApi::Chat,
+            live: true,
+        },
+    )
+    .await
+    {
         Ok(answer) => answer,
         Err(failed) => return failed,
     };
@@ -294,8 +304,8 @@ async fn chat(
     }
 }
 
-/// `POST /v1/messages`: the Anthropic Messages API, translated to chat completions and back
-/// (`anthropic`); the same pipeline, headers and limits as chat.
+/// `POST /v1/messages`: the Anthropic Messages API (`api::anthropic`); the same pipeline,
+/// headers and limits as chat.
 async fn messages(
     State(node): State<Arc<Node>>,
     headers: HeaderMap,
@@ -303,14 +313,8 @@ async fn messages(
 ) -> Response {
     let headers = super::api::anthropic::chat_headers(&headers);
     let api = Translation {
-        // With Messages targets, what only Messages carries is served there as it came.
-        to_chat: if node.cfg.speaks_anthropic() {
-            super::api::anthropic::to_chat_or_native
-        } else {
-            |b| super::api::anthropic::to_chat(b).map(|(chat, stream)| (chat, stream, None))
-        },
+        api: ClientApi::Messages,
         answer_of: super::api::anthropic::answer_of,
-        live: Some(Wire::Anthropic),
     };
     translated(&node, headers, body, api).await
 }
@@ -337,17 +341,15 @@ async fn count_tokens(
     in_its_api(answer, text, events)
 }
 
-/// `POST /v1/responses`: the OpenAI Responses API, translated to chat completions and back
-/// (`responses`).
+/// `POST /v1/responses`: the OpenAI Responses API (`api::responses`).
 async fn responses(
     State(node): State<Arc<Node>>,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
     let api = Translation {
-        to_chat: |b| super::api::responses::to_chat(b).map(|(chat, stream)| (chat, stream, None)),
+        api: ClientApi::Responses,
         answer_of: super::api::responses::answer_of,
-        live: Some(Wire::Responses),
     };
     translated(&node, headers, body, api).await
 }
@@ -369,15 +371,11 @@ async fn embeddings(
     }
 }
 
-/// An API served by translation: its request into a chat-completions body (and whether a
-/// stream was asked for), and a decided answer into its body (and whether that is events).
+/// An API other than chat: which one, and how a decided answer is written in it (its body,
+/// and whether that is events).
 struct Translation {
-    /// ... and, when it is to be served as it came (Messages only), the request itself.
-    to_chat: fn(&[u8]) -> super::api::openai::MaybeNative,
+    api: ClientApi,
     answer_of: fn(&Answer, bool) -> (String, bool),
-    /// How a stream is relayed live in this API, if it is (else it is checked whole, then
-    /// sent as the API's events).
-    live: Option<Wire>,
 }
 
 async fn translated(
@@ -388,27 +386,19 @@ async fn translated(
 ) -> Response {
     let answer = match read_body(node, &headers, body).await {
         Err(refused) => *refused,
-        Ok(bytes) => match (api.to_chat)(&bytes) {
-            // As on chat (`request::begin`): a caller without a key hears 401 before anything
-            // about its body.
-            Err(e) => match authenticate(node, &headers) {
-                Err(refused) => *refused,
-                Ok(_) => bad_request(node, &headers, e),
-            },
-            Ok((chat, stream, native)) => {
-                let asks = native.map_or(Asks::Answer(api.live), Asks::Native);
-                match run(node, chat.into(), headers, asks).await {
-                    Ok(Answer {
-                        live: Some(live), ..
-                    }) => return live,
-                    Ok(mut answer) => {
-                        answer.stream = stream;
-                        answer
-                    }
-                    Err(failed) => return failed,
-                }
+        Ok(bytes) => {
+            let asks = Asks::Answer {
+                api: api.api,
+                live: true,
+            };
+            match run(node, bytes, headers, asks).await {
+                Ok(Answer {
+                    live: Some(live), ..
+                }) => return live,
+                Ok(answer) => answer,
+                Err(failed) => return failed,
             }
-        },
+        }
     };
     let (text, events) = (api.answer_of)(&answer, answer.stream);
     in_its_api(answer, text, events)

@@ -113,16 +113,7 @@ pub(crate) async fn open(
 }
 
 /// Answer the caller with the stream `first` began: headers and first event now, the rest as it
-/// comes, relayed by a task of the node's own.
-/// How a relayed stream is written to its caller: chat-completions chunks as they came, or
-/// Anthropic's events.
-#[derive(Clone, Copy, PartialEq, Debug)]
-pub enum Wire {
-    Chat,
-    Anthropic,
-    Responses,
-}
-
+/// comes, relayed by a task of the node's own, in the events of the caller's API.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn respond(
     flight: Flight,
@@ -131,7 +122,7 @@ pub(crate) fn respond(
     limits: Streaming,
     target: String,
     request_started: Instant,
-    wire: Wire,
+    wire: super::api::ClientApi,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let mut flight = flight;
@@ -155,9 +146,9 @@ pub(crate) fn respond(
             waited: Duration::ZERO,
         },
         encoder: match wire {
-            Wire::Chat => Encoder::Chat,
-            Wire::Anthropic => Encoder::Anthropic(Default::default()),
-            Wire::Responses => Encoder::Responses(Default::default()),
+            super::api::ClientApi::Chat => Encoder::Chat,
+            super::api::ClientApi::Messages => Encoder::Anthropic(Default::default()),
+            super::api::ClientApi::Responses => Encoder::Responses(Default::default()),
         },
     };
     node.serving.tasks.spawn(relay.run(first));

@@ -67,9 +67,10 @@ pub enum Content {
 #[derive(Clone, Debug)]
 pub enum Part {
     Text(String),
-    /// An image by URL; a `data:` URL carries it inline.
+    /// An image by URL (a `data:` URL carries it inline), and the detail asked for.
     Image {
         url: String,
+        detail: Option<String>,
     },
     /// A part of another kind (audio, a file, ...), as it came, and its `text` if it has one:
     /// only a chat upstream carries it.
@@ -260,6 +261,8 @@ impl Part {
         #[derive(Deserialize)]
         struct ImageIn {
             url: String,
+            #[serde(default)]
+            detail: Option<String>,
         }
         let read = serde_json::from_str::<PartIn>(raw.get()).ok();
         match read {
@@ -272,7 +275,10 @@ impl Part {
                 kind: Some(k),
                 image_url: Some(i),
                 ..
-            }) if k == "image_url" => Part::Image { url: i.url },
+            }) if k == "image_url" => Part::Image {
+                url: i.url,
+                detail: i.detail,
+            },
             other => Part::Other {
                 raw: raw.to_owned(),
                 text: other.and_then(|p| p.text),
@@ -357,14 +363,17 @@ impl Serialize for Part {
                 m.serialize_entry("text", text)?;
                 m.end()
             }
-            Part::Image { url } => {
+            Part::Image { url, detail } => {
                 #[derive(Serialize)]
                 struct Url<'a> {
                     url: &'a str,
+                    #[serde(skip_serializing_if = "Option::is_none")]
+                    detail: Option<&'a str>,
                 }
                 let mut m = s.serialize_map(Some(2))?;
                 m.serialize_entry("type", "image_url")?;
-                m.serialize_entry("image_url", &Url { url })?;
+                let detail = detail.as_deref();
+                m.serialize_entry("image_url", &Url { url, detail })?;
                 m.end()
             }
             Part::Other { raw, .. } => raw.serialize(s),
@@ -415,7 +424,7 @@ mod tests {
         let cases = [
             json!({"role": "system", "content": "be brief"}),
             json!({"role": "user", "content": [{"type": "text", "text": "what?"},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}),
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}}]}),
             json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
                 "type": "function", "function": {"name": "look", "arguments": "{\"q\":1}"}}]}),
             json!({"role": "tool", "tool_call_id": "c1", "content": "a cat"}),

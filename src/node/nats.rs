@@ -111,7 +111,10 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message, permit: OwnedSemaphoreP
                 &msg.payload,
                 &headers,
                 CancellationToken::new(),
-                super::request::Asks::Answer(None),
+                super::request::Asks::Answer {
+                    api: super::api::ClientApi::Chat,
+                    live: false,
+                },
             )
             .await
         };

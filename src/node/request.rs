@@ -5,6 +5,7 @@
 //! are thin adapters over `execute`.
 
 use super::Node;
+use super::api::ClientApi;
 use super::api::openai::{self, BadRequest, bad, header, json_bytes, param_of};
 use super::exchange::Passthrough;
 use crate::clock::now_ms;
@@ -18,15 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// What a request asks for, by the surface it came in on: an answer (chat completions, and the
-/// APIs translated into it), relayed live in a `Wire` when streamed if one is given; or
-/// embeddings.
-#[derive(Clone, PartialEq, Debug)]
+/// What a request asks for: an answer in a client API, relayed live as it arrives when `live`
+/// and it streams (HTTP; else answered whole); or embeddings.
+#[derive(Clone, Copy, PartialEq, Debug)]
 pub enum Asks {
-    Answer(Option<super::live::Wire>),
-    /// An answer from a Messages target to this Messages request as it came (it uses what only
-    /// Messages carries); the body is its chat translation, which the pipeline reads.
-    Native(serde_json::Value),
+    Answer { api: ClientApi, live: bool },
     Embeddings,
 }
 
@@ -40,17 +37,14 @@ pub(crate) fn to_request(
     asks: &Asks,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
     let new_id = || node.serving.next_request_id(&node.id);
-    let mut r = match asks {
-        Asks::Answer(_) => bound(
-            &node.cfg,
-            openai::decode_request(&node.cfg, body, h, new_id)?,
-        ),
-        Asks::Native(native) => {
-            let (mut request, stream, mut pass) =
-                openai::decode_request(&node.cfg, body, h, new_id)?;
-            request.bound_to = Some(crate::core::request::Api::Anthropic);
-            pass.native = Some(native.clone());
-            (request, stream, pass)
+    let mut r = match *asks {
+        Asks::Answer { api, .. } => {
+            let (request, stream, pass) = api.decode_request(&node.cfg, body, h, new_id)?;
+            match pass.native {
+                // Bound to Messages targets, sent as it came.
+                Some(_) => (request, stream, pass),
+                None => bound(&node.cfg, (request, stream, pass)),
+            }
         }
         Asks::Embeddings => super::api::embeddings::decode(&node.cfg, body, h, new_id)?,
     };
@@ -475,14 +469,17 @@ pub async fn execute(
     };
     // A streaming request held to no contract is relayed as it arrives; one under a contract is
     // checked whole first, then released.
+    let native = pass.native.is_some();
     let live = match asks {
-        Asks::Answer(wire) => wire.filter(|_| stream && !flight.session.contracted()),
+        Asks::Answer { api, live: true } if !native => {
+            Some(api).filter(|_| stream && !flight.session.contracted())
+        }
         // Checked whole, then sent as the API's events.
-        Asks::Native(_) | Asks::Embeddings => None,
+        _ => None,
     };
-    let buffered = match asks {
+    let buffered = match () {
         _ if !stream || live.is_some() => None,
-        Asks::Native(_) => Some("native"),
+        _ if native => Some("native"),
         _ => Some("contract"),
     };
     let embeddings = asks == Asks::Embeddings;
@@ -745,7 +742,10 @@ mod tests {
             b"{\"messages\": 5}",
             &HeaderMap::new(),
             CancellationToken::new(),
-            Asks::Answer(None),
+            Asks::Answer {
+                api: ClientApi::Chat,
+                live: false,
+            },
         )
         .await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST);
@@ -780,7 +780,10 @@ mod tests {
                 sent.as_bytes(),
                 &HeaderMap::new(),
                 CancellationToken::new(),
-                Asks::Answer(None),
+                Asks::Answer {
+                    api: ClientApi::Chat,
+                    live: false,
+                },
             )
             .await;
             assert_eq!(a.status, StatusCode::BAD_REQUEST, "{oam}");
@@ -799,7 +802,15 @@ mod tests {
         async fn leave_during_backoff(asker: &impl Asker) -> Decision {
             let n = node().await;
             let body = br#"{"model": "auto", "messages": [{"role": "user", "content": "q"}]}"#;
-            let Ok(begun) = begin(&n, body, &HeaderMap::new(), &Asks::Answer(None)) else {
+            let Ok(begun) = begin(
+                &n,
+                body,
+                &HeaderMap::new(),
+                &Asks::Answer {
+                    api: ClientApi::Chat,
+                    live: false,
+                },
+            ) else {
                 panic!("a good request is begun");
             };
             let Begun {
@@ -854,7 +865,10 @@ mod tests {
             req,
             &HeaderMap::new(),
             CancellationToken::new(),
-            Asks::Answer(None),
+            Asks::Answer {
+                api: ClientApi::Chat,
+                live: false,
+            },
         )
         .await;
         let v = body(&a);

@@ -1,12 +1,17 @@
 //! The Anthropic Messages surface (`POST /v1/messages`), a sibling of `openai`: a Messages
-//! request is translated into the chat-completions request the pipeline and every target speak,
-//! and the decided answer back into a Messages answer, a stream of Anthropic's events (relayed
-//! live as the chat stream arrives: `Live`), or an error in Anthropic's envelope. What a
-//! chat-completions target cannot carry (thinking blocks, documents, server tools, `top_k`) is
-//! refused with a 400 naming the field, never dropped.
+//! request is decoded into the typed turns and core request every upstream is written from
+//! (`decode_request`), and the decided answer written as a Messages answer, a stream of
+//! Anthropic's events (relayed live as the stream arrives: `Live`), or an error in Anthropic's
+//! envelope. What only Messages carries (thinking blocks, documents, server tools, `top_k`) is
+//! sent as it came to a Messages target, or refused with a 400 naming the field where there is
+//! none; never dropped.
 
-use super::openai::{BadRequest, Translated, bad};
+use super::{BadRequest, Decoded, bad, member, object_of};
+use crate::core::request::Request;
+use crate::node::config::NodeConfig;
 use crate::node::exchange::Delta;
+use crate::node::exchange::Passthrough;
+use crate::node::model::{Content, Part, Role, ToolCall, Turn};
 use crate::node::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Map, Value, json};
@@ -56,39 +61,33 @@ fn no_equivalent(at: &str, what: &str) -> BadRequest {
     )
 }
 
-/// A Messages request as the chat-completions body the pipeline reads, and whether the caller
-/// asked for a stream (relayed live as Anthropic's events, or, under a contract, checked whole
-/// and then sent as them); what chat cannot carry is refused.
-pub(crate) fn to_chat(body: &[u8]) -> Translated {
+/// A Messages request as the core request the pipeline reads (oam's fields from its `oam`
+/// object, then the headers), whether the caller asked for a stream (relayed live as
+/// Anthropic's events, or, under a contract, checked whole and then sent as them), and what
+/// goes upstream. What only Messages carries (thinking, documents, server tools, `top_k`) is
+/// refused where no target speaks Messages; else the request is bound to such targets and sent
+/// to them as it came (`Passthrough::native`), the pipeline reading what chat can say of it.
+pub(crate) fn decode_request(
+    cfg: &NodeConfig,
+    body: &[u8],
+    h: &HeaderMap,
+    new_id: impl FnOnce() -> String,
+) -> Result<(Request, bool, Passthrough), BadRequest> {
     let mut only = MessagesOnly {
-        allowed: false,
+        allowed: cfg.speaks_anthropic(),
         needed: false,
     };
-    translate(body, &mut only)
+    let decoded = decode(object_of(body)?, &mut only)?;
+    let (mut request, stream, mut pass) = decoded.into_request(cfg, h, new_id)?;
+    if only.needed {
+        request.bound_to = Some(crate::core::request::Api::Anthropic);
+        pass.native = serde_json::from_slice(body).ok();
+    }
+    Ok((request, stream, pass))
 }
 
-/// `to_chat` on a node with Messages targets: what only Messages carries is served there, the
-/// request as it came (the third member) bound to them.
-pub(crate) fn to_chat_or_native(body: &[u8]) -> super::openai::MaybeNative {
-    let mut only = MessagesOnly {
-        allowed: true,
-        needed: false,
-    };
-    let (chat, stream) = translate(body, &mut only)?;
-    let native = if only.needed {
-        serde_json::from_slice(body).ok()
-    } else {
-        None
-    };
-    Ok((chat, stream, native))
-}
-
-fn translate(body: &[u8], only: &mut MessagesOnly) -> Translated {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
-    let Value::Object(mut m) = v else {
-        return Err(bad("body", "the body must be a JSON object"));
-    };
+/// A Messages request (parsed) as the node serves it.
+fn decode(mut m: Map<String, Value>, only: &mut MessagesOnly) -> Result<Decoded, BadRequest> {
     for k in ["thinking", "top_k"] {
         if m.get(k).is_some_and(|v| !v.is_null()) {
             let why = if k == "top_k" {
@@ -125,62 +124,69 @@ fn translate(body: &[u8], only: &mut MessagesOnly) -> Translated {
         Some(Value::Bool(b)) => b,
         Some(_) => return Err(bad("stream", "stream must be true or false")),
     };
-    let mut messages = Vec::new();
+    let mut turns = Vec::new();
     if let Some(system) = m.remove("system") {
-        let text = text_blocks(&system, "system")?;
-        messages.push(json!({"role": "system", "content": text}));
+        turns.push(Turn::text(Role::System, text_blocks(&system, "system")?));
     }
-    let Some(Value::Array(turns)) = m.remove("messages") else {
+    let Some(Value::Array(said)) = m.remove("messages") else {
         return Err(bad(
             "messages",
             "messages must be an array of {role, content}",
         ));
     };
-    if turns.is_empty() {
+    if said.is_empty() {
         return Err(bad("messages", "messages must hold at least one message"));
     }
-    for (i, turn) in turns.iter().enumerate() {
-        translate_turn(turn, i, &mut messages, only)?;
+    for (i, turn) in said.iter().enumerate() {
+        decode_turn(turn, i, &mut turns, only)?;
     }
-    let mut chat = Map::new();
-    chat.insert("model".into(), json!(model));
-    chat.insert("messages".into(), Value::Array(messages));
-    chat.insert("max_tokens".into(), json!(max_tokens));
-    if stream {
-        // Relayed live (as Anthropic's events) unless a contract holds it to be checked whole.
-        chat.insert("stream".into(), json!(true));
-    }
-    for k in ["temperature", "top_p", "oam"] {
+    let mut extra = Map::new();
+    for k in ["temperature", "top_p"] {
         if let Some(v) = m.remove(k) {
-            chat.insert(k.into(), v);
+            extra.insert(k.into(), v);
         }
     }
     if let Some(stop) = m.remove("stop_sequences") {
-        chat.insert("stop".into(), stop);
+        extra.insert("stop".into(), stop);
     }
     if let Some(meta) = m.remove("metadata") {
         match meta.get("user_id") {
             Some(Value::String(u)) => {
-                chat.insert("user".into(), json!(u));
+                extra.insert("user".into(), json!(u));
             }
             None | Some(Value::Null) => {}
             Some(_) => return Err(bad("metadata.user_id", "metadata.user_id must be a string")),
         }
     }
-    if let Some(tools) = m.remove("tools") {
-        chat.insert("tools".into(), translate_tools(&tools, only)?);
-    }
+    let tools = match m.remove("tools") {
+        Some(tools) => Some(
+            serde_json::value::to_raw_value(&translate_tools(&tools, only)?)
+                .map_err(|e| bad("tools", e.to_string()))?,
+        ),
+        None => None,
+    };
     if let Some(choice) = m.remove("tool_choice") {
         let (choice, parallel) = translate_tool_choice(&choice)?;
-        chat.insert("tool_choice".into(), choice);
+        extra.insert("tool_choice".into(), choice);
         if !parallel {
-            chat.insert("parallel_tool_calls".into(), json!(false));
+            extra.insert("parallel_tool_calls".into(), json!(false));
         }
     }
-    Ok((
-        serde_json::to_vec(&Value::Object(chat)).unwrap_or_default(),
+    Ok(Decoded {
+        model: Some(model),
+        turns,
+        max_tokens: Some(u32::try_from(max_tokens).map_err(|_| {
+            bad(
+                "max_tokens",
+                "max_tokens must be a whole number of at least 1",
+            )
+        })?),
+        response_format: None,
         stream,
-    ))
+        oam: m.remove("oam").map(|o| member(o, "oam")).transpose()?,
+        tools,
+        extra,
+    })
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request (without
@@ -191,13 +197,13 @@ pub(crate) fn count_tokens(
     body: &[u8],
     h: &HeaderMap,
 ) -> Result<u64, BadRequest> {
-    let mut v: Value = serde_json::from_slice(body)
-        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
-    if let Some(m) = v.as_object_mut() {
-        m.entry("max_tokens").or_insert(json!(1));
-    }
-    let (chat, _) = to_chat(v.to_string().as_bytes())?;
-    let (request, _, _) = super::openai::decode_request(cfg, &chat, h, String::new)?;
+    let mut m = object_of(body)?;
+    m.entry("max_tokens").or_insert(json!(1));
+    let mut only = MessagesOnly {
+        allowed: cfg.speaks_anthropic(),
+        needed: false,
+    };
+    let (request, _, _) = decode(m, &mut only)?.into_request(cfg, h, String::new)?;
     Ok(crate::core::pipeline::estimate_prompt_tokens(&request))
 }
 
@@ -229,25 +235,29 @@ fn text_blocks(v: &Value, at: &str) -> Result<String, BadRequest> {
     }
 }
 
-/// One Messages turn as chat messages: a user turn's tool results become `tool` messages (first,
-/// as chat wants them right after the call), its other blocks one user message; an assistant
-/// turn's `tool_use` blocks become its tool calls.
-fn translate_turn(
+/// One Messages turn as the turns it means: a user turn's tool results become tool turns
+/// (first, as chat wants them right after the call), its other blocks one user turn; an
+/// assistant turn's `tool_use` blocks become its tool calls.
+fn decode_turn(
     turn: &Value,
     i: usize,
-    out: &mut Vec<Value>,
+    out: &mut Vec<Turn>,
     only: &mut MessagesOnly,
 ) -> Result<(), BadRequest> {
     let at = format!("messages[{i}]");
-    let Some(role @ ("user" | "assistant")) = turn["role"].as_str() else {
-        return Err(bad(
-            format!("{at}.role"),
-            format!("{at}.role must be \"user\" or \"assistant\""),
-        ));
+    let role = match turn["role"].as_str() {
+        Some("user") => Role::User,
+        Some("assistant") => Role::Assistant,
+        _ => {
+            return Err(bad(
+                format!("{at}.role"),
+                format!("{at}.role must be \"user\" or \"assistant\""),
+            ));
+        }
     };
     let blocks = match &turn["content"] {
         Value::String(s) => {
-            out.push(json!({"role": role, "content": s}));
+            out.push(Turn::text(role, s.as_str()));
             return Ok(());
         }
         Value::Array(blocks) => blocks,
@@ -258,20 +268,21 @@ fn translate_turn(
             ));
         }
     };
+    let user = role == Role::User;
     let mut parts = Vec::new();
     let mut calls = Vec::new();
     for (j, b) in blocks.iter().enumerate() {
         let at = format!("{at}.content[{j}]");
         let kind = b["type"].as_str().unwrap_or_default();
-        match (role, kind) {
+        match (user, kind) {
             (_, "text") => {
                 let text = b["text"].as_str().ok_or_else(|| {
                     bad(format!("{at}.text"), format!("{at}.text must be a string"))
                 })?;
-                parts.push(json!({"type": "text", "text": text}));
+                parts.push(Part::Text(text.to_string()));
             }
-            ("user", "image") => parts.push(image_part(&b["source"], &at)?),
-            ("user", "tool_result") => {
+            (true, "image") => parts.push(image_part(&b["source"], &at)?),
+            (true, "tool_result") => {
                 let id = b["tool_use_id"].as_str().ok_or_else(|| {
                     bad(
                         format!("{at}.tool_use_id"),
@@ -287,9 +298,11 @@ fn translate_turn(
                 } else {
                     content
                 };
-                out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+                let mut result = Turn::text(Role::Tool, content);
+                result.answers = Some(id.to_string());
+                out.push(result);
             }
-            ("assistant", "tool_use") => {
+            (false, "tool_use") => {
                 let (Some(id), Some(name)) = (b["id"].as_str(), b["name"].as_str()) else {
                     return Err(bad(
                         at.clone(),
@@ -297,8 +310,11 @@ fn translate_turn(
                     ));
                 };
                 let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
-                calls.push(json!({"id": id, "type": "function",
-                    "function": {"name": name, "arguments": input.to_string()}}));
+                calls.push(ToolCall {
+                    id: id.to_string(),
+                    name: name.to_string(),
+                    arguments: input.to_string(),
+                });
             }
             (_, "thinking" | "redacted_thinking") => only.met(&at, "a thinking block")?,
             (
@@ -312,26 +328,35 @@ fn translate_turn(
             _ => {
                 return Err(bad(
                     format!("{at}.type"),
-                    format!("{at}.type: {kind:?} is not a block a {role} turn may hold"),
+                    format!(
+                        "{at}.type: {kind:?} is not a block a {} turn may hold",
+                        role.as_str()
+                    ),
                 ));
             }
         }
     }
-    if role == "assistant" {
-        let text: Vec<&str> = parts.iter().filter_map(|p| p["text"].as_str()).collect();
-        let mut m = json!({"role": "assistant", "content": text.join("")});
-        if !calls.is_empty() {
-            m["tool_calls"] = Value::Array(calls);
-        }
-        out.push(m);
+    if !user {
+        let text: Vec<&str> = parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        let mut said = Turn::text(Role::Assistant, text.join(""));
+        said.calls = calls;
+        out.push(said);
     } else if !parts.is_empty() {
-        out.push(json!({"role": "user", "content": parts}));
+        let mut said = Turn::text(Role::User, "");
+        said.content = Content::Parts(parts);
+        out.push(said);
     }
     Ok(())
 }
 
-/// An image block's source as a chat `image_url` part.
-fn image_part(source: &Value, at: &str) -> Result<Value, BadRequest> {
+/// An image block's source as an image part.
+fn image_part(source: &Value, at: &str) -> Result<Part, BadRequest> {
     let url = match source["type"].as_str() {
         Some("base64") => match (source["media_type"].as_str(), source["data"].as_str()) {
             (Some(t), Some(d)) => format!("data:{t};base64,{d}"),
@@ -358,7 +383,7 @@ fn image_part(source: &Value, at: &str) -> Result<Value, BadRequest> {
             ));
         }
     };
-    Ok(json!({"type": "image_url", "image_url": {"url": url}}))
+    Ok(Part::Image { url, detail: None })
 }
 
 /// Messages tools (`[{name, description, input_schema}]`) as chat function tools.
@@ -782,22 +807,43 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::api::as_chat;
 
-    fn chat(body: Value) -> Result<(Value, bool), BadRequest> {
-        let (bytes, stream) = to_chat(body.to_string().as_bytes())?;
-        Ok((serde_json::from_slice(&bytes).expect("JSON"), stream))
+    /// A node's configuration; with a Messages target when `messages`.
+    fn cfg(messages: bool) -> NodeConfig {
+        let mut cfg = NodeConfig::load(None, "http://127.0.0.1:1").expect("a config");
+        if messages {
+            cfg.targets[0].api = crate::core::request::Api::Anthropic;
+        }
+        cfg
+    }
+
+    fn decoded(body: &Value, messages: bool) -> Result<(Request, bool, Passthrough), BadRequest> {
+        decode_request(
+            &cfg(messages),
+            body.to_string().as_bytes(),
+            &HeaderMap::new(),
+            || "r".into(),
+        )
+    }
+
+    /// What a chat target is sent of a Messages request (a node with chat targets only), and
+    /// the core request.
+    fn chat(body: Value) -> Result<(Value, bool, Request), BadRequest> {
+        let (request, stream, pass) = decoded(&body, false)?;
+        Ok((as_chat(&request, &pass), stream, request))
     }
 
     fn refused(body: Value) -> BadRequest {
         match chat(body) {
             Err(e) => e,
-            Ok((c, _)) => panic!("translated: {c}"),
+            Ok((c, _, _)) => panic!("translated: {c}"),
         }
     }
 
     #[test]
     fn a_messages_request_becomes_the_chat_request_it_means() {
-        let (c, stream) = chat(json!({
+        let (c, stream, request) = chat(json!({
             "model": "auto", "max_tokens": 64, "stream": true,
             "system": [{"type": "text", "text": "be brief"}],
             "stop_sequences": ["END"], "temperature": 0.2, "metadata": {"user_id": "u1"},
@@ -818,11 +864,7 @@ mod tests {
             ]
         }))
         .expect("translated");
-        assert!(stream, "asked for a stream");
-        assert_eq!(
-            c["stream"], true,
-            "a stream is asked of the upstream, to relay it live"
-        );
+        assert!(stream && request.stream, "asked for a stream");
         let m = &c["messages"];
         assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(
@@ -852,7 +894,7 @@ mod tests {
             (&c["tool_choice"], &c["parallel_tool_calls"]),
             (&json!("required"), &json!(false))
         );
-        assert_eq!(c["oam"]["agent"], "claude");
+        assert_eq!(request.agent, "claude", "oam's fields are read");
     }
 
     #[test]
@@ -919,9 +961,10 @@ mod tests {
                     {"type": "thinking", "thinking": "hm", "signature": "s"},
                     {"type": "text", "text": "hello"}]},
                 {"role": "user", "content": "again"}]});
-        let (chat, _, native) = to_chat_or_native(body.to_string().as_bytes()).unwrap();
-        assert_eq!(native.as_ref(), Some(&body), "served as it came");
-        let chat: Value = serde_json::from_slice(&chat).unwrap();
+        let (request, _, pass) = decoded(&body, true).unwrap();
+        assert_eq!(pass.native.as_ref(), Some(&body), "served as it came");
+        assert_eq!(request.bound_to, Some(crate::core::request::Api::Anthropic));
+        let chat = as_chat(&request, &pass);
         assert_eq!(
             chat["messages"][1],
             json!({"role": "assistant", "content": "hello"}),
@@ -931,10 +974,14 @@ mod tests {
         assert_eq!(chat["tools"], json!([]));
         let plain = json!({"model": "auto", "max_tokens": 8,
             "messages": [{"role": "user", "content": "hi"}]});
-        let (_, _, native) = to_chat_or_native(plain.to_string().as_bytes()).unwrap();
-        assert_eq!(
-            native, None,
+        let (request, _, pass) = decoded(&plain, true).unwrap();
+        assert!(
+            pass.native.is_none() && request.bound_to.is_none(),
             "a request chat carries is translated as before"
+        );
+        assert!(
+            decoded(&body, false).is_err(),
+            "refused where no target speaks Messages"
         );
     }
 

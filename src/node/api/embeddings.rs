@@ -4,12 +4,13 @@
 //! the rest of it passed to the upstream as it came. The upstream's list comes back with the
 //! `oam` object; refusals are in OpenAI's envelope.
 
-use super::openai::{BadRequest, bad};
+use super::{BadRequest, Decoded, bad, member, object_of};
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Passthrough;
+use crate::node::model::{Role, Turn};
 use axum::http::HeaderMap;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 /// The most inputs one request may embed (OpenAI's own limit).
 pub(crate) const MAX_INPUTS: usize = 2048;
@@ -70,19 +71,15 @@ fn input_text(input: Option<&Value>) -> Result<String, BadRequest> {
     }
 }
 
-/// An embeddings request as the core's request (through chat's decoder, so `model`, the `oam`
-/// object and the `X-OAM-*` headers mean what they mean there) and what goes to the upstream.
+/// An embeddings request as the core's request (`model`, the `oam` object and the `X-OAM-*`
+/// headers mean what they mean in chat) and what goes to the upstream.
 pub(crate) fn decode(
     cfg: &NodeConfig,
     body: &[u8],
     h: &HeaderMap,
     new_id: impl FnOnce() -> String,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
-    let Value::Object(mut m) = v else {
-        return Err(bad("body", "the body must be a JSON object"));
-    };
+    let mut m = object_of(body)?;
     let model = match m.remove("model") {
         Some(Value::String(s)) => s,
         Some(_) => return Err(bad("model", "model must be a string")),
@@ -105,12 +102,17 @@ pub(crate) fn decode(
             "dimensions must be a whole number of at least 1",
         ));
     }
-    let mut chat = json!({"model": model, "messages": [{"role": "user", "content": text}]});
-    if let Some(o) = m.remove("oam") {
-        chat["oam"] = o;
-    }
-    let chat = serde_json::to_vec(&chat).unwrap_or_default();
-    let (mut request, _, _) = super::openai::decode_request(cfg, &chat, h, new_id)?;
+    let decoded = Decoded {
+        model: Some(model),
+        turns: vec![Turn::text(Role::User, text)],
+        max_tokens: None,
+        response_format: None,
+        stream: false,
+        oam: m.remove("oam").map(|o| member(o, "oam")).transpose()?,
+        tools: None,
+        extra: serde_json::Map::new(),
+    };
+    let (mut request, _, _) = decoded.into_request(cfg, h, new_id)?;
     request.embeddings = true;
     // Nothing is generated: the reservation prices the input alone.
     request.max_tokens = Some(0);
@@ -128,6 +130,7 @@ pub(crate) fn decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn cfg() -> NodeConfig {
         NodeConfig::parse("test", "", "http://127.0.0.1:1").unwrap()

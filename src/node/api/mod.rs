@@ -1,10 +1,322 @@
 //! The client APIs a node serves, as siblings, one file each: OpenAI chat completions
 //! (`openai`), Anthropic Messages (`anthropic`), OpenAI Responses (`responses`), embeddings
-//! (`embeddings`). Each decodes its request into what the pipeline reads and writes the decided
-//! answer (whole, or as its stream's events) and its errors in its own envelope. Nothing here
-//! uses an upstream API's module: both sides meet in `node::exchange`.
+//! (`embeddings`). Each decodes its request once, into the typed turns (`node::model`) and the
+//! core request (`Decoded::into_request` reads oam's fields and headers alike for all), and
+//! writes the decided answer (whole, or as its stream's events) and its errors in its own
+//! envelope; `ClientApi` names them for the router. Nothing here uses an upstream API's module:
+//! both sides meet in `node::exchange`.
+
+use crate::core::contract::ContractSpec;
+use crate::core::request::{Message, Policy, Priority, Request, Risk};
+use crate::node::config::NodeConfig;
+use crate::node::exchange::Passthrough;
+use crate::node::model::Turn;
+use axum::http::HeaderMap;
+use serde::Deserialize;
+use serde_json::Value;
+use serde_json::value::RawValue;
 
 pub mod anthropic;
 pub mod embeddings;
 pub mod openai;
 pub mod responses;
+
+/// oam's extra fields, from the body's `oam` object (headers fill what it leaves out).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OamFields {
+    #[serde(default)]
+    request_id: Option<String>,
+    #[serde(default)]
+    agent: Option<String>,
+    #[serde(default)]
+    task: Option<String>,
+    #[serde(default)]
+    risk: Option<Risk>,
+    #[serde(default)]
+    priority: Option<Priority>,
+    #[serde(default)]
+    idempotent: Option<bool>,
+    #[serde(default)]
+    latency_budget_ms: Option<u64>,
+    #[serde(default)]
+    max_cost_usd: Option<f64>,
+    #[serde(default)]
+    policy: Option<Policy>,
+    #[serde(default)]
+    contract: Option<ContractSpec>,
+}
+
+/// The turns as the pipeline reads them: each one's role and text.
+pub(crate) fn messages_of(turns: &[Turn]) -> Vec<Message> {
+    turns
+        .iter()
+        .map(|t| Message {
+            role: t.role.as_str().to_string(),
+            content: t.plain_text(),
+        })
+        .collect()
+}
+
+/// May a client ask for `model`? A route's name when routes are configured; without routes (every
+/// target scored), any target's model or id; `auto` (or `oam`, or nothing) always.
+pub(crate) fn known_model(cfg: &NodeConfig, model: &str) -> bool {
+    if model.is_empty() || model == "auto" || model == "oam" {
+        return true;
+    }
+    if cfg.routes.is_empty() {
+        cfg.targets
+            .iter()
+            .any(|t| t.model == model || t.id == model)
+    } else {
+        cfg.route(model).is_some()
+    }
+}
+
+/// A request the node refuses before the pipeline runs (400): the parameter at fault (for the
+/// OpenAI error envelope's `param`), and why.
+#[derive(Debug)]
+pub(crate) struct BadRequest {
+    pub param: Option<String>,
+    pub message: String,
+}
+
+pub(crate) fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
+    BadRequest {
+        param: Some(param.into()),
+        message: message.into(),
+    }
+}
+
+/// The body parameter of a core request field: OpenAI's own names stay, oam's live in `oam`.
+pub(crate) fn param_of(field: &str) -> String {
+    match field {
+        "messages" | "response_format" | "model" | "tools" => field.to_string(),
+        "id" => "oam.request_id".to_string(),
+        other => format!("oam.{other}"),
+    }
+}
+
+pub(crate) fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
+}
+
+pub(crate) fn parse_header<T: std::str::FromStr>(
+    h: &HeaderMap,
+    name: &str,
+) -> Result<Option<T>, BadRequest> {
+    match header(h, name) {
+        None => Ok(None),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|_| bad(name, format!("header {name}: cannot read {v:?}"))),
+    }
+}
+
+pub(crate) fn parse_enum_header<T: serde::de::DeserializeOwned>(
+    h: &HeaderMap,
+    name: &str,
+) -> Result<Option<T>, BadRequest> {
+    match header(h, name) {
+        None => Ok(None),
+        Some(v) => serde_json::from_value(Value::String(v.to_ascii_lowercase()))
+            .map(Some)
+            .map_err(|e| bad(name, format!("header {name}: {e}"))),
+    }
+}
+
+/// A client API a node answers in: how its request is decoded (`decode_request`), its answer
+/// written (`answer_of` in its module) and a stream relayed to it (`live`).
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum ClientApi {
+    /// OpenAI's chat completions (and the NATS data plane, which speaks it).
+    Chat,
+    /// Anthropic's Messages.
+    Messages,
+    /// OpenAI's Responses.
+    Responses,
+}
+
+impl ClientApi {
+    /// The core request a body of this API asks, whether it asked for a stream, and what goes
+    /// upstream; or the 400 that says why it cannot be served.
+    pub(crate) fn decode_request(
+        self,
+        cfg: &NodeConfig,
+        body: &[u8],
+        h: &HeaderMap,
+        new_id: impl FnOnce() -> String,
+    ) -> Result<(Request, bool, Passthrough), BadRequest> {
+        match self {
+            ClientApi::Chat => openai::decode_request(cfg, body, h, new_id),
+            ClientApi::Messages => anthropic::decode_request(cfg, body, h, new_id),
+            ClientApi::Responses => responses::decode_request(cfg, body, h, new_id),
+        }
+    }
+}
+
+/// What a client API read from its request, as the node serves it: the turns typed, the
+/// sampling parameters and every other member under chat's names (`extra`, passed on), the
+/// tools as a chat tool list.
+pub(crate) struct Decoded {
+    pub model: Option<String>,
+    pub turns: Vec<Turn>,
+    pub max_tokens: Option<u32>,
+    pub response_format: Option<Value>,
+    pub stream: bool,
+    pub oam: Option<OamFields>,
+    pub tools: Option<Box<RawValue>>,
+    pub extra: serde_json::Map<String, Value>,
+}
+
+impl Decoded {
+    /// The core request it is, against the targets a node routes to (oam's fields from the
+    /// `oam` object first, then the `X-OAM-*` headers), whether it asked for a stream, and
+    /// what goes upstream as it came. `new_id` names a request that names itself nowhere.
+    pub(crate) fn into_request(
+        self,
+        cfg: &NodeConfig,
+        h: &HeaderMap,
+        new_id: impl FnOnce() -> String,
+    ) -> Result<(Request, bool, Passthrough), BadRequest> {
+        if self.turns.is_empty() {
+            return Err(bad("messages", "messages must hold at least one message"));
+        }
+        if let Some(model) = &self.model
+            && !known_model(cfg, model)
+        {
+            let known: Vec<&str> = if cfg.routes.is_empty() {
+                cfg.targets.iter().map(|t| t.model.as_str()).collect()
+            } else {
+                cfg.routes.iter().map(|r| r.model.as_str()).collect()
+            };
+            return Err(bad(
+                "model",
+                format!(
+                    "unknown model {model:?}; this node serves {} (or send \"auto\")",
+                    known.join(", ")
+                ),
+            ));
+        }
+        let stream = self.stream;
+        let tools = crate::node::tools::declared(self.tools.as_deref())?;
+        // `n` stays in the body for the upstream; oam prices every answer it asks for.
+        let n = match self.extra.get("n") {
+            None | Some(Value::Null) => 1,
+            Some(v) => v
+                .as_u64()
+                .filter(|n| (1..=openai::MAX_N).contains(n))
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| {
+                    let most = openai::MAX_N;
+                    bad("n", format!("n must be a whole number from 1 to {most}"))
+                })?,
+        };
+        let o = self.oam.unwrap_or_default();
+        let id = o
+            .request_id
+            .or_else(|| header(h, "x-request-id").map(String::from))
+            .unwrap_or_else(new_id);
+        let request = Request {
+            id,
+            agent: o
+                .agent
+                .or_else(|| header(h, "x-oam-agent").map(String::from))
+                .unwrap_or_else(|| crate::core::request::ANONYMOUS.into()),
+            task: o
+                .task
+                .or_else(|| header(h, "x-oam-task").map(String::from))
+                .unwrap_or_default(),
+            model: self.model,
+            messages: messages_of(&self.turns),
+            risk: match o.risk {
+                Some(r) => r,
+                None => parse_enum_header(h, "x-oam-risk")?.unwrap_or_default(),
+            },
+            priority: match o.priority {
+                Some(p) => p,
+                None => parse_enum_header(h, "x-oam-priority")?.unwrap_or_default(),
+            },
+            idempotent: match o.idempotent {
+                Some(b) => b,
+                None => parse_header(h, "x-oam-idempotent")?.unwrap_or(true),
+            },
+            latency_budget_ms: match o.latency_budget_ms {
+                Some(v) => Some(v),
+                None => parse_header(h, "x-oam-latency-budget-ms")?,
+            },
+            max_cost_usd: match o.max_cost_usd {
+                Some(v) => Some(v),
+                None => parse_header(h, "x-oam-max-cost-usd")?,
+            },
+            max_tokens: self.max_tokens,
+            n,
+            policy: o.policy.unwrap_or_default(),
+            contract: o.contract,
+            response_format: self.response_format,
+            tools,
+            bound_to: None,
+            embeddings: false,
+            stream,
+        };
+        let mut extra = self.extra;
+        // oam sets the upstream's stream options itself (it always asks a stream for its usage);
+        // whether the client wants the usage chunk is kept.
+        let include_usage = extra
+            .remove("stream_options")
+            .is_some_and(|o| o["include_usage"] == Value::Bool(true));
+        let pass = Passthrough {
+            turns: self.turns,
+            extra,
+            tools: self.tools,
+            include_usage,
+            native: None,
+        };
+        Ok((request, stream, pass))
+    }
+}
+
+/// A request body read as the JSON object it must be.
+pub(crate) fn object_of(body: &[u8]) -> Result<serde_json::Map<String, Value>, BadRequest> {
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(bad("body", "the body must be a JSON object")),
+        Err(e) => Err(bad("body", format!("the body is not JSON: {e}"))),
+    }
+}
+
+/// The request member `name` (its value `v`) read as a `T`, or the 400 that names where in it
+/// it is not one.
+pub(crate) fn member<T: serde::de::DeserializeOwned>(
+    v: Value,
+    name: &str,
+) -> Result<T, BadRequest> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = match e.path().to_string() {
+            p if p == "." => name.to_string(),
+            p => format!("{name}.{p}"),
+        };
+        let message = format!("invalid request: {path}: {}", e.inner());
+        BadRequest {
+            param: Some(path),
+            message,
+        }
+    })
+}
+
+/// The chat request a decoded request and its passthrough mean (what a chat upstream is sent
+/// of them, and the pipeline reads), for tests of each API's translation.
+#[cfg(test)]
+pub(crate) fn as_chat(request: &Request, pass: &Passthrough) -> Value {
+    let mut c = Value::Object(pass.extra.clone());
+    c["messages"] = serde_json::to_value(&pass.turns).expect("turns write");
+    c["max_tokens"] = serde_json::json!(request.max_tokens);
+    if let Some(tools) = &pass.tools {
+        c["tools"] = serde_json::from_str(tools.get()).expect("a tool list");
+    }
+    if let Some(f) = &request.response_format {
+        c["response_format"] = f.clone();
+    }
+    c
+}

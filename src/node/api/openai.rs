@@ -1,13 +1,14 @@
 //! The OpenAI chat-completions surface, in one place: the request as clients send it (with
-//! oam's own fields in an `oam` object or `X-OAM-*` headers) decoded into the core's request,
-//! the error envelope, the `oam` object every answer carries, the HTTP status a decision
-//! answers with, and the chunks of a stream (read from upstreams, written to callers). A second API is a sibling of this file.
+//! oam's own fields in an `oam` object or `X-OAM-*` headers) decoded into typed turns and the
+//! core's request, the error envelope, the `oam` object every answer carries, the HTTP status a
+//! decision answers with, and the chunks of a stream (read from upstreams, written to callers).
+//! Another API is a sibling of this file.
 
+pub(crate) use super::{BadRequest, Decoded, OamFields, bad, header, param_of};
 use crate::clock::now_ms;
-use crate::core::contract::ContractSpec;
 use crate::core::pipeline::{Decision, DecisionOutcome};
 use crate::core::reason::{Phase, ReasonCode};
-use crate::core::request::{GenerationStatus, Message, Policy, Priority, Request, Risk};
+use crate::core::request::{GenerationStatus, Request};
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{Attempt, Passthrough, Reply};
 use crate::node::model::Turn;
@@ -19,32 +20,6 @@ use serde_json::{Value, json};
 /// The OpenAI error envelope: `{"error": {message, type, param, code}}`.
 pub(crate) fn error_body(message: &str, kind: &str, param: Option<&str>, code: &str) -> Value {
     json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
-}
-
-/// oam's extra fields, from the body's `oam` object (headers fill what it leaves out).
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct OamFields {
-    #[serde(default)]
-    request_id: Option<String>,
-    #[serde(default)]
-    agent: Option<String>,
-    #[serde(default)]
-    task: Option<String>,
-    #[serde(default)]
-    risk: Option<Risk>,
-    #[serde(default)]
-    priority: Option<Priority>,
-    #[serde(default)]
-    idempotent: Option<bool>,
-    #[serde(default)]
-    latency_budget_ms: Option<u64>,
-    #[serde(default)]
-    max_cost_usd: Option<f64>,
-    #[serde(default)]
-    policy: Option<Policy>,
-    #[serde(default)]
-    contract: Option<ContractSpec>,
 }
 
 /// The most tools one request may declare (OpenAI's own limit).
@@ -170,93 +145,6 @@ impl ChatIn {
     }
 }
 
-/// The turns as the pipeline reads them: each one's role and text.
-pub(crate) fn messages_of(turns: &[Turn]) -> Vec<Message> {
-    turns
-        .iter()
-        .map(|t| Message {
-            role: t.role.as_str().to_string(),
-            content: t.plain_text(),
-        })
-        .collect()
-}
-
-/// May a client ask for `model`? A route's name when routes are configured; without routes (every
-/// target scored), any target's model or id; `auto` (or `oam`, or nothing) always.
-pub(crate) fn known_model(cfg: &NodeConfig, model: &str) -> bool {
-    if model.is_empty() || model == "auto" || model == "oam" {
-        return true;
-    }
-    if cfg.routes.is_empty() {
-        cfg.targets
-            .iter()
-            .any(|t| t.model == model || t.id == model)
-    } else {
-        cfg.route(model).is_some()
-    }
-}
-
-/// A request the node refuses before the pipeline runs (400): the parameter at fault (for the
-/// OpenAI error envelope's `param`), and why.
-#[derive(Debug)]
-pub(crate) struct BadRequest {
-    pub param: Option<String>,
-    pub message: String,
-}
-
-/// A request of another API (`anthropic`, `responses`) as the chat-completions body it means,
-/// and whether it asked for a stream; or why it cannot be served.
-pub(crate) type Translated = Result<(Vec<u8>, bool), BadRequest>;
-
-/// `Translated`, and the request itself when it is to be served as it came (a Messages
-/// request using what only Messages carries, for a Messages target).
-pub(crate) type MaybeNative = Result<(Vec<u8>, bool, Option<Value>), BadRequest>;
-
-pub(crate) fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
-    BadRequest {
-        param: Some(param.into()),
-        message: message.into(),
-    }
-}
-
-/// The body parameter of a core request field: OpenAI's own names stay, oam's live in `oam`.
-pub(crate) fn param_of(field: &str) -> String {
-    match field {
-        "messages" | "response_format" | "model" | "tools" => field.to_string(),
-        "id" => "oam.request_id".to_string(),
-        other => format!("oam.{other}"),
-    }
-}
-
-pub(crate) fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
-}
-
-pub(crate) fn parse_header<T: std::str::FromStr>(
-    h: &HeaderMap,
-    name: &str,
-) -> Result<Option<T>, BadRequest> {
-    match header(h, name) {
-        None => Ok(None),
-        Some(v) => v
-            .parse()
-            .map(Some)
-            .map_err(|_| bad(name, format!("header {name}: cannot read {v:?}"))),
-    }
-}
-
-pub(crate) fn parse_enum_header<T: serde::de::DeserializeOwned>(
-    h: &HeaderMap,
-    name: &str,
-) -> Result<Option<T>, BadRequest> {
-    match header(h, name) {
-        None => Ok(None),
-        Some(v) => serde_json::from_value(Value::String(v.to_ascii_lowercase()))
-            .map(Some)
-            .map_err(|e| bad(name, format!("header {name}: {e}"))),
-    }
-}
-
 /// `to_request` against the providers a node routes to; `new_id` names a request that names
 /// itself nowhere.
 pub(crate) fn decode_request(
@@ -266,9 +154,6 @@ pub(crate) fn decode_request(
     new_id: impl FnOnce() -> String,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
     let chat = ChatIn::parse(body)?;
-    if chat.messages.is_empty() {
-        return Err(bad("messages", "messages must hold at least one message"));
-    }
     let mut turns = Vec::with_capacity(chat.messages.len());
     for (i, raw) in chat.messages.iter().enumerate() {
         let turn = Turn::from_chat(raw).map_err(|e| {
@@ -281,95 +166,17 @@ pub(crate) fn decode_request(
         })?;
         turns.push(turn);
     }
-    let messages = messages_of(&turns);
-    if let Some(model) = &chat.model
-        && !known_model(cfg, model)
-    {
-        let known: Vec<&str> = if cfg.routes.is_empty() {
-            cfg.targets.iter().map(|t| t.model.as_str()).collect()
-        } else {
-            cfg.routes.iter().map(|r| r.model.as_str()).collect()
-        };
-        return Err(bad(
-            "model",
-            format!(
-                "unknown model {model:?}; this node serves {} (or send \"auto\")",
-                known.join(", ")
-            ),
-        ));
-    }
-    let stream = chat.stream == Some(true);
-    let tools = crate::node::tools::declared(chat.tools.as_deref())?;
-    // `n` stays in the body for the upstream; oam prices every answer it asks for.
-    let n = match chat.rest.get("n") {
-        None | Some(Value::Null) => 1,
-        Some(v) => v
-            .as_u64()
-            .filter(|n| (1..=MAX_N).contains(n))
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| bad("n", format!("n must be a whole number from 1 to {MAX_N}")))?,
-    };
-    let o = chat.oam.unwrap_or_default();
-    let id = o
-        .request_id
-        .or_else(|| header(h, "x-request-id").map(String::from))
-        .unwrap_or_else(new_id);
-    let request = Request {
-        id,
-        agent: o
-            .agent
-            .or_else(|| header(h, "x-oam-agent").map(String::from))
-            .unwrap_or_else(|| crate::core::request::ANONYMOUS.into()),
-        task: o
-            .task
-            .or_else(|| header(h, "x-oam-task").map(String::from))
-            .unwrap_or_default(),
+    let decoded = Decoded {
         model: chat.model,
-        messages,
-        risk: match o.risk {
-            Some(r) => r,
-            None => parse_enum_header(h, "x-oam-risk")?.unwrap_or_default(),
-        },
-        priority: match o.priority {
-            Some(p) => p,
-            None => parse_enum_header(h, "x-oam-priority")?.unwrap_or_default(),
-        },
-        idempotent: match o.idempotent {
-            Some(b) => b,
-            None => parse_header(h, "x-oam-idempotent")?.unwrap_or(true),
-        },
-        latency_budget_ms: match o.latency_budget_ms {
-            Some(v) => Some(v),
-            None => parse_header(h, "x-oam-latency-budget-ms")?,
-        },
-        max_cost_usd: match o.max_cost_usd {
-            Some(v) => Some(v),
-            None => parse_header(h, "x-oam-max-cost-usd")?,
-        },
-        max_tokens: chat.max_completion_tokens.or(chat.max_tokens),
-        n,
-        policy: o.policy.unwrap_or_default(),
-        contract: o.contract,
-        response_format: chat.response_format,
-        tools,
-        bound_to: None,
-        embeddings: false,
-        stream,
-    };
-    let mut extra = chat.rest;
-    // oam sets the upstream's stream options itself (it always asks a stream for its usage);
-    // whether the client wants the usage chunk is kept.
-    let include_usage = extra
-        .remove("stream_options")
-        .is_some_and(|o| o["include_usage"] == Value::Bool(true));
-    let pass = Passthrough {
         turns,
-        extra,
+        max_tokens: chat.max_completion_tokens.or(chat.max_tokens),
+        response_format: chat.response_format,
+        stream: chat.stream == Some(true),
+        oam: chat.oam,
         tools: chat.tools,
-        include_usage,
-        native: None,
+        extra: chat.rest,
     };
-    Ok((request, stream, pass))
+    decoded.into_request(cfg, h, new_id)
 }
 
 /// The HTTP status for a refused request, by the phase that refused it.
@@ -631,6 +438,7 @@ pub(crate) fn stream_end(d: &Decision, head: &Value, usage: Option<&Value>) -> S
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::request::{Priority, Risk};
     use axum::http::HeaderValue;
 
     fn decision(outcome: &str, phase: &str) -> Decision {

@@ -1,14 +1,19 @@
 //! The OpenAI Responses surface (`POST /v1/responses`), a sibling of `openai` and `anthropic`:
 //! a Responses request (input items, instructions, function tools and their outputs,
-//! `text.format`) is translated into the chat-completions request the pipeline and every target
-//! speak, and the decided answer back into a response object, or the typed event stream
-//! (`response.created` ... `response.completed`; relayed live as the chat stream arrives:
-//! `Live`). This gateway keeps no responses: what needs stored state (`previous_response_id`,
+//! `text.format`) is decoded into the typed turns and core request every upstream is written
+//! from (`decode_request`), and the decided answer written as a response object, or the typed
+//! event stream (`response.created` ... `response.completed`; relayed live as the stream
+//! arrives: `Live`). This gateway keeps no responses: what needs stored state (`previous_response_id`,
 //! `store: true`, `background`) or a hosted tool is a 400 naming the field. Errors keep
 //! OpenAI's envelope, as the Responses API's own do.
 
-use super::openai::{BadRequest, Translated, bad};
+use super::{BadRequest, Decoded, bad, member, object_of};
+use crate::core::request::Request;
+use crate::node::config::NodeConfig;
+use crate::node::exchange::Passthrough;
+use crate::node::model::{Content, Part, Role, ToolCall, Turn};
 use crate::node::request::Answer;
+use axum::http::HeaderMap;
 use axum::http::StatusCode;
 use serde_json::{Map, Value, json};
 
@@ -33,15 +38,20 @@ const KNOWN: &[&str] = &[
     "oam",
 ];
 
-/// A Responses request as the chat-completions body the pipeline reads, and whether the caller
-/// asked for a stream (relayed live as the typed events, or, under a contract, checked whole
-/// and then sent as them).
-pub(crate) fn to_chat(body: &[u8]) -> Translated {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| bad("body", format!("the body is not JSON: {e}")))?;
-    let Value::Object(mut m) = v else {
-        return Err(bad("body", "the body must be a JSON object"));
-    };
+/// A Responses request as the core request the pipeline reads, whether the caller asked for a
+/// stream (relayed live as the typed events, or, under a contract, checked whole and then sent
+/// as them), and what goes upstream.
+pub(crate) fn decode_request(
+    cfg: &NodeConfig,
+    body: &[u8],
+    h: &HeaderMap,
+    new_id: impl FnOnce() -> String,
+) -> Result<(Request, bool, Passthrough), BadRequest> {
+    decode(object_of(body)?)?.into_request(cfg, h, new_id)
+}
+
+/// A Responses request (parsed) as the node serves it.
+fn decode(mut m: Map<String, Value>) -> Result<Decoded, BadRequest> {
     if let Some(k) = m.keys().find(|k| !KNOWN.contains(&k.as_str())) {
         return Err(bad(
             k.as_str(),
@@ -66,18 +76,18 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
         Some(Value::Bool(b)) => b,
         Some(_) => return Err(bad("stream", "stream must be true or false")),
     };
-    let mut messages = Vec::new();
+    let mut turns = Vec::new();
     if let Some(i) = m.remove("instructions").filter(|i| !i.is_null()) {
         let text = i
             .as_str()
             .ok_or_else(|| bad("instructions", "instructions must be a string"))?;
-        messages.push(json!({"role": "system", "content": text}));
+        turns.push(Turn::text(Role::System, text));
     }
     match m.remove("input") {
-        Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
+        Some(Value::String(s)) => turns.push(Turn::text(Role::User, s)),
         Some(Value::Array(items)) if !items.is_empty() => {
             for (i, item) in items.iter().enumerate() {
-                translate_item(item, i, &mut messages)?;
+                decode_item(item, i, &mut turns)?;
             }
         }
         _ => {
@@ -87,31 +97,36 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
             ));
         }
     }
+    let model = match m.remove("model") {
+        Some(model) => member::<Option<String>>(model, "model")?,
+        None => None,
+    };
+    let max_tokens = match m.remove("max_output_tokens").filter(|n| !n.is_null()) {
+        Some(n) => Some(
+            n.as_u64()
+                .filter(|n| *n >= 1)
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| {
+                    bad(
+                        "max_output_tokens",
+                        "max_output_tokens must be a whole number of at least 1",
+                    )
+                })?,
+        ),
+        None => None,
+    };
+    let oam = match m.remove("oam").filter(|v| !v.is_null()) {
+        Some(o) => Some(member(o, "oam")?),
+        None => None,
+    };
+    // The members chat carries under its own names, passed on.
     let mut chat = Map::new();
-    if let Some(model) = m.remove("model") {
-        chat.insert("model".into(), model);
-    }
-    chat.insert("messages".into(), Value::Array(messages));
-    if stream {
-        // Relayed live (as the typed events) unless a contract holds it to be checked whole.
-        chat.insert("stream".into(), json!(true));
-    }
-    if let Some(n) = m.remove("max_output_tokens").filter(|n| !n.is_null()) {
-        let n = n.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
-            bad(
-                "max_output_tokens",
-                "max_output_tokens must be a whole number of at least 1",
-            )
-        })?;
-        chat.insert("max_tokens".into(), json!(n));
-    }
     for k in [
         "temperature",
         "top_p",
         "parallel_tool_calls",
         "user",
         "metadata",
-        "oam",
     ] {
         if let Some(v) = m.remove(k).filter(|v| !v.is_null()) {
             chat.insert(k.into(), v);
@@ -131,9 +146,13 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
             chat.insert("reasoning_effort".into(), effort.clone());
         }
     }
-    if let Some(tools) = m.remove("tools").filter(|t| !t.is_null()) {
-        chat.insert("tools".into(), translate_tools(&tools)?);
-    }
+    let tools = match m.remove("tools").filter(|t| !t.is_null()) {
+        Some(tools) => Some(
+            serde_json::value::to_raw_value(&translate_tools(&tools)?)
+                .map_err(|e| bad("tools", e.to_string()))?,
+        ),
+        None => None,
+    };
     if let Some(c) = m.remove("tool_choice").filter(|c| !c.is_null()) {
         let choice = match (&c, c["type"].as_str()) {
             (Value::String(s), _) if matches!(s.as_str(), "auto" | "required" | "none") => {
@@ -157,8 +176,9 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
         };
         chat.insert("tool_choice".into(), choice);
     }
+    let mut response_format = None;
     if let Some(format) = m.remove("text").and_then(|t| t.get("format").cloned()) {
-        let response_format = match format["type"].as_str() {
+        response_format = match format["type"].as_str() {
             Some("text") | None => None,
             Some("json_object") => Some(json!({"type": "json_object"})),
             Some("json_schema") => {
@@ -175,25 +195,30 @@ pub(crate) fn to_chat(body: &[u8]) -> Translated {
                 ));
             }
         };
-        if let Some(f) = response_format {
-            chat.insert("response_format".into(), f);
-        }
     }
-    Ok((
-        serde_json::to_vec(&Value::Object(chat)).unwrap_or_default(),
+    Ok(Decoded {
+        model,
+        turns,
+        max_tokens,
+        response_format,
         stream,
-    ))
+        oam,
+        tools,
+        extra: chat,
+    })
 }
 
-/// One input item as chat messages: a message (its content parts translated), a function call
-/// (an assistant's tool call) or a function call's output (a `tool` message).
-fn translate_item(item: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), BadRequest> {
+/// One input item as the turns it means: a message (its content parts read), a function call
+/// (an assistant's tool call; the calls of one turn on one assistant turn, as chat wants them)
+/// or a function call's output (a tool turn).
+fn decode_item(item: &Value, i: usize, out: &mut Vec<Turn>) -> Result<(), BadRequest> {
     let at = format!("input[{i}]");
     match item["type"].as_str() {
         None | Some("message") => {
             let role = match item["role"].as_str() {
-                Some("developer") => "system",
-                Some(r @ ("user" | "system" | "assistant")) => r,
+                Some("developer" | "system") => Role::System,
+                Some("user") => Role::User,
+                Some("assistant") => Role::Assistant,
                 _ => {
                     return Err(bad(
                         format!("{at}.role"),
@@ -202,19 +227,24 @@ fn translate_item(item: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), Ba
                 }
             };
             let content = match &item["content"] {
-                Value::String(s) => json!(s),
+                Value::String(s) => Content::Text(s.clone()),
                 Value::Array(parts) => {
-                    let mut out = Vec::new();
+                    let mut read = Vec::new();
                     for (j, p) in parts.iter().enumerate() {
-                        out.push(translate_part(p, &format!("{at}.content[{j}]"))?);
+                        read.push(decode_part(p, &format!("{at}.content[{j}]"))?);
                     }
-                    if role == "assistant" {
+                    if role == Role::Assistant {
                         // An assistant's turn is text in chat.
-                        let text: Vec<&str> =
-                            out.iter().filter_map(|p| p["text"].as_str()).collect();
-                        json!(text.join(""))
+                        let text: Vec<&str> = read
+                            .iter()
+                            .filter_map(|p| match p {
+                                Part::Text(t) => Some(t.as_str()),
+                                _ => None,
+                            })
+                            .collect();
+                        Content::Text(text.join(""))
                     } else {
-                        Value::Array(out)
+                        Content::Parts(read)
                     }
                 }
                 _ => {
@@ -224,7 +254,9 @@ fn translate_item(item: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), Ba
                     ));
                 }
             };
-            out.push(json!({"role": role, "content": content}));
+            let mut turn = Turn::text(role, "");
+            turn.content = content;
+            out.push(turn);
         }
         Some("function_call") => {
             let (Some(id), Some(name)) = (item["call_id"].as_str(), item["name"].as_str()) else {
@@ -233,16 +265,21 @@ fn translate_item(item: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), Ba
                     format!("{at}: a function_call needs call_id and name"),
                 ));
             };
-            let arguments = item["arguments"].as_str().unwrap_or("{}");
-            let call = json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}});
-            // Calls of one turn go on one assistant message, as chat wants them.
+            let call = ToolCall {
+                id: id.to_string(),
+                name: name.to_string(),
+                arguments: item["arguments"].as_str().unwrap_or("{}").to_string(),
+            };
             match out.last_mut() {
-                Some(last) if last["role"] == "assistant" && last.get("tool_calls").is_some() => {
-                    if let Some(calls) = last["tool_calls"].as_array_mut() {
-                        calls.push(call);
-                    }
+                Some(last) if last.role == Role::Assistant && !last.calls.is_empty() => {
+                    last.calls.push(call);
                 }
-                _ => out.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                _ => {
+                    let mut turn = Turn::text(Role::Assistant, "");
+                    turn.content = Content::Absent;
+                    turn.calls.push(call);
+                    out.push(turn);
+                }
             }
         }
         Some("function_call_output") => {
@@ -256,7 +293,9 @@ fn translate_item(item: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), Ba
                 Value::String(s) => s.clone(),
                 other => other.to_string(),
             };
-            out.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
+            let mut turn = Turn::text(Role::Tool, output);
+            turn.answers = Some(id.to_string());
+            out.push(turn);
         }
         Some(other) => {
             return Err(bad(
@@ -271,24 +310,21 @@ fn translate_item(item: &Value, i: usize, out: &mut Vec<Value>) -> Result<(), Ba
     Ok(())
 }
 
-/// A content part as chat's: text (input or output), or an image by URL.
-fn translate_part(p: &Value, at: &str) -> Result<Value, BadRequest> {
+/// A content part: text (input or output), or an image by URL.
+fn decode_part(p: &Value, at: &str) -> Result<Part, BadRequest> {
     match p["type"].as_str() {
         Some("input_text" | "output_text" | "text") => match p["text"].as_str() {
-            Some(t) => Ok(json!({"type": "text", "text": t})),
+            Some(t) => Ok(Part::Text(t.to_string())),
             None => Err(bad(
                 format!("{at}.text"),
                 format!("{at}.text must be a string"),
             )),
         },
         Some("input_image") => match p["image_url"].as_str() {
-            Some(url) => {
-                let mut image = json!({"url": url});
-                if let Some(d) = p.get("detail") {
-                    image["detail"] = d.clone();
-                }
-                Ok(json!({"type": "image_url", "image_url": image}))
-            }
+            Some(url) => Ok(Part::Image {
+                url: url.to_string(),
+                detail: p["detail"].as_str().map(String::from),
+            }),
             None => Err(bad(
                 format!("{at}.image_url"),
                 format!("{at}.image_url must be a URL (file_id images need stored files)"),
@@ -729,14 +765,19 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
 mod tests {
     use super::*;
 
-    fn chat(body: Value) -> Result<(Value, bool), BadRequest> {
-        let (bytes, stream) = to_chat(body.to_string().as_bytes())?;
-        Ok((serde_json::from_slice(&bytes).expect("JSON"), stream))
+    /// What a chat target is sent of a Responses request, whether it streams, and the core
+    /// request.
+    fn chat(body: Value) -> Result<(Value, bool, Request), BadRequest> {
+        let cfg = NodeConfig::load(None, "http://127.0.0.1:1").expect("a config");
+        let h = HeaderMap::new();
+        let (request, stream, pass) =
+            decode_request(&cfg, body.to_string().as_bytes(), &h, || "r".into())?;
+        Ok((crate::node::api::as_chat(&request, &pass), stream, request))
     }
 
     #[test]
     fn a_responses_request_becomes_the_chat_request_it_means() {
-        let (c, stream) = chat(json!({
+        let (c, stream, request) = chat(json!({
             "model": "auto", "instructions": "be brief", "stream": true, "max_output_tokens": 50,
             "store": false, "reasoning": {"effort": "low"}, "oam": {"agent": "agents-sdk"},
             "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": true}],
@@ -754,11 +795,7 @@ mod tests {
             ]
         }))
         .expect("translated");
-        assert!(stream);
-        assert_eq!(
-            c["stream"], true,
-            "a stream is asked of the upstream, to relay it live"
-        );
+        assert!(stream && request.stream);
         let m = &c["messages"];
         assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(m[1], json!({"role": "system", "content": "use metric"}));
@@ -782,7 +819,7 @@ mod tests {
         assert_eq!(c["tools"][0]["function"]["strict"], true);
         assert_eq!(c["tool_choice"]["function"]["name"], "get_weather");
         assert_eq!(c["response_format"]["json_schema"]["name"], "w");
-        assert_eq!(c["oam"]["agent"], "agents-sdk");
+        assert_eq!(request.agent, "agents-sdk", "oam's fields are read");
     }
 
     #[test]

@@ -385,7 +385,7 @@ fn blocks(t: &Turn) -> Vec<Block<'_>> {
         Content::Parts(parts) => {
             for p in parts {
                 match p {
-                    Part::Image { url } => out.push(Block::Image {
+                    Part::Image { url, .. } => out.push(Block::Image {
                         source: source(url),
                     }),
                     Part::Text(text) if !text.is_empty() => out.push(Block::Text { text }),
