@@ -6,7 +6,7 @@
 //! sent as it came to a Messages target, or refused with a 400 naming the field where there is
 //! none; never dropped.
 
-use super::{BadRequest, Decoded, bad, member, object_of};
+use super::{BadRequest, Decoded, Members, bad, body_members, is_null, member, read};
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Delta;
@@ -14,23 +14,8 @@ use crate::node::exchange::Passthrough;
 use crate::node::model::{Content, Part, Role, ToolCall, Turn};
 use crate::node::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
-
-/// The members a Messages request may have; any other is refused by name.
-const KNOWN: &[&str] = &[
-    "model",
-    "max_tokens",
-    "messages",
-    "system",
-    "stop_sequences",
-    "stream",
-    "temperature",
-    "top_p",
-    "metadata",
-    "tools",
-    "tool_choice",
-    "oam",
-];
 
 /// What only Messages carries (thinking, documents, server tools, `top_k`): refused where no
 /// target speaks Messages; else left out of the chat translation (which the pipeline reads)
@@ -77,7 +62,7 @@ pub(crate) fn decode_request(
         allowed: cfg.speaks_anthropic(),
         needed: false,
     };
-    let decoded = decode(object_of(body)?, &mut only)?;
+    let decoded = decode(body_members(body)?, &mut only, false)?;
     let (mut request, stream, mut pass) = decoded.into_request(cfg, h, new_id)?;
     if only.needed {
         request.bound_to = Some(crate::core::request::Api::Anthropic);
@@ -86,107 +71,124 @@ pub(crate) fn decode_request(
     Ok((request, stream, pass))
 }
 
-/// A Messages request (parsed) as the node serves it.
-fn decode(mut m: Map<String, Value>, only: &mut MessagesOnly) -> Result<Decoded, BadRequest> {
-    for k in ["thinking", "top_k"] {
-        if m.get(k).is_some_and(|v| !v.is_null()) {
-            let why = if k == "top_k" {
-                "top_k sampling"
-            } else {
-                "extended thinking"
-            };
-            only.met(k, why)?;
+/// A Messages request's members as the node serves them; `counting` (count_tokens) asks for no
+/// `max_tokens`. Each member is read from its own text as what it must be: no tree of the
+/// request is built.
+fn decode(
+    members: Members<'_>,
+    only: &mut MessagesOnly,
+    counting: bool,
+) -> Result<Decoded, BadRequest> {
+    let mut model = None;
+    let mut max_tokens = None;
+    let mut stream = false;
+    let mut system = None;
+    let mut said = None;
+    let mut oam = None;
+    let mut tools = None;
+    let mut extra = Map::new();
+    for (k, raw) in members {
+        match k.as_ref() {
+            "thinking" | "top_k" if is_null(raw) => {}
+            "thinking" => only.met("thinking", "extended thinking")?,
+            "top_k" => only.met("top_k", "top_k sampling")?,
+            "model" => {
+                model = Some(
+                    read::<String>(raw).ok_or_else(|| bad("model", "model must be a string"))?,
+                );
+            }
+            "max_tokens" => {
+                let n = read::<u64>(raw)
+                    .filter(|n| *n >= 1)
+                    .and_then(|n| u32::try_from(n).ok());
+                max_tokens = Some(n.ok_or_else(|| {
+                    bad(
+                        "max_tokens",
+                        "max_tokens must be a whole number of at least 1",
+                    )
+                })?);
+            }
+            "stream" => {
+                stream = read::<Option<bool>>(raw)
+                    .ok_or_else(|| bad("stream", "stream must be true or false"))?
+                    .unwrap_or(false);
+            }
+            "system" => system = Some(text_blocks(raw, "system")?),
+            "messages" => said = Some(raw),
+            "temperature" | "top_p" => {
+                extra.insert(k.to_string(), passed_on(raw, &k)?);
+            }
+            "stop_sequences" => {
+                extra.insert("stop".into(), passed_on(raw, &k)?);
+            }
+            "metadata" => {
+                #[derive(serde::Deserialize)]
+                struct Metadata<'a> {
+                    #[serde(borrow, default)]
+                    user_id: Option<&'a RawValue>,
+                }
+                let user = read::<Metadata>(raw).and_then(|m| m.user_id);
+                match user.filter(|u| !is_null(u)).map(read::<String>) {
+                    None => {}
+                    Some(Some(user)) => {
+                        extra.insert("user".into(), json!(user));
+                    }
+                    Some(None) => {
+                        return Err(bad("metadata.user_id", "metadata.user_id must be a string"));
+                    }
+                }
+            }
+            "tools" => tools = Some(chat_tools(raw, only)?),
+            "tool_choice" => {
+                let (choice, parallel) = tool_choice(raw)?;
+                extra.insert("tool_choice".into(), choice);
+                if !parallel {
+                    extra.insert("parallel_tool_calls".into(), json!(false));
+                }
+            }
+            "oam" => oam = Some(member(passed_on(raw, "oam")?, "oam")?),
+            k => {
+                return Err(bad(
+                    k,
+                    format!("{k}: not a Messages request field this node reads"),
+                ));
+            }
         }
-        m.remove(k);
     }
-    if let Some(k) = m.keys().find(|k| !KNOWN.contains(&k.as_str())) {
-        return Err(bad(
-            k.as_str(),
-            format!("{k}: not a Messages request field this node reads"),
-        ));
-    }
-    let model = match m.remove("model") {
-        Some(Value::String(s)) => s,
-        Some(_) => return Err(bad("model", "model must be a string")),
-        None => return Err(bad("model", "model: Field required")),
-    };
-    let max_tokens = match m.remove("max_tokens") {
-        Some(v) => v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
-            bad(
-                "max_tokens",
-                "max_tokens must be a whole number of at least 1",
-            )
-        })?,
+    let model = model.ok_or_else(|| bad("model", "model: Field required"))?;
+    let max_tokens = match max_tokens {
+        None if counting => 1,
         None => return Err(bad("max_tokens", "max_tokens: Field required")),
-    };
-    let stream = match m.remove("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => b,
-        Some(_) => return Err(bad("stream", "stream must be true or false")),
+        Some(n) => n,
     };
     let mut turns = Vec::new();
-    if let Some(system) = m.remove("system") {
-        turns.push(Turn::text(Role::System, text_blocks(&system, "system")?));
+    if let Some(system) = system {
+        turns.push(Turn::text(Role::System, system));
     }
-    let Some(Value::Array(said)) = m.remove("messages") else {
-        return Err(bad(
-            "messages",
-            "messages must be an array of {role, content}",
-        ));
-    };
+    let said = said
+        .and_then(read::<Vec<&RawValue>>)
+        .ok_or_else(|| bad("messages", "messages must be an array of {role, content}"))?;
     if said.is_empty() {
         return Err(bad("messages", "messages must hold at least one message"));
     }
-    for (i, turn) in said.iter().enumerate() {
+    for (i, turn) in said.into_iter().enumerate() {
         decode_turn(turn, i, &mut turns, only)?;
-    }
-    let mut extra = Map::new();
-    for k in ["temperature", "top_p"] {
-        if let Some(v) = m.remove(k) {
-            extra.insert(k.into(), v);
-        }
-    }
-    if let Some(stop) = m.remove("stop_sequences") {
-        extra.insert("stop".into(), stop);
-    }
-    if let Some(meta) = m.remove("metadata") {
-        match meta.get("user_id") {
-            Some(Value::String(u)) => {
-                extra.insert("user".into(), json!(u));
-            }
-            None | Some(Value::Null) => {}
-            Some(_) => return Err(bad("metadata.user_id", "metadata.user_id must be a string")),
-        }
-    }
-    let tools = match m.remove("tools") {
-        Some(tools) => Some(
-            serde_json::value::to_raw_value(&translate_tools(&tools, only)?)
-                .map_err(|e| bad("tools", e.to_string()))?,
-        ),
-        None => None,
-    };
-    if let Some(choice) = m.remove("tool_choice") {
-        let (choice, parallel) = translate_tool_choice(&choice)?;
-        extra.insert("tool_choice".into(), choice);
-        if !parallel {
-            extra.insert("parallel_tool_calls".into(), json!(false));
-        }
     }
     Ok(Decoded {
         model: Some(model),
         turns,
-        max_tokens: Some(u32::try_from(max_tokens).map_err(|_| {
-            bad(
-                "max_tokens",
-                "max_tokens must be a whole number of at least 1",
-            )
-        })?),
+        max_tokens: Some(max_tokens),
         response_format: None,
         stream,
-        oam: m.remove("oam").map(|o| member(o, "oam")).transpose()?,
+        oam,
         tools,
         extra,
     })
+}
+
+/// A member oam passes on (or reads through serde) as the JSON it is.
+fn passed_on(raw: &RawValue, at: &str) -> Result<Value, BadRequest> {
+    serde_json::from_str(raw.get()).map_err(|e| bad(at, format!("{at}: {e}")))
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request (without
@@ -197,55 +199,66 @@ pub(crate) fn count_tokens(
     body: &[u8],
     h: &HeaderMap,
 ) -> Result<u64, BadRequest> {
-    let mut m = object_of(body)?;
-    m.entry("max_tokens").or_insert(json!(1));
     let mut only = MessagesOnly {
         allowed: cfg.speaks_anthropic(),
         needed: false,
     };
-    let (request, _, _) = decode(m, &mut only)?.into_request(cfg, h, String::new)?;
+    let decoded = decode(body_members(body)?, &mut only, true)?;
+    let (request, _, _) = decoded.into_request(cfg, h, String::new)?;
     Ok(crate::core::pipeline::estimate_prompt_tokens(&request))
 }
 
 /// A string, or text blocks (`[{type: "text", text}]`), as one text.
-fn text_blocks(v: &Value, at: &str) -> Result<String, BadRequest> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut text = Vec::new();
-            for (j, b) in blocks.iter().enumerate() {
-                match (b["type"].as_str(), b["text"].as_str()) {
-                    (Some("text"), Some(t)) => text.push(t),
-                    _ => {
-                        return Err(bad(
-                            format!("{at}[{j}]"),
-                            format!(
-                                "{at}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}"
-                            ),
-                        ));
-                    }
-                }
-            }
-            Ok(text.join("\n"))
-        }
-        _ => Err(bad(
+fn text_blocks(raw: &RawValue, at: &str) -> Result<String, BadRequest> {
+    if let Some(text) = read::<String>(raw) {
+        return Ok(text);
+    }
+    #[derive(serde::Deserialize)]
+    struct TextBlock {
+        #[serde(rename = "type")]
+        kind: String,
+        text: String,
+    }
+    let blocks = read::<Vec<&RawValue>>(raw).ok_or_else(|| {
+        bad(
             at,
             format!("{at} must be a string or an array of text blocks"),
-        )),
+        )
+    })?;
+    let mut text = Vec::with_capacity(blocks.len());
+    for (j, b) in blocks.into_iter().enumerate() {
+        match read::<TextBlock>(b) {
+            Some(b) if b.kind == "text" => text.push(b.text),
+            _ => {
+                return Err(bad(
+                    format!("{at}[{j}]"),
+                    format!("{at}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}"),
+                ));
+            }
+        }
     }
+    Ok(text.join("\n"))
 }
 
 /// One Messages turn as the turns it means: a user turn's tool results become tool turns
 /// (first, as chat wants them right after the call), its other blocks one user turn; an
 /// assistant turn's `tool_use` blocks become its tool calls.
 fn decode_turn(
-    turn: &Value,
+    raw: &RawValue,
     i: usize,
     out: &mut Vec<Turn>,
     only: &mut MessagesOnly,
 ) -> Result<(), BadRequest> {
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct TurnIn<'a> {
+        role: Option<String>,
+        #[serde(borrow)]
+        content: Option<&'a RawValue>,
+    }
     let at = format!("messages[{i}]");
-    let role = match turn["role"].as_str() {
+    let turn = read::<TurnIn>(raw).unwrap_or_default();
+    let role = match turn.role.as_deref() {
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
         _ => {
@@ -255,65 +268,89 @@ fn decode_turn(
             ));
         }
     };
-    let blocks = match &turn["content"] {
-        Value::String(s) => {
-            out.push(Turn::text(role, s.as_str()));
-            return Ok(());
-        }
-        Value::Array(blocks) => blocks,
-        _ => {
-            return Err(bad(
-                format!("{at}.content"),
-                format!("{at}.content must be a string or an array of content blocks"),
-            ));
-        }
+    let content = turn.content;
+    if let Some(text) = content.and_then(read::<String>) {
+        out.push(Turn::text(role, text));
+        return Ok(());
+    }
+    let Some(blocks) = content.and_then(read::<Vec<&RawValue>>) else {
+        return Err(bad(
+            format!("{at}.content"),
+            format!("{at}.content must be a string or an array of content blocks"),
+        ));
     };
+    /// A content block's members oam reads (each as its text).
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct BlockIn<'a> {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        #[serde(borrow)]
+        text: Option<&'a RawValue>,
+        #[serde(borrow)]
+        source: Option<&'a RawValue>,
+        #[serde(borrow)]
+        tool_use_id: Option<&'a RawValue>,
+        #[serde(borrow)]
+        content: Option<&'a RawValue>,
+        #[serde(borrow)]
+        is_error: Option<&'a RawValue>,
+        #[serde(borrow)]
+        id: Option<&'a RawValue>,
+        #[serde(borrow)]
+        name: Option<&'a RawValue>,
+        #[serde(borrow)]
+        input: Option<&'a RawValue>,
+    }
     let user = role == Role::User;
     let mut parts = Vec::new();
     let mut calls = Vec::new();
-    for (j, b) in blocks.iter().enumerate() {
+    for (j, raw) in blocks.into_iter().enumerate() {
         let at = format!("{at}.content[{j}]");
-        let kind = b["type"].as_str().unwrap_or_default();
+        let b = read::<BlockIn>(raw).unwrap_or_default();
+        let kind = b.kind.as_deref().unwrap_or_default();
+        let string = |v: Option<&RawValue>| v.and_then(read::<String>);
         match (user, kind) {
             (_, "text") => {
-                let text = b["text"].as_str().ok_or_else(|| {
+                let text = string(b.text).ok_or_else(|| {
                     bad(format!("{at}.text"), format!("{at}.text must be a string"))
                 })?;
-                parts.push(Part::Text(text.to_string()));
+                parts.push(Part::Text(text));
             }
-            (true, "image") => parts.push(image_part(&b["source"], &at)?),
+            (true, "image") => parts.push(image_part(b.source, &at)?),
             (true, "tool_result") => {
-                let id = b["tool_use_id"].as_str().ok_or_else(|| {
+                let id = string(b.tool_use_id).ok_or_else(|| {
                     bad(
                         format!("{at}.tool_use_id"),
                         format!("{at}.tool_use_id must be a string"),
                     )
                 })?;
-                let content = match &b["content"] {
-                    Value::Null => String::new(),
-                    c => text_blocks(c, &format!("{at}.content"))?,
+                let content = match b.content.filter(|c| !is_null(c)) {
+                    None => String::new(),
+                    Some(c) => text_blocks(c, &format!("{at}.content"))?,
                 };
-                let content = if b["is_error"] == Value::Bool(true) {
+                let content = if b.is_error.is_some_and(|e| e.get() == "true") {
                     format!("error: {content}")
                 } else {
                     content
                 };
                 let mut result = Turn::text(Role::Tool, content);
-                result.answers = Some(id.to_string());
+                result.answers = Some(id);
                 out.push(result);
             }
             (false, "tool_use") => {
-                let (Some(id), Some(name)) = (b["id"].as_str(), b["name"].as_str()) else {
+                let (Some(id), Some(name)) = (string(b.id), string(b.name)) else {
                     return Err(bad(
                         at.clone(),
                         format!("{at}: a tool_use block needs an id and a name"),
                     ));
                 };
-                let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
+                // The input as the client wrote it (a JSON object: the arguments' text).
+                let arguments = b.input.filter(|i| !is_null(i)).map_or("{}", |i| i.get());
                 calls.push(ToolCall {
-                    id: id.to_string(),
-                    name: name.to_string(),
-                    arguments: input.to_string(),
+                    id,
+                    name,
+                    arguments: arguments.to_string(),
                 });
             }
             (_, "thinking" | "redacted_thinking") => only.met(&at, "a thinking block")?,
@@ -356,9 +393,19 @@ fn decode_turn(
 }
 
 /// An image block's source as an image part.
-fn image_part(source: &Value, at: &str) -> Result<Part, BadRequest> {
-    let url = match source["type"].as_str() {
-        Some("base64") => match (source["media_type"].as_str(), source["data"].as_str()) {
+fn image_part(source: Option<&RawValue>, at: &str) -> Result<Part, BadRequest> {
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct Source {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        media_type: Option<String>,
+        data: Option<String>,
+        url: Option<String>,
+    }
+    let s = source.and_then(read::<Source>).unwrap_or_default();
+    let url = match s.kind.as_deref() {
+        Some("base64") => match (s.media_type, s.data) {
             (Some(t), Some(d)) => format!("data:{t};base64,{d}"),
             _ => {
                 return Err(bad(
@@ -367,15 +414,12 @@ fn image_part(source: &Value, at: &str) -> Result<Part, BadRequest> {
                 ));
             }
         },
-        Some("url") => source["url"]
-            .as_str()
-            .ok_or_else(|| {
-                bad(
-                    format!("{at}.source.url"),
-                    format!("{at}.source.url must be a string"),
-                )
-            })?
-            .to_string(),
+        Some("url") => s.url.ok_or_else(|| {
+            bad(
+                format!("{at}.source.url"),
+                format!("{at}.source.url must be a string"),
+            )
+        })?,
         _ => {
             return Err(bad(
                 format!("{at}.source.type"),
@@ -386,44 +430,89 @@ fn image_part(source: &Value, at: &str) -> Result<Part, BadRequest> {
     Ok(Part::Image { url, detail: None })
 }
 
-/// Messages tools (`[{name, description, input_schema}]`) as chat function tools.
-fn translate_tools(tools: &Value, only: &mut MessagesOnly) -> Result<Value, BadRequest> {
-    let list = tools.as_array().ok_or_else(|| {
+/// Messages tools (`[{name, description, input_schema}]`) as a chat tool list (the schemas as
+/// the client wrote them).
+fn chat_tools(raw: &RawValue, only: &mut MessagesOnly) -> Result<Box<RawValue>, BadRequest> {
+    #[derive(serde::Deserialize)]
+    struct ToolIn<'a> {
+        #[serde(rename = "type", default)]
+        kind: Option<String>,
+        #[serde(borrow, default)]
+        name: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        description: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        input_schema: Option<&'a RawValue>,
+    }
+    #[derive(serde::Serialize)]
+    struct Function<'a> {
+        name: &'a RawValue,
+        parameters: &'a RawValue,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        description: Option<&'a RawValue>,
+    }
+    #[derive(serde::Serialize)]
+    struct ChatTool<'a> {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        function: Function<'a>,
+    }
+    let list = read::<Vec<&RawValue>>(raw).ok_or_else(|| {
         bad(
             "tools",
             "tools must be an array of {name, description, input_schema}",
         )
     })?;
+    let object: &RawValue =
+        serde_json::from_str(r#"{"type":"object"}"#).map_err(|e| bad("tools", e.to_string()))?;
     let mut out = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
+    for (i, t) in list.into_iter().enumerate() {
         let at = format!("tools[{i}]");
-        if let Some(kind) = t["type"].as_str().filter(|k| *k != "custom") {
+        let t = read::<ToolIn>(t).ok_or_else(|| {
+            bad(
+                at.clone(),
+                format!("{at} must be {{name, description, input_schema}}"),
+            )
+        })?;
+        if let Some(kind) = t.kind.filter(|k| k != "custom") {
             only.met(&at, &format!("the server tool {kind:?}"))?;
             continue;
         }
-        let Some(name) = t["name"].as_str() else {
+        let Some(name) = t.name.filter(|n| read::<String>(n).is_some()) else {
             return Err(bad(
                 format!("{at}.name"),
                 format!("{at}.name must be a string"),
             ));
         };
-        let mut f = json!({"name": name, "parameters": t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"}))});
-        if let Some(d) = t.get("description") {
-            f["description"] = d.clone();
-        }
-        out.push(json!({"type": "function", "function": f}));
+        out.push(ChatTool {
+            kind: "function",
+            function: Function {
+                name,
+                parameters: t.input_schema.unwrap_or(object),
+                description: t.description,
+            },
+        });
     }
-    Ok(Value::Array(out))
+    serde_json::value::to_raw_value(&out).map_err(|e| bad("tools", e.to_string()))
 }
 
 /// `tool_choice` as chat's, and whether parallel tool calls stay allowed.
-fn translate_tool_choice(c: &Value) -> Result<(Value, bool), BadRequest> {
-    let parallel = c["disable_parallel_tool_use"] != Value::Bool(true);
-    let choice = match c["type"].as_str() {
+fn tool_choice(raw: &RawValue) -> Result<(Value, bool), BadRequest> {
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct ChoiceIn {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        name: Option<String>,
+        disable_parallel_tool_use: Option<bool>,
+    }
+    let c = read::<ChoiceIn>(raw).unwrap_or_default();
+    let parallel = c.disable_parallel_tool_use != Some(true);
+    let choice = match c.kind.as_deref() {
         Some("auto") => json!("auto"),
         Some("any") => json!("required"),
         Some("none") => json!("none"),
-        Some("tool") => match c["name"].as_str() {
+        Some("tool") => match c.name {
             Some(name) => json!({"type": "function", "function": {"name": name}}),
             None => return Err(bad("tool_choice.name", "tool_choice.name must name a tool")),
         },

@@ -735,6 +735,134 @@ mod tests {
         );
     }
 
+    /// A Messages request within what oam reads (the shapes a decode writes back alike: turns
+    /// alternate, tool results first in a user turn, an assistant's one text before its calls).
+    fn understood_request() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let word = "[a-zA-Z0-9 ,.!?\"\\\\]{1,12}";
+        let image = prop_oneof![
+            ("[a-z]{1,5}", "[A-Za-z0-9+/]{4,8}").prop_map(|(t, d)| json!({"type": "image",
+                "source": {"type": "base64", "media_type": format!("image/{t}"), "data": d}})),
+            "[a-z]{1,8}".prop_map(|h| json!({"type": "image",
+                "source": {"type": "url", "url": format!("https://{h}.example/i.png")}})),
+        ];
+        let user = (
+            proptest::collection::vec(("[a-z0-9_]{1,8}", word), 0..3),
+            proptest::collection::vec(
+                prop_oneof![word.prop_map(|t| json!({"type": "text", "text": t})), image],
+                1..4,
+            ),
+        )
+            .prop_map(|(results, parts)| {
+                let mut blocks: Vec<Value> = results
+                    .into_iter()
+                    .map(|(id, text)| {
+                        json!({"type": "tool_result", "tool_use_id": id, "content": text})
+                    })
+                    .collect();
+                blocks.extend(parts);
+                json!({"role": "user", "content": blocks})
+            });
+        let input = proptest::collection::btree_map("[a-z]{1,6}", word, 0..3);
+        let assistant = (
+            proptest::option::of(word),
+            proptest::collection::vec(("[a-z0-9_]{1,8}", "[a-z_]{1,8}", input), 0..3),
+        )
+            .prop_filter("says something", |(t, calls)| {
+                t.is_some() || !calls.is_empty()
+            })
+            .prop_map(|(text, calls)| {
+                let mut blocks: Vec<Value> = text
+                    .into_iter()
+                    .map(|t| json!({"type": "text", "text": t}))
+                    .collect();
+                blocks.extend(calls.into_iter().map(|(id, name, input)| {
+                    json!({"type": "tool_use", "id": id, "name": name, "input": input})
+                }));
+                json!({"role": "assistant", "content": blocks})
+            });
+        let turns = proptest::collection::vec((user, assistant), 1..4).prop_map(|pairs| {
+            pairs
+                .into_iter()
+                .flat_map(|(u, a)| [u, a])
+                .collect::<Vec<Value>>()
+        });
+        let tool = ("[a-z_]{1,8}", proptest::option::of(word)).prop_map(|(name, d)| {
+            let mut t = json!({"name": name, "input_schema": {"type": "object",
+                "properties": {"q": {"type": "string"}}}});
+            if let Some(d) = d {
+                t["description"] = json!(d);
+            }
+            t
+        });
+        let choice = prop_oneof![
+            Just(json!({"type": "auto"})),
+            Just(json!({"type": "any", "disable_parallel_tool_use": true})),
+            Just(json!({"type": "none"})),
+            "[a-z_]{1,8}".prop_map(|n| json!({"type": "tool", "name": n})),
+        ];
+        (
+            turns,
+            proptest::option::of(word),
+            proptest::collection::vec(tool, 0..3),
+            proptest::option::of(choice),
+            proptest::option::of(proptest::collection::vec(word, 1..3)),
+            proptest::option::of(0u8..=10),
+            proptest::option::of("[a-z0-9]{1,8}"),
+            1u32..5000,
+        )
+            .prop_map(
+                |(messages, system, tools, choice, stop, temperature, user, max_tokens)| {
+                    let mut r = json!({"model": "auto", "max_tokens": max_tokens,
+                        "messages": messages});
+                    if let Some(s) = system {
+                        r["system"] = json!(s);
+                    }
+                    if !tools.is_empty() {
+                        r["tools"] = json!(tools);
+                    }
+                    if let Some(c) = choice {
+                        r["tool_choice"] = c;
+                    }
+                    if let Some(s) = stop {
+                        r["stop_sequences"] = json!(s);
+                    }
+                    if let Some(t) = temperature {
+                        r["temperature"] = json!(f64::from(t) / 10.0);
+                    }
+                    if let Some(u) = user {
+                        r["metadata"] = json!({"user_id": u});
+                    }
+                    r
+                },
+            )
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Messages -> typed turns -> Messages keeps every field oam reads: what a Messages
+        /// client sends a Messages target arrives as it meant it.
+        #[test]
+        fn a_messages_request_survives_the_typed_turns(sent in understood_request()) {
+            let cfg = crate::node::config::NodeConfig::load(None, "http://127.0.0.1:1")
+                .expect("a config");
+            let h = axum::http::HeaderMap::new();
+            let body = sent.to_string();
+            let (request, _, pass) = crate::node::api::anthropic::decode_request(
+                &cfg, body.as_bytes(), &h, || "r".into(),
+            )
+            .expect("decodes");
+            proptest::prop_assert_eq!(not_carried(&pass.turns, &pass.extra, None), None);
+            let max_tokens = request.max_tokens.expect("a limit");
+            let again = request_of(
+                "auto", &pass.turns, &pass.extra, pass.tools.as_deref(), max_tokens, false, None,
+            );
+            let again = serde_json::to_value(&again).expect("writes");
+            proptest::prop_assert_eq!(again, sent);
+        }
+    }
+
     #[test]
     fn what_messages_cannot_carry_is_named_as_the_client_wrote_it() {
         let user = vec![json!({"role": "user", "content": "hi"})];
