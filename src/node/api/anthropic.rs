@@ -6,7 +6,7 @@
 //! sent as it came to a Messages target, or refused with a 400 naming the field where there is
 //! none; never dropped.
 
-use super::{BadRequest, Decoded, Members, bad, body_members, is_null, member, read};
+use super::{BadRequest, Decoded, Members, bad, body_members, is_null, member, passed_on, read};
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Delta;
@@ -184,11 +184,6 @@ fn decode(
         tools,
         extra,
     })
-}
-
-/// A member oam passes on (or reads through serde) as the JSON it is.
-fn passed_on(raw: &RawValue, at: &str) -> Result<Value, BadRequest> {
-    serde_json::from_str(raw.get()).map_err(|e| bad(at, format!("{at}: {e}")))
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request (without

@@ -382,6 +382,11 @@ pub(crate) fn read<'a, T: Deserialize<'a>>(raw: &'a RawValue) -> Option<T> {
     serde_json::from_str(raw.get()).ok()
 }
 
+/// A member oam passes on (or reads through serde) as the JSON it is.
+pub(crate) fn passed_on(raw: &RawValue, at: &str) -> Result<Value, BadRequest> {
+    serde_json::from_str(raw.get()).map_err(|e| bad(at, format!("{at}: {e}")))
+}
+
 /// JSON text that is `null`.
 pub(crate) fn is_null(raw: &RawValue) -> bool {
     raw.get() == "null"

@@ -7,7 +7,9 @@
 //! `store: true`, `background`) or a hosted tool is a 400 naming the field. Errors keep
 //! OpenAI's envelope, as the Responses API's own do.
 
-use super::{BadRequest, Decoded, bad, member, object_of};
+use super::{
+    BadRequest, Decoded, Members, bad, body_members, is_null, member, members_of, passed_on, read,
+};
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Passthrough;
@@ -15,6 +17,7 @@ use crate::node::model::{Content, Part, Role, ToolCall, Turn};
 use crate::node::request::Answer;
 use axum::http::HeaderMap;
 use axum::http::StatusCode;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 /// The members a Responses request may have; any other is refused by name.
@@ -47,63 +50,72 @@ pub(crate) fn decode_request(
     h: &HeaderMap,
     new_id: impl FnOnce() -> String,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    decode(object_of(body)?)?.into_request(cfg, h, new_id)
+    decode(body_members(body)?)?.into_request(cfg, h, new_id)
 }
 
-/// A Responses request (parsed) as the node serves it.
-fn decode(mut m: Map<String, Value>) -> Result<Decoded, BadRequest> {
-    if let Some(k) = m.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+/// A Responses request's members as the node serves them, each read from its own text as what
+/// it must be: no tree of the request is built.
+fn decode(members: Members<'_>) -> Result<Decoded, BadRequest> {
+    if let Some((k, _)) = members.iter().find(|(k, _)| !KNOWN.contains(&k.as_ref())) {
         return Err(bad(
-            k.as_str(),
+            k.as_ref(),
             format!("{k}: not a Responses request field this gateway serves"),
         ));
     }
-    if m.get("previous_response_id").is_some_and(|v| !v.is_null()) {
+    // The last of a name counts, as in a JSON object read whole; `null` is left out.
+    let get = |name: &str| {
+        members
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| *v)
+            .filter(|v| !is_null(v))
+    };
+    if get("previous_response_id").is_some() {
         return Err(bad(
             "previous_response_id",
             "previous_response_id: this gateway keeps no responses; send the whole conversation \
              in input",
         ));
     }
-    if m.get("store") == Some(&Value::Bool(true)) {
+    if get("store").is_some_and(|s| s.get() == "true") {
         return Err(bad(
             "store",
             "store: this gateway keeps no responses; send store: false or leave it out",
         ));
     }
-    let stream = match m.remove("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => b,
-        Some(_) => return Err(bad("stream", "stream must be true or false")),
+    let stream = match get("stream") {
+        None => false,
+        Some(s) => read::<bool>(s).ok_or_else(|| bad("stream", "stream must be true or false"))?,
     };
     let mut turns = Vec::new();
-    if let Some(i) = m.remove("instructions").filter(|i| !i.is_null()) {
-        let text = i
-            .as_str()
+    if let Some(i) = get("instructions") {
+        let text = read::<String>(i)
             .ok_or_else(|| bad("instructions", "instructions must be a string"))?;
         turns.push(Turn::text(Role::System, text));
     }
-    match m.remove("input") {
-        Some(Value::String(s)) => turns.push(Turn::text(Role::User, s)),
-        Some(Value::Array(items)) if !items.is_empty() => {
-            for (i, item) in items.iter().enumerate() {
-                decode_item(item, i, &mut turns)?;
-            }
-        }
-        _ => {
+    let input = get("input");
+    if let Some(text) = input.and_then(read::<String>) {
+        turns.push(Turn::text(Role::User, text));
+    } else {
+        let items = input.and_then(read::<Vec<&RawValue>>).unwrap_or_default();
+        if items.is_empty() {
             return Err(bad(
                 "input",
                 "input must be a string or a non-empty array of input items",
             ));
         }
+        for (i, item) in items.into_iter().enumerate() {
+            decode_item(item, i, &mut turns)?;
+        }
     }
-    let model = match m.remove("model") {
-        Some(model) => member::<Option<String>>(model, "model")?,
+    let model = match get("model") {
+        Some(m) => Some(read::<String>(m).ok_or_else(|| bad("model", "model must be a string"))?),
         None => None,
     };
-    let max_tokens = match m.remove("max_output_tokens").filter(|n| !n.is_null()) {
+    let max_tokens = match get("max_output_tokens") {
         Some(n) => Some(
-            n.as_u64()
+            read::<u64>(n)
                 .filter(|n| *n >= 1)
                 .and_then(|n| u32::try_from(n).ok())
                 .ok_or_else(|| {
@@ -115,8 +127,8 @@ fn decode(mut m: Map<String, Value>) -> Result<Decoded, BadRequest> {
         ),
         None => None,
     };
-    let oam = match m.remove("oam").filter(|v| !v.is_null()) {
-        Some(o) => Some(member(o, "oam")?),
+    let oam = match get("oam") {
+        Some(o) => Some(member(passed_on(o, "oam")?, "oam")?),
         None => None,
     };
     // The members chat carries under its own names, passed on.
@@ -128,74 +140,36 @@ fn decode(mut m: Map<String, Value>) -> Result<Decoded, BadRequest> {
         "user",
         "metadata",
     ] {
-        if let Some(v) = m.remove(k).filter(|v| !v.is_null()) {
-            chat.insert(k.into(), v);
+        if let Some(v) = get(k) {
+            chat.insert(k.into(), passed_on(v, k)?);
         }
     }
-    if let Some(r) = m.remove("reasoning").filter(|r| !r.is_null()) {
-        if let Some(k) = r
-            .as_object()
-            .and_then(|o| o.keys().find(|k| *k != "effort"))
-        {
+    if let Some(r) = get("reasoning") {
+        let r = members_of(r.get()).unwrap_or_default();
+        if let Some((k, _)) = r.iter().find(|(k, _)| k != "effort") {
             return Err(bad(
                 format!("reasoning.{k}"),
                 format!("reasoning.{k}: chat-completions targets take only reasoning.effort"),
             ));
         }
-        if let Some(effort) = r.get("effort").filter(|e| !e.is_null()) {
-            chat.insert("reasoning_effort".into(), effort.clone());
+        if let Some((_, effort)) = r.iter().rev().find(|(_, e)| !is_null(e)) {
+            chat.insert(
+                "reasoning_effort".into(),
+                passed_on(effort, "reasoning.effort")?,
+            );
         }
     }
-    let tools = match m.remove("tools").filter(|t| !t.is_null()) {
-        Some(tools) => Some(
-            serde_json::value::to_raw_value(&translate_tools(&tools)?)
-                .map_err(|e| bad("tools", e.to_string()))?,
-        ),
+    let tools = match get("tools") {
+        Some(tools) => Some(chat_tools(tools)?),
         None => None,
     };
-    if let Some(c) = m.remove("tool_choice").filter(|c| !c.is_null()) {
-        let choice = match (&c, c["type"].as_str()) {
-            (Value::String(s), _) if matches!(s.as_str(), "auto" | "required" | "none") => {
-                c.clone()
-            }
-            (_, Some("function")) => match c["name"].as_str() {
-                Some(name) => json!({"type": "function", "function": {"name": name}}),
-                None => {
-                    return Err(bad(
-                        "tool_choice.name",
-                        "tool_choice.name must name a function",
-                    ));
-                }
-            },
-            _ => {
-                return Err(bad(
-                    "tool_choice",
-                    "tool_choice must be \"auto\", \"required\", \"none\" or {\"type\": \"function\", \"name\": ...}",
-                ));
-            }
-        };
-        chat.insert("tool_choice".into(), choice);
+    if let Some(c) = get("tool_choice") {
+        chat.insert("tool_choice".into(), tool_choice(c)?);
     }
-    let mut response_format = None;
-    if let Some(format) = m.remove("text").and_then(|t| t.get("format").cloned()) {
-        response_format = match format["type"].as_str() {
-            Some("text") | None => None,
-            Some("json_object") => Some(json!({"type": "json_object"})),
-            Some("json_schema") => {
-                let mut schema = json!({"name": format["name"], "schema": format["schema"]});
-                if let Some(strict) = format.get("strict") {
-                    schema["strict"] = strict.clone();
-                }
-                Some(json!({"type": "json_schema", "json_schema": schema}))
-            }
-            Some(other) => {
-                return Err(bad(
-                    "text.format.type",
-                    format!("text.format.type: {other:?} is not text, json_object or json_schema"),
-                ));
-            }
-        };
-    }
+    let response_format = match get("text") {
+        Some(text) => response_format(text)?,
+        None => None,
+    };
     Ok(Decoded {
         model,
         turns,
@@ -208,14 +182,118 @@ fn decode(mut m: Map<String, Value>) -> Result<Decoded, BadRequest> {
     })
 }
 
+/// `tool_choice` as chat's.
+fn tool_choice(c: &RawValue) -> Result<Value, BadRequest> {
+    if let Some(s) =
+        read::<String>(c).filter(|s| matches!(s.as_str(), "auto" | "required" | "none"))
+    {
+        return Ok(json!(s));
+    }
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct ChoiceIn {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        name: Option<String>,
+    }
+    match read::<ChoiceIn>(c).unwrap_or_default() {
+        ChoiceIn {
+            kind: Some(k),
+            name: Some(name),
+        } if k == "function" => Ok(json!({"type": "function", "function": {"name": name}})),
+        ChoiceIn { kind: Some(k), .. } if k == "function" => Err(bad(
+            "tool_choice.name",
+            "tool_choice.name must name a function",
+        )),
+        _ => Err(bad(
+            "tool_choice",
+            "tool_choice must be \"auto\", \"required\", \"none\" or {\"type\": \"function\", \"name\": ...}",
+        )),
+    }
+}
+
+/// `text.format` as chat's `response_format` (none for plain text).
+fn response_format(text: &RawValue) -> Result<Option<Value>, BadRequest> {
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct TextIn<'a> {
+        #[serde(borrow)]
+        format: Option<&'a RawValue>,
+    }
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct FormatIn<'a> {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        #[serde(borrow)]
+        name: Option<&'a RawValue>,
+        #[serde(borrow)]
+        schema: Option<&'a RawValue>,
+        #[serde(borrow)]
+        strict: Option<&'a RawValue>,
+    }
+    let Some(format) = read::<TextIn>(text).and_then(|t| t.format) else {
+        return Ok(None);
+    };
+    let f = read::<FormatIn>(format).unwrap_or_default();
+    Ok(match f.kind.as_deref() {
+        Some("text") | None => None,
+        Some("json_object") => Some(json!({"type": "json_object"})),
+        Some("json_schema") => {
+            let mut schema = json!({"name": f.name, "schema": f.schema});
+            if let Some(strict) = f.strict {
+                schema["strict"] = passed_on(strict, "text.format.strict")?;
+            }
+            Some(json!({"type": "json_schema", "json_schema": schema}))
+        }
+        Some(other) => {
+            return Err(bad(
+                "text.format.type",
+                format!("text.format.type: {other:?} is not text, json_object or json_schema"),
+            ));
+        }
+    })
+}
+
+/// An input item's members oam reads, each as its text.
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
+struct ItemIn<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow)]
+    call_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow)]
+    arguments: Option<&'a RawValue>,
+    #[serde(borrow)]
+    output: Option<&'a RawValue>,
+}
+
+/// JSON text given, and not `null`.
+fn given(v: Option<&RawValue>) -> Option<&RawValue> {
+    v.filter(|v| !is_null(v))
+}
+
+/// JSON text that is a string: the string.
+fn string(v: Option<&RawValue>) -> Option<String> {
+    v.and_then(read::<String>)
+}
+
 /// One input item as the turns it means: a message (its content parts read), a function call
 /// (an assistant's tool call; the calls of one turn on one assistant turn, as chat wants them)
 /// or a function call's output (a tool turn).
-fn decode_item(item: &Value, i: usize, out: &mut Vec<Turn>) -> Result<(), BadRequest> {
+fn decode_item(raw: &RawValue, i: usize, out: &mut Vec<Turn>) -> Result<(), BadRequest> {
     let at = format!("input[{i}]");
-    match item["type"].as_str() {
+    let item = read::<ItemIn>(raw).unwrap_or_default();
+    match string(item.kind).as_deref() {
         None | Some("message") => {
-            let role = match item["role"].as_str() {
+            let role = match string(item.role).as_deref() {
                 Some("developer" | "system") => Role::System,
                 Some("user") => Role::User,
                 Some("assistant") => Role::Assistant,
@@ -226,49 +304,47 @@ fn decode_item(item: &Value, i: usize, out: &mut Vec<Turn>) -> Result<(), BadReq
                     ));
                 }
             };
-            let content = match &item["content"] {
-                Value::String(s) => Content::Text(s.clone()),
-                Value::Array(parts) => {
-                    let mut read = Vec::new();
-                    for (j, p) in parts.iter().enumerate() {
-                        read.push(decode_part(p, &format!("{at}.content[{j}]"))?);
-                    }
-                    if role == Role::Assistant {
-                        // An assistant's turn is text in chat.
-                        let text: Vec<&str> = read
-                            .iter()
-                            .filter_map(|p| match p {
-                                Part::Text(t) => Some(t.as_str()),
-                                _ => None,
-                            })
-                            .collect();
-                        Content::Text(text.join(""))
-                    } else {
-                        Content::Parts(read)
-                    }
+            let content = if let Some(text) = string(item.content) {
+                Content::Text(text)
+            } else if let Some(parts) = item.content.and_then(read::<Vec<&RawValue>>) {
+                let mut read = Vec::with_capacity(parts.len());
+                for (j, p) in parts.into_iter().enumerate() {
+                    read.push(decode_part(p, &format!("{at}.content[{j}]"))?);
                 }
-                _ => {
-                    return Err(bad(
-                        format!("{at}.content"),
-                        format!("{at}.content must be a string or an array of content parts"),
-                    ));
+                if role == Role::Assistant {
+                    // An assistant's turn is text in chat.
+                    let text: Vec<&str> = read
+                        .iter()
+                        .filter_map(|p| match p {
+                            Part::Text(t) => Some(t.as_str()),
+                            _ => None,
+                        })
+                        .collect();
+                    Content::Text(text.join(""))
+                } else {
+                    Content::Parts(read)
                 }
+            } else {
+                return Err(bad(
+                    format!("{at}.content"),
+                    format!("{at}.content must be a string or an array of content parts"),
+                ));
             };
             let mut turn = Turn::text(role, "");
             turn.content = content;
             out.push(turn);
         }
         Some("function_call") => {
-            let (Some(id), Some(name)) = (item["call_id"].as_str(), item["name"].as_str()) else {
+            let (Some(id), Some(name)) = (string(item.call_id), string(item.name)) else {
                 return Err(bad(
                     at.clone(),
                     format!("{at}: a function_call needs call_id and name"),
                 ));
             };
             let call = ToolCall {
-                id: id.to_string(),
-                name: name.to_string(),
-                arguments: item["arguments"].as_str().unwrap_or("{}").to_string(),
+                id,
+                name,
+                arguments: string(item.arguments).unwrap_or_else(|| "{}".into()),
             };
             match out.last_mut() {
                 Some(last) if last.role == Role::Assistant && !last.calls.is_empty() => {
@@ -283,18 +359,18 @@ fn decode_item(item: &Value, i: usize, out: &mut Vec<Turn>) -> Result<(), BadReq
             }
         }
         Some("function_call_output") => {
-            let Some(id) = item["call_id"].as_str() else {
+            let Some(id) = string(item.call_id) else {
                 return Err(bad(
                     format!("{at}.call_id"),
                     format!("{at}.call_id must be a string"),
                 ));
             };
-            let output = match &item["output"] {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
+            // A string as it is; any other output as its JSON text.
+            let output = string(item.output)
+                .or_else(|| item.output.map(|o| o.get().to_string()))
+                .unwrap_or_else(|| "null".into());
             let mut turn = Turn::text(Role::Tool, output);
-            turn.answers = Some(id.to_string());
+            turn.answers = Some(id);
             out.push(turn);
         }
         Some(other) => {
@@ -311,19 +387,32 @@ fn decode_item(item: &Value, i: usize, out: &mut Vec<Turn>) -> Result<(), BadReq
 }
 
 /// A content part: text (input or output), or an image by URL.
-fn decode_part(p: &Value, at: &str) -> Result<Part, BadRequest> {
-    match p["type"].as_str() {
-        Some("input_text" | "output_text" | "text") => match p["text"].as_str() {
-            Some(t) => Ok(Part::Text(t.to_string())),
+fn decode_part(p: &RawValue, at: &str) -> Result<Part, BadRequest> {
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct PartIn<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: Option<&'a RawValue>,
+        #[serde(borrow)]
+        text: Option<&'a RawValue>,
+        #[serde(borrow)]
+        image_url: Option<&'a RawValue>,
+        #[serde(borrow)]
+        detail: Option<&'a RawValue>,
+    }
+    let p = read::<PartIn>(p).unwrap_or_default();
+    match string(p.kind).as_deref() {
+        Some("input_text" | "output_text" | "text") => match string(p.text) {
+            Some(t) => Ok(Part::Text(t)),
             None => Err(bad(
                 format!("{at}.text"),
                 format!("{at}.text must be a string"),
             )),
         },
-        Some("input_image") => match p["image_url"].as_str() {
+        Some("input_image") => match string(p.image_url) {
             Some(url) => Ok(Part::Image {
-                url: url.to_string(),
-                detail: p["detail"].as_str().map(String::from),
+                url,
+                detail: string(p.detail),
             }),
             None => Err(bad(
                 format!("{at}.image_url"),
@@ -337,40 +426,72 @@ fn decode_part(p: &Value, at: &str) -> Result<Part, BadRequest> {
     }
 }
 
-/// Function tools (`[{type: "function", name, parameters}]`) as chat's; a hosted tool is refused.
-fn translate_tools(tools: &Value) -> Result<Value, BadRequest> {
-    let list = tools
-        .as_array()
+/// Function tools (`[{type: "function", name, parameters}]`) as a chat tool list (schemas as
+/// the client wrote them); a hosted tool is refused.
+fn chat_tools(raw: &RawValue) -> Result<Box<RawValue>, BadRequest> {
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct ToolIn<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: Option<&'a RawValue>,
+        #[serde(borrow)]
+        name: Option<&'a RawValue>,
+        #[serde(borrow)]
+        description: Option<&'a RawValue>,
+        #[serde(borrow)]
+        parameters: Option<&'a RawValue>,
+        #[serde(borrow)]
+        strict: Option<&'a RawValue>,
+    }
+    #[derive(serde::Serialize)]
+    struct Function<'a> {
+        name: &'a RawValue,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        description: Option<&'a RawValue>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        parameters: Option<&'a RawValue>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        strict: Option<&'a RawValue>,
+    }
+    #[derive(serde::Serialize)]
+    struct ChatTool<'a> {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        function: Function<'a>,
+    }
+    let list = read::<Vec<&RawValue>>(raw)
         .ok_or_else(|| bad("tools", "tools must be an array of function tools"))?;
     let mut out = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
+    for (i, t) in list.into_iter().enumerate() {
         let at = format!("tools[{i}]");
-        match t["type"].as_str() {
-            Some("function") => {}
-            other => {
-                return Err(bad(
-                    format!("{at}.type"),
-                    format!(
-                        "{at}.type: {other:?} is a hosted tool this gateway does not run; declare function tools"
-                    ),
-                ));
-            }
+        let t = read::<ToolIn>(t).unwrap_or_default();
+        let kind = string(t.kind);
+        if kind.as_deref() != Some("function") {
+            return Err(bad(
+                format!("{at}.type"),
+                format!(
+                    "{at}.type: {:?} is a hosted tool this gateway does not run; declare function tools",
+                    kind.as_deref()
+                ),
+            ));
         }
-        let Some(name) = t["name"].as_str() else {
+        let Some(name) = t.name.filter(|n| read::<String>(n).is_some()) else {
             return Err(bad(
                 format!("{at}.name"),
                 format!("{at}.name must be a string"),
             ));
         };
-        let mut f = json!({"name": name});
-        for k in ["description", "parameters", "strict"] {
-            if let Some(v) = t.get(k).filter(|v| !v.is_null()) {
-                f[k] = v.clone();
-            }
-        }
-        out.push(json!({"type": "function", "function": f}));
+        out.push(ChatTool {
+            kind: "function",
+            function: Function {
+                name,
+                description: given(t.description),
+                parameters: given(t.parameters),
+                strict: given(t.strict),
+            },
+        });
     }
-    Ok(Value::Array(out))
+    serde_json::value::to_raw_value(&out).map_err(|e| bad("tools", e.to_string()))
 }
 
 /// A chat completion (what the pipeline accepted) as a response object, the `oam` object kept.
