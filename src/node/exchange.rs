@@ -5,7 +5,10 @@
 //! `embeddings`) and upstream APIs (`upstream`) both use this module and never each other.
 
 use crate::core::request::{Generation, Usage};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
+use std::borrow::Cow;
 
 /// What a client sent, for the upstream: its turns (`node::model`: text, image parts, tool calls
 /// and results; a chat turn kept as it came) and every other field under chat's names (tools,
@@ -188,36 +191,203 @@ pub(crate) fn usage_json(u: &Usage) -> Value {
     v
 }
 
-/// What one chunk of an upstream's stream says.
-#[derive(Debug, Default, PartialEq)]
+/// The `id`, `created` and `model` a chat chunk names, as the upstream wrote them (`null`
+/// where it left one out): oam's own last chunk repeats them, and other APIs' events name the
+/// answer by them.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub(crate) struct Head<'a> {
+    pub id: Option<&'a RawValue>,
+    pub created: Option<&'a RawValue>,
+    pub model: Option<&'a RawValue>,
+}
+
+/// A `Head` kept past its chunk.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct OwnedHead {
+    pub id: Option<Box<RawValue>>,
+    pub created: Option<Box<RawValue>>,
+    pub model: Option<Box<RawValue>>,
+}
+
+impl Head<'_> {
+    pub fn to_owned(self) -> OwnedHead {
+        OwnedHead {
+            id: self.id.map(RawValue::to_owned),
+            created: self.created.map(RawValue::to_owned),
+            model: self.model.map(RawValue::to_owned),
+        }
+    }
+
+    /// The id, when it is a string.
+    pub fn id(&self) -> Option<Cow<'_, str>> {
+        str_of(self.id)
+    }
+
+    /// It names a model (a string).
+    pub fn names_model(&self) -> bool {
+        str_of(self.model).is_some()
+    }
+}
+
+/// One tool call's piece in a chunk (`{index, id, function: {name, arguments}}`).
+#[derive(Debug, Default)]
+pub(crate) struct CallDelta<'a> {
+    /// Its position among the answer's calls.
+    pub index: u64,
+    pub id: Option<&'a RawValue>,
+    pub name: Option<Cow<'a, str>>,
+    pub arguments: Option<Cow<'a, str>>,
+}
+
+/// What one chunk of an upstream's stream says, borrowed from its text.
+#[derive(Debug, Default)]
 pub(crate) struct Delta<'a> {
-    pub text: Option<&'a str>,
-    /// The tool-call deltas (`[{index, function: {name, arguments}}]`), or null.
-    pub tool_calls: Option<&'a Value>,
-    pub finish: Option<&'a str>,
+    pub head: Head<'a>,
+    pub text: Option<Cow<'a, str>>,
+    pub tool_calls: Vec<CallDelta<'a>>,
+    pub finish: Option<Cow<'a, str>>,
     pub usage: Option<Usage>,
+    /// The `usage` object as it came.
+    pub usage_sent: Option<&'a RawValue>,
     /// A chunk with no choices: only usage (sent when the caller asked for it).
     pub usage_only: bool,
 }
 
-/// An error event in a stream, with what it says.
+/// An error event in a stream, with what it says (its JSON).
 #[derive(Debug, thiserror::Error)]
 #[error("the stream says: {0}")]
-pub(crate) struct ErrorEvent(pub Value);
+pub(crate) struct ErrorEvent(pub String);
 
-/// Read one chunk of a stream; an error event is `Err`.
-pub(crate) fn read_chunk(chunk: &Value) -> Result<Delta<'_>, ErrorEvent> {
-    if let Some(err) = chunk.get("error") {
-        return Err(ErrorEvent(err.clone()));
-    }
-    let choice = &chunk["choices"][0];
-    Ok(Delta {
-        text: choice["delta"]["content"].as_str(),
-        tool_calls: choice["delta"].get("tool_calls").filter(|t| t.is_array()),
-        finish: choice["finish_reason"].as_str(),
-        usage: chunk.get("usage").filter(|u| u.is_object()).map(usage_of),
-        usage_only: chunk["choices"].as_array().is_some_and(Vec::is_empty),
+/// A JSON string, borrowed from its text unless it holds escapes.
+#[derive(Deserialize)]
+struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
+
+/// JSON text that is a string: the string.
+pub(crate) fn str_of(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
+    raw.and_then(|r| serde_json::from_str::<Str>(r.get()).ok())
+        .map(|s| s.0)
+}
+
+/// JSON text that is a whole number: the number.
+fn u64_of(raw: Option<&RawValue>) -> Option<u64> {
+    raw.and_then(|r| serde_json::from_str(r.get()).ok())
+}
+
+/// An object's members, each as its text (`null` for one not there or of another shape).
+macro_rules! members {
+    ($name:ident { $($field:ident),* }) => {
+        #[derive(Deserialize, Default)]
+        #[serde(default)]
+        struct $name<'a> {
+            $(#[serde(borrow)] $field: Option<&'a RawValue>,)*
+        }
+    };
+}
+
+members!(ChunkIn {
+    id,
+    created,
+    model,
+    choices,
+    usage,
+    error
+});
+members!(ChoiceIn {
+    delta,
+    finish_reason
+});
+members!(DeltaIn {
+    content,
+    tool_calls
+});
+members!(CallIn {
+    index,
+    id,
+    function
+});
+members!(FunctionIn { name, arguments });
+members!(UsageIn {
+    prompt_tokens,
+    completion_tokens,
+    prompt_tokens_details,
+    cache_creation_input_tokens,
+    completion_tokens_details
+});
+members!(PromptDetailsIn { cached_tokens });
+members!(CompletionDetailsIn { reasoning_tokens });
+
+/// JSON text read as `T`; where it has another shape, `T`'s default.
+fn lenient<'a, T: Deserialize<'a> + Default>(raw: Option<&'a RawValue>) -> T {
+    raw.and_then(|r| serde_json::from_str(r.get()).ok())
+        .unwrap_or_default()
+}
+
+/// The token counts of a chat `usage` object: prompt and completion tokens, and of them those
+/// read from the cache (`prompt_tokens_details.cached_tokens`), written to it
+/// (`cache_creation_input_tokens`) and spent reasoning
+/// (`completion_tokens_details.reasoning_tokens`). `None` when it is no object.
+pub(crate) fn usage_in(raw: &RawValue) -> Option<Usage> {
+    let u: UsageIn = serde_json::from_str(raw.get()).ok()?;
+    let prompt: PromptDetailsIn = lenient(u.prompt_tokens_details);
+    let completion: CompletionDetailsIn = lenient(u.completion_tokens_details);
+    Some(Usage {
+        prompt_tokens: u64_of(u.prompt_tokens).unwrap_or(0),
+        completion_tokens: u64_of(u.completion_tokens).unwrap_or(0),
+        cached_tokens: u64_of(prompt.cached_tokens).unwrap_or(0),
+        cache_write_tokens: u64_of(u.cache_creation_input_tokens).unwrap_or(0),
+        reasoning_tokens: u64_of(completion.reasoning_tokens).unwrap_or(0),
     })
+}
+
+/// Read one chunk of a stream from its data: what it says (nothing, for JSON that is no
+/// object), `Ok(None)` for data that is no JSON, an error event as `Err`.
+pub(crate) fn read_chunk(data: &str) -> Result<Option<Delta<'_>>, ErrorEvent> {
+    let chunk: ChunkIn = match serde_json::from_str(data) {
+        Ok(chunk) => chunk,
+        Err(_) if serde_json::from_str::<serde::de::IgnoredAny>(data).is_ok() => {
+            return Ok(Some(Delta::default()));
+        }
+        Err(_) => return Ok(None),
+    };
+    if let Some(error) = chunk.error {
+        return Err(ErrorEvent(error.get().to_string()));
+    }
+    let choices: Option<Vec<&RawValue>> = chunk
+        .choices
+        .and_then(|c| serde_json::from_str(c.get()).ok());
+    let choice: ChoiceIn = lenient(choices.as_ref().and_then(|c| c.first().copied()));
+    let delta: DeltaIn = lenient(choice.delta);
+    let calls: Option<Vec<&RawValue>> = delta
+        .tool_calls
+        .and_then(|t| serde_json::from_str(t.get()).ok());
+    let tool_calls = calls
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| {
+            let c: CallIn = lenient(Some(c));
+            let f: FunctionIn = lenient(c.function);
+            CallDelta {
+                index: u64_of(c.index).unwrap_or(0),
+                id: c.id,
+                name: str_of(f.name),
+                arguments: str_of(f.arguments),
+            }
+        })
+        .collect();
+    let usage = chunk.usage.and_then(usage_in);
+    Ok(Some(Delta {
+        head: Head {
+            id: chunk.id,
+            created: chunk.created,
+            model: chunk.model,
+        },
+        text: str_of(delta.content),
+        tool_calls,
+        finish: str_of(choice.finish_reason),
+        usage,
+        usage_sent: chunk.usage.filter(|_| usage.is_some()),
+        usage_only: choices.is_some_and(|c| c.is_empty()),
+    }))
 }
 
 #[cfg(test)]
@@ -253,26 +423,21 @@ pub(crate) mod tests {
             .iter()
             .map(|e| serde_json::from_str(e).expect("JSON"))
             .collect();
-        let read: Vec<Delta> = chunks
+        let read: Vec<Delta> = events[..3]
             .iter()
-            .map(|c| read_chunk(c).expect("a chunk"))
+            .map(|c| read_chunk(c).expect("no error").expect("a chunk"))
             .collect();
-        assert_eq!(read[0].text, Some("hi"));
-        let calls = read[0]
+        assert_eq!(read[0].text.as_deref(), Some("hi"));
+        let at: Vec<(u64, &str)> = read[0]
             .tool_calls
-            .and_then(Value::as_array)
-            .expect("tool calls");
-        let at: Vec<(u64, &str)> = calls
             .iter()
-            .map(|c| {
-                (
-                    c["index"].as_u64().unwrap_or(99),
-                    c["function"]["name"].as_str().unwrap_or(""),
-                )
-            })
+            .map(|c| (c.index, c.name.as_deref().unwrap_or("")))
             .collect();
         assert_eq!(at, [(0, "a"), (1, "b")], "each call carries its position");
-        assert_eq!((read[1].finish, read[1].text), (Some("tool_calls"), None));
+        assert_eq!(
+            (read[1].finish.as_deref(), read[1].text.as_deref()),
+            (Some("tool_calls"), None)
+        );
         assert!(read[2].usage_only);
         assert_eq!(read[2].usage.map(|u| u.prompt_tokens), Some(4));
         for c in &chunks {
@@ -289,9 +454,49 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_chunk_of_odd_shape_reads_as_far_as_it_goes() {
+        assert!(
+            matches!(read_chunk("{cut"), Ok(None)),
+            "no JSON: unreadable"
+        );
+        let empty = read_chunk("42").expect("no error").expect("JSON");
+        assert!(empty.text.is_none() && empty.tool_calls.is_empty() && !empty.usage_only);
+        let data = r#"{"id": 7, "choices": [{"delta": {"content": "a\"b\u00e9",
+            "tool_calls": {"index": 0}}, "finish_reason": 3}], "usage": null}"#;
+        let d = read_chunk(data).expect("no error").expect("a chunk");
+        assert_eq!(d.text.as_deref(), Some("a\"b\u{e9}"), "escapes read");
+        assert!(
+            d.tool_calls.is_empty(),
+            "tool calls that are no array are none"
+        );
+        assert_eq!((d.finish, d.usage, d.head.id()), (None, None, None));
+        assert_eq!(d.head.id.map(RawValue::get), Some("7"), "the id as it came");
+        let data = json!({"choices": [{"delta": {"tool_calls": [
+            {"index": "x", "function": {"name": "f", "arguments": 5}}]}}],
+            "usage": {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}})
+        .to_string();
+        let d = read_chunk(&data).expect("no error").expect("a chunk");
+        let call = &d.tool_calls[0];
+        assert_eq!(
+            (call.index, call.name.as_deref(), call.arguments.as_deref()),
+            (0, Some("f"), None)
+        );
+        let u = d.usage.expect("usage");
+        assert_eq!(
+            (u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+            (2, 1, 0)
+        );
+        assert_eq!(
+            d.usage_sent.map(RawValue::get),
+            Some(r#"{"prompt_tokens":2,"prompt_tokens_details":{"cached_tokens":1}}"#)
+        );
+    }
+
+    #[test]
     fn an_error_event_breaks_the_stream() {
-        let why = read_chunk(&json!({"error": {"message": "overloaded"}})).expect_err("an error");
-        assert_eq!(why.0["message"], "overloaded");
+        let data = json!({"error": {"message": "overloaded"}}).to_string();
+        let why = read_chunk(&data).expect_err("an error");
+        assert_eq!(why.0, r#"{"message":"overloaded"}"#);
         assert!(why.to_string().contains("overloaded"), "{why}");
     }
 

@@ -6,9 +6,9 @@
 //! cleanly. A finish chunk whose `[DONE]` never comes is complete, and closed by oam.
 
 use super::Node;
-use super::api::openai::{chunk_head, stream_end};
+use super::api::openai::stream_end;
 use super::config::Streaming;
-use super::exchange::{Attempt, Delta, Passthrough, read_chunk};
+use super::exchange::{Attempt, Delta, OwnedHead, Passthrough, read_chunk};
 use super::http::with_oam_headers;
 use super::request::{Flight, Next, Waits, conclude};
 use super::upstream::{Broken, Opened, Stream};
@@ -21,6 +21,7 @@ use axum::body::{Body, Bytes};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -135,7 +136,7 @@ pub(crate) fn respond(
         limits,
         tx,
         request_started,
-        head: Value::Null,
+        head: None,
         delivered: String::new(),
         usage: None,
         earlier: None,
@@ -186,11 +187,11 @@ struct Accum {
 impl Accum {
     /// Take in what one chunk says.
     fn absorb(&mut self, d: &Delta) {
-        if let Some(text) = d.text {
+        if let Some(text) = &d.text {
             self.text.push_str(text);
         }
-        for t in d.tool_calls.and_then(Value::as_array).into_iter().flatten() {
-            let i = t["index"].as_u64().unwrap_or(0) as usize;
+        for t in &d.tool_calls {
+            let i = t.index as usize;
             if i > 1_024 {
                 continue; // no answer calls that many tools; not worth a huge allocation
             }
@@ -200,15 +201,14 @@ impl Accum {
                     arguments: String::new(),
                 });
             }
-            let f = &t["function"];
-            if let Some(name) = f["name"].as_str() {
+            if let Some(name) = &t.name {
                 self.calls[i].name.push_str(name);
             }
-            if let Some(args) = f["arguments"].as_str() {
+            if let Some(args) = &t.arguments {
                 self.calls[i].arguments.push_str(args);
             }
         }
-        if let Some(f) = d.finish {
+        if let Some(f) = &d.finish {
             self.finish = Some(f.to_string());
         }
         if d.usage.is_some() {
@@ -234,13 +234,13 @@ struct Relay {
     tx: tokio::sync::mpsc::Sender<Bytes>,
     request_started: Instant,
     /// `id`, `created` and `model` of the first chunk, for oam's own last chunk.
-    head: Value,
+    head: Option<OwnedHead>,
     /// The answer's text the caller has, across a continuation.
     delivered: String,
     /// How each chunk is written to the caller (what another API's events have opened so far).
     encoder: Encoder,
     /// The upstream's usage chunk, held back (chat only): oam's last chunk carries it.
-    usage: Option<Value>,
+    usage: Option<Box<RawValue>>,
     /// What the parts before this one used (a stream cut and continued): the usage the caller
     /// is told is theirs and this part's together.
     earlier: Option<Usage>,
@@ -401,26 +401,31 @@ impl Relay {
                 let why = "[DONE] came without a finish reason";
                 return End::Broken(failed(GenerationStatus::Error, cur.began, why));
             }
-            let Ok(chunk) = serde_json::from_str::<Value>(&data) else {
-                // Unreadable, after the caller has part of the answer: skipped, and said.
-                self.flight.session.note(ReasonCode::StreamChunkSkipped);
-                continue;
-            };
-            let delta = match read_chunk(&chunk) {
-                Ok(delta) => delta,
+            let delta = match read_chunk(&data) {
+                Ok(Some(delta)) => delta,
+                Ok(None) => {
+                    // Unreadable, after the caller has part of the answer: skipped, and said.
+                    self.flight.session.note(ReasonCode::StreamChunkSkipped);
+                    continue;
+                }
                 Err(why) => {
                     let why = why.to_string();
                     return End::Broken(failed(GenerationStatus::Error, cur.began, why));
                 }
             };
-            if self.head.is_null() {
-                self.head = chunk_head(&chunk);
-            } else if first_of_part && chunk["model"].is_string() {
-                // A continuation: the answer's last chunk names the model that wrote its end.
-                self.head["model"] = chunk["model"].clone();
-                if let Encoder::Responses(events) = &mut self.encoder {
-                    events.written_by(&chunk["model"]);
+            match &mut self.head {
+                None => self.head = Some(delta.head.to_owned()),
+                Some(head) if first_of_part && delta.head.names_model() => {
+                    // A continuation: the answer's last chunk names the model that wrote its
+                    // end.
+                    head.model = delta.head.model.map(RawValue::to_owned);
+                    if let (Encoder::Responses(events), Some(model)) =
+                        (&mut self.encoder, delta.head.model)
+                    {
+                        events.written_by(model);
+                    }
                 }
+                Some(_) => {}
             }
             first_of_part = false;
             acc.absorb(&delta);
@@ -428,18 +433,21 @@ impl Relay {
             if let (Some(earlier), Some(u)) = (self.earlier, delta.usage) {
                 delta.usage = Some(earlier + u);
             }
-            if let Some(text) = delta.text {
+            if let Some(text) = &delta.text {
                 self.delivered.push_str(text);
             }
             let text = match &mut self.encoder {
-                Encoder::Anthropic(events) => events.chunk(&chunk, &delta),
-                Encoder::Responses(events) => events.chunk(&chunk, &delta),
+                Encoder::Anthropic(events) => events.chunk(&delta),
+                Encoder::Responses(events) => events.chunk(&delta),
                 Encoder::Chat if delta.usage_only => {
                     if self.pass.include_usage {
-                        self.usage = Some(match (self.earlier, delta.usage) {
-                            (Some(_), Some(sum)) => super::exchange::usage_json(&sum),
-                            _ => chunk["usage"].clone(),
-                        });
+                        self.usage = match (self.earlier, delta.usage) {
+                            (Some(_), Some(sum)) => {
+                                serde_json::value::to_raw_value(&super::exchange::usage_json(&sum))
+                                    .ok()
+                            }
+                            _ => delta.usage_sent.map(RawValue::to_owned),
+                        };
                     }
                     continue;
                 }
@@ -464,7 +472,7 @@ impl Relay {
         let text = match &mut self.encoder {
             Encoder::Anthropic(events) => events.end(&d),
             Encoder::Responses(events) => events.end(&d),
-            Encoder::Chat => stream_end(&d, &self.head, self.usage.as_ref()),
+            Encoder::Chat => stream_end(&d, self.head.as_ref(), self.usage.as_deref()),
         };
         let node = self.node();
         let started = self.request_started;
@@ -483,7 +491,8 @@ mod tests {
     use serde_json::json;
 
     fn absorb(acc: &mut Accum, chunk: Value) {
-        acc.absorb(&read_chunk(&chunk).expect("a chunk"));
+        let data = chunk.to_string();
+        acc.absorb(&read_chunk(&data).expect("no error").expect("a chunk"));
     }
 
     #[test]
@@ -531,7 +540,13 @@ mod tests {
             "no allocation for an index no answer has"
         );
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}});
-        assert!(read_chunk(&usage).expect("a chunk").usage_only);
+        let data = usage.to_string();
+        assert!(
+            read_chunk(&data)
+                .expect("no error")
+                .expect("a chunk")
+                .usage_only
+        );
         absorb(&mut acc, usage);
         absorb(
             &mut acc,

@@ -554,7 +554,7 @@ pub(crate) fn message_of(chat: &Value) -> Value {
     let stop_reason = stop_reason_of(choice["finish_reason"].as_str());
     let usage = usage_json(&crate::node::exchange::usage_of(&chat["usage"]));
     json!({
-        "id": message_id(&chat["id"]),
+        "id": message_id(chat["id"].as_str()),
         "type": "message",
         "role": "assistant",
         "model": chat["model"],
@@ -585,8 +585,8 @@ pub(crate) fn usage_json(u: &crate::core::request::Usage) -> Value {
 }
 
 /// A Messages id for a chat completion's (kept as it is when a Messages upstream made it).
-fn message_id(chat_id: &Value) -> String {
-    let id = chat_id.as_str().unwrap_or_default();
+fn message_id(chat_id: Option<&str>) -> String {
+    let id = chat_id.unwrap_or_default();
     if id.starts_with("msg_") {
         return id.to_string();
     }
@@ -622,14 +622,14 @@ pub(crate) struct Live {
 }
 
 impl Live {
-    /// The events one chat chunk (`delta`, read from `chunk`) means.
-    pub(crate) fn chunk(&mut self, chunk: &Value, delta: &Delta) -> String {
+    /// The events one chat chunk (`delta`) means.
+    pub(crate) fn chunk(&mut self, delta: &Delta) -> String {
         let mut out = String::new();
         if !self.started {
             self.started = true;
             let message = json!({
-                "id": message_id(&chunk["id"]),
-                "type": "message", "role": "assistant", "model": chunk["model"], "content": [],
+                "id": message_id(delta.head.id().as_deref()),
+                "type": "message", "role": "assistant", "model": delta.head.model, "content": [],
                 "stop_reason": null, "stop_sequence": null,
                 "usage": {"input_tokens": 0, "output_tokens": 0},
             });
@@ -640,32 +640,25 @@ impl Live {
             );
             event(&mut out, "ping", &json!({"type": "ping"}));
         }
-        if let Some(text) = delta.text.filter(|t| !t.is_empty()) {
+        if let Some(text) = delta.text.as_deref().filter(|t| !t.is_empty()) {
             let index = self.open_block(&mut out, None, || json!({"type": "text", "text": ""}));
             let d = json!({"type": "content_block_delta", "index": index,
                 "delta": {"type": "text_delta", "text": text}});
             event(&mut out, "content_block_delta", &d);
         }
-        for t in delta
-            .tool_calls
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            let call = t["index"].as_u64().unwrap_or(0);
-            let f = &t["function"];
+        for t in &delta.tool_calls {
             let index = self.open_block(
                 &mut out,
-                Some(call),
-                || json!({"type": "tool_use", "id": t["id"], "name": f["name"], "input": {}}),
+                Some(t.index),
+                || json!({"type": "tool_use", "id": t.id, "name": t.name, "input": {}}),
             );
-            if let Some(args) = f["arguments"].as_str().filter(|a| !a.is_empty()) {
+            if let Some(args) = t.arguments.as_deref().filter(|a| !a.is_empty()) {
                 let d = json!({"type": "content_block_delta", "index": index,
                     "delta": {"type": "input_json_delta", "partial_json": args}});
                 event(&mut out, "content_block_delta", &d);
             }
         }
-        if let Some(f) = delta.finish {
+        if let Some(f) = &delta.finish {
             self.stop_reason = Some(stop_reason_of(Some(f)));
         }
         if let Some(u) = delta.usage {
@@ -1234,8 +1227,11 @@ mod tests {
         let mut live = Live::default();
         let mut text = String::new();
         let mut feed = |chunk: Value| {
-            let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
-            text.push_str(&live.chunk(&chunk, &d));
+            let data = chunk.to_string();
+            let d = crate::node::exchange::read_chunk(&data)
+                .expect("no error")
+                .expect("a chunk");
+            text.push_str(&live.chunk(&d));
         };
         let head = |choices: Value| json!({"id": "chatcmpl-9", "model": "m", "choices": choices});
         feed(head(
@@ -1291,8 +1287,11 @@ mod tests {
     fn a_live_stream_oam_does_not_accept_ends_with_an_error_event_not_message_stop() {
         let mut live = Live::default();
         let chunk = json!({"id": "c", "model": "m", "choices": [{"delta": {"content": "par"}}]});
-        let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
-        let mut text = live.chunk(&chunk, &d);
+        let data = chunk.to_string();
+        let d = crate::node::exchange::read_chunk(&data)
+            .expect("no error")
+            .expect("a chunk");
+        let mut text = live.chunk(&d);
         text.push_str(&live.end(&decided("rejected")));
         let events = parse(&text);
         let last = events.last().expect("events");

@@ -10,7 +10,7 @@ use crate::core::pipeline::{Decision, DecisionOutcome};
 use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Request};
 use crate::node::config::NodeConfig;
-use crate::node::exchange::{Attempt, Passthrough, Reply};
+use crate::node::exchange::{Attempt, OwnedHead, Passthrough, Reply};
 use crate::node::model::Turn;
 use axum::http::{HeaderMap, StatusCode};
 use serde::Deserialize;
@@ -392,26 +392,44 @@ pub(crate) fn sse_of(answer: &Value) -> String {
     format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n")
 }
 
-/// The `id`, `created` and `model` of a stream's first chunk: oam's own last chunk repeats them.
-pub(crate) fn chunk_head(chunk: &Value) -> Value {
-    json!({"id": chunk["id"], "created": chunk["created"], "model": chunk["model"]})
-}
-
 /// The event that ends a relayed stream once `d` is decided: for an accepted answer oam's last
 /// chunk (no choices, the `oam` object, and the upstream's `usage` when the caller asked for
 /// it, so the last chunk before `[DONE]` carries the usage as SDK helpers read it) and
 /// `[DONE]`; else the usage chunk as it came and an in-band error event, and never `[DONE]`,
-/// so that no client takes a cut answer for a whole one.
-pub(crate) fn stream_end(d: &Decision, head: &Value, usage: Option<&Value>) -> String {
-    let oam = oam_object(d);
+/// so that no client takes a cut answer for a whole one. `head` is the stream's first chunk's
+/// `id`, `created` and `model` (the last model, after a continuation).
+pub(crate) fn stream_end(
+    d: &Decision,
+    head: Option<&OwnedHead>,
+    usage: Option<&RawValue>,
+) -> String {
+    /// A chunk with no choices.
+    #[derive(serde::Serialize)]
+    struct Last<'a> {
+        id: Option<&'a RawValue>,
+        object: &'static str,
+        created: Option<&'a RawValue>,
+        model: Option<&'a RawValue>,
+        choices: [(); 0],
+        #[serde(skip_serializing_if = "Option::is_none")]
+        usage: Option<&'a RawValue>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        oam: Option<OamObject<'a>>,
+    }
+    let last = |usage, oam| {
+        let last = Last {
+            id: head.and_then(|h| h.id.as_deref()),
+            object: "chat.completion.chunk",
+            created: head.and_then(|h| h.created.as_deref()),
+            model: head.and_then(|h| h.model.as_deref()),
+            choices: [],
+            usage,
+            oam,
+        };
+        serde_json::to_string(&last).unwrap_or_default()
+    };
     if d.outcome == DecisionOutcome::Accepted {
-        let mut last = head.clone();
-        last["object"] = json!("chat.completion.chunk");
-        last["choices"] = json!([]);
-        if let Some(u) = usage {
-            last["usage"] = u.clone();
-        }
-        last["oam"] = oam;
+        let last = last(usage, Some(OamObject::of(d)));
         format!("data: {last}\n\ndata: [DONE]\n\n")
     } else {
         let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
@@ -422,14 +440,10 @@ pub(crate) fn stream_end(d: &Decision, head: &Value, usage: Option<&Value>) -> S
             reasons.join(", ")
         );
         let mut error = error_body(&why, "server_error", None, code);
-        error["oam"] = oam;
+        error["oam"] = oam_object(d);
         let mut out = String::new();
-        if let Some(u) = usage {
-            let mut chunk = head.clone();
-            chunk["object"] = json!("chat.completion.chunk");
-            chunk["choices"] = json!([]);
-            chunk["usage"] = u.clone();
-            out = format!("data: {chunk}\n\n");
+        if usage.is_some() {
+            out = format!("data: {}\n\n", last(usage, None));
         }
         out + &format!("data: {error}\n\n")
     }
@@ -713,9 +727,19 @@ mod tests {
 
     #[test]
     fn a_relayed_stream_ends_with_done_only_when_accepted() {
-        let head = chunk_head(&json!({"id": "c9", "created": 3, "model": "m", "choices": []}));
+        let data = json!({"id": "c9", "created": 3, "model": "m", "choices": []}).to_string();
+        let head = crate::node::exchange::read_chunk(&data)
+            .expect("no error")
+            .expect("a chunk")
+            .head
+            .to_owned();
         let usage = json!({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8});
-        let ok = stream_end(&decision("accepted", "accepted"), &head, Some(&usage));
+        let usage_text = serde_json::value::to_raw_value(&usage).unwrap();
+        let ok = stream_end(
+            &decision("accepted", "accepted"),
+            Some(&head),
+            Some(&usage_text),
+        );
         assert!(ok.ends_with("data: [DONE]\n\n"), "{ok}");
         assert_eq!(
             ok.matches("data: ").count(),
@@ -737,7 +761,7 @@ mod tests {
 
         let mut d = decision("rejected", "semantic");
         d.reason_codes = vec![ReasonCode::ContractSchemaViolation];
-        let refused = stream_end(&d, &head, None);
+        let refused = stream_end(&d, Some(&head), None);
         assert!(
             !refused.contains("[DONE]"),
             "a cut answer never ends cleanly: {refused}"

@@ -582,21 +582,24 @@ impl Live {
 
     /// The response is continued by `model` (a stream cut and continued): the response it
     /// completes names that model.
-    pub(crate) fn written_by(&mut self, model: &Value) {
-        if self.response.is_object() {
-            self.response["model"] = model.clone();
+    pub(crate) fn written_by(&mut self, model: &RawValue) {
+        if self.response.is_object()
+            && let Ok(model) = serde_json::from_str(model.get())
+        {
+            self.response["model"] = model;
         }
     }
 
-    /// The events one chat chunk (`delta`, read from `chunk`) means.
-    pub(crate) fn chunk(&mut self, chunk: &Value, delta: &crate::node::exchange::Delta) -> String {
+    /// The events one chat chunk (`delta`) means.
+    pub(crate) fn chunk(&mut self, delta: &crate::node::exchange::Delta) -> String {
         let mut out = String::new();
         if self.response.is_null() {
-            let id = chunk["id"].as_str().unwrap_or_default();
-            let id = id.strip_prefix("chatcmpl-").unwrap_or(id);
+            let head = &delta.head;
+            let id = head.id().unwrap_or_default();
+            let id = id.strip_prefix("chatcmpl-").unwrap_or(&id);
             self.response = json!({
-                "id": format!("resp_{id}"), "object": "response", "created_at": chunk["created"],
-                "status": "in_progress", "model": chunk["model"], "output": [],
+                "id": format!("resp_{id}"), "object": "response", "created_at": head.created,
+                "status": "in_progress", "model": head.model, "output": [],
                 "parallel_tool_calls": true, "tool_choice": "auto", "tools": [], "store": false,
                 "error": null, "incomplete_details": null, "usage": null,
             });
@@ -604,7 +607,7 @@ impl Live {
             self.event(&mut out, "response.created", json!({"response": r}));
             self.event(&mut out, "response.in_progress", json!({"response": r}));
         }
-        if let Some(text) = delta.text.filter(|t| !t.is_empty()) {
+        if let Some(text) = delta.text.as_deref().filter(|t| !t.is_empty()) {
             if !matches!(self.open, Some((None, _))) {
                 self.close(&mut out);
                 let id = format!(
@@ -646,19 +649,13 @@ impl Live {
                 json!({"item_id": id, "output_index": i, "content_index": 0, "delta": text}),
             );
         }
-        for t in delta
-            .tool_calls
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            let call = t["index"].as_u64().unwrap_or(0);
-            let f = &t["function"];
+        for t in &delta.tool_calls {
+            let call = t.index;
             if !matches!(&self.open, Some((Some(c), _)) if *c == call) {
                 self.close(&mut out);
                 let i = self.index();
                 let item = json!({"type": "function_call", "id": format!("fc_{}_{i}", self.response["id"].as_str().unwrap_or_default()),
-                    "call_id": t["id"], "name": f["name"], "arguments": "", "status": "in_progress"});
+                    "call_id": t.id, "name": t.name, "arguments": "", "status": "in_progress"});
                 self.event(
                     &mut out,
                     "response.output_item.added",
@@ -666,7 +663,7 @@ impl Live {
                 );
                 self.open = Some((Some(call), item));
             }
-            if let Some(args) = f["arguments"].as_str().filter(|a| !a.is_empty()) {
+            if let Some(args) = t.arguments.as_deref().filter(|a| !a.is_empty()) {
                 let i = self.index();
                 let mut id = Value::Null;
                 if let Some((_, item)) = &mut self.open {
@@ -681,7 +678,7 @@ impl Live {
                 );
             }
         }
-        if let Some(f) = delta.finish {
+        if let Some(f) = &delta.finish {
             self.finish = Some(f.to_string());
         }
         if delta.usage.is_some() {
@@ -1102,8 +1099,11 @@ mod tests {
             json!({"id": "chatcmpl-7", "choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]}, "finish_reason": "tool_calls"}]}),
             json!({"id": "chatcmpl-7", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}),
         ] {
-            let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
-            text.push_str(&live.chunk(&chunk, &d));
+            let data = chunk.to_string();
+            let d = crate::node::exchange::read_chunk(&data)
+                .expect("no error")
+                .expect("a chunk");
+            text.push_str(&live.chunk(&d));
         }
         text.push_str(&live.end(&decided("accepted")));
         let evs = events(&text);
@@ -1142,8 +1142,11 @@ mod tests {
     fn a_live_stream_oam_does_not_accept_ends_failed() {
         let mut live = Live::default();
         let chunk = json!({"id": "c", "choices": [{"delta": {"content": "par"}}]});
-        let d = crate::node::exchange::read_chunk(&chunk).expect("a chunk");
-        let mut text = live.chunk(&chunk, &d);
+        let data = chunk.to_string();
+        let d = crate::node::exchange::read_chunk(&data)
+            .expect("no error")
+            .expect("a chunk");
+        let mut text = live.chunk(&d);
         text.push_str(&live.end(&decided("rejected")));
         let last = events(&text).pop().expect("events");
         assert_eq!(last["type"], "response.failed");
