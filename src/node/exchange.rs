@@ -172,23 +172,45 @@ pub(crate) fn usage_of(u: &Value) -> Usage {
     }
 }
 
-/// `u` as a chat completion's `usage` (what `usage_of` reads back).
-pub(crate) fn usage_json(u: &Usage) -> Value {
-    let mut v = json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    });
-    if u.cached_tokens > 0 {
-        v["prompt_tokens_details"] = json!({"cached_tokens": u.cached_tokens});
+/// A usage as a chat completion writes it (what `usage_of` and `usage_in` read back): the
+/// details only where they count something.
+#[derive(Serialize, Debug, Clone, Copy)]
+pub(crate) struct ChatUsage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_tokens_details: Option<CachedTokens>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_creation_input_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completion_tokens_details: Option<ReasoningTokens>,
+}
+
+#[derive(Serialize, Debug, Clone, Copy)]
+struct CachedTokens {
+    cached_tokens: u64,
+}
+
+#[derive(Serialize, Debug, Clone, Copy)]
+struct ReasoningTokens {
+    reasoning_tokens: u64,
+}
+
+impl From<Usage> for ChatUsage {
+    fn from(u: Usage) -> ChatUsage {
+        let some = |n: u64| (n > 0).then_some(n);
+        ChatUsage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: some(u.cached_tokens).map(|n| CachedTokens { cached_tokens: n }),
+            cache_creation_input_tokens: some(u.cache_write_tokens),
+            completion_tokens_details: some(u.reasoning_tokens).map(|n| ReasoningTokens {
+                reasoning_tokens: n,
+            }),
+        }
     }
-    if u.cache_write_tokens > 0 {
-        v["cache_creation_input_tokens"] = json!(u.cache_write_tokens);
-    }
-    if u.reasoning_tokens > 0 {
-        v["completion_tokens_details"] = json!({"reasoning_tokens": u.reasoning_tokens});
-    }
-    v
 }
 
 /// The `id`, `created` and `model` a chat chunk names, as the upstream wrote them (`null`

@@ -442,10 +442,10 @@ impl Relay {
                 Encoder::Chat if delta.usage_only => {
                     if self.pass.include_usage {
                         self.usage = match (self.earlier, delta.usage) {
-                            (Some(_), Some(sum)) => {
-                                serde_json::value::to_raw_value(&super::exchange::usage_json(&sum))
-                                    .ok()
-                            }
+                            (Some(_), Some(sum)) => serde_json::value::to_raw_value(
+                                &super::exchange::ChatUsage::from(sum),
+                            )
+                            .ok(),
                             _ => delta.usage_sent.map(RawValue::to_owned),
                         };
                     }

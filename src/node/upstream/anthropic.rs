@@ -9,13 +9,16 @@ use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Passthrough, Reply};
 use super::http::{Endpoint, judge_failure};
 use super::{Opened, Upstream, UpstreamCall, chat, failed};
-use crate::core::request::GenerationStatus;
+use crate::core::request::{Generation, GenerationStatus, Usage};
+use crate::node::exchange::{ChatUsage, str_of};
 use crate::node::model::{Content, Part, Role, Turn};
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use serde::Deserialize;
 use serde::Serialize;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 pub(super) struct AnthropicMessages {
@@ -98,13 +101,14 @@ fn judge(
     if let Some(failure) = judge_failure(status, headers, bytes, latency_ms) {
         return failure;
     }
-    let Ok(message) = serde_json::from_slice::<Value>(bytes) else {
-        let why = "the body is not a JSON message";
-        return failed(GenerationStatus::Error, why.into(), latency_ms);
-    };
-    let completion = completion_of(&message, unix_now());
-    let bytes = serde_json::to_vec(&completion).unwrap_or_default();
-    chat::completion(&bytes.into(), latency_ms)
+    let message = std::str::from_utf8(bytes).ok();
+    match message.and_then(|m| completion_of(m, unix_now(), latency_ms)) {
+        Some(attempt) => attempt,
+        None => {
+            let why = "the body is not a JSON message";
+            failed(GenerationStatus::Error, why.into(), latency_ms)
+        }
+    }
 }
 
 impl Upstream for AnthropicMessages {
@@ -509,64 +513,275 @@ fn finish_of(stop_reason: Option<&str>) -> &'static str {
     }
 }
 
-/// Messages usage as chat's: the prompt counts the tokens read from and written to the cache
-/// (Messages counts them apart from `input_tokens`), which are named within it.
-fn usage_of(u: &Value) -> Value {
-    let n = |k: &str| u[k].as_u64().unwrap_or(0);
-    let (read, written) = (
-        n("cache_read_input_tokens"),
-        n("cache_creation_input_tokens"),
-    );
-    let prompt = n("input_tokens") + read + written;
-    let completion = n("output_tokens");
-    let mut out = json!({"prompt_tokens": prompt, "completion_tokens": completion,
-        "total_tokens": prompt + completion});
-    if read > 0 {
-        out["prompt_tokens_details"] = json!({"cached_tokens": read});
-    }
-    if written > 0 {
-        out["cache_creation_input_tokens"] = json!(written);
-    }
-    out
+/// A Messages usage as it came (its counts so far: a stream's `message_delta` adds to what
+/// `message_start` said).
+#[derive(Deserialize, Default, Clone, Copy, Debug)]
+#[serde(default)]
+struct MessagesUsage {
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
 }
 
-/// A Messages answer as the chat completion it means (`created` in Unix seconds): text blocks
-/// joined as the content, `tool_use` blocks as tool calls; thinking blocks (a chat client
-/// cannot ask for them) are left out.
-fn completion_of(message: &Value, created: u64) -> Value {
+impl MessagesUsage {
+    /// JSON text read as a usage; nothing where it is of another shape.
+    fn of(raw: Option<&RawValue>) -> MessagesUsage {
+        raw.and_then(|r| serde_json::from_str(r.get()).ok())
+            .unwrap_or_default()
+    }
+
+    /// This, with what `later` says instead.
+    fn then(self, later: MessagesUsage) -> MessagesUsage {
+        MessagesUsage {
+            input_tokens: later.input_tokens.or(self.input_tokens),
+            output_tokens: later.output_tokens.or(self.output_tokens),
+            cache_read_input_tokens: later
+                .cache_read_input_tokens
+                .or(self.cache_read_input_tokens),
+            cache_creation_input_tokens: later
+                .cache_creation_input_tokens
+                .or(self.cache_creation_input_tokens),
+        }
+    }
+
+    /// As chat counts it: the prompt counts the tokens read from and written to the cache
+    /// (Messages counts them apart from `input_tokens`).
+    fn counted(self) -> Usage {
+        let read = self.cache_read_input_tokens.unwrap_or(0);
+        let written = self.cache_creation_input_tokens.unwrap_or(0);
+        Usage {
+            prompt_tokens: self.input_tokens.unwrap_or(0) + read + written,
+            completion_tokens: self.output_tokens.unwrap_or(0),
+            cached_tokens: read,
+            cache_write_tokens: written,
+            reasoning_tokens: 0,
+        }
+    }
+}
+
+/// A Messages answer's members oam reads, each as its text.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct MessageIn<'a> {
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stop_reason: Option<&'a RawValue>,
+    #[serde(borrow)]
+    usage: Option<&'a RawValue>,
+}
+
+/// A content block's members oam reads (of an answer, or of a stream's `content_block_start`).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct BlockIn<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input: Option<&'a RawValue>,
+}
+
+/// JSON text read as a `T`; `T`'s default where it is of another shape.
+fn lenient<'a, T: Deserialize<'a> + Default>(raw: Option<&'a RawValue>) -> T {
+    raw.and_then(|r| serde_json::from_str(r.get()).ok())
+        .unwrap_or_default()
+}
+
+/// A chat completion as oam writes one from another API's answer.
+#[derive(Serialize)]
+struct Completion<'a> {
+    id: Option<&'a RawValue>,
+    object: &'static str,
+    created: u64,
+    model: Option<&'a RawValue>,
+    choices: [CompletionChoice<'a>; 1],
+    usage: ChatUsage,
+}
+
+#[derive(Serialize)]
+struct CompletionChoice<'a> {
+    index: u32,
+    message: AnswerMessage<'a>,
+    finish_reason: &'static str,
+}
+
+#[derive(Serialize)]
+struct AnswerMessage<'a> {
+    role: &'static str,
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    tool_calls: &'a [crate::node::model::ToolCall],
+}
+
+/// A Messages answer (its text) as the chat completion it means (`created` in Unix seconds):
+/// text blocks joined as the content, `tool_use` blocks as tool calls; thinking blocks (a chat
+/// client cannot ask for them) are left out. The completion is what the pipeline judges, and
+/// its bytes what a chat client is sent; `None` for text that is no JSON object.
+fn completion_of(message: &str, created: u64, latency_ms: u64) -> Option<Attempt> {
+    let m: MessageIn = serde_json::from_str(message).ok()?;
     let mut text = String::new();
     let mut calls = Vec::new();
-    for b in message["content"].as_array().into_iter().flatten() {
-        match b["type"].as_str() {
-            Some("text") => text.push_str(b["text"].as_str().unwrap_or_default()),
-            Some("tool_use") => calls.push(json!({"id": b["id"], "type": "function",
-                "function": {"name": b["name"], "arguments": b["input"].to_string()}})),
+    let blocks: Vec<&RawValue> = lenient(m.content);
+    for b in blocks {
+        let b: BlockIn = lenient(Some(b));
+        match str_of(b.kind).as_deref() {
+            Some("text") => text.push_str(&str_of(b.text).unwrap_or_default()),
+            Some("tool_use") => calls.push(crate::node::model::ToolCall {
+                id: str_of(b.id).map(String::from).unwrap_or_default(),
+                name: str_of(b.name).map(String::from).unwrap_or_default(),
+                arguments: b.input.map_or("null", RawValue::get).to_string(),
+            }),
             _ => {}
         }
     }
-    let mut msg = json!({"role": "assistant",
-        "content": if text.is_empty() && !calls.is_empty() { Value::Null } else { json!(text) }});
-    if !calls.is_empty() {
-        msg["tool_calls"] = json!(calls);
-    }
-    json!({
-        "id": message["id"],
-        "object": "chat.completion",
-        "created": created,
-        "model": message["model"],
-        "choices": [{"index": 0, "message": msg,
-            "finish_reason": finish_of(message["stop_reason"].as_str())}],
-        "usage": usage_of(&message["usage"]),
+    let finish = finish_of(str_of(m.stop_reason).as_deref());
+    let usage = MessagesUsage::of(m.usage).counted();
+    let content = (!text.is_empty() || calls.is_empty()).then_some(text.as_str());
+    let completion = Completion {
+        id: m.id,
+        object: "chat.completion",
+        created,
+        model: m.model,
+        choices: [CompletionChoice {
+            index: 0,
+            message: AnswerMessage {
+                role: "assistant",
+                content,
+                tool_calls: &calls,
+            },
+            finish_reason: finish,
+        }],
+        usage: usage.into(),
+    };
+    let bytes = serde_json::to_vec(&completion).ok()?;
+    let generation = Generation {
+        // Cut by the upstream's content filter: its refusal, passed on as it came.
+        status: if finish == "content_filter" {
+            GenerationStatus::ContentPolicy
+        } else {
+            GenerationStatus::Ok
+        },
+        content: text,
+        finish_reason: Some(finish.to_string()),
+        latency_ms,
+        usage: Some(usage),
+        retry_after_ms: None,
+        error: None,
+        tool_calls: calls
+            .into_iter()
+            .map(|c| crate::core::contract::ToolCall {
+                name: c.name,
+                arguments: c.arguments,
+            })
+            .collect(),
+        pace_ms: None,
+    };
+    Some(Attempt {
+        generation,
+        body: Some(Reply::Completion(bytes.into())),
+        http_status: 200,
     })
 }
 
+/// A chat chunk as oam writes one from another API's event.
+#[derive(Serialize)]
+struct ChunkOut<'a> {
+    id: Option<&'a RawValue>,
+    object: &'static str,
+    created: u64,
+    model: Option<&'a RawValue>,
+    choices: &'a [ChoiceOut<'a>],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<ChatUsage>,
+}
+
+#[derive(Serialize)]
+struct ChoiceOut<'a> {
+    index: u32,
+    delta: DeltaOut<'a>,
+    finish_reason: Option<&'a str>,
+}
+
+/// What a chunk adds: members left out are not in it.
+#[derive(Serialize, Default)]
+struct DeltaOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<Option<Cow<'a, str>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<[CallOut<'a>; 1]>,
+}
+
+#[derive(Serialize)]
+struct CallOut<'a> {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<Option<&'a RawValue>>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    function: FunctionOut<'a>,
+}
+
+#[derive(Serialize)]
+struct FunctionOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<Option<&'a RawValue>>,
+    arguments: Option<Cow<'a, str>>,
+}
+
+/// A Messages event's members oam reads, each as its text.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct EventIn<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    index: Option<&'a RawValue>,
+    #[serde(borrow)]
+    message: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content_block: Option<&'a RawValue>,
+    #[serde(borrow)]
+    delta: Option<&'a RawValue>,
+    #[serde(borrow)]
+    usage: Option<&'a RawValue>,
+    #[serde(borrow)]
+    error: Option<&'a RawValue>,
+}
+
+/// An event's `delta` members oam reads.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct EventDeltaIn<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    partial_json: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stop_reason: Option<&'a RawValue>,
+}
+
 /// A Messages event stream read as chat chunks, event by event: what the events so far said
-/// (the message's id and model, its prompt usage, which blocks are tool calls).
+/// (the message's id and model, its usage, which blocks are tool calls).
 struct Chunks {
     created: u64,
-    id: Value,
-    model: Value,
-    usage: Value,
+    id: Option<Box<RawValue>>,
+    model: Option<Box<RawValue>>,
+    usage: MessagesUsage,
     /// Per block index: the tool call's position among the answer's calls, if it is one.
     calls: Vec<Option<usize>>,
     ncalls: usize,
@@ -576,38 +791,57 @@ impl Chunks {
     fn new(created: u64) -> Self {
         Chunks {
             created,
-            id: Value::Null,
-            model: Value::Null,
-            usage: json!({}),
+            id: None,
+            model: None,
+            usage: MessagesUsage::default(),
             calls: Vec::new(),
             ncalls: 0,
         }
     }
 
-    fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
-        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-        .to_string()
+    fn write(&self, choices: &[ChoiceOut], usage: Option<ChatUsage>) -> String {
+        let chunk = ChunkOut {
+            id: self.id.as_deref(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.as_deref(),
+            choices,
+            usage,
+        };
+        serde_json::to_string(&chunk).unwrap_or_default()
+    }
+
+    fn chunk(&self, delta: DeltaOut, finish: Option<&str>) -> String {
+        let choice = ChoiceOut {
+            index: 0,
+            delta,
+            finish_reason: finish,
+        };
+        self.write(&[choice], None)
     }
 
     /// The chat chunks (or `[DONE]`) one event's data means; data that is no JSON passes as it
     /// came, for the stream's reader to find broken.
     fn event(&mut self, data: &str) -> Vec<String> {
-        let Ok(e) = serde_json::from_str::<Value>(data) else {
+        let Ok(e) = serde_json::from_str::<EventIn>(data) else {
             return vec![data.to_string()];
         };
-        let index = e["index"].as_u64().unwrap_or(0) as usize;
-        match e["type"].as_str().unwrap_or_default() {
+        let index = lenient::<u64>(e.index) as usize;
+        match str_of(e.kind).as_deref().unwrap_or_default() {
             "message_start" => {
-                let m = &e["message"];
-                self.id = m["id"].clone();
-                self.model = m["model"].clone();
-                self.usage = m["usage"].clone();
-                vec![self.chunk(json!({"role": "assistant", "content": ""}), None)]
+                let m: MessageIn = lenient(e.message);
+                self.id = m.id.map(RawValue::to_owned);
+                self.model = m.model.map(RawValue::to_owned);
+                self.usage = MessagesUsage::of(m.usage);
+                let delta = DeltaOut {
+                    role: Some("assistant"),
+                    content: Some(Some("".into())),
+                    tool_calls: None,
+                };
+                vec![self.chunk(delta, None)]
             }
             "content_block_start" => {
-                let b = &e["content_block"];
+                let b: BlockIn = lenient(e.content_block);
                 // An index beyond any real answer's is not a block to keep state for.
                 if index > 4_096 {
                     return Vec::new();
@@ -615,33 +849,65 @@ impl Chunks {
                 if self.calls.len() <= index {
                     self.calls.resize(index + 1, None);
                 }
-                match b["type"].as_str() {
+                match str_of(b.kind).as_deref() {
                     Some("tool_use") => {
                         let n = self.ncalls;
                         self.ncalls += 1;
                         self.calls[index] = Some(n);
-                        let call = json!({"index": n, "id": b["id"], "type": "function",
-                            "function": {"name": b["name"], "arguments": ""}});
-                        vec![self.chunk(json!({"tool_calls": [call]}), None)]
+                        let call = CallOut {
+                            index: n,
+                            id: Some(b.id),
+                            kind: Some("function"),
+                            function: FunctionOut {
+                                name: Some(b.name),
+                                arguments: Some("".into()),
+                            },
+                        };
+                        let delta = DeltaOut {
+                            tool_calls: Some([call]),
+                            ..DeltaOut::default()
+                        };
+                        vec![self.chunk(delta, None)]
                     }
-                    Some("text") => match b["text"].as_str().filter(|t| !t.is_empty()) {
-                        Some(t) => vec![self.chunk(json!({"content": t}), None)],
+                    Some("text") => match str_of(b.text).filter(|t| !t.is_empty()) {
+                        Some(t) => {
+                            let delta = DeltaOut {
+                                content: Some(Some(t)),
+                                ..DeltaOut::default()
+                            };
+                            vec![self.chunk(delta, None)]
+                        }
                         None => Vec::new(),
                     },
                     _ => Vec::new(),
                 }
             }
             "content_block_delta" => {
-                let d = &e["delta"];
-                match d["type"].as_str() {
+                let d: EventDeltaIn = lenient(e.delta);
+                match str_of(d.kind).as_deref() {
                     Some("text_delta") => {
-                        vec![self.chunk(json!({"content": d["text"]}), None)]
+                        let delta = DeltaOut {
+                            content: Some(str_of(d.text)),
+                            ..DeltaOut::default()
+                        };
+                        vec![self.chunk(delta, None)]
                     }
                     Some("input_json_delta") => match self.calls.get(index).copied().flatten() {
                         Some(n) => {
-                            let call = json!({"index": n,
-                                    "function": {"arguments": d["partial_json"]}});
-                            vec![self.chunk(json!({"tool_calls": [call]}), None)]
+                            let call = CallOut {
+                                index: n,
+                                id: None,
+                                kind: None,
+                                function: FunctionOut {
+                                    name: None,
+                                    arguments: str_of(d.partial_json),
+                                },
+                            };
+                            let delta = DeltaOut {
+                                tool_calls: Some([call]),
+                                ..DeltaOut::default()
+                            };
+                            vec![self.chunk(delta, None)]
                         }
                         None => Vec::new(),
                     },
@@ -649,20 +915,24 @@ impl Chunks {
                 }
             }
             "message_delta" => {
-                if let (Some(u), Some(base)) = (e["usage"].as_object(), self.usage.as_object_mut())
-                {
-                    for (k, v) in u {
-                        base.insert(k.clone(), v.clone());
-                    }
-                }
-                let finish = finish_of(e["delta"]["stop_reason"].as_str());
-                let mut usage = json!({"id": self.id, "object": "chat.completion.chunk",
-                    "created": self.created, "model": self.model, "choices": []});
-                usage["usage"] = usage_of(&self.usage);
-                vec![self.chunk(json!({}), Some(finish)), usage.to_string()]
+                self.usage = self.usage.then(MessagesUsage::of(e.usage));
+                let d: EventDeltaIn = lenient(e.delta);
+                let finish = finish_of(str_of(d.stop_reason).as_deref());
+                let usage = Some(ChatUsage::from(self.usage.counted()));
+                vec![
+                    self.chunk(DeltaOut::default(), Some(finish)),
+                    self.write(&[], usage),
+                ]
             }
             "message_stop" => vec!["[DONE]".into()],
-            "error" => vec![json!({"error": e["error"]}).to_string()],
+            "error" => {
+                #[derive(Serialize)]
+                struct ErrorOut<'a> {
+                    error: Option<&'a RawValue>,
+                }
+                let error = serde_json::to_string(&ErrorOut { error: e.error });
+                vec![error.unwrap_or_default()]
+            }
             // ping, content_block_stop, and events a later version adds.
             _ => Vec::new(),
         }
@@ -672,6 +942,7 @@ impl Chunks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn extra(v: Value) -> Map<String, Value> {
         v.as_object().cloned().unwrap_or_default()
@@ -935,7 +1206,33 @@ mod tests {
             "stop_reason": "tool_use",
             "usage": {"input_tokens": 10, "output_tokens": 5,
                 "cache_read_input_tokens": 100, "cache_creation_input_tokens": 20}});
-        let c = completion_of(&m, 7);
+        let a = completion_of(&m.to_string(), 7, 3).expect("a message");
+        let Some(Reply::Completion(bytes)) = &a.body else {
+            panic!("a chat completion's bytes")
+        };
+        let c: Value = serde_json::from_slice(bytes).expect("JSON");
+        let g = &a.generation;
+        assert_eq!(
+            (
+                g.status,
+                g.content.as_str(),
+                g.finish_reason.as_deref(),
+                g.latency_ms
+            ),
+            (GenerationStatus::Ok, "hi", Some("tool_calls"), 3)
+        );
+        assert_eq!(
+            (
+                g.tool_calls[0].name.as_str(),
+                g.tool_calls[0].arguments.as_str()
+            ),
+            ("f", "{\"a\":1}")
+        );
+        assert_eq!(g.usage, Some(crate::node::exchange::usage_of(&c["usage"])));
+        assert_eq!(
+            (c["id"].as_str(), c["created"].as_u64()),
+            (Some("msg_1"), Some(7))
+        );
         assert_eq!(c["choices"][0]["message"]["content"], "hi");
         assert_eq!(
             c["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
@@ -952,6 +1249,23 @@ mod tests {
             (u.prompt_tokens, u.cached_tokens, u.cache_write_tokens),
             (130, 100, 20)
         );
+        let refused = json!({"id": "msg_2", "content": [{"type": "tool_use", "id": "t",
+            "name": "f", "input": {}}], "stop_reason": "refusal"});
+        let a = completion_of(&refused.to_string(), 7, 0).expect("a message");
+        assert_eq!(a.generation.status, GenerationStatus::ContentPolicy);
+        let Some(Reply::Completion(bytes)) = &a.body else {
+            panic!("a chat completion's bytes")
+        };
+        let c: Value = serde_json::from_slice(bytes).expect("JSON");
+        assert_eq!(
+            (
+                &c["choices"][0]["message"]["content"],
+                &c["choices"][0]["finish_reason"]
+            ),
+            (&Value::Null, &json!("content_filter")),
+            "only tool calls: no content"
+        );
+        assert!(completion_of("{cut", 7, 0).is_none(), "no JSON: no message");
     }
 
     #[test]
