@@ -339,7 +339,7 @@ members!(PromptDetailsIn { cached_tokens });
 members!(CompletionDetailsIn { reasoning_tokens });
 
 /// JSON text read as `T`; where it has another shape, `T`'s default.
-fn lenient<'a, T: Deserialize<'a> + Default>(raw: Option<&'a RawValue>) -> T {
+pub(crate) fn lenient<'a, T: Deserialize<'a> + Default>(raw: Option<&'a RawValue>) -> T {
     raw.and_then(|r| serde_json::from_str(r.get()).ok())
         .unwrap_or_default()
 }

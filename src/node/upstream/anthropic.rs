@@ -10,7 +10,7 @@ use super::super::exchange::{Attempt, Passthrough, Reply};
 use super::http::{Endpoint, judge_failure};
 use super::{Opened, Upstream, UpstreamCall, chat, failed};
 use crate::core::request::{Generation, GenerationStatus, Usage};
-use crate::node::exchange::{ChatUsage, str_of};
+use crate::node::exchange::{ChatUsage, lenient, str_of};
 use crate::node::model::{Content, Part, Role, Turn};
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
@@ -527,8 +527,7 @@ struct MessagesUsage {
 impl MessagesUsage {
     /// JSON text read as a usage; nothing where it is of another shape.
     fn of(raw: Option<&RawValue>) -> MessagesUsage {
-        raw.and_then(|r| serde_json::from_str(r.get()).ok())
-            .unwrap_or_default()
+        lenient(raw)
     }
 
     /// This, with what `later` says instead.
@@ -590,12 +589,6 @@ struct BlockIn<'a> {
     name: Option<&'a RawValue>,
     #[serde(borrow)]
     input: Option<&'a RawValue>,
-}
-
-/// JSON text read as a `T`; `T`'s default where it is of another shape.
-fn lenient<'a, T: Deserialize<'a> + Default>(raw: Option<&'a RawValue>) -> T {
-    raw.and_then(|r| serde_json::from_str(r.get()).ok())
-        .unwrap_or_default()
 }
 
 /// A chat completion as oam writes one from another API's answer.
