@@ -16,6 +16,7 @@ use std::borrow::Cow;
 #[derive(Clone, Debug, Default)]
 pub struct Passthrough {
     pub turns: Vec<crate::node::model::Turn>,
+    pub sampling: crate::node::model::Sampling,
     pub extra: serde_json::Map<String, Value>,
     /// The client's `tools`, as sent.
     pub tools: Option<Box<serde_json::value::RawValue>>,

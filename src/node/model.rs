@@ -402,6 +402,107 @@ impl Serialize for ToolCall {
     }
 }
 
+/// The sampling parameters oam reads, under chat's names (a Messages request's are put under
+/// them): what every upstream is written from. Those not given are left out.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Sampling {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop: Option<Stop>,
+    /// Who the end user is, for the upstream's abuse checks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<ToolChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parallel_tool_calls: Option<bool>,
+}
+
+/// Where the model stops: one sequence, or several.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn sequences(&self) -> &[String] {
+        match self {
+            Stop::One(s) => std::slice::from_ref(s),
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// Which tool the model must call, if any.
+#[derive(Clone, Debug)]
+pub enum ToolChoice {
+    /// `auto`, `required` or `none`.
+    Mode(String),
+    /// This function.
+    Function(String),
+    /// A choice of another shape (a newer API's), as it came: only a chat upstream carries it.
+    Other(Box<RawValue>),
+}
+
+impl PartialEq for ToolChoice {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (ToolChoice::Mode(a), ToolChoice::Mode(b)) => a == b,
+            (ToolChoice::Function(a), ToolChoice::Function(b)) => a == b,
+            (ToolChoice::Other(a), ToolChoice::Other(b)) => a.get() == b.get(),
+            _ => false,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ToolChoice {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ToolChoice, D::Error> {
+        #[derive(Deserialize)]
+        struct FunctionIn {
+            #[serde(rename = "type")]
+            kind: String,
+            function: Named,
+        }
+        #[derive(Deserialize)]
+        struct Named {
+            name: String,
+        }
+        let raw = Box::<RawValue>::deserialize(d)?;
+        if let Ok(mode) = serde_json::from_str::<String>(raw.get()) {
+            return Ok(ToolChoice::Mode(mode));
+        }
+        match serde_json::from_str::<FunctionIn>(raw.get()) {
+            Ok(f) if f.kind == "function" => Ok(ToolChoice::Function(f.function.name)),
+            _ => Ok(ToolChoice::Other(raw)),
+        }
+    }
+}
+
+impl Serialize for ToolChoice {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Named<'a> {
+            name: &'a str,
+        }
+        match self {
+            ToolChoice::Mode(mode) => s.serialize_str(mode),
+            ToolChoice::Function(name) => {
+                let mut m = s.serialize_map(Some(2))?;
+                m.serialize_entry("type", "function")?;
+                m.serialize_entry("function", &Named { name })?;
+                m.end()
+            }
+            ToolChoice::Other(raw) => raw.serialize(s),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,6 +570,34 @@ mod tests {
         assert_eq!(unread(list).as_deref(), Some("tool_calls[0]"));
         let custom = json!({"role": "assistant", "tool_calls": [{"type": "custom"}]});
         assert_eq!(unread(custom).as_deref(), Some("tool_calls[0]"));
+    }
+
+    #[test]
+    fn sampling_parameters_read_and_write_back_as_chat_wrote_them() {
+        for v in [
+            json!({"temperature": 0.2, "top_p": 0.9, "stop": "END", "user": "u",
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+                "parallel_tool_calls": false}),
+            json!({"stop": ["a", "b"], "tool_choice": "required"}),
+            json!({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}),
+            json!({}),
+        ] {
+            let s: Sampling = serde_json::from_value(v.clone()).expect("sampling");
+            assert_eq!(serde_json::to_value(&s).unwrap(), v);
+        }
+        let s: Sampling =
+            serde_json::from_value(json!({"tool_choice": {"type": "custom", "name": "x"}}))
+                .unwrap();
+        assert!(
+            matches!(s.tool_choice, Some(ToolChoice::Other(_))),
+            "kept, not read"
+        );
+        let s: Sampling = serde_json::from_value(json!({"stop": "x"})).unwrap();
+        assert_eq!(
+            s.stop.as_ref().map(Stop::sequences),
+            Some(&["x".to_string()][..])
+        );
+        assert!(serde_json::from_value::<Sampling>(json!({"temperature": "hot"})).is_err());
     }
 
     #[test]

@@ -61,8 +61,13 @@ fn bound(
     (mut request, stream, pass): (Request, bool, Passthrough),
 ) -> (Request, bool, Passthrough) {
     if cfg.speaks_anthropic()
-        && super::upstream::not_carried(&pass.turns, &pass.extra, request.response_format.as_ref())
-            .is_some()
+        && super::upstream::not_carried(
+            &pass.turns,
+            &pass.sampling,
+            &pass.extra,
+            request.response_format.as_ref(),
+        )
+        .is_some()
     {
         request.bound_to = Some(crate::core::request::Api::Openai);
     }

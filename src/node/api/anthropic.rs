@@ -11,7 +11,7 @@ use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Delta;
 use crate::node::exchange::Passthrough;
-use crate::node::model::{Content, Part, Role, ToolCall, Turn};
+use crate::node::model::{Content, Part, Role, Sampling, Stop, ToolCall, ToolChoice, Turn};
 use crate::node::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::value::RawValue;
@@ -86,7 +86,7 @@ fn decode(
     let mut said = None;
     let mut oam = None;
     let mut tools = None;
-    let mut extra = Map::new();
+    let mut sampling = Sampling::default();
     for (k, raw) in members {
         match k.as_ref() {
             "thinking" | "top_k" if is_null(raw) => {}
@@ -116,10 +116,22 @@ fn decode(
             "system" => system = Some(text_blocks(raw, "system")?),
             "messages" => said = Some(raw),
             "temperature" | "top_p" => {
-                extra.insert(k.to_string(), passed_on(raw, &k)?);
+                let v = read::<Option<f64>>(raw)
+                    .ok_or_else(|| bad(k.as_ref(), format!("{k} must be a number")))?;
+                if k == "temperature" {
+                    sampling.temperature = v;
+                } else {
+                    sampling.top_p = v;
+                }
             }
             "stop_sequences" => {
-                extra.insert("stop".into(), passed_on(raw, &k)?);
+                let stop = read::<Option<Vec<String>>>(raw).ok_or_else(|| {
+                    bad(
+                        "stop_sequences",
+                        "stop_sequences must be an array of strings",
+                    )
+                })?;
+                sampling.stop = stop.map(Stop::Many);
             }
             "metadata" => {
                 #[derive(serde::Deserialize)]
@@ -130,9 +142,7 @@ fn decode(
                 let user = read::<Metadata>(raw).and_then(|m| m.user_id);
                 match user.filter(|u| !is_null(u)).map(read::<String>) {
                     None => {}
-                    Some(Some(user)) => {
-                        extra.insert("user".into(), json!(user));
-                    }
+                    Some(Some(user)) => sampling.user = Some(user),
                     Some(None) => {
                         return Err(bad("metadata.user_id", "metadata.user_id must be a string"));
                     }
@@ -141,9 +151,9 @@ fn decode(
             "tools" => tools = Some(chat_tools(raw, only)?),
             "tool_choice" => {
                 let (choice, parallel) = tool_choice(raw)?;
-                extra.insert("tool_choice".into(), choice);
+                sampling.tool_choice = Some(choice);
                 if !parallel {
-                    extra.insert("parallel_tool_calls".into(), json!(false));
+                    sampling.parallel_tool_calls = Some(false);
                 }
             }
             "oam" => oam = Some(member(passed_on(raw, "oam")?, "oam")?),
@@ -177,12 +187,13 @@ fn decode(
     Ok(Decoded {
         model: Some(model),
         turns,
+        sampling,
         max_tokens: Some(max_tokens),
         response_format: None,
         stream,
         oam,
         tools,
-        extra,
+        extra: Map::new(),
     })
 }
 
@@ -492,7 +503,7 @@ fn chat_tools(raw: &RawValue, only: &mut MessagesOnly) -> Result<Box<RawValue>, 
 }
 
 /// `tool_choice` as chat's, and whether parallel tool calls stay allowed.
-fn tool_choice(raw: &RawValue) -> Result<(Value, bool), BadRequest> {
+fn tool_choice(raw: &RawValue) -> Result<(ToolChoice, bool), BadRequest> {
     #[derive(serde::Deserialize, Default)]
     #[serde(default)]
     struct ChoiceIn {
@@ -504,11 +515,11 @@ fn tool_choice(raw: &RawValue) -> Result<(Value, bool), BadRequest> {
     let c = read::<ChoiceIn>(raw).unwrap_or_default();
     let parallel = c.disable_parallel_tool_use != Some(true);
     let choice = match c.kind.as_deref() {
-        Some("auto") => json!("auto"),
-        Some("any") => json!("required"),
-        Some("none") => json!("none"),
+        Some("auto") => ToolChoice::Mode("auto".into()),
+        Some("any") => ToolChoice::Mode("required".into()),
+        Some("none") => ToolChoice::Mode("none".into()),
         Some("tool") => match c.name {
-            Some(name) => json!({"type": "function", "function": {"name": name}}),
+            Some(name) => ToolChoice::Function(name),
             None => return Err(bad("tool_choice.name", "tool_choice.name must name a tool")),
         },
         _ => {

@@ -105,6 +105,7 @@ pub(crate) fn decode(
     let decoded = Decoded {
         model: Some(model),
         turns: vec![Turn::text(Role::User, text)],
+        sampling: Default::default(),
         max_tokens: None,
         response_format: None,
         stream: false,
@@ -119,6 +120,7 @@ pub(crate) fn decode(
     request.bound_to = None;
     let pass = Passthrough {
         turns: Vec::new(),
+        sampling: Default::default(),
         extra: m,
         tools: None,
         include_usage: false,

@@ -10,7 +10,7 @@ use crate::core::contract::ContractSpec;
 use crate::core::request::{Message, Policy, Priority, Request, Risk};
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Passthrough;
-use crate::node::model::Turn;
+use crate::node::model::{Sampling, Turn};
 use axum::http::HeaderMap;
 use serde::Deserialize;
 use serde_json::Value;
@@ -162,6 +162,7 @@ impl ClientApi {
 pub(crate) struct Decoded {
     pub model: Option<String>,
     pub turns: Vec<Turn>,
+    pub sampling: Sampling,
     pub max_tokens: Option<u32>,
     pub response_format: Option<Value>,
     pub stream: bool,
@@ -268,6 +269,7 @@ impl Decoded {
             .is_some_and(|o| o["include_usage"] == Value::Bool(true));
         let pass = Passthrough {
             turns: self.turns,
+            sampling: self.sampling,
             extra,
             tools: self.tools,
             include_usage,
@@ -310,6 +312,9 @@ pub(crate) fn member<T: serde::de::DeserializeOwned>(
 #[cfg(test)]
 pub(crate) fn as_chat(request: &Request, pass: &Passthrough) -> Value {
     let mut c = Value::Object(pass.extra.clone());
+    if let Ok(Value::Object(sampling)) = serde_json::to_value(&pass.sampling) {
+        c.as_object_mut().expect("an object").extend(sampling);
+    }
     c["messages"] = serde_json::to_value(&pass.turns).expect("turns write");
     c["max_tokens"] = serde_json::json!(request.max_tokens);
     if let Some(tools) = &pass.tools {

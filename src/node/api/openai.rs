@@ -11,7 +11,7 @@ use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Request};
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{Attempt, OwnedHead, Passthrough, Reply};
-use crate::node::model::Turn;
+use crate::node::model::{Sampling, Turn};
 use axum::http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -38,6 +38,7 @@ pub(crate) struct ChatIn {
     max_completion_tokens: Option<u32>,
     response_format: Option<Value>,
     stream: Option<bool>,
+    sampling: Sampling,
     oam: Option<OamFields>,
     /// `tools` as it came: read once per distinct list (`tools::declared`), sent on as it is.
     tools: Option<Box<RawValue>>,
@@ -130,6 +131,14 @@ impl ChatIn {
                 max_completion_tokens: take(&mut rest, "max_completion_tokens")?.flatten(),
                 response_format: take(&mut rest, "response_format")?.flatten(),
                 stream: take(&mut rest, "stream")?.flatten(),
+                sampling: Sampling {
+                    temperature: take(&mut rest, "temperature")?.flatten(),
+                    top_p: take(&mut rest, "top_p")?.flatten(),
+                    stop: take(&mut rest, "stop")?.flatten(),
+                    user: take(&mut rest, "user")?.flatten(),
+                    tool_choice: take(&mut rest, "tool_choice")?.flatten(),
+                    parallel_tool_calls: take(&mut rest, "parallel_tool_calls")?.flatten(),
+                },
                 oam: take(&mut rest, "oam")?.flatten(),
                 tools: None,
                 rest: serde_json::Map::new(),
@@ -169,6 +178,7 @@ pub(crate) fn decode_request(
     let decoded = Decoded {
         model: chat.model,
         turns,
+        sampling: chat.sampling,
         max_tokens: chat.max_completion_tokens.or(chat.max_tokens),
         response_format: chat.response_format,
         stream: chat.stream == Some(true),
@@ -463,13 +473,15 @@ mod tests {
     fn a_body_is_read_once_and_a_bad_field_is_named_by_its_path() {
         let chat = ChatIn::parse(
             br#"{"model": "m", "messages": [{"role": "user", "content": "x"}],
-                 "tools": [{"type": "function"}], "temperature": 0.5, "stream": null}"#,
+                 "tools": [{"type": "function"}], "temperature": 0.5, "stream": null,
+                 "seed": 3}"#,
         )
         .expect("a good body");
         assert_eq!(chat.model.as_deref(), Some("m"));
         assert_eq!((chat.messages.len(), chat.stream), (1, None));
         let rest: Vec<&str> = chat.rest.keys().map(String::as_str).collect();
-        assert_eq!(rest, ["temperature"], "what oam does not read goes on");
+        assert_eq!(rest, ["seed"], "what oam does not read goes on");
+        assert_eq!(chat.sampling.temperature, Some(0.5), "sampling is read");
         let tools = chat.tools.as_deref().map(RawValue::get);
         assert_eq!(
             tools,
@@ -558,11 +570,7 @@ mod tests {
         assert_eq!((r.id.as_str(), r.n, r.max_tokens), ("hdr-id", 2, Some(7)));
         assert_eq!(r.messages[0].content, "a\nb", "text parts are joined");
         assert!(stream && pass.include_usage);
-        assert_eq!(
-            pass.extra["temperature"],
-            json!(0.5),
-            "the rest goes upstream as sent"
-        );
+        assert_eq!(pass.sampling.temperature, Some(0.5), "sampling is read");
         assert!(
             !pass.extra.contains_key("stream_options"),
             "oam sets the upstream's own"

@@ -13,7 +13,7 @@ use super::{
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Passthrough;
-use crate::node::model::{Content, Part, Role, ToolCall, Turn};
+use crate::node::model::{Content, Part, Role, Sampling, ToolCall, ToolChoice, Turn};
 use crate::node::request::Answer;
 use axum::http::HeaderMap;
 use axum::http::StatusCode;
@@ -131,18 +131,34 @@ fn decode(members: Members<'_>) -> Result<Decoded, BadRequest> {
         Some(o) => Some(member(passed_on(o, "oam")?, "oam")?),
         None => None,
     };
-    // The members chat carries under its own names, passed on.
+    let number = |k: &str| match get(k) {
+        Some(v) => read::<f64>(v)
+            .map(Some)
+            .ok_or_else(|| bad(k, format!("{k} must be a number"))),
+        None => Ok(None),
+    };
+    let mut sampling = Sampling {
+        temperature: number("temperature")?,
+        top_p: number("top_p")?,
+        ..Sampling::default()
+    };
+    if let Some(p) = get("parallel_tool_calls") {
+        let p = read::<bool>(p).ok_or_else(|| {
+            bad(
+                "parallel_tool_calls",
+                "parallel_tool_calls must be true or false",
+            )
+        })?;
+        sampling.parallel_tool_calls = Some(p);
+    }
+    if let Some(u) = get("user") {
+        sampling.user =
+            Some(read::<String>(u).ok_or_else(|| bad("user", "user must be a string"))?);
+    }
+    // What chat carries under its own names, passed on.
     let mut chat = Map::new();
-    for k in [
-        "temperature",
-        "top_p",
-        "parallel_tool_calls",
-        "user",
-        "metadata",
-    ] {
-        if let Some(v) = get(k) {
-            chat.insert(k.into(), passed_on(v, k)?);
-        }
+    if let Some(m) = get("metadata") {
+        chat.insert("metadata".into(), passed_on(m, "metadata")?);
     }
     if let Some(r) = get("reasoning") {
         let r = members_of(r.get()).unwrap_or_default();
@@ -164,7 +180,7 @@ fn decode(members: Members<'_>) -> Result<Decoded, BadRequest> {
         None => None,
     };
     if let Some(c) = get("tool_choice") {
-        chat.insert("tool_choice".into(), tool_choice(c)?);
+        sampling.tool_choice = Some(tool_choice(c)?);
     }
     let response_format = match get("text") {
         Some(text) => response_format(text)?,
@@ -173,6 +189,7 @@ fn decode(members: Members<'_>) -> Result<Decoded, BadRequest> {
     Ok(Decoded {
         model,
         turns,
+        sampling,
         max_tokens,
         response_format,
         stream,
@@ -183,11 +200,11 @@ fn decode(members: Members<'_>) -> Result<Decoded, BadRequest> {
 }
 
 /// `tool_choice` as chat's.
-fn tool_choice(c: &RawValue) -> Result<Value, BadRequest> {
+fn tool_choice(c: &RawValue) -> Result<ToolChoice, BadRequest> {
     if let Some(s) =
         read::<String>(c).filter(|s| matches!(s.as_str(), "auto" | "required" | "none"))
     {
-        return Ok(json!(s));
+        return Ok(ToolChoice::Mode(s));
     }
     #[derive(serde::Deserialize, Default)]
     #[serde(default)]
@@ -200,7 +217,7 @@ fn tool_choice(c: &RawValue) -> Result<Value, BadRequest> {
         ChoiceIn {
             kind: Some(k),
             name: Some(name),
-        } if k == "function" => Ok(json!({"type": "function", "function": {"name": name}})),
+        } if k == "function" => Ok(ToolChoice::Function(name)),
         ChoiceIn { kind: Some(k), .. } if k == "function" => Err(bad(
             "tool_choice.name",
             "tool_choice.name must name a function",

@@ -11,7 +11,7 @@ use super::http::{Endpoint, judge_failure};
 use super::{Opened, Upstream, UpstreamCall, chat, failed};
 use crate::core::request::{Generation, GenerationStatus, Usage};
 use crate::node::exchange::{ChatUsage, lenient, str_of};
-use crate::node::model::{Content, Part, Role, Turn};
+use crate::node::model::{Content, Part, Role, Sampling, Stop, ToolChoice, Turn};
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
@@ -58,11 +58,11 @@ fn translated(body: &chat::Body<'_>, prefill: Option<&str>) -> serde_json::Resul
             &probe
         }
     };
-    let empty = Map::new();
+    let none = Sampling::default();
     serde_json::to_vec(&request_of(
         body.model,
         turns,
-        body.extra.unwrap_or(&empty),
+        body.sampling.unwrap_or(&none),
         body.tools,
         body.max_tokens,
         body.stream,
@@ -177,35 +177,30 @@ impl Upstream for AnthropicMessages {
 /// The `anthropic-version` oam speaks.
 const VERSION: &str = "2023-06-01";
 
-/// The chat request members (besides those oam reads itself) a Messages request carries.
-const CARRIED: &[&str] = &[
-    "temperature",
-    "top_p",
-    "stop",
-    "user",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-];
-
-/// The first part of a request (its turns, the other chat members in `extra`,
-/// `response_format`) a Messages request cannot carry, named as the client wrote it; `None`
-/// when all of it translates.
+/// The first part of a request (its turns, sampling parameters, the other chat members in
+/// `extra`, `response_format`) a Messages request cannot carry, named as the client wrote it;
+/// `None` when all of it translates.
 pub(crate) fn not_carried(
     turns: &[Turn],
+    sampling: &Sampling,
     extra: &Map<String, Value>,
     response_format: Option<&Value>,
 ) -> Option<String> {
     if response_format.is_some_and(|f| !f.is_null() && f["type"] != "text") {
         return Some("response_format".into());
     }
+    // Chat's range is 0 to 2, Messages' 0 to 1.
+    if sampling.temperature.is_some_and(|t| t > 1.0) {
+        return Some("temperature".into());
+    }
+    if matches!(sampling.tool_choice, Some(ToolChoice::Other(_))) {
+        return Some("tool_choice".into());
+    }
     for (k, v) in extra {
         let ok = match k.as_str() {
             "n" => v.is_null() || v == 1,
-            // Chat's range is 0 to 2, Messages' 0 to 1.
-            "temperature" => v.as_f64().is_none_or(|t| t <= 1.0),
-            "logprobs" => v.is_null() || *v == Value::Bool(false),
-            k => v.is_null() || CARRIED.contains(&k),
+            "logprobs" => v.is_null() || v.as_bool() == Some(false),
+            _ => v.is_null(),
         };
         if !ok {
             return Some(k.clone());
@@ -248,11 +243,11 @@ struct Request<'a> {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    temperature: Option<&'a Value>,
+    temperature: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    top_p: Option<&'a Value>,
+    top_p: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    stop_sequences: Option<Stops<'a>>,
+    stop_sequences: Option<&'a [String]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     metadata: Option<Metadata<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -293,13 +288,6 @@ enum Block<'a> {
 enum Source<'a> {
     Base64 { media_type: &'a str, data: &'a str },
     Url { url: &'a str },
-}
-
-#[derive(Serialize)]
-#[serde(untagged)]
-enum Stops<'a> {
-    One([&'a str; 1]),
-    Many(&'a [Value]),
 }
 
 #[derive(Serialize)]
@@ -416,7 +404,7 @@ fn blocks(t: &Turn) -> Vec<Block<'_>> {
 fn request_of<'a>(
     model: &'a str,
     turns: &'a [Turn],
-    extra: &'a Map<String, Value>,
+    sampling: &'a Sampling,
     tools: Option<&'a RawValue>,
     max_tokens: u32,
     stream: bool,
@@ -442,7 +430,6 @@ fn request_of<'a>(
     if let Some(text) = prefill.map(str::trim_end).filter(|p| !p.is_empty()) {
         push("assistant", vec![Block::Text { text }]);
     }
-    let is = |k: &str| extra.get(k).filter(|v| !v.is_null());
     let tools = tools
         .and_then(|t| serde_json::from_str::<Vec<ChatTool>>(t.get()).ok())
         .map(|list| {
@@ -454,31 +441,24 @@ fn request_of<'a>(
                 })
                 .collect()
         });
-    let mut tool_choice = match extra.get("tool_choice") {
-        Some(Value::String(s)) => match s.as_str() {
-            "required" => Some("any"),
-            "none" => Some("none"),
-            "auto" => Some("auto"),
-            _ => None,
-        }
-        .map(|kind| Choice {
-            kind,
-            name: None,
-            disable_parallel_tool_use: false,
-        }),
-        Some(Value::Object(c)) => c["function"]["name"].as_str().map(|name| Choice {
-            kind: "tool",
-            name: Some(name),
-            disable_parallel_tool_use: false,
-        }),
-        _ => None,
+    let choice = |kind, name| Choice {
+        kind,
+        name,
+        disable_parallel_tool_use: false,
     };
-    if extra.get("parallel_tool_calls") == Some(&Value::Bool(false)) {
-        let c = tool_choice.get_or_insert(Choice {
-            kind: "auto",
-            name: None,
-            disable_parallel_tool_use: false,
-        });
+    let mut tool_choice = match &sampling.tool_choice {
+        Some(ToolChoice::Mode(mode)) => match mode.as_str() {
+            "required" => Some(choice("any", None)),
+            "none" => Some(choice("none", None)),
+            "auto" => Some(choice("auto", None)),
+            _ => None,
+        },
+        Some(ToolChoice::Function(name)) => Some(choice("tool", Some(name.as_str()))),
+        // Bound to chat targets (`not_carried`).
+        Some(ToolChoice::Other(_)) | None => None,
+    };
+    if sampling.parallel_tool_calls == Some(false) {
+        let c = tool_choice.get_or_insert(choice("auto", None));
         c.disable_parallel_tool_use = true;
     }
     Request {
@@ -487,17 +467,10 @@ fn request_of<'a>(
         messages: said,
         system: (!system.is_empty()).then(|| system.join("\n")),
         stream,
-        temperature: is("temperature"),
-        top_p: is("top_p"),
-        stop_sequences: match extra.get("stop") {
-            Some(Value::String(s)) => Some(Stops::One([s])),
-            Some(Value::Array(a)) => Some(Stops::Many(a)),
-            _ => None,
-        },
-        metadata: match extra.get("user") {
-            Some(Value::String(user_id)) => Some(Metadata { user_id }),
-            _ => None,
-        },
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
+        stop_sequences: sampling.stop.as_ref().map(Stop::sequences),
+        metadata: sampling.user.as_deref().map(|user_id| Metadata { user_id }),
         tools,
         tool_choice,
     }
@@ -937,8 +910,21 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn extra(v: Value) -> Map<String, Value> {
-        v.as_object().cloned().unwrap_or_default()
+    /// Chat request members as a node holds them: its sampling parameters, and the rest.
+    fn extra(v: Value) -> (Sampling, Map<String, Value>) {
+        let mut rest = v.as_object().cloned().unwrap_or_default();
+        let sampling = serde_json::from_value(v).expect("sampling parameters");
+        for k in [
+            "temperature",
+            "top_p",
+            "stop",
+            "user",
+            "tool_choice",
+            "parallel_tool_calls",
+        ] {
+            rest.remove(k);
+        }
+        (sampling, rest)
     }
 
     /// Chat messages as the turns a node reads from them.
@@ -970,11 +956,12 @@ mod tests {
             {"name": "look", "description": "d", "parameters": {"type": "object"}}}]))
         .unwrap();
         let messages = turns(&messages);
-        assert_eq!(not_carried(&messages, &extra, None), None);
+        let (sampling, rest) = &extra;
+        assert_eq!(not_carried(&messages, sampling, rest, None), None);
         let r = request_of(
             "claude",
             &messages,
-            &extra,
+            sampling,
             Some(&tools),
             64,
             true,
@@ -1117,10 +1104,13 @@ mod tests {
                 &cfg, body.as_bytes(), &h, || "r".into(),
             )
             .expect("decodes");
-            proptest::prop_assert_eq!(not_carried(&pass.turns, &pass.extra, None), None);
+            proptest::prop_assert_eq!(
+                not_carried(&pass.turns, &pass.sampling, &pass.extra, None),
+                None
+            );
             let max_tokens = request.max_tokens.expect("a limit");
             let again = request_of(
-                "auto", &pass.turns, &pass.extra, pass.tools.as_deref(), max_tokens, false, None,
+                "auto", &pass.turns, &pass.sampling, pass.tools.as_deref(), max_tokens, false, None,
             );
             let again = serde_json::to_value(&again).expect("writes");
             proptest::prop_assert_eq!(again, sent);
@@ -1180,15 +1170,22 @@ mod tests {
             ),
         ];
         for (messages, e, format, want) in cases {
-            let got = not_carried(&turns(&messages), &extra(e.clone()), format.as_ref());
+            let (sampling, rest) = extra(e.clone());
+            let got = not_carried(&turns(&messages), &sampling, &rest, format.as_ref());
             assert_eq!(got.as_deref(), Some(want), "{e} {messages:?}");
         }
-        let fine = extra(json!({"n": 1, "logprobs": false, "temperature": 1.0}));
+        let (sampling, rest) = extra(json!({"n": 1, "logprobs": false, "temperature": 1.0}));
         assert_eq!(
-            not_carried(&user_turns, &fine, Some(&json!({"type": "text"}))),
+            not_carried(
+                &user_turns,
+                &sampling,
+                &rest,
+                Some(&json!({"type": "text"}))
+            ),
             None
         );
-        assert_eq!(not_carried(&user_turns, &none, None), None);
+        let none_sampled = Sampling::default();
+        assert_eq!(not_carried(&user_turns, &none_sampled, &none, None), None);
     }
 
     #[test]

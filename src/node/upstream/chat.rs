@@ -6,7 +6,7 @@
 use super::super::exchange::{Attempt, Passthrough, Reply, usage_of};
 use super::UpstreamCall;
 use crate::core::request::{Generation, GenerationStatus, Message};
-use crate::node::model::{Role, Turn};
+use crate::node::model::{Role, Sampling, Turn};
 use serde_json::Value;
 
 /// The upstream request: the client's own fields (which never include the ones below: oam
@@ -15,6 +15,8 @@ use serde_json::Value;
 pub(super) struct Body<'a> {
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub extra: Option<&'a serde_json::Map<String, Value>>,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<&'a Sampling>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tools: Option<&'a serde_json::value::RawValue>,
     pub model: &'a str,
@@ -52,6 +54,7 @@ impl<'a> Body<'a> {
     pub(super) fn whole(ask: &UpstreamCall<'a>) -> Body<'a> {
         Body {
             extra: ask.pass.map(|p| &p.extra),
+            sampling: ask.pass.map(|p| &p.sampling),
             tools: ask.pass.and_then(|p| p.tools.as_deref()),
             model: ask.model,
             messages: match ask.pass {
@@ -75,6 +78,7 @@ impl<'a> Body<'a> {
     ) -> Body<'a> {
         Body {
             extra: Some(&pass.extra),
+            sampling: Some(&pass.sampling),
             tools: pass.tools.as_deref(),
             model,
             messages: match prefill {
