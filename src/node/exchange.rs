@@ -6,8 +6,8 @@
 
 use crate::core::request::{Generation, Usage};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use serde_json::value::RawValue;
-use serde_json::{Value, json};
 use std::borrow::Cow;
 
 /// What a client sent, for the upstream: its turns (`node::model`: text, image parts, tool calls
@@ -59,6 +59,14 @@ pub enum Reply {
 }
 
 impl Reply {
+    /// The body's JSON text.
+    pub fn text(&self) -> Cow<'_, str> {
+        match self {
+            Reply::Completion(b) => String::from_utf8_lossy(b),
+            Reply::Json(v) => v.to_string().into(),
+        }
+    }
+
     /// The body as a JSON tree (parsed again for a completion: only the rare paths that
     /// rewrite it ask).
     pub fn value(&self) -> Option<Value> {
@@ -110,52 +118,6 @@ pub fn with_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
     out.extend_from_slice(value);
     out.push(b'}');
     out
-}
-
-/// A whole chat completion as the two chunks a stream of it carries: everything the message
-/// says (its content, its tool calls as deltas that carry their position), then its finish
-/// reason.
-pub(crate) fn chunks_of(answer: &Value) -> [Value; 2] {
-    let head = |choices: Value| {
-        json!({
-            "id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
-            "model": answer["model"], "choices": choices,
-        })
-    };
-    let choice = &answer["choices"][0];
-    let mut delta = json!({"role": "assistant", "content": choice["message"]["content"]});
-    if let Some(calls) = choice["message"]["tool_calls"].as_array() {
-        let indexed: Vec<Value> = calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut c = c.clone();
-                c["index"] = json!(i);
-                c
-            })
-            .collect();
-        delta["tool_calls"] = Value::Array(indexed);
-    }
-    [
-        head(json!([{"index": 0, "delta": delta, "finish_reason": null}])),
-        head(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}])),
-    ]
-}
-
-/// A whole chat completion as the events (`data:` payloads) a stream of it would carry: its
-/// two chunks, a usage chunk when the caller asked for one (`stream_options.include_usage`),
-/// then `[DONE]`.
-pub(crate) fn events_of(answer: &Value, include_usage: bool) -> Vec<String> {
-    let [content, finish] = chunks_of(answer);
-    let mut events = vec![content.to_string(), finish.to_string()];
-    if include_usage {
-        let mut u = finish;
-        u["choices"] = json!([]);
-        u["usage"] = answer["usage"].clone();
-        events.push(u.to_string());
-    }
-    events.push("[DONE]".into());
-    events
 }
 
 /// The token counts of an answer's `usage`: prompt and completion tokens, and of them those
@@ -362,6 +324,211 @@ pub(crate) fn usage_in(raw: &RawValue) -> Option<Usage> {
     })
 }
 
+/// A chat completion as every writer of an answer reads it, borrowed from its text: its head,
+/// what its first choice says, and the members passed on as they came (`usage`, `oam`).
+#[derive(Debug, Default)]
+pub(crate) struct Completion<'a> {
+    pub head: Head<'a>,
+    /// The message's content (`None` where it is null).
+    pub text: Option<Cow<'a, str>>,
+    /// Its tool calls, each at its position.
+    pub calls: Vec<CallDelta<'a>>,
+    pub finish: Option<Cow<'a, str>>,
+    pub usage: Option<Usage>,
+    pub usage_sent: Option<&'a RawValue>,
+    pub oam: Option<&'a RawValue>,
+}
+
+members!(CompletionIn {
+    id,
+    created,
+    model,
+    choices,
+    usage,
+    oam
+});
+members!(AnswerChoiceIn {
+    message,
+    finish_reason
+});
+members!(AnswerMessageIn {
+    content,
+    tool_calls
+});
+
+/// Read a chat completion from its text, leniently (a part of another shape reads as
+/// missing); `None` for text that is no JSON object.
+pub(crate) fn read_completion(text: &str) -> Option<Completion<'_>> {
+    let c: CompletionIn = serde_json::from_str(text).ok()?;
+    let choices: Vec<&RawValue> = lenient(c.choices);
+    let choice: AnswerChoiceIn = lenient(choices.first().copied());
+    let message: AnswerMessageIn = lenient(choice.message);
+    let calls: Vec<&RawValue> = lenient(message.tool_calls);
+    let usage = c.usage.and_then(usage_in);
+    Some(Completion {
+        head: Head {
+            id: c.id,
+            created: c.created,
+            model: c.model,
+        },
+        text: str_of(message.content),
+        calls: calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, call)| {
+                let call: CallIn = lenient(Some(call));
+                let f: FunctionIn = lenient(call.function);
+                CallDelta {
+                    index: i as u64,
+                    id: call.id,
+                    name: str_of(f.name),
+                    arguments: str_of(f.arguments),
+                }
+            })
+            .collect(),
+        finish: str_of(choice.finish_reason),
+        usage,
+        usage_sent: c.usage.filter(|_| usage.is_some()),
+        oam: c.oam,
+    })
+}
+
+/// A chat chunk as oam writes one.
+#[derive(Serialize)]
+pub(crate) struct ChunkOut<'a> {
+    pub id: Option<&'a RawValue>,
+    pub object: &'static str,
+    pub created: Option<&'a RawValue>,
+    pub model: Option<&'a RawValue>,
+    pub choices: &'a [ChoiceOut<'a>],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<UsageOut<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oam: Option<&'a RawValue>,
+}
+
+impl<'a> ChunkOut<'a> {
+    /// A chunk under `head` with these choices, and nothing else.
+    pub fn of(head: Head<'a>, choices: &'a [ChoiceOut<'a>]) -> ChunkOut<'a> {
+        ChunkOut {
+            id: head.id,
+            object: "chat.completion.chunk",
+            created: head.created,
+            model: head.model,
+            choices,
+            usage: None,
+            oam: None,
+        }
+    }
+
+    pub fn text(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// A usage in a chunk: counted by oam, or as the upstream sent it.
+#[derive(Serialize)]
+#[serde(untagged)]
+pub(crate) enum UsageOut<'a> {
+    Counted(ChatUsage),
+    Sent(&'a RawValue),
+}
+
+#[derive(Serialize)]
+pub(crate) struct ChoiceOut<'a> {
+    pub index: u32,
+    pub delta: DeltaOut<'a>,
+    pub finish_reason: Option<&'a str>,
+}
+
+/// What a chunk adds: members left out are not in it.
+#[derive(Serialize, Default)]
+pub(crate) struct DeltaOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<Option<&'a str>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<CallOut<'a>>>,
+}
+
+#[derive(Serialize)]
+pub(crate) struct CallOut<'a> {
+    pub index: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<Option<&'a RawValue>>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionOut<'a>,
+}
+
+#[derive(Serialize)]
+pub(crate) struct FunctionOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<Option<&'a str>>,
+    pub arguments: Option<&'a str>,
+}
+
+impl<'a> CallOut<'a> {
+    /// A whole call (its id, type and name with its arguments so far).
+    pub fn whole(c: &'a CallDelta<'a>) -> CallOut<'a> {
+        CallOut {
+            index: c.index,
+            id: Some(c.id),
+            kind: Some("function"),
+            function: FunctionOut {
+                name: Some(c.name.as_deref()),
+                arguments: c.arguments.as_deref(),
+            },
+        }
+    }
+}
+
+impl Completion<'_> {
+    /// The chunk that carries everything the message says: its content, its tool calls as
+    /// deltas that carry their position.
+    pub fn content_choice(&self) -> ChoiceOut<'_> {
+        ChoiceOut {
+            index: 0,
+            delta: DeltaOut {
+                role: Some("assistant"),
+                content: Some(self.text.as_deref()),
+                tool_calls: (!self.calls.is_empty())
+                    .then(|| self.calls.iter().map(CallOut::whole).collect()),
+            },
+            finish_reason: None,
+        }
+    }
+
+    /// The chunk that carries its finish reason.
+    pub fn finish_choice(&self) -> ChoiceOut<'_> {
+        ChoiceOut {
+            index: 0,
+            delta: DeltaOut::default(),
+            finish_reason: self.finish.as_deref(),
+        }
+    }
+}
+
+/// A whole chat completion as the events (`data:` payloads) a stream of it would carry: its
+/// content, its finish reason, a usage chunk when the caller asked for one
+/// (`stream_options.include_usage`), then `[DONE]`.
+pub(crate) fn events_of(answer: &Completion, include_usage: bool) -> Vec<String> {
+    let content = [answer.content_choice()];
+    let finish = [answer.finish_choice()];
+    let mut events = vec![
+        ChunkOut::of(answer.head, &content).text(),
+        ChunkOut::of(answer.head, &finish).text(),
+    ];
+    if include_usage {
+        let mut u = ChunkOut::of(answer.head, &[]);
+        u.usage = answer.usage_sent.map(UsageOut::Sent);
+        events.push(u.text());
+    }
+    events.push("[DONE]".into());
+    events
+}
+
 /// Read one chunk of a stream from its data: what it says (nothing, for JSON that is no
 /// object), `Ok(None)` for data that is no JSON, an error event as `Err`.
 pub(crate) fn read_chunk(data: &str) -> Result<Option<Delta<'_>>, ErrorEvent> {
@@ -416,6 +583,7 @@ pub(crate) fn read_chunk(data: &str) -> Result<Option<Delta<'_>>, ErrorEvent> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use serde_json::json;
 
     /// A chat completion with text, two tool calls, usage and an `oam` object.
     pub(crate) fn completion() -> Value {
@@ -435,7 +603,9 @@ pub(crate) mod tests {
 
     #[test]
     fn a_whole_answer_streams_as_chunks_that_read_back_to_it() {
-        let events = events_of(&completion(), true);
+        let text = completion().to_string();
+        let answer = read_completion(&text).expect("a completion");
+        let events = events_of(&answer, true);
         assert_eq!(
             events.len(),
             4,
@@ -469,11 +639,7 @@ pub(crate) mod tests {
                 (&json!("c1"), &json!("chat.completion.chunk"), &json!("m"))
             );
         }
-        assert_eq!(
-            events_of(&completion(), false).len(),
-            3,
-            "no usage chunk unasked"
-        );
+        assert_eq!(events_of(&answer, false).len(), 3, "no usage chunk unasked");
     }
 
     #[test]

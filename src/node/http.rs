@@ -245,7 +245,8 @@ pub(crate) fn with_oam_headers(
 /// quality, cost) before releasing any of it, so the stream is the checked answer in one content
 /// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
 pub(crate) fn to_sse(a: Answer) -> Response {
-    let answer: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    let body = String::from_utf8_lossy(&a.body);
+    let answer = super::exchange::read_completion(&body).unwrap_or_default();
     let text = super::api::openai::sse_of(&answer);
     let resp = (
         StatusCode::OK,
@@ -700,6 +701,8 @@ mod tests {
             "a value with a newline is no header"
         );
         let text = v.as_str().expect("not JSON: events");
+        let body = answer.to_string();
+        let answer = crate::node::exchange::read_completion(&body).expect("a completion");
         assert_eq!(text, crate::node::api::openai::sse_of(&answer));
     }
 }

@@ -9,8 +9,7 @@
 use super::{BadRequest, Decoded, Members, bad, body_members, is_null, member, passed_on, read};
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
-use crate::node::exchange::Delta;
-use crate::node::exchange::Passthrough;
+use crate::node::exchange::{Completion, Delta, Passthrough, read_completion};
 use crate::node::model::{Content, Part, Role, Sampling, Stop, ToolCall, ToolChoice, Turn};
 use crate::node::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -546,53 +545,56 @@ pub(crate) fn chat_headers(h: &HeaderMap) -> HeaderMap {
 }
 
 /// A chat completion (what the pipeline accepted) as a Messages answer, the `oam` object kept.
-pub(crate) fn message_of(chat: &Value) -> Value {
-    let choice = &chat["choices"][0];
-    let msg = &choice["message"];
+pub(crate) fn message_of(chat: &Completion) -> Value {
     let mut content = Vec::new();
-    if let Some(text) = msg["content"].as_str().filter(|t| !t.is_empty()) {
+    if let Some(text) = chat.text.as_deref().filter(|t| !t.is_empty()) {
         content.push(json!({"type": "text", "text": text}));
     }
-    for call in msg["tool_calls"].as_array().into_iter().flatten() {
-        let f = &call["function"];
-        let input = f["arguments"]
-            .as_str()
-            .and_then(|a| serde_json::from_str::<Value>(a).ok())
-            .unwrap_or_else(|| json!({}));
-        content
-            .push(json!({"type": "tool_use", "id": call["id"], "name": f["name"], "input": input}));
+    for call in &chat.calls {
+        // Arguments that are no JSON: none.
+        let input = call
+            .arguments
+            .as_deref()
+            .and_then(|a| serde_json::from_str::<&RawValue>(a).ok());
+        let input = input.map_or_else(|| json!({}), |i| json!(i));
+        content.push(json!({"type": "tool_use", "id": call.id, "name": call.name, "input": input}));
     }
-    let stop_reason = stop_reason_of(choice["finish_reason"].as_str());
-    let usage = usage_json(&crate::node::exchange::usage_of(&chat["usage"]));
     json!({
-        "id": message_id(chat["id"].as_str()),
+        "id": message_id(chat.head.id().as_deref()),
         "type": "message",
         "role": "assistant",
-        "model": chat["model"],
+        "model": chat.head.model,
         "content": content,
-        "stop_reason": stop_reason,
+        "stop_reason": stop_reason_of(chat.finish.as_deref()),
         "stop_sequence": null,
-        "usage": usage,
-        "oam": chat["oam"],
+        "usage": MessagesUsage::from(chat.usage.unwrap_or_default()),
+        "oam": chat.oam,
     })
 }
 
 /// Usage as Messages reports it: `input_tokens` without those read from or written to the
 /// cache, which are counted apart (when there are any).
-pub(crate) fn usage_json(u: &crate::core::request::Usage) -> Value {
-    let read = u.cached_tokens.min(u.prompt_tokens);
-    let written = u.cache_write_tokens.min(u.prompt_tokens - read);
-    let mut usage = json!({
-        "input_tokens": u.prompt_tokens - read - written,
-        "output_tokens": u.completion_tokens,
-    });
-    if read > 0 {
-        usage["cache_read_input_tokens"] = json!(read);
+#[derive(serde::Serialize)]
+pub(crate) struct MessagesUsage {
+    input_tokens: u64,
+    output_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_creation_input_tokens: Option<u64>,
+}
+
+impl From<crate::core::request::Usage> for MessagesUsage {
+    fn from(u: crate::core::request::Usage) -> MessagesUsage {
+        let read = u.cached_tokens.min(u.prompt_tokens);
+        let written = u.cache_write_tokens.min(u.prompt_tokens - read);
+        MessagesUsage {
+            input_tokens: u.prompt_tokens - read - written,
+            output_tokens: u.completion_tokens,
+            cache_read_input_tokens: (read > 0).then_some(read),
+            cache_creation_input_tokens: (written > 0).then_some(written),
+        }
     }
-    if written > 0 {
-        usage["cache_creation_input_tokens"] = json!(written);
-    }
-    usage
 }
 
 /// A Messages id for a chat completion's (kept as it is when a Messages upstream made it).
@@ -739,7 +741,7 @@ impl Live {
         self.close_block(&mut out);
         let mut delta = json!({"type": "message_delta",
             "delta": {"stop_reason": self.stop_reason.unwrap_or("end_turn"), "stop_sequence": null},
-            "usage": usage_json(&self.usage)});
+            "usage": MessagesUsage::from(self.usage)});
         if let Some(oam) = oam {
             delta["oam"] = oam;
         }
@@ -860,13 +862,20 @@ pub(crate) fn error_type(status: StatusCode) -> &'static str {
 /// `{"type": "error", "error": {type, message}}` with the `oam` object) and whether it is the
 /// event stream the caller asked for.
 pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
-    let v: Value = serde_json::from_slice(&a.body).unwrap_or_default();
+    let text = String::from_utf8_lossy(&a.body);
     if a.status == StatusCode::OK {
+        #[derive(serde::Deserialize)]
+        struct Kind<'a> {
+            #[serde(rename = "type", borrow, default)]
+            kind: Option<&'a RawValue>,
+        }
+        let kind = serde_json::from_str::<Kind>(&text)
+            .ok()
+            .and_then(|k| k.kind);
         // A Messages target's own answer (a request served as it came) is kept as it is.
-        let message = if v["type"] == "message" {
-            v
-        } else {
-            message_of(&v)
+        let message = match kind.map(RawValue::get) {
+            Some(r#""message""#) => serde_json::from_str(&text).unwrap_or_default(),
+            _ => message_of(&read_completion(&text).unwrap_or_default()),
         };
         return if stream {
             (events_of(&message), true)
@@ -874,6 +883,7 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
             (message.to_string(), false)
         };
     }
+    let v: Value = serde_json::from_str(&text).unwrap_or_default();
     let e = &v["error"];
     let mut message = e["message"]
         .as_str()
@@ -895,6 +905,12 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The Messages answer a chat completion means.
+    fn message(chat: Value) -> Value {
+        let text = chat.to_string();
+        message_of(&read_completion(&text).expect("a completion"))
+    }
     use crate::node::api::as_chat;
 
     /// A node's configuration; with a Messages target when `messages`.
@@ -1087,7 +1103,7 @@ mod tests {
 
     #[test]
     fn a_chat_answer_reads_as_a_message_with_its_blocks_stop_reason_and_usage() {
-        let m = message_of(&completion("tool_calls"));
+        let m = message(completion("tool_calls"));
         assert_eq!(
             (&m["id"], &m["type"], &m["role"]),
             (&json!("msg_abc"), &json!("message"), &json!("assistant"))
@@ -1108,13 +1124,13 @@ mod tests {
             ("length", "max_tokens"),
             ("content_filter", "refusal"),
         ] {
-            assert_eq!(message_of(&completion(finish))["stop_reason"], reason);
+            assert_eq!(message(completion(finish))["stop_reason"], reason);
         }
     }
 
     #[test]
     fn a_stream_carries_every_block_in_anthropics_event_order() {
-        let events = parse(&events_of(&message_of(&completion("tool_calls"))));
+        let events = parse(&events_of(&message(completion("tool_calls"))));
         let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,

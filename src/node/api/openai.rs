@@ -10,7 +10,9 @@ use crate::core::pipeline::{Decision, DecisionOutcome};
 use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Request};
 use crate::node::config::NodeConfig;
-use crate::node::exchange::{Attempt, OwnedHead, Passthrough, Reply};
+use crate::node::exchange::{
+    Attempt, ChunkOut, Completion, OwnedHead, Passthrough, Reply, UsageOut,
+};
 use crate::node::model::{Sampling, Turn};
 use axum::http::{HeaderMap, StatusCode};
 use serde::Deserialize;
@@ -395,10 +397,14 @@ pub(crate) fn answer(
 
 /// An accepted, already checked answer as one server-sent-events body: its content chunk,
 /// then its finish chunk with the usage and the `oam` object, then `[DONE]`.
-pub(crate) fn sse_of(answer: &Value) -> String {
-    let [first, mut last] = crate::node::exchange::chunks_of(answer);
-    last["usage"] = answer["usage"].clone();
-    last["oam"] = answer["oam"].clone();
+pub(crate) fn sse_of(answer: &Completion) -> String {
+    let content = [answer.content_choice()];
+    let finish = [answer.finish_choice()];
+    let first = ChunkOut::of(answer.head, &content).text();
+    let mut last = ChunkOut::of(answer.head, &finish);
+    last.usage = answer.usage_sent.map(UsageOut::Sent);
+    last.oam = answer.oam;
+    let last = last.text();
     format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n")
 }
 
@@ -719,7 +725,8 @@ mod tests {
 
     #[test]
     fn a_checked_answer_is_one_body_of_events_with_usage_and_oam_last() {
-        let text = sse_of(&crate::node::exchange::tests::completion());
+        let body = crate::node::exchange::tests::completion().to_string();
+        let text = sse_of(&crate::node::exchange::read_completion(&body).expect("a completion"));
         let data: Vec<&str> = text
             .split("\n\n")
             .filter(|e| !e.is_empty())

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
-use crate::node::exchange::Passthrough;
+use crate::node::exchange::{Completion, Passthrough, read_completion};
 use crate::node::model::{Content, Part, Role, Sampling, ToolCall, ToolChoice, Turn};
 use crate::node::request::Answer;
 use axum::http::HeaderMap;
@@ -512,61 +512,50 @@ fn chat_tools(raw: &RawValue) -> Result<Box<RawValue>, BadRequest> {
 }
 
 /// A chat completion (what the pipeline accepted) as a response object, the `oam` object kept.
-pub(crate) fn response_of(chat: &Value) -> Value {
-    let choice = &chat["choices"][0];
-    let msg = &choice["message"];
-    let id = chat["id"].as_str().unwrap_or_default();
-    let id = id.strip_prefix("chatcmpl-").unwrap_or(id);
+pub(crate) fn response_of(chat: &Completion) -> Value {
+    let id = chat.head.id().unwrap_or_default();
+    let id = id.strip_prefix("chatcmpl-").unwrap_or(&id);
     let mut output = Vec::new();
-    if let Some(text) = msg["content"].as_str().filter(|t| !t.is_empty()) {
+    if let Some(text) = chat.text.as_deref().filter(|t| !t.is_empty()) {
         output.push(json!({
             "type": "message", "id": format!("msg_{id}"), "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}],
         }));
     }
-    for (i, call) in msg["tool_calls"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .enumerate()
-    {
+    for (i, call) in chat.calls.iter().enumerate() {
         output.push(json!({
-            "type": "function_call", "id": format!("fc_{id}_{i}"), "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "type": "function_call", "id": format!("fc_{id}_{i}"), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments,
             "status": "completed",
         }));
     }
-    let incomplete = match choice["finish_reason"].as_str() {
+    let incomplete = match chat.finish.as_deref() {
         Some("length") => Some("max_output_tokens"),
         Some("content_filter") => Some("content_filter"),
         _ => None,
     };
-    let u = &chat["usage"];
-    let (input, output_tokens) = (
-        u["prompt_tokens"].as_u64().unwrap_or(0),
-        u["completion_tokens"].as_u64().unwrap_or(0),
-    );
+    let u = chat.usage.unwrap_or_default();
     json!({
         "id": format!("resp_{id}"),
         "object": "response",
-        "created_at": chat["created"],
+        "created_at": chat.head.created,
         "status": if incomplete.is_some() { "incomplete" } else { "completed" },
         "incomplete_details": incomplete.map(|r| json!({"reason": r})),
         "error": null,
-        "model": chat["model"],
+        "model": chat.head.model,
         "output": output,
         "parallel_tool_calls": true,
         "tool_choice": "auto",
         "tools": [],
         "store": false,
         "usage": {
-            "input_tokens": input,
-            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)},
-            "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap_or(0)},
-            "total_tokens": input + output_tokens,
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
         },
-        "oam": chat["oam"],
+        "oam": chat.oam,
     })
 }
 
@@ -887,8 +876,8 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
     if a.status != StatusCode::OK {
         return (String::from_utf8_lossy(&a.body).into_owned(), false);
     }
-    let v: Value = serde_json::from_slice(&a.body).unwrap_or_default();
-    let response = response_of(&v);
+    let text = String::from_utf8_lossy(&a.body);
+    let response = response_of(&read_completion(&text).unwrap_or_default());
     if stream {
         (events_of(&response), true)
     } else {
@@ -899,6 +888,12 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The response object a chat completion means.
+    fn response(chat: Value) -> Value {
+        let text = chat.to_string();
+        response_of(&read_completion(&text).expect("a completion"))
+    }
 
     /// What a chat target is sent of a Responses request, whether it streams, and the core
     /// request.
@@ -1022,7 +1017,7 @@ mod tests {
 
     #[test]
     fn a_chat_answer_reads_as_a_response_with_its_items_and_usage() {
-        let r = response_of(&completion("tool_calls"));
+        let r = response(completion("tool_calls"));
         assert_eq!(
             (&r["id"], &r["object"], &r["status"]),
             (&json!("resp_abc"), &json!("response"), &json!("completed"))
@@ -1039,7 +1034,7 @@ mod tests {
         assert_eq!(r["usage"]["total_tokens"], 14);
         assert_eq!(r["usage"]["output_tokens_details"]["reasoning_tokens"], 2);
         assert_eq!(r["oam"]["request_id"], "r1");
-        let cut = response_of(&completion("length"));
+        let cut = response(completion("length"));
         assert_eq!(
             (&cut["status"], &cut["incomplete_details"]["reason"]),
             (&json!("incomplete"), &json!("max_output_tokens"))
@@ -1048,7 +1043,7 @@ mod tests {
 
     #[test]
     fn a_stream_is_the_typed_event_sequence_numbered_in_order() {
-        let events = events(&events_of(&response_of(&completion("tool_calls"))));
+        let events = events(&events_of(&response(completion("tool_calls"))));
         let types: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
         assert_eq!(
             types,

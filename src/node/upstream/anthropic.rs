@@ -10,7 +10,9 @@ use super::super::exchange::{Attempt, Passthrough, Reply};
 use super::http::{Endpoint, judge_failure};
 use super::{Opened, Upstream, UpstreamCall, chat, failed};
 use crate::core::request::{Generation, GenerationStatus, Usage};
-use crate::node::exchange::{ChatUsage, lenient, str_of};
+use crate::node::exchange::{
+    CallOut, ChatUsage, ChoiceOut, ChunkOut, DeltaOut, FunctionOut, Head, UsageOut, lenient, str_of,
+};
 use crate::node::model::{Content, Part, Role, Sampling, Stop, ToolChoice, Turn};
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
@@ -18,7 +20,6 @@ use serde::Deserialize;
 use serde::Serialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
-use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 pub(super) struct AnthropicMessages {
@@ -660,53 +661,6 @@ fn completion_of(message: &str, created: u64, latency_ms: u64) -> Option<Attempt
     })
 }
 
-/// A chat chunk as oam writes one from another API's event.
-#[derive(Serialize)]
-struct ChunkOut<'a> {
-    id: Option<&'a RawValue>,
-    object: &'static str,
-    created: u64,
-    model: Option<&'a RawValue>,
-    choices: &'a [ChoiceOut<'a>],
-    #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<ChatUsage>,
-}
-
-#[derive(Serialize)]
-struct ChoiceOut<'a> {
-    index: u32,
-    delta: DeltaOut<'a>,
-    finish_reason: Option<&'a str>,
-}
-
-/// What a chunk adds: members left out are not in it.
-#[derive(Serialize, Default)]
-struct DeltaOut<'a> {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    role: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    content: Option<Option<Cow<'a, str>>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    tool_calls: Option<[CallOut<'a>; 1]>,
-}
-
-#[derive(Serialize)]
-struct CallOut<'a> {
-    index: usize,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    id: Option<Option<&'a RawValue>>,
-    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
-    kind: Option<&'static str>,
-    function: FunctionOut<'a>,
-}
-
-#[derive(Serialize)]
-struct FunctionOut<'a> {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    name: Option<Option<&'a RawValue>>,
-    arguments: Option<Cow<'a, str>>,
-}
-
 /// A Messages event's members oam reads, each as its text.
 #[derive(Deserialize, Default)]
 #[serde(default)]
@@ -744,7 +698,8 @@ struct EventDeltaIn<'a> {
 /// A Messages event stream read as chat chunks, event by event: what the events so far said
 /// (the message's id and model, its usage, which blocks are tool calls).
 struct Chunks {
-    created: u64,
+    /// When the answer began, in Unix seconds (as JSON).
+    created: Option<Box<RawValue>>,
     id: Option<Box<RawValue>>,
     model: Option<Box<RawValue>>,
     usage: MessagesUsage,
@@ -756,7 +711,7 @@ struct Chunks {
 impl Chunks {
     fn new(created: u64) -> Self {
         Chunks {
-            created,
+            created: serde_json::value::to_raw_value(&created).ok(),
             id: None,
             model: None,
             usage: MessagesUsage::default(),
@@ -766,15 +721,14 @@ impl Chunks {
     }
 
     fn write(&self, choices: &[ChoiceOut], usage: Option<ChatUsage>) -> String {
-        let chunk = ChunkOut {
+        let head = Head {
             id: self.id.as_deref(),
-            object: "chat.completion.chunk",
-            created: self.created,
+            created: self.created.as_deref(),
             model: self.model.as_deref(),
-            choices,
-            usage,
         };
-        serde_json::to_string(&chunk).unwrap_or_default()
+        let mut chunk = ChunkOut::of(head, choices);
+        chunk.usage = usage.map(UsageOut::Counted);
+        chunk.text()
     }
 
     fn chunk(&self, delta: DeltaOut, finish: Option<&str>) -> String {
@@ -801,7 +755,7 @@ impl Chunks {
                 self.usage = MessagesUsage::of(m.usage);
                 let delta = DeltaOut {
                     role: Some("assistant"),
-                    content: Some(Some("".into())),
+                    content: Some(Some("")),
                     tool_calls: None,
                 };
                 vec![self.chunk(delta, None)]
@@ -820,17 +774,18 @@ impl Chunks {
                         let n = self.ncalls;
                         self.ncalls += 1;
                         self.calls[index] = Some(n);
+                        let name = str_of(b.name);
                         let call = CallOut {
-                            index: n,
+                            index: n as u64,
                             id: Some(b.id),
                             kind: Some("function"),
                             function: FunctionOut {
-                                name: Some(b.name),
-                                arguments: Some("".into()),
+                                name: Some(name.as_deref()),
+                                arguments: Some(""),
                             },
                         };
                         let delta = DeltaOut {
-                            tool_calls: Some([call]),
+                            tool_calls: Some(vec![call]),
                             ..DeltaOut::default()
                         };
                         vec![self.chunk(delta, None)]
@@ -838,7 +793,7 @@ impl Chunks {
                     Some("text") => match str_of(b.text).filter(|t| !t.is_empty()) {
                         Some(t) => {
                             let delta = DeltaOut {
-                                content: Some(Some(t)),
+                                content: Some(Some(&t)),
                                 ..DeltaOut::default()
                             };
                             vec![self.chunk(delta, None)]
@@ -852,25 +807,27 @@ impl Chunks {
                 let d: EventDeltaIn = lenient(e.delta);
                 match str_of(d.kind).as_deref() {
                     Some("text_delta") => {
+                        let text = str_of(d.text);
                         let delta = DeltaOut {
-                            content: Some(str_of(d.text)),
+                            content: Some(text.as_deref()),
                             ..DeltaOut::default()
                         };
                         vec![self.chunk(delta, None)]
                     }
                     Some("input_json_delta") => match self.calls.get(index).copied().flatten() {
                         Some(n) => {
+                            let partial = str_of(d.partial_json);
                             let call = CallOut {
-                                index: n,
+                                index: n as u64,
                                 id: None,
                                 kind: None,
                                 function: FunctionOut {
                                     name: None,
-                                    arguments: str_of(d.partial_json),
+                                    arguments: partial.as_deref(),
                                 },
                             };
                             let delta = DeltaOut {
-                                tool_calls: Some([call]),
+                                tool_calls: Some(vec![call]),
                                 ..DeltaOut::default()
                             };
                             vec![self.chunk(delta, None)]

@@ -17,7 +17,7 @@ pub(crate) use anthropic::not_carried;
 pub use targets::Upstreams;
 
 use super::config::{Probe, ProviderConfig};
-use super::exchange::{Attempt, Passthrough, Reply, events_of};
+use super::exchange::{Attempt, Passthrough, Reply, events_of, read_completion};
 use crate::core::request::{Api, Generation, GenerationStatus, Message};
 use futures_util::future::BoxFuture;
 use serde_json::Value;
@@ -205,11 +205,15 @@ impl Opened {
     /// A whole answer where a stream was asked for: an accepted one replayed as the events a
     /// stream of it would carry, anything else the failed attempt it is.
     fn whole(a: Attempt, include_usage: bool, started: Instant) -> Opened {
-        match (&a.generation.status, a.body.as_ref().and_then(Reply::value)) {
-            (GenerationStatus::Ok, Some(body)) => {
-                Opened::Streaming(Stream::replay(&body, include_usage), started)
-            }
-            _ => Opened::Failed(a),
+        let text = a.body.as_ref().map(Reply::text);
+        let events = text
+            .as_deref()
+            .and_then(read_completion)
+            .filter(|_| a.generation.status == GenerationStatus::Ok)
+            .map(|c| events_of(&c, include_usage));
+        match events {
+            Some(events) => Opened::Streaming(Stream::replay(events), started),
+            None => Opened::Failed(a),
         }
     }
 }
@@ -222,10 +226,10 @@ impl Stream {
         }
     }
 
-    /// A whole chat completion as the events a stream of it would carry.
-    fn replay(answer: &Value, include_usage: bool) -> Stream {
+    /// A whole answer's events (`events_of`), as a stream.
+    fn replay(events: Vec<String>) -> Stream {
         Stream {
-            ready: events_of(answer, include_usage).into(),
+            ready: events.into(),
             events: None,
         }
     }
