@@ -13,7 +13,7 @@ use super::metrics::Registry;
 use crate::core::pipeline::{Decision, DecisionOutcome};
 use crate::core::request::{Generation, GenerationStatus, Request, Usage};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -211,7 +211,7 @@ pub struct Counters {
 
 /// A finished request, waiting to be exported.
 struct Finished {
-    spans: Vec<Value>,
+    spans: Vec<Span>,
 }
 
 /// The request path's handle: begins and finishes requests' spans (never waiting).
@@ -228,7 +228,7 @@ pub struct Exporter {
     rx: mpsc::Receiver<Finished>,
     url: String,
     settings: Settings,
-    resource: Value,
+    resource: Resource,
     counters: Arc<Counters>,
 }
 
@@ -261,11 +261,13 @@ impl Telemetry {
             return (off, None);
         };
         let (tx, rx) = mpsc::channel(WAITING);
-        let resource = json!({"attributes": [
-            attr("service.name", &settings.service_name),
-            attr("service.instance.id", node),
-            attr("service.version", env!("CARGO_PKG_VERSION")),
-        ]});
+        let resource = Resource {
+            attributes: vec![
+                attr("service.name", &settings.service_name),
+                attr("service.instance.id", node),
+                attr("service.version", env!("CARGO_PKG_VERSION")),
+            ],
+        };
         let exporter = Exporter {
             rx,
             url,
@@ -385,10 +387,10 @@ impl Exporter {
     }
 
     async fn export(&self, http: &reqwest::Client, batch: Vec<Finished>) {
-        let spans: Vec<Value> = batch.into_iter().flat_map(|f| f.spans).collect();
+        let spans: Vec<Span> = batch.into_iter().flat_map(|f| f.spans).collect();
         let n = spans.len() as u64;
         let body = json!({"resourceSpans": [{
-            "resource": self.resource,
+            "resource": &self.resource,
             "scopeSpans": [{
                 "scope": {"name": "oam", "version": env!("CARGO_PKG_VERSION")},
                 "spans": spans,
@@ -426,51 +428,127 @@ impl Exporter {
 
 /// The request's messages as `gen_ai.input.messages` holds them.
 fn input_messages(r: &Request) -> String {
-    let msgs: Vec<Value> = r
+    #[derive(serde::Serialize)]
+    struct Said<'a> {
+        role: &'a str,
+        parts: [TextPart<'a>; 1],
+    }
+    let msgs: Vec<Said> = r
         .messages
         .iter()
-        .map(|m| json!({"role": m.role, "parts": [{"type": "text", "content": m.content}]}))
+        .map(|m| Said {
+            role: &m.role,
+            parts: [TextPart::of(&m.content)],
+        })
         .collect();
-    Value::Array(msgs).to_string()
+    serde_json::to_string(&msgs).unwrap_or_default()
+}
+
+/// A text part of a message on a span.
+#[derive(serde::Serialize)]
+struct TextPart<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    content: &'a str,
+}
+
+impl TextPart<'_> {
+    fn of(content: &str) -> TextPart<'_> {
+        TextPart {
+            kind: "text",
+            content,
+        }
+    }
+}
+
+/// An OTLP span (JSON encoding: 64-bit integers as strings).
+#[derive(serde::Serialize, Debug)]
+#[serde(rename_all = "camelCase")]
+struct Span {
+    trace_id: String,
+    span_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parent_span_id: Option<String>,
+    name: String,
+    kind: u8,
+    start_time_unix_nano: String,
+    end_time_unix_nano: String,
+    attributes: Vec<Attr>,
+    status: Status,
+}
+
+#[derive(serde::Serialize, Debug)]
+struct Status {
+    code: u8,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<String>,
+}
+
+/// The resource every span of a node's comes from.
+#[derive(serde::Serialize, Debug)]
+struct Resource {
+    attributes: Vec<Attr>,
 }
 
 /// An attribute: `{key, value: AnyValue}`.
-fn attr(key: &str, v: impl Into<Any>) -> Value {
-    json!({"key": key, "value": v.into().0})
+#[derive(serde::Serialize, Debug)]
+struct Attr {
+    key: &'static str,
+    value: Any,
 }
 
-/// An OTLP `AnyValue` (JSON encoding: 64-bit integers as strings).
-struct Any(Value);
+fn attr(key: &'static str, v: impl Into<Any>) -> Attr {
+    Attr {
+        key,
+        value: v.into(),
+    }
+}
+
+/// An OTLP `AnyValue`.
+#[derive(serde::Serialize, Debug)]
+enum Any {
+    #[serde(rename = "stringValue")]
+    Str(String),
+    #[serde(rename = "intValue")]
+    Int(String),
+    #[serde(rename = "doubleValue")]
+    Double(f64),
+    #[serde(rename = "boolValue")]
+    Bool(bool),
+    #[serde(rename = "arrayValue")]
+    Array { values: Vec<Any> },
+}
 
 impl From<&str> for Any {
     fn from(s: &str) -> Any {
-        Any(json!({"stringValue": s}))
+        Any::Str(s.to_string())
     }
 }
 impl From<&String> for Any {
     fn from(s: &String) -> Any {
-        Any(json!({"stringValue": s}))
+        Any::Str(s.clone())
     }
 }
 impl From<u64> for Any {
     fn from(n: u64) -> Any {
-        Any(json!({"intValue": n.to_string()}))
+        Any::Int(n.to_string())
     }
 }
 impl From<f64> for Any {
     fn from(x: f64) -> Any {
-        Any(json!({"doubleValue": x}))
+        Any::Double(x)
     }
 }
 impl From<bool> for Any {
     fn from(b: bool) -> Any {
-        Any(json!({"boolValue": b}))
+        Any::Bool(b)
     }
 }
 impl From<Vec<String>> for Any {
     fn from(v: Vec<String>) -> Any {
-        let values: Vec<Value> = v.iter().map(|s| json!({"stringValue": s})).collect();
-        Any(json!({"arrayValue": {"values": values}}))
+        Any::Array {
+            values: v.into_iter().map(Any::Str).collect(),
+        }
     }
 }
 
@@ -487,7 +565,7 @@ fn spans(
     d: &Decision,
     end_ns: u64,
     targets: &BTreeMap<String, (String, &'static str)>,
-) -> Vec<Value> {
+) -> Vec<Span> {
     let operation = if p.embeddings { "embeddings" } else { "chat" };
     let asked = p.model.as_deref().unwrap_or("auto");
     let target = d.provider.as_deref();
@@ -563,26 +641,31 @@ fn spans(
         a.push(attr("gen_ai.response.time_to_first_chunk", s));
     }
     let status = if d.outcome == DecisionOutcome::Accepted {
-        json!({"code": STATUS_OK})
+        Status {
+            code: STATUS_OK,
+            message: None,
+        }
     } else {
         // The error class a client sees: the answer's error code, its last reason.
         let class = d.reason_codes.last().map_or("error", |c| c.as_str());
         a.push(attr("error.type", class));
-        json!({"code": STATUS_ERROR, "message": format!("{} in phase {}", d.outcome.as_str(), d.phase.as_str())})
+        let why = format!("{} in phase {}", d.outcome.as_str(), d.phase.as_str());
+        Status {
+            code: STATUS_ERROR,
+            message: Some(why),
+        }
     };
-    let mut request = json!({
-        "traceId": p.trace_id,
-        "spanId": p.span_id,
-        "name": format!("{operation} {asked}"),
-        "kind": SPAN_KIND_SERVER,
-        "startTimeUnixNano": p.start_ns.to_string(),
-        "endTimeUnixNano": end_ns.max(p.start_ns).to_string(),
-        "attributes": a,
-        "status": status,
-    });
-    if let Some(parent) = &p.parent {
-        request["parentSpanId"] = json!(parent);
-    }
+    let request = Span {
+        trace_id: p.trace_id.clone(),
+        span_id: p.span_id.clone(),
+        parent_span_id: p.parent.clone(),
+        name: format!("{operation} {asked}"),
+        kind: SPAN_KIND_SERVER,
+        start_time_unix_nano: p.start_ns.to_string(),
+        end_time_unix_nano: end_ns.max(p.start_ns).to_string(),
+        attributes: a,
+        status,
+    };
     let mut out = vec![request];
     for (attempt, s) in made {
         let Some(t) = attempt.provider.as_deref() else {
@@ -608,7 +691,10 @@ fn spans(
         }
         usage_attrs(&mut a, s);
         let status = match attempt.status {
-            Some(GenerationStatus::Ok) if attempt.defects.is_empty() => json!({"code": STATUS_OK}),
+            Some(GenerationStatus::Ok) if attempt.defects.is_empty() => Status {
+                code: STATUS_OK,
+                message: None,
+            },
             Some(st) => {
                 // Answered but held to fail (a contract, the quality gate): the reason it failed.
                 let class = if st == GenerationStatus::Ok {
@@ -621,26 +707,29 @@ fn spans(
                     status_name(st)
                 };
                 a.push(attr("error.type", &class));
-                json!({"code": STATUS_ERROR, "message": class})
+                Status {
+                    code: STATUS_ERROR,
+                    message: Some(class),
+                }
             }
             None => continue,
         };
-        out.push(json!({
-            "traceId": p.trace_id,
-            "spanId": span_id(),
-            "parentSpanId": p.span_id,
-            "name": format!("{operation} {model}"),
-            "kind": SPAN_KIND_CLIENT,
-            "startTimeUnixNano": s.start_ns.to_string(),
-            "endTimeUnixNano": s.end_ns.max(s.start_ns).to_string(),
-            "attributes": a,
-            "status": status,
-        }));
+        out.push(Span {
+            trace_id: p.trace_id.clone(),
+            span_id: span_id(),
+            parent_span_id: Some(p.span_id.clone()),
+            name: format!("{operation} {model}"),
+            kind: SPAN_KIND_CLIENT,
+            start_time_unix_nano: s.start_ns.to_string(),
+            end_time_unix_nano: s.end_ns.max(s.start_ns).to_string(),
+            attributes: a,
+            status,
+        });
     }
     out
 }
 
-fn usage_attrs(a: &mut Vec<Value>, s: &AttemptSpan) {
+fn usage_attrs(a: &mut Vec<Attr>, s: &AttemptSpan) {
     if let Some(u) = s.usage {
         a.push(attr("gen_ai.usage.input_tokens", u.prompt_tokens));
         a.push(attr("gen_ai.usage.output_tokens", u.completion_tokens));
@@ -652,9 +741,18 @@ fn usage_attrs(a: &mut Vec<Value>, s: &AttemptSpan) {
 
 /// The answer as `gen_ai.output.messages` holds it.
 fn output_messages(text: &str, finish: Option<&str>) -> String {
-    json!([{"role": "assistant", "parts": [{"type": "text", "content": text}],
-            "finish_reason": finish.unwrap_or("stop")}])
-    .to_string()
+    #[derive(serde::Serialize)]
+    struct Answered<'a> {
+        role: &'static str,
+        parts: [TextPart<'a>; 1],
+        finish_reason: &'a str,
+    }
+    let answered = [Answered {
+        role: "assistant",
+        parts: [TextPart::of(text)],
+        finish_reason: finish.unwrap_or("stop"),
+    }];
+    serde_json::to_string(&answered).unwrap_or_default()
 }
 
 #[cfg(test)]
