@@ -190,6 +190,7 @@ fn decode(
         max_tokens: Some(max_tokens),
         response_format: None,
         stream,
+        include_usage: false,
         oam,
         tools,
         extra: Map::new(),

@@ -109,6 +109,7 @@ pub(crate) fn decode(
         max_tokens: None,
         response_format: None,
         stream: false,
+        include_usage: false,
         oam: m.remove("oam").map(|o| member(o, "oam")).transpose()?,
         tools: None,
         extra: serde_json::Map::new(),

@@ -120,9 +120,13 @@ pub(crate) fn parse_enum_header<T: serde::de::DeserializeOwned>(
 ) -> Result<Option<T>, BadRequest> {
     match header(h, name) {
         None => Ok(None),
-        Some(v) => serde_json::from_value(Value::String(v.to_ascii_lowercase()))
-            .map(Some)
-            .map_err(|e| bad(name, format!("header {name}: {e}"))),
+        Some(v) => {
+            let v = v.to_ascii_lowercase();
+            let read = serde::de::value::StrDeserializer::<serde::de::value::Error>::new(&v);
+            T::deserialize(read)
+                .map(Some)
+                .map_err(|e| bad(name, format!("header {name}: {e}")))
+        }
     }
 }
 
@@ -166,6 +170,9 @@ pub(crate) struct Decoded {
     pub max_tokens: Option<u32>,
     pub response_format: Option<Value>,
     pub stream: bool,
+    /// The caller asked for the usage chunk of a stream (`stream_options.include_usage`; oam
+    /// sets the upstream's stream options itself: it always asks a stream for its usage).
+    pub include_usage: bool,
     pub oam: Option<OamFields>,
     pub tools: Option<Box<RawValue>>,
     pub extra: serde_json::Map<String, Value>,
@@ -202,17 +209,17 @@ impl Decoded {
         }
         let stream = self.stream;
         let tools = crate::node::tools::declared(self.tools.as_deref())?;
-        // `n` stays in the body for the upstream; oam prices every answer it asks for.
-        let n = match self.extra.get("n") {
-            None | Some(Value::Null) => 1,
-            Some(v) => v
-                .as_u64()
-                .filter(|n| (1..=openai::MAX_N).contains(n))
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| {
-                    let most = openai::MAX_N;
-                    bad("n", format!("n must be a whole number from 1 to {most}"))
-                })?,
+        // `n` goes on to the upstream; oam prices every answer it asks for.
+        let n = match self.sampling.n {
+            None => 1,
+            Some(n) if (1..=openai::MAX_N).contains(&u64::from(n)) => n,
+            Some(_) => {
+                let most = openai::MAX_N;
+                return Err(bad(
+                    "n",
+                    format!("n must be a whole number from 1 to {most}"),
+                ));
+            }
         };
         let o = self.oam.unwrap_or_default();
         let id = o
@@ -261,18 +268,12 @@ impl Decoded {
             embeddings: false,
             stream,
         };
-        let mut extra = self.extra;
-        // oam sets the upstream's stream options itself (it always asks a stream for its usage);
-        // whether the client wants the usage chunk is kept.
-        let include_usage = extra
-            .remove("stream_options")
-            .is_some_and(|o| o["include_usage"] == Value::Bool(true));
         let pass = Passthrough {
             turns: self.turns,
             sampling: self.sampling,
-            extra,
+            extra: self.extra,
             tools: self.tools,
-            include_usage,
+            include_usage: self.include_usage,
             native: None,
         };
         Ok((request, stream, pass))

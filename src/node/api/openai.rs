@@ -41,10 +41,18 @@ pub(crate) struct ChatIn {
     response_format: Option<Value>,
     stream: Option<bool>,
     sampling: Sampling,
+    include_usage: bool,
     oam: Option<OamFields>,
     /// `tools` as it came: read once per distinct list (`tools::declared`), sent on as it is.
     tools: Option<Box<RawValue>>,
     rest: serde_json::Map<String, Value>,
+}
+
+/// `stream_options`: what of it oam reads.
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
 }
 
 /// A request body's members, `tools` kept as its text (a tree of 128 schemas cost more to
@@ -140,7 +148,13 @@ impl ChatIn {
                     user: take(&mut rest, "user")?.flatten(),
                     tool_choice: take(&mut rest, "tool_choice")?.flatten(),
                     parallel_tool_calls: take(&mut rest, "parallel_tool_calls")?.flatten(),
+                    n: take(&mut rest, "n")?.flatten(),
+                    logprobs: take(&mut rest, "logprobs")?.flatten(),
                 },
+                include_usage: take::<Option<StreamOptions>>(&mut rest, "stream_options")?
+                    .flatten()
+                    .and_then(|o| o.include_usage)
+                    .unwrap_or(false),
                 oam: take(&mut rest, "oam")?.flatten(),
                 tools: None,
                 rest: serde_json::Map::new(),
@@ -184,6 +198,7 @@ pub(crate) fn decode_request(
         max_tokens: chat.max_completion_tokens.or(chat.max_tokens),
         response_format: chat.response_format,
         stream: chat.stream == Some(true),
+        include_usage: chat.include_usage,
         oam: chat.oam,
         tools: chat.tools,
         extra: chat.rest,

@@ -193,6 +193,7 @@ fn decode(members: Members<'_>) -> Result<Decoded, BadRequest> {
         max_tokens,
         response_format,
         stream,
+        include_usage: false,
         oam,
         tools,
         extra: chat,

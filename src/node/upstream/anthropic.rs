@@ -197,15 +197,14 @@ pub(crate) fn not_carried(
     if matches!(sampling.tool_choice, Some(ToolChoice::Other(_))) {
         return Some("tool_choice".into());
     }
-    for (k, v) in extra {
-        let ok = match k.as_str() {
-            "n" => v.is_null() || v == 1,
-            "logprobs" => v.is_null() || v.as_bool() == Some(false),
-            _ => v.is_null(),
-        };
-        if !ok {
-            return Some(k.clone());
-        }
+    if sampling.n.is_some_and(|n| n != 1) {
+        return Some("n".into());
+    }
+    if sampling.logprobs == Some(true) {
+        return Some("logprobs".into());
+    }
+    if let Some((k, _)) = extra.iter().find(|(_, v)| !v.is_null()) {
+        return Some(k.clone());
     }
     let mut past_system = false;
     for (i, t) in turns.iter().enumerate() {
@@ -878,6 +877,8 @@ mod tests {
             "user",
             "tool_choice",
             "parallel_tool_calls",
+            "n",
+            "logprobs",
         ] {
             rest.remove(k);
         }

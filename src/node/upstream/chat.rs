@@ -27,7 +27,13 @@ pub(super) struct Body<'a> {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub stream_options: Option<Value>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// What oam asks of a stream: its usage, always (the pipeline prices the answer by it).
+#[derive(serde::Serialize)]
+pub(super) struct StreamOptions {
+    pub include_usage: bool,
 }
 
 pub(super) enum Messages<'a> {

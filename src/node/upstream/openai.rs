@@ -77,7 +77,9 @@ impl Upstream for OpenaiCompatible {
     ) -> BoxFuture<'a, Opened> {
         Box::pin(async move {
             let mut body = chat::Body::streamed(model, pass, prefill, max_tokens);
-            body.stream_options = Some(serde_json::json!({"include_usage": true}));
+            body.stream_options = Some(chat::StreamOptions {
+                include_usage: true,
+            });
             let json = serde_json::to_vec(&body).unwrap_or_default();
             self.at
                 .open(json, first_event, None, pass.include_usage, judge)
