@@ -6,25 +6,25 @@
 //! `X-Request-Id`.
 
 use super::Node;
-use super::api::ClientApi;
 use super::api::openai::BadRequest;
+use super::api::{self, ClientApi};
 use super::detach::Detachable;
 use super::request::{Answer, Asks, authenticate, bad_request, execute};
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 pub fn router(node: Arc<Node>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/messages", post(messages))
+        .route("/v1/chat/completions", answers(&api::openai::Chat))
+        .route("/v1/messages", answers(&api::anthropic::Messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
-        .route("/v1/responses", post(responses))
+        .route("/v1/responses", answers(&api::responses::Responses))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/v1/oam/state", get(state))
@@ -241,26 +241,6 @@ pub(crate) fn with_oam_headers(
     resp
 }
 
-/// An accepted answer as OpenAI server-sent events. oam checks the whole answer (contract,
-/// quality, cost) before releasing any of it, so the stream is the checked answer in one content
-/// chunk, then the finish reason with usage and the `oam` object, then `[DONE]`.
-pub(crate) fn to_sse(a: Answer) -> Response {
-    let body = String::from_utf8_lossy(&a.body);
-    let answer = super::exchange::read_completion(&body).unwrap_or_default();
-    let text = super::api::openai::sse_of(&answer);
-    let resp = (
-        StatusCode::OK,
-        [
-            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
-            (axum::http::header::CACHE_CONTROL, "no-cache"),
-        ],
-        text,
-    )
-        .into_response();
-    let resp = says_buffered(resp, a.buffered);
-    with_oam_headers(resp, [a.phase, a.reasons, a.target, a.request_id])
-}
-
 /// A stream that was checked whole before release says why (`X-OAM-Buffered: contract`), so
 /// nobody takes one content chunk for broken streaming.
 fn says_buffered(mut resp: Response, why: Option<&'static str>) -> Response {
@@ -271,53 +251,6 @@ fn says_buffered(mut resp: Response, why: Option<&'static str>) -> Response {
         );
     }
     resp
-}
-
-async fn chat(
-    State(node): State<Arc<Node>>,
-    headers: HeaderMap,
-    body: axum::body::Body,
-) -> Response {
-    let bytes = match read_body(&node, &headers, body).await {
-        Ok(bytes) => bytes,
-        Err(refused) => return to_http(*refused),
-    };
-    let answer = match run(
-        &node,
-        bytes,
-        headers,
-        Asks::Answer {
-            api: ClientApi::Chat,
-            live: true,
-        },
-    )
-    .await
-    {
-        Ok(answer) => answer,
-        Err(failed) => return failed,
-    };
-    if let Some(live) = answer.live {
-        live
-    } else if answer.status == StatusCode::OK && answer.stream {
-        to_sse(answer)
-    } else {
-        to_http(answer)
-    }
-}
-
-/// `POST /v1/messages`: the Anthropic Messages API (`api::anthropic`); the same pipeline,
-/// headers and limits as chat.
-async fn messages(
-    State(node): State<Arc<Node>>,
-    headers: HeaderMap,
-    body: axum::body::Body,
-) -> Response {
-    let headers = super::api::anthropic::chat_headers(&headers);
-    let api = Translation {
-        api: ClientApi::Messages,
-        answer_of: super::api::anthropic::answer_of,
-    };
-    translated(&node, headers, body, api).await
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt tokens of a Messages request, estimated as the
@@ -339,20 +272,8 @@ async fn count_tokens(
         },
     };
     let (text, events) = super::api::anthropic::answer_of(&answer, false);
+    let text = bytes::Bytes::from(text);
     in_its_api(answer, text, events)
-}
-
-/// `POST /v1/responses`: the OpenAI Responses API (`api::responses`).
-async fn responses(
-    State(node): State<Arc<Node>>,
-    headers: HeaderMap,
-    body: axum::body::Body,
-) -> Response {
-    let api = Translation {
-        api: ClientApi::Responses,
-        answer_of: super::api::responses::answer_of,
-    };
-    translated(&node, headers, body, api).await
 }
 
 /// `POST /v1/embeddings`: routed to embedding targets with health, breakers, budgets and the
@@ -372,27 +293,28 @@ async fn embeddings(
     }
 }
 
-/// An API other than chat: which one, and how a decided answer is written in it (its body,
-/// and whether that is events).
-struct Translation {
-    api: ClientApi,
-    answer_of: fn(&Answer, bool) -> (String, bool),
+/// `POST` of one client API's requests (`api::ClientApi`): the same pipeline, headers and
+/// limits for every API, each answer and error written in the API's own shapes.
+fn answers(api: &'static dyn ClientApi) -> MethodRouter<Arc<Node>> {
+    post(
+        move |State(node): State<Arc<Node>>, headers: HeaderMap, body: axum::body::Body| {
+            answer_in(api, node, headers, body)
+        },
+    )
 }
 
-async fn translated(
-    node: &Arc<Node>,
+async fn answer_in(
+    api: &'static dyn ClientApi,
+    node: Arc<Node>,
     headers: HeaderMap,
     body: axum::body::Body,
-    api: Translation,
 ) -> Response {
-    let answer = match read_body(node, &headers, body).await {
+    let headers = api.headers(headers);
+    let answer = match read_body(&node, &headers, body).await {
         Err(refused) => *refused,
         Ok(bytes) => {
-            let asks = Asks::Answer {
-                api: api.api,
-                live: true,
-            };
-            match run(node, bytes, headers, asks).await {
+            let asks = Asks::Answer { api, live: true };
+            match run(&node, bytes, headers, asks).await {
                 Ok(Answer {
                     live: Some(live), ..
                 }) => return live,
@@ -401,24 +323,30 @@ async fn translated(
             }
         }
     };
-    let (text, events) = (api.answer_of)(&answer, answer.stream);
-    in_its_api(answer, text, events)
+    let (body, events) = api.answer_of(&answer, answer.stream);
+    in_its_api(answer, body, events)
 }
 
-/// `answer` written in another API's shape (`text`, events or JSON), with its status and the
-/// `X-OAM-*` headers.
-fn in_its_api(answer: Answer, text: String, events: bool) -> Response {
+/// `answer` written in its API's shape (`body`: events, or JSON), with its status and the
+/// `X-OAM-*` headers; events say they are not to be cached, and why a stream was checked whole.
+fn in_its_api(answer: Answer, body: bytes::Bytes, events: bool) -> Response {
     let kind = if events {
         "text/event-stream"
     } else {
         "application/json"
     };
-    let resp = (
+    let mut resp = (
         answer.status,
         [(axum::http::header::CONTENT_TYPE, kind)],
-        text,
+        body,
     )
         .into_response();
+    if events {
+        resp.headers_mut().insert(
+            axum::http::header::CACHE_CONTROL,
+            HeaderValue::from_static("no-cache"),
+        );
+    }
     let resp = says_buffered(resp, answer.buffered.filter(|_| events));
     with_oam_headers(
         resp,
@@ -655,7 +583,8 @@ mod tests {
         let body = axum::body::Body::from(vec![b' '; 65]);
         let mut h = HeaderMap::new();
         h.insert("x-request-id", HeaderValue::from_static("big-1"));
-        let (status, headers, v) = read(chat(State(node.clone()), h, body).await).await;
+        let served = answer_in(&api::openai::Chat, node.clone(), h, body).await;
+        let (status, headers, v) = read(served).await;
         assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
         let message = v["error"]["message"].as_str().unwrap_or_default();
         assert!(
@@ -686,7 +615,9 @@ mod tests {
             reasons: String::new(),
             target: "bad\nname".into(),
         };
-        let (status, headers, v) = read(to_sse(a)).await;
+        let (body, events) = api::openai::Chat.answer_of(&a, true);
+        let (status, headers, v) = read(in_its_api(a, body, events)).await;
+        assert_eq!(headers["cache-control"], "no-cache");
         assert_eq!(status, StatusCode::OK);
         assert_eq!(headers["content-type"], "text/event-stream");
         assert_eq!(

@@ -6,9 +6,8 @@
 //! cleanly. A finish chunk whose `[DONE]` never comes is complete, and closed by oam.
 
 use super::Node;
-use super::api::openai::stream_end;
 use super::config::Streaming;
-use super::exchange::{Attempt, Delta, OwnedHead, Passthrough, read_chunk};
+use super::exchange::{Attempt, Delta, Passthrough, read_chunk};
 use super::http::with_oam_headers;
 use super::request::{Flight, Next, Waits, conclude};
 use super::upstream::{Broken, Opened, Stream};
@@ -21,7 +20,6 @@ use axum::body::{Body, Bytes};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
-use serde_json::value::RawValue;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -123,22 +121,21 @@ pub(crate) fn respond(
     limits: Streaming,
     target: String,
     request_started: Instant,
-    wire: super::api::ClientApi,
+    api: &'static dyn super::api::ClientApi,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let mut flight = flight;
     let node = flight.node.clone();
     flight.call(Call::Delivering);
     let request_id = flight.session.request().id.clone();
+    let encoder = api.relay(&pass);
     let relay = Relay {
         flight,
         pass,
         limits,
         tx,
         request_started,
-        head: None,
         delivered: String::new(),
-        usage: None,
         earlier: None,
         part_sent: false,
         waits: Waits {
@@ -146,11 +143,8 @@ pub(crate) fn respond(
             queue_deadline: tokio::time::Instant::now(),
             waited: Duration::ZERO,
         },
-        encoder: match wire {
-            super::api::ClientApi::Chat => Encoder::Chat,
-            super::api::ClientApi::Messages => Encoder::Anthropic(Default::default()),
-            super::api::ClientApi::Responses => Encoder::Responses(Default::default()),
-        },
+        encoder,
+        started: false,
     };
     node.serving.tasks.spawn(relay.run(first));
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -233,14 +227,13 @@ struct Relay {
     limits: Streaming,
     tx: tokio::sync::mpsc::Sender<Bytes>,
     request_started: Instant,
-    /// `id`, `created` and `model` of the first chunk, for oam's own last chunk.
-    head: Option<OwnedHead>,
+    /// A chunk has come (from any part).
+    started: bool,
     /// The answer's text the caller has, across a continuation.
     delivered: String,
-    /// How each chunk is written to the caller (what another API's events have opened so far).
-    encoder: Encoder,
-    /// The upstream's usage chunk, held back (chat only): oam's last chunk carries it.
-    usage: Option<Box<RawValue>>,
+    /// How each chunk is written to the caller, in its API (what its events have opened so
+    /// far).
+    encoder: Box<dyn super::api::Relayed>,
     /// What the parts before this one used (a stream cut and continued): the usage the caller
     /// is told is theirs and this part's together.
     earlier: Option<Usage>,
@@ -248,12 +241,6 @@ struct Relay {
     part_sent: bool,
     /// The driver's waits (a stream under way is never queued again).
     waits: Waits,
-}
-
-enum Encoder {
-    Chat,
-    Anthropic(super::api::anthropic::Live),
-    Responses(super::api::responses::Live),
 }
 
 impl Relay {
@@ -413,46 +400,25 @@ impl Relay {
                     return End::Broken(failed(GenerationStatus::Error, cur.began, why));
                 }
             };
-            match &mut self.head {
-                None => self.head = Some(delta.head.to_owned()),
-                Some(head) if first_of_part && delta.head.names_model() => {
-                    // A continuation: the answer's last chunk names the model that wrote its
-                    // end.
-                    head.model = delta.head.model.map(RawValue::to_owned);
-                    if let (Encoder::Responses(events), Some(model)) =
-                        (&mut self.encoder, delta.head.model)
-                    {
-                        events.written_by(model);
-                    }
-                }
-                Some(_) => {}
+            // A continuation: the answer's last chunk names the model that wrote its end.
+            if let (true, true, Some(model)) = (self.started, first_of_part, delta.head.model)
+                && delta.head.names_model()
+            {
+                self.encoder.continued_by(model);
             }
+            self.started = true;
             first_of_part = false;
             acc.absorb(&delta);
             let mut delta = delta;
             if let (Some(earlier), Some(u)) = (self.earlier, delta.usage) {
+                // The caller is told the usage of every part: oam's sum, not the one sent.
                 delta.usage = Some(earlier + u);
+                delta.usage_sent = None;
             }
             if let Some(text) = &delta.text {
                 self.delivered.push_str(text);
             }
-            let text = match &mut self.encoder {
-                Encoder::Anthropic(events) => events.chunk(&delta),
-                Encoder::Responses(events) => events.chunk(&delta),
-                Encoder::Chat if delta.usage_only => {
-                    if self.pass.include_usage {
-                        self.usage = match (self.earlier, delta.usage) {
-                            (Some(_), Some(sum)) => serde_json::value::to_raw_value(
-                                &super::exchange::ChatUsage::from(sum),
-                            )
-                            .ok(),
-                            _ => delta.usage_sent.map(RawValue::to_owned),
-                        };
-                    }
-                    continue;
-                }
-                Encoder::Chat => format!("data: {data}\n\n"),
-            };
+            let text = self.encoder.chunk(&data, &delta);
             if !text.is_empty() {
                 if self.send(text).await.is_err() {
                     return End::CallerGone;
@@ -469,11 +435,7 @@ impl Relay {
     /// The request is decided: oam's last chunk and `[DONE]` for an accepted answer, else an
     /// in-band error event (and no `[DONE]`). Then what every decided request leaves behind.
     async fn close(mut self, d: Decision) {
-        let text = match &mut self.encoder {
-            Encoder::Anthropic(events) => events.end(&d),
-            Encoder::Responses(events) => events.end(&d),
-            Encoder::Chat => stream_end(&d, self.head.as_ref(), self.usage.as_deref()),
-        };
+        let text = self.encoder.end(&d);
         let node = self.node();
         let started = self.request_started;
         let record = self.flight.recorder();

@@ -112,7 +112,7 @@ fn serve_one(node: &Arc<Node>, msg: async_nats::Message, permit: OwnedSemaphoreP
                 &headers,
                 CancellationToken::new(),
                 super::request::Asks::Answer {
-                    api: super::api::ClientApi::Chat,
+                    api: &super::api::openai::Chat,
                     live: false,
                 },
             )

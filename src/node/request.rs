@@ -21,9 +21,12 @@ use tokio_util::sync::CancellationToken;
 
 /// What a request asks for: an answer in a client API, relayed live as it arrives when `live`
 /// and it streams (HTTP; else answered whole); or embeddings.
-#[derive(Clone, Copy, PartialEq, Debug)]
-pub enum Asks {
-    Answer { api: ClientApi, live: bool },
+#[derive(Clone, Copy)]
+pub(crate) enum Asks {
+    Answer {
+        api: &'static dyn ClientApi,
+        live: bool,
+    },
     Embeddings,
 }
 
@@ -39,7 +42,7 @@ pub(crate) fn to_request(
     let new_id = || node.serving.next_request_id(&node.id);
     let mut r = match *asks {
         Asks::Answer { api, .. } => {
-            let (request, stream, pass) = api.decode_request(&node.cfg, body, h, new_id)?;
+            let (request, stream, pass) = api.decode_request(&node.cfg, body, h, &new_id)?;
             match pass.native {
                 // Bound to Messages targets, sent as it came.
                 Some(_) => (request, stream, pass),
@@ -454,7 +457,7 @@ pub(crate) fn begin(
 /// Run one request through the pipeline, calling providers as it directs. `caller` is
 /// cancelled when whoever asked went away: a queued request then leaves the queue at once, and
 /// one with an attempt under way lets it finish but makes no further attempt.
-pub async fn execute(
+pub(crate) async fn execute(
     node: &Arc<Node>,
     body: &[u8],
     headers: &HeaderMap,
@@ -487,7 +490,7 @@ pub async fn execute(
         _ if native => Some("native"),
         _ => Some("contract"),
     };
-    let embeddings = asks == Asks::Embeddings;
+    let embeddings = matches!(asks, Asks::Embeddings);
     let limits = node
         .cfg
         .deadlines(flight.session.request().model.as_deref());
@@ -748,7 +751,7 @@ mod tests {
             &HeaderMap::new(),
             CancellationToken::new(),
             Asks::Answer {
-                api: ClientApi::Chat,
+                api: &crate::node::api::openai::Chat,
                 live: false,
             },
         )
@@ -786,7 +789,7 @@ mod tests {
                 &HeaderMap::new(),
                 CancellationToken::new(),
                 Asks::Answer {
-                    api: ClientApi::Chat,
+                    api: &crate::node::api::openai::Chat,
                     live: false,
                 },
             )
@@ -812,7 +815,7 @@ mod tests {
                 body,
                 &HeaderMap::new(),
                 &Asks::Answer {
-                    api: ClientApi::Chat,
+                    api: &crate::node::api::openai::Chat,
                     live: false,
                 },
             ) else {
@@ -871,7 +874,7 @@ mod tests {
             &HeaderMap::new(),
             CancellationToken::new(),
             Asks::Answer {
-                api: ClientApi::Chat,
+                api: &crate::node::api::openai::Chat,
                 live: false,
             },
         )

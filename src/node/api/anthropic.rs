@@ -903,6 +903,44 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
     (body.to_string(), false)
 }
 
+/// Anthropic's Messages.
+pub(crate) struct Messages;
+
+impl super::ClientApi for Messages {
+    fn headers(&self, h: HeaderMap) -> HeaderMap {
+        chat_headers(&h)
+    }
+
+    fn decode_request(
+        &self,
+        cfg: &NodeConfig,
+        body: &[u8],
+        h: &HeaderMap,
+        new_id: &dyn Fn() -> String,
+    ) -> Result<(Request, bool, Passthrough), BadRequest> {
+        decode_request(cfg, body, h, new_id)
+    }
+
+    fn answer_of(&self, a: &Answer, stream: bool) -> (bytes::Bytes, bool) {
+        let (text, events) = answer_of(a, stream);
+        (text.into(), events)
+    }
+
+    fn relay(&self, _pass: &Passthrough) -> Box<dyn super::Relayed> {
+        Box::new(Live::default())
+    }
+}
+
+impl super::Relayed for Live {
+    fn chunk(&mut self, _data: &str, delta: &Delta) -> String {
+        Live::chunk(self, delta)
+    }
+
+    fn end(&mut self, d: &crate::core::pipeline::Decision) -> String {
+        Live::end(self, d)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,10 +7,12 @@
 //! both sides meet in `node::exchange`.
 
 use crate::core::contract::ContractSpec;
+use crate::core::pipeline::Decision;
 use crate::core::request::{Message, Policy, Priority, Request, Risk};
 use crate::node::config::NodeConfig;
-use crate::node::exchange::Passthrough;
+use crate::node::exchange::{Delta, Passthrough};
 use crate::node::model::{Sampling, Turn};
+use crate::node::request::Answer;
 use axum::http::HeaderMap;
 use serde::Deserialize;
 use serde_json::Value;
@@ -130,34 +132,48 @@ pub(crate) fn parse_enum_header<T: serde::de::DeserializeOwned>(
     }
 }
 
-/// A client API a node answers in: how its request is decoded (`decode_request`), its answer
-/// written (`answer_of` in its module) and a stream relayed to it (`live`).
-#[derive(Clone, Copy, PartialEq, Debug)]
-pub enum ClientApi {
-    /// OpenAI's chat completions (and the NATS data plane, which speaks it).
-    Chat,
-    /// Anthropic's Messages.
-    Messages,
-    /// OpenAI's Responses.
-    Responses,
-}
+/// One client API's anatomy, as the router and the live relay use it: its requests decoded
+/// into the core request and what goes upstream, its answers (whole, or as its stream's events)
+/// and errors written in its own shapes, and a stream relayed live as its events. Each sibling
+/// module implements it for a unit struct; adding an API is a module and a line in the router
+/// (`node::http::answers`).
+pub(crate) trait ClientApi: Sync {
+    /// The request's headers as the node reads them (a key sent in the API's own header).
+    fn headers(&self, h: HeaderMap) -> HeaderMap {
+        h
+    }
 
-impl ClientApi {
     /// The core request a body of this API asks, whether it asked for a stream, and what goes
-    /// upstream; or the 400 that says why it cannot be served.
-    pub(crate) fn decode_request(
-        self,
+    /// upstream; or the 400 that says why it cannot be served. `new_id` names a request that
+    /// names itself nowhere.
+    fn decode_request(
+        &self,
         cfg: &NodeConfig,
         body: &[u8],
         h: &HeaderMap,
-        new_id: impl FnOnce() -> String,
-    ) -> Result<(Request, bool, Passthrough), BadRequest> {
-        match self {
-            ClientApi::Chat => openai::decode_request(cfg, body, h, new_id),
-            ClientApi::Messages => anthropic::decode_request(cfg, body, h, new_id),
-            ClientApi::Responses => responses::decode_request(cfg, body, h, new_id),
-        }
-    }
+        new_id: &dyn Fn() -> String,
+    ) -> Result<(Request, bool, Passthrough), BadRequest>;
+
+    /// A decided answer as this API writes it: its body (`a.body` holds a chat completion, or
+    /// an error in OpenAI's envelope) and whether that is the events of a stream (`stream`: the
+    /// caller asked for one).
+    fn answer_of(&self, a: &Answer, stream: bool) -> (bytes::Bytes, bool);
+
+    /// How a stream is relayed live in this API's events.
+    fn relay(&self, pass: &Passthrough) -> Box<dyn Relayed>;
+}
+
+/// A stream relayed live in one client API: each chunk of the upstream's stream (as it came:
+/// `data`; read: `delta`) becomes the events it means, and the decision ends it.
+pub(crate) trait Relayed: Send + Sync {
+    /// The events one chunk means (none: empty).
+    fn chunk(&mut self, data: &str, delta: &Delta) -> String;
+
+    /// The stream goes on on another target (a continuation), whose chunks name `model`.
+    fn continued_by(&mut self, _model: &RawValue) {}
+
+    /// The events that end the stream once `d` is decided.
+    fn end(&mut self, d: &Decision) -> String;
 }
 
 /// What a client API read from its request, as the node serves it: the turns typed, the

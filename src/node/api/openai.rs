@@ -11,7 +11,7 @@ use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{GenerationStatus, Request};
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{
-    Attempt, ChunkOut, Completion, OwnedHead, Passthrough, Reply, UsageOut,
+    Attempt, ChatUsage, ChunkOut, Completion, OwnedHead, Passthrough, Reply, UsageOut,
 };
 use crate::node::model::{Sampling, Turn};
 use axum::http::{HeaderMap, StatusCode};
@@ -477,6 +477,79 @@ pub(crate) fn stream_end(
             out = format!("data: {}\n\n", last(usage, None));
         }
         out + &format!("data: {error}\n\n")
+    }
+}
+
+/// OpenAI's chat completions (and the NATS data plane, which speaks it).
+pub(crate) struct Chat;
+
+impl super::ClientApi for Chat {
+    fn decode_request(
+        &self,
+        cfg: &NodeConfig,
+        body: &[u8],
+        h: &HeaderMap,
+        new_id: &dyn Fn() -> String,
+    ) -> Result<(Request, bool, Passthrough), BadRequest> {
+        decode_request(cfg, body, h, new_id)
+    }
+
+    /// The chat completion as it is; a stream checked whole as its events (`sse_of`).
+    fn answer_of(&self, a: &crate::node::request::Answer, stream: bool) -> (bytes::Bytes, bool) {
+        if stream && a.status == StatusCode::OK {
+            let body = String::from_utf8_lossy(&a.body);
+            let answer = crate::node::exchange::read_completion(&body).unwrap_or_default();
+            (sse_of(&answer).into(), true)
+        } else {
+            (a.body.clone(), false)
+        }
+    }
+
+    fn relay(&self, pass: &Passthrough) -> Box<dyn super::Relayed> {
+        Box::new(Relay {
+            head: None,
+            usage: None,
+            include_usage: pass.include_usage,
+        })
+    }
+}
+
+/// A chat stream relayed live: its chunks as they came, its usage chunk held back for oam's
+/// last chunk (when the caller asked for it), which repeats the first chunk's head.
+struct Relay {
+    head: Option<OwnedHead>,
+    usage: Option<Box<RawValue>>,
+    include_usage: bool,
+}
+
+impl super::Relayed for Relay {
+    fn chunk(&mut self, data: &str, delta: &crate::node::exchange::Delta) -> String {
+        if self.head.is_none() {
+            self.head = Some(delta.head.to_owned());
+        }
+        if delta.usage_only {
+            if self.include_usage {
+                // As it came; counted by oam where it sums the parts of a continued stream.
+                self.usage = match delta.usage_sent {
+                    Some(sent) => Some(sent.to_owned()),
+                    None => delta
+                        .usage
+                        .and_then(|u| serde_json::value::to_raw_value(&ChatUsage::from(u)).ok()),
+                };
+            }
+            return String::new();
+        }
+        format!("data: {data}\n\n")
+    }
+
+    fn continued_by(&mut self, model: &RawValue) {
+        if let Some(head) = &mut self.head {
+            head.model = Some(model.to_owned());
+        }
+    }
+
+    fn end(&mut self, d: &Decision) -> String {
+        stream_end(d, self.head.as_ref(), self.usage.as_deref())
     }
 }
 

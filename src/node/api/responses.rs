@@ -886,6 +886,44 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
     }
 }
 
+/// OpenAI's Responses.
+pub(crate) struct Responses;
+
+impl super::ClientApi for Responses {
+    fn decode_request(
+        &self,
+        cfg: &NodeConfig,
+        body: &[u8],
+        h: &HeaderMap,
+        new_id: &dyn Fn() -> String,
+    ) -> Result<(Request, bool, Passthrough), BadRequest> {
+        decode_request(cfg, body, h, new_id)
+    }
+
+    fn answer_of(&self, a: &Answer, stream: bool) -> (bytes::Bytes, bool) {
+        let (text, events) = answer_of(a, stream);
+        (text.into(), events)
+    }
+
+    fn relay(&self, _pass: &Passthrough) -> Box<dyn super::Relayed> {
+        Box::new(Live::default())
+    }
+}
+
+impl super::Relayed for Live {
+    fn chunk(&mut self, _data: &str, delta: &crate::node::exchange::Delta) -> String {
+        Live::chunk(self, delta)
+    }
+
+    fn continued_by(&mut self, model: &RawValue) {
+        self.written_by(model);
+    }
+
+    fn end(&mut self, d: &crate::core::pipeline::Decision) -> String {
+        Live::end(self, d)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
