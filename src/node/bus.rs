@@ -19,9 +19,9 @@ use tokio_util::sync::CancellationToken;
 /// Events wait here for the bus.
 const OUTBOX_CAPACITY: usize = 4_096;
 /// Decisions go out in batches: every this many ms ...
-pub const DECISION_BATCH_MS: u64 = 50;
+pub(crate) const DECISION_BATCH_MS: u64 = 50;
 /// ... or as soon as this many wait.
-pub const DECISION_BATCH_MAX: usize = 256;
+pub(crate) const DECISION_BATCH_MAX: usize = 256;
 /// Decisions kept at most while the bus is slower than the node (the oldest go first, counted).
 const DECISIONS_KEPT: usize = 8 * DECISION_BATCH_MAX;
 
@@ -30,7 +30,7 @@ const FORGED_LOGGED: u64 = 8;
 
 /// Counters of what the node refused to apply from the bus, and events it could not send.
 #[derive(Default)]
-pub struct BusCounters {
+pub(crate) struct BusCounters {
     pub malformed: AtomicU64,
     pub duplicate_or_stale: AtomicU64,
     pub forged: AtomicU64,
@@ -48,7 +48,7 @@ struct Isolation {
     key: String,
 }
 
-pub struct Bus {
+pub(crate) struct Bus {
     id: String,
     nats: async_nats::Client,
     outbox: mpsc::Sender<(String, bytes::Bytes)>,
@@ -64,13 +64,13 @@ pub struct Bus {
 }
 
 /// Moves the outbox to NATS, and live decisions to the outbox in batches.
-pub struct Publisher {
+pub(crate) struct Publisher {
     bus: Arc<Bus>,
     rx: mpsc::Receiver<(String, bytes::Bytes)>,
 }
 
 impl Bus {
-    pub fn new(id: &str, nats: async_nats::Client) -> (Arc<Bus>, Publisher) {
+    pub(crate) fn new(id: &str, nats: async_nats::Client) -> (Arc<Bus>, Publisher) {
         let (outbox, rx) = mpsc::channel(OUTBOX_CAPACITY);
         let bus = Arc::new(Bus {
             id: id.to_string(),
@@ -91,7 +91,7 @@ impl Bus {
     }
 
     /// Register what the node refused from the bus, read when scraped.
-    pub fn register(self: &Arc<Self>, registry: &super::metrics::Registry) {
+    pub(crate) fn register(self: &Arc<Self>, registry: &super::metrics::Registry) {
         let bus = self.clone();
         registry.register(
             "oam_bus_messages_ignored_total",
@@ -112,13 +112,13 @@ impl Bus {
     }
 
     /// The connection, for the services that subscribe and read stores.
-    pub fn nats(&self) -> &async_nats::Client {
+    pub(crate) fn nats(&self) -> &async_nats::Client {
         &self.nats
     }
 
     /// Queue an event, in an envelope, for the bus. Never waits: when the outbox is full the
     /// event is dropped and counted.
-    pub fn publish<T: Serialize>(&self, subject: String, body: T) {
+    pub(crate) fn publish<T: Serialize>(&self, subject: String, body: T) {
         let env = lock(&self.stamper).stamp(now_ms(), body);
         match serde_json::to_vec(&env) {
             Ok(bytes) => {
@@ -186,7 +186,7 @@ impl Bus {
 
     /// Cut off from NATS by chaos: nothing goes out, nothing coming in is applied, and the NATS
     /// data plane is unsubscribed.
-    pub fn isolated(&self) -> bool {
+    pub(crate) fn isolated(&self) -> bool {
         now_ms() < lock(&self.isolation).until_ms
     }
 
@@ -216,7 +216,7 @@ impl Publisher {
     /// Until `stop`: decisions to the outbox every `DECISION_BATCH_MS` (or when a batch is
     /// full), the outbox to NATS in order. What waits when the node stops goes out then; the
     /// outbox keeps going out until the node's last handle is gone.
-    pub async fn run(self, stop: CancellationToken) {
+    pub(crate) async fn run(self, stop: CancellationToken) {
         let Publisher { bus, mut rx } = self;
         let batcher = {
             let bus = bus.clone();

@@ -21,12 +21,12 @@ use tokio_util::task::TaskTracker;
 /// budget) and the drain faults holding it. Only the limit changes, so spending in flight is
 /// still accounted.
 #[derive(Default, Debug)]
-pub struct Drains(BTreeMap<String, (Option<f64>, BTreeSet<String>)>);
+pub(crate) struct Drains(BTreeMap<String, (Option<f64>, BTreeSet<String>)>);
 
 impl Drains {
     /// Fault `id` drains `agent`, whose budget is `budget` now: the budget it has while
     /// drained (nothing left: the limit drops to what is spent or reserved).
-    pub fn drain(&mut self, id: &str, agent: &str, budget: Option<Budget>) -> Budget {
+    pub(crate) fn drain(&mut self, id: &str, agent: &str, budget: Option<Budget>) -> Budget {
         let held = self
             .0
             .entry(agent.to_string())
@@ -41,7 +41,7 @@ impl Drains {
 
     /// Fault `id` ends: the agents no fault drains any more, each with the limit to give back
     /// (none: it had no budget before).
-    pub fn end(&mut self, id: &str) -> Vec<(String, Option<f64>)> {
+    pub(crate) fn end(&mut self, id: &str) -> Vec<(String, Option<f64>)> {
         let ended: Vec<String> = self
             .0
             .iter_mut()
@@ -55,12 +55,12 @@ impl Drains {
             .collect()
     }
 
-    pub fn contains(&self, agent: &str) -> bool {
+    pub(crate) fn contains(&self, agent: &str) -> bool {
         self.0.contains_key(agent)
     }
 }
 
-pub struct Chaos {
+pub(crate) struct Chaos {
     id: String,
     drains: Mutex<Drains>,
     bus: Arc<Bus>,
@@ -71,7 +71,7 @@ pub struct Chaos {
 }
 
 impl Chaos {
-    pub fn new(
+    pub(crate) fn new(
         id: &str,
         bus: Arc<Bus>,
         pipeline: Pipeline,
@@ -89,12 +89,12 @@ impl Chaos {
     }
 
     /// Is `agent`'s budget drained here (its limit is not the ledger's now)?
-    pub fn drained(&self, agent: Option<&str>) -> bool {
+    pub(crate) fn drained(&self, agent: Option<&str>) -> bool {
         agent.is_some_and(|a| lock(&self.drains).contains(a))
     }
 
     /// Apply a chaos command; the fault ends by itself at its expiry.
-    pub fn apply(self: &Arc<Self>, cmd: NodeCommand) {
+    pub(crate) fn apply(self: &Arc<Self>, cmd: NodeCommand) {
         let (id, until_ms) = match cmd {
             NodeCommand::Restore { id, .. } => return self.end(&id),
             NodeCommand::Isolate { id, until_ms, key } => {
@@ -157,10 +157,10 @@ impl Chaos {
 }
 
 /// The service that hears chaos commands for this node and for every node.
-pub struct Commands(pub Arc<Chaos>);
+pub(crate) struct Commands(pub Arc<Chaos>);
 
 impl Commands {
-    pub async fn run(self, stop: CancellationToken) {
+    pub(crate) async fn run(self, stop: CancellationToken) {
         if let Err(e) = self.listen(stop).await {
             tracing::error!("chaos commands stopped: {e:#}");
         }

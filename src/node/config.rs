@@ -106,7 +106,7 @@ use std::path::Path;
 
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct NodeSettings {
+pub(crate) struct NodeSettings {
     pub cluster_size: usize,
     /// The node ids that make up the cluster; without it, the first `cluster_size` ids heard.
     pub members: Vec<String>,
@@ -154,7 +154,7 @@ impl Default for NodeSettings {
 
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct ProviderConfig {
+pub(crate) struct ProviderConfig {
     pub id: String,
     /// The OpenAI-compatible base URL (what `/chat/completions` is appended to).
     #[serde(default)]
@@ -212,14 +212,14 @@ pub struct ProviderConfig {
 /// One model of a provider: its name, or its name with its own target attributes.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(untagged)]
-pub enum ModelEntry {
+pub(crate) enum ModelEntry {
     Name(String),
     Full(ModelConfig),
 }
 
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct ModelConfig {
+pub(crate) struct ModelConfig {
     pub name: String,
     #[serde(default)]
     pub cost_per_1k_tokens_usd: Option<f64>,
@@ -241,12 +241,12 @@ pub struct ModelConfig {
 
 /// The route of the simulator's default configuration whose answers are held to the JSON
 /// contract (`model: "json"`).
-pub const JSON_ROUTE: &str = "json";
+pub(crate) const JSON_ROUTE: &str = "json";
 
 /// `[[route]]`: a model name clients ask for, served by targets in preference order.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct RouteConfig {
+pub(crate) struct RouteConfig {
     pub model: String,
     /// `provider/model`, or a one-model provider's id.
     pub targets: Vec<String>,
@@ -265,7 +265,7 @@ pub struct RouteConfig {
 /// `[streaming]`: deadlines of a streamed answer relayed live (each a failure of the target).
 #[derive(Deserialize, Clone, Copy, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct Streaming {
+pub(crate) struct Streaming {
     /// From the call to the upstream's first event.
     pub first_token_ms: u64,
     /// Between two events.
@@ -290,7 +290,7 @@ impl Default for Streaming {
 
 /// One model on one provider, resolved from the configuration: what is routed to.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Target {
+pub(crate) struct Target {
     /// `{provider}/{model}`, or the provider's id when it has one model.
     pub id: String,
     pub provider: String,
@@ -308,7 +308,7 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn core(&self) -> crate::core::request::Target {
+    pub(crate) fn core(&self) -> crate::core::request::Target {
         crate::core::request::Target {
             id: self.id.as_str().into(),
             model: self.model.as_str().into(),
@@ -329,7 +329,7 @@ impl Target {
 /// An active health check of an idle provider.
 #[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
-pub enum Probe {
+pub(crate) enum Probe {
     /// Free while it answers: its model list (an agent: nothing, the mesh says when it dies);
     /// a completion of one token (billed) only to confirm that a target real calls found
     /// failing answers again, at most once per interval for the cluster.
@@ -347,7 +347,7 @@ pub enum Probe {
 /// `[probes]`: what health probes may cost.
 #[derive(Deserialize, Clone, Copy, Debug, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
-pub struct Probes {
+pub(crate) struct Probes {
     /// What billed probes may cost the cluster per UTC day, in the ledger (none: no cap,
     /// still counted there). Past it a target gets its free check, and the node says
     /// PROBE_BUDGET_EXHAUSTED.
@@ -359,37 +359,37 @@ pub struct Probes {
 #[serde(deny_unknown_fields)]
 pub struct NodeConfig {
     #[serde(default)]
-    pub node: NodeSettings,
+    pub(crate) node: NodeSettings,
     #[serde(default, rename = "provider")]
-    pub providers: Vec<ProviderConfig>,
+    pub(crate) providers: Vec<ProviderConfig>,
     #[serde(default)]
-    pub pipeline: PipelineConfig,
+    pub(crate) pipeline: PipelineConfig,
     #[serde(default)]
-    pub budgets: Budgets,
+    pub(crate) budgets: Budgets,
     #[serde(default)]
-    pub escalations: EscalationSinks,
+    pub(crate) escalations: EscalationSinks,
     #[serde(default)]
-    pub decision_log: super::decisionlog::LogSettings,
+    pub(crate) decision_log: super::decisionlog::LogSettings,
     /// OpenTelemetry export of every request's spans (off unless an endpoint is given).
     #[serde(default)]
-    pub telemetry: super::otlp::Settings,
+    pub(crate) telemetry: super::otlp::Settings,
     #[serde(default)]
-    pub probes: Probes,
+    pub(crate) probes: Probes,
     #[serde(default, rename = "route")]
-    pub routes: Vec<RouteConfig>,
+    pub(crate) routes: Vec<RouteConfig>,
     #[serde(default)]
-    pub streaming: Streaming,
+    pub(crate) streaming: Streaming,
     #[serde(default, rename = "client")]
-    pub clients: Vec<ClientConfig>,
+    pub(crate) clients: Vec<ClientConfig>,
     /// Requests and tokens per minute per agent (a client's own are on its `[[client]]`).
     #[serde(default)]
-    pub rate_limits: std::collections::BTreeMap<String, crate::core::rates::Limit>,
+    pub(crate) rate_limits: std::collections::BTreeMap<String, crate::core::rates::Limit>,
     /// Every provider's models, resolved (filled in by `parse`).
     #[serde(skip)]
-    pub targets: Vec<Target>,
+    pub(crate) targets: Vec<Target>,
     /// Every client's key, read from its variable (filled in by `parse`).
     #[serde(skip)]
-    pub client_keys: Vec<(String, Secret)>,
+    pub(crate) client_keys: Vec<(String, Secret)>,
 }
 
 /// `[[client]]`: a caller of the gateway with a key of its own. With none configured the
@@ -399,7 +399,7 @@ pub struct NodeConfig {
 /// caller can spend another's budget or hide in another's loop count.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct ClientConfig {
+pub(crate) struct ClientConfig {
     pub id: String,
     /// The environment variable holding its key (never the key itself in the file).
     pub key_env: String,
@@ -412,7 +412,7 @@ pub struct ClientConfig {
 
 /// A key: compared in constant time, never printed.
 #[derive(Clone, PartialEq)]
-pub struct Secret(String);
+pub(crate) struct Secret(String);
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -427,18 +427,18 @@ impl Secret {
 
     /// Is `presented` this key? Takes as long whatever it is (for a presented key of the
     /// same length): a wrong key's timing tells nothing of the right one.
-    pub fn matches(&self, presented: &str) -> bool {
+    pub(crate) fn matches(&self, presented: &str) -> bool {
         let (a, b) = (self.0.as_bytes(), presented.as_bytes());
         a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
     }
 }
 
 /// Keys shorter than this are refused: a key is a password that scripts send.
-pub const MIN_KEY_CHARS: usize = 16;
+pub(crate) const MIN_KEY_CHARS: usize = 16;
 
 impl NodeConfig {
     /// The client whose key is `presented`, if any (every key is compared).
-    pub fn client_with_key(&self, presented: &str) -> Option<&str> {
+    pub(crate) fn client_with_key(&self, presented: &str) -> Option<&str> {
         let mut found = None;
         for (id, key) in &self.client_keys {
             if key.matches(presented) {
@@ -455,7 +455,7 @@ impl NodeConfig {
 /// exits 0.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct EscalationSinks {
+pub(crate) struct EscalationSinks {
     pub webhook_url: Option<String>,
     /// Attempts per escalation at most (backoff 250 ms, doubling, at most 5 s apart).
     pub webhook_attempts: u32,
@@ -481,7 +481,7 @@ impl Default for EscalationSinks {
 }
 
 /// The simulator's providers at `sim_url`, in the core's default preference order.
-pub fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
+pub(crate) fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
     let sim_url = sim_url.trim_end_matches('/');
     crate::core::pipeline::default_providers()
         .into_iter()
@@ -603,7 +603,7 @@ pub enum ConfigError {
 impl NodeConfig {
     /// Parse `text` (from `name`), fill in the simulator's providers if none are listed, and
     /// check what serde cannot.
-    pub fn parse(name: &str, text: &str, sim_url: &str) -> Result<NodeConfig, ConfigError> {
+    pub(crate) fn parse(name: &str, text: &str, sim_url: &str) -> Result<NodeConfig, ConfigError> {
         NodeConfig::parse_text(text, sim_url).map_err(|e| ConfigError::In {
             file: name.to_string(),
             error: Box::new(e),
@@ -788,7 +788,7 @@ impl NodeConfig {
 
     /// The rate limit on `agent`: its client's, else `[rate_limits.{agent}]`'s; none when
     /// neither limits anything.
-    pub fn rate_limit(&self, agent: &str) -> Option<crate::core::rates::Limit> {
+    pub(crate) fn rate_limit(&self, agent: &str) -> Option<crate::core::rates::Limit> {
         let limit = match self.clients.iter().find(|c| c.id == agent) {
             Some(c) => crate::core::rates::Limit {
                 rpm: c.rpm,
@@ -800,24 +800,24 @@ impl NodeConfig {
     }
 
     /// Does any target speak Anthropic's Messages API (so some requests must be kept from it)?
-    pub fn speaks_anthropic(&self) -> bool {
+    pub(crate) fn speaks_anthropic(&self) -> bool {
         self.targets.iter().any(|t| !t.api.is_openai())
     }
 
     /// The target a route names: `provider/model`, or a one-model provider's id.
-    pub fn target(&self, name: &str) -> Option<&Target> {
+    pub(crate) fn target(&self, name: &str) -> Option<&Target> {
         self.targets.iter().find(|t| {
             t.id == name || name.split_once('/') == Some((t.provider.as_str(), t.model.as_str()))
         })
     }
 
     /// The route serving `model`, if one does.
-    pub fn route(&self, model: &str) -> Option<&RouteConfig> {
+    pub(crate) fn route(&self, model: &str) -> Option<&RouteConfig> {
         self.routes.iter().find(|r| r.model == model)
     }
 
     /// The stream deadlines for a request for `model`: its route's, else `[streaming]`'s.
-    pub fn deadlines(&self, model: Option<&str>) -> Streaming {
+    pub(crate) fn deadlines(&self, model: Option<&str>) -> Streaming {
         let d = self.streaming;
         match model.and_then(|m| self.route(m)) {
             Some(r) => Streaming {
@@ -917,7 +917,9 @@ impl NodeConfig {
     }
 
     /// The model routes as the core keeps them (target ids resolved).
-    pub fn core_routes(&self) -> std::collections::BTreeMap<String, crate::core::pipeline::Route> {
+    pub(crate) fn core_routes(
+        &self,
+    ) -> std::collections::BTreeMap<String, crate::core::pipeline::Route> {
         self.routes
             .iter()
             .map(|r| {

@@ -39,7 +39,7 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(2);
 /// `[decision_log]` in `oam.toml`.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct LogSettings {
+pub(crate) struct LogSettings {
     pub enabled: bool,
     /// Records older than this go (hours).
     pub max_age_hours: u64,
@@ -60,7 +60,7 @@ pub struct LogSettings {
 
 #[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
-pub enum Content {
+pub(crate) enum Content {
     #[default]
     Full,
     Hash,
@@ -81,7 +81,7 @@ impl Default for LogSettings {
 
 /// What became of records, for `/metrics` and the snapshot.
 #[derive(Default)]
-pub struct LogCounters {
+pub(crate) struct LogCounters {
     pub written: AtomicU64,
     /// Dropped (buffer full) or not acknowledged by the stream.
     pub lost: AtomicU64,
@@ -89,7 +89,7 @@ pub struct LogCounters {
 
 impl LogCounters {
     /// Register the counters, read when scraped.
-    pub fn register(self: &Arc<Self>, registry: &super::metrics::Registry) {
+    pub(crate) fn register(self: &Arc<Self>, registry: &super::metrics::Registry) {
         let c = self.clone();
         registry.register(
             "oam_decision_log_records_total",
@@ -104,7 +104,7 @@ impl LogCounters {
     }
 }
 
-pub struct DecisionLog {
+pub(crate) struct DecisionLog {
     id: String,
     settings: LogSettings,
     /// Decision records waiting for the log, and who waits for each (under `durable`).
@@ -122,10 +122,10 @@ pub struct DecisionLog {
 }
 
 /// The service that writes waiting records in batches.
-pub struct Writer(pub Arc<Node>);
+pub(crate) struct Writer(pub Arc<Node>);
 
 impl DecisionLog {
-    pub fn new(id: &str, settings: LogSettings) -> DecisionLog {
+    pub(crate) fn new(id: &str, settings: LogSettings) -> DecisionLog {
         DecisionLog {
             id: id.to_string(),
             settings,
@@ -252,7 +252,7 @@ const UNWRITTEN_MAX_BYTES: usize = 64 << 20;
 impl Writer {
     /// Write waiting records in batches until `stop` (and once more then). A batch the stream
     /// does not acknowledge is tried again, oldest first, for `RETRY_FOR`.
-    pub async fn run(self, stop: CancellationToken) {
+    pub(crate) async fn run(self, stop: CancellationToken) {
         let node = &self.0;
         let log = &node.log;
         if !log.enabled() {

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 /// Escalations waiting to be recorded at most; beyond, they are dropped and counted.
 const WAITING: usize = 4_096;
 
-pub struct Escalations {
+pub(crate) struct Escalations {
     id: String,
     bus: Arc<super::bus::Bus>,
     tx: mpsc::Sender<Escalation>,
@@ -24,20 +24,23 @@ pub struct Escalations {
 }
 
 /// The service: records queued escalations in order, and delivers each to every sink.
-pub struct Escalator {
+pub(crate) struct Escalator {
     rx: mpsc::Receiver<Escalation>,
     node: Arc<Node>,
 }
 
 /// How long to wait after failed attempt `attempt` (from 1) before the next: 250 ms, doubled
 /// each time, at most 5 s.
-pub fn backoff(attempt: u32) -> Duration {
+pub(crate) fn backoff(attempt: u32) -> Duration {
     let doubled = 250u64.saturating_mul(1u64 << attempt.saturating_sub(1).min(16));
     Duration::from_millis(doubled.min(5_000))
 }
 
 impl Escalations {
-    pub fn new(id: &str, bus: Arc<super::bus::Bus>) -> (Escalations, mpsc::Receiver<Escalation>) {
+    pub(crate) fn new(
+        id: &str,
+        bus: Arc<super::bus::Bus>,
+    ) -> (Escalations, mpsc::Receiver<Escalation>) {
         let (tx, rx) = mpsc::channel(WAITING);
         let handle = Escalations {
             id: id.to_string(),
@@ -50,7 +53,7 @@ impl Escalations {
 
     /// Raise an escalation: published live, and queued to be recorded as open and delivered
     /// (never waits; dropped and counted when the queue is full).
-    pub fn raise(&self, e: &Escalation) {
+    pub(crate) fn raise(&self, e: &Escalation) {
         self.bus
             .publish(crate::transport::subjects::escalation(&self.id), e);
         if self.tx.try_send(e.clone()).is_err() {
@@ -61,13 +64,13 @@ impl Escalations {
 }
 
 impl Escalator {
-    pub fn new(rx: mpsc::Receiver<Escalation>, node: Arc<Node>) -> Escalator {
+    pub(crate) fn new(rx: mpsc::Receiver<Escalation>, node: Arc<Node>) -> Escalator {
         Escalator { rx, node }
     }
 
     /// Record queued escalations in the escalation store, in order, until the node's last
     /// handle is gone; deliveries under way end with `stop`.
-    pub async fn run(mut self, stop: CancellationToken) {
+    pub(crate) async fn run(mut self, stop: CancellationToken) {
         let node = &self.node;
         let mut kept = None;
         while let Some(e) = self.rx.recv().await {

@@ -14,7 +14,7 @@ use std::borrow::Cow;
 /// and results; a chat turn kept as it came) and every other field under chat's names (tools,
 /// tool choice, sampling parameters, `user`, `metadata`, unknown future fields), as sent.
 #[derive(Clone, Debug, Default)]
-pub struct Passthrough {
+pub(crate) struct Passthrough {
     pub turns: Vec<crate::node::model::Turn>,
     pub sampling: crate::node::model::Sampling,
     pub extra: serde_json::Map<String, Value>,
@@ -30,7 +30,7 @@ pub struct Passthrough {
 /// One attempt's outcome: the generation the pipeline judges, and the upstream's body as it
 /// came with its HTTP status (an accepted answer, or a content-policy refusal, passes it on with
 /// oam's object added).
-pub struct Attempt {
+pub(crate) struct Attempt {
     pub generation: Generation,
     pub body: Option<Reply>,
     /// 0 when nothing was answered.
@@ -51,7 +51,7 @@ impl From<Generation> for Attempt {
 /// passed on as it came, with oam's object written in (parsing it into a tree and writing the
 /// tree out again cost more than the rest of the hop); anything else is kept parsed.
 #[derive(Debug)]
-pub enum Reply {
+pub(crate) enum Reply {
     /// A JSON object with a `choices` array and no `oam` member, as the upstream sent it.
     Completion(bytes::Bytes),
     /// Any other JSON: an error body, a completion of another shape.
@@ -60,7 +60,7 @@ pub enum Reply {
 
 impl Reply {
     /// The body's JSON text.
-    pub fn text(&self) -> Cow<'_, str> {
+    pub(crate) fn text(&self) -> Cow<'_, str> {
         match self {
             Reply::Completion(b) => String::from_utf8_lossy(b),
             Reply::Json(v) => v.to_string().into(),
@@ -69,7 +69,7 @@ impl Reply {
 
     /// The body as a JSON tree (parsed again for a completion: only the rare paths that
     /// rewrite it ask).
-    pub fn value(&self) -> Option<Value> {
+    pub(crate) fn value(&self) -> Option<Value> {
         match self {
             Reply::Completion(b) => serde_json::from_slice(b).ok(),
             Reply::Json(v) => Some(v.clone()),
@@ -81,7 +81,7 @@ impl Reply {
 /// read member by member): one whose bytes spell the name, or hold any `\u` escape that could
 /// spell it, is read as a tree and the member set there. The result never carries two members
 /// of one name, which parsers would tell apart differently.
-pub fn set_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
+pub(crate) fn set_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
     use memchr::memmem::find;
     let quoted = format!("\"{name}\"");
     if (find(object, quoted.as_bytes()).is_some() || find(object, b"\\u").is_some())
@@ -98,7 +98,7 @@ pub fn set_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
 
 /// The JSON object `object` (with no member named `name`) with `"name": <value>` written in
 /// as its last member; anything but an object becomes `{"name": <value>}`.
-pub fn with_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
+pub(crate) fn with_member(object: &[u8], name: &str, value: &[u8]) -> Vec<u8> {
     let trimmed = object.trim_ascii();
     let mut out = Vec::with_capacity(object.len() + name.len() + value.len() + 8);
     match trimmed
@@ -195,7 +195,7 @@ pub(crate) struct OwnedHead {
 }
 
 impl Head<'_> {
-    pub fn to_owned(self) -> OwnedHead {
+    pub(crate) fn to_owned(self) -> OwnedHead {
         OwnedHead {
             id: self.id.map(RawValue::to_owned),
             created: self.created.map(RawValue::to_owned),
@@ -204,12 +204,12 @@ impl Head<'_> {
     }
 
     /// The id, when it is a string.
-    pub fn id(&self) -> Option<Cow<'_, str>> {
+    pub(crate) fn id(&self) -> Option<Cow<'_, str>> {
         str_of(self.id)
     }
 
     /// It names a model (a string).
-    pub fn names_model(&self) -> bool {
+    pub(crate) fn names_model(&self) -> bool {
         str_of(self.model).is_some()
     }
 }
@@ -409,7 +409,7 @@ pub(crate) struct ChunkOut<'a> {
 
 impl<'a> ChunkOut<'a> {
     /// A chunk under `head` with these choices, and nothing else.
-    pub fn of(head: Head<'a>, choices: &'a [ChoiceOut<'a>]) -> ChunkOut<'a> {
+    pub(crate) fn of(head: Head<'a>, choices: &'a [ChoiceOut<'a>]) -> ChunkOut<'a> {
         ChunkOut {
             id: head.id,
             object: "chat.completion.chunk",
@@ -421,7 +421,7 @@ impl<'a> ChunkOut<'a> {
         }
     }
 
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
 }
@@ -471,7 +471,7 @@ pub(crate) struct FunctionOut<'a> {
 
 impl<'a> CallOut<'a> {
     /// A whole call (its id, type and name with its arguments so far).
-    pub fn whole(c: &'a CallDelta<'a>) -> CallOut<'a> {
+    pub(crate) fn whole(c: &'a CallDelta<'a>) -> CallOut<'a> {
         CallOut {
             index: c.index,
             id: Some(c.id),
@@ -487,7 +487,7 @@ impl<'a> CallOut<'a> {
 impl Completion<'_> {
     /// The chunk that carries everything the message says: its content, its tool calls as
     /// deltas that carry their position.
-    pub fn content_choice(&self) -> ChoiceOut<'_> {
+    pub(crate) fn content_choice(&self) -> ChoiceOut<'_> {
         ChoiceOut {
             index: 0,
             delta: DeltaOut {
@@ -501,7 +501,7 @@ impl Completion<'_> {
     }
 
     /// The chunk that carries its finish reason.
-    pub fn finish_choice(&self) -> ChoiceOut<'_> {
+    pub(crate) fn finish_choice(&self) -> ChoiceOut<'_> {
         ChoiceOut {
             index: 0,
             delta: DeltaOut::default(),

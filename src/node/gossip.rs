@@ -22,14 +22,18 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// The service; it owns what it has applied from each sender (its `Sequencer`).
-pub struct Gossip {
+pub(crate) struct Gossip {
     node: Arc<Node>,
     sequencer: Sequencer,
 }
 
 /// Whether an event that parsed may be applied as far as its envelope tells: sent on its
 /// sender's own subject (`oam.v1.{kind}.{sender}`) with plausible stamps.
-pub fn admissible<T>(subject: &str, env: &Envelope<T>, now_ms: u64) -> Result<(), &'static str> {
+pub(crate) fn admissible<T>(
+    subject: &str,
+    env: &Envelope<T>,
+    now_ms: u64,
+) -> Result<(), &'static str> {
     if subject.rsplit('.').next() != Some(env.sender.as_str()) {
         return Err("sent on another node's subject");
     }
@@ -37,7 +41,7 @@ pub fn admissible<T>(subject: &str, env: &Envelope<T>, now_ms: u64) -> Result<()
 }
 
 impl Gossip {
-    pub fn new(node: Arc<Node>) -> Gossip {
+    pub(crate) fn new(node: Arc<Node>) -> Gossip {
         Gossip {
             node,
             sequencer: Sequencer::default(),
@@ -91,7 +95,7 @@ impl Gossip {
     }
 
     /// Heartbeat and apply gossip until `stop`.
-    pub async fn run(mut self, stop: CancellationToken) {
+    pub(crate) async fn run(mut self, stop: CancellationToken) {
         let beat = heartbeat(self.node.clone(), stop.clone());
         let apply = async {
             if let Err(e) = self.apply(stop.clone()).await {
@@ -238,7 +242,7 @@ pub(crate) const JOIN_WAIT: Duration = Duration::from_millis(2_500);
 /// and observations of every target), so a node that has just started or restarted does
 /// not decide its first requests on a view of one. Without a majority in time it serves
 /// anyway, on its local view, and says so.
-pub async fn join(node: &Node) {
+pub(crate) async fn join(node: &Node) {
     let deadline = tokio::time::Instant::now() + JOIN_WAIT;
     loop {
         let now = now_ms();

@@ -35,7 +35,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Probes out at once, at most.
-pub const MAX_PROBES_OUT: usize = 16;
+pub(crate) const MAX_PROBES_OUT: usize = 16;
 /// A billed probe's prompt.
 const BILLED_PROMPT: &str = "Reply with ok.";
 /// What a `chat` probe asks (held to the default contract, if any).
@@ -52,7 +52,7 @@ struct Clocks {
     quiet_until: AtomicU64,
 }
 
-pub struct Health {
+pub(crate) struct Health {
     id: String,
     windows: Mutex<BTreeMap<String, Window>>,
     clocks: BTreeMap<String, Clocks>,
@@ -68,13 +68,13 @@ pub struct Health {
 /// How often idle targets are probed: every `every` ms, and every `quick` ms while one
 /// answers again after failing, until its window has judged the recovery.
 #[derive(Clone, Copy, Debug)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     pub every: u64,
     pub quick: u64,
 }
 
 impl Schedule {
-    pub fn new(every_ms: u64) -> Schedule {
+    pub(crate) fn new(every_ms: u64) -> Schedule {
         Schedule {
             every: every_ms,
             quick: (every_ms / 4).max(50),
@@ -84,7 +84,13 @@ impl Schedule {
     /// Is a target due a probe at `now`? Only an idle one (no traffic sample within `every`:
     /// a target in use is not probed, its traffic is the probe), once per `every`, or once per
     /// `quick` while it is `recovering`.
-    pub fn due(&self, now: u64, last_traffic: u64, last_probe: u64, recovering: bool) -> bool {
+    pub(crate) fn due(
+        &self,
+        now: u64,
+        last_traffic: u64,
+        last_probe: u64,
+        recovering: bool,
+    ) -> bool {
         let idle = now.saturating_sub(last_traffic) >= self.every;
         let since = now.saturating_sub(last_probe);
         idle && (since >= self.every || (recovering && since >= self.quick))
@@ -92,7 +98,7 @@ impl Schedule {
 
     /// How much sooner than `every` the next probe of `target` by `node` after `now` comes: up
     /// to a tenth of the interval, so probes that started together drift apart.
-    pub fn jitter(&self, target: &str, node: &str, now: u64) -> u64 {
+    pub(crate) fn jitter(&self, target: &str, node: &str, now: u64) -> u64 {
         let h = xxhash_rust::xxh3::xxh3_64_with_seed(format!("{node}\0{target}").as_bytes(), now);
         h % (self.every / 10 + 1)
     }
@@ -101,7 +107,7 @@ impl Schedule {
 /// Which live node probes `target`: the one whose hash with it is highest (rendezvous hashing:
 /// every node computes the same one from the same members, and a node's going moves only its
 /// own targets).
-pub fn prober_of<'a>(target: &str, live: &[&'a str]) -> Option<&'a str> {
+pub(crate) fn prober_of<'a>(target: &str, live: &[&'a str]) -> Option<&'a str> {
     live.iter()
         .copied()
         .max_by_key(|n| xxhash_rust::xxh3::xxh3_64(format!("{n}\0{target}").as_bytes()))
@@ -109,7 +115,7 @@ pub fn prober_of<'a>(target: &str, live: &[&'a str]) -> Option<&'a str> {
 
 /// What check a target gets, as its provider's `probe` says and as it is doing.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Check {
+pub(crate) enum Check {
     /// The model list: free.
     Models,
     /// A chat completion (or an embedding) held to the default contract: billed.
@@ -120,14 +126,14 @@ pub enum Check {
 
 impl Check {
     /// `oam_probe_calls_total`'s `kind`.
-    pub fn kind(self) -> &'static str {
+    pub(crate) fn kind(self) -> &'static str {
         match self {
             Check::Models => "models",
             Check::Chat | Check::Confirm => "chat",
         }
     }
 
-    pub fn billed(self) -> bool {
+    pub(crate) fn billed(self) -> bool {
         self != Check::Models
     }
 }
@@ -136,7 +142,7 @@ impl Check {
 /// over HTTP (`http`: it has a model list) or by a mesh agent. `auto` checks for free and
 /// confirms a failed target's recovery with one billed token; an agent's liveness is the mesh's
 /// (death notices), so an agent that is not failing is not checked at all.
-pub fn check_for(probe: Probe, failing: bool, http: bool) -> Option<Check> {
+pub(crate) fn check_for(probe: Probe, failing: bool, http: bool) -> Option<Check> {
     match probe {
         Probe::Off => None,
         Probe::Models => Some(Check::Models),
@@ -150,7 +156,7 @@ pub fn check_for(probe: Probe, failing: bool, http: bool) -> Option<Check> {
 /// provider answers; a chat answer is held to `contract`; an answer that refuses the request
 /// itself (invalid, too long, against a content policy) says nothing of the target's health
 /// and is no sample (`None`), on a probe as on a request.
-pub fn probe_outcome(
+pub(crate) fn probe_outcome(
     check: Check,
     status: GenerationStatus,
     contract_failed: impl FnOnce() -> bool,
@@ -174,7 +180,7 @@ pub fn probe_outcome(
 /// What this node's probes were and what the billed ones cost: `oam_probe_calls_total`,
 /// `oam_probe_spend_usd_total`, `oam_probe_spend_usd_per_hour`, and the node's snapshot.
 #[derive(Default)]
-pub struct ProbeBook {
+pub(crate) struct ProbeBook {
     calls: Mutex<BTreeMap<(String, &'static str), u64>>,
     /// The billed probes' costs of the last hour by the second they were spent in, oldest
     /// first: 3,600 entries at most, however many targets are probed.
@@ -219,7 +225,7 @@ impl ProbeBook {
     }
 
     /// What billed probes cost over the last hour.
-    pub fn usd_last_hour(&self, now: u64) -> f64 {
+    pub(crate) fn usd_last_hour(&self, now: u64) -> f64 {
         let mut hour = lock(&self.hour);
         while hour
             .front()
@@ -231,7 +237,7 @@ impl ProbeBook {
         round_usd(hour.iter().fold(0.0, |sum, (_, usd)| sum + usd))
     }
 
-    pub fn snapshot(&self, now: u64) -> ProbeSnapshot {
+    pub(crate) fn snapshot(&self, now: u64) -> ProbeSnapshot {
         let mut calls: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
         for ((target, kind), n) in lock(&self.calls).iter() {
             calls
@@ -247,7 +253,7 @@ impl ProbeBook {
         }
     }
 
-    pub fn register(self: &Arc<Self>, registry: &Registry) {
+    pub(crate) fn register(self: &Arc<Self>, registry: &Registry) {
         let book = self.clone();
         registry.register(
             "oam_probe_calls_total",
@@ -278,7 +284,7 @@ impl ProbeBook {
 }
 
 impl Health {
-    pub fn new(id: &str, cfg: &NodeConfig, pipeline: Pipeline, bus: Arc<Bus>) -> Health {
+    pub(crate) fn new(id: &str, cfg: &NodeConfig, pipeline: Pipeline, bus: Arc<Bus>) -> Health {
         let ids = || cfg.targets.iter().map(|t| t.id.clone());
         Health {
             id: id.to_string(),
@@ -296,7 +302,7 @@ impl Health {
     }
 
     /// A health sample from real traffic.
-    pub fn record_traffic(&self, target: &str, outcome: Outcome, latency_ms: u64) {
+    pub(crate) fn record_traffic(&self, target: &str, outcome: Outcome, latency_ms: u64) {
         if let Some(c) = self.clocks.get(target) {
             c.traffic.store(now_ms(), Ordering::Relaxed);
         }
@@ -330,7 +336,7 @@ impl Health {
     }
 
     /// The target as this node judges it at `now` (on the cluster's evidence).
-    pub fn stats(&self, target: &str, now: u64) -> Option<Stats> {
+    pub(crate) fn stats(&self, target: &str, now: u64) -> Option<Stats> {
         self.judged(target, now).map(|(s, _)| s)
     }
 
@@ -376,7 +382,7 @@ impl Health {
     /// Apply this node's observations to its own view and publish them to the cluster. A
     /// target judged healthy again on real calls after an outage some node saw end has its
     /// breaker half-opened (one request tries it) instead of waiting out its open time.
-    pub fn share(&self) {
+    pub(crate) fn share(&self) {
         let now = now_ms();
         let observations = self.observations(now);
         self.pipeline.with(|e| {
@@ -403,7 +409,7 @@ impl Health {
     }
 
     /// Targets whose mesh agent died: down now, and the cluster told at once.
-    pub fn died(&self, targets: Vec<String>) {
+    pub(crate) fn died(&self, targets: Vec<String>) {
         if targets.is_empty() {
             return;
         }
@@ -485,7 +491,7 @@ impl Health {
 
     /// `target` asked not to be called before `until` (a 429's Retry-After, to a probe or to
     /// traffic): no probe until then.
-    pub fn quiet(&self, target: &str, until: u64) {
+    pub(crate) fn quiet(&self, target: &str, until: u64) {
         if let Some(c) = self.clocks.get(target) {
             c.quiet_until.fetch_max(until, Ordering::Relaxed);
         }
@@ -516,7 +522,7 @@ impl Health {
 }
 
 /// The service that probes this node's share of the idle targets.
-pub struct Prober {
+pub(crate) struct Prober {
     node: Arc<Node>,
     schedule: Schedule,
     timeout: Duration,
@@ -531,7 +537,7 @@ pub struct Prober {
 }
 
 impl Prober {
-    pub fn new(node: Arc<Node>) -> Prober {
+    pub(crate) fn new(node: Arc<Node>) -> Prober {
         let cfg = &node.cfg;
         let contract = cfg
             .pipeline
@@ -553,7 +559,7 @@ impl Prober {
     /// least every `every` ms, and once probes have answered). Each probe runs on its own: no
     /// round waits for its slowest probe, and a target whose probe is still out is not probed
     /// again meanwhile.
-    pub async fn run(self, stop: CancellationToken) {
+    pub(crate) async fn run(self, stop: CancellationToken) {
         let me = Arc::new(self);
         let mut tick = tokio::time::interval(Duration::from_millis(me.schedule.quick));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
-pub fn router(node: Arc<Node>) -> Router {
+pub(crate) fn router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/v1/chat/completions", answers(&api::openai::Chat))
         .route("/v1/messages", answers(&api::anthropic::Messages))
@@ -41,7 +41,7 @@ pub fn router(node: Arc<Node>) -> Router {
 /// `CONNECTION_LIMIT`, 503 with `Retry-After`, in the caller's API's error shape. The request's
 /// body is read first and dropped (up to `node.max_body_bytes`, within 1 s): a socket closed on
 /// unread bytes resets, and the caller would see the reset instead of the refusal.
-pub fn overflow_router(node: Arc<Node>) -> Router {
+pub(crate) fn overflow_router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/v1/oam/state", get(state))
         .route("/metrics", get(metrics))

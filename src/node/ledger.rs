@@ -101,7 +101,7 @@ const BATCH_MAX: usize = 512;
 
 /// What the ledger said to a reservation.
 #[derive(Clone, Copy, PartialEq, Debug)]
-pub enum Answer {
+pub(crate) enum Answer {
     Held,
     Refused(ReasonCode),
     Unreachable,
@@ -109,7 +109,7 @@ pub enum Answer {
 
 /// A granted hold an attempt carries until it settles.
 #[derive(Clone, Debug)]
-pub struct Hold {
+pub(crate) struct Hold {
     /// Which budgets hold it (the agent's, the global one); none when spent on the local share.
     agent_key: Option<String>,
     global: bool,
@@ -167,7 +167,7 @@ enum Change {
 
 /// Counters for `/metrics` and the state snapshot.
 #[derive(Default)]
-pub struct LedgerCounters {
+pub(crate) struct LedgerCounters {
     pub held: AtomicU64,
     pub refused: AtomicU64,
     pub unreachable: AtomicU64,
@@ -185,7 +185,7 @@ pub struct LedgerCounters {
 
 impl LedgerCounters {
     /// Register the counters, read when scraped.
-    pub fn register(self: &Arc<Self>, registry: &Registry) {
+    pub(crate) fn register(self: &Arc<Self>, registry: &Registry) {
         let c = self.clone();
         registry.register(
             "oam_budget_reservations_total",
@@ -233,7 +233,7 @@ impl LedgerCounters {
     }
 }
 
-pub struct Ledgers {
+pub(crate) struct Ledgers {
     id: String,
     pipeline: Pipeline,
     bus: Arc<Bus>,
@@ -259,11 +259,11 @@ pub struct Ledgers {
 }
 
 /// Reservations and settlements on their way to the [`Keeper`].
-pub struct Queue(mpsc::UnboundedReceiver<Op>);
+pub(crate) struct Queue(mpsc::UnboundedReceiver<Op>);
 
 /// The service that applies the queue to the ledger in batches, renews this node's holds, and
 /// mirrors every budget into the engine.
-pub struct Keeper {
+pub(crate) struct Keeper {
     node: Arc<Node>,
     rx: mpsc::UnboundedReceiver<Op>,
     /// The bucket, once open.
@@ -271,7 +271,12 @@ pub struct Keeper {
 }
 
 impl Ledgers {
-    pub fn new(id: &str, pipeline: Pipeline, bus: Arc<Bus>, chaos: Arc<Chaos>) -> (Ledgers, Queue) {
+    pub(crate) fn new(
+        id: &str,
+        pipeline: Pipeline,
+        bus: Arc<Bus>,
+        chaos: Arc<Chaos>,
+    ) -> (Ledgers, Queue) {
         let (tx, rx) = mpsc::unbounded_channel();
         let ledgers = Ledgers {
             id: id.to_string(),
@@ -651,7 +656,7 @@ impl Ledgers {
 }
 
 impl Keeper {
-    pub fn new(queue: Queue, node: Arc<Node>) -> Keeper {
+    pub(crate) fn new(queue: Queue, node: Arc<Node>) -> Keeper {
         Keeper {
             node,
             rx: queue.0,
@@ -704,7 +709,7 @@ impl Keeper {
     /// Apply ledger changes in batches until the node's last handle is gone; renew this
     /// node's holds; give back idle escrow (all of it once `stop` is cancelled); mirror the
     /// ledger until `stop`.
-    pub async fn run(mut self, stop: CancellationToken) {
+    pub(crate) async fn run(mut self, stop: CancellationToken) {
         if let Some(store) = self.ledger_store().await {
             self.seed_ledger(&store).await;
             tokio::spawn(watch(self.node.clone(), store, stop.clone()));

@@ -7,7 +7,7 @@
 use crate::core::bulkhead::Machine;
 
 /// Descriptors kept aside from connections: NATS, the log, the listener, files, spares.
-pub const RESERVED_FDS: u64 = 256;
+pub(crate) const RESERVED_FDS: u64 = 256;
 
 /// The most connections a default sizes for, however many descriptors there are (each open
 /// connection costs memory too).
@@ -15,7 +15,7 @@ const MAX_DEFAULT_CONNECTIONS: u64 = 65_536;
 
 /// Raise the soft open-file limit to the hard one (at most 1,048,576: an unlimited hard limit
 /// cannot be the soft one on Linux). Returns the soft limit now in force.
-pub fn raise_open_files() -> u64 {
+pub(crate) fn raise_open_files() -> u64 {
     let Some((soft, hard)) = open_files() else {
         return 1_024;
     };
@@ -47,24 +47,24 @@ fn open_files() -> Option<(u64, u64)> {
 
 /// The connections a node may hold with `open_files` descriptors: two per connection, the
 /// reserve kept aside, at least 16.
-pub fn connections_for(open_files: u64) -> usize {
+pub(crate) fn connections_for(open_files: u64) -> usize {
     let n = (open_files.saturating_sub(RESERVED_FDS) / 2).clamp(16, MAX_DEFAULT_CONNECTIONS);
     usize::try_from(n).unwrap_or(16)
 }
 
 /// The cores this process may run on.
-pub fn cores() -> u32 {
+pub(crate) fn cores() -> u32 {
     let n = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 /// The soft open-file limit now in force.
-pub fn soft_open_files() -> u64 {
+pub(crate) fn soft_open_files() -> u64 {
     open_files().map_or(1_024, |(soft, _)| soft)
 }
 
 /// The machine the admission limits are sized for, holding `connections`.
-pub fn sizing(cores: u32, connections: usize) -> Machine {
+pub(crate) fn sizing(cores: u32, connections: usize) -> Machine {
     Machine {
         cores,
         connections: u32::try_from(connections).unwrap_or(u32::MAX),

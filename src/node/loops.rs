@@ -29,9 +29,9 @@ use tokio_util::sync::CancellationToken;
 
 /// How long a node that opened an episode from another node's event waits before raising it
 /// itself: the node whose own failure opened it claims it well within this.
-pub const RAISE_GRACE: Duration = Duration::from_secs(1);
+pub(crate) const RAISE_GRACE: Duration = Duration::from_secs(1);
 
-pub struct Loops {
+pub(crate) struct Loops {
     id: String,
     bus: Arc<Bus>,
     claims: mpsc::UnboundedSender<ClaimOp>,
@@ -40,13 +40,13 @@ pub struct Loops {
 }
 
 /// The service that claims episodes and releases their claims, in order.
-pub struct Claimer {
+pub(crate) struct Claimer {
     rx: mpsc::UnboundedReceiver<ClaimOp>,
     node: Arc<Node>,
 }
 
 impl Loops {
-    pub fn new(id: &str, bus: Arc<Bus>) -> (Loops, mpsc::UnboundedReceiver<ClaimOp>) {
+    pub(crate) fn new(id: &str, bus: Arc<Bus>) -> (Loops, mpsc::UnboundedReceiver<ClaimOp>) {
         let (claims, rx) = mpsc::unbounded_channel();
         let loops = Loops {
             id: id.to_string(),
@@ -159,13 +159,13 @@ impl Loops {
 }
 
 impl Claimer {
-    pub fn new(rx: mpsc::UnboundedReceiver<ClaimOp>, node: Arc<Node>) -> Claimer {
+    pub(crate) fn new(rx: mpsc::UnboundedReceiver<ClaimOp>, node: Arc<Node>) -> Claimer {
         Claimer { rx, node }
     }
 
     /// Claim episodes and release their claims, in order, until the node's last handle is
     /// gone (a claim is one round trip, bounded by `CLAIM_TIMEOUT`).
-    pub async fn run(mut self, _stop: CancellationToken) {
+    pub(crate) async fn run(mut self, _stop: CancellationToken) {
         let node = &self.node;
         let mut store: Option<async_nats::jetstream::kv::Store> = None;
         while let Some(op) = self.rx.recv().await {
@@ -222,7 +222,7 @@ impl Claimer {
 }
 
 /// Work for the claim task.
-pub enum ClaimOp {
+pub(crate) enum ClaimOp {
     Raise(Box<(Incident, Option<Escalation>)>),
     Release(Fingerprint),
 }

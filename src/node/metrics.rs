@@ -10,7 +10,7 @@ use std::fmt::{Display, Write};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Counter,
     Gauge,
     Histogram,
@@ -27,19 +27,19 @@ impl Kind {
 }
 
 /// Where a family writes its samples when scraped.
-pub struct Samples<'a> {
+pub(crate) struct Samples<'a> {
     name: &'static str,
     out: &'a mut String,
 }
 
 impl Samples<'_> {
     /// One sample of the family: `name{labels} value`.
-    pub fn put(&mut self, labels: &[(&str, &str)], value: impl Display) {
+    pub(crate) fn put(&mut self, labels: &[(&str, &str)], value: impl Display) {
         self.put_named("", labels, value);
     }
 
     /// One sample named `{family}{suffix}` (a histogram's `_bucket`, `_sum`, `_count`).
-    pub fn put_named(&mut self, suffix: &str, labels: &[(&str, &str)], value: impl Display) {
+    pub(crate) fn put_named(&mut self, suffix: &str, labels: &[(&str, &str)], value: impl Display) {
         let _ = write!(self.out, "{}{suffix}", self.name);
         if !labels.is_empty() {
             self.out.push('{');
@@ -77,11 +77,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Every metric of a node, in the order registered.
 #[derive(Default)]
-pub struct Registry(Mutex<Vec<Registered>>);
+pub(crate) struct Registry(Mutex<Vec<Registered>>);
 
 impl Registry {
     /// Register a family whose samples `collect` writes when scraped.
-    pub fn register(
+    pub(crate) fn register(
         &self,
         name: &'static str,
         help: &'static str,
@@ -102,7 +102,7 @@ impl Registry {
     }
 
     /// Register a counter family kept by key; `labels` names a key's label values.
-    pub fn family<K: Ord + Clone + Send + 'static>(
+    pub(crate) fn family<K: Ord + Clone + Send + 'static>(
         &self,
         name: &'static str,
         help: &'static str,
@@ -122,7 +122,7 @@ impl Registry {
     }
 
     /// The exposition: every family, with its help and type, in the order registered.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut out = String::with_capacity(8 << 10);
         for r in lock(&self.0).iter() {
             let _ = writeln!(out, "# HELP {} {}", r.name, r.help);
@@ -137,7 +137,7 @@ impl Registry {
 }
 
 /// A counter per key (a set of label values), kept as things happen.
-pub struct Family<K>(Arc<Mutex<BTreeMap<K, u64>>>);
+pub(crate) struct Family<K>(Arc<Mutex<BTreeMap<K, u64>>>);
 
 impl<K> Clone for Family<K> {
     fn clone(&self) -> Self {
@@ -146,7 +146,7 @@ impl<K> Clone for Family<K> {
 }
 
 impl<K: Ord> Family<K> {
-    pub fn inc(&self, key: K) {
+    pub(crate) fn inc(&self, key: K) {
         *lock(&self.0).entry(key).or_default() += 1;
     }
 }
@@ -192,7 +192,7 @@ impl Histogram {
 
 /// A histogram of seconds per value of one label.
 #[derive(Clone)]
-pub struct Histograms {
+pub(crate) struct Histograms {
     bounds: &'static [f64],
     kept: Arc<Mutex<BTreeMap<&'static str, Histogram>>>,
 }
@@ -223,7 +223,7 @@ impl Histograms {
         h
     }
 
-    pub fn observe(&self, value: &'static str, seconds: f64) {
+    pub(crate) fn observe(&self, value: &'static str, seconds: f64) {
         lock(&self.kept)
             .entry(value)
             .or_insert_with(|| Histogram::new(self.bounds))
@@ -241,7 +241,7 @@ fn outcome_name(o: Outcome) -> &'static str {
 }
 
 /// The registry, and the families the request path and its services count in.
-pub struct Metrics {
+pub(crate) struct Metrics {
     pub registry: Registry,
     requests: Family<(&'static str, &'static str)>,
     reasons: Family<&'static str>,
@@ -319,7 +319,7 @@ impl Default for Metrics {
 
 impl Metrics {
     /// A request finished after `seconds`.
-    pub fn decision(&self, d: &Decision, seconds: f64) {
+    pub(crate) fn decision(&self, d: &Decision, seconds: f64) {
         let outcome = d.outcome.as_str();
         self.requests.inc((outcome, d.phase.as_str()));
         for c in &d.reason_codes {
@@ -329,23 +329,23 @@ impl Metrics {
     }
 
     /// A request spent `seconds` in oam itself (`answer`: `whole` or `stream`).
-    pub fn overhead(&self, answer: &'static str, seconds: f64) {
+    pub(crate) fn overhead(&self, answer: &'static str, seconds: f64) {
         self.overhead.observe(answer, seconds);
     }
 
     /// A call to a target ended (`source` is `probe` or `traffic`).
-    pub fn provider_outcome(&self, target: &str, source: &'static str, o: Outcome) {
+    pub(crate) fn provider_outcome(&self, target: &str, source: &'static str, o: Outcome) {
         self.provider_outcomes
             .inc((target.to_string(), source, outcome_name(o)));
     }
 
     /// A request refused for want of a client's key.
-    pub fn unauthorized(&self) {
+    pub(crate) fn unauthorized(&self) {
         self.unauthorized.inc(());
     }
 
     /// An escalation sent to a sink (`delivered`) or given up on (`failed`).
-    pub fn escalation_delivery(&self, outcome: &'static str) {
+    pub(crate) fn escalation_delivery(&self, outcome: &'static str) {
         self.escalation_deliveries.inc(outcome);
     }
 }

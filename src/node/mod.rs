@@ -9,32 +9,32 @@
 //! and runs as `run(self, stop)`: the publisher (`bus`), gossip, the prober (`health`), the
 //! ledger's keeper, the decision-log writer, loop claims, escalations, chaos commands.
 
-pub mod api;
-pub mod bus;
-pub mod chaos;
+pub(crate) mod api;
+pub(crate) mod bus;
+pub(crate) mod chaos;
 pub mod config;
-pub mod decisionlog;
+pub(crate) mod decisionlog;
 mod detach;
-pub mod escalations;
+pub(crate) mod escalations;
 pub(crate) mod exchange;
-pub mod gossip;
-pub mod health;
-pub mod http;
-pub mod ledger;
-pub mod limits;
-pub mod live;
-pub mod loops;
-pub mod metrics;
+pub(crate) mod gossip;
+pub(crate) mod health;
+pub(crate) mod http;
+pub(crate) mod ledger;
+pub(crate) mod limits;
+pub(crate) mod live;
+pub(crate) mod loops;
+pub(crate) mod metrics;
 pub(crate) mod model;
-pub mod nats;
-pub mod otlp;
-pub mod pipeline;
-pub mod rates;
-pub mod request;
-pub mod server;
-pub mod status;
+pub(crate) mod nats;
+pub(crate) mod otlp;
+pub(crate) mod pipeline;
+pub(crate) mod rates;
+pub(crate) mod request;
+pub(crate) mod server;
+pub(crate) mod status;
 mod tools;
-pub mod upstream;
+pub(crate) mod upstream;
 
 use crate::clock::now_ms;
 use crate::core::escalation::Escalation;
@@ -55,26 +55,26 @@ use tokio_util::task::TaskTracker;
 const DRAIN_DEADLINE: Duration = Duration::from_secs(4);
 
 pub struct Node {
-    pub id: String,
-    pub cfg: NodeConfig,
+    pub(crate) id: String,
+    pub(crate) cfg: NodeConfig,
     /// The core engine every request and service decides with.
-    pub pipeline: Pipeline,
-    pub bus: Arc<bus::Bus>,
-    pub upstreams: Arc<upstream::Upstreams>,
-    pub health: Arc<health::Health>,
+    pub(crate) pipeline: Pipeline,
+    pub(crate) bus: Arc<bus::Bus>,
+    pub(crate) upstreams: Arc<upstream::Upstreams>,
+    pub(crate) health: Arc<health::Health>,
     /// The node's side of the shared budget ledger.
-    pub ledger: ledger::Ledgers,
+    pub(crate) ledger: ledger::Ledgers,
     /// The node's leases of the cluster's rate-limit windows.
-    pub rates: rates::Rates,
-    pub log: decisionlog::DecisionLog,
-    pub loops: loops::Loops,
-    pub escalations: escalations::Escalations,
-    pub chaos: Arc<chaos::Chaos>,
-    pub metrics: Arc<metrics::Metrics>,
+    pub(crate) rates: rates::Rates,
+    pub(crate) log: decisionlog::DecisionLog,
+    pub(crate) loops: loops::Loops,
+    pub(crate) escalations: escalations::Escalations,
+    pub(crate) chaos: Arc<chaos::Chaos>,
+    pub(crate) metrics: Arc<metrics::Metrics>,
     /// OpenTelemetry export of requests' spans (a no-op when off).
-    pub otlp: otlp::Telemetry,
+    pub(crate) otlp: otlp::Telemetry,
     /// JetStream stores that refuse this node's writes now.
-    pub store_faults: status::StoreFaults,
+    pub(crate) store_faults: status::StoreFaults,
     pub serving: Serving,
 }
 
@@ -97,7 +97,7 @@ pub struct Serving {
 impl Serving {
     /// A request id for a request that brought none: `{node}-{run}-{n}`, unique across the
     /// node's restarts (the run) and the cluster's nodes.
-    pub fn next_request_id(&self, node: &str) -> String {
+    pub(crate) fn next_request_id(&self, node: &str) -> String {
         let n = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         format!("{node}-{}-{n}", crate::ids::run_token())
     }

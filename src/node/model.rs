@@ -13,7 +13,7 @@ use std::fmt;
 
 /// Who wrote a turn.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Role {
+pub(crate) enum Role {
     System,
     /// OpenAI's newer name for a system turn.
     Developer,
@@ -26,7 +26,7 @@ pub enum Role {
 }
 
 impl Role {
-    pub fn named(name: &str) -> Role {
+    pub(crate) fn named(name: &str) -> Role {
         match name {
             "system" => Role::System,
             "developer" => Role::Developer,
@@ -37,7 +37,7 @@ impl Role {
         }
     }
 
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         match self {
             Role::System => "system",
             Role::Developer => "developer",
@@ -49,14 +49,14 @@ impl Role {
     }
 
     /// A system or developer turn: instructions, not conversation.
-    pub fn instructs(&self) -> bool {
+    pub(crate) fn instructs(&self) -> bool {
         matches!(self, Role::System | Role::Developer)
     }
 }
 
 /// What a turn says.
 #[derive(Clone, Debug)]
-pub enum Content {
+pub(crate) enum Content {
     /// Null or left out (an assistant turn that only calls tools).
     Absent,
     Text(String),
@@ -65,7 +65,7 @@ pub enum Content {
 
 /// One part of a turn's content.
 #[derive(Clone, Debug)]
-pub enum Part {
+pub(crate) enum Part {
     Text(String),
     /// An image by URL (a `data:` URL carries it inline), and the detail asked for.
     Image {
@@ -82,7 +82,7 @@ pub enum Part {
 
 /// A tool call an assistant turn made.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ToolCall {
+pub(crate) struct ToolCall {
     pub id: String,
     pub name: String,
     /// The arguments as the JSON text the model wrote.
@@ -91,7 +91,7 @@ pub struct ToolCall {
 
 /// One turn of a conversation.
 #[derive(Clone, Debug)]
-pub struct Turn {
+pub(crate) struct Turn {
     pub role: Role,
     pub content: Content,
     /// An assistant turn's tool calls.
@@ -109,7 +109,7 @@ pub struct Turn {
 
 impl Turn {
     /// A turn of plain text, written by oam (not sent by a client).
-    pub fn text(role: Role, text: impl Into<String>) -> Turn {
+    pub(crate) fn text(role: Role, text: impl Into<String>) -> Turn {
         Turn {
             role,
             content: Content::Text(text.into()),
@@ -121,7 +121,7 @@ impl Turn {
     }
 
     /// Its text: the text, or its parts' texts a line each.
-    pub fn plain_text(&self) -> String {
+    pub(crate) fn plain_text(&self) -> String {
         match &self.content {
             Content::Absent => String::new(),
             Content::Text(t) => t.clone(),
@@ -143,7 +143,7 @@ impl Turn {
     /// servers are (a part or tool call of an unknown shape is kept, not refused); strict on
     /// `role` and on `content` being a string, parts or null.
     /// A refusal names where within the turn it lies.
-    pub fn from_chat(
+    pub(crate) fn from_chat(
         raw: &RawValue,
     ) -> Result<Turn, serde_path_to_error::Error<serde_json::Error>> {
         let mut turn: Turn = match serde_json::from_str(raw.get()) {
@@ -406,7 +406,7 @@ impl Serialize for ToolCall {
 /// them): what every upstream is written from. Those not given are left out.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct Sampling {
+pub(crate) struct Sampling {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -430,13 +430,13 @@ pub struct Sampling {
 /// Where the model stops: one sequence, or several.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
-pub enum Stop {
+pub(crate) enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
 impl Stop {
-    pub fn sequences(&self) -> &[String] {
+    pub(crate) fn sequences(&self) -> &[String] {
         match self {
             Stop::One(s) => std::slice::from_ref(s),
             Stop::Many(v) => v,
@@ -446,7 +446,7 @@ impl Stop {
 
 /// Which tool the model must call, if any.
 #[derive(Clone, Debug)]
-pub enum ToolChoice {
+pub(crate) enum ToolChoice {
     /// `auto`, `required` or `none`.
     Mode(String),
     /// This function.

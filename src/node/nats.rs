@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 /// reply is the HTTP body with `status` and the `X-OAM-*` values added to its `oam` object.
 /// When the node stops it leaves the queue group, answers what the server had already sent it,
 /// and returns.
-pub async fn serve(node: Arc<Node>) -> anyhow::Result<()> {
+pub(crate) async fn serve(node: Arc<Node>) -> anyhow::Result<()> {
     let in_hand = Arc::new(tokio::sync::Semaphore::new(node.cfg.node.max_connections));
     loop {
         // Isolated (chaos): not a member of the queue group until reconnected.

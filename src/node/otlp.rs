@@ -38,7 +38,7 @@ const STATUS_ERROR: u8 = 2;
 /// `[telemetry]` in `oam.toml`.
 #[derive(Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// Where an OTLP/HTTP receiver listens (`http://host:4318`; spans go to `/v1/traces` under
     /// it, unless it names that path itself). None: `$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (as
     /// it is) or `$OTEL_EXPORTER_OTLP_ENDPOINT`, else nothing is exported.
@@ -69,7 +69,7 @@ impl Default for Settings {
 impl Settings {
     /// The URL spans are posted to, if export is on (`env` reads a variable). Errors say what
     /// is wrong with the one given.
-    pub fn traces_url(
+    pub(crate) fn traces_url(
         &self,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Option<String>, NotAnOtlpUrl> {
@@ -104,7 +104,7 @@ impl Settings {
 /// An OTLP endpoint that is no HTTP address: where it was given, and what.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{from}: {url:?} is not an OTLP/HTTP address: give http://host:4318 (or https://)")]
-pub struct NotAnOtlpUrl {
+pub(crate) struct NotAnOtlpUrl {
     pub from: &'static str,
     pub url: String,
 }
@@ -134,7 +134,7 @@ fn span_id() -> String {
 }
 
 /// A W3C `traceparent` (`00-{trace}-{parent}-{flags}`): its trace id and parent span id.
-pub fn parse_traceparent(v: &str) -> Option<(String, String)> {
+pub(crate) fn parse_traceparent(v: &str) -> Option<(String, String)> {
     let mut parts = v.trim().split('-');
     let (version, trace, parent, flags) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
@@ -162,7 +162,7 @@ struct AttemptSpan {
 
 /// A request's spans while it is under way (kept on its flight).
 #[derive(Clone, Debug)]
-pub struct Pending {
+pub(crate) struct Pending {
     trace_id: String,
     parent: Option<String>,
     span_id: String,
@@ -178,7 +178,7 @@ pub struct Pending {
 
 impl Pending {
     /// An attempt was dispatched; it starts after `delay_ms` (a retry's backoff).
-    pub fn dispatched(&mut self, delay_ms: u64) {
+    pub(crate) fn dispatched(&mut self, delay_ms: u64) {
         self.attempts.push(AttemptSpan {
             start_ns: unix_ns() + delay_ms * 1_000_000,
             ..AttemptSpan::default()
@@ -186,7 +186,7 @@ impl Pending {
     }
 
     /// The attempt under way ended with `g` (`content`: keep its answer).
-    pub fn completed(&mut self, g: &Generation, content: bool) {
+    pub(crate) fn completed(&mut self, g: &Generation, content: bool) {
         if let Some(a) = self.attempts.last_mut() {
             a.end_ns = unix_ns().max(a.start_ns);
             a.usage = g.usage;
@@ -196,14 +196,14 @@ impl Pending {
     }
 
     /// A live stream's first event reached oam (time to first chunk).
-    pub fn first_chunk(&mut self) {
+    pub(crate) fn first_chunk(&mut self) {
         self.first_chunk_ns.get_or_insert_with(unix_ns);
     }
 }
 
 /// What became of spans, for `/metrics`.
 #[derive(Default)]
-pub struct Counters {
+pub(crate) struct Counters {
     exported: AtomicU64,
     dropped: AtomicU64,
     failed: AtomicU64,
@@ -215,7 +215,7 @@ struct Finished {
 }
 
 /// The request path's handle: begins and finishes requests' spans (never waiting).
-pub struct Telemetry {
+pub(crate) struct Telemetry {
     tx: Option<mpsc::Sender<Finished>>,
     content: bool,
     counters: Arc<Counters>,
@@ -224,7 +224,7 @@ pub struct Telemetry {
 }
 
 /// The exporter's half: it runs once, in `node::run`.
-pub struct Exporter {
+pub(crate) struct Exporter {
     rx: mpsc::Receiver<Finished>,
     url: String,
     settings: Settings,
@@ -234,7 +234,7 @@ pub struct Exporter {
 
 impl Telemetry {
     /// The handle and, when export is on (`url`), the exporter to run.
-    pub fn new(
+    pub(crate) fn new(
         node: &str,
         settings: &Settings,
         url: Option<String>,
@@ -284,12 +284,17 @@ impl Telemetry {
         (on, Some(exporter))
     }
 
-    pub fn content(&self) -> bool {
+    pub(crate) fn content(&self) -> bool {
         self.content
     }
 
     /// The spans of `r` begin (none when export is off). `traceparent`: the caller's.
-    pub fn begin(&self, r: &Request, stream: bool, traceparent: Option<&str>) -> Option<Pending> {
+    pub(crate) fn begin(
+        &self,
+        r: &Request,
+        stream: bool,
+        traceparent: Option<&str>,
+    ) -> Option<Pending> {
         self.tx.as_ref()?;
         let (trace_id, parent) = match traceparent.and_then(parse_traceparent) {
             Some((t, p)) => (t, Some(p)),
@@ -311,7 +316,7 @@ impl Telemetry {
     }
 
     /// The request of `p` was decided `d`: its spans are queued for export.
-    pub fn finish(&self, p: Option<Pending>, d: &Decision) {
+    pub(crate) fn finish(&self, p: Option<Pending>, d: &Decision) {
         let (Some(tx), Some(p)) = (&self.tx, p) else {
             return;
         };
@@ -322,7 +327,7 @@ impl Telemetry {
         }
     }
 
-    pub fn register(&self, registry: &Registry) {
+    pub(crate) fn register(&self, registry: &Registry) {
         let c = self.counters.clone();
         registry.register(
             "oam_otlp_spans_total",
@@ -344,7 +349,7 @@ impl Telemetry {
 
 impl Exporter {
     /// Export batches until `stop`, then what waits (within `FLUSH`).
-    pub async fn run(mut self, stop: CancellationToken) {
+    pub(crate) async fn run(mut self, stop: CancellationToken) {
         let http =
             match crate::http::http_client(Some(Duration::from_millis(self.settings.timeout_ms))) {
                 Ok(h) => h,

@@ -8,7 +8,7 @@ use tokio::sync::oneshot;
 
 /// A cheap handle to the engine; every clone is the same engine.
 #[derive(Clone)]
-pub struct Pipeline(Arc<Inner>);
+pub(crate) struct Pipeline(Arc<Inner>);
 
 struct Inner {
     engine: Mutex<Engine>,
@@ -22,7 +22,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Pipeline {
-    pub fn new(engine: Engine) -> Pipeline {
+    pub(crate) fn new(engine: Engine) -> Pipeline {
         Pipeline(Arc::new(Inner {
             engine: Mutex::new(engine),
             waiters: Mutex::default(),

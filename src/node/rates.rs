@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// This node's leases, one per limited caller, and the shared store.
 #[derive(Default)]
-pub struct Rates {
+pub(crate) struct Rates {
     leases: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Lease>>>>,
     store: tokio::sync::OnceCell<kv::Store>,
     pub counters: Arc<RateCounters>,
@@ -25,14 +25,14 @@ pub struct Rates {
 /// Leases taken from the shared window, and from this node's share of it (the store
 /// unreachable), for `/metrics`.
 #[derive(Default)]
-pub struct RateCounters {
+pub(crate) struct RateCounters {
     store: AtomicU64,
     local_share: AtomicU64,
 }
 
 impl RateCounters {
     /// Register the counters, read when scraped.
-    pub fn register(self: &Arc<Self>, registry: &Registry) {
+    pub(crate) fn register(self: &Arc<Self>, registry: &Registry) {
         let c = self.clone();
         registry.register(
             "oam_rate_limit_leases_total",
@@ -50,7 +50,7 @@ impl RateCounters {
 
 /// A request admitted under a limit: its window and the tokens taken for it.
 #[derive(Clone, Copy, Debug)]
-pub struct Admitted {
+pub(crate) struct Admitted {
     window: u64,
     tokens: u64,
 }
@@ -73,7 +73,7 @@ impl Rates {
 
     /// Admit one request of `caller` estimated at `tokens` under `limit`, or how long until
     /// the window that would admit it opens (ms).
-    pub async fn admit(
+    pub(crate) async fn admit(
         &self,
         node: &Node,
         caller: &str,
@@ -115,7 +115,7 @@ impl Rates {
     }
 
     /// What a request admitted as `a` used in all (`actual` tokens, from its attempts' usage).
-    pub async fn settle(&self, caller: &str, a: Admitted, actual: u64) {
+    pub(crate) async fn settle(&self, caller: &str, a: Admitted, actual: u64) {
         let lease = self.lease_of(caller);
         lease.lock().await.settle(a.window, a.tokens, actual);
     }

@@ -124,7 +124,7 @@ pub(crate) fn authenticate<'a>(
 }
 
 /// What the data plane answers, before it is turned into HTTP or a NATS reply.
-pub struct Answer {
+pub(crate) struct Answer {
     /// The request asked for server-sent events (HTTP only; the NATS reply is always JSON).
     pub stream: bool,
     pub status: StatusCode,

@@ -21,16 +21,16 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 /// How long a client has to send a request's body once its headers are in.
-pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Connections accepted past `max_connections`, each for one request (metrics, state, or a
 /// refusal), with headers due within `OVERFLOW_HEADER_TIMEOUT`.
-pub const OVERFLOW: usize = 64;
+pub(crate) const OVERFLOW: usize = 64;
 const OVERFLOW_HEADER_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The listener's bounds.
 #[derive(Clone, Copy, Debug)]
-pub struct Limits {
+pub(crate) struct Limits {
     pub max_connections: usize,
     pub header_timeout: Duration,
     pub write_timeout: Duration,
@@ -244,7 +244,7 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteDeadline<S
 /// Serve `app` on `listener` until `stop` is cancelled, then let every open connection finish
 /// the request in hand; past `max_connections` (none evictable), serve `overflow` one request
 /// per connection. `saturated` counts the times every connection slot was taken.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     overflow: axum::Router,

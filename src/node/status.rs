@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// on the server, no answer), each with its last error; a store's next write that succeeds
 /// clears it. Shown in the snapshot, so `oam mesh status` and `oam watch` say so.
 #[derive(Default)]
-pub struct StoreFaults(Mutex<BTreeMap<&'static str, String>>);
+pub(crate) struct StoreFaults(Mutex<BTreeMap<&'static str, String>>);
 
 impl StoreFaults {
     pub(crate) fn failed(&self, store: &'static str, why: impl std::fmt::Display) {
@@ -44,14 +44,14 @@ impl StoreFaults {
 
 /// A breaker as a request arriving at `now_ms` would find it: an open one past its time is
 /// half-open, even if no request has touched it since.
-pub fn breaker_now(b: Option<Breaker>, now_ms: u64) -> Breaker {
+pub(crate) fn breaker_now(b: Option<Breaker>, now_ms: u64) -> Breaker {
     let mut b = b.unwrap_or_default();
     b.tick(now_ms);
     b
 }
 
 /// What `node` sees, now.
-pub fn snapshot(node: &Node) -> NodeSnapshot {
+pub(crate) fn snapshot(node: &Node) -> NodeSnapshot {
     let now = now_ms();
     // Judged before the engine is locked: a judgement reads the peers' evidence from it.
     let local: BTreeMap<String, _> = node
@@ -115,7 +115,12 @@ pub fn snapshot(node: &Node) -> NodeSnapshot {
 
 /// Register what the engine holds (breakers, bulkheads, the cluster's view), this node's
 /// identity and its HTTP saturation, all read when scraped.
-pub fn register(registry: &Registry, node: &str, pipeline: &Pipeline, serving: &super::Serving) {
+pub(crate) fn register(
+    registry: &Registry,
+    node: &str,
+    pipeline: &Pipeline,
+    serving: &super::Serving,
+) {
     let p = pipeline.clone();
     registry.register(
         "oam_breaker_state",

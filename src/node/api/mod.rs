@@ -18,10 +18,10 @@ use serde::Deserialize;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-pub mod anthropic;
-pub mod embeddings;
-pub mod openai;
-pub mod responses;
+pub(crate) mod anthropic;
+pub(crate) mod embeddings;
+pub(crate) mod openai;
+pub(crate) mod responses;
 
 /// oam's extra fields, from the body's `oam` object (headers fill what it leaves out).
 #[derive(Deserialize, Default)]

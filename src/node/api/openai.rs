@@ -207,7 +207,7 @@ pub(crate) fn decode_request(
 }
 
 /// The HTTP status for a refused request, by the phase that refused it.
-pub fn status_for(d: &Decision) -> StatusCode {
+pub(crate) fn status_for(d: &Decision) -> StatusCode {
     let timed_out = d.reason_codes.contains(&ReasonCode::GenerationTimeout);
     // The last call made refused the request itself (invalid, too long for any target's
     // context window, or against content policy): the caller should change it.

@@ -107,7 +107,7 @@ mod wire {
     use std::borrow::Cow;
 
     #[derive(Deserialize)]
-    pub struct Completion<'a> {
+    pub(crate) struct Completion<'a> {
         #[serde(borrow)]
         pub choices: Vec<Choice<'a>>,
         /// Present (even as `null`) or not.
@@ -118,7 +118,7 @@ mod wire {
     }
 
     #[derive(Deserialize)]
-    pub struct Choice<'a> {
+    pub(crate) struct Choice<'a> {
         #[serde(default, borrow)]
         pub finish_reason: Option<Cow<'a, str>>,
         #[serde(default, borrow)]
@@ -126,7 +126,7 @@ mod wire {
     }
 
     #[derive(Deserialize)]
-    pub struct Message<'a> {
+    pub(crate) struct Message<'a> {
         #[serde(default, borrow)]
         pub content: Option<Cow<'a, str>>,
         #[serde(default, borrow)]
@@ -134,13 +134,13 @@ mod wire {
     }
 
     #[derive(Deserialize)]
-    pub struct ToolCall<'a> {
+    pub(crate) struct ToolCall<'a> {
         #[serde(default, borrow)]
         pub function: Option<Function<'a>>,
     }
 
     #[derive(Deserialize)]
-    pub struct Function<'a> {
+    pub(crate) struct Function<'a> {
         #[serde(default, borrow)]
         pub name: Option<Cow<'a, str>>,
         #[serde(default, borrow)]
@@ -148,7 +148,7 @@ mod wire {
     }
 
     #[derive(Deserialize, Default)]
-    pub struct Usage {
+    pub(crate) struct Usage {
         #[serde(default)]
         pub prompt_tokens: Option<u64>,
         #[serde(default)]
@@ -163,19 +163,19 @@ mod wire {
     }
 
     #[derive(Deserialize, Default)]
-    pub struct PromptDetails {
+    pub(crate) struct PromptDetails {
         #[serde(default)]
         pub cached_tokens: Option<u64>,
     }
 
     #[derive(Deserialize, Default)]
-    pub struct CompletionDetails {
+    pub(crate) struct CompletionDetails {
         #[serde(default)]
         pub reasoning_tokens: Option<u64>,
     }
 
     impl Usage {
-        pub fn counted(self) -> crate::core::request::Usage {
+        pub(crate) fn counted(self) -> crate::core::request::Usage {
             crate::core::request::Usage {
                 prompt_tokens: self.prompt_tokens.unwrap_or(0),
                 completion_tokens: self.completion_tokens.unwrap_or(0),

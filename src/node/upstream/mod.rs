@@ -14,7 +14,7 @@ mod targets;
 
 use agent::AgentCalls;
 pub(crate) use anthropic::not_carried;
-pub use targets::Upstreams;
+pub(crate) use targets::Upstreams;
 
 use super::config::{Probe, ProviderConfig};
 use super::exchange::{Attempt, Passthrough, Reply, events_of, read_completion};
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 /// What one attempt for a whole answer asks of a target.
 #[derive(Clone, Copy)]
-pub struct UpstreamCall<'a> {
+pub(crate) struct UpstreamCall<'a> {
     /// The upstream's name of the target's model.
     pub model: &'a str,
     /// The client's request as it came; `None` for a probe, which sends just `messages`.
@@ -79,7 +79,7 @@ trait Upstream: Send + Sync {
 }
 
 /// One provider (host): how its targets are reached and checked.
-pub struct Connector {
+pub(crate) struct Connector {
     pub id: String,
     /// Its models serve embeddings (and are probed with one).
     pub embeddings: bool,
@@ -110,18 +110,18 @@ impl Connector {
     }
 
     /// The mesh agent that serves this provider, if it is one.
-    pub fn agent(&self) -> Option<&str> {
+    pub(crate) fn agent(&self) -> Option<&str> {
         self.upstream.agent()
     }
 
     /// It has a free check (a model list) that stands in for a billed one.
-    pub fn lists_models(&self) -> bool {
+    pub(crate) fn lists_models(&self) -> bool {
         self.upstream.model_list().is_some()
     }
 
     /// One whole answer from `model`, bounded by `timeout`: the client's request as it came
     /// (`pass`), with the target's model and oam's token limit, or just `messages` (probes).
-    pub async fn generate(
+    pub(crate) async fn generate(
         &self,
         model: &str,
         messages: &[Message],
@@ -141,7 +141,7 @@ impl Connector {
     }
 
     /// Open a streamed answer (see `Upstream::open_stream`).
-    pub async fn open_stream(
+    pub(crate) async fn open_stream(
         &self,
         model: &str,
         pass: &Passthrough,
@@ -156,13 +156,18 @@ impl Connector {
 
     /// Embeddings from `model`, bounded by `timeout`: the client's request as it came
     /// (`pass.extra`) with the target's model.
-    pub async fn embed(&self, model: &str, pass: &Passthrough, timeout: Duration) -> Attempt {
+    pub(crate) async fn embed(
+        &self,
+        model: &str,
+        pass: &Passthrough,
+        timeout: Duration,
+    ) -> Attempt {
         self.upstream.embed(model, pass, timeout).await
     }
 
     /// `GET /models`, bounded by `timeout`: a free check that the provider answers (a failure
     /// where it has none: checked at load, none is asked).
-    pub async fn list_models(&self, timeout: Duration) -> Generation {
+    pub(crate) async fn list_models(&self, timeout: Duration) -> Generation {
         match self.upstream.model_list() {
             Some(at) => at.list_models(timeout).await,
             None => Generation::failed(GenerationStatus::Error, 0),
@@ -180,7 +185,7 @@ fn failed(status: GenerationStatus, error: String, latency_ms: u64) -> Attempt {
 }
 
 /// A streamed answer under way: the upstream's events, as chat chunks, as they arrive.
-pub struct Stream {
+pub(crate) struct Stream {
     ready: std::collections::VecDeque<String>,
     /// Where more events come from (none: a replayed whole answer, or the body ended).
     events: Option<http::Events>,
@@ -188,7 +193,7 @@ pub struct Stream {
 
 /// Why a stream broke off.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Broken {
+pub(crate) enum Broken {
     /// Nothing arrived within the deadline.
     Silent,
     /// The connection failed (cut, reset) or the stream was unreadable.
@@ -196,7 +201,7 @@ pub enum Broken {
 }
 
 /// Opening a stream: it answered 200 and streams, or the attempt failed before any event.
-pub enum Opened {
+pub(crate) enum Opened {
     Streaming(Stream, Instant),
     Failed(Attempt),
 }
@@ -235,7 +240,7 @@ impl Stream {
     }
 
     /// The next event's data, waiting at most `wait`; `None` when the body ended.
-    pub async fn next(&mut self, wait: Duration) -> Result<Option<String>, Broken> {
+    pub(crate) async fn next(&mut self, wait: Duration) -> Result<Option<String>, Broken> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             if let Some(e) = self.ready.pop_front() {

@@ -6,7 +6,7 @@ use super::super::config::NodeConfig;
 use super::{AgentCalls, Connector};
 use std::collections::BTreeMap;
 
-pub struct Upstreams {
+pub(crate) struct Upstreams {
     /// One per provider (host), by provider id.
     connectors: BTreeMap<String, Connector>,
     /// Per target id: (its provider, the model it asks for).
@@ -14,7 +14,7 @@ pub struct Upstreams {
 }
 
 impl Upstreams {
-    pub fn new(cfg: &NodeConfig, nats: &async_nats::Client) -> anyhow::Result<Upstreams> {
+    pub(crate) fn new(cfg: &NodeConfig, nats: &async_nats::Client) -> anyhow::Result<Upstreams> {
         let http = crate::http::http_client(None)?;
         let post = crate::http::Poster::new(cfg.node.max_answer_bytes)?;
         let calls = std::sync::Arc::new(AgentCalls::new(nats.clone()));
