@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 /// What to send, how much, how fast.
 #[derive(Clone, Debug, Serialize)]
-pub struct Plan {
+pub(crate) struct Plan {
     pub urls: Vec<String>,
     pub requests: usize,
     pub concurrency: usize,
@@ -39,7 +39,7 @@ pub struct Plan {
 
 impl Plan {
     /// The kind of request `i` (deterministic for a seed).
-    pub fn kind(&self, i: usize) -> super::scenario::Mix {
+    pub(crate) fn kind(&self, i: usize) -> super::scenario::Mix {
         let total: u64 = self.mix.iter().map(|m| u64::from(m.weight)).sum();
         if total == 0 {
             return super::scenario::Mix {
@@ -67,7 +67,7 @@ impl Plan {
 
 /// Where the requests go.
 #[derive(Clone)]
-pub enum Through {
+pub(crate) enum Through {
     /// The nodes' HTTP data plane (`plan.urls`), round-robin; a node that refuses the connection
     /// is skipped for the next one, as a load balancer would.
     Http(reqwest::Client),
@@ -82,7 +82,7 @@ pub enum Through {
 
 /// One finished request.
 #[derive(Clone, Debug)]
-pub struct Sample {
+pub(crate) struct Sample {
     /// When it started, since the run began.
     pub started_us: u64,
     pub latency_us: u64,
@@ -100,7 +100,7 @@ pub struct Sample {
 
 /// Everything measured, as written by `--json`.
 #[derive(Serialize, Debug)]
-pub struct Report {
+pub(crate) struct Report {
     pub version: &'static str,
     pub plan: Plan,
     pub sent: usize,
@@ -129,7 +129,7 @@ pub struct Report {
 }
 
 #[derive(Serialize, Debug, Default)]
-pub struct Percentiles {
+pub(crate) struct Percentiles {
     pub p50: f64,
     pub p95: f64,
     pub p99: f64,
@@ -137,11 +137,8 @@ pub struct Percentiles {
     pub mean: f64,
 }
 
-/// The body of request `i`: distinct content per request so loop detection sees new calls.
-pub fn body(plan: &Plan, i: usize) -> Value {
-    body_of(plan, i, &plan.kind(i))
-}
-
+/// The body of request `i` of kind `k`: distinct content per request so loop detection sees
+/// new calls.
 fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
     use super::scenario::Surface;
     let text = format!("oam bench request {i} (seed {})", plan.seed);
@@ -399,7 +396,7 @@ async fn one_agent(
 /// Run `plan`; `progress` is called once per finished request. Cancelling `stop` ends the run
 /// early: nothing new starts, requests under way are abandoned, and the report (marked
 /// `interrupted`) holds what finished.
-pub async fn run(
+pub(crate) async fn run(
     plan: Plan,
     target: Through,
     stop: &CancellationToken,
@@ -414,7 +411,7 @@ pub async fn run(
 /// Run `plan` from `started` (now, or a moment just past on the caller's clock: sample times
 /// and the rate schedule count from it) and return every sample (for scenarios, which look at
 /// them over time).
-pub async fn run_samples(
+pub(crate) async fn run_samples(
     plan: Plan,
     target: Through,
     started: Instant,
@@ -518,7 +515,7 @@ fn percentiles(h: &Histogram<u64>) -> Percentiles {
     }
 }
 
-pub fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
+pub(crate) fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
     #[expect(
         clippy::expect_used,
         reason = "constant bounds, exercised by every test that summarizes"
@@ -702,7 +699,8 @@ mod tests {
 
     #[test]
     fn bodies_are_distinct_per_request() {
-        assert_ne!(body(&plan(), 1), body(&plan(), 2));
-        assert_eq!(body(&plan(), 1)["oam"]["agent"], "a");
+        let body = |i| body_of(&plan(), i, &plan().kind(i));
+        assert_ne!(body(1), body(2));
+        assert_eq!(body(1)["oam"]["agent"], "a");
     }
 }

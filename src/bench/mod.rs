@@ -3,6 +3,6 @@
 //! expectations), `runner` plays a scenario on a local cluster (load, chaos timeline through
 //! the warden, agents) and returns what it measured. Presentation is the caller's.
 
-pub mod load;
-pub mod runner;
-pub mod scenario;
+pub(crate) mod load;
+pub(crate) mod runner;
+pub(crate) mod scenario;

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Everything a scenario run measured, as written by `--json`.
 #[derive(Serialize, Debug)]
-pub struct ScenarioReport {
+pub(crate) struct ScenarioReport {
     pub version: &'static str,
     pub scenario: String,
     pub description: String,
@@ -38,7 +38,7 @@ pub struct ScenarioReport {
 }
 
 /// Read and check a scenario file (`short`: its `--short` form).
-pub fn load(path: &Path, short: bool) -> Result<Scenario> {
+pub(crate) fn load(path: &Path, short: bool) -> Result<Scenario> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::usage(format!("cannot read scenario {}: {e}", path.display())))?;
     let s = Scenario::parse(&text)
@@ -228,7 +228,7 @@ async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
 
 /// Run scenario `s` on the mesh in `dir` until it ends or `stop`; a refusal of its credentials
 /// is told to `refused`; `progress` gets (done, total) as requests finish.
-pub async fn run(
+pub(crate) async fn run(
     dir: &Path,
     s: &Scenario,
     short: bool,
@@ -459,7 +459,7 @@ pub async fn run(
 }
 
 /// The expectations as a table, with what was measured.
-pub fn table(o: &ScenarioReport) -> String {
+pub(crate) fn table(o: &ScenarioReport) -> String {
     use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
@@ -488,7 +488,7 @@ pub fn table(o: &ScenarioReport) -> String {
 }
 
 /// The failed expectations, each in words with what was measured.
-pub fn failures(o: &ScenarioReport) -> Vec<String> {
+pub(crate) fn failures(o: &ScenarioReport) -> Vec<String> {
     o.verdicts
         .iter()
         .filter(|v| !v.ok)

@@ -41,7 +41,7 @@ use std::time::Duration;
 
 #[derive(Deserialize, Serialize, Clone, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Scenario {
+pub(crate) struct Scenario {
     pub name: String,
     #[serde(default)]
     pub description: String,
@@ -63,7 +63,7 @@ pub struct Scenario {
 
 #[derive(Deserialize, Serialize, Clone, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Load {
+pub(crate) struct Load {
     /// Requests per second.
     pub rate: f64,
     pub duration: String,
@@ -104,7 +104,7 @@ fn default_timeout_ms() -> u64 {
 
 #[derive(Deserialize, Serialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Mix {
+pub(crate) struct Mix {
     #[serde(default = "one")]
     pub weight: u32,
     #[serde(default)]
@@ -131,7 +131,7 @@ pub struct Mix {
 /// Which of a node's HTTP APIs a request is sent in.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
-pub enum Surface {
+pub(crate) enum Surface {
     /// `POST /v1/chat/completions`.
     #[default]
     Chat,
@@ -144,7 +144,7 @@ pub enum Surface {
 }
 
 impl Surface {
-    pub fn path(self) -> &'static str {
+    pub(crate) fn path(self) -> &'static str {
         match self {
             Surface::Chat => "/v1/chat/completions",
             Surface::Messages => "/v1/messages",
@@ -153,7 +153,7 @@ impl Surface {
         }
     }
 
-    pub fn from_name(name: &str) -> Option<Surface> {
+    pub(crate) fn from_name(name: &str) -> Option<Surface> {
         serde_json::from_value(serde_json::Value::String(name.to_ascii_lowercase())).ok()
     }
 }
@@ -186,7 +186,7 @@ impl Default for Mix {
 
 #[derive(Deserialize, Serialize, Clone, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct ChaosEvent {
+pub(crate) struct ChaosEvent {
     pub at: String,
     pub fault: Fault,
     #[serde(default)]
@@ -199,7 +199,7 @@ pub struct ChaosEvent {
 
 #[derive(Deserialize, Serialize, Clone, Debug, Default)]
 #[serde(deny_unknown_fields)]
-pub struct Short {
+pub(crate) struct Short {
     #[serde(default)]
     pub scale: Option<f64>,
 }
@@ -207,7 +207,7 @@ pub struct Short {
 /// Which requests an expectation looks at, by start time.
 #[derive(Deserialize, Serialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
 #[serde(rename_all = "kebab-case")]
-pub enum Window {
+pub(crate) enum Window {
     #[default]
     All,
     /// Requests that finished before the first fault.
@@ -220,7 +220,7 @@ pub enum Window {
 
 #[derive(Deserialize, Serialize, Clone, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Expect {
+pub(crate) struct Expect {
     pub metric: Metric,
     #[serde(default)]
     pub during: Window,
@@ -248,7 +248,7 @@ pub struct Expect {
 /// `[[budget]]`: an agent's budget in the shared ledger while the scenario runs.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct BudgetSpec {
+pub(crate) struct BudgetSpec {
     pub agent: String,
     pub limit_usd: f64,
 }
@@ -256,7 +256,7 @@ pub struct BudgetSpec {
 /// What can be expected.
 #[derive(Deserialize, Serialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(rename_all = "snake_case")]
-pub enum Metric {
+pub(crate) enum Metric {
     /// Share of requests answered 200 (agent calls: answered without error).
     SuccessRate,
     /// Failed requests (count).
@@ -293,7 +293,7 @@ pub enum Metric {
 /// A scenario file that cannot be run: what is wrong with it (the field named).
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct BadScenario(pub String);
+pub(crate) struct BadScenario(pub String);
 
 impl From<String> for BadScenario {
     fn from(why: String) -> BadScenario {
@@ -302,7 +302,7 @@ impl From<String> for BadScenario {
 }
 
 impl Scenario {
-    pub fn parse(text: &str) -> Result<Scenario, BadScenario> {
+    pub(crate) fn parse(text: &str) -> Result<Scenario, BadScenario> {
         let s: Scenario = toml::from_str(text).map_err(|e| BadScenario(e.to_string()))?;
         s.check()?;
         Ok(s)
@@ -441,7 +441,7 @@ impl Scenario {
     }
 
     /// The short form: every time multiplied by `short.scale` (default 0.5).
-    pub fn shortened(&self) -> Scenario {
+    pub(crate) fn shortened(&self) -> Scenario {
         let k = self.short.scale.unwrap_or(0.5);
         let scale = |d: &str| {
             let ms = parse_duration(d).map_or(0.0, |d| d.as_secs_f64() * 1e3);
@@ -457,12 +457,12 @@ impl Scenario {
         s
     }
 
-    pub fn duration(&self) -> Duration {
+    pub(crate) fn duration(&self) -> Duration {
         parse_duration(&self.load.duration).unwrap_or_default()
     }
 
     /// How long after the scenario's start the load begins.
-    pub fn load_after(&self) -> Duration {
+    pub(crate) fn load_after(&self) -> Duration {
         self.load
             .after
             .as_deref()
@@ -483,14 +483,14 @@ fn offset(s: &str) -> Result<Duration, crate::core::chaos::DurationError> {
 }
 
 /// A chaos event's offset and length in ms.
-pub fn event_times(c: &ChaosEvent) -> (u64, u64) {
+pub(crate) fn event_times(c: &ChaosEvent) -> (u64, u64) {
     let ms = |d: &str| offset(d).map_or(0, |d| d.as_millis() as u64);
     (ms(&c.at), ms(&c.for_))
 }
 
 /// What one expectation measured.
 #[derive(Serialize, Clone, Debug, PartialEq)]
-pub struct Measured {
+pub(crate) struct Measured {
     /// e.g. "provider_share(local) during chaos >= 0.95".
     pub expectation: String,
     pub measured: f64,
@@ -499,7 +499,7 @@ pub struct Measured {
 
 /// Per fault: time from injection until requests stop failing, and how many failed meanwhile.
 #[derive(Serialize, Clone, Debug, PartialEq)]
-pub struct Recovery {
+pub(crate) struct Recovery {
     pub fault: String,
     pub injected_at_ms: u64,
     pub recovery_ms: u64,
@@ -511,7 +511,7 @@ pub struct Recovery {
 }
 
 /// Everything the evaluation needs besides the samples.
-pub struct Run<'a> {
+pub(crate) struct Run<'a> {
     pub samples: &'a [Sample],
     /// (injected at, expires at) per chaos event, ms since the load started.
     pub faults: Vec<(String, u64, u64)>,
@@ -545,7 +545,7 @@ impl Run<'_> {
             .collect()
     }
 
-    pub fn recoveries(&self) -> Vec<Recovery> {
+    pub(crate) fn recoveries(&self) -> Vec<Recovery> {
         self.faults
             .iter()
             .map(|(fault, at, until)| {
@@ -674,7 +674,7 @@ impl Run<'_> {
         }
     }
 
-    pub fn evaluate(&self, expect: &[Expect]) -> Vec<Measured> {
+    pub(crate) fn evaluate(&self, expect: &[Expect]) -> Vec<Measured> {
         expect
             .iter()
             .map(|e| {

@@ -8,4 +8,4 @@
 //! (`isolate-node`, `drain-budget`) are commands every node hears on `oam.v1.chaos.node.*` and
 //! undoes at their expiry by itself; process faults are signals to PIDs the mesh recorded.
 
-pub mod warden;
+pub(crate) mod warden;

@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Bounds on the load faults.
-pub const MAX_REQUESTS: u32 = 100_000;
-pub const MAX_CONCURRENCY: u32 = 1_000;
+pub(crate) const MAX_REQUESTS: u32 = 100_000;
+pub(crate) const MAX_CONCURRENCY: u32 = 1_000;
 const STATE: &str = "chaos.json";
 
 /// How to undo a fault.
@@ -56,7 +56,7 @@ struct Entry {
     undo: Undo,
 }
 
-pub struct Warden {
+pub(crate) struct Warden {
     dir: PathBuf,
     nats: async_nats::Client,
     /// The application URL with credentials, for processes it starts again.
@@ -285,7 +285,11 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, NotInjected> {
 }
 
 impl Warden {
-    pub fn new(dir: PathBuf, nats: async_nats::Client, app_url: String) -> anyhow::Result<Warden> {
+    pub(crate) fn new(
+        dir: PathBuf,
+        nats: async_nats::Client,
+        app_url: String,
+    ) -> anyhow::Result<Warden> {
         let entries = match std::fs::read_to_string(dir.join(STATE)) {
             Ok(text) => serde_json::from_str(&text).unwrap_or_else(|e| {
                 tracing::warn!("ignoring an unreadable {STATE}: {e}");
@@ -861,7 +865,7 @@ fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, WardenRepl
 /// Run the warden for the mesh in `dir` until `stop`; `ready` is called once it answers.
 /// `sys` (the system account's observer) lets it verify which process holds an instance's
 /// connection; without it, no agent process is signalled.
-pub async fn run(
+pub(crate) async fn run(
     dir: &Path,
     nats: async_nats::Client,
     sys: Option<async_nats::Client>,

@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 /// A Messages request as a chat request (what the providers read: the turns' text, the tools,
 /// `stream`), or why it is refused. A user turn of tool results reads as a `tool` turn.
-pub fn to_chat(body: &[u8]) -> Result<Value, super::NotServed> {
+pub(crate) fn to_chat(body: &[u8]) -> Result<Value, super::NotServed> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let Some(model) = v["model"].as_str() else {
@@ -68,7 +68,7 @@ fn stop_reason(finish: &str) -> &'static str {
 
 /// Chat usage (with `cache_creation_input_tokens` where the prompt wrote the cache) as
 /// Messages counts it: cache reads and writes apart from `input_tokens`.
-pub fn usage(chat: &Value) -> Value {
+pub(crate) fn usage(chat: &Value) -> Value {
     let n = |v: &Value| v.as_u64().unwrap_or(0);
     let read = n(&chat["prompt_tokens_details"]["cached_tokens"]);
     let written = n(&chat["cache_creation_input_tokens"]);
@@ -102,7 +102,7 @@ fn blocks(message: &Value) -> Vec<Value> {
 
 /// A whole answer (`id`, the chat `message`, its finish reason and chat usage) as a message;
 /// with extended thinking asked for, a signed thinking block first.
-pub fn message(
+pub(crate) fn message(
     id: &str,
     model: &str,
     message: &Value,
@@ -130,7 +130,7 @@ fn event(name: &str, data: Value) -> String {
 /// The same answer as Messages events: `message_start` (with `ping`), the block's start, its
 /// text or arguments in `pieces`, its stop, `message_delta` (stop reason, usage),
 /// `message_stop`.
-pub fn events(
+pub(crate) fn events(
     id: &str,
     model: &str,
     message: &Value,
@@ -190,7 +190,7 @@ pub fn events(
 }
 
 /// An error in Anthropic's envelope, typed by its status.
-pub fn error(status: StatusCode, message: &str) -> Value {
+pub(crate) fn error(status: StatusCode, message: &str) -> Value {
     let kind = match status.as_u16() {
         401 => "authentication_error",
         403 => "permission_error",

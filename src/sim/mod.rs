@@ -3,10 +3,10 @@
 //! runtime. `model` is the pure part (what a provider answers); `server` is the HTTP surface;
 //! `messages` and `responses` its shapes of those two APIs.
 
-pub mod messages;
-pub mod model;
-pub mod responses;
-pub mod server;
+pub(crate) mod messages;
+pub(crate) mod model;
+pub(crate) mod responses;
+pub(crate) mod server;
 
 /// The text of a string, or of content parts or blocks (their `text`, joined by spaces).
 fn text_of(content: &serde_json::Value) -> String {
@@ -25,7 +25,7 @@ fn text_of(content: &serde_json::Value) -> String {
 /// A request the simulator refuses, in the words the API it speaks would use.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct NotServed(pub String);
+pub(crate) struct NotServed(pub String);
 
 impl From<String> for NotServed {
     fn from(why: String) -> NotServed {
@@ -36,7 +36,7 @@ impl From<String> for NotServed {
 /// A `--provider` or fault setting the simulator cannot take: what is wrong with it.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct BadSetting(pub String);
+pub(crate) struct BadSetting(pub String);
 
 impl From<String> for BadSetting {
     fn from(why: String) -> BadSetting {

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 /// One simulated upstream.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct SimProvider {
+pub(crate) struct SimProvider {
     pub id: String,
     pub model: String,
     pub latency_ms: u64,
@@ -18,7 +18,7 @@ pub struct SimProvider {
 
 /// The default providers: a paid `primary` and `secondary` at 150 ms + 0-49 ms (the reference
 /// numbers' latency) and a zero-cost `local` model that answers faster, at 40 ms + 0-19 ms.
-pub fn default_providers() -> Vec<SimProvider> {
+pub(crate) fn default_providers() -> Vec<SimProvider> {
     let p = |id: &str, model: &str, latency_ms, jitter_ms| SimProvider {
         id: id.into(),
         model: model.into(),
@@ -33,7 +33,7 @@ pub fn default_providers() -> Vec<SimProvider> {
 }
 
 /// Parse `NAME=LATENCY+JITTER` (e.g. `primary=150+50`, `local=0`).
-pub fn parse_provider(spec: &str) -> Result<SimProvider, super::BadSetting> {
+pub(crate) fn parse_provider(spec: &str) -> Result<SimProvider, super::BadSetting> {
     let (id, timing) = spec
         .split_once('=')
         .ok_or_else(|| format!("provider {spec:?} must look like NAME=LATENCY_MS+JITTER_MS"))?;
@@ -63,7 +63,7 @@ pub fn parse_provider(spec: &str) -> Result<SimProvider, super::BadSetting> {
 /// `POST /sim/faults`: set a fault on a provider for a while. Unknown keys are refused:
 /// `FaultMode` denies whatever is left over.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct SetFault {
+pub(crate) struct SetFault {
     /// A provider, or one model of it (`provider/model`).
     pub provider: String,
     pub duration_ms: u64,
@@ -77,7 +77,7 @@ pub struct SetFault {
 /// A fault mode, switchable at runtime per provider.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
 #[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
-pub enum FaultMode {
+pub(crate) enum FaultMode {
     /// Hard 5xx.
     Error {
         #[serde(default = "status_500")]
@@ -116,12 +116,12 @@ fn two() -> u32 {
     2
 }
 
-pub use crate::core::chaos::StreamBreak;
+pub(crate) use crate::core::chaos::StreamBreak;
 
 /// How an upstream refuses a request.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(rename_all = "kebab-case")]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// 400 `context_length_exceeded`.
     ContextLength,
     /// 400 `content_policy_violation`.
@@ -138,7 +138,7 @@ fn one_second() -> u64 {
 }
 
 impl FaultMode {
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             FaultMode::Error { .. } => "error",
             FaultMode::Contract { .. } => "contract",
@@ -152,7 +152,7 @@ impl FaultMode {
         }
     }
 
-    pub fn validate(&self) -> Result<(), super::BadSetting> {
+    pub(crate) fn validate(&self) -> Result<(), super::BadSetting> {
         match *self {
             FaultMode::Error { status } if !(500..=599).contains(&status) => Err(
                 super::BadSetting(format!("status must be a 5xx, got {status}")),
@@ -167,7 +167,7 @@ impl FaultMode {
 
 /// An active fault and when it ends (ms on the sim's clock).
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
-pub struct Fault {
+pub(crate) struct Fault {
     #[serde(flatten)]
     pub mode: FaultMode,
     pub until_ms: u64,
@@ -179,12 +179,12 @@ pub struct Fault {
 /// Active faults by provider. Expired faults are dropped on read, so a fault ends on time even
 /// if nobody ever clears it.
 #[derive(Clone, Debug, Default)]
-pub struct Faults {
+pub(crate) struct Faults {
     active: BTreeMap<String, Fault>,
 }
 
 impl Faults {
-    pub fn set(
+    pub(crate) fn set(
         &mut self,
         provider: &str,
         mode: FaultMode,
@@ -201,11 +201,11 @@ impl Faults {
         fault
     }
 
-    pub fn clear(&mut self, provider: &str) -> bool {
+    pub(crate) fn clear(&mut self, provider: &str) -> bool {
         self.active.remove(provider).is_some()
     }
 
-    pub fn clear_all(&mut self) -> usize {
+    pub(crate) fn clear_all(&mut self) -> usize {
         let n = self.active.len();
         self.active.clear();
         n
@@ -213,7 +213,7 @@ impl Faults {
 
     /// The fault a request to `provider` (a provider, or `provider/model`) meets at `now_ms`,
     /// if any; one with a count of requests is used up by it.
-    pub fn get(&mut self, provider: &str, now_ms: u64) -> Option<Fault> {
+    pub(crate) fn get(&mut self, provider: &str, now_ms: u64) -> Option<Fault> {
         self.expire(now_ms);
         let f = self.active.get_mut(provider)?;
         let met = *f;
@@ -227,7 +227,7 @@ impl Faults {
     }
 
     /// Every active fault at `now_ms`.
-    pub fn active(&mut self, now_ms: u64) -> &BTreeMap<String, Fault> {
+    pub(crate) fn active(&mut self, now_ms: u64) -> &BTreeMap<String, Fault> {
         self.expire(now_ms);
         &self.active
     }
@@ -239,7 +239,7 @@ impl Faults {
 
 /// What the provider does with one request.
 #[derive(Clone, PartialEq, Debug)]
-pub enum Handling {
+pub(crate) enum Handling {
     /// HTTP 200 after `delay_ms`.
     Answer {
         delay_ms: u64,
@@ -277,7 +277,7 @@ fn provider_salt(id: &str) -> u64 {
 }
 
 /// The reply of `provider` to its `k`-th request (0-based), under `seed`, given the active fault.
-pub fn reply(
+pub(crate) fn reply(
     seed: u64,
     provider: &SimProvider,
     k: u64,

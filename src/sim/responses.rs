@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 /// A Responses request as a chat request (the turns' text, function tools, `stream`,
 /// reasoning effort), or why it is refused. A function call reads as an assistant turn, its
 /// output as a `tool` turn.
-pub fn to_chat(body: &[u8]) -> Result<Value, super::NotServed> {
+pub(crate) fn to_chat(body: &[u8]) -> Result<Value, super::NotServed> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let Some(model) = v["model"].as_str() else {
@@ -115,7 +115,7 @@ fn object(id: &str, model: &str, created: u64, finish: &str, output: Value, usag
 }
 
 /// A whole answer (`id`, the chat `message`, its finish reason and chat usage) as a response.
-pub fn response(
+pub(crate) fn response(
     id: &str,
     model: &str,
     created: u64,
@@ -130,7 +130,7 @@ pub fn response(
 /// The same answer as typed events, numbered in order: `response.created`, the item added,
 /// its text (or arguments) in `pieces`, the item done, `response.completed` (or
 /// `response.incomplete`).
-pub fn events(
+pub(crate) fn events(
     id: &str,
     model: &str,
     created: u64,

@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The running simulator's shared state.
-pub struct Sim {
+pub(crate) struct Sim {
     seed: u64,
     providers: BTreeMap<String, (SimProvider, AtomicU64)>,
     faults: Mutex<Faults>,
@@ -57,7 +57,7 @@ pub struct Sim {
 const CACHED_KEPT: usize = 10_000;
 
 impl Sim {
-    pub fn new(seed: u64, providers: Vec<SimProvider>) -> Self {
+    pub(crate) fn new(seed: u64, providers: Vec<SimProvider>) -> Self {
         Sim {
             seed,
             providers: providers
@@ -157,7 +157,7 @@ impl Sim {
     }
 }
 
-pub fn router(sim: Arc<Sim>) -> Router {
+pub(crate) fn router(sim: Arc<Sim>) -> Router {
     let apis = [Speaks::Chat, Speaks::Messages, Speaks::Responses];
     apis.into_iter()
         .fold(Router::new(), api_routes)

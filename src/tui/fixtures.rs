@@ -13,7 +13,7 @@ use crate::core::wire::{NodeSnapshot, ProviderSnapshot};
 use crate::mesh::protocol::{AgentHeartbeat, DeathNotice, DeathReason};
 
 /// A provider as every node sees it: `votes` of 3, with or without quorum.
-pub fn provider(
+pub(crate) fn provider(
     id: &str,
     verdict: Verdict,
     votes: usize,
@@ -40,7 +40,7 @@ pub fn provider(
     }
 }
 
-pub fn open() -> Breaker {
+pub(crate) fn open() -> Breaker {
     Breaker::Open {
         until_ms: 0,
         forced: false,
@@ -48,7 +48,7 @@ pub fn open() -> Breaker {
 }
 
 /// A node of a three-node cluster that hears `live`, with some load and one budget.
-pub fn node_state(
+pub(crate) fn node_state(
     live: &[&str],
     providers: Vec<ProviderSnapshot>,
     shed_bg: u64,
@@ -91,7 +91,7 @@ pub fn node_state(
     clippy::too_many_arguments,
     reason = "a fixture reads best with every field at the call"
 )]
-pub fn decision(
+pub(crate) fn decision(
     outcome: DecisionOutcome,
     phase: Phase,
     provider: &str,
@@ -138,7 +138,7 @@ pub fn decision(
     })
 }
 
-pub fn beat(agent: &str, instance_id: &str) -> AgentHeartbeat {
+pub(crate) fn beat(agent: &str, instance_id: &str) -> AgentHeartbeat {
     AgentHeartbeat {
         agent: agent.into(),
         instance_id: instance_id.into(),
@@ -148,7 +148,7 @@ pub fn beat(agent: &str, instance_id: &str) -> AgentHeartbeat {
     }
 }
 
-pub fn death(agent: &str, reason: DeathReason, instance_id: &str) -> DeathNotice {
+pub(crate) fn death(agent: &str, reason: DeathReason, instance_id: &str) -> DeathNotice {
     DeathNotice {
         agent: agent.into(),
         reason,
@@ -159,7 +159,7 @@ pub fn death(agent: &str, reason: DeathReason, instance_id: &str) -> DeathNotice
     }
 }
 
-pub fn incident(agent: &str, task: &str) -> Incident {
+pub(crate) fn incident(agent: &str, task: &str) -> Incident {
     Incident {
         id: format!("inc-{agent}"),
         fingerprint: Fingerprint(0),

@@ -4,5 +4,5 @@
 
 #[cfg(test)]
 pub(crate) mod fixtures;
-pub mod render;
-pub mod state;
+pub(crate) mod render;
+pub(crate) mod state;

@@ -25,7 +25,7 @@ fn titled(title: &str, offset: usize) -> String {
 }
 
 /// How many rows `panel` has now (what scrolling moves through).
-pub fn panel_len(app: &App, panel: Focus, now_ms: u64) -> usize {
+pub(crate) fn panel_len(app: &App, panel: Focus, now_ms: u64) -> usize {
     match panel {
         Focus::Stream => app.visible().len(),
         Focus::Nodes => app.nodes.len(),
@@ -70,8 +70,8 @@ fn kind_style(k: LineKind) -> (Style, &'static str) {
 }
 
 /// The smallest terminal the watch draws in; below it says so instead of garbling.
-pub const MIN_WIDTH: u16 = 80;
-pub const MIN_HEIGHT: u16 = 24;
+pub(crate) const MIN_WIDTH: u16 = 80;
+pub(crate) const MIN_HEIGHT: u16 = 24;
 
 /// What every symbol and short header means (the help popup; a line of its own when there is
 /// room).
@@ -186,7 +186,7 @@ fn pack(words: &[&str], sep: &str, width: usize) -> Vec<String> {
     lines
 }
 
-pub fn render(f: &mut Frame, app: &App, now_ms: u64) {
+pub(crate) fn render(f: &mut Frame, app: &App, now_ms: u64) {
     let area = f.area();
     if area.width < MIN_WIDTH || area.height < MIN_HEIGHT {
         render_too_small(f, area);

@@ -12,24 +12,24 @@ use crate::transport::store::escalations::{EscalationRecord, Status};
 use std::collections::{BTreeMap, VecDeque};
 
 /// Decisions kept for the stream.
-pub const STREAM_CAPACITY: usize = 2_000;
+pub(crate) const STREAM_CAPACITY: usize = 2_000;
 /// Seconds of throughput and p95 history.
-pub const HISTORY_SECS: usize = 60;
+pub(crate) const HISTORY_SECS: usize = 60;
 /// A node whose state snapshot is older than this is shown as down.
-pub const NODE_SILENT_MS: u64 = 3_500;
+pub(crate) const NODE_SILENT_MS: u64 = 3_500;
 /// Open escalations kept (the oldest go first beyond this).
-pub const OPEN_ESCALATIONS_KEPT: usize = 1_000;
+pub(crate) const OPEN_ESCALATIONS_KEPT: usize = 1_000;
 /// An agent instance whose heartbeat is older than this is shown as stale.
-pub const AGENT_STALE_MS: u64 = 3_000;
+pub(crate) const AGENT_STALE_MS: u64 = 3_000;
 /// The banner follows what requests experienced this recently (rerouted, failed).
-pub const BANNER_WINDOW_MS: u64 = 2_000;
+pub(crate) const BANNER_WINDOW_MS: u64 = 2_000;
 /// Traffic shares are computed over decisions this recent.
-pub const SHARE_WINDOW_MS: u64 = 10_000;
+pub(crate) const SHARE_WINDOW_MS: u64 = 10_000;
 
 /// What one recent decision means for the banner and the shares (kept whatever the stream's
 /// pause and filter).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Recent {
+pub(crate) struct Recent {
     /// When the view received it (its own clock: nodes' clocks may differ).
     pub seen_ms: u64,
     /// Served by another provider than first chosen, or by a fallback.
@@ -40,7 +40,7 @@ pub struct Recent {
 }
 
 /// The chaos menu: (label, fault or `None` to restore everything, target, seconds).
-pub const CHAOS_MENU: &[(&str, Option<Fault>, Option<&str>, u64)] = &[
+pub(crate) const CHAOS_MENU: &[(&str, Option<Fault>, Option<&str>, u64)] = &[
     (
         "kill provider primary (30 s)",
         Some(Fault::KillProvider),
@@ -73,7 +73,7 @@ pub const CHAOS_MENU: &[(&str, Option<Fault>, Option<&str>, u64)] = &[
 
 /// A key, as the model sees it (the driver translates the terminal's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Key {
+pub(crate) enum Key {
     Char(char),
     /// Ctrl and a letter.
     Ctrl(char),
@@ -92,7 +92,7 @@ pub enum Key {
 
 /// What a key asks of the driver, beyond changing the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KeyEffect {
+pub(crate) enum KeyEffect {
     None,
     Quit,
     /// Apply chaos menu entry `n`.
@@ -101,7 +101,7 @@ pub enum KeyEffect {
 
 /// Something that arrived from the bus (or the connection itself).
 #[derive(Clone, Debug)]
-pub enum Event {
+pub(crate) enum Event {
     /// A node's `/v1/oam/state` snapshot, published every second on `oam.v1.state.{node}`.
     NodeState {
         node: String,
@@ -136,7 +136,7 @@ pub enum Event {
 
 /// One decision as a line of the stream.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Line {
+pub(crate) struct Line {
     pub at_ms: u64,
     pub request_id: String,
     pub node: String,
@@ -150,7 +150,7 @@ pub struct Line {
 
 /// How a decision is coloured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LineKind {
+pub(crate) enum LineKind {
     Accepted,
     Fallback,
     Shed,
@@ -159,13 +159,13 @@ pub enum LineKind {
 }
 
 #[derive(Clone, Debug, Default)]
-pub struct NodeView {
+pub(crate) struct NodeView {
     pub state: NodeSnapshot,
     pub seen_ms: u64,
 }
 
 #[derive(Clone, Debug)]
-pub struct Instance {
+pub(crate) struct Instance {
     pub agent: String,
     pub in_flight: u64,
     pub seen_ms: u64,
@@ -174,7 +174,7 @@ pub struct Instance {
 /// One second of decisions: how many, and their latencies until the second is over, when they
 /// are reduced to their p95 (so a frame does not sort them again).
 #[derive(Clone, Debug, Default)]
-pub struct Second {
+pub(crate) struct Second {
     pub count: u64,
     latencies: Vec<u64>,
     p95: Option<u64>,
@@ -194,7 +194,7 @@ fn p95_of(latencies: &[u64]) -> u64 {
 
 /// Which panel has the keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub enum Focus {
+pub(crate) enum Focus {
     #[default]
     Stream,
     Nodes,
@@ -204,7 +204,7 @@ pub enum Focus {
 }
 
 impl Focus {
-    pub fn next(self) -> Focus {
+    pub(crate) fn next(self) -> Focus {
         match self {
             Focus::Stream => Focus::Nodes,
             Focus::Nodes => Focus::Providers,
@@ -217,7 +217,7 @@ impl Focus {
 
 /// The whole picture.
 #[derive(Clone, Debug, Default)]
-pub struct App {
+pub(crate) struct App {
     pub nodes: BTreeMap<String, NodeView>,
     pub stream: VecDeque<Line>,
     /// Per second (ms of the second's start -> (decisions, latencies)).
@@ -294,7 +294,7 @@ fn line_of(node: &str, d: &Decision) -> Line {
 }
 
 impl App {
-    pub fn apply(&mut self, ev: Event, now_ms: u64) {
+    pub(crate) fn apply(&mut self, ev: Event, now_ms: u64) {
         self.applied += 1;
         match ev {
             Event::NodeState { node, state } => {
@@ -393,7 +393,7 @@ impl App {
 
     /// What `key` does. `panel_len` is how many rows the focused panel has now (what the
     /// arrow keys scroll through).
-    pub fn on_key(&mut self, key: Key, panel_len: usize) -> KeyEffect {
+    pub(crate) fn on_key(&mut self, key: Key, panel_len: usize) -> KeyEffect {
         if key == Key::Ctrl('c') {
             return KeyEffect::Quit;
         }
@@ -461,7 +461,7 @@ impl App {
 
     /// The moment the picture shows: now, or when NATS was lost (nothing heard since is news,
     /// so nothing ages meanwhile).
-    pub fn picture_ms(&self, now_ms: u64) -> u64 {
+    pub(crate) fn picture_ms(&self, now_ms: u64) -> u64 {
         match self.lost_at_ms {
             Some(at) if !self.connected => at,
             _ => now_ms,
@@ -469,7 +469,7 @@ impl App {
     }
 
     /// Nodes whose snapshot is fresh.
-    pub fn live_nodes(&self, now_ms: u64) -> Vec<&str> {
+    pub(crate) fn live_nodes(&self, now_ms: u64) -> Vec<&str> {
         self.nodes
             .iter()
             .filter(|(_, v)| now_ms.saturating_sub(v.seen_ms) <= NODE_SILENT_MS)
@@ -479,7 +479,7 @@ impl App {
 
     /// Scroll the focused panel by `rows` (positive: further down a panel, further back in the
     /// stream), keeping at least one of its `len` rows in view.
-    pub fn scroll_by(&mut self, rows: isize, len: usize) {
+    pub(crate) fn scroll_by(&mut self, rows: isize, len: usize) {
         let last = len.saturating_sub(1);
         let moved = |at: usize| at.min(last).saturating_add_signed(rows).min(last);
         if self.focus == Focus::Stream {
@@ -491,7 +491,7 @@ impl App {
     }
 
     /// Back to the top of the focused panel (the newest line of the stream).
-    pub fn scroll_home(&mut self) {
+    pub(crate) fn scroll_home(&mut self) {
         if self.focus == Focus::Stream {
             self.scroll = 0;
         } else {
@@ -500,7 +500,7 @@ impl App {
     }
 
     /// The first row shown in `panel`, within its `len` rows.
-    pub fn offset(&self, panel: Focus, len: usize) -> usize {
+    pub(crate) fn offset(&self, panel: Focus, len: usize) -> usize {
         self.offsets
             .get(&panel)
             .copied()
@@ -509,7 +509,7 @@ impl App {
     }
 
     /// Open escalations, newest first.
-    pub fn open_escalations(&self) -> Vec<&EscalationRecord> {
+    pub(crate) fn open_escalations(&self) -> Vec<&EscalationRecord> {
         let mut open: Vec<&EscalationRecord> = self.escalations.values().collect();
         open.sort_by(|a, b| {
             (b.escalation.created_at_ms, &b.escalation.id)
@@ -526,7 +526,7 @@ impl App {
     }
 
     /// The freshest snapshot among live nodes (for cluster-wide figures).
-    pub fn reference(&self, now_ms: u64) -> Option<&NodeSnapshot> {
+    pub(crate) fn reference(&self, now_ms: u64) -> Option<&NodeSnapshot> {
         let live = self.live_nodes(now_ms);
         self.nodes
             .iter()
@@ -536,7 +536,7 @@ impl App {
     }
 
     /// One verdict for the mesh, and what drives it.
-    pub fn banner(&self, now_ms: u64) -> (MeshStatus, String) {
+    pub(crate) fn banner(&self, now_ms: u64) -> (MeshStatus, String) {
         if !self.connected {
             let why = match self.lost_at_ms {
                 Some(at) => format!(
@@ -630,7 +630,7 @@ impl App {
     }
 
     /// `provider`'s share of the decisions of the last `SHARE_WINDOW_MS` that a provider served.
-    pub fn share(&self, provider: &str, now_ms: u64) -> f64 {
+    pub(crate) fn share(&self, provider: &str, now_ms: u64) -> f64 {
         let since = now_ms.saturating_sub(SHARE_WINDOW_MS);
         let (mut served, mut by) = (0usize, 0usize);
         for r in self
@@ -648,7 +648,7 @@ impl App {
     }
 
     /// Decisions per second over the history (oldest first), and p95 latency per second.
-    pub fn history(&self, now_ms: u64) -> (Vec<u64>, Vec<u64>) {
+    pub(crate) fn history(&self, now_ms: u64) -> (Vec<u64>, Vec<u64>) {
         let now_s = now_ms / 1_000 * 1_000;
         let mut rate = Vec::with_capacity(HISTORY_SECS);
         let mut p95 = Vec::with_capacity(HISTORY_SECS);
@@ -669,7 +669,7 @@ impl App {
     }
 
     /// The stream as filtered by the operator (a code, an agent, a provider or a node).
-    pub fn visible(&self) -> Vec<&Line> {
+    pub(crate) fn visible(&self) -> Vec<&Line> {
         let f = self.filter.trim().to_ascii_lowercase();
         self.stream
             .iter()
@@ -685,7 +685,7 @@ impl App {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MeshStatus {
+pub(crate) enum MeshStatus {
     Nominal,
     Degraded,
     Rerouting,
