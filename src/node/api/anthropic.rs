@@ -546,31 +546,75 @@ pub(crate) fn chat_headers(h: &HeaderMap) -> HeaderMap {
 }
 
 /// A chat completion (what the pipeline accepted) as a Messages answer, the `oam` object kept.
-pub(crate) fn message_of(chat: &Completion) -> Value {
-    let mut content = Vec::new();
+pub(crate) fn message_of<'a>(chat: &'a Completion<'a>) -> MessageOut<'a> {
+    let mut content = Vec::with_capacity(1 + chat.calls.len());
     if let Some(text) = chat.text.as_deref().filter(|t| !t.is_empty()) {
-        content.push(json!({"type": "text", "text": text}));
+        content.push(BlockOut::Text { text });
     }
     for call in &chat.calls {
-        // Arguments that are no JSON: none.
-        let input = call
-            .arguments
-            .as_deref()
-            .and_then(|a| serde_json::from_str::<&RawValue>(a).ok());
-        let input = input.map_or_else(|| json!({}), |i| json!(i));
-        content.push(json!({"type": "tool_use", "id": call.id, "name": call.name, "input": input}));
+        content.push(BlockOut::ToolUse {
+            id: call.id,
+            name: call.name.as_deref(),
+            // Arguments that are no JSON: none.
+            input: ObjectOr(
+                call.arguments
+                    .as_deref()
+                    .and_then(|a| serde_json::from_str::<&RawValue>(a).ok()),
+            ),
+        });
     }
-    json!({
-        "id": message_id(chat.head.id().as_deref()),
-        "type": "message",
-        "role": "assistant",
-        "model": chat.head.model,
-        "content": content,
-        "stop_reason": stop_reason_of(chat.finish.as_deref()),
-        "stop_sequence": null,
-        "usage": MessagesUsage::from(chat.usage.unwrap_or_default()),
-        "oam": chat.oam,
-    })
+    MessageOut {
+        id: message_id(chat.head.id().as_deref()),
+        kind: "message",
+        role: "assistant",
+        model: chat.head.model,
+        content,
+        stop_reason: stop_reason_of(chat.finish.as_deref()),
+        stop_sequence: (),
+        usage: MessagesUsage::from(chat.usage.unwrap_or_default()),
+        oam: chat.oam,
+    }
+}
+
+/// A Messages answer as oam writes one.
+#[derive(serde::Serialize)]
+pub(crate) struct MessageOut<'a> {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    role: &'static str,
+    model: Option<&'a RawValue>,
+    content: Vec<BlockOut<'a>>,
+    stop_reason: &'static str,
+    stop_sequence: (),
+    usage: MessagesUsage,
+    oam: Option<&'a RawValue>,
+}
+
+#[derive(serde::Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum BlockOut<'a> {
+    Text {
+        text: &'a str,
+    },
+    ToolUse {
+        id: Option<&'a RawValue>,
+        name: Option<&'a str>,
+        input: ObjectOr<'a>,
+    },
+}
+
+/// JSON text as it came, or `{}` where there is none.
+struct ObjectOr<'a>(Option<&'a RawValue>);
+
+impl serde::Serialize for ObjectOr<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match self.0 {
+            Some(raw) => raw.serialize(s),
+            None => s.serialize_map(Some(0))?.end(),
+        }
+    }
 }
 
 /// Usage as Messages reports it: `input_tokens` without those read from or written to the
@@ -874,14 +918,24 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
             .ok()
             .and_then(|k| k.kind);
         // A Messages target's own answer (a request served as it came) is kept as it is.
-        let message = match kind.map(RawValue::get) {
-            Some(r#""message""#) => serde_json::from_str(&text).unwrap_or_default(),
-            _ => message_of(&read_completion(&text).unwrap_or_default()),
-        };
+        if kind.map(RawValue::get) == Some(r#""message""#) {
+            return if stream {
+                (
+                    events_of(&serde_json::from_str(&text).unwrap_or_default()),
+                    true,
+                )
+            } else {
+                (text.into_owned(), false)
+            };
+        }
+        let chat = read_completion(&text).unwrap_or_default();
+        let message = message_of(&chat);
         return if stream {
-            (events_of(&message), true)
+            // Checked whole, then sent as the events of its stream.
+            let tree = serde_json::to_value(&message).unwrap_or_default();
+            (events_of(&tree), true)
         } else {
-            (message.to_string(), false)
+            (serde_json::to_string(&message).unwrap_or_default(), false)
         };
     }
     let v: Value = serde_json::from_str(&text).unwrap_or_default();
@@ -948,7 +1002,8 @@ mod tests {
     /// The Messages answer a chat completion means.
     fn message(chat: Value) -> Value {
         let text = chat.to_string();
-        message_of(&read_completion(&text).expect("a completion"))
+        let chat = read_completion(&text).expect("a completion");
+        serde_json::to_value(message_of(&chat)).expect("JSON")
     }
     use crate::node::api::as_chat;
 

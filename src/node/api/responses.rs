@@ -513,22 +513,30 @@ fn chat_tools(raw: &RawValue) -> Result<Box<RawValue>, BadRequest> {
 }
 
 /// A chat completion (what the pipeline accepted) as a response object, the `oam` object kept.
-pub(crate) fn response_of(chat: &Completion) -> Value {
+pub(crate) fn response_of<'a>(chat: &'a Completion<'a>) -> ResponseOut<'a> {
     let id = chat.head.id().unwrap_or_default();
-    let id = id.strip_prefix("chatcmpl-").unwrap_or(&id);
-    let mut output = Vec::new();
+    let id = id.strip_prefix("chatcmpl-").unwrap_or(&id).to_string();
+    let mut output = Vec::with_capacity(1 + chat.calls.len());
     if let Some(text) = chat.text.as_deref().filter(|t| !t.is_empty()) {
-        output.push(json!({
-            "type": "message", "id": format!("msg_{id}"), "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }));
+        output.push(ItemOut::Message {
+            id: format!("msg_{id}"),
+            status: "completed",
+            role: "assistant",
+            content: [TextOut {
+                kind: "output_text",
+                text,
+                annotations: [],
+            }],
+        });
     }
     for (i, call) in chat.calls.iter().enumerate() {
-        output.push(json!({
-            "type": "function_call", "id": format!("fc_{id}_{i}"), "call_id": call.id,
-            "name": call.name, "arguments": call.arguments,
-            "status": "completed",
-        }));
+        output.push(ItemOut::FunctionCall {
+            id: format!("fc_{id}_{i}"),
+            call_id: call.id,
+            name: call.name.as_deref(),
+            arguments: call.arguments.as_deref(),
+            status: "completed",
+        });
     }
     let incomplete = match chat.finish.as_deref() {
         Some("length") => Some("max_output_tokens"),
@@ -536,28 +544,105 @@ pub(crate) fn response_of(chat: &Completion) -> Value {
         _ => None,
     };
     let u = chat.usage.unwrap_or_default();
-    json!({
-        "id": format!("resp_{id}"),
-        "object": "response",
-        "created_at": chat.head.created,
-        "status": if incomplete.is_some() { "incomplete" } else { "completed" },
-        "incomplete_details": incomplete.map(|r| json!({"reason": r})),
-        "error": null,
-        "model": chat.head.model,
-        "output": output,
-        "parallel_tool_calls": true,
-        "tool_choice": "auto",
-        "tools": [],
-        "store": false,
-        "usage": {
-            "input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
+    ResponseOut {
+        id: format!("resp_{id}"),
+        object: "response",
+        created_at: chat.head.created,
+        status: if incomplete.is_some() {
+            "incomplete"
+        } else {
+            "completed"
         },
-        "oam": chat.oam,
-    })
+        incomplete_details: incomplete.map(|reason| Incomplete { reason }),
+        error: (),
+        model: chat.head.model,
+        output,
+        parallel_tool_calls: true,
+        tool_choice: "auto",
+        tools: [],
+        store: false,
+        usage: UsageOut {
+            input_tokens: u.prompt_tokens,
+            input_tokens_details: CachedOut {
+                cached_tokens: u.cached_tokens,
+            },
+            output_tokens: u.completion_tokens,
+            output_tokens_details: ReasoningOut {
+                reasoning_tokens: u.reasoning_tokens,
+            },
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+        },
+        oam: chat.oam,
+    }
+}
+
+/// A response object as oam writes one.
+#[derive(serde::Serialize)]
+pub(crate) struct ResponseOut<'a> {
+    id: String,
+    object: &'static str,
+    created_at: Option<&'a RawValue>,
+    status: &'static str,
+    incomplete_details: Option<Incomplete>,
+    error: (),
+    model: Option<&'a RawValue>,
+    output: Vec<ItemOut<'a>>,
+    parallel_tool_calls: bool,
+    tool_choice: &'static str,
+    tools: [(); 0],
+    store: bool,
+    usage: UsageOut,
+    oam: Option<&'a RawValue>,
+}
+
+#[derive(serde::Serialize)]
+struct Incomplete {
+    reason: &'static str,
+}
+
+#[derive(serde::Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ItemOut<'a> {
+    Message {
+        id: String,
+        status: &'static str,
+        role: &'static str,
+        content: [TextOut<'a>; 1],
+    },
+    FunctionCall {
+        id: String,
+        call_id: Option<&'a RawValue>,
+        name: Option<&'a str>,
+        arguments: Option<&'a str>,
+        status: &'static str,
+    },
+}
+
+#[derive(serde::Serialize)]
+struct TextOut<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: &'a str,
+    annotations: [(); 0],
+}
+
+#[derive(serde::Serialize)]
+struct UsageOut {
+    input_tokens: u64,
+    input_tokens_details: CachedOut,
+    output_tokens: u64,
+    output_tokens_details: ReasoningOut,
+    total_tokens: u64,
+}
+
+#[derive(serde::Serialize)]
+struct CachedOut {
+    cached_tokens: u64,
+}
+
+#[derive(serde::Serialize)]
+struct ReasoningOut {
+    reasoning_tokens: u64,
 }
 
 /// A chat stream relayed live as the Responses API's typed events: the response started, the
@@ -878,11 +963,14 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
         return (String::from_utf8_lossy(&a.body).into_owned(), false);
     }
     let text = String::from_utf8_lossy(&a.body);
-    let response = response_of(&read_completion(&text).unwrap_or_default());
+    let chat = read_completion(&text).unwrap_or_default();
+    let response = response_of(&chat);
     if stream {
-        (events_of(&response), true)
+        // Checked whole, then sent as the events of its stream.
+        let tree = serde_json::to_value(&response).unwrap_or_default();
+        (events_of(&tree), true)
     } else {
-        (response.to_string(), false)
+        (serde_json::to_string(&response).unwrap_or_default(), false)
     }
 }
 
@@ -931,7 +1019,8 @@ mod tests {
     /// The response object a chat completion means.
     fn response(chat: Value) -> Value {
         let text = chat.to_string();
-        response_of(&read_completion(&text).expect("a completion"))
+        let chat = read_completion(&text).expect("a completion");
+        serde_json::to_value(response_of(&chat)).expect("JSON")
     }
 
     /// What a chat target is sent of a Responses request, whether it streams, and the core
