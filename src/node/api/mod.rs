@@ -11,6 +11,7 @@ use crate::core::pipeline::Decision;
 use crate::core::request::{Message, Policy, Priority, Request, Risk};
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{Delta, Passthrough};
+pub(crate) use crate::node::exchange::{Members, members_of};
 use crate::node::model::{Sampling, Turn};
 use crate::node::request::Answer;
 use axum::http::HeaderMap;
@@ -342,52 +343,6 @@ pub(crate) fn as_chat(request: &Request, pass: &Passthrough) -> Value {
     }
     c
 }
-
-/// A JSON object's members in order, each kept as its own JSON text: nothing is built of a
-/// member until it is read as what it must be. Fails on text that is no JSON object.
-pub(crate) fn members_of(text: &str) -> serde_json::Result<Members<'_>> {
-    struct Visit;
-    impl<'de> serde::de::Visitor<'de> for Visit {
-        type Value = Members<'de>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a JSON object")
-        }
-        fn visit_map<A: serde::de::MapAccess<'de>>(
-            self,
-            mut m: A,
-        ) -> Result<Members<'de>, A::Error> {
-            let mut out = Vec::new();
-            while let Some((Key(k), v)) = m.next_entry()? {
-                out.push((k, v));
-            }
-            Ok(out)
-        }
-    }
-    /// A member's name, borrowed unless it holds escapes.
-    struct Key<'de>(std::borrow::Cow<'de, str>);
-    impl<'de> Deserialize<'de> for Key<'de> {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Key<'de>, D::Error> {
-            struct Name;
-            impl<'de> serde::de::Visitor<'de> for Name {
-                type Value = Key<'de>;
-                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                    f.write_str("a member name")
-                }
-                fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Key<'de>, E> {
-                    Ok(Key(s.into()))
-                }
-                fn visit_str<E>(self, s: &str) -> Result<Key<'de>, E> {
-                    Ok(Key(s.to_string().into()))
-                }
-            }
-            d.deserialize_str(Name)
-        }
-    }
-    serde::Deserializer::deserialize_map(&mut serde_json::Deserializer::from_str(text), Visit)
-}
-
-/// An object's members as `members_of` reads them.
-pub(crate) type Members<'a> = Vec<(std::borrow::Cow<'a, str>, &'a RawValue)>;
 
 /// A request body's members (`members_of`), or the 400 that says it is no JSON object.
 pub(crate) fn body_members(body: &[u8]) -> Result<Members<'_>, BadRequest> {

@@ -11,7 +11,8 @@ use super::http::{Endpoint, judge_failure};
 use super::{Opened, Upstream, UpstreamCall, chat, failed};
 use crate::core::request::{Generation, GenerationStatus, Usage};
 use crate::node::exchange::{
-    CallOut, ChatUsage, ChoiceOut, ChunkOut, DeltaOut, FunctionOut, Head, UsageOut, lenient, str_of,
+    CallOut, ChatUsage, ChoiceOut, ChunkOut, DeltaOut, FunctionOut, Head, UsageOut, lenient,
+    members_of, str_of,
 };
 use crate::node::model::{Content, Part, Role, Sampling, Stop, ToolChoice, Turn};
 use futures_util::future::BoxFuture;
@@ -71,17 +72,24 @@ fn translated(body: &chat::Body<'_>, prefill: Option<&str>) -> serde_json::Resul
     ))
 }
 
-/// A Messages request as it came, for `model` with oam's token limit: oam's own object left
-/// out, and whole (a stream of it is sent once checked).
-fn native_body(request: &Value, model: &str, max_tokens: u32) -> Vec<u8> {
-    let mut r = request.clone();
-    if let Some(m) = r.as_object_mut() {
-        m.remove("oam");
-        m.remove("stream");
-        m.insert("model".into(), Value::String(model.into()));
-        m.insert("max_tokens".into(), max_tokens.into());
+/// A Messages request as it came (its members as the client wrote them), for `model` with
+/// oam's token limit: oam's own object left out, and whole (a stream of it is sent once
+/// checked).
+fn native_body(request: &RawValue, model: &str, max_tokens: u32) -> serde_json::Result<Vec<u8>> {
+    use serde::ser::{SerializeMap, Serializer};
+    let members = members_of(request.get())?;
+    let mut out = Vec::with_capacity(request.get().len() + 64);
+    let mut ser = serde_json::Serializer::new(&mut out);
+    let mut m = ser.serialize_map(None)?;
+    for (k, v) in &members {
+        if !matches!(k.as_ref(), "oam" | "stream" | "model" | "max_tokens") {
+            m.serialize_entry(k.as_ref(), v)?;
+        }
     }
-    serde_json::to_vec(&r).unwrap_or_default()
+    m.serialize_entry("model", model)?;
+    m.serialize_entry("max_tokens", &max_tokens)?;
+    m.end()?;
+    Ok(out)
 }
 
 /// Now, in Unix seconds (a translated answer's `created`).
@@ -118,7 +126,7 @@ impl Upstream for AnthropicMessages {
             let started = Instant::now();
             let native = ask.pass.and_then(|p| p.native.as_ref());
             let json = match native {
-                Some(n) => Ok(native_body(n, ask.model, ask.max_tokens)),
+                Some(n) => native_body(n, ask.model, ask.max_tokens),
                 None => translated(&chat::Body::whole(&ask), None),
             };
             let json = match json {
@@ -1073,6 +1081,28 @@ mod tests {
             let again = serde_json::to_value(&again).expect("writes");
             proptest::prop_assert_eq!(again, sent);
         }
+    }
+
+    #[test]
+    fn a_request_served_as_it_came_keeps_its_members_as_written() {
+        let sent = r#"{"model": "auto", "max_tokens": 9, "stream": true, "top_k": 5,
+            "thinking": {"type": "enabled", "budget_tokens": 32}, "oam": {"agent": "a"},
+            "messages": [{"role": "user", "content": "hi"}]}"#;
+        let raw: Box<RawValue> = serde_json::from_str(sent).unwrap();
+        let body = native_body(&raw, "claude-x", 64).expect("a body");
+        let text = String::from_utf8(body).unwrap();
+        assert!(
+            text.contains(r#""thinking":{"type": "enabled", "budget_tokens": 32}"#),
+            "as the client wrote it: {text}"
+        );
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            v,
+            json!({"model": "claude-x", "max_tokens": 64, "top_k": 5,
+                "thinking": {"type": "enabled", "budget_tokens": 32},
+                "messages": [{"role": "user", "content": "hi"}]}),
+            "oam's object and stream left out, the target's model and oam's limit in"
+        );
     }
 
     #[test]
