@@ -270,6 +270,21 @@ pub(crate) struct CallDelta<'a> {
     pub arguments: Option<Cow<'a, str>>,
 }
 
+impl<'a> CallDelta<'a> {
+    /// A tool call (or its piece) read from its text, leniently; at `position` in a whole
+    /// answer, else where its `index` says.
+    fn read(raw: &'a RawValue, position: Option<u64>) -> CallDelta<'a> {
+        let c: CallIn = lenient(Some(raw));
+        let f: FunctionIn = lenient(c.function);
+        CallDelta {
+            index: position.unwrap_or_else(|| u64_of(c.index).unwrap_or(0)),
+            id: c.id,
+            name: str_of(f.name),
+            arguments: str_of(f.arguments),
+        }
+    }
+}
+
 /// What one chunk of an upstream's stream says, borrowed from its text.
 #[derive(Debug, Default)]
 pub(crate) struct Delta<'a> {
@@ -421,16 +436,7 @@ pub(crate) fn read_completion(text: &str) -> Option<Completion<'_>> {
         calls: calls
             .into_iter()
             .enumerate()
-            .map(|(i, call)| {
-                let call: CallIn = lenient(Some(call));
-                let f: FunctionIn = lenient(call.function);
-                CallDelta {
-                    index: i as u64,
-                    id: call.id,
-                    name: str_of(f.name),
-                    arguments: str_of(f.arguments),
-                }
-            })
+            .map(|(i, call)| CallDelta::read(call, Some(i as u64)))
             .collect(),
         finish: str_of(choice.finish_reason),
         usage,
@@ -599,16 +605,7 @@ pub(crate) fn read_chunk(data: &str) -> Result<Option<Delta<'_>>, ErrorEvent> {
     let tool_calls = calls
         .unwrap_or_default()
         .into_iter()
-        .map(|c| {
-            let c: CallIn = lenient(Some(c));
-            let f: FunctionIn = lenient(c.function);
-            CallDelta {
-                index: u64_of(c.index).unwrap_or(0),
-                id: c.id,
-                name: str_of(f.name),
-                arguments: str_of(f.arguments),
-            }
-        })
+        .map(|c| CallDelta::read(c, None))
         .collect();
     let usage = chunk.usage.and_then(usage_in);
     Ok(Some(Delta {

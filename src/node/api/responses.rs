@@ -300,7 +300,7 @@ fn given(v: Option<&RawValue>) -> Option<&RawValue> {
 
 /// JSON text that is a string: the string.
 fn string(v: Option<&RawValue>) -> Option<String> {
-    v.and_then(read::<String>)
+    crate::node::exchange::str_of(v).map(std::borrow::Cow::into_owned)
 }
 
 /// One input item as the turns it means: a message (its content parts read), a function call
