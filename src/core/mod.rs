@@ -24,5 +24,6 @@ pub mod replay;
 pub mod request;
 pub mod scope;
 pub mod score;
+pub mod timeline;
 pub mod validate;
 pub mod wire;

@@ -21,6 +21,7 @@ use super::quorum::{Cluster, ProviderView};
 use super::reason::{Action, Phase, ReasonCode};
 use super::request::{Generation, GenerationStatus, Request, Risk, Target, TargetId, round_usd};
 use super::score::{self, ScoreInput};
+use super::timeline::{Entry as TimelineEntry, Timeline};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -365,6 +366,8 @@ pub struct Engine {
     escalations: u64,
     /// Where targets are, worked out from `state` (see `scope`).
     pub(crate) lookup: super::scope::Lookup,
+    /// The state timeline it writes, when a decision log keeps one (`keep_timeline`).
+    timeline: Option<Box<Timeline>>,
 }
 
 impl Engine {
@@ -375,6 +378,41 @@ impl Engine {
             queues: Queues::default(),
             escalations: 0,
             lookup: Default::default(),
+            timeline: None,
+        }
+    }
+
+    /// Write a state timeline from now on (see `timeline`).
+    pub fn keep_timeline(&mut self) {
+        self.timeline = Some(Box::new(Timeline::new()));
+    }
+
+    /// The version of the state timeline the state is at now, written first when it changed
+    /// (0 without a timeline).
+    pub fn seen(&mut self, now_ms: u64) -> u64 {
+        match self.timeline.as_mut() {
+            Some(t) => t.note(&mut self.state, now_ms),
+            None => 0,
+        }
+    }
+
+    /// The timeline entries written since the last call, to be logged in order.
+    pub fn take_timeline(&mut self) -> Vec<TimelineEntry> {
+        self.timeline.as_mut().map(|t| t.take()).unwrap_or_default()
+    }
+
+    /// Entries taken were not logged (see `Timeline::lost`).
+    pub fn timeline_lost(&mut self) {
+        if let Some(t) = self.timeline.as_mut() {
+            t.lost();
+        }
+    }
+
+    /// Target `at` (in `state.providers`) may have changed its breaker, cool-down or refused
+    /// credentials.
+    fn touch(&mut self, at: usize) {
+        if let (Some(t), Some(p)) = (self.timeline.as_mut(), self.state.providers.get(at)) {
+            t.touch(&p.id);
         }
     }
 
@@ -602,6 +640,7 @@ impl Engine {
         if p.probe {
             let id = self.state.providers[p.provider].id.clone();
             breaker_mut(&mut self.state.breakers, &id).release_probe();
+            self.touch(p.provider);
         }
         Some(())
     }
@@ -928,6 +967,7 @@ impl Engine {
         for &c in &codes {
             push(&mut s.codes, c);
         }
+        self.touch(i);
         let provider = &self.state.providers[i];
         attempt.codes = codes;
         attempt.provider = Some(provider.id.clone());
@@ -950,6 +990,9 @@ impl Engine {
     /// breaker (not one tripped on purpose) half-opens now, instead of when its `open_ms` ends,
     /// so the next request probes it. The transition, if one happened.
     pub fn answering_again(&mut self, target: &str) -> Option<Transition> {
+        if let Some(t) = self.timeline.as_mut() {
+            t.touch(&TargetId::from(target));
+        }
         let b = self.state.breakers.get_mut(target)?;
         let Breaker::Open { forced: false, .. } = *b else {
             return None;
@@ -1045,6 +1088,7 @@ impl Engine {
             return self.finish_failure(s, Phase::Generation, now_ms);
         };
         let judged = self.judge(s, p, &g, now_ms);
+        self.touch(p.provider);
         self.after(s, p, &g, judged, now_ms)
     }
 
@@ -1455,6 +1499,9 @@ impl Engine {
         self.state
             .misconfigured
             .insert(target.to_string(), now_ms + MISCONFIGURED_ESCALATION_MS);
+        if let Some(t) = self.timeline.as_mut() {
+            t.touch(&target);
+        }
         for c in [
             ReasonCode::HumanAttentionRequired,
             ReasonCode::EscalatedUpstreamMisconfigured,

@@ -79,6 +79,34 @@ pub struct Cluster {
     /// provider -> node -> latest observation.
     #[serde(default, with = "observation_list")]
     pub observations: BTreeMap<String, BTreeMap<String, Observation>>,
+    /// What changed since the state timeline last took it (`take_changes`).
+    #[serde(skip)]
+    changes: Changes,
+}
+
+/// What of a cluster's view changed since it was last taken (`Cluster::take_changes`): for
+/// the state timeline (`timeline`), which writes what changed, not the whole view. Not part of
+/// the view: neither written nor compared.
+#[derive(Clone, Default, Debug)]
+pub struct Changes {
+    /// The members (or their heartbeats) changed.
+    pub members: bool,
+    /// Providers whose observations changed.
+    pub providers: BTreeSet<String>,
+    /// Observations of every provider changed (a member gave up its seat).
+    pub all: bool,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        !self.members && !self.all && self.providers.is_empty()
+    }
+}
+
+impl PartialEq for Changes {
+    fn eq(&self, _: &Changes) -> bool {
+        true
+    }
 }
 
 fn one() -> usize {
@@ -119,7 +147,18 @@ impl Cluster {
             observation_ttl_ms: DEFAULT_OBSERVATION_TTL_MS,
             members: BTreeMap::new(),
             observations: BTreeMap::new(),
+            changes: Changes::default(),
         }
+    }
+
+    /// What changed since the last call (see `Changes`).
+    pub fn changes(&self) -> &Changes {
+        &self.changes
+    }
+
+    /// What changed since the last call, forgotten here.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
     }
 
     /// This cluster as the views of `providers` read it: every member, and the observations
@@ -137,6 +176,7 @@ impl Cluster {
                 .filter_map(|p| self.observations.get_key_value(p))
                 .map(|(p, o)| (p.clone(), o.clone()))
                 .collect(),
+            changes: Changes::default(),
         }
     }
 
@@ -167,6 +207,7 @@ impl Cluster {
             }
         };
         if room {
+            self.changes.members = true;
             self.members.insert(
                 node.to_string(),
                 Member {
@@ -195,6 +236,7 @@ impl Cluster {
         for per_node in self.observations.values_mut() {
             per_node.remove(&id);
         }
+        self.changes.all = true;
         true
     }
 
@@ -211,6 +253,7 @@ impl Cluster {
         if now_ms >= m.last_heartbeat_ms {
             m.last_heartbeat_ms = now_ms;
             m.connected = true;
+            self.changes.members = true;
         }
         true
     }
@@ -236,6 +279,7 @@ impl Cluster {
     pub fn disconnect(&mut self, node: &str) {
         if let Some(m) = self.members.get_mut(node) {
             m.connected = false;
+            self.changes.members = true;
         }
     }
 
@@ -250,6 +294,7 @@ impl Cluster {
         match per_node.get(&obs.node) {
             Some(old) if old.at_ms >= obs.at_ms => false,
             _ => {
+                self.changes.providers.insert(obs.provider.clone());
                 per_node.insert(obs.node.clone(), obs);
                 true
             }

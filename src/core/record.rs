@@ -8,10 +8,12 @@
 //! reads (its loop entry, its budgets, its route).
 
 use super::loops::{self, Fingerprint};
-use super::pipeline::{Config, Decision, Engine, Session, State, Step};
+use super::pipeline::{Config, Decision, Engine, Route, Session, State, Step};
 use super::reason::ReasonCode;
-use super::request::{Generation, Request};
+use super::request::{Generation, Request, Target};
+use super::timeline::Seen;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// One thing a driver tells the engine about a request after `begin`.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
@@ -128,6 +130,7 @@ impl Engine {
         Snapshot {
             state,
             escalations: self.escalations_raised(),
+            seen: 0,
         }
     }
 }
@@ -149,6 +152,13 @@ pub struct Snapshot {
     pub state: State,
     /// Escalations the node had raised (the next one's serial).
     pub escalations: u64,
+    /// The version of the node's state timeline it is a cut of (0: none was kept).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub seen: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One call, when it happened, and the state it saw (what differs from what `begin` saw).
@@ -191,6 +201,8 @@ pub struct Patch {
     pub misconfigured: Option<std::collections::BTreeMap<String, u64>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub escalations: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seen: Option<u64>,
 }
 
 impl Patch {
@@ -201,7 +213,7 @@ impl Patch {
     /// What of the engine's state, as a call for `request` reads it, differs from `base`:
     /// compared in place, only what differs is copied (this runs for every call of every
     /// request the log records).
-    pub fn of(base: &Snapshot, e: &Engine, request: &Request) -> Patch {
+    pub fn of(base: &Snapshot, e: &Engine, request: &Request, seen: u64) -> Patch {
         let (b, st) = (&base.state, &e.state);
         let fp = fingerprint(request);
         let loops_differ = b.loops.get(&fp) != st.loops.get(&fp);
@@ -247,6 +259,7 @@ impl Patch {
                 .entries_differ(ps, &b.misconfigured, &st.misconfigured)
                 .then(|| scope.entries(ps, &st.misconfigured)),
             escalations: (base.escalations != escalations).then_some(escalations),
+            seen: (base.seen != seen).then_some(seen),
         }
     }
 
@@ -276,6 +289,7 @@ impl Patch {
                     .unwrap_or_else(|| b.misconfigured.clone()),
             },
             escalations: self.escalations.unwrap_or(base.escalations),
+            seen: self.seen.unwrap_or(base.seen),
         }
     }
 }
@@ -591,11 +605,49 @@ impl Record {
 
     /// Drive the request through a fresh engine with `config`, each call on the state it saw.
     pub fn replay(&self, config: &Config) -> Result<Decision, ReplayError> {
+        self.drive(config, Ok)
+    }
+
+    /// Replay under `config` with `targets` and `routes` (another config's), each call on the
+    /// whole per-target state it saw, as the node's state timeline has it (`at` a version),
+    /// not only the cut of its own route this record keeps: what would have been decided had
+    /// these been in force. Slots, loops and budgets are the record's.
+    pub fn replay_under<'s>(
+        &self,
+        config: &Config,
+        targets: &[Target],
+        routes: &BTreeMap<String, Route>,
+        at: impl Fn(u64) -> Option<&'s Seen>,
+    ) -> Result<Decision, ReplayError> {
+        self.drive(config, |mut snap| {
+            let seen = match snap.seen {
+                0 => return Err(ReplayError::NoTimeline),
+                v => at(v).ok_or(ReplayError::NotInTimeline(v))?,
+            };
+            let st = &mut snap.state;
+            st.cluster = seen.cluster.clone();
+            st.providers = targets.to_vec();
+            st.routes = routes.clone();
+            st.breakers = seen.breakers.clone();
+            st.cooldowns = seen.cooldowns.clone();
+            st.misconfigured = seen.misconfigured.clone();
+            Ok(snap)
+        })
+    }
+
+    /// Drive the request through a fresh engine with `config`, each call on the state it saw
+    /// as `state` makes it from the record's own.
+    fn drive(
+        &self,
+        config: &Config,
+        mut state: impl FnMut(Snapshot) -> Result<Snapshot, ReplayError>,
+    ) -> Result<Decision, ReplayError> {
         if self.content_hashed {
             return Err(ReplayError::Hashed);
         }
-        let mut e = Engine::new(config.clone(), self.begin.state.clone());
-        e.set_escalations_raised(self.begin.escalations);
+        let begin = state(self.begin.clone())?;
+        let mut e = Engine::new(config.clone(), begin.state);
+        e.set_escalations_raised(begin.escalations);
         let (mut s, mut step) = e
             .begin(self.request.clone(), self.began_ms)
             .map_err(|err| ReplayError::Invalid {
@@ -603,7 +655,7 @@ impl Record {
                 message: err.message,
             })?;
         for l in &self.calls {
-            let before = l.before.apply(&self.begin);
+            let before = state(l.before.apply(&self.begin))?;
             e.state = before.state;
             e.set_escalations_raised(before.escalations);
             if let Some(next) = e.apply(&mut s, l.call.clone(), l.at_ms) {
@@ -658,6 +710,10 @@ pub enum ReplayError {
     Differs { recorded: String, replayed: String },
     #[error("a decision cannot be written as JSON: {0}")]
     Unwritable(String),
+    #[error("the record names no state version: its node kept no state timeline")]
+    NoTimeline,
+    #[error("state version {0} is not in the timeline read")]
+    NotInTimeline(u64),
 }
 
 /// Builds a request's record as its driver goes (see `Record`).
@@ -671,23 +727,28 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    /// Before `begin`: the request and the state it is about to see.
-    pub fn begin(e: &Engine, request: &Request, now_ms: u64) -> Recorder {
+    /// Before `begin`: the request and the state it is about to see (and its version in the
+    /// engine's timeline, written first when it changed).
+    pub fn begin(e: &mut Engine, request: &Request, now_ms: u64) -> Recorder {
+        let seen = e.seen(now_ms);
+        let mut begin = e.snapshot_for(request);
+        begin.seen = seen;
         Recorder {
             node: e.state.cluster.self_id.clone(),
             request: request.clone(),
             began_ms: now_ms,
-            begin: e.snapshot_for(request),
+            begin,
             calls: Vec::new(),
         }
     }
 
     /// Before applying `call` to the engine.
-    pub fn call(&mut self, e: &Engine, call: &Call, now_ms: u64) {
+    pub fn call(&mut self, e: &mut Engine, call: &Call, now_ms: u64) {
+        let seen = e.seen(now_ms);
         self.calls.push(Logged {
             at_ms: now_ms,
             call: call.clone(),
-            before: Patch::of(&self.begin, e, &self.request),
+            before: Patch::of(&self.begin, e, &self.request, seen),
         });
     }
 
@@ -793,7 +854,7 @@ mod tests {
         e.state.misconfigured.insert("x9".into(), T0 + 5_000);
 
         let r = asking("big", "r1");
-        let mut rec = Recorder::begin(&e, &r, T0);
+        let mut rec = Recorder::begin(&mut e, &r, T0);
         let (mut s, step) = e.begin(r, T0).expect("valid");
         assert!(matches!(step, Step::Dispatch(ref d) if &*d.provider == "h/big"));
         // Meanwhile other requests close x7's breaker (off the route) and open o/big's.
@@ -802,7 +863,7 @@ mod tests {
         let call = Call::Complete {
             generation: Generation::failed(GenerationStatus::Error, 30),
         };
-        rec.call(&e, &call, T0 + 30);
+        rec.call(&mut e, &call, T0 + 30);
         let Some(Step::Done(d)) = e.apply(&mut s, call, T0 + 30) else {
             panic!("o/big is open: nothing is left to try");
         };
@@ -994,5 +1055,97 @@ mod tests {
             _ => true,
         }));
         assert!(h.replay(&e.config).is_err());
+    }
+
+    /// Record a request for `model` driven as a node does, each attempt answered as
+    /// `answers` says in turn (`Ok` when they run out).
+    fn driven(e: &mut Engine, model: &str, id: &str, answers: &[GenerationStatus]) -> Record {
+        use crate::core::pipeline::tests::asking;
+        let r = asking(model, id);
+        let mut rec = Recorder::begin(e, &r, T0);
+        let (mut s, mut step) = e.begin(r, T0).expect("valid");
+        let mut answers = answers.iter();
+        while let Step::Dispatch(_) = step {
+            let generation = match answers.next() {
+                Some(&status) => Generation::failed(status, 5),
+                None => Generation::ok(r#"{"answer":"42","confidence":0.9}"#, 5),
+            };
+            let call = Call::Complete { generation };
+            rec.call(e, &call, T0 + 5);
+            step = e.apply(&mut s, call, T0 + 5).expect("a step");
+        }
+        let Step::Done(d) = step else {
+            panic!("{id} ended {step:?}")
+        };
+        rec.finish(std::sync::Arc::new(Decided::new(*d)))
+    }
+
+    #[test]
+    fn under_another_route_a_record_replays_on_the_state_of_targets_it_never_used() {
+        use crate::core::pipeline::tests::routed;
+        use crate::core::timeline::Seen;
+        let mut e = routed();
+        e.keep_timeline();
+        // h/big answers 429 (a cool-down), o/big serves; then a request on `small`, whose
+        // record keeps only h/small's state.
+        driven(&mut e, "big", "r0", &[GenerationStatus::RateLimited]);
+        let r1 = driven(&mut e, "small", "r1", &[]);
+        assert!(e.state.cooldowns.contains_key("h/big"));
+        assert!(r1.begin.state.cooldowns.is_empty() && r1.begin.seen > 0);
+        let mut versions = std::collections::BTreeMap::new();
+        let mut at: Option<Seen> = None;
+        for entry in e.take_timeline() {
+            match at.as_mut() {
+                None => at = Some(Seen::of(&entry).expect("whole")),
+                Some(s) => s.then(&entry).expect("in order"),
+            }
+            let s = at.clone().expect("read");
+            versions.insert(s.version, s);
+        }
+        let (targets, routes) = (&e.state.providers, &e.state.routes);
+        let json = |d: &Decision| serde_json::to_string(d).unwrap();
+
+        // Under its own config it is its own decision.
+        let same = r1.replay_under(&e.config, targets, routes, |v| versions.get(&v));
+        assert_eq!(json(&same.expect("replays")), json(&r1.decision));
+
+        // A candidate that puts h/big first on `small`: h/big was cooling down then, so h/small
+        // still serves, as a fallback.
+        let mut candidate = routes.clone();
+        let small = candidate.get_mut("small").expect("a route");
+        small.targets.insert(0, "h/big".into());
+        let d = r1
+            .replay_under(&e.config, targets, &candidate, |v| versions.get(&v))
+            .expect("replays");
+        let served = d.attempts.last().and_then(|a| a.provider.as_deref());
+        assert_eq!(served, Some("h/small"), "{}", json(&d));
+        assert!(d.attempts.last().is_some_and(|a| a.fallback));
+        // The record's own cut does not know h/big's cool-down: on it alone, h/big would serve.
+        let cut = |v: u64| {
+            let st = &r1.begin.state;
+            Some(Seen {
+                version: v,
+                cluster: st.cluster.clone(),
+                providers: st.providers.clone(),
+                routes: st.routes.clone(),
+                breakers: st.breakers.clone(),
+                cooldowns: st.cooldowns.clone(),
+                misconfigured: st.misconfigured.clone(),
+            })
+        };
+        let alone = cut(r1.begin.seen).expect("a cut");
+        let wrong = r1
+            .replay_under(&e.config, targets, &candidate, |_| Some(&alone))
+            .expect("replays");
+        let served = wrong.attempts.last().and_then(|a| a.provider.as_deref());
+        assert_eq!(served, Some("h/big"));
+
+        // A version the reader does not have, and a record from a node without a timeline.
+        let missing = r1.replay_under(&e.config, targets, routes, |_| None);
+        assert_eq!(missing, Err(ReplayError::NotInTimeline(r1.begin.seen)));
+        let mut plain = routed();
+        let untimed = driven(&mut plain, "small", "r2", &[]);
+        let none = untimed.replay_under(&e.config, targets, routes, |v| versions.get(&v));
+        assert_eq!(none, Err(ReplayError::NoTimeline));
     }
 }

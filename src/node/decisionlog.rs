@@ -13,6 +13,7 @@
 use super::Node;
 use super::pipeline::lock;
 use crate::core::record::Record;
+use crate::core::timeline::Entry as TimelineEntry;
 use crate::transport::store::decisions::{self, batch_head, batches};
 use crate::transport::subjects;
 use serde::Deserialize;
@@ -85,6 +86,9 @@ pub(crate) struct LogCounters {
     pub written: AtomicU64,
     /// Dropped (buffer full) or not acknowledged by the stream.
     pub lost: AtomicU64,
+    /// State timeline entries written, and lost (as records are).
+    pub timeline_written: AtomicU64,
+    pub timeline_lost: AtomicU64,
 }
 
 impl LogCounters {
@@ -99,6 +103,17 @@ impl LogCounters {
             move |s| {
                 s.put(&[("result", "written")], c.written.load(Ordering::Relaxed));
                 s.put(&[("result", "lost")], c.lost.load(Ordering::Relaxed));
+            },
+        );
+        let c = self.clone();
+        registry.register(
+            "oam_decision_log_state_versions_total",
+            "State timeline entries (the engine's per-target state, once per change), by what              became of them (lost: not taken by the stream; a whole state follows).",
+            super::metrics::Kind::Counter,
+            move |s| {
+                let written = c.timeline_written.load(Ordering::Relaxed);
+                s.put(&[("result", "written")], written);
+                s.put(&[("result", "lost")], c.timeline_lost.load(Ordering::Relaxed));
             },
         );
     }
@@ -171,6 +186,28 @@ impl DecisionLog {
         Kept { ack: rx, over }
     }
 
+    /// Keep the entries `e` wrote to its state timeline for the next write, before the records
+    /// that name them (called under the engine's lock, so entries are kept in order). Beyond
+    /// `TIMELINE_MAX` waiting entries (the stream long unwritable), they go, and the engine
+    /// writes a whole state next.
+    pub(crate) fn timeline(&self, e: &mut crate::core::pipeline::Engine) {
+        let entries = e.take_timeline();
+        if entries.is_empty() {
+            return;
+        }
+        let mut waiting = lock(&self.waiting);
+        waiting.timeline.extend(entries);
+        if waiting.timeline.len() > TIMELINE_MAX {
+            let lost = waiting.timeline.len();
+            waiting.timeline.clear();
+            drop(waiting);
+            e.timeline_lost();
+            self.counters
+                .timeline_lost
+                .fetch_add(lost as u64, Ordering::Relaxed);
+        }
+    }
+
     /// Wait until there is room for what was kept (while the stream takes writes, at most
     /// `ROOM_WAIT`; else the oldest records are dropped, counted, to make it), and under
     /// `durable` until the record is written (at most the write's own deadlines).
@@ -222,7 +259,12 @@ impl DecisionLog {
 struct Waiting {
     records: std::collections::VecDeque<(Record, Option<oneshot::Sender<bool>>, usize)>,
     bytes: usize,
+    /// State timeline entries, in order (written before the records).
+    timeline: Vec<TimelineEntry>,
 }
+
+/// State timeline entries waiting at most (see `DecisionLog::timeline`).
+const TIMELINE_MAX: usize = 10_000;
 
 /// What `keep` did with a record: `logged` waits on it.
 #[must_use]
@@ -238,6 +280,8 @@ pub(crate) struct Kept {
 struct Unwritten {
     id: String,
     records: usize,
+    /// State timeline entries in it.
+    entries: usize,
     bytes: bytes::Bytes,
     waiters: Vec<oneshot::Sender<bool>>,
     since: std::time::Instant,
@@ -280,17 +324,32 @@ impl Writer {
                 () = log.full.notified() => false,
                 () = stop.cancelled() => true,
             };
-            let waiting: Vec<(Record, Option<oneshot::Sender<bool>>)> = {
+            let (timeline, waiting) = {
                 let taken = std::mem::take(&mut *lock(&log.waiting));
-                taken.records.into_iter().map(|(r, w, _)| (r, w)).collect()
+                let records: Vec<(Record, Option<oneshot::Sender<bool>>)> =
+                    taken.records.into_iter().map(|(r, w, _)| (r, w)).collect();
+                (taken.timeline, records)
             };
             log.room.notify_waiters();
-            let head = batch_head(&node.id, &node.cfg.pipeline);
+            let head = batch_head(&node.id, &boot, &node.cfg.pipeline);
+            // The state timeline first: the records name its versions.
+            for (entries, bytes) in decisions::timeline_batches(&head, &timeline) {
+                sent += 1;
+                unwritten.push_back(Unwritten {
+                    id: format!("{}.{boot}.{sent}", node.id),
+                    records: 0,
+                    entries,
+                    bytes: bytes.into(),
+                    waiters: Vec::new(),
+                    since: std::time::Instant::now(),
+                });
+            }
             for (records, bytes, waiters) in batches(&head, waiting, &log.counters.lost) {
                 sent += 1;
                 unwritten.push_back(Unwritten {
                     id: format!("{}.{boot}.{sent}", node.id),
                     records,
+                    entries: 0,
                     bytes: bytes.into(),
                     waiters,
                     since: std::time::Instant::now(),
@@ -312,6 +371,9 @@ impl Writer {
                     log.counters
                         .written
                         .fetch_add(done.records as u64, Ordering::Relaxed);
+                    log.counters
+                        .timeline_written
+                        .fetch_add(done.entries as u64, Ordering::Relaxed);
                     for w in done.waiters {
                         let _ = w.send(true);
                     }
@@ -328,6 +390,14 @@ impl Writer {
                     log.counters
                         .lost
                         .fetch_add(lost.records as u64, Ordering::Relaxed);
+                    if lost.entries > 0 {
+                        log.counters
+                            .timeline_lost
+                            .fetch_add(lost.entries as u64, Ordering::Relaxed);
+                        // Readers lose the versions until the next whole state.
+                        node.pipeline
+                            .with(crate::core::pipeline::Engine::timeline_lost);
+                    }
                     for w in lost.waiters {
                         let _ = w.send(false);
                     }

@@ -131,7 +131,11 @@ impl Node {
             routes: cfg.core_routes(),
             ..State::default()
         };
-        let pipeline = Pipeline::new(Engine::new(cfg.pipeline.clone(), state));
+        let mut engine = Engine::new(cfg.pipeline.clone(), state);
+        if cfg.decision_log.enabled {
+            engine.keep_timeline();
+        }
+        let pipeline = Pipeline::new(engine);
         let (bus, publisher) = bus::Bus::new(&id, nats);
         let serving = Serving::default();
         let chaos = Arc::new(chaos::Chaos::new(

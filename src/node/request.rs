@@ -202,6 +202,7 @@ impl Flight {
         let out = node.pipeline.with(|e| {
             if let Some(r) = recorder.as_mut() {
                 r.call(e, &call, now);
+                node.log.timeline(e);
             }
             e.apply(session, call, now)
         });
@@ -427,7 +428,11 @@ pub(crate) fn begin(
     let trace = node.otlp.begin(&request, stream, traceparent);
     let begun = node.pipeline.with(|e| {
         let now = now_ms();
-        let recorder = logging.then(|| Recorder::begin(e, &request, now));
+        let recorder = logging.then(|| {
+            let r = Recorder::begin(e, &request, now);
+            node.log.timeline(e);
+            r
+        });
         e.begin(request, now).map(|(session, step)| {
             let granted = session.ticket().map(|t| node.pipeline.wait_for_slot(t));
             (Flight::new(node.clone(), session, recorder), step, granted)

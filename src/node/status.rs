@@ -308,6 +308,7 @@ mod tests {
             "oam_bulkhead_shed_total",
             "oam_bus_messages_ignored_total",
             "oam_decision_log_records_total",
+            "oam_decision_log_state_versions_total",
             "oam_escalation_deliveries_total",
             "oam_http_connection_limit_reached_total",
             "oam_http_connection_refused_total",

@@ -3048,3 +3048,102 @@ async fn running_out_of_descriptors_is_never_the_provider_s_fault() {
     let (status, text, _) = open_stream(&g.url, "after").await;
     assert_eq!(status, 200, "{text:?}");
 }
+
+/// The decision log keeps the node's state timeline beside its records: every record names a
+/// version, the versions rebuild the state each record's own cut was taken from, and a record
+/// replays under another route on the state of a target it never used (primary/big cooling
+/// down after a long 429 when a `small` request came).
+#[tokio::test]
+async fn records_name_versions_of_a_state_timeline_that_replays_them_under_other_routes() {
+    use oam::core::timeline::Seen;
+    use oam::transport::store::decisions;
+    let g = gateway("timeline").await;
+    g.fault(
+        "primary/big",
+        json!({"mode": "rate-limit", "retry_after_ms": 60_000, "times": 1}),
+    )
+    .await;
+    let (status, v) = g.ask("big", "cooled").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(tried(&v), ["primary/big", "secondary"]);
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let (status, v) = g.ask("small", &format!("after {i}")).await;
+        assert_eq!(status, 200, "{v}");
+        ids.push(v["oam"]["request_id"].as_str().unwrap().to_string());
+    }
+    let nats = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let records = crate::support::eventually(Duration::from_secs(10), || async {
+        let (read, _) = decisions::read(&nats, 0, Some("n1"), |_| true, usize::MAX)
+            .await
+            .ok()?;
+        (read.len() >= 4).then_some(read)
+    })
+    .await
+    .expect("four records in the log");
+    let run = records[0].run.clone();
+    assert!(!run.is_empty() && records.iter().all(|r| r.run == run));
+    let entries = decisions::timeline(&nats, "n1", &run).await.unwrap();
+    assert!(entries[0].whole, "the timeline opens with a whole state");
+    let mut versions = std::collections::BTreeMap::new();
+    let mut at: Option<Seen> = None;
+    for e in &entries {
+        match at.as_mut() {
+            None => at = Some(Seen::of(e).unwrap()),
+            Some(s) => s.then(e).unwrap(),
+        }
+        let s = at.clone().unwrap();
+        versions.insert(s.version, s);
+    }
+    for r in &records {
+        let rec = &r.record;
+        let seen = versions
+            .get(&rec.begin.seen)
+            .expect("its version is in the log");
+        // The record's own cut is the timeline's state of its targets.
+        for t in &rec.begin.state.providers {
+            let id = &*t.id;
+            assert_eq!(rec.begin.state.breakers.get(id), seen.breakers.get(id));
+            assert_eq!(rec.begin.state.cooldowns.get(id), seen.cooldowns.get(id));
+            assert_eq!(
+                rec.begin.state.cluster.observations.get(id),
+                seen.cluster.observations.get(id)
+            );
+        }
+        // Under its own config it replays to its decision.
+        let same = rec
+            .replay_under(&r.config, &seen.providers, &seen.routes, |v| {
+                versions.get(&v)
+            })
+            .unwrap();
+        assert_eq!(
+            serde_json::to_string(&same).unwrap(),
+            serde_json::to_string(&rec.decision).unwrap()
+        );
+    }
+    // A candidate putting primary/big first on `small`: it was cooling down, so primary/small
+    // still serves each of them, as a fallback.
+    let last = versions.values().last().unwrap();
+    assert!(last.cooldowns.contains_key("primary/big"));
+    let mut candidate = last.routes.clone();
+    let small = candidate.get_mut("small").unwrap();
+    small.targets.insert(0, "primary/big".into());
+    for r in records
+        .iter()
+        .filter(|r| ids.contains(&r.record.decision.request_id))
+    {
+        assert!(
+            r.record.begin.state.cooldowns.is_empty(),
+            "its own cut never saw it"
+        );
+        let d = r
+            .record
+            .replay_under(&r.config, &last.providers, &candidate, |v| versions.get(&v))
+            .unwrap();
+        let served = d.attempts.last().unwrap();
+        assert_eq!(served.provider.as_deref(), Some("primary/small"));
+        assert!(served.fallback);
+    }
+}

@@ -4,6 +4,7 @@
 
 use crate::core::pipeline::Config as PipelineConfig;
 use crate::core::record::Record;
+use crate::core::timeline::Entry as TimelineEntry;
 use crate::transport::subjects;
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
@@ -19,11 +20,18 @@ const BATCH_BYTES: usize = 512 * 1024;
 /// About what one record takes (one provider, a short exchange): to size a message up front.
 const RECORD_BYTES: usize = 4 * 1024;
 
-/// One message of the log: records decided under one configuration.
+/// One message of the log: records decided under one configuration, or entries of the node's
+/// state timeline (`core::timeline`), which come before the records that name them.
 #[derive(Serialize, Deserialize, Debug)]
 pub struct Batch {
     pub node: String,
+    /// The node's run (one engine's life): state versions count within it.
+    #[serde(default)]
+    pub run: String,
     pub config: PipelineConfig,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub timeline: Vec<TimelineEntry>,
+    #[serde(default)]
     pub records: Vec<Record>,
 }
 
@@ -95,12 +103,50 @@ pub async fn open_as(
     Ok((stream, Some(change)))
 }
 
-/// A batch message's opening: `{"config":...,"node":...` (its records follow).
-pub fn batch_head(node: &str, config: &PipelineConfig) -> Vec<u8> {
-    let mut head = serde_json::to_vec(&serde_json::json!({"node": node, "config": config}))
-        .unwrap_or_default();
+/// The members every batch message opens with.
+#[derive(Serialize)]
+struct Head<'a> {
+    node: &'a str,
+    run: &'a str,
+    config: &'a PipelineConfig,
+}
+
+/// A batch message's opening: `{"node":...,"run":...,"config":...` (its records follow).
+pub fn batch_head(node: &str, run: &str, config: &PipelineConfig) -> Vec<u8> {
+    let mut head = serde_json::to_vec(&Head { node, run, config }).unwrap_or_default();
     head.pop(); // the closing brace: `,"records":[...]}` follows
     head
+}
+
+/// Encode state timeline entries into batch messages (`head` is `batch_head`) of at most
+/// `BATCH_BYTES` (an entry larger than that goes alone), in order: (entries in it, bytes).
+pub fn timeline_batches(head: &[u8], entries: &[TimelineEntry]) -> Vec<(usize, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut msg = Vec::new();
+    let mut n = 0;
+    for e in entries {
+        let Ok(one) = serde_json::to_vec(e) else {
+            continue; // plain data: cannot fail
+        };
+        if n > 0 && msg.len() + one.len() + 2 > BATCH_BYTES {
+            msg.extend_from_slice(b"]}");
+            out.push((n, std::mem::take(&mut msg)));
+            n = 0;
+        }
+        if n == 0 {
+            msg.extend_from_slice(head);
+            msg.extend_from_slice(b",\"timeline\":[");
+        } else {
+            msg.push(b',');
+        }
+        msg.extend_from_slice(&one);
+        n += 1;
+    }
+    if n > 0 {
+        msg.extend_from_slice(b"]}");
+        out.push((n, msg));
+    }
+    out
 }
 
 /// Encode records into batch messages of at most `BATCH_BYTES` (a record larger than that
@@ -175,6 +221,8 @@ pub fn batches<W>(
 /// One record read back, with the configuration it was decided under and when it was written.
 pub struct Entry {
     pub config: Arc<PipelineConfig>,
+    /// The node's run it was decided in (its state versions count within it).
+    pub run: Arc<str>,
     pub record: Record,
 }
 
@@ -301,7 +349,7 @@ pub async fn read(
         .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
     if last == usize::MAX {
         let from = DeliverPolicy::ByStartTime { start_time: start };
-        let (out, read, _) = read_from(&stream, from, None, start, node, &keep, last).await?;
+        let (out, read, _) = records_from(&stream, from, None, start, node, &keep, last).await?;
         return Ok((out.into(), read));
     }
     // Only the newest `last` are wanted: read back from the end in windows of messages, each
@@ -320,7 +368,7 @@ pub async fn read(
             start_sequence: begin,
         };
         let (older, n, reached_since) =
-            read_from(&stream, from, Some(end), start, node, &keep, last).await?;
+            records_from(&stream, from, Some(end), start, node, &keep, last).await?;
         read += n;
         for e in older.into_iter().rev() {
             out.push_front(e);
@@ -335,10 +383,10 @@ pub async fn read(
     Ok((out.into(), read))
 }
 
-/// Read batches from `from` (up to sequence `until`, if given), believing each only from its
-/// node's subject, skipping those written before `since`: the records `keep` wants (the `last`
-/// of them at most), how many were read, and whether one written before `since` was met.
-async fn read_from(
+/// Read records from `from` (up to sequence `until`, if given), as `read_from` does: the
+/// records `keep` wants (the `last` of them at most), how many were read, and whether one
+/// written before `since` was met.
+async fn records_from(
     stream: &async_nats::jetstream::stream::Stream,
     from: async_nats::jetstream::consumer::DeliverPolicy,
     until: Option<u64>,
@@ -347,6 +395,63 @@ async fn read_from(
     keep: &impl Fn(&Record) -> bool,
     last: usize,
 ) -> anyhow::Result<(std::collections::VecDeque<Entry>, usize, bool)> {
+    let mut out = std::collections::VecDeque::new();
+    let mut read = 0;
+    let before_since = read_from(stream, from, until, since, node, |b| {
+        read += b.records.len();
+        let config = Arc::new(b.config);
+        let run: Arc<str> = b.run.into();
+        out.extend(
+            b.records
+                .into_iter()
+                .filter(|r| keep(r))
+                .map(|record| Entry {
+                    config: config.clone(),
+                    run: run.clone(),
+                    record,
+                }),
+        );
+        out.drain(..out.len().saturating_sub(last));
+    })
+    .await?;
+    Ok((out, read, before_since))
+}
+
+/// The state timeline of `node`'s run `run`, every entry the log holds, in order (versions
+/// missing from it are the log's gaps: `timeline::Seen::then` says so).
+pub async fn timeline(
+    nats: &async_nats::Client,
+    node: &str,
+    run: &str,
+) -> anyhow::Result<Vec<TimelineEntry>> {
+    use async_nats::jetstream::consumer::DeliverPolicy;
+    let js = super::context(nats);
+    let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
+        .await
+        .map_err(|_| no_answer())?
+        .map_err(|e| anyhow::anyhow!("no decision log ({}): {e}", subjects::DECISION_LOG_STREAM))?;
+    let mut out = Vec::new();
+    let since = time::OffsetDateTime::UNIX_EPOCH;
+    read_from(&stream, DeliverPolicy::All, None, since, Some(node), |b| {
+        if b.run == run {
+            out.extend(b.timeline);
+        }
+    })
+    .await?;
+    Ok(out)
+}
+
+/// Read batches from `from` (up to sequence `until`, if given), believing each only from its
+/// node's subject, skipping those written before `since`, each given to `each`; whether one
+/// written before `since` was met.
+async fn read_from(
+    stream: &async_nats::jetstream::stream::Stream,
+    from: async_nats::jetstream::consumer::DeliverPolicy,
+    until: Option<u64>,
+    since: time::OffsetDateTime,
+    node: Option<&str>,
+    mut each: impl FnMut(Batch),
+) -> anyhow::Result<bool> {
     use async_nats::jetstream::consumer::{AckPolicy, pull};
     use futures_util::StreamExt;
     // An ephemeral pull consumer read a few batches per pull: each pull is bounded in
@@ -367,7 +472,6 @@ async fn read_from(
         .map_err(|_| no_answer())?
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
     let mut pending = consumer.cached_info().num_pending;
-    let mut out = std::collections::VecDeque::new();
     let mut read = 0;
     let mut before_since = false;
     'pulls: while pending > 0 {
@@ -412,17 +516,7 @@ async fn read_from(
                 }
                 Ok(b) => {
                     read += b.records.len();
-                    let config = Arc::new(b.config);
-                    out.extend(
-                        b.records
-                            .into_iter()
-                            .filter(|r| keep(r))
-                            .map(|record| Entry {
-                                config: config.clone(),
-                                record,
-                            }),
-                    );
-                    out.drain(..out.len().saturating_sub(last));
+                    each(b);
                 }
                 Err(e) => {
                     tracing::warn!("a decision log message is not a batch of records: {e}");
@@ -436,7 +530,7 @@ async fn read_from(
             anyhow::bail!("the decision log stopped answering after {read} records");
         }
     }
-    Ok((out, read, before_since))
+    Ok(before_since)
 }
 
 #[cfg(test)]
@@ -496,7 +590,7 @@ mod tests {
             waiting.push((recorded(&mut e, &format!("r{i}"), *size), Some(tx)));
         }
         let lost = AtomicU64::new(0);
-        let out = batches(&batch_head("n1", &config), waiting, &lost);
+        let out = batches(&batch_head("n1", "run1", &config), waiting, &lost);
         assert_eq!(lost.load(Ordering::Relaxed), 0);
         assert!(out.len() >= 3, "{} messages", out.len());
         let mut ids = Vec::new();

@@ -1,0 +1,455 @@
+//! A node's state timeline: the per-target state its engine decides on (the cluster's view,
+//! the targets and routes, breakers, cool-downs, refused credentials), written once per change
+//! as numbered versions beside the decision records. A record keeps only its route's cut of
+//! that state and names the version each of its calls saw (`record::Snapshot::seen`), so it can
+//! be replayed under another config whose routes read targets the request never used
+//! (`Record::replay_under`).
+//!
+//! The work is in proportion to what changed, never to the configuration: the engine notes the
+//! targets it touches, the cluster what it hears, and only those are compared and written. Every
+//! `WHOLE_EVERY` entries (or `WHOLE_EVERY_MS`) one holds the whole state again, so a reader of a
+//! window needs nothing older than the last whole entry before it, and a lost entry costs only
+//! the versions until the next whole one.
+
+use super::breaker::Breaker;
+use super::pipeline::{Route, State};
+use super::quorum::{Cluster, Member, Observation};
+use super::request::{Target, TargetId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+/// One entry in this many holds the whole state.
+pub const WHOLE_EVERY: u64 = 1_000;
+/// ... and one at least this often.
+pub const WHOLE_EVERY_MS: u64 = 600_000;
+
+/// One version of the state: what changed since the version before, or (`whole`) all of it.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Entry {
+    /// 1, 2, ... in one run of a node (its engine's life).
+    pub version: u64,
+    pub at_ms: u64,
+    /// The whole state: what it leaves out is empty, not unchanged.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub whole: bool,
+    /// The cluster's whole view.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<Cluster>,
+    /// The cluster's members, when they changed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub members: Option<BTreeMap<String, Member>>,
+    /// Provider -> its observations (node -> latest) now, for those that changed.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub observations: BTreeMap<String, BTreeMap<String, Observation>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub providers: Option<Vec<Target>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routes: Option<BTreeMap<String, Route>>,
+    /// Target -> its breaker now (none: closed), for those that changed.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub breakers: BTreeMap<String, Option<Breaker>>,
+    /// Target -> when its cool-down ends (none: it has none), for those that changed.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub cooldowns: BTreeMap<String, Option<u64>>,
+    /// Target -> until when its refused credentials need no new escalation, for those that
+    /// changed.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub misconfigured: BTreeMap<String, Option<u64>>,
+}
+
+/// The per-target state at one version, as a reader rebuilds it from entries.
+#[derive(Clone, PartialEq, Debug)]
+pub struct Seen {
+    pub version: u64,
+    pub cluster: Arc<Cluster>,
+    pub providers: Vec<Target>,
+    pub routes: BTreeMap<String, Route>,
+    pub breakers: BTreeMap<String, Breaker>,
+    pub cooldowns: BTreeMap<String, u64>,
+    pub misconfigured: BTreeMap<String, u64>,
+}
+
+/// Why an entry cannot follow the state it is applied to.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Gap {
+    #[error("state version {0} follows no whole state in the log")]
+    NoWhole(u64),
+    #[error("state version {got} follows version {have}: the versions between are not in the log")]
+    Missing { have: u64, got: u64 },
+}
+
+impl Seen {
+    /// The state of a `whole` entry.
+    pub fn of(whole: &Entry) -> Result<Seen, Gap> {
+        let (true, Some(cluster)) = (whole.whole, &whole.cluster) else {
+            return Err(Gap::NoWhole(whole.version));
+        };
+        let mut s = Seen {
+            version: whole.version,
+            cluster: Arc::new(cluster.clone()),
+            providers: Vec::new(),
+            routes: BTreeMap::new(),
+            breakers: BTreeMap::new(),
+            cooldowns: BTreeMap::new(),
+            misconfigured: BTreeMap::new(),
+        };
+        s.put(whole);
+        Ok(s)
+    }
+
+    /// The state after `e`: `e` itself when it is whole, else this state changed by `e`, which
+    /// must be the very next version.
+    pub fn then(&mut self, e: &Entry) -> Result<(), Gap> {
+        if e.whole {
+            *self = Seen::of(e)?;
+            return Ok(());
+        }
+        if e.version != self.version + 1 {
+            return Err(Gap::Missing {
+                have: self.version,
+                got: e.version,
+            });
+        }
+        self.put(e);
+        self.version = e.version;
+        Ok(())
+    }
+
+    fn put(&mut self, e: &Entry) {
+        if e.members.is_some() || !e.observations.is_empty() {
+            let c = Arc::make_mut(&mut self.cluster);
+            if let Some(m) = &e.members {
+                c.members = m.clone();
+            }
+            for (p, o) in &e.observations {
+                if o.is_empty() {
+                    c.observations.remove(p);
+                } else {
+                    c.observations.insert(p.clone(), o.clone());
+                }
+            }
+        }
+        if let Some(p) = &e.providers {
+            self.providers = p.clone();
+        }
+        if let Some(r) = &e.routes {
+            self.routes = r.clone();
+        }
+        set_each(&mut self.breakers, &e.breakers);
+        set_each(&mut self.cooldowns, &e.cooldowns);
+        set_each(&mut self.misconfigured, &e.misconfigured);
+    }
+}
+
+fn set_each<V: Clone>(map: &mut BTreeMap<String, V>, changed: &BTreeMap<String, Option<V>>) {
+    for (k, v) in changed {
+        match v {
+            Some(v) => map.insert(k.clone(), v.clone()),
+            None => map.remove(k),
+        };
+    }
+}
+
+/// What an engine keeps to write its timeline (`Engine::seen`): the version it is at, the
+/// targets it touched since, and what it last wrote of those it compares.
+#[derive(Default, Debug)]
+pub struct Timeline {
+    version: u64,
+    since_whole: u64,
+    whole_at_ms: u64,
+    /// The next entry is whole: the first one, and the one after an entry was lost.
+    whole_next: bool,
+    /// Targets whose breaker, cool-down or refused credentials may have changed since.
+    touched: BTreeSet<TargetId>,
+    breakers: BTreeMap<String, Breaker>,
+    cooldowns: BTreeMap<String, u64>,
+    misconfigured: BTreeMap<String, u64>,
+    /// Entries not yet taken to be written.
+    written: Vec<Entry>,
+}
+
+impl Timeline {
+    pub fn new() -> Timeline {
+        Timeline {
+            whole_next: true,
+            ..Timeline::default()
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// `target`'s breaker, cool-down or refused credentials may have changed.
+    pub fn touch(&mut self, target: &TargetId) {
+        if !self.touched.contains(target) {
+            self.touched.insert(target.clone());
+        }
+    }
+
+    /// Bring the timeline up to `state` at `now_ms`: a new version when anything changed
+    /// since the last (kept to be taken by `take`). The version `state` is at.
+    pub fn note(&mut self, state: &mut State, now_ms: u64) -> u64 {
+        let due = self.since_whole + 1 >= WHOLE_EVERY
+            || now_ms.saturating_sub(self.whole_at_ms) >= WHOLE_EVERY_MS;
+        if self.whole_next || state.cluster.changes().all || (due && self.changed(state)) {
+            self.whole(state, now_ms);
+            return self.version;
+        }
+        if !self.changed(state) {
+            return self.version;
+        }
+        let mut e = Entry {
+            version: self.version + 1,
+            at_ms: now_ms,
+            ..Entry::default()
+        };
+        if !state.cluster.changes().is_empty() {
+            let c = Arc::make_mut(&mut state.cluster);
+            let changes = c.take_changes();
+            if changes.members {
+                e.members = Some(c.members.clone());
+            }
+            for p in changes.providers {
+                let now = c.observations.get(&p).cloned().unwrap_or_default();
+                e.observations.insert(p, now);
+            }
+        }
+        for id in std::mem::take(&mut self.touched) {
+            changed(&mut e.breakers, &mut self.breakers, &state.breakers, &id);
+            changed(&mut e.cooldowns, &mut self.cooldowns, &state.cooldowns, &id);
+            changed(
+                &mut e.misconfigured,
+                &mut self.misconfigured,
+                &state.misconfigured,
+                &id,
+            );
+        }
+        let nothing = e.members.is_none()
+            && e.observations.is_empty()
+            && e.breakers.is_empty()
+            && e.cooldowns.is_empty()
+            && e.misconfigured.is_empty();
+        if !nothing {
+            self.version = e.version;
+            self.since_whole += 1;
+            self.written.push(e);
+        }
+        self.version
+    }
+
+    /// Might anything have changed since the last entry?
+    fn changed(&self, state: &State) -> bool {
+        !self.touched.is_empty() || !state.cluster.changes().is_empty()
+    }
+
+    fn whole(&mut self, state: &mut State, now_ms: u64) {
+        if !state.cluster.changes().is_empty() {
+            Arc::make_mut(&mut state.cluster).take_changes();
+        }
+        self.touched.clear();
+        self.breakers = state.breakers.clone();
+        self.cooldowns = state.cooldowns.clone();
+        self.misconfigured = state.misconfigured.clone();
+        self.version += 1;
+        self.written.push(Entry {
+            version: self.version,
+            at_ms: now_ms,
+            whole: true,
+            cluster: Some(Cluster::clone(&state.cluster)),
+            members: None,
+            observations: BTreeMap::new(),
+            providers: Some(state.providers.clone()),
+            routes: Some(state.routes.clone()),
+            breakers: every(&state.breakers),
+            cooldowns: every(&state.cooldowns),
+            misconfigured: every(&state.misconfigured),
+        });
+        self.since_whole = 0;
+        self.whole_at_ms = now_ms;
+        self.whole_next = false;
+    }
+
+    /// The entries written since the last call, to be logged in order.
+    pub fn take(&mut self) -> Vec<Entry> {
+        std::mem::take(&mut self.written)
+    }
+
+    /// An entry taken was not logged: the next one is whole, so readers lose only the versions
+    /// between.
+    pub fn lost(&mut self) {
+        self.whole_next = true;
+    }
+}
+
+/// Every entry of `map`, as a change to an empty map.
+fn every<V: Copy>(map: &BTreeMap<String, V>) -> BTreeMap<String, Option<V>> {
+    map.iter().map(|(k, v)| (k.clone(), Some(*v))).collect()
+}
+
+/// When `id`'s value in `now` differs from the one last written (`last`), write it (`into`)
+/// and remember it.
+fn changed<V: Copy + PartialEq>(
+    into: &mut BTreeMap<String, Option<V>>,
+    last: &mut BTreeMap<String, V>,
+    now: &BTreeMap<String, V>,
+    id: &str,
+) {
+    let v = now.get(id).copied();
+    if last.get(id).copied() == v {
+        return;
+    }
+    match v {
+        Some(v) => last.insert(id.to_string(), v),
+        None => last.remove(id),
+    };
+    into.insert(id.to_string(), v);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::health::Verdict;
+    use crate::core::pipeline::tests::{T0, asking, observation, routed};
+    use crate::core::pipeline::{Engine, Step};
+    use crate::core::request::{Generation, GenerationStatus};
+
+    /// Drive a request for `model` to its decision, each attempt answered as `answers` says in
+    /// turn (`Ok` when they run out).
+    fn drive(e: &mut Engine, model: &str, id: &str, now: u64, answers: &[GenerationStatus]) {
+        let (mut s, mut step) = e.begin(asking(model, id), now).expect("valid");
+        let mut answers = answers.iter();
+        while let Step::Dispatch(_) = step {
+            let g = match answers.next() {
+                Some(&status) => Generation::failed(status, 5),
+                None => Generation::ok(r#"{"ok":true}"#, 5),
+            };
+            step = e.complete(&mut s, g, now);
+        }
+        assert!(matches!(step, Step::Done(_)), "{id} ended {step:?}");
+    }
+
+    /// The state a reader rebuilds is the engine's, field by field.
+    fn same(seen: &Seen, e: &Engine) {
+        let st = &e.state;
+        assert_eq!(*seen.cluster, *st.cluster);
+        assert_eq!(seen.providers, st.providers);
+        assert_eq!(seen.routes, st.routes);
+        assert_eq!(seen.breakers, st.breakers);
+        assert_eq!(seen.cooldowns, st.cooldowns);
+        assert_eq!(seen.misconfigured, st.misconfigured);
+    }
+
+    #[test]
+    fn a_reader_rebuilds_the_engines_state_at_every_version_from_what_changed() {
+        let mut e = routed();
+        e.keep_timeline();
+        let mut reader: Option<Seen> = None;
+        let mut wholes = 0;
+        let mut follow = |e: &mut Engine, now: u64| {
+            let v = e.seen(now);
+            for entry in e.take_timeline() {
+                wholes += usize::from(entry.whole);
+                match reader.as_mut() {
+                    None => reader = Some(Seen::of(&entry).expect("the first is whole")),
+                    Some(r) => r.then(&entry).expect("in order"),
+                }
+            }
+            let r = reader.as_ref().expect("an entry");
+            assert_eq!(r.version, v);
+            same(r, e);
+            v
+        };
+        let first = follow(&mut e, T0);
+        // Nothing changed: no new version.
+        assert_eq!(follow(&mut e, T0 + 1), first);
+        let mut now = T0;
+        let failures = [
+            GenerationStatus::Error,
+            GenerationStatus::RateLimited,
+            GenerationStatus::Unauthorized,
+            GenerationStatus::Timeout,
+        ];
+        for (i, &failed) in failures.iter().cycle().take(24).enumerate() {
+            now += 1_000;
+            // Requests change breakers, cool-downs and refused credentials; the cluster
+            // hears newer observations of one target.
+            drive(&mut e, "big", &format!("r{i}"), now, &[failed]);
+            let mut o = observation("n1", "o/big", Verdict::Degraded, 0.9);
+            o.at_ms = now;
+            Arc::make_mut(&mut e.state.cluster).observe(o);
+            drive(&mut e, "small", &format!("s{i}"), now, &[]);
+            follow(&mut e, now);
+        }
+        assert!(!e.state.cooldowns.is_empty() && !e.state.misconfigured.is_empty());
+        assert!(e.state.breakers.values().any(|b| *b != Breaker::default()));
+        assert_eq!(wholes, 1, "one whole state, then only changes");
+        let version = reader.as_ref().expect("read").version;
+        assert!(version > first + 10, "{version} versions");
+
+        // An entry lost: the reader sees the gap, and the next entry is whole again.
+        let heard = |e: &mut Engine, at_ms: u64| {
+            let mut o = observation("n1", "h/small", Verdict::Healthy, 1.0);
+            o.at_ms = at_ms;
+            Arc::make_mut(&mut e.state.cluster).observe(o);
+        };
+        heard(&mut e, now + 1);
+        assert_eq!(e.seen(now + 1), version + 1);
+        let lost = e.take_timeline();
+        assert_eq!(lost.len(), 1);
+        e.timeline_lost();
+        heard(&mut e, now + 2);
+        e.seen(now + 2);
+        let next = e.take_timeline();
+        assert!(next.len() == 1 && next[0].whole && next[0].version == version + 2);
+        let mut r = reader.expect("read");
+        let mut delta = next[0].clone();
+        delta.whole = false;
+        assert_eq!(
+            r.then(&delta),
+            Err(Gap::Missing {
+                have: version,
+                got: version + 2
+            })
+        );
+        r.then(&next[0]).expect("a whole state follows anything");
+        same(&r, &e);
+    }
+
+    #[test]
+    fn a_whole_state_is_written_again_every_so_many_changes() {
+        let mut e = routed();
+        e.keep_timeline();
+        let mut wholes = Vec::new();
+        for i in 0..WHOLE_EVERY + 5 {
+            let mut o = observation("n1", "h/big", Verdict::Healthy, 1.0);
+            o.at_ms = T0 + 1 + i;
+            Arc::make_mut(&mut e.state.cluster).observe(o);
+            e.seen(T0 + 1 + i);
+            wholes.extend(
+                e.take_timeline()
+                    .into_iter()
+                    .filter(|x| x.whole)
+                    .map(|x| x.version),
+            );
+        }
+        assert_eq!(wholes, [1, WHOLE_EVERY + 1]);
+        // ... and after `WHOLE_EVERY_MS`, at the next change.
+        let later = T0 + WHOLE_EVERY_MS * 2;
+        let mut o = observation("n1", "h/big", Verdict::Healthy, 1.0);
+        o.at_ms = later;
+        Arc::make_mut(&mut e.state.cluster).observe(o);
+        e.seen(later);
+        assert!(e.take_timeline()[0].whole);
+    }
+
+    #[test]
+    fn an_engine_without_a_timeline_writes_none() {
+        let mut e = routed();
+        drive(&mut e, "big", "r1", T0, &[GenerationStatus::Error]);
+        assert_eq!(e.seen(T0), 0);
+        assert!(e.take_timeline().is_empty());
+    }
+}
