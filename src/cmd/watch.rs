@@ -200,39 +200,51 @@ async fn follow(
     }
 }
 
-/// The escalation store, every record and then every change, as model events; read again from
-/// the start whenever the watch breaks (NATS gone and back). These are state, not a stream: this
-/// task waits for room in the channel rather than drop a resolution.
+/// The escalation store, every record and then every change, as model events, read by direct
+/// get every `ESCALATIONS_EVERY` (no consumer: the viewer may create none); read again from the
+/// start whenever reading fails (NATS gone and back). These are state, not a stream: this task
+/// waits for room in the channel rather than drop a resolution.
 async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sender<Event>) {
+    const ESCALATIONS_EVERY: Duration = Duration::from_secs(1);
+    let mut at: Option<(kv::Store, u64)> = None;
     loop {
-        if let Ok(store) = escalations::store(&nats).await
-            && let Ok(mut changes) = store.watch_with_history(">").await
+        if at.is_none()
+            && let Ok(store) = escalations::store(&nats).await
         {
             if tx.send(Event::EscalationsReread).await.is_err() {
                 return;
             }
-            while let Some(Ok(entry)) = changes.next().await {
-                let ev = match entry.operation {
-                    kv::Operation::Put => {
-                        match serde_json::from_slice::<escalations::EscalationRecord>(&entry.value)
-                        {
-                            Ok(r) => Event::Escalation(Box::new(r)),
-                            Err(_) => continue,
+            at = Some((store, 1));
+        }
+        if let Some((store, from)) = at.as_mut() {
+            match crate::transport::store::changes_since(store, *from).await {
+                Ok((changes, next)) => {
+                    *from = next;
+                    for c in changes {
+                        let ev = match c.operation {
+                            kv::Operation::Put => match serde_json::from_slice::<
+                                escalations::EscalationRecord,
+                            >(&c.value)
+                            {
+                                Ok(r) => Event::Escalation(Box::new(r)),
+                                Err(_) => continue,
+                            },
+                            kv::Operation::Delete | kv::Operation::Purge => {
+                                Event::EscalationGone(c.key)
+                            }
+                        };
+                        if tx.send(ev).await.is_err() {
+                            return;
                         }
                     }
-                    kv::Operation::Delete | kv::Operation::Purge => {
-                        Event::EscalationGone(entry.key)
-                    }
-                };
-                if tx.send(ev).await.is_err() {
-                    return;
                 }
+                Err(_) => at = None,
             }
         }
         if tx.is_closed() {
             return;
         }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(ESCALATIONS_EVERY).await;
     }
 }
 

@@ -12,7 +12,7 @@
 //! | `agent-{name}`  | its own heartbeats, errors, graceful death; calls; answers | its own requests   |
 //! | `caller`        | calls to agents, data-plane requests                     | deaths, the catalog |
 //! | `sdk-agent-{name}`, `sdk-caller` | as an agent / a caller, for the Open Agent Mesh SDK | also `_INBOX.>`, `mesh.stream.>`, the catalog through a consumer |
-//! | `viewer`        | JetStream reads; which faults are active (`oam.v1.chaos.list`) | the control plane but requests, mesh events |
+//! | `viewer`        | JetStream reads by key and direct get (no consumer); which faults are active (`oam.v1.chaos.list`) | the control plane but requests, mesh events |
 //! | admin (`oam`)   | everything, including stream and bucket delete          | everything         |
 //!
 //! No role has a reply permission (`allow_responses`: the sender of a message picks its reply
@@ -107,7 +107,7 @@ impl Role {
                 // the default inbox.
                 p.publish([subjects::answers_from(subjects::ANSWERER_NODES)]);
                 p.publish([subjects::SHARED_INBOXES]);
-                p.consume_stream(subjects::DECISION_LOG_STREAM);
+                p.get_stream(subjects::DECISION_LOG_STREAM);
                 p.subscribe([
                     subjects::HEARTBEATS,
                     subjects::GOODBYES,
@@ -272,15 +272,16 @@ impl Permissions {
             subjects::HEALTH,
             subjects::ALL_ERRORS,
         ]);
-        // The agent mesh's buckets are written by agents: read by key, never through a
-        // consumer (which could copy an agent's bytes onto any subject).
+        // Every store is read by key or by direct get, never through a consumer: a viewer
+        // creates none (a consumer could copy a stream's bytes onto any subject, and each one
+        // is the server's to keep), so it can leave none behind and use up no consumer slot.
         for b in MESH_BUCKETS {
             self.kv_read(b);
         }
         for b in [escalations::BUCKET, subjects::BUDGETS_BUCKET] {
-            self.kv_watch(b);
+            self.kv_read(b);
         }
-        self.consume_stream(subjects::DECISION_LOG_STREAM);
+        self.get_stream(subjects::DECISION_LOG_STREAM);
         // Which faults are active (asking changes nothing; injecting is the operator's).
         self.publish([subjects::CHAOS_LIST]);
     }
@@ -457,10 +458,9 @@ mod tests {
         }
         assert!(may_publish(&Role::SdkAgent("py.x".into()), create));
         assert!(may_publish(&Role::SdkCaller, create));
-        assert!(may_publish(
-            &viewer,
-            "$JS.API.CONSUMER.CREATE.OAM_DECISIONS"
-        ));
+        // A node watches its buckets through consumers; nobody reads the log through one.
+        assert!(may_publish(&n1, "$JS.API.CONSUMER.CREATE.KV_oam-budgets"));
+        assert!(!may_publish(&n1, "$JS.API.CONSUMER.CREATE.OAM_DECISIONS"));
         // Answers: only under the answerer's own token, never into a private inbox, never a
         // reply permission.
         for r in [&agent, &n1, &caller, &viewer, &Role::Warden, &Role::Monitor] {
@@ -490,6 +490,21 @@ mod tests {
         assert!(may_publish(&viewer, subjects::CHAOS_LIST));
         assert!(!may_publish(&viewer, subjects::CHAOS_INJECT));
         assert!(!may_publish(&viewer, subjects::CHAOS_RESTORE));
+        // ... and creates no consumer, ephemeral or durable, on any stream.
+        for stream in ["OAM_DECISIONS", "KV_oam-budgets", "KV_oam-escalations"] {
+            for create in [
+                format!("$JS.API.CONSUMER.CREATE.{stream}"),
+                format!("$JS.API.CONSUMER.CREATE.{stream}.name"),
+                format!("$JS.API.CONSUMER.CREATE.{stream}.name.filter"),
+                format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.name"),
+            ] {
+                assert!(!may_publish(&viewer, &create), "{create}");
+            }
+            assert!(may_publish(
+                &viewer,
+                &format!("$JS.API.DIRECT.GET.{stream}")
+            ));
+        }
     }
 
     #[test]

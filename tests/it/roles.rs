@@ -899,6 +899,88 @@ async fn no_role_deletes_the_nodes_consumers() {
     }
 }
 
+/// The viewer could create consumers without bound (500 durable ones in 0.4 s): each is the
+/// server's to keep, and one slot used is one the nodes may need. It now reads the decision log
+/// and the buckets by key and direct get: every consumer create it tries, ephemeral or durable,
+/// is refused by the server, `oam audit` and `oam explain` still read the log as it, and no
+/// consumer is left on the log.
+#[tokio::test]
+async fn a_viewer_reads_the_log_and_makes_no_consumer() {
+    let mesh = LocalCluster::up("viewer-reads").await;
+    let body = json!({"messages": [{"role": "user", "content": "to be read"}]});
+    let r = crate::support::http(Duration::from_secs(10))
+        .post(format!("{}/v1/chat/completions", mesh.node(0)))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().await.unwrap();
+    let id = v["oam"]["request_id"].as_str().unwrap().to_string();
+
+    let (viewer, errors) = client(&mesh.role_url("viewer")).await;
+    let config = json!({"config": {"ack_policy": "none", "durable_name": "mine"}});
+    for stream in ["OAM_DECISIONS", "KV_oam-budgets", "KV_oam-escalations"] {
+        for create in [
+            format!("$JS.API.CONSUMER.CREATE.{stream}"),
+            format!("$JS.API.CONSUMER.CREATE.{stream}.mine"),
+            format!("$JS.API.CONSUMER.CREATE.{stream}.mine.>"),
+            format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.mine"),
+        ] {
+            viewer
+                .publish(create.clone(), config.to_string().into())
+                .await
+                .unwrap();
+            viewer.flush().await.unwrap();
+            refused(&errors, "publish", &create).await;
+        }
+    }
+
+    let as_viewer = |args: &[&str]| {
+        let out = mesh
+            .oam()
+            .env("OAM_NATS_URL", mesh.role_url("viewer"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let listed = crate::support::eventually(Duration::from_secs(10), || async {
+        let (code, out) = as_viewer(&["audit", "--json", "--since", "10m"]);
+        (code == Some(0) && out.contains(&id)).then_some(out)
+    })
+    .await;
+    assert!(listed.is_some(), "the viewer's audit lists {id}");
+    let (code, out) = as_viewer(&["explain", &id, "--json"]);
+    assert_eq!(code, Some(0), "{out}");
+    let explained: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        explained["record"]["decision"]["request_id"],
+        id.as_str(),
+        "{explained}"
+    );
+
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
+    let js = async_nats::jetstream::new(admin);
+    let info = js
+        .get_stream("OAM_DECISIONS")
+        .await
+        .unwrap()
+        .get_info()
+        .await
+        .unwrap();
+    assert_eq!(
+        info.state.consumer_count, 0,
+        "nobody left a consumer on the log"
+    );
+}
+
 /// The nats-server's HTTP monitoring port listed every user, private inbox and consumer to
 /// anyone on the machine, without a password: the map the attacks on other roles' inboxes
 /// were aimed with. A mesh opens none unless asked (`--nats-monitor`); what oam needs of the

@@ -319,9 +319,6 @@ fn no_answer() -> anyhow::Error {
     )
 }
 
-/// How long one pull of the log may wait for messages before it expires.
-const PULL_EXPIRES: Duration = Duration::from_secs(5);
-
 /// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
 /// oldest first; `node` narrows it to one node's records. Only the records `keep` wants are
 /// held in memory, the `last` of them at most (a full log read for the newest few is not held
@@ -334,7 +331,6 @@ pub async fn read(
     keep: impl Fn(&Record) -> bool,
     last: usize,
 ) -> anyhow::Result<(Vec<Entry>, usize)> {
-    use async_nats::jetstream::consumer::DeliverPolicy;
     let js = super::context(nats);
     let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
         .await
@@ -348,7 +344,11 @@ pub async fn read(
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
         .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
     if last == usize::MAX {
-        let from = DeliverPolicy::ByStartTime { start_time: start };
+        let filter = node.map_or_else(
+            || subjects::DECISION_LOG_ALL.to_string(),
+            subjects::decision_log,
+        );
+        let from = super::first_at(&stream, &filter, start).await?;
         let (out, read, _) = records_from(&stream, from, None, start, node, &keep, last).await?;
         return Ok((out.into(), read));
     }
@@ -364,11 +364,8 @@ pub async fn read(
     let mut window: u64 = 16;
     while end >= first.max(1) && info.state.messages > 0 && out.len() < last {
         let begin = end.saturating_sub(window - 1).max(first).max(1);
-        let from = DeliverPolicy::ByStartSequence {
-            start_sequence: begin,
-        };
         let (older, n, reached_since) =
-            records_from(&stream, from, Some(end), start, node, &keep, last).await?;
+            records_from(&stream, begin, Some(end), start, node, &keep, last).await?;
         read += n;
         for e in older.into_iter().rev() {
             out.push_front(e);
@@ -388,7 +385,7 @@ pub async fn read(
 /// written before `since` was met.
 async fn records_from(
     stream: &async_nats::jetstream::stream::Stream,
-    from: async_nats::jetstream::consumer::DeliverPolicy,
+    from: u64,
     until: Option<u64>,
     since: time::OffsetDateTime,
     node: Option<&str>,
@@ -424,7 +421,6 @@ pub async fn timeline(
     node: &str,
     run: &str,
 ) -> anyhow::Result<Vec<TimelineEntry>> {
-    use async_nats::jetstream::consumer::DeliverPolicy;
     let js = super::context(nats);
     let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
         .await
@@ -432,7 +428,7 @@ pub async fn timeline(
         .map_err(|e| anyhow::anyhow!("no decision log ({}): {e}", subjects::DECISION_LOG_STREAM))?;
     let mut out = Vec::new();
     let since = time::OffsetDateTime::UNIX_EPOCH;
-    read_from(&stream, DeliverPolicy::All, None, since, Some(node), |b| {
+    read_from(&stream, 1, None, since, Some(node), |b| {
         if b.run == run {
             out.extend(b.timeline);
         }
@@ -441,95 +437,56 @@ pub async fn timeline(
     Ok(out)
 }
 
-/// Read batches from `from` (up to sequence `until`, if given), believing each only from its
-/// node's subject, skipping those written before `since`, each given to `each`; whether one
-/// written before `since` was met.
+/// Read batches from sequence `from` (up to sequence `until`, if given), one by one by direct
+/// get (no consumer: a viewer may create none), believing each only from its node's subject,
+/// skipping those written before `since`, each given to `each`; whether one written before
+/// `since` was met.
 async fn read_from(
     stream: &async_nats::jetstream::stream::Stream,
-    from: async_nats::jetstream::consumer::DeliverPolicy,
+    from: u64,
     until: Option<u64>,
     since: time::OffsetDateTime,
     node: Option<&str>,
     mut each: impl FnMut(Batch),
 ) -> anyhow::Result<bool> {
-    use async_nats::jetstream::consumer::{AckPolicy, pull};
-    use futures_util::StreamExt;
-    // An ephemeral pull consumer read a few batches per pull: each pull is bounded in
-    // messages, so at most `PULL * BATCH_BYTES` is ever on its way to this reader (unbounded
-    // pulls of a full log outran the server's pending limit for one client, which then dropped
-    // the reader as a slow consumer).
-    const PULL: usize = 16;
-    let consumer = stream.create_consumer(pull::Config {
-        deliver_policy: from,
-        filter_subject: node.map(subjects::decision_log).unwrap_or_default(),
-        ack_policy: AckPolicy::None,
-        inactive_threshold: Duration::from_secs(30),
-        memory_storage: true,
-        ..Default::default()
-    });
-    let consumer = tokio::time::timeout(OPEN_TIMEOUT, consumer)
-        .await
-        .map_err(|_| no_answer())?
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
-    let mut pending = consumer.cached_info().num_pending;
+    let filter = node.map_or_else(
+        || subjects::DECISION_LOG_ALL.to_string(),
+        subjects::decision_log,
+    );
     let mut read = 0;
     let mut before_since = false;
-    'pulls: while pending > 0 {
-        let mut messages = consumer
-            .batch()
-            // No more than are there: a pull for more waits for them until it expires.
-            .max_messages(PULL.min(usize::try_from(pending).unwrap_or(PULL)))
-            .expires(PULL_EXPIRES)
-            .messages()
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
-        let mut got = 0;
-        // A pull whose server died with it is never answered, not even by its expiry: each
-        // message is waited for at most a little past the pull's own expiry.
-        while let Ok(Some(m)) =
-            tokio::time::timeout(PULL_EXPIRES + OPEN_TIMEOUT, messages.next()).await
-        {
-            let m = m.map_err(|e| {
-                anyhow::anyhow!("the decision log stopped answering after {read} records: {e}")
-            })?;
-            got += 1;
-            let Ok(info) = m.info() else { continue };
-            pending = info.pending;
-            if until.is_some_and(|u| info.stream_sequence > u) {
-                break 'pulls;
+    let reading = super::read_on(stream, &filter, from, |m| {
+        if until.is_some_and(|u| m.sequence > u) {
+            return false;
+        }
+        if m.time < since {
+            before_since = true;
+            return true;
+        }
+        match crate::core::record::in_a_run(|| serde_json::from_slice::<Batch>(&m.payload)) {
+            Ok(b)
+                if *m.subject != *subjects::decision_log(&b.node)
+                    || b.records.iter().any(|r| r.node != b.node) =>
+            {
+                tracing::warn!(
+                    "records on {} that claim another node ({}) are not believed",
+                    m.subject,
+                    b.node
+                );
             }
-            if info.published < since {
-                before_since = true;
-                continue;
+            Ok(b) => {
+                read += b.records.len();
+                each(b);
             }
-            let done = until.is_some_and(|u| info.stream_sequence >= u);
-            match crate::core::record::in_a_run(|| serde_json::from_slice::<Batch>(&m.payload)) {
-                Ok(b)
-                    if *m.subject != *subjects::decision_log(&b.node)
-                        || b.records.iter().any(|r| r.node != b.node) =>
-                {
-                    tracing::warn!(
-                        "records on {} that claim another node ({}) are not believed",
-                        m.subject,
-                        b.node
-                    );
-                }
-                Ok(b) => {
-                    read += b.records.len();
-                    each(b);
-                }
-                Err(e) => {
-                    tracing::warn!("a decision log message is not a batch of records: {e}");
-                }
-            }
-            if done {
-                break 'pulls;
+            Err(e) => {
+                tracing::warn!("a decision log message is not a batch of records: {e}");
             }
         }
-        if got == 0 {
-            anyhow::bail!("the decision log stopped answering after {read} records");
-        }
-    }
+        until.is_none_or(|u| m.sequence < u)
+    });
+    reading.await.map_err(|e| {
+        anyhow::anyhow!("the decision log stopped answering after {read} records: {e}")
+    })?;
     Ok(before_since)
 }
 

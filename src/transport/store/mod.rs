@@ -36,6 +36,73 @@ pub async fn keys(store: &kv::Store) -> anyhow::Result<Vec<String>> {
     keys_matching(store, ">").await
 }
 
+/// The messages of `stream` on `filter` from sequence `from` on, to the last there is now, each
+/// given to `each` (which says whether to go on), read one by one by direct get: no consumer,
+/// so a role that may only read (a viewer) needs none and can leave none behind. The sequence
+/// to read from next time.
+pub async fn read_on(
+    stream: &jetstream::stream::Stream,
+    filter: &str,
+    from: u64,
+    mut each: impl FnMut(jetstream::message::StreamMessage) -> bool,
+) -> anyhow::Result<u64> {
+    use jetstream::stream::DirectGetErrorKind;
+    let mut next = from.max(1);
+    loop {
+        let got = tokio::time::timeout(
+            API_TIMEOUT,
+            stream.direct_get_next_for_subject(filter, Some(next)),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("the stream {} stopped answering", stream_name(stream)))?;
+        let m = match got {
+            Ok(m) => m,
+            Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(next),
+            Err(e) => anyhow::bail!("cannot read {}: {e}", stream_name(stream)),
+        };
+        next = m.sequence + 1;
+        if !each(m) {
+            return Ok(next);
+        }
+    }
+}
+
+/// The first sequence of `stream` on `filter` stored at `at` or later (binary search by direct
+/// get, as `read_on`), or one past the last when none is.
+pub async fn first_at(
+    stream: &jetstream::stream::Stream,
+    filter: &str,
+    at: time::OffsetDateTime,
+) -> anyhow::Result<u64> {
+    let info = tokio::time::timeout(API_TIMEOUT, stream.get_info())
+        .await
+        .map_err(|_| anyhow::anyhow!("the stream {} stopped answering", stream_name(stream)))?
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", stream_name(stream)))?;
+    let (mut lo, mut hi) = (
+        info.state.first_sequence.max(1),
+        info.state.last_sequence + 1,
+    );
+    // Invariant: every message before `lo` is older than `at`; `hi` is at or after it (or the end).
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        let mut found = None;
+        read_on(stream, filter, mid, |m| {
+            found = Some((m.sequence, m.time));
+            false
+        })
+        .await?;
+        match found {
+            Some((seq, time)) if time < at => lo = seq + 1,
+            Some(_) | None => hi = mid,
+        }
+    }
+    Ok(lo)
+}
+
+fn stream_name(stream: &jetstream::stream::Stream) -> &str {
+    &stream.cached_info().config.name
+}
+
 /// One change of a bucket's key, as `watch` reads it.
 pub struct Change {
     pub key: String,
@@ -78,18 +145,43 @@ pub async fn watch(
 fn change_of(prefix: &str, m: &jetstream::Message) -> Option<Change> {
     let key = m.subject.strip_prefix(prefix)?.to_string();
     let revision = m.info().ok()?.stream_sequence;
-    // The operation a delete or purge marker says in its header; a record has none.
-    let operation = match m.headers.as_ref().and_then(|h| h.get("KV-Operation")) {
-        Some(op) if op.as_str() == "DEL" => kv::Operation::Delete,
-        Some(op) if op.as_str() == "PURGE" => kv::Operation::Purge,
-        _ => kv::Operation::Put,
-    };
+    let operation = operation_of(m.headers.as_ref());
     Some(Change {
         key,
         revision,
         operation,
         value: m.payload.clone(),
     })
+}
+
+/// The operation a delete or purge marker says in its header; a record has none.
+fn operation_of(headers: Option<&async_nats::HeaderMap>) -> kv::Operation {
+    match headers.and_then(|h| h.get("KV-Operation")) {
+        Some(op) if op.as_str() == "DEL" => kv::Operation::Delete,
+        Some(op) if op.as_str() == "PURGE" => kv::Operation::Purge,
+        _ => kv::Operation::Put,
+    }
+}
+
+/// The changes of `store` from revision `from` on, as they are now (each key's last, for a
+/// bucket that keeps one per key), read by direct get (`read_on`: no consumer), and the
+/// revision to read from next time.
+pub async fn changes_since(store: &kv::Store, from: u64) -> anyhow::Result<(Vec<Change>, u64)> {
+    let mut out = Vec::new();
+    let prefix = &store.prefix;
+    let next = read_on(&store.stream, &format!("{prefix}>"), from, |m| {
+        if let Some(key) = m.subject.strip_prefix(prefix.as_str()) {
+            out.push(Change {
+                key: key.to_string(),
+                revision: m.sequence,
+                operation: operation_of(Some(&m.headers)),
+                value: m.payload,
+            });
+        }
+        true
+    })
+    .await?;
+    Ok((out, next))
 }
 
 /// The keys of `store` that match `pattern` (a subject pattern: `*` one token, `>` the rest),
