@@ -568,6 +568,8 @@ async fn start_servers(
     } else {
         natsd::free_ports(asked.len())?
     };
+    // Every server here shares this disk (see `store_bytes`).
+    let store_bytes = super::free_bytes(dir).map(|f| super::store_bytes(f, asked.len()));
     let servers: Vec<super::NatsServer> = asked
         .iter()
         .zip(&route_ports)
@@ -590,6 +592,7 @@ async fn start_servers(
                 peers: Vec::new(),
                 tls: None,
                 sync_interval: plan.sync_interval.clone(),
+                store_bytes,
             }
         })
         .collect();

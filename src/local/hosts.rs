@@ -609,6 +609,8 @@ async fn start_host(
         peers,
         tls: Some(tls.clone()),
         sync_interval: d.spec.sync_interval.clone(),
+        // One server on this host's disk.
+        store_bytes: super::free_bytes(dir).map(|f| super::store_bytes(f, 1)),
     };
     std::fs::create_dir_all(&server.dir)?;
     let layout = natsd::Layout {

@@ -226,6 +226,10 @@ pub struct NatsServer {
     /// JetStream's fsync interval, when not the default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sync_interval: Option<String>,
+    /// JetStream's file storage in all (`store_bytes`: sized to the disk when the mesh came
+    /// up, and kept, so a reload names what the server was started with); `None`: 1 GB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_bytes: Option<u64>,
 }
 
 impl NatsServer {
@@ -299,7 +303,7 @@ impl NatsServer {
             address: self.address.clone(),
             tls: self.tls.clone(),
             sync_interval: self.sync_interval.clone(),
-            ..Default::default()
+            max_file_store: self.store_bytes,
         }
     }
 
@@ -485,27 +489,40 @@ pub fn free_bytes(path: &Path) -> Option<u64> {
     ok.then(|| st.f_bavail.saturating_mul(st.f_frsize))
 }
 
-/// A decision log too large for the disk its servers store on.
+/// JetStream's file storage for each of `servers` servers that share a disk with `free` bytes
+/// free: three quarters of it between them, 1 GiB each at most. JetStream stops at its store's
+/// size, so it never fills the disk: what it keeps is always left room to be purged or
+/// shrunk by an admin (on a full disk even a purge fails).
+pub fn store_bytes(free: u64, servers: usize) -> u64 {
+    (free / 4 * 3 / servers.max(1) as u64).min(1 << 30)
+}
+
+/// A decision log too large for the JetStream store its servers keep.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error(
-    "[decision_log] max_bytes is {} MiB, but {} has {} MiB free: the log could fill the \
-     disk, and a full disk stops every JetStream write (an admin's purge included). Lower \
-     max_bytes in the nodes' config (to at most {} MiB here), or free space",
-    wanted >> 20, dir.display(), free >> 20, (free / 2) >> 20
+    "[decision_log] max_bytes is {} MiB, but JetStream's store here is {} MiB (three quarters \
+     of the {} MiB free on {}, 1 GiB at most, shared by {servers} server(s)): the log must \
+     leave as much again for the buckets. Lower max_bytes in the nodes' config (to at most {} \
+     MiB here), or free space",
+    wanted >> 20, store_bytes(*free, *servers) >> 20, free >> 20, dir.display(),
+    (store_bytes(*free, *servers) / 2) >> 20
 )]
 pub struct LogTooLarge {
     pub wanted: u64,
     pub free: u64,
+    pub servers: usize,
     pub dir: PathBuf,
 }
 
-/// Does a decision log of `max_bytes` fit `free` bytes on `dir`'s disk? It must leave as much
-/// again for what else JetStream keeps (buckets, the SDK's store) and for its own work.
-pub fn log_fits(max_bytes: u64, free: u64, dir: &Path) -> Result<(), LogTooLarge> {
-    if max_bytes.saturating_mul(2) > free {
+/// Does a decision log of `max_bytes` fit the store of each of `servers` servers on `dir`'s
+/// disk (`free` bytes free; see `store_bytes`)? It must leave as much again for what else
+/// JetStream keeps (buckets, the SDK's store) and for its own work.
+pub fn log_fits(max_bytes: u64, free: u64, servers: usize, dir: &Path) -> Result<(), LogTooLarge> {
+    if max_bytes.saturating_mul(2) > store_bytes(free, servers) {
         return Err(LogTooLarge {
             wanted: max_bytes,
             free,
+            servers,
             dir: dir.to_path_buf(),
         });
     }
@@ -678,16 +695,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_decision_log_must_leave_as_much_again_free() {
+    fn a_decision_log_must_leave_as_much_again_of_a_store_that_leaves_the_disk_room() {
         let dir = Path::new("/x");
-        assert_eq!(log_fits(100, 200, dir), Ok(()));
-        let e = log_fits(101, 200, dir).unwrap_err();
-        assert_eq!((e.wanted, e.free), (101, 200));
-        let said = log_fits(256 << 20, 300 << 20, dir).unwrap_err().to_string();
+        // JetStream takes three quarters of what is free, shared, 1 GiB each at most.
+        assert_eq!(store_bytes(400, 1), 300);
+        assert_eq!(store_bytes(400, 3), 100);
+        assert_eq!(store_bytes(100 << 30, 3), 1 << 30);
+        assert_eq!(log_fits(150, 400, 1, dir), Ok(()));
+        let e = log_fits(151, 400, 1, dir).unwrap_err();
+        assert_eq!((e.wanted, e.free, e.servers), (151, 400, 1));
+        assert!(log_fits(150, 400, 3, dir).is_err());
+        let said = log_fits(256 << 20, 300 << 20, 1, dir)
+            .unwrap_err()
+            .to_string();
         assert!(
             said.contains("256 MiB")
+                && said.contains("store here is 225 MiB")
                 && said.contains("300 MiB free")
-                && said.contains("at most 150 MiB"),
+                && said.contains("at most 112 MiB"),
             "{said}"
         );
         // A folder not made yet is measured on its nearest existing parent.

@@ -995,6 +995,14 @@ async fn a_mesh_has_no_monitoring_port_unless_asked() {
             !conf.lines().any(|l| l.trim_start().starts_with("http")),
             "{conf}"
         );
+        // JetStream's store is sized to the disk (three quarters of what was free), so it
+        // can never fill it, and the reload keeps that size.
+        let stored = s.store_bytes.expect("sized to the disk");
+        assert!(stored > 0 && stored <= 1 << 30, "{stored}");
+        assert!(
+            conf.contains(&format!("max_file_store: {stored}")),
+            "{conf}"
+        );
     }
     // The system account answers what the port told (here JetStream's state).
     let sys_url = oam::local::recorded_url(&mesh.dir.0, "sys_url").expect("a system URL");

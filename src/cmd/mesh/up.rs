@@ -78,7 +78,7 @@ pub async fn run(a: Args) -> Result<()> {
             Some(path) => Some(log_retention(&path)?),
             None => None,
         };
-        log_fits_disk(log_retention, &a.dir)?;
+        log_fits_disk(log_retention, &a.dir, 1)?;
         let plan = local::hosts::HostPlan {
             log_retention,
             deployment,
@@ -97,7 +97,7 @@ pub async fn run(a: Args) -> Result<()> {
         Some(path) => Some(log_retention(path)?),
         None => None,
     };
-    log_fits_disk(log_retention, &a.dir)?;
+    log_fits_disk(log_retention, &a.dir, a.servers.into())?;
     let plan = cluster::Plan {
         dir: a.dir.clone(),
         nodes: a.nodes,
@@ -116,18 +116,19 @@ pub async fn run(a: Args) -> Result<()> {
     report(&a, cluster::up(&plan).await)
 }
 
-/// The decision log must fit the disk this host keeps its mesh folder on: checked before
-/// anything starts, not found out when the disk is full (every host of a hosts mesh checks its
-/// own).
+/// The decision log must fit the JetStream store of each of this host's `servers`, sized to the
+/// disk it keeps its mesh folder on (`local::store_bytes`): checked before anything starts, not
+/// found out when the disk is full (every host of a hosts mesh checks its own).
 fn log_fits_disk(
     log_retention: Option<(std::time::Duration, u64)>,
     dir: &std::path::Path,
+    servers: usize,
 ) -> Result<()> {
     let bytes = log_retention.map_or(crate::transport::store::decisions::DEFAULT_MAX_BYTES, |r| {
         r.1
     });
     if let Some(free) = local::free_bytes(dir) {
-        local::log_fits(bytes, free, dir).map_err(Error::usage)?;
+        local::log_fits(bytes, free, servers, dir).map_err(Error::usage)?;
     }
     Ok(())
 }
