@@ -21,7 +21,7 @@ use super::quorum::{Cluster, ProviderView};
 use super::reason::{Action, Phase, ReasonCode};
 use super::request::{Generation, GenerationStatus, Request, Risk, Target, TargetId, round_usd};
 use super::score::{self, ScoreInput};
-use super::timeline::{Entry as TimelineEntry, Timeline};
+use super::timeline::{Timeline, Version};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -397,7 +397,7 @@ impl Engine {
     }
 
     /// The timeline entries written since the last call, to be logged in order.
-    pub fn take_timeline(&mut self) -> Vec<TimelineEntry> {
+    pub fn take_timeline(&mut self) -> Vec<Version> {
         self.timeline.as_mut().map(|t| t.take()).unwrap_or_default()
     }
 

@@ -11,7 +11,7 @@ use super::loops::{self, Fingerprint};
 use super::pipeline::{Config, Decision, Engine, Route, Session, State, Step};
 use super::reason::ReasonCode;
 use super::request::{Generation, Request, Target};
-use super::timeline::Seen;
+use super::timeline::StateAt;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -617,7 +617,7 @@ impl Record {
         config: &Config,
         targets: &[Target],
         routes: &BTreeMap<String, Route>,
-        at: impl Fn(u64) -> Option<&'s Seen>,
+        at: impl Fn(u64) -> Option<&'s StateAt>,
     ) -> Result<Decision, ReplayError> {
         self.drive(config, |mut snap| {
             let seen = match snap.seen {
@@ -1083,7 +1083,7 @@ mod tests {
     #[test]
     fn under_another_route_a_record_replays_on_the_state_of_targets_it_never_used() {
         use crate::core::pipeline::tests::routed;
-        use crate::core::timeline::Seen;
+        use crate::core::timeline::StateAt;
         let mut e = routed();
         e.keep_timeline();
         // h/big answers 429 (a cool-down), o/big serves; then a request on `small`, whose
@@ -1093,10 +1093,10 @@ mod tests {
         assert!(e.state.cooldowns.contains_key("h/big"));
         assert!(r1.begin.state.cooldowns.is_empty() && r1.begin.seen > 0);
         let mut versions = std::collections::BTreeMap::new();
-        let mut at: Option<Seen> = None;
+        let mut at: Option<StateAt> = None;
         for entry in e.take_timeline() {
             match at.as_mut() {
-                None => at = Some(Seen::of(&entry).expect("whole")),
+                None => at = Some(StateAt::of(&entry).expect("whole")),
                 Some(s) => s.then(&entry).expect("in order"),
             }
             let s = at.clone().expect("read");
@@ -1123,7 +1123,7 @@ mod tests {
         // The record's own cut does not know h/big's cool-down: on it alone, h/big would serve.
         let cut = |v: u64| {
             let st = &r1.begin.state;
-            Some(Seen {
+            Some(StateAt {
                 version: v,
                 cluster: st.cluster.clone(),
                 providers: st.providers.clone(),

@@ -27,7 +27,7 @@ pub const WHOLE_EVERY_MS: u64 = 600_000;
 /// One version of the state: what changed since the version before, or (`whole`) all of it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
 #[serde(deny_unknown_fields, default)]
-pub struct Entry {
+pub struct Version {
     /// 1, 2, ... in one run of a node (its engine's life).
     pub version: u64,
     pub at_ms: u64,
@@ -61,7 +61,7 @@ pub struct Entry {
 
 /// The per-target state at one version, as a reader rebuilds it from entries.
 #[derive(Clone, PartialEq, Debug)]
-pub struct Seen {
+pub struct StateAt {
     pub version: u64,
     pub cluster: Arc<Cluster>,
     pub providers: Vec<Target>,
@@ -80,13 +80,13 @@ pub enum Gap {
     Missing { have: u64, got: u64 },
 }
 
-impl Seen {
+impl StateAt {
     /// The state of a `whole` entry.
-    pub fn of(whole: &Entry) -> Result<Seen, Gap> {
+    pub fn of(whole: &Version) -> Result<StateAt, Gap> {
         let (true, Some(cluster)) = (whole.whole, &whole.cluster) else {
             return Err(Gap::NoWhole(whole.version));
         };
-        let mut s = Seen {
+        let mut s = StateAt {
             version: whole.version,
             cluster: Arc::new(cluster.clone()),
             providers: Vec::new(),
@@ -101,9 +101,9 @@ impl Seen {
 
     /// The state after `e`: `e` itself when it is whole, else this state changed by `e`, which
     /// must be the very next version.
-    pub fn then(&mut self, e: &Entry) -> Result<(), Gap> {
+    pub fn then(&mut self, e: &Version) -> Result<(), Gap> {
         if e.whole {
-            *self = Seen::of(e)?;
+            *self = StateAt::of(e)?;
             return Ok(());
         }
         if e.version != self.version + 1 {
@@ -117,7 +117,7 @@ impl Seen {
         Ok(())
     }
 
-    fn put(&mut self, e: &Entry) {
+    fn put(&mut self, e: &Version) {
         if e.members.is_some() || !e.observations.is_empty() {
             let c = Arc::make_mut(&mut self.cluster);
             if let Some(m) = &e.members {
@@ -167,7 +167,7 @@ pub struct Timeline {
     cooldowns: BTreeMap<String, u64>,
     misconfigured: BTreeMap<String, u64>,
     /// Entries not yet taken to be written.
-    written: Vec<Entry>,
+    written: Vec<Version>,
 }
 
 impl Timeline {
@@ -201,10 +201,10 @@ impl Timeline {
         if !self.changed(state) {
             return self.version;
         }
-        let mut e = Entry {
+        let mut e = Version {
             version: self.version + 1,
             at_ms: now_ms,
-            ..Entry::default()
+            ..Version::default()
         };
         if !state.cluster.changes().is_empty() {
             let c = Arc::make_mut(&mut state.cluster);
@@ -254,7 +254,7 @@ impl Timeline {
         self.cooldowns = state.cooldowns.clone();
         self.misconfigured = state.misconfigured.clone();
         self.version += 1;
-        self.written.push(Entry {
+        self.written.push(Version {
             version: self.version,
             at_ms: now_ms,
             whole: true,
@@ -273,7 +273,7 @@ impl Timeline {
     }
 
     /// The entries written since the last call, to be logged in order.
-    pub fn take(&mut self) -> Vec<Entry> {
+    pub fn take(&mut self) -> Vec<Version> {
         std::mem::take(&mut self.written)
     }
 
@@ -332,7 +332,7 @@ mod tests {
     }
 
     /// The state a reader rebuilds is the engine's, field by field.
-    fn same(seen: &Seen, e: &Engine) {
+    fn same(seen: &StateAt, e: &Engine) {
         let st = &e.state;
         assert_eq!(*seen.cluster, *st.cluster);
         assert_eq!(seen.providers, st.providers);
@@ -346,14 +346,14 @@ mod tests {
     fn a_reader_rebuilds_the_engines_state_at_every_version_from_what_changed() {
         let mut e = routed();
         e.keep_timeline();
-        let mut reader: Option<Seen> = None;
+        let mut reader: Option<StateAt> = None;
         let mut wholes = 0;
         let mut follow = |e: &mut Engine, now: u64| {
             let v = e.seen(now);
             for entry in e.take_timeline() {
                 wholes += usize::from(entry.whole);
                 match reader.as_mut() {
-                    None => reader = Some(Seen::of(&entry).expect("the first is whole")),
+                    None => reader = Some(StateAt::of(&entry).expect("the first is whole")),
                     Some(r) => r.then(&entry).expect("in order"),
                 }
             }

@@ -13,7 +13,7 @@
 use super::Node;
 use super::pipeline::lock;
 use crate::core::record::Record;
-use crate::core::timeline::Entry as TimelineEntry;
+use crate::core::timeline::Version;
 use crate::transport::store::decisions::{self, batch_head, batches};
 use crate::transport::subjects;
 use serde::Deserialize;
@@ -260,7 +260,7 @@ struct Waiting {
     records: std::collections::VecDeque<(Record, Option<oneshot::Sender<bool>>, usize)>,
     bytes: usize,
     /// State timeline entries, in order (written before the records).
-    timeline: Vec<TimelineEntry>,
+    timeline: Vec<Version>,
 }
 
 /// State timeline entries waiting at most (see `DecisionLog::timeline`).

@@ -3055,7 +3055,7 @@ async fn running_out_of_descriptors_is_never_the_provider_s_fault() {
 /// down after a long 429 when a `small` request came).
 #[tokio::test]
 async fn records_name_versions_of_a_state_timeline_that_replays_them_under_other_routes() {
-    use oam::core::timeline::Seen;
+    use oam::core::timeline::StateAt;
     use oam::transport::store::decisions;
     let g = gateway("timeline").await;
     g.fault(
@@ -3088,10 +3088,10 @@ async fn records_name_versions_of_a_state_timeline_that_replays_them_under_other
     let entries = decisions::timeline(&nats, "n1", &run).await.unwrap();
     assert!(entries[0].whole, "the timeline opens with a whole state");
     let mut versions = std::collections::BTreeMap::new();
-    let mut at: Option<Seen> = None;
+    let mut at: Option<StateAt> = None;
     for e in &entries {
         match at.as_mut() {
-            None => at = Some(Seen::of(e).unwrap()),
+            None => at = Some(StateAt::of(e).unwrap()),
             Some(s) => s.then(e).unwrap(),
         }
         let s = at.clone().unwrap();

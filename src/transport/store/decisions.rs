@@ -4,7 +4,7 @@
 
 use crate::core::pipeline::Config as PipelineConfig;
 use crate::core::record::Record;
-use crate::core::timeline::Entry as TimelineEntry;
+use crate::core::timeline::Version;
 use crate::transport::subjects;
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
@@ -30,7 +30,7 @@ pub struct Batch {
     pub run: String,
     pub config: PipelineConfig,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub timeline: Vec<TimelineEntry>,
+    pub timeline: Vec<Version>,
     #[serde(default)]
     pub records: Vec<Record>,
 }
@@ -120,7 +120,7 @@ pub fn batch_head(node: &str, run: &str, config: &PipelineConfig) -> Vec<u8> {
 
 /// Encode state timeline entries into batch messages (`head` is `batch_head`) of at most
 /// `BATCH_BYTES` (an entry larger than that goes alone), in order: (entries in it, bytes).
-pub fn timeline_batches(head: &[u8], entries: &[TimelineEntry]) -> Vec<(usize, Vec<u8>)> {
+pub fn timeline_batches(head: &[u8], entries: &[Version]) -> Vec<(usize, Vec<u8>)> {
     let mut out = Vec::new();
     let mut msg = Vec::new();
     let mut n = 0;
@@ -420,7 +420,7 @@ pub async fn timeline(
     nats: &async_nats::Client,
     node: &str,
     run: &str,
-) -> anyhow::Result<Vec<TimelineEntry>> {
+) -> anyhow::Result<Vec<Version>> {
     let js = super::context(nats);
     let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
         .await
