@@ -108,7 +108,8 @@ impl LogCounters {
         let c = self.clone();
         registry.register(
             "oam_decision_log_state_versions_total",
-            "State timeline entries (the engine's per-target state, once per change), by what              became of them (lost: not taken by the stream; a whole state follows).",
+            "State timeline versions (the engine's per-target state, once per change), by what \
+             became of them (lost: not taken by the stream; a whole state follows).",
             super::metrics::Kind::Counter,
             move |s| {
                 let written = c.timeline_written.load(Ordering::Relaxed);
