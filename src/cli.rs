@@ -1,7 +1,7 @@
 //! The command line: the top-level parser and the dispatch to `cmd::*`.
 
 use crate::cmd;
-use crate::error::{Outcome, Result};
+use crate::error::{Findings, Result};
 use clap::{Parser, Subcommand};
 
 /// oam: reliability, liveness and attention control for AI agents.
@@ -94,10 +94,10 @@ fn valid_subcommands(args: impl Iterator<Item = String>) -> Vec<String> {
         .collect()
 }
 
-/// Run the command; commands that check something say what failed in their `Outcome`. A
+/// Run the command; commands that check something say what failed in their `Findings`. A
 /// command stopped because the bus refused this process (`cmd::refused`) exits as
 /// unreachable, saying why.
-pub async fn run(cli: Cli) -> Result<Outcome> {
+pub async fn run(cli: Cli) -> Result<Findings> {
     let result = dispatch(cli).await;
     match cmd::refused().reason() {
         Some(why) => Err(crate::error::Error::new(
@@ -108,8 +108,8 @@ pub async fn run(cli: Cli) -> Result<Outcome> {
     }
 }
 
-async fn dispatch(cli: Cli) -> Result<Outcome> {
-    let done = |()| Outcome::Ok;
+async fn dispatch(cli: Cli) -> Result<Findings> {
+    let done = |()| Findings::Ok;
     match cli.command {
         Command::Reasons(args) => cmd::reasons::run(args).map(done),
         Command::Decide(args) => cmd::decide::run(args).map(done),

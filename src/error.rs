@@ -11,7 +11,7 @@ use std::io;
 use std::process::ExitCode;
 
 /// What kind of failure, which decides the exit code. A checked condition that did not hold
-/// is not an error: it is an [`Outcome`].
+/// is not an error: it is a [`Findings`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Kind {
     /// Bad arguments, configuration or input.
@@ -60,18 +60,18 @@ impl From<io::Error> for Error {
 /// What a command found: everything held, or the checks that failed (exit 1), each in words.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use]
-pub enum Outcome {
+pub enum Findings {
     Ok,
     Failed(Vec<String>),
 }
 
-impl Outcome {
+impl Findings {
     /// `Ok` when nothing failed.
-    pub fn from_failures(failed: Vec<String>) -> Outcome {
+    pub fn from_failures(failed: Vec<String>) -> Findings {
         if failed.is_empty() {
-            Outcome::Ok
+            Findings::Ok
         } else {
-            Outcome::Failed(failed)
+            Findings::Failed(failed)
         }
     }
 }
@@ -86,10 +86,10 @@ pub fn exit_code(kind: Kind) -> u8 {
 }
 
 /// The exit code of a command's result, after printing what failed to stderr.
-pub fn exit(result: Result<Outcome>) -> ExitCode {
+pub fn exit(result: Result<Findings>) -> ExitCode {
     match result {
-        Ok(Outcome::Ok) => ExitCode::SUCCESS,
-        Ok(Outcome::Failed(failed)) => {
+        Ok(Findings::Ok) => ExitCode::SUCCESS,
+        Ok(Findings::Failed(failed)) => {
             for f in &failed {
                 eprintln!("oam: {f}");
             }

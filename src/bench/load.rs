@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 /// What to send, how much, how fast.
 #[derive(Clone, Debug, Serialize)]
-pub(crate) struct Plan {
+pub(crate) struct LoadPlan {
     pub urls: Vec<String>,
     pub requests: usize,
     pub concurrency: usize,
@@ -37,7 +37,7 @@ pub(crate) struct Plan {
     pub stream: bool,
 }
 
-impl Plan {
+impl LoadPlan {
     /// The kind of request `i` (deterministic for a seed).
     pub(crate) fn kind(&self, i: usize) -> super::scenario::Mix {
         let total: u64 = self.mix.iter().map(|m| u64::from(m.weight)).sum();
@@ -82,7 +82,7 @@ pub(crate) enum Through {
 
 /// One finished request.
 #[derive(Clone, Debug)]
-pub(crate) struct Sample {
+pub(crate) struct Measurement {
     /// When it started, since the run began.
     pub started_us: u64,
     pub latency_us: u64,
@@ -102,7 +102,7 @@ pub(crate) struct Sample {
 #[derive(Serialize, Debug)]
 pub(crate) struct Report {
     pub version: &'static str,
-    pub plan: Plan,
+    pub plan: LoadPlan,
     pub sent: usize,
     pub succeeded: usize,
     pub success_rate: f64,
@@ -139,7 +139,7 @@ pub(crate) struct Percentiles {
 
 /// The body of request `i` of kind `k`: distinct content per request so loop detection sees
 /// new calls.
-fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
+fn body_of(plan: &LoadPlan, i: usize, k: &super::scenario::Mix) -> Value {
     use super::scenario::Surface;
     let text = format!("oam bench request {i} (seed {})", plan.seed);
     let oam = json!({
@@ -171,8 +171,8 @@ fn body_of(plan: &Plan, i: usize, k: &super::scenario::Mix) -> Value {
     body
 }
 
-fn empty_sample() -> Sample {
-    Sample {
+fn empty_sample() -> Measurement {
+    Measurement {
         started_us: 0,
         latency_us: 0,
         status: 0,
@@ -186,7 +186,7 @@ fn empty_sample() -> Sample {
 }
 
 /// Why a request that did not get a 200 failed, in a word or two.
-fn failure_of(s: &Sample) -> String {
+fn failure_of(s: &Measurement) -> String {
     match (&s.error, s.status) {
         (Some(e), _) => e.clone(),
         (None, 0) => "transport".into(),
@@ -216,7 +216,7 @@ async fn one_http(
     i: usize,
     (path, body): (&str, &Value),
     timeout: Duration,
-) -> Sample {
+) -> Measurement {
     let started = Instant::now();
     let mut result = None;
     for k in 0..urls.len() {
@@ -281,7 +281,7 @@ async fn one_http(
 async fn read_chunks(
     mut resp: reqwest::Response,
     started: Instant,
-    s: &mut Sample,
+    s: &mut Measurement,
 ) -> Result<Vec<u8>, reqwest::Error> {
     let mut body = Vec::new();
     while let Some(chunk) = resp.chunk().await? {
@@ -295,7 +295,7 @@ async fn read_chunks(
 
 /// A streamed answer's verdict: answered only if it ended with `[DONE]`; its `oam` object (on
 /// the last chunk, or on an in-band error event) says how it was decided.
-fn read_stream(s: &mut Sample, body: &[u8]) {
+fn read_stream(s: &mut Measurement, body: &[u8]) {
     let mut parser = crate::http::sse::Parser::default();
     let events = parser.feed(body).unwrap_or_default();
     let oam = events
@@ -328,7 +328,11 @@ fn read_stream(s: &mut Sample, body: &[u8]) {
 }
 
 /// Request `i` on the NATS data plane; the reply carries the status and the `oam` object.
-async fn one_nats(asker: &crate::transport::ask::Asker, body: &Value, timeout: Duration) -> Sample {
+async fn one_nats(
+    asker: &crate::transport::ask::Asker,
+    body: &Value,
+    timeout: Duration,
+) -> Measurement {
     use crate::transport::{ask::AskError, subjects};
     let started = Instant::now();
     let mut s = empty_sample();
@@ -373,7 +377,7 @@ async fn one_agent(
     agent: &str,
     i: usize,
     timeout: Duration,
-) -> Sample {
+) -> Measurement {
     let started = Instant::now();
     let payload = format!("{{\"bench\": {i}}}");
     let mut s = empty_sample();
@@ -397,7 +401,7 @@ async fn one_agent(
 /// early: nothing new starts, requests under way are abandoned, and the report (marked
 /// `interrupted`) holds what finished.
 pub(crate) async fn run(
-    plan: Plan,
+    plan: LoadPlan,
     target: Through,
     stop: &CancellationToken,
     progress: impl Fn() + Send + Sync + 'static,
@@ -412,12 +416,12 @@ pub(crate) async fn run(
 /// and the rate schedule count from it) and return every sample (for scenarios, which look at
 /// them over time).
 pub(crate) async fn run_samples(
-    plan: Plan,
+    plan: LoadPlan,
     target: Through,
     started: Instant,
     stop: &CancellationToken,
     progress: impl Fn() + Send + Sync + 'static,
-) -> (Vec<Sample>, Duration, Plan) {
+) -> (Vec<Measurement>, Duration, LoadPlan) {
     let next = Arc::new(AtomicUsize::new(0));
     let samples = Arc::new(Mutex::new(Vec::with_capacity(plan.requests.min(100_000))));
     let progress = Arc::new(progress);
@@ -515,7 +519,7 @@ fn percentiles(h: &Histogram<u64>) -> Percentiles {
     }
 }
 
-pub(crate) fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Report {
+pub(crate) fn summarize(plan: LoadPlan, samples: &[Measurement], elapsed: Duration) -> Report {
     #[expect(
         clippy::expect_used,
         reason = "constant bounds, exercised by every test that summarizes"
@@ -596,8 +600,8 @@ pub(crate) fn summarize(plan: Plan, samples: &[Sample], elapsed: Duration) -> Re
 mod tests {
     use super::*;
 
-    fn plan() -> Plan {
-        Plan {
+    fn plan() -> LoadPlan {
+        LoadPlan {
             urls: vec!["http://x".into()],
             requests: 4,
             concurrency: 2,
@@ -615,8 +619,8 @@ mod tests {
         }
     }
 
-    fn sample(ms: u64, status: u16, provider: &str) -> Sample {
-        Sample {
+    fn sample(ms: u64, status: u16, provider: &str) -> Measurement {
+        Measurement {
             started_us: 0,
             priority: Priority::Normal,
             error: None,
@@ -636,7 +640,7 @@ mod tests {
 
     #[test]
     fn summary_counts_and_percentiles() {
-        let samples: Vec<Sample> = (1..=100)
+        let samples: Vec<Measurement> = (1..=100)
             .map(|i| {
                 sample(
                     i,
@@ -658,8 +662,8 @@ mod tests {
 
     #[test]
     fn streams_report_their_first_token_and_only_a_done_stream_is_answered() {
-        let mut samples: Vec<Sample> = (1..=10)
-            .map(|i| Sample {
+        let mut samples: Vec<Measurement> = (1..=10)
+            .map(|i| Measurement {
                 first_byte_us: Some(i * 1_000),
                 ..sample(100, 200, "local")
             })

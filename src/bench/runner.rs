@@ -1,13 +1,13 @@
 //! Play a scenario against a local cluster (its load, its chaos timeline through the warden,
 //! its agents), then check its expectations: what `oam bench --scenario` and `oam demo` run.
 
-use super::load::{self as bench, Plan, Through};
+use super::load::{self as bench, LoadPlan, Through};
 use super::scenario::{self, Measured, Recovery, Run, Scenario};
 use crate::core::chaos::{Inject, Restore};
 use crate::core::health::Verdict as Health;
 use crate::error::{Error, Kind, Result};
 use crate::local::{self, MeshRecord};
-use crate::transport::chaos::{self, AskError};
+use crate::transport::chaos::{self, WardenError};
 use crate::transport::subjects;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -296,7 +296,7 @@ pub(crate) async fn run(
 
     let duration = s.duration();
     let requests = (s.load.rate * duration.as_secs_f64()).ceil().max(1.0) as usize;
-    let plan = Plan {
+    let plan = LoadPlan {
         urls,
         requests,
         concurrency: s.load.concurrency.max(1),
@@ -359,7 +359,7 @@ pub(crate) async fn run(
                             ));
                         }
                     }
-                    Err(AskError::NoWarden) => errors.push(
+                    Err(WardenError::NoWarden) => errors.push(
                         "no chaos warden answers; is the mesh up (`oam mesh status`)?".to_string(),
                     ),
                     Err(e) => errors.push(format!("{}: {e}", c.fault.name())),

@@ -30,7 +30,7 @@
 //! max = 0.55
 //! ```
 
-use super::load::Sample;
+use super::load::Measurement;
 use crate::core::chaos::{Fault, Params, parse_duration};
 use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{Priority, Risk};
@@ -207,7 +207,7 @@ pub(crate) struct Short {
 /// Which requests an expectation looks at, by start time.
 #[derive(Deserialize, Serialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
 #[serde(rename_all = "kebab-case")]
-pub(crate) enum Window {
+pub(crate) enum StartWindow {
     #[default]
     All,
     /// Requests that finished before the first fault.
@@ -223,7 +223,7 @@ pub(crate) enum Window {
 pub(crate) struct Expect {
     pub metric: Metric,
     #[serde(default)]
-    pub during: Window,
+    pub during: StartWindow,
     /// The target measured (`provider_share`, `recovery_to_primary_ms`); `target` works too,
     /// the core's name for it.
     #[serde(default, alias = "target")]
@@ -512,7 +512,7 @@ pub(crate) struct Recovery {
 
 /// Everything the evaluation needs besides the samples.
 pub(crate) struct Run<'a> {
-    pub samples: &'a [Sample],
+    pub samples: &'a [Measurement],
     /// (injected at, expires at) per chaos event, ms since the load started.
     pub faults: Vec<(String, u64, u64)>,
     /// Growth of each reason code across the nodes' `/metrics` during the run.
@@ -521,12 +521,12 @@ pub(crate) struct Run<'a> {
     pub budgets_spent: BTreeMap<String, f64>,
 }
 
-fn failed(s: &Sample) -> bool {
+fn failed(s: &Measurement) -> bool {
     s.status != 200
 }
 
 impl Run<'_> {
-    fn window(&self, w: Window) -> Vec<&Sample> {
+    fn window(&self, w: StartWindow) -> Vec<&Measurement> {
         let first = self.faults.iter().map(|f| f.1).min();
         let last = self.faults.iter().map(|f| f.2).max();
         self.samples
@@ -534,12 +534,12 @@ impl Run<'_> {
             .filter(|s| {
                 let t = s.started_us / 1_000;
                 match (w, first, last) {
-                    (Window::All, _, _) => true,
+                    (StartWindow::All, _, _) => true,
                     // Finished before: a request under way at the injection saw either state.
-                    (Window::Before, Some(a), _) => (s.started_us + s.latency_us) / 1_000 < a,
-                    (Window::Chaos, Some(a), Some(b)) => t >= a && t < b,
-                    (Window::After, _, Some(b)) => t >= b,
-                    (_, _, _) => w == Window::Before || w == Window::After,
+                    (StartWindow::Before, Some(a), _) => (s.started_us + s.latency_us) / 1_000 < a,
+                    (StartWindow::Chaos, Some(a), Some(b)) => t >= a && t < b,
+                    (StartWindow::After, _, Some(b)) => t >= b,
+                    (_, _, _) => w == StartWindow::Before || w == StartWindow::After,
                 }
             })
             .collect()
@@ -549,7 +549,7 @@ impl Run<'_> {
         self.faults
             .iter()
             .map(|(fault, at, until)| {
-                let fails: Vec<&Sample> = self
+                let fails: Vec<&Measurement> = self
                     .samples
                     .iter()
                     .filter(|s| {
@@ -584,7 +584,7 @@ impl Run<'_> {
 
     fn measure(&self, e: &Expect) -> f64 {
         let w = self.window(e.during);
-        let count = |f: &dyn Fn(&Sample) -> bool| w.iter().filter(|s| f(s)).count() as f64;
+        let count = |f: &dyn Fn(&Measurement) -> bool| w.iter().filter(|s| f(s)).count() as f64;
         let pct = |q: f64| {
             let mut l: Vec<u64> = w.iter().map(|s| s.latency_us).collect();
             l.sort_unstable();
@@ -712,7 +712,7 @@ fn describe(e: &Expect) -> String {
     } else {
         format!("{metric}({what})")
     };
-    if e.during != Window::All {
+    if e.during != StartWindow::All {
         let w = serde_json::to_value(e.during).unwrap_or_default();
         s.push_str(&format!(" during {}", w.as_str().unwrap_or("")));
     }
@@ -730,8 +730,14 @@ fn describe(e: &Expect) -> String {
 mod tests {
     use super::*;
 
-    fn sample(start_ms: u64, ms: u64, status: u16, provider: &str, reasons: &[&str]) -> Sample {
-        Sample {
+    fn sample(
+        start_ms: u64,
+        ms: u64,
+        status: u16,
+        provider: &str,
+        reasons: &[&str],
+    ) -> Measurement {
+        Measurement {
             started_us: start_ms * 1_000,
             latency_us: ms * 1_000,
             first_byte_us: None,
@@ -935,7 +941,7 @@ min = 1
     fn recovery_to_primary_is_the_first_primary_answer_after_each_fault() {
         let expect = |provider: &str| Expect {
             metric: Metric::RecoveryToPrimaryMs,
-            during: Window::All,
+            during: StartWindow::All,
             provider: Some(provider.into()),
             agent: None,
             code: None,
@@ -989,13 +995,13 @@ min = 1
             budgets_spent: BTreeMap::new(),
         };
         let before: Vec<u64> = run
-            .window(Window::Before)
+            .window(StartWindow::Before)
             .iter()
             .map(|s| s.started_us / 1_000)
             .collect();
         assert_eq!(before, [1_000]);
         let chaos: Vec<u64> = run
-            .window(Window::Chaos)
+            .window(StartWindow::Chaos)
             .iter()
             .map(|s| s.started_us / 1_000)
             .collect();

@@ -51,7 +51,7 @@ enum Undo {
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
-struct Entry {
+struct Injected {
     active: Active,
     undo: Undo,
 }
@@ -62,7 +62,7 @@ pub(crate) struct Warden {
     /// The application URL with credentials, for processes it starts again.
     app_url: String,
     http: reqwest::Client,
-    entries: Vec<Entry>,
+    entries: Vec<Injected>,
     loads: BTreeMap<String, tokio::task::JoinHandle<()>>,
     /// Processes this warden started again, reaped as they exit.
     children: Vec<std::process::Child>,
@@ -78,7 +78,7 @@ fn err(message: impl Into<String>) -> WardenReply {
 
 /// What an injection does, decided before anything is touched.
 #[derive(Clone, PartialEq, Debug)]
-enum Action {
+enum InjectAction {
     /// Set this fault on the simulator (which ends it on time by itself).
     Sim { fault: SetFault, detail: String },
     /// SIGKILL (restarted at expiry) or SIGSTOP (resumed) the target node.
@@ -95,9 +95,9 @@ enum Action {
 
 /// An injection, planned: the resolved target and the action.
 #[derive(Clone, PartialEq, Debug)]
-struct Plan {
+struct Planned {
     target: String,
-    action: Action,
+    action: InjectAction,
 }
 
 /// Whether the command line `argv` is `oam agent [FLAGS] serve [FLAGS] AGENT ...` (whatever
@@ -176,7 +176,7 @@ impl From<String> for NotInjected {
 
 /// Check `req` against the bounds and what is `active`, resolve its target and settings: pure,
 /// so every refusal and default is tested without a mesh. An error says what to do instead.
-fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, NotInjected> {
+fn plan(req: &Inject, active: &[&Active]) -> Result<Planned, NotInjected> {
     let for_ms = req.for_ms;
     if for_ms == 0 || u128::from(for_ms) > MAX_FOR.as_millis() {
         return Err(NotInjected(format!(
@@ -222,7 +222,7 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, NotInjected> {
             a.target, a.id, a.id
         )));
     }
-    let sim = |mode: FaultMode, detail: String| Action::Sim {
+    let sim = |mode: FaultMode, detail: String| InjectAction::Sim {
         fault: SetFault {
             provider: target.clone(),
             duration_ms: for_ms,
@@ -273,15 +273,15 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Plan, NotInjected> {
                 detail,
             )
         }
-        Fault::KillNode => Action::SignalNode { kill: true },
-        Fault::StopNode => Action::SignalNode { kill: false },
-        Fault::IsolateNode => Action::Isolate,
-        Fault::KillAgent => Action::SignalAgent { kill: true },
-        Fault::StopAgent => Action::SignalAgent { kill: false },
-        Fault::DrainBudget => Action::DrainBudget,
-        Fault::AgentLoop | Fault::TrafficSpike => Action::Load(fault),
+        Fault::KillNode => InjectAction::SignalNode { kill: true },
+        Fault::StopNode => InjectAction::SignalNode { kill: false },
+        Fault::IsolateNode => InjectAction::Isolate,
+        Fault::KillAgent => InjectAction::SignalAgent { kill: true },
+        Fault::StopAgent => InjectAction::SignalAgent { kill: false },
+        Fault::DrainBudget => InjectAction::DrainBudget,
+        Fault::AgentLoop | Fault::TrafficSpike => InjectAction::Load(fault),
     };
-    Ok(Plan { target, action })
+    Ok(Planned { target, action })
 }
 
 impl Warden {
@@ -460,7 +460,7 @@ impl Warden {
     /// Apply `req`: plan it (pure), then do it; the active fault, or why not.
     async fn inject(&mut self, req: Inject) -> WardenReply {
         let active: Vec<&Active> = self.entries.iter().map(|e| &e.active).collect();
-        let Plan { target, action } = match plan(&req, &active) {
+        let Planned { target, action } = match plan(&req, &active) {
             Ok(p) => p,
             Err(why) => return err(why.0),
         };
@@ -484,7 +484,7 @@ impl Warden {
             detail,
         };
         tracing::info!(id = %active.id, fault = fault.name(), target = %active.target, for_ms, detail = %active.detail, "injected");
-        self.entries.push(Entry {
+        self.entries.push(Injected {
             active: active.clone(),
             undo,
         });
@@ -496,7 +496,7 @@ impl Warden {
     /// Do what `plan` decided: the undo to record and what was done, in words.
     async fn apply(
         &mut self,
-        action: Action,
+        action: InjectAction,
         target: &str,
         id: &str,
         params: &Params,
@@ -504,8 +504,8 @@ impl Warden {
         for_ms: u64,
     ) -> Result<(Undo, String), WardenReply> {
         match action {
-            Action::Sim { fault, detail } => self.sim_fault(fault).await.map(|u| (u, detail)),
-            Action::SignalNode { kill } => {
+            InjectAction::Sim { fault, detail } => self.sim_fault(fault).await.map(|u| (u, detail)),
+            InjectAction::SignalNode { kill } => {
                 let n = self.node(target)?;
                 if !local::is_ours(&n) {
                     return Err(err(format!(
@@ -528,7 +528,7 @@ impl Warden {
                     Ok((undo, format!("SIGSTOP pid {}", n.pid)))
                 }
             }
-            Action::Isolate => {
+            InjectAction::Isolate => {
                 let n = self.node(target)?;
                 let key = crate::ids::unguessable();
                 let cmd = NodeCommand::Isolate {
@@ -543,7 +543,7 @@ impl Warden {
                 };
                 Ok((undo, "cut off from NATS".into()))
             }
-            Action::SignalAgent { kill } => {
+            InjectAction::SignalAgent { kill } => {
                 let (pid, argv) = self.agent_process(target).await?;
                 if kill {
                     local::signal(pid, libc::SIGKILL);
@@ -561,7 +561,7 @@ impl Warden {
                     Ok((undo, format!("SIGSTOP pid {pid}")))
                 }
             }
-            Action::DrainBudget => {
+            InjectAction::DrainBudget => {
                 let cmd = NodeCommand::DrainBudget {
                     id: id.to_string(),
                     agent: target.to_string(),
@@ -576,7 +576,7 @@ impl Warden {
                     "budget spent on every node".into(),
                 ))
             }
-            Action::Load(fault) => self
+            InjectAction::Load(fault) => self
                 .start_load(fault, target, id, params.clone(), for_ms)
                 .map(|detail| (Undo::Load, detail)),
         }
@@ -611,7 +611,7 @@ impl Warden {
                     None => spike_concurrency(&http, &urls).await,
                 };
                 let requests = requests.map_or(concurrency * 10, |n| n as usize);
-                let plan = bench::Plan {
+                let plan = bench::LoadPlan {
                     urls,
                     requests,
                     concurrency,
@@ -678,7 +678,7 @@ impl Warden {
     }
 
     /// Undo one fault; `early` when asked before its expiry.
-    async fn undo(&mut self, e: &Entry, early: bool) {
+    async fn undo(&mut self, e: &Injected, early: bool) {
         match &e.undo {
             Undo::SimFault { sim_url, provider } => {
                 if early {
@@ -789,7 +789,7 @@ impl Warden {
     /// End what is due; reap what exited.
     async fn expire(&mut self) {
         let now = now_ms();
-        let (due, keep): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut self.entries)
+        let (due, keep): (Vec<Injected>, Vec<Injected>) = std::mem::take(&mut self.entries)
             .into_iter()
             .partition(|e| e.active.expires_at_ms <= now);
         self.entries = keep;
@@ -806,11 +806,11 @@ impl Warden {
     }
 
     async fn restore(&mut self, what: Option<String>) -> WardenReply {
-        let matches = |e: &Entry| match &what {
+        let matches = |e: &Injected| match &what {
             None => true,
             Some(w) => e.active.id == *w || e.active.fault.name() == w,
         };
-        let (hit, keep): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut self.entries)
+        let (hit, keep): (Vec<Injected>, Vec<Injected>) = std::mem::take(&mut self.entries)
             .into_iter()
             .partition(matches);
         self.entries = keep;
@@ -1001,7 +1001,7 @@ mod tests {
     fn provider_faults_become_the_simulators_own_fault_for_as_long_as_asked() {
         let p = plan(&inject(Fault::BreakContract, Some("primary"), 5_000), &[]).unwrap();
         assert_eq!(p.target, "primary");
-        let Action::Sim { fault, detail } = p.action else {
+        let InjectAction::Sim { fault, detail } = p.action else {
             panic!("a provider fault goes to the simulator: {:?}", p.action);
         };
         assert_eq!(
@@ -1019,7 +1019,7 @@ mod tests {
         assert!(detail.contains("missing-field"), "{detail}");
         let mut slow = inject(Fault::SlowProvider, Some("local"), 1_000);
         slow.params.ms = Some(750);
-        let Action::Sim { fault, .. } = plan(&slow, &[]).unwrap().action else {
+        let InjectAction::Sim { fault, .. } = plan(&slow, &[]).unwrap().action else {
             panic!("sim");
         };
         assert_eq!(fault.mode, FaultMode::Slow { extra_ms: 750 });
@@ -1029,7 +1029,7 @@ mod tests {
     fn targets_are_resolved_or_asked_for_by_kind() {
         let spike = plan(&inject(Fault::TrafficSpike, Some("ignored"), 1_000), &[]).unwrap();
         assert_eq!(spike.target, "mesh");
-        assert_eq!(spike.action, Action::Load(Fault::TrafficSpike));
+        assert_eq!(spike.action, InjectAction::Load(Fault::TrafficSpike));
         assert_eq!(
             plan(&inject(Fault::AgentLoop, None, 1_000), &[])
                 .unwrap()
@@ -1052,7 +1052,7 @@ mod tests {
             plan(&inject(Fault::KillNode, Some("n2"), 1_000), &[])
                 .unwrap()
                 .action,
-            Action::SignalNode { kill: true }
+            InjectAction::SignalNode { kill: true }
         );
     }
 
@@ -1084,6 +1084,6 @@ mod tests {
         let again = plan(&inject(Fault::IsolateNode, Some("n2"), 1_000), &[&isolated]);
         assert!(again.unwrap_err().0.contains("oam chaos restore c1"));
         let other = plan(&inject(Fault::IsolateNode, Some("n3"), 1_000), &[&isolated]);
-        assert_eq!(other.unwrap().action, Action::Isolate);
+        assert_eq!(other.unwrap().action, InjectAction::Isolate);
     }
 }

@@ -3,8 +3,8 @@
 
 use crate::core::pipeline::DecisionOutcome;
 use crate::core::record::Record;
-use crate::error::{Error, Kind, Outcome, Result};
-use crate::transport::store::decisions::{self, Entry};
+use crate::error::{Error, Findings, Kind, Result};
+use crate::transport::store::decisions::{self, Stored};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
@@ -75,7 +75,7 @@ pub async fn read(
     node: Option<&str>,
     keep: impl Fn(&Record) -> bool,
     last: usize,
-) -> Result<(Vec<Entry>, usize)> {
+) -> Result<(Vec<Stored>, usize)> {
     let nats = cluster.connect(&super::Role::Viewer, "oam-audit").await?;
     let from = crate::clock::now_ms().saturating_sub(since_ms);
     decisions::read(&nats, from, node, keep, last)
@@ -83,7 +83,7 @@ pub async fn read(
         .map_err(|e| Error::new(Kind::Unreachable, e))
 }
 
-pub async fn run(a: Args) -> Result<Outcome> {
+pub async fn run(a: Args) -> Result<Findings> {
     if let Some(code) = &a.code
         && !crate::core::reason::ReasonCode::ALL
             .iter()
@@ -111,7 +111,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     };
     // Only the newest `limit` matches are held: memory stays bounded on a full log.
     let (entries, total) = read(&a.cluster, a.since, None, wanted, a.limit).await?;
-    let picked: Vec<&Entry> = entries.iter().collect();
+    let picked: Vec<&Stored> = entries.iter().collect();
     let verdicts: Vec<Option<Replay>> = picked
         .iter()
         .map(|e| a.verify.then(|| Replay::of(&e.record, &e.config)))
@@ -203,7 +203,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
             age(a.since)
         )?;
     }
-    Ok(Outcome::from_failures(
+    Ok(Findings::from_failures(
         differ
             .iter()
             .map(|id| format!("{id}: the replay differs from the recorded decision (`oam explain {id}` shows how)"))

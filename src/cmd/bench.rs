@@ -1,10 +1,10 @@
 //! `oam bench`: bounded load against the nodes' HTTP data plane, with a summary table and a
 //! full JSON result.
 
-use crate::bench::load::{self as bench, Plan, Report};
+use crate::bench::load::{self as bench, LoadPlan, Report};
 use crate::bench::runner as bench_scenario;
 use crate::core::request::{Priority, Risk};
-use crate::error::{Error, Kind, Outcome, Result};
+use crate::error::{Error, Findings, Kind, Result};
 use crate::local::MeshRecord;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::{IsTerminal, Write};
@@ -170,7 +170,7 @@ fn emit_json<T: serde::Serialize>(a: &Args, v: &T) -> Result<bool> {
     Ok(a.json)
 }
 
-pub async fn run(a: Args) -> Result<Outcome> {
+pub async fn run(a: Args) -> Result<Findings> {
     if let Some(path) = &a.scenario {
         return scenario(&a, path).await;
     }
@@ -226,7 +226,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
     } else {
         a.urls.clone()
     };
-    let plan = Plan {
+    let plan = LoadPlan {
         urls,
         requests: a.requests,
         concurrency: a.concurrency,
@@ -264,7 +264,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         return Err(interrupted(report.sent, report.plan.requests));
     }
     if report.sent == 0 {
-        return Ok(Outcome::Failed(vec!["no request was sent".into()]));
+        return Ok(Findings::Failed(vec!["no request was sent".into()]));
     }
     let share = report.failed as f64 / report.sent as f64;
     if share > a.allow_failures {
@@ -273,7 +273,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
             .iter()
             .map(|(k, n)| format!("{k} {n}"))
             .collect();
-        return Ok(Outcome::Failed(vec![format!(
+        return Ok(Findings::Failed(vec![format!(
             "{} of {} requests failed ({:.1}%: {}); --allow-failures {:.2} would accept that share",
             report.failed,
             report.sent,
@@ -282,7 +282,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
             share
         )]));
     }
-    Ok(Outcome::Ok)
+    Ok(Findings::Ok)
 }
 
 /// A token cancelled by Ctrl-C or SIGTERM: the load stops and the report of what finished is
@@ -343,7 +343,7 @@ pub fn progress_bar(len: u64, prefix: &str) -> indicatif::ProgressBar {
     bar
 }
 
-async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
+async fn scenario(a: &Args, path: &std::path::Path) -> Result<Findings> {
     let s = bench_scenario::load(path, a.short)?;
     let bar = progress_bar(1, &s.name);
     let tick = bar.clone();
@@ -380,7 +380,7 @@ async fn scenario(a: &Args, path: &std::path::Path) -> Result<Outcome> {
             outcome.summary.plan.requests,
         ));
     }
-    Ok(Outcome::from_failures(bench_scenario::failures(&outcome)))
+    Ok(Findings::from_failures(bench_scenario::failures(&outcome)))
 }
 
 fn table(r: &Report) -> String {

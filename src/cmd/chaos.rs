@@ -5,7 +5,7 @@ use crate::core::chaos::{
     self, Active, ContractBreak, Fault, Inject, Params, Restore, StreamBreak,
 };
 use crate::error::{Error, Kind, Result};
-use crate::transport::chaos::{self as warden, AskError};
+use crate::transport::chaos::{self as warden, WardenError};
 use crate::transport::{connect, subjects};
 use std::io::Write;
 use std::time::Duration;
@@ -217,7 +217,7 @@ fn injection(c: Command) -> std::result::Result<Inject, Command> {
 async fn ask(url: &str, subject: &'static str, body: Vec<u8>) -> Result<Vec<Active>> {
     let nc = crate::cmd::reach(url, "oam-chaos", false).await?;
     warden::ask(&nc, subject, body).await.map_err(|e| match e {
-        AskError::NoWarden => Error::new(
+        WardenError::NoWarden => Error::new(
             Kind::Unreachable,
             anyhow::anyhow!(
                 "no chaos warden answers on {}; `oam mesh up` starts one (or run \
@@ -225,8 +225,8 @@ async fn ask(url: &str, subject: &'static str, body: Vec<u8>) -> Result<Vec<Acti
                 connect::redact(url)
             ),
         ),
-        AskError::Refused(why) => Error::usage(why),
-        AskError::Failed(why) => Error::new(Kind::Unreachable, anyhow::anyhow!(why)),
+        WardenError::Refused(why) => Error::usage(why),
+        WardenError::Failed(why) => Error::new(Kind::Unreachable, anyhow::anyhow!(why)),
     })
 }
 

@@ -4,7 +4,7 @@
 
 use crate::bench::runner::{self as bench_scenario, ScenarioReport};
 use crate::bench::scenario::Scenario;
-use crate::error::{Error, Kind, Outcome, Result};
+use crate::error::{Error, Findings, Kind, Result};
 use crate::local::{self, cluster};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use std::io::Write;
@@ -64,19 +64,19 @@ pub struct Args {
 
 /// The demo's private cluster. `down` stops it and removes its folder; a guard dropped without
 /// `down` (a panic) still sends every recorded process SIGTERM.
-struct Cluster {
+struct DemoMesh {
     dir: PathBuf,
     down: bool,
 }
 
-impl Cluster {
-    async fn up() -> Result<Cluster> {
+impl DemoMesh {
+    async fn up() -> Result<DemoMesh> {
         let dir = std::env::temp_dir().join(format!(
             "oam-demo-{}",
             crate::ids::random_hex(4).map_err(Error::failed)?
         ));
         let exe = local::oam_exe().map_err(Error::failed)?;
-        let mut cluster = Cluster { dir, down: false };
+        let mut cluster = DemoMesh { dir, down: false };
         let plan = cluster::Plan::any_ports(cluster.dir.clone(), 3, exe);
         match cluster::up(&plan).await {
             Ok(_) => Ok(cluster),
@@ -98,7 +98,7 @@ impl Cluster {
     }
 }
 
-impl Drop for Cluster {
+impl Drop for DemoMesh {
     fn drop(&mut self) {
         if self.down {
             return;
@@ -173,7 +173,7 @@ fn verdict_line(o: &ScenarioReport) -> String {
     line
 }
 
-pub async fn run(a: Args) -> Result<Outcome> {
+pub async fn run(a: Args) -> Result<Findings> {
     if let Some(unknown) = a
         .only
         .iter()
@@ -196,7 +196,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         out,
         "oam demo: a local mesh (nats-server, the provider simulator, three nodes, the liveness monitor, the chaos warden)"
     )?;
-    let cluster = Cluster::up().await?;
+    let cluster = DemoMesh::up().await?;
     let played = play_all(&a, &chosen, &cluster, started).await;
     cluster.down().await;
     let outcomes = played?;
@@ -212,7 +212,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         outcomes.len(),
         started.elapsed().as_secs_f64()
     )?;
-    Ok(Outcome::from_failures(
+    Ok(Findings::from_failures(
         outcomes.iter().flat_map(bench_scenario::failures).collect(),
     ))
 }
@@ -221,7 +221,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
 async fn play_all(
     a: &Args,
     chosen: &[(&str, &str)],
-    cluster: &Cluster,
+    cluster: &DemoMesh,
     started: Instant,
 ) -> Result<Vec<ScenarioReport>> {
     let mut out = say(a);

@@ -4,7 +4,7 @@
 
 use crate::core::pipeline::{Attempt, Decision, Evaluation};
 use crate::core::record::{Call, Record};
-use crate::error::{Error, Outcome, Result};
+use crate::error::{Error, Findings, Result};
 use std::fmt::Write as _;
 use std::io::Write;
 
@@ -27,7 +27,7 @@ pub struct Args {
     pub cluster: super::ClusterArgs,
 }
 
-pub async fn run(a: Args) -> Result<Outcome> {
+pub async fn run(a: Args) -> Result<Findings> {
     let this = |r: &Record| r.decision.request_id == a.request_id;
     // A node's own ids are `{node}-{run}-{n}`: that node's records alone are read first.
     let node = a
@@ -73,7 +73,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
             super::audit::age(a.since)
         )));
     }
-    let when = |e: &crate::transport::store::decisions::Entry| e.record.decision.decided_at_ms;
+    let when = |e: &crate::transport::store::decisions::Stored| e.record.decision.decided_at_ms;
     let entry = match a.at {
         None => entries.last(),
         Some(at) => entries.iter().find(|e| when(e) == at),
@@ -151,8 +151,8 @@ pub async fn run(a: Args) -> Result<Outcome> {
         }
     }
     Ok(match replay {
-        Ok(()) => Outcome::Ok,
-        Err(_) => Outcome::Failed(vec![format!(
+        Ok(()) => Findings::Ok,
+        Err(_) => Findings::Failed(vec![format!(
             "{}: the replay does not give the recorded decision",
             a.request_id
         )]),

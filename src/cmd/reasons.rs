@@ -21,22 +21,22 @@ pub struct Args {
 }
 
 #[derive(Serialize)]
-struct Entry {
+struct CodeRow {
     code: ReasonCode,
     phase: Phase,
     meaning: &'static str,
 }
 
 #[derive(Serialize)]
-struct ActionEntry {
+struct ActionRow {
     action: Action,
     meaning: &'static str,
 }
 
 #[derive(Serialize)]
 struct Doc {
-    reason_codes: Vec<Entry>,
-    actions: Vec<ActionEntry>,
+    reason_codes: Vec<CodeRow>,
+    actions: Vec<ActionRow>,
 }
 
 fn action_meaning(a: Action) -> &'static str {
@@ -88,7 +88,7 @@ pub fn run(args: Args) -> Result<()> {
         let doc = Doc {
             reason_codes: codes
                 .iter()
-                .map(|&code| Entry {
+                .map(|&code| CodeRow {
                     code,
                     phase: code.phase(),
                     meaning: code.meaning(),
@@ -96,7 +96,7 @@ pub fn run(args: Args) -> Result<()> {
                 .collect(),
             actions: actions
                 .iter()
-                .map(|&action| ActionEntry {
+                .map(|&action| ActionRow {
                     action,
                     meaning: action_meaning(action),
                 })

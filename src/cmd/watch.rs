@@ -11,7 +11,7 @@ use crate::transport::chaos;
 use crate::transport::store::escalations;
 use crate::transport::subjects;
 use crate::tui::render;
-use crate::tui::state::{App, Event};
+use crate::tui::state::{App, Update};
 use crate::tui::state::{CHAOS_MENU, Key, KeyEffect};
 use async_nats::jetstream::kv;
 use futures_util::StreamExt;
@@ -49,17 +49,17 @@ fn body<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Option<(String, T)> {
 }
 
 /// A message the watch could not read: counted and shown, never silently dropped.
-fn unreadable(m: &async_nats::Message) -> Event {
-    Event::Unreadable(m.subject.to_string())
+fn unreadable(m: &async_nats::Message) -> Update {
+    Update::Unreadable(m.subject.to_string())
 }
 
 /// Everything from the bus, as model events, into `tx` (never waiting on a full channel).
 async fn feed(
     nats: async_nats::Client,
-    tx: tokio::sync::mpsc::Sender<Event>,
+    tx: tokio::sync::mpsc::Sender<Update>,
     dropped: Arc<AtomicU64>,
 ) {
-    let send = |ev: Event| {
+    let send = |ev: Update| {
         if tx.try_send(ev).is_err() {
             dropped.fetch_add(1, Ordering::Relaxed);
         }
@@ -77,7 +77,7 @@ async fn feed(
     let Ok((mut states, mut decisions, mut incidents, mut deaths, mut beats, mut chaos_events)) =
         subs.await
     else {
-        send(Event::Connection(false));
+        send(Update::Connection(false));
         return;
     };
     let refresh_chaos = {
@@ -88,7 +88,7 @@ async fn feed(
             let tx = tx.clone();
             tokio::spawn(async move {
                 if let Ok(active) = chaos::ask(&nats, subjects::CHAOS_LIST, b"{}".to_vec()).await {
-                    let _ = tx.try_send(Event::Chaos(active));
+                    let _ = tx.try_send(Update::Chaos(active));
                 }
             });
         }
@@ -101,28 +101,28 @@ async fn feed(
     loop {
         tokio::select! {
             Some(m) = states.next() => match body(&m.payload) {
-                Some((node, state)) => send(Event::NodeState { node, state: Box::new(state) }),
+                Some((node, state)) => send(Update::NodeState { node, state: Box::new(state) }),
                 None => send(unreadable(&m)),
             },
             // A batch of a node's decisions.
             Some(m) = decisions.next() => match body::<Vec<Decision>>(&m.payload) {
                 Some((node, batch)) => {
                     for decision in batch {
-                        send(Event::Decision { node: node.clone(), decision: Box::new(decision) });
+                        send(Update::Decision { node: node.clone(), decision: Box::new(decision) });
                     }
                 }
                 None => send(unreadable(&m)),
             },
             Some(m) = incidents.next() => match body(&m.payload) {
-                Some((node, incident)) => send(Event::Incident { node, incident }),
+                Some((node, incident)) => send(Update::Incident { node, incident }),
                 None => send(unreadable(&m)),
             },
             Some(m) = deaths.next() => match serde_json::from_slice(&m.payload) {
-                Ok(v) => send(Event::Death(v)),
+                Ok(v) => send(Update::Death(v)),
                 Err(_) => send(unreadable(&m)),
             },
             Some(m) = beats.next() => match serde_json::from_slice(&m.payload) {
-                Ok(v) => send(Event::AgentBeat(v)),
+                Ok(v) => send(Update::AgentBeat(v)),
                 Err(_) => send(unreadable(&m)),
             },
             Some(_) = chaos_events.next() => refresh_chaos(),
@@ -130,13 +130,13 @@ async fn feed(
                 let up = nats.connection_state() == async_nats::connection::State::Connected;
                 if connected != Some(up) {
                     connected = Some(up);
-                    send(Event::Connection(up));
+                    send(Update::Connection(up));
                     if up {
                         refresh_chaos();
                     }
                 }
                 if up && let Ok(catalog) = crate::mesh::store::catalog(&nats).await {
-                    send(Event::Catalog(catalog.into_iter().map(|c| c.name).collect()));
+                    send(Update::Catalog(catalog.into_iter().map(|c| c.name).collect()));
                 }
             }
             else => return,
@@ -162,7 +162,7 @@ const MOVED_AFTER: Duration = Duration::from_secs(4);
 async fn follow(
     cluster: crate::cmd::ClusterArgs,
     mut nats: async_nats::Client,
-    tx: tokio::sync::mpsc::Sender<Event>,
+    tx: tokio::sync::mpsc::Sender<Update>,
     dropped: Arc<AtomicU64>,
 ) {
     let mut url = cluster.url(&crate::cmd::Role::Viewer).ok();
@@ -204,14 +204,14 @@ async fn follow(
 /// get every `ESCALATIONS_EVERY` (no consumer: the viewer may create none); read again from the
 /// start whenever reading fails (NATS gone and back). These are state, not a stream: this task
 /// waits for room in the channel rather than drop a resolution.
-async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sender<Event>) {
+async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sender<Update>) {
     const ESCALATIONS_EVERY: Duration = Duration::from_secs(1);
     let mut at: Option<(kv::Store, u64)> = None;
     loop {
         if at.is_none()
             && let Ok(store) = escalations::store(&nats).await
         {
-            if tx.send(Event::EscalationsReread).await.is_err() {
+            if tx.send(Update::EscalationsReread).await.is_err() {
                 return;
             }
             at = Some((store, 1));
@@ -226,11 +226,11 @@ async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sende
                                 escalations::EscalationRecord,
                             >(&c.value)
                             {
-                                Ok(r) => Event::Escalation(Box::new(r)),
+                                Ok(r) => Update::Escalation(Box::new(r)),
                                 Err(_) => continue,
                             },
                             kv::Operation::Delete | kv::Operation::Purge => {
-                                Event::EscalationGone(c.key)
+                                Update::EscalationGone(c.key)
                             }
                         };
                         if tx.send(ev).await.is_err() {
@@ -319,7 +319,7 @@ pub async fn run(a: Args) -> Result<()> {
         .cluster
         .connect(&crate::cmd::Role::Viewer, "oam-watch")
         .await?;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(CHANNEL);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Update>(CHANNEL);
     let dropped = Arc::new(AtomicU64::new(0));
     let feeder = tokio::spawn(follow(a.cluster.clone(), nats, tx, dropped.clone()));
     let (chaos_tx, mut chaos_rx) = tokio::sync::mpsc::channel::<usize>(4);

@@ -33,7 +33,7 @@ pub struct Escalation {
 }
 
 /// What the rules need to know about the finished request.
-pub struct Outcome<'a> {
+pub struct Concluded<'a> {
     pub request: &'a Request,
     pub phase: Phase,
     pub codes: &'a [ReasonCode],
@@ -47,7 +47,7 @@ pub struct Outcome<'a> {
 }
 
 /// The escalation reason and action for a failed request, if it needs one.
-pub fn rule(o: &Outcome<'_>) -> Option<(ReasonCode, Action)> {
+pub fn rule(o: &Concluded<'_>) -> Option<(ReasonCode, Action)> {
     use Action::*;
     let risk = o.request.risk;
     let has = |c: ReasonCode| o.codes.contains(&c);
@@ -127,7 +127,7 @@ pub fn of_loop(incident: &Incident, request_id: &str, now_ms: u64) -> Escalation
 }
 
 /// Build the escalation object for a request the rules picked.
-pub fn build(o: &Outcome<'_>, reason: ReasonCode, action: Action, now_ms: u64) -> Escalation {
+pub fn build(o: &Concluded<'_>, reason: ReasonCode, action: Action, now_ms: u64) -> Escalation {
     let mut reason_codes = o.codes.to_vec();
     for c in [ReasonCode::HumanAttentionRequired, reason] {
         if !reason_codes.contains(&c) {
@@ -188,7 +188,7 @@ mod tests {
         codes: &[ReasonCode],
         inc: Option<&str>,
     ) -> Option<ReasonCode> {
-        rule(&Outcome {
+        rule(&Concluded {
             request: r,
             phase,
             codes,
@@ -253,7 +253,7 @@ mod tests {
     #[test]
     fn high_risk_blocks_automatic_action() {
         let high = req(Risk::High, Priority::Normal);
-        let o = Outcome {
+        let o = Concluded {
             request: &high,
             phase: Phase::Generation,
             codes: &[ReasonCode::RetryNotSafe],

@@ -21,7 +21,7 @@ use super::quorum::{Cluster, ProviderView};
 use super::reason::{Action, Phase, ReasonCode};
 use super::request::{Generation, GenerationStatus, Request, Risk, Target, TargetId, round_usd};
 use super::score::{self, ScoreInput};
-use super::timeline::{Timeline, Version};
+use super::timeline::{StateVersion, Timeline};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -397,7 +397,7 @@ impl Engine {
     }
 
     /// The timeline entries written since the last call, to be logged in order.
-    pub fn take_timeline(&mut self) -> Vec<Version> {
+    pub fn take_timeline(&mut self) -> Vec<StateVersion> {
         self.timeline.as_mut().map(|t| t.take()).unwrap_or_default()
     }
 
@@ -1440,7 +1440,7 @@ impl Engine {
                 .of_shortfall_mut(sf)
                 .is_some_and(|b| b.refused_at_ms.is_some())
         });
-        let outcome = escalation::Outcome {
+        let outcome = escalation::Concluded {
             request: &s.request,
             phase,
             codes: &s.codes,
@@ -1508,7 +1508,7 @@ impl Engine {
         ] {
             push(&mut s.codes, c);
         }
-        let outcome = escalation::Outcome {
+        let outcome = escalation::Concluded {
             request: &s.request,
             phase,
             codes: &s.codes,

@@ -301,8 +301,8 @@ impl Patch {
 /// Records seen alone (`oam audit --json`, a snapshot) always carry theirs in full. Each call
 /// starts afresh: a message stands alone.
 pub fn in_a_run<T>(f: impl FnOnce() -> T) -> T {
-    struct End;
-    impl Drop for End {
+    struct EndOfRun;
+    impl Drop for EndOfRun {
         fn drop(&mut self) {
             cluster_in_run::LAST.with(|l| *l.borrow_mut() = None);
             tools_in_run::WRITTEN.with(|w| *w.borrow_mut() = None);
@@ -310,7 +310,7 @@ pub fn in_a_run<T>(f: impl FnOnce() -> T) -> T {
     }
     cluster_in_run::LAST.with(|l| *l.borrow_mut() = Some(None));
     tools_in_run::WRITTEN.with(|w| *w.borrow_mut() = Some(Vec::new()));
-    let _end = End;
+    let _end = EndOfRun;
     f()
 }
 

@@ -27,7 +27,7 @@ pub const WHOLE_EVERY_MS: u64 = 600_000;
 /// One version of the state: what changed since the version before, or (`whole`) all of it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
 #[serde(deny_unknown_fields, default)]
-pub struct Version {
+pub struct StateVersion {
     /// 1, 2, ... in one run of a node (its engine's life).
     pub version: u64,
     pub at_ms: u64,
@@ -82,7 +82,7 @@ pub enum Gap {
 
 impl StateAt {
     /// The state of a `whole` entry.
-    pub fn of(whole: &Version) -> Result<StateAt, Gap> {
+    pub fn of(whole: &StateVersion) -> Result<StateAt, Gap> {
         let (true, Some(cluster)) = (whole.whole, &whole.cluster) else {
             return Err(Gap::NoWhole(whole.version));
         };
@@ -101,7 +101,7 @@ impl StateAt {
 
     /// The state after `e`: `e` itself when it is whole, else this state changed by `e`, which
     /// must be the very next version.
-    pub fn then(&mut self, e: &Version) -> Result<(), Gap> {
+    pub fn then(&mut self, e: &StateVersion) -> Result<(), Gap> {
         if e.whole {
             *self = StateAt::of(e)?;
             return Ok(());
@@ -117,7 +117,7 @@ impl StateAt {
         Ok(())
     }
 
-    fn put(&mut self, e: &Version) {
+    fn put(&mut self, e: &StateVersion) {
         if e.members.is_some() || !e.observations.is_empty() {
             let c = Arc::make_mut(&mut self.cluster);
             if let Some(m) = &e.members {
@@ -167,7 +167,7 @@ pub struct Timeline {
     cooldowns: BTreeMap<String, u64>,
     misconfigured: BTreeMap<String, u64>,
     /// Entries not yet taken to be written.
-    written: Vec<Version>,
+    written: Vec<StateVersion>,
 }
 
 impl Timeline {
@@ -201,10 +201,10 @@ impl Timeline {
         if !self.changed(state) {
             return self.version;
         }
-        let mut e = Version {
+        let mut e = StateVersion {
             version: self.version + 1,
             at_ms: now_ms,
-            ..Version::default()
+            ..StateVersion::default()
         };
         if !state.cluster.changes().is_empty() {
             let c = Arc::make_mut(&mut state.cluster);
@@ -254,7 +254,7 @@ impl Timeline {
         self.cooldowns = state.cooldowns.clone();
         self.misconfigured = state.misconfigured.clone();
         self.version += 1;
-        self.written.push(Version {
+        self.written.push(StateVersion {
             version: self.version,
             at_ms: now_ms,
             whole: true,
@@ -273,7 +273,7 @@ impl Timeline {
     }
 
     /// The entries written since the last call, to be logged in order.
-    pub fn take(&mut self) -> Vec<Version> {
+    pub fn take(&mut self) -> Vec<StateVersion> {
         std::mem::take(&mut self.written)
     }
 

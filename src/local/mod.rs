@@ -281,7 +281,7 @@ impl NatsServer {
         } else {
             self.peers.clone()
         };
-        let cluster = (!alone).then_some(natsd::Member {
+        let cluster = (!alone).then_some(natsd::ClusterPart {
             port: self.cluster_port,
             routes,
         });

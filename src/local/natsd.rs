@@ -209,7 +209,7 @@ pub struct Layout {
     /// The server's name (`None`: `LONE_NAME`); unique in a cluster.
     pub name: Option<String>,
     /// Its part in a cluster (`None`: it runs alone).
-    pub cluster: Option<Member>,
+    pub cluster: Option<ClusterPart>,
     /// The address it takes clients and routes on (`None`: 127.0.0.1). A monitoring port
     /// stays on 127.0.0.1 either way.
     pub address: Option<String>,
@@ -250,7 +250,7 @@ pub fn parse_sync_interval(text: &str) -> Result<String, BadSyncInterval> {
 
 /// A server's part in a cluster: where it listens for routes and the routes it opens.
 #[derive(Clone, Debug, Default)]
-pub struct Member {
+pub struct ClusterPart {
     /// The route port.
     pub port: u16,
     /// The other servers' route addresses (`127.0.0.1:6222`, `10.0.0.2:6222`).
@@ -376,7 +376,7 @@ fn tls_block(tls: &Tls, verify: bool) -> String {
 
 /// A cluster member's `cluster` block: routes on the server's address, opened and accepted
 /// only with the route password (and, with TLS, a certificate the CA signed).
-fn cluster_block(layout: &Layout, member: &Member, creds: &Credentials) -> String {
+fn cluster_block(layout: &Layout, member: &ClusterPart, creds: &Credentials) -> String {
     let quote = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
     let routes: Vec<String> = member
         .routes

@@ -151,11 +151,11 @@ pub struct Caller {
     asker: Asker,
     /// Where instances acknowledge, each under its agent's answerer token.
     acks: Inbox,
-    pending: Arc<Mutex<HashMap<String, Pending>>>,
+    pending: Arc<Mutex<HashMap<String, AwaitedCall>>>,
     _watch: tokio::task::JoinHandle<()>,
 }
 
-struct Pending {
+struct AwaitedCall {
     agent: String,
     /// When the call was made (wall clock, ms), to tell deaths before it from deaths after.
     started_ms: u64,
@@ -165,7 +165,7 @@ struct Pending {
 
 /// A pending call's place, given up when this is dropped.
 struct Forget<'a> {
-    pending: &'a Mutex<HashMap<String, Pending>>,
+    pending: &'a Mutex<HashMap<String, AwaitedCall>>,
     request_id: &'a str,
 }
 
@@ -187,8 +187,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 fn pending_map(
-    m: &Mutex<HashMap<String, Pending>>,
-) -> std::sync::MutexGuard<'_, HashMap<String, Pending>> {
+    m: &Mutex<HashMap<String, AwaitedCall>>,
+) -> std::sync::MutexGuard<'_, HashMap<String, AwaitedCall>> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -202,11 +202,11 @@ impl Caller {
         let mut instance_deaths = subscribe(&nats, subjects::INSTANCE_DEATHS).await?;
         let mut deaths = subscribe(&nats, subjects::DEATHS).await?;
         nats.flush().await?;
-        let pending: Arc<Mutex<HashMap<String, Pending>>> = Arc::default();
+        let pending: Arc<Mutex<HashMap<String, AwaitedCall>>> = Arc::default();
         let (p, a) = (pending.clone(), ack_inbox.clone());
         let watch = tokio::spawn(async move {
-            let fail = |p: &Mutex<HashMap<String, Pending>>,
-                        pred: &dyn Fn(&Pending) -> bool,
+            let fail = |p: &Mutex<HashMap<String, AwaitedCall>>,
+                        pred: &dyn Fn(&AwaitedCall) -> bool,
                         notice: &protocol::DeathNotice| {
                 for (rid, call) in pending_map(p).iter_mut().filter(|(_, c)| pred(c)) {
                     if let Some(tx) = call.fate.take() {
@@ -247,7 +247,7 @@ impl Caller {
                         if let Ok(n) = serde_json::from_slice::<protocol::DeathNotice>(&m.payload) {
                             // The monitor names the instance's agent: an instance id an agent claimed
                             // for itself fails only calls to that agent.
-                            let held = |c: &Pending| c.instance.as_deref() == Some(n.instance_id.as_str())
+                            let held = |c: &AwaitedCall| c.instance.as_deref() == Some(n.instance_id.as_str())
                                 && (n.agent.is_empty() || n.agent == c.agent);
                             fail(&p, &held, &n);
                         }
@@ -258,8 +258,8 @@ impl Caller {
                             // it either finds nobody (not_found at once) or a new instance. A
                             // call made in the millisecond the death was detected came after the
                             // death itself, so it is left to find out for itself.
-                            let before = |c: &Pending| n.detected_at_ms.is_none_or(|t| c.started_ms < t);
-                            fail(&p, &|c: &Pending| c.agent == n.agent && before(c), &n);
+                            let before = |c: &AwaitedCall| n.detected_at_ms.is_none_or(|t| c.started_ms < t);
+                            fail(&p, &|c: &AwaitedCall| c.agent == n.agent && before(c), &n);
                         }
                     }
                     else => return,
@@ -280,7 +280,7 @@ impl Caller {
         let (tx, fate) = tokio::sync::oneshot::channel();
         pending_map(&self.pending).insert(
             request_id.clone(),
-            Pending {
+            AwaitedCall {
                 agent: agent.to_string(),
                 started_ms: crate::clock::now_ms(),
                 instance: None,
@@ -392,7 +392,7 @@ impl Caller {
 /// The chunks of one streaming request, in order. Dropping it abandons the stream.
 pub struct ChunkStream {
     nats: async_nats::Client,
-    pending: Arc<Mutex<HashMap<String, Pending>>>,
+    pending: Arc<Mutex<HashMap<String, AwaitedCall>>>,
     /// The answer inbox the chunks of an oam agent come to.
     sub: Option<async_nats::Subscriber>,
     /// `mesh.stream.{request_id}`, where other clients' agents stream; dropped once a chunk has

@@ -532,11 +532,11 @@ struct Routez {
 #[derive(Deserialize, Default)]
 struct RoutezData {
     #[serde(default)]
-    routes: Vec<Route>,
+    routes: Vec<ServerRoute>,
 }
 
 #[derive(Deserialize, Default)]
-struct Route {
+struct ServerRoute {
     #[serde(default)]
     remote_id: String,
 }

@@ -13,7 +13,7 @@
 use super::Node;
 use super::pipeline::lock;
 use crate::core::record::Record;
-use crate::core::timeline::Version;
+use crate::core::timeline::StateVersion;
 use crate::transport::store::decisions::{self, batch_head, batches};
 use crate::transport::subjects;
 use serde::Deserialize;
@@ -49,7 +49,7 @@ pub(crate) struct LogSettings {
     pub max_bytes: u64,
     /// `full`, or `hash`: each message's content is kept as its hash only (the record then
     /// cannot be replayed).
-    pub content: Content,
+    pub content: LogContent,
     /// A record whose messages and answers hold more than this is kept as under `hash`: one
     /// caller's large requests cannot flush everyone's records out of `max_bytes`.
     pub max_content_bytes: usize,
@@ -61,7 +61,7 @@ pub(crate) struct LogSettings {
 
 #[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum Content {
+pub(crate) enum LogContent {
     #[default]
     Full,
     Hash,
@@ -73,7 +73,7 @@ impl Default for LogSettings {
             enabled: true,
             max_age_hours: 24 * 7,
             max_bytes: crate::transport::store::decisions::DEFAULT_MAX_BYTES,
-            content: Content::Full,
+            content: LogContent::Full,
             max_content_bytes: 16 << 10,
             durable: false,
         }
@@ -114,7 +114,10 @@ impl LogCounters {
             move |s| {
                 let written = c.timeline_written.load(Ordering::Relaxed);
                 s.put(&[("result", "written")], written);
-                s.put(&[("result", "lost")], c.timeline_lost.load(Ordering::Relaxed));
+                s.put(
+                    &[("result", "lost")],
+                    c.timeline_lost.load(Ordering::Relaxed),
+                );
             },
         );
     }
@@ -164,7 +167,7 @@ impl DecisionLog {
     /// write starts at once.
     pub(crate) fn keep(&self, mut r: Record) -> Kept {
         let settings = &self.settings;
-        if settings.content == Content::Hash || r.content_bytes() > settings.max_content_bytes {
+        if settings.content == LogContent::Hash || r.content_bytes() > settings.max_content_bytes {
             r.hash_content(|c| format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(c.as_bytes())));
         }
         let (tx, rx) = if settings.durable {
@@ -261,7 +264,7 @@ struct Waiting {
     records: std::collections::VecDeque<(Record, Option<oneshot::Sender<bool>>, usize)>,
     bytes: usize,
     /// State timeline entries, in order (written before the records).
-    timeline: Vec<Version>,
+    timeline: Vec<StateVersion>,
 }
 
 /// State timeline entries waiting at most (see `DecisionLog::timeline`).

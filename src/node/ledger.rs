@@ -101,7 +101,7 @@ const BATCH_MAX: usize = 512;
 
 /// What the ledger said to a reservation.
 #[derive(Clone, Copy, PartialEq, Debug)]
-pub(crate) enum Answer {
+pub(crate) enum Ruling {
     Held,
     Refused(ReasonCode),
     Unreachable,
@@ -118,12 +118,12 @@ pub(crate) struct Hold {
     local: bool,
 }
 
-enum Op {
+enum LedgerOp {
     Reserve {
         agent_key: Option<String>,
         global: bool,
         usd: f64,
-        reply: oneshot::Sender<Answer>,
+        reply: oneshot::Sender<Ruling>,
     },
     Settle {
         key: String,
@@ -146,14 +146,14 @@ struct Ask {
     agent_key: Option<String>,
     global: bool,
     usd: f64,
-    reply: oneshot::Sender<Answer>,
-    answer: Answer,
+    reply: oneshot::Sender<Ruling>,
+    answer: Ruling,
     /// The shares it drew on (given back if it is not granted).
     drew: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Change {
+enum LedgerChange {
     Reserve(f64),
     /// Reserved, actual, and the settlement's number (none for a give-back, never retried).
     Settle(f64, f64, Option<u64>),
@@ -238,7 +238,7 @@ pub(crate) struct Ledgers {
     pipeline: Pipeline,
     bus: Arc<Bus>,
     chaos: Arc<Chaos>,
-    tx: mpsc::UnboundedSender<Op>,
+    tx: mpsc::UnboundedSender<LedgerOp>,
     /// What this node spent (or holds) on local shares while the ledger was unreachable, by key.
     share: std::sync::Mutex<BTreeMap<String, f64>>,
     /// The newest record (and its revision) of each key this node has seen.
@@ -259,13 +259,13 @@ pub(crate) struct Ledgers {
 }
 
 /// Reservations and settlements on their way to the [`Keeper`].
-pub(crate) struct Queue(mpsc::UnboundedReceiver<Op>);
+pub(crate) struct Queue(mpsc::UnboundedReceiver<LedgerOp>);
 
 /// The service that applies the queue to the ledger in batches, renews this node's holds, and
 /// mirrors every budget into the engine.
 pub(crate) struct Keeper {
     node: Arc<Node>,
-    rx: mpsc::UnboundedReceiver<Op>,
+    rx: mpsc::UnboundedReceiver<LedgerOp>,
     /// The bucket, once open.
     store: Option<kv::Store>,
 }
@@ -363,26 +363,26 @@ impl Ledgers {
         });
         let keys = budget_keys(agent_key.as_ref(), global);
         let answer = if self.bus.isolated() {
-            Answer::Unreachable
+            Ruling::Unreachable
         } else if self.draw(&keys, usd, now_ms()) {
             self.counters.from_escrow.fetch_add(1, Ordering::Relaxed);
-            Answer::Held
+            Ruling::Held
         } else {
             let (reply, rx) = oneshot::channel();
-            let op = Op::Reserve {
+            let op = LedgerOp::Reserve {
                 agent_key: agent_key.clone(),
                 global,
                 usd,
                 reply,
             };
             match self.tx.send(op) {
-                Ok(()) => rx.await.unwrap_or(Answer::Unreachable),
-                Err(_) => Answer::Unreachable,
+                Ok(()) => rx.await.unwrap_or(Ruling::Unreachable),
+                Err(_) => Ruling::Unreachable,
             }
         };
         let c = &self.counters;
         let code = match answer {
-            Answer::Held => {
+            Ruling::Held => {
                 c.held.fetch_add(1, Ordering::Relaxed);
                 flight.hold = Some(Hold {
                     agent_key,
@@ -392,11 +392,11 @@ impl Ledgers {
                 });
                 return None;
             }
-            Answer::Refused(code) => {
+            Ruling::Refused(code) => {
                 c.refused.fetch_add(1, Ordering::Relaxed);
                 code
             }
-            Answer::Unreachable => {
+            Ruling::Unreachable => {
                 c.unreachable.fetch_add(1, Ordering::Relaxed);
                 if risk != Risk::High
                     && self.take_local_share(&agent, agent_key.as_deref(), global, usd)
@@ -485,17 +485,17 @@ impl Ledgers {
     /// After key `k`'s `changes` were written (`written`) or not: the settlements written are no
     /// longer this node's to count, and give-backs are over either way (the record says what
     /// the node holds).
-    fn written(&self, k: &str, changes: &[(Option<usize>, Change)], written: bool) {
+    fn written(&self, k: &str, changes: &[(Option<usize>, LedgerChange)], written: bool) {
         let mut escrow = lock(&self.escrow);
         let Some(e) = escrow.get_mut(k) else {
             return;
         };
         for (_, c) in changes {
             match *c {
-                Change::Settle(r, _, Some(_)) if written => {
+                LedgerChange::Settle(r, _, Some(_)) if written => {
                     e.unwritten = round_usd((e.unwritten - r).max(0.0));
                 }
-                Change::Settle(r, _, None) => {
+                LedgerChange::Settle(r, _, None) => {
                     e.returning = round_usd((e.returning - r).max(0.0));
                 }
                 _ => {}
@@ -580,7 +580,7 @@ impl Ledgers {
         *sent += 1;
         let seq = *sent;
         for k in keys {
-            let _ = self.tx.send(Op::Settle {
+            let _ = self.tx.send(LedgerOp::Settle {
                 key: k,
                 reserved_usd,
                 actual_usd,
@@ -604,7 +604,7 @@ impl Ledgers {
             estimate_usd: sf.estimate_usd,
             remaining_usd: sf.remaining_usd,
         };
-        let op = Op::Claim {
+        let op = LedgerOp::Claim {
             key: key(sf.agent.as_deref()),
             refused,
             escalation: Box::new(e.clone()),
@@ -728,7 +728,7 @@ impl Keeper {
         let mut idle = tokio::time::interval(Duration::from_millis(SHARE_IDLE_MS / 2));
         idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Settlements not written yet, oldest first, and when they are to be.
-        let mut waiting: Vec<Op> = Vec::new();
+        let mut waiting: Vec<LedgerOp> = Vec::new();
         let mut due: Option<tokio::time::Instant> = None;
         let mut settle_every = SETTLE_EVERY;
         let mut held: BTreeMap<String, f64> = BTreeMap::new();
@@ -757,9 +757,9 @@ impl Keeper {
                     Err(_) => break,
                 }
             }
-            let (settles, others): (Vec<Op>, Vec<Op>) = batch
+            let (settles, others): (Vec<LedgerOp>, Vec<LedgerOp>) = batch
                 .into_iter()
-                .partition(|op| matches!(op, Op::Settle { .. }));
+                .partition(|op| matches!(op, LedgerOp::Settle { .. }));
             waiting.extend(settles);
             if !waiting.is_empty() && due.is_none() {
                 due = Some(tokio::time::Instant::now() + settle_every);
@@ -822,21 +822,21 @@ impl Keeper {
     /// could not be written.
     async fn apply_batch(
         &mut self,
-        batch: Vec<Op>,
+        batch: Vec<LedgerOp>,
         renew_keys: &[String],
         give_back: &[(String, f64)],
         held: &mut BTreeMap<String, f64>,
-    ) -> Vec<Op> {
+    ) -> Vec<LedgerOp> {
         let store = if self.node.bus.isolated() {
             None
         } else {
             self.ledger_store().await
         };
-        let (claims, batch): (Vec<Op>, Vec<Op>) = batch
+        let (claims, batch): (Vec<LedgerOp>, Vec<LedgerOp>) = batch
             .into_iter()
-            .partition(|op| matches!(op, Op::Claim { .. }));
+            .partition(|op| matches!(op, LedgerOp::Claim { .. }));
         for op in claims {
-            if let Op::Claim {
+            if let LedgerOp::Claim {
                 key,
                 refused,
                 escalation,
@@ -854,7 +854,7 @@ impl Keeper {
                 ledgers.written(k, changes, false);
             }
             for r in reserves {
-                let _ = r.reply.send(Answer::Unreachable);
+                let _ = r.reply.send(Ruling::Unreachable);
             }
             return settles;
         };
@@ -900,12 +900,12 @@ impl Keeper {
         }
         ledgers.failing.store(!failed.is_empty(), Ordering::Relaxed);
         for r in reserves {
-            if r.answer != Answer::Held {
+            if r.answer != Ruling::Held {
                 ledgers.undraw(&r.drew, r.usd, 0.0);
             }
             // A request that went away meanwhile (its caller gave up) never uses what was held
             // for it: give it back, or the node would renew that hold for as long as it lives.
-            if r.reply.send(r.answer).is_err() && r.answer == Answer::Held {
+            if r.reply.send(r.answer).is_err() && r.answer == Ruling::Held {
                 ledgers.settle(
                     Hold {
                         agent_key: r.agent_key,
@@ -920,7 +920,7 @@ impl Keeper {
         // Settlements on keys whose write failed wait for the next batch.
         settles
             .into_iter()
-            .filter(|op| matches!(op, Op::Settle { key, .. } if failed.contains(key)))
+            .filter(|op| matches!(op, LedgerOp::Settle { key, .. } if failed.contains(key)))
             .collect()
     }
 
@@ -983,7 +983,7 @@ impl Keeper {
     async fn apply_keys(
         &self,
         store: &kv::Store,
-        by_key: BTreeMap<String, Vec<(Option<usize>, Change)>>,
+        by_key: BTreeMap<String, Vec<(Option<usize>, LedgerChange)>>,
         reserves: &mut [Ask],
         failed: &mut Vec<String>,
         held: &mut BTreeMap<String, f64>,
@@ -996,7 +996,7 @@ impl Keeper {
                         if let Some(i) = i
                             && !ok
                         {
-                            reserves[*i].answer = Answer::Refused(refusal);
+                            reserves[*i].answer = Ruling::Refused(refusal);
                         }
                     }
                     let mine = ledger
@@ -1011,7 +1011,7 @@ impl Keeper {
                     self.node.ledger.written(&k, &changes, false);
                     for (i, _) in &changes {
                         if let Some(i) = i {
-                            reserves[*i].answer = Answer::Unreachable;
+                            reserves[*i].answer = Ruling::Unreachable;
                         }
                     }
                     failed.push(k);
@@ -1026,7 +1026,7 @@ impl Keeper {
         &self,
         store: &kv::Store,
         k: &str,
-        changes: &[(Option<usize>, Change)],
+        changes: &[(Option<usize>, LedgerChange)],
     ) -> Option<(Ledger, Vec<bool>, u64)> {
         // Every write reads the record first, as fresh as the store has it. The watch's copy
         // saved that round trip, but on a busy machine it is a few milliseconds behind the
@@ -1168,23 +1168,23 @@ async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
 }
 
 /// Each key's changes in one batch, in order; a reservation's change points at its `Ask`.
-type Plan = BTreeMap<String, Vec<(Option<usize>, Change)>>;
+type Plan = BTreeMap<String, Vec<(Option<usize>, LedgerChange)>>;
 
 /// Plan a batch's first phase: every settlement, in arrival order, and the give-backs
 /// (key, usd) and renewals of `renew_keys`, by key; the reservations (all answered `Held` until
 /// the ledger says otherwise, drawn on escrow by `Ledgers::draw_escrow`) and the settlements,
 /// kept to retry those whose key fails.
 fn plan(
-    batch: Vec<Op>,
+    batch: Vec<LedgerOp>,
     renew_keys: &[String],
     give_back: &[(String, f64)],
-) -> (Vec<Ask>, Plan, Vec<Op>) {
+) -> (Vec<Ask>, Plan, Vec<LedgerOp>) {
     let mut reserves: Vec<Ask> = Vec::new();
     let mut phase1 = Plan::new();
-    let mut settles: Vec<Op> = Vec::new();
+    let mut settles: Vec<LedgerOp> = Vec::new();
     for op in batch {
         match op {
-            Op::Reserve {
+            LedgerOp::Reserve {
                 agent_key,
                 global,
                 usd,
@@ -1194,35 +1194,35 @@ fn plan(
                 global,
                 usd,
                 reply,
-                answer: Answer::Held,
+                answer: Ruling::Held,
                 drew: Vec::new(),
             }),
-            Op::Settle {
+            LedgerOp::Settle {
                 ref key,
                 reserved_usd,
                 actual_usd,
                 seq,
             } => {
-                phase1
-                    .entry(key.clone())
-                    .or_default()
-                    .push((None, Change::Settle(reserved_usd, actual_usd, Some(seq))));
+                phase1.entry(key.clone()).or_default().push((
+                    None,
+                    LedgerChange::Settle(reserved_usd, actual_usd, Some(seq)),
+                ));
                 settles.push(op);
             }
-            Op::Claim { .. } => {}
+            LedgerOp::Claim { .. } => {}
         }
     }
     for (k, usd) in give_back {
         phase1
             .entry(k.clone())
             .or_default()
-            .push((None, Change::Settle(*usd, 0.0, None)));
+            .push((None, LedgerChange::Settle(*usd, 0.0, None)));
     }
     for k in renew_keys {
         phase1
             .entry(k.clone())
             .or_default()
-            .push((None, Change::Renew));
+            .push((None, LedgerChange::Renew));
     }
     (reserves, phase1, settles)
 }
@@ -1241,7 +1241,7 @@ fn draw(
     // Per key: the largest ask, and what was asked of the ledger.
     let mut caps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     for (i, a) in asks.iter_mut().enumerate() {
-        let Some(k) = key_of(a).filter(|_| a.answer == Answer::Held) else {
+        let Some(k) = key_of(a).filter(|_| a.answer == Ruling::Held) else {
             continue;
         };
         let e = escrow.entry(k.clone()).or_default();
@@ -1255,7 +1255,7 @@ fn draw(
         if need > EPSILON_USD {
             plan.entry(k.clone())
                 .or_default()
-                .push((Some(i), Change::Reserve(need)));
+                .push((Some(i), LedgerChange::Reserve(need)));
             let (largest, asked) = caps.entry(k).or_insert((0.0, 0.0));
             *largest = largest.max(a.usd);
             *asked += need;
@@ -1275,7 +1275,7 @@ fn draw(
         let cap = largest * e.factor;
         plan.entry(k)
             .or_default()
-            .push((None, Change::Extra { parts, cap }));
+            .push((None, LedgerChange::Extra { parts, cap }));
     }
 }
 
@@ -1284,24 +1284,24 @@ fn draw(
 fn apply_changes(
     ledger: &mut Ledger,
     holder: &str,
-    changes: &[(Option<usize>, Change)],
+    changes: &[(Option<usize>, LedgerChange)],
     now: u64,
     lease_ms: u64,
 ) -> Vec<bool> {
     changes
         .iter()
         .map(|(_, c)| match *c {
-            Change::Reserve(usd) => ledger.reserve(holder, usd, now, lease_ms),
-            Change::Settle(r, a, Some(seq)) => {
+            LedgerChange::Reserve(usd) => ledger.reserve(holder, usd, now, lease_ms),
+            LedgerChange::Settle(r, a, Some(seq)) => {
                 ledger.settle_once(holder, seq, r, a, now);
                 true
             }
-            Change::Settle(r, a, None) => {
+            LedgerChange::Settle(r, a, None) => {
                 ledger.settle(holder, r, a, now);
                 true
             }
-            Change::Renew => ledger.renew(holder, now, lease_ms),
-            Change::Extra { parts, cap } => {
+            LedgerChange::Renew => ledger.renew(holder, now, lease_ms),
+            LedgerChange::Extra { parts, cap } => {
                 let usd = ledger.share_extra(now, parts, cap);
                 usd <= 0.0 || ledger.reserve(holder, usd, now, lease_ms)
             }
@@ -1332,9 +1332,9 @@ pub(crate) fn settle_after(
 mod tests {
     use super::*;
 
-    fn reserve(agent_key: Option<&str>, global: bool, usd: f64) -> Op {
+    fn reserve(agent_key: Option<&str>, global: bool, usd: f64) -> LedgerOp {
         let (reply, _) = oneshot::channel();
-        Op::Reserve {
+        LedgerOp::Reserve {
             agent_key: agent_key.map(String::from),
             global,
             usd,
@@ -1344,7 +1344,7 @@ mod tests {
 
     #[test]
     fn a_batch_is_planned_by_key_in_arrival_order() {
-        let settle = |seq| Op::Settle {
+        let settle = |seq| LedgerOp::Settle {
             key: "agent.a".into(),
             reserved_usd: 0.1,
             actual_usd: 0.05,
@@ -1359,20 +1359,20 @@ mod tests {
         let back = [("agent.b".to_string(), 0.3)];
         let (reserves, plan, settles) = plan(batch, &[key(None)], &back);
         assert_eq!(reserves.len(), 2);
-        assert!(reserves.iter().all(|r| r.answer == Answer::Held));
+        assert!(reserves.iter().all(|r| r.answer == Ruling::Held));
         assert_eq!(
             plan["agent.a"],
             vec![
-                (None, Change::Settle(0.1, 0.05, Some(3))),
-                (None, Change::Settle(0.1, 0.05, Some(4)))
+                (None, LedgerChange::Settle(0.1, 0.05, Some(3))),
+                (None, LedgerChange::Settle(0.1, 0.05, Some(4)))
             ],
             "one key's settlements in the order they came (reservations are drawn apart)"
         );
         assert_eq!(
             plan["agent.b"],
-            vec![(None, Change::Settle(0.3, 0.0, None))]
+            vec![(None, LedgerChange::Settle(0.3, 0.0, None))]
         );
-        assert_eq!(plan["global"], vec![(None, Change::Renew)]);
+        assert_eq!(plan["global"], vec![(None, LedgerChange::Renew)]);
         assert_eq!(settles.len(), 2, "kept to retry if their key fails");
     }
 
@@ -1408,10 +1408,10 @@ mod tests {
         assert_eq!(
             phase1["agent.a"],
             vec![
-                (Some(1), Change::Reserve(0.3)),
+                (Some(1), LedgerChange::Reserve(0.3)),
                 (
                     None,
-                    Change::Extra {
+                    LedgerChange::Extra {
                         parts: 8,
                         cap: 512.0
                     }
@@ -1422,10 +1422,10 @@ mod tests {
         assert_eq!(
             phase1["agent.b"],
             vec![
-                (Some(2), Change::Reserve(0.01)),
+                (Some(2), LedgerChange::Reserve(0.01)),
                 (
                     None,
-                    Change::Extra {
+                    LedgerChange::Extra {
                         parts: 8,
                         cap: 10.24
                     }
@@ -1438,18 +1438,18 @@ mod tests {
         );
         assert_eq!(escrow["agent.a"].used_ms, 7);
         // The ledger refused the second: the global phase asks only for the others.
-        asks[1].answer = Answer::Refused(ReasonCode::BudgetExhausted);
+        asks[1].answer = Ruling::Refused(ReasonCode::BudgetExhausted);
         let mut phase2 = Plan::new();
         let global = |a: &Ask| a.global.then(|| key(None));
         draw(&mut escrow, &mut phase2, &mut asks, global, 8, 7, true);
         assert_eq!(
             phase2["global"],
             vec![
-                (Some(0), Change::Reserve(0.5)),
-                (Some(3), Change::Reserve(0.25)),
+                (Some(0), LedgerChange::Reserve(0.5)),
+                (Some(3), LedgerChange::Reserve(0.25)),
                 (
                     None,
-                    Change::Extra {
+                    LedgerChange::Extra {
                         parts: 8,
                         cap: 512.0
                     }
@@ -1480,7 +1480,7 @@ mod tests {
             again["agent.b"][1],
             (
                 None,
-                Change::Extra {
+                LedgerChange::Extra {
                     parts: 8,
                     cap: 20.48
                 }
@@ -1519,7 +1519,10 @@ mod tests {
             7,
             false,
         );
-        assert_eq!(untrusted["agent.c"][0], (Some(0), Change::Reserve(0.1)));
+        assert_eq!(
+            untrusted["agent.c"][0],
+            (Some(0), LedgerChange::Reserve(0.1))
+        );
     }
 
     #[test]
@@ -1527,11 +1530,11 @@ mod tests {
         let mut l = Ledger::new(1.0);
         let (now, lease) = (1_000, 5_000);
         let changes = [
-            (Some(0), Change::Reserve(0.6)),
-            (Some(1), Change::Reserve(0.6)),
-            (None, Change::Settle(0.6, 0.2, Some(1))),
-            (Some(2), Change::Reserve(0.6)),
-            (None, Change::Renew),
+            (Some(0), LedgerChange::Reserve(0.6)),
+            (Some(1), LedgerChange::Reserve(0.6)),
+            (None, LedgerChange::Settle(0.6, 0.2, Some(1))),
+            (Some(2), LedgerChange::Reserve(0.6)),
+            (None, LedgerChange::Renew),
         ];
         let granted = apply_changes(&mut l, "n1#r", &changes, now, lease);
         assert_eq!(granted, vec![true, false, true, true, true]);
@@ -1571,7 +1574,7 @@ mod tests {
             .await
             .expect("updated");
 
-        let reserve = |usd| vec![(Some(0), Change::Reserve(usd))];
+        let reserve = |usd| vec![(Some(0), LedgerChange::Reserve(usd))];
         let (l, granted, revision) = keeper
             .cas(&store, &k, &reserve(0.5))
             .await
@@ -1599,7 +1602,7 @@ mod tests {
 
         // The settlement's write is taken but its acknowledgement lost: the keeper writes the
         // same settlement again, on the record that already holds it. It is charged once.
-        let settle = vec![(None, Change::Settle(0.15, 0.1, Some(7)))];
+        let settle = vec![(None, LedgerChange::Settle(0.15, 0.1, Some(7)))];
         let (once, _, _) = keeper.cas(&store, &k, &settle).await.expect("written");
         let (again, _, _) = keeper.cas(&store, &k, &settle).await.expect("written");
         assert!((once.spent_usd - 0.1).abs() < 1e-9, "{once:?}");

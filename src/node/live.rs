@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A stream whose first event arrived and can be relayed.
-pub(crate) struct Started {
+pub(crate) struct Flowing {
     upstream: Stream,
     first: String,
     /// When the attempt began (its deadlines and latency count from here).
@@ -34,7 +34,7 @@ pub(crate) struct Started {
 }
 
 pub(crate) enum Open {
-    Started(Started),
+    Started(Flowing),
     Failed(Attempt),
 }
 
@@ -78,7 +78,7 @@ pub(crate) async fn open(
         ),
         Ok(Some(e)) => match serde_json::from_str::<Value>(&e) {
             Ok(v) if v.get("error").is_none() => {
-                return Open::Started(Started {
+                return Open::Started(Flowing {
                     upstream,
                     first: e,
                     began,
@@ -116,7 +116,7 @@ pub(crate) async fn open(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn respond(
     flight: Flight,
-    first: Started,
+    first: Flowing,
     pass: Passthrough,
     limits: Streaming,
     target: String,
@@ -248,7 +248,7 @@ impl Relay {
         self.flight.node.clone()
     }
 
-    async fn run(mut self, mut cur: Started) {
+    async fn run(mut self, mut cur: Flowing) {
         loop {
             let mut acc = Accum::default();
             self.part_sent = false;
@@ -331,7 +331,7 @@ impl Relay {
     }
 
     /// Relay one attempt's events until its stream ends, under the deadlines.
-    async fn pump(&mut self, cur: &mut Started, acc: &mut Accum) -> End {
+    async fn pump(&mut self, cur: &mut Flowing, acc: &mut Accum) -> End {
         let limits = self.limits;
         let total = cur.began + Duration::from_millis(limits.total_ms);
         let mut event = Some(std::mem::take(&mut cur.first));

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 /// itself: the node whose own failure opened it claims it well within this.
 pub(crate) const RAISE_GRACE: Duration = Duration::from_secs(1);
 
-pub(crate) struct Loops {
+pub(crate) struct LoopEpisodes {
     id: String,
     bus: Arc<Bus>,
     claims: mpsc::UnboundedSender<ClaimOp>,
@@ -45,10 +45,10 @@ pub(crate) struct Claimer {
     node: Arc<Node>,
 }
 
-impl Loops {
-    pub(crate) fn new(id: &str, bus: Arc<Bus>) -> (Loops, mpsc::UnboundedReceiver<ClaimOp>) {
+impl LoopEpisodes {
+    pub(crate) fn new(id: &str, bus: Arc<Bus>) -> (LoopEpisodes, mpsc::UnboundedReceiver<ClaimOp>) {
         let (claims, rx) = mpsc::unbounded_channel();
-        let loops = Loops {
+        let loops = LoopEpisodes {
             id: id.to_string(),
             bus,
             claims,
@@ -235,7 +235,7 @@ mod tests {
     #[tokio::test]
     async fn what_a_decision_counted_toward_a_loop_goes_to_the_cluster() {
         let (bus, mut publisher) = super::super::bus::offline::bus("n1").await;
-        let (loops, mut claims) = Loops::new("n1", bus);
+        let (loops, mut claims) = LoopEpisodes::new("n1", bus);
         let fp = Fingerprint(7);
         let rec = crate::core::pipeline::tests::recorded(&mut engine(), "r", 1);
         let mut d: Decision = (**rec.decision).clone();
@@ -267,7 +267,7 @@ mod tests {
     #[tokio::test]
     async fn another_node_s_loop_events_count_here_and_its_own_do_not_count_twice() {
         let (bus, _publisher) = super::super::bus::offline::bus("n1").await;
-        let (loops, _claims) = Loops::new("n1", bus);
+        let (loops, _claims) = LoopEpisodes::new("n1", bus);
         let pipeline = Pipeline::new(engine());
         let failure = |at_ms| LoopEvent::Failure {
             fingerprint: Fingerprint(9),
@@ -291,7 +291,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_episode_opened_by_crossed_events_is_raised_unless_it_ended() {
         let (bus, _publisher) = super::super::bus::offline::bus("n1").await;
-        let (loops, mut claims) = Loops::new("n1", bus);
+        let (loops, mut claims) = LoopEpisodes::new("n1", bus);
         let pipeline = Pipeline::new(engine());
         let failure = |fp: u64, at_ms: u64| LoopEvent::Failure {
             fingerprint: Fingerprint(fp),

@@ -27,12 +27,12 @@ impl Kind {
 }
 
 /// Where a family writes its samples when scraped.
-pub(crate) struct Samples<'a> {
+pub(crate) struct Scrape<'a> {
     name: &'static str,
     out: &'a mut String,
 }
 
-impl Samples<'_> {
+impl Scrape<'_> {
     /// One sample of the family: `name{labels} value`.
     pub(crate) fn put(&mut self, labels: &[(&str, &str)], value: impl Display) {
         self.put_named("", labels, value);
@@ -62,7 +62,7 @@ fn escape(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-type Collect = Box<dyn Fn(&mut Samples<'_>) + Send + Sync>;
+type Collect = Box<dyn Fn(&mut Scrape<'_>) + Send + Sync>;
 
 struct Registered {
     name: &'static str,
@@ -86,7 +86,7 @@ impl Registry {
         name: &'static str,
         help: &'static str,
         kind: Kind,
-        collect: impl Fn(&mut Samples<'_>) + Send + Sync + 'static,
+        collect: impl Fn(&mut Scrape<'_>) + Send + Sync + 'static,
     ) {
         let mut all = lock(&self.0);
         debug_assert!(
@@ -127,7 +127,7 @@ impl Registry {
         for r in lock(&self.0).iter() {
             let _ = writeln!(out, "# HELP {} {}", r.name, r.help);
             let _ = writeln!(out, "# TYPE {} {}", r.name, r.kind.as_str());
-            (r.collect)(&mut Samples {
+            (r.collect)(&mut Scrape {
                 name: r.name,
                 out: &mut out,
             });

@@ -67,7 +67,7 @@ pub struct Node {
     /// The node's leases of the cluster's rate-limit windows.
     pub(crate) rates: rates::Rates,
     pub(crate) log: decisionlog::DecisionLog,
-    pub(crate) loops: loops::Loops,
+    pub(crate) loops: loops::LoopEpisodes,
     pub(crate) escalations: escalations::Escalations,
     pub(crate) chaos: Arc<chaos::Chaos>,
     pub(crate) metrics: Arc<metrics::Metrics>,
@@ -148,7 +148,7 @@ impl Node {
         let (ledger, ledger_queue) =
             ledger::Ledgers::new(&id, pipeline.clone(), bus.clone(), chaos.clone());
         let (escalations, escalations_rx) = escalations::Escalations::new(&id, bus.clone());
-        let (loops, claims) = loops::Loops::new(&id, bus.clone());
+        let (loops, claims) = loops::LoopEpisodes::new(&id, bus.clone());
         let log = decisionlog::DecisionLog::new(&id, cfg.decision_log.clone());
         let metrics = Arc::new(metrics::Metrics::default());
         let registry = &metrics.registry;

@@ -13,7 +13,7 @@ use std::fmt;
 
 /// Who wrote a turn.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Role {
+pub(crate) enum Speaker {
     System,
     /// OpenAI's newer name for a system turn.
     Developer,
@@ -25,32 +25,32 @@ pub(crate) enum Role {
     Other(Box<str>),
 }
 
-impl Role {
-    pub(crate) fn named(name: &str) -> Role {
+impl Speaker {
+    pub(crate) fn named(name: &str) -> Speaker {
         match name {
-            "system" => Role::System,
-            "developer" => Role::Developer,
-            "user" => Role::User,
-            "assistant" => Role::Assistant,
-            "tool" => Role::Tool,
-            other => Role::Other(other.into()),
+            "system" => Speaker::System,
+            "developer" => Speaker::Developer,
+            "user" => Speaker::User,
+            "assistant" => Speaker::Assistant,
+            "tool" => Speaker::Tool,
+            other => Speaker::Other(other.into()),
         }
     }
 
     pub(crate) fn as_str(&self) -> &str {
         match self {
-            Role::System => "system",
-            Role::Developer => "developer",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-            Role::Tool => "tool",
-            Role::Other(name) => name,
+            Speaker::System => "system",
+            Speaker::Developer => "developer",
+            Speaker::User => "user",
+            Speaker::Assistant => "assistant",
+            Speaker::Tool => "tool",
+            Speaker::Other(name) => name,
         }
     }
 
     /// A system or developer turn: instructions, not conversation.
     pub(crate) fn instructs(&self) -> bool {
-        matches!(self, Role::System | Role::Developer)
+        matches!(self, Speaker::System | Speaker::Developer)
     }
 }
 
@@ -92,7 +92,7 @@ pub(crate) struct ToolCall {
 /// One turn of a conversation.
 #[derive(Clone, Debug)]
 pub(crate) struct Turn {
-    pub role: Role,
+    pub role: Speaker,
     pub content: Content,
     /// An assistant turn's tool calls.
     pub calls: Vec<ToolCall>,
@@ -109,7 +109,7 @@ pub(crate) struct Turn {
 
 impl Turn {
     /// A turn of plain text, written by oam (not sent by a client).
-    pub(crate) fn text(role: Role, text: impl Into<String>) -> Turn {
+    pub(crate) fn text(role: Speaker, text: impl Into<String>) -> Turn {
         Turn {
             role,
             content: Content::Text(text.into()),
@@ -169,11 +169,11 @@ impl<'de> Deserialize<'de> for Turn {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Turn, A::Error> {
                 let mut role = None;
-                let mut turn = Turn::text(Role::User, "");
+                let mut turn = Turn::text(Speaker::User, "");
                 turn.content = Content::Absent;
                 while let Some(k) = m.next_key::<std::borrow::Cow<'de, str>>()? {
                     match k.as_ref() {
-                        "role" => role = Some(Role::named(&m.next_value::<String>()?)),
+                        "role" => role = Some(Speaker::named(&m.next_value::<String>()?)),
                         "content" => turn.content = m.next_value::<ContentIn>()?.0,
                         "tool_call_id" => {
                             let id: Option<&RawValue> = m.next_value()?;

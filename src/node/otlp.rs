@@ -162,7 +162,7 @@ struct AttemptSpan {
 
 /// A request's spans while it is under way (kept on its flight).
 #[derive(Clone, Debug)]
-pub(crate) struct Pending {
+pub(crate) struct OpenSpans {
     trace_id: String,
     parent: Option<String>,
     span_id: String,
@@ -176,7 +176,7 @@ pub(crate) struct Pending {
     attempts: Vec<AttemptSpan>,
 }
 
-impl Pending {
+impl OpenSpans {
     /// An attempt was dispatched; it starts after `delay_ms` (a retry's backoff).
     pub(crate) fn dispatched(&mut self, delay_ms: u64) {
         self.attempts.push(AttemptSpan {
@@ -294,13 +294,13 @@ impl Telemetry {
         r: &Request,
         stream: bool,
         traceparent: Option<&str>,
-    ) -> Option<Pending> {
+    ) -> Option<OpenSpans> {
         self.tx.as_ref()?;
         let (trace_id, parent) = match traceparent.and_then(parse_traceparent) {
             Some((t, p)) => (t, Some(p)),
             None => (trace_id(), None),
         };
-        Some(Pending {
+        Some(OpenSpans {
             trace_id,
             parent,
             span_id: span_id(),
@@ -316,7 +316,7 @@ impl Telemetry {
     }
 
     /// The request of `p` was decided `d`: its spans are queued for export.
-    pub(crate) fn finish(&self, p: Option<Pending>, d: &Decision) {
+    pub(crate) fn finish(&self, p: Option<OpenSpans>, d: &Decision) {
         let (Some(tx), Some(p)) = (&self.tx, p) else {
             return;
         };
@@ -434,14 +434,14 @@ impl Exporter {
 /// The request's messages as `gen_ai.input.messages` holds them.
 fn input_messages(r: &Request) -> String {
     #[derive(serde::Serialize)]
-    struct Said<'a> {
+    struct InputMessage<'a> {
         role: &'a str,
         parts: [TextPart<'a>; 1],
     }
-    let msgs: Vec<Said> = r
+    let msgs: Vec<InputMessage> = r
         .messages
         .iter()
-        .map(|m| Said {
+        .map(|m| InputMessage {
             role: &m.role,
             parts: [TextPart::of(&m.content)],
         })
@@ -479,11 +479,11 @@ struct Span {
     start_time_unix_nano: String,
     end_time_unix_nano: String,
     attributes: Vec<Attr>,
-    status: Status,
+    status: SpanStatus,
 }
 
 #[derive(serde::Serialize, Debug)]
-struct Status {
+struct SpanStatus {
     code: u8,
     #[serde(skip_serializing_if = "Option::is_none")]
     message: Option<String>,
@@ -566,7 +566,7 @@ fn status_name(s: GenerationStatus) -> String {
 
 /// The spans of a decided request: its own, then one per attempt made on a target.
 fn spans(
-    p: &Pending,
+    p: &OpenSpans,
     d: &Decision,
     end_ns: u64,
     targets: &BTreeMap<String, (String, &'static str)>,
@@ -646,7 +646,7 @@ fn spans(
         a.push(attr("gen_ai.response.time_to_first_chunk", s));
     }
     let status = if d.outcome == DecisionOutcome::Accepted {
-        Status {
+        SpanStatus {
             code: STATUS_OK,
             message: None,
         }
@@ -655,7 +655,7 @@ fn spans(
         let class = d.reason_codes.last().map_or("error", |c| c.as_str());
         a.push(attr("error.type", class));
         let why = format!("{} in phase {}", d.outcome.as_str(), d.phase.as_str());
-        Status {
+        SpanStatus {
             code: STATUS_ERROR,
             message: Some(why),
         }
@@ -696,7 +696,7 @@ fn spans(
         }
         usage_attrs(&mut a, s);
         let status = match attempt.status {
-            Some(GenerationStatus::Ok) if attempt.defects.is_empty() => Status {
+            Some(GenerationStatus::Ok) if attempt.defects.is_empty() => SpanStatus {
                 code: STATUS_OK,
                 message: None,
             },
@@ -712,7 +712,7 @@ fn spans(
                     status_name(st)
                 };
                 a.push(attr("error.type", &class));
-                Status {
+                SpanStatus {
                     code: STATUS_ERROR,
                     message: Some(class),
                 }

@@ -170,7 +170,7 @@ pub(crate) struct Flight {
     /// The request's record for the decision log, as it goes (none when the log is off).
     pub recorder: Option<Recorder>,
     /// Its OpenTelemetry spans, as they go (none when export is off).
-    pub trace: Option<super::otlp::Pending>,
+    pub trace: Option<super::otlp::OpenSpans>,
 }
 
 impl Flight {
@@ -646,7 +646,7 @@ pub(crate) fn conclude(
     node: &Node,
     decision: Decision,
     record: Option<Recorder>,
-    trace: Option<super::otlp::Pending>,
+    trace: Option<super::otlp::OpenSpans>,
     started: std::time::Instant,
 ) -> Option<super::decisionlog::Kept> {
     for effect in &decision.effects {

@@ -40,7 +40,7 @@ pub(crate) struct Limits {
 const EVICTABLE_AFTER: Duration = Duration::from_millis(250);
 
 /// One open connection, as the eviction sees it.
-struct Conn {
+struct Socket {
     /// When it was opened.
     opened: Instant,
     /// Since when it waits for a request, in ns after `opened` (`BUSY`: a request is in hand).
@@ -50,10 +50,10 @@ struct Conn {
     close: CancellationToken,
 }
 
-/// `Conn::waiting_since` of a connection with a request in hand.
+/// `Socket::waiting_since` of a connection with a request in hand.
 const BUSY: u64 = u64::MAX;
 
-impl Conn {
+impl Socket {
     fn begin(&self) {
         self.in_hand.fetch_add(1, Ordering::Relaxed);
         self.waiting_since.store(BUSY, Ordering::Relaxed);
@@ -80,14 +80,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The open connections, by a number of their own.
 #[derive(Default)]
 struct Conns {
-    open: Mutex<BTreeMap<u64, Arc<Conn>>>,
+    open: Mutex<BTreeMap<u64, Arc<Socket>>>,
     next: AtomicU64,
 }
 
 impl Conns {
-    fn add(&self) -> (u64, Arc<Conn>) {
+    fn add(&self) -> (u64, Arc<Socket>) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let c = Arc::new(Conn {
+        let c = Arc::new(Socket {
             opened: Instant::now(),
             waiting_since: AtomicU64::new(0),
             in_hand: AtomicU64::new(0),
@@ -136,7 +136,7 @@ enum Room {
 /// A response body that tells its connection when it is written out (or dropped).
 struct Tracked {
     body: axum::body::Body,
-    conn: Option<Arc<Conn>>,
+    conn: Option<Arc<Socket>>,
 }
 
 impl Drop for Tracked {

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 const LISTS_MAX: usize = 1_024;
 const BYTES_MAX: usize = 16 << 20;
 
-struct Kept {
+struct CachedTools {
     raw: Box<str>,
     tools: Arc<Tools>,
     used: u64,
@@ -25,7 +25,7 @@ struct Kept {
 
 #[derive(Default)]
 struct Cache {
-    by_hash: HashMap<u64, Vec<Kept>>,
+    by_hash: HashMap<u64, Vec<CachedTools>>,
     bytes: usize,
     clock: u64,
 }
@@ -72,7 +72,7 @@ pub(crate) fn declared(raw: Option<&RawValue>) -> Result<Arc<Tools>, BadRequest>
         }
         cache.bytes += text.len();
         let used = cache.clock;
-        cache.by_hash.entry(hash).or_default().push(Kept {
+        cache.by_hash.entry(hash).or_default().push(CachedTools {
             raw: text.into(),
             tools: tools.clone(),
             used,

@@ -167,7 +167,7 @@ impl FaultMode {
 
 /// An active fault and when it ends (ms on the sim's clock).
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
-pub(crate) struct Fault {
+pub(crate) struct ActiveFault {
     #[serde(flatten)]
     pub mode: FaultMode,
     pub until_ms: u64,
@@ -180,7 +180,7 @@ pub(crate) struct Fault {
 /// if nobody ever clears it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Faults {
-    active: BTreeMap<String, Fault>,
+    active: BTreeMap<String, ActiveFault>,
 }
 
 impl Faults {
@@ -191,8 +191,8 @@ impl Faults {
         now_ms: u64,
         duration_ms: u64,
         times: Option<u64>,
-    ) -> Fault {
-        let fault = Fault {
+    ) -> ActiveFault {
+        let fault = ActiveFault {
             mode,
             until_ms: now_ms.saturating_add(duration_ms),
             times,
@@ -213,7 +213,7 @@ impl Faults {
 
     /// The fault a request to `provider` (a provider, or `provider/model`) meets at `now_ms`,
     /// if any; one with a count of requests is used up by it.
-    pub(crate) fn get(&mut self, provider: &str, now_ms: u64) -> Option<Fault> {
+    pub(crate) fn get(&mut self, provider: &str, now_ms: u64) -> Option<ActiveFault> {
         self.expire(now_ms);
         let f = self.active.get_mut(provider)?;
         let met = *f;
@@ -227,7 +227,7 @@ impl Faults {
     }
 
     /// Every active fault at `now_ms`.
-    pub(crate) fn active(&mut self, now_ms: u64) -> &BTreeMap<String, Fault> {
+    pub(crate) fn active(&mut self, now_ms: u64) -> &BTreeMap<String, ActiveFault> {
         self.expire(now_ms);
         &self.active
     }
@@ -282,7 +282,7 @@ pub(crate) fn reply(
     provider: &SimProvider,
     k: u64,
     question: &str,
-    fault: Option<Fault>,
+    fault: Option<ActiveFault>,
     now_ms: u64,
 ) -> Handling {
     let r = mix(seed ^ mix(provider_salt(&provider.id) ^ mix(k)));
@@ -386,8 +386,8 @@ mod tests {
         default_providers().remove(0)
     }
 
-    fn fault(mode: FaultMode) -> Option<Fault> {
-        Some(Fault {
+    fn fault(mode: FaultMode) -> Option<ActiveFault> {
+        Some(ActiveFault {
             mode,
             until_ms: 10_000,
             times: None,

@@ -133,7 +133,7 @@ impl Sim {
         k: u64,
         model: Option<&str>,
         question: &str,
-    ) -> (Handling, Option<model::Fault>, u64) {
+    ) -> (Handling, Option<model::ActiveFault>, u64) {
         let now = self.now_ms();
         let fault = {
             let mut faults = self.faults();

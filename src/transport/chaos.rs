@@ -5,7 +5,7 @@ use std::time::Duration;
 
 /// Why the warden could not be asked, or said no.
 #[derive(Debug)]
-pub enum AskError {
+pub enum WardenError {
     /// Nobody answers the chaos subjects.
     NoWarden,
     /// The warden refused, saying why.
@@ -14,11 +14,11 @@ pub enum AskError {
     Failed(String),
 }
 
-impl std::fmt::Display for AskError {
+impl std::fmt::Display for WardenError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            AskError::NoWarden => write!(f, "no chaos warden answers"),
-            AskError::Refused(w) | AskError::Failed(w) => write!(f, "{w}"),
+            WardenError::NoWarden => write!(f, "no chaos warden answers"),
+            WardenError::Refused(w) | WardenError::Failed(w) => write!(f, "{w}"),
         }
     }
 }
@@ -28,27 +28,27 @@ pub async fn ask(
     nats: &async_nats::Client,
     subject: &'static str,
     body: Vec<u8>,
-) -> Result<Vec<Active>, AskError> {
+) -> Result<Vec<Active>, WardenError> {
     use super::ask::{self, Asker};
     let asker = Asker::new(nats.clone())
         .await
-        .map_err(|e| AskError::Failed(format!("cannot listen for the answer: {e}")))?;
+        .map_err(|e| WardenError::Failed(format!("cannot listen for the answer: {e}")))?;
     let within = Duration::from_secs(15);
     let (tag, h) = (super::subjects::ANSWERER_WARDEN, Default::default());
     let msg = match asker.ask(tag, subject.into(), h, body.into(), within).await {
         Ok(m) => m,
-        Err(ask::AskError::NoResponders) => return Err(AskError::NoWarden),
+        Err(ask::AskError::NoResponders) => return Err(WardenError::NoWarden),
         Err(ask::AskError::TimedOut) => {
-            return Err(AskError::Failed(
+            return Err(WardenError::Failed(
                 "the chaos warden did not answer within 15 s".into(),
             ));
         }
-        Err(e) => return Err(AskError::Failed(e.to_string())),
+        Err(e) => return Err(WardenError::Failed(e.to_string())),
     };
     match serde_json::from_slice::<WardenReply>(&msg.payload) {
         Ok(WardenReply::Ok(faults)) => Ok(faults),
-        Ok(WardenReply::Error(why)) => Err(AskError::Refused(why)),
-        Err(e) => Err(AskError::Failed(format!(
+        Ok(WardenReply::Error(why)) => Err(WardenError::Refused(why)),
+        Err(e) => Err(WardenError::Failed(format!(
             "the chaos warden's reply is not understood: {e}"
         ))),
     }

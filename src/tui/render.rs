@@ -1031,7 +1031,7 @@ mod tests {
     use crate::mesh::protocol::DeathReason;
     use crate::transport::store::escalations::Status;
     use crate::tui::fixtures;
-    use crate::tui::state::Event;
+    use crate::tui::state::Update;
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
 
@@ -1073,7 +1073,7 @@ mod tests {
 
     fn healthy() -> App {
         let mut app = App::default();
-        app.apply(Event::Connection(true), NOW);
+        app.apply(Update::Connection(true), NOW);
         let ps = || {
             vec![
                 provider(
@@ -1107,7 +1107,7 @@ mod tests {
         };
         for n in ["n1", "n2", "n3"] {
             app.apply(
-                Event::NodeState {
+                Update::NodeState {
                     node: n.into(),
                     state: node_state(&["n1", "n2", "n3"], ps(), 0),
                 },
@@ -1115,16 +1115,16 @@ mod tests {
             );
         }
         app.apply(
-            Event::Catalog(vec!["demo.echo".into(), "llm.chat".into()]),
+            Update::Catalog(vec!["demo.echo".into(), "llm.chat".into()]),
             NOW,
         );
         for (id, agent) in [("a1", "demo.echo"), ("a2", "demo.echo"), ("b1", "llm.chat")] {
-            app.apply(Event::AgentBeat(fixtures::beat(agent, id)), NOW - 500);
+            app.apply(Update::AgentBeat(fixtures::beat(agent, id)), NOW - 500);
         }
         for i in 0..6 {
             let node = ["n1", "n2", "n3"][i % 3];
             app.apply(
-                Event::Decision {
+                Update::Decision {
                     node: node.into(),
                     decision: decision(
                         DecisionOutcome::Accepted,
@@ -1176,7 +1176,7 @@ mod tests {
         };
         for n in ["n1", "n2", "n3"] {
             app.apply(
-                Event::NodeState {
+                Update::NodeState {
                     node: n.into(),
                     state: node_state(&["n1", "n2", "n3"], ps(), 0),
                 },
@@ -1184,7 +1184,7 @@ mod tests {
             );
         }
         app.apply(
-            Event::Chaos(vec![Active {
+            Update::Chaos(vec![Active {
                 id: "c1a2b3".into(),
                 fault: Fault::KillProvider,
                 target: "primary".into(),
@@ -1197,7 +1197,7 @@ mod tests {
         );
         for i in 0..8 {
             app.apply(
-                Event::Decision {
+                Update::Decision {
                     node: ["n1", "n2", "n3"][i % 3].into(),
                     decision: decision(
                         DecisionOutcome::Accepted,
@@ -1235,7 +1235,7 @@ mod tests {
     fn a_lost_bus_keeps_the_last_picture_greyed() {
         let mut app = healthy();
         let live = draw(&app, 160, 48);
-        app.apply(Event::Connection(false), NOW);
+        app.apply(Update::Connection(false), NOW);
         let later = NOW + 30_000;
         let mut t = Terminal::new(TestBackend::new(160, 48)).unwrap();
         t.draw(|f| render(f, &app, later)).unwrap();
@@ -1253,7 +1253,7 @@ mod tests {
             .filter(|&y| y >= 4)
             .all(|y| (0..160u16).all(|x| buf[(x, y)].fg == Color::DarkGray));
         assert!(greyed, "every panel is greyed");
-        app.apply(Event::Connection(true), later);
+        app.apply(Update::Connection(true), later);
         assert!(app.lost_at_ms.is_none());
         assert_eq!(app.picture_ms(later), later);
     }
@@ -1287,7 +1287,7 @@ mod tests {
         let mut state = app.nodes["n2"].state.clone();
         state.escalations_undelivered = 2;
         app.apply(
-            Event::NodeState {
+            Update::NodeState {
                 node: "n2".into(),
                 state: Box::new(state),
             },
@@ -1304,7 +1304,7 @@ mod tests {
         let mut state = app.nodes["n1"].state.clone();
         state.decisions_unlogged = 7;
         app.apply(
-            Event::NodeState {
+            Update::NodeState {
                 node: "n1".into(),
                 state: Box::new(state),
             },
@@ -1338,7 +1338,7 @@ mod tests {
             state.probes.spend_usd_per_hour = usd;
             state.probes.stopped = code;
             app.apply(
-                Event::NodeState {
+                Update::NodeState {
                     node: node.into(),
                     state: Box::new(state),
                 },
@@ -1359,7 +1359,7 @@ mod tests {
         assert!(!draw(&app, 80, 24).contains("unreadable"));
         let subject = crate::transport::subjects::decision("n9");
         for _ in 0..2 {
-            app.apply(Event::Unreadable(subject.clone()), NOW);
+            app.apply(Update::Unreadable(subject.clone()), NOW);
         }
         let text = draw(&app, 80, 24);
         assert!(
@@ -1378,7 +1378,7 @@ mod tests {
             ReasonCode::FallbackUsed,
         ];
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n1".into(),
                 decision: decision(
                     DecisionOutcome::Accepted,
@@ -1435,7 +1435,7 @@ mod tests {
     fn a_focused_panel_scrolls_what_does_not_fit_at_80x24() {
         let mut app = healthy();
         let names: Vec<String> = (0..12).map(|i| format!("agent.n{i:02}")).collect();
-        app.apply(Event::Catalog(names), NOW);
+        app.apply(Update::Catalog(names), NOW);
         for i in 0..6 {
             let open = crate::transport::store::escalations::example(
                 &format!("esc-{i}"),
@@ -1443,7 +1443,7 @@ mod tests {
                 NOW - 1_000 * i,
                 Status::Open,
             );
-            app.apply(Event::Escalation(Box::new(open)), NOW);
+            app.apply(Update::Escalation(Box::new(open)), NOW);
         }
         let before = draw(&app, 80, 24);
         assert!(
@@ -1523,14 +1523,14 @@ mod tests {
         app.nodes.get_mut("n2").unwrap().seen_ms = NOW - 10_000;
         app.nodes.get_mut("n3").unwrap().seen_ms = NOW - 10_000;
         app.apply(
-            Event::NodeState {
+            Update::NodeState {
                 node: "n1".into(),
                 state: node_state(&["n1"], ps, 0),
             },
             NOW - 200,
         );
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n1".into(),
                 decision: decision(
                     DecisionOutcome::Accepted,
@@ -1552,7 +1552,7 @@ mod tests {
     fn agent_death() {
         let mut app = healthy();
         app.apply(
-            Event::Death(fixtures::death("llm.chat", DeathReason::Disconnect, "b1")),
+            Update::Death(fixtures::death("llm.chat", DeathReason::Disconnect, "b1")),
             NOW - 2_000,
         );
         let text = draw(&app, 160, 48);
@@ -1564,7 +1564,7 @@ mod tests {
     fn loop_escalation() {
         let mut app = healthy();
         app.apply(
-            Event::Incident {
+            Update::Incident {
                 node: "n1".into(),
                 incident: fixtures::incident("loop-bot", "refund"),
             },
@@ -1576,9 +1576,9 @@ mod tests {
             NOW - 3_000,
             Status::Open,
         );
-        app.apply(Event::Escalation(Box::new(open)), NOW - 3_000);
+        app.apply(Update::Escalation(Box::new(open)), NOW - 3_000);
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n1".into(),
                 decision: decision(
                     DecisionOutcome::Escalated,
@@ -1595,7 +1595,7 @@ mod tests {
             NOW - 3_000,
         );
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n1".into(),
                 decision: decision(
                     DecisionOutcome::Rejected,

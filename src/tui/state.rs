@@ -101,7 +101,7 @@ pub(crate) enum KeyEffect {
 
 /// Something that arrived from the bus (or the connection itself).
 #[derive(Clone, Debug)]
-pub(crate) enum Event {
+pub(crate) enum Update {
     /// A node's `/v1/oam/state` snapshot, published every second on `oam.v1.state.{node}`.
     NodeState {
         node: String,
@@ -294,10 +294,10 @@ fn line_of(node: &str, d: &Decision) -> Line {
 }
 
 impl App {
-    pub(crate) fn apply(&mut self, ev: Event, now_ms: u64) {
+    pub(crate) fn apply(&mut self, ev: Update, now_ms: u64) {
         self.applied += 1;
         match ev {
-            Event::NodeState { node, state } => {
+            Update::NodeState { node, state } => {
                 self.nodes.insert(
                     node,
                     NodeView {
@@ -306,7 +306,7 @@ impl App {
                     },
                 );
             }
-            Event::Decision { node, decision } => {
+            Update::Decision { node, decision } => {
                 let line = line_of(&node, &decision);
                 let oldest = now_ms.saturating_sub(SHARE_WINDOW_MS);
                 while self.recent.front().is_some_and(|r| r.seen_ms < oldest) {
@@ -337,7 +337,7 @@ impl App {
                     push_bounded(&mut self.stream, line, STREAM_CAPACITY);
                 }
             }
-            Event::Escalation(record) => {
+            Update::Escalation(record) => {
                 let key = crate::transport::store::escalations::key(&record.escalation.id);
                 if record.status == Status::Resolved {
                     self.escalations.remove(&key);
@@ -350,18 +350,18 @@ impl App {
                     }
                 }
             }
-            Event::EscalationGone(key) => {
+            Update::EscalationGone(key) => {
                 self.escalations.remove(&key);
             }
-            Event::EscalationsReread => self.escalations.clear(),
-            Event::Incident { node, incident } => {
+            Update::EscalationsReread => self.escalations.clear(),
+            Update::Incident { node, incident } => {
                 push_bounded(&mut self.incidents, (now_ms, node, incident), 50);
             }
-            Event::Death(notice) => {
+            Update::Death(notice) => {
                 self.instances.remove(&notice.instance_id);
                 push_bounded(&mut self.deaths, (now_ms, notice), 50);
             }
-            Event::AgentBeat(b) => {
+            Update::AgentBeat(b) => {
                 // Instances that stopped beating a minute ago without a death notice are gone.
                 self.instances
                     .retain(|_, i| now_ms.saturating_sub(i.seen_ms) < 60_000);
@@ -374,9 +374,9 @@ impl App {
                     },
                 );
             }
-            Event::Catalog(names) => self.catalog = names,
-            Event::Chaos(active) => self.chaos = active,
-            Event::Connection(up) => {
+            Update::Catalog(names) => self.catalog = names,
+            Update::Chaos(active) => self.chaos = active,
+            Update::Connection(up) => {
                 if up {
                     self.lost_at_ms = None;
                 } else if self.connected {
@@ -384,7 +384,7 @@ impl App {
                 }
                 self.connected = up;
             }
-            Event::Unreadable(subject) => {
+            Update::Unreadable(subject) => {
                 self.unreadable += 1;
                 self.unreadable_subject = subject;
             }
@@ -802,11 +802,11 @@ mod tests {
         let mut app = App::default();
         for (i, id) in ["esc-a", "esc-b", "esc-c"].iter().enumerate() {
             let r = example(id, "bot", 1_000 * i as u64, Status::Open);
-            app.apply(Event::Escalation(Box::new(r)), 5_000);
+            app.apply(Update::Escalation(Box::new(r)), 5_000);
         }
         // The same record again (a replayed store) changes nothing.
         app.apply(
-            Event::Escalation(Box::new(example("esc-b", "bot", 1_000, Status::Open))),
+            Update::Escalation(Box::new(example("esc-b", "bot", 1_000, Status::Open))),
             6_000,
         );
         let ids = |app: &App| -> Vec<String> {
@@ -817,23 +817,23 @@ mod tests {
         };
         assert_eq!(ids(&app), ["esc-c", "esc-b", "esc-a"], "newest first");
         app.apply(
-            Event::Escalation(Box::new(example("esc-b", "bot", 1_000, Status::Resolved))),
+            Update::Escalation(Box::new(example("esc-b", "bot", 1_000, Status::Resolved))),
             7_000,
         );
         assert_eq!(ids(&app), ["esc-c", "esc-a"]);
         // Resolving one the view never saw open is harmless.
         app.apply(
-            Event::Escalation(Box::new(example("esc-z", "bot", 9, Status::Resolved))),
+            Update::Escalation(Box::new(example("esc-z", "bot", 9, Status::Resolved))),
             7_000,
         );
         assert_eq!(app.escalations.len(), 2);
-        app.apply(Event::EscalationGone("esc-c".into()), 7_000);
+        app.apply(Update::EscalationGone("esc-c".into()), 7_000);
         assert_eq!(ids(&app), ["esc-a"], "a deleted record leaves");
-        app.apply(Event::EscalationsReread, 7_000);
+        app.apply(Update::EscalationsReread, 7_000);
         assert!(app.escalations.is_empty(), "a re-read starts afresh");
         for i in 0..OPEN_ESCALATIONS_KEPT as u64 + 5 {
             let r = example(&format!("esc-n{i}"), "bot", 10_000 + i, Status::Open);
-            app.apply(Event::Escalation(Box::new(r)), 8_000);
+            app.apply(Update::Escalation(Box::new(r)), 8_000);
         }
         assert_eq!(app.escalations.len(), OPEN_ESCALATIONS_KEPT);
         assert!(
@@ -849,12 +849,12 @@ mod tests {
     #[test]
     fn the_banner_says_what_drives_it() {
         let mut app = App::default();
-        app.apply(Event::Connection(true), 0);
+        app.apply(Update::Connection(true), 0);
         assert_eq!(app.banner(0).0, MeshStatus::NoQuorum, "nothing heard yet");
         for n in ["n1", "n2", "n3"] {
             let s = state(true, &[("primary", Health::Healthy)]);
             app.apply(
-                Event::NodeState {
+                Update::NodeState {
                     node: n.into(),
                     state: s,
                 },
@@ -863,7 +863,7 @@ mod tests {
         }
         assert_eq!(app.banner(1_000).0, MeshStatus::Nominal);
         app.apply(
-            Event::NodeState {
+            Update::NodeState {
                 node: "n1".into(),
                 state: state(true, &[("primary", Health::Unhealthy)]),
             },
@@ -875,7 +875,7 @@ mod tests {
         assert!(why.contains("primary unhealthy"), "{why}");
         // n2 and n3 fall silent; the freshest (n1) still says quorum: degraded by silence.
         app.apply(
-            Event::NodeState {
+            Update::NodeState {
                 node: "n1".into(),
                 state: state(true, &[("primary", Health::Healthy)]),
             },
@@ -889,7 +889,7 @@ mod tests {
         full.store_faults
             .insert("ledger".into(), "insufficient resources".into());
         app.apply(
-            Event::NodeState {
+            Update::NodeState {
                 node: "n1".into(),
                 state: full,
             },
@@ -900,7 +900,7 @@ mod tests {
         assert!(why.contains("the ledger takes no writes"), "{why}");
         // n1 itself hears only itself: no quorum, whatever the verdicts say.
         app.apply(
-            Event::NodeState {
+            Update::NodeState {
                 node: "n1".into(),
                 state: state(false, &[("primary", Health::Healthy)]),
             },
@@ -908,14 +908,14 @@ mod tests {
         );
         let (v, why) = app.banner(7_000);
         assert_eq!(v, MeshStatus::NoQuorum, "{why}");
-        app.apply(Event::Connection(false), 7_000);
+        app.apply(Update::Connection(false), 7_000);
         assert!(app.banner(7_000).1.contains("NATS unreachable"));
     }
 
     #[test]
     fn the_banner_follows_what_requests_experience_within_two_seconds() {
         let mut app = App::default();
-        app.apply(Event::Connection(true), 0);
+        app.apply(Update::Connection(true), 0);
         let healthy = |app: &mut App, at: u64| {
             for n in ["n1", "n2", "n3"] {
                 let state = state(
@@ -923,7 +923,7 @@ mod tests {
                     &[("primary", Health::Healthy), ("local", Health::Healthy)],
                 );
                 app.apply(
-                    Event::NodeState {
+                    Update::NodeState {
                         node: n.into(),
                         state,
                     },
@@ -947,7 +947,7 @@ mod tests {
                 at,
             );
             app.apply(
-                Event::Decision {
+                Update::Decision {
                     node: "n1".into(),
                     decision: d,
                 },
@@ -995,7 +995,7 @@ mod tests {
                 &[("primary", Health::Unhealthy), ("local", Health::Healthy)],
             );
             app.apply(
-                Event::NodeState {
+                Update::NodeState {
                     node: n.into(),
                     state,
                 },
@@ -1019,28 +1019,28 @@ mod tests {
             fixtures::decision(outcome, phase, provider, fallback, &[code], agent, 150, 10)
         };
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n1".into(),
                 decision: d(DecisionOutcome::Accepted, Phase::Accepted, false, "a"),
             },
             10_100,
         );
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n1".into(),
                 decision: d(DecisionOutcome::Accepted, Phase::Accepted, true, "b"),
             },
             10_200,
         );
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n2".into(),
                 decision: d(DecisionOutcome::Rejected, Phase::Admission, false, "c"),
             },
             10_300,
         );
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n2".into(),
                 decision: d(DecisionOutcome::Escalated, Phase::Budget, false, "d"),
             },
@@ -1066,7 +1066,7 @@ mod tests {
         assert_eq!(app.visible().len(), 2);
         app.paused = true;
         app.apply(
-            Event::Decision {
+            Update::Decision {
                 node: "n1".into(),
                 decision: d(DecisionOutcome::Accepted, Phase::Accepted, false, "e"),
             },

@@ -8,7 +8,7 @@
 //! - echo: sequential call latency, and throughput with C concurrent callers next to raw
 //!   async-nats request/reply measured in the same run.
 
-use crate::error::{Error, Kind, Outcome, Result};
+use crate::error::{Error, Findings, Kind, Result};
 use crate::mesh::client::Caller;
 use crate::mesh::protocol::ErrorCode;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
@@ -237,7 +237,7 @@ where
 /// Throughput is measured in this many alternating rounds of mesh and raw request/reply.
 const ROUNDS: u32 = 3;
 
-pub async fn run(cluster: &super::super::ClusterArgs, a: Args) -> Result<Outcome> {
+pub async fn run(cluster: &super::super::ClusterArgs, a: Args) -> Result<Findings> {
     // Mesh and raw alternate in rounds, so a noisy neighbour on a shared machine weighs on both.
     let round_secs = Duration::try_from_secs_f64(a.seconds / f64::from(ROUNDS))
         .ok()
@@ -385,5 +385,5 @@ pub async fn run(cluster: &super::super::ClusterArgs, a: Args) -> Result<Outcome
     .flat_map(|k| doc[*k]["failures"].as_array().cloned().unwrap_or_default())
     .filter_map(|f| f.as_str().map(String::from))
     .collect();
-    Ok(Outcome::from_failures(failures))
+    Ok(Findings::from_failures(failures))
 }

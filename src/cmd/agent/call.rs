@@ -1,6 +1,6 @@
 //! `oam agent call` and `oam agent stream`: one request to an agent by name.
 
-use crate::error::{Error, Kind, Outcome, Result};
+use crate::error::{Error, Findings, Kind, Result};
 use crate::mesh::{client, protocol};
 use std::io::{IsTerminal, Read, Write};
 use std::time::Duration;
@@ -56,12 +56,12 @@ impl Args {
 const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 /// The agent answered with an error (`agent_died`, `timeout`, `not_found`, ...).
-fn failed(e: &protocol::MeshError) -> Outcome {
-    Outcome::Failed(vec![format!("{}: {}", e.code.as_str(), e.message)])
+fn failed(e: &protocol::MeshError) -> Findings {
+    Findings::Failed(vec![format!("{}: {}", e.code.as_str(), e.message)])
 }
 
 /// Call agent `c.name`; its error reply is a failed check (exit 1) naming the code.
-pub async fn call(cluster: &super::super::ClusterArgs, c: Args) -> Result<Outcome> {
+pub async fn call(cluster: &super::super::ClusterArgs, c: Args) -> Result<Findings> {
     let (payload, timeout) = c.checked()?;
     let nc = cluster
         .connect(&crate::cmd::Role::Caller, "oam-agent-call")
@@ -76,12 +76,12 @@ pub async fn call(cluster: &super::super::ClusterArgs, c: Args) -> Result<Outcom
     let mut out = std::io::stdout().lock();
     out.write_all(&body)?;
     writeln!(out)?;
-    Ok(Outcome::Ok)
+    Ok(Findings::Ok)
 }
 
 /// Stream from agent `c.name`, a chunk a line; an error (before or mid-stream) is a failed
 /// check naming the code.
-pub async fn stream(cluster: &super::super::ClusterArgs, c: Args) -> Result<Outcome> {
+pub async fn stream(cluster: &super::super::ClusterArgs, c: Args) -> Result<Findings> {
     let (payload, timeout) = c.checked()?;
     let nc = cluster
         .connect(&crate::cmd::Role::Caller, "oam-agent-stream")
@@ -103,5 +103,5 @@ pub async fn stream(cluster: &super::super::ClusterArgs, c: Args) -> Result<Outc
         writeln!(out)?;
         out.flush()?;
     }
-    Ok(Outcome::Ok)
+    Ok(Findings::Ok)
 }

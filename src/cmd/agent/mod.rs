@@ -6,7 +6,7 @@ mod call;
 mod list;
 mod serve;
 
-use crate::error::{Outcome, Result};
+use crate::error::{Findings, Result};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -30,14 +30,14 @@ pub enum Command {
     Bench(bench::Args),
 }
 
-pub async fn run(a: Args) -> Result<Outcome> {
+pub async fn run(a: Args) -> Result<Findings> {
     // Each checks its own arguments before it looks for the cluster.
     let cluster = &a.cluster;
     match a.command {
-        Command::Serve(s) => serve::run(cluster, s).await.map(|()| Outcome::Ok),
+        Command::Serve(s) => serve::run(cluster, s).await.map(|()| Findings::Ok),
         Command::Call(c) => call::call(cluster, c).await,
         Command::Stream(c) => call::stream(cluster, c).await,
-        Command::List(l) => list::run(cluster, l).await.map(|()| Outcome::Ok),
+        Command::List(l) => list::run(cluster, l).await.map(|()| Findings::Ok),
         Command::Bench(b) => bench::run(cluster, b).await,
     }
 }

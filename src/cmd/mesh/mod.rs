@@ -2,7 +2,7 @@
 //! the simulator, N nodes, the monitor, the chaos warden), recorded in one state folder, stopped
 //! by exactly the recorded PIDs. The work is `crate::local::cluster`'s; these are its commands.
 
-use crate::error::Outcome;
+use crate::error::Findings;
 
 mod down;
 mod init;
@@ -31,8 +31,8 @@ pub enum Command {
     Monitor(monitor::Args),
 }
 
-pub async fn run(args: Args) -> crate::error::Result<Outcome> {
-    let done = |()| Outcome::Ok;
+pub async fn run(args: Args) -> crate::error::Result<Findings> {
+    let done = |()| Findings::Ok;
     match args.command {
         Command::Up(a) => up::run(a).await.map(done),
         Command::Down(a) => down::run(a).await.map(done),

@@ -1,6 +1,6 @@
 //! `oam mesh status`: what is running and healthy (exit 1 if anything is not).
 
-use crate::error::{Error, Kind, Outcome, Result};
+use crate::error::{Error, Findings, Kind, Result};
 use crate::local::{MeshRecord, cluster};
 use std::io::Write;
 use std::path::PathBuf;
@@ -18,7 +18,7 @@ pub struct Args {
     pub wide: bool,
 }
 
-pub async fn run(a: Args) -> Result<Outcome> {
+pub async fn run(a: Args) -> Result<Findings> {
     let Some(rec) = MeshRecord::load(&a.dir).map_err(|e| Error::new(Kind::Usage, e))? else {
         return Err(Error::new(
             Kind::Unreachable,
@@ -49,7 +49,7 @@ pub async fn run(a: Args) -> Result<Outcome> {
         let header = ["process", "pid", "endpoint", "status"];
         writeln!(out, "{}", crate::cmd::table(&header, lines, a.wide))?;
     }
-    Ok(Outcome::from_failures(
+    Ok(Findings::from_failures(
         rows.iter()
             .filter(|r| !r.healthy)
             .map(|r| format!("{} (pid {}): {}", r.name, r.pid, r.detail))

@@ -10,7 +10,7 @@ use super::{BadRequest, Decoded, Members, bad, body_members, is_null, member, pa
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{Completion, Delta, Passthrough, read_completion};
-use crate::node::model::{Content, Part, Role, Sampling, Stop, ToolCall, ToolChoice, Turn};
+use crate::node::model::{Content, Part, Sampling, Speaker, Stop, ToolCall, ToolChoice, Turn};
 use crate::node::request::Answer;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::value::RawValue;
@@ -172,7 +172,7 @@ fn decode(
     };
     let mut turns = Vec::new();
     if let Some(system) = system {
-        turns.push(Turn::text(Role::System, system));
+        turns.push(Turn::text(Speaker::System, system));
     }
     let said = said
         .and_then(read::<Vec<&RawValue>>)
@@ -265,8 +265,8 @@ fn decode_turn(
     let at = format!("messages[{i}]");
     let turn = read::<TurnIn>(raw).unwrap_or_default();
     let role = match turn.role.as_deref() {
-        Some("user") => Role::User,
-        Some("assistant") => Role::Assistant,
+        Some("user") => Speaker::User,
+        Some("assistant") => Speaker::Assistant,
         _ => {
             return Err(bad(
                 format!("{at}.role"),
@@ -308,7 +308,7 @@ fn decode_turn(
         #[serde(borrow)]
         input: Option<&'a RawValue>,
     }
-    let user = role == Role::User;
+    let user = role == Speaker::User;
     let mut parts = Vec::new();
     let mut calls = Vec::new();
     for (j, raw) in blocks.into_iter().enumerate() {
@@ -340,7 +340,7 @@ fn decode_turn(
                 } else {
                     content
                 };
-                let mut result = Turn::text(Role::Tool, content);
+                let mut result = Turn::text(Speaker::Tool, content);
                 result.answers = Some(id);
                 out.push(result);
             }
@@ -387,11 +387,11 @@ fn decode_turn(
                 _ => None,
             })
             .collect();
-        let mut said = Turn::text(Role::Assistant, text.join(""));
+        let mut said = Turn::text(Speaker::Assistant, text.join(""));
         said.calls = calls;
         out.push(said);
     } else if !parts.is_empty() {
-        let mut said = Turn::text(Role::User, "");
+        let mut said = Turn::text(Speaker::User, "");
         said.content = Content::Parts(parts);
         out.push(said);
     }

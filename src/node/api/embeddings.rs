@@ -8,7 +8,7 @@ use super::{BadRequest, Decoded, bad, member, object_of};
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::Passthrough;
-use crate::node::model::{Role, Turn};
+use crate::node::model::{Speaker, Turn};
 use axum::http::HeaderMap;
 use serde_json::Value;
 
@@ -104,7 +104,7 @@ pub(crate) fn decode(
     }
     let decoded = Decoded {
         model: Some(model),
-        turns: vec![Turn::text(Role::User, text)],
+        turns: vec![Turn::text(Speaker::User, text)],
         sampling: Default::default(),
         max_tokens: None,
         response_format: None,

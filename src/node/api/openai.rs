@@ -436,7 +436,7 @@ pub(crate) fn stream_end(
 ) -> String {
     /// A chunk with no choices.
     #[derive(serde::Serialize)]
-    struct Last<'a> {
+    struct ClosingChunk<'a> {
         id: Option<&'a RawValue>,
         object: &'static str,
         created: Option<&'a RawValue>,
@@ -448,7 +448,7 @@ pub(crate) fn stream_end(
         oam: Option<OamObject<'a>>,
     }
     let last = |usage, oam| {
-        let last = Last {
+        let last = ClosingChunk {
             id: head.and_then(|h| h.id.as_deref()),
             object: "chat.completion.chunk",
             created: head.and_then(|h| h.created.as_deref()),
@@ -506,7 +506,7 @@ impl super::ClientApi for Chat {
     }
 
     fn relay(&self, pass: &Passthrough) -> Box<dyn super::Relayed> {
-        Box::new(Relay {
+        Box::new(ChatRelay {
             head: None,
             usage: None,
             include_usage: pass.include_usage,
@@ -516,13 +516,13 @@ impl super::ClientApi for Chat {
 
 /// A chat stream relayed live: its chunks as they came, its usage chunk held back for oam's
 /// last chunk (when the caller asked for it), which repeats the first chunk's head.
-struct Relay {
+struct ChatRelay {
     head: Option<OwnedHead>,
     usage: Option<Box<RawValue>>,
     include_usage: bool,
 }
 
-impl super::Relayed for Relay {
+impl super::Relayed for ChatRelay {
     fn chunk(&mut self, data: &str, delta: &crate::node::exchange::Delta) -> String {
         if self.head.is_none() {
             self.head = Some(delta.head.to_owned());

@@ -13,7 +13,7 @@ use super::{
 use crate::core::request::Request;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{Completion, Passthrough, read_completion};
-use crate::node::model::{Content, Part, Role, Sampling, ToolCall, ToolChoice, Turn};
+use crate::node::model::{Content, Part, Sampling, Speaker, ToolCall, ToolChoice, Turn};
 use crate::node::request::Answer;
 use axum::http::HeaderMap;
 use axum::http::StatusCode;
@@ -92,11 +92,11 @@ fn decode(members: Members<'_>) -> Result<Decoded, BadRequest> {
     if let Some(i) = get("instructions") {
         let text = read::<String>(i)
             .ok_or_else(|| bad("instructions", "instructions must be a string"))?;
-        turns.push(Turn::text(Role::System, text));
+        turns.push(Turn::text(Speaker::System, text));
     }
     let input = get("input");
     if let Some(text) = input.and_then(read::<String>) {
-        turns.push(Turn::text(Role::User, text));
+        turns.push(Turn::text(Speaker::User, text));
     } else {
         let items = input.and_then(read::<Vec<&RawValue>>).unwrap_or_default();
         if items.is_empty() {
@@ -312,9 +312,9 @@ fn decode_item(raw: &RawValue, i: usize, out: &mut Vec<Turn>) -> Result<(), BadR
     match string(item.kind).as_deref() {
         None | Some("message") => {
             let role = match string(item.role).as_deref() {
-                Some("developer" | "system") => Role::System,
-                Some("user") => Role::User,
-                Some("assistant") => Role::Assistant,
+                Some("developer" | "system") => Speaker::System,
+                Some("user") => Speaker::User,
+                Some("assistant") => Speaker::Assistant,
                 _ => {
                     return Err(bad(
                         format!("{at}.role"),
@@ -329,7 +329,7 @@ fn decode_item(raw: &RawValue, i: usize, out: &mut Vec<Turn>) -> Result<(), BadR
                 for (j, p) in parts.into_iter().enumerate() {
                     read.push(decode_part(p, &format!("{at}.content[{j}]"))?);
                 }
-                if role == Role::Assistant {
+                if role == Speaker::Assistant {
                     // An assistant's turn is text in chat.
                     let text: Vec<&str> = read
                         .iter()
@@ -365,11 +365,11 @@ fn decode_item(raw: &RawValue, i: usize, out: &mut Vec<Turn>) -> Result<(), BadR
                 arguments: string(item.arguments).unwrap_or_else(|| "{}".into()),
             };
             match out.last_mut() {
-                Some(last) if last.role == Role::Assistant && !last.calls.is_empty() => {
+                Some(last) if last.role == Speaker::Assistant && !last.calls.is_empty() => {
                     last.calls.push(call);
                 }
                 _ => {
-                    let mut turn = Turn::text(Role::Assistant, "");
+                    let mut turn = Turn::text(Speaker::Assistant, "");
                     turn.content = Content::Absent;
                     turn.calls.push(call);
                     out.push(turn);
@@ -387,7 +387,7 @@ fn decode_item(raw: &RawValue, i: usize, out: &mut Vec<Turn>) -> Result<(), BadR
             let output = string(item.output)
                 .or_else(|| item.output.map(|o| o.get().to_string()))
                 .unwrap_or_else(|| "null".into());
-            let mut turn = Turn::text(Role::Tool, output);
+            let mut turn = Turn::text(Speaker::Tool, output);
             turn.answers = Some(id);
             out.push(turn);
         }

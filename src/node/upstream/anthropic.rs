@@ -14,7 +14,7 @@ use crate::node::exchange::{
     CallOut, ChatUsage, ChoiceOut, ChunkOut, DeltaOut, FunctionOut, Head, UsageOut, lenient,
     members_of, str_of,
 };
-use crate::node::model::{Content, Part, Role, Sampling, Stop, ToolChoice, Turn};
+use crate::node::model::{Content, Part, Sampling, Speaker, Stop, ToolChoice, Turn};
 use futures_util::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
@@ -55,7 +55,7 @@ fn translated(body: &chat::Body<'_>, prefill: Option<&str>) -> serde_json::Resul
         chat::Messages::Core(m) => {
             probe = m
                 .iter()
-                .map(|m| Turn::text(Role::named(&m.role), m.content.clone()))
+                .map(|m| Turn::text(Speaker::named(&m.role), m.content.clone()))
                 .collect();
             &probe
         }
@@ -220,7 +220,7 @@ pub(crate) fn not_carried(
             return Some(format!("messages[{i}].{what}"));
         }
         let misplaced = t.role.instructs() && past_system;
-        if misplaced || matches!(t.role, Role::Other(_)) {
+        if misplaced || matches!(t.role, Speaker::Other(_)) {
             return Some(format!("messages[{i}].role"));
         }
         past_system |= !t.role.instructs();
@@ -228,7 +228,7 @@ pub(crate) fn not_carried(
             for (j, p) in parts.iter().enumerate() {
                 let ok = match p {
                     Part::Text(_) => true,
-                    Part::Image { .. } => t.role == Role::User,
+                    Part::Image { .. } => t.role == Speaker::User,
                     Part::Other { .. } => false,
                 };
                 if !ok {
@@ -374,7 +374,7 @@ fn source(url: &str) -> Source<'_> {
 
 /// The content blocks of one turn: a tool turn is its result.
 fn blocks(t: &Turn) -> Vec<Block<'_>> {
-    if t.role == Role::Tool {
+    if t.role == Speaker::Tool {
         return vec![Block::ToolResult {
             tool_use_id: t.answers.as_deref(),
             content: t.plain_text(),
@@ -430,8 +430,8 @@ fn request_of<'a>(
     };
     for t in turns {
         match t.role {
-            Role::System | Role::Developer => system.push(t.plain_text()),
-            Role::Assistant => push("assistant", blocks(t)),
+            Speaker::System | Speaker::Developer => system.push(t.plain_text()),
+            Speaker::Assistant => push("assistant", blocks(t)),
             _ => push("user", blocks(t)),
         }
     }

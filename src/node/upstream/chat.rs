@@ -6,7 +6,7 @@
 use super::super::exchange::{Attempt, Passthrough, Reply, usage_of};
 use super::UpstreamCall;
 use crate::core::request::{Generation, GenerationStatus, Message};
-use crate::node::model::{Role, Sampling, Turn};
+use crate::node::model::{Sampling, Speaker, Turn};
 use serde_json::Value;
 
 /// The upstream request: the client's own fields (which never include the ones below: oam
@@ -88,7 +88,9 @@ impl<'a> Body<'a> {
             tools: pass.tools.as_deref(),
             model,
             messages: match prefill {
-                Some(text) => Messages::Prefilled(&pass.turns, Turn::text(Role::Assistant, text)),
+                Some(text) => {
+                    Messages::Prefilled(&pass.turns, Turn::text(Speaker::Assistant, text))
+                }
                 None => Messages::AsSent(&pass.turns),
             },
             max_tokens,

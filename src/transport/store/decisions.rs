@@ -4,7 +4,7 @@
 
 use crate::core::pipeline::Config as PipelineConfig;
 use crate::core::record::Record;
-use crate::core::timeline::Version;
+use crate::core::timeline::StateVersion;
 use crate::transport::subjects;
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
@@ -30,7 +30,7 @@ pub struct Batch {
     pub run: String,
     pub config: PipelineConfig,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub timeline: Vec<Version>,
+    pub timeline: Vec<StateVersion>,
     #[serde(default)]
     pub records: Vec<Record>,
 }
@@ -105,7 +105,7 @@ pub async fn open_as(
 
 /// The members every batch message opens with.
 #[derive(Serialize)]
-struct Head<'a> {
+struct BatchHead<'a> {
     node: &'a str,
     run: &'a str,
     config: &'a PipelineConfig,
@@ -113,14 +113,14 @@ struct Head<'a> {
 
 /// A batch message's opening: `{"node":...,"run":...,"config":...` (its records follow).
 pub fn batch_head(node: &str, run: &str, config: &PipelineConfig) -> Vec<u8> {
-    let mut head = serde_json::to_vec(&Head { node, run, config }).unwrap_or_default();
+    let mut head = serde_json::to_vec(&BatchHead { node, run, config }).unwrap_or_default();
     head.pop(); // the closing brace: `,"records":[...]}` follows
     head
 }
 
 /// Encode state timeline entries into batch messages (`head` is `batch_head`) of at most
 /// `BATCH_BYTES` (an entry larger than that goes alone), in order: (entries in it, bytes).
-pub fn timeline_batches(head: &[u8], entries: &[Version]) -> Vec<(usize, Vec<u8>)> {
+pub fn timeline_batches(head: &[u8], entries: &[StateVersion]) -> Vec<(usize, Vec<u8>)> {
     let mut out = Vec::new();
     let mut msg = Vec::new();
     let mut n = 0;
@@ -219,7 +219,7 @@ pub fn batches<W>(
 }
 
 /// One record read back, with the configuration it was decided under and when it was written.
-pub struct Entry {
+pub struct Stored {
     pub config: Arc<PipelineConfig>,
     /// The node's run it was decided in (its state versions count within it).
     pub run: Arc<str>,
@@ -229,7 +229,7 @@ pub struct Entry {
 /// How far back the log goes and what bounds it: what `oam explain` says of a record it does
 /// not find.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Span {
+pub struct LogSpan {
     /// When its oldest batch was written (ms since the epoch); None when it is empty.
     pub first_ms: Option<u64>,
     pub bytes: u64,
@@ -237,7 +237,7 @@ pub struct Span {
     pub max_age: Duration,
 }
 
-impl Span {
+impl LogSpan {
     /// Why a record decided at most `searched_ms` ago (and not found) is not there, at `now_ms`,
     /// and what to do about it.
     pub fn why_missing(&self, searched_ms: u64, now_ms: u64) -> String {
@@ -290,7 +290,7 @@ pub fn human(ms: u64) -> String {
 }
 
 /// The log's span (its stream's info).
-pub async fn span(nats: &async_nats::Client) -> anyhow::Result<Span> {
+pub async fn span(nats: &async_nats::Client) -> anyhow::Result<LogSpan> {
     let js = super::context(nats);
     let mut stream =
         tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
@@ -300,7 +300,7 @@ pub async fn span(nats: &async_nats::Client) -> anyhow::Result<Span> {
     let first_ms = (info.state.messages > 0).then(|| {
         u64::try_from(info.state.first_timestamp.unix_timestamp_nanos() / 1_000_000).unwrap_or(0)
     });
-    Ok(Span {
+    Ok(LogSpan {
         first_ms,
         bytes: info.state.bytes,
         max_bytes: info.config.max_bytes,
@@ -330,7 +330,7 @@ pub async fn read(
     node: Option<&str>,
     keep: impl Fn(&Record) -> bool,
     last: usize,
-) -> anyhow::Result<(Vec<Entry>, usize)> {
+) -> anyhow::Result<(Vec<Stored>, usize)> {
     let js = super::context(nats);
     let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
         .await
@@ -391,7 +391,7 @@ async fn records_from(
     node: Option<&str>,
     keep: &impl Fn(&Record) -> bool,
     last: usize,
-) -> anyhow::Result<(std::collections::VecDeque<Entry>, usize, bool)> {
+) -> anyhow::Result<(std::collections::VecDeque<Stored>, usize, bool)> {
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
     let before_since = read_from(stream, from, until, since, node, |b| {
@@ -402,7 +402,7 @@ async fn records_from(
             b.records
                 .into_iter()
                 .filter(|r| keep(r))
-                .map(|record| Entry {
+                .map(|record| Stored {
                     config: config.clone(),
                     run: run.clone(),
                     record,
@@ -420,7 +420,7 @@ pub async fn timeline(
     nats: &async_nats::Client,
     node: &str,
     run: &str,
-) -> anyhow::Result<Vec<Version>> {
+) -> anyhow::Result<Vec<StateVersion>> {
     let js = super::context(nats);
     let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
         .await
@@ -499,13 +499,13 @@ mod tests {
     fn a_missing_record_is_explained_by_what_bounds_the_log() {
         const H: u64 = 3_600_000;
         let now = 100 * 24 * H;
-        let span = |back_ms: u64, bytes: u64| Span {
+        let span = |back_ms: u64, bytes: u64| LogSpan {
             first_ms: Some(now - back_ms),
             bytes,
             max_bytes: 256 << 20,
             max_age: Duration::from_secs(7 * 24 * 3600),
         };
-        let none = Span {
+        let none = LogSpan {
             first_ms: None,
             ..span(0, 0)
         };
