@@ -234,7 +234,7 @@ pub(crate) async fn run(
     short: bool,
     seed: u64,
     stop: &CancellationToken,
-    refused: &crate::transport::connect::Refused,
+    refused: &crate::transport::connect::Refusal,
     progress: impl Fn(u64, u64) + Send + Sync + 'static,
 ) -> Result<ScenarioReport> {
     let rec = MeshRecord::load(dir)

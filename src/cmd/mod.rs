@@ -19,7 +19,7 @@ pub mod reasons;
 pub mod sim;
 pub mod watch;
 
-use crate::transport::connect::Refused;
+use crate::transport::connect::Refusal;
 
 /// A flag value that does not read, and what to give instead (clap says which flag).
 #[derive(Debug, PartialEq, thiserror::Error)]
@@ -32,11 +32,11 @@ impl From<String> for BadValue {
     }
 }
 
-/// The process's one [`Refused`]: every connection a command makes reports to it, and a
+/// The process's one [`Refusal`]: every connection a command makes reports to it, and a
 /// long-running command stops on it (then exits as unreachable, saying why).
-pub fn refused() -> &'static Refused {
-    static REFUSED: std::sync::OnceLock<Refused> = std::sync::OnceLock::new();
-    REFUSED.get_or_init(Refused::default)
+pub fn refused() -> &'static Refusal {
+    static REFUSED: std::sync::OnceLock<Refusal> = std::sync::OnceLock::new();
+    REFUSED.get_or_init(Refusal::default)
 }
 
 /// What ends a long-running command: Ctrl-C, SIGTERM, or the bus refusing this process's

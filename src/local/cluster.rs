@@ -686,7 +686,7 @@ pub(super) async fn create_buckets(
     copies: usize,
 ) -> anyhow::Result<()> {
     use crate::transport::store::{self, decisions, escalations, ledger, loops, rates};
-    let refused = crate::transport::connect::Refused::default();
+    let refused = crate::transport::connect::Refusal::default();
     let nats =
         crate::transport::connect::connect(admin_url, "oam-mesh-up", false, &refused).await?;
     // Every store keeps as many copies as the server this connection reached knows of: one

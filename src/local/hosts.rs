@@ -672,7 +672,7 @@ async fn start_host(
     let want = hosts.min(3);
     let deadline = std::time::Instant::now() + plan.wait;
     loop {
-        let refused = crate::transport::connect::Refused::default();
+        let refused = crate::transport::connect::Refusal::default();
         let seen = crate::transport::connect::connect(&admin, "oam-mesh-up", false, &refused)
             .await
             .map_or(0, |nats| crate::transport::store::replicas(&nats));

@@ -22,7 +22,7 @@ use super::natsd;
 use crate::mesh::client::Caller;
 use crate::mesh::host::{self, Handler, Instance};
 use crate::mesh::protocol::CatalogEntry;
-use crate::transport::connect::Refused;
+use crate::transport::connect::Refusal;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -35,7 +35,7 @@ pub struct LocalMesh {
     creds: natsd::Credentials,
     monitor: tokio::task::JoinHandle<()>,
     /// Told when the server refuses this mesh's credentials; nothing else in the process is.
-    refused: Refused,
+    refused: Refusal,
 }
 
 /// An agent served through `LocalMesh::serve`. `stop` leaves gracefully (drains, says so);
@@ -105,7 +105,7 @@ impl LocalMesh {
             port,
             creds,
             monitor: tokio::spawn(async {}),
-            refused: Refused::default(),
+            refused: Refusal::default(),
         };
         let app = mesh.connect("oam-monitor").await?;
         let sys = crate::transport::connect::connect(

@@ -166,7 +166,7 @@ impl Instance {
     pub async fn start(
         url: &str,
         entry: CatalogEntry,
-        refused: &crate::transport::connect::Refused,
+        refused: &crate::transport::connect::Refusal,
     ) -> anyhow::Result<(Arc<Instance>, async_nats::Subscriber)> {
         let id = crate::ids::random_hex(8)?;
         let name = subjects::host_connection(&id);

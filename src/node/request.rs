@@ -243,20 +243,20 @@ impl Flight {
 }
 
 /// Whoever asked for a request: its going away ends the driver's waits.
-pub(crate) trait Asker {
+pub(crate) trait Requester {
     /// Resolves once the asker is gone.
     fn gone(&self) -> impl Future<Output = ()> + Send;
 }
 
 /// A caller of the data plane, cancelled when it goes away (`http`, `nats`).
-impl Asker for CancellationToken {
+impl Requester for CancellationToken {
     fn gone(&self) -> impl Future<Output = ()> + Send {
         self.cancelled()
     }
 }
 
 /// The reader of a relayed stream (`live`).
-impl<T: Send> Asker for tokio::sync::mpsc::Sender<T> {
+impl<T: Send> Requester for tokio::sync::mpsc::Sender<T> {
     fn gone(&self) -> impl Future<Output = ()> + Send {
         self.closed()
     }
@@ -287,7 +287,7 @@ impl Flight {
         &mut self,
         mut step: Step,
         waits: &mut Waits,
-        asker: &impl Asker,
+        asker: &impl Requester,
     ) -> Next {
         loop {
             step = match step {
@@ -812,7 +812,7 @@ mod tests {
     /// is decided at once, not after the wait.
     #[tokio::test]
     async fn a_backoff_ends_when_the_asker_leaves_and_no_attempt_is_made() {
-        async fn leave_during_backoff(asker: &impl Asker) -> Decision {
+        async fn leave_during_backoff(asker: &impl Requester) -> Decision {
             let n = node().await;
             let body = br#"{"model": "auto", "messages": [{"role": "user", "content": "q"}]}"#;
             let Ok(begun) = begin(

@@ -12,7 +12,7 @@ pub const ENV_URL: &str = "OAM_NATS_URL";
 /// command stops and exits as unreachable; a library user's process goes on. The first
 /// reason is kept and logged once.
 #[derive(Clone, Default)]
-pub struct Refused(std::sync::Arc<RefusedInner>);
+pub struct Refusal(std::sync::Arc<RefusedInner>);
 
 #[derive(Default)]
 struct RefusedInner {
@@ -20,7 +20,7 @@ struct RefusedInner {
     told: tokio::sync::Notify,
 }
 
-impl Refused {
+impl Refusal {
     /// Why a connection's credentials were refused, if they were.
     pub fn reason(&self) -> Option<&str> {
         self.0.reason.get().map(String::as_str)
@@ -51,7 +51,7 @@ pub async fn reach(
     url: &str,
     name: &str,
     wait_for_server: bool,
-    refused: &Refused,
+    refused: &Refusal,
 ) -> Result<async_nats::Client, ReachError> {
     reach_from(url, None, name, wait_for_server, refused).await
 }
@@ -81,7 +81,7 @@ pub async fn reach_from(
     from: Option<&str>,
     name: &str,
     wait_for_server: bool,
-    refused: &Refused,
+    refused: &Refusal,
 ) -> Result<async_nats::Client, ReachError> {
     let from = from.map(|f| format!(", from {f}")).unwrap_or_default();
     let tried = match servers(url) {
@@ -242,7 +242,7 @@ pub async fn connect(
     url: &str,
     name: &str,
     wait_for_server: bool,
-    refused: &Refused,
+    refused: &Refusal,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
     let refused = refused.clone();
     let conn_name = name.to_string();
@@ -402,7 +402,7 @@ fn redact_one(url: &str) -> String {
 mod tests {
     #[tokio::test]
     async fn a_refusal_is_told_to_its_own_watcher_only_and_the_first_reason_kept() {
-        let (mine, other) = (super::Refused::default(), super::Refused::default());
+        let (mine, other) = (super::Refusal::default(), super::Refusal::default());
         let waiting = tokio::spawn({
             let mine = mine.clone();
             async move { mine.wait().await }

@@ -132,7 +132,7 @@ impl InProcessNode {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let url = format!("http://{}", listener.local_addr().unwrap());
                 let name = format!("oam-node-{id}");
-                let refused = oam::transport::connect::Refused::default();
+                let refused = oam::transport::connect::Refusal::default();
                 let nats = oam::transport::connect::connect(&nats_url, &name, true, &refused)
                     .await
                     .expect("a NATS client");
