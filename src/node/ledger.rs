@@ -1116,6 +1116,9 @@ impl Keeper {
     }
 }
 
+/// How often the ledger watch looks whether NATS reconnected (see `watch`).
+const RECONNECT_POLL: Duration = Duration::from_millis(250);
+
 /// Mirror every budget (its last record first, then every change, this node's and the
 /// others') into the engine (`transport::store::watch`: no push consumer, whose flow control a
 /// forged status message could turn into writes).
@@ -1129,9 +1132,18 @@ async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
             continue;
         };
         let mut changes = std::pin::pin!(changes);
+        // A server that restarted lost the consumer behind the watch; the client may take long
+        // to find out (measured: 4-9 s, up to 30 s), and meanwhile the budgets it mirrors go
+        // stale. After a reconnect the watch is opened again at once.
+        let reconnected = crate::transport::connect::reconnected(node.bus.nats(), RECONNECT_POLL);
+        let mut reconnected = std::pin::pin!(reconnected);
         loop {
             let next = tokio::select! {
                 n = changes.next() => n,
+                () = &mut reconnected => {
+                    tracing::info!(node = %node.id, "budget ledger: NATS reconnected; watching again");
+                    break;
+                }
                 () = stop.cancelled() => return,
             };
             let Some(entry) = next else {

@@ -235,6 +235,22 @@ pub async fn flush_within(nats: &async_nats::Client, limit: Duration) {
     }
 }
 
+/// Resolves once `nats` has lost its server and is connected again, since the call (its state
+/// looked at every `every`): for what a reconnect leaves stale, such as a consumer on a server
+/// that restarted and lost it.
+pub async fn reconnected(nats: &async_nats::Client, every: Duration) {
+    use async_nats::connection::State;
+    let mut lost = false;
+    loop {
+        tokio::time::sleep(every).await;
+        match nats.connection_state() {
+            State::Connected if lost => return,
+            State::Connected => {}
+            _ => lost = true,
+        }
+    }
+}
+
 /// Connect as `name`. With `wait_for_server`, a server that is not up yet is retried in the
 /// background and this returns at once; otherwise an unreachable server is an error. A
 /// refusal of the credentials is told to `refused`.

@@ -118,7 +118,7 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
         logged,
         "every answer given through the election has its decision record"
     );
-    let wrote = eventually(Duration::from_secs(15), || async {
+    let wrote = eventually(Duration::from_secs(4), || async {
         kv.put("test.after-kill", "1".into()).await.ok()
     })
     .await;
@@ -566,7 +566,6 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
         json!(["nats-1", "nats-2", "nats-3"]),
         "{doc}"
     );
-
     // The nodes reconnect by themselves; new answers spend against the ledger again.
     let back = eventually(Duration::from_secs(30), || async {
         let (_, reasons, _) = ask(99).await?;
@@ -574,6 +573,38 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
     })
     .await;
     assert!(back.is_some(), "a node spends against the ledger again");
+    // Once they spend against the ledger again, a budget set reaches every node's engine
+    // within 4 s (the slowest node, three runs each: 5.1, 7.4 and 4.5 s before; 0.7, 1.6 and
+    // 0.4 s after; stop 48 saw up to 30 s): each node's ledger watch is opened again on the
+    // reconnect, and a consumer lost otherwise is replaced within seconds.
+    let out = cl
+        .oam()
+        .args(["budget", "set", "late", "--limit", "7", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen = (0..3).map(|i| {
+        let (http, url) = (http.clone(), cl.node(i));
+        async move {
+            let mirrored = eventually(Duration::from_secs(4), || async {
+                let snapshot = oam::local::cluster::snapshot(&http, &url).await?;
+                snapshot.budgets.agents.contains_key("late").then_some(())
+            })
+            .await;
+            (url, mirrored.is_some())
+        }
+    });
+    for (url, seen) in futures_util::future::join_all(seen).await {
+        assert!(
+            seen,
+            "{url} did not see the budget set after the restart within 4 s"
+        );
+    }
+
     let reader =
         oam::transport::connect::connect(&cl.app_url(), "test-reader", false, &Default::default())
             .await

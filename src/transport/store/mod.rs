@@ -111,6 +111,9 @@ pub struct Change {
     pub value: bytes::Bytes,
 }
 
+/// How long one pull of a watch lasts (see `watch`).
+const WATCH_PULL: Duration = Duration::from_secs(2);
+
 /// Every key's last record of `store`, then every change, as they come; the stream ends when
 /// the consumer behind it breaks (the bus gone), and the caller watches again.
 ///
@@ -127,6 +130,12 @@ pub async fn watch(
     let config = jetstream::consumer::pull::OrderedConfig {
         filter_subject: format!("{}>", store.prefix),
         deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
+        // Each pull lasts `WATCH_PULL` with an idle heartbeat every half of it, and two missed
+        // heartbeats make the client make the consumer again: a consumer lost with a server
+        // that restarted (or a stream leader that moved) is replaced within about `WATCH_PULL`.
+        // With the client's defaults (30 s pulls, 15 s heartbeats) a restart left the watch,
+        // and the budgets it mirrors, stale for up to 30 s.
+        max_expires: WATCH_PULL,
         ..Default::default()
     };
     let messages = store
