@@ -1125,6 +1125,7 @@ mod tests {
             let st = &r1.begin.state;
             Some(StateAt {
                 version: v,
+                awaiting: 0,
                 cluster: st.cluster.clone(),
                 providers: st.providers.clone(),
                 routes: st.routes.clone(),

@@ -23,6 +23,9 @@ use std::sync::Arc;
 pub const WHOLE_EVERY: u64 = 1_000;
 /// ... and one at least this often.
 pub const WHOLE_EVERY_MS: u64 = 600_000;
+/// A whole state of more targets than this is written in parts of this many (each a message
+/// well under NATS' 1 MB payload: about 150 KB for 250 targets seen by three nodes).
+pub const WHOLE_PART_TARGETS: usize = 250;
 
 /// One version of the state: what changed since the version before, or (`whole`) all of it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
@@ -34,6 +37,13 @@ pub struct StateVersion {
     /// The whole state: what it leaves out is empty, not unchanged.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub whole: bool,
+    /// A whole state written in parts: how many (on the first, which is `whole`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub parts: u32,
+    /// ... and which one this is (1, 2, ...: of the same version, after the first). Its
+    /// targets are added to those of the parts before.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub part: u32,
     /// The cluster's whole view.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster: Option<Cluster>,
@@ -59,10 +69,16 @@ pub struct StateVersion {
     pub misconfigured: BTreeMap<String, Option<u64>>,
 }
 
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 /// The per-target state at one version, as a reader rebuilds it from entries.
 #[derive(Clone, PartialEq, Debug)]
 pub struct StateAt {
     pub version: u64,
+    /// Parts of a whole state still to come: it is complete at 0.
+    pub awaiting: u32,
     pub cluster: Arc<Cluster>,
     pub providers: Vec<Target>,
     pub routes: BTreeMap<String, Route>,
@@ -78,6 +94,8 @@ pub enum Gap {
     NoWhole(u64),
     #[error("state version {got} follows version {have}: the versions between are not in the log")]
     Missing { have: u64, got: u64 },
+    #[error("state version {0} was written in parts, and not every part is in the log")]
+    Incomplete(u64),
 }
 
 impl StateAt {
@@ -88,6 +106,7 @@ impl StateAt {
         };
         let mut s = StateAt {
             version: whole.version,
+            awaiting: whole.parts.saturating_sub(1),
             cluster: Arc::new(cluster.clone()),
             providers: Vec::new(),
             routes: BTreeMap::new(),
@@ -99,12 +118,23 @@ impl StateAt {
         Ok(s)
     }
 
-    /// The state after `e`: `e` itself when it is whole, else this state changed by `e`, which
-    /// must be the very next version.
+    /// The state after `e`: `e` itself when it is whole, the next part of a whole state
+    /// written in parts, else this state changed by `e`, which must be the very next version.
     pub fn then(&mut self, e: &StateVersion) -> Result<(), Gap> {
         if e.whole {
             *self = StateAt::of(e)?;
             return Ok(());
+        }
+        if e.part > 0 {
+            if e.version != self.version || self.awaiting == 0 {
+                return Err(Gap::Incomplete(e.version));
+            }
+            self.put(e);
+            self.awaiting -= 1;
+            return Ok(());
+        }
+        if self.awaiting > 0 {
+            return Err(Gap::Incomplete(self.version));
         }
         if e.version != self.version + 1 {
             return Err(Gap::Missing {
@@ -132,7 +162,11 @@ impl StateAt {
             }
         }
         if let Some(p) = &e.providers {
-            self.providers = p.clone();
+            if e.part > 0 {
+                self.providers.extend(p.iter().cloned());
+            } else {
+                self.providers = p.clone();
+            }
         }
         if let Some(r) = &e.routes {
             self.routes = r.clone();
@@ -254,22 +288,80 @@ impl Timeline {
         self.cooldowns = state.cooldowns.clone();
         self.misconfigured = state.misconfigured.clone();
         self.version += 1;
-        self.written.push(StateVersion {
-            version: self.version,
-            at_ms: now_ms,
-            whole: true,
-            cluster: Some(Cluster::clone(&state.cluster)),
-            members: None,
-            observations: BTreeMap::new(),
-            providers: Some(state.providers.clone()),
-            routes: Some(state.routes.clone()),
-            breakers: every(&state.breakers),
-            cooldowns: every(&state.cooldowns),
-            misconfigured: every(&state.misconfigured),
-        });
+        let chunks: Vec<&[Target]> = state.providers.chunks(WHOLE_PART_TARGETS).collect();
+        if chunks.len() <= 1 {
+            self.written.push(StateVersion {
+                version: self.version,
+                at_ms: now_ms,
+                whole: true,
+                cluster: Some(Cluster::clone(&state.cluster)),
+                providers: Some(state.providers.clone()),
+                routes: Some(state.routes.clone()),
+                breakers: every(&state.breakers),
+                cooldowns: every(&state.cooldowns),
+                misconfigured: every(&state.misconfigured),
+                ..StateVersion::default()
+            });
+        } else {
+            self.whole_in_parts(state, &chunks, now_ms);
+        }
         self.since_whole = 0;
         self.whole_at_ms = now_ms;
         self.whole_next = false;
+    }
+
+    /// A whole state of many targets, as parts of `WHOLE_PART_TARGETS` each: the first holds
+    /// the cluster's members, the routes and what is not any target's; each holds its targets,
+    /// their observations, breakers, cool-downs and refused credentials.
+    fn whole_in_parts(&mut self, state: &State, chunks: &[&[Target]], now_ms: u64) {
+        let all = &state.cluster;
+        let first: BTreeSet<&str> = chunks[0].iter().map(|t| &*t.id).collect();
+        let anyones: BTreeSet<&str> = state.providers.iter().map(|t| &*t.id).collect();
+        // The first part's: its targets' and those of no target.
+        let in_first = |id: &str| first.contains(id) || !anyones.contains(id);
+        let of = |ids: &dyn Fn(&str) -> bool, e: &mut StateVersion| {
+            e.breakers = picked(&state.breakers, ids);
+            e.cooldowns = picked(&state.cooldowns, ids);
+            e.misconfigured = picked(&state.misconfigured, ids);
+        };
+        let mut cluster = all.scoped(std::iter::empty());
+        cluster.observations = all
+            .observations
+            .iter()
+            .filter(|(k, _)| in_first(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut head = StateVersion {
+            version: self.version,
+            at_ms: now_ms,
+            whole: true,
+            parts: chunks.len() as u32,
+            cluster: Some(cluster),
+            providers: Some(chunks[0].to_vec()),
+            routes: Some(state.routes.clone()),
+            ..StateVersion::default()
+        };
+        of(&in_first, &mut head);
+        self.written.push(head);
+        for (i, chunk) in chunks.iter().enumerate().skip(1) {
+            let ids: BTreeSet<&str> = chunk.iter().map(|t| &*t.id).collect();
+            let mine = |id: &str| ids.contains(id);
+            let mut part = StateVersion {
+                version: self.version,
+                at_ms: now_ms,
+                part: i as u32,
+                providers: Some(chunk.to_vec()),
+                observations: all
+                    .observations
+                    .iter()
+                    .filter(|(k, _)| mine(k))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                ..StateVersion::default()
+            };
+            of(&mine, &mut part);
+            self.written.push(part);
+        }
     }
 
     /// The entries written since the last call, to be logged in order.
@@ -282,6 +374,17 @@ impl Timeline {
     pub fn lost(&mut self) {
         self.whole_next = true;
     }
+}
+
+/// The entries of `map` whose keys `ids` picks, as a change to an empty map.
+fn picked<V: Copy>(
+    map: &BTreeMap<String, V>,
+    ids: &dyn Fn(&str) -> bool,
+) -> BTreeMap<String, Option<V>> {
+    map.iter()
+        .filter(|(k, _)| ids(k))
+        .map(|(k, v)| (k.clone(), Some(*v)))
+        .collect()
 }
 
 /// Every entry of `map`, as a change to an empty map.
@@ -443,6 +546,54 @@ mod tests {
         Arc::make_mut(&mut e.state.cluster).observe(o);
         e.seen(later);
         assert!(e.take_timeline()[0].whole);
+    }
+
+    #[test]
+    fn a_whole_state_of_many_targets_is_written_in_parts_a_reader_joins() {
+        let mut e = routed();
+        for i in 0..600 {
+            let mut t = e.state.providers[0].clone();
+            t.id = format!("x{i}").into();
+            e.state.providers.push(t);
+            let o = observation("n1", &format!("x{i}"), Verdict::Healthy, 1.0);
+            Arc::make_mut(&mut e.state.cluster).observe(o);
+        }
+        let open = Breaker::Open {
+            until_ms: T0 + 9_000,
+            forced: false,
+        };
+        e.state.breakers.insert("x599".into(), open);
+        e.state.cooldowns.insert("h/big".into(), T0 + 5_000);
+        e.keep_timeline();
+        let v = e.seen(T0);
+        let parts = e.take_timeline();
+        // 603 targets: three parts, each a message well under NATS' 1 MB.
+        assert_eq!(parts.len(), 3);
+        assert!(parts[0].whole && parts[0].parts == 3);
+        assert_eq!((parts[1].part, parts[2].part), (1, 2));
+        for p in &parts {
+            assert_eq!(p.version, v);
+            let bytes = serde_json::to_vec(p).expect("JSON").len();
+            assert!(bytes < 256 << 10, "{bytes} bytes");
+        }
+        let mut reader = StateAt::of(&parts[0]).expect("whole");
+        assert_eq!(reader.awaiting, 2);
+        // A change before every part is in is a gap, not a state.
+        let mut early = reader.clone();
+        let next = StateVersion {
+            version: v + 1,
+            ..StateVersion::default()
+        };
+        assert_eq!(early.then(&next), Err(Gap::Incomplete(v)));
+        for p in &parts[1..] {
+            reader.then(p).expect("the next part");
+        }
+        assert_eq!(reader.awaiting, 0);
+        same(&reader, &e);
+        // Read back through JSON, as the log keeps them.
+        let back: Vec<StateVersion> =
+            serde_json::from_str(&serde_json::to_string(&parts).unwrap()).unwrap();
+        assert_eq!(back, parts);
     }
 
     #[test]
