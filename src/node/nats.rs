@@ -184,6 +184,7 @@ mod tests {
             target: String::new(),
             live: None,
             buffered: None,
+            native: false,
         };
         let v: serde_json::Value = serde_json::from_slice(&reply_of(&a)).expect("JSON");
         assert_eq!(v["status"], 502);

@@ -140,6 +140,9 @@ pub(crate) struct Answer {
     /// Why a stream asked for was not relayed live but checked whole, then released:
     /// `contract` (its answer is held to one) or `native` (a Messages request sent as it came).
     pub buffered: Option<&'static str>,
+    /// The request was a Messages request sent to a Messages target as it came: a body that
+    /// is a message is that target's own, written out as it is.
+    pub native: bool,
 }
 
 impl Answer {
@@ -155,6 +158,7 @@ impl Answer {
             target: String::new(),
             live: Some(resp),
             buffered: None,
+            native: false,
         }
     }
 }
@@ -607,6 +611,7 @@ pub(crate) async fn execute(
     Answer {
         stream,
         buffered,
+        native,
         ..answer
     }
 }
@@ -691,6 +696,7 @@ pub(crate) fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> An
         target: String::new(),
         live: None,
         buffered: None,
+        native: false,
     }
 }
 
@@ -735,6 +741,7 @@ pub(crate) fn respond(node: &Node, d: &Decision, last: Option<super::exchange::A
         target,
         live: None,
         buffered: None,
+        native: false,
     }
 }
 

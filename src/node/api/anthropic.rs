@@ -914,8 +914,12 @@ pub(crate) fn answer_of(a: &Answer, stream: bool) -> (String, bool) {
             #[serde(rename = "type", borrow, default)]
             kind: Option<&'a RawValue>,
         }
-        let kind = serde_json::from_str::<Kind>(&text)
-            .ok()
+        // Only a request sent as it came can have the target's own message for an answer:
+        // any other body is a chat completion, read once below.
+        let kind = a
+            .native
+            .then(|| serde_json::from_str::<Kind>(&text).ok())
+            .flatten()
             .and_then(|k| k.kind);
         // A Messages target's own answer (a request served as it came) is kept as it is.
         if kind.map(RawValue::get) == Some(r#""message""#) {
@@ -1277,6 +1281,7 @@ mod tests {
             target: String::new(),
             live: None,
             buffered: None,
+            native: false,
         };
         let (text, events) = answer_of(&a, true);
         assert!(!events, "a refusal is no stream");
