@@ -217,7 +217,7 @@ async fn feed_escalations(nats: async_nats::Client, tx: tokio::sync::mpsc::Sende
             at = Some((store, 1));
         }
         if let Some((store, from)) = at.as_mut() {
-            match crate::transport::store::changes_since(store, *from).await {
+            match crate::transport::store::changes_since(&nats, store, *from).await {
                 Ok((changes, next)) => {
                     *from = next;
                     for c in changes {

@@ -348,8 +348,9 @@ pub async fn read(
             || subjects::DECISION_LOG_ALL.to_string(),
             subjects::decision_log,
         );
-        let from = super::first_at(&stream, &filter, start).await?;
-        let (out, read, _) = records_from(&stream, from, None, start, node, &keep, last).await?;
+        let from = super::first_at(nats, &stream, &filter, start).await?;
+        let (out, read, _) =
+            records_from(nats, &stream, from, None, start, node, &keep, last).await?;
         return Ok((out.into(), read));
     }
     // Only the newest `last` are wanted: read back from the end in windows of messages, each
@@ -365,7 +366,7 @@ pub async fn read(
     while end >= first.max(1) && info.state.messages > 0 && out.len() < last {
         let begin = end.saturating_sub(window - 1).max(first).max(1);
         let (older, n, reached_since) =
-            records_from(&stream, begin, Some(end), start, node, &keep, last).await?;
+            records_from(nats, &stream, begin, Some(end), start, node, &keep, last).await?;
         read += n;
         for e in older.into_iter().rev() {
             out.push_front(e);
@@ -383,7 +384,9 @@ pub async fn read(
 /// Read records from `from` (up to sequence `until`, if given), as `read_from` does: the
 /// records `keep` wants (the `last` of them at most), how many were read, and whether one
 /// written before `since` was met.
+#[allow(clippy::too_many_arguments)]
 async fn records_from(
+    nats: &async_nats::Client,
     stream: &async_nats::jetstream::stream::Stream,
     from: u64,
     until: Option<u64>,
@@ -394,7 +397,7 @@ async fn records_from(
 ) -> anyhow::Result<(std::collections::VecDeque<Stored>, usize, bool)> {
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
-    let before_since = read_from(stream, from, until, since, node, |b| {
+    let before_since = read_from(nats, stream, from, until, since, node, |b| {
         read += b.records.len();
         let config = Arc::new(b.config);
         let run: Arc<str> = b.run.into();
@@ -428,7 +431,7 @@ pub async fn timeline(
         .map_err(|e| anyhow::anyhow!("no decision log ({}): {e}", subjects::DECISION_LOG_STREAM))?;
     let mut out = Vec::new();
     let since = time::OffsetDateTime::UNIX_EPOCH;
-    read_from(&stream, 1, None, since, Some(node), |b| {
+    read_from(nats, &stream, 1, None, since, Some(node), |b| {
         if b.run == run {
             out.extend(b.timeline);
         }
@@ -442,6 +445,7 @@ pub async fn timeline(
 /// skipping those written before `since`, each given to `each`; whether one written before
 /// `since` was met.
 async fn read_from(
+    nats: &async_nats::Client,
     stream: &async_nats::jetstream::stream::Stream,
     from: u64,
     until: Option<u64>,
@@ -455,7 +459,8 @@ async fn read_from(
     );
     let mut read = 0;
     let mut before_since = false;
-    let reading = super::read_on(stream, &filter, from, |m| {
+    let name = &stream.cached_info().config.name;
+    let reading = super::read_on(nats, name, &filter, from, |m| {
         if until.is_some_and(|u| m.sequence > u) {
             return false;
         }

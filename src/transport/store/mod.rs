@@ -36,32 +36,73 @@ pub async fn keys(store: &kv::Store) -> anyhow::Result<Vec<String>> {
     keys_matching(store, ">").await
 }
 
+/// Messages one direct get asks for at most (the server answers them one after another, then
+/// says it is done).
+const GET_BATCH: usize = 256;
+
 /// The messages of `stream` on `filter` from sequence `from` on, to the last there is now, each
-/// given to `each` (which says whether to go on), read one by one by direct get: no consumer,
-/// so a role that may only read (a viewer) needs none and can leave none behind. The sequence
-/// to read from next time.
+/// given to `each` (which says whether to go on), read by direct get in batches of `GET_BATCH`
+/// (no consumer, so a role that may only read, a viewer, needs none and can leave none behind).
+/// The sequence to read from next time.
 pub async fn read_on(
-    stream: &jetstream::stream::Stream,
+    nats: &async_nats::Client,
+    stream: &str,
     filter: &str,
     from: u64,
     mut each: impl FnMut(jetstream::message::StreamMessage) -> bool,
 ) -> anyhow::Result<u64> {
-    use jetstream::stream::DirectGetErrorKind;
+    use futures_util::StreamExt;
+    let inbox = nats.new_inbox();
+    let mut answers = nats.subscribe(inbox.clone()).await?;
+    let ask = format!("$JS.API.DIRECT.GET.{stream}");
+    let stopped = || anyhow::anyhow!("the stream {stream} stopped answering");
     let mut next = from.max(1);
     loop {
-        let got = tokio::time::timeout(
-            API_TIMEOUT,
-            stream.direct_get_next_for_subject(filter, Some(next)),
-        )
-        .await
-        .map_err(|_| anyhow::anyhow!("the stream {} stopped answering", stream_name(stream)))?;
-        let m = match got {
-            Ok(m) => m,
-            Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(next),
-            Err(e) => anyhow::bail!("cannot read {}: {e}", stream_name(stream)),
-        };
-        next = m.sequence + 1;
-        if !each(m) {
+        let question = serde_json::json!({"seq": next, "batch": GET_BATCH, "next_by_subj": filter});
+        nats.publish_with_reply(ask.clone(), inbox.clone(), question.to_string().into())
+            .await?;
+        let mut got = 0;
+        loop {
+            let m = tokio::time::timeout(API_TIMEOUT, answers.next())
+                .await
+                .map_err(|_| stopped())?
+                .ok_or_else(stopped)?;
+            match m.status.map(|s| s.as_u16()) {
+                // The end of this batch; none at all past the last.
+                Some(204) => break,
+                Some(404) => return Ok(next),
+                Some(code) => anyhow::bail!(
+                    "cannot read {stream}: {code} {}",
+                    m.description.as_deref().unwrap_or("")
+                ),
+                None => {}
+            }
+            let header = |name: &str| {
+                let h = m.headers.as_ref()?.get(name)?;
+                Some(h.as_str().to_string())
+            };
+            let (Some(seq), Some(at), Some(subject)) = (
+                header("Nats-Sequence").and_then(|s| s.parse::<u64>().ok()),
+                header("Nats-Time-Stamp")
+                    .and_then(|t| async_nats::datetime::parse_rfc3339(&t).ok()),
+                header("Nats-Subject"),
+            ) else {
+                anyhow::bail!("cannot read {stream}: a direct get answer without its headers");
+            };
+            next = seq + 1;
+            got += 1;
+            let message = jetstream::message::StreamMessage {
+                subject: subject.into(),
+                sequence: seq,
+                headers: m.headers.unwrap_or_default(),
+                payload: m.payload,
+                time: at,
+            };
+            if !each(message) {
+                return Ok(next);
+            }
+        }
+        if got < GET_BATCH {
             return Ok(next);
         }
     }
@@ -70,6 +111,7 @@ pub async fn read_on(
 /// The first sequence of `stream` on `filter` stored at `at` or later (binary search by direct
 /// get, as `read_on`), or one past the last when none is.
 pub async fn first_at(
+    nats: &async_nats::Client,
     stream: &jetstream::stream::Stream,
     filter: &str,
     at: time::OffsetDateTime,
@@ -86,7 +128,7 @@ pub async fn first_at(
     while lo < hi {
         let mid = lo + (hi - lo) / 2;
         let mut found = None;
-        read_on(stream, filter, mid, |m| {
+        read_on(nats, stream_name(stream), filter, mid, |m| {
             found = Some((m.sequence, m.time));
             false
         })
@@ -175,10 +217,15 @@ fn operation_of(headers: Option<&async_nats::HeaderMap>) -> kv::Operation {
 /// The changes of `store` from revision `from` on, as they are now (each key's last, for a
 /// bucket that keeps one per key), read by direct get (`read_on`: no consumer), and the
 /// revision to read from next time.
-pub async fn changes_since(store: &kv::Store, from: u64) -> anyhow::Result<(Vec<Change>, u64)> {
+pub async fn changes_since(
+    nats: &async_nats::Client,
+    store: &kv::Store,
+    from: u64,
+) -> anyhow::Result<(Vec<Change>, u64)> {
     let mut out = Vec::new();
     let prefix = &store.prefix;
-    let next = read_on(&store.stream, &format!("{prefix}>"), from, |m| {
+    let stream = &store.stream_name;
+    let next = read_on(nats, stream, &format!("{prefix}>"), from, |m| {
         if let Some(key) = m.subject.strip_prefix(prefix.as_str()) {
             out.push(Change {
                 key: key.to_string(),
