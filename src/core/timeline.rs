@@ -212,10 +212,6 @@ impl Timeline {
         }
     }
 
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-
     /// `target`'s breaker, cool-down or refused credentials may have changed.
     pub fn touch(&mut self, target: &TargetId) {
         if !self.touched.contains(target) {
@@ -252,9 +248,9 @@ impl Timeline {
             }
         }
         for id in std::mem::take(&mut self.touched) {
-            changed(&mut e.breakers, &mut self.breakers, &state.breakers, &id);
-            changed(&mut e.cooldowns, &mut self.cooldowns, &state.cooldowns, &id);
-            changed(
+            write_if_changed(&mut e.breakers, &mut self.breakers, &state.breakers, &id);
+            write_if_changed(&mut e.cooldowns, &mut self.cooldowns, &state.cooldowns, &id);
+            write_if_changed(
                 &mut e.misconfigured,
                 &mut self.misconfigured,
                 &state.misconfigured,
@@ -288,34 +284,21 @@ impl Timeline {
         self.cooldowns = state.cooldowns.clone();
         self.misconfigured = state.misconfigured.clone();
         self.version += 1;
-        let chunks: Vec<&[Target]> = state.providers.chunks(WHOLE_PART_TARGETS).collect();
-        if chunks.len() <= 1 {
-            self.written.push(StateVersion {
-                version: self.version,
-                at_ms: now_ms,
-                whole: true,
-                cluster: Some(Cluster::clone(&state.cluster)),
-                providers: Some(state.providers.clone()),
-                routes: Some(state.routes.clone()),
-                breakers: every(&state.breakers),
-                cooldowns: every(&state.cooldowns),
-                misconfigured: every(&state.misconfigured),
-                ..StateVersion::default()
-            });
-        } else {
-            self.whole_in_parts(state, &chunks, now_ms);
-        }
+        self.write_whole(state, now_ms);
         self.since_whole = 0;
         self.whole_at_ms = now_ms;
         self.whole_next = false;
     }
 
-    /// A whole state of many targets, as parts of `WHOLE_PART_TARGETS` each: the first holds
-    /// the cluster's members, the routes and what is not any target's; each holds its targets,
-    /// their observations, breakers, cool-downs and refused credentials.
-    fn whole_in_parts(&mut self, state: &State, chunks: &[&[Target]], now_ms: u64) {
+    /// The whole state, in parts of `WHOLE_PART_TARGETS` targets when it has more (one part
+    /// otherwise): the first holds the cluster's members, the routes and what is not any
+    /// target's; each holds its targets, their observations, breakers, cool-downs and refused
+    /// credentials.
+    fn write_whole(&mut self, state: &State, now_ms: u64) {
         let all = &state.cluster;
-        let first: BTreeSet<&str> = chunks[0].iter().map(|t| &*t.id).collect();
+        let chunks: Vec<&[Target]> = state.providers.chunks(WHOLE_PART_TARGETS).collect();
+        let first_chunk = chunks.first().copied().unwrap_or_default();
+        let first: BTreeSet<&str> = first_chunk.iter().map(|t| &*t.id).collect();
         let anyones: BTreeSet<&str> = state.providers.iter().map(|t| &*t.id).collect();
         // The first part's: its targets' and those of no target.
         let in_first = |id: &str| first.contains(id) || !anyones.contains(id);
@@ -335,9 +318,13 @@ impl Timeline {
             version: self.version,
             at_ms: now_ms,
             whole: true,
-            parts: chunks.len() as u32,
+            parts: if chunks.len() > 1 {
+                chunks.len() as u32
+            } else {
+                0
+            },
             cluster: Some(cluster),
-            providers: Some(chunks[0].to_vec()),
+            providers: Some(first_chunk.to_vec()),
             routes: Some(state.routes.clone()),
             ..StateVersion::default()
         };
@@ -387,14 +374,9 @@ fn picked<V: Copy>(
         .collect()
 }
 
-/// Every entry of `map`, as a change to an empty map.
-fn every<V: Copy>(map: &BTreeMap<String, V>) -> BTreeMap<String, Option<V>> {
-    map.iter().map(|(k, v)| (k.clone(), Some(*v))).collect()
-}
-
 /// When `id`'s value in `now` differs from the one last written (`last`), write it (`into`)
 /// and remember it.
-fn changed<V: Copy + PartialEq>(
+fn write_if_changed<V: Copy + PartialEq>(
     into: &mut BTreeMap<String, Option<V>>,
     last: &mut BTreeMap<String, V>,
     now: &BTreeMap<String, V>,
