@@ -289,13 +289,24 @@ pub fn human(ms: u64) -> String {
     }
 }
 
+/// The log's stream, to read: an error that says why when the server does not answer or
+/// there is no log yet.
+async fn log_stream(nats: &async_nats::Client) -> anyhow::Result<jetstream::stream::Stream> {
+    let js = super::context(nats);
+    tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
+        .await
+        .map_err(|_| no_answer())?
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "no decision log ({}): {e}; nodes write it as they decide",
+                subjects::DECISION_LOG_STREAM
+            )
+        })
+}
+
 /// The log's span (its stream's info).
 pub async fn span(nats: &async_nats::Client) -> anyhow::Result<LogSpan> {
-    let js = super::context(nats);
-    let mut stream =
-        tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
-            .await
-            .map_err(|_| anyhow::anyhow!("no answer"))??;
+    let mut stream = log_stream(nats).await?;
     let info = stream.info().await?;
     let first_ms = (info.state.messages > 0).then(|| {
         u64::try_from(info.state.first_timestamp.unix_timestamp_nanos() / 1_000_000).unwrap_or(0)
@@ -331,16 +342,7 @@ pub async fn read(
     keep: impl Fn(&Record) -> bool,
     last: usize,
 ) -> anyhow::Result<(Vec<Stored>, usize)> {
-    let js = super::context(nats);
-    let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
-        .await
-        .map_err(|_| no_answer())?
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "no decision log ({}): {e}; nodes write it as they decide",
-                subjects::DECISION_LOG_STREAM
-            )
-        })?;
+    let stream = log_stream(nats).await?;
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
         .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
     if last == usize::MAX {
@@ -418,17 +420,13 @@ async fn records_from(
 }
 
 /// The state timeline of `node`'s run `run`, every entry the log holds, in order (versions
-/// missing from it are the log's gaps: `timeline::Seen::then` says so).
+/// missing from it are the log's gaps: `timeline::StateAt::then` says so).
 pub async fn timeline(
     nats: &async_nats::Client,
     node: &str,
     run: &str,
 ) -> anyhow::Result<Vec<StateVersion>> {
-    let js = super::context(nats);
-    let stream = tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
-        .await
-        .map_err(|_| no_answer())?
-        .map_err(|e| anyhow::anyhow!("no decision log ({}): {e}", subjects::DECISION_LOG_STREAM))?;
+    let stream = log_stream(nats).await?;
     let mut out = Vec::new();
     let since = time::OffsetDateTime::UNIX_EPOCH;
     read_from(nats, &stream, 1, None, since, Some(node), |b| {
@@ -440,8 +438,8 @@ pub async fn timeline(
     Ok(out)
 }
 
-/// Read batches from sequence `from` (up to sequence `until`, if given), one by one by direct
-/// get (no consumer: a viewer may create none), believing each only from its node's subject,
+/// Read batches from sequence `from` (up to sequence `until`, if given), by direct get in
+/// batches (`store::read_on`: no consumer, a viewer may create none), believing each only from its node's subject,
 /// skipping those written before `since`, each given to `each`; whether one written before
 /// `since` was met.
 async fn read_from(
