@@ -294,7 +294,9 @@ impl Cluster {
         match per_node.get(&obs.node) {
             Some(old) if old.at_ms >= obs.at_ms => false,
             _ => {
-                self.changes.providers.insert(obs.provider.clone());
+                if !self.changes.providers.contains(&obs.provider) {
+                    self.changes.providers.insert(obs.provider.clone());
+                }
                 per_node.insert(obs.node.clone(), obs);
                 true
             }
