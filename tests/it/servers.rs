@@ -267,13 +267,12 @@ async fn sdk_mesh(
     (cl, entries, deaths, instance_deaths)
 }
 
-/// A 3-server mesh with a global budget of $100: every request holds and settles in the
-/// ledger.
-async fn budgeted_mesh(tag: &str) -> LocalCluster {
-    let cl = LocalCluster::up_on(tag, 3).await;
+/// `oam budget set ARGS` on `cl`, as the admin; it must succeed.
+fn budget_set(cl: &LocalCluster, args: &[&str]) {
     let out = cl
         .oam()
-        .args(["budget", "set", "--global", "--limit", "100", "--json"])
+        .args(["budget", "set", "--json"])
+        .args(args)
         .output()
         .unwrap();
     assert!(
@@ -281,6 +280,13 @@ async fn budgeted_mesh(tag: &str) -> LocalCluster {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A 3-server mesh with a global budget of $100: every request holds and settles in the
+/// ledger.
+async fn budgeted_mesh(tag: &str) -> LocalCluster {
+    let cl = LocalCluster::up_on(tag, 3).await;
+    budget_set(&cl, &["--global", "--limit", "100"]);
     // Every node has the budget from the ledger, so each request it serves holds in it.
     let http = crate::support::http(Duration::from_secs(2));
     for i in 0..3 {
@@ -577,16 +583,7 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
     // within 4 s (the slowest node, three runs each: 5.1, 7.4 and 4.5 s before; 0.7, 1.6 and
     // 0.4 s after; stop 48 saw up to 30 s): each node's ledger watch is opened again on the
     // reconnect, and a consumer lost otherwise is replaced within seconds.
-    let out = cl
-        .oam()
-        .args(["budget", "set", "late", "--limit", "7", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    budget_set(&cl, &["late", "--limit", "7"]);
     let seen = (0..3).map(|i| {
         let (http, url) = (http.clone(), cl.node(i));
         async move {
