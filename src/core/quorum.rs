@@ -89,7 +89,9 @@ pub struct Cluster {
 /// the view: neither written nor compared.
 #[derive(Clone, Default, Debug)]
 pub struct Changes {
-    /// The members (or their heartbeats) changed.
+    /// Who the members are, or whether they are connected, changed. A heartbeat's time alone
+    /// is not a change here: it comes every second from every node, and each record keeps
+    /// the members as its calls saw them.
     pub members: bool,
     /// Providers whose observations changed.
     pub providers: BTreeSet<String>,
@@ -246,14 +248,17 @@ impl Cluster {
         if !self.admit(node, now_ms) {
             return false;
         }
+        let joined = !self.members.contains_key(node);
         let m = self.members.entry(node.to_string()).or_insert(Member {
             last_heartbeat_ms: now_ms,
             connected: true,
         });
         if now_ms >= m.last_heartbeat_ms {
             m.last_heartbeat_ms = now_ms;
+            if joined || !m.connected {
+                self.changes.members = true;
+            }
             m.connected = true;
-            self.changes.members = true;
         }
         true
     }

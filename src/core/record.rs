@@ -611,7 +611,7 @@ impl Record {
     /// Replay under `config` with `targets` and `routes` (another config's), each call on the
     /// whole per-target state it saw, as the node's state timeline has it (`at` a version),
     /// not only the cut of its own route this record keeps: what would have been decided had
-    /// these been in force. Slots, loops and budgets are the record's.
+    /// these been in force. Slots, loops, budgets and the cluster's members are the record's.
     pub fn replay_under<'s>(
         &self,
         config: &Config,
@@ -625,7 +625,13 @@ impl Record {
                 v => at(v).ok_or(ReplayError::NotInTimeline(v))?,
             };
             let st = &mut snap.state;
-            st.cluster = seen.cluster.clone();
+            // Every target's observations from the timeline; the members (and their
+            // heartbeats) as this call saw them, which the record keeps.
+            let mut cluster = seen.cluster.clone();
+            if cluster.members != st.cluster.members {
+                std::sync::Arc::make_mut(&mut cluster).members = st.cluster.members.clone();
+            }
+            st.cluster = cluster;
             st.providers = targets.to_vec();
             st.routes = routes.clone();
             st.breakers = seen.breakers.clone();

@@ -47,12 +47,17 @@ pub struct StateVersion {
     /// The cluster's whole view.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster: Option<Cluster>,
-    /// The cluster's members, when they changed.
+    /// The cluster's members, when who they are or whether they are connected changed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub members: Option<BTreeMap<String, Member>>,
     /// Provider -> its observations (node -> latest) now, for those that changed.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub observations: BTreeMap<String, BTreeMap<String, Observation>>,
+    /// Node -> when it made every one of its observations again, unchanged but for that time
+    /// (each node re-observes every target once a second: written this way, that costs a
+    /// line per node, not one per target). Applied after `observations`.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub refreshed: BTreeMap<String, u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub providers: Option<Vec<Target>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -73,7 +78,9 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
-/// The per-target state at one version, as a reader rebuilds it from entries.
+/// The per-target state at one version, as a reader rebuilds it from entries. Its cluster's
+/// members are as of their last change of who or whether connected (heartbeat times are not
+/// written once per change: each record keeps the members its calls saw).
 #[derive(Clone, PartialEq, Debug)]
 pub struct StateAt {
     pub version: u64,
@@ -148,7 +155,7 @@ impl StateAt {
     }
 
     fn put(&mut self, e: &StateVersion) {
-        if e.members.is_some() || !e.observations.is_empty() {
+        if e.members.is_some() || !e.observations.is_empty() || !e.refreshed.is_empty() {
             let c = Arc::make_mut(&mut self.cluster);
             if let Some(m) = &e.members {
                 c.members = m.clone();
@@ -158,6 +165,13 @@ impl StateAt {
                     c.observations.remove(p);
                 } else {
                     c.observations.insert(p.clone(), o.clone());
+                }
+            }
+            for per_node in c.observations.values_mut() {
+                for (node, at_ms) in &e.refreshed {
+                    if let Some(o) = per_node.get_mut(node) {
+                        o.at_ms = *at_ms;
+                    }
                 }
             }
         }
@@ -200,6 +214,8 @@ pub struct Timeline {
     breakers: BTreeMap<String, Breaker>,
     cooldowns: BTreeMap<String, u64>,
     misconfigured: BTreeMap<String, u64>,
+    /// The cluster's observations as last written (to tell a change from a refresh).
+    observations: BTreeMap<String, BTreeMap<String, Observation>>,
     /// Entries not yet taken to be written.
     written: Vec<StateVersion>,
 }
@@ -242,10 +258,7 @@ impl Timeline {
             if changes.members {
                 e.members = Some(c.members.clone());
             }
-            for p in changes.providers {
-                let now = c.observations.get(&p).cloned().unwrap_or_default();
-                e.observations.insert(p, now);
-            }
+            self.observed(c, changes.providers, &mut e);
         }
         for id in std::mem::take(&mut self.touched) {
             write_if_changed(&mut e.breakers, &mut self.breakers, &state.breakers, &id);
@@ -259,6 +272,7 @@ impl Timeline {
         }
         let nothing = e.members.is_none()
             && e.observations.is_empty()
+            && e.refreshed.is_empty()
             && e.breakers.is_empty()
             && e.cooldowns.is_empty()
             && e.misconfigured.is_empty();
@@ -268,6 +282,74 @@ impl Timeline {
             self.written.push(e);
         }
         self.version
+    }
+
+    /// Write what changed of the observations of `providers` into `e`: a node that made all of
+    /// its observations again at one time, unchanged but for that time, as one `refreshed`
+    /// line; every other provider's observations whole.
+    fn observed(&mut self, c: &Cluster, providers: BTreeSet<String>, e: &mut StateVersion) {
+        let same_but_time = |was: Option<&Observation>, now: &Observation| {
+            was.is_some_and(|w| {
+                Observation {
+                    at_ms: now.at_ms,
+                    ..w.clone()
+                } == *now
+            })
+        };
+        // Node -> the one time all its refreshes share (None: they do not).
+        let mut refreshes: BTreeMap<&str, Option<u64>> = BTreeMap::new();
+        let mut whole: BTreeSet<&str> = BTreeSet::new();
+        for p in &providers {
+            let now = c.observations.get(p);
+            let was = self.observations.get(p);
+            let gone =
+                was.is_some_and(|w| w.keys().any(|n| now.is_none_or(|m| !m.contains_key(n))));
+            if gone || now.is_none_or(BTreeMap::is_empty) {
+                whole.insert(p);
+                continue;
+            }
+            for (n, o) in now.into_iter().flatten() {
+                if same_but_time(was.and_then(|w| w.get(n)), o) {
+                    let r = refreshes.entry(n).or_insert(Some(o.at_ms));
+                    if *r != Some(o.at_ms) {
+                        *r = None;
+                    }
+                } else {
+                    whole.insert(p);
+                }
+            }
+        }
+        // A line for a node stands only when every observation the node has is at its time
+        // (those that changed otherwise are written whole, at that time too): else its
+        // refreshed providers are written whole.
+        for (node, at) in refreshes {
+            let covered = at.filter(|&at| {
+                let mut mine = c.observations.values().filter_map(|m| m.get(node));
+                mine.all(|o| o.at_ms == at)
+            });
+            match covered {
+                Some(at) => {
+                    e.refreshed.insert(node.to_string(), at);
+                }
+                None => whole.extend(
+                    providers
+                        .iter()
+                        .filter(|p| c.observations.get(*p).is_some_and(|m| m.contains_key(node)))
+                        .map(String::as_str),
+                ),
+            }
+        }
+        for p in &providers {
+            let now = c.observations.get(p).cloned().unwrap_or_default();
+            if whole.contains(p.as_str()) {
+                e.observations.insert(p.clone(), now.clone());
+            }
+            if now.is_empty() {
+                self.observations.remove(p);
+            } else {
+                self.observations.insert(p.clone(), now);
+            }
+        }
     }
 
     /// Might anything have changed since the last entry?
@@ -280,6 +362,7 @@ impl Timeline {
             Arc::make_mut(&mut state.cluster).take_changes();
         }
         self.touched.clear();
+        self.observations = state.cluster.observations.clone();
         self.breakers = state.breakers.clone();
         self.cooldowns = state.cooldowns.clone();
         self.misconfigured = state.misconfigured.clone();
@@ -576,6 +659,79 @@ mod tests {
         let back: Vec<StateVersion> =
             serde_json::from_str(&serde_json::to_string(&parts).unwrap()).unwrap();
         assert_eq!(back, parts);
+    }
+
+    #[test]
+    fn a_heartbeat_s_time_writes_no_version_and_a_member_s_coming_and_going_does() {
+        let mut e = routed();
+        e.keep_timeline();
+        let beat =
+            |e: &mut Engine, at: u64| Arc::make_mut(&mut e.state.cluster).heartbeat("n1", at);
+        beat(&mut e, T0);
+        let joined = e.seen(T0);
+        assert!(
+            e.take_timeline().iter().all(|v| v.whole),
+            "the first is whole"
+        );
+        beat(&mut e, T0 + 1_000);
+        assert_eq!(e.seen(T0 + 1_000), joined, "a heartbeat's time alone");
+        assert!(e.take_timeline().is_empty());
+        Arc::make_mut(&mut e.state.cluster).disconnect("n1");
+        let gone = e.seen(T0 + 1_500);
+        let written = e.take_timeline();
+        assert_eq!(gone, joined + 1);
+        let members = written[0].members.as_ref().expect("the members");
+        assert!(!members["n1"].connected);
+        beat(&mut e, T0 + 2_000);
+        assert_eq!(e.seen(T0 + 2_000), gone + 1, "connected again");
+    }
+
+    #[test]
+    fn a_node_observing_every_target_again_costs_one_line() {
+        let mut e = routed();
+        e.keep_timeline();
+        let mut reader = StateAt::of(&{
+            e.seen(T0);
+            e.take_timeline().remove(0)
+        })
+        .expect("whole");
+        let targets = ["h/big", "h/small", "o/big"];
+        let mut round = |e: &mut Engine, at: u64, degraded: &[&str], only: &[&str]| {
+            for t in targets
+                .iter()
+                .filter(|t| only.is_empty() || only.contains(t))
+            {
+                let verdict = match degraded.contains(t) {
+                    true => Verdict::Degraded,
+                    false => Verdict::Healthy,
+                };
+                let mut o = observation("n1", t, verdict, 1.0);
+                o.at_ms = at;
+                Arc::make_mut(&mut e.state.cluster).observe(o);
+            }
+            e.seen(at);
+            let written = e.take_timeline();
+            for v in &written {
+                reader.then(v).expect("in order");
+            }
+            same(&reader, e);
+            written
+        };
+        // Every target again, unchanged: one line.
+        let w = round(&mut e, T0 + 1_000, &[], &[]);
+        assert_eq!(
+            w[0].refreshed,
+            BTreeMap::from([("n1".to_string(), T0 + 1_000)])
+        );
+        assert!(w[0].observations.is_empty());
+        // One changed: it is written whole; the others are still one line.
+        let w = round(&mut e, T0 + 2_000, &["o/big"], &[]);
+        assert_eq!(w[0].refreshed.len(), 1);
+        assert_eq!(w[0].observations.keys().collect::<Vec<_>>(), ["o/big"]);
+        // Only some again: no line can say it; those are written whole.
+        let w = round(&mut e, T0 + 3_000, &["o/big"], &["h/big"]);
+        assert!(w[0].refreshed.is_empty());
+        assert_eq!(w[0].observations.keys().collect::<Vec<_>>(), ["h/big"]);
     }
 
     #[test]
