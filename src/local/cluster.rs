@@ -143,8 +143,13 @@ pub async fn up(plan: &Plan) -> Result<Up, UpError> {
         if alive > 0 {
             // Up already: put back any bucket that has gone (only the admin may create one).
             if let Some((creds, servers)) = super::creds::load(&dir)
-                && let Err(e) =
-                    create_buckets(&natsd::app_url(&servers, &creds), plan.log_retention, 1).await
+                && let Err(e) = create_buckets(
+                    &natsd::app_url(&servers, &creds),
+                    plan.log_retention,
+                    1,
+                    &creds.nodes(),
+                )
+                .await
             {
                 tracing::warn!("the mesh is up but its buckets could not be checked: {e:#}");
             }
@@ -448,7 +453,13 @@ async fn start_all(
     save_system(dir, &urls, &creds)?;
     write_role_files(dir, &urls, None, &creds)?;
     let url_of = |role: &Role| creds.url(&urls, &role.user()).unwrap_or_default();
-    create_buckets(&natsd::app_url(&urls, &creds), plan.log_retention, 1).await?;
+    create_buckets(
+        &natsd::app_url(&urls, &creds),
+        plan.log_retention,
+        1,
+        &creds.nodes(),
+    )
+    .await?;
     if servers.len() == 2 {
         tracing::warn!(
             "2 nats-servers make no majority once one is gone: streams keep 2 copies and stop \
@@ -678,12 +689,14 @@ pub fn write_role_files(
     Ok(())
 }
 
-/// Create every bucket the mesh and the Open Agent Mesh SDK use, as the admin, so that no
-/// other role needs to create (or may delete) a stream.
+/// Create every bucket the mesh and the Open Agent Mesh SDK use, and the decision log's stream
+/// of each of `nodes`, as the admin, so that no other role needs to create (or may delete) a
+/// stream.
 pub(super) async fn create_buckets(
     admin_url: &str,
     log_retention: Option<(Duration, u64)>,
     copies: usize,
+    nodes: &[String],
 ) -> anyhow::Result<()> {
     use crate::transport::store::{self, decisions, escalations, ledger, loops, rates};
     let refused = crate::transport::connect::Refusal::default();
@@ -710,24 +723,19 @@ pub(super) async fn create_buckets(
     }
     store::bucket(&nats, super::roles::SDK_CONTEXT_BUCKET, Duration::ZERO).await?;
     // The decision log, as the configuration says (nodes may not change a stream), else with
-    // the nodes' default retention (a week, 256 MiB).
-    match log_retention {
-        Some((max_age, max_bytes)) => {
-            let want = decisions::stream(max_age, max_bytes, replicas);
-            if let (_, Some(change)) = decisions::open_as(&store::context(&nats), want).await? {
-                tracing::info!("the decision log now keeps what [decision_log] says ({change})");
-            }
-        }
-        None => {
-            store::context(&nats)
-                .get_or_create_stream(decisions::stream(
-                    Duration::from_secs(7 * 24 * 3600),
-                    crate::transport::store::decisions::DEFAULT_MAX_BYTES,
-                    replicas,
-                ))
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot create the decision log stream: {e}"))?;
-        }
+    // the nodes' default retention (a week, 256 MiB), shared out among the nodes.
+    let (max_age, max_bytes) = log_retention.unwrap_or((
+        Duration::from_secs(7 * 24 * 3600),
+        decisions::DEFAULT_MAX_BYTES,
+    ));
+    let changed =
+        decisions::open_for(&store::context(&nats), nodes, max_age, max_bytes, replicas).await?;
+    if !changed.is_empty() {
+        tracing::info!(
+            "the decision log now keeps what [decision_log] says, shared by {} nodes ({})",
+            nodes.len(),
+            changed.join("; ")
+        );
     }
     // The SDK's artifact store is an object store: a stream laid out as its clients expect.
     let b = super::roles::SDK_ARTIFACTS_BUCKET;

@@ -63,6 +63,11 @@ pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
     let ca = ca_of(dir);
     let file = super::write_role_file(dir, &servers, ca.as_deref(), &creds, role)?;
     let reloaded = reload(dir, &creds, &user).await?;
+    if reloaded && matches!(role, Role::Node(_)) {
+        node_log(dir, &servers, &creds)
+            .await
+            .context("cannot make the new node's decision log stream")?;
+    }
     let url = creds.url(&servers, &user).unwrap_or_default();
     Ok(Issued {
         user,
@@ -70,6 +75,28 @@ pub async fn issue(dir: &Path, role: &Role) -> anyhow::Result<Issued> {
         url,
         reloaded,
     })
+}
+
+/// Give every node its stream of the decision log, sharing what the log keeps now among them
+/// (only the admin may make a stream): a node issued after `oam mesh up` writes its records too.
+async fn node_log(
+    dir: &Path,
+    servers: &[String],
+    creds: &natsd::Credentials,
+) -> anyhow::Result<()> {
+    let url = natsd::app_url(servers, creds);
+    let (bare, auth) = crate::transport::connect::split_credentials(&url);
+    let (name, password) = auth.unwrap_or_default();
+    let mut opts = async_nats::ConnectOptions::with_user_and_password(name, password)
+        .connection_timeout(Duration::from_secs(2));
+    if let Some(ca) = ca_of(dir) {
+        opts = opts.add_root_certificates(ca).require_tls(true);
+    }
+    let nats = opts.connect(bare.as_str()).await?;
+    let js = crate::transport::store::context(&nats);
+    let replicas = crate::transport::store::replicas(&nats);
+    crate::transport::store::decisions::reshare(&js, &creds.nodes(), replicas).await?;
+    Ok(())
 }
 
 /// Take `role`'s credentials back (its connections are closed); whether a running server took
@@ -83,6 +110,9 @@ pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
             "{user} has no credentials in {}; `oam creds list` shows who has",
             dir.display()
         );
+    }
+    if let Role::Node(id) = role {
+        creds.retired_nodes.insert(id.clone());
     }
     cluster::save_system(dir, &servers, &creds)?;
     let _ = std::fs::remove_file(super::role_path(dir, &user));

@@ -691,7 +691,9 @@ async fn start_host(
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let mut tries = 0;
-    while let Err(e) = cluster::create_buckets(&admin, local.log_retention, want).await {
+    while let Err(e) =
+        cluster::create_buckets(&admin, local.log_retention, want, &creds.nodes()).await
+    {
         tries += 1;
         if tries == 5 {
             return Err(e.context("cannot create the mesh's streams and buckets"));

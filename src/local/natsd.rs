@@ -119,9 +119,33 @@ pub struct Credentials {
     /// accounts, so no other process may open one).
     #[serde(default)]
     pub route_password: String,
+    /// Nodes whose credentials were revoked: their decision logs stay readable until they age
+    /// out.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
+    pub retired_nodes: std::collections::BTreeSet<String>,
 }
 
 impl Credentials {
+    /// The ids of the nodes that have credentials.
+    pub fn nodes(&self) -> Vec<String> {
+        self.users
+            .keys()
+            .filter_map(|u| match Role::of_user(u) {
+                Some(Role::Node(id)) => Some(id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The nodes whose decision logs may be read: those with credentials and those retired.
+    pub fn logged_nodes(&self) -> Vec<String> {
+        let mut all = self.nodes();
+        all.extend(self.retired_nodes.iter().cloned());
+        all.sort();
+        all.dedup();
+        all
+    }
+
     /// Fresh random passwords from the OS (no role users yet).
     pub fn generate() -> anyhow::Result<Self> {
         Ok(Credentials {
@@ -132,6 +156,7 @@ impl Credentials {
             observer_password: crate::ids::random_hex(16)?,
             users: Default::default(),
             route_password: crate::ids::random_hex(16)?,
+            retired_nodes: Default::default(),
         })
     }
 
@@ -143,6 +168,9 @@ impl Credentials {
         }
         if !self.users.contains_key(&user) {
             self.users.insert(user.clone(), crate::ids::random_hex(16)?);
+        }
+        if let Role::Node(id) = role {
+            self.retired_nodes.remove(id);
         }
         if self.observer_password.is_empty() {
             self.observer_password = crate::ids::random_hex(16)?;
@@ -413,11 +441,12 @@ cluster {{
 /// are left out).
 fn role_users(creds: &Credentials) -> String {
     let quote = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
+    let logs = creds.logged_nodes();
     creds
         .users
         .iter()
         .filter_map(|(user, password)| {
-            let perms = Role::of_user(user)?.permissions()?;
+            let perms = Role::of_user(user)?.permissions(&logs)?;
             Some(format!(
                 ",\n      {{ user: {}, password: {}, {} }}",
                 quote(user),

@@ -40,17 +40,18 @@ pub const BESIDE_NODES: [Role; 5] = [
 ];
 
 impl Role {
-    /// What the role may do; `None` for the admin, who may do everything.
-    pub fn permissions(&self) -> Option<Permissions> {
+    /// What the role may do; `None` for the admin, who may do everything. `logs`: the nodes
+    /// whose decision logs readers may read (every node that has, or had, credentials).
+    pub fn permissions(&self, logs: &[String]) -> Option<Permissions> {
         if *self == Role::Admin {
             return None;
         }
         let mut p = Permissions::base(&self.user());
         match self {
             Role::Admin => return None,
-            Role::Viewer => p.viewer(),
+            Role::Viewer => p.viewer(logs),
             Role::Operator => {
-                p.viewer();
+                p.viewer(logs);
                 p.publish([subjects::CHAOS_INJECT, subjects::CHAOS_RESTORE]);
                 p.kv_write(escalations::BUCKET, ">");
                 p.kv_write(subjects::BUDGETS_BUCKET, ">");
@@ -107,7 +108,7 @@ impl Role {
                 // the default inbox.
                 p.publish([subjects::answers_from(subjects::ANSWERER_NODES)]);
                 p.publish([subjects::SHARED_INBOXES]);
-                p.get_stream(subjects::DECISION_LOG_STREAM);
+                p.get_stream(&subjects::decision_log_stream(id));
                 p.subscribe([
                     subjects::HEARTBEATS,
                     subjects::GOODBYES,
@@ -256,7 +257,7 @@ impl Permissions {
     /// What the control plane tells: gossip, decisions, state, incidents, escalations, chaos
     /// events, and the agent mesh's liveness. Never the data plane's requests
     /// (`oam.v1.request`: they carry clients' keys) nor anyone's replies.
-    fn viewer(&mut self) {
+    fn viewer(&mut self, logs: &[String]) {
         self.subscribe([
             subjects::HEARTBEATS,
             subjects::GOODBYES,
@@ -281,7 +282,13 @@ impl Permissions {
         for b in [escalations::BUCKET, subjects::BUDGETS_BUCKET] {
             self.kv_read(b);
         }
+        // The decision log: every node's stream (listed by name), and the shared one of
+        // earlier oam.
+        self.publish(["$JS.API.STREAM.NAMES"]);
         self.get_stream(subjects::DECISION_LOG_STREAM);
+        for node in logs {
+            self.get_stream(&subjects::decision_log_stream(node));
+        }
         // Which faults are active (asking changes nothing; injecting is the operator's).
         self.publish([subjects::CHAOS_LIST]);
     }
@@ -353,8 +360,13 @@ pub fn config_block(p: &Permissions) -> String {
 mod tests {
     use super::*;
 
+    /// The nodes whose decision logs the tests' mesh keeps.
+    fn logs() -> Vec<String> {
+        vec!["n1".into(), "n2".into()]
+    }
+
     fn may_publish(role: &Role, subject: &str) -> bool {
-        let Some(p) = role.permissions() else {
+        let Some(p) = role.permissions(&logs()) else {
             return true;
         };
         p.publish.iter().any(|pat| matches(pat, subject))
@@ -460,7 +472,20 @@ mod tests {
         assert!(may_publish(&Role::SdkCaller, create));
         // A node watches its buckets through consumers; nobody reads the log through one.
         assert!(may_publish(&n1, "$JS.API.CONSUMER.CREATE.KV_oam-budgets"));
-        assert!(!may_publish(&n1, "$JS.API.CONSUMER.CREATE.OAM_DECISIONS"));
+        assert!(!may_publish(
+            &n1,
+            "$JS.API.CONSUMER.CREATE.OAM_DECISIONS_n1"
+        ));
+        // A node writes its own decision log and no other's, and changes no stream.
+        assert!(may_publish(&n1, &subjects::decision_log("n1")));
+        assert!(!may_publish(&n1, &subjects::decision_log("n2")));
+        assert!(!may_publish(&n1, "$JS.API.DIRECT.GET.OAM_DECISIONS_n2"));
+        for verb in ["CREATE", "UPDATE", "DELETE", "PURGE"] {
+            assert!(!may_publish(
+                &n1,
+                &format!("$JS.API.STREAM.{verb}.OAM_DECISIONS_n1")
+            ));
+        }
         // Answers: only under the answerer's own token, never into a private inbox, never a
         // reply permission.
         for r in [&agent, &n1, &caller, &viewer, &Role::Warden, &Role::Monitor] {
@@ -475,11 +500,11 @@ mod tests {
         assert!(!may_publish(&n1, "_OAM.re.warden.operator.c.1"));
         assert!(may_publish(&Role::Warden, "_OAM.re.warden.operator.c.1"));
         assert!(!may_publish(&caller, "_OAM.re.nodes.caller.c.1"));
-        let p = caller.permissions().unwrap();
+        let p = caller.permissions(&logs()).unwrap();
         assert!(p.subscribe.contains(&"_OAM.re.*.caller.>".to_string()));
         // A viewer publishes nothing but JetStream reads and the question which faults are
         // active; injecting and restoring are the operator's.
-        let v = viewer.permissions().unwrap();
+        let v = viewer.permissions(&logs()).unwrap();
         assert!(
             v.publish
                 .iter()
@@ -491,7 +516,12 @@ mod tests {
         assert!(!may_publish(&viewer, subjects::CHAOS_INJECT));
         assert!(!may_publish(&viewer, subjects::CHAOS_RESTORE));
         // ... and creates no consumer, ephemeral or durable, on any stream.
-        for stream in ["OAM_DECISIONS", "KV_oam-budgets", "KV_oam-escalations"] {
+        // It reads every node's decision log, and the shared one of earlier oam.
+        let streams = ["OAM_DECISIONS_n1", "OAM_DECISIONS_n2", "OAM_DECISIONS"];
+        for stream in streams
+            .into_iter()
+            .chain(["KV_oam-budgets", "KV_oam-escalations"])
+        {
             for create in [
                 format!("$JS.API.CONSUMER.CREATE.{stream}"),
                 format!("$JS.API.CONSUMER.CREATE.{stream}.name"),
@@ -509,7 +539,7 @@ mod tests {
 
     #[test]
     fn the_config_block_quotes_every_subject() {
-        let block = config_block(&Role::Viewer.permissions().unwrap());
+        let block = config_block(&Role::Viewer.permissions(&logs()).unwrap());
         assert!(block.contains("\"$JS.API.INFO\""), "{block}");
         assert!(!block.contains("allow_responses"), "{block}");
     }

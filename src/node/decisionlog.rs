@@ -1,6 +1,6 @@
 //! The durable decision log: every decision's record (`core::record`: the request as the core
-//! saw it, the state each step saw, the results, the decision) goes to the JetStream stream
-//! `OAM_DECISIONS` (subjects `oam.v1.decisionlog.{node}`), kept by age and size as
+//! saw it, the state each step saw, the results, the decision) goes to the node's JetStream
+//! stream `OAM_DECISIONS_{node}` (subject `oam.v1.decisionlog.{node}`), kept by age and size as
 //! `[decision_log]` says. Off the request's path: records wait in a buffer bounded in bytes
 //! and are written in batches (many records per message, each batch with the pipeline
 //! configuration they were decided under, and a message id the stream deduplicates on); a batch
@@ -419,11 +419,26 @@ impl Writer {
 async fn open(node: &Node, js: &async_nats::jetstream::Context, said: bool) -> bool {
     let s = &node.log.settings;
     let cfg = decisions::stream(
+        &node.id,
         Duration::from_secs(s.max_age_hours * 3600),
         s.max_bytes,
         crate::transport::store::replicas(node.bus.nats()),
     );
-    match tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg.clone())).await {
+    let mut made = tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg.clone())).await;
+    if let Ok(Err(e)) = &made
+        && decisions::overlaps(e)
+    {
+        // The shared log of earlier oam holds this node's subject: where this node may (no
+        // mesh), it retires that one and makes its own.
+        match decisions::retire_shared(js).await {
+            Ok(()) => {
+                made =
+                    tokio::time::timeout(ACK_TIMEOUT, js.get_or_create_stream(cfg.clone())).await;
+            }
+            Err(e) => tracing::warn!(node = %node.id, "decision log: {e:#}"),
+        }
+    }
+    match made {
         Ok(Ok(stream)) => {
             // Written still (a record is better kept once than lost), but said.
             let config = &stream.cached_info().config;
@@ -437,7 +452,7 @@ async fn open(node: &Node, js: &async_nats::jetstream::Context, said: bool) -> b
         }
         Ok(Err(e)) => {
             if !said {
-                tracing::warn!(node = %node.id, "decision log: cannot open the stream {} (tried again): {e}", subjects::DECISION_LOG_STREAM);
+                tracing::warn!(node = %node.id, "decision log: cannot open the stream {} (tried again): {e}", cfg.name);
             }
             node.store_faults
                 .failed("decision log", format!("cannot open the stream: {e}"));
@@ -445,22 +460,33 @@ async fn open(node: &Node, js: &async_nats::jetstream::Context, said: bool) -> b
         }
         Err(_) => {
             if !said {
-                tracing::warn!(node = %node.id, "decision log: no answer opening {} (tried again)", subjects::DECISION_LOG_STREAM);
+                tracing::warn!(node = %node.id, "decision log: no answer opening {} (tried again)", cfg.name);
             }
             false
         }
     }
 }
 
-/// The stream was made with other limits than this node's `[decision_log]` (by `oam mesh up`,
-/// by an earlier run): give it this node's size and age, or, where this node may not change
+/// The stream was made with other limits than this node's `[decision_log]` (by an earlier run,
+/// by another version): give it this node's size and age, or, where this node may not change
 /// streams (a mesh's node role), say so and how to apply them. Records are written either way.
+/// A stream smaller than `max_bytes` is this node's share of a mesh's log (`oam mesh up`
+/// shares it out among the nodes) and is left so.
 async fn apply_retention(
     node: &Node,
     js: &async_nats::jetstream::Context,
     have: &async_nats::jetstream::stream::Config,
     want: &async_nats::jetstream::stream::Config,
 ) {
+    let share = (1..want.max_bytes).contains(&have.max_bytes);
+    let want = &async_nats::jetstream::stream::Config {
+        max_bytes: if share {
+            have.max_bytes
+        } else {
+            want.max_bytes
+        },
+        ..want.clone()
+    };
     let Some(change) = decisions::retention_differs(have, want) else {
         return;
     };
@@ -469,7 +495,7 @@ async fn apply_retention(
         max_age: want.max_age,
         ..have.clone()
     };
-    let stream = subjects::DECISION_LOG_STREAM;
+    let stream = &want.name;
     match tokio::time::timeout(ACK_TIMEOUT, js.update_stream(updated)).await {
         Ok(Ok(_)) => {
             tracing::info!(node = %node.id, "decision log: the stream {stream} now keeps what [decision_log] says ({change})");

@@ -29,13 +29,22 @@ pub fn decision(node: &str) -> String {
 }
 pub const DECISIONS: &str = "oam.v1.decision.*";
 
-/// A node's decision records (`node::decisionlog`), in batches, kept by the stream
-/// `DECISION_LOG_STREAM`.
+/// A node's decision records (`node::decisionlog`), in batches, kept by the node's own stream
+/// (`decision_log_stream`).
 pub fn decision_log(node: &str) -> String {
     format!("{PREFIX}.decisionlog.{node}")
 }
 pub const DECISION_LOG_ALL: &str = "oam.v1.decisionlog.*";
+/// The stream that keeps `node`'s decision records, and only its: one node's writes push out
+/// only its own records (JetStream bounds bytes per stream, not per subject).
+pub fn decision_log_stream(node: &str) -> String {
+    format!("{DECISION_LOG_STREAM}_{node}")
+}
+/// The stream names of the decision log begin so; the stream of that very name is the log
+/// earlier oam kept for all nodes together, read still until it ages out.
 pub const DECISION_LOG_STREAM: &str = "OAM_DECISIONS";
+/// Where that shared stream takes writes since (none: no one publishes there).
+pub const RETIRED_DECISION_LOG: &str = "oam.v1.retired.decisionlog";
 
 /// Failures a node counted toward an agent loop, and calls that worked after some
 /// (`core::wire::LoopEvent`).

@@ -2323,18 +2323,47 @@ async fn probes_are_shared_free_unless_they_must_be_and_priced() {
     drop(nodes);
 }
 
-/// A node whose `[decision_log]` says other limits than the stream it finds (made by an earlier
-/// run, or another node) gives the stream its own, where it may change streams.
-#[tokio::test]
-async fn a_node_gives_an_existing_decision_log_its_configured_size() {
+/// A nats-server, a simulator (and its URL), and JetStream on the server as its admin.
+async fn nats_and_sim() -> (NatsServer, Proc, String, async_nats::jetstream::Context) {
     let nats = NatsServer::start().await;
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let nc = oam::transport::connect::connect(&nats.url(), "test", false, &Default::default())
         .await
         .unwrap();
-    let js = async_nats::jetstream::new(nc);
+    (nats, sim, sim_url, async_nats::jetstream::new(nc))
+}
+
+/// On a NATS server of its own (no mesh, no admin), a node that finds the one shared log of
+/// earlier oam on its subject retires it and makes its own stream.
+#[tokio::test]
+async fn a_node_retires_the_shared_decision_log_of_earlier_oam() {
+    let (nats, _sim, sim_url, js) = nats_and_sim().await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "OAM_DECISIONS".into(),
+        subjects: vec!["oam.v1.decisionlog.*".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let _n1 = node("n1", &nats.url(), &sim_url, &[]);
+    let own = eventually(Duration::from_secs(15), || async {
+        js.get_stream("OAM_DECISIONS_n1").await.ok()
+    })
+    .await;
+    assert!(own.is_some(), "the node made no stream of its own");
+    let mut shared = js.get_stream("OAM_DECISIONS").await.unwrap();
+    let subjects = shared.info().await.unwrap().config.subjects.clone();
+    assert_eq!(subjects, [oam::transport::subjects::RETIRED_DECISION_LOG]);
+}
+
+/// A node whose `[decision_log]` says other limits than the stream it finds (made by an earlier
+/// run, or another node) gives the stream its own, where it may change streams.
+#[tokio::test]
+async fn a_node_gives_an_existing_decision_log_its_configured_size() {
+    let (nats, _sim, sim_url, js) = nats_and_sim().await;
     js.create_stream(oam::transport::store::decisions::stream(
+        "n1",
         Duration::from_secs(7 * 24 * 3600),
         256 << 20,
         1,
@@ -2356,7 +2385,7 @@ async fn a_node_gives_an_existing_decision_log_its_configured_size() {
         &["--config", cfg.to_str().unwrap()],
     );
     let applied = eventually(Duration::from_secs(15), || async {
-        let mut s = js.get_stream("OAM_DECISIONS").await.ok()?;
+        let mut s = js.get_stream("OAM_DECISIONS_n1").await.ok()?;
         let c = s.info().await.ok()?.config.clone();
         (c.max_bytes == 8 << 20 && c.max_age == Duration::from_secs(48 * 3600)).then_some(())
     })

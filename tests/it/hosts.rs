@@ -340,7 +340,7 @@ async fn three_hosts_run_one_mesh_over_tls_and_a_cut_off_leader_acknowledges_not
     .await
     .unwrap();
     let js = async_nats::jetstream::new(admin.clone());
-    for stream in ["KV_oam-budgets", "OAM_DECISIONS", "KV_mesh-instances"] {
+    for stream in ["KV_oam-budgets", "OAM_DECISIONS_a", "KV_mesh-instances"] {
         let info = js
             .get_stream(stream)
             .await

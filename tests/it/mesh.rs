@@ -795,13 +795,64 @@ async fn a_mesh_runs_on_the_users_configuration() {
             .await
             .unwrap();
         let mut s = async_nats::jetstream::new(nc)
-            .get_stream("OAM_DECISIONS")
+            .get_stream("OAM_DECISIONS_n1")
             .await
             .unwrap();
         let c = s.info().await.unwrap().config.clone();
         (c.max_bytes, c.max_age.as_secs() / 3600)
     };
     assert_eq!(retention().await, (8 << 20, 48));
+    // A mesh of earlier oam kept one log for all nodes (`OAM_DECISIONS`). Made so here, with
+    // a record in it, the next `mesh up` retires it (it takes no writes, its subjects would
+    // overlap the nodes' own streams) and readers still find what it holds.
+    let audit = || {
+        let out = oam()
+            .env_remove("OAM_NATS_URL")
+            .args(["audit", "--json", "--since", "1h", "--dir"])
+            .arg(&dir.0)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        json(&out.stdout)
+    };
+    let id = &answered["oam"]["request_id"];
+    let logged = crate::support::eventually(Duration::from_secs(10), || async {
+        let rows = audit();
+        let row = rows
+            .as_array()?
+            .iter()
+            .find(|r| r["record"]["decision"]["request_id"] == *id);
+        Some(row?["record"].clone())
+    })
+    .await;
+    let mut old = logged.unwrap_or_else(|| panic!("{id} is not in the log"));
+    old["decision"]["request_id"] = json!("kept-by-the-shared-log");
+    let admin = oam::transport::connect::connect(&app_url, "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(admin);
+    js.delete_stream("OAM_DECISIONS_n1").await.unwrap();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "OAM_DECISIONS".into(),
+        subjects: vec!["oam.v1.decisionlog.*".into()],
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let batch = json!({"node": "n1", "config": {}, "records": [old]});
+    js.publish(
+        oam::transport::subjects::decision_log("n1"),
+        serde_json::to_vec(&batch).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, text.replace("8388608", "16777216")).unwrap();
     let again = oam()
@@ -817,6 +868,24 @@ async fn a_mesh_runs_on_the_users_configuration() {
         String::from_utf8_lossy(&again.stderr)
     );
     assert_eq!(retention().await, (16 << 20, 48));
+    let shared = js
+        .get_stream("OAM_DECISIONS")
+        .await
+        .unwrap()
+        .get_info()
+        .await
+        .unwrap();
+    assert_eq!(
+        shared.config.subjects,
+        [oam::transport::subjects::RETIRED_DECISION_LOG]
+    );
+    let ids: Vec<Value> = audit()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["record"]["decision"]["request_id"].clone())
+        .collect();
+    assert!(ids.contains(&json!("kept-by-the-shared-log")), "{ids:?}");
     // Faults of a simulator this mesh does not have are refused with the reason.
     let chaos = oam()
         .env_remove("OAM_NATS_URL")

@@ -303,7 +303,7 @@ async fn no_role_answers_its_way_onto_a_control_subject() {
         "oam.v1.decisionlog.n1",
         "$KV.oam-budgets.global",
         "$JS.API.STREAM.DELETE.KV_oam-budgets",
-        "$JS.API.STREAM.PURGE.OAM_DECISIONS",
+        "$JS.API.STREAM.PURGE.OAM_DECISIONS_n1",
         "$JS.API.STREAM.CREATE.CAPTURE",
     ];
     for target in targets {
@@ -904,8 +904,12 @@ async fn no_role_deletes_the_nodes_consumers() {
 /// and the buckets by key and direct get: every consumer create it tries, ephemeral or durable,
 /// is refused by the server, `oam audit` and `oam explain` still read the log as it, and no
 /// consumer is left on the log.
+///
+/// And a node's credentials could fill the one shared log with junk (35 x 1.9 MB in 10 s),
+/// pushing every other node's records out. Each node now writes a stream of its own, the log's
+/// size shared out among them: a node overfilling its own pushes out only its own records.
 #[tokio::test]
-async fn a_viewer_reads_the_log_and_makes_no_consumer() {
+async fn the_log_is_read_without_consumers_and_written_per_node() {
     let mesh = LocalCluster::up("viewer-reads").await;
     let body = json!({"messages": [{"role": "user", "content": "to be read"}]});
     let r = crate::support::http(Duration::from_secs(10))
@@ -918,9 +922,68 @@ async fn a_viewer_reads_the_log_and_makes_no_consumer() {
     let v: Value = r.json().await.unwrap();
     let id = v["oam"]["request_id"].as_str().unwrap().to_string();
 
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
+    let js = async_nats::jetstream::new(admin);
+    let info = |name: &'static str| {
+        let js = js.clone();
+        async move { js.get_stream(name).await.unwrap().get_info().await.unwrap() }
+    };
+    let mut shared = 0;
+    for name in ["OAM_DECISIONS_n1", "OAM_DECISIONS_n2", "OAM_DECISIONS_n3"] {
+        shared += info(name).await.config.max_bytes;
+    }
+    let whole = i64::try_from(oam::transport::store::decisions::DEFAULT_MAX_BYTES).unwrap();
+    assert_eq!(
+        shared,
+        whole / 3 * 3,
+        "the log's size is shared by the nodes"
+    );
+    // A node given credentials later gets its stream and its share of the same log (the
+    // viewer reading it too: `oam audit` below reads all four).
+    succeeded(&in_folder(
+        &mesh,
+        &["creds", "issue", "--role", "node", "--name", "n4", "--json"],
+    ));
+    let mut shared = 0;
+    for name in [
+        "OAM_DECISIONS_n1",
+        "OAM_DECISIONS_n2",
+        "OAM_DECISIONS_n3",
+        "OAM_DECISIONS_n4",
+    ] {
+        shared += info(name).await.config.max_bytes;
+    }
+    assert_eq!(shared, whole / 3 * 3 / 4 * 4, "shared by four nodes now");
+    // n2's share made small (as a small `[decision_log] max_bytes` would), then its
+    // credentials write four times that in junk on its own subject.
+    let mut small = info("OAM_DECISIONS_n2").await.config;
+    small.max_bytes = 2 << 20;
+    js.update_stream(small).await.unwrap();
+    let (n2, n2_errors) = client(&mesh.role_url("node-n2")).await;
+    let as_n2 = async_nats::jetstream::new(n2.clone());
+    let junk = bytes::Bytes::from(vec![b'x'; 256 << 10]);
+    for _ in 0..32 {
+        let ack = as_n2
+            .publish(oam::transport::subjects::decision_log("n2"), junk.clone())
+            .await
+            .unwrap();
+        ack.await.unwrap();
+    }
+    let n2_log = info("OAM_DECISIONS_n2").await.state;
+    assert!(n2_log.bytes <= 2 << 20, "{} bytes", n2_log.bytes);
+    assert!(n2_log.messages < 32, "{} messages", n2_log.messages);
+    // Another node's subject is refused.
+    let n1_subject = oam::transport::subjects::decision_log("n1");
+    n2.publish(n1_subject.clone(), junk.clone()).await.unwrap();
+    n2.flush().await.unwrap();
+    refused(&n2_errors, "publish", &n1_subject).await;
+
     let (viewer, errors) = client(&mesh.role_url("viewer")).await;
     let config = json!({"config": {"ack_policy": "none", "durable_name": "mine"}});
-    for stream in ["OAM_DECISIONS", "KV_oam-budgets", "KV_oam-escalations"] {
+    for stream in ["OAM_DECISIONS_n1", "KV_oam-budgets", "KV_oam-escalations"] {
         for create in [
             format!("$JS.API.CONSUMER.CREATE.{stream}"),
             format!("$JS.API.CONSUMER.CREATE.{stream}.mine"),
@@ -963,22 +1026,11 @@ async fn a_viewer_reads_the_log_and_makes_no_consumer() {
         "{explained}"
     );
 
-    let admin =
-        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
-            .await
-            .unwrap();
-    let js = async_nats::jetstream::new(admin);
-    let info = js
-        .get_stream("OAM_DECISIONS")
-        .await
-        .unwrap()
-        .get_info()
-        .await
-        .unwrap();
-    assert_eq!(
-        info.state.consumer_count, 0,
-        "nobody left a consumer on the log"
-    );
+    // n1's record is there, read as the viewer past n2's junk (`oam explain` above); and no
+    // one left a consumer on any node's log.
+    for name in ["OAM_DECISIONS_n1", "OAM_DECISIONS_n2", "OAM_DECISIONS_n4"] {
+        assert_eq!(info(name).await.state.consumer_count, 0, "{name}");
+    }
 }
 
 /// The nats-server's HTTP monitoring port listed every user, private inbox and consumer to

@@ -14,7 +14,7 @@ const STREAMS: [&str; 7] = [
     "KV_oam-loop-episodes",
     "KV_mesh-instances",
     "KV_mesh-catalog",
-    "OAM_DECISIONS",
+    "OAM_DECISIONS_n1",
 ];
 
 /// Connect to one server only, as the user in `url` (one entry of a server list).
@@ -85,7 +85,7 @@ async fn three_servers_keep_every_store_thrice_and_serve_through_the_loss_of_one
     let since = oam::clock::now_ms();
     // Opened before the kill: a JetStream request lost with its server is never answered.
     let kv = js.get_key_value("oam-budgets").await.unwrap();
-    let leader = leader_of(&js, "OAM_DECISIONS").await;
+    let leader = leader_of(&js, "OAM_DECISIONS_n1").await;
     assert!(oam::local::signal(cl.pid(&leader), libc::SIGKILL));
     let http = crate::support::http(Duration::from_secs(10));
     let mut answered = std::collections::BTreeSet::new();

@@ -1,6 +1,8 @@
-//! The durable decision log as it is kept: the JetStream stream `OAM_DECISIONS` (subjects
-//! `oam.v1.decisionlog.{node}`), one message per batch of records decided under one pipeline
-//! configuration. Nodes write it (`node::decisionlog`); `oam explain` and `oam audit` read it.
+//! The durable decision log as it is kept: a JetStream stream per node (`OAM_DECISIONS_{node}`,
+//! subject `oam.v1.decisionlog.{node}`), one message per batch of records decided under one
+//! pipeline configuration. A stream per node gives each node a byte budget of its own: what one
+//! node writes (junk, on a stolen credential) pushes out only its own records. Nodes write it
+//! (`node::decisionlog`); `oam explain` and `oam audit` read every node's stream and merge them.
 
 use crate::core::pipeline::Config as PipelineConfig;
 use crate::core::record::Record;
@@ -38,13 +40,18 @@ pub struct Batch {
 /// The decision log's size when the nodes' config says none (`[decision_log] max_bytes`).
 pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
 
-/// The stream's configuration: records older than `max_age` go, and the oldest go first beyond
-/// `max_bytes`.
-pub fn stream(max_age: Duration, max_bytes: u64, replicas: usize) -> jetstream::stream::Config {
+/// The configuration of `node`'s stream: records older than `max_age` go, and the oldest go
+/// first beyond `max_bytes`.
+pub fn stream(
+    node: &str,
+    max_age: Duration,
+    max_bytes: u64,
+    replicas: usize,
+) -> jetstream::stream::Config {
     jetstream::stream::Config {
         num_replicas: replicas,
-        name: crate::transport::subjects::DECISION_LOG_STREAM.to_string(),
-        subjects: vec![crate::transport::subjects::DECISION_LOG_ALL.to_string()],
+        name: subjects::decision_log_stream(node),
+        subjects: vec![subjects::decision_log(node)],
         max_age,
         max_bytes: i64::try_from(max_bytes).unwrap_or(i64::MAX),
         discard: jetstream::stream::DiscardPolicy::Old,
@@ -101,6 +108,73 @@ pub async fn open_as(
         .map_err(|e| anyhow::anyhow!("cannot change the stream {} ({change}): {e}", want.name))?;
     stream.info().await.map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok((stream, Some(change)))
+}
+
+/// Give each of `nodes` its stream, sharing `max_bytes` equally among them (each keeps
+/// `max_bytes / nodes`), as the admin: a node may write only its own and change none. The
+/// shared stream of earlier oam, if there is one, is first retired (`retire_shared`).
+/// What changed in streams that were there, as `retention_differs` says it.
+pub async fn open_for(
+    js: &jetstream::Context,
+    nodes: &[String],
+    max_age: Duration,
+    max_bytes: u64,
+    replicas: usize,
+) -> anyhow::Result<Vec<String>> {
+    retire_shared(js).await?;
+    let each = max_bytes / u64::try_from(nodes.len().max(1)).unwrap_or(u64::MAX);
+    let mut changed = Vec::new();
+    for node in nodes {
+        let (_, change) = open_as(js, stream(node, max_age, each, replicas)).await?;
+        changed.extend(change.map(|c| format!("{}: {c}", subjects::decision_log_stream(node))));
+    }
+    Ok(changed)
+}
+
+/// `open_for` with the size and age the nodes' streams keep now (their sizes summed): a node
+/// given credentials after `oam mesh up` gets its share of the same log.
+pub async fn reshare(
+    js: &jetstream::Context,
+    nodes: &[String],
+    replicas: usize,
+) -> anyhow::Result<Vec<String>> {
+    let (mut max_bytes, mut max_age) = (0_u64, Duration::ZERO);
+    for node in nodes {
+        if let Ok(mut s) = js.get_stream(subjects::decision_log_stream(node)).await {
+            let config = &s.info().await?.config;
+            max_bytes += u64::try_from(config.max_bytes).unwrap_or(0);
+            max_age = max_age.max(config.max_age);
+        }
+    }
+    if max_bytes == 0 {
+        (max_bytes, max_age) = (DEFAULT_MAX_BYTES, Duration::from_secs(7 * 24 * 3600));
+    }
+    open_for(js, nodes, max_age, max_bytes, replicas).await
+}
+
+/// The stream earlier oam kept for all nodes together (`OAM_DECISIONS` on every node's
+/// subject) takes no more writes: its subjects would overlap each node's own stream. What it
+/// holds stays readable until it ages out.
+pub async fn retire_shared(js: &jetstream::Context) -> anyhow::Result<()> {
+    let name = subjects::DECISION_LOG_STREAM;
+    let Ok(mut shared) = js.get_stream(name).await else {
+        return Ok(()); // none (the usual case), or said where it is read
+    };
+    let have = shared.info().await?.config.clone();
+    if have.subjects == [subjects::RETIRED_DECISION_LOG] {
+        return Ok(());
+    }
+    js.update_stream(jetstream::stream::Config {
+        subjects: vec![subjects::RETIRED_DECISION_LOG.to_string()],
+        ..have
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("cannot retire the shared decision log {name}: {e}"))?;
+    tracing::info!(
+        "the decision log is kept per node now ({name}_{{node}}); {name} keeps what it holds \
+         until it ages out"
+    );
+    Ok(())
 }
 
 /// The members every batch message opens with.
@@ -220,6 +294,8 @@ pub fn batches<W>(
 
 /// One record read back, with the configuration it was decided under and when it was written.
 pub struct Stored {
+    /// When its batch was written (ms since the epoch, the stream's time).
+    pub written_ms: u64,
     pub config: Arc<PipelineConfig>,
     /// The node's run it was decided in (its state versions count within it).
     pub run: Arc<str>,
@@ -289,41 +365,88 @@ pub fn human(ms: u64) -> String {
     }
 }
 
-/// The log's stream, to read: an error that says why when the server does not answer or
-/// there is no log yet.
-async fn log_stream(nats: &async_nats::Client) -> anyhow::Result<jetstream::stream::Stream> {
+/// The log's streams, to read: every node's (only `node`'s, if given), and the shared stream
+/// of earlier oam while it is there; an error that says why when the server does not answer
+/// or there is no log yet.
+async fn log_streams(
+    nats: &async_nats::Client,
+    node: Option<&str>,
+) -> anyhow::Result<Vec<jetstream::stream::Stream>> {
+    use futures_util::TryStreamExt;
     let js = super::context(nats);
-    tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(subjects::DECISION_LOG_STREAM))
-        .await
-        .map_err(|_| no_answer())?
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "no decision log ({}): {e}; nodes write it as they decide",
-                subjects::DECISION_LOG_STREAM
-            )
-        })
+    let mut names = vec![subjects::DECISION_LOG_STREAM.to_string()];
+    match node {
+        Some(n) => names.push(subjects::decision_log_stream(n)),
+        None => {
+            let all: Vec<String> =
+                tokio::time::timeout(OPEN_TIMEOUT, js.stream_names().try_collect::<Vec<String>>())
+                    .await
+                    .map_err(|_| no_answer())?
+                    .map_err(|e| anyhow::anyhow!("cannot list the decision log's streams: {e}"))?;
+            let prefix = format!("{}_", subjects::DECISION_LOG_STREAM);
+            names.extend(all.into_iter().filter(|n| n.starts_with(&prefix)));
+        }
+    }
+    let mut out = Vec::new();
+    for name in names {
+        match tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(&name)).await {
+            Err(_) => return Err(no_answer()),
+            Ok(Ok(s)) => out.push(s),
+            Ok(Err(e)) if not_found(&e) => {}
+            Ok(Err(e)) => anyhow::bail!("cannot read the decision log ({name}): {e}"),
+        }
+    }
+    if out.is_empty() {
+        anyhow::bail!(
+            "no decision log ({}_{}): nodes write it as they decide",
+            subjects::DECISION_LOG_STREAM,
+            node.unwrap_or("{node}")
+        );
+    }
+    Ok(out)
 }
 
-/// The log's span (its stream's info).
+/// Whether a stream could not be made because another holds its subjects.
+pub fn overlaps(e: &jetstream::context::CreateStreamError) -> bool {
+    matches!(e.kind(), jetstream::context::CreateStreamErrorKind::JetStream(j)
+        if j.error_code() == jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP)
+}
+
+fn not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+        if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+}
+
+/// The log's span: all its streams together.
 pub async fn span(nats: &async_nats::Client) -> anyhow::Result<LogSpan> {
-    let mut stream = log_stream(nats).await?;
-    let info = stream.info().await?;
-    let first_ms = (info.state.messages > 0).then(|| {
-        u64::try_from(info.state.first_timestamp.unix_timestamp_nanos() / 1_000_000).unwrap_or(0)
-    });
-    Ok(LogSpan {
-        first_ms,
-        bytes: info.state.bytes,
-        max_bytes: info.config.max_bytes,
-        max_age: info.config.max_age,
-    })
+    let mut span = LogSpan {
+        first_ms: None,
+        bytes: 0,
+        max_bytes: 0,
+        max_age: Duration::ZERO,
+    };
+    for mut stream in log_streams(nats, None).await? {
+        let info = stream.info().await?;
+        let first = (info.state.messages > 0).then(|| {
+            u64::try_from(info.state.first_timestamp.unix_timestamp_nanos() / 1_000_000)
+                .unwrap_or(0)
+        });
+        span.first_ms = match (span.first_ms, first) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        span.bytes += info.state.bytes;
+        span.max_bytes = span.max_bytes.saturating_add(info.config.max_bytes.max(0));
+        span.max_age = span.max_age.max(info.config.max_age);
+    }
+    Ok(span)
 }
 
 /// A server that never answers (its roles refuse this client's replies, say) is an error that
 /// says what to do, not a wait without end.
 fn no_answer() -> anyhow::Error {
     anyhow::anyhow!(
-        "the server did not answer for the decision log ({}) within {} s; if the mesh was \
+        "the server did not answer for the decision log ({}_*) within {} s; if the mesh was \
          started by another version of oam, start it again with `oam mesh up`",
         subjects::DECISION_LOG_STREAM,
         OPEN_TIMEOUT.as_secs()
@@ -331,10 +454,10 @@ fn no_answer() -> anyhow::Error {
 }
 
 /// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
-/// oldest first; `node` narrows it to one node's records. Only the records `keep` wants are
-/// held in memory, the `last` of them at most (a full log read for the newest few is not held
-/// whole): those, and how many records were read in all. A batch is believed only
-/// from the node whose subject it came on (only that node may publish there).
+/// oldest first by when each was written; `node` narrows it to one node's records. Only the
+/// records `keep` wants are held in memory, the `last` of them at most (a full log read for
+/// the newest few is not held whole): those, and how many records were read in all. A batch
+/// is believed only from the node whose subject it came on (only that node may publish there).
 pub async fn read(
     nats: &async_nats::Client,
     since_ms: u64,
@@ -342,25 +465,48 @@ pub async fn read(
     keep: impl Fn(&Record) -> bool,
     last: usize,
 ) -> anyhow::Result<(Vec<Stored>, usize)> {
-    let stream = log_stream(nats).await?;
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
         .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+    let mut all = Vec::new();
+    let mut read = 0;
+    for stream in log_streams(nats, node).await? {
+        let (out, n) = read_stream(nats, &stream, start, node, &keep, last).await?;
+        all.extend(out);
+        read += n;
+    }
+    // One stream after another: merged by when each was written (a stable sort keeps each
+    // stream's order, which is the order written).
+    all.sort_by_key(|s: &Stored| s.written_ms);
+    all.drain(..all.len().saturating_sub(last));
+    Ok((all, read))
+}
+
+/// `read` of one stream.
+async fn read_stream(
+    nats: &async_nats::Client,
+    stream: &jetstream::stream::Stream,
+    start: time::OffsetDateTime,
+    node: Option<&str>,
+    keep: &impl Fn(&Record) -> bool,
+    last: usize,
+) -> anyhow::Result<(std::collections::VecDeque<Stored>, usize)> {
+    let name = &stream.cached_info().config.name;
     if last == usize::MAX {
         let filter = node.map_or_else(
             || subjects::DECISION_LOG_ALL.to_string(),
             subjects::decision_log,
         );
-        let from = super::first_at(nats, &stream, &filter, start).await?;
+        let from = super::first_at(nats, stream, &filter, start).await?;
         let (out, read, _) =
-            records_from(nats, &stream, from, None, start, node, &keep, last).await?;
-        return Ok((out.into(), read));
+            records_from(nats, stream, from, None, start, node, keep, last).await?;
+        return Ok((out, read));
     }
     // Only the newest `last` are wanted: read back from the end in windows of messages, each
     // twice the one before, until enough are kept, the log's start, or `since_ms` is reached.
     let info = tokio::time::timeout(OPEN_TIMEOUT, stream.get_info())
         .await
         .map_err(|_| no_answer())?
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", subjects::DECISION_LOG_STREAM))?;
+        .map_err(|e| anyhow::anyhow!("cannot read {name}: {e}"))?;
     let (first, mut end) = (info.state.first_sequence, info.state.last_sequence);
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
@@ -368,7 +514,7 @@ pub async fn read(
     while end >= first.max(1) && info.state.messages > 0 && out.len() < last {
         let begin = end.saturating_sub(window - 1).max(first).max(1);
         let (older, n, reached_since) =
-            records_from(nats, &stream, begin, Some(end), start, node, &keep, last).await?;
+            records_from(nats, stream, begin, Some(end), start, node, keep, last).await?;
         read += n;
         for e in older.into_iter().rev() {
             out.push_front(e);
@@ -380,7 +526,7 @@ pub async fn read(
         window = window.saturating_mul(2);
     }
     out.drain(..out.len().saturating_sub(last));
-    Ok((out.into(), read))
+    Ok((out, read))
 }
 
 /// Read records from `from` (up to sequence `until`, if given), as `read_from` does: the
@@ -399,7 +545,7 @@ async fn records_from(
 ) -> anyhow::Result<(std::collections::VecDeque<Stored>, usize, bool)> {
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
-    let before_since = read_from(nats, stream, from, until, since, node, |b| {
+    let before_since = read_from(nats, stream, from, until, since, node, |b, written_ms| {
         read += b.records.len();
         let config = Arc::new(b.config);
         let run: Arc<str> = b.run.into();
@@ -408,6 +554,7 @@ async fn records_from(
                 .into_iter()
                 .filter(|r| keep(r))
                 .map(|record| Stored {
+                    written_ms,
                     config: config.clone(),
                     run: run.clone(),
                     record,
@@ -426,22 +573,23 @@ pub async fn timeline(
     node: &str,
     run: &str,
 ) -> anyhow::Result<Vec<StateVersion>> {
-    let stream = log_stream(nats).await?;
     let mut out = Vec::new();
     let since = time::OffsetDateTime::UNIX_EPOCH;
-    read_from(nats, &stream, 1, None, since, Some(node), |b| {
-        if b.run == run {
-            out.extend(b.timeline);
-        }
-    })
-    .await?;
+    for stream in log_streams(nats, Some(node)).await? {
+        read_from(nats, &stream, 1, None, since, Some(node), |b, _| {
+            if b.run == run {
+                out.extend(b.timeline);
+            }
+        })
+        .await?;
+    }
     Ok(out)
 }
 
 /// Read batches from sequence `from` (up to sequence `until`, if given), by direct get in
-/// batches (`store::read_on`: no consumer, a viewer may create none), believing each only from its node's subject,
-/// skipping those written before `since`, each given to `each`; whether one written before
-/// `since` was met.
+/// batches (`store::read_on`: no consumer, a viewer may create none), believing each only from
+/// its node's subject, skipping those written before `since`, each given to `each` with when it
+/// was written (ms since the epoch); whether one written before `since` was met.
 async fn read_from(
     nats: &async_nats::Client,
     stream: &async_nats::jetstream::stream::Stream,
@@ -449,7 +597,7 @@ async fn read_from(
     until: Option<u64>,
     since: time::OffsetDateTime,
     node: Option<&str>,
-    mut each: impl FnMut(Batch),
+    mut each: impl FnMut(Batch, u64),
 ) -> anyhow::Result<bool> {
     let filter = node.map_or_else(
         || subjects::DECISION_LOG_ALL.to_string(),
@@ -479,7 +627,8 @@ async fn read_from(
             }
             Ok(b) => {
                 read += b.records.len();
-                each(b);
+                let ms = u64::try_from(m.time.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
+                each(b, ms);
             }
             Err(e) => {
                 tracing::warn!("a decision log message is not a batch of records: {e}");
