@@ -210,7 +210,7 @@ async fn settled_budgets(
 /// line is that agent's `oam agent serve`), so a scenario leaves no agent behind.
 async fn stop_restarted_agents(nats: &async_nats::Client, s: &Scenario) {
     let host = crate::mesh::store::hostname();
-    let records = crate::mesh::store::all_instances(nats)
+    let records = crate::mesh::store::all_instances(&crate::mesh::store::Mesh::new(nats.clone()))
         .await
         .unwrap_or_default();
     for a in &s.agents {

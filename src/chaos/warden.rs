@@ -372,7 +372,9 @@ impl Warden {
     /// One running instance of `agent` served by oam on this machine: (pid, its command line).
     async fn agent_process(&self, agent: &str) -> Result<(u32, Vec<String>), WardenReply> {
         let host = store::hostname();
-        let records = store::all_instances(&self.nats).await.unwrap_or_default();
+        let records = store::all_instances(&store::Mesh::new(self.nats.clone()))
+            .await
+            .unwrap_or_default();
         let local: Vec<_> = records
             .iter()
             .filter(|r| r.host.as_deref() == Some(host) && r.pid.is_some())

@@ -98,6 +98,7 @@ async fn feed(
     let _escalations = AbortOnDrop(tokio::spawn(feed_escalations(nats.clone(), tx.clone())));
     let mut slow = tokio::time::interval(Duration::from_secs(2));
     let mut connected = None;
+    let catalog_of = crate::mesh::store::Mesh::new(nats.clone());
     loop {
         tokio::select! {
             Some(m) = states.next() => match body(&m.payload) {
@@ -135,7 +136,7 @@ async fn feed(
                         refresh_chaos();
                     }
                 }
-                if up && let Ok(catalog) = crate::mesh::store::catalog(&nats).await {
+                if up && let Ok(catalog) = crate::mesh::store::catalog(&catalog_of).await {
                     send(Update::Catalog(catalog.into_iter().map(|c| c.name).collect()));
                 }
             }

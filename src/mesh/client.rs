@@ -49,7 +49,7 @@ pub fn request_id() -> String {
 
 /// Nobody answered: `not_available` when the catalog lists the agent, else `not_found`.
 async fn unanswered(nats: &async_nats::Client, agent: &str, request_id: &str) -> MeshError {
-    let listed = store::catalog(nats)
+    let listed = store::catalog(&store::Mesh::new(nats.clone()))
         .await
         .unwrap_or_default()
         .iter()

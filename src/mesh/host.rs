@@ -148,6 +148,8 @@ pub struct Instance {
     pub id: String,
     entry: CatalogEntry,
     nats: async_nats::Client,
+    /// The mesh's buckets, opened once for the instance's life.
+    mesh: store::Mesh,
     in_flight: AtomicU64,
     processed: AtomicU64,
 }
@@ -180,11 +182,12 @@ impl Instance {
         let me = Arc::new(Instance {
             id,
             entry,
+            mesh: store::Mesh::new(nats.clone()),
             nats,
             in_flight: AtomicU64::new(0),
             processed: AtomicU64::new(0),
         });
-        store::register(&me.nats, &me.entry, &me.id).await?;
+        store::register(&me.mesh, &me.entry, &me.id).await?;
         Ok((me, sub))
     }
 
@@ -518,8 +521,8 @@ pub async fn run(
                     // Back after a network blip or a freeze: the server (and its KV state) may
                     // be new, or a monitor declared us dead meanwhile. Register again.
                     let again = async {
-                        store::clear_tombstone(&me.nats, &me.id, &me.entry.name).await;
-                        store::register(&me.nats, &me.entry, &me.id).await
+                        store::clear_tombstone(&me.mesh, &me.id, &me.entry.name).await;
+                        store::register(&me.mesh, &me.entry, &me.id).await
                     };
                     match tokio::time::timeout(bound * 4, again).await {
                         Ok(Ok(())) => {
@@ -540,7 +543,7 @@ pub async fn run(
                         }
                     }
                 }
-                let renewed = store::renew(&me.nats, &me.entry, &me.id);
+                let renewed = store::renew(&me.mesh, &me.entry, &me.id);
                 if tokio::time::timeout(bound, renewed).await.is_err() {
                     tracing::warn!(agent = %me.entry.name, "instance lease not renewed within {bound:?}");
                 }
@@ -611,7 +614,7 @@ pub async fn leave(instances: &[Arc<Instance>]) {
     let goodbyes = agents.into_iter().map(|(agent, group)| async move {
         let ids: Vec<String> = group.iter().map(|i| i.id.clone()).collect();
         let me = group[0];
-        if store::leave(&me.nats, agent, &ids).await {
+        if store::leave(&me.mesh, agent, &ids).await {
             let notice = DeathNotice {
                 agent: agent.to_string(),
                 reason: DeathReason::GracefulShutdown,
@@ -624,7 +627,7 @@ pub async fn leave(instances: &[Arc<Instance>]) {
                 let _ = me.nats.publish(subjects::death(agent), b.into()).await;
             }
             let _ = me.nats.flush().await;
-            store::forget_agents(&me.nats, &[agent.to_string()]).await;
+            store::forget_agents(&me.mesh, &[agent.to_string()]).await;
         }
     });
     let all = futures_util::future::join_all(goodbyes);

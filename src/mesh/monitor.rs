@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 /// How often heartbeats are expected, and how many may be missed before an instance is dead.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub const MISSED_BEATS: u32 = 3;
+/// How often silent instances are looked for: what a death by missed heartbeats may be told
+/// late by, beyond `MISSED_BEATS` intervals.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
 /// A death notice is flushed at once, but never waits long on a bus that is struggling.
 const FLUSH_WITHIN: Duration = Duration::from_secs(1);
 /// Live instances one agent may have (its replicas). Heartbeats that would make more are
@@ -173,7 +176,10 @@ impl InstanceQuota {
 }
 
 pub struct Monitor {
-    app: async_nats::Client,
+    /// The mesh's buckets, opened once and kept for the monitor's life.
+    mesh: std::sync::Arc<store::Mesh>,
+    /// Who this monitor is in the tombstones it claims (one per run).
+    owner: std::sync::Arc<str>,
     /// (instance id, agent) -> its latest heartbeat. Keyed by both: an agent may beat with any
     /// instance id it likes, and that must not stand for another agent's instance.
     seen: BTreeMap<(String, String), Seen>,
@@ -212,6 +218,10 @@ struct Death {
     detail: String,
     /// Agents other clients (without instance records) were found still serving.
     served_elsewhere: Vec<String>,
+    /// Agents another instance still heartbeats for, as this monitor heard: what says whether
+    /// the agent lives when the instance records cannot be read (their bucket electing a
+    /// leader).
+    beating_elsewhere: Vec<String>,
     /// An oam host's instance (it keeps records): its agent's death is claimed by the agent's
     /// tombstone, which the agent's next registration removes. A client without records (the
     /// Python SDK) removes nothing when it comes back, so its agents' deaths are not claimed.
@@ -220,8 +230,13 @@ struct Death {
 
 impl Monitor {
     pub fn new(app: async_nats::Client) -> Monitor {
+        let owner = format!(
+            "monitor-{}",
+            crate::ids::random_hex(6).unwrap_or_else(|_| crate::clock::now_ms().to_string())
+        );
         Monitor {
-            app,
+            mesh: std::sync::Arc::new(store::Mesh::new(app)),
+            owner: owner.into(),
             seen: BTreeMap::new(),
             admitted: BTreeMap::new(),
             refused_instances: 0,
@@ -248,18 +263,29 @@ impl Monitor {
     /// connections cannot pile up tasks. Deaths by missed heartbeats wait for one of their own
     /// `SWEEPING` turns in their task, never in the loop (they are as many as the admitted
     /// instances at most): the loop goes on reading advisories, whose deaths go first.
-    async fn died(&mut self, death: Death) {
+    async fn died(&mut self, mut death: Death) {
         for agent in &death.agents {
             self.forget(&death.instance_id, agent);
         }
-        let app = self.app.clone();
+        let limit = HEARTBEAT_EVERY * MISSED_BEATS;
+        death.beating_elsewhere = death
+            .agents
+            .iter()
+            .filter(|a| {
+                self.seen.iter().any(|((id, agent), s)| {
+                    agent == *a && *id != death.instance_id && s.last.elapsed() <= limit
+                })
+            })
+            .cloned()
+            .collect();
+        let (mesh, owner) = (self.mesh.clone(), self.owner.clone());
         if death.reason == DeathReason::MissedHeartbeats {
             let turns = self.sweeping.clone();
             tokio::spawn(async move {
                 let Ok(_turn) = turns.acquire_owned().await else {
                     return;
                 };
-                announce(&app, death).await;
+                announce(&mesh, &owner, death).await;
             });
             return;
         }
@@ -267,7 +293,7 @@ impl Monitor {
             return;
         };
         tokio::spawn(async move {
-            announce(&app, death).await;
+            announce(&mesh, &owner, death).await;
             drop(turn);
         });
     }
@@ -283,6 +309,7 @@ impl Monitor {
             reason: DeathReason::Disconnect,
             detail: c.adv.reason,
             served_elsewhere: c.served_elsewhere,
+            beating_elsewhere: Vec::new(),
             recorded: false,
         })
         .await;
@@ -375,7 +402,7 @@ impl Monitor {
     /// down) get the same chance as everyone else: heartbeat within the limit or be declared dead.
     async fn adopt_records(&mut self) {
         let now = Instant::now();
-        for rec in store::all_instances(&self.app).await.unwrap_or_default() {
+        for rec in store::all_instances(&self.mesh).await.unwrap_or_default() {
             let agent = rec.agents.first().cloned().unwrap_or_default();
             let key = (rec.instance_id, agent);
             if self.seen.contains_key(&key) {
@@ -398,11 +425,12 @@ impl Monitor {
 /// instances still serve each of its agents: of instances dying together (each announced by a
 /// task of its own) the last to go finds none left, and the agent's tombstone makes one of those
 /// that find none say so. The catalog and registry are cleaned last.
-async fn announce(app: &async_nats::Client, d: Death) {
+async fn announce(mesh: &std::sync::Arc<store::Mesh>, owner: &str, d: Death) {
+    let app = mesh.nats();
     let id = d.instance_id.as_str();
     let mut agents = d.agents;
     if agents.is_empty() {
-        agents = store::instance(app, id)
+        agents = store::instance(mesh, id)
             .await
             .map(|r| r.agents)
             .unwrap_or_default();
@@ -420,7 +448,8 @@ async fn announce(app: &async_nats::Client, d: Death) {
     };
     // The tombstone is the agent's (`{id}.{agent}`, where only that agent and the monitor may
     // write).
-    if !store::claim_tombstone(app, id, Some(&first)).await {
+    let claim = store::claim_tombstone(mesh, id, Some(&first), owner).await;
+    if !claim.mine() {
         // Another monitor (or an earlier run) announced it; said, not skipped silently.
         tracing::info!(
             instance_id = id,
@@ -443,18 +472,42 @@ async fn announce(app: &async_nats::Client, d: Death) {
     if let Ok(body) = serde_json::to_vec(&notice(&first)) {
         let _ = app.publish(subjects::instance_death(id), body.into()).await;
     }
-    store::forget_instance(app, id, &agents).await;
+    // A bucket that did not answer the claim (its leader died) is not waited for again: the
+    // instance's records go once it answers, and the heartbeats this monitor hears say whether
+    // other instances serve its agents (unknown is not dead: a false notice would fail every
+    // caller of the agent).
+    let answers = claim != store::Claim::Unanswered;
+    if answers {
+        // Its records go before others are counted.
+        let forgotten = store::forget_instance(mesh, id, &agents);
+        let _ = tokio::time::timeout(store::CLAIM_WITHIN, forgotten).await;
+    } else {
+        let (mesh, id, agents) = (mesh.clone(), id.to_string(), agents.clone());
+        tokio::spawn(async move { store::forget_instance(&mesh, &id, &agents).await });
+    }
     let mut dead = Vec::new();
     for agent in &agents {
-        let alive = d.served_elsewhere.contains(agent)
-            || match store::instances_of(app, agent).await {
-                Ok(others) => others.iter().any(|r| r.instance_id != id),
-                Err(e) => {
-                    // Unknown is not dead: a false notice would fail every caller of the agent.
-                    tracing::warn!(agent, "cannot tell whether other instances serve it: {e:#}");
-                    true
+        let others = async {
+            if !answers {
+                return None;
+            }
+            let read = store::instances_of(mesh, agent);
+            match tokio::time::timeout(store::CLAIM_WITHIN, read).await {
+                Ok(Ok(others)) => Some(others.iter().any(|r| r.instance_id != id)),
+                Ok(Err(e)) => {
+                    tracing::warn!(agent, "instance records unread ({e:#}); heartbeats tell");
+                    None
                 }
-            };
+                Err(_) => {
+                    tracing::warn!(agent, "instance records unread in time; heartbeats tell");
+                    None
+                }
+            }
+        };
+        let alive = d.served_elsewhere.contains(agent)
+            || others
+                .await
+                .unwrap_or_else(|| d.beating_elsewhere.contains(agent));
         tracing::info!(
             agent,
             instance_id = id,
@@ -463,7 +516,12 @@ async fn announce(app: &async_nats::Client, d: Death) {
             last = !alive,
             "death"
         );
-        if alive || (d.recorded && !store::claim_agent_death(app, agent).await) {
+        if alive
+            || (d.recorded
+                && !store::claim_agent_death(mesh, agent, owner, answers)
+                    .await
+                    .mine())
+        {
             continue;
         }
         if let Ok(body) = serde_json::to_vec(&notice(agent)) {
@@ -472,7 +530,7 @@ async fn announce(app: &async_nats::Client, d: Death) {
         }
         dead.push(agent.clone());
     }
-    store::forget_agents(app, &dead).await;
+    store::forget_agents(mesh, &dead).await;
 }
 
 /// Ask server `server` (any, if empty) for connections: open ones, or the closed one `cid`.
@@ -732,8 +790,9 @@ pub async fn run(
     app.flush().await?;
     ready();
     let mut m = Monitor::new(app);
+    m.mesh.open_all().await;
     m.adopt_records().await;
-    let mut sweep = tokio::time::interval(Duration::from_millis(250));
+    let mut sweep = tokio::time::interval(SWEEP_EVERY);
     let census_sys = sys.clone();
     // Closed connections without instance records are looked up off the loop (a bounded queue,
     // LOOKUPS at once), so neither deaths nor heartbeats wait on the server's answers.
@@ -781,6 +840,7 @@ pub async fn run(
                         reason: DeathReason::Disconnect,
                         detail: "its nats-server is gone and it did not reconnect elsewhere".into(),
                         served_elsewhere: d.served_elsewhere,
+                        beating_elsewhere: Vec::new(),
                         recorded: false,
                     })
                     .await;
@@ -804,6 +864,7 @@ pub async fn run(
                         reason: DeathReason::Disconnect,
                         detail: adv.reason,
                         served_elsewhere: Vec::new(),
+                        beating_elsewhere: Vec::new(),
                         recorded: true,
                     })
                     .await;
@@ -822,6 +883,7 @@ pub async fn run(
                         reason: DeathReason::MissedHeartbeats,
                         detail: "no heartbeat for 3 intervals".into(),
                         served_elsewhere: Vec::new(),
+                        beating_elsewhere: Vec::new(),
                         recorded: true,
                     })
                     .await;

@@ -11,6 +11,104 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use crate::transport::store::INSTANCE_LEASE;
 
+/// The mesh's buckets, each opened at its first use and kept: every call after is one write
+/// on the bucket's subjects or a direct get, never a stream info or a create (a stream whose
+/// leader died answers neither until it has a new one, seconds later, and only the admin may
+/// create a bucket). Opened again after the connection was lost and made again: the server
+/// may be a new one that lost them (then one is made, where the role may).
+pub struct Mesh {
+    nats: async_nats::Client,
+    catalog: Kept,
+    registry: Kept,
+    instances: Kept,
+    tombstones: Kept,
+    /// Tombstones this process announced without (its bucket did not answer), not yet
+    /// written: claimed again, they are this process's already.
+    unsettled: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+}
+
+/// A bucket as opened, and on which connection (the client's count of connects then).
+type Kept = std::sync::Mutex<Option<(u64, kv::Store)>>;
+
+/// How long opening a kept bucket again after a reconnect may hold a call up.
+const REOPEN_WITHIN: Duration = Duration::from_millis(250);
+
+impl Mesh {
+    pub fn new(nats: async_nats::Client) -> Mesh {
+        Mesh {
+            nats,
+            catalog: Kept::default(),
+            registry: Kept::default(),
+            instances: Kept::default(),
+            tombstones: Kept::default(),
+            unsettled: Default::default(),
+        }
+    }
+
+    pub fn nats(&self) -> &async_nats::Client {
+        &self.nats
+    }
+
+    /// Bucket `name` as kept in `kept`, opened (`bucket`) if it is not. After a reconnect it
+    /// is opened again, and meanwhile (a stream electing a leader answers no open for seconds)
+    /// the handle kept goes on: a bucket keeps its name, and its subjects, wherever it is led.
+    async fn open(&self, kept: &Kept, name: &str, max_age: Duration) -> anyhow::Result<kv::Store> {
+        let connects = self
+            .nats
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let lock = || {
+            kept.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        let held = lock().clone();
+        let store = match held {
+            Some((at, store)) if at == connects => return Ok(store),
+            Some((_, store)) => {
+                match tokio::time::timeout(REOPEN_WITHIN, bucket(&self.nats, name, max_age)).await {
+                    Ok(Ok(fresh)) => fresh,
+                    _ => return Ok(store),
+                }
+            }
+            None => bucket(&self.nats, name, max_age).await?,
+        };
+        *lock() = Some((connects, store.clone()));
+        Ok(store)
+    }
+
+    /// Open every bucket now, so that none is first opened when a death must be told fast.
+    pub async fn open_all(&self) {
+        let _ = tokio::join!(
+            self.catalog(),
+            self.registry(),
+            self.instances(),
+            self.tombstones()
+        );
+    }
+
+    async fn catalog(&self) -> anyhow::Result<kv::Store> {
+        self.open(&self.catalog, subjects::CATALOG_BUCKET, Duration::ZERO)
+            .await
+    }
+
+    async fn registry(&self) -> anyhow::Result<kv::Store> {
+        self.open(&self.registry, subjects::REGISTRY_BUCKET, Duration::ZERO)
+            .await
+    }
+
+    async fn instances(&self) -> anyhow::Result<kv::Store> {
+        self.open(&self.instances, subjects::INSTANCES_BUCKET, INSTANCE_LEASE)
+            .await
+    }
+
+    async fn tombstones(&self) -> anyhow::Result<kv::Store> {
+        let age = crate::transport::store::TOMBSTONE_AGE;
+        self.open(&self.tombstones, subjects::TOMBSTONES_BUCKET, age)
+            .await
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct InstanceRecord {
     pub instance_id: String,
@@ -44,16 +142,14 @@ pub fn rfc3339_now() -> String {
 
 /// The catalog's entries (empty if the bucket or key does not exist yet). Entries that do not
 /// parse are skipped, not fatal.
-pub async fn catalog(nats: &async_nats::Client) -> anyhow::Result<Vec<CatalogEntry>> {
-    Ok(catalog_checked(nats).await?.0)
+pub async fn catalog(mesh: &Mesh) -> anyhow::Result<Vec<CatalogEntry>> {
+    Ok(catalog_checked(mesh).await?.0)
 }
 
 /// The catalog, and its items that are not entries (shown as they are, shortened), so a reader
 /// can say so. A catalog that is not a JSON array at all is an error, not an empty catalog.
-pub async fn catalog_checked(
-    nats: &async_nats::Client,
-) -> anyhow::Result<(Vec<CatalogEntry>, Vec<String>)> {
-    let store = bucket(nats, subjects::CATALOG_BUCKET, Duration::ZERO).await?;
+pub async fn catalog_checked(mesh: &Mesh) -> anyhow::Result<(Vec<CatalogEntry>, Vec<String>)> {
+    let store = mesh.catalog().await?;
     let Some(raw) = store.get(subjects::CATALOG_KEY).await? else {
         return Ok((Vec::new(), Vec::new()));
     };
@@ -84,11 +180,11 @@ const CATALOG_WITHIN: Duration = Duration::from_secs(30);
 /// tried again on the catalog it wrote, after a pause drawn at random from a window that
 /// doubles up to 250 ms, until `CATALOG_WITHIN` has passed.
 async fn edit_catalog(
-    nats: &async_nats::Client,
+    mesh: &Mesh,
     edit: impl Fn(&mut Vec<serde_json::Value>) -> bool,
 ) -> anyhow::Result<()> {
     use std::hash::BuildHasher;
-    let store = bucket(nats, subjects::CATALOG_BUCKET, Duration::ZERO).await?;
+    let store = mesh.catalog().await?;
     let deadline = std::time::Instant::now() + CATALOG_WITHIN;
     let jitter = std::hash::RandomState::new();
     let (mut window_ms, mut tries) = (4u64, 0u64);
@@ -134,9 +230,9 @@ async fn edit_catalog(
 
 /// List `entry` in the catalog (in place of any entry of its name); a catalog that already
 /// lists it so is not written, so the replicas after the first cost one read.
-async fn list_in_catalog(nats: &async_nats::Client, entry: &CatalogEntry) -> anyhow::Result<()> {
+async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
     let listed = serde_json::to_value(entry)?;
-    edit_catalog(nats, |items| {
+    edit_catalog(mesh, |items| {
         let mut same = items.iter().filter(|v| v["name"] == entry.name.as_str());
         if same.next() == Some(&listed) && same.next().is_none() {
             return false;
@@ -148,12 +244,8 @@ async fn list_in_catalog(nats: &async_nats::Client, entry: &CatalogEntry) -> any
     .await
 }
 
-async fn put_instance(
-    nats: &async_nats::Client,
-    entry: &CatalogEntry,
-    instance_id: &str,
-) -> anyhow::Result<()> {
-    let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
+async fn put_instance(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> anyhow::Result<()> {
+    let store = mesh.instances().await?;
     let rec = InstanceRecord {
         instance_id: instance_id.to_string(),
         agents: vec![entry.name.clone()],
@@ -182,39 +274,35 @@ pub fn record_key(instance_id: &str, agent: Option<&str>) -> String {
 }
 
 /// Register an instance of `entry`: instance record, registry contract, catalog entry.
-pub async fn register(
-    nats: &async_nats::Client,
-    entry: &CatalogEntry,
-    instance_id: &str,
-) -> anyhow::Result<()> {
-    put_instance(nats, entry, instance_id).await?;
-    let registry = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await?;
+pub async fn register(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> anyhow::Result<()> {
+    put_instance(mesh, entry, instance_id).await?;
+    let registry = mesh.registry().await?;
     let contract = protocol::registry_entry(entry, &rfc3339_now());
     registry
         .put(entry.name.as_str(), serde_json::to_vec(&contract)?.into())
         .await?;
     // The agent lives again: its next death is announced again.
-    unclaim(nats, &agent_tombstone(&entry.name)).await;
-    list_in_catalog(nats, entry).await
+    unclaim(mesh, &agent_tombstone(&entry.name)).await;
+    list_in_catalog(mesh, entry).await
 }
 
 /// Renew the instance lease (called with every heartbeat); failures are retried next time.
-pub async fn renew(nats: &async_nats::Client, entry: &CatalogEntry, instance_id: &str) {
-    if let Err(e) = put_instance(nats, entry, instance_id).await {
+pub async fn renew(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) {
+    if let Err(e) = put_instance(mesh, entry, instance_id).await {
         tracing::debug!("instance lease renewal failed: {e:#}");
     }
 }
 
 /// Every instance record.
-pub async fn all_instances(nats: &async_nats::Client) -> anyhow::Result<Vec<InstanceRecord>> {
-    records(nats, ">").await
+pub async fn all_instances(mesh: &Mesh) -> anyhow::Result<Vec<InstanceRecord>> {
+    records(mesh, ">").await
 }
 
 /// The instance records under the keys that match `pattern`, read 32 at a time. Records whose
 /// body claims another instance or agent than their key are left out, with a warning.
-async fn records(nats: &async_nats::Client, pattern: &str) -> anyhow::Result<Vec<InstanceRecord>> {
+async fn records(mesh: &Mesh, pattern: &str) -> anyhow::Result<Vec<InstanceRecord>> {
     use futures_util::StreamExt;
-    let store = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await?;
+    let store = mesh.instances().await?;
     let keys = crate::transport::store::keys_matching(&store, pattern).await?;
     let store = &store;
     let read = futures_util::stream::iter(keys)
@@ -252,15 +340,12 @@ fn believed(key: &str, rec: InstanceRecord) -> Option<InstanceRecord> {
 /// Instance records that serve `agent` (its keys, `*.{agent}`; oam writes none under an id
 /// alone), asked of the server by key, so the cost grows with the agent's instances, not the
 /// mesh's.
-pub async fn instances_of(
-    nats: &async_nats::Client,
-    agent: &str,
-) -> anyhow::Result<Vec<InstanceRecord>> {
+pub async fn instances_of(mesh: &Mesh, agent: &str) -> anyhow::Result<Vec<InstanceRecord>> {
     // A name from the bus (a heartbeat's subject) is an agent's name, never a pattern.
     if !protocol::valid_agent_name(agent) {
         anyhow::bail!("{agent:?} is not an agent name");
     }
-    Ok(records(nats, &format!("*.{agent}"))
+    Ok(records(mesh, &format!("*.{agent}"))
         .await?
         .into_iter()
         .filter(|r| r.agents.iter().any(|a| a == agent))
@@ -268,13 +353,13 @@ pub async fn instances_of(
 }
 
 /// One instance's records (one per agent it serves, `{id}.{agent}`, merged).
-pub async fn instance(nats: &async_nats::Client, instance_id: &str) -> Option<InstanceRecord> {
+pub async fn instance(mesh: &Mesh, instance_id: &str) -> Option<InstanceRecord> {
     // The id comes from a connection's name, which its client chose: a key token, never a
     // pattern.
     if crate::transport::store::token(instance_id) != instance_id {
         return None;
     }
-    let mut found = records(nats, &format!("{instance_id}.>"))
+    let mut found = records(mesh, &format!("{instance_id}.>"))
         .await
         .ok()?
         .into_iter();
@@ -285,14 +370,35 @@ pub async fn instance(nats: &async_nats::Client, instance_id: &str) -> Option<In
     Some(rec)
 }
 
-/// Claim the right to announce the death of instance `instance_id` of `agent`: true for exactly
-/// one caller cluster-wide (tombstones expire after two minutes).
+/// Who is to announce a death, as a claim on its tombstone came out.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Claim {
+    /// This claimer: the tombstone names it.
+    Mine,
+    /// Another claimer, or this one in an earlier claim.
+    Theirs,
+    /// This claimer, without a tombstone: the bucket did not answer within `CLAIM_WITHIN` (its
+    /// leader died, say). The tombstone is written once it answers again.
+    Unanswered,
+}
+
+impl Claim {
+    /// Whether this claimer announces.
+    pub fn mine(self) -> bool {
+        self != Claim::Theirs
+    }
+}
+
+/// Claim the right to announce the death of instance `instance_id` of `agent`, as `owner`
+/// (whoever claims: a monitor's run, a leaving instance): `Mine` for exactly one claimer
+/// cluster-wide while the tombstone bucket answers (tombstones expire after two minutes).
 pub async fn claim_tombstone(
-    nats: &async_nats::Client,
+    mesh: &Mesh,
     instance_id: &str,
     agent: Option<&str>,
-) -> bool {
-    claim(nats, &record_key(instance_id, agent)).await
+    owner: &str,
+) -> Claim {
+    claim(mesh, &record_key(instance_id, agent), owner, true).await
 }
 
 /// The tombstone of agent `agent` itself (`dead.{agent}`, a key only that agent's user and the
@@ -303,49 +409,164 @@ pub fn agent_tombstone(agent: &str) -> String {
     format!("dead.{agent}")
 }
 
-/// Claim the right to announce that agent `agent` is gone (no instance serves it).
-pub async fn claim_agent_death(nats: &async_nats::Client, agent: &str) -> bool {
-    claim(nats, &agent_tombstone(agent)).await
+/// Claim the right to announce that agent `agent` is gone (no instance serves it), as `owner`;
+/// without asking the bucket unless `ask` (it did not answer a moment ago).
+pub async fn claim_agent_death(mesh: &Mesh, agent: &str, owner: &str, ask: bool) -> Claim {
+    claim(mesh, &agent_tombstone(agent), owner, ask).await
 }
 
-/// Create tombstone `key`: true for exactly one caller cluster-wide.
-async fn claim(nats: &async_nats::Client, key: &str) -> bool {
-    match bucket(
-        nats,
-        subjects::TOMBSTONES_BUCKET,
-        crate::transport::store::TOMBSTONE_AGE,
-    )
-    .await
-    {
-        Ok(store) => store.create(key, bytes::Bytes::new()).await.is_ok(),
-        // Without the bucket we cannot deduplicate; announcing twice beats not announcing.
-        Err(_) => true,
+/// How long a claim may take before the death is announced without one: a tombstone bucket
+/// whose leader died takes writes only once a new one is elected (4 to 9 s, nats-server's
+/// election timeouts), and a death must be announced within its heartbeat bound. A live
+/// bucket answers in a millisecond or two.
+pub const CLAIM_WITHIN: Duration = Duration::from_millis(300);
+
+/// What a try to create a tombstone came to.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Try {
+    Created,
+    /// It was there already.
+    Exists,
+    /// No answer (a leader elected, an acknowledgement lost): it may or may not have been
+    /// written.
+    Unanswered,
+}
+
+/// Who announces, from a claim's tries (in order) and, when they do not tell, the tombstone as
+/// read after them (`None`: not read; `Some(None)`: not there): true for this claimer.
+/// - Created: it is ours.
+/// - There before the first try: someone announced it (this claimer too, in an earlier claim).
+/// - There after an unanswered try: written by that try (its acknowledgement lost) if it holds
+///   this claimer's name, else by another.
+/// - Never answered and not read as another's: announced without a claim (a death told twice
+///   beats one not told), and the tombstone is written later (`settle_later`).
+pub fn claimed(tries: &[Try], read: Option<Option<&[u8]>>, owner: &str) -> bool {
+    match tries {
+        [Try::Exists, ..] => false,
+        _ if tries.contains(&Try::Created) => true,
+        _ => match read {
+            Some(Some(holder)) => holder == owner.as_bytes(),
+            Some(None) | None => true,
+        },
     }
+}
+
+/// Create tombstone `key` naming `owner`, within `CLAIM_WITHIN` (without trying unless `ask`):
+/// who is to announce (`claimed`).
+async fn claim(mesh: &Mesh, key: &str, owner: &str, ask: bool) -> Claim {
+    let unsettled = |add: bool| {
+        let mut keys = mesh
+            .unsettled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if add {
+            keys.insert(key.to_string())
+        } else {
+            keys.contains(key)
+        }
+    };
+    if unsettled(false) {
+        return Claim::Theirs; // announced by this process already, its tombstone not written yet
+    }
+    let deadline = tokio::time::Instant::now() + CLAIM_WITHIN;
+    let opened = if ask {
+        tokio::time::timeout_at(deadline, mesh.tombstones())
+            .await
+            .ok()
+    } else {
+        None
+    };
+    let Some(Ok(store)) = opened else {
+        // Without the bucket we cannot deduplicate; announcing twice beats not announcing.
+        tracing::warn!(
+            key,
+            "the tombstone bucket does not answer; announced without a claim"
+        );
+        unsettled(true);
+        if let Ok(Ok(store)) = tokio::time::timeout(REOPEN_WITHIN, mesh.tombstones()).await {
+            settle_later(mesh, store, key.to_string(), owner.to_string());
+        }
+        return Claim::Unanswered;
+    };
+    let mut tries = Vec::new();
+    while tokio::time::Instant::now() < deadline {
+        let left = deadline - tokio::time::Instant::now();
+        let attempt = store.create(key, bytes::Bytes::copy_from_slice(owner.as_bytes()));
+        let outcome = match tokio::time::timeout(left.min(CLAIM_WITHIN / 2), attempt).await {
+            Ok(Ok(_)) => Try::Created,
+            Ok(Err(e)) if e.kind() == kv::CreateErrorKind::AlreadyExists => Try::Exists,
+            Ok(Err(_)) | Err(_) => Try::Unanswered,
+        };
+        tries.push(outcome);
+        if outcome != Try::Unanswered {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let read = if tries.first() != Some(&Try::Exists) && !tries.contains(&Try::Created) {
+        // Direct gets are answered by any replica, a leader or not.
+        let within = deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(Duration::from_millis(100));
+        match tokio::time::timeout(within, store.get(key)).await {
+            Ok(Ok(v)) => Some(v),
+            _ => None,
+        }
+    } else {
+        None
+    };
+    if !claimed(&tries, read.as_ref().map(|v| v.as_deref()), owner) {
+        return Claim::Theirs;
+    }
+    if tries.contains(&Try::Created) || read.as_ref().is_some_and(Option::is_some) {
+        return Claim::Mine;
+    }
+    tracing::warn!(
+        key,
+        "the tombstone bucket does not answer; announced without a claim"
+    );
+    unsettled(true);
+    settle_later(mesh, store, key.to_string(), owner.to_string());
+    Claim::Unanswered
+}
+
+/// Write tombstone `key` naming `owner` once the bucket takes writes again (tried for a
+/// tombstone's age at most), so that later claimers find it.
+fn settle_later(mesh: &Mesh, store: kv::Store, key: String, owner: String) {
+    let unsettled = mesh.unsettled.clone();
+    tokio::spawn(async move {
+        let until = tokio::time::Instant::now() + crate::transport::store::TOMBSTONE_AGE;
+        while tokio::time::Instant::now() < until {
+            match store.create(&key, owner.clone().into()).await {
+                Ok(_) => break,
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => break,
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+        unsettled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&key);
+    });
 }
 
 /// An instance declared dead that is back (after a network blip): its next death must be
 /// announced again.
-pub async fn clear_tombstone(nats: &async_nats::Client, instance_id: &str, agent: &str) {
-    unclaim(nats, &record_key(instance_id, Some(agent))).await;
+pub async fn clear_tombstone(mesh: &Mesh, instance_id: &str, agent: &str) {
+    unclaim(mesh, &record_key(instance_id, Some(agent))).await;
 }
 
 /// Remove tombstone `key`, so what it stood for is announced again when it dies.
-async fn unclaim(nats: &async_nats::Client, key: &str) {
-    if let Ok(store) = bucket(
-        nats,
-        subjects::TOMBSTONES_BUCKET,
-        crate::transport::store::TOMBSTONE_AGE,
-    )
-    .await
-    {
+async fn unclaim(mesh: &Mesh, key: &str) {
+    if let Ok(store) = mesh.tombstones().await {
         let _ = store.purge(key).await;
     }
 }
 
 /// Remove `instance_id`'s records: the keys it was recorded under (an agent's user may purge
 /// only its own).
-pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, agents: &[String]) {
-    if let Ok(store) = bucket(nats, subjects::INSTANCES_BUCKET, INSTANCE_LEASE).await {
+pub async fn forget_instance(mesh: &Mesh, instance_id: &str, agents: &[String]) {
+    if let Ok(store) = mesh.instances().await {
         if agents.is_empty() {
             let _ = store.purge(record_key(instance_id, None)).await;
         }
@@ -356,12 +577,12 @@ pub async fn forget_instance(nats: &async_nats::Client, instance_id: &str, agent
 }
 
 /// Remove `agents` from the catalog (in one write) and the registry.
-pub async fn forget_agents(nats: &async_nats::Client, agents: &[String]) {
+pub async fn forget_agents(mesh: &Mesh, agents: &[String]) {
     if agents.is_empty() {
         return;
     }
     let gone = |v: &serde_json::Value| agents.iter().any(|a| v["name"] == a.as_str());
-    let edited = edit_catalog(nats, |items| {
+    let edited = edit_catalog(mesh, |items| {
         let before = items.len();
         items.retain(|v| !gone(v));
         items.len() != before
@@ -370,7 +591,7 @@ pub async fn forget_agents(nats: &async_nats::Client, agents: &[String]) {
     if let Err(e) = edited {
         tracing::warn!("{} agents left in the catalog: {e:#}", agents.len());
     }
-    if let Ok(registry) = bucket(nats, subjects::REGISTRY_BUCKET, Duration::ZERO).await {
+    if let Ok(registry) = mesh.registry().await {
         for agent in agents {
             let _ = registry.delete(agent).await;
         }
@@ -383,16 +604,18 @@ pub async fn forget_agents(nats: &async_nats::Client, agents: &[String]) {
 /// announce (then it announces, and `forget_agents` after). Records go before others are
 /// counted, so of instances leaving together in different processes the last to go finds none
 /// left, and the agent's tombstone makes one of them say so. A count that fails is not "none".
-pub async fn leave(nats: &async_nats::Client, agent: &str, instance_ids: &[String]) -> bool {
+pub async fn leave(mesh: &Mesh, agent: &str, instance_ids: &[String]) -> bool {
     let agents = [agent.to_string()];
     futures_util::future::join_all(instance_ids.iter().map(|id| async {
-        claim_tombstone(nats, id, Some(agent)).await;
-        forget_instance(nats, id, &agents).await;
+        claim_tombstone(mesh, id, Some(agent), id).await;
+        forget_instance(mesh, id, &agents).await;
     }))
     .await;
-    match instances_of(nats, agent).await {
+    match instances_of(mesh, agent).await {
         Ok(others) if others.iter().all(|r| instance_ids.contains(&r.instance_id)) => {
-            claim_agent_death(nats, agent).await
+            claim_agent_death(mesh, agent, &instance_ids.join(","), true)
+                .await
+                .mine()
         }
         Ok(_) => false,
         Err(e) => {
@@ -404,7 +627,35 @@ pub async fn leave(nats: &async_nats::Client, agent: &str, instance_ids: &[Strin
 
 #[cfg(test)]
 mod tests {
-    use super::{InstanceRecord, believed};
+    use super::{InstanceRecord, Try, believed, claimed};
+
+    #[test]
+    fn a_claim_is_settled_by_its_tries_and_then_by_reading() {
+        use Try::{Created, Exists, Unanswered};
+        let me = "monitor-a";
+        assert!(claimed(&[Created], None, me));
+        // There before anything was tried: announced before (by anyone, this claimer too).
+        assert!(!claimed(&[Exists], Some(Some(b"monitor-a")), me));
+        // The first try's acknowledgement was lost, and the second finds the tombstone: the
+        // first wrote it if it names this claimer, else another claimer was first.
+        assert!(claimed(&[Unanswered, Exists], Some(Some(b"monitor-a")), me));
+        assert!(!claimed(
+            &[Unanswered, Exists],
+            Some(Some(b"monitor-b")),
+            me
+        ));
+        assert!(claimed(&[Unanswered, Created], None, me));
+        // Never answered: another's tombstone read from a replica is theirs; none, or none
+        // read, is announced without a claim (told twice beats never told).
+        assert!(!claimed(
+            &[Unanswered, Unanswered],
+            Some(Some(b"monitor-b")),
+            me
+        ));
+        assert!(claimed(&[Unanswered, Unanswered], Some(None), me));
+        assert!(claimed(&[Unanswered], None, me));
+        assert!(claimed(&[], None, me));
+    }
 
     fn record(id: &str, agents: &[&str]) -> InstanceRecord {
         InstanceRecord {

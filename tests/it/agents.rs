@@ -509,9 +509,13 @@ async fn stale_records_heal_and_a_restarted_monitor_still_announces_once() {
         streaming: false,
         max_handling_ms: None,
     };
-    oam::mesh::store::register(&nc, &ghost, "deadbeef00000001")
-        .await
-        .unwrap();
+    oam::mesh::store::register(
+        &oam::mesh::store::Mesh::new(nc.clone()),
+        &ghost,
+        "deadbeef00000001",
+    )
+    .await
+    .unwrap();
     let mut first = monitor(&server);
     let notice = next_json(&mut deaths, Duration::from_secs(10))
         .await
@@ -1527,7 +1531,7 @@ async fn agents_registered_together_all_register_and_the_sdk_reads_them() {
                 max_handling_ms: None,
             };
             let id = format!("{i:016x}");
-            oam::mesh::store::register(&nc, &entry, &id).await
+            oam::mesh::store::register(&oam::mesh::store::Mesh::new(nc.clone()), &entry, &id).await
         }
     });
     let results = futures_util::future::join_all(registrations).await;
@@ -1687,8 +1691,9 @@ async fn deaths_and_exits_in_a_burst_are_announced_each_once() {
             .is_none(),
         "a graceful exit is not a crash"
     );
-    let catalog = oam::mesh::store::catalog(&nc).await.unwrap();
+    let mesh = oam::mesh::store::Mesh::new(nc.clone());
+    let catalog = oam::mesh::store::catalog(&mesh).await.unwrap();
     assert!(catalog.is_empty(), "{catalog:?}");
-    let records = oam::mesh::store::all_instances(&nc).await.unwrap();
+    let records = oam::mesh::store::all_instances(&mesh).await.unwrap();
     assert!(records.is_empty(), "{records:?}");
 }

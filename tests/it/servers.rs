@@ -488,6 +488,103 @@ async fn an_sdk_replica_that_dies_with_its_server_is_found_and_one_that_moves_li
     );
 }
 
+/// A host that fails takes its nats-server and its agent with it, and that server led the
+/// buckets that say who announces a death (tombstones) and who serves an agent (instance
+/// records): they take no write until a new leader is elected, 4 to 9 s later. The agent's
+/// instance and its death are each announced once, within 4 s of the kill all the same (they
+/// took 12-13 s while the monitor opened its buckets afresh for every death).
+#[tokio::test]
+async fn an_agent_dying_with_the_server_leading_the_mesh_buckets_is_announced_in_bound() {
+    let cl = LocalCluster::up_on("servers-leaders", 3).await;
+    cl.oam()
+        .args([
+            "creds", "issue", "--role", "agent", "--name", "t.victim", "--dir",
+        ])
+        .arg(&cl.dir.0)
+        .assert()
+        .success();
+    let on_3 = cl
+        .role_url("agent-t.victim")
+        .split(',')
+        .nth(2)
+        .unwrap()
+        .to_string();
+    assert!(
+        on_3.contains(&format!(":{}", cl.record.servers[2].port)),
+        "nats-3's entry"
+    );
+    let agent = crate::support::Proc::spawn(&[
+        "agent",
+        "serve",
+        "t.victim",
+        "--demo",
+        "echo",
+        "--json",
+        "--nats-url",
+        &on_3,
+    ]);
+    let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    for stream in ["KV_mesh-tombstones", "KV_mesh-instances"] {
+        let led = eventually(Duration::from_secs(20), || async {
+            if leader_of(&js, stream).await == "nats-3" {
+                return Some(());
+            }
+            let ask = json!({"placement": {"preferred": "nats-3"}}).to_string();
+            let _ = nc
+                .request(
+                    format!("$JS.API.STREAM.LEADER.STEPDOWN.{stream}"),
+                    ask.into(),
+                )
+                .await;
+            None
+        })
+        .await;
+        assert!(led.is_some(), "{stream} is not led from nats-3");
+    }
+    let mut deaths = nc.subscribe("mesh.death.t.victim").await.unwrap();
+    let mut instance_deaths = nc.subscribe("mesh.instance-death.*").await.unwrap();
+    let mut beats = nc.subscribe("mesh.health.t.victim").await.unwrap();
+    nc.flush().await.unwrap();
+    // The monitor hears the agent's heartbeats as this test does.
+    next_json(&mut beats, Duration::from_secs(5))
+        .await
+        .expect("the agent beats");
+
+    assert!(oam::local::signal(cl.pid("nats-3"), libc::SIGKILL));
+    assert!(oam::local::signal(agent.pid(), libc::SIGKILL));
+    let killed = std::time::Instant::now();
+    let bound = Duration::from_secs(4);
+    let died = next_json(&mut instance_deaths, bound)
+        .await
+        .unwrap_or_else(|| panic!("no instance notice within {bound:?}"));
+    assert_eq!(died["agent"], "t.victim", "{died}");
+    let instance_after = killed.elapsed();
+    let left = bound.saturating_sub(killed.elapsed());
+    let gone = next_json(&mut deaths, left).await.unwrap_or_else(|| {
+        let log = std::fs::read_to_string(cl.dir.0.join("monitor.log")).unwrap_or_default();
+        panic!("no agent notice within {bound:?}; the monitor said:\n{log}")
+    });
+    assert_eq!(gone["reason"], "missed_heartbeats", "{gone}");
+    eprintln!(
+        "announced after the kill: the instance in {instance_after:?}, the agent in {:?}",
+        killed.elapsed()
+    );
+    // Each once.
+    assert!(
+        next_json(&mut instance_deaths, Duration::from_secs(2))
+            .await
+            .is_none()
+    );
+    assert!(
+        next_json(&mut deaths, Duration::from_millis(100))
+            .await
+            .is_none()
+    );
+}
+
 /// A replica of `sdk.echo` as the monitor sees any Open Agent Mesh client serve it (a queue
 /// subscription on its subject; it answers nothing, so the test calls no one), on a plain
 /// NATS client given `servers` in order:

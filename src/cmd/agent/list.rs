@@ -49,7 +49,8 @@ pub async fn run(cluster: &super::super::ClusterArgs, l: Args) -> Result<()> {
     let nc = cluster
         .connect(&crate::cmd::Role::Caller, "oam-agent-list")
         .await?;
-    let (entries, unreadable) = store::catalog_checked(&nc)
+    let mesh = store::Mesh::new(nc);
+    let (entries, unreadable) = store::catalog_checked(&mesh)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, e))?;
     if !unreadable.is_empty() {
@@ -59,7 +60,7 @@ pub async fn run(cluster: &super::super::ClusterArgs, l: Args) -> Result<()> {
             unreadable.join("; ")
         );
     }
-    let records = store::all_instances(&nc).await.unwrap_or_default();
+    let records = store::all_instances(&mesh).await.unwrap_or_default();
     let now = crate::clock::now_ms();
     let rows: Vec<Listed> = entries.iter().map(|e| listed(e, &records, now)).collect();
     let mut out = std::io::stdout().lock();
