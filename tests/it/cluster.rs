@@ -2323,6 +2323,58 @@ async fn probes_are_shared_free_unless_they_must_be_and_priced() {
     drop(nodes);
 }
 
+/// A stream that is not there yet (a restarted server still loading it, a leader being
+/// elected) answers a direct get with 503 "no responders": `oam audit` failed 1 run in 3 to 15
+/// on a cluster just restarted. Reads ask again until the stream answers, within their bound.
+#[tokio::test]
+async fn a_read_waits_for_a_stream_that_is_not_answering_yet() {
+    let nats = NatsServer::start().await;
+    let nc = oam::transport::connect::connect(&nats.url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    // Its message is there, but no replica answers direct gets until the stream allows them.
+    let config = async_nats::jetstream::stream::Config {
+        name: "LATE".into(),
+        subjects: vec!["late.>".into()],
+        ..Default::default()
+    };
+    js.create_stream(config.clone()).await.unwrap();
+    js.publish("late.one", "here".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let answering = async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let allow = async_nats::jetstream::stream::Config {
+            allow_direct: true,
+            ..config
+        };
+        js.update_stream(allow).await.unwrap();
+    };
+    let mut read = Vec::new();
+    let (_, got) = tokio::join!(
+        answering,
+        oam::transport::store::read_on(&nc, "LATE", "late.>", 1, |m| {
+            read.push(m.payload.clone());
+            true
+        })
+    );
+    got.expect("read once the stream answered");
+    assert_eq!(read, [bytes::Bytes::from("here")]);
+    // One that never answers is an error within the bound, not a wait without end.
+    let started = std::time::Instant::now();
+    let never = oam::transport::store::read_on(&nc, "NEVER", ">", 1, |_| true).await;
+    let e = never.expect_err("no stream NEVER");
+    assert!(e.to_string().contains("503"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
 /// A nats-server, a simulator (and its URL), and JetStream on the server as its admin.
 async fn nats_and_sim() -> (NatsServer, Proc, String, async_nats::jetstream::Context) {
     let nats = NatsServer::start().await;

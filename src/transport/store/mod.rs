@@ -57,11 +57,15 @@ pub async fn read_on(
     let ask = format!("$JS.API.DIRECT.GET.{stream}");
     let stopped = || anyhow::anyhow!("the stream {stream} stopped answering");
     let mut next = from.max(1);
+    // A stream just restarted, or electing a leader, answers "no responders" for a while:
+    // asked again until `API_TIMEOUT` has passed without an answer.
+    let mut unanswered_since: Option<tokio::time::Instant> = None;
     loop {
         let question = serde_json::json!({"seq": next, "batch": GET_BATCH, "next_by_subj": filter});
         nats.publish_with_reply(ask.clone(), inbox.clone(), question.to_string().into())
             .await?;
         let mut got = 0;
+        let mut again = false;
         loop {
             let m = tokio::time::timeout(API_TIMEOUT, answers.next())
                 .await
@@ -71,6 +75,17 @@ pub async fn read_on(
                 // The end of this batch; none at all past the last.
                 Some(204) => break,
                 Some(404) => return Ok(next),
+                Some(503) if got == 0 => {
+                    let since = *unanswered_since.get_or_insert_with(tokio::time::Instant::now);
+                    if since.elapsed() >= API_TIMEOUT {
+                        anyhow::bail!(
+                            "cannot read {stream}: no replica answered for {} s (503)",
+                            API_TIMEOUT.as_secs()
+                        );
+                    }
+                    again = true;
+                    break;
+                }
                 Some(code) => anyhow::bail!(
                     "cannot read {stream}: {code} {}",
                     m.description.as_deref().unwrap_or("")
@@ -102,6 +117,11 @@ pub async fn read_on(
                 return Ok(next);
             }
         }
+        if again {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        unanswered_since = None;
         if got < GET_BATCH {
             return Ok(next);
         }
