@@ -829,6 +829,128 @@ pub async fn down(dir: &Path, grace: Duration) -> anyhow::Result<Option<Vec<(Sta
     Ok(Some(report))
 }
 
+/// One stream of a mesh of several servers, as `oam mesh status` reports it: whether it has a
+/// leader (takes writes) and which servers' copies are current.
+#[derive(serde::Serialize, Clone, PartialEq, Debug)]
+pub struct StreamStatus {
+    pub name: String,
+    /// The server leading it; none: it takes no writes.
+    pub leader: Option<String>,
+    /// Copies it keeps, and how many are current (the leader's and followers caught up).
+    pub replicas: usize,
+    pub current: usize,
+    /// The servers whose copy is not, and why.
+    pub behind: Vec<String>,
+    pub healthy: bool,
+    pub detail: String,
+}
+
+/// A follower's copy is not current when the group holds it offline, it has not been heard
+/// from for this long (followers answer the leader's heartbeat every second; one catching up
+/// is heard from all the time), or not at all since the leader was elected.
+const SILENT_BEHIND: Duration = Duration::from_secs(3);
+
+/// How every stream of the mesh keeps its copies (asked as the admin; `None` when the mesh
+/// runs one server, whose streams keep one copy, or its credentials are not in `dir`).
+pub async fn stream_status(dir: &std::path::Path, rec: &MeshRecord) -> Option<Vec<StreamStatus>> {
+    use futures_util::TryStreamExt;
+    if rec.servers.len() < 2 {
+        return None;
+    }
+    let (creds, servers) = super::creds::load(dir)?;
+    let refused = crate::transport::connect::Refusal::default();
+    let admin = natsd::app_url(&servers, &creds);
+    let connect = crate::transport::connect::connect(&admin, "oam-mesh-status", false, &refused);
+    let nats = tokio::time::timeout(Duration::from_secs(2), connect)
+        .await
+        .ok()?
+        .ok()?;
+    let js = crate::transport::store::context(&nats);
+    let mut names: Vec<String> =
+        tokio::time::timeout(Duration::from_secs(2), js.stream_names().try_collect())
+            .await
+            .ok()?
+            .ok()?;
+    names.sort();
+    let js = &js;
+    let asked = names.iter().map(|name| {
+        let info = async move { js.get_stream(name).await.map(|s| s.cached_info().clone()) };
+        tokio::time::timeout(Duration::from_secs(2), info)
+    });
+    let infos = futures_util::future::join_all(asked).await;
+    let mut out = Vec::new();
+    for (name, info) in names.into_iter().zip(infos) {
+        out.push(match info {
+            Ok(Ok(info)) => stream_copies(&name, info.config.num_replicas, info.cluster),
+            _ => StreamStatus {
+                name: name.clone(),
+                leader: None,
+                replicas: 0,
+                current: 0,
+                behind: Vec::new(),
+                healthy: false,
+                detail: "does not answer: no leader, so fewer than a majority of its copies \
+                         are up; it takes no writes"
+                    .into(),
+            },
+        });
+    }
+    Some(out)
+}
+
+/// What a stream's cluster information says of its copies.
+fn stream_copies(
+    name: &str,
+    replicas: usize,
+    cluster: Option<async_nats::jetstream::stream::ClusterInfo>,
+) -> StreamStatus {
+    let cluster = cluster.unwrap_or_default();
+    let mut behind = Vec::new();
+    for r in &cluster.replicas {
+        if r.offline {
+            behind.push(format!("{} (offline)", r.name));
+        } else if r.active >= SILENT_BEHIND {
+            let lag = r
+                .lag
+                .map_or_else(String::new, |l| format!("{l} entries behind, "));
+            behind.push(format!("{} ({lag}silent {} s)", r.name, r.active.as_secs()));
+        } else if !r.current && r.active.is_zero() {
+            // Not heard from since this leader was elected.
+            behind.push(format!("{} (not heard from)", r.name));
+        }
+    }
+    let leader = cluster.leader.clone();
+    let current = usize::from(leader.is_some()) + cluster.replicas.len() - behind.len();
+    let majority = replicas / 2 + 1;
+    let detail = match (&leader, behind.is_empty()) {
+        (None, _) => "no leader: it takes no writes".to_string(),
+        (Some(l), true) => format!("led by {l}, {current} of {replicas} copies current"),
+        (Some(l), false) if current > majority => format!(
+            "led by {l}, {current} of {replicas} copies current; not: {}",
+            behind.join(", ")
+        ),
+        (Some(l), false) if current == majority => format!(
+            "led by {l}, {current} of {replicas} copies current, so the loss of one more server \
+             stops its writes; not: {}",
+            behind.join(", ")
+        ),
+        (Some(l), false) => format!(
+            "led by {l}, but only {current} of {replicas} copies current: it takes no writes \
+             until {majority} are; not: {}",
+            behind.join(", ")
+        ),
+    };
+    StreamStatus {
+        name: name.to_string(),
+        healthy: leader.is_some() && behind.is_empty(),
+        leader,
+        replicas,
+        current,
+        behind,
+        detail,
+    }
+}
+
 /// One process of a cluster, as `oam mesh status` reports it.
 #[derive(serde::Serialize, Clone, PartialEq, Debug)]
 pub struct ProcessStatus {
@@ -864,11 +986,16 @@ pub async fn status(rec: &MeshRecord) -> anyhow::Result<Vec<ProcessStatus>> {
     Ok(rows)
 }
 
+/// A server's disk with less free than this is said to be full: JetStream's writes there
+/// fail, and its copies of the streams fall behind.
+const DISK_LOW: u64 = 16 << 20;
+
 /// Whether a running process answers as it should, and what it says.
 async fn probe(http: &reqwest::Client, rec: &MeshRecord, p: &Started) -> (bool, String) {
     match p.name.as_str() {
         name if super::is_nats_server(name) => {
-            let addr = rec.servers.iter().find(|s| s.name == name).map_or_else(
+            let server = rec.servers.iter().find(|s| s.name == name);
+            let addr = server.map_or_else(
                 || std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 |s| std::net::SocketAddr::from((s.ip(), s.port)),
             );
@@ -878,10 +1005,19 @@ async fn probe(http: &reqwest::Client, rec: &MeshRecord, p: &Started) -> (bool, 
             )
             .await
             .is_ok_and(|c| c.is_ok());
-            if ok {
-                (true, "accepting connections".into())
-            } else {
-                (false, "not accepting connections".into())
+            if !ok {
+                return (false, "not accepting connections".into());
+            }
+            match server.and_then(|s| super::free_bytes(&s.dir.join("jetstream"))) {
+                Some(free) if free < DISK_LOW => (
+                    false,
+                    format!(
+                        "accepting connections, but its disk has {} KiB free: JetStream cannot \
+                         write its copies there; free space on it",
+                        free >> 10
+                    ),
+                ),
+                _ => (true, "accepting connections".into()),
             }
         }
         "monitor" => (true, "watching for deaths".into()),
@@ -911,5 +1047,77 @@ async fn probe(http: &reqwest::Client, rec: &MeshRecord, p: &Started) -> (bool, 
             }
             None => (false, "not answering".into()),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stream_copies;
+
+    fn cluster(leader: Option<&str>, replicas: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({"name": "oam", "leader": leader, "replicas": replicas})
+    }
+
+    fn copies(c: serde_json::Value) -> super::StreamStatus {
+        stream_copies("S", 3, Some(serde_json::from_value(c).unwrap()))
+    }
+
+    #[test]
+    fn a_stream_is_healthy_only_with_a_leader_and_every_copy_heard_from() {
+        let ok = copies(cluster(
+            Some("nats-1"),
+            serde_json::json!([
+                {"name": "nats-2", "current": true, "active": 200_000_000},
+                // Catching up, heard from a moment ago: not behind.
+                {"name": "nats-3", "current": false, "active": 300_000_000, "lag": 40}
+            ]),
+        ));
+        assert!(ok.healthy, "{ok:?}");
+        assert_eq!(ok.current, 3);
+        // A full disk: the copy there stopped, silent since.
+        let full = copies(cluster(
+            Some("nats-1"),
+            serde_json::json!([
+                {"name": "nats-2", "current": true, "active": 200_000_000},
+                {"name": "nats-3", "current": false, "active": 10_000_000_000u64, "lag": 14}
+            ]),
+        ));
+        assert!(!full.healthy);
+        assert_eq!(full.current, 2);
+        assert!(
+            full.detail
+                .contains("loss of one more server stops its writes"),
+            "{full:?}"
+        );
+        assert!(
+            full.detail
+                .contains("nats-3 (14 entries behind, silent 10 s)"),
+            "{full:?}"
+        );
+        // A server that died: not heard from since a new leader, or held offline.
+        let dead = copies(cluster(
+            Some("nats-3"),
+            serde_json::json!([
+                {"name": "nats-1", "current": true, "active": 50_000_000},
+                {"name": "nats-2", "current": false, "active": 0, "lag": 2}
+            ]),
+        ));
+        assert_eq!(dead.behind, ["nats-2 (not heard from)"]);
+        let offline = copies(cluster(
+            Some("nats-3"),
+            serde_json::json!([{"name": "nats-1", "current": false, "active": 0, "offline": true},
+                {"name": "nats-2", "current": false, "active": 0, "offline": true}]),
+        ));
+        assert_eq!(offline.current, 1);
+        assert!(
+            offline.detail.contains("takes no writes until 2 are"),
+            "{offline:?}"
+        );
+        // No leader: no writes.
+        let none = copies(cluster(None, serde_json::json!([])));
+        assert!(
+            !none.healthy && none.detail.contains("takes no writes"),
+            "{none:?}"
+        );
     }
 }

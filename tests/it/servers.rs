@@ -585,6 +585,159 @@ async fn an_agent_dying_with_the_server_leading_the_mesh_buckets_is_announced_in
     );
 }
 
+/// A small disk of its own for a folder (a tmpfs), taken away (lazily) on drop.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(at: &std::path::Path, size: &str) -> SmallDisk {
+        std::fs::create_dir_all(at).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "mounting a tmpfs needs root: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallDisk(at.to_path_buf())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .output();
+    }
+}
+
+/// `oam mesh status --json` of `cl`: its exit code and document.
+fn mesh_status(cl: &LocalCluster) -> (Option<i32>, Value) {
+    let out = cl
+        .oam()
+        .args(["mesh", "status", "--json", "--dir"])
+        .arg(&cl.dir.0)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
+    )
+}
+
+/// The stream `name` in a `mesh status` document.
+fn stream_in(status: &Value, name: &str) -> Value {
+    status["streams"]
+        .as_array()
+        .and_then(|all| all.iter().find(|s| s["name"] == name))
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+/// A full disk on one server stops its copies (the stream whose write failed there stops
+/// taking that server's copy) while the server accepts connections, and `oam mesh status`
+/// said only "accepting connections": the cluster no longer survived the loss of one more
+/// server, and nobody knew. It now says the disk is full and which streams run on two copies
+/// before the second fault, and after it, which take no writes.
+#[tokio::test]
+async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
+    let dir = crate::support::ClusterDir::new("servers-disk");
+    let disk = SmallDisk::mount(&dir.0.join("nats-3").join("jetstream"), "6m");
+    let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
+    let plan = oam::local::cluster::Plan {
+        servers: 3,
+        ..oam::local::cluster::Plan::any_ports(dir.0.clone(), 1, exe)
+    };
+    let record = match oam::local::cluster::up(&plan).await {
+        Ok(oam::local::cluster::Up::Started { record, .. }) => record,
+        other => panic!("the mesh did not start: {other:?}"),
+    };
+    let cl = LocalCluster { dir, record };
+    let (code, healthy) = mesh_status(&cl);
+    assert_eq!(
+        stream_in(&healthy, "OAM_DECISIONS_n1")["healthy"],
+        true,
+        "{healthy}"
+    );
+    // The log led from elsewhere, so its writes go on while nats-3's copy fails.
+    let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    let led = eventually(Duration::from_secs(20), || async {
+        if leader_of(&js, "OAM_DECISIONS_n1").await == "nats-1" {
+            return Some(());
+        }
+        let ask = json!({"placement": {"preferred": "nats-1"}}).to_string();
+        let _ = nc
+            .request(
+                "$JS.API.STREAM.LEADER.STEPDOWN.OAM_DECISIONS_n1",
+                ask.into(),
+            )
+            .await;
+        None
+    })
+    .await;
+    assert!(led.is_some(), "the log is not led from nats-1");
+    let junk = bytes::Bytes::from(vec![b'x'; 400 << 10]);
+    for _ in 0..30 {
+        let ack = js.publish(oam::transport::subjects::decision_log("n1"), junk.clone());
+        ack.await.unwrap().await.unwrap();
+    }
+    let told = eventually(Duration::from_secs(20), || async {
+        let (code, status) = mesh_status(&cl);
+        let log = stream_in(&status, "OAM_DECISIONS_n1");
+        let behind = log["behind"]
+            .as_array()?
+            .iter()
+            .any(|b| b.as_str().is_some_and(|b| b.starts_with("nats-3")));
+        (code == Some(1) && behind).then_some(status)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the full disk is not told (healthy was exit {code:?})"));
+    let log = stream_in(&told, "OAM_DECISIONS_n1");
+    assert!(
+        log["detail"]
+            .as_str()
+            .unwrap()
+            .contains("loss of one more server stops its writes"),
+        "{log}"
+    );
+    let nats3 = told["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "nats-3")
+        .unwrap()
+        .clone();
+    assert_eq!(nats3["healthy"], false, "{nats3}");
+    assert!(
+        nats3["detail"]
+            .as_str()
+            .unwrap()
+            .contains("free space on it"),
+        "{nats3}"
+    );
+
+    // The second fault: the log is down to one current copy of three, and is said to take no
+    // writes; the rest run on two.
+    assert!(oam::local::signal(cl.pid("nats-2"), libc::SIGKILL));
+    let after = eventually(Duration::from_secs(30), || async {
+        let (_, status) = mesh_status(&cl);
+        let log = stream_in(&status, "OAM_DECISIONS_n1");
+        log["detail"]
+            .as_str()?
+            .contains("takes no writes")
+            .then_some(status)
+    })
+    .await;
+    assert!(after.is_some(), "the log's lost majority is not told");
+    drop(disk);
+}
+
 /// A replica of `sdk.echo` as the monitor sees any Open Agent Mesh client serve it (a queue
 /// subscription on its subject; it answers nothing, so the test calls no one), on a plain
 /// NATS client given `servers` in order:

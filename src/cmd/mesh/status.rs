@@ -1,4 +1,5 @@
-//! `oam mesh status`: what is running and healthy (exit 1 if anything is not).
+//! `oam mesh status`: what is running and healthy, and on a mesh of several servers whether
+//! every stream keeps its copies (exit 1 if anything is not).
 
 use crate::error::{Error, Findings, Kind, Result};
 use crate::local::{MeshRecord, cluster};
@@ -29,13 +30,16 @@ pub async fn run(a: Args) -> Result<Findings> {
         ));
     };
     let rows = cluster::status(&rec).await.map_err(Error::failed)?;
-    let all_healthy = rows.iter().all(|r| r.healthy);
+    let streams = cluster::stream_status(&a.dir, &rec).await;
+    let sick: Vec<&cluster::StreamStatus> =
+        streams.iter().flatten().filter(|s| !s.healthy).collect();
+    let all_healthy = rows.iter().all(|r| r.healthy) && sick.is_empty();
     let mut out = std::io::stdout().lock();
     if a.json {
         writeln!(
             out,
             "{}",
-            serde_json::json!({"healthy": all_healthy, "processes": rows})
+            serde_json::json!({"healthy": all_healthy, "processes": rows, "streams": streams})
         )?;
     } else {
         let lines = rows.iter().map(|r| {
@@ -48,11 +52,32 @@ pub async fn run(a: Args) -> Result<Findings> {
         });
         let header = ["process", "pid", "endpoint", "status"];
         writeln!(out, "{}", crate::cmd::table(&header, lines, a.wide))?;
+        match &streams {
+            Some(all) if sick.is_empty() => writeln!(
+                out,
+                "\n{} streams, every copy current on every server",
+                all.len()
+            )?,
+            Some(_) => {
+                let lines = sick.iter().map(|s| vec![s.name.clone(), s.detail.clone()]);
+                writeln!(out)?;
+                writeln!(
+                    out,
+                    "{}",
+                    crate::cmd::table(&["stream", "copies"], lines, a.wide)
+                )?;
+            }
+            None => {}
+        }
     }
-    Ok(Findings::from_failures(
-        rows.iter()
-            .filter(|r| !r.healthy)
-            .map(|r| format!("{} (pid {}): {}", r.name, r.pid, r.detail))
-            .collect(),
-    ))
+    let mut failures: Vec<String> = rows
+        .iter()
+        .filter(|r| !r.healthy)
+        .map(|r| format!("{} (pid {}): {}", r.name, r.pid, r.detail))
+        .collect();
+    failures.extend(
+        sick.iter()
+            .map(|s| format!("stream {}: {}", s.name, s.detail)),
+    );
+    Ok(Findings::from_failures(failures))
 }
