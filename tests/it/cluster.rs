@@ -44,10 +44,10 @@ fn node(id: &str, nats_url: &str, sim_url: &str, extra: &[&str]) -> Proc {
 
 /// Three nodes on the configuration `toml` (in a folder of this test's, returned for it to
 /// remove), once every node sees the primary HEALTHY by quorum.
-async fn healthy_cluster_on(tag: &str, toml: &str) -> (Cluster, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!("oam-test-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("oam.toml");
+async fn healthy_cluster_on(tag: &str, toml: &str) -> (Cluster, crate::support::ClusterDir) {
+    let dir = crate::support::ClusterDir::new(tag);
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let cfg = dir.0.join("oam.toml");
     std::fs::write(&cfg, toml).unwrap();
     let cl = cluster(&["--config", cfg.to_str().unwrap()]).await;
     assert!(
@@ -1416,7 +1416,7 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
 
     // A restarted node remembers: the same high-risk work is refused at once.
     cl.nodes[0].kill();
-    let cfg = dir.join("oam.toml");
+    let cfg = dir.0.join("oam.toml");
     let n1 = node(
         "n1",
         &cl.nats.url(),
@@ -1755,7 +1755,7 @@ async fn a_node_killed_under_load_leaves_no_budget_to_spend_twice() {
         spent <= answered + 1e-9,
         "the ledger charged {spent}, answers cost {answered}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }
 
 /// `oam audit|explain ...` against this cluster's NATS: (exit code, stdout, stderr).
@@ -2012,7 +2012,7 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
             "{text}"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }
 
 #[tokio::test]
@@ -2076,7 +2076,7 @@ async fn a_durable_log_has_every_answer_a_killed_node_gave() {
         .filter(|id| !logged.contains(id.as_str()))
         .collect();
     assert!(missing.is_empty(), "answered but not logged: {missing:?}");
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }
 
 /// One limit of 100 requests a minute for an agent, held across three nodes: 1,000 requests
@@ -2130,7 +2130,7 @@ async fn a_rate_limit_holds_once_across_the_cluster() {
     }
     let (status, _, v) = ask(&c, &cl.urls[0], question("someone else")).await;
     assert_eq!(status, 200, "another caller is not limited: {v}");
-    let _ = std::fs::remove_dir_all(dir);
+    drop(dir);
 }
 
 /// Issue 26's figures. Three nodes and ten idle targets: each target is checked about once per
