@@ -223,20 +223,37 @@ pub(crate) fn with_oam_headers(
     }
     let reasons = h.get("x-oam-reasons").map(HeaderValue::as_bytes);
     let has = |code: &[u8]| reasons.is_some_and(|r| r.windows(code.len()).any(|w| w == code));
-    if has(b"RATE_LIMIT_EXCEEDED") {
+    // The official SDKs retry 408, 409, 429 and 5xx answers by themselves (twice by default)
+    // unless `x-should-retry` says otherwise. oam has already retried and fallen back as its
+    // policy says, so it tells them when a retry can help (and when: `Retry-After`) and when
+    // it cannot (every target of the route down or failing: the same answer again, and billed
+    // attempts).
+    let retry = if has(b"RATE_LIMIT_EXCEEDED") {
         // Over a rate limit: when the window that admits it again opens.
         let ms = crate::core::rates::retry_after_ms(crate::clock::now_ms());
-        h.insert(
-            axum::http::header::RETRY_AFTER,
-            HeaderValue::from(ms.div_ceil(1_000)),
-        );
+        Some(HeaderValue::from(ms.div_ceil(1_000)))
     } else if status == StatusCode::SERVICE_UNAVAILABLE
         && (phase_is_admission || has(b"LOCAL_RESOURCE_EXHAUSTED"))
     {
         // Full (a bulkhead, its queue) or short of descriptors: a moment later, or elsewhere.
+        Some(HeaderValue::from_static("1"))
+    } else {
+        None
+    };
+    let should_retry = match retry {
+        Some(after) => {
+            h.insert(axum::http::header::RETRY_AFTER, after);
+            Some("true")
+        }
+        None if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS => {
+            Some("false")
+        }
+        None => None,
+    };
+    if let Some(v) = should_retry {
         h.insert(
-            axum::http::header::RETRY_AFTER,
-            HeaderValue::from_static("1"),
+            HeaderName::from_static("x-should-retry"),
+            HeaderValue::from_static(v),
         );
     }
     resp
@@ -381,6 +398,7 @@ async fn read_body(
                 headers,
                 BadRequest {
                     param: None,
+                    not_found: false,
                     message: format!(
                         "the request body did not arrive within {} s",
                         super::server::BODY_TIMEOUT.as_secs()
@@ -433,6 +451,7 @@ pub(crate) fn too_large(node: &Arc<Node>, headers: &HeaderMap) -> Answer {
         headers,
         BadRequest {
             param: None,
+            not_found: false,
             message: format!(
                 "the request body is larger than this node accepts ({limit} bytes; \
                  node.max_body_bytes in oam.toml)"

@@ -99,9 +99,15 @@ pub(crate) fn authenticate<'a>(
     let why = match presented_key(h) {
         Some(key) => match node.cfg.client_with_key(key) {
             Some(id) => return Ok(Some(id)),
+            // Anthropic's clients send the key in `x-api-key` (read as a bearer key).
+            None if header(h, "x-api-key").is_some_and(|k| k.trim() == key) => {
+                "the key in the x-api-key header is not one this gateway knows"
+            }
             None => "the key in the Authorization header is not one this gateway knows",
         },
-        None => "this gateway needs an API key: send Authorization: Bearer <key>",
+        None => {
+            "this gateway needs an API key: send Authorization: Bearer <key> (or x-api-key: <key>)"
+        }
     };
     node.metrics.unauthorized();
     let mut a = bad_request(
@@ -110,6 +116,7 @@ pub(crate) fn authenticate<'a>(
         BadRequest {
             param: None,
             message: why.into(),
+            not_found: false,
         },
     );
     a.status = StatusCode::UNAUTHORIZED;
@@ -681,14 +688,19 @@ pub(crate) fn conclude(
 pub(crate) fn bad_request(node: &Node, headers: &HeaderMap, e: BadRequest) -> Answer {
     let request_id = header(headers, "x-request-id")
         .map_or_else(|| node.serving.next_request_id(&node.id), String::from);
+    let (status, code) = if e.not_found {
+        (StatusCode::NOT_FOUND, "model_not_found")
+    } else {
+        (StatusCode::BAD_REQUEST, "invalid_request")
+    };
     Answer {
         stream: false,
-        status: StatusCode::BAD_REQUEST,
+        status,
         body: json_bytes(&openai::error_body(
             &e.message,
             "invalid_request_error",
             e.param.as_deref(),
-            "invalid_request",
+            code,
         )),
         request_id,
         phase: "invalid".into(),

@@ -364,7 +364,7 @@ out["stream_oam"] = (chunks[-1].model_extra or {}).get("oam", {}).get("outcome")
 try:
     c.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     out["unknown_model"] = "accepted?!"
-except openai.BadRequestError as e:
+except openai.NotFoundError as e:
     out["unknown_model"] = e.status_code
 # A tool-calling agent's turn: everything oam does not interpret reaches the upstream as sent.
 tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
@@ -430,7 +430,7 @@ print(json.dumps(out))
     assert_eq!(v["stream_finish"], "stop", "{v}");
     assert_eq!(v["stream_oam"], "accepted", "{v}");
     assert_eq!(v["oam"]["outcome"], "accepted");
-    assert_eq!(v["unknown_model"], 400);
+    assert_eq!(v["unknown_model"], 404, "not found, as the vendors answer");
     // Passed through unchanged: every message shape, the tools, every parameter, unknown
     // fields; oam's own object stays with oam; the model is the upstream's.
     let up = &v["upstream"];

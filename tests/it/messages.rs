@@ -43,7 +43,7 @@ out["counted"] = [c.messages.count_tokens(model="small", messages=[{"role": "use
 try:
     c.messages.create(model="gpt-9", max_tokens=8, messages=hello)
     out["error"] = "answered"
-except anthropic.BadRequestError as e:
+except anthropic.NotFoundError as e:
     out["error"] = {"status": e.status_code, "body": e.body}
 print(json.dumps(out))
 "#;
@@ -114,9 +114,9 @@ print(json.dumps(out))
         counted[0] > 0 && counted[1] >= counted[0] + 400,
         "{counted:?}"
     );
-    assert_eq!(v["error"]["status"], 400, "{v}");
+    assert_eq!(v["error"]["status"], 404, "{v}");
     assert_eq!(v["error"]["body"]["type"], "error");
-    assert_eq!(v["error"]["body"]["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["body"]["error"]["type"], "not_found_error");
     assert!(
         v["error"]["body"]["error"]["message"]
             .as_str()

@@ -76,18 +76,22 @@ pub(crate) fn known_model(cfg: &NodeConfig, model: &str) -> bool {
     }
 }
 
-/// A request the node refuses before the pipeline runs (400): the parameter at fault (for the
-/// OpenAI error envelope's `param`), and why.
+/// A request the node refuses before the pipeline runs (400, or 404 for what it does not
+/// have): the parameter at fault (for the OpenAI error envelope's `param`), and why.
 #[derive(Debug)]
 pub(crate) struct BadRequest {
     pub param: Option<String>,
     pub message: String,
+    /// It names a model this node does not serve: 404, as both vendors answer
+    /// (`model_not_found`, `not_found_error`), which their SDKs do not retry.
+    pub not_found: bool,
 }
 
 pub(crate) fn bad(param: impl Into<String>, message: impl Into<String>) -> BadRequest {
     BadRequest {
         param: Some(param.into()),
         message: message.into(),
+        not_found: false,
     }
 }
 
@@ -216,13 +220,16 @@ impl Decoded {
             } else {
                 cfg.routes.iter().map(|r| r.model.as_str()).collect()
             };
-            return Err(bad(
-                "model",
-                format!(
-                    "unknown model {model:?}; this node serves {} (or send \"auto\")",
-                    known.join(", ")
-                ),
-            ));
+            return Err(BadRequest {
+                not_found: true,
+                ..bad(
+                    "model",
+                    format!(
+                        "unknown model {model:?}; this node serves {} (or send \"auto\")",
+                        known.join(", ")
+                    ),
+                )
+            });
         }
         let stream = self.stream;
         let tools = crate::node::tools::declared(self.tools.as_deref())?;
@@ -321,6 +328,7 @@ pub(crate) fn member<T: serde::de::DeserializeOwned>(
         BadRequest {
             param: Some(path),
             message,
+            not_found: false,
         }
     })
 }

@@ -106,6 +106,7 @@ impl ChatIn {
             BadRequest {
                 param: path,
                 message: format!("invalid chat completion request: {at}{e}"),
+                not_found: false,
             }
         };
         let Members {
