@@ -267,7 +267,9 @@ impl Target {
 
 /// Round a dollar amount to a nano-dollar.
 pub fn round_usd(usd: f64) -> f64 {
-    (usd * 1e9).round() / 1e9
+    // `+ 0.0` makes a negative zero (an empty sum of floats is one) plain zero, so JSON never
+    // says `-0.0`.
+    (usd * 1e9).round() / 1e9 + 0.0
 }
 
 /// A dollar amount as people read it, to `places` decimals: `$0.0020`. What rounds to zero is
@@ -554,7 +556,18 @@ impl<'de> Deserialize<'de> for Tools {
 
 #[cfg(test)]
 mod tests {
-    use super::dollars;
+    use super::{dollars, round_usd};
+
+    #[test]
+    fn amounts_have_no_negative_zero() {
+        let none: f64 = std::iter::empty::<f64>().sum();
+        assert!(none.is_sign_negative(), "an empty sum of floats is -0.0");
+        assert!(round_usd(none).is_sign_positive());
+        assert_eq!(serde_json::json!(round_usd(none)).to_string(), "0.0");
+        assert_eq!(round_usd(-0.000_000_000_1), 0.0);
+        assert!(round_usd(-0.000_000_000_1).is_sign_positive());
+        assert_eq!(round_usd(0.123_456_789_9), 0.123_456_79);
+    }
 
     #[test]
     fn dollars_never_show_a_negative_zero() {
