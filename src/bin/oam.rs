@@ -16,12 +16,14 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     // `oam watch` owns the terminal: log lines would land on its screen, so it logs nothing
-    // unless asked (OAM_LOG=... oam watch 2>file).
+    // unless asked (RUST_LOG=... oam watch 2>file). `OAM_LOG` says it for oam alone, before
+    // `RUST_LOG`.
     let default = match cli.command {
         oam::cli::Command::Watch(_) => "off",
         _ => "info,async_nats=warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("OAM_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt()
