@@ -298,7 +298,13 @@ async fn took(url: &str, admit: bool, ca: Option<&Path>) -> std::result::Result<
                 .add_root_certificates(ca.to_path_buf())
                 .require_tls(true);
         }
-        let tried = opts.connect(bare.as_str()).await;
+        // A refusal is what a revoke waits for: async-nats' own error line about it is not
+        // shown.
+        let tried = tracing::instrument::WithSubscriber::with_subscriber(
+            opts.connect(bare.as_str()),
+            tracing::subscriber::NoSubscriber::default(),
+        )
+        .await;
         let as_wanted = match &tried {
             Ok(_) => admit,
             Err(e) => !admit && e.to_string().to_ascii_lowercase().contains("authoriz"),
