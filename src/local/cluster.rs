@@ -120,8 +120,19 @@ pub enum Up {
 }
 
 /// Start the cluster `plan` describes and wait until every node sees every node. On failure,
-/// everything started is stopped again.
+/// everything started is stopped again, and a folder this call made is removed if nothing was
+/// written to it (what was, the servers' logs say why).
 pub async fn up(plan: &Plan) -> Result<Up, UpError> {
+    let fresh = !plan.dir.exists();
+    let result = up_in(plan).await;
+    if result.is_err() && fresh {
+        // Only an empty folder goes (`remove_dir` refuses any other).
+        let _ = std::fs::remove_dir(&plan.dir);
+    }
+    result
+}
+
+async fn up_in(plan: &Plan) -> Result<Up, UpError> {
     let plan_err = |e: anyhow::Error| UpError::Plan(e);
     std::fs::create_dir_all(&plan.dir)
         .map_err(|e| plan_err(anyhow::anyhow!("cannot create {}: {e}", plan.dir.display())))?;

