@@ -159,6 +159,7 @@ pub async fn run(a: Args) -> Result<Findings> {
         if full {
             header.push("provider");
         }
+        let reasons_at = header.len();
         header.push("reasons");
         if a.verify {
             header.push("replay");
@@ -194,13 +195,43 @@ pub async fn run(a: Args) -> Result<Findings> {
                 row
             })
             .collect();
-        writeln!(out, "{}", super::table(&header, rows, false))?;
+        let longest = rows
+            .iter()
+            .flat_map(|r| r[reasons_at].split(", "))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let mut t = super::table(&header, rows, false);
+        // A reason code is one word: the column is never narrower than the longest, so codes
+        // wrap between each other, never inside one.
+        if let Some(c) = t.column_mut(reasons_at) {
+            c.set_constraint(comfy_table::ColumnConstraint::LowerBoundary(
+                // (with the cell's padding, a space each side)
+                comfy_table::Width::Fixed(u16::try_from(longest + 2).unwrap_or(u16::MAX)),
+            ));
+        }
+        writeln!(out, "{t}")?;
+        // Read back from the newest, the log is read only until `--limit` records match: then
+        // how many more the window holds is not known.
+        let said = if picked.len() >= a.limit {
+            format!(
+                "the newest {} matching records of the last {} (--limit {}; older ones may \
+                 match too)",
+                picked.len(),
+                age(a.since),
+                a.limit
+            )
+        } else {
+            format!(
+                "{} of {} recorded in the last {}",
+                picked.len(),
+                total,
+                age(a.since)
+            )
+        };
         writeln!(
             out,
-            "{} of {} recorded in the last {}; `oam explain REQUEST_ID` tells one step by step",
-            picked.len(),
-            total,
-            age(a.since)
+            "{said}; `oam explain REQUEST_ID` tells one step by step"
         )?;
     }
     Ok(Findings::from_failures(

@@ -1945,6 +1945,36 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
         );
     }
 
+    // On an 80-column terminal: every reason code whole, and a footer that counts only what
+    // it knows (the log is read back only until `--limit` records match).
+    let text = |limit: &str| {
+        let out = assert_cmd::Command::cargo_bin("oam")
+            .unwrap()
+            .env("COLUMNS", "80")
+            .args(["audit", "--limit", limit, "--nats-url", &cl.nats.url()])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let out = text("5");
+    let codes: Vec<String> = all[all.len() - 1]["record"]["decision"]["reason_codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect();
+    assert!(!codes.is_empty());
+    for c in &codes {
+        assert!(out.contains(c.as_str()), "{c} whole in\n{out}");
+    }
+    assert!(out.contains("the newest 5 matching records"), "{out}");
+    let out = text("100000");
+    assert!(
+        out.contains(&format!("{} of {} recorded", all.len(), all.len())),
+        "{out}"
+    );
+
     // One decision, step by step.
     let (code, out, err) = oam_log(&cl.nats.url(), &["explain", &ids[2]]);
     assert_eq!(code, 0, "{err}");
