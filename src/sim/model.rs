@@ -594,3 +594,134 @@ mod tests {
         assert!(FaultMode::Error { status: 404 }.validate().is_err());
     }
 }
+
+/// What `by` writes after `prefill` (the start of an answer another target wrote, given as the
+/// assistant's last turn to continue): the JSON it began, completed (its open string, a value
+/// its last key awaits, a number cut short, then every open object and array closed), saying
+/// who continued it; after prose, a word of its own. A model that takes a prefill continues it;
+/// it does not start a new answer after it.
+pub(crate) fn continue_after(prefill: &str, by: &str) -> String {
+    if !prefill.trim_start().starts_with(['{', '[']) {
+        return format!(" (continued by {by})");
+    }
+    let mut open = Vec::new();
+    let (mut in_string, mut escaped, mut hex_left) = (false, false, 0u8);
+    // Whether the string open, or the last one closed, is an object's key.
+    let mut key = false;
+    let mut last = None;
+    // The number or literal (`null`, `true`, `false`) being written, outside strings.
+    let mut token = String::new();
+    for c in prefill.chars() {
+        if !in_string {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '+') {
+                token.push(c);
+            } else {
+                token.clear();
+            }
+        }
+        if in_string {
+            if hex_left > 0 {
+                hex_left -= 1;
+            } else if escaped {
+                escaped = false;
+                if c == 'u' {
+                    hex_left = 4;
+                }
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+                last = Some('"');
+            }
+            continue;
+        }
+        match c {
+            '"' => {
+                key = open.last() == Some(&'{') && matches!(last, Some('{' | ','));
+                in_string = true;
+            }
+            '{' | '[' => {
+                open.push(c);
+                last = Some(c);
+            }
+            '}' | ']' => {
+                open.pop();
+                last = Some(c);
+            }
+            c if c.is_whitespace() => {}
+            c => last = Some(c),
+        }
+    }
+    let said = format!("continued by {by}");
+    let mut out = String::new();
+    if in_string {
+        out.extend(std::iter::repeat_n('0', usize::from(hex_left)));
+        if escaped {
+            out.push('\\');
+        }
+        out.push_str(&if key {
+            format!("\":\"{said}\"")
+        } else {
+            format!(" ({said})\"")
+        });
+    } else {
+        match last {
+            Some(':') => out.push_str(&format!("\"{said}\"")),
+            Some(',') if open.last() == Some(&'{') => {
+                out.push_str(&format!("\"continued_by\":\"{by}\""));
+            }
+            Some(',') => out.push('0'),
+            Some('"') if key => out.push_str(&format!(":\"{said}\"")),
+            // A number cut after its point, sign or exponent.
+            _ if token.starts_with(|c: char| c.is_ascii_digit() || c == '-')
+                && token.ends_with(['.', '-', '+', 'e', 'E']) =>
+            {
+                out.push('0');
+            }
+            _ if !token.is_empty() => {
+                if let Some(rest) = ["null", "true", "false"]
+                    .iter()
+                    .find_map(|l| l.strip_prefix(token.as_str()))
+                {
+                    out.push_str(rest);
+                }
+            }
+            _ => {}
+        }
+    }
+    for o in open.iter().rev() {
+        out.push(if *o == '{' { '}' } else { ']' });
+    }
+    out
+}
+
+#[cfg(test)]
+mod continuing {
+    use super::continue_after;
+
+    #[test]
+    fn every_cut_of_an_answer_is_completed_into_json_by_its_continuation() {
+        let answers = [
+            r#"{"answer":"primary answer #168 to: hi","confidence":0.91}"#,
+            r#"{"answer":"a \"quoted\" \\ path \u00e9 é","items":[1,-2.5e3,{"k":"v"}],"n":null}"#,
+        ];
+        for answer in answers {
+            for (cut, _) in answer.char_indices().skip(1) {
+                let prefill = &answer[..cut];
+                let whole = format!("{prefill}{}", continue_after(prefill, "local"));
+                let v: serde_json::Value = serde_json::from_str(&whole)
+                    .unwrap_or_else(|e| panic!("{whole:?} after {prefill:?}: {e}"));
+                assert!(v.is_object(), "{whole}");
+            }
+        }
+        // The whole answer is left as it is, and a cut string says who went on.
+        assert_eq!(continue_after(answers[0], "local"), "");
+        let cut = r#"{"answer":"primary answer #1"#;
+        assert_eq!(continue_after(cut, "local"), r#" (continued by local)"}"#);
+        // Prose is continued with prose.
+        assert_eq!(
+            continue_after("Sure! The", "local"),
+            " (continued by local)"
+        );
+    }
+}

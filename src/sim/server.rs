@@ -620,6 +620,14 @@ async fn answer(sim: &Sim, provider_id: &str, req: ChatRequest, api: Speaks) -> 
             finish_reason,
         } => {
             pause(delay_ms).await;
+            // The assistant's last turn is a prefill (the start of an answer that was cut):
+            // continued, not answered afresh after it.
+            let content = match req.messages.last() {
+                Some(m) if m.role == "assistant" && !text_of(&m.content).is_empty() => {
+                    model::continue_after(&text_of(&m.content), provider_id)
+                }
+                _ => content,
+            };
             let created = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());

@@ -608,6 +608,15 @@ async fn a_stream_cut_mid_answer_is_continued_or_ends_with_an_error() {
     assert_eq!(prefill["role"], "assistant");
     let delivered = prefill["content"].as_str().unwrap();
     assert!(!delivered.is_empty() && seen.text().starts_with(delivered));
+    // ... and went on from it: one answer, not a second one spliced after the first's start.
+    let whole: Value =
+        serde_json::from_str(&seen.text()).unwrap_or_else(|e| panic!("{e}: {}", seen.text()));
+    assert!(
+        whole["answer"]
+            .as_str()
+            .is_some_and(|a| a.contains("continued by local")),
+        "{whole}"
+    );
     // Both targets, and both parts' usage and cost: the cut part (no usage of its own) at the
     // prompt's estimate (4 characters a token, 4 per message, 3 to start the reply) and the
     // text it delivered, at the primary's price; the rest as the continuation reported it.
