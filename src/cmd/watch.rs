@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Bus events waiting for the model; more are dropped and counted.
-pub const CHANNEL: usize = 10_000;
+pub(crate) const CHANNEL: usize = 10_000;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

@@ -145,7 +145,7 @@ impl BulkheadConfig {
     }
 
     /// Slots non-critical classes may hold together.
-    pub fn non_critical_cap(&self) -> u32 {
+    pub(crate) fn non_critical_cap(&self) -> u32 {
         self.global_limit.saturating_sub(self.critical.concurrency)
     }
 }
@@ -197,7 +197,7 @@ impl Bulkheads {
         }
     }
 
-    pub fn non_critical_active(&self) -> u32 {
+    pub(crate) fn non_critical_active(&self) -> u32 {
         self.normal.active + self.background.active
     }
 
@@ -236,7 +236,7 @@ impl Bulkheads {
     }
 
     /// Could a queued request of `class` take an active slot now?
-    pub fn can_start_queued(&self, class: Priority, cfg: &BulkheadConfig) -> bool {
+    pub(crate) fn can_start_queued(&self, class: Priority, cfg: &BulkheadConfig) -> bool {
         self.usage(class).queued > 0 && self.has_room(class, cfg)
     }
 

@@ -20,8 +20,8 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
-pub const DEFAULT_MIN_CONFIDENCE: f64 = 0.3;
-pub const DEFAULT_MAX_CHARS: usize = 16_000;
+pub(crate) const DEFAULT_MIN_CONFIDENCE: f64 = 0.3;
+pub(crate) const DEFAULT_MAX_CHARS: usize = 16_000;
 
 /// A JSON type a field must have.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]

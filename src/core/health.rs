@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
 /// Default rolling window.
-pub const DEFAULT_WINDOW_MS: u64 = 15_000;
+pub(crate) const DEFAULT_WINDOW_MS: u64 = 15_000;
 /// Memory bound for one window: at 1 probe/s plus heavy traffic this is still minutes of samples.
-pub const MAX_SAMPLES: usize = 4_096;
+pub(crate) const MAX_SAMPLES: usize = 4_096;
 /// Failures in a row that make an outage, and successes in a row that end it (see `Window`).
 pub const RECOVERY_STREAK: usize = 3;
 
@@ -116,11 +116,11 @@ pub struct Stats {
 
 /// Failures (or broken contracts) fewer than this never move a verdict: one among a few is
 /// noise, not a degraded target.
-pub const MIN_FAILURES: u32 = 2;
+pub(crate) const MIN_FAILURES: u32 = 2;
 /// Latency says DEGRADED only over at least this many samples (one slow call has no p95).
-pub const MIN_LATENCY_SAMPLES: u32 = 5;
+pub(crate) const MIN_LATENCY_SAMPLES: u32 = 5;
 /// A p95 above this is DEGRADED.
-pub const SLOW_MS: u64 = 1_500;
+pub(crate) const SLOW_MS: u64 = 1_500;
 
 impl Stats {
     /// Calls that got no answer.
@@ -129,7 +129,7 @@ impl Stats {
     }
 
     /// Answers that broke the contract.
-    pub fn contract_failures(&self) -> u32 {
+    pub(crate) fn contract_failures(&self) -> u32 {
         let answered = f64::from(self.samples) * self.availability;
         (answered * self.contract_failure_pct / 100.0).round() as u32
     }

@@ -66,7 +66,7 @@ pub struct Settled {
 
 /// How long a holder's last settlement is remembered: longer than any settlement is tried
 /// again.
-pub const SETTLED_KEPT_MS: u64 = 3_600_000;
+pub(crate) const SETTLED_KEPT_MS: u64 = 3_600_000;
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]

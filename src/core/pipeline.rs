@@ -153,7 +153,7 @@ pub struct State {
 }
 
 /// How long one escalation covers a target that refuses oam's credentials.
-pub const MISCONFIGURED_ESCALATION_MS: u64 = 600_000;
+pub(crate) const MISCONFIGURED_ESCALATION_MS: u64 = 600_000;
 
 /// A model name clients ask for, and who serves it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]

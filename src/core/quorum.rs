@@ -15,11 +15,11 @@ use super::wire::{Arrival, MAX_SKEW_MS};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
-pub const DEFAULT_HEARTBEAT_TTL_MS: u64 = 3_000;
-pub const DEFAULT_OBSERVATION_TTL_MS: u64 = 5_000;
+pub(crate) const DEFAULT_HEARTBEAT_TTL_MS: u64 = 3_000;
+pub(crate) const DEFAULT_OBSERVATION_TTL_MS: u64 = 5_000;
 /// Without a roster, a member silent this long gives up its seat to a new id (a node replaced
 /// under another name); long enough that no outage of a real member lets others take it.
-pub const SEAT_KEPT_MS: u64 = 60_000;
+pub(crate) const SEAT_KEPT_MS: u64 = 60_000;
 
 /// One node's view of one provider, as gossiped.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]

@@ -105,7 +105,7 @@ impl Engine {
 
     /// The state a call for `request` reads (its route's targets only: `scope`), and the
     /// escalation serial (part of escalation ids): what a record keeps before each call.
-    pub fn snapshot_for(&self, request: &Request) -> Snapshot {
+    pub(crate) fn snapshot_for(&self, request: &Request) -> Snapshot {
         let st = &self.state;
         let scope = self.scope(request);
         let (loops, budgets) = self.snapshot_for_parts(request, true, true);
@@ -515,7 +515,8 @@ impl Decided {
     }
 
     /// The decision to change (its JSON is written afresh when next asked for).
-    pub fn decision_mut(&mut self) -> &mut Decision {
+    #[cfg(test)]
+    pub(crate) fn decision_mut(&mut self) -> &mut Decision {
         self.json = std::sync::OnceLock::new();
         &mut self.decision
     }

@@ -25,7 +25,7 @@ use super::reason::ReasonCode;
 use serde::{Deserialize, Serialize};
 
 /// Scores this close to the best are treated as equal.
-pub const TIE_MARGIN: f64 = 5.0;
+pub(crate) const TIE_MARGIN: f64 = 5.0;
 
 /// The parts of a score, so a decision can show why.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]

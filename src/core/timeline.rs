@@ -20,12 +20,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// One entry in this many holds the whole state.
-pub const WHOLE_EVERY: u64 = 1_000;
+pub(crate) const WHOLE_EVERY: u64 = 1_000;
 /// ... and one at least this often.
-pub const WHOLE_EVERY_MS: u64 = 600_000;
+pub(crate) const WHOLE_EVERY_MS: u64 = 600_000;
 /// A whole state of more targets than this is written in parts of this many (each a message
 /// well under NATS' 1 MB payload: about 150 KB for 250 targets seen by three nodes).
-pub const WHOLE_PART_TARGETS: usize = 250;
+pub(crate) const WHOLE_PART_TARGETS: usize = 250;
 
 /// One version of the state: what changed since the version before, or (`whole`) all of it.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]

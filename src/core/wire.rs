@@ -69,7 +69,7 @@ impl Stamper {
 pub const MAX_SKEW_MS: u64 = 5_000;
 /// Sequence numbers a sender may skip beyond one per millisecond since its last event (events
 /// it dropped while cut off, say).
-pub const SEQ_SLACK: u64 = 10_000;
+pub(crate) const SEQ_SLACK: u64 = 10_000;
 
 /// What a receiver does with an event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,7 +84,7 @@ pub enum Arrival {
 
 /// Incarnations remembered per sender and stream: the live one, plus room for a restart and
 /// for whatever a forger claims, which therefore cannot shut the real one out.
-pub const INCARNATIONS_KEPT: usize = 4;
+pub(crate) const INCARNATIONS_KEPT: usize = 4;
 
 /// Remembers, per sender and stream, the newest seq applied in each recent incarnation, and when.
 #[derive(Clone, Debug, Default)]

@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Every password of the deployment (mode 0600), beside the hosts file.
-pub const SECRETS: &str = "secrets.json";
+pub(crate) const SECRETS: &str = "secrets.json";
 /// The certificates' folder beside the hosts file, when oam makes them.
-pub const TLS_DIR: &str = "tls";
+pub(crate) const TLS_DIR: &str = "tls";
 
 /// The hosts file.
 #[derive(Deserialize, Debug, Clone)]
@@ -319,7 +319,7 @@ impl Deployment {
         }
     }
 
-    pub fn secrets_path(&self) -> PathBuf {
+    pub(crate) fn secrets_path(&self) -> PathBuf {
         self.folder.join(SECRETS)
     }
 
@@ -753,7 +753,7 @@ async fn start_host(
 /// A deployment file that cannot be used: what is wrong with it.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct BadDeployment(pub String);
+pub(crate) struct BadDeployment(pub String);
 
 #[cfg(test)]
 mod tests {

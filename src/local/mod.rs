@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-pub const RECORD: &str = "mesh.json";
+pub(crate) const RECORD: &str = "mesh.json";
 /// Where a folder from before roles kept the application password every process shared.
 pub const CREDENTIALS: &str = "credentials.json";
 /// The admin and system-account URLs and every password (mode 0600): for `oam mesh up` and
@@ -242,7 +242,7 @@ impl NatsServer {
     }
 
     /// Where its clients reach it (`nats://127.0.0.1:4222`, `tls://10.0.0.2:4222`).
-    pub fn client_url(&self) -> String {
+    pub(crate) fn client_url(&self) -> String {
         let scheme = if self.tls.is_some() { "tls" } else { "nats" };
         let address = self.address.as_deref().unwrap_or("127.0.0.1");
         format!("{scheme}://{address}:{}", self.port)
@@ -460,7 +460,7 @@ pub fn find_cluster(
 }
 
 /// The environment variable naming a mesh's state folder.
-pub const ENV_DIR: &str = "OAM_DIR";
+pub(crate) const ENV_DIR: &str = "OAM_DIR";
 
 /// The state folder a command means: the flag, then `$OAM_DIR`, then `./.oam`.
 pub fn cluster_dir(flag: Option<&Path>) -> PathBuf {

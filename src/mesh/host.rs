@@ -76,8 +76,9 @@ impl Demo {
 }
 
 /// What a handler returns: the reply body, or an error code and message for the caller.
-pub type HandlerResult = Result<Bytes, (ErrorCode, String)>;
-pub type HandlerFuture = std::pin::Pin<Box<dyn std::future::Future<Output = HandlerResult> + Send>>;
+pub(crate) type HandlerResult = Result<Bytes, (ErrorCode, String)>;
+pub(crate) type HandlerFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = HandlerResult> + Send>>;
 
 /// What an instance does with a request: a demo, or your own function of the (JSON) request
 /// body.
@@ -597,7 +598,7 @@ pub async fn run(
 }
 
 /// How long a stopping instance waits for the requests in hand to finish.
-pub const DRAIN_WITHIN: Duration = Duration::from_secs(5);
+pub(crate) const DRAIN_WITHIN: Duration = Duration::from_secs(5);
 
 /// Leave gracefully, all of `instances` at once (a process's replicas): their records go, and
 /// for each agent none of whose instances is left elsewhere, one `graceful_shutdown` death notice
@@ -641,7 +642,7 @@ pub async fn leave(instances: &[Arc<Instance>]) {
 }
 
 /// How long leaving instances may take to deregister and announce their exit.
-pub const LEAVE_WITHIN: Duration = Duration::from_secs(2);
+pub(crate) const LEAVE_WITHIN: Duration = Duration::from_secs(2);
 
 /// A task that ends when its handle is dropped (so aborting `serve` also stops its heartbeats and
 /// lets the instance's connection close, like a crash).

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 /// How often heartbeats are expected, and how many may be missed before an instance is dead.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
-pub const MISSED_BEATS: u32 = 3;
+pub(crate) const MISSED_BEATS: u32 = 3;
 /// How often silent instances are looked for: what a death by missed heartbeats may be told
 /// late by, beyond `MISSED_BEATS` intervals.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
@@ -39,7 +39,7 @@ const FLUSH_WITHIN: Duration = Duration::from_secs(1);
 pub const MAX_INSTANCES_PER_AGENT: usize = 64;
 /// New instances one agent may start per second, once its first `MAX_INSTANCES_PER_AGENT`
 /// are used up.
-pub const NEW_INSTANCES_PER_S: f64 = 16.0;
+pub(crate) const NEW_INSTANCES_PER_S: f64 = 16.0;
 
 #[derive(Deserialize, Debug)]
 struct Advisory {

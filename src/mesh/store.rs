@@ -266,7 +266,7 @@ async fn put_instance(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> a
 /// The key of an instance's record or tombstone: `{instance_id}.{agent}`, so that an agent's
 /// NATS user may write its own instances' keys only (`*.{agent}`); just the id when the agent
 /// is not known (only the monitor writes those).
-pub fn record_key(instance_id: &str, agent: Option<&str>) -> String {
+pub(crate) fn record_key(instance_id: &str, agent: Option<&str>) -> String {
     match agent {
         Some(a) if !a.is_empty() => format!("{instance_id}.{a}"),
         _ => instance_id.to_string(),
@@ -405,7 +405,7 @@ pub async fn claim_tombstone(
 /// monitor may write; instance ids are never `dead`): claimed by whoever announces the agent's
 /// death (its last instance leaving, or a monitor), so the death is announced once however many
 /// of its instances go together. Its next registration removes it.
-pub fn agent_tombstone(agent: &str) -> String {
+pub(crate) fn agent_tombstone(agent: &str) -> String {
     format!("dead.{agent}")
 }
 

@@ -101,7 +101,7 @@ pub async fn reach_from(
 }
 
 /// A user name and its password.
-pub type UserPassword = (String, String);
+pub(crate) type UserPassword = (String, String);
 
 /// A server list that does not read: which entry, and why.
 #[derive(Debug, thiserror::Error)]

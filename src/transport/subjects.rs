@@ -4,7 +4,7 @@
 //! clients interoperate.
 
 /// Prefix of every control-plane subject.
-pub const PREFIX: &str = "oam.v1";
+pub(crate) const PREFIX: &str = "oam.v1";
 
 pub fn heartbeat(node: &str) -> String {
     format!("{PREFIX}.heartbeat.{node}")
@@ -200,7 +200,7 @@ pub fn may_read_shared(inbox: &str) -> bool {
 }
 
 /// The prefix of every agent's serving subject.
-pub const AGENT_PREFIX: &str = "mesh.agent.";
+pub(crate) const AGENT_PREFIX: &str = "mesh.agent.";
 /// Where agent `name` serves (request/reply).
 pub fn agent(name: &str) -> String {
     format!("{AGENT_PREFIX}{name}")

@@ -25,7 +25,7 @@ const RECORD_BYTES: usize = 4 * 1024;
 /// One message of the log: records decided under one configuration, or entries of the node's
 /// state timeline (`core::timeline`), which come before the records that name them.
 #[derive(Serialize, Deserialize, Debug)]
-pub struct Batch {
+pub(crate) struct Batch {
     pub node: String,
     /// The node's run (one engine's life): state versions count within it.
     #[serde(default)]

@@ -307,7 +307,7 @@ pub fn token(id: &str) -> String {
 /// How long any JetStream request may wait for its answer. async-nats gives them no bound of
 /// their own, and oam's connections set none (callers bound their own requests): a request
 /// lost with a server that died would be waited for without end.
-pub const API_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const API_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The JetStream context every store of oam's is opened with: each request bounded by
 /// `API_TIMEOUT` (the buckets and streams opened from it inherit it).
