@@ -371,6 +371,12 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// The target of `session`'s attempt dispatched and not yet reported.
+    pub fn dispatched_to(&self, session: &Session) -> Option<&str> {
+        let p = session.pending.as_ref()?;
+        self.state.providers.get(p.provider).map(|t| &*t.id)
+    }
+
     pub fn new(config: Config, state: State) -> Self {
         Engine {
             config,

@@ -441,6 +441,44 @@ pub struct ProviderSnapshot {
     /// This node's own window (`None` when it keeps none).
     pub local: Option<Stats>,
     pub breaker: Breaker,
+    /// Why it last failed, as this node saw it (a probe's or a request's call).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<LastFailure>,
+}
+
+/// A target's last failed call as a node saw it: what answered (or did not), when, and how many
+/// of its calls have failed since the last that worked.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct LastFailure {
+    pub at_ms: u64,
+    /// `probe` or `request`.
+    pub by: String,
+    pub status: super::request::GenerationStatus,
+    /// What the upstream said (`HTTP 401 Unauthorized Incorrect API key ...`), or why it could
+    /// not be reached; at most 300 characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Calls failed since the last that worked (0: it works again).
+    pub failing: u64,
+}
+
+impl LastFailure {
+    /// `probe: HTTP 401 Unauthorized Incorrect API key (3 failing, 40 s ago)`, at `now_ms`.
+    pub fn said(&self, now_ms: u64) -> String {
+        let what = self
+            .error
+            .clone()
+            .unwrap_or_else(|| format!("{:?}", self.status).to_lowercase());
+        let ago = now_ms.saturating_sub(self.at_ms) / 1_000;
+        if self.failing == 0 {
+            format!("{}: {what} ({ago} s ago; it works again)", self.by)
+        } else {
+            format!(
+                "{}: {what} ({} failing, {ago} s ago)",
+                self.by, self.failing
+            )
+        }
+    }
 }
 
 /// Messages from the bus a node refused to apply, by why.

@@ -1054,7 +1054,34 @@ async fn probe(http: &reqwest::Client, rec: &MeshRecord, p: &Started) -> (bool, 
                         .collect();
                     return (false, format!("{live} live nodes; {}", faults.join("; ")));
                 }
-                (true, format!("{live} live nodes; {}", verdicts.join(" ")))
+                // Why a target is down, as this node last saw it fail.
+                let why: Vec<String> = s
+                    .providers
+                    .iter()
+                    .filter(|p| p.consensus.verdict != crate::core::health::Verdict::Healthy)
+                    .filter_map(|p| {
+                        let f = p.last_failure.as_ref().filter(|f| f.failing > 0)?;
+                        Some(format!("{}: {}", p.id, f.said(s.now_ms)))
+                    })
+                    .collect();
+                let said = if why.is_empty() {
+                    format!("{live} live nodes; {}", verdicts.join(" "))
+                } else {
+                    format!(
+                        "{live} live nodes; {}; {}",
+                        verdicts.join(" "),
+                        why.join("; ")
+                    )
+                };
+                // Every target down: nothing this node is asked can be answered.
+                let none_answers = !s.providers.is_empty()
+                    && s.providers
+                        .iter()
+                        .all(|p| p.consensus.verdict == crate::core::health::Verdict::Unhealthy);
+                if none_answers {
+                    return (false, format!("no target answers; {said}"));
+                }
+                (true, said)
             }
             None => (false, "not answering".into()),
         },

@@ -63,6 +63,8 @@ pub(crate) struct Health {
     bus: Arc<Bus>,
     /// What this node's probes were and cost.
     pub probes: Arc<ProbeBook>,
+    /// Each target's last failed call, and how many have failed since one worked.
+    failures: Mutex<BTreeMap<String, crate::core::wire::LastFailure>>,
 }
 
 /// How often idle targets are probed: every `every` ms, and every `quick` ms while one
@@ -298,7 +300,31 @@ impl Health {
             pipeline,
             bus,
             probes: Arc::default(),
+            failures: Mutex::default(),
         }
+    }
+
+    /// A call to `target` by `by` (`probe`, `request`) failed with `g`: kept as its last
+    /// failure, said in the node's snapshot and `oam mesh status`.
+    pub(crate) fn failed(&self, target: &str, by: &str, g: &crate::core::request::Generation) {
+        let mut all = lock(&self.failures);
+        let failing = all.get(target).map_or(0, |f| f.failing) + 1;
+        let error = g.error.as_ref().map(|e| e.chars().take(300).collect());
+        all.insert(
+            target.to_string(),
+            crate::core::wire::LastFailure {
+                at_ms: now_ms(),
+                by: by.to_string(),
+                status: g.status,
+                error,
+                failing,
+            },
+        );
+    }
+
+    /// `target`'s last failure (its `failing` count 0 once a call worked since).
+    pub(crate) fn last_failure(&self, target: &str) -> Option<crate::core::wire::LastFailure> {
+        lock(&self.failures).get(target).cloned()
     }
 
     /// A health sample from real traffic.
@@ -311,6 +337,11 @@ impl Health {
 
     /// A sample into the target's window.
     fn record(&self, target: &str, source: Evidence, outcome: Outcome, latency_ms: u64) {
+        if outcome == Outcome::Success
+            && let Some(f) = lock(&self.failures).get_mut(target)
+        {
+            f.failing = 0;
+        }
         if let Some(w) = lock(&self.windows).get_mut(target) {
             w.record(now_ms(), source, outcome, latency_ms);
         }
@@ -702,6 +733,11 @@ impl Prober {
             node.health.probes.spent(now_ms(), usd);
             if (usd - charged).abs() > 1e-9 {
                 let _ = self.settle(usd - charged).await;
+            }
+        }
+        if g.status != GenerationStatus::Ok {
+            for id in ids {
+                node.health.failed(id, "probe", &g);
             }
         }
         if g.status == GenerationStatus::RateLimited {

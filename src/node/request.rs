@@ -203,6 +203,7 @@ impl Flight {
         if let (Some(t), Call::Complete { generation }) = (self.trace.as_mut(), &call) {
             t.completed(generation, self.node.otlp.content());
         }
+
         let now = now_ms();
         let Flight {
             node,
@@ -214,6 +215,15 @@ impl Flight {
             if let Some(r) = recorder.as_mut() {
                 r.call(e, &call, now);
                 node.log.timeline(e);
+            }
+            // A failed call is the target's last failure (one that refused the request itself
+            // says nothing of the target).
+            if let Call::Complete { generation: g } = &call
+                && g.status != GenerationStatus::Ok
+                && !g.status.says_nothing_of_target()
+                && let Some(target) = e.dispatched_to(session)
+            {
+                node.health.failed(target, "request", g);
             }
             e.apply(session, call, now)
         });
@@ -733,6 +743,34 @@ pub(crate) fn publish_decision(node: &Node, d: std::sync::Arc<crate::core::recor
     node.bus.decided(d);
 }
 
+/// For a request refused because no target could take it: why each target it weighed last
+/// failed (`primary/gpt: probe: HTTP 401 ... (3 failing, 40 s ago)`), as this node saw it.
+fn why_down(node: &Node, d: &Decision) -> Vec<String> {
+    if d.outcome == crate::core::decision::DecisionOutcome::Accepted
+        || !matches!(
+            d.phase,
+            crate::core::reason::Phase::Routing | crate::core::reason::Phase::Breaker
+        )
+    {
+        return Vec::new();
+    }
+    let now = now_ms();
+    let mut weighed: Vec<&str> = d
+        .attempts
+        .iter()
+        .flat_map(|a| a.candidates.iter().map(|c| &*c.provider))
+        .collect();
+    weighed.sort_unstable();
+    weighed.dedup();
+    weighed
+        .into_iter()
+        .filter_map(|t| {
+            let f = node.health.last_failure(t).filter(|f| f.failing > 0)?;
+            Some(format!("{t}: {}", f.said(now)))
+        })
+        .collect()
+}
+
 pub(crate) fn respond(node: &Node, d: &Decision, last: Option<super::exchange::Attempt>) -> Answer {
     let target = d.provider.as_deref().unwrap_or("").to_string();
     let model = node
@@ -741,7 +779,7 @@ pub(crate) fn respond(node: &Node, d: &Decision, last: Option<super::exchange::A
         .iter()
         .find(|t| t.id == target)
         .map_or("", |t| t.model.as_str());
-    let (status, body) = openai::answer(d, last, model);
+    let (status, body) = openai::answer(d, last, model, &why_down(node, d));
     let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
     Answer {
         stream: false,

@@ -82,6 +82,7 @@ pub(crate) fn snapshot(node: &Node) -> NodeSnapshot {
             consensus: c.view(&p.id, now),
             local: local.get(&*p.id).copied(),
             breaker: breaker_now(e.state.breakers.get(&*p.id).copied(), now),
+            last_failure: node.health.last_failure(&p.id),
         })
         .collect();
     let count = |a: &AtomicU64| a.load(Ordering::Relaxed);

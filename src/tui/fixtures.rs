@@ -37,6 +37,7 @@ pub(crate) fn provider(
         },
         local: None,
         breaker,
+        last_failure: None,
     }
 }
 

@@ -896,3 +896,111 @@ async fn a_mesh_runs_on_the_users_configuration() {
     assert_eq!(chaos.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&chaos.stderr).contains("no simulator"));
 }
+
+/// An upstream that refuses oam's key: every target UNHEALTHY, every call 503, and nothing said
+/// why (no error, no `/v1/oam/state`, no `mesh status`, exit 0). The 401 is now said where a
+/// user looks: `mesh status` names the target and what the upstream said (exit 1), the node's
+/// state keeps it, and the refused caller's body names it.
+#[tokio::test]
+async fn an_upstream_refusing_the_key_is_said_where_users_look() {
+    let app = axum::Router::new().fallback(|| async {
+        (
+            axum::http::StatusCode::UNAUTHORIZED,
+            [("content-type", "application/json")],
+            r#"{"error":{"message":"Incorrect API key provided: sk-ab***cd.","type":"invalid_request_error","code":"invalid_api_key"}}"#,
+        )
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let dir = Dir::new("mesh-401");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let config = dir.0.join("oam.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[provider]]\nid = \"gpt\"\nbase_url = \"{upstream}\"\nmodel = \"gpt-4o-mini\"\n\
+             probe = \"models\"\n"
+        ),
+    )
+    .unwrap();
+    let out = oam()
+        .args([
+            "mesh",
+            "up",
+            "--nodes",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--json",
+        ])
+        .arg("--config")
+        .arg(&config)
+        .arg("--dir")
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node = json(&out.stdout)["nodes"][0]["http"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let status = || {
+        let out = oam()
+            .args(["mesh", "status", "--json", "--dir"])
+            .arg(&dir.0)
+            .output()
+            .unwrap();
+        (out.status.code(), json(&out.stdout))
+    };
+    let told = crate::support::eventually(Duration::from_secs(20), || async {
+        let (code, doc) = status();
+        let n1 = doc["processes"]
+            .as_array()?
+            .iter()
+            .find(|p| p["name"] == "n1")?
+            .clone();
+        let detail = n1["detail"].as_str()?.to_string();
+        (code == Some(1) && detail.contains("gpt: probe: HTTP 401")).then_some(detail)
+    })
+    .await;
+    let detail = told.expect("mesh status names the target and its 401");
+    assert!(detail.contains("Incorrect API key"), "{detail}");
+    assert!(detail.contains("no target answers"), "{detail}");
+    // The node's own state keeps it.
+    let c = crate::support::http(Duration::from_secs(10));
+    let state: Value = c
+        .get(format!("{node}/v1/oam/state"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let gpt = &state["providers"][0];
+    assert_eq!(gpt["last_failure"]["status"], "unauthorized", "{gpt}");
+    assert!(
+        gpt["last_failure"]["failing"].as_u64().unwrap() >= 1,
+        "{gpt}"
+    );
+    // The caller is refused with the why.
+    let r = c
+        .post(format!("{node}/v1/chat/completions"))
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    let body: Value = r.json().await.unwrap();
+    let said = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        said.contains("NO_PROVIDER_AVAILABLE") && said.contains("gpt: probe: HTTP 401"),
+        "{body}"
+    );
+}

@@ -322,11 +322,13 @@ pub(crate) fn json_bytes(v: &impl serde::Serialize) -> bytes::Bytes {
 
 /// The answer to decision `d` as an OpenAI client reads it: its status and body. `last` is the
 /// last call made (its upstream answer is passed on as it came when accepted, or when it is a
-/// content-policy refusal); `model` is the decided target's model.
+/// content-policy refusal); `model` is the decided target's model; `why` says why the targets
+/// weighed are down, for a refusal.
 pub(crate) fn answer(
     d: &Decision,
     last: Option<Attempt>,
     model: &str,
+    why: &[String],
 ) -> (StatusCode, bytes::Bytes) {
     let status = status_for(d);
     let accepted = d.outcome == DecisionOutcome::Accepted;
@@ -399,6 +401,9 @@ pub(crate) fn answer(
         );
         if let Some(sf) = &d.shortfall {
             message = format!("{message} ({})", sf.describe());
+        }
+        if !why.is_empty() {
+            message = format!("{message}; last failures: {}", why.join("; "));
         }
         let kind = if status.is_server_error() {
             "server_error"
@@ -711,7 +716,7 @@ mod tests {
         let mut d = decision("rejected", "admission");
         d.phase = Phase::Budget;
         d.reason_codes = vec![ReasonCode::BudgetExhausted];
-        let (status, body) = answer(&d, None, "m");
+        let (status, body) = answer(&d, None, "m", &[]);
         assert_eq!(status.as_u16(), 402);
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["error"]["code"], json!("BUDGET_EXHAUSTED"));
@@ -726,7 +731,7 @@ mod tests {
             remaining_usd: 0.002,
             limit_usd: 0.002,
         });
-        let v: Value = serde_json::from_slice(&answer(&d, None, "m").1).unwrap();
+        let v: Value = serde_json::from_slice(&answer(&d, None, "m", &[]).1).unwrap();
         let message = v["error"]["message"].as_str().unwrap();
         assert!(
             message.ends_with(
@@ -747,7 +752,7 @@ mod tests {
         let mut g = crate::core::request::Generation::ok("hello", 3);
         g.finish_reason = Some("length".into());
         let last = Attempt::from(g);
-        let (status, body) = answer(&d, Some(last), "m");
+        let (status, body) = answer(&d, Some(last), "m", &[]);
         assert_eq!(status.as_u16(), 200);
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["object"], json!("chat.completion"));

@@ -159,13 +159,28 @@ impl Endpoint {
         let started = Instant::now();
         let req = self.request(reqwest::Method::GET, &self.models_url);
         let result = tokio::time::timeout(timeout, req.send()).await;
-        let status = match result {
-            Err(_) => GenerationStatus::Timeout,
-            Ok(Err(_)) => GenerationStatus::Error,
-            Ok(Ok(r)) if r.status().is_success() => GenerationStatus::Ok,
-            Ok(Ok(_)) => GenerationStatus::Error,
+        let failed = |status, error: String| Generation {
+            error: Some(error),
+            ..Generation::failed(status, ms_since(started))
         };
-        Generation::failed(status, ms_since(started))
+        match result {
+            Err(_) => failed(
+                GenerationStatus::Timeout,
+                format!("no answer within {} ms", timeout.as_millis()),
+            ),
+            // The chain says why (a DNS failure, a refused connection, TLS).
+            Ok(Err(e)) => failed(GenerationStatus::Error, error_chain(&e)),
+            Ok(Ok(r)) if r.status().is_success() => Generation::ok("", ms_since(started)),
+            Ok(Ok(r)) => {
+                let (status, headers) = (r.status(), r.headers().clone());
+                let body = tokio::time::timeout(timeout, r.bytes()).await;
+                let body = body.ok().and_then(Result::ok).unwrap_or_default();
+                judge_failure(status, &headers, &body, ms_since(started)).map_or_else(
+                    || failed(GenerationStatus::Error, format!("HTTP {status}")),
+                    |a| a.generation,
+                )
+            }
+        }
     }
 }
 
