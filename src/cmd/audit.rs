@@ -45,26 +45,20 @@ pub enum OutcomeArg {
     Escalated,
 }
 
-/// `30m`, `2h`, `7d`, `90s` (a bare number is minutes) as milliseconds.
+/// An age, `30m`, `2h`, `7d`, `90s` (the one duration parser, `date::parse_span`), as
+/// milliseconds. A bare number is refused: it meant minutes here once, and seconds everywhere
+/// else.
 pub fn parse_age(s: &str) -> std::result::Result<u64, super::BadValue> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (n, unit) = t.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?} is not an age; use e.g. 30m, 2h or 7d"))?;
-    let ms = match unit {
-        "s" => 1_000,
-        "" | "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => {
-            return Err(super::BadValue(format!(
-                "{s:?}: the unit must be s, m, h or d"
-            )));
-        }
-    };
-    Ok(n * ms)
+    if !s.trim().is_empty() && s.trim().chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return Err(super::BadValue(format!(
+            "{s:?}: give a unit, e.g. {}m, {}h or {}d",
+            s.trim(),
+            s.trim(),
+            s.trim()
+        )));
+    }
+    let d = crate::core::date::parse_span(s).map_err(|e| e.to_string())?;
+    Ok(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Read the log from `since_ms` ago (as a viewer), keeping what `keep` wants: those records,
@@ -265,4 +259,17 @@ impl Replay {
 /// A short age: 12s, 5m, 3h, 2d.
 pub fn age(ms: u64) -> String {
     crate::transport::store::decisions::human(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_age_needs_its_unit() {
+        assert_eq!(super::parse_age("90s").unwrap(), 90_000);
+        assert_eq!(super::parse_age("2h").unwrap(), 7_200_000);
+        assert_eq!(super::parse_age("7d").unwrap(), 7 * 86_400_000);
+        let bare = super::parse_age("30").unwrap_err().0;
+        assert!(bare.contains("give a unit, e.g. 30m"), "{bare}");
+        assert!(super::parse_age("soon").is_err());
+    }
 }

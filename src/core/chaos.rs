@@ -296,39 +296,16 @@ impl NodeCommand {
     }
 }
 
-/// Why a text is no fault duration.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum DurationError {
-    #[error("{0:?} is not a duration; use e.g. 30s, 500ms, 2m or 1h")]
-    NotANumber(String),
-    #[error("{0:?}: the unit must be ms, s, m or h")]
-    Unit(String),
-    #[error("{0:?}: use a duration between 1 ms and 24 h")]
-    OutOfRange(String),
-}
+pub use super::date::DurationError;
 
-/// Parse a duration like `30s`, `500ms`, `2m`, `1h` or `1.5s` (a bare number is seconds).
+/// A fault's or a scenario's duration (`30s`, `500ms`, `2m`, `1h`, `1.5`: `date::parse_span`),
+/// at most 24 h.
 pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
-    let t = s.trim();
-    let (num, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
-        Some(i) => t.split_at(i),
-        None => (t, "s"),
-    };
-    let n: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| DurationError::NotANumber(s.to_string()))?;
-    let secs = match unit {
-        "ms" => n / 1_000.0,
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3_600.0,
-        _ => return Err(DurationError::Unit(s.to_string())),
-    };
-    if !(secs.is_finite() && secs > 0.0 && secs <= 24.0 * 3_600.0) {
-        return Err(DurationError::OutOfRange(s.to_string()));
+    let d = super::date::parse_span(s)?;
+    if d > Duration::from_secs(24 * 3_600) {
+        return Err(DurationError::OutOfRange(s.to_string(), "24 h"));
     }
-    Duration::try_from_secs_f64(secs).map_err(|_| DurationError::OutOfRange(s.to_string()))
+    Ok(d)
 }
 
 #[cfg(test)]
@@ -372,7 +349,10 @@ mod tests {
         let soon = parse_duration("soon").unwrap_err();
         assert!(soon.to_string().contains("not a duration"), "{soon}");
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7_200)));
-        assert_eq!(parse_duration("3d"), Err(DurationError::Unit("3d".into())));
+        assert_eq!(
+            parse_duration("3d"),
+            Err(DurationError::OutOfRange("3d".into(), "24 h"))
+        );
         let long = parse_duration("25h").unwrap_err();
         assert!(long.to_string().contains("24 h"), "{long}");
         assert!(parse_duration("0s").is_err() && parse_duration("-1s").is_err());

@@ -1,5 +1,46 @@
 //! UTC calendar dates and RFC 3339 stamps of given times (seconds since the epoch), without a
-//! date library: what logs, registry entries and the probe budget's day keys print.
+//! date library: what logs, registry entries and the probe budget's day keys print; and the
+//! one parser of durations every flag and file uses.
+
+/// Why a text is no duration.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DurationError {
+    #[error("{0:?} is not a duration; use e.g. 30s, 500ms, 2m, 1h or 7d")]
+    NotANumber(String),
+    #[error("{0:?}: the unit must be ms, s, m, h or d")]
+    Unit(String),
+    /// Too long, or not above zero, for its use (whose longest it names).
+    #[error("{0:?}: use a duration above 0 and at most {1}")]
+    OutOfRange(String, &'static str),
+}
+
+/// A duration like `30s`, `500ms`, `2m`, `1h`, `7d` or `1.5s`; a bare number is seconds, as in
+/// every flag that takes one (`--for`, `--timeout`). Above zero, at most a year.
+pub fn parse_span(s: &str) -> Result<std::time::Duration, DurationError> {
+    let t = s.trim();
+    let (num, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => t.split_at(i),
+        None => (t, "s"),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| DurationError::NotANumber(s.to_string()))?;
+    let secs = match unit {
+        "ms" => n / 1_000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3_600.0,
+        "d" => n * 86_400.0,
+        _ => return Err(DurationError::Unit(s.to_string())),
+    };
+    let year = 366.0 * 86_400.0;
+    if !(secs.is_finite() && secs > 0.0 && secs <= year) {
+        return Err(DurationError::OutOfRange(s.to_string(), "366 d"));
+    }
+    std::time::Duration::try_from_secs_f64(secs)
+        .map_err(|_| DurationError::OutOfRange(s.to_string(), "366 d"))
+}
 
 /// RFC 3339 UTC timestamp of `secs`, seconds precision.
 pub fn rfc3339(secs: u64) -> String {
@@ -46,5 +87,17 @@ mod tests {
         assert_eq!(utc_date(0), "1970-01-01");
         assert_eq!(utc_date(1_796_255_999), "2026-12-02");
         assert_eq!(utc_date(1_796_256_000), "2026-12-03");
+    }
+
+    #[test]
+    fn one_parser_reads_every_duration_and_a_bare_number_is_seconds() {
+        use std::time::Duration;
+        assert_eq!(super::parse_span("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(super::parse_span("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(super::parse_span("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(super::parse_span(" 1.5h "), Ok(Duration::from_secs(5_400)));
+        let unit = super::parse_span("3w").unwrap_err();
+        assert!(unit.to_string().contains("ms, s, m, h or d"), "{unit}");
+        assert!(super::parse_span("0s").is_err() && super::parse_span("400d").is_err());
     }
 }
