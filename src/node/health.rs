@@ -50,6 +50,27 @@ struct Clocks {
     probe: AtomicU64,
     billed: AtomicU64,
     quiet_until: AtomicU64,
+    /// Billed confirmations in a row that found it failing (each doubles the wait for the
+    /// next: `confirm_every`).
+    confirms_failed: std::sync::atomic::AtomicU32,
+}
+
+/// The longest wait between billed confirmations of a target that keeps failing: one a minute
+/// at most, for as long as it fails (it was one an interval, 86,400 a day).
+pub(crate) const CONFIRM_MAX_MS: u64 = 60_000;
+
+/// Billed confirmations a failing target gets at the probe interval before they back off: a
+/// short outage (about this many intervals) is seen to end as fast as before.
+pub(crate) const CONFIRM_QUICK: u32 = 10;
+
+/// How long between billed confirmations of a target whose last `failed` ones found it
+/// failing: the probe interval for the first `CONFIRM_QUICK`, then doubled after each, to at
+/// most `CONFIRM_MAX_MS`.
+pub(crate) fn confirm_every(every: u64, failed: u32) -> u64 {
+    let doublings = failed.saturating_sub(CONFIRM_QUICK - 1).min(16);
+    every
+        .saturating_mul(1u64 << doublings)
+        .min(CONFIRM_MAX_MS.max(every))
 }
 
 pub(crate) struct Health {
@@ -506,7 +527,17 @@ impl Health {
         // most per recovery), so a recovery is judged in a fraction of a second, not three
         // intervals.
         let due = if check == Check::Confirm {
-            schedule.due(now, traffic, c.billed.load(Ordering::Relaxed), recovering)
+            // An upstream that refuses oam's credentials is not asked again and again, billed:
+            // its configuration must change first (its free checks, and traffic, go on).
+            let refused = lock(&self.failures)
+                .get(target)
+                .is_some_and(|f| f.failing > 0 && f.status == GenerationStatus::Unauthorized);
+            let failed = c.confirms_failed.load(Ordering::Relaxed);
+            let backed_off = Schedule {
+                every: confirm_every(schedule.every, failed),
+                ..schedule
+            };
+            !refused && backed_off.due(now, traffic, c.billed.load(Ordering::Relaxed), recovering)
         } else {
             schedule.due(now, traffic, c.probe.load(Ordering::Relaxed), recovering)
         };
@@ -534,6 +565,15 @@ impl Health {
     fn probed(&self, target: &str, check: Check, outcome: Outcome, latency_ms: u64) {
         if outcome == Outcome::Success {
             lock(&self.down).remove(target);
+        }
+        if check == Check::Confirm
+            && let Some(c) = self.clocks.get(target)
+        {
+            if outcome == Outcome::Success {
+                c.confirms_failed.store(0, Ordering::Relaxed);
+            } else {
+                c.confirms_failed.fetch_add(1, Ordering::Relaxed);
+            }
         }
         let source = if check.billed() {
             Evidence::Billed
@@ -853,6 +893,48 @@ mod tests {
             "the first second aged out"
         );
         assert_eq!(book.snapshot(7_000).spent_usd, 1.5);
+    }
+
+    /// A target that fails for 5 minutes, confirmed as the schedule says (1 s probe interval):
+    /// it drew about one billed call a second (58 in a 60 s outage); now, after the first ten,
+    /// the wait doubles after each failed confirmation to a minute, so its last 4 minutes draw
+    /// at most 15.
+    #[test]
+    fn a_failing_target_is_confirmed_less_and_less_often() {
+        let s = Schedule::new(1_000);
+        let (mut failed, mut last, mut at) = (0u32, 0u64, Vec::new());
+        let mut now = 10_000;
+        while now <= 310_000 {
+            let backed = Schedule {
+                every: confirm_every(s.every, failed),
+                ..s
+            };
+            if backed.due(now, 0, last, false) {
+                at.push(now);
+                last = now;
+                failed += 1; // it fails every time
+            }
+            now += 100;
+        }
+        let late = at.iter().filter(|t| **t > 70_000).count();
+        assert!(
+            late <= 15,
+            "{late} billed calls in the last 4 minutes: {at:?}"
+        );
+        assert!(late >= 4, "still confirmed about once a minute: {at:?}");
+        assert_eq!(confirm_every(1_000, 0), 1_000);
+        assert_eq!(
+            confirm_every(1_000, CONFIRM_QUICK - 1),
+            1_000,
+            "a short outage as before"
+        );
+        assert_eq!(confirm_every(1_000, CONFIRM_QUICK + 2), 8_000);
+        assert_eq!(confirm_every(1_000, 40), CONFIRM_MAX_MS);
+        assert_eq!(
+            confirm_every(120_000, 2),
+            120_000,
+            "never shorter than the interval"
+        );
     }
 
     #[test]
