@@ -445,6 +445,77 @@ async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
     );
 }
 
+/// A budget at its limit while the ledger's leader is elected (the nodes cannot write it for
+/// seconds, and lower-risk requests may spend each node's local share): it is exceeded by at
+/// most one reservation per node in that window.
+#[tokio::test]
+async fn a_budget_at_its_limit_holds_through_the_ledger_s_election() {
+    let cl = budgeted_mesh("servers-limit").await;
+    let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    let http = crate::support::http(Duration::from_secs(10));
+    // What one answer costs, and what was spent, once settled.
+    let mut one = 0.0_f64;
+    for i in 0..6 {
+        let a = ask(&http, &cl, i).await.expect("answered");
+        assert_eq!(a.status, 200, "{}", a.reasons);
+        one = one.max(a.cost);
+    }
+    let kv = js.get_key_value("oam-budgets").await.unwrap();
+    let before = settled(&kv).await.expect("the warm-up settled");
+    // At its limit: less left than one answer costs.
+    let limit = before.spent_usd + one / 2.0;
+    budget_set(&cl, &["--global", "--limit", &format!("{limit:.9}")]);
+    // Every node spends nothing more: it refuses, or serves on a free target.
+    let refused = eventually(Duration::from_secs(10), || async {
+        let mut all = true;
+        for i in 0..3 {
+            let a = ask(&http, &cl, i).await?;
+            all &= a.status == 402 || (a.status == 200 && a.cost == 0.0);
+        }
+        all.then_some(())
+    })
+    .await;
+    assert!(refused.is_some(), "every node stops spending at the limit");
+
+    let leader = leader_of(&js, "KV_oam-budgets").await;
+    assert!(oam::local::signal(cl.pid(&leader), libc::SIGKILL));
+    let (mut answered, mut cost) = (0, 0.0);
+    let started = std::time::Instant::now();
+    let mut i = 100;
+    while started.elapsed() < Duration::from_secs(12) {
+        if let Some(a) = ask(&http, &cl, i).await
+            && a.status == 200
+            && a.cost > 0.0
+        {
+            answered += 1;
+            cost += a.cost;
+        }
+        i += 1;
+    }
+    let after = eventually(Duration::from_secs(45), || async {
+        let l = oam::transport::store::ledger::read(&kv, None)
+            .await
+            .ok()??;
+        nothing_held(&l).then_some(l)
+    })
+    .await
+    .expect("the ledger settles after the election");
+    eprintln!(
+        "limit {limit:.6}, spent {:.6} after the election; {answered} answered for {cost:.6} \
+         during it ({} asked), one answer {one:.6}",
+        after.spent_usd,
+        i - 100
+    );
+    assert!(
+        after.spent_usd <= limit + 3.0 * one + 1e-9,
+        "spent {} against a limit of {limit}: more than one reservation per node over",
+        after.spent_usd
+    );
+}
+
 /// A host that fails takes its nats-server and its agents with it, and no server is left to
 /// say their connections closed: the monitor's census finds the replica that died with its
 /// server (the SDK's client, given one server, cannot serve again), while a client that
