@@ -158,6 +158,39 @@ struct AttemptSpan {
     usage: Option<Usage>,
     finish: Option<String>,
     output: Option<String>,
+    /// A failed call's `error.type`: the upstream's HTTP status, or what kept it from one.
+    error_type: Option<String>,
+}
+
+/// The `error.type` of a call that failed with `g`, as OpenTelemetry's HTTP conventions name
+/// one: the upstream's status code (`503`) when it answered, else what kept the call from an
+/// answer (`timeout`, `connection_error`, `upstream_error` for an answer that could not be
+/// read), else its status (`rate_limited`, `unauthorized`).
+fn error_type(g: &Generation) -> Option<String> {
+    if g.status == GenerationStatus::Ok {
+        return None;
+    }
+    let said = g.error.as_deref().unwrap_or_default();
+    if let Some(code) = said
+        .strip_prefix("HTTP ")
+        .and_then(|rest| rest.get(..3))
+        .filter(|c| c.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return Some(code.to_string());
+    }
+    let lower = said.to_ascii_lowercase();
+    Some(match g.status {
+        GenerationStatus::Error
+            if ["connect", "dns", "refused", "reset"]
+                .iter()
+                .any(|w| lower.contains(w)) =>
+        {
+            "connection_error".into()
+        }
+        // An answer that could not be read, or a stream that broke off.
+        GenerationStatus::Error => "upstream_error".into(),
+        s => status_name(s),
+    })
 }
 
 /// A request's spans while it is under way (kept on its flight).
@@ -192,6 +225,7 @@ impl OpenSpans {
             a.usage = g.usage;
             a.finish = g.finish_reason.clone();
             a.output = content.then(|| g.content.clone());
+            a.error_type = error_type(g);
         }
     }
 
@@ -709,7 +743,7 @@ fn spans(
                         .map_or("rejected", |c| c.as_str())
                         .to_string()
                 } else {
-                    status_name(st)
+                    s.error_type.clone().unwrap_or_else(|| status_name(st))
                 };
                 a.push(attr("error.type", &class));
                 SpanStatus {
@@ -763,6 +797,48 @@ fn output_messages(text: &str, finish: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_call_is_classed_by_its_status_code_or_what_kept_it_from_one() {
+        let failed = |status, error: &str| Generation {
+            error: Some(error.to_string()),
+            ..Generation::failed(status, 0)
+        };
+        let class = |g: Generation| error_type(&g);
+        assert_eq!(class(Generation::ok("", 0)), None);
+        assert_eq!(
+            class(failed(
+                GenerationStatus::Error,
+                "HTTP 503 Service Unavailable busy"
+            ))
+            .as_deref(),
+            Some("503")
+        );
+        assert_eq!(
+            class(failed(
+                GenerationStatus::Unauthorized,
+                "HTTP 401 Unauthorized no"
+            ))
+            .as_deref(),
+            Some("401")
+        );
+        assert_eq!(
+            class(failed(
+                GenerationStatus::Error,
+                "error sending request: connection refused"
+            ))
+            .as_deref(),
+            Some("connection_error")
+        );
+        assert_eq!(
+            class(failed(GenerationStatus::Error, "the body was not JSON")).as_deref(),
+            Some("upstream_error")
+        );
+        assert_eq!(
+            class(failed(GenerationStatus::Timeout, "")).as_deref(),
+            Some("timeout")
+        );
+    }
 
     #[test]
     fn a_traceparent_gives_the_callers_trace_and_a_bad_one_is_ignored() {
