@@ -857,8 +857,8 @@ pub struct StreamStatus {
 }
 
 /// A follower's copy is not current when the group holds it offline, it has not been heard
-/// from for this long (followers answer the leader's heartbeat every second; one catching up
-/// is heard from all the time), or not at all since the leader was elected.
+/// from for this long (followers answer the leader's heartbeat every second), not at all since
+/// the leader was elected, or it says it is not caught up.
 const SILENT_BEHIND: Duration = Duration::from_secs(3);
 
 /// How every stream of the mesh keeps its copies (asked as the admin; `None` when the mesh
@@ -918,16 +918,20 @@ fn stream_copies(
     let cluster = cluster.unwrap_or_default();
     let mut behind = Vec::new();
     for r in &cluster.replicas {
+        let lag = r.lag.filter(|l| *l > 0);
         if r.offline {
             behind.push(format!("{} (offline)", r.name));
         } else if r.active >= SILENT_BEHIND {
-            let lag = r
-                .lag
-                .map_or_else(String::new, |l| format!("{l} entries behind, "));
+            let lag = lag.map_or_else(String::new, |l| format!("{l} entries behind, "));
             behind.push(format!("{} ({lag}silent {} s)", r.name, r.active.as_secs()));
         } else if !r.current && r.active.is_zero() {
             // Not heard from since this leader was elected.
             behind.push(format!("{} (not heard from)", r.name));
+        } else if !r.current {
+            // Heard from, but not caught up: it counts toward no majority's write (a full disk
+            // keeps a copy that answers heartbeats and writes nothing).
+            let lag = lag.map_or_else(String::new, |l| format!(", {l} entries behind"));
+            behind.push(format!("{} (not current{lag})", r.name));
         }
     }
     let leader = cluster.leader.clone();
@@ -1106,12 +1110,22 @@ mod tests {
             Some("nats-1"),
             serde_json::json!([
                 {"name": "nats-2", "current": true, "active": 200_000_000},
-                // Catching up, heard from a moment ago: not behind.
-                {"name": "nats-3", "current": false, "active": 300_000_000, "lag": 40}
+                {"name": "nats-3", "current": true, "active": 300_000_000}
             ]),
         ));
         assert!(ok.healthy, "{ok:?}");
         assert_eq!(ok.current, 3);
+        // Heard from but not caught up (a full disk answers heartbeats and writes nothing):
+        // not current.
+        let lagging = copies(cluster(
+            Some("nats-1"),
+            serde_json::json!([
+                {"name": "nats-2", "current": true, "active": 200_000_000},
+                {"name": "nats-3", "current": false, "active": 300_000_000, "lag": 40}
+            ]),
+        ));
+        assert_eq!(lagging.behind, ["nats-3 (not current, 40 entries behind)"]);
+        assert_eq!(lagging.current, 2);
         // A full disk: the copy there stopped, silent since.
         let full = copies(cluster(
             Some("nats-1"),

