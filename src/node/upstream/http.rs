@@ -173,7 +173,9 @@ impl Endpoint {
             Ok(Ok(r)) if r.status().is_success() => Generation::ok("", ms_since(started)),
             Ok(Ok(r)) => {
                 let (status, headers) = (r.status(), r.headers().clone());
-                let body = tokio::time::timeout(timeout, r.bytes()).await;
+                // Read as an answer is: no more than `node.max_answer_bytes`.
+                let cap = self.post.max_answer_bytes();
+                let body = tokio::time::timeout(timeout, read_capped(r, cap)).await;
                 let body = body.ok().and_then(Result::ok).unwrap_or_default();
                 judge_failure(status, &headers, &body, ms_since(started)).map_or_else(
                     || failed(GenerationStatus::Error, format!("HTTP {status}")),
