@@ -669,25 +669,47 @@ async fn agents_of_closed(sys: &async_nats::Client, adv: &Advisory) -> Vec<Strin
         "acc": adv.client.acc,
         "subscriptions_detail": true,
     });
-    // A busy server may not answer in time: asked again (a death missed here is never
-    // announced, as such clients send no heartbeats of their own to miss).
-    for attempt in 0..3 {
-        if let Some(c) = connz(sys, &adv.server.id, query.clone()).await {
-            return c
-                .data
-                .connections
-                .iter()
-                .flat_map(|c| agents_served(&c.subscriptions_list_detail))
-                .collect();
+    // A busy server may not answer in time, and the server saves a closed connection in a task
+    // of its own that may run after it sent the advisory: not found yet is asked again, after
+    // a pause that doubles (a death missed here is never announced, as such clients send no
+    // heartbeats of their own to miss).
+    let mut pause = Duration::from_millis(20);
+    for attempt in 0..LOOKUP_TRIES {
+        match connz(sys, &adv.server.id, query.clone()).await {
+            Some(c) if c.data.connections.iter().any(|c| c.cid == adv.client.id) => {
+                return c
+                    .data
+                    .connections
+                    .iter()
+                    .flat_map(|c| agents_served(&c.subscriptions_list_detail))
+                    .collect();
+            }
+            Some(_) => {
+                tracing::debug!(
+                    cid = adv.client.id,
+                    attempt,
+                    "closed connection not saved yet"
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            None => tracing::warn!(
+                cid = adv.client.id,
+                attempt,
+                "the server did not say what a closed connection served; asking again"
+            ),
         }
-        tracing::warn!(
-            cid = adv.client.id,
-            attempt,
-            "the server did not say what a closed connection served; asking again"
-        );
     }
+    tracing::warn!(
+        cid = adv.client.id,
+        "the server never said what a closed connection served; no death told for it"
+    );
     Vec::new()
 }
+
+/// How many times the server is asked what a closed connection served: pauses of 20 ms
+/// doubling to 500 ms make about 3 s of waiting for a connection the server saves late.
+const LOOKUP_TRIES: u32 = 10;
 
 /// A closed connection without instance records that served agents, and which of those other
 /// clients still serve.
@@ -705,15 +727,26 @@ async fn other_clients_serve(sys: &async_nats::Client, account: &str, agent: &st
         "filter_subject": subjects::agent(agent),
         "subscriptions_detail": true,
     });
-    let (answers, all) = connz_all(sys, query).await;
-    let serves = answers.iter().flat_map(|c| &c.data.connections).any(|c| {
-        instance_of(&c.name).is_none()
-            && agents_served(&c.subscriptions_list_detail)
-                .iter()
-                .any(|a| a == agent)
-    });
-    // Unknown is not dead: a false death notice would fail every caller of the agent.
-    serves || !all
+    // A cluster that did not all answer is asked again; unknown at the end is not dead: a false
+    // death notice would fail every caller of the agent.
+    for attempt in 0..3 {
+        let (answers, all) = connz_all(sys, query.clone()).await;
+        let serves = answers.iter().flat_map(|c| &c.data.connections).any(|c| {
+            instance_of(&c.name).is_none()
+                && agents_served(&c.subscriptions_list_detail)
+                    .iter()
+                    .any(|a| a == agent)
+        });
+        if serves || all {
+            return serves;
+        }
+        tracing::warn!(
+            agent,
+            attempt,
+            "not every server said who serves an agent; asking again"
+        );
+    }
+    true
 }
 
 /// Everything the monitor needs to know about a closed connection, asked of the server; `None`
