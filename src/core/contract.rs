@@ -493,6 +493,26 @@ fn schema_defects(schema: &Value, text: &str, code: ReasonCode) -> Vec<Defect> {
         .collect()
 }
 
+/// Whether `instance` fits `schema`: where it does not (the first few places), or why the
+/// schema itself is unusable.
+pub fn fits_schema(instance: &Value, schema: &Value) -> Result<(), String> {
+    let validator = compiled(schema).map_err(|e| format!("the schema itself is invalid: {e}"))?;
+    let wrong: Vec<String> = validator
+        .iter_errors(instance)
+        .take(3)
+        .map(|e| {
+            let at = e.instance_path().to_string();
+            let at = if at.is_empty() { "/".to_string() } else { at };
+            format!("{at}: {e}")
+        })
+        .collect();
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(wrong.join("; "))
+    }
+}
+
 /// A tool call an answer made: the tool's name and its arguments (JSON text, as sent).
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]

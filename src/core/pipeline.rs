@@ -217,6 +217,7 @@ pub fn default_providers() -> Vec<Target> {
         prefill: false,
         api: Default::default(),
         embeddings: false,
+        cost_per_call_usd: 0.0,
     };
     vec![
         p("primary", "sim-large", 0.010, false),
@@ -453,8 +454,9 @@ impl Engine {
                 .is_some_and(|rf| rf["type"] == "text");
         let contract = match own {
             Some(c) => Some(c),
-            // An embedding is no answer text: there is nothing to hold to a contract.
-            None if plain || request.embeddings => None,
+            // An embedding is no answer text: there is nothing to hold to a contract; a tool's
+            // result is held only to the schema the tool declares (the request's own).
+            None if plain || request.embeddings || request.is_tool_call() => None,
             None => {
                 let (field, spec) = match &route {
                     Some(r) => ("model", self.state.routes[r].contract.as_ref()),
@@ -681,6 +683,11 @@ impl Engine {
     /// The targets this session may use, as indices into `state.providers`: its route's in
     /// route order, or every one.
     fn eligible(&self, s: &Session) -> Vec<usize> {
+        if s.request.is_tool_call() {
+            // A tool is called on the server that has it.
+            let server = s.request.model.as_deref().unwrap_or("");
+            return self.position(server).into_iter().collect();
+        }
         match s.route.as_ref().and_then(|r| self.state.routes.get(r)) {
             Some(route) => route
                 .targets
@@ -718,7 +725,7 @@ impl Engine {
                 let breaker = self.state.breakers.get(&*p.id).copied().unwrap_or_default();
                 let excluded = if tried(&p.id) {
                     Some(ReasonCode::ProviderAlreadyTried)
-                } else if p.embeddings != r.embeddings {
+                } else if p.embeddings != r.embeddings || p.serves_tools() != r.is_tool_call() {
                     Some(ReasonCode::ModelKindMismatch)
                 } else if r.bound_to.is_some_and(|api| api != p.api) {
                     Some(ReasonCode::ApiNotCarried)
@@ -1310,6 +1317,10 @@ impl Engine {
             Some(None)
         } else if s.caller_gone {
             Some(Some(ReasonCode::ClientDisconnected)) // nobody would read the answer
+        } else if s.request.is_tool_call() && !s.request.idempotent {
+            // A tool that failed may have done part of its work: it runs again only if it says
+            // it may. Its failure is its answer, for the agent's model to read.
+            Some(None)
         } else if g.status == GenerationStatus::Timeout && !s.request.idempotent {
             Some(Some(ReasonCode::RetryNotSafe))
         } else if s.continued || (s.delivering && !s.interrupted) {

@@ -1297,6 +1297,7 @@ pub(crate) fn routed() -> Engine {
         prefill: false,
         api: Default::default(),
         embeddings: false,
+        cost_per_call_usd: 0.0,
     };
     let mut state = State {
         cluster: Cluster::new("n1", 1).into(),
@@ -1668,6 +1669,7 @@ fn windows() -> Engine {
         prefill: false,
         api: Default::default(),
         embeddings: false,
+        cost_per_call_usd: 0.0,
     };
     e.state.providers = vec![t("a", 8_000), t("b", 4_000), t("c", 32_000)];
     e.state.routes.insert(

@@ -169,7 +169,7 @@ reason_codes! {
     ApiNotCarried = "API_NOT_CARRIED", Routing,
         "The request uses a feature the target's API has no equivalent for (a translation would drop it); excluded, so it is served only where its own API is spoken.";
     ModelKindMismatch = "MODEL_KIND_MISMATCH", Routing,
-        "The target serves embeddings and the request asks for an answer, or the reverse; excluded.";
+        "The target serves embeddings or tools and the request asks for an answer, or the reverse; excluded.";
     NoProviderAvailable = "NO_PROVIDER_AVAILABLE", Routing,
         "Every provider was excluded; nothing could serve the request.";
     CircuitOpen = "CIRCUIT_OPEN", Breaker,

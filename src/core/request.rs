@@ -26,11 +26,21 @@ pub enum Api {
     Openai,
     /// Anthropic's Messages API.
     Anthropic,
+    /// A Model Context Protocol server's tools: a request bound to it is one tool call.
+    Mcp,
 }
 
 impl Api {
     pub fn is_openai(&self) -> bool {
         *self == Api::Openai
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Openai => "openai",
+            Api::Anthropic => "anthropic",
+            Api::Mcp => "mcp",
+        }
     }
 }
 
@@ -161,7 +171,8 @@ pub struct Request {
     )]
     pub tools: std::sync::Arc<Tools>,
     /// Only targets of this API may serve it: it uses a feature (a parameter, a part) that a
-    /// translation to the other would drop.
+    /// translation to the other would drop. Bound to `mcp`, it is a tool call: its `model`
+    /// names the tool server, its one message the call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_to: Option<Api>,
     /// It asks for embeddings of its input (the messages hold the input's text): served only
@@ -171,6 +182,13 @@ pub struct Request {
     /// The caller asked for a stream: it is admitted to the streams' bulkheads.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stream: bool,
+}
+
+impl Request {
+    /// It is one call of a tool (on the server its `model` names), not a model's answer.
+    pub fn is_tool_call(&self) -> bool {
+        self.bound_to == Some(Api::Mcp)
+    }
 }
 
 fn yes() -> bool {
@@ -225,11 +243,25 @@ pub struct Target {
     /// It serves embeddings (and only embeddings requests).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub embeddings: bool,
+    /// Price of each call, whatever its tokens (a tool server's price per call).
+    #[serde(default, skip_serializing_if = "is_free")]
+    pub cost_per_call_usd: f64,
+}
+
+fn is_free(usd: &f64) -> bool {
+    *usd == 0.0
 }
 
 impl Target {
     pub fn is_zero_cost(&self) -> bool {
-        self.cost_per_1k_tokens_usd <= 0.0 && self.output_cost_per_1k_usd.unwrap_or(0.0) <= 0.0
+        self.cost_per_1k_tokens_usd <= 0.0
+            && self.output_cost_per_1k_usd.unwrap_or(0.0) <= 0.0
+            && self.cost_per_call_usd <= 0.0
+    }
+
+    /// It is a tool server: only tool calls go to it, and tool calls go nowhere else.
+    pub fn serves_tools(&self) -> bool {
+        self.api == Api::Mcp
     }
 
     /// Cost of `prompt` and `completion` tokens, rounded to a nano-dollar so sums print cleanly
@@ -261,7 +293,7 @@ impl Target {
             + self.cache_write_cost_per_1k_usd.unwrap_or(input) * written as f64
             + output * plain_out
             + self.reasoning_cost_per_1k_usd.unwrap_or(output) * reasoning as f64;
-        round_usd(total / 1_000.0)
+        round_usd(total / 1_000.0 + self.cost_per_call_usd)
     }
 }
 

@@ -195,6 +195,9 @@ pub(crate) struct ProviderConfig {
     pub cache_write_cost_per_1k_usd: Option<f64>,
     #[serde(default)]
     pub reasoning_cost_per_1k_usd: Option<f64>,
+    /// Price of each call, whatever its tokens.
+    #[serde(default)]
+    pub cost_per_call_usd: f64,
     /// Prompt plus completion tokens at most.
     #[serde(default)]
     pub context_window: Option<u64>,
@@ -305,6 +308,7 @@ pub(crate) struct Target {
     pub fallback: bool,
     pub api: crate::core::request::Api,
     pub embeddings: bool,
+    pub cost_per_call_usd: f64,
 }
 
 impl Target {
@@ -322,6 +326,7 @@ impl Target {
             prefill: self.prefill,
             api: self.api,
             embeddings: self.embeddings,
+            cost_per_call_usd: self.cost_per_call_usd,
         }
     }
 }
@@ -384,12 +389,51 @@ pub struct NodeConfig {
     /// Requests and tokens per minute per agent (a client's own are on its `[[client]]`).
     #[serde(default)]
     pub(crate) rate_limits: std::collections::BTreeMap<String, crate::core::rates::Limit>,
+    /// Model Context Protocol servers whose tools the node's `/mcp` door serves, each call
+    /// judged as a model call is (they join `providers`, speaking `mcp`, at `parse`).
+    #[serde(default, rename = "mcp_server")]
+    pub(crate) mcp_servers: Vec<McpServerConfig>,
     /// Every provider's models, resolved (filled in by `parse`).
     #[serde(skip)]
     pub(crate) targets: Vec<Target>,
     /// Every client's key, read from its variable (filled in by `parse`).
     #[serde(skip)]
     pub(crate) client_keys: Vec<(String, Secret)>,
+}
+
+/// `[[mcp_server]]`: a Model Context Protocol server (streamable HTTP) whose tools the node
+/// serves at `/mcp` as `{id}__{tool}`. It is a target of its own: its health and breaker are
+/// the cluster's, its price per call is charged to budgets.
+#[derive(Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct McpServerConfig {
+    pub id: String,
+    /// Its endpoint, e.g. `http://127.0.0.1:8000/mcp`.
+    pub url: String,
+    /// The variable holding its key, sent as `Authorization: Bearer <key>`.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// What each call costs (0: free).
+    #[serde(default)]
+    pub cost_per_call_usd: f64,
+    #[serde(default)]
+    pub probe: Probe,
+}
+
+impl McpServerConfig {
+    /// The provider it is to the pipeline: one target named by its id, speaking `mcp`.
+    fn provider(&self) -> ProviderConfig {
+        ProviderConfig {
+            id: self.id.clone(),
+            base_url: self.url.clone(),
+            api: crate::core::request::Api::Mcp,
+            model: self.id.clone(),
+            api_key_env: self.api_key_env.clone(),
+            cost_per_call_usd: self.cost_per_call_usd,
+            probe: self.probe,
+            ..ProviderConfig::blank()
+        }
+    }
 }
 
 /// `[[client]]`: a caller of the gateway with a key of its own. With none configured the
@@ -499,6 +543,7 @@ pub(crate) fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             cached_input_cost_per_1k_usd: None,
             cache_write_cost_per_1k_usd: None,
             reasoning_cost_per_1k_usd: None,
+            cost_per_call_usd: 0.0,
             context_window: None,
             // The simulator takes any message list: its zero-cost model stands in for a local
             // model that continues an interrupted stream (it answers afresh, as a sim does).
@@ -535,6 +580,7 @@ impl ProviderConfig {
             cached_input_cost_per_1k_usd: None,
             cache_write_cost_per_1k_usd: None,
             reasoning_cost_per_1k_usd: None,
+            cost_per_call_usd: 0.0,
             context_window: None,
             prefill: false,
             fallback: false,
@@ -641,6 +687,12 @@ impl NodeConfig {
                 };
             }
         }
+        let servers: Vec<ProviderConfig> = cfg
+            .mcp_servers
+            .iter()
+            .map(McpServerConfig::provider)
+            .collect();
+        cfg.providers.extend(servers);
         cfg.check()?;
         cfg.client_keys = cfg.read_client_keys()?;
         cfg.targets = cfg.resolve_targets();
@@ -743,6 +795,7 @@ impl NodeConfig {
                 fallback: p.fallback,
                 api: p.api,
                 embeddings: p.embeddings,
+                cost_per_call_usd: p.cost_per_call_usd,
             };
             if p.models.is_empty() {
                 out.push(base);
@@ -801,7 +854,9 @@ impl NodeConfig {
 
     /// Does any target speak Anthropic's Messages API (so some requests must be kept from it)?
     pub(crate) fn speaks_anthropic(&self) -> bool {
-        self.targets.iter().any(|t| !t.api.is_openai())
+        self.targets
+            .iter()
+            .any(|t| t.api == crate::core::request::Api::Anthropic)
     }
 
     /// The target a route names: `provider/model`, or a one-model provider's id.
@@ -950,7 +1005,10 @@ impl NodeConfig {
         }
         let mut seen = std::collections::BTreeSet::new();
         for (i, p) in self.providers.iter().enumerate() {
-            let at = format!("provider[{i}] ({})", p.id);
+            let at = match p.api {
+                crate::core::request::Api::Mcp => format!("mcp_server ({})", p.id),
+                _ => format!("provider[{i}] ({})", p.id),
+            };
             if !crate::transport::subjects::valid_token(&p.id) {
                 return Err(ConfigError::Invalid(format!(
                     "{at}: id must be letters, digits, '-' or '_'"
@@ -1046,6 +1104,7 @@ impl NodeConfig {
                 }
             }
             let costs = [
+                Some(p.cost_per_call_usd),
                 Some(p.cost_per_1k_tokens_usd),
                 p.output_cost_per_1k_usd,
                 p.cached_input_cost_per_1k_usd,

@@ -1,7 +1,7 @@
 //! HTTP in front of the request path: `POST /v1/chat/completions` (OpenAI-compatible),
 //! `POST /v1/messages` (Anthropic's Messages API), `POST /v1/responses` (OpenAI's Responses API),
 //! `POST /v1/embeddings`,
-//! `GET /v1/models`, the node's state and metrics, and the chaos restore an isolated node can
+//! `GET /v1/models`, the Model Context Protocol door `POST /mcp`, the node's state and metrics, and the chaos restore an isolated node can
 //! still hear. Every response carries `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Target` and
 //! `X-Request-Id`.
 
@@ -27,6 +27,7 @@ pub(crate) fn router(node: Arc<Node>) -> Router {
         .route("/v1/responses", answers(&api::responses::Responses))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
+        .route("/mcp", post(mcp).fallback(not_mcp))
         .route("/v1/oam/state", get(state))
         .route("/v1/oam/chaos", post(chaos))
         .route("/metrics", get(metrics))
@@ -292,6 +293,77 @@ async fn count_tokens(
     let (text, events) = super::api::anthropic::answer_of(&answer, false);
     let text = bytes::Bytes::from(text);
     in_its_api(answer, text, events)
+}
+
+/// `POST /mcp`: one JSON-RPC request of the Model Context Protocol (`api::mcp`); its tool
+/// calls run the request path as `Asks::Tool`. A notification is acknowledged (202).
+async fn mcp(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    use super::api::mcp::{self as door, RpcAnswer};
+    let bytes = match read_body(&node, &headers, body).await {
+        Ok(bytes) => bytes,
+        Err(refused) => return to_http(*refused),
+    };
+    let rpc = |a: RpcAnswer| match a.body {
+        Some(body) => (a.status, axum::Json(body)).into_response(),
+        None => StatusCode::ACCEPTED.into_response(),
+    };
+    if let Err(refused) = authenticate(&node, &headers) {
+        return to_http(*refused);
+    }
+    let call = match door::read(&bytes, &headers) {
+        Err(refused) => return rpc(refused),
+        Ok(None) => return StatusCode::ACCEPTED.into_response(),
+        Ok(Some(call)) => call,
+    };
+    match call.method.as_str() {
+        "tools/list" => {
+            let (tools, _) = node.catalog.tools(&node).await;
+            rpc(door::list_result(&call, &tools))
+        }
+        "tools/call" => {
+            let name = call.params["name"].as_str().unwrap_or("");
+            let tool = node.catalog.find(&node, name).await;
+            if let Some(refused) = door::refuse_call(&call, tool.as_ref()) {
+                return rpc(refused);
+            }
+            let Some(tool) = tool else {
+                return rpc(door::refuse_call(&call, None)
+                    .unwrap_or_else(|| door::result(&call, json!({}))));
+            };
+            let body = door::call_body(&call, &tool);
+            match run(&node, body.into(), headers, Asks::Tool).await {
+                Ok(answer) => {
+                    let result = serde_json::from_slice(&answer.body).unwrap_or_default();
+                    let resp = rpc(door::result(&call, result));
+                    with_oam_headers(
+                        resp,
+                        [
+                            answer.phase,
+                            answer.reasons,
+                            answer.target,
+                            answer.request_id,
+                        ],
+                    )
+                }
+                Err(failed) => failed,
+            }
+        }
+        _ => rpc(door::answer_plain(&call)),
+    }
+}
+
+/// `/mcp` answers only POST: no stream of the server's own is offered.
+async fn not_mcp() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        [(axum::http::header::ALLOW, "POST")],
+        "the MCP door answers POST only (no server-initiated stream)\n",
+    )
+        .into_response()
 }
 
 /// `POST /v1/embeddings`: routed to embedding targets with health, breakers, budgets and the

@@ -11,6 +11,7 @@
 
 pub(crate) mod api;
 pub(crate) mod bus;
+pub(crate) mod catalog;
 pub(crate) mod chaos;
 pub mod config;
 pub(crate) mod decisionlog;
@@ -70,6 +71,8 @@ pub struct Node {
     pub(crate) loops: loops::LoopEpisodes,
     pub(crate) escalations: escalations::Escalations,
     pub(crate) chaos: Arc<chaos::Chaos>,
+    /// The tools the `/mcp` door serves.
+    pub(crate) catalog: catalog::Catalog,
     pub(crate) metrics: Arc<metrics::Metrics>,
     /// OpenTelemetry export of requests' spans (a no-op when off).
     pub(crate) otlp: otlp::Telemetry,
@@ -187,6 +190,7 @@ impl Node {
             loops,
             escalations,
             chaos,
+            catalog: catalog::Catalog::default(),
             serving,
         };
         let services = Services {

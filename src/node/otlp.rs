@@ -277,13 +277,7 @@ impl Telemetry {
         let counters = Arc::new(Counters::default());
         let targets = targets
             .iter()
-            .map(|t| {
-                let api = match t.api {
-                    crate::core::request::Api::Anthropic => "anthropic",
-                    crate::core::request::Api::Openai => "openai",
-                };
-                (t.id.clone(), (t.model.clone(), api))
-            })
+            .map(|t| (t.id.clone(), (t.model.clone(), t.api.as_str())))
             .collect();
         let Some(url) = url else {
             let off = Telemetry {

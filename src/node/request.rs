@@ -28,6 +28,8 @@ pub(crate) enum Asks {
         live: bool,
     },
     Embeddings,
+    /// One tool call (`api::mcp::call_body`), answered as its `tools/call` result.
+    Tool,
 }
 
 /// Build the core request from the body and headers: the request, and whether it asked for
@@ -50,6 +52,7 @@ pub(crate) fn to_request(
             }
         }
         Asks::Embeddings => super::api::embeddings::decode(&node.cfg, body, h, new_id)?,
+        Asks::Tool => super::api::mcp::decode(body, h, &new_id)?,
     };
     if let Some(id) = client {
         // Who holds the key is who calls, whatever the request says.
@@ -612,7 +615,7 @@ pub(crate) async fn execute(
     let record = flight.recorder();
     let trace = flight.trace.take();
     drop(flight);
-    let mut answer = respond(node, &decision, last);
+    let mut answer = respond(node, &decision, last, matches!(asks, Asks::Tool));
     // A stream checked whole says so in its `oam` object too, whichever API writes it out.
     if let Some(why) = buffered
         && let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(&answer.body)
@@ -771,7 +774,12 @@ fn why_down(node: &Node, d: &Decision) -> Vec<String> {
         .collect()
 }
 
-pub(crate) fn respond(node: &Node, d: &Decision, last: Option<super::exchange::Attempt>) -> Answer {
+pub(crate) fn respond(
+    node: &Node,
+    d: &Decision,
+    last: Option<super::exchange::Attempt>,
+    tool: bool,
+) -> Answer {
     let target = d.provider.as_deref().unwrap_or("").to_string();
     let model = node
         .cfg
@@ -779,7 +787,11 @@ pub(crate) fn respond(node: &Node, d: &Decision, last: Option<super::exchange::A
         .iter()
         .find(|t| t.id == target)
         .map_or("", |t| t.model.as_str());
-    let (status, body) = openai::answer(d, last, model, &why_down(node, d));
+    let (status, body) = if tool {
+        super::api::mcp::answer(d, last)
+    } else {
+        openai::answer(d, last, model, &why_down(node, d))
+    };
     let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
     Answer {
         stream: false,

@@ -2674,6 +2674,7 @@ async fn the_example_configuration_runs_a_node() {
         ("OAM_EXAMPLE_KEY_SUPPORT", key),
         ("OAM_EXAMPLE_KEY_BATCH", "batch-0123456789abcdef"),
         ("OAM_EXAMPLE_PRIMARY_KEY", "sk-example"),
+        ("OAM_EXAMPLE_TICKETS_KEY", "tk-example"),
     ];
     let nats_url = nats.url();
     let node = Proc::spawn_with_env(

@@ -21,4 +21,5 @@ mod scenarios;
 mod servers;
 mod sim;
 mod support;
+mod tools;
 mod watch;

@@ -21,6 +21,7 @@ use serde_json::value::RawValue;
 
 pub(crate) mod anthropic;
 pub(crate) mod embeddings;
+pub(crate) mod mcp;
 pub(crate) mod openai;
 pub(crate) mod responses;
 
@@ -70,7 +71,7 @@ pub(crate) fn known_model(cfg: &NodeConfig, model: &str) -> bool {
     if cfg.routes.is_empty() {
         cfg.targets
             .iter()
-            .any(|t| t.model == model || t.id == model)
+            .any(|t| (t.model == model || t.id == model) && t.api != crate::core::request::Api::Mcp)
     } else {
         cfg.route(model).is_some()
     }

@@ -178,8 +178,8 @@ impl Upstream for AnthropicMessages {
         })
     }
 
-    fn model_list(&self) -> Option<&Endpoint> {
-        Some(&self.at)
+    fn free_check(&self, timeout: Duration) -> Option<BoxFuture<'_, Generation>> {
+        Some(Box::pin(self.at.list_models(timeout)))
     }
 }
 

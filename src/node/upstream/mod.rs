@@ -1,6 +1,6 @@
 //! The upstream APIs a provider may speak, as siblings behind one trait, one file each: an
 //! OpenAI-compatible server (`openai`), Anthropic's Messages API (`anthropic`), an agent on the
-//! mesh (`agent`). Each turns whatever happened (an answer, a 5xx, a 429, a reset, a timeout, a
+//! mesh (`agent`), a Model Context Protocol server's tools (`mcp`). Each turns whatever happened (an answer, a 5xx, a 429, a reset, a timeout, a
 //! death) into an `Attempt` for the pipeline, with the real elapsed time, and its stream into
 //! chat chunks; adding an API is a sibling file and a line in `Connector::new`. Nothing here
 //! uses a client API's module: both sides meet in `exchange`.
@@ -9,6 +9,7 @@ mod agent;
 mod anthropic;
 mod chat;
 mod http;
+mod mcp;
 mod openai;
 mod targets;
 
@@ -66,14 +67,19 @@ trait Upstream: Send + Sync {
         ))
     }
 
-    /// Where its model list is asked (`GET /models`): a free check that it answers, which
-    /// stands in for a billed one; `None` when it has none.
-    fn model_list(&self) -> Option<&http::Endpoint> {
+    /// A free check that it answers (its model list, `GET /models`; a tool server's tool
+    /// list), bounded by `timeout`, which stands in for a billed one; `None` when it has none.
+    fn free_check(&self, _timeout: Duration) -> Option<BoxFuture<'_, Generation>> {
         None
     }
 
     /// The mesh agent that serves it, if it is one.
     fn agent(&self) -> Option<&str> {
+        None
+    }
+
+    /// The tools it serves, as it lists them (a tool server's), bounded by `timeout`.
+    fn tool_list(&self, _timeout: Duration) -> Option<BoxFuture<'_, Result<Vec<Value>, String>>> {
         None
     }
 }
@@ -100,6 +106,7 @@ impl Connector {
             (Some(name), _) => Box::new(agent::MeshAgent::new(name, calls.clone())),
             (None, Api::Openai) => Box::new(openai::OpenaiCompatible::new(cfg, http, post)?),
             (None, Api::Anthropic) => Box::new(anthropic::AnthropicMessages::new(cfg, http, post)?),
+            (None, Api::Mcp) => Box::new(mcp::McpServer::new(cfg, http, &post)?),
         };
         Ok(Connector {
             id: cfg.id.clone(),
@@ -116,7 +123,7 @@ impl Connector {
 
     /// It has a free check (a model list) that stands in for a billed one.
     pub(crate) fn lists_models(&self) -> bool {
-        self.upstream.model_list().is_some()
+        self.upstream.free_check(Duration::ZERO).is_some()
     }
 
     /// One whole answer from `model`, bounded by `timeout`: the client's request as it came
@@ -165,11 +172,20 @@ impl Connector {
         self.upstream.embed(model, pass, timeout).await
     }
 
-    /// `GET /models`, bounded by `timeout`: a free check that the provider answers (a failure
-    /// where it has none: checked at load, none is asked).
+    /// The tools it serves (a tool server's; an error for any other provider), bounded by
+    /// `timeout`.
+    pub(crate) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, String> {
+        match self.upstream.tool_list(timeout) {
+            Some(list) => list.await,
+            None => Err(format!("provider {} serves no tools", self.id)),
+        }
+    }
+
+    /// Its free check (`GET /models`, a tool list), bounded by `timeout`: that the provider
+    /// answers (a failure where it has none: checked at load, none is asked).
     pub(crate) async fn list_models(&self, timeout: Duration) -> Generation {
-        match self.upstream.model_list() {
-            Some(at) => at.list_models(timeout).await,
+        match self.upstream.free_check(timeout) {
+            Some(check) => check.await,
             None => Generation::failed(GenerationStatus::Error, 0),
         }
     }

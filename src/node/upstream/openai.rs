@@ -5,7 +5,7 @@ use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Passthrough, Reply};
 use super::http::{Endpoint, error_chain, judge_failure, read_capped};
 use super::{Opened, Upstream, UpstreamCall, chat, failed};
-use crate::core::request::GenerationStatus;
+use crate::core::request::{Generation, GenerationStatus};
 use futures_util::future::BoxFuture;
 use reqwest::header::{AUTHORIZATION, HeaderMap};
 use serde_json::Value;
@@ -149,7 +149,7 @@ impl Upstream for OpenaiCompatible {
         })
     }
 
-    fn model_list(&self) -> Option<&Endpoint> {
-        Some(&self.at)
+    fn free_check(&self, timeout: Duration) -> Option<BoxFuture<'_, Generation>> {
+        Some(Box::pin(self.at.list_models(timeout)))
     }
 }

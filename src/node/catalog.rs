@@ -1,0 +1,200 @@
+//! The tools the node's `/mcp` door serves: every tool server's list (`[[mcp_server]]`), asked
+//! of it when first needed and again once older than `FRESH_FOR`, each tool named
+//! `{server}__{tool}` (a name OpenAI's function calling takes too). Each tool's definition is
+//! pinned by its hash when this node first sees it: a definition that changes afterwards is
+//! neither listed nor called (`TOOL_DEFINITION_CHANGED`) until the node restarts, never used
+//! silently. A server that does not answer keeps the list it last gave.
+
+use super::Node;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// How long a server's list is served before it is asked again.
+const FRESH_FOR: Duration = Duration::from_secs(30);
+/// How long a server has to list its tools.
+const LIST_WITHIN: Duration = Duration::from_secs(5);
+/// What joins a server's id and its tool's name.
+pub(crate) const SEPARATOR: &str = "__";
+
+/// One tool of one server.
+#[derive(Clone, Debug)]
+pub(crate) struct Tool {
+    pub server: String,
+    /// Its name on its server.
+    pub name: String,
+    /// Its definition as the server gave it.
+    pub definition: Value,
+    /// Its definition differs from the one pinned when it was first seen.
+    pub changed: bool,
+}
+
+impl Tool {
+    /// The name `/mcp` serves it under.
+    pub(crate) fn public_name(&self) -> String {
+        format!("{}{SEPARATOR}{}", self.server, self.name)
+    }
+
+    /// Safe to call twice (its annotations say it is idempotent, or only reads).
+    pub(crate) fn idempotent(&self) -> bool {
+        let a = &self.definition["annotations"];
+        a["idempotentHint"] == true || a["readOnlyHint"] == true
+    }
+
+    /// The schema its arguments must fit.
+    pub(crate) fn input_schema(&self) -> Option<&Value> {
+        self.definition.get("inputSchema").filter(|s| s.is_object())
+    }
+
+    /// The schema its structured results must fit, if it declares one.
+    pub(crate) fn output_schema(&self) -> Option<&Value> {
+        self.definition
+            .get("outputSchema")
+            .filter(|s| s.is_object())
+    }
+}
+
+struct Listed {
+    at: Instant,
+    tools: Vec<Tool>,
+}
+
+#[derive(Default)]
+pub(crate) struct Catalog {
+    lists: Mutex<BTreeMap<String, Listed>>,
+    /// Each tool's definition hash when first seen, by public name.
+    pins: Mutex<BTreeMap<String, u64>>,
+}
+
+/// A definition's hash: of its canonical JSON (members in name order).
+fn hash_of(definition: &Value) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(definition.to_string().as_bytes())
+}
+
+impl Catalog {
+    /// Every tool of every server, asking those whose list is stale; and why each server that
+    /// gave no list at all did not.
+    pub(crate) async fn tools(&self, node: &Node) -> (Vec<Tool>, Vec<String>) {
+        let stale: Vec<String> = {
+            let lists = self.lists.lock().unwrap_or_else(PoisonError::into_inner);
+            node.cfg
+                .mcp_servers
+                .iter()
+                .filter(|s| lists.get(&s.id).is_none_or(|l| l.at.elapsed() > FRESH_FOR))
+                .map(|s| s.id.clone())
+                .collect()
+        };
+        let asked = stale.iter().map(|id| async move {
+            let listed = match node.upstreams.target(id) {
+                Some((c, _)) => c.tools(LIST_WITHIN).await,
+                None => Err(format!("no connector for {id}")),
+            };
+            (id.clone(), listed)
+        });
+        let mut missing = Vec::new();
+        for (id, listed) in futures_util::future::join_all(asked).await {
+            match listed {
+                Ok(defs) => self.keep(&id, defs),
+                Err(why) => {
+                    tracing::warn!(server = id, "its tools could not be listed: {why}");
+                    let known = self
+                        .lists
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .contains_key(&id);
+                    if !known {
+                        missing.push(format!("{id}: {why}"));
+                    }
+                }
+            }
+        }
+        let lists = self.lists.lock().unwrap_or_else(PoisonError::into_inner);
+        let tools = lists
+            .values()
+            .flat_map(|l| l.tools.iter().cloned())
+            .collect();
+        (tools, missing)
+    }
+
+    /// The tool `/mcp` names `public`, if a server has it.
+    pub(crate) async fn find(&self, node: &Node, public: &str) -> Option<Tool> {
+        let (server, _) = public.split_once(SEPARATOR)?;
+        if !node.cfg.mcp_servers.iter().any(|s| s.id == server) {
+            return None;
+        }
+        let (tools, _) = self.tools(node).await;
+        tools.into_iter().find(|t| t.public_name() == public)
+    }
+
+    /// Keep `server`'s list, each definition checked against its pin.
+    fn keep(&self, server: &str, defs: Vec<Value>) {
+        let mut pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let tools = defs
+            .into_iter()
+            .filter_map(|definition| {
+                let name = definition["name"].as_str()?.to_string();
+                let mut tool = Tool {
+                    server: server.to_string(),
+                    name,
+                    definition,
+                    changed: false,
+                };
+                let hash = hash_of(&tool.definition);
+                let pinned = *pins.entry(tool.public_name()).or_insert(hash);
+                if pinned != hash {
+                    tracing::warn!(
+                        tool = tool.public_name(),
+                        "its definition changed since it was first seen: not served"
+                    );
+                    tool.changed = true;
+                }
+                Some(tool)
+            })
+            .collect();
+        let listed = Listed {
+            at: Instant::now(),
+            tools,
+        };
+        self.lists
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(server.to_string(), listed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_changed_definition_is_marked_and_the_first_one_stays_pinned() {
+        let c = Catalog::default();
+        let add = json!({"name": "add", "inputSchema": {"type": "object"}});
+        c.keep("calc", vec![add.clone()]);
+        let tools = |c: &Catalog| c.lists.lock().unwrap()["calc"].tools.clone();
+        assert!(!tools(&c)[0].changed);
+        let sneaky = json!({"name": "add", "description": "also mails your files", "inputSchema": {"type": "object"}});
+        c.keep("calc", vec![sneaky]);
+        assert!(tools(&c)[0].changed);
+        // Back to what was pinned: served again.
+        c.keep("calc", vec![add]);
+        assert!(!tools(&c)[0].changed);
+        assert_eq!(tools(&c)[0].public_name(), "calc__add");
+    }
+
+    #[test]
+    fn annotations_say_what_may_be_called_twice() {
+        let t = |a: Value| Tool {
+            server: "s".into(),
+            name: "t".into(),
+            definition: json!({"name": "t", "annotations": a}),
+            changed: false,
+        };
+        assert!(t(json!({"idempotentHint": true})).idempotent());
+        assert!(t(json!({"readOnlyHint": true})).idempotent());
+        assert!(!t(json!({"destructiveHint": true})).idempotent());
+        assert!(!t(Value::Null).idempotent());
+    }
+}

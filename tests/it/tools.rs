@@ -1,0 +1,259 @@
+//! The Model Context Protocol door (`/mcp`), end to end: the official `mcp` Python SDK's client
+//! against a node whose tool server is built with the same SDK, both revisions (2026-07-28 and
+//! 2025-11-25); every call judged by the pipeline (breaker, loops, contract) and replayed by
+//! `oam audit --verify`.
+
+use crate::gateway::gateway_with;
+use crate::support::python;
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+/// A tool server of the official SDK on a socket of its own: `add` (structured output), `fail`
+/// (always `isError`), `echo` (read-only, idempotent); `cost_calls` counts the calls it served.
+const SERVER: &str = r#"
+import socket, sys, json
+import anyio, uvicorn
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
+
+mcp = MCPServer(name="calc", version="1.0.0")
+served = {"n": 0}
+
+@mcp.tool(description="Add two integers")
+def add(a: int, b: int) -> int:
+    served["n"] += 1
+    return a + b
+
+@mcp.tool(description="Always fails")
+def fail(reason: str = "boom") -> str:
+    served["n"] += 1
+    raise ToolError(f"failed: {reason}")
+
+@mcp.tool(description="Echo", annotations=ToolAnnotations(readOnlyHint=True, idempotentHint=True))
+def echo(text: str) -> str:
+    served["n"] += 1
+    return text
+
+@mcp.tool(description="How many calls were served")
+def served_calls() -> int:
+    return served["n"]
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(128)
+app = mcp.streamable_http_app(json_response=True, stateless_http=True)
+print(json.dumps({"ready": True, "port": sock.getsockname()[1]}), flush=True)
+server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+anyio.run(lambda: server.serve(sockets=[sock]))
+"#;
+
+/// The SDK's client: connects to argv[1] in mode argv[2] as agent argv[4] (`X-OAM-Agent`), runs
+/// the calls in argv[3] (a JSON list of `["list"]` or `["call", name, arguments]`), and prints
+/// one JSON line per call.
+const CLIENT: &str = r#"
+import asyncio, json, sys
+import httpx2
+from mcp.client.client import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+async def main():
+    url, mode, calls, agent = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    http = httpx2.AsyncClient(headers={"x-oam-agent": agent}, timeout=30)
+    async with Client(streamable_http_client(url, http_client=http), mode=mode) as c:
+        for call in calls:
+            try:
+                if call[0] == "list":
+                    r = await c.list_tools()
+                    print(json.dumps({"tools": sorted(t.name for t in r.tools)}), flush=True)
+                else:
+                    r = await c.call_tool(call[1], call[2])
+                    print(json.dumps({
+                        "text": "".join(getattr(p, "text", "") for p in r.content),
+                        "structured": r.structured_content,
+                        "is_error": r.is_error,
+                        "oam": (r.meta or {}).get("oam"),
+                    }), flush=True)
+            except MCPError as e:
+                print(json.dumps({"error": e.error.code, "message": e.error.message}), flush=True)
+
+asyncio.run(main())
+"#;
+
+struct ToolServer {
+    child: Child,
+    url: String,
+}
+
+impl Drop for ToolServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tool_server() -> ToolServer {
+    let mut child = Command::new(python())
+        .args(["-c", SERVER])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("python");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: Value = serde_json::from_str(&line).expect("the tool server's ready line");
+    let url = format!("http://127.0.0.1:{}/mcp", ready["port"]);
+    ToolServer { child, url }
+}
+
+/// Run the SDK's client on `calls` against the node at `url` in `mode`, as agent `bob`: one
+/// JSON line each.
+fn client(url: &str, mode: &str, calls: Value) -> Vec<Value> {
+    let out = Command::new(python())
+        .args([
+            "-c",
+            CLIENT,
+            &format!("{url}/mcp"),
+            mode,
+            &calls.to_string(),
+            "bob",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn config(server: &ToolServer) -> String {
+    format!(
+        "[[mcp_server]]\nid = \"calc\"\nurl = \"{}\"\ncost_per_call_usd = 0.002\n",
+        server.url
+    )
+}
+
+#[tokio::test]
+async fn the_official_client_lists_and_calls_tools_in_both_revisions() {
+    let server = tool_server();
+    let g = gateway_with("mcp-call", &config(&server)).await;
+    for mode in ["auto", "legacy"] {
+        let out = client(
+            &g.url,
+            mode,
+            json!([
+                ["list"],
+                ["call", "calc__add", {"a": 2, "b": 3}],
+                ["call", "calc__nothing", {}],
+                ["call", "calc__add", {"a": "two", "b": 3}],
+            ]),
+        );
+        assert_eq!(
+            out[0]["tools"],
+            json!([
+                "calc__add",
+                "calc__echo",
+                "calc__fail",
+                "calc__served_calls"
+            ]),
+            "{mode}"
+        );
+        let add = &out[1];
+        assert_eq!(add["structured"], json!({"result": 5}), "{mode}: {add}");
+        assert_eq!(add["is_error"], false, "{mode}: {add}");
+        assert_eq!(add["oam"]["outcome"], "accepted", "{mode}: {add}");
+        assert_eq!(add["oam"]["target"], "calc", "{add}");
+        assert_eq!(
+            add["oam"]["cost_usd"], 0.002,
+            "the server's price per call: {add}"
+        );
+        // An unknown tool is a protocol error; arguments that do not fit are the model's to
+        // read, and never reach the server.
+        assert_eq!(out[2]["error"], -32602, "{mode}: {}", out[2]);
+        assert_eq!(out[3]["is_error"], true, "{mode}: {}", out[3]);
+        assert!(
+            out[3]["text"]
+                .as_str()
+                .unwrap()
+                .contains("TOOL_ARGUMENTS_INVALID"),
+            "{}",
+            out[3]
+        );
+    }
+    // Two calls of `add` reached the server (the bad arguments did not), and each decision
+    // replays byte for byte from the log.
+    let out = client(&g.url, "auto", json!([["call", "calc__served_calls", {}]]));
+    assert_eq!(out[0]["structured"], json!({"result": 2}), "{}", out[0]);
+    let id = out[0]["oam"]["request_id"].as_str().unwrap();
+    let explained = g.explain(&json!({"oam": {"request_id": id}})).await;
+    assert_eq!(explained["replay"]["identical"], true, "{explained}");
+}
+
+#[tokio::test]
+async fn failing_tools_trip_their_server_s_breaker_and_a_loop_of_them_is_refused() {
+    let server = tool_server();
+    let g = gateway_with("mcp-fail", &config(&server)).await;
+    // The same failing call, again and again: the third trips a loop, the fourth is refused
+    // before the server is called.
+    let same = json!(["call", "calc__fail", {"reason": "same"}]);
+    let out = client(&g.url, "auto", json!([same, same, same, same]));
+    for o in &out[..3] {
+        assert_eq!(o["is_error"], true, "{o}");
+        assert_eq!(o["oam"]["tried"][0]["status"], "error", "{o}");
+        assert_eq!(
+            o["oam"]["attempts"], 1,
+            "a tool that may not run twice is tried once: {o}"
+        );
+    }
+    let refused = &out[3];
+    assert_eq!(refused["is_error"], true, "{refused}");
+    assert_eq!(refused["oam"]["phase"], "loop", "{refused}");
+    assert_eq!(
+        refused["oam"]["attempts"], 0,
+        "never reached the server: {refused}"
+    );
+    // Different failing calls: the server's breaker opens, and then its other tools are not
+    // called either, until it cools down.
+    let varied: Vec<Value> = (0..4)
+        .map(|i| json!(["call", "calc__fail", {"reason": format!("r{i}")}]))
+        .chain(std::iter::once(
+            json!(["call", "calc__add", {"a": 1, "b": 1}]),
+        ))
+        .collect();
+    let out = client(&g.url, "auto", Value::Array(varied));
+    let last = out.last().unwrap();
+    assert_eq!(last["is_error"], true, "{last}");
+    assert_eq!(
+        last["oam"]["tried"],
+        json!([]),
+        "never reached the server: {last}"
+    );
+    let codes = last["oam"]["reason_codes"].to_string();
+    assert!(
+        codes.contains("CIRCUIT_OPEN") || codes.contains("PROVIDER_UNHEALTHY"),
+        "{last}"
+    );
+    // The server is down for the cluster's health view too, and says why.
+    let calc = g.target("calc").await;
+    let why = calc
+        .last_failure
+        .expect("calc's last failure")
+        .said(u64::MAX);
+    assert!(why.contains("isError"), "{why}");
+    assert_ne!(
+        calc.consensus.verdict,
+        oam::core::health::Verdict::Healthy,
+        "{:?}",
+        calc.consensus
+    );
+}
