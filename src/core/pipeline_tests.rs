@@ -1276,6 +1276,9 @@ fn every_reason_code_is_reachable() {
     // The listener's: a connection past node.max_connections is refused before any request
     // is read (`node::server`, tested in the suite's gateway tests).
     seen.insert(ReasonCode::ConnectionLimit);
+    // The MCP door's: a tool whose definition changed is refused before any request is made
+    // (`node::catalog` pins definitions, unit-tested there; `node::api::mcp` refuses).
+    seen.insert(ReasonCode::ToolDefinitionChanged);
     let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
     let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();
     assert!(missing.is_empty(), "unreached reason codes: {missing:?}");

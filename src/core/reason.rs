@@ -128,6 +128,8 @@ reason_codes! {
         "Global load reached the non-critical cap; non-critical traffic is shed so critical capacity stays free.";
     ConnectionLimit = "CONNECTION_LIMIT", Admission,
         "Every HTTP connection the node may hold (node.max_connections, sized from its open-file limit) had a request in hand; refused at once with Retry-After, retry later or on another node.";
+    ToolDefinitionChanged = "TOOL_DEFINITION_CHANGED", Admission,
+        "The tool's definition differs from the one pinned when this node first saw it; the tool is neither listed nor called, never used silently.";
     AgentLoopDetected = "AGENT_LOOP_DETECTED", Loop,
         "The same call (agent, task, model, messages) failed repeatedly within the loop window; the loop breaker tripped and an incident opened.";
     RunawayRetryStopped = "RUNAWAY_RETRY_STOPPED", Loop,
@@ -227,7 +229,7 @@ reason_codes! {
     ContractSchemaViolation = "CONTRACT_SCHEMA_VIOLATION", Semantic,
         "The answer does not fit the JSON Schema of the request's json_schema response format.";
     ToolArgumentsInvalid = "TOOL_ARGUMENTS_INVALID", Semantic,
-        "A tool call's arguments are not JSON or do not fit the parameter schema of the tool the request declared (or it names no declared tool).";
+        "A tool call's arguments are not JSON or do not fit the parameter schema of the tool the request declared (or it names no declared tool); at /mcp, the arguments do not fit the tool's input schema, and its server is not called.";
     QualityBelowThreshold = "QUALITY_BELOW_THRESHOLD", Quality,
         "A valid answer whose confidence is below what this request's risk level requires.";
     CostOverRequestLimit = "COST_OVER_REQUEST_LIMIT", Cost,

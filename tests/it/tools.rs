@@ -182,10 +182,13 @@ async fn the_official_client_lists_and_calls_tools_in_both_revisions() {
         assert_eq!(out[2]["error"], -32602, "{mode}: {}", out[2]);
         assert_eq!(out[3]["is_error"], true, "{mode}: {}", out[3]);
         assert!(
-            out[3]["text"]
-                .as_str()
-                .unwrap()
-                .contains("TOOL_ARGUMENTS_INVALID"),
+            out[3]["text"].as_str().unwrap().contains("/a: "),
+            "says where: {}",
+            out[3]
+        );
+        assert_eq!(
+            out[3]["oam"]["reason_codes"],
+            json!(["TOOL_ARGUMENTS_INVALID"]),
             "{}",
             out[3]
         );

@@ -11,6 +11,7 @@
 //! is in the result's `_meta` under `oam`.
 
 use crate::core::decision::{Decision, DecisionOutcome};
+use crate::core::reason::ReasonCode;
 use crate::core::request::{ANONYMOUS, Api, Message, Policy, Request};
 use crate::node::api::{BadRequest, bad, header};
 use crate::node::catalog::Tool;
@@ -225,10 +226,15 @@ pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcA
     };
     if tool.changed {
         let why = format!(
-            "TOOL_DEFINITION_CHANGED: {name}'s definition changed since this gateway first saw \
-             it; it is not called until an operator accepts the new one"
+            "{}: {name}'s definition changed since this gateway first saw it; it is not called \
+             until the gateway pins the new one",
+            ReasonCode::ToolDefinitionChanged.as_str()
         );
-        return Some(tool_error(call, &why, Value::Null));
+        return Some(tool_error(
+            call,
+            &why,
+            refused(ReasonCode::ToolDefinitionChanged),
+        ));
     }
     let args = call
         .params
@@ -239,11 +245,21 @@ pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcA
         && let Err(why) = crate::core::contract::fits_schema(&args, schema)
     {
         let why = format!(
-            "TOOL_ARGUMENTS_INVALID: the arguments do not fit {name}'s input schema: {why}"
+            "{}: the arguments do not fit {name}'s input schema: {why}",
+            ReasonCode::ToolArgumentsInvalid.as_str()
         );
-        return Some(tool_error(call, &why, Value::Null));
+        return Some(tool_error(
+            call,
+            &why,
+            refused(ReasonCode::ToolArgumentsInvalid),
+        ));
     }
     None
+}
+
+/// The `oam` object of a call refused before the pipeline, for `code`.
+fn refused(code: ReasonCode) -> Value {
+    json!({"outcome": "rejected", "phase": code.phase(), "reason_codes": [code], "attempts": 0})
 }
 
 /// A result with `isError` saying `why`, with oam's decision (if any) in `_meta`.
