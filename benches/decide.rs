@@ -65,6 +65,7 @@ fn request() -> Request {
         response_format: None,
         tools: Default::default(),
         bound_to: None,
+        tool_allowlist: None,
         embeddings: false,
         stream: false,
     }

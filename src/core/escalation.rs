@@ -177,6 +177,7 @@ mod tests {
             response_format: None,
             tools: Default::default(),
             bound_to: None,
+            tool_allowlist: None,
             embeddings: false,
             stream: false,
         }

@@ -127,6 +127,7 @@ pub(crate) fn req(id: &str) -> Request {
         response_format: None,
         tools: Default::default(),
         bound_to: None,
+        tool_allowlist: None,
         embeddings: false,
         stream: false,
     }

@@ -175,6 +175,10 @@ pub struct Request {
     /// names the tool server, its one message the call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_to: Option<Api>,
+    /// A tool call's: the revision of the caller's tool allowlist it was allowed under (none:
+    /// the caller is held to no list).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_allowlist: Option<String>,
     /// It asks for embeddings of its input (the messages hold the input's text): served only
     /// by embedding targets, and no answer text to hold to a contract.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

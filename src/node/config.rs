@@ -452,6 +452,47 @@ pub(crate) struct ClientConfig {
     pub rpm: Option<u64>,
     #[serde(default)]
     pub tpm: Option<u64>,
+    /// The tools at `/mcp` it may list and call, as `{server}__{tool}` names where `*` stands
+    /// for any run of characters and `?` for one (`tickets__*`). None: every tool; empty: none.
+    #[serde(default)]
+    pub tools: Option<Vec<String>>,
+}
+
+/// The tools a client may use (`[[client]] tools`), and the revision of that list, which each
+/// tool call's record carries.
+pub(crate) struct Allowlist<'a> {
+    pub patterns: &'a [String],
+    pub revision: String,
+}
+
+impl Allowlist<'_> {
+    pub(crate) fn allows(&self, tool: &str) -> bool {
+        self.patterns.iter().any(|p| glob_matches(p, tool))
+    }
+}
+
+/// Does `name` match `pattern`, where `*` is any run of characters and `?` any one?
+pub(crate) fn glob_matches(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut i, mut j) = (0, 0);
+    // Where the last `*` was, and the name position it stands up to so far.
+    let mut star: Option<(usize, usize)> = None;
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some((i, j));
+            i += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
 }
 
 /// A key: compared in constant time, never printed.
@@ -482,6 +523,16 @@ pub(crate) const MIN_KEY_CHARS: usize = 16;
 
 impl NodeConfig {
     /// The client whose key is `presented`, if any (every key is compared).
+    /// The tools client `id` may use; none when it is held to no list.
+    pub(crate) fn tool_allowlist(&self, id: &str) -> Option<Allowlist<'_>> {
+        let patterns = self.clients.iter().find(|c| c.id == id)?.tools.as_deref()?;
+        let hash = xxhash_rust::xxh3::xxh3_64(patterns.join("\n").as_bytes());
+        Some(Allowlist {
+            patterns,
+            revision: format!("{hash:016x}"),
+        })
+    }
+
     pub(crate) fn client_with_key(&self, presented: &str) -> Option<&str> {
         let mut found = None;
         for (id, key) in &self.client_keys {
@@ -752,6 +803,18 @@ impl NodeConfig {
             }
             if out.iter().any(|(id, _)| *id == c.id) {
                 return Err(ConfigError::Invalid(format!("{at}: id is listed twice")));
+            }
+            let odd = c.tools.iter().flatten().find(|t| {
+                t.is_empty()
+                    || !t
+                        .chars()
+                        .all(|ch| ch.is_ascii_alphanumeric() || "_-.*?".contains(ch))
+            });
+            if let Some(t) = odd {
+                return Err(ConfigError::Invalid(format!(
+                    "{at}: tools: {t:?} is no tool name pattern (letters, digits, '_', '-', '.', \
+                     and the wildcards '*' and '?', e.g. \"tickets__*\")"
+                )));
             }
             let key = std::env::var(&c.key_env).map_err(|_| {
                 ConfigError::Invalid(format!(
@@ -1180,6 +1243,37 @@ impl NodeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_patterns_match_whole_names_with_wildcards() {
+        assert!(glob_matches("tickets__*", "tickets__open"));
+        assert!(glob_matches("*__read_?", "files__read_a"));
+        assert!(glob_matches("calc__add", "calc__add"));
+        assert!(glob_matches("*", "anything"));
+        assert!(glob_matches("a*b*c", "a__b__b__c"));
+        assert!(!glob_matches("calc__add", "calc__add_all"));
+        assert!(!glob_matches("tickets__*", "ticketsx__open"));
+        assert!(!glob_matches("*__read_?", "files__read_ab"));
+        assert!(!glob_matches("a*b*c", "a__b__b__d"));
+    }
+
+    #[test]
+    fn mcp_servers_are_tool_targets_and_clients_may_be_held_to_tools() {
+        let text = "[[mcp_server]]\nid = \"calc\"\nurl = \"http://127.0.0.1:1/mcp\"\n\
+             cost_per_call_usd = 0.002\n\n\
+             [[client]]\nid = \"a\"\nkey_env = \"PATH\"\ntools = [\"calc__add\"]\n";
+        let cfg = NodeConfig::parse("t", text, "http://127.0.0.1:9999").unwrap();
+        let calc = cfg.targets.iter().find(|t| t.id == "calc").unwrap();
+        assert_eq!(calc.api, crate::core::request::Api::Mcp);
+        assert_eq!(calc.core().cost_of(1_000, 1_000), 0.002);
+        let list = cfg.tool_allowlist("a").unwrap();
+        assert!(list.allows("calc__add") && !list.allows("calc__sub"));
+        assert_eq!(list.revision.len(), 16);
+        assert!(cfg.tool_allowlist("nobody").is_none());
+        let bad = text.replace("calc__add", "calc add");
+        let e = NodeConfig::parse("t", &bad, "http://127.0.0.1:9999").unwrap_err();
+        assert!(e.to_string().contains("no tool name pattern"), "{e}");
+    }
 
     #[test]
     fn the_default_needs_no_file_and_points_at_the_sim() {

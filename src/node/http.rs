@@ -311,9 +311,14 @@ async fn mcp(
         Some(body) => (a.status, axum::Json(body)).into_response(),
         None => StatusCode::ACCEPTED.into_response(),
     };
-    if let Err(refused) = authenticate(&node, &headers) {
-        return to_http(*refused);
-    }
+    let client = match authenticate(&node, &headers) {
+        Err(refused) => return to_http(*refused),
+        Ok(client) => client,
+    };
+    // A client held to a list of tools sees and calls only those; to it the others do not
+    // exist.
+    let allowlist = client.and_then(|id| node.cfg.tool_allowlist(id));
+    let allowed = |name: &str| allowlist.as_ref().is_none_or(|a| a.allows(name));
     let call = match door::read(&bytes, &headers) {
         Err(refused) => return rpc(refused),
         Ok(None) => return StatusCode::ACCEPTED.into_response(),
@@ -322,11 +327,14 @@ async fn mcp(
     match call.method.as_str() {
         "tools/list" => {
             let (tools, _) = node.catalog.tools(&node).await;
-            rpc(door::list_result(&call, &tools))
+            rpc(door::list_result(&call, &tools, allowed))
         }
         "tools/call" => {
             let name = call.params["name"].as_str().unwrap_or("");
-            let tool = node.catalog.find(&node, name).await;
+            let tool = match allowed(name) {
+                true => node.catalog.find(&node, name).await,
+                false => None,
+            };
             if let Some(refused) = door::refuse_call(&call, tool.as_ref()) {
                 return rpc(refused);
             }
@@ -334,7 +342,8 @@ async fn mcp(
                 return rpc(door::refuse_call(&call, None)
                     .unwrap_or_else(|| door::result(&call, json!({}))));
             };
-            let body = door::call_body(&call, &tool);
+            let revision = allowlist.as_ref().map(|a| a.revision.as_str());
+            let body = door::call_body(&call, &tool, revision);
             match run(&node, body.into(), headers, Asks::Tool).await {
                 Ok(answer) => {
                     let result = serde_json::from_slice(&answer.body).unwrap_or_default();

@@ -49,9 +49,9 @@ server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 anyio.run(lambda: server.serve(sockets=[sock]))
 "#;
 
-/// The SDK's client: connects to argv[1] in mode argv[2] as agent argv[4] (`X-OAM-Agent`), runs
-/// the calls in argv[3] (a JSON list of `["list"]` or `["call", name, arguments]`), and prints
-/// one JSON line per call.
+/// The SDK's client: connects to argv[1] in mode argv[2] as agent argv[4] (`X-OAM-Agent`) with
+/// key argv[5] if given (`Authorization: Bearer`), runs the calls in argv[3] (a JSON list of
+/// `["list"]` or `["call", name, arguments]`), and prints one JSON line per call.
 const CLIENT: &str = r#"
 import asyncio, json, sys
 import httpx2
@@ -59,9 +59,18 @@ from mcp.client.client import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+class Bearer(httpx2.Auth):
+    """The key, as `Authorization: Bearer`."""
+    def __init__(self, key):
+        self.key = key
+    def auth_flow(self, request):
+        request.headers["Authorization"] = "Bearer " + self.key
+        yield request
+
 async def main():
     url, mode, calls, agent = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-    http = httpx2.AsyncClient(headers={"x-oam-agent": agent}, timeout=30)
+    key = sys.argv[5] if len(sys.argv) > 5 else None
+    http = httpx2.AsyncClient(headers={"x-oam-agent": agent}, auth=key and Bearer(key), timeout=30)
     async with Client(streamable_http_client(url, http_client=http), mode=mode) as c:
         for call in calls:
             try:
@@ -114,17 +123,16 @@ fn tool_server() -> ToolServer {
 /// Run the SDK's client on `calls` against the node at `url` in `mode`, as agent `bob`: one
 /// JSON line each.
 fn client(url: &str, mode: &str, calls: Value) -> Vec<Value> {
-    let out = Command::new(python())
-        .args([
-            "-c",
-            CLIENT,
-            &format!("{url}/mcp"),
-            mode,
-            &calls.to_string(),
-            "bob",
-        ])
-        .output()
-        .unwrap();
+    client_with_key(url, mode, calls, None)
+}
+
+/// `client`, presenting `key` (`Authorization: Bearer`) if given.
+fn client_with_key(url: &str, mode: &str, calls: Value, key: Option<&str>) -> Vec<Value> {
+    let calls = calls.to_string();
+    let url = format!("{url}/mcp");
+    let mut args = vec!["-c", CLIENT, &url, mode, &calls, "bob"];
+    args.extend(key);
+    let out = Command::new(python()).args(&args).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -258,5 +266,75 @@ async fn failing_tools_trip_their_server_s_breaker_and_a_loop_of_them_is_refused
         oam::core::health::Verdict::Healthy,
         "{:?}",
         calc.consensus
+    );
+}
+
+/// A key held to a list of tools sees only those and cannot call the others; the list's
+/// revision is on each call's record. A key without a list sees every tool.
+#[tokio::test]
+async fn a_key_sees_and_calls_only_the_tools_its_list_allows() {
+    let server = tool_server();
+    let clients = "[[client]]\nid = \"limited\"\nkey_env = \"OAM_TEST_KEY_LIMITED\"\n\
+                   tools = [\"calc__a?d\", \"other__*\"]\n\n\
+                   [[client]]\nid = \"full\"\nkey_env = \"OAM_TEST_KEY_FULL\"\n";
+    let (limited, full) = ("limited-0123456789abcdef", "full-0123456789abcdef-key");
+    let g = crate::gateway::gateway_with_env(
+        "mcp-allow",
+        &format!("{}{clients}", config(&server)),
+        &[
+            ("OAM_TEST_KEY_LIMITED", limited),
+            ("OAM_TEST_KEY_FULL", full),
+        ],
+    )
+    .await;
+    let calls = json!([
+        ["list"],
+        ["call", "calc__echo", {"text": "hi"}],
+        ["call", "calc__add", {"a": 1, "b": 2}],
+    ]);
+    let out = client_with_key(&g.url, "auto", calls.clone(), Some(limited));
+    assert_eq!(out[0]["tools"], json!(["calc__add"]), "{}", out[0]);
+    assert_eq!(
+        out[1]["error"], -32602,
+        "as if it did not exist: {}",
+        out[1]
+    );
+    assert_eq!(out[2]["structured"], json!({"result": 3}), "{}", out[2]);
+    assert_eq!(
+        out[2]["oam"]["agent"], "limited",
+        "the key's client: {}",
+        out[2]
+    );
+    let out = client_with_key(&g.url, "legacy", calls, Some(full));
+    assert_eq!(
+        out[0]["tools"].as_array().map(Vec::len),
+        Some(4),
+        "{}",
+        out[0]
+    );
+    assert_eq!(out[1]["structured"], json!({"result": "hi"}), "{}", out[1]);
+    // Without a key: refused before anything is listed.
+    let r = crate::gateway::client()
+        .post(format!("{}/mcp", g.url))
+        .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    // The call's record names the list it was allowed under.
+    let limited_call = client_with_key(
+        &g.url,
+        "auto",
+        json!([["call", "calc__add", {"a": 2, "b": 2}]]),
+        Some(limited),
+    );
+    let id = limited_call[0]["oam"]["request_id"].as_str().unwrap();
+    let explained = g.explain(&json!({"oam": {"request_id": id}})).await;
+    let revision = explained.pointer("/record/request/tool_allowlist");
+    assert!(
+        revision
+            .and_then(Value::as_str)
+            .is_some_and(|r| r.len() == 16),
+        "{explained}"
     );
 }

@@ -197,11 +197,15 @@ pub(crate) fn answer_plain(call: &RpcRequest) -> RpcAnswer {
     }
 }
 
-/// The `tools/list` result: every tool served, under its public name.
-pub(crate) fn list_result(call: &RpcRequest, tools: &[Tool]) -> RpcAnswer {
+/// The `tools/list` result: every tool served (those `allowed`), under its public name.
+pub(crate) fn list_result(
+    call: &RpcRequest,
+    tools: &[Tool],
+    allowed: impl Fn(&str) -> bool,
+) -> RpcAnswer {
     let listed: Vec<Value> = tools
         .iter()
-        .filter(|t| !t.changed)
+        .filter(|t| !t.changed && allowed(&t.public_name()))
         .map(|t| {
             let mut d = t.definition.clone();
             d["name"] = t.public_name().into();
@@ -273,8 +277,9 @@ fn tool_error(call: &RpcRequest, why: &str, oam: Value) -> RpcAnswer {
 
 /// The body `execute` decodes for a tool call (`decode`): the server, the call, and what the
 /// tool's definition says of it.
-pub(crate) fn call_body(call: &RpcRequest, tool: &Tool) -> Vec<u8> {
+pub(crate) fn call_body(call: &RpcRequest, tool: &Tool, allowlist: Option<&str>) -> Vec<u8> {
     let body = json!({
+        "allowlist": allowlist,
         "server": tool.server,
         "call": {
             "name": tool.name,
@@ -324,6 +329,7 @@ pub(crate) fn decode(
         response_format,
         tools: Default::default(),
         bound_to: Some(Api::Mcp),
+        tool_allowlist: v["allowlist"].as_str().map(String::from),
         embeddings: false,
         stream: false,
     };

@@ -290,6 +290,7 @@ impl Decoded {
             response_format: self.response_format,
             tools,
             bound_to: None,
+            tool_allowlist: None,
             embeddings: false,
             stream,
         };
