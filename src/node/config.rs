@@ -210,6 +210,9 @@ pub(crate) struct ProviderConfig {
     /// health samples otherwise).
     #[serde(default)]
     pub probe: Probe,
+    /// A tool server whose tools are the mesh's agents (`[[mcp_server]] mesh = true`).
+    #[serde(skip)]
+    pub mesh_tools: bool,
 }
 
 /// One model of a provider: its name, or its name with its own target attributes.
@@ -408,8 +411,13 @@ pub struct NodeConfig {
 #[serde(deny_unknown_fields)]
 pub(crate) struct McpServerConfig {
     pub id: String,
-    /// Its endpoint, e.g. `http://127.0.0.1:8000/mcp`.
+    /// Its endpoint, e.g. `http://127.0.0.1:8000/mcp` ...
+    #[serde(default)]
     pub url: String,
+    /// ... or, instead: its tools are the mesh's agents tagged `mcp` in the catalog, each called
+    /// with the tool's arguments as its payload by the fail-fast caller.
+    #[serde(default)]
+    pub mesh: bool,
     /// The variable holding its key, sent as `Authorization: Bearer <key>`.
     #[serde(default)]
     pub api_key_env: Option<String>,
@@ -431,6 +439,7 @@ impl McpServerConfig {
             api_key_env: self.api_key_env.clone(),
             cost_per_call_usd: self.cost_per_call_usd,
             probe: self.probe,
+            mesh_tools: self.mesh,
             ..ProviderConfig::blank()
         }
     }
@@ -601,6 +610,7 @@ pub(crate) fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             prefill: p.fallback,
             fallback: p.fallback,
             probe: Probe::Auto,
+            mesh_tools: false,
         })
         .chain(std::iter::once(ProviderConfig {
             // The simulator's embedding model, on its zero-cost local provider.
@@ -636,6 +646,7 @@ impl ProviderConfig {
             prefill: false,
             fallback: false,
             probe: Probe::Auto,
+            mesh_tools: false,
         }
     }
 }
@@ -1103,6 +1114,14 @@ impl NodeConfig {
                         return Err(ConfigError::Invalid(format!(
                             "{at}: probe = \"models\" needs a base_url (an agent has no model \
                              list); use \"chat\" or \"off\""
+                        )));
+                    }
+                }
+                None if p.mesh_tools => {
+                    if !p.base_url.is_empty() {
+                        return Err(ConfigError::Invalid(format!(
+                            "{at}: its tools are either the mesh's agents (mesh = true) or a \
+                             server's at url, not both"
                         )));
                     }
                 }

@@ -13,7 +13,7 @@ fn oam(nats: &str) -> Command {
     c
 }
 
-fn serve(nats: &str, name: &str, demo: &str, extra: &[&str]) -> Proc {
+pub(crate) fn serve(nats: &str, name: &str, demo: &str, extra: &[&str]) -> Proc {
     let mut args = vec![
         "agent",
         "serve",
@@ -268,7 +268,7 @@ async fn hearing_deaths(
 }
 
 /// A monitor beside a fresh server, with both accounts.
-fn monitor(server: &NatsServer) -> Proc {
+pub(crate) fn monitor(server: &NatsServer) -> Proc {
     let sys =
         oam::local::natsd::sys_url(&oam::local::natsd::loopback(&[server.port]), &server.creds);
     Proc::spawn(&[

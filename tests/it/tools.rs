@@ -338,3 +338,100 @@ async fn a_key_sees_and_calls_only_the_tools_its_list_allows() {
         "{explained}"
     );
 }
+
+/// One call of `argv[2]` with `argv[3]` through the door at `argv[1]` (2026-07-28): prints
+/// `{"calling": true}` once it is sent, then its result with the wall-clock time it came.
+const TIMED_CLIENT: &str = r#"
+import asyncio, json, sys, time
+from mcp.client.client import Client
+
+async def main():
+    async with Client(sys.argv[1], mode="2026-07-28") as c:
+        call = asyncio.ensure_future(c.call_tool(sys.argv[2], json.loads(sys.argv[3])))
+        await asyncio.sleep(0)
+        print(json.dumps({"calling": True}), flush=True)
+        r = await call
+        ended = time.time()
+        text = "".join(getattr(p, "text", "") for p in r.content)
+        print(json.dumps({"is_error": r.is_error, "text": text, "ended": ended}), flush=True)
+
+asyncio.run(main())
+"#;
+
+/// Agents tagged `mcp` are the tools of a node's `mesh = true` tool server, called with the
+/// fail-fast caller: an agent SIGKILLed while it holds a call ends that call within a second,
+/// with a result that says it died, not at its timeout.
+#[tokio::test]
+async fn a_mesh_agent_is_a_tool_and_its_death_ends_the_call_at_once() {
+    let g = gateway_with("mcp-mesh", "[[mcp_server]]\nid = \"mesh\"\nmesh = true\n").await;
+    let nats = g._nats.url();
+    let _monitor = crate::agents::monitor(&g._nats);
+    let serve = crate::agents::serve;
+    let _echo = serve(&nats, "tools.echo", "echo", &["--tag", "mcp"]);
+    let mut slow = serve(&nats, "tools.slow", "sleep:8000", &["--tag", "mcp"]);
+    let _hidden = serve(&nats, "tools.hidden", "echo", &[]);
+    let out = client(
+        &g.url,
+        "auto",
+        json!([["list"], ["call", "mesh__tools.echo", {"message": "hi"}]]),
+    );
+    assert_eq!(
+        out[0]["tools"],
+        json!(["mesh__tools.echo", "mesh__tools.slow"]),
+        "only agents tagged mcp: {}",
+        out[0]
+    );
+    assert_eq!(out[1]["structured"], json!({"message": "hi"}), "{}", out[1]);
+    assert_eq!(out[1]["oam"]["target"], "mesh", "{}", out[1]);
+
+    // Its heartbeats say when it holds a call.
+    let nc = oam::transport::connect::connect(&nats, "test", false, &Default::default())
+        .await
+        .unwrap();
+    let mut beats = nc
+        .subscribe(oam::transport::subjects::health("tools.slow"))
+        .await
+        .unwrap();
+    let mut timed = Command::new(python())
+        .args([
+            "-c",
+            TIMED_CLIENT,
+            &format!("{}/mcp", g.url),
+            "mesh__tools.slow",
+            "{\"n\": 1}",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(timed.stdout.take().unwrap()).lines();
+    let calling = lines.next().unwrap().unwrap();
+    assert!(calling.contains("calling"), "{calling}");
+    // The call is under way (the agent takes 8 s); its agent dies holding it.
+    let holding = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while let Some(m) = futures_util::StreamExt::next(&mut beats).await {
+            let beat: Value = serde_json::from_slice(&m.payload).unwrap_or_default();
+            if beat["in_flight"].as_u64() >= Some(1) {
+                return;
+            }
+        }
+    });
+    holding.await.expect("the agent holds the call");
+    slow.kill();
+    let killed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let result: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let _ = timed.wait();
+    assert_eq!(result["is_error"], true, "{result}");
+    assert!(
+        result["text"].as_str().unwrap().contains("died"),
+        "says the agent died: {result}"
+    );
+    let after = result["ended"].as_f64().unwrap() - killed;
+    eprintln!(
+        "the call ended {after:.3} s after its agent's kill: {}",
+        result["text"]
+    );
+    assert!(after < 1.0, "ended {after:.2} s after the kill: {result}");
+}

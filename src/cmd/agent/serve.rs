@@ -28,6 +28,10 @@ pub struct Args {
     /// waiting out its own timeout.
     #[arg(long)]
     pub max_handling_ms: Option<u64>,
+    /// A tag for the catalog, besides `demo` (repeatable); `mcp` exposes the agent as a tool of
+    /// nodes that serve the mesh's agents at `/mcp`.
+    #[arg(long = "tag")]
+    pub tags: Vec<String>,
     /// Print the ready line as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -50,7 +54,9 @@ pub async fn run(cluster: &super::super::ClusterArgs, s: Args) -> Result<()> {
         name: s.name.clone(),
         description: s.description.clone(),
         version: "0.1.0".into(),
-        tags: vec!["demo".into()],
+        tags: std::iter::once("demo".to_string())
+            .chain(s.tags.iter().cloned())
+            .collect(),
         invocable: true,
         streaming: s.demo.streams(),
         max_handling_ms: s.max_handling_ms,

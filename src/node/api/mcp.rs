@@ -340,7 +340,11 @@ pub(crate) fn decode(
 /// accepted, else a result with `isError` saying why; oam's decision in `_meta`.
 pub(crate) fn answer(d: &Decision, last: Option<Attempt>) -> (StatusCode, bytes::Bytes) {
     let oam = serde_json::to_value(crate::node::api::openai::OamObject::of(d)).unwrap_or_default();
-    let result = match last.and_then(|a| a.body) {
+    let (body, error) = match last {
+        Some(a) => (a.body, a.generation.error),
+        None => (None, None),
+    };
+    let result = match body {
         Some(Reply::Json(Value::Object(mut r))) if d.outcome == DecisionOutcome::Accepted => {
             let meta = r.entry("_meta").or_insert_with(|| json!({}));
             if meta.is_object() {
@@ -354,11 +358,14 @@ pub(crate) fn answer(d: &Decision, last: Option<Attempt>) -> (StatusCode, bytes:
                 DecisionOutcome::Escalated => "escalated",
                 _ => "refused",
             };
-            let why = format!(
+            let mut why = format!(
                 "oam {verb} the tool call in phase {}: {}",
                 d.phase,
                 reasons.join(", ")
             );
+            if let Some(e) = error.filter(|_| !d.attempts.is_empty()) {
+                why = format!("{why}; the last attempt: {e}");
+            }
             json!({"content": [{"type": "text", "text": why}], "isError": true, "_meta": {"oam": oam}})
         }
     };

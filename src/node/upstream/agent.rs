@@ -3,13 +3,19 @@
 //! dies holding a request ends that attempt with `agent_died` as soon as the monitor says so
 //! (not at its timeout) and the request goes on to its fallback. An agent cannot stream: its
 //! whole answer is replayed as a stream's events.
+//!
+//! `MeshTools` serves the mesh's agents as a tool server's tools (`[[mcp_server]] mesh = true`):
+//! those whose catalog entry carries the tag `mcp`, each called with the tool's arguments as its
+//! payload by the same fail-fast caller, so a tool call held by an agent that dies ends at once.
 
-use super::super::exchange::{Attempt, Passthrough};
-use super::{Opened, Upstream, UpstreamCall, chat, failed};
+use super::super::exchange::Attempt;
+use super::{ToolAsk, Upstream, UpstreamCall, chat, failed, listed};
+use crate::core::request::Generation;
 use crate::core::request::GenerationStatus;
 use crate::mesh::client::Caller;
 use crate::mesh::protocol::ErrorCode;
 use futures_util::future::BoxFuture;
+use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -78,29 +84,108 @@ impl Upstream for MeshAgent {
         })
     }
 
-    fn open_stream<'a>(
-        &'a self,
-        model: &'a str,
-        pass: &'a Passthrough,
-        _prefill: Option<&'a str>,
-        max_tokens: u32,
-        first_event: Duration,
-    ) -> BoxFuture<'a, Opened> {
+    fn agent(&self) -> Option<&str> {
+        Some(&self.name)
+    }
+}
+
+/// The catalog tag that exposes an agent as a tool.
+pub(crate) const TOOL_TAG: &str = "mcp";
+
+pub(super) struct MeshTools {
+    calls: Arc<AgentCalls>,
+    mesh: tokio::sync::OnceCell<crate::mesh::store::Mesh>,
+}
+
+impl MeshTools {
+    pub(super) fn new(calls: Arc<AgentCalls>) -> MeshTools {
+        MeshTools {
+            calls,
+            mesh: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// The agents of the catalog that are tools, as tool definitions: any JSON object as their
+    /// arguments, idempotent when tagged `idempotent`.
+    async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, String> {
+        let mesh = self
+            .mesh
+            .get_or_init(|| async { crate::mesh::store::Mesh::new(self.calls.nats.clone()) })
+            .await;
+        let read = crate::mesh::store::catalog(mesh);
+        let catalog = match tokio::time::timeout(timeout, read).await {
+            Err(_) => return Err(format!("the catalog did not answer within {timeout:?}")),
+            Ok(Err(e)) => return Err(format!("the catalog could not be read: {e:#}")),
+            Ok(Ok(c)) => c,
+        };
+        Ok(catalog
+            .into_iter()
+            .filter(|e| e.invocable && !e.streaming && e.tags.iter().any(|t| t == TOOL_TAG))
+            .map(|e| {
+                let idempotent = e.tags.iter().any(|t| t == "idempotent");
+                json!({
+                    "name": e.name,
+                    "description": e.description,
+                    "inputSchema": {"type": "object"},
+                    "annotations": {"idempotentHint": idempotent},
+                })
+            })
+            .collect())
+    }
+}
+
+/// An agent's answer as a tool's result: its JSON as text, and as structured content when it is
+/// an object.
+fn tool_result(bytes: &[u8], latency_ms: u64) -> Attempt {
+    let value: Value = serde_json::from_slice(bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into_owned()));
+    let text = match &value {
+        Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    let mut result = json!({"content": [{"type": "text", "text": text}], "isError": false});
+    if value.is_object() {
+        result["structuredContent"] = value;
+    }
+    Attempt {
+        generation: Generation::ok(&text, latency_ms),
+        body: Some(super::super::exchange::Reply::Json(result)),
+        http_status: 200,
+    }
+}
+
+impl Upstream for MeshTools {
+    fn generate<'a>(&'a self, ask: UpstreamCall<'a>, timeout: Duration) -> BoxFuture<'a, Attempt> {
         Box::pin(async move {
             let started = Instant::now();
-            let ask = UpstreamCall {
-                model,
-                pass: Some(pass),
-                messages: &[],
-                max_tokens,
-                response_format: None,
+            let ms = || started.elapsed().as_millis() as u64;
+            let (agent, args) = match ToolAsk::of(&ask, ms()) {
+                Ok(ToolAsk::Call { name, arguments }) => (name, arguments),
+                Ok(ToolAsk::Probe) => return listed(self.tools(timeout).await, ms()),
+                Err(refused) => return *refused,
             };
-            let a = self.generate(ask, first_event).await;
-            Opened::whole(a, pass.include_usage, started)
+            let caller = match self.calls.caller().await {
+                Ok(caller) => caller,
+                Err(e) => {
+                    let why = format!("cannot watch the mesh for deaths: {e:#}");
+                    return failed(GenerationStatus::Error, why, ms());
+                }
+            };
+            let payload = args.to_string().into_bytes();
+            match caller.call(&agent, payload.into(), timeout).await {
+                Ok(bytes) => tool_result(&bytes, ms()),
+                Err(e) if e.code == ErrorCode::Timeout => {
+                    failed(GenerationStatus::Timeout, e.to_string(), ms())
+                }
+                Err(e) if e.code == ErrorCode::InvalidInput => {
+                    failed(GenerationStatus::Rejected, e.to_string(), ms())
+                }
+                Err(e) => failed(GenerationStatus::Error, e.to_string(), ms()),
+            }
         })
     }
 
-    fn agent(&self) -> Option<&str> {
-        Some(&self.name)
+    fn tool_list(&self, timeout: Duration) -> Option<BoxFuture<'_, Result<Vec<Value>, String>>> {
+        Some(Box::pin(self.tools(timeout)))
     }
 }

@@ -9,9 +9,9 @@
 //! with `initialize` once and its session id, if it gives one, on every call after.
 
 use super::super::config::ProviderConfig;
-use super::super::exchange::{Attempt, Passthrough, Reply};
+use super::super::exchange::{Attempt, Reply};
 use super::http::{error_chain, key, read_capped, secret};
-use super::{Opened, Upstream, UpstreamCall, failed};
+use super::{ToolAsk, Upstream, UpstreamCall, failed, listed};
 use crate::core::request::{Generation, GenerationStatus};
 use futures_util::future::BoxFuture;
 use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue};
@@ -383,23 +383,12 @@ impl Upstream for McpServer {
         Box::pin(async move {
             let started = Instant::now();
             let ms = || started.elapsed().as_millis() as u64;
-            // A probe (no client request) asks for the tool list: free.
-            if ask.pass.is_none() {
-                return match self.tools(timeout).await {
-                    Ok(_) => Generation::ok("", ms()).into(),
-                    Err(why) => failed(GenerationStatus::Error, why, ms()),
-                };
-            }
-            let call = ask
-                .messages
-                .first()
-                .and_then(|m| serde_json::from_str::<Value>(&m.content).ok());
-            let Some(call) = call.filter(|c| c["name"].is_string()) else {
-                let why = "the request holds no tool call".to_string();
-                return failed(GenerationStatus::Rejected, why, ms());
+            let (name, arguments) = match ToolAsk::of(&ask, ms()) {
+                Ok(ToolAsk::Call { name, arguments }) => (name, arguments),
+                Ok(ToolAsk::Probe) => return listed(self.tools(timeout).await, ms()),
+                Err(refused) => return *refused,
             };
-            let name = call["name"].as_str().unwrap_or_default().to_string();
-            let params = json!({"name": name, "arguments": call["arguments"]});
+            let params = json!({"name": name, "arguments": arguments});
             match self.ask("tools/call", Some(&name), params, timeout).await {
                 Answered::Result(r) => attempt_of(r, ms()),
                 // Invalid arguments, an unknown tool: the call's own fault.
@@ -416,44 +405,6 @@ impl Upstream for McpServer {
                 Answered::Failed(a) => *a,
             }
         })
-    }
-
-    fn open_stream<'a>(
-        &'a self,
-        model: &'a str,
-        pass: &'a Passthrough,
-        _prefill: Option<&'a str>,
-        max_tokens: u32,
-        first_event: Duration,
-    ) -> BoxFuture<'a, Opened> {
-        // A tool call is never streamed; asked for one, it is answered whole.
-        Box::pin(async move {
-            let started = Instant::now();
-            let ask = UpstreamCall {
-                model,
-                pass: Some(pass),
-                messages: &[],
-                max_tokens,
-                response_format: None,
-            };
-            Opened::whole(self.generate(ask, first_event).await, false, started)
-        })
-    }
-
-    fn free_check(&self, timeout: Duration) -> Option<BoxFuture<'_, Generation>> {
-        Some(Box::pin(async move {
-            let started = Instant::now();
-            match self.tools(timeout).await {
-                Ok(_) => Generation::ok("", started.elapsed().as_millis() as u64),
-                Err(why) => Generation {
-                    error: Some(why),
-                    ..Generation::failed(
-                        GenerationStatus::Error,
-                        started.elapsed().as_millis() as u64,
-                    )
-                },
-            }
-        }))
     }
 
     fn tool_list(&self, timeout: Duration) -> Option<BoxFuture<'_, Result<Vec<Value>, String>>> {

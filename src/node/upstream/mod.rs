@@ -44,15 +44,29 @@ trait Upstream: Send + Sync {
 
     /// Open a streamed answer to the client's request `pass` (usage asked for), continuing
     /// `prefill` (the answer so far) when given; the response must begin within
-    /// `first_event`.
+    /// `first_event`. One that cannot stream (an agent, a tool) answers whole, replayed as a
+    /// stream's events.
     fn open_stream<'a>(
         &'a self,
         model: &'a str,
         pass: &'a Passthrough,
-        prefill: Option<&'a str>,
+        _prefill: Option<&'a str>,
         max_tokens: u32,
         first_event: Duration,
-    ) -> BoxFuture<'a, Opened>;
+    ) -> BoxFuture<'a, Opened> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let ask = UpstreamCall {
+                model,
+                pass: Some(pass),
+                messages: &[],
+                max_tokens,
+                response_format: None,
+            };
+            let a = self.generate(ask, first_event).await;
+            Opened::whole(a, pass.include_usage, started)
+        })
+    }
 
     /// Embeddings of the client's request `pass`. Only an API that serves them is asked
     /// (checked at load).
@@ -69,8 +83,20 @@ trait Upstream: Send + Sync {
 
     /// A free check that it answers (its model list, `GET /models`; a tool server's tool
     /// list), bounded by `timeout`, which stands in for a billed one; `None` when it has none.
-    fn free_check(&self, _timeout: Duration) -> Option<BoxFuture<'_, Generation>> {
-        None
+    fn free_check(&self, timeout: Duration) -> Option<BoxFuture<'_, Generation>> {
+        let listing = self.tool_list(timeout)?;
+        Some(Box::pin(async move {
+            let started = Instant::now();
+            let listed = listing.await;
+            let ms = started.elapsed().as_millis() as u64;
+            match listed {
+                Ok(_) => Generation::ok("", ms),
+                Err(why) => Generation {
+                    error: Some(why),
+                    ..Generation::failed(GenerationStatus::Error, ms)
+                },
+            }
+        }))
     }
 
     /// The mesh agent that serves it, if it is one.
@@ -106,6 +132,7 @@ impl Connector {
             (Some(name), _) => Box::new(agent::MeshAgent::new(name, calls.clone())),
             (None, Api::Openai) => Box::new(openai::OpenaiCompatible::new(cfg, http, post)?),
             (None, Api::Anthropic) => Box::new(anthropic::AnthropicMessages::new(cfg, http, post)?),
+            (None, Api::Mcp) if cfg.mesh_tools => Box::new(agent::MeshTools::new(calls.clone())),
             (None, Api::Mcp) => Box::new(mcp::McpServer::new(cfg, http, &post)?),
         };
         Ok(Connector {
@@ -188,6 +215,49 @@ impl Connector {
             Some(check) => check.await,
             None => Generation::failed(GenerationStatus::Error, 0),
         }
+    }
+}
+
+/// What an attempt asks of a tool server: a probe (no client request: its tool list answers,
+/// for free), or one call of a tool, read from the request's one message.
+enum ToolAsk {
+    Probe,
+    Call { name: String, arguments: Value },
+}
+
+impl ToolAsk {
+    /// The ask of `ask`, or the refused attempt (after `ms`) when its message holds no call.
+    fn of(ask: &UpstreamCall<'_>, ms: u64) -> Result<ToolAsk, Box<Attempt>> {
+        if ask.pass.is_none() {
+            return Ok(ToolAsk::Probe);
+        }
+        let call = ask
+            .messages
+            .first()
+            .and_then(|m| serde_json::from_str::<Value>(&m.content).ok());
+        match call {
+            Some(Value::Object(mut c)) if c.get("name").is_some_and(Value::is_string) => {
+                let arguments = c.remove("arguments").unwrap_or_default();
+                let name = c.remove("name").and_then(|n| n.as_str().map(String::from));
+                Ok(ToolAsk::Call {
+                    name: name.unwrap_or_default(),
+                    arguments,
+                })
+            }
+            _ => Err(Box::new(failed(
+                GenerationStatus::Rejected,
+                "the request holds no tool call".into(),
+                ms,
+            ))),
+        }
+    }
+}
+
+/// A probe's attempt from a tool list (or why there is none), after `ms`.
+fn listed(tools: Result<Vec<Value>, String>, ms: u64) -> Attempt {
+    match tools {
+        Ok(_) => Generation::ok("", ms).into(),
+        Err(why) => failed(GenerationStatus::Error, why, ms),
     }
 }
 
