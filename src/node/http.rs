@@ -1,7 +1,8 @@
 //! HTTP in front of the request path: `POST /v1/chat/completions` (OpenAI-compatible),
 //! `POST /v1/messages` (Anthropic's Messages API), `POST /v1/responses` (OpenAI's Responses API),
 //! `POST /v1/embeddings`,
-//! `GET /v1/models`, the Model Context Protocol door `POST /mcp`, the node's state and metrics, and the chaos restore an isolated node can
+//! `GET /v1/models`, the doors for tools and agents (`/mcp`, `/a2a`: `node::doors`), the node's
+//! state and metrics, and the chaos restore an isolated node can
 //! still hear. Every response carries `X-OAM-Phase`, `X-OAM-Reasons`, `X-OAM-Target` and
 //! `X-Request-Id`.
 
@@ -27,7 +28,17 @@ pub(crate) fn router(node: Arc<Node>) -> Router {
         .route("/v1/responses", answers(&api::responses::Responses))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
-        .route("/mcp", post(mcp).fallback(not_mcp))
+        .route(
+            "/mcp",
+            post(super::doors::mcp).fallback(super::doors::not_mcp),
+        )
+        .route("/.well-known/agent-card.json", get(super::doors::node_card))
+        .route("/a2a", post(super::doors::a2a_unnamed))
+        .route("/a2a/{agent}", post(super::doors::a2a_send))
+        .route(
+            "/a2a/{agent}/.well-known/agent-card.json",
+            get(super::doors::agent_card),
+        )
         .route("/v1/oam/state", get(state))
         .route("/v1/oam/chaos", post(chaos))
         .route("/metrics", get(metrics))
@@ -295,86 +306,6 @@ async fn count_tokens(
     in_its_api(answer, text, events)
 }
 
-/// `POST /mcp`: one JSON-RPC request of the Model Context Protocol (`api::mcp`); its tool
-/// calls run the request path as `Asks::Tool`. A notification is acknowledged (202).
-async fn mcp(
-    State(node): State<Arc<Node>>,
-    headers: HeaderMap,
-    body: axum::body::Body,
-) -> Response {
-    use super::api::mcp::{self as door, RpcAnswer};
-    let bytes = match read_body(&node, &headers, body).await {
-        Ok(bytes) => bytes,
-        Err(refused) => return to_http(*refused),
-    };
-    let rpc = |a: RpcAnswer| match a.body {
-        Some(body) => (a.status, axum::Json(body)).into_response(),
-        None => StatusCode::ACCEPTED.into_response(),
-    };
-    let client = match authenticate(&node, &headers) {
-        Err(refused) => return to_http(*refused),
-        Ok(client) => client,
-    };
-    // A client held to a list of tools sees and calls only those; to it the others do not
-    // exist.
-    let allowlist = client.and_then(|id| node.cfg.tool_allowlist(id));
-    let allowed = |name: &str| allowlist.as_ref().is_none_or(|a| a.allows(name));
-    let call = match door::read(&bytes, &headers) {
-        Err(refused) => return rpc(refused),
-        Ok(None) => return StatusCode::ACCEPTED.into_response(),
-        Ok(Some(call)) => call,
-    };
-    match call.method.as_str() {
-        "tools/list" => {
-            let (tools, _) = node.catalog.tools(&node).await;
-            rpc(door::list_result(&call, &tools, allowed))
-        }
-        "tools/call" => {
-            let name = call.params["name"].as_str().unwrap_or("");
-            let tool = match allowed(name) {
-                true => node.catalog.find(&node, name).await,
-                false => None,
-            };
-            if let Some(refused) = door::refuse_call(&call, tool.as_ref()) {
-                return rpc(refused);
-            }
-            let Some(tool) = tool else {
-                return rpc(door::refuse_call(&call, None)
-                    .unwrap_or_else(|| door::result(&call, json!({}))));
-            };
-            let revision = allowlist.as_ref().map(|a| a.revision.as_str());
-            let body = door::call_body(&call, &tool, revision);
-            match run(&node, body.into(), headers, Asks::Tool).await {
-                Ok(answer) => {
-                    let result = serde_json::from_slice(&answer.body).unwrap_or_default();
-                    let resp = rpc(door::result(&call, result));
-                    with_oam_headers(
-                        resp,
-                        [
-                            answer.phase,
-                            answer.reasons,
-                            answer.target,
-                            answer.request_id,
-                        ],
-                    )
-                }
-                Err(failed) => failed,
-            }
-        }
-        _ => rpc(door::answer_plain(&call)),
-    }
-}
-
-/// `/mcp` answers only POST: no stream of the server's own is offered.
-async fn not_mcp() -> Response {
-    (
-        StatusCode::METHOD_NOT_ALLOWED,
-        [(axum::http::header::ALLOW, "POST")],
-        "the MCP door answers POST only (no server-initiated stream)\n",
-    )
-        .into_response()
-}
-
 /// `POST /v1/embeddings`: routed to embedding targets with health, breakers, budgets and the
 /// log (`embeddings`); the upstream's list with the `oam` object.
 async fn embeddings(
@@ -460,7 +391,7 @@ fn in_its_api(answer: Answer, body: bytes::Bytes, events: bool) -> Response {
 
 /// The request body, read within `BODY_TIMEOUT` and `node.max_body_bytes`; else the 413 or 408
 /// that says which.
-async fn read_body(
+pub(super) async fn read_body(
     node: &Arc<Node>,
     headers: &HeaderMap,
     body: axum::body::Body,
@@ -495,7 +426,7 @@ async fn read_body(
 /// Run the request path on `bytes`. A caller that hangs up cancels nothing half-way: the
 /// pipeline moves to a task of its own, is told the caller is gone, and ends cleanly (slot
 /// released, health sample and decision kept). A pipeline that panicked is a 500.
-async fn run(
+pub(super) async fn run(
     node: &Arc<Node>,
     bytes: axum::body::Bytes,
     headers: HeaderMap,

@@ -16,6 +16,7 @@ pub(crate) mod chaos;
 pub mod config;
 pub(crate) mod decisionlog;
 mod detach;
+mod doors;
 pub(crate) mod escalations;
 pub(crate) mod exchange;
 pub(crate) mod gossip;

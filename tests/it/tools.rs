@@ -91,6 +91,39 @@ async def main():
 asyncio.run(main())
 "#;
 
+/// A subscription to `agent`'s heartbeats, made before a call is sent to it.
+async fn beats_of(nats: &str, agent: &str) -> (async_nats::Client, async_nats::Subscriber) {
+    let nc = oam::transport::connect::connect(nats, "test", false, &Default::default())
+        .await
+        .unwrap();
+    let beats = nc
+        .subscribe(oam::transport::subjects::health(agent))
+        .await
+        .unwrap();
+    (nc, beats)
+}
+
+/// Until a heartbeat says the agent holds a call (at most 10 s).
+async fn until_holding(beats: &mut async_nats::Subscriber) {
+    let holding = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while let Some(m) = futures_util::StreamExt::next(beats).await {
+            let beat: Value = serde_json::from_slice(&m.payload).unwrap_or_default();
+            if beat["in_flight"].as_u64() >= Some(1) {
+                return;
+            }
+        }
+    });
+    holding.await.expect("the agent holds the call");
+}
+
+/// Now, in seconds since the epoch (as the Python clients say when an answer came).
+fn epoch_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
 struct ToolServer {
     child: Child,
     url: String,
@@ -385,13 +418,7 @@ async fn a_mesh_agent_is_a_tool_and_its_death_ends_the_call_at_once() {
     assert_eq!(out[1]["oam"]["target"], "mesh", "{}", out[1]);
 
     // Its heartbeats say when it holds a call.
-    let nc = oam::transport::connect::connect(&nats, "test", false, &Default::default())
-        .await
-        .unwrap();
-    let mut beats = nc
-        .subscribe(oam::transport::subjects::health("tools.slow"))
-        .await
-        .unwrap();
+    let (_nc, mut beats) = beats_of(&nats, "tools.slow").await;
     let mut timed = Command::new(python())
         .args([
             "-c",
@@ -407,20 +434,9 @@ async fn a_mesh_agent_is_a_tool_and_its_death_ends_the_call_at_once() {
     let calling = lines.next().unwrap().unwrap();
     assert!(calling.contains("calling"), "{calling}");
     // The call is under way (the agent takes 8 s); its agent dies holding it.
-    let holding = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        while let Some(m) = futures_util::StreamExt::next(&mut beats).await {
-            let beat: Value = serde_json::from_slice(&m.payload).unwrap_or_default();
-            if beat["in_flight"].as_u64() >= Some(1) {
-                return;
-            }
-        }
-    });
-    holding.await.expect("the agent holds the call");
+    until_holding(&mut beats).await;
     slow.kill();
-    let killed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64();
+    let killed = epoch_s();
     let result: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
     let _ = timed.wait();
     assert_eq!(result["is_error"], true, "{result}");
@@ -434,4 +450,104 @@ async fn a_mesh_agent_is_a_tool_and_its_death_ends_the_call_at_once() {
         result["text"]
     );
     assert!(after < 1.0, "ended {after:.2} s after the kill: {result}");
+}
+
+/// The official A2A client: fetches the card at argv[1] (a base URL), sends one message with
+/// the data part argv[2] over the binding the card declares, and prints the card's name and
+/// skills, then each response (a task) as JSON, one line each.
+const A2A_CLIENT: &str = r#"
+import asyncio, json, sys, time, uuid
+import httpx
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import MessageToDict, ParseDict
+from a2a.client import ClientConfig, ClientFactory
+from a2a.client.card_resolver import A2ACardResolver
+from a2a.types.a2a_pb2 import Message, Part, Role, SendMessageRequest
+
+async def main(base, data):
+    async with httpx.AsyncClient(timeout=30) as http:
+        card = await A2ACardResolver(http, base).get_agent_card()
+        print(json.dumps({"card": card.name, "skills": sorted(s.id for s in card.skills)}), flush=True)
+        cfg = ClientConfig(streaming=False, httpx_client=http, supported_protocol_bindings=["JSONRPC"])
+        client = ClientFactory(cfg).create(card)
+        msg = Message(role=Role.ROLE_USER, message_id=str(uuid.uuid4()),
+                      parts=[Part(text="please"), Part(data=ParseDict(data, struct_pb2.Value()))])
+        async for ev in client.send_message(SendMessageRequest(message=msg)):
+            out = MessageToDict(ev)
+            out["ended"] = time.time()
+            print(json.dumps(out), flush=True)
+        await client.close()
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+"#;
+
+fn a2a_client(base: &str, data: Value) -> Command {
+    let mut cmd = Command::new(python());
+    cmd.args(["-c", A2A_CLIENT, base, &data.to_string()])
+        .stdout(Stdio::piped());
+    cmd
+}
+
+/// The official `a2a-sdk` client finds a mesh agent by its card and sends it a message: the
+/// answer is a completed task; the agent SIGKILLed while it holds a message fails the task at
+/// once, saying it died.
+#[tokio::test]
+async fn a2a_clients_reach_mesh_agents_by_card_and_a_death_fails_the_task() {
+    let g = gateway_with("a2a-mesh", "[[mcp_server]]\nid = \"mesh\"\nmesh = true\n").await;
+    let nats = g._nats.url();
+    let _monitor = crate::agents::monitor(&g._nats);
+    let serve = crate::agents::serve;
+    let _echo = serve(&nats, "tools.echo", "echo", &["--tag", "mcp"]);
+    let mut slow = serve(&nats, "tools.slow", "sleep:8000", &["--tag", "mcp"]);
+    let node_card = g.get("/.well-known/agent-card.json").await;
+    let skills: Vec<&str> = node_card["skills"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(skills, ["tools.echo", "tools.slow"], "{node_card}");
+
+    let out = a2a_client(
+        &format!("{}/a2a/tools.echo", g.url),
+        json!({"message": "hi"}),
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["card"], "tools.echo", "{}", lines[0]);
+    let task = &lines[1]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{task}");
+    assert_eq!(
+        task["artifacts"][0]["parts"][0]["data"],
+        json!({"message": "hi"}),
+        "{task}"
+    );
+
+    let (_nc, mut beats) = beats_of(&nats, "tools.slow").await;
+    let mut sending = a2a_client(&format!("{}/a2a/tools.slow", g.url), json!({"n": 1}))
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(sending.stdout.take().unwrap()).lines();
+    let card = lines.next().unwrap().unwrap();
+    assert!(card.contains("tools.slow"), "{card}");
+    until_holding(&mut beats).await;
+    slow.kill();
+    let killed = epoch_s();
+    let answer: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let _ = sending.wait();
+    let status = &answer["task"]["status"];
+    assert_eq!(status["state"], "TASK_STATE_FAILED", "{answer}");
+    let said = status["message"]["parts"][0]["text"].as_str().unwrap();
+    assert!(said.contains("died"), "{answer}");
+    let after = answer["ended"].as_f64().unwrap() - killed;
+    assert!(after < 1.0, "failed {after:.2} s after the kill: {answer}");
 }

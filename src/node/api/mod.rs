@@ -19,6 +19,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+pub(crate) mod a2a;
 pub(crate) mod anthropic;
 pub(crate) mod embeddings;
 pub(crate) mod mcp;

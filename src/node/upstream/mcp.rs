@@ -349,16 +349,7 @@ fn response_of(bytes: &[u8]) -> Option<Value> {
 fn attempt_of(result: Value, latency_ms: u64) -> Attempt {
     let text = match result.get("structuredContent") {
         Some(s) if !s.is_null() => s.to_string(),
-        _ => result["content"]
-            .as_array()
-            .map(|parts| {
-                parts
-                    .iter()
-                    .filter_map(|p| p["text"].as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            })
-            .unwrap_or_default(),
+        _ => super::super::exchange::text_of_content(&result),
     };
     let generation = if result["isError"] == true {
         Generation {
