@@ -76,6 +76,18 @@ impl Catalog {
     /// Every tool of every server, asking those whose list is stale; and why each server that
     /// gave no list at all did not.
     pub(crate) async fn tools(&self, node: &Node) -> (Vec<Tool>, Vec<String>) {
+        let missing = self.refresh(node).await;
+        let lists = self.lists.lock().unwrap_or_else(PoisonError::into_inner);
+        let tools = lists
+            .values()
+            .flat_map(|l| l.tools.iter().cloned())
+            .collect();
+        (tools, missing)
+    }
+
+    /// Ask the servers whose list is stale (mostly none: a call then waits on no one); why
+    /// each server that gave no list at all did not.
+    async fn refresh(&self, node: &Node) -> Vec<String> {
         let stale: Vec<String> = {
             let lists = self.lists.lock().unwrap_or_else(PoisonError::into_inner);
             node.cfg
@@ -109,22 +121,19 @@ impl Catalog {
                 }
             }
         }
-        let lists = self.lists.lock().unwrap_or_else(PoisonError::into_inner);
-        let tools = lists
-            .values()
-            .flat_map(|l| l.tools.iter().cloned())
-            .collect();
-        (tools, missing)
+        missing
     }
 
-    /// The tool `/mcp` names `public`, if a server has it.
+    /// The tool `/mcp` names `public`, if a server has it (only that one copied).
     pub(crate) async fn find(&self, node: &Node, public: &str) -> Option<Tool> {
-        let (server, _) = public.split_once(SEPARATOR)?;
+        let (server, name) = public.split_once(SEPARATOR)?;
         if !node.cfg.mcp_servers.iter().any(|s| s.id == server) {
             return None;
         }
-        let (tools, _) = self.tools(node).await;
-        tools.into_iter().find(|t| t.public_name() == public)
+        self.refresh(node).await;
+        let lists = self.lists.lock().unwrap_or_else(PoisonError::into_inner);
+        let listed = lists.get(server)?;
+        listed.tools.iter().find(|t| t.name == name).cloned()
     }
 
     /// Keep `server`'s list, each definition checked against its pin.

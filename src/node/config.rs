@@ -1091,6 +1091,11 @@ impl NodeConfig {
             if !seen.insert(&p.id) {
                 return Err(ConfigError::Invalid(format!("{at}: id is listed twice")));
             }
+            if p.api == crate::core::request::Api::Mcp && p.id.contains(super::catalog::SEPARATOR) {
+                return Err(ConfigError::Invalid(format!(
+                    "{at}: id must not hold \"__\", which joins it to its tools' names"
+                )));
+            }
             match &p.agent {
                 Some(_) if p.embeddings => {
                     return Err(ConfigError::Invalid(format!(
@@ -1289,6 +1294,9 @@ mod tests {
         assert!(list.allows("calc__add") && !list.allows("calc__sub"));
         assert_eq!(list.revision.len(), 16);
         assert!(cfg.tool_allowlist("nobody").is_none());
+        let twice = text.replace("id = \"calc\"", "id = \"my__calc\"");
+        let e = NodeConfig::parse("t", &twice, "http://127.0.0.1:9999").unwrap_err();
+        assert!(e.to_string().contains("must not hold"), "{e}");
         let bad = text.replace("calc__add", "calc add");
         let e = NodeConfig::parse("t", &bad, "http://127.0.0.1:9999").unwrap_err();
         assert!(e.to_string().contains("no tool name pattern"), "{e}");
