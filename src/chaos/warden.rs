@@ -6,7 +6,7 @@ use crate::bench::load as bench;
 use crate::clock::now_ms;
 use crate::core::chaos::{
     Active, Aim, ContractBreak, Event, Fault, Inject, MAX_FOR, NodeCommand, Params, Restore,
-    WardenReply,
+    TargetFault, WardenReply,
 };
 use crate::local::{self, MeshRecord, Started};
 use crate::mesh::{monitor, store};
@@ -284,6 +284,22 @@ fn plan(req: &Inject, active: &[&Active]) -> Result<Planned, NotInjected> {
     Ok(Planned { target, action })
 }
 
+/// What a simulator's fault mode is as a fault of a node's own calls; `None` for those only
+/// an upstream can do (a broken contract or stream, a refusal, a reset).
+fn target_fault(mode: &FaultMode) -> Option<TargetFault> {
+    Some(match *mode {
+        FaultMode::Error { status } => TargetFault::Error { status },
+        FaultMode::Slow { extra_ms } => TargetFault::Slow { extra_ms },
+        FaultMode::Hang => TargetFault::Hang,
+        FaultMode::RateLimit { retry_after_ms } => TargetFault::RateLimit { retry_after_ms },
+        FaultMode::Flaky { error_rate } => TargetFault::Flaky { error_rate },
+        FaultMode::Contract { .. }
+        | FaultMode::Stream { .. }
+        | FaultMode::Reset
+        | FaultMode::Refuse { .. } => return None,
+    })
+}
+
 impl Warden {
     pub(crate) fn new(
         dir: PathBuf,
@@ -424,6 +440,55 @@ impl Warden {
         }))
     }
 
+    /// Does this mesh's simulator serve `provider` (a provider's id, or `provider/model`)?
+    async fn sim_serves(&self, provider: &str) -> Result<bool, WardenReply> {
+        let sim_url = self.record()?.sim_url;
+        if sim_url.is_empty() {
+            return Ok(false);
+        }
+        let host = provider.split_once('/').map_or(provider, |(p, _)| p);
+        let resp = self
+            .http
+            .get(format!("{sim_url}/sim/faults"))
+            .send()
+            .await
+            .map_err(|e| err(format!("the simulator at {sim_url} did not answer: {e}")))?;
+        let v: serde_json::Value = resp.json().await.unwrap_or_default();
+        Ok(v["providers"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p == host)))
+    }
+
+    /// Ok when a node of this mesh routes to `provider` (a target's provider id), asked of the
+    /// first node that answers; else the refusal that lists what they route to.
+    async fn nodes_serve(&self, provider: &str) -> Result<(), WardenReply> {
+        let rec = self.record()?;
+        for n in rec.nodes() {
+            let state = self
+                .http
+                .get(format!("{}/v1/oam/state", n.endpoint))
+                .send()
+                .await;
+            let Ok(state) = state else { continue };
+            let v: serde_json::Value = state.json().await.unwrap_or_default();
+            let ids: Vec<&str> = v["providers"]
+                .as_array()
+                .map(|p| p.iter().filter_map(|p| p["id"].as_str()).collect())
+                .unwrap_or_default();
+            let of = |id: &str| id.split_once('/').map_or(id, |(p, _)| p) == provider;
+            if ids.iter().any(|id| of(id)) {
+                return Ok(());
+            }
+            return Err(err(format!(
+                "no provider {provider:?} on this mesh's nodes; their targets are {}",
+                ids.join(", ")
+            )));
+        }
+        Err(err(
+            "no node of this mesh answered to say what it routes to",
+        ))
+    }
+
     async fn sim_fault(&self, body: SetFault) -> Result<Undo, WardenReply> {
         let sim_url = self.record()?.sim_url;
         if sim_url.is_empty() {
@@ -506,7 +571,34 @@ impl Warden {
         for_ms: u64,
     ) -> Result<(Undo, String), WardenReply> {
         match action {
-            InjectAction::Sim { fault, detail } => self.sim_fault(fault).await.map(|u| (u, detail)),
+            InjectAction::Sim { fault, detail } => {
+                // The simulator's providers meet it there; any other target (the team's own
+                // providers, a tool server) in every node's calls of it.
+                if self.sim_serves(&fault.provider).await? {
+                    return self.sim_fault(fault).await.map(|u| (u, detail));
+                }
+                self.nodes_serve(target).await?;
+                let injected = target_fault(&fault.mode).ok_or_else(|| {
+                    err(format!(
+                        "{target} is not one of this mesh's simulator's providers, and only an \
+                         upstream can answer with {detail}: nodes fail, slow, hang, rate-limit \
+                         or flake their own calls of a target (kill-, slow-, hang-, \
+                         rate-limit- or flaky-provider)"
+                    ))
+                })?;
+                let cmd = NodeCommand::FailTarget {
+                    id: id.to_string(),
+                    target: target.to_string(),
+                    fault: injected,
+                    until_ms: now + for_ms,
+                };
+                self.node_command("all", &cmd).await;
+                let undo = Undo::Nodes {
+                    http: None,
+                    key: String::new(),
+                };
+                Ok((undo, format!("{detail}, in every node's calls of {target}")))
+            }
             InjectAction::SignalNode { kill } => {
                 let n = self.node(target)?;
                 if !local::is_ours(&n) {

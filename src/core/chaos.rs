@@ -267,6 +267,14 @@ pub enum NodeCommand {
         agent: String,
         until_ms: u64,
     },
+    /// Meet every call of provider `target` (a model's host or a tool server) with `fault`
+    /// until `until_ms`: a fault injected at the node, for targets no simulator stands in for.
+    FailTarget {
+        id: String,
+        target: String,
+        fault: TargetFault,
+        until_ms: u64,
+    },
     /// End the fault `id` now (over HTTP only with the isolation's `key`).
     Restore {
         id: String,
@@ -275,15 +283,33 @@ pub enum NodeCommand {
     },
 }
 
+/// What a node does to its own calls of a target under `NodeCommand::FailTarget`: what
+/// `oam chaos kill-provider`, `slow-provider`, `hang-provider`, `rate-limit-provider` and
+/// `flaky-provider` mean for a target the simulator does not serve.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+#[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum TargetFault {
+    /// The call fails at once, as an HTTP `status` would.
+    Error { status: u16 },
+    /// The call waits `extra_ms` first.
+    Slow { extra_ms: u64 },
+    /// The call is never answered (it times out).
+    Hang,
+    /// The call is refused with 429 and this Retry-After.
+    RateLimit { retry_after_ms: u64 },
+    /// This share of calls fail at once.
+    Flaky { error_rate: f64 },
+}
+
 impl NodeCommand {
     /// Whether a node should act on this command at `now_ms`: a fault that would last beyond
     /// `MAX_FOR` (plus clock skew) is none the warden sent, and `oam chaos restore` could never
     /// end it.
     pub fn check(&self, now_ms: u64) -> Result<(), &'static str> {
         let until_ms = match self {
-            NodeCommand::Isolate { until_ms, .. } | NodeCommand::DrainBudget { until_ms, .. } => {
-                *until_ms
-            }
+            NodeCommand::Isolate { until_ms, .. }
+            | NodeCommand::DrainBudget { until_ms, .. }
+            | NodeCommand::FailTarget { until_ms, .. } => *until_ms,
             NodeCommand::Restore { .. } => return Ok(()),
         };
         let latest = now_ms

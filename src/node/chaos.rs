@@ -1,5 +1,6 @@
-//! Faults a node applies to itself (`oam chaos isolate-node`, `drain-budget`), each ended by
-//! its own timer at its expiry or by a restore: [`Chaos`] is the handle (the HTTP restore and
+//! Faults a node applies to itself (`oam chaos isolate-node`, `drain-budget`, and provider
+//! faults on targets no simulator serves, into its own calls of them), each ended by its own
+//! timer at its expiry or by a restore: [`Chaos`] is the handle (the HTTP restore and
 //! the ledger use it), [`Commands`] the service that hears the warden on NATS.
 
 use super::bus::Bus;
@@ -65,6 +66,8 @@ pub(crate) struct Chaos {
     drains: Mutex<Drains>,
     bus: Arc<Bus>,
     pipeline: Pipeline,
+    /// Faults in the node's own calls of its targets.
+    injected: Arc<super::upstream::Injected>,
     /// The node's tasks (a fault's timer is one) and its stop, which ends the timers.
     tasks: TaskTracker,
     stop: CancellationToken,
@@ -75,6 +78,7 @@ impl Chaos {
         id: &str,
         bus: Arc<Bus>,
         pipeline: Pipeline,
+        injected: Arc<super::upstream::Injected>,
         tasks: TaskTracker,
         stop: CancellationToken,
     ) -> Chaos {
@@ -83,6 +87,7 @@ impl Chaos {
             drains: Mutex::default(),
             bus,
             pipeline,
+            injected,
             tasks,
             stop,
         }
@@ -116,6 +121,16 @@ impl Chaos {
                 tracing::warn!(node = %self.id, fault = %id, agent, "budget drained (chaos)");
                 (id, until_ms)
             }
+            NodeCommand::FailTarget {
+                id,
+                target,
+                fault,
+                until_ms,
+            } => {
+                self.injected.set(&id, &target, fault, until_ms);
+                tracing::warn!(node = %self.id, fault = %id, target, ?fault, "calls of a target fail (chaos)");
+                (id, until_ms)
+            }
         };
         let me = self.clone();
         self.tasks.spawn(async move {
@@ -132,6 +147,9 @@ impl Chaos {
     fn end(&self, id: &str) {
         if self.bus.reconnect(id) {
             tracing::info!(node = %self.id, fault = id, "reconnected to NATS");
+        }
+        if self.injected.end(id) {
+            tracing::info!(node = %self.id, fault = id, "calls of a target go through again");
         }
         let ended = lock(&self.drains).end(id);
         if ended.is_empty() {

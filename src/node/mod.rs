@@ -146,6 +146,7 @@ impl Node {
             &id,
             bus.clone(),
             pipeline.clone(),
+            upstreams.injected.clone(),
             serving.tasks.clone(),
             serving.stop.clone(),
         ));

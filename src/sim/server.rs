@@ -1007,7 +1007,8 @@ fn faults_doc(sim: &Sim) -> Value {
             v
         })
         .collect();
-    json!({ "faults": list })
+    let providers: Vec<&str> = sim.providers.keys().map(String::as_str).collect();
+    json!({ "faults": list, "providers": providers })
 }
 
 async fn list_faults(State(sim): State<Arc<Sim>>) -> Response {

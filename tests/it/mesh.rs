@@ -886,15 +886,96 @@ async fn a_mesh_runs_on_the_users_configuration() {
         .map(|r| r["record"]["decision"]["request_id"].clone())
         .collect();
     assert!(ids.contains(&json!("kept-by-the-shared-log")), "{ids:?}");
-    // Faults of a simulator this mesh does not have are refused with the reason.
-    let chaos = oam()
-        .env_remove("OAM_NATS_URL")
-        .args(["chaos", "kill-provider", "gpt", "--for", "1s", "--dir"])
-        .arg(&dir.0)
-        .output()
+    // Without a simulator, provider faults are injected by the nodes into their own calls:
+    // failover is rehearsed on the real configuration. What only an upstream can do (a broken
+    // contract) and a target no node routes to are refused, saying why.
+    let chaos = |args: &[&str]| {
+        oam()
+            .env_remove("OAM_NATS_URL")
+            .arg("chaos")
+            .args(args)
+            .arg("--dir")
+            .arg(&dir.0)
+            .output()
+            .unwrap()
+    };
+    let refused = chaos(&["break-contract", "gpt", "--for", "5s"]);
+    assert_eq!(refused.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("only an upstream"), "{said}");
+    let refused = chaos(&["kill-provider", "gtp", "--for", "5s"]);
+    assert_eq!(refused.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("no provider \"gtp\"") && said.contains("gpt"),
+        "{said}"
+    );
+    let killed = chaos(&["kill-provider", "gpt", "--for", "30s", "--json"]);
+    assert!(
+        killed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    let fault = json(&killed.stdout);
+    let id = fault["id"].as_str().unwrap().to_string();
+    let ask = || async {
+        let r = c
+            .post(format!("{node}/v1/chat/completions"))
+            .json(&json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        r.json::<Value>().await.unwrap()
+    };
+    let before = seen_by("gpt", &c, &upstream_url).await;
+    let fell_back = crate::support::eventually(Duration::from_secs(10), || async {
+        let v = ask().await;
+        (v["oam"]["target"] == "llama").then_some(v)
+    })
+    .await
+    .expect("requests go to the fallback while gpt is failed");
+    assert_eq!(fell_back["oam"]["outcome"], "accepted", "{fell_back}");
+    // The node says why gpt is down: the injected fault, by its id.
+    let state: Value = c
+        .get(format!("{node}/v1/oam/state"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
         .unwrap();
-    assert_eq!(chaos.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&chaos.stderr).contains("no simulator"));
+    let gpt = state["providers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == "gpt")
+        .unwrap();
+    let why = gpt["last_failure"]["error"].as_str().unwrap_or_default();
+    assert!(why.contains(&format!("chaos fault {id}")), "{gpt}");
+    assert_eq!(
+        seen_by("gpt", &c, &upstream_url).await,
+        before,
+        "the failed target was never really called"
+    );
+    let restored = chaos(&["restore", &id]);
+    assert!(
+        restored.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restored.stderr)
+    );
+}
+
+/// How many chat requests the upstream's provider `name` has received.
+async fn seen_by(name: &str, c: &reqwest::Client, upstream_url: &str) -> usize {
+    let seen: Vec<Value> = c
+        .get(format!("{upstream_url}/sim/requests/{name}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    seen.len()
 }
 
 /// An upstream that refuses oam's key: every target UNHEALTHY, every call 503, and nothing said

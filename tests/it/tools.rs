@@ -551,3 +551,71 @@ async fn a2a_clients_reach_mesh_agents_by_card_and_a_death_fails_the_task() {
     let after = answer["ended"].as_f64().unwrap() - killed;
     assert!(after < 1.0, "failed {after:.2} s after the kill: {answer}");
 }
+
+/// `oam chaos kill-provider` on a tool server no simulator serves: every node fails its own
+/// calls of it (the warden's command, sent here as the warden sends it), until restored.
+#[tokio::test]
+async fn a_tool_server_failed_by_chaos_fails_its_calls_until_restored() {
+    let server = tool_server();
+    let g = gateway_with("mcp-chaos", &config(&server)).await;
+    let nc = oam::transport::connect::connect(&g._nats.url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let send = |cmd: oam::core::chaos::NodeCommand| {
+        let nc = nc.clone();
+        async move {
+            let subject = oam::transport::subjects::chaos_node("all");
+            nc.publish(subject, serde_json::to_vec(&cmd).unwrap().into())
+                .await
+                .unwrap();
+            nc.flush().await.unwrap();
+        }
+    };
+    // Its tools are known (listed while it answered) before it fails.
+    let out = client(
+        &g.url,
+        "auto",
+        json!([["call", "calc__echo", {"text": "x"}]]),
+    );
+    assert_eq!(out[0]["is_error"], false, "{}", out[0]);
+    send(oam::core::chaos::NodeCommand::FailTarget {
+        id: "c-1".into(),
+        target: "calc".into(),
+        fault: oam::core::chaos::TargetFault::Error { status: 503 },
+        until_ms: epoch_s() as u64 * 1_000 + 60_000,
+    })
+    .await;
+    let failed = crate::support::eventually(std::time::Duration::from_secs(5), || async {
+        let out = client(
+            &g.url,
+            "auto",
+            json!([["call", "calc__echo", {"text": "x"}]]),
+        );
+        let text = out[0]["text"].as_str().unwrap_or_default().to_string();
+        text.contains("chaos fault c-1").then_some(out)
+    })
+    .await
+    .expect("the call meets the fault");
+    assert_eq!(failed[0]["is_error"], true, "{}", failed[0]);
+    send(oam::core::chaos::NodeCommand::Restore {
+        id: "c-1".into(),
+        key: String::new(),
+    })
+    .await;
+    let out = crate::support::eventually(std::time::Duration::from_secs(5), || async {
+        let out = client(
+            &g.url,
+            "auto",
+            json!([["call", "calc__echo", {"text": "back"}]]),
+        );
+        (out[0]["is_error"] == false).then_some(out)
+    })
+    .await
+    .expect("restored, calls go through again");
+    assert_eq!(
+        out[0]["structured"],
+        json!({"result": "back"}),
+        "{}",
+        out[0]
+    );
+}

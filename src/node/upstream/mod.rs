@@ -9,12 +9,14 @@ mod agent;
 mod anthropic;
 mod chat;
 mod http;
+mod injected;
 mod mcp;
 mod openai;
 mod targets;
 
 use agent::AgentCalls;
 pub(crate) use anthropic::not_carried;
+pub(crate) use injected::Injected;
 pub(crate) use targets::Upstreams;
 
 use super::config::{Probe, ProviderConfig};
@@ -118,6 +120,8 @@ pub(crate) struct Connector {
     /// How its targets are checked while idle.
     pub probe: Probe,
     upstream: Box<dyn Upstream>,
+    /// Faults chaos injects into its calls.
+    injected: std::sync::Arc<injected::Injected>,
 }
 
 impl Connector {
@@ -140,7 +144,13 @@ impl Connector {
             embeddings: cfg.embeddings,
             probe: cfg.probe,
             upstream,
+            injected: Default::default(),
         })
+    }
+
+    /// Its calls meet the faults of `injected` (chaos) first.
+    pub(crate) fn with_faults(self, injected: std::sync::Arc<injected::Injected>) -> Connector {
+        Connector { injected, ..self }
     }
 
     /// The mesh agent that serves this provider, if it is one.
@@ -164,6 +174,9 @@ impl Connector {
         response_format: Option<&Value>,
         timeout: Duration,
     ) -> Attempt {
+        if let Some(failed) = self.injected.meet(&self.id, timeout).await {
+            return failed;
+        }
         let ask = UpstreamCall {
             model,
             pass,
@@ -183,6 +196,9 @@ impl Connector {
         max_tokens: u32,
         first_event: Duration,
     ) -> Opened {
+        if let Some(failed) = self.injected.meet(&self.id, first_event).await {
+            return Opened::Failed(failed);
+        }
         self.upstream
             .open_stream(model, pass, prefill, max_tokens, first_event)
             .await
@@ -196,12 +212,18 @@ impl Connector {
         pass: &Passthrough,
         timeout: Duration,
     ) -> Attempt {
+        if let Some(failed) = self.injected.meet(&self.id, timeout).await {
+            return failed;
+        }
         self.upstream.embed(model, pass, timeout).await
     }
 
     /// The tools it serves (a tool server's; an error for any other provider), bounded by
     /// `timeout`.
     pub(crate) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, String> {
+        if let Some(failed) = self.injected.meet(&self.id, timeout).await {
+            return Err(failed.generation.error.unwrap_or_default());
+        }
         match self.upstream.tool_list(timeout) {
             Some(list) => list.await,
             None => Err(format!("provider {} serves no tools", self.id)),
@@ -211,6 +233,9 @@ impl Connector {
     /// Its free check (`GET /models`, a tool list), bounded by `timeout`: that the provider
     /// answers (a failure where it has none: checked at load, none is asked).
     pub(crate) async fn list_models(&self, timeout: Duration) -> Generation {
+        if let Some(failed) = self.injected.meet_check(&self.id, timeout).await {
+            return failed;
+        }
         match self.upstream.free_check(timeout) {
             Some(check) => check.await,
             None => Generation::failed(GenerationStatus::Error, 0),

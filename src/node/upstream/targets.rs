@@ -11,6 +11,8 @@ pub(crate) struct Upstreams {
     connectors: BTreeMap<String, Connector>,
     /// Per target id: (its provider, the model it asks for).
     targets: BTreeMap<String, (String, String)>,
+    /// Faults chaos injects into the calls of a provider (shared with every connector).
+    pub(crate) injected: std::sync::Arc<super::injected::Injected>,
 }
 
 impl Upstreams {
@@ -18,11 +20,13 @@ impl Upstreams {
         let http = crate::http::http_client(None)?;
         let post = crate::http::Poster::new(cfg.node.max_answer_bytes)?;
         let calls = std::sync::Arc::new(AgentCalls::new(nats.clone()));
+        let injected = std::sync::Arc::new(super::injected::Injected::default());
         let connectors = cfg
             .providers
             .iter()
             .map(|p| {
-                let c = Connector::new(p, http.clone(), post.clone(), &calls)?;
+                let c = Connector::new(p, http.clone(), post.clone(), &calls)?
+                    .with_faults(injected.clone());
                 Ok((p.id.clone(), c))
             })
             .collect::<anyhow::Result<_>>()?;
@@ -34,6 +38,7 @@ impl Upstreams {
         Ok(Upstreams {
             connectors,
             targets,
+            injected,
         })
     }
 
