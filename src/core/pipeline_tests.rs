@@ -1278,7 +1278,7 @@ fn every_reason_code_is_reachable() {
     // is read (`node::server`, tested in the suite's gateway tests).
     seen.insert(ReasonCode::ConnectionLimit);
     // The MCP door's: a tool whose definition changed is refused before any request is made
-    // (`node::catalog` pins definitions, unit-tested there; `node::api::mcp` refuses).
+    // (`node::catalog` pins definitions; tested end to end in the suite's tools tests).
     seen.insert(ReasonCode::ToolDefinitionChanged);
     let all: BTreeSet<ReasonCode> = ReasonCode::ALL.iter().copied().collect();
     let missing: Vec<&str> = all.difference(&seen).map(|c| c.as_str()).collect();

@@ -1,5 +1,5 @@
 //! The tools the node's `/mcp` door serves: every tool server's list (`[[mcp_server]]`), asked
-//! of it when first needed and again once older than `FRESH_FOR`, each tool named
+//! of it when first needed and again once older than its `refresh_s`, each tool named
 //! `{server}__{tool}` (a name OpenAI's function calling takes too). Each tool's definition is
 //! pinned by its hash when this node first sees it: a definition that changes afterwards is
 //! neither listed nor called (`TOOL_DEFINITION_CHANGED`) until the node restarts, never used
@@ -11,8 +11,6 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-/// How long a server's list is served before it is asked again.
-const FRESH_FOR: Duration = Duration::from_secs(30);
 /// How long a server has to list its tools.
 const LIST_WITHIN: Duration = Duration::from_secs(5);
 /// What joins a server's id and its tool's name.
@@ -93,7 +91,10 @@ impl Catalog {
             node.cfg
                 .mcp_servers
                 .iter()
-                .filter(|s| lists.get(&s.id).is_none_or(|l| l.at.elapsed() > FRESH_FOR))
+                .filter(|s| {
+                    let fresh_for = Duration::from_secs(s.refresh_s);
+                    lists.get(&s.id).is_none_or(|l| l.at.elapsed() > fresh_for)
+                })
                 .map(|s| s.id.clone())
                 .collect()
         };

@@ -426,6 +426,14 @@ pub(crate) struct McpServerConfig {
     pub cost_per_call_usd: f64,
     #[serde(default)]
     pub probe: Probe,
+    /// How long its tool list is served before it is asked again (and each definition checked
+    /// against its pin), in seconds.
+    #[serde(default = "thirty")]
+    pub refresh_s: u64,
+}
+
+fn thirty() -> u64 {
+    30
 }
 
 impl McpServerConfig {
