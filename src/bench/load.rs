@@ -155,6 +155,12 @@ fn body_of(plan: &LoadPlan, i: usize, k: &super::scenario::Mix) -> Value {
         Surface::Responses | Surface::Embeddings => {
             json!({"model": k.model, "input": text, "oam": oam})
         }
+        // A distinct order each time, as for the texts above.
+        Surface::Mcp => {
+            let order = format!("o-{}-{i}", plan.seed);
+            return json!({"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                "params": {"name": k.model, "arguments": {"order": order}}});
+        }
     };
     match (k.api, k.max_tokens) {
         (Surface::Embeddings, _) => {}
@@ -269,6 +275,7 @@ async fn one_http(
                     s.error = Some(if e.is_timeout() { "timeout" } else { "cut" }.into());
                 }
                 Ok(body) if streamed => read_stream(&mut s, &body),
+                Ok(body) if path == "/mcp" => read_tool_result(&mut s, &body),
                 Ok(_) => {}
             }
         }
@@ -324,6 +331,21 @@ fn read_stream(s: &mut Measurement, body: &[u8]) {
     if events.last().map(String::as_str) != Some("[DONE]") {
         s.status = 0;
         s.error = Some("cut".into());
+    }
+}
+
+/// A tool call's verdict: answered only if its result is not an error (a refusal of oam is a
+/// result with `isError`, under HTTP 200, as MCP has it).
+fn read_tool_result(s: &mut Measurement, body: &[u8]) {
+    let v: Value = serde_json::from_slice(body).unwrap_or_default();
+    if v["result"]["isError"] == true || v.get("result").is_none() {
+        s.status = 0;
+        let last = s
+            .reasons
+            .last()
+            .cloned()
+            .unwrap_or_else(|| "isError".into());
+        s.error = Some(format!("tool error {last}"));
     }
 }
 

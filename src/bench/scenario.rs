@@ -141,6 +141,8 @@ pub(crate) enum Surface {
     Responses,
     /// `POST /v1/embeddings`.
     Embeddings,
+    /// `POST /mcp`: one `tools/call` of the tool `model` names (e.g. `tools__lookup`).
+    Mcp,
 }
 
 impl Surface {
@@ -150,6 +152,7 @@ impl Surface {
             Surface::Messages => "/v1/messages",
             Surface::Responses => "/v1/responses",
             Surface::Embeddings => "/v1/embeddings",
+            Surface::Mcp => "/mcp",
         }
     }
 

@@ -20,6 +20,10 @@ const HEADLINE: &[(&str, &str)] = &[
     ),
     ("every-api", include_str!("../../scenarios/every-api.toml")),
     (
+        "tool-outage",
+        include_str!("../../scenarios/tool-outage.toml"),
+    ),
+    (
         "broken-contract",
         include_str!("../../scenarios/broken-contract.toml"),
     ),

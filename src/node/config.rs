@@ -404,6 +404,9 @@ pub struct NodeConfig {
     pub(crate) client_keys: Vec<(String, Secret)>,
 }
 
+/// The simulator's tool server's id in the default configuration.
+pub(crate) const SIM_TOOLS: &str = "tools";
+
 /// `[[mcp_server]]`: a Model Context Protocol server (streamable HTTP) whose tools the node
 /// serves at `/mcp` as `{id}__{tool}`. It is a target of its own: its health and breaker are
 /// the cluster's, its price per call is charged to budgets.
@@ -736,6 +739,18 @@ impl NodeConfig {
         )?;
         if cfg.providers.is_empty() {
             cfg.providers = default_providers(sim_url);
+            // The simulator's tool server, unless the file names tool servers of its own.
+            if cfg.mcp_servers.is_empty() {
+                cfg.mcp_servers.push(McpServerConfig {
+                    id: SIM_TOOLS.into(),
+                    url: format!("{}/mcp", sim_url.trim_end_matches('/')),
+                    mesh: false,
+                    api_key_env: None,
+                    cost_per_call_usd: 0.0,
+                    probe: Probe::Auto,
+                    refresh_s: thirty(),
+                });
+            }
             // The simulator's models answer in oam's JSON contract: the route `json` holds them
             // to it (and so checks a stream whole before releasing it); every other model
             // streams live. They answer within ~200 ms, so a stream silent for a second is broken.
@@ -1314,7 +1329,8 @@ mod tests {
     fn the_default_needs_no_file_and_points_at_the_sim() {
         let cfg = NodeConfig::load(None, "http://127.0.0.1:9999/").unwrap();
         let ids: Vec<&str> = cfg.providers.iter().map(|p| p.id.as_str()).collect();
-        assert_eq!(ids, ["primary", "local", "secondary", "embed"]);
+        assert_eq!(ids, ["primary", "local", "secondary", "embed", "tools"]);
+        assert_eq!(cfg.providers[4].base_url, "http://127.0.0.1:9999/mcp");
         assert_eq!(
             cfg.providers[0].base_url,
             "http://127.0.0.1:9999/primary/v1"

@@ -7,6 +7,7 @@ pub(crate) mod messages;
 pub(crate) mod model;
 pub(crate) mod responses;
 pub(crate) mod server;
+pub(crate) mod tools;
 
 /// The text of a string, or of content parts or blocks (their `text`, joined by spaces).
 fn text_of(content: &serde_json::Value) -> String {

@@ -14,6 +14,7 @@
 //! - `POST /{provider}/v1/embeddings`, `POST /v1/embeddings`: a deterministic unit vector per
 //!   input (`dimensions`, default 8; `float` or `base64`), with the same faults; under a
 //!   contract fault the list is one short, a quiet failure a gateway must catch.
+//! - `POST /mcp`: a tool server (Model Context Protocol) with an order desk's tools (`tools`).
 //! - `GET /sim/faults`, `POST /sim/faults`, `DELETE /sim/faults[/{provider}]`: the fault API.
 //! - `GET /healthz`.
 //!
@@ -162,6 +163,7 @@ pub(crate) fn router(sim: Arc<Sim>) -> Router {
     apis.into_iter()
         .fold(Router::new(), api_routes)
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/mcp", post(super::tools::mcp))
         .route("/v1/models", get(all_models))
         .route("/{provider}/v1/models", get(provider_models))
         .route("/v1/embeddings", post(embeddings_any))

@@ -82,6 +82,7 @@ scenarios! {
     rate_limit => "rate-limit",
     stream_cut => "stream-cut",
     stream_stall => "stream-stall",
+    tool_outage => "tool-outage",
 }
 
 #[test]

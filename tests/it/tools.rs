@@ -655,14 +655,20 @@ async fn a_changed_definition_is_neither_listed_nor_called() {
     .await
     .expect("the changed definition is refused once the node sees it");
     assert_eq!(refused[0]["is_error"], true, "{}", refused[0]);
+    // Refused calls never reach the server: its count of calls does not move.
     let out = client(
         &g.url,
         "auto",
-        json!([["list"], ["call", "calc__served_calls", {}]]),
+        json!([
+            ["list"],
+            ["call", "calc__served_calls", {}],
+            ["call", "calc__add", {"a": 1, "b": 2}],
+            ["call", "calc__served_calls", {}],
+        ]),
     );
     let listed = out[0]["tools"].as_array().unwrap();
     assert!(!listed.contains(&json!("calc__add")), "{}", out[0]);
     assert!(listed.contains(&json!("calc__echo")), "{}", out[0]);
-    // add ran once, before its definition changed; rewrite once.
-    assert_eq!(out[1]["structured"], json!({"result": 2}), "{}", out[1]);
+    assert_eq!(out[2]["is_error"], true, "{}", out[2]);
+    assert_eq!(out[1]["structured"], out[3]["structured"], "{out:?}");
 }
