@@ -437,6 +437,9 @@ pub struct MemberSnapshot {
 pub struct ProviderSnapshot {
     pub id: String,
     pub fallback: bool,
+    /// It is a tool server (`[[mcp_server]]`): tool calls go to it, not model calls.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tools: bool,
     pub consensus: ProviderView,
     /// This node's own window (`None` when it keeps none).
     pub local: Option<Stats>,

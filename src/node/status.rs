@@ -79,6 +79,7 @@ pub(crate) fn snapshot(node: &Node) -> NodeSnapshot {
         .map(|p| ProviderSnapshot {
             id: p.id.to_string(),
             fallback: p.fallback,
+            tools: p.serves_tools(),
             consensus: c.view(&p.id, now),
             local: local.get(&*p.id).copied(),
             breaker: breaker_now(e.state.breakers.get(&*p.id).copied(), now),

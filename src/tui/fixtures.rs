@@ -25,6 +25,7 @@ pub(crate) fn provider(
     ProviderSnapshot {
         id: id.into(),
         fallback: id == "local",
+        tools: id == "tools",
         consensus: ProviderView {
             verdict,
             votes,

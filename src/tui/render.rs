@@ -519,7 +519,7 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let id_width = reference
         .providers
         .iter()
-        .map(|p| p.id.chars().count())
+        .map(|p| shown_id(p).chars().count())
         .max()
         .unwrap_or(0);
     // "n1● n2● n3●": a node id, its mark and a space each.
@@ -568,7 +568,7 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                 })
                 .collect();
             let cells = vec![
-                Cell::from(truncate(&p.id, 14)),
+                Cell::from(truncate(&shown_id(p), 14)),
                 Cell::from(c.verdict.as_str().to_ascii_lowercase()).style(verdict_style(c.verdict)),
                 Cell::from(format!(
                     "{}/{}{}",
@@ -590,6 +590,15 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         app.focus == Focus::Providers,
     ));
     f.render_widget(t, area);
+}
+
+/// A target as the providers panel names it: a tool server marked as one.
+fn shown_id(p: &crate::core::wire::ProviderSnapshot) -> String {
+    if p.tools {
+        format!("{} (mcp)", p.id)
+    } else {
+        p.id.clone()
+    }
 }
 
 fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
@@ -1397,6 +1406,44 @@ mod tests {
                 assert!(text.contains(c.as_str()), "{c:?} cut at {w}x{h}:\n{text}");
             }
         }
+    }
+
+    #[test]
+    fn a_tool_server_is_marked_as_one_beside_the_models() {
+        let mut app = App::default();
+        app.apply(Update::Connection(true), NOW);
+        let ps = vec![
+            provider(
+                "primary",
+                Health::Healthy,
+                3,
+                true,
+                1.0,
+                198,
+                Breaker::default(),
+            ),
+            provider(
+                "tools",
+                Health::Unhealthy,
+                3,
+                true,
+                0.0,
+                3,
+                Breaker::default(),
+            ),
+        ];
+        for n in ["n1", "n2", "n3"] {
+            app.apply(
+                Update::NodeState {
+                    node: n.into(),
+                    state: node_state(&["n1", "n2", "n3"], ps.clone(), 0),
+                },
+                NOW - 400,
+            );
+        }
+        let text = draw(&app, 120, 40);
+        assert!(text.contains("tools (mcp)"), "{text}");
+        assert!(!text.contains("primary (mcp)"), "{text}");
     }
 
     #[test]
