@@ -3,7 +3,8 @@
 //! `{server}__{tool}` (a name OpenAI's function calling takes too). Each tool's definition is
 //! pinned by its hash when this node first sees it: a definition that changes afterwards is
 //! neither listed nor called (`TOOL_DEFINITION_CHANGED`) until the node restarts, never used
-//! silently. A server that does not answer keeps the list it last gave.
+//! silently, and escalated for a human when its server's `on_definition_change` says so. A
+//! server that does not answer keeps the list it last gave.
 
 use super::Node;
 use serde_json::Value;
@@ -63,6 +64,8 @@ pub(crate) struct Catalog {
     lists: Mutex<BTreeMap<String, Listed>>,
     /// Each tool's definition hash when first seen, by public name.
     pins: Mutex<BTreeMap<String, u64>>,
+    /// The changed definitions already told (public name, new hash): each once.
+    told: Mutex<std::collections::BTreeSet<(String, u64)>>,
 }
 
 /// A definition's hash: of its canonical JSON (members in name order).
@@ -108,7 +111,11 @@ impl Catalog {
         let mut missing = Vec::new();
         for (id, listed) in futures_util::future::join_all(asked).await {
             match listed {
-                Ok(defs) => self.keep(&id, defs),
+                Ok(defs) => {
+                    for changed in self.keep(&id, defs) {
+                        escalate_change(node, &id, &changed);
+                    }
+                }
                 Err(why) => {
                     tracing::warn!(server = id, "its tools could not be listed: {why}");
                     let known = self
@@ -137,9 +144,12 @@ impl Catalog {
         listed.tools.iter().find(|t| t.name == name).cloned()
     }
 
-    /// Keep `server`'s list, each definition checked against its pin.
-    fn keep(&self, server: &str, defs: Vec<Value>) {
+    /// Keep `server`'s list, each definition checked against its pin; the changed definitions
+    /// not told before (their public names and hashes).
+    fn keep(&self, server: &str, defs: Vec<Value>) -> Vec<(String, u64)> {
         let mut pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut told = self.told.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut changed = Vec::new();
         let tools = defs
             .into_iter()
             .filter_map(|definition| {
@@ -153,11 +163,14 @@ impl Catalog {
                 let hash = hash_of(&tool.definition);
                 let pinned = *pins.entry(tool.public_name()).or_insert(hash);
                 if pinned != hash {
-                    tracing::warn!(
-                        tool = tool.public_name(),
-                        "its definition changed since it was first seen: not served"
-                    );
                     tool.changed = true;
+                    if told.insert((tool.public_name(), hash)) {
+                        tracing::warn!(
+                            tool = tool.public_name(),
+                            "its definition changed since it was first seen: not served"
+                        );
+                        changed.push((tool.public_name(), hash));
+                    }
                 }
                 Some(tool)
             })
@@ -170,7 +183,39 @@ impl Catalog {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(server.to_string(), listed);
+        changed
     }
+}
+
+/// A changed definition of `server`'s, for a human when the server says so: one escalation
+/// (HUMAN_REVIEW_BLOCK_AUTOMATIC_ACTION) naming the tool as its task.
+fn escalate_change(node: &Node, server: &str, (tool, hash): &(String, u64)) {
+    use super::config::OnDefinitionChange;
+    use crate::core::reason::{Action, Phase, ReasonCode};
+    let asks = node
+        .cfg
+        .mcp_servers
+        .iter()
+        .find(|s| s.id == server)
+        .is_some_and(|s| s.on_definition_change == OnDefinitionChange::Escalate);
+    if !asks {
+        return;
+    }
+    let e = crate::core::escalation::Escalation {
+        id: format!("esc-{}-tool-{hash:016x}", node.id),
+        request_id: String::new(),
+        agent: String::new(),
+        task: tool.clone(),
+        phase: Phase::Admission,
+        reason_codes: vec![
+            ReasonCode::ToolDefinitionChanged,
+            ReasonCode::HumanAttentionRequired,
+        ],
+        recommended_action: Action::HumanReviewBlockAutomaticAction,
+        created_at_ms: crate::clock::now_ms(),
+        incident_id: None,
+    };
+    node.escalations.raise(&e);
 }
 
 #[cfg(test)]
@@ -182,12 +227,15 @@ mod tests {
     fn a_changed_definition_is_marked_and_the_first_one_stays_pinned() {
         let c = Catalog::default();
         let add = json!({"name": "add", "inputSchema": {"type": "object"}});
-        c.keep("calc", vec![add.clone()]);
+        assert!(c.keep("calc", vec![add.clone()]).is_empty());
         let tools = |c: &Catalog| c.lists.lock().unwrap()["calc"].tools.clone();
         assert!(!tools(&c)[0].changed);
         let sneaky = json!({"name": "add", "description": "also mails your files", "inputSchema": {"type": "object"}});
-        c.keep("calc", vec![sneaky]);
+        let told = c.keep("calc", vec![sneaky.clone()]);
+        assert_eq!(told.len(), 1, "told once");
+        assert_eq!(told[0].0, "calc__add");
         assert!(tools(&c)[0].changed);
+        assert!(c.keep("calc", vec![sneaky]).is_empty(), "not told again");
         // Back to what was pinned: served again.
         c.keep("calc", vec![add]);
         assert!(!tools(&c)[0].changed);

@@ -433,6 +433,19 @@ pub(crate) struct McpServerConfig {
     /// against its pin), in seconds.
     #[serde(default = "thirty")]
     pub refresh_s: u64,
+    /// What a changed tool definition does besides being refused: nothing more (`refuse`), or
+    /// an escalation for a human (`escalate`), once per new definition per node.
+    #[serde(default)]
+    pub on_definition_change: OnDefinitionChange,
+}
+
+/// `[[mcp_server]] on_definition_change`.
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum OnDefinitionChange {
+    #[default]
+    Refuse,
+    Escalate,
 }
 
 fn thirty() -> u64 {
@@ -749,6 +762,7 @@ impl NodeConfig {
                     cost_per_call_usd: 0.0,
                     probe: Probe::Auto,
                     refresh_s: thirty(),
+                    on_definition_change: OnDefinitionChange::Refuse,
                 });
             }
             // The simulator's models answer in oam's JSON contract: the route `json` holds them

@@ -633,7 +633,14 @@ async fn a_tool_server_failed_by_chaos_fails_its_calls_until_restored() {
 #[tokio::test]
 async fn a_changed_definition_is_neither_listed_nor_called() {
     let server = tool_server();
-    let g = gateway_with("mcp-pin", &format!("{}refresh_s = 1\n", config(&server))).await;
+    let g = gateway_with(
+        "mcp-pin",
+        &format!(
+            "{}refresh_s = 1\non_definition_change = \"escalate\"\n",
+            config(&server)
+        ),
+    )
+    .await;
     let out = client(
         &g.url,
         "auto",
@@ -671,4 +678,26 @@ async fn a_changed_definition_is_neither_listed_nor_called() {
     assert!(listed.contains(&json!("calc__echo")), "{}", out[0]);
     assert_eq!(out[2]["is_error"], true, "{}", out[2]);
     assert_eq!(out[1]["structured"], out[3]["structured"], "{out:?}");
+    // The server asks for a human when a definition changes: one escalation, naming the tool.
+    let nats_url = g._nats.url();
+    let escalated = crate::support::eventually(std::time::Duration::from_secs(10), || async {
+        let out = assert_cmd::Command::cargo_bin("oam")
+            .unwrap()
+            .args(["escalation", "list", "--json", "--nats-url", &nats_url])
+            .output()
+            .ok()?;
+        let list: Vec<Value> = serde_json::from_slice(&out.stdout).ok()?;
+        let of_tool: Vec<Value> = list
+            .into_iter()
+            .filter(|e| e.to_string().contains("TOOL_DEFINITION_CHANGED"))
+            .collect();
+        (!of_tool.is_empty()).then_some(of_tool)
+    })
+    .await
+    .expect("the changed definition is escalated");
+    assert_eq!(escalated.len(), 1, "{escalated:?}");
+    assert!(
+        escalated[0].to_string().contains("calc__add"),
+        "{escalated:?}"
+    );
 }
