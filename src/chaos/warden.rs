@@ -571,10 +571,14 @@ impl Warden {
         for_ms: u64,
     ) -> Result<(Undo, String), WardenReply> {
         match action {
-            InjectAction::Sim { fault, detail } => {
+            InjectAction::Sim { mut fault, detail } => {
                 // The simulator's providers meet it there; any other target (the team's own
                 // providers, a tool server) in every node's calls of it.
                 if self.sim_serves(&fault.provider).await? {
+                    // It ends when the warden says it expires (at `now + for_ms`), not later
+                    // by the time the question took: the simulator's clock starts at its POST.
+                    let asked_ms = now_ms().saturating_sub(now);
+                    fault.duration_ms = fault.duration_ms.saturating_sub(asked_ms).max(1);
                     return self.sim_fault(fault).await.map(|u| (u, detail));
                 }
                 self.nodes_serve(target).await?;
