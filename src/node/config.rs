@@ -437,6 +437,20 @@ pub(crate) struct McpServerConfig {
     /// an escalation for a human (`escalate`), once per new definition per node.
     #[serde(default)]
     pub on_definition_change: OnDefinitionChange,
+    /// Tool definitions pinned here, by tool name: the 16 hex digits of the hash `/mcp` lists as
+    /// the tool's `_meta.oam.definition_hash`. Unpinned tools are pinned when first seen.
+    #[serde(default)]
+    pub pins: std::collections::BTreeMap<String, String>,
+}
+
+impl McpServerConfig {
+    /// The configured pins as hashes (checked at load: 16 hex digits each).
+    pub(crate) fn pinned(&self) -> std::collections::BTreeMap<String, u64> {
+        self.pins
+            .iter()
+            .filter_map(|(tool, hex)| Some((tool.clone(), u64::from_str_radix(hex, 16).ok()?)))
+            .collect()
+    }
 }
 
 /// `[[mcp_server]] on_definition_change`.
@@ -763,6 +777,7 @@ impl NodeConfig {
                     probe: Probe::Auto,
                     refresh_s: thirty(),
                     on_definition_change: OnDefinitionChange::Refuse,
+                    pins: Default::default(),
                 });
             }
             // The simulator's models answer in oam's JSON contract: the route `json` holds them
@@ -792,6 +807,19 @@ impl NodeConfig {
             .map(McpServerConfig::provider)
             .collect();
         cfg.providers.extend(servers);
+        for m in &cfg.mcp_servers {
+            if let Some((tool, hex)) = m
+                .pins
+                .iter()
+                .find(|(_, h)| h.len() != 16 || u64::from_str_radix(h, 16).is_err())
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "mcp_server ({}): pins: {tool} = {hex:?} is no definition hash (16 hex \
+                     digits, as tools/list gives it in _meta.oam.definition_hash)",
+                    m.id
+                )));
+            }
+        }
         cfg.check()?;
         cfg.client_keys = cfg.read_client_keys()?;
         cfg.targets = cfg.resolve_targets();
@@ -1334,6 +1362,12 @@ mod tests {
         let twice = text.replace("id = \"calc\"", "id = \"my__calc\"");
         let e = NodeConfig::parse("t", &twice, "http://127.0.0.1:9999").unwrap_err();
         assert!(e.to_string().contains("must not hold"), "{e}");
+        let pins = text.replace(
+            "cost_per_call_usd",
+            "pins = { add = \"xyz\" }\ncost_per_call_usd",
+        );
+        let e = NodeConfig::parse("t", &pins, "http://127.0.0.1:9999").unwrap_err();
+        assert!(e.to_string().contains("no definition hash"), "{e}");
         let bad = text.replace("calc__add", "calc add");
         let e = NodeConfig::parse("t", &bad, "http://127.0.0.1:9999").unwrap_err();
         assert!(e.to_string().contains("no tool name pattern"), "{e}");

@@ -651,6 +651,28 @@ async fn a_changed_definition_is_neither_listed_nor_called() {
     );
     assert_eq!(out[0]["structured"], json!({"result": 3}), "{}", out[0]);
     assert_eq!(out[1]["is_error"], false, "{}", out[1]);
+    // Each listed tool carries the hash `pins` takes to pin its definition in the config.
+    let listed: Value = crate::gateway::client()
+        .post(format!("{}/mcp", g.url))
+        .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let echo = listed["result"]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "calc__echo")
+        .unwrap()
+        .clone();
+    let hash = echo["_meta"]["oam"]["definition_hash"].as_str().unwrap();
+    assert!(
+        hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+        "{echo}"
+    );
     let refused = crate::support::eventually(std::time::Duration::from_secs(10), || async {
         let out = client(
             &g.url,

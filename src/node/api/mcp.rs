@@ -209,6 +209,11 @@ pub(crate) fn list_result(
         .map(|t| {
             let mut d = t.definition.clone();
             d["name"] = t.public_name().into();
+            // What `[[mcp_server]] pins` takes to pin this definition.
+            if !d["_meta"].is_object() {
+                d["_meta"] = json!({});
+            }
+            d["_meta"]["oam"] = json!({"definition_hash": format!("{:016x}", t.hash)});
             d
         })
         .collect();
