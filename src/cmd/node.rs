@@ -64,6 +64,9 @@ async fn run_node(a: RunArgs) -> Result<()> {
     // Before the config is read: its default limits are sized from the descriptors there are.
     let open_files = crate::node::limits::raise_open_files();
     let mut cfg = NodeConfig::load(a.config.as_deref(), &a.sim_url).map_err(Error::usage)?;
+    for w in cfg.warnings() {
+        eprintln!("oam node run: warning: {w}");
+    }
     if let Some(n) = a.cluster_size {
         if n == 0 {
             return Err(Error::usage("--cluster-size must be at least 1"));

@@ -991,6 +991,33 @@ impl NodeConfig {
         (limit.rpm.is_some() || limit.tpm.is_some()).then_some(limit)
     }
 
+    /// What in this configuration is valid but likely not meant, for the node to say at start:
+    /// budgets set while a target has no price (its calls cost $0 and never count against
+    /// them). A fallback marked as such is free on purpose and not named.
+    pub(crate) fn warnings(&self) -> Vec<String> {
+        let budgeted = self.budgets.global.is_some() || !self.budgets.agents.is_empty();
+        if !budgeted {
+            return Vec::new();
+        }
+        self.targets
+            .iter()
+            .filter(|t| !t.fallback && t.core().is_zero_cost())
+            .map(|t| {
+                let price = if t.api == crate::core::request::Api::Mcp {
+                    "cost_per_call_usd"
+                } else {
+                    "cost_per_1k_tokens_usd"
+                };
+                format!(
+                    "budgets are set, but target {} has no price ({price}): its calls cost $0 \
+                     and never count against a budget; give it its price, or `fallback = true` \
+                     if it is free on purpose",
+                    t.id
+                )
+            })
+            .collect()
+    }
+
     /// Does any target speak Anthropic's Messages API (so some requests must be kept from it)?
     pub(crate) fn speaks_anthropic(&self) -> bool {
         self.targets
@@ -1332,6 +1359,25 @@ impl NodeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budgets_over_unpriced_targets_are_warned_of() {
+        let base = "[[provider]]\nid = \"paid\"\nbase_url = \"http://127.0.0.1:1/v1\"\n\
+                    model = \"m\"\n";
+        let cfg = NodeConfig::parse("t", base, "http://127.0.0.1:9999").unwrap();
+        assert!(cfg.warnings().is_empty(), "no budgets, nothing to warn of");
+        let budgeted = format!("{base}\n[budgets.global]\nlimit_usd = 5.0\n");
+        let cfg = NodeConfig::parse("t", &budgeted, "http://127.0.0.1:9999").unwrap();
+        let w = cfg.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("target paid has no price"), "{w:?}");
+        let priced = budgeted.replace(
+            "model = \"m\"",
+            "model = \"m\"\ncost_per_1k_tokens_usd = 0.01",
+        );
+        let cfg = NodeConfig::parse("t", &priced, "http://127.0.0.1:9999").unwrap();
+        assert!(cfg.warnings().is_empty());
+    }
 
     #[test]
     fn tool_patterns_match_whole_names_with_wildcards() {
