@@ -122,7 +122,7 @@ pub(super) async fn not_mcp() -> Response {
 
 /// The mesh agents offered over A2A to this caller: the tools of the `mesh = true` tool
 /// servers that its list allows.
-async fn offered(node: &Node, list: &Option<Allowlist<'_>>) -> Vec<Tool> {
+async fn offered(node: &Arc<Node>, list: &Option<Allowlist<'_>>) -> Vec<Tool> {
     let mesh: Vec<&str> = node
         .cfg
         .mcp_servers
