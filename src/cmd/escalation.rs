@@ -158,10 +158,15 @@ async fn list(a: ListArgs) -> Result<()> {
         let e = &r.escalation;
         let reason = e.reason_codes.last().map_or("", |c| c.as_str());
         let mut row = vec![e.id.clone(), age(now.saturating_sub(e.created_at_ms))];
+        // A target's configuration fault is nobody's request: the target stands in.
+        let who = match (&e.target, e.agent.is_empty()) {
+            (Some(t), true) => format!("target {t}"),
+            _ => e.agent.clone(),
+        };
         if full {
-            row.extend([r.node.clone(), e.agent.clone(), e.task.clone()]);
+            row.extend([r.node.clone(), who, e.task.clone()]);
         } else {
-            row.push(e.agent.clone());
+            row.push(who);
         }
         row.push(if full {
             reason.to_string()

@@ -30,6 +30,13 @@ pub struct Escalation {
     pub created_at_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub incident_id: Option<String>,
+    /// The target at fault, for an escalation of a target's configuration (its credentials
+    /// refused) rather than of one request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// What the upstream said (`HTTP 401 Unauthorized Incorrect API key ...`), where known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// What the rules need to know about the finished request.
@@ -123,6 +130,8 @@ pub fn of_loop(incident: &Incident, request_id: &str, now_ms: u64) -> Escalation
         recommended_action: Action::HumanReviewBlockAutomaticAction,
         created_at_ms: now_ms,
         incident_id: Some(incident.id.clone()),
+        target: None,
+        detail: None,
     }
 }
 
@@ -147,6 +156,37 @@ pub fn build(o: &Concluded<'_>, reason: ReasonCode, action: Action, now_ms: u64)
         recommended_action: action,
         created_at_ms: now_ms,
         incident_id: o.new_loop_incident.map(str::to_string),
+        target: None,
+        detail: None,
+    }
+}
+
+/// The escalation of `target` refusing oam's credentials to a health probe, raised by `node`
+/// (its `serial`-th) at `now_ms`: no request was refused, the target's configuration must
+/// change (its key or its permissions).
+pub fn of_refused_credentials(
+    node: &str,
+    serial: u64,
+    target: &str,
+    detail: Option<String>,
+    now_ms: u64,
+) -> Escalation {
+    Escalation {
+        id: format!("esc-{node}-{}-{serial}", base36(now_ms)),
+        request_id: String::new(),
+        agent: String::new(),
+        task: String::new(),
+        phase: Phase::Generation,
+        reason_codes: vec![
+            ReasonCode::UpstreamAuthFailed,
+            ReasonCode::HumanAttentionRequired,
+            ReasonCode::EscalatedUpstreamMisconfigured,
+        ],
+        recommended_action: Action::HumanReview,
+        created_at_ms: now_ms,
+        incident_id: None,
+        target: Some(target.to_string()),
+        detail,
     }
 }
 

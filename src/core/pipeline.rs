@@ -1505,19 +1505,8 @@ impl Engine {
     /// once per target per `MISCONFIGURED_ESCALATION_MS`, whether or not the request was served.
     fn misconfigured(&mut self, s: &mut Session, phase: Phase, now_ms: u64) -> Option<Escalation> {
         let target = s.misconfigured.take()?;
-        if self
-            .state
-            .misconfigured
-            .get(&*target)
-            .is_some_and(|&until| now_ms < until)
-        {
+        if !self.misconfigured_anew(&target, now_ms) {
             return None;
-        }
-        self.state
-            .misconfigured
-            .insert(target.to_string(), now_ms + MISCONFIGURED_ESCALATION_MS);
-        if let Some(t) = self.timeline.as_mut() {
-            t.touch(&target);
         }
         for c in [
             ReasonCode::HumanAttentionRequired,
@@ -1535,12 +1524,66 @@ impl Engine {
             budget_escalated: false,
         };
         self.escalations += 1;
-        Some(escalation::build(
+        let mut e = escalation::build(
             &outcome,
             ReasonCode::EscalatedUpstreamMisconfigured,
             Action::HumanReview,
             now_ms,
-        ))
+        );
+        e.target = Some(target.to_string());
+        Some(e)
+    }
+
+    /// Is `target`'s refusal of oam's credentials at `now_ms` news, not covered by an escalation
+    /// of the last `MISCONFIGURED_ESCALATION_MS`? Noted, if so.
+    fn misconfigured_anew(&mut self, target: &TargetId, now_ms: u64) -> bool {
+        if self
+            .state
+            .misconfigured
+            .get(&**target)
+            .is_some_and(|&until| now_ms < until)
+        {
+            return false;
+        }
+        self.state
+            .misconfigured
+            .insert(target.to_string(), now_ms + MISCONFIGURED_ESCALATION_MS);
+        if let Some(t) = self.timeline.as_mut() {
+            t.touch(target);
+        }
+        true
+    }
+
+    /// A health probe found `target` refusing oam's credentials (`detail`: what it said) at
+    /// `now_ms`: the configuration fault's escalation, as a request's refusal raises it and
+    /// within the same once-per-target window, so that a target the probes mark down before
+    /// any request reaches it is still told. None: one was raised within the window (or there
+    /// is no such target).
+    pub fn credentials_refused(
+        &mut self,
+        target: &str,
+        detail: Option<String>,
+        now_ms: u64,
+    ) -> Option<Escalation> {
+        let id = self
+            .state
+            .providers
+            .iter()
+            .find(|p| *p.id == *target)?
+            .id
+            .clone();
+        if !self.misconfigured_anew(&id, now_ms) {
+            return None;
+        }
+        let e = escalation::of_refused_credentials(
+            &self.state.cluster.self_id,
+            self.escalations,
+            target,
+            detail,
+            now_ms,
+        );
+        self.escalations += 1;
+        Some(e)
     }
 
     fn finish(

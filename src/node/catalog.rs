@@ -274,6 +274,8 @@ fn escalate_change(node: &Node, server: &str, (tool, hash): &(String, u64)) {
         recommended_action: Action::HumanReviewBlockAutomaticAction,
         created_at_ms: crate::clock::now_ms(),
         incident_id: None,
+        target: Some(server.to_string()),
+        detail: None,
     };
     node.escalations.raise(&e);
 }

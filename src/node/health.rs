@@ -780,6 +780,20 @@ impl Prober {
                 node.health.failed(id, "probe", &g);
             }
         }
+        if g.status == GenerationStatus::Unauthorized {
+            // A configuration fault, told once a window: the probes mark the target down, so
+            // no request may ever reach it to raise it.
+            for id in ids {
+                let detail = g.error.as_ref().map(|e| e.chars().take(300).collect());
+                let raised = node
+                    .pipeline
+                    .with(|e| e.credentials_refused(id, detail, now_ms()));
+                if let Some(e) = raised {
+                    tracing::warn!(target = %id, escalation = %e.id, error = ?e.detail, "the upstream refuses oam's credentials; escalated");
+                    node.escalations.raise(&e);
+                }
+            }
+        }
         if g.status == GenerationStatus::RateLimited {
             // Not asked again before it said to.
             let wait = g.retry_after_ms.unwrap_or(self.schedule.every);

@@ -1084,4 +1084,47 @@ async fn an_upstream_refusing_the_key_is_said_where_users_look() {
         said.contains("NO_PROVIDER_AVAILABLE") && said.contains("gpt: probe: HTTP 401"),
         "{body}"
     );
+    // A configuration fault for a human, raised by the probes (no request reached the target)
+    // and once: the probes that failed since raised nothing more.
+    let escalations = || {
+        let out = oam()
+            .args(["escalation", "list", "--json", "--dir"])
+            .arg(&dir.0)
+            .output()
+            .unwrap();
+        serde_json::from_slice::<Vec<Value>>(&out.stdout).unwrap_or_default()
+    };
+    let open = crate::support::eventually(Duration::from_secs(10), || async {
+        let all = escalations();
+        (!all.is_empty()).then_some(all)
+    })
+    .await
+    .expect("the refused key is escalated");
+    let e = &open[0]["escalation"];
+    assert_eq!(e["target"], "gpt", "{e}");
+    assert_eq!(
+        e["reason_codes"].as_array().unwrap().last().unwrap(),
+        "ESCALATED_UPSTREAM_MISCONFIGURED",
+        "{e}"
+    );
+    assert!(
+        e["detail"].as_str().unwrap().contains("Incorrect API key"),
+        "{e}"
+    );
+    let probed = |state: &Value| state["providers"][0]["last_failure"]["failing"].as_u64();
+    let before = probed(&state).unwrap();
+    crate::support::eventually(Duration::from_secs(20), || async {
+        let state: Value = c
+            .get(format!("{node}/v1/oam/state"))
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        (probed(&state)? >= before + 2).then_some(())
+    })
+    .await
+    .expect("the probes go on failing");
+    assert_eq!(escalations().len(), 1, "{:?}", escalations());
 }

@@ -270,6 +270,8 @@ pub(crate) fn example(
             recommended_action: Action::HumanReviewBlockAutomaticAction,
             created_at_ms,
             incident_id: None,
+            target: None,
+            detail: None,
         },
         node: "n1".into(),
         status,
