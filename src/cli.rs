@@ -44,6 +44,9 @@ pub enum Command {
     Escalation(cmd::escalation::Args),
     /// The mesh's NATS users, one per role: `oam creds issue --role agent --name X`.
     Creds(cmd::creds::Args),
+    /// The nodes' configuration: `oam config check oam.toml` validates it without starting
+    /// anything.
+    Config(cmd::config::Args),
     /// Control-plane nodes: `oam node run --id n1`.
     Node(cmd::node::Args),
     /// Serve simulated model providers over an OpenAI-compatible HTTP API, with fault modes.
@@ -121,6 +124,7 @@ async fn dispatch(cli: Cli) -> Result<Findings> {
         Command::Listen(args) => cmd::listen::run(args).await.map(done),
         Command::Chaos(args) => cmd::chaos::run(args).await.map(done),
         Command::Creds(args) => cmd::creds::run(args).await.map(done),
+        Command::Config(args) => cmd::config::run(args).map(done),
         Command::Escalation(args) => cmd::escalation::run(args).await.map(done),
         Command::Budget(args) => cmd::budget::run(args).await.map(done),
         Command::Explain(args) => cmd::explain::run(args).await,

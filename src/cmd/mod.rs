@@ -6,6 +6,7 @@ pub mod bench;
 pub mod budget;
 pub mod chaos;
 pub mod completions;
+pub mod config;
 pub mod creds;
 pub mod decide;
 pub mod demo;

@@ -29,8 +29,9 @@ pub struct RunArgs {
     pub listen: SocketAddr,
     #[command(flatten)]
     pub cluster: super::ClusterArgs,
-    /// Providers, timings, pipeline and budgets (see `src/node/config.rs` for the format).
-    /// Without it the node routes across `oam sim`'s providers at --sim-url.
+    /// Providers, timings, pipeline and budgets (docs/configuration.md; starters in examples/;
+    /// `oam config check FILE` validates one). Without it the node routes across `oam sim`'s
+    /// providers at --sim-url.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Where `oam sim` listens, for the default providers.

@@ -183,8 +183,10 @@ pub(crate) struct ProviderConfig {
     pub api_key_env: Option<String>,
     /// Target attributes, for every model of the provider unless a model says otherwise:
     /// price per 1,000 prompt tokens (and completion tokens, unless `output_cost_per_1k_usd`).
+    /// A target whose configuration names no price at all is priced from the price table
+    /// (`data/prices.toml`) when its model is listed there.
     #[serde(default)]
-    pub cost_per_1k_tokens_usd: f64,
+    pub cost_per_1k_tokens_usd: Option<f64>,
     #[serde(default)]
     pub output_cost_per_1k_usd: Option<f64>,
     /// Prices per 1,000 prompt tokens read from the provider's cache, written to it, and
@@ -312,9 +314,26 @@ pub(crate) struct Target {
     pub api: crate::core::request::Api,
     pub embeddings: bool,
     pub cost_per_call_usd: f64,
+    /// Priced from the price table (its configuration named no price).
+    pub table_priced: bool,
 }
 
 impl Target {
+    /// This target at the price table's prices `l` (per 1,000,000 tokens there, per 1,000
+    /// here).
+    fn priced_as(self, l: &super::prices::Listed) -> Target {
+        let k = |usd: f64| usd / 1_000.0;
+        Target {
+            cost_per_1k_tokens_usd: k(l.input),
+            output_cost_per_1k_usd: Some(k(l.output)),
+            cached_input_cost_per_1k_usd: l.cached_input.map(k),
+            cache_write_cost_per_1k_usd: l.cache_write.map(k),
+            reasoning_cost_per_1k_usd: l.reasoning.map(k),
+            table_priced: true,
+            ..self
+        }
+    }
+
     pub(crate) fn core(&self) -> crate::core::request::Target {
         crate::core::request::Target {
             id: self.id.as_str().into(),
@@ -636,7 +655,7 @@ pub(crate) fn default_providers(sim_url: &str) -> Vec<ProviderConfig> {
             model: p.model.to_string(),
             models: Vec::new(),
             api_key_env: None,
-            cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
+            cost_per_1k_tokens_usd: Some(p.cost_per_1k_tokens_usd),
             output_cost_per_1k_usd: None,
             cached_input_cost_per_1k_usd: None,
             cache_write_cost_per_1k_usd: None,
@@ -674,7 +693,7 @@ impl ProviderConfig {
             model: String::new(),
             models: Vec::new(),
             api_key_env: None,
-            cost_per_1k_tokens_usd: 0.0,
+            cost_per_1k_tokens_usd: None,
             output_cost_per_1k_usd: None,
             cached_input_cost_per_1k_usd: None,
             cache_write_cost_per_1k_usd: None,
@@ -738,12 +757,66 @@ pub enum ConfigError {
     /// A value the config cannot hold: where, and why.
     #[error("{0}")]
     Invalid(String),
-    /// The error, in the file (or text) named.
-    #[error("{file}: {error}")]
+    /// The error, in the file (or text) named, at the line it is about where that is known.
+    #[error("{file}{}: {error}", line.map(|l| format!(":{l}")).unwrap_or_default())]
     In {
         file: String,
+        line: Option<usize>,
         error: Box<ConfigError>,
     },
+}
+
+impl ConfigError {
+    /// The line of `text` (from 1) this error is about: where TOML stopped reading, or the
+    /// table an invalid value is in (`provider[1] (...)`: the second `[[provider]]`).
+    fn line_in(&self, text: &str) -> Option<usize> {
+        let line_at = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
+        match self {
+            ConfigError::Syntax(_) => {
+                let e = toml::from_str::<NodeConfig>(text).err()?;
+                e.span().map(|s| line_at(s.start))
+            }
+            ConfigError::Invalid(why) => {
+                let headers = |table: &str| {
+                    let header = format!("[[{table}]]");
+                    text.lines()
+                        .enumerate()
+                        .filter(move |(_, l)| l.trim_start().starts_with(&header))
+                        .map(|(n, _)| n + 1)
+                };
+                for table in ["provider", "route", "client"] {
+                    let Some(rest) = why.strip_prefix(&format!("{table}[")) else {
+                        continue;
+                    };
+                    let i: usize = rest.split(']').next()?.parse().ok()?;
+                    return headers(table).nth(i);
+                }
+                // `mcp_server (id)`: the line naming its id, after a `[[mcp_server]]`.
+                let id = why.strip_prefix("mcp_server (")?.split(')').next()?;
+                let start = headers("mcp_server").next()?;
+                let named = [format!("id = \"{id}\""), format!("id=\"{id}\"")];
+                text.lines()
+                    .enumerate()
+                    .skip(start)
+                    .find(|(_, l)| named.iter().any(|n| l.trim() == n.as_str()))
+                    .map(|(n, _)| n + 1)
+            }
+            ConfigError::Read { .. } | ConfigError::In { .. } => None,
+        }
+    }
+}
+
+/// The configuration file to use: `flag` when given, else `$OAM_CONFIG`, else `oam.toml` in
+/// the current folder when there is one; with how it was found (for the user to be told).
+pub fn discover(flag: Option<std::path::PathBuf>) -> Option<(std::path::PathBuf, &'static str)> {
+    if let Some(p) = flag {
+        return Some((p, "--config"));
+    }
+    if let Some(p) = std::env::var_os("OAM_CONFIG").filter(|v| !v.is_empty()) {
+        return Some((p.into(), "$OAM_CONFIG"));
+    }
+    let here = std::path::PathBuf::from("oam.toml");
+    here.is_file().then_some((here, "the current folder"))
 }
 
 impl NodeConfig {
@@ -752,6 +825,7 @@ impl NodeConfig {
     pub(crate) fn parse(name: &str, text: &str, sim_url: &str) -> Result<NodeConfig, ConfigError> {
         NodeConfig::parse_text(text, sim_url).map_err(|e| ConfigError::In {
             file: name.to_string(),
+            line: e.line_in(text),
             error: Box::new(e),
         })
     }
@@ -923,7 +997,7 @@ impl NodeConfig {
                 id: p.id.clone(),
                 provider: p.id.clone(),
                 model: p.model.clone(),
-                cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd,
+                cost_per_1k_tokens_usd: p.cost_per_1k_tokens_usd.unwrap_or(0.0),
                 output_cost_per_1k_usd: p.output_cost_per_1k_usd,
                 cached_input_cost_per_1k_usd: p.cached_input_cost_per_1k_usd,
                 cache_write_cost_per_1k_usd: p.cache_write_cost_per_1k_usd,
@@ -935,12 +1009,47 @@ impl NodeConfig {
                 api: p.api,
                 embeddings: p.embeddings,
                 cost_per_call_usd: p.cost_per_call_usd,
+                table_priced: false,
+            };
+            let provider_priced = p.cost_per_call_usd > 0.0
+                || [
+                    p.cost_per_1k_tokens_usd,
+                    p.output_cost_per_1k_usd,
+                    p.cached_input_cost_per_1k_usd,
+                    p.cache_write_cost_per_1k_usd,
+                    p.reasoning_cost_per_1k_usd,
+                ]
+                .iter()
+                .any(Option::is_some);
+            // Only models called over HTTP have list prices: an agent or a tool server costs
+            // what its configuration says.
+            let listed = p.agent.is_none() && p.api != crate::core::request::Api::Mcp;
+            let price = |t: Target, model_priced: bool| {
+                if provider_priced || model_priced || !listed {
+                    return t;
+                }
+                match super::prices::table().lookup(&t.model) {
+                    Some(l) => t.priced_as(l),
+                    None => t,
+                }
             };
             if p.models.is_empty() {
-                out.push(base);
+                out.push(price(base, false));
                 continue;
             }
             for m in &p.models {
+                let model_priced = match m {
+                    ModelEntry::Name(_) => false,
+                    ModelEntry::Full(m) => [
+                        m.cost_per_1k_tokens_usd,
+                        m.output_cost_per_1k_usd,
+                        m.cached_input_cost_per_1k_usd,
+                        m.cache_write_cost_per_1k_usd,
+                        m.reasoning_cost_per_1k_usd,
+                    ]
+                    .iter()
+                    .any(Option::is_some),
+                };
                 let t = match m {
                     ModelEntry::Name(name) => Target {
                         model: name.clone(),
@@ -969,10 +1078,11 @@ impl NodeConfig {
                         ..base.clone()
                     },
                 };
-                out.push(Target {
+                let t = Target {
                     id: format!("{}/{}", p.id, t.model),
                     ..t
-                });
+                };
+                out.push(price(t, model_priced));
             }
         }
         out
@@ -1284,7 +1394,7 @@ impl NodeConfig {
             }
             let costs = [
                 Some(p.cost_per_call_usd),
-                Some(p.cost_per_1k_tokens_usd),
+                p.cost_per_1k_tokens_usd,
                 p.output_cost_per_1k_usd,
                 p.cached_input_cost_per_1k_usd,
                 p.cache_write_cost_per_1k_usd,

@@ -31,6 +31,7 @@ pub(crate) mod model;
 pub(crate) mod nats;
 pub(crate) mod otlp;
 pub(crate) mod pipeline;
+pub(crate) mod prices;
 pub(crate) mod rates;
 pub(crate) mod request;
 pub(crate) mod server;

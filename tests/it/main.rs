@@ -10,6 +10,7 @@ mod architecture;
 mod chaos;
 mod cli;
 mod cluster;
+mod config;
 mod embeddings;
 mod gateway;
 mod hosts;

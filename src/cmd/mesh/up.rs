@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Kind, Result};
 use crate::local::{self, cluster};
+use crate::node::config;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -44,8 +45,9 @@ pub struct Args {
     /// mesh down` and `oam mesh up`, so running agents and watches reconnect by themselves.
     #[arg(long)]
     pub new_credentials: bool,
-    /// The nodes' configuration (providers, timings, pipeline, budgets; see
-    /// `src/node/config.rs`). Without it they route across a simulator this mesh starts.
+    /// The nodes' configuration (providers, timings, pipeline, budgets; docs/configuration.md,
+    /// starters in examples/; `oam config check FILE` validates one). Without it: $OAM_CONFIG,
+    /// else ./oam.toml, else the nodes route across a simulator this mesh starts.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Start this host's part of a mesh across hosts, from the file that lists them (after
@@ -92,8 +94,22 @@ pub async fn run(a: Args) -> Result<()> {
         let up = local::hosts::up(&plan).await;
         return report(&a, up);
     }
+    // The configuration: --config, else $OAM_CONFIG, else ./oam.toml (said, since a mesh on
+    // real providers costs money), else the simulator.
+    let config = match config::discover(a.config.clone()) {
+        Some((path, "--config")) => Some(path),
+        Some((path, how)) => {
+            let path = std::fs::canonicalize(&path).unwrap_or(path);
+            eprintln!(
+                "oam mesh up: using the configuration {} (from {how}; --config names another)",
+                path.display()
+            );
+            Some(path)
+        }
+        None => None,
+    };
     // A configuration is checked before anything starts (errors name the file, line and field).
-    let log_retention = match &a.config {
+    let log_retention = match &config {
         Some(path) => Some(log_retention(path)?),
         None => None,
     };
@@ -108,7 +124,7 @@ pub async fn run(a: Args) -> Result<()> {
         nats_server: a.nats_server.clone(),
         exe,
         new_credentials: a.new_credentials,
-        config: a.config.clone(),
+        config,
         log_retention,
         sync_interval: a.sync_interval.clone(),
         nats_monitor: a.nats_monitor,
