@@ -444,6 +444,12 @@ impl Instance {
 /// After a death notice about itself, an instance registers again on this many beats.
 const REREGISTER_BEATS: u32 = 3;
 
+/// Every this many beats (10 s at the default 1 s) a live instance reads the catalog and lists
+/// its agent again if another agent removed or changed its entry: one read of the catalog per
+/// instance per 10 s (500 agents of one instance: 50 reads a second), and an emptied catalog
+/// whole again within 10 s.
+const RELIST_BEATS: u64 = 10;
+
 /// Serve `handler` as one instance until `stop` resolves, handling up to `concurrency` requests at
 /// once (further requests wait in the subscription: backpressure, not rejection); then leave
 /// gracefully.
@@ -491,6 +497,9 @@ pub async fn run(
             // clean-up (it removes a dead agent from the catalog) follows its notice, and may
             // land after the first re-registration; registering on the next beats too undoes it.
             let mut revived = 0u32;
+            // Beats since start, from an offset of this instance's own, so that the replicas
+            // and agents that started together check the catalog at different beats.
+            let mut beats = xxhash_rust::xxh3::xxh3_64(me.id.as_bytes()) % RELIST_BEATS;
             loop {
                 tokio::select! {
                     _ = beat.tick() => {}
@@ -547,6 +556,21 @@ pub async fn run(
                 let renewed = store::renew(&me.mesh, &me.entry, &me.id);
                 if tokio::time::timeout(bound, renewed).await.is_err() {
                     tracing::warn!(agent = %me.entry.name, "instance lease not renewed within {bound:?}");
+                }
+                beats = beats.wrapping_add(1);
+                if beats.is_multiple_of(RELIST_BEATS) {
+                    // One read while the catalog lists this agent as it should; a write only
+                    // when another agent removed or changed its entry.
+                    let listed = store::list_in_catalog(&me.mesh, &me.entry);
+                    match tokio::time::timeout(bound, listed).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::debug!(agent = %me.entry.name, "catalog entry not checked: {e:#}");
+                        }
+                        Err(_) => {
+                            tracing::debug!(agent = %me.entry.name, "catalog entry not checked within {bound:?}");
+                        }
+                    }
                 }
             }
         }))

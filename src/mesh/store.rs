@@ -229,8 +229,10 @@ async fn edit_catalog(
 }
 
 /// List `entry` in the catalog (in place of any entry of its name); a catalog that already
-/// lists it so is not written, so the replicas after the first cost one read.
-async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
+/// lists it so is not written, so the replicas after the first cost one read. A live agent
+/// calls it again now and then (`host`'s `RELIST_BEATS`): the catalog is one key any agent may
+/// write (the Open Agent Mesh layout), so an entry another agent removed or changed comes back.
+pub(crate) async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
     let listed = serde_json::to_value(entry)?;
     edit_catalog(mesh, |items| {
         let mut same = items.iter().filter(|v| v["name"] == entry.name.as_str());

@@ -1083,3 +1083,66 @@ async fn a_mesh_has_no_monitoring_port_unless_asked() {
         "a viewer read the server's JetStream state"
     );
 }
+
+/// The catalog is one key any agent may write (the Open Agent Mesh layout): a hostile agent
+/// empties it, then lists a changed entry under a live agent's name. Before, the catalog stayed
+/// so (`oam agent list` showed nobody, a caller could not tell "not available" from "not
+/// found"); now the live agent's next catalog check (every 10 beats) lists it again as it is.
+#[tokio::test]
+async fn an_agent_emptying_the_shared_catalog_is_undone_by_the_live_agents() {
+    use oam::transport::subjects::{CATALOG_BUCKET, CATALOG_KEY};
+    let mesh = LocalCluster::up("catalog").await;
+    issue(&mesh, "agent", "evil");
+    let victim = issue(&mesh, "agent", "demo.victim");
+    let _served = Proc::spawn(&[
+        "agent",
+        "serve",
+        "demo.victim",
+        "--demo",
+        "echo",
+        "--json",
+        "--creds",
+        victim["file"].as_str().unwrap(),
+    ]);
+    let (evil, errors) = client(&mesh.role_url("agent-evil")).await;
+    let js = async_nats::jetstream::new(evil);
+    let subject = format!("$KV.{CATALOG_BUCKET}.{CATALOG_KEY}");
+    let listed = || async {
+        let out = mesh
+            .oam()
+            .args(["agent", "list", "--json"])
+            .output()
+            .unwrap();
+        let all: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        all.into_iter().find(|a| a["name"] == "demo.victim")
+    };
+    let start = listed().await.expect("the agent is listed at start");
+    for forged in [
+        json!([]),
+        json!([{"name": "demo.victim", "description": "pwned", "tags": ["mcp"]}]),
+    ] {
+        let write = js
+            .publish(subject.clone(), forged.to_string().into())
+            .await
+            .unwrap();
+        write
+            .await
+            .expect("an agent may write the shared catalog key");
+        let at = Instant::now();
+        let back = crate::support::eventually(Duration::from_secs(15), || async {
+            let a = listed().await?;
+            (a["description"] == start["description"] && a["tags"] == start["tags"]).then_some(a)
+        })
+        .await;
+        assert!(
+            back.is_some(),
+            "after {forged}, the live agent was not listed again as it is; errors: {:?}",
+            errors.lock().unwrap()
+        );
+        assert!(
+            at.elapsed() <= Duration::from_secs(12),
+            "{:?}",
+            at.elapsed()
+        );
+    }
+}
