@@ -22,6 +22,12 @@ pub struct Budget {
     /// resets the budget (which ends the episode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refused_at_ms: Option<u64>,
+    /// When the cluster's record of this budget began its current episode (made, or set or
+    /// reset by an operator): with the budget's name, the one id every node gives the
+    /// escalation of its exhaustion (`escalation::budget_episode`). None: a budget no ledger
+    /// record stands behind (this node's alone, or one recorded before episodes were named).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_ms: Option<u64>,
 }
 
 /// Why a budget refused: what the attempt was estimated to cost beside what the budget had
@@ -59,6 +65,7 @@ impl Budget {
             spent_usd: 0.0,
             reserved_usd: 0.0,
             refused_at_ms: None,
+            since_ms: None,
         }
     }
 

@@ -161,6 +161,16 @@ pub fn build(o: &Concluded<'_>, reason: ReasonCode, action: Action, now_ms: u64)
     }
 }
 
+/// The id of the exhaustion escalation of `agent`'s budget (None: the global one) in its
+/// episode since `since_ms`: every node names it so, so one episode met by many nodes is one
+/// escalation for callers, records, `explain` and the escalation store alike.
+pub fn budget_episode(agent: Option<&str>, since_ms: u64) -> String {
+    match agent {
+        Some(a) => format!("esc-budget-agent-{a}-{}", base36(since_ms)),
+        None => format!("esc-budget-global-{}", base36(since_ms)),
+    }
+}
+
 /// The escalation of `target` refusing oam's credentials to a health probe, raised by `node`
 /// (its `serial`-th) at `now_ms`: no request was refused, the target's configuration must
 /// change (its key or its permissions).

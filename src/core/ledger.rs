@@ -40,6 +40,11 @@ pub struct Ledger {
     /// node for the cluster. An operator's `set` or `reset` ends it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refused: Option<Refused>,
+    /// When this record began its current episode: made, or set or reset by an operator (the
+    /// name of its exhaustion escalation, the same on every node). None: written before
+    /// episodes were named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_ms: Option<u64>,
 }
 
 /// The refusal that opened an exhaustion episode, and its escalation.
@@ -189,6 +194,7 @@ impl Ledger {
             spent_usd: round_usd(self.spent_usd + self.held_usd(now_ms, Some(node))),
             reserved_usd,
             refused_at_ms: self.refused.as_ref().map(|r| r.at_ms),
+            since_ms: self.since_ms,
         }
     }
 }

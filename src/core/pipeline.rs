@@ -1466,16 +1466,20 @@ impl Engine {
             serial: self.escalations,
             budget_escalated,
         };
-        let escalation = escalation::rule(&outcome)
+        let mut escalation = escalation::rule(&outcome)
             .map(|(reason, action)| escalation::build(&outcome, reason, action, now_ms));
         self.escalations += u64::from(escalation.is_some());
         if let Some(sf) = refusing
-            && escalation.as_ref().is_some_and(|e| {
-                e.reason_codes.last() == Some(&ReasonCode::EscalatedBudgetExhausted)
-            })
+            && let Some(e) = escalation
+                .as_mut()
+                .filter(|e| e.reason_codes.last() == Some(&ReasonCode::EscalatedBudgetExhausted))
             && let Some(b) = self.state.budgets.of_shortfall_mut(sf)
         {
             b.refused_at_ms = Some(now_ms);
+            // The episode's one name, the same on every node that meets it.
+            if let Some(since) = b.since_ms {
+                e.id = escalation::budget_episode(sf.agent.as_deref(), since);
+            }
         }
         if let Some(e) = &escalation {
             push(&mut s.codes, ReasonCode::HumanAttentionRequired);

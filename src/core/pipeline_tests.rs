@@ -593,6 +593,45 @@ fn budget_exhausted_low_risk_falls_back_high_risk_refuses() {
     );
 }
 
+/// One exhaustion episode met by two nodes is one escalation: each names it after the budget
+/// and the ledger record's episode, not after itself, so callers, records and the escalation
+/// store all see one id. A budget no record stands behind keeps the node's own names.
+#[test]
+fn every_node_names_one_budget_episode_s_escalation_alike() {
+    let high = |id: &str| {
+        let mut r = req(id);
+        r.risk = Risk::High;
+        r
+    };
+    let on = |node: &str, since: Option<u64>| {
+        let mut e = engine();
+        std::sync::Arc::make_mut(&mut e.state.cluster).self_id = node.into();
+        let b = Budget {
+            since_ms: since,
+            ..Budget::new(0.0)
+        };
+        e.state.budgets.agents.insert("agent-a".into(), b);
+        e.state.budgets.global = Some(b);
+        e
+    };
+    let since = Some(T0 - 60_000);
+    let (mut n1, mut n2) = (on("n1", since), on("n2", since));
+    let a = run(&mut n1, high("r1"), &[]).escalation.expect("escalated");
+    let b = run(&mut n2, high("r2"), &[]).escalation.expect("escalated");
+    assert_eq!(a.id, b.id);
+    assert!(a.id.starts_with("esc-budget-agent-agent-a-"), "{}", a.id);
+    // The next episode (an operator's set or reset) has a name of its own.
+    let mut n3 = on("n3", Some(T0 - 1_000));
+    let c = run(&mut n3, high("r3"), &[]).escalation.expect("escalated");
+    assert_ne!(c.id, a.id);
+    // Without a record: the node's own name, as before.
+    let mut alone = on("n4", None);
+    let d = run(&mut alone, high("r4"), &[])
+        .escalation
+        .expect("escalated");
+    assert!(d.id.starts_with("esc-n4-"), "{}", d.id);
+}
+
 /// A budget refusal says what the attempt was estimated at beside what was left, and an
 /// exhausted budget is escalated once per episode: the next refusals are only refused, until
 /// the episode ends (an operator's set or reset clears the mark the ledger mirrors).

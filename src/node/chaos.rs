@@ -224,6 +224,7 @@ mod tests {
             spent_usd: spent,
             reserved_usd: reserved,
             refused_at_ms: None,
+            since_ms: None,
         }
     }
 

@@ -83,11 +83,20 @@ impl Escalator {
                     Err(err) => tracing::warn!("escalation {} not recorded: {err:#}", e.id),
                 }
             }
-            if let Some(s) = &kept
-                && let Err(err) = store::open(s, &node.id, &e).await
-            {
-                tracing::warn!("escalation {} not recorded: {err:#}", e.id);
-                kept = None; // the bucket may be gone (a new server): open it afresh next time
+            if let Some(s) = &kept {
+                match store::open(s, &node.id, &e).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // The same episode's escalation, raised by another node first: its
+                        // record and its sinks are that node's.
+                        tracing::info!(escalation = %e.id, "already recorded by another node");
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::warn!("escalation {} not recorded: {err:#}", e.id);
+                        kept = None; // the bucket may be gone (a new server): open it afresh
+                    }
+                }
             }
             let sinks = &node.cfg.escalations;
             let webhook = sinks.webhook_url.clone().map(Sink::Webhook);

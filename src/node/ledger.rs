@@ -697,6 +697,7 @@ impl Keeper {
             let k = key(agent.as_deref());
             let record = Ledger {
                 agent: agent.clone(),
+                since_ms: Some(now_ms()),
                 ..Ledger::new(limit)
             };
             let Ok(bytes) = serde_json::to_vec(&record) else {
@@ -1059,6 +1060,7 @@ impl Keeper {
                     (
                         Ledger {
                             agent,
+                            since_ms: Some(now_ms()),
                             ..Ledger::new(limit)
                         },
                         other.map(|e| e.revision),

@@ -83,6 +83,7 @@ pub(crate) fn node_state(
             spent_usd: 1.25,
             reserved_usd: 0.0,
             refused_at_ms: None,
+            since_ms: None,
         },
     );
     Box::new(state)

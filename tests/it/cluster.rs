@@ -2474,3 +2474,90 @@ async fn a_node_gives_an_existing_decision_log_its_configured_size() {
     .await;
     assert!(applied.is_some(), "the stream kept its old limits");
 }
+
+/// One exhaustion episode met by three nodes at once is one escalation: before, each node's
+/// first refusal raised its own (`esc-n1-…`, `esc-n2-…`), callers and records named three ids,
+/// the store kept one, and `oam escalation resolve` on the others said "expired". Now every
+/// node names it after the budget's episode in the shared ledger.
+#[tokio::test]
+async fn one_budget_episode_on_three_nodes_is_one_escalation() {
+    let cl = cluster(&[]).await;
+    let nats_url = cl.nats.url();
+    budget(&nats_url, &["set", "episode", "--limit", "0"]);
+    let c = client();
+    // Every node sees the operator's budget before the calls.
+    let seen = eventually(Duration::from_secs(10), || async {
+        for url in &cl.urls {
+            let s: Value = c
+                .get(format!("{url}/v1/oam/state"))
+                .send()
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            s["budgets"]["agents"]["episode"]["since_ms"].as_u64()?;
+        }
+        Some(())
+    })
+    .await;
+    assert!(seen.is_some(), "every node mirrors the budget");
+    let ask = |url: String| {
+        let c = c.clone();
+        async move {
+            let body = json!({"model": "auto",
+                "messages": [{"role": "user", "content": format!("refund via {url}")}],
+                "oam": {"agent": "episode", "risk": "high"}});
+            let r = c
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 402);
+            let v: Value = r.json().await.unwrap();
+            v["oam"]["escalation"]["id"].as_str().map(String::from)
+        }
+    };
+    let ids: Vec<String> = futures_util::future::join_all(cl.urls.iter().cloned().map(ask))
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    assert!(!ids.is_empty(), "the episode was escalated");
+    assert!(ids.iter().all(|id| *id == ids[0]), "{ids:?}");
+    assert!(ids[0].starts_with("esc-budget-agent-episode-"), "{ids:?}");
+    let listed = |all: bool| {
+        let mut args = vec!["escalation", "list", "--agent", "episode", "--json"];
+        if all {
+            args.push("--all");
+        }
+        let out = assert_cmd::Command::cargo_bin("oam")
+            .unwrap()
+            .args(&args)
+            .args(["--nats-url", &nats_url])
+            .output()
+            .unwrap();
+        serde_json::from_slice::<Vec<Value>>(&out.stdout).unwrap()
+    };
+    let open = eventually(Duration::from_secs(5), || async {
+        let l = listed(false);
+        (!l.is_empty()).then_some(l)
+    })
+    .await
+    .expect("the escalation is recorded");
+    assert_eq!(open.len(), 1, "{open:?} (callers saw {ids:?})");
+    assert_eq!(open[0]["escalation"]["id"], ids[0].as_str());
+    let resolved = assert_cmd::Command::cargo_bin("oam")
+        .unwrap()
+        .args(["escalation", "resolve", &ids[0], "--note", "raised"])
+        .args(["--nats-url", &nats_url])
+        .output()
+        .unwrap();
+    assert!(
+        resolved.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resolved.stderr)
+    );
+    assert_eq!(listed(true).len(), 1);
+}

@@ -70,8 +70,9 @@ pub async fn store(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
     crate::transport::store::bucket(nats, BUCKET, MAX_AGE).await
 }
 
-/// Record `escalation`, raised by `node`, as open.
-pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> anyhow::Result<()> {
+/// Record `escalation`, raised by `node`, as open: true; false when a record of its id is there
+/// already (another node raised the same episode's escalation first).
+pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> anyhow::Result<bool> {
     let record = EscalationRecord {
         escalation: escalation.clone(),
         node: node.to_string(),
@@ -85,11 +86,17 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> any
         command_delivery: None,
     };
     // Created, never put: a record already there (resolved, say) is never overwritten.
-    store
+    match store
         .create(key(&escalation.id), serde_json::to_vec(&record)?.into())
         .await
-        .map_err(|e| anyhow::anyhow!("escalation {} not recorded: {e}", escalation.id))?;
-    Ok(())
+    {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(anyhow::anyhow!(
+            "escalation {} not recorded: {e}",
+            escalation.id
+        )),
+    }
 }
 
 /// Every record in the bucket, oldest first; entries that are not records are skipped (see

@@ -67,8 +67,14 @@ pub async fn change(
             ledger.agent = agent.map(String::from);
         }
         f(&mut ledger);
-        // A human changed the budget: the exhaustion episode (and its one escalation) ends.
+        // A human changed the budget: the exhaustion episode (and its one escalation) ends, and
+        // the next one is named from now.
         ledger.refused = None;
+        ledger.since_ms = Some(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        );
         let bytes = serde_json::to_vec(&ledger).map_err(|e| ChangeError::Store(e.to_string()))?;
         // Err(None): another write came first; Err(Some((why, refused))): the store did not
         // take it, `refused` when it could never (a bad key); otherwise no leader answered
