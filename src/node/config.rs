@@ -90,7 +90,9 @@
 //! [telemetry]                 # OpenTelemetry: a span per request and per attempt (OTLP/HTTP)
 //! otlp_endpoint = "http://127.0.0.1:4318"  # else $OTEL_EXPORTER_OTLP_ENDPOINT; none: off
 //! headers = { "x-api-key" = "..." }        # sent with every export
-//! service_name = "oam"
+//! service_name = "oam"        # else $OTEL_SERVICE_NAME, else "oam"
+//! protocol = "http/protobuf"  # or "http/json" (else $OTEL_EXPORTER_OTLP_PROTOCOL, else JSON)
+//! resource_attributes = { "deployment.environment" = "prod" }  # beside $OTEL_RESOURCE_ATTRIBUTES
 //! content = false             # true: messages and answers on the spans (gen_ai.*.messages)
 //! timeout_ms = 5000           # one export's deadline
 //!
@@ -900,8 +902,8 @@ impl NodeConfig {
         cfg.check_routes()?;
         cfg.check_rate_limits()?;
         cfg.telemetry
-            .traces_url(|k| std::env::var(k).ok())
-            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+            .export(|k| std::env::var(k).ok())
+            .map_err(ConfigError::Invalid)?;
         Ok(cfg)
     }
 

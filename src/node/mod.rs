@@ -164,11 +164,11 @@ impl Node {
         let rates = rates::Rates::default();
         rates.counters.register(registry);
         log.counters.register(registry);
-        let traces = cfg
+        let export = cfg
             .telemetry
-            .traces_url(|k| std::env::var(k).ok())
+            .export(|k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?;
-        let (otlp, exporter) = otlp::Telemetry::new(&id, &cfg.telemetry, traces, &cfg.targets);
+        let (otlp, exporter) = otlp::Telemetry::new(&id, &cfg.telemetry, export, &cfg.targets);
         otlp.register(registry);
         let health = Arc::new(health::Health::new(
             &id,

@@ -1,6 +1,7 @@
 //! OpenTelemetry export: one span per request (kind SERVER) and one per attempt made on a target
-//! (kind CLIENT, its child), sent over OTLP/HTTP as JSON to `[telemetry] otlp_endpoint` (or
-//! `$OTEL_EXPORTER_OTLP_ENDPOINT`). Attributes follow the GenAI semantic conventions
+//! (kind CLIENT, its child), sent over OTLP/HTTP (JSON, or protobuf: `protocol`) to
+//! `[telemetry] otlp_endpoint`, else as the standard `OTEL_*` variables say (endpoint,
+//! protocol, headers, service name, resource attributes; a key the file sets wins). Attributes follow the GenAI semantic conventions
 //! (`gen_ai.*`: operation, provider, request and response model, usage, finish reasons, time to
 //! first chunk on streams; `error.type`), with oam's own facts as `oam.*` (decision, phase,
 //! reason codes, route, the targets tried, attempt number). Messages and answers are left out
@@ -45,8 +46,15 @@ pub(crate) struct Settings {
     pub otlp_endpoint: Option<String>,
     /// Headers sent with every export (a vendor's API key, say).
     pub headers: BTreeMap<String, String>,
-    /// The `service.name` of the spans.
-    pub service_name: String,
+    /// The `service.name` of the spans (else `$OTEL_SERVICE_NAME`, else `service.name` in
+    /// `$OTEL_RESOURCE_ATTRIBUTES`, else `oam`).
+    pub service_name: Option<String>,
+    /// `http/json` or `http/protobuf` (else `$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` or
+    /// `$OTEL_EXPORTER_OTLP_PROTOCOL`, else `http/json`).
+    pub protocol: Option<Protocol>,
+    /// Attributes of the resource every span comes from (with `$OTEL_RESOURCE_ATTRIBUTES`'
+    /// beside them: a key given here wins).
+    pub resource_attributes: BTreeMap<String, String>,
     /// Put each request's messages and the answer on its spans (`gen_ai.input.messages`,
     /// `gen_ai.output.messages`). Off by default: prompts are often what nobody may read.
     pub content: bool,
@@ -59,7 +67,9 @@ impl Default for Settings {
         Settings {
             otlp_endpoint: None,
             headers: BTreeMap::new(),
-            service_name: "oam".into(),
+            service_name: None,
+            protocol: None,
+            resource_attributes: BTreeMap::new(),
             content: false,
             timeout_ms: 5_000,
         }
@@ -99,6 +109,138 @@ impl Settings {
         };
         checked(url, from).map(Some)
     }
+}
+
+/// How spans are encoded over OTLP/HTTP.
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub(crate) enum Protocol {
+    #[default]
+    #[serde(rename = "http/json")]
+    Json,
+    #[serde(rename = "http/protobuf")]
+    Protobuf,
+}
+
+impl Protocol {
+    fn content_type(self) -> &'static str {
+        match self {
+            Protocol::Json => "application/json",
+            Protocol::Protobuf => "application/x-protobuf",
+        }
+    }
+}
+
+/// What the exporter sends and where, from `[telemetry]` and the `OTEL_*` variables.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Export {
+    pub url: String,
+    pub protocol: Protocol,
+    pub headers: BTreeMap<String, String>,
+    pub service_name: String,
+    /// The resource's attributes besides `service.*`.
+    pub resource: BTreeMap<String, String>,
+}
+
+impl Settings {
+    /// Where and how spans go (None: export is off), from the file and then the standard
+    /// variables (`env` reads one); errors name the setting and what is wrong with it.
+    pub(crate) fn export(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Export>, String> {
+        let Some(url) = self.traces_url(&env).map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        let var = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+        let protocol = match self.protocol {
+            Some(p) => p,
+            None => match var("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                .map(|v| ("$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", v))
+                .or_else(|| {
+                    var("OTEL_EXPORTER_OTLP_PROTOCOL").map(|v| ("$OTEL_EXPORTER_OTLP_PROTOCOL", v))
+                }) {
+                None => Protocol::Json,
+                Some((_, v)) if v.trim() == "http/json" => Protocol::Json,
+                Some((_, v)) if v.trim() == "http/protobuf" => Protocol::Protobuf,
+                Some((from, v)) => {
+                    return Err(format!(
+                        "{from}: {v:?} is not a protocol oam exports with: give http/protobuf or \
+                         http/json (oam sends OTLP over HTTP, not gRPC)"
+                    ));
+                }
+            },
+        };
+        let mut headers = self.headers.clone();
+        for k in [
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+            "OTEL_EXPORTER_OTLP_HEADERS",
+        ] {
+            if let Some(v) = var(k) {
+                for (name, value) in pairs(&v).map_err(|e| format!("${k}: {e}"))? {
+                    headers.entry(name).or_insert(value);
+                }
+            }
+        }
+        let mut resource = self.resource_attributes.clone();
+        if let Some(v) = var("OTEL_RESOURCE_ATTRIBUTES") {
+            for (name, value) in pairs(&v).map_err(|e| format!("$OTEL_RESOURCE_ATTRIBUTES: {e}"))? {
+                resource.entry(name).or_insert(value);
+            }
+        }
+        let service_name = self
+            .service_name
+            .clone()
+            .or_else(|| var("OTEL_SERVICE_NAME"))
+            .or_else(|| resource.get("service.name").cloned())
+            .unwrap_or_else(|| "oam".into());
+        resource.retain(|k, _| !k.starts_with("service."));
+        Ok(Some(Export {
+            url,
+            protocol,
+            headers,
+            service_name,
+            resource,
+        }))
+    }
+}
+
+/// `k1=v1,k2=v2` (the `OTEL_*_HEADERS` and `OTEL_RESOURCE_ATTRIBUTES` format: values
+/// percent-encoded, blanks around items ignored).
+fn pairs(text: &str) -> Result<Vec<(String, String)>, String> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| format!("{item:?} is not key=value"))?;
+            let k = k.trim();
+            if k.is_empty() {
+                return Err(format!("{item:?} has no key"));
+            }
+            Ok((k.to_string(), percent_decoded(v.trim())?))
+        })
+        .collect()
+}
+
+fn percent_decoded(v: &str) -> Result<String, String> {
+    let bytes = v.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = v
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| format!("{v:?} has a % that is not %XX"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("{v:?} is not UTF-8 once decoded"))
 }
 
 /// An OTLP endpoint that is no HTTP address: where it was given, and what.
@@ -260,18 +402,18 @@ pub(crate) struct Telemetry {
 /// The exporter's half: it runs once, in `node::run`.
 pub(crate) struct Exporter {
     rx: mpsc::Receiver<Finished>,
-    url: String,
-    settings: Settings,
+    export: Export,
+    timeout: Duration,
     resource: Resource,
     counters: Arc<Counters>,
 }
 
 impl Telemetry {
-    /// The handle and, when export is on (`url`), the exporter to run.
+    /// The handle and, when export is on (`export`), the exporter to run.
     pub(crate) fn new(
         node: &str,
         settings: &Settings,
-        url: Option<String>,
+        export: Option<Export>,
         targets: &[super::config::Target],
     ) -> (Telemetry, Option<Exporter>) {
         let counters = Arc::new(Counters::default());
@@ -279,7 +421,7 @@ impl Telemetry {
             .iter()
             .map(|t| (t.id.clone(), (t.model.clone(), t.api.as_str())))
             .collect();
-        let Some(url) = url else {
+        let Some(export) = export else {
             let off = Telemetry {
                 tx: None,
                 content: false,
@@ -289,17 +431,20 @@ impl Telemetry {
             return (off, None);
         };
         let (tx, rx) = mpsc::channel(WAITING);
-        let resource = Resource {
-            attributes: vec![
-                attr("service.name", &settings.service_name),
-                attr("service.instance.id", node),
-                attr("service.version", env!("CARGO_PKG_VERSION")),
-            ],
-        };
+        let mut attributes = vec![
+            attr("service.name", &export.service_name),
+            attr("service.instance.id", node),
+            attr("service.version", env!("CARGO_PKG_VERSION")),
+        ];
+        attributes.extend(export.resource.iter().map(|(k, v)| Attr {
+            key: k.clone().into(),
+            value: Any::Str(v.clone()),
+        }));
+        let resource = Resource { attributes };
         let exporter = Exporter {
             rx,
-            url,
-            settings: settings.clone(),
+            timeout: Duration::from_millis(settings.timeout_ms),
+            export,
             resource,
             counters: counters.clone(),
         };
@@ -378,14 +523,13 @@ impl Telemetry {
 impl Exporter {
     /// Export batches until `stop`, then what waits (within `FLUSH`).
     pub(crate) async fn run(mut self, stop: CancellationToken) {
-        let http =
-            match crate::http::http_client(Some(Duration::from_millis(self.settings.timeout_ms))) {
-                Ok(h) => h,
-                Err(e) => {
-                    tracing::error!("OpenTelemetry export off: {e}");
-                    return;
-                }
-            };
+        let http = match crate::http::http_client(Some(self.timeout)) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::error!("OpenTelemetry export off: {e}");
+                return;
+            }
+        };
         loop {
             let first = tokio::select! {
                 f = self.rx.recv() => f,
@@ -422,17 +566,26 @@ impl Exporter {
     async fn export(&self, http: &reqwest::Client, batch: Vec<Finished>) {
         let spans: Vec<Span> = batch.into_iter().flat_map(|f| f.spans).collect();
         let n = spans.len() as u64;
-        let body = json!({"resourceSpans": [{
-            "resource": &self.resource,
-            "scopeSpans": [{
-                "scope": {"name": "oam", "version": env!("CARGO_PKG_VERSION")},
-                "spans": spans,
-            }],
-        }]});
+        let body: bytes::Bytes = match self.export.protocol {
+            Protocol::Json => json!({"resourceSpans": [{
+                "resource": &self.resource,
+                "scopeSpans": [{
+                    "scope": {"name": "oam", "version": env!("CARGO_PKG_VERSION")},
+                    "spans": spans,
+                }],
+            }]})
+            .to_string()
+            .into(),
+            Protocol::Protobuf => pb::request(&self.resource, &spans).into(),
+        };
+        let url = &self.export.url;
         // One retry, after a second, when the receiver says to (429, 502-504) or is not there.
         for attempt in 0..2 {
-            let mut req = http.post(&self.url).json(&body);
-            for (k, v) in &self.settings.headers {
+            let mut req = http
+                .post(url)
+                .header("content-type", self.export.protocol.content_type())
+                .body(body.clone());
+            for (k, v) in &self.export.headers {
                 req = req.header(k, v);
             }
             let retry = match req.send().await {
@@ -442,11 +595,11 @@ impl Exporter {
                 }
                 Ok(r) => {
                     let s = r.status().as_u16();
-                    tracing::warn!(url = %self.url, status = s, "OpenTelemetry receiver refused spans");
+                    tracing::warn!(url = %url, status = s, "OpenTelemetry receiver refused spans");
                     matches!(s, 429 | 502..=504)
                 }
                 Err(e) => {
-                    tracing::warn!(url = %self.url, "OpenTelemetry receiver: {e}");
+                    tracing::warn!(url = %url, "OpenTelemetry receiver: {e}");
                     true
                 }
             };
@@ -526,14 +679,145 @@ struct Resource {
 /// An attribute: `{key, value: AnyValue}`.
 #[derive(serde::Serialize, Debug)]
 struct Attr {
-    key: &'static str,
+    key: std::borrow::Cow<'static, str>,
     value: Any,
 }
 
 fn attr(key: &'static str, v: impl Into<Any>) -> Attr {
     Attr {
-        key,
+        key: key.into(),
         value: v.into(),
+    }
+}
+
+/// OTLP's protobuf encoding of an export (`opentelemetry/proto/collector/trace/v1`): the few
+/// messages and fields oam sends, written by hand rather than with a code generator.
+mod pb {
+    use super::{Any, Attr, Resource, Span};
+
+    /// A protobuf message being written.
+    #[derive(Default)]
+    struct Out(Vec<u8>);
+
+    impl Out {
+        fn varint(&mut self, mut v: u64) {
+            while v >= 0x80 {
+                self.0.push((v as u8) | 0x80);
+                v >>= 7;
+            }
+            self.0.push(v as u8);
+        }
+        fn tag(&mut self, field: u64, wire: u64) {
+            self.varint((field << 3) | wire);
+        }
+        fn bytes(&mut self, field: u64, b: &[u8]) {
+            self.tag(field, 2);
+            self.varint(b.len() as u64);
+            self.0.extend_from_slice(b);
+        }
+        fn string(&mut self, field: u64, s: &str) {
+            self.bytes(field, s.as_bytes());
+        }
+        fn uint(&mut self, field: u64, v: u64) {
+            self.tag(field, 0);
+            self.varint(v);
+        }
+        fn fixed64(&mut self, field: u64, v: u64) {
+            self.tag(field, 1);
+            self.0.extend_from_slice(&v.to_le_bytes());
+        }
+        fn message(&mut self, field: u64, write: impl FnOnce(&mut Out)) {
+            let mut inner = Out::default();
+            write(&mut inner);
+            self.bytes(field, &inner.0);
+        }
+    }
+
+    /// `ExportTraceServiceRequest { resource_spans: [{ resource, scope_spans: [{ scope, spans }] }] }`.
+    pub(super) fn request(resource: &Resource, spans: &[Span]) -> Vec<u8> {
+        let mut out = Out::default();
+        out.message(1, |rs| {
+            rs.message(1, |r| {
+                for a in &resource.attributes {
+                    r.message(1, |kv| key_value(kv, a));
+                }
+            });
+            rs.message(2, |ss| {
+                ss.message(1, |scope| {
+                    scope.string(1, "oam");
+                    scope.string(2, env!("CARGO_PKG_VERSION"));
+                });
+                for s in spans {
+                    ss.message(2, |m| span(m, s));
+                }
+            });
+        });
+        out.0
+    }
+
+    fn span(m: &mut Out, s: &Span) {
+        m.bytes(1, &hex(&s.trace_id));
+        m.bytes(2, &hex(&s.span_id));
+        if let Some(p) = &s.parent_span_id {
+            m.bytes(4, &hex(p));
+        }
+        m.string(5, &s.name);
+        m.uint(6, u64::from(s.kind));
+        m.fixed64(7, s.start_time_unix_nano.parse().unwrap_or(0));
+        m.fixed64(8, s.end_time_unix_nano.parse().unwrap_or(0));
+        for a in &s.attributes {
+            m.message(9, |kv| key_value(kv, a));
+        }
+        m.message(15, |st| {
+            if let Some(msg) = &s.status.message {
+                st.string(2, msg);
+            }
+            if s.status.code != 0 {
+                st.uint(3, u64::from(s.status.code));
+            }
+        });
+    }
+
+    fn key_value(kv: &mut Out, a: &Attr) {
+        kv.string(1, &a.key);
+        kv.message(2, |v| any(v, &a.value));
+    }
+
+    /// An `AnyValue`: its one field is written even when it holds the default, since which
+    /// field is set is the value's type.
+    fn any(v: &mut Out, a: &Any) {
+        match a {
+            Any::Str(s) => v.string(1, s),
+            Any::Bool(b) => v.uint(2, u64::from(*b)),
+            Any::Int(n) => v.uint(3, n.parse::<i64>().unwrap_or(0) as u64),
+            Any::Double(x) => v.fixed64(4, x.to_bits()),
+            Any::Array { values } => v.message(5, |arr| {
+                for x in values {
+                    arr.message(1, |item| any(item, x));
+                }
+            }),
+        }
+    }
+
+    /// Lowercase hex (trace and span ids) as bytes; what is not hex is left out.
+    fn hex(h: &str) -> Vec<u8> {
+        (0..h.len() / 2)
+            .filter_map(|i| u8::from_str_radix(h.get(2 * i..2 * i + 2)?, 16).ok())
+            .collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn varints_and_fields_are_written_as_protobuf_writes_them() {
+            let mut o = super::Out::default();
+            o.uint(1, 150);
+            assert_eq!(o.0, [0x08, 0x96, 0x01]);
+            let mut o = super::Out::default();
+            o.string(2, "testing");
+            assert_eq!(o.0, b"\x12\x07testing");
+            assert_eq!(super::hex("0aff"), [0x0a, 0xff]);
+        }
     }
 }
 
@@ -791,6 +1075,65 @@ fn output_messages(text: &str, finish: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_standard_variables_fill_what_the_file_leaves() {
+        let vars = |k: &str| {
+            Some(match k {
+                "OTEL_EXPORTER_OTLP_ENDPOINT" => "http://c:4318".into(),
+                "OTEL_EXPORTER_OTLP_PROTOCOL" => "http/protobuf".into(),
+                "OTEL_EXPORTER_OTLP_HEADERS" => "x-key=a%20b, x-file=from-env".into(),
+                "OTEL_RESOURCE_ATTRIBUTES" => {
+                    "deployment.environment=prod,service.name=from-attrs,team=ai".into()
+                }
+                _ => return None,
+            })
+        };
+        let e = Settings::default().export(vars).unwrap().expect("on");
+        assert_eq!(e.url, "http://c:4318/v1/traces");
+        assert_eq!(e.protocol, Protocol::Protobuf);
+        assert_eq!(e.headers["x-key"], "a b");
+        assert_eq!(e.service_name, "from-attrs");
+        assert_eq!(
+            e.resource.keys().collect::<Vec<_>>(),
+            ["deployment.environment", "team"]
+        );
+        // What the file says wins; $OTEL_SERVICE_NAME beats the resource attribute.
+        let file = Settings {
+            protocol: Some(Protocol::Json),
+            headers: [("x-file".to_string(), "from-file".to_string())].into(),
+            resource_attributes: [("team".to_string(), "core".to_string())].into(),
+            ..Settings::default()
+        };
+        let named = |k: &str| match k {
+            "OTEL_SERVICE_NAME" => Some("checkout".into()),
+            _ => vars(k),
+        };
+        let e = file.export(named).unwrap().expect("on");
+        assert_eq!(e.protocol, Protocol::Json);
+        assert_eq!(e.headers["x-file"], "from-file");
+        assert_eq!(e.resource["team"], "core");
+        assert_eq!(e.service_name, "checkout");
+        // Without an endpoint, export is off whatever else is set.
+        let off = |k: &str| (k == "OTEL_SERVICE_NAME").then(|| "x".to_string());
+        assert_eq!(Settings::default().export(off), Ok(None));
+        // What oam cannot do is said, naming the variable.
+        let grpc = |k: &str| match k {
+            "OTEL_EXPORTER_OTLP_PROTOCOL" => Some("grpc".into()),
+            _ => vars(k),
+        };
+        let err = Settings::default().export(grpc).unwrap_err();
+        assert!(
+            err.contains("$OTEL_EXPORTER_OTLP_PROTOCOL") && err.contains("gRPC"),
+            "{err}"
+        );
+        let bad = |k: &str| match k {
+            "OTEL_RESOURCE_ATTRIBUTES" => Some("novalue".into()),
+            _ => vars(k),
+        };
+        let err = Settings::default().export(bad).unwrap_err();
+        assert!(err.contains("$OTEL_RESOURCE_ATTRIBUTES"), "{err}");
+    }
 
     #[test]
     fn a_failed_call_is_classed_by_its_status_code_or_what_kept_it_from_one() {

@@ -2403,6 +2403,67 @@ async fn tokens_per_minute_are_charged_by_usage_and_bound_the_window() {
 /// conventions' attributes and oam's own; a caller's `traceparent` is followed; a rerouted
 /// request shows both attempts, the failed one with its error; a stream its time to first
 /// chunk; a refusal its error class. Content only when asked for.
+/// Configured by the standard variables alone (an OpenTelemetry operator's habit): endpoint,
+/// protobuf, service name, resource attributes and headers. The receiver decodes the
+/// protobuf with OpenTelemetry's own definitions and refuses unknown fields.
+#[tokio::test]
+async fn the_standard_otel_variables_export_protobuf_spans() {
+    let mut receiver = crate::support::OtlpReceiver::start();
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ("OTEL_SERVICE_NAME", "checkout"),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "deployment.environment=test,team=ai",
+        ),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "x-test-key=k%20env"),
+    ];
+    let g = gateway_with_env("otlp-env", "", &env).await;
+    let (status, plain) = g.ask("small", "trace me over protobuf").await;
+    assert_eq!(status, 200, "{plain}");
+    let id = plain["oam"]["request_id"].as_str().unwrap().to_string();
+    let spans = receiver
+        .until(Duration::from_secs(15), |s| {
+            s.iter()
+                .any(|x| x["attributes"]["oam.request_id"] == id.as_str())
+                && s.iter().any(|x| x["kind"] == 3)
+        })
+        .await;
+    assert!(
+        !spans.iter().any(|s| s.get("refused").is_some()),
+        "the receiver refused an export: {spans:?}"
+    );
+    let server = spans
+        .iter()
+        .find(|s| s["kind"] == 2 && s["attributes"]["oam.request_id"] == id.as_str())
+        .unwrap_or_else(|| panic!("no span for {id}: {spans:?}"));
+    assert_eq!(server["content_type"], "application/x-protobuf");
+    assert_eq!(server["resource"]["service.name"], "checkout");
+    assert_eq!(server["resource"]["deployment.environment"], "test");
+    assert_eq!(server["resource"]["team"], "ai");
+    assert_eq!(server["header"], "k env");
+    assert_eq!(server["name"], "chat small");
+    assert_eq!(server["status"], 1, "OK");
+    let a = &server["attributes"];
+    assert_eq!(
+        a["gen_ai.usage.input_tokens"], plain["usage"]["prompt_tokens"],
+        "{a}"
+    );
+    assert_eq!(a["gen_ai.response.finish_reasons"], json!(["stop"]));
+    assert_eq!(a["oam.decision"], "accepted");
+    assert_eq!(server["trace_id"].as_str().unwrap().len(), 32);
+    let attempt = spans
+        .iter()
+        .find(|s| s["kind"] == 3 && s["parent"] == server["span_id"])
+        .unwrap_or_else(|| panic!("no attempt span: {spans:?}"));
+    assert_eq!(attempt["trace_id"], server["trace_id"]);
+    assert!(
+        attempt["end"].as_u64().unwrap() >= attempt["start"].as_u64().unwrap(),
+        "{attempt}"
+    );
+}
+
 #[tokio::test]
 async fn requests_are_traced_to_a_real_otlp_receiver() {
     let mut receiver = crate::support::OtlpReceiver::start();

@@ -712,7 +712,7 @@ pub struct OtlpReceiver {
 const OTLP_RECEIVER: &str = r#"
 import base64, json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from google.protobuf import json_format
+from google.protobuf import json_format, unknown_fields
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 def ids_to_base64(o):
@@ -739,11 +739,26 @@ class Receiver(BaseHTTPRequestHandler):
         try:
             if self.path != "/v1/traces":
                 raise ValueError("not the traces path: " + self.path)
-            if self.headers.get("content-type", "").split(";")[0] != "application/json":
-                raise ValueError("not JSON: " + self.headers.get("content-type", ""))
-            raw = json.loads(body)
-            ids_to_base64(raw)
-            req = json_format.ParseDict(raw, ExportTraceServiceRequest())
+            kind = self.headers.get("content-type", "").split(";")[0]
+            if kind == "application/json":
+                raw = json.loads(body)
+                ids_to_base64(raw)
+                req = json_format.ParseDict(raw, ExportTraceServiceRequest())
+            elif kind == "application/x-protobuf":
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                # Protobuf skips what it does not know: an unknown field is a defect here.
+                def known(m):
+                    if len(unknown_fields.UnknownFieldSet(m)):
+                        raise ValueError(f"unknown fields in {type(m).__name__}")
+                    for f, v in m.ListFields():
+                        if f.message_type is None:
+                            continue
+                        for x in (v if f.is_repeated else [v]):
+                            known(x)
+                known(req)
+            else:
+                raise ValueError("neither JSON nor protobuf: " + kind)
         except Exception as e:
             print(json.dumps({"refused": str(e)}), flush=True)
             self.send_response(400)
@@ -762,6 +777,7 @@ class Receiver(BaseHTTPRequestHandler):
                         "status": s.status.code,
                         "attributes": {a.key: value(a.value) for a in s.attributes},
                         "header": self.headers.get("x-test-key"),
+                        "content_type": kind,
                     })
         # One line per export: a request's span and its attempts' arrive together.
         print(json.dumps({"spans": spans}), flush=True)
