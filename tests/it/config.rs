@@ -45,6 +45,7 @@ async fn every_starter_passes_config_check_and_serves_a_request_on_a_stand_in() 
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let dir = scratch("starters");
     let c = crate::support::http(Duration::from_secs(10));
+    let mut served = Vec::new();
     for file in files {
         let name = file.file_stem().unwrap().to_string_lossy().to_string();
         let out = oam()
@@ -92,9 +93,24 @@ async fn every_starter_passes_config_check_and_serves_a_request_on_a_stand_in() 
             .expect("a route");
         let local = dir.join(format!("{name}.toml"));
         std::fs::write(&local, text).unwrap();
-        let id = format!("s-{name}");
-        let extra = ["--config", local.to_str().unwrap()];
-        let node = Proc::spawn_with_env(&node_args(&id, &nats.url(), &extra), &KEYS);
+        served.push((name, route, local));
+    }
+    // One node per starter, started together.
+    let nodes: Vec<Proc> = std::thread::scope(|s| {
+        let starting: Vec<_> = served
+            .iter()
+            .map(|(name, _, local)| {
+                let nats_url = nats.url();
+                s.spawn(move || {
+                    let id = format!("s-{name}");
+                    let extra = ["--config", local.to_str().unwrap()];
+                    Proc::spawn_with_env(&node_args(&id, &nats_url, &extra), &KEYS)
+                })
+            })
+            .collect();
+        starting.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((name, route, _), node) in served.iter().zip(&nodes) {
         let url = node.ready["http"].as_str().unwrap().to_string();
         let r = c
             .post(format!("{url}/v1/chat/completions"))
