@@ -24,6 +24,17 @@ fn titled(title: &str, offset: usize) -> String {
     }
 }
 
+/// `titled`, and how many of `len` rows (from `offset`) do not fit in the `shown` lines there
+/// are for them: `Providers (+1 more)`, so a hidden row is never silently missing.
+fn titled_more(title: &str, offset: usize, len: usize, shown: u16) -> String {
+    let below = len.saturating_sub(offset + usize::from(shown));
+    if below > 0 {
+        format!("{} (+{below} more)", titled(title, offset))
+    } else {
+        titled(title, offset)
+    }
+}
+
 /// How many rows `panel` has now (what scrolling moves through).
 pub(crate) fn panel_len(app: &App, panel: Focus, now_ms: u64) -> usize {
     match panel {
@@ -186,6 +197,9 @@ fn pack(words: &[&str], sep: &str, width: usize) -> Vec<String> {
     lines
 }
 
+/// From this many columns the reason-code stream stands beside the tables.
+const WIDE: u16 = 180;
+
 pub(crate) fn render(f: &mut Frame, app: &App, now_ms: u64) {
     let area = f.area();
     if area.width < MIN_WIDTH || area.height < MIN_HEIGHT {
@@ -193,15 +207,29 @@ pub(crate) fn render(f: &mut Frame, app: &App, now_ms: u64) {
         return;
     }
     let compact = area.height < 34 || area.width < 110;
-    let [banner, top, middle, bottom, legend, footer] = Layout::vertical([
+    // A wide terminal puts the reason-code stream beside the tables, at full height, rather
+    // than leaving the tables' right-hand side blank.
+    let wide = area.width >= WIDE;
+    let [banner, body, legend, footer] = Layout::vertical([
         Constraint::Length(4),
-        Constraint::Length(if compact { 6 } else { 8 }),
-        Constraint::Length(if compact { 6 } else { 8 }),
-        Constraint::Min(5),
+        Constraint::Min(10),
         Constraint::Length(if legend_fits(area) { 4 } else { 0 }),
         Constraint::Length(1),
     ])
     .areas(area);
+    let (tables, stream_area) = if wide {
+        let [tables, stream] =
+            Layout::horizontal([Constraint::Percentage(55), Constraint::Min(60)]).areas(body);
+        (tables, Some(stream))
+    } else {
+        (body, None)
+    };
+    let [top, middle, bottom] = Layout::vertical([
+        Constraint::Length(if compact { 6 } else { 8 }),
+        Constraint::Length(if compact { 6 } else { 8 }),
+        Constraint::Min(5),
+    ])
+    .areas(tables);
     render_banner(f, banner, app, now_ms);
     // Cut off from NATS, the panels show the moment it was lost (greyed below), not a mesh
     // that looks dead for want of news.
@@ -226,13 +254,21 @@ pub(crate) fn render(f: &mut Frame, app: &App, now_ms: u64) {
     render_bulkheads(f, bulkheads, app, now_ms);
     render_attention(f, attention, app, now_ms);
     render_agents(f, agents, app, now_ms);
-    let [stream, sparks] = Layout::horizontal([
-        Constraint::Min(40),
-        Constraint::Length(if compact { 18 } else { 30 }),
-    ])
-    .areas(bottom);
-    render_stream(f, stream, app);
-    render_sparks(f, sparks, app, now_ms);
+    match stream_area {
+        Some(stream) => {
+            render_stream(f, stream, app);
+            render_sparks(f, bottom, app, now_ms);
+        }
+        None => {
+            let [stream, sparks] = Layout::horizontal([
+                Constraint::Min(40),
+                Constraint::Length(if compact { 18 } else { 30 }),
+            ])
+            .areas(bottom);
+            render_stream(f, stream, app);
+            render_sparks(f, sparks, app, now_ms);
+        }
+    }
     if !app.connected && app.lost_at_ms.is_some() {
         let stale = Rect {
             y: top.y,
@@ -262,27 +298,33 @@ pub(crate) fn render(f: &mut Frame, app: &App, now_ms: u64) {
         }
     }
     let keys = if app.editing_filter {
-        format!(" filter: {}▏  Enter apply · Esc cancel", app.filter)
+        Line::styled(
+            format!(" filter: {}▏  Enter apply · Esc cancel", app.filter),
+            Style::default().fg(Color::DarkGray),
+        )
     } else {
-        format!(
-            " q quit · Tab panel · ↑↓ scroll · / filter{} · p {} · c chaos · ? help & legend{}",
+        let hints = format!(
+            " q quit · Tab panel · ↑↓ scroll · / filter{} · p {} · c chaos · ? help & legend",
             if app.filter.is_empty() {
                 String::new()
             } else {
                 format!(" [{}]", app.filter)
             },
             if app.paused { "resume" } else { "pause" },
-            if app.status.is_empty() {
-                String::new()
-            } else {
-                format!("  │ {}", app.status)
-            }
-        )
+        );
+        // What a key just did (or why it could not) comes first, where an 80-column terminal
+        // still shows it; the hints follow as far as they fit.
+        let mut spans = Vec::new();
+        if !app.status.is_empty() {
+            spans.push(Span::styled(
+                format!(" {} │", app.status),
+                Style::default().fg(Color::Yellow),
+            ));
+        }
+        spans.push(Span::styled(hints, Style::default().fg(Color::DarkGray)));
+        Line::from(spans)
     };
-    f.render_widget(
-        Paragraph::new(keys).style(Style::default().fg(Color::DarkGray)),
-        footer,
-    );
+    f.render_widget(Paragraph::new(keys), footer);
     if app.help {
         render_help(f, area);
     }
@@ -500,8 +542,10 @@ fn render_nodes(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             (cells, 1)
         })
         .collect();
-    let t = fitted_table(&cols, rows, area)
-        .block(block(&titled("Nodes", offset), app.focus == Focus::Nodes));
+    // Inside the border, under the header.
+    let shown = area.height.saturating_sub(3);
+    let title = titled_more("Nodes", offset, app.nodes.len(), shown);
+    let t = fitted_table(&cols, rows, area).block(block(&title, app.focus == Focus::Nodes));
     f.render_widget(t, area);
 }
 
@@ -540,7 +584,13 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
         col("p95", 7, 4),
         col("breakers", breakers_width.max(8), 1),
         col("share", 5, 1),
+        // Why a target is failing, where there is room: its last failure as this node saw it.
+        Col {
+            flex: true,
+            ..col("last failure", 14, 6)
+        },
     ];
+    let why_width = usize::from(flex_width(&cols, area));
     let rows: Vec<(Vec<Cell>, u16)> = reference
         .providers
         .iter()
@@ -581,15 +631,34 @@ fn render_providers(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
                 Cell::from(format!("{}ms", c.p95_ms)),
                 Cell::from(Line::from(breakers)),
                 Cell::from(format!("{:.0}%", app.share(&p.id, now_ms) * 100.0)),
+                match p.last_failure.as_ref().filter(|l| l.failing > 0) {
+                    Some(l) => Cell::from(truncate(&failure_brief(l, now_ms), why_width))
+                        .style(Style::default().fg(Color::Yellow)),
+                    None => Cell::from(""),
+                },
             ];
             (cells, 1)
         })
         .collect();
-    let t = fitted_table(&cols, rows, area).block(block(
-        &titled("Provider consensus", offset),
-        app.focus == Focus::Providers,
-    ));
+    let title = titled_more(
+        "Provider consensus",
+        offset,
+        reference.providers.len(),
+        area.height.saturating_sub(3),
+    );
+    let t = fitted_table(&cols, rows, area).block(block(&title, app.focus == Focus::Providers));
     f.render_widget(t, area);
+}
+
+/// A last failure as a table cell has room for it, what matters first: `HTTP 401
+/// Unauthorized ... · 3 failing · 40s ago (probe)`.
+fn failure_brief(l: &crate::core::wire::LastFailure, now_ms: u64) -> String {
+    let what = l
+        .error
+        .clone()
+        .unwrap_or_else(|| format!("{:?}", l.status).to_lowercase());
+    let ago = now_ms.saturating_sub(l.at_ms) / 1_000;
+    format!("{what} · {} failing · {ago}s ago ({})", l.failing, l.by)
 }
 
 /// A target as the providers panel names it: a tool server marked as one.
@@ -746,13 +815,17 @@ fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
 fn render_attention(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let lines = attention_lines(app, now_ms);
     let offset = app.offset(Focus::Attention, lines.len());
+    // (Lines that wrap take more than one: the count is of lines at least.)
+    let title = titled_more(
+        "Budgets & attention",
+        offset,
+        lines.len(),
+        area.height.saturating_sub(2),
+    );
     f.render_widget(
         Paragraph::new(lines.into_iter().skip(offset).collect::<Vec<_>>())
             .wrap(Wrap { trim: true })
-            .block(block(
-                &titled("Budgets & attention", offset),
-                app.focus == Focus::Attention,
-            )),
+            .block(block(&title, app.focus == Focus::Attention)),
         area,
     );
 }
@@ -818,9 +891,10 @@ fn agents_wide(area: Rect) -> bool {
 fn render_agents(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
     let lines = agent_lines(app, now_ms, agents_wide(area));
     let offset = app.offset(Focus::Agents, lines.len());
+    let title = titled_more("Agents", offset, lines.len(), area.height.saturating_sub(2));
     f.render_widget(
         Paragraph::new(lines.into_iter().skip(offset).collect::<Vec<_>>())
-            .block(block(&titled("Agents", offset), app.focus == Focus::Agents)),
+            .block(block(&title, app.focus == Focus::Agents)),
         area,
     );
 }
@@ -1153,16 +1227,24 @@ mod tests {
     fn outage() -> App {
         let mut app = healthy();
         let ps = || {
+            let mut primary = provider(
+                "primary",
+                Health::Unhealthy,
+                3,
+                true,
+                0.12,
+                0,
+                fixtures::open(),
+            );
+            primary.last_failure = Some(crate::core::wire::LastFailure {
+                at_ms: NOW - 4_000,
+                by: "request".into(),
+                status: crate::core::request::GenerationStatus::Error,
+                error: Some("HTTP 503 Service Unavailable".into()),
+                failing: 7,
+            });
             vec![
-                provider(
-                    "primary",
-                    Health::Unhealthy,
-                    3,
-                    true,
-                    0.12,
-                    0,
-                    fixtures::open(),
-                ),
+                primary,
                 provider(
                     "local",
                     Health::Healthy,
@@ -1406,6 +1488,85 @@ mod tests {
                 assert!(text.contains(c.as_str()), "{c:?} cut at {w}x{h}:\n{text}");
             }
         }
+    }
+
+    /// What does not fit is counted in the panel's title, never silently missing: a fourth
+    /// and fifth provider at 80x24.
+    #[test]
+    fn rows_that_do_not_fit_are_counted_in_the_title() {
+        let mut app = App::default();
+        app.apply(Update::Connection(true), NOW);
+        let ps: Vec<_> = ["p1", "p2", "p3", "p4", "p5"]
+            .into_iter()
+            .map(|id| provider(id, Health::Healthy, 3, true, 1.0, 10, Breaker::default()))
+            .collect();
+        for n in ["n1", "n2", "n3"] {
+            app.apply(
+                Update::NodeState {
+                    node: n.into(),
+                    state: node_state(&["n1", "n2", "n3"], ps.clone(), 0),
+                },
+                NOW - 400,
+            );
+        }
+        let small = draw(&app, 80, 24);
+        assert!(!small.contains("│p4 "), "{small}");
+        assert!(small.contains("Provider consensus (+2 more)"), "{small}");
+        // Where every row fits, nothing is said.
+        let big = draw(&app, 160, 48);
+        assert!(big.contains("│p5 ") && !big.contains("more)"), "{big}");
+    }
+
+    /// A target's last failure, where the table has room for it: why it is down, in view.
+    #[test]
+    fn a_failing_target_says_why_beside_its_verdict() {
+        let text = draw(&outage(), 160, 48);
+        let row = text
+            .lines()
+            .find(|l| l.contains("│primary") && l.contains("unhealthy"))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            row.contains("HTTP 503 Service Unavailable · 7 failing"),
+            "{row}"
+        );
+        let healthy = text.lines().find(|l| l.contains("│secondary ")).unwrap();
+        assert!(!healthy.contains("failing"), "{healthy}");
+    }
+
+    /// A wide terminal puts the reason-code stream beside the tables, at full height, instead
+    /// of leaving the right side of the tables blank.
+    #[test]
+    fn a_wide_terminal_has_the_stream_beside_the_tables() {
+        let text = draw(&outage(), 200, 50);
+        let lines: Vec<&str> = text.lines().collect();
+        let title = lines
+            .iter()
+            .position(|l| l.contains("Reason-code stream"))
+            .unwrap_or_else(|| panic!("{text}"));
+        let nodes = lines.iter().position(|l| l.contains(" Nodes ")).unwrap();
+        assert_eq!(
+            title, nodes,
+            "the stream starts beside the first tables:\n{text}"
+        );
+        let col = lines[title].find("Reason-code stream").unwrap();
+        assert!(col > 100, "on the right: {col}");
+        // At 160 columns it stays below them.
+        let narrow = draw(&outage(), 160, 48);
+        let at = |t: &str, s: &str| t.lines().position(|l| l.contains(s)).unwrap();
+        assert!(at(&narrow, "Reason-code stream") > at(&narrow, " Nodes "));
+    }
+
+    /// What a key did, or why it could not, is said where an 80-column terminal shows it.
+    #[test]
+    fn a_refused_key_is_said_in_view_at_80_columns() {
+        let mut app = outage();
+        app.status = "chaos needs the operator's credentials: none in the folder".into();
+        let text = draw(&app, 80, 24);
+        let last = text.lines().last().unwrap();
+        assert!(
+            last.contains("chaos needs the operator's credentials"),
+            "{last}"
+        );
     }
 
     #[test]
