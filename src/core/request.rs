@@ -343,6 +343,23 @@ pub enum GenerationStatus {
     LocalResources,
 }
 
+impl GenerationStatus {
+    /// Its name as JSON spells it (`rate_limited`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GenerationStatus::Ok => "ok",
+            GenerationStatus::Error => "error",
+            GenerationStatus::Timeout => "timeout",
+            GenerationStatus::RateLimited => "rate_limited",
+            GenerationStatus::Rejected => "rejected",
+            GenerationStatus::ContextLength => "context_length",
+            GenerationStatus::ContentPolicy => "content_policy",
+            GenerationStatus::Unauthorized => "unauthorized",
+            GenerationStatus::LocalResources => "local_resources",
+        }
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Usage {
@@ -592,6 +609,24 @@ impl<'de> Deserialize<'de> for Tools {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_status_s_name_is_its_json_name() {
+        use super::GenerationStatus as S;
+        for s in [
+            S::Ok,
+            S::Error,
+            S::Timeout,
+            S::RateLimited,
+            S::Rejected,
+            S::ContextLength,
+            S::ContentPolicy,
+            S::Unauthorized,
+            S::LocalResources,
+        ] {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+        }
+    }
+
     use super::{dollars, round_usd};
 
     #[test]

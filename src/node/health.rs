@@ -343,6 +343,49 @@ impl Health {
         );
     }
 
+    /// `oam_target_failing_calls` and `oam_target_last_failure_age_seconds`: why a target is
+    /// down, where a dashboard or an alert reads it.
+    pub(crate) fn register(self: &Arc<Self>, registry: &Registry) {
+        let me = self.clone();
+        registry.register(
+            "oam_target_failing_calls",
+            "Calls of a target that failed since the last that worked, by the class of its last \
+             failure (unauthorized, rate_limited, timeout, error, ...) and what met it (probe or \
+             request); 0 once one works again.",
+            Kind::Gauge,
+            move |s| {
+                for (target, f) in lock(&me.failures).iter() {
+                    let labels = [
+                        ("target", target.as_str()),
+                        ("status", f.status.as_str()),
+                        ("by", f.by.as_str()),
+                    ];
+                    s.put(&labels, f.failing);
+                }
+            },
+        );
+        let me = self.clone();
+        registry.register(
+            "oam_target_last_failure_age_seconds",
+            "Seconds since a target's last failed call.",
+            Kind::Gauge,
+            move |s| {
+                let now = now_ms();
+                for (target, f) in lock(&me.failures).iter() {
+                    let age = now.saturating_sub(f.at_ms) as f64 / 1e3;
+                    s.put(&[("target", target)], age);
+                }
+            },
+        );
+    }
+
+    /// Did `target`'s last failed call have its credentials refused, with none working since?
+    pub(crate) fn credentials_refused(&self, target: &str) -> bool {
+        lock(&self.failures)
+            .get(target)
+            .is_some_and(|f| f.failing > 0 && f.status == GenerationStatus::Unauthorized)
+    }
+
     /// `target`'s last failure (its `failing` count 0 once a call worked since).
     pub(crate) fn last_failure(&self, target: &str) -> Option<crate::core::wire::LastFailure> {
         lock(&self.failures).get(target).cloned()
@@ -529,9 +572,7 @@ impl Health {
         let due = if check == Check::Confirm {
             // An upstream that refuses oam's credentials is not asked again and again, billed:
             // its configuration must change first (its free checks, and traffic, go on).
-            let refused = lock(&self.failures)
-                .get(target)
-                .is_some_and(|f| f.failing > 0 && f.status == GenerationStatus::Unauthorized);
+            let refused = self.credentials_refused(target);
             let failed = c.confirms_failed.load(Ordering::Relaxed);
             let backed_off = Schedule {
                 every: confirm_every(schedule.every, failed),
@@ -811,6 +852,15 @@ impl Prober {
         });
         let Some(outcome) = outcome else { return };
         for target in ids {
+            // A model list that answers says nothing of credentials the target refused to a
+            // completion (a key without rights to the model answers 403 to the call and 200 to
+            // the list): such a target is not healed by a free check, only by a call that works.
+            if check == Check::Models
+                && outcome == Outcome::Success
+                && node.health.credentials_refused(target)
+            {
+                continue;
+            }
             node.health.probed(target, check, outcome, g.latency_ms);
             node.metrics.provider_outcome(target, "probe", outcome);
         }

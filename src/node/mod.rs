@@ -177,6 +177,7 @@ impl Node {
             bus.clone(),
         ));
         health.probes.register(registry);
+        health.register(registry);
         let node = Node {
             otlp,
             health,

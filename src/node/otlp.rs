@@ -870,10 +870,7 @@ impl From<Vec<String>> for Any {
 }
 
 fn status_name(s: GenerationStatus) -> String {
-    serde_json::to_value(s)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
+    s.as_str().to_string()
 }
 
 /// The spans of a decided request: its own, then one per attempt made on a target.

@@ -1128,3 +1128,90 @@ async fn an_upstream_refusing_the_key_is_said_where_users_look() {
     .expect("the probes go on failing");
     assert_eq!(escalations().len(), 1, "{:?}", escalations());
 }
+
+/// An upstream whose model list answers but whose completions refuse oam's key (403: a key
+/// without rights to the model). Before, the free model-list probe "healed" the target a
+/// second after each refused call, and the next request met the 403 again. Now a target whose
+/// credentials were refused stays down until a call works, and `/metrics` says why.
+#[tokio::test]
+async fn a_model_list_that_answers_does_not_heal_refused_credentials() {
+    let app = axum::Router::new()
+        .route(
+            "/v1/models",
+            axum::routing::get(|| async {
+                axum::Json(json!({"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]}))
+            }),
+        )
+        .fallback(|| async {
+            (
+                axum::http::StatusCode::FORBIDDEN,
+                [("content-type", "application/json")],
+                r#"{"error":{"message":"You do not have access to the model gpt-4o.","type":"invalid_request_error","code":"model_not_found"}}"#,
+            )
+        });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let nats = crate::support::NatsServer::start().await;
+    let dir = Dir::new("mesh-403");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let config = dir.0.join("oam.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[provider]]\nid = \"gpt\"\nbase_url = \"{upstream}\"\nmodel = \"gpt-4o\"\n\
+             probe = \"models\"\n"
+        ),
+    )
+    .unwrap();
+    let node = crate::support::InProcessNode::start("n403", &config, &nats.url());
+    let c = crate::support::http(Duration::from_secs(10));
+    let r = c
+        .post(format!("{}/v1/chat/completions", node.url))
+        .json(&json!({"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(r.status(), 200);
+    let failing = || async {
+        let state: Value = c
+            .get(format!("{}/v1/oam/state", node.url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let f = state["providers"][0]["last_failure"].clone();
+        (f["failing"].as_u64().unwrap_or(0), f["status"].clone())
+    };
+    let (n, status) = failing().await;
+    assert!(n >= 1 && status == "unauthorized", "{n} {status}");
+    // Two model lists that answer 200 after the refused call: still refused (before, the
+    // first of them counted the target as working again).
+    let probes = |m: &str| {
+        m.lines()
+            .find(|l| l.starts_with("oam_probe_calls_total{target=\"gpt\",kind=\"models\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let before = probes(&crate::support::metrics(&node.url).await);
+    let models_probed = crate::support::eventually(Duration::from_secs(10), || async {
+        let m = crate::support::metrics(&node.url).await;
+        (probes(&m) >= before + 2.0).then_some(m)
+    })
+    .await
+    .expect("the model list was probed twice more");
+    let (n, status) = failing().await;
+    assert!(
+        n >= 1 && status == "unauthorized",
+        "healed by the model list: {n} {status}"
+    );
+    assert!(
+        models_probed.lines().any(|l| l.starts_with(
+            "oam_target_failing_calls{target=\"gpt\",status=\"unauthorized\",by=\"request\"} "
+        ) && !l.ends_with(" 0")),
+        "{models_probed}"
+    );
+    assert!(models_probed.contains("oam_target_last_failure_age_seconds{target=\"gpt\"}"));
+}
