@@ -382,6 +382,10 @@ pub struct NodeSnapshot {
     pub store_faults: BTreeMap<String, String>,
     /// The health probes this node sent and what the billed ones cost.
     pub probes: ProbeSnapshot,
+    /// Each route's targets, first preferred (so a reader can tell a route none of whose
+    /// targets answers).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub routes: BTreeMap<String, Vec<String>>,
 }
 
 /// A node's health probes: calls by target and kind (`models`: free, `chat`: billed), what the

@@ -1078,12 +1078,28 @@ async fn probe(http: &reqwest::Client, rec: &MeshRecord, p: &Started) -> (bool, 
                     )
                 };
                 // Every target down: nothing this node is asked can be answered.
-                let none_answers = !s.providers.is_empty()
-                    && s.providers
-                        .iter()
-                        .all(|p| p.consensus.verdict == crate::core::health::Verdict::Unhealthy);
+                let down = |id: &str| {
+                    s.providers.iter().any(|p| {
+                        p.id == id && p.consensus.verdict == crate::core::health::Verdict::Unhealthy
+                    })
+                };
+                let none_answers =
+                    !s.providers.is_empty() && s.providers.iter().all(|p| down(&p.id));
                 if none_answers {
                     return (false, format!("no target answers; {said}"));
+                }
+                // A route none of whose targets answers: what clients ask for by that name fails.
+                let dead_routes: Vec<String> = s
+                    .routes
+                    .iter()
+                    .filter(|(_, targets)| !targets.is_empty() && targets.iter().all(|t| down(t)))
+                    .map(|(model, targets)| format!("route {model} ({})", targets.join(", ")))
+                    .collect();
+                if !dead_routes.is_empty() {
+                    return (
+                        false,
+                        format!("no target answers {}; {said}", dead_routes.join(", ")),
+                    );
                 }
                 (true, said)
             }

@@ -112,6 +112,17 @@ pub(crate) fn snapshot(node: &Node) -> NodeSnapshot {
         decisions_unlogged: count(&node.log.counters.lost),
         store_faults: node.store_faults.snapshot(),
         probes: node.health.probes.snapshot(now),
+        routes: e
+            .state
+            .routes
+            .iter()
+            .map(|(model, r)| {
+                (
+                    model.clone(),
+                    r.targets.iter().map(ToString::to_string).collect(),
+                )
+            })
+            .collect(),
     }
 }
 

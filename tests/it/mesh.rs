@@ -1215,3 +1215,81 @@ async fn a_model_list_that_answers_does_not_heal_refused_credentials() {
     );
     assert!(models_probed.contains("oam_target_last_failure_age_seconds{target=\"gpt\"}"));
 }
+
+/// One route's every target refuses oam's key while another route serves: before, `mesh
+/// status` said nothing of the route and exited 0 (a node was unhealthy only when every target
+/// was); now it names the route whose clients get nothing, and exits 1.
+#[tokio::test]
+async fn mesh_status_names_a_route_none_of_whose_targets_answers() {
+    let app = axum::Router::new().fallback(|| async {
+        (
+            axum::http::StatusCode::UNAUTHORIZED,
+            [("content-type", "application/json")],
+            r#"{"error":{"message":"Incorrect API key provided.","type":"invalid_request_error","code":"invalid_api_key"}}"#,
+        )
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let refusing = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let sim = crate::support::Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let dir = Dir::new("mesh-route-down");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let config = dir.0.join("oam.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[provider]]\nid = \"good\"\nbase_url = \"{sim_url}/primary/v1\"\nmodel = \"m\"\n\
+             probe = \"models\"\n\n[[provider]]\nid = \"bad\"\nbase_url = \"{refusing}\"\n\
+             model = \"m\"\nprobe = \"models\"\n\n[[route]]\nmodel = \"works\"\n\
+             targets = [\"good\"]\n\n[[route]]\nmodel = \"broken\"\ntargets = [\"bad\"]\n"
+        ),
+    )
+    .unwrap();
+    let out = oam()
+        .args([
+            "mesh",
+            "up",
+            "--nodes",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--json",
+        ])
+        .arg("--config")
+        .arg(&config)
+        .arg("--dir")
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let told = crate::support::eventually(Duration::from_secs(20), || async {
+        let out = oam()
+            .args(["mesh", "status", "--json", "--dir"])
+            .arg(&dir.0)
+            .output()
+            .unwrap();
+        let doc = json(&out.stdout);
+        let n1 = doc["processes"]
+            .as_array()?
+            .iter()
+            .find(|p| p["name"] == "n1")?
+            .clone();
+        let detail = n1["detail"].as_str()?.to_string();
+        (out.status.code() == Some(1) && detail.contains("route broken")).then_some(detail)
+    })
+    .await;
+    let detail = told.expect("mesh status names the route and exits 1");
+    assert!(
+        detail.contains("no target answers route broken (bad)"),
+        "{detail}"
+    );
+    assert!(!detail.contains("route works"), "{detail}");
+    assert!(detail.contains("HTTP 401"), "{detail}");
+}
