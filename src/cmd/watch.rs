@@ -285,6 +285,42 @@ fn key_of(k: term::KeyEvent) -> Key {
     }
 }
 
+/// What the watch does with the operator's credentials.
+enum Act {
+    Chaos(usize),
+    Mark(escalations::Mark, String),
+}
+
+/// Mark escalation `id` acknowledged or resolved by `by`; the outcome in words.
+async fn mark_action(
+    nats: &async_nats::Client,
+    how: escalations::Mark,
+    id: &str,
+    by: &str,
+) -> String {
+    let done = match how {
+        escalations::Mark::Acknowledged => "acknowledged",
+        escalations::Mark::Resolved => "resolved",
+    };
+    let store = match escalations::store(nats).await {
+        Ok(s) => s,
+        Err(e) => return format!("{id} not {done}: the escalation store: {e:#}"),
+    };
+    match escalations::mark(&store, id, how, by, None, crate::clock::now_ms()).await {
+        Ok(escalations::Resolved::Now(_)) => format!("{id} {done}"),
+        Ok(escalations::Resolved::Already(r)) => {
+            let state = if r.status == escalations::Status::Resolved {
+                "resolved"
+            } else {
+                "acknowledged"
+            };
+            format!("{id} was {state} already")
+        }
+        Ok(escalations::Resolved::Unknown) => format!("{id} is no longer in the store"),
+        Err(e) => format!("{id} not {done}: {e:#}"),
+    }
+}
+
 /// Inject (or restore) menu entry `sel`; the outcome in words.
 async fn chaos_action(nats: &async_nats::Client, sel: usize) -> String {
     let (label, fault, target, secs) = CHAOS_MENU[sel];
@@ -323,15 +359,24 @@ pub async fn run(a: Args) -> Result<()> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Update>(CHANNEL);
     let dropped = Arc::new(AtomicU64::new(0));
     let feeder = tokio::spawn(follow(a.cluster.clone(), nats, tx, dropped.clone()));
-    let (chaos_tx, mut chaos_rx) = tokio::sync::mpsc::channel::<usize>(4);
+    let (chaos_tx, mut chaos_rx) = tokio::sync::mpsc::channel::<Act>(4);
     let (status_tx, mut status_rx) = tokio::sync::mpsc::channel::<String>(4);
     {
-        // The watch reads as the viewer; injecting is the operator's, on a connection of its
-        // own, opened at the first use of the menu (or why it cannot be, said on screen).
+        // The watch reads as the viewer; injecting and marking escalations are the operator's,
+        // on a connection of its own, opened at the first use (or why it cannot be, said on
+        // screen).
         let cluster = a.cluster.clone();
+        let by = format!(
+            "{} (oam watch)",
+            cluster
+                .url(&crate::cmd::Role::Operator)
+                .ok()
+                .and_then(|u| crate::transport::connect::split_credentials(&u).1)
+                .map_or_else(|| "operator".to_string(), |(user, _)| user)
+        );
         tokio::spawn(async move {
             let mut operator: Option<async_nats::Client> = None;
-            while let Some(sel) = chaos_rx.recv().await {
+            while let Some(act) = chaos_rx.recv().await {
                 // (A mesh started again elsewhere needs a connection there.)
                 if operator.as_ref().is_some_and(|c| {
                     c.connection_state() != async_nats::connection::State::Connected
@@ -345,15 +390,23 @@ pub async fn run(a: Args) -> Result<()> {
                     {
                         Ok(c) => operator = Some(c),
                         Err(e) => {
+                            let what = match act {
+                                Act::Chaos(_) => "chaos",
+                                Act::Mark(..) => "marking an escalation",
+                            };
                             let why =
-                                format!("chaos needs the operator's credentials: {:#}", e.source);
+                                format!("{what} needs the operator's credentials: {:#}", e.source);
                             let _ = status_tx.send(why).await;
                             continue;
                         }
                     }
                 }
                 if let Some(op) = &operator {
-                    let _ = status_tx.send(chaos_action(op, sel).await).await;
+                    let said = match act {
+                        Act::Chaos(sel) => chaos_action(op, sel).await,
+                        Act::Mark(how, id) => mark_action(op, how, &id, &by).await,
+                    };
+                    let _ = status_tx.send(said).await;
                 }
             }
         });
@@ -385,7 +438,10 @@ pub async fn run(a: Args) -> Result<()> {
                 match app.on_key(key_of(k), len) {
                     KeyEffect::Quit => break Ok(()),
                     KeyEffect::Chaos(sel) => {
-                        let _ = chaos_tx.try_send(sel);
+                        let _ = chaos_tx.try_send(Act::Chaos(sel));
+                    }
+                    KeyEffect::Mark(how, id) => {
+                        let _ = chaos_tx.try_send(Act::Mark(how, id));
                     }
                     KeyEffect::None => {}
                 }

@@ -1058,6 +1058,7 @@ const KEYS: &[&str] = &[
     "/              filter the stream: code, agent, provider, node",
     "p              pause / resume the stream (rates go on)",
     "c              chaos menu: inject a fault or restore everything",
+    "a / r          acknowledge / resolve the newest open escalation",
     "?              this help (any key closes it)",
 ];
 

@@ -91,12 +91,14 @@ pub(crate) enum Key {
 }
 
 /// What a key asks of the driver, beyond changing the model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum KeyEffect {
     None,
     Quit,
     /// Apply chaos menu entry `n`.
     Chaos(usize),
+    /// Mark an open escalation (by id) acknowledged or resolved.
+    Mark(crate::transport::store::escalations::Mark, String),
 }
 
 /// Something that arrived from the bus (or the connection itself).
@@ -437,6 +439,23 @@ impl App {
                 self.filter.clear();
             }
             Key::Char('c') => self.chaos_menu = Some(0),
+            Key::Char(k @ ('a' | 'r')) => {
+                use crate::transport::store::escalations::Mark;
+                let (how, doing) = match k {
+                    'a' => (Mark::Acknowledged, "acknowledging"),
+                    _ => (Mark::Resolved, "resolving"),
+                };
+                let Some(id) = self
+                    .open_escalations()
+                    .first()
+                    .map(|r| r.escalation.id.clone())
+                else {
+                    self.status = "no open escalation".into();
+                    return KeyEffect::None;
+                };
+                self.status = format!("{doing} {id}…");
+                return KeyEffect::Mark(how, id);
+            }
             Key::Tab => self.focus = self.focus.next(),
             Key::Up | Key::Down | Key::PageUp | Key::PageDown => {
                 let rows = match key {
@@ -794,6 +813,31 @@ mod tests {
         assert_eq!(app.focus, Focus::Stream, "Tab goes round");
         app.scroll_home();
         assert_eq!(app.scroll, 0);
+    }
+
+    #[test]
+    fn a_and_r_mark_the_newest_open_escalation() {
+        use crate::transport::store::escalations::{Mark, example};
+        let mut app = App::default();
+        assert_eq!(app.on_key(Key::Char('a'), 0), KeyEffect::None);
+        assert_eq!(app.status, "no open escalation");
+        for (i, id) in ["esc-old", "esc-new"].iter().enumerate() {
+            let r = example(id, "bot", 1_000 * i as u64, Status::Open);
+            app.apply(Update::Escalation(Box::new(r)), 5_000);
+        }
+        assert_eq!(
+            app.on_key(Key::Char('a'), 0),
+            KeyEffect::Mark(Mark::Acknowledged, "esc-new".into())
+        );
+        assert_eq!(app.status, "acknowledging esc-new…");
+        assert_eq!(
+            app.on_key(Key::Char('r'), 0),
+            KeyEffect::Mark(Mark::Resolved, "esc-new".into())
+        );
+        // Typed into the filter, they are letters.
+        app.on_key(Key::Char('/'), 0);
+        assert_eq!(app.on_key(Key::Char('a'), 0), KeyEffect::None);
+        assert_eq!(app.filter, "a");
     }
 
     #[test]

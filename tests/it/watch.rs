@@ -124,6 +124,53 @@ async fn the_watch_in_a_mesh_folder_shows_faults_and_injects_as_the_operator() {
     let active = String::from_utf8_lossy(&list.stdout);
     assert!(active.contains("kill-provider"), "{active}");
 
+    // An open escalation: `a` acknowledges it and `r` resolves it, as the operator.
+    let admin =
+        oam::transport::connect::connect(&mesh.app_url(), "test-admin", false, &Default::default())
+            .await
+            .unwrap();
+    let store = oam::transport::store::escalations::store(&admin)
+        .await
+        .unwrap();
+    let e: oam::core::escalation::Escalation = serde_json::from_value(serde_json::json!({
+        "id": "esc-watch-1", "request_id": "r-1", "agent": "watched-bot", "task": "t",
+        "phase": "budget", "reason_codes": ["ESCALATED_BUDGET_EXHAUSTED"],
+        "recommended_action": "HUMAN_REVIEW", "created_at_ms": oam::clock::now_ms()
+    }))
+    .unwrap();
+    assert!(
+        oam::transport::store::escalations::open(&store, "n1", &e)
+            .await
+            .unwrap()
+    );
+    let record = || async {
+        let all = oam::transport::store::escalations::all(&store)
+            .await
+            .unwrap();
+        all.into_iter()
+            .find(|r| r.escalation.id == "esc-watch-1")
+            .unwrap()
+    };
+    let listed = eventually(Duration::from_secs(10), || async {
+        session.capture().contains("watched-bot").then_some(())
+    })
+    .await;
+    assert!(listed.is_some(), "{}", session.capture());
+    session.keys(&["a"]);
+    let acked = eventually(Duration::from_secs(10), || async {
+        record().await.acknowledged_by
+    })
+    .await
+    .unwrap_or_else(|| panic!("not acknowledged:\n{}", session.capture()));
+    assert!(acked.contains("(oam watch)"), "{acked}");
+    session.keys(&["r"]);
+    let resolved = eventually(Duration::from_secs(10), || async {
+        let r = record().await;
+        (r.status == oam::transport::store::escalations::Status::Resolved).then_some(r)
+    })
+    .await;
+    assert!(resolved.is_some(), "not resolved:\n{}", session.capture());
+
     // Without the operator's credentials the menu says what to do, and changes nothing.
     std::fs::remove_file(mesh.dir.0.join("creds").join("operator.json")).unwrap();
     let again = Tmux::run(&cmd, "watch-dir-2", 140, 40);
