@@ -395,6 +395,9 @@ pub struct NodeSnapshot {
 pub struct ProbeSnapshot {
     pub calls: BTreeMap<String, BTreeMap<String, u64>>,
     pub spend_usd_per_hour: f64,
+    /// The same, by target (those that cost anything in the last hour).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub spend_usd_per_hour_by_target: BTreeMap<String, f64>,
     pub spent_usd: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stopped: Option<crate::core::reason::ReasonCode>,

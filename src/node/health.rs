@@ -208,12 +208,26 @@ pub(crate) struct ProbeBook {
     /// The billed probes' costs of the last hour by the second they were spent in, oldest
     /// first: 3,600 entries at most, however many targets are probed.
     hour: Mutex<VecDeque<(u64, f64)>>,
+    /// The same, per target (so what probing one target costs an hour is said).
+    hour_by_target: Mutex<BTreeMap<String, VecDeque<(u64, f64)>>>,
     spent_usd: Mutex<f64>,
     /// Why billed probes are not being sent now (the probe budget), if they are not.
     stopped: Mutex<Option<ReasonCode>>,
 }
 
 const HOUR_MS: u64 = 3_600_000;
+
+/// The sum of `hour`'s spend within the hour before `now`, what is older dropped.
+fn last_hour(hour: &mut VecDeque<(u64, f64)>, now: u64) -> f64 {
+    while hour
+        .front()
+        .is_some_and(|(at, _)| now.saturating_sub(*at) >= HOUR_MS)
+    {
+        hour.pop_front();
+    }
+    // (A float sum of nothing is -0, which a dashboard would show as such.)
+    round_usd(hour.iter().fold(0.0, |sum, (_, usd)| sum + usd))
+}
 
 impl ProbeBook {
     fn called(&self, target: &str, check: Check) {
@@ -222,16 +236,18 @@ impl ProbeBook {
             .or_default() += 1;
     }
 
-    fn spent(&self, now: u64, usd: f64) {
+    fn spent(&self, now: u64, target: &str, usd: f64) {
         if usd <= 0.0 {
             return;
         }
-        let mut hour = lock(&self.hour);
-        match hour.back_mut() {
+        let add = |hour: &mut VecDeque<(u64, f64)>| match hour.back_mut() {
             Some((at, sum)) if *at / 1_000 == now / 1_000 => *sum += usd,
             _ => hour.push_back((now, usd)),
-        }
-        drop(hour);
+        };
+        add(&mut lock(&self.hour));
+        add(lock(&self.hour_by_target)
+            .entry(target.to_string())
+            .or_default());
         let mut total = lock(&self.spent_usd);
         *total = round_usd(*total + usd);
     }
@@ -249,15 +265,16 @@ impl ProbeBook {
 
     /// What billed probes cost over the last hour.
     pub(crate) fn usd_last_hour(&self, now: u64) -> f64 {
-        let mut hour = lock(&self.hour);
-        while hour
-            .front()
-            .is_some_and(|(at, _)| now.saturating_sub(*at) >= HOUR_MS)
-        {
-            hour.pop_front();
-        }
-        // (A float sum of nothing is -0, which a dashboard would show as such.)
-        round_usd(hour.iter().fold(0.0, |sum, (_, usd)| sum + usd))
+        last_hour(&mut lock(&self.hour), now)
+    }
+
+    /// What billed probes of each target cost over the last hour (targets with none left out).
+    pub(crate) fn usd_last_hour_by_target(&self, now: u64) -> BTreeMap<String, f64> {
+        let mut all = lock(&self.hour_by_target);
+        all.iter_mut()
+            .map(|(t, hour)| (t.clone(), last_hour(hour, now)))
+            .filter(|(_, usd)| *usd > 0.0)
+            .collect()
     }
 
     pub(crate) fn snapshot(&self, now: u64) -> ProbeSnapshot {
@@ -271,6 +288,7 @@ impl ProbeBook {
         ProbeSnapshot {
             calls,
             spend_usd_per_hour: self.usd_last_hour(now),
+            spend_usd_per_hour_by_target: self.usd_last_hour_by_target(now),
             spent_usd: *lock(&self.spent_usd),
             stopped: *lock(&self.stopped),
         }
@@ -302,6 +320,17 @@ impl ProbeBook {
             "What this node's billed health probes cost over the last hour.",
             Kind::Gauge,
             move |s| s.put(&[], book.usd_last_hour(now_ms())),
+        );
+        let book = self.clone();
+        registry.register(
+            "oam_probe_target_spend_usd_per_hour",
+            "What this node's billed health probes of each target cost over the last hour.",
+            Kind::Gauge,
+            move |s| {
+                for (target, usd) in book.usd_last_hour_by_target(now_ms()) {
+                    s.put(&[("target", &target)], usd);
+                }
+            },
         );
     }
 }
@@ -811,7 +840,7 @@ impl Prober {
                 .as_ref()
                 .and_then(|u| self.price(&ids[0], |p| p.cost_of_usage(u)))
                 .unwrap_or(charged);
-            node.health.probes.spent(now_ms(), usd);
+            node.health.probes.spent(now_ms(), &ids[0], usd);
             if (usd - charged).abs() > 1e-9 {
                 let _ = self.settle(usd - charged).await;
             }
@@ -946,11 +975,20 @@ mod tests {
     fn the_hours_spend_is_kept_by_the_second() {
         let book = ProbeBook::default();
         for i in 0..1_000 {
-            book.spent(5_000 + i % 1_000, 0.001);
+            book.spent(5_000 + i % 1_000, "a", 0.001);
         }
-        book.spent(6_000, 0.5);
+        book.spent(6_000, "b", 0.5);
         assert_eq!(lock(&book.hour).len(), 2, "one entry per second spent in");
         assert_eq!(book.usd_last_hour(7_000), 1.5);
+        let by_target = book.usd_last_hour_by_target(7_000);
+        assert_eq!((by_target["a"], by_target["b"]), (1.0, 0.5));
+        assert_eq!(
+            book.usd_last_hour_by_target(5_000 + HOUR_MS)
+                .keys()
+                .collect::<Vec<_>>(),
+            ["b"],
+            "a target whose spend aged out is left out"
+        );
         assert_eq!(
             book.usd_last_hour(5_000 + HOUR_MS),
             0.5,

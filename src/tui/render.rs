@@ -468,8 +468,20 @@ fn render_banner(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
             .values()
             .map(|n| n.state.probes.spend_usd_per_hour)
             .sum();
+        // And the target that costs most, summed over the nodes that probe it.
+        let mut by_target: std::collections::BTreeMap<&str, f64> = Default::default();
+        for n in app.nodes.values() {
+            for (t, usd) in &n.state.probes.spend_usd_per_hour_by_target {
+                *by_target.entry(t).or_default() += usd;
+            }
+        }
+        let most = by_target
+            .iter()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(t, usd)| format!("; most {t} {}/h", crate::core::request::dollars(*usd, 4)))
+            .unwrap_or_default();
         status.push(Span::raw(format!(
-            "  probes {}/h ({billed} billed)",
+            "  probes {}/h ({billed} billed{most})",
             crate::core::request::dollars(per_hour, 4)
         )));
     }
@@ -1428,6 +1440,7 @@ mod tests {
                 .calls
                 .insert("local".into(), [("models".to_string(), 90)].into());
             state.probes.spend_usd_per_hour = usd;
+            state.probes.spend_usd_per_hour_by_target = [("primary".to_string(), usd)].into();
             state.probes.stopped = code;
             app.apply(
                 Update::NodeState {
@@ -1438,7 +1451,10 @@ mod tests {
             );
         }
         let text = draw(&app, 160, 30);
-        assert!(text.contains("probes $0.0020/h (6 billed)"), "{text}");
+        assert!(
+            text.contains("probes $0.0020/h (6 billed; most primary $0.0020/h)"),
+            "{text}"
+        );
         assert!(
             text.contains("billed probes stopped: PROBE_BUDGET_EXHAUSTED"),
             "{text}"
