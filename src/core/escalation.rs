@@ -171,18 +171,22 @@ pub fn budget_episode(agent: Option<&str>, since_ms: u64) -> String {
     }
 }
 
-/// The escalation of `target` refusing oam's credentials to a health probe, raised by `node`
-/// (its `serial`-th) at `now_ms`: no request was refused, the target's configuration must
-/// change (its key or its permissions).
-pub fn of_refused_credentials(
-    node: &str,
-    serial: u64,
-    target: &str,
-    detail: Option<String>,
-    now_ms: u64,
-) -> Escalation {
+/// How long one escalation of a target's configuration stands for every node (the same as
+/// `pipeline::MISCONFIGURED_ESCALATION_MS`, each node's own window).
+const CONFIG_EPISODE_MS: u64 = 600_000;
+
+/// The id of the escalation of `target`'s configuration (its credentials refused) at `now_ms`:
+/// the same on every node within one 10-minute window, so the nodes that meet the fault in it
+/// raise one escalation between them (the store keeps the first; the others leave it).
+pub fn config_episode(target: &str, now_ms: u64) -> String {
+    format!("esc-config-{target}-{}", base36(now_ms / CONFIG_EPISODE_MS))
+}
+
+/// The escalation of `target` refusing oam's credentials to a health probe at `now_ms`: no
+/// request was refused, the target's configuration must change (its key or its permissions).
+pub fn of_refused_credentials(target: &str, detail: Option<String>, now_ms: u64) -> Escalation {
     Escalation {
-        id: format!("esc-{node}-{}-{serial}", base36(now_ms)),
+        id: config_episode(target, now_ms),
         request_id: String::new(),
         agent: String::new(),
         task: String::new(),

@@ -1534,6 +1534,7 @@ impl Engine {
             Action::HumanReview,
             now_ms,
         );
+        e.id = escalation::config_episode(&target, now_ms);
         e.target = Some(target.to_string());
         Some(e)
     }
@@ -1579,13 +1580,7 @@ impl Engine {
         if !self.misconfigured_anew(&id, now_ms) {
             return None;
         }
-        let e = escalation::of_refused_credentials(
-            &self.state.cluster.self_id,
-            self.escalations,
-            target,
-            detail,
-            now_ms,
-        );
+        let e = escalation::of_refused_credentials(target, detail, now_ms);
         self.escalations += 1;
         Some(e)
     }

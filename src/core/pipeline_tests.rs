@@ -1796,9 +1796,29 @@ fn refused_credentials_move_on_and_tell_an_operator_once() {
     );
     assert_eq!(esc.recommended_action, Action::HumanReview);
     // The next request that meets it raises nothing new.
-    let (_, d) = drive(&mut e, req("u2"), vec![denied, good()]);
+    let (_, d) = drive(&mut e, req("u2"), vec![denied.clone(), good()]);
     assert!(has(&d, ReasonCode::UpstreamAuthFailed));
     assert!(d.escalation.is_none());
+    // Another node meeting it in the same window names it alike (one escalation between
+    // them), and so does a probe's refusal; the target is named.
+    let mut other = retrying();
+    std::sync::Arc::make_mut(&mut other.state.cluster).self_id = "n2".into();
+    let (_, d2) = drive(&mut other, req("u3"), vec![denied, good()]);
+    let esc2 = d2.escalation.expect("the other node tells too");
+    assert_eq!(esc2.id, esc.id);
+    assert_eq!(esc.target.as_deref(), Some(&*sent[0].provider));
+    let mut third = retrying();
+    let probed = third
+        .credentials_refused(&sent[0].provider, Some("HTTP 401".into()), T0)
+        .expect("raised");
+    assert_eq!(probed.id, esc.id);
+    assert_eq!(probed.detail.as_deref(), Some("HTTP 401"));
+    assert!(
+        third
+            .credentials_refused(&sent[0].provider, None, T0 + 1_000)
+            .is_none(),
+        "once per window"
+    );
 }
 
 #[test]
