@@ -34,6 +34,9 @@ pub enum Command {
     /// The decision log: list and filter decisions (agent, reason code, outcome, time range);
     /// `--verify` replays each.
     Audit(cmd::audit::Args),
+    /// What a candidate configuration would have changed: the decision log's window decided
+    /// again under it (`oam rehearse candidate.toml --since 24h`).
+    Rehearse(cmd::rehearse::Args),
     /// Bounded load against the nodes (HTTP or NATS), or a scenario: load, chaos and expectations.
     Bench(cmd::bench::Args),
     /// Agents on the mesh: `oam agent serve NAME --demo echo`, `oam agent call NAME`, `oam agent list`.
@@ -129,6 +132,7 @@ async fn dispatch(cli: Cli) -> Result<Findings> {
         Command::Budget(args) => cmd::budget::run(args).await.map(done),
         Command::Explain(args) => cmd::explain::run(args).await,
         Command::Audit(args) => cmd::audit::run(args).await,
+        Command::Rehearse(args) => cmd::rehearse::run(args).await,
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await.map(done),
         Command::Completions(args) => {

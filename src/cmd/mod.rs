@@ -17,6 +17,7 @@ pub mod man;
 pub mod mesh;
 pub mod node;
 pub mod reasons;
+pub mod rehearse;
 pub mod sim;
 pub mod watch;
 

@@ -91,6 +91,22 @@ pub struct Budgets {
 }
 
 impl Budgets {
+    /// The limits of `other` in place of these where it names a budget (one these lack starts
+    /// at nothing spent); the rest as they are.
+    pub fn limited_as(&mut self, other: &Budgets) {
+        for (agent, b) in &other.agents {
+            self.agents
+                .entry(agent.clone())
+                .or_insert_with(|| Budget::new(b.limit_usd))
+                .limit_usd = b.limit_usd;
+        }
+        if let Some(g) = &other.global {
+            self.global
+                .get_or_insert_with(|| Budget::new(g.limit_usd))
+                .limit_usd = g.limit_usd;
+        }
+    }
+
     /// Can `agent` spend `cost_usd` now? Names the budget that refuses.
     pub fn check(&self, agent: &str, cost_usd: f64) -> Result<(), ReasonCode> {
         if cost_usd <= 0.0 {

@@ -20,6 +20,7 @@ pub mod quorum;
 pub mod rates;
 pub mod reason;
 pub mod record;
+pub mod rehearsal;
 pub mod replay;
 pub mod request;
 pub mod scope;

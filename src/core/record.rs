@@ -620,6 +620,20 @@ impl Record {
         routes: &BTreeMap<String, Route>,
         at: impl Fn(u64) -> Option<&'s StateAt>,
     ) -> Result<Decision, ReplayError> {
+        self.replay_with(config, targets, routes, None, at)
+    }
+
+    /// `replay_under`, with the limits of `budgets` in place of the record's where it names
+    /// them (what each budget had spent is the record's: a budget it did not have starts at
+    /// nothing spent).
+    pub fn replay_with<'s>(
+        &self,
+        config: &Config,
+        targets: &[Target],
+        routes: &BTreeMap<String, Route>,
+        budgets: Option<&super::budget::Budgets>,
+        at: impl Fn(u64) -> Option<&'s StateAt>,
+    ) -> Result<Decision, ReplayError> {
         self.drive(config, |mut snap| {
             let seen = match snap.seen {
                 0 => return Err(ReplayError::NoTimeline),
@@ -638,6 +652,9 @@ impl Record {
             st.breakers = seen.breakers.clone();
             st.cooldowns = seen.cooldowns.clone();
             st.misconfigured = seen.misconfigured.clone();
+            if let Some(b) = budgets {
+                st.budgets.limited_as(b);
+            }
             Ok(snap)
         })
     }
@@ -662,6 +679,11 @@ impl Record {
                 message: err.message,
             })?;
         for l in &self.calls {
+            // Decided: what the record holds after is for a decision made otherwise (another
+            // config ended it sooner), never applied to a finished request.
+            if matches!(step, Step::Done(_)) {
+                break;
+            }
             let before = state(l.before.apply(&self.begin))?;
             e.state = before.state;
             e.set_escalations_raised(before.escalations);

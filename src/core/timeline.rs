@@ -200,6 +200,40 @@ fn set_each<V: Clone>(map: &mut BTreeMap<String, V>, changed: &BTreeMap<String, 
     }
 }
 
+/// The states of the latest versions of one run, as a reader following its entries in order
+/// has them: what records written meanwhile name (a record names versions no older than its
+/// request, so the latest `KEEP` go far enough back for any but a request that outlived them).
+#[derive(Default, Debug)]
+pub struct Versions {
+    now: Option<StateAt>,
+    kept: BTreeMap<u64, StateAt>,
+}
+
+impl Versions {
+    /// How many complete versions are kept.
+    pub const KEEP: usize = 64;
+
+    /// Follow entry `e` (a gap drops what cannot be followed until the next whole entry).
+    pub fn follow(&mut self, e: &StateVersion) {
+        let next = match self.now.take() {
+            Some(mut s) => s.then(e).map(|()| s),
+            None => StateAt::of(e),
+        };
+        self.now = next.ok();
+        if let Some(s) = self.now.as_ref().filter(|s| s.awaiting == 0) {
+            self.kept.insert(s.version, s.clone());
+            while self.kept.len() > Self::KEEP {
+                self.kept.pop_first();
+            }
+        }
+    }
+
+    /// The state at `version`, if it is among those kept.
+    pub fn at(&self, version: u64) -> Option<&StateAt> {
+        self.kept.get(&version)
+    }
+}
+
 /// What an engine keeps to write its timeline (`Engine::seen`): the version it is at, the
 /// targets it touched since, and what it last wrote of those it compares.
 #[derive(Default, Debug)]
@@ -508,6 +542,43 @@ mod tests {
         assert_eq!(seen.breakers, st.breakers);
         assert_eq!(seen.cooldowns, st.cooldowns);
         assert_eq!(seen.misconfigured, st.misconfigured);
+    }
+
+    #[test]
+    fn a_reader_keeps_the_latest_versions_and_follows_a_gap_to_the_next_whole() {
+        let mut e = routed();
+        e.keep_timeline();
+        let mut versions = Versions::default();
+        let mut seen = Vec::new();
+        for i in 0..(Versions::KEEP as u64 + 6) {
+            let mut o = observation("n1", "o/big", Verdict::Degraded, 0.9);
+            o.at_ms = T0 + i;
+            Arc::make_mut(&mut e.state.cluster).observe(o);
+            seen.push(e.seen(T0 + i));
+            for entry in e.take_timeline() {
+                versions.follow(&entry);
+            }
+            let v = *seen.last().unwrap();
+            same(versions.at(v).expect("the latest is kept"), &e);
+        }
+        assert!(versions.at(seen[0]).is_none(), "the oldest went");
+        assert!(versions.at(seen[seen.len() - Versions::KEEP]).is_some());
+        // A lost entry: nothing is made up for it, and the next whole one is followed.
+        let mut o = observation("n1", "o/big", Verdict::Healthy, 1.0);
+        o.at_ms = T0 + 1_000;
+        Arc::make_mut(&mut e.state.cluster).observe(o);
+        let lost = e.seen(T0 + 1_000);
+        drop(e.take_timeline());
+        e.timeline_lost();
+        let mut o = observation("n1", "o/big", Verdict::Degraded, 0.5);
+        o.at_ms = T0 + 2_000;
+        Arc::make_mut(&mut e.state.cluster).observe(o);
+        let next = e.seen(T0 + 2_000);
+        for entry in e.take_timeline() {
+            versions.follow(&entry);
+        }
+        assert!(versions.at(lost).is_none());
+        same(versions.at(next).expect("the whole one after the gap"), &e);
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod gateway;
 mod hosts;
 mod mesh;
 mod messages;
+mod rehearse;
 mod responses;
 mod roles;
 mod scenarios;

@@ -566,6 +566,39 @@ async fn records_from(
     Ok((out, read, before_since))
 }
 
+/// Every record written since `since_ms` (`node`: one node's only), in the order each node
+/// wrote them, given to `each` with the states its run's timeline had reached (the log read
+/// from its start for them, `timeline::Versions`), so that it can be decided again on the state
+/// it saw (`oam rehearse`). Nothing is held but the latest states of each run. How many
+/// records were given.
+pub async fn each_with_states(
+    nats: &async_nats::Client,
+    since_ms: u64,
+    node: Option<&str>,
+    mut each: impl FnMut(&Record, &crate::core::timeline::Versions),
+) -> anyhow::Result<u64> {
+    let mut given = 0;
+    let since = time::OffsetDateTime::UNIX_EPOCH;
+    for stream in log_streams(nats, node).await? {
+        let mut runs: std::collections::HashMap<String, crate::core::timeline::Versions> =
+            std::collections::HashMap::new();
+        read_from(nats, &stream, 1, None, since, node, |b, written_ms| {
+            let run = runs.entry(b.run).or_default();
+            for e in &b.timeline {
+                run.follow(e);
+            }
+            if written_ms >= since_ms {
+                for r in &b.records {
+                    given += 1;
+                    each(r, run);
+                }
+            }
+        })
+        .await?;
+    }
+    Ok(given)
+}
+
 /// The state timeline of `node`'s run `run`, every entry the log holds, in order (versions
 /// missing from it are the log's gaps: `timeline::StateAt::then` says so).
 pub async fn timeline(
