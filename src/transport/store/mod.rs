@@ -66,6 +66,10 @@ pub async fn read_on(
             .await?;
         let mut got = 0;
         let mut again = false;
+        // What the server says is left on the filter after this batch (its end-of-batch
+        // message carries it): a batch may end short of `GET_BATCH` when its bytes reach the
+        // server's cap, which is no end of the stream.
+        let mut pending: Option<u64> = None;
         loop {
             let m = tokio::time::timeout(API_TIMEOUT, answers.next())
                 .await
@@ -73,7 +77,14 @@ pub async fn read_on(
                 .ok_or_else(stopped)?;
             match m.status.map(|s| s.as_u16()) {
                 // The end of this batch; none at all past the last.
-                Some(204) => break,
+                Some(204) => {
+                    pending = m
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get("Nats-Num-Pending"))
+                        .and_then(|v| v.as_str().parse().ok());
+                    break;
+                }
                 Some(404) => return Ok(next),
                 Some(503) if got == 0 => {
                     let since = *unanswered_since.get_or_insert_with(tokio::time::Instant::now);
@@ -122,7 +133,11 @@ pub async fn read_on(
             continue;
         }
         unanswered_since = None;
-        if got < GET_BATCH {
+        let more = match pending {
+            Some(left) => left > 0 && got > 0,
+            None => got >= GET_BATCH,
+        };
+        if !more {
             return Ok(next);
         }
     }
