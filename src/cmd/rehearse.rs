@@ -148,6 +148,14 @@ fn write_report(out: &mut impl Write, r: &Report, a: &Args) -> Result<()> {
             )?;
         }
     }
+    if r.on_own_cut > 0 {
+        writeln!(
+            out,
+            "{} of them on their own route's state only: the log no longer holds the state \
+             timeline they saw (it rolled over), so targets they did not see have no observations",
+            r.on_own_cut
+        )?;
+    }
     if not > 0 {
         writeln!(out, "{not} records not decided again:")?;
         for (why, ids) in &r.not_replayed {

@@ -659,6 +659,28 @@ impl Record {
         })
     }
 
+    /// `replay_with` on the record's own cut of the state (its route's targets) where the
+    /// timeline the record names is not to be had (the log lost its older entries): the
+    /// candidate's targets, routes and budget limits, and what the record itself saw of the
+    /// cluster; a target it did not see has no observations.
+    pub fn replay_on_cut(
+        &self,
+        config: &Config,
+        targets: &[Target],
+        routes: &BTreeMap<String, Route>,
+        budgets: Option<&super::budget::Budgets>,
+    ) -> Result<Decision, ReplayError> {
+        self.drive(config, |mut snap| {
+            let st = &mut snap.state;
+            st.providers = targets.to_vec();
+            st.routes = routes.clone();
+            if let Some(b) = budgets {
+                st.budgets.limited_as(b);
+            }
+            Ok(snap)
+        })
+    }
+
     /// Drive the request through a fresh engine with `config`, each call on the state it saw
     /// as `state` makes it from the record's own.
     fn drive(
@@ -1107,6 +1129,49 @@ mod tests {
             panic!("{id} ended {step:?}")
         };
         rec.finish(std::sync::Arc::new(Decided::new(*d)))
+    }
+
+    #[test]
+    fn a_rehearsal_names_what_changes_and_falls_back_to_a_record_s_own_cut() {
+        use crate::core::pipeline::tests::routed;
+        use crate::core::rehearsal::{Candidate, Report};
+        let mut e = routed();
+        e.keep_timeline();
+        let r1 = driven(&mut e, "small", "r1", &[]);
+        let mut versions = crate::core::timeline::Versions::default();
+        for entry in e.take_timeline() {
+            versions.follow(&entry);
+        }
+        let same = Candidate {
+            config: e.config.clone(),
+            targets: e.state.providers.clone(),
+            routes: e.state.routes.clone(),
+            budgets: crate::core::budget::Budgets::default(),
+        };
+        let mut rep = Report::default();
+        rep.add(&r1, &same, |v| versions.at(v));
+        assert_eq!(
+            (rep.records, rep.replayed, rep.changed.len(), rep.on_own_cut),
+            (1, 1, 0, 0)
+        );
+        // Route `small` served by h/big alone: changed, on an answer assumed.
+        let mut routes = same.routes.clone();
+        routes.get_mut("small").expect("a route").targets = vec!["h/big".into()];
+        let moved = Candidate {
+            routes,
+            ..same.clone()
+        };
+        let mut rep = Report::default();
+        rep.add(&r1, &moved, |v| versions.at(v));
+        assert_eq!(rep.changed.len(), 1, "{rep:?}");
+        let c = &rep.changed[0];
+        assert_eq!(c.after.target.as_deref(), Some("h/big"));
+        assert!(c.answer_assumed);
+        assert_eq!(rep.spend_after_usd.keys().collect::<Vec<_>>(), ["h/big"]);
+        // The log no longer holds the state it saw: decided on its own cut, and counted.
+        let mut rep = Report::default();
+        rep.add(&r1, &same, |_| None);
+        assert_eq!((rep.replayed, rep.on_own_cut, rep.changed.len()), (1, 1, 0));
     }
 
     #[test]

@@ -87,6 +87,9 @@ pub struct Report {
     /// Spend by target, as recorded and under the candidate (of the records decided again).
     pub spend_before_usd: BTreeMap<String, f64>,
     pub spend_after_usd: BTreeMap<String, f64>,
+    /// Of those decided again, how many on their own cut of the state (their route's targets)
+    /// because the log no longer held the state timeline they saw (it rolled over).
+    pub on_own_cut: u64,
     /// Records not decided again: why -> their request ids.
     pub not_replayed: BTreeMap<String, Vec<String>>,
 }
@@ -108,6 +111,21 @@ impl Report {
             Some(&candidate.budgets),
             at,
         );
+        // The state they saw gone from the log (it rolled over): decided on what the record
+        // itself saw, and counted as such.
+        let replayed = match replayed {
+            Err(ReplayError::NotInTimeline(_) | ReplayError::NoTimeline) => {
+                let on_cut = record.replay_on_cut(
+                    &candidate.config,
+                    &candidate.targets,
+                    &candidate.routes,
+                    Some(&candidate.budgets),
+                );
+                self.on_own_cut += u64::from(on_cut.is_ok());
+                on_cut
+            }
+            other => other,
+        };
         let after = match replayed {
             Ok(d) => d,
             Err(e) => {
