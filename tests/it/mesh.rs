@@ -984,16 +984,11 @@ async fn seen_by(name: &str, c: &reqwest::Client, upstream_url: &str) -> usize {
 /// state keeps it, and the refused caller's body names it.
 #[tokio::test]
 async fn an_upstream_refusing_the_key_is_said_where_users_look() {
-    let app = axum::Router::new().fallback(|| async {
-        (
-            axum::http::StatusCode::UNAUTHORIZED,
-            [("content-type", "application/json")],
-            r#"{"error":{"message":"Incorrect API key provided: sk-ab***cd.","type":"invalid_request_error","code":"invalid_api_key"}}"#,
-        )
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream = format!("http://{}/v1", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let upstream = crate::support::answering_upstream(
+        401,
+        r#"{"error":{"message":"Incorrect API key provided: sk-ab***cd.","type":"invalid_request_error","code":"invalid_api_key"}}"#,
+    )
+    .await;
     let dir = Dir::new("mesh-401");
     std::fs::create_dir_all(&dir.0).unwrap();
     let config = dir.0.join("oam.toml");
@@ -1005,33 +1000,8 @@ async fn an_upstream_refusing_the_key_is_said_where_users_look() {
         ),
     )
     .unwrap();
-    let out = oam()
-        .args([
-            "mesh",
-            "up",
-            "--nodes",
-            "1",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--json",
-        ])
-        .arg("--config")
-        .arg(&config)
-        .arg("--dir")
-        .arg(&dir.0)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let node = json(&out.stdout)["nodes"][0]["http"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let up = crate::support::mesh_up_on(&dir.0, &config);
+    let node = up["nodes"][0]["http"].as_str().unwrap().to_string();
     let status = || {
         let out = oam()
             .args(["mesh", "status", "--json", "--dir"])
@@ -1221,16 +1191,11 @@ async fn a_model_list_that_answers_does_not_heal_refused_credentials() {
 /// was); now it names the route whose clients get nothing, and exits 1.
 #[tokio::test]
 async fn mesh_status_names_a_route_none_of_whose_targets_answers() {
-    let app = axum::Router::new().fallback(|| async {
-        (
-            axum::http::StatusCode::UNAUTHORIZED,
-            [("content-type", "application/json")],
-            r#"{"error":{"message":"Incorrect API key provided.","type":"invalid_request_error","code":"invalid_api_key"}}"#,
-        )
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let refusing = format!("http://{}/v1", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let refusing = crate::support::answering_upstream(
+        401,
+        r#"{"error":{"message":"Incorrect API key provided.","type":"invalid_request_error","code":"invalid_api_key"}}"#,
+    )
+    .await;
     let sim = crate::support::Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
     let dir = Dir::new("mesh-route-down");
@@ -1246,29 +1211,7 @@ async fn mesh_status_names_a_route_none_of_whose_targets_answers() {
         ),
     )
     .unwrap();
-    let out = oam()
-        .args([
-            "mesh",
-            "up",
-            "--nodes",
-            "1",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--json",
-        ])
-        .arg("--config")
-        .arg(&config)
-        .arg("--dir")
-        .arg(&dir.0)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    crate::support::mesh_up_on(&dir.0, &config);
     let told = crate::support::eventually(Duration::from_secs(20), || async {
         let out = oam()
             .args(["mesh", "status", "--json", "--dir"])
@@ -1293,3 +1236,4 @@ async fn mesh_status_names_a_route_none_of_whose_targets_answers() {
     assert!(!detail.contains("route works"), "{detail}");
     assert!(detail.contains("HTTP 401"), "{detail}");
 }
+

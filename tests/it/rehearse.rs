@@ -53,30 +53,7 @@ async fn a_candidate_config_is_rehearsed_on_the_log_and_names_what_changes() {
     std::fs::write(&live, config(&sim_url, r#""p2", "p1""#, 10.0)).unwrap();
     let candidate = dir.0.join("candidate.toml");
     std::fs::write(&candidate, config(&sim_url, r#""p1""#, 0.0)).unwrap();
-    let up = oam()
-        .args([
-            "mesh",
-            "up",
-            "--nodes",
-            "1",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--json",
-        ])
-        .arg("--config")
-        .arg(&live)
-        .arg("--dir")
-        .arg(&dir.0)
-        .output()
-        .unwrap();
-    assert!(
-        up.status.success(),
-        "{}",
-        String::from_utf8_lossy(&up.stderr)
-    );
-    let up: Value = serde_json::from_slice(&up.stdout).unwrap();
+    let up = crate::support::mesh_up_on(&dir.0, &live);
     let node = up["nodes"][0]["http"].as_str().unwrap().to_string();
     let c = crate::support::http(Duration::from_secs(10));
     let mut changing = BTreeSet::new();

@@ -915,3 +915,44 @@ impl NatsPlane {
             .await
     }
 }
+
+/// `oam mesh up` of one node on the configuration `config`, in `dir` (free ports): its JSON
+/// report (the node's URL at `["nodes"][0]["http"]`).
+pub fn mesh_up_on(dir: &std::path::Path, config: &std::path::Path) -> Value {
+    let out = Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args([
+            "mesh",
+            "up",
+            "--nodes",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--json",
+        ])
+        .arg("--config")
+        .arg(config)
+        .arg("--dir")
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// An upstream on a free port that answers every request with `status` and the JSON `body`
+/// (a refused key, say): its `/v1` base URL.
+pub async fn answering_upstream(status: u16, body: &'static str) -> String {
+    let status = axum::http::StatusCode::from_u16(status).unwrap();
+    let app = axum::Router::new()
+        .fallback(move || async move { (status, [("content-type", "application/json")], body) });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
