@@ -459,8 +459,8 @@ impl Warden {
             .is_some_and(|p| p.iter().any(|p| p == host)))
     }
 
-    /// Ok when a node of this mesh routes to `provider` (a target's provider id), asked of the
-    /// first node that answers; else the refusal that lists what they route to.
+    /// Ok when a node of this mesh routes to `provider` (a provider's id, or one target's),
+    /// asked of the first node that answers; else the refusal that lists what they route to.
     async fn nodes_serve(&self, provider: &str) -> Result<(), WardenReply> {
         let rec = self.record()?;
         for n in rec.nodes() {
@@ -475,7 +475,9 @@ impl Warden {
                 .as_array()
                 .map(|p| p.iter().filter_map(|p| p["id"].as_str()).collect())
                 .unwrap_or_default();
-            let of = |id: &str| id.split_once('/').map_or(id, |(p, _)| p) == provider;
+            // A provider (every target of it), or one target (`provider/model`).
+            let of =
+                |id: &str| id == provider || id.split_once('/').map_or(id, |(p, _)| p) == provider;
             if ids.iter().any(|id| of(id)) {
                 return Ok(());
             }

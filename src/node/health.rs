@@ -845,6 +845,23 @@ impl Prober {
                 let _ = self.settle(usd - charged).await;
             }
         }
+        // A chaos fault on one target of the provider (not the provider): the model list that
+        // answers for every target says nothing of it, so that target's check meets the fault.
+        let mut kept = ids.to_vec();
+        if check == Check::Models {
+            for id in ids {
+                let Some(fg) = c.target_check(id, self.timeout).await else {
+                    continue;
+                };
+                kept.retain(|k| k != id);
+                node.health.failed(id, "probe", &fg);
+                if let Some(o) = probe_outcome(check, fg.status, || false) {
+                    node.health.probed(id, check, o, fg.latency_ms);
+                    node.metrics.provider_outcome(id, "probe", o);
+                }
+            }
+        }
+        let ids: &[String] = &kept;
         if g.status != GenerationStatus::Ok {
             for id in ids {
                 node.health.failed(id, "probe", &g);

@@ -1237,3 +1237,97 @@ async fn mesh_status_names_a_route_none_of_whose_targets_answers() {
     assert!(detail.contains("HTTP 401"), "{detail}");
 }
 
+/// One model of a provider failed by chaos on a `--config` mesh: before, `oam chaos
+/// kill-provider openai/gpt-4o-mini` was refused ("no provider ... their targets are
+/// openai/gpt-4o-mini, ..."), and only the whole provider could be failed. Now the target alone
+/// fails, its route falls back to the provider's other model, and restore ends it.
+#[tokio::test]
+async fn one_model_of_a_provider_is_failed_by_chaos_and_its_route_falls_back() {
+    let upstream = crate::support::Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let upstream_url = upstream.ready["url"].as_str().unwrap().to_string();
+    let dir = Dir::new("mesh-target-chaos");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let config = dir.0.join("oam.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[provider]]\nid = \"openai\"\nbase_url = \"{upstream_url}/primary/v1\"\n\
+             models = [\"mini\", \"big\"]\nprobe = \"models\"\n\n[[route]]\nmodel = \"fast\"\n\
+             targets = [\"openai/mini\", \"openai/big\"]\n"
+        ),
+    )
+    .unwrap();
+    let up = crate::support::mesh_up_on(&dir.0, &config);
+    let node = up["nodes"][0]["http"].as_str().unwrap().to_string();
+    let c = crate::support::http(Duration::from_secs(10));
+    let ask = || async {
+        let r = c
+            .post(format!("{node}/v1/chat/completions"))
+            .json(&json!({"model": "fast", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        r.json::<Value>().await.unwrap()
+    };
+    assert_eq!(ask().await["oam"]["target"], "openai/mini");
+    let chaos = |args: &[&str]| {
+        oam()
+            .env_remove("OAM_NATS_URL")
+            .arg("chaos")
+            .args(args)
+            .arg("--dir")
+            .arg(&dir.0)
+            .output()
+            .unwrap()
+    };
+    let killed = chaos(&["kill-provider", "openai/mini", "--for", "30s", "--json"]);
+    assert!(
+        killed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    let id = json(&killed.stdout)["id"].as_str().unwrap().to_string();
+    let fell_back = crate::support::eventually(Duration::from_secs(10), || async {
+        let v = ask().await;
+        (v["oam"]["target"] == "openai/big").then_some(v)
+    })
+    .await
+    .expect("the route falls back to the provider's other model");
+    assert_eq!(fell_back["oam"]["outcome"], "accepted", "{fell_back}");
+    // The other model's own calls and checks are untouched: it is not failing.
+    let state: Value = c
+        .get(format!("{node}/v1/oam/state"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let of = |id: &str| {
+        state["providers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["id"] == id)
+            .cloned()
+            .unwrap()
+    };
+    let mini = of("openai/mini");
+    assert!(
+        mini["last_failure"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&format!("chaos fault {id}")),
+        "{mini}"
+    );
+    assert!(of("openai/big")["last_failure"].is_null(), "{state}");
+    assert!(chaos(&["restore", &id]).status.success());
+    let back = crate::support::eventually(Duration::from_secs(20), || async {
+        (ask().await["oam"]["target"] == "openai/mini").then_some(())
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "served by the first target again after the restore"
+    );
+}

@@ -43,21 +43,26 @@ impl Injected {
         all.len() != before
     }
 
-    /// The fault on `provider` at `now_ms`, if one is in force (the newest), and its id.
-    fn on(&self, provider: &str, now_ms: u64) -> Option<(String, TargetFault)> {
+    /// The fault at `now_ms` on any of `names` (a provider, and the target a call is for), if
+    /// one is in force (the newest), and its id.
+    fn on(&self, names: &[impl AsRef<str>], now_ms: u64) -> Option<(String, TargetFault)> {
         let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         all.retain(|a| a.until_ms > now_ms);
         all.iter()
             .rev()
-            .find(|a| a.provider == provider)
+            .find(|a| names.iter().any(|n| n.as_ref() == a.provider))
             .map(|a| (a.id.clone(), a.fault))
     }
 
     /// What the fault on `provider` makes of a call bounded by `timeout`: the failed attempt
     /// it ends as, or `None` (no fault, a slow one waited out, a flaky one that let it by): the
     /// call goes on.
-    pub(crate) async fn meet(&self, provider: &str, timeout: Duration) -> Option<Attempt> {
-        let (id, fault) = self.on(provider, crate::clock::now_ms())?;
+    pub(crate) async fn meet(
+        &self,
+        names: &[impl AsRef<str>],
+        timeout: Duration,
+    ) -> Option<Attempt> {
+        let (id, fault) = self.on(names, crate::clock::now_ms())?;
         let why = |what: String| format!("chaos fault {id}: {what}");
         let timeout_ms = timeout.as_millis() as u64;
         match fault {
@@ -96,8 +101,12 @@ impl Injected {
     }
 
     /// `meet`, for a free check: the generation it ends as.
-    pub(crate) async fn meet_check(&self, provider: &str, timeout: Duration) -> Option<Generation> {
-        self.meet(provider, timeout).await.map(|a| a.generation)
+    pub(crate) async fn meet_check(
+        &self,
+        names: &[impl AsRef<str>],
+        timeout: Duration,
+    ) -> Option<Generation> {
+        self.meet(names, timeout).await.map(|a| a.generation)
     }
 }
 
@@ -111,19 +120,28 @@ mod tests {
         let far = crate::clock::now_ms() + 60_000;
         faults.set("f1", "calc", TargetFault::Error { status: 503 }, far);
         let t = Duration::from_millis(50);
-        let a = faults.meet("calc", t).await.expect("failed by the fault");
+        let a = faults
+            .meet(&["calc"], t)
+            .await
+            .expect("failed by the fault");
         assert_eq!(a.generation.status, GenerationStatus::Error);
         assert!(a.generation.error.unwrap().contains("f1"));
-        assert!(faults.meet("other", t).await.is_none());
+        assert!(faults.meet(&["other"], t).await.is_none());
+        // A fault on one target of a provider meets that target's calls, not the provider's
+        // others.
+        faults.set("t1", "calc/big", TargetFault::Error { status: 503 }, far);
+        assert!(faults.meet(&["calc2", "calc2/big"], t).await.is_none());
+        assert!(faults.meet(&["x", "calc/big"], t).await.is_some());
+        assert!(faults.end("t1"));
         let a = {
             faults.set("f2", "calc", TargetFault::Hang, far);
-            faults.meet("calc", t).await.unwrap()
+            faults.meet(&["calc"], t).await.unwrap()
         };
         assert_eq!(a.generation.status, GenerationStatus::Timeout);
         assert!(faults.end("f2") && faults.end("f1"));
-        assert!(faults.meet("calc", t).await.is_none());
+        assert!(faults.meet(&["calc"], t).await.is_none());
         // Past its expiry it is gone by itself.
         faults.set("f3", "calc", TargetFault::Error { status: 500 }, 1);
-        assert!(faults.meet("calc", t).await.is_none());
+        assert!(faults.meet(&["calc"], t).await.is_none());
     }
 }

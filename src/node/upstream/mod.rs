@@ -163,6 +163,24 @@ impl Connector {
         self.upstream.free_check(Duration::ZERO).is_some()
     }
 
+    /// What a chaos fault on a call of `model` may name: this provider, or the target
+    /// (`{provider}/{model}`; a one-model provider's target is the provider itself).
+    fn fault_names<'a>(&'a self, model: &str) -> [std::borrow::Cow<'a, str>; 2] {
+        [
+            std::borrow::Cow::Borrowed(self.id.as_str()),
+            std::borrow::Cow::Owned(format!("{}/{model}", self.id)),
+        ]
+    }
+
+    /// A chaos fault on target `target` alone (one model of this provider), met by the free
+    /// check that answers for it: the model list says nothing of one target's fault.
+    pub(crate) async fn target_check(&self, target: &str, timeout: Duration) -> Option<Generation> {
+        if target == self.id {
+            return None;
+        }
+        self.injected.meet_check(&[target], timeout).await
+    }
+
     /// One whole answer from `model`, bounded by `timeout`: the client's request as it came
     /// (`pass`), with the target's model and oam's token limit, or just `messages` (probes).
     pub(crate) async fn generate(
@@ -174,7 +192,7 @@ impl Connector {
         response_format: Option<&Value>,
         timeout: Duration,
     ) -> Attempt {
-        if let Some(failed) = self.injected.meet(&self.id, timeout).await {
+        if let Some(failed) = self.injected.meet(&self.fault_names(model), timeout).await {
             return failed;
         }
         let ask = UpstreamCall {
@@ -196,7 +214,11 @@ impl Connector {
         max_tokens: u32,
         first_event: Duration,
     ) -> Opened {
-        if let Some(failed) = self.injected.meet(&self.id, first_event).await {
+        if let Some(failed) = self
+            .injected
+            .meet(&self.fault_names(model), first_event)
+            .await
+        {
             return Opened::Failed(failed);
         }
         self.upstream
@@ -212,7 +234,7 @@ impl Connector {
         pass: &Passthrough,
         timeout: Duration,
     ) -> Attempt {
-        if let Some(failed) = self.injected.meet(&self.id, timeout).await {
+        if let Some(failed) = self.injected.meet(&self.fault_names(model), timeout).await {
             return failed;
         }
         self.upstream.embed(model, pass, timeout).await
@@ -221,7 +243,7 @@ impl Connector {
     /// The tools it serves (a tool server's; an error for any other provider), bounded by
     /// `timeout`.
     pub(crate) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, String> {
-        if let Some(failed) = self.injected.meet(&self.id, timeout).await {
+        if let Some(failed) = self.injected.meet(&[&self.id], timeout).await {
             return Err(failed.generation.error.unwrap_or_default());
         }
         match self.upstream.tool_list(timeout) {
@@ -233,7 +255,7 @@ impl Connector {
     /// Its free check (`GET /models`, a tool list), bounded by `timeout`: that the provider
     /// answers (a failure where it has none: checked at load, none is asked).
     pub(crate) async fn list_models(&self, timeout: Duration) -> Generation {
-        if let Some(failed) = self.injected.meet_check(&self.id, timeout).await {
+        if let Some(failed) = self.injected.meet_check(&[&self.id], timeout).await {
             return failed;
         }
         match self.upstream.free_check(timeout) {
