@@ -39,6 +39,9 @@ pub async fn keys(store: &kv::Store) -> anyhow::Result<Vec<String>> {
 /// Messages one direct get asks for at most (the server answers them one after another, then
 /// says it is done).
 const GET_BATCH: usize = 256;
+/// ... and bytes at most: a batch of large messages (decision batches of many records) comes in
+/// pieces a loaded reader takes in time, not 64 MB at once (the server's own cap).
+const GET_BYTES: usize = 4 << 20;
 
 /// The messages of `stream` on `filter` from sequence `from` on, to the last there is now, each
 /// given to `each` (which says whether to go on), read by direct get in batches of `GET_BATCH`
@@ -61,7 +64,9 @@ pub async fn read_on(
     // asked again until `API_TIMEOUT` has passed without an answer.
     let mut unanswered_since: Option<tokio::time::Instant> = None;
     loop {
-        let question = serde_json::json!({"seq": next, "batch": GET_BATCH, "next_by_subj": filter});
+        let question = serde_json::json!({
+            "seq": next, "batch": GET_BATCH, "max_bytes": GET_BYTES, "next_by_subj": filter,
+        });
         nats.publish_with_reply(ask.clone(), inbox.clone(), question.to_string().into())
             .await?;
         let mut got = 0;
