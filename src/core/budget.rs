@@ -91,19 +91,27 @@ pub struct Budgets {
 }
 
 impl Budgets {
-    /// The limits of `other` in place of these where it names a budget (one these lack starts
-    /// at nothing spent); the rest as they are.
-    pub fn limited_as(&mut self, other: &Budgets) {
+    /// The limits of `other` in place of these where it names a budget, each budget then
+    /// charged `more(agent)` (None: the global one) with whether it was here already (a
+    /// rehearsal adds what its candidate spent beyond the record to a budget the record had,
+    /// and all its candidate spent to one it did not); the rest as they are.
+    pub fn limited_as(&mut self, other: &Budgets, more: impl Fn(Option<&str>, bool) -> f64) {
+        let charge =
+            |b: &mut Budget, usd: f64| b.spent_usd = round_usd((b.spent_usd + usd).max(0.0));
         for (agent, b) in &other.agents {
-            self.agents
+            let had = self.agents.contains_key(agent);
+            let mine = self
+                .agents
                 .entry(agent.clone())
-                .or_insert_with(|| Budget::new(b.limit_usd))
-                .limit_usd = b.limit_usd;
+                .or_insert_with(|| Budget::new(b.limit_usd));
+            mine.limit_usd = b.limit_usd;
+            charge(mine, more(Some(agent), had));
         }
         if let Some(g) = &other.global {
-            self.global
-                .get_or_insert_with(|| Budget::new(g.limit_usd))
-                .limit_usd = g.limit_usd;
+            let had = self.global.is_some();
+            let mine = self.global.get_or_insert_with(|| Budget::new(g.limit_usd));
+            mine.limit_usd = g.limit_usd;
+            charge(mine, more(None, had));
         }
     }
 

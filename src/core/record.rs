@@ -623,15 +623,14 @@ impl Record {
         self.replay_with(config, targets, routes, None, at)
     }
 
-    /// `replay_under`, with the limits of `budgets` in place of the record's where it names
-    /// them (what each budget had spent is the record's: a budget it did not have starts at
-    /// nothing spent).
+    /// `replay_under`, with the budgets each call saw changed by `budgets` (a rehearsal's
+    /// limits and what its candidate would have spent by then).
     pub fn replay_with<'s>(
         &self,
         config: &Config,
         targets: &[Target],
         routes: &BTreeMap<String, Route>,
-        budgets: Option<&super::budget::Budgets>,
+        budgets: Option<&dyn Fn(&mut super::budget::Budgets)>,
         at: impl Fn(u64) -> Option<&'s StateAt>,
     ) -> Result<Decision, ReplayError> {
         self.drive(config, |mut snap| {
@@ -653,7 +652,7 @@ impl Record {
             st.cooldowns = seen.cooldowns.clone();
             st.misconfigured = seen.misconfigured.clone();
             if let Some(b) = budgets {
-                st.budgets.limited_as(b);
+                b(&mut st.budgets);
             }
             Ok(snap)
         })
@@ -668,14 +667,14 @@ impl Record {
         config: &Config,
         targets: &[Target],
         routes: &BTreeMap<String, Route>,
-        budgets: Option<&super::budget::Budgets>,
+        budgets: Option<&dyn Fn(&mut super::budget::Budgets)>,
     ) -> Result<Decision, ReplayError> {
         self.drive(config, |mut snap| {
             let st = &mut snap.state;
             st.providers = targets.to_vec();
             st.routes = routes.clone();
             if let Some(b) = budgets {
-                st.budgets.limited_as(b);
+                b(&mut st.budgets);
             }
             Ok(snap)
         })
@@ -1172,6 +1171,50 @@ mod tests {
         let mut rep = Report::default();
         rep.add(&r1, &same, |_| None);
         assert_eq!((rep.replayed, rep.on_own_cut, rep.changed.len()), (1, 1, 0));
+    }
+
+    #[test]
+    fn a_budget_a_rehearsal_adds_is_charged_as_the_window_goes() {
+        use crate::core::pipeline::tests::routed;
+        use crate::core::rehearsal::{Candidate, Report};
+        let mut e = routed();
+        e.keep_timeline();
+        let records: Vec<Record> = (0..3)
+            .map(|i| driven(&mut e, "small", &format!("b{i}"), &[]))
+            .collect();
+        let mut versions = crate::core::timeline::Versions::default();
+        for entry in e.take_timeline() {
+            versions.follow(&entry);
+        }
+        let first = &records[0];
+        assert!(first.decision.cost_usd > 0.0, "priced");
+        let est = first.decision.attempts[0].candidates[0].est_cost_usd;
+        // A budget the live mesh did not have, as large as one request's estimate: the first
+        // fits, and what it cost is charged before the second, which no longer fits.
+        let mut budgets = crate::core::budget::Budgets::default();
+        budgets.agents.insert(
+            first.request.agent.clone(),
+            crate::core::budget::Budget::new(est),
+        );
+        let candidate = Candidate {
+            config: e.config.clone(),
+            targets: e.state.providers.clone(),
+            routes: e.state.routes.clone(),
+            budgets,
+        };
+        let mut rep = Report::default();
+        for r in &records {
+            rep.add(r, &candidate, |v| versions.at(v));
+        }
+        let refused: Vec<&str> = rep.changed.iter().map(|c| c.request_id.as_str()).collect();
+        assert_eq!(refused, ["b1", "b2"], "{rep:?}");
+        assert_eq!(rep.refusals_appear, 2);
+        // Each record alone (a fresh report each) fits.
+        for r in &records {
+            let mut alone = Report::default();
+            alone.add(r, &candidate, |v| versions.at(v));
+            assert!(alone.changed.is_empty(), "{alone:?}");
+        }
     }
 
     #[test]

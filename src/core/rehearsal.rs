@@ -92,6 +92,11 @@ pub struct Report {
     pub on_own_cut: u64,
     /// Records not decided again: why -> their request ids.
     pub not_replayed: BTreeMap<String, Vec<String>>,
+    /// What the candidate spent so far, by the agent whose budget it counts against (`None`:
+    /// the global one): all of it, and what it spent beyond the record. A budget the candidate
+    /// names is charged as the window goes.
+    #[serde(skip)]
+    spent: BTreeMap<Option<String>, (f64, f64)>,
 }
 
 impl Report {
@@ -104,11 +109,21 @@ impl Report {
         at: impl Fn(u64) -> Option<&'s StateAt>,
     ) {
         self.records += 1;
+        // The candidate's budget limits, charged with what it has spent in the window so far:
+        // beyond the record where the record had the budget, all of it where it did not.
+        let spent = &self.spent;
+        let budgets = |b: &mut Budgets| {
+            b.limited_as(&candidate.budgets, |agent, had| {
+                let key = agent.map(String::from);
+                let (all, beyond) = spent.get(&key).copied().unwrap_or_default();
+                if had { beyond } else { all }
+            });
+        };
         let replayed = record.replay_with(
             &candidate.config,
             &candidate.targets,
             &candidate.routes,
-            Some(&candidate.budgets),
+            Some(&budgets),
             at,
         );
         // The state they saw gone from the log (it rolled over): decided on what the record
@@ -119,7 +134,7 @@ impl Report {
                     &candidate.config,
                     &candidate.targets,
                     &candidate.routes,
-                    Some(&candidate.budgets),
+                    Some(&budgets),
                 );
                 self.on_own_cut += u64::from(on_cut.is_ok());
                 on_cut
@@ -139,6 +154,11 @@ impl Report {
         self.replayed += 1;
         let before = Verdict::of(&record.decision);
         let after = Verdict::of(&after);
+        for key in [Some(record.request.agent.clone()), None] {
+            let (all, beyond) = self.spent.entry(key).or_default();
+            *all = round_usd(*all + after.cost_usd);
+            *beyond = round_usd(*beyond + after.cost_usd - before.cost_usd);
+        }
         let add = |spend: &mut BTreeMap<String, f64>, v: &Verdict| {
             if let Some(t) = &v.target {
                 let e = spend.entry(t.clone()).or_default();
