@@ -561,7 +561,7 @@ pub async fn run(
                 if beats.is_multiple_of(RELIST_BEATS) {
                     // One read while the catalog lists this agent as it should; a write only
                     // when another agent removed or changed its entry.
-                    let listed = store::list_in_catalog(&me.mesh, &me.entry);
+                    let listed = store::relist(&me.mesh, &me.entry);
                     match tokio::time::timeout(bound, listed).await {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => {

@@ -181,6 +181,7 @@ const CATALOG_WITHIN: Duration = Duration::from_secs(30);
 /// doubles up to 250 ms, until `CATALOG_WITHIN` has passed.
 async fn edit_catalog(
     mesh: &Mesh,
+    afresh: bool,
     edit: impl Fn(&mut Vec<serde_json::Value>) -> bool,
 ) -> anyhow::Result<()> {
     use std::hash::BuildHasher;
@@ -191,11 +192,16 @@ async fn edit_catalog(
     loop {
         tries += 1;
         let current = store.entry(subjects::CATALOG_KEY).await?;
-        let mut items: Vec<serde_json::Value> = current
+        let put = current
             .as_ref()
-            .filter(|e| e.operation == kv::Operation::Put)
-            .and_then(|e| serde_json::from_slice(&e.value).ok())
-            .unwrap_or_default();
+            .filter(|e| e.operation == kv::Operation::Put);
+        let mut items: Vec<serde_json::Value> = match put.map(|e| serde_json::from_slice(&e.value))
+        {
+            Some(Ok(items)) => items,
+            // Not an array: begun afresh only when asked (registering), else left as it is.
+            Some(Err(_)) if !afresh => return Ok(()),
+            _ => Vec::new(),
+        };
         if !edit(&mut items) {
             return Ok(());
         }
@@ -228,13 +234,25 @@ async fn edit_catalog(
     }
 }
 
+/// List `entry` in the catalog again, as a live agent does now and then (`host`'s
+/// `RELIST_BEATS`): the catalog is one key any agent may write (the Open Agent Mesh layout), so
+/// an entry another agent removed or changed comes back. A catalog that is not a JSON array is
+/// left as it is, for `oam agent list` to report (rewriting it would drop every other agent's
+/// entry from it without a word).
+pub(crate) async fn relist(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
+    listed(mesh, entry, false).await
+}
+
 /// List `entry` in the catalog (in place of any entry of its name); a catalog that already
-/// lists it so is not written, so the replicas after the first cost one read. A live agent
-/// calls it again now and then (`host`'s `RELIST_BEATS`): the catalog is one key any agent may
-/// write (the Open Agent Mesh layout), so an entry another agent removed or changed comes back.
-pub(crate) async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
+/// lists it so is not written, so the replicas after the first cost one read.
+async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
+    listed(mesh, entry, true).await
+}
+
+/// `list_in_catalog`; a catalog that is not a JSON array is begun afresh only when `afresh`.
+async fn listed(mesh: &Mesh, entry: &CatalogEntry, afresh: bool) -> anyhow::Result<()> {
     let listed = serde_json::to_value(entry)?;
-    edit_catalog(mesh, |items| {
+    edit_catalog(mesh, afresh, |items| {
         let mut same = items.iter().filter(|v| v["name"] == entry.name.as_str());
         if same.next() == Some(&listed) && same.next().is_none() {
             return false;
@@ -584,7 +602,7 @@ pub async fn forget_agents(mesh: &Mesh, agents: &[String]) {
         return;
     }
     let gone = |v: &serde_json::Value| agents.iter().any(|a| v["name"] == a.as_str());
-    let edited = edit_catalog(mesh, |items| {
+    let edited = edit_catalog(mesh, false, |items| {
         let before = items.len();
         items.retain(|v| !gone(v));
         items.len() != before
