@@ -1564,7 +1564,7 @@ impl Engine {
     /// within the same once-per-target window, so that a target the probes mark down before
     /// any request reaches it is still told. None: one was raised within the window (or there
     /// is no such target).
-    pub fn credentials_refused(
+    pub fn refused_to_probe(
         &mut self,
         target: &str,
         detail: Option<String>,

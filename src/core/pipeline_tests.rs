@@ -1809,13 +1809,13 @@ fn refused_credentials_move_on_and_tell_an_operator_once() {
     assert_eq!(esc.target.as_deref(), Some(&*sent[0].provider));
     let mut third = retrying();
     let probed = third
-        .credentials_refused(&sent[0].provider, Some("HTTP 401".into()), T0)
+        .refused_to_probe(&sent[0].provider, Some("HTTP 401".into()), T0)
         .expect("raised");
     assert_eq!(probed.id, esc.id);
     assert_eq!(probed.detail.as_deref(), Some("HTTP 401"));
     assert!(
         third
-            .credentials_refused(&sent[0].provider, None, T0 + 1_000)
+            .refused_to_probe(&sent[0].provider, None, T0 + 1_000)
             .is_none(),
         "once per window"
     );

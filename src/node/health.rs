@@ -409,7 +409,7 @@ impl Health {
     }
 
     /// Did `target`'s last failed call have its credentials refused, with none working since?
-    pub(crate) fn credentials_refused(&self, target: &str) -> bool {
+    pub(crate) fn refuses_credentials(&self, target: &str) -> bool {
         lock(&self.failures)
             .get(target)
             .is_some_and(|f| f.failing > 0 && f.status == GenerationStatus::Unauthorized)
@@ -601,7 +601,7 @@ impl Health {
         let due = if check == Check::Confirm {
             // An upstream that refuses oam's credentials is not asked again and again, billed:
             // its configuration must change first (its free checks, and traffic, go on).
-            let refused = self.credentials_refused(target);
+            let refused = self.refuses_credentials(target);
             let failed = c.confirms_failed.load(Ordering::Relaxed);
             let backed_off = Schedule {
                 every: confirm_every(schedule.every, failed),
@@ -874,7 +874,7 @@ impl Prober {
                 let detail = g.error.as_ref().map(|e| e.chars().take(300).collect());
                 let raised = node
                     .pipeline
-                    .with(|e| e.credentials_refused(id, detail, now_ms()));
+                    .with(|e| e.refused_to_probe(id, detail, now_ms()));
                 if let Some(e) = raised {
                     tracing::warn!(target = %id, escalation = %e.id, error = ?e.detail, "the upstream refuses oam's credentials; escalated");
                     node.escalations.raise(&e);
@@ -903,7 +903,7 @@ impl Prober {
             // the list): such a target is not healed by a free check, only by a call that works.
             if check == Check::Models
                 && outcome == Outcome::Success
-                && node.health.credentials_refused(target)
+                && node.health.refuses_credentials(target)
             {
                 continue;
             }

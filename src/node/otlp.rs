@@ -331,7 +331,7 @@ fn error_type(g: &Generation) -> Option<String> {
         }
         // An answer that could not be read, or a stream that broke off.
         GenerationStatus::Error => "upstream_error".into(),
-        s => status_name(s),
+        s => s.as_str().to_string(),
     })
 }
 
@@ -869,10 +869,6 @@ impl From<Vec<String>> for Any {
     }
 }
 
-fn status_name(s: GenerationStatus) -> String {
-    s.as_str().to_string()
-}
-
 /// The spans of a decided request: its own, then one per attempt made on a target.
 fn spans(
     p: &OpenSpans,
@@ -1018,7 +1014,9 @@ fn spans(
                         .map_or("rejected", |c| c.as_str())
                         .to_string()
                 } else {
-                    s.error_type.clone().unwrap_or_else(|| status_name(st))
+                    s.error_type
+                        .clone()
+                        .unwrap_or_else(|| st.as_str().to_string())
                 };
                 a.push(attr("error.type", &class));
                 SpanStatus {
