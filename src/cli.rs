@@ -43,6 +43,9 @@ pub enum Command {
     Agent(cmd::agent::Args),
     /// The cluster's shared budgets: `oam budget list`, `oam budget set AGENT --limit 5`.
     Budget(cmd::budget::Args),
+    /// The cluster's books: the ledger beside the decision log's charges, per budget and node
+    /// run; `--verify` exits 1 naming any request answered and not charged, or charged twice.
+    Spend(cmd::spend::Args),
     /// What waits for a human: `oam escalation list`, `oam escalation resolve ID --note ...`.
     Escalation(cmd::escalation::Args),
     /// The mesh's NATS users, one per role: `oam creds issue --role agent --name X`.
@@ -133,6 +136,7 @@ async fn dispatch(cli: Cli) -> Result<Findings> {
         Command::Explain(args) => cmd::explain::run(args).await,
         Command::Audit(args) => cmd::audit::run(args).await,
         Command::Rehearse(args) => cmd::rehearse::run(args).await,
+        Command::Spend(args) => cmd::spend::run(args).await,
         Command::Demo(args) => cmd::demo::run(args).await,
         Command::Watch(args) => cmd::watch::run(args).await.map(done),
         Command::Completions(args) => {

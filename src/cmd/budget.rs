@@ -6,6 +6,7 @@ use crate::error::{Error, Kind, Result};
 use crate::transport::store::ledger::key;
 use crate::transport::subjects::BUDGETS_BUCKET;
 use async_nats::jetstream::kv;
+use std::collections::BTreeMap;
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
@@ -83,12 +84,16 @@ pub async fn run(args: Args) -> Result<()> {
             let limit = a.limit;
             change(a.which, true, move |l| l.limit_usd = limit).await
         }
-        Command::Reset(w) => change(w, false, |l| l.spent_usd = 0.0).await,
+        Command::Reset(w) => change(w, false, Ledger::reset_spent).await,
         Command::Remove(w) => remove(w).await,
     }
 }
 
-async fn open(cluster: &super::ClusterArgs, role: &super::Role, name: &str) -> Result<kv::Store> {
+pub(crate) async fn open(
+    cluster: &super::ClusterArgs,
+    role: &super::Role,
+    name: &str,
+) -> Result<kv::Store> {
     let nats = cluster.connect(role, name).await?;
     crate::transport::store::bucket(&nats, BUDGETS_BUCKET, std::time::Duration::ZERO)
         .await
@@ -115,15 +120,18 @@ fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
     })
 }
 
-async fn list(a: ListArgs) -> Result<()> {
-    let store = open(&a.cluster, &super::Role::Viewer, "oam-budget-list").await?;
-    let keys = crate::transport::store::keys(&store).await.map_err(|e| {
+/// Every budget record by key (`global`, `agent.{name}`), and what health probes cost by UTC
+/// day. A record that is not a budget is said on stderr and left out.
+pub(crate) async fn read_all(
+    store: &kv::Store,
+) -> Result<(BTreeMap<String, Ledger>, Vec<(String, Ledger)>)> {
+    let keys = crate::transport::store::keys(store).await.map_err(|e| {
         Error::new(
             Kind::Unreachable,
             anyhow::anyhow!("cannot list budgets: {e:#}"),
         )
     })?;
-    let mut ledgers = Vec::new();
+    let mut ledgers = BTreeMap::new();
     // What health probes cost, per UTC day (`node::health`): no budget of an agent's.
     let mut probe_days: Vec<(String, Ledger)> = Vec::new();
     for k in keys {
@@ -138,11 +146,20 @@ async fn list(a: ListArgs) -> Result<()> {
         match serde_json::from_slice::<Ledger>(&bytes) {
             Ok(l) => match probes {
                 Some(day) => probe_days.push((day.to_string(), l)),
-                None => ledgers.push(l),
+                None => {
+                    ledgers.insert(k, l);
+                }
             },
             Err(e) => eprintln!("oam: {BUDGETS_BUCKET} key {k} is not a budget ({e}); not listed"),
         }
     }
+    Ok((ledgers, probe_days))
+}
+
+async fn list(a: ListArgs) -> Result<()> {
+    let store = open(&a.cluster, &super::Role::Viewer, "oam-budget-list").await?;
+    let (ledgers, mut probe_days) = read_all(&store).await?;
+    let mut ledgers: Vec<Ledger> = ledgers.into_values().collect();
     // The global budget first, then agents by name.
     ledgers.sort_by(|x, y| x.agent.cmp(&y.agent));
     let now = crate::clock::now_ms();

@@ -19,6 +19,7 @@ pub mod node;
 pub mod reasons;
 pub mod rehearse;
 pub mod sim;
+pub mod spend;
 pub mod watch;
 
 use crate::transport::connect::Refusal;

@@ -45,6 +45,15 @@ pub struct Ledger {
     /// episodes were named.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since_ms: Option<u64>,
+    /// What holders no longer listed in `settled` charged (their entries aged out): with the
+    /// listed holders' `usd`, the sum of every settlement since the last reset, which `spent_usd`
+    /// equals (`oam spend --verify` checks it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub earlier_usd: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// The refusal that opened an exhaustion episode, and its escalation.
@@ -67,11 +76,25 @@ pub struct Settled {
     /// them).
     pub seq: u64,
     pub at_ms: u64,
+    /// What this holder's settlements charged this record since its last reset...
+    #[serde(default)]
+    pub usd: f64,
+    /// ...which came after this one of its settlements (0: all of them).
+    #[serde(default, skip_serializing_if = "is_zero_count")]
+    pub after: u64,
 }
 
-/// How long a holder's last settlement is remembered: longer than any settlement is tried
-/// again.
-pub(crate) const SETTLED_KEPT_MS: u64 = 3_600_000;
+fn is_zero_count(v: &u64) -> bool {
+    *v == 0
+}
+
+/// How long a holder's last settlement is remembered: far longer than any settlement is tried
+/// again (an hour would do for that), so that a week of settlements can be checked against
+/// the decision log by holder.
+pub(crate) const SETTLED_KEPT_MS: u64 = 7 * 24 * 3_600_000;
+/// Holders remembered at most (a node restarted over and over must not grow every write):
+/// beyond it the longest quiet ones are folded into `earlier_usd`.
+pub(crate) const SETTLED_KEPT: usize = 64;
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
@@ -161,9 +184,36 @@ impl Ledger {
             return false;
         }
         self.settle(node, reserved_usd, actual_usd, now_ms);
-        self.settled
-            .insert(node.to_string(), Settled { seq, at_ms: now_ms });
+        let (usd, after) = self
+            .settled
+            .get(node)
+            .map_or((0.0, 0), |s| (s.usd, s.after));
+        self.settled.insert(
+            node.to_string(),
+            Settled {
+                seq,
+                at_ms: now_ms,
+                usd: round_usd(usd + actual_usd),
+                after,
+            },
+        );
         true
+    }
+
+    /// An operator's reset: nothing spent since. Each holder's count of settlements stays
+    /// (so none is applied again), what it charged starts from zero.
+    pub fn reset_spent(&mut self) {
+        self.spent_usd = 0.0;
+        self.earlier_usd = 0.0;
+        for s in self.settled.values_mut() {
+            s.usd = 0.0;
+            s.after = s.seq;
+        }
+    }
+
+    /// What the remembered settlements add up to: `spent_usd` when the record is whole.
+    pub fn settled_usd(&self) -> f64 {
+        round_usd(self.earlier_usd + self.settled.values().map(|s| s.usd).sum::<f64>())
     }
 
     /// Extend `node`'s lease (it is alive and still holds what it held). False if it holds
@@ -182,8 +232,28 @@ impl Ledger {
     /// Drop the holds whose lease ended, and settlements too old to be tried again.
     pub fn expire(&mut self, now_ms: u64) {
         self.holds.retain(|_, h| h.until_ms > now_ms);
-        self.settled
-            .retain(|_, s| s.at_ms.saturating_add(SETTLED_KEPT_MS) > now_ms);
+        let mut gone = 0.0;
+        self.settled.retain(|_, s| {
+            let kept = s.at_ms.saturating_add(SETTLED_KEPT_MS) > now_ms;
+            if !kept {
+                gone += s.usd;
+            }
+            kept
+        });
+        while self.settled.len() > SETTLED_KEPT {
+            let Some(oldest) = self
+                .settled
+                .iter()
+                .min_by_key(|(_, s)| s.at_ms)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            gone += self.settled.remove(&oldest).map_or(0.0, |s| s.usd);
+        }
+        if gone > 0.0 {
+            self.earlier_usd = round_usd(self.earlier_usd + gone);
+        }
     }
 
     /// The budget as `node`'s engine sees it: everyone else's live holds count as spent (its
@@ -239,9 +309,38 @@ mod tests {
         assert!(l.settle_once("n1#a", 2, 0.2, 0.2, 40));
         assert!((l.spent_usd - 0.7).abs() < 1e-9);
         assert!(!l.holds.contains_key("n1#a"));
-        // Long after, the memory of it goes with the next change.
+        assert_eq!(l.settled["n1#a"].usd, 0.6, "what n1#a charged, each once");
+        assert_eq!(l.settled_usd(), l.spent_usd);
+        // Long after, the memory of it goes with the next change; what it charged stays.
         l.expire(40 + SETTLED_KEPT_MS);
         assert!(l.settled.is_empty());
+        assert_eq!(l.earlier_usd, 0.7);
+        assert_eq!(l.settled_usd(), l.spent_usd);
+    }
+
+    #[test]
+    fn holders_beyond_the_kept_number_fold_into_what_came_earlier() {
+        let mut l = Ledger::new(100.0);
+        for n in 0..SETTLED_KEPT as u64 + 3 {
+            assert!(l.settle_once(&format!("n#{n}"), 1, 0.0, 0.01, n));
+        }
+        l.expire(1_000);
+        assert_eq!(l.settled.len(), SETTLED_KEPT);
+        assert!(!l.settled.contains_key("n#2") && l.settled.contains_key("n#3"));
+        assert_eq!(l.earlier_usd, 0.03, "the three quietest");
+        assert_eq!(l.settled_usd(), l.spent_usd);
+        l.reset_spent();
+        assert_eq!((l.spent_usd, l.settled_usd()), (0.0, 0.0));
+        assert!(
+            !l.settle_once("n#3", 1, 0.0, 0.01, 2_000),
+            "a reset keeps each holder's count"
+        );
+        assert!(l.settle_once("n#3", 2, 0.0, 0.02, 2_000));
+        assert_eq!(
+            (l.settled["n#3"].after, l.settled["n#3"].usd),
+            (1, 0.02),
+            "what it charged after settlement 1"
+        );
     }
 
     #[test]

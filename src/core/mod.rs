@@ -4,6 +4,7 @@
 //! (`now_ms`), iteration that reaches output goes through ordered maps, and the same inputs give
 //! the same outputs. Runtimes feed it events and execute the effects it returns.
 
+pub mod books;
 pub mod breaker;
 pub mod budget;
 pub mod bulkhead;

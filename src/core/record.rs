@@ -573,6 +573,24 @@ pub struct Record {
     /// more of it than `max_content_bytes`): each is its hash, and the record cannot be replayed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub content_hashed: bool,
+    /// What its attempts were charged in the cluster's budget ledger, one settlement each
+    /// (none when no ledger budget covers it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub charges: Vec<Charge>,
+}
+
+/// One settlement of an attempt's cost in the cluster's budget ledger (`core::ledger`): the
+/// holder that wrote it (a run of the node), its number there, what it charged and to which
+/// budget records. `oam spend --verify` matches it with the ledger's count of each holder's
+/// settlements.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Charge {
+    pub holder: String,
+    pub seq: u64,
+    pub usd: f64,
+    /// The budget records' keys (`global`, `agent.{name}`).
+    pub budgets: Vec<String>,
 }
 
 impl Record {
@@ -774,6 +792,7 @@ pub struct Recorder {
     began_ms: u64,
     begin: Snapshot,
     calls: Vec<Logged>,
+    charges: Vec<Charge>,
 }
 
 impl Recorder {
@@ -789,7 +808,13 @@ impl Recorder {
             began_ms: now_ms,
             begin,
             calls: Vec::new(),
+            charges: Vec::new(),
         }
+    }
+
+    /// An attempt's cost was settled in the budget ledger as `charge`.
+    pub fn charged(&mut self, charge: Charge) {
+        self.charges.push(charge);
     }
 
     /// Before applying `call` to the engine.
@@ -811,16 +836,22 @@ impl Recorder {
             calls: self.calls,
             decision,
             content_hashed: false,
+            charges: self.charges,
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::core::breaker::Breaker;
     use crate::core::pipeline::tests::{T0, engine, req as request};
     use crate::core::request::GenerationStatus;
+
+    /// A request `id` recorded as a node records it (answered after one retry).
+    pub(crate) fn answered(id: &str) -> Record {
+        recorded(&mut engine(), request(id))
+    }
 
     /// Drive `r` as a node does, recording it; between its calls another "request" changes
     /// the engine (a breaker opens), as concurrent traffic does.

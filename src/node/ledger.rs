@@ -43,6 +43,7 @@ use crate::core::escalation::Escalation;
 use crate::core::ledger::{Ledger, Refused};
 use crate::core::pipeline::{Engine, Session, Step};
 use crate::core::reason::ReasonCode;
+use crate::core::record::Charge;
 use crate::core::request::{Risk, round_usd};
 use crate::transport::store::ledger::{CAS_TRIES, STORE_TIMEOUT, key};
 use async_nats::jetstream::kv;
@@ -559,14 +560,12 @@ impl Ledgers {
     /// Settle a hold with what the attempt really cost (off the request's path). A hold drawn
     /// on a share moves its cost from the share to `spent` (the ledger's hold shrinks by what
     /// was spent); one spent on the local share is charged beside the holds.
-    pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) {
+    /// The charge it makes, numbered for this holder (none when nothing was spent).
+    pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) -> Option<Charge> {
         let keys = budget_keys(hold.agent_key.as_ref(), hold.global);
         let reserved_usd = if hold.local { 0.0 } else { actual_usd };
         if !hold.local {
             self.undraw(&keys, hold.usd, actual_usd);
-            if actual_usd <= 0.0 {
-                return; // nothing spent: the share is whole again, nothing to write
-            }
         } else {
             // The share keeps what was spent, not what was estimated.
             let mut share = lock(&self.share);
@@ -576,17 +575,26 @@ impl Ledgers {
                 }
             }
         }
+        if actual_usd <= 0.0 {
+            return None; // nothing spent: the share is whole again, nothing to write
+        }
         let mut sent = lock(&self.settlements);
         *sent += 1;
         let seq = *sent;
-        for k in keys {
+        for k in &keys {
             let _ = self.tx.send(LedgerOp::Settle {
-                key: k,
+                key: k.clone(),
                 reserved_usd,
                 actual_usd,
                 seq,
             });
         }
+        Some(Charge {
+            holder: self.holder(),
+            seq,
+            usd: actual_usd,
+            budgets: keys,
+        })
     }
 
     /// Raise `e`, the escalation of the budget `sf` names, once for the cluster: claimed in
@@ -1333,13 +1341,12 @@ pub(crate) fn settle_after(
     session: &Session,
     cost_before: f64,
     ended: bool,
-) {
+) -> Option<Charge> {
     if session.dispatched() && !ended {
-        return;
+        return None;
     }
-    if let Some(h) = hold.take() {
-        ledgers.settle(h, round_usd((session.cost_usd() - cost_before).max(0.0)));
-    }
+    let h = hold.take()?;
+    ledgers.settle(h, round_usd((session.cost_usd() - cost_before).max(0.0)))
 }
 
 #[cfg(test)]

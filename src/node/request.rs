@@ -230,13 +230,16 @@ impl Flight {
             }
             e.apply(session, call, now)
         });
-        super::ledger::settle_after(
+        if let Some(charge) = super::ledger::settle_after(
             &self.node.ledger,
             &mut self.hold,
             &self.session,
             before,
             ended,
-        );
+        ) && let Some(r) = self.recorder.as_mut()
+        {
+            r.charged(charge);
+        }
         if let (Some(t), Some(Step::Dispatch(d))) = (self.trace.as_mut(), &out) {
             t.dispatched(d.delay_ms);
         }
@@ -417,7 +420,7 @@ impl Drop for Flight {
                 .with(|e| e.drop_session(&mut self.session));
         }
         if let Some(h) = self.hold.take() {
-            self.node.ledger.settle(h, 0.0);
+            let _ = self.node.ledger.settle(h, 0.0);
         }
     }
 }

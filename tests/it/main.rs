@@ -22,6 +22,7 @@ mod roles;
 mod scenarios;
 mod servers;
 mod sim;
+mod spend;
 mod support;
 mod tools;
 mod watch;

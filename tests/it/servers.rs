@@ -346,6 +346,43 @@ async fn settled(kv: &async_nats::jetstream::kv::Store) -> Option<oam::core::led
     .await
 }
 
+/// `oam spend --verify` on `cl` passes within 30 s (records written again after a fault, and
+/// settlements that waited for the ledger, may land a little later): every answered request
+/// charged once, every settlement with its record, every total adding up. Its report.
+async fn books_hold(cl: &LocalCluster) -> Value {
+    let verify = || {
+        let out = cl
+            .oam()
+            .args([
+                "spend",
+                "--verify",
+                "--json",
+                "--since",
+                "1h",
+                "--settling",
+                "1ms",
+            ])
+            .output()
+            .unwrap();
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        (out.status.success(), report, out.stderr)
+    };
+    let held = eventually(Duration::from_secs(30), || async {
+        let (ok, report, _) = verify();
+        ok.then_some(report)
+    })
+    .await;
+    let Some(report) = held else {
+        let (_, report, err) = verify();
+        panic!(
+            "oam spend --verify: {report:#} {}",
+            String::from_utf8_lossy(&err)
+        );
+    };
+    assert!(report["charges"].as_u64().unwrap_or(0) > 0, "{report:#}");
+    report
+}
+
 /// The server that leads `stream` now.
 async fn leader_of(js: &async_nats::jetstream::Context, stream: &str) -> String {
     let mut stream = js.get_stream(stream).await.unwrap();
@@ -443,6 +480,7 @@ async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
         now.map(|l| (l.spent_usd, l.holds)),
         before.spent_usd
     );
+    books_hold(&cl).await;
 }
 
 /// A budget at its limit while the ledger's leader is elected (the nodes cannot write it for
@@ -928,6 +966,7 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
         cost > 0.0 && before.spent_usd + 1e-9 >= cost,
         "the 20 answers are in what was spent"
     );
+    books_hold(&cl).await;
 }
 
 /// The ledger's leader frozen (SIGSTOP) for 5 s under traffic, then let go: its clients hang
@@ -991,4 +1030,5 @@ async fn a_frozen_leader_loses_nothing_once_it_thaws() {
     );
     let logged = all_logged(&nc, since, &answered, Duration::from_secs(30)).await;
     assert!(logged, "every answer has its record");
+    books_hold(&cl).await;
 }

@@ -599,6 +599,34 @@ pub async fn each_with_states(
     Ok(given)
 }
 
+/// Every record written since `since_ms` (`node`: one node's only), given to `each` in the
+/// order each node wrote them; nothing is held. How many records were given.
+pub async fn each(
+    nats: &async_nats::Client,
+    since_ms: u64,
+    node: Option<&str>,
+    mut each: impl FnMut(&Record),
+) -> anyhow::Result<u64> {
+    let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
+        .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+    let filter = node.map_or_else(
+        || subjects::DECISION_LOG_ALL.to_string(),
+        subjects::decision_log,
+    );
+    let mut given = 0;
+    for stream in log_streams(nats, node).await? {
+        let from = super::first_at(nats, &stream, &filter, start).await?;
+        read_from(nats, &stream, from, None, start, node, |b, _| {
+            for r in &b.records {
+                given += 1;
+                each(r);
+            }
+        })
+        .await?;
+    }
+    Ok(given)
+}
+
 /// The state timeline of `node`'s run `run`, every entry the log holds, in order (versions
 /// missing from it are the log's gaps: `timeline::StateAt::then` says so).
 pub async fn timeline(

@@ -1,0 +1,166 @@
+//! `oam spend --verify`: the ledger's settlements checked against the decision log's charges,
+//! on a real mesh, then with one settlement taken out of the ledger by hand.
+
+use crate::support::{ClusterDir, Proc, eventually};
+use serde_json::{Value, json};
+use std::time::Duration;
+
+fn config(sim: &str) -> String {
+    format!(
+        r#"
+[[provider]]
+id = "p1"
+base_url = "{sim}/primary/v1"
+model = "m1"
+cost_per_1k_tokens_usd = 0.01
+
+[budgets.global]
+limit_usd = 100.0
+
+[budgets.agents.spendy]
+limit_usd = 10.0
+"#
+    )
+}
+
+/// Run `oam spend` (with `args`) on the mesh in `dir`: its exit code and its JSON report.
+fn spend(dir: &std::path::Path, args: &[&str]) -> (i32, Value, String) {
+    let out = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["spend", "--json", "--since", "1h", "--dir"])
+        .arg(dir)
+        .args(args)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let report = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        report,
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+/// Requests from two agents under a global and an agent budget: once every charge is in,
+/// `--verify` passes and the books add up to what the answers cost; with the last settlement
+/// of the agent's budget taken out by hand (its number, what it charged, and the spend), it
+/// exits 1 naming that request.
+#[tokio::test]
+async fn the_books_hold_until_a_settlement_is_taken_out_by_hand() {
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let dir = ClusterDir::new("spend");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let file = dir.0.join("oam.toml");
+    std::fs::write(&file, config(&sim_url)).unwrap();
+    let up = crate::support::mesh_up_on(&dir.0, &file);
+    let node = up["nodes"][0]["http"].as_str().unwrap().to_string();
+    let c = crate::support::http(Duration::from_secs(10));
+    let (mut cost, mut last) = (0.0, None);
+    for (i, agent) in ["quiet", "spendy", "quiet", "spendy", "spendy"]
+        .into_iter()
+        .enumerate()
+    {
+        let r = c
+            .post(format!("{node}/v1/chat/completions"))
+            .json(&json!({"model": "auto", "max_tokens": 32,
+                "messages": [{"role": "user", "content": format!("question {i}")}],
+                "oam": {"agent": agent}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        let usd = body["oam"]["cost_usd"].as_f64().unwrap();
+        assert!(usd > 0.0, "{body}");
+        cost += usd;
+        if agent == "spendy" {
+            last = Some((body["oam"]["request_id"].as_str().unwrap().to_string(), usd));
+        }
+    }
+    let (last_id, last_usd) = last.unwrap();
+
+    // Every charge recorded and settled (settlements go out within a second or so).
+    let report = eventually(Duration::from_secs(20), || async {
+        let (code, r, _) = spend(&dir.0, &["--verify"]);
+        (code == 0 && r["charges"] == 5 && r["pending"] == json!([])).then_some(r)
+    })
+    .await;
+    let Some(report) = report else {
+        let (code, r, err) = spend(&dir.0, &["--verify"]);
+        panic!("exit {code}: {r:#} {err}");
+    };
+    assert_eq!(report["faults"], json!([]), "{report:#}");
+    assert!(
+        (report["charged_usd"].as_f64().unwrap() - cost).abs() < 1e-6,
+        "{report:#}"
+    );
+    let budget = |r: &Value, key: &str| {
+        r["budgets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["key"] == key)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {key}: {r:#}"))
+    };
+    let global = budget(&report, "global");
+    assert!(
+        (global["spent_usd"].as_f64().unwrap() - cost).abs() < 1e-6,
+        "{report:#}"
+    );
+    assert_eq!(global["spent_usd"], global["recorded_usd"], "{report:#}");
+    let holders = report["holders"].as_array().unwrap();
+    assert!(
+        holders
+            .iter()
+            .all(|h| h["whole"] == true && h["ledger_usd"] == h["recorded_usd"]),
+        "{report:#}"
+    );
+
+    // Take the agent's last settlement out of its record, as a lost write would have.
+    let app_url = {
+        let text = std::fs::read_to_string(dir.0.join("system.json")).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["app_url"].as_str().unwrap().to_string()
+    };
+    let nc = oam::transport::connect::connect(&app_url, "test-spend", false, &Default::default())
+        .await
+        .unwrap();
+    let kv = async_nats::jetstream::new(nc)
+        .get_key_value("oam-budgets")
+        .await
+        .unwrap();
+    let entry = kv.entry("agent.spendy").await.unwrap().unwrap();
+    let mut l: oam::core::ledger::Ledger = serde_json::from_slice(&entry.value).unwrap();
+    let (holder, s) = l
+        .settled
+        .iter_mut()
+        .next()
+        .expect("one node run settled here");
+    let holder = holder.clone();
+    s.seq -= 1;
+    s.usd = oam::core::request::round_usd(s.usd - last_usd);
+    l.spent_usd = oam::core::request::round_usd(l.spent_usd - last_usd);
+    kv.update(
+        "agent.spendy",
+        serde_json::to_vec(&l).unwrap().into(),
+        entry.revision,
+    )
+    .await
+    .unwrap();
+
+    let (code, r, _) = spend(&dir.0, &["--verify"]);
+    assert_eq!(code, 0, "younger than --settling: pending, {r:#}");
+    assert_eq!(r["pending"][0]["request_id"], last_id.as_str(), "{r:#}");
+    let (code, r, err) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+    assert_eq!(code, 1, "{r:#} {err}");
+    assert_eq!(r["not_charged"].as_array().unwrap().len(), 1, "{r:#}");
+    assert_eq!(r["not_charged"][0]["request_id"], last_id.as_str(), "{r:#}");
+    assert_eq!(r["not_charged"][0]["budget"], "agent.spendy", "{r:#}");
+    assert_eq!(r["not_charged"][0]["holder"], holder.as_str(), "{r:#}");
+    assert!(err.contains(&last_id), "the fault names the request: {err}");
+    // Without --verify the same report, exit 0.
+    let (code, r, _) = spend(&dir.0, &["--settling", "1ms"]);
+    assert_eq!(code, 0);
+    assert_eq!(r["faults"].as_array().unwrap().len(), 1, "{r:#}");
+}
