@@ -929,6 +929,8 @@ pub fn mesh_up_on(dir: &std::path::Path, config: &std::path::Path) -> Value {
             "0",
             "--http-port",
             "0",
+            "--sim-port",
+            "0",
             "--json",
         ])
         .arg("--config")
