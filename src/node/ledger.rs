@@ -182,6 +182,8 @@ pub(crate) struct LedgerCounters {
     pub conflicts: AtomicU64,
     /// Reservations held from this node's escrow at once, with no write.
     pub from_escrow: AtomicU64,
+    /// Settlements of this node's earlier runs applied from their records (`reconcile`).
+    pub from_records: AtomicU64,
 }
 
 impl LedgerCounters {
@@ -223,6 +225,14 @@ impl LedgerCounters {
              answered held).",
             Kind::Counter,
             move |s| s.put(&[], c.from_escrow.load(Ordering::Relaxed)),
+        );
+        let c = self.clone();
+        registry.register(
+            "oam_budget_settled_from_records_total",
+            "Settlements an earlier run of this node answered and did not write, charged from \
+             their decision records when it started again.",
+            Kind::Counter,
+            move |s| s.put(&[], c.from_records.load(Ordering::Relaxed)),
         );
         let c = self.clone();
         registry.register(
@@ -635,7 +645,7 @@ impl Ledgers {
 
     /// Mirror revision `revision` of key `k` into the engine unless a newer one is there already
     /// (this node's own write and the watch race), or chaos drained the budget here.
-    fn mirror(&self, k: &str, revision: u64, l: &Ledger) {
+    pub(crate) fn mirror(&self, k: &str, revision: u64, l: &Ledger) {
         {
             let mut latest = lock(&self.latest);
             if latest.get(k).is_some_and(|(_, r)| revision <= *r) {
@@ -721,6 +731,10 @@ impl Keeper {
     pub(crate) async fn run(mut self, stop: CancellationToken) {
         if let Some(store) = self.ledger_store().await {
             self.seed_ledger(&store).await;
+            tokio::spawn(super::reconcile::earlier_runs(
+                self.node.clone(),
+                store.clone(),
+            ));
             tokio::spawn(watch(self.node.clone(), store, stop.clone()));
         }
         let lease_ms = self.node.cfg.node.budget_lease_ms;

@@ -33,6 +33,7 @@ pub(crate) mod otlp;
 pub(crate) mod pipeline;
 pub(crate) mod prices;
 pub(crate) mod rates;
+mod reconcile;
 pub(crate) mod request;
 pub(crate) mod server;
 pub(crate) mod status;

@@ -314,6 +314,7 @@ mod tests {
             "oam_budget_escrow_draws_total",
             "oam_budget_ledger_writes_total",
             "oam_budget_reservations_total",
+            "oam_budget_settled_from_records_total",
             "oam_budget_unsettled",
             "oam_bulkhead_active",
             "oam_bulkhead_limit",

@@ -164,3 +164,99 @@ async fn the_books_hold_until_a_settlement_is_taken_out_by_hand() {
     assert_eq!(code, 0);
     assert_eq!(r["faults"].as_array().unwrap().len(), 1, "{r:#}");
 }
+
+/// A node SIGKILLed right after answering (its settlements wait half a second to be written
+/// together, its records are in the log before each answer under `durable`): the ledger lacks
+/// what it answered last, and `oam spend --verify` names those requests. Started again
+/// (`oam mesh up` repairs the mesh), the node charges them from their records, each once.
+#[tokio::test]
+async fn a_killed_nodes_unsettled_answers_are_charged_when_it_starts_again() {
+    let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
+    let sim_url = sim.ready["url"].as_str().unwrap().to_string();
+    let dir = ClusterDir::new("spend-kill");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let file = dir.0.join("oam.toml");
+    let durable = format!("{}\n[decision_log]\ndurable = true\n", config(&sim_url));
+    std::fs::write(&file, durable).unwrap();
+    let up = crate::support::mesh_up_on(&dir.0, &file);
+    let node = up["nodes"][0]["http"].as_str().unwrap().to_string();
+    let pid = up["nodes"][0]["pid"].as_u64().unwrap() as u32;
+    let c = crate::support::http(Duration::from_secs(10));
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let r = c
+            .post(format!("{node}/v1/chat/completions"))
+            .json(&json!({"model": "auto", "max_tokens": 32,
+                "messages": [{"role": "user", "content": format!("question {i}")}],
+                "oam": {"agent": "spendy"}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        ids.push(body["oam"]["request_id"].as_str().unwrap().to_string());
+    }
+    assert!(oam::local::signal(pid, libc::SIGKILL));
+
+    let (code, r, _) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+    assert_eq!(
+        code, 1,
+        "the last answers' settlements died with the node: {r:#}"
+    );
+    let lost: std::collections::BTreeSet<&str> = r["not_charged"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["request_id"].as_str().unwrap())
+        .collect();
+    assert!(
+        lost.contains(ids.last().unwrap().as_str())
+            && lost.iter().all(|id| ids.contains(&id.to_string())),
+        "{lost:?} of {ids:?}"
+    );
+    assert_eq!(
+        r["unrecorded"],
+        json!([]),
+        "every answer has its record: {r:#}"
+    );
+
+    // The node again: what its last run answered is charged from the records.
+    let out = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["mesh", "up", "--json", "--dir"])
+        .arg(&dir.0)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let held = eventually(Duration::from_secs(20), || async {
+        let (code, r, _) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+        (code == 0).then_some(r)
+    })
+    .await;
+    let Some(r) = held else {
+        let (code, r, err) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+        panic!("exit {code}: {r:#} {err}");
+    };
+    assert_eq!(r["charges"], 4, "{r:#}");
+    // A new client: the one above keeps a connection to the killed run.
+    let metrics = crate::support::http(Duration::from_secs(10))
+        .get(format!("{node}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let applied: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("oam_budget_settled_from_records_total "))
+        .expect("the counter")
+        .parse()
+        .unwrap();
+    // Each lost settlement was one per budget (agent and global).
+    assert_eq!(applied as usize, 2 * lost.len(), "{metrics}");
+}

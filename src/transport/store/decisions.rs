@@ -627,6 +627,34 @@ pub async fn each(
     Ok(given)
 }
 
+/// `each` on `node`'s own stream only (what a node may read of the log: the shared stream of
+/// earlier oam is not its to open).
+pub async fn each_own(
+    nats: &async_nats::Client,
+    node: &str,
+    since_ms: u64,
+    mut each: impl FnMut(&Record),
+) -> anyhow::Result<u64> {
+    let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
+        .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+    let name = subjects::decision_log_stream(node);
+    let stream = tokio::time::timeout(OPEN_TIMEOUT, super::context(nats).get_stream(&name))
+        .await
+        .map_err(|_| no_answer())?
+        .map_err(|e| anyhow::anyhow!("cannot read the decision log ({name}): {e}"))?;
+    let filter = subjects::decision_log(node);
+    let from = super::first_at(nats, &stream, &filter, start).await?;
+    let mut given = 0;
+    read_from(nats, &stream, from, None, start, Some(node), |b, _| {
+        for r in &b.records {
+            given += 1;
+            each(r);
+        }
+    })
+    .await?;
+    Ok(given)
+}
+
 /// The state timeline of `node`'s run `run`, every entry the log holds, in order (versions
 /// missing from it are the log's gaps: `timeline::StateAt::then` says so).
 pub async fn timeline(
