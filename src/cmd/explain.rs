@@ -365,6 +365,23 @@ fn attempt(a: &Attempt) -> String {
             let _ = writeln!(s, "  -> no target could serve it");
         }
     }
+    if let Some(u) = &a.agent_usage {
+        let count = |n: Option<u64>| n.map_or_else(|| "?".to_string(), |n| n.to_string());
+        let _ = writeln!(
+            s,
+            "  the agent reported its model use (X-Mesh-Usage): {} tokens in, {} out{}; {}",
+            count(u.input_tokens),
+            count(u.output_tokens),
+            u.model
+                .as_deref()
+                .map(|m| format!(" of {m}"))
+                .unwrap_or_default(),
+            match u.usd {
+                Some(v) => format!("{} of the cost is its", usd(v)),
+                None => "unpriced, nothing charged for it".into(),
+            }
+        );
+    }
     for d in &a.defects {
         let _ = writeln!(s, "  validation: {} ({})", d.code.as_str(), d.detail);
     }

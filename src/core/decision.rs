@@ -59,6 +59,9 @@ pub struct Attempt {
     /// Part of the answer the caller has came from it (a live stream, and its continuation).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub delivered: bool,
+    /// The model use its target, a mesh agent, reported (in `cost_usd`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_usage: Option<Box<super::request::AgentUsage>>,
 }
 
 /// Things the driver should do or publish because of this decision.

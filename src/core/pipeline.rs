@@ -833,6 +833,7 @@ impl Engine {
             confidence: None,
             defects: Vec::new(),
             delivered: false,
+            agent_usage: None,
         };
         let Some(i) = chosen else {
             let exclusions: Vec<ReasonCode> = attempt
@@ -918,6 +919,7 @@ impl Engine {
             confidence: None,
             defects: Vec::new(),
             delivered: false,
+            agent_usage: None,
         };
         push(&mut s.codes, ReasonCode::RetrySameTarget);
         self.dispatch(s, attempt, 0, i, at, delay_ms)
@@ -1138,6 +1140,11 @@ impl Engine {
             ),
             None => 0.0,
         };
+        // What a mesh agent reported spending on its own model calls comes on top.
+        let cost_usd = match &g.agent_usage {
+            Some(u) => round_usd(cost_usd + u.charged_usd()),
+            None => cost_usd,
+        };
         budgets.settle(&s.request.agent, p.reserved_usd, cost_usd);
         s.cost_usd = round_usd(s.cost_usd + cost_usd);
 
@@ -1280,6 +1287,7 @@ impl Engine {
             a.status = Some(g.status);
             a.latency_ms = g.latency_ms;
             a.cost_usd = cost_usd;
+            a.agent_usage = g.agent_usage.clone();
             a.confidence = confidence;
             a.defects = defects;
         }

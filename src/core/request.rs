@@ -433,6 +433,36 @@ pub struct Generation {
     /// healthy stream is not a slow target).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pace_ms: Option<u64>,
+    /// What a mesh agent said its answer cost it in model use (the Open Agent Mesh
+    /// `X-Mesh-Usage` reply header): charged on top of the target's own price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_usage: Option<Box<AgentUsage>>,
+}
+
+/// Model use an agent reported for one answer (`X-Mesh-Usage`: every field optional), and
+/// what it is charged.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct AgentUsage {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// What it is charged (US dollars): the agent's own estimate when it gave one, else its
+    /// tokens at its model's listed price; none when neither is known (nothing is charged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usd: Option<f64>,
+}
+
+impl AgentUsage {
+    /// What is charged for it (0 when unpriced).
+    pub fn charged_usd(&self) -> f64 {
+        self.usd
+            .filter(|u| u.is_finite() && *u > 0.0)
+            .unwrap_or(0.0)
+    }
 }
 
 impl GenerationStatus {
@@ -466,6 +496,7 @@ impl Generation {
             error: None,
             tool_calls: Vec::new(),
             pace_ms: None,
+            agent_usage: None,
         }
     }
 
@@ -480,6 +511,7 @@ impl Generation {
             error: None,
             tool_calls: Vec::new(),
             pace_ms: None,
+            agent_usage: None,
         }
     }
 }

@@ -38,7 +38,9 @@ pub async fn call(
             format!("cannot listen for the answer: {e}"),
         )
     })?;
-    call_with(&asker, nats, agent, payload, timeout, &request_id, None).await
+    call_with(&asker, nats, agent, payload, timeout, &request_id, None)
+        .await
+        .map(|(payload, _)| payload)
 }
 
 /// A request id (32 hex digits) nobody can predict from the ones they have seen: it names the
@@ -87,7 +89,7 @@ async fn call_with(
     timeout: Duration,
     request_id: &str,
     ack_to: Option<&str>,
-) -> Result<Bytes, MeshError> {
+) -> Result<(Bytes, Option<protocol::Usage>), MeshError> {
     let request_id = request_id.to_string();
     if let Some(e) = invalid_name(agent, &request_id) {
         return Err(e);
@@ -136,11 +138,19 @@ async fn call_with(
             )
         }));
     }
-    Ok(if reply.payload.is_empty() {
-        Bytes::from_static(b"{}")
-    } else {
-        reply.payload
-    })
+    let usage = reply
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(protocol::H_USAGE))
+        .and_then(|v| protocol::Usage::parse(v.as_str()));
+    Ok((
+        if reply.payload.is_empty() {
+            Bytes::from_static(b"{}")
+        } else {
+            reply.payload
+        },
+        usage,
+    ))
 }
 
 /// A caller that fails fast: every call races against the death of the instance that
@@ -302,6 +312,18 @@ impl Caller {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, MeshError> {
+        self.call_reporting(agent, payload, timeout)
+            .await
+            .map(|(payload, _)| payload)
+    }
+
+    /// `call`, with the model use the agent reported for its answer (`X-Mesh-Usage`), if any.
+    pub async fn call_reporting(
+        &self,
+        agent: &str,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<(Bytes, Option<protocol::Usage>), MeshError> {
         let (request_id, fate) = self.expect(agent);
         // Forgotten however the call ends, dropped by a caller that gave up included: a caller
         // shared for a process's life (a node's) must not keep the calls it stopped waiting for.

@@ -20,6 +20,35 @@ pub const H_ACK_TO: &str = "X-Mesh-Ack-To";
 /// SDK's kind may read and write), so only the serving instance and the caller see them, and
 /// no other role writes there. Other clients omit it.
 pub const H_STREAM_TO: &str = "X-Mesh-Stream-To";
+/// The model use an agent reports for its answer (the SDK's usage attribution), a JSON object
+/// on the reply (a stream's end frame): see `Usage`.
+pub const H_USAGE: &str = "X-Mesh-Usage";
+
+/// What `X-Mesh-Usage` carries, every field optional. Read leniently: what does not parse, or
+/// a count or cost that is negative or not finite, is not reported.
+#[derive(Deserialize, Serialize, Clone, PartialEq, Debug, Default)]
+pub struct Usage {
+    #[serde(default)]
+    pub input_tokens: Option<u64>,
+    #[serde(default)]
+    pub output_tokens: Option<u64>,
+    #[serde(default)]
+    pub total_tokens: Option<u64>,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub estimated_cost_usd: Option<f64>,
+}
+
+impl Usage {
+    /// The header's value, if it says anything usable.
+    pub fn parse(value: &str) -> Option<Usage> {
+        let mut u: Usage = serde_json::from_str(value).ok()?;
+        u.estimated_cost_usd = u.estimated_cost_usd.filter(|c| c.is_finite() && *c >= 0.0);
+        u.model = u.model.filter(|m| !m.is_empty() && m.len() <= 200);
+        (u != Usage::default()).then_some(u)
+    }
+}
 
 /// Agent names: dot-separated segments of letters, digits, '-' and '_'.
 pub fn valid_agent_name(name: &str) -> bool {

@@ -270,6 +270,7 @@ impl Relay {
                         error: None,
                         tool_calls: acc.calls,
                         pace_ms: Some(acc.pace_ms),
+                        agent_usage: None,
                     };
                     self.flight.next(Call::Complete { generation: g })
                 }

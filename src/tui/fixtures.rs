@@ -131,6 +131,7 @@ pub(crate) fn decision(
             confidence: None,
             defects: Vec::new(),
             delivered: false,
+            agent_usage: None,
         }],
         provider,
         escalation: None,

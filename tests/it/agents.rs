@@ -772,6 +772,112 @@ async fn a_node_falls_back_at_once_when_the_agent_holding_its_request_dies() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// An agent that answers as an Open Agent Mesh agent does when it reports its model use: the
+/// `X-Mesh-Usage` header on its reply (the SDK's usage attribution, written here with the SDK's
+/// own NATS client, since the released SDK predates it). Prints `ready` once it listens.
+const USAGE_AGENT: &str = r#"
+import asyncio, json, sys
+import nats
+
+async def main():
+    nc = await nats.connect(sys.argv[1])
+    async def answer(msg):
+        body = json.dumps({"id": "a1", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "counted"}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+        usage = json.dumps({"input_tokens": 1000, "output_tokens": 200,
+                            "model": "gpt-4o-mini", "estimated_cost_usd": 0.25})
+        await nc.publish(msg.reply, body.encode(),
+                         headers={"X-Mesh-Status": "ok", "X-Mesh-Usage": usage})
+    await nc.subscribe("mesh.agent.llm.usage", queue="mesh.agent.llm.usage", cb=answer)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"#;
+
+/// What a mesh agent says its answer cost it (`X-Mesh-Usage`) is charged on top of the
+/// target's price, to the budget of the agent that asked, and `oam explain` says so.
+#[tokio::test]
+async fn the_model_use_a_mesh_agent_reports_is_charged_to_its_caller() {
+    use std::io::BufRead as _;
+    let server = NatsServer::start().await;
+    let url = server.url();
+    /// The agent, stopped however the test ends.
+    struct Agent(std::process::Child);
+    impl Drop for Agent {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut agent = Agent(
+        std::process::Command::new(python())
+            .args(["-c", USAGE_AGENT, &url])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python with nats-py; run scripts/install-test-tools"),
+    );
+    let mut line = String::new();
+    std::io::BufReader::new(agent.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let (_node, http, dir) = node_with(
+        &url,
+        "usage",
+        "[node]\ncluster_size = 1\n\n[[provider]]\nid = \"meshllm\"\nagent = \"llm.usage\"\n\
+         model = \"m\"\ncost_per_1k_tokens_usd = 0.001\nprobe = \"off\"\n\n\
+         [budgets.agents.payer]\nlimit_usd = 10.0\n",
+    );
+    let c = crate::support::http(Duration::from_secs(10));
+    let r = c
+        .post(format!("{http}/v1/chat/completions"))
+        .json(
+            &json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}],
+            "oam": {"agent": "payer"}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let cost = body["oam"]["cost_usd"].as_f64().unwrap();
+    // 6 tokens at $0.001 per 1k, and the $0.25 the agent reported.
+    assert!((cost - 0.250_006).abs() < 1e-9, "{body}");
+    let charged = crate::support::eventually(Duration::from_secs(10), || async {
+        let l = crate::gateway::ledger_of(&url, "payer").await?;
+        ((l.spent_usd - cost).abs() < 1e-9).then_some(())
+    })
+    .await;
+    assert!(
+        charged.is_some(),
+        "the payer's budget is charged what was reported"
+    );
+    let id = body["oam"]["request_id"].as_str().unwrap();
+    let told = crate::support::eventually(Duration::from_secs(10), || async {
+        let out = Command::cargo_bin("oam")
+            .unwrap()
+            .args(["explain", id, "--nats-url", &url])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        out.status.success().then_some(text)
+    })
+    .await
+    .expect("the record explained");
+    assert!(
+        told.contains(
+            "X-Mesh-Usage): 1000 tokens in, 200 out of gpt-4o-mini; $0.250000 of the cost is its"
+        ),
+        "{told}"
+    );
+    drop(agent);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test]
 async fn streams_arrive_in_order_and_fail_fast() {
     let server = NatsServer::start().await;

@@ -10,8 +10,8 @@
 
 use super::super::exchange::Attempt;
 use super::{ToolAsk, Upstream, UpstreamCall, chat, failed, listed};
-use crate::core::request::Generation;
 use crate::core::request::GenerationStatus;
+use crate::core::request::{AgentUsage, Generation};
 use crate::mesh::client::Caller;
 use crate::mesh::protocol::ErrorCode;
 use futures_util::future::BoxFuture;
@@ -74,8 +74,16 @@ impl Upstream for MeshAgent {
                     return failed(GenerationStatus::Error, why);
                 }
             };
-            match caller.call(&self.name, payload.into(), timeout).await {
-                Ok(bytes) => chat::completion(&bytes, started.elapsed().as_millis() as u64),
+            match caller
+                .call_reporting(&self.name, payload.into(), timeout)
+                .await
+            {
+                Ok((bytes, usage)) => {
+                    let mut attempt =
+                        chat::completion(&bytes, started.elapsed().as_millis() as u64);
+                    attempt.generation.agent_usage = usage.map(|u| Box::new(charged(&u)));
+                    attempt
+                }
                 Err(e) if e.code == ErrorCode::Timeout => {
                     failed(GenerationStatus::Timeout, e.to_string())
                 }
@@ -86,6 +94,24 @@ impl Upstream for MeshAgent {
 
     fn agent(&self) -> Option<&str> {
         Some(&self.name)
+    }
+}
+
+/// What an agent reported (`X-Mesh-Usage`), priced: its own estimate, else its tokens at its
+/// model's listed price (`data/prices.toml`), else nothing charged.
+fn charged(u: &crate::mesh::protocol::Usage) -> AgentUsage {
+    let listed = || {
+        let price = super::super::prices::table().lookup(u.model.as_deref()?)?;
+        let (input, output) = (u.input_tokens?, u.output_tokens.unwrap_or(0));
+        Some(crate::core::request::round_usd(
+            (input as f64 * price.input + output as f64 * price.output) / 1e6,
+        ))
+    };
+    AgentUsage {
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        model: u.model.clone(),
+        usd: u.estimated_cost_usd.or_else(listed),
     }
 }
 
@@ -172,8 +198,12 @@ impl Upstream for MeshTools {
                 }
             };
             let payload = args.to_string().into_bytes();
-            match caller.call(&agent, payload.into(), timeout).await {
-                Ok(bytes) => tool_result(&bytes, ms()),
+            match caller.call_reporting(&agent, payload.into(), timeout).await {
+                Ok((bytes, usage)) => {
+                    let mut attempt = tool_result(&bytes, ms());
+                    attempt.generation.agent_usage = usage.map(|u| Box::new(charged(&u)));
+                    attempt
+                }
                 Err(e) if e.code == ErrorCode::Timeout => {
                     failed(GenerationStatus::Timeout, e.to_string(), ms())
                 }
@@ -187,5 +217,47 @@ impl Upstream for MeshTools {
 
     fn tool_list(&self, timeout: Duration) -> Option<BoxFuture<'_, Result<Vec<Value>, String>>> {
         Some(Box::pin(self.tools(timeout)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::protocol::Usage;
+
+    #[test]
+    fn reported_use_is_charged_at_its_estimate_else_at_its_models_price() {
+        let u = Usage::parse(
+            r#"{"input_tokens": 1000000, "output_tokens": 100000, "model": "gpt-4o-mini"}"#,
+        )
+        .expect("usage");
+        let c = charged(&u);
+        // $0.15 per 1M in, $0.60 per 1M out (data/prices.toml).
+        assert_eq!(c.usd, Some(0.21));
+        let own = Usage {
+            estimated_cost_usd: Some(0.5),
+            ..u.clone()
+        };
+        assert_eq!(
+            charged(&own).usd,
+            Some(0.5),
+            "the agent's own estimate wins"
+        );
+        let unlisted = Usage {
+            model: Some("house-model".into()),
+            ..u
+        };
+        assert_eq!(charged(&unlisted).usd, None);
+        assert_eq!(charged(&unlisted).charged_usd(), 0.0);
+    }
+
+    #[test]
+    fn a_usage_header_is_read_leniently() {
+        assert_eq!(Usage::parse("not json"), None);
+        assert_eq!(Usage::parse("{}"), None, "says nothing");
+        let u = Usage::parse(r#"{"estimated_cost_usd": -1, "output_tokens": 5, "extra": 1}"#)
+            .expect("the tokens stand");
+        assert_eq!((u.estimated_cost_usd, u.output_tokens), (None, Some(5)));
+        assert_eq!(Usage::parse(r#"{"input_tokens": -3}"#), None, "not a count");
     }
 }

@@ -660,6 +660,7 @@ fn completion_of(message: &str, created: u64, latency_ms: u64) -> Option<Attempt
             })
             .collect(),
         pace_ms: None,
+        agent_usage: None,
     };
     Some(Attempt {
         generation,

@@ -249,6 +249,7 @@ fn completion_fast(bytes: &bytes::Bytes, latency_ms: u64) -> Option<Attempt> {
         error: None,
         tool_calls,
         pace_ms: None,
+        agent_usage: None,
     };
     Some(Attempt {
         generation,
@@ -293,6 +294,7 @@ fn completion_tree(bytes: &[u8], latency_ms: u64) -> Attempt {
         error: None,
         tool_calls: tool_calls(&choice["message"]["tool_calls"]),
         pace_ms: None,
+        agent_usage: None,
     };
     Attempt {
         generation,
