@@ -162,6 +162,11 @@ impl DecisionLog {
         self.settings.enabled
     }
 
+    /// Whether an answer waits for its record (`[decision_log] durable`).
+    pub(crate) fn durable(&self) -> bool {
+        self.settings.enabled && self.settings.durable
+    }
+
     /// Keep a decided request's record for the next write (never waits: `logged` does). Under
     /// `durable`, the receiver says when it was written (true) or could not be (false), and the
     /// write starts at once.

@@ -97,6 +97,95 @@ impl Escrow {
         self.held - self.drawn - self.unwritten - self.returning
     }
 }
+/// A settlement made (this node's own accounting of it done) on its way to the ledger: it goes
+/// when dropped. A request's settlements are held until its record is in the decision log
+/// under `[decision_log] durable`, so that the ledger never holds a charge no record explains;
+/// a node killed in between left a record without its charge, which it charges from the
+/// record when it starts again (`reconcile`). The keeper applies them in their numbers' order
+/// whatever order they come in (`InOrder`).
+#[must_use = "a settlement goes to the ledger when dropped"]
+pub(crate) struct Unsent {
+    ops: Vec<LedgerOp>,
+    tx: mpsc::UnboundedSender<LedgerOp>,
+}
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        for op in self.ops.drain(..) {
+            let _ = self.tx.send(op);
+        }
+    }
+}
+
+/// Settlements put back in their numbers' order (a record's settlements may be held while
+/// later ones are not): a budget record applies a holder's settlement only past the last it
+/// applied, so one applied early would make the earlier one be skipped.
+#[derive(Default)]
+struct InOrder {
+    /// The next number to pass on.
+    next: u64,
+    /// Those that came early, by number, with when the first of them came.
+    early: BTreeMap<u64, Vec<LedgerOp>>,
+    waiting_since: Option<tokio::time::Instant>,
+}
+
+/// How long settlements wait for an earlier number before it is given up (its request's
+/// record never answered: the log's own deadlines are far shorter).
+const IN_ORDER_WAIT: Duration = Duration::from_secs(60);
+
+impl InOrder {
+    /// Pass `op` on, with the early ones it lets go, in order; hold it if it is early.
+    fn admit(&mut self, op: LedgerOp, out: &mut Vec<LedgerOp>) {
+        let LedgerOp::Settle { seq, .. } = op else {
+            out.push(op);
+            return;
+        };
+        if self.next == 0 {
+            self.next = 1;
+        }
+        if seq < self.next {
+            out.push(op); // a sibling (another budget) of one passed on
+            return;
+        }
+        if seq > self.next {
+            self.waiting_since
+                .get_or_insert_with(tokio::time::Instant::now);
+            self.early.entry(seq).or_default().push(op);
+            return;
+        }
+        out.push(op);
+        self.next = seq + 1;
+        self.release(out);
+    }
+
+    fn release(&mut self, out: &mut Vec<LedgerOp>) {
+        while let Some(ops) = self.early.remove(&self.next) {
+            out.extend(ops);
+            self.next += 1;
+        }
+        self.waiting_since = (!self.early.is_empty()).then(tokio::time::Instant::now);
+    }
+
+    /// Give up on a number that has kept later ones waiting for `IN_ORDER_WAIT`.
+    fn overdue(&mut self, out: &mut Vec<LedgerOp>) {
+        if self
+            .waiting_since
+            .is_none_or(|t| t.elapsed() < IN_ORDER_WAIT)
+        {
+            return;
+        }
+        if let Some(&first) = self.early.keys().next() {
+            tracing::warn!(
+                missing = self.next,
+                next = first,
+                "a settlement never came; the later ones are applied without it"
+            );
+            self.next = first;
+            self.release(out);
+        }
+    }
+}
+
 /// Requests applied in one batch at most.
 const BATCH_MAX: usize = 512;
 
@@ -570,8 +659,9 @@ impl Ledgers {
     /// Settle a hold with what the attempt really cost (off the request's path). A hold drawn
     /// on a share moves its cost from the share to `spent` (the ledger's hold shrinks by what
     /// was spent); one spent on the local share is charged beside the holds.
-    /// The charge it makes, numbered for this holder (none when nothing was spent).
-    pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) -> Option<Charge> {
+    /// The charge it makes, numbered for this holder (none when nothing was spent), and the
+    /// settlement, which goes to the ledger when it is dropped (`Unsent`).
+    pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) -> Option<(Charge, Unsent)> {
         let keys = budget_keys(hold.agent_key.as_ref(), hold.global);
         let reserved_usd = if hold.local { 0.0 } else { actual_usd };
         if !hold.local {
@@ -591,20 +681,26 @@ impl Ledgers {
         let mut sent = lock(&self.settlements);
         *sent += 1;
         let seq = *sent;
-        for k in &keys {
-            let _ = self.tx.send(LedgerOp::Settle {
+        let ops = keys
+            .iter()
+            .map(|k| LedgerOp::Settle {
                 key: k.clone(),
                 reserved_usd,
                 actual_usd,
                 seq,
-            });
-        }
-        Some(Charge {
+            })
+            .collect();
+        let charge = Charge {
             holder: self.holder(),
             seq,
             usd: actual_usd,
             budgets: keys,
-        })
+        };
+        let unsent = Unsent {
+            ops,
+            tx: self.tx.clone(),
+        };
+        Some((charge, unsent))
     }
 
     /// Raise `e`, the escalation of the budget `sf` names, once for the cluster: claimed in
@@ -757,13 +853,14 @@ impl Keeper {
         let mut held: BTreeMap<String, f64> = BTreeMap::new();
         let mut stopping = false;
         let counters = self.node.ledger.counters.clone();
+        let mut in_order = InOrder::default();
         loop {
             let mut batch = Vec::new();
             let (mut renewing, mut idle_check) = (false, false);
             let wake = due.unwrap_or_else(tokio::time::Instant::now);
             tokio::select! {
                 op = self.rx.recv() => match op {
-                    Some(op) => batch.push(op),
+                    Some(op) => in_order.admit(op, &mut batch),
                     None => return,
                 },
                 _ = renew.tick() => renewing = true,
@@ -776,10 +873,11 @@ impl Keeper {
             }
             while batch.len() < BATCH_MAX {
                 match self.rx.try_recv() {
-                    Ok(op) => batch.push(op),
+                    Ok(op) => in_order.admit(op, &mut batch),
                     Err(_) => break,
                 }
             }
+            in_order.overdue(&mut batch);
             let (settles, others): (Vec<LedgerOp>, Vec<LedgerOp>) = batch
                 .into_iter()
                 .partition(|op| matches!(op, LedgerOp::Settle { .. }));
@@ -929,7 +1027,7 @@ impl Keeper {
             // A request that went away meanwhile (its caller gave up) never uses what was held
             // for it: give it back, or the node would renew that hold for as long as it lives.
             if r.reply.send(r.answer).is_err() && r.answer == Ruling::Held {
-                ledgers.settle(
+                let _ = ledgers.settle(
                     Hold {
                         agent_key: r.agent_key,
                         global: r.global,
@@ -1355,7 +1453,7 @@ pub(crate) fn settle_after(
     session: &Session,
     cost_before: f64,
     ended: bool,
-) -> Option<Charge> {
+) -> Option<(Charge, Unsent)> {
     if session.dispatched() && !ended {
         return None;
     }
@@ -1375,6 +1473,61 @@ mod tests {
             usd,
             reply,
         }
+    }
+
+    #[test]
+    fn settlements_held_back_are_applied_in_their_numbers_order() {
+        let settle = |key: &str, seq| LedgerOp::Settle {
+            key: key.into(),
+            reserved_usd: 0.0,
+            actual_usd: 0.01,
+            seq,
+        };
+        let order = |out: &[LedgerOp]| -> Vec<(String, u64)> {
+            out.iter()
+                .filter_map(|op| match op {
+                    LedgerOp::Settle { key, seq, .. } => Some((key.clone(), *seq)),
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut in_order = InOrder::default();
+        let mut out = Vec::new();
+        // 1 and its sibling, then 3 (2's record is not written yet), then 2 and its sibling.
+        for op in [
+            settle("global", 1),
+            settle("agent.a", 1),
+            settle("global", 3),
+            reserve(None, true, 0.5),
+        ] {
+            in_order.admit(op, &mut out);
+        }
+        assert_eq!(
+            order(&out),
+            vec![("global".into(), 1), ("agent.a".into(), 1)],
+            "3 waits for 2"
+        );
+        assert_eq!(out.len(), 3, "anything else passes at once");
+        out.clear();
+        in_order.admit(settle("global", 2), &mut out);
+        in_order.admit(settle("agent.a", 2), &mut out);
+        assert_eq!(
+            order(&out),
+            vec![
+                ("global".into(), 2),
+                ("global".into(), 3),
+                ("agent.a".into(), 2)
+            ]
+        );
+        // A number that never comes holds the later ones only so long.
+        out.clear();
+        in_order.admit(settle("global", 5), &mut out);
+        in_order.overdue(&mut out);
+        assert!(out.is_empty());
+        in_order.waiting_since = Some(tokio::time::Instant::now() - IN_ORDER_WAIT);
+        in_order.overdue(&mut out);
+        assert_eq!(order(&out), vec![("global".into(), 5)]);
+        assert_eq!(in_order.next, 6);
     }
 
     #[test]

@@ -442,8 +442,10 @@ impl Relay {
         let record = self.flight.recorder();
         let trace = self.flight.trace.take();
         let logged = conclude(&node, d, record, trace, started);
-        // Under `[decision_log] durable`, the stream ends only once its record is written.
+        // Under `[decision_log] durable`, the stream ends only once its record is written, and
+        // its settlements go to the ledger only then.
         node.log.logged(logged).await;
+        self.flight.unsent.clear();
         let _ = self.send(text).await;
     }
 }

@@ -185,6 +185,9 @@ pub(crate) struct Flight {
     pub recorder: Option<Recorder>,
     /// Its OpenTelemetry spans, as they go (none when export is off).
     pub trace: Option<super::otlp::OpenSpans>,
+    /// Its settlements held until its record is written (`ledger::Unsent`: they go to the
+    /// ledger when dropped, with the flight at the latest).
+    pub unsent: Vec<super::ledger::Unsent>,
 }
 
 impl Flight {
@@ -195,6 +198,7 @@ impl Flight {
             hold: None,
             recorder,
             trace: None,
+            unsent: Vec::new(),
         }
     }
 
@@ -230,7 +234,7 @@ impl Flight {
             }
             e.apply(session, call, now)
         });
-        if let Some(charge) = super::ledger::settle_after(
+        if let Some((charge, unsent)) = super::ledger::settle_after(
             &self.node.ledger,
             &mut self.hold,
             &self.session,
@@ -239,6 +243,10 @@ impl Flight {
         ) && let Some(r) = self.recorder.as_mut()
         {
             r.charged(charge);
+            // Under a durable log the record goes first (dropped, a settlement is sent).
+            if self.node.log.durable() {
+                self.unsent.push(unsent);
+            }
         }
         if let (Some(t), Some(Step::Dispatch(d))) = (self.trace.as_mut(), &out) {
             t.dispatched(d.delay_ms);
@@ -617,6 +625,7 @@ pub(crate) async fn execute(
     }
     let record = flight.recorder();
     let trace = flight.trace.take();
+    let unsent = std::mem::take(&mut flight.unsent);
     drop(flight);
     let mut answer = respond(node, &decision, last, matches!(asks, Asks::Tool));
     // A stream checked whole says so in its `oam` object too, whichever API writes it out.
@@ -627,8 +636,10 @@ pub(crate) async fn execute(
         answer.body = openai::json_bytes(&v);
     }
     let logged = conclude(node, decision, record, trace, started);
-    // Under `[decision_log] durable`, not before its record is in the stream.
+    // Under `[decision_log] durable`, not before its record is in the stream; nor are its
+    // settlements sent to the ledger.
     node.log.logged(logged).await;
+    drop(unsent);
     let own = started.elapsed().saturating_sub(waits.waited);
     node.metrics.overhead("whole", own.as_secs_f64());
     Answer {
