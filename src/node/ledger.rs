@@ -111,8 +111,10 @@ pub(crate) struct Unsent {
 
 impl Drop for Unsent {
     fn drop(&mut self) {
-        for op in self.ops.drain(..) {
-            let _ = self.tx.send(op);
+        let settles = std::mem::take(&mut self.ops);
+        if let Some(LedgerOp::Settle { seq, .. }) = settles.first() {
+            let seq = *seq;
+            let _ = self.tx.send(LedgerOp::Settlement { seq, settles });
         }
     }
 }
@@ -134,33 +136,30 @@ struct InOrder {
 const IN_ORDER_WAIT: Duration = Duration::from_secs(60);
 
 impl InOrder {
-    /// Pass `op` on, with the early ones it lets go, in order; hold it if it is early.
+    /// Pass `op` on (a settlement as its `Settle`s), with the early ones it lets go, in order;
+    /// hold a settlement that is early.
     fn admit(&mut self, op: LedgerOp, out: &mut Vec<LedgerOp>) {
-        let LedgerOp::Settle { seq, .. } = op else {
+        let LedgerOp::Settlement { seq, settles } = op else {
             out.push(op);
             return;
         };
         if self.next == 0 {
             self.next = 1;
         }
-        if seq < self.next {
-            out.push(op); // a sibling (another budget) of one passed on
-            return;
-        }
         if seq > self.next {
             self.waiting_since
                 .get_or_insert_with(tokio::time::Instant::now);
-            self.early.entry(seq).or_default().push(op);
+            self.early.insert(seq, settles);
             return;
         }
-        out.push(op);
-        self.next = seq + 1;
+        out.extend(settles);
+        self.next = self.next.max(seq + 1);
         self.release(out);
     }
 
     fn release(&mut self, out: &mut Vec<LedgerOp>) {
-        while let Some(ops) = self.early.remove(&self.next) {
-            out.extend(ops);
+        while let Some(settles) = self.early.remove(&self.next) {
+            out.extend(settles);
             self.next += 1;
         }
         self.waiting_since = (!self.early.is_empty()).then(tokio::time::Instant::now);
@@ -222,6 +221,9 @@ enum LedgerOp {
         /// This node run's count of settlements (from 1), so a record applies each once.
         seq: u64,
     },
+    /// One settlement's `Settle`s (one per budget it charges), as `Unsent` sends them: put in
+    /// their number's order by the keeper (`InOrder`) before they are planned.
+    Settlement { seq: u64, settles: Vec<LedgerOp> },
     /// Claim the exhaustion episode of `key` and raise its escalation, unless another node's
     /// claim is there already.
     Claim {
@@ -825,12 +827,12 @@ impl Keeper {
     /// node's holds; give back idle escrow (all of it once `stop` is cancelled); mirror the
     /// ledger until `stop`.
     pub(crate) async fn run(mut self, stop: CancellationToken) {
+        tokio::spawn(super::reconcile::earlier_runs(
+            self.node.clone(),
+            stop.clone(),
+        ));
         if let Some(store) = self.ledger_store().await {
             self.seed_ledger(&store).await;
-            tokio::spawn(super::reconcile::earlier_runs(
-                self.node.clone(),
-                store.clone(),
-            ));
             tokio::spawn(watch(self.node.clone(), store, stop.clone()));
         }
         let lease_ms = self.node.cfg.node.budget_lease_ms;
@@ -1343,7 +1345,7 @@ fn plan(
                 ));
                 settles.push(op);
             }
-            LedgerOp::Claim { .. } => {}
+            LedgerOp::Claim { .. } | LedgerOp::Settlement { .. } => {}
         }
     }
     for (k, usd) in give_back {
@@ -1491,37 +1493,44 @@ mod tests {
                 })
                 .collect()
         };
+        // A settlement of both budgets, as `Unsent` sends it.
+        let both = |seq| LedgerOp::Settlement {
+            seq,
+            settles: vec![settle("agent.a", seq), settle("global", seq)],
+        };
         let mut in_order = InOrder::default();
         let mut out = Vec::new();
-        // 1 and its sibling, then 3 (2's record is not written yet), then 2 and its sibling.
-        for op in [
-            settle("global", 1),
-            settle("agent.a", 1),
-            settle("global", 3),
-            reserve(None, true, 0.5),
-        ] {
+        // 1, then 3 (2's record is not written yet), then 2.
+        for op in [both(1), both(3), reserve(None, true, 0.5)] {
             in_order.admit(op, &mut out);
         }
         assert_eq!(
             order(&out),
-            vec![("global".into(), 1), ("agent.a".into(), 1)],
+            vec![("agent.a".into(), 1), ("global".into(), 1)],
             "3 waits for 2"
         );
         assert_eq!(out.len(), 3, "anything else passes at once");
         out.clear();
-        in_order.admit(settle("global", 2), &mut out);
-        in_order.admit(settle("agent.a", 2), &mut out);
+        in_order.admit(both(2), &mut out);
         assert_eq!(
             order(&out),
             vec![
+                ("agent.a".into(), 2),
                 ("global".into(), 2),
-                ("global".into(), 3),
-                ("agent.a".into(), 2)
-            ]
+                ("agent.a".into(), 3),
+                ("global".into(), 3)
+            ],
+            "each budget's in order"
         );
         // A number that never comes holds the later ones only so long.
         out.clear();
-        in_order.admit(settle("global", 5), &mut out);
+        in_order.admit(
+            LedgerOp::Settlement {
+                seq: 5,
+                settles: vec![settle("global", 5)],
+            },
+            &mut out,
+        );
         in_order.overdue(&mut out);
         assert!(out.is_empty());
         in_order.waiting_since = Some(tokio::time::Instant::now() - IN_ORDER_WAIT);

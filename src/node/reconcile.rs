@@ -27,16 +27,43 @@ use std::time::Duration;
 /// unsettled answers were decided after that, or at most a settling delay before.
 const BEFORE_LAST_SETTLED_MS: u64 = 60_000;
 
-/// Charge what this node's earlier runs answered and the ledger lacks; how many settlements
-/// were applied (none when there were no earlier runs, or nothing was missing).
-pub(crate) async fn earlier_runs(node: Arc<Node>, store: kv::Store) -> usize {
-    match settle_earlier(&node, &store).await {
-        Ok(applied) => applied,
-        Err(e) => {
-            tracing::warn!(node = %node.id, "earlier runs' settlements not checked: {e:#}");
-            0
+/// Tries at charging them: a node started beside a busy or recovering cluster may find the
+/// ledger or its log not answering for a while.
+const TRIES: u32 = 30;
+const BETWEEN_TRIES: Duration = Duration::from_secs(2);
+
+/// Charge what this node's earlier runs answered and the ledger lacks, trying again while the
+/// ledger or the log does not answer (at most `TRIES` times, until `stop`); how many
+/// settlements were applied (none when there were no earlier runs, or nothing was missing).
+pub(crate) async fn earlier_runs(
+    node: Arc<Node>,
+    stop: tokio_util::sync::CancellationToken,
+) -> usize {
+    let mut last_error = None;
+    for _ in 0..TRIES {
+        let opened = tokio::time::timeout(
+            STORE_TIMEOUT * 4,
+            crate::transport::store::ledger::open(node.bus.nats()),
+        )
+        .await;
+        let tried = match opened {
+            Ok(Ok(store)) => settle_earlier(&node, &store).await,
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(anyhow::anyhow!("the budget ledger did not open")),
+        };
+        match tried {
+            Ok(applied) => return applied,
+            Err(e) => last_error = Some(e),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(BETWEEN_TRIES) => {}
+            () = stop.cancelled() => break,
         }
     }
+    if let Some(e) = last_error {
+        tracing::warn!(node = %node.id, "earlier runs' settlements not checked: {e:#}");
+    }
+    0
 }
 
 async fn settle_earlier(node: &Node, store: &kv::Store) -> anyhow::Result<usize> {
