@@ -3,7 +3,7 @@
 //! exits 1 on any request answered and not charged, any settlement charged without a record,
 //! any charged twice (`core::books`).
 
-use crate::core::books::{Books, Report};
+use crate::core::books::{Books, Drift, Report, read_export};
 use crate::core::request::dollars;
 use crate::error::{Error, Findings, Kind, Result};
 use crate::transport::store::decisions;
@@ -27,6 +27,11 @@ pub struct Args {
     /// all.
     #[arg(long, default_value_t = 20)]
     pub show: usize,
+    /// A provider's usage export (CSV with a header row: a day, a model and a cost column;
+    /// docs/commands.md lists the names read): what the records cost per UTC day and model
+    /// beside what was billed, from the window's first day on.
+    #[arg(long, value_name = "FILE.csv")]
+    pub invoice: Option<std::path::PathBuf>,
     /// One JSON document: the whole report.
     #[arg(long)]
     pub json: bool,
@@ -35,6 +40,18 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> Result<Findings> {
+    // A bad export is said before anything is read from the cluster.
+    let billed = match &a.invoice {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Error::usage(format!("--invoice {}: {e}", path.display())))?;
+            Some(
+                read_export(&text)
+                    .map_err(|e| Error::usage(format!("--invoice {}: {e}", path.display())))?,
+            )
+        }
+        None => None,
+    };
     let store = super::budget::open(&a.cluster, &super::Role::Viewer, "oam-spend").await?;
     let nats = a.cluster.connect(&super::Role::Viewer, "oam-spend").await?;
     let now = crate::clock::now_ms();
@@ -52,16 +69,23 @@ pub async fn run(a: Args) -> Result<Findings> {
     // The ledger is read after the records: a charge recorded is then either applied already
     // or younger than the settling delay.
     let (ledgers, _) = super::budget::read_all(&store).await?;
+    let drift = billed.map(|b| books.drift(&b, &crate::core::date::utc_date(from / 1_000)));
     let report = books.check(&ledgers, from, crate::clock::now_ms(), a.settling);
     let faults = report.faults();
     let mut out = std::io::stdout().lock();
     if a.json {
         let mut v = serde_json::to_value(&report).map_err(Error::failed)?;
         v["faults"] = serde_json::json!(faults);
+        if let Some(d) = &drift {
+            v["invoice"] = serde_json::to_value(d).map_err(Error::failed)?;
+        }
         serde_json::to_writer_pretty(&mut out, &v).map_err(Error::failed)?;
         writeln!(out)?;
     } else {
         write_report(&mut out, &report, &faults, &a)?;
+        if let Some(d) = &drift {
+            write_drift(&mut out, d)?;
+        }
     }
     Ok(if a.verify {
         Findings::from_failures(faults)
@@ -192,4 +216,43 @@ fn write_report(
         }
     }
     Ok(())
+}
+
+/// The export beside the records, per day and model, with the totals.
+fn write_drift(out: &mut impl Write, rows: &[Drift]) -> std::io::Result<()> {
+    let usd = |v: f64| dollars(v, 6);
+    let (ours, theirs): (f64, f64) = rows.iter().fold((0.0, 0.0), |(o, t), r| {
+        (o + r.recorded_usd, t + r.billed_usd)
+    });
+    let table = rows.iter().map(|r| {
+        vec![
+            r.day.clone(),
+            r.model.clone(),
+            usd(r.recorded_usd),
+            usd(r.billed_usd),
+            usd(r.drift_usd),
+        ]
+    });
+    writeln!(
+        out,
+        "{}",
+        super::table(
+            &[
+                "day (UTC)",
+                "model",
+                "recorded",
+                "billed",
+                "billed - recorded"
+            ],
+            table,
+            false
+        )
+    )?;
+    writeln!(
+        out,
+        "the export against the records: {} billed, {} recorded, {} apart",
+        usd(theirs),
+        usd(ours),
+        usd(theirs - ours)
+    )
 }

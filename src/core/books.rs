@@ -35,6 +35,8 @@ pub struct Books {
     cost_differs: Vec<CostDiffers>,
     /// Request id -> records that charged it (kept while above one).
     requests: BTreeMap<String, u32>,
+    /// What the records' attempts cost, by UTC day and model (`--invoice`).
+    by_day_model: BTreeMap<(String, String), f64>,
 }
 
 struct Seen {
@@ -128,9 +130,10 @@ pub struct Report {
 }
 
 impl Books {
-    /// Take one record's charges.
+    /// Take one record's charges, and what its attempts cost by day and model.
     pub fn add(&mut self, r: &Record) {
         self.records += 1;
+        self.price_attempts(r);
         if r.charges.is_empty() {
             return;
         }
@@ -165,6 +168,68 @@ impl Books {
                 },
             );
         }
+    }
+
+    /// Each attempt's cost under its model (the target's, as the record's state names it) and
+    /// day; what a mesh agent reported spending, under the model it named.
+    fn price_attempts(&mut self, r: &Record) {
+        let d: &super::pipeline::Decision = &r.decision;
+        let day = super::date::utc_date(d.decided_at_ms / 1_000);
+        for a in d.attempts.iter().filter(|a| a.cost_usd > 0.0) {
+            let Some(target) = a.provider.as_deref() else {
+                continue;
+            };
+            let model = r
+                .begin
+                .state
+                .providers
+                .iter()
+                .find(|t| &*t.id == target)
+                .map_or(target, |t| &*t.model);
+            let reported = a.agent_usage.as_ref().map_or(0.0, |u| u.charged_usd());
+            let mut put = |model: &str, usd: f64| {
+                if usd > 0.0 {
+                    *self
+                        .by_day_model
+                        .entry((day.clone(), billed_model(model)))
+                        .or_default() += usd;
+                }
+            };
+            match a.agent_usage.as_ref().and_then(|u| u.model.as_deref()) {
+                Some(theirs) if reported > 0.0 => {
+                    put(theirs, reported);
+                    put(model, a.cost_usd - reported);
+                }
+                _ => put(model, a.cost_usd),
+            }
+        }
+    }
+
+    /// What the records cost by UTC day and model, against a provider's export (`billed`),
+    /// for the days from `first_day` on: one row per day and model either side has.
+    pub fn drift(&self, billed: &[Billed], first_day: &str) -> Vec<Drift> {
+        let mut rows: BTreeMap<(String, String), (f64, f64)> = BTreeMap::new();
+        for ((day, model), usd) in self
+            .by_day_model
+            .iter()
+            .filter(|((day, _), _)| day.as_str() >= first_day)
+        {
+            rows.entry((day.clone(), model.clone())).or_default().0 += usd;
+        }
+        for b in billed.iter().filter(|b| b.day.as_str() >= first_day) {
+            rows.entry((b.day.clone(), billed_model(&b.model)))
+                .or_default()
+                .1 += b.usd;
+        }
+        rows.into_iter()
+            .map(|((day, model), (ours, theirs))| Drift {
+                day,
+                model,
+                recorded_usd: round_usd(ours),
+                billed_usd: round_usd(theirs),
+                drift_usd: round_usd(theirs - ours),
+            })
+            .collect()
     }
 
     /// Check the charges gathered against `ledgers` (key -> budget record) as read at `now_ms`;
@@ -373,6 +438,154 @@ impl Report {
     }
 }
 
+/// One line of a provider's usage export: what a model cost on a day.
+#[derive(Clone, PartialEq, Debug)]
+pub struct Billed {
+    /// UTC, `2026-12-05`.
+    pub day: String,
+    pub model: String,
+    pub usd: f64,
+}
+
+/// What oam recorded beside what the provider billed, for one UTC day and model.
+#[derive(Serialize, Clone, PartialEq, Debug)]
+pub struct Drift {
+    pub day: String,
+    pub model: String,
+    pub recorded_usd: f64,
+    pub billed_usd: f64,
+    /// Billed minus recorded.
+    pub drift_usd: f64,
+}
+
+/// A usage export that cannot be read: its line (from 1) and what is wrong there.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("line {line}: {why}")]
+pub struct ExportError {
+    pub line: usize,
+    pub why: String,
+}
+
+/// The header names an export's columns are known by (case and spaces aside), in the order
+/// they are looked for: the day (a date, an RFC 3339 time or Unix seconds, read as UTC), the
+/// model (`line_item` as OpenAI's cost export writes it, `gpt-4o-mini-2024-07-18, input`:
+/// the part before the comma) and the cost in US dollars. Other columns are ignored.
+pub const DAY_COLUMNS: &[&str] = &["date", "day", "usage_date", "start_time", "timestamp"];
+pub const MODEL_COLUMNS: &[&str] = &["model", "model_name", "line_item"];
+pub const COST_COLUMNS: &[&str] = &["cost_usd", "cost", "amount_value", "amount", "usd"];
+
+/// Read a provider's usage export (CSV with a header row): one `Billed` per data line.
+pub fn read_export(text: &str) -> Result<Vec<Billed>, ExportError> {
+    let mut lines = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty());
+    let Some((_, header)) = lines.next() else {
+        return Err(ExportError {
+            line: 1,
+            why: "empty: a header row and one line per day and model are expected".into(),
+        });
+    };
+    let names: Vec<String> = csv_fields(header)
+        .map_err(|why| ExportError { line: 1, why })?
+        .iter()
+        .map(|n| n.trim().to_ascii_lowercase().replace(' ', "_"))
+        .collect();
+    let column = |known: &[&str], what: &str| {
+        known
+            .iter()
+            .find_map(|k| names.iter().position(|n| n == k))
+            .ok_or_else(|| ExportError {
+                line: 1,
+                why: format!(
+                    "no {what} column (one of {}; the header has {})",
+                    known.join(", "),
+                    names.join(", ")
+                ),
+            })
+    };
+    let (day_at, model_at, cost_at) = (
+        column(DAY_COLUMNS, "day")?,
+        column(MODEL_COLUMNS, "model")?,
+        column(COST_COLUMNS, "cost")?,
+    );
+    let mut out = Vec::new();
+    for (i, line) in lines {
+        let at = |why: String| ExportError { line: i + 1, why };
+        let fields = csv_fields(line).map_err(at)?;
+        let field = |n: usize| fields.get(n).map_or("", |f| f.trim());
+        let day = export_day(field(day_at))
+            .ok_or_else(|| at(format!("{:?} is not a day", field(day_at))))?;
+        let model = field(model_at).split(',').next().unwrap_or("").trim();
+        if model.is_empty() {
+            return Err(at("no model".into()));
+        }
+        let cost = field(cost_at).trim_start_matches('$');
+        let usd: f64 = match cost.parse() {
+            Ok(v) if f64::is_finite(v) => v,
+            _ => return Err(at(format!("{cost:?} is not an amount in dollars"))),
+        };
+        out.push(Billed {
+            day,
+            model: model.to_string(),
+            usd,
+        });
+    }
+    Ok(out)
+}
+
+/// One CSV line's fields (quoted fields may hold commas and doubled quotes; not line breaks).
+fn csv_fields(line: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    let mut field = String::new();
+    let mut quoted = false;
+    let mut chars = line.trim_end_matches('\r').chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                field.push('"');
+                chars.next();
+            }
+            ('"', true) => quoted = false,
+            ('"', false) if field.trim().is_empty() => {
+                field.clear();
+                quoted = true;
+            }
+            (',', false) => out.push(std::mem::take(&mut field)),
+            (c, _) => field.push(c),
+        }
+    }
+    if quoted {
+        return Err("a quoted field is not closed (line breaks inside fields are not read)".into());
+    }
+    out.push(field);
+    Ok(out)
+}
+
+/// The UTC day of an export's day field: `2026-12-05`, an RFC 3339 time, or Unix seconds.
+fn export_day(s: &str) -> Option<String> {
+    let date = s.get(..10).unwrap_or("");
+    let b = date.as_bytes();
+    if b.len() == 10
+        && b[4] == b'-'
+        && b[7] == b'-'
+        && date
+            .bytes()
+            .enumerate()
+            .all(|(i, c)| i == 4 || i == 7 || c.is_ascii_digit())
+    {
+        return Some(date.to_string());
+    }
+    let secs: f64 = s.parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| super::date::utc_date(secs as u64))
+}
+
+/// A model's name as exports and records are joined on: lower case, without a date suffix.
+fn billed_model(model: &str) -> String {
+    let lower = model.trim().to_ascii_lowercase();
+    super::request::undated_model(&lower).map_or_else(|| lower.clone(), str::to_string)
+}
+
 /// `1-3, 7`: numbers in order, runs joined.
 pub fn ranges(seqs: &[u64]) -> String {
     let mut out: Vec<String> = Vec::new();
@@ -542,6 +755,56 @@ mod tests {
         let r = books(&rs).check(&ledgers, 0, NOW, 30_000);
         assert_eq!(r.faults(), Vec::<String>::new());
         assert_eq!(r.holders[0].recorded_usd, 0.5);
+    }
+
+    #[test]
+    fn an_export_is_read_by_its_header_and_joined_by_day_and_model() {
+        let csv = "Start Time,Line Item,Project,Amount Value\n\
+                   2026-12-04T00:00:00Z,\"gpt-4o-mini-2024-07-18, input\",p,0.50\n\
+                   2026-12-04T00:00:00Z,\"gpt-4o-mini-2024-07-18, output\",p,$0.25\n\
+                   1796428800,claude-x,p,1\n";
+        let billed = read_export(csv).expect("reads");
+        assert_eq!(billed[0].model, "gpt-4o-mini-2024-07-18");
+        assert_eq!(billed[2].day, "2026-12-05", "Unix seconds, UTC");
+        let mut books = Books::default();
+        books
+            .by_day_model
+            .insert(("2026-12-04".into(), "gpt-4o-mini".into()), 0.70);
+        books
+            .by_day_model
+            .insert(("2026-12-03".into(), "gpt-4o-mini".into()), 9.0);
+        let rows = books.drift(&billed, "2026-12-04");
+        assert_eq!(
+            rows,
+            vec![
+                Drift {
+                    day: "2026-12-04".into(),
+                    model: "gpt-4o-mini".into(),
+                    recorded_usd: 0.7,
+                    billed_usd: 0.75,
+                    drift_usd: 0.05,
+                },
+                Drift {
+                    day: "2026-12-05".into(),
+                    model: "claude-x".into(),
+                    recorded_usd: 0.0,
+                    billed_usd: 1.0,
+                    drift_usd: 1.0,
+                },
+            ],
+            "the day before the window left out"
+        );
+        assert_eq!(
+            read_export("day,model\n").unwrap_err().why,
+            "no cost column (one of cost_usd, cost, amount_value, amount, usd; the header has \
+             day, model)"
+        );
+        assert_eq!(
+            read_export("day,model,cost\n2026-12-01,m,1\nyesterday,m,2\n")
+                .unwrap_err()
+                .to_string(),
+            "line 3: \"yesterday\" is not a day"
+        );
     }
 
     #[test]

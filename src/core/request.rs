@@ -301,6 +301,26 @@ impl Target {
     }
 }
 
+/// `model` without a trailing `-YYYY-MM-DD`, `-YYYYMMDD` or `-latest`, if it has one.
+pub fn undated_model(model: &str) -> Option<&str> {
+    if let Some(base) = model.strip_suffix("-latest") {
+        return Some(base);
+    }
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let (base, last) = model.rsplit_once('-')?;
+    if last.len() == 8 && digits(last) {
+        return Some(base);
+    }
+    // -YYYY-MM-DD: three dash-separated parts of 4, 2 and 2 digits.
+    let mut parts = model.rsplitn(4, '-');
+    let (d, m, y, base) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let sized = [(y, 4), (m, 2), (d, 2)];
+    sized
+        .iter()
+        .all(|&(p, n)| p.len() == n && digits(p))
+        .then_some(base)
+}
+
 /// Round a dollar amount to a nano-dollar.
 pub fn round_usd(usd: f64) -> f64 {
     // `+ 0.0` makes a negative zero (an empty sum of floats is one) plain zero, so JSON never

@@ -57,28 +57,8 @@ impl Table {
                 .iter()
                 .find(|m| m.names.iter().any(|n| n == name))
         };
-        find(model).or_else(|| find(undated(model)?))
+        find(model).or_else(|| find(crate::core::request::undated_model(model)?))
     }
-}
-
-/// `model` without a trailing `-YYYY-MM-DD`, `-YYYYMMDD` or `-latest`, if it has one.
-fn undated(model: &str) -> Option<&str> {
-    if let Some(base) = model.strip_suffix("-latest") {
-        return Some(base);
-    }
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let (base, last) = model.rsplit_once('-')?;
-    if last.len() == 8 && digits(last) {
-        return Some(base);
-    }
-    // -YYYY-MM-DD: three dash-separated parts of 4, 2 and 2 digits.
-    let mut parts = model.rsplitn(4, '-');
-    let (d, m, y, base) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let sized = [(y, 4), (m, 2), (d, 2)];
-    sized
-        .iter()
-        .all(|&(p, n)| p.len() == n && digits(p))
-        .then_some(base)
 }
 
 #[cfg(test)]
@@ -126,7 +106,10 @@ mod tests {
             "a local model's own name is not guessed"
         );
         assert!(t.lookup("my-model-12-34").is_none());
-        assert_eq!(undated("a-2024-08-06"), Some("a"));
-        assert_eq!(undated("2024-08-06"), None);
+        assert_eq!(
+            crate::core::request::undated_model("a-2024-08-06"),
+            Some("a")
+        );
+        assert_eq!(crate::core::request::undated_model("2024-08-06"), None);
     }
 }

@@ -117,6 +117,34 @@ async fn the_books_hold_until_a_settlement_is_taken_out_by_hand() {
         "{report:#}"
     );
 
+    // A provider's export beside the records: today's m1 (as the export dates it), and a model
+    // oam never called.
+    let today = oam::core::date::utc_date(oam::clock::now_ms() / 1_000);
+    let export = dir.0.join("usage.csv");
+    std::fs::write(
+        &export,
+        format!("Date,Model,Cost USD\n{today},m1-2026-01-01,0.5\n{today},other,0.25\n"),
+    )
+    .unwrap();
+    let (code, r, err) = spend(&dir.0, &["--invoice", export.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let rows = r["invoice"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{r:#}");
+    assert_eq!(rows[0]["model"], "m1");
+    assert!(
+        (rows[0]["recorded_usd"].as_f64().unwrap() - cost).abs() < 1e-6,
+        "every answer's cost under its target's model: {r:#}"
+    );
+    assert_eq!(rows[0]["billed_usd"], 0.5);
+    assert_eq!(
+        (&rows[1]["model"], &rows[1]["recorded_usd"]),
+        (&json!("other"), &json!(0.0))
+    );
+    std::fs::write(&export, "Date,Model\n").unwrap();
+    let (code, _, err) = spend(&dir.0, &["--invoice", export.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("line 1: no cost column"), "{err}");
+
     // Take the agent's last settlement out of its record, as a lost write would have.
     let app_url = {
         let text = std::fs::read_to_string(dir.0.join("system.json")).unwrap();
