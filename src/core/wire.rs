@@ -380,6 +380,10 @@ pub struct NodeSnapshot {
     /// Cleared by the next write that succeeds.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub store_faults: BTreeMap<String, String>,
+    /// Streams it writes that keep fewer current copies than they are configured to: stream
+    /// -> [current, configured] (over several NATS servers; `oam mesh status` says which).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub short_copies: BTreeMap<String, [u64; 2]>,
     /// The health probes this node sent and what the billed ones cost.
     pub probes: ProbeSnapshot,
     /// Each route's targets, first preferred (so a reader can tell a route none of whose

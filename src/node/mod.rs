@@ -14,6 +14,7 @@ pub(crate) mod bus;
 pub(crate) mod catalog;
 pub(crate) mod chaos;
 pub mod config;
+mod copies;
 pub(crate) mod decisionlog;
 mod detach;
 mod doors;
@@ -81,6 +82,8 @@ pub struct Node {
     pub(crate) otlp: otlp::Telemetry,
     /// JetStream stores that refuse this node's writes now.
     pub(crate) store_faults: status::StoreFaults,
+    /// How many current copies the streams it writes keep.
+    pub(crate) copies: Arc<copies::Copies>,
     pub serving: Serving,
 }
 
@@ -165,6 +168,8 @@ impl Node {
         let rates = rates::Rates::default();
         rates.counters.register(registry);
         log.counters.register(registry);
+        let copies = Arc::new(copies::Copies::default());
+        copies.register(registry);
         let export = cfg
             .telemetry
             .export(|k| std::env::var(k).ok())
@@ -185,6 +190,7 @@ impl Node {
             log,
             metrics,
             store_faults: status::StoreFaults::default(),
+            copies,
             id,
             cfg,
             pipeline,
@@ -243,6 +249,7 @@ pub async fn run(
     running.spawn(health::Prober::new(n.clone()).run(last.clone()));
     running.spawn(gossip::Gossip::new(n.clone()).run(last.clone()));
     running.spawn(chaos::Commands(n.chaos.clone()).run(last.clone()));
+    running.spawn(copies::watch(n.clone(), last.clone()));
     let writer = tokio::spawn(decisionlog::Writer(n.clone()).run(last.clone()));
     if let Some(exporter) = services.otlp {
         running.spawn(exporter.run(last.clone()));

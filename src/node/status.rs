@@ -111,6 +111,7 @@ pub(crate) fn snapshot(node: &Node) -> NodeSnapshot {
         escalations_undelivered: count(&node.escalations.undelivered),
         decisions_unlogged: count(&node.log.counters.lost),
         store_faults: node.store_faults.snapshot(),
+        short_copies: node.copies.short(),
         probes: node.health.probes.snapshot(now),
         routes: e
             .state
@@ -344,6 +345,8 @@ mod tests {
             "oam_reason_codes_total",
             "oam_request_duration_seconds",
             "oam_requests_total",
+            "oam_stream_replicas",
+            "oam_stream_replicas_current",
             "oam_unauthorized_requests_total",
         ];
         expected.sort_unstable();

@@ -616,7 +616,26 @@ impl App {
             .filter(|(k, _)| live_ids.contains(&k.as_str()))
             .flat_map(|(_, v)| v.state.store_faults.keys().map(String::as_str))
             .collect();
-        if failed > 0 || sick || dead > 0 || !self.chaos.is_empty() || !stores.is_empty() {
+        // Streams a live node writes that run short of copies (the fewest any node saw).
+        let mut short: std::collections::BTreeMap<&str, [u64; 2]> =
+            std::collections::BTreeMap::new();
+        for (_, v) in self
+            .nodes
+            .iter()
+            .filter(|(k, _)| live_ids.contains(&k.as_str()))
+        {
+            for (stream, &c) in &v.state.short_copies {
+                let seen = short.entry(stream.as_str()).or_insert(c);
+                seen[0] = seen[0].min(c[0]);
+            }
+        }
+        if failed > 0
+            || sick
+            || dead > 0
+            || !self.chaos.is_empty()
+            || !stores.is_empty()
+            || !short.is_empty()
+        {
             let mut why = Vec::new();
             if failed > 0 {
                 why.push(format!("{failed} failed in {w} s"));
@@ -624,6 +643,11 @@ impl App {
             if !stores.is_empty() {
                 let list: Vec<&str> = stores.into_iter().collect();
                 why.push(format!("the {} takes no writes", list.join(" and the ")));
+            }
+            for (stream, [current, replicas]) in &short {
+                why.push(format!(
+                    "{stream} keeps {current} of {replicas} copies (oam mesh status)"
+                ));
             }
             if dead > 0 {
                 why.push(format!("{dead} node(s) down"));
@@ -942,6 +966,22 @@ mod tests {
         let (v, why) = app.banner(6_100);
         assert_eq!(v, MeshStatus::Degraded);
         assert!(why.contains("the ledger takes no writes"), "{why}");
+        // A stream short of copies (a server down, or its disk full): degraded, and said.
+        let mut short = state(true, &[("primary", Health::Healthy)]);
+        short.short_copies.insert("KV_oam-budgets".into(), [2, 3]);
+        app.apply(
+            Update::NodeState {
+                node: "n1".into(),
+                state: short,
+            },
+            6_200,
+        );
+        let (v, why) = app.banner(6_200);
+        assert_eq!(v, MeshStatus::Degraded);
+        assert!(
+            why.contains("KV_oam-budgets keeps 2 of 3 copies (oam mesh status)"),
+            "{why}"
+        );
         // n1 itself hears only itself: no quorum, whatever the verdicts say.
         app.apply(
             Update::NodeState {

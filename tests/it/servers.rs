@@ -771,6 +771,34 @@ async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
     })
     .await;
     assert!(healthy.is_some(), "the fresh mesh is healthy");
+    // What the node's /metrics says of its log's copies (asked every 10 s).
+    let http = crate::support::http(Duration::from_secs(5));
+    let copies = || async {
+        let text = http
+            .get(format!("{}/metrics", cl.node(0)))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        let value = |family: &str| {
+            let prefix = format!("{family}{{stream=\"OAM_DECISIONS_n1\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))?
+                .parse::<f64>()
+                .ok()
+        };
+        Some((
+            value("oam_stream_replicas")?,
+            value("oam_stream_replicas_current")?,
+        ))
+    };
+    let all = eventually(Duration::from_secs(15), || async {
+        copies().await.filter(|&c| c == (3.0, 3.0))
+    })
+    .await;
+    assert!(all.is_some(), "three current copies: {:?}", copies().await);
     // Fill nats-3's disk: the log's copies on the others take the writes.
     let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
         .await
@@ -817,6 +845,16 @@ async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
         after.is_some(),
         "the log's lost copy is not told: {}",
         last.lock().unwrap()
+    );
+    // And by the node, on /metrics (0: no leader, so no copy takes writes).
+    let short = eventually(Duration::from_secs(25), || async {
+        copies().await.filter(|&(_, current)| current < 3.0)
+    })
+    .await;
+    assert!(
+        short.is_some(),
+        "the node's /metrics says its log runs short of copies: {:?}",
+        copies().await
     );
     drop(disk);
 }

@@ -3,6 +3,7 @@
 //! read, changed and watched: escalations, the budget ledger, rate-limit windows,
 //! loop-episode claims and the decision log. The mesh's own buckets are read through `mesh::store`.
 
+pub mod copies;
 pub mod decisions;
 pub mod escalations;
 pub mod ledger;
