@@ -605,6 +605,33 @@ pub async fn each(
     nats: &async_nats::Client,
     since_ms: u64,
     node: Option<&str>,
+    each: impl FnMut(&Record),
+) -> anyhow::Result<u64> {
+    each_in(nats, log_streams(nats, node).await?, since_ms, node, each).await
+}
+
+/// `each` on `node`'s own stream only (what a node may read of the log: the shared stream of
+/// earlier oam is not its to open).
+pub async fn each_own(
+    nats: &async_nats::Client,
+    node: &str,
+    since_ms: u64,
+    each: impl FnMut(&Record),
+) -> anyhow::Result<u64> {
+    let name = subjects::decision_log_stream(node);
+    let stream = tokio::time::timeout(OPEN_TIMEOUT, super::context(nats).get_stream(&name))
+        .await
+        .map_err(|_| no_answer())?
+        .map_err(|e| anyhow::anyhow!("cannot read the decision log ({name}): {e}"))?;
+    each_in(nats, vec![stream], since_ms, Some(node), each).await
+}
+
+/// `each` over `streams`.
+async fn each_in(
+    nats: &async_nats::Client,
+    streams: Vec<jetstream::stream::Stream>,
+    since_ms: u64,
+    node: Option<&str>,
     mut each: impl FnMut(&Record),
 ) -> anyhow::Result<u64> {
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
@@ -614,7 +641,7 @@ pub async fn each(
         subjects::decision_log,
     );
     let mut given = 0;
-    for stream in log_streams(nats, node).await? {
+    for stream in streams {
         let from = super::first_at(nats, &stream, &filter, start).await?;
         read_from(nats, &stream, from, None, start, node, |b, _| {
             for r in &b.records {
@@ -624,34 +651,6 @@ pub async fn each(
         })
         .await?;
     }
-    Ok(given)
-}
-
-/// `each` on `node`'s own stream only (what a node may read of the log: the shared stream of
-/// earlier oam is not its to open).
-pub async fn each_own(
-    nats: &async_nats::Client,
-    node: &str,
-    since_ms: u64,
-    mut each: impl FnMut(&Record),
-) -> anyhow::Result<u64> {
-    let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
-        .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
-    let name = subjects::decision_log_stream(node);
-    let stream = tokio::time::timeout(OPEN_TIMEOUT, super::context(nats).get_stream(&name))
-        .await
-        .map_err(|_| no_answer())?
-        .map_err(|e| anyhow::anyhow!("cannot read the decision log ({name}): {e}"))?;
-    let filter = subjects::decision_log(node);
-    let from = super::first_at(nats, &stream, &filter, start).await?;
-    let mut given = 0;
-    read_from(nats, &stream, from, None, start, Some(node), |b, _| {
-        for r in &b.records {
-            given += 1;
-            each(r);
-        }
-    })
-    .await?;
     Ok(given)
 }
 
