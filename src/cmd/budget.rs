@@ -125,35 +125,18 @@ fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
 pub(crate) async fn read_all(
     store: &kv::Store,
 ) -> Result<(BTreeMap<String, Ledger>, Vec<(String, Ledger)>)> {
-    let keys = crate::transport::store::keys(store).await.map_err(|e| {
-        Error::new(
-            Kind::Unreachable,
-            anyhow::anyhow!("cannot list budgets: {e:#}"),
-        )
-    })?;
-    let mut ledgers = BTreeMap::new();
-    // What health probes cost, per UTC day (`node::health`): no budget of an agent's.
-    let mut probe_days: Vec<(String, Ledger)> = Vec::new();
-    for k in keys {
-        let Some(bytes) = store
-            .get(&k)
-            .await
-            .map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{e}")))?
-        else {
-            continue;
-        };
-        let probes = k.strip_prefix(crate::transport::store::ledger::PROBES_PREFIX);
-        match serde_json::from_slice::<Ledger>(&bytes) {
-            Ok(l) => match probes {
-                Some(day) => probe_days.push((day.to_string(), l)),
-                None => {
-                    ledgers.insert(k, l);
-                }
-            },
-            Err(e) => eprintln!("oam: {BUDGETS_BUCKET} key {k} is not a budget ({e}); not listed"),
-        }
+    let read = crate::transport::store::ledger::read_all(store, std::time::Duration::from_secs(5))
+        .await
+        .map_err(|e| {
+            Error::new(
+                Kind::Unreachable,
+                anyhow::anyhow!("cannot read the budgets: {e:#}"),
+            )
+        })?;
+    for (k, e) in &read.unreadable {
+        eprintln!("oam: {BUDGETS_BUCKET} key {k} is not a budget ({e}); not listed");
     }
-    Ok((ledgers, probe_days))
+    Ok((read.budgets, read.probe_days))
 }
 
 async fn list(a: ListArgs) -> Result<()> {

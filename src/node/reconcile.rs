@@ -17,7 +17,7 @@ use super::Node;
 use crate::clock::now_ms;
 use crate::core::books::{Books, Hole};
 use crate::core::ledger::Ledger;
-use crate::transport::store::ledger::{CAS_TRIES, PROBES_PREFIX, STORE_TIMEOUT};
+use crate::transport::store::ledger::{CAS_TRIES, STORE_TIMEOUT};
 use async_nats::jetstream::kv;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -70,7 +70,9 @@ async fn settle_earlier(node: &Node, store: &kv::Store) -> anyhow::Result<usize>
     if !node.log.enabled() {
         return Ok(0);
     }
-    let ledgers = read_ledgers(store).await?;
+    let ledgers = crate::transport::store::ledger::read_all(store, STORE_TIMEOUT * 4)
+        .await?
+        .budgets;
     let own = node.ledger.holder();
     let lease_ms = node.cfg.node.budget_lease_ms;
     let Some((earlier, last_ms)) = earlier_holders(&ledgers, &node.id, &own, lease_ms) else {
@@ -113,25 +115,6 @@ async fn settle_earlier(node: &Node, store: &kv::Store) -> anyhow::Result<usize>
         .from_records
         .fetch_add(applied as u64, std::sync::atomic::Ordering::Relaxed);
     Ok(applied)
-}
-
-/// Every budget record (what health probes cost is not one).
-async fn read_ledgers(store: &kv::Store) -> anyhow::Result<BTreeMap<String, Ledger>> {
-    let keys = tokio::time::timeout(STORE_TIMEOUT * 4, crate::transport::store::keys(store))
-        .await
-        .map_err(|_| anyhow::anyhow!("the budget ledger did not list its keys"))??;
-    let mut out = BTreeMap::new();
-    for k in keys.into_iter().filter(|k| !k.starts_with(PROBES_PREFIX)) {
-        let got = tokio::time::timeout(STORE_TIMEOUT, store.get(&k))
-            .await
-            .map_err(|_| anyhow::anyhow!("the budget ledger did not answer for {k}"))??;
-        if let Some(bytes) = got
-            && let Ok(l) = serde_json::from_slice::<Ledger>(&bytes)
-        {
-            out.insert(k, l);
-        }
-    }
-    Ok(out)
 }
 
 /// The holders of `node`'s runs other than `own` the ledger knows (by a settlement or a hold),

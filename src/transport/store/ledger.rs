@@ -124,6 +124,44 @@ pub async fn read(store: &kv::Store, agent: Option<&str>) -> anyhow::Result<Opti
 /// The key prefix of the probe budget's days.
 pub const PROBES_PREFIX: &str = "probes.";
 
+/// Every record of the ledger, read one key at a time.
+#[derive(Default)]
+pub struct Records {
+    /// Budget records by key (`global`, `agent.{name}`).
+    pub budgets: std::collections::BTreeMap<String, Ledger>,
+    /// What health probes cost, by UTC day (`node::health`): no one's budget.
+    pub probe_days: Vec<(String, Ledger)>,
+    /// Keys whose record does not parse, and why.
+    pub unreadable: Vec<(String, String)>,
+}
+
+/// Read every record of the ledger, each within `each_within` (and its key list too).
+pub async fn read_all(store: &kv::Store, each_within: Duration) -> anyhow::Result<Records> {
+    let keys = tokio::time::timeout(each_within, super::keys(store))
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer listing the ledger's keys"))??;
+    let mut out = Records::default();
+    for k in keys {
+        let Some(bytes) = tokio::time::timeout(each_within, store.get(&k))
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer reading {k}"))??
+        else {
+            continue;
+        };
+        match (
+            serde_json::from_slice::<Ledger>(&bytes),
+            k.strip_prefix(PROBES_PREFIX),
+        ) {
+            (Ok(l), Some(day)) => out.probe_days.push((day.to_string(), l)),
+            (Ok(l), None) => {
+                out.budgets.insert(k, l);
+            }
+            (Err(e), _) => out.unreadable.push((k, e.to_string())),
+        }
+    }
+    Ok(out)
+}
+
 /// The UTC day of `now_ms`, as the probe budget's key names it (`2026-12-02`).
 pub fn probes_day(now_ms: u64) -> String {
     crate::core::date::utc_date(now_ms / 1_000)
