@@ -263,20 +263,22 @@ impl Books {
                 .collect(),
             ..Report::default()
         };
+        // What the window's records charged each budget, in one pass over them.
+        let mut recorded_by_budget: BTreeMap<&str, f64> = BTreeMap::new();
+        for s in self.by_holder.values().flat_map(BTreeMap::values) {
+            for b in &s.budgets {
+                *recorded_by_budget.entry(b.as_str()).or_default() += s.usd;
+            }
+        }
         for (key, l) in ledgers {
-            let recorded: f64 = self
-                .by_holder
-                .values()
-                .flat_map(BTreeMap::values)
-                .filter(|s| s.budgets.contains(key))
-                .map(|s| s.usd)
-                .sum();
             r.budgets.push(Budget {
                 key: key.clone(),
                 limit_usd: l.limit_usd,
                 spent_usd: l.spent_usd,
                 settled_usd: l.settled_usd(),
-                recorded_usd: round_usd(recorded),
+                recorded_usd: round_usd(
+                    recorded_by_budget.get(key.as_str()).copied().unwrap_or(0.0),
+                ),
                 holders: l.settled.len(),
             });
         }
@@ -307,12 +309,15 @@ impl Books {
                      (its run began before it); the later ones are checked by number only"
                 ));
             }
-            // Per budget: what it applied of this holder, and the charges past that.
-            let mut budgets: BTreeSet<&String> = BTreeSet::new();
-            for s in seen.values() {
-                budgets.extend(&s.budgets);
+            // Per budget: what it applied of this holder, and the charges past that (its
+            // charges grouped by budget in one pass, in number order).
+            let mut by_budget: BTreeMap<&String, Vec<(u64, &Seen)>> = BTreeMap::new();
+            for (&seq, s) in seen {
+                for b in &s.budgets {
+                    by_budget.entry(b).or_default().push((seq, s));
+                }
             }
-            for budget in budgets {
+            for (budget, charges) in by_budget {
                 let Some(l) = ledgers.get(budget) else {
                     r.unchecked.push(format!(
                         "{holder}: charged budget {budget}, which the ledger no longer has \
@@ -331,7 +336,7 @@ impl Books {
                 let (applied, ledger_usd, after) =
                     entry.map_or((0, 0.0, 0), |s| (s.seq, s.usd, s.after));
                 let mut recorded = 0.0;
-                for (&seq, s) in seen.iter().filter(|(_, s)| s.budgets.contains(budget)) {
+                for (seq, s) in charges {
                     if seq <= applied {
                         if seq > after {
                             recorded += s.usd;
