@@ -37,6 +37,16 @@ pub struct Books {
     requests: BTreeMap<String, u32>,
     /// What the records' attempts cost, by UTC day and model (`--invoice`).
     by_day_model: BTreeMap<(String, String), f64>,
+    forged: Vec<Forged>,
+}
+
+/// A charge a record names under another node's run: a node writes only its own records, and
+/// charges only as itself, so it is not believed.
+#[derive(Serialize, Clone, PartialEq, Debug)]
+pub struct Forged {
+    pub request_id: String,
+    pub node: String,
+    pub holder: String,
 }
 
 struct Seen {
@@ -127,6 +137,8 @@ pub struct Report {
     pub repeated_ids: Vec<String>,
     /// What could not be checked, and why.
     pub unchecked: Vec<String>,
+    /// Charges named under another node's run (not believed, not counted).
+    pub forged: Vec<Forged>,
 }
 
 impl Books {
@@ -150,6 +162,14 @@ impl Books {
         }
         *self.requests.entry(id.clone()).or_default() += 1;
         for c in &r.charges {
+            if c.holder.split_once('#').map(|(node, _)| node) != Some(r.node.as_str()) {
+                self.forged.push(Forged {
+                    request_id: id.clone(),
+                    node: r.node.clone(),
+                    holder: c.holder.clone(),
+                });
+                continue;
+            }
             let seen = self.by_holder.entry(c.holder.clone()).or_default();
             if let Some(first) = seen.get(&c.seq) {
                 self.doubled
@@ -246,6 +266,7 @@ impl Books {
             records: self.records,
             charged_records: self.charged_records,
             cost_differs: self.cost_differs,
+            forged: self.forged,
             repeated_ids: self
                 .requests
                 .into_iter()
@@ -431,6 +452,13 @@ impl Report {
                 d.seq,
                 d.request_ids.len(),
                 d.request_ids.join(", ")
+            ));
+        }
+        for f in &self.forged {
+            out.push(format!(
+                "request {}: node {}'s record names a charge of {}, another node's run; not \
+                 believed",
+                f.request_id, f.node, f.holder
             ));
         }
         for c in &self.cost_differs {
@@ -623,6 +651,9 @@ mod tests {
         d.cost_usd = charges.iter().map(|c| c.2).sum();
         d.decided_at_ms = at;
         r.decision = std::sync::Arc::new(crate::core::record::Decided::new(d));
+        if let Some((holder, _, _)) = charges.first() {
+            r.node = holder.split('#').next().unwrap_or_default().to_string();
+        }
         r.charges = charges
             .iter()
             .map(|&(holder, seq, usd)| Charge {
@@ -745,6 +776,21 @@ mod tests {
         assert_eq!(r.doubled[0].request_ids, vec!["r1", "r2"]);
         assert_eq!(r.cost_differs[0].request_id, "r2");
         assert_eq!(r.faults().len(), 2);
+    }
+
+    #[test]
+    fn a_charge_named_under_another_nodes_run_is_not_believed() {
+        let mut r = record("r1", 10, &[("n1#a", 1, 0.25)], &["global"]);
+        r.node = "n2".into();
+        let ledgers = BTreeMap::from([("global".to_string(), ledger(&[]))]);
+        let report = books(&[r]).check(&ledgers, 0, NOW, 30_000);
+        assert_eq!(report.charges, 0, "not counted");
+        assert_eq!(
+            report.faults(),
+            vec![
+                "request r1: node n2's record names a charge of n1#a, another node's run; not believed"
+            ]
+        );
     }
 
     #[test]
