@@ -241,11 +241,11 @@ impl Permissions {
     }
 
     fn kv_read(&mut self, bucket: &str) {
-        self.get_stream(&format!("KV_{bucket}"));
+        self.get_stream(&subjects::kv_stream(bucket));
     }
 
     fn kv_watch(&mut self, bucket: &str) {
-        self.consume_stream(&format!("KV_{bucket}"));
+        self.consume_stream(&subjects::kv_stream(bucket));
     }
 
     /// Read bucket `bucket` and write the keys `keys` (a key or a wildcard) of it.

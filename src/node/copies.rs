@@ -68,9 +68,9 @@ impl Copies {
 /// Ask every `EVERY` until `stop`.
 pub(crate) async fn watch(node: Arc<Node>, stop: CancellationToken) {
     let streams = [
-        format!("KV_{}", subjects::BUDGETS_BUCKET),
+        subjects::kv_stream(subjects::BUDGETS_BUCKET),
         subjects::decision_log_stream(&node.id),
-        format!("KV_{}", crate::transport::store::escalations::BUCKET),
+        subjects::kv_stream(crate::transport::store::escalations::BUCKET),
     ];
     let js = crate::transport::store::context(node.bus.nats());
     let mut every = tokio::time::interval(EVERY);

@@ -241,6 +241,11 @@ pub fn health_of(subject: &str) -> Option<&str> {
 pub fn errors(name: &str) -> String {
     format!("mesh.errors.{name}")
 }
+/// The JetStream stream that holds KV bucket `bucket`.
+pub fn kv_stream(bucket: &str) -> String {
+    format!("KV_{bucket}")
+}
+
 /// The cluster's shared budget ledger (`node::ledger`): `global` and `agent.{name}`.
 pub const BUDGETS_BUCKET: &str = "oam-budgets";
 /// The JetStream KV bucket of rate-limit windows (`node::rates`): what each caller was granted
