@@ -89,13 +89,13 @@ pub async fn run(args: Args) -> Result<()> {
     }
 }
 
-pub(crate) async fn open(
-    cluster: &super::ClusterArgs,
-    role: &super::Role,
-    name: &str,
-) -> Result<kv::Store> {
-    let nats = cluster.connect(role, name).await?;
-    crate::transport::store::bucket(&nats, BUDGETS_BUCKET, std::time::Duration::ZERO)
+async fn open(cluster: &super::ClusterArgs, role: &super::Role, name: &str) -> Result<kv::Store> {
+    open_on(&cluster.connect(role, name).await?).await
+}
+
+/// The ledger's bucket on a connection already made.
+pub(crate) async fn open_on(nats: &async_nats::Client) -> Result<kv::Store> {
+    crate::transport::store::bucket(nats, BUDGETS_BUCKET, std::time::Duration::ZERO)
         .await
         .map_err(|e| {
             Error::new(

@@ -52,8 +52,8 @@ pub async fn run(a: Args) -> Result<Findings> {
         }
         None => None,
     };
-    let store = super::budget::open(&a.cluster, &super::Role::Viewer, "oam-spend").await?;
     let nats = a.cluster.connect(&super::Role::Viewer, "oam-spend").await?;
+    let store = super::budget::open_on(&nats).await?;
     let now = crate::clock::now_ms();
     let from = now.saturating_sub(a.since);
     let bar = super::bench::progress_bar(0, "reading the decision log");
