@@ -48,6 +48,7 @@ fn request() -> Request {
         id: "bench".into(),
         agent: "agent".into(),
         task: "summarise".into(),
+        team: None,
         model: Some("gpt".into()),
         messages: vec![Message {
             role: "user".into(),

@@ -231,23 +231,28 @@ pub fn tell(r: &Record) -> String {
     );
     // Budgets.
     let b = &r.begin.state.budgets;
-    if let Some(x) = b.agents.get(&q.agent) {
+    let at = r.began_ms;
+    for (kind, name, x) in b.covering(q) {
+        let owner = crate::core::budget::Owner::new(kind, name);
+        let mode = match x.on_exceeded {
+            crate::core::budget::OnExceeded::Refuse => String::new(),
+            m => format!(", on exceeding: {}", m.as_str()),
+        };
+        let lifted = match x.overridden {
+            Some(o) if at < o.until_ms => format!(
+                ", overridden to {} for {} more",
+                usd(o.limit_usd),
+                super::audit::age(o.until_ms - at)
+            ),
+            _ => String::new(),
+        };
         let _ = writeln!(
             s,
-            "budget: {} of {} remaining for {} (spent or held elsewhere {}, held here {})",
-            usd(x.remaining_usd()),
-            usd(x.limit_usd),
-            q.agent,
+            "budget {owner}: {} of {} remaining (spent or held elsewhere {}, held here {}){mode}{lifted}",
+            usd(x.remaining_usd(at)),
+            usd(x.limit_at(at)),
             usd(x.spent_usd),
             usd(x.reserved_usd)
-        );
-    }
-    if let Some(x) = b.global {
-        let _ = writeln!(
-            s,
-            "global budget: {} of {} remaining",
-            usd(x.remaining_usd()),
-            usd(x.limit_usd)
         );
     }
     for a in &d.attempts {

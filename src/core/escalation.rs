@@ -2,7 +2,8 @@
 //!
 //! Rules, first match wins, applied to the final outcome of a request:
 //! 1. a new agent-loop episode            -> ESCALATED_AGENT_LOOP, block automatic action
-//! 2. high risk + budget refused it       -> ESCALATED_BUDGET_EXHAUSTED, block (once per
+//! 2. high risk (or a budget with `on_exceeded = "escalate"`) + budget refused it
+//!                                        -> ESCALATED_BUDGET_EXHAUSTED, block (once per
 //!    exhaustion episode of that budget)
 //! 3. non-idempotent timeout (no retry)   -> ESCALATED_UNSAFE_RETRY, review (block if high risk)
 //! 4. high risk, any other failure        -> ESCALATED_HIGH_RISK_FAILURE, block
@@ -51,6 +52,9 @@ pub struct Concluded<'a> {
     pub serial: u64,
     /// The budget that refused it was escalated already in this exhaustion episode.
     pub budget_escalated: bool,
+    /// The budget that refused it escalates every refusal's episode, whatever the risk
+    /// (`on_exceeded = "escalate"`).
+    pub budget_escalates: bool,
 }
 
 /// The escalation reason and action for a failed request, if it needs one.
@@ -67,7 +71,7 @@ pub fn rule(o: &Concluded<'_>) -> Option<(ReasonCode, Action)> {
     if matches!(o.phase, Phase::Admission | Phase::Loop) {
         return None;
     }
-    if risk == Risk::High && o.phase == Phase::Budget {
+    if (risk == Risk::High || o.budget_escalates) && o.phase == Phase::Budget {
         if o.budget_escalated {
             return None;
         }
@@ -161,13 +165,19 @@ pub fn build(o: &Concluded<'_>, reason: ReasonCode, action: Action, now_ms: u64)
     }
 }
 
-/// The id of the exhaustion escalation of `agent`'s budget (None: the global one) in its
+/// The id of the exhaustion escalation of `owner`'s budget in its
 /// episode since `since_ms`: every node names it so, so one episode met by many nodes is one
 /// escalation for callers, records, `explain` and the escalation store alike.
-pub fn budget_episode(agent: Option<&str>, since_ms: u64) -> String {
-    match agent {
-        Some(a) => format!("esc-budget-agent-{a}-{}", base36(since_ms)),
-        None => format!("esc-budget-global-{}", base36(since_ms)),
+pub fn budget_episode(owner: &super::budget::Owner, since_ms: u64) -> String {
+    use super::budget::Kind;
+    match owner.kind {
+        Kind::Global => format!("esc-budget-global-{}", base36(since_ms)),
+        k => format!(
+            "esc-budget-{}-{}-{}",
+            k.as_str(),
+            owner.name,
+            base36(since_ms)
+        ),
     }
 }
 
@@ -214,6 +224,7 @@ mod tests {
             id: "r1".into(),
             agent: "a".into(),
             task: "t".into(),
+            team: None,
             model: None,
             messages: vec![Message {
                 role: "user".into(),
@@ -251,6 +262,7 @@ mod tests {
             node: "n1",
             serial: 0,
             budget_escalated: false,
+            budget_escalates: false,
         })
         .map(|x| x.0)
     }
@@ -316,6 +328,7 @@ mod tests {
             node: "n1",
             serial: 4,
             budget_escalated: false,
+            budget_escalates: false,
         };
         let (reason, action) = rule(&o).unwrap();
         assert_eq!(action, Action::HumanReviewBlockAutomaticAction);

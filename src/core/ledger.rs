@@ -7,7 +7,7 @@
 //! reservation by: a reservation is granted only if the limit covers everything spent and
 //! everything held by live leases.
 
-use super::budget::Budget;
+use super::budget::{Budget, Kind, OnExceeded, Override, Owner};
 use super::request::round_usd;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -50,6 +50,20 @@ pub struct Ledger {
     /// equals (`oam spend --verify` checks it).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub earlier_usd: f64,
+    /// The team or the task whose budget it is (with `agent`: none of them for the global
+    /// one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    #[serde(default, skip_serializing_if = "OnExceeded::is_refuse")]
+    pub on_exceeded: OnExceeded,
+    #[serde(default, rename = "override", skip_serializing_if = "Option::is_none")]
+    pub overridden: Option<Override>,
+    /// Reservations granted past the limit because the budget is in audit mode, since the
+    /// last reset: what it would have refused.
+    #[serde(default, skip_serializing_if = "is_zero_count")]
+    pub would_refuse: u64,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -112,6 +126,38 @@ impl Ledger {
         }
     }
 
+    /// A new record of `owner`'s budget.
+    pub fn of(owner: &Owner, limit_usd: f64) -> Self {
+        let mut l = Ledger::new(limit_usd);
+        l.set_owner(owner);
+        l
+    }
+
+    /// Whose budget it is.
+    pub fn owner(&self) -> Owner {
+        match (&self.agent, &self.team, &self.task) {
+            (Some(a), _, _) => Owner::new(Kind::Agent, a),
+            (_, Some(t), _) => Owner::new(Kind::Team, t),
+            (_, _, Some(t)) => Owner::new(Kind::Task, t),
+            _ => Owner::global(),
+        }
+    }
+
+    pub fn set_owner(&mut self, owner: &Owner) {
+        let named = |k: Kind| (owner.kind == k).then(|| owner.name.clone());
+        self.agent = named(Kind::Agent);
+        self.team = named(Kind::Team);
+        self.task = named(Kind::Task);
+    }
+
+    /// The limit at `now_ms`: the override's while it stands.
+    pub fn limit_at(&self, now_ms: u64) -> f64 {
+        match self.overridden {
+            Some(o) if now_ms < o.until_ms => o.limit_usd,
+            _ => self.limit_usd,
+        }
+    }
+
     /// What live holds (other than `except`'s) hold at `now_ms`.
     pub fn held_usd(&self, now_ms: u64, except: Option<&str>) -> f64 {
         let sum: f64 = self
@@ -124,15 +170,19 @@ impl Ledger {
     }
 
     pub fn remaining_usd(&self, now_ms: u64) -> f64 {
-        round_usd((self.limit_usd - self.spent_usd - self.held_usd(now_ms, None)).max(0.0))
+        round_usd((self.limit_at(now_ms) - self.spent_usd - self.held_usd(now_ms, None)).max(0.0))
     }
 
-    /// Hold `usd` for `node` if the limit covers it beside everything spent and held; renews the
-    /// node's lease either way it is granted. Expired holds are dropped first.
+    /// Hold `usd` for `node` if the limit covers it beside everything spent and held (in audit
+    /// mode: whether or not, counting in `would_refuse` what it would have refused); renews
+    /// the node's lease either way it is granted. Expired holds are dropped first.
     pub fn reserve(&mut self, node: &str, usd: f64, now_ms: u64, lease_ms: u64) -> bool {
         self.expire(now_ms);
         if usd > self.remaining_usd(now_ms) + EPSILON_USD {
-            return false;
+            if self.on_exceeded != OnExceeded::Audit {
+                return false;
+            }
+            self.would_refuse += 1;
         }
         let hold = self.holds.entry(node.to_string()).or_insert(Hold {
             usd: 0.0,
@@ -204,6 +254,7 @@ impl Ledger {
     /// (so none is applied again), what it charged starts from zero.
     pub fn reset_spent(&mut self) {
         self.spent_usd = 0.0;
+        self.would_refuse = 0;
         self.earlier_usd = 0.0;
         for s in self.settled.values_mut() {
             s.usd = 0.0;
@@ -265,6 +316,8 @@ impl Ledger {
             reserved_usd,
             refused_at_ms: self.refused.as_ref().map(|r| r.at_ms),
             since_ms: self.since_ms,
+            on_exceeded: self.on_exceeded,
+            overridden: self.overridden,
         }
     }
 }
@@ -288,6 +341,39 @@ mod tests {
             "a hold settled to zero is gone"
         );
         assert!((l.remaining_usd(20) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_audit_budget_grants_past_its_limit_and_counts_it() {
+        let mut l = Ledger::new(1.0);
+        l.on_exceeded = OnExceeded::Audit;
+        assert!(l.reserve("n1", 0.8, 0, 1_000));
+        assert_eq!(l.would_refuse, 0);
+        assert!(l.reserve("n2", 0.5, 0, 1_000), "past the limit, granted");
+        assert_eq!(l.would_refuse, 1);
+        l.reset_spent();
+        assert_eq!(l.would_refuse, 0, "a reset starts the count again");
+        l.on_exceeded = OnExceeded::Escalate;
+        assert!(
+            !l.reserve("n3", 0.5, 0, 1_000),
+            "escalate refuses as refuse does"
+        );
+    }
+
+    #[test]
+    fn an_override_lifts_the_limit_until_it_expires() {
+        let mut l = Ledger::of(&Owner::new(Kind::Team, "support"), 1.0);
+        assert_eq!(l.owner().to_string(), "team:support");
+        l.overridden = Some(Override {
+            limit_usd: 3.0,
+            until_ms: 100,
+        });
+        assert!(l.reserve("n1", 2.0, 0, 1_000), "within the override");
+        assert!(
+            !l.reserve("n1", 0.5, 100, 1_000),
+            "expired: 2.0 held of 1.0"
+        );
+        assert_eq!(l.view_for("n2", 50, 0.0).limit_at(50), 3.0);
     }
 
     #[test]
@@ -397,7 +483,7 @@ mod tests {
         let v = l.view_for("n1", 10, 0.2);
         assert_eq!(v.limit_usd, 1.0);
         assert!((v.spent_usd - 0.4).abs() < 1e-9, "0.1 spent + n2's 0.3");
-        assert!((v.remaining_usd() - 0.4).abs() < 1e-9);
+        assert!((v.remaining_usd(0) - 0.4).abs() < 1e-9);
     }
 
     proptest! {

@@ -642,9 +642,7 @@ impl Engine {
     /// The attempt dispatched and never made: its reservation and any probe permit go back.
     fn release_pending(&mut self, s: &mut Session) -> Option<()> {
         let p = s.pending.take()?;
-        self.state
-            .budgets
-            .settle(&s.request.agent, p.reserved_usd, 0.0);
+        self.state.budgets.settle(&s.request, p.reserved_usd, 0.0);
         if p.probe {
             let id = self.state.providers[p.provider].id.clone();
             breaker_mut(&mut self.state.breakers, &id).release_probe();
@@ -755,7 +753,7 @@ impl Engine {
                 });
                 // Budget exclusions are still scored: a high-risk request whose best provider is
                 // unaffordable must refuse rather than fall back to a cheaper guess.
-                let budget = self.state.budgets.check(&r.agent, est_cost_usd).err();
+                let budget = self.state.budgets.check(r, est_cost_usd, now_ms).err();
                 let score = excluded.is_none().then(|| {
                     score::score(&ScoreInput {
                         view: &view,
@@ -870,7 +868,7 @@ impl Engine {
                     s.shortfall =
                         self.state
                             .budgets
-                            .shortfall(&s.request.agent, code, e.est_cost_usd);
+                            .shortfall(&s.request, code, e.est_cost_usd, now_ms);
                 }
             }
             for c in exclusions {
@@ -964,8 +962,8 @@ impl Engine {
             .request
             .max_tokens
             .unwrap_or(self.config.default_max_tokens);
-        self.state.budgets.reserve(&s.request.agent, reserved_usd);
-        let hold_usd = if self.state.budgets.applies(&s.request.agent) {
+        self.state.budgets.reserve(&s.request, reserved_usd);
+        let hold_usd = if self.state.budgets.applies(&s.request) {
             reserved_usd
         } else {
             0.0
@@ -1079,7 +1077,7 @@ impl Engine {
         if let Some(sf) = self
             .state
             .budgets
-            .shortfall(&s.request.agent, code, estimate_usd)
+            .shortfall(&s.request, code, estimate_usd, now_ms)
         {
             s.shortfall = Some(sf);
         }
@@ -1145,7 +1143,7 @@ impl Engine {
             Some(u) => round_usd(cost_usd + u.charged_usd()),
             None => cost_usd,
         };
-        budgets.settle(&s.request.agent, p.reserved_usd, cost_usd);
+        budgets.settle(&s.request, p.reserved_usd, cost_usd);
         s.cost_usd = round_usd(s.cost_usd + cost_usd);
 
         let mut codes = Vec::new();
@@ -1459,12 +1457,10 @@ impl Engine {
         // The budget that refused (if one did, and it is in the phase that ended the request):
         // escalated once per exhaustion episode.
         let refusing = s.shortfall.as_ref().filter(|_| phase == Phase::Budget);
-        let budget_escalated = refusing.is_some_and(|sf| {
-            self.state
-                .budgets
-                .of_shortfall_mut(sf)
-                .is_some_and(|b| b.refused_at_ms.is_some())
-        });
+        let refusing_budget = refusing.and_then(|sf| self.state.budgets.of_shortfall(sf));
+        let budget_escalated = refusing_budget.is_some_and(|b| b.refused_at_ms.is_some());
+        let budget_escalates =
+            refusing_budget.is_some_and(|b| b.on_exceeded == super::budget::OnExceeded::Escalate);
         let outcome = escalation::Concluded {
             request: &s.request,
             phase,
@@ -1473,6 +1469,7 @@ impl Engine {
             node: &self.state.cluster.self_id,
             serial: self.escalations,
             budget_escalated,
+            budget_escalates,
         };
         let mut escalation = escalation::rule(&outcome)
             .map(|(reason, action)| escalation::build(&outcome, reason, action, now_ms));
@@ -1486,7 +1483,7 @@ impl Engine {
             b.refused_at_ms = Some(now_ms);
             // The episode's one name, the same on every node that meets it.
             if let Some(since) = b.since_ms {
-                e.id = escalation::budget_episode(sf.agent.as_deref(), since);
+                e.id = escalation::budget_episode(&sf.owner(), since);
             }
         }
         if let Some(e) = &escalation {
@@ -1534,6 +1531,7 @@ impl Engine {
             node: &self.state.cluster.self_id,
             serial: self.escalations,
             budget_escalated: false,
+            budget_escalates: false,
         };
         self.escalations += 1;
         let mut e = escalation::build(

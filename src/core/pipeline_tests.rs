@@ -110,6 +110,7 @@ pub(crate) fn req(id: &str) -> Request {
         id: id.into(),
         agent: "agent-a".into(),
         task: "summarise".into(),
+        team: None,
         model: None,
         messages: vec![Message {
             role: "user".into(),
@@ -1289,6 +1290,14 @@ fn every_reason_code_is_reachable() {
     let (mut s, step) = e.begin(req("share"), T0).expect("valid");
     assert!(matches!(step, Step::Dispatch(_)));
     s.note(ReasonCode::BudgetLocalShare);
+    if let Step::Done(d) = e.complete(&mut s, good(), T0 + 5) {
+        note(&d);
+    }
+    // A budget in audit mode: the ledger granted what it would have refused (noted by the
+    // driver).
+    let (mut s, step) = e.begin(req("audited"), T0).expect("valid");
+    assert!(matches!(step, Step::Dispatch(_)));
+    s.note(ReasonCode::BudgetWouldRefuse);
     if let Step::Done(d) = e.complete(&mut s, good(), T0 + 5) {
         note(&d);
     }

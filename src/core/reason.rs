@@ -137,7 +137,9 @@ reason_codes! {
     LoopProbe = "LOOP_PROBE", Loop,
         "The loop episode's cool-down ended; this identical call was let through once to see whether it works again.";
     BudgetExhausted = "BUDGET_EXHAUSTED", Budget,
-        "The agent's remaining budget cannot cover this request on the provider.";
+        "The remaining budget of the request's agent, team or task cannot cover this request on the provider.";
+    BudgetWouldRefuse = "BUDGET_WOULD_REFUSE", Budget,
+        "A budget in audit mode (on_exceeded = \"audit\") could not cover this attempt: it went ahead, and would have been refused with the budget enforced.";
     GlobalBudgetExhausted = "GLOBAL_BUDGET_EXHAUSTED", Budget,
         "The cluster-wide budget cannot cover this request on the provider.";
     BudgetStoreUnreachable = "BUDGET_STORE_UNREACHABLE", Budget,

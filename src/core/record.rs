@@ -90,16 +90,7 @@ impl Engine {
                 .into_iter()
                 .collect()
         });
-        let b = budgets.then(|| super::budget::Budgets {
-            global: st.budgets.global,
-            agents: st
-                .budgets
-                .agents
-                .get(&request.agent)
-                .map(|x| (request.agent.clone(), *x))
-                .into_iter()
-                .collect(),
-        });
+        let b = budgets.then(|| st.budgets.only_covering(request));
         (l, b)
     }
 
@@ -217,8 +208,7 @@ impl Patch {
         let (b, st) = (&base.state, &e.state);
         let fp = fingerprint(request);
         let loops_differ = b.loops.get(&fp) != st.loops.get(&fp);
-        let budgets_differ = b.budgets.global != st.budgets.global
-            || b.budgets.agents.get(&request.agent) != st.budgets.agents.get(&request.agent);
+        let budgets_differ = !b.budgets.covering(request).eq(st.budgets.covering(request));
         let route = request
             .model
             .as_ref()

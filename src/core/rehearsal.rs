@@ -10,7 +10,7 @@
 //! would need more answers than the record holds is not decided again. Pure: the same records
 //! and candidate give the same report, byte for byte.
 
-use super::budget::Budgets;
+use super::budget::{Budgets, Owner};
 use super::decision::{Decision, DecisionOutcome};
 use super::pipeline::{Config, Route};
 use super::reason::ReasonCode;
@@ -92,11 +92,10 @@ pub struct Report {
     pub on_own_cut: u64,
     /// Records not decided again: why -> their request ids.
     pub not_replayed: BTreeMap<String, Vec<String>>,
-    /// What the candidate spent so far, by the agent whose budget it counts against (`None`:
-    /// the global one): all of it, and what it spent beyond the record. A budget the candidate
-    /// names is charged as the window goes.
+    /// What the candidate spent so far, by the budget it counts against: all of it, and what
+    /// it spent beyond the record. A budget the candidate names is charged as the window goes.
     #[serde(skip)]
-    spent: BTreeMap<Option<String>, (f64, f64)>,
+    spent: BTreeMap<Owner, (f64, f64)>,
 }
 
 impl Report {
@@ -113,9 +112,8 @@ impl Report {
         // beyond the record where the record had the budget, all of it where it did not.
         let spent = &self.spent;
         let budgets = |b: &mut Budgets| {
-            b.limited_as(&candidate.budgets, |agent, had| {
-                let key = agent.map(String::from);
-                let (all, beyond) = spent.get(&key).copied().unwrap_or_default();
+            b.limited_as(&candidate.budgets, |owner, had| {
+                let (all, beyond) = spent.get(owner).copied().unwrap_or_default();
                 if had { beyond } else { all }
             });
         };
@@ -154,8 +152,8 @@ impl Report {
         self.replayed += 1;
         let before = Verdict::of(&record.decision);
         let after = Verdict::of(&after);
-        for key in [Some(record.request.agent.clone()), None] {
-            let (all, beyond) = self.spent.entry(key).or_default();
+        for owner in Owner::all_of(&record.request) {
+            let (all, beyond) = self.spent.entry(owner).or_default();
             *all = round_usd(*all + after.cost_usd);
             *beyond = round_usd(*beyond + after.cost_usd - before.cost_usd);
         }

@@ -129,6 +129,9 @@ pub struct Request {
     pub agent: String,
     #[serde(default)]
     pub task: String,
+    /// The team of the client whose key it bears (`[[client]] team`): its budget covers it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<String>,
     /// The model the caller asked for (part of the loop fingerprint; routing picks the provider).
     #[serde(default)]
     pub model: Option<String>,

@@ -220,11 +220,9 @@ mod tests {
 
     fn budget(limit: f64, spent: f64, reserved: f64) -> Budget {
         Budget {
-            limit_usd: limit,
             spent_usd: spent,
             reserved_usd: reserved,
-            refused_at_ms: None,
-            since_ms: None,
+            ..Budget::new(limit)
         }
     }
 

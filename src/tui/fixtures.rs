@@ -79,11 +79,8 @@ pub(crate) fn node_state(
     state.budgets.agents.insert(
         "support-bot".into(),
         Budget {
-            limit_usd: 5.0,
             spent_usd: 1.25,
-            reserved_usd: 0.0,
-            refused_at_ms: None,
-            since_ms: None,
+            ..Budget::new(5.0)
         },
     );
     Box::new(state)

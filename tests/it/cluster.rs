@@ -1982,7 +1982,7 @@ async fn every_decision_is_logged_and_replays_to_the_same_decision() {
         "agent broke",
         "admission: admitted",
         "loop check:",
-        "budget:",
+        "budget agent:broke:",
         "attempt 1",
         "excluded: BUDGET_EXHAUSTED",
         "ESCALATED",

@@ -313,6 +313,7 @@ pub(crate) fn decode(
         id: header(h, "x-request-id").map_or_else(new_id, String::from),
         agent: header(h, "x-oam-agent").unwrap_or(ANONYMOUS).to_string(),
         task: header(h, "x-oam-task").unwrap_or("").to_string(),
+        team: None,
         model: Some(server),
         messages: vec![Message {
             role: "tool".into(),

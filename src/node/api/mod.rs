@@ -262,6 +262,7 @@ impl Decoded {
                 .task
                 .or_else(|| header(h, "x-oam-task").map(String::from))
                 .unwrap_or_default(),
+            team: None,
             model: self.model,
             messages: messages_of(&self.turns),
             risk: match o.risk {

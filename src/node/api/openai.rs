@@ -727,6 +727,8 @@ mod tests {
         // A budget's refusal says what the attempt was estimated at beside what was left.
         d.shortfall = Some(crate::core::budget::Shortfall {
             agent: Some("bot".into()),
+            team: None,
+            task: None,
             estimate_usd: 0.0031,
             remaining_usd: 0.002,
             limit_usd: 0.002,
