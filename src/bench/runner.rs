@@ -3,6 +3,7 @@
 
 use super::load::{self as bench, LoadPlan, Through};
 use super::scenario::{self, Measured, Recovery, Run, Scenario};
+use crate::core::budget::Owner;
 use crate::core::chaos::{Inject, Restore};
 use crate::core::health::Verdict as Health;
 use crate::error::{Error, Kind, Result};
@@ -138,7 +139,7 @@ async fn set_budgets(
         .await
         .map_err(|e| unreachable(e.to_string()))?;
     for b in &s.budgets {
-        crate::transport::store::ledger::change(&store, Some(&b.agent), true, |l| {
+        crate::transport::store::ledger::change(&store, &Owner::agent(&b.agent), true, |l| {
             l.limit_usd = b.limit_usd;
             l.spent_usd = 0.0;
             l.holds.clear();
@@ -184,7 +185,7 @@ async fn settled_budgets(
     let deadline = Instant::now() + Duration::from_secs(10);
     for b in &s.budgets {
         while failed.is_none() {
-            match crate::transport::store::ledger::read(store, Some(&b.agent)).await {
+            match crate::transport::store::ledger::read(store, &Owner::agent(&b.agent)).await {
                 Ok(Some(l))
                     if l.held_usd(crate::clock::now_ms(), None) > 0.0
                         && Instant::now() < deadline =>
@@ -199,7 +200,9 @@ async fn settled_budgets(
             }
         }
         let _ = store
-            .delete(crate::transport::store::ledger::key(Some(&b.agent)))
+            .delete(crate::transport::store::ledger::key(&Owner::agent(
+                &b.agent,
+            )))
             .await;
     }
     failed.map_or(Ok(out), Err)

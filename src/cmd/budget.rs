@@ -1,6 +1,9 @@
 //! `oam budget list|set|reset|remove`: the cluster's shared budgets, as every node enforces
-//! them (the `oam-budgets` ledger, see `node::ledger`).
+//! them (the `oam-budgets` ledger, see `node::ledger`). A budget covers a scope: `global`,
+//! `team:NAME`, `agent:NAME` (a client key's id is its agent: `key:NAME` is the same budget),
+//! or `task:NAME`; a bare name is an agent's.
 
+use crate::core::budget::{OnExceeded, Override, Owner};
 use crate::core::ledger::Ledger;
 use crate::error::{Error, Kind, Result};
 use crate::transport::store::ledger::key;
@@ -17,22 +20,25 @@ pub struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
-    /// Every budget: limit, spent, held by attempts under way (per node), remaining.
+    /// Every budget: scope, limit (and an override under way), spent, held by attempts under
+    /// way (per node), remaining, what it does when exceeded, and audit-mode would-refusals.
     List(ListArgs),
-    /// Set a budget's limit (creating it): `oam budget set support-bot --limit 5`, or `--global`.
+    /// Set a budget (creating it): `oam budget set team:support --limit 50`, a temporary
+    /// `--override 80 --for 2h`, or `--on-exceeded audit` to try a limit without refusing.
     Set(SetArgs),
     /// Forget what a budget has spent (holds of attempts under way stay).
     Reset(Which),
-    /// Remove a budget: the agent (or everyone, `--global`) is no longer limited. A node
-    /// whose `oam.toml` names it puts it back when it starts.
+    /// Remove a budget: what it covered is no longer limited by it. A node whose `oam.toml`
+    /// names it puts it back when it starts.
     Remove(Which),
 }
 
 #[derive(clap::Args, Debug)]
 pub struct ListArgs {
-    /// One JSON array: {agent (null: global), limit_usd, spent_usd, held_usd, remaining_usd,
-    /// holds, refused (the exhaustion episode under way: at_ms, node, escalation,
-    /// estimate_usd, remaining_usd; null when none)}.
+    /// One JSON array: {scope, agent|team|task (null for global), limit_usd, override
+    /// ({limit_usd, until_ms}, while it stands), on_exceeded, would_refuse, spent_usd,
+    /// held_usd, remaining_usd, holds, refused (the exhaustion episode under way: at_ms,
+    /// node, escalation, estimate_usd, remaining_usd; null when none)}.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -41,11 +47,15 @@ pub struct ListArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct Which {
-    /// The agent whose budget it is.
-    #[arg(required_unless_present = "global")]
-    pub agent: Option<String>,
-    /// The global budget (every agent's spend together).
-    #[arg(long, conflicts_with = "agent")]
+    /// The budget: global, team:NAME, agent:NAME (or key:NAME, the same), task:NAME, or an
+    /// agent's bare name.
+    #[arg(required_unless_present_any = ["global", "scope"], value_parser = parse_owner)]
+    pub budget: Option<Owner>,
+    /// The same, named as a flag.
+    #[arg(long, conflicts_with = "budget", value_parser = parse_owner)]
+    pub scope: Option<Owner>,
+    /// The global budget (every request's spend together): `global`.
+    #[arg(long, conflicts_with_all = ["budget", "scope"])]
     pub global: bool,
     /// The budget as it is afterwards, as JSON.
     #[arg(long)]
@@ -54,13 +64,60 @@ pub struct Which {
     pub cluster: super::ClusterArgs,
 }
 
+impl Which {
+    fn owner(&self) -> Owner {
+        match (&self.budget, &self.scope) {
+            (Some(o), _) | (None, Some(o)) => o.clone(),
+            (None, None) => Owner::global(),
+        }
+    }
+}
+
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("change").multiple(true).required(true)
+    .args(["limit", "override_usd", "no_override", "on_exceeded"])))]
 pub struct SetArgs {
     #[command(flatten)]
     pub which: Which,
-    /// The limit in US dollars.
+    /// The limit in US dollars (needed to make a budget).
     #[arg(long, value_parser = parse_usd)]
-    pub limit: f64,
+    pub limit: Option<f64>,
+    /// A limit that stands in for the budget's own for `--for` (then the limit is its own
+    /// again, with no one to remember to undo it).
+    #[arg(long = "override", value_parser = parse_usd, requires = "override_for")]
+    pub override_usd: Option<f64>,
+    /// How long the override stands: e.g. 30m, 2h, 7d.
+    #[arg(long = "for", value_parser = super::audit::parse_age, requires = "override_usd")]
+    pub override_for: Option<u64>,
+    /// End an override under way.
+    #[arg(long, conflicts_with = "override_usd")]
+    pub no_override: bool,
+    /// What an attempt the budget cannot cover gets: refused (a high-risk one escalated),
+    /// escalated (refused and escalated, whatever its risk), or audit (let through, recorded
+    /// as BUDGET_WOULD_REFUSE and counted).
+    #[arg(long, value_enum)]
+    pub on_exceeded: Option<Mode>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum Mode {
+    Refuse,
+    Escalate,
+    Audit,
+}
+
+impl From<Mode> for OnExceeded {
+    fn from(m: Mode) -> Self {
+        match m {
+            Mode::Refuse => OnExceeded::Refuse,
+            Mode::Escalate => OnExceeded::Escalate,
+            Mode::Audit => OnExceeded::Audit,
+        }
+    }
+}
+
+fn parse_owner(s: &str) -> std::result::Result<Owner, super::BadValue> {
+    Owner::parse(s).map_err(super::BadValue)
 }
 
 fn parse_usd(s: &str) -> std::result::Result<f64, super::BadValue> {
@@ -81,8 +138,27 @@ pub async fn run(args: Args) -> Result<()> {
     match args.command {
         Command::List(a) => list(a).await,
         Command::Set(a) => {
-            let limit = a.limit;
-            change(a.which, true, move |l| l.limit_usd = limit).await
+            let now = crate::clock::now_ms();
+            let (limit, mode, no_override) = (a.limit, a.on_exceeded, a.no_override);
+            let lifted = a
+                .override_usd
+                .zip(a.override_for)
+                .map(|(usd, ms)| Override {
+                    limit_usd: usd,
+                    until_ms: now.saturating_add(ms),
+                });
+            change(a.which, limit.is_some(), move |l| {
+                if let Some(v) = limit {
+                    l.limit_usd = v;
+                }
+                if let Some(m) = mode {
+                    l.on_exceeded = m.into();
+                }
+                if lifted.is_some() || no_override {
+                    l.overridden = lifted;
+                }
+            })
+            .await
         }
         Command::Reset(w) => change(w, false, Ledger::reset_spent).await,
         Command::Remove(w) => remove(w).await,
@@ -108,10 +184,21 @@ pub(crate) async fn open_on(nats: &async_nats::Client) -> Result<kv::Store> {
         })
 }
 
+/// The override of `l` while it stands at `now`.
+fn standing(l: &Ledger, now: u64) -> Option<Override> {
+    l.overridden.filter(|o| now < o.until_ms)
+}
+
 fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
     serde_json::json!({
+        "scope": l.owner().to_string(),
         "agent": l.agent,
+        "team": l.team,
+        "task": l.task,
         "limit_usd": l.limit_usd,
+        "override": standing(l, now),
+        "on_exceeded": l.on_exceeded.as_str(),
+        "would_refuse": l.would_refuse,
         "spent_usd": l.spent_usd,
         "held_usd": l.held_usd(now, None),
         "remaining_usd": l.remaining_usd(now),
@@ -120,7 +207,7 @@ fn row_json(l: &Ledger, now: u64) -> serde_json::Value {
     })
 }
 
-/// Every budget record by key (`global`, `agent.{name}`), and what health probes cost by UTC
+/// Every budget record by key (`global`, `agent.{name}`, ...), and what health probes cost by UTC
 /// day. A record that is not a budget is said on stderr and left out.
 pub(crate) async fn read_all(
     store: &kv::Store,
@@ -143,8 +230,8 @@ async fn list(a: ListArgs) -> Result<()> {
     let store = open(&a.cluster, &super::Role::Viewer, "oam-budget-list").await?;
     let (ledgers, mut probe_days) = read_all(&store).await?;
     let mut ledgers: Vec<Ledger> = ledgers.into_values().collect();
-    // The global budget first, then agents by name.
-    ledgers.sort_by(|x, y| x.agent.cmp(&y.agent));
+    // Narrowest scope first (tasks, agents, teams, global), each by name.
+    ledgers.sort_by_key(Ledger::owner);
     let now = crate::clock::now_ms();
     let mut out = std::io::stdout().lock();
     probe_days.sort_by(|x, y| y.0.cmp(&x.0));
@@ -181,7 +268,7 @@ async fn list(a: ListArgs) -> Result<()> {
     if ledgers.is_empty() {
         writeln!(
             out,
-            "no budgets: nobody is limited (`oam budget set AGENT --limit 5` sets one)"
+            "no budgets: nobody is limited (`oam budget set team:NAME --limit 5` sets one)"
         )?;
         probes_said(&mut out)?;
         return Ok(());
@@ -195,12 +282,26 @@ async fn list(a: ListArgs) -> Result<()> {
                 .filter(|(_, h)| h.until_ms > now)
                 .map(|(n, h)| format!("{n} {}", usd(h.usd)))
                 .collect();
+            let limit = match standing(l, now) {
+                Some(o) => format!(
+                    "{} (own {}, for {})",
+                    usd(o.limit_usd),
+                    usd(l.limit_usd),
+                    super::audit::age(o.until_ms - now)
+                ),
+                None => usd(l.limit_usd),
+            };
+            let exceeded = match l.on_exceeded {
+                OnExceeded::Audit => format!("audit ({} would refuse)", l.would_refuse),
+                m => m.as_str().to_string(),
+            };
             vec![
-                l.agent.clone().unwrap_or_else(|| "(global)".into()),
-                usd(l.limit_usd),
+                l.owner().to_string(),
+                limit,
                 usd(l.spent_usd),
                 usd(l.held_usd(now, None)),
                 usd(l.remaining_usd(now)),
+                exceeded,
                 holds.join(", "),
             ]
         })
@@ -209,7 +310,15 @@ async fn list(a: ListArgs) -> Result<()> {
         out,
         "{}",
         super::table(
-            &["budget", "limit", "spent", "held", "remaining", "held by"],
+            &[
+                "budget",
+                "limit",
+                "spent",
+                "held",
+                "remaining",
+                "when exceeded",
+                "held by"
+            ],
             rows,
             false
         )
@@ -217,9 +326,10 @@ async fn list(a: ListArgs) -> Result<()> {
     // An exhaustion under way: why "remaining" is not enough, and what ends it.
     for l in &ledgers {
         if let Some(r) = &l.refused {
-            let (name, which) = match &l.agent {
-                Some(a) => (a.clone(), a.clone()),
-                None => ("the global budget".into(), "--global".into()),
+            let which = l.owner().to_string();
+            let name = match l.owner().kind {
+                crate::core::budget::Kind::Global => "the global budget".into(),
+                _ => which.clone(),
             };
             writeln!(
                 out,
@@ -241,15 +351,14 @@ async fn list(a: ListArgs) -> Result<()> {
 async fn change(w: Which, create: bool, f: impl Fn(&mut Ledger)) -> Result<()> {
     use crate::transport::store::ledger::ChangeError;
     let store = open(&w.cluster, &super::Role::Operator, "oam-budget").await?;
-    let agent = if w.global { None } else { w.agent.clone() };
-    let k = key(agent.as_deref());
-    match crate::transport::store::ledger::change(&store, agent.as_deref(), create, f).await {
+    let owner = w.owner();
+    let k = key(&owner);
+    match crate::transport::store::ledger::change(&store, &owner, create, f).await {
         Ok(ledger) => print_one(&ledger, w.json),
         Err(ChangeError::Missing) => Err(Error::new(
             Kind::Usage,
             anyhow::anyhow!(
-                "there is no budget {}; `oam budget set` makes one",
-                agent.as_deref().unwrap_or("(global)")
+                "there is no budget {owner}; `oam budget set {owner} --limit USD` makes one"
             ),
         )),
         Err(ChangeError::Unreadable(e)) => Err(Error::new(
@@ -264,18 +373,17 @@ async fn change(w: Which, create: bool, f: impl Fn(&mut Ledger)) -> Result<()> {
 
 async fn remove(w: Which) -> Result<()> {
     let store = open(&w.cluster, &super::Role::Operator, "oam-budget").await?;
-    let agent = if w.global { None } else { w.agent.clone() };
-    let k = key(agent.as_deref());
+    let owner = w.owner();
+    let k = key(&owner);
     let exists = store
         .get(&k)
         .await
         .map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{k}: {e}")))?
         .is_some();
-    let name = agent.as_deref().unwrap_or("(global)");
     if !exists {
         return Err(Error::new(
             Kind::Usage,
-            anyhow::anyhow!("there is no budget {name}"),
+            anyhow::anyhow!("there is no budget {owner}"),
         ));
     }
     store
@@ -287,10 +395,10 @@ async fn remove(w: Which) -> Result<()> {
         writeln!(
             out,
             "{}",
-            serde_json::json!({"removed": agent, "global": w.global})
+            serde_json::json!({"removed": owner.to_string(), "agent": (owner.kind == crate::core::budget::Kind::Agent).then_some(&owner.name), "global": owner.kind == crate::core::budget::Kind::Global})
         )?;
     } else {
-        writeln!(out, "removed the budget {name}: no longer limited")?;
+        writeln!(out, "removed the budget {owner}: no longer limited by it")?;
     }
     Ok(())
 }
@@ -302,14 +410,23 @@ fn print_one(l: &Ledger, json: bool) -> Result<()> {
     if json {
         writeln!(out, "{}", row_json(l, now))?;
     } else {
+        let lifted = match standing(l, now) {
+            Some(o) => format!(
+                " (overridden to {} for {})",
+                dollars(o.limit_usd, 4),
+                super::audit::age(o.until_ms - now)
+            ),
+            None => String::new(),
+        };
         writeln!(
             out,
-            "{}: limit {}, spent {}, held {}, remaining {}",
-            l.agent.as_deref().unwrap_or("(global)"),
+            "{}: limit {}{lifted}, spent {}, held {}, remaining {}, when exceeded: {}",
+            l.owner(),
             dollars(l.limit_usd, 4),
             dollars(l.spent_usd, 4),
             dollars(l.held_usd(now, None), 4),
-            dollars(l.remaining_usd(now), 4)
+            dollars(l.remaining_usd(now), 4),
+            l.on_exceeded.as_str()
         )?;
     }
     Ok(())

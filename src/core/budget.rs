@@ -182,6 +182,14 @@ pub struct Budget {
     pub on_exceeded: OnExceeded,
     #[serde(default, rename = "override", skip_serializing_if = "Option::is_none")]
     pub overridden: Option<Override>,
+    /// In audit mode: how many attempts the cluster's ledger granted past the limit since the
+    /// last reset (mirrored from it, to show).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub would_refuse: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// Why a budget refused: what the attempt was estimated to cost beside what the budget had
@@ -239,6 +247,7 @@ impl Budget {
             since_ms: None,
             on_exceeded: OnExceeded::Refuse,
             overridden: None,
+            would_refuse: 0,
         }
     }
 
@@ -338,14 +347,17 @@ impl Budgets {
     }
 
     /// Every budget, narrowest kind first, by name.
-    pub fn iter(&self) -> impl Iterator<Item = (Owner, &Budget)> {
-        Kind::ALL.into_iter().flat_map(move |k| {
-            let listed: Box<dyn Iterator<Item = (Owner, &Budget)>> = match self.map(k) {
-                Some(m) => Box::new(m.iter().map(move |(n, b)| (Owner::new(k, n), b))),
-                None => Box::new(self.global.iter().map(|b| (Owner::global(), b))),
-            };
-            listed
-        })
+    pub fn iter(&self) -> impl Iterator<Item = (Owner, &Budget)> + Send {
+        fn named(
+            kind: Kind,
+            m: &BTreeMap<String, Budget>,
+        ) -> impl Iterator<Item = (Owner, &Budget)> + Send {
+            m.iter().map(move |(n, b)| (Owner::new(kind, n), b))
+        }
+        named(Kind::Task, &self.tasks)
+            .chain(named(Kind::Agent, &self.agents))
+            .chain(named(Kind::Team, &self.teams))
+            .chain(self.global.iter().map(|b| (Owner::global(), b)))
     }
 
     pub fn is_empty(&self) -> bool {

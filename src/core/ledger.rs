@@ -318,6 +318,7 @@ impl Ledger {
             since_ms: self.since_ms,
             on_exceeded: self.on_exceeded,
             overridden: self.overridden,
+            would_refuse: self.would_refuse,
         }
     }
 }

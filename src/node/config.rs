@@ -65,12 +65,20 @@
 //! key_env = "OAM_KEY_SUPPORT_BOT"   # the key is read from this variable (16 characters or more)
 //! rpm = 100                   # optional: requests and tokens per minute, held across the
 //! tpm = 200000                # cluster (over either: 429 with Retry-After)
+//! team = "support"            # optional: the team's budget covers its requests too
 //!
 //! [rate_limits.batch-job]     # the same limits for an agent that names itself (no key)
 //! rpm = 20
 //!
 //! [budgets.agents.support-bot]  # seeds the cluster's shared ledger if it has no such budget;
-//! limit_usd = 5.0                # after that `oam budget set/reset` manage it
+//! limit_usd = 5.0                # after that `oam budget set/reset` manage it. A request is
+//!                                # charged to every budget that covers it: its task's
+//! [budgets.teams.support]        # (`budgets.tasks.NAME`, the request's x-oam-task), its
+//! limit_usd = 50.0               # agent's (a key's id), its team's and the global one
+//! on_exceeded = "audit"          # "refuse" (default), "escalate" (whatever the risk), or
+//!                                # "audit": let through, recorded as BUDGET_WOULD_REFUSE
+//! [budgets.global]
+//! limit_usd = 200.0
 //!
 //! [escalations]               # where a human hears of an escalation
 //! webhook_url = "https://hooks.example.com/oam"   # POSTed {"node", "escalation"} as JSON
@@ -524,6 +532,10 @@ pub(crate) struct ClientConfig {
     /// for any run of characters and `?` for one (`tickets__*`). None: every tool; empty: none.
     #[serde(default)]
     pub tools: Option<Vec<String>>,
+    /// The team it belongs to: the team's budget (`[budgets.teams.NAME]`, `oam budget set
+    /// team:NAME`) covers every request it makes, beside its own.
+    #[serde(default)]
+    pub team: Option<String>,
 }
 
 /// The tools a client may use (`[[client]] tools`), and the revision of that list, which each
@@ -599,6 +611,11 @@ impl NodeConfig {
             patterns,
             revision: format!("{hash:016x}"),
         })
+    }
+
+    /// The team of client `id`, if it has one.
+    pub(crate) fn team_of(&self, id: &str) -> Option<&str> {
+        self.clients.iter().find(|c| c.id == id)?.team.as_deref()
     }
 
     pub(crate) fn client_with_key(&self, presented: &str) -> Option<&str> {
@@ -1107,7 +1124,7 @@ impl NodeConfig {
     /// budgets set while a target has no price (its calls cost $0 and never count against
     /// them). A fallback marked as such is free on purpose and not named.
     pub(crate) fn warnings(&self) -> Vec<String> {
-        let budgeted = self.budgets.global.is_some() || !self.budgets.agents.is_empty();
+        let budgeted = !self.budgets.is_empty();
         if !budgeted {
             return Vec::new();
         }

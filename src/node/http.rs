@@ -137,14 +137,16 @@ async fn chaos(State(node): State<Arc<Node>>, body: axum::body::Bytes) -> Respon
 }
 
 /// `GET /v1/oam/state`: the node's snapshot. With `[[client]]` keys configured, a caller
-/// without one of them gets it without what names a client (each client's budget, its limit
-/// and spend, and loop episodes): the cluster, targets, bulkheads and counters only.
+/// without one of them gets it without what names a client (each agent's, team's and task's
+/// budget, its limit and spend, and loop episodes): the cluster, targets, bulkheads and counters only.
 async fn state(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
     let mut s = super::status::snapshot(&node);
     let keyed = super::request::presented_key(&headers)
         .is_some_and(|key| node.cfg.client_with_key(key).is_some());
     if !node.cfg.client_keys.is_empty() && !keyed {
         s.budgets.agents.clear();
+        s.budgets.teams.clear();
+        s.budgets.tasks.clear();
         s.loops.clear();
     }
     axum::Json(s).into_response()

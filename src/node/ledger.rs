@@ -1,5 +1,6 @@
 //! The node's side of the shared budget ledger (`core::ledger`), kept in the JetStream KV bucket
-//! `oam-budgets`: one key per budget (`global`, `agent.{name}`).
+//! `oam-budgets`: one key per budget (`global`, `agent.{name}`, `team.{name}`, `task.{name}`).
+//! A request holds and is charged in every budget that covers it.
 //!
 //! Each node holds a *share* of each budget in the ledger (escrow): its hold there, taken in
 //! one write and drawn on locally. Before an attempt a budget applies to, the driver asks
@@ -38,7 +39,7 @@ use super::chaos::Chaos;
 use super::metrics::{Kind, Registry};
 use super::pipeline::Pipeline;
 use crate::clock::now_ms;
-use crate::core::budget::{Budget, Shortfall};
+use crate::core::budget::{self, Owner, Shortfall};
 use crate::core::escalation::Escalation;
 use crate::core::ledger::{Ledger, Refused};
 use crate::core::pipeline::{Engine, Session, Step};
@@ -192,6 +193,8 @@ const BATCH_MAX: usize = 512;
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub(crate) enum Ruling {
     Held,
+    /// Held, though a budget in audit mode could not cover it (`BUDGET_WOULD_REFUSE`).
+    Audited,
     Refused(ReasonCode),
     Unreachable,
 }
@@ -199,9 +202,8 @@ pub(crate) enum Ruling {
 /// A granted hold an attempt carries until it settles.
 #[derive(Clone, Debug)]
 pub(crate) struct Hold {
-    /// Which budgets hold it (the agent's, the global one); none when spent on the local share.
-    agent_key: Option<String>,
-    global: bool,
+    /// The keys of the budgets that hold it (every budget that covers the request).
+    keys: Vec<String>,
     usd: f64,
     /// Spent on the node's local share, not held in the ledger.
     local: bool,
@@ -209,8 +211,7 @@ pub(crate) struct Hold {
 
 enum LedgerOp {
     Reserve {
-        agent_key: Option<String>,
-        global: bool,
+        keys: Vec<String>,
         usd: f64,
         reply: oneshot::Sender<Ruling>,
     },
@@ -235,11 +236,12 @@ enum LedgerOp {
 
 /// A reservation in a batch and, once applied, its answer.
 struct Ask {
-    agent_key: Option<String>,
-    global: bool,
+    keys: Vec<String>,
     usd: f64,
     reply: oneshot::Sender<Ruling>,
     answer: Ruling,
+    /// A budget in audit mode granted it past its limit.
+    audited: bool,
     /// The shares it drew on (given back if it is not granted).
     drew: Vec<String>,
 }
@@ -275,6 +277,8 @@ pub(crate) struct LedgerCounters {
     pub from_escrow: AtomicU64,
     /// Settlements of this node's earlier runs applied from their records (`reconcile`).
     pub from_records: AtomicU64,
+    /// Reservations a budget in audit mode granted past its limit (`BUDGET_WOULD_REFUSE`).
+    pub would_refuse: AtomicU64,
 }
 
 impl LedgerCounters {
@@ -403,20 +407,8 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Mirror a ledger into the engine's budgets as `node` sees it (its own reservations it keeps).
-fn mirror_into(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now: u64) {
-    let slot = match agent {
-        Some(a) => e
-            .state
-            .budgets
-            .agents
-            .entry(a.to_string())
-            .or_insert_with(|| Budget::new(l.limit_usd)),
-        None => e
-            .state
-            .budgets
-            .global
-            .get_or_insert_with(|| Budget::new(l.limit_usd)),
-    };
+fn mirror_into(e: &mut Engine, node: &str, owner: &Owner, l: &Ledger, now: u64) {
+    let slot = e.state.budgets.entry(owner, l.limit_usd);
     let marked = slot.refused_at_ms;
     *slot = l.view_for(node, now, slot.reserved_usd);
     // This engine escalated an exhaustion a moment ago and its claim is on the way: until the
@@ -428,13 +420,13 @@ fn mirror_into(e: &mut Engine, node: &str, agent: Option<&str>, l: &Ledger, now:
     }
 }
 
-/// The keys of the budgets a reservation is held in: its agent's, then the global one.
-fn budget_keys(agent_key: Option<&String>, global: bool) -> Vec<String> {
-    agent_key
-        .cloned()
+/// The kind of budget key `k` names (`team.x`: a team's).
+fn kind_of(k: &str) -> budget::Kind {
+    let kind = k.split_once('.').map_or(k, |(kind, _)| kind);
+    budget::Kind::ALL
         .into_iter()
-        .chain(global.then(|| key(None)))
-        .collect()
+        .find(|x| x.as_str() == kind)
+        .unwrap_or(budget::Kind::Global)
 }
 
 /// How long an engine's own mark of an exhaustion episode stands without the ledger's.
@@ -454,26 +446,27 @@ impl Ledgers {
         flight: &mut super::request::Flight,
         usd: f64,
     ) -> Option<Step> {
-        let agent = flight.session.request().agent.clone();
         let risk = flight.session.request().risk;
-        let (agent_key, global) = self.pipeline.with(|e| {
-            let b = &e.state.budgets;
-            (
-                b.agents.contains_key(&agent).then(|| key(Some(&agent))),
-                b.global.is_some(),
-            )
+        // Every budget that covers the request: its key, and its limit now (for the local share).
+        let now = now_ms();
+        let covering: Vec<(String, f64)> = self.pipeline.with(|e| {
+            let request = flight.session.request();
+            e.state
+                .budgets
+                .covering(request)
+                .map(|(k, n, b)| (key(&Owner::new(k, n)), b.limit_at(now)))
+                .collect()
         });
-        let keys = budget_keys(agent_key.as_ref(), global);
+        let keys: Vec<String> = covering.iter().map(|(k, _)| k.clone()).collect();
         let answer = if self.bus.isolated() {
             Ruling::Unreachable
-        } else if self.draw(&keys, usd, now_ms()) {
+        } else if self.draw(&keys, usd, now) {
             self.counters.from_escrow.fetch_add(1, Ordering::Relaxed);
             Ruling::Held
         } else {
             let (reply, rx) = oneshot::channel();
             let op = LedgerOp::Reserve {
-                agent_key: agent_key.clone(),
-                global,
+                keys: keys.clone(),
                 usd,
                 reply,
             };
@@ -484,11 +477,16 @@ impl Ledgers {
         };
         let c = &self.counters;
         let code = match answer {
-            Ruling::Held => {
+            Ruling::Held | Ruling::Audited => {
                 c.held.fetch_add(1, Ordering::Relaxed);
+                if answer == Ruling::Audited {
+                    c.would_refuse.fetch_add(1, Ordering::Relaxed);
+                    flight.call(crate::core::record::Call::Note {
+                        code: ReasonCode::BudgetWouldRefuse,
+                    });
+                }
                 flight.hold = Some(Hold {
-                    agent_key,
-                    global,
+                    keys,
                     usd,
                     local: false,
                 });
@@ -500,16 +498,13 @@ impl Ledgers {
             }
             Ruling::Unreachable => {
                 c.unreachable.fetch_add(1, Ordering::Relaxed);
-                if risk != Risk::High
-                    && self.take_local_share(&agent, agent_key.as_deref(), global, usd)
-                {
+                if risk != Risk::High && self.take_local_share(&covering, usd) {
                     c.local_share.fetch_add(1, Ordering::Relaxed);
                     flight.call(crate::core::record::Call::Note {
                         code: ReasonCode::BudgetLocalShare,
                     });
                     flight.hold = Some(Hold {
-                        agent_key,
-                        global,
+                        keys,
                         usd,
                         local: true,
                     });
@@ -621,37 +616,20 @@ impl Ledgers {
         back
     }
 
-    /// Take `usd` from this node's local share of each budget that applies, if every one
-    /// covers it.
-    fn take_local_share(
-        &self,
-        agent: &str,
-        agent_key: Option<&str>,
-        global: bool,
-        usd: f64,
-    ) -> bool {
-        let (cluster, limits) = self.pipeline.with(|e| {
-            let b = &e.state.budgets;
-            let limits: Vec<(String, f64)> = agent_key
-                .map(|k| {
-                    (
-                        k.to_string(),
-                        b.agents.get(agent).map_or(0.0, |x| x.limit_usd),
-                    )
-                })
-                .into_iter()
-                .chain(global.then(|| (key(None), b.global.map_or(0.0, |x| x.limit_usd))))
-                .collect();
-            (e.state.cluster.effective_size(now_ms()).max(1), limits)
-        });
+    /// Take `usd` from this node's local share of each budget in `covering` (key, limit), if
+    /// every one covers it.
+    fn take_local_share(&self, covering: &[(String, f64)], usd: f64) -> bool {
+        let cluster = self
+            .pipeline
+            .with(|e| e.state.cluster.effective_size(now_ms()).max(1));
         let mut share = lock(&self.share);
-        let fits = limits.iter().all(|(k, limit)| {
+        let fits = covering.iter().all(|(k, limit)| {
             let used = share.get(k).copied().unwrap_or(0.0);
             used + usd <= limit / cluster as f64 + 1e-9
         });
         if fits {
-            for (k, _) in limits {
-                let used = share.entry(k).or_insert(0.0);
+            for (k, _) in covering {
+                let used = share.entry(k.clone()).or_insert(0.0);
                 *used = round_usd(*used + usd);
             }
         }
@@ -664,7 +642,7 @@ impl Ledgers {
     /// The charge it makes, numbered for this holder (none when nothing was spent), and the
     /// settlement, which goes to the ledger when it is dropped (`Unsent`).
     pub(crate) fn settle(&self, hold: Hold, actual_usd: f64) -> Option<(Charge, Unsent)> {
-        let keys = budget_keys(hold.agent_key.as_ref(), hold.global);
+        let keys = hold.keys;
         let reserved_usd = if hold.local { 0.0 } else { actual_usd };
         if !hold.local {
             self.undraw(&keys, hold.usd, actual_usd);
@@ -721,24 +699,17 @@ impl Ledgers {
             remaining_usd: sf.remaining_usd,
         };
         let op = LedgerOp::Claim {
-            key: key(sf.agent.as_deref()),
+            key: key(&sf.owner()),
             refused,
             escalation: Box::new(e.clone()),
         };
         self.tx.send(op).is_ok()
     }
 
-    /// The agent a key names, as the engine knows it (the global key names none).
-    fn agent_of(&self, k: &str) -> Option<String> {
-        let token = k.strip_prefix("agent.")?;
-        self.pipeline.with(|e| {
-            e.state
-                .budgets
-                .agents
-                .keys()
-                .find(|a| crate::transport::store::token(a) == token)
-                .cloned()
-        })
+    /// Whose budget key `k` is, as the engine knows it.
+    fn owner_of(&self, k: &str) -> Option<Owner> {
+        self.pipeline
+            .with(|e| e.state.budgets.iter().map(|(o, _)| o).find(|o| key(o) == k))
     }
 
     /// Mirror revision `revision` of key `k` into the engine unless a newer one is there already
@@ -765,8 +736,9 @@ impl Ledgers {
         }
         if !self.chaos.drained(l.agent.as_deref()) {
             let now = now_ms();
+            let owner = l.owner();
             self.pipeline
-                .with(|e| mirror_into(e, &self.holder(), l.agent.as_deref(), l, now));
+                .with(|e| mirror_into(e, &self.holder(), &owner, l, now));
         }
     }
 }
@@ -800,21 +772,15 @@ impl Keeper {
     /// the truth once they are: limits changed by `oam budget set` and what was spent survive a
     /// restart), and mirror what the ledger holds.
     async fn seed_ledger(&self, store: &kv::Store) {
-        let configured: Vec<(Option<String>, f64)> = self
-            .node
-            .cfg
-            .budgets
-            .agents
-            .iter()
-            .map(|(a, b)| (Some(a.clone()), b.limit_usd))
-            .chain(self.node.cfg.budgets.global.map(|b| (None, b.limit_usd)))
-            .collect();
-        for (agent, limit) in configured {
-            let k = key(agent.as_deref());
+        let configured: Vec<(Owner, budget::Budget)> =
+            self.node.cfg.budgets.iter().map(|(o, b)| (o, *b)).collect();
+        for (owner, b) in configured {
+            let k = key(&owner);
             let record = Ledger {
-                agent: agent.clone(),
                 since_ms: Some(now_ms()),
-                ..Ledger::new(limit)
+                on_exceeded: b.on_exceeded,
+                overridden: b.overridden,
+                ..Ledger::of(&owner, b.limit_usd)
             };
             let Ok(bytes) = serde_json::to_vec(&record) else {
                 continue;
@@ -981,58 +947,48 @@ impl Keeper {
             }
             return settles;
         };
-        // Phase 1: agents' reservations (drawn on this node's escrow, what it lacks asked of
-        // the ledger) and every settlement; phase 2: the global budget for the reservations
-        // phase 1 granted. A reservation not granted gives back what it drew.
+        // Phase 1: every settlement, and reservations in the narrowest kind of budget (drawn
+        // on this node's escrow, what it lacks asked of the ledger); then each wider kind in
+        // turn for the reservations the narrower granted. A reservation not granted gives back
+        // what it drew.
         let (parts, now) = (ledgers.share_parts(), now_ms());
-        ledgers.draw_escrow(
-            &mut phase1,
-            &mut reserves,
-            |a| a.agent_key.clone(),
-            parts,
-            now,
-        );
         let mut failed: Vec<String> = Vec::new();
-        self.apply_keys(
-            &store,
-            phase1,
-            &mut reserves,
-            &mut failed,
-            held,
-            ReasonCode::BudgetExhausted,
-        )
-        .await;
-        let mut phase2 = Plan::new();
-        ledgers.draw_escrow(
-            &mut phase2,
-            &mut reserves,
-            |a| a.global.then(|| key(None)),
-            parts,
-            now,
-        );
-        if !phase2.is_empty() {
-            self.apply_keys(
-                &store,
-                phase2,
-                &mut reserves,
-                &mut failed,
-                held,
-                ReasonCode::GlobalBudgetExhausted,
-            )
-            .await;
+        for (i, kind) in budget::Kind::ALL.into_iter().enumerate() {
+            let mut phase = if i == 0 {
+                std::mem::take(&mut phase1)
+            } else {
+                Plan::new()
+            };
+            let key_of = |a: &Ask| a.keys.iter().find(|k| kind_of(k) == kind).cloned();
+            ledgers.draw_escrow(&mut phase, &mut reserves, key_of, parts, now);
+            if !phase.is_empty() {
+                self.apply_keys(
+                    &store,
+                    phase,
+                    &mut reserves,
+                    &mut failed,
+                    held,
+                    kind.refusal(),
+                )
+                .await;
+            }
         }
         ledgers.failing.store(!failed.is_empty(), Ordering::Relaxed);
         for r in reserves {
             if r.answer != Ruling::Held {
                 ledgers.undraw(&r.drew, r.usd, 0.0);
             }
+            let answer = if r.answer == Ruling::Held && r.audited {
+                Ruling::Audited
+            } else {
+                r.answer
+            };
             // A request that went away meanwhile (its caller gave up) never uses what was held
             // for it: give it back, or the node would renew that hold for as long as it lives.
-            if r.reply.send(r.answer).is_err() && r.answer == Ruling::Held {
+            if r.reply.send(answer).is_err() && r.answer == Ruling::Held {
                 let _ = ledgers.settle(
                     Hold {
-                        agent_key: r.agent_key,
-                        global: r.global,
+                        keys: r.keys,
                         usd: r.usd,
                         local: false,
                     },
@@ -1115,11 +1071,13 @@ impl Keeper {
         for (k, changes) in by_key {
             match self.cas(store, &k, &changes).await {
                 Some((ledger, granted, revision)) => {
-                    for ((i, _), ok) in changes.iter().zip(granted) {
-                        if let Some(i) = i
-                            && !ok
-                        {
-                            reserves[*i].answer = Ruling::Refused(refusal);
+                    for ((i, _), grant) in changes.iter().zip(granted) {
+                        if let Some(i) = i {
+                            match grant {
+                                Grant::No => reserves[*i].answer = Ruling::Refused(refusal),
+                                Grant::PastLimit => reserves[*i].audited = true,
+                                Grant::Yes => {}
+                            }
                         }
                     }
                     let mine = ledger
@@ -1150,7 +1108,7 @@ impl Keeper {
         store: &kv::Store,
         k: &str,
         changes: &[(Option<usize>, LedgerChange)],
-    ) -> Option<(Ledger, Vec<bool>, u64)> {
+    ) -> Option<(Ledger, Vec<Grant>, u64)> {
         // Every write reads the record first, as fresh as the store has it. The watch's copy
         // saved that round trip, but on a busy machine it is a few milliseconds behind the
         // others' writes: at 5 nodes 6% of all writes conflicted on it. Writes are few (one
@@ -1172,18 +1130,18 @@ impl Keeper {
                     }
                 }
                 other => {
-                    // No record (yet, or removed): the engine's limit starts one.
-                    let agent = self.node.ledger.agent_of(k);
-                    let limit = self.node.pipeline.with(|e| match &agent {
-                        Some(a) => e.state.budgets.agents.get(a).map(|b| b.limit_usd),
-                        None => e.state.budgets.global.map(|b| b.limit_usd),
-                    });
-                    let limit = limit?;
+                    // No record (yet, or removed): the engine's budget starts one.
+                    let owner = self.node.ledger.owner_of(k)?;
+                    let b = self
+                        .node
+                        .pipeline
+                        .with(|e| e.state.budgets.get(owner.kind, &owner.name).copied())?;
                     (
                         Ledger {
-                            agent,
                             since_ms: Some(now_ms()),
-                            ..Ledger::new(limit)
+                            on_exceeded: b.on_exceeded,
+                            overridden: b.overridden,
+                            ..Ledger::of(&owner, b.limit_usd)
                         },
                         other.map(|e| e.revision),
                     )
@@ -1288,14 +1246,9 @@ async fn watch(node: Arc<Node>, store: kv::Store, stop: CancellationToken) {
                     node.ledger.mirror(&entry.key, entry.revision, &l);
                 }
                 kv::Operation::Delete | kv::Operation::Purge => {
-                    let agent = node.ledger.agent_of(&entry.key);
-                    node.pipeline.with(|e| match agent {
-                        Some(a) => {
-                            e.state.budgets.agents.remove(&a);
-                        }
-                        None if entry.key == key(None) => e.state.budgets.global = None,
-                        None => {}
-                    });
+                    if let Some(owner) = node.ledger.owner_of(&entry.key) {
+                        node.pipeline.with(|e| e.state.budgets.remove(&owner));
+                    }
                 }
             }
         }
@@ -1320,17 +1273,12 @@ fn plan(
     let mut settles: Vec<LedgerOp> = Vec::new();
     for op in batch {
         match op {
-            LedgerOp::Reserve {
-                agent_key,
-                global,
-                usd,
-                reply,
-            } => reserves.push(Ask {
-                agent_key,
-                global,
+            LedgerOp::Reserve { keys, usd, reply } => reserves.push(Ask {
+                keys,
                 usd,
                 reply,
                 answer: Ruling::Held,
+                audited: false,
                 drew: Vec::new(),
             }),
             LedgerOp::Settle {
@@ -1415,31 +1363,47 @@ fn draw(
     }
 }
 
+/// Whether a record granted one change.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Grant {
+    Yes,
+    No,
+    /// Past the limit, by a budget in audit mode.
+    PastLimit,
+}
+
 /// Apply one key's changes to its record, in order, as `holder` at `now`: whether each was
-/// granted (a settlement and a renewal always are).
+/// granted (a settlement always is).
 fn apply_changes(
     ledger: &mut Ledger,
     holder: &str,
     changes: &[(Option<usize>, LedgerChange)],
     now: u64,
     lease_ms: u64,
-) -> Vec<bool> {
+) -> Vec<Grant> {
+    let yes = |ok: bool| if ok { Grant::Yes } else { Grant::No };
     changes
         .iter()
         .map(|(_, c)| match *c {
-            LedgerChange::Reserve(usd) => ledger.reserve(holder, usd, now, lease_ms),
+            LedgerChange::Reserve(usd) => {
+                let before = ledger.would_refuse;
+                match ledger.reserve(holder, usd, now, lease_ms) {
+                    true if ledger.would_refuse > before => Grant::PastLimit,
+                    ok => yes(ok),
+                }
+            }
             LedgerChange::Settle(r, a, Some(seq)) => {
                 ledger.settle_once(holder, seq, r, a, now);
-                true
+                Grant::Yes
             }
             LedgerChange::Settle(r, a, None) => {
                 ledger.settle(holder, r, a, now);
-                true
+                Grant::Yes
             }
-            LedgerChange::Renew => ledger.renew(holder, now, lease_ms),
+            LedgerChange::Renew => yes(ledger.renew(holder, now, lease_ms)),
             LedgerChange::Extra { parts, cap } => {
                 let usd = ledger.share_extra(now, parts, cap);
-                usd <= 0.0 || ledger.reserve(holder, usd, now, lease_ms)
+                yes(usd <= 0.0 || ledger.reserve(holder, usd, now, lease_ms))
             }
         })
         .collect()
@@ -1469,12 +1433,17 @@ mod tests {
 
     fn reserve(agent_key: Option<&str>, global: bool, usd: f64) -> LedgerOp {
         let (reply, _) = oneshot::channel();
-        LedgerOp::Reserve {
-            agent_key: agent_key.map(String::from),
-            global,
-            usd,
-            reply,
-        }
+        let keys = agent_key
+            .map(String::from)
+            .into_iter()
+            .chain(global.then(|| "global".to_string()))
+            .collect();
+        LedgerOp::Reserve { keys, usd, reply }
+    }
+
+    /// An ask's key of `kind`.
+    fn of_kind(kind: budget::Kind) -> impl Fn(&Ask) -> Option<String> {
+        move |a| a.keys.iter().find(|k| kind_of(k) == kind).cloned()
     }
 
     #[test]
@@ -1554,7 +1523,7 @@ mod tests {
             reserve(None, true, 0.25),
         ];
         let back = [("agent.b".to_string(), 0.3)];
-        let (reserves, plan, settles) = plan(batch, &[key(None)], &back);
+        let (reserves, plan, settles) = plan(batch, &["global".to_string()], &back);
         assert_eq!(reserves.len(), 2);
         assert!(reserves.iter().all(|r| r.answer == Ruling::Held));
         assert_eq!(
@@ -1597,7 +1566,7 @@ mod tests {
             &mut escrow,
             &mut phase1,
             &mut asks,
-            |a| a.agent_key.clone(),
+            of_kind(budget::Kind::Agent),
             8,
             7,
             true,
@@ -1637,7 +1606,7 @@ mod tests {
         // The ledger refused the second: the global phase asks only for the others.
         asks[1].answer = Ruling::Refused(ReasonCode::BudgetExhausted);
         let mut phase2 = Plan::new();
-        let global = |a: &Ask| a.global.then(|| key(None));
+        let global = of_kind(budget::Kind::Global);
         draw(&mut escrow, &mut phase2, &mut asks, global, 8, 7, true);
         assert_eq!(
             phase2["global"],
@@ -1668,7 +1637,7 @@ mod tests {
             &mut escrow,
             &mut again,
             &mut asks,
-            |a| a.agent_key.clone(),
+            of_kind(budget::Kind::Agent),
             8,
             500,
             true,
@@ -1691,7 +1660,7 @@ mod tests {
             &mut escrow,
             &mut later,
             &mut asks,
-            |a| a.agent_key.clone(),
+            of_kind(budget::Kind::Agent),
             8,
             5_000,
             true,
@@ -1711,7 +1680,7 @@ mod tests {
             &mut escrow,
             &mut untrusted,
             &mut asks,
-            |a| a.agent_key.clone(),
+            of_kind(budget::Kind::Agent),
             8,
             7,
             false,
@@ -1734,7 +1703,10 @@ mod tests {
             (None, LedgerChange::Renew),
         ];
         let granted = apply_changes(&mut l, "n1#r", &changes, now, lease);
-        assert_eq!(granted, vec![true, false, true, true, true]);
+        assert_eq!(
+            granted,
+            [Grant::Yes, Grant::No, Grant::Yes, Grant::Yes, Grant::Yes]
+        );
         assert!((l.remaining_usd(now) - 0.2).abs() < 1e-9, "{l:?}");
     }
 
@@ -1762,7 +1734,7 @@ mod tests {
         let (node, services) = Node::new("n1".into(), cfg, nats).expect("a node");
         let mut keeper = Keeper::new(services.ledger, node.clone());
         let store = keeper.ledger_store().await.expect("the ledger's bucket");
-        let k = key(Some("a"));
+        let k = key(&Owner::agent("a"));
 
         // Another node wrote since the record was made: it holds 0.8 of the 1.0.
         let seen = store.create(&k, record(1.0, &[])).await.expect("created");
@@ -1778,7 +1750,7 @@ mod tests {
             .expect("written");
         assert_eq!(
             granted,
-            [false],
+            [Grant::No],
             "0.5 more would pass the limit with the other node's 0.8"
         );
         assert!(revision > won, "written after the winner, not over it");
@@ -1789,7 +1761,7 @@ mod tests {
             .cas(&store, &k, &reserve(0.15))
             .await
             .expect("written");
-        assert_eq!(granted, [true]);
+        assert_eq!(granted, [Grant::Yes]);
         let stored: Ledger =
             serde_json::from_slice(&store.get(&k).await.expect("read").expect("a record"))
                 .expect("a ledger");

@@ -57,6 +57,7 @@ pub(crate) fn to_request(
     if let Some(id) = client {
         // Who holds the key is who calls, whatever the request says.
         r.0.agent = id.to_string();
+        r.0.team = node.cfg.team_of(id).map(String::from);
     }
     Ok(r)
 }

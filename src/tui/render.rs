@@ -762,20 +762,31 @@ fn render_bulkheads(f: &mut Frame, area: Rect, app: &App, now_ms: u64) {
 fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
     let mut lines: Vec<Line> = Vec::new();
     if let Some(state) = app.reference(now_ms) {
-        for (agent, b) in &state.budgets.agents {
-            let left = (b.limit_usd - b.spent_usd - b.reserved_usd).max(0.0);
-            let style = if left <= 0.0 {
+        use crate::core::budget::OnExceeded;
+        let usd = |v: f64| crate::core::request::dollars(v, 4);
+        for (owner, b) in state.budgets.iter() {
+            let left = b.remaining_usd(now_ms);
+            let style = if left <= 0.0 && b.on_exceeded != OnExceeded::Audit {
                 Style::default().fg(Color::Red)
             } else {
                 Style::default()
             };
-            lines.push(Line::styled(
-                format!(
-                    "budget {agent}: {} left",
-                    crate::core::request::dollars(left, 4)
-                ),
-                style,
-            ));
+            let mut line = format!("budget {owner}: {} left", usd(left));
+            if let Some(o) = b.overridden.filter(|o| now_ms < o.until_ms) {
+                line += &format!(
+                    " (override {} for {})",
+                    usd(o.limit_usd),
+                    crate::cmd::audit::age(o.until_ms - now_ms)
+                );
+            }
+            match b.on_exceeded {
+                OnExceeded::Audit => {
+                    line += &format!(", audit: {} would refuse", b.would_refuse);
+                }
+                OnExceeded::Escalate => line += ", escalates",
+                OnExceeded::Refuse => {}
+            }
+            lines.push(Line::styled(line, style));
         }
     }
     let open = app.open_escalations();
@@ -1654,6 +1665,52 @@ mod tests {
             assert!(legend.contains(symbol), "{symbol} not explained");
         }
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn budgets_say_their_scope_their_mode_and_an_override() {
+        use crate::core::budget::{Budget, OnExceeded, Override};
+        let mut app = healthy();
+        let mut state = node_state(&["n1", "n2", "n3"], Vec::new(), 0);
+        state.budgets.teams.insert(
+            "support".into(),
+            Budget {
+                spent_usd: 21.0,
+                on_exceeded: OnExceeded::Audit,
+                would_refuse: 3,
+                ..Budget::new(20.0)
+            },
+        );
+        state.budgets.global = Some(Budget {
+            overridden: Some(Override {
+                limit_usd: 100.0,
+                until_ms: NOW + 2 * 3_600_000,
+            }),
+            on_exceeded: OnExceeded::Escalate,
+            ..Budget::new(50.0)
+        });
+        for n in ["n1", "n2", "n3"] {
+            let state = state.clone();
+            app.apply(
+                Update::NodeState {
+                    node: n.into(),
+                    state,
+                },
+                NOW,
+            );
+        }
+        let lines: Vec<String> = attention_lines(&app, NOW)
+            .iter()
+            .map(|l| l.spans.iter().map(|s| s.content.as_ref()).collect())
+            .collect();
+        let text = lines.join("\n");
+        for part in [
+            "budget agent:support-bot: $3.7500 left",
+            "budget team:support: $0.0000 left, audit: 3 would refuse",
+            "budget global: $100.0000 left (override $100.0000 for 2h), escalates",
+        ] {
+            assert!(text.contains(part), "{part} in\n{text}");
+        }
     }
 
     #[test]

@@ -15,6 +15,11 @@ struct Cluster {
 }
 
 async fn cluster(extra: &[&str]) -> Cluster {
+    cluster_with_env(extra, &[]).await
+}
+
+/// `cluster`, each node with these variables in its environment.
+async fn cluster_with_env(extra: &[&str], env: &[(&str, &str)]) -> Cluster {
     let nats = NatsServer::start().await;
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
@@ -22,7 +27,10 @@ async fn cluster(extra: &[&str]) -> Cluster {
     let mut nodes = Vec::new();
     let mut urls = Vec::new();
     for i in 1..=3 {
-        let p = node(&format!("n{i}"), &nats_url, &sim_url, extra);
+        let id = format!("n{i}");
+        let mut args = crate::support::node_args(&id, &nats_url, &["--sim-url", &sim_url]);
+        args.extend_from_slice(extra);
+        let p = Proc::spawn_with_env(&args, env);
         urls.push(p.ready["http"].as_str().unwrap().to_string());
         nodes.push(p);
     }
@@ -1267,6 +1275,167 @@ async fn busy_nodes_spend_from_escrow_and_give_it_back_when_idle() {
     );
 }
 
+/// A team's budget covers every key of the team: two keys spending high-risk work through three
+/// nodes at once stop together at its cap (at most one reservation over), refused with the
+/// team named, while a key of no team goes on; the ledger's spend is what the answers cost.
+/// Switched to audit mode, the same budget refuses nothing: each attempt past the cap is let
+/// through, its decision says BUDGET_WOULD_REFUSE, and the ledger counts each.
+#[tokio::test]
+async fn a_team_budget_shared_by_two_keys_stops_both_at_its_cap() {
+    const LIMIT: f64 = 0.01;
+    let keys = [
+        ("OAM_TEST_KEY_TEAM_A", "team-a-key-0123456789"),
+        ("OAM_TEST_KEY_TEAM_B", "team-b-key-0123456789"),
+        ("OAM_TEST_KEY_SOLO", "solo-key-01234567890"),
+    ];
+    let dir = crate::support::ClusterDir::new("team");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let cfg = dir.0.join("oam.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[client]]\nid = \"alpha\"\nkey_env = \"OAM_TEST_KEY_TEAM_A\"\nteam = \"support\"\n\
+             [[client]]\nid = \"beta\"\nkey_env = \"OAM_TEST_KEY_TEAM_B\"\nteam = \"support\"\n\
+             [[client]]\nid = \"solo\"\nkey_env = \"OAM_TEST_KEY_SOLO\"\n\
+             [budgets.teams.support]\nlimit_usd = {LIMIT}\n"
+        ),
+    )
+    .unwrap();
+    let cl = cluster_with_env(&["--config", cfg.to_str().unwrap()], &keys).await;
+    let c = client();
+    assert!(all_see(&c, &cl.urls, "primary", "HEALTHY", Duration::from_secs(15)).await);
+    let ask_as = |key: &'static str, url: String, q: String| {
+        let c = c.clone();
+        async move {
+            let body = json!({"model": "auto", "max_tokens": 32, "oam": {"risk": "high"},
+                              "messages": [{"role": "user", "content": q}]});
+            let r = c
+                .post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let team_row = || {
+        let url = cl.nats.url();
+        async move {
+            let list = tokio::task::spawn_blocking(move || budget(&url, &["list"]))
+                .await
+                .ok()?;
+            list.as_array()?
+                .iter()
+                .find(|r| r["scope"] == "team:support")
+                .cloned()
+        }
+    };
+    let (a, b, solo) = (keys[0].1, keys[1].1, keys[2].1);
+    // Waves of 30 at once, the two keys alternating over the three nodes, until a whole wave
+    // is refused.
+    let (mut spent, mut refused) = (0.0, Vec::new());
+    for wave in 0..20 {
+        let asks = (0..30).map(|i| {
+            let key = if i % 2 == 0 { a } else { b };
+            ask_as(key, cl.urls[i % 3].clone(), format!("team {wave}.{i}"))
+        });
+        let answers = futures_util::future::join_all(asks).await;
+        let mut served = 0;
+        for (status, v) in answers {
+            spent += v["oam"]["cost_usd"].as_f64().unwrap_or(0.0);
+            match status {
+                200 => served += 1,
+                402 => refused.push(v),
+                other => panic!("{other}: {v}"),
+            }
+        }
+        if served == 0 {
+            break;
+        }
+    }
+    let one = refused.last().expect("the team's budget ran out");
+    assert!(codes(one).contains(&"BUDGET_EXHAUSTED".into()), "{one}");
+    let message = one["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("team support's $0.0100 budget"),
+        "{message}"
+    );
+    // Both keys were refused, and one reservation (32 completion tokens and the prompt at
+    // $0.01/1k) is the most the cluster passed the cap by.
+    assert!(spent <= LIMIT + 0.001, "spent {spent} of {LIMIT}");
+    assert!(spent > LIMIT / 2.0, "the budget was used: {spent}");
+    // A key of no team is not held to the team's budget.
+    let (status, v) = ask_as(solo, cl.urls[0].clone(), "solo".into()).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(!codes(&v).iter().any(|c| c.starts_with("BUDGET")), "{v}");
+    // Every hold settled and every share given back: the ledger charged what was answered.
+    let row = eventually(Duration::from_secs(10), || async {
+        let row = team_row().await?;
+        (row["held_usd"].as_f64()? == 0.0
+            && row["holds"]
+                .as_object()
+                .is_none_or(serde_json::Map::is_empty))
+        .then_some(row)
+    })
+    .await
+    .expect("every hold settled");
+    let charged = row["spent_usd"].as_f64().unwrap();
+    assert!(
+        (charged - spent).abs() < 1e-6,
+        "ledger {charged} vs answers {spent}"
+    );
+
+    // Audit mode: nothing refused, each attempt past the cap recorded and counted.
+    let set = budget(
+        &cl.nats.url(),
+        &["set", "team:support", "--on-exceeded", "audit"],
+    );
+    assert_eq!(set["on_exceeded"], "audit", "{set}");
+    assert_eq!(set["limit_usd"], LIMIT, "the limit stays");
+    let seen = eventually(Duration::from_secs(5), || async {
+        let mut all = true;
+        for url in &cl.urls {
+            // (a client's budget is shown only to a caller bearing a key)
+            let r = c.get(format!("{url}/v1/oam/state")).bearer_auth(a).send();
+            let s: Value = r.await.ok()?.json().await.ok()?;
+            all &= s["budgets"]["teams"]["support"]["on_exceeded"] == "audit";
+        }
+        all.then_some(())
+    });
+    assert!(seen.await.is_some(), "every node mirrors the mode");
+    // What was left may still cover the first (a shorter question than the one refused);
+    // from the first past the cap on, every one is.
+    let (mut flagged, mut attempts) = (Vec::new(), 0);
+    for i in 0..12 {
+        let key = if i % 2 == 0 { a } else { b };
+        let (status, v) = ask_as(key, cl.urls[i % 3].clone(), format!("audited {i}")).await;
+        assert_eq!(status, 200, "audit refuses nothing: {v}");
+        let past = codes(&v).contains(&"BUDGET_WOULD_REFUSE".into());
+        flagged.push(past);
+        if past {
+            attempts += v["oam"]["attempts"].as_u64().unwrap();
+        }
+    }
+    let passed = flagged.iter().filter(|f| **f).count() as u64;
+    assert!(
+        flagged.windows(2).all(|w| w[0] <= w[1]) && flagged[2..].iter().all(|f| *f),
+        "each would-refusal recorded: {flagged:?}"
+    );
+    let row = eventually(Duration::from_secs(10), || async {
+        let row = team_row().await?;
+        (row["held_usd"].as_f64()? == 0.0).then_some(row)
+    })
+    .await
+    .expect("settled");
+    let counted = row["would_refuse"].as_u64().unwrap();
+    assert!(
+        (passed..=attempts).contains(&counted),
+        "{counted} counted for {passed} requests in {attempts} attempts: {row}"
+    );
+    assert!(row["spent_usd"].as_f64().unwrap() > LIMIT, "{row}");
+}
+
 #[tokio::test]
 async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
     const LIMIT: f64 = 0.01;
@@ -1391,7 +1560,8 @@ async fn one_budget_for_the_whole_cluster_that_survives_restarts() {
         .unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
-        text.contains("spender: refusing for") && text.contains("oam budget reset spender"),
+        text.contains("agent:spender: refusing for")
+            && text.contains("oam budget reset agent:spender"),
         "{text}"
     );
     // One reservation is at most 32 completion tokens and the prompt at $0.01/1k.

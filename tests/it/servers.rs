@@ -340,7 +340,9 @@ fn nothing_held(l: &oam::core::ledger::Ledger) -> bool {
 /// The global budget's record once it holds nothing (every settlement is in), within 10 s.
 async fn settled(kv: &async_nats::jetstream::kv::Store) -> Option<oam::core::ledger::Ledger> {
     eventually(Duration::from_secs(10), || async {
-        let l = oam::transport::store::ledger::read(kv, None).await.ok()??;
+        let l = oam::transport::store::ledger::read(kv, &oam::core::budget::Owner::global())
+            .await
+            .ok()??;
         nothing_held(&l).then_some(l)
     })
     .await
@@ -436,10 +438,12 @@ async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
             let (_, reasons, _) = ask(i).await;
             all &= !reasons.contains("BUDGET_LOCAL_SHARE");
         }
-        let budget =
-            oam::transport::store::ledger::read(&js.get_key_value("oam-budgets").await.ok()?, None)
-                .await
-                .ok()??;
+        let budget = oam::transport::store::ledger::read(
+            &js.get_key_value("oam-budgets").await.ok()?,
+            &oam::core::budget::Owner::global(),
+        )
+        .await
+        .ok()??;
         (all && budget.spent_usd > 0.0).then_some(())
     })
     .await;
@@ -465,13 +469,13 @@ async fn the_ledger_adds_up_through_the_loss_of_its_leader() {
 
     // Back to one truth: nothing held, nothing waiting to settle, and spent adds up.
     let settled = eventually(Duration::from_secs(45), || async {
-        let l = oam::transport::store::ledger::read(&kv, None)
+        let l = oam::transport::store::ledger::read(&kv, &oam::core::budget::Owner::global())
             .await
             .ok()??;
         (nothing_held(&l) && (l.spent_usd - before.spent_usd - cost).abs() < 1e-6).then_some(l)
     })
     .await;
-    let now = oam::transport::store::ledger::read(&kv, None)
+    let now = oam::transport::store::ledger::read(&kv, &oam::core::budget::Owner::global())
         .await
         .unwrap();
     assert!(
@@ -534,7 +538,7 @@ async fn a_budget_at_its_limit_holds_through_the_ledger_s_election() {
         i += 1;
     }
     let after = eventually(Duration::from_secs(45), || async {
-        let l = oam::transport::store::ledger::read(&kv, None)
+        let l = oam::transport::store::ledger::read(&kv, &oam::core::budget::Owner::global())
             .await
             .ok()??;
         nothing_held(&l).then_some(l)
@@ -990,7 +994,7 @@ async fn all_servers_killed_at_once_come_back_with_mesh_up_and_lose_nothing() {
         .get_key_value("oam-budgets")
         .await
         .unwrap();
-    let after = oam::transport::store::ledger::read(&kv, None)
+    let after = oam::transport::store::ledger::read(&kv, &oam::core::budget::Owner::global())
         .await
         .unwrap()
         .unwrap();
@@ -1020,7 +1024,7 @@ async fn a_frozen_leader_loses_nothing_once_it_thaws() {
     let js = async_nats::jetstream::new(nc.clone());
     let kv = js.get_key_value("oam-budgets").await.unwrap();
     let settled = || async {
-        let l = oam::transport::store::ledger::read(&kv, None)
+        let l = oam::transport::store::ledger::read(&kv, &oam::core::budget::Owner::global())
             .await
             .ok()??;
         nothing_held(&l).then_some(l.spent_usd)
@@ -1051,16 +1055,17 @@ async fn a_frozen_leader_loses_nothing_once_it_thaws() {
 
     let reader_kv = kv.clone();
     let adds_up = eventually(Duration::from_secs(45), || async {
-        let l = oam::transport::store::ledger::read(&reader_kv, None)
-            .await
-            .ok()??;
+        let l =
+            oam::transport::store::ledger::read(&reader_kv, &oam::core::budget::Owner::global())
+                .await
+                .ok()??;
         (nothing_held(&l) && (l.spent_usd - before - cost).abs() < 1e-6).then_some(())
     })
     .await;
     assert!(
         adds_up.is_some(),
         "spent {:?}, expected {before} + {cost} for {i} answers",
-        oam::transport::store::ledger::read(&kv, None)
+        oam::transport::store::ledger::read(&kv, &oam::core::budget::Owner::global())
             .await
             .ok()
             .flatten()

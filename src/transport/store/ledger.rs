@@ -1,8 +1,10 @@
 //! The budget ledger (`core::ledger`) as it is kept: the JetStream KV bucket `oam-budgets`, one
-//! record per budget under `global` and `agent.{name}`, and one per UTC day of what health probes
+//! record per budget under `global`, `agent.{name}`, `team.{name}` and `task.{name}`, and one per
+//! UTC day of what health probes
 //! cost under `probes.{YYYY-MM-DD}`. Nodes reserve and settle against it in
 //! batches (`node::ledger`); operators and bench scenarios read and change one record at a time.
 
+use crate::core::budget::{Kind, Owner};
 use crate::core::ledger::Ledger;
 use crate::transport::subjects::BUDGETS_BUCKET;
 use async_nats::jetstream::kv;
@@ -18,11 +20,11 @@ pub const STORE_TIMEOUT: Duration = Duration::from_millis(750);
 /// Compare-and-swap attempts per key and batch before the batch counts as failed.
 pub const CAS_TRIES: usize = 32;
 
-/// The key of the global budget (`None`) or of `agent`'s.
-pub fn key(agent: Option<&str>) -> String {
-    match agent {
-        None => "global".into(),
-        Some(a) => format!("agent.{}", super::token(a)),
+/// The key of `owner`'s budget.
+pub fn key(owner: &Owner) -> String {
+    match owner.kind {
+        Kind::Global => "global".into(),
+        k => format!("{}.{}", k.as_str(), super::token(&owner.name)),
     }
 }
 
@@ -37,15 +39,15 @@ pub enum ChangeError {
     Store(String),
 }
 
-/// Change the budget of `agent` (`None`: the global one) with `f`, by compare-and-swap retried
-/// on conflict; `create` makes it when there is none. The record as written.
+/// Change `owner`'s budget with `f`, by compare-and-swap retried on conflict; `create` makes it
+/// when there is none. The record as written.
 pub async fn change(
     store: &kv::Store,
-    agent: Option<&str>,
+    owner: &Owner,
     create: bool,
     f: impl Fn(&mut Ledger),
 ) -> Result<Ledger, ChangeError> {
-    let k = key(agent);
+    let k = key(owner);
     for _ in 0..CAS_TRIES {
         let entry = store
             .entry(&k)
@@ -64,7 +66,7 @@ pub async fn change(
             if !create {
                 return Err(ChangeError::Missing);
             }
-            ledger.agent = agent.map(String::from);
+            ledger.set_owner(owner);
         }
         f(&mut ledger);
         // A human changed the budget: the exhaustion episode (and its one escalation) ends, and
@@ -108,9 +110,9 @@ pub async fn change(
     )))
 }
 
-/// The budget record of `agent` (`None`: the global one), if there is one.
-pub async fn read(store: &kv::Store, agent: Option<&str>) -> anyhow::Result<Option<Ledger>> {
-    let k = key(agent);
+/// The record of `owner`'s budget, if there is one.
+pub async fn read(store: &kv::Store, owner: &Owner) -> anyhow::Result<Option<Ledger>> {
+    let k = key(owner);
     match store.get(&k).await? {
         Some(bytes) => {
             Ok(Some(serde_json::from_slice(&bytes).map_err(|e| {
@@ -127,7 +129,7 @@ pub const PROBES_PREFIX: &str = "probes.";
 /// Every record of the ledger, read one key at a time.
 #[derive(Default)]
 pub struct Records {
-    /// Budget records by key (`global`, `agent.{name}`).
+    /// Budget records by key (`global`, `agent.{name}`, ...).
     pub budgets: std::collections::BTreeMap<String, Ledger>,
     /// What health probes cost, by UTC day (`node::health`): no one's budget.
     pub probe_days: Vec<(String, Ledger)>,
@@ -223,15 +225,19 @@ pub async fn charge_probes(
 #[cfg(test)]
 mod tests {
     use super::key;
+    use crate::core::budget::{Kind, Owner};
 
     #[test]
     fn keys_name_the_budget_and_stay_one_subject_token() {
-        assert_eq!(key(None), "global");
-        assert_eq!(key(Some("planner")), "agent.planner");
-        let odd = key(Some("a.b c"));
+        assert_eq!(key(&Owner::global()), "global");
+        assert_eq!(key(&Owner::agent("planner")), "agent.planner");
+        assert_eq!(key(&Owner::new(Kind::Team, "support")), "team.support");
+        assert_eq!(key(&Owner::new(Kind::Task, "t1")), "task.t1");
+        let odd = key(&Owner::agent("a.b c"));
         assert!(odd.starts_with("agent.h-"), "{odd}");
         assert_eq!(odd.matches('.').count(), 1, "{odd}");
-        assert_ne!(key(Some("a.b")), key(Some("a_b")));
+        assert_ne!(key(&Owner::agent("a.b")), key(&Owner::agent("a_b")));
+        assert_ne!(key(&Owner::agent("x")), key(&Owner::new(Kind::Team, "x")));
     }
 
     #[test]
