@@ -706,6 +706,56 @@ fn an_exhausted_budget_says_its_shortfall_and_escalates_once_per_episode() {
     );
 }
 
+/// A budget with `on_exceeded = "escalate"` escalates a refusal whatever its risk (once per
+/// episode); the same refusal under "refuse" is only refused. The shortfall names the team.
+#[test]
+fn a_budget_that_escalates_escalates_low_risk_refusals_too() {
+    use crate::core::budget::{Kind, OnExceeded, Owner};
+    let mut e = engine();
+    for p in &mut e.state.providers {
+        p.cost_per_1k_tokens_usd = 1.0; // nothing free to fall back on
+    }
+    e.state.budgets.teams.insert(
+        "support".into(),
+        Budget {
+            on_exceeded: OnExceeded::Escalate,
+            ..Budget::new(0.0001)
+        },
+    );
+    let of_team = |id: &str| {
+        let mut r = req(id);
+        r.team = Some("support".into());
+        r
+    };
+    let d = run(&mut e, of_team("low-1"), &[]);
+    assert_eq!(
+        (d.outcome, d.phase),
+        (DecisionOutcome::Escalated, Phase::Budget)
+    );
+    assert!(
+        has(&d, ReasonCode::EscalatedBudgetExhausted),
+        "{:?}",
+        d.reason_codes
+    );
+    let sf = d.shortfall.expect("a shortfall");
+    assert_eq!(sf.owner(), Owner::new(Kind::Team, "support"));
+    let again = run(&mut e, of_team("low-2"), &[]);
+    assert_eq!(again.outcome, DecisionOutcome::Rejected, "once per episode");
+    // Under "refuse" a low-risk refusal is not escalated at all.
+    let team = e.state.budgets.teams.get_mut("support").unwrap();
+    team.on_exceeded = OnExceeded::Refuse;
+    team.refused_at_ms = None;
+    let refused = run(&mut e, of_team("low-3"), &[]);
+    assert_eq!(
+        (refused.outcome, refused.phase),
+        (DecisionOutcome::Rejected, Phase::Budget)
+    );
+    assert!(refused.escalation.is_none());
+    // Another agent of no team is not held to it.
+    let free = run(&mut e, req("other"), &[("primary", good())]);
+    assert_eq!(free.outcome, DecisionOutcome::Accepted);
+}
+
 #[test]
 fn high_risk_is_served_when_only_a_worse_provider_is_unaffordable() {
     let mut e = engine();

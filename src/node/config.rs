@@ -1632,6 +1632,14 @@ max_attempts = { low = 2, medium = 2, high = 1 }
 
 [budgets.agents.support-bot]
 limit_usd = 5.0
+
+[budgets.teams.support]
+limit_usd = 50.0
+on_exceeded = "audit"
+
+[budgets.tasks.nightly]
+limit_usd = 1.0
+on_exceeded = "escalate"
 "#;
         let cfg = NodeConfig::parse("oam.toml", text, "unused").unwrap();
         assert_eq!(cfg.node.cluster_size, 5);
@@ -1642,6 +1650,21 @@ limit_usd = 5.0
         assert_eq!(cfg.providers.len(), 2);
         assert_eq!(cfg.pipeline.max_attempts.high, 1);
         assert_eq!(cfg.budgets.agents["support-bot"].limit_usd, 5.0);
+        use crate::core::budget::OnExceeded;
+        let team = cfg.budgets.teams["support"];
+        assert_eq!(
+            (team.limit_usd, team.on_exceeded),
+            (50.0, OnExceeded::Audit)
+        );
+        assert_eq!(
+            cfg.budgets.tasks["nightly"].on_exceeded,
+            OnExceeded::Escalate
+        );
+        let bad = text.replace("\"audit\"", "\"warn\"");
+        let e = NodeConfig::parse("oam.toml", &bad, "unused")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("on_exceeded") || e.contains("warn"), "{e}");
     }
 
     #[test]
