@@ -2,9 +2,8 @@
 //!
 //! Rules, first match wins, applied to the final outcome of a request:
 //! 1. a new agent-loop episode            -> ESCALATED_AGENT_LOOP, block automatic action
-//! 2. high risk (or a budget with `on_exceeded = "escalate"`) + budget refused it
-//!                                        -> ESCALATED_BUDGET_EXHAUSTED, block (once per
-//!    exhaustion episode of that budget)
+//! 2. high risk + budget refused it       -> ESCALATED_BUDGET_EXHAUSTED, block (once per
+//!    exhaustion episode of that budget; whatever the risk when that budget escalates)
 //! 3. non-idempotent timeout (no retry)   -> ESCALATED_UNSAFE_RETRY, review (block if high risk)
 //! 4. high risk, any other failure        -> ESCALATED_HIGH_RISK_FAILURE, block
 //! 5. critical-priority task failed       -> ESCALATED_CRITICAL_TASK_FAILURE, review
