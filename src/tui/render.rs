@@ -776,7 +776,7 @@ fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
                 line += &format!(
                     " (override {} for {})",
                     usd(o.limit_usd),
-                    crate::cmd::audit::age(o.until_ms - now_ms)
+                    crate::transport::store::decisions::human(o.until_ms - now_ms)
                 );
             }
             match b.on_exceeded {
