@@ -284,10 +284,10 @@ async fn list(a: ListArgs) -> Result<()> {
                 .collect();
             let limit = match standing(l, now) {
                 Some(o) => format!(
-                    "{} (own {}, for {})",
+                    "{} (own {}, until {})",
                     usd(o.limit_usd),
                     usd(l.limit_usd),
-                    super::audit::age(o.until_ms - now)
+                    crate::core::date::rfc3339(o.until_ms / 1_000)
                 ),
                 None => usd(l.limit_usd),
             };
@@ -412,9 +412,9 @@ fn print_one(l: &Ledger, json: bool) -> Result<()> {
     } else {
         let lifted = match standing(l, now) {
             Some(o) => format!(
-                " (overridden to {} for {})",
+                " (overridden to {} until {})",
                 dollars(o.limit_usd, 4),
-                super::audit::age(o.until_ms - now)
+                crate::core::date::rfc3339(o.until_ms / 1_000)
             ),
             None => String::new(),
         };

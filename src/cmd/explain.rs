@@ -240,9 +240,9 @@ pub fn tell(r: &Record) -> String {
         };
         let lifted = match x.overridden {
             Some(o) if at < o.until_ms => format!(
-                ", overridden to {} for {} more",
+                ", overridden to {} until {}",
                 usd(o.limit_usd),
-                super::audit::age(o.until_ms - at)
+                crate::core::date::rfc3339(o.until_ms / 1_000)
             ),
             _ => String::new(),
         };

@@ -774,9 +774,9 @@ fn attention_lines(app: &App, now_ms: u64) -> Vec<Line<'static>> {
             let mut line = format!("budget {owner}: {} left", usd(left));
             if let Some(o) = b.overridden.filter(|o| now_ms < o.until_ms) {
                 line += &format!(
-                    " (override {} for {})",
+                    " (override {} until {})",
                     usd(o.limit_usd),
-                    crate::transport::store::decisions::human(o.until_ms - now_ms)
+                    crate::core::date::rfc3339(o.until_ms / 1_000)
                 );
             }
             match b.on_exceeded {
@@ -1704,10 +1704,11 @@ mod tests {
             .map(|l| l.spans.iter().map(|s| s.content.as_ref()).collect())
             .collect();
         let text = lines.join("\n");
+        let until = crate::core::date::rfc3339((NOW + 2 * 3_600_000) / 1_000);
         for part in [
             "budget agent:support-bot: $3.7500 left",
             "budget team:support: $0.0000 left, audit: 3 would refuse",
-            "budget global: $100.0000 left (override $100.0000 for 2h), escalates",
+            &format!("budget global: $100.0000 left (override $100.0000 until {until}), escalates"),
         ] {
             assert!(text.contains(part), "{part} in\n{text}");
         }
