@@ -437,6 +437,10 @@ impl Instance {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             processed: self.processed.load(Ordering::Relaxed),
             at_ms: crate::clock::now_ms(),
+            conn: self
+                .nats
+                .try_server_info()
+                .map(|i| crate::mesh::protocol::conn_name(&i.server_id, i.client_id)),
         }
     }
 }
@@ -480,6 +484,28 @@ pub async fn run(
     stop: impl std::future::Future<Output = ()>,
 ) -> bool {
     let permits = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
+    // The heartbeat: the liveness signal, on a task of its own.
+    let beating = {
+        let me = instance.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let mut beat = tokio::time::interval(heartbeat_every);
+            let bound = heartbeat_every.max(Duration::from_millis(500));
+            loop {
+                beat.tick().await;
+                if me.nats.connection_state() != async_nats::connection::State::Connected {
+                    continue;
+                }
+                if let Ok(b) = serde_json::to_vec(&me.heartbeat()) {
+                    let sent = me.nats.publish(subjects::health(&me.entry.name), b.into());
+                    if tokio::time::timeout(bound, sent).await.is_err() {
+                        tracing::warn!(agent = %me.entry.name, "heartbeat not sent within {bound:?}");
+                    }
+                }
+            }
+        }))
+    };
+    // Its records: registered again after a reconnect or a death notice about it, its lease
+    // renewed, its catalog entry checked.
     let beats = {
         let me = instance.clone();
         AbortOnDrop(tokio::spawn(async move {
@@ -516,16 +542,11 @@ pub async fn run(
                 if me.nats.connection_state() != async_nats::connection::State::Connected {
                     continue;
                 }
-                // The heartbeat first: it is the liveness signal, and nothing the KV store does
-                // may hold it up. Every step below is bounded by the beat interval, so a call the
-                // server never answers (seen after a reconnect) cannot stop the beats.
+                // The records after the heartbeat (which beats on its own task: nothing the KV
+                // store does may hold it up, and a store electing a leader after a server's
+                // loss takes seconds). Every step is bounded, so a call the server never
+                // answers (seen after a reconnect) is tried again on the next beat.
                 let bound = heartbeat_every.max(Duration::from_millis(500));
-                if let Ok(b) = serde_json::to_vec(&me.heartbeat()) {
-                    let sent = me.nats.publish(subjects::health(&me.entry.name), b.into());
-                    if tokio::time::timeout(bound, sent).await.is_err() {
-                        tracing::warn!(agent = %me.entry.name, "heartbeat not sent within {bound:?}");
-                    }
-                }
                 let connects = stats.connects.load(Ordering::Relaxed);
                 if connects != connects_seen || revived > 0 {
                     // Back after a network blip or a freeze: the server (and its KV state) may
@@ -607,7 +628,7 @@ pub async fn run(
             tasks.spawn(work);
         }
     }
-    drop(beats);
+    drop((beating, beats));
     // Graceful exit: take no new requests, finish those in hand (bounded).
     let connected = instance.nats.connection_state() == async_nats::connection::State::Connected;
     let _ = sub.unsubscribe().await;

@@ -140,8 +140,31 @@ fn instance_of(connection: &str) -> Option<&str> {
         .filter(|id| !id.is_empty())
 }
 
+/// Of `agents`, those instance `id` still beats for on a connection other than `closed`
+/// (`protocol::conn_name`), heard within the heartbeat bound: it moved to another server (its
+/// own froze, say), and the connection that closed is its old one, not its death.
+fn moved(
+    seen: &BTreeMap<(String, String), Seen>,
+    id: &str,
+    agents: &[String],
+    closed: &str,
+) -> Vec<String> {
+    let limit = HEARTBEAT_EVERY * MISSED_BEATS;
+    agents
+        .iter()
+        .filter(|a| {
+            seen.get(&(id.to_string(), (*a).clone())).is_some_and(|s| {
+                s.last.elapsed() <= limit && s.conn.as_deref().is_some_and(|c| c != closed)
+            })
+        })
+        .cloned()
+        .collect()
+}
+
 struct Seen {
     last: Instant,
+    /// The connection its last heartbeat came on (`protocol::conn_name`), if it said.
+    conn: Option<String>,
 }
 
 /// One agent's instances as the monitor admits them: how many are live, and the tokens left
@@ -325,6 +348,7 @@ impl Monitor {
                 let key = (h.instance_id, h.agent);
                 if let Some(s) = self.seen.get_mut(&key) {
                     s.last = last;
+                    s.conn = h.conn;
                     return;
                 }
                 // An instance id is the agent's that beat with it first (an oam host serves one
@@ -364,7 +388,7 @@ impl Monitor {
                     }
                     return;
                 }
-                self.seen.insert(key, Seen { last });
+                self.seen.insert(key, Seen { last, conn: h.conn });
             }
             Ok(h) => {
                 self.forged += 1;
@@ -385,6 +409,15 @@ impl Monitor {
             .filter(|(i, agent)| i == id && may_speak_for(user, agent))
             .map(|(_, agent)| agent.clone())
             .collect()
+    }
+
+    /// This monitor's own view was dark (its connection to its server took no round trip) and
+    /// is back: every instance gets a fresh bound, as none of them could be heard meanwhile.
+    fn see_again(&mut self) {
+        let now = Instant::now();
+        for s in self.seen.values_mut() {
+            s.last = now;
+        }
     }
 
     /// Instances whose heartbeats stopped (a frozen or partitioned process keeps its TCP
@@ -414,7 +447,13 @@ impl Monitor {
                 .entry(key.1.clone())
                 .or_insert_with(|| InstanceQuota::new(now));
             if admission.admit(now) {
-                self.seen.insert(key, Seen { last: now });
+                self.seen.insert(
+                    key,
+                    Seen {
+                        last: now,
+                        conn: None,
+                    },
+                );
             }
         }
     }
@@ -859,6 +898,9 @@ pub async fn run(
     let _counting = AbortOnDrop(counting);
     let mut census = super::census::Census::default();
     let bound_ms = (HEARTBEAT_EVERY * MISSED_BEATS).as_millis() as u64;
+    // Whether this monitor hears its server (`View`): silence it could not hear is not the
+    // instances'.
+    let mut view = View::new(m.mesh.nats());
     tokio::pin!(stop);
     loop {
         tokio::select! {
@@ -889,7 +931,19 @@ pub async fn run(
                     // A connection's name is its own to choose: it stands only for the agents
                     // its user may speak for.
                     let instance_id = id.to_string();
-                    let agents = m.beating_for(&instance_id, &adv.client.user);
+                    let mut agents = m.beating_for(&instance_id, &adv.client.user);
+                    let closed = super::protocol::conn_name(&adv.server.id, adv.client.id);
+                    let moved = moved(&m.seen, &instance_id, &agents, &closed);
+                    for ((_, agent), s) in m.seen.iter().filter(|((i, _), _)| *i == instance_id) {
+                        tracing::info!(instance = %instance_id, agent, %closed, beat_on = ?s.conn, ago = ?s.last.elapsed(), "a connection of a beating instance closed");
+                    }
+                    if !moved.is_empty() {
+                        tracing::info!(instance = %instance_id, ?moved, "an old connection closed; the instance beats on another");
+                        agents.retain(|a| !moved.contains(a));
+                        if agents.is_empty() {
+                            continue;
+                        }
+                    }
                     m.died(Death {
                         instance_id,
                         agents,
@@ -908,6 +962,15 @@ pub async fn run(
             }
             Some(c) = found.recv() => m.client_died(c).await,
             _ = sweep.tick() => {
+                match view.look(m.mesh.nats()) {
+                    Look::Dark => continue,
+                    Look::Back => {
+                        tracing::info!("the monitor is connected again; every instance gets a fresh bound");
+                        m.see_again();
+                        continue;
+                    }
+                    Look::Clear => {}
+                }
                 for (instance_id, agent) in m.silent() {
                     m.died(Death {
                         instance_id,
@@ -926,6 +989,57 @@ pub async fn run(
     }
 }
 
+/// Whether the monitor could hear heartbeats since it last looked: its connection is up and
+/// was not made again meanwhile. Its connection pings often (`connect::LIVENESS_PING`), so a
+/// server that freezes under it is left within about 1.5 s, before any instance it heard has
+/// been silent for the verdict's 3 s; while it is away (reconnecting, or every server gone)
+/// and when it is back, silence is its own: every instance gets a fresh bound.
+struct View {
+    connects: u64,
+    dark: bool,
+}
+
+enum Look {
+    /// Connected all along.
+    Clear,
+    /// Not connected now.
+    Dark,
+    /// Connected again since the last look.
+    Back,
+}
+
+impl View {
+    fn new(nats: &async_nats::Client) -> View {
+        View {
+            connects: nats
+                .statistics()
+                .connects
+                .load(std::sync::atomic::Ordering::Relaxed),
+            dark: false,
+        }
+    }
+
+    fn look(&mut self, nats: &async_nats::Client) -> Look {
+        let connects = nats
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if nats.connection_state() != async_nats::connection::State::Connected {
+            if !self.dark {
+                tracing::warn!(
+                    "the monitor lost its server: no instance is judged by its heartbeats until it is back"
+                );
+            }
+            self.dark = true;
+            return Look::Dark;
+        }
+        let back = self.dark || connects != self.connects;
+        self.connects = connects;
+        self.dark = false;
+        if back { Look::Back } else { Look::Clear }
+    }
+}
+
 /// A task stopped when its handle goes.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -938,6 +1052,47 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_instance_beating_on_another_connection_is_not_dead_when_an_old_one_closes() {
+        let now = Instant::now();
+        let key = |a: &str| ("i1".to_string(), a.to_string());
+        let mut seen = BTreeMap::new();
+        seen.insert(
+            key("a"),
+            Seen {
+                last: now,
+                conn: Some("S2/7".into()),
+            },
+        );
+        seen.insert(
+            key("b"),
+            Seen {
+                last: now,
+                conn: None,
+            },
+        );
+        let agents = vec!["a".to_string(), "b".to_string()];
+        assert_eq!(
+            moved(&seen, "i1", &agents, "S1/3"),
+            ["a"],
+            "b never said its connection"
+        );
+        assert!(
+            moved(&seen, "i1", &agents, "S2/7").is_empty(),
+            "its own connection closed"
+        );
+        assert!(
+            moved(&seen, "i2", &agents, "S1/3").is_empty(),
+            "another instance"
+        );
+        seen.get_mut(&key("a")).unwrap().last =
+            now - HEARTBEAT_EVERY * MISSED_BEATS - Duration::from_millis(1);
+        assert!(
+            moved(&seen, "i1", &agents, "S1/3").is_empty(),
+            "silent past the bound"
+        );
+    }
 
     #[test]
     fn a_connection_speaks_only_for_its_own_agent() {

@@ -198,6 +198,15 @@ pub struct AgentHeartbeat {
     pub in_flight: u64,
     pub processed: u64,
     pub at_ms: u64,
+    /// The connection it was sent on, `{server_id}/{client_id}` (oam hosts): a closed
+    /// connection that is not this one is an old one, not the instance's death.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conn: Option<String>,
+}
+
+/// A connection's name in heartbeats: `{server_id}/{client_id}`.
+pub fn conn_name(server_id: &str, client_id: u64) -> String {
+    format!("{server_id}/{client_id}")
 }
 
 /// Why an agent is gone.

@@ -141,6 +141,7 @@ pub(crate) fn decision(
 
 pub(crate) fn beat(agent: &str, instance_id: &str) -> AgentHeartbeat {
     AgentHeartbeat {
+        conn: None,
         agent: agent.into(),
         instance_id: instance_id.into(),
         in_flight: 1,

@@ -1075,3 +1075,156 @@ async fn a_frozen_leader_loses_nothing_once_it_thaws() {
     assert!(logged, "every answer has its record");
     books_hold(&cl).await;
 }
+
+/// The server (its name) each connection named `name` is on, as the servers list them to the
+/// system account.
+async fn servers_of(sys: &async_nats::Client, name: &str) -> Vec<String> {
+    use futures_util::StreamExt;
+    let inbox = sys.new_inbox();
+    let mut replies = sys.subscribe(inbox.clone()).await.unwrap();
+    sys.publish_with_reply(
+        "$SYS.REQ.SERVER.PING.CONNZ",
+        inbox,
+        "{\"limit\": 4096}".into(),
+    )
+    .await
+    .unwrap();
+    let mut on = Vec::new();
+    let until = tokio::time::Instant::now() + Duration::from_secs(1);
+    while let Ok(Some(m)) = tokio::time::timeout_at(until, replies.next()).await {
+        let Ok(v) = serde_json::from_slice::<Value>(&m.payload) else {
+            continue;
+        };
+        let conns = v["data"]["connections"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if conns.iter().any(|c| c["name"] == name) {
+            on.push(v["server"]["name"].as_str().unwrap_or("").to_string());
+        }
+    }
+    on
+}
+
+/// A frozen server is nobody's death. The server the monitor and one agent are on is frozen
+/// (SIGSTOP) for five seconds, while another agent serves from another server: the monitor,
+/// hearing nothing, judges no one by the silence (and announces nobody when the server thaws);
+/// the agent on it moves to another server within its heartbeat bound, and the old connection
+/// the thawed server then closes is not taken for its death. Both agents still answer.
+#[tokio::test]
+async fn a_frozen_server_announces_no_live_agent_dead() {
+    let cl = LocalCluster::up_on("servers-freeze", 3).await;
+    let sys_url = oam::local::recorded_url(&cl.dir.0, "sys_url").expect("a system URL");
+    let sys = oam::transport::connect::connect(&sys_url, "test-sys", false, &Default::default())
+        .await
+        .unwrap();
+    let monitor_on = eventually(Duration::from_secs(10), || async {
+        servers_of(&sys, "oam-monitor").await.into_iter().next()
+    })
+    .await
+    .expect("the monitor's connection is listed");
+    let at: usize = monitor_on.trim_start_matches("nats-").parse().unwrap();
+    let other = if at == 1 { 2 } else { 1 };
+    let mut agents = Vec::new();
+    for (name, server) in [("t.frozen", at), ("t.elsewhere", other)] {
+        cl.oam()
+            .args(["creds", "issue", "--role", "agent", "--name", name, "--dir"])
+            .arg(&cl.dir.0)
+            .assert()
+            .success();
+        let url = cl
+            .role_url(&format!("agent-{name}"))
+            .split(',')
+            .nth(server - 1)
+            .unwrap()
+            .to_string();
+        agents.push(crate::support::Proc::spawn(&[
+            "agent",
+            "serve",
+            name,
+            "--demo",
+            "echo",
+            "--json",
+            "--nats-url",
+            &url,
+        ]));
+    }
+    // A watcher on the server that stays up: every notice, and both agents' beats.
+    let third = 6 - at - other;
+    let app = cl.app_url();
+    let nc = connect_one(app.split(',').nth(third - 1).unwrap())
+        .await
+        .unwrap();
+    let mut mesh = nc.subscribe("mesh.>").await.unwrap();
+    nc.flush().await.unwrap();
+    let mut heard = std::collections::BTreeSet::new();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while heard.len() < 2 && std::time::Instant::now() < until {
+        use futures_util::StreamExt;
+        let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(1), mesh.next()).await else {
+            continue;
+        };
+        if let Some(agent) = m.subject.strip_prefix("mesh.health.") {
+            heard.insert(agent.to_string());
+        }
+    }
+    assert!(
+        heard.contains("t.frozen") && heard.contains("t.elsewhere"),
+        "{heard:?}"
+    );
+
+    let frozen = cl.pid(&monitor_on);
+    assert!(oam::local::signal(frozen, libc::SIGSTOP));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(oam::local::signal(frozen, libc::SIGCONT));
+    // Every death notice from the freeze on, until five seconds after the thaw.
+    let mut notices = Vec::new();
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        use futures_util::StreamExt;
+        let Ok(Some(m)) = tokio::time::timeout_at(until, mesh.next()).await else {
+            break;
+        };
+        if m.subject.contains("death") {
+            notices.push(format!(
+                "{}: {}",
+                m.subject,
+                String::from_utf8_lossy(&m.payload)
+            ));
+        }
+    }
+    let log = || std::fs::read_to_string(cl.dir.0.join("monitor.log")).unwrap_or_default();
+    assert!(
+        notices.is_empty(),
+        "live agents announced dead: {notices:#?}; the monitor said:\n{}",
+        log()
+    );
+    assert!(
+        log().contains("the monitor is connected again"),
+        "the monitor left its frozen server:\n{}",
+        log()
+    );
+    for name in ["t.frozen", "t.elsewhere"] {
+        let out = cl
+            .oam()
+            .args([
+                "agent",
+                "call",
+                name,
+                "{\"text\": \"still here\"}",
+                "--timeout",
+                "5",
+                "--dir",
+            ])
+            .arg(&cl.dir.0)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && said.contains("still here"),
+            "{name}: {said} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(agents);
+}
