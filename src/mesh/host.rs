@@ -445,6 +445,10 @@ impl Instance {
     }
 }
 
+/// How often the heartbeat task looks whether its connection was made again (then it beats at
+/// once).
+const RECONNECT_LOOK: Duration = Duration::from_millis(50);
+
 /// After a death notice about itself, an instance registers again on this many beats.
 const REREGISTER_BEATS: u32 = 3;
 
@@ -488,13 +492,25 @@ pub async fn run(
     let beating = {
         let me = instance.clone();
         AbortOnDrop(tokio::spawn(async move {
-            let mut beat = tokio::time::interval(heartbeat_every);
+            // Looked at every `RECONNECT_LOOK`: a beat is due each interval, and at once on a
+            // new connection (moved off a server that froze, say), so the monitor hears the
+            // new connection before the old one's close can read as this instance's death.
+            let mut look = tokio::time::interval(RECONNECT_LOOK.min(heartbeat_every));
+            look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let bound = heartbeat_every.max(Duration::from_millis(500));
+            let stats = me.nats.statistics();
+            let (mut connects, mut last) = (u64::MAX, None::<tokio::time::Instant>);
             loop {
-                beat.tick().await;
+                look.tick().await;
                 if me.nats.connection_state() != async_nats::connection::State::Connected {
                     continue;
                 }
+                let now_connects = stats.connects.load(Ordering::Relaxed);
+                let due = last.is_none_or(|t| t.elapsed() >= heartbeat_every);
+                if !due && now_connects == connects {
+                    continue;
+                }
+                (connects, last) = (now_connects, Some(tokio::time::Instant::now()));
                 if let Ok(b) = serde_json::to_vec(&me.heartbeat()) {
                     let sent = me.nats.publish(subjects::health(&me.entry.name), b.into());
                     if tokio::time::timeout(bound, sent).await.is_err() {

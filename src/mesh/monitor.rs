@@ -163,8 +163,11 @@ fn moved(
 
 struct Seen {
     last: Instant,
-    /// The connection its last heartbeat came on (`protocol::conn_name`), if it said.
+    /// The connection its newest heartbeat came on (`protocol::conn_name`), if it said, and
+    /// when that heartbeat was sent (its `at_ms`): a server that thaws delivers the beats it
+    /// held after those the instance sent since on another connection.
     conn: Option<String>,
+    at_ms: u64,
 }
 
 /// One agent's instances as the monitor admits them: how many are live, and the tokens left
@@ -348,7 +351,9 @@ impl Monitor {
                 let key = (h.instance_id, h.agent);
                 if let Some(s) = self.seen.get_mut(&key) {
                     s.last = last;
-                    s.conn = h.conn;
+                    if h.at_ms >= s.at_ms {
+                        (s.conn, s.at_ms) = (h.conn, h.at_ms);
+                    }
                     return;
                 }
                 // An instance id is the agent's that beat with it first (an oam host serves one
@@ -388,7 +393,14 @@ impl Monitor {
                     }
                     return;
                 }
-                self.seen.insert(key, Seen { last, conn: h.conn });
+                self.seen.insert(
+                    key,
+                    Seen {
+                        last,
+                        conn: h.conn,
+                        at_ms: h.at_ms,
+                    },
+                );
             }
             Ok(h) => {
                 self.forged += 1;
@@ -452,6 +464,7 @@ impl Monitor {
                     Seen {
                         last: now,
                         conn: None,
+                        at_ms: 0,
                     },
                 );
             }
@@ -1063,6 +1076,7 @@ mod tests {
             Seen {
                 last: now,
                 conn: Some("S2/7".into()),
+                at_ms: 2,
             },
         );
         seen.insert(
@@ -1070,6 +1084,7 @@ mod tests {
             Seen {
                 last: now,
                 conn: None,
+                at_ms: 2,
             },
         );
         let agents = vec!["a".to_string(), "b".to_string()];
