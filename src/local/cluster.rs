@@ -153,7 +153,19 @@ async fn up_in(plan: &Plan) -> Result<Up, UpError> {
             });
         }
         if alive > 0 {
-            // Up already: put back any bucket that has gone (only the admin may create one).
+            // Up already: a server whose JetStream went off (a full disk turns it off, and only
+            // a restart turns it on) is started again, once its disk has room.
+            let restarted = restart_jetstream_off(plan, &dir, rec.clone())
+                .await
+                .map_err(UpError::Start)?;
+            if !restarted.is_empty() {
+                return Ok(Up::Repaired {
+                    dir,
+                    restarted,
+                    total: rec.processes.len(),
+                });
+            }
+            // Put back any bucket that has gone (only the admin may create one).
             if let Some((creds, servers)) = super::creds::load(&dir)
                 && let Err(e) = create_buckets(
                     &natsd::app_url(&servers, &creds),
@@ -314,6 +326,79 @@ pub(super) async fn repair(
         restarted.push(p.name.clone());
     }
     rec.save(dir)?;
+    Ok(restarted)
+}
+
+/// Whether server `s`'s JetStream is on, as it says itself when asked as the system account;
+/// `None` when it cannot be asked (no credentials in the folder, no answer).
+async fn jetstream_on(rec: &MeshRecord, s: &super::NatsServer) -> Option<bool> {
+    let creds = kept_credentials(s.dir.parent()?)?;
+    let nats = tokio::time::timeout(Duration::from_secs(2), s.system_connection(&creds))
+        .await
+        .ok()?
+        .ok()?;
+    let v = natsd::server_info(&nats, &s.config_name(&rec.servers), "JSZ").await?;
+    Some(v["data"]["disabled"] != true)
+}
+
+/// Restart (SIGTERM, then start from its config) each running server of `rec` whose JetStream
+/// is off; one whose disk is still full is left as it is, with an error that says so. The
+/// servers restarted, each with why.
+async fn restart_jetstream_off(
+    plan: &Plan,
+    dir: &Path,
+    mut rec: MeshRecord,
+) -> anyhow::Result<Vec<String>> {
+    if rec.servers.len() < 2 {
+        return Ok(Vec::new()); // a lone server's JetStream is every stream's only copy
+    }
+    let mut off = Vec::new();
+    for s in &rec.servers {
+        let running = rec
+            .processes
+            .iter()
+            .any(|p| p.name == s.name && super::is_ours(p));
+        if running && jetstream_on(&rec, s).await == Some(false) {
+            off.push(s.clone());
+        }
+    }
+    if off.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (bin, _) = natsd::find(plan.nats_server.as_deref())?;
+    let creds = kept_credentials(dir)
+        .ok_or_else(|| anyhow::anyhow!("{}", super::creds::no_cluster(dir)))?;
+    let mut restarted = Vec::new();
+    for s in off {
+        if let Some(free) = super::free_bytes(&s.dir.join("jetstream"))
+            && free < DISK_LOW
+        {
+            anyhow::bail!(
+                "{}'s JetStream is off and its disk has {} KiB free: free space on it, then run                  `oam mesh up --dir {}` again to restart it",
+                s.name,
+                free >> 10,
+                dir.display()
+            );
+        }
+        let Some(p) = rec.processes.iter_mut().find(|p| p.name == s.name) else {
+            continue;
+        };
+        super::signal(p.pid, libc::SIGTERM);
+        let gone = Instant::now() + Duration::from_secs(10);
+        while super::is_ours(p) && Instant::now() < gone {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if super::is_ours(p) {
+            super::signal(p.pid, libc::SIGKILL);
+        }
+        let log = s.dir.join("nats.log");
+        let server =
+            natsd::start_from(&bin, &s.dir.join("nats.conf"), &s.dir, &log, READY_WITHIN).await?;
+        p.pid = server.child.id();
+        restarted.push(format!("{} (its JetStream was off)", s.name));
+    }
+    rec.save(dir)?;
+    jetstream_ready(&rec.servers, &creds).await?;
     Ok(restarted)
 }
 
@@ -955,7 +1040,16 @@ async fn probe(http: &reqwest::Client, rec: &MeshRecord, p: &Started) -> (bool, 
                         free >> 10
                     ),
                 ),
-                _ => (true, "accepting connections".into()),
+                _ => match server {
+                    Some(s) if rec.servers.len() > 1 && jetstream_on(rec, s).await == Some(false) => (
+                        false,
+                        "accepting connections, but its JetStream is off (nats-server turns it \
+                         off when a write fails, as on a full disk, and only a restart turns it \
+                         on): its streams keep one copy fewer; `oam mesh up` restarts it"
+                            .into(),
+                    ),
+                    _ => (true, "accepting connections".into()),
+                },
             }
         }
         "monitor" => (true, "watching for deaths".into()),

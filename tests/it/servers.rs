@@ -1228,3 +1228,94 @@ async fn a_frozen_server_announces_no_live_agent_dead() {
     }
     drop(agents);
 }
+
+/// nats-server turns a server's JetStream off when a write fails for want of disk, and only a
+/// restart turns it on: the cluster then keeps every stream on one copy fewer while the server
+/// still accepts connections. Once the disk has room again, `oam mesh status` says the
+/// server's JetStream is off (exit 1), and `oam mesh up` restarts it, after which every process
+/// is healthy again.
+#[tokio::test]
+async fn a_server_whose_jetstream_went_off_is_restarted_by_mesh_up() {
+    let dir = crate::support::ClusterDir::new("servers-js-off");
+    let js_dir = dir.0.join("nats-3").join("jetstream");
+    let disk = SmallDisk::mount(&js_dir, "24m");
+    let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
+    let plan = oam::local::cluster::Plan {
+        servers: 3,
+        ..oam::local::cluster::Plan::any_ports(dir.0.clone(), 1, exe)
+    };
+    let record = match oam::local::cluster::up(&plan).await {
+        Ok(oam::local::cluster::Up::Started { record, .. }) => record,
+        other => panic!("the mesh did not start: {other:?}"),
+    };
+    let cl = LocalCluster { dir, record };
+    let nats3 = |status: &Value| {
+        status["processes"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["name"] == "nats-3"))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    // Fill nats-3's disk with a file of the test's, then write the log until its copy there
+    // fails; then give the room back.
+    let filler = js_dir.join("filler");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let mb = vec![0u8; 1 << 20];
+        for _ in 0..64 {
+            if f.write_all(&mb).and_then(|()| f.sync_all()).is_err() {
+                break;
+            }
+        }
+    }
+    let nc = oam::transport::connect::connect(&cl.app_url(), "test", false, &Default::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc.clone());
+    let junk = bytes::Bytes::from(vec![b'x'; 64 << 10]);
+    let off = eventually(Duration::from_secs(30), || async {
+        for _ in 0..8 {
+            let ack = js.publish(oam::transport::subjects::decision_log("n1"), junk.clone());
+            let _ = tokio::time::timeout(Duration::from_secs(2), async { ack.await?.await }).await;
+        }
+        let log = std::fs::read_to_string(cl.dir.0.join("nats-3").join("nats.log")).ok()?;
+        log.to_ascii_lowercase().contains("disabl").then_some(())
+    })
+    .await;
+    assert!(off.is_some(), "nats-3's JetStream did not go off");
+    std::fs::remove_file(&filler).unwrap();
+    let told = eventually(Duration::from_secs(20), || async {
+        let (code, status) = mesh_status(&cl);
+        let n3 = nats3(&status);
+        (code == Some(1)
+            && n3["healthy"] == false
+            && n3["detail"].as_str()?.contains("JetStream is off"))
+        .then_some(())
+    })
+    .await;
+    assert!(told.is_some(), "not told: {:?}", mesh_status(&cl));
+    let out = cl
+        .oam()
+        .args(["mesh", "up", "--dir"])
+        .arg(&cl.dir.0)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("nats-3 (its JetStream was off)"),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let healthy = eventually(Duration::from_secs(30), || async {
+        let (code, status) = mesh_status(&cl);
+        (code == Some(0) && nats3(&status)["healthy"] == true).then_some(())
+    })
+    .await;
+    assert!(
+        healthy.is_some(),
+        "after the restart: {:?}",
+        mesh_status(&cl)
+    );
+    drop(disk);
+}
