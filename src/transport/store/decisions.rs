@@ -374,12 +374,13 @@ async fn log_streams(
 ) -> anyhow::Result<Vec<jetstream::stream::Stream>> {
     use futures_util::TryStreamExt;
     let js = super::context(nats);
+    let deadline = tokio::time::Instant::now() + OPEN_TIMEOUT;
     let mut names = vec![subjects::DECISION_LOG_STREAM.to_string()];
     match node {
         Some(n) => names.push(subjects::decision_log_stream(n)),
         None => {
             let all: Vec<String> =
-                tokio::time::timeout(OPEN_TIMEOUT, js.stream_names().try_collect::<Vec<String>>())
+                retrying(deadline, || js.stream_names().try_collect::<Vec<String>>())
                     .await
                     .map_err(|_| no_answer())?
                     .map_err(|e| anyhow::anyhow!("cannot list the decision log's streams: {e}"))?;
@@ -389,7 +390,7 @@ async fn log_streams(
     }
     let mut out = Vec::new();
     for name in names {
-        match tokio::time::timeout(OPEN_TIMEOUT, js.get_stream(&name)).await {
+        match retrying(deadline, || js.get_stream(&name)).await {
             Err(_) => return Err(no_answer()),
             Ok(Ok(s)) => out.push(s),
             Ok(Err(e)) if not_found(&e) => {}
@@ -404,6 +405,30 @@ async fn log_streams(
         );
     }
     Ok(out)
+}
+
+/// `ask` until it answers with anything but a passing unavailability (JetStream's 503 while a
+/// leader is elected, no responders while a server restarts), tried again every 200 ms until
+/// `deadline` (Err: no answer by then). A mesh just restarted answers so for a few seconds.
+async fn retrying<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+    deadline: tokio::time::Instant,
+    mut ask: impl FnMut() -> F,
+) -> Result<Result<T, E>, tokio::time::error::Elapsed> {
+    loop {
+        let answer = tokio::time::timeout_at(deadline, ask()).await?;
+        match answer {
+            Err(e) if passing(&e.to_string()) && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            answer => return Ok(answer),
+        }
+    }
+}
+
+/// Does this error say the server is unavailable for a moment (not that anything is wrong)?
+fn passing(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("temporarily unavailable") || e.contains("no responders") || e.contains("503")
 }
 
 /// Whether a stream could not be made because another holds its subjects.
@@ -691,10 +716,10 @@ async fn read_from(
         || subjects::DECISION_LOG_ALL.to_string(),
         subjects::decision_log,
     );
-    let mut read = 0;
+    let read = std::sync::atomic::AtomicUsize::new(0);
     let mut before_since = false;
     let name = &stream.cached_info().config.name;
-    let reading = super::read_on(nats, name, &filter, from, |m| {
+    let mut on_message = |m: async_nats::jetstream::message::StreamMessage| {
         if until.is_some_and(|u| m.sequence > u) {
             return false;
         }
@@ -714,7 +739,7 @@ async fn read_from(
                 );
             }
             Ok(b) => {
-                read += b.records.len();
+                read.fetch_add(b.records.len(), std::sync::atomic::Ordering::Relaxed);
                 let ms = u64::try_from(m.time.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
                 each(b, ms);
             }
@@ -723,10 +748,26 @@ async fn read_from(
             }
         }
         until.is_none_or(|u| m.sequence < u)
-    });
-    reading.await.map_err(|e| {
-        anyhow::anyhow!("the decision log stopped answering after {read} records: {e}")
-    })?;
+    };
+    // A stream electing a leader (a mesh just restarted) answers 503 for a moment: asked again
+    // until it answers, while nothing was read yet.
+    let deadline = tokio::time::Instant::now() + OPEN_TIMEOUT;
+    loop {
+        match super::read_on(nats, name, &filter, from, &mut on_message).await {
+            Err(e)
+                if read.load(std::sync::atomic::Ordering::Relaxed) == 0
+                    && passing(&format!("{e:#}"))
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => anyhow::bail!(
+                "the decision log stopped answering after {} records: {e}",
+                read.load(std::sync::atomic::Ordering::Relaxed)
+            ),
+            Ok(_) => break,
+        }
+    }
     Ok(before_since)
 }
 
@@ -734,6 +775,16 @@ async fn read_from(
 mod tests {
     use super::*;
     use crate::core::pipeline::tests::{engine, recorded};
+
+    #[test]
+    fn only_a_passing_unavailability_is_asked_again() {
+        assert!(passing(
+            "request failed: JetStream system temporarily unavailable (code 503, error code 10008)"
+        ));
+        assert!(passing("no responders"));
+        assert!(!passing("stream not found (code 404, error code 10059)"));
+        assert!(!passing("permissions violation"));
+    }
 
     #[test]
     fn a_missing_record_is_explained_by_what_bounds_the_log() {
