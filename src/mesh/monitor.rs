@@ -946,6 +946,7 @@ pub async fn run(
                     let instance_id = id.to_string();
                     let mut agents = m.beating_for(&instance_id, &adv.client.user);
                     let closed = super::protocol::conn_name(&adv.server.id, adv.client.id);
+                    let named = !agents.is_empty();
                     let moved = moved(&m.seen, &instance_id, &agents, &closed);
                     for ((_, agent), s) in m.seen.iter().filter(|((i, _), _)| *i == instance_id) {
                         tracing::info!(instance = %instance_id, agent, %closed, beat_on = ?s.conn, ago = ?s.last.elapsed(), "a connection of a beating instance closed");
@@ -953,9 +954,32 @@ pub async fn run(
                     if !moved.is_empty() {
                         tracing::info!(instance = %instance_id, ?moved, "an old connection closed; the instance beats on another");
                         agents.retain(|a| !moved.contains(a));
-                        if agents.is_empty() {
-                            continue;
+                    }
+                    // A close met while the monitor could not hear beats (it was reconnecting
+                    // itself since the instance last beat): whether the instance beats on
+                    // another connection is not known, so its heartbeats decide, from now.
+                    let connected = m.mesh.nats().connection_state()
+                        == async_nats::connection::State::Connected;
+                    let unheard: Vec<String> = agents
+                        .iter()
+                        .filter(|a| {
+                            m.seen
+                                .get(&(instance_id.clone(), (*a).clone()))
+                                .is_some_and(|s| view.blind_since(connected, s.last))
+                        })
+                        .cloned()
+                        .collect();
+                    if !unheard.is_empty() {
+                        tracing::info!(instance = %instance_id, ?unheard, "a connection closed while the monitor could not hear beats; its heartbeats decide");
+                        for a in &unheard {
+                            if let Some(s) = m.seen.get_mut(&(instance_id.clone(), a.clone())) {
+                                s.last = Instant::now();
+                            }
                         }
+                        agents.retain(|a| !unheard.contains(a));
+                    }
+                    if named && agents.is_empty() {
+                        continue;
                     }
                     m.died(Death {
                         instance_id,
@@ -1010,6 +1034,8 @@ pub async fn run(
 struct View {
     connects: u64,
     dark: bool,
+    /// When the monitor was last found connected again.
+    back_at: Option<Instant>,
 }
 
 enum Look {
@@ -1029,7 +1055,14 @@ impl View {
                 .connects
                 .load(std::sync::atomic::Ordering::Relaxed),
             dark: false,
+            back_at: None,
         }
+    }
+
+    /// Could the monitor have missed beats sent after `since` (it is not `connected` now, or
+    /// was connected again after it)?
+    fn blind_since(&self, connected: bool, since: Instant) -> bool {
+        !connected || self.dark || self.back_at.is_some_and(|t| t > since)
     }
 
     fn look(&mut self, nats: &async_nats::Client) -> Look {
@@ -1047,6 +1080,9 @@ impl View {
             return Look::Dark;
         }
         let back = self.dark || connects != self.connects;
+        if back {
+            self.back_at = Some(Instant::now());
+        }
         self.connects = connects;
         self.dark = false;
         if back { Look::Back } else { Look::Clear }
@@ -1107,6 +1143,31 @@ mod tests {
             moved(&seen, "i1", &agents, "S1/3").is_empty(),
             "silent past the bound"
         );
+    }
+
+    #[test]
+    fn a_close_met_while_the_monitor_could_not_hear_is_judged_by_heartbeats() {
+        let t0 = Instant::now();
+        let beat = t0 + Duration::from_millis(10);
+        let mut v = View {
+            connects: 1,
+            dark: false,
+            back_at: None,
+        };
+        assert!(!v.blind_since(true, beat), "connected all along");
+        assert!(v.blind_since(false, beat), "not connected now");
+        v.back_at = Some(t0);
+        assert!(
+            !v.blind_since(true, beat),
+            "back before the beat: it would have heard more"
+        );
+        v.back_at = Some(beat + Duration::from_millis(1));
+        assert!(
+            v.blind_since(true, beat),
+            "back after the beat: beats may have gone unheard"
+        );
+        v.dark = true;
+        assert!(v.blind_since(true, t0 + Duration::from_secs(9)));
     }
 
     #[test]
