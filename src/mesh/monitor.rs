@@ -161,6 +161,29 @@ fn moved(
         .collect()
 }
 
+/// How long an announced death is remembered, to tell it once when two kinds of evidence
+/// (missed heartbeats, the connection's close) come together.
+const RECENTLY: Duration = Duration::from_secs(10);
+
+/// Whether a death of instance `id` naming `agents` repeats one announced a moment ago
+/// (`announced`, kept for `RECENTLY`): the same instance, not heard beating since, and no agent
+/// it did not name then (none: the records would name the same).
+fn repeats(
+    announced: &BTreeMap<String, (Instant, Vec<String>)>,
+    seen: &BTreeMap<(String, String), Seen>,
+    id: &str,
+    agents: &[String],
+) -> bool {
+    let Some((_, told)) = announced.get(id) else {
+        return false;
+    };
+    let beating_again = seen
+        .range((id.to_string(), String::new())..)
+        .next()
+        .is_some_and(|((i, _), _)| i == id);
+    !beating_again && agents.iter().all(|a| told.contains(a))
+}
+
 struct Seen {
     last: Instant,
     /// The connection its newest heartbeat came on (`protocol::conn_name`), if it said, and
@@ -204,6 +227,9 @@ impl InstanceQuota {
 pub struct Monitor {
     /// The mesh's buckets, opened once and kept for the monitor's life.
     mesh: std::sync::Arc<store::Mesh>,
+    /// Instance id -> when this monitor announced its death, and the agents it named
+    /// (`repeats`).
+    announced: BTreeMap<String, (Instant, Vec<String>)>,
     /// Who this monitor is in the tombstones it claims (one per run).
     owner: std::sync::Arc<str>,
     /// (instance id, agent) -> its latest heartbeat. Keyed by both: an agent may beat with any
@@ -261,6 +287,7 @@ impl Monitor {
             crate::ids::random_hex(6).unwrap_or_else(|_| crate::clock::now_ms().to_string())
         );
         Monitor {
+            announced: BTreeMap::new(),
             mesh: std::sync::Arc::new(store::Mesh::new(app)),
             owner: owner.into(),
             seen: BTreeMap::new(),
@@ -290,6 +317,20 @@ impl Monitor {
     /// `SWEEPING` turns in their task, never in the loop (they are as many as the admitted
     /// instances at most): the loop goes on reading advisories, whose deaths go first.
     async fn died(&mut self, mut death: Death) {
+        let now = Instant::now();
+        self.announced
+            .retain(|_, (at, _)| now.duration_since(*at) < RECENTLY);
+        if repeats(
+            &self.announced,
+            &self.seen,
+            &death.instance_id,
+            &death.agents,
+        ) {
+            tracing::info!(instance = %death.instance_id, reason = ?death.reason, "announced a moment ago; not again");
+            return;
+        }
+        self.announced
+            .insert(death.instance_id.clone(), (now, death.agents.clone()));
         for agent in &death.agents {
             self.forget(&death.instance_id, agent);
         }
@@ -1168,6 +1209,36 @@ mod tests {
         );
         v.dark = true;
         assert!(v.blind_since(true, t0 + Duration::from_secs(9)));
+    }
+
+    #[test]
+    fn a_death_told_a_moment_ago_is_not_told_again_unless_it_lived_since() {
+        let mut announced = BTreeMap::new();
+        announced.insert("i1".to_string(), (Instant::now(), vec!["a".to_string()]));
+        let mut seen = BTreeMap::new();
+        let a = vec!["a".to_string()];
+        assert!(repeats(&announced, &seen, "i1", &a), "the same death");
+        assert!(
+            repeats(&announced, &seen, "i1", &[]),
+            "the records would say the same"
+        );
+        assert!(!repeats(&announced, &seen, "i2", &a), "another instance");
+        assert!(
+            !repeats(&announced, &seen, "i1", &["b".to_string()]),
+            "an agent not named then"
+        );
+        seen.insert(
+            ("i1".to_string(), "a".to_string()),
+            Seen {
+                last: Instant::now(),
+                conn: None,
+                at_ms: 1,
+            },
+        );
+        assert!(
+            !repeats(&announced, &seen, "i1", &a),
+            "it beat again since: a new death"
+        );
     }
 
     #[test]
