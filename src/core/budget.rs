@@ -115,6 +115,24 @@ impl Owner {
     }
 }
 
+impl Owner {
+    /// The owner a record's three names say (it keeps the one of its kind; none: global).
+    pub fn of_names(agent: &Option<String>, team: &Option<String>, task: &Option<String>) -> Owner {
+        match (agent, team, task) {
+            (Some(a), _, _) => Owner::new(Kind::Agent, a),
+            (_, Some(t), _) => Owner::new(Kind::Team, t),
+            (_, _, Some(t)) => Owner::new(Kind::Task, t),
+            _ => Owner::global(),
+        }
+    }
+
+    /// The owner as a record's three names (agent, team, task): `of_names` backwards.
+    pub fn names(&self) -> [Option<String>; 3] {
+        let named = |k: Kind| (self.kind == k).then(|| self.name.clone());
+        [named(Kind::Agent), named(Kind::Team), named(Kind::Task)]
+    }
+}
+
 impl std::fmt::Display for Owner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.kind {
@@ -157,6 +175,16 @@ impl OnExceeded {
 pub struct Override {
     pub limit_usd: f64,
     pub until_ms: u64,
+}
+
+impl Override {
+    /// The limit at `now_ms` of a budget whose own is `own`: `overridden`'s while it stands.
+    pub fn limit_at(overridden: Option<Override>, own: f64, now_ms: u64) -> f64 {
+        match overridden {
+            Some(o) if now_ms < o.until_ms => o.limit_usd,
+            _ => own,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
@@ -214,12 +242,7 @@ pub struct Shortfall {
 impl Shortfall {
     /// The budget that refused.
     pub fn owner(&self) -> Owner {
-        match (&self.agent, &self.team, &self.task) {
-            (Some(a), _, _) => Owner::new(Kind::Agent, a),
-            (_, Some(t), _) => Owner::new(Kind::Team, t),
-            (_, _, Some(t)) => Owner::new(Kind::Task, t),
-            _ => Owner::global(),
-        }
+        Owner::of_names(&self.agent, &self.team, &self.task)
     }
 
     /// "an attempt estimated at $0.0031 is more than the $0.0020 left of agent a's $0.0020
@@ -253,10 +276,7 @@ impl Budget {
 
     /// The limit at `now_ms`: the override's while it stands, else the budget's own.
     pub fn limit_at(&self, now_ms: u64) -> f64 {
-        match self.overridden {
-            Some(o) if now_ms < o.until_ms => o.limit_usd,
-            _ => self.limit_usd,
-        }
+        Override::limit_at(self.overridden, self.limit_usd, now_ms)
     }
 
     pub fn remaining_usd(&self, now_ms: u64) -> f64 {
@@ -455,11 +475,11 @@ impl Budgets {
         let (k, n, b) = refusing()
             .find(|(_, _, b)| !b.covers(estimate_usd, now_ms))
             .or_else(|| refusing().next())?;
-        let named = |kind: Kind| (k == kind).then(|| n.to_string());
+        let [agent, team, task] = Owner::new(k, n).names();
         Some(Shortfall {
-            agent: named(Kind::Agent),
-            team: named(Kind::Team),
-            task: named(Kind::Task),
+            agent,
+            team,
+            task,
             estimate_usd: round_usd(estimate_usd),
             remaining_usd: b.remaining_usd(now_ms),
             limit_usd: b.limit_at(now_ms),

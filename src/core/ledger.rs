@@ -7,7 +7,7 @@
 //! reservation by: a reservation is granted only if the limit covers everything spent and
 //! everything held by live leases.
 
-use super::budget::{Budget, Kind, OnExceeded, Override, Owner};
+use super::budget::{Budget, OnExceeded, Override, Owner};
 use super::request::round_usd;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -135,27 +135,16 @@ impl Ledger {
 
     /// Whose budget it is.
     pub fn owner(&self) -> Owner {
-        match (&self.agent, &self.team, &self.task) {
-            (Some(a), _, _) => Owner::new(Kind::Agent, a),
-            (_, Some(t), _) => Owner::new(Kind::Team, t),
-            (_, _, Some(t)) => Owner::new(Kind::Task, t),
-            _ => Owner::global(),
-        }
+        Owner::of_names(&self.agent, &self.team, &self.task)
     }
 
     pub fn set_owner(&mut self, owner: &Owner) {
-        let named = |k: Kind| (owner.kind == k).then(|| owner.name.clone());
-        self.agent = named(Kind::Agent);
-        self.team = named(Kind::Team);
-        self.task = named(Kind::Task);
+        [self.agent, self.team, self.task] = owner.names();
     }
 
     /// The limit at `now_ms`: the override's while it stands.
     pub fn limit_at(&self, now_ms: u64) -> f64 {
-        match self.overridden {
-            Some(o) if now_ms < o.until_ms => o.limit_usd,
-            _ => self.limit_usd,
-        }
+        Override::limit_at(self.overridden, self.limit_usd, now_ms)
     }
 
     /// What live holds (other than `except`'s) hold at `now_ms`.
@@ -326,6 +315,7 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::budget::Kind;
     use proptest::prelude::*;
 
     #[test]
