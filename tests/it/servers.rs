@@ -698,6 +698,32 @@ async fn an_agent_dying_with_the_server_leading_the_mesh_buckets_is_announced_in
     );
 }
 
+/// A mesh of three servers and one node whose nats-3 keeps its JetStream on a disk of `size`
+/// of its own.
+async fn small_disk_mesh(tag: &str, size: &str) -> (LocalCluster, SmallDisk) {
+    let dir = crate::support::ClusterDir::new(tag);
+    let disk = SmallDisk::mount(&dir.0.join("nats-3").join("jetstream"), size);
+    let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
+    let plan = oam::local::cluster::Plan {
+        servers: 3,
+        ..oam::local::cluster::Plan::any_ports(dir.0.clone(), 1, exe)
+    };
+    let record = match oam::local::cluster::up(&plan).await {
+        Ok(oam::local::cluster::Up::Started { record, .. }) => record,
+        other => panic!("the mesh did not start: {other:?}"),
+    };
+    (LocalCluster { dir, record }, disk)
+}
+
+/// The process `name` in a `mesh status` document.
+fn process_in(status: &Value, name: &str) -> Value {
+    status["processes"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == name))
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
 /// A small disk of its own for a folder (a tmpfs), taken away (lazily) on drop.
 struct SmallDisk(std::path::PathBuf);
 
@@ -756,18 +782,7 @@ fn stream_in(status: &Value, name: &str) -> Value {
 /// and after it, which streams run short of current copies.
 #[tokio::test]
 async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
-    let dir = crate::support::ClusterDir::new("servers-disk");
-    let disk = SmallDisk::mount(&dir.0.join("nats-3").join("jetstream"), "40m");
-    let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
-    let plan = oam::local::cluster::Plan {
-        servers: 3,
-        ..oam::local::cluster::Plan::any_ports(dir.0.clone(), 1, exe)
-    };
-    let record = match oam::local::cluster::up(&plan).await {
-        Ok(oam::local::cluster::Up::Started { record, .. }) => record,
-        other => panic!("the mesh did not start: {other:?}"),
-    };
-    let cl = LocalCluster { dir, record };
+    let (cl, disk) = small_disk_mesh("servers-disk", "40m").await;
     // Healthy at first: every copy current, room on every disk.
     let healthy = eventually(Duration::from_secs(10), || async {
         let (code, status) = mesh_status(&cl);
@@ -815,11 +830,7 @@ async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
     }
     let told = eventually(Duration::from_secs(20), || async {
         let (code, status) = mesh_status(&cl);
-        let nats3 = status["processes"]
-            .as_array()?
-            .iter()
-            .find(|p| p["name"] == "nats-3")?
-            .clone();
+        let nats3 = process_in(&status, "nats-3");
         let full = nats3["detail"].as_str()?.contains("free space on it");
         (code == Some(1) && full && nats3["healthy"] == false).then_some(())
     })
@@ -1236,26 +1247,9 @@ async fn a_frozen_server_announces_no_live_agent_dead() {
 /// is healthy again.
 #[tokio::test]
 async fn a_server_whose_jetstream_went_off_is_restarted_by_mesh_up() {
-    let dir = crate::support::ClusterDir::new("servers-js-off");
-    let js_dir = dir.0.join("nats-3").join("jetstream");
-    let disk = SmallDisk::mount(&js_dir, "24m");
-    let exe = std::path::PathBuf::from(assert_cmd::cargo::cargo_bin!("oam"));
-    let plan = oam::local::cluster::Plan {
-        servers: 3,
-        ..oam::local::cluster::Plan::any_ports(dir.0.clone(), 1, exe)
-    };
-    let record = match oam::local::cluster::up(&plan).await {
-        Ok(oam::local::cluster::Up::Started { record, .. }) => record,
-        other => panic!("the mesh did not start: {other:?}"),
-    };
-    let cl = LocalCluster { dir, record };
-    let nats3 = |status: &Value| {
-        status["processes"]
-            .as_array()
-            .and_then(|ps| ps.iter().find(|p| p["name"] == "nats-3"))
-            .cloned()
-            .unwrap_or(Value::Null)
-    };
+    let (cl, disk) = small_disk_mesh("servers-js-off", "24m").await;
+    let js_dir = disk.0.clone();
+    let nats3 = |status: &Value| process_in(status, "nats-3");
     // Fill nats-3's disk with a file of the test's, then write the log until its copy there
     // fails; then give the room back.
     let filler = js_dir.join("filler");
