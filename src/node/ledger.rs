@@ -315,6 +315,14 @@ impl LedgerCounters {
         );
         let c = self.clone();
         registry.register(
+            "oam_budget_would_refuse_total",
+            "Reservations a budget in audit mode granted past its limit (each such decision \
+             says BUDGET_WOULD_REFUSE).",
+            Kind::Counter,
+            move |s| s.put(&[], c.would_refuse.load(Ordering::Relaxed)),
+        );
+        let c = self.clone();
+        registry.register(
             "oam_budget_escrow_draws_total",
             "Reservations this node's escrow held at once, with no ledger write (of those \
              answered held).",

@@ -1434,6 +1434,9 @@ async fn a_team_budget_shared_by_two_keys_stops_both_at_its_cap() {
         "{counted} counted for {passed} requests in {attempts} attempts: {row}"
     );
     assert!(row["spent_usd"].as_f64().unwrap() > LIMIT, "{row}");
+    // The nodes count them too, and the counts agree.
+    let told = summed(&cl.urls, "oam_budget_would_refuse_total").await;
+    assert_eq!(told, counted as f64, "/metrics vs the ledger: {row}");
 }
 
 #[tokio::test]
