@@ -317,6 +317,7 @@ mod tests {
             "oam_budget_reservations_total",
             "oam_budget_settled_from_records_total",
             "oam_budget_unsettled",
+            "oam_budget_would_refuse_total",
             "oam_bulkhead_active",
             "oam_bulkhead_limit",
             "oam_bulkhead_queued",
