@@ -4,6 +4,7 @@
 //! `oam audit --verify`.
 
 use crate::gateway::gateway_with;
+use crate::support::NatsServer;
 use crate::support::python;
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
@@ -253,7 +254,16 @@ async fn the_official_client_lists_and_calls_tools_in_both_revisions() {
 #[tokio::test]
 async fn failing_tools_trip_their_server_s_breaker_and_a_loop_of_them_is_refused() {
     let server = tool_server();
-    let g = gateway_with("mcp-fail", &config(&server)).await;
+    // No probe round in the test's time: a probe's answered `tools/list` would count as the
+    // server working again and restart the count of consecutive failures.
+    let g = crate::gateway::gateway_on(
+        "mcp-fail",
+        "probe_interval_ms = 600000\n",
+        &config(&server),
+        &[],
+        NatsServer::start().await,
+    )
+    .await;
     // The same failing call, again and again: the third trips a loop, the fourth is refused
     // before the server is called.
     let same = json!(["call", "calc__fail", {"reason": "same"}]);
