@@ -492,12 +492,6 @@ pub async fn server_info(
     serde_json::from_slice(&reply.payload).ok()
 }
 
-/// A free 127.0.0.1 port (free when asked; a race with other processes is possible).
-pub fn free_port() -> anyhow::Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("cannot find a free 127.0.0.1 port")?;
-    Ok(l.local_addr()?.port())
-}
-
 /// `n` distinct free 127.0.0.1 ports (all held until each is found, so none repeats; free
 /// when asked, a race with other processes is possible). Taken below the kernel's ephemeral
 /// range when it leaves room: a port the kernel hands out (to `:0` listeners and to every

@@ -470,7 +470,7 @@ async fn the_nats_data_plane_is_one_service_with_the_http_limits() {
 
 #[tokio::test]
 async fn nodes_start_before_nats_keep_serving_without_it_and_rejoin() {
-    let port = oam::local::natsd::free_port().unwrap();
+    let port = oam::local::natsd::free_ports(1).unwrap()[0];
     let creds = oam::local::natsd::Credentials::generate().unwrap();
     let url = oam::local::natsd::app_url(&oam::local::natsd::loopback(&[port]), &creds);
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);

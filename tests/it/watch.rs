@@ -241,11 +241,7 @@ async fn a_watch_keeps_its_picture_when_nats_goes_and_follows_the_mesh_back() {
     );
     assert!(all_alive(&stale), "the last picture is kept:\n{stale}");
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = oam::local::natsd::free_ports(1).unwrap()[0];
     let up = mesh
         .oam()
         .args([
