@@ -294,6 +294,10 @@ pub async fn connect(
         // Callers bound their own requests; the client's 10 s default would cut them short.
         .request_timeout(None)
         .reconnect_delay_callback(reconnect_delay)
+        .reconnect_to_server_callback(|pool, last| async move {
+            let pick = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), 0u8);
+            next_server(&pool, &last, pick)
+        })
         .event_callback(move |event| {
             let (conn_name, shown) = (conn_name.clone(), shown.clone());
             let (refused, inbox) = (refused.clone(), inbox.clone());
@@ -387,6 +391,35 @@ fn credentials_refused(conn: &str, url: &str) -> String {
 fn reconnect_delay(attempt: usize) -> Duration {
     let waited = u64::try_from(attempt.saturating_sub(1)).unwrap_or(u64::MAX);
     Duration::from_millis(waited.saturating_mul(100).min(1_000))
+}
+
+/// Which server a lost connection tries next: one that has failed least, and among those, one
+/// other than the server just lost when there is one (picked among them by `pick`, so that a
+/// crowd of clients spreads). A server that froze still accepts TCP connections, so trying it
+/// again costs the whole connect timeout; async-nats's own choice (shuffled, then by failures)
+/// tries it first one time in three on a 3-server mesh, and a liveness connection that does
+/// cannot beat inside the heartbeat bound. The lost server is tried once the others have failed
+/// as often. `None` (async-nats chooses) before the first connection.
+fn next_server(
+    pool: &[async_nats::Server],
+    last: &async_nats::ServerInfo,
+    pick: u64,
+) -> Option<async_nats::ReconnectToServer> {
+    if last.port == 0 {
+        return None;
+    }
+    let unspecified = matches!(last.host.as_str(), "" | "0.0.0.0" | "::" | "[::]");
+    let lost = |s: &async_nats::Server| {
+        s.addr.port() == last.port && (unspecified || s.addr.host() == last.host)
+    };
+    let rank = |s: &async_nats::Server| (s.failed_attempts, lost(s));
+    let best = pool.iter().map(rank).min()?;
+    let tied: Vec<&async_nats::Server> = pool.iter().filter(|s| rank(s) == best).collect();
+    let chosen = tied[(pick % tied.len() as u64) as usize];
+    Some(async_nats::ReconnectToServer {
+        addr: chosen.addr.clone(),
+        delay: None,
+    })
 }
 
 /// `nats://user:pass@host:port` -> (`nats://host:port`, Some((user, pass))); of a server
@@ -487,6 +520,44 @@ mod tests {
             &shared,
             crate::transport::subjects::DEFAULT_INBOX
         ));
+    }
+
+    #[test]
+    fn a_lost_connection_tries_another_server_first_and_the_lost_one_last() {
+        let server = |port: u16, failed: usize| async_nats::Server {
+            addr: format!("nats://127.0.0.1:{port}").parse().unwrap(),
+            failed_attempts: failed,
+            did_connect: true,
+            is_discovered: false,
+            last_error: None,
+        };
+        let last = async_nats::ServerInfo {
+            host: "127.0.0.1".into(),
+            port: 4222,
+            ..Default::default()
+        };
+        let next = |pool: &[async_nats::Server], pick| {
+            super::next_server(pool, &last, pick).map(|n| n.addr.port())
+        };
+        let fresh = [server(4222, 0), server(4223, 0), server(4224, 0)];
+        let picked: std::collections::BTreeSet<u16> =
+            (0..8).filter_map(|pick| next(&fresh, pick)).collect();
+        assert_eq!(
+            picked,
+            [4223, 4224].into(),
+            "the others, spread, never the lost one"
+        );
+        // The others failed once each: the lost server is the one that failed least.
+        let others_failed = [server(4222, 0), server(4223, 1), server(4224, 1)];
+        assert_eq!(next(&others_failed, 1), Some(4222));
+        // As often as the others: the others first again.
+        let all_failed = [server(4222, 1), server(4223, 1), server(4224, 2)];
+        assert_eq!(next(&all_failed, 5), Some(4223));
+        // Alone in the pool: the lost server.
+        assert_eq!(next(&[server(4222, 3)], 0), Some(4222));
+        // Before any connection async-nats chooses.
+        let never = async_nats::ServerInfo::default();
+        assert!(super::next_server(&fresh, &never, 0).is_none());
     }
 
     #[test]
