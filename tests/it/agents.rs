@@ -1,7 +1,7 @@
 //! The agent mesh with real processes: demo agents served by `oam agent serve`, calls by name,
 //! the catalog, graceful exits, and interop with the Open Agent Mesh Python SDK.
 
-use crate::support::{NatsServer, Proc, beat_of, next_json, python};
+use crate::support::{AckLoser, NatsServer, Proc, beat_of, next_json, python};
 use assert_cmd::Command;
 use futures_util::StreamExt as _;
 use serde_json::{Value, json};
@@ -280,6 +280,58 @@ pub(crate) fn monitor(server: &NatsServer) -> Proc {
         "--sys-url",
         &sys,
     ])
+}
+
+/// A tombstone claim whose acknowledgement is lost (the claim is written, the monitor never
+/// hears so) is read back as the monitor's own: the death is announced, once, not taken as
+/// announced by someone else.
+#[tokio::test]
+async fn a_claim_whose_acknowledgement_is_lost_is_still_announced_once() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let loser = AckLoser::start(server.port, "$KV.mesh-tombstones.");
+    let through =
+        oam::local::natsd::app_url(&oam::local::natsd::loopback(&[loser.port]), &server.creds);
+    let sys =
+        oam::local::natsd::sys_url(&oam::local::natsd::loopback(&[server.port]), &server.creds);
+    let _monitor = Proc::spawn(&[
+        "mesh",
+        "monitor",
+        "--json",
+        "--nats-url",
+        &through,
+        "--sys-url",
+        &sys,
+    ]);
+    let (_nc, mut deaths, mut instance_deaths) = hearing_deaths(&url).await;
+    let mut victim = serve(&url, "demo.victim", "echo", &[]);
+    let instance = victim.ready["instances"][0].clone();
+    victim.kill();
+
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the death is announced though its claim's acknowledgement was lost");
+    assert_eq!(notice["agent"], "demo.victim", "{notice}");
+    assert_eq!(notice["instance_id"], instance, "{notice}");
+    let told = next_json(&mut instance_deaths, Duration::from_secs(2))
+        .await
+        .expect("the instance's death");
+    assert_eq!(told["instance_id"], instance, "{told}");
+    for (what, sub) in [("agent", &mut deaths), ("instance", &mut instance_deaths)] {
+        assert!(
+            next_json(sub, Duration::from_millis(1_500)).await.is_none(),
+            "the {what} death is announced once"
+        );
+    }
+    // Both claims were written, and neither acknowledgement reached the monitor.
+    let lost = loser.lost();
+    let id = instance.as_str().unwrap();
+    for key in [format!("{id}.demo.victim"), "dead.demo.victim".to_string()] {
+        assert!(
+            lost.contains(&format!("$KV.mesh-tombstones.{key}")),
+            "{key}'s acknowledgement lost: {lost:?}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -958,3 +958,159 @@ pub async fn answering_upstream(status: u16, body: &'static str) -> String {
     tokio::spawn(async move { axum::serve(listener, app).await });
     url
 }
+
+/// A NATS proxy in front of the server on `server_port` that loses the acknowledgement of the
+/// first publish to each subject under `prefix`: the server stores the message and answers,
+/// the publisher never hears it (as when a leader changes between the write and its answer).
+/// Everything else passes unchanged. Stopped on drop.
+pub struct AckLoser {
+    pub port: u16,
+    state: std::sync::Arc<std::sync::Mutex<Losing>>,
+    /// Dropped to stop the proxy (on a thread of its own: a test's runtime may be blocked
+    /// while a process it spawns connects through it).
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+#[derive(Default)]
+struct Losing {
+    prefix: String,
+    /// Reply subject -> the subject whose acknowledgement it will carry.
+    awaited: std::collections::HashMap<String, String>,
+    /// Subjects whose first publish was seen.
+    seen: std::collections::HashSet<String>,
+    /// Subjects whose acknowledgement was lost, in order.
+    lost: Vec<String>,
+}
+
+impl AckLoser {
+    pub fn start(server_port: u16, prefix: &str) -> AckLoser {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = std::sync::Arc::new(std::sync::Mutex::new(Losing {
+            prefix: prefix.to_string(),
+            ..Losing::default()
+        }));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let shared = state.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                let mut conns = tokio::task::JoinSet::new();
+                let accepting = async {
+                    while let Ok((client, _)) = listener.accept().await {
+                        let Ok(server) =
+                            tokio::net::TcpStream::connect(("127.0.0.1", server_port)).await
+                        else {
+                            continue;
+                        };
+                        let (client_read, client_write) = client.into_split();
+                        let (server_read, server_write) = server.into_split();
+                        let up = shared.clone();
+                        conns.spawn(pump(client_read, server_write, move |line| {
+                            up.lock().unwrap().publishing(line);
+                            true
+                        }));
+                        let down = shared.clone();
+                        conns.spawn(pump(server_read, client_write, move |line| {
+                            down.lock().unwrap().delivering(line)
+                        }));
+                    }
+                };
+                tokio::select! {
+                    () = accepting => {}
+                    _ = stopped => {}
+                }
+            });
+        });
+        AckLoser {
+            port,
+            state,
+            _stop: stop,
+        }
+    }
+
+    /// The subjects whose acknowledgement was lost so far.
+    pub fn lost(&self) -> Vec<String> {
+        self.state.lock().unwrap().lost.clone()
+    }
+}
+
+impl Losing {
+    /// A client's protocol line: the first `PUB`/`HPUB` with a reply to a subject under the
+    /// prefix marks its reply to be lost.
+    fn publishing(&mut self, line: &str) {
+        let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+        let reply = match fields.as_slice() {
+            ["PUB", subject, reply, _] | ["HPUB", subject, reply, _, _] => Some((*subject, *reply)),
+            _ => None,
+        };
+        if let Some((subject, reply)) = reply
+            && subject.starts_with(&self.prefix)
+            && self.seen.insert(subject.to_string())
+        {
+            self.awaited.insert(reply.to_string(), subject.to_string());
+        }
+    }
+
+    /// A server's protocol line: false for the message carrying a marked reply.
+    fn delivering(&mut self, line: &str) -> bool {
+        let subject = match line.split_ascii_whitespace().collect::<Vec<_>>().as_slice() {
+            ["MSG" | "HMSG", subject, ..] => subject.to_string(),
+            _ => return true,
+        };
+        match self.awaited.remove(&subject) {
+            Some(published) => {
+                self.lost.push(published);
+                false
+            }
+            None => true,
+        }
+    }
+}
+
+/// Copy NATS protocol frames from `from` to `to`, each whole (a line, and a message's payload
+/// with it), leaving out those whose first line `keep` refuses.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut keep: impl FnMut(&str) -> bool + Send + 'static,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (mut pending, mut chunk) = (Vec::new(), vec![0u8; 64 * 1024]);
+    loop {
+        let n = match from.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&chunk[..n]);
+        let mut out = Vec::with_capacity(pending.len());
+        while let Some((line_end, len)) = frame(&pending) {
+            if keep(&String::from_utf8_lossy(&pending[..line_end])) {
+                out.extend_from_slice(&pending[..len]);
+            }
+            pending.drain(..len);
+        }
+        if to.write_all(&out).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The first whole protocol frame of `buf`, if all there: where its line ends and its length
+/// (for `PUB`, `HPUB`, `MSG` and `HMSG`, the line's last field is the payload's size).
+fn frame(buf: &[u8]) -> Option<(usize, usize)> {
+    let line_end = buf.windows(2).position(|w| w == b"\r\n")?;
+    let line = String::from_utf8_lossy(&buf[..line_end]);
+    let mut fields = line.split_ascii_whitespace();
+    let payload = match fields.next().map(str::to_ascii_uppercase).as_deref() {
+        Some("PUB" | "HPUB" | "MSG" | "HMSG") => fields.next_back()?.parse::<usize>().ok()? + 2,
+        _ => 0,
+    };
+    let len = line_end + 2 + payload;
+    (buf.len() >= len).then_some((line_end, len))
+}
