@@ -117,7 +117,7 @@ impl From<Mode> for OnExceeded {
 }
 
 fn parse_owner(s: &str) -> std::result::Result<Owner, super::BadValue> {
-    Owner::parse(s).map_err(super::BadValue)
+    Owner::parse(s).map_err(|e| super::BadValue(e.to_string()))
 }
 
 fn parse_usd(s: &str) -> std::result::Result<f64, super::BadValue> {

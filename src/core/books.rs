@@ -520,7 +520,10 @@ pub fn read_export(text: &str) -> Result<Vec<Billed>, ExportError> {
         });
     };
     let names: Vec<String> = csv_fields(header)
-        .map_err(|why| ExportError { line: 1, why })?
+        .ok_or_else(|| ExportError {
+            line: 1,
+            why: UNCLOSED.into(),
+        })?
         .iter()
         .map(|n| n.trim().to_ascii_lowercase().replace(' ', "_"))
         .collect();
@@ -545,7 +548,7 @@ pub fn read_export(text: &str) -> Result<Vec<Billed>, ExportError> {
     let mut out = Vec::new();
     for (i, line) in lines {
         let at = |why: String| ExportError { line: i + 1, why };
-        let fields = csv_fields(line).map_err(at)?;
+        let fields = csv_fields(line).ok_or_else(|| at(UNCLOSED.into()))?;
         let field = |n: usize| fields.get(n).map_or("", |f| f.trim());
         let day = export_day(field(day_at))
             .ok_or_else(|| at(format!("{:?} is not a day", field(day_at))))?;
@@ -567,8 +570,12 @@ pub fn read_export(text: &str) -> Result<Vec<Billed>, ExportError> {
     Ok(out)
 }
 
-/// One CSV line's fields (quoted fields may hold commas and doubled quotes; not line breaks).
-fn csv_fields(line: &str) -> Result<Vec<String>, String> {
+/// What a line whose quoted field is not closed is told.
+const UNCLOSED: &str = "a quoted field is not closed (line breaks inside fields are not read)";
+
+/// One CSV line's fields (quoted fields may hold commas and doubled quotes; not line breaks);
+/// None when a quoted field is not closed.
+fn csv_fields(line: &str) -> Option<Vec<String>> {
     let mut out = Vec::new();
     let mut field = String::new();
     let mut quoted = false;
@@ -589,10 +596,10 @@ fn csv_fields(line: &str) -> Result<Vec<String>, String> {
         }
     }
     if quoted {
-        return Err("a quoted field is not closed (line breaks inside fields are not read)".into());
+        return None;
     }
     out.push(field);
-    Ok(out)
+    Some(out)
 }
 
 /// The UTC day of an export's day field: `2026-12-05`, an RFC 3339 time, or Unix seconds.

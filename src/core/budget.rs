@@ -83,7 +83,7 @@ impl Owner {
 
     /// `global`, `agent:NAME` (or `key:NAME`: a key's budget is its agent's), `team:NAME`,
     /// `task:NAME`; a bare name is an agent's.
-    pub fn parse(s: &str) -> Result<Owner, String> {
+    pub fn parse(s: &str) -> Result<Owner, ScopeError> {
         if s == "global" {
             return Ok(Owner::global());
         }
@@ -91,19 +91,31 @@ impl Owner {
             Some(("agent" | "key", n)) => (Kind::Agent, n),
             Some(("team", n)) => (Kind::Team, n),
             Some(("task", n)) => (Kind::Task, n),
-            Some((other, _)) => {
-                return Err(format!(
-                    "{s:?}: unknown scope {other:?}; a budget is global, agent:NAME (key:NAME is \
-                     the same), team:NAME or task:NAME"
-                ));
+            Some((scope, _)) => {
+                return Err(ScopeError::Unknown {
+                    given: s.to_string(),
+                    scope: scope.to_string(),
+                });
             }
             None => (Kind::Agent, s),
         };
         if name.is_empty() {
-            return Err(format!("{s:?}: the scope names nobody"));
+            return Err(ScopeError::NamesNobody(s.to_string()));
         }
         Ok(Owner::new(kind, name))
     }
+}
+
+/// A budget scope `Owner::parse` cannot read.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum ScopeError {
+    #[error(
+        "{given:?}: unknown scope {scope:?}; a budget is global, agent:NAME (key:NAME is the \
+         same), team:NAME or task:NAME"
+    )]
+    Unknown { given: String, scope: String },
+    #[error("{0:?}: the scope names nobody")]
+    NamesNobody(String),
 }
 
 impl Owner {
@@ -647,7 +659,7 @@ mod tests {
         }
         assert_eq!(Owner::parse("bob").unwrap(), Owner::agent("bob"));
         assert_eq!(Owner::parse("key:bob").unwrap(), Owner::agent("bob"));
-        let e = Owner::parse("org:x").unwrap_err();
+        let e = Owner::parse("org:x").unwrap_err().to_string();
         assert!(e.contains("team:NAME"), "{e}");
         assert!(Owner::parse("team:").is_err());
     }

@@ -493,10 +493,20 @@ fn schema_defects(schema: &Value, text: &str, code: ReasonCode) -> Vec<Defect> {
         .collect()
 }
 
+/// Why a value does not fit a schema (`fits_schema`).
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum Unfit {
+    #[error("the schema itself is invalid: {0}")]
+    BadSchema(String),
+    /// Where it does not fit (the first few places), `; `-separated.
+    #[error("{0}")]
+    At(String),
+}
+
 /// Whether `instance` fits `schema`: where it does not (the first few places), or why the
 /// schema itself is unusable.
-pub fn fits_schema(instance: &Value, schema: &Value) -> Result<(), String> {
-    let validator = compiled(schema).map_err(|e| format!("the schema itself is invalid: {e}"))?;
+pub fn fits_schema(instance: &Value, schema: &Value) -> Result<(), Unfit> {
+    let validator = compiled(schema).map_err(|e| Unfit::BadSchema(e.to_string()))?;
     let wrong: Vec<String> = validator
         .iter_errors(instance)
         .take(3)
@@ -509,7 +519,7 @@ pub fn fits_schema(instance: &Value, schema: &Value) -> Result<(), String> {
     if wrong.is_empty() {
         Ok(())
     } else {
-        Err(wrong.join("; "))
+        Err(Unfit::At(wrong.join("; ")))
     }
 }
 

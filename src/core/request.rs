@@ -567,7 +567,15 @@ pub type Schema = Box<serde_json::value::RawValue>;
 pub struct Tools {
     by_name: std::collections::BTreeMap<String, Schema>,
     json_len: usize,
-    checked: std::sync::OnceLock<Result<(), String>>,
+    checked: std::sync::OnceLock<Result<(), BadToolSchema>>,
+}
+
+/// A declared tool whose parameters are no JSON Schema: its name, and why.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("tools: {name}: its parameters are no JSON Schema: {why}")]
+pub struct BadToolSchema {
+    pub name: String,
+    pub why: String,
 }
 
 impl Tools {
@@ -587,20 +595,17 @@ impl Tools {
 
     /// Whether every declared schema is a JSON Schema (checked once per set): the first that
     /// is not, and why.
-    pub fn checked(&self) -> Result<(), &str> {
+    pub fn checked(&self) -> Result<(), &BadToolSchema> {
         let first_bad = || {
             for (name, schema) in &self.by_name {
-                super::contract::check_tool_schema(schema).map_err(|e| {
-                    format!("tools: {name}: its parameters are no JSON Schema: {e}")
+                super::contract::check_tool_schema(schema).map_err(|e| BadToolSchema {
+                    name: name.clone(),
+                    why: e.to_string(),
                 })?;
             }
             Ok(())
         };
-        self.checked
-            .get_or_init(first_bad)
-            .as_ref()
-            .map(|_| ())
-            .map_err(String::as_str)
+        self.checked.get_or_init(first_bad).as_ref().map(|_| ())
     }
 }
 

@@ -69,7 +69,9 @@ pub fn validate(r: &Request) -> Result<Option<Contract>, InvalidRequest> {
             format!("request.policy.min_confidence must be in [0, 1], got {c}"),
         ));
     }
-    r.tools.checked().map_err(|e| invalid("tools", e))?;
+    r.tools
+        .checked()
+        .map_err(|e| invalid("tools", e.to_string()))?;
     if r.policy.max_attempts == Some(0) {
         return Err(invalid(
             "policy.max_attempts",

@@ -7,6 +7,7 @@
 //! server that does not answer keeps the list it last gave.
 
 use super::Node;
+use super::upstream::ToolListError;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -146,8 +147,8 @@ impl Catalog {
         &self,
         node: &Node,
         server: &str,
-        listed: Result<Vec<Value>, String>,
-    ) -> Result<(), String> {
+        listed: Result<Vec<Value>, ToolListError>,
+    ) -> Result<(), ToolListError> {
         let cfg = node.cfg.mcp_servers.iter().find(|s| s.id == server);
         match listed {
             Ok(defs) => {
@@ -240,10 +241,10 @@ impl Catalog {
 }
 
 /// `server`'s tool list, asked of it within `LIST_WITHIN`.
-async fn ask(node: &Node, server: &str) -> Result<Vec<Value>, String> {
+async fn ask(node: &Node, server: &str) -> Result<Vec<Value>, ToolListError> {
     match node.upstreams.target(server) {
         Some((c, _)) => c.tools(LIST_WITHIN).await,
-        None => Err(format!("no connector for {server}")),
+        None => Err(ToolListError::NoConnector(server.to_string())),
     }
 }
 

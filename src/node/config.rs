@@ -920,7 +920,7 @@ impl NodeConfig {
         cfg.check_rate_limits()?;
         cfg.telemetry
             .export(|k| std::env::var(k).ok())
-            .map_err(ConfigError::Invalid)?;
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         Ok(cfg)
     }
 

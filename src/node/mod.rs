@@ -170,10 +170,7 @@ impl Node {
         log.counters.register(registry);
         let copies = Arc::new(copies::Copies::default());
         copies.register(registry);
-        let export = cfg
-            .telemetry
-            .export(|k| std::env::var(k).ok())
-            .map_err(anyhow::Error::msg)?;
+        let export = cfg.telemetry.export(|k| std::env::var(k).ok())?;
         let (otlp, exporter) = otlp::Telemetry::new(&id, &cfg.telemetry, export, &cfg.targets);
         otlp.register(registry);
         let health = Arc::new(health::Health::new(

@@ -147,8 +147,8 @@ impl Settings {
     pub(crate) fn export(
         &self,
         env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Option<Export>, String> {
-        let Some(url) = self.traces_url(&env).map_err(|e| e.to_string())? else {
+    ) -> Result<Option<Export>, ExportError> {
+        let Some(url) = self.traces_url(&env)? else {
             return Ok(None);
         };
         let var = |k: &str| env(k).filter(|v| !v.trim().is_empty());
@@ -162,12 +162,7 @@ impl Settings {
                 None => Protocol::Json,
                 Some((_, v)) if v.trim() == "http/json" => Protocol::Json,
                 Some((_, v)) if v.trim() == "http/protobuf" => Protocol::Protobuf,
-                Some((from, v)) => {
-                    return Err(format!(
-                        "{from}: {v:?} is not a protocol oam exports with: give http/protobuf or \
-                         http/json (oam sends OTLP over HTTP, not gRPC)"
-                    ));
-                }
+                Some((from, given)) => return Err(ExportError::Protocol { from, given }),
             },
         };
         let mut headers = self.headers.clone();
@@ -176,14 +171,15 @@ impl Settings {
             "OTEL_EXPORTER_OTLP_HEADERS",
         ] {
             if let Some(v) = var(k) {
-                for (name, value) in pairs(&v).map_err(|e| format!("${k}: {e}"))? {
+                for (name, value) in pairs(&v).map_err(|why| ExportError::Pairs { var: k, why })? {
                     headers.entry(name).or_insert(value);
                 }
             }
         }
         let mut resource = self.resource_attributes.clone();
         if let Some(v) = var("OTEL_RESOURCE_ATTRIBUTES") {
-            for (name, value) in pairs(&v).map_err(|e| format!("$OTEL_RESOURCE_ATTRIBUTES: {e}"))? {
+            let var = "OTEL_RESOURCE_ATTRIBUTES";
+            for (name, value) in pairs(&v).map_err(|why| ExportError::Pairs { var, why })? {
                 resource.entry(name).or_insert(value);
             }
         }
@@ -206,24 +202,24 @@ impl Settings {
 
 /// `k1=v1,k2=v2` (the `OTEL_*_HEADERS` and `OTEL_RESOURCE_ATTRIBUTES` format: values
 /// percent-encoded, blanks around items ignored).
-fn pairs(text: &str) -> Result<Vec<(String, String)>, String> {
+fn pairs(text: &str) -> Result<Vec<(String, String)>, PairsError> {
     text.split(',')
         .map(str::trim)
         .filter(|item| !item.is_empty())
         .map(|item| {
             let (k, v) = item
                 .split_once('=')
-                .ok_or_else(|| format!("{item:?} is not key=value"))?;
+                .ok_or_else(|| PairsError::NotKeyValue(item.to_string()))?;
             let k = k.trim();
             if k.is_empty() {
-                return Err(format!("{item:?} has no key"));
+                return Err(PairsError::NoKey(item.to_string()));
             }
             Ok((k.to_string(), percent_decoded(v.trim())?))
         })
         .collect()
 }
 
-fn percent_decoded(v: &str) -> Result<String, String> {
+fn percent_decoded(v: &str) -> Result<String, PairsError> {
     let bytes = v.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -232,7 +228,7 @@ fn percent_decoded(v: &str) -> Result<String, String> {
             let hex = v
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("{v:?} has a % that is not %XX"))?;
+                .ok_or_else(|| PairsError::BadPercent(v.to_string()))?;
             out.push(hex);
             i += 3;
         } else {
@@ -240,7 +236,34 @@ fn percent_decoded(v: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| format!("{v:?} is not UTF-8 once decoded"))
+    String::from_utf8(out).map_err(|_| PairsError::NotUtf8(v.to_string()))
+}
+
+/// A telemetry setting oam cannot export with: which, and why.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub(crate) enum ExportError {
+    #[error(transparent)]
+    Url(#[from] NotAnOtlpUrl),
+    #[error(
+        "{from}: {given:?} is not a protocol oam exports with: give http/protobuf or http/json \
+         (oam sends OTLP over HTTP, not gRPC)"
+    )]
+    Protocol { from: &'static str, given: String },
+    #[error("${var}: {why}")]
+    Pairs { var: &'static str, why: PairsError },
+}
+
+/// What is wrong with a `k1=v1,k2=v2` list (`pairs`).
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub(crate) enum PairsError {
+    #[error("{0:?} is not key=value")]
+    NotKeyValue(String),
+    #[error("{0:?} has no key")]
+    NoKey(String),
+    #[error("{0:?} has a % that is not %XX")]
+    BadPercent(String),
+    #[error("{0:?} is not UTF-8 once decoded")]
+    NotUtf8(String),
 }
 
 /// An OTLP endpoint that is no HTTP address: where it was given, and what.
@@ -1117,7 +1140,7 @@ mod tests {
             "OTEL_EXPORTER_OTLP_PROTOCOL" => Some("grpc".into()),
             _ => vars(k),
         };
-        let err = Settings::default().export(grpc).unwrap_err();
+        let err = Settings::default().export(grpc).unwrap_err().to_string();
         assert!(
             err.contains("$OTEL_EXPORTER_OTLP_PROTOCOL") && err.contains("gRPC"),
             "{err}"
@@ -1126,7 +1149,7 @@ mod tests {
             "OTEL_RESOURCE_ATTRIBUTES" => Some("novalue".into()),
             _ => vars(k),
         };
-        let err = Settings::default().export(bad).unwrap_err();
+        let err = Settings::default().export(bad).unwrap_err().to_string();
         assert!(err.contains("$OTEL_RESOURCE_ATTRIBUTES"), "{err}");
     }
 

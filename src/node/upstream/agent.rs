@@ -9,7 +9,7 @@
 //! payload by the same fail-fast caller, so a tool call held by an agent that dies ends at once.
 
 use super::super::exchange::Attempt;
-use super::{ToolAsk, Upstream, UpstreamCall, chat, failed, listed};
+use super::{ToolAsk, ToolListError, Upstream, UpstreamCall, chat, failed, listed};
 use crate::core::request::GenerationStatus;
 use crate::core::request::{AgentUsage, Generation};
 use crate::mesh::client::Caller;
@@ -133,15 +133,15 @@ impl MeshTools {
 
     /// The agents of the catalog that are tools, as tool definitions: any JSON object as their
     /// arguments, idempotent when tagged `idempotent`.
-    async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, String> {
+    async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, ToolListError> {
         let mesh = self
             .mesh
             .get_or_init(|| async { crate::mesh::store::Mesh::new(self.calls.nats.clone()) })
             .await;
         let read = crate::mesh::store::catalog(mesh);
         let catalog = match tokio::time::timeout(timeout, read).await {
-            Err(_) => return Err(format!("the catalog did not answer within {timeout:?}")),
-            Ok(Err(e)) => return Err(format!("the catalog could not be read: {e:#}")),
+            Err(_) => return Err(ToolListError::CatalogSilent(timeout)),
+            Ok(Err(e)) => return Err(ToolListError::CatalogUnread(format!("{e:#}"))),
             Ok(Ok(c)) => c,
         };
         Ok(catalog
@@ -215,7 +215,10 @@ impl Upstream for MeshTools {
         })
     }
 
-    fn tool_list(&self, timeout: Duration) -> Option<BoxFuture<'_, Result<Vec<Value>, String>>> {
+    fn tool_list(
+        &self,
+        timeout: Duration,
+    ) -> Option<BoxFuture<'_, Result<Vec<Value>, ToolListError>>> {
         Some(Box::pin(self.tools(timeout)))
     }
 }

@@ -11,7 +11,7 @@
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Reply};
 use super::http::{error_chain, key, read_capped, secret};
-use super::{ToolAsk, Upstream, UpstreamCall, failed, listed};
+use super::{ToolAsk, ToolListError, Upstream, UpstreamCall, failed, listed};
 use crate::core::request::{Generation, GenerationStatus};
 use futures_util::future::BoxFuture;
 use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue};
@@ -295,7 +295,7 @@ impl McpServer {
     }
 
     /// The server's tools, as it lists them (every page).
-    pub(super) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, String> {
+    pub(super) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, ToolListError> {
         let mut tools = Vec::new();
         let mut cursor: Option<String> = None;
         for _ in 0..MAX_PAGES {
@@ -306,7 +306,7 @@ impl McpServer {
             match self.ask("tools/list", None, params, timeout).await {
                 Answered::Result(r) => {
                     let Some(page) = r["tools"].as_array() else {
-                        return Err("its tools/list result has no tools list".into());
+                        return Err(ToolListError::NoList);
                     };
                     tools.extend(page.iter().cloned());
                     match r["nextCursor"].as_str() {
@@ -315,14 +315,15 @@ impl McpServer {
                     }
                 }
                 Answered::Error(code, message) => {
-                    return Err(format!("tools/list refused ({code}): {message}"));
+                    return Err(ToolListError::Refused { code, message });
                 }
                 Answered::Failed(a) => {
-                    return Err(a.generation.error.unwrap_or_else(|| "no answer".into()));
+                    let why = a.generation.error.unwrap_or_else(|| "no answer".into());
+                    return Err(ToolListError::Failed(why));
                 }
             }
         }
-        Err(format!("tools/list has more than {MAX_PAGES} pages"))
+        Err(ToolListError::TooManyPages(MAX_PAGES))
     }
 }
 
@@ -398,7 +399,10 @@ impl Upstream for McpServer {
         })
     }
 
-    fn tool_list(&self, timeout: Duration) -> Option<BoxFuture<'_, Result<Vec<Value>, String>>> {
+    fn tool_list(
+        &self,
+        timeout: Duration,
+    ) -> Option<BoxFuture<'_, Result<Vec<Value>, ToolListError>>> {
         Some(Box::pin(self.tools(timeout)))
     }
 }

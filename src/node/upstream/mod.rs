@@ -94,7 +94,7 @@ trait Upstream: Send + Sync {
             match listed {
                 Ok(_) => Generation::ok("", ms),
                 Err(why) => Generation {
-                    error: Some(why),
+                    error: Some(why.to_string()),
                     ..Generation::failed(GenerationStatus::Error, ms)
                 },
             }
@@ -107,7 +107,10 @@ trait Upstream: Send + Sync {
     }
 
     /// The tools it serves, as it lists them (a tool server's), bounded by `timeout`.
-    fn tool_list(&self, _timeout: Duration) -> Option<BoxFuture<'_, Result<Vec<Value>, String>>> {
+    fn tool_list(
+        &self,
+        _timeout: Duration,
+    ) -> Option<BoxFuture<'_, Result<Vec<Value>, ToolListError>>> {
         None
     }
 }
@@ -242,13 +245,15 @@ impl Connector {
 
     /// The tools it serves (a tool server's; an error for any other provider), bounded by
     /// `timeout`.
-    pub(crate) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, String> {
+    pub(crate) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, ToolListError> {
         if let Some(failed) = self.injected.meet(&[&self.id], timeout).await {
-            return Err(failed.generation.error.unwrap_or_default());
+            return Err(ToolListError::Failed(
+                failed.generation.error.unwrap_or_default(),
+            ));
         }
         match self.upstream.tool_list(timeout) {
             Some(list) => list.await,
-            None => Err(format!("provider {} serves no tools", self.id)),
+            None => Err(ToolListError::ServesNone(self.id.clone())),
         }
     }
 
@@ -300,11 +305,33 @@ impl ToolAsk {
     }
 }
 
+/// Why a tool list could not be had.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum ToolListError {
+    #[error("provider {0} serves no tools")]
+    ServesNone(String),
+    #[error("no connector for {0}")]
+    NoConnector(String),
+    /// The attempt failed (no answer, an HTTP error, a fault injected): as it says.
+    #[error("{0}")]
+    Failed(String),
+    #[error("its tools/list result has no tools list")]
+    NoList,
+    #[error("tools/list refused ({code}): {message}")]
+    Refused { code: i64, message: String },
+    #[error("tools/list has more than {0} pages")]
+    TooManyPages(usize),
+    #[error("the catalog did not answer within {0:?}")]
+    CatalogSilent(Duration),
+    #[error("the catalog could not be read: {0}")]
+    CatalogUnread(String),
+}
+
 /// A probe's attempt from a tool list (or why there is none), after `ms`.
-fn listed(tools: Result<Vec<Value>, String>, ms: u64) -> Attempt {
+fn listed(tools: Result<Vec<Value>, ToolListError>, ms: u64) -> Attempt {
     match tools {
         Ok(_) => Generation::ok("", ms).into(),
-        Err(why) => failed(GenerationStatus::Error, why, ms),
+        Err(why) => failed(GenerationStatus::Error, why.to_string(), ms),
     }
 }
 
