@@ -294,9 +294,16 @@ pub async fn connect(
         // Callers bound their own requests; the client's 10 s default would cut them short.
         .request_timeout(None)
         .reconnect_delay_callback(reconnect_delay)
-        .reconnect_to_server_callback(|pool, last| async move {
-            let pick = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), 0u8);
-            next_server(&pool, &last, pick)
+        .reconnect_to_server_callback({
+            let outage = std::sync::Arc::new(std::sync::Mutex::new(Outage::default()));
+            move |pool, last| {
+                let pick = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), 0u8);
+                let next = outage
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .next_server(&pool, &last, pick);
+                std::future::ready(next)
+            }
         })
         .event_callback(move |event| {
             let (conn_name, shown) = (conn_name.clone(), shown.clone());
@@ -393,33 +400,59 @@ fn reconnect_delay(attempt: usize) -> Duration {
     Duration::from_millis(waited.saturating_mul(100).min(1_000))
 }
 
-/// Which server a lost connection tries next: one that has failed least, and among those, one
-/// other than the server just lost when there is one (picked among them by `pick`, so that a
-/// crowd of clients spreads). A server that froze still accepts TCP connections, so trying it
-/// again costs the whole connect timeout; async-nats's own choice (shuffled, then by failures)
-/// tries it first one time in three on a 3-server mesh, and a liveness connection that does
-/// cannot beat inside the heartbeat bound. The lost server is tried once the others have failed
-/// as often. `None` (async-nats chooses) before the first connection.
-fn next_server(
-    pool: &[async_nats::Server],
-    last: &async_nats::ServerInfo,
-    pick: u64,
-) -> Option<async_nats::ReconnectToServer> {
-    if last.port == 0 {
-        return None;
+/// The servers a lost connection tried since it was lost, to choose the next (`next_server`).
+#[derive(Default)]
+struct Outage {
+    /// The connection that was lost (its server's id and its client id there).
+    lost: Option<(String, u64)>,
+    /// How often each server (by URL) was tried since.
+    tried: std::collections::HashMap<String, u32>,
+}
+
+impl Outage {
+    /// Which server to try next: one tried least since the connection was lost, and among
+    /// those, one other than the server lost when there is one (picked among them by `pick`,
+    /// so that a crowd of clients spreads): every other server once, then the lost one, and
+    /// round again. A server that froze still accepts TCP connections, so trying it again costs
+    /// the whole connect timeout; async-nats's own choice (shuffled, then by failures counted
+    /// since each server last took a connection, so the server just lost, which took one,
+    /// counts none while servers down in an earlier outage still count theirs) tries it first
+    /// more often than not, and a liveness connection that does cannot beat inside the
+    /// heartbeat bound. `None` (async-nats chooses) before the first connection.
+    fn next_server(
+        &mut self,
+        pool: &[async_nats::Server],
+        last: &async_nats::ServerInfo,
+        pick: u64,
+    ) -> Option<async_nats::ReconnectToServer> {
+        if last.port == 0 {
+            return None;
+        }
+        let lost = Some((last.server_id.clone(), last.client_id));
+        if self.lost != lost {
+            self.lost = lost;
+            self.tried.clear();
+        }
+        let unspecified = matches!(last.host.as_str(), "" | "0.0.0.0" | "::" | "[::]");
+        let is_lost = |s: &async_nats::Server| {
+            s.addr.port() == last.port && (unspecified || s.addr.host() == last.host)
+        };
+        let rank = |s: &async_nats::Server| {
+            let tried = self.tried.get(s.addr.as_url_str()).copied().unwrap_or(0);
+            (tried, is_lost(s))
+        };
+        let best = pool.iter().map(rank).min()?;
+        let tied: Vec<&async_nats::Server> = pool.iter().filter(|s| rank(s) == best).collect();
+        let chosen = tied[(pick % tied.len() as u64) as usize];
+        *self
+            .tried
+            .entry(chosen.addr.as_url_str().to_string())
+            .or_default() += 1;
+        Some(async_nats::ReconnectToServer {
+            addr: chosen.addr.clone(),
+            delay: None,
+        })
     }
-    let unspecified = matches!(last.host.as_str(), "" | "0.0.0.0" | "::" | "[::]");
-    let lost = |s: &async_nats::Server| {
-        s.addr.port() == last.port && (unspecified || s.addr.host() == last.host)
-    };
-    let rank = |s: &async_nats::Server| (s.failed_attempts, lost(s));
-    let best = pool.iter().map(rank).min()?;
-    let tied: Vec<&async_nats::Server> = pool.iter().filter(|s| rank(s) == best).collect();
-    let chosen = tied[(pick % tied.len() as u64) as usize];
-    Some(async_nats::ReconnectToServer {
-        addr: chosen.addr.clone(),
-        delay: None,
-    })
 }
 
 /// `nats://user:pass@host:port` -> (`nats://host:port`, Some((user, pass))); of a server
@@ -523,41 +556,53 @@ mod tests {
     }
 
     #[test]
-    fn a_lost_connection_tries_another_server_first_and_the_lost_one_last() {
-        let server = |port: u16, failed: usize| async_nats::Server {
+    fn a_lost_connection_tries_every_other_server_before_the_lost_one() {
+        // Failures counted from an earlier outage: the lost server, which took the connection
+        // since, counts none; they do not decide.
+        let pool = [(4222, 0), (4223, 3), (4224, 2)].map(|(port, failed)| async_nats::Server {
             addr: format!("nats://127.0.0.1:{port}").parse().unwrap(),
             failed_attempts: failed,
             did_connect: true,
             is_discovered: false,
             last_error: None,
-        };
-        let last = async_nats::ServerInfo {
+        });
+        let lost = |client_id| async_nats::ServerInfo {
             host: "127.0.0.1".into(),
             port: 4222,
+            server_id: "NLOST".into(),
+            client_id,
             ..Default::default()
         };
-        let next = |pool: &[async_nats::Server], pick| {
-            super::next_server(pool, &last, pick).map(|n| n.addr.port())
+        let tries = |outage: &mut super::Outage, client_id, pick: u64, n: usize| -> Vec<u16> {
+            (0..n as u64)
+                .map(|k| {
+                    let next = outage.next_server(&pool, &lost(client_id), pick + k);
+                    next.unwrap().addr.port()
+                })
+                .collect()
         };
-        let fresh = [server(4222, 0), server(4223, 0), server(4224, 0)];
-        let picked: std::collections::BTreeSet<u16> =
-            (0..8).filter_map(|pick| next(&fresh, pick)).collect();
-        assert_eq!(
-            picked,
-            [4223, 4224].into(),
-            "the others, spread, never the lost one"
-        );
-        // The others failed once each: the lost server is the one that failed least.
-        let others_failed = [server(4222, 0), server(4223, 1), server(4224, 1)];
-        assert_eq!(next(&others_failed, 1), Some(4222));
-        // As often as the others: the others first again.
-        let all_failed = [server(4222, 1), server(4223, 1), server(4224, 2)];
-        assert_eq!(next(&all_failed, 5), Some(4223));
+        let mut outage = super::Outage::default();
+        let first = tries(&mut outage, 7, 0, 6);
+        let mut round: Vec<u16> = first[..2].to_vec();
+        round.sort_unstable();
+        assert_eq!(round, [4223, 4224], "the others first: {first:?}");
+        assert_eq!(first[2], 4222, "then the lost one: {first:?}");
+        let mut again: Vec<u16> = first[3..5].to_vec();
+        again.sort_unstable();
+        assert_eq!((again, first[5]), (vec![4223, 4224], 4222), "{first:?}");
+        // Clients spread over the others.
+        let firsts: std::collections::BTreeSet<u16> = (0..8)
+            .map(|pick| tries(&mut super::Outage::default(), 7, pick, 1)[0])
+            .collect();
+        assert_eq!(firsts, [4223, 4224].into());
+        // A later loss (another connection) starts over.
+        assert_ne!(tries(&mut outage, 8, 0, 1), [4222]);
         // Alone in the pool: the lost server.
-        assert_eq!(next(&[server(4222, 3)], 0), Some(4222));
+        let alone = outage.next_server(&pool[..1], &lost(9), 0);
+        assert_eq!(alone.map(|n| n.addr.port()), Some(4222));
         // Before any connection async-nats chooses.
         let never = async_nats::ServerInfo::default();
-        assert!(super::next_server(&fresh, &never, 0).is_none());
+        assert!(outage.next_server(&pool, &never, 0).is_none());
     }
 
     #[test]
