@@ -1322,9 +1322,10 @@ async fn a_server_whose_jetstream_went_off_is_restarted_by_mesh_up() {
 /// seeds on a release build; every run of the suite runs this one.
 #[test]
 fn a_seed_of_the_fault_checker_holds_every_invariant() {
-    // Seed 6: an agent SIGKILLed, then a node, then a log stream's leader SIGSTOPped for 4.9 s.
+    // Seed 11: an agent SIGKILLed, then a server's disk filled for 4.2 s (its JetStream goes
+    // off; `oam mesh up` starts it again).
     let out = std::process::Command::new(crate::support::python())
-        .args(["scripts/fault-check", "--seed", "6", "--json"])
+        .args(["scripts/fault-check", "--seed", "11", "--json"])
         .env("OAM", assert_cmd::cargo::cargo_bin!("oam"))
         .env("DURATION", "12")
         .output()
@@ -1341,5 +1342,11 @@ fn a_seed_of_the_fault_checker_holds_every_invariant() {
         seed["injected"].as_array().unwrap().len(),
         seed["schedule"].as_array().unwrap().len(),
         "every fault of the schedule was injected: {seed:#}"
+    );
+    assert!(
+        seed["injected"]
+            .to_string()
+            .contains("its JetStream was off"),
+        "the full disk turned its server's JetStream off: {seed:#}"
     );
 }
