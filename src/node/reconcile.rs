@@ -17,7 +17,7 @@ use super::Node;
 use crate::clock::now_ms;
 use crate::core::books::{Books, Hole};
 use crate::core::ledger::Ledger;
-use crate::transport::store::ledger::{CAS_TRIES, STORE_TIMEOUT};
+use crate::transport::store::ledger::STORE_TIMEOUT;
 use async_nats::jetstream::kv;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -145,40 +145,14 @@ fn earlier_holders(
     Some((earlier, last?))
 }
 
-/// Apply `holes` (one budget's, in order) to its record by compare-and-swap: how many were
-/// applied (a number the record has already is not).
+/// Apply `holes` (one budget's, in order) to its record, mirrored here as written: how many
+/// were applied (a number the record has already is not).
 async fn apply(node: &Node, store: &kv::Store, k: &str, holes: &[Hole]) -> anyhow::Result<usize> {
-    for _ in 0..CAS_TRIES {
-        let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
-            .await
-            .map_err(|_| anyhow::anyhow!("no answer reading {k}"))??
-            .ok_or_else(|| anyhow::anyhow!("{k} is gone"))?;
-        if entry.operation != kv::Operation::Put {
-            anyhow::bail!("{k} was removed");
-        }
-        let mut ledger: Ledger = serde_json::from_slice(&entry.value)?;
-        let now = now_ms();
-        let n = holes
-            .iter()
-            .filter(|h| ledger.settle_once(&h.holder, h.seq, 0.0, h.usd, now))
-            .count();
-        if n == 0 {
-            return Ok(0);
-        }
-        let bytes: bytes::Bytes = serde_json::to_vec(&ledger)?.into();
-        match tokio::time::timeout(STORE_TIMEOUT, store.update(k, bytes, entry.revision)).await {
-            Ok(Ok(revision)) => {
-                node.ledger.mirror(k, revision, &ledger);
-                return Ok(n);
-            }
-            Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            Ok(Err(e)) => anyhow::bail!("{k} not written: {e}"),
-            Err(_) => anyhow::bail!("no answer writing {k}"),
-        }
+    let (n, written) = crate::transport::store::ledger::settle_holes(store, k, holes).await?;
+    if let Some((revision, ledger)) = written {
+        node.ledger.mirror(k, revision, &ledger);
     }
-    anyhow::bail!("{CAS_TRIES} conflicting writes in a row on {k}")
+    Ok(n)
 }
 
 #[cfg(test)]

@@ -222,6 +222,44 @@ pub async fn charge_probes(
     anyhow::bail!("{CAS_TRIES} conflicting writes in a row to {k}")
 }
 
+/// Apply `holes` (recorded charges the budget record `k` lacks, in order) to it by
+/// compare-and-swap, each settlement number once (one the record has, or a later one of its
+/// holder, is skipped): how many were applied, and the record as written when any was.
+pub async fn settle_holes(
+    store: &kv::Store,
+    k: &str,
+    holes: &[crate::core::books::Hole],
+) -> anyhow::Result<(usize, Option<(u64, Ledger)>)> {
+    for _ in 0..CAS_TRIES {
+        let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer reading {k}"))??
+            .ok_or_else(|| anyhow::anyhow!("{k} is gone"))?;
+        if entry.operation != kv::Operation::Put {
+            anyhow::bail!("{k} was removed");
+        }
+        let mut ledger: Ledger = serde_json::from_slice(&entry.value)?;
+        let now = crate::clock::now_ms();
+        let n = holes
+            .iter()
+            .filter(|h| ledger.settle_once(&h.holder, h.seq, 0.0, h.usd, now))
+            .count();
+        if n == 0 {
+            return Ok((0, None));
+        }
+        let bytes: bytes::Bytes = serde_json::to_vec(&ledger)?.into();
+        match tokio::time::timeout(STORE_TIMEOUT, store.update(k, bytes, entry.revision)).await {
+            Ok(Ok(revision)) => return Ok((n, Some((revision, ledger)))),
+            Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Ok(Err(e)) => anyhow::bail!("{k} not written: {e}"),
+            Err(_) => anyhow::bail!("no answer writing {k}"),
+        }
+    }
+    anyhow::bail!("{CAS_TRIES} conflicting writes in a row on {k}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::key;
