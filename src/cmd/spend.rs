@@ -1,9 +1,10 @@
-//! `oam spend [--verify]`: the cluster's books. What each budget record says was spent, beside
-//! the charges the decision log's records carry, per budget and per node run; `--verify`
-//! exits 1 on any request answered and not charged, any settlement charged without a record,
-//! any charged twice (`core::books`).
+//! `oam spend [--verify] [--settle]`: the cluster's books. What each budget record says was
+//! spent, beside the charges the decision log's records carry, per budget and per node run;
+//! `--verify` exits 1 on any request answered and not charged, any settlement charged without a
+//! record, any charged twice (`core::books`); `--settle` charges what the runs of nodes that are
+//! gone answered and did not settle, from their records.
 
-use crate::core::books::{Books, Drift, Report, read_export};
+use crate::core::books::{Books, Drift, Hole, Report, read_export};
 use crate::core::request::dollars;
 use crate::error::{Error, Findings, Kind, Result};
 use crate::transport::store::decisions;
@@ -15,6 +16,12 @@ pub struct Args {
     /// any settlement without a record, any charged twice, any total that does not add up.
     #[arg(long)]
     pub verify: bool,
+    /// Charge, from their records, what runs of nodes that are gone answered and did not settle
+    /// (a node killed and never started again; one started again charges its earlier runs
+    /// itself), each settlement once, then report the books as they are after. A node heard on
+    /// the bus is left alone: its runs may still be settling. Needs the operator's credentials.
+    #[arg(long)]
+    pub settle: bool,
     /// The window of the decision log: records written within this of now (30m, 2h, 7d).
     /// Node runs that began before it are checked by settlement number only.
     #[arg(long, default_value = "24h", value_parser = super::audit::parse_age)]
@@ -52,8 +59,19 @@ pub async fn run(a: Args) -> Result<Findings> {
         }
         None => None,
     };
-    let nats = a.cluster.connect(&super::Role::Viewer, "oam-spend").await?;
+    let role = if a.settle {
+        super::Role::Operator
+    } else {
+        super::Role::Viewer
+    };
+    let nats = a.cluster.connect(&role, "oam-spend").await?;
     let store = super::budget::open_on(&nats).await?;
+    // Which nodes are alive: heard on the bus while the log is read (their heartbeats).
+    let heard = if a.settle {
+        Some(Heard::listen(&nats).await?)
+    } else {
+        None
+    };
     let now = crate::clock::now_ms();
     let from = now.saturating_sub(a.since);
     let bar = super::bench::progress_bar(0, "reading the decision log");
@@ -68,9 +86,26 @@ pub async fn run(a: Args) -> Result<Findings> {
     bar.finish_and_clear();
     // The ledger is read after the records: a charge recorded is then either applied already
     // or younger than the settling delay.
-    let (ledgers, _) = super::budget::read_all(&store).await?;
+    let (mut ledgers, _) = super::budget::read_all(&store).await?;
     let drift = billed.map(|b| books.drift(&b, &crate::core::date::utc_date(from / 1_000)));
-    let report = books.check(&ledgers, from, crate::clock::now_ms(), a.settling);
+    let (report, settled) = match heard {
+        Some(heard) => {
+            let before = books
+                .clone()
+                .check(&ledgers, from, crate::clock::now_ms(), a.settling);
+            let alive = heard.alive().await;
+            let settled = settle_gone(&store, &before.not_charged, &alive).await?;
+            if !settled.applied.is_empty() {
+                (ledgers, _) = super::budget::read_all(&store).await?;
+            }
+            let after = books.check(&ledgers, from, crate::clock::now_ms(), a.settling);
+            (after, Some(settled))
+        }
+        None => (
+            books.check(&ledgers, from, crate::clock::now_ms(), a.settling),
+            None,
+        ),
+    };
     let faults = report.faults();
     let mut out = std::io::stdout().lock();
     if a.json {
@@ -79,9 +114,15 @@ pub async fn run(a: Args) -> Result<Findings> {
         if let Some(d) = &drift {
             v["invoice"] = serde_json::to_value(d).map_err(Error::failed)?;
         }
+        if let Some(s) = &settled {
+            v["settled"] = serde_json::to_value(s).map_err(Error::failed)?;
+        }
         serde_json::to_writer_pretty(&mut out, &v).map_err(Error::failed)?;
         writeln!(out)?;
     } else {
+        if let Some(s) = &settled {
+            write_settled(&mut out, s)?;
+        }
         write_report(&mut out, &report, &faults, &a)?;
         if let Some(d) = &drift {
             write_drift(&mut out, d)?;
@@ -214,6 +255,120 @@ fn write_report(
                 faults.len() - a.show
             )?;
         }
+    }
+    Ok(())
+}
+
+/// The nodes heard on the bus: heartbeats from the moment `listen` subscribed.
+struct Heard {
+    sub: crate::transport::published::Published,
+    since: std::time::Instant,
+}
+
+/// How long heartbeats are listened for before a node is taken for gone: several of its beats
+/// (a node beats every second by default).
+const HEARD_WITHIN: std::time::Duration = std::time::Duration::from_secs(3);
+
+impl Heard {
+    async fn listen(nats: &async_nats::Client) -> Result<Heard> {
+        let sub =
+            crate::transport::published::subscribe(nats, crate::transport::subjects::HEARTBEATS)
+                .await
+                .map_err(|e| Error::new(Kind::Unreachable, anyhow::anyhow!("{e}")))?;
+        Ok(Heard {
+            sub,
+            since: std::time::Instant::now(),
+        })
+    }
+
+    /// The nodes whose heartbeat came within `HEARD_WITHIN` of subscribing (waiting out what is
+    /// left of it).
+    async fn alive(mut self) -> std::collections::BTreeSet<String> {
+        use futures_util::StreamExt as _;
+        let mut alive = std::collections::BTreeSet::new();
+        let until = tokio::time::Instant::from_std(self.since + HEARD_WITHIN);
+        // The subject names its node (only a node may publish on its own).
+        while let Ok(Some(m)) = tokio::time::timeout_at(until, self.sub.next()).await {
+            if let Some(node) = m.subject.rsplit('.').next() {
+                alive.insert(node.to_string());
+            }
+        }
+        alive
+    }
+}
+
+/// What `--settle` charged, and what it left to nodes that are alive.
+#[derive(serde::Serialize, Default)]
+struct Settled {
+    /// Settlements applied now (each once: one the ledger had meanwhile is not counted).
+    applied: Vec<Hole>,
+    /// Recorded charges of runs of nodes heard alive: left to them.
+    left: Vec<Hole>,
+    /// Settlements that were in the ledger by the time they were applied.
+    there_already: usize,
+}
+
+/// Apply the holes of runs whose node is not in `alive`, budget by budget.
+async fn settle_gone(
+    store: &async_nats::jetstream::kv::Store,
+    holes: &[Hole],
+    alive: &std::collections::BTreeSet<String>,
+) -> Result<Settled> {
+    let node_of = |h: &Hole| h.holder.split('#').next().unwrap_or("").to_string();
+    let (gone, left): (Vec<&Hole>, Vec<&Hole>) =
+        holes.iter().partition(|h| !alive.contains(&node_of(h)));
+    let mut by_key: std::collections::BTreeMap<&str, Vec<Hole>> = Default::default();
+    for h in gone {
+        by_key.entry(&h.budget).or_default().push(h.clone());
+    }
+    let mut out = Settled {
+        left: left.into_iter().cloned().collect(),
+        ..Settled::default()
+    };
+    for (k, mut holes) in by_key {
+        holes.sort_by(|a, b| (&a.holder, a.seq).cmp(&(&b.holder, b.seq)));
+        let (n, _) = crate::transport::store::ledger::settle_holes(store, k, &holes)
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e.context(format!("settling {k}"))))?;
+        out.there_already += holes.len() - n;
+        out.applied.extend(holes);
+    }
+    Ok(out)
+}
+
+fn write_settled(out: &mut impl Write, s: &Settled) -> std::io::Result<()> {
+    let usd: f64 = s.applied.iter().map(|h| h.usd).sum();
+    let runs: std::collections::BTreeSet<&str> =
+        s.applied.iter().map(|h| h.holder.as_str()).collect();
+    if s.applied.is_empty() {
+        writeln!(out, "settled: nothing a gone node's run left uncharged")?;
+    } else {
+        writeln!(
+            out,
+            "settled: {} charges ({}) that {} left uncharged ({})",
+            s.applied.len() - s.there_already,
+            dollars(usd, 6),
+            runs.into_iter().collect::<Vec<_>>().join(", "),
+            if s.there_already == 0 {
+                "each once".to_string()
+            } else {
+                format!("{} were in the ledger already", s.there_already)
+            }
+        )?;
+    }
+    if !s.left.is_empty() {
+        let nodes: std::collections::BTreeSet<&str> = s
+            .left
+            .iter()
+            .map(|h| h.holder.split('#').next().unwrap_or(""))
+            .collect();
+        writeln!(
+            out,
+            "left: {} uncharged answers of runs of {}, which are alive and settle their own \
+             (a node started again charges its earlier runs)",
+            s.left.len(),
+            nodes.into_iter().collect::<Vec<_>>().join(", ")
+        )?;
     }
     Ok(())
 }

@@ -25,7 +25,7 @@ const SLACK_USD: f64 = 1e-6;
 
 /// The charges the decision log holds, gathered record by record (only what the check needs:
 /// a day of records fits in a few tens of megabytes).
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Books {
     records: u64,
     charged_records: u64,
@@ -49,6 +49,7 @@ pub struct Forged {
     pub holder: String,
 }
 
+#[derive(Clone)]
 struct Seen {
     request_id: String,
     usd: f64,

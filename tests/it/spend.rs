@@ -199,9 +199,103 @@ async fn the_books_hold_until_a_settlement_is_taken_out_by_hand() {
 /// (`oam mesh up` repairs the mesh), the node charges them from their records, each once.
 #[tokio::test]
 async fn a_killed_nodes_unsettled_answers_are_charged_when_it_starts_again() {
+    let (_sim, dir, node, ids, lost) = killed_with_unsettled_answers("spend-kill").await;
+
+    // The node again: what its last run answered is charged from the records.
+    let out = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
+        .args(["mesh", "up", "--json", "--dir"])
+        .arg(&dir.0)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let held = eventually(Duration::from_secs(20), || async {
+        let (code, r, _) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+        (code == 0).then_some(r)
+    })
+    .await;
+    let Some(r) = held else {
+        let (code, r, err) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+        panic!("exit {code}: {r:#} {err}");
+    };
+    assert_eq!(r["charges"], ids.len(), "{r:#}");
+    // A new client: the one above keeps a connection to the killed run.
+    let metrics = crate::support::http(Duration::from_secs(10))
+        .get(format!("{node}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let applied: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("oam_budget_settled_from_records_total "))
+        .expect("the counter")
+        .parse()
+        .unwrap();
+    // Each lost settlement was one per budget (agent and global).
+    assert_eq!(applied as usize, 2 * lost.len(), "{metrics}");
+}
+
+/// A node killed and never started again: `oam spend --settle` charges what its run answered
+/// and did not settle, from the records, each once (a second run charges nothing), and the
+/// books hold after.
+#[tokio::test]
+async fn a_node_that_never_comes_back_is_settled_by_spend_settle() {
+    let (_sim, dir, _node, ids, lost) = killed_with_unsettled_answers("spend-gone").await;
+    let (code, r, err) = spend(&dir.0, &["--settle", "--settling", "1ms"]);
+    assert_eq!(code, 0, "{r:#} {err}");
+    let applied: std::collections::BTreeSet<&str> = r["settled"]["applied"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["request_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(applied, lost.iter().map(String::as_str).collect(), "{r:#}");
+    assert_eq!(
+        r["settled"]["applied"].as_array().unwrap().len(),
+        2 * lost.len(),
+        "one settlement per budget (agent and global): {r:#}"
+    );
+    assert_eq!(r["settled"]["there_already"], 0, "{r:#}");
+    assert_eq!(
+        r["not_charged"],
+        json!([]),
+        "the report is of the books after: {r:#}"
+    );
+
+    let (code, r, err) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+    assert_eq!(code, 0, "the books hold: {r:#} {err}");
+    assert_eq!(r["charges"], ids.len(), "{r:#}");
+    // Again: nothing is charged twice.
+    let (code, r, _) = spend(&dir.0, &["--settle", "--settling", "1ms"]);
+    assert_eq!(code, 0);
+    assert_eq!(r["settled"]["applied"], json!([]), "{r:#}");
+    let (code, r, _) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
+    assert_eq!(code, 0, "{r:#}");
+}
+
+/// A one-node mesh with a durable log, four answers charged to agent `spendy`, and the node
+/// SIGKILLed before its last settlements were written: the simulator, the mesh's folder, the
+/// node's URL, the answers' request ids, and those `--verify` finds answered and not charged
+/// (the last among them; every answer has its record).
+async fn killed_with_unsettled_answers(
+    tag: &str,
+) -> (
+    Proc,
+    ClusterDir,
+    String,
+    Vec<String>,
+    std::collections::BTreeSet<String>,
+) {
     let sim = Proc::spawn(&["sim", "--listen", "127.0.0.1:0", "--json"]);
     let sim_url = sim.ready["url"].as_str().unwrap().to_string();
-    let dir = ClusterDir::new("spend-kill");
+    let dir = ClusterDir::new(tag);
     std::fs::create_dir_all(&dir.0).unwrap();
     let file = dir.0.join("oam.toml");
     let durable = format!("{}\n[decision_log]\ndurable = true\n", config(&sim_url));
@@ -231,15 +325,14 @@ async fn a_killed_nodes_unsettled_answers_are_charged_when_it_starts_again() {
         code, 1,
         "the last answers' settlements died with the node: {r:#}"
     );
-    let lost: std::collections::BTreeSet<&str> = r["not_charged"]
+    let lost: std::collections::BTreeSet<String> = r["not_charged"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|h| h["request_id"].as_str().unwrap())
+        .map(|h| h["request_id"].as_str().unwrap().to_string())
         .collect();
     assert!(
-        lost.contains(ids.last().unwrap().as_str())
-            && lost.iter().all(|id| ids.contains(&id.to_string())),
+        lost.contains(ids.last().unwrap()) && lost.iter().all(|id| ids.contains(id)),
         "{lost:?} of {ids:?}"
     );
     assert_eq!(
@@ -247,44 +340,5 @@ async fn a_killed_nodes_unsettled_answers_are_charged_when_it_starts_again() {
         json!([]),
         "every answer has its record: {r:#}"
     );
-
-    // The node again: what its last run answered is charged from the records.
-    let out = assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("oam"))
-        .args(["mesh", "up", "--json", "--dir"])
-        .arg(&dir.0)
-        .timeout(Duration::from_secs(60))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let held = eventually(Duration::from_secs(20), || async {
-        let (code, r, _) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
-        (code == 0).then_some(r)
-    })
-    .await;
-    let Some(r) = held else {
-        let (code, r, err) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
-        panic!("exit {code}: {r:#} {err}");
-    };
-    assert_eq!(r["charges"], 4, "{r:#}");
-    // A new client: the one above keeps a connection to the killed run.
-    let metrics = crate::support::http(Duration::from_secs(10))
-        .get(format!("{node}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let applied: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("oam_budget_settled_from_records_total "))
-        .expect("the counter")
-        .parse()
-        .unwrap();
-    // Each lost settlement was one per budget (agent and global).
-    assert_eq!(applied as usize, 2 * lost.len(), "{metrics}");
+    (sim, dir, node, ids, lost)
 }
