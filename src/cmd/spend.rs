@@ -327,9 +327,10 @@ async fn settle_gone(
     };
     for (k, mut holes) in by_key {
         holes.sort_by(|a, b| (&a.holder, a.seq).cmp(&(&b.holder, b.seq)));
-        let (n, _) = crate::transport::store::ledger::settle_holes(store, k, &holes)
-            .await
-            .map_err(|e| Error::new(Kind::Unreachable, e.context(format!("settling {k}"))))?;
+        let (n, _) =
+            crate::transport::store::ledger::settle_holes(store, k, &holes, crate::clock::now_ms())
+                .await
+                .map_err(|e| Error::new(Kind::Unreachable, e.context(format!("settling {k}"))))?;
         out.there_already += holes.len() - n;
         out.applied.extend(holes);
     }

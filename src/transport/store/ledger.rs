@@ -224,11 +224,13 @@ pub async fn charge_probes(
 
 /// Apply `holes` (recorded charges the budget record `k` lacks, in order) to it by
 /// compare-and-swap, each settlement number once (one the record has, or a later one of its
-/// holder, is skipped): how many were applied, and the record as written when any was.
+/// holder, is skipped) at `now_ms`: how many were applied, and the record as written when any
+/// was.
 pub async fn settle_holes(
     store: &kv::Store,
     k: &str,
     holes: &[crate::core::books::Hole],
+    now_ms: u64,
 ) -> anyhow::Result<(usize, Option<(u64, Ledger)>)> {
     for _ in 0..CAS_TRIES {
         let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
@@ -239,10 +241,9 @@ pub async fn settle_holes(
             anyhow::bail!("{k} was removed");
         }
         let mut ledger: Ledger = serde_json::from_slice(&entry.value)?;
-        let now = crate::clock::now_ms();
         let n = holes
             .iter()
-            .filter(|h| ledger.settle_once(&h.holder, h.seq, 0.0, h.usd, now))
+            .filter(|h| ledger.settle_once(&h.holder, h.seq, 0.0, h.usd, now_ms))
             .count();
         if n == 0 {
             return Ok((0, None));
