@@ -129,7 +129,7 @@ pub enum LoopCheck {
 }
 
 /// Loop state for every fingerprint, keyed by fingerprint.
-pub type Loops = BTreeMap<Fingerprint, LoopEntry>;
+pub(crate) type Loops = BTreeMap<Fingerprint, LoopEntry>;
 
 /// May a call with this fingerprint go ahead? Takes the probe slot when it answers `Probe`.
 pub fn check(loops: &mut Loops, fp: Fingerprint, now_ms: u64, cfg: &LoopConfig) -> LoopCheck {
@@ -143,8 +143,13 @@ pub fn check(loops: &mut Loops, fp: Fingerprint, now_ms: u64, cfg: &LoopConfig) 
     }
 }
 
+/// Every this many fingerprints counted, `on_failure` forgets what is out of the window
+/// (`prune`) before it counts a new one: the map holds about the fingerprints that failed within
+/// the window, not every one that ever failed (at O(entries) once per this many new ones).
+const PRUNE_EVERY: usize = 1_024;
+
 /// Record a failed call. Returns the incident when this failure opens a new episode.
-pub fn on_failure(
+pub(crate) fn on_failure(
     loops: &mut Loops,
     fp: Fingerprint,
     agent: &str,
@@ -153,6 +158,9 @@ pub fn on_failure(
     probe: bool,
     cfg: &LoopConfig,
 ) -> Option<Incident> {
+    if loops.len() % PRUNE_EVERY == PRUNE_EVERY - 1 && !loops.contains_key(&fp) {
+        prune(loops, now_ms, cfg);
+    }
     let entry = loops.entry(fp).or_insert_with(|| LoopEntry {
         agent: agent.to_string(),
         task: task.to_string(),
@@ -194,13 +202,12 @@ pub fn on_failure(
 
 /// A call with this fingerprint succeeded: any episode is over and the count starts again.
 /// The call worked: its count and any episode end. Whether there was anything to end.
-pub fn on_success(loops: &mut Loops, fp: Fingerprint) -> bool {
+pub(crate) fn on_success(loops: &mut Loops, fp: Fingerprint) -> bool {
     loops.remove(&fp).is_some()
 }
 
-/// Forget what is out of the window and episodes that expired unprobed. Drivers call this
-/// periodically; it is O(entries).
-pub fn prune(loops: &mut Loops, now_ms: u64, cfg: &LoopConfig) {
+/// Forget what is out of the window and episodes that expired unprobed; O(entries).
+fn prune(loops: &mut Loops, now_ms: u64, cfg: &LoopConfig) {
     loops.retain(|_, e| {
         e.failures
             .retain(|&t| now_ms.saturating_sub(t) < cfg.window_ms);
@@ -302,6 +309,18 @@ mod tests {
         assert_eq!(check(&mut l, F, 10_003, &CFG), LoopCheck::Probe);
         on_success(&mut l, F);
         assert_eq!(check(&mut l, F, 10_004, &CFG), LoopCheck::Clear);
+    }
+
+    #[test]
+    fn fingerprints_that_failed_long_ago_are_forgotten_as_new_ones_come() {
+        let mut l = Loops::new();
+        for i in 0..10_000u64 {
+            on_failure(&mut l, Fingerprint(i), "a", "t", i * 10, false, &CFG);
+            assert!(l.len() <= PRUNE_EVERY, "{} entries after {i}", l.len());
+        }
+        // Those within the window are all kept.
+        let within = (CFG.window_ms / 10) as usize;
+        assert!(l.len() >= within.min(PRUNE_EVERY - 1), "{}", l.len());
     }
 
     #[test]
