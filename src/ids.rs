@@ -16,7 +16,7 @@ pub fn random_hex(bytes: usize) -> anyhow::Result<String> {
 /// (SipHash; the key drawn from the OS once per process by the standard library) of a counter,
 /// so it costs no system call. For request ids that name reply subjects: an agent that served
 /// one request of a caller must not be able to predict the next.
-pub fn unguessable() -> String {
+pub(crate) fn unguessable() -> String {
     use std::hash::BuildHasher;
     use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,7 +33,7 @@ pub fn unguessable() -> String {
 
 /// This process's run: 6 hex digits drawn at its start. Ids a process mints carry it, so the
 /// ids minted after a restart never repeat those of the run before.
-pub fn run_token() -> &'static str {
+pub(crate) fn run_token() -> &'static str {
     static RUN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     RUN.get_or_init(|| unguessable()[..6].to_string())
 }

@@ -48,7 +48,7 @@ pub enum OutcomeArg {
 /// An age, `30m`, `2h`, `7d`, `90s` (the one duration parser, `date::parse_span`), as
 /// milliseconds. A bare number is refused: it meant minutes here once, and seconds everywhere
 /// else.
-pub fn parse_age(s: &str) -> std::result::Result<u64, super::BadValue> {
+pub(crate) fn parse_age(s: &str) -> std::result::Result<u64, super::BadValue> {
     if !s.trim().is_empty() && s.trim().chars().all(|c| c.is_ascii_digit() || c == '.') {
         return Err(super::BadValue(format!(
             "{s:?}: give a unit, e.g. {}m, {}h or {}d",
@@ -257,7 +257,7 @@ impl Replay {
 }
 
 /// A short age: 12s, 5m, 3h, 2d.
-pub fn age(ms: u64) -> String {
+pub(crate) fn age(ms: u64) -> String {
     crate::transport::store::decisions::human(ms)
 }
 

@@ -287,7 +287,7 @@ pub async fn run(a: Args) -> Result<Findings> {
 
 /// A token cancelled by Ctrl-C or SIGTERM: the load stops and the report of what finished is
 /// still written.
-pub fn stop_on_signal() -> CancellationToken {
+pub(crate) fn stop_on_signal() -> CancellationToken {
     let stop = CancellationToken::new();
     let on_signal = stop.clone();
     tokio::spawn(async move {
@@ -317,7 +317,7 @@ fn rate(per_sec: f64) -> String {
 }
 
 /// A progress bar on a terminal's stderr (hidden otherwise).
-pub fn progress_bar(len: u64, prefix: &str) -> indicatif::ProgressBar {
+pub(crate) fn progress_bar(len: u64, prefix: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(len);
     if std::io::stderr().is_terminal() {
         bar.set_style(

@@ -27,7 +27,7 @@ use crate::transport::connect::Refusal;
 /// A flag value that does not read, and what to give instead (clap says which flag).
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct BadValue(pub String);
+pub(crate) struct BadValue(pub String);
 
 impl From<String> for BadValue {
     fn from(why: String) -> BadValue {

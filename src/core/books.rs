@@ -26,7 +26,7 @@ const SLACK_USD: f64 = 1e-6;
 /// The charges the decision log holds, gathered record by record (only what the check needs:
 /// a day of records fits in a few tens of megabytes).
 #[derive(Default, Clone)]
-pub struct Books {
+pub(crate) struct Books {
     records: u64,
     charged_records: u64,
     /// Holder -> its settlement number -> the charge.
@@ -59,7 +59,7 @@ struct Seen {
 
 /// A recorded charge the ledger has not applied.
 #[derive(Serialize, Clone, PartialEq, Debug)]
-pub struct Hole {
+pub(crate) struct Hole {
     pub request_id: String,
     pub holder: String,
     pub seq: u64,
@@ -70,14 +70,14 @@ pub struct Hole {
 
 /// Settlements a holder's ledger entries count that no record in the window names.
 #[derive(Serialize, Clone, PartialEq, Debug)]
-pub struct Unrecorded {
+pub(crate) struct Unrecorded {
     pub holder: String,
     pub seqs: Vec<u64>,
 }
 
 /// One settlement number in more than one record.
 #[derive(Serialize, Clone, PartialEq, Debug)]
-pub struct Doubled {
+pub(crate) struct Doubled {
     pub holder: String,
     pub seq: u64,
     pub request_ids: Vec<String>,
@@ -85,7 +85,7 @@ pub struct Doubled {
 
 /// A record whose charges do not add up to its cost.
 #[derive(Serialize, Clone, PartialEq, Debug)]
-pub struct CostDiffers {
+pub(crate) struct CostDiffers {
     pub request_id: String,
     pub cost_usd: f64,
     pub charged_usd: f64,
@@ -106,7 +106,7 @@ pub struct Budget {
 
 /// One holder's settlements in one budget record, beside its records'.
 #[derive(Serialize, Clone, PartialEq, Debug)]
-pub struct Holder {
+pub(crate) struct Holder {
     pub holder: String,
     pub budget: String,
     /// The last settlement number the record applied.
@@ -121,7 +121,7 @@ pub struct Holder {
 
 /// What the check found.
 #[derive(Serialize, Clone, PartialEq, Debug, Default)]
-pub struct Report {
+pub(crate) struct Report {
     pub records: u64,
     pub charged_records: u64,
     pub charges: u64,
@@ -474,7 +474,7 @@ impl Report {
 
 /// One line of a provider's usage export: what a model cost on a day.
 #[derive(Clone, PartialEq, Debug)]
-pub struct Billed {
+pub(crate) struct Billed {
     /// UTC, `2026-12-05`.
     pub day: String,
     pub model: String,
@@ -483,7 +483,7 @@ pub struct Billed {
 
 /// What oam recorded beside what the provider billed, for one UTC day and model.
 #[derive(Serialize, Clone, PartialEq, Debug)]
-pub struct Drift {
+pub(crate) struct Drift {
     pub day: String,
     pub model: String,
     pub recorded_usd: f64,
@@ -495,7 +495,7 @@ pub struct Drift {
 /// A usage export that cannot be read: its line (from 1) and what is wrong there.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("line {line}: {why}")]
-pub struct ExportError {
+pub(crate) struct ExportError {
     pub line: usize,
     pub why: String,
 }
@@ -504,12 +504,12 @@ pub struct ExportError {
 /// they are looked for: the day (a date, an RFC 3339 time or Unix seconds, read as UTC), the
 /// model (`line_item` as OpenAI's cost export writes it, `gpt-4o-mini-2024-07-18, input`:
 /// the part before the comma) and the cost in US dollars. Other columns are ignored.
-pub const DAY_COLUMNS: &[&str] = &["date", "day", "usage_date", "start_time", "timestamp"];
-pub const MODEL_COLUMNS: &[&str] = &["model", "model_name", "line_item"];
-pub const COST_COLUMNS: &[&str] = &["cost_usd", "cost", "amount_value", "amount", "usd"];
+pub(crate) const DAY_COLUMNS: &[&str] = &["date", "day", "usage_date", "start_time", "timestamp"];
+pub(crate) const MODEL_COLUMNS: &[&str] = &["model", "model_name", "line_item"];
+pub(crate) const COST_COLUMNS: &[&str] = &["cost_usd", "cost", "amount_value", "amount", "usd"];
 
 /// Read a provider's usage export (CSV with a header row): one `Billed` per data line.
-pub fn read_export(text: &str) -> Result<Vec<Billed>, ExportError> {
+pub(crate) fn read_export(text: &str) -> Result<Vec<Billed>, ExportError> {
     let mut lines = text
         .lines()
         .enumerate()
@@ -628,7 +628,7 @@ fn billed_model(model: &str) -> String {
 }
 
 /// `1-3, 7`: numbers in order, runs joined.
-pub fn ranges(seqs: &[u64]) -> String {
+pub(crate) fn ranges(seqs: &[u64]) -> String {
     let mut out: Vec<String> = Vec::new();
     let mut i = 0;
     while i < seqs.len() {

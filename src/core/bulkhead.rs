@@ -269,7 +269,7 @@ impl Bulkheads {
 /// and records their tickets as granted; the driver wakes exactly those waiters
 /// (`take_granted`), and each claims its slot with `claim`.
 #[derive(Clone, Debug, Default)]
-pub struct Queues {
+pub(crate) struct Queues {
     next_ticket: u64,
     /// By kind, then class.
     waiting: [VecDeque<u64>; 6],
@@ -281,7 +281,7 @@ pub struct Queues {
 
 /// Where a ticket was when its request left the queue.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Left {
+pub(crate) enum Left {
     /// Still waiting: the queue count is decremented.
     Waiting,
     /// A slot had already been handed to it: the caller must release that slot.
@@ -359,6 +359,7 @@ impl Queues {
     }
 
     /// How many wait in `class`'s queue of `kind`.
+    #[cfg(test)]
     pub fn waiting(&self, kind: Kind, class: Priority) -> usize {
         self.waiting[index(kind, class)].len()
     }

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// The longest a fault may last.
-pub const MAX_FOR: Duration = Duration::from_secs(3_600);
+pub(crate) const MAX_FOR: Duration = Duration::from_secs(3_600);
 
 /// How a contract-breaking answer is broken (`break-contract --mode`, and the simulator's
 /// `contract` fault mode).
@@ -192,7 +192,7 @@ pub struct Params {
 /// `oam.v1.chaos.inject`: what `oam chaos FAULT` sends the warden.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Inject {
+pub(crate) struct Inject {
     pub fault: Fault,
     #[serde(default)]
     pub target: Option<String>,
@@ -232,7 +232,7 @@ pub struct Restore {
 /// The warden's answer to any request.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(rename_all = "snake_case")]
-pub enum WardenReply {
+pub(crate) enum WardenReply {
     /// Faults injected, listed or restored.
     Ok(Vec<Active>),
     /// Refused, with what to do instead.
@@ -326,7 +326,7 @@ pub use super::date::DurationError;
 
 /// A fault's or a scenario's duration (`30s`, `500ms`, `2m`, `1h`, `1.5`: `date::parse_span`),
 /// at most 24 h.
-pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let d = super::date::parse_span(s)?;
     if d > Duration::from_secs(24 * 3_600) {
         return Err(DurationError::OutOfRange(s.to_string(), "24 h"));

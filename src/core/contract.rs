@@ -495,7 +495,7 @@ fn schema_defects(schema: &Value, text: &str, code: ReasonCode) -> Vec<Defect> {
 
 /// Why a value does not fit a schema (`fits_schema`).
 #[derive(Debug, PartialEq, thiserror::Error)]
-pub enum Unfit {
+pub(crate) enum Unfit {
     #[error("the schema itself is invalid: {0}")]
     BadSchema(String),
     /// Where it does not fit (the first few places), `; `-separated.
@@ -505,7 +505,7 @@ pub enum Unfit {
 
 /// Whether `instance` fits `schema`: where it does not (the first few places), or why the
 /// schema itself is unusable.
-pub fn fits_schema(instance: &Value, schema: &Value) -> Result<(), Unfit> {
+pub(crate) fn fits_schema(instance: &Value, schema: &Value) -> Result<(), Unfit> {
     let validator = compiled(schema).map_err(|e| Unfit::BadSchema(e.to_string()))?;
     let wrong: Vec<String> = validator
         .iter_errors(instance)
@@ -535,7 +535,7 @@ pub struct ToolCall {
 /// Check an answer's tool calls against the tools the request declared (name -> parameter
 /// schema; `null` when a tool declares none): each must name a declared tool, and its arguments
 /// must be JSON that fits the schema.
-pub fn check_tool_calls(
+pub(crate) fn check_tool_calls(
     tools: &BTreeMap<String, super::request::Schema>,
     calls: &[ToolCall],
 ) -> Vec<Defect> {
@@ -569,7 +569,7 @@ pub fn check_tool_calls(
 /// compile before is not compiled again: the keyed hashes of such texts are kept (many more
 /// than compiled schemas are), so an agent fleet's thousands of distinct tool lists cost one
 /// compile per schema, not one per request.
-pub fn check_tool_schema(schema: &serde_json::value::RawValue) -> Result<(), InvalidSchema> {
+pub(crate) fn check_tool_schema(schema: &serde_json::value::RawValue) -> Result<(), InvalidSchema> {
     use std::hash::BuildHasher;
     /// Texts known to compile, at most (8 bytes each).
     const KNOWN_MAX: usize = 1 << 16;

@@ -16,7 +16,7 @@ pub enum DurationError {
 
 /// A duration like `30s`, `500ms`, `2m`, `1h`, `7d` or `1.5s`; a bare number is seconds, as in
 /// every flag that takes one (`--for`, `--timeout`). Above zero, at most a year.
-pub fn parse_span(s: &str) -> Result<std::time::Duration, DurationError> {
+pub(crate) fn parse_span(s: &str) -> Result<std::time::Duration, DurationError> {
     let t = s.trim();
     let (num, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
         Some(i) => t.split_at(i),
@@ -43,7 +43,7 @@ pub fn parse_span(s: &str) -> Result<std::time::Duration, DurationError> {
 }
 
 /// RFC 3339 UTC timestamp of `secs`, seconds precision.
-pub fn rfc3339(secs: u64) -> String {
+pub(crate) fn rfc3339(secs: u64) -> String {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

@@ -57,7 +57,7 @@ pub struct Concluded<'a> {
 }
 
 /// The escalation reason and action for a failed request, if it needs one.
-pub fn rule(o: &Concluded<'_>) -> Option<(ReasonCode, Action)> {
+pub(crate) fn rule(o: &Concluded<'_>) -> Option<(ReasonCode, Action)> {
     use Action::*;
     let risk = o.request.risk;
     let has = |c: ReasonCode| o.codes.contains(&c);
@@ -118,7 +118,7 @@ fn base36(mut n: u64) -> String {
 /// The escalation of a loop episode a node opened by counting another node's failure (no
 /// node's own failure reached the threshold): `request_id` is the call whose failure there
 /// completed the count.
-pub fn of_loop(incident: &Incident, request_id: &str, now_ms: u64) -> Escalation {
+pub(crate) fn of_loop(incident: &Incident, request_id: &str, now_ms: u64) -> Escalation {
     Escalation {
         id: format!("esc-{}", incident.id),
         request_id: request_id.to_string(),
@@ -167,7 +167,7 @@ pub fn build(o: &Concluded<'_>, reason: ReasonCode, action: Action, now_ms: u64)
 /// The id of the exhaustion escalation of `owner`'s budget in its
 /// episode since `since_ms`: every node names it so, so one episode met by many nodes is one
 /// escalation for callers, records, `explain` and the escalation store alike.
-pub fn budget_episode(owner: &super::budget::Owner, since_ms: u64) -> String {
+pub(crate) fn budget_episode(owner: &super::budget::Owner, since_ms: u64) -> String {
     use super::budget::Kind;
     match owner.kind {
         Kind::Global => format!("esc-budget-global-{}", base36(since_ms)),
@@ -187,13 +187,17 @@ const CONFIG_EPISODE_MS: u64 = 600_000;
 /// The id of the escalation of `target`'s configuration (its credentials refused) at `now_ms`:
 /// the same on every node within one 10-minute window, so the nodes that meet the fault in it
 /// raise one escalation between them (the store keeps the first; the others leave it).
-pub fn config_episode(target: &str, now_ms: u64) -> String {
+pub(crate) fn config_episode(target: &str, now_ms: u64) -> String {
     format!("esc-config-{target}-{}", base36(now_ms / CONFIG_EPISODE_MS))
 }
 
 /// The escalation of `target` refusing oam's credentials to a health probe at `now_ms`: no
 /// request was refused, the target's configuration must change (its key or its permissions).
-pub fn of_refused_credentials(target: &str, detail: Option<String>, now_ms: u64) -> Escalation {
+pub(crate) fn of_refused_credentials(
+    target: &str,
+    detail: Option<String>,
+    now_ms: u64,
+) -> Escalation {
     Escalation {
         id: config_episode(target, now_ms),
         request_id: String::new(),

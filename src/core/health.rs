@@ -11,7 +11,7 @@ pub(crate) const DEFAULT_WINDOW_MS: u64 = 15_000;
 /// Memory bound for one window: at 1 probe/s plus heavy traffic this is still minutes of samples.
 pub(crate) const MAX_SAMPLES: usize = 4_096;
 /// Failures in a row that make an outage, and successes in a row that end it (see `Window`).
-pub const RECOVERY_STREAK: usize = 3;
+pub(crate) const RECOVERY_STREAK: usize = 3;
 
 /// How one call to a provider went.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
@@ -297,7 +297,7 @@ struct Samples {
 /// window, so one that flaps cannot flip back and forth faster than that. A free answer never
 /// ends an outage of real calls.
 #[derive(Clone, Debug)]
-pub struct Window {
+pub(crate) struct Window {
     window_ms: u64,
     paid: Samples,
     free: Samples,
@@ -373,6 +373,7 @@ impl Window {
     }
 
     /// The numbers of this window alone (`judge` of this node's evidence).
+    #[cfg(test)]
     pub fn stats(&self, now_ms: u64) -> Stats {
         judge(&[self.first_hand(now_ms)])
     }
@@ -491,7 +492,7 @@ fn union_p95(samples: u32, slow: u32, weighted: u64, slowest: u64) -> u64 {
 }
 
 /// Nearest-rank percentile of sorted values (0 for none).
-pub fn nearest_rank(sorted: &[u64], pct: u32) -> u64 {
+pub(crate) fn nearest_rank(sorted: &[u64], pct: u32) -> u64 {
     if sorted.is_empty() {
         return 0;
     }

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 /// A share is not taken when what is left allows less than this part of what it was sized
 /// for.
-pub const SHARE_FLOOR: f64 = 128.0;
+pub(crate) const SHARE_FLOOR: f64 = 128.0;
 
 /// Float slack for comparing dollar amounts (as in `budget`).
 const EPSILON_USD: f64 = 1e-9;

@@ -203,7 +203,7 @@ fn pool<'a>(
 
 /// The simulator's providers, in preference order: a paid primary, a zero-cost local fallback
 /// and a paid secondary (see `score` for why the fallback is listed second).
-pub fn default_providers() -> Vec<Target> {
+pub(crate) fn default_providers() -> Vec<Target> {
     let p = |id: &str, model: &str, cost: f64, fallback: bool| Target {
         id: id.into(),
         model: model.into(),
@@ -232,7 +232,7 @@ pub fn default_providers() -> Vec<Target> {
 /// Four characters a token for the messages (role and text) and the declared tools' schemas,
 /// plus the chat format's own tokens: 4 per message and 3 to start the reply (OpenAI's published
 /// accounting for its chat models).
-pub fn estimate_prompt_tokens(r: &Request) -> u64 {
+pub(crate) fn estimate_prompt_tokens(r: &Request) -> u64 {
     let text: usize = r
         .messages
         .iter()

@@ -40,7 +40,7 @@ pub fn batch(limit: u64, nodes: usize) -> u64 {
 /// What the cluster has granted of one caller's window (the shared record).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(deny_unknown_fields)]
-pub struct Granted {
+pub(crate) struct Granted {
     pub requests: u64,
     pub tokens: u64,
 }
@@ -64,7 +64,7 @@ impl Granted {
 /// One node's lease of one caller's window: what it may still admit without asking. Tokens go
 /// below zero when requests used more than their estimate (the next lease pays for it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct Lease {
+pub(crate) struct Lease {
     pub window: u64,
     pub requests: u64,
     pub tokens: i64,

@@ -290,7 +290,7 @@ impl Patch {
 /// earlier record of the run declared are written as that set's number (`tools_in_run`).
 /// Records seen alone (`oam audit --json`, a snapshot) always carry theirs in full. Each call
 /// starts afresh: a message stands alone.
-pub fn in_a_run<T>(f: impl FnOnce() -> T) -> T {
+pub(crate) fn in_a_run<T>(f: impl FnOnce() -> T) -> T {
     struct EndOfRun;
     impl Drop for EndOfRun {
         fn drop(&mut self) {
@@ -305,7 +305,7 @@ pub fn in_a_run<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// Within a run, start another (the next message): nothing before counts as written.
-pub fn run_afresh() {
+pub(crate) fn run_afresh() {
     cluster_in_run::LAST.with(|l| {
         if let Some(last) = &mut *l.borrow_mut() {
             *last = None;
@@ -319,13 +319,13 @@ pub fn run_afresh() {
 }
 
 /// Where a run stands: what a record written (or read) after it may refer back to.
-pub struct RunMark {
+pub(crate) struct RunMark {
     cluster: Option<Option<std::sync::Arc<super::quorum::Cluster>>>,
     tools: Option<usize>,
 }
 
 /// Where the run stands now (`rewind_run` goes back to it).
-pub fn run_mark() -> RunMark {
+pub(crate) fn run_mark() -> RunMark {
     RunMark {
         cluster: cluster_in_run::LAST.with(|l| l.borrow().clone()),
         tools: tools_in_run::WRITTEN.with(|w| w.borrow().as_ref().map(Vec::len)),
@@ -334,7 +334,7 @@ pub fn run_mark() -> RunMark {
 
 /// Forget what was written since `mark`: a record that failed halfway and was cut from the
 /// message must leave nothing for the next ones to refer to.
-pub fn rewind_run(mark: RunMark) {
+pub(crate) fn rewind_run(mark: RunMark) {
     cluster_in_run::LAST.with(|l| *l.borrow_mut() = mark.cluster);
     tools_in_run::WRITTEN.with(|w| {
         if let (Some(sets), Some(n)) = (&mut *w.borrow_mut(), mark.tools) {

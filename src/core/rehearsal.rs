@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 /// What a rehearsal decides under: another configuration's pipeline, targets, routes and
 /// budget limits.
 #[derive(Clone, Debug)]
-pub struct Candidate {
+pub(crate) struct Candidate {
     pub config: Config,
     pub targets: Vec<Target>,
     pub routes: BTreeMap<String, Route>,
@@ -73,7 +73,7 @@ pub struct Change {
 
 /// What a rehearsal found, over every record it was given.
 #[derive(Serialize, Clone, PartialEq, Debug, Default)]
-pub struct Report {
+pub(crate) struct Report {
     /// Records read in the window.
     pub records: u64,
     /// Of them, decided again.

@@ -120,7 +120,7 @@ impl Default for Policy {
 /// The agent name of a caller that did not say who it is (`oam.agent`, `X-OAM-Agent`). Such
 /// callers are not one agent: loop detection, which counts one caller's identical failing calls,
 /// never lumps them together.
-pub const ANONYMOUS: &str = "anonymous";
+pub(crate) const ANONYMOUS: &str = "anonymous";
 
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
@@ -208,7 +208,7 @@ fn no_model() -> TargetId {
 
 /// A provider's id or model name: shared, so the many decisions and events that name a provider
 /// copy a pointer, not the string.
-pub type TargetId = std::sync::Arc<str>;
+pub(crate) type TargetId = std::sync::Arc<str>;
 
 /// A target: one model on one upstream (a provider), the unit that is routed to, and whose
 /// health, breaker and cool-down are kept. With one model per provider the target is named by
@@ -305,7 +305,7 @@ impl Target {
 }
 
 /// `model` without a trailing `-YYYY-MM-DD`, `-YYYYMMDD` or `-latest`, if it has one.
-pub fn undated_model(model: &str) -> Option<&str> {
+pub(crate) fn undated_model(model: &str) -> Option<&str> {
     if let Some(base) = model.strip_suffix("-latest") {
         return Some(base);
     }
@@ -333,7 +333,7 @@ pub fn round_usd(usd: f64) -> f64 {
 
 /// A dollar amount as people read it, to `places` decimals: `$0.0020`. What rounds to zero is
 /// `$0.0000`, never `$-0.0000`.
-pub fn dollars(usd: f64, places: usize) -> String {
+pub(crate) fn dollars(usd: f64, places: usize) -> String {
     let shown = format!("{usd:.places$}");
     match shown.strip_prefix('-') {
         Some(rest) if rest.bytes().all(|b| b == b'0' || b == b'.') => format!("${rest}"),
@@ -420,7 +420,7 @@ impl std::ops::Add for Usage {
 
 /// The tokens an answer's text (and its tool calls' names and arguments) was billed for, when
 /// the upstream did not say: four characters a token, rounded up, as prompts are estimated.
-pub fn estimate_answer_tokens(text: &str, tool_calls: &[super::contract::ToolCall]) -> u64 {
+pub(crate) fn estimate_answer_tokens(text: &str, tool_calls: &[super::contract::ToolCall]) -> u64 {
     let calls: usize = tool_calls
         .iter()
         .map(|c| c.name.len() + c.arguments.len())

@@ -39,7 +39,7 @@ pub struct ScoreParts {
     pub total: f64,
 }
 
-pub struct ScoreInput<'a> {
+pub(crate) struct ScoreInput<'a> {
     pub view: &'a ProviderView,
     pub latency_budget_ms: u64,
     pub zero_cost: bool,
@@ -48,7 +48,7 @@ pub struct ScoreInput<'a> {
     pub high_risk: bool,
 }
 
-pub fn score(i: &ScoreInput<'_>) -> ScoreParts {
+pub(crate) fn score(i: &ScoreInput<'_>) -> ScoreParts {
     let availability = 40.0 * i.view.availability;
     let latency = if i.view.p95_ms <= i.latency_budget_ms {
         20.0
@@ -85,7 +85,7 @@ pub fn score(i: &ScoreInput<'_>) -> ScoreParts {
 }
 
 /// The codes a provider's view contributes to a decision that uses it.
-pub fn health_codes(view: &ProviderView) -> Vec<ReasonCode> {
+pub(crate) fn health_codes(view: &ProviderView) -> Vec<ReasonCode> {
     let mut codes = Vec::new();
     match view.verdict {
         Verdict::Degraded => codes.push(ReasonCode::ProviderDegraded),

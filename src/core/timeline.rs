@@ -204,7 +204,7 @@ fn set_each<V: Clone>(map: &mut BTreeMap<String, V>, changed: &BTreeMap<String, 
 /// has them: what records written meanwhile name (a record names versions no older than its
 /// request, so the latest `KEEP` go far enough back for any but a request that outlived them).
 #[derive(Default, Debug)]
-pub struct Versions {
+pub(crate) struct Versions {
     now: Option<StateAt>,
     kept: BTreeMap<u64, StateAt>,
 }
@@ -237,7 +237,7 @@ impl Versions {
 /// What an engine keeps to write its timeline (`Engine::seen`): the version it is at, the
 /// targets it touched since, and what it last wrote of those it compares.
 #[derive(Default, Debug)]
-pub struct Timeline {
+pub(crate) struct Timeline {
     version: u64,
     since_whole: u64,
     whole_at_ms: u64,

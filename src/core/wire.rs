@@ -33,7 +33,7 @@ pub struct Envelope<T> {
 
 /// Stamps outgoing events for one sender.
 #[derive(Clone, Debug)]
-pub struct Stamper {
+pub(crate) struct Stamper {
     sender: String,
     incarnation: u64,
     seq: u64,
@@ -46,10 +46,6 @@ impl Stamper {
             incarnation,
             seq: 0,
         }
-    }
-
-    pub fn sender(&self) -> &str {
-        &self.sender
     }
 
     pub fn stamp<T>(&mut self, at_ms: u64, body: T) -> Envelope<T> {
@@ -66,7 +62,7 @@ impl Stamper {
 }
 
 /// How far ahead of this node's clock a peer's clock may run.
-pub const MAX_SKEW_MS: u64 = 5_000;
+pub(crate) const MAX_SKEW_MS: u64 = 5_000;
 /// Sequence numbers a sender may skip beyond one per millisecond since its last event (events
 /// it dropped while cut off, say).
 pub(crate) const SEQ_SLACK: u64 = 10_000;
@@ -88,7 +84,7 @@ pub(crate) const INCARNATIONS_KEPT: usize = 4;
 
 /// Remembers, per sender and stream, the newest seq applied in each recent incarnation, and when.
 #[derive(Clone, Debug, Default)]
-pub struct Sequencer {
+pub(crate) struct Sequencer {
     last: BTreeMap<(String, &'static str), Vec<Last>>,
 }
 
@@ -101,7 +97,7 @@ struct Last {
 
 /// Whether `e`, arriving at `now_ms`, carries stamps an honest sender can send: neither its
 /// incarnation (a start time) nor its time beyond `MAX_SKEW_MS` in the future.
-pub fn plausible<T>(e: &Envelope<T>, now_ms: u64) -> Result<(), &'static str> {
+pub(crate) fn plausible<T>(e: &Envelope<T>, now_ms: u64) -> Result<(), &'static str> {
     let horizon = now_ms.saturating_add(MAX_SKEW_MS);
     if e.incarnation > horizon {
         return Err("incarnation in the future");
@@ -154,7 +150,7 @@ impl Sequencer {
 /// "I am alive", every heartbeat interval.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Heartbeat {
+pub(crate) struct Heartbeat {
     pub node: String,
     /// The data-plane URL, for operators.
     #[serde(default)]
@@ -164,14 +160,14 @@ pub struct Heartbeat {
 /// "I am leaving": the node's observations stop counting now, not at heartbeat expiry.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Goodbye {
+pub(crate) struct Goodbye {
     pub node: String,
 }
 
 /// One node's observations of every provider, published after each probe round.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct Observations {
+pub(crate) struct Observations {
     pub node: String,
     pub observations: Vec<Observation>,
 }
@@ -181,7 +177,7 @@ pub struct Observations {
 /// the same count as one on a single node.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 #[serde(tag = "event", rename_all = "snake_case", deny_unknown_fields)]
-pub enum LoopEvent {
+pub(crate) enum LoopEvent {
     Failure {
         fingerprint: Fingerprint,
         agent: String,

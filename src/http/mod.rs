@@ -22,7 +22,7 @@ pub fn http_client(timeout: Option<Duration>) -> reqwest::Result<reqwest::Client
 }
 
 /// What `Poster::post_json` got back: status, headers and the whole body.
-pub type Posted = (hyper::StatusCode, hyper::HeaderMap, bytes::Bytes);
+pub(crate) type Posted = (hyper::StatusCode, hyper::HeaderMap, bytes::Bytes);
 
 /// The lean client for the one upstream call on every request's path: a JSON POST whose whole
 /// answer is read. hyper's pooled HTTP/1 client (TLS by rustls with the platform's roots, as
@@ -31,7 +31,7 @@ pub type Posted = (hyper::StatusCode, hyper::HeaderMap, bytes::Bytes);
 /// per request went there. Like `http_client`'s, it follows no redirect; the one request it
 /// sends again by itself is one that never left (its pooled connection closed first).
 #[derive(Clone)]
-pub struct Poster {
+pub(crate) struct Poster {
     client: hyper_util::client::legacy::Client<
         hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
         http_body_util::Full<bytes::Bytes>,

@@ -3,7 +3,7 @@
 //! other fields are skipped. A line longer than `MAX_LINE` is an error, not a growing buffer.
 
 /// The longest line accepted (an upstream that never ends a line is broken, not patient).
-pub const MAX_LINE: usize = 1 << 20;
+pub(crate) const MAX_LINE: usize = 1 << 20;
 
 #[derive(Default)]
 pub struct Parser {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// The environment variable holding the system-account URL for the monitor.
-pub const ENV_SYS_URL: &str = "OAM_NATS_SYS_URL";
+pub(crate) const ENV_SYS_URL: &str = "OAM_NATS_SYS_URL";
 
 /// How long each process may take to say it is ready, and the nodes to see each other.
 pub(super) const READY_WITHIN: Duration = Duration::from_secs(20);
@@ -758,7 +758,7 @@ pub fn kept_credentials(dir: &Path) -> Option<natsd::Credentials> {
 
 /// Write `system.json`: the admin's and the system account's URLs on `servers` and every
 /// password (0600).
-pub fn save_system(
+pub(crate) fn save_system(
     dir: &Path,
     servers: &[String],
     creds: &natsd::Credentials,
@@ -772,7 +772,7 @@ pub fn save_system(
 }
 
 /// Write every role user's credentials file for `servers` (`ca`: their TLS's).
-pub fn write_role_files(
+pub(crate) fn write_role_files(
     dir: &Path,
     servers: &[String],
     ca: Option<&Path>,
@@ -928,7 +928,10 @@ pub async fn down(dir: &Path, grace: Duration) -> anyhow::Result<Option<Vec<(Sta
 
 /// How every stream of the mesh keeps its copies (asked as the admin; `None` when the mesh
 /// runs one server, whose streams keep one copy, or its credentials are not in `dir`).
-pub async fn stream_status(dir: &std::path::Path, rec: &MeshRecord) -> Option<Vec<StreamStatus>> {
+pub(crate) async fn stream_status(
+    dir: &std::path::Path,
+    rec: &MeshRecord,
+) -> Option<Vec<StreamStatus>> {
     use futures_util::TryStreamExt;
     if rec.servers.len() < 2 {
         return None;

@@ -120,7 +120,7 @@ pub async fn revoke(dir: &Path, role: &Role) -> anyhow::Result<bool> {
 }
 
 /// What to do when `dir` holds no mesh's credentials.
-pub fn no_cluster(dir: &Path) -> String {
+pub(crate) fn no_cluster(dir: &Path) -> String {
     format!(
         "no mesh credentials in {} (its system.json): start a mesh there with `oam mesh up --dir \
          {}`, or pass --dir for the folder of yours (as the user who started it)",
@@ -140,7 +140,7 @@ async fn reload(dir: &Path, creds: &natsd::Credentials, changed: &str) -> anyhow
 /// This folder's servers take the roles of `creds` (written to `system.json`, the roles'
 /// files and each server's config, then reloaded): a running host of a mesh across hosts
 /// given a changed `secrets.json`. Whether a running server took them.
-pub async fn take_roles(dir: &Path, creds: &natsd::Credentials) -> anyhow::Result<bool> {
+pub(crate) async fn take_roles(dir: &Path, creds: &natsd::Credentials) -> anyhow::Result<bool> {
     let (kept, servers) = load(dir).with_context(|| no_cluster(dir))?;
     // Reloaded first: the folder records the new roles only once the server took them, so a
     // failed reload is tried again by the next `oam mesh up`.

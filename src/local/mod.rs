@@ -25,17 +25,17 @@ use std::time::{Duration, Instant};
 
 pub(crate) const RECORD: &str = "mesh.json";
 /// Where a folder from before roles kept the application password every process shared.
-pub const CREDENTIALS: &str = "credentials.json";
+pub(crate) const CREDENTIALS: &str = "credentials.json";
 /// The admin and system-account URLs and every password (mode 0600): for `oam mesh up` and
 /// `oam creds` only, never handed to agents or tools.
-pub const SYSTEM: &str = "system.json";
+pub(crate) const SYSTEM: &str = "system.json";
 /// The folder of role credentials (mode 0700), one `{user}.json` per role user.
-pub const CREDS_DIR: &str = "creds";
+pub(crate) const CREDS_DIR: &str = "creds";
 
 /// What a process of one role is given: its user and URL (and, for the monitor and warden,
 /// the system account's limited `observer`).
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct RoleFile {
+pub(crate) struct RoleFile {
     pub user: String,
     pub role: String,
     pub url: String,
@@ -48,13 +48,13 @@ pub struct RoleFile {
 }
 
 /// The credentials file of `user` in the state folder `dir`.
-pub fn role_path(dir: &Path, user: &str) -> PathBuf {
+pub(crate) fn role_path(dir: &Path, user: &str) -> PathBuf {
     dir.join(CREDS_DIR).join(format!("{user}.json"))
 }
 
 /// Write the credentials file of `role` for the servers at `servers` (bare URLs; `ca`: the CA
 /// of their TLS), 0600 in a 0700 folder; its path.
-pub fn write_role_file(
+pub(crate) fn write_role_file(
     dir: &Path,
     servers: &[String],
     ca: Option<&Path>,
@@ -88,12 +88,12 @@ pub fn write_role_file(
 }
 
 /// Does `path` hold an oam credentials file (JSON), rather than a NATS one?
-pub fn is_role_file(path: &Path) -> bool {
+pub(crate) fn is_role_file(path: &Path) -> bool {
     std::fs::read(path).is_ok_and(|b| b.trim_ascii_start().starts_with(b"{"))
 }
 
 /// The credentials file at `path`, if it is one.
-pub fn read_role_file(path: &Path) -> anyhow::Result<RoleFile> {
+pub(crate) fn read_role_file(path: &Path) -> anyhow::Result<RoleFile> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| {
@@ -143,7 +143,7 @@ impl Started {
 /// The first line `child` printed to `out` (its ready line), parsed as JSON. An error says why
 /// not: it exited first (with the last line of its `log`), printed something else, or said
 /// nothing within `within`.
-pub async fn ready_line(
+pub(crate) async fn ready_line(
     child: &mut std::process::Child,
     out: &Path,
     log: &Path,
@@ -317,7 +317,7 @@ impl NatsServer {
 }
 
 /// Is this recorded process one of the mesh's nats-servers?
-pub fn is_nats_server(name: &str) -> bool {
+pub(crate) fn is_nats_server(name: &str) -> bool {
     name == "nats-server" || name.starts_with("nats-")
 }
 
@@ -382,13 +382,13 @@ pub fn recorded_url(dir: &Path, key: &str) -> Option<String> {
 /// No mesh to talk to, and what to do about it.
 #[derive(Debug, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct NoMesh(pub String);
+pub(crate) struct NoMesh(pub String);
 
 /// The NATS URL of the mesh a command talks to, and where it came from. Flags before the
 /// environment before the default: `--nats-url`, `--dir`, `$OAM_NATS_URL`, `$OAM_DIR`, then
 /// `./.oam`; a folder means the URL in its credentials file for `role` (`creds/{user}.json`).
 /// No silent default port: without any of them the error says what to do.
-pub fn find_cluster(
+pub(crate) fn find_cluster(
     url_flag: Option<String>,
     dir_flag: Option<&Path>,
     role: &roles::Role,
@@ -463,7 +463,7 @@ pub fn find_cluster(
 pub(crate) const ENV_DIR: &str = "OAM_DIR";
 
 /// The state folder a command means: the flag, then `$OAM_DIR`, then `./.oam`.
-pub fn cluster_dir(flag: Option<&Path>) -> PathBuf {
+pub(crate) fn cluster_dir(flag: Option<&Path>) -> PathBuf {
     let dir = flag
         .map(Path::to_path_buf)
         .or_else(|| {
@@ -479,7 +479,7 @@ pub fn cluster_dir(flag: Option<&Path>) -> PathBuf {
 
 /// The bytes free to an unprivileged writer on the filesystem that holds `path` (or its
 /// nearest existing parent: a mesh folder may not exist yet); `None` when it cannot be told.
-pub fn free_bytes(path: &Path) -> Option<u64> {
+pub(crate) fn free_bytes(path: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let at = path.ancestors().find(|p| p.exists())?;
     let c = std::ffi::CString::new(at.as_os_str().as_bytes()).ok()?;
@@ -507,7 +507,7 @@ pub fn store_bytes(free: u64, servers: usize) -> u64 {
     wanted >> 20, store_bytes(*free, *servers) >> 20, free >> 20, dir.display(),
     (store_bytes(*free, *servers) / 2) >> 20
 )]
-pub struct LogTooLarge {
+pub(crate) struct LogTooLarge {
     pub wanted: u64,
     pub free: u64,
     pub servers: usize,
@@ -517,7 +517,12 @@ pub struct LogTooLarge {
 /// Does a decision log of `max_bytes` fit the store of each of `servers` servers on `dir`'s
 /// disk (`free` bytes free; see `store_bytes`)? It must leave as much again for what else
 /// JetStream keeps (buckets, the SDK's store) and for its own work.
-pub fn log_fits(max_bytes: u64, free: u64, servers: usize, dir: &Path) -> Result<(), LogTooLarge> {
+pub(crate) fn log_fits(
+    max_bytes: u64,
+    free: u64,
+    servers: usize,
+    dir: &Path,
+) -> Result<(), LogTooLarge> {
     if max_bytes.saturating_mul(2) > store_bytes(free, servers) {
         return Err(LogTooLarge {
             wanted: max_bytes,
@@ -530,7 +535,7 @@ pub fn log_fits(max_bytes: u64, free: u64, servers: usize, dir: &Path) -> Result
 }
 
 /// The `oam` binary to start processes from: this one, as it is on disk now.
-pub fn oam_exe() -> anyhow::Result<PathBuf> {
+pub(crate) fn oam_exe() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot tell where the oam binary is")?;
     // Rebuilt or upgraded while running: the kernel names our old image "... (deleted)"; start
     // the file that is there now.
@@ -546,7 +551,7 @@ pub fn oam_exe() -> anyhow::Result<PathBuf> {
 /// stdio: not, say, a lock file that the shell running `oam mesh up` held open (the whole mesh
 /// would hold it for its lifetime). Rust opens its own descriptors close-on-exec already; this
 /// catches what this process inherited.
-pub fn close_inherited_fds() {
+pub(crate) fn close_inherited_fds() {
     let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
         return;
     };
@@ -568,7 +573,7 @@ pub fn close_inherited_fds() {
 
 /// Start `oam ARGS` detached (own process group), stdout to `NAME.out`, stderr to `NAME.log`
 /// (appended, so a restarted process keeps its history).
-pub fn spawn_oam(
+pub(crate) fn spawn_oam(
     exe: &Path,
     dir: &Path,
     name: &str,
@@ -602,7 +607,7 @@ pub fn spawn_oam(
 }
 
 /// Write a file only its owner can read.
-pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
+pub(crate) fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
@@ -624,7 +629,7 @@ pub fn is_ours(p: &Started) -> bool {
 }
 
 /// Whether `pid` is alive and its command line contains `marker` (so a reused PID is not it).
-pub fn is_running(pid: u32, marker: &str) -> bool {
+pub(crate) fn is_running(pid: u32, marker: &str) -> bool {
     match std::fs::read(format!("/proc/{pid}/cmdline")) {
         Ok(raw) => {
             let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");

@@ -208,7 +208,7 @@ pub fn loopback(ports: &[u16]) -> Vec<String> {
 
 /// The URL of `user` on every one of `servers` (bare URLs: `nats://127.0.0.1:4222`,
 /// `tls://10.0.0.1:4222`), as one comma-separated list.
-pub fn server_list(user: &str, password: &str, servers: &[String]) -> String {
+pub(crate) fn server_list(user: &str, password: &str, servers: &[String]) -> String {
     servers
         .iter()
         .map(|bare| match bare.split_once("://") {
@@ -252,7 +252,7 @@ pub const LONE_NAME: &str = "oam-local";
 
 /// JetStream's fsync interval unless one is asked for: nats-server's own default, said on
 /// purpose (see `config`).
-pub const DEFAULT_SYNC: &str = "2m";
+pub(crate) const DEFAULT_SYNC: &str = "2m";
 
 /// A text that is no sync interval.
 #[derive(Debug, PartialEq, thiserror::Error)]
@@ -260,10 +260,10 @@ pub const DEFAULT_SYNC: &str = "2m";
     "{0:?} is no sync interval: give `always` (fsync every write) or a duration such as 500ms, \
      10s or 2m"
 )]
-pub struct BadSyncInterval(pub String);
+pub(crate) struct BadSyncInterval(pub String);
 
 /// A `sync_interval` nats-server takes: `always`, or a number with ms, s, m or h.
-pub fn parse_sync_interval(text: &str) -> Result<String, BadSyncInterval> {
+pub(crate) fn parse_sync_interval(text: &str) -> Result<String, BadSyncInterval> {
     let t = text.trim();
     if t == "always" {
         return Ok(t.into());
@@ -525,7 +525,7 @@ pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
 }
 
 /// Is something listening on 127.0.0.1:`port`?
-pub fn port_in_use(port: u16) -> bool {
+pub(crate) fn port_in_use(port: u16) -> bool {
     TcpListener::bind(("127.0.0.1", port)).is_err()
 }
 

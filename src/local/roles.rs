@@ -31,7 +31,7 @@ use crate::transport::{store::escalations, subjects};
 pub use crate::transport::roles::{ADMIN_USER, BadRole, KINDS, OBSERVER_USER, Role, valid_name};
 
 /// Every mesh's roles beside its nodes and agents: its services and the people who use it.
-pub const BESIDE_NODES: [Role; 5] = [
+pub(crate) const BESIDE_NODES: [Role; 5] = [
     Role::Monitor,
     Role::Warden,
     Role::Operator,
@@ -162,8 +162,8 @@ impl Role {
 
 /// The Open Agent Mesh SDK's context bucket and artifact store (created by `oam mesh up`, so
 /// agents need not create streams).
-pub const SDK_CONTEXT_BUCKET: &str = "mesh-context";
-pub const SDK_ARTIFACTS_BUCKET: &str = "mesh-artifacts";
+pub(crate) const SDK_CONTEXT_BUCKET: &str = "mesh-context";
+pub(crate) const SDK_ARTIFACTS_BUCKET: &str = "mesh-artifacts";
 
 /// The agent mesh's buckets.
 const MESH_BUCKETS: [&str; 4] = [
@@ -326,7 +326,7 @@ impl Permissions {
 
 /// The SYS account's `observer`: disconnect advisories, connection and route lists, nothing
 /// else.
-pub fn observer_permissions() -> Permissions {
+pub(crate) fn observer_permissions() -> Permissions {
     let mut p = Permissions::base(OBSERVER_USER);
     p.publish.clear();
     p.publish([
@@ -339,7 +339,7 @@ pub fn observer_permissions() -> Permissions {
 }
 
 /// The `permissions` block of a user in nats-server's config.
-pub fn config_block(p: &Permissions) -> String {
+pub(crate) fn config_block(p: &Permissions) -> String {
     let list = |v: &[String]| {
         v.iter()
             .map(|s| serde_json::to_string(s).unwrap_or_default())

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 
 /// A connection that serves agents, on one server.
 #[derive(Clone, PartialEq, Eq, Debug)]
-pub struct Conn {
+pub(crate) struct Conn {
     /// The server's id.
     pub server: String,
     /// Its connection id there.
@@ -28,7 +28,7 @@ impl Conn {
 
 /// One complete count: every server that answered, and their agent-serving connections.
 #[derive(Clone, Default, Debug)]
-pub struct Count {
+pub(crate) struct Count {
     pub servers: BTreeSet<String>,
     pub conns: Vec<Conn>,
 }
@@ -55,14 +55,14 @@ struct Suspect {
 /// A suspect found dead: its instance id, its agents, and which of those other connections
 /// still serve.
 #[derive(PartialEq, Eq, Debug)]
-pub struct Died {
+pub(crate) struct Died {
     pub instance_id: String,
     pub agents: Vec<String>,
     pub served_elsewhere: Vec<String>,
 }
 
 #[derive(Default, Debug)]
-pub struct Census {
+pub(crate) struct Census {
     last: Option<Count>,
     suspects: Vec<Suspect>,
 }

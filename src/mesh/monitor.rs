@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// How often heartbeats are expected, and how many may be missed before an instance is dead.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub(crate) const MISSED_BEATS: u32 = 3;
 /// How often silent instances are looked for: what a death by missed heartbeats may be told
 /// late by, beyond `MISSED_BEATS` intervals.
@@ -224,7 +224,7 @@ impl InstanceQuota {
     }
 }
 
-pub struct Monitor {
+pub(crate) struct Monitor {
     /// The mesh's buckets, opened once and kept for the monitor's life.
     mesh: std::sync::Arc<store::Mesh>,
     /// Instance id -> when this monitor announced its death, and the agents it named
@@ -743,7 +743,7 @@ async fn connz_all(sys: &async_nats::Client, query: serde_json::Value) -> (Vec<C
 
 /// The client port of the open connection named `name` (what `oam-host-{id}` connections
 /// are called), on whichever server holds it: how the warden ties an instance to a process.
-pub async fn connection_port(sys: &async_nats::Client, name: &str) -> Option<u16> {
+pub(crate) async fn connection_port(sys: &async_nats::Client, name: &str) -> Option<u16> {
     let query = serde_json::json!({"state": 0, "limit": 100_000});
     let (answers, _) = connz_all(sys, query).await;
     answers

@@ -7,22 +7,22 @@ use serde_json::Value;
 
 pub const H_REQUEST_ID: &str = "X-Mesh-Request-Id";
 pub const H_STATUS: &str = "X-Mesh-Status";
-pub const H_SOURCE: &str = "X-Mesh-Source";
+pub(crate) const H_SOURCE: &str = "X-Mesh-Source";
 pub const H_INSTANCE_ID: &str = "X-Mesh-Instance-Id";
-pub const H_STREAM: &str = "X-Mesh-Stream";
+pub(crate) const H_STREAM: &str = "X-Mesh-Stream";
 pub const H_STREAM_SEQ: &str = "X-Mesh-Stream-Seq";
 pub const H_STREAM_END: &str = "X-Mesh-Stream-End";
 /// oam's extension: where the serving instance acknowledges receipt with its instance id, so the
 /// caller can race the request against that instance's death. Other clients simply omit it.
-pub const H_ACK_TO: &str = "X-Mesh-Ack-To";
+pub(crate) const H_ACK_TO: &str = "X-Mesh-Ack-To";
 /// oam's extension: where the stream's chunks go, an answer inbox of the caller's under the
 /// agent's answerer token (instead of `mesh.stream.{request_id}`, which every client of the
 /// SDK's kind may read and write), so only the serving instance and the caller see them, and
 /// no other role writes there. Other clients omit it.
-pub const H_STREAM_TO: &str = "X-Mesh-Stream-To";
+pub(crate) const H_STREAM_TO: &str = "X-Mesh-Stream-To";
 /// The model use an agent reports for its answer (the SDK's usage attribution), a JSON object
 /// on the reply (a stream's end frame): see `Usage`.
-pub const H_USAGE: &str = "X-Mesh-Usage";
+pub(crate) const H_USAGE: &str = "X-Mesh-Usage";
 
 /// What `X-Mesh-Usage` carries, every field optional. Read leniently: what does not parse, or
 /// a count or cost that is negative or not finite, is not reported.
@@ -51,7 +51,7 @@ impl Usage {
 }
 
 /// Agent names: dot-separated segments of letters, digits, '-' and '_'.
-pub fn valid_agent_name(name: &str) -> bool {
+pub(crate) fn valid_agent_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 200
         && name.split('.').all(|seg| {
@@ -89,7 +89,7 @@ fn yes() -> bool {
 }
 
 /// The contract stored under the agent's name in `mesh-registry`.
-pub fn registry_entry(entry: &CatalogEntry, registered_at: &str) -> Value {
+pub(crate) fn registry_entry(entry: &CatalogEntry, registered_at: &str) -> Value {
     serde_json::json!({
         "name": entry.name,
         "description": entry.description,
@@ -192,7 +192,7 @@ impl std::error::Error for MeshError {}
 
 /// A serving instance's heartbeat on `mesh.health.{name}`.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct AgentHeartbeat {
+pub(crate) struct AgentHeartbeat {
     pub agent: String,
     pub instance_id: String,
     pub in_flight: u64,
@@ -205,14 +205,14 @@ pub struct AgentHeartbeat {
 }
 
 /// A connection's name in heartbeats: `{server_id}/{client_id}`.
-pub fn conn_name(server_id: &str, client_id: u64) -> String {
+pub(crate) fn conn_name(server_id: &str, client_id: u64) -> String {
     format!("{server_id}/{client_id}")
 }
 
 /// Why an agent is gone.
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(rename_all = "snake_case")]
-pub enum DeathReason {
+pub(crate) enum DeathReason {
     /// Its connection closed (crash, kill).
     Disconnect,
     /// It left on purpose.
@@ -237,7 +237,7 @@ impl DeathReason {
 
 /// `mesh.death.{name}`: `{agent, reason, detected_at, instance_id}`.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
-pub struct DeathNotice {
+pub(crate) struct DeathNotice {
     pub agent: String,
     pub reason: DeathReason,
     /// RFC 3339, UTC.

@@ -133,7 +133,7 @@ pub fn hostname() -> &'static str {
 }
 
 /// RFC 3339 UTC timestamp, seconds precision, without a date library.
-pub fn rfc3339_now() -> String {
+pub(crate) fn rfc3339_now() -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -148,7 +148,9 @@ pub async fn catalog(mesh: &Mesh) -> anyhow::Result<Vec<CatalogEntry>> {
 
 /// The catalog, and its items that are not entries (shown as they are, shortened), so a reader
 /// can say so. A catalog that is not a JSON array at all is an error, not an empty catalog.
-pub async fn catalog_checked(mesh: &Mesh) -> anyhow::Result<(Vec<CatalogEntry>, Vec<String>)> {
+pub(crate) async fn catalog_checked(
+    mesh: &Mesh,
+) -> anyhow::Result<(Vec<CatalogEntry>, Vec<String>)> {
     let store = mesh.catalog().await?;
     let Some(raw) = store.get(subjects::CATALOG_KEY).await? else {
         return Ok((Vec::new(), Vec::new()));
@@ -307,7 +309,7 @@ pub async fn register(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> a
 }
 
 /// Renew the instance lease (called with every heartbeat); failures are retried next time.
-pub async fn renew(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) {
+pub(crate) async fn renew(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) {
     if let Err(e) = put_instance(mesh, entry, instance_id).await {
         tracing::debug!("instance lease renewal failed: {e:#}");
     }
@@ -360,7 +362,7 @@ fn believed(key: &str, rec: InstanceRecord) -> Option<InstanceRecord> {
 /// Instance records that serve `agent` (its keys, `*.{agent}`; oam writes none under an id
 /// alone), asked of the server by key, so the cost grows with the agent's instances, not the
 /// mesh's.
-pub async fn instances_of(mesh: &Mesh, agent: &str) -> anyhow::Result<Vec<InstanceRecord>> {
+pub(crate) async fn instances_of(mesh: &Mesh, agent: &str) -> anyhow::Result<Vec<InstanceRecord>> {
     // A name from the bus (a heartbeat's subject) is an agent's name, never a pattern.
     if !protocol::valid_agent_name(agent) {
         anyhow::bail!("{agent:?} is not an agent name");
@@ -412,7 +414,7 @@ impl Claim {
 /// Claim the right to announce the death of instance `instance_id` of `agent`, as `owner`
 /// (whoever claims: a monitor's run, a leaving instance): `Mine` for exactly one claimer
 /// cluster-wide while the tombstone bucket answers (tombstones expire after two minutes).
-pub async fn claim_tombstone(
+pub(crate) async fn claim_tombstone(
     mesh: &Mesh,
     instance_id: &str,
     agent: Option<&str>,
@@ -431,7 +433,7 @@ pub(crate) fn agent_tombstone(agent: &str) -> String {
 
 /// Claim the right to announce that agent `agent` is gone (no instance serves it), as `owner`;
 /// without asking the bucket unless `ask` (it did not answer a moment ago).
-pub async fn claim_agent_death(mesh: &Mesh, agent: &str, owner: &str, ask: bool) -> Claim {
+pub(crate) async fn claim_agent_death(mesh: &Mesh, agent: &str, owner: &str, ask: bool) -> Claim {
     claim(mesh, &agent_tombstone(agent), owner, ask).await
 }
 
@@ -439,11 +441,11 @@ pub async fn claim_agent_death(mesh: &Mesh, agent: &str, owner: &str, ask: bool)
 /// whose leader died takes writes only once a new one is elected (4 to 9 s, nats-server's
 /// election timeouts), and a death must be announced within its heartbeat bound. A live
 /// bucket answers in a millisecond or two.
-pub const CLAIM_WITHIN: Duration = Duration::from_millis(300);
+pub(crate) const CLAIM_WITHIN: Duration = Duration::from_millis(300);
 
 /// What a try to create a tombstone came to.
 #[derive(Clone, Copy, PartialEq, Debug)]
-pub enum Try {
+pub(crate) enum Try {
     Created,
     /// It was there already.
     Exists,
@@ -460,7 +462,7 @@ pub enum Try {
 ///   this claimer's name, else by another.
 /// - Never answered and not read as another's: announced without a claim (a death told twice
 ///   beats one not told), and the tombstone is written later (`settle_later`).
-pub fn claimed(tries: &[Try], read: Option<Option<&[u8]>>, owner: &str) -> bool {
+pub(crate) fn claimed(tries: &[Try], read: Option<Option<&[u8]>>, owner: &str) -> bool {
     match tries {
         [Try::Exists, ..] => false,
         _ if tries.contains(&Try::Created) => true,
@@ -572,7 +574,7 @@ fn settle_later(mesh: &Mesh, store: kv::Store, key: String, owner: String) {
 
 /// An instance declared dead that is back (after a network blip): its next death must be
 /// announced again.
-pub async fn clear_tombstone(mesh: &Mesh, instance_id: &str, agent: &str) {
+pub(crate) async fn clear_tombstone(mesh: &Mesh, instance_id: &str, agent: &str) {
     unclaim(mesh, &record_key(instance_id, Some(agent))).await;
 }
 
@@ -585,7 +587,7 @@ async fn unclaim(mesh: &Mesh, key: &str) {
 
 /// Remove `instance_id`'s records: the keys it was recorded under (an agent's user may purge
 /// only its own).
-pub async fn forget_instance(mesh: &Mesh, instance_id: &str, agents: &[String]) {
+pub(crate) async fn forget_instance(mesh: &Mesh, instance_id: &str, agents: &[String]) {
     if let Ok(store) = mesh.instances().await {
         if agents.is_empty() {
             let _ = store.purge(record_key(instance_id, None)).await;
@@ -597,7 +599,7 @@ pub async fn forget_instance(mesh: &Mesh, instance_id: &str, agents: &[String]) 
 }
 
 /// Remove `agents` from the catalog (in one write) and the registry.
-pub async fn forget_agents(mesh: &Mesh, agents: &[String]) {
+pub(crate) async fn forget_agents(mesh: &Mesh, agents: &[String]) {
     if agents.is_empty() {
         return;
     }

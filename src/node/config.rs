@@ -827,7 +827,9 @@ impl ConfigError {
 
 /// The configuration file to use: `flag` when given, else `$OAM_CONFIG`, else `oam.toml` in
 /// the current folder when there is one; with how it was found (for the user to be told).
-pub fn discover(flag: Option<std::path::PathBuf>) -> Option<(std::path::PathBuf, &'static str)> {
+pub(crate) fn discover(
+    flag: Option<std::path::PathBuf>,
+) -> Option<(std::path::PathBuf, &'static str)> {
     if let Some(p) = flag {
         return Some((p, "--config"));
     }

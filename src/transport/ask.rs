@@ -17,7 +17,7 @@ use std::time::Duration;
 /// inboxes (`_OAM.re.*.{asker}.{conn}`), or for a client outside oam's roles its shared inbox
 /// (`_INBOX.{conn}`).
 #[derive(Clone, Debug)]
-pub struct Inbox {
+pub(crate) struct Inbox {
     /// The client's private inbox (`_OAM.caller`), or `None` for `_INBOX`.
     private: Option<String>,
     conn: String,

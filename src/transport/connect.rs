@@ -5,7 +5,7 @@ use std::time::Duration;
 
 /// The environment variable holding the NATS URL (credentials may be in it:
 /// `nats://user:password@127.0.0.1:4222`), or a comma-separated list of a cluster's servers.
-pub const ENV_URL: &str = "OAM_NATS_URL";
+pub(crate) const ENV_URL: &str = "OAM_NATS_URL";
 
 /// Told when the server refuses a connection's credentials (say, the mesh was started again
 /// with new ones): retrying cannot help. Whoever made the connection decides what to do: a
@@ -76,7 +76,7 @@ pub enum ReachError {
 
 /// `reach`, saying where the URL came from (`--nats-url`, `$OAM_NATS_URL`, a mesh folder) when
 /// it cannot be reached.
-pub async fn reach_from(
+pub(crate) async fn reach_from(
     url: &str,
     from: Option<&str>,
     name: &str,
@@ -165,7 +165,7 @@ static CREDENTIALS_FILE: std::sync::OnceLock<String> = std::sync::OnceLock::new(
 
 /// Why a NATS credentials file cannot be used.
 #[derive(Debug, thiserror::Error)]
-pub enum CredsFileError {
+pub(crate) enum CredsFileError {
     #[error("--creds {}: cannot read it ({source})", path.display())]
     Unread {
         path: std::path::PathBuf,
@@ -186,7 +186,7 @@ pub enum CredsFileError {
 
 /// Use the NATS credentials file at `path` for every connection from now on; the error says
 /// what is wrong with the file.
-pub fn use_credentials_file(path: &std::path::Path) -> Result<(), CredsFileError> {
+pub(crate) fn use_credentials_file(path: &std::path::Path) -> Result<(), CredsFileError> {
     let path_buf = || path.to_path_buf();
     let text = std::fs::read_to_string(path).map_err(|source| CredsFileError::Unread {
         path: path_buf(),
@@ -206,7 +206,7 @@ pub fn use_credentials_file(path: &std::path::Path) -> Result<(), CredsFileError
 
 /// The environment variable naming the CA (a PEM file) that signed the servers' TLS
 /// certificates: every connection then speaks TLS and checks the server against it.
-pub const ENV_CA: &str = "OAM_NATS_CA";
+pub(crate) const ENV_CA: &str = "OAM_NATS_CA";
 
 /// The CA every connection of this process checks servers against, once one is known (a mesh
 /// folder's credentials file names it).
@@ -214,7 +214,7 @@ static CA_FILE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::n
 
 /// Check every server this process connects to from now on against the CA at `path` (the
 /// first one given is kept).
-pub fn use_ca_file(path: &std::path::Path) {
+pub(crate) fn use_ca_file(path: &std::path::Path) {
     let _ = CA_FILE.set(path.to_path_buf());
 }
 
@@ -229,7 +229,7 @@ fn ca_file() -> Option<std::path::PathBuf> {
 
 /// Flush what `nats` has buffered, waiting at most `limit`, and not at all when the bus is gone:
 /// a process that is stopping (or handling an event) never waits on a server that is not there.
-pub async fn flush_within(nats: &async_nats::Client, limit: Duration) {
+pub(crate) async fn flush_within(nats: &async_nats::Client, limit: Duration) {
     if nats.connection_state() == async_nats::connection::State::Connected {
         let _ = tokio::time::timeout(limit, nats.flush()).await;
     }
@@ -363,7 +363,7 @@ fn ping_interval(name: &str) -> Duration {
 }
 
 /// See `ping_interval`.
-pub const LIVENESS_PING: Duration = Duration::from_millis(500);
+pub(crate) const LIVENESS_PING: Duration = Duration::from_millis(500);
 
 /// Does this server error refuse the connection the subscription to its own reply inbox
 /// (`prefix`)? Then no request it makes can be answered.

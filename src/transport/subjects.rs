@@ -9,17 +9,17 @@ pub(crate) const PREFIX: &str = "oam.v1";
 pub fn heartbeat(node: &str) -> String {
     format!("{PREFIX}.heartbeat.{node}")
 }
-pub const HEARTBEATS: &str = "oam.v1.heartbeat.*";
+pub(crate) const HEARTBEATS: &str = "oam.v1.heartbeat.*";
 
 pub fn goodbye(node: &str) -> String {
     format!("{PREFIX}.goodbye.{node}")
 }
-pub const GOODBYES: &str = "oam.v1.goodbye.*";
+pub(crate) const GOODBYES: &str = "oam.v1.goodbye.*";
 
 pub fn observations(node: &str) -> String {
     format!("{PREFIX}.observations.{node}")
 }
-pub const ALL_OBSERVATIONS: &str = "oam.v1.observations.*";
+pub(crate) const ALL_OBSERVATIONS: &str = "oam.v1.observations.*";
 
 /// A node's decisions, in batches: the envelope's body is a JSON array of decisions, sent every
 /// `DECISION_BATCH_MS` or once `DECISION_BATCH_MAX` are waiting, whichever comes first (one
@@ -34,34 +34,34 @@ pub const DECISIONS: &str = "oam.v1.decision.*";
 pub fn decision_log(node: &str) -> String {
     format!("{PREFIX}.decisionlog.{node}")
 }
-pub const DECISION_LOG_ALL: &str = "oam.v1.decisionlog.*";
+pub(crate) const DECISION_LOG_ALL: &str = "oam.v1.decisionlog.*";
 /// The stream that keeps `node`'s decision records, and only its: one node's writes push out
 /// only its own records (JetStream bounds bytes per stream, not per subject).
-pub fn decision_log_stream(node: &str) -> String {
+pub(crate) fn decision_log_stream(node: &str) -> String {
     format!("{DECISION_LOG_STREAM}_{node}")
 }
 /// The stream names of the decision log begin so; the stream of that very name is the log
 /// earlier oam kept for all nodes together, read still until it ages out.
-pub const DECISION_LOG_STREAM: &str = "OAM_DECISIONS";
+pub(crate) const DECISION_LOG_STREAM: &str = "OAM_DECISIONS";
 /// Where that shared stream takes writes since (none: no one publishes there).
 pub const RETIRED_DECISION_LOG: &str = "oam.v1.retired.decisionlog";
 
 /// Failures a node counted toward an agent loop, and calls that worked after some
 /// (`core::wire::LoopEvent`).
-pub fn loop_event(node: &str) -> String {
+pub(crate) fn loop_event(node: &str) -> String {
     format!("{PREFIX}.loop.{node}")
 }
-pub const LOOP_EVENTS: &str = "oam.v1.loop.*";
+pub(crate) const LOOP_EVENTS: &str = "oam.v1.loop.*";
 /// Who raised the incident of each open loop episode (one per episode for the cluster).
-pub const LOOP_EPISODES_BUCKET: &str = "oam-loop-episodes";
+pub(crate) const LOOP_EPISODES_BUCKET: &str = "oam-loop-episodes";
 
 /// A node's state snapshot (what `GET /v1/oam/state` returns), every heartbeat.
 pub fn state(node: &str) -> String {
     format!("{PREFIX}.state.{node}")
 }
-pub const STATES: &str = "oam.v1.state.*";
+pub(crate) const STATES: &str = "oam.v1.state.*";
 pub const INCIDENTS: &str = "oam.v1.incident.*";
-pub const ESCALATIONS: &str = "oam.v1.escalation.*";
+pub(crate) const ESCALATIONS: &str = "oam.v1.escalation.*";
 
 pub fn incident(node: &str) -> String {
     format!("{PREFIX}.incident.{node}")
@@ -72,36 +72,36 @@ pub fn escalation(node: &str) -> String {
 
 /// Chaos: requests to the warden (request/reply), its events, and commands to nodes
 /// (`oam.v1.chaos.node.{id}`, or `.all`).
-pub const CHAOS_INJECT: &str = "oam.v1.chaos.inject";
-pub const CHAOS_LIST: &str = "oam.v1.chaos.list";
-pub const CHAOS_RESTORE: &str = "oam.v1.chaos.restore";
-pub const CHAOS_EVENT: &str = "oam.v1.chaos.event";
+pub(crate) const CHAOS_INJECT: &str = "oam.v1.chaos.inject";
+pub(crate) const CHAOS_LIST: &str = "oam.v1.chaos.list";
+pub(crate) const CHAOS_RESTORE: &str = "oam.v1.chaos.restore";
+pub(crate) const CHAOS_EVENT: &str = "oam.v1.chaos.event";
 pub fn chaos_node(to: &str) -> String {
     format!("{PREFIX}.chaos.node.{to}")
 }
 
 /// The data plane on NATS: one service across nodes (a queue group), request/reply.
-pub const REQUEST: &str = "oam.v1.request";
-pub const REQUEST_QUEUE: &str = "oam-nodes";
+pub(crate) const REQUEST: &str = "oam.v1.request";
+pub(crate) const REQUEST_QUEUE: &str = "oam-nodes";
 
 // The agent mesh (Open Agent Mesh protocol; names must match other OAM clients exactly).
 
 /// Every agent's serving subject.
-pub const ALL_AGENTS: &str = "mesh.agent.>";
+pub(crate) const ALL_AGENTS: &str = "mesh.agent.>";
 /// Where agent `name` publishes events (Open Agent Mesh SDK).
-pub fn agent_events(name: &str) -> String {
+pub(crate) fn agent_events(name: &str) -> String {
     format!("{AGENT_PREFIX}{name}.events")
 }
 /// Every request's stream chunks and results (Open Agent Mesh SDK callbacks).
-pub const ALL_STREAMS: &str = "mesh.stream.>";
-pub const ALL_RESULTS: &str = "mesh.results.>";
+pub(crate) const ALL_STREAMS: &str = "mesh.stream.>";
+pub(crate) const ALL_RESULTS: &str = "mesh.results.>";
 /// Every agent's error replies.
-pub const ALL_ERRORS: &str = "mesh.errors.>";
+pub(crate) const ALL_ERRORS: &str = "mesh.errors.>";
 /// The reply inboxes of clients that keep the NATS default (the Open Agent Mesh SDK's): shared
 /// by every such client, so oam's own processes never use them (`private_inbox`).
-pub const SHARED_INBOXES: &str = "_INBOX.>";
+pub(crate) const SHARED_INBOXES: &str = "_INBOX.>";
 /// The reply-inbox prefix of a client that names none (async-nats' default).
-pub const DEFAULT_INBOX: &str = "_INBOX";
+pub(crate) const DEFAULT_INBOX: &str = "_INBOX";
 /// The root of oam's private inboxes.
 const OAM_INBOX: &str = "_OAM";
 
@@ -138,36 +138,36 @@ const ANSWERS: &str = "_OAM.re";
 
 /// The answerer token of agent `name` (its dots written `~`, one token): what `agent-{name}`
 /// and `sdk-agent-{name}` may answer under.
-pub fn answerer_agent(name: &str) -> String {
+pub(crate) fn answerer_agent(name: &str) -> String {
     format!("ag-{}", name.replace('.', "~"))
 }
 /// The answerer token of every node (the nodes are one trust domain: each writes the shared
 /// budgets already).
 pub const ANSWERER_NODES: &str = "nodes";
 /// The answerer token of the chaos warden.
-pub const ANSWERER_WARDEN: &str = "warden";
+pub(crate) const ANSWERER_WARDEN: &str = "warden";
 
 /// What answerer `tag` may publish: `_OAM.re.{tag}.>`.
-pub fn answers_from(tag: &str) -> String {
+pub(crate) fn answers_from(tag: &str) -> String {
     format!("{ANSWERS}.{tag}.>")
 }
 
 /// Where the owner of private inbox `private` (`_OAM.caller`) hears `tag`:
 /// `_OAM.re.{tag}.caller`; `None` for an inbox that is not oam's (`_INBOX`).
-pub fn answer_inbox(tag: &str, private: &str) -> Option<String> {
+pub(crate) fn answer_inbox(tag: &str, private: &str) -> Option<String> {
     let asker = private.strip_prefix("_OAM.")?;
     Some(format!("{ANSWERS}.{tag}.{asker}"))
 }
 
 /// Every answer inbox of the owner of private inbox `private`, from any answerer: what it may
 /// subscribe to.
-pub fn answer_inboxes(private: &str) -> Option<String> {
+pub(crate) fn answer_inboxes(private: &str) -> Option<String> {
     let asker = private.strip_prefix("_OAM.")?;
     Some(format!("{ANSWERS}.*.{asker}.>"))
 }
 
 /// The answerer token of answer-inbox subject `subject`, and the rest after it.
-pub fn answered_by(subject: &str) -> Option<(&str, &str)> {
+pub(crate) fn answered_by(subject: &str) -> Option<(&str, &str)> {
     subject
         .strip_prefix(ANSWERS)?
         .strip_prefix('.')?
@@ -179,7 +179,7 @@ pub fn answered_by(subject: &str) -> Option<(&str, &str)> {
 /// default (the Open Agent Mesh SDK's), whatever subject the asker named, so that a responder
 /// running with wide rights (the admin's) cannot be made to write a control subject or a
 /// bucket, and none is asked to write where the server would refuse it.
-pub fn may_answer_on(tag: &str, reply: &str) -> bool {
+pub(crate) fn may_answer_on(tag: &str, reply: &str) -> bool {
     answered_by(reply).is_some_and(|(t, _)| t == tag) || reply.starts_with("_INBOX.")
 }
 
@@ -195,7 +195,7 @@ pub fn from_jetstream(m: &async_nats::Message) -> bool {
 /// Whether a client whose inboxes are named like `inbox` may read the SDK's shared subjects
 /// (`_INBOX.>`, `mesh.stream.>`): SDK roles and users of other servers keep the default inbox
 /// and may; of oam's own roles (private inboxes) only the admin may.
-pub fn may_read_shared(inbox: &str) -> bool {
+pub(crate) fn may_read_shared(inbox: &str) -> bool {
     !inbox.starts_with("_OAM.") || inbox.starts_with("_OAM.admin.")
 }
 
@@ -206,11 +206,11 @@ pub fn agent(name: &str) -> String {
     format!("{AGENT_PREFIX}{name}")
 }
 /// The agent name a serving subject is for (`mesh.agent.{name}`).
-pub fn agent_of(subject: &str) -> Option<&str> {
+pub(crate) fn agent_of(subject: &str) -> Option<&str> {
     subject.strip_prefix(AGENT_PREFIX)
 }
 /// The queue group every instance of agent `name` joins.
-pub fn agent_queue(name: &str) -> String {
+pub(crate) fn agent_queue(name: &str) -> String {
     format!("q.{name}")
 }
 /// Stream chunks for one request.
@@ -221,20 +221,20 @@ pub fn stream(request_id: &str) -> String {
 pub fn death(name: &str) -> String {
     format!("mesh.death.{name}")
 }
-pub const DEATHS: &str = "mesh.death.>";
+pub(crate) const DEATHS: &str = "mesh.death.>";
 /// The death of one serving instance (a caller whose request it held fails at once, even
 /// while other replicas of the agent live).
-pub fn instance_death(instance_id: &str) -> String {
+pub(crate) fn instance_death(instance_id: &str) -> String {
     format!("mesh.instance-death.{instance_id}")
 }
-pub const INSTANCE_DEATHS: &str = "mesh.instance-death.*";
+pub(crate) const INSTANCE_DEATHS: &str = "mesh.instance-death.*";
 /// Heartbeats from instances serving agent `name`.
 pub fn health(name: &str) -> String {
     format!("mesh.health.{name}")
 }
-pub const HEALTH: &str = "mesh.health.>";
+pub(crate) const HEALTH: &str = "mesh.health.>";
 /// The agent a heartbeat subject is for (`mesh.health.{name}`).
-pub fn health_of(subject: &str) -> Option<&str> {
+pub(crate) fn health_of(subject: &str) -> Option<&str> {
     subject.strip_prefix("mesh.health.")
 }
 /// Every error reply of agent `name` is also published here.
@@ -242,33 +242,33 @@ pub fn errors(name: &str) -> String {
     format!("mesh.errors.{name}")
 }
 /// The JetStream stream that holds KV bucket `bucket`.
-pub fn kv_stream(bucket: &str) -> String {
+pub(crate) fn kv_stream(bucket: &str) -> String {
     format!("KV_{bucket}")
 }
 
 /// The cluster's shared budget ledger (`node::ledger`): `global` and `agent.{name}`.
-pub const BUDGETS_BUCKET: &str = "oam-budgets";
+pub(crate) const BUDGETS_BUCKET: &str = "oam-budgets";
 /// The JetStream KV bucket of rate-limit windows (`node::rates`): what each caller was granted
 /// per minute, kept two windows.
-pub const RATES_BUCKET: &str = "oam-rates";
+pub(crate) const RATES_BUCKET: &str = "oam-rates";
 pub const CATALOG_BUCKET: &str = "mesh-catalog";
 /// The one key of the catalog bucket: a JSON array of entries.
 pub const CATALOG_KEY: &str = "catalog";
-pub const REGISTRY_BUCKET: &str = "mesh-registry";
+pub(crate) const REGISTRY_BUCKET: &str = "mesh-registry";
 pub const INSTANCES_BUCKET: &str = "mesh-instances";
 /// One key per announced instance death, so each is announced once.
-pub const TOMBSTONES_BUCKET: &str = "mesh-tombstones";
+pub(crate) const TOMBSTONES_BUCKET: &str = "mesh-tombstones";
 /// The NATS connection name of a process that serves agents.
-pub fn host_connection(instance_id: &str) -> String {
+pub(crate) fn host_connection(instance_id: &str) -> String {
     format!("oam-host-{instance_id}")
 }
 
 // The system account (nats-server's own subjects).
 
 /// Connection disconnects of every account: the monitor's first signal of a death.
-pub const SYS_DISCONNECTS: &str = "$SYS.ACCOUNT.*.DISCONNECT";
+pub(crate) const SYS_DISCONNECTS: &str = "$SYS.ACCOUNT.*.DISCONNECT";
 /// Ask server `server` for its connections (CONNZ); an empty name asks every server.
-pub fn sys_connz(server: &str) -> String {
+pub(crate) fn sys_connz(server: &str) -> String {
     if server.is_empty() {
         "$SYS.REQ.SERVER.PING.CONNZ".to_string()
     } else {
@@ -279,15 +279,15 @@ pub fn sys_connz(server: &str) -> String {
 /// Ask every server (or those a filter in the body names) for its `kind` of monitoring
 /// information (`JSZ`, `VARZ`, ...): what the HTTP monitoring port would tell, asked of the
 /// system account instead.
-pub fn sys_ping(kind: &str) -> String {
+pub(crate) fn sys_ping(kind: &str) -> String {
     format!("$SYS.REQ.SERVER.PING.{kind}")
 }
 
 /// Ask every server for its routes (ROUTEZ): which servers the cluster still holds.
-pub const SYS_ROUTEZ: &str = "$SYS.REQ.SERVER.PING.ROUTEZ";
+pub(crate) const SYS_ROUTEZ: &str = "$SYS.REQ.SERVER.PING.ROUTEZ";
 
 /// A node id is one subject token: letters, digits, '-' and '_'.
-pub fn valid_token(s: &str) -> bool {
+pub(crate) fn valid_token(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 64
         && s.chars()

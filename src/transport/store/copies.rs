@@ -24,7 +24,7 @@ pub struct StreamStatus {
 /// A follower's copy is not current when the group holds it offline, it has not been heard
 /// from for this long (followers answer the leader's heartbeat every second), not at all since
 /// the leader was elected, or it says it is not caught up.
-pub const SILENT_BEHIND: Duration = Duration::from_secs(3);
+pub(crate) const SILENT_BEHIND: Duration = Duration::from_secs(3);
 
 /// What a stream's cluster information says of its copies.
 pub fn stream_copies(

@@ -62,7 +62,7 @@ pub fn stream(
 
 /// Where the stream `have` keeps other limits than `want` says: what each says, for a message
 /// (`max_bytes 268435456 -> 2147483648`), or None when they agree.
-pub fn retention_differs(
+pub(crate) fn retention_differs(
     have: &jetstream::stream::Config,
     want: &jetstream::stream::Config,
 ) -> Option<String> {
@@ -86,7 +86,7 @@ pub fn retention_differs(
 /// Open the log's stream as `want` says, creating it; an existing one with other limits is
 /// given `want`'s size and age (the rest of its configuration as it is). Whether it changed one,
 /// as `retention_differs` says it.
-pub async fn open_as(
+pub(crate) async fn open_as(
     js: &jetstream::Context,
     want: jetstream::stream::Config,
 ) -> anyhow::Result<(jetstream::stream::Stream, Option<String>)> {
@@ -114,7 +114,7 @@ pub async fn open_as(
 /// `max_bytes / nodes`), as the admin: a node may write only its own and change none. The
 /// shared stream of earlier oam, if there is one, is first retired (`retire_shared`).
 /// What changed in streams that were there, as `retention_differs` says it.
-pub async fn open_for(
+pub(crate) async fn open_for(
     js: &jetstream::Context,
     nodes: &[String],
     max_age: Duration,
@@ -133,7 +133,7 @@ pub async fn open_for(
 
 /// `open_for` with the size and age the nodes' streams keep now (their sizes summed): a node
 /// given credentials after `oam mesh up` gets its share of the same log.
-pub async fn reshare(
+pub(crate) async fn reshare(
     js: &jetstream::Context,
     nodes: &[String],
     replicas: usize,
@@ -155,7 +155,7 @@ pub async fn reshare(
 /// The stream earlier oam kept for all nodes together (`OAM_DECISIONS` on every node's
 /// subject) takes no more writes: its subjects would overlap each node's own stream. What it
 /// holds stays readable until it ages out.
-pub async fn retire_shared(js: &jetstream::Context) -> anyhow::Result<()> {
+pub(crate) async fn retire_shared(js: &jetstream::Context) -> anyhow::Result<()> {
     let name = subjects::DECISION_LOG_STREAM;
     let Ok(mut shared) = js.get_stream(name).await else {
         return Ok(()); // none (the usual case), or said where it is read
@@ -186,7 +186,7 @@ struct BatchHead<'a> {
 }
 
 /// A batch message's opening: `{"node":...,"run":...,"config":...` (its records follow).
-pub fn batch_head(node: &str, run: &str, config: &PipelineConfig) -> Vec<u8> {
+pub(crate) fn batch_head(node: &str, run: &str, config: &PipelineConfig) -> Vec<u8> {
     let mut head = serde_json::to_vec(&BatchHead { node, run, config }).unwrap_or_default();
     head.pop(); // the closing brace: `,"records":[...]}` follows
     head
@@ -194,7 +194,7 @@ pub fn batch_head(node: &str, run: &str, config: &PipelineConfig) -> Vec<u8> {
 
 /// Encode state timeline entries into batch messages (`head` is `batch_head`) of at most
 /// `BATCH_BYTES` (an entry larger than that goes alone), in order: (entries in it, bytes).
-pub fn timeline_batches(head: &[u8], entries: &[StateVersion]) -> Vec<(usize, Vec<u8>)> {
+pub(crate) fn timeline_batches(head: &[u8], entries: &[StateVersion]) -> Vec<(usize, Vec<u8>)> {
     let mut out = Vec::new();
     let mut msg = Vec::new();
     let mut n = 0;
@@ -432,7 +432,7 @@ fn passing(error: &str) -> bool {
 }
 
 /// Whether a stream could not be made because another holds its subjects.
-pub fn overlaps(e: &jetstream::context::CreateStreamError) -> bool {
+pub(crate) fn overlaps(e: &jetstream::context::CreateStreamError) -> bool {
     matches!(e.kind(), jetstream::context::CreateStreamErrorKind::JetStream(j)
         if j.error_code() == jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP)
 }
@@ -596,7 +596,7 @@ async fn records_from(
 /// from its start for them, `timeline::Versions`), so that it can be decided again on the state
 /// it saw (`oam rehearse`). Nothing is held but the latest states of each run. How many
 /// records were given.
-pub async fn each_with_states(
+pub(crate) async fn each_with_states(
     nats: &async_nats::Client,
     since_ms: u64,
     node: Option<&str>,
@@ -637,7 +637,7 @@ pub async fn each(
 
 /// `each` on `node`'s own stream only (what a node may read of the log: the shared stream of
 /// earlier oam is not its to open).
-pub async fn each_own(
+pub(crate) async fn each_own(
     nats: &async_nats::Client,
     node: &str,
     since_ms: u64,

@@ -8,9 +8,9 @@ use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
-pub const BUCKET: &str = "oam-escalations";
+pub(crate) const BUCKET: &str = "oam-escalations";
 /// Open or resolved, a record is gone after this long.
-pub const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
 #[serde(rename_all = "snake_case")]
@@ -107,7 +107,7 @@ pub async fn all(store: &kv::Store) -> anyhow::Result<Vec<EscalationRecord>> {
 
 /// Every record in the bucket, oldest first, and the keys of entries that are not records
 /// (corrupt, or written by something else), so a reader can say so instead of hiding them.
-pub async fn all_checked(
+pub(crate) async fn all_checked(
     store: &kv::Store,
 ) -> anyhow::Result<(Vec<EscalationRecord>, Vec<String>)> {
     let keys = super::keys(store).await?;

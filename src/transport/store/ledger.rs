@@ -16,9 +16,9 @@ pub async fn open(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
 }
 
 /// How long one ledger round trip may take before the ledger counts as unreachable.
-pub const STORE_TIMEOUT: Duration = Duration::from_millis(750);
+pub(crate) const STORE_TIMEOUT: Duration = Duration::from_millis(750);
 /// Compare-and-swap attempts per key and batch before the batch counts as failed.
-pub const CAS_TRIES: usize = 32;
+pub(crate) const CAS_TRIES: usize = 32;
 
 /// The key of `owner`'s budget.
 pub fn key(owner: &Owner) -> String {
@@ -124,11 +124,11 @@ pub async fn read(store: &kv::Store, owner: &Owner) -> anyhow::Result<Option<Led
 }
 
 /// The key prefix of the probe budget's days.
-pub const PROBES_PREFIX: &str = "probes.";
+pub(crate) const PROBES_PREFIX: &str = "probes.";
 
 /// Every record of the ledger, read one key at a time.
 #[derive(Default)]
-pub struct Records {
+pub(crate) struct Records {
     /// Budget records by key (`global`, `agent.{name}`, ...).
     pub budgets: std::collections::BTreeMap<String, Ledger>,
     /// What health probes cost, by UTC day (`node::health`): no one's budget.
@@ -138,7 +138,7 @@ pub struct Records {
 }
 
 /// Read every record of the ledger, each within `each_within` (and its key list too).
-pub async fn read_all(store: &kv::Store, each_within: Duration) -> anyhow::Result<Records> {
+pub(crate) async fn read_all(store: &kv::Store, each_within: Duration) -> anyhow::Result<Records> {
     let keys = tokio::time::timeout(each_within, super::keys(store))
         .await
         .map_err(|_| anyhow::anyhow!("no answer listing the ledger's keys"))??;
@@ -172,7 +172,7 @@ pub fn probes_day(now_ms: u64) -> String {
 /// Add `usd` to what health probes cost on `day` unless that passes `cap` (the record's limit
 /// becomes the cap given; without one it stays as it was): whether it was added. By
 /// compare-and-swap, retried on conflict.
-pub async fn charge_probes(
+pub(crate) async fn charge_probes(
     store: &kv::Store,
     day: &str,
     usd: f64,
@@ -226,7 +226,7 @@ pub async fn charge_probes(
 /// compare-and-swap, each settlement number once (one the record has, or a later one of its
 /// holder, is skipped) at `now_ms`: how many were applied, and the record as written when any
 /// was.
-pub async fn settle_holes(
+pub(crate) async fn settle_holes(
     store: &kv::Store,
     k: &str,
     holes: &[crate::core::books::Hole],

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// How long claiming may take before the incident is raised anyway (better twice than never).
-pub const CLAIM_TIMEOUT: Duration = Duration::from_millis(750);
+pub(crate) const CLAIM_TIMEOUT: Duration = Duration::from_millis(750);
 
 /// Open the claims' bucket, creating it on first use.
 pub async fn open(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {

@@ -16,14 +16,14 @@ use std::time::Duration;
 /// How long an agent instance's record lives without renewal.
 pub const INSTANCE_LEASE: Duration = Duration::from_secs(15);
 /// How long an announced death is remembered (so it is announced once).
-pub const TOMBSTONE_AGE: Duration = Duration::from_secs(120);
+pub(crate) const TOMBSTONE_AGE: Duration = Duration::from_secs(120);
 
 /// How long a loop episode's claim (`oam-loop-episodes`) outlives its episode at most; the
 /// episode's own end frees it sooner.
-pub const LOOP_EPISODES_AGE: Duration = Duration::from_secs(3_600);
+pub(crate) const LOOP_EPISODES_AGE: Duration = Duration::from_secs(3_600);
 
 /// The agent mesh's buckets and how long an entry lives in each (zero: for good).
-pub const MESH_BUCKETS: [(&str, Duration); 4] = [
+pub(crate) const MESH_BUCKETS: [(&str, Duration); 4] = [
     (crate::transport::subjects::CATALOG_BUCKET, Duration::ZERO),
     (crate::transport::subjects::REGISTRY_BUCKET, Duration::ZERO),
     (crate::transport::subjects::INSTANCES_BUCKET, INSTANCE_LEASE),
@@ -151,7 +151,7 @@ pub async fn read_on(
 
 /// The first sequence of `stream` on `filter` stored at `at` or later (binary search by direct
 /// get, as `read_on`), or one past the last when none is.
-pub async fn first_at(
+pub(crate) async fn first_at(
     nats: &async_nats::Client,
     stream: &jetstream::stream::Stream,
     filter: &str,
@@ -258,7 +258,7 @@ fn operation_of(headers: Option<&async_nats::HeaderMap>) -> kv::Operation {
 /// The changes of `store` from revision `from` on, as they are now (each key's last, for a
 /// bucket that keeps one per key), read by direct get (`read_on`: no consumer), and the
 /// revision to read from next time.
-pub async fn changes_since(
+pub(crate) async fn changes_since(
     nats: &async_nats::Client,
     store: &kv::Store,
     from: u64,
@@ -283,7 +283,7 @@ pub async fn changes_since(
 
 /// The keys of `store` that match `pattern` (a subject pattern: `*` one token, `>` the rest),
 /// as `keys` lists them: the server filters, so a few keys of a large bucket cost a few.
-pub async fn keys_matching(store: &kv::Store, pattern: &str) -> anyhow::Result<Vec<String>> {
+pub(crate) async fn keys_matching(store: &kv::Store, pattern: &str) -> anyhow::Result<Vec<String>> {
     use futures_util::TryStreamExt;
     let prefix = format!("$KV.{}.", store.name);
     let subjects: Vec<(String, usize)> = store
@@ -356,7 +356,7 @@ pub fn replicas(nats: &async_nats::Client) -> usize {
 
 /// Refuse a stream that keeps one copy on a cluster: the loss of the server holding it loses
 /// it, and with it what oam promises (a ledger, a log).
-pub fn check_replicas(
+pub(crate) fn check_replicas(
     nats: &async_nats::Client,
     config: &jetstream::stream::Config,
 ) -> anyhow::Result<()> {
