@@ -385,11 +385,15 @@ async fn books_hold(cl: &LocalCluster) -> Value {
     report
 }
 
-/// The server that leads `stream` now.
+/// The server that leads `stream` (once it has a leader: just after a step-down or a loss it
+/// may be electing one).
 async fn leader_of(js: &async_nats::jetstream::Context, stream: &str) -> String {
-    let mut stream = js.get_stream(stream).await.unwrap();
-    let info = stream.info().await.unwrap();
-    info.cluster.clone().unwrap().leader.unwrap()
+    let led = eventually(Duration::from_secs(15), || async {
+        let mut s = js.get_stream(stream).await.ok()?;
+        s.info().await.ok()?.cluster.clone()?.leader
+    })
+    .await;
+    led.unwrap_or_else(|| panic!("{stream} elected no leader in 15 s"))
 }
 
 /// Whether every request id `answered` has its record in the decision log read from `since`,
