@@ -22,6 +22,11 @@ pub struct Args {
     /// the bus is left alone: its runs may still be settling. Needs the operator's credentials.
     #[arg(long)]
     pub settle: bool,
+    /// With --settle: a run is taken for gone once it has also written nothing to the ledger
+    /// for this long (a node cut off from the bus gives up a settlement after 60 s; one it
+    /// still holds, applied after a later one settled here, would be skipped).
+    #[arg(long, default_value = "90s", value_parser = super::audit::parse_age)]
+    pub gone_after: u64,
     /// The window of the decision log: records written within this of now (30m, 2h, 7d).
     /// Node runs that began before it are checked by settlement number only.
     #[arg(long, default_value = "24h", value_parser = super::audit::parse_age)]
@@ -94,7 +99,9 @@ pub async fn run(a: Args) -> Result<Findings> {
                 .clone()
                 .check(&ledgers, from, crate::clock::now_ms(), a.settling);
             let alive = heard.alive().await;
-            let settled = settle_gone(&store, &before.not_charged, &alive).await?;
+            let now = crate::clock::now_ms();
+            let gone = Gone::of(&before.not_charged, &ledgers, &alive, now, a.gone_after);
+            let settled = settle_gone(&store, gone, now).await?;
             if !settled.applied.is_empty() {
                 (ledgers, _) = super::budget::read_all(&store).await?;
             }
@@ -297,40 +304,88 @@ impl Heard {
     }
 }
 
-/// What `--settle` charged, and what it left to nodes that are alive.
+/// What `--settle` charged, and what it left.
 #[derive(serde::Serialize, Default)]
 struct Settled {
     /// Settlements applied now (each once: one the ledger had meanwhile is not counted).
     applied: Vec<Hole>,
     /// Recorded charges of runs of nodes heard alive: left to them.
     left: Vec<Hole>,
+    /// Recorded charges of runs that wrote to the ledger within `--gone-after`: not yet.
+    waiting: Vec<Hole>,
     /// Settlements that were in the ledger by the time they were applied.
     there_already: usize,
 }
 
-/// Apply the holes of runs whose node is not in `alive`, budget by budget.
+/// The uncharged answers `--settle` may charge (`gone`: their run's node was not heard, and
+/// the run wrote nothing to the ledger for `quiet_ms`), and those it leaves.
+#[derive(Debug, PartialEq)]
+struct Gone {
+    gone: Vec<Hole>,
+    left: Vec<Hole>,
+    waiting: Vec<Hole>,
+}
+
+impl Gone {
+    fn of(
+        holes: &[Hole],
+        ledgers: &std::collections::BTreeMap<String, crate::core::ledger::Ledger>,
+        alive: &std::collections::BTreeSet<String>,
+        now_ms: u64,
+        quiet_ms: u64,
+    ) -> Gone {
+        // The last a run was seen writing: a settlement, or now while it has a hold in force
+        // (its node renews it while it lives; a dead run's lapses within its lease).
+        let last = |holder: &str| {
+            ledgers
+                .values()
+                .flat_map(|l| {
+                    let settled = l.settled.get(holder).map(|s| s.at_ms);
+                    let holding = l.holds.get(holder).filter(|h| h.until_ms > now_ms);
+                    settled.into_iter().chain(holding.map(|_| now_ms))
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        let mut out = Gone {
+            gone: Vec::new(),
+            left: Vec::new(),
+            waiting: Vec::new(),
+        };
+        for h in holes {
+            let node = h.holder.split('#').next().unwrap_or("");
+            if alive.contains(node) {
+                out.left.push(h.clone());
+            } else if now_ms.saturating_sub(last(&h.holder)) < quiet_ms {
+                out.waiting.push(h.clone());
+            } else {
+                out.gone.push(h.clone());
+            }
+        }
+        out
+    }
+}
+
+/// Apply the holes of gone runs, budget by budget, at `now_ms`.
 async fn settle_gone(
     store: &async_nats::jetstream::kv::Store,
-    holes: &[Hole],
-    alive: &std::collections::BTreeSet<String>,
+    holes: Gone,
+    now_ms: u64,
 ) -> Result<Settled> {
-    let node_of = |h: &Hole| h.holder.split('#').next().unwrap_or("").to_string();
-    let (gone, left): (Vec<&Hole>, Vec<&Hole>) =
-        holes.iter().partition(|h| !alive.contains(&node_of(h)));
-    let mut by_key: std::collections::BTreeMap<&str, Vec<Hole>> = Default::default();
-    for h in gone {
-        by_key.entry(&h.budget).or_default().push(h.clone());
+    let mut by_key: std::collections::BTreeMap<String, Vec<Hole>> = Default::default();
+    for h in holes.gone {
+        by_key.entry(h.budget.clone()).or_default().push(h);
     }
     let mut out = Settled {
-        left: left.into_iter().cloned().collect(),
+        left: holes.left,
+        waiting: holes.waiting,
         ..Settled::default()
     };
     for (k, mut holes) in by_key {
         holes.sort_by(|a, b| (&a.holder, a.seq).cmp(&(&b.holder, b.seq)));
-        let (n, _) =
-            crate::transport::store::ledger::settle_holes(store, k, &holes, crate::clock::now_ms())
-                .await
-                .map_err(|e| Error::new(Kind::Unreachable, e.context(format!("settling {k}"))))?;
+        let (n, _) = crate::transport::store::ledger::settle_holes(store, &k, &holes, now_ms)
+            .await
+            .map_err(|e| Error::new(Kind::Unreachable, e.context(format!("settling {k}"))))?;
         out.there_already += holes.len() - n;
         out.applied.extend(holes);
     }
@@ -369,6 +424,17 @@ fn write_settled(out: &mut impl Write, s: &Settled) -> std::io::Result<()> {
              (a node started again charges its earlier runs)",
             s.left.len(),
             nodes.into_iter().collect::<Vec<_>>().join(", ")
+        )?;
+    }
+    if !s.waiting.is_empty() {
+        let runs: std::collections::BTreeSet<&str> =
+            s.waiting.iter().map(|h| h.holder.as_str()).collect();
+        writeln!(
+            out,
+            "not yet: {} uncharged answers of {}, which wrote to the ledger within --gone-after; \
+             run --settle again once they have been quiet that long",
+            s.waiting.len(),
+            runs.into_iter().collect::<Vec<_>>().join(", ")
         )?;
     }
     Ok(())
@@ -411,4 +477,46 @@ fn write_drift(out: &mut impl Write, rows: &[Drift]) -> std::io::Result<()> {
         usd(ours),
         usd(theirs - ours)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_runs_of_unheard_nodes_quiet_long_enough_are_settled() {
+        let hole = |holder: &str| Hole {
+            request_id: format!("r-{holder}"),
+            holder: holder.to_string(),
+            seq: 1,
+            budget: "global".into(),
+            usd: 0.1,
+            decided_at_ms: 0,
+        };
+        let mut ledger = crate::core::ledger::Ledger::new(10.0);
+        assert!(ledger.settle_once("n2#quiet", 1, 0.0, 0.1, 1_000));
+        assert!(ledger.settle_once("n3#recent", 1, 0.0, 0.1, 95_000));
+        assert!(ledger.reserve("n4#holding", 0.1, 70_000, 40_000));
+        assert!(ledger.reserve("n6#lapsed", 0.1, 10_000, 30_000));
+        let ledgers = std::collections::BTreeMap::from([("global".to_string(), ledger)]);
+        let alive = std::collections::BTreeSet::from(["n1".to_string()]);
+        let holes = [
+            "n1#old",
+            "n2#quiet",
+            "n3#recent",
+            "n4#holding",
+            "n5#unknown",
+            "n6#lapsed",
+        ]
+        .map(hole);
+        let g = Gone::of(&holes, &ledgers, &alive, 100_000, 90_000);
+        let holders = |v: &[Hole]| v.iter().map(|h| h.holder.clone()).collect::<Vec<_>>();
+        assert_eq!(holders(&g.left), ["n1#old"], "a node heard settles its own");
+        assert_eq!(
+            holders(&g.waiting),
+            ["n3#recent", "n4#holding"],
+            "wrote within 90 s, or holds still"
+        );
+        assert_eq!(holders(&g.gone), ["n2#quiet", "n5#unknown", "n6#lapsed"]);
+    }
 }

@@ -248,8 +248,14 @@ async fn a_killed_nodes_unsettled_answers_are_charged_when_it_starts_again() {
 #[tokio::test]
 async fn a_node_that_never_comes_back_is_settled_by_spend_settle() {
     let (_sim, dir, _node, ids, lost) = killed_with_unsettled_answers("spend-gone").await;
-    let (code, r, err) = spend(&dir.0, &["--settle", "--settling", "1ms"]);
-    assert_eq!(code, 0, "{r:#} {err}");
+    // Once its holds lapse (the lease, 3 s) the dead run is taken for gone.
+    let settle = ["--settle", "--gone-after", "1ms", "--settling", "1ms"];
+    let settled = eventually(Duration::from_secs(15), || async {
+        let (code, r, _) = spend(&dir.0, &settle);
+        (code == 0 && r["settled"]["waiting"] == json!([])).then_some(r)
+    })
+    .await;
+    let r = settled.expect("the dead run's holds lapsed and its answers were settled");
     let applied: std::collections::BTreeSet<&str> = r["settled"]["applied"]
         .as_array()
         .unwrap()
@@ -273,7 +279,7 @@ async fn a_node_that_never_comes_back_is_settled_by_spend_settle() {
     assert_eq!(code, 0, "the books hold: {r:#} {err}");
     assert_eq!(r["charges"], ids.len(), "{r:#}");
     // Again: nothing is charged twice.
-    let (code, r, _) = spend(&dir.0, &["--settle", "--settling", "1ms"]);
+    let (code, r, _) = spend(&dir.0, &settle);
     assert_eq!(code, 0);
     assert_eq!(r["settled"]["applied"], json!([]), "{r:#}");
     let (code, r, _) = spend(&dir.0, &["--verify", "--settling", "1ms"]);
@@ -298,7 +304,11 @@ async fn killed_with_unsettled_answers(
     let dir = ClusterDir::new(tag);
     std::fs::create_dir_all(&dir.0).unwrap();
     let file = dir.0.join("oam.toml");
-    let durable = format!("{}\n[decision_log]\ndurable = true\n", config(&sim_url));
+    // Holds of a killed run lapse within the lease (3 s here).
+    let durable = format!(
+        "[node]\nbudget_lease_ms = 3000\n{}\n[decision_log]\ndurable = true\n",
+        config(&sim_url)
+    );
     std::fs::write(&file, durable).unwrap();
     let up = crate::support::mesh_up_on(&dir.0, &file);
     let node = up["nodes"][0]["http"].as_str().unwrap().to_string();
