@@ -307,7 +307,7 @@ impl Heard {
 /// What `--settle` charged, and what it left.
 #[derive(serde::Serialize, Default)]
 struct Settled {
-    /// Settlements applied now (each once: one the ledger had meanwhile is not counted).
+    /// Settlements applied now, each once.
     applied: Vec<Hole>,
     /// Recorded charges of runs of nodes heard alive: left to them.
     left: Vec<Hole>,
@@ -383,11 +383,12 @@ async fn settle_gone(
     };
     for (k, mut holes) in by_key {
         holes.sort_by(|a, b| (&a.holder, a.seq).cmp(&(&b.holder, b.seq)));
-        let (n, _) = crate::transport::store::ledger::settle_holes(store, &k, &holes, now_ms)
+        let (applied, _) = crate::transport::store::ledger::settle_holes(store, &k, &holes, now_ms)
             .await
             .map_err(|e| Error::new(Kind::Unreachable, e.context(format!("settling {k}"))))?;
-        out.there_already += holes.len() - n;
-        out.applied.extend(holes);
+        out.there_already += holes.len() - applied.len();
+        out.applied
+            .extend(applied.into_iter().map(|i| holes[i].clone()));
     }
     Ok(out)
 }
@@ -402,7 +403,7 @@ fn write_settled(out: &mut impl Write, s: &Settled) -> std::io::Result<()> {
         writeln!(
             out,
             "settled: {} charges ({}) that {} left uncharged ({})",
-            s.applied.len() - s.there_already,
+            s.applied.len(),
             dollars(usd, 6),
             runs.into_iter().collect::<Vec<_>>().join(", "),
             if s.there_already == 0 {

@@ -148,12 +148,12 @@ fn earlier_holders(
 /// Apply `holes` (one budget's, in order) to its record, mirrored here as written: how many
 /// were applied (a number the record has already is not).
 async fn apply(node: &Node, store: &kv::Store, k: &str, holes: &[Hole]) -> anyhow::Result<usize> {
-    let (n, written) =
+    let (applied, written) =
         crate::transport::store::ledger::settle_holes(store, k, holes, now_ms()).await?;
     if let Some((revision, ledger)) = written {
         node.ledger.mirror(k, revision, &ledger);
     }
-    Ok(n)
+    Ok(applied.len())
 }
 
 #[cfg(test)]

@@ -224,14 +224,14 @@ pub(crate) async fn charge_probes(
 
 /// Apply `holes` (recorded charges the budget record `k` lacks, in order) to it by
 /// compare-and-swap, each settlement number once (one the record has, or a later one of its
-/// holder, is skipped) at `now_ms`: how many were applied, and the record as written when any
-/// was.
+/// holder, is skipped) at `now_ms`: which of them were applied (their places in `holes`), and
+/// the record as written when any was.
 pub(crate) async fn settle_holes(
     store: &kv::Store,
     k: &str,
     holes: &[crate::core::books::Hole],
     now_ms: u64,
-) -> anyhow::Result<(usize, Option<(u64, Ledger)>)> {
+) -> anyhow::Result<(Vec<usize>, Option<(u64, Ledger)>)> {
     for _ in 0..CAS_TRIES {
         let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
             .await
@@ -241,16 +241,18 @@ pub(crate) async fn settle_holes(
             anyhow::bail!("{k} was removed");
         }
         let mut ledger: Ledger = serde_json::from_slice(&entry.value)?;
-        let n = holes
-            .iter()
-            .filter(|h| ledger.settle_once(&h.holder, h.seq, 0.0, h.usd, now_ms))
-            .count();
-        if n == 0 {
-            return Ok((0, None));
+        let applied: Vec<usize> = (0..holes.len())
+            .filter(|&i| {
+                let h = &holes[i];
+                ledger.settle_once(&h.holder, h.seq, 0.0, h.usd, now_ms)
+            })
+            .collect();
+        if applied.is_empty() {
+            return Ok((applied, None));
         }
         let bytes: bytes::Bytes = serde_json::to_vec(&ledger)?.into();
         match tokio::time::timeout(STORE_TIMEOUT, store.update(k, bytes, entry.revision)).await {
-            Ok(Ok(revision)) => return Ok((n, Some((revision, ledger)))),
+            Ok(Ok(revision)) => return Ok((applied, Some((revision, ledger)))),
             Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
