@@ -719,11 +719,12 @@ async fn small_disk_mesh(tag: &str, size: &str) -> (LocalCluster, SmallDisk) {
     (LocalCluster { dir, record }, disk)
 }
 
-/// The process `name` in a `mesh status` document.
-fn process_in(status: &Value, name: &str) -> Value {
-    status["processes"]
+/// The entry named `name` in the list `list` (`processes`, `streams`) of a `mesh status`
+/// document.
+fn named_in(status: &Value, list: &str, name: &str) -> Value {
+    status[list]
         .as_array()
-        .and_then(|ps| ps.iter().find(|p| p["name"] == name))
+        .and_then(|all| all.iter().find(|e| e["name"] == name))
         .cloned()
         .unwrap_or(Value::Null)
 }
@@ -771,15 +772,6 @@ fn mesh_status(cl: &LocalCluster) -> (Option<i32>, Value) {
     )
 }
 
-/// The stream `name` in a `mesh status` document.
-fn stream_in(status: &Value, name: &str) -> Value {
-    status["streams"]
-        .as_array()
-        .and_then(|all| all.iter().find(|s| s["name"] == name))
-        .cloned()
-        .unwrap_or(Value::Null)
-}
-
 /// A full disk on one server stops its copies while the server accepts connections, and
 /// `oam mesh status` said only "accepting connections": the cluster no longer survived the loss
 /// of one more server, and nobody knew. It now says the disk is full before the second fault,
@@ -790,7 +782,8 @@ async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
     // Healthy at first: every copy current, room on every disk.
     let healthy = eventually(Duration::from_secs(10), || async {
         let (code, status) = mesh_status(&cl);
-        (code == Some(0) && stream_in(&status, "OAM_DECISIONS_n1")["healthy"] == true).then_some(())
+        (code == Some(0) && named_in(&status, "streams", "OAM_DECISIONS_n1")["healthy"] == true)
+            .then_some(())
     })
     .await;
     assert!(healthy.is_some(), "the fresh mesh is healthy");
@@ -834,7 +827,7 @@ async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
     }
     let told = eventually(Duration::from_secs(20), || async {
         let (code, status) = mesh_status(&cl);
-        let nats3 = process_in(&status, "nats-3");
+        let nats3 = named_in(&status, "processes", "nats-3");
         let full = nats3["detail"].as_str()?.contains("free space on it");
         (code == Some(1) && full && nats3["healthy"] == false).then_some(())
     })
@@ -849,7 +842,7 @@ async fn a_full_disk_then_a_lost_server_are_told_by_mesh_status() {
     let last = std::sync::Mutex::new(Value::Null);
     let after = eventually(Duration::from_secs(30), || async {
         let (code, status) = mesh_status(&cl);
-        let log = stream_in(&status, "OAM_DECISIONS_n1");
+        let log = named_in(&status, "streams", "OAM_DECISIONS_n1");
         *last.lock().unwrap() = log.clone();
         let short = log["healthy"] == false
             && (log["leader"].is_null()
@@ -1253,7 +1246,7 @@ async fn a_frozen_server_announces_no_live_agent_dead() {
 async fn a_server_whose_jetstream_went_off_is_restarted_by_mesh_up() {
     let (cl, disk) = small_disk_mesh("servers-js-off", "24m").await;
     let js_dir = disk.0.clone();
-    let nats3 = |status: &Value| process_in(status, "nats-3");
+    let nats3 = |status: &Value| named_in(status, "processes", "nats-3");
     // Fill nats-3's disk with a file of the test's, then write the log until its copy there
     // fails; then give the room back.
     let filler = js_dir.join("filler");
