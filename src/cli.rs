@@ -44,7 +44,8 @@ pub enum Command {
     /// The cluster's shared budgets: `oam budget list`, `oam budget set AGENT --limit 5`.
     Budget(cmd::budget::Args),
     /// The cluster's books: the ledger beside the decision log's charges, per budget and node
-    /// run; `--verify` exits 1 naming any request answered and not charged, or charged twice.
+    /// run; `--verify` exits 1 naming any request answered and not charged, or charged twice;
+    /// `--settle` charges what the runs of nodes that are gone answered and did not settle.
     Spend(cmd::spend::Args),
     /// What waits for a human: `oam escalation list`, `oam escalation resolve ID --note ...`.
     Escalation(cmd::escalation::Args),
