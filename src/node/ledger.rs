@@ -26,8 +26,11 @@
 //!
 //! When the ledger cannot be reached (no answer within `STORE_TIMEOUT`, or the node is cut
 //! off) the request's risk decides: high risk is refused (BUDGET_STORE_UNREACHABLE, escalated);
-//! lower risk may spend this node's local share, the limit divided by the cluster size
-//! (BUDGET_LOCAL_SHARE), settled in the ledger once it answers again.
+//! lower risk may spend this node's local share (BUDGET_LOCAL_SHARE), settled in the ledger once
+//! it answers again. A local share is what the node last saw left of the budget divided by the
+//! cluster's size, sized when the node first draws on it: if every node is cut off at once (a
+//! store electing its leader), together they spend at most what was left; a node cut off alone
+//! passes the limit by at most its share while the others spend the rest.
 //!
 //! An exhausted budget is escalated once per episode for the cluster: the node whose engine
 //! escalates first claims the episode in the budget's record (`Ledger::refused`), and raises
@@ -73,6 +76,47 @@ const SHARE_REQUESTS_MAX: f64 = 1_048_576.0;
 const SHARE_IDLE_MS: u64 = 1_000;
 /// Float slack for dollar amounts.
 const EPSILON_USD: f64 = 1e-9;
+
+/// What a node cut off from the ledger may spend of one budget, and has.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct LocalShare {
+    /// What the node saw left of the budget when it first drew on this share, over the
+    /// cluster's size.
+    size: f64,
+    used: f64,
+}
+
+/// Take `usd` from the local shares of every budget in `covering` (key, what the node sees left
+/// of it) if each covers it; a budget's share is sized at its first draw, and kept until the
+/// ledger has every settlement again.
+fn take_local(
+    shares: &mut BTreeMap<String, LocalShare>,
+    covering: &[(String, f64)],
+    cluster: usize,
+    usd: f64,
+) -> bool {
+    let size = |left: f64| round_usd(left.max(0.0) / cluster.max(1) as f64);
+    let fits = covering.iter().all(|(k, left)| {
+        let s = shares.get(k).map_or(
+            LocalShare {
+                size: size(*left),
+                used: 0.0,
+            },
+            |s| *s,
+        );
+        s.used + usd <= s.size + EPSILON_USD
+    });
+    if fits {
+        for (k, left) in covering {
+            let s = shares.entry(k.clone()).or_insert(LocalShare {
+                size: size(*left),
+                used: 0.0,
+            });
+            s.used = round_usd(s.used + usd);
+        }
+    }
+    fits
+}
 
 /// This node's share of one budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -353,8 +397,8 @@ pub(crate) struct Ledgers {
     bus: Arc<Bus>,
     chaos: Arc<Chaos>,
     tx: mpsc::UnboundedSender<LedgerOp>,
-    /// What this node spent (or holds) on local shares while the ledger was unreachable, by key.
-    share: std::sync::Mutex<BTreeMap<String, f64>>,
+    /// This node's local share of each key while the ledger is unreachable.
+    share: std::sync::Mutex<BTreeMap<String, LocalShare>>,
     /// The newest record (and its revision) of each key this node has seen.
     latest: std::sync::Mutex<BTreeMap<String, (Ledger, u64)>>,
     /// This node's share of each key.
@@ -455,14 +499,15 @@ impl Ledgers {
         usd: f64,
     ) -> Option<Step> {
         let risk = flight.session.request().risk;
-        // Every budget that covers the request: its key, and its limit now (for the local share).
+        // Every budget that covers the request: its key, and what this node saw left of it
+        // (for the local share).
         let now = now_ms();
         let covering: Vec<(String, f64)> = self.pipeline.with(|e| {
             let request = flight.session.request();
             e.state
                 .budgets
                 .covering(request)
-                .map(|(k, n, b)| (key(&Owner::new(k, n)), b.limit_at(now)))
+                .map(|(k, n, b)| (key(&Owner::new(k, n)), b.remaining_usd(now)))
                 .collect()
         });
         let keys: Vec<String> = covering.iter().map(|(k, _)| k.clone()).collect();
@@ -624,24 +669,13 @@ impl Ledgers {
         back
     }
 
-    /// Take `usd` from this node's local share of each budget in `covering` (key, limit), if
-    /// every one covers it.
+    /// Take `usd` from this node's local share of each budget in `covering` (key, what the
+    /// node saw left of it), if every one covers it.
     fn take_local_share(&self, covering: &[(String, f64)], usd: f64) -> bool {
         let cluster = self
             .pipeline
             .with(|e| e.state.cluster.effective_size(now_ms()).max(1));
-        let mut share = lock(&self.share);
-        let fits = covering.iter().all(|(k, limit)| {
-            let used = share.get(k).copied().unwrap_or(0.0);
-            used + usd <= limit / cluster as f64 + 1e-9
-        });
-        if fits {
-            for (k, _) in covering {
-                let used = share.entry(k.clone()).or_insert(0.0);
-                *used = round_usd(*used + usd);
-            }
-        }
-        fits
+        take_local(&mut lock(&self.share), covering, cluster, usd)
     }
 
     /// Settle a hold with what the attempt really cost (off the request's path). A hold drawn
@@ -658,8 +692,8 @@ impl Ledgers {
             // The share keeps what was spent, not what was estimated.
             let mut share = lock(&self.share);
             for k in &keys {
-                if let Some(used) = share.get_mut(k) {
-                    *used = round_usd((*used - hold.usd + actual_usd).max(0.0));
+                if let Some(s) = share.get_mut(k) {
+                    s.used = round_usd((s.used - hold.usd + actual_usd).max(0.0));
                 }
             }
         }
@@ -1452,6 +1486,44 @@ mod tests {
     /// An ask's key of `kind`.
     fn of_kind(kind: budget::Kind) -> impl Fn(&Ask) -> Option<String> {
         move |a| a.keys.iter().find(|k| kind_of(k) == kind).cloned()
+    }
+
+    #[test]
+    fn nodes_cut_off_together_spend_at_most_what_was_left() {
+        // Three nodes lose the ledger together with $0.003 left of an agent's $10 budget (the
+        // whole global one left): each may spend a third of what it saw left, not a third of
+        // the limit, so together they stay within it.
+        let covering = [("agent.a".to_string(), 0.003), ("global".to_string(), 90.0)];
+        let mut spent = 0.0_f64;
+        for _node in 0..3 {
+            let mut shares = BTreeMap::new();
+            while take_local(&mut shares, &covering, 3, 0.0002) {
+                spent += 0.0002;
+            }
+            assert_eq!(shares["agent.a"].size, 0.001);
+            assert_eq!(shares["global"].size, 30.0);
+        }
+        assert!(spent <= 0.003 + 1e-9, "{spent}");
+        assert!(
+            (spent - 0.0030).abs() < 0.0007,
+            "each spent its share: {spent}"
+        );
+        // A share is sized once: seeing more left later does not grow it, and a draw that
+        // one budget cannot cover takes from none.
+        let mut shares = BTreeMap::new();
+        assert!(take_local(&mut shares, &covering, 3, 0.0009));
+        let more = [("agent.a".to_string(), 5.0), ("global".to_string(), 90.0)];
+        assert!(!take_local(&mut shares, &more, 3, 0.0002));
+        assert_eq!(shares["global"].used, 0.0009, "{shares:?}");
+        assert!(take_local(&mut shares, &more, 3, 0.0001));
+        // Nothing left, nothing to spend.
+        let mut shares = BTreeMap::new();
+        assert!(!take_local(
+            &mut shares,
+            &[("agent.a".into(), 0.0)],
+            1,
+            1e-6
+        ));
     }
 
     #[test]
