@@ -6,6 +6,7 @@
 use super::Node;
 use super::api::a2a;
 use super::api::mcp::{self as door, Era, RpcAnswer, RpcRequest};
+use super::api::rpc;
 use super::catalog::Tool;
 use super::config::Allowlist;
 use super::http::{read_body, run, to_http, with_oam_headers};
@@ -13,14 +14,19 @@ use super::request::{Answer, Asks, authenticate};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
 use std::sync::Arc;
 
 fn rpc(a: RpcAnswer) -> Response {
     match a.body {
-        Some(body) => (a.status, axum::Json(body)).into_response(),
+        Some(body) => json_response(a.status, body),
         None => StatusCode::ACCEPTED.into_response(),
     }
+}
+
+/// A JSON body already written.
+fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
+    let json = [(axum::http::header::CONTENT_TYPE, "application/json")];
+    (status, json, body).into_response()
 }
 
 /// Who calls, by key: its tool list (none: every tool); or the 401 that refuses it.
@@ -51,13 +57,12 @@ async fn call_tool(
     call: &RpcRequest,
     tool: &Tool,
     list: &Option<Allowlist<'_>>,
-) -> Result<(Value, [String; 4]), Response> {
+) -> Result<(axum::body::Bytes, [String; 4]), Response> {
     let revision = list.as_ref().map(|a| a.revision.as_str());
     let body = door::call_body(call, tool, revision);
     let answer = run(node, body.into(), headers, Asks::Tool).await?;
-    let result = serde_json::from_slice(&answer.body).unwrap_or_default();
     Ok((
-        result,
+        answer.body,
         [
             answer.phase,
             answer.reasons,
@@ -91,7 +96,7 @@ pub(super) async fn mcp(
             rpc(door::list_result(&call, &tools, |n| allows(&list, n)))
         }
         "tools/call" => {
-            let name = call.params["name"].as_str().unwrap_or("");
+            let name = call.params.name();
             let tool = match allows(&list, name) {
                 true => node.catalog.find(&node, name).await,
                 false => None,
@@ -99,10 +104,10 @@ pub(super) async fn mcp(
             // Unknown (or not allowed), changed, or arguments that do not fit: refused here.
             let refused = door::refuse_call(&call, tool.as_ref());
             let Some(tool) = tool.filter(|_| refused.is_none()) else {
-                return rpc(refused.unwrap_or_else(|| door::result(&call, json!({}))));
+                return rpc(refused.unwrap_or_else(|| door::result(&call, door::Empty {})));
             };
             match call_tool(&node, headers, &call, &tool, &list).await {
-                Ok((result, said)) => with_oam_headers(rpc(door::result(&call, result)), said),
+                Ok((result, said)) => with_oam_headers(rpc(door::passed_on(&call, &result)), said),
                 Err(failed) => failed,
             }
         }
@@ -188,13 +193,13 @@ pub(super) async fn agent_card(
 
 /// `POST /a2a`: the node's own interface names no agent; it says where they are.
 pub(super) async fn a2a_unnamed(body: axum::body::Bytes) -> Response {
-    let id = serde_json::from_slice::<Value>(&body)
+    let id = rpc::read(&body)
         .ok()
-        .and_then(|v| v.get("id").cloned())
-        .unwrap_or(Value::Null);
+        .and_then(|m| m.id)
+        .unwrap_or_else(rpc::no_id);
     let why = "send to an agent's own interface, POST /a2a/{agent} (the skills of \
                /.well-known/agent-card.json name them)";
-    axum::Json(a2a::error(&id, -32602, why)).into_response()
+    json_response(StatusCode::OK, a2a::error(&id, rpc::INVALID_PARAMS, why))
 }
 
 /// `POST /a2a/{agent}`: `SendMessage`, as one call of the agent through the request path.
@@ -210,30 +215,43 @@ pub(super) async fn a2a_send(
     };
     let send = match a2a::read(&bytes, super::api::header(&headers, "a2a-version")) {
         Ok(send) => send,
-        Err(refused) => return axum::Json(refused).into_response(),
+        Err(refused) => return json_response(StatusCode::OK, refused),
     };
     let tools = offered(&node, &list).await;
     let Some(tool) = tools.into_iter().find(|t| t.name == agent) else {
         let why = format!("no agent {agent:?} is offered here");
-        return axum::Json(a2a::error(&send.id, -32602, &why)).into_response();
+        let answer = a2a::error(&send.id, rpc::INVALID_PARAMS, &why);
+        return json_response(StatusCode::OK, answer);
     };
     let call = RpcRequest {
         id: send.id.clone(),
         method: "tools/call".into(),
-        params: json!({"name": tool.public_name(), "arguments": send.payload}),
+        params: door::Params {
+            name: Some(tool.public_name()),
+            arguments: Some(send.payload.clone()),
+            protocol_version: None,
+        },
         era: Era::Legacy,
     };
     if let Some(refused) = door::refuse_call(&call, Some(&tool)) {
-        let result = refused
-            .body
-            .map(|b| b["result"].clone())
-            .unwrap_or_default();
-        return axum::Json(a2a::answer(&send, "refused", &result)).into_response();
+        /// The result of a refusal's answer.
+        #[derive(serde::Deserialize)]
+        struct Refusal<'a> {
+            #[serde(borrow)]
+            result: Option<&'a serde_json::value::RawValue>,
+        }
+        let body = refused.body.unwrap_or_default();
+        let result = serde_json::from_slice::<Refusal<'_>>(&body)
+            .ok()
+            .and_then(|r| r.result)
+            .map_or(&b"{}"[..], |r| r.get().as_bytes());
+        let answer = a2a::answer(&send, "refused", result);
+        return json_response(StatusCode::OK, answer);
     }
     match call_tool(&node, headers, &call, &tool, &list).await {
         Ok((result, said)) => {
             let task_id = said[3].clone();
-            let resp = axum::Json(a2a::answer(&send, &task_id, &result)).into_response();
+            let resp = json_response(StatusCode::OK, a2a::answer(&send, &task_id, &result));
             with_oam_headers(resp, said)
         }
         Err(failed) => failed,

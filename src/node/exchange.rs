@@ -623,20 +623,6 @@ pub(crate) fn read_chunk(data: &str) -> Result<Option<Delta<'_>>, ErrorEvent> {
     }))
 }
 
-/// The text parts of a tool's result (`content`), one per line: what it says, for a reader.
-pub(crate) fn text_of_content(result: &Value) -> String {
-    result["content"]
-        .as_array()
-        .map(|parts| {
-            parts
-                .iter()
-                .filter_map(|p| p["text"].as_str())
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .unwrap_or_default()
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

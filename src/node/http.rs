@@ -93,7 +93,12 @@ async fn at_connection_limit(
     let body = if uri.path() == "/v1/messages" {
         json!({"type": "error", "error": {"type": "overloaded_error", "message": message}})
     } else {
-        super::api::openai::error_body(&message, "server_error", None, code.as_str())
+        json!(super::api::openai::error_body(
+            &message,
+            "server_error",
+            None,
+            code.as_str()
+        ))
     };
     // `with_oam_headers` adds the Retry-After of an admission refusal.
     let resp = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();

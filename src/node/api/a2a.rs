@@ -8,15 +8,14 @@
 //! as an artifact, and a refusal or a failure (an agent that died holding the call among them)
 //! a failed task that says why. Pure: the HTTP handlers live in `node::http`.
 
+use super::rpc::{self, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 /// The protocol version served.
 pub(crate) const VERSION: &str = "1.0";
 
-const INVALID_PARAMS: i64 = -32602;
-const METHOD_NOT_FOUND: i64 = -32601;
-const PARSE_ERROR: i64 = -32700;
-const INVALID_REQUEST: i64 = -32600;
 const VERSION_NOT_SUPPORTED: i64 = -32009;
 
 /// One agent offered over A2A: its name and what the catalog says it does.
@@ -25,38 +24,101 @@ pub(crate) struct Offered<'a> {
     pub description: &'a str,
 }
 
-fn skill(a: &Offered<'_>) -> Value {
-    json!({"id": a.agent, "name": a.agent, "description": a.description, "tags": ["mesh"]})
+/// An agent card (`AgentCard`).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct Card<'a> {
+    name: &'a str,
+    description: &'a str,
+    version: &'static str,
+    supported_interfaces: [Interface; 1],
+    provider: Provider<'a>,
+    capabilities: Capabilities,
+    default_input_modes: [&'static str; 2],
+    default_output_modes: [&'static str; 2],
+    skills: Vec<Skill<'a>>,
 }
 
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Interface {
+    url: String,
+    protocol_binding: &'static str,
+    protocol_version: &'static str,
+}
+
+#[derive(Serialize)]
+struct Provider<'a> {
+    organization: &'static str,
+    url: &'a str,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Capabilities {
+    streaming: bool,
+    push_notifications: bool,
+}
+
+#[derive(Serialize)]
+struct Skill<'a> {
+    id: &'a str,
+    name: &'a str,
+    description: &'a str,
+    tags: [&'static str; 1],
+}
+
+fn skill<'a>(a: &Offered<'a>) -> Skill<'a> {
+    Skill {
+        id: a.agent,
+        name: a.agent,
+        description: a.description,
+        tags: ["mesh"],
+    }
+}
+
+const MODES: [&str; 2] = ["application/json", "text/plain"];
+
 /// A card named `name` whose interface is `url` and whose skills are `skills`.
-fn card(base: &str, name: &str, description: &str, url: String, skills: Vec<Value>) -> Value {
-    json!({
-        "name": name,
-        "description": description,
-        "version": env!("CARGO_PKG_VERSION"),
-        "supportedInterfaces": [{
-            "url": url,
-            "protocolBinding": "JSONRPC",
-            "protocolVersion": VERSION,
+fn card<'a>(
+    base: &'a str,
+    name: &'a str,
+    description: &'a str,
+    url: String,
+    skills: Vec<Skill<'a>>,
+) -> Card<'a> {
+    Card {
+        name,
+        description,
+        version: env!("CARGO_PKG_VERSION"),
+        supported_interfaces: [Interface {
+            url,
+            protocol_binding: "JSONRPC",
+            protocol_version: VERSION,
         }],
-        "provider": {"organization": "oam", "url": base},
-        "capabilities": {"streaming": false, "pushNotifications": false},
-        "defaultInputModes": ["application/json", "text/plain"],
-        "defaultOutputModes": ["application/json", "text/plain"],
-        "skills": skills,
-    })
+        provider: Provider {
+            organization: "oam",
+            url: base,
+        },
+        capabilities: Capabilities {
+            streaming: false,
+            push_notifications: false,
+        },
+        default_input_modes: MODES,
+        default_output_modes: MODES,
+        skills,
+    }
 }
 
 /// The card of `agent`, served by the node at `base` (`http://host:port`).
-pub(crate) fn agent_card(base: &str, a: &Offered<'_>) -> Value {
+pub(crate) fn agent_card<'a>(base: &'a str, a: &Offered<'a>) -> Card<'a> {
     let url = format!("{base}/a2a/{}", a.agent);
     card(base, a.agent, a.description, url, vec![skill(a)])
 }
 
 /// The node's own card: every offered agent as a skill, each reached at its own card's
 /// interface (`/a2a/{agent}`); the node's interface answers with where they are.
-pub(crate) fn node_card(base: &str, offered: &[Offered<'_>]) -> Value {
+pub(crate) fn node_card<'a>(base: &'a str, offered: &[Offered<'a>]) -> Card<'a> {
     let description = "The agents of this oam mesh, each at /a2a/{agent} (its card at \
                        /a2a/{agent}/.well-known/agent-card.json), every call judged by oam.";
     let skills = offered.iter().map(skill).collect();
@@ -64,33 +126,52 @@ pub(crate) fn node_card(base: &str, offered: &[Offered<'_>]) -> Value {
 }
 
 /// A JSON-RPC error answer to request `id`.
-pub(crate) fn error(id: &Value, code: i64, message: &str) -> Value {
-    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}})
+pub(crate) fn error(id: &RawValue, code: i64, message: &str) -> Vec<u8> {
+    rpc::error(id, code, message)
 }
 
 /// What a `SendMessage` asks: the request's id, the payload for the agent, and the message's
 /// context (kept on the task).
 pub(crate) struct Send {
-    pub id: Value,
+    pub id: rpc::Id,
     pub payload: Value,
     pub context_id: Option<String>,
 }
 
+/// `SendMessage`'s params, as far as oam reads them.
+#[derive(Deserialize, Default)]
+struct SendParams<'a> {
+    #[serde(default, borrow)]
+    message: Option<MessageIn<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct MessageIn<'a> {
+    #[serde(default, borrow)]
+    parts: Vec<PartIn<'a>>,
+    #[serde(default)]
+    context_id: Option<String>,
+}
+
+/// A part: its text, or its data (an object is passed to the agent as it came).
+#[derive(Deserialize)]
+struct PartIn<'a> {
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default, borrow)]
+    data: Option<&'a RawValue>,
+}
+
 /// Read a JSON-RPC request to `/a2a/{agent}`: a `SendMessage`, or the error answer.
-pub(crate) fn read(body: &[u8], version: Option<&str>) -> Result<Send, Value> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        error(
-            &Value::Null,
-            PARSE_ERROR,
-            &format!("the body is not JSON: {e}"),
-        )
-    })?;
-    let id = v.get("id").cloned().unwrap_or(Value::Null);
+pub(crate) fn read(body: &[u8], version: Option<&str>) -> Result<Send, Vec<u8>> {
+    let m = rpc::read(body).map_err(|(code, why)| error(&rpc::no_id(), code, &why))?;
+    let id = m.id.unwrap_or_else(rpc::no_id);
     if let Some(asked) = version.filter(|v| *v != VERSION) {
         let why = format!("A2A version {asked} is not served; this agent speaks {VERSION}");
         return Err(error(&id, VERSION_NOT_SUPPORTED, &why));
     }
-    let Some(method) = v.get("method").and_then(Value::as_str) else {
+    let Some(method) = m.method else {
         return Err(error(
             &id,
             INVALID_REQUEST,
@@ -101,21 +182,28 @@ pub(crate) fn read(body: &[u8], version: Option<&str>) -> Result<Send, Value> {
         let why = format!("method {method:?} is not served here (SendMessage)");
         return Err(error(&id, METHOD_NOT_FOUND, &why));
     }
-    let message = &v["params"]["message"];
-    let Some(parts) = message["parts"].as_array().filter(|p| !p.is_empty()) else {
+    let params: SendParams<'_> =
+        rpc::params(m.params.as_deref()).map_err(|why| error(&id, INVALID_PARAMS, &why))?;
+    let Some(message) = params.message.filter(|m| !m.parts.is_empty()) else {
         return Err(error(
             &id,
             INVALID_PARAMS,
             "params.message.parts must be a non-empty list",
         ));
     };
-    let data = parts
+    let data = message
+        .parts
         .iter()
-        .find_map(|p| p.get("data").filter(|d| d.is_object()));
-    let payload = match data {
-        Some(d) => d.clone(),
-        None => {
-            let text: Vec<&str> = parts.iter().filter_map(|p| p["text"].as_str()).collect();
+        .filter_map(|p| p.data)
+        .find(|d| d.get().starts_with('{'));
+    let payload = match data.map(|d| serde_json::from_str(d.get())) {
+        Some(Ok(d)) => d,
+        _ => {
+            let text: Vec<&str> = message
+                .parts
+                .iter()
+                .filter_map(|p| p.text.as_deref())
+                .collect();
             if text.is_empty() {
                 let why = "the message holds neither a data part with an object nor text";
                 return Err(error(&id, INVALID_PARAMS, why));
@@ -126,52 +214,151 @@ pub(crate) fn read(body: &[u8], version: Option<&str>) -> Result<Send, Value> {
     Ok(Send {
         id,
         payload,
-        context_id: message["contextId"].as_str().map(String::from),
+        context_id: message.context_id,
     })
 }
 
-/// The `SendMessage` result of a decided call: `result` is its `tools/call` result (the
-/// agent's answer, or `isError` with why), `task_id` the request's id.
-pub(crate) fn answer(send: &Send, task_id: &str, result: &Value) -> Value {
-    let context = send
-        .context_id
-        .clone()
-        .unwrap_or_else(|| task_id.to_string());
-    let text = crate::node::exchange::text_of_content(result);
-    let oam = result["_meta"]["oam"].clone();
-    let task = if result["isError"] == true {
-        json!({
-            "id": task_id,
-            "contextId": context,
-            "status": {
-                "state": "TASK_STATE_FAILED",
-                "message": {
-                    "messageId": format!("{task_id}-status"),
-                    "role": "ROLE_AGENT",
-                    "parts": [{"text": text}],
-                },
-            },
-            "metadata": {"oam": oam},
-        })
-    } else {
-        let part = match result.get("structuredContent").filter(|s| s.is_object()) {
-            Some(s) => json!({"data": s}),
-            None => json!({"text": text}),
-        };
-        json!({
-            "id": task_id,
-            "contextId": context,
-            "status": {"state": "TASK_STATE_COMPLETED"},
-            "artifacts": [{"artifactId": format!("{task_id}-answer"), "name": "answer", "parts": [part]}],
-            "metadata": {"oam": oam},
-        })
+/// A `tools/call` result, as far as A2A reads it.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct ToolResult<'a> {
+    #[serde(default, borrow)]
+    content: Vec<ContentIn<'a>>,
+    #[serde(default)]
+    is_error: bool,
+    #[serde(default, borrow)]
+    structured_content: Option<&'a RawValue>,
+    #[serde(default, rename = "_meta", borrow)]
+    meta: Option<MetaIn<'a>>,
+}
+
+#[derive(Deserialize)]
+struct ContentIn<'a> {
+    #[serde(default, borrow)]
+    text: Option<std::borrow::Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct MetaIn<'a> {
+    #[serde(default, borrow)]
+    oam: Option<&'a RawValue>,
+}
+
+/// The task a `SendMessage` answer carries.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Task<'a> {
+    id: &'a str,
+    context_id: &'a str,
+    status: Status<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    artifacts: Option<[Artifact<'a>; 1]>,
+    metadata: Metadata<'a>,
+}
+
+#[derive(Serialize)]
+struct Status<'a> {
+    state: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<StatusMessage<'a>>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct StatusMessage<'a> {
+    message_id: String,
+    role: &'static str,
+    parts: [Part<'a>; 1],
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Artifact<'a> {
+    artifact_id: String,
+    name: &'static str,
+    parts: [Part<'a>; 1],
+}
+
+/// A part written: text, or an object as data.
+#[derive(Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Part<'a> {
+    Text(&'a str),
+    Data(&'a RawValue),
+}
+
+#[derive(Serialize)]
+struct Metadata<'a> {
+    oam: Option<&'a RawValue>,
+}
+
+#[derive(Serialize)]
+struct Sent<'a> {
+    task: Task<'a>,
+}
+
+/// The `SendMessage` answer of a decided call: `result` is its `tools/call` result (the
+/// agent's answer, or `isError` with why; JSON bytes), `task_id` the request's id.
+pub(crate) fn answer(send: &Send, task_id: &str, result: &[u8]) -> Vec<u8> {
+    let result: ToolResult<'_> = serde_json::from_slice(result).unwrap_or_default();
+    let context = send.context_id.as_deref().unwrap_or(task_id);
+    let text: Vec<&str> = result
+        .content
+        .iter()
+        .filter_map(|c| c.text.as_deref())
+        .collect();
+    let text = text.join("\n");
+    let metadata = Metadata {
+        oam: result.meta.and_then(|m| m.oam),
     };
-    json!({"jsonrpc": "2.0", "id": send.id, "result": {"task": task}})
+    let task = if result.is_error {
+        Task {
+            id: task_id,
+            context_id: context,
+            status: Status {
+                state: "TASK_STATE_FAILED",
+                message: Some(StatusMessage {
+                    message_id: format!("{task_id}-status"),
+                    role: "ROLE_AGENT",
+                    parts: [Part::Text(&text)],
+                }),
+            },
+            artifacts: None,
+            metadata,
+        }
+    } else {
+        let part = match result
+            .structured_content
+            .filter(|s| s.get().starts_with('{'))
+        {
+            Some(s) => Part::Data(s),
+            None => Part::Text(&text),
+        };
+        Task {
+            id: task_id,
+            context_id: context,
+            status: Status {
+                state: "TASK_STATE_COMPLETED",
+                message: None,
+            },
+            artifacts: Some([Artifact {
+                artifact_id: format!("{task_id}-answer"),
+                name: "answer",
+                parts: [part],
+            }]),
+            metadata,
+        }
+    };
+    rpc::success(&send.id, Sent { task })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn code(e: Vec<u8>) -> Value {
+        serde_json::from_slice::<Value>(&e).unwrap()["error"]["code"].clone()
+    }
 
     #[test]
     fn a_message_s_data_part_is_the_payload_else_its_text() {
@@ -190,29 +377,39 @@ mod tests {
         let Err(e) = read(body(json!([])).as_bytes(), None) else {
             panic!()
         };
-        assert_eq!(e["error"]["code"], INVALID_PARAMS);
+        assert_eq!(code(e), INVALID_PARAMS);
         let Err(e) = read(body(json!([{"text": "a"}])).as_bytes(), Some("0.3")) else {
             panic!()
         };
-        assert_eq!(e["error"]["code"], VERSION_NOT_SUPPORTED);
+        assert_eq!(code(e), VERSION_NOT_SUPPORTED);
         let old = json!({"jsonrpc": "2.0", "id": 1, "method": "message/send"}).to_string();
         let Err(e) = read(old.as_bytes(), None) else {
             panic!()
         };
-        assert_eq!(e["error"]["code"], METHOD_NOT_FOUND);
+        assert_eq!(code(e), METHOD_NOT_FOUND);
+        let Err(e) = read(
+            b"{\"id\": 1, \"method\": \"SendMessage\", \"params\": 2}",
+            None,
+        ) else {
+            panic!()
+        };
+        assert_eq!(code(e), INVALID_PARAMS);
     }
 
     #[test]
     fn an_answer_is_a_completed_task_and_an_error_a_failed_one() {
         let send = Send {
-            id: json!("7"),
+            id: RawValue::from_string("\"7\"".into()).unwrap(),
             payload: json!({}),
             context_id: None,
         };
+        let answer = |task: &str, result: Value| -> Value {
+            let bytes = answer(&send, task, &serde_json::to_vec(&result).unwrap());
+            serde_json::from_slice(&bytes).unwrap()
+        };
         let ok = answer(
-            &send,
             "r1",
-            &json!({"content": [{"type": "text", "text": "{}"}], "structuredContent": {"a": 1}}),
+            json!({"content": [{"type": "text", "text": "{}"}], "structuredContent": {"a": 1}}),
         );
         assert_eq!(
             ok["result"]["task"]["status"]["state"],
@@ -223,13 +420,18 @@ mod tests {
             json!({"a": 1})
         );
         let failed = answer(
-            &send,
             "r2",
-            &json!({"content": [{"type": "text", "text": "agent_died"}], "isError": true}),
+            json!({"content": [{"type": "text", "text": "agent_died"}], "isError": true,
+                   "_meta": {"oam": {"outcome": "rejected"}}}),
         );
         let status = &failed["result"]["task"]["status"];
         assert_eq!(status["state"], "TASK_STATE_FAILED");
         assert_eq!(status["message"]["parts"][0]["text"], "agent_died");
         assert_eq!(failed["id"], "7");
+        assert_eq!(
+            failed["result"]["task"]["metadata"]["oam"]["outcome"],
+            "rejected"
+        );
+        assert_eq!(failed["result"]["task"]["contextId"], "r2");
     }
 }

@@ -8,6 +8,7 @@
 
 use super::{BadRequest, Decoded, Members, bad, body_members, is_null, member, passed_on, read};
 use crate::core::request::Request;
+use crate::node::api::openai::OamObject;
 use crate::node::config::NodeConfig;
 use crate::node::exchange::{Completion, Delta, Passthrough, read_completion};
 use crate::node::model::{Content, Part, Sampling, Speaker, Stop, ToolCall, ToolChoice, Turn};
@@ -661,8 +662,109 @@ fn stop_reason_of(finish: Option<&str>) -> &'static str {
     }
 }
 
-fn event(out: &mut String, name: &str, data: &Value) {
-    out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+/// An event of Anthropic's stream, as a live relay writes it.
+#[derive(serde::Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Event<'a> {
+    MessageStart {
+        message: Started<'a>,
+    },
+    Ping,
+    ContentBlockStart {
+        index: usize,
+        content_block: Block<'a>,
+    },
+    ContentBlockDelta {
+        index: usize,
+        delta: BlockDelta<'a>,
+    },
+    ContentBlockStop {
+        index: usize,
+    },
+    MessageDelta {
+        delta: StopDelta,
+        usage: MessagesUsage,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        oam: Option<OamObject<'a>>,
+    },
+    MessageStop,
+    Error {
+        error: ApiError<'a>,
+        oam: OamObject<'a>,
+    },
+}
+
+impl Event<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Event::MessageStart { .. } => "message_start",
+            Event::Ping => "ping",
+            Event::ContentBlockStart { .. } => "content_block_start",
+            Event::ContentBlockDelta { .. } => "content_block_delta",
+            Event::ContentBlockStop { .. } => "content_block_stop",
+            Event::MessageDelta { .. } => "message_delta",
+            Event::MessageStop => "message_stop",
+            Event::Error { .. } => "error",
+        }
+    }
+
+    /// Written as one server-sent event onto `out`.
+    fn write(&self, out: &mut String) {
+        let data = serde_json::to_string(self).unwrap_or_default();
+        out.push_str(&format!("event: {}\ndata: {data}\n\n", self.name()));
+    }
+}
+
+/// The message a stream starts, empty.
+#[derive(serde::Serialize)]
+struct Started<'a> {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    role: &'static str,
+    model: Option<&'a RawValue>,
+    content: [(); 0],
+    stop_reason: Option<&'static str>,
+    stop_sequence: Option<&'static str>,
+    usage: MessagesUsage,
+}
+
+/// A content block as it starts.
+#[derive(serde::Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block<'a> {
+    Text {
+        text: &'static str,
+    },
+    ToolUse {
+        id: Option<&'a RawValue>,
+        name: Option<&'a str>,
+        input: Empty,
+    },
+}
+
+/// `{}`.
+#[derive(serde::Serialize)]
+struct Empty {}
+
+#[derive(serde::Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum BlockDelta<'a> {
+    TextDelta { text: &'a str },
+    InputJsonDelta { partial_json: &'a str },
+}
+
+#[derive(serde::Serialize)]
+struct StopDelta {
+    stop_reason: &'static str,
+    stop_sequence: Option<&'static str>,
+}
+
+#[derive(serde::Serialize)]
+struct ApiError<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    message: &'a str,
 }
 
 /// A chat stream relayed live as Anthropic's events: what has been written so far (the
@@ -685,35 +787,33 @@ impl Live {
         let mut out = String::new();
         if !self.started {
             self.started = true;
-            let message = json!({
-                "id": message_id(delta.head.id().as_deref()),
-                "type": "message", "role": "assistant", "model": delta.head.model, "content": [],
-                "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": 0, "output_tokens": 0},
-            });
-            event(
-                &mut out,
-                "message_start",
-                &json!({"type": "message_start", "message": message}),
-            );
-            event(&mut out, "ping", &json!({"type": "ping"}));
+            let message = Started {
+                id: message_id(delta.head.id().as_deref()),
+                kind: "message",
+                role: "assistant",
+                model: delta.head.model,
+                content: [],
+                stop_reason: None,
+                stop_sequence: None,
+                usage: MessagesUsage::from(crate::core::request::Usage::default()),
+            };
+            Event::MessageStart { message }.write(&mut out);
+            Event::Ping.write(&mut out);
         }
         if let Some(text) = delta.text.as_deref().filter(|t| !t.is_empty()) {
-            let index = self.open_block(&mut out, None, || json!({"type": "text", "text": ""}));
-            let d = json!({"type": "content_block_delta", "index": index,
-                "delta": {"type": "text_delta", "text": text}});
-            event(&mut out, "content_block_delta", &d);
+            let index = self.open_block(&mut out, None, || Block::Text { text: "" });
+            let delta = BlockDelta::TextDelta { text };
+            Event::ContentBlockDelta { index, delta }.write(&mut out);
         }
         for t in &delta.tool_calls {
-            let index = self.open_block(
-                &mut out,
-                Some(t.index),
-                || json!({"type": "tool_use", "id": t.id, "name": t.name, "input": {}}),
-            );
+            let index = self.open_block(&mut out, Some(t.index), || Block::ToolUse {
+                id: t.id,
+                name: t.name.as_deref(),
+                input: Empty {},
+            });
             if let Some(args) = t.arguments.as_deref().filter(|a| !a.is_empty()) {
-                let d = json!({"type": "content_block_delta", "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": args}});
-                event(&mut out, "content_block_delta", &d);
+                let delta = BlockDelta::InputJsonDelta { partial_json: args };
+                Event::ContentBlockDelta { index, delta }.write(&mut out);
             }
         }
         if let Some(f) = &delta.finish {
@@ -726,11 +826,11 @@ impl Live {
     }
 
     /// The index of the block `kind` names, opened now (closing the one before) unless open.
-    fn open_block(
+    fn open_block<'b>(
         &mut self,
         out: &mut String,
         kind: Option<u64>,
-        start: impl FnOnce() -> Value,
+        start: impl FnOnce() -> Block<'b>,
     ) -> usize {
         if let Some((open, index)) = self.open
             && open == kind
@@ -741,18 +841,18 @@ impl Live {
         let index = self.blocks;
         self.blocks += 1;
         self.open = Some((kind, index));
-        let d = json!({"type": "content_block_start", "index": index, "content_block": start()});
-        event(out, "content_block_start", &d);
+        let content_block = start();
+        Event::ContentBlockStart {
+            index,
+            content_block,
+        }
+        .write(out);
         index
     }
 
     fn close_block(&mut self, out: &mut String) {
         if let Some((_, index)) = self.open.take() {
-            event(
-                out,
-                "content_block_stop",
-                &json!({"type": "content_block_stop", "index": index}),
-            );
+            Event::ContentBlockStop { index }.write(out);
         }
     }
 
@@ -761,7 +861,7 @@ impl Live {
     /// accepted answer; else Anthropic's in-band `error` event, and no `message_stop`.
     pub(crate) fn end(&mut self, d: &crate::core::pipeline::Decision) -> String {
         let mut out = String::new();
-        let oam = super::openai::oam_object(d);
+        let oam = OamObject::of(d);
         if d.outcome == crate::core::pipeline::DecisionOutcome::Accepted {
             out = self.finish(Some(oam));
         } else {
@@ -771,27 +871,27 @@ impl Live {
                 d.phase,
                 reasons.join(", ")
             );
-            let e = json!({"type": "error", "error": {"type": "api_error", "message": message}, "oam": oam});
-            event(&mut out, "error", &e);
+            let error = ApiError {
+                kind: "api_error",
+                message: &message,
+            };
+            Event::Error { error, oam }.write(&mut out);
         }
         out
     }
-}
 
-impl Live {
     /// The events that end a complete stream: the open block closed, `message_delta` (stop
     /// reason, usage, the `oam` object if given) and `message_stop`.
-    pub(crate) fn finish(&mut self, oam: Option<Value>) -> String {
+    fn finish(&mut self, oam: Option<OamObject<'_>>) -> String {
         let mut out = String::new();
         self.close_block(&mut out);
-        let mut delta = json!({"type": "message_delta",
-            "delta": {"stop_reason": self.stop_reason.unwrap_or("end_turn"), "stop_sequence": null},
-            "usage": MessagesUsage::from(self.usage)});
-        if let Some(oam) = oam {
-            delta["oam"] = oam;
-        }
-        event(&mut out, "message_delta", &delta);
-        event(&mut out, "message_stop", &json!({"type": "message_stop"}));
+        let delta = StopDelta {
+            stop_reason: self.stop_reason.unwrap_or("end_turn"),
+            stop_sequence: None,
+        };
+        let usage = MessagesUsage::from(self.usage);
+        Event::MessageDelta { delta, usage, oam }.write(&mut out);
+        Event::MessageStop.write(&mut out);
         out
     }
 }

@@ -10,30 +10,29 @@
 //! down) is a result with `isError` that says why, so the agent's model reads it; the decision
 //! is in the result's `_meta` under `oam`.
 
+use super::rpc::{self, Failure, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR};
 use crate::core::decision::{Decision, DecisionOutcome};
-use crate::core::reason::ReasonCode;
+use crate::core::reason::{Phase, ReasonCode};
 use crate::core::request::{ANONYMOUS, Api, Message, Policy, Request};
 use crate::node::api::{BadRequest, bad, header};
 use crate::node::catalog::Tool;
 use crate::node::exchange::{Attempt, Passthrough, Reply};
 use axum::http::{HeaderMap, StatusCode};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 /// The revisions served, newest first.
 pub(crate) const MODERN: &str = "2026-07-28";
 const LEGACY: [&str; 3] = ["2025-11-25", "2025-06-18", "2025-03-26"];
 
-const PARSE_ERROR: i64 = -32700;
-const INVALID_REQUEST: i64 = -32600;
-const METHOD_NOT_FOUND: i64 = -32601;
-const INVALID_PARAMS: i64 = -32602;
 const HEADER_MISMATCH: i64 = -32020;
 const UNSUPPORTED_VERSION: i64 = -32022;
 
 /// A JSON-RPC exchange's answer: its HTTP status and body (none: 202 for a notification).
 pub(crate) struct RpcAnswer {
     pub status: StatusCode,
-    pub body: Option<Value>,
+    pub body: Option<Vec<u8>>,
 }
 
 /// How the request is spoken.
@@ -43,15 +42,54 @@ pub(crate) enum Era {
     Legacy,
 }
 
-/// One JSON-RPC request read from the body, or the error answer that refuses it.
+/// One JSON-RPC request read from the body.
 pub(crate) struct RpcRequest {
-    pub id: Value,
+    pub id: rpc::Id,
     pub method: String,
-    pub params: Value,
+    pub params: Params,
     pub era: Era,
 }
 
-fn error(era: Era, id: &Value, code: i64, message: &str, data: Option<Value>) -> RpcAnswer {
+/// What oam reads of a request's params (each method names some of them).
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct Params {
+    /// `tools/call`: the tool's public name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `tools/call`: its arguments, passed on as given.
+    #[serde(default)]
+    pub arguments: Option<Value>,
+    /// `initialize`: the revision the client speaks.
+    #[serde(default)]
+    pub protocol_version: Option<String>,
+}
+
+impl Params {
+    /// The tool a `tools/call` names ("" when none).
+    pub(crate) fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or("")
+    }
+}
+
+/// Why a revision was refused: what is served.
+#[derive(Serialize)]
+struct Unsupported<'a> {
+    supported: Vec<&'a str>,
+    requested: &'a str,
+}
+
+fn error(era: Era, id: &RawValue, code: i64, message: &str) -> RpcAnswer {
+    failure(era, id, code, message, None::<()>)
+}
+
+fn failure<D: Serialize>(
+    era: Era,
+    id: &RawValue,
+    code: i64,
+    message: &str,
+    data: Option<D>,
+) -> RpcAnswer {
     let status = match (era, code) {
         (Era::Modern, METHOD_NOT_FOUND) => StatusCode::NOT_FOUND,
         (
@@ -61,24 +99,38 @@ fn error(era: Era, id: &Value, code: i64, message: &str, data: Option<Value>) ->
         (_, PARSE_ERROR) => StatusCode::BAD_REQUEST,
         _ => StatusCode::OK,
     };
-    let mut e = json!({"code": code, "message": message});
-    if let Some(d) = data {
-        e["data"] = d;
-    }
+    let error = Failure {
+        code,
+        message,
+        data,
+    };
     RpcAnswer {
         status,
-        body: Some(json!({"jsonrpc": "2.0", "id": id, "error": e})),
+        body: Some(rpc::failure(id, error)),
     }
 }
 
 /// A result, with `resultType` in 2026-07-28.
-pub(crate) fn result(call: &RpcRequest, mut r: Value) -> RpcAnswer {
-    if call.era == Era::Modern {
-        r["resultType"] = "complete".into();
-    }
+pub(crate) fn result(call: &RpcRequest, r: impl Serialize) -> RpcAnswer {
+    passed_on(call, &serde_json::to_vec(&r).unwrap_or_default())
+}
+
+/// A result that came as JSON bytes (a tool's own), with `resultType` in 2026-07-28.
+pub(crate) fn passed_on(call: &RpcRequest, r: &[u8]) -> RpcAnswer {
+    let r = match call.era {
+        Era::Modern => crate::node::exchange::set_member(r, "resultType", b"\"complete\""),
+        Era::Legacy => r.to_vec(),
+    };
+    let body = match serde_json::from_slice::<&RawValue>(&r) {
+        Ok(r) => rpc::success(&call.id, r),
+        Err(e) => {
+            let why = format!("the tool's result is not JSON: {e}");
+            return error(call.era, &call.id, rpc::INTERNAL_ERROR, &why);
+        }
+    };
     RpcAnswer {
         status: StatusCode::OK,
-        body: Some(json!({"jsonrpc": "2.0", "id": call.id, "result": r})),
+        body: Some(body),
     }
 }
 
@@ -86,115 +138,164 @@ pub(crate) fn result(call: &RpcRequest, mut r: Value) -> RpcAnswer {
 /// response (`Ok(None)`: 202), or the error answer.
 pub(crate) fn read(body: &[u8], h: &HeaderMap) -> Result<Option<RpcRequest>, RpcAnswer> {
     let version = header(h, "mcp-protocol-version");
+    let no_id = rpc::no_id();
     let era = match version {
         Some(MODERN) => Era::Modern,
         None => Era::Legacy,
         Some(v) if LEGACY.contains(&v) => Era::Legacy,
         Some(v) => {
             let supported: Vec<&str> = std::iter::once(MODERN).chain(LEGACY).collect();
-            let data = json!({"supported": supported, "requested": v});
             let message = format!(
                 "protocol revision {v} is not served; this gateway speaks {}",
                 supported.join(", ")
             );
-            return Err(error(
+            let data = Unsupported {
+                supported,
+                requested: v,
+            };
+            return Err(failure(
                 Era::Modern,
-                &Value::Null,
+                &no_id,
                 UNSUPPORTED_VERSION,
                 &message,
                 Some(data),
             ));
         }
     };
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        error(
-            era,
-            &Value::Null,
-            PARSE_ERROR,
-            &format!("the body is not JSON: {e}"),
-            None,
-        )
-    })?;
-    let Some(m) = v.as_object() else {
-        let why = "the body must be one JSON-RPC message (an object; batches are not served)";
-        return Err(error(era, &Value::Null, INVALID_REQUEST, why, None));
-    };
-    let Some(method) = m.get("method").and_then(Value::as_str) else {
-        // A response to nothing this door asked: acknowledged and dropped.
+    let m = rpc::read(body).map_err(|(code, why)| error(era, &no_id, code, &why))?;
+    // No method: a response to nothing this door asked; no id: a notification. Both are
+    // acknowledged and dropped.
+    let (Some(method), Some(id)) = (m.method, m.id.filter(|id| rpc::is_request_id(id))) else {
         return Ok(None);
     };
-    let Some(id) = m.get("id").filter(|id| id.is_string() || id.is_number()) else {
-        return Ok(None);
-    };
-    let params = m.get("params").cloned().unwrap_or_else(|| json!({}));
-    if !params.is_object() {
-        return Err(error(
-            era,
-            id,
-            INVALID_PARAMS,
-            "params must be an object",
-            None,
-        ));
-    }
+    let params: Params =
+        rpc::params(m.params.as_deref()).map_err(|why| error(era, &id, INVALID_PARAMS, &why))?;
     if era == Era::Modern {
-        if header(h, "mcp-method") != Some(method) {
+        if header(h, "mcp-method") != Some(method.as_str()) {
             let why = "the Mcp-Method header does not match the request's method";
-            return Err(error(era, id, HEADER_MISMATCH, why, None));
+            return Err(error(era, &id, HEADER_MISMATCH, why));
         }
-        if method == "tools/call" && header(h, "mcp-name") != params["name"].as_str() {
+        if method == "tools/call" && header(h, "mcp-name") != params.name.as_deref() {
             let why = "the Mcp-Name header does not match the tool the request calls";
-            return Err(error(era, id, HEADER_MISMATCH, why, None));
+            return Err(error(era, &id, HEADER_MISMATCH, why));
         }
     }
     Ok(Some(RpcRequest {
-        id: id.clone(),
-        method: method.to_string(),
+        id,
+        method,
         params,
         era,
     }))
 }
 
 /// What this door says of itself (`initialize`, `server/discover`).
-fn server_info() -> Value {
-    json!({"name": "oam", "version": env!("CARGO_PKG_VERSION")})
+#[derive(Serialize, Clone, Copy)]
+struct ServerInfo {
+    name: &'static str,
+    version: &'static str,
 }
+
+const SERVER_INFO: ServerInfo = ServerInfo {
+    name: "oam",
+    version: env!("CARGO_PKG_VERSION"),
+};
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Capabilities {
+    tools: ToolsCapability,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ToolsCapability {
+    list_changed: bool,
+}
+
+const CAPABILITIES: Capabilities = Capabilities {
+    tools: ToolsCapability {
+        list_changed: false,
+    },
+};
+
+/// The `initialize` result (2025-11-25 and before).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Initialized {
+    protocol_version: &'static str,
+    capabilities: Capabilities,
+    server_info: ServerInfo,
+    instructions: &'static str,
+}
+
+/// The `server/discover` result (2026-07-28).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Discovered {
+    supported_versions: [&'static str; 1],
+    capabilities: Capabilities,
+    ttl_ms: u64,
+    cache_scope: &'static str,
+    #[serde(rename = "_meta")]
+    meta: DiscoveredMeta,
+}
+
+#[derive(Serialize)]
+struct DiscoveredMeta {
+    #[serde(rename = "io.modelcontextprotocol/serverInfo")]
+    server_info: ServerInfo,
+}
+
+/// An empty result (`ping`'s).
+#[derive(Serialize)]
+pub(crate) struct Empty {}
 
 /// Answers to everything but `tools/list` and `tools/call`.
 pub(crate) fn answer_plain(call: &RpcRequest) -> RpcAnswer {
-    let capabilities = json!({"tools": {"listChanged": false}});
     match (call.method.as_str(), call.era) {
         ("initialize", Era::Legacy) => {
-            let asked = call.params["protocolVersion"].as_str().unwrap_or("");
+            let asked = call.params.protocol_version.as_deref().unwrap_or("");
             let agreed = LEGACY.iter().find(|v| **v == asked).unwrap_or(&LEGACY[0]);
-            result(
-                call,
-                json!({
-                    "protocolVersion": agreed,
-                    "capabilities": capabilities,
-                    "serverInfo": server_info(),
-                    "instructions": "Tools of this team's tool servers, each call judged by oam.",
-                }),
-            )
+            let r = Initialized {
+                protocol_version: agreed,
+                capabilities: CAPABILITIES,
+                server_info: SERVER_INFO,
+                instructions: "Tools of this team's tool servers, each call judged by oam.",
+            };
+            result(call, r)
         }
-        ("server/discover", _) => result(
-            call,
-            json!({
-                "supportedVersions": [MODERN],
-                "capabilities": capabilities,
-                "ttlMs": 0,
-                "cacheScope": "private",
-                "_meta": {"io.modelcontextprotocol/serverInfo": server_info()},
-            }),
-        ),
-        ("ping", _) => result(call, json!({})),
+        ("server/discover", _) => {
+            let r = Discovered {
+                supported_versions: [MODERN],
+                capabilities: CAPABILITIES,
+                ttl_ms: 0,
+                cache_scope: "private",
+                meta: DiscoveredMeta {
+                    server_info: SERVER_INFO,
+                },
+            };
+            result(call, r)
+        }
+        ("ping", _) => result(call, Empty {}),
         (m, era) => error(
             era,
             &call.id,
             METHOD_NOT_FOUND,
             &format!("method {m:?} is not served here (tools/list, tools/call, ping)"),
-            None,
         ),
     }
+}
+
+/// The `tools/list` result.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Listed {
+    /// Each tool's definition as its server gave it, renamed.
+    tools: Vec<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ttl_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_scope: Option<&'static str>,
 }
 
 /// The `tools/list` result: every tool served (those `allowed`), under its public name.
@@ -203,7 +304,7 @@ pub(crate) fn list_result(
     tools: &[Tool],
     allowed: impl Fn(&str) -> bool,
 ) -> RpcAnswer {
-    let listed: Vec<Value> = tools
+    let tools = tools
         .iter()
         .filter(|t| !t.changed && allowed(&t.public_name()))
         .map(|t| {
@@ -217,21 +318,31 @@ pub(crate) fn list_result(
             d
         })
         .collect();
-    let mut r = json!({"tools": listed});
-    if call.era == Era::Modern {
-        r["ttlMs"] = 0.into();
-        r["cacheScope"] = "private".into();
-    }
+    let modern = call.era == Era::Modern;
+    let r = Listed {
+        tools,
+        ttl_ms: modern.then_some(0),
+        cache_scope: modern.then_some("private"),
+    };
     result(call, r)
 }
 
 /// A tool call refused before the pipeline (unknown tool: a JSON-RPC error; arguments that do
 /// not fit, a changed definition: a result with `isError`, which the model reads).
 pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcAnswer> {
-    let name = call.params["name"].as_str().unwrap_or("");
+    let name = call.params.name();
     let Some(tool) = tool else {
         let why = format!("no tool {name:?} is served here (see tools/list)");
-        return Some(error(call.era, &call.id, INVALID_PARAMS, &why, None));
+        return Some(error(call.era, &call.id, INVALID_PARAMS, &why));
+    };
+    let refused = |code: ReasonCode, why: String| {
+        let oam = Refused {
+            outcome: "rejected",
+            phase: code.phase(),
+            reason_codes: [code],
+            attempts: 0,
+        };
+        Some(result(call, ToolError::new(&why, Some(oam))))
     };
     if tool.changed {
         let why = format!(
@@ -239,17 +350,9 @@ pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcA
              until the gateway pins the new one",
             ReasonCode::ToolDefinitionChanged.as_str()
         );
-        return Some(tool_error(
-            call,
-            &why,
-            refused(ReasonCode::ToolDefinitionChanged),
-        ));
+        return refused(ReasonCode::ToolDefinitionChanged, why);
     }
-    let args = call
-        .params
-        .get("arguments")
-        .cloned()
-        .unwrap_or_else(|| json!({}));
+    let args = call.params.arguments.clone().unwrap_or_else(|| json!({}));
     if let Some(schema) = tool.input_schema()
         && let Err(why) = crate::core::contract::fits_schema(&args, schema)
     {
@@ -257,42 +360,97 @@ pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcA
             "{}: the arguments do not fit {name}'s input schema: {why}",
             ReasonCode::ToolArgumentsInvalid.as_str()
         );
-        return Some(tool_error(
-            call,
-            &why,
-            refused(ReasonCode::ToolArgumentsInvalid),
-        ));
+        return refused(ReasonCode::ToolArgumentsInvalid, why);
     }
     None
 }
 
-/// The `oam` object of a call refused before the pipeline, for `code`.
-fn refused(code: ReasonCode) -> Value {
-    json!({"outcome": "rejected", "phase": code.phase(), "reason_codes": [code], "attempts": 0})
+/// The `oam` object of a call refused before the pipeline.
+#[derive(Serialize)]
+struct Refused {
+    outcome: &'static str,
+    phase: Phase,
+    reason_codes: [ReasonCode; 1],
+    attempts: u32,
 }
 
-/// A result with `isError` saying `why`, with oam's decision (if any) in `_meta`.
-fn tool_error(call: &RpcRequest, why: &str, oam: Value) -> RpcAnswer {
-    let mut r = json!({"content": [{"type": "text", "text": why}], "isError": true});
-    if !oam.is_null() {
-        r["_meta"] = json!({"oam": oam});
+/// A `tools/call` result with `isError` saying why, with oam's decision (if any) in `_meta`.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ToolError<'a, O: Serialize> {
+    content: [TextContent<'a>; 1],
+    is_error: bool,
+    #[serde(rename = "_meta", skip_serializing_if = "Option::is_none")]
+    meta: Option<OamMeta<O>>,
+}
+
+impl<'a, O: Serialize> ToolError<'a, O> {
+    fn new(why: &'a str, oam: Option<O>) -> Self {
+        ToolError {
+            content: [TextContent {
+                kind: "text",
+                text: why,
+            }],
+            is_error: true,
+            meta: oam.map(|oam| OamMeta { oam }),
+        }
     }
-    result(call, r)
+}
+
+#[derive(Serialize)]
+struct TextContent<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: &'a str,
+}
+
+#[derive(Serialize)]
+struct OamMeta<O: Serialize> {
+    oam: O,
 }
 
 /// The body `execute` decodes for a tool call (`decode`): the server, the call, and what the
 /// tool's definition says of it.
+#[derive(Serialize)]
+struct CallOut<'a> {
+    allowlist: Option<&'a str>,
+    server: &'a str,
+    call: ToolCall<'a>,
+    idempotent: bool,
+    output_schema: Option<&'a Value>,
+}
+
+/// One call of a tool, as the tool server's upstream reads it from the request's message.
+#[derive(Serialize)]
+struct ToolCall<'a> {
+    arguments: &'a Value,
+    name: &'a str,
+}
+
+/// `CallOut` as `decode` reads it.
+#[derive(Deserialize)]
+struct CallIn<'a> {
+    allowlist: Option<String>,
+    server: String,
+    #[serde(borrow)]
+    call: &'a RawValue,
+    idempotent: bool,
+    output_schema: Option<Value>,
+}
+
+/// The body `execute` decodes for a tool call (`decode`).
 pub(crate) fn call_body(call: &RpcRequest, tool: &Tool, allowlist: Option<&str>) -> Vec<u8> {
-    let body = json!({
-        "allowlist": allowlist,
-        "server": tool.server,
-        "call": {
-            "name": tool.name,
-            "arguments": call.params.get("arguments").cloned().unwrap_or_else(|| json!({})),
+    let none = json!({});
+    let body = CallOut {
+        allowlist,
+        server: &tool.server,
+        call: ToolCall {
+            arguments: call.params.arguments.as_ref().unwrap_or(&none),
+            name: &tool.name,
         },
-        "idempotent": tool.idempotent(),
-        "output_schema": tool.output_schema(),
-    });
+        idempotent: tool.idempotent(),
+        output_schema: tool.output_schema(),
+    };
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
@@ -303,21 +461,20 @@ pub(crate) fn decode(
     h: &HeaderMap,
     new_id: &dyn Fn() -> String,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| bad("params", e.to_string()))?;
-    let server = v["server"].as_str().unwrap_or_default().to_string();
-    let idempotent = v["idempotent"] == true;
-    let response_format = v["output_schema"].is_object().then(|| {
-        json!({"type": "json_schema", "json_schema": {"name": "result", "schema": v["output_schema"]}})
+    let v: CallIn<'_> = serde_json::from_slice(body).map_err(|e| bad("params", e.to_string()))?;
+    let idempotent = v.idempotent;
+    let response_format = v.output_schema.filter(Value::is_object).map(|schema| {
+        json!({"type": "json_schema", "json_schema": {"name": "result", "schema": schema}})
     });
     let request = Request {
         id: header(h, "x-request-id").map_or_else(new_id, String::from),
         agent: header(h, "x-oam-agent").unwrap_or(ANONYMOUS).to_string(),
         task: header(h, "x-oam-task").unwrap_or("").to_string(),
         team: None,
-        model: Some(server),
+        model: Some(v.server),
         messages: vec![Message {
             role: "tool".into(),
-            content: v["call"].to_string(),
+            content: v.call.get().to_string(),
         }],
         risk: Default::default(),
         priority: Default::default(),
@@ -335,7 +492,7 @@ pub(crate) fn decode(
         response_format,
         tools: Default::default(),
         bound_to: Some(Api::Mcp),
-        tool_allowlist: v["allowlist"].as_str().map(String::from),
+        tool_allowlist: v.allowlist,
         embeddings: false,
         stream: false,
     };
@@ -345,7 +502,7 @@ pub(crate) fn decode(
 /// The decided tool call as its `tools/call` result (JSON bytes): the tool's own result when
 /// accepted, else a result with `isError` saying why; oam's decision in `_meta`.
 pub(crate) fn answer(d: &Decision, last: Option<Attempt>) -> (StatusCode, bytes::Bytes) {
-    let oam = serde_json::to_value(crate::node::api::openai::OamObject::of(d)).unwrap_or_default();
+    let oam = crate::node::api::openai::OamObject::of(d);
     let (body, error) = match last {
         Some(a) => (a.body, a.generation.error),
         None => (None, None),
@@ -353,10 +510,10 @@ pub(crate) fn answer(d: &Decision, last: Option<Attempt>) -> (StatusCode, bytes:
     let result = match body {
         Some(Reply::Json(Value::Object(mut r))) if d.outcome == DecisionOutcome::Accepted => {
             let meta = r.entry("_meta").or_insert_with(|| json!({}));
-            if meta.is_object() {
-                meta["oam"] = oam;
+            if let Some(meta) = meta.as_object_mut() {
+                meta.insert("oam".into(), json!(oam));
             }
-            Value::Object(r)
+            serde_json::to_vec(&r)
         }
         _ => {
             let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
@@ -372,18 +529,19 @@ pub(crate) fn answer(d: &Decision, last: Option<Attempt>) -> (StatusCode, bytes:
             if let Some(e) = error.filter(|_| !d.attempts.is_empty()) {
                 why = format!("{why}; the last attempt: {e}");
             }
-            json!({"content": [{"type": "text", "text": why}], "isError": true, "_meta": {"oam": oam}})
+            serde_json::to_vec(&ToolError::new(&why, Some(&oam)))
         }
     };
-    (
-        StatusCode::OK,
-        serde_json::to_vec(&result).unwrap_or_default().into(),
-    )
+    (StatusCode::OK, result.unwrap_or_default().into())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tree(a: RpcAnswer) -> Value {
+        serde_json::from_slice(&a.body.expect("a body")).expect("JSON")
+    }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -412,12 +570,12 @@ mod tests {
             panic!("a mismatch is refused")
         };
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
-        assert_eq!(e.body.unwrap()["error"]["code"], HEADER_MISMATCH);
+        assert_eq!(tree(e)["error"]["code"], HEADER_MISMATCH);
         let h = headers(&[("mcp-protocol-version", "2099-01-01")]);
         let Err(e) = read(body, &h) else {
             panic!("an unknown revision is refused")
         };
-        assert_eq!(e.body.unwrap()["error"]["data"]["requested"], "2099-01-01");
+        assert_eq!(tree(e)["error"]["data"]["requested"], "2099-01-01");
     }
 
     #[test]
@@ -433,22 +591,31 @@ mod tests {
         let Err(e) = read(b"{not json", &h) else {
             panic!()
         };
-        assert_eq!(e.body.unwrap()["error"]["code"], PARSE_ERROR);
+        assert_eq!(tree(e)["error"]["code"], PARSE_ERROR);
         let Err(e) = read(b"[1]", &h) else { panic!() };
-        assert_eq!(e.body.unwrap()["error"]["code"], INVALID_REQUEST);
+        assert_eq!(tree(e)["error"]["code"], INVALID_REQUEST);
+        let Err(e) = read(br#"{"id":1,"method":"tools/call","params":[]}"#, &h) else {
+            panic!()
+        };
+        assert_eq!(tree(e)["error"]["code"], INVALID_PARAMS);
     }
 
     #[test]
     fn a_legacy_client_is_given_the_revision_it_asked_for_if_served() {
         let call = |v: &str| RpcRequest {
-            id: 1.into(),
+            id: RawValue::from_string("1".into()).unwrap(),
             method: "initialize".into(),
-            params: json!({"protocolVersion": v}),
+            params: Params {
+                protocol_version: Some(v.into()),
+                ..Params::default()
+            },
             era: Era::Legacy,
         };
-        let r = answer_plain(&call("2025-06-18")).body.unwrap();
+        let r = tree(answer_plain(&call("2025-06-18")));
         assert_eq!(r["result"]["protocolVersion"], "2025-06-18");
-        let r = answer_plain(&call("2024-01-01")).body.unwrap();
+        assert_eq!(r["result"]["capabilities"]["tools"]["listChanged"], false);
+        let r = tree(answer_plain(&call("2024-01-01")));
         assert_eq!(r["result"]["protocolVersion"], LEGACY[0]);
+        assert_eq!(r["id"], 1);
     }
 }

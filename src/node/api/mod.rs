@@ -25,6 +25,7 @@ pub(crate) mod embeddings;
 pub(crate) mod mcp;
 pub(crate) mod openai;
 pub(crate) mod responses;
+pub(crate) mod rpc;
 
 /// oam's extra fields, from the body's `oam` object (headers fill what it leaves out).
 #[derive(Deserialize, Default)]

@@ -19,9 +19,40 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-/// The OpenAI error envelope: `{"error": {message, type, param, code}}`.
-pub(crate) fn error_body(message: &str, kind: &str, param: Option<&str>, code: &str) -> Value {
-    json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+/// The OpenAI error envelope: `{"error": {message, type, param, code}}`, with the `oam` object
+/// of the decision that made it (if one did).
+#[derive(serde::Serialize)]
+pub(crate) struct ErrorBody<'a> {
+    error: ErrorOut<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    oam: Option<OamObject<'a>>,
+}
+
+#[derive(serde::Serialize)]
+struct ErrorOut<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: &'a str,
+}
+
+/// The OpenAI error envelope of `message`.
+pub(crate) fn error_body<'a>(
+    message: &'a str,
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: &'a str,
+) -> ErrorBody<'a> {
+    ErrorBody {
+        error: ErrorOut {
+            message,
+            kind,
+            param,
+            code,
+        },
+        oam: None,
+    }
 }
 
 /// The most tools one request may declare (OpenAI's own limit).
@@ -411,7 +442,7 @@ pub(crate) fn answer(
             "invalid_request_error"
         };
         let mut body = error_body(&message, kind, None, last_code);
-        body["oam"] = oam_object(d);
+        body.oam = Some(OamObject::of(d));
         (status, json_bytes(&body))
     }
 }
@@ -477,11 +508,12 @@ pub(crate) fn stream_end(
             reasons.join(", ")
         );
         let mut error = error_body(&why, "server_error", None, code);
-        error["oam"] = oam_object(d);
+        error.oam = Some(OamObject::of(d));
         let mut out = String::new();
         if usage.is_some() {
             out = format!("data: {}\n\n", last(usage, None));
         }
+        let error = serde_json::to_string(&error).unwrap_or_default();
         out + &format!("data: {error}\n\n")
     }
 }

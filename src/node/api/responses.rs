@@ -522,11 +522,7 @@ pub(crate) fn response_of<'a>(chat: &'a Completion<'a>) -> ResponseOut<'a> {
             id: format!("msg_{id}"),
             status: "completed",
             role: "assistant",
-            content: [TextOut {
-                kind: "output_text",
-                text,
-                annotations: [],
-            }],
+            content: vec![output_text(text)],
         });
     }
     for (i, call) in chat.calls.iter().enumerate() {
@@ -554,24 +550,14 @@ pub(crate) fn response_of<'a>(chat: &'a Completion<'a>) -> ResponseOut<'a> {
             "completed"
         },
         incomplete_details: incomplete.map(|reason| Incomplete { reason }),
-        error: (),
+        error: None,
         model: chat.head.model,
         output,
         parallel_tool_calls: true,
         tool_choice: "auto",
         tools: [],
         store: false,
-        usage: UsageOut {
-            input_tokens: u.prompt_tokens,
-            input_tokens_details: CachedOut {
-                cached_tokens: u.cached_tokens,
-            },
-            output_tokens: u.completion_tokens,
-            output_tokens_details: ReasoningOut {
-                reasoning_tokens: u.reasoning_tokens,
-            },
-            total_tokens: u.prompt_tokens + u.completion_tokens,
-        },
+        usage: Some(UsageOut::of(u)),
         oam: chat.oam,
     }
 }
@@ -584,15 +570,24 @@ pub(crate) struct ResponseOut<'a> {
     created_at: Option<&'a RawValue>,
     status: &'static str,
     incomplete_details: Option<Incomplete>,
-    error: (),
+    error: Option<ErrorOut>,
     model: Option<&'a RawValue>,
     output: Vec<ItemOut<'a>>,
     parallel_tool_calls: bool,
     tool_choice: &'static str,
     tools: [(); 0],
     store: bool,
-    usage: UsageOut,
+    /// None (null) while the response is in progress, or when it failed.
+    usage: Option<UsageOut>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     oam: Option<&'a RawValue>,
+}
+
+/// Why a response failed.
+#[derive(serde::Serialize)]
+struct ErrorOut {
+    code: String,
+    message: String,
 }
 
 #[derive(serde::Serialize)]
@@ -607,7 +602,7 @@ enum ItemOut<'a> {
         id: String,
         status: &'static str,
         role: &'static str,
-        content: [TextOut<'a>; 1],
+        content: Vec<TextOut<'a>>,
     },
     FunctionCall {
         id: String,
@@ -635,6 +630,22 @@ struct UsageOut {
     total_tokens: u64,
 }
 
+impl UsageOut {
+    fn of(u: crate::core::request::Usage) -> UsageOut {
+        UsageOut {
+            input_tokens: u.prompt_tokens,
+            input_tokens_details: CachedOut {
+                cached_tokens: u.cached_tokens,
+            },
+            output_tokens: u.completion_tokens,
+            output_tokens_details: ReasoningOut {
+                reasoning_tokens: u.reasoning_tokens,
+            },
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+        }
+    }
+}
+
 #[derive(serde::Serialize)]
 struct CachedOut {
     cached_tokens: u64,
@@ -651,123 +662,266 @@ struct ReasoningOut {
 #[derive(Default)]
 pub(crate) struct Live {
     seq: u64,
-    /// The response as the events have built it (`output` holds the items done).
-    response: Value,
-    /// The open item: the tool call at this chat index (`Some`) or the message (`None`), and
-    /// the item as it stands.
-    open: Option<(Option<u64>, Value)>,
+    /// The response's id, time and model, once the first chunk named them.
+    head: Option<LiveHead>,
+    /// The output items done, in order.
+    done: Vec<LiveItem>,
+    /// The open item: the tool call at this chat index (`Some`) or the message (`None`).
+    open: Option<(Option<u64>, LiveItem)>,
     finish: Option<String>,
     usage: Option<crate::core::request::Usage>,
 }
 
-impl Live {
-    fn event(&mut self, out: &mut String, name: &str, mut data: Value) {
-        data["type"] = json!(name);
-        data["sequence_number"] = json!(self.seq);
-        self.seq += 1;
-        out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+struct LiveHead {
+    id: String,
+    created: Option<Box<RawValue>>,
+    model: Option<Box<RawValue>>,
+}
+
+/// An output item as the stream builds it.
+enum LiveItem {
+    Message {
+        id: String,
+        text: String,
+    },
+    Call {
+        id: String,
+        call_id: Option<Box<RawValue>>,
+        name: Option<String>,
+        arguments: String,
+    },
+}
+
+impl LiveItem {
+    fn id(&self) -> &str {
+        match self {
+            LiveItem::Message { id, .. } | LiveItem::Call { id, .. } => id,
+        }
     }
 
+    /// As written: as it was added (`whole` false: no text, no arguments yet), or as it is.
+    fn out(&self, whole: bool) -> ItemOut<'_> {
+        let status = if whole { "completed" } else { "in_progress" };
+        match self {
+            LiveItem::Message { id, text } => ItemOut::Message {
+                id: id.clone(),
+                status,
+                role: "assistant",
+                content: if whole {
+                    vec![output_text(text)]
+                } else {
+                    Vec::new()
+                },
+            },
+            LiveItem::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+            } => ItemOut::FunctionCall {
+                id: id.clone(),
+                call_id: call_id.as_deref(),
+                name: name.as_deref(),
+                arguments: Some(if whole { arguments } else { "" }),
+                status,
+            },
+        }
+    }
+}
+
+fn output_text(text: &str) -> TextOut<'_> {
+    TextOut {
+        kind: "output_text",
+        text,
+        annotations: [],
+    }
+}
+
+/// One event's members (those it has), beside its type and number.
+#[derive(serde::Serialize, Default)]
+struct EventOut<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    sequence_number: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response: Option<ResponseOut<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    item_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    output_index: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content_index: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    item: Option<ItemOut<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    part: Option<TextOut<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    arguments: Option<&'a str>,
+}
+
+/// Write event `e` named `name` onto `out`, numbered by `seq`.
+fn write_event<'a>(out: &mut String, seq: &mut u64, name: &'a str, mut e: EventOut<'a>) {
+    e.kind = name;
+    e.sequence_number = *seq;
+    *seq += 1;
+    let data = serde_json::to_string(&e).unwrap_or_default();
+    out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+}
+
+/// How a live response ends.
+struct Ending<'a> {
+    status: &'static str,
+    incomplete: Option<&'static str>,
+    error: Option<ErrorOut>,
+    oam: Option<&'a RawValue>,
+}
+
+impl Live {
     fn index(&self) -> usize {
-        self.response["output"].as_array().map_or(0, Vec::len)
+        self.done.len()
+    }
+
+    /// The response as it stands: in progress (`ending` none), or ended.
+    fn response<'a>(&'a self, ending: Option<Ending<'a>>) -> ResponseOut<'a> {
+        let head = self.head.as_ref();
+        let u = self.usage.unwrap_or_default();
+        let e = ending.unwrap_or(Ending {
+            status: "in_progress",
+            incomplete: None,
+            error: None,
+            oam: None,
+        });
+        ResponseOut {
+            id: head.map(|h| h.id.clone()).unwrap_or_default(),
+            object: "response",
+            created_at: head.and_then(|h| h.created.as_deref()),
+            status: e.status,
+            incomplete_details: e.incomplete.map(|reason| Incomplete { reason }),
+            error: e.error,
+            model: head.and_then(|h| h.model.as_deref()),
+            output: self.done.iter().map(|i| i.out(true)).collect(),
+            parallel_tool_calls: true,
+            tool_choice: "auto",
+            tools: [],
+            store: false,
+            usage: matches!(e.status, "completed" | "incomplete").then(|| UsageOut::of(u)),
+            oam: e.oam,
+        }
     }
 
     /// The response is continued by `model` (a stream cut and continued): the response it
     /// completes names that model.
     pub(crate) fn written_by(&mut self, model: &RawValue) {
-        if self.response.is_object()
-            && let Ok(model) = serde_json::from_str(model.get())
-        {
-            self.response["model"] = model;
+        if let Some(h) = &mut self.head {
+            h.model = Some(model.to_owned());
         }
     }
 
     /// The events one chat chunk (`delta`) means.
     pub(crate) fn chunk(&mut self, delta: &crate::node::exchange::Delta) -> String {
         let mut out = String::new();
-        if self.response.is_null() {
+        if self.head.is_none() {
             let head = &delta.head;
             let id = head.id().unwrap_or_default();
             let id = id.strip_prefix("chatcmpl-").unwrap_or(&id);
-            self.response = json!({
-                "id": format!("resp_{id}"), "object": "response", "created_at": head.created,
-                "status": "in_progress", "model": head.model, "output": [],
-                "parallel_tool_calls": true, "tool_choice": "auto", "tools": [], "store": false,
-                "error": null, "incomplete_details": null, "usage": null,
+            self.head = Some(LiveHead {
+                id: format!("resp_{id}"),
+                created: head.created.map(RawValue::to_owned),
+                model: head.model.map(RawValue::to_owned),
             });
-            let r = self.response.clone();
-            self.event(&mut out, "response.created", json!({"response": r}));
-            self.event(&mut out, "response.in_progress", json!({"response": r}));
+            let mut seq = self.seq;
+            for name in ["response.created", "response.in_progress"] {
+                let response = Some(self.response(None));
+                write_event(
+                    &mut out,
+                    &mut seq,
+                    name,
+                    EventOut {
+                        response,
+                        ..Default::default()
+                    },
+                );
+            }
+            self.seq = seq;
         }
+        let rid = self.head.as_ref().map(|h| h.id.clone()).unwrap_or_default();
         if let Some(text) = delta.text.as_deref().filter(|t| !t.is_empty()) {
             if !matches!(self.open, Some((None, _))) {
                 self.close(&mut out);
-                let id = format!(
-                    "msg_{}_{}",
-                    self.response["id"].as_str().unwrap_or_default(),
-                    self.index()
-                );
-                let item = json!({"type": "message", "id": id, "status": "in_progress", "role": "assistant", "content": []});
                 let i = self.index();
-                self.event(
-                    &mut out,
-                    "response.output_item.added",
-                    json!({"output_index": i, "item": item}),
-                );
-                let part = json!({"type": "output_text", "text": "", "annotations": []});
-                self.event(
-                    &mut out,
-                    "response.content_part.added",
-                    json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
-                );
-                let mut item = item;
-                item["content"] = json!([part]);
+                let item = LiveItem::Message {
+                    id: format!("msg_{rid}_{i}"),
+                    text: String::new(),
+                };
+                let e = EventOut {
+                    output_index: Some(i),
+                    item: Some(item.out(false)),
+                    ..Default::default()
+                };
+                write_event(&mut out, &mut self.seq, "response.output_item.added", e);
+                let e = EventOut {
+                    item_id: Some(item.id()),
+                    output_index: Some(i),
+                    content_index: Some(0),
+                    part: Some(output_text("")),
+                    ..Default::default()
+                };
+                write_event(&mut out, &mut self.seq, "response.content_part.added", e);
                 self.open = Some((None, item));
             }
             let i = self.index();
-            let mut id = Value::Null;
             if let Some((_, item)) = &mut self.open {
-                let t = item["content"][0]["text"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string()
-                    + text;
-                item["content"][0]["text"] = json!(t);
-                id = item["id"].clone();
+                if let LiveItem::Message { text: t, .. } = item {
+                    t.push_str(text);
+                }
+                let e = EventOut {
+                    item_id: Some(item.id()),
+                    output_index: Some(i),
+                    content_index: Some(0),
+                    delta: Some(text),
+                    ..Default::default()
+                };
+                write_event(&mut out, &mut self.seq, "response.output_text.delta", e);
             }
-            self.event(
-                &mut out,
-                "response.output_text.delta",
-                json!({"item_id": id, "output_index": i, "content_index": 0, "delta": text}),
-            );
         }
         for t in &delta.tool_calls {
             let call = t.index;
             if !matches!(&self.open, Some((Some(c), _)) if *c == call) {
                 self.close(&mut out);
                 let i = self.index();
-                let item = json!({"type": "function_call", "id": format!("fc_{}_{i}", self.response["id"].as_str().unwrap_or_default()),
-                    "call_id": t.id, "name": t.name, "arguments": "", "status": "in_progress"});
-                self.event(
-                    &mut out,
-                    "response.output_item.added",
-                    json!({"output_index": i, "item": item}),
-                );
+                let item = LiveItem::Call {
+                    id: format!("fc_{rid}_{i}"),
+                    call_id: t.id.map(RawValue::to_owned),
+                    name: t.name.as_deref().map(String::from),
+                    arguments: String::new(),
+                };
+                let e = EventOut {
+                    output_index: Some(i),
+                    item: Some(item.out(false)),
+                    ..Default::default()
+                };
+                write_event(&mut out, &mut self.seq, "response.output_item.added", e);
                 self.open = Some((Some(call), item));
             }
             if let Some(args) = t.arguments.as_deref().filter(|a| !a.is_empty()) {
                 let i = self.index();
-                let mut id = Value::Null;
                 if let Some((_, item)) = &mut self.open {
-                    let a = item["arguments"].as_str().unwrap_or_default().to_string() + args;
-                    item["arguments"] = json!(a);
-                    id = item["id"].clone();
+                    if let LiveItem::Call { arguments, .. } = item {
+                        arguments.push_str(args);
+                    }
+                    let e = EventOut {
+                        item_id: Some(item.id()),
+                        output_index: Some(i),
+                        delta: Some(args),
+                        ..Default::default()
+                    };
+                    let name = "response.function_call_arguments.delta";
+                    write_event(&mut out, &mut self.seq, name, e);
                 }
-                self.event(
-                    &mut out,
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": id, "output_index": i, "delta": args}),
-                );
             }
         }
         if let Some(f) = &delta.finish {
@@ -781,40 +935,46 @@ impl Live {
 
     /// Close the open item: its done events, and it joins the response's output.
     fn close(&mut self, out: &mut String) {
-        let Some((kind, mut item)) = self.open.take() else {
+        let Some((_, item)) = self.open.take() else {
             return;
         };
         let i = self.index();
-        item["status"] = json!("completed");
-        let id = item["id"].clone();
-        if kind.is_some() {
-            let args = item["arguments"].clone();
-            self.event(
-                out,
-                "response.function_call_arguments.done",
-                json!({"item_id": id, "output_index": i, "arguments": args}),
-            );
-        } else {
-            let part = item["content"][0].clone();
-            self.event(
-                out,
-                "response.output_text.done",
-                json!({"item_id": id, "output_index": i, "content_index": 0, "text": part["text"]}),
-            );
-            self.event(
-                out,
-                "response.content_part.done",
-                json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
-            );
+        let seq = &mut self.seq;
+        let at = || EventOut {
+            item_id: Some(item.id()),
+            output_index: Some(i),
+            ..Default::default()
+        };
+        match &item {
+            LiveItem::Call { arguments, .. } => {
+                let e = EventOut {
+                    arguments: Some(arguments),
+                    ..at()
+                };
+                write_event(out, seq, "response.function_call_arguments.done", e);
+            }
+            LiveItem::Message { text, .. } => {
+                let e = EventOut {
+                    content_index: Some(0),
+                    text: Some(text),
+                    ..at()
+                };
+                write_event(out, seq, "response.output_text.done", e);
+                let e = EventOut {
+                    content_index: Some(0),
+                    part: Some(output_text(text)),
+                    ..at()
+                };
+                write_event(out, seq, "response.content_part.done", e);
+            }
         }
-        self.event(
-            out,
-            "response.output_item.done",
-            json!({"output_index": i, "item": item}),
-        );
-        if let Some(output) = self.response["output"].as_array_mut() {
-            output.push(item);
-        }
+        let e = EventOut {
+            output_index: Some(i),
+            item: Some(item.out(true)),
+            ..Default::default()
+        };
+        write_event(out, seq, "response.output_item.done", e);
+        self.done.push(item);
     }
 
     /// The events that end the stream once `d` is decided: the open item closed and
@@ -822,37 +982,30 @@ impl Live {
     /// object; else `response.failed`, whose `error` says why.
     pub(crate) fn end(&mut self, d: &crate::core::pipeline::Decision) -> String {
         let mut out = String::new();
-        let oam = super::openai::oam_object(d);
-        if d.outcome == crate::core::pipeline::DecisionOutcome::Accepted {
+        let oam = serde_json::value::to_raw_value(&super::openai::OamObject::of(d)).ok();
+        let (name, ending) = if d.outcome == crate::core::pipeline::DecisionOutcome::Accepted {
             self.close(&mut out);
-            let u = self.usage.unwrap_or_default();
             let incomplete = match self.finish.as_deref() {
                 Some("length") => Some("max_output_tokens"),
                 Some("content_filter") => Some("content_filter"),
                 _ => None,
             };
-            self.response["status"] = json!(if incomplete.is_some() {
-                "incomplete"
-            } else {
-                "completed"
-            });
-            self.response["incomplete_details"] =
-                incomplete.map_or(Value::Null, |r| json!({"reason": r}));
-            self.response["usage"] = json!({
-                "input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-            });
-            self.response["oam"] = oam;
+            let ending = Ending {
+                status: if incomplete.is_some() {
+                    "incomplete"
+                } else {
+                    "completed"
+                },
+                incomplete,
+                error: None,
+                oam: oam.as_deref(),
+            };
             let name = if incomplete.is_some() {
                 "response.incomplete"
             } else {
                 "response.completed"
             };
-            let r = self.response.clone();
-            self.event(&mut out, name, json!({"response": r}));
+            (name, ending)
         } else {
             let reasons: Vec<&str> = d.reason_codes.iter().map(|c| c.as_str()).collect();
             let code = d.reason_codes.last().map_or("", |c| c.as_str());
@@ -861,12 +1014,29 @@ impl Live {
                 d.phase,
                 reasons.join(", ")
             );
-            self.response["status"] = json!("failed");
-            self.response["error"] = json!({"code": code, "message": message});
-            self.response["oam"] = oam;
-            let r = self.response.clone();
-            self.event(&mut out, "response.failed", json!({"response": r}));
-        }
+            let ending = Ending {
+                status: "failed",
+                incomplete: None,
+                error: Some(ErrorOut {
+                    code: code.to_string(),
+                    message,
+                }),
+                oam: oam.as_deref(),
+            };
+            ("response.failed", ending)
+        };
+        let mut seq = self.seq;
+        let response = Some(self.response(Some(ending)));
+        write_event(
+            &mut out,
+            &mut seq,
+            name,
+            EventOut {
+                response,
+                ..Default::default()
+            },
+        );
+        self.seq = seq;
         out
     }
 }

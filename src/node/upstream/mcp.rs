@@ -345,12 +345,26 @@ fn response_of(bytes: &[u8]) -> Option<Value> {
         .find(|v| v.get("result").is_some() || v.get("error").is_some())
 }
 
+/// The text parts of a tool's result (`content`), one per line: what it says, for a reader.
+fn text_of_content(result: &Value) -> String {
+    result["content"]
+        .as_array()
+        .map(|parts| {
+            parts
+                .iter()
+                .filter_map(|p| p["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default()
+}
+
 /// A tool's result as an attempt: its text (`structuredContent` as JSON, else its text parts),
 /// failed when it says `isError`.
 fn attempt_of(result: Value, latency_ms: u64) -> Attempt {
     let text = match result.get("structuredContent") {
         Some(s) if !s.is_null() => s.to_string(),
-        _ => super::super::exchange::text_of_content(&result),
+        _ => text_of_content(&result),
     };
     let generation = if result["isError"] == true {
         Generation {
