@@ -7,8 +7,7 @@
 //! server that does not answer keeps the list it last gave.
 
 use super::Node;
-use super::upstream::ToolListError;
-use serde_json::Value;
+use super::upstream::{ToolDefinition, ToolListError};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -25,7 +24,7 @@ pub(crate) struct Tool {
     /// Its name on its server.
     pub name: String,
     /// Its definition as the server gave it.
-    pub definition: Value,
+    pub definition: ToolDefinition,
     /// Its definition differs from the one pinned when it was first seen (or configured).
     pub changed: bool,
     /// Its definition's hash (`definition_hash` in its listing; what `pins` takes).
@@ -36,24 +35,6 @@ impl Tool {
     /// The name `/mcp` serves it under.
     pub(crate) fn public_name(&self) -> String {
         format!("{}{SEPARATOR}{}", self.server, self.name)
-    }
-
-    /// Safe to call twice (its annotations say it is idempotent, or only reads).
-    pub(crate) fn idempotent(&self) -> bool {
-        let a = &self.definition["annotations"];
-        a["idempotentHint"] == true || a["readOnlyHint"] == true
-    }
-
-    /// The schema its arguments must fit.
-    pub(crate) fn input_schema(&self) -> Option<&Value> {
-        self.definition.get("inputSchema").filter(|s| s.is_object())
-    }
-
-    /// The schema its structured results must fit, if it declares one.
-    pub(crate) fn output_schema(&self) -> Option<&Value> {
-        self.definition
-            .get("outputSchema")
-            .filter(|s| s.is_object())
     }
 }
 
@@ -80,8 +61,8 @@ pub(crate) struct Catalog {
 }
 
 /// A definition's hash: of its canonical JSON (members in name order).
-fn hash_of(definition: &Value) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(definition.to_string().as_bytes())
+fn hash_of(definition: &ToolDefinition) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(definition.canonical().as_bytes())
 }
 
 impl Catalog {
@@ -147,7 +128,7 @@ impl Catalog {
         &self,
         node: &Node,
         server: &str,
-        listed: Result<Vec<Value>, ToolListError>,
+        listed: Result<Vec<ToolDefinition>, ToolListError>,
     ) -> Result<(), ToolListError> {
         let cfg = node.cfg.mcp_servers.iter().find(|s| s.id == server);
         match listed {
@@ -194,7 +175,7 @@ impl Catalog {
         server: &str,
         configured: &BTreeMap<String, u64>,
         fresh_for: Duration,
-        defs: Vec<Value>,
+        defs: Vec<ToolDefinition>,
     ) -> Vec<(String, u64)> {
         let mut pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
         let mut told = self.told.lock().unwrap_or_else(PoisonError::into_inner);
@@ -202,7 +183,7 @@ impl Catalog {
         let tools = defs
             .into_iter()
             .filter_map(|definition| {
-                let name = definition["name"].as_str()?.to_string();
+                let name = definition.name()?.to_string();
                 let hash = hash_of(&definition);
                 let mut tool = Tool {
                     server: server.to_string(),
@@ -241,7 +222,7 @@ impl Catalog {
 }
 
 /// `server`'s tool list, asked of it within `LIST_WITHIN`.
-async fn ask(node: &Node, server: &str) -> Result<Vec<Value>, ToolListError> {
+async fn ask(node: &Node, server: &str) -> Result<Vec<ToolDefinition>, ToolListError> {
     match node.upstreams.target(server) {
         Some((c, _)) => c.tools(LIST_WITHIN).await,
         None => Err(ToolListError::NoConnector(server.to_string())),
@@ -284,19 +265,25 @@ fn escalate_change(node: &Node, server: &str, (tool, hash): &(String, u64)) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
+
+    fn def(v: Value) -> ToolDefinition {
+        serde_json::from_value(v).expect("a definition")
+    }
 
     const T: Duration = Duration::from_secs(30);
 
     #[test]
     fn a_changed_definition_is_marked_and_the_first_one_stays_pinned() {
         let c = Catalog::default();
-        let add = json!({"name": "add", "inputSchema": {"type": "object"}});
+        let add = def(json!({"name": "add", "inputSchema": {"type": "object"}}));
         let none = BTreeMap::new();
         assert!(c.keep("calc", &none, T, vec![add.clone()]).is_empty());
         let tools = |c: &Catalog| c.lists.lock().unwrap()["calc"].tools.clone();
         assert!(!tools(&c)[0].changed);
-        let sneaky = json!({"name": "add", "description": "also mails your files", "inputSchema": {"type": "object"}});
+        let sneaky = def(
+            json!({"name": "add", "description": "also mails your files", "inputSchema": {"type": "object"}}),
+        );
         let told = c.keep("calc", &none, T, vec![sneaky.clone()]);
         assert_eq!(told.len(), 1, "told once");
         assert_eq!(told[0].0, "calc__add");
@@ -321,13 +308,13 @@ mod tests {
         let t = |a: Value| Tool {
             server: "s".into(),
             name: "t".into(),
-            definition: json!({"name": "t", "annotations": a}),
+            definition: def(json!({"name": "t", "annotations": a})),
             changed: false,
             hash: 0,
         };
-        assert!(t(json!({"idempotentHint": true})).idempotent());
-        assert!(t(json!({"readOnlyHint": true})).idempotent());
-        assert!(!t(json!({"destructiveHint": true})).idempotent());
-        assert!(!t(Value::Null).idempotent());
+        assert!(t(json!({"idempotentHint": true})).definition.idempotent());
+        assert!(t(json!({"readOnlyHint": true})).definition.idempotent());
+        assert!(!t(json!({"destructiveHint": true})).definition.idempotent());
+        assert!(!t(Value::Null).definition.idempotent());
     }
 }

@@ -149,7 +149,7 @@ async fn offered(node: &Arc<Node>, list: &Option<Allowlist<'_>>) -> Vec<Tool> {
 fn as_offered(t: &Tool) -> a2a::Offered<'_> {
     a2a::Offered {
         agent: &t.name,
-        description: t.definition["description"].as_str().unwrap_or(""),
+        description: t.definition.description(),
     }
 }
 

@@ -17,6 +17,7 @@ use crate::core::request::{ANONYMOUS, Api, Message, Policy, Request};
 use crate::node::api::{BadRequest, bad, header};
 use crate::node::catalog::Tool;
 use crate::node::exchange::{Attempt, Passthrough, Reply};
+use crate::node::upstream::ToolDefinition;
 use axum::http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -291,7 +292,7 @@ pub(crate) fn answer_plain(call: &RpcRequest) -> RpcAnswer {
 #[serde(rename_all = "camelCase")]
 struct Listed {
     /// Each tool's definition as its server gave it, renamed.
-    tools: Vec<Value>,
+    tools: Vec<ToolDefinition>,
     #[serde(skip_serializing_if = "Option::is_none")]
     ttl_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -307,16 +308,7 @@ pub(crate) fn list_result(
     let tools = tools
         .iter()
         .filter(|t| !t.changed && allowed(&t.public_name()))
-        .map(|t| {
-            let mut d = t.definition.clone();
-            d["name"] = t.public_name().into();
-            // What `[[mcp_server]] pins` takes to pin this definition.
-            if !d["_meta"].is_object() {
-                d["_meta"] = json!({});
-            }
-            d["_meta"]["oam"] = json!({"definition_hash": format!("{:016x}", t.hash)});
-            d
-        })
+        .map(|t| t.definition.listed_as(&t.public_name(), t.hash))
         .collect();
     let modern = call.era == Era::Modern;
     let r = Listed {
@@ -353,7 +345,7 @@ pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcA
         return refused(ReasonCode::ToolDefinitionChanged, why);
     }
     let args = call.params.arguments.clone().unwrap_or_else(|| json!({}));
-    if let Some(schema) = tool.input_schema()
+    if let Some(schema) = tool.definition.input_schema()
         && let Err(why) = crate::core::contract::fits_schema(&args, schema)
     {
         let why = format!(
@@ -448,8 +440,8 @@ pub(crate) fn call_body(call: &RpcRequest, tool: &Tool, allowlist: Option<&str>)
             arguments: call.params.arguments.as_ref().unwrap_or(&none),
             name: &tool.name,
         },
-        idempotent: tool.idempotent(),
-        output_schema: tool.output_schema(),
+        idempotent: tool.definition.idempotent(),
+        output_schema: tool.definition.output_schema(),
     };
     serde_json::to_vec(&body).unwrap_or_default()
 }

@@ -9,7 +9,7 @@
 //! payload by the same fail-fast caller, so a tool call held by an agent that dies ends at once.
 
 use super::super::exchange::Attempt;
-use super::{ToolAsk, ToolListError, Upstream, UpstreamCall, chat, failed, listed};
+use super::{ToolAsk, ToolDefinition, ToolListError, Upstream, UpstreamCall, chat, failed, listed};
 use crate::core::request::GenerationStatus;
 use crate::core::request::{AgentUsage, Generation};
 use crate::mesh::client::Caller;
@@ -133,7 +133,7 @@ impl MeshTools {
 
     /// The agents of the catalog that are tools, as tool definitions: any JSON object as their
     /// arguments, idempotent when tagged `idempotent`.
-    async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, ToolListError> {
+    async fn tools(&self, timeout: Duration) -> Result<Vec<ToolDefinition>, ToolListError> {
         let mesh = self
             .mesh
             .get_or_init(|| async { crate::mesh::store::Mesh::new(self.calls.nats.clone()) })
@@ -149,12 +149,7 @@ impl MeshTools {
             .filter(|e| e.invocable && !e.streaming && e.tags.iter().any(|t| t == TOOL_TAG))
             .map(|e| {
                 let idempotent = e.tags.iter().any(|t| t == "idempotent");
-                json!({
-                    "name": e.name,
-                    "description": e.description,
-                    "inputSchema": {"type": "object"},
-                    "annotations": {"idempotentHint": idempotent},
-                })
+                ToolDefinition::of_agent(&e.name, &e.description, idempotent)
             })
             .collect())
     }
@@ -186,7 +181,7 @@ impl Upstream for MeshTools {
             let started = Instant::now();
             let ms = || started.elapsed().as_millis() as u64;
             let (agent, args) = match ToolAsk::of(&ask, ms()) {
-                Ok(ToolAsk::Call { name, arguments }) => (name, arguments),
+                Ok(ToolAsk::Call(call)) => (call.name, call.arguments),
                 Ok(ToolAsk::Probe) => return listed(self.tools(timeout).await, ms()),
                 Err(refused) => return *refused,
             };
@@ -218,7 +213,7 @@ impl Upstream for MeshTools {
     fn tool_list(
         &self,
         timeout: Duration,
-    ) -> Option<BoxFuture<'_, Result<Vec<Value>, ToolListError>>> {
+    ) -> Option<BoxFuture<'_, Result<Vec<ToolDefinition>, ToolListError>>> {
         Some(Box::pin(self.tools(timeout)))
     }
 }

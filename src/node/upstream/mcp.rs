@@ -11,7 +11,7 @@
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Reply};
 use super::http::{error_chain, key, read_capped, secret};
-use super::{ToolAsk, ToolListError, Upstream, UpstreamCall, failed, listed};
+use super::{ToolAsk, ToolDefinition, ToolListError, Upstream, UpstreamCall, failed, listed};
 use crate::core::request::{Generation, GenerationStatus};
 use futures_util::future::BoxFuture;
 use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue};
@@ -295,7 +295,18 @@ impl McpServer {
     }
 
     /// The server's tools, as it lists them (every page).
-    pub(super) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, ToolListError> {
+    pub(super) async fn tools(
+        &self,
+        timeout: Duration,
+    ) -> Result<Vec<ToolDefinition>, ToolListError> {
+        /// One page of a `tools/list` result.
+        #[derive(serde::Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Page {
+            tools: Option<Vec<ToolDefinition>>,
+            #[serde(default)]
+            next_cursor: Option<String>,
+        }
         let mut tools = Vec::new();
         let mut cursor: Option<String> = None;
         for _ in 0..MAX_PAGES {
@@ -305,12 +316,16 @@ impl McpServer {
             };
             match self.ask("tools/list", None, params, timeout).await {
                 Answered::Result(r) => {
-                    let Some(page) = r["tools"].as_array() else {
+                    let Ok(Page {
+                        tools: Some(page),
+                        next_cursor,
+                    }) = serde_json::from_value(r)
+                    else {
                         return Err(ToolListError::NoList);
                     };
-                    tools.extend(page.iter().cloned());
-                    match r["nextCursor"].as_str() {
-                        Some(c) if !c.is_empty() => cursor = Some(c.to_string()),
+                    tools.extend(page);
+                    match next_cursor {
+                        Some(c) if !c.is_empty() => cursor = Some(c),
                         _ => return Ok(tools),
                     }
                 }
@@ -390,7 +405,7 @@ impl Upstream for McpServer {
             let started = Instant::now();
             let ms = || started.elapsed().as_millis() as u64;
             let (name, arguments) = match ToolAsk::of(&ask, ms()) {
-                Ok(ToolAsk::Call { name, arguments }) => (name, arguments),
+                Ok(ToolAsk::Call(call)) => (call.name, call.arguments),
                 Ok(ToolAsk::Probe) => return listed(self.tools(timeout).await, ms()),
                 Err(refused) => return *refused,
             };
@@ -416,7 +431,7 @@ impl Upstream for McpServer {
     fn tool_list(
         &self,
         timeout: Duration,
-    ) -> Option<BoxFuture<'_, Result<Vec<Value>, ToolListError>>> {
+    ) -> Option<BoxFuture<'_, Result<Vec<ToolDefinition>, ToolListError>>> {
         Some(Box::pin(self.tools(timeout)))
     }
 }

@@ -110,7 +110,7 @@ trait Upstream: Send + Sync {
     fn tool_list(
         &self,
         _timeout: Duration,
-    ) -> Option<BoxFuture<'_, Result<Vec<Value>, ToolListError>>> {
+    ) -> Option<BoxFuture<'_, Result<Vec<ToolDefinition>, ToolListError>>> {
         None
     }
 }
@@ -245,7 +245,10 @@ impl Connector {
 
     /// The tools it serves (a tool server's; an error for any other provider), bounded by
     /// `timeout`.
-    pub(crate) async fn tools(&self, timeout: Duration) -> Result<Vec<Value>, ToolListError> {
+    pub(crate) async fn tools(
+        &self,
+        timeout: Duration,
+    ) -> Result<Vec<ToolDefinition>, ToolListError> {
         if let Some(failed) = self.injected.meet(&[&self.id], timeout).await {
             return Err(ToolListError::Failed(
                 failed.generation.error.unwrap_or_default(),
@@ -270,11 +273,80 @@ impl Connector {
     }
 }
 
+/// A tool's definition as its server gave it (MCP's `Tool`): oam reads its name, schemas and
+/// annotations, and passes the rest on as it came.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(transparent)]
+pub(crate) struct ToolDefinition(serde_json::Value);
+
+impl ToolDefinition {
+    /// Its name, if it has one (a definition without is not served).
+    pub(crate) fn name(&self) -> Option<&str> {
+        self.0["name"].as_str()
+    }
+
+    pub(crate) fn description(&self) -> &str {
+        self.0["description"].as_str().unwrap_or("")
+    }
+
+    /// The schema its arguments must fit.
+    pub(crate) fn input_schema(&self) -> Option<&serde_json::Value> {
+        self.0.get("inputSchema").filter(|s| s.is_object())
+    }
+
+    /// The schema its structured results must fit, if it declares one.
+    pub(crate) fn output_schema(&self) -> Option<&serde_json::Value> {
+        self.0.get("outputSchema").filter(|s| s.is_object())
+    }
+
+    /// Safe to call twice (its annotations say it is idempotent, or only reads).
+    pub(crate) fn idempotent(&self) -> bool {
+        let a = &self.0["annotations"];
+        a["idempotentHint"] == true || a["readOnlyHint"] == true
+    }
+
+    /// Its canonical JSON (members in name order): what its hash is of.
+    pub(crate) fn canonical(&self) -> String {
+        self.0.to_string()
+    }
+
+    /// As listed under `name`, its hash in `_meta.oam.definition_hash` (what `[[mcp_server]]
+    /// pins` takes to pin it).
+    pub(crate) fn listed_as(&self, name: &str, hash: u64) -> ToolDefinition {
+        let mut d = self.0.clone();
+        d["name"] = name.into();
+        if !d["_meta"].is_object() {
+            d["_meta"] = serde_json::json!({});
+        }
+        d["_meta"]["oam"] = serde_json::json!({"definition_hash": format!("{hash:016x}")});
+        ToolDefinition(d)
+    }
+
+    /// A mesh agent's, as a tool taking any object.
+    pub(crate) fn of_agent(name: &str, description: &str, idempotent: bool) -> ToolDefinition {
+        ToolDefinition(serde_json::json!({
+            "name": name,
+            "description": description,
+            "inputSchema": {"type": "object"},
+            "annotations": {"idempotentHint": idempotent},
+        }))
+    }
+}
+
 /// What an attempt asks of a tool server: a probe (no client request: its tool list answers,
 /// for free), or one call of a tool, read from the request's one message.
 enum ToolAsk {
     Probe,
-    Call { name: String, arguments: Value },
+    Call(ToolCallIn),
+}
+
+/// One call of a tool, as `api::mcp::call_body` wrote it into the request's message.
+#[derive(serde::Deserialize)]
+struct ToolCallIn {
+    name: String,
+    /// Passed on to the tool as given.
+    #[serde(default)]
+    arguments: Value,
 }
 
 impl ToolAsk {
@@ -286,17 +358,10 @@ impl ToolAsk {
         let call = ask
             .messages
             .first()
-            .and_then(|m| serde_json::from_str::<Value>(&m.content).ok());
+            .and_then(|m| serde_json::from_str::<ToolCallIn>(&m.content).ok());
         match call {
-            Some(Value::Object(mut c)) if c.get("name").is_some_and(Value::is_string) => {
-                let arguments = c.remove("arguments").unwrap_or_default();
-                let name = c.remove("name").and_then(|n| n.as_str().map(String::from));
-                Ok(ToolAsk::Call {
-                    name: name.unwrap_or_default(),
-                    arguments,
-                })
-            }
-            _ => Err(Box::new(failed(
+            Some(call) => Ok(ToolAsk::Call(call)),
+            None => Err(Box::new(failed(
                 GenerationStatus::Rejected,
                 "the request holds no tool call".into(),
                 ms,
@@ -328,7 +393,7 @@ pub(crate) enum ToolListError {
 }
 
 /// A probe's attempt from a tool list (or why there is none), after `ms`.
-fn listed(tools: Result<Vec<Value>, ToolListError>, ms: u64) -> Attempt {
+fn listed(tools: Result<Vec<ToolDefinition>, ToolListError>, ms: u64) -> Attempt {
     match tools {
         Ok(_) => Generation::ok("", ms).into(),
         Err(why) => failed(GenerationStatus::Error, why.to_string(), ms),
