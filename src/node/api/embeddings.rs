@@ -10,65 +10,98 @@ use crate::node::config::NodeConfig;
 use crate::node::exchange::Passthrough;
 use crate::node::model::{Speaker, Turn};
 use axum::http::HeaderMap;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::Value;
 
 /// The most inputs one request may embed (OpenAI's own limit).
 pub(crate) const MAX_INPUTS: usize = 2048;
 
-/// The text of `input` (a string, strings, a token array or token arrays), checked as OpenAI
-/// checks it: nothing empty, at most `MAX_INPUTS`. A token array reads as that many words (for
-/// the estimate of its prompt tokens).
-fn input_text(input: Option<&Value>) -> Result<String, BadRequest> {
-    let tokens = |t: &[Value]| -> Result<String, BadRequest> {
-        if t.is_empty() || !t.iter().all(Value::is_u64) {
+/// `input` as OpenAI takes it: a string, strings, a token array or token arrays.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Input {
+    Text(String),
+    Items(Vec<Item>),
+    Other(IgnoredAny),
+}
+
+/// One item of an `input` array (only which shape it has is read of a number or a token
+/// array).
+#[derive(Deserialize)]
+#[serde(untagged)]
+#[expect(
+    dead_code,
+    reason = "the numbers are read for their shape, not their values"
+)]
+enum Item {
+    Text(String),
+    /// A token id: the array is one token array.
+    Token(u64),
+    /// A number that is no token id.
+    Number(f64),
+    Tokens(Vec<u64>),
+    /// An array that is not all token ids.
+    NotTokens(Vec<IgnoredAny>),
+    Other(IgnoredAny),
+}
+
+/// The text of `input` (none when it is missing or null), checked as OpenAI checks it: nothing
+/// empty, at most `MAX_INPUTS`. A token array reads as that many words (for the estimate of its
+/// prompt tokens).
+fn input_text(input: Option<Input>) -> Result<String, BadRequest> {
+    let no_tokens = "a token array must hold at least one token id (a whole number)";
+    let tokens = |n: usize| "tok ".repeat(n);
+    let items = match input {
+        None => return Err(bad("input", "input: Field required")),
+        Some(Input::Text(s)) if s.is_empty() => {
+            return Err(bad("input", "input must not be an empty string"));
+        }
+        Some(Input::Text(s)) => return Ok(s),
+        Some(Input::Other(_)) => {
             return Err(bad(
                 "input",
-                "input: a token array must hold at least one token id (a whole number)",
+                "input must be a string, an array of strings, or token arrays",
             ));
         }
-        Ok("tok ".repeat(t.len()))
+        Some(Input::Items(items)) => items,
     };
-    match input {
-        None | Some(Value::Null) => Err(bad("input", "input: Field required")),
-        Some(Value::String(s)) if s.is_empty() => {
-            Err(bad("input", "input must not be an empty string"))
-        }
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(items)) if items.is_empty() => {
-            Err(bad("input", "input must hold at least one item"))
-        }
-        Some(Value::Array(items)) if items.len() > MAX_INPUTS => Err(bad(
-            "input",
-            format!(
-                "input: at most {MAX_INPUTS} items per request; this one has {}",
-                items.len()
-            ),
-        )),
-        Some(Value::Array(items)) if items[0].is_number() => tokens(items),
-        Some(Value::Array(items)) => {
-            let mut text = Vec::with_capacity(items.len());
-            for (i, item) in items.iter().enumerate() {
-                match item {
-                    Value::String(s) if !s.is_empty() => text.push(s.clone()),
-                    Value::Array(t) => text.push(tokens(t).map_err(|e| BadRequest {
-                        param: Some(format!("input[{i}]")),
-                        ..e
-                    })?),
-                    _ => {
-                        return Err(bad(
-                            format!("input[{i}]"),
-                            format!("input[{i}] must be a non-empty string or a token array"),
-                        ));
-                    }
-                }
-            }
-            Ok(text.join("\n"))
-        }
-        Some(_) => Err(bad(
-            "input",
-            "input must be a string, an array of strings, or token arrays",
-        )),
+    if items.is_empty() {
+        return Err(bad("input", "input must hold at least one item"));
     }
+    if items.len() > MAX_INPUTS {
+        let why = format!(
+            "input: at most {MAX_INPUTS} items per request; this one has {}",
+            items.len()
+        );
+        return Err(bad("input", why));
+    }
+    if matches!(items[0], Item::Token(_) | Item::Number(_)) {
+        if !items.iter().all(|i| matches!(i, Item::Token(_))) {
+            return Err(bad("input", format!("input: {no_tokens}")));
+        }
+        return Ok(tokens(items.len()));
+    }
+    let mut text = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        match item {
+            Item::Text(s) if !s.is_empty() => text.push(s),
+            Item::Tokens(t) if !t.is_empty() => text.push(tokens(t.len())),
+            Item::Tokens(_) | Item::NotTokens(_) => {
+                return Err(bad(
+                    format!("input[{i}]"),
+                    format!("input[{i}]: {no_tokens}"),
+                ));
+            }
+            _ => {
+                return Err(bad(
+                    format!("input[{i}]"),
+                    format!("input[{i}] must be a non-empty string or a token array"),
+                ));
+            }
+        }
+    }
+    Ok(text.join("\n"))
 }
 
 /// An embeddings request as the core's request (`model`, the `oam` object and the `X-OAM-*`
@@ -85,7 +118,9 @@ pub(crate) fn decode(
         Some(_) => return Err(bad("model", "model must be a string")),
         None => return Err(bad("model", "model: Field required")),
     };
-    let text = input_text(m.get("input"))?;
+    let input = m.get("input").filter(|i| !i.is_null());
+    let input = input.map(|i| Input::deserialize(i).unwrap_or(Input::Other(IgnoredAny)));
+    let text = input_text(input)?;
     if let Some(f) = m.get("encoding_format")
         && !matches!(f.as_str(), Some("float" | "base64"))
     {
@@ -175,6 +210,9 @@ mod tests {
             (json!({"model": "auto", "input": ["a", 5]}), "input[1]"),
             (json!({"model": "auto", "input": ["a", []]}), "input[1]"),
             (json!({"model": "auto", "input": [1, -2]}), "input"),
+            (json!({"model": "auto", "input": [[1.5]]}), "input[0]"),
+            (json!({"model": "auto", "input": {"text": "x"}}), "input"),
+            (json!({"model": "auto", "input": null}), "input"),
             (
                 json!({"model": "auto", "input": "x", "dimensions": 0}),
                 "dimensions",

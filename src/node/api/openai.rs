@@ -270,10 +270,6 @@ pub(crate) fn status_for(d: &Decision) -> StatusCode {
     }
 }
 
-pub(crate) fn oam_object(d: &Decision) -> Value {
-    serde_json::to_value(OamObject::of(d)).unwrap_or(Value::Null)
-}
-
 /// The `oam` object of an answer, written straight from the decision (members in name order).
 #[derive(serde::Serialize)]
 pub(crate) struct OamObject<'a> {
@@ -377,7 +373,7 @@ pub(crate) fn answer(
     if let Some(Value::Object(mut refusal)) = refusal {
         // The upstream's content-policy refusal as it came (an error, or a filtered answer),
         // with its status, and oam's object.
-        refusal.insert("oam".into(), oam_object(d));
+        refusal.insert("oam".into(), json!(OamObject::of(d)));
         let status = StatusCode::from_u16(upstream_status).unwrap_or(status);
         (status, json_bytes(&refusal))
     } else if let (true, Some(Reply::Completion(answer))) = (accepted, &upstream) {
@@ -396,7 +392,7 @@ pub(crate) fn answer(
     {
         // A chat completion of another shape, a list of embeddings, or a Messages target's
         // answer to a request it was sent as it came.
-        answer.insert("oam".into(), oam_object(d));
+        answer.insert("oam".into(), json!(OamObject::of(d)));
         (status, json_bytes(&answer))
     } else if accepted {
         let usage = g.usage.unwrap_or_default();
