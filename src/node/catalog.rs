@@ -7,7 +7,8 @@
 //! server that does not answer keeps the list it last gave.
 
 use super::Node;
-use super::upstream::{ToolDefinition, ToolListError};
+use super::exchange::ToolDefinition;
+use super::upstream::ToolListError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};

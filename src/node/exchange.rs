@@ -623,6 +623,66 @@ pub(crate) fn read_chunk(data: &str) -> Result<Option<Delta<'_>>, ErrorEvent> {
     }))
 }
 
+/// A tool's definition as its server gave it (MCP's `Tool`): oam reads its name, schemas and
+/// annotations, and passes the rest on as it came.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(transparent)]
+pub(crate) struct ToolDefinition(serde_json::Value);
+
+impl ToolDefinition {
+    /// Its name, if it has one (a definition without is not served).
+    pub(crate) fn name(&self) -> Option<&str> {
+        self.0["name"].as_str()
+    }
+
+    pub(crate) fn description(&self) -> &str {
+        self.0["description"].as_str().unwrap_or("")
+    }
+
+    /// The schema its arguments must fit.
+    pub(crate) fn input_schema(&self) -> Option<&serde_json::Value> {
+        self.0.get("inputSchema").filter(|s| s.is_object())
+    }
+
+    /// The schema its structured results must fit, if it declares one.
+    pub(crate) fn output_schema(&self) -> Option<&serde_json::Value> {
+        self.0.get("outputSchema").filter(|s| s.is_object())
+    }
+
+    /// Safe to call twice (its annotations say it is idempotent, or only reads).
+    pub(crate) fn idempotent(&self) -> bool {
+        let a = &self.0["annotations"];
+        a["idempotentHint"] == true || a["readOnlyHint"] == true
+    }
+
+    /// Its canonical JSON (members in name order): what its hash is of.
+    pub(crate) fn canonical(&self) -> String {
+        self.0.to_string()
+    }
+
+    /// As listed under `name`, its hash in `_meta.oam.definition_hash` (what `[[mcp_server]]
+    /// pins` takes to pin it).
+    pub(crate) fn listed_as(&self, name: &str, hash: u64) -> ToolDefinition {
+        let mut d = self.0.clone();
+        d["name"] = name.into();
+        if !d["_meta"].is_object() {
+            d["_meta"] = serde_json::json!({});
+        }
+        d["_meta"]["oam"] = serde_json::json!({"definition_hash": format!("{hash:016x}")});
+        ToolDefinition(d)
+    }
+
+    /// A mesh agent's, as a tool taking any object.
+    pub(crate) fn of_agent(name: &str, description: &str, idempotent: bool) -> ToolDefinition {
+        ToolDefinition(serde_json::json!({
+            "name": name,
+            "description": description,
+            "inputSchema": {"type": "object"},
+            "annotations": {"idempotentHint": idempotent},
+        }))
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

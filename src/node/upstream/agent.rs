@@ -9,11 +9,12 @@
 //! payload by the same fail-fast caller, so a tool call held by an agent that dies ends at once.
 
 use super::super::exchange::Attempt;
-use super::{ToolAsk, ToolDefinition, ToolListError, Upstream, UpstreamCall, chat, failed, listed};
+use super::{ToolAsk, ToolListError, Upstream, UpstreamCall, chat, failed, listed};
 use crate::core::request::GenerationStatus;
 use crate::core::request::{AgentUsage, Generation};
 use crate::mesh::client::Caller;
 use crate::mesh::protocol::ErrorCode;
+use crate::node::exchange::ToolDefinition;
 use futures_util::future::BoxFuture;
 use serde_json::{Value, json};
 use std::sync::Arc;

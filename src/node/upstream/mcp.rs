@@ -11,8 +11,9 @@
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Reply};
 use super::http::{error_chain, key, read_capped, secret};
-use super::{ToolAsk, ToolDefinition, ToolListError, Upstream, UpstreamCall, failed, listed};
+use super::{ToolAsk, ToolListError, Upstream, UpstreamCall, failed, listed};
 use crate::core::request::{Generation, GenerationStatus};
+use crate::node::exchange::ToolDefinition;
 use futures_util::future::BoxFuture;
 use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue};
 use serde_json::{Value, json};
