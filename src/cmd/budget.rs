@@ -176,7 +176,7 @@ pub(crate) async fn open_on(nats: &async_nats::Client) -> Result<kv::Store> {
         .map_err(|e| {
             Error::new(
                 Kind::Unreachable,
-                e.context(format!(
+                anyhow::Error::from(e).context(format!(
                     "cannot open the budget ledger ({BUDGETS_BUCKET}); it needs JetStream on the \
                      NATS server, which `oam mesh up` starts with it"
                 )),

@@ -81,7 +81,7 @@ async fn open_store(
     escalations::store(&nats).await.map_err(|e| {
         Error::new(
             Kind::Unreachable,
-            e.context(format!(
+            anyhow::Error::from(e).context(format!(
                 "cannot open the escalation store ({}); it needs JetStream on the NATS server, \
                  which `oam mesh up` starts with it",
                 escalations::BUCKET

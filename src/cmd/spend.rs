@@ -385,7 +385,12 @@ async fn settle_gone(
         holes.sort_by(|a, b| (&a.holder, a.seq).cmp(&(&b.holder, b.seq)));
         let (applied, _) = crate::transport::store::ledger::settle_holes(store, &k, &holes, now_ms)
             .await
-            .map_err(|e| Error::new(Kind::Unreachable, e.context(format!("settling {k}"))))?;
+            .map_err(|e| {
+                Error::new(
+                    Kind::Unreachable,
+                    anyhow::Error::from(e).context(format!("settling {k}")),
+                )
+            })?;
         out.there_already += holes.len() - applied.len();
         out.applied
             .extend(applied.into_iter().map(|i| holes[i].clone()));

@@ -48,7 +48,7 @@ pub(crate) async fn earlier_runs(
         .await;
         let tried = match opened {
             Ok(Ok(store)) => settle_earlier(&node, &store).await,
-            Ok(Err(e)) => Err(e),
+            Ok(Err(e)) => Err(e.into()),
             Err(_) => Err(anyhow::anyhow!("the budget ledger did not open")),
         };
         match tried {

@@ -4,6 +4,7 @@
 //! node writes (junk, on a stolen credential) pushes out only its own records. Nodes write it
 //! (`node::decisionlog`); `oam explain` and `oam audit` read every node's stream and merge them.
 
+use super::{Result, StoreError};
 use crate::core::pipeline::Config as PipelineConfig;
 use crate::core::record::Record;
 use crate::core::timeline::StateVersion;
@@ -89,11 +90,11 @@ pub(crate) fn retention_differs(
 pub(crate) async fn open_as(
     js: &jetstream::Context,
     want: jetstream::stream::Config,
-) -> anyhow::Result<(jetstream::stream::Stream, Option<String>)> {
+) -> Result<(jetstream::stream::Stream, Option<String>)> {
     let mut stream = js
         .get_or_create_stream(want.clone())
         .await
-        .map_err(|e| anyhow::anyhow!("cannot open the stream {}: {e}", want.name))?;
+        .map_err(|e| StoreError::Failed(format!("cannot open the stream {}: {e}", want.name)))?;
     let have = stream.cached_info().config.clone();
     let Some(change) = retention_differs(&have, &want) else {
         return Ok((stream, None));
@@ -103,10 +104,16 @@ pub(crate) async fn open_as(
         max_age: want.max_age,
         ..have
     };
-    js.update_stream(updated)
+    js.update_stream(updated).await.map_err(|e| {
+        StoreError::Failed(format!(
+            "cannot change the stream {} ({change}): {e}",
+            want.name
+        ))
+    })?;
+    stream
+        .info()
         .await
-        .map_err(|e| anyhow::anyhow!("cannot change the stream {} ({change}): {e}", want.name))?;
-    stream.info().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        .map_err(|e| StoreError::Failed(format!("{e}")))?;
     Ok((stream, Some(change)))
 }
 
@@ -120,7 +127,7 @@ pub(crate) async fn open_for(
     max_age: Duration,
     max_bytes: u64,
     replicas: usize,
-) -> anyhow::Result<Vec<String>> {
+) -> Result<Vec<String>> {
     retire_shared(js).await?;
     let each = max_bytes / u64::try_from(nodes.len().max(1)).unwrap_or(u64::MAX);
     let mut changed = Vec::new();
@@ -137,7 +144,7 @@ pub(crate) async fn reshare(
     js: &jetstream::Context,
     nodes: &[String],
     replicas: usize,
-) -> anyhow::Result<Vec<String>> {
+) -> Result<Vec<String>> {
     let (mut max_bytes, mut max_age) = (0_u64, Duration::ZERO);
     for node in nodes {
         if let Ok(mut s) = js.get_stream(subjects::decision_log_stream(node)).await {
@@ -155,7 +162,7 @@ pub(crate) async fn reshare(
 /// The stream earlier oam kept for all nodes together (`OAM_DECISIONS` on every node's
 /// subject) takes no more writes: its subjects would overlap each node's own stream. What it
 /// holds stays readable until it ages out.
-pub(crate) async fn retire_shared(js: &jetstream::Context) -> anyhow::Result<()> {
+pub(crate) async fn retire_shared(js: &jetstream::Context) -> Result<()> {
     let name = subjects::DECISION_LOG_STREAM;
     let Ok(mut shared) = js.get_stream(name).await else {
         return Ok(()); // none (the usual case), or said where it is read
@@ -169,7 +176,9 @@ pub(crate) async fn retire_shared(js: &jetstream::Context) -> anyhow::Result<()>
         ..have
     })
     .await
-    .map_err(|e| anyhow::anyhow!("cannot retire the shared decision log {name}: {e}"))?;
+    .map_err(|e| {
+        StoreError::Failed(format!("cannot retire the shared decision log {name}: {e}"))
+    })?;
     tracing::info!(
         "the decision log is kept per node now ({name}_{{node}}); {name} keeps what it holds \
          until it ages out"
@@ -371,7 +380,7 @@ pub fn human(ms: u64) -> String {
 async fn log_streams(
     nats: &async_nats::Client,
     node: Option<&str>,
-) -> anyhow::Result<Vec<jetstream::stream::Stream>> {
+) -> Result<Vec<jetstream::stream::Stream>> {
     use futures_util::TryStreamExt;
     let js = super::context(nats);
     let deadline = tokio::time::Instant::now() + OPEN_TIMEOUT;
@@ -383,7 +392,9 @@ async fn log_streams(
                 retrying(deadline, || js.stream_names().try_collect::<Vec<String>>())
                     .await
                     .map_err(|_| no_answer())?
-                    .map_err(|e| anyhow::anyhow!("cannot list the decision log's streams: {e}"))?;
+                    .map_err(|e| {
+                        StoreError::Failed(format!("cannot list the decision log's streams: {e}"))
+                    })?;
             let prefix = format!("{}_", subjects::DECISION_LOG_STREAM);
             names.extend(all.into_iter().filter(|n| n.starts_with(&prefix)));
         }
@@ -394,15 +405,19 @@ async fn log_streams(
             Err(_) => return Err(no_answer()),
             Ok(Ok(s)) => out.push(s),
             Ok(Err(e)) if not_found(&e) => {}
-            Ok(Err(e)) => anyhow::bail!("cannot read the decision log ({name}): {e}"),
+            Ok(Err(e)) => {
+                return Err(StoreError::Failed(format!(
+                    "cannot read the decision log ({name}): {e}"
+                )));
+            }
         }
     }
     if out.is_empty() {
-        anyhow::bail!(
+        return Err(StoreError::Failed(format!(
             "no decision log ({}_{}): nodes write it as they decide",
             subjects::DECISION_LOG_STREAM,
             node.unwrap_or("{node}")
-        );
+        )));
     }
     Ok(out)
 }
@@ -443,7 +458,7 @@ fn not_found(e: &jetstream::context::GetStreamError) -> bool {
 }
 
 /// The log's span: all its streams together.
-pub async fn span(nats: &async_nats::Client) -> anyhow::Result<LogSpan> {
+pub async fn span(nats: &async_nats::Client) -> Result<LogSpan> {
     let mut span = LogSpan {
         first_ms: None,
         bytes: 0,
@@ -469,13 +484,13 @@ pub async fn span(nats: &async_nats::Client) -> anyhow::Result<LogSpan> {
 
 /// A server that never answers (its roles refuse this client's replies, say) is an error that
 /// says what to do, not a wait without end.
-fn no_answer() -> anyhow::Error {
-    anyhow::anyhow!(
+fn no_answer() -> StoreError {
+    StoreError::Silent(format!(
         "the server did not answer for the decision log ({}_*) within {} s; if the mesh was \
          started by another version of oam, start it again with `oam mesh up`",
         subjects::DECISION_LOG_STREAM,
         OPEN_TIMEOUT.as_secs()
-    )
+    ))
 }
 
 /// Read the decision log from `since_ms` (ms since the epoch, by when batches were written),
@@ -489,9 +504,9 @@ pub async fn read(
     node: Option<&str>,
     keep: impl Fn(&Record) -> bool,
     last: usize,
-) -> anyhow::Result<(Vec<Stored>, usize)> {
+) -> Result<(Vec<Stored>, usize)> {
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
-        .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+        .map_err(|e| StoreError::Unreadable(format!("start time: {e}")))?;
     let mut all = Vec::new();
     let mut read = 0;
     for stream in log_streams(nats, node).await? {
@@ -514,7 +529,7 @@ async fn read_stream(
     node: Option<&str>,
     keep: &impl Fn(&Record) -> bool,
     last: usize,
-) -> anyhow::Result<(std::collections::VecDeque<Stored>, usize)> {
+) -> Result<(std::collections::VecDeque<Stored>, usize)> {
     let name = &stream.cached_info().config.name;
     if last == usize::MAX {
         let filter = node.map_or_else(
@@ -531,7 +546,7 @@ async fn read_stream(
     let info = tokio::time::timeout(OPEN_TIMEOUT, stream.get_info())
         .await
         .map_err(|_| no_answer())?
-        .map_err(|e| anyhow::anyhow!("cannot read {name}: {e}"))?;
+        .map_err(|e| StoreError::Failed(format!("cannot read {name}: {e}")))?;
     let (first, mut end) = (info.state.first_sequence, info.state.last_sequence);
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
@@ -567,7 +582,7 @@ async fn records_from(
     node: Option<&str>,
     keep: &impl Fn(&Record) -> bool,
     last: usize,
-) -> anyhow::Result<(std::collections::VecDeque<Stored>, usize, bool)> {
+) -> Result<(std::collections::VecDeque<Stored>, usize, bool)> {
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
     let before_since = read_from(nats, stream, from, until, since, node, |b, written_ms| {
@@ -601,7 +616,7 @@ pub(crate) async fn each_with_states(
     since_ms: u64,
     node: Option<&str>,
     mut each: impl FnMut(&Record, &crate::core::timeline::Versions),
-) -> anyhow::Result<u64> {
+) -> Result<u64> {
     let mut given = 0;
     let since = time::OffsetDateTime::UNIX_EPOCH;
     for stream in log_streams(nats, node).await? {
@@ -631,7 +646,7 @@ pub async fn each(
     since_ms: u64,
     node: Option<&str>,
     each: impl FnMut(&Record),
-) -> anyhow::Result<u64> {
+) -> Result<u64> {
     each_in(nats, log_streams(nats, node).await?, since_ms, node, each).await
 }
 
@@ -642,12 +657,12 @@ pub(crate) async fn each_own(
     node: &str,
     since_ms: u64,
     each: impl FnMut(&Record),
-) -> anyhow::Result<u64> {
+) -> Result<u64> {
     let name = subjects::decision_log_stream(node);
     let stream = tokio::time::timeout(OPEN_TIMEOUT, super::context(nats).get_stream(&name))
         .await
         .map_err(|_| no_answer())?
-        .map_err(|e| anyhow::anyhow!("cannot read the decision log ({name}): {e}"))?;
+        .map_err(|e| StoreError::Failed(format!("cannot read the decision log ({name}): {e}")))?;
     each_in(nats, vec![stream], since_ms, Some(node), each).await
 }
 
@@ -658,9 +673,9 @@ async fn each_in(
     since_ms: u64,
     node: Option<&str>,
     mut each: impl FnMut(&Record),
-) -> anyhow::Result<u64> {
+) -> Result<u64> {
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
-        .map_err(|e| anyhow::anyhow!("start time: {e}"))?;
+        .map_err(|e| StoreError::Unreadable(format!("start time: {e}")))?;
     let filter = node.map_or_else(
         || subjects::DECISION_LOG_ALL.to_string(),
         subjects::decision_log,
@@ -685,7 +700,7 @@ pub async fn timeline(
     nats: &async_nats::Client,
     node: &str,
     run: &str,
-) -> anyhow::Result<Vec<StateVersion>> {
+) -> Result<Vec<StateVersion>> {
     let mut out = Vec::new();
     let since = time::OffsetDateTime::UNIX_EPOCH;
     for stream in log_streams(nats, Some(node)).await? {
@@ -711,7 +726,7 @@ async fn read_from(
     since: time::OffsetDateTime,
     node: Option<&str>,
     mut each: impl FnMut(Batch, u64),
-) -> anyhow::Result<bool> {
+) -> Result<bool> {
     let filter = node.map_or_else(
         || subjects::DECISION_LOG_ALL.to_string(),
         subjects::decision_log,
@@ -761,10 +776,12 @@ async fn read_from(
             {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            Err(e) => anyhow::bail!(
-                "the decision log stopped answering after {} records: {e}",
-                read.load(std::sync::atomic::Ordering::Relaxed)
-            ),
+            Err(e) => {
+                return Err(StoreError::Silent(format!(
+                    "the decision log stopped answering after {} records: {e}",
+                    read.load(std::sync::atomic::Ordering::Relaxed)
+                )));
+            }
             Ok(_) => break,
         }
     }

@@ -3,6 +3,7 @@
 //! resolve`). `oam watch` and `oam escalation list` read the bucket, so a view started later
 //! still sees what waits for a human. Records expire after [`MAX_AGE`].
 
+use super::{Result, StoreError};
 use crate::core::escalation::Escalation;
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -66,13 +67,13 @@ pub fn key(id: &str) -> String {
 }
 
 /// Open (or create) the bucket.
-pub async fn store(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
+pub async fn store(nats: &async_nats::Client) -> Result<kv::Store> {
     crate::transport::store::bucket(nats, BUCKET, MAX_AGE).await
 }
 
 /// Record `escalation`, raised by `node`, as open: true; false when a record of its id is there
 /// already (another node raised the same episode's escalation first).
-pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> anyhow::Result<bool> {
+pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> Result<bool> {
     let record = EscalationRecord {
         escalation: escalation.clone(),
         node: node.to_string(),
@@ -92,24 +93,22 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> any
     {
         Ok(_) => Ok(true),
         Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(anyhow::anyhow!(
+        Err(e) => Err(StoreError::Failed(format!(
             "escalation {} not recorded: {e}",
             escalation.id
-        )),
+        ))),
     }
 }
 
 /// Every record in the bucket, oldest first; entries that are not records are skipped (see
 /// `all_checked` to hear about them).
-pub async fn all(store: &kv::Store) -> anyhow::Result<Vec<EscalationRecord>> {
+pub async fn all(store: &kv::Store) -> Result<Vec<EscalationRecord>> {
     Ok(all_checked(store).await?.0)
 }
 
 /// Every record in the bucket, oldest first, and the keys of entries that are not records
 /// (corrupt, or written by something else), so a reader can say so instead of hiding them.
-pub(crate) async fn all_checked(
-    store: &kv::Store,
-) -> anyhow::Result<(Vec<EscalationRecord>, Vec<String>)> {
+pub(crate) async fn all_checked(store: &kv::Store) -> Result<(Vec<EscalationRecord>, Vec<String>)> {
     let keys = super::keys(store).await?;
     let mut out = Vec::with_capacity(keys.len());
     let mut unreadable = Vec::new();
@@ -152,7 +151,7 @@ pub async fn resolve(
     by: &str,
     note: Option<&str>,
     now_ms: u64,
-) -> anyhow::Result<Resolved> {
+) -> Result<Resolved> {
     mark(store, id, Mark::Resolved, by, note, now_ms).await
 }
 
@@ -165,7 +164,7 @@ pub async fn mark(
     by: &str,
     note: Option<&str>,
     now_ms: u64,
-) -> anyhow::Result<Resolved> {
+) -> Result<Resolved> {
     let k = key(id);
     for _ in 0..5 {
         let Some(entry) = store.entry(k.clone()).await? else {
@@ -174,8 +173,9 @@ pub async fn mark(
         if entry.operation != kv::Operation::Put {
             return Ok(Resolved::Unknown);
         }
-        let mut record: EscalationRecord = serde_json::from_slice(&entry.value)
-            .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
+        let mut record: EscalationRecord = serde_json::from_slice(&entry.value).map_err(|e| {
+            StoreError::Unreadable(format!("the record of {id} is not an escalation: {e}"))
+        })?;
         let done = record.status == Status::Resolved
             || (how == Mark::Acknowledged && record.acknowledged_by.is_some());
         if done {
@@ -202,7 +202,9 @@ pub async fn mark(
             Err(e) => return Err(e.into()),
         }
     }
-    anyhow::bail!("{id} kept changing while it was being resolved; try again")
+    Err(StoreError::Contended(format!(
+        "{id} kept changing while it was being resolved; try again"
+    )))
 }
 
 /// EscalationRecord on escalation `id` how its delivery went (whatever else changed in the record
@@ -226,19 +228,15 @@ impl Sink {
 }
 
 /// EscalationRecord how `sink` took escalation `id`.
-pub async fn delivered(
-    store: &kv::Store,
-    id: &str,
-    sink: &Sink,
-    delivery: Delivery,
-) -> anyhow::Result<()> {
+pub async fn delivered(store: &kv::Store, id: &str, sink: &Sink, delivery: Delivery) -> Result<()> {
     let k = key(id);
     for _ in 0..5 {
         let Some(entry) = store.entry(k.clone()).await? else {
-            anyhow::bail!("no record of {id}");
+            return Err(StoreError::Failed(format!("no record of {id}")));
         };
-        let mut record: EscalationRecord = serde_json::from_slice(&entry.value)
-            .map_err(|e| anyhow::anyhow!("the record of {id} is not an escalation: {e}"))?;
+        let mut record: EscalationRecord = serde_json::from_slice(&entry.value).map_err(|e| {
+            StoreError::Unreadable(format!("the record of {id} is not an escalation: {e}"))
+        })?;
         match sink {
             Sink::Webhook(_) => record.delivery = Some(delivery.clone()),
             Sink::Command(_) => record.command_delivery = Some(delivery.clone()),
@@ -250,7 +248,9 @@ pub async fn delivered(
             Err(e) => return Err(e.into()),
         }
     }
-    anyhow::bail!("{id} kept changing while its delivery was recorded")
+    Err(StoreError::Contended(format!(
+        "{id} kept changing while its delivery was recorded"
+    )))
 }
 
 /// A loop escalation for tests of the views.

@@ -4,6 +4,7 @@
 //! cost under `probes.{YYYY-MM-DD}`. Nodes reserve and settle against it in
 //! batches (`node::ledger`); operators and bench scenarios read and change one record at a time.
 
+use super::{Result, StoreError};
 use crate::core::budget::{Kind, Owner};
 use crate::core::ledger::Ledger;
 use crate::transport::subjects::BUDGETS_BUCKET;
@@ -11,7 +12,7 @@ use async_nats::jetstream::kv;
 use std::time::Duration;
 
 /// Open the ledger's bucket, creating it on first use (records never expire).
-pub async fn open(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
+pub async fn open(nats: &async_nats::Client) -> Result<kv::Store> {
     super::bucket(nats, BUDGETS_BUCKET, Duration::ZERO).await
 }
 
@@ -111,14 +112,12 @@ pub async fn change(
 }
 
 /// The record of `owner`'s budget, if there is one.
-pub async fn read(store: &kv::Store, owner: &Owner) -> anyhow::Result<Option<Ledger>> {
+pub async fn read(store: &kv::Store, owner: &Owner) -> Result<Option<Ledger>> {
     let k = key(owner);
     match store.get(&k).await? {
-        Some(bytes) => {
-            Ok(Some(serde_json::from_slice(&bytes).map_err(|e| {
-                anyhow::anyhow!("{k} is not a budget record: {e}")
-            })?))
-        }
+        Some(bytes) => Ok(Some(serde_json::from_slice(&bytes).map_err(|e| {
+            StoreError::Unreadable(format!("{k} is not a budget record: {e}"))
+        })?)),
         None => Ok(None),
     }
 }
@@ -138,15 +137,15 @@ pub(crate) struct Records {
 }
 
 /// Read every record of the ledger, each within `each_within` (and its key list too).
-pub(crate) async fn read_all(store: &kv::Store, each_within: Duration) -> anyhow::Result<Records> {
+pub(crate) async fn read_all(store: &kv::Store, each_within: Duration) -> Result<Records> {
     let keys = tokio::time::timeout(each_within, super::keys(store))
         .await
-        .map_err(|_| anyhow::anyhow!("no answer listing the ledger's keys"))??;
+        .map_err(|_| StoreError::Silent("no answer listing the ledger's keys".into()))??;
     let mut out = Records::default();
     for k in keys {
         let Some(bytes) = tokio::time::timeout(each_within, store.get(&k))
             .await
-            .map_err(|_| anyhow::anyhow!("no answer reading {k}"))??
+            .map_err(|_| StoreError::Silent(format!("no answer reading {k}")))??
         else {
             continue;
         };
@@ -177,7 +176,7 @@ pub(crate) async fn charge_probes(
     day: &str,
     usd: f64,
     cap: Option<f64>,
-) -> anyhow::Result<bool> {
+) -> Result<bool> {
     let k = format!("{PROBES_PREFIX}{day}");
     for _ in 0..CAS_TRIES {
         let entry = store.entry(&k).await?;
@@ -216,10 +215,16 @@ pub(crate) async fn charge_probes(
         match written {
             Ok(()) => return Ok(true),
             Err(None) => {}
-            Err(Some(e)) => anyhow::bail!("the probe budget's write was not taken: {e}"),
+            Err(Some(e)) => {
+                return Err(StoreError::Failed(format!(
+                    "the probe budget's write was not taken: {e}"
+                )));
+            }
         }
     }
-    anyhow::bail!("{CAS_TRIES} conflicting writes in a row to {k}")
+    Err(StoreError::Contended(format!(
+        "{CAS_TRIES} conflicting writes in a row to {k}"
+    )))
 }
 
 /// Apply `holes` (recorded charges the budget record `k` lacks, in order) to it by
@@ -231,14 +236,14 @@ pub(crate) async fn settle_holes(
     k: &str,
     holes: &[crate::core::books::Hole],
     now_ms: u64,
-) -> anyhow::Result<(Vec<usize>, Option<(u64, Ledger)>)> {
+) -> Result<(Vec<usize>, Option<(u64, Ledger)>)> {
     for _ in 0..CAS_TRIES {
         let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
             .await
-            .map_err(|_| anyhow::anyhow!("no answer reading {k}"))??
-            .ok_or_else(|| anyhow::anyhow!("{k} is gone"))?;
+            .map_err(|_| StoreError::Silent(format!("no answer reading {k}")))??
+            .ok_or_else(|| StoreError::Failed(format!("{k} is gone")))?;
         if entry.operation != kv::Operation::Put {
-            anyhow::bail!("{k} was removed");
+            return Err(StoreError::Failed(format!("{k} was removed")));
         }
         let mut ledger: Ledger = serde_json::from_slice(&entry.value)?;
         let applied: Vec<usize> = (0..holes.len())
@@ -256,11 +261,13 @@ pub(crate) async fn settle_holes(
             Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            Ok(Err(e)) => anyhow::bail!("{k} not written: {e}"),
-            Err(_) => anyhow::bail!("no answer writing {k}"),
+            Ok(Err(e)) => return Err(StoreError::Failed(format!("{k} not written: {e}"))),
+            Err(_) => return Err(StoreError::Silent(format!("no answer writing {k}"))),
         }
     }
-    anyhow::bail!("{CAS_TRIES} conflicting writes in a row on {k}")
+    Err(StoreError::Contended(format!(
+        "{CAS_TRIES} conflicting writes in a row on {k}"
+    )))
 }
 
 #[cfg(test)]

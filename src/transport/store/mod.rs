@@ -13,6 +13,54 @@ pub mod rates;
 use async_nats::jetstream::{self, kv};
 use std::time::Duration;
 
+/// Why a store did not do what was asked; each says what it was doing.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// No answer in time: a server gone, a stream electing its leader.
+    #[error("{0}")]
+    Silent(String),
+    /// NATS or the server refused or failed it (as it said).
+    #[error("{0}")]
+    Failed(String),
+    /// A record or an answer that is not what it should be.
+    #[error("{0}")]
+    Unreadable(String),
+    /// Writes kept meeting other writers' (try again).
+    #[error("{0}")]
+    Contended(String),
+    /// A store kept in a way oam refuses, or missing; what to do is said.
+    #[error("{0}")]
+    Unfit(String),
+}
+
+/// A store's answer.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// What NATS said, as a failure of the store.
+macro_rules! failed_from {
+    ($($t:ty),* $(,)?) => {
+        $(impl From<$t> for StoreError {
+            fn from(e: $t) -> Self {
+                StoreError::Failed(e.to_string())
+            }
+        })*
+    };
+}
+
+failed_from!(
+    async_nats::SubscribeError,
+    async_nats::PublishError,
+    kv::EntryError,
+    kv::PutError,
+    kv::CreateError,
+    kv::UpdateError,
+    kv::WatchError,
+    jetstream::stream::ConsumerError,
+    jetstream::consumer::StreamError,
+    jetstream::context::RequestError,
+    serde_json::Error,
+);
+
 /// How long an agent instance's record lives without renewal.
 pub const INSTANCE_LEASE: Duration = Duration::from_secs(15);
 /// How long an announced death is remembered (so it is announced once).
@@ -33,7 +81,7 @@ pub(crate) const MESH_BUCKETS: [(&str, Duration); 4] = [
 /// The keys of `store` that have a message (deleted ones too, until their marker ages out: a
 /// `get` then finds nothing), from the stream's subject counts rather than a consumer, so a
 /// role that may not create consumers (agents, callers) can list them.
-pub async fn keys(store: &kv::Store) -> anyhow::Result<Vec<String>> {
+pub async fn keys(store: &kv::Store) -> Result<Vec<String>> {
     keys_matching(store, ">").await
 }
 
@@ -54,12 +102,12 @@ pub async fn read_on(
     filter: &str,
     from: u64,
     mut each: impl FnMut(jetstream::message::StreamMessage) -> bool,
-) -> anyhow::Result<u64> {
+) -> Result<u64> {
     use futures_util::StreamExt;
     let inbox = nats.new_inbox();
     let mut answers = nats.subscribe(inbox.clone()).await?;
     let ask = format!("$JS.API.DIRECT.GET.{stream}");
-    let stopped = || anyhow::anyhow!("the stream {stream} stopped answering");
+    let stopped = || StoreError::Silent(format!("the stream {stream} stopped answering"));
     let mut next = from.max(1);
     // A stream just restarted, or electing a leader, answers "no responders" for a while:
     // asked again until `API_TIMEOUT` has passed without an answer.
@@ -95,18 +143,20 @@ pub async fn read_on(
                 Some(503) if got == 0 => {
                     let since = *unanswered_since.get_or_insert_with(tokio::time::Instant::now);
                     if since.elapsed() >= API_TIMEOUT {
-                        anyhow::bail!(
+                        return Err(StoreError::Silent(format!(
                             "cannot read {stream}: no replica answered for {} s (503)",
                             API_TIMEOUT.as_secs()
-                        );
+                        )));
                     }
                     again = true;
                     break;
                 }
-                Some(code) => anyhow::bail!(
-                    "cannot read {stream}: {code} {}",
-                    m.description.as_deref().unwrap_or("")
-                ),
+                Some(code) => {
+                    return Err(StoreError::Failed(format!(
+                        "cannot read {stream}: {code} {}",
+                        m.description.as_deref().unwrap_or("")
+                    )));
+                }
                 None => {}
             }
             let header = |name: &str| {
@@ -119,7 +169,9 @@ pub async fn read_on(
                     .and_then(|t| async_nats::datetime::parse_rfc3339(&t).ok()),
                 header("Nats-Subject"),
             ) else {
-                anyhow::bail!("cannot read {stream}: a direct get answer without its headers");
+                return Err(StoreError::Unreadable(format!(
+                    "cannot read {stream}: a direct get answer without its headers"
+                )));
             };
             next = seq + 1;
             got += 1;
@@ -156,11 +208,16 @@ pub(crate) async fn first_at(
     stream: &jetstream::stream::Stream,
     filter: &str,
     at: time::OffsetDateTime,
-) -> anyhow::Result<u64> {
+) -> Result<u64> {
     let info = tokio::time::timeout(API_TIMEOUT, stream.get_info())
         .await
-        .map_err(|_| anyhow::anyhow!("the stream {} stopped answering", stream_name(stream)))?
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", stream_name(stream)))?;
+        .map_err(|_| {
+            StoreError::Silent(format!(
+                "the stream {} stopped answering",
+                stream_name(stream)
+            ))
+        })?
+        .map_err(|e| StoreError::Failed(format!("cannot read {}: {e}", stream_name(stream))))?;
     let (mut lo, mut hi) = (
         info.state.first_sequence.max(1),
         info.state.last_sequence + 1,
@@ -206,9 +263,7 @@ const WATCH_PULL: Duration = Duration::from_secs(2);
 /// agents could publish into a node's inbox, one emptied budget records, rate-limit windows and
 /// escalations that way; nobody but the server may publish there now, and a pull consumer's
 /// client answers nothing it is sent in any case.
-pub async fn watch(
-    store: &kv::Store,
-) -> anyhow::Result<impl futures_util::Stream<Item = Change> + use<>> {
+pub async fn watch(store: &kv::Store) -> Result<impl futures_util::Stream<Item = Change> + use<>> {
     use futures_util::StreamExt;
     let config = jetstream::consumer::pull::OrderedConfig {
         filter_subject: format!("{}>", store.prefix),
@@ -262,7 +317,7 @@ pub(crate) async fn changes_since(
     nats: &async_nats::Client,
     store: &kv::Store,
     from: u64,
-) -> anyhow::Result<(Vec<Change>, u64)> {
+) -> Result<(Vec<Change>, u64)> {
     let mut out = Vec::new();
     let prefix = &store.prefix;
     let stream = &store.stream_name;
@@ -283,7 +338,7 @@ pub(crate) async fn changes_since(
 
 /// The keys of `store` that match `pattern` (a subject pattern: `*` one token, `>` the rest),
 /// as `keys` lists them: the server filters, so a few keys of a large bucket cost a few.
-pub(crate) async fn keys_matching(store: &kv::Store, pattern: &str) -> anyhow::Result<Vec<String>> {
+pub(crate) async fn keys_matching(store: &kv::Store, pattern: &str) -> Result<Vec<String>> {
     use futures_util::TryStreamExt;
     let prefix = format!("$KV.{}.", store.name);
     let subjects: Vec<(String, usize)> = store
@@ -359,28 +414,24 @@ pub fn replicas(nats: &async_nats::Client) -> usize {
 pub(crate) fn check_replicas(
     nats: &async_nats::Client,
     config: &jetstream::stream::Config,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let servers = cluster_size(nats);
     let stream = &config.name;
     if servers > 1 && config.num_replicas <= 1 {
-        anyhow::bail!(
+        return Err(StoreError::Unfit(format!(
             "the stream {stream} keeps 1 copy on a cluster of {servers} servers, so losing one \
              server loses it; give it {} (`nats stream edit {stream} --replicas {}`), or let \
              `oam mesh up` create it",
             replicas(nats),
             replicas(nats)
-        );
+        )));
     }
     Ok(())
 }
 
 /// Open the KV bucket `name`, creating it (history 1, `max_age`, `replicas` copies) if it does
 /// not exist; one kept as a single copy on a cluster is refused.
-pub async fn bucket(
-    nats: &async_nats::Client,
-    name: &str,
-    max_age: Duration,
-) -> anyhow::Result<kv::Store> {
+pub async fn bucket(nats: &async_nats::Client, name: &str, max_age: Duration) -> Result<kv::Store> {
     let js = context(nats);
     if let Ok(Ok(store)) = tokio::time::timeout(OPEN_TIMEOUT, js.get_key_value(name)).await {
         check_replicas(nats, &store.stream.cached_info().config)?;
@@ -401,11 +452,11 @@ pub async fn bucket(
     // Another process may have created it meanwhile.
     match tokio::time::timeout(OPEN_TIMEOUT, js.get_key_value(name)).await {
         Ok(Ok(store)) => Ok(store),
-        _ => Err(anyhow::anyhow!(
+        _ => Err(StoreError::Unfit(format!(
             "the KV bucket {name} is missing and could not be created ({created}); only the \
              admin may create one: `oam mesh up --dir DIR` puts back every bucket of a mesh, \
              running or not"
-        )),
+        ))),
     }
 }
 

@@ -2,13 +2,14 @@
 //! one record per caller and minute (`{caller}.{window}`: what the cluster has granted of
 //! it), kept two windows. A node leases from a record by compare-and-swap (`node::rates`).
 
+use super::Result;
 use crate::core::rates::{Granted, Limit, WINDOW_MS};
 use crate::transport::subjects::RATES_BUCKET;
 use async_nats::jetstream::kv;
 use std::time::Duration;
 
 /// Open the bucket, creating it on first use (a window's record outlives it by one window).
-pub async fn open(nats: &async_nats::Client) -> anyhow::Result<kv::Store> {
+pub async fn open(nats: &async_nats::Client) -> Result<kv::Store> {
     super::bucket(nats, RATES_BUCKET, Duration::from_millis(2 * WINDOW_MS)).await
 }
 
