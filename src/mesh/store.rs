@@ -3,7 +3,7 @@
 //! instance records (which instance serves which agents; leases that expire unless renewed).
 
 use super::protocol::{self, CatalogEntry};
-use crate::transport::store::bucket;
+use crate::transport::store::{Result, StoreError, bucket};
 use crate::transport::subjects;
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -52,7 +52,7 @@ impl Mesh {
     /// Bucket `name` as kept in `kept`, opened (`bucket`) if it is not. After a reconnect it
     /// is opened again, and meanwhile (a stream electing a leader answers no open for seconds)
     /// the handle kept goes on: a bucket keeps its name, and its subjects, wherever it is led.
-    async fn open(&self, kept: &Kept, name: &str, max_age: Duration) -> anyhow::Result<kv::Store> {
+    async fn open(&self, kept: &Kept, name: &str, max_age: Duration) -> Result<kv::Store> {
         let connects = self
             .nats
             .statistics()
@@ -87,22 +87,22 @@ impl Mesh {
         );
     }
 
-    async fn catalog(&self) -> anyhow::Result<kv::Store> {
+    async fn catalog(&self) -> Result<kv::Store> {
         self.open(&self.catalog, subjects::CATALOG_BUCKET, Duration::ZERO)
             .await
     }
 
-    async fn registry(&self) -> anyhow::Result<kv::Store> {
+    async fn registry(&self) -> Result<kv::Store> {
         self.open(&self.registry, subjects::REGISTRY_BUCKET, Duration::ZERO)
             .await
     }
 
-    async fn instances(&self) -> anyhow::Result<kv::Store> {
+    async fn instances(&self) -> Result<kv::Store> {
         self.open(&self.instances, subjects::INSTANCES_BUCKET, INSTANCE_LEASE)
             .await
     }
 
-    async fn tombstones(&self) -> anyhow::Result<kv::Store> {
+    async fn tombstones(&self) -> Result<kv::Store> {
         let age = crate::transport::store::TOMBSTONE_AGE;
         self.open(&self.tombstones, subjects::TOMBSTONES_BUCKET, age)
             .await
@@ -142,25 +142,23 @@ pub(crate) fn rfc3339_now() -> String {
 
 /// The catalog's entries (empty if the bucket or key does not exist yet). Entries that do not
 /// parse are skipped, not fatal.
-pub async fn catalog(mesh: &Mesh) -> anyhow::Result<Vec<CatalogEntry>> {
+pub async fn catalog(mesh: &Mesh) -> Result<Vec<CatalogEntry>> {
     Ok(catalog_checked(mesh).await?.0)
 }
 
 /// The catalog, and its items that are not entries (shown as they are, shortened), so a reader
 /// can say so. A catalog that is not a JSON array at all is an error, not an empty catalog.
-pub(crate) async fn catalog_checked(
-    mesh: &Mesh,
-) -> anyhow::Result<(Vec<CatalogEntry>, Vec<String>)> {
+pub(crate) async fn catalog_checked(mesh: &Mesh) -> Result<(Vec<CatalogEntry>, Vec<String>)> {
     let store = mesh.catalog().await?;
     let Some(raw) = store.get(subjects::CATALOG_KEY).await? else {
         return Ok((Vec::new(), Vec::new()));
     };
     let items: Vec<serde_json::Value> = serde_json::from_slice(&raw).map_err(|e| {
-        anyhow::anyhow!(
+        StoreError::Unreadable(format!(
             "the agent catalog (KV {} key {}) is not a JSON array of entries: {e}",
             subjects::CATALOG_BUCKET,
             subjects::CATALOG_KEY
-        )
+        ))
     })?;
     let mut entries = Vec::with_capacity(items.len());
     let mut unreadable = Vec::new();
@@ -185,7 +183,7 @@ async fn edit_catalog(
     mesh: &Mesh,
     afresh: bool,
     edit: impl Fn(&mut Vec<serde_json::Value>) -> bool,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     use std::hash::BuildHasher;
     let store = mesh.catalog().await?;
     let deadline = std::time::Instant::now() + CATALOG_WITHIN;
@@ -213,22 +211,22 @@ async fn edit_catalog(
                 .update(subjects::CATALOG_KEY, value, e.revision)
                 .await
                 .map(drop)
-                .map_err(anyhow::Error::from),
+                .map_err(StoreError::from),
             None => store
                 .create(subjects::CATALOG_KEY, value)
                 .await
                 .map(drop)
-                .map_err(anyhow::Error::from),
+                .map_err(StoreError::from),
         };
         let Err(e) = written else {
             return Ok(());
         };
         if std::time::Instant::now() >= deadline {
-            anyhow::bail!(
+            return Err(StoreError::Contended(format!(
                 "the catalog kept changing under us: {tries} writes in {} s were each beaten by \
-                 another writer (last: {e:#})",
+                 another writer (last: {e})",
                 CATALOG_WITHIN.as_secs()
-            );
+            )));
         }
         let pause = jitter.hash_one(tries) % window_ms + 1;
         tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -241,18 +239,18 @@ async fn edit_catalog(
 /// an entry another agent removed or changed comes back. A catalog that is not a JSON array is
 /// left as it is, for `oam agent list` to report (rewriting it would drop every other agent's
 /// entry from it without a word).
-pub(crate) async fn relist(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
+pub(crate) async fn relist(mesh: &Mesh, entry: &CatalogEntry) -> Result<()> {
     listed(mesh, entry, false).await
 }
 
 /// List `entry` in the catalog (in place of any entry of its name); a catalog that already
 /// lists it so is not written, so the replicas after the first cost one read.
-async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> anyhow::Result<()> {
+async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> Result<()> {
     listed(mesh, entry, true).await
 }
 
 /// `list_in_catalog`; a catalog that is not a JSON array is begun afresh only when `afresh`.
-async fn listed(mesh: &Mesh, entry: &CatalogEntry, afresh: bool) -> anyhow::Result<()> {
+async fn listed(mesh: &Mesh, entry: &CatalogEntry, afresh: bool) -> Result<()> {
     let listed = serde_json::to_value(entry)?;
     edit_catalog(mesh, afresh, |items| {
         let mut same = items.iter().filter(|v| v["name"] == entry.name.as_str());
@@ -266,7 +264,7 @@ async fn listed(mesh: &Mesh, entry: &CatalogEntry, afresh: bool) -> anyhow::Resu
     .await
 }
 
-async fn put_instance(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> anyhow::Result<()> {
+async fn put_instance(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> Result<()> {
     let store = mesh.instances().await?;
     let rec = InstanceRecord {
         instance_id: instance_id.to_string(),
@@ -296,7 +294,7 @@ pub(crate) fn record_key(instance_id: &str, agent: Option<&str>) -> String {
 }
 
 /// Register an instance of `entry`: instance record, registry contract, catalog entry.
-pub async fn register(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> anyhow::Result<()> {
+pub async fn register(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> Result<()> {
     put_instance(mesh, entry, instance_id).await?;
     let registry = mesh.registry().await?;
     let contract = protocol::registry_entry(entry, &rfc3339_now());
@@ -316,13 +314,13 @@ pub(crate) async fn renew(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) 
 }
 
 /// Every instance record.
-pub async fn all_instances(mesh: &Mesh) -> anyhow::Result<Vec<InstanceRecord>> {
+pub async fn all_instances(mesh: &Mesh) -> Result<Vec<InstanceRecord>> {
     records(mesh, ">").await
 }
 
 /// The instance records under the keys that match `pattern`, read 32 at a time. Records whose
 /// body claims another instance or agent than their key are left out, with a warning.
-async fn records(mesh: &Mesh, pattern: &str) -> anyhow::Result<Vec<InstanceRecord>> {
+async fn records(mesh: &Mesh, pattern: &str) -> Result<Vec<InstanceRecord>> {
     use futures_util::StreamExt;
     let store = mesh.instances().await?;
     let keys = crate::transport::store::keys_matching(&store, pattern).await?;
@@ -362,10 +360,12 @@ fn believed(key: &str, rec: InstanceRecord) -> Option<InstanceRecord> {
 /// Instance records that serve `agent` (its keys, `*.{agent}`; oam writes none under an id
 /// alone), asked of the server by key, so the cost grows with the agent's instances, not the
 /// mesh's.
-pub(crate) async fn instances_of(mesh: &Mesh, agent: &str) -> anyhow::Result<Vec<InstanceRecord>> {
+pub(crate) async fn instances_of(mesh: &Mesh, agent: &str) -> Result<Vec<InstanceRecord>> {
     // A name from the bus (a heartbeat's subject) is an agent's name, never a pattern.
     if !protocol::valid_agent_name(agent) {
-        anyhow::bail!("{agent:?} is not an agent name");
+        return Err(StoreError::Unreadable(format!(
+            "{agent:?} is not an agent name"
+        )));
     }
     Ok(records(mesh, &format!("*.{agent}"))
         .await?
