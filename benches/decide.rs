@@ -1,5 +1,7 @@
 //! One full decision: admission, fingerprint of a 1 KB message, consensus and scoring over three
 //! providers, breaker, contract check of the answer, budget settlement, decision assembly.
+//! And what each client API's own code costs one small request (`api/...`): the body decoded,
+//! the chat completion the pipeline accepted written as that API's answer.
 
 #![expect(
     clippy::expect_used,
@@ -69,6 +71,29 @@ fn request() -> Request {
         tool_allowlist: None,
         embeddings: false,
         stream: false,
+    }
+}
+
+/// The small request of `scripts/bench-gateway` in each API, and a completion as the
+/// simulator's zero-latency provider answers it, the `oam` object in.
+fn apis(c: &mut Criterion) {
+    let chat = br#"{"model": "auto", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}"#;
+    let responses = br#"{"model": "auto", "input": "hello", "max_output_tokens": 16}"#;
+    let completion = bytes::Bytes::from_static(
+        br#"{"id":"chatcmpl-7","object":"chat.completion","created":1764460800,"model":"sim-zero","choices":[{"index":0,"message":{"role":"assistant","content":"hello from the simulator"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":5,"total_tokens":14},"oam":{"agent":"anonymous","attempts":1,"cost_usd":0.0,"fallback":false,"outcome":"accepted","phase":"accepted","provider":"sim-zero","reason_codes":[],"request_id":"bench","served_by":["sim-zero"]}}"#,
+    );
+    for (api, body) in [
+        ("chat", &chat[..]),
+        ("messages", &chat[..]),
+        ("responses", &responses[..]),
+    ] {
+        assert!(
+            oam::node::translated(api, body, &completion) > 0,
+            "{api} takes the bench's request"
+        );
+        c.bench_function(&format!("api/{api}"), |b| {
+            b.iter(|| oam::node::translated(api, black_box(body), &completion));
+        });
     }
 }
 
@@ -172,5 +197,5 @@ fn recorded(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench, with_tools, recorded);
+criterion_group!(benches, bench, with_tools, recorded, apis);
 criterion_main!(benches);

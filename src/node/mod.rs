@@ -10,6 +10,8 @@
 //! ledger's keeper, the decision-log writer, loop claims, escalations, chaos commands.
 
 pub(crate) mod api;
+#[doc(hidden)]
+pub use api::translated;
 pub(crate) mod bus;
 pub(crate) mod catalog;
 pub(crate) mod chaos;

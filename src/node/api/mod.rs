@@ -309,6 +309,44 @@ impl Decoded {
     }
 }
 
+/// What one client API's own code costs a request, for the benches: `body` decoded as `api`
+/// asks (`chat`, `messages` or `responses`), then `completion` (the chat completion, its `oam`
+/// object in, that the pipeline hands every API) written as that API's answer. The answer's
+/// length; 0 when the body is refused.
+#[doc(hidden)]
+pub fn translated(api: &str, body: &[u8], completion: &bytes::Bytes) -> usize {
+    static CFG: std::sync::OnceLock<Option<NodeConfig>> = std::sync::OnceLock::new();
+    let Some(cfg) = CFG
+        .get_or_init(|| NodeConfig::parse("bench", "", "http://127.0.0.1:1").ok())
+        .as_ref()
+    else {
+        return 0;
+    };
+    let api: &dyn ClientApi = match api {
+        "messages" => &anthropic::Messages,
+        "responses" => &responses::Responses,
+        _ => &openai::Chat,
+    };
+    let Ok((request, stream, _)) =
+        api.decode_request(cfg, body, &HeaderMap::new(), &|| "bench".into())
+    else {
+        return 0;
+    };
+    let answer = Answer {
+        stream,
+        status: axum::http::StatusCode::OK,
+        body: completion.clone(),
+        request_id: request.id,
+        phase: "accepted".into(),
+        reasons: String::new(),
+        target: String::new(),
+        live: None,
+        buffered: None,
+        native: false,
+    };
+    api.answer_of(&answer, stream).0.len()
+}
+
 /// A request body read as the JSON object it must be.
 pub(crate) fn object_of(body: &[u8]) -> Result<serde_json::Map<String, Value>, BadRequest> {
     match serde_json::from_slice(body) {
