@@ -32,7 +32,7 @@ impl AnthropicMessages {
         cfg: &ProviderConfig,
         http: reqwest::Client,
         post: crate::http::Poster,
-    ) -> anyhow::Result<AnthropicMessages> {
+    ) -> Result<AnthropicMessages, super::SetupError> {
         let mut headers: Vec<_> = super::http::key(cfg)
             .and_then(|k| super::http::secret(HeaderName::from_static("x-api-key"), &k))
             .into_iter()

@@ -5,7 +5,7 @@
 
 use super::super::config::ProviderConfig;
 use super::super::exchange::{Attempt, Reply};
-use super::{Broken, Opened, Stream, failed};
+use super::{Broken, Opened, SetupError, Stream, failed};
 use crate::core::request::{Generation, GenerationStatus};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::Value;
@@ -49,10 +49,13 @@ impl Endpoint {
         headers: Vec<(HeaderName, HeaderValue)>,
         http: reqwest::Client,
         post: crate::http::Poster,
-    ) -> anyhow::Result<Endpoint> {
+    ) -> Result<Endpoint, SetupError> {
         let call = url(cfg, path)?;
         Ok(Endpoint {
-            uri: call.as_str().parse()?,
+            uri: call
+                .as_str()
+                .parse()
+                .map_err(|_| SetupError::bad_url(cfg))?,
             url: call,
             models_url: url(cfg, "models")?,
             headers,
@@ -238,10 +241,8 @@ fn ms_since(t: Instant) -> u64 {
 }
 
 /// `{base_url}/{path}` of `cfg`, parsed.
-pub(super) fn url(cfg: &ProviderConfig, path: &str) -> anyhow::Result<reqwest::Url> {
-    endpoint(&cfg.base_url, path).ok_or_else(|| {
-        anyhow::anyhow!("provider {}: base_url {:?} is no URL", cfg.id, cfg.base_url)
-    })
+pub(super) fn url(cfg: &ProviderConfig, path: &str) -> Result<reqwest::Url, SetupError> {
+    endpoint(&cfg.base_url, path).ok_or_else(|| SetupError::bad_url(cfg))
 }
 
 /// A whole answer that is not a success, judged: a 429 (with its Retry-After), or a refusal

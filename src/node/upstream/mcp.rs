@@ -61,8 +61,9 @@ impl McpServer {
         cfg: &ProviderConfig,
         http: reqwest::Client,
         post: &crate::http::Poster,
-    ) -> anyhow::Result<McpServer> {
-        let url = reqwest::Url::parse(&cfg.base_url)?;
+    ) -> Result<McpServer, super::SetupError> {
+        let url =
+            reqwest::Url::parse(&cfg.base_url).map_err(|_| super::SetupError::bad_url(cfg))?;
         let headers = key(cfg)
             .and_then(|k| secret(AUTHORIZATION, &format!("Bearer {k}")))
             .into_iter()

@@ -135,7 +135,7 @@ impl Connector {
         http: reqwest::Client,
         post: crate::http::Poster,
         calls: &std::sync::Arc<AgentCalls>,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, SetupError> {
         let upstream: Box<dyn Upstream> = match (&cfg.agent, cfg.api) {
             (Some(name), _) => Box::new(agent::MeshAgent::new(name, calls.clone())),
             (None, Api::Openai) => Box::new(openai::OpenaiCompatible::new(cfg, http, post)?),
@@ -307,6 +307,26 @@ impl ToolAsk {
                 "the request holds no tool call".into(),
                 ms,
             ))),
+        }
+    }
+}
+
+/// Why the connectors could not be made from the configuration.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SetupError {
+    /// A provider's base_url (with the path oam appends to it) is no URL.
+    #[error("provider {id}: base_url {url:?} is no URL")]
+    BadUrl { id: String, url: String },
+    /// The HTTP clients could not be made (the platform's TLS roots unreadable, ...).
+    #[error("cannot make the HTTP client: {0}")]
+    Http(String),
+}
+
+impl SetupError {
+    fn bad_url(cfg: &ProviderConfig) -> SetupError {
+        SetupError::BadUrl {
+            id: cfg.id.clone(),
+            url: cfg.base_url.clone(),
         }
     }
 }

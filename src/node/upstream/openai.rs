@@ -22,7 +22,7 @@ impl OpenaiCompatible {
         cfg: &ProviderConfig,
         http: reqwest::Client,
         post: crate::http::Poster,
-    ) -> anyhow::Result<OpenaiCompatible> {
+    ) -> Result<OpenaiCompatible, super::SetupError> {
         let headers = super::http::key(cfg)
             .and_then(|k| super::http::secret(AUTHORIZATION, &format!("Bearer {k}")))
             .into_iter()

@@ -16,9 +16,14 @@ pub(crate) struct Upstreams {
 }
 
 impl Upstreams {
-    pub(crate) fn new(cfg: &NodeConfig, nats: &async_nats::Client) -> anyhow::Result<Upstreams> {
-        let http = crate::http::http_client(None)?;
-        let post = crate::http::Poster::new(cfg.node.max_answer_bytes)?;
+    pub(crate) fn new(
+        cfg: &NodeConfig,
+        nats: &async_nats::Client,
+    ) -> Result<Upstreams, super::SetupError> {
+        let http =
+            crate::http::http_client(None).map_err(|e| super::SetupError::Http(e.to_string()))?;
+        let post = crate::http::Poster::new(cfg.node.max_answer_bytes)
+            .map_err(|e| super::SetupError::Http(e.to_string()))?;
         let calls = std::sync::Arc::new(AgentCalls::new(nats.clone()));
         let injected = std::sync::Arc::new(super::injected::Injected::default());
         let connectors = cfg
@@ -29,7 +34,7 @@ impl Upstreams {
                     .with_faults(injected.clone());
                 Ok((p.id.clone(), c))
             })
-            .collect::<anyhow::Result<_>>()?;
+            .collect::<Result<_, super::SetupError>>()?;
         let targets = cfg
             .targets
             .iter()
