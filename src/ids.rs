@@ -1,14 +1,16 @@
 //! Random identifiers (passwords, instance and fault ids) from the operating system.
 
-use anyhow::Context;
 use std::io::Read;
 
+/// The operating system gave no random bytes.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read /dev/urandom for a password: {0}")]
+pub struct NoRandomness(#[from] std::io::Error);
+
 /// `bytes` random bytes from the OS, as hex.
-pub fn random_hex(bytes: usize) -> anyhow::Result<String> {
+pub fn random_hex(bytes: usize) -> Result<String, NoRandomness> {
     let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .context("cannot read /dev/urandom for a password")?;
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf))?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 

@@ -17,6 +17,7 @@ use super::Node;
 use crate::clock::now_ms;
 use crate::core::books::{Books, Hole};
 use crate::core::ledger::Ledger;
+use crate::transport::store::StoreError;
 use crate::transport::store::ledger::STORE_TIMEOUT;
 use async_nats::jetstream::kv;
 use std::collections::{BTreeMap, BTreeSet};
@@ -48,8 +49,8 @@ pub(crate) async fn earlier_runs(
         .await;
         let tried = match opened {
             Ok(Ok(store)) => settle_earlier(&node, &store).await,
-            Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(anyhow::anyhow!("the budget ledger did not open")),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(StoreError::Silent("the budget ledger did not open".into())),
         };
         match tried {
             Ok(applied) => return applied,
@@ -66,7 +67,7 @@ pub(crate) async fn earlier_runs(
     0
 }
 
-async fn settle_earlier(node: &Node, store: &kv::Store) -> anyhow::Result<usize> {
+async fn settle_earlier(node: &Node, store: &kv::Store) -> Result<usize, StoreError> {
     if !node.log.enabled() {
         return Ok(0);
     }
@@ -147,7 +148,12 @@ fn earlier_holders(
 
 /// Apply `holes` (one budget's, in order) to its record, mirrored here as written: how many
 /// were applied (a number the record has already is not).
-async fn apply(node: &Node, store: &kv::Store, k: &str, holes: &[Hole]) -> anyhow::Result<usize> {
+async fn apply(
+    node: &Node,
+    store: &kv::Store,
+    k: &str,
+    holes: &[Hole],
+) -> Result<usize, StoreError> {
     let (applied, written) =
         crate::transport::store::ledger::settle_holes(store, k, holes, now_ms()).await?;
     if let Some((revision, ledger)) = written {
