@@ -43,7 +43,7 @@ pub struct LocalMesh {
 pub struct ServedAgent {
     pub instance_id: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    task: tokio::task::JoinHandle<Result<(), crate::mesh::MeshError>>,
 }
 
 impl ServedAgent {
@@ -53,7 +53,7 @@ impl ServedAgent {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        (&mut self.task).await?
+        Ok((&mut self.task).await??)
     }
 }
 
@@ -148,7 +148,7 @@ impl LocalMesh {
 
     /// A fail-fast caller on its own connection.
     pub async fn caller(&self) -> anyhow::Result<Caller> {
-        Caller::new(self.connect("oam-caller").await?).await
+        Ok(Caller::new(self.connect("oam-caller").await?).await?)
     }
 
     /// Serve `handler` as agent `name` (one instance, up to 16 requests at once), registered

@@ -7,3 +7,33 @@ pub mod host;
 pub mod monitor;
 pub mod protocol;
 pub mod store;
+
+/// Why an agent, a caller or the monitor could not start or go on.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    /// NATS refused or failed it (a connection, a subscription, a flush), as it said.
+    #[error("{0}")]
+    Bus(String),
+    #[error(transparent)]
+    Store(#[from] crate::transport::store::StoreError),
+    #[error(transparent)]
+    Random(#[from] crate::ids::NoRandomness),
+}
+
+/// What NATS said, as the mesh's failure.
+macro_rules! bus_from {
+    ($($t:ty),* $(,)?) => {
+        $(impl From<$t> for MeshError {
+            fn from(e: $t) -> Self {
+                MeshError::Bus(e.to_string())
+            }
+        })*
+    };
+}
+
+bus_from!(
+    async_nats::ConnectError,
+    async_nats::SubscribeError,
+    async_nats::client::FlushError,
+    async_nats::PublishError,
+);

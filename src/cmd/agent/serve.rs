@@ -68,7 +68,7 @@ pub async fn run(cluster: &super::super::ClusterArgs, s: Args) -> Result<()> {
             .map_err(|e| {
                 Error::new(
                     Kind::Unreachable,
-                    e.context(format!(
+                    anyhow::Error::from(e).context(format!(
                         "cannot serve {} via {}",
                         s.name,
                         connect::redact(url)

@@ -35,7 +35,7 @@ impl AgentCalls {
         }
     }
 
-    async fn caller(&self) -> anyhow::Result<&Caller> {
+    async fn caller(&self) -> Result<&Caller, crate::mesh::MeshError> {
         self.caller
             .get_or_try_init(|| Caller::new(self.nats.clone()))
             .await
