@@ -184,7 +184,7 @@ impl Commands {
         }
     }
 
-    async fn listen(self, stop: CancellationToken) -> anyhow::Result<()> {
+    async fn listen(self, stop: CancellationToken) -> Result<(), super::NodeError> {
         let chaos = self.0;
         let bus = &chaos.bus;
         let mut mine = subscribe(bus.nats(), subjects::chaos_node(&chaos.id)).await?;

@@ -105,7 +105,7 @@ impl Gossip {
         tokio::join!(beat, apply);
     }
 
-    async fn apply(&mut self, stop: CancellationToken) -> anyhow::Result<()> {
+    async fn apply(&mut self, stop: CancellationToken) -> Result<(), super::NodeError> {
         let nats = self.node.bus.nats().clone();
         let mut deaths = subscribe(&nats, subjects::DEATHS).await?;
         let mut hb = subscribe(&nats, subjects::HEARTBEATS).await?;

@@ -43,6 +43,45 @@ pub(crate) mod status;
 mod tools;
 pub(crate) mod upstream;
 
+/// Why a node could not start, or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// NATS refused or failed it (a subscription, a flush), as it said.
+    #[error("{0}")]
+    Bus(String),
+    #[error(transparent)]
+    Setup(#[from] upstream::SetupError),
+    #[error(transparent)]
+    Store(#[from] crate::transport::store::StoreError),
+    /// The HTTP listener failed.
+    #[error("the HTTP listener: {0}")]
+    Listener(#[from] std::io::Error),
+    /// The telemetry settings cannot be exported as configured.
+    #[error("{0}")]
+    Telemetry(String),
+    /// The node's request slots were closed: it is stopping.
+    #[error("the node is stopping")]
+    Stopping(#[from] tokio::sync::AcquireError),
+}
+
+impl From<otlp::ExportError> for NodeError {
+    fn from(e: otlp::ExportError) -> Self {
+        NodeError::Telemetry(e.to_string())
+    }
+}
+
+impl From<async_nats::SubscribeError> for NodeError {
+    fn from(e: async_nats::SubscribeError) -> Self {
+        NodeError::Bus(e.to_string())
+    }
+}
+
+impl From<async_nats::client::FlushError> for NodeError {
+    fn from(e: async_nats::client::FlushError) -> Self {
+        NodeError::Bus(e.to_string())
+    }
+}
+
 use crate::clock::now_ms;
 use crate::core::escalation::Escalation;
 use crate::core::pipeline::{Engine, State};
@@ -129,7 +168,7 @@ impl Node {
         id: String,
         cfg: NodeConfig,
         nats: async_nats::Client,
-    ) -> anyhow::Result<(Arc<Node>, Services)> {
+    ) -> Result<(Arc<Node>, Services), NodeError> {
         let upstreams = Arc::new(upstream::Upstreams::new(&cfg, &nats)?);
         let state = State {
             cluster: Arc::new(if cfg.node.members.is_empty() {
@@ -224,7 +263,7 @@ pub async fn run(
     services: Services,
     listener: tokio::net::TcpListener,
     stop: impl std::future::Future<Output = ()>,
-) -> anyhow::Result<()> {
+) -> Result<(), NodeError> {
     let addr = listener.local_addr()?;
     let _ = node.serving.http_url.set(format!("http://{addr}"));
     if node.cfg.clients.is_empty() && !node.cfg.budgets.agents.is_empty() {

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 /// reply is the HTTP body with `status` and the `X-OAM-*` values added to its `oam` object.
 /// When the node stops it leaves the queue group, answers what the server had already sent it,
 /// and returns.
-pub(crate) async fn serve(node: Arc<Node>) -> anyhow::Result<()> {
+pub(crate) async fn serve(node: Arc<Node>) -> Result<(), super::NodeError> {
     let in_hand = Arc::new(tokio::sync::Semaphore::new(node.cfg.node.max_connections));
     loop {
         // Isolated (chaos): not a member of the queue group until reconnected.
@@ -73,7 +73,7 @@ async fn leave(
     node: &Arc<Node>,
     mut sub: async_nats::Subscriber,
     in_hand: &Arc<tokio::sync::Semaphore>,
-) -> anyhow::Result<()> {
+) -> Result<(), super::NodeError> {
     // Without a bus there is nothing to leave and nothing more will arrive.
     if node.bus.nats().connection_state() != async_nats::connection::State::Connected {
         return Ok(());

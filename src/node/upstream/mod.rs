@@ -313,7 +313,7 @@ impl ToolAsk {
 
 /// Why the connectors could not be made from the configuration.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum SetupError {
+pub enum SetupError {
     /// A provider's base_url (with the path oam appends to it) is no URL.
     #[error("provider {id}: base_url {url:?} is no URL")]
     BadUrl { id: String, url: String },
