@@ -40,12 +40,17 @@ pub(crate) struct Poster {
     max_answer_bytes: usize,
 }
 
+/// The platform's TLS roots could not be read, so no HTTPS client can be made.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot set up TLS with the platform's roots: {0}")]
+pub struct NoTlsRoots(String);
+
 impl Poster {
-    pub fn new(max_answer_bytes: usize) -> anyhow::Result<Poster> {
+    pub fn new(max_answer_bytes: usize) -> Result<Poster, NoTlsRoots> {
         use rustls_platform_verifier::ConfigVerifierExt as _;
         let _ = rustls::crypto::ring::default_provider().install_default();
         let tls = rustls::ClientConfig::with_platform_verifier()
-            .map_err(|e| anyhow::anyhow!("cannot set up TLS with the platform's roots: {e}"))?;
+            .map_err(|e| NoTlsRoots(e.to_string()))?;
         let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
         tcp.set_nodelay(true);
         tcp.enforce_http(false);
