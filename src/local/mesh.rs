@@ -43,7 +43,7 @@ pub struct LocalMesh {
 pub struct ServedAgent {
     pub instance_id: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), crate::mesh::MeshError>>,
+    task: tokio::task::JoinHandle<Result<(), crate::mesh::RunError>>,
 }
 
 impl ServedAgent {

@@ -203,7 +203,7 @@ fn pending_map(
 }
 
 impl Caller {
-    pub async fn new(nats: async_nats::Client) -> Result<Caller, super::MeshError> {
+    pub async fn new(nats: async_nats::Client) -> Result<Caller, super::RunError> {
         use futures_util::StreamExt;
         // Under each agent's answerer token: only the agent called may acknowledge its call.
         let ack_inbox = Inbox::new(&nats);

@@ -170,7 +170,7 @@ impl Instance {
         url: &str,
         entry: CatalogEntry,
         refused: &crate::transport::connect::Refusal,
-    ) -> Result<(Arc<Instance>, async_nats::Subscriber), super::MeshError> {
+    ) -> Result<(Arc<Instance>, async_nats::Subscriber), super::RunError> {
         let id = crate::ids::random_hex(8)?;
         let name = subjects::host_connection(&id);
         let nats = crate::transport::connect::connect(url, &name, false, refused).await?;
@@ -468,7 +468,7 @@ pub async fn serve(
     concurrency: usize,
     heartbeat_every: Duration,
     stop: impl std::future::Future<Output = ()>,
-) -> Result<(), super::MeshError> {
+) -> Result<(), super::RunError> {
     let me = instance.clone();
     if run(me, sub, handler, concurrency, heartbeat_every, stop).await {
         leave(&[instance]).await;

@@ -8,9 +8,10 @@ pub mod monitor;
 pub mod protocol;
 pub mod store;
 
-/// Why an agent, a caller or the monitor could not start or go on.
+/// Why an agent, a caller or the monitor could not start or go on (a call's own failure is a
+/// `protocol::MeshError`, with its code).
 #[derive(Debug, thiserror::Error)]
-pub enum MeshError {
+pub enum RunError {
     /// NATS refused or failed it (a connection, a subscription, a flush), as it said.
     #[error("{0}")]
     Bus(String),
@@ -23,9 +24,9 @@ pub enum MeshError {
 /// What NATS said, as the mesh's failure.
 macro_rules! bus_from {
     ($($t:ty),* $(,)?) => {
-        $(impl From<$t> for MeshError {
+        $(impl From<$t> for RunError {
             fn from(e: $t) -> Self {
-                MeshError::Bus(e.to_string())
+                RunError::Bus(e.to_string())
             }
         })*
     };

@@ -909,7 +909,7 @@ pub async fn run(
     sys: async_nats::Client,
     ready: impl FnOnce(),
     stop: impl std::future::Future<Output = ()>,
-) -> Result<(), super::MeshError> {
+) -> Result<(), super::RunError> {
     let mut advisories = sys.subscribe(subjects::SYS_DISCONNECTS).await?;
     let mut beats = crate::transport::published::subscribe(&app, subjects::HEALTH).await?;
     sys.flush().await?;

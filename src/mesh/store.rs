@@ -3,7 +3,7 @@
 //! instance records (which instance serves which agents; leases that expire unless renewed).
 
 use super::protocol::{self, CatalogEntry};
-use crate::transport::store::{Result, StoreError, bucket};
+use crate::transport::store::{StoreError, StoreResult, bucket};
 use crate::transport::subjects;
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -52,7 +52,7 @@ impl Mesh {
     /// Bucket `name` as kept in `kept`, opened (`bucket`) if it is not. After a reconnect it
     /// is opened again, and meanwhile (a stream electing a leader answers no open for seconds)
     /// the handle kept goes on: a bucket keeps its name, and its subjects, wherever it is led.
-    async fn open(&self, kept: &Kept, name: &str, max_age: Duration) -> Result<kv::Store> {
+    async fn open(&self, kept: &Kept, name: &str, max_age: Duration) -> StoreResult<kv::Store> {
         let connects = self
             .nats
             .statistics()
@@ -87,22 +87,22 @@ impl Mesh {
         );
     }
 
-    async fn catalog(&self) -> Result<kv::Store> {
+    async fn catalog(&self) -> StoreResult<kv::Store> {
         self.open(&self.catalog, subjects::CATALOG_BUCKET, Duration::ZERO)
             .await
     }
 
-    async fn registry(&self) -> Result<kv::Store> {
+    async fn registry(&self) -> StoreResult<kv::Store> {
         self.open(&self.registry, subjects::REGISTRY_BUCKET, Duration::ZERO)
             .await
     }
 
-    async fn instances(&self) -> Result<kv::Store> {
+    async fn instances(&self) -> StoreResult<kv::Store> {
         self.open(&self.instances, subjects::INSTANCES_BUCKET, INSTANCE_LEASE)
             .await
     }
 
-    async fn tombstones(&self) -> Result<kv::Store> {
+    async fn tombstones(&self) -> StoreResult<kv::Store> {
         let age = crate::transport::store::TOMBSTONE_AGE;
         self.open(&self.tombstones, subjects::TOMBSTONES_BUCKET, age)
             .await
@@ -142,13 +142,13 @@ pub(crate) fn rfc3339_now() -> String {
 
 /// The catalog's entries (empty if the bucket or key does not exist yet). Entries that do not
 /// parse are skipped, not fatal.
-pub async fn catalog(mesh: &Mesh) -> Result<Vec<CatalogEntry>> {
+pub async fn catalog(mesh: &Mesh) -> StoreResult<Vec<CatalogEntry>> {
     Ok(catalog_checked(mesh).await?.0)
 }
 
 /// The catalog, and its items that are not entries (shown as they are, shortened), so a reader
 /// can say so. A catalog that is not a JSON array at all is an error, not an empty catalog.
-pub(crate) async fn catalog_checked(mesh: &Mesh) -> Result<(Vec<CatalogEntry>, Vec<String>)> {
+pub(crate) async fn catalog_checked(mesh: &Mesh) -> StoreResult<(Vec<CatalogEntry>, Vec<String>)> {
     let store = mesh.catalog().await?;
     let Some(raw) = store.get(subjects::CATALOG_KEY).await? else {
         return Ok((Vec::new(), Vec::new()));
@@ -183,7 +183,7 @@ async fn edit_catalog(
     mesh: &Mesh,
     afresh: bool,
     edit: impl Fn(&mut Vec<serde_json::Value>) -> bool,
-) -> Result<()> {
+) -> StoreResult<()> {
     use std::hash::BuildHasher;
     let store = mesh.catalog().await?;
     let deadline = std::time::Instant::now() + CATALOG_WITHIN;
@@ -239,18 +239,18 @@ async fn edit_catalog(
 /// an entry another agent removed or changed comes back. A catalog that is not a JSON array is
 /// left as it is, for `oam agent list` to report (rewriting it would drop every other agent's
 /// entry from it without a word).
-pub(crate) async fn relist(mesh: &Mesh, entry: &CatalogEntry) -> Result<()> {
+pub(crate) async fn relist(mesh: &Mesh, entry: &CatalogEntry) -> StoreResult<()> {
     listed(mesh, entry, false).await
 }
 
 /// List `entry` in the catalog (in place of any entry of its name); a catalog that already
 /// lists it so is not written, so the replicas after the first cost one read.
-async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> Result<()> {
+async fn list_in_catalog(mesh: &Mesh, entry: &CatalogEntry) -> StoreResult<()> {
     listed(mesh, entry, true).await
 }
 
 /// `list_in_catalog`; a catalog that is not a JSON array is begun afresh only when `afresh`.
-async fn listed(mesh: &Mesh, entry: &CatalogEntry, afresh: bool) -> Result<()> {
+async fn listed(mesh: &Mesh, entry: &CatalogEntry, afresh: bool) -> StoreResult<()> {
     let listed = serde_json::to_value(entry)?;
     edit_catalog(mesh, afresh, |items| {
         let mut same = items.iter().filter(|v| v["name"] == entry.name.as_str());
@@ -264,7 +264,7 @@ async fn listed(mesh: &Mesh, entry: &CatalogEntry, afresh: bool) -> Result<()> {
     .await
 }
 
-async fn put_instance(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> Result<()> {
+async fn put_instance(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> StoreResult<()> {
     let store = mesh.instances().await?;
     let rec = InstanceRecord {
         instance_id: instance_id.to_string(),
@@ -294,7 +294,7 @@ pub(crate) fn record_key(instance_id: &str, agent: Option<&str>) -> String {
 }
 
 /// Register an instance of `entry`: instance record, registry contract, catalog entry.
-pub async fn register(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> Result<()> {
+pub async fn register(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) -> StoreResult<()> {
     put_instance(mesh, entry, instance_id).await?;
     let registry = mesh.registry().await?;
     let contract = protocol::registry_entry(entry, &rfc3339_now());
@@ -314,13 +314,13 @@ pub(crate) async fn renew(mesh: &Mesh, entry: &CatalogEntry, instance_id: &str) 
 }
 
 /// Every instance record.
-pub async fn all_instances(mesh: &Mesh) -> Result<Vec<InstanceRecord>> {
+pub async fn all_instances(mesh: &Mesh) -> StoreResult<Vec<InstanceRecord>> {
     records(mesh, ">").await
 }
 
 /// The instance records under the keys that match `pattern`, read 32 at a time. Records whose
 /// body claims another instance or agent than their key are left out, with a warning.
-async fn records(mesh: &Mesh, pattern: &str) -> Result<Vec<InstanceRecord>> {
+async fn records(mesh: &Mesh, pattern: &str) -> StoreResult<Vec<InstanceRecord>> {
     use futures_util::StreamExt;
     let store = mesh.instances().await?;
     let keys = crate::transport::store::keys_matching(&store, pattern).await?;
@@ -360,7 +360,7 @@ fn believed(key: &str, rec: InstanceRecord) -> Option<InstanceRecord> {
 /// Instance records that serve `agent` (its keys, `*.{agent}`; oam writes none under an id
 /// alone), asked of the server by key, so the cost grows with the agent's instances, not the
 /// mesh's.
-pub(crate) async fn instances_of(mesh: &Mesh, agent: &str) -> Result<Vec<InstanceRecord>> {
+pub(crate) async fn instances_of(mesh: &Mesh, agent: &str) -> StoreResult<Vec<InstanceRecord>> {
     // A name from the bus (a heartbeat's subject) is an agent's name, never a pattern.
     if !protocol::valid_agent_name(agent) {
         return Err(StoreError::Unreadable(format!(

@@ -226,7 +226,7 @@ pub(super) async fn a2a_send(
     let call = RpcRequest {
         id: send.id.clone(),
         method: "tools/call".into(),
-        params: door::Params {
+        params: door::RpcParams {
             name: Some(tool.public_name()),
             arguments: Some(send.payload.clone()),
             protocol_version: None,

@@ -33,7 +33,7 @@ pub(crate) struct Card<'a> {
     version: &'static str,
     supported_interfaces: [Interface; 1],
     provider: Provider<'a>,
-    capabilities: Capabilities,
+    capabilities: AgentCapabilities,
     default_input_modes: [&'static str; 2],
     default_output_modes: [&'static str; 2],
     skills: Vec<Skill<'a>>,
@@ -55,7 +55,7 @@ struct Provider<'a> {
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct Capabilities {
+struct AgentCapabilities {
     streaming: bool,
     push_notifications: bool,
 }
@@ -100,7 +100,7 @@ fn card<'a>(
             organization: "oam",
             url: base,
         },
-        capabilities: Capabilities {
+        capabilities: AgentCapabilities {
             streaming: false,
             push_notifications: false,
         },
@@ -142,12 +142,12 @@ pub(crate) struct Send {
 #[derive(Deserialize, Default)]
 struct SendParams<'a> {
     #[serde(default, borrow)]
-    message: Option<MessageIn<'a>>,
+    message: Option<SentMessage<'a>>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct MessageIn<'a> {
+struct SentMessage<'a> {
     #[serde(default, borrow)]
     parts: Vec<PartIn<'a>>,
     #[serde(default)]
@@ -223,7 +223,7 @@ pub(crate) fn read(body: &[u8], version: Option<&str>) -> Result<Send, Vec<u8>> 
 #[serde(rename_all = "camelCase")]
 struct ToolResult<'a> {
     #[serde(default, borrow)]
-    content: Vec<ContentIn<'a>>,
+    content: Vec<ResultContentIn<'a>>,
     #[serde(default)]
     is_error: bool,
     #[serde(default, borrow)]
@@ -233,7 +233,7 @@ struct ToolResult<'a> {
 }
 
 #[derive(Deserialize)]
-struct ContentIn<'a> {
+struct ResultContentIn<'a> {
     #[serde(default, borrow)]
     text: Option<std::borrow::Cow<'a, str>>,
 }
@@ -250,14 +250,14 @@ struct MetaIn<'a> {
 struct Task<'a> {
     id: &'a str,
     context_id: &'a str,
-    status: Status<'a>,
+    status: TaskStatus<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     artifacts: Option<[Artifact<'a>; 1]>,
     metadata: Metadata<'a>,
 }
 
 #[derive(Serialize)]
-struct Status<'a> {
+struct TaskStatus<'a> {
     state: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     message: Option<StatusMessage<'a>>,
@@ -268,7 +268,7 @@ struct Status<'a> {
 struct StatusMessage<'a> {
     message_id: String,
     role: &'static str,
-    parts: [Part<'a>; 1],
+    parts: [PartOut<'a>; 1],
 }
 
 #[derive(Serialize)]
@@ -276,13 +276,13 @@ struct StatusMessage<'a> {
 struct Artifact<'a> {
     artifact_id: String,
     name: &'static str,
-    parts: [Part<'a>; 1],
+    parts: [PartOut<'a>; 1],
 }
 
 /// A part written: text, or an object as data.
 #[derive(Serialize)]
 #[serde(rename_all = "lowercase")]
-enum Part<'a> {
+enum PartOut<'a> {
     Text(&'a str),
     Data(&'a RawValue),
 }
@@ -315,12 +315,12 @@ pub(crate) fn answer(send: &Send, task_id: &str, result: &[u8]) -> Vec<u8> {
         Task {
             id: task_id,
             context_id: context,
-            status: Status {
+            status: TaskStatus {
                 state: "TASK_STATE_FAILED",
                 message: Some(StatusMessage {
                     message_id: format!("{task_id}-status"),
                     role: "ROLE_AGENT",
-                    parts: [Part::Text(&text)],
+                    parts: [PartOut::Text(&text)],
                 }),
             },
             artifacts: None,
@@ -331,13 +331,13 @@ pub(crate) fn answer(send: &Send, task_id: &str, result: &[u8]) -> Vec<u8> {
             .structured_content
             .filter(|s| s.get().starts_with('{'))
         {
-            Some(s) => Part::Data(s),
-            None => Part::Text(&text),
+            Some(s) => PartOut::Data(s),
+            None => PartOut::Text(&text),
         };
         Task {
             id: task_id,
             context_id: context,
-            status: Status {
+            status: TaskStatus {
                 state: "TASK_STATE_COMPLETED",
                 message: None,
             },

@@ -665,14 +665,14 @@ fn stop_reason_of(finish: Option<&str>) -> &'static str {
 /// An event of Anthropic's stream, as a live relay writes it.
 #[derive(serde::Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
-enum Event<'a> {
+enum StreamEvent<'a> {
     MessageStart {
-        message: Started<'a>,
+        message: EmptyMessage<'a>,
     },
     Ping,
     ContentBlockStart {
         index: usize,
-        content_block: Block<'a>,
+        content_block: BlockStart<'a>,
     },
     ContentBlockDelta {
         index: usize,
@@ -694,17 +694,17 @@ enum Event<'a> {
     },
 }
 
-impl Event<'_> {
+impl StreamEvent<'_> {
     fn name(&self) -> &'static str {
         match self {
-            Event::MessageStart { .. } => "message_start",
-            Event::Ping => "ping",
-            Event::ContentBlockStart { .. } => "content_block_start",
-            Event::ContentBlockDelta { .. } => "content_block_delta",
-            Event::ContentBlockStop { .. } => "content_block_stop",
-            Event::MessageDelta { .. } => "message_delta",
-            Event::MessageStop => "message_stop",
-            Event::Error { .. } => "error",
+            StreamEvent::MessageStart { .. } => "message_start",
+            StreamEvent::Ping => "ping",
+            StreamEvent::ContentBlockStart { .. } => "content_block_start",
+            StreamEvent::ContentBlockDelta { .. } => "content_block_delta",
+            StreamEvent::ContentBlockStop { .. } => "content_block_stop",
+            StreamEvent::MessageDelta { .. } => "message_delta",
+            StreamEvent::MessageStop => "message_stop",
+            StreamEvent::Error { .. } => "error",
         }
     }
 
@@ -717,7 +717,7 @@ impl Event<'_> {
 
 /// The message a stream starts, empty.
 #[derive(serde::Serialize)]
-struct Started<'a> {
+struct EmptyMessage<'a> {
     id: String,
     #[serde(rename = "type")]
     kind: &'static str,
@@ -732,20 +732,20 @@ struct Started<'a> {
 /// A content block as it starts.
 #[derive(serde::Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
-enum Block<'a> {
+enum BlockStart<'a> {
     Text {
         text: &'static str,
     },
     ToolUse {
         id: Option<&'a RawValue>,
         name: Option<&'a str>,
-        input: Empty,
+        input: EmptyInput,
     },
 }
 
 /// `{}`.
 #[derive(serde::Serialize)]
-struct Empty {}
+struct EmptyInput {}
 
 #[derive(serde::Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -787,7 +787,7 @@ impl Live {
         let mut out = String::new();
         if !self.started {
             self.started = true;
-            let message = Started {
+            let message = EmptyMessage {
                 id: message_id(delta.head.id().as_deref()),
                 kind: "message",
                 role: "assistant",
@@ -797,23 +797,23 @@ impl Live {
                 stop_sequence: None,
                 usage: MessagesUsage::from(crate::core::request::Usage::default()),
             };
-            Event::MessageStart { message }.write(&mut out);
-            Event::Ping.write(&mut out);
+            StreamEvent::MessageStart { message }.write(&mut out);
+            StreamEvent::Ping.write(&mut out);
         }
         if let Some(text) = delta.text.as_deref().filter(|t| !t.is_empty()) {
-            let index = self.open_block(&mut out, None, || Block::Text { text: "" });
+            let index = self.open_block(&mut out, None, || BlockStart::Text { text: "" });
             let delta = BlockDelta::TextDelta { text };
-            Event::ContentBlockDelta { index, delta }.write(&mut out);
+            StreamEvent::ContentBlockDelta { index, delta }.write(&mut out);
         }
         for t in &delta.tool_calls {
-            let index = self.open_block(&mut out, Some(t.index), || Block::ToolUse {
+            let index = self.open_block(&mut out, Some(t.index), || BlockStart::ToolUse {
                 id: t.id,
                 name: t.name.as_deref(),
-                input: Empty {},
+                input: EmptyInput {},
             });
             if let Some(args) = t.arguments.as_deref().filter(|a| !a.is_empty()) {
                 let delta = BlockDelta::InputJsonDelta { partial_json: args };
-                Event::ContentBlockDelta { index, delta }.write(&mut out);
+                StreamEvent::ContentBlockDelta { index, delta }.write(&mut out);
             }
         }
         if let Some(f) = &delta.finish {
@@ -830,7 +830,7 @@ impl Live {
         &mut self,
         out: &mut String,
         kind: Option<u64>,
-        start: impl FnOnce() -> Block<'b>,
+        start: impl FnOnce() -> BlockStart<'b>,
     ) -> usize {
         if let Some((open, index)) = self.open
             && open == kind
@@ -842,7 +842,7 @@ impl Live {
         self.blocks += 1;
         self.open = Some((kind, index));
         let content_block = start();
-        Event::ContentBlockStart {
+        StreamEvent::ContentBlockStart {
             index,
             content_block,
         }
@@ -852,7 +852,7 @@ impl Live {
 
     fn close_block(&mut self, out: &mut String) {
         if let Some((_, index)) = self.open.take() {
-            Event::ContentBlockStop { index }.write(out);
+            StreamEvent::ContentBlockStop { index }.write(out);
         }
     }
 
@@ -875,7 +875,7 @@ impl Live {
                 kind: "api_error",
                 message: &message,
             };
-            Event::Error { error, oam }.write(&mut out);
+            StreamEvent::Error { error, oam }.write(&mut out);
         }
         out
     }
@@ -890,8 +890,8 @@ impl Live {
             stop_sequence: None,
         };
         let usage = MessagesUsage::from(self.usage);
-        Event::MessageDelta { delta, usage, oam }.write(&mut out);
-        Event::MessageStop.write(&mut out);
+        StreamEvent::MessageDelta { delta, usage, oam }.write(&mut out);
+        StreamEvent::MessageStop.write(&mut out);
         out
     }
 }

@@ -22,7 +22,7 @@ pub(crate) const MAX_INPUTS: usize = 2048;
 #[serde(untagged)]
 enum Input {
     Text(String),
-    Items(Vec<Item>),
+    Items(Vec<InputItem>),
     Other(IgnoredAny),
 }
 
@@ -34,7 +34,7 @@ enum Input {
     dead_code,
     reason = "the numbers are read for their shape, not their values"
 )]
-enum Item {
+enum InputItem {
     Text(String),
     /// A token id: the array is one token array.
     Token(u64),
@@ -76,8 +76,8 @@ fn input_text(input: Option<Input>) -> Result<String, BadRequest> {
         );
         return Err(bad("input", why));
     }
-    if matches!(items[0], Item::Token(_) | Item::Number(_)) {
-        if !items.iter().all(|i| matches!(i, Item::Token(_))) {
+    if matches!(items[0], InputItem::Token(_) | InputItem::Number(_)) {
+        if !items.iter().all(|i| matches!(i, InputItem::Token(_))) {
             return Err(bad("input", format!("input: {no_tokens}")));
         }
         return Ok(tokens(items.len()));
@@ -85,9 +85,9 @@ fn input_text(input: Option<Input>) -> Result<String, BadRequest> {
     let mut text = Vec::with_capacity(items.len());
     for (i, item) in items.into_iter().enumerate() {
         match item {
-            Item::Text(s) if !s.is_empty() => text.push(s),
-            Item::Tokens(t) if !t.is_empty() => text.push(tokens(t.len())),
-            Item::Tokens(_) | Item::NotTokens(_) => {
+            InputItem::Text(s) if !s.is_empty() => text.push(s),
+            InputItem::Tokens(t) if !t.is_empty() => text.push(tokens(t.len())),
+            InputItem::Tokens(_) | InputItem::NotTokens(_) => {
                 return Err(bad(
                     format!("input[{i}]"),
                     format!("input[{i}]: {no_tokens}"),

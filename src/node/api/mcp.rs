@@ -47,14 +47,14 @@ pub(crate) enum Era {
 pub(crate) struct RpcRequest {
     pub id: rpc::Id,
     pub method: String,
-    pub params: Params,
+    pub params: RpcParams,
     pub era: Era,
 }
 
 /// What oam reads of a request's params (each method names some of them).
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct Params {
+pub(crate) struct RpcParams {
     /// `tools/call`: the tool's public name.
     #[serde(default)]
     pub name: Option<String>,
@@ -66,7 +66,7 @@ pub(crate) struct Params {
     pub protocol_version: Option<String>,
 }
 
-impl Params {
+impl RpcParams {
     /// The tool a `tools/call` names ("" when none).
     pub(crate) fn name(&self) -> &str {
         self.name.as_deref().unwrap_or("")
@@ -169,7 +169,7 @@ pub(crate) fn read(body: &[u8], h: &HeaderMap) -> Result<Option<RpcRequest>, Rpc
     let (Some(method), Some(id)) = (m.method, m.id.filter(|id| rpc::is_request_id(id))) else {
         return Ok(None);
     };
-    let params: Params =
+    let params: RpcParams =
         rpc::params(m.params.as_deref()).map_err(|why| error(era, &id, INVALID_PARAMS, &why))?;
     if era == Era::Modern {
         if header(h, "mcp-method") != Some(method.as_str()) {
@@ -203,7 +203,7 @@ const SERVER_INFO: ServerInfo = ServerInfo {
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct Capabilities {
+struct ServerCapabilities {
     tools: ToolsCapability,
 }
 
@@ -213,7 +213,7 @@ struct ToolsCapability {
     list_changed: bool,
 }
 
-const CAPABILITIES: Capabilities = Capabilities {
+const CAPABILITIES: ServerCapabilities = ServerCapabilities {
     tools: ToolsCapability {
         list_changed: false,
     },
@@ -222,9 +222,9 @@ const CAPABILITIES: Capabilities = Capabilities {
 /// The `initialize` result (2025-11-25 and before).
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct Initialized {
+struct InitializeResult {
     protocol_version: &'static str,
-    capabilities: Capabilities,
+    capabilities: ServerCapabilities,
     server_info: ServerInfo,
     instructions: &'static str,
 }
@@ -234,7 +234,7 @@ struct Initialized {
 #[serde(rename_all = "camelCase")]
 struct Discovered {
     supported_versions: [&'static str; 1],
-    capabilities: Capabilities,
+    capabilities: ServerCapabilities,
     ttl_ms: u64,
     cache_scope: &'static str,
     #[serde(rename = "_meta")]
@@ -257,7 +257,7 @@ pub(crate) fn answer_plain(call: &RpcRequest) -> RpcAnswer {
         ("initialize", Era::Legacy) => {
             let asked = call.params.protocol_version.as_deref().unwrap_or("");
             let agreed = LEGACY.iter().find(|v| **v == asked).unwrap_or(&LEGACY[0]);
-            let r = Initialized {
+            let r = InitializeResult {
                 protocol_version: agreed,
                 capabilities: CAPABILITIES,
                 server_info: SERVER_INFO,
@@ -290,7 +290,7 @@ pub(crate) fn answer_plain(call: &RpcRequest) -> RpcAnswer {
 /// The `tools/list` result.
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct Listed {
+struct ToolsListed {
     /// Each tool's definition as its server gave it, renamed.
     tools: Vec<ToolDefinition>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -311,7 +311,7 @@ pub(crate) fn list_result(
         .map(|t| t.definition.listed_as(&t.public_name(), t.hash))
         .collect();
     let modern = call.era == Era::Modern;
-    let r = Listed {
+    let r = ToolsListed {
         tools,
         ttl_ms: modern.then_some(0),
         cache_scope: modern.then_some("private"),
@@ -328,7 +328,7 @@ pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcA
         return Some(error(call.era, &call.id, INVALID_PARAMS, &why));
     };
     let refused = |code: ReasonCode, why: String| {
-        let oam = Refused {
+        let oam = RefusedOam {
             outcome: "rejected",
             phase: code.phase(),
             reason_codes: [code],
@@ -359,7 +359,7 @@ pub(crate) fn refuse_call(call: &RpcRequest, tool: Option<&Tool>) -> Option<RpcA
 
 /// The `oam` object of a call refused before the pipeline.
 #[derive(Serialize)]
-struct Refused {
+struct RefusedOam {
     outcome: &'static str,
     phase: Phase,
     reason_codes: [ReasonCode; 1],
@@ -404,24 +404,24 @@ struct OamMeta<O: Serialize> {
 /// The body `execute` decodes for a tool call (`decode`): the server, the call, and what the
 /// tool's definition says of it.
 #[derive(Serialize)]
-struct CallOut<'a> {
+struct CallBodyOut<'a> {
     allowlist: Option<&'a str>,
     server: &'a str,
-    call: ToolCall<'a>,
+    call: ToolCallOut<'a>,
     idempotent: bool,
     output_schema: Option<&'a Value>,
 }
 
 /// One call of a tool, as the tool server's upstream reads it from the request's message.
 #[derive(Serialize)]
-struct ToolCall<'a> {
+struct ToolCallOut<'a> {
     arguments: &'a Value,
     name: &'a str,
 }
 
-/// `CallOut` as `decode` reads it.
+/// `CallBodyOut` as `decode` reads it.
 #[derive(Deserialize)]
-struct CallIn<'a> {
+struct CallBodyIn<'a> {
     allowlist: Option<String>,
     server: String,
     #[serde(borrow)]
@@ -433,10 +433,10 @@ struct CallIn<'a> {
 /// The body `execute` decodes for a tool call (`decode`).
 pub(crate) fn call_body(call: &RpcRequest, tool: &Tool, allowlist: Option<&str>) -> Vec<u8> {
     let none = json!({});
-    let body = CallOut {
+    let body = CallBodyOut {
         allowlist,
         server: &tool.server,
-        call: ToolCall {
+        call: ToolCallOut {
             arguments: call.params.arguments.as_ref().unwrap_or(&none),
             name: &tool.name,
         },
@@ -453,7 +453,8 @@ pub(crate) fn decode(
     h: &HeaderMap,
     new_id: &dyn Fn() -> String,
 ) -> Result<(Request, bool, Passthrough), BadRequest> {
-    let v: CallIn<'_> = serde_json::from_slice(body).map_err(|e| bad("params", e.to_string()))?;
+    let v: CallBodyIn<'_> =
+        serde_json::from_slice(body).map_err(|e| bad("params", e.to_string()))?;
     let idempotent = v.idempotent;
     let response_format = v.output_schema.filter(Value::is_object).map(|schema| {
         json!({"type": "json_schema", "json_schema": {"name": "result", "schema": schema}})
@@ -597,9 +598,9 @@ mod tests {
         let call = |v: &str| RpcRequest {
             id: RawValue::from_string("1".into()).unwrap(),
             method: "initialize".into(),
-            params: Params {
+            params: RpcParams {
                 protocol_version: Some(v.into()),
-                ..Params::default()
+                ..RpcParams::default()
             },
             era: Era::Legacy,
         };

@@ -23,13 +23,13 @@ use serde_json::{Value, json};
 /// of the decision that made it (if one did).
 #[derive(serde::Serialize)]
 pub(crate) struct ErrorBody<'a> {
-    error: ErrorOut<'a>,
+    error: ErrorFields<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     oam: Option<OamObject<'a>>,
 }
 
 #[derive(serde::Serialize)]
-struct ErrorOut<'a> {
+struct ErrorFields<'a> {
     message: &'a str,
     #[serde(rename = "type")]
     kind: &'a str,
@@ -45,7 +45,7 @@ pub(crate) fn error_body<'a>(
     code: &'a str,
 ) -> ErrorBody<'a> {
     ErrorBody {
-        error: ErrorOut {
+        error: ErrorFields {
             message,
             kind,
             param,

@@ -570,7 +570,7 @@ pub(crate) struct ResponseOut<'a> {
     created_at: Option<&'a RawValue>,
     status: &'static str,
     incomplete_details: Option<Incomplete>,
-    error: Option<ErrorOut>,
+    error: Option<FailedOut>,
     model: Option<&'a RawValue>,
     output: Vec<ItemOut<'a>>,
     parallel_tool_calls: bool,
@@ -585,7 +585,7 @@ pub(crate) struct ResponseOut<'a> {
 
 /// Why a response failed.
 #[derive(serde::Serialize)]
-struct ErrorOut {
+struct FailedOut {
     code: String,
     message: String,
 }
@@ -776,7 +776,7 @@ fn write_event<'a>(out: &mut String, seq: &mut u64, name: &'a str, mut e: EventO
 struct Ending<'a> {
     status: &'static str,
     incomplete: Option<&'static str>,
-    error: Option<ErrorOut>,
+    error: Option<FailedOut>,
     oam: Option<&'a RawValue>,
 }
 
@@ -1017,7 +1017,7 @@ impl Live {
             let ending = Ending {
                 status: "failed",
                 incomplete: None,
-                error: Some(ErrorOut {
+                error: Some(FailedOut {
                     code: code.to_string(),
                     message,
                 }),

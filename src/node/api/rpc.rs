@@ -27,7 +27,7 @@ pub(crate) fn is_request_id(id: &RawValue) -> bool {
 
 /// One message's envelope.
 #[derive(Deserialize)]
-struct Envelope {
+struct Frame {
     #[serde(default)]
     id: Option<Box<RawValue>>,
     #[serde(default)]
@@ -36,9 +36,9 @@ struct Envelope {
     params: Option<Box<RawValue>>,
 }
 
-/// A message read: its id (any JSON), its method if it names one as a string, its params
+/// A message received: its id (any JSON), its method if it names one as a string, its params
 /// unread.
-pub(crate) struct Message {
+pub(crate) struct Received {
     pub id: Option<Id>,
     pub method: Option<String>,
     pub params: Option<Box<RawValue>>,
@@ -46,7 +46,7 @@ pub(crate) struct Message {
 
 /// Read one JSON-RPC message; the error code and why when the body is not JSON (`PARSE_ERROR`)
 /// or not one object (`INVALID_REQUEST`: batches are not served).
-pub(crate) fn read(body: &[u8]) -> Result<Message, (i64, String)> {
+pub(crate) fn read(body: &[u8]) -> Result<Received, (i64, String)> {
     let not_json = |e: serde_json::Error| (PARSE_ERROR, format!("the body is not JSON: {e}"));
     if body.trim_ascii_start().first() != Some(&b'{') {
         // (Read as a struct, an array would fill its members in order.)
@@ -54,13 +54,13 @@ pub(crate) fn read(body: &[u8]) -> Result<Message, (i64, String)> {
         let why = "the body must be one JSON-RPC message (an object; batches are not served)";
         return Err((INVALID_REQUEST, why.into()));
     }
-    let e: Envelope = serde_json::from_slice(body).map_err(|e| match e.classify() {
+    let e: Frame = serde_json::from_slice(body).map_err(|e| match e.classify() {
         serde_json::error::Category::Data => {
             (INVALID_REQUEST, format!("not a JSON-RPC message: {e}"))
         }
         _ => not_json(e),
     })?;
-    Ok(Message {
+    Ok(Received {
         id: e.id,
         method: e
             .method
@@ -92,7 +92,7 @@ pub(crate) struct Failure<'a, D: Serialize> {
 }
 
 #[derive(Serialize)]
-struct Answer<'a, R: Serialize, D: Serialize> {
+struct Outgoing<'a, R: Serialize, D: Serialize> {
     jsonrpc: &'static str,
     id: &'a RawValue,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -103,7 +103,7 @@ struct Answer<'a, R: Serialize, D: Serialize> {
 
 /// The answer to request `id` that carries `result`.
 pub(crate) fn success(id: &RawValue, result: impl Serialize) -> Vec<u8> {
-    let a = Answer::<_, ()> {
+    let a = Outgoing::<_, ()> {
         jsonrpc: "2.0",
         id,
         result: Some(result),
@@ -114,7 +114,7 @@ pub(crate) fn success(id: &RawValue, result: impl Serialize) -> Vec<u8> {
 
 /// The error answer to request `id`.
 pub(crate) fn failure<D: Serialize>(id: &RawValue, error: Failure<'_, D>) -> Vec<u8> {
-    let a = Answer::<(), D> {
+    let a = Outgoing::<(), D> {
         jsonrpc: "2.0",
         id,
         result: None,

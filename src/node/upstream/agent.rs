@@ -35,7 +35,7 @@ impl AgentCalls {
         }
     }
 
-    async fn caller(&self) -> Result<&Caller, crate::mesh::MeshError> {
+    async fn caller(&self) -> Result<&Caller, crate::mesh::RunError> {
         self.caller
             .get_or_try_init(|| Caller::new(self.nats.clone()))
             .await

@@ -4,7 +4,7 @@
 //! node writes (junk, on a stolen credential) pushes out only its own records. Nodes write it
 //! (`node::decisionlog`); `oam explain` and `oam audit` read every node's stream and merge them.
 
-use super::{Result, StoreError};
+use super::{StoreError, StoreResult};
 use crate::core::pipeline::Config as PipelineConfig;
 use crate::core::record::Record;
 use crate::core::timeline::StateVersion;
@@ -90,7 +90,7 @@ pub(crate) fn retention_differs(
 pub(crate) async fn open_as(
     js: &jetstream::Context,
     want: jetstream::stream::Config,
-) -> Result<(jetstream::stream::Stream, Option<String>)> {
+) -> StoreResult<(jetstream::stream::Stream, Option<String>)> {
     let mut stream = js
         .get_or_create_stream(want.clone())
         .await
@@ -127,7 +127,7 @@ pub(crate) async fn open_for(
     max_age: Duration,
     max_bytes: u64,
     replicas: usize,
-) -> Result<Vec<String>> {
+) -> StoreResult<Vec<String>> {
     retire_shared(js).await?;
     let each = max_bytes / u64::try_from(nodes.len().max(1)).unwrap_or(u64::MAX);
     let mut changed = Vec::new();
@@ -144,7 +144,7 @@ pub(crate) async fn reshare(
     js: &jetstream::Context,
     nodes: &[String],
     replicas: usize,
-) -> Result<Vec<String>> {
+) -> StoreResult<Vec<String>> {
     let (mut max_bytes, mut max_age) = (0_u64, Duration::ZERO);
     for node in nodes {
         if let Ok(mut s) = js.get_stream(subjects::decision_log_stream(node)).await {
@@ -162,7 +162,7 @@ pub(crate) async fn reshare(
 /// The stream earlier oam kept for all nodes together (`OAM_DECISIONS` on every node's
 /// subject) takes no more writes: its subjects would overlap each node's own stream. What it
 /// holds stays readable until it ages out.
-pub(crate) async fn retire_shared(js: &jetstream::Context) -> Result<()> {
+pub(crate) async fn retire_shared(js: &jetstream::Context) -> StoreResult<()> {
     let name = subjects::DECISION_LOG_STREAM;
     let Ok(mut shared) = js.get_stream(name).await else {
         return Ok(()); // none (the usual case), or said where it is read
@@ -380,7 +380,7 @@ pub fn human(ms: u64) -> String {
 async fn log_streams(
     nats: &async_nats::Client,
     node: Option<&str>,
-) -> Result<Vec<jetstream::stream::Stream>> {
+) -> StoreResult<Vec<jetstream::stream::Stream>> {
     use futures_util::TryStreamExt;
     let js = super::context(nats);
     let deadline = tokio::time::Instant::now() + OPEN_TIMEOUT;
@@ -425,10 +425,14 @@ async fn log_streams(
 /// `ask` until it answers with anything but a passing unavailability (JetStream's 503 while a
 /// leader is elected, no responders while a server restarts), tried again every 200 ms until
 /// `deadline` (Err: no answer by then). A mesh just restarted answers so for a few seconds.
-async fn retrying<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+async fn retrying<
+    T,
+    E: std::fmt::Display,
+    F: std::future::Future<Output = std::result::Result<T, E>>,
+>(
     deadline: tokio::time::Instant,
     mut ask: impl FnMut() -> F,
-) -> Result<Result<T, E>, tokio::time::error::Elapsed> {
+) -> std::result::Result<std::result::Result<T, E>, tokio::time::error::Elapsed> {
     loop {
         let answer = tokio::time::timeout_at(deadline, ask()).await?;
         match answer {
@@ -458,7 +462,7 @@ fn not_found(e: &jetstream::context::GetStreamError) -> bool {
 }
 
 /// The log's span: all its streams together.
-pub async fn span(nats: &async_nats::Client) -> Result<LogSpan> {
+pub async fn span(nats: &async_nats::Client) -> StoreResult<LogSpan> {
     let mut span = LogSpan {
         first_ms: None,
         bytes: 0,
@@ -504,7 +508,7 @@ pub async fn read(
     node: Option<&str>,
     keep: impl Fn(&Record) -> bool,
     last: usize,
-) -> Result<(Vec<Stored>, usize)> {
+) -> StoreResult<(Vec<Stored>, usize)> {
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
         .map_err(|e| StoreError::Unreadable(format!("start time: {e}")))?;
     let mut all = Vec::new();
@@ -529,7 +533,7 @@ async fn read_stream(
     node: Option<&str>,
     keep: &impl Fn(&Record) -> bool,
     last: usize,
-) -> Result<(std::collections::VecDeque<Stored>, usize)> {
+) -> StoreResult<(std::collections::VecDeque<Stored>, usize)> {
     let name = &stream.cached_info().config.name;
     if last == usize::MAX {
         let filter = node.map_or_else(
@@ -582,7 +586,7 @@ async fn records_from(
     node: Option<&str>,
     keep: &impl Fn(&Record) -> bool,
     last: usize,
-) -> Result<(std::collections::VecDeque<Stored>, usize, bool)> {
+) -> StoreResult<(std::collections::VecDeque<Stored>, usize, bool)> {
     let mut out = std::collections::VecDeque::new();
     let mut read = 0;
     let before_since = read_from(nats, stream, from, until, since, node, |b, written_ms| {
@@ -616,7 +620,7 @@ pub(crate) async fn each_with_states(
     since_ms: u64,
     node: Option<&str>,
     mut each: impl FnMut(&Record, &crate::core::timeline::Versions),
-) -> Result<u64> {
+) -> StoreResult<u64> {
     let mut given = 0;
     let since = time::OffsetDateTime::UNIX_EPOCH;
     for stream in log_streams(nats, node).await? {
@@ -646,7 +650,7 @@ pub async fn each(
     since_ms: u64,
     node: Option<&str>,
     each: impl FnMut(&Record),
-) -> Result<u64> {
+) -> StoreResult<u64> {
     each_in(nats, log_streams(nats, node).await?, since_ms, node, each).await
 }
 
@@ -657,7 +661,7 @@ pub(crate) async fn each_own(
     node: &str,
     since_ms: u64,
     each: impl FnMut(&Record),
-) -> Result<u64> {
+) -> StoreResult<u64> {
     let name = subjects::decision_log_stream(node);
     let stream = tokio::time::timeout(OPEN_TIMEOUT, super::context(nats).get_stream(&name))
         .await
@@ -673,7 +677,7 @@ async fn each_in(
     since_ms: u64,
     node: Option<&str>,
     mut each: impl FnMut(&Record),
-) -> Result<u64> {
+) -> StoreResult<u64> {
     let start = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(since_ms) * 1_000_000)
         .map_err(|e| StoreError::Unreadable(format!("start time: {e}")))?;
     let filter = node.map_or_else(
@@ -700,7 +704,7 @@ pub async fn timeline(
     nats: &async_nats::Client,
     node: &str,
     run: &str,
-) -> Result<Vec<StateVersion>> {
+) -> StoreResult<Vec<StateVersion>> {
     let mut out = Vec::new();
     let since = time::OffsetDateTime::UNIX_EPOCH;
     for stream in log_streams(nats, Some(node)).await? {
@@ -726,7 +730,7 @@ async fn read_from(
     since: time::OffsetDateTime,
     node: Option<&str>,
     mut each: impl FnMut(Batch, u64),
-) -> Result<bool> {
+) -> StoreResult<bool> {
     let filter = node.map_or_else(
         || subjects::DECISION_LOG_ALL.to_string(),
         subjects::decision_log,

@@ -3,7 +3,7 @@
 //! resolve`). `oam watch` and `oam escalation list` read the bucket, so a view started later
 //! still sees what waits for a human. Records expire after [`MAX_AGE`].
 
-use super::{Result, StoreError};
+use super::{StoreError, StoreResult};
 use crate::core::escalation::Escalation;
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -67,13 +67,13 @@ pub fn key(id: &str) -> String {
 }
 
 /// Open (or create) the bucket.
-pub async fn store(nats: &async_nats::Client) -> Result<kv::Store> {
+pub async fn store(nats: &async_nats::Client) -> StoreResult<kv::Store> {
     crate::transport::store::bucket(nats, BUCKET, MAX_AGE).await
 }
 
 /// Record `escalation`, raised by `node`, as open: true; false when a record of its id is there
 /// already (another node raised the same episode's escalation first).
-pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> Result<bool> {
+pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> StoreResult<bool> {
     let record = EscalationRecord {
         escalation: escalation.clone(),
         node: node.to_string(),
@@ -102,13 +102,15 @@ pub async fn open(store: &kv::Store, node: &str, escalation: &Escalation) -> Res
 
 /// Every record in the bucket, oldest first; entries that are not records are skipped (see
 /// `all_checked` to hear about them).
-pub async fn all(store: &kv::Store) -> Result<Vec<EscalationRecord>> {
+pub async fn all(store: &kv::Store) -> StoreResult<Vec<EscalationRecord>> {
     Ok(all_checked(store).await?.0)
 }
 
 /// Every record in the bucket, oldest first, and the keys of entries that are not records
 /// (corrupt, or written by something else), so a reader can say so instead of hiding them.
-pub(crate) async fn all_checked(store: &kv::Store) -> Result<(Vec<EscalationRecord>, Vec<String>)> {
+pub(crate) async fn all_checked(
+    store: &kv::Store,
+) -> StoreResult<(Vec<EscalationRecord>, Vec<String>)> {
     let keys = super::keys(store).await?;
     let mut out = Vec::with_capacity(keys.len());
     let mut unreadable = Vec::new();
@@ -151,7 +153,7 @@ pub async fn resolve(
     by: &str,
     note: Option<&str>,
     now_ms: u64,
-) -> Result<Resolved> {
+) -> StoreResult<Resolved> {
     mark(store, id, Mark::Resolved, by, note, now_ms).await
 }
 
@@ -164,7 +166,7 @@ pub async fn mark(
     by: &str,
     note: Option<&str>,
     now_ms: u64,
-) -> Result<Resolved> {
+) -> StoreResult<Resolved> {
     let k = key(id);
     for _ in 0..5 {
         let Some(entry) = store.entry(k.clone()).await? else {
@@ -228,7 +230,12 @@ impl Sink {
 }
 
 /// EscalationRecord how `sink` took escalation `id`.
-pub async fn delivered(store: &kv::Store, id: &str, sink: &Sink, delivery: Delivery) -> Result<()> {
+pub async fn delivered(
+    store: &kv::Store,
+    id: &str,
+    sink: &Sink,
+    delivery: Delivery,
+) -> StoreResult<()> {
     let k = key(id);
     for _ in 0..5 {
         let Some(entry) = store.entry(k.clone()).await? else {

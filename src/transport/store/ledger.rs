@@ -4,7 +4,7 @@
 //! cost under `probes.{YYYY-MM-DD}`. Nodes reserve and settle against it in
 //! batches (`node::ledger`); operators and bench scenarios read and change one record at a time.
 
-use super::{Result, StoreError};
+use super::{StoreError, StoreResult};
 use crate::core::budget::{Kind, Owner};
 use crate::core::ledger::Ledger;
 use crate::transport::subjects::BUDGETS_BUCKET;
@@ -12,7 +12,7 @@ use async_nats::jetstream::kv;
 use std::time::Duration;
 
 /// Open the ledger's bucket, creating it on first use (records never expire).
-pub async fn open(nats: &async_nats::Client) -> Result<kv::Store> {
+pub async fn open(nats: &async_nats::Client) -> StoreResult<kv::Store> {
     super::bucket(nats, BUDGETS_BUCKET, Duration::ZERO).await
 }
 
@@ -47,7 +47,7 @@ pub async fn change(
     owner: &Owner,
     create: bool,
     f: impl Fn(&mut Ledger),
-) -> Result<Ledger, ChangeError> {
+) -> std::result::Result<Ledger, ChangeError> {
     let k = key(owner);
     for _ in 0..CAS_TRIES {
         let entry = store
@@ -112,7 +112,7 @@ pub async fn change(
 }
 
 /// The record of `owner`'s budget, if there is one.
-pub async fn read(store: &kv::Store, owner: &Owner) -> Result<Option<Ledger>> {
+pub async fn read(store: &kv::Store, owner: &Owner) -> StoreResult<Option<Ledger>> {
     let k = key(owner);
     match store.get(&k).await? {
         Some(bytes) => Ok(Some(serde_json::from_slice(&bytes).map_err(|e| {
@@ -137,7 +137,7 @@ pub(crate) struct Records {
 }
 
 /// Read every record of the ledger, each within `each_within` (and its key list too).
-pub(crate) async fn read_all(store: &kv::Store, each_within: Duration) -> Result<Records> {
+pub(crate) async fn read_all(store: &kv::Store, each_within: Duration) -> StoreResult<Records> {
     let keys = tokio::time::timeout(each_within, super::keys(store))
         .await
         .map_err(|_| StoreError::Silent("no answer listing the ledger's keys".into()))??;
@@ -176,7 +176,7 @@ pub(crate) async fn charge_probes(
     day: &str,
     usd: f64,
     cap: Option<f64>,
-) -> Result<bool> {
+) -> StoreResult<bool> {
     let k = format!("{PROBES_PREFIX}{day}");
     for _ in 0..CAS_TRIES {
         let entry = store.entry(&k).await?;
@@ -236,7 +236,7 @@ pub(crate) async fn settle_holes(
     k: &str,
     holes: &[crate::core::books::Hole],
     now_ms: u64,
-) -> Result<(Vec<usize>, Option<(u64, Ledger)>)> {
+) -> StoreResult<(Vec<usize>, Option<(u64, Ledger)>)> {
     for _ in 0..CAS_TRIES {
         let entry = tokio::time::timeout(STORE_TIMEOUT, store.entry(k))
             .await

@@ -2,7 +2,7 @@
 //! episode (by fingerprint) naming the node that raised its incident, so two nodes that open
 //! one at the same moment raise it once (`node::loops`).
 
-use super::Result;
+use super::StoreResult;
 use crate::transport::subjects::LOOP_EPISODES_BUCKET;
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -12,7 +12,7 @@ use std::time::Duration;
 pub(crate) const CLAIM_TIMEOUT: Duration = Duration::from_millis(750);
 
 /// Open the claims' bucket, creating it on first use.
-pub async fn open(nats: &async_nats::Client) -> Result<kv::Store> {
+pub async fn open(nats: &async_nats::Client) -> StoreResult<kv::Store> {
     super::bucket(nats, LOOP_EPISODES_BUCKET, super::LOOP_EPISODES_AGE).await
 }
 

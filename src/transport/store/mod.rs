@@ -34,7 +34,7 @@ pub enum StoreError {
 }
 
 /// A store's answer.
-pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+pub type StoreResult<T> = std::result::Result<T, StoreError>;
 
 /// What NATS said, as a failure of the store.
 macro_rules! failed_from {
@@ -81,7 +81,7 @@ pub(crate) const MESH_BUCKETS: [(&str, Duration); 4] = [
 /// The keys of `store` that have a message (deleted ones too, until their marker ages out: a
 /// `get` then finds nothing), from the stream's subject counts rather than a consumer, so a
 /// role that may not create consumers (agents, callers) can list them.
-pub async fn keys(store: &kv::Store) -> Result<Vec<String>> {
+pub async fn keys(store: &kv::Store) -> StoreResult<Vec<String>> {
     keys_matching(store, ">").await
 }
 
@@ -102,7 +102,7 @@ pub async fn read_on(
     filter: &str,
     from: u64,
     mut each: impl FnMut(jetstream::message::StreamMessage) -> bool,
-) -> Result<u64> {
+) -> StoreResult<u64> {
     use futures_util::StreamExt;
     let inbox = nats.new_inbox();
     let mut answers = nats.subscribe(inbox.clone()).await?;
@@ -208,7 +208,7 @@ pub(crate) async fn first_at(
     stream: &jetstream::stream::Stream,
     filter: &str,
     at: time::OffsetDateTime,
-) -> Result<u64> {
+) -> StoreResult<u64> {
     let info = tokio::time::timeout(API_TIMEOUT, stream.get_info())
         .await
         .map_err(|_| {
@@ -263,7 +263,9 @@ const WATCH_PULL: Duration = Duration::from_secs(2);
 /// agents could publish into a node's inbox, one emptied budget records, rate-limit windows and
 /// escalations that way; nobody but the server may publish there now, and a pull consumer's
 /// client answers nothing it is sent in any case.
-pub async fn watch(store: &kv::Store) -> Result<impl futures_util::Stream<Item = Change> + use<>> {
+pub async fn watch(
+    store: &kv::Store,
+) -> StoreResult<impl futures_util::Stream<Item = Change> + use<>> {
     use futures_util::StreamExt;
     let config = jetstream::consumer::pull::OrderedConfig {
         filter_subject: format!("{}>", store.prefix),
@@ -317,7 +319,7 @@ pub(crate) async fn changes_since(
     nats: &async_nats::Client,
     store: &kv::Store,
     from: u64,
-) -> Result<(Vec<Change>, u64)> {
+) -> StoreResult<(Vec<Change>, u64)> {
     let mut out = Vec::new();
     let prefix = &store.prefix;
     let stream = &store.stream_name;
@@ -338,7 +340,7 @@ pub(crate) async fn changes_since(
 
 /// The keys of `store` that match `pattern` (a subject pattern: `*` one token, `>` the rest),
 /// as `keys` lists them: the server filters, so a few keys of a large bucket cost a few.
-pub(crate) async fn keys_matching(store: &kv::Store, pattern: &str) -> Result<Vec<String>> {
+pub(crate) async fn keys_matching(store: &kv::Store, pattern: &str) -> StoreResult<Vec<String>> {
     use futures_util::TryStreamExt;
     let prefix = format!("$KV.{}.", store.name);
     let subjects: Vec<(String, usize)> = store
@@ -414,7 +416,7 @@ pub fn replicas(nats: &async_nats::Client) -> usize {
 pub(crate) fn check_replicas(
     nats: &async_nats::Client,
     config: &jetstream::stream::Config,
-) -> Result<()> {
+) -> StoreResult<()> {
     let servers = cluster_size(nats);
     let stream = &config.name;
     if servers > 1 && config.num_replicas <= 1 {
@@ -431,7 +433,11 @@ pub(crate) fn check_replicas(
 
 /// Open the KV bucket `name`, creating it (history 1, `max_age`, `replicas` copies) if it does
 /// not exist; one kept as a single copy on a cluster is refused.
-pub async fn bucket(nats: &async_nats::Client, name: &str, max_age: Duration) -> Result<kv::Store> {
+pub async fn bucket(
+    nats: &async_nats::Client,
+    name: &str,
+    max_age: Duration,
+) -> StoreResult<kv::Store> {
     let js = context(nats);
     if let Ok(Ok(store)) = tokio::time::timeout(OPEN_TIMEOUT, js.get_key_value(name)).await {
         check_replicas(nats, &store.stream.cached_info().config)?;

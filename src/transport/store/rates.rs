@@ -2,14 +2,14 @@
 //! one record per caller and minute (`{caller}.{window}`: what the cluster has granted of
 //! it), kept two windows. A node leases from a record by compare-and-swap (`node::rates`).
 
-use super::Result;
+use super::StoreResult;
 use crate::core::rates::{Granted, Limit, WINDOW_MS};
 use crate::transport::subjects::RATES_BUCKET;
 use async_nats::jetstream::kv;
 use std::time::Duration;
 
 /// Open the bucket, creating it on first use (a window's record outlives it by one window).
-pub async fn open(nats: &async_nats::Client) -> Result<kv::Store> {
+pub async fn open(nats: &async_nats::Client) -> StoreResult<kv::Store> {
     super::bucket(nats, RATES_BUCKET, Duration::from_millis(2 * WINDOW_MS)).await
 }
 
@@ -30,7 +30,7 @@ pub async fn lease(
     window: u64,
     limit: &Limit,
     wants: (u64, u64),
-) -> Result<(u64, u64), LeaseError> {
+) -> std::result::Result<(u64, u64), LeaseError> {
     let k = key(caller, window);
     for _ in 0..CAS_TRIES {
         let entry = store
