@@ -300,12 +300,35 @@ fn target_fault(mode: &FaultMode) -> Option<TargetFault> {
     })
 }
 
+/// Why the warden could not start or go on (what a client of it is told is
+/// `transport::chaos::WardenError`).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StartError {
+    #[error("cannot make the HTTP client: {0}")]
+    Http(#[from] reqwest::Error),
+    /// NATS refused or failed it (a subscription, a flush), as it said.
+    #[error("{0}")]
+    Bus(String),
+}
+
+impl From<async_nats::SubscribeError> for StartError {
+    fn from(e: async_nats::SubscribeError) -> Self {
+        StartError::Bus(e.to_string())
+    }
+}
+
+impl From<async_nats::client::FlushError> for StartError {
+    fn from(e: async_nats::client::FlushError) -> Self {
+        StartError::Bus(e.to_string())
+    }
+}
+
 impl Warden {
     pub(crate) fn new(
         dir: PathBuf,
         nats: async_nats::Client,
         app_url: String,
-    ) -> anyhow::Result<Warden> {
+    ) -> Result<Warden, StartError> {
         let entries = match std::fs::read_to_string(dir.join(STATE)) {
             Ok(text) => serde_json::from_str(&text).unwrap_or_else(|e| {
                 tracing::warn!("ignoring an unreadable {STATE}: {e}");
@@ -972,7 +995,7 @@ pub(crate) async fn run(
     app_url: String,
     ready: impl FnOnce(),
     stop: impl std::future::Future<Output = ()>,
-) -> anyhow::Result<()> {
+) -> Result<(), StartError> {
     let mut w = Warden::new(dir.to_path_buf(), nats.clone(), app_url)?;
     w.sys = sys;
     let mut inject = subscribe(&nats, subjects::CHAOS_INJECT).await?;
