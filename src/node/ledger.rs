@@ -942,8 +942,11 @@ impl Keeper {
                 .counters
                 .unsettled
                 .store(waiting.len() as u64, Ordering::Relaxed);
-            if waiting.is_empty() {
-                // The ledger has everything: local shares start afresh.
+            // The ledger has everything, and took this batch's writes: local shares start
+            // afresh. (A batch of renewals the ledger did not take, with no settlement waiting
+            // yet, says nothing of attempts still spending a share: clearing it then let a
+            // node size and draw a second share while the first was in flight.)
+            if waiting.is_empty() && !self.node.ledger.failing.load(Ordering::Relaxed) {
                 lock(&self.node.ledger.share).clear();
             }
         }
