@@ -672,7 +672,7 @@ enum StreamEvent<'a> {
     Ping,
     ContentBlockStart {
         index: usize,
-        content_block: BlockStart<'a>,
+        content_block: BlockOut<'a>,
     },
     ContentBlockDelta {
         index: usize,
@@ -729,24 +729,6 @@ struct EmptyMessage<'a> {
     usage: MessagesUsage,
 }
 
-/// A content block as it starts.
-#[derive(serde::Serialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-enum BlockStart<'a> {
-    Text {
-        text: &'static str,
-    },
-    ToolUse {
-        id: Option<&'a RawValue>,
-        name: Option<&'a str>,
-        input: EmptyInput,
-    },
-}
-
-/// `{}`.
-#[derive(serde::Serialize)]
-struct EmptyInput {}
-
 #[derive(serde::Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum BlockDelta<'a> {
@@ -801,15 +783,15 @@ impl Live {
             StreamEvent::Ping.write(&mut out);
         }
         if let Some(text) = delta.text.as_deref().filter(|t| !t.is_empty()) {
-            let index = self.open_block(&mut out, None, || BlockStart::Text { text: "" });
+            let index = self.open_block(&mut out, None, || BlockOut::Text { text: "" });
             let delta = BlockDelta::TextDelta { text };
             StreamEvent::ContentBlockDelta { index, delta }.write(&mut out);
         }
         for t in &delta.tool_calls {
-            let index = self.open_block(&mut out, Some(t.index), || BlockStart::ToolUse {
+            let index = self.open_block(&mut out, Some(t.index), || BlockOut::ToolUse {
                 id: t.id,
                 name: t.name.as_deref(),
-                input: EmptyInput {},
+                input: ObjectOr(None),
             });
             if let Some(args) = t.arguments.as_deref().filter(|a| !a.is_empty()) {
                 let delta = BlockDelta::InputJsonDelta { partial_json: args };
@@ -830,7 +812,7 @@ impl Live {
         &mut self,
         out: &mut String,
         kind: Option<u64>,
-        start: impl FnOnce() -> BlockStart<'b>,
+        start: impl FnOnce() -> BlockOut<'b>,
     ) -> usize {
         if let Some((open, index)) = self.open
             && open == kind

@@ -813,6 +813,17 @@ impl Live {
         }
     }
 
+    /// Write the response as it stands (`ending`: as it ended) as event `name`.
+    fn response_event(&mut self, out: &mut String, name: &str, ending: Option<Ending<'_>>) {
+        let mut seq = self.seq;
+        let e = EventOut {
+            response: Some(self.response(ending)),
+            ..Default::default()
+        };
+        write_event(out, &mut seq, name, e);
+        self.seq = seq;
+    }
+
     /// The response is continued by `model` (a stream cut and continued): the response it
     /// completes names that model.
     pub(crate) fn written_by(&mut self, model: &RawValue) {
@@ -833,20 +844,8 @@ impl Live {
                 created: head.created.map(RawValue::to_owned),
                 model: head.model.map(RawValue::to_owned),
             });
-            let mut seq = self.seq;
-            for name in ["response.created", "response.in_progress"] {
-                let response = Some(self.response(None));
-                write_event(
-                    &mut out,
-                    &mut seq,
-                    name,
-                    EventOut {
-                        response,
-                        ..Default::default()
-                    },
-                );
-            }
-            self.seq = seq;
+            self.response_event(&mut out, "response.created", None);
+            self.response_event(&mut out, "response.in_progress", None);
         }
         let rid = self.head.as_ref().map(|h| h.id.clone()).unwrap_or_default();
         if let Some(text) = delta.text.as_deref().filter(|t| !t.is_empty()) {
@@ -1025,18 +1024,7 @@ impl Live {
             };
             ("response.failed", ending)
         };
-        let mut seq = self.seq;
-        let response = Some(self.response(Some(ending)));
-        write_event(
-            &mut out,
-            &mut seq,
-            name,
-            EventOut {
-                response,
-                ..Default::default()
-            },
-        );
-        self.seq = seq;
+        self.response_event(&mut out, name, Some(ending));
         out
     }
 }
