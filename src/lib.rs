@@ -24,6 +24,18 @@
 //! - `tui`: the live view's model and rendering (`oam watch`). `cmd`: one module per
 //!   subcommand (arguments and glue, no decisions); `cli`: the top-level parser.
 
+/// `From` each listed error for a variant of an error enum that holds what the error says (its
+/// text, its sources' included): `said_as!(StoreError::Failed: kv::EntryError, kv::PutError)`.
+macro_rules! said_as {
+    ($target:ident :: $variant:ident : $($t:ty),* $(,)?) => {
+        $(impl From<$t> for $target {
+            fn from(e: $t) -> Self {
+                $target::$variant(e.to_string())
+            }
+        })*
+    };
+}
+
 pub mod bench;
 pub mod chaos;
 pub mod cli;

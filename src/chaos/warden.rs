@@ -311,17 +311,7 @@ pub(crate) enum StartError {
     Bus(String),
 }
 
-impl From<async_nats::SubscribeError> for StartError {
-    fn from(e: async_nats::SubscribeError) -> Self {
-        StartError::Bus(e.to_string())
-    }
-}
-
-impl From<async_nats::client::FlushError> for StartError {
-    fn from(e: async_nats::client::FlushError) -> Self {
-        StartError::Bus(e.to_string())
-    }
-}
+said_as!(StartError::Bus: async_nats::SubscribeError, async_nats::client::FlushError);
 
 impl Warden {
     pub(crate) fn new(

@@ -21,18 +21,8 @@ pub enum RunError {
     Random(#[from] crate::ids::NoRandomness),
 }
 
-/// What NATS said, as the mesh's failure.
-macro_rules! bus_from {
-    ($($t:ty),* $(,)?) => {
-        $(impl From<$t> for RunError {
-            fn from(e: $t) -> Self {
-                RunError::Bus(e.to_string())
-            }
-        })*
-    };
-}
-
-bus_from!(
+said_as!(
+    RunError::Bus:
     async_nats::ConnectError,
     async_nats::SubscribeError,
     async_nats::client::FlushError,

@@ -64,23 +64,8 @@ pub enum NodeError {
     Stopping(#[from] tokio::sync::AcquireError),
 }
 
-impl From<otlp::ExportError> for NodeError {
-    fn from(e: otlp::ExportError) -> Self {
-        NodeError::Telemetry(e.to_string())
-    }
-}
-
-impl From<async_nats::SubscribeError> for NodeError {
-    fn from(e: async_nats::SubscribeError) -> Self {
-        NodeError::Bus(e.to_string())
-    }
-}
-
-impl From<async_nats::client::FlushError> for NodeError {
-    fn from(e: async_nats::client::FlushError) -> Self {
-        NodeError::Bus(e.to_string())
-    }
-}
+said_as!(NodeError::Bus: async_nats::SubscribeError, async_nats::client::FlushError);
+said_as!(NodeError::Telemetry: otlp::ExportError);
 
 use crate::clock::now_ms;
 use crate::core::escalation::Escalation;

@@ -36,18 +36,8 @@ pub enum StoreError {
 /// A store's answer.
 pub type StoreResult<T> = std::result::Result<T, StoreError>;
 
-/// What NATS said, as a failure of the store.
-macro_rules! failed_from {
-    ($($t:ty),* $(,)?) => {
-        $(impl From<$t> for StoreError {
-            fn from(e: $t) -> Self {
-                StoreError::Failed(e.to_string())
-            }
-        })*
-    };
-}
-
-failed_from!(
+said_as!(
+    StoreError::Failed:
     async_nats::SubscribeError,
     async_nats::PublishError,
     kv::EntryError,
