@@ -9,6 +9,7 @@
 //! a failed task that says why. Pure: the HTTP handlers live in `node::http`.
 
 use super::rpc::{self, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND};
+use crate::node::exchange::{lenient, str_of};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
@@ -218,27 +219,28 @@ pub(crate) fn read(body: &[u8], version: Option<&str>) -> Result<Send, Vec<u8>> 
     })
 }
 
-/// A `tools/call` result, as far as A2A reads it.
+/// A `tools/call` result, as far as A2A reads it: each member read leniently (a tool server's
+/// result is passed on as it came, so a member of another shape is ignored, not the whole).
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
 struct ToolResult<'a> {
     #[serde(default, borrow)]
-    content: Vec<ResultContentIn<'a>>,
-    #[serde(default)]
-    is_error: bool,
+    content: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    is_error: Option<&'a RawValue>,
     #[serde(default, borrow)]
     structured_content: Option<&'a RawValue>,
     #[serde(default, rename = "_meta", borrow)]
-    meta: Option<MetaIn<'a>>,
+    meta: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize)]
-struct ResultContentIn<'a> {
+#[derive(Deserialize, Default)]
+struct TextIn<'a> {
     #[serde(default, borrow)]
-    text: Option<std::borrow::Cow<'a, str>>,
+    text: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct MetaIn<'a> {
     #[serde(default, borrow)]
     oam: Option<&'a RawValue>,
@@ -302,16 +304,16 @@ struct Sent<'a> {
 pub(crate) fn answer(send: &Send, task_id: &str, result: &[u8]) -> Vec<u8> {
     let result: ToolResult<'_> = serde_json::from_slice(result).unwrap_or_default();
     let context = send.context_id.as_deref().unwrap_or(task_id);
-    let text: Vec<&str> = result
-        .content
-        .iter()
-        .filter_map(|c| c.text.as_deref())
+    let parts: Vec<&RawValue> = lenient(result.content);
+    let text: Vec<_> = parts
+        .into_iter()
+        .filter_map(|p| str_of(lenient::<TextIn<'_>>(Some(p)).text))
         .collect();
     let text = text.join("\n");
     let metadata = Metadata {
-        oam: result.meta.and_then(|m| m.oam),
+        oam: lenient::<MetaIn<'_>>(result.meta).oam,
     };
-    let task = if result.is_error {
+    let task = if result.is_error.is_some_and(|e| e.get() == "true") {
         Task {
             id: task_id,
             context_id: context,
@@ -433,5 +435,14 @@ mod tests {
             "rejected"
         );
         assert_eq!(failed["result"]["task"]["contextId"], "r2");
+        // A member of another shape is ignored, not the whole result.
+        let odd = answer(
+            "r3",
+            json!({"content": [{"type": "text", "text": "kept"}, {"text": 7}], "isError": "yes",
+                   "_meta": []}),
+        );
+        let task = &odd["result"]["task"];
+        assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED");
+        assert_eq!(task["artifacts"][0]["parts"][0]["text"], "kept");
     }
 }
