@@ -31,6 +31,8 @@ pub(crate) const MISSED_BEATS: u32 = 3;
 /// How often silent instances are looked for: what a death by missed heartbeats may be told
 /// late by, beyond `MISSED_BEATS` intervals.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
+/// Beats read at most before a sweep judges silence (those the server sent before it asked).
+const MAX_DRAINED: usize = 100_000;
 /// A death notice is flushed at once, but never waits long on a bus that is struggling.
 const FLUSH_WITHIN: Duration = Duration::from_secs(1);
 /// Live instances one agent may have (its replicas). Heartbeats that would make more are
@@ -1048,6 +1050,22 @@ pub async fn run(
                         continue;
                     }
                     Look::Clear => {}
+                }
+                if m.silent().is_empty() {
+                    continue;
+                }
+                // Beats the server sent before now may not be read yet: a monitor that did not
+                // run for a while (paused, starved of CPU) finds them in its socket. A round
+                // trip to the server brings every one of them in before silence is judged (one
+                // unanswered within its limit has given the connection that long to read).
+                if !m.mesh.round_trip(FLUSH_WITHIN).await {
+                    tracing::debug!("no round trip before judging silence");
+                }
+                for _ in 0..MAX_DRAINED {
+                    match futures_util::FutureExt::now_or_never(beats.next()) {
+                        Some(Some(msg)) => m.heartbeat(&msg.subject, &msg.payload),
+                        _ => break,
+                    }
                 }
                 for (instance_id, agent) in m.silent() {
                     m.died(Death {

@@ -87,6 +87,17 @@ impl Mesh {
         );
     }
 
+    /// Ask the server something it answers on this connection, within `limit`: once answered,
+    /// every message it sent this connection before is read and handed to its subscription
+    /// (one connection delivers in order). False if no answer came in time.
+    pub(crate) async fn round_trip(&self, limit: Duration) -> bool {
+        let asked = async {
+            let store = self.tombstones().await.ok()?;
+            store.get("round-trip").await.ok()
+        };
+        matches!(tokio::time::timeout(limit, asked).await, Ok(Some(_)))
+    }
+
     async fn catalog(&self) -> StoreResult<kv::Store> {
         self.open(&self.catalog, subjects::CATALOG_BUCKET, Duration::ZERO)
             .await

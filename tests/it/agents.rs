@@ -334,6 +334,44 @@ async fn a_claim_whose_acknowledgement_is_lost_is_still_announced_once() {
     }
 }
 
+/// A monitor that does not run for longer than the heartbeat bound (SIGSTOPped 3.6 s, as a
+/// paused VM or a starved host) wakes to beats still unread in its socket: it reads them
+/// before judging silence, so it announces no living agent dead, and it still announces a
+/// real death after.
+#[tokio::test]
+async fn a_monitor_paused_past_the_bound_wakes_without_a_false_notice() {
+    let server = NatsServer::start().await;
+    let url = server.url();
+    let paused = monitor(&server);
+    let (nc, mut deaths, _instance_deaths) = hearing_deaths(&url).await;
+    let mut agent = serve(&url, "demo.alive", "echo", &[]);
+    beat_of(&nc, "demo.alive", |_| true).await;
+    // Which the woken monitor meets first, its sweep or its connection's reading, is the
+    // runtime's choice: twice.
+    let mut woke = Instant::now();
+    for pause in 1..=2 {
+        assert!(oam::local::signal(paused.pid(), libc::SIGSTOP));
+        tokio::time::sleep(Duration::from_millis(3_600)).await;
+        assert!(oam::local::signal(paused.pid(), libc::SIGCONT));
+        woke = Instant::now();
+        let told = next_json(&mut deaths, Duration::from_millis(1_500)).await;
+        assert!(
+            told.is_none(),
+            "a living agent announced dead by a monitor that woke from pause {pause}: {told:?}"
+        );
+    }
+    agent.kill();
+    let notice = next_json(&mut deaths, Duration::from_secs(10))
+        .await
+        .expect("the woken monitor announces a real death");
+    assert_eq!(notice["agent"], "demo.alive", "{notice}");
+    assert!(
+        woke.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        woke.elapsed()
+    );
+}
+
 #[tokio::test]
 async fn the_monitor_turns_kills_and_freezes_into_death_notices_once() {
     let server = NatsServer::start().await;
