@@ -155,7 +155,8 @@ async fn up_in(plan: &Plan) -> Result<Up, UpError> {
         if alive > 0 {
             // Up already: a server whose JetStream went off (a full disk turns it off, and only
             // a restart turns it on) is started again, once its disk has room.
-            let restarted = restart_jetstream_off(plan, &dir, rec.clone())
+            let clustered = rec.servers.len() >= 2;
+            let restarted = restart_jetstream_off(plan, &dir, rec.clone(), clustered)
                 .await
                 .map_err(UpError::Start)?;
             if !restarted.is_empty() {
@@ -342,15 +343,17 @@ async fn jetstream_on(rec: &MeshRecord, s: &super::NatsServer) -> Option<bool> {
 }
 
 /// Restart (SIGTERM, then start from its config) each running server of `rec` whose JetStream
-/// is off; one whose disk is still full is left as it is, with an error that says so. The
-/// servers restarted, each with why.
-async fn restart_jetstream_off(
+/// is off, if they are `clustered` (a lone server's JetStream is every stream's only copy); one
+/// whose disk is still full is left as it is, with an error that says so. The servers
+/// restarted, each with why.
+pub(super) async fn restart_jetstream_off(
     plan: &Plan,
     dir: &Path,
     mut rec: MeshRecord,
+    clustered: bool,
 ) -> anyhow::Result<Vec<String>> {
-    if rec.servers.len() < 2 {
-        return Ok(Vec::new()); // a lone server's JetStream is every stream's only copy
+    if !clustered {
+        return Ok(Vec::new());
     }
     let mut off = Vec::new();
     for s in &rec.servers {

@@ -541,6 +541,18 @@ pub async fn up(plan: &HostPlan) -> Result<Up, UpError> {
                     d.secrets_path().display()
                 );
             }
+            // Its server's JetStream went off (a full disk): started again once it has room.
+            let clustered = d.spec.hosts.len() >= 2;
+            let restarted = cluster::restart_jetstream_off(&local, &dir, rec, clustered)
+                .await
+                .map_err(UpError::Start)?;
+            if !restarted.is_empty() {
+                return Ok(Up::Repaired {
+                    dir,
+                    restarted,
+                    total,
+                });
+            }
             return Ok(Up::AlreadyRunning { dir, alive, total });
         }
         if alive > 0 {
