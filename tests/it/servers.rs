@@ -1322,19 +1322,7 @@ fn a_seed_of_the_fault_checker_holds_every_invariant() {
     // Seed 271: an agent SIGKILLed while the mesh's monitor is paused and the other one's
     // tombstone claims go unacknowledged, then a server's disk filled for 4.7 s (its
     // JetStream goes off; `oam mesh up` starts it again).
-    let out = std::process::Command::new(crate::support::python())
-        .args(["scripts/fault-check", "--seed", "271", "--json"])
-        .env("OAM", assert_cmd::cargo::cargo_bin!("oam"))
-        .env("DURATION", "12")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let results: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("fault-check printed no JSON ({e}): {stderr}"));
-    let seed = &results[0];
-    assert!(out.status.success(), "{seed:#}\n{stderr}");
-    assert_eq!(seed["held"], true, "{seed:#}");
-    assert!(seed["answered"].as_u64().unwrap() > 0, "{seed:#}");
+    let seed = held_seed(&["--seed", "271"], "12");
     assert!(seed["streams_answered"].as_u64().unwrap() > 0, "{seed:#}");
     assert_eq!(
         seed["injected"].as_array().unwrap().len(),
@@ -1358,19 +1346,7 @@ fn a_seed_of_the_fault_checker_holds_every_invariant() {
 /// whole history checked as above; after the run every agent answers a call.
 #[test]
 fn a_seed_of_the_fault_checker_on_three_hosts_holds_through_a_partition() {
-    let out = std::process::Command::new(crate::support::python())
-        .args(["scripts/fault-check", "--seed", "44", "--hosts", "--json"])
-        .env("OAM", assert_cmd::cargo::cargo_bin!("oam"))
-        .env("DURATION", "14")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let results: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("fault-check printed no JSON ({e}): {stderr}"));
-    let seed = &results[0];
-    assert!(out.status.success(), "{seed:#}\n{stderr}");
-    assert_eq!(seed["held"], true, "{seed:#}");
-    assert!(seed["answered"].as_u64().unwrap() > 0, "{seed:#}");
+    let seed = held_seed(&["--seed", "44", "--hosts"], "14");
     assert!(
         seed["injected"]
             .to_string()
@@ -1378,4 +1354,25 @@ fn a_seed_of_the_fault_checker_on_three_hosts_holds_through_a_partition() {
         "{seed:#}"
     );
     assert_eq!(seed["verdicts"]["serving"], true, "{seed:#}");
+}
+
+/// `scripts/fault-check ARGS --json` with DURATION `seconds` of load on the binary under test:
+/// its one seed's report, which held every invariant and answered requests.
+fn held_seed(args: &[&str], seconds: &str) -> Value {
+    let out = std::process::Command::new(crate::support::python())
+        .arg("scripts/fault-check")
+        .args(args)
+        .arg("--json")
+        .env("OAM", assert_cmd::cargo::cargo_bin!("oam"))
+        .env("DURATION", seconds)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let results: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("fault-check printed no JSON ({e}): {stderr}"));
+    let seed = results[0].clone();
+    assert!(out.status.success(), "{seed:#}\n{stderr}");
+    assert_eq!(seed["held"], true, "{seed:#}");
+    assert!(seed["answered"].as_u64().unwrap() > 0, "{seed:#}");
+    seed
 }
