@@ -74,6 +74,15 @@ impl Cli {
     /// Parse the command line, or the exit code after clap printed why not (help and version
     /// exit 0). An unknown subcommand (e.g. a fault `oam chaos` does not know) is answered with
     /// the valid ones.
+    /// The runtime's worker threads the command asks for (`oam node run --worker-threads`);
+    /// `None`: tokio's default.
+    pub fn worker_threads(&self) -> Option<usize> {
+        match &self.command {
+            Command::Node(args) => args.worker_threads(),
+            _ => None,
+        }
+    }
+
     pub fn parse_args() -> Result<Cli, std::process::ExitCode> {
         Cli::try_parse().map_err(|e| {
             let _ = e.print();

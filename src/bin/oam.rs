@@ -31,10 +31,11 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(color)
         .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cli.worker_threads() {
+        builder.worker_threads(n);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("oam: cannot start the async runtime: {e}");

@@ -47,6 +47,20 @@ pub struct RunArgs {
     /// Print the ready line as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Threads that run requests (default: one per core, or $TOKIO_WORKER_THREADS). On a host
+    /// of two cores shared with nats-server, 1 answers sooner and spends less CPU per request
+    /// (docs/benchmarks.md).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
+}
+
+impl Args {
+    /// The runtime's worker threads this command asks for, if it does.
+    pub fn worker_threads(&self) -> Option<usize> {
+        match &self.command {
+            Command::Run(a) => a.worker_threads.map(usize::from),
+        }
+    }
 }
 
 pub async fn run(args: Args) -> Result<()> {

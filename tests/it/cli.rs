@@ -46,6 +46,13 @@ fn unknown_flags_and_subcommands_exit_2() {
     oam().arg("frobnicate").assert().code(2);
     oam().args(["decide", "--bogus"]).assert().code(2);
     oam().arg("--help").assert().code(0);
+    for threads in ["0", "many"] {
+        oam()
+            .args(["node", "run", "--id", "n1", "--worker-threads", threads])
+            .assert()
+            .code(2)
+            .stderr(predicates::str::contains("--worker-threads"));
+    }
     // A roster that leaves this node out, or holds what cannot be a node id.
     for (members, says) in [
         ("n2,n3", "does not name this node (n1)"),
