@@ -71,9 +71,6 @@ pub enum Command {
 }
 
 impl Cli {
-    /// Parse the command line, or the exit code after clap printed why not (help and version
-    /// exit 0). An unknown subcommand (e.g. a fault `oam chaos` does not know) is answered with
-    /// the valid ones.
     /// The runtime's worker threads the command asks for (`oam node run --worker-threads`);
     /// `None`: tokio's default.
     pub fn worker_threads(&self) -> Option<usize> {
@@ -83,6 +80,9 @@ impl Cli {
         }
     }
 
+    /// Parse the command line, or the exit code after clap printed why not (help and version
+    /// exit 0). An unknown subcommand (e.g. a fault `oam chaos` does not know) is answered with
+    /// the valid ones.
     pub fn parse_args() -> Result<Cli, std::process::ExitCode> {
         Cli::try_parse().map_err(|e| {
             let _ = e.print();

@@ -156,15 +156,8 @@ async fn up_in(plan: &Plan) -> Result<Up, UpError> {
             // Up already: a server whose JetStream went off (a full disk turns it off, and only
             // a restart turns it on) is started again, once its disk has room.
             let clustered = rec.servers.len() >= 2;
-            let restarted = restart_jetstream_off(plan, &dir, rec.clone(), clustered)
-                .await
-                .map_err(UpError::Start)?;
-            if !restarted.is_empty() {
-                return Ok(Up::Repaired {
-                    dir,
-                    restarted,
-                    total: rec.processes.len(),
-                });
+            if let Some(up) = jetstream_repaired(plan, &dir, rec.clone(), clustered).await? {
+                return Ok(up);
             }
             // Put back any bucket that has gone (only the admin may create one).
             if let Some((creds, servers)) = super::creds::load(&dir)
@@ -342,11 +335,29 @@ async fn jetstream_on(rec: &MeshRecord, s: &super::NatsServer) -> Option<bool> {
     Some(v["data"]["disabled"] != true)
 }
 
+/// `restart_jetstream_off` as `up` answers it: `Repaired` if it restarted a server.
+pub(super) async fn jetstream_repaired(
+    plan: &Plan,
+    dir: &Path,
+    rec: MeshRecord,
+    clustered: bool,
+) -> Result<Option<Up>, UpError> {
+    let total = rec.processes.len();
+    let restarted = restart_jetstream_off(plan, dir, rec, clustered)
+        .await
+        .map_err(UpError::Start)?;
+    Ok((!restarted.is_empty()).then(|| Up::Repaired {
+        dir: dir.to_path_buf(),
+        restarted,
+        total,
+    }))
+}
+
 /// Restart (SIGTERM, then start from its config) each running server of `rec` whose JetStream
 /// is off, if they are `clustered` (a lone server's JetStream is every stream's only copy); one
 /// whose disk is still full is left as it is, with an error that says so. The servers
 /// restarted, each with why.
-pub(super) async fn restart_jetstream_off(
+async fn restart_jetstream_off(
     plan: &Plan,
     dir: &Path,
     mut rec: MeshRecord,

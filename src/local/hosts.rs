@@ -543,15 +543,8 @@ pub async fn up(plan: &HostPlan) -> Result<Up, UpError> {
             }
             // Its server's JetStream went off (a full disk): started again once it has room.
             let clustered = d.spec.hosts.len() >= 2;
-            let restarted = cluster::restart_jetstream_off(&local, &dir, rec, clustered)
-                .await
-                .map_err(UpError::Start)?;
-            if !restarted.is_empty() {
-                return Ok(Up::Repaired {
-                    dir,
-                    restarted,
-                    total,
-                });
+            if let Some(up) = cluster::jetstream_repaired(&local, &dir, rec, clustered).await? {
+                return Ok(up);
             }
             return Ok(Up::AlreadyRunning { dir, alive, total });
         }

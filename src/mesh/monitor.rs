@@ -33,6 +33,10 @@ pub(crate) const MISSED_BEATS: u32 = 3;
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 /// Beats read at most before a sweep judges silence (those the server sent before it asked).
 const MAX_DRAINED: usize = 100_000;
+/// How long a sweep waits for its round trip to the server before judging silence anyway: a
+/// woken connection reads its socket in milliseconds, and the loop must not stall for long on a
+/// bucket electing a leader (deaths are due within the heartbeat bound).
+const ROUND_TRIP_WITHIN: Duration = Duration::from_millis(250);
 /// A death notice is flushed at once, but never waits long on a bus that is struggling.
 const FLUSH_WITHIN: Duration = Duration::from_secs(1);
 /// Live instances one agent may have (its replicas). Heartbeats that would make more are
@@ -1058,7 +1062,7 @@ pub async fn run(
                 // run for a while (paused, starved of CPU) finds them in its socket. A round
                 // trip to the server brings every one of them in before silence is judged (one
                 // unanswered within its limit has given the connection that long to read).
-                if !m.mesh.round_trip(FLUSH_WITHIN).await {
+                if !m.mesh.round_trip(ROUND_TRIP_WITHIN).await {
                     tracing::debug!("no round trip before judging silence");
                 }
                 for _ in 0..MAX_DRAINED {
