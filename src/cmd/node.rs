@@ -120,6 +120,7 @@ async fn run_node(a: RunArgs) -> Result<()> {
         "max_connections": cfg.node.max_connections,
         "short_requests": cfg.pipeline.bulkheads.global_limit,
         "streams": cfg.pipeline.stream_bulkheads.global_limit,
+        "lanes": cfg.node.lanes,
     });
     let (node, services) = Node::new(a.id.clone(), cfg, nats).map_err(Error::failed)?;
     {
@@ -136,13 +137,15 @@ async fn run_node(a: RunArgs) -> Result<()> {
             writeln!(
                 out,
                 "oam node {} serving http://{http}/v1/chat/completions (NATS {})\n  \
-                 at once: {} short requests, {} streams, {} connections ({} open files)",
+                 at once: {} short requests, {} streams, {} connections ({} open files), \
+                 served on {} lanes",
                 a.id,
                 connect::redact(&url),
                 limits["short_requests"],
                 limits["streams"],
                 limits["max_connections"],
                 limits["open_files"],
+                limits["lanes"],
             )?;
         }
         out.flush()?;

@@ -1,6 +1,7 @@
-//! HTTP as every oam process uses it: the client (providers, nodes, the simulator) and the
-//! server-sent-events codec (`sse`).
+//! HTTP as every oam process uses it: the client (providers, nodes, the simulator), the lanes
+//! a node serves connections on (`lanes`) and the server-sent-events codec (`sse`).
 
+pub mod lanes;
 pub mod sse;
 
 use std::time::Duration;
@@ -30,15 +31,21 @@ pub(crate) type Posted = (hyper::StatusCode, hyper::HeaderMap, bytes::Bytes);
 /// a URL parsed again per request) that this call never uses: a tenth of the gateway's work
 /// per request went there. Like `http_client`'s, it follows no redirect; the one request it
 /// sends again by itself is one that never left (its pooled connection closed first).
+///
+/// Each lane (`lanes`) has a pool of its own: a request on a lane is sent on a connection whose
+/// task runs on that lane's thread, not across cores. Off the lanes, one shared pool.
 #[derive(Clone)]
 pub(crate) struct Poster {
-    client: hyper_util::client::legacy::Client<
-        hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
-        http_body_util::Full<bytes::Bytes>,
-    >,
+    /// The pool off the lanes, then one per lane.
+    clients: std::sync::Arc<[LeanClient]>,
     /// The largest answer read; a longer one is an error (its bytes dropped as they come).
     max_answer_bytes: usize,
 }
+
+type LeanClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Full<bytes::Bytes>,
+>;
 
 /// The platform's TLS roots could not be read, so no HTTPS client can be made.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +53,8 @@ pub(crate) struct Poster {
 pub struct NoTlsRoots(String);
 
 impl Poster {
-    pub fn new(max_answer_bytes: usize) -> Result<Poster, NoTlsRoots> {
+    /// A client for callers on `lanes` lanes (and off them).
+    pub fn new(max_answer_bytes: usize, lanes: usize) -> Result<Poster, NoTlsRoots> {
         use rustls_platform_verifier::ConfigVerifierExt as _;
         let _ = rustls::crypto::ring::default_provider().install_default();
         let tls = rustls::ClientConfig::with_platform_verifier()
@@ -59,12 +67,15 @@ impl Poster {
             .https_or_http()
             .enable_http1()
             .wrap_connector(tcp);
-        let client =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .pool_max_idle_per_host(64)
-                .build(connector);
+        let clients = (0..=lanes)
+            .map(|_| {
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .pool_max_idle_per_host(64)
+                    .build(connector.clone())
+            })
+            .collect();
         Ok(Poster {
-            client,
+            clients,
             max_answer_bytes,
         })
     }
@@ -91,7 +102,10 @@ impl Poster {
             req = req.header(name, value.clone());
         }
         let req = req.body(http_body_util::Full::new(bytes::Bytes::from(body)))?;
-        let resp = self.client.request(req).await?;
+        // The caller's lane's own pool (one always exists: `clients` is never empty).
+        let on = lanes::current().map_or(0, |i| i + 1);
+        let client = self.clients.get(on).unwrap_or(&self.clients[0]);
+        let resp = client.request(req).await?;
         let (parts, body) = resp.into_parts();
         let limit = self.max_answer_bytes;
         let bytes = http_body_util::Limited::new(body, limit)
@@ -107,5 +121,53 @@ impl Poster {
             })?
             .to_bytes();
         Ok((parts.status, parts.headers, bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server that answers every request with the port its caller's connection came from.
+    async fn port_echo() -> hyper::Uri {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let uri = format!("http://{}/", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((stream, peer)) = listener.accept().await {
+                let answer = move |_req| async move {
+                    let body = bytes::Bytes::from(peer.port().to_string());
+                    Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                        http_body_util::Full::new(body),
+                    ))
+                };
+                tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(
+                    hyper_util::rt::TokioIo::new(stream),
+                    hyper::service::service_fn(answer),
+                ));
+            }
+        });
+        uri.parse().unwrap()
+    }
+
+    /// Each lane opens its own connection: a lane's first request never takes the pool's idle
+    /// one from off the lanes (or another lane's), so its connection's task is on its thread.
+    #[tokio::test]
+    async fn each_lane_sends_on_connections_of_its_own() {
+        let uri = port_echo().await;
+        let lanes = lanes::Lanes::start(2).unwrap();
+        let poster = Poster::new(1 << 10, lanes.len()).unwrap();
+        let post = |p: Poster, uri: hyper::Uri| async move {
+            let (status, _, body) = p.post_json(&uri, &[], b"{}".to_vec()).await.unwrap();
+            assert_eq!(status, hyper::StatusCode::OK);
+            String::from_utf8(body.to_vec()).unwrap()
+        };
+        let mut ports = vec![post(poster.clone(), uri.clone()).await];
+        for _ in 0..2 {
+            let lane = lanes.pick().unwrap();
+            let port = lane.spawn(post(poster.clone(), uri.clone()));
+            ports.push(port.await.unwrap());
+        }
+        let distinct: std::collections::HashSet<&String> = ports.iter().collect();
+        assert_eq!(distinct.len(), 3, "one connection each: {ports:?}");
     }
 }

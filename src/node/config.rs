@@ -17,6 +17,8 @@
 //! header_timeout_ms = 10000   # a request's headers within this (and idle keep-alive this long)
 //! write_timeout_ms = 30000    # a client takes each write within this, or is hung up on
 //! budget_lease_ms = 30000     # a dead node's holds in the shared budget ledger lapse after this
+//! lanes = 2                   # threads HTTP connections are served on, each connection on one
+//!                             # (default: one per core; 0: on the node's shared runtime)
 //!
 //! [[provider]]                # a host, in preference order
 //! id = "primary"
@@ -140,7 +142,14 @@ pub(crate) struct NodeSettings {
     /// How long this node's holds in the shared budget ledger count without renewal (renewed
     /// every third of it while the node lives): how soon a dead node's holds lapse.
     pub budget_lease_ms: u64,
+    /// Single-threaded lanes (`http::lanes`) HTTP connections are served on, a connection on
+    /// one lane for its life with that lane's own upstream pool; 0 serves them on the node's
+    /// shared runtime. Unset: one per core.
+    pub lanes: usize,
 }
+
+/// More lanes than this is a typo, not a machine.
+const MAX_LANES: usize = 256;
 
 impl Default for NodeSettings {
     fn default() -> Self {
@@ -158,6 +167,7 @@ impl Default for NodeSettings {
             header_timeout_ms: 10_000,
             write_timeout_ms: 30_000,
             budget_lease_ms: 30_000,
+            lanes: 0,
         }
     }
 }
@@ -940,6 +950,9 @@ impl NodeConfig {
         if !node.is_some_and(|n| n.contains_key("max_connections")) {
             self.node.max_connections = super::limits::connections_for(open_files);
         }
+        if !node.is_some_and(|n| n.contains_key("lanes")) {
+            self.node.lanes = cores as usize;
+        }
         let m = super::limits::sizing(cores, self.node.max_connections);
         let pipeline = raw.get("pipeline").and_then(toml::Value::as_table);
         let set = |key: &str| pipeline.and_then(|p| p.get(key));
@@ -1449,6 +1462,12 @@ impl NodeConfig {
                 "node.max_connections must be at least 1".into(),
             ));
         }
+        if n.lanes > MAX_LANES {
+            return Err(ConfigError::Invalid(format!(
+                "node.lanes is {}; at most {MAX_LANES} (unset: one per core; 0: none)",
+                n.lanes
+            )));
+        }
         if let Some(bad) = n
             .members
             .iter()
@@ -1680,6 +1699,8 @@ on_exceeded = "escalate"
         // Nothing set: 2 cores and 20,000 open files.
         let cfg = sized("", 2, 20_000);
         assert_eq!(cfg.node.max_connections, 9_872);
+        assert_eq!(cfg.node.lanes, 2, "a lane per core");
+        assert_eq!(sized("[node]\nlanes = 0\n", 2, 20_000).node.lanes, 0);
         let m = crate::node::limits::sizing(2, 9_872);
         assert_eq!(
             cfg.pipeline.bulkheads,
@@ -1801,6 +1822,10 @@ contract = {}
             (
                 "[node]\ncluster_size = 0\n",
                 ["oam.toml", "node.cluster_size", "at least 1"],
+            ),
+            (
+                "[node]\nlanes = 1000\n",
+                ["oam.toml", "node.lanes is 1000", "at most 256"],
             ),
             (
                 "[node]\nmembers = [\"n1\", \"n 2\"]\n",

@@ -56,6 +56,9 @@ pub enum NodeError {
     /// The HTTP listener failed.
     #[error("the HTTP listener: {0}")]
     Listener(#[from] std::io::Error),
+    /// The threads HTTP is served on could not start.
+    #[error("cannot start the HTTP lanes (node.lanes in oam.toml): {0}")]
+    Lanes(std::io::Error),
     /// The telemetry settings cannot be exported as configured.
     #[error("{0}")]
     Telemetry(String),
@@ -250,6 +253,9 @@ pub async fn run(
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), NodeError> {
     let addr = listener.local_addr()?;
+    // Ended when `run` returns, after the connections on them are done.
+    let lanes = crate::http::lanes::Lanes::start(node.cfg.node.lanes).map_err(NodeError::Lanes)?;
+    let lanes = Arc::new(lanes);
     let _ = node.serving.http_url.set(format!("http://{addr}"));
     if node.cfg.clients.is_empty() && !node.cfg.budgets.agents.is_empty() {
         // The rule, said where an operator looks: no keys, no owners.
@@ -301,6 +307,7 @@ pub async fn run(
         http::overflow_router(node.clone()),
         limits,
         node.serving.saturated.clone(),
+        lanes.clone(),
         node.serving.stop.clone(),
     ));
     if !node.serving.stop.is_cancelled() {

@@ -243,13 +243,16 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteDeadline<S
 
 /// Serve `app` on `listener` until `stop` is cancelled, then let every open connection finish
 /// the request in hand; past `max_connections` (none evictable), serve `overflow` one request
-/// per connection. `saturated` counts the times every connection slot was taken.
+/// per connection. `saturated` counts the times every connection slot was taken. Each
+/// connection is served on the next of `lanes` (without lanes, on the caller's runtime); the
+/// overflow's on the caller's.
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     overflow: axum::Router,
     limits: Limits,
     saturated: Arc<AtomicU64>,
+    lanes: Arc<crate::http::lanes::Lanes>,
     stop: CancellationToken,
 ) {
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
@@ -331,7 +334,31 @@ pub(crate) async fn serve(
             })
         };
         let (stop, conns) = (stop.clone(), conns.clone());
-        connections.spawn(async move {
+        let lane = lanes.pick();
+        // A socket moves to its lane's own I/O driver: its readiness then wakes that thread.
+        let stream = match lane {
+            Some(_) => match stream.into_std() {
+                Ok(s) => Err(s),
+                Err(e) => {
+                    tracing::warn!("cannot move an HTTP connection to its lane: {e}");
+                    conns.remove(id);
+                    continue;
+                }
+            },
+            None => Ok(stream),
+        };
+        let served = async move {
+            let stream = match stream {
+                Ok(s) => s,
+                Err(s) => match tokio::net::TcpStream::from_std(s) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!("cannot serve an HTTP connection on its lane: {e}");
+                        conns.remove(id);
+                        return;
+                    }
+                },
+            };
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -356,7 +383,11 @@ pub(crate) async fn serve(
             }
             conns.remove(id);
             drop(permit);
-        });
+        };
+        match lane {
+            Some(lane) => connections.spawn_on(served, lane),
+            None => connections.spawn(served),
+        };
     }
     connections.close();
     connections.wait().await;
@@ -454,6 +485,8 @@ mod tests {
             overflow,
             limits,
             Arc::default(),
+            // The slot's connection on a lane, the overflow's on the test's runtime.
+            Arc::new(crate::http::lanes::Lanes::start(2).unwrap()),
             stop.clone(),
         ));
         // The one slot: a request whose body is held back.

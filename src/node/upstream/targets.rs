@@ -22,7 +22,7 @@ impl Upstreams {
     ) -> Result<Upstreams, super::SetupError> {
         let http =
             crate::http::http_client(None).map_err(|e| super::SetupError::Http(e.to_string()))?;
-        let post = crate::http::Poster::new(cfg.node.max_answer_bytes)
+        let post = crate::http::Poster::new(cfg.node.max_answer_bytes, cfg.node.lanes)
             .map_err(|e| super::SetupError::Http(e.to_string()))?;
         let calls = std::sync::Arc::new(AgentCalls::new(nats.clone()));
         let injected = std::sync::Arc::new(super::injected::Injected::default());
