@@ -23,6 +23,34 @@ pub fn current() -> Option<usize> {
     LANE.with(std::cell::Cell::get)
 }
 
+/// One `T` off the lanes and one for each lane (a connection pool, say): `here` is the calling
+/// thread's.
+pub struct PerLane<T>(std::sync::Arc<[T]>);
+
+impl<T> Clone for PerLane<T> {
+    fn clone(&self) -> Self {
+        PerLane(self.0.clone())
+    }
+}
+
+impl<T> PerLane<T> {
+    /// `make`'s for off the lanes, then for each of `lanes`.
+    pub fn new<E>(lanes: usize, make: impl FnMut() -> Result<T, E>) -> Result<PerLane<T>, E> {
+        let made: Vec<T> = std::iter::repeat_with(make)
+            .take(lanes + 1)
+            .collect::<Result<_, E>>()?;
+        Ok(PerLane(made.into()))
+    }
+
+    /// The calling thread's: its lane's, else the one off the lanes (also for a lane beyond
+    /// those it was made for).
+    pub fn here(&self) -> &T {
+        let on = current().map_or(0, |i| i + 1);
+        // Never empty: `new` makes at least the one off the lanes.
+        self.0.get(on).unwrap_or(&self.0[0])
+    }
+}
+
 /// A set of lanes, each a thread with its own runtime, until the set is dropped.
 pub struct Lanes {
     handles: Vec<Handle>,
@@ -132,6 +160,32 @@ mod tests {
             matches!(ended, Ok(Err(_))),
             "the pending task was dropped: {ended:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn each_lane_has_its_own_and_the_rest_share_one() {
+        let mut n = 0;
+        let per = PerLane::new(2, || {
+            n += 1;
+            Ok::<_, ()>(n)
+        })
+        .unwrap();
+        assert_eq!(*per.here(), 1, "off the lanes");
+        let lanes = Lanes::start(3).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let per = per.clone();
+            seen.push(
+                lanes
+                    .pick()
+                    .unwrap()
+                    .spawn(async move { *per.here() })
+                    .await
+                    .unwrap(),
+            );
+        }
+        // The third lane was not made for: it shares the one off the lanes.
+        assert_eq!(seen, vec![2, 3, 1]);
     }
 
     #[test]

@@ -36,8 +36,7 @@ pub(crate) type Posted = (hyper::StatusCode, hyper::HeaderMap, bytes::Bytes);
 /// task runs on that lane's thread, not across cores. Off the lanes, one shared pool.
 #[derive(Clone)]
 pub(crate) struct Poster {
-    /// The pool off the lanes, then one per lane.
-    clients: std::sync::Arc<[LeanClient]>,
+    clients: lanes::PerLane<LeanClient>,
     /// The largest answer read; a longer one is an error (its bytes dropped as they come).
     max_answer_bytes: usize,
 }
@@ -67,13 +66,13 @@ impl Poster {
             .https_or_http()
             .enable_http1()
             .wrap_connector(tcp);
-        let clients = (0..=lanes)
-            .map(|_| {
+        let clients = lanes::PerLane::new(lanes, || {
+            Ok::<_, NoTlsRoots>(
                 hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                     .pool_max_idle_per_host(64)
-                    .build(connector.clone())
-            })
-            .collect();
+                    .build(connector.clone()),
+            )
+        })?;
         Ok(Poster {
             clients,
             max_answer_bytes,
@@ -102,10 +101,7 @@ impl Poster {
             req = req.header(name, value.clone());
         }
         let req = req.body(http_body_util::Full::new(bytes::Bytes::from(body)))?;
-        // The caller's lane's own pool (one always exists: `clients` is never empty).
-        let on = lanes::current().map_or(0, |i| i + 1);
-        let client = self.clients.get(on).unwrap_or(&self.clients[0]);
-        let resp = client.request(req).await?;
+        let resp = self.clients.here().request(req).await?;
         let (parts, body) = resp.into_parts();
         let limit = self.max_answer_bytes;
         let bytes = http_body_util::Limited::new(body, limit)

@@ -30,7 +30,7 @@ pub(super) struct AnthropicMessages {
 impl AnthropicMessages {
     pub(super) fn new(
         cfg: &ProviderConfig,
-        http: reqwest::Client,
+        http: crate::http::lanes::PerLane<reqwest::Client>,
         post: crate::http::Poster,
     ) -> Result<AnthropicMessages, super::SetupError> {
         let mut headers: Vec<_> = super::http::key(cfg)

@@ -22,7 +22,7 @@ pub(super) struct Endpoint {
     models_url: reqwest::Url,
     /// The key from `api_key_env` (marked sensitive) and the API's own headers, made once.
     pub headers: Vec<(HeaderName, HeaderValue)>,
-    http: reqwest::Client,
+    http: crate::http::lanes::PerLane<reqwest::Client>,
     /// Answers are read no larger than `node.max_answer_bytes`.
     pub post: crate::http::Poster,
 }
@@ -47,7 +47,7 @@ impl Endpoint {
         cfg: &ProviderConfig,
         path: &str,
         headers: Vec<(HeaderName, HeaderValue)>,
-        http: reqwest::Client,
+        http: crate::http::lanes::PerLane<reqwest::Client>,
         post: crate::http::Poster,
     ) -> Result<Endpoint, SetupError> {
         let call = url(cfg, path)?;
@@ -70,7 +70,7 @@ impl Endpoint {
         method: reqwest::Method,
         url: &reqwest::Url,
     ) -> reqwest::RequestBuilder {
-        let mut req = self.http.request(method, url.clone());
+        let mut req = self.http.here().request(method, url.clone());
         for (name, value) in &self.headers {
             req = req.header(name, value.clone());
         }

@@ -42,7 +42,7 @@ enum Era {
 pub(super) struct McpServer {
     url: reqwest::Url,
     headers: Vec<(HeaderName, HeaderValue)>,
-    http: reqwest::Client,
+    http: crate::http::lanes::PerLane<reqwest::Client>,
     cap: usize,
     era: tokio::sync::Mutex<Option<Era>>,
 }
@@ -59,7 +59,7 @@ enum Answered {
 impl McpServer {
     pub(super) fn new(
         cfg: &ProviderConfig,
-        http: reqwest::Client,
+        http: crate::http::lanes::PerLane<reqwest::Client>,
         post: &crate::http::Poster,
     ) -> Result<McpServer, super::SetupError> {
         let url =
@@ -81,6 +81,7 @@ impl McpServer {
     fn post(&self) -> reqwest::RequestBuilder {
         let mut req = self
             .http
+            .here()
             .post(self.url.clone())
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(

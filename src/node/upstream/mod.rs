@@ -132,7 +132,7 @@ impl Connector {
     /// The connector of provider `cfg` (checked at load: an agent, or a base URL that parses).
     pub(crate) fn new(
         cfg: &ProviderConfig,
-        http: reqwest::Client,
+        http: crate::http::lanes::PerLane<reqwest::Client>,
         post: crate::http::Poster,
         calls: &std::sync::Arc<AgentCalls>,
     ) -> Result<Self, SetupError> {

@@ -20,7 +20,7 @@ pub(super) struct OpenaiCompatible {
 impl OpenaiCompatible {
     pub(super) fn new(
         cfg: &ProviderConfig,
-        http: reqwest::Client,
+        http: crate::http::lanes::PerLane<reqwest::Client>,
         post: crate::http::Poster,
     ) -> Result<OpenaiCompatible, super::SetupError> {
         let headers = super::http::key(cfg)

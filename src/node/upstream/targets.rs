@@ -20,8 +20,10 @@ impl Upstreams {
         cfg: &NodeConfig,
         nats: &async_nats::Client,
     ) -> Result<Upstreams, super::SetupError> {
-        let http =
-            crate::http::http_client(None).map_err(|e| super::SetupError::Http(e.to_string()))?;
+        // Each lane its own pools: a request's upstream connections are served on its thread.
+        let http = crate::http::lanes::PerLane::new(cfg.node.lanes, || {
+            crate::http::http_client(None).map_err(|e| super::SetupError::Http(e.to_string()))
+        })?;
         let post = crate::http::Poster::new(cfg.node.max_answer_bytes, cfg.node.lanes)
             .map_err(|e| super::SetupError::Http(e.to_string()))?;
         let calls = std::sync::Arc::new(AgentCalls::new(nats.clone()));
