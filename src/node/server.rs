@@ -456,6 +456,68 @@ mod tests {
         assert!(busy.close.is_cancelled());
     }
 
+    /// Each connection is served on the next lane, all its requests there.
+    #[tokio::test]
+    async fn connections_are_served_each_on_a_lane_in_turn() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let on = || async { format!("{:?}", crate::http::lanes::current()) };
+        let app = axum::Router::new().route("/lane", axum::routing::get(on));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let limits = Limits {
+            max_connections: 8,
+            header_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+        };
+        let server = tokio::spawn(serve(
+            listener,
+            app,
+            axum::Router::new(),
+            limits,
+            Arc::default(),
+            Arc::new(crate::http::lanes::Lanes::start(2).unwrap()),
+            stop.clone(),
+        ));
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            for last in [false, true] {
+                let close = if last { "Connection: close\r\n" } else { "" };
+                let req = format!("GET /lane HTTP/1.1\r\nHost: x\r\n{close}\r\n");
+                c.write_all(req.as_bytes()).await.unwrap();
+                // One whole answer: its head, then as many bytes as it says.
+                let mut answer = Vec::new();
+                let body = loop {
+                    let text = String::from_utf8_lossy(&answer).into_owned();
+                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                        let length = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length: "))
+                            .and_then(|n| n.parse::<usize>().ok())
+                            .expect("a length");
+                        if body.len() >= length {
+                            break body.to_string();
+                        }
+                    }
+                    let mut chunk = [0u8; 512];
+                    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk))
+                        .await
+                        .expect("answered")
+                        .unwrap();
+                    assert!(n > 0, "closed early: {text}");
+                    answer.extend_from_slice(&chunk[..n]);
+                };
+                seen.push(body);
+            }
+        }
+        let lane = |i: usize| format!("{:?}", Some(i));
+        let want = [lane(0), lane(0), lane(1), lane(1), lane(0), lane(0)];
+        assert_eq!(seen, want);
+        stop.cancel();
+        server.await.unwrap();
+    }
+
     /// Past every slot (each with a request in hand), a caller is answered by the overflow
     /// router at once, one request per connection, again and again.
     #[tokio::test]
