@@ -922,6 +922,15 @@ async fn idle_connections_cannot_make_a_node_unreachable() {
     })
     .await;
     assert!(served.is_some(), "the node serves");
+    // It serves its connections on a lane per core, as its ready line says.
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    assert_eq!(node.ready["limits"]["lanes"], cores, "{}", node.ready);
+    let lanes = std::fs::read_dir(format!("/proc/{}/task", node.pid()))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("oam-lane-"))
+        .count();
+    assert_eq!(lanes, cores, "threads named oam-lane-N");
 
     // A client that keeps using its connection, every 200 ms, while the attack goes on.
     let busy = {
