@@ -336,21 +336,21 @@ pub(crate) async fn serve(
         let (stop, conns) = (stop.clone(), conns.clone());
         let lane = lanes.pick();
         // A socket moves to its lane's own I/O driver: its readiness then wakes that thread.
-        let stream = match lane {
+        let accepted = match lane {
             Some(_) => match stream.into_std() {
-                Ok(s) => Err(s),
+                Ok(s) => Accepted::ToLane(s),
                 Err(e) => {
                     tracing::warn!("cannot move an HTTP connection to its lane: {e}");
                     conns.remove(id);
                     continue;
                 }
             },
-            None => Ok(stream),
+            None => Accepted::Here(stream),
         };
         let served = async move {
-            let stream = match stream {
-                Ok(s) => s,
-                Err(s) => match tokio::net::TcpStream::from_std(s) {
+            let stream = match accepted {
+                Accepted::Here(s) => s,
+                Accepted::ToLane(s) => match tokio::net::TcpStream::from_std(s) {
                     Ok(s) => s,
                     Err(e) => {
                         tracing::warn!("cannot serve an HTTP connection on its lane: {e}");
@@ -391,6 +391,13 @@ pub(crate) async fn serve(
     }
     connections.close();
     connections.wait().await;
+}
+
+/// An accepted connection: on the accepting runtime's I/O driver, or out of it on its way to a
+/// lane's (registered there by the lane itself).
+enum Accepted {
+    Here(tokio::net::TcpStream),
+    ToLane(std::net::TcpStream),
 }
 
 /// What a new connection is served on.
