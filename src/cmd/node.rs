@@ -47,9 +47,9 @@ pub struct RunArgs {
     /// Print the ready line as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
-    /// Threads that run requests (default: one per core, or $TOKIO_WORKER_THREADS). On a host
-    /// of two cores shared with nats-server, 1 answers sooner and spends less CPU per request
-    /// (docs/benchmarks.md).
+    /// Threads of the node's shared runtime: its services, the NATS door, and HTTP when
+    /// `[node] lanes = 0` (default: one per core, or $TOKIO_WORKER_THREADS). HTTP connections
+    /// are otherwise served on lanes of their own (docs/configuration.md).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
 }

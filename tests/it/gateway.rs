@@ -2738,8 +2738,8 @@ async fn the_example_configuration_runs_a_node() {
         ("OAM_EXAMPLE_TICKETS_KEY", "tk-example"),
     ];
     let nats_url = nats.url();
-    // On one worker thread (`--worker-threads 1`, what docs/benchmarks.md suggests for a host
-    // of two cores): it serves the same.
+    // Its shared runtime on one worker thread (`--worker-threads 1`; HTTP on its lanes): it
+    // serves the same.
     let node = Proc::spawn_with_env(
         &crate::support::node_args(
             "n1",
