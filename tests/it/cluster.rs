@@ -659,8 +659,8 @@ async fn callers_that_hang_up_leak_no_slot() {
 }
 
 /// A node told to stop leaves the NATS queue group, answers the requests it holds and only then
-/// exits; a NATS request in hand used to die unanswered. (HTTP requests in hand are drained by
-/// the server's graceful shutdown, as before.)
+/// exits; a NATS request in hand used to die unanswered. An HTTP request in hand is answered
+/// too: its connection's lane lives until the node has drained.
 #[tokio::test]
 async fn a_stopping_node_answers_the_requests_in_hand() {
     let OneNode {
@@ -685,14 +685,25 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
         let plane = plane.clone();
         async move { tokio::time::timeout(Duration::from_secs(10), plane.request(body.into())).await }
     });
-    // The request is in hand (the providers take 1.2 s) when the node is told to stop.
+    let over_http = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let r = client()
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&question("held over HTTP"))
+                .send()
+                .await?;
+            Ok::<_, reqwest::Error>((r.status().as_u16(), r.json::<Value>().await?))
+        }
+    });
+    // Both requests are in hand (the providers take 1.2 s) when the node is told to stop.
     let c = client();
     let held = eventually(Duration::from_secs(5), || async {
         let s = state(&c, &url).await?;
-        (s.bulkheads.normal.active == 1).then_some(())
+        (s.bulkheads.normal.active == 2).then_some(())
     })
     .await;
-    assert!(held.is_some(), "the request reached the node");
+    assert!(held.is_some(), "the requests reached the node");
     let term = std::process::Command::new("kill")
         .args(["-TERM", &n1.pid().to_string()])
         .status()
@@ -704,6 +715,12 @@ async fn a_stopping_node_answers_the_requests_in_hand() {
         .expect("the NATS request was answered");
     let reply: Value = serde_json::from_slice(&reply.unwrap().payload).unwrap();
     assert_eq!(reply["status"], 200, "{reply}");
+    let (status, answer) = over_http
+        .await
+        .unwrap()
+        .expect("the HTTP request was answered");
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["oam"]["outcome"], "accepted", "{answer}");
     n1.wait();
     // It left the queue group: a new NATS request finds nobody.
     let after = plane.request("{}".into()).await;
