@@ -388,12 +388,14 @@ async fn books_hold(cl: &LocalCluster) -> Value {
 /// The server that leads `stream` (once it has a leader: just after a step-down or a loss it
 /// may be electing one).
 async fn leader_of(js: &async_nats::jetstream::Context, stream: &str) -> String {
-    let led = eventually(Duration::from_secs(15), || async {
-        let mut s = js.get_stream(stream).await.ok()?;
-        s.info().await.ok()?.cluster.clone()?.leader
-    })
-    .await;
+    let led = eventually(Duration::from_secs(15), || leader_now(js, stream)).await;
     led.unwrap_or_else(|| panic!("{stream} elected no leader in 15 s"))
+}
+
+/// The server that leads `stream` now; `None` while it elects one (or cannot be asked).
+async fn leader_now(js: &async_nats::jetstream::Context, stream: &str) -> Option<String> {
+    let mut s = js.get_stream(stream).await.ok()?;
+    s.info().await.ok()?.cluster.clone()?.leader
 }
 
 /// Whether every request id `answered` has its record in the decision log read from `since`,
@@ -645,8 +647,11 @@ async fn an_agent_dying_with_the_server_leading_the_mesh_buckets_is_announced_in
         .unwrap();
     let js = async_nats::jetstream::new(nc.clone());
     for stream in ["KV_mesh-tombstones", "KV_mesh-instances"] {
-        let led = eventually(Duration::from_secs(20), || async {
-            if leader_of(&js, stream).await == "nats-3" {
+        // Stepped down until nats-3 leads; each election after a step-down may take a while
+        // on a busy host, so a stream electing is asked again, not waited on alone.
+        let led = eventually(Duration::from_secs(40), || async {
+            let leader = leader_now(&js, stream).await?;
+            if leader == "nats-3" {
                 return Some(());
             }
             let ask = json!({"placement": {"preferred": "nats-3"}}).to_string();
