@@ -463,29 +463,44 @@ mod tests {
         assert!(busy.close.is_cancelled());
     }
 
-    /// Each connection is served on the next lane, all its requests there.
-    #[tokio::test]
-    async fn connections_are_served_each_on_a_lane_in_turn() {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let on = || async { format!("{:?}", crate::http::lanes::current()) };
-        let app = axum::Router::new().route("/lane", axum::routing::get(on));
+    /// `app` (and `overflow`) served on 127.0.0.1 with `max_connections`, on two lanes, until
+    /// the token is cancelled.
+    async fn serving(
+        app: axum::Router,
+        overflow: axum::Router,
+        max_connections: usize,
+    ) -> (
+        std::net::SocketAddr,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
         let limits = Limits {
-            max_connections: 8,
+            max_connections,
             header_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(5),
         };
         let server = tokio::spawn(serve(
             listener,
             app,
-            axum::Router::new(),
+            overflow,
             limits,
             Arc::default(),
             Arc::new(crate::http::lanes::Lanes::start(2).unwrap()),
             stop.clone(),
         ));
+        (addr, stop, server)
+    }
+
+    /// Each connection is served on the next lane, all its requests there.
+    #[tokio::test]
+    async fn connections_are_served_each_on_a_lane_in_turn() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let on = || async { format!("{:?}", crate::http::lanes::current()) };
+        let app = axum::Router::new().route("/lane", axum::routing::get(on));
+        let (addr, stop, server) = serving(app, axum::Router::new(), 8).await;
         let mut seen = Vec::new();
         for _ in 0..3 {
             let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -540,24 +555,8 @@ mod tests {
                 format!("full {}", body.len()),
             )
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let stop = CancellationToken::new();
-        let limits = Limits {
-            max_connections: 1,
-            header_timeout: Duration::from_secs(5),
-            write_timeout: Duration::from_secs(5),
-        };
-        let server = tokio::spawn(serve(
-            listener,
-            app,
-            overflow,
-            limits,
-            Arc::default(),
-            // The slot's connection on a lane, the overflow's on the test's runtime.
-            Arc::new(crate::http::lanes::Lanes::start(2).unwrap()),
-            stop.clone(),
-        ));
+        // The slot's connection on a lane, the overflow's on the test's runtime.
+        let (addr, stop, server) = serving(app, overflow, 1).await;
         // The one slot: a request whose body is held back.
         let mut held = tokio::net::TcpStream::connect(addr).await.unwrap();
         held.write_all(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
