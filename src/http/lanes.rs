@@ -109,14 +109,6 @@ impl Lanes {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
         self.handles.get(i)
     }
-
-    pub fn len(&self) -> usize {
-        self.handles.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.handles.is_empty()
-    }
 }
 
 impl Drop for Lanes {
@@ -192,6 +184,5 @@ mod tests {
     fn no_lanes_pick_nothing() {
         let lanes = Lanes::none();
         assert!(lanes.pick().is_none());
-        assert!(lanes.is_empty());
     }
 }

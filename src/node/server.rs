@@ -497,40 +497,25 @@ mod tests {
     /// Each connection is served on the next lane, all its requests there.
     #[tokio::test]
     async fn connections_are_served_each_on_a_lane_in_turn() {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        use http_body_util::BodyExt as _;
         let on = || async { format!("{:?}", crate::http::lanes::current()) };
         let app = axum::Router::new().route("/lane", axum::routing::get(on));
         let (addr, stop, server) = serving(app, axum::Router::new(), 8).await;
         let mut seen = Vec::new();
         for _ in 0..3 {
-            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-            for last in [false, true] {
-                let close = if last { "Connection: close\r\n" } else { "" };
-                let req = format!("GET /lane HTTP/1.1\r\nHost: x\r\n{close}\r\n");
-                c.write_all(req.as_bytes()).await.unwrap();
-                // One whole answer: its head, then as many bytes as it says.
-                let mut answer = Vec::new();
-                let body = loop {
-                    let text = String::from_utf8_lossy(&answer).into_owned();
-                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                        let length = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length: "))
-                            .and_then(|n| n.parse::<usize>().ok())
-                            .expect("a length");
-                        if body.len() >= length {
-                            break body.to_string();
-                        }
-                    }
-                    let mut chunk = [0u8; 512];
-                    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk))
-                        .await
-                        .expect("answered")
-                        .unwrap();
-                    assert!(n > 0, "closed early: {text}");
-                    answer.extend_from_slice(&chunk[..n]);
-                };
-                seen.push(body);
+            // One connection, two requests on it.
+            let io =
+                hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+            let (mut send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+            tokio::spawn(conn);
+            for _ in 0..2 {
+                let req = hyper::Request::get("/lane")
+                    .header(hyper::header::HOST, "x")
+                    .body(http_body_util::Empty::<bytes::Bytes>::new())
+                    .unwrap();
+                let body = send.send_request(req).await.unwrap().into_body();
+                let body = body.collect().await.unwrap().to_bytes();
+                seen.push(String::from_utf8(body.to_vec()).unwrap());
             }
         }
         let lane = |i: usize| format!("{:?}", Some(i));
