@@ -1,0 +1,114 @@
+//! The floor under the node's HTTP hop: oam's transport with none of oam's work. A POST is
+//! read whole, sent on to the upstream over a pooled keep-alive connection, and its answer read
+//! whole and sent back, on the stack the node serves on (hyper's HTTP/1 server and client on one
+//! single-threaded tokio runtime per core, each accepted connection handed to the next one, each
+//! lane with its own upstream pool). No JSON is read, nothing is decided or logged.
+//! `scripts/bench-gateway`'s target `floor` runs it beside nginx and the node:
+//!
+//! ```text
+//! cargo build --release --example floor_proxy
+//! target/release/examples/floor_proxy 127.0.0.1:8080 http://127.0.0.1:9000 [lanes]
+//! ```
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response, body::Incoming};
+use hyper_util::client::legacy::{Client, connect::HttpConnector};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::sync::mpsc;
+
+type Upstream = Client<HttpConnector, Full<Bytes>>;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let usage = "usage: floor_proxy LISTEN UPSTREAM_URL [LANES]";
+    let listen: std::net::SocketAddr = args.next().ok_or(usage)?.parse()?;
+    let upstream: hyper::Uri = args.next().ok_or(usage)?.parse()?;
+    let lanes = match args.next() {
+        Some(n) => n.parse()?,
+        None => std::thread::available_parallelism().map_or(1, usize::from),
+    };
+    let mut to_lanes = Vec::new();
+    for _ in 0..lanes {
+        let (tx, rx) = mpsc::channel::<std::net::TcpStream>();
+        let upstream = upstream.clone();
+        std::thread::spawn(move || lane(rx, upstream));
+        to_lanes.push(tx);
+    }
+    let listener = std::net::TcpListener::bind(listen)?;
+    println!("{}", listener.local_addr()?);
+    for (i, conn) in listener.incoming().enumerate() {
+        let conn = conn?;
+        conn.set_nodelay(true)?;
+        to_lanes[i % lanes].send(conn)?;
+    }
+    Ok(())
+}
+
+/// One lane: a single-threaded runtime serving the connections handed to it.
+fn lane(rx: mpsc::Receiver<std::net::TcpStream>, upstream: hyper::Uri) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return eprintln!("floor_proxy: no runtime for a lane: {e}"),
+    };
+    let local = tokio::task::LocalSet::new();
+    let (tx, mut conns) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        while let Ok(c) = rx.recv() {
+            if tx.send(c).is_err() {
+                return;
+            }
+        }
+    });
+    local.block_on(&rt, async move {
+        let client: Upstream = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(64)
+            .build_http();
+        while let Some(conn) = conns.recv().await {
+            let Ok(conn) = conn
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpStream::from_std(conn))
+            else {
+                continue;
+            };
+            let io = TokioIo::new(conn);
+            let (client, upstream) = (client.clone(), upstream.clone());
+            let serve = hyper::service::service_fn(move |req| {
+                forward(client.clone(), upstream.clone(), req)
+            });
+            tokio::task::spawn_local(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, serve)
+                    .await;
+            });
+        }
+    });
+}
+
+async fn forward(
+    client: Upstream,
+    upstream: hyper::Uri,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Box<dyn std::error::Error + Send + Sync>> {
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await?.to_bytes();
+    let mut out = Request::post(format!(
+        "{}{}",
+        upstream.to_string().trim_end_matches('/'),
+        parts.uri.path()
+    ));
+    if let Some(t) = parts.headers.get(hyper::header::CONTENT_TYPE) {
+        out = out.header(hyper::header::CONTENT_TYPE, t);
+    }
+    let answer = client.request(out.body(Full::new(body))?).await?;
+    let (parts, body) = answer.into_parts();
+    let body = body.collect().await?.to_bytes();
+    let mut back = Response::builder().status(parts.status);
+    if let Some(t) = parts.headers.get(hyper::header::CONTENT_TYPE) {
+        back = back.header(hyper::header::CONTENT_TYPE, t);
+    }
+    Ok(back.body(Full::new(body))?)
+}
