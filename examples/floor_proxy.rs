@@ -15,22 +15,28 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response, body::Incoming};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use std::sync::mpsc;
+use tokio::sync::mpsc;
 
 type Upstream = Client<HttpConnector, Full<Bytes>>;
+type Error = Box<dyn std::error::Error + Send + Sync>;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> Result<(), Error> {
     let mut args = std::env::args().skip(1);
-    let usage = "usage: floor_proxy LISTEN UPSTREAM_URL [LANES]";
+    let usage =
+        "usage: floor_proxy LISTEN UPSTREAM_URL [LANES (at least 1; default: one per core)]";
     let listen: std::net::SocketAddr = args.next().ok_or(usage)?.parse()?;
-    let upstream: hyper::Uri = args.next().ok_or(usage)?.parse()?;
+    // Request paths are appended to it.
+    let upstream: std::sync::Arc<str> = args.next().ok_or(usage)?.trim_end_matches('/').into();
     let lanes = match args.next() {
         Some(n) => n.parse()?,
         None => std::thread::available_parallelism().map_or(1, usize::from),
     };
+    if lanes == 0 {
+        return Err(usage.into());
+    }
     let mut to_lanes = Vec::new();
     for _ in 0..lanes {
-        let (tx, rx) = mpsc::channel::<std::net::TcpStream>();
+        let (tx, rx) = mpsc::unbounded_channel::<std::net::TcpStream>();
         let upstream = upstream.clone();
         std::thread::spawn(move || lane(rx, upstream));
         to_lanes.push(tx);
@@ -40,13 +46,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (i, conn) in listener.incoming().enumerate() {
         let conn = conn?;
         conn.set_nodelay(true)?;
+        conn.set_nonblocking(true)?;
         to_lanes[i % lanes].send(conn)?;
     }
     Ok(())
 }
 
 /// One lane: a single-threaded runtime serving the connections handed to it.
-fn lane(rx: mpsc::Receiver<std::net::TcpStream>, upstream: hyper::Uri) {
+fn lane(mut conns: mpsc::UnboundedReceiver<std::net::TcpStream>, upstream: std::sync::Arc<str>) {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -54,52 +61,34 @@ fn lane(rx: mpsc::Receiver<std::net::TcpStream>, upstream: hyper::Uri) {
         Ok(rt) => rt,
         Err(e) => return eprintln!("floor_proxy: no runtime for a lane: {e}"),
     };
-    let local = tokio::task::LocalSet::new();
-    let (tx, mut conns) = tokio::sync::mpsc::unbounded_channel();
-    std::thread::spawn(move || {
-        while let Ok(c) = rx.recv() {
-            if tx.send(c).is_err() {
-                return;
-            }
-        }
-    });
-    local.block_on(&rt, async move {
+    rt.block_on(async move {
         let client: Upstream = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(64)
             .build_http();
         while let Some(conn) = conns.recv().await {
-            let Ok(conn) = conn
-                .set_nonblocking(true)
-                .and_then(|()| tokio::net::TcpStream::from_std(conn))
-            else {
+            let Ok(conn) = tokio::net::TcpStream::from_std(conn) else {
                 continue;
             };
-            let io = TokioIo::new(conn);
             let (client, upstream) = (client.clone(), upstream.clone());
             let serve = hyper::service::service_fn(move |req| {
                 forward(client.clone(), upstream.clone(), req)
             });
-            tokio::task::spawn_local(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, serve)
-                    .await;
-            });
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(conn), serve),
+            );
         }
     });
 }
 
 async fn forward(
     client: Upstream,
-    upstream: hyper::Uri,
+    upstream: std::sync::Arc<str>,
     req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<Response<Full<Bytes>>, Error> {
     let (parts, body) = req.into_parts();
     let body = body.collect().await?.to_bytes();
-    let mut out = Request::post(format!(
-        "{}{}",
-        upstream.to_string().trim_end_matches('/'),
-        parts.uri.path()
-    ));
+    let mut out = Request::post(format!("{upstream}{}", parts.uri.path()));
     if let Some(t) = parts.headers.get(hyper::header::CONTENT_TYPE) {
         out = out.header(hyper::header::CONTENT_TYPE, t);
     }
