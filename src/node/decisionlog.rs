@@ -312,7 +312,7 @@ impl Writer {
             return;
         }
         let js = crate::transport::store::context(node.bus.nats());
-        let idle = IdleEncoder::start();
+        let idle = IdleEncoder::start(log.counters.clone());
         let mut ready = false;
         let subject = subjects::decision_log(&node.id);
         // Message ids unique across this node's restarts: its boot, then a count.
@@ -359,9 +359,7 @@ impl Writer {
             // Encoded at idle priority while the log keeps up and nobody waits for it.
             let urgent = behind || stopping || waiting.iter().any(|(_, w)| w.is_some());
             let encoded = match &idle {
-                Some(idle) if !urgent && !waiting.is_empty() => {
-                    idle.encode(head, waiting, log.counters.clone()).await
-                }
+                Some(idle) if !urgent && !waiting.is_empty() => idle.encode(head, waiting).await,
                 _ => batches(&head, waiting, &log.counters.lost),
             };
             for (records, bytes, waiters) in encoded {
@@ -433,7 +431,8 @@ impl Writer {
 type Batch = (usize, Vec<u8>, Vec<oneshot::Sender<bool>>);
 type Waiter = Option<oneshot::Sender<bool>>;
 
-/// A thread that encodes records at idle priority (`SCHED_IDLE`). Serialising a few hundred
+/// A thread that encodes records at idle priority (`SCHED_IDLE`), counting what it cannot encode
+/// as lost in the log's counters. Serialising a few hundred
 /// records takes milliseconds; at the node's own priority a request woken on that core waited
 /// behind it (most of the p99 at concurrency 1: 1.6 ms, 0.7-0.8 with this). An idle thread
 /// gives way at once and its core counts as free to the scheduler (nice 19 did not help). On a
@@ -441,20 +440,23 @@ type Waiter = Option<oneshot::Sender<bool>>;
 /// the writer sends it at most one batch's worth of records at a time and encodes on the
 /// runtime once more than that wait, or where an answer waits for its record (`durable`), or
 /// at stop. A thread cannot leave idle priority without privileges, hence one of its own.
-struct IdleEncoder(std::sync::mpsc::Sender<Encode>);
+struct IdleEncoder {
+    jobs: std::sync::mpsc::Sender<Encode>,
+    counters: Arc<LogCounters>,
+}
 
 /// Records for the idle thread to encode, and where their batches go.
 struct Encode {
     head: Vec<u8>,
     records: Vec<(Record, Waiter)>,
-    counters: Arc<LogCounters>,
     done: oneshot::Sender<Vec<Batch>>,
 }
 
 impl IdleEncoder {
     /// The thread, named `oam-log-idle`; it ends with the encoder. None if it cannot start.
-    fn start() -> Option<IdleEncoder> {
-        let (tx, rx) = std::sync::mpsc::channel::<Encode>();
+    fn start(counters: Arc<LogCounters>) -> Option<IdleEncoder> {
+        let (jobs, rx) = std::sync::mpsc::channel::<Encode>();
+        let lost = counters.clone();
         let run = move || {
             let param = libc::sched_param { sched_priority: 0 };
             // SAFETY: pid 0 is the calling thread; `param` outlives the call.
@@ -462,37 +464,30 @@ impl IdleEncoder {
                 tracing::debug!("decision log: the encoder runs at the node's priority");
             }
             while let Ok(e) = rx.recv() {
-                let _ = e.done.send(batches(&e.head, e.records, &e.counters.lost));
+                let _ = e.done.send(batches(&e.head, e.records, &lost.lost));
             }
         };
         let spawned = std::thread::Builder::new()
             .name("oam-log-idle".into())
             .spawn(run);
-        spawned.ok().map(|_| IdleEncoder(tx))
+        spawned.ok().map(|_| IdleEncoder { jobs, counters })
     }
 
     /// `batches` of `records`, encoded on the idle thread (on the caller's if it is gone).
-    async fn encode(
-        &self,
-        head: Vec<u8>,
-        records: Vec<(Record, Waiter)>,
-        counters: Arc<LogCounters>,
-    ) -> Vec<Batch> {
+    async fn encode(&self, head: Vec<u8>, records: Vec<(Record, Waiter)>) -> Vec<Batch> {
         let n = records.len() as u64;
         let (done, encoded) = oneshot::channel();
-        let lost = counters.clone();
         let job = Encode {
             head,
             records,
-            counters,
             done,
         };
-        if let Err(std::sync::mpsc::SendError(e)) = self.0.send(job) {
-            return batches(&e.head, e.records, &e.counters.lost);
+        if let Err(std::sync::mpsc::SendError(e)) = self.jobs.send(job) {
+            return batches(&e.head, e.records, &self.counters.lost);
         }
         encoded.await.unwrap_or_else(|_| {
             // The thread ended with them (a panic): their waiters hear `false` as senders drop.
-            lost.lost.fetch_add(n, Ordering::Relaxed);
+            self.counters.lost.fetch_add(n, Ordering::Relaxed);
             Vec::new()
         })
     }
@@ -648,8 +643,8 @@ mod tests {
         let (b, c) = (copy(), copy());
         let counters = Arc::new(LogCounters::default());
         let head = b"{\"node\":\"n1\"".to_vec();
-        let idle = IdleEncoder::start().expect("a thread");
-        let there = idle.encode(head.clone(), a, counters.clone()).await;
+        let idle = IdleEncoder::start(counters.clone()).expect("a thread");
+        let there = idle.encode(head.clone(), a).await;
         let here = batches(&head, b, &counters.lost);
         let bytes = |v: &[Batch]| {
             v.iter()
@@ -675,8 +670,11 @@ mod tests {
         }
         assert_eq!(policy(0), libc::SCHED_OTHER, "the caller's thread");
         // With no thread to take them, records are encoded where they are.
-        let gone = IdleEncoder(std::sync::mpsc::channel().0);
-        let here_again = gone.encode(head.clone(), c, counters.clone()).await;
+        let gone = IdleEncoder {
+            jobs: std::sync::mpsc::channel().0,
+            counters: counters.clone(),
+        };
+        let here_again = gone.encode(head.clone(), c).await;
         assert_eq!(bytes(&here_again), bytes(&here));
         assert_eq!(counters.lost.load(Ordering::Relaxed), 0);
     }
