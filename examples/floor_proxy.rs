@@ -1,8 +1,9 @@
 //! The floor under the node's HTTP hop: oam's transport with none of oam's work. A POST is
 //! read whole, sent on to the upstream over a pooled keep-alive connection, and its answer read
-//! whole and sent back, on the stack the node serves on (hyper's HTTP/1 server and client on one
-//! single-threaded tokio runtime per core, each accepted connection handed to the next one, each
-//! lane with its own upstream pool). No JSON is read, nothing is decided or logged.
+//! whole and sent back, on the stack the node serves on: hyper's HTTP/1 server and client on the
+//! node's own lanes (`oam::http::lanes`: one single-threaded tokio runtime per core, each
+//! accepted connection handed to the next one, each lane with its own upstream pool). No JSON is
+//! read, nothing is decided or logged.
 //! `scripts/bench-gateway`'s target `floor` runs it beside nginx and the node:
 //!
 //! ```text
@@ -15,7 +16,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response, body::Incoming};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::sync::mpsc;
+use oam::http::lanes::{Lanes, PerLane};
 
 type Upstream = Client<HttpConnector, Full<Bytes>>;
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -27,58 +28,47 @@ fn main() -> Result<(), Error> {
     let listen: std::net::SocketAddr = args.next().ok_or(usage)?.parse()?;
     // Request paths are appended to it.
     let upstream: std::sync::Arc<str> = args.next().ok_or(usage)?.trim_end_matches('/').into();
-    let lanes = match args.next() {
+    let n = match args.next() {
         Some(n) => n.parse()?,
         None => std::thread::available_parallelism().map_or(1, usize::from),
     };
-    if lanes == 0 {
+    if n == 0 {
         return Err(usage.into());
     }
-    let mut to_lanes = Vec::new();
-    for _ in 0..lanes {
-        let (tx, rx) = mpsc::unbounded_channel::<std::net::TcpStream>();
-        let upstream = upstream.clone();
-        std::thread::spawn(move || lane(rx, upstream));
-        to_lanes.push(tx);
-    }
+    // The node's lanes and per-lane pools (`oam::http`), with a plain-HTTP client as the
+    // node's `Poster` builds it (no delay, 64 idle connections a host).
+    let lanes = Lanes::start(n)?;
+    let clients = PerLane::new(n, || {
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        Ok::<Upstream, Error>(
+            Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(64)
+                .build(tcp),
+        )
+    })?;
     let listener = std::net::TcpListener::bind(listen)?;
     println!("{}", listener.local_addr()?);
-    for (i, conn) in listener.incoming().enumerate() {
+    for conn in listener.incoming() {
         let conn = conn?;
         conn.set_nodelay(true)?;
         conn.set_nonblocking(true)?;
-        to_lanes[i % lanes].send(conn)?;
+        let (clients, upstream) = (clients.clone(), upstream.clone());
+        let lane = lanes.pick().ok_or(usage)?;
+        lane.spawn(async move {
+            // Registered with the lane's own I/O driver, as the node does.
+            let Ok(conn) = tokio::net::TcpStream::from_std(conn) else {
+                return;
+            };
+            let serve = hyper::service::service_fn(move |req| {
+                forward(clients.here().clone(), upstream.clone(), req)
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(conn), serve)
+                .await;
+        });
     }
     Ok(())
-}
-
-/// One lane: a single-threaded runtime serving the connections handed to it.
-fn lane(mut conns: mpsc::UnboundedReceiver<std::net::TcpStream>, upstream: std::sync::Arc<str>) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => return eprintln!("floor_proxy: no runtime for a lane: {e}"),
-    };
-    rt.block_on(async move {
-        let client: Upstream = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(64)
-            .build_http();
-        while let Some(conn) = conns.recv().await {
-            let Ok(conn) = tokio::net::TcpStream::from_std(conn) else {
-                continue;
-            };
-            let (client, upstream) = (client.clone(), upstream.clone());
-            let serve = hyper::service::service_fn(move |req| {
-                forward(client.clone(), upstream.clone(), req)
-            });
-            tokio::spawn(
-                hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(conn), serve),
-            );
-        }
-    });
 }
 
 async fn forward(
